@@ -1,0 +1,177 @@
+package cuda
+
+import (
+	"context"
+	"time"
+)
+
+// Device is one GPU, or the host simulator standing in for one.
+// All methods are safe for concurrent use.
+type Device interface {
+	// Info describes the device.
+	Info() Info
+
+	// Alloc allocates size bytes of device memory (cuMemAlloc). The memory
+	// is not zeroed.
+	Alloc(size uint64) (Mem, error)
+	// AllocHost allocates size bytes of pinned host memory that the device
+	// can read and write directly (cuMemHostAlloc, portable + device-mapped).
+	AllocHost(size uint64) (HostBuf, error)
+
+	// NewStream creates an asynchronous, in-order work queue.
+	NewStream() (Stream, error)
+	// NewEvent creates an event. Interprocess events can be exported with
+	// ExportEvent (CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING).
+	NewEvent(interprocess bool) (Event, error)
+
+	// ExportMem returns an IPC handle for [off, off+size) of m. A CUDA legacy
+	// IPC handle names the whole base allocation, so the handle carries the
+	// offset and size of the view as well.
+	ExportMem(m Mem, off, size uint64) (MemHandle, error)
+	// ImportMem opens a handle exported by another process (or this one) and
+	// returns a Mem covering exactly the exported view.
+	ImportMem(h MemHandle) (Mem, error)
+	// ExportEvent returns an IPC handle for an interprocess event.
+	ExportEvent(e Event) (EventHandle, error)
+	// ImportEvent opens an event exported by another process.
+	ImportEvent(h EventHandle) (Event, error)
+
+	// Write and Read copy synchronously between host memory and device
+	// memory; they are for setup, tests and simulators, not the data path.
+	Write(dst Mem, off uint64, src []byte) error
+	Read(src Mem, off uint64, dst []byte) error
+
+	// Close releases the device. Outstanding allocations become invalid.
+	// Close is idempotent.
+	Close() error
+}
+
+// Info describes a device.
+type Info struct {
+	Backend string // "host" or "cuda"
+	Ordinal int    // CUDA device ordinal; 0 for the host backend
+	UUID    string // "GPU-..." for CUDA; a stable made-up id for the host backend
+	Name    string
+	Memory  uint64 // bytes of device memory; 0 when unknown
+	PCIBus  string // PCI bus id, "" when unknown
+}
+
+// Mem is a range of device memory: an allocation or an imported IPC view.
+type Mem interface {
+	Size() uint64
+	// Release frees an allocation or closes an imported view. Using a
+	// released Mem is an error. Release is idempotent.
+	Release() error
+}
+
+// HostBuf is pinned host memory.
+type HostBuf interface {
+	// Bytes returns the buffer's memory. It is valid until Release; the Go
+	// side may read and write it while no stream operation uses the range.
+	Bytes() []byte
+	Release() error
+}
+
+// Span is a byte range [Off, Off+Len) of a device allocation.
+type Span struct {
+	Mem Mem
+	Off uint64
+	Len uint64
+}
+
+// Object is one packed object in a host buffer: the concatenation of Spans,
+// in order, stored at [HostOff, HostOff+sum of Len) of the buffer.
+type Object struct {
+	HostOff uint64
+	Spans   []Span
+}
+
+// Len returns the packed length of o.
+func (o Object) Len() uint64 {
+	var n uint64
+	for _, s := range o.Spans {
+		n += s.Len
+	}
+	return n
+}
+
+// Stream is an in-order asynchronous queue of device work. Operations return
+// once they are validated and enqueued; their effects happen later, in order.
+// A stream that fails (for example, it waited on a destroyed event) reports
+// the error from every later Op.Wait and Synchronize; nothing enqueued after
+// the failure runs.
+type Stream interface {
+	// WaitEvent makes all later work on the stream wait until the work that
+	// e captured at its most recent Record has completed (cuStreamWaitEvent).
+	// Waiting on a released or destroyed event fails the stream (C1).
+	WaitEvent(e Event) error
+	// Record captures all work enqueued so far on the stream into e.
+	Record(e Event) error
+
+	// Gather copies each object's spans from device memory into dst,
+	// packed, and computes each object's kvsum64. All spans and host ranges
+	// are checked before anything is enqueued.
+	Gather(dst HostBuf, objs []Object) (*Op, error)
+	// Scatter copies each object's packed bytes from src back into its
+	// spans and computes the kvsum64 of the bytes it read, so the caller can
+	// verify them. Overlapping destination spans are rejected.
+	Scatter(src HostBuf, objs []Object) (*Op, error)
+
+	// Upload copies src into device memory asynchronously. src must not be
+	// modified until the returned Op completes.
+	Upload(dst Mem, off uint64, src []byte) (*Op, error)
+	// Delay enqueues device-side work that takes at least d. Tests and
+	// simulators use it to model an engine still writing its pages.
+	Delay(d time.Duration) error
+
+	// Synchronize waits until all enqueued work has finished, ctx is done
+	// or the stream fails.
+	Synchronize(ctx context.Context) error
+	// Close waits for enqueued work and frees the stream. Idempotent.
+	Close() error
+}
+
+// Event marks a point in a stream.
+type Event interface {
+	// Query reports whether the captured work has completed. It returns an
+	// error for a released or destroyed event.
+	Query() (bool, error)
+	// Synchronize blocks until the captured work has completed or ctx is
+	// done. It returns an error for a released or destroyed event (C1).
+	Synchronize(ctx context.Context) error
+	// Release destroys an event this process created, or closes an imported
+	// one. Later waits on it are errors. Idempotent.
+	Release() error
+}
+
+// MemHandle names exported device memory for another process.
+// It is plain data: it travels as JSON over NATS.
+type MemHandle struct {
+	Backend string `json:"backend"` // "host" or "cuda"
+	Device  string `json:"device"`  // UUID of the device that owns the memory
+	Raw     []byte `json:"raw"`     // backend-specific handle bytes
+	Offset  uint64 `json:"offset"`  // start of the view in the base allocation
+	Size    uint64 `json:"size"`    // length of the view
+}
+
+// EventHandle names an exported interprocess event.
+type EventHandle struct {
+	Backend string `json:"backend"`
+	Device  string `json:"device"`
+	Raw     []byte `json:"raw"`
+}
+
+// Op is one enqueued operation.
+type Op struct {
+	wait func(ctx context.Context) error
+	sums []uint64 // filled when the op completes
+	lens []uint64
+}
+
+// Wait blocks until the operation has completed on the device, ctx is done
+// or the stream failed.
+func (o *Op) Wait(ctx context.Context) error { return o.wait(ctx) }
+
+// Sums returns the kvsum64 digest of every object of a Gather or Scatter,
+// in order. It is valid only after Wait returned nil.
+func (o *Op) Sums() []uint64 { return o.sums }

@@ -1,0 +1,4 @@
+// Package e2e holds kvtier's multi-process end-to-end tests: real coordinator
+// and rankd processes, real NATS, real bbolt, real files, network namespaces
+// for partitions. It contains tests only.
+package e2e
