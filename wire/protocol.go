@@ -1,0 +1,175 @@
+package wire
+
+import (
+	"fmt"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+)
+
+// Error codes that cross the wire. They are stable: clients switch on them.
+const (
+	CodeBadRequest       = "bad_request"       // malformed or invalid input
+	CodeUnknownNamespace = "unknown_namespace" // namespace never registered
+	CodeGeometry         = "geometry"          // geometry rule failed (C2)
+	CodeNotFound         = "not_found"         // no such object, restore or rank
+	CodeTooLarge         = "too_large"         // request over a size limit
+	CodeUnavailable      = "unavailable"       // shutting down, or a dependency is down
+	CodeInternal         = "internal"          // a bug or an I/O failure; logged
+)
+
+// Error is the error reply of every request/reply operation.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+func (e *Error) Error() string { return e.Code + ": " + e.Message }
+
+// Reply wraps every JSON reply: exactly one of Error or the payload is set.
+type Reply[T any] struct {
+	Error *Error `json:"error,omitempty"`
+	OK    *T     `json:"ok,omitempty"`
+}
+
+// EventAck answers an event batch once the coordinator has committed it.
+type EventAck struct {
+	// AppliedThrough is the highest sequence of this incarnation now durable.
+	AppliedThrough uint64 `json:"applied_through"`
+	// Resync asks the rank for its inventory: the batch started past a gap.
+	Resync bool `json:"resync,omitempty"`
+	// Fenced: the batch came from a superseded incarnation and was dropped.
+	Fenced bool `json:"fenced,omitempty"`
+}
+
+// PoolRegistration is one layer's KV pool of one group.
+type PoolRegistration struct {
+	Group  int            `json:"group"`
+	Layer  int            `json:"layer"`
+	Handle cuda.MemHandle `json:"handle"`
+}
+
+// RegisterRequest registers an engine's KV pools with its rankd.
+type RegisterRequest struct {
+	Spec       dcp.Spec           `json:"spec"`
+	DeviceUUID string             `json:"device_uuid"`
+	Pools      []PoolRegistration `json:"pools"`
+}
+
+// RegisterReply confirms a registration.
+type RegisterReply struct {
+	Namespace dcp.Namespace `json:"namespace"`
+}
+
+// ChunkBlocks names one chunk and, per group, the block ids that hold it.
+type ChunkBlocks struct {
+	Chunk  dcp.ChunkHash `json:"chunk"`
+	Blocks [][]int64     `json:"blocks"` // [group][block]
+}
+
+// StoreRequest asks a rankd to store chunks from the engine's pages once the
+// engine's producer event has completed.
+type StoreRequest struct {
+	RequestID string           `json:"request_id"`
+	Namespace dcp.Namespace    `json:"namespace"`
+	Chunks    []ChunkBlocks    `json:"chunks"`
+	Event     cuda.EventHandle `json:"event"`
+}
+
+// StoreReply answers a store once the device has read the pages (the engine
+// may reuse the blocks) and the objects are committed in L1.
+type StoreReply struct {
+	Stored  int      `json:"stored"`  // objects committed by this store
+	Deduped int      `json:"deduped"` // objects already held
+	Failed  []string `json:"failed,omitempty"`
+}
+
+// Source says where a reader should take an object from.
+type Source struct {
+	Holder Rank `json:"holder"`
+	Tier   Tier `json:"tier"`
+}
+
+// RetrieveItem is one object to place: chunk index in the restore, group,
+// key, expected checksum, source and target block ids.
+type RetrieveItem struct {
+	Chunk  int     `json:"chunk"`
+	Group  int     `json:"group"`
+	Key    dcp.Key `json:"key"`
+	Sum    uint64  `json:"sum"`
+	Source Source  `json:"source"`
+	Blocks []int64 `json:"blocks"`
+}
+
+// RetrieveRequest asks a rankd to place objects into the engine's pages.
+// With RestoreID set, the rankd reports the results to the coordinator.
+type RetrieveRequest struct {
+	RestoreID string         `json:"restore_id,omitempty"`
+	Namespace dcp.Namespace  `json:"namespace"`
+	Items     []RetrieveItem `json:"items"`
+}
+
+// ItemResult is the outcome of one placed object.
+type ItemResult struct {
+	Chunk  int    `json:"chunk"`
+	Group  int    `json:"group"`
+	OK     bool   `json:"ok"`
+	Sum    uint64 `json:"sum,omitempty"`    // kvsum64 of the bytes placed
+	Reason string `json:"reason,omitempty"` // missing | corrupt | timeout | device | ...
+}
+
+// RetrieveReply answers once the device has finished placing bytes.
+type RetrieveReply struct {
+	Results []ItemResult `json:"results"`
+}
+
+// RestoreBegin asks the coordinator for a restore plan.
+type RestoreBegin struct {
+	Namespace  dcp.Namespace   `json:"namespace"`
+	Chunks     []dcp.ChunkHash `json:"chunks"`
+	DeadlineMS int             `json:"deadline_ms,omitempty"`
+}
+
+// RestorePlan is the coordinator's answer: the restorable prefix and, for
+// every rank, what to read from where.
+type RestorePlan struct {
+	RestoreID string                    `json:"restore_id"`
+	Prefix    int                       `json:"prefix"` // chunks [0, Prefix) are planned
+	Ranks     map[string][]RetrieveItem `json:"ranks"`  // by Rank.String(); Blocks left empty
+}
+
+// RestoreReport is a rank's report of what it placed.
+type RestoreReport struct {
+	RestoreID string       `json:"restore_id"`
+	Rank      Rank         `json:"rank"`
+	Results   []ItemResult `json:"results"`
+}
+
+// RestoreWait asks for the verdict, waiting up to the restore's deadline.
+type RestoreWait struct {
+	RestoreID string `json:"restore_id"`
+}
+
+// Verdict states.
+const (
+	VerdictPending  = "pending"
+	VerdictComplete = "complete"
+	VerdictFailed   = "failed"
+)
+
+// RestoreVerdict is the coordinator's final word on a restore (C5).
+type RestoreVerdict struct {
+	RestoreID string   `json:"restore_id"`
+	State     string   `json:"state"`
+	Prefix    int      `json:"prefix"`
+	Failed    []int    `json:"failed,omitempty"` // chunk indexes, sorted
+	Reasons   []string `json:"reasons,omitempty"`
+}
+
+// Validate checks a verdict is self-consistent: complete has no failures.
+func (v *RestoreVerdict) Validate() error {
+	if v.State == VerdictComplete && len(v.Failed) > 0 {
+		return fmt.Errorf("verdict %s complete with %d failed chunks: %w", v.RestoreID, len(v.Failed), ErrMalformed)
+	}
+	return nil
+}
