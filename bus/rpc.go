@@ -1,0 +1,87 @@
+package bus
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+)
+
+// Connect dials NATS with reconnects that never give up and a name that
+// shows in the server's connection list.
+func Connect(url, name string) (*nats.Conn, error) {
+	nc, err := nats.Connect(url,
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(100*time.Millisecond),
+		nats.Timeout(5*time.Second),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
+	}
+	return nc, nil
+}
+
+// MaxRequestBytes bounds a decoded JSON request.
+const MaxRequestBytes = 8 << 20
+
+// Call sends req as JSON to subject and decodes the wire.Reply. A reply
+// with an error comes back as a *wire.Error.
+func Call[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any) (*Resp, error) {
+	data, err := json.Marshal(req)
+	if err != nil {
+		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
+	}
+	msg, err := nc.RequestWithContext(ctx, subject, data)
+	if err != nil {
+		return nil, fmt.Errorf("request %s: %w", subject, err)
+	}
+	var rep wire.Reply[Resp]
+	if err := json.Unmarshal(msg.Data, &rep); err != nil {
+		return nil, fmt.Errorf("decode reply from %s: %w", subject, errors.Join(err, wire.ErrMalformed))
+	}
+	if rep.Error != nil {
+		return nil, rep.Error
+	}
+	if rep.OK == nil {
+		return nil, fmt.Errorf("reply from %s has neither ok nor error: %w", subject, wire.ErrMalformed)
+	}
+	return rep.OK, nil
+}
+
+// Respond sends a successful reply.
+func Respond[T any](msg *nats.Msg, v *T) error {
+	data, err := json.Marshal(wire.Reply[T]{OK: v})
+	if err != nil {
+		return RespondError(msg, wire.CodeInternal, "encode reply: "+err.Error())
+	}
+	return msg.Respond(data)
+}
+
+// RespondError sends an error reply with a stable code.
+func RespondError(msg *nats.Msg, code, message string) error {
+	data, _ := json.Marshal(wire.Reply[struct{}]{Error: &wire.Error{Code: code, Message: message}})
+	return msg.Respond(data)
+}
+
+// Decode unmarshals a JSON request strictly: unknown fields and oversize
+// bodies are errors that name the problem.
+func Decode(msg *nats.Msg, v any) error {
+	if len(msg.Data) > MaxRequestBytes {
+		return fmt.Errorf("request of %d bytes exceeds %d: %w", len(msg.Data), MaxRequestBytes, wire.ErrMalformed)
+	}
+	dec := json.NewDecoder(bytes.NewReader(msg.Data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("decode %s request: %w", msg.Subject, errors.Join(err, wire.ErrMalformed))
+	}
+	if dec.More() {
+		return fmt.Errorf("decode %s request: trailing data: %w", msg.Subject, wire.ErrMalformed)
+	}
+	return nil
+}
