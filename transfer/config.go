@@ -1,0 +1,260 @@
+package transfer
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// L2Policy says when L1 objects are written to L2.
+type L2Policy uint8
+
+const (
+	// WriteThrough writes every committed object to L2 asynchronously; an
+	// object waiting for its write is pinned in L1. Nothing is lost when
+	// rankd dies after the write, at the cost of writing everything.
+	WriteThrough L2Policy = iota + 1
+	// WriteBackOnEvict writes an object to L2 only when L1 evicts it (and
+	// on Close): less L2 traffic, but objects only in L1 die with rankd.
+	WriteBackOnEvict
+)
+
+func (p L2Policy) String() string {
+	switch p {
+	case WriteThrough:
+		return "write-through"
+	case WriteBackOnEvict:
+		return "write-back-on-evict"
+	}
+	return fmt.Sprintf("policy(%d)", uint8(p))
+}
+
+// Publisher receives the engine's placement events, in sequence order, from
+// one goroutine owned by the engine. Publish should return once the batch
+// is handed off (or acknowledged); an error makes the engine retry the same
+// batch (PublishRetries times, with backoff) and then drop it, counted and
+// logged: the sequence gap makes the coordinator resync from Inventory.
+type Publisher interface {
+	Publish(b wire.Batch) error
+}
+
+// PublisherFunc adapts a function to a Publisher.
+type PublisherFunc func(b wire.Batch) error
+
+// Publish calls f(b).
+func (f PublisherFunc) Publish(b wire.Batch) error { return f(b) }
+
+// Config configures an Engine. Start from DefaultConfig.
+type Config struct {
+	// Rank is this rankd's identity (engine instance and TP rank). Required.
+	Rank wire.Rank
+	// TPSize is the engine's tensor-parallel size; a registration whose
+	// layout has another TP size is rejected. Required (>= 1, > Rank.TPRank).
+	TPSize int
+	// Incarnation distinguishes this run of the rank from earlier ones in
+	// every event and inventory (C7). Default 0: a random non-zero value
+	// chosen at New. Set it only to resume a known incarnation (tests).
+	Incarnation uint64
+
+	// Device is the GPU (or host simulator) the engine's pools live on.
+	// Required. The engine does not close it.
+	Device cuda.Device
+
+	// L1Bytes is the pinned host memory of L1, allocated at New. Default
+	// 1 GiB. Larger holds more hot objects; it is pinned (unswappable) RAM.
+	L1Bytes uint64
+	// L1SlabBytes is the allocation unit of L1: an object occupies a run of
+	// contiguous slabs. Default 1 MiB; a multiple of 4096. Smaller wastes
+	// less on small objects (on average half a slab per object) but makes
+	// placement scans longer (they are linear in the slab count).
+	L1SlabBytes uint64
+	// HighWatermark and LowWatermark are fractions of L1Bytes: when the
+	// occupied bytes exceed High, the evictor evicts least-recently-used
+	// unpinned objects until they are at or below Low. Defaults 0.90 and
+	// 0.75. A wider gap evicts in fewer, larger rounds; a High close to 1
+	// makes stores more likely to wait for eviction themselves.
+	HighWatermark float64
+	LowWatermark  float64
+
+	// L2Dir is the root of the L2 file tier, shared by the rankds of one
+	// engine instance (objects of every rank live under it; each file
+	// records its writer). Default "": no L2 unless L2 is set.
+	L2Dir string
+	// L2 replaces the file tier with another implementation (for example an
+	// S3-compatible one). Default nil: a FileTier on L2Dir when set.
+	L2 L2Tier
+	// L2Policy is WriteThrough (default) or WriteBackOnEvict. Ignored
+	// without an L2 tier.
+	L2Policy L2Policy
+	// L2Writers is the number of goroutines writing objects to L2. Default
+	// 2. More overlap fsyncs on fast devices; each holds a pin on the
+	// object it writes.
+	L2Writers int
+	// L2SkipVerifyOnScan makes the rescan at New check only headers and
+	// file lengths. Default false: the rescan reads every file this rank
+	// wrote and verifies its payload checksum, which takes time on large
+	// tiers; Get verifies every read either way.
+	L2SkipVerifyOnScan bool
+
+	// StoreTimeout bounds a store from its request until its objects are
+	// committed: the producer event, the device read and the commit.
+	// Default 30 s. On timeout the store fails, but the engine keeps its
+	// event and blocks until the device has really finished reading them
+	// (StoreFuture.Released).
+	StoreTimeout time.Duration
+	// RetrieveTimeout bounds a retrieve: L2 reads, the scatter and its
+	// verification. Default 30 s.
+	RetrieveTimeout time.Duration
+	// Streams is the number of device streams for stores and, separately,
+	// for retrieves. A store holds its stream while it waits for the
+	// producer event, so this bounds the stores whose events are being
+	// waited on at once. Default 8.
+	Streams int
+	// L2Readers bounds the concurrent L2 reads of one retrieve. Default 4.
+	L2Readers int
+
+	// Publisher receives event batches. Default nil: events are sequenced
+	// and reflected in Inventory but discarded.
+	Publisher Publisher
+	// EventBatch is the most events in one published batch. Default 1024,
+	// at most wire.MaxBatchEvents.
+	EventBatch int
+	// EventBuffer is the most events buffered for the publisher; beyond it
+	// new events are dropped (counted; the gap forces a resync). Default
+	// 1<<20 (about 100 MB of events).
+	EventBuffer int
+	// PublishRetries is how often a failed Publish is retried (with
+	// exponential backoff from 10 ms to 1 s) before the batch is dropped.
+	// Default 5.
+	PublishRetries int
+
+	// Logger receives structured logs. Default zap.NewNop().
+	Logger *zap.Logger
+	// Registerer receives the engine's Prometheus metrics, labeled with
+	// the rank. Default nil: metrics are kept (Stats) but not registered.
+	Registerer prometheus.Registerer
+	// Now is the clock (latency metrics, L2 headers). Default time.Now.
+	Now func() time.Time
+}
+
+// DefaultConfig returns a Config with every default filled in; callers set
+// Rank, TPSize and Device.
+func DefaultConfig() Config {
+	return Config{
+		L1Bytes:         1 << 30,
+		L1SlabBytes:     1 << 20,
+		HighWatermark:   0.90,
+		LowWatermark:    0.75,
+		L2Policy:        WriteThrough,
+		L2Writers:       2,
+		StoreTimeout:    30 * time.Second,
+		RetrieveTimeout: 30 * time.Second,
+		Streams:         8,
+		L2Readers:       4,
+		EventBatch:      1024,
+		EventBuffer:     1 << 20,
+		PublishRetries:  5,
+		Logger:          zap.NewNop(),
+		Now:             time.Now,
+	}
+}
+
+// withDefaults fills zero fields with their defaults.
+func (c Config) withDefaults() Config {
+	d := DefaultConfig()
+	if c.L1Bytes == 0 {
+		c.L1Bytes = d.L1Bytes
+	}
+	if c.L1SlabBytes == 0 {
+		c.L1SlabBytes = d.L1SlabBytes
+	}
+	if c.HighWatermark == 0 {
+		c.HighWatermark = d.HighWatermark
+	}
+	if c.LowWatermark == 0 {
+		c.LowWatermark = d.LowWatermark
+	}
+	if c.L2Policy == 0 {
+		c.L2Policy = d.L2Policy
+	}
+	if c.L2Writers == 0 {
+		c.L2Writers = d.L2Writers
+	}
+	if c.StoreTimeout == 0 {
+		c.StoreTimeout = d.StoreTimeout
+	}
+	if c.RetrieveTimeout == 0 {
+		c.RetrieveTimeout = d.RetrieveTimeout
+	}
+	if c.Streams == 0 {
+		c.Streams = d.Streams
+	}
+	if c.L2Readers == 0 {
+		c.L2Readers = d.L2Readers
+	}
+	if c.EventBatch == 0 {
+		c.EventBatch = d.EventBatch
+	}
+	if c.EventBuffer == 0 {
+		c.EventBuffer = d.EventBuffer
+	}
+	if c.PublishRetries == 0 {
+		c.PublishRetries = d.PublishRetries
+	}
+	if c.Logger == nil {
+		c.Logger = d.Logger
+	}
+	if c.Now == nil {
+		c.Now = d.Now
+	}
+	return c
+}
+
+// Validate checks every rule of c (after defaults are applied by New).
+func (c Config) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf(format+": %w", append(args, ErrConfig)...)
+	}
+	switch {
+	case wire.ValidInstance(c.Rank.Instance) != nil:
+		return bad("rank instance %q: want 1..64 characters of [A-Za-z0-9_-]", c.Rank.Instance)
+	case c.TPSize < 1:
+		return bad("TP size %d must be >= 1", c.TPSize)
+	case c.Rank.TPRank < 0 || c.Rank.TPRank >= c.TPSize:
+		return bad("TP rank %d outside 0..%d (TP size %d)", c.Rank.TPRank, c.TPSize-1, c.TPSize)
+	case c.Device == nil:
+		return bad("no device")
+	case c.L1SlabBytes < 4096 || c.L1SlabBytes%4096 != 0:
+		return bad("L1 slab %d B must be a positive multiple of 4096 B", c.L1SlabBytes)
+	case c.L1Bytes < c.L1SlabBytes:
+		return bad("L1 of %d B is smaller than one %d B slab", c.L1Bytes, c.L1SlabBytes)
+	case c.L1Bytes/c.L1SlabBytes > 1<<24:
+		return bad("L1 of %d B is %d slabs of %d B, limit %d: use larger slabs", c.L1Bytes, c.L1Bytes/c.L1SlabBytes, c.L1SlabBytes, 1<<24)
+	case !(c.LowWatermark > 0 && c.LowWatermark < c.HighWatermark && c.HighWatermark <= 1):
+		return bad("watermarks low %g high %g: want 0 < low < high <= 1", c.LowWatermark, c.HighWatermark)
+	case c.L2Policy != WriteThrough && c.L2Policy != WriteBackOnEvict:
+		return bad("L2 policy %d: want WriteThrough or WriteBackOnEvict", uint8(c.L2Policy))
+	case c.L2Writers < 1 || c.L2Writers > 256:
+		return bad("%d L2 writers: want 1..256", c.L2Writers)
+	case c.StoreTimeout <= 0 || c.RetrieveTimeout <= 0:
+		return bad("store timeout %v and retrieve timeout %v must be > 0", c.StoreTimeout, c.RetrieveTimeout)
+	case c.Streams < 1 || c.Streams > 1024:
+		return bad("%d streams: want 1..1024", c.Streams)
+	case c.L2Readers < 1 || c.L2Readers > 256:
+		return bad("%d L2 readers per retrieve: want 1..256", c.L2Readers)
+	case c.EventBatch < 1 || c.EventBatch > wire.MaxBatchEvents:
+		return bad("event batch %d: want 1..%d", c.EventBatch, wire.MaxBatchEvents)
+	case c.EventBuffer < c.EventBatch:
+		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
+	case c.PublishRetries < 0:
+		return bad("publish retries %d must be >= 0", c.PublishRetries)
+	case c.Logger == nil || c.Now == nil:
+		return bad("logger and clock must be set (New fills them in)")
+	}
+	return nil
+}

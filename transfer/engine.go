@@ -1,0 +1,362 @@
+package transfer
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Engine is one rank's store/retrieve engine. All methods are safe for
+// concurrent use.
+type Engine struct {
+	cfg    Config
+	log    *zap.Logger
+	dev    cuda.Device
+	l2     L2Tier // nil: no L2
+	ctr    counters
+	hooks  testHooks
+	rankID string
+
+	// life is canceled by Close once draining is over (or its context
+	// expired): every goroutine of the engine watches it.
+	life     context.Context
+	stopLife context.CancelFunc
+	wg       sync.WaitGroup // every goroutine the engine started
+
+	storeStreams    *streamPool
+	retrieveStreams *streamPool
+
+	l1buf  cuda.HostBuf
+	l1mem  []byte
+	closer sync.Once
+	closed chan struct{} // closed when Close has finished
+	cerr   error
+
+	mu sync.Mutex // guards everything below
+	// closing: Close has begun; new work is refused.
+	closing bool
+	spaces  map[dcp.Namespace]*space
+	reqs    map[string]*request
+	futures int // store futures not yet finished
+	// retrieves: Retrieve calls (and their reapers) not yet finished.
+	retrieves int
+	idle      chan struct{} // closed and replaced when futures+retrieves hits 0
+	cat       catalog
+	ev        eventLog
+}
+
+// testHooks let tests observe and perturb the engine (package-internal).
+type testHooks struct {
+	// imported runs after a store imported its producer event.
+	imported func(reqID string, ev cuda.Event)
+	// releasing runs just before a store releases its producer event.
+	releasing func(f *StoreFuture)
+	// evicting runs under the engine lock for every evicted object.
+	evicting func(key dcp.Key, pins int)
+}
+
+// New starts an engine: it allocates L1, opens and rescans L2 (rebuilding
+// this rank's L2 inventory, quarantining bad files) and starts its
+// goroutines. The rescanned L2 objects are announced as the first events of
+// the new incarnation.
+func New(cfg Config) (*Engine, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	for cfg.Incarnation == 0 {
+		var b [8]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return nil, fmt.Errorf("transfer: incarnation: %w", err)
+		}
+		cfg.Incarnation = binary.BigEndian.Uint64(b[:])
+	}
+	e := &Engine{
+		cfg:    cfg,
+		dev:    cfg.Device,
+		rankID: cfg.Rank.String(),
+		spaces: make(map[dcp.Namespace]*space),
+		reqs:   make(map[string]*request),
+		idle:   make(chan struct{}),
+		closed: make(chan struct{}),
+	}
+	e.log = cfg.Logger.Named("transfer").With(zap.Stringer("rank", cfg.Rank), zap.Uint64("incarnation", cfg.Incarnation))
+	e.ctr.storeLatency = newLatency("store_seconds", "Store latency, request to commit.", e.rankID)
+	e.ctr.retrieveLatency = newLatency("retrieve_seconds", "Retrieve latency, request to verified answer.", e.rankID)
+
+	nslabs := int(cfg.L1Bytes / cfg.L1SlabBytes)
+	size := uint64(nslabs) * cfg.L1SlabBytes
+	buf, err := cfg.Device.AllocHost(size)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: allocate L1 of %d B pinned host memory: %w", size, errors.Join(err, ErrDevice))
+	}
+	e.l1buf, e.l1mem = buf, buf.Bytes()
+	e.ctr.l1CapacityBytes = size
+	e.cat.init(nslabs, cfg.L1SlabBytes)
+	e.ev.init(cfg.Publisher != nil)
+
+	e.l2 = cfg.L2
+	if e.l2 == nil && cfg.L2Dir != "" {
+		ft, err := OpenFileTier(cfg.L2Dir)
+		if err != nil {
+			_ = buf.Release()
+			return nil, err
+		}
+		e.l2 = ft
+	}
+	e.life, e.stopLife = context.WithCancel(context.Background())
+	e.storeStreams = newStreamPool(cfg.Device, cfg.Streams)
+	e.retrieveStreams = newStreamPool(cfg.Device, cfg.Streams)
+
+	if e.l2 != nil {
+		if err := e.rescan(); err != nil {
+			e.stopLife()
+			_ = buf.Release()
+			return nil, err
+		}
+	}
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(newCollector(&e.ctr, e.rankID)); err != nil {
+			e.stopLife()
+			_ = buf.Release()
+			return nil, fmt.Errorf("transfer: register metrics: %w", errors.Join(err, ErrConfig))
+		}
+	}
+	e.goFunc(e.publishLoop)
+	e.goFunc(e.evictLoop)
+	if e.l2 != nil {
+		for range cfg.L2Writers {
+			e.goFunc(e.l2WriteLoop)
+		}
+	}
+	e.log.Info("engine started",
+		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs),
+		zap.Bool("l2", e.l2 != nil), zap.Stringer("l2_policy", cfg.L2Policy),
+		zap.Int64("l2_objects", e.ctr.l2Objects.Load()))
+	return e, nil
+}
+
+// goFunc runs f on a goroutine the engine tracks.
+func (e *Engine) goFunc(f func()) {
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		f()
+	}()
+}
+
+// Incarnation returns this run's incarnation.
+func (e *Engine) Incarnation() uint64 { return e.cfg.Incarnation }
+
+// Rank returns the rank's identity.
+func (e *Engine) Rank() wire.Rank { return e.cfg.Rank }
+
+// L2 returns the L2 tier, nil without one.
+func (e *Engine) L2() L2Tier { return e.l2 }
+
+// rescan rebuilds this rank's L2 inventory at New.
+func (e *Engine) rescan() error {
+	start := time.Now()
+	var found, bad int
+	err := e.l2.Scan(e.life, e.cfg.Rank, !e.cfg.L2SkipVerifyOnScan, func(s ScanEntry) {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if s.Err != nil {
+			bad++
+			e.ctr.quarantined.Add(1)
+			if errors.Is(s.Err, ErrCorrupt) {
+				e.ctr.checksumL2.Add(1)
+			}
+			e.log.Warn("L2 rescan: quarantined a bad object file", zap.Error(s.Err))
+			if s.KeyKnown {
+				// The coordinator may hold it from our previous incarnation.
+				e.emitLocked(wire.Removed, wire.L2, s.Object.Key, s.Object.Size, s.Object.Sum)
+			}
+			return
+		}
+		found++
+		e.cat.l2[s.Object.Key] = l2Entry{size: s.Object.Size, sum: s.Object.Sum, fp: s.Object.Fingerprint}
+		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+		e.emitLocked(wire.Stored, wire.L2, s.Object.Key, s.Object.Size, s.Object.Sum)
+	})
+	if err != nil {
+		return fmt.Errorf("transfer: rescan L2: %w", err)
+	}
+	e.log.Info("L2 rescanned", zap.Int("objects", found), zap.Int("quarantined", bad), zap.Duration("took", time.Since(start)))
+	return nil
+}
+
+// Close drains in-flight stores and retrieves, flushes writes to L2
+// (queued writes; with WriteBackOnEvict also every object only L1 holds),
+// publishes the remaining events and stops every goroutine. When ctx ends
+// first it stops anyway: in-flight device work is cut short (its futures
+// fail), unwritten objects are counted as lost, and ctx's error is
+// returned. Close is idempotent; later calls wait for the first and return
+// its result.
+func (e *Engine) Close(ctx context.Context) error {
+	e.closer.Do(func() {
+		e.cerr = e.close(ctx)
+		close(e.closed)
+	})
+	select {
+	case <-e.closed:
+		return e.cerr
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (e *Engine) close(ctx context.Context) error {
+	e.mu.Lock()
+	e.closing = true
+	e.mu.Unlock()
+	var errs []error
+
+	// 1. In-flight stores and retrieves finish (or ctx ends).
+	if err := e.waitIdle(ctx); err != nil {
+		errs = append(errs, fmt.Errorf("transfer: close: drain in-flight work: %w", err))
+	}
+	// 2. Writes to L2 finish; with write-back, every dirty object is
+	// written.
+	if e.l2 != nil && len(errs) == 0 {
+		if err := e.flushL2(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("transfer: close: flush L2: %w", err))
+		}
+	}
+	// 3. Stop: goroutines see life canceled; stream waits are cut short.
+	e.mu.Lock()
+	lost := e.cat.countDirty()
+	e.mu.Unlock()
+	if lost > 0 {
+		e.ctr.lostObjects.Add(uint64(lost))
+		e.log.Error("objects only in L1 were not written to L2 before shutdown", zap.Int("objects", lost))
+	}
+	e.stopLife()
+	e.wakeAll()
+	e.wg.Wait()
+	// 4. Deliver the last events (one attempt per batch), release memory.
+	if e.cfg.Publisher != nil {
+		for e.publishBatch(false) {
+		}
+	}
+	e.storeStreams.closeAll()
+	e.retrieveStreams.closeAll()
+	e.mu.Lock()
+	for _, sp := range e.spaces {
+		sp.retire()
+	}
+	e.spaces = nil
+	e.mu.Unlock()
+	_ = e.l1buf.Release()
+	e.log.Info("engine closed", zap.Uint64("last_seq", e.ctr.lastSeq.Load()),
+		zap.Uint64("published_through", e.ctr.publishedThrough.Load()))
+	return errors.Join(errs...)
+}
+
+// waitIdle waits until no store future or retrieve is in flight.
+func (e *Engine) waitIdle(ctx context.Context) error {
+	for {
+		e.mu.Lock()
+		if e.futures == 0 && e.retrieves == 0 {
+			e.mu.Unlock()
+			return nil
+		}
+		ch := e.idle
+		e.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// workDoneLocked updates the idle signal after a future or retrieve ended.
+func (e *Engine) workDoneLocked() {
+	if e.futures == 0 && e.retrieves == 0 {
+		close(e.idle)
+		e.idle = make(chan struct{})
+	}
+}
+
+// wakeAll wakes every goroutine that waits on a kick channel.
+func (e *Engine) wakeAll() {
+	e.mu.Lock()
+	e.cat.notifyLocked()
+	e.mu.Unlock()
+	kick(e.ev.kick)
+	kick(e.cat.evictKick)
+	kick(e.cat.writeKick)
+}
+
+// kick does a non-blocking send on a 1-buffered channel.
+func kick(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// streamPool hands out streams exclusively: a store holds its stream from
+// its WaitEvent until its gather completed, so one slow producer never
+// delays another store, and a stream failed by a bad event is discarded
+// rather than poisoning later work.
+type streamPool struct {
+	dev  cuda.Device
+	sem  chan struct{}
+	free chan cuda.Stream
+}
+
+func newStreamPool(dev cuda.Device, n int) *streamPool {
+	return &streamPool{dev: dev, sem: make(chan struct{}, n), free: make(chan cuda.Stream, n)}
+}
+
+func (p *streamPool) get(ctx context.Context) (cuda.Stream, error) {
+	select {
+	case p.sem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	select {
+	case s := <-p.free:
+		return s, nil
+	default:
+	}
+	s, err := p.dev.NewStream()
+	if err != nil {
+		<-p.sem
+		return nil, fmt.Errorf("new stream: %w", errors.Join(err, ErrDevice))
+	}
+	return s, nil
+}
+
+// put returns s; a stream that failed (or might still run work) is closed.
+func (p *streamPool) put(s cuda.Stream, healthy bool) {
+	if healthy {
+		p.free <- s
+	} else {
+		_ = s.Close()
+	}
+	<-p.sem
+}
+
+func (p *streamPool) closeAll() {
+	for {
+		select {
+		case s := <-p.free:
+			_ = s.Close()
+		default:
+			return
+		}
+	}
+}

@@ -1,0 +1,80 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+)
+
+// Sentinel errors. Every error this package returns wraps one of them (and,
+// where one exists, the cause from dcp or cuda) with the rule that failed and
+// the numbers; callers use errors.Is.
+var (
+	// ErrConfig: a Config field breaks a rule.
+	ErrConfig = errors.New("transfer: invalid config")
+	// ErrClosed: the engine is closing or closed.
+	ErrClosed = errors.New("transfer: engine closed")
+	// ErrRegistration: a registration breaks a rule (geometry, pool count,
+	// pool size, TP size). Geometry failures also wrap dcp.ErrGeometry.
+	ErrRegistration = errors.New("transfer: invalid registration")
+	// ErrWrongDevice: a handle names a device other than this rank's.
+	ErrWrongDevice = errors.New("transfer: handle of another device")
+	// ErrUnknownNamespace: no pools are registered for the namespace.
+	ErrUnknownNamespace = errors.New("transfer: namespace not registered")
+	// ErrBadRequest: a store or retrieve request breaks a rule (block
+	// counts, block ids outside the pool, keys of another namespace).
+	ErrBadRequest = errors.New("transfer: bad request")
+	// ErrL1Full: an object could not be placed in L1 even after evicting
+	// everything evictable (the rest is pinned by in-flight work, or dirty
+	// and its write-back failed).
+	ErrL1Full = errors.New("transfer: no room in L1")
+	// ErrNotFound: no tier holds the object.
+	ErrNotFound = errors.New("transfer: object not found")
+	// ErrCorrupt: an object's bytes or file failed verification (checksum,
+	// length, fingerprint, header). Corrupt L2 files are quarantined.
+	ErrCorrupt = errors.New("transfer: object failed verification")
+	// ErrTimeout: a store or retrieve did not finish within its timeout.
+	ErrTimeout = errors.New("transfer: timed out")
+	// ErrDevice: the device (stream, event, copy) reported an error.
+	ErrDevice = errors.New("transfer: device error")
+	// ErrIO: an L2 read or write failed for a reason other than corruption.
+	ErrIO = errors.New("transfer: L2 I/O error")
+)
+
+// Reason is the stable, wire-safe reason an object or chunk failed.
+type Reason string
+
+// Failure reasons (wire.ItemResult.Reason).
+const (
+	ReasonNone     Reason = ""
+	ReasonMissing  Reason = "missing"  // no tier holds the object
+	ReasonCorrupt  Reason = "corrupt"  // verification failed (before or after the scatter)
+	ReasonTimeout  Reason = "timeout"  // the device did not finish in time
+	ReasonDevice   Reason = "device"   // the device reported an error
+	ReasonNoSpace  Reason = "no_space" // L1 could not hold the object
+	ReasonIO       Reason = "io"       // an L2 read or write failed
+	ReasonSibling  Reason = "sibling"  // another object of the same chunk failed first; nothing written
+	ReasonCanceled Reason = "canceled" // the caller's context ended or the engine closed
+)
+
+// reasonOf classifies an error into a Reason.
+func reasonOf(err error) Reason {
+	switch {
+	case err == nil:
+		return ReasonNone
+	case errors.Is(err, ErrNotFound):
+		return ReasonMissing
+	case errors.Is(err, ErrCorrupt):
+		return ReasonCorrupt
+	case errors.Is(err, ErrTimeout):
+		return ReasonTimeout
+	case errors.Is(err, ErrL1Full):
+		return ReasonNoSpace
+	case errors.Is(err, ErrIO):
+		return ReasonIO
+	case errors.Is(err, ErrClosed), errors.Is(err, context.Canceled):
+		return ReasonCanceled
+	case errors.Is(err, context.DeadlineExceeded):
+		return ReasonTimeout
+	}
+	return ReasonDevice
+}

@@ -1,0 +1,392 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// openDevice opens the real host backend with its shared files in dir
+// ("" = a fresh temp dir).
+func openDevice(t testing.TB, dir string) cuda.Device {
+	t.Helper()
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	dev, err := cuda.OpenHost(cuda.HostConfig{Dir: dir})
+	if err != nil {
+		t.Fatalf("OpenHost: %v", err)
+	}
+	t.Cleanup(func() { _ = dev.Close() })
+	return dev
+}
+
+// rig is the inference engine's side of a test: KV pools on the device,
+// filled with a sentinel (padding included), a stream that writes pages,
+// and image, the expected content of every pool.
+type rig struct {
+	t      testing.TB
+	dev    cuda.Device
+	spec   dcp.Spec
+	res    *dcp.Resolved
+	pools  [][]cuda.Mem
+	image  [][][]byte // nil when the pools are too large to mirror (sparse)
+	stream cuda.Stream
+}
+
+// newRig allocates pools of blocks[g] pages per group and fills them with
+// a sentinel pattern.
+func newRig(t testing.TB, dev cuda.Device, spec dcp.Spec, blocks []int64) *rig {
+	t.Helper()
+	res, err := spec.Resolve()
+	if err != nil {
+		t.Fatalf("Resolve: %v", err)
+	}
+	r := &rig{t: t, dev: dev, spec: spec, res: res}
+	r.stream, err = dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.stream.Close() })
+	for gi, g := range res.Geometry {
+		size := g.PoolBytes(blocks[gi])
+		var layers []cuda.Mem
+		var imgs [][]byte
+		for li := range g.Layers {
+			m, err := dev.Alloc(size)
+			if err != nil {
+				t.Fatalf("Alloc(%d): %v", size, err)
+			}
+			t.Cleanup(func() { _ = m.Release() })
+			if size <= 256<<20 {
+				img := make([]byte, size)
+				sentinel(img, byte(gi*16+li))
+				if err := dev.Write(m, 0, img); err != nil {
+					t.Fatal(err)
+				}
+				imgs = append(imgs, img)
+			}
+			layers = append(layers, m)
+		}
+		r.pools = append(r.pools, layers)
+		if len(imgs) == len(layers) {
+			r.image = append(r.image, imgs)
+		} else {
+			r.image = append(r.image, nil)
+		}
+	}
+	return r
+}
+
+// sentinel fills b with a position-dependent pattern.
+func sentinel(b []byte, seed byte) {
+	for i := range b {
+		b[i] = byte(i*131+(i>>8)*7) ^ seed ^ 0xA5
+	}
+}
+
+func randomBytes(n uint64, seed uint64) []byte {
+	b := make([]byte, n)
+	var s [32]byte
+	for i := range 8 {
+		s[i] = byte(seed >> (8 * i))
+	}
+	rand.NewChaCha8(s).Read(b)
+	return b
+}
+
+func (r *rig) registration() Registration {
+	r.t.Helper()
+	reg := Registration{Spec: r.spec, DeviceUUID: r.dev.Info().UUID}
+	for gi, layers := range r.pools {
+		for li, m := range layers {
+			h, err := r.dev.ExportMem(m, 0, m.Size())
+			if err != nil {
+				r.t.Fatal(err)
+			}
+			reg.Pools = append(reg.Pools, wire.PoolRegistration{Group: gi, Layer: li, Handle: h})
+		}
+	}
+	return reg
+}
+
+func (r *rig) register(e *Engine) *dcp.Resolved {
+	r.t.Helper()
+	res, err := e.Register(testCtx(r.t), r.registration())
+	if err != nil {
+		r.t.Fatalf("Register: %v", err)
+	}
+	if res.Namespace != r.res.Namespace {
+		r.t.Fatalf("namespace %s, want %s", res.Namespace, r.res.Namespace)
+	}
+	return res
+}
+
+// chunk is one chunk of the engine: its hash, its blocks per group and the
+// packed bytes of each group's object (layer-major, block order).
+type chunk struct {
+	hash   dcp.ChunkHash
+	blocks [][]int64
+	packed [][]byte
+}
+
+func chunkHash(i int) dcp.ChunkHash {
+	var h dcp.ChunkHash
+	copy(h[:], fmt.Sprintf("chunk-%010d", i))
+	return h
+}
+
+// newChunk makes chunk i's content for the given blocks (of every group).
+func (r *rig) newChunk(i int, blocks [][]int64) chunk {
+	c := chunk{hash: chunkHash(i), blocks: blocks}
+	for gi, g := range r.res.Geometry {
+		c.packed = append(c.packed, randomBytes(uint64(len(blocks[gi])*g.Layers)*g.PageBytes, uint64(i)<<8|uint64(gi)))
+	}
+	return c
+}
+
+// consecutive returns n block ids per group starting at first.
+func (r *rig) consecutive(first int64) [][]int64 {
+	var out [][]int64
+	for gi := range r.res.Geometry {
+		var ids []int64
+		for k := range r.res.BlocksPerChunk(gi) {
+			ids = append(ids, first+int64(k))
+		}
+		out = append(out, ids)
+	}
+	return out
+}
+
+// write enqueues the chunk's page writes on the engine stream (after
+// delay), places them into blocks and updates the image.
+func (r *rig) write(c chunk, blocks [][]int64, delay time.Duration) {
+	r.t.Helper()
+	if delay > 0 {
+		if err := r.stream.Delay(delay); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	r.place(c, blocks, func(m cuda.Mem, off uint64, p []byte) {
+		if _, err := r.stream.Upload(m, off, p); err != nil {
+			r.t.Fatalf("Upload: %v", err)
+		}
+	})
+}
+
+// place walks the pages of c in blocks, calling put for each, and updates
+// the expected image.
+func (r *rig) place(c chunk, blocks [][]int64, put func(m cuda.Mem, off uint64, p []byte)) {
+	for gi, g := range r.res.Geometry {
+		if len(blocks[gi]) == 0 {
+			continue
+		}
+		pos := uint64(0)
+		for li := range g.Layers {
+			for _, b := range blocks[gi] {
+				off := uint64(b) * g.StrideBytes
+				p := c.packed[gi][pos : pos+g.PageBytes]
+				pos += g.PageBytes
+				if put != nil {
+					put(r.pools[gi][li], off, p)
+				}
+				if img := r.image[gi]; img != nil {
+					copy(img[li][off:], p)
+				}
+			}
+		}
+	}
+}
+
+// expectRestored records that c's bytes must now be in blocks.
+func (r *rig) expectRestored(c chunk, blocks [][]int64) { r.place(c, blocks, nil) }
+
+// record records a fresh interprocess event after everything enqueued so
+// far and returns it with its handle.
+func (r *rig) record() (cuda.Event, cuda.EventHandle) {
+	r.t.Helper()
+	ev, err := r.dev.NewEvent(true)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { _ = ev.Release() })
+	if err := r.stream.Record(ev); err != nil {
+		r.t.Fatal(err)
+	}
+	h, err := r.dev.ExportEvent(ev)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return ev, h
+}
+
+// storeReq builds a store of chunks (at their blocks).
+func (r *rig) storeReq(reqID string, h cuda.EventHandle, cs ...chunk) StoreRequest {
+	req := StoreRequest{RequestID: reqID, Namespace: r.res.Namespace, Event: h}
+	for _, c := range cs {
+		req.Chunks = append(req.Chunks, wire.ChunkBlocks{Chunk: c.hash, Blocks: c.blocks})
+	}
+	return req
+}
+
+// retrieveReq builds a retrieve of chunks into targets (one per chunk),
+// for TP rank tp.
+func (r *rig) retrieveReq(tp int, cs []chunk, targets [][][]int64) RetrieveRequest {
+	req := RetrieveRequest{RestoreID: "restore", Namespace: r.res.Namespace}
+	for ci, c := range cs {
+		for gi := range r.res.Groups {
+			key := dcp.Key{NS: r.res.Namespace, Chunk: c.hash, Shard: uint16(r.res.ReadShard(gi, tp)), Group: uint16(gi)}
+			req.Items = append(req.Items, wire.RetrieveItem{Chunk: ci, Group: gi, Key: key, Blocks: targets[ci][gi]})
+		}
+	}
+	return req
+}
+
+// check compares every byte of every pool with the expected image: the
+// declared bytes of every page written or restored, and the sentinel
+// everywhere else (padding included).
+func (r *rig) check(what string) {
+	r.t.Helper()
+	for gi, layers := range r.pools {
+		if r.image[gi] == nil {
+			continue
+		}
+		g := r.res.Geometry[gi]
+		for li, m := range layers {
+			got := make([]byte, m.Size())
+			if err := r.dev.Read(m, 0, got); err != nil {
+				r.t.Fatal(err)
+			}
+			want := r.image[gi][li]
+			if bytes.Equal(got, want) {
+				continue
+			}
+			for i := range got {
+				if got[i] != want[i] {
+					where := "page"
+					if uint64(i)%g.StrideBytes >= g.PageBytes {
+						where = "padding"
+					}
+					r.t.Fatalf("%s: group %d layer %d: byte %d (block %d, %s offset %d) = %#02x, want %#02x",
+						what, gi, li, i, uint64(i)/g.StrideBytes, where, uint64(i)%g.StrideBytes, got[i], want[i])
+				}
+			}
+		}
+	}
+}
+
+// engineConfig returns a config for TP rank tp of tpSize on dev.
+func engineConfig(t testing.TB, dev cuda.Device, tp, tpSize int) Config {
+	cfg := DefaultConfig()
+	cfg.Rank = wire.Rank{Instance: "test", TPRank: tp}
+	cfg.TPSize = tpSize
+	cfg.Device = dev
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = 64 << 10
+	cfg.StoreTimeout = 60 * time.Second
+	cfg.RetrieveTimeout = 60 * time.Second
+	if tt, ok := t.(*testing.T); ok && os.Getenv("KVTIER_TEST_LOG") != "" {
+		cfg.Logger = zaptest.NewLogger(tt, zaptest.Level(zap.DebugLevel))
+	} else if ok {
+		cfg.Logger = zaptest.NewLogger(tt, zaptest.Level(zap.WarnLevel))
+	}
+	cfg.Registerer = prometheus.NewRegistry()
+	return cfg
+}
+
+func newEngine(t testing.TB, cfg Config) *Engine {
+	t.Helper()
+	e, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := e.Close(context.Background()); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return e
+}
+
+func closeEngine(t testing.TB, e *Engine) {
+	t.Helper()
+	if err := e.Close(testCtx(t)); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+}
+
+// storeAll stores chunks in one request and waits for the result.
+func storeAll(t testing.TB, e *Engine, r *rig, reqID string, cs ...chunk) StoreResult {
+	t.Helper()
+	for _, c := range cs {
+		r.write(c, c.blocks, 0)
+	}
+	_, h := r.record()
+	f, err := e.Store(testCtx(t), r.storeReq(reqID, h, cs...))
+	if err != nil {
+		t.Fatalf("Store: %v", err)
+	}
+	res, err := f.Wait(testCtx(t))
+	if err != nil {
+		t.Fatalf("store result: %v", err)
+	}
+	return res
+}
+
+// metric returns the value of a metric of e's registry with the given
+// label values ("" matches any).
+func metric(t testing.TB, e *Engine, name string, labels map[string]string) float64 {
+	t.Helper()
+	reg, ok := e.cfg.Registerer.(*prometheus.Registry)
+	if !ok {
+		t.Fatal("engine has no test registry")
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
+					continue metrics
+				}
+			}
+			switch {
+			case m.GetCounter() != nil:
+				return m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				return m.GetGauge().GetValue()
+			case m.GetHistogram() != nil:
+				return float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	t.Fatalf("metric %s %v not found", name, labels)
+	return 0
+}

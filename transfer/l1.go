@@ -1,0 +1,557 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// L1 is one pinned host buffer carved into equal slabs; an object occupies
+// a run of contiguous slabs (Gather and Scatter need each object contiguous
+// in the host buffer). Placement is first fit; when no free run exists, the
+// cheapest window of slabs holding no pinned object is chosen (cheapest =
+// least recently used occupants) and its occupants evicted, after writing
+// them to L2 first where they exist nowhere else. If every window holds a
+// pinned object the placement fails at once with ErrL1Full: it never waits
+// for pins, so work holding pins can never deadlock waiting for room.
+
+type objState uint8
+
+const (
+	stFilling objState = iota // a store's gather or a retrieve's L2 read is writing it
+	stReady                   // committed: its bytes match sum
+)
+
+// l1Obj is one object in L1. All fields are guarded by Engine.mu; the
+// bytes [off, off+size) of the L1 buffer belong to whoever holds the
+// object in stFilling, and are read-only once stReady.
+type l1Obj struct {
+	key   dcp.Key
+	fp    [32]byte // layout fingerprint of the namespace (L2 header)
+	size  uint64
+	sum   uint64
+	slab  int // first slab; -1 while unplaced
+	nslab int
+	state objState
+	// pins counts users that need the bytes to stay: the filler, retrieves
+	// scattering from it. A pinned object is never evicted.
+	pins int
+	// dirty: an L2 exists and does not hold the object yet.
+	dirty bool
+	// writing: an L2 writer has it queued or is writing it. It is not a
+	// pin: an allocator may wait for it.
+	writing         bool
+	evictAfterWrite bool
+	wbFailed        time.Time // last failed L2 write
+	// doomed: removed from the catalog (evicted, failed, corrupt); its
+	// slabs are freed once pins is 0 and no write is running.
+	doomed bool
+	tick   uint64 // last use
+	prev   *l1Obj // LRU list of ready objects, head = least recent
+	next   *l1Obj
+	filled chan struct{} // closed when filling ends
+	err    error         // why filling failed; valid after filled
+}
+
+// l2Entry is one object this rank wrote to L2.
+type l2Entry struct {
+	size, sum uint64
+	fp        [32]byte
+}
+
+// catalog is everything the engine holds, guarded by Engine.mu.
+type catalog struct {
+	slabBytes uint64
+	owner     []*l1Obj // per slab
+	free      int      // free slabs
+	objs      map[dcp.Key]*l1Obj
+	l2        map[dcp.Key]l2Entry
+	ready     int
+	head      *l1Obj
+	tail      *l1Obj
+	ticks     uint64
+	// changed is closed and replaced whenever room may have appeared or
+	// an L2 write ended.
+	changed   chan struct{}
+	evictKick chan struct{}
+	writeKick chan struct{}
+	writeQ    []*l1Obj
+	writing   int      // objects queued or being written
+	prefix    []uint64 // scratch for window scans
+	blocked   []int32
+	waitable  []int32
+}
+
+func (c *catalog) init(nslabs int, slabBytes uint64) {
+	c.slabBytes = slabBytes
+	c.owner = make([]*l1Obj, nslabs)
+	c.free = nslabs
+	c.objs = make(map[dcp.Key]*l1Obj)
+	c.l2 = make(map[dcp.Key]l2Entry)
+	c.changed = make(chan struct{})
+	c.evictKick = make(chan struct{}, 1)
+	c.writeKick = make(chan struct{}, 1)
+}
+
+func (c *catalog) notifyLocked() {
+	close(c.changed)
+	c.changed = make(chan struct{})
+}
+
+func (c *catalog) off(o *l1Obj) uint64 { return uint64(o.slab) * c.slabBytes }
+
+func (c *catalog) occupied() uint64 { return uint64(len(c.owner)-c.free) * c.slabBytes }
+
+func (c *catalog) slabsFor(size uint64) int {
+	n := (size + c.slabBytes - 1) / c.slabBytes
+	if n == 0 {
+		n = 1
+	}
+	if n > uint64(len(c.owner)) {
+		return len(c.owner) + 1
+	}
+	return int(n)
+}
+
+func (c *catalog) lruPush(o *l1Obj) {
+	c.ticks++
+	o.tick = c.ticks
+	o.prev, o.next = c.tail, nil
+	if c.tail != nil {
+		c.tail.next = o
+	} else {
+		c.head = o
+	}
+	c.tail = o
+}
+
+func (c *catalog) lruRemove(o *l1Obj) {
+	if o.prev != nil {
+		o.prev.next = o.next
+	} else if c.head == o {
+		c.head = o.next
+	}
+	if o.next != nil {
+		o.next.prev = o.prev
+	} else if c.tail == o {
+		c.tail = o.prev
+	}
+	o.prev, o.next = nil, nil
+}
+
+// touch makes o the most recently used.
+func (c *catalog) touch(o *l1Obj) {
+	if o.state != stReady || o.doomed {
+		return
+	}
+	c.lruRemove(o)
+	c.lruPush(o)
+	o.evictAfterWrite = false
+}
+
+func (c *catalog) assign(o *l1Obj, start int) {
+	o.slab = start
+	for i := start; i < start+o.nslab; i++ {
+		c.owner[i] = o
+	}
+	c.free -= o.nslab
+}
+
+func (c *catalog) freeSlabs(o *l1Obj) {
+	if o.slab < 0 {
+		return
+	}
+	for i := o.slab; i < o.slab+o.nslab; i++ {
+		c.owner[i] = nil
+	}
+	c.free += o.nslab
+	o.slab = -1
+}
+
+// findFree returns the first run of n free slabs, or -1.
+func (c *catalog) findFree(n int) int {
+	run := 0
+	for i, o := range c.owner {
+		if o != nil {
+			run = 0
+			continue
+		}
+		run++
+		if run == n {
+			return i - n + 1
+		}
+	}
+	return -1
+}
+
+// slab classes for window scans.
+const (
+	slabFree     = iota
+	slabClean    // evictable now
+	slabWaitable // evictable once its L2 write is done
+	slabBlocked  // pinned or filling, or its write-back just failed
+)
+
+func (c *catalog) classify(o *l1Obj, now time.Time) int {
+	switch {
+	case o == nil:
+		return slabFree
+	case o.pins > 0 || o.state != stReady || o.doomed:
+		return slabBlocked
+	case o.writing:
+		return slabWaitable
+	case o.dirty && now.Sub(o.wbFailed) < writeBackRetry:
+		return slabBlocked
+	case o.dirty:
+		return slabWaitable
+	}
+	return slabClean
+}
+
+// writeBackRetry is how long an object whose L2 write failed is left alone
+// before the next attempt.
+const writeBackRetry = time.Second
+
+// findWindow returns the start of the best window of n slabs holding no
+// blocked slab, preferring windows without waitable slabs, then the least
+// recently used occupants; -1 if none exists.
+func (c *catalog) findWindow(n int, now time.Time) (start int, needsWait bool) {
+	ns := len(c.owner)
+	if cap(c.prefix) < ns+1 {
+		c.prefix = make([]uint64, ns+1)
+		c.blocked = make([]int32, ns+1)
+		c.waitable = make([]int32, ns+1)
+	}
+	pre, blk, wt := c.prefix[:ns+1], c.blocked[:ns+1], c.waitable[:ns+1]
+	for i, o := range c.owner {
+		pre[i+1], blk[i+1], wt[i+1] = pre[i], blk[i], wt[i]
+		switch c.classify(o, now) {
+		case slabClean:
+			pre[i+1] += o.tick
+		case slabWaitable:
+			pre[i+1] += o.tick
+			wt[i+1]++
+		case slabBlocked:
+			blk[i+1]++
+		}
+	}
+	best, bestWait, bestCost := -1, true, uint64(0)
+	for s := 0; s+n <= ns; s++ {
+		if blk[s+n]-blk[s] != 0 {
+			continue
+		}
+		wait := wt[s+n]-wt[s] != 0
+		cost := pre[s+n] - pre[s]
+		if best < 0 || (bestWait && !wait) || (wait == bestWait && cost < bestCost) {
+			best, bestWait, bestCost = s, wait, cost
+		}
+	}
+	return best, bestWait
+}
+
+func (c *catalog) countDirty() int {
+	n := 0
+	for _, o := range c.objs {
+		if o.dirty {
+			n++
+		}
+	}
+	return n
+}
+
+// placeLocked gives the unplaced object o its slabs. It returns nil when o
+// is placed; a channel to wait on (then call again) when room is being
+// made by L2 writes; or an error wrapping ErrL1Full.
+func (e *Engine) placeLocked(o *l1Obj) (<-chan struct{}, error) {
+	c := &e.cat
+	if o.nslab > len(c.owner) {
+		e.ctr.l1Full.Add(1)
+		return nil, fmt.Errorf("object %s of %d B needs %d slabs of %d B, L1 has %d: %w",
+			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), ErrL1Full)
+	}
+	if s := c.findFree(o.nslab); s >= 0 {
+		e.assignLocked(o, s)
+		return nil, nil
+	}
+	s, wait := c.findWindow(o.nslab, e.cfg.Now())
+	if s < 0 {
+		e.ctr.l1Full.Add(1)
+		return nil, fmt.Errorf("object %s of %d B needs %d contiguous slabs of %d B; every such run of L1 (%d slabs, %d free) holds a pinned or filling object: %w",
+			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), c.free, ErrL1Full)
+	}
+	if !wait {
+		for i := s; i < s+o.nslab; i++ {
+			if v := c.owner[i]; v != nil {
+				e.evictLocked(v)
+			}
+		}
+		e.assignLocked(o, s)
+		return nil, nil
+	}
+	now := e.cfg.Now()
+	for i := s; i < s+o.nslab; i++ {
+		if v := c.owner[i]; v != nil && c.classify(v, now) == slabWaitable {
+			v.evictAfterWrite = true
+			if !v.writing {
+				e.queueWriteLocked(v)
+			}
+		}
+	}
+	return c.changed, nil
+}
+
+func (e *Engine) assignLocked(o *l1Obj, s int) {
+	e.cat.assign(o, s)
+	e.ctr.l1OccupiedBytes.Store(e.cat.occupied())
+	if float64(e.cat.occupied()) > e.cfg.HighWatermark*float64(e.ctr.l1CapacityBytes) {
+		kick(e.cat.evictKick)
+	}
+}
+
+// evictLocked removes a ready, unpinned, clean object from L1.
+func (e *Engine) evictLocked(o *l1Obj) {
+	if e.hooks.evicting != nil {
+		e.hooks.evicting(o.key, o.pins)
+	}
+	if o.pins > 0 || o.writing || o.dirty || o.state != stReady || o.doomed {
+		e.ctr.pinnedEvictions.Add(1)
+		e.log.Error("BUG: refused to evict an object in use", zap.Stringer("key", o.key),
+			zap.Int("pins", o.pins), zap.Bool("writing", o.writing), zap.Bool("dirty", o.dirty))
+		return
+	}
+	e.ctr.evictions.Add(1)
+	e.log.Debug("evicted from L1", zap.Stringer("key", o.key), zap.Uint64("size", o.size))
+	e.dropLocked(o)
+}
+
+// dropLocked removes o from the catalog (announcing it if it was
+// committed) and frees its slabs as soon as nothing uses them.
+func (e *Engine) dropLocked(o *l1Obj) {
+	c := &e.cat
+	if o.doomed {
+		return
+	}
+	o.doomed = true
+	if c.objs[o.key] == o {
+		delete(c.objs, o.key)
+	}
+	if o.state == stReady {
+		c.lruRemove(o)
+		c.ready--
+		e.ctr.l1Objects.Store(int64(c.ready))
+		e.emitLocked(wire.Removed, wire.L1, o.key, o.size, o.sum)
+	}
+	e.maybeFreeLocked(o)
+}
+
+func (e *Engine) maybeFreeLocked(o *l1Obj) {
+	if o.doomed && o.pins == 0 && !o.writing && o.slab >= 0 {
+		e.cat.freeSlabs(o)
+		e.ctr.l1OccupiedBytes.Store(e.cat.occupied())
+		e.cat.notifyLocked()
+	}
+}
+
+// pinLocked takes a pin on o (and marks it used).
+func (e *Engine) pinLocked(o *l1Obj) {
+	o.pins++
+	e.cat.touch(o)
+}
+
+func (e *Engine) unpinLocked(o *l1Obj) {
+	o.pins--
+	if o.pins < 0 {
+		panic("transfer: unbalanced unpin of " + o.key.String())
+	}
+	if o.pins == 0 {
+		e.maybeFreeLocked(o)
+		e.cat.notifyLocked()
+	}
+}
+
+// commitLocked turns a filled object into a ready one and announces it.
+func (e *Engine) commitLocked(o *l1Obj, sum uint64, dirty bool) {
+	c := &e.cat
+	o.sum = sum
+	o.state = stReady
+	o.dirty = dirty && e.l2 != nil
+	c.ready++
+	e.ctr.l1Objects.Store(int64(c.ready))
+	c.lruPush(o)
+	e.emitLocked(wire.Stored, wire.L1, o.key, o.size, o.sum)
+	close(o.filled)
+	if o.dirty && e.cfg.L2Policy == WriteThrough {
+		e.queueWriteLocked(o)
+	}
+}
+
+// failFillLocked ends the filling of o with err and drops it.
+func (e *Engine) failFillLocked(o *l1Obj, err error) {
+	o.err = err
+	close(o.filled)
+	e.dropLocked(o)
+}
+
+// newObjLocked creates an unplaced, filling object of key, pinned once by
+// its filler, and enters it in the catalog.
+func (e *Engine) newObjLocked(key dcp.Key, fp [32]byte, size uint64) *l1Obj {
+	o := &l1Obj{key: key, fp: fp, size: size, slab: -1, nslab: e.cat.slabsFor(size), pins: 1, filled: make(chan struct{})}
+	e.cat.objs[key] = o
+	return o
+}
+
+// queueWriteLocked hands o to the L2 writers.
+func (e *Engine) queueWriteLocked(o *l1Obj) {
+	if o.writing || e.l2 == nil {
+		return
+	}
+	o.writing = true
+	e.cat.writing++
+	e.cat.writeQ = append(e.cat.writeQ, o)
+	kick(e.cat.writeKick)
+}
+
+// evictLoop keeps L1 occupancy under the high watermark.
+func (e *Engine) evictLoop() {
+	t := time.NewTicker(writeBackRetry)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.cat.evictKick:
+		case <-t.C:
+		case <-e.life.Done():
+			return
+		}
+		e.mu.Lock()
+		e.evictToLowLocked()
+		e.mu.Unlock()
+	}
+}
+
+// evictToLowLocked evicts least recently used objects once occupancy is
+// over the high watermark, until it is at the low watermark; objects only
+// L1 holds are written to L2 first and dropped when their write is done.
+func (e *Engine) evictToLowLocked() {
+	c := &e.cat
+	capb := float64(e.ctr.l1CapacityBytes)
+	occ := float64(c.occupied())
+	if occ <= e.cfg.HighWatermark*capb {
+		return
+	}
+	need := occ - e.cfg.LowWatermark*capb
+	now := e.cfg.Now()
+	for o := c.head; o != nil && need > 0; {
+		next := o.next
+		bytes := float64(uint64(o.nslab) * c.slabBytes)
+		switch c.classify(o, now) {
+		case slabClean:
+			e.evictLocked(o)
+			need -= bytes
+		case slabWaitable:
+			o.evictAfterWrite = true
+			e.queueWriteLocked(o)
+			need -= bytes
+		}
+		o = next
+	}
+}
+
+// l2WriteLoop writes queued objects to L2.
+func (e *Engine) l2WriteLoop() {
+	for {
+		e.mu.Lock()
+		for len(e.cat.writeQ) == 0 {
+			e.mu.Unlock()
+			select {
+			case <-e.cat.writeKick:
+			case <-e.life.Done():
+				return
+			}
+			e.mu.Lock()
+		}
+		o := e.cat.writeQ[0]
+		e.cat.writeQ[0] = nil
+		e.cat.writeQ = e.cat.writeQ[1:]
+		if len(e.cat.writeQ) > 0 {
+			kick(e.cat.writeKick) // let another writer take the next
+		}
+		meta := L2Object{Key: o.key, Fingerprint: o.fp, Writer: e.cfg.Rank, Incarnation: e.cfg.Incarnation,
+			Size: o.size, Sum: o.sum, Created: e.cfg.Now()}
+		data := e.l1mem[e.cat.off(o) : e.cat.off(o)+o.size]
+		e.mu.Unlock()
+
+		// Never write bytes that do not match their recorded checksum.
+		err := verifyBytes(data, o.sum)
+		if err == nil {
+			err = e.l2.Put(e.life, meta, data)
+		}
+
+		e.mu.Lock()
+		e.finishWriteLocked(o, err)
+		e.mu.Unlock()
+	}
+}
+
+func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
+	c := &e.cat
+	o.writing = false
+	c.writing--
+	evict := o.evictAfterWrite
+	o.evictAfterWrite = false
+	switch {
+	case err == nil:
+		o.dirty = false
+		c.l2[o.key] = l2Entry{size: o.size, sum: o.sum, fp: o.fp}
+		e.ctr.l2Objects.Store(int64(len(c.l2)))
+		e.ctr.bytesWrittenL2.Add(o.size)
+		e.emitLocked(wire.Stored, wire.L2, o.key, o.size, o.sum)
+		e.log.Debug("written to L2", zap.Stringer("key", o.key), zap.Uint64("size", o.size))
+		if evict && o.pins == 0 && !o.doomed {
+			e.ctr.writeBacks.Add(1)
+			e.evictLocked(o)
+		}
+	case isCorrupt(err):
+		// L1's copy no longer matches its checksum: it is lost.
+		e.ctr.checksumL1.Add(1)
+		e.log.Error("L1 object failed its checksum before its L2 write; dropped", zap.Stringer("key", o.key), zap.Error(err))
+		o.dirty = false
+		e.dropLocked(o)
+	default:
+		o.wbFailed = e.cfg.Now()
+		e.ctr.l2WriteErrors.Add(1)
+		e.log.Warn("L2 write failed; the object stays in L1 and is retried", zap.Stringer("key", o.key), zap.Error(err))
+	}
+	e.maybeFreeLocked(o)
+	c.notifyLocked()
+	kick(e.cat.evictKick)
+}
+
+// flushL2 writes every object only L1 holds to L2 and waits for all
+// queued writes (Close).
+func (e *Engine) flushL2(ctx context.Context) error {
+	e.mu.Lock()
+	for _, o := range e.cat.objs {
+		if o.dirty && !o.writing && o.state == stReady && !o.doomed {
+			e.queueWriteLocked(o)
+		}
+	}
+	e.mu.Unlock()
+	for {
+		e.mu.Lock()
+		n, ch := e.cat.writing, e.cat.changed
+		e.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}

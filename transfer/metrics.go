@@ -1,0 +1,238 @@
+package transfer
+
+import (
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// reasons indexes the failure counters.
+var reasons = []Reason{ReasonMissing, ReasonCorrupt, ReasonTimeout, ReasonDevice, ReasonNoSpace, ReasonIO, ReasonSibling, ReasonCanceled}
+
+func reasonIndex(r Reason) int {
+	for i, x := range reasons {
+		if x == r {
+			return i
+		}
+	}
+	return int(len(reasons) - 1)
+}
+
+// counters are the engine's monotonic counters and gauges. They are the one
+// source of truth for Stats and for the Prometheus collector.
+type counters struct {
+	bytesStoredL1     atomic.Uint64 // device -> L1 (gather)
+	bytesRetrievedL1  atomic.Uint64 // L1 -> device (scatter)
+	bytesWrittenL2    atomic.Uint64 // L1 -> L2
+	bytesReadL2       atomic.Uint64 // L2 -> L1
+	storesInflight    atomic.Int64
+	objectsStored     atomic.Uint64
+	dedupeHits        atomic.Uint64
+	objectsRestored   atomic.Uint64
+	evictions         atomic.Uint64
+	writeBacks        atomic.Uint64
+	checksumL1        atomic.Uint64
+	checksumL2        atomic.Uint64
+	quarantined       atomic.Uint64
+	l1Full            atomic.Uint64
+	l2WriteErrors     atomic.Uint64
+	eventsPublished   atomic.Uint64
+	eventsDropped     atomic.Uint64
+	pinnedEvictions   atomic.Uint64 // must stay 0: evicting a pinned object is a bug
+	lostObjects       atomic.Uint64 // dirty objects dropped without reaching L2
+	storeFailures     [8]atomic.Uint64
+	retrieveFailures  [8]atomic.Uint64
+	l1OccupiedBytes   atomic.Uint64
+	l1Objects         atomic.Int64
+	l2Objects         atomic.Int64
+	lastSeq           atomic.Uint64
+	publishedThrough  atomic.Uint64
+	l1CapacityBytes   uint64
+	storeLatency      prometheus.Histogram
+	retrieveLatency   prometheus.Histogram
+	registeredSpaces  atomic.Int64
+	requestsInflight  atomic.Int64
+	retrievesInflight atomic.Int64
+}
+
+// Stats is a snapshot of the engine's counters (the same numbers the
+// Prometheus collector exports).
+type Stats struct {
+	L1CapacityBytes uint64
+	L1OccupiedBytes uint64 // bytes of the slabs objects occupy
+	L1Objects       int64
+	L2Objects       int64 // objects this rank wrote that L2 holds
+
+	BytesStoredL1    uint64 // device -> L1 (gathers)
+	BytesRetrievedL1 uint64 // L1 -> device (scatters)
+	BytesWrittenL2   uint64
+	BytesReadL2      uint64
+
+	StoresInflight    int64
+	RetrievesInflight int64
+	ObjectsStored     uint64 // committed to L1 by stores
+	DedupeHits        uint64 // objects a store found already held
+	ObjectsRestored   uint64 // placed and verified
+	StoreFailures     map[Reason]uint64
+	RetrieveFailures  map[Reason]uint64
+
+	Evictions        uint64
+	WriteBacks       uint64 // objects written to L2 on eviction or Close
+	ChecksumFailures uint64 // L1 and L2
+	ChecksumL1       uint64
+	ChecksumL2       uint64
+	Quarantined      uint64 // L2 files moved to quarantine
+	L1Full           uint64 // placements that failed for lack of L1 room
+	L2WriteErrors    uint64
+	LostObjects      uint64 // objects only in L1 that could not be written back at Close
+	PinnedEvictions  uint64 // always 0 unless there is a bug
+
+	LastSeq          uint64 // last event sequence assigned
+	EventsPublished  uint64
+	EventsDropped    uint64
+	PublishedThrough uint64 // highest sequence handed to the Publisher
+}
+
+// Stats returns a snapshot of the counters.
+func (e *Engine) Stats() Stats {
+	c := &e.ctr
+	s := Stats{
+		L1CapacityBytes:   c.l1CapacityBytes,
+		L1OccupiedBytes:   c.l1OccupiedBytes.Load(),
+		L1Objects:         c.l1Objects.Load(),
+		L2Objects:         c.l2Objects.Load(),
+		BytesStoredL1:     c.bytesStoredL1.Load(),
+		BytesRetrievedL1:  c.bytesRetrievedL1.Load(),
+		BytesWrittenL2:    c.bytesWrittenL2.Load(),
+		BytesReadL2:       c.bytesReadL2.Load(),
+		StoresInflight:    c.storesInflight.Load(),
+		RetrievesInflight: c.retrievesInflight.Load(),
+		ObjectsStored:     c.objectsStored.Load(),
+		DedupeHits:        c.dedupeHits.Load(),
+		ObjectsRestored:   c.objectsRestored.Load(),
+		StoreFailures:     map[Reason]uint64{},
+		RetrieveFailures:  map[Reason]uint64{},
+		Evictions:         c.evictions.Load(),
+		WriteBacks:        c.writeBacks.Load(),
+		ChecksumL1:        c.checksumL1.Load(),
+		ChecksumL2:        c.checksumL2.Load(),
+		Quarantined:       c.quarantined.Load(),
+		L1Full:            c.l1Full.Load(),
+		L2WriteErrors:     c.l2WriteErrors.Load(),
+		LostObjects:       c.lostObjects.Load(),
+		PinnedEvictions:   c.pinnedEvictions.Load(),
+		LastSeq:           c.lastSeq.Load(),
+		EventsPublished:   c.eventsPublished.Load(),
+		EventsDropped:     c.eventsDropped.Load(),
+		PublishedThrough:  c.publishedThrough.Load(),
+	}
+	s.ChecksumFailures = s.ChecksumL1 + s.ChecksumL2
+	for i, r := range reasons {
+		if v := c.storeFailures[i].Load(); v != 0 {
+			s.StoreFailures[r] = v
+		}
+		if v := c.retrieveFailures[i].Load(); v != 0 {
+			s.RetrieveFailures[r] = v
+		}
+	}
+	return s
+}
+
+// collector exports counters to Prometheus.
+type collector struct {
+	c     *counters
+	descs map[string]*prometheus.Desc
+	order []string
+}
+
+const metricPrefix = "kvtier_transfer_"
+
+func newCollector(c *counters, rank string) *collector {
+	cl := &collector{c: c, descs: map[string]*prometheus.Desc{}}
+	labels := prometheus.Labels{"rank": rank}
+	add := func(name, help string, varLabels ...string) {
+		cl.descs[name] = prometheus.NewDesc(metricPrefix+name, help, varLabels, labels)
+		cl.order = append(cl.order, name)
+	}
+	add("bytes_total", "Bytes moved, by direction (store: toward the tier, retrieve: out of it) and tier.", "direction", "tier")
+	add("stores_inflight", "Store futures not yet finished.")
+	add("retrieves_inflight", "Retrieve calls in progress.")
+	add("l1_capacity_bytes", "Pinned host memory of L1.")
+	add("l1_occupancy_bytes", "Bytes of L1 slabs held by objects.")
+	add("l1_objects", "Objects in L1.")
+	add("l2_objects", "Objects this rank wrote that L2 holds.")
+	add("objects_stored_total", "Objects committed to L1 by stores.")
+	add("dedupe_hits_total", "Objects a store found already held (no copy).")
+	add("objects_restored_total", "Objects placed into engine pages and verified.")
+	add("store_failures_total", "Objects a store failed to commit, by reason.", "reason")
+	add("retrieve_failures_total", "Objects a retrieve failed to place, by reason.", "reason")
+	add("evictions_total", "Objects evicted from L1.")
+	add("write_backs_total", "Objects written to L2 when evicted from L1 or at Close.")
+	add("checksum_failures_total", "Objects whose bytes failed their kvsum64, by tier.", "tier")
+	add("quarantined_files_total", "L2 files moved to quarantine.")
+	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")
+	add("l2_write_errors_total", "Failed L2 writes.")
+	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
+	add("events_published_total", "Events handed to the publisher.")
+	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
+	add("event_seq", "Last event sequence number assigned.")
+	return cl
+}
+
+func (cl *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, n := range cl.order {
+		ch <- cl.descs[n]
+	}
+	cl.c.storeLatency.Describe(ch)
+	cl.c.retrieveLatency.Describe(ch)
+}
+
+func (cl *collector) Collect(ch chan<- prometheus.Metric) {
+	c := cl.c
+	counter := func(name string, v uint64, lv ...string) {
+		ch <- prometheus.MustNewConstMetric(cl.descs[name], prometheus.CounterValue, float64(v), lv...)
+	}
+	gauge := func(name string, v float64, lv ...string) {
+		ch <- prometheus.MustNewConstMetric(cl.descs[name], prometheus.GaugeValue, v, lv...)
+	}
+	counter("bytes_total", c.bytesStoredL1.Load(), "store", "L1")
+	counter("bytes_total", c.bytesRetrievedL1.Load(), "retrieve", "L1")
+	counter("bytes_total", c.bytesWrittenL2.Load(), "store", "L2")
+	counter("bytes_total", c.bytesReadL2.Load(), "retrieve", "L2")
+	gauge("stores_inflight", float64(c.storesInflight.Load()))
+	gauge("retrieves_inflight", float64(c.retrievesInflight.Load()))
+	gauge("l1_capacity_bytes", float64(c.l1CapacityBytes))
+	gauge("l1_occupancy_bytes", float64(c.l1OccupiedBytes.Load()))
+	gauge("l1_objects", float64(c.l1Objects.Load()))
+	gauge("l2_objects", float64(c.l2Objects.Load()))
+	counter("objects_stored_total", c.objectsStored.Load())
+	counter("dedupe_hits_total", c.dedupeHits.Load())
+	counter("objects_restored_total", c.objectsRestored.Load())
+	for i, r := range reasons {
+		counter("store_failures_total", c.storeFailures[i].Load(), string(r))
+		counter("retrieve_failures_total", c.retrieveFailures[i].Load(), string(r))
+	}
+	counter("evictions_total", c.evictions.Load())
+	counter("write_backs_total", c.writeBacks.Load())
+	counter("checksum_failures_total", c.checksumL1.Load(), "L1")
+	counter("checksum_failures_total", c.checksumL2.Load(), "L2")
+	counter("quarantined_files_total", c.quarantined.Load())
+	counter("l1_full_total", c.l1Full.Load())
+	counter("l2_write_errors_total", c.l2WriteErrors.Load())
+	counter("lost_objects_total", c.lostObjects.Load())
+	counter("events_published_total", c.eventsPublished.Load())
+	counter("events_dropped_total", c.eventsDropped.Load())
+	gauge("event_seq", float64(c.lastSeq.Load()))
+	c.storeLatency.Collect(ch)
+	c.retrieveLatency.Collect(ch)
+}
+
+func newLatency(name, help, rank string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:        metricPrefix + name,
+		Help:        help,
+		ConstLabels: prometheus.Labels{"rank": rank},
+		// 100 us .. ~100 s
+		Buckets: prometheus.ExponentialBuckets(100e-6, 2.5, 16),
+	})
+}

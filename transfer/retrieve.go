@@ -1,0 +1,445 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// RetrieveRequest asks the engine to place objects into the engine's
+// pages. It has the same fields as wire.RetrieveRequest, so the daemon
+// converts with transfer.RetrieveRequest(req).
+type RetrieveRequest struct {
+	// RestoreID names the coordinator's restore, for logs ("" if none).
+	RestoreID string
+	Namespace dcp.Namespace
+	// Items are the objects to place: Key is this rank's ReadShard of
+	// Group for the chunk; Blocks are BlocksPerChunk(Group) target block
+	// ids; Sum, when not 0, is the checksum the coordinator recorded at
+	// store time and the object must match it; Source is a hint (the
+	// engine always looks in L1 first, then in the shared L2, whichever
+	// rank wrote it).
+	Items []wire.RetrieveItem
+}
+
+// ItemResult is the authoritative outcome of one item.
+type ItemResult struct {
+	Chunk int
+	Group int
+	Key   dcp.Key
+	// OK: the bytes were placed and the checksum the scatter computed over
+	// them equals the recorded one. Never true otherwise.
+	OK bool
+	// Sum is the kvsum64 of the bytes placed (OK, or a mismatch found
+	// after the scatter).
+	Sum uint64
+	// From is where the object was found: L1, or L2 (read into L1 first).
+	From   wire.Tier
+	Reason Reason
+	Err    error
+}
+
+// RetrieveResult answers a retrieve: one ItemResult per item, in order. A
+// chunk is restored only if every one of its items is OK; when any item of
+// a chunk fails before the scatter, nothing is written into any of that
+// chunk's pages.
+type RetrieveResult struct {
+	Items []ItemResult
+}
+
+// FailedChunks returns the sorted chunk indexes with a failed item.
+func (r RetrieveResult) FailedChunks() []int {
+	var out []int
+	for _, it := range r.Items {
+		if !it.OK {
+			out = append(out, it.Chunk)
+		}
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// ChunkOK reports whether every item of chunk was placed and verified.
+func (r RetrieveResult) ChunkOK(chunk int) bool {
+	seen := false
+	for _, it := range r.Items {
+		if it.Chunk == chunk {
+			if !it.OK {
+				return false
+			}
+			seen = true
+		}
+	}
+	return seen
+}
+
+// Wire converts r to the engine API reply.
+func (r RetrieveResult) Wire() wire.RetrieveReply {
+	out := wire.RetrieveReply{Results: make([]wire.ItemResult, len(r.Items))}
+	for i, it := range r.Items {
+		out.Results[i] = wire.ItemResult{Chunk: it.Chunk, Group: it.Group, OK: it.OK, Sum: it.Sum, Reason: string(it.Reason)}
+	}
+	return out
+}
+
+// Retrieve places req's objects into the engine's pages and answers once
+// the device has finished and every placed object is verified. Each object
+// comes from L1, or from L2 into L1 (verified before any scatter), is
+// pinned, scattered, and its checksum compared with the recorded one. The
+// error is for the request as a whole (ErrUnknownNamespace, ErrBadRequest,
+// ErrClosed); per-object failures are in the result.
+func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveResult, error) {
+	start := time.Now()
+	sp, err := e.acquireSpace(req.Namespace)
+	if err != nil {
+		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, err)
+	}
+	spans, err := e.planRetrieve(sp, req)
+	if err != nil {
+		e.releaseSpace(sp)
+		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, err)
+	}
+	e.mu.Lock()
+	if e.closing {
+		e.mu.Unlock()
+		e.releaseSpace(sp)
+		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, ErrClosed)
+	}
+	e.retrieves++
+	e.mu.Unlock()
+	e.ctr.retrievesInflight.Add(1)
+
+	r := &retrieval{e: e, sp: sp, req: req, spans: spans,
+		res:  RetrieveResult{Items: make([]ItemResult, len(req.Items))},
+		objs: make([]*l1Obj, len(req.Items))}
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.RetrieveTimeout)
+	defer cancel()
+	stop := context.AfterFunc(e.life, cancel)
+	defer stop()
+	reaped := r.run(ctx)
+	r.account()
+	if !reaped {
+		r.finish()
+	}
+	e.ctr.retrieveLatency.Observe(time.Since(start).Seconds())
+	return r.res, nil
+}
+
+// retrieval is one Retrieve call in progress.
+type retrieval struct {
+	e     *Engine
+	sp    *space
+	req   RetrieveRequest
+	spans [][]cuda.Span
+	res   RetrieveResult
+	objs  []*l1Obj // pinned object of each item, nil once unpinned
+}
+
+// planRetrieve validates req and returns each item's target spans.
+func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, error) {
+	res := sp.res
+	if len(req.Items) > MaxStoreChunks*dcp.MaxGroups {
+		return nil, fmt.Errorf("%d items, limit %d: %w", len(req.Items), MaxStoreChunks*dcp.MaxGroups, ErrBadRequest)
+	}
+	type target struct {
+		group int
+		block int64
+	}
+	seen := make(map[target]int)
+	out := make([][]cuda.Span, len(req.Items))
+	for i, it := range req.Items {
+		switch {
+		case it.Group < 0 || it.Group >= len(res.Groups):
+			return nil, fmt.Errorf("item %d: group %d outside 0..%d: %w", i, it.Group, len(res.Groups)-1, ErrBadRequest)
+		case it.Key.NS != req.Namespace:
+			return nil, fmt.Errorf("item %d: key %s is of another namespace than %s: %w", i, it.Key, req.Namespace, ErrBadRequest)
+		case int(it.Key.Group) != it.Group:
+			return nil, fmt.Errorf("item %d: key %s names group %d, the item group %d: %w", i, it.Key, it.Key.Group, it.Group, ErrBadRequest)
+		case int(it.Key.Shard) != res.ReadShard(it.Group, e.cfg.Rank.TPRank):
+			return nil, fmt.Errorf("item %d: key %s names shard %d, TP rank %d reads shard %d of group %d: %w",
+				i, it.Key, it.Key.Shard, e.cfg.Rank.TPRank, res.ReadShard(it.Group, e.cfg.Rank.TPRank), it.Group, ErrBadRequest)
+		}
+		for _, b := range it.Blocks {
+			t := target{it.Group, b}
+			if j, dup := seen[t]; dup {
+				return nil, fmt.Errorf("items %d and %d both write block %d of group %d: %w", j, i, b, it.Group, ErrBadRequest)
+			}
+			seen[t] = i
+		}
+		s, err := e.pageSpans(sp, it.Group, it.Blocks)
+		if err != nil {
+			return nil, fmt.Errorf("item %d: %w", i, err)
+		}
+		out[i] = s
+	}
+	return out, nil
+}
+
+// run does the retrieval; it reports true when a timed-out scatter left
+// the finishing to a reaper.
+func (r *retrieval) run(ctx context.Context) bool {
+	e := r.e
+	res := r.sp.res
+	var loads, waits []int
+	e.mu.Lock()
+	for i, it := range r.req.Items {
+		ir := &r.res.Items[i]
+		ir.Chunk, ir.Group, ir.Key = it.Chunk, it.Group, it.Key
+		o := e.cat.objs[it.Key]
+		switch {
+		case o != nil:
+			e.pinLocked(o)
+			r.objs[i] = o
+			ir.From = wire.L1
+			if o.state != stReady {
+				waits = append(waits, i)
+			}
+		case e.l2 == nil:
+			r.fail(i, fmt.Errorf("%s is not in L1 and there is no L2: %w", it.Key, ErrNotFound))
+		default:
+			r.objs[i] = e.newObjLocked(it.Key, res.Fingerprint, res.ObjectSize(it.Group))
+			ir.From = wire.L2
+			loads = append(loads, i)
+		}
+	}
+	e.mu.Unlock()
+
+	// Loads from L2, a few at a time; each is verified before it is used.
+	if len(loads) > 0 {
+		var wg sync.WaitGroup
+		next := make(chan int)
+		for range min(e.cfg.L2Readers, len(loads)) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range next {
+					r.load(ctx, i)
+				}
+			}()
+		}
+		for _, i := range loads {
+			next <- i
+		}
+		close(next)
+		wg.Wait()
+	}
+	for _, i := range waits {
+		o := r.objs[i]
+		select {
+		case <-o.filled:
+		case <-ctx.Done():
+		}
+	}
+
+	// Verdicts before the scatter.
+	e.mu.Lock()
+	for i, it := range r.req.Items {
+		o := r.objs[i]
+		if o == nil {
+			continue
+		}
+		var err error
+		switch {
+		case o.state != stReady && o.err != nil:
+			err = o.err
+		case o.state != stReady:
+			err = fmt.Errorf("%s still being filled: %w", o.key, ctxErr(ctx))
+		case it.Sum != 0 && o.sum != it.Sum:
+			err = fmt.Errorf("%s holds kvsum64 %016x, the restore expects %016x: %w", o.key, o.sum, it.Sum, ErrCorrupt)
+		}
+		if err != nil {
+			r.fail(i, err)
+		}
+	}
+	failed := map[int]bool{}
+	for i := range r.req.Items {
+		if r.res.Items[i].Reason != ReasonNone {
+			failed[r.req.Items[i].Chunk] = true
+		}
+	}
+	var scatter []int
+	for i, it := range r.req.Items {
+		switch {
+		case r.res.Items[i].Reason != ReasonNone:
+		case failed[it.Chunk]:
+			r.fail(i, fmt.Errorf("another object of chunk %d failed; nothing of the chunk is written", it.Chunk))
+			r.res.Items[i].Reason = ReasonSibling
+		default:
+			scatter = append(scatter, i)
+		}
+	}
+	for i := range r.req.Items {
+		if r.res.Items[i].Reason != ReasonNone && r.objs[i] != nil {
+			e.unpinLocked(r.objs[i])
+			r.objs[i] = nil
+		}
+	}
+	e.mu.Unlock()
+	if len(scatter) == 0 {
+		return false
+	}
+	return r.scatter(ctx, scatter)
+}
+
+// load reads item i's object from L2 into its (unplaced) L1 object.
+func (r *retrieval) load(ctx context.Context, i int) {
+	e := r.e
+	o := r.objs[i]
+	err := e.placeWait(ctx, o)
+	var meta L2Object
+	if err == nil {
+		dst := e.l1mem[e.cat.off(o) : e.cat.off(o)+o.size]
+		meta, err = e.l2.Get(ctx, o.key, o.fp, dst)
+		if ce := (*CorruptError)(nil); errors.As(err, &ce) {
+			e.l2Corrupt(ce)
+		}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err != nil {
+		if errors.Is(err, ErrNotFound) && ctx.Err() == nil {
+			err = fmt.Errorf("%s is in neither L1 nor L2: %w", o.key, err)
+		} else if ctx.Err() != nil && !errors.Is(err, ErrCorrupt) {
+			err = fmt.Errorf("read %s from L2: %w", o.key, ctxErr(ctx))
+		}
+		e.failFillLocked(o, err)
+		return
+	}
+	e.ctr.bytesReadL2.Add(o.size)
+	e.commitLocked(o, meta.Sum, false)
+	e.log.Debug("loaded from L2", zap.Stringer("key", o.key), zap.Uint64("size", o.size), zap.Stringer("writer", meta.Writer))
+}
+
+// l2Corrupt accounts for an L2 object that failed verification on read.
+func (e *Engine) l2Corrupt(ce *CorruptError) {
+	e.ctr.checksumL2.Add(1)
+	if ce.Quarantine != "" {
+		e.ctr.quarantined.Add(1)
+	}
+	e.log.Error("L2 object failed verification; not served", zap.Stringer("key", ce.Key), zap.String("path", ce.Path),
+		zap.String("quarantine", ce.Quarantine), zap.String("why", ce.Reason))
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if ent, ok := e.cat.l2[ce.Key]; ok && (!ce.WriterKnown || ce.Writer == e.cfg.Rank) {
+		delete(e.cat.l2, ce.Key)
+		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+		e.emitLocked(wire.Removed, wire.L2, ce.Key, ent.size, ent.sum)
+	}
+}
+
+// fail records item i as failed (with Engine.mu held or not: it touches
+// only the result).
+func (r *retrieval) fail(i int, err error) {
+	ir := &r.res.Items[i]
+	ir.OK, ir.Err, ir.Reason = false, err, reasonOf(err)
+}
+
+// scatter places the items and verifies them. It reports true when a
+// timeout left the items' pins, the stream and the space to a reaper.
+func (r *retrieval) scatter(ctx context.Context, items []int) bool {
+	e := r.e
+	objs := make([]cuda.Object, len(items))
+	e.mu.Lock()
+	for k, i := range items {
+		objs[k] = cuda.Object{HostOff: e.cat.off(r.objs[i]), Spans: r.spans[i]}
+	}
+	e.mu.Unlock()
+	failAll := func(err error) {
+		for _, i := range items {
+			r.fail(i, err)
+		}
+	}
+	stream, err := e.retrieveStreams.get(ctx)
+	if err != nil {
+		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
+		return false
+	}
+	op, err := stream.Scatter(e.l1buf, objs)
+	if err != nil {
+		e.retrieveStreams.put(stream, true) // nothing was enqueued
+		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
+		return false
+	}
+	if err := op.Wait(ctx); err != nil {
+		if ctx.Err() != nil {
+			failAll(fmt.Errorf("scatter of %d objects: %w", len(items), ctxErr(ctx)))
+			e.goFunc(func() { r.reap(stream) })
+			return true
+		}
+		e.retrieveStreams.put(stream, false)
+		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
+		return false
+	}
+	e.retrieveStreams.put(stream, true)
+	sums := op.Sums()
+	var ok, bytes uint64
+	e.mu.Lock()
+	for k, i := range items {
+		o := r.objs[i]
+		ir := &r.res.Items[i]
+		ir.Sum = sums[k]
+		if sums[k] != o.sum {
+			r.fail(i, fmt.Errorf("the scatter of %s read kvsum64 %016x, recorded %016x: %w", o.key, sums[k], o.sum, ErrCorrupt))
+			e.ctr.checksumL1.Add(1)
+			e.log.Error("L1 object failed verification after its scatter; dropped", zap.Stringer("key", o.key),
+				zap.Uint64("sum", sums[k]), zap.Uint64("recorded", o.sum))
+			e.dropLocked(o)
+			continue
+		}
+		ir.OK = true
+		ok++
+		bytes += o.size
+	}
+	e.mu.Unlock()
+	e.ctr.objectsRestored.Add(ok)
+	e.ctr.bytesRetrievedL1.Add(bytes)
+	return false
+}
+
+// reap waits for a timed-out scatter to drain, then finishes.
+func (r *retrieval) reap(stream cuda.Stream) {
+	err := stream.Synchronize(r.e.life)
+	r.e.retrieveStreams.put(stream, err == nil)
+	r.finish()
+}
+
+// account counts and logs the failed items.
+func (r *retrieval) account() {
+	e := r.e
+	for _, it := range r.res.Items {
+		if !it.OK {
+			e.ctr.retrieveFailures[reasonIndex(it.Reason)].Add(1)
+			if it.Reason != ReasonSibling {
+				e.log.Warn("retrieve of an object failed", zap.String("restore", r.req.RestoreID),
+					zap.Int("chunk", it.Chunk), zap.Int("group", it.Group), zap.Stringer("key", it.Key),
+					zap.String("reason", string(it.Reason)), zap.Error(it.Err))
+			}
+		}
+	}
+}
+
+// finish unpins everything and ends the call.
+func (r *retrieval) finish() {
+	e := r.e
+	e.mu.Lock()
+	for i, o := range r.objs {
+		if o != nil {
+			e.unpinLocked(o)
+			r.objs[i] = nil
+		}
+	}
+	e.retrieves--
+	e.workDoneLocked()
+	e.mu.Unlock()
+	e.releaseSpace(r.sp)
+	e.ctr.retrievesInflight.Add(-1)
+}
