@@ -1,0 +1,369 @@
+package index
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Encodings of what the index keeps in bbolt (see doc.go for the layout).
+// Integers are unsigned varints unless noted; checksums are 8 bytes
+// little-endian. Every value starts with a format version byte.
+
+const formatVersion = 1
+
+// Change-log ops. A log record is formatVersion followed by ops; put and
+// del use the (rank, incarnation) and namespace set by the last ctx and ns
+// ops of the same record.
+const (
+	opCtx   = 'r' // rank id, incarnation
+	opNS    = 'n' // namespace (16 bytes)
+	opPut   = 'p' // tier, chunk (16), shard, group, seq delta (signed varint), size, sum (8)
+	opDel   = 'd' // tier, chunk (16), shard, group
+	opFence = 'f' // rank id, below: drop the rank's L1 placements with incarnation < below
+	opDrop  = 'x' // rank id: drop every placement of the rank
+)
+
+// opEncoder builds one log record.
+type opEncoder struct {
+	buf    []byte
+	hasCtx bool
+	rank   uint32
+	inc    uint64
+	seq    uint64
+	hasNS  bool
+	ns     dcp.Namespace
+	ops    int
+}
+
+func (e *opEncoder) reset() {
+	*e = opEncoder{buf: append(e.buf[:0], formatVersion)}
+}
+
+func (e *opEncoder) empty() bool { return e.ops == 0 }
+
+func (e *opEncoder) setCtx(rank uint32, inc uint64, ns dcp.Namespace) {
+	if !e.hasCtx || e.rank != rank || e.inc != inc {
+		e.buf = append(e.buf, opCtx)
+		e.buf = binary.AppendUvarint(e.buf, uint64(rank))
+		e.buf = binary.AppendUvarint(e.buf, inc)
+		e.hasCtx, e.rank, e.inc, e.seq = true, rank, inc, 0
+	}
+	if !e.hasNS || e.ns != ns {
+		e.buf = append(e.buf, opNS)
+		e.buf = append(e.buf, ns[:]...)
+		e.hasNS, e.ns = true, ns
+	}
+}
+
+func (e *opEncoder) put(ref chunkRef, p *placement) {
+	e.setCtx(p.rank, p.inc, ref.ns)
+	e.buf = append(e.buf, opPut, byte(p.tier))
+	e.buf = append(e.buf, ref.chunk[:]...)
+	e.buf = binary.AppendUvarint(e.buf, uint64(p.shard))
+	e.buf = binary.AppendUvarint(e.buf, uint64(p.group))
+	e.buf = binary.AppendVarint(e.buf, int64(p.seq-e.seq))
+	e.seq = p.seq
+	e.buf = binary.AppendUvarint(e.buf, p.size)
+	e.buf = binary.LittleEndian.AppendUint64(e.buf, p.sum)
+	e.ops++
+}
+
+func (e *opEncoder) del(ref chunkRef, shard, group uint16, tier wire.Tier, rank uint32, inc uint64) {
+	e.setCtx(rank, inc, ref.ns)
+	e.buf = append(e.buf, opDel, byte(tier))
+	e.buf = append(e.buf, ref.chunk[:]...)
+	e.buf = binary.AppendUvarint(e.buf, uint64(shard))
+	e.buf = binary.AppendUvarint(e.buf, uint64(group))
+	e.ops++
+}
+
+func (e *opEncoder) fence(rank uint32, below uint64) {
+	e.buf = append(e.buf, opFence)
+	e.buf = binary.AppendUvarint(e.buf, uint64(rank))
+	e.buf = binary.AppendUvarint(e.buf, below)
+	e.ops++
+}
+
+func (e *opEncoder) drop(rank uint32) {
+	e.buf = append(e.buf, opDrop)
+	e.buf = binary.AppendUvarint(e.buf, uint64(rank))
+	e.ops++
+}
+
+// decoder reads varints and fixed fields, remembering the first error.
+type decoder struct {
+	p   []byte
+	err error
+}
+
+func (d *decoder) fail(what string) {
+	if d.err == nil {
+		d.err = fmt.Errorf("truncated or malformed %s: %w", what, ErrCorrupt)
+	}
+}
+
+func (d *decoder) uvarint(what string) uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.p)
+	if n <= 0 {
+		d.fail(what)
+		return 0
+	}
+	d.p = d.p[n:]
+	return v
+}
+
+func (d *decoder) varint(what string) int64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Varint(d.p)
+	if n <= 0 {
+		d.fail(what)
+		return 0
+	}
+	d.p = d.p[n:]
+	return v
+}
+
+func (d *decoder) u16(what string) uint16 {
+	v := d.uvarint(what)
+	if v > 0xffff {
+		d.fail(what)
+	}
+	return uint16(v)
+}
+
+func (d *decoder) bytes(n int, what string) []byte {
+	if d.err != nil {
+		return make([]byte, n)
+	}
+	if len(d.p) < n {
+		d.fail(what)
+		return make([]byte, n)
+	}
+	b := d.p[:n]
+	d.p = d.p[n:]
+	return b
+}
+
+func (d *decoder) byte1(what string) byte { return d.bytes(1, what)[0] }
+
+func (d *decoder) tier(what string) wire.Tier {
+	t := wire.Tier(d.byte1(what))
+	if d.err == nil && t != wire.L1 && t != wire.L2 {
+		d.err = fmt.Errorf("%s: tier %d: %w", what, t, ErrCorrupt)
+	}
+	return t
+}
+
+// replay applies one log record to t (whose enc is nil). nRanks bounds the
+// rank ids the record may name.
+func replay(rec []byte, t *txn, nRanks int) error {
+	if len(rec) == 0 || rec[0] != formatVersion {
+		return fmt.Errorf("log record: missing format version %d: %w", formatVersion, ErrCorrupt)
+	}
+	d := decoder{p: rec[1:]}
+	var (
+		hasCtx, hasNS bool
+		rank          uint32
+		inc, seq      uint64
+		ns            dcp.Namespace
+	)
+	rankID := func(what string) uint32 {
+		v := d.uvarint(what)
+		if d.err == nil && (v == 0 || v >= uint64(nRanks)) {
+			d.err = fmt.Errorf("%s names rank id %d, the store knows 1..%d: %w", what, v, nRanks-1, ErrCorrupt)
+		}
+		return uint32(v)
+	}
+	for len(d.p) > 0 && d.err == nil {
+		op := d.byte1("op")
+		switch op {
+		case opCtx:
+			rank = rankID("ctx op")
+			inc = d.uvarint("ctx incarnation")
+			seq, hasCtx = 0, true
+		case opNS:
+			copy(ns[:], d.bytes(16, "namespace"))
+			hasNS = true
+		case opPut, opDel:
+			if !hasCtx || !hasNS {
+				return fmt.Errorf("log record: %c op before its rank and namespace: %w", op, ErrCorrupt)
+			}
+			tier := d.tier("put/del tier")
+			var ref chunkRef
+			ref.ns = ns
+			copy(ref.chunk[:], d.bytes(16, "chunk"))
+			shard, group := d.u16("shard"), d.u16("group")
+			if op == opDel {
+				if d.err == nil {
+					t.del(ref, shard, group, tier, rank, inc)
+				}
+				continue
+			}
+			seq += uint64(d.varint("seq"))
+			size := d.uvarint("size")
+			sum := binary.LittleEndian.Uint64(d.bytes(8, "sum"))
+			if d.err == nil {
+				t.put(ref, placement{size: size, sum: sum, seq: seq, inc: inc, rank: rank,
+					shard: shard, group: group, tier: tier})
+			}
+		case opFence:
+			r := rankID("fence op")
+			below := d.uvarint("fence bound")
+			if d.err == nil {
+				t.fenceL1(r, below)
+			}
+		case opDrop:
+			r := rankID("drop op")
+			if d.err == nil {
+				t.dropRank(r)
+			}
+		default:
+			if d.err == nil {
+				return fmt.Errorf("log record: unknown op %#x: %w", op, ErrCorrupt)
+			}
+		}
+	}
+	return d.err
+}
+
+// snapshotKey is the bbolt key of a chunk: the first 33 bytes of the
+// dcp.Key binary encoding (version, namespace, chunk), so it sorts the same.
+const snapshotKeySize = 33
+
+func appendSnapshotKey(b []byte, ref chunkRef) []byte {
+	k := dcp.Key{NS: ref.ns, Chunk: ref.chunk}
+	b, _ = k.AppendBinary(b)
+	return b[:len(b)-4]
+}
+
+func parseSnapshotKey(k []byte) (chunkRef, error) {
+	if len(k) != snapshotKeySize {
+		return chunkRef{}, fmt.Errorf("snapshot key is %d bytes, want %d: %w", len(k), snapshotKeySize, ErrCorrupt)
+	}
+	var full [dcp.KeySize]byte
+	copy(full[:], k)
+	var key dcp.Key
+	if err := key.UnmarshalBinary(full[:]); err != nil {
+		return chunkRef{}, fmt.Errorf("snapshot key: %w: %w", err, ErrCorrupt)
+	}
+	return chunkRef{key.NS, key.Chunk}, nil
+}
+
+// appendChunk encodes a chunk's placements: version, count, then per
+// placement shard, group, tier (1 byte), rank id, incarnation, seq, size,
+// sum (8 bytes).
+func appendChunk(b []byte, s []placement) []byte {
+	b = append(b, formatVersion)
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	for i := range s {
+		p := &s[i]
+		b = binary.AppendUvarint(b, uint64(p.shard))
+		b = binary.AppendUvarint(b, uint64(p.group))
+		b = append(b, byte(p.tier))
+		b = binary.AppendUvarint(b, uint64(p.rank))
+		b = binary.AppendUvarint(b, p.inc)
+		b = binary.AppendUvarint(b, p.seq)
+		b = binary.AppendUvarint(b, p.size)
+		b = binary.LittleEndian.AppendUint64(b, p.sum)
+	}
+	return b
+}
+
+func parseChunk(v []byte, nRanks int) ([]placement, error) {
+	if len(v) == 0 || v[0] != formatVersion {
+		return nil, fmt.Errorf("chunk record: missing format version %d: %w", formatVersion, ErrCorrupt)
+	}
+	d := decoder{p: v[1:]}
+	n := d.uvarint("placement count")
+	if d.err == nil && n > uint64(len(d.p)) {
+		d.fail("placement count")
+	}
+	if d.err != nil {
+		return nil, d.err
+	}
+	s := make([]placement, n)
+	for i := range s {
+		p := &s[i]
+		p.shard, p.group = d.u16("shard"), d.u16("group")
+		p.tier = d.tier("chunk record")
+		r := d.uvarint("rank id")
+		if d.err == nil && (r == 0 || r >= uint64(nRanks)) {
+			return nil, fmt.Errorf("chunk record names rank id %d, the store knows 1..%d: %w", r, nRanks-1, ErrCorrupt)
+		}
+		p.rank = uint32(r)
+		p.inc = d.uvarint("incarnation")
+		p.seq = d.uvarint("seq")
+		p.size = d.uvarint("size")
+		p.sum = binary.LittleEndian.Uint64(d.bytes(8, "sum"))
+	}
+	if d.err == nil && len(d.p) != 0 {
+		d.err = fmt.Errorf("chunk record has %d trailing bytes: %w", len(d.p), ErrCorrupt)
+	}
+	return s, d.err
+}
+
+// Rank records: key = rank id (4 bytes big-endian); value = version,
+// instance (length-prefixed), TP rank, incarnation, last seq, fenced (1 byte).
+
+func appendRankKey(b []byte, id uint32) []byte { return binary.BigEndian.AppendUint32(b, id) }
+
+func appendRank(b []byte, r wire.Rank, m rankMeta) []byte {
+	b = append(b, formatVersion)
+	b = binary.AppendUvarint(b, uint64(len(r.Instance)))
+	b = append(b, r.Instance...)
+	b = binary.AppendUvarint(b, uint64(r.TPRank))
+	b = binary.AppendUvarint(b, m.inc)
+	b = binary.AppendUvarint(b, m.last)
+	f := byte(0)
+	if m.fenced {
+		f = 1
+	}
+	return append(b, f)
+}
+
+func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
+	var r wire.Rank
+	var m rankMeta
+	if len(k) != 4 {
+		return 0, r, m, fmt.Errorf("rank key is %d bytes, want 4: %w", len(k), ErrCorrupt)
+	}
+	id := binary.BigEndian.Uint32(k)
+	if len(v) == 0 || v[0] != formatVersion {
+		return 0, r, m, fmt.Errorf("rank %d record: missing format version %d: %w", id, formatVersion, ErrCorrupt)
+	}
+	d := decoder{p: v[1:]}
+	n := d.uvarint("instance length")
+	if d.err == nil && n > 255 {
+		d.fail("instance length")
+	}
+	r.Instance = string(d.bytes(int(n), "instance"))
+	tp := d.uvarint("tp rank")
+	if d.err == nil && tp > dcp.MaxTP {
+		d.fail("tp rank")
+	}
+	r.TPRank = int(tp)
+	m.inc = d.uvarint("incarnation")
+	m.last = d.uvarint("last seq")
+	switch d.byte1("fenced") {
+	case 0:
+	case 1:
+		m.fenced = true
+	default:
+		d.fail("fenced flag")
+	}
+	if d.err == nil && len(d.p) != 0 {
+		d.fail("rank record (trailing bytes)")
+	}
+	if d.err != nil {
+		return 0, r, m, fmt.Errorf("rank %d: %w", id, d.err)
+	}
+	return id, r, m, nil
+}

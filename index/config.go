@@ -1,0 +1,93 @@
+package index
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Config configures an Index. Build it from DefaultConfig, set Path, then
+// pass it to Open, which validates it.
+type Config struct {
+	// Path is the bbolt file. Required; created if missing.
+	Path string
+
+	// MaxGroupEvents caps the events (batch events plus inventory objects)
+	// merged into one bbolt transaction by group commit. A single request
+	// larger than the cap is committed alone. Larger groups amortize the
+	// fsync and the transaction overhead; smaller ones bound the latency of
+	// the requests in a group. Default 262144.
+	MaxGroupEvents int
+	// MaxGroupDelay is how long the committer waits for more requests after
+	// the first of a group before committing, when the group is below
+	// MaxGroupEvents. Default 0: commit as soon as the committer is free;
+	// requests that arrive during a commit form the next group (natural
+	// group commit, as in etcd). A delay trades latency for larger groups
+	// when producers are few and each waits for its acknowledgement.
+	MaxGroupDelay time.Duration
+	// QueueDepth is the number of requests that may wait for the committer;
+	// callers beyond it block (honouring their context). Default 4096.
+	QueueDepth int
+
+	// CheckpointBytes is the size of the change log, in bytes, at which the
+	// committer folds it into the per-chunk snapshot bucket and truncates it
+	// (see doc.go, "bbolt layout"). Larger values make ingest cheaper
+	// (fewer, bigger folds) and Open slower (more log to replay; about 1 s
+	// per 100 MB). Default 128 MiB. Close folds whatever is left.
+	CheckpointBytes int64
+
+	// NoSync skips fsync on commit. Only for tests: with it set, an
+	// acknowledged write can be lost to a crash, breaking C7.
+	NoSync bool
+	// InitialMmapSize is bbolt's initial memory map, in bytes; a larger map
+	// avoids remaps while the file grows. Default 256 MiB (address space
+	// only; it is not allocated).
+	InitialMmapSize int
+	// OpenTimeout bounds the wait for bbolt's file lock at Open (another
+	// process holding the file). Default 5 s.
+	OpenTimeout time.Duration
+
+	// Logger receives lifecycle and fault logs. Default zap.NewNop().
+	Logger *zap.Logger
+	// Registerer, when non-nil, gets the index's metrics (metrics.go); Close
+	// unregisters them. Default nil (not exported).
+	Registerer prometheus.Registerer
+}
+
+// DefaultConfig returns a Config with every default filled in except Path.
+func DefaultConfig() Config {
+	return Config{
+		MaxGroupEvents:  1 << 18,
+		QueueDepth:      4096,
+		CheckpointBytes: 128 << 20,
+		InitialMmapSize: 256 << 20,
+		OpenTimeout:     5 * time.Second,
+		Logger:          zap.NewNop(),
+	}
+}
+
+// Validate checks every rule of the config; the error names the rule and
+// the numbers.
+func (c *Config) Validate() error {
+	switch {
+	case c.Path == "":
+		return fmt.Errorf("path must be set: %w", ErrConfig)
+	case c.MaxGroupEvents < 1:
+		return fmt.Errorf("max group events %d must be >= 1: %w", c.MaxGroupEvents, ErrConfig)
+	case c.MaxGroupDelay < 0:
+		return fmt.Errorf("max group delay %v must be >= 0: %w", c.MaxGroupDelay, ErrConfig)
+	case c.QueueDepth < 1:
+		return fmt.Errorf("queue depth %d must be >= 1: %w", c.QueueDepth, ErrConfig)
+	case c.CheckpointBytes < 1:
+		return fmt.Errorf("checkpoint bytes %d must be >= 1: %w", c.CheckpointBytes, ErrConfig)
+	case c.InitialMmapSize < 0:
+		return fmt.Errorf("initial mmap size %d must be >= 0: %w", c.InitialMmapSize, ErrConfig)
+	case c.OpenTimeout <= 0:
+		return fmt.Errorf("open timeout %v must be > 0: %w", c.OpenTimeout, ErrConfig)
+	case c.Logger == nil:
+		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)
+	}
+	return nil
+}

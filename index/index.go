@@ -1,0 +1,649 @@
+package index
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	bolt "go.etcd.io/bbolt"
+	"go.uber.org/zap"
+)
+
+// Bucket names (doc.go, "bbolt layout").
+var (
+	bucketMeta  = []byte("meta")
+	bucketNS    = []byte("ns")
+	bucketRanks = []byte("ranks")
+	bucketSnap  = []byte("chunks")
+	bucketLog   = []byte("log")
+	keyVersion  = []byte("version")
+)
+
+// publishSlice is how many staged chunks are published per hold of the
+// write lock, so a large group never stalls lookups for long.
+const publishSlice = 4096
+
+// Index is the coordinator's durable placement index. Open it, drive it
+// with Apply, ApplyInventory and FenceRank from any number of goroutines,
+// query it with Lookup and friends, and Close it.
+//
+// Concurrency: every write is a request to one committer goroutine, which
+// merges the requests waiting for it into one bbolt transaction (group
+// commit), commits, publishes the change into the in-memory state and only
+// then answers the callers. The in-memory state is read by queries under a
+// read lock and written only by the committer, under the write lock, after
+// the commit. Queries never touch bbolt.
+type Index struct {
+	cfg Config
+	log *zap.Logger
+	met *metrics
+	db  *bolt.DB
+
+	// mu guards the published contents of st: the committer holds it for
+	// writing while it publishes a committed group; queries hold it for
+	// reading. The committer reads st without it (it is the only writer).
+	mu sync.RWMutex
+	st *state
+
+	reqs chan *request
+	// closeMu guards closed: senders hold it for reading while they queue
+	// a request, so once Close holds it for writing no request can arrive
+	// after the committer's final drain.
+	closeMu   sync.RWMutex
+	closed    bool
+	stop      chan struct{}
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+	closeErr  error
+
+	// Owned by the committer goroutine (and Open, before it starts).
+	dirty    map[chunkRef]struct{} // chunks changed since the last checkpoint
+	logBytes int64                 // bytes in the change log
+	nextLog  uint64                // key of the next log record
+	failed   error                 // sticky commit failure
+	enc      opEncoder
+	arena    []byte
+	group    []*request
+}
+
+type reqKind uint8
+
+const (
+	reqBatch reqKind = iota + 1
+	reqInventory
+	reqFence
+	reqRegister
+	reqVerify
+	reqCheckpoint
+)
+
+// request is one call waiting for the committer. The committer fills in
+// the result fields and closes done.
+type request struct {
+	kind  reqKind
+	ctx   context.Context
+	batch *wire.Batch
+	inv   *wire.Inventory
+	rank  wire.Rank
+	spec  *dcp.Resolved
+	json  []byte
+	n     int // events, for group sizing
+	done  chan struct{}
+
+	out    Outcome
+	invOut InventoryOutcome
+	fenced int
+	report VerifyReport
+	err    error
+}
+
+// Open opens (creating if needed) the index at cfg.Path, rebuilds the
+// in-memory state from bbolt and starts the committer.
+func Open(cfg Config) (*Index, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	db, err := bolt.Open(cfg.Path, 0o600, &bolt.Options{
+		Timeout:         cfg.OpenTimeout,
+		NoSync:          cfg.NoSync,
+		NoFreelistSync:  true, // rebuilt by scanning at Open: commits write less
+		FreelistType:    bolt.FreelistMapType,
+		InitialMmapSize: cfg.InitialMmapSize,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
+	}
+	ix := &Index{
+		cfg:   cfg,
+		log:   cfg.Logger.Named("index"),
+		met:   newMetrics(),
+		db:    db,
+		reqs:  make(chan *request, cfg.QueueDepth),
+		stop:  make(chan struct{}),
+		dirty: make(map[chunkRef]struct{}),
+	}
+	fail := func(err error) (*Index, error) {
+		_ = db.Close()
+		return nil, err
+	}
+	if err := db.Update(initBuckets); err != nil {
+		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
+	}
+	var ld loaded
+	if err := db.View(func(tx *bolt.Tx) error {
+		var err error
+		ld, err = load(tx, true)
+		return err
+	}); err != nil {
+		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
+	}
+	ix.st, ix.dirty, ix.logBytes, ix.nextLog = ld.st, ld.dirty, ld.logBytes, ld.nextLog
+	if err := ix.met.register(cfg.Registerer); err != nil {
+		return fail(fmt.Errorf("register metrics: %w: %w", ErrConfig, err))
+	}
+	ix.gauges()
+	ix.log.Info("index opened", zap.String("path", cfg.Path), zap.Int64("chunks", ix.st.chunks),
+		zap.Int64("objects", ix.st.objects), zap.Int("ranks", len(ix.st.ranks)-1),
+		zap.Int("log_records", ld.logRecords), zap.Int64("log_bytes", ld.logBytes),
+		zap.Duration("took", time.Since(start)))
+	ix.wg.Add(1)
+	go ix.run()
+	return ix, nil
+}
+
+func initBuckets(tx *bolt.Tx) error {
+	for _, name := range [][]byte{bucketMeta, bucketNS, bucketRanks, bucketSnap, bucketLog} {
+		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
+			return fmt.Errorf("create bucket %s: %w: %w", name, ErrStore, err)
+		}
+	}
+	m := tx.Bucket(bucketMeta)
+	switch v := m.Get(keyVersion); {
+	case v == nil:
+		if err := m.Put(keyVersion, []byte{formatVersion}); err != nil {
+			return fmt.Errorf("write format version: %w: %w", ErrStore, err)
+		}
+	case len(v) != 1 || v[0] != formatVersion:
+		return fmt.Errorf("store format version %v, this build reads %d: %w", v, formatVersion, ErrCorrupt)
+	}
+	return nil
+}
+
+// Close stops accepting requests, commits the ones already queued, folds
+// the change log into the snapshot, stops the committer and closes bbolt.
+// It is idempotent; later calls return the first call's result.
+func (ix *Index) Close() error {
+	ix.closeOnce.Do(func() {
+		ix.closeMu.Lock()
+		ix.closed = true
+		ix.closeMu.Unlock()
+		close(ix.stop)
+		ix.wg.Wait()
+		if err := ix.db.Close(); err != nil && ix.closeErr == nil {
+			ix.closeErr = fmt.Errorf("close %s: %w: %w", ix.cfg.Path, ErrStore, err)
+		}
+		ix.met.unregister(ix.cfg.Registerer)
+		ix.log.Info("index closed", zap.Error(ix.closeErr))
+	})
+	return ix.closeErr
+}
+
+// submit queues r and waits for the committer's answer. ctx is honoured
+// while the request waits in the queue: a request whose context has ended
+// by the time the committer reaches it is not applied and gets ctx's
+// error. Once the committer has taken a request, submit waits for it (one
+// group commit at most), so a returned context error always means "not
+// applied" and the caller's batch is never read after submit returns.
+func (ix *Index) submit(ctx context.Context, r *request) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	r.ctx = ctx
+	r.done = make(chan struct{})
+	ix.closeMu.RLock()
+	if ix.closed {
+		ix.closeMu.RUnlock()
+		return ErrClosed
+	}
+	select {
+	case ix.reqs <- r:
+	case <-ctx.Done():
+		ix.closeMu.RUnlock()
+		return ctx.Err()
+	}
+	ix.closeMu.RUnlock()
+	<-r.done
+	return r.err
+}
+
+// Apply applies one event batch with the C7 rules (see Outcome and
+// txn.applyBatch) and returns once the change is committed to bbolt and
+// visible to lookups. Duplicates, gaps, stale incarnations and fenced
+// ranks are not errors: the Outcome says what happened. Errors: ErrInvalid
+// (nothing applied), ErrClosed, ErrFailed, ErrStore, or ctx's error (not
+// applied). The batch is not retained.
+func (ix *Index) Apply(ctx context.Context, b wire.Batch) (Outcome, error) {
+	if err := validateBatch(&b); err != nil {
+		return Outcome{}, err
+	}
+	r := &request{kind: reqBatch, batch: &b, n: len(b.Events)}
+	err := ix.submit(ctx, r)
+	return r.out, err
+}
+
+// ApplyInventory replaces every placement of the inventory's rank with the
+// inventory, atomically, and sets the rank's incarnation and last sequence
+// to the inventory's (clearing a fence). An inventory from an older
+// incarnation, or from the current one but behind the last applied event,
+// is dropped (the outcome says so). The inventory is not retained.
+func (ix *Index) ApplyInventory(ctx context.Context, inv wire.Inventory) (InventoryOutcome, error) {
+	if err := validateInventory(&inv); err != nil {
+		return InventoryOutcome{}, err
+	}
+	r := &request{kind: reqInventory, inv: &inv, n: len(inv.Objects) + 1}
+	err := ix.submit(ctx, r)
+	return r.invOut, err
+}
+
+// FenceRank is called when memberlist declares a rank dead: its L1
+// placements are dropped at once (its L2 placements stay: the files
+// survive it) and its batches are refused until it resyncs with an
+// inventory or comes back as a new incarnation. It returns the number of
+// placements fenced; an unknown rank is not an error (0).
+func (ix *Index) FenceRank(ctx context.Context, r wire.Rank) (int, error) {
+	if err := validateRank(r); err != nil {
+		return 0, fmt.Errorf("fence: %w", err)
+	}
+	req := &request{kind: reqFence, rank: r, n: 1}
+	if err := ix.submit(ctx, req); err != nil {
+		return 0, err
+	}
+	return max(req.fenced, 0), nil
+}
+
+// RegisterNamespace resolves spec and records it as its namespace's spec,
+// durably, so lookups know the namespace's expected shards. Registering a
+// namespace again is idempotent when the spec's restore expectations agree
+// with the registered one (the first spec is kept); otherwise the error
+// wraps ErrNamespaceConflict.
+func (ix *Index) RegisterNamespace(ctx context.Context, spec dcp.Spec) (*dcp.Resolved, error) {
+	res, err := spec.Resolve()
+	if err != nil {
+		return nil, fmt.Errorf("register namespace: %w: %w", ErrInvalid, err)
+	}
+	js, err := json.Marshal(spec)
+	if err != nil {
+		return nil, fmt.Errorf("register namespace: encode spec: %w: %w", ErrInvalid, err)
+	}
+	r := &request{kind: reqRegister, spec: res, json: js, n: 1}
+	if err := ix.submit(ctx, r); err != nil {
+		return nil, err
+	}
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.st.ns[res.Namespace].spec, nil
+}
+
+// Checkpoint folds the change log into the snapshot bucket now (the
+// committer also does it when the log reaches Config.CheckpointBytes, and
+// Close does it).
+func (ix *Index) Checkpoint(ctx context.Context) error {
+	return ix.submit(ctx, &request{kind: reqCheckpoint, n: 1})
+}
+
+// Verify re-derives the whole state from bbolt, from scratch, and compares
+// it with the live in-memory state; it also checks the invariants (see
+// VerifyReport). It runs between two group commits, so the two states
+// describe the same moment. The error wraps ErrInconsistent when the
+// report lists problems.
+func (ix *Index) Verify(ctx context.Context) (VerifyReport, error) {
+	r := &request{kind: reqVerify, n: 1}
+	if err := ix.submit(ctx, r); err != nil {
+		return r.report, err
+	}
+	return r.report, r.report.Err()
+}
+
+// run is the committer goroutine.
+func (ix *Index) run() {
+	defer ix.wg.Done()
+	for {
+		select {
+		case r := <-ix.reqs:
+			ix.gather(r)
+		case <-ix.stop:
+			for {
+				select {
+				case r := <-ix.reqs:
+					ix.gather(r)
+					continue
+				default:
+				}
+				break
+			}
+			ix.finish()
+			return
+		}
+	}
+}
+
+// gather builds a group from first and whatever else is queued, waiting up
+// to MaxGroupDelay for more, then processes it.
+func (ix *Index) gather(first *request) {
+	g := append(ix.group[:0], first)
+	n := first.n
+	for n < ix.cfg.MaxGroupEvents {
+		select {
+		case r := <-ix.reqs:
+			g = append(g, r)
+			n += r.n
+			continue
+		default:
+		}
+		break
+	}
+	if d := ix.cfg.MaxGroupDelay; d > 0 && n < ix.cfg.MaxGroupEvents {
+		t := time.NewTimer(d)
+	wait:
+		for n < ix.cfg.MaxGroupEvents {
+			select {
+			case r := <-ix.reqs:
+				g = append(g, r)
+				n += r.n
+			case <-t.C:
+				break wait
+			case <-ix.stop:
+				break wait
+			}
+		}
+		t.Stop()
+	}
+	ix.process(g)
+	clear(g)
+	ix.group = g[:0]
+}
+
+// process stages every request of a group into one txn and commits it.
+// Verify and Checkpoint requests split the group: what came before them is
+// committed first.
+func (ix *Index) process(g []*request) {
+	ix.enc.reset()
+	t := newTxn(ix.st, &ix.enc)
+	var pending []*request
+	for _, r := range g {
+		if err := r.ctx.Err(); err != nil {
+			r.err = err
+			close(r.done)
+			continue
+		}
+		if ix.failed != nil {
+			r.err = fmt.Errorf("%w: %w", ErrFailed, ix.failed)
+			close(r.done)
+			continue
+		}
+		switch r.kind {
+		case reqBatch:
+			r.out = t.applyBatch(r.batch)
+		case reqInventory:
+			r.invOut = t.applyInventory(r.inv)
+		case reqFence:
+			r.fenced = t.fenceRank(r.rank)
+		case reqRegister:
+			r.err = t.register(r.spec, r.json)
+		case reqVerify, reqCheckpoint:
+			ix.commit(t, pending)
+			pending = pending[:0]
+			if r.kind == reqVerify {
+				r.report = ix.verify()
+			} else if err := ix.checkpoint(); err != nil {
+				r.err = err
+			}
+			close(r.done)
+			ix.enc.reset()
+			t = newTxn(ix.st, &ix.enc)
+			continue
+		}
+		pending = append(pending, r)
+	}
+	ix.commit(t, pending)
+}
+
+// commit writes a txn to bbolt, publishes it and answers its requests.
+func (ix *Index) commit(t *txn, pending []*request) {
+	if len(pending) == 0 {
+		return
+	}
+	if ix.failed == nil && t.changed() {
+		start := time.Now()
+		err := ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, t) })
+		if err != nil {
+			ix.failed = err
+			ix.log.Error("commit failed; the index refuses writes until reopened",
+				zap.Int("requests", len(pending)), zap.Int("events", t.events), zap.Error(err))
+			for _, r := range pending {
+				r.err = fmt.Errorf("%w: %w", ErrFailed, err)
+				close(r.done)
+			}
+			return
+		}
+		ix.met.commits.Inc()
+		ix.met.commitSecs.Observe(time.Since(start).Seconds())
+		ix.met.groupEvents.Observe(float64(t.events))
+		ix.publish(t)
+	}
+	for _, r := range pending {
+		if r.err == nil {
+			ix.account(r)
+		}
+		close(r.done)
+	}
+	if ix.logBytes >= ix.cfg.CheckpointBytes {
+		if err := ix.checkpoint(); err != nil {
+			ix.log.Error("checkpoint failed", zap.Error(err))
+		}
+	}
+}
+
+// write puts a txn's change into bbolt: one change-log record, the ranks
+// whose state changed, and new namespace specs.
+func (ix *Index) write(tx *bolt.Tx, t *txn) error {
+	if !ix.enc.empty() {
+		var k [8]byte
+		binary.BigEndian.PutUint64(k[:], ix.nextLog)
+		if err := tx.Bucket(bucketLog).Put(k[:], ix.enc.buf); err != nil {
+			return fmt.Errorf("append log record %d: %w: %w", ix.nextLog, ErrStore, err)
+		}
+	}
+	rb := tx.Bucket(bucketRanks)
+	arena := ix.arena[:0]
+	ids := make([]uint32, 0, len(t.metas))
+	for id := range t.metas {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		ks := len(arena)
+		arena = appendRankKey(arena, id)
+		vs := len(arena)
+		arena = appendRank(arena, t.rankName(id), t.metas[id])
+		if err := rb.Put(arena[ks:vs:vs], arena[vs:len(arena):len(arena)]); err != nil {
+			return fmt.Errorf("write rank %d: %w: %w", id, ErrStore, err)
+		}
+	}
+	nb := tx.Bucket(bucketNS)
+	for _, g := range t.regs {
+		if err := nb.Put(append([]byte(nil), g.ns[:]...), g.json); err != nil {
+			return fmt.Errorf("write namespace %s: %w: %w", g.ns, ErrStore, err)
+		}
+	}
+	ix.arena = arena[:0]
+	return nil
+}
+
+// publish installs a committed txn into the live state.
+func (ix *Index) publish(t *txn) {
+	if !ix.enc.empty() {
+		ix.logBytes += int64(len(ix.enc.buf))
+		ix.nextLog++
+	}
+	ix.mu.Lock()
+	ix.st.publishRanks(t)
+	ix.mu.Unlock()
+	for from := 0; from < len(t.staged); from += publishSlice {
+		to := min(from+publishSlice, len(t.staged))
+		ix.mu.Lock()
+		ix.st.publishChunks(t, from, to, ix.dirty)
+		ix.mu.Unlock()
+	}
+	ix.gauges()
+}
+
+func (ix *Index) gauges() {
+	ix.met.objects.Set(float64(ix.st.objects))
+	ix.met.placements.WithLabelValues("L1").Set(float64(ix.st.placements[wire.L1]))
+	ix.met.placements.WithLabelValues("L2").Set(float64(ix.st.placements[wire.L2]))
+	ix.met.ranks.Set(float64(len(ix.st.ranks) - 1))
+}
+
+// account counts and logs what a committed request did (C8).
+func (ix *Index) account(r *request) {
+	m := ix.met
+	switch r.kind {
+	case reqBatch:
+		o, b := &r.out, r.batch
+		m.applied.Add(float64(o.Applied))
+		if o.RemovedUnknown > 0 {
+			m.removeNoop.Add(float64(o.RemovedUnknown))
+		}
+		if o.Duplicates > 0 {
+			m.dropped.WithLabelValues(string(DropDuplicate)).Add(float64(o.Duplicates))
+			ix.log.Debug("duplicate events ignored", zap.Stringer("rank", b.Rank),
+				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", o.Duplicates), zap.Uint64("last_seq", o.LastSeq))
+		}
+		if o.NewIncarnation {
+			m.fenced.WithLabelValues(string(FenceNewIncarnation)).Add(float64(o.Fenced))
+			ix.log.Info("new rank incarnation; old L1 placements fenced", zap.Stringer("rank", b.Rank),
+				zap.Uint64("incarnation", b.Incarnation), zap.Int("fenced", o.Fenced))
+		}
+		if o.Dropped > 0 {
+			m.dropped.WithLabelValues(string(o.Reason)).Add(float64(o.Dropped))
+			fields := []zap.Field{zap.Stringer("rank", b.Rank), zap.Uint64("incarnation", b.Incarnation),
+				zap.String("reason", string(o.Reason)), zap.Int("events", o.Dropped),
+				zap.Uint64("rank_incarnation", o.Incarnation), zap.Uint64("last_seq", o.LastSeq)}
+			if o.Resync {
+				fields = append(fields, zap.Uint64("resync_from", o.ResyncFrom))
+			}
+			ix.log.Warn("events dropped", fields...)
+		}
+		if o.Resync {
+			m.resyncs.WithLabelValues(string(o.Reason)).Inc()
+		}
+	case reqInventory:
+		o, inv := &r.invOut, r.inv
+		if !o.Applied {
+			m.dropped.WithLabelValues(string(o.Reason)).Inc()
+			ix.log.Warn("inventory dropped", zap.Stringer("rank", inv.Rank), zap.Uint64("incarnation", inv.Incarnation),
+				zap.Uint64("seq", inv.Seq), zap.String("reason", string(o.Reason)),
+				zap.Uint64("rank_incarnation", o.Incarnation), zap.Uint64("last_seq", o.LastSeq))
+			return
+		}
+		m.inventories.Inc()
+		if o.Fenced > 0 {
+			m.fenced.WithLabelValues(string(FenceNewIncarnation)).Add(float64(o.Fenced))
+		}
+		ix.log.Info("inventory applied", zap.Stringer("rank", inv.Rank), zap.Uint64("incarnation", inv.Incarnation),
+			zap.Uint64("seq", inv.Seq), zap.Int("placements", o.Placements), zap.Int("replaced", o.Replaced),
+			zap.Int("fenced", o.Fenced))
+	case reqFence:
+		if r.fenced < 0 {
+			ix.log.Debug("fence of an unknown rank ignored", zap.Stringer("rank", r.rank))
+			return
+		}
+		m.fenced.WithLabelValues(string(FenceRankDead)).Add(float64(r.fenced))
+		ix.log.Warn("dead rank fenced", zap.Stringer("rank", r.rank), zap.Int("l1_placements", r.fenced))
+	case reqRegister:
+		ix.log.Info("namespace registered", zap.Stringer("namespace", r.spec.Namespace),
+			zap.String("model", r.spec.Model), zap.Int("tp", r.spec.Layout.TP), zap.Int("dcp", r.spec.Layout.DCP))
+	}
+}
+
+// checkpoint folds the change log into the snapshot bucket: every chunk
+// changed since the last checkpoint is written from the live state (which
+// equals the committed state between groups), and the log is emptied, in
+// one transaction.
+func (ix *Index) checkpoint() error {
+	if ix.failed != nil {
+		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
+	}
+	if len(ix.dirty) == 0 && ix.logBytes == 0 {
+		return nil
+	}
+	start := time.Now()
+	refs := make([]chunkRef, 0, len(ix.dirty))
+	for ref := range ix.dirty {
+		refs = append(refs, ref)
+	}
+	slices.SortFunc(refs, compareRef)
+	err := ix.db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketSnap)
+		// Keys and values must stay valid until the commit: one arena,
+		// never overwritten (a grown arena leaves the old one intact).
+		arena := make([]byte, 0, len(refs)*(snapshotKeySize+64))
+		for _, ref := range refs {
+			ks := len(arena)
+			arena = appendSnapshotKey(arena, ref)
+			key := arena[ks:len(arena):len(arena)]
+			s := ix.st.chunk(ref)
+			if len(s) == 0 {
+				if err := b.Delete(key); err != nil {
+					return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
+				}
+				continue
+			}
+			vs := len(arena)
+			arena = appendChunk(arena, s)
+			if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
+				return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
+			}
+		}
+		if err := tx.DeleteBucket(bucketLog); err != nil {
+			return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
+		}
+		if _, err := tx.CreateBucket(bucketLog); err != nil {
+			return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
+		}
+		return nil
+	})
+	if err != nil {
+		ix.failed = err
+		ix.log.Error("checkpoint failed; the index refuses writes until reopened", zap.Error(err))
+		return fmt.Errorf("%w: %w", ErrFailed, err)
+	}
+	took := time.Since(start)
+	ix.met.checkpoints.Inc()
+	ix.met.ckptSecs.Observe(took.Seconds())
+	ix.log.Info("checkpoint", zap.Int("chunks", len(refs)), zap.Int64("log_bytes", ix.logBytes), zap.Duration("took", took))
+	ix.dirty = make(map[chunkRef]struct{})
+	ix.logBytes = 0
+	ix.nextLog = 1
+	return nil
+}
+
+// finish runs on the committer when it stops: a final checkpoint so the
+// next Open has no log to replay.
+func (ix *Index) finish() {
+	if ix.failed != nil || (len(ix.dirty) == 0 && ix.logBytes == 0) {
+		return
+	}
+	if err := ix.checkpoint(); err != nil {
+		ix.closeErr = err
+	}
+}
+

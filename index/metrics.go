@@ -1,0 +1,150 @@
+package index
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// DropReason says why events (or an inventory) were not applied. Each is a
+// label value of kvtier_index_dropped_total.
+type DropReason string
+
+const (
+	// DropDuplicate: an event with a sequence <= the rank's last applied
+	// one (at-least-once delivery; harmless).
+	DropDuplicate DropReason = "duplicate"
+	// DropGap: events after a missing sequence; the rank must resync.
+	DropGap DropReason = "gap"
+	// DropStaleIncarnation: a batch or inventory from an incarnation older
+	// than the rank's current one.
+	DropStaleIncarnation DropReason = "stale_incarnation"
+	// DropFencedRank: a batch from the current incarnation of a rank that
+	// was declared dead (FenceRank); it must resync with an inventory.
+	DropFencedRank DropReason = "fenced_rank"
+	// DropStaleInventory: an inventory of the current incarnation whose
+	// sequence is below the rank's last applied event; applying it would
+	// roll the rank back.
+	DropStaleInventory DropReason = "stale_inventory"
+)
+
+// FenceCause says why placements were fenced (kvtier_index_fenced_total).
+type FenceCause string
+
+const (
+	// FenceNewIncarnation: a rank restarted; its old L1 is gone.
+	FenceNewIncarnation FenceCause = "new_incarnation"
+	// FenceRankDead: memberlist declared the rank dead (FenceRank).
+	FenceRankDead FenceCause = "rank_dead"
+)
+
+// metrics are the index's counters (C8: every drop and fence counted).
+type metrics struct {
+	dropped     *prometheus.CounterVec // by reason; events, or inventories for stale_inventory
+	fenced      *prometheus.CounterVec // placements, by cause
+	resyncs     *prometheus.CounterVec // resync requests, by reason
+	applied     prometheus.Counter
+	removeNoop  prometheus.Counter
+	inventories prometheus.Counter
+	commits     prometheus.Counter
+	commitSecs  prometheus.Histogram
+	groupEvents prometheus.Histogram
+	checkpoints prometheus.Counter
+	ckptSecs    prometheus.Histogram
+	objects     prometheus.Gauge
+	placements  *prometheus.GaugeVec // by tier
+	ranks       prometheus.Gauge
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_index_dropped_total",
+			Help: "Events not applied, by reason (duplicate, gap, stale_incarnation, fenced_rank); " +
+				"stale_inventory counts whole inventories.",
+		}, []string{"reason"}),
+		fenced: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_index_fenced_placements_total",
+			Help: "L1 placements fenced (removed from lookups), by cause (new_incarnation, rank_dead).",
+		}, []string{"cause"}),
+		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_index_resyncs_requested_total",
+			Help: "Batches whose outcome asked the rank for an inventory, by reason (gap, fenced_rank).",
+		}, []string{"reason"}),
+		applied: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_events_applied_total",
+			Help: "Placement events applied and committed.",
+		}),
+		removeNoop: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_remove_unknown_total",
+			Help: "Applied Removed events naming a placement the index did not hold.",
+		}),
+		inventories: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_inventories_applied_total",
+			Help: "Rank inventories applied (each replaces all of the rank's placements).",
+		}),
+		commits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_commits_total",
+			Help: "bbolt transactions committed by group commit.",
+		}),
+		commitSecs: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_index_commit_seconds",
+			Help:    "Time to commit one group (bbolt write and fsync).",
+			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 16),
+		}),
+		groupEvents: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_index_group_events",
+			Help:    "Events per group commit.",
+			Buckets: prometheus.ExponentialBuckets(1, 4, 10),
+		}),
+		checkpoints: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_checkpoints_total",
+			Help: "Change-log folds into the snapshot bucket.",
+		}),
+		ckptSecs: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_index_checkpoint_seconds",
+			Help:    "Time to fold the change log into the snapshot bucket.",
+			Buckets: prometheus.ExponentialBuckets(1e-3, 2, 14),
+		}),
+		objects: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvtier_index_objects",
+			Help: "Distinct object keys with at least one placement.",
+		}),
+		placements: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvtier_index_placements",
+			Help: "Placements held, by tier.",
+		}, []string{"tier"}),
+		ranks: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvtier_index_ranks",
+			Help: "Ranks known to the index.",
+		}),
+	}
+}
+
+func (m *metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.dropped, m.fenced, m.resyncs, m.applied, m.removeNoop, m.inventories,
+		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks}
+}
+
+// register registers every collector, undoing partial work on error.
+func (m *metrics) register(r prometheus.Registerer) error {
+	if r == nil {
+		return nil
+	}
+	var done []prometheus.Collector
+	for _, c := range m.collectors() {
+		if err := r.Register(c); err != nil {
+			for _, d := range done {
+				r.Unregister(d)
+			}
+			return err
+		}
+		done = append(done, c)
+	}
+	return nil
+}
+
+func (m *metrics) unregister(r prometheus.Registerer) {
+	if r == nil {
+		return
+	}
+	for _, c := range m.collectors() {
+		r.Unregister(c)
+	}
+}

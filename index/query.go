@@ -1,0 +1,314 @@
+package index
+
+import (
+	"bytes"
+	"fmt"
+	"slices"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Queries read the in-memory state under the read lock; none touches bbolt.
+
+// Source is where one reader takes one expected object from.
+type Source struct {
+	Holder wire.Rank
+	Tier   wire.Tier
+	Size   uint64
+	Sum    uint64 // kvsum64 recorded at store time: what the reader must confirm
+}
+
+// LookupResult is the answer to Lookup.
+type LookupResult struct {
+	Namespace dcp.Namespace
+	Instance  string
+	// Prefix is the number of leading chunks for which every expectation
+	// has a usable copy.
+	Prefix int
+	// Expectations are the namespace spec's (rank, shard, group) triples
+	// (dcp.Resolved.Expectations), ordered by rank then group.
+	Expectations []dcp.Expectation
+	// Sources holds Prefix*len(Expectations) entries:
+	// Sources[i*len(Expectations)+j] is where the reader of Expectations[j]
+	// takes chunk i from.
+	Sources []Source
+}
+
+// Source returns where the reader of expectation j takes chunk i from.
+func (r *LookupResult) Source(i, j int) Source { return r.Sources[i*len(r.Expectations)+j] }
+
+// Lookup returns the longest prefix of chunks that engine instance can
+// restore in namespace ns: the largest k such that for every chunk i < k
+// and every expectation (rank, shard, group) of the namespace's spec, the
+// object (ns, chunk i, shard, group) has a copy usable by the reader
+// wire.Rank{instance, rank}; and, for each such chunk and expectation,
+// which copy to read.
+//
+// Usability: an L1 copy (pinned memory of its holder's rankd) is usable
+// only by its holder itself; an L2 copy (a file under the instance's L2
+// root, shared by the instance's rankds) is usable by any reader of the
+// holder's instance, even while the holder is fenced (the file outlives
+// it). Fenced L1 copies are never usable: the index does not keep them.
+// Preference: the reader's own L1, then its own L2, then the L2 copy of
+// the instance's lowest TP rank.
+//
+// An unregistered namespace is an error wrapping ErrUnknownNamespace.
+func (ix *Index) Lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (LookupResult, error) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	st := ix.st
+	n := st.ns[ns]
+	if n == nil || n.spec == nil {
+		return LookupResult{}, fmt.Errorf("lookup in namespace %s: %w", ns, ErrUnknownNamespace)
+	}
+	exps := n.exps
+	res := LookupResult{Namespace: ns, Instance: instance, Expectations: exps}
+	inst := st.insts[instance] // 0: unknown instance, nothing of it is usable
+	var readerBuf [16]uint32
+	readers := readerBuf[:0]
+	for _, e := range exps {
+		readers = append(readers, st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}])
+	}
+	if inst == 0 || len(chunks) == 0 {
+		return res, nil
+	}
+	res.Sources = make([]Source, 0, len(chunks)*len(exps))
+	for _, c := range chunks {
+		s := n.chunks[c]
+		if len(s) == 0 {
+			break
+		}
+		mark := len(res.Sources)
+		for j := range exps {
+			p := st.usable(s, uint16(exps[j].Shard), uint16(exps[j].Group), readers[j], inst)
+			if p == nil {
+				res.Sources = res.Sources[:mark]
+				return res, nil
+			}
+			res.Sources = append(res.Sources, Source{Holder: st.ranks[p.rank].rank, Tier: p.tier, Size: p.size, Sum: p.sum})
+		}
+		res.Prefix++
+	}
+	return res, nil
+}
+
+// usable picks the copy of object (shard, group) in s that reader (rank
+// id, 0 if unknown) of instance inst should read, or nil.
+func (st *state) usable(s []placement, shard, group uint16, reader, inst uint32) *placement {
+	var best *placement
+	bestScore := 0
+	for i := range s {
+		p := &s[i]
+		if p.shard != shard || p.group != group {
+			if p.shard > shard || (p.shard == shard && p.group > group) {
+				break // sorted: past the object
+			}
+			continue
+		}
+		switch {
+		case p.tier == wire.L1:
+			if p.rank == reader {
+				return p // the reader's own L1: nothing is better
+			}
+		case p.rank == reader:
+			if bestScore < 3 {
+				best, bestScore = p, 3
+			}
+		case st.ranks[p.rank].inst == inst:
+			if bestScore < 2 || (bestScore == 2 && st.ranks[p.rank].rank.TPRank < st.ranks[best.rank].rank.TPRank) {
+				best, bestScore = p, 2
+			}
+		}
+	}
+	return best
+}
+
+// Holder is one copy of an object.
+type Holder struct {
+	Rank        wire.Rank
+	Tier        wire.Tier
+	Size        uint64
+	Sum         uint64
+	Incarnation uint64 // of the holder that stored it
+	Seq         uint64 // event (or inventory) sequence that put it there
+}
+
+// Get returns every copy of one object, L1 copies first, nil if none.
+func (ix *Index) Get(k dcp.Key) []Holder {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	var out []Holder
+	for _, p := range ix.st.chunk(chunkRef{k.NS, k.Chunk}) {
+		if p.shard == k.Shard && p.group == k.Group {
+			out = append(out, ix.st.holder(&p))
+		}
+	}
+	slices.SortStableFunc(out, func(a, b Holder) int { return int(a.Tier) - int(b.Tier) })
+	return out
+}
+
+func (st *state) holder(p *placement) Holder {
+	return Holder{Rank: st.ranks[p.rank].rank, Tier: p.tier, Size: p.size, Sum: p.sum, Incarnation: p.inc, Seq: p.seq}
+}
+
+// RankInfo is a rank's C7 state and what it holds.
+type RankInfo struct {
+	Rank        wire.Rank
+	Incarnation uint64
+	LastSeq     uint64
+	// Fenced: declared dead (FenceRank); its batches are refused until it
+	// sends an inventory or a new incarnation starts.
+	Fenced       bool
+	L1Placements int64
+	L1Bytes      uint64
+	L2Placements int64
+	L2Bytes      uint64
+	// Placements is filled by ListRank only, sorted by key then tier;
+	// Seq/Incarnation of each copy are in Holder form via Get.
+	Placements []wire.Placement
+}
+
+func (r *rankState) info() RankInfo {
+	return RankInfo{Rank: r.rank, Incarnation: r.inc, LastSeq: r.last, Fenced: r.fenced,
+		L1Placements: r.placements[wire.L1], L1Bytes: r.bytes[wire.L1],
+		L2Placements: r.placements[wire.L2], L2Bytes: r.bytes[wire.L2]}
+}
+
+// Ranks returns every known rank's state and counts (no placement lists),
+// ordered by instance then TP rank.
+func (ix *Index) Ranks() []RankInfo {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	out := make([]RankInfo, 0, len(ix.st.ranks)-1)
+	for _, r := range ix.st.ranks[1:] {
+		out = append(out, r.info())
+	}
+	slices.SortFunc(out, func(a, b RankInfo) int {
+		if a.Rank.Instance != b.Rank.Instance {
+			if a.Rank.Instance < b.Rank.Instance {
+				return -1
+			}
+			return 1
+		}
+		return a.Rank.TPRank - b.Rank.TPRank
+	})
+	return out
+}
+
+// ListRank returns a rank's state and every placement it holds. It scans
+// the whole index (admin and tests; not for a hot path). An unknown rank
+// is an error wrapping ErrUnknownRank.
+func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	id, ok := ix.st.rankIDs[r]
+	if !ok {
+		return RankInfo{}, fmt.Errorf("rank %s: %w", r, ErrUnknownRank)
+	}
+	info := ix.st.ranks[id].info()
+	for ns, n := range ix.st.ns {
+		for c, s := range n.chunks {
+			for _, p := range s {
+				if p.rank == id {
+					info.Placements = append(info.Placements, wire.Placement{
+						Key:  dcp.Key{NS: ns, Chunk: c, Shard: p.shard, Group: p.group},
+						Tier: p.tier, Size: p.size, Sum: p.sum})
+				}
+			}
+		}
+	}
+	SortPlacements(info.Placements)
+	return info, nil
+}
+
+// SortPlacements sorts placements by binary key, then tier: the order of
+// ListRank, handy for comparing with an inventory.
+func SortPlacements(ps []wire.Placement) {
+	slices.SortFunc(ps, func(a, b wire.Placement) int {
+		if c := bytes.Compare(a.Key.Bytes(), b.Key.Bytes()); c != 0 {
+			return c
+		}
+		return int(a.Tier) - int(b.Tier)
+	})
+}
+
+// NamespaceInfo is one namespace's spec and counts.
+type NamespaceInfo struct {
+	Namespace dcp.Namespace
+	// Spec is nil while the namespace is unregistered (events may arrive
+	// before the engine registers it).
+	Spec         *dcp.Resolved
+	Chunks       int64
+	Objects      int64 // distinct (chunk, shard, group) with a copy
+	L1Placements int64
+	L1Bytes      uint64
+	L2Placements int64
+	L2Bytes      uint64
+}
+
+func (n *nsState) info(ns dcp.Namespace) NamespaceInfo {
+	return NamespaceInfo{Namespace: ns, Spec: n.spec, Chunks: int64(len(n.chunks)), Objects: n.objects,
+		L1Placements: n.placements[wire.L1], L1Bytes: n.bytes[wire.L1],
+		L2Placements: n.placements[wire.L2], L2Bytes: n.bytes[wire.L2]}
+}
+
+// ListNamespace returns a namespace's spec and counts. A namespace with
+// neither a registered spec nor any object is an error wrapping
+// ErrUnknownNamespace.
+func (ix *Index) ListNamespace(ns dcp.Namespace) (NamespaceInfo, error) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	n := ix.st.ns[ns]
+	if n == nil || (n.spec == nil && len(n.chunks) == 0) {
+		return NamespaceInfo{}, fmt.Errorf("namespace %s: %w", ns, ErrUnknownNamespace)
+	}
+	return n.info(ns), nil
+}
+
+// Namespaces lists every namespace with a spec or an object, in key order.
+func (ix *Index) Namespaces() []NamespaceInfo {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	var out []NamespaceInfo
+	for ns, n := range ix.st.ns {
+		if n.spec != nil || len(n.chunks) > 0 {
+			out = append(out, n.info(ns))
+		}
+	}
+	slices.SortFunc(out, func(a, b NamespaceInfo) int { return bytes.Compare(a.Namespace[:], b.Namespace[:]) })
+	return out
+}
+
+// Stats are the index's totals.
+type Stats struct {
+	Namespaces   int
+	Ranks        int
+	Chunks       int64
+	Objects      int64
+	L1Placements int64
+	L1Bytes      uint64
+	L2Placements int64
+	L2Bytes      uint64
+}
+
+// Stats returns the totals in O(namespaces).
+func (ix *Index) Stats() Stats {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	st := ix.st
+	s := Stats{Ranks: len(st.ranks) - 1, Chunks: st.chunks, Objects: st.objects,
+		L1Placements: st.placements[wire.L1], L1Bytes: st.bytes[wire.L1],
+		L2Placements: st.placements[wire.L2], L2Bytes: st.bytes[wire.L2]}
+	for _, n := range st.ns {
+		if n.spec != nil || len(n.chunks) > 0 {
+			s.Namespaces++
+		}
+	}
+	return s
+}
+
+// Ack is the wire acknowledgement of an applied batch.
+func (o Outcome) Ack() wire.EventAck {
+	return wire.EventAck{AppliedThrough: o.LastSeq, Resync: o.Resync, Fenced: o.Reason == DropStaleIncarnation}
+}

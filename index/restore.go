@@ -1,0 +1,278 @@
+package index
+
+import (
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// The restore verdict (C5) as a pure state machine: no goroutines, no I/O,
+// no clock. The coordinator owns the timer and calls Expire; it also owns
+// the locking (a Restore is not safe for concurrent use).
+//
+// A restore is complete only when every expected (chunk, rank, shard,
+// group) has been confirmed by its rank with the checksum recorded at store
+// time. It fails, with the sorted union of the failed chunks, as soon as
+// every expectation has been reported (or the deadline has passed) and at
+// least one did not confirm: the rank reported a failure, reported a sum
+// other than the recorded one, or had not reported by the deadline. A
+// verdict, once complete or failed, never changes.
+
+// Expect is one object a restore needs confirmed.
+type Expect struct {
+	Chunk int    // index into the restore's chunks
+	Rank  int    // TP rank that reads the object and must confirm it
+	Shard int    // object's shard
+	Group int    // object's group
+	Sum   uint64 // kvsum64 recorded at store time
+}
+
+// ExpectFromLookup returns the expectations of restoring chunks [0, n) of a
+// lookup's prefix (n <= res.Prefix), with the checksums of the sources the
+// lookup chose.
+func ExpectFromLookup(res *LookupResult, n int) []Expect {
+	out := make([]Expect, 0, n*len(res.Expectations))
+	for i := range min(n, res.Prefix) {
+		for j, e := range res.Expectations {
+			out = append(out, Expect{Chunk: i, Rank: e.Rank, Shard: e.Shard, Group: e.Group, Sum: res.Source(i, j).Sum})
+		}
+	}
+	return out
+}
+
+// Verdict is a restore's state. Failed and Reasons are final only when
+// State is not wire.VerdictPending; while pending they list the chunks
+// already known to have failed.
+type Verdict struct {
+	State string // wire.VerdictPending, wire.VerdictComplete or wire.VerdictFailed
+	// Failed lists the failed chunk indexes, sorted; Reasons[i] says why
+	// Failed[i] failed (its first failed expectation).
+	Failed    []int
+	Reasons   []string
+	Expected  int // expectations
+	Confirmed int // expectations confirmed with the recorded checksum
+	Reported  int // expectations reported (confirmed or not)
+}
+
+// Final reports whether the verdict can no longer change.
+func (v Verdict) Final() bool { return v.State != wire.VerdictPending }
+
+// ReportOutcome is what Report did with one rank's report.
+type ReportOutcome struct {
+	Accepted   int // results recorded
+	Duplicates int // results for expectations already reported: ignored
+	Late       int // results after the verdict was final: ignored
+	Rejected   int // results for expectations that do not exist
+	State      string
+}
+
+type restoreSlot struct {
+	chunk, rank, group int
+}
+
+type expectState struct {
+	Expect
+	reported bool
+	ok       bool
+	reason   string
+}
+
+// Restore tracks one restore's reports.
+type Restore struct {
+	id       string
+	ns       dcp.Namespace
+	chunks   []dcp.ChunkHash
+	deadline time.Time
+
+	exp   []expectState
+	slots map[restoreSlot]int
+	ranks map[int]bool
+
+	state      string
+	reported   int
+	confirmed  int
+	chunkFail  []string // per chunk: first failure reason, "" if none
+	duplicates int
+	rejected   int
+	late       int
+}
+
+// NewRestore starts tracking a restore of chunks (the prefix being
+// restored) in namespace ns. expect lists every (chunk, rank, shard,
+// group) that must be confirmed, with its recorded checksum; each rank
+// reads one shard per group, so (chunk, rank, group) must be unique, and
+// every chunk needs at least one expectation. deadline is when Expire
+// turns missing reports into failures.
+func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Expect, deadline time.Time) (*Restore, error) {
+	switch {
+	case len(chunks) == 0:
+		return nil, fmt.Errorf("restore %q: no chunks: %w", id, ErrRestore)
+	case deadline.IsZero():
+		return nil, fmt.Errorf("restore %q: no deadline: %w", id, ErrRestore)
+	}
+	r := &Restore{
+		id: id, ns: ns, chunks: slices.Clone(chunks), deadline: deadline,
+		exp:       make([]expectState, len(expect)),
+		slots:     make(map[restoreSlot]int, len(expect)),
+		ranks:     make(map[int]bool),
+		state:     wire.VerdictPending,
+		chunkFail: make([]string, len(chunks)),
+	}
+	covered := make([]bool, len(chunks))
+	for i, e := range expect {
+		switch {
+		case e.Chunk < 0 || e.Chunk >= len(chunks):
+			return nil, fmt.Errorf("restore %q: expectation %d names chunk %d of %d: %w", id, i, e.Chunk, len(chunks), ErrRestore)
+		case e.Rank < 0 || e.Rank > dcp.MaxTP:
+			return nil, fmt.Errorf("restore %q: expectation %d names TP rank %d, want 0..%d: %w", id, i, e.Rank, dcp.MaxTP, ErrRestore)
+		case e.Shard < 0 || e.Shard > 0xffff || e.Group < 0 || e.Group > 0xffff:
+			return nil, fmt.Errorf("restore %q: expectation %d has shard %d group %d, want 0..65535: %w",
+				id, i, e.Shard, e.Group, ErrRestore)
+		}
+		s := restoreSlot{e.Chunk, e.Rank, e.Group}
+		if j, dup := r.slots[s]; dup {
+			return nil, fmt.Errorf("restore %q: expectations %d and %d both name chunk %d rank %d group %d: %w",
+				id, j, i, e.Chunk, e.Rank, e.Group, ErrRestore)
+		}
+		r.slots[s] = i
+		r.exp[i] = expectState{Expect: e}
+		r.ranks[e.Rank] = true
+		covered[e.Chunk] = true
+	}
+	if i := slices.Index(covered, false); i >= 0 {
+		return nil, fmt.Errorf("restore %q: chunk %d has no expectation: %w", id, i, ErrRestore)
+	}
+	return r, nil
+}
+
+// ID returns the restore's id.
+func (r *Restore) ID() string { return r.id }
+
+// Namespace returns the restore's namespace.
+func (r *Restore) Namespace() dcp.Namespace { return r.ns }
+
+// Chunks returns the number of chunks being restored.
+func (r *Restore) Chunks() int { return len(r.chunks) }
+
+// Deadline returns the restore's deadline.
+func (r *Restore) Deadline() time.Time { return r.deadline }
+
+// Counts returns the results ignored so far: duplicates, results after the
+// verdict was final, and results rejected as unexpected.
+func (r *Restore) Counts() (duplicates, late, rejected int) { return r.duplicates, r.late, r.rejected }
+
+// Report records one rank's results. Each result names a chunk index and a
+// group; the rank's expectation for that (chunk, group) is confirmed when
+// the result is OK with the recorded checksum and failed otherwise. The
+// first result for an expectation counts; later ones are duplicates and
+// ignored. A report from a rank with no expectation is rejected whole;
+// results naming an unexpected (chunk, group) are rejected one by one,
+// the others still count. Both give an error wrapping ErrUnexpectedReport.
+func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, error) {
+	var o ReportOutcome
+	if r.state != wire.VerdictPending {
+		o.Late, o.State = len(results), r.state
+		r.late += o.Late
+		return o, nil
+	}
+	if !r.ranks[rank] {
+		o.Rejected, o.State = len(results), r.state
+		r.rejected += o.Rejected
+		return o, fmt.Errorf("restore %q: rank %d is not expected to report: %w", r.id, rank, ErrUnexpectedReport)
+	}
+	var bad []string
+	for _, res := range results {
+		i, ok := r.slots[restoreSlot{res.Chunk, rank, res.Group}]
+		if !ok {
+			o.Rejected++
+			if len(bad) < 5 {
+				bad = append(bad, fmt.Sprintf("chunk %d group %d", res.Chunk, res.Group))
+			}
+			continue
+		}
+		e := &r.exp[i]
+		if e.reported {
+			o.Duplicates++
+			continue
+		}
+		o.Accepted++
+		e.reported = true
+		r.reported++
+		switch {
+		case !res.OK:
+			reason := res.Reason
+			if reason == "" {
+				reason = "failed"
+			}
+			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: %s", rank, e.Group, e.Shard, reason))
+		case res.Sum != e.Sum:
+			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: checksum mismatch: placed %#016x, recorded %#016x",
+				rank, e.Group, e.Shard, res.Sum, e.Sum))
+		default:
+			e.ok = true
+			r.confirmed++
+		}
+	}
+	r.duplicates += o.Duplicates
+	r.rejected += o.Rejected
+	if r.reported == len(r.exp) {
+		r.finish()
+	}
+	o.State = r.state
+	if o.Rejected > 0 {
+		return o, fmt.Errorf("restore %q: rank %d reported %d unexpected results (%v): %w",
+			r.id, rank, o.Rejected, bad, ErrUnexpectedReport)
+	}
+	return o, nil
+}
+
+func (r *Restore) fail(e *expectState, reason string) {
+	e.reason = reason
+	if r.chunkFail[e.Chunk] == "" {
+		r.chunkFail[e.Chunk] = reason
+	}
+}
+
+// Expire is the deadline check: at or after the deadline, every
+// expectation not yet reported fails ("no report by the deadline") and the
+// verdict becomes final. Before the deadline, and after a final verdict,
+// it changes nothing. It returns the verdict.
+func (r *Restore) Expire(now time.Time) Verdict {
+	if r.state == wire.VerdictPending && !now.Before(r.deadline) {
+		for i := range r.exp {
+			if e := &r.exp[i]; !e.reported {
+				r.fail(e, fmt.Sprintf("rank %d group %d shard %d: no report by the deadline", e.Rank, e.Group, e.Shard))
+			}
+		}
+		r.finish()
+	}
+	return r.Verdict()
+}
+
+func (r *Restore) finish() {
+	if r.confirmed == len(r.exp) {
+		r.state = wire.VerdictComplete
+		return
+	}
+	r.state = wire.VerdictFailed
+}
+
+// Verdict returns the restore's current verdict.
+func (r *Restore) Verdict() Verdict {
+	v := Verdict{State: r.state, Expected: len(r.exp), Confirmed: r.confirmed, Reported: r.reported}
+	for i, reason := range r.chunkFail {
+		if reason != "" {
+			v.Failed = append(v.Failed, i)
+			v.Reasons = append(v.Reasons, fmt.Sprintf("chunk %d: %s", i, reason))
+		}
+	}
+	return v
+}
+
+// Wire returns the verdict as the restore protocol's message.
+func (v Verdict) Wire(id string, prefix int) wire.RestoreVerdict {
+	return wire.RestoreVerdict{RestoreID: id, State: v.State, Prefix: prefix, Failed: v.Failed, Reasons: v.Reasons}
+}

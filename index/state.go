@@ -1,0 +1,220 @@
+package index
+
+import (
+	"bytes"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// placement is one holder of one object: the (shard, group) object of a
+// chunk, held by a rank in a tier. The chunk and namespace are the map keys
+// above it. 48 bytes.
+type placement struct {
+	size uint64
+	sum  uint64 // kvsum64 recorded at store time
+	seq  uint64 // event sequence that put it here (inventory: the inventory's)
+	inc  uint64 // holder incarnation that stored it
+	rank uint32 // rank id (state.ranks)
+	// object
+	shard uint16
+	group uint16
+	tier  wire.Tier
+}
+
+// cmpSlot orders placements within a chunk: shard, group, tier, rank. The
+// order makes L1 copies come before L2 copies of the same object and makes
+// the slices of two states comparable element by element.
+func cmpSlot(shard, group uint16, tier wire.Tier, rank uint32, q *placement) int {
+	switch {
+	case shard != q.shard:
+		return int(shard) - int(q.shard)
+	case group != q.group:
+		return int(group) - int(q.group)
+	case tier != q.tier:
+		return int(tier) - int(q.tier)
+	case rank < q.rank:
+		return -1
+	case rank > q.rank:
+		return 1
+	}
+	return 0
+}
+
+// upsert inserts p in s in slot order, replacing a placement of the same
+// slot. It modifies s in place; s must be owned by the caller.
+func upsert(s []placement, p placement) []placement {
+	i := 0
+	for ; i < len(s); i++ {
+		c := cmpSlot(p.shard, p.group, p.tier, p.rank, &s[i])
+		if c == 0 {
+			s[i] = p
+			return s
+		}
+		if c < 0 {
+			break
+		}
+	}
+	s = append(s, placement{})
+	copy(s[i+1:], s[i:])
+	s[i] = p
+	return s
+}
+
+// remove deletes the placement of one slot from s (in place) and returns it.
+func remove(s []placement, shard, group uint16, tier wire.Tier, rank uint32) ([]placement, placement, bool) {
+	for i := range s {
+		if cmpSlot(shard, group, tier, rank, &s[i]) == 0 {
+			p := s[i]
+			return append(s[:i], s[i+1:]...), p, true
+		}
+	}
+	return s, placement{}, false
+}
+
+// countObjects returns the distinct (shard, group) objects in a sorted slice.
+func countObjects(s []placement) int64 {
+	var n int64
+	for i := range s {
+		if i == 0 || s[i].shard != s[i-1].shard || s[i].group != s[i-1].group {
+			n++
+		}
+	}
+	return n
+}
+
+// tally counts placements and their bytes by tier (index = wire.Tier).
+type tally struct {
+	placements [3]int64
+	bytes      [3]uint64
+}
+
+func (t *tally) add(p *placement, sign int64) {
+	t.placements[p.tier] += sign
+	t.bytes[p.tier] += uint64(sign) * p.size
+}
+
+// nsState is one namespace: its registered spec (nil until RegisterNamespace)
+// and its chunks.
+type nsState struct {
+	spec     *dcp.Resolved
+	specJSON []byte
+	exps     []dcp.Expectation // spec.Expectations(), cached for lookups
+	chunks   map[dcp.ChunkHash][]placement
+	objects  int64
+	tally
+}
+
+// rankMeta is the C7 state of a rank.
+type rankMeta struct {
+	inc    uint64 // current incarnation
+	last   uint64 // last applied sequence of that incarnation
+	fenced bool   // declared dead by FenceRank; cleared by an inventory or a new incarnation
+}
+
+type rankState struct {
+	id   uint32
+	rank wire.Rank
+	inst uint32 // instance id (state.insts), in memory only
+	rankMeta
+	tally
+}
+
+// state is the whole index in memory: what Lookup reads. The committer is
+// its only writer (through txn and publish); see Index for the locking.
+type state struct {
+	ns      map[dcp.Namespace]*nsState
+	ranks   []*rankState // by id; ranks[0] is nil
+	rankIDs map[wire.Rank]uint32
+	insts   map[string]uint32
+	objects int64
+	chunks  int64
+	tally
+}
+
+func newState() *state {
+	return &state{
+		ns:      make(map[dcp.Namespace]*nsState),
+		ranks:   []*rankState{nil},
+		rankIDs: make(map[wire.Rank]uint32),
+		insts:   make(map[string]uint32),
+	}
+}
+
+func (st *state) namespace(ns dcp.Namespace) *nsState {
+	n := st.ns[ns]
+	if n == nil {
+		n = &nsState{chunks: make(map[dcp.ChunkHash][]placement)}
+		st.ns[ns] = n
+	}
+	return n
+}
+
+func (st *state) chunk(ref chunkRef) []placement {
+	if n := st.ns[ref.ns]; n != nil {
+		return n.chunks[ref.chunk]
+	}
+	return nil
+}
+
+// addRank appends a rank with the next id.
+func (st *state) addRank(r wire.Rank, m rankMeta) *rankState {
+	inst, ok := st.insts[r.Instance]
+	if !ok {
+		inst = uint32(len(st.insts) + 1)
+		st.insts[r.Instance] = inst
+	}
+	rs := &rankState{id: uint32(len(st.ranks)), rank: r, inst: inst, rankMeta: m}
+	st.ranks = append(st.ranks, rs)
+	st.rankIDs[r] = rs.id
+	return rs
+}
+
+// setChunk replaces a chunk's placements, keeping every count in step.
+func (st *state) setChunk(ref chunkRef, s []placement) {
+	n := st.namespace(ref.ns)
+	old, had := n.chunks[ref.chunk]
+	for i := range old {
+		p := &old[i]
+		n.add(p, -1)
+		st.add(p, -1)
+		st.ranks[p.rank].add(p, -1)
+	}
+	o := countObjects(old)
+	n.objects -= o
+	st.objects -= o
+	if len(s) == 0 {
+		if had {
+			delete(n.chunks, ref.chunk)
+			st.chunks--
+		}
+		return
+	}
+	if !had {
+		st.chunks++
+	}
+	n.chunks[ref.chunk] = s
+	for i := range s {
+		p := &s[i]
+		n.add(p, 1)
+		st.add(p, 1)
+		st.ranks[p.rank].add(p, 1)
+	}
+	o = countObjects(s)
+	n.objects += o
+	st.objects += o
+}
+
+// chunkRef names one chunk of one namespace.
+type chunkRef struct {
+	ns    dcp.Namespace
+	chunk dcp.ChunkHash
+}
+
+// compareRef orders refs as their snapshot keys sort: namespace, then chunk.
+func compareRef(a, b chunkRef) int {
+	if c := bytes.Compare(a.ns[:], b.ns[:]); c != 0 {
+		return c
+	}
+	return bytes.Compare(a.chunk[:], b.chunk[:])
+}

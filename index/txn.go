@@ -1,0 +1,509 @@
+package index
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// This file is the pure core of the index: the C7 rules as transitions of a
+// state, with no I/O and no goroutines. A txn stages the effect of a group
+// of requests on top of a state without modifying it (copy-on-write per
+// chunk and per rank), records the change as log ops for bbolt, and is
+// published into the state only after bbolt has committed it. Replaying a
+// change log at Open runs the same put/del/fence/drop code.
+
+// Outcome is what Apply did with one batch. Its counts add up to the
+// batch's events: Applied + Duplicates + Dropped == len(batch.Events).
+type Outcome struct {
+	// Applied events were committed, in sequence order.
+	Applied int
+	// Duplicates had a sequence <= the rank's last applied one: ignored.
+	Duplicates int
+	// Dropped events were not applied for Reason (gap, stale_incarnation
+	// or fenced_rank).
+	Dropped int
+	Reason  DropReason
+	// NewIncarnation: the batch came from a newer incarnation of a known
+	// rank; the old incarnation's L1 placements were fenced (Fenced of
+	// them), its L2 placements stay attributed to the rank.
+	NewIncarnation bool
+	Fenced         int
+	// Resync: the index is missing events of this rank and will not apply
+	// later ones until the rank sends an inventory (ApplyInventory).
+	// ResyncFrom is the first sequence it is missing.
+	Resync     bool
+	ResyncFrom uint64
+	// RemovedUnknown counts applied Removed events for placements the index
+	// did not hold (counted, harmless).
+	RemovedUnknown int
+	// Incarnation and LastSeq are the rank's state after the batch.
+	Incarnation uint64
+	LastSeq     uint64
+}
+
+// InventoryOutcome is what ApplyInventory did.
+type InventoryOutcome struct {
+	// Applied: the inventory replaced all of the rank's placements.
+	// Otherwise Reason says why it was dropped (stale_incarnation,
+	// stale_inventory) and nothing changed.
+	Applied bool
+	Reason  DropReason
+	// Replaced is the number of placements the rank had before; Placements
+	// the number it has now.
+	Replaced   int
+	Placements int
+	// Fenced counts L1 placements of an older incarnation fenced first.
+	Fenced      int
+	Incarnation uint64
+	LastSeq     uint64
+}
+
+type stagedChunk struct {
+	ref chunkRef
+	s   []placement // owned by the txn; empty means the chunk goes away
+}
+
+type nsReg struct {
+	ns   dcp.Namespace
+	spec *dcp.Resolved
+	json []byte
+}
+
+// txn stages changes on top of st. st is only read.
+type txn struct {
+	st       *state
+	idx      map[chunkRef]int
+	staged   []stagedChunk
+	metas    map[uint32]rankMeta // staged rank metas
+	newRanks []wire.Rank         // ids len(st.ranks)+i
+	newIDs   map[wire.Rank]uint32
+	putRank  []bool     // by id: a placement was put in this txn
+	regs     []nsReg    // staged namespace registrations
+	enc      *opEncoder // nil while replaying
+	events   int        // events and inventory objects applied
+}
+
+func newTxn(st *state, enc *opEncoder) *txn {
+	return &txn{
+		st:     st,
+		idx:    make(map[chunkRef]int),
+		metas:  make(map[uint32]rankMeta),
+		newIDs: make(map[wire.Rank]uint32),
+		enc:    enc,
+	}
+}
+
+// changed reports whether the txn has anything to commit.
+func (t *txn) changed() bool {
+	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0
+}
+
+func (t *txn) rankID(r wire.Rank) (uint32, bool) {
+	if id, ok := t.st.rankIDs[r]; ok {
+		return id, true
+	}
+	id, ok := t.newIDs[r]
+	return id, ok
+}
+
+func (t *txn) createRank(r wire.Rank, inc uint64) uint32 {
+	id := uint32(len(t.st.ranks) + len(t.newRanks))
+	t.newRanks = append(t.newRanks, r)
+	t.newIDs[r] = id
+	t.metas[id] = rankMeta{inc: inc}
+	return id
+}
+
+// meta returns the rank's current meta, staged or live.
+func (t *txn) meta(id uint32) rankMeta {
+	if m, ok := t.metas[id]; ok {
+		return m
+	}
+	return t.st.ranks[id].rankMeta
+}
+
+func (t *txn) setMeta(id uint32, m rankMeta) { t.metas[id] = m }
+
+// rankName returns the wire.Rank of a live or staged id.
+func (t *txn) rankName(id uint32) wire.Rank {
+	if int(id) < len(t.st.ranks) {
+		return t.st.ranks[id].rank
+	}
+	return t.newRanks[int(id)-len(t.st.ranks)]
+}
+
+// mut returns the index of the staged copy of a chunk, staging it first.
+func (t *txn) mut(ref chunkRef) int {
+	if i, ok := t.idx[ref]; ok {
+		return i
+	}
+	live := t.st.chunk(ref)
+	s := make([]placement, len(live), len(live)+2)
+	copy(s, live)
+	t.staged = append(t.staged, stagedChunk{ref: ref, s: s})
+	i := len(t.staged) - 1
+	t.idx[ref] = i
+	return i
+}
+
+// view returns a chunk's placements as the txn sees them (read only).
+func (t *txn) view(ref chunkRef) []placement {
+	if i, ok := t.idx[ref]; ok {
+		return t.staged[i].s
+	}
+	return t.st.chunk(ref)
+}
+
+func (t *txn) markPut(id uint32) {
+	for int(id) >= len(t.putRank) {
+		t.putRank = append(t.putRank, false)
+	}
+	t.putRank[id] = true
+}
+
+// put stores a placement (rank and inc in p) in a chunk.
+func (t *txn) put(ref chunkRef, p placement) {
+	i := t.mut(ref)
+	t.staged[i].s = upsert(t.staged[i].s, p)
+	t.markPut(p.rank)
+	if t.enc != nil {
+		t.enc.put(ref, &p)
+	}
+}
+
+// del removes one placement; false if there was none.
+func (t *txn) del(ref chunkRef, shard, group uint16, tier wire.Tier, rank uint32, inc uint64) bool {
+	s := t.view(ref)
+	found := false
+	for j := range s {
+		if cmpSlot(shard, group, tier, rank, &s[j]) == 0 {
+			found = true
+			break
+		}
+	}
+	if !found {
+		return false
+	}
+	i := t.mut(ref)
+	t.staged[i].s, _, _ = remove(t.staged[i].s, shard, group, tier, rank)
+	if t.enc != nil {
+		t.enc.del(ref, shard, group, tier, rank, inc)
+	}
+	return true
+}
+
+// mayHold reports whether rank id may hold placements of the given tier
+// (0: any) in the txn's view, so scans can be skipped for ranks with none.
+func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
+	if int(id) < len(t.putRank) && t.putRank[id] {
+		return true
+	}
+	if int(id) >= len(t.st.ranks) {
+		return false
+	}
+	tl := &t.st.ranks[id].tally
+	if tier == 0 {
+		return tl.placements[wire.L1]+tl.placements[wire.L2] > 0
+	}
+	return tl.placements[tier] > 0
+}
+
+// filter removes every placement for which drop is true, from every chunk,
+// and returns how many it removed. It visits every chunk: fences and
+// inventories are rare next to events, and a per-rank index would cost
+// every event a second map update.
+func (t *txn) filter(drop func(*placement) bool) int {
+	n := 0
+	for ns, nst := range t.st.ns {
+		for c, live := range nst.chunks {
+			ref := chunkRef{ns, c}
+			if _, ok := t.idx[ref]; ok {
+				continue // staged: handled below
+			}
+			hit := false
+			for j := range live {
+				if drop(&live[j]) {
+					hit = true
+					break
+				}
+			}
+			if hit {
+				t.mut(ref)
+			}
+		}
+	}
+	for i := range t.staged {
+		s := t.staged[i].s
+		k := 0
+		for j := range s {
+			if drop(&s[j]) {
+				n++
+				continue
+			}
+			s[k] = s[j]
+			k++
+		}
+		t.staged[i].s = s[:k]
+	}
+	return n
+}
+
+// fenceL1 removes the rank's L1 placements stored by incarnations < below.
+func (t *txn) fenceL1(id uint32, below uint64) int {
+	if !t.mayHold(id, wire.L1) {
+		return 0
+	}
+	n := t.filter(func(p *placement) bool { return p.rank == id && p.tier == wire.L1 && p.inc < below })
+	if n > 0 && t.enc != nil {
+		t.enc.fence(id, below)
+	}
+	return n
+}
+
+// dropRank removes every placement of the rank.
+func (t *txn) dropRank(id uint32) int {
+	if !t.mayHold(id, 0) {
+		return 0
+	}
+	n := t.filter(func(p *placement) bool { return p.rank == id })
+	if n > 0 && t.enc != nil {
+		t.enc.drop(id)
+	}
+	return n
+}
+
+// applyBatch applies the C7 rules to one batch, per (rank, incarnation):
+//   - a batch from an incarnation older than the rank's current one is
+//     dropped (stale_incarnation);
+//   - a batch from a newer incarnation fences the old incarnation's L1
+//     placements (L2 placements stay, attributed to the rank), resets the
+//     rank to that incarnation with last sequence 0, then applies;
+//   - a batch from the current incarnation of a rank fenced by FenceRank is
+//     dropped (fenced_rank) and asks for a resync;
+//   - then per event: seq <= last is a duplicate; seq == last+1 is
+//     applied; anything else is a gap: it and every later event are
+//     dropped and the outcome asks for a resync from last+1.
+//
+// The batch must have passed validateBatch.
+func (t *txn) applyBatch(b *wire.Batch) Outcome {
+	var o Outcome
+	id, known := t.rankID(b.Rank)
+	if !known {
+		id = t.createRank(b.Rank, b.Incarnation)
+	}
+	m := t.meta(id)
+	switch {
+	case b.Incarnation < m.inc:
+		o.Dropped, o.Reason = len(b.Events), DropStaleIncarnation
+		o.Incarnation, o.LastSeq = m.inc, m.last
+		return o
+	case b.Incarnation > m.inc:
+		o.NewIncarnation = true
+		o.Fenced = t.fenceL1(id, b.Incarnation)
+		m = rankMeta{inc: b.Incarnation}
+		t.setMeta(id, m)
+	case m.fenced:
+		o.Dropped, o.Reason = len(b.Events), DropFencedRank
+		o.Resync, o.ResyncFrom = true, m.last+1
+		o.Incarnation, o.LastSeq = m.inc, m.last
+		return o
+	}
+	last := m.last
+	for i := range b.Events {
+		e := &b.Events[i]
+		if e.Seq <= last {
+			o.Duplicates++
+			continue
+		}
+		if e.Seq != last+1 {
+			o.Dropped, o.Reason = len(b.Events)-i, DropGap
+			o.Resync, o.ResyncFrom = true, last+1
+			break
+		}
+		ref := chunkRef{e.Key.NS, e.Key.Chunk}
+		switch e.Kind {
+		case wire.Stored:
+			t.put(ref, placement{size: e.Size, sum: e.Sum, seq: e.Seq, inc: m.inc, rank: id,
+				shard: e.Key.Shard, group: e.Key.Group, tier: e.Tier})
+		case wire.Removed:
+			if !t.del(ref, e.Key.Shard, e.Key.Group, e.Tier, id, m.inc) {
+				o.RemovedUnknown++
+			}
+		}
+		last = e.Seq
+		o.Applied++
+	}
+	t.events += o.Applied
+	if last != m.last {
+		m.last = last
+		t.setMeta(id, m)
+	}
+	o.Incarnation, o.LastSeq = m.inc, m.last
+	return o
+}
+
+// applyInventory replaces all of a rank's placements with the inventory,
+// sets its incarnation and last sequence to the inventory's and clears its
+// fence. An inventory from an older incarnation, or from the current one
+// but older than the last applied event, is dropped.
+func (t *txn) applyInventory(inv *wire.Inventory) InventoryOutcome {
+	var o InventoryOutcome
+	id, known := t.rankID(inv.Rank)
+	if known {
+		m := t.meta(id)
+		switch {
+		case inv.Incarnation < m.inc:
+			o.Reason, o.Incarnation, o.LastSeq = DropStaleIncarnation, m.inc, m.last
+			return o
+		case inv.Incarnation == m.inc && inv.Seq < m.last:
+			o.Reason, o.Incarnation, o.LastSeq = DropStaleInventory, m.inc, m.last
+			return o
+		case inv.Incarnation > m.inc:
+			o.Fenced = t.fenceL1(id, inv.Incarnation)
+		}
+	} else {
+		id = t.createRank(inv.Rank, inv.Incarnation)
+	}
+	o.Replaced = t.dropRank(id)
+	for i := range inv.Objects {
+		ob := &inv.Objects[i]
+		t.put(chunkRef{ob.Key.NS, ob.Key.Chunk}, placement{size: ob.Size, sum: ob.Sum, seq: inv.Seq,
+			inc: inv.Incarnation, rank: id, shard: ob.Key.Shard, group: ob.Key.Group, tier: ob.Tier})
+	}
+	t.events += len(inv.Objects)
+	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq})
+	o.Applied, o.Placements = true, len(inv.Objects)
+	o.Incarnation, o.LastSeq = inv.Incarnation, inv.Seq
+	return o
+}
+
+// fenceRank drops the rank's L1 placements and marks it fenced until it
+// resyncs. Unknown ranks are left alone (-1).
+func (t *txn) fenceRank(r wire.Rank) int {
+	id, known := t.rankID(r)
+	if !known {
+		return -1
+	}
+	n := t.fenceL1(id, math.MaxUint64)
+	m := t.meta(id)
+	if !m.fenced {
+		m.fenced = true
+		t.setMeta(id, m)
+	}
+	return n
+}
+
+// register stages a namespace spec. Registering a namespace again is
+// idempotent when the restore expectations agree (the namespace already
+// pins the geometry; only group names and, for MLA-only specs, the TP size
+// are outside it); otherwise it is a conflict.
+func (t *txn) register(r *dcp.Resolved, js []byte) error {
+	var have *dcp.Resolved
+	for i := range t.regs {
+		if t.regs[i].ns == r.Namespace {
+			have = t.regs[i].spec
+		}
+	}
+	if have == nil {
+		if n := t.st.ns[r.Namespace]; n != nil {
+			have = n.spec
+		}
+	}
+	if have != nil {
+		if have.Layout.TP != r.Layout.TP || len(have.Groups) != len(r.Groups) {
+			return fmt.Errorf("namespace %s is registered for TP %d with %d groups, not TP %d with %d groups: %w",
+				r.Namespace, have.Layout.TP, len(have.Groups), r.Layout.TP, len(r.Groups), ErrNamespaceConflict)
+		}
+		return nil
+	}
+	t.regs = append(t.regs, nsReg{ns: r.Namespace, spec: r, json: js})
+	return nil
+}
+
+// publish installs a committed txn into st. Only the committer calls it,
+// with Index.mu held for writing; from, to select a range of staged chunks
+// so a large group can be published in slices (see Index.publish).
+func (st *state) publishRanks(t *txn) {
+	for _, r := range t.newRanks {
+		st.addRank(r, rankMeta{})
+	}
+	for id, m := range t.metas {
+		st.ranks[id].rankMeta = m
+	}
+	for _, g := range t.regs {
+		n := st.namespace(g.ns)
+		n.spec, n.specJSON, n.exps = g.spec, g.json, g.spec.Expectations()
+	}
+}
+
+func (st *state) publishChunks(t *txn, from, to int, dirty map[chunkRef]struct{}) {
+	for i := from; i < to; i++ {
+		sc := &t.staged[i]
+		st.setChunk(sc.ref, sc.s)
+		if dirty != nil {
+			dirty[sc.ref] = struct{}{}
+		}
+	}
+}
+
+// validateBatch checks a batch before it is queued; nothing of an invalid
+// batch is applied.
+func validateBatch(b *wire.Batch) error {
+	if err := validateRank(b.Rank); err != nil {
+		return fmt.Errorf("batch: %w", err)
+	}
+	for i := range b.Events {
+		e := &b.Events[i]
+		switch {
+		case e.Seq == 0:
+			return fmt.Errorf("batch from %s: event %d has sequence 0 (sequences start at 1): %w", b.Rank, i, ErrInvalid)
+		case e.Kind != wire.Stored && e.Kind != wire.Removed:
+			return fmt.Errorf("batch from %s: event %d (seq %d) has kind %d, want 1 (stored) or 2 (removed): %w",
+				b.Rank, i, e.Seq, e.Kind, ErrInvalid)
+		case e.Tier != wire.L1 && e.Tier != wire.L2:
+			return fmt.Errorf("batch from %s: event %d (seq %d) has tier %d, want 1 (L1) or 2 (L2): %w",
+				b.Rank, i, e.Seq, e.Tier, ErrInvalid)
+		}
+	}
+	return nil
+}
+
+// validateInventory checks an inventory before it is queued.
+func validateInventory(inv *wire.Inventory) error {
+	if err := validateRank(inv.Rank); err != nil {
+		return fmt.Errorf("inventory: %w", err)
+	}
+	type slot struct {
+		k dcp.Key
+		t wire.Tier
+	}
+	seen := make(map[slot]struct{}, len(inv.Objects))
+	for i := range inv.Objects {
+		ob := &inv.Objects[i]
+		if ob.Tier != wire.L1 && ob.Tier != wire.L2 {
+			return fmt.Errorf("inventory of %s: object %d (%s) has tier %d, want 1 (L1) or 2 (L2): %w",
+				inv.Rank, i, ob.Key, ob.Tier, ErrInvalid)
+		}
+		s := slot{ob.Key, ob.Tier}
+		if _, dup := seen[s]; dup {
+			return fmt.Errorf("inventory of %s: object %d (%s, %s) is listed twice: %w", inv.Rank, i, ob.Key, ob.Tier, ErrInvalid)
+		}
+		seen[s] = struct{}{}
+	}
+	return nil
+}
+
+func validateRank(r wire.Rank) error {
+	switch {
+	case r.Instance == "":
+		return fmt.Errorf("rank has an empty instance name: %w", ErrInvalid)
+	case len(r.Instance) > 255:
+		return fmt.Errorf("rank instance name is %d B, limit 255 B: %w", len(r.Instance), ErrInvalid)
+	case r.TPRank < 0 || r.TPRank > dcp.MaxTP:
+		return fmt.Errorf("rank %s: TP rank %d not in 0..%d: %w", r, r.TPRank, dcp.MaxTP, ErrInvalid)
+	}
+	return nil
+}

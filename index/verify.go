@@ -1,0 +1,328 @@
+package index
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	bolt "go.etcd.io/bbolt"
+)
+
+// loaded is a state derived from bbolt.
+type loaded struct {
+	st         *state
+	dirty      map[chunkRef]struct{} // chunks touched by the replayed log
+	logBytes   int64
+	logRecords int
+	nextLog    uint64
+}
+
+// load derives the whole state from a bbolt transaction: ranks, namespace
+// specs, the chunk snapshot, then the change log replayed in order.
+func load(tx *bolt.Tx, trackDirty bool) (loaded, error) {
+	ld := loaded{st: newState(), nextLog: 1}
+	if trackDirty {
+		ld.dirty = make(map[chunkRef]struct{})
+	}
+	st := ld.st
+	for _, name := range [][]byte{bucketMeta, bucketNS, bucketRanks, bucketSnap, bucketLog} {
+		if tx.Bucket(name) == nil {
+			return ld, fmt.Errorf("bucket %q missing: %w", name, ErrCorrupt)
+		}
+	}
+	c := tx.Bucket(bucketRanks).Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		id, r, m, err := parseRank(k, v)
+		if err != nil {
+			return ld, err
+		}
+		if int(id) != len(st.ranks) {
+			return ld, fmt.Errorf("rank ids not contiguous: found %d, want %d: %w", id, len(st.ranks), ErrCorrupt)
+		}
+		if _, dup := st.rankIDs[r]; dup {
+			return ld, fmt.Errorf("rank %s recorded twice (ids %d and %d): %w", r, st.rankIDs[r], id, ErrCorrupt)
+		}
+		st.addRank(r, m)
+	}
+	c = tx.Bucket(bucketNS).Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if len(k) != len(dcp.Namespace{}) {
+			return ld, fmt.Errorf("namespace key is %d bytes, want 16: %w", len(k), ErrCorrupt)
+		}
+		ns := dcp.Namespace(k)
+		var spec dcp.Spec
+		if err := json.Unmarshal(v, &spec); err != nil {
+			return ld, fmt.Errorf("namespace %s spec: %w: %w", ns, ErrCorrupt, err)
+		}
+		res, err := spec.Resolve()
+		if err != nil {
+			return ld, fmt.Errorf("namespace %s spec: %w: %w", ns, ErrCorrupt, err)
+		}
+		if res.Namespace != ns {
+			return ld, fmt.Errorf("namespace %s holds the spec of namespace %s: %w", ns, res.Namespace, ErrCorrupt)
+		}
+		n := st.namespace(ns)
+		n.spec, n.specJSON, n.exps = res, append([]byte(nil), v...), res.Expectations()
+	}
+	c = tx.Bucket(bucketSnap).Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		ref, err := parseSnapshotKey(k)
+		if err != nil {
+			return ld, err
+		}
+		s, err := parseChunk(v, len(st.ranks))
+		if err != nil {
+			return ld, fmt.Errorf("chunk %s/%s: %w", ref.ns, ref.chunk, err)
+		}
+		if err := checkChunk(s); err != nil {
+			return ld, fmt.Errorf("chunk %s/%s: %w: %w", ref.ns, ref.chunk, err, ErrCorrupt)
+		}
+		st.setChunk(ref, s)
+	}
+	c = tx.Bucket(bucketLog).Cursor()
+	for k, v := c.First(); k != nil; k, v = c.Next() {
+		if len(k) != 8 {
+			return ld, fmt.Errorf("log key is %d bytes, want 8: %w", len(k), ErrCorrupt)
+		}
+		seq := binary.BigEndian.Uint64(k)
+		t := newTxn(st, nil)
+		if err := replay(v, t, len(st.ranks)); err != nil {
+			return ld, fmt.Errorf("log record %d: %w", seq, err)
+		}
+		st.publishChunks(t, 0, len(t.staged), ld.dirty)
+		ld.logBytes += int64(len(v))
+		ld.logRecords++
+		ld.nextLog = seq + 1
+	}
+	return ld, nil
+}
+
+// checkChunk checks a chunk's placements are strictly in slot order with
+// valid tiers.
+func checkChunk(s []placement) error {
+	if len(s) == 0 {
+		return errors.New("no placements")
+	}
+	for i := range s {
+		p := &s[i]
+		if p.tier != wire.L1 && p.tier != wire.L2 {
+			return fmt.Errorf("placement %d has tier %d", i, p.tier)
+		}
+		if i > 0 && cmpSlot(s[i-1].shard, s[i-1].group, s[i-1].tier, s[i-1].rank, p) >= 0 {
+			return fmt.Errorf("placements %d and %d out of order or duplicated", i-1, i)
+		}
+	}
+	return nil
+}
+
+// VerifyReport is the result of Verify.
+type VerifyReport struct {
+	Namespaces int
+	Ranks      int
+	Chunks     int64
+	Objects    int64
+	Placements int64
+	// LogRecords is the number of change-log records replayed on top of
+	// the snapshot.
+	LogRecords int
+	// Problems lists every disagreement between the live state and the
+	// state derived from bbolt, and every broken invariant (at most
+	// maxProblems, then a count).
+	Problems []string
+}
+
+const maxProblems = 100
+
+// OK reports whether no problem was found.
+func (r VerifyReport) OK() bool { return len(r.Problems) == 0 }
+
+// Err returns nil, or an error wrapping ErrInconsistent with the first
+// problems.
+func (r VerifyReport) Err() error {
+	if r.OK() {
+		return nil
+	}
+	first := r.Problems[:min(len(r.Problems), 5)]
+	return fmt.Errorf("%d problems, first: %s: %w", len(r.Problems), strings.Join(first, "; "), ErrInconsistent)
+}
+
+type problems struct {
+	list []string
+	more int
+}
+
+func (p *problems) add(format string, args ...any) {
+	if len(p.list) < maxProblems {
+		p.list = append(p.list, fmt.Sprintf(format, args...))
+		return
+	}
+	p.more++
+}
+
+// verify runs on the committer between groups.
+func (ix *Index) verify() VerifyReport {
+	live := ix.st
+	rep := VerifyReport{Ranks: len(live.ranks) - 1, Chunks: live.chunks, Objects: live.objects,
+		Placements: live.placements[wire.L1] + live.placements[wire.L2]}
+	var pr problems
+	var ld loaded
+	err := ix.db.View(func(tx *bolt.Tx) error {
+		var err error
+		ld, err = load(tx, false)
+		return err
+	})
+	if err != nil {
+		pr.add("derive from bbolt: %v", err)
+	} else {
+		rep.LogRecords = ld.logRecords
+		compareStates(&pr, live, ld.st)
+	}
+	checkInvariants(&pr, live)
+	for ns, n := range live.ns {
+		if n.spec != nil || len(n.chunks) > 0 {
+			rep.Namespaces++
+		}
+		_ = ns
+	}
+	rep.Problems = pr.list
+	if pr.more > 0 {
+		rep.Problems = append(rep.Problems, fmt.Sprintf("... and %d more", pr.more))
+	}
+	return rep
+}
+
+// compareStates reports every difference between the live state and the
+// one derived from bbolt.
+func compareStates(pr *problems, live, disk *state) {
+	if len(live.ranks) != len(disk.ranks) {
+		pr.add("live state has %d ranks, bbolt %d", len(live.ranks)-1, len(disk.ranks)-1)
+	}
+	for id := 1; id < min(len(live.ranks), len(disk.ranks)); id++ {
+		a, b := live.ranks[id], disk.ranks[id]
+		if a.rank != b.rank || a.rankMeta != b.rankMeta {
+			pr.add("rank id %d: live %s %+v, bbolt %s %+v", id, a.rank, a.rankMeta, b.rank, b.rankMeta)
+		}
+		if a.tally != b.tally {
+			pr.add("rank %s: live counts %+v, bbolt %+v", a.rank, a.tally, b.tally)
+		}
+	}
+	used := func(n *nsState) bool { return n != nil && (n.spec != nil || len(n.chunks) > 0) }
+	for ns, a := range live.ns {
+		b := disk.ns[ns]
+		if !used(a) && !used(b) {
+			continue
+		}
+		if !used(b) {
+			pr.add("namespace %s: live, not in bbolt", ns)
+			continue
+		}
+		if (a.spec == nil) != (b.spec == nil) || string(a.specJSON) != string(b.specJSON) {
+			pr.add("namespace %s: live spec %s, bbolt %s", ns, a.specJSON, b.specJSON)
+		}
+		if a.objects != b.objects || a.tally != b.tally {
+			pr.add("namespace %s: live %d objects %+v, bbolt %d objects %+v", ns, a.objects, a.tally, b.objects, b.tally)
+		}
+		for c, sa := range a.chunks {
+			sb, ok := b.chunks[c]
+			if !ok {
+				pr.add("chunk %s/%s: live (%d placements), not in bbolt", ns, c, len(sa))
+				continue
+			}
+			if !slices.Equal(sa, sb) {
+				pr.add("chunk %s/%s: live %+v, bbolt %+v", ns, c, sa, sb)
+			}
+		}
+		for c, sb := range b.chunks {
+			if _, ok := a.chunks[c]; !ok {
+				pr.add("chunk %s/%s: in bbolt (%d placements), not live", ns, c, len(sb))
+			}
+		}
+	}
+	for ns, b := range disk.ns {
+		if used(b) && !used(live.ns[ns]) {
+			pr.add("namespace %s: in bbolt, not live", ns)
+		}
+	}
+	if live.objects != disk.objects || live.chunks != disk.chunks || live.tally != disk.tally {
+		pr.add("totals: live %d chunks %d objects %+v, bbolt %d chunks %d objects %+v",
+			live.chunks, live.objects, live.tally, disk.chunks, disk.objects, disk.tally)
+	}
+}
+
+// checkInvariants recounts everything from the chunks and checks every
+// placement against its rank:
+//   - chunks are non-empty, in slot order, with valid tiers and known ranks;
+//   - no placement is from a future incarnation of its rank, and none of
+//     the current incarnation has a sequence past the rank's last one;
+//   - every L1 placement belongs to the rank's current incarnation and the
+//     rank is not fenced (fenced L1 copies are never kept, so never usable);
+//   - the maintained counts equal the recount.
+func checkInvariants(pr *problems, st *state) {
+	for id := 1; id < len(st.ranks); id++ {
+		r := st.ranks[id]
+		if r == nil || r.id != uint32(id) || st.rankIDs[r.rank] != uint32(id) {
+			pr.add("rank id %d: table and name map disagree", id)
+		}
+	}
+	if len(st.rankIDs) != len(st.ranks)-1 {
+		pr.add("rank name map has %d entries for %d ranks", len(st.rankIDs), len(st.ranks)-1)
+	}
+	ranks := make([]tally, len(st.ranks))
+	var total tally
+	var objects, chunks int64
+	for ns, n := range st.ns {
+		var nt tally
+		var nobj int64
+		for c, s := range n.chunks {
+			chunks++
+			if err := checkChunk(s); err != nil {
+				pr.add("chunk %s/%s: %v", ns, c, err)
+			}
+			nobj += countObjects(s)
+			for i := range s {
+				p := &s[i]
+				if p.rank == 0 || int(p.rank) >= len(st.ranks) {
+					pr.add("chunk %s/%s: placement of unknown rank id %d", ns, c, p.rank)
+					continue
+				}
+				if p.tier != wire.L1 && p.tier != wire.L2 {
+					continue
+				}
+				r := st.ranks[p.rank]
+				switch {
+				case p.inc > r.inc:
+					pr.add("chunk %s/%s: %s placement of %s from incarnation %d, rank is at %d",
+						ns, c, p.tier, r.rank, p.inc, r.inc)
+				case p.inc == r.inc && p.seq > r.last:
+					pr.add("chunk %s/%s: %s placement of %s at seq %d, rank's last applied seq is %d",
+						ns, c, p.tier, r.rank, p.seq, r.last)
+				}
+				if p.tier == wire.L1 && (p.inc != r.inc || r.fenced) {
+					pr.add("chunk %s/%s: L1 placement of %s from incarnation %d survives (rank at %d, fenced %v)",
+						ns, c, r.rank, p.inc, r.inc, r.fenced)
+				}
+				ranks[p.rank].add(p, 1)
+				nt.add(p, 1)
+				total.add(p, 1)
+			}
+		}
+		if nt != n.tally || nobj != n.objects {
+			pr.add("namespace %s: counts %d objects %+v, recount %d objects %+v", ns, n.objects, n.tally, nobj, nt)
+		}
+		objects += nobj
+	}
+	for id := 1; id < len(st.ranks); id++ {
+		if ranks[id] != st.ranks[id].tally {
+			pr.add("rank %s: counts %+v, recount %+v", st.ranks[id].rank, st.ranks[id].tally, ranks[id])
+		}
+	}
+	if total != st.tally || objects != st.objects || chunks != st.chunks {
+		pr.add("totals: %d chunks %d objects %+v, recount %d chunks %d objects %+v",
+			st.chunks, st.objects, st.tally, chunks, objects, total)
+	}
+}
