@@ -646,4 +646,3 @@ func (ix *Index) finish() {
 		ix.closeErr = err
 	}
 }
-
