@@ -1,0 +1,202 @@
+package wire
+
+import (
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+)
+
+// Coordinator lookup (<p>.coord.lookup) and admin (<p>.admin.<op>) messages.
+// Every request and reply is JSON inside a Reply envelope.
+
+// Admin operations, the last token of <p>.admin.<op>.
+const (
+	AdminMembers    = "members"
+	AdminRanks      = "ranks"
+	AdminObject     = "object"
+	AdminNamespaces = "namespaces"
+	AdminRestores   = "restores"
+	AdminVerify     = "verify"
+)
+
+// Coordinator operations, the last tokens of <p>.coord.<op>.
+const (
+	CoordRegister      = "ns.register"    // dcp.Spec -> RegisterReply
+	CoordLookup        = "lookup"         // LookupRequest -> LookupReply
+	CoordRestoreBegin  = "restore.begin"  // RestoreBegin -> RestorePlan
+	CoordRestoreReport = "restore.report" // RestoreReport -> ReportAck
+	CoordRestoreWait   = "restore.wait"   // RestoreWait -> RestoreVerdict
+)
+
+// LookupRequest asks for the longest prefix of a chunk chain for which every
+// expected shard's object has a copy the reading ranks can use (C5).
+type LookupRequest struct {
+	Namespace dcp.Namespace   `json:"namespace"`
+	Chunks    []dcp.ChunkHash `json:"chunks"`
+	// Instance is the engine instance whose ranks would restore. Empty: the
+	// instance with the longest prefix (ties: the first by name).
+	Instance string `json:"instance,omitempty"`
+	// Detail asks for the source of every object of the prefix.
+	Detail bool `json:"detail,omitempty"`
+}
+
+// RestoreBeginRequest is what the coordinator accepts on restore.begin: a
+// RestoreBegin, optionally naming the engine instance whose ranks restore
+// (RestoreBegin has no such field). Without it the coordinator picks the
+// instance with the longest restorable prefix, as for a lookup.
+type RestoreBeginRequest struct {
+	RestoreBegin
+	Instance string `json:"instance,omitempty"`
+}
+
+// ObjectPlacement is one rank's copy of an object.
+type ObjectPlacement struct {
+	Holder      Rank   `json:"holder"`
+	Tier        Tier   `json:"tier"`
+	Size        uint64 `json:"size"`
+	Sum         uint64 `json:"sum"`
+	Incarnation uint64 `json:"incarnation,omitempty"`
+	Seq         uint64 `json:"seq,omitempty"`
+}
+
+// ObjectInfo is one object and copies of it.
+type ObjectInfo struct {
+	// Chunk is the chunk's index in the request's chain, -1 for an object
+	// looked up by key.
+	Chunk int     `json:"chunk"`
+	Key   dcp.Key `json:"key"`
+	// Reader is the rank that would read this copy (lookup detail only).
+	Reader     string            `json:"reader,omitempty"`
+	Placements []ObjectPlacement `json:"placements"`
+}
+
+// LookupReply answers a lookup: chunks [0, Prefix) are restorable by the
+// ranks of Instance. With Detail, Sources lists, for every chunk of the
+// prefix and every reading rank, the copy it would read.
+type LookupReply struct {
+	Instance string       `json:"instance,omitempty"`
+	Prefix   int          `json:"prefix"`
+	Sources  []ObjectInfo `json:"sources,omitempty"`
+}
+
+// ReportAck answers a restore report.
+type ReportAck struct {
+	// Duplicate: the rank had already reported; the report was ignored.
+	Duplicate bool `json:"duplicate,omitempty"`
+	// State is the restore's verdict state after this report.
+	State string `json:"state"`
+}
+
+// AdminMembersReply lists the memberlist members the coordinator knows.
+type AdminMembersReply struct {
+	Members []AdminMember `json:"members"`
+}
+
+// AdminMember is one memberlist member.
+type AdminMember struct {
+	Name        string    `json:"name"`
+	ID          string    `json:"id"`
+	Role        string    `json:"role"`
+	State       string    `json:"state"` // alive | dead | left
+	Addr        string    `json:"addr"`
+	Incarnation uint64    `json:"incarnation"`
+	Rank        string    `json:"rank,omitempty"` // instance/tp for a rankd
+	NATS        []string  `json:"nats,omitempty"`
+	Since       time.Time `json:"since"`
+	Local       bool      `json:"local,omitempty"`
+}
+
+// AdminRanksReply lists every rank the index or the cluster knows.
+type AdminRanksReply struct {
+	Ranks []AdminRank `json:"ranks"`
+}
+
+// AdminRank is one rank: the index's view joined with memberlist's.
+type AdminRank struct {
+	Rank        Rank   `json:"rank"`
+	Incarnation uint64 `json:"incarnation"`
+	// Member is the memberlist ID of the member serving this rank, if any.
+	Member string `json:"member,omitempty"`
+	// Liveness is the memberlist state of the member with this rank and
+	// incarnation: alive, dead, left, or unknown.
+	Liveness  string `json:"liveness"`
+	L1Objects int64  `json:"l1_objects"`
+	L1Bytes   uint64 `json:"l1_bytes"`
+	L2Objects int64  `json:"l2_objects"`
+	L2Bytes   uint64 `json:"l2_bytes"`
+	LastSeq   uint64 `json:"last_seq"`
+	Fenced    bool   `json:"fenced,omitempty"` // its L1 placements are fenced
+	Resync    bool   `json:"resync,omitempty"` // waiting for its inventory
+}
+
+// AdminObjectRequest looks objects up by key text, or by a chunk chain.
+type AdminObjectRequest struct {
+	Key       string          `json:"key,omitempty"`
+	Namespace dcp.Namespace   `json:"namespace,omitzero"`
+	Chunks    []dcp.ChunkHash `json:"chunks,omitempty"`
+	Instance  string          `json:"instance,omitempty"`
+}
+
+// AdminObjectReply answers an object lookup. For a chain, Prefix is the
+// prefix restorable by Instance's ranks, and Objects lists every object of
+// every chunk asked about with every copy (none: missing). For a key,
+// Prefix is -1.
+type AdminObjectReply struct {
+	Instance string       `json:"instance,omitempty"`
+	Prefix   int          `json:"prefix"`
+	Objects  []ObjectInfo `json:"objects"`
+}
+
+// AdminNamespacesReply lists registered namespaces with their usage.
+type AdminNamespacesReply struct {
+	Namespaces []AdminNamespace `json:"namespaces"`
+}
+
+// AdminNamespace is one registered namespace.
+type AdminNamespace struct {
+	Namespace   dcp.Namespace `json:"namespace"`
+	Model       string        `json:"model"`
+	CacheSalt   string        `json:"cache_salt,omitempty"`
+	TP          int           `json:"tp"`
+	DCP         int           `json:"dcp"`
+	Groups      int           `json:"groups"`
+	ChunkTokens int           `json:"chunk_tokens"`
+	// Registered is false for a namespace known only from events (its
+	// engine has not registered the spec yet); the spec fields are zero.
+	Registered   bool   `json:"registered"`
+	Chunks       int64  `json:"chunks"`
+	Objects      int64  `json:"objects"`
+	L1Placements int64  `json:"l1_placements"`
+	L1Bytes      uint64 `json:"l1_bytes"`
+	L2Placements int64  `json:"l2_placements"`
+	L2Bytes      uint64 `json:"l2_bytes"`
+}
+
+// AdminRestoresReply lists the most recent verdicts, newest first.
+type AdminRestoresReply struct {
+	Restores []AdminRestore `json:"restores"`
+}
+
+// AdminRestore is one decided restore.
+type AdminRestore struct {
+	RestoreVerdict
+	Namespace dcp.Namespace `json:"namespace"`
+	Ranks     int           `json:"ranks"`
+	Began     time.Time     `json:"began"`
+	Decided   time.Time     `json:"decided"`
+	// VerdictLatencyUS is the time from the last report to the verdict, in
+	// microseconds; -1 when the verdict came from the deadline.
+	VerdictLatencyUS int64 `json:"verdict_latency_us"`
+}
+
+// AdminVerifyReply is the result of re-deriving the index's derived state
+// from its placements and comparing.
+type AdminVerifyReply struct {
+	OK         bool     `json:"ok"`
+	Namespaces int      `json:"namespaces"`
+	Ranks      int      `json:"ranks"`
+	Chunks     int64    `json:"chunks"`
+	Placements int64    `json:"placements"`
+	LogRecords int      `json:"log_records"`
+	Mismatches []string `json:"mismatches,omitempty"`
+}
