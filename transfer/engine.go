@@ -360,3 +360,28 @@ func (p *streamPool) closeAll() {
 		}
 	}
 }
+
+// Flush writes every object only L1 holds to L2 (with WriteBackOnEvict,
+// all of them; with WriteThrough, the ones still queued or whose write
+// failed) and waits until no L2 write is pending. Without an L2 it returns
+// at once.
+func (e *Engine) Flush(ctx context.Context) error {
+	if e.l2 == nil {
+		return nil
+	}
+	e.mu.Lock()
+	closing := e.closing
+	e.mu.Unlock()
+	if closing {
+		return ErrClosed
+	}
+	if err := e.flushL2(ctx); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if n := e.cat.countDirty(); n > 0 {
+		return fmt.Errorf("flush: %d objects could not be written to L2: %w", n, ErrIO)
+	}
+	return nil
+}

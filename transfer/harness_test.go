@@ -99,10 +99,28 @@ func newRig(t testing.TB, dev cuda.Device, spec dcp.Spec, blocks []int64) *rig {
 	return r
 }
 
-// sentinel fills b with a position-dependent pattern.
-func sentinel(b []byte, seed byte) {
-	for i := range b {
-		b[i] = byte(i*131+(i>>8)*7) ^ seed ^ 0xA5
+// sentinelPeriod is prime, so it is a multiple of no page, stride or row
+// size: a byte that lands anywhere else than where it belongs shows.
+const sentinelPeriod = 65521
+
+var sentinelPatterns [256][]byte
+
+func init() {
+	for s := range sentinelPatterns {
+		sentinelPatterns[s] = randomBytes(sentinelPeriod, 0x5e47_0000|uint64(s))
+	}
+}
+
+// sentinel fills b with the pattern of seed, as at offset 0 of a pool.
+func sentinel(b []byte, seed byte) { sentinelAt(b, 0, seed) }
+
+// sentinelAt fills b with the pattern of seed as at offset off of a pool.
+func sentinelAt(b []byte, off uint64, seed byte) {
+	p := sentinelPatterns[seed]
+	start := int(off % sentinelPeriod)
+	n := copy(b, p[start:])
+	for n < len(b) {
+		n += copy(b[n:], p)
 	}
 }
 
