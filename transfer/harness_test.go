@@ -333,6 +333,8 @@ func engineConfig(t testing.TB, dev cuda.Device, tp, tpSize int) Config {
 	return cfg
 }
 
+func newRegistry() *prometheus.Registry { return prometheus.NewRegistry() }
+
 func newEngine(t testing.TB, cfg Config) *Engine {
 	t.Helper()
 	e, err := New(cfg)

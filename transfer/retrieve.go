@@ -301,6 +301,8 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		meta, err = e.l2.Get(ctx, o.key, o.fp, dst)
 		if ce := (*CorruptError)(nil); errors.As(err, &ce) {
 			e.l2Corrupt(ce)
+		} else if errors.Is(err, ErrNotFound) {
+			e.l2Vanished(o.key)
 		}
 	}
 	e.mu.Lock()
@@ -333,6 +335,19 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 		delete(e.cat.l2, ce.Key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, ce.Key, ent.size, ent.sum)
+	}
+}
+
+// l2Vanished drops an object of this rank's L2 inventory whose file is
+// gone (deleted behind the engine's back).
+func (e *Engine) l2Vanished(key dcp.Key) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if ent, ok := e.cat.l2[key]; ok {
+		delete(e.cat.l2, key)
+		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+		e.emitLocked(wire.Removed, wire.L2, key, ent.size, ent.sum)
+		e.log.Error("an L2 object of this rank vanished", zap.Stringer("key", key))
 	}
 }
 
