@@ -1,0 +1,149 @@
+// Command rankd is kvtier's per-GPU daemon: one per rank of an engine
+// instance. It opens its device, serves the engine API and its inventory
+// over NATS, publishes placement events to the coordinator and joins the
+// memberlist cluster.
+//
+//	rankd --instance engine0 --tp-rank 0 --tp-size 4 --device host \
+//	      --l2-dir /var/lib/kvtier/l2/engine0 --join 10.0.0.1:7946
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/kvtier/kvtier/rankd"
+)
+
+func main() {
+	cfg := rankd.DefaultConfig()
+	var (
+		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
+		l1Bytes                                                      string
+	)
+	flag.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
+	flag.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
+	flag.IntVar(&cfg.TPSize, "tp-size", 1, "TP size of the engine")
+	flag.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
+	flag.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
+	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (default /dev/shm; must match the engine's)")
+	flag.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
+	flag.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
+	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
+	flag.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
+	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
+	flag.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
+	flag.StringVar(&advertise, "advertise", "", "gossip address advertised to peers, ip[:port]")
+	flag.StringVar(&cfg.NATSURL, "nats", "", "NATS URL (default: discovered from the coordinator's member metadata)")
+	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
+	flag.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
+	flag.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
+	flag.Parse()
+
+	fail := func(err error) {
+		fmt.Fprintln(os.Stderr, "rankd:", err)
+		os.Exit(2)
+	}
+	var err error
+	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
+		fail(fmt.Errorf("--l1-bytes: %w", err))
+	}
+	if cfg.L2Policy, err = rankd.ParseL2Policy(l2Policy); err != nil {
+		fail(err)
+	}
+	if join != "" {
+		cfg.Join = strings.Split(join, ",")
+	}
+	if bind != "" {
+		if cfg.BindAddr, cfg.BindPort, err = splitHostPort(bind, cfg.BindPort); err != nil {
+			fail(fmt.Errorf("--bind: %w", err))
+		}
+	}
+	if advertise != "" {
+		if cfg.AdvertiseAddr, cfg.AdvertisePort, err = splitHostPort(advertise, 0); err != nil {
+			fail(fmt.Errorf("--advertise: %w", err))
+		}
+	}
+	if hostDir != "" {
+		cfg.Host.Dir = hostDir
+	}
+	if hostUUID != "" {
+		cfg.Host.UUID = hostUUID
+	}
+	lvl, err := zapcore.ParseLevel(logLevel)
+	if err != nil {
+		fail(fmt.Errorf("--log-level: %w", err))
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.Sampling = nil
+	log, err := zc.Build()
+	if err != nil {
+		fail(err)
+	}
+	defer log.Sync()
+	cfg.Logger = log
+
+	d, err := rankd.New(cfg)
+	if err != nil {
+		fail(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := d.Start(ctx); err != nil {
+		log.Error("start failed", zap.Error(err))
+		_ = d.Shutdown(context.Background())
+		os.Exit(1)
+	}
+	<-ctx.Done()
+	stop()
+	log.Info("signal received; shutting down")
+	if err := d.Shutdown(context.Background()); err != nil {
+		log.Error("shutdown", zap.Error(err))
+		os.Exit(1)
+	}
+}
+
+// splitHostPort parses "ip:port" or "ip" (keeping defPort).
+func splitHostPort(s string, defPort int) (string, int, error) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return s, defPort, nil //nolint:nilerr // a bare IP
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < 0 || p > 65535 {
+		return "", 0, fmt.Errorf("port %q", port)
+	}
+	return host, p, nil
+}
+
+// parseBytes parses "1073741824", "512MiB", "1GiB", "64KiB".
+func parseBytes(s string) (uint64, error) {
+	mult := uint64(1)
+	for _, u := range []struct {
+		suffix string
+		m      uint64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}} {
+		if strings.HasSuffix(s, u.suffix) {
+			s, mult = strings.TrimSuffix(s, u.suffix), u.m
+			break
+		}
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(s), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%q: want bytes or a number with KiB/MiB/GiB/TiB", s)
+	}
+	if n > (1<<64-1)/mult {
+		return 0, fmt.Errorf("%q overflows", s)
+	}
+	return n * mult, nil
+}

@@ -1,0 +1,567 @@
+package enginesim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Phases of a run.
+const (
+	PhaseStore   = "store"   // compute, register, store; wait until the index has it
+	PhaseRestore = "restore" // register fresh pools, restore, compare
+	PhaseAll     = "all"     // store, wipe, restore, compare in one process
+)
+
+// Config configures one simulation run.
+type Config struct {
+	// Scenario is a name from ScenarioNames. Required.
+	Scenario string
+	// Instance is the engine instance the rankds serve. Default "engine0".
+	Instance string
+	// Devices is one device spec per TP rank, or one for all ranks
+	// ("host", "cuda:N", "auto" or a GPU UUID). Default ["host"].
+	Devices []string
+	// Host configures the host backend; its Dir must be the rankds'.
+	Host cuda.HostConfig
+	// NATSURL is the coordinator's NATS. Required.
+	NATSURL string
+	// Prefix is the subject prefix. Default "kvtier".
+	Prefix string
+	// Phase is store, restore or all. Default all.
+	Phase string
+	// Seed varies the prompt and block tables; the same seed regenerates
+	// the same content in a new process. Default 1.
+	Seed uint64
+	// Chunks overrides the scenario's chunk count when > 0.
+	Chunks int
+	// ExpectFail: the restore must end with a failed verdict; every chunk
+	// it does not list must still be byte-exact.
+	ExpectFail bool
+	// Compute is the simulated compute time per chunk before its pages are
+	// written (the rankd must wait on the producer event). Default 5 ms.
+	Compute time.Duration
+	// RestoreDeadline is asked of the coordinator in restore.begin.
+	// Default 10 s.
+	RestoreDeadline time.Duration
+	// Timeout bounds each request. Default 60 s.
+	Timeout time.Duration
+	// HoldBeforeRetrieve, when set, makes the run print a HOLD line after
+	// the restore plan arrived and wait until this file exists (tests kill
+	// a rankd in the gap).
+	HoldBeforeRetrieve string
+	// Out receives progress lines and the final table. Default os.Stdout.
+	Out io.Writer
+	// ResultFile, when set, receives the Result as JSON.
+	ResultFile string
+}
+
+// Result is the outcome of a run, as printed and as written to ResultFile.
+type Result struct {
+	Scenario  string       `json:"scenario"`
+	Phase     string       `json:"phase"`
+	Namespace string       `json:"namespace"`
+	Chunks    int          `json:"chunks"`
+	Stores    int          `json:"stores"` // store requests sent
+	Stored    int          `json:"stored"` // objects committed
+	Deduped   int          `json:"deduped"`
+	RestoreID string       `json:"restore_id,omitempty"`
+	Prefix    int          `json:"prefix"`
+	Verdict   string       `json:"verdict,omitempty"`
+	Failed    []int        `json:"failed,omitempty"`
+	Reasons   []string     `json:"reasons,omitempty"`
+	Ranks     []RankResult `json:"ranks,omitempty"`
+	// OK is the run's overall pass/fail (what the exit code says).
+	OK      bool   `json:"ok"`
+	Problem string `json:"problem,omitempty"`
+	// Seconds per phase step.
+	StoreSeconds   float64 `json:"store_seconds,omitempty"`
+	RestoreSeconds float64 `json:"restore_seconds,omitempty"`
+}
+
+// RankResult is one rank's row of the final table.
+type RankResult struct {
+	Rank       int    `json:"rank"`
+	Items      int    `json:"items"`      // objects planned for this rank
+	Chunks     int    `json:"chunks"`     // distinct chunks planned
+	ChunkList  []int  `json:"chunk_list"` // those chunks
+	Bytes      uint64 `json:"bytes"`      // declared bytes planned
+	Tier       string `json:"tier"`       // L1, L2, L1+L2 or -
+	Placed     int    `json:"placed"`     // items the rankd reported ok
+	FailedItem []int  `json:"failed_items,omitempty"`
+	Error      string `json:"error,omitempty"` // retrieve request error
+	Compare    string `json:"compare"`         // ok, or what differed
+	Mismatch   uint64 `json:"mismatch_bytes"`
+	Outside    uint64 `json:"outside_bytes"`
+}
+
+// Run runs one simulation. It returns the result and an error when the run
+// failed (a mismatch, a verdict that is not the expected one, or an error
+// talking to kvtier); the result is filled as far as the run got.
+func Run(ctx context.Context, cfg Config) (*Result, error) {
+	if cfg.Instance == "" {
+		cfg.Instance = "engine0"
+	}
+	if len(cfg.Devices) == 0 {
+		cfg.Devices = []string{cuda.SpecHost}
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = wire.DefaultPrefix
+	}
+	if cfg.Phase == "" {
+		cfg.Phase = PhaseAll
+	}
+	if cfg.Seed == 0 {
+		cfg.Seed = 1
+	}
+	if cfg.Compute == 0 {
+		cfg.Compute = 5 * time.Millisecond
+	}
+	if cfg.RestoreDeadline == 0 {
+		cfg.RestoreDeadline = 10 * time.Second
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 60 * time.Second
+	}
+	if cfg.Out == nil {
+		cfg.Out = os.Stdout
+	}
+	switch cfg.Phase {
+	case PhaseStore, PhaseRestore, PhaseAll:
+	default:
+		return nil, fmt.Errorf("phase %q: want store, restore or all", cfg.Phase)
+	}
+	if cfg.NATSURL == "" {
+		return nil, errors.New("no NATS URL (the coordinator's)")
+	}
+	sc, err := LookupScenario(cfg.Scenario)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Chunks > 0 {
+		sc.Chunks = cfg.Chunks
+	}
+	tp := sc.Spec.Layout.TP
+	if len(cfg.Devices) != 1 && len(cfg.Devices) != tp {
+		return nil, fmt.Errorf("%d device specs for TP %d: give one for all ranks or one per rank", len(cfg.Devices), tp)
+	}
+	plan, err := NewPlan(sc, cfg.Seed)
+	if err != nil {
+		return nil, err
+	}
+	s := &sim{cfg: cfg, plan: plan, subj: wire.Subjects{Prefix: cfg.Prefix},
+		res: &Result{Scenario: sc.Name, Phase: cfg.Phase, Namespace: plan.R.Namespace.String(), Chunks: sc.Chunks}}
+	err = s.run(ctx)
+	s.res.OK = err == nil
+	if err != nil {
+		s.res.Problem = err.Error()
+	}
+	if cfg.ResultFile != "" {
+		if b, jerr := json.MarshalIndent(s.res, "", "  "); jerr == nil {
+			if werr := os.WriteFile(cfg.ResultFile, append(b, '\n'), 0o644); werr != nil && err == nil {
+				err = werr
+			}
+		}
+	}
+	return s.res, err
+}
+
+type sim struct {
+	cfg     Config
+	plan    *Plan
+	subj    wire.Subjects
+	nc      *nats.Conn
+	workers []*worker
+	res     *Result
+	outMu   sync.Mutex
+}
+
+func (s *sim) logf(format string, args ...any) {
+	s.outMu.Lock()
+	defer s.outMu.Unlock()
+	fmt.Fprintf(s.cfg.Out, "enginesim: "+format+"\n", args...)
+}
+
+func (s *sim) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, s.cfg.Timeout)
+}
+
+func (s *sim) run(ctx context.Context) error {
+	p := s.plan
+	s.logf("scenario %s: %s", p.Scenario.Name, p.Scenario.Describe)
+	s.logf("namespace %s, %d chunks of %d tokens (+%d tail tokens), %d groups:", p.R.Namespace, p.Scenario.Chunks,
+		p.Scenario.Spec.ChunkTokens, p.Scenario.TailTokens, len(p.R.Groups))
+	for gi, g := range p.R.Geometry {
+		s.logf("  group %d %-13s %-9s mla=%-5v page %7d B (semantic %7d) stride %7d slots %3d x %6d B, %d blocks/chunk x %d layers",
+			gi, g.Name, g.Kind, g.MLA, g.PageBytes, g.SemanticBytes, g.StrideBytes, g.Slots, g.SlotBytes, p.BPC[gi], g.Layers)
+	}
+	nc, err := bus.Connect(s.cfg.NATSURL, "enginesim-"+s.cfg.Instance)
+	if err != nil {
+		return err
+	}
+	s.nc = nc
+	defer nc.Close()
+
+	// Register the spec with the coordinator (the scheduler's job).
+	cctx, cancel := s.callCtx(ctx)
+	rep, err := bus.Call[wire.RegisterReply](cctx, nc, s.subj.Coord(wire.CoordRegister), p.Scenario.Spec)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("register spec with the coordinator: %w", err)
+	}
+	if rep.Namespace != p.R.Namespace {
+		return fmt.Errorf("coordinator registered namespace %s, the spec's is %s", rep.Namespace, p.R.Namespace)
+	}
+
+	// Open every worker's device and pools, register them with its rankd.
+	for t := range p.R.Layout.TP {
+		spec := s.cfg.Devices[0]
+		if len(s.cfg.Devices) > 1 {
+			spec = s.cfg.Devices[t]
+		}
+		w, err := openWorker(t, s.cfg.Instance, p, spec, s.cfg.Host, nc, s.subj, s.logf)
+		if err != nil {
+			return err
+		}
+		s.workers = append(s.workers, w)
+	}
+	defer func() {
+		for _, w := range s.workers {
+			w.close()
+		}
+	}()
+	if err := s.each(func(w *worker) error {
+		cctx, cancel := s.callCtx(ctx)
+		defer cancel()
+		return w.register(cctx)
+	}); err != nil {
+		return err
+	}
+	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
+
+	if s.cfg.Phase != PhaseRestore {
+		if err := s.store(ctx); err != nil {
+			return err
+		}
+	}
+	if s.cfg.Phase == PhaseStore {
+		s.logf("RESULT scenario=%s phase=store stored=%d deduped=%d ok=true", p.Scenario.Name, s.res.Stored, s.res.Deduped)
+		return nil
+	}
+	if s.cfg.Phase == PhaseAll {
+		if err := s.each(func(w *worker) error { return w.wipe() }); err != nil {
+			return err
+		}
+		s.logf("wiped every page on every rank (prefix cache reset)")
+	}
+	return s.restore(ctx)
+}
+
+// each runs f for every worker concurrently and joins the errors.
+func (s *sim) each(f func(w *worker) error) error {
+	errs := make([]error, len(s.workers))
+	var wg sync.WaitGroup
+	for i, w := range s.workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = f(w)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (s *sim) store(ctx context.Context) error {
+	p := s.plan
+	start := time.Now()
+	reqID := fmt.Sprintf("prompt-%s-%d", p.Scenario.Name, s.cfg.Seed)
+	var mu sync.Mutex
+	err := s.each(func(w *worker) error {
+		cctx, cancel := s.callCtx(ctx)
+		defer cancel()
+		rs, err := w.computeAndStore(cctx, reqID, s.cfg.Compute)
+		mu.Lock()
+		for _, r := range rs {
+			s.res.Stores++
+			s.res.Stored += r.stored
+			s.res.Deduped += r.deduped
+		}
+		mu.Unlock()
+		if err == nil {
+			s.logf("rank %d: %d stores of request %s committed", w.t, len(rs), reqID)
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("store: %w", err)
+	}
+	s.logf("stored %d chunks: %d store requests, %d objects committed, %d already held (%.2fs)",
+		p.Scenario.Chunks, s.res.Stores, s.res.Stored, s.res.Deduped, time.Since(start).Seconds())
+
+	// Wait until the coordinator's index shows every chunk restorable: the
+	// events travel asynchronously.
+	deadline := time.Now().Add(s.cfg.Timeout)
+	for {
+		cctx, cancel := s.callCtx(ctx)
+		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.Coord(wire.CoordLookup),
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes})
+		cancel()
+		if err == nil && lr.Prefix == len(p.Hashes) {
+			break
+		}
+		if time.Now().After(deadline) {
+			if err == nil {
+				err = fmt.Errorf("lookup prefix %d of %d", lr.Prefix, len(p.Hashes))
+			}
+			return fmt.Errorf("index did not show the stored prompt within %v: %w", s.cfg.Timeout, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	s.res.StoreSeconds = time.Since(start).Seconds()
+	s.logf("coordinator lookup: all %d chunks restorable", len(p.Hashes))
+	return nil
+}
+
+func (s *sim) restore(ctx context.Context) error {
+	p := s.plan
+	start := time.Now()
+	cctx, cancel := s.callCtx(ctx)
+	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBegin{
+		Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("restore.begin: %w", err)
+	}
+	s.res.RestoreID, s.res.Prefix = plan.RestoreID, plan.Prefix
+	s.logf("restore %s: plan covers %d of %d chunks on %d ranks", plan.RestoreID, plan.Prefix, len(p.Hashes), len(plan.Ranks))
+
+	if s.cfg.HoldBeforeRetrieve != "" {
+		s.logf("HOLD before retrieve: waiting for %s", s.cfg.HoldBeforeRetrieve)
+		for {
+			if _, err := os.Stat(s.cfg.HoldBeforeRetrieve); err == nil {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		s.logf("HOLD released")
+	}
+
+	rows := make([]RankResult, len(s.workers))
+	_ = s.each(func(w *worker) error {
+		row := &rows[w.t]
+		row.Rank = w.t
+		items := plan.Ranks[w.rank.String()]
+		tiers := map[wire.Tier]bool{}
+		chunks := map[int]bool{}
+		for _, it := range items {
+			tiers[it.Source.Tier] = true
+			chunks[it.Chunk] = true
+			row.Bytes += p.ChunkBytes(it.Group)
+		}
+		row.Items, row.Chunks, row.Tier, row.ChunkList = len(items), len(chunks), tierString(tiers), sortedKeys(chunks)
+		if len(items) == 0 {
+			return nil
+		}
+		cctx, cancel := s.callCtx(ctx)
+		defer cancel()
+		rep, err := w.retrieve(cctx, plan.RestoreID, items)
+		if err != nil {
+			row.Error = err.Error()
+			s.logf("rank %d: retrieve failed: %v", w.t, err)
+			return nil
+		}
+		for _, r := range rep.Results {
+			if r.OK {
+				row.Placed++
+			} else {
+				row.FailedItem = append(row.FailedItem, r.Chunk)
+				s.logf("rank %d: chunk %d group %d not placed: %s", w.t, r.Chunk, r.Group, r.Reason)
+			}
+		}
+		s.logf("rank %d: placed %d of %d objects", w.t, row.Placed, len(items))
+		return nil
+	})
+
+	cctx, cancel = s.callCtx(ctx)
+	v, err := bus.Call[wire.RestoreVerdict](cctx, s.nc, s.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("restore.wait: %w", err)
+	}
+	s.res.Verdict, s.res.Failed, s.res.Reasons = v.State, v.Failed, v.Reasons
+	s.res.RestoreSeconds = time.Since(start).Seconds()
+	s.logf("verdict %s for restore %s: prefix %d, failed chunks %v %v (%.3fs)", v.State, v.RestoreID, v.Prefix, v.Failed, v.Reasons, s.res.RestoreSeconds)
+
+	// Chunks the engine must recompute: failed ones and those beyond the
+	// planned prefix. Everything else must be byte-exact.
+	skip := map[int]bool{}
+	for _, c := range v.Failed {
+		skip[c] = true
+	}
+	for c := plan.Prefix; c < len(p.Hashes); c++ {
+		skip[c] = true
+	}
+	if v.State != wire.VerdictComplete {
+		// Nothing of a failed restore is trusted beyond what the verdict
+		// lists as good; still, what it does not list must be exact.
+		s.logf("chunks to recompute: %v", sortedKeys(skip))
+	}
+	var problems []string
+	for _, w := range s.workers {
+		row := &rows[w.t]
+		m, err := w.verify(skip)
+		if err != nil {
+			return err
+		}
+		for _, n := range m.Chunks {
+			row.Mismatch += n
+		}
+		row.Outside = m.Outside
+		if row.Mismatch == 0 && row.Outside == 0 {
+			row.Compare = fmt.Sprintf("ok (%d B)", m.Bytes)
+		} else {
+			row.Compare = fmt.Sprintf("MISMATCH %d B in chunks %v, %d B outside", row.Mismatch, mismatchChunks(m), row.Outside)
+			problems = append(problems, fmt.Sprintf("rank %d: %s", w.t, m.First))
+			s.logf("rank %d: %s", w.t, m.First)
+		}
+	}
+	s.res.Ranks = rows
+	s.printTable(v)
+
+	if err := v.Validate(); err != nil {
+		problems = append(problems, err.Error())
+	}
+	switch {
+	case s.cfg.ExpectFail && v.State != wire.VerdictFailed:
+		problems = append(problems, fmt.Sprintf("expected a failed verdict, got %s", v.State))
+	case !s.cfg.ExpectFail && v.State != wire.VerdictComplete:
+		problems = append(problems, fmt.Sprintf("verdict %s, failed chunks %v (%v)", v.State, v.Failed, v.Reasons))
+	case !s.cfg.ExpectFail && plan.Prefix != len(p.Hashes):
+		problems = append(problems, fmt.Sprintf("plan covers %d of %d chunks", plan.Prefix, len(p.Hashes)))
+	}
+	ok := len(problems) == 0
+	s.logf("RESULT scenario=%s phase=%s verdict=%s failed=%s compare=%s ok=%v",
+		p.Scenario.Name, s.cfg.Phase, v.State, intList(v.Failed), compareWord(rows), ok)
+	if !ok {
+		return errors.New(strings.Join(problems, "; "))
+	}
+	return nil
+}
+
+func (s *sim) printTable(v *wire.RestoreVerdict) {
+	s.outMu.Lock()
+	defer s.outMu.Unlock()
+	fmt.Fprintf(s.cfg.Out, "\n%s  restore %s  verdict %s\n", s.plan.Scenario.Name, v.RestoreID, strings.ToUpper(v.State))
+	tw := tabwriter.NewWriter(s.cfg.Out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "RANK\tCHUNKS\tOBJECTS\tBYTES\tTIER\tPLACED\tVERDICT\tBYTE-COMPARE")
+	failed := map[int]bool{}
+	for _, c := range v.Failed {
+		failed[c] = true
+	}
+	for _, r := range s.res.Ranks {
+		verdict := v.State
+		if v.State != wire.VerdictComplete {
+			bad := map[int]bool{}
+			for _, c := range r.ChunkList {
+				if failed[c] {
+					bad[c] = true
+				}
+			}
+			for _, c := range r.FailedItem {
+				bad[c] = true
+			}
+			switch {
+			case r.Error != "":
+				verdict = "failed: no reply " + intList(sortedKeys(bad))
+			case len(bad) > 0:
+				verdict = "failed " + intList(sortedKeys(bad))
+			default:
+				verdict = "ok (others failed)"
+			}
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\t%d/%d\t%s\t%s\n", r.Rank, r.Chunks, r.Items, human(r.Bytes), r.Tier,
+			r.Placed, r.Items, verdict, r.Compare)
+	}
+	tw.Flush()
+	fmt.Fprintln(s.cfg.Out)
+}
+
+func tierString(t map[wire.Tier]bool) string {
+	switch {
+	case t[wire.L1] && t[wire.L2]:
+		return "L1+L2"
+	case t[wire.L1]:
+		return "L1"
+	case t[wire.L2]:
+		return "L2"
+	}
+	return "-"
+}
+
+func human(n uint64) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+func intList(v []int) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		parts[i] = fmt.Sprint(x)
+	}
+	return "[" + strings.Join(parts, ",") + "]"
+}
+
+func sortedKeys(m map[int]bool) []int {
+	out := make([]int, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Ints(out)
+	return out
+}
+
+func mismatchChunks(m Mismatch) []int {
+	out := make([]int, 0, len(m.Chunks))
+	for c := range m.Chunks {
+		out = append(out, c)
+	}
+	sort.Ints(out)
+	return out
+}
+
+func compareWord(rows []RankResult) string {
+	for _, r := range rows {
+		if r.Mismatch != 0 || r.Outside != 0 {
+			return "MISMATCH"
+		}
+	}
+	return "ok"
+}

@@ -1,0 +1,241 @@
+package enginesim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// worker is one engine worker: one TP rank, its device and KV pools.
+type worker struct {
+	t      int
+	rank   wire.Rank
+	plan   *Plan
+	dev    cuda.Device
+	allocs []cuda.Mem // per group: all layers, LayerStride apart
+	stream cuda.Stream
+	nc     *nats.Conn
+	subj   wire.Subjects
+	log    func(format string, args ...any)
+}
+
+func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
+	subj wire.Subjects, logf func(string, ...any)) (*worker, error) {
+	dev, err := cuda.Open(spec, hostCfg)
+	if err != nil {
+		return nil, fmt.Errorf("rank %d: open device %q: %w", t, spec, err)
+	}
+	w := &worker{t: t, rank: wire.Rank{Instance: instance, TPRank: t}, plan: plan, dev: dev, nc: nc, subj: subj, log: logf}
+	if w.stream, err = dev.NewStream(); err != nil {
+		w.close()
+		return nil, fmt.Errorf("rank %d: new stream: %w", t, err)
+	}
+	for gi := range plan.R.Geometry {
+		m, err := dev.Alloc(plan.AllocBytes(gi))
+		if err != nil {
+			w.close()
+			return nil, fmt.Errorf("rank %d: allocate %d B for group %s: %w", t, plan.AllocBytes(gi), plan.R.Groups[gi].Name, err)
+		}
+		w.allocs = append(w.allocs, m)
+		img := make([]byte, plan.AllocBytes(gi))
+		plan.Blank(gi, img)
+		if err := dev.Write(m, 0, img); err != nil {
+			w.close()
+			return nil, fmt.Errorf("rank %d: initialize group %s: %w", t, plan.R.Groups[gi].Name, err)
+		}
+	}
+	return w, nil
+}
+
+func (w *worker) close() {
+	if w.stream != nil {
+		_ = w.stream.Close()
+	}
+	for _, m := range w.allocs {
+		_ = m.Release()
+	}
+	_ = w.dev.Close()
+}
+
+// register exports every layer's pool (a view of the group's allocation at
+// the layer's offset: the handle carries the offset) and registers them.
+func (w *worker) register(ctx context.Context) error {
+	req := wire.RegisterRequest{Spec: w.plan.Scenario.Spec, DeviceUUID: w.dev.Info().UUID}
+	for gi, g := range w.plan.R.Geometry {
+		for l := range g.Layers {
+			h, err := w.dev.ExportMem(w.allocs[gi], uint64(l)*w.plan.LayerStride[gi], w.plan.PoolBytes[gi])
+			if err != nil {
+				return fmt.Errorf("rank %d: export group %d layer %d: %w", w.t, gi, l, err)
+			}
+			req.Pools = append(req.Pools, wire.PoolRegistration{Group: gi, Layer: l, Handle: h})
+		}
+	}
+	rep, err := bus.Call[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req)
+	if err != nil {
+		return fmt.Errorf("rank %d: register: %w", w.t, err)
+	}
+	if rep.Namespace != w.plan.R.Namespace {
+		return fmt.Errorf("rank %d: register answered namespace %s, the spec's is %s", w.t, rep.Namespace, w.plan.R.Namespace)
+	}
+	return nil
+}
+
+// storeResult is the outcome of one store request.
+type storeResult struct {
+	chunk   int
+	stored  int
+	deduped int
+	err     error
+}
+
+// computeAndStore plays the engine's forward passes: for each chunk it
+// writes the chunk's pages through the stream (after a delay standing for
+// the model's compute), records a fresh interprocess event behind them and
+// sends a store request carrying that event at once, before the device has
+// written anything, as an engine does. Every store of the prompt shares one
+// request id; each keeps its own event until its reply (C1).
+func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time.Duration) ([]storeResult, error) {
+	p := w.plan
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		results []storeResult
+		keep    [][]byte // page buffers the stream still reads
+	)
+	for c := range p.Scenario.Chunks {
+		if err := w.stream.Delay(compute); err != nil {
+			return nil, err
+		}
+		cb := wire.ChunkBlocks{Chunk: p.Hashes[c], Blocks: make([][]int64, len(p.R.Geometry))}
+		stores := false
+		for gi, g := range p.R.Geometry {
+			blocks := p.ChunkBlocks(PhaseStoreTable, gi, c)
+			for l := range g.Layers {
+				for k, b := range blocks {
+					buf := make([]byte, g.PageBytes)
+					p.Page(w.t, gi, l, c*p.BPC[gi]+k, buf)
+					if _, err := w.stream.Upload(w.allocs[gi], p.PageOffset(gi, l, b), buf); err != nil {
+						return nil, fmt.Errorf("rank %d: upload chunk %d group %d: %w", w.t, c, gi, err)
+					}
+					keep = append(keep, buf)
+				}
+			}
+			if _, ok := p.R.StoreShard(gi, w.t); ok {
+				cb.Blocks[gi] = blocks
+				stores = true
+			} else {
+				cb.Blocks[gi] = []int64{}
+			}
+		}
+		if !stores {
+			continue
+		}
+		ev, err := w.dev.NewEvent(true)
+		if err != nil {
+			return nil, fmt.Errorf("rank %d: new event: %w", w.t, err)
+		}
+		if err := w.stream.Record(ev); err != nil {
+			_ = ev.Release()
+			return nil, fmt.Errorf("rank %d: record: %w", w.t, err)
+		}
+		eh, err := w.dev.ExportEvent(ev)
+		if err != nil {
+			_ = ev.Release()
+			return nil, fmt.Errorf("rank %d: export event: %w", w.t, err)
+		}
+		req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Chunks: []wire.ChunkBlocks{cb}, Event: eh}
+		wg.Add(1)
+		go func(c int) {
+			defer wg.Done()
+			// The event lives until the rankd answered: it may still be
+			// waiting on it and reading the pages.
+			defer ev.Release()
+			rep, err := bus.Call[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req)
+			r := storeResult{chunk: c, err: err}
+			if err == nil {
+				r.stored, r.deduped = rep.Stored, rep.Deduped
+				if len(rep.Failed) > 0 {
+					r.err = fmt.Errorf("store of chunk %d failed objects: %v", c, rep.Failed)
+				}
+			}
+			mu.Lock()
+			results = append(results, r)
+			mu.Unlock()
+		}(c)
+	}
+	syncErr := w.stream.Synchronize(ctx)
+	wg.Wait()
+	keep = nil
+	if syncErr != nil {
+		return results, fmt.Errorf("rank %d: stream: %w", w.t, syncErr)
+	}
+	var errs []error
+	for _, r := range results {
+		if r.err != nil {
+			errs = append(errs, fmt.Errorf("rank %d chunk %d: %w", w.t, r.chunk, r.err))
+		}
+	}
+	return results, errors.Join(errs...)
+}
+
+// wipe overwrites every declared page with the wipe pattern, as when the
+// engine's prefix cache is reset; padding is left alone.
+func (w *worker) wipe() error {
+	p := w.plan
+	for gi, g := range p.R.Geometry {
+		buf := make([]byte, g.PageBytes)
+		var err error
+		p.eachPage(gi, func(off, n uint64) {
+			if err != nil {
+				return
+			}
+			for i := range buf {
+				buf[i] = WipeByte(off + uint64(i))
+			}
+			err = w.dev.Write(w.allocs[gi], off, buf)
+		})
+		if err != nil {
+			return fmt.Errorf("rank %d: wipe group %d: %w", w.t, gi, err)
+		}
+	}
+	return nil
+}
+
+// retrieve sends the rank's part of a restore plan, with its target blocks.
+func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.RetrieveItem) (*wire.RetrieveReply, error) {
+	req := wire.RetrieveRequest{RestoreID: restoreID, Namespace: w.plan.R.Namespace}
+	for _, it := range items {
+		it.Blocks = w.plan.ChunkBlocks(PhaseRestoreTable, it.Group, it.Chunk)
+		req.Items = append(req.Items, it)
+	}
+	return bus.Call[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req)
+}
+
+// verify reads back every allocation and compares it with what it must hold.
+func (w *worker) verify(skip map[int]bool) (Mismatch, error) {
+	total := Mismatch{Chunks: map[int]uint64{}}
+	for gi := range w.plan.R.Geometry {
+		got := make([]byte, w.plan.AllocBytes(gi))
+		if err := w.dev.Read(w.allocs[gi], 0, got); err != nil {
+			return total, fmt.Errorf("rank %d: read group %d: %w", w.t, gi, err)
+		}
+		m := w.plan.Verify(w.t, gi, PhaseRestoreTable, got, skip)
+		total.Bytes += m.Bytes
+		total.Outside += m.Outside
+		for c, n := range m.Chunks {
+			total.Chunks[c] += n
+		}
+		if total.First == "" {
+			total.First = m.First
+		}
+	}
+	return total, nil
+}

@@ -1,0 +1,338 @@
+package rankd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/transfer"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// ReleaseRequest asks a rankd to release an engine's pools of a namespace
+// (the engine is going away); objects stay in L1 and L2. wire has no type
+// for it, so it lives here.
+type ReleaseRequest struct {
+	Namespace dcp.Namespace `json:"namespace"`
+}
+
+// ReleaseReply confirms a release.
+type ReleaseReply struct {
+	Namespace dcp.Namespace `json:"namespace"`
+}
+
+// StatusRequest is the (empty) status request; "{}" or an empty body.
+type StatusRequest struct{}
+
+// StatusReply describes the daemon and its engine.
+type StatusReply struct {
+	Rank        wire.Rank      `json:"rank"`
+	TPSize      int            `json:"tp_size"`
+	Incarnation uint64         `json:"incarnation"`
+	Device      DeviceStatus   `json:"device"`
+	NATS        string         `json:"nats"`
+	Gossip      string         `json:"gossip"`
+	Events      EventStatus    `json:"events"`
+	Engine      transfer.Stats `json:"engine"`
+	Accepting   bool           `json:"accepting"`
+}
+
+// DeviceStatus is the device part of a status reply.
+type DeviceStatus struct {
+	Backend string `json:"backend"`
+	UUID    string `json:"uuid"`
+	Name    string `json:"name"`
+}
+
+// EventStatus is the event publishing part of a status reply.
+type EventStatus struct {
+	QueuedBatches  int    `json:"queued_batches"`
+	AppliedThrough uint64 `json:"applied_through"`
+}
+
+// DecodeReleaseRequest decodes and validates a release request.
+func DecodeReleaseRequest(data []byte) (*ReleaseRequest, error) {
+	var req ReleaseRequest
+	if err := decodeStrict("release", data, &req); err != nil {
+		return nil, err
+	}
+	if req.Namespace == (dcp.Namespace{}) {
+		return nil, badf("release: namespace is missing")
+	}
+	return &req, nil
+}
+
+// decodeStatus accepts an empty body or an empty JSON object.
+func decodeStatus(data []byte) error {
+	if len(data) == 0 {
+		return nil
+	}
+	var req StatusRequest
+	return decodeStrict("status", data, &req)
+}
+
+// engineHandler returns the NATS handler of one engine API operation. The
+// callback only takes a slot and hands the request to a goroutine, so a
+// store waiting on its producer event never holds up other requests.
+func (d *Daemon) engineHandler(op string) nats.MsgHandler {
+	return func(msg *nats.Msg) {
+		d.mu.Lock()
+		closing := d.closing
+		if !closing {
+			d.reqWG.Add(1)
+		}
+		d.mu.Unlock()
+		if closing {
+			d.replyErr(op, msg, fmt.Errorf("rankd %s is shutting down: %w", d.cfg.Rank, ErrUnavailable))
+			return
+		}
+		select {
+		case d.slots <- struct{}{}:
+		default:
+			d.reqWG.Done()
+			d.replyErr(op, msg, fmt.Errorf("rankd %s serves %d requests already: %w", d.cfg.Rank, d.cfg.MaxInFlight, ErrUnavailable))
+			return
+		}
+		d.met.inFlight.Inc()
+		go func() {
+			defer func() {
+				<-d.slots
+				d.met.inFlight.Dec()
+				d.reqWG.Done()
+			}()
+			start := time.Now()
+			d.serve(op, msg)
+			d.met.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
+		}()
+	}
+}
+
+// serve answers one engine request; every path replies exactly once.
+func (d *Daemon) serve(op string, msg *nats.Msg) {
+	defer func() {
+		if r := recover(); r != nil {
+			d.log.Error("engine request handler panicked; replied internal", zap.String("op", op), zap.Any("panic", r), zap.Stack("stack"))
+			d.replyErr(op, msg, fmt.Errorf("internal error serving %s", op))
+		}
+	}()
+	// Requests are bounded by the engine's own timeouts; the daemon's life
+	// context cuts them short at the very end of a shutdown.
+	ctx := d.life
+	var err error
+	switch op {
+	case OpRegister:
+		err = d.serveRegister(ctx, msg)
+	case OpStore:
+		err = d.serveStore(ctx, msg)
+	case OpRetrieve:
+		err = d.serveRetrieve(ctx, msg)
+	case OpRelease:
+		err = d.serveRelease(msg)
+	case OpStatus:
+		err = d.serveStatus(msg)
+	default:
+		err = badf("unknown operation %q", op)
+	}
+	if err != nil {
+		d.replyErr(op, msg, err)
+	}
+}
+
+// replyErr sends an error reply with the error's stable code and counts it.
+func (d *Daemon) replyErr(op string, msg *nats.Msg, err error) {
+	code := Code(err)
+	d.met.requests.WithLabelValues(op, code).Inc()
+	if code == wire.CodeInternal {
+		d.log.Error("engine request failed", zap.String("op", op), zap.String("code", code), zap.Error(err))
+	} else {
+		d.log.Debug("engine request refused", zap.String("op", op), zap.String("code", code), zap.Error(err))
+	}
+	if msg.Reply == "" {
+		return
+	}
+	if rerr := bus.RespondError(msg, code, err.Error()); rerr != nil {
+		d.log.Warn("cannot send an error reply", zap.String("op", op), zap.Error(rerr))
+	}
+}
+
+func respond[T any](d *Daemon, op string, msg *nats.Msg, v *T) error {
+	d.met.requests.WithLabelValues(op, "ok").Inc()
+	if msg.Reply == "" {
+		return nil
+	}
+	if err := bus.Respond(msg, v); err != nil {
+		d.log.Warn("cannot send a reply", zap.String("op", op), zap.Error(err))
+	}
+	return nil
+}
+
+func (d *Daemon) serveRegister(ctx context.Context, msg *nats.Msg) error {
+	req, _, err := DecodeRegisterRequest(msg.Data)
+	if err != nil {
+		return err
+	}
+	if req.Spec.Layout.TP != d.cfg.TPSize {
+		return fmt.Errorf("register: layout TP size %d, this rank belongs to TP size %d: %w", req.Spec.Layout.TP, d.cfg.TPSize, ErrBadRequest)
+	}
+	res, err := d.eng.Register(ctx, transfer.Registration(*req))
+	if err != nil {
+		return err
+	}
+	d.log.Info("engine registered pools", zap.Stringer("namespace", res.Namespace), zap.String("model", res.Model), zap.Int("pools", len(req.Pools)))
+	return respond(d, OpRegister, msg, &wire.RegisterReply{Namespace: res.Namespace})
+}
+
+func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
+	req, err := DecodeStoreRequest(msg.Data)
+	if err != nil {
+		return err
+	}
+	f, err := d.eng.Store(ctx, transfer.StoreRequest(*req))
+	if err != nil {
+		return err
+	}
+	// The reply goes out once the objects are committed (or failed): the
+	// engine may then reuse its blocks and release its event.
+	res, _ := f.Wait(ctx)
+	select {
+	case <-f.Done():
+	default:
+		return fmt.Errorf("store %s: %w", req.RequestID, ctx.Err())
+	}
+	rep := res.Wire()
+	if len(rep.Failed) > 0 {
+		d.log.Warn("store had failed objects", zap.String("request", req.RequestID), zap.Strings("failed", rep.Failed))
+	}
+	return respond(d, OpStore, msg, &rep)
+}
+
+func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
+	req, err := DecodeRetrieveRequest(msg.Data)
+	if err != nil {
+		return err
+	}
+	res, err := d.eng.Retrieve(ctx, transfer.RetrieveRequest(*req))
+	if err != nil {
+		if req.RestoreID != "" {
+			// The coordinator must learn that this rank placed nothing, so
+			// the restore fails now rather than at its deadline.
+			failed := make([]wire.ItemResult, len(req.Items))
+			for i, it := range req.Items {
+				failed[i] = wire.ItemResult{Chunk: it.Chunk, Group: it.Group, Reason: "rejected: " + Code(err)}
+			}
+			d.report(req.RestoreID, failed)
+		}
+		return err
+	}
+	rep := res.Wire()
+	if req.RestoreID != "" {
+		d.report(req.RestoreID, rep.Results)
+	}
+	if fc := res.FailedChunks(); len(fc) > 0 {
+		d.log.Warn("retrieve had failed chunks", zap.String("restore", req.RestoreID), zap.Ints("chunks", fc))
+	}
+	return respond(d, OpRetrieve, msg, &rep)
+}
+
+// report sends the results of a restore's retrieve to the coordinator,
+// retrying within ReportTimeout; a report that cannot be delivered makes
+// the restore fail at its deadline (counted and logged).
+func (d *Daemon) report(restoreID string, results []wire.ItemResult) {
+	d.mu.Lock()
+	nc := d.nc
+	d.mu.Unlock()
+	rep := wire.RestoreReport{RestoreID: restoreID, Rank: d.cfg.Rank, Results: results}
+	ctx, cancel := context.WithTimeout(d.life, d.cfg.ReportTimeout)
+	defer cancel()
+	var err error
+	for attempt := 0; ; attempt++ {
+		actx, acancel := context.WithTimeout(ctx, max(d.cfg.ReportTimeout/4, 100*time.Millisecond))
+		var ack *wire.ReportAck
+		ack, err = bus.Call[wire.ReportAck](actx, nc, d.subj.Coord(wire.CoordRestoreReport), rep)
+		acancel()
+		if err == nil {
+			d.met.reports.WithLabelValues("ok").Inc()
+			d.log.Debug("restore reported", zap.String("restore", restoreID), zap.String("state", ack.State), zap.Bool("duplicate", ack.Duplicate))
+			return
+		}
+		var we *wire.Error
+		if errors.As(err, &we) && we.Code != wire.CodeUnavailable && we.Code != wire.CodeInternal {
+			break // the coordinator will never take it (unknown restore, bad report)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond << min(attempt, 4)):
+			continue
+		}
+		break
+	}
+	d.met.reports.WithLabelValues("failed").Inc()
+	d.log.Error("could not report restore results to the coordinator", zap.String("restore", restoreID), zap.Error(err))
+}
+
+func (d *Daemon) serveRelease(msg *nats.Msg) error {
+	req, err := DecodeReleaseRequest(msg.Data)
+	if err != nil {
+		return err
+	}
+	if err := d.eng.Unregister(req.Namespace); err != nil {
+		return err
+	}
+	d.log.Info("engine released its pools", zap.Stringer("namespace", req.Namespace))
+	return respond(d, OpRelease, msg, &ReleaseReply{Namespace: req.Namespace})
+}
+
+func (d *Daemon) serveStatus(msg *nats.Msg) error {
+	if err := decodeStatus(msg.Data); err != nil {
+		return err
+	}
+	return respond(d, OpStatus, msg, d.Status())
+}
+
+// Status returns the daemon's status.
+func (d *Daemon) Status() *StatusReply {
+	info := d.dev.Info()
+	d.mu.Lock()
+	st := &StatusReply{Rank: d.cfg.Rank, TPSize: d.cfg.TPSize, Incarnation: d.inc, NATS: d.natsURL,
+		Device: DeviceStatus{Backend: info.Backend, UUID: info.UUID, Name: info.Name}, Accepting: !d.closing && d.readyOnce}
+	d.mu.Unlock()
+	st.Gossip = d.clu.LocalMember().Addr
+	d.pub.mu.Lock()
+	st.Events = EventStatus{QueuedBatches: len(d.pub.queue), AppliedThrough: d.pub.applied}
+	d.pub.mu.Unlock()
+	st.Engine = d.eng.Stats()
+	return st
+}
+
+// onInventory answers the coordinator's inventory request (resync).
+func (d *Daemon) onInventory(msg *nats.Msg) {
+	d.mu.Lock()
+	if d.stopped {
+		d.mu.Unlock()
+		return
+	}
+	d.wg.Add(1)
+	d.mu.Unlock()
+	go func() {
+		defer d.wg.Done()
+		if len(msg.Data) > 0 && string(msg.Data) != "{}" && string(msg.Data) != "null" {
+			var v struct{}
+			if err := bus.Decode(msg, &v); err != nil {
+				_ = bus.RespondError(msg, wire.CodeBadRequest, err.Error())
+				return
+			}
+		}
+		inv := d.eng.Inventory()
+		d.met.inventories.Inc()
+		d.log.Info("inventory requested", zap.Uint64("seq", inv.Seq), zap.Int("objects", len(inv.Objects)))
+		if err := bus.Respond(msg, &inv); err != nil {
+			d.log.Warn("cannot send the inventory", zap.Error(err))
+		}
+	}()
+}

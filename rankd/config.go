@@ -1,0 +1,219 @@
+package rankd
+
+import (
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/transfer"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Config configures one rankd. Build it from DefaultConfig, set Rank,
+// TPSize and Join, then pass it to New, which validates it.
+type Config struct {
+	// Rank is the engine instance and TP rank this daemon serves. Required;
+	// the instance is 1..64 characters of [A-Za-z0-9_-].
+	Rank wire.Rank
+	// TPSize is the engine's tensor-parallel size. Required (>= 1).
+	TPSize int
+	// DCPSize is the engine's decode-context-parallel size, gossiped in the
+	// member metadata (it must divide TPSize). Default 1. It does not change
+	// what is stored: the registered spec decides that.
+	DCPSize int
+
+	// Device names the device: "auto" (CUDA device 0 if a driver and device
+	// exist, else the host backend), "host", "cuda:N" or a "GPU-..." UUID.
+	// Default "auto".
+	Device string
+	// Host configures the host backend when Device selects it. Its Dir must
+	// be the one the engine's host backend uses. Default
+	// cuda.DefaultHostConfig() (/dev/shm).
+	Host cuda.HostConfig
+
+	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
+	// more hot objects; it is pinned (unswappable) RAM.
+	L1Bytes uint64
+	// L2Dir is the root of the L2 file tier, shared by the ranks of one
+	// engine instance. Default "": no L2, and nothing survives a restart.
+	L2Dir string
+	// L2Policy is transfer.WriteThrough (default) or
+	// transfer.WriteBackOnEvict.
+	L2Policy transfer.L2Policy
+
+	// Join lists the memberlist seeds (host:port), normally the
+	// coordinator's gossip address. Required unless NATSURL is set.
+	Join []string
+	// NodeName is the memberlist node name. Default
+	// "rankd-<instance>-<tp rank>".
+	NodeName string
+	// BindAddr and BindPort are the gossip address. Defaults "0.0.0.0" and
+	// 7946 + 1 + TP rank (so the ranks of one host do not collide with each
+	// other or with a coordinator on 7946). Port 0 picks a free one.
+	BindAddr string
+	BindPort int
+	// AdvertiseAddr and AdvertisePort are what peers dial, for NAT or
+	// multi-homed hosts. Default "" (derived from BindAddr).
+	AdvertiseAddr string
+	AdvertisePort int
+	// Detector tunes the failure detector; it must match the coordinator's.
+	// Default cluster.DefaultDetector().
+	Detector cluster.DetectorConfig
+	// JoinTimeout bounds the initial join and the wait for the coordinator's
+	// NATS URL in its member metadata. Default 30 s.
+	JoinTimeout time.Duration
+
+	// NATSURL is an explicit NATS URL (comma-separated for a cluster).
+	// Default "": use the URLs the coordinator gossips in its member
+	// metadata.
+	NATSURL string
+	// Prefix is the first token of every NATS subject. Default "kvtier".
+	Prefix string
+
+	// HTTPAddr serves /metrics, /healthz and /readyz. Default
+	// "127.0.0.1:0" (a free port; the address is logged). "" disables it.
+	HTTPAddr string
+
+	// EventAckTimeout bounds one event batch request; on timeout the same
+	// batch is sent again (the coordinator ignores duplicates). Default 2 s.
+	EventAckTimeout time.Duration
+	// EventQueue is the most event batches queued for the coordinator;
+	// beyond it a batch is refused (the transfer engine retries and then
+	// drops it, leaving a sequence gap that makes the coordinator resync
+	// from the inventory). Default 4096.
+	EventQueue int
+	// MaxInFlight bounds engine requests being served at once; beyond it a
+	// request gets code unavailable. Default 1024. A store holds its slot
+	// while it waits for the engine's producer event.
+	MaxInFlight int
+	// ReportTimeout bounds sending one restore report to the coordinator.
+	// Default 5 s.
+	ReportTimeout time.Duration
+	// ShutdownTimeout bounds the graceful part of Shutdown: draining
+	// in-flight requests and stores, flushing events, leaving the cluster.
+	// Default 30 s.
+	ShutdownTimeout time.Duration
+
+	// Logger receives logs. Default zap.NewNop().
+	Logger *zap.Logger
+}
+
+// DefaultConfig returns a Config with every default filled in; set Rank,
+// TPSize and Join (or NATSURL).
+func DefaultConfig() Config {
+	return Config{
+		DCPSize:         1,
+		Device:          cuda.SpecAuto,
+		Host:            cuda.DefaultHostConfig(),
+		L1Bytes:         1 << 30,
+		L2Policy:        transfer.WriteThrough,
+		BindAddr:        "0.0.0.0",
+		BindPort:        -1, // 7946 + 1 + TP rank
+		Detector:        cluster.DefaultDetector(),
+		JoinTimeout:     30 * time.Second,
+		Prefix:          wire.DefaultPrefix,
+		HTTPAddr:        "127.0.0.1:0",
+		EventAckTimeout: 2 * time.Second,
+		EventQueue:      4096,
+		MaxInFlight:     1024,
+		ReportTimeout:   5 * time.Second,
+		ShutdownTimeout: 30 * time.Second,
+		Logger:          zap.NewNop(),
+	}
+}
+
+// withDefaults fills derived defaults.
+func (c Config) withDefaults() Config {
+	if c.NodeName == "" {
+		c.NodeName = fmt.Sprintf("rankd-%s-%d", c.Rank.Instance, c.Rank.TPRank)
+	}
+	if c.BindPort < 0 {
+		c.BindPort = 7946 + 1 + c.Rank.TPRank
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	return c
+}
+
+// Validate checks every rule of c; the error names the rule and the numbers.
+func (c *Config) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf(format+": %w", append(args, ErrConfig)...)
+	}
+	if err := wire.ValidInstance(c.Rank.Instance); err != nil {
+		return bad("instance: %v", err)
+	}
+	switch {
+	case c.TPSize < 1 || c.TPSize > 4096:
+		return bad("TP size %d: want 1..4096", c.TPSize)
+	case c.Rank.TPRank < 0 || c.Rank.TPRank >= c.TPSize:
+		return bad("TP rank %d outside 0..%d (TP size %d)", c.Rank.TPRank, c.TPSize-1, c.TPSize)
+	case c.DCPSize < 1 || c.TPSize%c.DCPSize != 0:
+		return bad("DCP size %d must be >= 1 and divide TP size %d", c.DCPSize, c.TPSize)
+	case c.Device == "":
+		return bad("device spec is empty (want auto, host, cuda:N or a GPU UUID)")
+	case c.L1Bytes < 1<<20:
+		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
+	case c.L2Policy != transfer.WriteThrough && c.L2Policy != transfer.WriteBackOnEvict:
+		return bad("L2 policy %d: want write-through or write-back", uint8(c.L2Policy))
+	case len(c.Join) == 0 && c.NATSURL == "":
+		return bad("no memberlist seed to join and no NATS URL: set --join (the coordinator's gossip address)")
+	case net.ParseIP(c.BindAddr) == nil:
+		return bad("bind address %q must be an IP address", c.BindAddr)
+	case c.BindPort < -1 || c.BindPort > 65535:
+		return bad("bind port %d outside 0..65535", c.BindPort)
+	case c.AdvertiseAddr != "" && net.ParseIP(c.AdvertiseAddr) == nil:
+		return bad("advertise address %q must be an IP address", c.AdvertiseAddr)
+	case c.AdvertisePort < 0 || c.AdvertisePort > 65535:
+		return bad("advertise port %d outside 0..65535", c.AdvertisePort)
+	case c.Prefix == "" || strings.ContainsAny(c.Prefix, ".*> \t\r\n"):
+		return bad("subject prefix %q must be one non-empty NATS token", c.Prefix)
+	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0:
+		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v)",
+			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout)
+	case c.EventQueue < 1:
+		return bad("event queue %d must be >= 1", c.EventQueue)
+	case c.MaxInFlight < 1:
+		return bad("max in-flight requests %d must be >= 1", c.MaxInFlight)
+	}
+	for i, s := range c.Join {
+		if _, _, err := net.SplitHostPort(s); err != nil {
+			return bad("seed %d %q must be host:port", i, s)
+		}
+	}
+	if c.NATSURL != "" {
+		for _, u := range strings.Split(c.NATSURL, ",") {
+			p, err := url.Parse(strings.TrimSpace(u))
+			if err != nil || p.Host == "" {
+				return bad("NATS URL %q must be scheme://host:port", u)
+			}
+		}
+	}
+	if c.HTTPAddr != "" {
+		if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
+			return bad("HTTP address %q must be host:port", c.HTTPAddr)
+		}
+	}
+	if err := c.Detector.Validate(); err != nil {
+		return fmt.Errorf("detector: %w", err)
+	}
+	return nil
+}
+
+// ParseL2Policy parses "write-through" or "write-back".
+func ParseL2Policy(s string) (transfer.L2Policy, error) {
+	switch s {
+	case "write-through":
+		return transfer.WriteThrough, nil
+	case "write-back", "write-back-on-evict":
+		return transfer.WriteBackOnEvict, nil
+	}
+	return 0, fmt.Errorf("L2 policy %q: want write-through or write-back: %w", s, ErrConfig)
+}

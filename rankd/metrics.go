@@ -1,0 +1,59 @@
+package rankd
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// metrics are the daemon's own Prometheus metrics; the transfer engine and
+// the cluster member register theirs in the same registry.
+type metrics struct {
+	reg *prometheus.Registry
+
+	requests          *prometheus.CounterVec // op, code ("ok" on success)
+	requestSeconds    *prometheus.HistogramVec
+	inFlight          prometheus.Gauge
+	eventBatchesSent  prometheus.Counter
+	eventBatchesAcked prometheus.Counter
+	eventRetries      prometheus.Counter
+	eventsRefused     prometheus.Counter
+	eventsDropped     prometheus.Counter
+	eventsFenced      prometheus.Counter
+	eventQueue        prometheus.Gauge
+	reports           *prometheus.CounterVec // result: ok | failed
+	inventories       prometheus.Counter
+}
+
+func newMetrics(rank string) *metrics {
+	labels := prometheus.Labels{"rank": rank}
+	c := func(name, help string) prometheus.Counter {
+		return prometheus.NewCounter(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd", Name: name, Help: help, ConstLabels: labels})
+	}
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "engine_requests_total", Help: "Engine API requests by operation and reply code (ok on success).", ConstLabels: labels},
+			[]string{"op", "code"}),
+		requestSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "engine_request_seconds", Help: "Engine API request latency, receipt to reply.", ConstLabels: labels,
+			Buckets: prometheus.ExponentialBuckets(1e-4, 4, 10)}, []string{"op"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "engine_requests_in_flight", Help: "Engine API requests being served.", ConstLabels: labels}),
+		eventBatchesSent:  c("event_batch_requests_total", "Event batch requests sent to the coordinator, retries included."),
+		eventBatchesAcked: c("event_batches_acked_total", "Event batches the coordinator acknowledged as durable."),
+		eventRetries:      c("event_batch_retries_total", "Event batches sent again after a timeout or transient error."),
+		eventsRefused:     c("event_batches_refused_total", "Event batches refused because the queue was full or closed (the engine retries, then drops)."),
+		eventsDropped:     c("event_batches_dropped_total", "Event batches dropped: rejected by the coordinator or unencodable."),
+		eventsFenced:      c("event_batches_fenced_total", "Event batches the coordinator fenced (superseded incarnation)."),
+		eventQueue: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "event_queue_batches", Help: "Event batches queued for the coordinator.", ConstLabels: labels}),
+		reports: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "restore_reports_total", Help: "Restore reports sent to the coordinator, by result.", ConstLabels: labels},
+			[]string{"result"}),
+		inventories: c("inventory_requests_total", "Inventory requests served."),
+	}
+	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
+		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}

@@ -1,0 +1,418 @@
+package rankd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/transfer"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// Engine API operations, the last token of wire.Subjects.Engine.
+const (
+	OpRegister = "register"
+	OpStore    = "store"
+	OpRetrieve = "retrieve"
+	OpRelease  = "release"
+	OpStatus   = "status"
+)
+
+// Daemon is one running rankd.
+//
+// Lifecycle: New (opens the device, rescans L2, builds the engine and the
+// cluster member; no network), Start (HTTP, memberlist join, NATS, serving),
+// Shutdown (stop accepting engine requests, drain in-flight ones and the
+// stores, flush events, leave the cluster, close). Shutdown is idempotent
+// and blocks until every goroutine the daemon started has exited.
+type Daemon struct {
+	cfg  Config
+	log  *zap.Logger
+	met  *metrics
+	subj wire.Subjects
+	inc  uint64
+
+	dev cuda.Device
+	eng *transfer.Engine
+	pub *publisher
+	clu *cluster.Cluster
+
+	slots chan struct{} // engine request slots (MaxInFlight)
+	stop  chan struct{} // closed when Shutdown begins its final phase
+	// life is canceled with stop: blocking calls of daemon goroutines
+	// watch it.
+	life     context.Context
+	stopLife context.CancelFunc
+	wg       sync.WaitGroup
+	reqWG    sync.WaitGroup // engine requests being served
+
+	httpSrv *http.Server
+	httpLn  net.Listener
+
+	mu        sync.Mutex // guards the following
+	started   bool
+	closing   bool // Shutdown began: engine requests are refused
+	stopped   bool // Shutdown's final phase: no new goroutines
+	shutdown  bool
+	nc        *nats.Conn
+	subs      []*nats.Subscription
+	natsURL   string
+	shutErr   error
+	shutDone  chan struct{}
+	readyOnce bool
+}
+
+// New validates cfg, opens the device, starts the transfer engine (which
+// rescans L2) and builds the cluster member. It does not touch the network.
+func New(cfg Config) (*Daemon, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	d := &Daemon{
+		cfg:      cfg,
+		log:      cfg.Logger.Named("rankd").With(zap.Stringer("rank", cfg.Rank)),
+		met:      newMetrics(cfg.Rank.String()),
+		subj:     wire.Subjects{Prefix: cfg.Prefix},
+		inc:      cluster.NewIncarnation(),
+		slots:    make(chan struct{}, cfg.MaxInFlight),
+		stop:     make(chan struct{}),
+		shutDone: make(chan struct{}),
+	}
+	d.life, d.stopLife = context.WithCancel(context.Background())
+	dev, err := cuda.Open(cfg.Device, cfg.Host)
+	if err != nil {
+		return nil, fmt.Errorf("rankd %s: open device %q: %w", cfg.Rank, cfg.Device, err)
+	}
+	d.dev = dev
+	d.pub = newPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventQueue, d.log.Named("events"), d.met)
+
+	tc := transfer.DefaultConfig()
+	tc.Rank = cfg.Rank
+	tc.TPSize = cfg.TPSize
+	tc.Incarnation = d.inc
+	tc.Device = dev
+	tc.L1Bytes = cfg.L1Bytes
+	tc.L2Dir = cfg.L2Dir
+	tc.L2Policy = cfg.L2Policy
+	tc.Publisher = d.pub
+	tc.Logger = cfg.Logger
+	tc.Registerer = d.met.reg
+	eng, err := transfer.New(tc)
+	if err != nil {
+		_ = dev.Close()
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+	}
+	d.eng = eng
+
+	cc := cluster.DefaultConfig()
+	cc.NodeName = cfg.NodeName
+	cc.BindAddr, cc.BindPort = cfg.BindAddr, cfg.BindPort
+	cc.AdvertiseAddr, cc.AdvertisePort = cfg.AdvertiseAddr, cfg.AdvertisePort
+	cc.Seeds = cfg.Join
+	cc.Detector = cfg.Detector
+	cc.Logger = cfg.Logger
+	cc.Registerer = d.met.reg
+	cc.Meta = cluster.Meta{
+		Role:        cluster.RoleRankd,
+		Engine:      cfg.Rank.Instance,
+		TPRank:      cfg.Rank.TPRank,
+		TPSize:      cfg.TPSize,
+		DCPRank:     cfg.Rank.TPRank % cfg.DCPSize,
+		DCPSize:     cfg.DCPSize,
+		Incarnation: d.inc,
+		L1CapBytes:  cfg.L1Bytes,
+	}
+	clu, err := cluster.New(cc)
+	if err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+		defer cancel()
+		_ = eng.Close(ctx)
+		_ = dev.Close()
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+	}
+	d.clu = clu
+	return d, nil
+}
+
+// Incarnation returns this run's incarnation (in events, inventories and
+// the member metadata).
+func (d *Daemon) Incarnation() uint64 { return d.inc }
+
+// Engine returns the transfer engine (tests).
+func (d *Daemon) Engine() *transfer.Engine { return d.eng }
+
+// HTTPAddr returns the address of the metrics/health listener, "" if none.
+func (d *Daemon) HTTPAddr() string {
+	if d.httpLn == nil {
+		return ""
+	}
+	return d.httpLn.Addr().String()
+}
+
+// GossipAddr returns the memberlist address of this daemon.
+func (d *Daemon) GossipAddr() string { return d.clu.LocalMember().Addr }
+
+// NATSURL returns the NATS URL in use ("" before Start connected).
+func (d *Daemon) NATSURL() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.natsURL
+}
+
+// Start starts the HTTP listener, joins the cluster, finds the
+// coordinator's NATS, connects and starts serving. On error the daemon
+// must still be shut down.
+func (d *Daemon) Start(ctx context.Context) error {
+	d.mu.Lock()
+	if d.started || d.shutdown {
+		d.mu.Unlock()
+		return ErrStarted
+	}
+	d.started = true
+	d.mu.Unlock()
+
+	if d.cfg.HTTPAddr != "" {
+		ln, err := net.Listen("tcp", d.cfg.HTTPAddr)
+		if err != nil {
+			return fmt.Errorf("rankd %s: HTTP listener: %w", d.cfg.Rank, err)
+		}
+		d.httpLn = ln
+		d.httpSrv = &http.Server{Handler: d.httpHandler(), ReadHeaderTimeout: 5 * time.Second}
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			if err := d.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				d.log.Error("HTTP server stopped", zap.Error(err))
+			}
+		}()
+		addr := ln.Addr().String()
+		if err := d.clu.UpdateMeta(ctx, func(m *cluster.Meta) { m.Admin = addr }); err != nil {
+			d.log.Warn("cannot put the HTTP address in the member metadata", zap.Error(err))
+		}
+	}
+
+	if err := d.clu.Start(); err != nil {
+		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+	}
+	jctx, cancel := context.WithTimeout(ctx, d.cfg.JoinTimeout)
+	defer cancel()
+	if len(d.cfg.Join) > 0 {
+		if _, err := d.clu.Join(jctx); err != nil {
+			return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+		}
+	}
+	url := d.cfg.NATSURL
+	if url == "" {
+		var err error
+		if url, err = d.discoverNATS(jctx); err != nil {
+			return err
+		}
+	}
+	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank))
+	if err != nil {
+		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+	}
+	d.mu.Lock()
+	d.nc, d.natsURL = nc, url
+	d.mu.Unlock()
+	d.pub.setConn(nc)
+	d.wg.Add(2)
+	go func() {
+		defer d.wg.Done()
+		d.pub.run(d.stop)
+	}()
+	go func() {
+		defer d.wg.Done()
+		d.rejoinLoop()
+	}()
+
+	if err := d.subscribe(nc); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.readyOnce = true
+	d.mu.Unlock()
+	d.log.Info("rankd serving", zap.String("nats", url), zap.String("gossip", d.clu.LocalMember().Addr),
+		zap.String("http", d.HTTPAddr()), zap.Uint64("incarnation", d.inc),
+		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID))
+	return nil
+}
+
+// discoverNATS waits for a coordinator member that gossips a NATS URL.
+func (d *Daemon) discoverNATS(ctx context.Context) (string, error) {
+	for {
+		for _, m := range d.clu.Members() {
+			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && len(m.Meta.NATS) > 0 {
+				return strings.Join(m.Meta.NATS, ","), nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("rankd %s: no alive coordinator with a NATS URL in the cluster: %w: %w", d.cfg.Rank, ErrNoCoordinator, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// rejoinLoop joins the seeds again whenever no coordinator is alive in the
+// member table: a restarted coordinator starts a cluster of its own and
+// only learns of the ranks when they contact it.
+func (d *Daemon) rejoinLoop() {
+	if len(d.cfg.Join) == 0 {
+		return
+	}
+	t := time.NewTicker(500 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-t.C:
+		}
+		alive := false
+		for _, m := range d.clu.Members() {
+			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive {
+				alive = true
+				break
+			}
+		}
+		if alive {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(d.life, time.Second)
+		if _, err := d.clu.Join(ctx); err == nil {
+			d.log.Info("rejoined the cluster through the seeds (no coordinator was alive)")
+		}
+		cancel()
+	}
+}
+
+func (d *Daemon) subscribe(nc *nats.Conn) error {
+	type route struct {
+		subject string
+		handle  func(*nats.Msg)
+	}
+	routes := []route{{d.subj.Inventory(d.cfg.Rank), d.onInventory}}
+	for _, op := range []string{OpRegister, OpStore, OpRetrieve, OpRelease, OpStatus} {
+		routes = append(routes, route{d.subj.Engine(d.cfg.Rank, op), d.engineHandler(op)})
+	}
+	for _, r := range routes {
+		sub, err := nc.Subscribe(r.subject, r.handle)
+		if err != nil {
+			return fmt.Errorf("rankd %s: subscribe %s: %w", d.cfg.Rank, r.subject, err)
+		}
+		// Requests wait in the client while a handler runs; the limits
+		// bound memory, not concurrency (handlers return at once).
+		_ = sub.SetPendingLimits(65536, 256<<20)
+		d.mu.Lock()
+		d.subs = append(d.subs, sub)
+		d.mu.Unlock()
+	}
+	return nc.Flush()
+}
+
+// Shutdown stops the daemon gracefully within ShutdownTimeout (or ctx):
+// engine requests are refused with code unavailable, in-flight requests
+// and stores drain, the engine closes (L2 write-through finished, events
+// published), the events are flushed to the coordinator, the member leaves
+// the cluster, then everything closes. Idempotent; later calls wait for
+// the first and return its result.
+func (d *Daemon) Shutdown(ctx context.Context) error {
+	d.mu.Lock()
+	if d.closing {
+		d.mu.Unlock()
+		select {
+		case <-d.shutDone:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return d.shutErr
+	}
+	d.closing = true
+	nc := d.nc
+	d.mu.Unlock()
+
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.ShutdownTimeout)
+	defer cancel()
+	var errs []error
+	start := time.Now()
+
+	// 1. In-flight engine requests finish (new ones get unavailable).
+	drained := make(chan struct{})
+	go func() { d.reqWG.Wait(); close(drained) }()
+	select {
+	case <-drained:
+	case <-ctx.Done():
+		errs = append(errs, fmt.Errorf("drain engine requests: %w", ctx.Err()))
+	}
+	// 2. The engine drains its stores, finishes L2 writes, publishes the
+	// last events to the publisher.
+	if err := d.eng.Close(ctx); err != nil {
+		errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
+	}
+	// 3. Every event reaches the coordinator (durably) or is counted lost.
+	if nc != nil {
+		if n := d.pub.flush(ctx); n > 0 {
+			d.log.Error("event batches not acknowledged at shutdown (the coordinator will resync)", zap.Int("batches", n))
+			errs = append(errs, fmt.Errorf("%d event batches not acknowledged", n))
+		}
+	} else {
+		done, cancelDone := context.WithCancel(ctx)
+		cancelDone()
+		d.pub.flush(done) // never connected: nothing can be sent
+	}
+	// 4. Leave the cluster so the coordinator sees a graceful exit.
+	d.mu.Lock()
+	started := d.started
+	subs := d.subs
+	d.subs = nil
+	d.mu.Unlock()
+	if started {
+		if err := d.clu.Leave(2 * time.Second); err != nil && !errors.Is(err, cluster.ErrNotStarted) {
+			d.log.Warn("leave", zap.Error(err))
+		}
+	}
+	d.mu.Lock()
+	d.stopped = true
+	d.mu.Unlock()
+	close(d.stop)
+	d.stopLife()
+	for _, s := range subs {
+		_ = s.Unsubscribe()
+	}
+	if err := d.clu.Shutdown(); err != nil {
+		errs = append(errs, err)
+	}
+	if nc != nil {
+		nc.Close()
+	}
+	if d.httpSrv != nil {
+		sctx, scancel := context.WithTimeout(context.Background(), time.Second)
+		_ = d.httpSrv.Shutdown(sctx)
+		scancel()
+	}
+	d.wg.Wait()
+	if err := d.dev.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("close device: %w", err))
+	}
+	err := errors.Join(errs...)
+	d.mu.Lock()
+	d.shutdown = true
+	d.shutErr = err
+	d.mu.Unlock()
+	close(d.shutDone)
+	d.log.Info("rankd shut down", zap.Duration("took", time.Since(start)), zap.Error(err))
+	return err
+}

@@ -1,0 +1,396 @@
+package rankd
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/checksum"
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// nats.go and memberlist leave short-lived goroutines behind on close.
+		goleak.IgnoreTopFunction("github.com/nats-io/nats.go.(*Conn).doReconnect"),
+		goleak.IgnoreTopFunction("time.Sleep"),
+	)
+}
+
+// harness is an embedded NATS with a fake coordinator (acks every event
+// batch, records restore reports) and one daemon on the host backend.
+type harness struct {
+	t       *testing.T
+	srv     *bus.Embedded
+	nc      *nats.Conn
+	d       *Daemon
+	hostCfg cuda.HostConfig
+	subj    wire.Subjects
+	rank    wire.Rank
+
+	mu      sync.Mutex
+	events  []wire.Event
+	reports []wire.RestoreReport
+}
+
+func newHarness(t *testing.T) *harness {
+	t.Helper()
+	ec := bus.DefaultEmbeddedConfig()
+	ec.Port = 0
+	srv, err := bus.StartEmbedded(ec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := bus.Connect(srv.ClientURL(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	h := &harness{t: t, srv: srv, nc: nc, subj: wire.Subjects{Prefix: "kvt"}, rank: wire.Rank{Instance: "eng", TPRank: 1},
+		hostCfg: cuda.HostConfig{Dir: t.TempDir(), UUID: "HOST-rankd-test"}}
+	if _, err := nc.Subscribe(h.subj.EventsAll(), func(m *nats.Msg) {
+		var b wire.Batch
+		if err := b.UnmarshalBinary(m.Data); err != nil {
+			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+			return
+		}
+		h.mu.Lock()
+		h.events = append(h.events, b.Events...)
+		h.mu.Unlock()
+		_ = bus.Respond(m, &wire.EventAck{AppliedThrough: b.Events[len(b.Events)-1].Seq})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.Subscribe(h.subj.Coord(wire.CoordRestoreReport), func(m *nats.Msg) {
+		var r wire.RestoreReport
+		if err := bus.Decode(m, &r); err != nil {
+			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+			return
+		}
+		h.mu.Lock()
+		h.reports = append(h.reports, r)
+		h.mu.Unlock()
+		_ = bus.Respond(m, &wire.ReportAck{State: wire.VerdictPending})
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	cfg := DefaultConfig()
+	cfg.Rank, cfg.TPSize = h.rank, 2
+	cfg.Device, cfg.Host = "host", h.hostCfg
+	cfg.L1Bytes = 64 << 20
+	cfg.L2Dir = t.TempDir()
+	cfg.NATSURL = srv.ClientURL()
+	cfg.Prefix = "kvt"
+	cfg.BindAddr, cfg.BindPort = "127.0.0.1", 0
+	cfg.Logger = zaptest.NewLogger(t)
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.d = d
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := d.Start(ctx); err != nil {
+		_ = d.Shutdown(context.Background())
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Shutdown(context.Background()) })
+	return h
+}
+
+func (h *harness) ctx() context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	h.t.Cleanup(cancel)
+	return ctx
+}
+
+// engine is a minimal engine worker: one MLA group at DCP1 with 561-byte
+// rows and a 37-byte pad, two layers.
+type engine struct {
+	dev   cuda.Device
+	pools []cuda.Mem
+	spec  dcp.Spec
+	res   *dcp.Resolved
+	g     dcp.PageGeometry
+}
+
+const blocks = 8
+
+func newEngine(t *testing.T, h *harness) *engine {
+	dev, err := cuda.OpenHost(h.hostCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dev.Close() })
+	e := &engine{dev: dev, spec: testSpec()}
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	e.g = e.res.Geometry[0]
+	for l := range 2 {
+		m, err := dev.Alloc(e.g.PoolBytes(blocks))
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, m.Size())
+		for i := range buf {
+			buf[i] = 0xEE
+		}
+		if err := dev.Write(m, 0, buf); err != nil {
+			t.Fatal(err)
+		}
+		_ = l
+		e.pools = append(e.pools, m)
+	}
+	return e
+}
+
+func (e *engine) registerReq(t *testing.T) wire.RegisterRequest {
+	req := wire.RegisterRequest{Spec: e.spec, DeviceUUID: e.dev.Info().UUID}
+	for l, m := range e.pools {
+		hdl, err := e.dev.ExportMem(m, 0, m.Size())
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Pools = append(req.Pools, wire.PoolRegistration{Group: 0, Layer: l, Handle: hdl})
+	}
+	return req
+}
+
+func pageOf(layer int, block int64, n uint64) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(uint64(layer)*131 + uint64(block)*7 + uint64(i)*13 + uint64(i>>8))
+	}
+	return b
+}
+
+func TestDaemonStoreRetrieveReport(t *testing.T) {
+	h := newHarness(t)
+	e := newEngine(t, h)
+	ctx := h.ctx()
+	call := func(op string, data []byte) ([]byte, error) {
+		m, err := h.nc.RequestWithContext(ctx, h.subj.Engine(h.rank, op), data)
+		if err != nil {
+			return nil, err
+		}
+		return m.Data, nil
+	}
+
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if reg.Namespace != e.res.Namespace {
+		t.Fatalf("namespace %s, want %s", reg.Namespace, e.res.Namespace)
+	}
+
+	// Store chunk 0 from block 2, written by a stream behind a delay, with
+	// the producer event recorded behind the writes.
+	s, err := e.dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Delay(30 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	for l, m := range e.pools {
+		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Record(ev); err != nil {
+		t.Fatal(err)
+	}
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = ev.Release()
+	// TP rank 1 does not store the MLA shard at DCP1 (rank 0 does).
+	if st.Stored != 0 || len(st.Failed) != 0 {
+		t.Fatalf("store reply %+v; rank 1 stores no MLA shard", st)
+	}
+
+	// Make rank 1 a storer: a non-MLA spec of its own.
+	e.spec.Groups[0].MLA = false
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+		t.Fatal(err)
+	}
+	ev2, _ := e.dev.NewEvent(true)
+	defer ev2.Release()
+	if err := s.Record(ev2); err != nil {
+		t.Fatal(err)
+	}
+	evh2, _ := e.dev.ExportEvent(ev2)
+	chunk = dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err = bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Event: evh2,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Stored != 1 {
+		t.Fatalf("store reply %+v, want 1 stored", st)
+	}
+	var want []byte
+	for l := range e.pools {
+		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
+	}
+	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
+
+	// Retrieve into block 5 as part of restore "R1": the report reaches the
+	// coordinator with the checksum of the bytes placed.
+	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
+		RestoreID: "R1", Namespace: e.res.Namespace,
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rr.Results) != 1 || !rr.Results[0].OK || rr.Results[0].Sum != checksum.Sum(want) {
+		t.Fatalf("retrieve results %+v", rr.Results)
+	}
+	for l, m := range e.pools {
+		got := make([]byte, m.Size())
+		if err := e.dev.Read(m, 0, got); err != nil {
+			t.Fatal(err)
+		}
+		for b := int64(0); b < blocks; b++ {
+			off := uint64(b) * e.g.StrideBytes
+			page := got[off : off+e.g.PageBytes]
+			switch b {
+			case 2, 5:
+				if !bytes.Equal(page, pageOf(l, 2, e.g.PageBytes)) {
+					t.Fatalf("layer %d block %d differs", l, b)
+				}
+			default:
+				if bytes.Count(page, []byte{0xEE}) != len(page) {
+					t.Fatalf("layer %d block %d was written", l, b)
+				}
+			}
+			if b < blocks-1 && bytes.Count(got[off+e.g.PageBytes:off+e.g.StrideBytes], []byte{0xEE}) != int(e.g.Padding()) {
+				t.Fatalf("layer %d padding after block %d was written", l, b)
+			}
+		}
+	}
+	h.mu.Lock()
+	reports := append([]wire.RestoreReport(nil), h.reports...)
+	h.mu.Unlock()
+	if len(reports) != 1 || reports[0].RestoreID != "R1" || reports[0].Rank != h.rank ||
+		!reports[0].Results[0].OK || reports[0].Results[0].Sum != checksum.Sum(want) {
+		t.Fatalf("reports %+v", reports)
+	}
+
+	// Bad input: clear errors with stable codes; the daemon keeps serving.
+	for _, c := range []struct {
+		op, body, code string
+	}{
+		{OpStore, `{garbage`, wire.CodeBadRequest},
+		{OpStore, `{"request_id":"x","bogus":1}`, wire.CodeBadRequest},
+		{OpRetrieve, `{"namespace":[9,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"items":[{"key":"09000000000000000000000000000000.00000000000000000000000000000000.1.0","blocks":[1]}]}`, wire.CodeUnknownNamespace},
+		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"items":[{"key":"` + key.String() + `","blocks":[99]}]}`, wire.CodeBadRequest},
+		{OpRegister, string(mustJSON(t, func() wire.RegisterRequest {
+			r := e.registerReq(t)
+			r.Spec.Groups[0].StrideBytes = 100
+			return r
+		}())), wire.CodeGeometry},
+		{OpStatus, `{"x":1}`, wire.CodeBadRequest},
+	} {
+		data, err := call(c.op, []byte(c.body))
+		if err != nil {
+			t.Fatalf("%s %s: %v", c.op, c.body, err)
+		}
+		var rep wire.Reply[struct{}]
+		if err := json.Unmarshal(data, &rep); err != nil || rep.Error == nil || rep.Error.Code != c.code {
+			t.Fatalf("%s %.60s: reply %s, want code %s", c.op, c.body, data, c.code)
+		}
+	}
+	big := `{"request_id":"` + strings.Repeat("y", MaxRequestBytes) + `"}`
+	if data, err := call(OpStore, []byte(big)); err != nil || !strings.Contains(string(data), wire.CodeTooLarge) {
+		t.Fatalf("oversize store: %v %.100s", err, data)
+	}
+
+	stat, err := bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
+	if err != nil || stat.Incarnation != h.d.Incarnation() || !stat.Accepting || stat.Engine.ObjectsStored != 1 {
+		t.Fatalf("status %+v, %v", stat, err)
+	}
+	inv, err := bus.Call[wire.Inventory](ctx, h.nc, h.subj.Inventory(h.rank), struct{}{})
+	if err != nil || inv.Incarnation != h.d.Incarnation() {
+		t.Fatalf("inventory %+v, %v", inv, err)
+	}
+	found := false
+	for _, o := range inv.Objects {
+		found = found || (o.Key == key && o.Tier == wire.L1)
+	}
+	if !found {
+		t.Fatalf("inventory lacks %s in L1: %+v", key, inv.Objects)
+	}
+
+	// Health and metrics.
+	for _, path := range []string{"/healthz", "/readyz", "/metrics", "/status"} {
+		resp, err := http.Get("http://" + h.d.HTTPAddr() + path)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("GET %s: %v %v", path, err, resp)
+		}
+		resp.Body.Close()
+	}
+
+	// Shutdown flushes every event: the coordinator saw the L1 and L2
+	// placements in sequence order without gaps.
+	if err := h.d.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var l2 bool
+	for i, ev := range h.events {
+		if ev.Seq != uint64(i+1) {
+			t.Fatalf("event %d has seq %d", i, ev.Seq)
+		}
+		l2 = l2 || (ev.Key == key && ev.Tier == wire.L2 && ev.Kind == wire.Stored)
+	}
+	if !l2 {
+		t.Fatalf("no L2 placement event among %d events", len(h.events))
+	}
+	// After shutdown, engine requests get no answer (or unavailable).
+	_, err = bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
+	var we *wire.Error
+	if err == nil || (errors.As(err, &we) && we.Code != wire.CodeUnavailable) {
+		t.Fatalf("status after shutdown: %v", err)
+	}
+}
+
+func nsJSON(ns dcp.Namespace) string {
+	b, _ := json.Marshal(ns)
+	return string(b)
+}
