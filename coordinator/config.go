@@ -1,0 +1,192 @@
+package coordinator
+
+import (
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Config configures one coordinator. Build it from DefaultConfig, set
+// DataDir, then pass it to New, which validates it.
+type Config struct {
+	// DataDir holds the bbolt index file (IndexFile inside it). Created with
+	// mode 0700 if missing. Required; no default. Put it on a local disk with
+	// working fsync: every acknowledged event is committed there first (C7).
+	DataDir string
+
+	// NATSURL, when set, is an external NATS cluster (comma-separated URLs);
+	// no NATS server is embedded then. Default "" (embed one, configured by
+	// Embedded). External NATS is for deployments that outgrow one machine
+	// or want NATS to outlive a coordinator restart.
+	NATSURL string
+	// Embedded configures the embedded NATS server when NATSURL is empty.
+	// Default bus.DefaultEmbeddedConfig(): 127.0.0.1:4222. Use host 0.0.0.0
+	// when rankds run on other hosts; port 0 picks a free port (tests).
+	Embedded bus.EmbeddedConfig
+	// Prefix is the first token of every NATS subject (wire.Subjects), so
+	// several kvtier clusters can share one NATS deployment. Default
+	// "kvtier".
+	Prefix string
+
+	// Cluster configures the memberlist member: bind/advertise addresses,
+	// seeds, gossip encryption key, failure detector. Default
+	// cluster.DefaultConfig() with NodeName "coordinator-<host>". Meta is
+	// filled in by New (role coordinator, the NATS client URL, the HTTP
+	// address); whatever the caller sets there is ignored. Logger and
+	// Registerer default to this Config's.
+	Cluster cluster.Config
+	// JoinTimeout bounds the initial join to Cluster.Seeds. Default 10 s. A
+	// coordinator that cannot reach any seed fails to start rather than run
+	// as a cluster of its own; with no seeds it is the first member.
+	JoinTimeout time.Duration
+	// LeaveTimeout bounds the graceful leave at Shutdown. Default 2 s.
+	// Longer gives the leave more chances to reach the ranks; the ranks
+	// declare the coordinator dead on their own if it never arrives.
+	LeaveTimeout time.Duration
+
+	// HTTPAddr serves /metrics (Prometheus) and /healthz. Default
+	// "127.0.0.1:9470"; "" disables the listener; port 0 picks a free one.
+	HTTPAddr string
+
+	// RestoreDeadline is how long a restore waits for the reports of every
+	// expected rank when RestoreBegin gives no deadline; at the deadline the
+	// silent ranks' chunks fail. Default 5 s. Shorter fails slow ranks
+	// sooner (the engine recomputes); longer lets a loaded rank finish
+	// reading from L2.
+	RestoreDeadline time.Duration
+	// MaxRestoreDeadline caps a deadline asked for in RestoreBegin. Default
+	// 60 s. It bounds how long a restore's state can be held.
+	MaxRestoreDeadline time.Duration
+	// MaxActiveRestores bounds restores begun and not yet decided; a begin
+	// beyond it is refused with code unavailable. Default 65536. Each costs
+	// its plan's size in memory until its verdict.
+	MaxActiveRestores int
+	// VerdictHistory is how many final verdicts are kept for admin queries
+	// and for late waits. Default 1024. Each costs a few hundred bytes plus
+	// its failed chunk list.
+	VerdictHistory int
+
+	// ResyncTimeout bounds one inventory request to a rank. Default 10 s;
+	// an inventory of millions of objects takes a while to build and send.
+	ResyncTimeout time.Duration
+	// ResyncBackoff is the pause after the first failed inventory request;
+	// it doubles per failure up to ResyncMaxBackoff. Default 100 ms.
+	ResyncBackoff time.Duration
+	// ResyncMaxBackoff caps the pause between inventory requests. Default
+	// 5 s.
+	ResyncMaxBackoff time.Duration
+	// ResyncAttempts bounds the inventory requests of one resync; after the
+	// last failure the resync is counted as failed and logged, and the
+	// rank's next batch starts a new one. Default 10.
+	ResyncAttempts int
+
+	// Logger receives lifecycle and fault logs. Default zap.NewNop().
+	Logger *zap.Logger
+	// Registry gets every metric of this coordinator and its cluster member
+	// and is what /metrics serves. Default: a new registry per coordinator
+	// (so tests can run several in one process).
+	Registry *prometheus.Registry
+}
+
+// IndexFile is the name of the bbolt file inside DataDir.
+const IndexFile = "index.db"
+
+// DefaultConfig returns a Config with every default filled in except
+// DataDir.
+func DefaultConfig() Config {
+	cc := cluster.DefaultConfig()
+	cc.NodeName = "coordinator-" + cc.NodeName
+	return Config{
+		Embedded:           bus.DefaultEmbeddedConfig(),
+		Prefix:             "kvtier",
+		Cluster:            cc,
+		JoinTimeout:        10 * time.Second,
+		LeaveTimeout:       2 * time.Second,
+		HTTPAddr:           "127.0.0.1:9470",
+		RestoreDeadline:    5 * time.Second,
+		MaxRestoreDeadline: 60 * time.Second,
+		MaxActiveRestores:  65536,
+		VerdictHistory:     1024,
+		ResyncTimeout:      10 * time.Second,
+		ResyncBackoff:      100 * time.Millisecond,
+		ResyncMaxBackoff:   5 * time.Second,
+		ResyncAttempts:     10,
+		Logger:             zap.NewNop(),
+	}
+}
+
+// Validate checks every rule of the config; the error names the rule and the
+// numbers. The cluster member's own rules are checked by cluster.New.
+func (c *Config) Validate() error {
+	if c.DataDir == "" {
+		return fmt.Errorf("data dir must be set: %w", ErrConfig)
+	}
+	if c.NATSURL != "" {
+		for _, u := range strings.Split(c.NATSURL, ",") {
+			p, err := url.Parse(strings.TrimSpace(u))
+			if err != nil || p.Host == "" {
+				return fmt.Errorf("NATS URL %q must be scheme://host:port: %w", u, ErrConfig)
+			}
+		}
+	} else {
+		if net.ParseIP(c.Embedded.Host) == nil {
+			return fmt.Errorf("embedded NATS host %q must be an IP address: %w", c.Embedded.Host, ErrConfig)
+		}
+		if c.Embedded.Port < 0 || c.Embedded.Port > 65535 {
+			return fmt.Errorf("embedded NATS port %d must be in [0, 65535]: %w", c.Embedded.Port, ErrConfig)
+		}
+		if c.Embedded.MaxPayload <= 0 {
+			return fmt.Errorf("embedded NATS max payload %d B must be > 0: %w", c.Embedded.MaxPayload, ErrConfig)
+		}
+		if c.Embedded.ReadyTimeout <= 0 {
+			return fmt.Errorf("embedded NATS ready timeout %v must be > 0: %w", c.Embedded.ReadyTimeout, ErrConfig)
+		}
+	}
+	if c.Prefix == "" || strings.ContainsAny(c.Prefix, ".*> \t\r\n") {
+		return fmt.Errorf("subject prefix %q must be one non-empty NATS token (no '.', '*', '>' or spaces): %w", c.Prefix, ErrConfig)
+	}
+	if c.HTTPAddr != "" {
+		if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
+			return fmt.Errorf("HTTP address %q must be host:port: %w", c.HTTPAddr, ErrConfig)
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"join timeout", c.JoinTimeout}, {"leave timeout", c.LeaveTimeout},
+		{"restore deadline", c.RestoreDeadline}, {"max restore deadline", c.MaxRestoreDeadline},
+		{"resync timeout", c.ResyncTimeout}, {"resync backoff", c.ResyncBackoff},
+		{"resync max backoff", c.ResyncMaxBackoff},
+	} {
+		if d.v <= 0 {
+			return fmt.Errorf("%s %v must be > 0: %w", d.name, d.v, ErrConfig)
+		}
+	}
+	if c.RestoreDeadline > c.MaxRestoreDeadline {
+		return fmt.Errorf("restore deadline %v exceeds max restore deadline %v: %w", c.RestoreDeadline, c.MaxRestoreDeadline, ErrConfig)
+	}
+	if c.ResyncBackoff > c.ResyncMaxBackoff {
+		return fmt.Errorf("resync backoff %v exceeds resync max backoff %v: %w", c.ResyncBackoff, c.ResyncMaxBackoff, ErrConfig)
+	}
+	if c.MaxActiveRestores < 1 {
+		return fmt.Errorf("max active restores %d must be >= 1: %w", c.MaxActiveRestores, ErrConfig)
+	}
+	if c.VerdictHistory < 1 {
+		return fmt.Errorf("verdict history %d must be >= 1: %w", c.VerdictHistory, ErrConfig)
+	}
+	if c.ResyncAttempts < 1 {
+		return fmt.Errorf("resync attempts %d must be >= 1: %w", c.ResyncAttempts, ErrConfig)
+	}
+	if c.Logger == nil {
+		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)
+	}
+	return nil
+}

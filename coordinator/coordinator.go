@@ -1,0 +1,558 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	bolterr "go.etcd.io/bbolt/errors"
+	"go.uber.org/zap"
+)
+
+// Coordinator is one running coordinator. New builds it, Start brings it up
+// (index, NATS, membership, subscriptions, HTTP), Shutdown takes it down;
+// Run does Start, waits for its context and shuts down.
+//
+// Goroutines it owns, all tracked in wg and stopped by Shutdown: the ingest
+// workers, one resync worker per rank being resynced, the membership loop,
+// the restore deadline loop and the HTTP server. NATS delivers requests on
+// its own per-subscription goroutines, which Shutdown drains.
+type Coordinator struct {
+	cfg  Config
+	log  *zap.Logger
+	subj wire.Subjects
+	reg  *prometheus.Registry
+	met  *metrics
+
+	lifeMu  sync.Mutex // guards started, closed
+	started bool
+	closed  bool
+	done    chan struct{} // closed once Shutdown has finished
+
+	// Set by Start, read-only afterwards.
+	idx      *index.Index
+	nsrv     *bus.Embedded
+	nc       *nats.Conn
+	natsURL  string // what this process connects to
+	member   *cluster.Cluster
+	msub     *cluster.Subscription
+	subs     []*nats.Subscription
+	httpSrv  *http.Server
+	httpAddr string
+	ingest   []chan *nats.Msg
+
+	ingestMu     sync.RWMutex // guards ingestClosed against sends in flight
+	ingestClosed bool
+	ingestWG     sync.WaitGroup // the ingest workers
+
+	ctx    context.Context // ended by Shutdown: workers stop
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // every goroutine this coordinator started
+	// draining is set once Shutdown has begun: no new resyncs start.
+	drainMu  sync.Mutex // guards draining and resyncing
+	draining bool
+	// resyncing holds the ranks with a resync worker running (at most one
+	// per rank).
+	resyncing map[wire.Rank]struct{}
+
+	rs *restores
+}
+
+// ingestWorkers is the number of event-ingest workers. Batches of one rank
+// always go to the same worker, so they are applied in arrival order;
+// batches of different ranks are applied concurrently and meet in the
+// index's group commit.
+const ingestWorkers = 8
+
+// ingestQueue is the per-worker queue of received batches; when full, the
+// NATS delivery goroutine waits (back-pressure into NATS's own buffers).
+const ingestQueue = 256
+
+// New validates cfg and builds a coordinator. It does no I/O.
+func New(cfg Config) (*Coordinator, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Registry == nil {
+		cfg.Registry = prometheus.NewRegistry()
+	}
+	c := &Coordinator{
+		cfg:       cfg,
+		log:       cfg.Logger.Named("coordinator"),
+		subj:      wire.Subjects{Prefix: cfg.Prefix},
+		reg:       cfg.Registry,
+		met:       newMetrics(),
+		done:      make(chan struct{}),
+		resyncing: make(map[wire.Rank]struct{}),
+	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.rs = newRestores(c)
+	if err := c.met.register(c.reg); err != nil {
+		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
+	return c, nil
+}
+
+// Start opens and verifies the index, starts or connects to NATS, joins the
+// cluster, starts the workers, subscribes and serves HTTP. On error
+// everything already started is shut down again.
+func (c *Coordinator) Start() error {
+	c.lifeMu.Lock()
+	defer c.lifeMu.Unlock()
+	switch {
+	case c.closed:
+		return ErrClosed
+	case c.started:
+		return ErrStarted
+	}
+	c.started = true
+	if err := c.start(); err != nil {
+		c.lifeMu.Unlock()
+		c.Shutdown()
+		c.lifeMu.Lock()
+		return err
+	}
+	return nil
+}
+
+func (c *Coordinator) start() error {
+	t0 := time.Now()
+	if err := os.MkdirAll(c.cfg.DataDir, 0o700); err != nil {
+		return fmt.Errorf("create data dir %s: %w", c.cfg.DataDir, err)
+	}
+	if err := c.openIndex(); err != nil {
+		return err
+	}
+
+	// NATS: embedded unless an external URL is configured.
+	advertise := c.cfg.NATSURL
+	if c.cfg.NATSURL == "" {
+		srv, err := bus.StartEmbedded(c.cfg.Embedded)
+		if err != nil {
+			return err
+		}
+		c.nsrv = srv
+		c.natsURL = srv.ClientURL()
+		advertise = c.natsURL
+		c.log.Info("embedded NATS started", zap.String("url", c.natsURL))
+	} else {
+		c.natsURL = c.cfg.NATSURL
+	}
+	nc, err := bus.Connect(c.natsURL, "kvtier-coordinator")
+	if err != nil {
+		return err
+	}
+	c.nc = nc
+	nc.SetErrorHandler(c.natsError)
+
+	// HTTP listener before membership, so its real address is in Meta.
+	if c.cfg.HTTPAddr != "" {
+		ln, err := net.Listen("tcp", c.cfg.HTTPAddr)
+		if err != nil {
+			return fmt.Errorf("listen for HTTP on %s: %w", c.cfg.HTTPAddr, err)
+		}
+		c.httpAddr = ln.Addr().String()
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(c.reg, promhttp.HandlerOpts{Registry: c.reg}))
+		mux.HandleFunc("/healthz", c.healthz)
+		c.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			if err := c.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				c.log.Error("HTTP server failed", zap.Error(err))
+			}
+		}()
+	}
+
+	// Workers before subscriptions, so nothing received waits for them.
+	c.ingest = make([]chan *nats.Msg, ingestWorkers)
+	for i := range c.ingest {
+		ch := make(chan *nats.Msg, ingestQueue)
+		c.ingest[i] = ch
+		c.ingestWG.Add(1)
+		go c.ingestWorker(ch)
+	}
+	c.wg.Add(1)
+	go c.rs.deadlineLoop()
+
+	if err := c.joinCluster(advertise); err != nil {
+		return err
+	}
+	if err := c.subscribe(); err != nil {
+		return err
+	}
+	c.log.Info("coordinator started", zap.String("nats", c.natsURL), zap.String("http", c.httpAddr),
+		zap.String("gossip", c.member.LocalMember().Addr), zap.String("prefix", c.subj.Prefix),
+		zap.Duration("took", time.Since(t0)))
+	return nil
+}
+
+// openIndex opens the index in DataDir and verifies it: a coordinator
+// restarted after a crash must not serve from an index whose durable state
+// and re-derived state disagree.
+func (c *Coordinator) openIndex() error {
+	icfg := index.DefaultConfig()
+	icfg.Path = filepath.Join(c.cfg.DataDir, IndexFile)
+	icfg.Logger = c.cfg.Logger
+	icfg.Registerer = c.reg
+	t0 := time.Now()
+	idx, err := index.Open(icfg)
+	if err != nil {
+		if errors.Is(err, index.ErrCorrupt) || errors.Is(err, bolterr.ErrInvalid) ||
+			errors.Is(err, bolterr.ErrChecksum) || errors.Is(err, bolterr.ErrVersionMismatch) {
+			return fmt.Errorf("index %s does not decode; refusing to start (move it aside to start empty, the ranks resync): %w: %w",
+				icfg.Path, ErrCorruptIndex, err)
+		}
+		return fmt.Errorf("open index: %w", err)
+	}
+	c.idx = idx
+	rep, err := idx.Verify(c.ctx)
+	if err != nil {
+		c.log.Error("index verification failed at start; refusing to start", zap.String("path", icfg.Path),
+			zap.Error(err))
+		if errors.Is(err, index.ErrInconsistent) {
+			return fmt.Errorf("index %s failed verification; refusing to start (move it aside to start empty, the ranks resync): %w: %w",
+				icfg.Path, ErrCorruptIndex, err)
+		}
+		return fmt.Errorf("verify index %s: %w", icfg.Path, err)
+	}
+	c.log.Info("index opened and verified", zap.String("path", icfg.Path), zap.Int("namespaces", rep.Namespaces),
+		zap.Int("ranks", rep.Ranks), zap.Int64("chunks", rep.Chunks), zap.Int64("placements", rep.Placements),
+		zap.Int("log_records_replayed", rep.LogRecords), zap.Duration("took", time.Since(t0)))
+	return nil
+}
+
+// advertisedNATS turns the URL this process uses into one other hosts can
+// use: an unspecified listen host (0.0.0.0) is replaced by host.
+func advertisedNATS(u, host string) string {
+	p, err := url.Parse(u)
+	if err != nil || host == "" {
+		return u
+	}
+	if ip := net.ParseIP(p.Hostname()); ip != nil && ip.IsUnspecified() {
+		p.Host = net.JoinHostPort(host, p.Port())
+		return p.String()
+	}
+	return u
+}
+
+// joinCluster starts the memberlist member with role coordinator and the
+// NATS URL in its Meta, so a rankd needs only one seed address, and joins
+// the seeds.
+func (c *Coordinator) joinCluster(natsURL string) error {
+	cc := c.cfg.Cluster
+	if cc.Logger == nil {
+		cc.Logger = c.cfg.Logger
+	}
+	if cc.Registerer == nil {
+		cc.Registerer = c.reg
+	}
+	var urls []string
+	for _, u := range strings.Split(natsURL, ",") {
+		host := cc.AdvertiseAddr
+		if host == "" {
+			if ip := net.ParseIP(cc.BindAddr); ip != nil && !ip.IsUnspecified() {
+				host = cc.BindAddr
+			}
+		}
+		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
+	}
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr}
+	if a := c.httpAddr; a != "" {
+		if h, p, err := net.SplitHostPort(a); err == nil {
+			if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() && cc.AdvertiseAddr != "" {
+				cc.Meta.Admin = net.JoinHostPort(cc.AdvertiseAddr, p)
+			}
+		}
+	}
+	m, err := cluster.New(cc)
+	if err != nil {
+		return fmt.Errorf("cluster member: %w", err)
+	}
+	c.member = m
+	c.msub = m.Subscribe(0)
+	if err := m.Start(); err != nil {
+		return err
+	}
+	// With a wildcard bind and no advertise address, the gossip address
+	// memberlist picked is the best guess of the address others reach us at.
+	if changed := c.fixAdvertisedNATS(urls); changed != nil {
+		ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
+		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) { meta.NATS = changed })
+		cancel()
+		if err != nil && !errors.Is(err, cluster.ErrTimeout) {
+			return fmt.Errorf("advertise NATS URL: %w", err)
+		}
+	}
+	c.wg.Add(1)
+	go c.membershipLoop()
+	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
+	defer cancel()
+	n, err := m.Join(ctx)
+	if err != nil {
+		return fmt.Errorf("join cluster: %w", err)
+	}
+	c.log.Info("cluster joined", zap.Int("seeds_reached", n), zap.Strings("nats_advertised", m.LocalMember().Meta.NATS))
+	return nil
+}
+
+// fixAdvertisedNATS returns urls with unspecified hosts replaced by the
+// member's gossip host, or nil when none needed it.
+func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
+	host, _, err := net.SplitHostPort(c.member.LocalMember().Addr)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	changed := false
+	for _, u := range urls {
+		v := advertisedNATS(u, host)
+		changed = changed || v != u
+		out = append(out, v)
+	}
+	if !changed {
+		return nil
+	}
+	return out
+}
+
+// subscribe registers every NATS handler.
+func (c *Coordinator) subscribe() error {
+	type handler struct {
+		subject string
+		fn      nats.MsgHandler
+	}
+	hs := []handler{
+		{c.subj.EventsAll(), c.dispatchBatch},
+		{c.subj.Coord(wire.CoordRegister), c.handleRegister},
+		{c.subj.Coord(wire.CoordLookup), c.handleLookup},
+		{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
+		{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
+		{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+		{c.subj.Admin(wire.AdminMembers), c.handleMembers},
+		{c.subj.Admin(wire.AdminRanks), c.handleRanks},
+		{c.subj.Admin(wire.AdminObject), c.handleObject},
+		{c.subj.Admin(wire.AdminNamespaces), c.handleNamespaces},
+		{c.subj.Admin(wire.AdminRestores), c.rs.handleHistory},
+		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
+	}
+	for _, h := range hs {
+		sub, err := c.nc.Subscribe(h.subject, h.fn)
+		if err != nil {
+			return fmt.Errorf("subscribe %s: %w", h.subject, err)
+		}
+		// Bursts of event batches wait in NATS's client buffer rather than
+		// being dropped as a slow consumer: up to 1 GiB, unbounded count.
+		if err := sub.SetPendingLimits(-1, 1<<30); err != nil {
+			return fmt.Errorf("pending limits of %s: %w", h.subject, err)
+		}
+		c.subs = append(c.subs, sub)
+	}
+	return c.nc.Flush()
+}
+
+// natsError counts and logs NATS asynchronous errors: a slow consumer
+// drops messages, and each one is a request that gets no reply (C8).
+func (c *Coordinator) natsError(_ *nats.Conn, sub *nats.Subscription, err error) {
+	c.met.dropped.Inc()
+	subject := ""
+	if sub != nil {
+		subject = sub.Subject
+	}
+	c.log.Error("NATS error; requests may have been dropped", zap.String("subject", subject), zap.Error(err))
+}
+
+// healthz answers 200 while the coordinator serves, 503 otherwise.
+func (c *Coordinator) healthz(w http.ResponseWriter, _ *http.Request) {
+	c.lifeMu.Lock()
+	ok := c.started && !c.closed
+	c.lifeMu.Unlock()
+	if ok && c.nc != nil && !c.nc.IsConnected() {
+		ok = false
+	}
+	if !ok {
+		http.Error(w, "unavailable", http.StatusServiceUnavailable)
+		return
+	}
+	_, _ = w.Write([]byte("ok\n"))
+}
+
+// Run starts the coordinator unless it is started, serves until ctx ends,
+// then shuts it down.
+func (c *Coordinator) Run(ctx context.Context) error {
+	c.lifeMu.Lock()
+	started := c.started
+	c.lifeMu.Unlock()
+	if !started {
+		if err := c.Start(); err != nil {
+			return err
+		}
+	}
+	select {
+	case <-ctx.Done():
+	case <-c.done:
+	}
+	c.Shutdown()
+	return nil
+}
+
+// Shutdown stops the coordinator, in this order:
+//
+//  1. stop accepting requests: drain every NATS subscription, which waits
+//     for the handlers already running, so in-flight index commits finish
+//     and are acknowledged;
+//  2. answer restore waiters still pending with code unavailable;
+//  3. stop the workers (ingest, resync, deadline) and wait for them;
+//  4. leave the memberlist cluster (bounded by LeaveTimeout), so the ranks
+//     see "left", not "dead", then stop the member and the membership loop;
+//  5. close the NATS connection and stop the HTTP server;
+//  6. close the index (it commits what is queued and folds its log);
+//  7. shut down the embedded NATS server.
+//
+// It is idempotent and blocks until every goroutine has exited.
+func (c *Coordinator) Shutdown() {
+	c.lifeMu.Lock()
+	if c.closed {
+		c.lifeMu.Unlock()
+		<-c.done
+		return
+	}
+	c.closed = true
+	c.lifeMu.Unlock()
+	defer close(c.done)
+	t0 := time.Now()
+
+	// 1. Drain subscriptions.
+	for _, s := range c.subs {
+		if err := s.Drain(); err != nil {
+			c.log.Warn("drain subscription", zap.String("subject", s.Subject), zap.Error(err))
+		}
+	}
+	for _, s := range c.subs {
+		if !waitDrained(s, 10*time.Second) {
+			c.log.Warn("subscription did not drain in time; unsubscribing", zap.String("subject", s.Subject))
+			_ = s.Unsubscribe()
+		}
+	}
+	// Every batch received is queued; let the ingest workers apply and
+	// acknowledge all of it.
+	c.ingestMu.Lock()
+	c.ingestClosed = true
+	for _, ch := range c.ingest {
+		close(ch)
+	}
+	c.ingestMu.Unlock()
+	c.ingestWG.Wait()
+	c.drainMu.Lock()
+	c.draining = true
+	c.drainMu.Unlock()
+
+	// 2. Pending restore waits.
+	c.rs.close()
+
+	// 3. Workers.
+	c.cancel()
+	// The membership loop ends when the member shuts down (step 4); wait
+	// for everything else first by stopping the member before wg.Wait.
+
+	// 4. Membership.
+	if c.member != nil {
+		if err := c.member.Leave(c.cfg.LeaveTimeout); err != nil {
+			c.log.Warn("leave cluster", zap.Error(err))
+		}
+		if err := c.member.Shutdown(); err != nil {
+			c.log.Warn("shut down cluster member", zap.Error(err))
+		}
+	}
+
+	// 5. NATS connection, HTTP.
+	if c.nc != nil {
+		if err := c.nc.Flush(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+			c.log.Debug("final NATS flush", zap.Error(err))
+		}
+		c.nc.Close()
+	}
+	if c.httpSrv != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		if err := c.httpSrv.Shutdown(ctx); err != nil {
+			c.log.Warn("HTTP shutdown", zap.Error(err))
+		}
+		cancel()
+	}
+	c.wg.Wait()
+
+	// 6. Index.
+	if c.idx != nil {
+		if err := c.idx.Close(); err != nil {
+			c.log.Error("close index", zap.Error(err))
+		}
+	}
+	// 7. Embedded NATS.
+	if c.nsrv != nil {
+		c.nsrv.Shutdown()
+	}
+	for _, col := range c.met.collectors() {
+		c.reg.Unregister(col)
+	}
+	c.log.Info("coordinator shut down", zap.Duration("took", time.Since(t0)))
+}
+
+// waitDrained waits until a draining subscription has delivered everything
+// it had and closed; false after timeout.
+func waitDrained(s *nats.Subscription, timeout time.Duration) bool {
+	ch := s.StatusChanged(nats.SubscriptionClosed)
+	if !s.IsValid() {
+		return true
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-ch:
+		return true
+	case <-t.C:
+		return !s.IsValid()
+	}
+}
+
+// NATSURL is the NATS URL the coordinator uses (the embedded server's, or
+// the configured external one). Valid after Start.
+func (c *Coordinator) NATSURL() string { return c.natsURL }
+
+// HTTPAddr is the address /metrics and /healthz are served on, "" when
+// disabled. Valid after Start.
+func (c *Coordinator) HTTPAddr() string { return c.httpAddr }
+
+// GossipAddr is the memberlist address (host:port) ranks use as their
+// seed. Valid after Start.
+func (c *Coordinator) GossipAddr() string {
+	if c.member == nil {
+		return ""
+	}
+	return c.member.LocalMember().Addr
+}
+
+// Index is the coordinator's placement index, for in-process inspection
+// (tests, benchmarks). Valid after Start, until Shutdown.
+func (c *Coordinator) Index() *index.Index { return c.idx }
+
+// Done is closed once Shutdown has finished.
+func (c *Coordinator) Done() <-chan struct{} { return c.done }

@@ -1,0 +1,14 @@
+// Package coordinator is kvtier's coordinator: it joins the memberlist
+// cluster, keeps the durable bbolt placement index (package index) fed from
+// the ranks' event batches, answers lookups, runs the restore protocol (C5)
+// on the index's pure verdict state machine, fences the L1 placements of
+// ranks that die or leave (C7), and serves admin queries, all over NATS
+// request/reply. By default it embeds the NATS server, so one coordinator is
+// a working cluster.
+//
+// It acknowledges nothing before the index has committed it (C7), counts and
+// logs every dropped event, fence, timeout and failed restore (C8), and owns
+// every goroutine it starts: Shutdown stops them all, in a documented order.
+// It never moves KV bytes and never decides a restore outside the index's
+// verdict state machine.
+package coordinator

@@ -1,0 +1,352 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+)
+
+// MaxChunks bounds the chunk chain of one lookup or restore.
+const MaxChunks = 1 << 16
+
+// requestTimeout bounds the index work of one admin or registration
+// request.
+const requestTimeout = 30 * time.Second
+
+// handleRegister answers coord.ns.register: a dcp.Spec is resolved and
+// recorded durably as its namespace's spec.
+func (c *Coordinator) handleRegister(m *nats.Msg) {
+	var spec dcp.Spec
+	if err := bus.Decode(m, &spec); err != nil {
+		c.badRequest(m, "ns.register", err)
+		return
+	}
+	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
+	defer cancel()
+	res, err := c.idx.RegisterNamespace(ctx, spec)
+	switch {
+	case err == nil:
+	case errors.Is(err, dcp.ErrGeometry), errors.Is(err, dcp.ErrLayout):
+		c.met.badRequests.WithLabelValues("ns.register").Inc()
+		c.log.Warn("namespace spec rejected", zap.String("model", spec.Model), zap.Error(err))
+		_ = bus.RespondError(m, wire.CodeGeometry, err.Error())
+		return
+	case errors.Is(err, index.ErrInvalid), errors.Is(err, index.ErrNamespaceConflict):
+		c.badRequest(m, "ns.register", err)
+		return
+	case errors.Is(err, index.ErrClosed), errors.Is(err, context.Canceled):
+		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		return
+	default:
+		c.internalError(m, "register namespace", err, zap.String("model", spec.Model))
+		return
+	}
+	_ = bus.Respond(m, &wire.RegisterReply{Namespace: res.Namespace})
+}
+
+// lookup runs the index lookup for instance, or, with no instance, for the
+// instance with the longest prefix (ties: the first by name).
+func (c *Coordinator) lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (index.LookupResult, error) {
+	if len(chunks) > MaxChunks {
+		return index.LookupResult{}, fmt.Errorf("%d chunks, limit %d: %w", len(chunks), MaxChunks, errTooLarge)
+	}
+	t0 := time.Now()
+	defer func() { c.met.lookupSeconds.Observe(time.Since(t0).Seconds()) }()
+	if instance != "" {
+		res, err := c.idx.Lookup(instance, ns, chunks)
+		c.countLookup(res.Prefix, len(chunks), err)
+		return res, err
+	}
+	best, err := c.idx.Lookup("", ns, chunks) // checks the namespace
+	if err != nil {
+		c.countLookup(0, len(chunks), err)
+		return best, err
+	}
+	seen := ""
+	for _, r := range c.idx.Ranks() { // sorted by instance
+		if r.Rank.Instance == seen {
+			continue
+		}
+		seen = r.Rank.Instance
+		res, err := c.idx.Lookup(seen, ns, chunks)
+		if err != nil {
+			return res, err
+		}
+		if best.Instance == "" || res.Prefix > best.Prefix {
+			best = res
+		}
+		if best.Prefix == len(chunks) {
+			break
+		}
+	}
+	c.countLookup(best.Prefix, len(chunks), nil)
+	return best, nil
+}
+
+var errTooLarge = errors.New("request too large")
+
+func (c *Coordinator) countLookup(prefix, n int, err error) {
+	switch {
+	case err != nil:
+		return
+	case prefix == n && n > 0:
+		c.met.lookups.WithLabelValues("hit").Inc()
+	case prefix > 0:
+		c.met.lookups.WithLabelValues("partial").Inc()
+	default:
+		c.met.lookups.WithLabelValues("miss").Inc()
+	}
+}
+
+// handleLookup answers coord.lookup.
+func (c *Coordinator) handleLookup(m *nats.Msg) {
+	var req wire.LookupRequest
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, "lookup", err)
+		return
+	}
+	if req.Instance != "" {
+		if err := wire.ValidInstance(req.Instance); err != nil {
+			c.badRequest(m, "lookup", err)
+			return
+		}
+	}
+	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	if err != nil {
+		if errors.Is(err, errTooLarge) {
+			c.met.badRequests.WithLabelValues("lookup").Inc()
+			_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+			return
+		}
+		c.lookupError(m, "lookup", req.Namespace, err)
+		return
+	}
+	rep := &wire.LookupReply{Instance: res.Instance, Prefix: res.Prefix}
+	if req.Detail {
+		for i := range res.Prefix {
+			for j, e := range res.Expectations {
+				src := res.Source(i, j)
+				rep.Sources = append(rep.Sources, wire.ObjectInfo{
+					Chunk:  i,
+					Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
+					Reader: wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String(),
+					Placements: []wire.ObjectPlacement{{Holder: src.Holder, Tier: src.Tier, Size: src.Size,
+						Sum: src.Sum}},
+				})
+			}
+		}
+	}
+	_ = bus.Respond(m, rep)
+}
+
+// handleMembers answers admin.members.
+func (c *Coordinator) handleMembers(m *nats.Msg) {
+	if !c.decodeAdmin(m, wire.AdminMembers) {
+		return
+	}
+	rep := &wire.AdminMembersReply{Members: []wire.AdminMember{}}
+	for _, mb := range c.member.Members() {
+		am := wire.AdminMember{Name: mb.Name, ID: mb.ID, Role: string(mb.Meta.Role), State: mb.State.String(),
+			Addr: mb.Addr, Incarnation: mb.Meta.Incarnation, NATS: mb.Meta.NATS, Since: mb.Since, Local: mb.Local}
+		if mb.Meta.Role == cluster.RoleRankd {
+			am.Rank = memberRank(mb).String()
+		}
+		rep.Members = append(rep.Members, am)
+	}
+	_ = bus.Respond(m, rep)
+}
+
+// handleRanks answers admin.ranks: the index's ranks joined with the
+// rankd members.
+func (c *Coordinator) handleRanks(m *nats.Msg) {
+	if !c.decodeAdmin(m, wire.AdminRanks) {
+		return
+	}
+	type memberKey struct {
+		r   wire.Rank
+		inc uint64
+	}
+	byInc := make(map[memberKey]cluster.Member)
+	latest := make(map[wire.Rank]cluster.Member)
+	for _, mb := range c.member.Members() {
+		if mb.Meta.Role != cluster.RoleRankd {
+			continue
+		}
+		r := memberRank(mb)
+		byInc[memberKey{r, mb.Meta.Incarnation}] = mb
+		if old, ok := latest[r]; !ok || mb.Meta.Incarnation > old.Meta.Incarnation {
+			latest[r] = mb
+		}
+	}
+	c.drainMu.Lock()
+	resyncing := make(map[wire.Rank]bool, len(c.resyncing))
+	for r := range c.resyncing {
+		resyncing[r] = true
+	}
+	c.drainMu.Unlock()
+	rep := &wire.AdminRanksReply{Ranks: []wire.AdminRank{}}
+	known := make(map[wire.Rank]bool)
+	for _, ri := range c.idx.Ranks() {
+		known[ri.Rank] = true
+		ar := wire.AdminRank{Rank: ri.Rank, Incarnation: ri.Incarnation, Liveness: "unknown",
+			L1Objects: ri.L1Placements, L1Bytes: ri.L1Bytes, L2Objects: ri.L2Placements, L2Bytes: ri.L2Bytes,
+			LastSeq: ri.LastSeq, Fenced: ri.Fenced, Resync: resyncing[ri.Rank]}
+		if mb, ok := byInc[memberKey{ri.Rank, ri.Incarnation}]; ok {
+			ar.Liveness, ar.Member = mb.State.String(), mb.ID
+		} else if mb, ok := latest[ri.Rank]; ok {
+			// A member of another incarnation (a restart not reported yet).
+			ar.Liveness = fmt.Sprintf("%s (incarnation %d)", mb.State, mb.Meta.Incarnation)
+			ar.Member = mb.ID
+		}
+		rep.Ranks = append(rep.Ranks, ar)
+	}
+	for r, mb := range latest {
+		if !known[r] {
+			rep.Ranks = append(rep.Ranks, wire.AdminRank{Rank: r, Incarnation: mb.Meta.Incarnation,
+				Member: mb.ID, Liveness: mb.State.String()})
+		}
+	}
+	slices.SortFunc(rep.Ranks, func(a, b wire.AdminRank) int {
+		if a.Rank.Instance != b.Rank.Instance {
+			if a.Rank.Instance < b.Rank.Instance {
+				return -1
+			}
+			return 1
+		}
+		return a.Rank.TPRank - b.Rank.TPRank
+	})
+	_ = bus.Respond(m, rep)
+}
+
+// rankIncarnation returns the index's current incarnation of rank r.
+func (c *Coordinator) rankIncarnation(r wire.Rank) (uint64, bool) {
+	for _, ri := range c.idx.Ranks() {
+		if ri.Rank == r {
+			return ri.Incarnation, true
+		}
+	}
+	return 0, false
+}
+
+// handleObject answers admin.object: one object by key text, or every
+// object of a chunk chain with the chain's restorable prefix.
+func (c *Coordinator) handleObject(m *nats.Msg) {
+	var req wire.AdminObjectRequest
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, wire.AdminObject, err)
+		return
+	}
+	if req.Key != "" {
+		k, err := dcp.ParseKey(req.Key)
+		if err != nil {
+			c.badRequest(m, wire.AdminObject, err)
+			return
+		}
+		_ = bus.Respond(m, &wire.AdminObjectReply{Prefix: -1, Objects: []wire.ObjectInfo{c.objectInfo(-1, k)}})
+		return
+	}
+	if len(req.Chunks) == 0 {
+		c.badRequest(m, wire.AdminObject, fmt.Errorf("need a key, or a namespace and chunks: %w", wire.ErrMalformed))
+		return
+	}
+	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	if err != nil {
+		if errors.Is(err, errTooLarge) {
+			_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+			return
+		}
+		c.lookupError(m, wire.AdminObject, req.Namespace, err)
+		return
+	}
+	ni, err := c.idx.ListNamespace(req.Namespace)
+	if err != nil || ni.Spec == nil {
+		c.lookupError(m, wire.AdminObject, req.Namespace, index.ErrUnknownNamespace)
+		return
+	}
+	rep := &wire.AdminObjectReply{Instance: res.Instance, Prefix: res.Prefix, Objects: []wire.ObjectInfo{}}
+	for i, ch := range req.Chunks {
+		for _, k := range ni.Spec.ObjectKeys(ch) {
+			rep.Objects = append(rep.Objects, c.objectInfo(i, k))
+		}
+	}
+	_ = bus.Respond(m, rep)
+}
+
+func (c *Coordinator) objectInfo(chunk int, k dcp.Key) wire.ObjectInfo {
+	oi := wire.ObjectInfo{Chunk: chunk, Key: k, Placements: []wire.ObjectPlacement{}}
+	for _, h := range c.idx.Get(k) {
+		oi.Placements = append(oi.Placements, wire.ObjectPlacement{Holder: h.Rank, Tier: h.Tier, Size: h.Size,
+			Sum: h.Sum, Incarnation: h.Incarnation, Seq: h.Seq})
+	}
+	return oi
+}
+
+// handleNamespaces answers admin.namespaces.
+func (c *Coordinator) handleNamespaces(m *nats.Msg) {
+	if !c.decodeAdmin(m, wire.AdminNamespaces) {
+		return
+	}
+	rep := &wire.AdminNamespacesReply{Namespaces: []wire.AdminNamespace{}}
+	for _, n := range c.idx.Namespaces() {
+		an := wire.AdminNamespace{Namespace: n.Namespace, Chunks: n.Chunks, Objects: n.Objects,
+			L1Placements: n.L1Placements, L1Bytes: n.L1Bytes, L2Placements: n.L2Placements, L2Bytes: n.L2Bytes}
+		if s := n.Spec; s != nil {
+			an.Registered = true
+			an.Model, an.CacheSalt = s.Model, s.CacheSalt
+			an.TP, an.DCP, an.Groups, an.ChunkTokens = s.Layout.TP, s.Layout.DCP, len(s.Groups), s.ChunkTokens
+		}
+		rep.Namespaces = append(rep.Namespaces, an)
+	}
+	_ = bus.Respond(m, rep)
+}
+
+// handleVerify answers admin.verify: the index re-derives its state from
+// bbolt and compares it with the live one.
+func (c *Coordinator) handleVerify(m *nats.Msg) {
+	if !c.decodeAdmin(m, wire.AdminVerify) {
+		return
+	}
+	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Minute)
+	defer cancel()
+	rep, err := c.idx.Verify(ctx)
+	if err != nil && !errors.Is(err, index.ErrInconsistent) {
+		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
+			_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+			return
+		}
+		c.internalError(m, "verify index", err)
+		return
+	}
+	if !rep.OK() {
+		c.met.internal.Inc()
+		c.log.Error("index verification found problems", zap.Int("problems", len(rep.Problems)),
+			zap.Strings("first", firstN(rep.Problems, 8)))
+	} else {
+		c.log.Info("index verified on request", zap.Int64("placements", rep.Placements))
+	}
+	_ = bus.Respond(m, &wire.AdminVerifyReply{OK: rep.OK(), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
+		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems})
+}
+
+// decodeAdmin accepts an empty body or an empty JSON object.
+func (c *Coordinator) decodeAdmin(m *nats.Msg, op string) bool {
+	if len(m.Data) == 0 {
+		return true
+	}
+	var empty struct{}
+	if err := bus.Decode(m, &empty); err != nil {
+		c.badRequest(m, op, err)
+		return false
+	}
+	return true
+}

@@ -1,0 +1,257 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// testLogger logs at KVTIER_TEST_LOG's level (default info) to t.
+func testLogger(tb testing.TB) *zap.Logger {
+	lvl := zap.InfoLevel
+	if l, err := zapcore.ParseLevel(os.Getenv("KVTIER_TEST_LOG")); err == nil {
+		lvl = l
+	}
+	return zaptest.NewLogger(tb, zaptest.Level(lvl))
+}
+
+// testConfig is a coordinator on loopback with free ports and a short
+// restore deadline.
+func testConfig(tb testing.TB, dir string) Config {
+	cfg := DefaultConfig()
+	if dir == "" {
+		dir = tb.TempDir()
+	}
+	cfg.DataDir = dir
+	cfg.Embedded.Port = 0
+	cfg.HTTPAddr = "127.0.0.1:0"
+	cfg.Cluster.NodeName = "coord"
+	cfg.Cluster.BindAddr = "127.0.0.1"
+	cfg.Cluster.BindPort = 0
+	cfg.Cluster.JoinRetry = 50 * time.Millisecond
+	cfg.RestoreDeadline = 400 * time.Millisecond
+	cfg.ResyncBackoff = 20 * time.Millisecond
+	cfg.ResyncMaxBackoff = 200 * time.Millisecond
+	cfg.ResyncTimeout = 2 * time.Second
+	cfg.LeaveTimeout = 500 * time.Millisecond
+	cfg.Logger = testLogger(tb)
+	return cfg
+}
+
+// startCoord starts a coordinator, shut down at the end of the test.
+func startCoord(tb testing.TB, mod func(*Config)) *Coordinator {
+	tb.Helper()
+	cfg := testConfig(tb, "")
+	if mod != nil {
+		mod(&cfg)
+	}
+	c, err := New(cfg)
+	if err != nil {
+		tb.Fatalf("New: %v", err)
+	}
+	if err := c.Start(); err != nil {
+		tb.Fatalf("Start: %v", err)
+	}
+	tb.Cleanup(c.Shutdown)
+	return c
+}
+
+// connect dials the coordinator's NATS.
+func connect(tb testing.TB, c *Coordinator) *nats.Conn {
+	tb.Helper()
+	nc, err := bus.Connect(c.NATSURL(), tb.Name())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(nc.Close)
+	return nc
+}
+
+func tctx(tb testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	tb.Cleanup(cancel)
+	return ctx
+}
+
+// call is bus.Call with a 10 s timeout, failing the test on error.
+func call[T any](tb testing.TB, nc *nats.Conn, subject string, req any) *T {
+	tb.Helper()
+	rep, err := bus.Call[T](tctx(tb), nc, subject, req)
+	if err != nil {
+		tb.Fatalf("%s: %v", subject, err)
+	}
+	return rep
+}
+
+// callErr is bus.Call expecting an error reply with code.
+func callErr[T any](tb testing.TB, nc *nats.Conn, subject string, req any, code string) *wire.Error {
+	tb.Helper()
+	_, err := bus.Call[T](tctx(tb), nc, subject, req)
+	var we *wire.Error
+	if !errors.As(err, &we) || we.Code != code {
+		tb.Fatalf("%s: err = %v, want code %s", subject, err, code)
+	}
+	return we
+}
+
+// sendBatch sends a binary batch on its rank's subject and decodes the ack
+// or error.
+func sendBatch(tb testing.TB, nc *nats.Conn, subj wire.Subjects, b *wire.Batch) (*wire.EventAck, *wire.Error) {
+	tb.Helper()
+	p, err := b.MarshalBinary()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return sendRaw(tb, nc, subj.Events(b.Rank), p)
+}
+
+func sendRaw(tb testing.TB, nc *nats.Conn, subject string, p []byte) (*wire.EventAck, *wire.Error) {
+	tb.Helper()
+	msg, err := nc.RequestWithContext(tctx(tb), subject, p)
+	if err != nil {
+		tb.Fatalf("request %s: %v", subject, err)
+	}
+	var rep wire.Reply[wire.EventAck]
+	if err := json.Unmarshal(msg.Data, &rep); err != nil {
+		tb.Fatalf("decode ack %q: %v", msg.Data, err)
+	}
+	return rep.OK, rep.Error
+}
+
+// testSpec is a non-MLA attention model with TP tp: every rank stores and
+// restores its own shard.
+func testSpec(tp int) dcp.Spec {
+	return dcp.Spec{
+		Model: "test-model", Layout: dcp.Layout{TP: tp, DCP: 1, Interleave: 1, PP: 1}, ChunkTokens: 16,
+		Groups: []dcp.Group{{Name: "attn", Kind: dcp.Attention, BlockSize: 16, Layers: 2, KVFormat: "bf16",
+			SemanticBytes: 16 * 64, PageBytes: 16 * 64, StrideBytes: 16 * 64}},
+	}
+}
+
+// register registers spec over NATS and returns its namespace.
+func register(tb testing.TB, nc *nats.Conn, subj wire.Subjects, spec dcp.Spec) dcp.Namespace {
+	tb.Helper()
+	return call[wire.RegisterReply](tb, nc, subj.Coord(wire.CoordRegister), spec).Namespace
+}
+
+// chain returns n chunk hashes of a token run.
+func chain(ns dcp.Namespace, n int, seed uint32) []dcp.ChunkHash {
+	toks := make([]uint32, n*16)
+	for i := range toks {
+		toks[i] = seed*1000003 + uint32(i)
+	}
+	return dcp.ChunkHashes(ns, toks, 16)
+}
+
+// sumOf is the checksum a test rank records for a key.
+func sumOf(k dcp.Key) uint64 {
+	var h uint64 = 0xcbf29ce484222325
+	for _, c := range k.Bytes() {
+		h = (h ^ uint64(c)) * 0x100000001b3
+	}
+	return h
+}
+
+// storeBatch is a batch storing shard tp of every chunk in tier, from
+// sequence seq+1.
+func storeBatch(r wire.Rank, inc, seq uint64, ns dcp.Namespace, chunks []dcp.ChunkHash, tier wire.Tier) *wire.Batch {
+	b := &wire.Batch{Rank: r, Incarnation: inc}
+	for _, ch := range chunks {
+		seq++
+		k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(r.TPRank), Group: 0}
+		b.Events = append(b.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: tier, Key: k, Size: 2048, Sum: sumOf(k)})
+	}
+	return b
+}
+
+// waitFor polls cond every millisecond until it holds or d passes.
+func waitFor(tb testing.TB, d time.Duration, what string, cond func() bool) time.Duration {
+	tb.Helper()
+	t0 := time.Now()
+	for !cond() {
+		if time.Since(t0) > d {
+			tb.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return time.Since(t0)
+}
+
+// startRankMember starts a rankd cluster member for rank r joined to the
+// coordinator; the caller kills or shuts it down.
+func startRankMember(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int) *cluster.Cluster {
+	tb.Helper()
+	cc := cluster.DefaultConfig()
+	cc.NodeName = "rankd-" + r.Instance + "-" + string(rune('0'+r.TPRank))
+	cc.BindAddr, cc.BindPort = "127.0.0.1", 0
+	cc.JoinRetry = 50 * time.Millisecond
+	cc.Logger = testLogger(tb).Named(cc.NodeName)
+	cc.Meta = cluster.Meta{Role: cluster.RoleRankd, Engine: r.Instance, TPRank: r.TPRank, TPSize: tpSize,
+		DCPSize: 1, DCPRank: 0, NATS: []string{c.NATSURL()}}
+	m, err := cluster.New(cc)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = m.Shutdown() })
+	if err := m.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := m.Join(tctx(tb), c.GossipAddr()); err != nil {
+		tb.Fatal(err)
+	}
+	return m
+}
+
+// metric returns the value of the counter, gauge or histogram count name
+// in the coordinator's registry whose labels include labelPairs (name,
+// value, ...); 0 when absent.
+func metric(tb testing.TB, c *Coordinator, name string, labelPairs ...string) float64 {
+	tb.Helper()
+	mfs, err := c.reg.Gather()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labelPairs); i += 2 {
+				found := false
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == labelPairs[i] && lp.GetValue() == labelPairs[i+1] {
+						found = true
+					}
+				}
+				if !found {
+					continue next
+				}
+			}
+			switch {
+			case m.GetCounter() != nil:
+				return m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				return m.GetGauge().GetValue()
+			case m.GetHistogram() != nil:
+				return float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return 0
+}

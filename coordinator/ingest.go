@@ -1,0 +1,227 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+)
+
+// Event ingest: every message on <p>.events.> is a binary wire.Batch sent
+// as a request. It is applied through the index, which commits it before
+// Apply returns, and only then acknowledged with a wire.EventAck (C7).
+
+// dispatchBatch runs on NATS's delivery goroutine for the events
+// subscription: it routes the message to the ingest worker of its subject
+// (one subject per rank), so one rank's batches are applied in order.
+func (c *Coordinator) dispatchBatch(m *nats.Msg) {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(m.Subject))
+	c.ingestMu.RLock()
+	defer c.ingestMu.RUnlock()
+	if c.ingestClosed {
+		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		return
+	}
+	c.ingest[h.Sum32()%uint32(len(c.ingest))] <- m
+}
+
+func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
+	defer c.ingestWG.Done()
+	for m := range ch {
+		c.handleBatch(m)
+	}
+}
+
+// handleBatch decodes, applies and acknowledges one batch.
+func (c *Coordinator) handleBatch(m *nats.Msg) {
+	var b wire.Batch
+	if err := b.UnmarshalBinary(m.Data); err != nil {
+		c.badRequest(m, "events", err)
+		c.met.batches.WithLabelValues("bad_request").Inc()
+		return
+	}
+	if err := wire.ValidInstance(b.Rank.Instance); err != nil {
+		c.badRequest(m, "events", err)
+		c.met.batches.WithLabelValues("bad_request").Inc()
+		return
+	}
+	if want := c.subj.Events(b.Rank); m.Subject != want {
+		c.badRequest(m, "events", fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
+			b.Rank, m.Subject, want, wire.ErrMalformed))
+		c.met.batches.WithLabelValues("bad_request").Inc()
+		return
+	}
+	t0 := time.Now()
+	// Not c.ctx: a batch being applied while Shutdown drains must commit
+	// and be acknowledged; Shutdown closes the index only after this.
+	out, err := c.idx.Apply(context.Background(), b)
+	if err != nil {
+		c.met.batches.WithLabelValues("failed").Inc()
+		switch {
+		case errors.Is(err, index.ErrInvalid):
+			c.badRequest(m, "events", err)
+		case errors.Is(err, index.ErrClosed):
+			_ = bus.RespondError(m, wire.CodeUnavailable, "index closed: coordinator shutting down")
+		default:
+			c.internalError(m, "apply event batch", err, zap.Stringer("rank", b.Rank),
+				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", len(b.Events)))
+		}
+		return
+	}
+	c.met.applySeconds.Observe(time.Since(t0).Seconds())
+	c.met.events.Add(float64(out.Applied))
+	ack := wire.EventAck{AppliedThrough: out.LastSeq, Resync: out.Resync}
+	outcome := "applied"
+	switch {
+	case out.Reason == index.DropStaleIncarnation:
+		// The batch's incarnation is superseded: it is dropped for good.
+		ack.Fenced = true
+		outcome = "fenced"
+		c.log.Warn("batch from a superseded incarnation dropped", zap.Stringer("rank", b.Rank),
+			zap.Uint64("incarnation", b.Incarnation), zap.Uint64("current_incarnation", out.Incarnation),
+			zap.Int("events", len(b.Events)))
+	case out.Resync:
+		outcome = "resync"
+		if out.Reason == index.DropGap {
+			c.met.gaps.Inc()
+		}
+		c.log.Warn("rank needs a resync", zap.Stringer("rank", b.Rank), zap.Uint64("incarnation", b.Incarnation),
+			zap.String("reason", string(out.Reason)), zap.Uint64("resync_from", out.ResyncFrom),
+			zap.Int("dropped", out.Dropped))
+		c.startResync(b.Rank)
+	}
+	if out.NewIncarnation && out.Fenced > 0 {
+		c.met.fences.WithLabelValues("incarnation").Inc()
+		c.met.fenced.Add(float64(out.Fenced))
+	}
+	c.met.batches.WithLabelValues(outcome).Inc()
+	if ack.Fenced {
+		// AppliedThrough is meaningless to a superseded incarnation.
+		ack.AppliedThrough = 0
+	}
+	if err := bus.Respond(m, &ack); err != nil {
+		c.log.Warn("acknowledge batch", zap.Stringer("rank", b.Rank), zap.Error(err))
+	}
+}
+
+// startResync starts the resync worker of rank r unless one is running.
+func (c *Coordinator) startResync(r wire.Rank) {
+	c.drainMu.Lock()
+	defer c.drainMu.Unlock()
+	if c.draining || c.ctx.Err() != nil {
+		return
+	}
+	if _, ok := c.resyncing[r]; ok {
+		return
+	}
+	c.resyncing[r] = struct{}{}
+	c.wg.Add(1)
+	go c.resync(r)
+}
+
+// resync asks rank r for its inventory and applies it, retrying with
+// exponential backoff up to ResyncAttempts times. It gives up early when
+// the coordinator stops or the index says the inventory is from a
+// superseded incarnation.
+func (c *Coordinator) resync(r wire.Rank) {
+	defer c.wg.Done()
+	defer func() {
+		c.drainMu.Lock()
+		delete(c.resyncing, r)
+		c.drainMu.Unlock()
+	}()
+	log := c.log.With(zap.Stringer("rank", r))
+	t0 := time.Now()
+	backoff := c.cfg.ResyncBackoff
+	var last error
+	for attempt := 1; attempt <= c.cfg.ResyncAttempts; attempt++ {
+		if attempt > 1 {
+			t := time.NewTimer(backoff)
+			select {
+			case <-c.ctx.Done():
+				t.Stop()
+				log.Info("resync abandoned: coordinator stopping")
+				return
+			case <-t.C:
+			}
+			backoff = min(2*backoff, c.cfg.ResyncMaxBackoff)
+		}
+		c.met.resyncAttempts.Inc()
+		done, err := c.resyncOnce(r)
+		if done {
+			if err != nil {
+				c.met.resyncs.WithLabelValues("failed").Inc()
+				log.Warn("resync ended without applying the inventory", zap.Error(err))
+				return
+			}
+			c.met.resyncs.WithLabelValues("ok").Inc()
+			log.Info("rank resynced", zap.Int("attempts", attempt), zap.Duration("took", time.Since(t0)))
+			return
+		}
+		if c.ctx.Err() != nil {
+			log.Info("resync abandoned: coordinator stopping")
+			return
+		}
+		last = err
+		log.Warn("inventory request failed", zap.Int("attempt", attempt), zap.Duration("next_in", backoff), zap.Error(err))
+	}
+	c.met.resyncs.WithLabelValues("failed").Inc()
+	log.Error("resync failed; the rank's next batch starts another", zap.Int("attempts", c.cfg.ResyncAttempts),
+		zap.Duration("took", time.Since(t0)), zap.Error(last))
+}
+
+// resyncOnce makes one inventory request. done reports that retrying is
+// pointless (applied, or dropped for a reason a retry cannot fix).
+func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
+	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.ResyncTimeout)
+	inv, err := bus.Call[wire.Inventory](ctx, c.nc, c.subj.Inventory(r), struct{}{})
+	cancel()
+	if err != nil {
+		return false, err
+	}
+	if inv.Rank != r {
+		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
+	}
+	out, err := c.idx.ApplyInventory(c.ctx, *inv)
+	if err != nil {
+		return errors.Is(err, index.ErrClosed), err
+	}
+	switch {
+	case out.Applied:
+		return true, nil
+	case out.Reason == index.DropStaleIncarnation:
+		// The rank restarted since; the new incarnation syncs itself.
+		return true, fmt.Errorf("inventory of incarnation %d superseded by %d", inv.Incarnation, out.Incarnation)
+	default:
+		// stale_inventory: events raced past the inventory; ask again.
+		return false, fmt.Errorf("inventory at seq %d behind applied seq %d (%s)", inv.Seq, out.LastSeq, out.Reason)
+	}
+}
+
+// badRequest answers a malformed or invalid request with code bad_request,
+// counts and logs it.
+func (c *Coordinator) badRequest(m *nats.Msg, op string, err error) {
+	c.met.badRequests.WithLabelValues(op).Inc()
+	c.log.Warn("bad request", zap.String("op", op), zap.String("subject", m.Subject), zap.Error(err))
+	if m.Reply != "" {
+		_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+	}
+}
+
+// internalError answers with code internal, counts and logs at Error: the
+// request's work is lost.
+func (c *Coordinator) internalError(m *nats.Msg, what string, err error, fields ...zap.Field) {
+	c.met.internal.Inc()
+	c.log.Error(what+" failed", append(fields, zap.String("subject", m.Subject), zap.Error(err))...)
+	if m.Reply != "" {
+		_ = bus.RespondError(m, wire.CodeInternal, what+": "+err.Error())
+	}
+}

@@ -1,0 +1,262 @@
+package coordinator
+
+import (
+	"errors"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+)
+
+func TestConfigValidate(t *testing.T) {
+	good := testConfig(t, t.TempDir())
+	if err := good.Validate(); err != nil {
+		t.Fatalf("test config: %v", err)
+	}
+	for name, mod := range map[string]func(*Config){
+		"no data dir":      func(c *Config) { c.DataDir = "" },
+		"bad url":          func(c *Config) { c.NATSURL = "::nope" },
+		"bad prefix":       func(c *Config) { c.Prefix = "a.b" },
+		"bad http":         func(c *Config) { c.HTTPAddr = "nohostport" },
+		"zero deadline":    func(c *Config) { c.RestoreDeadline = 0 },
+		"deadline > max":   func(c *Config) { c.MaxRestoreDeadline = time.Millisecond },
+		"no history":       func(c *Config) { c.VerdictHistory = 0 },
+		"bad embedded":     func(c *Config) { c.Embedded.Host = "localhost" },
+		"backoff > max":    func(c *Config) { c.ResyncBackoff = time.Hour },
+		"no resync tries":  func(c *Config) { c.ResyncAttempts = 0 },
+		"no active limit":  func(c *Config) { c.MaxActiveRestores = 0 },
+		"no logger":        func(c *Config) { c.Logger = nil; c.DataDir = "" },
+		"zero join window": func(c *Config) { c.JoinTimeout = 0 },
+	} {
+		cfg := good
+		mod(&cfg)
+		if err := cfg.Validate(); !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: err = %v, want ErrConfig", name, err)
+		}
+	}
+}
+
+func TestLifecycle(t *testing.T) {
+	c, err := New(testConfig(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Start(); !errors.Is(err, ErrStarted) {
+		t.Fatalf("second Start: %v", err)
+	}
+	resp, err := http.Get("http://" + c.HTTPAddr() + "/healthz")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("healthz: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	resp, err = http.Get("http://" + c.HTTPAddr() + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"kvtier_coord_restores_active", "kvtier_index_objects", "kvtier_cluster_members"} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	c.Shutdown()
+	c.Shutdown() // idempotent
+	if err := c.Start(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Start after Shutdown: %v", err)
+	}
+	// Shutdown of a coordinator never started.
+	c2, err := New(testConfig(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c2.Shutdown()
+}
+
+func TestIngestAcksAfterCommit(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	chunks := chain(ns, 8, 1)
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	b := storeBatch(r, 7, 0, ns, chunks, wire.L1)
+	ack, werr := sendBatch(t, nc, c.subj, b)
+	if werr != nil || ack.AppliedThrough != 8 || ack.Resync || ack.Fenced {
+		t.Fatalf("ack = %+v, %v", ack, werr)
+	}
+	// Acknowledged means committed and visible: no waiting.
+	for _, e := range b.Events {
+		hs := c.idx.Get(e.Key)
+		if len(hs) != 1 || hs[0].Sum != e.Sum || hs[0].Rank != r || hs[0].Tier != wire.L1 {
+			t.Fatalf("after ack, %s holders = %+v", e.Key, hs)
+		}
+	}
+	// A retransmission is a duplicate: same ack, nothing changes.
+	ack, werr = sendBatch(t, nc, c.subj, b)
+	if werr != nil || ack.AppliedThrough != 8 || ack.Resync {
+		t.Fatalf("duplicate ack = %+v, %v", ack, werr)
+	}
+	// A superseded incarnation is fenced.
+	b2 := storeBatch(r, 8, 0, ns, chunks[:1], wire.L2)
+	if ack, werr = sendBatch(t, nc, c.subj, b2); werr != nil || ack.AppliedThrough != 1 {
+		t.Fatalf("new incarnation ack = %+v, %v", ack, werr)
+	}
+	if ack, werr = sendBatch(t, nc, c.subj, storeBatch(r, 7, 8, ns, chunks[:1], wire.L1)); werr != nil || !ack.Fenced {
+		t.Fatalf("stale incarnation ack = %+v, %v", ack, werr)
+	}
+	if got := metric(t, c, "kvtier_coord_rank_fences_total", "cause", "incarnation"); got != 1 {
+		t.Errorf("incarnation fences = %v, want 1", got)
+	}
+	mustVerify(t, c)
+}
+
+func TestMalformedBatchIsRejectedAndServingContinues(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	good := storeBatch(r, 1, 0, ns, chain(ns, 2, 1), wire.L1)
+	p, _ := good.MarshalBinary()
+	for name, bad := range map[string][]byte{
+		"garbage":   []byte("not a batch"),
+		"truncated": p[:len(p)-3],
+		"empty":     nil,
+	} {
+		if _, werr := sendRaw(t, nc, c.subj.Events(r), bad); werr == nil || werr.Code != wire.CodeBadRequest {
+			t.Fatalf("%s: error = %v, want %s", name, werr, wire.CodeBadRequest)
+		}
+	}
+	// A batch on another rank's subject is refused too.
+	if _, werr := sendRaw(t, nc, c.subj.Events(wire.Rank{Instance: "eng", TPRank: 1}), p); werr == nil || werr.Code != wire.CodeBadRequest {
+		t.Fatalf("wrong subject: error = %v", werr)
+	}
+	if got := metric(t, c, "kvtier_coord_bad_requests_total", "op", "events"); got != 4 {
+		t.Errorf("bad requests counted = %v, want 4", got)
+	}
+	ack, werr := sendBatch(t, nc, c.subj, good)
+	if werr != nil || ack.AppliedThrough != 2 {
+		t.Fatalf("good batch after bad ones: %+v, %v", ack, werr)
+	}
+	// Bad JSON requests get bad_request as well.
+	callErr[wire.RegisterReply](t, nc, c.subj.Coord(wire.CoordRegister), map[string]any{"bogus": 1}, wire.CodeBadRequest)
+	callErr[wire.RegisterReply](t, nc, c.subj.Coord(wire.CoordRegister), dcp.Spec{Model: "x"}, wire.CodeGeometry)
+	mustVerify(t, c)
+}
+
+func TestGapResyncAgreesWithRank(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	r := wire.Rank{Instance: "eng", TPRank: 1}
+	sim := indextest.NewRank(r, 42, indextest.Keys(ns, 3, 200, 2, 1), 9)
+
+	// The fake rank answers inventory requests, counting them and checking
+	// that at most one is in flight.
+	var requests, inflight, overlap atomic.Int32
+	rankNC := connect(t, c)
+	invs := make(chan wire.Inventory, 1)
+	sub, err := rankNC.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
+		if inflight.Add(1) > 1 {
+			overlap.Add(1)
+		}
+		defer inflight.Add(-1)
+		n := requests.Add(1)
+		if n == 1 {
+			// The first request fails: the coordinator must retry.
+			_ = bus.RespondError(m, wire.CodeUnavailable, "busy")
+			return
+		}
+		inv := <-invs
+		invs <- inv
+		_ = bus.Respond(m, &inv)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+
+	b1 := sim.Next(50)
+	if ack, werr := sendBatch(t, nc, c.subj, &b1); werr != nil || ack.AppliedThrough != 50 {
+		t.Fatalf("b1: %+v %v", ack, werr)
+	}
+	_ = sim.Next(30) // lost in transit
+	b3 := sim.Next(20)
+	invs <- sim.Inventory() // what the rank holds as of seq 100
+	ack, werr := sendBatch(t, nc, c.subj, &b3)
+	if werr != nil || !ack.Resync || ack.AppliedThrough != 50 {
+		t.Fatalf("b3 past the gap: %+v %v", ack, werr)
+	}
+	// More batches past the gap while the resync runs start no second one.
+	sendBatch(t, nc, c.subj, &b3)
+	waitFor(t, 5*time.Second, "the inventory to be applied", func() bool {
+		info, err := c.idx.ListRank(r)
+		return err == nil && info.LastSeq == sim.Seq && !info.Fenced
+	})
+	info, _ := c.idx.ListRank(r)
+	if want := sim.Inventory().Objects; !slices.Equal(info.Placements, want) {
+		t.Fatalf("index holds %d placements, rank %d", len(info.Placements), len(want))
+	}
+	if overlap.Load() != 0 {
+		t.Fatalf("%d inventory requests overlapped", overlap.Load())
+	}
+	if got := metric(t, c, "kvtier_coord_event_gaps_total"); got < 1 {
+		t.Errorf("gaps counted = %v", got)
+	}
+	waitFor(t, 5*time.Second, "the resync to be counted", func() bool {
+		return metric(t, c, "kvtier_coord_resyncs_total", "outcome", "ok") == 1
+	})
+	// Events continue from the inventory's sequence.
+	b4 := sim.Next(10)
+	if ack, werr := sendBatch(t, nc, c.subj, &b4); werr != nil || ack.AppliedThrough != sim.Seq || ack.Resync {
+		t.Fatalf("b4 after resync: %+v %v", ack, werr)
+	}
+	info, _ = c.idx.ListRank(r)
+	if want := sim.Inventory().Objects; !slices.Equal(info.Placements, want) {
+		t.Fatalf("after b4, index holds %d placements, rank %d", len(info.Placements), len(want))
+	}
+	mustVerify(t, c)
+}
+
+func TestResyncGivesUpAndCounts(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.ResyncAttempts = 3
+		cfg.ResyncTimeout = 50 * time.Millisecond
+	})
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "gone", TPRank: 0}
+	// Nobody answers the inventory request.
+	if ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 5, ns, chain(ns, 1, 1), wire.L1)); werr != nil || !ack.Resync {
+		t.Fatalf("batch past a gap: %+v %v", ack, werr)
+	}
+	waitFor(t, 10*time.Second, "the resync to fail", func() bool {
+		return metric(t, c, "kvtier_coord_resyncs_total", "outcome", "failed") == 1
+	})
+	if got := metric(t, c, "kvtier_coord_resync_attempts_total"); got != 3 {
+		t.Errorf("attempts = %v, want 3", got)
+	}
+}
+
+// mustVerify checks the coordinator's index re-derives to its live state.
+func mustVerify(t testing.TB, c *Coordinator) {
+	t.Helper()
+	rep, err := c.idx.Verify(tctx(t))
+	if err != nil {
+		for _, p := range rep.Problems {
+			t.Log(p)
+		}
+		t.Fatalf("verify: %v", err)
+	}
+}

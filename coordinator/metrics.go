@@ -1,0 +1,139 @@
+package coordinator
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics of one coordinator (C8: every drop, fence, timeout and failure is
+// counted).
+type metrics struct {
+	batches        *prometheus.CounterVec // by outcome
+	events         prometheus.Counter
+	badRequests    *prometheus.CounterVec // by op
+	gaps           prometheus.Counter
+	resyncs        *prometheus.CounterVec // by outcome: ok | failed
+	resyncAttempts prometheus.Counter
+	dropped        prometheus.Counter
+	applySeconds   prometheus.Histogram
+
+	fences       *prometheus.CounterVec // by cause: dead | left | incarnation | startup
+	fenced       prometheus.Counter     // placements fenced
+	fenceSeconds prometheus.Histogram   // death notification -> fence committed
+	fenceSkips   prometheus.Counter     // deaths of superseded incarnations
+
+	lookups        *prometheus.CounterVec // by outcome: hit | partial | miss
+	lookupSeconds  prometheus.Histogram
+	restores       *prometheus.CounterVec // by outcome: complete | failed
+	restoreBegins  prometheus.Counter
+	verdictSeconds prometheus.Histogram   // last report -> verdict
+	reports        *prometheus.CounterVec // by outcome: ok | duplicate | rejected
+	active         prometheus.Gauge
+	internal       prometheus.Counter
+}
+
+func newMetrics() *metrics {
+	fine := prometheus.ExponentialBuckets(1e-6, 2, 24) // 1 us .. 8 s
+	return &metrics{
+		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_event_batches_total",
+			Help: "Event batches received, by outcome (applied, resync, fenced, bad_request, failed).",
+		}, []string{"outcome"}),
+		events: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_events_applied_total",
+			Help: "Placement events durably applied to the index.",
+		}),
+		badRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_bad_requests_total",
+			Help: "Requests rejected as malformed or invalid, by operation.",
+		}, []string{"op"}),
+		gaps: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_event_gaps_total",
+			Help: "Event batches that started past a sequence gap (each needs a resync).",
+		}),
+		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_resyncs_total",
+			Help: "Inventory resyncs finished, by outcome (ok, failed).",
+		}, []string{"outcome"}),
+		resyncAttempts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_resync_attempts_total",
+			Help: "Inventory requests sent to ranks.",
+		}),
+		dropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_nats_dropped_total",
+			Help: "NATS asynchronous errors (slow consumer drops included); each may be a lost request.",
+		}),
+		applySeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_apply_seconds",
+			Help:    "Time to apply and commit one event batch.",
+			Buckets: fine,
+		}),
+		fences: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_rank_fences_total",
+			Help: "Ranks whose L1 placements were fenced, by cause (dead, left, startup).",
+		}, []string{"cause"}),
+		fenced: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_placements_fenced_total",
+			Help: "L1 placements fenced.",
+		}),
+		fenceSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_fence_seconds",
+			Help:    "Time from a death or leave notification to the fence being committed.",
+			Buckets: fine,
+		}),
+		fenceSkips: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_rank_fences_skipped_total",
+			Help: "Deaths or leaves not fenced because a newer incarnation of the rank already reports.",
+		}),
+		lookups: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_lookups_total",
+			Help: "Lookups answered, by outcome (hit: whole chain, partial, miss).",
+		}, []string{"outcome"}),
+		lookupSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_lookup_seconds",
+			Help:    "Index lookup latency, lookups and restore begins.",
+			Buckets: fine,
+		}),
+		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_restores_total",
+			Help: "Restores decided, by outcome (complete, failed) and cause (reports, deadline, empty).",
+		}, []string{"outcome", "cause"}),
+		restoreBegins: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_restore_begins_total",
+			Help: "Restore plans handed out.",
+		}),
+		verdictSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_verdict_seconds",
+			Help:    "Time from the last rank report to the verdict being sent to waiters.",
+			Buckets: fine,
+		}),
+		reports: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_restore_reports_total",
+			Help: "Restore reports, by outcome (ok, duplicate, rejected).",
+		}, []string{"outcome"}),
+		active: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvtier_coord_restores_active",
+			Help: "Restores begun and not yet decided.",
+		}),
+		internal: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_internal_errors_total",
+			Help: "Requests that failed on an internal or I/O error.",
+		}),
+	}
+}
+
+func (m *metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{
+		m.batches, m.events, m.badRequests, m.gaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
+		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
+		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.active, m.internal,
+	}
+}
+
+func (m *metrics) register(r prometheus.Registerer) error {
+	for _, c := range m.collectors() {
+		if err := r.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}

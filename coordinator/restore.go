@@ -1,0 +1,463 @@
+package coordinator
+
+import (
+	"container/heap"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+)
+
+// The restore protocol (C5). The verdict itself is index.Restore's pure
+// state machine; this file owns what is around it: ids, the plan, locking,
+// the waiters, the deadline timer and the verdict history.
+//
+//	restore.begin  RestoreBeginRequest -> RestorePlan   lookup, plan, start tracking
+//	restore.report RestoreReport       -> ReportAck     feed the state machine
+//	restore.wait   RestoreWait         -> RestoreVerdict as soon as it is final
+//
+// Waiters are parked (their request message kept, no goroutine) and
+// answered directly by the report handler that makes the verdict final, so
+// the verdict leaves within microseconds of the last report; the deadline
+// loop answers them when silence becomes failure.
+//
+// A restore whose prefix is 0 (nothing restorable) is decided at once as
+// complete with prefix 0: nothing was promised, so nothing can be missing;
+// the engine recomputes every chunk, as it would after any verdict for the
+// chunks past the prefix. Its id is valid for restore.wait like any other.
+
+// restores is the coordinator's restore table.
+type restores struct {
+	c    *Coordinator
+	boot string        // random per start: ids are unique across restarts
+	kick chan struct{} // capacity 1: the earliest deadline changed
+
+	mu      sync.Mutex // guards the following
+	seq     uint64
+	active  map[string]*activeRestore
+	byDL    deadlineHeap
+	history []*wire.AdminRestore // ring, VerdictHistory entries
+	next    int                  // next ring slot
+	decided map[string]*wire.AdminRestore
+	closed  bool
+}
+
+type activeRestore struct {
+	r          *index.Restore
+	instance   string
+	prefix     int
+	ranks      int
+	began      time.Time
+	lastReport time.Time
+	waiters    []*nats.Msg
+	heapIdx    int
+}
+
+func newRestores(c *Coordinator) *restores {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return &restores{
+		c:       c,
+		boot:    hex.EncodeToString(b[:]),
+		kick:    make(chan struct{}, 1),
+		active:  make(map[string]*activeRestore),
+		history: make([]*wire.AdminRestore, c.cfg.VerdictHistory),
+		decided: make(map[string]*wire.AdminRestore),
+	}
+}
+
+// handleBegin answers restore.begin with a plan.
+func (rs *restores) handleBegin(m *nats.Msg) {
+	c := rs.c
+	var req wire.RestoreBeginRequest
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, "restore.begin", err)
+		return
+	}
+	if req.DeadlineMS < 0 {
+		c.badRequest(m, "restore.begin", fmt.Errorf("deadline %d ms must be >= 0: %w", req.DeadlineMS, wire.ErrMalformed))
+		return
+	}
+	if req.Instance != "" {
+		if err := wire.ValidInstance(req.Instance); err != nil {
+			c.badRequest(m, "restore.begin", err)
+			return
+		}
+	}
+	deadline := c.cfg.RestoreDeadline
+	if req.DeadlineMS > 0 {
+		deadline = min(time.Duration(req.DeadlineMS)*time.Millisecond, c.cfg.MaxRestoreDeadline)
+	}
+	now := time.Now()
+	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	if err != nil {
+		c.lookupError(m, "restore.begin", req.Namespace, err)
+		return
+	}
+	c.met.restoreBegins.Inc()
+
+	rs.mu.Lock()
+	if rs.closed {
+		rs.mu.Unlock()
+		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		return
+	}
+	if len(rs.active) >= c.cfg.MaxActiveRestores {
+		n := len(rs.active)
+		rs.mu.Unlock()
+		c.met.internal.Inc()
+		c.log.Warn("restore refused: too many active restores", zap.Int("active", n))
+		_ = bus.RespondError(m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
+		return
+	}
+	rs.seq++
+	id := rs.boot + "-" + strconv.FormatUint(rs.seq, 10)
+	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem)}
+	if res.Prefix == 0 {
+		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
+		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace, Began: now, Decided: now,
+			VerdictLatencyUS: 0})
+		rs.mu.Unlock()
+		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
+		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", id),
+			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
+		_ = bus.Respond(m, plan)
+		return
+	}
+	r, err := index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(&res, res.Prefix), now.Add(deadline))
+	if err != nil {
+		rs.mu.Unlock()
+		c.internalError(m, "start restore", err, zap.String("restore", id))
+		return
+	}
+	for i := range res.Prefix {
+		for j, e := range res.Expectations {
+			src := res.Source(i, j)
+			reader := wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String()
+			plan.Ranks[reader] = append(plan.Ranks[reader], wire.RetrieveItem{
+				Chunk: i, Group: e.Group,
+				Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
+				Sum:    src.Sum,
+				Source: wire.Source{Holder: src.Holder, Tier: src.Tier},
+			})
+		}
+	}
+	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now}
+	rs.active[id] = a
+	heap.Push(&rs.byDL, a)
+	earliest := rs.byDL[0] == a
+	c.met.active.Set(float64(len(rs.active)))
+	rs.mu.Unlock()
+	if earliest {
+		select {
+		case rs.kick <- struct{}{}:
+		default:
+		}
+	}
+	c.log.Debug("restore begun", zap.String("restore", id), zap.Stringer("namespace", req.Namespace),
+		zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
+		zap.Int("ranks", len(plan.Ranks)), zap.Duration("deadline", deadline))
+	_ = bus.Respond(m, plan)
+}
+
+// handleReport feeds one rank's report to the state machine; when that
+// makes the verdict final, the waiters are answered before the reporter.
+func (rs *restores) handleReport(m *nats.Msg) {
+	at := time.Now()
+	c := rs.c
+	var rep wire.RestoreReport
+	if err := bus.Decode(m, &rep); err != nil {
+		c.met.reports.WithLabelValues("rejected").Inc()
+		c.badRequest(m, "restore.report", err)
+		return
+	}
+	rs.mu.Lock()
+	a := rs.active[rep.RestoreID]
+	if a == nil {
+		d := rs.decided[rep.RestoreID]
+		rs.mu.Unlock()
+		if d != nil {
+			// Decided already (deadline, or a rank failed): late, harmless.
+			c.met.reports.WithLabelValues("late").Inc()
+			c.log.Info("report after the verdict ignored", zap.String("restore", rep.RestoreID),
+				zap.Stringer("rank", rep.Rank), zap.String("state", d.State))
+			_ = bus.Respond(m, &wire.ReportAck{State: d.State})
+			return
+		}
+		c.met.reports.WithLabelValues("rejected").Inc()
+		c.log.Warn("report for an unknown restore", zap.String("restore", rep.RestoreID), zap.Stringer("rank", rep.Rank))
+		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", rep.RestoreID))
+		return
+	}
+	if rep.Rank.Instance != a.instance {
+		rs.mu.Unlock()
+		c.met.reports.WithLabelValues("rejected").Inc()
+		c.badRequest(m, "restore.report", fmt.Errorf("restore %s is read by instance %q, not by rank %s: %w",
+			rep.RestoreID, a.instance, rep.Rank, index.ErrUnexpectedReport))
+		return
+	}
+	out, err := a.r.Report(rep.Rank.TPRank, rep.Results)
+	if out.Accepted > 0 {
+		a.lastReport = at
+	}
+	var fin *finished
+	if v := a.r.Verdict(); v.Final() {
+		fin = rs.finishLocked(rep.RestoreID, a, v, "reports", at)
+	}
+	rs.mu.Unlock()
+	if fin != nil {
+		fin.deliver(c)
+	}
+	switch {
+	case err != nil && out.Accepted == 0:
+		c.met.reports.WithLabelValues("rejected").Inc()
+		c.badRequest(m, "restore.report", err)
+		return
+	case err != nil:
+		// Part of the report counted; say which part did not.
+		c.met.reports.WithLabelValues("rejected").Inc()
+		c.badRequest(m, "restore.report", err)
+		return
+	case out.Duplicates > 0 && out.Accepted == 0:
+		c.met.reports.WithLabelValues("duplicate").Inc()
+		c.log.Debug("duplicate report ignored", zap.String("restore", rep.RestoreID), zap.Stringer("rank", rep.Rank))
+	case out.Late > 0:
+		c.met.reports.WithLabelValues("late").Inc()
+	default:
+		c.met.reports.WithLabelValues("ok").Inc()
+	}
+	_ = bus.Respond(m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
+}
+
+// handleWait parks the waiter until the verdict is final, or answers at
+// once if it is.
+func (rs *restores) handleWait(m *nats.Msg) {
+	c := rs.c
+	var req wire.RestoreWait
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, "restore.wait", err)
+		return
+	}
+	rs.mu.Lock()
+	if a := rs.active[req.RestoreID]; a != nil {
+		if rs.closed {
+			rs.mu.Unlock()
+			_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+			return
+		}
+		a.waiters = append(a.waiters, m)
+		rs.mu.Unlock()
+		return
+	}
+	d := rs.decided[req.RestoreID]
+	rs.mu.Unlock()
+	if d == nil {
+		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
+		return
+	}
+	v := d.RestoreVerdict
+	_ = bus.Respond(m, &v)
+}
+
+// finished is a verdict to deliver outside the lock.
+type finished struct {
+	verdict wire.RestoreVerdict
+	waiters []*nats.Msg
+	entry   *wire.AdminRestore
+	last    time.Time // the report that decided it; zero for the deadline
+	cause   string
+}
+
+// finishLocked moves a decided restore from active to the history.
+func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, cause string, last time.Time) *finished {
+	delete(rs.active, id)
+	if a.heapIdx >= 0 {
+		heap.Remove(&rs.byDL, a.heapIdx)
+	}
+	rs.c.met.active.Set(float64(len(rs.active)))
+	wv := v.Wire(id, a.prefix)
+	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace(), Ranks: a.ranks, Began: a.began,
+		VerdictLatencyUS: -1}
+	rs.recordLocked(e)
+	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause}
+}
+
+// recordLocked adds a decided restore to the bounded history.
+func (rs *restores) recordLocked(e *wire.AdminRestore) {
+	if old := rs.history[rs.next]; old != nil {
+		delete(rs.decided, old.RestoreID)
+	}
+	rs.history[rs.next] = e
+	rs.next = (rs.next + 1) % len(rs.history)
+	rs.decided[e.RestoreID] = e
+}
+
+// deliver answers the waiters, then measures, counts and logs.
+func (f *finished) deliver(c *Coordinator) {
+	for _, w := range f.waiters {
+		_ = bus.Respond(w, &f.verdict)
+	}
+	now := time.Now()
+	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
+	var lat time.Duration
+	if !f.last.IsZero() {
+		lat = now.Sub(f.last)
+		c.met.verdictSeconds.Observe(lat.Seconds())
+	}
+	c.rs.mu.Lock()
+	f.entry.Decided = now
+	if !f.last.IsZero() {
+		f.entry.VerdictLatencyUS = lat.Microseconds()
+	}
+	c.rs.mu.Unlock()
+	fields := []zap.Field{zap.String("restore", f.verdict.RestoreID), zap.String("state", f.verdict.State),
+		zap.Int("prefix", f.verdict.Prefix), zap.String("cause", f.cause), zap.Int("waiters", len(f.waiters))}
+	if !f.last.IsZero() {
+		fields = append(fields, zap.Duration("verdict_latency", lat))
+	}
+	if f.verdict.State == wire.VerdictFailed {
+		fields = append(fields, zap.Ints("failed_chunks", f.verdict.Failed), zap.Strings("reasons", firstN(f.verdict.Reasons, 8)))
+		c.log.Warn("restore failed", fields...)
+		return
+	}
+	c.log.Debug("restore complete", fields...)
+}
+
+func firstN(s []string, n int) []string {
+	if len(s) > n {
+		return append(s[:n:n], fmt.Sprintf("... and %d more", len(s)-n))
+	}
+	return s
+}
+
+// deadlineLoop turns silence into failure at each restore's deadline. It
+// sleeps until the earliest deadline, or until handleBegin kicks it with an
+// earlier one.
+func (rs *restores) deadlineLoop() {
+	defer rs.c.wg.Done()
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		rs.mu.Lock()
+		wait := time.Hour
+		if len(rs.byDL) > 0 {
+			wait = time.Until(rs.byDL[0].r.Deadline())
+		}
+		rs.mu.Unlock()
+		t.Reset(max(wait, 0))
+		select {
+		case <-rs.c.ctx.Done():
+			return
+		case <-rs.kick:
+			if !t.Stop() {
+				select {
+				case <-t.C:
+				default:
+				}
+			}
+		case now := <-t.C:
+			rs.expire(now)
+		}
+	}
+}
+
+// expire decides every restore whose deadline has passed.
+func (rs *restores) expire(now time.Time) {
+	var fins []*finished
+	rs.mu.Lock()
+	for len(rs.byDL) > 0 && !now.Before(rs.byDL[0].r.Deadline()) {
+		a := rs.byDL[0]
+		v := a.r.Expire(now)
+		if !v.Final() { // cannot happen: Expire at the deadline decides
+			heap.Pop(&rs.byDL)
+			continue
+		}
+		fins = append(fins, rs.finishLocked(a.r.ID(), a, v, "deadline", time.Time{}))
+	}
+	rs.mu.Unlock()
+	for _, f := range fins {
+		f.deliver(rs.c)
+	}
+}
+
+// close answers every parked waiter with code unavailable; later begins
+// and waits of active restores are refused.
+func (rs *restores) close() {
+	rs.mu.Lock()
+	rs.closed = true
+	var ws []*nats.Msg
+	for _, a := range rs.active {
+		ws = append(ws, a.waiters...)
+		a.waiters = nil
+	}
+	rs.mu.Unlock()
+	for _, w := range ws {
+		_ = bus.RespondError(w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
+	}
+}
+
+// handleHistory answers admin.restores with the verdict history, newest
+// first.
+func (rs *restores) handleHistory(m *nats.Msg) {
+	rs.mu.Lock()
+	out := &wire.AdminRestoresReply{Restores: make([]wire.AdminRestore, 0, len(rs.decided))}
+	n := len(rs.history)
+	for i := 1; i <= n; i++ {
+		e := rs.history[(rs.next-i+n)%n]
+		if e == nil {
+			break
+		}
+		out.Restores = append(out.Restores, *e)
+	}
+	rs.mu.Unlock()
+	_ = bus.Respond(m, out)
+}
+
+// lookupError answers a failed lookup: unknown namespace, or internal.
+func (c *Coordinator) lookupError(m *nats.Msg, op string, ns dcp.Namespace, err error) {
+	if errors.Is(err, errTooLarge) {
+		c.met.badRequests.WithLabelValues(op).Inc()
+		_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+		return
+	}
+	if errors.Is(err, index.ErrUnknownNamespace) {
+		c.met.badRequests.WithLabelValues(op).Inc()
+		c.log.Info("request for an unknown namespace", zap.String("op", op), zap.Stringer("namespace", ns))
+		_ = bus.RespondError(m, wire.CodeUnknownNamespace, fmt.Sprintf("namespace %s is not registered", ns))
+		return
+	}
+	c.internalError(m, op, err)
+}
+
+// deadlineHeap orders active restores by deadline.
+type deadlineHeap []*activeRestore
+
+func (h deadlineHeap) Len() int           { return len(h) }
+func (h deadlineHeap) Less(i, j int) bool { return h[i].r.Deadline().Before(h[j].r.Deadline()) }
+func (h deadlineHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].heapIdx, h[j].heapIdx = i, j
+}
+func (h *deadlineHeap) Push(x any) {
+	a := x.(*activeRestore)
+	a.heapIdx = len(*h)
+	*h = append(*h, a)
+}
+func (h *deadlineHeap) Pop() any {
+	old := *h
+	a := old[len(old)-1]
+	old[len(old)-1] = nil
+	a.heapIdx = -1
+	*h = old[:len(old)-1]
+	return a
+}
