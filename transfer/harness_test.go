@@ -286,6 +286,9 @@ func (r *rig) retrieveReq(tp int, cs []chunk, targets [][][]int64) RetrieveReque
 // everywhere else (padding included).
 func (r *rig) check(what string) {
 	r.t.Helper()
+	if err := r.stream.Synchronize(testCtx(r.t)); err != nil {
+		r.t.Fatalf("%s: engine stream: %v", what, err)
+	}
 	for gi, layers := range r.pools {
 		if r.image[gi] == nil {
 			continue

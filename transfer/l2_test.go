@@ -1,8 +1,8 @@
 package transfer
 
 import (
-	"context"
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"

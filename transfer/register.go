@@ -54,7 +54,9 @@ func (sp *space) retire() {
 func (sp *space) release() {
 	for _, layers := range sp.pools {
 		for _, m := range layers {
-			_ = m.Release()
+			if m != nil {
+				_ = m.Release()
+			}
 		}
 	}
 	sp.pools = nil

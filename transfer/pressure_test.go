@@ -1,0 +1,229 @@
+package transfer
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// readChunk reads back the declared pages of blocks (layer-major, block
+// order) from the pools: what a restore placed.
+func (r *rig) readChunk(blocks [][]int64) [][]byte {
+	r.t.Helper()
+	var out [][]byte
+	for gi, g := range r.res.Geometry {
+		var b []byte
+		for li := range g.Layers {
+			for _, id := range blocks[gi] {
+				p := make([]byte, g.PageBytes)
+				if err := r.dev.Read(r.pools[gi][li], uint64(id)*g.StrideBytes, p); err != nil {
+					r.t.Fatal(err)
+				}
+				b = append(b, p...)
+			}
+		}
+		out = append(out, b)
+	}
+	return out
+}
+
+// TestL1PressureWriteBack runs concurrent stores and retrieves through an
+// L1 far smaller than the working set with write-back to L2: no pinned
+// object is ever evicted, and every stored object is retrievable
+// byte-exact afterwards (from L1 or L2).
+func TestL1PressureWriteBack(t *testing.T) {
+	const (
+		storers    = 3
+		perStorer  = 16
+		retrievers = 2
+		nChunks    = storers * perStorer
+	)
+	dev := openDevice(t, "")
+	// Each object is 2 layers x 2 blocks x 10,496 B = 41,984 B: one slab.
+	r := newRig(t, dev, c1Spec(), []int64{2 * (nChunks + retrievers + 1)})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 12 * (64 << 10) // 12 slabs for 48 objects
+	cfg.HighWatermark, cfg.LowWatermark = 0.75, 0.5
+	cfg.L2Dir = t.TempDir()
+	cfg.L2Policy = WriteBackOnEvict
+	cfg.Streams = 3
+	e := newEngine(t, cfg)
+	var pinnedEvicted atomic.Int64
+	e.hooks.evicting = func(_ dcp.Key, pins int) {
+		if pins > 0 {
+			pinnedEvicted.Add(1)
+		}
+	}
+	r.register(e)
+
+	chunks := make([]chunk, nChunks)
+	for i := range chunks {
+		chunks[i] = r.newChunk(i, r.consecutiveN(i))
+	}
+	var (
+		mu     sync.Mutex
+		stored []int
+		wg     sync.WaitGroup
+		done   = make(chan struct{})
+		errs   = make(chan error, 100)
+	)
+	var writeMu sync.Mutex // one engine-side writer at a time keeps uploads and records paired
+	for s := range storers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := range perStorer {
+				i := s*perStorer + k
+				writeMu.Lock()
+				r.write(chunks[i], chunks[i].blocks, 0)
+				_, h := r.record()
+				writeMu.Unlock()
+				f, err := e.Store(testCtx(t), r.storeReq(fmt.Sprintf("req-%d", i), h, chunks[i]))
+				if err != nil {
+					errs <- err
+					return
+				}
+				if _, err := f.Wait(testCtx(t)); err != nil {
+					errs <- fmt.Errorf("store of chunk %d: %w", i, err)
+					return
+				}
+				mu.Lock()
+				stored = append(stored, i)
+				mu.Unlock()
+			}
+		}()
+	}
+	var retrieved atomic.Int64
+	var rwg sync.WaitGroup
+	for k := range retrievers {
+		rwg.Add(1)
+		go func() {
+			defer rwg.Done()
+			rng := rand.New(rand.NewPCG(uint64(k), 1))
+			tgt := r.consecutiveN(nChunks + k)
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				mu.Lock()
+				if len(stored) == 0 {
+					mu.Unlock()
+					time.Sleep(time.Millisecond)
+					continue
+				}
+				i := stored[rng.IntN(len(stored))]
+				mu.Unlock()
+				rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{chunks[i]}, [][][]int64{tgt}))
+				if err != nil {
+					errs <- err
+					return
+				}
+				if !rr.ChunkOK(0) {
+					errs <- fmt.Errorf("retrieve of chunk %d: %+v", i, rr.Items[0])
+					return
+				}
+				if got := r.readChunk(tgt); !bytes.Equal(got[0], chunks[i].packed[0]) {
+					errs <- fmt.Errorf("retrieve of chunk %d placed other bytes", i)
+					return
+				}
+				retrieved.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	close(done)
+	rwg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if t.Failed() {
+		return
+	}
+
+	// Every stored object is retrievable, byte-exact.
+	tgt := r.consecutiveN(nChunks + retrievers)
+	var fromL2 int
+	for i, c := range chunks {
+		rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
+		if err != nil || !rr.ChunkOK(0) {
+			t.Fatalf("chunk %d lost: %+v %v", i, rr.Items, err)
+		}
+		if rr.Items[0].From == wire.L2 {
+			fromL2++
+		}
+		if got := r.readChunk(tgt); !bytes.Equal(got[0], c.packed[0]) {
+			t.Fatalf("chunk %d restored other bytes", i)
+		}
+	}
+	st := e.Stats()
+	if pinnedEvicted.Load() != 0 || st.PinnedEvictions != 0 {
+		t.Fatalf("%d pinned objects evicted (%d refused)", pinnedEvicted.Load(), st.PinnedEvictions)
+	}
+	if st.Evictions == 0 || st.WriteBacks == 0 || fromL2 == 0 {
+		t.Fatalf("no pressure: %d evictions, %d write-backs, %d restores from L2", st.Evictions, st.WriteBacks, fromL2)
+	}
+	if st.L1OccupiedBytes > st.L1CapacityBytes {
+		t.Fatalf("L1 occupancy %d over capacity %d", st.L1OccupiedBytes, st.L1CapacityBytes)
+	}
+	t.Logf("%d concurrent retrieves; %d evictions, %d write-backs, %d of %d final restores from L2, %d L1-full",
+		retrieved.Load(), st.Evictions, st.WriteBacks, fromL2, nChunks, st.L1Full)
+}
+
+// TestL1FullFailsClearlyWithoutDeadlock: when every run of slabs holds a
+// pinned object, a store fails at once with no_space (counted) instead of
+// waiting for pins that its own kind of work holds.
+func TestL1FullFailsClearlyWithoutDeadlock(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 3 * (64 << 10)
+	e := newEngine(t, cfg)
+	r.register(e)
+	a0, a1 := r.newChunk(0, r.consecutiveN(0)), r.newChunk(1, r.consecutiveN(1))
+	// Store A waits on a slow producer while its two objects are pinned.
+	r.write(a0, a0.blocks, 300*time.Millisecond)
+	r.write(a1, a1.blocks, 0)
+	_, ha := r.record()
+	fa, err := e.Store(testCtx(t), r.storeReq("a", ha, a0, a1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Stats().L1OccupiedBytes != 2*(64<<10) {
+		if time.Now().After(deadline) {
+			t.Fatal("store A never placed its objects")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	b0, b1 := r.newChunk(2, r.consecutiveN(2)), r.newChunk(3, r.consecutiveN(3))
+	r.write(b0, b0.blocks, 0)
+	r.write(b1, b1.blocks, 0)
+	_, hb := r.record()
+	fb, err := e.Store(testCtx(t), r.storeReq("b", hb, b0, b1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resB, err := fb.Wait(testCtx(t))
+	if err == nil || resB.Objects[0].Status != Stored || resB.Objects[1].Status != Failed || resB.Objects[1].Reason != ReasonNoSpace {
+		t.Fatalf("store B: %+v, %v; want the first stored, the second failed for no space", resB.Objects, err)
+	}
+	if _, err := fa.Wait(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if v := metric(t, e, "kvtier_transfer_l1_full_total", nil); v != 1 {
+		t.Fatalf("l1_full_total = %v, want 1", v)
+	}
+	if v := metric(t, e, "kvtier_transfer_store_failures_total", map[string]string{"reason": "no_space"}); v != 1 {
+		t.Fatalf("store_failures_total{reason=no_space} = %v, want 1", v)
+	}
+}
