@@ -319,7 +319,7 @@ func (s *sim) store(ctx context.Context) error {
 	for {
 		cctx, cancel := s.callCtx(ctx)
 		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.Coord(wire.CoordLookup),
-			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes})
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance})
 		cancel()
 		if err == nil && lr.Prefix == len(p.Hashes) {
 			break
@@ -345,8 +345,9 @@ func (s *sim) restore(ctx context.Context) error {
 	p := s.plan
 	start := time.Now()
 	cctx, cancel := s.callCtx(ctx)
-	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBegin{
-		Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)})
+	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBeginRequest{
+		Instance: s.cfg.Instance, RestoreBegin: wire.RestoreBegin{
+			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
 	cancel()
 	if err != nil {
 		return fmt.Errorf("restore.begin: %w", err)
