@@ -140,7 +140,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 					Chunk:  i,
 					Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
 					Reader: wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String(),
-					Placements: []wire.ObjectPlacement{{Holder: src.Holder, Tier: src.Tier, Size: src.Size,
+					Placements: []wire.ObjectPlacement{{Holder: res.Holder(i, j), Tier: src.Tier, Size: src.Size,
 						Sum: src.Sum}},
 				})
 			}
@@ -298,7 +298,7 @@ func (c *Coordinator) handleNamespaces(m *nats.Msg) {
 	}
 	rep := &wire.AdminNamespacesReply{Namespaces: []wire.AdminNamespace{}}
 	for _, n := range c.idx.Namespaces() {
-		an := wire.AdminNamespace{Namespace: n.Namespace, Chunks: n.Chunks, Objects: n.Objects,
+		an := wire.AdminNamespace{Namespace: n.Namespace.String(), Chunks: n.Chunks, Objects: n.Objects,
 			L1Placements: n.L1Placements, L1Bytes: n.L1Bytes, L2Placements: n.L2Placements, L2Bytes: n.L2Bytes}
 		if s := n.Spec; s != nil {
 			an.Registered = true

@@ -125,7 +125,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem)}
 	if res.Prefix == 0 {
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
-		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace, Began: now, Decided: now,
+		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 			VerdictLatencyUS: 0})
 		rs.mu.Unlock()
 		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
@@ -148,7 +148,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 				Chunk: i, Group: e.Group,
 				Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
 				Sum:    src.Sum,
-				Source: wire.Source{Holder: src.Holder, Tier: src.Tier},
+				Source: wire.Source{Holder: res.Holder(i, j), Tier: src.Tier},
 			})
 		}
 	}
@@ -286,7 +286,7 @@ func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, c
 	}
 	rs.c.met.active.Set(float64(len(rs.active)))
 	wv := v.Wire(id, a.prefix)
-	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace(), Ranks: a.ranks, Began: a.began,
+	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace().String(), Ranks: a.ranks, Began: a.began,
 		VerdictLatencyUS: -1}
 	rs.recordLocked(e)
 	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause}

@@ -245,6 +245,7 @@ func TestRestoreSilentRankFailsAtDeadline(t *testing.T) {
 	if ack := f.report(t, plan.RestoreID, 1, results(plan.Ranks["eng/1"])); ack.State != wire.VerdictFailed {
 		t.Fatalf("late report ack = %+v", ack)
 	}
+	history(t, f.c, f.nc) // every verdict counted and recorded
 	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "deadline"); got != 2 {
 		t.Errorf("deadline failures = %v", got)
 	}

@@ -113,7 +113,7 @@ func WriteNamespacesTable(w io.Writer, r *wire.AdminNamespacesReply) error {
 		if !n.Registered {
 			model = "(unregistered)"
 		}
-		t.row(n.Namespace.String(), model, orDash(n.CacheSalt), strconv.Itoa(n.TP), strconv.Itoa(n.DCP),
+		t.row(n.Namespace, model, orDash(n.CacheSalt), strconv.Itoa(n.TP), strconv.Itoa(n.DCP),
 			strconv.Itoa(n.Groups), strconv.Itoa(n.ChunkTokens), i64(n.Chunks), i64(n.Objects),
 			i64(n.L1Placements), u64(n.L1Bytes), i64(n.L2Placements), u64(n.L2Bytes))
 	}

@@ -154,13 +154,13 @@ type AdminNamespacesReply struct {
 
 // AdminNamespace is one registered namespace.
 type AdminNamespace struct {
-	Namespace   dcp.Namespace `json:"namespace"`
-	Model       string        `json:"model"`
-	CacheSalt   string        `json:"cache_salt,omitempty"`
-	TP          int           `json:"tp"`
-	DCP         int           `json:"dcp"`
-	Groups      int           `json:"groups"`
-	ChunkTokens int           `json:"chunk_tokens"`
+	Namespace   string `json:"namespace"` // hex
+	Model       string `json:"model"`
+	CacheSalt   string `json:"cache_salt,omitempty"`
+	TP          int    `json:"tp"`
+	DCP         int    `json:"dcp"`
+	Groups      int    `json:"groups"`
+	ChunkTokens int    `json:"chunk_tokens"`
 	// Registered is false for a namespace known only from events (its
 	// engine has not registered the spec yet); the spec fields are zero.
 	Registered   bool   `json:"registered"`
@@ -180,10 +180,10 @@ type AdminRestoresReply struct {
 // AdminRestore is one decided restore.
 type AdminRestore struct {
 	RestoreVerdict
-	Namespace dcp.Namespace `json:"namespace"`
-	Ranks     int           `json:"ranks"`
-	Began     time.Time     `json:"began"`
-	Decided   time.Time     `json:"decided"`
+	Namespace string    `json:"namespace"` // hex
+	Ranks     int       `json:"ranks"`
+	Began     time.Time `json:"began"`
+	Decided   time.Time `json:"decided"`
 	// VerdictLatencyUS is the time from the last report to the verdict, in
 	// microseconds; -1 when the verdict came from the deadline.
 	VerdictLatencyUS int64 `json:"verdict_latency_us"`

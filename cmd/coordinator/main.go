@@ -1,0 +1,370 @@
+// Command coordinator runs the kvtier coordinator (serve) and queries a
+// running one (members, ranks, object, namespaces, restores, verify).
+//
+//	coordinator serve --data-dir /var/lib/kvtier [--nats URL | --nats-host H --nats-port P]
+//	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key BASE64]
+//	                  [--http ADDR] [--prefix P] [--log-level info]
+//	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--prefix P] [--json]
+//	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
+//	coordinator object ... --spec-file SPEC.json [--model M] --tokens FILE [--instance I]
+//	coordinator object ... --namespace NS --chunks HASH,HASH,... [--instance I]
+//
+// serve shuts down gracefully on SIGTERM or SIGINT (see
+// coordinator.Coordinator.Shutdown for the order).
+package main
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/coordinator"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// Exit codes.
+const (
+	exitOK    = 0
+	exitFail  = 1 // an error, or verify found a mismatch
+	exitUsage = 2
+)
+
+const usage = `usage: coordinator <command> [flags]
+
+commands:
+  serve       run the coordinator
+  members     memberlist members: name, role, state, address, incarnation
+  ranks       ranks: incarnation, liveness, L1/L2 objects and bytes, last seq, fenced
+  object      placements of one object (--key) or of a token chain's objects
+  namespaces  registered namespaces and their usage
+  restores    recent restore verdicts
+  verify      re-derive the index from bbolt and compare (exit 1 on mismatch)
+
+run "coordinator <command> -h" for its flags.
+`
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	cmd, args := args[0], args[1:]
+	switch cmd {
+	case "serve":
+		return serve(ctx, args, stderr)
+	case wire.AdminMembers, wire.AdminRanks, wire.AdminNamespaces, wire.AdminRestores, wire.AdminVerify, wire.AdminObject:
+		return admin(ctx, cmd, args, stdout, stderr)
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	}
+	fmt.Fprintf(stderr, "unknown command %q\n\n%s", cmd, usage)
+	return exitUsage
+}
+
+// serve parses the serve flags into a coordinator.Config, runs the
+// coordinator until ctx ends (a signal) and shuts it down.
+func serve(ctx context.Context, args []string, stderr io.Writer) int {
+	cfg := coordinator.DefaultConfig()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
+	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
+	fs.StringVar(&cfg.Embedded.Host, "nats-host", cfg.Embedded.Host, "embedded NATS listen IP (0.0.0.0 for rankds on other hosts)")
+	fs.IntVar(&cfg.Embedded.Port, "nats-port", cfg.Embedded.Port, "embedded NATS client port (0 picks one)")
+	bind := fs.String("bind", net.JoinHostPort(cfg.Cluster.BindAddr, strconv.Itoa(cfg.Cluster.BindPort)), "memberlist gossip bind IP:PORT")
+	advertise := fs.String("advertise", "", "memberlist address others reach this node at, IP[:PORT] (default: derived from --bind)")
+	join := fs.String("join", "", "memberlist seeds, comma-separated host:port (empty: start a new cluster)")
+	gossipKey := fs.String("gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip; every member needs the same")
+	fs.StringVar(&cfg.Cluster.NodeName, "node-name", cfg.Cluster.NodeName, "memberlist node name")
+	fs.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "HTTP address for /metrics and /healthz (empty disables)")
+	fs.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
+	fs.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "default restore deadline")
+	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries")
+	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "serve: unexpected arguments %q\n", fs.Args())
+		return exitUsage
+	}
+	host, port, err := splitHostPort(*bind, cfg.Cluster.BindPort)
+	if err != nil {
+		fmt.Fprintf(stderr, "serve: --bind: %v\n", err)
+		return exitUsage
+	}
+	cfg.Cluster.BindAddr, cfg.Cluster.BindPort = host, port
+	if *advertise != "" {
+		host, port, err := splitHostPort(*advertise, 0)
+		if err != nil {
+			fmt.Fprintf(stderr, "serve: --advertise: %v\n", err)
+			return exitUsage
+		}
+		cfg.Cluster.AdvertiseAddr, cfg.Cluster.AdvertisePort = host, port
+	}
+	if *join != "" {
+		for _, s := range strings.Split(*join, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				cfg.Cluster.Seeds = append(cfg.Cluster.Seeds, s)
+			}
+		}
+	}
+	if *gossipKey != "" {
+		key, err := base64.StdEncoding.DecodeString(*gossipKey)
+		if err != nil {
+			fmt.Fprintf(stderr, "serve: --gossip-key is not base64: %v\n", err)
+			return exitUsage
+		}
+		cfg.Cluster.SecretKey = key
+	}
+	lvl, err := zapcore.ParseLevel(*logLevel)
+	if err != nil {
+		fmt.Fprintf(stderr, "serve: --log-level: %v\n", err)
+		return exitUsage
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	log, err := zc.Build()
+	if err != nil {
+		fmt.Fprintf(stderr, "serve: logger: %v\n", err)
+		return exitFail
+	}
+	defer func() { _ = log.Sync() }()
+	cfg.Logger = log
+
+	c, err := coordinator.New(cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitUsage
+	}
+	if err := c.Start(); err != nil {
+		log.Error("coordinator failed to start", zap.Error(err))
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitFail
+	}
+	log.Info("serving; SIGTERM or SIGINT to stop", zap.String("nats", c.NATSURL()), zap.String("gossip", c.GossipAddr()),
+		zap.String("http", c.HTTPAddr()))
+	if err := c.Run(ctx); err != nil {
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitFail
+	}
+	return exitOK
+}
+
+// splitHostPort parses IP[:PORT]; a missing port is defPort.
+func splitHostPort(s string, defPort int) (string, int, error) {
+	host, ps, err := net.SplitHostPort(s)
+	if err != nil {
+		host, ps = s, strconv.Itoa(defPort)
+	}
+	if net.ParseIP(host) == nil {
+		return "", 0, fmt.Errorf("%q: want an IP address", host)
+	}
+	p, err := strconv.Atoi(ps)
+	if err != nil || p < 0 || p > 65535 {
+		return "", 0, fmt.Errorf("port %q: want 0..65535", ps)
+	}
+	return host, p, nil
+}
+
+// admin runs one admin query and prints a table or JSON.
+func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet(op, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
+	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
+	asJSON := fs.Bool("json", false, "print JSON instead of a table")
+	timeout := fs.Duration("timeout", 10*time.Second, "request timeout (verify of a large index takes a while)")
+	var req wire.AdminObjectRequest
+	var specFile, model, tokensFile, nsText, chunksText string
+	if op == wire.AdminObject {
+		fs.StringVar(&req.Key, "key", "", "object key text: <namespace>.<chunk>.<shard>.<group>")
+		fs.StringVar(&specFile, "spec-file", "", "JSON dcp.Spec of the engine (with --tokens)")
+		fs.StringVar(&model, "model", "", "model name, overriding the spec file's")
+		fs.StringVar(&tokensFile, "tokens", "", "file of token ids (JSON array, or whitespace/comma separated)")
+		fs.StringVar(&nsText, "namespace", "", "namespace hex (with --chunks)")
+		fs.StringVar(&chunksText, "chunks", "", "chunk hashes hex, comma-separated (with --namespace)")
+		fs.StringVar(&req.Instance, "instance", "", "engine instance whose ranks would restore (default: the best one)")
+	}
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "%s: unexpected arguments %q\n", op, fs.Args())
+		return exitUsage
+	}
+	var body any = struct{}{}
+	if op == wire.AdminObject {
+		if err := objectRequest(&req, specFile, model, tokensFile, nsText, chunksText); err != nil {
+			fmt.Fprintf(stderr, "object: %v\n", err)
+			return exitUsage
+		}
+		body = &req
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli")
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", op, err)
+		return exitFail
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	subject := wire.Subjects{Prefix: *prefix}.Admin(op)
+
+	var rep any
+	var write func() error
+	switch op {
+	case wire.AdminMembers:
+		r, e := bus.Call[wire.AdminMembersReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteMembersTable(stdout, r) }
+	case wire.AdminRanks:
+		r, e := bus.Call[wire.AdminRanksReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteRanksTable(stdout, r) }
+	case wire.AdminObject:
+		r, e := bus.Call[wire.AdminObjectReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteObjectTable(stdout, r) }
+	case wire.AdminNamespaces:
+		r, e := bus.Call[wire.AdminNamespacesReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteNamespacesTable(stdout, r) }
+	case wire.AdminRestores:
+		r, e := bus.Call[wire.AdminRestoresReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteRestoresTable(stdout, r) }
+	case wire.AdminVerify:
+		r, e := bus.Call[wire.AdminVerifyReply](ctx, nc, subject, body)
+		rep, err, write = r, e, func() error { return coordinator.WriteVerifyTable(stdout, r) }
+		if e == nil && !r.OK {
+			defer func() { fmt.Fprintln(stderr, "verify: the index is inconsistent") }()
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", op, err)
+		return exitFail
+	}
+	if *asJSON {
+		err = coordinator.WriteJSON(stdout, rep)
+	} else {
+		err = write()
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: write output: %v\n", op, err)
+		return exitFail
+	}
+	if v, ok := rep.(*wire.AdminVerifyReply); ok && !v.OK {
+		return exitFail
+	}
+	return exitOK
+}
+
+// objectRequest fills req from the object flags: a key, a spec and tokens,
+// or a namespace and chunk hashes.
+func objectRequest(req *wire.AdminObjectRequest, specFile, model, tokensFile, nsText, chunksText string) error {
+	modes := 0
+	for _, set := range []bool{req.Key != "", specFile != "" || tokensFile != "", nsText != "" || chunksText != ""} {
+		if set {
+			modes++
+		}
+	}
+	if modes != 1 {
+		return errors.New("give exactly one of --key, --spec-file with --tokens, or --namespace with --chunks")
+	}
+	switch {
+	case req.Key != "":
+		if _, err := dcp.ParseKey(req.Key); err != nil {
+			return err
+		}
+	case specFile != "":
+		if tokensFile == "" {
+			return errors.New("--spec-file needs --tokens")
+		}
+		data, err := os.ReadFile(specFile)
+		if err != nil {
+			return err
+		}
+		var spec dcp.Spec
+		if err := json.Unmarshal(data, &spec); err != nil {
+			return fmt.Errorf("spec file %s: %w", specFile, err)
+		}
+		if model != "" {
+			spec.Model = model
+		}
+		res, err := spec.Resolve()
+		if err != nil {
+			return fmt.Errorf("spec file %s: %w", specFile, err)
+		}
+		toks, err := readTokens(tokensFile)
+		if err != nil {
+			return err
+		}
+		req.Namespace = res.Namespace
+		req.Chunks = dcp.ChunkHashes(res.Namespace, toks, spec.ChunkTokens)
+		if len(req.Chunks) == 0 {
+			return fmt.Errorf("%d tokens make no full chunk of %d tokens", len(toks), spec.ChunkTokens)
+		}
+	case tokensFile != "":
+		return errors.New("--tokens needs --spec-file")
+	default:
+		if nsText == "" || chunksText == "" {
+			return errors.New("--namespace and --chunks go together")
+		}
+		ns, err := dcp.ParseNamespace(nsText)
+		if err != nil {
+			return err
+		}
+		req.Namespace = ns
+		for _, s := range strings.Split(chunksText, ",") {
+			ch, err := dcp.ParseChunkHash(strings.TrimSpace(s))
+			if err != nil {
+				return err
+			}
+			req.Chunks = append(req.Chunks, ch)
+		}
+	}
+	return nil
+}
+
+// readTokens reads token ids: a JSON array, or numbers separated by
+// whitespace or commas.
+func readTokens(path string) ([]uint32, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	s := strings.TrimSpace(string(data))
+	var toks []uint32
+	if strings.HasPrefix(s, "[") {
+		if err := json.Unmarshal([]byte(s), &toks); err != nil {
+			return nil, fmt.Errorf("tokens file %s: %w", path, err)
+		}
+		return toks, nil
+	}
+	for i, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' || r == '\n' || r == '\t' || r == '\r' }) {
+		v, err := strconv.ParseUint(f, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("tokens file %s: token %d %q: want a uint32", path, i, f)
+		}
+		toks = append(toks, uint32(v))
+	}
+	return toks, nil
+}

@@ -1,0 +1,360 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/coordinator"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func testSpec() dcp.Spec {
+	return dcp.Spec{
+		Model: "cli-model", Layout: dcp.Layout{TP: 2, DCP: 1, Interleave: 1, PP: 1}, ChunkTokens: 4,
+		Groups: []dcp.Group{{Name: "attn", Kind: dcp.Attention, BlockSize: 4, Layers: 1, KVFormat: "bf16",
+			SemanticBytes: 4 * 64, PageBytes: 4 * 64, StrideBytes: 4 * 64}},
+	}
+}
+
+// fixture is a coordinator with a namespace, a rank member, placements for
+// both ranks of instance "eng" and one decided restore.
+type fixture struct {
+	c      *coordinator.Coordinator
+	nc     *nats.Conn
+	spec   dcp.Spec
+	ns     dcp.Namespace
+	tokens []uint32
+	chunks []dcp.ChunkHash
+}
+
+func newFixture(t *testing.T) *fixture {
+	cfg := coordinator.DefaultConfig()
+	cfg.DataDir = t.TempDir()
+	cfg.Embedded.Port = 0
+	cfg.HTTPAddr = ""
+	cfg.Cluster.NodeName = "coord"
+	cfg.Cluster.BindAddr, cfg.Cluster.BindPort = "127.0.0.1", 0
+	cfg.LeaveTimeout = 200 * time.Millisecond
+	cfg.Logger = zaptest.NewLogger(t)
+	c, err := coordinator.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Shutdown)
+	nc, err := bus.Connect(c.NATSURL(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	f := &fixture{c: c, nc: nc, spec: testSpec()}
+	ctx := context.Background()
+	subj := wire.Subjects{}
+
+	// A rankd member for eng/1.
+	cc := cluster.DefaultConfig()
+	cc.NodeName = "rankd-eng-1"
+	cc.BindAddr, cc.BindPort = "127.0.0.1", 0
+	cc.Logger = zaptest.NewLogger(t)
+	cc.Meta = cluster.Meta{Role: cluster.RoleRankd, Engine: "eng", TPRank: 1, TPSize: 2, DCPSize: 1, DCPRank: 0}
+	m, err := cluster.New(cc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Leave(200 * time.Millisecond); _ = m.Shutdown() })
+	if err := m.Start(); err != nil {
+		t.Fatal(err)
+	}
+	jctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, err := m.Join(jctx, c.GossipAddr()); err != nil {
+		t.Fatal(err)
+	}
+
+	reg, err := bus.Call[wire.RegisterReply](jctx, nc, subj.Coord(wire.CoordRegister), f.spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.ns = reg.Namespace
+	for i := range 12 {
+		f.tokens = append(f.tokens, uint32(100+i))
+	}
+	f.chunks = dcp.ChunkHashes(f.ns, f.tokens, 4)
+	for tp := range 2 {
+		r := wire.Rank{Instance: "eng", TPRank: tp}
+		inc := uint64(1)
+		if tp == 1 {
+			inc = m.LocalMember().Meta.Incarnation
+		}
+		b := wire.Batch{Rank: r, Incarnation: inc}
+		for i, ch := range f.chunks[:2] {
+			b.Events = append(b.Events, wire.Event{Seq: uint64(i + 1), Kind: wire.Stored, Tier: wire.L1,
+				Key: dcp.Key{NS: f.ns, Chunk: ch, Shard: uint16(tp)}, Size: 1000, Sum: uint64(0xabc0 + i)})
+		}
+		p, _ := b.MarshalBinary()
+		if _, err := nc.RequestWithContext(jctx, subj.Events(r), p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plan, err := bus.Call[wire.RestorePlan](jctx, nc, subj.Coord(wire.CoordRestoreBegin),
+		wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks})
+	if err != nil || plan.Prefix != 2 {
+		t.Fatalf("plan %+v %v", plan, err)
+	}
+	for rank, items := range plan.Ranks {
+		r, _ := wire.ParseRank(rank)
+		var res []wire.ItemResult
+		for _, it := range items {
+			res = append(res, wire.ItemResult{Chunk: it.Chunk, Group: it.Group, OK: true, Sum: it.Sum})
+		}
+		if _, err := bus.Call[wire.ReportAck](jctx, nc, subj.Coord(wire.CoordRestoreReport),
+			wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r, Results: res}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := bus.Call[wire.RestoreVerdict](jctx, nc, subj.Coord(wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: plan.RestoreID}); err != nil {
+		t.Fatal(err)
+	}
+	// Wait until the coordinator sees the rank member.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var out, errb bytes.Buffer
+		if run(ctx, []string{"members", "--nats", c.NATSURL()}, &out, &errb) == 0 && strings.Contains(out.String(), "rankd-eng-1") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("coordinator never saw the rank member")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return f
+}
+
+// cli runs a command and returns its exit code, stdout and stderr.
+func (f *fixture) cli(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := run(context.Background(), append(args, "--nats", f.c.NATSURL()), &out, &errb)
+	t.Logf("coordinator %s -> %d\n%s%s", strings.Join(args, " "), code, out.String(), errb.String())
+	return code, out.String(), errb.String()
+}
+
+// header checks a table's first line names the columns, aligned, and
+// returns the data rows.
+func header(t *testing.T, out string, cols ...string) []string {
+	t.Helper()
+	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
+	if len(lines) == 0 || !strings.EqualFold(strings.Join(strings.Fields(lines[0]), " "), strings.Join(cols, " ")) {
+		t.Fatalf("header %q, want columns %v", lines[0], cols)
+	}
+	// Aligned: every column starts at the same offset on every line.
+	for i, c := range cols[1:] {
+		off := strings.Index(lines[0], " "+c) + 1
+		for _, l := range lines[1:] {
+			if off < len(l) && off > 0 && l[off-1] != ' ' {
+				t.Fatalf("column %d (%s) not aligned in %q", i+1, c, l)
+			}
+		}
+	}
+	return lines[1:]
+}
+
+func TestAdminCommands(t *testing.T) {
+	f := newFixture(t)
+
+	code, out, _ := f.cli(t, "members")
+	rows := header(t, out, "NAME", "ROLE", "STATE", "ADDRESS", "INCARNATION", "RANK", "SINCE")
+	if code != 0 || len(rows) != 2 || !strings.Contains(out, "coord (self)") || !strings.Contains(out, "eng/1") {
+		t.Fatalf("members: code %d rows %d", code, len(rows))
+	}
+	code, out, _ = f.cli(t, "members", "--json")
+	var mr wire.AdminMembersReply
+	if code != 0 || json.Unmarshal([]byte(out), &mr) != nil || len(mr.Members) != 2 {
+		t.Fatalf("members --json: %d %q", code, out)
+	}
+
+	code, out, _ = f.cli(t, "ranks")
+	rows = header(t, out, "RANK", "INCARNATION", "LIVENESS", "L1_OBJECTS", "L1_BYTES", "L2_OBJECTS", "L2_BYTES", "LAST_SEQ", "FENCED", "RESYNC")
+	if code != 0 || len(rows) != 2 || !strings.Contains(rows[1], "alive") || !strings.Contains(rows[0], "unknown") {
+		t.Fatalf("ranks: code %d rows %v", code, rows)
+	}
+	code, out, _ = f.cli(t, "ranks", "--json")
+	var rr wire.AdminRanksReply
+	if code != 0 || json.Unmarshal([]byte(out), &rr) != nil || len(rr.Ranks) != 2 || rr.Ranks[1].L1Objects != 2 || rr.Ranks[1].L1Bytes != 2000 {
+		t.Fatalf("ranks --json: %d %+v", code, rr)
+	}
+
+	code, out, _ = f.cli(t, "namespaces")
+	rows = header(t, out, "NAMESPACE", "MODEL", "SALT", "TP", "DCP", "GROUPS", "CHUNK_TOKENS", "CHUNKS", "OBJECTS",
+		"L1_PLACEMENTS", "L1_BYTES", "L2_PLACEMENTS", "L2_BYTES")
+	if code != 0 || len(rows) != 1 || !strings.Contains(rows[0], f.ns.String()) || !strings.Contains(rows[0], "cli-model") {
+		t.Fatalf("namespaces: %d %v", code, rows)
+	}
+
+	code, out, _ = f.cli(t, "restores")
+	rows = header(t, out, "RESTORE", "STATE", "PREFIX", "RANKS", "FAILED", "REASONS", "VERDICT_LATENCY", "DECIDED")
+	if code != 0 || len(rows) != 1 || !strings.Contains(rows[0], "complete") {
+		t.Fatalf("restores: %d %v", code, rows)
+	}
+	code, out, _ = f.cli(t, "restores", "--json")
+	var hr wire.AdminRestoresReply
+	if code != 0 || json.Unmarshal([]byte(out), &hr) != nil || len(hr.Restores) != 1 || hr.Restores[0].Prefix != 2 {
+		t.Fatalf("restores --json: %d %+v", code, hr)
+	}
+
+	code, out, _ = f.cli(t, "verify")
+	rows = header(t, out, "STATUS", "NAMESPACES", "RANKS", "CHUNKS", "PLACEMENTS", "LOG_RECORDS", "MISMATCHES")
+	if code != 0 || len(rows) != 1 || !strings.HasPrefix(rows[0], "OK") {
+		t.Fatalf("verify: %d %v", code, rows)
+	}
+	code, out, _ = f.cli(t, "verify", "--json")
+	var vr wire.AdminVerifyReply
+	if code != 0 || json.Unmarshal([]byte(out), &vr) != nil || !vr.OK || vr.Placements != 4 {
+		t.Fatalf("verify --json: %d %+v", code, vr)
+	}
+}
+
+func TestObjectCommand(t *testing.T) {
+	f := newFixture(t)
+	dir := t.TempDir()
+	specFile := filepath.Join(dir, "spec.json")
+	js, _ := json.Marshal(f.spec)
+	if err := os.WriteFile(specFile, js, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var toks []string
+	for _, tk := range f.tokens {
+		toks = append(toks, strconv.Itoa(int(tk)))
+	}
+	tokFile := filepath.Join(dir, "tokens.txt")
+	if err := os.WriteFile(tokFile, []byte(strings.Join(toks, " ")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	// By token chain: 3 chunks x 2 shards, the first 2 chunks held.
+	code, out, _ := f.cli(t, "object", "--spec-file", specFile, "--tokens", tokFile)
+	if code != 0 || !strings.HasPrefix(out, "restorable prefix: 2 chunks (instance eng)") {
+		t.Fatalf("object by tokens: %d %q", code, out)
+	}
+	rows := header(t, strings.SplitN(out, "\n", 2)[1], "CHUNK", "KEY", "HOLDER", "TIER", "SIZE", "SUM", "INCARNATION", "SEQ")
+	if len(rows) != 6 || strings.Count(out, "(missing)") != 2 {
+		t.Fatalf("object by tokens: %d rows", len(rows))
+	}
+	// The same chain in JSON.
+	code, out, _ = f.cli(t, "object", "--spec-file", specFile, "--tokens", tokFile, "--json")
+	var or wire.AdminObjectReply
+	if code != 0 || json.Unmarshal([]byte(out), &or) != nil || or.Prefix != 2 || len(or.Objects) != 6 {
+		t.Fatalf("object --json: %d %+v", code, or)
+	}
+	// Another model name is another namespace: unknown.
+	code, _, errs := f.cli(t, "object", "--spec-file", specFile, "--model", "other", "--tokens", tokFile)
+	if code != 1 || !strings.Contains(errs, wire.CodeUnknownNamespace) {
+		t.Fatalf("object, other model: %d %q", code, errs)
+	}
+	// By key.
+	k := dcp.Key{NS: f.ns, Chunk: f.chunks[1], Shard: 1}
+	code, out, _ = f.cli(t, "object", "--key", k.String())
+	if code != 0 || !strings.Contains(out, "eng/1") || !strings.Contains(out, "L1") {
+		t.Fatalf("object by key: %d %q", code, out)
+	}
+	// By namespace and chunk hashes.
+	code, out, _ = f.cli(t, "object", "--namespace", f.ns.String(), "--chunks", f.chunks[0].String(), "--json")
+	if code != 0 || json.Unmarshal([]byte(out), &or) != nil || or.Prefix != 1 || len(or.Objects) != 2 {
+		t.Fatalf("object by chunks: %d %q", code, out)
+	}
+	// Usage errors.
+	if code, _, _ := f.cli(t, "object"); code != 2 {
+		t.Fatalf("object without a selector: exit %d", code)
+	}
+	if code, _, _ := f.cli(t, "object", "--key", "nope"); code != 2 {
+		t.Fatalf("object with a bad key: exit %d", code)
+	}
+}
+
+func TestUsage(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), nil, &out, &errb); code != 2 || !strings.Contains(errb.String(), "commands:") {
+		t.Fatalf("no args: %d %q", code, errb.String())
+	}
+	if code := run(context.Background(), []string{"bogus"}, &out, &errb); code != 2 {
+		t.Fatalf("unknown command: %d", code)
+	}
+	if code := run(context.Background(), []string{"serve"}, &out, &errb); code != 2 {
+		t.Fatalf("serve without --data-dir: %d", code)
+	}
+	if code := run(context.Background(), []string{"members", "--nats", "nats://127.0.0.1:1", "--timeout", "100ms"}, &out, &errb); code != 1 {
+		t.Fatalf("members without a coordinator: %d", code)
+	}
+}
+
+// freePort returns a TCP port free right now on loopback.
+func freePort(t *testing.T) int {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// TestServe runs the serve command, queries it, and stops it the way a
+// signal does (its context ends).
+func TestServe(t *testing.T) {
+	port := freePort(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan int, 1)
+	var errb bytes.Buffer
+	go func() {
+		done <- run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--nats-port", strconv.Itoa(port),
+			"--bind", "127.0.0.1:0", "--http", "127.0.0.1:0", "--log-level", "warn"}, &bytes.Buffer{}, &errb)
+	}()
+	url := "nats://127.0.0.1:" + strconv.Itoa(port)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var out bytes.Buffer
+		if run(context.Background(), []string{"members", "--nats", url, "--timeout", "200ms"}, &out, &bytes.Buffer{}) == 0 {
+			if !strings.Contains(out.String(), "coordinator") {
+				t.Fatalf("members: %q", out.String())
+			}
+			break
+		}
+		select {
+		case code := <-done:
+			t.Fatalf("serve exited %d: %s", code, errb.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("serve never answered")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	select {
+	case code := <-done:
+		if code != 0 {
+			t.Fatalf("serve exited %d: %s", code, errb.String())
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("serve did not stop")
+	}
+}
