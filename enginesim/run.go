@@ -60,6 +60,11 @@ type Config struct {
 	RestoreDeadline time.Duration
 	// Timeout bounds each request. Default 60 s.
 	Timeout time.Duration
+	// WaitPrefix is how long a restore first waits for the coordinator's
+	// lookup to cover the whole prompt (after restarts the ranks' L2
+	// placements arrive as their first events). The restore begins after
+	// it either way. Default 15 s; negative: no wait.
+	WaitPrefix time.Duration
 	// HoldBeforeRetrieve, when set, makes the run print a HOLD line after
 	// the restore plan arrived and wait until this file exists (tests kill
 	// a rankd in the gap).
@@ -136,6 +141,9 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 60 * time.Second
+	}
+	if cfg.WaitPrefix == 0 {
+		cfg.WaitPrefix = 15 * time.Second
 	}
 	if cfg.Out == nil {
 		cfg.Out = os.Stdout
@@ -315,34 +323,54 @@ func (s *sim) store(ctx context.Context) error {
 
 	// Wait until the coordinator's index shows every chunk restorable: the
 	// events travel asynchronously.
-	deadline := time.Now().Add(s.cfg.Timeout)
-	for {
-		cctx, cancel := s.callCtx(ctx)
-		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.Coord(wire.CoordLookup),
-			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance})
-		cancel()
-		if err == nil && lr.Prefix == len(p.Hashes) {
-			break
+	if prefix, err := s.waitPrefix(ctx, s.cfg.Timeout); err != nil || prefix != len(p.Hashes) {
+		if err == nil {
+			err = fmt.Errorf("lookup prefix %d of %d", prefix, len(p.Hashes))
 		}
-		if time.Now().After(deadline) {
-			if err == nil {
-				err = fmt.Errorf("lookup prefix %d of %d", lr.Prefix, len(p.Hashes))
-			}
-			return fmt.Errorf("index did not show the stored prompt within %v: %w", s.cfg.Timeout, err)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
+		return fmt.Errorf("index did not show the stored prompt within %v: %w", s.cfg.Timeout, err)
 	}
 	s.res.StoreSeconds = time.Since(start).Seconds()
 	s.logf("coordinator lookup: all %d chunks restorable", len(p.Hashes))
 	return nil
 }
 
+// waitPrefix polls the coordinator's lookup until it covers the whole
+// prompt or wait passes; it returns the last prefix seen.
+func (s *sim) waitPrefix(ctx context.Context, wait time.Duration) (int, error) {
+	p := s.plan
+	deadline := time.Now().Add(wait)
+	for {
+		cctx, cancel := s.callCtx(ctx)
+		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.Coord(wire.CoordLookup),
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance})
+		cancel()
+		prefix := 0
+		if err == nil {
+			prefix = lr.Prefix
+			if prefix == len(p.Hashes) {
+				return prefix, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return prefix, err
+		}
+		select {
+		case <-ctx.Done():
+			return prefix, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
 func (s *sim) restore(ctx context.Context) error {
 	p := s.plan
+	if s.cfg.WaitPrefix > 0 {
+		prefix, err := s.waitPrefix(ctx, s.cfg.WaitPrefix)
+		if err != nil {
+			s.logf("lookup before the restore: %v", err)
+		}
+		s.logf("coordinator lookup: %d of %d chunks restorable", prefix, len(p.Hashes))
+	}
 	start := time.Now()
 	cctx, cancel := s.callCtx(ctx)
 	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBeginRequest{

@@ -40,6 +40,7 @@ func main() {
 	flag.DurationVar(&cfg.Compute, "compute", 5*time.Millisecond, "simulated compute per chunk before its pages are written")
 	flag.DurationVar(&cfg.RestoreDeadline, "restore-deadline", 10*time.Second, "restore deadline asked of the coordinator")
 	flag.DurationVar(&cfg.Timeout, "timeout", 60*time.Second, "timeout of each request")
+	flag.DurationVar(&cfg.WaitPrefix, "wait-prefix", 15*time.Second, "before a restore, wait up to this long for the lookup to cover the prompt (negative: no wait)")
 	flag.StringVar(&cfg.HoldBeforeRetrieve, "hold-before-retrieve", "", "after the restore plan, wait until this file exists")
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.Parse()
