@@ -26,6 +26,7 @@ type Engine struct {
 	ctr    counters
 	hooks  testHooks
 	rankID string
+	coll   *collector // registered with cfg.Registerer; unregistered by Close
 
 	// life is canceled by Close once draining is over (or its context
 	// expired): every goroutine of the engine watches it.
@@ -126,7 +127,8 @@ func New(cfg Config) (*Engine, error) {
 		}
 	}
 	if cfg.Registerer != nil {
-		if err := cfg.Registerer.Register(newCollector(&e.ctr, e.rankID)); err != nil {
+		e.coll = newCollector(&e.ctr, e.rankID)
+		if err := cfg.Registerer.Register(e.coll); err != nil {
 			e.stopLife()
 			_ = buf.Release()
 			return nil, fmt.Errorf("transfer: register metrics: %w", errors.Join(err, ErrConfig))
@@ -258,6 +260,11 @@ func (e *Engine) close(ctx context.Context) error {
 	e.spaces = nil
 	e.mu.Unlock()
 	_ = e.l1buf.Release()
+	if e.coll != nil {
+		// A later engine of the same rank (a restart in-process) registers
+		// its own.
+		e.cfg.Registerer.Unregister(e.coll)
+	}
 	e.log.Info("engine closed", zap.Uint64("last_seq", e.ctr.lastSeq.Load()),
 		zap.Uint64("published_through", e.ctr.publishedThrough.Load()))
 	return errors.Join(errs...)

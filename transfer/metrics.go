@@ -15,7 +15,7 @@ func reasonIndex(r Reason) int {
 			return i
 		}
 	}
-	return int(len(reasons) - 1)
+	return len(reasons) - 1
 }
 
 // counters are the engine's monotonic counters and gauges. They are the one
@@ -50,8 +50,6 @@ type counters struct {
 	l1CapacityBytes   uint64
 	storeLatency      prometheus.Histogram
 	retrieveLatency   prometheus.Histogram
-	registeredSpaces  atomic.Int64
-	requestsInflight  atomic.Int64
 	retrievesInflight atomic.Int64
 }
 
@@ -77,7 +75,7 @@ type Stats struct {
 	RetrieveFailures  map[Reason]uint64
 
 	Evictions        uint64
-	WriteBacks       uint64 // objects written to L2 on eviction or Close
+	WriteBacks       uint64 // objects written to L2 to be evicted
 	ChecksumFailures uint64 // L1 and L2
 	ChecksumL1       uint64
 	ChecksumL2       uint64
@@ -167,7 +165,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("store_failures_total", "Objects a store failed to commit, by reason.", "reason")
 	add("retrieve_failures_total", "Objects a retrieve failed to place, by reason.", "reason")
 	add("evictions_total", "Objects evicted from L1.")
-	add("write_backs_total", "Objects written to L2 when evicted from L1 or at Close.")
+	add("write_backs_total", "Objects written to L2 to be evicted from L1.")
 	add("checksum_failures_total", "Objects whose bytes failed their kvsum64, by tier.", "tier")
 	add("quarantined_files_total", "L2 files moved to quarantine.")
 	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")

@@ -253,6 +253,8 @@ func (r *retrieval) run(ctx context.Context) bool {
 			err = o.err
 		case o.state != stReady:
 			err = fmt.Errorf("%s still being filled: %w", o.key, ctxErr(ctx))
+		case o.size != res.ObjectSize(it.Group):
+			err = fmt.Errorf("%s holds %d B, the geometry says %d B: %w", o.key, o.size, res.ObjectSize(it.Group), ErrCorrupt)
 		case it.Sum != 0 && o.sum != it.Sum:
 			err = fmt.Errorf("%s holds kvsum64 %016x, the restore expects %016x: %w", o.key, o.sum, it.Sum, ErrCorrupt)
 		}
