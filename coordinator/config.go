@@ -51,6 +51,18 @@ type Config struct {
 	// declare the coordinator dead on their own if it never arrives.
 	LeaveTimeout time.Duration
 
+	// StartupFenceGrace is how long after Start the coordinator waits for
+	// the ranks to (re)join before it fences the L1 placements of every
+	// rank whose incarnation is not alive in the cluster: ranks that died
+	// while the coordinator was down, which memberlist will never report.
+	// Default 10 s; 0 disables. It must exceed the time live rankds take to
+	// rejoin a restarted coordinator (rankd rejoins its seeds every 500 ms
+	// once the old coordinator is declared dead: about 2 s); too short fences
+	// live ranks, which then resync from their inventories (safe, costly);
+	// too long serves dead ranks' L1 copies longer (restores from them fail
+	// at their deadline and are recomputed: safe, slow).
+	StartupFenceGrace time.Duration
+
 	// HTTPAddr serves /metrics (Prometheus) and /healthz. Default
 	// "127.0.0.1:9470"; "" disables the listener; port 0 picks a free one.
 	HTTPAddr string
@@ -109,6 +121,7 @@ func DefaultConfig() Config {
 		Cluster:            cc,
 		JoinTimeout:        10 * time.Second,
 		LeaveTimeout:       2 * time.Second,
+		StartupFenceGrace:  10 * time.Second,
 		HTTPAddr:           "127.0.0.1:9470",
 		RestoreDeadline:    5 * time.Second,
 		MaxRestoreDeadline: 60 * time.Second,
@@ -169,6 +182,9 @@ func (c *Config) Validate() error {
 		if d.v <= 0 {
 			return fmt.Errorf("%s %v must be > 0: %w", d.name, d.v, ErrConfig)
 		}
+	}
+	if c.StartupFenceGrace < 0 {
+		return fmt.Errorf("startup fence grace %v must be >= 0: %w", c.StartupFenceGrace, ErrConfig)
 	}
 	if c.RestoreDeadline > c.MaxRestoreDeadline {
 		return fmt.Errorf("restore deadline %v exceeds max restore deadline %v: %w", c.RestoreDeadline, c.MaxRestoreDeadline, ErrConfig)

@@ -200,6 +200,10 @@ func (c *Coordinator) start() error {
 	if err := c.subscribe(); err != nil {
 		return err
 	}
+	if g := c.cfg.StartupFenceGrace; g > 0 {
+		c.wg.Add(1)
+		go c.startupFence(g)
+	}
 	c.log.Info("coordinator started", zap.String("nats", c.natsURL), zap.String("http", c.httpAddr),
 		zap.String("gossip", c.member.LocalMember().Addr), zap.String("prefix", c.subj.Prefix),
 		zap.Duration("took", time.Since(t0)))

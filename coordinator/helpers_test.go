@@ -49,6 +49,7 @@ func testConfig(tb testing.TB, dir string) Config {
 	cfg.ResyncMaxBackoff = 200 * time.Millisecond
 	cfg.ResyncTimeout = 2 * time.Second
 	cfg.LeaveTimeout = 500 * time.Millisecond
+	cfg.StartupFenceGrace = 0
 	cfg.Logger = testLogger(tb)
 	return cfg
 }
@@ -195,6 +196,11 @@ func waitFor(tb testing.TB, d time.Duration, what string, cond func() bool) time
 // startRankMember starts a rankd cluster member for rank r joined to the
 // coordinator; the caller kills or shuts it down.
 func startRankMember(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int) *cluster.Cluster {
+	return startRankMemberInc(tb, c, r, tpSize, 0)
+}
+
+// startRankMemberInc is startRankMember with a given incarnation (0: new).
+func startRankMemberInc(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int, inc uint64) *cluster.Cluster {
 	tb.Helper()
 	cc := cluster.DefaultConfig()
 	cc.NodeName = "rankd-" + r.Instance + "-" + string(rune('0'+r.TPRank))
@@ -202,7 +208,7 @@ func startRankMember(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int) *cl
 	cc.JoinRetry = 50 * time.Millisecond
 	cc.Logger = testLogger(tb).Named(cc.NodeName)
 	cc.Meta = cluster.Meta{Role: cluster.RoleRankd, Engine: r.Instance, TPRank: r.TPRank, TPSize: tpSize,
-		DCPSize: 1, DCPRank: 0, NATS: []string{c.NATSURL()}}
+		DCPSize: 1, DCPRank: 0, NATS: []string{c.NATSURL()}, Incarnation: inc}
 	m, err := cluster.New(cc)
 	if err != nil {
 		tb.Fatal(err)

@@ -29,6 +29,8 @@ func (c *Coordinator) membershipLoop() {
 		}
 		seq = ev.Seq
 		switch ev.Type {
+		case cluster.EventJoin:
+			c.resyncRejoined(ev.Member)
 		case cluster.EventDead:
 			c.fenceMember(ev.Member, "dead", ev.At)
 		case cluster.EventLeave:
@@ -95,4 +97,73 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 		msg = "rank left; its L1 placements fenced"
 	}
 	log.Warn(msg, zap.Int("l1_placements", n), zap.Duration("since_notification", took))
+}
+
+// resyncRejoined starts a resync of a rankd that came back with the
+// incarnation the index has fenced (a false death, or a healed partition):
+// its L1 copies were fenced and are usable again only after an inventory.
+// Without this the rank would stay fenced until its next batch.
+func (c *Coordinator) resyncRejoined(m cluster.Member) {
+	if m.Meta.Role != cluster.RoleRankd {
+		return
+	}
+	r := memberRank(m)
+	for _, ri := range c.idx.Ranks() {
+		if ri.Rank == r && ri.Fenced && ri.Incarnation == m.Meta.Incarnation {
+			c.log.Info("fenced rank rejoined; resyncing", zap.Stringer("rank", r), zap.String("member", m.ID))
+			c.startResync(r)
+			return
+		}
+	}
+}
+
+// startupFence runs once, StartupFenceGrace after Start: every rank the
+// index holds L1 placements of whose incarnation is not alive in the
+// cluster by then died while the coordinator was down (or never came
+// back); its L1 placements are fenced as for a death.
+func (c *Coordinator) startupFence(grace time.Duration) {
+	defer c.wg.Done()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-c.ctx.Done():
+		return
+	case <-t.C:
+	}
+	type key struct {
+		r   wire.Rank
+		inc uint64
+	}
+	alive := make(map[key]bool)
+	for _, m := range c.member.Members() {
+		if m.Meta.Role == cluster.RoleRankd && m.State == cluster.StateAlive {
+			alive[key{memberRank(m), m.Meta.Incarnation}] = true
+		}
+	}
+	fenced := 0
+	for _, ri := range c.idx.Ranks() {
+		if ri.L1Placements == 0 || ri.Fenced || alive[key{ri.Rank, ri.Incarnation}] {
+			continue
+		}
+		if inc, ok := c.rankIncarnation(ri.Rank); !ok || inc != ri.Incarnation {
+			continue // a new incarnation reported meanwhile
+		}
+		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+		n, err := c.idx.FenceRank(ctx, ri.Rank)
+		cancel()
+		if err != nil {
+			if c.ctx.Err() == nil {
+				c.met.internal.Inc()
+				c.log.Error("startup fence failed", zap.Stringer("rank", ri.Rank), zap.Error(err))
+			}
+			return
+		}
+		fenced++
+		c.met.fences.WithLabelValues("startup").Inc()
+		c.met.fenced.Add(float64(n))
+		c.log.Warn("rank not alive in the cluster after the startup grace; L1 placements fenced",
+			zap.Stringer("rank", ri.Rank), zap.Uint64("incarnation", ri.Incarnation), zap.Int("l1_placements", n),
+			zap.Duration("grace", grace))
+	}
+	c.log.Info("startup fence check done", zap.Int("ranks_fenced", fenced))
 }

@@ -9,8 +9,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -224,4 +226,65 @@ func TestRefusesCorruptIndex(t *testing.T) {
 		t.Fatalf("start on a garbage file: %v", err)
 	}
 	c3.Shutdown()
+}
+
+// TestStartupFence: ranks that died while the coordinator was down have
+// their L1 fenced after the startup grace; live ones keep theirs.
+func TestStartupFence(t *testing.T) {
+	dir := t.TempDir()
+	c := startCoord(t, func(cfg *Config) { cfg.DataDir = dir })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	live, dead := wire.Rank{Instance: "eng", TPRank: 0}, wire.Rank{Instance: "eng", TPRank: 1}
+	liveInc, deadInc := cluster.NewIncarnation(), cluster.NewIncarnation()
+	chunks := chain(ns, 3, 1)
+	sendBatch(t, nc, c.subj, storeBatch(live, liveInc, 0, ns, chunks, wire.L1))
+	sendBatch(t, nc, c.subj, storeBatch(dead, deadInc, 0, ns, chunks, wire.L1))
+	nc.Close()
+	c.Shutdown()
+
+	c2 := startCoord(t, func(cfg *Config) { cfg.DataDir = dir; cfg.StartupFenceGrace = 300 * time.Millisecond })
+	startRankMemberInc(t, c2, live, 2, liveInc)
+	waitFor(t, 10*time.Second, "the startup fence", func() bool {
+		return metric(t, c2, "kvtier_coord_rank_fences_total", "cause", "startup") == 1
+	})
+	for _, tc := range []struct {
+		r      wire.Rank
+		fenced bool
+	}{{live, false}, {dead, true}} {
+		info, err := c2.idx.ListRank(tc.r)
+		if err != nil || info.Fenced != tc.fenced || (info.L1Placements == 0) != tc.fenced {
+			t.Fatalf("rank %s after the startup fence: %+v %v", tc.r, info, err)
+		}
+	}
+}
+
+// TestFencedRankRejoinResyncs: a rankd whose incarnation was fenced (a
+// false death) and that comes back alive is resynced without waiting for
+// its next batch.
+func TestFencedRankRejoinResyncs(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	inc := cluster.NewIncarnation()
+	b := storeBatch(r, inc, 0, ns, chain(ns, 3, 1), wire.L1)
+	sendBatch(t, nc, c.subj, b)
+	if _, err := c.idx.FenceRank(tctx(t), r); err != nil {
+		t.Fatal(err)
+	}
+	inv := wire.Inventory{Rank: r, Incarnation: inc, Seq: 3}
+	for _, e := range b.Events {
+		inv.Objects = append(inv.Objects, wire.Placement{Key: e.Key, Tier: e.Tier, Size: e.Size, Sum: e.Sum})
+	}
+	sub, err := nc.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) { _ = bus.Respond(m, &inv) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	startRankMemberInc(t, c, r, 1, inc)
+	waitFor(t, 10*time.Second, "the rejoined rank to be resynced", func() bool {
+		info, err := c.idx.ListRank(r)
+		return err == nil && !info.Fenced && info.L1Placements == 3
+	})
 }
