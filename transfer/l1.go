@@ -532,26 +532,37 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 }
 
 // flushL2 writes every object only L1 holds to L2 and waits for all
-// queued writes (Close).
+// queued writes (Flush, Close). Objects whose write failed are tried again
+// while a pass makes progress.
 func (e *Engine) flushL2(ctx context.Context) error {
-	e.mu.Lock()
-	for _, o := range e.cat.objs {
-		if o.dirty && !o.writing && o.state == stReady && !o.doomed {
-			e.queueWriteLocked(o)
-		}
-	}
-	e.mu.Unlock()
+	prev := -1
 	for {
 		e.mu.Lock()
-		n, ch := e.cat.writing, e.cat.changed
+		for _, o := range e.cat.objs {
+			if o.dirty && !o.writing && o.state == stReady && !o.doomed {
+				e.queueWriteLocked(o)
+			}
+		}
 		e.mu.Unlock()
-		if n == 0 {
+		for {
+			e.mu.Lock()
+			n, ch := e.cat.writing, e.cat.changed
+			e.mu.Unlock()
+			if n == 0 {
+				break
+			}
+			select {
+			case <-ch:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		e.mu.Lock()
+		dirty := e.cat.countDirty()
+		e.mu.Unlock()
+		if dirty == 0 || (prev >= 0 && dirty >= prev) {
 			return nil
 		}
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+		prev = dirty
 	}
 }

@@ -1,0 +1,145 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/kvtier/kvtier/wire"
+)
+
+// faultyTier is an L2 tier whose Puts fail on demand (a full or broken
+// disk).
+type faultyTier struct {
+	L2Tier
+	mu       sync.Mutex
+	failPuts int // fail this many Puts; < 0: fail all
+	failed   int
+}
+
+func (f *faultyTier) Put(ctx context.Context, obj L2Object, p []byte) error {
+	f.mu.Lock()
+	fail := f.failPuts != 0
+	if f.failPuts > 0 {
+		f.failPuts--
+	}
+	if fail {
+		f.failed++
+	}
+	f.mu.Unlock()
+	if fail {
+		return fmt.Errorf("put %s: no space left on device: %w", obj.Key, ErrIO)
+	}
+	return f.L2Tier.Put(ctx, obj, p)
+}
+
+// TestL2WriteFailuresAreRetriedAndCounted: failed L2 writes keep the object
+// in L1 (dirty), are counted and logged, never announced, and are retried
+// by Flush; with writes failing for good, Close counts the objects lost.
+func TestL2WriteFailuresAreRetriedAndCounted(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	ft, err := OpenFileTier(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tier := &faultyTier{L2Tier: ft, failPuts: 3}
+	core, logs := observer.New(zap.WarnLevel)
+	pub := &pubRecorder{}
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2, cfg.Logger, cfg.Publisher = tier, zap.New(core), pub
+	e := newEngine(t, cfg)
+	r.register(e)
+	var cs []chunk
+	for i := range 4 {
+		cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+	}
+	storeAll(t, e, r, "w", cs...)
+	if err := e.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	st := e.Stats()
+	if st.L2Objects != 4 || st.L2WriteErrors != 3 {
+		t.Fatalf("%d L2 objects, %d write errors; want 4 and 3", st.L2Objects, st.L2WriteErrors)
+	}
+	if v := metric(t, e, "kvtier_transfer_l2_write_errors_total", nil); v != 3 {
+		t.Fatalf("l2_write_errors_total = %v", v)
+	}
+	if n := logs.FilterMessage("L2 write failed; the object stays in L1 and is retried").Len(); n != 3 {
+		t.Fatalf("%d warnings of failed L2 writes, want 3", n)
+	}
+	waitPublished(t, e)
+	l2Stored := 0
+	for _, ev := range pub.events() {
+		if ev.Kind == wire.Stored && ev.Tier == wire.L2 {
+			l2Stored++
+		}
+	}
+	if l2Stored != 4 {
+		t.Fatalf("%d L2 stored events, want exactly 4 (failed writes are never announced)", l2Stored)
+	}
+
+	// Write-back onto a dead disk: Close cannot save the objects, and says
+	// so.
+	dev2 := openDevice(t, "")
+	r2 := newRig(t, dev2, c1Spec(), []int64{16})
+	dead := &faultyTier{L2Tier: ft, failPuts: -1}
+	cfg2 := engineConfig(t, dev2, 0, 1)
+	cfg2.L2, cfg2.L2Policy, cfg2.Logger = dead, WriteBackOnEvict, zap.New(core)
+	e2 := newEngine(t, cfg2)
+	r2.register(e2)
+	storeAll(t, e2, r2, "w", r2.newChunk(10, r2.consecutiveN(0)), r2.newChunk(11, r2.consecutiveN(1)))
+	if err := e2.Flush(testCtx(t)); err == nil {
+		t.Fatal("Flush onto a dead disk succeeded")
+	}
+	logs.TakeAll()
+	closeEngine(t, e2)
+	if st := e2.Stats(); st.LostObjects != 2 {
+		t.Fatalf("%d objects counted lost at Close, want 2", st.LostObjects)
+	}
+	if n := logs.FilterLevelExact(zap.ErrorLevel).FilterMessage("objects only in L1 were not written to L2 before shutdown").Len(); n != 1 {
+		t.Fatalf("%d error logs of lost objects, want 1", n)
+	}
+}
+
+// TestRetrieveTimeout: a retrieve that runs out of time reports its items
+// failed with reason timeout, never restored, and gives its pins back.
+func TestRetrieveTimeout(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.RetrieveTimeout = time.Nanosecond
+	e := newEngine(t, cfg)
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e, r, "t", c)
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rr.Items[0].OK || rr.Items[0].Reason != ReasonTimeout {
+		t.Fatalf("retrieve with no time: %+v", rr.Items[0])
+	}
+	// Pins come back (possibly after a reaper): the object is evictable.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		e.mu.Lock()
+		pins := -1
+		if o := e.cat.objs[keyOf(r, c, 0)]; o != nil {
+			pins = o.pins
+		}
+		e.mu.Unlock()
+		if pins == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("object still pinned (%d) after a timed-out retrieve", pins)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
