@@ -334,7 +334,7 @@ func (c *Coordinator) handleVerify(m *nats.Msg) {
 	} else {
 		c.log.Info("index verified on request", zap.Int64("placements", rep.Placements))
 	}
-	_ = bus.Respond(m, &wire.AdminVerifyReply{OK: rep.OK(), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
+	_ = bus.Respond(m, &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
 		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems})
 }
 

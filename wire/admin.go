@@ -192,7 +192,9 @@ type AdminRestore struct {
 // AdminVerifyReply is the result of re-deriving the index's derived state
 // from its placements and comparing.
 type AdminVerifyReply struct {
-	OK         bool     `json:"ok"`
+	OK bool `json:"ok"`
+	// Checked is the number of placements compared (= Placements).
+	Checked    uint64   `json:"checked"`
 	Namespaces int      `json:"namespaces"`
 	Ranks      int      `json:"ranks"`
 	Chunks     int64    `json:"chunks"`
