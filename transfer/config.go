@@ -36,7 +36,9 @@ func (p L2Policy) String() string {
 
 // Publisher receives the engine's placement events, in sequence order, from
 // one goroutine owned by the engine. Publish should return once the batch
-// is handed off (or acknowledged); an error makes the engine retry the same
+// is handed off (or acknowledged), never block indefinitely (Close waits
+// for it), and not keep b.Events beyond the call unless it owns it (the
+// engine never reuses it); an error makes the engine retry the same
 // batch (PublishRetries times, with backoff) and then drop it, counted and
 // logged: the sequence gap makes the coordinator resync from Inventory.
 type Publisher interface {

@@ -259,12 +259,20 @@ func (e *Engine) close(ctx context.Context) error {
 	}
 	e.spaces = nil
 	e.mu.Unlock()
-	_ = e.l1buf.Release()
 	if e.coll != nil {
 		// A later engine of the same rank (a restart in-process) registers
 		// its own.
 		e.cfg.Registerer.Unregister(e.coll)
 	}
+	// A Retrieve runs on its caller's goroutine; canceled by life, it ends
+	// promptly unless stuck in file I/O. L1 is freed only when none is left.
+	grace, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := e.waitIdle(grace); err != nil {
+		e.log.Error("retrieves still running after shutdown; L1 is left allocated")
+		return errors.Join(append(errs, fmt.Errorf("transfer: close: retrieves still running: %w", err))...)
+	}
+	_ = e.l1buf.Release()
 	e.log.Info("engine closed", zap.Uint64("last_seq", e.ctr.lastSeq.Load()),
 		zap.Uint64("published_through", e.ctr.publishedThrough.Load()))
 	return errors.Join(errs...)

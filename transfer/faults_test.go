@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -141,5 +142,50 @@ func TestRetrieveTimeout(t *testing.T) {
 			t.Fatalf("object still pinned (%d) after a timed-out retrieve", pins)
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestCloseWithStuckProducer: a store waits on a producer that never
+// finishes; Close with a deadline cuts it short, fails the store, stops
+// every goroutine (goleak) and reports the deadline.
+func TestCloseWithStuckProducer(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{8})
+	e, err := New(engineConfig(t, dev, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	r.write(c, c.blocks, time.Hour)
+	_, h := r.record()
+	f, err := e.Store(testCtx(t), r.storeReq("stuck", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	cerr := e.Close(ctx)
+	if !errors.Is(cerr, context.DeadlineExceeded) {
+		t.Fatalf("Close with a stuck producer = %v, want its deadline", cerr)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("Close took %v", d)
+	}
+	res, err := f.Wait(testCtx(t))
+	if err == nil || res.Objects[0].Status != Failed {
+		t.Fatalf("stuck store after Close: %+v %v", res, err)
+	}
+	select {
+	case <-f.Released():
+	default:
+		t.Fatal("blocks not released after Close")
+	}
+	if !e.RequestDone("stuck") {
+		t.Fatal("request not finished after Close")
+	}
+	if err := e.Close(context.Background()); err == nil || err.Error() != cerr.Error() {
+		t.Fatalf("second Close = %v, want the first one's result %v", err, cerr)
 	}
 }
