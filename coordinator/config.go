@@ -42,9 +42,11 @@ type Config struct {
 	// address); whatever the caller sets there is ignored. Logger and
 	// Registerer default to this Config's.
 	Cluster cluster.Config
-	// JoinTimeout bounds the initial join to Cluster.Seeds. Default 10 s. A
-	// coordinator that cannot reach any seed fails to start rather than run
-	// as a cluster of its own; with no seeds it is the first member.
+	// JoinTimeout bounds the initial join to Cluster.Seeds. Default 10 s.
+	// A coordinator that reaches no seed in that time logs an error and
+	// serves as a cluster of one (rankds rejoin their seeds, which include
+	// it, whenever they see no live coordinator); with no seeds it is the
+	// first member. Longer rides out a slow seed; shorter starts sooner.
 	JoinTimeout time.Duration
 	// LeaveTimeout bounds the graceful leave at Shutdown. Default 2 s.
 	// Longer gives the leave more chances to reach the ranks; the ranks

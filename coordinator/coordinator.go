@@ -313,7 +313,13 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 	defer cancel()
 	n, err := m.Join(ctx)
 	if err != nil {
-		return fmt.Errorf("join cluster: %w", err)
+		if errors.Is(err, cluster.ErrClosed) {
+			return fmt.Errorf("join cluster: %w", err)
+		}
+		// The ranks find us anyway: a rankd rejoins its seeds whenever it
+		// sees no live coordinator. Serving beats refusing to start.
+		c.log.Error("no seed reachable; serving as a cluster of one until members join", zap.Strings("seeds", cc.Seeds),
+			zap.Error(err))
 	}
 	c.log.Info("cluster joined", zap.Int("seeds_reached", n), zap.Strings("nats_advertised", m.LocalMember().Meta.NATS))
 	return nil

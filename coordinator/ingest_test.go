@@ -260,3 +260,13 @@ func mustVerify(t testing.TB, c *Coordinator) {
 		t.Fatalf("verify: %v", err)
 	}
 }
+
+// TestStartsWithUnreachableSeeds: no seed answering is logged, not fatal.
+func TestStartsWithUnreachableSeeds(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.Cluster.Seeds = []string{"127.0.0.1:1"}
+		cfg.JoinTimeout = 200 * time.Millisecond
+	})
+	nc := connect(t, c)
+	register(t, nc, c.subj, testSpec(1))
+}
