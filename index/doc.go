@@ -1,7 +1,60 @@
 // Package index is the coordinator's durable placement index: for every
 // object key, which ranks hold it in which tier, with size, checksum, the
-// holder's incarnation and the event sequence that put it there. bbolt is the
-// durable truth; nothing is acknowledged before it has committed (C7). The
-// package also holds the pure restore-verdict state machine (C5). It never
-// moves KV bytes and never talks to the network.
+// holder's incarnation and the event sequence that put it there; per rank,
+// its incarnation, last applied sequence and fence; per namespace, its
+// spec. bbolt is the durable truth; nothing is acknowledged before it has
+// committed (C7). The package also holds the pure restore-verdict state
+// machine (C5, restore.go). It never moves KV bytes, never talks to the
+// network and never reads a clock for a decision.
+//
+// # Driving it
+//
+// Any number of goroutines may call Apply, ApplyAsync, ApplyInventory,
+// FenceRank and RegisterNamespace. Each call is a request to one committer
+// goroutine, which merges the requests waiting for it into one bbolt
+// transaction (group commit, Config.MaxGroupEvents and MaxGroupDelay),
+// commits it (fsync), publishes the change to the in-memory state and only
+// then answers. The C7 rules are applied by a pure core (txn.go) in queue
+// order. Queries (Lookup, LookupInto, Get, ListRank, Ranks, ListNamespace,
+// Namespaces, Stats) read the in-memory state under a read lock and never
+// touch bbolt. Close is idempotent and waits for the committer.
+//
+// # Usability (Lookup)
+//
+// An L1 copy lives in its holder rankd's pinned memory: only the holder
+// itself can restore from it. An L2 copy is a file under the engine
+// instance's L2 root, which the instance's rankds share: any reader of the
+// same instance can restore from it, even while its holder is fenced.
+// Fenced L1 copies are never usable; the index drops them when it fences
+// (new incarnation, or FenceRank when memberlist declares a rank dead).
+//
+// # bbolt layout
+//
+// One file, five buckets; integers are varints unless noted, and every
+// value starts with a format version byte (formatVersion, codec.go):
+//
+//	meta    "version" -> 1
+//	ns      namespace (16 B) -> dcp.Spec as JSON
+//	ranks   rank id (4 B big-endian, dense from 1) -> instance, TP rank,
+//	        incarnation, last applied seq, fenced flag
+//	chunks  version(1) | namespace (16) | chunk hash (16): the first 33
+//	        bytes of the dcp.Key encoding, so chunks sort by namespace ->
+//	        every placement of the chunk: shard, group, tier, rank id,
+//	        incarnation, seq, size, kvsum64 (8 B)
+//	log     record number (8 B big-endian) -> the ops of one group commit:
+//	        put/del of one placement, fence a rank's L1, drop a rank
+//
+// The durable state is the chunks snapshot with the log replayed on top. A
+// group commit appends one log record (one sequential bbolt value: the
+// cost of a commit does not grow with the index) and rewrites the few rank
+// records it touched. When the log reaches Config.CheckpointBytes (and at
+// Close) the committer folds it: it writes every chunk changed since the
+// last fold from memory, in key order, and empties the log, in one
+// transaction. One record per chunk rather than per object key keeps the
+// fold at one bbolt put per chunk (8 objects of a TP8 chunk, say, and
+// their L1 and L2 copies); the object key stays the identity (Get takes a
+// dcp.Key). bbolt runs with the map freelist and NoFreelistSync.
+//
+// Open rebuilds the in-memory state from the snapshot and the log; Verify
+// does the same from scratch into a second state and compares (STYLE 16).
 package index

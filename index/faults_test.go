@@ -1,6 +1,7 @@
 package index_test
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -172,4 +173,30 @@ func TestGroupCommit(t *testing.T) {
 	}
 	t.Logf("%d batches in %v commits", ranks*batches, commits)
 	agree(t, ix.Index, sims...)
+}
+
+// TestApplyAsyncOrder: one producer with many batches in flight; they are
+// applied in the order queued, so no gap ever appears.
+func TestApplyAsyncOrder(t *testing.T) {
+	ix := openTest(t, "", nil)
+	s := indextest.NewRank(wire.Rank{Instance: "async", TPRank: 0}, 1, indextest.Keys(testNS, 5, 512, 1, 1), 5)
+	var ps []*index.Pending
+	for range 200 {
+		p, err := ix.ApplyAsync(ctx, s.Next(16))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	for i, p := range ps {
+		<-p.Done()
+		o, err := p.Wait()
+		if err != nil || o.Applied != 16 || o.LastSeq != uint64(16*(i+1)) {
+			t.Fatalf("batch %d: %+v %v", i, o, err)
+		}
+	}
+	if _, err := ix.ApplyAsync(ctx, wire.Batch{Rank: wire.Rank{}}); !errors.Is(err, index.ErrInvalid) {
+		t.Fatalf("invalid async batch: %v", err)
+	}
+	agree(t, ix.Index, s)
 }

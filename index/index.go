@@ -63,11 +63,11 @@ type Index struct {
 	closeErr  error
 
 	// Owned by the committer goroutine (and Open, before it starts).
-	dirty    map[chunkRef]struct{} // chunks changed since the last checkpoint
 	logBytes int64                 // bytes in the change log
 	nextLog  uint64                // key of the next log record
 	failed   error                 // sticky commit failure
 	enc      opEncoder
+	txn      *txn
 	arena    []byte
 	group    []*request
 }
@@ -127,7 +127,6 @@ func Open(cfg Config) (*Index, error) {
 		db:    db,
 		reqs:  make(chan *request, cfg.QueueDepth),
 		stop:  make(chan struct{}),
-		dirty: make(map[chunkRef]struct{}),
 	}
 	fail := func(err error) (*Index, error) {
 		_ = db.Close()
@@ -139,12 +138,12 @@ func Open(cfg Config) (*Index, error) {
 	var ld loaded
 	if err := db.View(func(tx *bolt.Tx) error {
 		var err error
-		ld, err = load(tx, true)
+		ld, err = load(tx)
 		return err
 	}); err != nil {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
-	ix.st, ix.dirty, ix.logBytes, ix.nextLog = ld.st, ld.dirty, ld.logBytes, ld.nextLog
+	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
 	if err := ix.met.register(cfg.Registerer); err != nil {
 		return fail(fmt.Errorf("register metrics: %w: %w", ErrConfig, err))
 	}
@@ -202,25 +201,32 @@ func (ix *Index) Close() error {
 // group commit at most), so a returned context error always means "not
 // applied" and the caller's batch is never read after submit returns.
 func (ix *Index) submit(ctx context.Context, r *request) error {
+	if err := ix.enqueue(ctx, r); err != nil {
+		return err
+	}
+	<-r.done
+	return r.err
+}
+
+// enqueue hands r to the committer; requests are processed in the order
+// enqueue returns.
+func (ix *Index) enqueue(ctx context.Context, r *request) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
 	r.ctx = ctx
 	r.done = make(chan struct{})
 	ix.closeMu.RLock()
+	defer ix.closeMu.RUnlock()
 	if ix.closed {
-		ix.closeMu.RUnlock()
 		return ErrClosed
 	}
 	select {
 	case ix.reqs <- r:
+		return nil
 	case <-ctx.Done():
-		ix.closeMu.RUnlock()
 		return ctx.Err()
 	}
-	ix.closeMu.RUnlock()
-	<-r.done
-	return r.err
 }
 
 // Apply applies one event batch with the C7 rules (see Outcome and
@@ -236,6 +242,35 @@ func (ix *Index) Apply(ctx context.Context, b wire.Batch) (Outcome, error) {
 	r := &request{kind: reqBatch, batch: &b, n: len(b.Events)}
 	err := ix.submit(ctx, r)
 	return r.out, err
+}
+
+// Pending is a batch queued by ApplyAsync.
+type Pending struct{ r *request }
+
+// ApplyAsync queues a batch like Apply but returns as soon as it is queued,
+// so one producer can keep several batches in flight: batches queued by
+// successive ApplyAsync calls are applied in that order (a rank's events
+// stay in sequence). Wait returns the outcome once the batch is committed.
+// The batch must not be modified until then.
+func (ix *Index) ApplyAsync(ctx context.Context, b wire.Batch) (*Pending, error) {
+	if err := validateBatch(&b); err != nil {
+		return nil, err
+	}
+	r := &request{kind: reqBatch, batch: &b, n: len(b.Events)}
+	if err := ix.enqueue(ctx, r); err != nil {
+		return nil, err
+	}
+	return &Pending{r: r}, nil
+}
+
+// Done is closed when the batch's outcome is known.
+func (p *Pending) Done() <-chan struct{} { return p.r.done }
+
+// Wait waits for the batch to be committed (or refused) and returns what
+// Apply would have.
+func (p *Pending) Wait() (Outcome, error) {
+	<-p.r.done
+	return p.r.out, p.r.err
 }
 
 // ApplyInventory replaces every placement of the inventory's rank with the
@@ -374,8 +409,7 @@ func (ix *Index) gather(first *request) {
 // Verify and Checkpoint requests split the group: what came before them is
 // committed first.
 func (ix *Index) process(g []*request) {
-	ix.enc.reset()
-	t := newTxn(ix.st, &ix.enc)
+	t := ix.newTxn()
 	var pending []*request
 	for _, r := range g {
 		if err := r.ctx.Err(); err != nil {
@@ -406,13 +440,23 @@ func (ix *Index) process(g []*request) {
 				r.err = err
 			}
 			close(r.done)
-			ix.enc.reset()
-			t = newTxn(ix.st, &ix.enc)
+			t = ix.newTxn()
 			continue
 		}
 		pending = append(pending, r)
 	}
 	ix.commit(t, pending)
+}
+
+// newTxn returns the committer's txn, emptied, with an empty log record.
+func (ix *Index) newTxn() *txn {
+	ix.enc.reset()
+	if ix.txn == nil {
+		ix.txn = newTxn(ix.st, &ix.enc)
+	} else {
+		ix.txn.reset(ix.st, &ix.enc)
+	}
+	return ix.txn
 }
 
 // commit writes a txn to bbolt, publishes it and answers its requests.
@@ -499,7 +543,7 @@ func (ix *Index) publish(t *txn) {
 	for from := 0; from < len(t.staged); from += publishSlice {
 		to := min(from+publishSlice, len(t.staged))
 		ix.mu.Lock()
-		ix.st.publishChunks(t, from, to, ix.dirty)
+		ix.st.publishChunks(t, from, to)
 		ix.mu.Unlock()
 	}
 	ix.gauges()
@@ -510,6 +554,7 @@ func (ix *Index) gauges() {
 	ix.met.placements.WithLabelValues("L1").Set(float64(ix.st.placements[wire.L1]))
 	ix.met.placements.WithLabelValues("L2").Set(float64(ix.st.placements[wire.L2]))
 	ix.met.ranks.Set(float64(len(ix.st.ranks) - 1))
+	ix.met.logBytes.Set(float64(ix.logBytes))
 }
 
 // account counts and logs what a committed request did (C8).
@@ -582,15 +627,11 @@ func (ix *Index) checkpoint() error {
 	if ix.failed != nil {
 		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
 	}
-	if len(ix.dirty) == 0 && ix.logBytes == 0 {
+	if len(ix.st.dirty) == 0 && ix.logBytes == 0 {
 		return nil
 	}
 	start := time.Now()
-	refs := make([]chunkRef, 0, len(ix.dirty))
-	for ref := range ix.dirty {
-		refs = append(refs, ref)
-	}
-	slices.SortFunc(refs, compareRef)
+	refs := ix.st.dirtyRefs()
 	err := ix.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketSnap)
 		// Keys and values must stay valid until the commit: one arena,
@@ -630,16 +671,18 @@ func (ix *Index) checkpoint() error {
 	ix.met.checkpoints.Inc()
 	ix.met.ckptSecs.Observe(took.Seconds())
 	ix.log.Info("checkpoint", zap.Int("chunks", len(refs)), zap.Int64("log_bytes", ix.logBytes), zap.Duration("took", took))
-	ix.dirty = make(map[chunkRef]struct{})
+	ix.st.dirty = ix.st.dirty[:0]
+	ix.st.epoch++
 	ix.logBytes = 0
 	ix.nextLog = 1
+	ix.met.logBytes.Set(0)
 	return nil
 }
 
 // finish runs on the committer when it stops: a final checkpoint so the
 // next Open has no log to replay.
 func (ix *Index) finish() {
-	if ix.failed != nil || (len(ix.dirty) == 0 && ix.logBytes == 0) {
+	if ix.failed != nil || (len(ix.st.dirty) == 0 && ix.logBytes == 0) {
 		return
 	}
 	if err := ix.checkpoint(); err != nil {

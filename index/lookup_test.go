@@ -125,7 +125,7 @@ func TestLookupMLANoDCP(t *testing.T) {
 			if e.Rank == 0 {
 				wantTier = wire.L1 // the holder reads its own L1 first
 			}
-			if s.Holder != rk("e1", 0) || s.Tier != wantTier || s.Sum != sumFor(i, 0, 0, 1) {
+			if got.Holder(i, j) != rk("e1", 0) || s.Tier != wantTier || s.Sum != sumFor(i, 0, 0, 1) {
 				t.Fatalf("chunk %d reader %d: source %+v, want rank 0 %s", i, e.Rank, s, wantTier)
 			}
 		}
@@ -164,7 +164,7 @@ func TestLookupMLADCP(t *testing.T) {
 	}
 	for i := range 2 {
 		for j, e := range got.Expectations {
-			if s := got.Source(i, j); s.Holder != rk("e", e.Rank) || s.Tier != wire.L1 || s.Size != 1000+uint64(e.Shard) {
+			if s := got.Source(i, j); got.Holder(i, j) != rk("e", e.Rank) || s.Tier != wire.L1 || s.Size != 1000+uint64(e.Shard) {
 				t.Fatalf("chunk %d exp %+v: %+v", i, e, s)
 			}
 		}
@@ -176,7 +176,7 @@ func TestLookupMLADCP(t *testing.T) {
 	}
 	// ... but in L2 of the same instance it is.
 	w.store(rk("e", 3), wire.L2, 2, 2, 0)
-	if got := lookup(t, ix.Index, "e", w.ns, 4); got.Prefix != 4 || got.Source(2, 2).Holder != rk("e", 3) || got.Source(2, 2).Tier != wire.L2 {
+	if got := lookup(t, ix.Index, "e", w.ns, 4); got.Prefix != 4 || got.Holder(2, 2) != rk("e", 3) || got.Source(2, 2).Tier != wire.L2 {
 		t.Fatalf("foreign L2: prefix %d", got.Prefix)
 	}
 	// Rank 2 also writes chunk 0 to L2, then restarts: its L1 copies are
@@ -185,7 +185,7 @@ func TestLookupMLADCP(t *testing.T) {
 	w.restart(rk("e", 2))
 	w.store(rk("e", 2), wire.L1, 9, 2, 0) // first event of the new incarnation
 	got = lookup(t, ix.Index, "e", w.ns, 4)
-	if got.Prefix != 1 || got.Source(0, 2).Tier != wire.L2 || got.Source(0, 2).Holder != rk("e", 2) {
+	if got.Prefix != 1 || got.Source(0, 2).Tier != wire.L2 || got.Holder(0, 2) != rk("e", 2) {
 		t.Fatalf("after restart: prefix %d, source %+v", got.Prefix, got.Source(0, 2))
 	}
 	mustVerify(t, ix.Index)
@@ -231,7 +231,7 @@ func TestLookupNonMLA(t *testing.T) {
 	}
 	for j, e := range got.Expectations {
 		if e.Rank == 0 && e.Group == 1 {
-			if s := got.Source(0, j); s.Holder != rk("e", 0) || s.Tier != wire.L2 {
+			if s := got.Source(0, j); got.Holder(0, j) != rk("e", 0) || s.Tier != wire.L2 {
 				t.Fatalf("preference: %+v", s)
 			}
 		}

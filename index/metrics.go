@@ -50,6 +50,7 @@ type metrics struct {
 	objects     prometheus.Gauge
 	placements  *prometheus.GaugeVec // by tier
 	ranks       prometheus.Gauge
+	logBytes    prometheus.Gauge
 }
 
 func newMetrics() *metrics {
@@ -114,12 +115,16 @@ func newMetrics() *metrics {
 			Name: "kvtier_index_ranks",
 			Help: "Ranks known to the index.",
 		}),
+		logBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvtier_index_log_bytes",
+			Help: "Bytes in the change log, folded into the snapshot at the checkpoint threshold.",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.dropped, m.fenced, m.resyncs, m.applied, m.removeNoop, m.inventories,
-		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks}
+		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks, m.logBytes}
 }
 
 // register registers every collector, undoing partial work on error.

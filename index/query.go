@@ -11,12 +11,17 @@ import (
 
 // Queries read the in-memory state under the read lock; none touches bbolt.
 
-// Source is where one reader takes one expected object from.
+// Source is where one reader takes one expected object from. A usable copy
+// is always held within the reader's instance (L1: by the reader itself;
+// L2: under the instance's shared L2 root), so the holder is
+// wire.Rank{Instance: LookupResult.Instance, TPRank: HolderTP}; see
+// LookupResult.Holder. Source has no pointers, so a lookup result costs the
+// garbage collector nothing to scan.
 type Source struct {
-	Holder wire.Rank
-	Tier   wire.Tier
-	Size   uint64
-	Sum    uint64 // kvsum64 recorded at store time: what the reader must confirm
+	Size     uint64
+	Sum      uint64 // kvsum64 recorded at store time: what the reader must confirm
+	HolderTP int32
+	Tier     wire.Tier
 }
 
 // LookupResult is the answer to Lookup.
@@ -33,10 +38,18 @@ type LookupResult struct {
 	// Sources[i*len(Expectations)+j] is where the reader of Expectations[j]
 	// takes chunk i from.
 	Sources []Source
+
+	touch uint32 // sink of Lookup's prefetching loads
 }
 
 // Source returns where the reader of expectation j takes chunk i from.
 func (r *LookupResult) Source(i, j int) Source { return r.Sources[i*len(r.Expectations)+j] }
+
+// Holder returns the rank holding the copy the reader of expectation j
+// reads for chunk i.
+func (r *LookupResult) Holder(i, j int) wire.Rank {
+	return wire.Rank{Instance: r.Instance, TPRank: int(r.Source(i, j).HolderTP)}
+}
 
 // Lookup returns the longest prefix of chunks that engine instance can
 // restore in namespace ns: the largest k such that for every chunk i < k
@@ -55,73 +68,137 @@ func (r *LookupResult) Source(i, j int) Source { return r.Sources[i*len(r.Expect
 //
 // An unregistered namespace is an error wrapping ErrUnknownNamespace.
 func (ix *Index) Lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (LookupResult, error) {
+	var res LookupResult
+	err := ix.LookupInto(&res, instance, ns, chunks)
+	return res, err
+}
+
+// LookupInto is Lookup writing into res, reusing res.Sources' capacity: a
+// caller that keeps one result per goroutine looks up without allocating.
+// res.Expectations is shared with the index and must not be modified.
+func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
+	*res = LookupResult{Namespace: ns, Instance: instance, Sources: res.Sources[:0]}
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	st := ix.st
 	n := st.ns[ns]
 	if n == nil || n.spec == nil {
-		return LookupResult{}, fmt.Errorf("lookup in namespace %s: %w", ns, ErrUnknownNamespace)
+		return fmt.Errorf("lookup in namespace %s: %w", ns, ErrUnknownNamespace)
 	}
-	exps := n.exps
-	res := LookupResult{Namespace: ns, Instance: instance, Expectations: exps}
+	pl := n.plan
+	ne := len(pl.exps)
+	res.Expectations = pl.exps
 	inst := st.insts[instance] // 0: unknown instance, nothing of it is usable
-	var readerBuf [16]uint32
-	readers := readerBuf[:0]
-	for _, e := range exps {
-		readers = append(readers, st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}])
-	}
 	if inst == 0 || len(chunks) == 0 {
-		return res, nil
+		return nil
 	}
-	res.Sources = make([]Source, 0, len(chunks)*len(exps))
-	for _, c := range chunks {
-		s := n.chunks[c]
-		if len(s) == 0 {
-			break
-		}
-		mark := len(res.Sources)
-		for j := range exps {
-			p := st.usable(s, uint16(exps[j].Shard), uint16(exps[j].Group), readers[j], inst)
-			if p == nil {
-				res.Sources = res.Sources[:mark]
-				return res, nil
+	// Per expectation: the reader's rank id (0 if unknown: no L1 of its
+	// own), and while scanning a chunk the best copy and its score.
+	var buf [3 * 32]int32
+	var scratch []int32
+	if 3*ne <= len(buf) {
+		scratch = buf[:3*ne]
+	} else {
+		scratch = make([]int32, 3*ne)
+	}
+	readers, best, score := scratch[:ne], scratch[ne:2*ne], scratch[2*ne:]
+	for j, e := range pl.exps {
+		readers[j] = int32(st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}])
+	}
+	if cap(res.Sources) < len(chunks)*ne {
+		res.Sources = make([]Source, 0, len(chunks)*ne)
+	}
+	// Chunks go in windows: first the map lookups of a window and a load
+	// from every placement (independent loads the CPU overlaps: a cold
+	// chain costs about half as much), then the scans, from cache.
+	const window = 16
+	var ss [window][]placement
+	for base := 0; base < len(chunks); base += window {
+		w := min(window, len(chunks)-base)
+		var touch uint32
+		for i := range w {
+			s := n.chunks[chunks[base+i]].s
+			ss[i] = s
+			for k := range s {
+				touch += uint32(s[k].shard)
 			}
-			res.Sources = append(res.Sources, Source{Holder: st.ranks[p.rank].rank, Tier: p.tier, Size: p.size, Sum: p.sum})
 		}
-		res.Prefix++
+		res.touch += touch
+		for i := range w {
+			s := ss[i]
+			if !pl.pick(s, readers, inst, best, score) {
+				return nil
+			}
+			for j := range ne {
+				p := &s[best[j]]
+				res.Sources = append(res.Sources, Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum})
+			}
+			res.Prefix++
+		}
 	}
-	return res, nil
+	return nil
 }
 
-// usable picks the copy of object (shard, group) in s that reader (rank
-// id, 0 if unknown) of instance inst should read, or nil.
-func (st *state) usable(s []placement, shard, group uint16, reader, inst uint32) *placement {
-	var best *placement
-	bestScore := 0
-	for i := range s {
-		p := &s[i]
-		if p.shard != shard || p.group != group {
-			if p.shard > shard || (p.shard == shard && p.group > group) {
-				break // sorted: past the object
-			}
+// lookupPlan is a namespace spec arranged for Lookup: for every object
+// (shard, group) of a chunk, the expectations that read it.
+type lookupPlan struct {
+	exps    []dcp.Expectation
+	groups  int
+	shards  int
+	readers [][]int32 // by shard*groups+group: indexes into exps
+}
+
+func newPlan(r *dcp.Resolved) *lookupPlan {
+	pl := &lookupPlan{exps: r.Expectations(), groups: len(r.Groups)}
+	for _, e := range pl.exps {
+		pl.shards = max(pl.shards, e.Shard+1)
+	}
+	pl.readers = make([][]int32, pl.shards*pl.groups)
+	for j, e := range pl.exps {
+		o := e.Shard*pl.groups + e.Group
+		pl.readers[o] = append(pl.readers[o], int32(j))
+	}
+	return pl
+}
+
+// pick chooses, in one pass over a chunk's placements, the copy each
+// expectation's reader should read (best[j], an index into s) and reports
+// whether every expectation has one. Scores: the reader's own L1 (4), its
+// own L2 (3), another rank's L2 of the same instance (2, lowest TP rank
+// first); anything else is unusable (0). readers[j] is the reader's rank id.
+func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, score []int32) bool {
+	if len(s) == 0 {
+		return false
+	}
+	clear(score)
+	for k := range s {
+		p := &s[k]
+		if int(p.shard) >= pl.shards || int(p.group) >= pl.groups {
 			continue
 		}
-		switch {
-		case p.tier == wire.L1:
-			if p.rank == reader {
-				return p // the reader's own L1: nothing is better
+		for _, j := range pl.readers[int(p.shard)*pl.groups+int(p.group)] {
+			var sc int32
+			switch {
+			case p.tier == wire.L1:
+				if int32(p.rank) == readers[j] {
+					sc = 4
+				}
+			case int32(p.rank) == readers[j]:
+				sc = 3
+			case p.inst == inst:
+				sc = 2
 			}
-		case p.rank == reader:
-			if bestScore < 3 {
-				best, bestScore = p, 3
-			}
-		case st.ranks[p.rank].inst == inst:
-			if bestScore < 2 || (bestScore == 2 && st.ranks[p.rank].rank.TPRank < st.ranks[best.rank].rank.TPRank) {
-				best, bestScore = p, 2
+			if sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
+				score[j], best[j] = sc, int32(k)
 			}
 		}
 	}
-	return best
+	for _, sc := range score {
+		if sc == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // Holder is one copy of an object.
@@ -208,8 +285,8 @@ func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 	}
 	info := ix.st.ranks[id].info()
 	for ns, n := range ix.st.ns {
-		for c, s := range n.chunks {
-			for _, p := range s {
+		for c, v := range n.chunks {
+			for _, p := range v.s {
 				if p.rank == id {
 					info.Placements = append(info.Placements, wire.Placement{
 						Key:  dcp.Key{NS: ns, Chunk: c, Shard: p.shard, Group: p.group},

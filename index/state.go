@@ -2,6 +2,7 @@ package index
 
 import (
 	"bytes"
+	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
@@ -9,13 +10,18 @@ import (
 
 // placement is one holder of one object: the (shard, group) object of a
 // chunk, held by a rank in a tier. The chunk and namespace are the map keys
-// above it. 48 bytes.
+// above it. 48 bytes, no pointers (the garbage collector never scans the
+// placement arrays).
 type placement struct {
 	size uint64
 	sum  uint64 // kvsum64 recorded at store time
 	seq  uint64 // event sequence that put it here (inventory: the inventory's)
 	inc  uint64 // holder incarnation that stored it
 	rank uint32 // rank id (state.ranks)
+	// inst and tp copy the holder's instance id and TP rank (derived, in
+	// memory only, set by setChunk) so Lookup never leaves the array.
+	inst uint32
+	tp   uint16
 	// object
 	shard uint16
 	group uint16
@@ -99,10 +105,18 @@ func (t *tally) add(p *placement, sign int64) {
 type nsState struct {
 	spec     *dcp.Resolved
 	specJSON []byte
-	exps     []dcp.Expectation // spec.Expectations(), cached for lookups
-	chunks   map[dcp.ChunkHash][]placement
+	plan     *lookupPlan // derived from spec for Lookup
+	chunks   map[dcp.ChunkHash]chunkVal
 	objects  int64
 	tally
+}
+
+// chunkVal is a chunk's placements (never empty: a chunk without
+// placements is not in the map) and the checkpoint epoch in which it last
+// changed (state.dirty).
+type chunkVal struct {
+	s     []placement
+	epoch uint32
 }
 
 // rankMeta is the C7 state of a rank.
@@ -130,6 +144,13 @@ type state struct {
 	objects int64
 	chunks  int64
 	tally
+
+	// Checkpoint bookkeeping, used by the committer only (queries never
+	// read it): dirty lists the chunks changed since the last checkpoint,
+	// each once per epoch (a chunk deleted and re-created may appear
+	// twice); epoch is the current checkpoint epoch.
+	dirty []chunkRef
+	epoch uint32
 }
 
 func newState() *state {
@@ -138,13 +159,14 @@ func newState() *state {
 		ranks:   []*rankState{nil},
 		rankIDs: make(map[wire.Rank]uint32),
 		insts:   make(map[string]uint32),
+		epoch:   1,
 	}
 }
 
 func (st *state) namespace(ns dcp.Namespace) *nsState {
 	n := st.ns[ns]
 	if n == nil {
-		n = &nsState{chunks: make(map[dcp.ChunkHash][]placement)}
+		n = &nsState{chunks: make(map[dcp.ChunkHash]chunkVal)}
 		st.ns[ns] = n
 	}
 	return n
@@ -152,7 +174,7 @@ func (st *state) namespace(ns dcp.Namespace) *nsState {
 
 func (st *state) chunk(ref chunkRef) []placement {
 	if n := st.ns[ref.ns]; n != nil {
-		return n.chunks[ref.chunk]
+		return n.chunks[ref.chunk].s
 	}
 	return nil
 }
@@ -170,19 +192,24 @@ func (st *state) addRank(r wire.Rank, m rankMeta) *rankState {
 	return rs
 }
 
-// setChunk replaces a chunk's placements, keeping every count in step.
-func (st *state) setChunk(ref chunkRef, s []placement) {
-	n := st.namespace(ref.ns)
-	old, had := n.chunks[ref.chunk]
-	for i := range old {
-		p := &old[i]
+// setChunk replaces a chunk's placements, keeping every count in step and
+// the chunk on the dirty list. old and had are the chunk's current value
+// (the caller looked it up when it staged the change; only the committer
+// changes chunks, so it is still current). setChunk owns s from now on and
+// fills in each placement's inst and tp.
+func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
+	for i := range old.s {
+		p := &old.s[i]
 		n.add(p, -1)
 		st.add(p, -1)
 		st.ranks[p.rank].add(p, -1)
 	}
-	o := countObjects(old)
+	o := countObjects(old.s)
 	n.objects -= o
 	st.objects -= o
+	if !had || old.epoch != st.epoch {
+		st.dirty = append(st.dirty, ref)
+	}
 	if len(s) == 0 {
 		if had {
 			delete(n.chunks, ref.chunk)
@@ -193,16 +220,24 @@ func (st *state) setChunk(ref chunkRef, s []placement) {
 	if !had {
 		st.chunks++
 	}
-	n.chunks[ref.chunk] = s
+	n.chunks[ref.chunk] = chunkVal{s: s, epoch: st.epoch}
 	for i := range s {
 		p := &s[i]
+		r := st.ranks[p.rank]
+		p.inst, p.tp = r.inst, uint16(r.rank.TPRank)
 		n.add(p, 1)
 		st.add(p, 1)
-		st.ranks[p.rank].add(p, 1)
+		r.add(p, 1)
 	}
 	o = countObjects(s)
 	n.objects += o
 	st.objects += o
+}
+
+// dirtyRefs returns the dirty list sorted, without repeats.
+func (st *state) dirtyRefs() []chunkRef {
+	slices.SortFunc(st.dirty, compareRef)
+	return slices.CompactFunc(st.dirty, func(a, b chunkRef) bool { return a == b })
 }
 
 // chunkRef names one chunk of one namespace.

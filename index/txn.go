@@ -64,6 +64,9 @@ type InventoryOutcome struct {
 type stagedChunk struct {
 	ref chunkRef
 	s   []placement // owned by the txn; empty means the chunk goes away
+	n   *nsState    // the chunk's namespace, nil if it did not exist yet
+	old chunkVal    // the live value when staged
+	had bool        // whether there was one
 }
 
 type nsReg struct {
@@ -84,6 +87,9 @@ type txn struct {
 	regs     []nsReg    // staged namespace registrations
 	enc      *opEncoder // nil while replaying
 	events   int        // events and inventory objects applied
+
+	lastNS dcp.Namespace // cache of the last namespace looked up
+	lastN  *nsState
 }
 
 func newTxn(st *state, enc *opEncoder) *txn {
@@ -94,6 +100,18 @@ func newTxn(st *state, enc *opEncoder) *txn {
 		newIDs: make(map[wire.Rank]uint32),
 		enc:    enc,
 	}
+}
+
+// reset empties the txn for reuse on st, keeping its allocations.
+func (t *txn) reset(st *state, enc *opEncoder) {
+	clear(t.idx)
+	clear(t.staged)
+	clear(t.metas)
+	clear(t.newIDs)
+	clear(t.putRank)
+	clear(t.regs)
+	*t = txn{st: st, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
+		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc}
 }
 
 // changed reports whether the txn has anything to commit.
@@ -135,15 +153,26 @@ func (t *txn) rankName(id uint32) wire.Rank {
 	return t.newRanks[int(id)-len(t.st.ranks)]
 }
 
+// nsOf returns the live namespace state (nil if none), caching the last.
+func (t *txn) nsOf(ns dcp.Namespace) *nsState {
+	if t.lastN == nil || t.lastNS != ns {
+		t.lastNS, t.lastN = ns, t.st.ns[ns]
+	}
+	return t.lastN
+}
+
 // mut returns the index of the staged copy of a chunk, staging it first.
 func (t *txn) mut(ref chunkRef) int {
 	if i, ok := t.idx[ref]; ok {
 		return i
 	}
-	live := t.st.chunk(ref)
-	s := make([]placement, len(live), len(live)+2)
-	copy(s, live)
-	t.staged = append(t.staged, stagedChunk{ref: ref, s: s})
+	sc := stagedChunk{ref: ref, n: t.nsOf(ref.ns)}
+	if sc.n != nil {
+		sc.old, sc.had = sc.n.chunks[ref.chunk]
+	}
+	sc.s = make([]placement, len(sc.old.s), len(sc.old.s)+2)
+	copy(sc.s, sc.old.s)
+	t.staged = append(t.staged, sc)
 	i := len(t.staged) - 1
 	t.idx[ref] = i
 	return i
@@ -154,7 +183,10 @@ func (t *txn) view(ref chunkRef) []placement {
 	if i, ok := t.idx[ref]; ok {
 		return t.staged[i].s
 	}
-	return t.st.chunk(ref)
+	if n := t.nsOf(ref.ns); n != nil {
+		return n.chunks[ref.chunk].s
+	}
+	return nil
 }
 
 func (t *txn) markPut(id uint32) {
@@ -218,7 +250,8 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 func (t *txn) filter(drop func(*placement) bool) int {
 	n := 0
 	for ns, nst := range t.st.ns {
-		for c, live := range nst.chunks {
+		for c, v := range nst.chunks {
+			live := v.s
 			ref := chunkRef{ns, c}
 			if _, ok := t.idx[ref]; ok {
 				continue // staged: handled below
@@ -423,9 +456,10 @@ func (t *txn) register(r *dcp.Resolved, js []byte) error {
 	return nil
 }
 
-// publish installs a committed txn into st. Only the committer calls it,
-// with Index.mu held for writing; from, to select a range of staged chunks
-// so a large group can be published in slices (see Index.publish).
+// publishRanks and publishChunks install a committed txn into st, ranks
+// first. Only the committer calls them, with Index.mu held for writing;
+// from, to select a range of staged chunks so a large group can be
+// published in slices (see Index.publish).
 func (st *state) publishRanks(t *txn) {
 	for _, r := range t.newRanks {
 		st.addRank(r, rankMeta{})
@@ -435,17 +469,18 @@ func (st *state) publishRanks(t *txn) {
 	}
 	for _, g := range t.regs {
 		n := st.namespace(g.ns)
-		n.spec, n.specJSON, n.exps = g.spec, g.json, g.spec.Expectations()
+		n.spec, n.specJSON, n.plan = g.spec, g.json, newPlan(g.spec)
 	}
 }
 
-func (st *state) publishChunks(t *txn, from, to int, dirty map[chunkRef]struct{}) {
+func (st *state) publishChunks(t *txn, from, to int) {
 	for i := from; i < to; i++ {
 		sc := &t.staged[i]
-		st.setChunk(sc.ref, sc.s)
-		if dirty != nil {
-			dirty[sc.ref] = struct{}{}
+		n := sc.n
+		if n == nil {
+			n = st.namespace(sc.ref.ns)
 		}
+		st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
 	}
 }
 

@@ -16,7 +16,6 @@ import (
 // loaded is a state derived from bbolt.
 type loaded struct {
 	st         *state
-	dirty      map[chunkRef]struct{} // chunks touched by the replayed log
 	logBytes   int64
 	logRecords int
 	nextLog    uint64
@@ -24,11 +23,12 @@ type loaded struct {
 
 // load derives the whole state from a bbolt transaction: ranks, namespace
 // specs, the chunk snapshot, then the change log replayed in order.
-func load(tx *bolt.Tx, trackDirty bool) (loaded, error) {
+//
+// The snapshot's chunks are clean; the chunks the log touches are dirty
+// (state.dirty), so the next checkpoint writes them before it truncates the
+// log.
+func load(tx *bolt.Tx) (loaded, error) {
 	ld := loaded{st: newState(), nextLog: 1}
-	if trackDirty {
-		ld.dirty = make(map[chunkRef]struct{})
-	}
 	st := ld.st
 	for _, name := range [][]byte{bucketMeta, bucketNS, bucketRanks, bucketSnap, bucketLog} {
 		if tx.Bucket(name) == nil {
@@ -67,8 +67,9 @@ func load(tx *bolt.Tx, trackDirty bool) (loaded, error) {
 			return ld, fmt.Errorf("namespace %s holds the spec of namespace %s: %w", ns, res.Namespace, ErrCorrupt)
 		}
 		n := st.namespace(ns)
-		n.spec, n.specJSON, n.exps = res, append([]byte(nil), v...), res.Expectations()
+		n.spec, n.specJSON, n.plan = res, append([]byte(nil), v...), newPlan(res)
 	}
+	st.epoch = 0 // snapshot chunks are clean: epoch 0, before any checkpoint epoch
 	c = tx.Bucket(bucketSnap).Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
 		ref, err := parseSnapshotKey(k)
@@ -82,8 +83,9 @@ func load(tx *bolt.Tx, trackDirty bool) (loaded, error) {
 		if err := checkChunk(s); err != nil {
 			return ld, fmt.Errorf("chunk %s/%s: %w: %w", ref.ns, ref.chunk, err, ErrCorrupt)
 		}
-		st.setChunk(ref, s)
+		st.setChunk(st.namespace(ref.ns), ref, chunkVal{}, false, s)
 	}
+	st.epoch, st.dirty = 1, st.dirty[:0]
 	c = tx.Bucket(bucketLog).Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
 		if len(k) != 8 {
@@ -94,7 +96,7 @@ func load(tx *bolt.Tx, trackDirty bool) (loaded, error) {
 		if err := replay(v, t, len(st.ranks)); err != nil {
 			return ld, fmt.Errorf("log record %d: %w", seq, err)
 		}
-		st.publishChunks(t, 0, len(t.staged), ld.dirty)
+		st.publishChunks(t, 0, len(t.staged))
 		ld.logBytes += int64(len(v))
 		ld.logRecords++
 		ld.nextLog = seq + 1
@@ -173,7 +175,7 @@ func (ix *Index) verify() VerifyReport {
 	var ld loaded
 	err := ix.db.View(func(tx *bolt.Tx) error {
 		var err error
-		ld, err = load(tx, false)
+		ld, err = load(tx)
 		return err
 	})
 	if err != nil {
@@ -227,19 +229,19 @@ func compareStates(pr *problems, live, disk *state) {
 		if a.objects != b.objects || a.tally != b.tally {
 			pr.add("namespace %s: live %d objects %+v, bbolt %d objects %+v", ns, a.objects, a.tally, b.objects, b.tally)
 		}
-		for c, sa := range a.chunks {
-			sb, ok := b.chunks[c]
+		for c, va := range a.chunks {
+			vb, ok := b.chunks[c]
 			if !ok {
-				pr.add("chunk %s/%s: live (%d placements), not in bbolt", ns, c, len(sa))
+				pr.add("chunk %s/%s: live (%d placements), not in bbolt", ns, c, len(va.s))
 				continue
 			}
-			if !slices.Equal(sa, sb) {
-				pr.add("chunk %s/%s: live %+v, bbolt %+v", ns, c, sa, sb)
+			if !slices.Equal(va.s, vb.s) {
+				pr.add("chunk %s/%s: live %+v, bbolt %+v", ns, c, va.s, vb.s)
 			}
 		}
-		for c, sb := range b.chunks {
+		for c, vb := range b.chunks {
 			if _, ok := a.chunks[c]; !ok {
-				pr.add("chunk %s/%s: in bbolt (%d placements), not live", ns, c, len(sb))
+				pr.add("chunk %s/%s: in bbolt (%d placements), not live", ns, c, len(vb.s))
 			}
 		}
 	}
@@ -278,7 +280,8 @@ func checkInvariants(pr *problems, st *state) {
 	for ns, n := range st.ns {
 		var nt tally
 		var nobj int64
-		for c, s := range n.chunks {
+		for c, v := range n.chunks {
+			s := v.s
 			chunks++
 			if err := checkChunk(s); err != nil {
 				pr.add("chunk %s/%s: %v", ns, c, err)
@@ -294,6 +297,10 @@ func checkInvariants(pr *problems, st *state) {
 					continue
 				}
 				r := st.ranks[p.rank]
+				if p.inst != r.inst || int(p.tp) != r.rank.TPRank {
+					pr.add("chunk %s/%s: placement of %s caches instance %d TP %d, rank has %d %d",
+						ns, c, r.rank, p.inst, p.tp, r.inst, r.rank.TPRank)
+				}
 				switch {
 				case p.inc > r.inc:
 					pr.add("chunk %s/%s: %s placement of %s from incarnation %d, rank is at %d",
