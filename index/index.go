@@ -63,9 +63,9 @@ type Index struct {
 	closeErr  error
 
 	// Owned by the committer goroutine (and Open, before it starts).
-	logBytes int64                 // bytes in the change log
-	nextLog  uint64                // key of the next log record
-	failed   error                 // sticky commit failure
+	logBytes int64  // bytes in the change log
+	nextLog  uint64 // key of the next log record
+	failed   error  // sticky commit failure
 	enc      opEncoder
 	txn      *txn
 	arena    []byte
@@ -121,12 +121,12 @@ func Open(cfg Config) (*Index, error) {
 		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
 	}
 	ix := &Index{
-		cfg:   cfg,
-		log:   cfg.Logger.Named("index"),
-		met:   newMetrics(),
-		db:    db,
-		reqs:  make(chan *request, cfg.QueueDepth),
-		stop:  make(chan struct{}),
+		cfg:  cfg,
+		log:  cfg.Logger.Named("index"),
+		met:  newMetrics(),
+		db:   db,
+		reqs: make(chan *request, cfg.QueueDepth),
+		stop: make(chan struct{}),
 	}
 	fail := func(err error) (*Index, error) {
 		_ = db.Close()
