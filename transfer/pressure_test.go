@@ -39,6 +39,19 @@ func (r *rig) readChunk(blocks [][]int64) [][]byte {
 // object is ever evicted, and every stored object is retrievable
 // byte-exact afterwards (from L1 or L2).
 func TestL1PressureWriteBack(t *testing.T) {
+	// One-slab objects: 2 layers x 2 blocks x 10,496 B = 41,984 B in 64 KiB
+	// slabs, 12 slabs for 48 objects.
+	t.Run("one_slab_objects", func(t *testing.T) {
+		runPressure(t, c1Spec(), 64<<10, 12*(64<<10))
+	})
+	// Objects of 11 slabs (41,984 B) and of 1 slab (1,280 B) in 4 KiB slabs:
+	// fragmentation, multi-slab placement and window eviction.
+	t.Run("mixed_multi_slab_objects", func(t *testing.T) {
+		runPressure(t, twoGroupSpec(), 4<<10, 80*(4<<10))
+	})
+}
+
+func runPressure(t *testing.T, spec dcp.Spec, slab, l1 uint64) {
 	const (
 		storers    = 3
 		perStorer  = 16
@@ -46,10 +59,13 @@ func TestL1PressureWriteBack(t *testing.T) {
 		nChunks    = storers * perStorer
 	)
 	dev := openDevice(t, "")
-	// Each object is 2 layers x 2 blocks x 10,496 B = 41,984 B: one slab.
-	r := newRig(t, dev, c1Spec(), []int64{2 * (nChunks + retrievers + 1)})
+	var blocks []int64
+	for range spec.Groups {
+		blocks = append(blocks, 2*(nChunks+retrievers+1))
+	}
+	r := newRig(t, dev, spec, blocks)
 	cfg := engineConfig(t, dev, 0, 1)
-	cfg.L1Bytes = 12 * (64 << 10) // 12 slabs for 48 objects
+	cfg.L1SlabBytes, cfg.L1Bytes = slab, l1
 	cfg.HighWatermark, cfg.LowWatermark = 0.75, 0.5
 	cfg.L2Dir = t.TempDir()
 	cfg.L2Policy = WriteBackOnEvict
@@ -131,7 +147,7 @@ func TestL1PressureWriteBack(t *testing.T) {
 					errs <- fmt.Errorf("retrieve of chunk %d: %+v", i, rr.Items[0])
 					return
 				}
-				if got := r.readChunk(tgt); !bytes.Equal(got[0], chunks[i].packed[0]) {
+				if !sameChunk(r.readChunk(tgt), chunks[i].packed) {
 					errs <- fmt.Errorf("retrieve of chunk %d placed other bytes", i)
 					return
 				}
@@ -161,7 +177,7 @@ func TestL1PressureWriteBack(t *testing.T) {
 		if rr.Items[0].From == wire.L2 {
 			fromL2++
 		}
-		if got := r.readChunk(tgt); !bytes.Equal(got[0], c.packed[0]) {
+		if !sameChunk(r.readChunk(tgt), c.packed) {
 			t.Fatalf("chunk %d restored other bytes", i)
 		}
 	}
@@ -177,6 +193,15 @@ func TestL1PressureWriteBack(t *testing.T) {
 	}
 	t.Logf("%d concurrent retrieves; %d evictions, %d write-backs, %d of %d final restores from L2, %d L1-full",
 		retrieved.Load(), st.Evictions, st.WriteBacks, fromL2, nChunks, st.L1Full)
+}
+
+func sameChunk(got, want [][]byte) bool {
+	for g := range want {
+		if !bytes.Equal(got[g], want[g]) {
+			return false
+		}
+	}
+	return len(got) == len(want)
 }
 
 // TestL1FullFailsClearlyWithoutDeadlock: when every run of slabs holds a
