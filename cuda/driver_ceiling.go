@@ -1,0 +1,81 @@
+//go:build cgo && linux
+
+package cuda
+
+/*
+#include "driver_cgo.h"
+*/
+import "C"
+
+import (
+	"time"
+	"unsafe"
+)
+
+// Measurement helpers of the CUDA backend for its benchmark
+// (driver_bench_test.go): timing events and the plain copy-engine copy the
+// transfers are compared with.
+
+// timer is a pair of timing-enabled events.
+type timer struct {
+	d          *driverDevice
+	start, end C.CUevent
+}
+
+func (d *driverDevice) newTimer() (*timer, error) {
+	t := &timer{d: d}
+	if err := check("cuEventCreate", C.kv_event_create(d.ctx, &t.start, 0)); err != nil {
+		return nil, err
+	}
+	if err := check("cuEventCreate", C.kv_event_create(d.ctx, &t.end, 0)); err != nil {
+		C.kv_event_destroy(d.ctx, t.start)
+		return nil, err
+	}
+	return t, nil
+}
+
+func (t *timer) close() {
+	C.kv_event_destroy(t.d.ctx, t.start)
+	C.kv_event_destroy(t.d.ctx, t.end)
+}
+
+// begin and end record the two events on s.
+func (t *timer) begin(s *driverStream) error {
+	return check("cuEventRecord", C.kv_event_record(t.d.ctx, t.start, s.h))
+}
+
+// finish records the end event on s, waits for it and returns the device
+// time between the events.
+func (t *timer) finish(s *driverStream) (time.Duration, error) {
+	if err := check("cuEventRecord", C.kv_event_record(t.d.ctx, t.end, s.h)); err != nil {
+		return 0, err
+	}
+	if err := check("cuEventSynchronize", C.kv_event_synchronize(t.d.ctx, t.end)); err != nil {
+		return 0, err
+	}
+	var ms C.float
+	if err := check("cuEventElapsedTime", C.kv_event_elapsed(t.d.ctx, &ms, t.start, t.end)); err != nil {
+		return 0, err
+	}
+	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
+}
+
+// rawAlloc allocates device memory outside the Mem bookkeeping.
+func (d *driverDevice) rawAlloc(n uint64) (uint64, error) {
+	var p C.CUdeviceptr
+	err := check("cuMemAlloc_v2", C.kv_mem_alloc(d.ctx, &p, C.size_t(n)))
+	return uint64(p), err
+}
+
+func (d *driverDevice) rawFree(p uint64) error {
+	return check("cuMemFree_v2", C.kv_mem_free(d.ctx, C.CUdeviceptr(p)))
+}
+
+// copyCE enqueues one contiguous copy-engine copy of n bytes between the
+// pinned buffer h and device memory dev, in direction h2d or d2h.
+func (s *driverStream) copyCE(h unsafe.Pointer, dev uint64, n uint64, h2d bool) error {
+	if h2d {
+		return check("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(s.d.ctx, C.CUdeviceptr(dev), h, C.size_t(n), s.h))
+	}
+	return check("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(s.d.ctx, h, C.CUdeviceptr(dev), C.size_t(n), s.h))
+}

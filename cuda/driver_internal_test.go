@@ -1,0 +1,198 @@
+//go:build cgo && linux
+
+package cuda
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/checksum"
+)
+
+func openDriverT(t *testing.T) *driverDevice {
+	t.Helper()
+	d, err := openDriver(0)
+	if errors.Is(err, ErrNoDriver) {
+		t.Skipf("CUDA backend not testable here: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("OpenCUDA(0): %v", err)
+	}
+	t.Cleanup(func() {
+		if err := d.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return d
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func (c *refcount) isFreed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.freed
+}
+
+// C1: releasing an event (an interprocess one, as an engine's producer
+// event is) while a stream still waits on it neither destroys the driver
+// event under the wait nor lets the waiting stream run early; the driver
+// event is destroyed once the stream has passed the wait.
+func TestDriverEventHeldWhileStreamWaits(t *testing.T) {
+	d := openDriverT(t)
+	const delay = 400 * time.Millisecond
+	prod, cons := must(d.NewStream())(t), must(d.NewStream())(t)
+	m := must(d.Alloc(4096))(t)
+	old, fresh := bytes.Repeat([]byte{0x5a}, 4096), make([]byte, 4096)
+	for i := range fresh {
+		fresh[i] = byte(i*7 + 1)
+	}
+	if err := d.Write(m, 0, old); err != nil {
+		t.Fatal(err)
+	}
+	ev := must(d.NewEvent(true))(t)
+	if err := prod.Delay(delay); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := prod.Upload(m, 0, fresh); err != nil {
+		t.Fatal(err)
+	}
+	if err := prod.Record(ev); err != nil {
+		t.Fatal(err)
+	}
+	if err := cons.WaitEvent(ev); err != nil {
+		t.Fatal(err)
+	}
+	core := ev.(*driverEvent).core
+	if err := ev.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if core.refs.isFreed() {
+		t.Fatal("the driver event was destroyed while a stream waits on it")
+	}
+	hb := must(d.AllocHost(4096))(t)
+	op, err := cons.Gather(hb, []Object{{Spans: []Span{{Mem: m, Len: 4096}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := op.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(hb.Bytes(), fresh) {
+		t.Fatal("the stream ran past the wait on the released event")
+	}
+	if op.Sums()[0] != checksum.Sum(fresh) {
+		t.Fatal("sum differs")
+	}
+	if err := cons.Synchronize(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !core.refs.isFreed() {
+		t.Fatal("the driver event outlived the last wait on it")
+	}
+	if err := cons.WaitEvent(ev); !errors.Is(err, ErrReleased) {
+		t.Fatalf("WaitEvent on the released event: %v, want ErrReleased", err)
+	}
+	for _, s := range []Stream{prod, cons} {
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func must[T any](v T, err error) func(*testing.T) T {
+	return func(t *testing.T) T {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+}
+
+// Staged transfers of many objects at odd host offsets through tiny staging
+// halves, so objects split across batches at every alignment.
+func TestDriverStagedBatches(t *testing.T) {
+	d := openDriverT(t)
+	d.mode, d.stageHalf = modeStaged, 3*minPiece+16*7
+	s := must(d.NewStream())(t)
+	r := rand.New(rand.NewPCG(3, 5))
+	const stride, blocks = 561*64 + 37, 96
+	src := must(d.Alloc(stride * blocks))(t)
+	dst := must(d.Alloc(stride * blocks))(t)
+	img := make([]byte, stride*blocks)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	pad := bytes.Repeat([]byte{0xee}, stride*blocks)
+	if err := d.Write(src, 0, img); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Write(dst, 0, pad); err != nil {
+		t.Fatal(err)
+	}
+	perm := r.Perm(blocks)
+	var gObjs, sObjs []Object
+	var packed [][]byte
+	host := uint64(3)
+	for o := 0; o+3 <= blocks; o += 3 {
+		var g, sc []Span
+		var want []byte
+		for _, b := range perm[o : o+3] {
+			w := uint64(561 * (1 + r.IntN(64)))
+			g = append(g, Span{Mem: src, Off: uint64(b) * stride, Len: w})
+			sc = append(sc, Span{Mem: dst, Off: uint64(b) * stride, Len: w})
+			want = append(want, img[uint64(b)*stride:uint64(b)*stride+w]...)
+		}
+		gObjs = append(gObjs, Object{HostOff: host, Spans: g})
+		sObjs = append(sObjs, Object{HostOff: host, Spans: sc})
+		packed = append(packed, want)
+		host += uint64(len(want)) + uint64(r.IntN(3))*7
+	}
+	hb := must(d.AllocHost(host + 9))(t)
+	op := must(s.Gather(hb, gObjs))(t)
+	if err := op.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range gObjs {
+		if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
+			t.Fatalf("object %d differs", i)
+		}
+		if op.Sums()[i] != checksum.Sum(packed[i]) {
+			t.Fatalf("object %d: sum differs", i)
+		}
+	}
+	sop := must(s.Scatter(hb, sObjs))(t)
+	if err := sop.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte(nil), pad...)
+	for _, o := range sObjs {
+		for _, sp := range o.Spans {
+			copy(want[sp.Off:sp.Off+sp.Len], img[sp.Off:sp.Off+sp.Len])
+		}
+	}
+	got := make([]byte, len(want))
+	if err := d.Read(dst, 0, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("destination pool differs (pages or padding)")
+	}
+	for i := range sObjs {
+		if sop.Sums()[i] != op.Sums()[i] {
+			t.Fatalf("object %d: scatter sum differs", i)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,257 @@
+package cuda
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+)
+
+// Plans of the CUDA backend's Gather and Scatter: the tables that the copy
+// kernels (kernels/kvcopy.cu) read. This file is pure Go, so the planning is
+// tested without a GPU.
+//
+// A transfer is a list of segments. A segment is a piece of one object: a
+// range of its packed bytes, starting at an object offset that is a multiple
+// of 16, placed at a device address on the packed side. In direct mode each
+// object is one segment whose packed side is the pinned host buffer itself
+// (mapped into the device), and one kernel does everything. In staged mode
+// the packed side is a device staging buffer of two halves; the objects are
+// cut into batches that fit a half, a kernel packs (unpacks) a batch while
+// the copy engine moves the other half to (from) the host buffer.
+
+// Layout of kvcopy.cu's tables and launch shape.
+const (
+	kSegSize  = 48   // sizeof(struct Seg)
+	kSpanSize = 24   // sizeof(struct Span)
+	kThreads  = 256  // NT
+	kTile     = 1024 // TILE: chunks of 16 bytes per block per step
+	kFlagSum  = 1    // FLAG_SUM
+)
+
+// kSeg is struct Seg.
+type kSeg struct {
+	packed, objOff, len, chunkBase uint64
+	spanBase, nspans, sum          uint32
+}
+
+// kSpan is struct Span.
+type kSpan struct {
+	ptr, objOff, len uint64
+}
+
+// xferObject is a validated object: its spans as device addresses, in order,
+// with their offsets in the packed object.
+type xferObject struct {
+	hostOff uint64
+	len     uint64
+	spans   []kSpan
+}
+
+// stageRun is one copy-engine copy of a staged batch: len bytes between
+// offset staging of the batch's half and offset host of the host buffer.
+type stageRun struct {
+	staging, host, len uint64
+}
+
+// xferBatch is one kernel launch.
+type xferBatch struct {
+	segs    []kSeg
+	nchunks uint64
+	half    int        // staged: which half of the staging buffer
+	runs    []stageRun // staged: copies between the half and the host buffer
+}
+
+// xferPlan is a whole transfer.
+type xferPlan struct {
+	spans   []kSpan // all objects' spans; kSeg.spanBase indexes it
+	first   []uint32
+	batches []xferBatch
+	staged  bool
+	nobj    int
+}
+
+// chunksOf counts the 16-byte-aligned chunks that n bytes at addr touch.
+func chunksOf(addr, n uint64) uint64 {
+	if n == 0 {
+		return 0
+	}
+	return (addr+n+15)/16 - addr/16
+}
+
+func newPlan(objs []xferObject) (*xferPlan, error) {
+	p := &xferPlan{nobj: len(objs), first: make([]uint32, len(objs))}
+	for i, o := range objs {
+		if uint64(len(p.spans))+uint64(len(o.spans)) >= 1<<32 {
+			return nil, fmt.Errorf("%w: more than 2^32 spans in one transfer", ErrOutOfRange)
+		}
+		p.first[i] = uint32(len(p.spans))
+		p.spans = append(p.spans, o.spans...)
+	}
+	return p, nil
+}
+
+// spanAt returns the index in p.spans of the span of object i that holds
+// object offset off.
+func (p *xferPlan) spanAt(objs []xferObject, i int, off uint64) uint32 {
+	sp := objs[i].spans
+	k := sort.Search(len(sp), func(k int) bool { return sp[k].objOff > off }) - 1
+	return p.first[i] + uint32(k)
+}
+
+// planDirect makes one batch whose packed side is the host buffer, mapped
+// at device address hostBase.
+func planDirect(objs []xferObject, hostBase uint64) (*xferPlan, error) {
+	p, err := newPlan(objs)
+	if err != nil {
+		return nil, err
+	}
+	var b xferBatch
+	for i, o := range objs {
+		if o.len == 0 {
+			continue
+		}
+		s := kSeg{
+			packed:    hostBase + o.hostOff,
+			len:       o.len,
+			chunkBase: b.nchunks,
+			spanBase:  p.first[i],
+			nspans:    uint32(len(o.spans)),
+			sum:       uint32(i),
+		}
+		b.segs = append(b.segs, s)
+		b.nchunks += chunksOf(s.packed, s.len)
+	}
+	if len(b.segs) > 0 {
+		p.batches = []xferBatch{b}
+	}
+	return p, nil
+}
+
+// minPiece is the smallest piece an object is cut into at the end of a
+// staging half; a smaller remainder starts the next batch instead.
+const minPiece = 4096
+
+// planStaged cuts the objects into batches of at most half bytes each, for
+// the two halves of a staging buffer at device addresses stage[0] and
+// stage[1] (both 256-byte aligned). A piece keeps its host address's
+// alignment mod 16 in the staging buffer; pieces adjacent in the host buffer
+// are adjacent in staging and share one copy.
+func planStaged(objs []xferObject, stage [2]uint64, half uint64) (*xferPlan, error) {
+	if half < 2*minPiece {
+		return nil, fmt.Errorf("cuda: staging half of %d B is too small", half)
+	}
+	p, err := newPlan(objs)
+	if err != nil {
+		return nil, err
+	}
+	p.staged = true
+	var b *xferBatch
+	var cur uint64 // bytes of the current half in use
+	hostEnd := ^uint64(0)
+	newBatch := func() {
+		p.batches = append(p.batches, xferBatch{half: len(p.batches) % 2})
+		b = &p.batches[len(p.batches)-1]
+		cur = 0
+		hostEnd = ^uint64(0)
+	}
+	newBatch()
+	for i, o := range objs {
+		for pos := uint64(0); pos < o.len; {
+			h := o.hostOff + pos
+			n := o.len - pos
+			st := cur
+			cont := h == hostEnd
+			if !cont {
+				st = (cur+15)&^15 + h%16
+			}
+			if st >= half || (n > half-st && half-st < minPiece) {
+				if len(b.segs) > 0 {
+					newBatch()
+				}
+				st, cont = h%16, false
+			}
+			if n > half-st {
+				n = (half - st) &^ 15 // the next piece starts 16-aligned in the object
+			}
+			s := kSeg{
+				packed:    stage[b.half] + st,
+				objOff:    pos,
+				len:       n,
+				chunkBase: b.nchunks,
+				spanBase:  p.spanAt(objs, i, pos),
+				sum:       uint32(i),
+			}
+			s.nspans = p.first[i] + uint32(len(o.spans)) - s.spanBase
+			b.segs = append(b.segs, s)
+			b.nchunks += chunksOf(s.packed, n)
+			if cont && len(b.runs) > 0 {
+				b.runs[len(b.runs)-1].len += n
+			} else {
+				b.runs = append(b.runs, stageRun{staging: st, host: h, len: n})
+			}
+			cur, hostEnd = st+n, h+n
+			pos += n
+		}
+	}
+	if len(p.batches[len(p.batches)-1].segs) == 0 {
+		p.batches = p.batches[:len(p.batches)-1]
+	}
+	return p, nil
+}
+
+// tableLayout gives the byte offsets of a plan's tables in one block:
+// spans, then each batch's segments, then nobj 8-byte partial sums.
+type tableLayout struct {
+	segs     []uint64 // offset of each batch's segments
+	partials uint64
+	size     uint64
+}
+
+// Every table starts 16-byte aligned, as the kernels may read a segment
+// with vector loads.
+func (p *xferPlan) layout() tableLayout {
+	var l tableLayout
+	off := align16(uint64(len(p.spans)) * kSpanSize)
+	for _, b := range p.batches {
+		l.segs = append(l.segs, off)
+		off += uint64(len(b.segs)) * kSegSize
+	}
+	l.partials = align16(off)
+	l.size = l.partials + uint64(p.nobj)*8
+	return l
+}
+
+func align16(n uint64) uint64 { return (n + 15) &^ 15 }
+
+// encode writes the spans and segments into buf (at least l.partials
+// bytes), little-endian as the device reads them.
+func (p *xferPlan) encode(buf []byte, l tableLayout) {
+	le := binary.LittleEndian
+	for k, s := range p.spans {
+		b := buf[k*kSpanSize:]
+		le.PutUint64(b[0:], s.ptr)
+		le.PutUint64(b[8:], s.objOff)
+		le.PutUint64(b[16:], s.len)
+	}
+	for bi, bt := range p.batches {
+		for k, s := range bt.segs {
+			b := buf[l.segs[bi]+uint64(k)*kSegSize:]
+			le.PutUint64(b[0:], s.packed)
+			le.PutUint64(b[8:], s.objOff)
+			le.PutUint64(b[16:], s.len)
+			le.PutUint64(b[24:], s.chunkBase)
+			le.PutUint32(b[32:], s.spanBase)
+			le.PutUint32(b[36:], s.nspans)
+			le.PutUint32(b[40:], s.sum)
+			le.PutUint32(b[44:], 0)
+		}
+	}
+}
+
+// grid returns the number of blocks for a batch: one per tile, at most
+// perSM blocks of every multiprocessor (the kernel strides over the rest).
+func grid(nchunks uint64, sms int) uint32 {
+	tiles := (nchunks + kTile - 1) / kTile
+	limit := uint64(max(sms, 1)) * 8
+	return uint32(max(min(tiles, limit), 1))
+}

@@ -1,0 +1,75 @@
+//go:build cgo && linux
+
+package cuda_test
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/cuda/cudatest"
+)
+
+// openCUDA opens CUDA device 0, or skips the test where there is no driver
+// or no device.
+func openCUDA(t *testing.T) cuda.Device {
+	t.Helper()
+	dev, err := cuda.OpenCUDA(0)
+	if errors.Is(err, cuda.ErrNoDriver) {
+		t.Skipf("CUDA backend not testable here: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("OpenCUDA(0): %v", err)
+	}
+	return dev
+}
+
+// The conformance suite in each copy mode: the mode the device picks, the
+// kernel on the mapped host buffer, and the copy-engine pipeline with
+// staging halves small enough that most transfers take many batches.
+func TestDriverConformance(t *testing.T) {
+	if err := openCUDA(t).Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []struct {
+		mode string
+		half uint64
+	}{{"auto", 0}, {"direct", 0}, {"staged", 64 << 10}} {
+		t.Run(m.mode, func(t *testing.T) {
+			cudatest.Run(t, func(t *testing.T) cuda.Device {
+				dev := openCUDA(t)
+				cuda.SetDriverCopyMode(dev, m.mode, m.half)
+				return dev
+			})
+		})
+	}
+}
+
+func openCUDAShared(t *testing.T, _ string) cuda.Device { return openCUDA(t) }
+
+func TestDriverCrossProcess(t *testing.T) {
+	if err := openCUDA(t).Close(); err != nil {
+		t.Fatal(err)
+	}
+	cudatest.RunCrossProcess(t, cudatest.CrossProcessConfig{
+		HelperTest: "TestHelperDriverEngine",
+		Open:       openCUDAShared,
+	})
+}
+
+// TestHelperDriverEngine is the engine process of TestDriverCrossProcess.
+func TestHelperDriverEngine(t *testing.T) { cudatest.EngineMain(t, openCUDAShared) }
+
+// Without libcuda.so.1 (or without a device) OpenCUDA fails cleanly with
+// ErrNoDriver, and Open("auto") falls back to the host backend.
+func TestOpenCUDAWithoutDriver(t *testing.T) {
+	dev, err := cuda.OpenCUDA(0)
+	if err == nil {
+		dev.Close()
+		t.Skip("a CUDA driver and device are present")
+	}
+	if !errors.Is(err, cuda.ErrNoDriver) {
+		t.Fatalf("OpenCUDA(0) without a driver: %v, want an error wrapping ErrNoDriver", err)
+	}
+	t.Logf("OpenCUDA(0): %v", err)
+}

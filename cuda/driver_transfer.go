@@ -1,0 +1,466 @@
+//go:build cgo && linux
+
+package cuda
+
+/*
+#include "driver_cgo.h"
+*/
+import "C"
+
+import (
+	"cmp"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/bits"
+	"slices"
+	"unsafe"
+)
+
+// Gather packs objs into dst and computes their kvsum64 in the same pass.
+func (s *driverStream) Gather(dst HostBuf, objs []Object) (*Op, error) {
+	return s.transfer(dst, objs, false, kFlagSum)
+}
+
+// Scatter places the packed objects of src into their spans and computes
+// the kvsum64 of the bytes it read.
+func (s *driverStream) Scatter(src HostBuf, objs []Object) (*Op, error) {
+	return s.transfer(src, objs, true, kFlagSum)
+}
+
+// interval is a destination range for the overlap check.
+type interval struct {
+	start, end uint64
+	obj, span  int
+}
+
+// resolve validates a transfer before anything is enqueued and takes a
+// reference on every buffer and Mem it uses. The returned functions drop
+// them.
+func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, []func() error, error) {
+	buf, ok := hb.(*driverHostBuf)
+	if !ok || buf == nil {
+		return nil, nil, nil, fmt.Errorf("%w: host buffer is a %T, not a CUDA backend buffer", ErrBadHandle, hb)
+	}
+	if buf.d.ctx != s.d.ctx {
+		return nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
+	}
+	xobjs := make([]xferObject, len(objs))
+	var dsts []interval
+	type use struct{ obj, span int }
+	first := make(map[*driverMem]use)
+	var order []*driverMem
+	for i, o := range objs {
+		var total uint64
+		spans := make([]kSpan, 0, len(o.Spans))
+		for j, sp := range o.Spans {
+			m, err := s.d.asMem(sp.Mem, "span")
+			if err != nil {
+				return nil, nil, nil, fmt.Errorf("object %d span %d: %w", i, j, err)
+			}
+			if sp.Off > m.size || sp.Len > m.size-sp.Off {
+				return nil, nil, nil, fmt.Errorf("%w: object %d span %d: [%d, +%d B) outside its Mem of %d B",
+					ErrOutOfRange, i, j, sp.Off, sp.Len, m.size)
+			}
+			if total+sp.Len < total {
+				return nil, nil, nil, fmt.Errorf("%w: object %d: packed length overflows at span %d", ErrOutOfRange, i, j)
+			}
+			if _, seen := first[m]; !seen {
+				first[m] = use{i, j}
+				order = append(order, m)
+			}
+			if sp.Len > 0 {
+				spans = append(spans, kSpan{ptr: m.ptr + sp.Off, objOff: total, len: sp.Len})
+				if scatter {
+					dsts = append(dsts, interval{m.ptr + sp.Off, m.ptr + sp.Off + sp.Len, i, j})
+				}
+			}
+			total += sp.Len
+		}
+		if o.HostOff > buf.size || total > buf.size-o.HostOff {
+			return nil, nil, nil, fmt.Errorf("%w: object %d: host range [%d, +%d B) outside the host buffer of %d B",
+				ErrOutOfRange, i, o.HostOff, total, buf.size)
+		}
+		if !scatter && total > 0 {
+			dsts = append(dsts, interval{o.HostOff, o.HostOff + total, i, -1})
+		}
+		xobjs[i] = xferObject{hostOff: o.HostOff, len: total, spans: spans}
+	}
+	if err := checkIntervals(dsts, scatter); err != nil {
+		return nil, nil, nil, err
+	}
+	if !buf.life.acquire() {
+		return nil, nil, nil, fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size)
+	}
+	unref := []func() error{buf.life.unref}
+	for _, m := range order {
+		if err := m.acquire(); err != nil {
+			for _, u := range unref {
+				u()
+			}
+			u := first[m]
+			return nil, nil, nil, fmt.Errorf("object %d span %d: %w", u.obj, u.span, err)
+		}
+		unref = append(unref, m.life.unref)
+	}
+	return buf, xobjs, unref, nil
+}
+
+// checkIntervals rejects overlapping destinations: device ranges of a
+// Scatter (unified addresses, so views of one allocation compare), host
+// ranges of a Gather.
+func checkIntervals(iv []interval, scatter bool) error {
+	slices.SortFunc(iv, func(a, b interval) int { return cmp.Compare(a.start, b.start) })
+	var prev interval // of the intervals so far, the one ending last
+	for k, cur := range iv {
+		if k > 0 && cur.start < prev.end {
+			if !scatter {
+				return fmt.Errorf("%w: objects %d and %d overlap in the host buffer: [%d, %d) and [%d, %d)",
+					ErrOverlap, prev.obj, cur.obj, prev.start, prev.end, cur.start, cur.end)
+			}
+			return fmt.Errorf("%w: object %d span %d and object %d span %d both write %d B at device address %#x",
+				ErrOverlap, prev.obj, prev.span, cur.obj, cur.span, min(prev.end, cur.end)-cur.start, cur.start)
+		}
+		if k == 0 || cur.end > prev.end {
+			prev = cur
+		}
+	}
+	return nil
+}
+
+// Staging policy of modeAuto: the copy engine pays off once a transfer is
+// large and its objects make long contiguous runs in the host buffer (one
+// copy per run); otherwise the kernel works on the mapped buffer directly.
+const (
+	autoStageMinTotal = 8 << 20
+	autoStageMinRun   = 512 << 10
+)
+
+func (d *driverDevice) staged(objs []xferObject) bool {
+	switch d.mode {
+	case modeDirect:
+		return false
+	case modeStaged:
+		return true
+	}
+	var total, runs uint64
+	end := ^uint64(0)
+	for _, o := range objs {
+		if o.len == 0 {
+			continue
+		}
+		if o.hostOff != end {
+			runs++
+		}
+		total += o.len
+		end = o.hostOff + o.len
+	}
+	return runs > 0 && total >= autoStageMinTotal && total/runs >= autoStageMinRun
+}
+
+// transfer validates, plans and enqueues a Gather or Scatter.
+func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags uint32) (*Op, error) {
+	what := "gather"
+	if scatter {
+		what = "scatter"
+	}
+	buf, xobjs, unref, err := s.resolve(hb, objs, scatter)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
+	st := &opState{
+		s:     s,
+		what:  fmt.Sprintf("%s of %d objects", what, len(objs)),
+		lens:  make([]uint64, len(objs)),
+		sums:  make([]uint64, len(objs)),
+		unref: unref,
+	}
+	for i, o := range xobjs {
+		st.lens[i] = o.len
+	}
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.refuseLocked(); err != nil {
+		st.drop()
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
+	s.reapLocked()
+	staged := s.d.staged(xobjs)
+	var plan *xferPlan
+	if staged {
+		if err := s.ensureStageLocked(); err != nil {
+			st.drop()
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		plan, err = planStaged(xobjs, [2]uint64{s.stage, s.stage + s.half}, s.half)
+	} else {
+		plan, err = planDirect(xobjs, buf.dptr)
+	}
+	if err != nil {
+		st.drop()
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
+	lay := plan.layout()
+	if lay.size > 0 {
+		if st.job, err = s.d.getJob(lay.size); err != nil {
+			st.drop()
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		st.job.lay = lay
+		plan.encode(st.job.buf, lay)
+	}
+	fn := s.d.gather
+	if scatter {
+		fn = s.d.scatter
+	}
+	e := enqueuer{s: s, st: st}
+	if staged {
+		e.staged(plan, buf, fn, scatter, flags)
+	} else {
+		e.direct(plan, fn, flags)
+	}
+	if e.err != nil {
+		// Part of the work may be enqueued: let it drain before the
+		// tables and references go back.
+		C.kv_stream_synchronize(s.d.ctx, s.h)
+		if s.aux != nil {
+			C.kv_stream_synchronize(s.d.ctx, s.aux)
+		}
+		st.drop()
+		return nil, s.failLocked(st.what, e.err)
+	}
+	return s.finishLocked(st)
+}
+
+// ensureStageLocked creates the kernel stream and the staging buffer of
+// staged transfers, on first use.
+func (s *driverStream) ensureStageLocked() error {
+	if s.aux == nil {
+		var aux C.CUstream
+		if err := check("cuStreamCreate", C.kv_stream_create(s.d.ctx, &aux)); err != nil {
+			return fmt.Errorf("cuda: staging stream: %w", err)
+		}
+		s.d.o.mu.Lock() // drain reads aux under it
+		s.aux = aux
+		s.d.o.mu.Unlock()
+	}
+	if s.stage == 0 {
+		half := s.d.stageHalf &^ 255 // keeps both halves 256-byte aligned
+		if half == 0 {
+			half = defaultStageHalf
+		}
+		// Stream-ordered: it never waits for the device, and work on the
+		// stream after this point may use it.
+		var p C.CUdeviceptr
+		if err := check("cuMemAllocAsync", C.kv_mem_alloc_async(s.d.ctx, &p, C.size_t(2*half), s.h)); err != nil {
+			return fmt.Errorf("cuda: staging buffer of %d B: %w", 2*half, err)
+		}
+		s.stage, s.half = uint64(p), half
+	}
+	return nil
+}
+
+// enqueuer issues the driver calls of one transfer and keeps the first
+// error; after an error it issues nothing more.
+type enqueuer struct {
+	s   *driverStream
+	st  *opState
+	err error
+}
+
+func (e *enqueuer) do(op string, r C.CUresult) {
+	if e.err == nil {
+		e.err = check(op, r)
+	}
+}
+
+// event records an internal event on h, owned by the operation.
+func (e *enqueuer) event(h C.CUstream) C.CUevent {
+	if e.err != nil {
+		return nil
+	}
+	ev, err := e.s.record(h)
+	if err != nil {
+		e.err = err
+		return nil
+	}
+	e.st.events = append(e.st.events, ev)
+	return ev
+}
+
+func (e *enqueuer) wait(h C.CUstream, ev C.CUevent) {
+	if e.err == nil {
+		e.do("cuStreamWaitEvent", C.kv_stream_wait_event(e.s.d.ctx, h, ev))
+	}
+}
+
+// tables copies the plan's tables to the device and zeroes the partial
+// sums, on h.
+func (e *enqueuer) tables(h C.CUstream) {
+	j := e.st.job
+	if j == nil || e.err != nil {
+		return
+	}
+	ctx := e.s.d.ctx
+	if j.lay.partials > 0 {
+		e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(ctx, C.CUdeviceptr(j.dev), j.host, C.size_t(j.lay.partials), h))
+	}
+	if n := j.lay.size - j.lay.partials; n > 0 && e.err == nil {
+		e.do("cuMemsetD8Async", C.kv_memset_d8_async(ctx, C.CUdeviceptr(j.dev+j.lay.partials), 0, C.size_t(n), h))
+	}
+}
+
+// sums copies the partial sums back to the pinned table block, on h.
+func (e *enqueuer) sums(h C.CUstream) {
+	j := e.st.job
+	if j == nil || e.err != nil {
+		return
+	}
+	if n := j.lay.size - j.lay.partials; n > 0 {
+		e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(e.s.d.ctx, unsafe.Add(j.host, j.lay.partials), C.CUdeviceptr(j.dev+j.lay.partials), C.size_t(n), h))
+	}
+}
+
+func (e *enqueuer) launch(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32) {
+	if e.err != nil {
+		return
+	}
+	j, b := e.st.job, &plan.batches[bi]
+	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(grid(b.nchunks, e.s.d.sms)), kThreads, h,
+		C.CUdeviceptr(j.dev+j.lay.segs[bi]), C.uint(len(b.segs)), C.CUdeviceptr(j.dev), C.ulonglong(b.nchunks),
+		C.CUdeviceptr(j.dev+j.lay.partials), C.uint(flags)))
+}
+
+// direct: one kernel reads or writes the mapped host buffer.
+func (e *enqueuer) direct(plan *xferPlan, fn C.CUfunction, flags uint32) {
+	h := e.s.h
+	e.tables(h)
+	for bi := range plan.batches {
+		e.launch(h, fn, plan, bi, flags)
+	}
+	e.sums(h)
+}
+
+// staged pipelines kernels on the aux stream A with copy-engine copies on
+// the stream S through the two halves of the staging buffer. Gather: A
+// packs batch i into half i%2 (after the copies of batch i-2 have drained
+// it), S copies it to the host buffer. Scatter: S copies batch i into half
+// i%2 (after the kernel of batch i-2 has drained it), A unpacks it. S ends
+// by waiting for A, so later work on S is ordered after the whole transfer.
+func (e *enqueuer) staged(plan *xferPlan, buf *driverHostBuf, fn C.CUfunction, scatter bool, flags uint32) {
+	S, A := e.s.h, e.s.aux
+	ctx := e.s.d.ctx
+	half := [2]uint64{e.s.stage, e.s.stage + e.s.half}
+	e.wait(A, e.event(S)) // kernels after the work already on S
+	e.tables(A)
+	drained := make([]C.CUevent, len(plan.batches))
+	for bi := range plan.batches {
+		b := &plan.batches[bi]
+		if !scatter {
+			if bi >= 2 {
+				e.wait(A, drained[bi-2])
+			}
+			e.launch(A, fn, plan, bi, flags)
+			e.wait(S, e.event(A))
+			for _, r := range b.runs {
+				if e.err == nil {
+					e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(ctx, unsafe.Add(buf.host, r.host), C.CUdeviceptr(half[b.half]+r.staging), C.size_t(r.len), S))
+				}
+			}
+			drained[bi] = e.event(S)
+		} else {
+			if bi >= 2 {
+				e.wait(S, drained[bi-2])
+			}
+			for _, r := range b.runs {
+				if e.err == nil {
+					e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(ctx, C.CUdeviceptr(half[b.half]+r.staging), unsafe.Add(buf.host, r.host), C.size_t(r.len), S))
+				}
+			}
+			e.wait(A, e.event(S))
+			e.launch(A, fn, plan, bi, flags)
+			drained[bi] = e.event(A)
+		}
+	}
+	e.sums(A)
+	e.wait(S, e.event(A))
+}
+
+// job is the table block of one transfer: pinned host memory the host
+// writes the tables into and reads the partial sums from, and device memory
+// the kernels read them from. Idle jobs are kept for reuse by the device.
+type job struct {
+	host unsafe.Pointer
+	buf  []byte
+	dev  uint64
+	cap  uint64
+	lay  tableLayout
+}
+
+// maxIdleJobs bounds the table blocks a device keeps for reuse.
+const maxIdleJobs = 16
+
+// getJob returns an idle table block of at least size bytes from the
+// ordinal's pool, or allocates one.
+func (d *driverDevice) getJob(size uint64) (*job, error) {
+	o := d.o
+	o.mu.Lock()
+	best := -1
+	for i, j := range o.jobs {
+		if j.cap >= size && (best < 0 || j.cap < o.jobs[best].cap) {
+			best = i
+		}
+	}
+	if best >= 0 {
+		j := o.jobs[best]
+		o.jobs = slices.Delete(o.jobs, best, best+1)
+		o.mu.Unlock()
+		return j, nil
+	}
+	o.mu.Unlock()
+	return d.newJob(max(uint64(64<<10), uint64(1)<<bits.Len64(size-1)))
+}
+
+func (d *driverDevice) newJob(c uint64) (*job, error) {
+	host, _, err := d.pinned(c)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: transfer tables of %d B: %w", c, err)
+	}
+	var p C.CUdeviceptr
+	if err := check("cuMemAlloc_v2", C.kv_mem_alloc(d.ctx, &p, C.size_t(c))); err != nil {
+		C.kv_mem_free_host(d.ctx, host)
+		return nil, fmt.Errorf("cuda: transfer tables of %d B: %w", c, err)
+	}
+	return &job{host: host, buf: unsafe.Slice((*byte)(host), c), dev: uint64(p), cap: c}, nil
+}
+
+// putJob returns a table block to the ordinal's pool.
+func (d *driverDevice) putJob(j *job) {
+	o := d.o
+	o.mu.Lock()
+	if len(o.jobs) < maxIdleJobs {
+		o.jobs = append(o.jobs, j)
+		o.mu.Unlock()
+		return
+	}
+	o.mu.Unlock()
+	o.freeLater(func() error { return j.free(d) })
+}
+
+func (j *job) free(d *driverDevice) error {
+	return errors.Join(
+		check("cuMemFreeHost", C.kv_mem_free_host(d.ctx, j.host)),
+		check("cuMemFree_v2", C.kv_mem_free(d.ctx, C.CUdeviceptr(j.dev))),
+	)
+}
+
+// partials reads the n partial sums the device copied back.
+func (j *job) partials(n int) []uint64 {
+	out := make([]uint64, n)
+	b := j.buf[j.lay.partials:]
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint64(b[8*i:])
+	}
+	return out
+}
