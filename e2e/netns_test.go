@@ -81,8 +81,14 @@ func (n *netlab) rankIP(r int) string { return fmt.Sprintf("%s.%d", n.subnet, 10
 func (n *netlab) hostIP() string      { return n.subnet + ".1" }
 
 func (n *netlab) teardown() {
+	// Delete the veth pairs explicitly: a namespace outlives its name while
+	// the kernel still holds sockets of it (a connection cut by the
+	// partition), and its veth pair with it.
+	for _, h := range n.vethH {
+		_ = ipCmd("link", "del", h)
+	}
 	for _, ns := range n.ns {
-		_ = ipCmd("netns", "del", ns) // removes the veth pair too
+		_ = ipCmd("netns", "del", ns)
 	}
 	_ = ipCmd("link", "del", n.bridge)
 }
