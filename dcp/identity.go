@@ -212,3 +212,29 @@ func parseU16(s, what string) (uint16, error) {
 	}
 	return uint16(v), nil
 }
+
+// MarshalText encodes a namespace as 32 lowercase hex digits (JSON strings).
+func (n Namespace) MarshalText() ([]byte, error) { return []byte(n.String()), nil }
+
+// UnmarshalText parses 32 lowercase hex digits.
+func (n *Namespace) UnmarshalText(b []byte) error {
+	v, err := ParseNamespace(string(b))
+	if err != nil {
+		return err
+	}
+	*n = v
+	return nil
+}
+
+// MarshalText encodes a chunk hash as 32 lowercase hex digits.
+func (c ChunkHash) MarshalText() ([]byte, error) { return []byte(c.String()), nil }
+
+// UnmarshalText parses 32 lowercase hex digits.
+func (c *ChunkHash) UnmarshalText(b []byte) error {
+	v, err := ParseChunkHash(string(b))
+	if err != nil {
+		return err
+	}
+	*c = v
+	return nil
+}

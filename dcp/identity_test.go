@@ -2,7 +2,9 @@ package dcp
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -158,4 +160,27 @@ func FuzzGroupResolve(f *testing.F) {
 		}
 		_, _ = pg.PageExtent(int64(bs) * 1000)
 	})
+}
+
+func TestJSONUsesHex(t *testing.T) {
+	type msg struct {
+		NS    Namespace   `json:"ns"`
+		Chunk []ChunkHash `json:"chunks"`
+		Key   Key         `json:"key"`
+	}
+	in := msg{NS: Namespace{0xab}, Chunk: []ChunkHash{{1}, {2, 15: 0xff}}, Key: Key{Shard: 2}}
+	b, err := json.Marshal(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(b), `"ns":"ab000000000000000000000000000000"`) {
+		t.Fatalf("namespace not hex in %s", b)
+	}
+	var out msg
+	if err := json.Unmarshal(b, &out); err != nil || !reflect.DeepEqual(in, out) {
+		t.Fatalf("JSON round trip: %+v %v", out, err)
+	}
+	if err := json.Unmarshal([]byte(`{"ns":"AB000000000000000000000000000000"}`), &out); !errors.Is(err, ErrKey) {
+		t.Fatalf("uppercase namespace: err = %v", err)
+	}
 }
