@@ -2,6 +2,8 @@ package index_test
 
 import (
 	"errors"
+	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -306,4 +308,81 @@ func TestNamespaceRegistry(t *testing.T) {
 		t.Fatalf("lookup after reopen: %+v", got)
 	}
 	mustVerify(t, ix2.Index)
+}
+
+// TestLookupMatchesModel compares Lookup with a brute-force model built
+// from Get, on random worlds: three specs, two instances, random L1/L2
+// placements of any shard by any rank, restarts and fences.
+func TestLookupMatchesModel(t *testing.T) {
+	specs := []dcp.Spec{mlaSpec(4, 1), mlaSpec(4, 4), mlaSpec(4, 2), gqaSpec(4)}
+	for seed := range uint64(12) {
+		rng := rand.New(rand.NewPCG(seed, 3))
+		ix := openTest(t, "", func(c *index.Config) { c.NoSync = true })
+		w, res := newWorld(t, ix.Index, specs[seed%uint64(len(specs))])
+		shards, groups := 0, len(res.Groups)
+		for _, e := range res.Expectations() {
+			shards = max(shards, e.Shard+1)
+		}
+		const nChunks = 6
+		for range 150 {
+			r := rk([]string{"i0", "i1"}[rng.IntN(2)], rng.IntN(4))
+			switch x := rng.IntN(100); {
+			case x < 3:
+				w.restart(r)
+			case x < 5:
+				if _, err := ix.FenceRank(ctx, r); err != nil {
+					t.Fatal(err)
+				}
+				w.restart(r) // a fenced rank comes back as a new incarnation
+			default:
+				kind := wire.Stored
+				if rng.IntN(5) == 0 {
+					kind = wire.Removed
+				}
+				w.event(r, kind, wire.Tier(1+rng.IntN(2)), rng.IntN(nChunks), rng.IntN(shards), rng.IntN(groups))
+			}
+		}
+		for _, inst := range []string{"i0", "i1", "nobody"} {
+			got := lookup(t, ix.Index, inst, w.ns, nChunks)
+			// Model.
+			prefix := 0
+			var want []index.Source
+			for i := range nChunks {
+				var row []index.Source
+				for _, e := range got.Expectations {
+					k := dcp.Key{NS: w.ns, Chunk: indextest.Chunk(7, uint64(i)), Shard: uint16(e.Shard), Group: uint16(e.Group)}
+					best, bestScore := index.Holder{}, 0
+					for _, h := range ix.Get(k) {
+						sc := 0
+						switch {
+						case h.Rank == rk(inst, e.Rank) && h.Tier == wire.L1:
+							sc = 4
+						case h.Rank == rk(inst, e.Rank):
+							sc = 3
+						case h.Tier == wire.L2 && h.Rank.Instance == inst:
+							sc = 2
+						}
+						if sc > bestScore || (sc == 2 && bestScore == 2 && h.Rank.TPRank < best.Rank.TPRank) {
+							best, bestScore = h, sc
+						}
+					}
+					if bestScore == 0 {
+						row = nil
+						break
+					}
+					row = append(row, index.Source{HolderTP: int32(best.Rank.TPRank), Tier: best.Tier, Size: best.Size, Sum: best.Sum})
+				}
+				if row == nil {
+					break
+				}
+				want = append(want, row...)
+				prefix++
+			}
+			if got.Prefix != prefix || !slices.Equal(got.Sources, want) {
+				t.Fatalf("seed %d instance %s: prefix %d sources %+v, model prefix %d sources %+v",
+					seed, inst, got.Prefix, got.Sources, prefix, want)
+			}
+		}
+		mustVerify(t, ix.Index)
+	}
 }

@@ -146,6 +146,7 @@ type lookupPlan struct {
 	groups  int
 	shards  int
 	readers [][]int32 // by shard*groups+group: indexes into exps
+	one     []int32   // by shard*groups+group: the only reader, or -1 (see readers)
 }
 
 func newPlan(r *dcp.Resolved) *lookupPlan {
@@ -157,6 +158,13 @@ func newPlan(r *dcp.Resolved) *lookupPlan {
 	for j, e := range pl.exps {
 		o := e.Shard*pl.groups + e.Group
 		pl.readers[o] = append(pl.readers[o], int32(j))
+	}
+	pl.one = make([]int32, len(pl.readers))
+	for o, rs := range pl.readers {
+		pl.one[o] = -1
+		if len(rs) == 1 {
+			pl.one[o] = rs[0]
+		}
 	}
 	return pl
 }
@@ -171,24 +179,22 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, sc
 		return false
 	}
 	clear(score)
+	shards, groups, one := pl.shards, pl.groups, pl.one
 	for k := range s {
 		p := &s[k]
-		if int(p.shard) >= pl.shards || int(p.group) >= pl.groups {
+		sh, g := int(p.shard), int(p.group)
+		if sh >= shards || g >= groups {
 			continue
 		}
-		for _, j := range pl.readers[int(p.shard)*pl.groups+int(p.group)] {
-			var sc int32
-			switch {
-			case p.tier == wire.L1:
-				if int32(p.rank) == readers[j] {
-					sc = 4
-				}
-			case int32(p.rank) == readers[j]:
-				sc = 3
-			case p.inst == inst:
-				sc = 2
+		o := sh*groups + g
+		if j := one[o]; j >= 0 { // the common case: one reader per object
+			if sc := p.score(readers[j], inst); sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
+				score[j], best[j] = sc, int32(k)
 			}
-			if sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
+			continue
+		}
+		for _, j := range pl.readers[o] {
+			if sc := p.score(readers[j], inst); sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 		}
@@ -199,6 +205,22 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, sc
 		}
 	}
 	return true
+}
+
+// score rates p for a reader (rank id) of instance inst: 4 the reader's
+// own L1, 3 its own L2, 2 another rank's L2 of the same instance, 0
+// unusable.
+func (p *placement) score(reader int32, inst uint32) int32 {
+	if int32(p.rank) == reader {
+		if p.tier == wire.L1 {
+			return 4
+		}
+		return 3
+	}
+	if p.tier == wire.L2 && p.inst == inst {
+		return 2
+	}
+	return 0
 }
 
 // Holder is one copy of an object.
