@@ -22,11 +22,17 @@ import (
 // restart opens the index, passes verify, and once the ranks have resent
 // what was not acknowledged (and resynced where needed) the index agrees
 // exactly with every rank's inventory.
-func TestCoordinatorKill9DuringIngest(t *testing.T) {
-	kills, window := 5, 30*time.Second
-	if os.Getenv("KVTIER_SOAK") == "1" {
-		kills, window = 25, 150*time.Second
+func TestCoordinatorKill9DuringIngest(t *testing.T) { coordKillCampaign(t, 5, 30*time.Second) }
+
+// TestSoakCoordinatorKillCampaign is the long version (make soak).
+func TestSoakCoordinatorKillCampaign(t *testing.T) {
+	if os.Getenv("KVTIER_SOAK") != "1" {
+		t.Skip("soak: set KVTIER_SOAK=1 (make soak)")
 	}
+	coordKillCampaign(t, 30, 180*time.Second)
+}
+
+func coordKillCampaign(t *testing.T, kills int, window time.Duration) {
 	c := newKV(t, 4)
 	c.l1 = "48MiB" // small: stores keep evicting, so Removed events flow too
 	c.startAll()

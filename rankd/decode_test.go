@@ -149,7 +149,7 @@ func fuzzCheck(t *testing.T, err error) {
 
 func FuzzDecodeStoreRequest(f *testing.F) {
 	f.Add(validStore(f))
-	f.Add([]byte(`{"request_id":"a","namespace":[1,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"chunks":[{"blocks":[[]]}],"event":{"backend":"host","raw":"eA=="}}`))
+	f.Add([]byte(`{"request_id":"a","namespace":"01000000000000000000000000000000","chunks":[{"blocks":[[]]}],"event":{"backend":"host","raw":"eA=="}}`))
 	f.Add([]byte(`{}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		req, err := DecodeStoreRequest(data)
@@ -173,7 +173,7 @@ func FuzzDecodeStoreRequest(f *testing.F) {
 
 func FuzzDecodeRetrieveRequest(f *testing.F) {
 	f.Add(validRetrieve(f))
-	f.Add([]byte(`{"namespace":[1,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"items":[{"blocks":[1]}]}`))
+	f.Add([]byte(`{"namespace":"01000000000000000000000000000000","items":[{"blocks":[1]}]}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		req, err := DecodeRetrieveRequest(data)
 		fuzzCheck(t, err)

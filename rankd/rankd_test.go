@@ -317,7 +317,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}{
 		{OpStore, `{garbage`, wire.CodeBadRequest},
 		{OpStore, `{"request_id":"x","bogus":1}`, wire.CodeBadRequest},
-		{OpRetrieve, `{"namespace":[9,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"items":[{"key":"09000000000000000000000000000000.00000000000000000000000000000000.1.0","blocks":[1]}]}`, wire.CodeUnknownNamespace},
+		{OpRetrieve, `{"namespace":"09000000000000000000000000000000","items":[{"key":"09000000000000000000000000000000.00000000000000000000000000000000.1.0","blocks":[1]}]}`, wire.CodeUnknownNamespace},
 		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"items":[{"key":"` + key.String() + `","blocks":[99]}]}`, wire.CodeBadRequest},
 		{OpRegister, string(mustJSON(t, func() wire.RegisterRequest {
 			r := e.registerReq(t)
@@ -340,6 +340,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 		t.Fatalf("oversize store: %v %.100s", err, data)
 	}
 
+	var we *wire.Error
 	stat, err := bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
 	if err != nil || stat.Incarnation != h.d.Incarnation() || !stat.Accepting || stat.Engine.ObjectsStored != 1 {
 		t.Fatalf("status %+v, %v", stat, err)
@@ -354,6 +355,19 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}
 	if !found {
 		t.Fatalf("inventory lacks %s in L1: %+v", key, inv.Objects)
+	}
+
+	// Release: the pools are gone, the objects stay.
+	if _, err := bus.Call[ReleaseReply](ctx, h.nc, h.subj.Engine(h.rank, OpRelease), ReleaseRequest{Namespace: e.res.Namespace}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
+		Namespace: e.res.Namespace, Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Blocks: []int64{6}}}})
+	if !errors.As(err, &we) || we.Code != wire.CodeUnknownNamespace {
+		t.Fatalf("retrieve after release: %v, want %s", err, wire.CodeUnknownNamespace)
+	}
+	if inv, err := bus.Call[wire.Inventory](ctx, h.nc, h.subj.Inventory(h.rank), struct{}{}); err != nil || len(inv.Objects) == 0 {
+		t.Fatalf("inventory after release: %+v, %v", inv, err)
 	}
 
 	// Health and metrics.
@@ -384,7 +398,6 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}
 	// After shutdown, engine requests get no answer (or unavailable).
 	_, err = bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
-	var we *wire.Error
 	if err == nil || (errors.As(err, &we) && we.Code != wire.CodeUnavailable) {
 		t.Fatalf("status after shutdown: %v", err)
 	}
