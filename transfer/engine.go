@@ -213,6 +213,11 @@ func (e *Engine) Close(ctx context.Context) error {
 	select {
 	case <-e.closed:
 		return e.cerr
+	default:
+	}
+	select {
+	case <-e.closed:
+		return e.cerr
 	case <-ctx.Done():
 		return ctx.Err()
 	}
