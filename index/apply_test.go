@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/index/indextest"
 	"github.com/kvtier/kvtier/wire"
+	bolt "go.etcd.io/bbolt"
 )
 
 // TestApplyRules walks one rank through every C7 rule and checks each
@@ -294,5 +297,88 @@ func TestConfigValidate(t *testing.T) {
 		if _, err := index.Open(c); !errors.Is(err, index.ErrConfig) {
 			t.Fatalf("open case %d: %v", i, err)
 		}
+	}
+}
+
+// TestCommitFailureIsSticky: when bbolt cannot commit (here: the file may
+// not grow), the caller gets an error, nothing of the failed group is
+// visible, later writes are refused, queries keep answering from the last
+// committed state, and a reopen recovers exactly what was acknowledged.
+func TestCommitFailureIsSticky(t *testing.T) {
+	dir := t.TempDir()
+	ix := openTest(t, dir, func(c *index.Config) { c.MaxFileBytes = 1 << 20 })
+	s := indextest.NewRank(wire.Rank{Instance: "full", TPRank: 0}, 1, indextest.Keys(testNS, 2, 1<<14, 1, 1), 2)
+	var acked uint64
+	var failErr error
+	for i := 0; i < 1000 && failErr == nil; i++ {
+		b := s.Next(512)
+		o, err := ix.Apply(ctx, b)
+		if err != nil {
+			failErr = err
+			break
+		}
+		acked = o.LastSeq
+	}
+	if !errors.Is(failErr, index.ErrFailed) {
+		t.Fatalf("filling a capped file: %v, want ErrFailed", failErr)
+	}
+	if _, err := ix.Apply(ctx, s.Next(1)); !errors.Is(err, index.ErrFailed) {
+		t.Fatalf("write after failure: %v", err)
+	}
+	info, err := ix.ListRank(s.Rank)
+	if err != nil || info.LastSeq != acked {
+		t.Fatalf("after failure the index shows seq %d, acknowledged %d (%v)", info.LastSeq, acked, err)
+	}
+	mustVerify(t, ix.Index)
+	if err := ix.Close(); err != nil {
+		t.Logf("close after failure: %v", err)
+	}
+	ix2 := openTest(t, dir, nil)
+	info2, err := ix2.ListRank(s.Rank)
+	if err != nil || info2.LastSeq != acked || !reflect.DeepEqual(info2.Placements, info.Placements) {
+		t.Fatalf("after reopen seq %d (%d placements), acknowledged %d (%d placements)",
+			info2.LastSeq, len(info2.Placements), acked, len(info.Placements))
+	}
+	mustVerify(t, ix2.Index)
+}
+
+// TestCorruptStore: bytes that do not decode make Open fail with
+// ErrCorrupt; a store that decodes but breaks an invariant opens, and
+// Verify names the problem.
+func TestCorruptStore(t *testing.T) {
+	dir := t.TempDir()
+	ix := openTest(t, dir, nil)
+	r := wire.Rank{Instance: "t", TPRank: 0}
+	mustApply(t, ix.Index, wire.Batch{Rank: r, Incarnation: 1, Events: []wire.Event{
+		stored(1, wire.L1, key(1, 0, 0), 10, 1), stored(2, wire.L2, key(1, 0, 0), 10, 1)}})
+	if err := ix.Close(); err != nil {
+		t.Fatal(err)
+	}
+	tamper := func(bucket, k, v []byte) {
+		t.Helper()
+		db, err := bolt.Open(ix.path, 0o600, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db.Close()
+		if err := db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put(k, v) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The rank record says nothing past seq 0 was applied.
+	tamper([]byte("ranks"), []byte{0, 0, 0, 1}, []byte{1, 1, 't', 0, 1, 0, 0})
+	ix2 := openTest(t, dir, nil)
+	rep, err := ix2.Verify(ctx)
+	if !errors.Is(err, index.ErrInconsistent) || !strings.Contains(strings.Join(rep.Problems, "\n"), "last applied seq is 0") {
+		t.Fatalf("verify of a broken invariant: %v %v", err, rep.Problems)
+	}
+	if err := ix2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	tamper([]byte("chunks"), []byte("not a key"), []byte{1})
+	cfg := index.DefaultConfig()
+	cfg.Path = ix.path
+	if _, err := index.Open(cfg); !errors.Is(err, index.ErrCorrupt) {
+		t.Fatalf("open of a corrupt store: %v", err)
 	}
 }

@@ -139,13 +139,19 @@ func (d *decoder) u16(what string) uint16 {
 	return uint16(v)
 }
 
+// bytes returns the next n bytes. After an error it returns zeros (up to
+// 16 bytes, the most a fixed-size field needs; nothing for longer ones),
+// never an allocation sized by untrusted input.
 func (d *decoder) bytes(n int, what string) []byte {
-	if d.err != nil {
-		return make([]byte, n)
-	}
-	if len(d.p) < n {
+	if d.err == nil && (n < 0 || len(d.p) < n) {
 		d.fail(what)
-		return make([]byte, n)
+	}
+	if d.err != nil {
+		var zero [16]byte
+		if n >= 0 && n <= len(zero) {
+			return zero[:n]
+		}
+		return nil
 	}
 	b := d.p[:n]
 	d.p = d.p[n:]

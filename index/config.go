@@ -45,6 +45,10 @@ type Config struct {
 	// avoids remaps while the file grows. Default 256 MiB (address space
 	// only; it is not allocated).
 	InitialMmapSize int
+	// MaxFileBytes caps the bbolt file (bbolt's MaxSize): a commit that
+	// would grow it further fails, and the index then refuses writes
+	// (ErrFailed) until it is reopened with more room. Default 0: no cap.
+	MaxFileBytes int
 	// OpenTimeout bounds the wait for bbolt's file lock at Open (another
 	// process holding the file). Default 5 s.
 	OpenTimeout time.Duration
@@ -82,6 +86,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("queue depth %d must be >= 1: %w", c.QueueDepth, ErrConfig)
 	case c.CheckpointBytes < 1:
 		return fmt.Errorf("checkpoint bytes %d must be >= 1: %w", c.CheckpointBytes, ErrConfig)
+	case c.MaxFileBytes < 0:
+		return fmt.Errorf("max file bytes %d must be >= 0: %w", c.MaxFileBytes, ErrConfig)
 	case c.InitialMmapSize < 0:
 		return fmt.Errorf("initial mmap size %d must be >= 0: %w", c.InitialMmapSize, ErrConfig)
 	case c.OpenTimeout <= 0:

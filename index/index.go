@@ -116,6 +116,7 @@ func Open(cfg Config) (*Index, error) {
 		NoFreelistSync:  true, // rebuilt by scanning at Open: commits write less
 		FreelistType:    bolt.FreelistMapType,
 		InitialMmapSize: cfg.InitialMmapSize,
+		MaxSize:         cfg.MaxFileBytes,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
@@ -417,7 +418,7 @@ func (ix *Index) process(g []*request) {
 			close(r.done)
 			continue
 		}
-		if ix.failed != nil {
+		if ix.failed != nil && r.kind != reqVerify { // reads stay available for diagnosis
 			r.err = fmt.Errorf("%w: %w", ErrFailed, ix.failed)
 			close(r.done)
 			continue
