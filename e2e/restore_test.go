@@ -205,3 +205,24 @@ func TestCorruptL2Object(t *testing.T) {
 		t.Fatalf("the corrupt file is still served at %s (want it quarantined): %v", path, err)
 	}
 }
+
+// A coordinator restarted on another NATS port: the rankds, which found
+// NATS through the coordinator's member metadata, follow it there, and what
+// they stored before is still restorable.
+func TestCoordinatorMovesNATS(t *testing.T) {
+	c := newKV(t, 4)
+	c.startAll()
+	c.mustSim("--scenario", "tp4dcp4", "--phase", "store")
+	c.coord.stop()
+	c.nc.Close()
+	c.nc = nil
+	c.natsPort = freePort(t)
+	c.startCoordinator()
+	for r := range c.tp {
+		c.waitRank(r) // answers on the new NATS
+	}
+	res := c.mustSim("--scenario", "tp4dcp4", "--phase", "restore")
+	if res.Verdict != wire.VerdictComplete {
+		t.Fatalf("restore after the coordinator moved: %+v", res)
+	}
+}

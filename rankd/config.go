@@ -73,6 +73,11 @@ type Config struct {
 	// Default "": use the URLs the coordinator gossips in its member
 	// metadata.
 	NATSURL string
+	// NATSSwitchAfter: with a discovered NATS URL, how long the connection
+	// must be down before the daemon moves to other URLs the coordinator
+	// gossips (it restarted elsewhere). Default 3 s. Shorter moves sooner;
+	// a NATS restart at the old address within it is simply reconnected.
+	NATSSwitchAfter time.Duration
 	// Prefix is the first token of every NATS subject. Default "kvtier".
 	Prefix string
 
@@ -117,6 +122,7 @@ func DefaultConfig() Config {
 		BindPort:        -1, // 7946 + 1 + TP rank
 		Detector:        cluster.DefaultDetector(),
 		JoinTimeout:     30 * time.Second,
+		NATSSwitchAfter: 3 * time.Second,
 		Prefix:          wire.DefaultPrefix,
 		HTTPAddr:        "127.0.0.1:0",
 		EventAckTimeout: 2 * time.Second,
@@ -175,6 +181,8 @@ func (c *Config) Validate() error {
 		return bad("advertise port %d outside 0..65535", c.AdvertisePort)
 	case c.Prefix == "" || strings.ContainsAny(c.Prefix, ".*> \t\r\n"):
 		return bad("subject prefix %q must be one non-empty NATS token", c.Prefix)
+	case c.NATSSwitchAfter <= 0:
+		return bad("NATS switch delay %v must be > 0", c.NATSSwitchAfter)
 	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0:
 		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v)",
 			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout)

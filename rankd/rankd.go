@@ -235,7 +235,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	}()
 	go func() {
 		defer d.wg.Done()
-		d.rejoinLoop()
+		d.watchLoop()
 	}()
 
 	if err := d.subscribe(nc); err != nil {
@@ -266,37 +266,86 @@ func (d *Daemon) discoverNATS(ctx context.Context) (string, error) {
 	}
 }
 
-// rejoinLoop joins the seeds again whenever no coordinator is alive in the
-// member table: a restarted coordinator starts a cluster of its own and
-// only learns of the ranks when they contact it.
-func (d *Daemon) rejoinLoop() {
-	if len(d.cfg.Join) == 0 {
-		return
-	}
+// watchLoop keeps the daemon attached to the coordinator:
+//   - it joins the seeds again whenever no coordinator is alive in the
+//     member table (a restarted coordinator starts a cluster of its own and
+//     only learns of the ranks when they contact it);
+//   - when the NATS URL was discovered (not configured) and the connection
+//     has been down for NATSSwitchAfter while an alive coordinator gossips
+//     other URLs (it moved or restarted on another port), it connects
+//     there, subscribes again and hands the publisher the new connection.
+func (d *Daemon) watchLoop() {
 	t := time.NewTicker(500 * time.Millisecond)
 	defer t.Stop()
+	var downSince time.Time
 	for {
 		select {
 		case <-d.stop:
 			return
 		case <-t.C:
 		}
-		alive := false
+		var coord *cluster.Member
 		for _, m := range d.clu.Members() {
 			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive {
-				alive = true
+				coord = &m
 				break
 			}
 		}
-		if alive {
+		if coord == nil && len(d.cfg.Join) > 0 {
+			ctx, cancel := context.WithTimeout(d.life, time.Second)
+			if _, err := d.clu.Join(ctx); err == nil {
+				d.log.Info("rejoined the cluster through the seeds (no coordinator was alive)")
+			}
+			cancel()
+		}
+		if d.cfg.NATSURL != "" {
 			continue
 		}
-		ctx, cancel := context.WithTimeout(d.life, time.Second)
-		if _, err := d.clu.Join(ctx); err == nil {
-			d.log.Info("rejoined the cluster through the seeds (no coordinator was alive)")
+		d.mu.Lock()
+		nc, cur := d.nc, d.natsURL
+		d.mu.Unlock()
+		if nc == nil || nc.IsConnected() {
+			downSince = time.Time{}
+			continue
 		}
-		cancel()
+		if downSince.IsZero() {
+			downSince = time.Now()
+		}
+		if coord == nil || len(coord.Meta.NATS) == 0 || time.Since(downSince) < d.cfg.NATSSwitchAfter {
+			continue
+		}
+		if url := strings.Join(coord.Meta.NATS, ","); url != cur {
+			d.switchNATS(url)
+			downSince = time.Time{}
+		}
 	}
+}
+
+// switchNATS moves the daemon to another NATS URL.
+func (d *Daemon) switchNATS(url string) {
+	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank))
+	if err != nil {
+		d.log.Warn("the coordinator gossips another NATS URL, which does not answer", zap.String("url", url), zap.Error(err))
+		return
+	}
+	d.mu.Lock()
+	if d.stopped {
+		d.mu.Unlock()
+		nc.Close()
+		return
+	}
+	old, oldSubs, oldURL := d.nc, d.subs, d.natsURL
+	d.nc, d.subs, d.natsURL = nc, nil, url
+	d.mu.Unlock()
+	if err := d.subscribe(nc); err != nil {
+		d.log.Error("subscribe on the new NATS connection", zap.Error(err))
+	}
+	d.pub.setConn(nc)
+	for _, s := range oldSubs {
+		_ = s.Unsubscribe()
+	}
+	old.Close()
+	d.log.Warn("moved to the coordinator's new NATS URL", zap.String("from", oldURL), zap.String("to", url))
 }
 
 func (d *Daemon) subscribe(nc *nats.Conn) error {
@@ -341,7 +390,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 		return d.shutErr
 	}
 	d.closing = true
-	nc := d.nc
+	connected := d.nc != nil
 	d.mu.Unlock()
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.ShutdownTimeout)
@@ -363,7 +412,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 		errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
 	}
 	// 3. Every event reaches the coordinator (durably) or is counted lost.
-	if nc != nil {
+	if connected {
 		if n := d.pub.flush(ctx); n > 0 {
 			d.log.Error("event batches not acknowledged at shutdown (the coordinator will resync)", zap.Int("batches", n))
 			errs = append(errs, fmt.Errorf("%d event batches not acknowledged", n))
@@ -376,19 +425,28 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	// 4. Leave the cluster so the coordinator sees a graceful exit.
 	d.mu.Lock()
 	started := d.started
-	subs := d.subs
-	d.subs = nil
 	d.mu.Unlock()
 	if started {
 		if err := d.clu.Leave(2 * time.Second); err != nil && !errors.Is(err, cluster.ErrNotStarted) {
 			d.log.Warn("leave", zap.Error(err))
 		}
 	}
+	// 5. Stop the daemon's goroutines, then close what they used.
 	d.mu.Lock()
 	d.stopped = true
 	d.mu.Unlock()
 	close(d.stop)
 	d.stopLife()
+	if d.httpSrv != nil {
+		sctx, scancel := context.WithTimeout(context.Background(), time.Second)
+		_ = d.httpSrv.Shutdown(sctx)
+		scancel()
+	}
+	d.wg.Wait()
+	d.mu.Lock()
+	subs, nc := d.subs, d.nc
+	d.subs = nil
+	d.mu.Unlock()
 	for _, s := range subs {
 		_ = s.Unsubscribe()
 	}
@@ -398,12 +456,6 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	if nc != nil {
 		nc.Close()
 	}
-	if d.httpSrv != nil {
-		sctx, scancel := context.WithTimeout(context.Background(), time.Second)
-		_ = d.httpSrv.Shutdown(sctx)
-		scancel()
-	}
-	d.wg.Wait()
 	if err := d.dev.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close device: %w", err))
 	}
