@@ -11,11 +11,14 @@
 # and restores both prompts again from L2 in a fresh engine process. Exits
 # non-zero on any failure; every child is stopped on exit.
 #
-# Environment: BIN (default bin), KEEP=1 keeps the temp dir, DEMO_PORT_BASE
-# picks the ports (NATS base, gossip base+1, rankds base+2..base+5, HTTP 0).
+# Environment: BIN (default bin), DEVICE (default host; cuda:0 on a GPU
+# machine runs every rank and the engine on that GPU through CUDA IPC),
+# KEEP=1 keeps the temp dir, DEMO_PORT_BASE picks the ports (NATS base,
+# gossip base+1, rankds base+2..base+5, HTTP 0).
 set -euo pipefail
 
 BIN=${BIN:-bin}
+DEVICE=${DEVICE:-host}
 for b in coordinator rankd enginesim; do
 	if [[ ! -x $BIN/$b ]]; then
 		echo "demo: $BIN/$b missing; run 'make build' first" >&2
@@ -92,7 +95,7 @@ start_coordinator() {
 
 start_rankds() {
 	for ((r = 0; r < TP; r++)); do
-		"$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$TP" --dcp-size 4 --device host \
+		"$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$TP" --dcp-size 4 --device "$DEVICE" \
 			--host-dir "$WORK/shm" --l1-bytes 256MiB --l2-dir "$WORK/l2" --l2-policy write-through \
 			--join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2 + r))" --http 127.0.0.1:0 --log-level warn \
 			>>"$WORK/logs/rankd$r.log" 2>&1 &
@@ -102,7 +105,7 @@ start_rankds() {
 		local alive
 		alive=$("$BIN/coordinator" members --nats "$NATS" --timeout 1s 2>/dev/null | awk '$2=="rankd" && $3=="alive"' | wc -l)
 		if [[ $alive -eq $TP ]]; then
-			info "$TP rankds alive in the cluster (host backend, L1 256 MiB each, shared L2 $WORK/l2)"
+			info "$TP rankds alive in the cluster (device $DEVICE, L1 256 MiB each, shared L2 $WORK/l2)"
 			return 0
 		fi
 		for ((r = 0; r < TP; r++)); do
@@ -131,7 +134,7 @@ wait_children_of_stop() {
 }
 
 sim() {
-	"$BIN/enginesim" --nats "$NATS" --device host --host-dir "$WORK/shm" --instance engine0 "$@"
+	"$BIN/enginesim" --nats "$NATS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 "$@"
 }
 
 t0=$SECONDS
