@@ -19,6 +19,7 @@ import (
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -36,17 +37,18 @@ import (
 //
 // Each rank applies its events in batches of KVTIER_BENCH_BATCH (default
 // 1024) from its own goroutine with ApplyAsync, keeping up to
-// KVTIER_BENCH_INFLIGHT (default 4) unacknowledged batches, like a rankd
+// KVTIER_BENCH_INFLIGHT (default 8) unacknowledged batches, like a rankd
 // publishing with asynchronous EventAcks. Reported: durable events/s (ingest until the
 // last Apply returned, checkpoints included) and with the final fold; lookup
 // p50/p99 over every request's chain; lookup p99 of 128-chunk chains (x8
-// expectations).
+// expectations), quiescent and while a second instance's replay is being
+// ingested.
 //
 // Trace: $KVTIER_TRACE, or ../shared/data/traces/mooncake_conversation_trace.jsonl
 // relative to the repository root; skipped when absent.
 func BenchmarkTraceReplay(b *testing.B) {
 	reqs := loadTrace(b)
-	batch, inflight := 1024, 4
+	batch, inflight := 1024, 8
 	if v, err := strconv.Atoi(os.Getenv("KVTIER_BENCH_BATCH")); err == nil && v > 0 {
 		batch = v
 	}
@@ -168,21 +170,16 @@ func (r *lruRank) store(k dcp.Key, size uint64) {
 	}
 }
 
-func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize, inflight int) {
-	b.StopTimer()
-	res, err := spec.Resolve()
-	if err != nil {
-		b.Fatal(err)
-	}
-	const inst = "trace"
-	tp := spec.Layout.TP
+// buildWorld simulates the ranks of one engine instance serving the trace
+// in namespace res and returns each rank's event batches.
+func buildWorld(reqs [][]dcp.ChunkHash, res *dcp.Resolved, inst string, batchSize int) ([][]wire.Batch, int) {
+	tp := res.Layout.TP
 	ranks := make([]*lruRank, tp)
 	for i := range ranks {
 		ranks[i] = &lruRank{rank: wire.Rank{Instance: inst, TPRank: i}, cap: 32768, lru: list.New(),
 			where: make(map[dcp.Key]*list.Element)}
 	}
-	// Who stores what: per writer TP rank, its shard.
-	var writers []int
+	var writers []int // who stores what: the TP ranks that store a shard
 	for t := range tp {
 		if _, ok := res.StoreShard(0, t); ok {
 			writers = append(writers, t)
@@ -214,28 +211,18 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 		total += len(r.events)
 		batches = append(batches, bs)
 	}
+	return batches, total
+}
 
-	dir := b.TempDir()
-	cfg := index.DefaultConfig()
-	cfg.Path = filepath.Join(dir, "index.db")
-	cfg.Logger = zap.NewNop()
-	ix, err := index.Open(cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ix.Close()
-	if _, err := ix.RegisterNamespace(ctx, spec); err != nil {
-		b.Fatal(err)
-	}
-
-	b.StartTimer()
+// ingest applies every rank's batches, one goroutine per rank with up to
+// inflight batches unacknowledged, and returns the wall and CPU time.
+func ingest(b *testing.B, ix *index.Index, batches [][]wire.Batch, inflight int) (time.Duration, time.Duration) {
 	start, cpu0 := time.Now(), processCPU()
 	var wg sync.WaitGroup
 	for _, bs := range batches {
 		wg.Add(1)
 		go func(bs []wire.Batch) {
 			defer wg.Done()
-			// Up to `inflight` unacknowledged batches per rank, in order.
 			var window []*index.Pending
 			wait := func(p *index.Pending) bool {
 				o, err := p.Wait()
@@ -267,14 +254,55 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 		}(bs)
 	}
 	wg.Wait()
-	ingest, ingestCPU := time.Since(start), processCPU()-cpu0
+	return time.Since(start), processCPU() - cpu0
+}
+
+func pct(d []time.Duration, p float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[min(len(s)-1, int(float64(len(s))*p))]
+}
+
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+
+func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize, inflight int) {
+	b.StopTimer()
+	res, err := spec.Resolve()
+	if err != nil {
+		b.Fatal(err)
+	}
+	const inst = "trace"
+	batches, total := buildWorld(reqs, res, inst, batchSize)
+
+	dir := b.TempDir()
+	cfg := index.DefaultConfig()
+	cfg.Path = filepath.Join(dir, "index.db")
+	cfg.Logger = zap.NewNop()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	ix, err := index.Open(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ix.Close()
+	if _, err := ix.RegisterNamespace(ctx, spec); err != nil {
+		b.Fatal(err)
+	}
+
+	b.StartTimer()
+	start := time.Now()
+	wall, cpu := ingest(b, ix, batches, inflight)
+	commits := counter(b, reg, "kvtier_index_commits_total")
+	commitSecs := histSum(b, reg, "kvtier_index_commit_seconds")
 	if err := ix.Checkpoint(ctx); err != nil {
 		b.Fatal(err)
 	}
 	withFold := time.Since(start)
 
-	// Lookup of every request's full chain, on the quiescent index, with
-	// Lookup (a new result each time).
+	// Lookup of every request's full chain, on the quiescent index.
 	lat := make([]time.Duration, 0, len(reqs))
 	hits, chunks := 0, 0
 	for _, chain := range reqs {
@@ -288,8 +316,8 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 		chunks += len(chain)
 	}
 	// 128-chunk chains (the first 128 chunks of the 257 requests that long)
-	// over the 8 expectations: with Lookup, and with LookupInto reusing one
-	// result (no allocation).
+	// over the 8 expectations: with Lookup, then with LookupInto reusing
+	// one result (no allocation).
 	var long [][]dcp.ChunkHash
 	for _, chain := range reqs {
 		if len(chain) >= 128 {
@@ -316,38 +344,73 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 			b.Fatalf("128-chunk chain: prefix %d: %v", reuse.Prefix, err)
 		}
 	}
+
+	// Mixed: a second instance replays the trace into its own namespace
+	// while 128-chunk lookups of the first run every 500 us.
+	spec2 := spec
+	spec2.Model += "-2"
+	res2, err := ix.RegisterNamespace(ctx, spec2)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.StopTimer()
+	batches2, total2 := buildWorld(reqs, res2, inst+"2", batchSize)
+	b.StartTimer()
+	stop := make(chan struct{})
+	var latMixed []time.Duration
+	var lwg sync.WaitGroup
+	lwg.Add(1)
+	go func() {
+		defer lwg.Done()
+		var r index.LookupResult
+		tick := time.NewTicker(500 * time.Microsecond)
+		defer tick.Stop()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+			t0 := time.Now()
+			err := ix.LookupInto(&r, inst, res.Namespace, long[i%len(long)])
+			latMixed = append(latMixed, time.Since(t0))
+			if err != nil || r.Prefix != 128 {
+				b.Errorf("mixed lookup: prefix %d: %v", r.Prefix, err)
+				return
+			}
+		}
+	}()
+	wall2, _ := ingest(b, ix, batches2, inflight)
+	close(stop)
+	lwg.Wait()
 	b.StopTimer()
 
 	st := ix.Stats()
 	if rep, err := ix.Verify(ctx); err != nil {
 		b.Fatalf("verify: %v %v", err, rep.Problems)
 	}
-	pct := func(d []time.Duration, p float64) time.Duration {
-		if len(d) == 0 {
-			return 0
-		}
-		s := slices.Clone(d)
-		slices.Sort(s)
-		return s[min(len(s)-1, int(float64(len(s))*p))]
-	}
-	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-	evs := float64(total) / ingest.Seconds()
+	evs := float64(total) / wall.Seconds()
 	b.ReportMetric(evs, "events/s")
 	b.ReportMetric(float64(total)/withFold.Seconds(), "events/s-with-fold")
-	b.ReportMetric(float64(total)/ingestCPU.Seconds(), "events/cpu-s")
+	b.ReportMetric(float64(total)/cpu.Seconds(), "events/cpu-s")
 	b.ReportMetric(us(pct(lat, 0.5)), "lookup-p50-us")
 	b.ReportMetric(us(pct(lat, 0.99)), "lookup-p99-us")
 	b.ReportMetric(us(pct(lat128, 0.99)), "lookup128x8-p99-us")
 	b.ReportMetric(us(pct(lat128r, 0.99)), "lookupinto128x8-p99-us")
+	b.ReportMetric(us(pct(latMixed, 0.99)), "mixed-lookup128x8-p99-us")
 	fmt.Printf("index %s: %d events from %d ranks (batch %d, %d in flight) in %v = %.0f events/s durable (%.0f events per CPU-second); "+
-		"with the final fold %v = %.0f events/s; %d chunks, %d objects, %d L1 + %d L2 placements\n"+
+		"with the final fold %v = %.0f events/s; %.0f group commits, %.0f events and %.2f ms each on average\n"+
 		"index %s: lookup of each request's chain (%d lookups, %d/%d chunks hit): p50 %.1f us, p99 %.1f us; "+
 		"128-chunk x %d-expectation chain: Lookup p50 %.1f us p99 %.1f us, LookupInto p50 %.1f us p99 %.1f us (%d each)\n"+
+		"index %s: mixed: second instance ingests %d events at %.0f events/s while 128x%d LookupInto every 500 us: p50 %.1f us p99 %.1f us (%d lookups); "+
+		"index then %d chunks, %d objects, %d L1 + %d L2 placements\n"+
 		"index %s: targets: >= 1,000,000 events/s %v; 128x8 lookup p99 <= 100 us %v (Lookup) %v (LookupInto)\n",
-		spec.Model, total, tp, batchSize, inflight, ingest.Round(time.Millisecond), evs, float64(total)/ingestCPU.Seconds(),
-		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), st.Chunks, st.Objects, st.L1Placements, st.L2Placements,
+		spec.Model, total, res.Layout.TP, batchSize, inflight, wall.Round(time.Millisecond), evs, float64(total)/cpu.Seconds(),
+		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), commits, float64(total)/commits, commitSecs/commits*1e3,
 		spec.Model, len(lat), hits, chunks, us(pct(lat, 0.5)), us(pct(lat, 0.99)),
 		len(res.Expectations()), us(pct(lat128, 0.5)), us(pct(lat128, 0.99)), us(pct(lat128r, 0.5)), us(pct(lat128r, 0.99)), len(lat128),
+		spec.Model, total2, float64(total2)/wall2.Seconds(), len(res.Expectations()), us(pct(latMixed, 0.5)), us(pct(latMixed, 0.99)), len(latMixed),
+		st.Chunks, st.Objects, st.L1Placements, st.L2Placements,
 		spec.Model, evs >= 1e6, pct(lat128, 0.99) <= 100*time.Microsecond, pct(lat128r, 0.99) <= 100*time.Microsecond)
 }
 
@@ -358,4 +421,18 @@ func processCPU() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// histSum returns the sum of a histogram's observations.
+func histSum(b *testing.B, reg *prometheus.Registry, name string) float64 {
+	mfs, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) > 0 {
+			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
+		}
+	}
+	return 0
 }

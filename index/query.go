@@ -67,6 +67,8 @@ func (r *LookupResult) Holder(i, j int) wire.Rank {
 // the instance's lowest TP rank.
 //
 // An unregistered namespace is an error wrapping ErrUnknownNamespace.
+// Lookup allocates the result; a server answering many lookups should keep
+// results in a pool and use LookupInto.
 func (ix *Index) Lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (LookupResult, error) {
 	var res LookupResult
 	err := ix.LookupInto(&res, instance, ns, chunks)

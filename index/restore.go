@@ -164,8 +164,9 @@ func (r *Restore) Deadline() time.Time { return r.deadline }
 // verdict was final, and results rejected as unexpected.
 func (r *Restore) Counts() (duplicates, late, rejected int) { return r.duplicates, r.late, r.rejected }
 
-// Report records one rank's results. Each result names a chunk index and a
-// group; the rank's expectation for that (chunk, group) is confirmed when
+// Report records one rank's results; rank is the reporter's TP rank (the
+// caller has checked the reporter belongs to the restoring instance). Each
+// result names a chunk index and a group; the rank's expectation for that (chunk, group) is confirmed when
 // the result is OK with the recorded checksum and failed otherwise. The
 // first result for an expectation counts; later ones are duplicates and
 // ignored. A report from a rank with no expectation is rejected whole;

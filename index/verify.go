@@ -185,11 +185,10 @@ func (ix *Index) verify() VerifyReport {
 		compareStates(&pr, live, ld.st)
 	}
 	checkInvariants(&pr, live)
-	for ns, n := range live.ns {
+	for _, n := range live.ns {
 		if n.spec != nil || len(n.chunks) > 0 {
 			rep.Namespaces++
 		}
-		_ = ns
 	}
 	rep.Problems = pr.list
 	if pr.more > 0 {
