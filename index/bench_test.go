@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
@@ -301,6 +302,12 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 		b.Fatal(err)
 	}
 	withFold := time.Since(start)
+	b.StopTimer()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	heap := ms.HeapAlloc
+	b.StartTimer()
 
 	// Lookup of every request's full chain, on the quiescent index.
 	lat := make([]time.Duration, 0, len(reqs))
@@ -399,14 +406,14 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	b.ReportMetric(us(pct(lat128r, 0.99)), "lookupinto128x8-p99-us")
 	b.ReportMetric(us(pct(latMixed, 0.99)), "mixed-lookup128x8-p99-us")
 	fmt.Printf("index %s: %d events from %d ranks (batch %d, %d in flight) in %v = %.0f events/s durable (%.0f events per CPU-second); "+
-		"with the final fold %v = %.0f events/s; %.0f group commits, %.0f events and %.2f ms each on average\n"+
+		"with the final fold %v = %.0f events/s; %.0f group commits, %.0f events and %.2f ms each on average; heap %.0f MiB\n"+
 		"index %s: lookup of each request's chain (%d lookups, %d/%d chunks hit): p50 %.1f us, p99 %.1f us; "+
 		"128-chunk x %d-expectation chain: Lookup p50 %.1f us p99 %.1f us, LookupInto p50 %.1f us p99 %.1f us (%d each)\n"+
 		"index %s: mixed: second instance ingests %d events at %.0f events/s while 128x%d LookupInto every 500 us: p50 %.1f us p99 %.1f us (%d lookups); "+
 		"index then %d chunks, %d objects, %d L1 + %d L2 placements\n"+
 		"index %s: targets: >= 1,000,000 events/s %v; 128x8 lookup p99 <= 100 us %v (Lookup) %v (LookupInto)\n",
 		spec.Model, total, res.Layout.TP, batchSize, inflight, wall.Round(time.Millisecond), evs, float64(total)/cpu.Seconds(),
-		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), commits, float64(total)/commits, commitSecs/commits*1e3,
+		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), commits, float64(total)/commits, commitSecs/commits*1e3, float64(heap)/(1<<20),
 		spec.Model, len(lat), hits, chunks, us(pct(lat, 0.5)), us(pct(lat, 0.99)),
 		len(res.Expectations()), us(pct(lat128, 0.5)), us(pct(lat128, 0.99)), us(pct(lat128r, 0.5)), us(pct(lat128r, 0.99)), len(lat128),
 		spec.Model, total2, float64(total2)/wall2.Seconds(), len(res.Expectations()), us(pct(latMixed, 0.5)), us(pct(latMixed, 0.99)), len(latMixed),
