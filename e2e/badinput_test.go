@@ -20,7 +20,7 @@ import (
 func TestBadInput(t *testing.T) {
 	c := newKV(t, 4)
 	c.startAll()
-	c.mustSim("--scenario", "tp4dcp4", "--phase", "store")
+	c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--keep-registered")
 
 	sc, _ := enginesim.LookupScenario("tp4dcp4")
 	plan, err := enginesim.NewPlan(sc, 1)

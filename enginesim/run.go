@@ -70,6 +70,10 @@ type Config struct {
 	// the restore plan arrived and wait until this file exists (tests kill
 	// a rankd in the gap).
 	HoldBeforeRetrieve string
+	// KeepRegistered leaves the pools registered with the rankds at exit
+	// (tests that poke at a registered namespace afterwards). Default
+	// false: the engine releases its pools before freeing them.
+	KeepRegistered bool
 	// Out receives progress lines and the final table. Default os.Stdout.
 	Out io.Writer
 	// ResultFile, when set, receives the Result as JSON.
@@ -248,7 +252,19 @@ func (s *sim) run(ctx context.Context) error {
 		}
 		s.workers = append(s.workers, w)
 	}
+	registered := false
 	defer func() {
+		if registered && !s.cfg.KeepRegistered {
+			// The engine goes away: release the pools before freeing them.
+			_ = s.each(func(w *worker) error {
+				cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				defer cancel()
+				if err := w.release(cctx); err != nil {
+					s.logf("rank %d: release: %v", w.t, err)
+				}
+				return nil
+			})
+		}
 		for _, w := range s.workers {
 			w.close()
 		}
@@ -260,6 +276,7 @@ func (s *sim) run(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
+	registered = true
 	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
 
 	if s.cfg.Phase != PhaseRestore {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -53,6 +54,16 @@ func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.Ho
 		}
 	}
 	return w, nil
+}
+
+// release tells the rankd the engine is going away: it drops its imports
+// of the pools (the objects stay in L1 and L2). Best effort.
+func (w *worker) release(ctx context.Context) error {
+	type releaseRequest struct {
+		Namespace dcp.Namespace `json:"namespace"`
+	}
+	_, err := bus.Call[releaseRequest](ctx, w.nc, w.subj.Engine(w.rank, "release"), releaseRequest{Namespace: w.plan.R.Namespace})
+	return err
 }
 
 func (w *worker) close() {

@@ -397,7 +397,9 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 		t.Fatalf("no L2 placement event among %d events", len(h.events))
 	}
 	// After shutdown, engine requests get no answer (or unavailable).
-	_, err = bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
+	sctx, scancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer scancel()
+	_, err = bus.Call[StatusReply](sctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{})
 	if err == nil || (errors.As(err, &we) && we.Code != wire.CodeUnavailable) {
 		t.Fatalf("status after shutdown: %v", err)
 	}
