@@ -66,6 +66,7 @@ func coordKillCampaign(t *testing.T, kills int, window time.Duration) {
 					stores.Add(1)
 				} else {
 					failed.Add(1) // expected while the coordinator is down
+					time.Sleep(200 * time.Millisecond)
 				}
 				logf.Close()
 			}
