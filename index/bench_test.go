@@ -282,6 +282,9 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	cfg := index.DefaultConfig()
 	cfg.Path = filepath.Join(dir, "index.db")
 	cfg.Logger = zap.NewNop()
+	if d, err := time.ParseDuration(os.Getenv("KVTIER_BENCH_GROUP_DELAY")); err == nil {
+		cfg.MaxGroupDelay = d
+	}
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
 	ix, err := index.Open(cfg)

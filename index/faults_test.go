@@ -200,3 +200,78 @@ func TestApplyAsyncOrder(t *testing.T) {
 	}
 	agree(t, ix.Index, s)
 }
+
+// TestConcurrentRanks: ranks driven concurrently, each through its own
+// faulty transport, with restarts, false deaths and resyncs, so groups mix
+// every kind of request and the committer's pipeline stages fences and
+// inventories on top of commits in flight. The index must agree exactly
+// with every rank at the end.
+func TestConcurrentRanks(t *testing.T) {
+	ix := openTest(t, "", func(c *index.Config) { c.CheckpointBytes = 64 << 10 })
+	keys := indextest.Keys(testNS, 77, 128, 2, 1)
+	const nRanks = 6
+	sims := make([]*indextest.Rank, nRanks)
+	var wg sync.WaitGroup
+	errs := make(chan error, nRanks)
+	for i := range sims {
+		s := indextest.NewRank(wire.Rank{Instance: []string{"p", "q"}[i%2], TPRank: i / 2}, 1, keys, uint64(100+i))
+		sims[i] = s
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(i), 9))
+			tr := indextest.NewTransport(indextest.Faults{Drop: 0.05, Duplicate: 0.1, Reorder: 0.1}, uint64(i))
+			deliver := func(b wire.Batch) error {
+				o, err := ix.Apply(ctx, b)
+				if err != nil {
+					return err
+				}
+				if o.Resync {
+					if _, err := ix.ApplyInventory(ctx, s.Inventory()); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			for range 150 {
+				var err error
+				switch x := rng.IntN(100); {
+				case x < 3:
+					s.Restart()
+					_, err = ix.ApplyInventory(ctx, s.Inventory())
+				case x < 6:
+					_, err = ix.FenceRank(ctx, s.Rank)
+				default:
+					for _, b := range tr.Send(s.Next(1 + rng.IntN(16))) {
+						if err = deliver(b); err != nil {
+							break
+						}
+					}
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+			for _, b := range tr.Flush() {
+				if err := deliver(b); err != nil {
+					errs <- err
+					return
+				}
+			}
+			from := uint64(0)
+			if info, err := ix.ListRank(s.Rank); err == nil && info.Incarnation == s.Incarnation {
+				from = info.LastSeq
+			}
+			if err := deliver(s.Since(from)); err != nil {
+				errs <- err
+			}
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	agree(t, ix.Index, sims...)
+}

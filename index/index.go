@@ -66,10 +66,16 @@ type Index struct {
 	logBytes int64  // bytes in the change log
 	nextLog  uint64 // key of the next log record
 	failed   error  // sticky commit failure
-	enc      opEncoder
-	txn      *txn
-	arena    []byte
-	group    []*request
+	txns     [2]*txn
+	encs     [2]opEncoder
+	cur      *txn       // the txn being staged, nil if none
+	curIdx   int        // which of txns/encs cur is
+	pending  []*request // requests staged in cur, in order
+	curN     int        // events staged in cur
+	curStart time.Time  // when the first request of cur was staged
+	flight   *flight    // the txn bbolt is committing, nil if none
+	writes   chan *flight
+	arena    []byte // owned by the writer goroutine
 }
 
 type reqKind uint8
@@ -153,8 +159,10 @@ func Open(cfg Config) (*Index, error) {
 		zap.Int64("objects", ix.st.objects), zap.Int("ranks", len(ix.st.ranks)-1),
 		zap.Int("log_records", ld.logRecords), zap.Int64("log_bytes", ld.logBytes),
 		zap.Duration("took", time.Since(start)))
-	ix.wg.Add(1)
+	ix.writes = make(chan *flight)
+	ix.wg.Add(2)
 	go ix.run()
+	go ix.writer()
 	return ix, nil
 }
 
@@ -347,148 +355,187 @@ func (ix *Index) Verify(ctx context.Context) (VerifyReport, error) {
 	return r.report, r.report.Err()
 }
 
-// run is the committer goroutine.
+// flight is a txn handed to the writer goroutine.
+type flight struct {
+	t       *txn
+	idx     int
+	pending []*request
+	start   time.Time
+	done    chan error
+}
+
+// run is the committer goroutine. It stages requests into a txn while the
+// writer goroutine commits the previous one (pipelining: the CPU work of a
+// group overlaps the fsync of the one before), lands each commit
+// (publish, then answer) and hands the next txn to the writer as soon as
+// the previous one has landed.
 func (ix *Index) run() {
 	defer ix.wg.Done()
+	defer close(ix.writes)
+	var timer *time.Timer
 	for {
+		if ix.flight == nil && ix.cur != nil && len(ix.pending) > 0 {
+			wait := ix.cfg.MaxGroupDelay - time.Since(ix.curStart)
+			if ix.curN >= ix.cfg.MaxGroupEvents || wait <= 0 {
+				ix.launch()
+				continue
+			}
+			if timer == nil {
+				timer = time.NewTimer(wait)
+			} else {
+				timer.Reset(wait)
+			}
+		}
+		var landed <-chan error
+		if ix.flight != nil {
+			landed = ix.flight.done
+		}
+		reqs := ix.reqs
+		if ix.curN >= ix.cfg.MaxGroupEvents {
+			reqs = nil // group full: wait for the writer
+		}
+		var tick <-chan time.Time
+		if timer != nil && ix.flight == nil && len(ix.pending) > 0 {
+			tick = timer.C
+		}
 		select {
-		case r := <-ix.reqs:
-			ix.gather(r)
+		case r := <-reqs:
+			ix.stage(r)
+		case err := <-landed:
+			ix.land(err)
+		case <-tick:
 		case <-ix.stop:
 			for {
 				select {
 				case r := <-ix.reqs:
-					ix.gather(r)
+					ix.stage(r)
 					continue
 				default:
 				}
 				break
 			}
+			ix.barrier()
 			ix.finish()
+			if timer != nil {
+				timer.Stop()
+			}
 			return
 		}
 	}
 }
 
-// gather builds a group from first and whatever else is queued, waiting up
-// to MaxGroupDelay for more, then processes it.
-func (ix *Index) gather(first *request) {
-	g := append(ix.group[:0], first)
-	n := first.n
-	for n < ix.cfg.MaxGroupEvents {
-		select {
-		case r := <-ix.reqs:
-			g = append(g, r)
-			n += r.n
-			continue
-		default:
-		}
-		break
+// writer commits txns to bbolt, one at a time, for the committer.
+func (ix *Index) writer() {
+	defer ix.wg.Done()
+	for f := range ix.writes {
+		f.done <- ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, f.t) })
 	}
-	if d := ix.cfg.MaxGroupDelay; d > 0 && n < ix.cfg.MaxGroupEvents {
-		t := time.NewTimer(d)
-	wait:
-		for n < ix.cfg.MaxGroupEvents {
-			select {
-			case r := <-ix.reqs:
-				g = append(g, r)
-				n += r.n
-			case <-t.C:
-				break wait
-			case <-ix.stop:
-				break wait
-			}
-		}
-		t.Stop()
-	}
-	ix.process(g)
-	clear(g)
-	ix.group = g[:0]
 }
 
-// process stages every request of a group into one txn and commits it.
-// Verify and Checkpoint requests split the group: what came before them is
-// committed first.
-func (ix *Index) process(g []*request) {
-	t := ix.newTxn()
-	var pending []*request
-	for _, r := range g {
-		if err := r.ctx.Err(); err != nil {
-			r.err = err
-			close(r.done)
-			continue
-		}
-		if ix.failed != nil && r.kind != reqVerify { // reads stay available for diagnosis
-			r.err = fmt.Errorf("%w: %w", ErrFailed, ix.failed)
-			close(r.done)
-			continue
-		}
-		switch r.kind {
-		case reqBatch:
-			r.out = t.applyBatch(r.batch)
-		case reqInventory:
-			r.invOut = t.applyInventory(r.inv)
-		case reqFence:
-			r.fenced = t.fenceRank(r.rank)
-		case reqRegister:
-			r.err = t.register(r.spec, r.json)
-		case reqVerify, reqCheckpoint:
-			ix.commit(t, pending)
-			pending = pending[:0]
-			if r.kind == reqVerify {
-				r.report = ix.verify()
-			} else if err := ix.checkpoint(); err != nil {
-				r.err = err
-			}
-			close(r.done)
-			t = ix.newTxn()
-			continue
-		}
-		pending = append(pending, r)
-	}
-	ix.commit(t, pending)
-}
-
-// newTxn returns the committer's txn, emptied, with an empty log record.
-func (ix *Index) newTxn() *txn {
-	ix.enc.reset()
-	if ix.txn == nil {
-		ix.txn = newTxn(ix.st, &ix.enc)
-	} else {
-		ix.txn.reset(ix.st, &ix.enc)
-	}
-	return ix.txn
-}
-
-// commit writes a txn to bbolt, publishes it and answers its requests.
-func (ix *Index) commit(t *txn, pending []*request) {
-	if len(pending) == 0 {
+// stage applies one request to the current txn. Verify and Checkpoint
+// first wait until everything before them is committed and published.
+func (ix *Index) stage(r *request) {
+	if err := r.ctx.Err(); err != nil {
+		r.err = err
+		close(r.done)
 		return
 	}
-	if ix.failed == nil && t.changed() {
-		start := time.Now()
-		err := ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, t) })
-		if err != nil {
-			ix.failed = err
-			ix.log.Error("commit failed; the index refuses writes until reopened",
-				zap.Int("requests", len(pending)), zap.Int("events", t.events), zap.Error(err))
-			for _, r := range pending {
-				r.err = fmt.Errorf("%w: %w", ErrFailed, err)
-				close(r.done)
-			}
-			return
-		}
-		ix.met.commits.Inc()
-		ix.met.commitSecs.Observe(time.Since(start).Seconds())
-		ix.met.groupEvents.Observe(float64(t.events))
-		ix.publish(t)
+	if ix.failed != nil && r.kind != reqVerify { // reads stay available for diagnosis
+		r.err = fmt.Errorf("%w: %w", ErrFailed, ix.failed)
+		close(r.done)
+		return
 	}
-	for _, r := range pending {
-		if r.err == nil {
-			ix.account(r)
+	if r.kind == reqVerify || r.kind == reqCheckpoint {
+		ix.barrier()
+		if r.kind == reqVerify {
+			r.report = ix.verify()
+		} else if err := ix.checkpoint(); err != nil {
+			r.err = err
 		}
 		close(r.done)
+		return
 	}
+	t := ix.staging()
+	switch r.kind {
+	case reqBatch:
+		r.out = t.applyBatch(r.batch)
+	case reqInventory:
+		r.invOut = t.applyInventory(r.inv)
+	case reqFence:
+		r.fenced = t.fenceRank(r.rank)
+	case reqRegister:
+		r.err = t.register(r.spec, r.json)
+	}
+	ix.pending = append(ix.pending, r)
+	ix.curN += r.n
+}
+
+// staging returns the txn being staged, starting one on top of the txn in
+// flight if there is none.
+func (ix *Index) staging() *txn {
+	if ix.cur != nil {
+		return ix.cur
+	}
+	var parent *txn
+	i := 0
+	if ix.flight != nil {
+		parent, i = ix.flight.t, 1-ix.flight.idx
+	}
+	enc := &ix.encs[i]
+	enc.reset()
+	if ix.txns[i] == nil {
+		ix.txns[i] = newTxn(ix.st, enc)
+		ix.txns[i].parent = parent
+	} else {
+		ix.txns[i].reset(ix.st, parent, enc)
+	}
+	ix.cur, ix.curIdx, ix.curN, ix.curStart = ix.txns[i], i, 0, time.Now()
+	return ix.cur
+}
+
+// launch hands the current txn to the writer, or answers its requests at
+// once when it changes nothing (or the index has failed). Only with no
+// txn in flight: the current one was staged on top of it.
+func (ix *Index) launch() {
+	t, pending := ix.cur, ix.pending
+	ix.cur, ix.pending, ix.curN = nil, nil, 0
+	if ix.failed != nil {
+		ix.fail(pending, ix.failed)
+		return
+	}
+	if !t.changed() {
+		ix.answer(pending)
+		return
+	}
+	ix.flight = &flight{t: t, idx: ix.curIdx, pending: pending, start: time.Now(), done: make(chan error, 1)}
+	ix.writes <- ix.flight
+}
+
+// land finishes the txn in flight: on success it publishes it and answers
+// its requests; on failure the index fails, with the requests of the txn
+// staged on top of it.
+func (ix *Index) land(err error) {
+	f := ix.flight
+	ix.flight = nil
+	if ix.cur != nil {
+		ix.cur.detach()
+	}
+	if err != nil {
+		ix.failed = err
+		ix.log.Error("commit failed; the index refuses writes until reopened",
+			zap.Int("requests", len(f.pending)), zap.Int("events", f.t.events), zap.Error(err))
+		ix.fail(f.pending, err)
+		if ix.cur != nil {
+			ix.fail(ix.pending, err)
+			ix.cur, ix.pending, ix.curN = nil, nil, 0
+		}
+		return
+	}
+	ix.met.commits.Inc()
+	ix.met.commitSecs.Observe(time.Since(f.start).Seconds())
+	ix.met.groupEvents.Observe(float64(f.t.events))
+	ix.publish(f.t)
+	ix.answer(f.pending)
 	if ix.logBytes >= ix.cfg.CheckpointBytes {
 		if err := ix.checkpoint(); err != nil {
 			ix.log.Error("checkpoint failed", zap.Error(err))
@@ -496,13 +543,41 @@ func (ix *Index) commit(t *txn, pending []*request) {
 	}
 }
 
+// barrier commits and publishes everything staged so far.
+func (ix *Index) barrier() {
+	for ix.flight != nil || (ix.cur != nil && len(ix.pending) > 0) {
+		if ix.flight != nil {
+			ix.land(<-ix.flight.done)
+			continue
+		}
+		ix.launch()
+	}
+	ix.cur = nil
+}
+
+func (ix *Index) answer(pending []*request) {
+	for _, r := range pending {
+		if r.err == nil {
+			ix.account(r)
+		}
+		close(r.done)
+	}
+}
+
+func (ix *Index) fail(pending []*request, err error) {
+	for _, r := range pending {
+		r.err = fmt.Errorf("%w: %w", ErrFailed, err)
+		close(r.done)
+	}
+}
+
 // write puts a txn's change into bbolt: one change-log record, the ranks
 // whose state changed, and new namespace specs.
 func (ix *Index) write(tx *bolt.Tx, t *txn) error {
-	if !ix.enc.empty() {
+	if !t.enc.empty() {
 		var k [8]byte
 		binary.BigEndian.PutUint64(k[:], ix.nextLog)
-		if err := tx.Bucket(bucketLog).Put(k[:], ix.enc.buf); err != nil {
+		if err := tx.Bucket(bucketLog).Put(k[:], t.enc.buf); err != nil {
 			return fmt.Errorf("append log record %d: %w: %w", ix.nextLog, ErrStore, err)
 		}
 	}
@@ -534,8 +609,8 @@ func (ix *Index) write(tx *bolt.Tx, t *txn) error {
 
 // publish installs a committed txn into the live state.
 func (ix *Index) publish(t *txn) {
-	if !ix.enc.empty() {
-		ix.logBytes += int64(len(ix.enc.buf))
+	if !t.enc.empty() {
+		ix.logBytes += int64(len(t.enc.buf))
 		ix.nextLog++
 	}
 	ix.mu.Lock()

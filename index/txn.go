@@ -3,6 +3,7 @@ package index
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
@@ -75,13 +76,18 @@ type nsReg struct {
 	json []byte
 }
 
-// txn stages changes on top of st. st is only read.
+// txn stages changes on top of st, and of its parent when it has one: the
+// txn committed by bbolt at the same moment (pipelining: the committer
+// stages the next group while the previous one is written). st and the
+// parent are only read. When the parent has been published, detach clears
+// the link: what the txn saw through it is in st by then.
 type txn struct {
 	st       *state
+	parent   *txn
 	idx      map[chunkRef]int
 	staged   []stagedChunk
 	metas    map[uint32]rankMeta // staged rank metas
-	newRanks []wire.Rank         // ids len(st.ranks)+i
+	newRanks []wire.Rank         // ids base+i, base = len(st.ranks) + len(parent.newRanks)
 	newIDs   map[wire.Rank]uint32
 	putRank  []bool     // by id: a placement was put in this txn
 	regs     []nsReg    // staged namespace registrations
@@ -102,16 +108,23 @@ func newTxn(st *state, enc *opEncoder) *txn {
 	}
 }
 
-// reset empties the txn for reuse on st, keeping its allocations.
-func (t *txn) reset(st *state, enc *opEncoder) {
+// reset empties the txn for reuse on st (and parent, which may be nil),
+// keeping its allocations.
+func (t *txn) reset(st *state, parent *txn, enc *opEncoder) {
 	clear(t.idx)
 	clear(t.staged)
 	clear(t.metas)
 	clear(t.newIDs)
 	clear(t.putRank)
 	clear(t.regs)
-	*t = txn{st: st, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
+	*t = txn{st: st, parent: parent, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
 		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc}
+}
+
+// detach drops the link to the parent once the parent is published.
+func (t *txn) detach() {
+	t.parent = nil
+	t.lastN = nil
 }
 
 // changed reports whether the txn has anything to commit.
@@ -123,22 +136,41 @@ func (t *txn) rankID(r wire.Rank) (uint32, bool) {
 	if id, ok := t.st.rankIDs[r]; ok {
 		return id, true
 	}
+	if t.parent != nil {
+		if id, ok := t.parent.newIDs[r]; ok {
+			return id, true
+		}
+	}
 	id, ok := t.newIDs[r]
 	return id, ok
 }
 
+// base is the id of the txn's first new rank.
+func (t *txn) base() int {
+	b := len(t.st.ranks)
+	if t.parent != nil {
+		b += len(t.parent.newRanks)
+	}
+	return b
+}
+
 func (t *txn) createRank(r wire.Rank, inc uint64) uint32 {
-	id := uint32(len(t.st.ranks) + len(t.newRanks))
+	id := uint32(t.base() + len(t.newRanks))
 	t.newRanks = append(t.newRanks, r)
 	t.newIDs[r] = id
 	t.metas[id] = rankMeta{inc: inc}
 	return id
 }
 
-// meta returns the rank's current meta, staged or live.
+// meta returns the rank's current meta: staged here, in the parent, or live.
 func (t *txn) meta(id uint32) rankMeta {
 	if m, ok := t.metas[id]; ok {
 		return m
+	}
+	if t.parent != nil {
+		if m, ok := t.parent.metas[id]; ok {
+			return m
+		}
 	}
 	return t.st.ranks[id].rankMeta
 }
@@ -150,7 +182,12 @@ func (t *txn) rankName(id uint32) wire.Rank {
 	if int(id) < len(t.st.ranks) {
 		return t.st.ranks[id].rank
 	}
-	return t.newRanks[int(id)-len(t.st.ranks)]
+	if t.parent != nil {
+		if i := int(id) - len(t.st.ranks); i < len(t.parent.newRanks) {
+			return t.parent.newRanks[i]
+		}
+	}
+	return t.newRanks[int(id)-t.base()]
 }
 
 // nsOf returns the live namespace state (nil if none), caching the last.
@@ -161,14 +198,27 @@ func (t *txn) nsOf(ns dcp.Namespace) *nsState {
 	return t.lastN
 }
 
-// mut returns the index of the staged copy of a chunk, staging it first.
+// mut returns the index of the staged copy of a chunk, staging it first
+// from the parent's staged copy or the live one.
 func (t *txn) mut(ref chunkRef) int {
 	if i, ok := t.idx[ref]; ok {
 		return i
 	}
-	sc := stagedChunk{ref: ref, n: t.nsOf(ref.ns)}
-	if sc.n != nil {
-		sc.old, sc.had = sc.n.chunks[ref.chunk]
+	var sc stagedChunk
+	found := false
+	if p := t.parent; p != nil {
+		if j, ok := p.idx[ref]; ok {
+			ps := &p.staged[j]
+			// Once the parent is published, its copy is the live value.
+			sc = stagedChunk{ref: ref, n: ps.n, old: chunkVal{s: ps.s, epoch: t.st.epoch}, had: len(ps.s) > 0}
+			found = true
+		}
+	}
+	if !found {
+		sc = stagedChunk{ref: ref, n: t.nsOf(ref.ns)}
+		if sc.n != nil {
+			sc.old, sc.had = sc.n.chunks[ref.chunk]
+		}
 	}
 	sc.s = make([]placement, len(sc.old.s), len(sc.old.s)+2)
 	copy(sc.s, sc.old.s)
@@ -182,6 +232,11 @@ func (t *txn) mut(ref chunkRef) int {
 func (t *txn) view(ref chunkRef) []placement {
 	if i, ok := t.idx[ref]; ok {
 		return t.staged[i].s
+	}
+	if p := t.parent; p != nil {
+		if i, ok := p.idx[ref]; ok {
+			return p.staged[i].s
+		}
 	}
 	if n := t.nsOf(ref.ns); n != nil {
 		return n.chunks[ref.chunk].s
@@ -233,6 +288,9 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 	if int(id) < len(t.putRank) && t.putRank[id] {
 		return true
 	}
+	if p := t.parent; p != nil && int(id) < len(p.putRank) && p.putRank[id] {
+		return true
+	}
 	if int(id) >= len(t.st.ranks) {
 		return false
 	}
@@ -248,26 +306,40 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 // inventories are rare next to events, and a per-rank index would cost
 // every event a second map update.
 func (t *txn) filter(drop func(*placement) bool) int {
-	n := 0
+	hit := func(s []placement) bool {
+		for j := range s {
+			if drop(&s[j]) {
+				return true
+			}
+		}
+		return false
+	}
+	p := t.parent
 	for ns, nst := range t.st.ns {
 		for c, v := range nst.chunks {
-			live := v.s
 			ref := chunkRef{ns, c}
 			if _, ok := t.idx[ref]; ok {
-				continue // staged: handled below
+				continue // staged here: handled below
 			}
-			hit := false
-			for j := range live {
-				if drop(&live[j]) {
-					hit = true
-					break
+			if p != nil {
+				if _, ok := p.idx[ref]; ok {
+					continue // the parent's copy is the current one: next loop
 				}
 			}
-			if hit {
+			if hit(v.s) {
 				t.mut(ref)
 			}
 		}
 	}
+	if p != nil {
+		for j := range p.staged {
+			ref := p.staged[j].ref
+			if _, ok := t.idx[ref]; !ok && hit(p.staged[j].s) {
+				t.mut(ref)
+			}
+		}
+	}
+	n := 0
 	for i := range t.staged {
 		s := t.staged[i].s
 		k := 0
@@ -435,9 +507,13 @@ func (t *txn) fenceRank(r wire.Rank) int {
 // are outside it); otherwise it is a conflict.
 func (t *txn) register(r *dcp.Resolved, js []byte) error {
 	var have *dcp.Resolved
-	for i := range t.regs {
-		if t.regs[i].ns == r.Namespace {
-			have = t.regs[i].spec
+	regs := t.regs
+	if t.parent != nil {
+		regs = append(slices.Clip(t.parent.regs), regs...)
+	}
+	for i := range regs {
+		if regs[i].ns == r.Namespace {
+			have = regs[i].spec
 		}
 	}
 	if have == nil {
