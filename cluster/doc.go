@@ -1,6 +1,12 @@
 // Package cluster owns kvtier's membership: a hashicorp/memberlist gossip
 // cluster of the coordinator and the rankds, each member's metadata (role,
 // rank identity, incarnation, NATS address) and the failure detector tuned so
-// a dead rank is noticed within 1.5 s on a LAN of GPU hosts. It reports joins,
-// updates and deaths to its owner; it never touches the index or KV bytes.
+// a dead rank is noticed within 1.5 s on a LAN of GPU hosts (DetectorConfig
+// says how). It reports joins, updates, graceful leaves and deaths to its
+// owner through Subscriptions and a Members snapshot.
+//
+// It never touches the index or KV bytes and never decides what a death
+// means: fencing is the coordinator's. It never blocks memberlist's
+// callbacks: they update a table under a mutex and queue an event; one
+// goroutine owned by the Cluster delivers the events.
 package cluster

@@ -1,0 +1,78 @@
+package cluster
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are this member's view of the cluster (C8: every drop counted).
+type metrics struct {
+	members  *prometheus.GaugeVec // by state
+	joins    prometheus.Counter
+	deaths   prometheus.Counter
+	leaves   prometheus.Counter
+	updates  prometheus.Counter
+	dropped  prometheus.Counter
+	rejected prometheus.Counter
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		members: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvtier_cluster_members",
+			Help: "Members known to this node, by state (alive, dead, left).",
+		}, []string{"state"}),
+		joins: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_joins_total",
+			Help: "Members seen joining, including rejoins after death and new incarnations.",
+		}),
+		deaths: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_deaths_total",
+			Help: "Members declared dead by the failure detector.",
+		}),
+		leaves: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_leaves_total",
+			Help: "Members that left gracefully.",
+		}),
+		updates: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_meta_updates_total",
+			Help: "Meta updates received from members.",
+		}),
+		dropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_events_dropped_total",
+			Help: "Membership events dropped because a subscriber's buffer was full.",
+		}),
+		rejected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_cluster_alive_rejected_total",
+			Help: "Alive messages ignored because the member's meta or name was invalid.",
+		}),
+	}
+}
+
+func (m *metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.members, m.joins, m.deaths, m.leaves, m.updates, m.dropped, m.rejected}
+}
+
+// register registers every collector, undoing partial work on error.
+func (m *metrics) register(r prometheus.Registerer) error {
+	if r == nil {
+		return nil
+	}
+	var done []prometheus.Collector
+	for _, c := range m.collectors() {
+		if err := r.Register(c); err != nil {
+			for _, d := range done {
+				r.Unregister(d)
+			}
+			return err
+		}
+		done = append(done, c)
+	}
+	return nil
+}
+
+func (m *metrics) unregister(r prometheus.Registerer) {
+	if r == nil {
+		return
+	}
+	for _, c := range m.collectors() {
+		r.Unregister(c)
+	}
+}
