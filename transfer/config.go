@@ -59,8 +59,9 @@ type Config struct {
 	// layout has another TP size is rejected. Required (>= 1, > Rank.TPRank).
 	TPSize int
 	// Incarnation distinguishes this run of the rank from earlier ones in
-	// every event and inventory (C7). Default 0: a random non-zero value
-	// chosen at New. Set it only to resume a known incarnation (tests).
+	// every event and inventory (C7); a larger incarnation supersedes a
+	// smaller one. Default 0: the wall clock in nanoseconds at New. rankd
+	// passes the one it gossips (cluster.NewIncarnation).
 	Incarnation uint64
 
 	// Device is the GPU (or host simulator) the engine's pools live on.

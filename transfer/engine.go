@@ -2,8 +2,6 @@ package transfer
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
@@ -75,12 +73,10 @@ func New(cfg Config) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	for cfg.Incarnation == 0 {
-		var b [8]byte
-		if _, err := rand.Read(b[:]); err != nil {
-			return nil, fmt.Errorf("transfer: incarnation: %w", err)
-		}
-		cfg.Incarnation = binary.BigEndian.Uint64(b[:])
+	if cfg.Incarnation == 0 {
+		// Incarnations are ordered (C7: a larger one supersedes a smaller
+		// one), so a later start must get a larger value: wall-clock ns.
+		cfg.Incarnation = uint64(time.Now().UnixNano())
 	}
 	e := &Engine{
 		cfg:    cfg,
