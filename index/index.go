@@ -375,6 +375,24 @@ func (ix *Index) run() {
 	var timer *time.Timer
 	for {
 		if ix.flight == nil && ix.cur != nil && len(ix.pending) > 0 {
+			// Take in some of what queued up meanwhile, up to twice what
+			// was staged while the last commit ran: when the committer is
+			// the bottleneck, groups grow (bigger groups cost less per
+			// event); when one producer waits for its acknowledgements,
+			// they stay small enough for staging and writing to overlap.
+			limit := min(ix.cfg.MaxGroupEvents, 3*ix.curN)
+		drain:
+			for ix.curN < limit && ix.flight == nil && ix.cur != nil {
+				select {
+				case r := <-ix.reqs:
+					ix.stage(r)
+				default:
+					break drain
+				}
+			}
+			if ix.cur == nil || len(ix.pending) == 0 {
+				continue // a verify or a failure emptied it
+			}
 			wait := ix.cfg.MaxGroupDelay - time.Since(ix.curStart)
 			if ix.curN >= ix.cfg.MaxGroupEvents || wait <= 0 {
 				ix.launch()
