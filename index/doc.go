@@ -12,10 +12,12 @@
 // Any number of goroutines may call Apply, ApplyAsync, ApplyInventory,
 // FenceRank and RegisterNamespace. Each call is a request to one committer
 // goroutine, which merges the requests waiting for it into one bbolt
-// transaction (group commit, Config.MaxGroupEvents and MaxGroupDelay),
-// commits it (fsync), publishes the change to the in-memory state and only
-// then answers. The C7 rules are applied by a pure core (txn.go) in queue
-// order. Queries (Lookup, LookupInto, Get, ListRank, Ranks, ListNamespace,
+// transaction (group commit, Config.MaxGroupEvents and MaxGroupDelay). A
+// writer goroutine commits it (fsync) while the committer already stages
+// the next group on top of it (a two-stage pipeline: the CPU work of one
+// group overlaps the disk wait of the one before); the committer then
+// publishes the change to the in-memory state and only then answers. The
+// C7 rules are applied by a pure core (txn.go) in queue order. Queries (Lookup, LookupInto, Get, ListRank, Ranks, ListNamespace,
 // Namespaces, Stats) read the in-memory state under a read lock and never
 // touch bbolt. Close is idempotent and waits for the committer.
 //
@@ -50,7 +52,8 @@
 // records it touched. When the log reaches Config.CheckpointBytes (and at
 // Close) the committer folds it: it writes every chunk changed since the
 // last fold from memory, in key order, and empties the log, in one
-// transaction. One record per chunk rather than per object key keeps the
+// transaction, on the writer goroutine (published placement slices are
+// never modified, so the fold reads them while the committer carries on). One record per chunk rather than per object key keeps the
 // fold at one bbolt put per chunk (8 objects of a TP8 chunk, say, and
 // their L1 and L2 copies); the object key stays the identity (Get takes a
 // dcp.Key). bbolt runs with the map freelist and NoFreelistSync.

@@ -357,7 +357,8 @@ func (ix *Index) Verify(ctx context.Context) (VerifyReport, error) {
 
 // flight is a txn handed to the writer goroutine.
 type flight struct {
-	t       *txn
+	t       *txn  // a group commit, or
+	fold    *fold // a checkpoint
 	idx     int
 	pending []*request
 	start   time.Time
@@ -446,6 +447,10 @@ func (ix *Index) run() {
 func (ix *Index) writer() {
 	defer ix.wg.Done()
 	for f := range ix.writes {
+		if f.fold != nil {
+			f.done <- ix.db.Update(func(tx *bolt.Tx) error { return writeFold(tx, f.fold) })
+			continue
+		}
 		f.done <- ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, f.t) })
 	}
 }
@@ -535,6 +540,13 @@ func (ix *Index) launch() {
 func (ix *Index) land(err error) {
 	f := ix.flight
 	ix.flight = nil
+	if f.fold != nil {
+		if err := ix.landFold(f.fold, f.start, err); err != nil && ix.cur != nil {
+			ix.fail(ix.pending, err)
+			ix.cur, ix.pending, ix.curN = nil, nil, 0
+		}
+		return
+	}
 	if ix.cur != nil {
 		ix.cur.detach()
 	}
@@ -555,9 +567,10 @@ func (ix *Index) land(err error) {
 	ix.publish(f.t)
 	ix.answer(f.pending)
 	if ix.logBytes >= ix.cfg.CheckpointBytes {
-		if err := ix.checkpoint(); err != nil {
-			ix.log.Error("checkpoint failed", zap.Error(err))
-		}
+		// Fold on the writer: the committer stages the next group
+		// meanwhile (it changes nothing the fold reads).
+		ix.flight = &flight{fold: ix.cutFold(), start: time.Now(), done: make(chan error, 1)}
+		ix.writes <- ix.flight
 	}
 }
 
@@ -713,49 +726,65 @@ func (ix *Index) account(r *request) {
 	}
 }
 
-// checkpoint folds the change log into the snapshot bucket: every chunk
-// changed since the last checkpoint is written from the live state (which
-// equals the committed state between groups), and the log is emptied, in
-// one transaction.
-func (ix *Index) checkpoint() error {
-	if ix.failed != nil {
-		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
+// fold is a checkpoint's work: every chunk changed since the last one, with
+// its placements at the moment the fold was cut (published slices are never
+// modified, so they can be written while the committer carries on).
+type fold struct {
+	refs     []chunkRef
+	chunks   [][]placement // nil: the chunk is gone
+	logBytes int64
+}
+
+// cutFold takes the fold of everything published so far and starts a new
+// checkpoint epoch; it is called with nothing in flight, so the published
+// state is the committed one.
+func (ix *Index) cutFold() *fold {
+	f := &fold{refs: slices.Clone(ix.st.dirtyRefs()), logBytes: ix.logBytes}
+	f.chunks = make([][]placement, len(f.refs))
+	for i, ref := range f.refs {
+		f.chunks[i] = ix.st.chunk(ref)
 	}
-	if len(ix.st.dirty) == 0 && ix.logBytes == 0 {
-		return nil
+	ix.st.dirty = ix.st.dirty[:0]
+	ix.st.epoch++
+	ix.logBytes = 0
+	ix.nextLog = 1
+	ix.met.logBytes.Set(0)
+	return f
+}
+
+// writeFold writes a fold and empties the change log, in one transaction.
+func writeFold(tx *bolt.Tx, f *fold) error {
+	b := tx.Bucket(bucketSnap)
+	// Keys and values must stay valid until the commit: one arena, never
+	// overwritten (a grown arena leaves the old one intact).
+	arena := make([]byte, 0, len(f.refs)*(snapshotKeySize+64))
+	for i, ref := range f.refs {
+		ks := len(arena)
+		arena = appendSnapshotKey(arena, ref)
+		key := arena[ks:len(arena):len(arena)]
+		if len(f.chunks[i]) == 0 {
+			if err := b.Delete(key); err != nil {
+				return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
+			}
+			continue
+		}
+		vs := len(arena)
+		arena = appendChunk(arena, f.chunks[i])
+		if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
+			return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
+		}
 	}
-	start := time.Now()
-	refs := ix.st.dirtyRefs()
-	err := ix.db.Update(func(tx *bolt.Tx) error {
-		b := tx.Bucket(bucketSnap)
-		// Keys and values must stay valid until the commit: one arena,
-		// never overwritten (a grown arena leaves the old one intact).
-		arena := make([]byte, 0, len(refs)*(snapshotKeySize+64))
-		for _, ref := range refs {
-			ks := len(arena)
-			arena = appendSnapshotKey(arena, ref)
-			key := arena[ks:len(arena):len(arena)]
-			s := ix.st.chunk(ref)
-			if len(s) == 0 {
-				if err := b.Delete(key); err != nil {
-					return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
-				}
-				continue
-			}
-			vs := len(arena)
-			arena = appendChunk(arena, s)
-			if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
-				return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
-			}
-		}
-		if err := tx.DeleteBucket(bucketLog); err != nil {
-			return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
-		}
-		if _, err := tx.CreateBucket(bucketLog); err != nil {
-			return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
-		}
-		return nil
-	})
+	if err := tx.DeleteBucket(bucketLog); err != nil {
+		return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
+	}
+	if _, err := tx.CreateBucket(bucketLog); err != nil {
+		return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
+	}
+	return nil
+}
+
+// landFold accounts for a fold written by the writer (or by checkpoint).
+func (ix *Index) landFold(f *fold, start time.Time, err error) error {
 	if err != nil {
 		ix.failed = err
 		ix.log.Error("checkpoint failed; the index refuses writes until reopened", zap.Error(err))
@@ -764,13 +793,25 @@ func (ix *Index) checkpoint() error {
 	took := time.Since(start)
 	ix.met.checkpoints.Inc()
 	ix.met.ckptSecs.Observe(took.Seconds())
-	ix.log.Info("checkpoint", zap.Int("chunks", len(refs)), zap.Int64("log_bytes", ix.logBytes), zap.Duration("took", took))
-	ix.st.dirty = ix.st.dirty[:0]
-	ix.st.epoch++
-	ix.logBytes = 0
-	ix.nextLog = 1
-	ix.met.logBytes.Set(0)
+	ix.log.Info("checkpoint", zap.Int("chunks", len(f.refs)), zap.Int64("log_bytes", f.logBytes), zap.Duration("took", took))
 	return nil
+}
+
+// checkpoint folds the change log into the snapshot bucket now, on the
+// committer: every chunk changed since the last checkpoint is written from
+// the published state, and the log is emptied, in one transaction. The
+// committer calls it with nothing in flight (the automatic checkpoint at
+// CheckpointBytes goes through the writer instead, see land).
+func (ix *Index) checkpoint() error {
+	if ix.failed != nil {
+		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
+	}
+	if len(ix.st.dirty) == 0 && ix.logBytes == 0 {
+		return nil
+	}
+	start := time.Now()
+	f := ix.cutFold()
+	return ix.landFold(f, start, ix.db.Update(func(tx *bolt.Tx) error { return writeFold(tx, f) }))
 }
 
 // finish runs on the committer when it stops: a final checkpoint so the
