@@ -45,6 +45,10 @@ import (
 // expectations), quiescent and while a second instance's replay is being
 // ingested.
 //
+// KVTIER_BENCH_CHECKPOINT_MB overrides Config.CheckpointBytes (default 128
+// MiB: the trace's 115 MiB of change log then folds only at the end), to
+// measure ingest with folds in the steady state.
+//
 // Trace: $KVTIER_TRACE, or ../shared/data/traces/mooncake_conversation_trace.jsonl
 // relative to the repository root; skipped when absent.
 func BenchmarkTraceReplay(b *testing.B) {
@@ -285,6 +289,9 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	if d, err := time.ParseDuration(os.Getenv("KVTIER_BENCH_GROUP_DELAY")); err == nil {
 		cfg.MaxGroupDelay = d
 	}
+	if mb, err := strconv.Atoi(os.Getenv("KVTIER_BENCH_CHECKPOINT_MB")); err == nil && mb > 0 {
+		cfg.CheckpointBytes = int64(mb) << 20
+	}
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
 	ix, err := index.Open(cfg)
@@ -301,6 +308,8 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	wall, cpu := ingest(b, ix, batches, inflight)
 	commits := counter(b, reg, "kvtier_index_commits_total")
 	commitSecs := histSum(b, reg, "kvtier_index_commit_seconds")
+	folds := counter(b, reg, "kvtier_index_checkpoints_total")
+	logBytes := counter(b, reg, "kvtier_index_log_bytes")
 	if err := ix.Checkpoint(ctx); err != nil {
 		b.Fatal(err)
 	}
@@ -409,14 +418,16 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	b.ReportMetric(us(pct(lat128r, 0.99)), "lookupinto128x8-p99-us")
 	b.ReportMetric(us(pct(latMixed, 0.99)), "mixed-lookup128x8-p99-us")
 	fmt.Printf("index %s: %d events from %d ranks (batch %d, %d in flight) in %v = %.0f events/s durable (%.0f events per CPU-second); "+
-		"with the final fold %v = %.0f events/s; %.0f group commits, %.0f events and %.2f ms each on average; heap %.0f MiB\n"+
+		"with the final fold %v = %.0f events/s; %.0f group commits, %.0f events and %.2f ms each on average; "+
+		"%.0f automatic folds during ingest, change log then %.1f MiB (%.1f B/event); heap %.0f MiB\n"+
 		"index %s: lookup of each request's chain (%d lookups, %d/%d chunks hit): p50 %.1f us, p99 %.1f us; "+
 		"128-chunk x %d-expectation chain: Lookup p50 %.1f us p99 %.1f us, LookupInto p50 %.1f us p99 %.1f us (%d each)\n"+
 		"index %s: mixed: second instance ingests %d events at %.0f events/s while 128x%d LookupInto every 500 us: p50 %.1f us p99 %.1f us (%d lookups); "+
 		"index then %d chunks, %d objects, %d L1 + %d L2 placements\n"+
 		"index %s: targets: >= 1,000,000 events/s %v; 128x8 lookup p99 <= 100 us %v (Lookup) %v (LookupInto)\n",
 		spec.Model, total, res.Layout.TP, batchSize, inflight, wall.Round(time.Millisecond), evs, float64(total)/cpu.Seconds(),
-		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), commits, float64(total)/commits, commitSecs/commits*1e3, float64(heap)/(1<<20),
+		withFold.Round(time.Millisecond), float64(total)/withFold.Seconds(), commits, float64(total)/commits, commitSecs/commits*1e3,
+		folds, logBytes/(1<<20), logBytes/float64(total), float64(heap)/(1<<20),
 		spec.Model, len(lat), hits, chunks, us(pct(lat, 0.5)), us(pct(lat, 0.99)),
 		len(res.Expectations()), us(pct(lat128, 0.5)), us(pct(lat128, 0.99)), us(pct(lat128r, 0.5)), us(pct(lat128r, 0.99)), len(lat128),
 		spec.Model, total2, float64(total2)/wall2.Seconds(), len(res.Expectations()), us(pct(latMixed, 0.5)), us(pct(latMixed, 0.99)), len(latMixed),

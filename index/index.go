@@ -27,7 +27,7 @@ var (
 
 // publishSlice is how many staged chunks are published per hold of the
 // write lock, so a large group never stalls lookups for long.
-const publishSlice = 256
+const publishSlice = 64
 
 // Index is the coordinator's durable placement index. Open it, drive it
 // with Apply, ApplyInventory and FenceRank from any number of goroutines,
