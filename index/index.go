@@ -34,11 +34,15 @@ const publishSlice = 64
 // query it with Lookup and friends, and Close it.
 //
 // Concurrency: every write is a request to one committer goroutine, which
-// merges the requests waiting for it into one bbolt transaction (group
-// commit), commits, publishes the change into the in-memory state and only
-// then answers the callers. The in-memory state is read by queries under a
-// read lock and written only by the committer, under the write lock, after
-// the commit. Queries never touch bbolt.
+// merges the requests waiting for it into one transaction (group commit)
+// and hands it to a writer goroutine for bbolt (write and fsync); while
+// the writer works, the committer stages the next group on top of it. Once
+// a transaction is committed the committer publishes it into the in-memory
+// state and only then answers its callers. The in-memory state is read by
+// queries under a read lock and written only by the committer, under the
+// write lock, after the commit. Queries never touch bbolt. The writer reads
+// only what the committer handed it (and the rank table, which the
+// committer changes only between two commits).
 type Index struct {
 	cfg Config
 	log *zap.Logger
@@ -62,7 +66,8 @@ type Index struct {
 	closeOnce sync.Once
 	closeErr  error
 
-	// Owned by the committer goroutine (and Open, before it starts).
+	// Owned by the committer goroutine (and Open, before it starts); the
+	// writer reads nextLog and the flight it is handed.
 	logBytes int64  // bytes in the change log
 	nextLog  uint64 // key of the next log record
 	failed   error  // sticky commit failure
