@@ -37,15 +37,27 @@ type Cluster struct {
 	ml      *memberlist.Memberlist
 	started bool
 	closed  bool
-	left    atomic.Bool
+	left    atomic.Bool // set by the first Leave; UpdateMeta is refused from then on
 
-	updMu     sync.Mutex // serializes UpdateMeta; guards localMeta
+	leaveMu sync.Mutex // serializes Leave, so a second call waits for the first's announcement
+
+	updMu     sync.Mutex // serializes UpdateMeta and Leave's Meta.Leaving; guards localMeta
 	localMeta Meta
+
+	ackMu sync.Mutex  // guards acks
+	acks  chan string // IDs of members that acknowledged our leaving message; nil outside announceLeave
 
 	mu      sync.Mutex // guards the following; taken inside memberlist callbacks, never held across a memberlist call
 	members map[string]*Member
-	shut    bool                // callbacks after Shutdown are ignored
-	warned  map[string]struct{} // rejected member IDs already logged
+	leaving map[string]time.Time // member IDs that announced their leave (leave.go), and when
+	shut    bool                 // callbacks after Shutdown are ignored
+	warned  map[string]struct{}  // rejected member IDs already logged
+
+	// lose, when set (tests only), makes this member drop parts of leave
+	// announcements, as a network fault would: the leaving message
+	// (what = kindLeaving) or the alive messages carrying Meta.Leaving
+	// (what = "meta") of member id, when it returns true.
+	lose atomic.Pointer[func(what, id string) bool]
 
 	subMu      sync.Mutex // guards the following
 	subs       map[*Subscription]struct{}
@@ -80,6 +92,7 @@ func New(cfg Config) (*Cluster, error) {
 		stop:      make(chan struct{}),
 		localMeta: cfg.Meta,
 		members:   make(map[string]*Member),
+		leaving:   make(map[string]time.Time),
 		warned:    make(map[string]struct{}),
 		subs:      make(map[*Subscription]struct{}),
 	}
@@ -197,7 +210,8 @@ func (c *Cluster) usable(op string) error {
 
 // UpdateMeta changes this member's Meta and gossips it (memberlist
 // UpdateNode): update edits a copy; NATS, Admin and the usage counters may
-// change, the identity fields may not (ErrMeta). The new Meta is in effect
+// change, the identity fields and Leaving may not (ErrMeta; Leave sets
+// Leaving). After Leave it returns ErrClosed. The new Meta is in effect
 // locally at once; UpdateMeta then waits until it has been sent to at least
 // one peer, for at most Config.BroadcastTimeout or ctx's deadline if sooner
 // (ErrTimeout; gossip keeps spreading it). Before Start it only sets the Meta
@@ -211,15 +225,20 @@ func (c *Cluster) UpdateMeta(ctx context.Context, update func(m *Meta)) error {
 	if c.closed {
 		return fmt.Errorf("update meta of %s: %w", c.id, ErrClosed)
 	}
+	c.updMu.Lock()
+	defer c.updMu.Unlock()
+	// Checked under updMu: Leave sets left before it takes updMu to set
+	// Meta.Leaving, so no update can follow (and undo) that one.
 	if c.left.Load() {
 		return fmt.Errorf("update meta of %s after it left: %w", c.id, ErrClosed)
 	}
-	c.updMu.Lock()
-	defer c.updMu.Unlock()
 	next := c.localMeta.clone()
 	update(&next)
 	if f := sameIdentity(&c.localMeta, &next); f != "" {
 		return fmt.Errorf("meta %s is fixed for an incarnation (restart to change it): %w", f, ErrMeta)
+	}
+	if next.Leaving != c.localMeta.Leaving {
+		return fmt.Errorf("meta leaving is set only by Leave, UpdateMeta cannot change it: %w", ErrMeta)
 	}
 	b, err := next.Encode()
 	if err != nil {
@@ -240,11 +259,21 @@ func (c *Cluster) UpdateMeta(ctx context.Context, update func(m *Meta)) error {
 	return nil
 }
 
-// Leave announces a graceful exit and waits until the announcement has
-// reached at least one peer, for at most timeout (Config.BroadcastTimeout
-// when timeout <= 0); ErrTimeout otherwise. The others report this member as
-// left, not dead. The member keeps gossiping until Shutdown, which should
-// follow. Idempotent.
+// Leave announces a graceful exit, then leaves, all within timeout
+// (Config.BroadcastTimeout when timeout <= 0). From its start UpdateMeta is
+// refused. It first announces the leave (leave.go): it tells every alive
+// member directly and waits for each to acknowledge, and gossips
+// Meta.Leaving, for at most half of timeout. Then it has memberlist
+// broadcast the leave and waits, for the rest of timeout, until that has
+// reached at least one peer; ErrTimeout otherwise.
+//
+// Members that got the announcement report this member as left, not dead.
+// A member the announcement did not reach (logged at Warn) reports it dead:
+// the safe direction, its owner fences at once. The member keeps gossiping
+// until Shutdown, which should follow; Shutdown may then wait up to
+// DetectorConfig.TCPTimeout for an announcement still dialing an unreachable
+// member. Idempotent: a later call waits for the first one's announcement
+// and does not repeat it.
 func (c *Cluster) Leave(timeout time.Duration) error {
 	c.lifeMu.RLock()
 	defer c.lifeMu.RUnlock()
@@ -254,8 +283,14 @@ func (c *Cluster) Leave(timeout time.Duration) error {
 	if timeout <= 0 {
 		timeout = c.cfg.BroadcastTimeout
 	}
-	c.left.Store(true)
-	if err := c.ml.Leave(timeout); err != nil {
+	c.leaveMu.Lock()
+	defer c.leaveMu.Unlock()
+	start := time.Now()
+	if !c.left.Swap(true) {
+		c.announceLeave(start.Add(timeout / 2))
+	}
+	rest := max(timeout-time.Since(start), time.Millisecond) // memberlist waits forever on <= 0
+	if err := c.ml.Leave(rest); err != nil {
 		return fmt.Errorf("leave %s within %v: %w: %w", c.id, timeout, ErrTimeout, err)
 	}
 	c.log.Info("left cluster")
@@ -425,13 +460,19 @@ func (c *Cluster) logEvent(ev Event) {
 }
 
 // reap forgets members dead or left for longer than GossipToTheDeadTime,
-// as memberlist does.
+// as memberlist does, and leave announcements older than that of members it
+// does not know (any more).
 func (c *Cluster) reap(now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for id, m := range c.members {
 		if m.State != StateAlive && !m.Local && now.Sub(m.Since) > c.cfg.Detector.GossipToTheDeadTime {
 			delete(c.members, id)
+		}
+	}
+	for id, at := range c.leaving {
+		if _, ok := c.members[id]; !ok && now.Sub(at) > c.cfg.Detector.GossipToTheDeadTime {
+			delete(c.leaving, id)
 		}
 	}
 	c.updateGaugeLocked()
@@ -450,15 +491,27 @@ func (c *Cluster) updateGaugeLocked() {
 }
 
 // observe records a memberlist callback in the table and queues its event.
-// It runs on memberlist's goroutines with memberlist's node lock held: it
-// takes only c.mu and never blocks beyond it.
-func (c *Cluster) observe(typ EventType, n *memberlist.Node, st MemberState) {
+// typ is EventJoin, EventUpdate, or EventDead for NotifyLeave, which becomes
+// EventLeave when the member announced its leave (goneEventLocked). It runs
+// on memberlist's goroutines with memberlist's node lock held: it takes only
+// c.mu and never blocks beyond it.
+func (c *Cluster) observe(typ EventType, n *memberlist.Node) {
 	now := time.Now()
 	meta, err := DecodeMeta(n.Meta)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.shut {
 		return
+	}
+	if typ == EventDead {
+		typ = c.goneEventLocked(n.Name, meta, err == nil)
+	}
+	st := StateAlive
+	switch typ {
+	case EventDead:
+		st = StateDead
+	case EventLeave:
+		st = StateLeft
 	}
 	m := Member{Name: nameOf(n.Name), ID: n.Name, Addr: n.Address(), State: st, Since: now, Meta: meta, Local: n.Name == c.id}
 	if old, ok := c.members[n.Name]; ok {
@@ -535,7 +588,7 @@ func (d *delegate) NodeMeta(limit int) []byte {
 	return b
 }
 
-func (d *delegate) NotifyMsg([]byte)                           {}
+func (d *delegate) NotifyMsg(b []byte)                         { d.c.handleUserMsg(b) }
 func (d *delegate) GetBroadcasts(overhead, limit int) [][]byte { return nil }
 func (d *delegate) LocalState(join bool) []byte                { return nil }
 func (d *delegate) MergeRemoteState(buf []byte, join bool)     {}
@@ -544,6 +597,9 @@ func (d *delegate) MergeRemoteState(buf []byte, join bool)     {}
 // name is NodeName@Meta.Incarnation.
 func (d *delegate) NotifyAlive(peer *memberlist.Node) error {
 	meta, err := DecodeMeta(peer.Meta)
+	if lose := d.c.lose.Load(); err == nil && meta.Leaving && lose != nil && (*lose)("meta", peer.Name) {
+		return fmt.Errorf("test: leaving meta of %s lost", peer.Name)
+	}
 	if err == nil {
 		if want := memberID(nameOf(peer.Name), meta.Incarnation); peer.Name != want {
 			err = fmt.Errorf("member name %q does not match its meta incarnation (want %q): %w", peer.Name, want, ErrMeta)
@@ -555,16 +611,12 @@ func (d *delegate) NotifyAlive(peer *memberlist.Node) error {
 	return err
 }
 
-func (d *delegate) NotifyJoin(n *memberlist.Node)   { d.c.observe(EventJoin, n, StateAlive) }
-func (d *delegate) NotifyUpdate(n *memberlist.Node) { d.c.observe(EventUpdate, n, StateAlive) }
+func (d *delegate) NotifyJoin(n *memberlist.Node)   { d.c.observe(EventJoin, n) }
+func (d *delegate) NotifyUpdate(n *memberlist.Node) { d.c.observe(EventUpdate, n) }
 
-func (d *delegate) NotifyLeave(n *memberlist.Node) {
-	if st := leftOrDead(n); st == StateLeft {
-		d.c.observe(EventLeave, n, StateLeft)
-	} else {
-		d.c.observe(EventDead, n, StateDead)
-	}
-}
+// NotifyLeave is called for a leave and for a death alike (memberlist
+// v0.7.0 does not tell them apart; see leave.go): observe decides.
+func (d *delegate) NotifyLeave(n *memberlist.Node) { d.c.observe(EventDead, n) }
 
 func (d *delegate) NotifyConflict(existing, other *memberlist.Node) {
 	d.c.mu.Lock()

@@ -59,7 +59,8 @@ type Config struct {
 
 	// BroadcastTimeout bounds how long Leave and UpdateMeta wait for their
 	// message to reach at least one peer when the caller gives no tighter
-	// deadline. Default 2 s.
+	// deadline (Leave spends at most half of it announcing the leave; see
+	// Cluster.Leave). Default 2 s.
 	BroadcastTimeout time.Duration
 	// EventBuffer is the channel capacity of a subscription made with
 	// Subscribe(0). Default 1024. Events that do not fit are dropped and
@@ -147,6 +148,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Logger == nil {
 		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)
+	}
+	if c.Meta.Leaving {
+		return fmt.Errorf("meta: leaving is set only by Cluster.Leave, never in a config: %w", ErrMeta)
 	}
 	m := c.Meta
 	if m.Incarnation == 0 {

@@ -42,6 +42,7 @@ func TestConfigValidate(t *testing.T) {
 		{"event buffer", func(c *Config) { c.EventBuffer = 0 }, "event buffer 0"},
 		{"join retry", func(c *Config) { c.JoinRetry = 0 }, "join retry"},
 		{"no role", func(c *Config) { c.Meta.Role = "" }, "role \"\" must be"},
+		{"leaving", func(c *Config) { c.Meta.Leaving = true }, "leaving is set only by Cluster.Leave"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := base()
@@ -65,6 +66,7 @@ func TestMetaValidate(t *testing.T) {
 	}{
 		{"rankd ok", func(*Meta) {}, ""},
 		{"coordinator ok", func(m *Meta) { *m = coordMeta(); m.Incarnation = 1 }, ""},
+		{"leaving ok", func(m *Meta) { m.Leaving = true }, ""}, // a leaving peer's meta
 		{"coordinator with ranks", func(m *Meta) { m.Role = RoleCoordinator; m.Engine = "" }, "coordinator has no rank identity"},
 		{"no engine", func(m *Meta) { m.Engine = "" }, "needs an engine instance"},
 		{"tp size", func(m *Meta) { m.TPSize = 0 }, "tp size 0"},
@@ -111,6 +113,18 @@ func TestMetaEncodeRoundTrip(t *testing.T) {
 	}
 	if !strings.HasPrefix(string(b), `{"v":1,"role":"rankd",`) {
 		t.Fatalf("encoding %s: want the version first, then the role", b)
+	}
+	if strings.Contains(string(b), "leaving") {
+		t.Fatalf("encoding %s: leaving must be omitted while false", b)
+	}
+	lm := m
+	lm.Leaving = true
+	lb, err := lm.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := DecodeMeta(lb); err != nil || !got.Leaving || !strings.HasSuffix(string(lb), `,"leaving":true}`) {
+		t.Fatalf("leaving meta %s decodes to %+v, %v", lb, got, err)
 	}
 	t.Logf("typical meta: %d B of %d: %s", len(b), MaxMetaBytes, b)
 
@@ -231,11 +245,5 @@ func TestParseMemberlistLine(t *testing.T) {
 		if lvl != tc.lvl || msg != tc.msg {
 			t.Errorf("%q: %v %q, want %v %q", tc.in, lvl, msg, tc.lvl, tc.msg)
 		}
-	}
-}
-
-func TestNodeStateLayoutVerified(t *testing.T) {
-	if nodeStateOffset <= 0 {
-		t.Fatalf("memberlist nodeState.State not found (offset %d): leaves would be reported as deaths", nodeStateOffset)
 	}
 }

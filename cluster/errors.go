@@ -23,3 +23,7 @@ var (
 	// The local state has changed anyway; gossip keeps retrying it.
 	ErrTimeout = errors.New("gossip broadcast timed out")
 )
+
+// errMessage: a member-to-member message (leave.go) does not decode. It is
+// logged, never returned to a caller.
+var errMessage = errors.New("invalid cluster message")

@@ -23,7 +23,8 @@ const (
 )
 
 // MetaVersion is the version of the Meta wire encoding. Decoders accept
-// unknown fields (newer minor additions) but reject another version.
+// unknown fields (newer minor additions, such as Leaving) but reject another
+// version.
 const MetaVersion = 1
 
 // MaxMetaBytes is the largest encoded Meta memberlist will gossip
@@ -34,7 +35,8 @@ const MaxMetaBytes = memberlist.MetaMaxSize
 // memberlist alive message, so it is small: one JSON object of at most
 // MaxMetaBytes bytes. The identity fields (Role, Engine, the rank numbers and
 // Incarnation) are fixed for the life of a process; NATS, Admin and the usage
-// counters may change through Cluster.UpdateMeta.
+// counters may change through Cluster.UpdateMeta; Leaving only through
+// Cluster.Leave.
 type Meta struct {
 	// Role is coordinator or rankd.
 	Role Role `json:"role"`
@@ -61,6 +63,11 @@ type Meta struct {
 	L1UsedBytes uint64 `json:"l1,omitempty"`
 	L1CapBytes  uint64 `json:"l1cap,omitempty"`
 	L2UsedBytes uint64 `json:"l2,omitempty"`
+	// Leaving is set by Cluster.Leave, and only by it (Config.Validate and
+	// UpdateMeta refuse it): the member has begun a graceful leave. A member
+	// whose last Meta says Leaving is reported left, not dead, when it goes
+	// (see leave.go). Older members ignore the field.
+	Leaving bool `json:"leaving,omitempty"`
 }
 
 // wireMeta is Meta with its version, the encoding on the wire.
