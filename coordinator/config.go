@@ -62,7 +62,11 @@ type Config struct {
 	// once the old coordinator is declared dead: about 2 s); too short fences
 	// live ranks, which then resync from their inventories (safe, costly);
 	// too long serves dead ranks' L1 copies longer (restores from them fail
-	// at their deadline and are recomputed: safe, slow).
+	// at their deadline and are recomputed: safe, slow). It also switches
+	// on the same inference for restore.begin: once it has passed, a reader
+	// rank the index knows but memberlist never showed counts as not alive
+	// and nothing is planned; with 0, absence alone never refuses a
+	// restore (see "Reader liveness" in restore.go).
 	StartupFenceGrace time.Duration
 
 	// HTTPAddr serves /metrics (Prometheus) and /healthz. Default

@@ -70,7 +70,11 @@ type Coordinator struct {
 	// per rank).
 	resyncing map[wire.Rank]struct{}
 
-	rs *restores
+	rs   *restores
+	live *liveTable // the rankd incarnations seen in memberlist
+	// startedAt is when Start began (set before any handler runs): the
+	// startup grace of the reader liveness rule counts from it.
+	startedAt time.Time
 }
 
 // ingestWorkers is the number of event-ingest workers. Batches of one rank
@@ -105,6 +109,7 @@ func New(cfg Config) (*Coordinator, error) {
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)
+	c.live = newLiveTable()
 	if err := c.met.register(c.reg); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
@@ -135,6 +140,7 @@ func (c *Coordinator) Start() error {
 
 func (c *Coordinator) start() error {
 	t0 := time.Now()
+	c.startedAt = t0
 	if err := os.MkdirAll(c.cfg.DataDir, 0o700); err != nil {
 		return fmt.Errorf("create data dir %s: %w", c.cfg.DataDir, err)
 	}

@@ -132,6 +132,10 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		return
 	}
 	rep := &wire.LookupReply{Instance: res.Instance, Prefix: res.Prefix}
+	if res.Instance != "" {
+		// See "Reader liveness" in restore.go.
+		rep.NotAlive, rep.Reason = notAlive(res.Instance, c.readerStatuses(res.Instance, res.Expectations))
+	}
 	if req.Detail {
 		for i := range res.Prefix {
 			for j, e := range res.Expectations {

@@ -98,6 +98,11 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 			zap.Int("dropped", out.Dropped))
 		c.startResync(b.Rank)
 	}
+	if out.NewIncarnation {
+		// The old incarnation is gone: whatever it had not reported of an
+		// active restore it never will.
+		c.rs.failRank(b.Rank, b.Incarnation-1, "superseded", fmt.Sprintf("rank %s superseded", b.Rank))
+	}
 	if out.NewIncarnation && out.Fenced > 0 {
 		c.met.fences.WithLabelValues("incarnation").Inc()
 		c.met.fenced.Add(float64(out.Fenced))
@@ -190,12 +195,18 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
 	}
+	prev, known := c.rankIncarnation(r)
 	out, err := c.idx.ApplyInventory(c.ctx, *inv)
 	if err != nil {
 		return errors.Is(err, index.ErrClosed), err
 	}
 	switch {
 	case out.Applied:
+		if known && inv.Incarnation > prev {
+			// A restarted rank answered: the incarnation restores expect
+			// is gone.
+			c.rs.failRank(r, inv.Incarnation-1, "superseded", fmt.Sprintf("rank %s superseded", r))
+		}
 		return true, nil
 	case out.Reason == index.DropStaleIncarnation:
 		// The rank restarted since; the new incarnation syncs itself.

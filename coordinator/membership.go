@@ -3,6 +3,7 @@ package coordinator
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/kvtier/kvtier/cluster"
@@ -13,7 +14,11 @@ import (
 
 // Membership: a rankd that memberlist declares dead has its L1 placements
 // fenced at once (C7); one that leaves gracefully too (its L1 is gone with
-// it). L2 placements stay: the files survive the process.
+// it). L2 placements stay: the files survive the process. Every active
+// restore that expects the rank (that incarnation or an older one) has the
+// rank's unreported chunks failed at once, before the fence is committed:
+// the rank will never report them (restores.failRank). Every rankd state
+// change also feeds the liveness table restore.begin and lookup consult.
 
 // membershipLoop consumes the member's events until its subscription is
 // closed (cluster Shutdown).
@@ -28,6 +33,7 @@ func (c *Coordinator) membershipLoop() {
 			c.reconcileMembers()
 		}
 		seq = ev.Seq
+		c.live.observe(ev.Member)
 		switch ev.Type {
 		case cluster.EventJoin:
 			c.resyncRejoined(ev.Member)
@@ -42,7 +48,11 @@ func (c *Coordinator) membershipLoop() {
 // reconcileMembers fences every rankd the member table says is dead or
 // left.
 func (c *Coordinator) reconcileMembers() {
-	for _, m := range c.member.Members() {
+	ms := c.member.Members()
+	for _, m := range ms {
+		c.live.observe(m)
+	}
+	for _, m := range ms {
 		switch m.State {
 		case cluster.StateDead:
 			c.fenceMember(m, "dead", m.Since)
@@ -57,9 +67,11 @@ func memberRank(m cluster.Member) wire.Rank {
 	return wire.Rank{Instance: m.Meta.Engine, TPRank: m.Meta.TPRank}
 }
 
-// fenceMember fences the L1 placements of a rankd that died or left, unless
-// the index already knows a newer incarnation of its rank (a restarted
-// rankd that reported before the old one was declared dead).
+// fenceMember fails the unreported chunks of that incarnation of the rank
+// in every active restore, then fences the L1 placements of a rankd that
+// died or left, unless the index already knows a newer incarnation of its
+// rank (a restarted rankd that reported before the old one was declared
+// dead).
 func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) {
 	if m.Meta.Role != cluster.RoleRankd || m.Local {
 		if m.Meta.Role == cluster.RoleCoordinator && !m.Local {
@@ -68,6 +80,8 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 		return
 	}
 	r := memberRank(m)
+	// Restores that expect a newer incarnation are left alone by failRank.
+	c.rs.failRank(r, m.Meta.Incarnation, cause, fmt.Sprintf("rank %s %s", r, cause))
 	log := c.log.With(zap.Stringer("rank", r), zap.String("member", m.ID), zap.String("cause", cause),
 		zap.Uint64("incarnation", m.Meta.Incarnation))
 	if inc, ok := c.rankIncarnation(r); ok && inc > m.Meta.Incarnation {
@@ -148,6 +162,8 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		if inc, ok := c.rankIncarnation(ri.Rank); !ok || inc != ri.Incarnation {
 			continue // a new incarnation reported meanwhile
 		}
+		c.rs.failRank(ri.Rank, ri.Incarnation, "startup",
+			fmt.Sprintf("rank %s not in the cluster after the startup grace", ri.Rank))
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 		n, err := c.idx.FenceRank(ctx, ri.Rank)
 		cancel()

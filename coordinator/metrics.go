@@ -27,6 +27,8 @@ type metrics struct {
 	restoreBegins  prometheus.Counter
 	verdictSeconds prometheus.Histogram   // last report -> verdict
 	reports        *prometheus.CounterVec // by outcome: ok | duplicate | rejected
+	notPlanned     *prometheus.CounterVec // begins refused, by cause: dead | left | fenced | absent
+	rankFailures   *prometheus.CounterVec // restores failed early, by cause: dead | left | superseded | startup
 	active         prometheus.Gauge
 	internal       prometheus.Counter
 }
@@ -95,8 +97,16 @@ func newMetrics() *metrics {
 		}),
 		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_total",
-			Help: "Restores decided, by outcome (complete, failed) and cause (reports, deadline, empty).",
+			Help: "Restores decided, by outcome (complete, failed) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
 		}, []string{"outcome", "cause"}),
+		notPlanned: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_restores_not_planned_total",
+			Help: "Restore begins answered with prefix 0 although chunks are stored, because a reader rank is not alive, by the first such reader's cause (dead, left, fenced, absent).",
+		}, []string{"cause"}),
+		rankFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_restore_rank_failures_total",
+			Help: "Active restores whose unreported results of a reader rank were failed at once because the rank was fenced, by cause (dead, left, superseded, startup).",
+		}, []string{"cause"}),
 		restoreBegins: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_restore_begins_total",
 			Help: "Restore plans handed out.",
@@ -125,7 +135,8 @@ func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		m.batches, m.events, m.badRequests, m.gaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
-		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.active, m.internal,
+		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
+		m.active, m.internal,
 	}
 }
 

@@ -35,6 +35,55 @@ import (
 // complete with prefix 0: nothing was promised, so nothing can be missing;
 // the engine recomputes every chunk, as it would after any verdict for the
 // chunks past the prefix. Its id is valid for restore.wait like any other.
+//
+// # Reader liveness
+//
+// Lookup counts stored copies, and an L2 copy outlives its holder: while a
+// reader rank is dead or partitioned, lookup still finds a full prefix, but
+// a restore can only fail, at its deadline. So restore.begin plans nothing
+// (prefix 0, RestorePlan.Reason says why, counted in
+// kvtier_coord_restores_not_planned_total) unless every reader rank of the
+// namespace's layout, for the chosen instance, is alive. Lookup still
+// reports the prefix (what is stored) and lists the readers that are not
+// alive in LookupReply.NotAlive. A reader rank is judged (judgeReader) from
+// the rankd incarnations this coordinator has seen in memberlist since it
+// started (liveTable, which, unlike memberlist's table, never forgets the
+// newest incarnation of a rank) and the index's record of the rank:
+//
+//   - an incarnation of it is alive in memberlist: alive. This holds even
+//     when the index has it fenced: a member that came back after a false
+//     death (its resync pending), or a restarted rankd whose first batch
+//     has not landed, reads the plan's L2 copies fine (fenced L1 copies are
+//     never planned);
+//   - it was seen, and its newest incarnation seen (not older than the
+//     index's) is dead or left: not alive;
+//   - never seen in memberlist (or the index knows a newer incarnation than
+//     any seen): alive if the index does not know the rank either (a reader
+//     that never stored anything has no record: no evidence against it);
+//     not alive if the index has it fenced; not alive if membership
+//     inference is on (StartupFenceGrace > 0, the same switch that lets the
+//     startup fence treat absence as death) and the grace has passed since
+//     Start, by which time every live rankd has (re)joined; otherwise alive.
+//     So a cluster of one driven over NATS alone (tests, StartupFenceGrace
+//     0) is never refused for want of members, and a coordinator restarted
+//     under a running cluster does not refuse restores while its ranks
+//     rejoin.
+//
+// The check runs under the restore table's lock, so a begin and a fence
+// are ordered: a restore planned just before a death notification is in
+// the table when the death fails it.
+//
+// # Failing early
+//
+// When the coordinator fences a rank (memberlist death or leave, a new
+// incarnation's first batch or inventory, the startup fence), every active
+// restore expecting that incarnation of the rank (readers record the
+// incarnation they expect at begin: see readerStatus.inc) gets the rank's
+// unreported chunks failed at once with the reason ("rank eng/1 dead",
+// "left", "superseded"), fed through the state machine's Report exactly as
+// the rank would report failures; results it had already reported stay as
+// they were. When that makes the verdict final the waiters are answered at
+// once. Counted in kvtier_coord_restore_rank_failures_total by cause.
 
 // restores is the coordinator's restore table.
 type restores struct {
@@ -61,6 +110,20 @@ type activeRestore struct {
 	lastReport time.Time
 	waiters    []*nats.Msg
 	heapIdx    int
+	readers    map[int]*restoreReader // by TP rank
+}
+
+// restoreReader is what a restore expects of one reader rank: the
+// incarnation it expected at begin and the (chunk, group) it reads, so a
+// fence can report them failed.
+type restoreReader struct {
+	inc   uint64
+	slots []readSlot
+}
+
+type readSlot struct {
+	chunk int32
+	group int32
 }
 
 func newRestores(c *Coordinator) *restores {
@@ -123,7 +186,33 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	rs.seq++
 	id := rs.boot + "-" + strconv.FormatUint(rs.seq, 10)
 	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem)}
-	if res.Prefix == 0 {
+	var readers []readerStatus
+	if res.Prefix > 0 {
+		// Under rs.mu: see "Reader liveness".
+		readers = c.readerStatuses(res.Instance, res.Expectations)
+		if down, reason := notAlive(res.Instance, readers); reason != "" {
+			plan.Prefix, plan.Reason = 0, reason
+			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
+			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
+				VerdictLatencyUS: 0})
+			rs.mu.Unlock()
+			cause := ""
+			for _, s := range readers {
+				if s.cause != "" {
+					cause = s.cause
+					break
+				}
+			}
+			c.met.notPlanned.WithLabelValues(cause).Inc()
+			c.met.restores.WithLabelValues(wire.VerdictComplete, "readers_not_alive").Inc()
+			c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", id),
+				zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
+				zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", down), zap.String("reason", reason))
+			_ = bus.Respond(m, plan)
+			return
+		}
+	}
+	if plan.Prefix == 0 {
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
 		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 			VerdictLatencyUS: 0})
@@ -140,6 +229,10 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		c.internalError(m, "start restore", err, zap.String("restore", id))
 		return
 	}
+	byTP := make(map[int]*restoreReader, len(readers))
+	for _, s := range readers {
+		byTP[s.tp] = &restoreReader{inc: s.inc, slots: make([]readSlot, 0, res.Prefix)}
+	}
 	for i := range res.Prefix {
 		for j, e := range res.Expectations {
 			src := res.Source(i, j)
@@ -150,9 +243,11 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 				Sum:    src.Sum,
 				Source: wire.Source{Holder: res.Holder(i, j), Tier: src.Tier},
 			})
+			rd := byTP[e.Rank]
+			rd.slots = append(rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
 		}
 	}
-	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now}
+	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now, readers: byTP}
 	rs.active[id] = a
 	heap.Push(&rs.byDL, a)
 	earliest := rs.byDL[0] == a
@@ -369,6 +464,62 @@ func (rs *restores) deadlineLoop() {
 			rs.expire(now)
 		}
 	}
+}
+
+// failRank reports, in every active restore of rank r's instance that
+// expects r at incarnation upTo or older, every result r has not reported
+// yet as failed with reason, through the state machine's Report as r would
+// (results r already reported count as duplicates and change nothing).
+// Restores whose verdict that makes final are answered at once, with cause
+// "rank_<cause>". It returns the number of restores that had results of r
+// pending. Called when the coordinator fences r: death, leave, new
+// incarnation, startup fence (see "Failing early").
+func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int {
+	c := rs.c
+	now := time.Now()
+	var fins []*finished
+	var ids []string
+	rs.mu.Lock()
+	for id, a := range rs.active {
+		if a.instance != r.Instance {
+			continue
+		}
+		rd := a.readers[r.TPRank]
+		if rd == nil || rd.inc > upTo {
+			continue
+		}
+		results := make([]wire.ItemResult, len(rd.slots))
+		for i, sl := range rd.slots {
+			results[i] = wire.ItemResult{Chunk: int(sl.chunk), Group: int(sl.group), Reason: reason}
+		}
+		out, err := a.r.Report(r.TPRank, results)
+		if err != nil {
+			// Cannot happen: the slots are the plan's.
+			c.met.internal.Inc()
+			c.log.Error("failing a fenced rank's results was refused", zap.String("restore", id),
+				zap.Stringer("rank", r), zap.Error(err))
+		}
+		if out.Accepted == 0 {
+			continue // r had reported everything
+		}
+		ids = append(ids, id)
+		if v := a.r.Verdict(); v.Final() {
+			// Removing the current entry while ranging is allowed.
+			fins = append(fins, rs.finishLocked(id, a, v, "rank_"+cause, now))
+		}
+	}
+	rs.mu.Unlock()
+	for _, f := range fins {
+		f.deliver(c)
+	}
+	if len(ids) > 0 {
+		c.met.rankFailures.WithLabelValues(cause).Add(float64(len(ids)))
+		c.log.Warn("active restores failed early: a reader rank was fenced", zap.Stringer("rank", r),
+			zap.Uint64("up_to_incarnation", upTo), zap.String("cause", cause), zap.Int("restores", len(ids)),
+			zap.Int("decided", len(fins)), zap.Strings("restore_ids", firstN(ids, 8)),
+			zap.Duration("took", time.Since(now)))
+	}
+	return len(ids)
 }
 
 // expire decides every restore whose deadline has passed.

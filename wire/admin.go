@@ -77,6 +77,12 @@ type LookupReply struct {
 	Instance string       `json:"instance,omitempty"`
 	Prefix   int          `json:"prefix"`
 	Sources  []ObjectInfo `json:"sources,omitempty"`
+	// NotAlive lists the reader ranks of Instance (Rank.String()) that are
+	// not alive (dead, left, fenced, absent from the cluster), and Reason
+	// says why: Prefix still counts what is stored, but a restore.begin now
+	// plans nothing.
+	NotAlive []string `json:"not_alive,omitempty"`
+	Reason   string   `json:"reason,omitempty"`
 }
 
 // ReportAck answers a restore report.

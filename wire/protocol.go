@@ -136,6 +136,9 @@ type RestorePlan struct {
 	RestoreID string                    `json:"restore_id"`
 	Prefix    int                       `json:"prefix"` // chunks [0, Prefix) are planned
 	Ranks     map[string][]RetrieveItem `json:"ranks"`  // by Rank.String(); Blocks left empty
+	// Reason, when set, says why nothing was planned (Prefix 0) although
+	// chunks are stored: a reader rank is not alive.
+	Reason string `json:"reason,omitempty"`
 }
 
 // RestoreReport is a rank's report of what it placed.
