@@ -397,13 +397,15 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 	rs.decided[e.RestoreID] = e
 }
 
-// deliver answers the waiters, then measures, counts and logs.
+// deliver counts the verdict, answers the waiters, then measures and logs.
+// It counts first so a waiter that reads the metrics after its verdict sees
+// the verdict counted.
 func (f *finished) deliver(c *Coordinator) {
+	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
 	for _, w := range f.waiters {
 		_ = bus.Respond(w, &f.verdict)
 	}
 	now := time.Now()
-	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
 	var lat time.Duration
 	if !f.last.IsZero() {
 		lat = now.Sub(f.last)
@@ -509,11 +511,13 @@ func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int
 		}
 	}
 	rs.mu.Unlock()
+	if len(ids) > 0 {
+		c.met.rankFailures.WithLabelValues(cause).Add(float64(len(ids)))
+	}
 	for _, f := range fins {
 		f.deliver(c)
 	}
 	if len(ids) > 0 {
-		c.met.rankFailures.WithLabelValues(cause).Add(float64(len(ids)))
 		c.log.Warn("active restores failed early: a reader rank was fenced", zap.Stringer("rank", r),
 			zap.Uint64("up_to_incarnation", upTo), zap.String("cause", cause), zap.Int("restores", len(ids)),
 			zap.Int("decided", len(fins)), zap.Strings("restore_ids", firstN(ids, 8)),
