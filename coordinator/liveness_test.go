@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"encoding/json"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -310,7 +311,7 @@ func TestRestoreBeginAbsentOrFencedReader(t *testing.T) {
 		if p := f.begin(t, f.chunks); p.Prefix != 3 {
 			t.Fatalf("plan with ranks never seen in memberlist = %+v, want prefix 3", p)
 		}
-		if _, err := f.c.idx.FenceRank(tctx(t), wire.Rank{Instance: "eng", TPRank: 0}); err != nil {
+		if _, err := f.c.idx.FenceRank(tctx(t), wire.Rank{Instance: "eng", TPRank: 0}, math.MaxUint64); err != nil {
 			t.Fatal(err)
 		}
 		p := f.begin(t, f.chunks)

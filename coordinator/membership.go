@@ -92,7 +92,7 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
-	n, err := c.idx.FenceRank(ctx, r)
+	n, err := c.idx.FenceRank(ctx, r, m.Meta.Incarnation)
 	if err != nil {
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
 			log.Warn("rank not fenced: coordinator stopping", zap.Error(err))
@@ -165,7 +165,7 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		c.rs.failRank(ri.Rank, ri.Incarnation, "startup",
 			fmt.Sprintf("rank %s not in the cluster after the startup grace", ri.Rank))
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
-		n, err := c.idx.FenceRank(ctx, ri.Rank)
+		n, err := c.idx.FenceRank(ctx, ri.Rank, ri.Incarnation)
 		cancel()
 		if err != nil {
 			if c.ctx.Err() == nil {

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -270,7 +271,7 @@ func TestFencedRankRejoinResyncs(t *testing.T) {
 	inc := cluster.NewIncarnation()
 	b := storeBatch(r, inc, 0, ns, chain(ns, 3, 1), wire.L1)
 	sendBatch(t, nc, c.subj, b)
-	if _, err := c.idx.FenceRank(tctx(t), r); err != nil {
+	if _, err := c.idx.FenceRank(tctx(t), r, math.MaxUint64); err != nil {
 		t.Fatal(err)
 	}
 	inv := wire.Inventory{Rank: r, Incarnation: inc, Seq: 3}

@@ -3,6 +3,7 @@ package index_test
 import (
 	"context"
 	"errors"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -163,7 +164,7 @@ func TestApplyRules(t *testing.T) {
 	}
 
 	// Memberlist declares the rank dead: L1 fenced at once, L2 stays.
-	n, err := ix.FenceRank(ctx, r)
+	n, err := ix.FenceRank(ctx, r, math.MaxUint64)
 	if err != nil || n != 1 {
 		t.Fatalf("fence: %d, %v", n, err)
 	}
@@ -187,8 +188,15 @@ func TestApplyRules(t *testing.T) {
 		t.Fatalf("after fence and resync: %+v", o)
 	}
 	// Fencing an unknown rank is not an error.
-	if n, err := ix.FenceRank(ctx, wire.Rank{Instance: "nobody", TPRank: 3}); err != nil || n != 0 {
+	if n, err := ix.FenceRank(ctx, wire.Rank{Instance: "nobody", TPRank: 3}, math.MaxUint64); err != nil || n != 0 {
 		t.Fatalf("fence unknown: %d %v", n, err)
+	}
+	// A late death notice of the older incarnation 8 never fences incarnation 9.
+	if n, err := ix.FenceRank(ctx, r, 8); err != nil || n != 0 {
+		t.Fatalf("fence of superseded incarnation 8: %d %v, want 0", n, err)
+	}
+	if info, _ = ix.ListRank(r); info.Fenced || info.L1Placements != 1 {
+		t.Fatalf("after a superseded incarnation's fence: %+v", info)
 	}
 	// A removal of something not held is applied (sequence advances) and counted.
 	o = mustApply(t, ix.Index, batch(9, removed(6, wire.L2, k2)))

@@ -3,6 +3,7 @@ package index_test
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -99,7 +100,7 @@ func runScenario(t *testing.T, seed uint64, f indextest.Faults) map[string]int {
 				deferred[s] = true // its new events may arrive first
 			}
 		case x < 5:
-			if _, err := ix.FenceRank(ctx, s.Rank); err != nil {
+			if _, err := ix.FenceRank(ctx, s.Rank, math.MaxUint64); err != nil {
 				t.Fatal(err)
 			}
 		case x < 8 && deferred[s]:
@@ -240,7 +241,7 @@ func TestConcurrentRanks(t *testing.T) {
 					s.Restart()
 					_, err = ix.ApplyInventory(ctx, s.Inventory())
 				case x < 6:
-					_, err = ix.FenceRank(ctx, s.Rank)
+					_, err = ix.FenceRank(ctx, s.Rank, math.MaxUint64)
 				default:
 					for _, b := range tr.Send(s.Next(1 + rng.IntN(16))) {
 						if err = deliver(b); err != nil {

@@ -102,6 +102,7 @@ type request struct {
 	batch *wire.Batch
 	inv   *wire.Inventory
 	rank  wire.Rank
+	upTo  uint64 // reqFence: the incarnation that died
 	spec  *dcp.Resolved
 	json  []byte
 	n     int // events, for group sizing
@@ -306,11 +307,16 @@ func (ix *Index) ApplyInventory(ctx context.Context, inv wire.Inventory) (Invent
 // survive it) and its batches are refused until it resyncs with an
 // inventory or comes back as a new incarnation. It returns the number of
 // placements fenced; an unknown rank is not an error (0).
-func (ix *Index) FenceRank(ctx context.Context, r wire.Rank) (int, error) {
+//
+// upTo is the incarnation that died: the fence applies only while the
+// index's current incarnation of r is <= upTo, so a late death notice of an
+// old incarnation never fences its successor (0 placements). Pass
+// math.MaxUint64 to fence whatever incarnation is current.
+func (ix *Index) FenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error) {
 	if err := validateRank(r); err != nil {
 		return 0, fmt.Errorf("fence: %w", err)
 	}
-	req := &request{kind: reqFence, rank: r, n: 1}
+	req := &request{kind: reqFence, rank: r, upTo: upTo, n: 1}
 	if err := ix.submit(ctx, req); err != nil {
 		return 0, err
 	}
@@ -490,7 +496,7 @@ func (ix *Index) stage(r *request) {
 	case reqInventory:
 		r.invOut = t.applyInventory(r.inv)
 	case reqFence:
-		r.fenced = t.fenceRank(r.rank)
+		r.fenced = t.fenceRank(r.rank, r.upTo)
 	case reqRegister:
 		r.err = t.register(r.spec, r.json)
 	}
@@ -719,8 +725,13 @@ func (ix *Index) account(r *request) {
 			zap.Uint64("seq", inv.Seq), zap.Int("placements", o.Placements), zap.Int("replaced", o.Replaced),
 			zap.Int("fenced", o.Fenced))
 	case reqFence:
-		if r.fenced < 0 {
+		if r.fenced == fenceUnknown {
 			ix.log.Debug("fence of an unknown rank ignored", zap.Stringer("rank", r.rank))
+			return
+		}
+		if r.fenced == fenceSuperseded {
+			ix.log.Info("fence of a superseded incarnation ignored", zap.Stringer("rank", r.rank),
+				zap.Uint64("up_to_incarnation", r.upTo))
 			return
 		}
 		m.fenced.WithLabelValues(string(FenceRankDead)).Add(float64(r.fenced))

@@ -2,6 +2,7 @@ package index_test
 
 import (
 	"errors"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -137,7 +138,7 @@ func TestLookupMLANoDCP(t *testing.T) {
 		t.Fatalf("other instance: prefix %d", got.Prefix)
 	}
 	// Rank 0 dies: its L1 is fenced, its L2 files still serve everyone.
-	if _, err := ix.FenceRank(ctx, rk("e1", 0)); err != nil {
+	if _, err := ix.FenceRank(ctx, rk("e1", 0), math.MaxUint64); err != nil {
 		t.Fatal(err)
 	}
 	got = lookup(t, ix.Index, "e1", w.ns, 3)
@@ -330,7 +331,7 @@ func TestLookupMatchesModel(t *testing.T) {
 			case x < 3:
 				w.restart(r)
 			case x < 5:
-				if _, err := ix.FenceRank(ctx, r); err != nil {
+				if _, err := ix.FenceRank(ctx, r, math.MaxUint64); err != nil {
 					t.Fatal(err)
 				}
 				w.restart(r) // a fenced rank comes back as a new incarnation

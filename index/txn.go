@@ -485,15 +485,24 @@ func (t *txn) applyInventory(inv *wire.Inventory) InventoryOutcome {
 	return o
 }
 
+// Results of fenceRank that fenced nothing.
+const (
+	fenceUnknown    = -1 // the rank was never seen
+	fenceSuperseded = -2 // its current incarnation is newer than the one that died
+)
+
 // fenceRank drops the rank's L1 placements and marks it fenced until it
-// resyncs. Unknown ranks are left alone (-1).
-func (t *txn) fenceRank(r wire.Rank) int {
+// resyncs, if its current incarnation is <= upTo.
+func (t *txn) fenceRank(r wire.Rank, upTo uint64) int {
 	id, known := t.rankID(r)
 	if !known {
-		return -1
+		return fenceUnknown
+	}
+	m := t.meta(id)
+	if m.inc > upTo {
+		return fenceSuperseded
 	}
 	n := t.fenceL1(id, math.MaxUint64)
-	m := t.meta(id)
 	if !m.fenced {
 		m.fenced = true
 		t.setMeta(id, m)

@@ -2,6 +2,7 @@ package index
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -24,7 +25,7 @@ func (o op) apply(t *txn) string {
 	case o.inv != nil:
 		return fmt.Sprintf("%+v", t.applyInventory(o.inv))
 	default:
-		return fmt.Sprint(t.fenceRank(*o.fence))
+		return fmt.Sprint(t.fenceRank(*o.fence, math.MaxUint64))
 	}
 }
 
