@@ -71,14 +71,8 @@ type driverDevice struct {
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
 
-	o *ordinalState
-
-	mu      sync.Mutex // guards the following
-	closed  bool
-	mems    map[*driverMem]struct{}
-	bufs    map[*driverHostBuf]struct{}
-	streams map[*driverStream]struct{}
-	events  map[*driverEvent]struct{}
+	o   *ordinalState
+	res resourceSet // its memory, host buffers, streams and events
 }
 
 // ordinalState is what every Device of one ordinal in this process shares,
@@ -190,10 +184,7 @@ func openDriver(ordinal int) (*driverDevice, error) {
 		scatter: b.scatter,
 		delay:   b.delay,
 		o:       o,
-		mems:    make(map[*driverMem]struct{}),
-		bufs:    make(map[*driverHostBuf]struct{}),
-		streams: make(map[*driverStream]struct{}),
-		events:  make(map[*driverEvent]struct{}),
+		res:     resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
 	}, nil
 }
 
@@ -337,55 +328,21 @@ func (d *driverDevice) loadKernels() error {
 
 func (d *driverDevice) Info() Info { return d.info }
 
-func (d *driverDevice) errClosed() error {
-	return fmt.Errorf("%w: CUDA device %d (%s) is closed", ErrReleased, d.ordinal, d.info.UUID)
-}
-
-// register adds a resource to one of the device's sets, unless the device
-// is closed.
-func register[T comparable](d *driverDevice, set map[T]struct{}, v T) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return d.errClosed()
-	}
-	set[v] = struct{}{}
-	return nil
-}
-
-func unregister[T comparable](d *driverDevice, set map[T]struct{}, v T) {
-	d.mu.Lock()
-	delete(set, v)
-	d.mu.Unlock()
-}
-
-func (d *driverDevice) isClosed() bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.closed
-}
-
 // Close closes every stream (waiting for its work), destroys events and
 // frees the memory and host buffers of this Device. The primary context and
 // the kernels stay loaded for other Devices of the ordinal (see
 // ordinalState). Idempotent.
 func (d *driverDevice) Close() error {
-	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
+	if !d.res.close() {
 		return nil
 	}
-	d.closed = true
-	streams := setKeys(d.streams)
-	d.mu.Unlock()
+	streams := liveOf[*driverStream](&d.res)
 
 	var errs []error
 	for _, s := range streams {
 		errs = append(errs, s.Close())
 	}
-	d.mu.Lock()
-	events, mems, bufs := setKeys(d.events), setKeys(d.mems), setKeys(d.bufs)
-	d.mu.Unlock()
+	events, mems, bufs := liveOf[*driverEvent](&d.res), liveOf[*driverMem](&d.res), liveOf[*driverHostBuf](&d.res)
 	for _, e := range events {
 		errs = append(errs, e.Release())
 	}
@@ -408,14 +365,6 @@ func (d *driverDevice) Close() error {
 		return fmt.Errorf("cuda: close device %d: %w", d.ordinal, err)
 	}
 	return nil
-}
-
-func setKeys[T comparable](m map[T]struct{}) []T {
-	out := make([]T, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
 }
 
 // lifetime is the release protocol shared by memory, host buffers and

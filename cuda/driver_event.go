@@ -59,7 +59,7 @@ func (d *driverDevice) newEventFor(core *eventCore, interprocess, imported, alia
 		label:        fmt.Sprintf("#%d", driverEventIDs.Add(1)),
 	}
 	e.life.free = core.refs.dec
-	if err := register(d, d.events, e); err != nil {
+	if err := d.res.add(e); err != nil {
 		e.life.release()
 		return nil, err
 	}
@@ -67,8 +67,8 @@ func (d *driverDevice) newEventFor(core *eventCore, interprocess, imported, alia
 }
 
 func (d *driverDevice) NewEvent(interprocess bool) (Event, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	flags := C.uint(C.KV_EVENT_DISABLE_TIMING)
 	if interprocess {
@@ -186,7 +186,7 @@ func (e *driverEvent) Release() error {
 	}
 	first, err := e.life.release()
 	if first {
-		unregister(e.d, e.d.events, e)
+		e.d.res.remove(e)
 	}
 	if err != nil {
 		return fmt.Errorf("cuda: release event %s: %w", e.label, err)
@@ -234,8 +234,8 @@ func (d *driverDevice) ExportEvent(e Event) (EventHandle, error) {
 // Waiting on an imported event whose owner destroyed it is an error in the
 // exporting process only: the driver gives another process no way to tell.
 func (d *driverDevice) ImportEvent(h EventHandle) (Event, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	key, err := d.checkHandle(h.Backend, h.Device, h.Raw)
 	if err != nil {

@@ -45,7 +45,7 @@ func (m *driverMem) Release() error {
 	}
 	first, err := m.life.release()
 	if first {
-		unregister(m.d, m.d.mems, m)
+		m.d.res.remove(m)
 	}
 	if err != nil {
 		return fmt.Errorf("cuda: release %s: %w", m.describe(), err)
@@ -91,8 +91,8 @@ func (d *driverDevice) newMem(kind memKind, ptr, size uint64) *driverMem {
 }
 
 func (d *driverDevice) Alloc(size uint64) (Mem, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	if size == 0 {
 		return nil, fmt.Errorf("%w: Alloc of 0 B", ErrOutOfRange)
@@ -103,7 +103,7 @@ func (d *driverDevice) Alloc(size uint64) (Mem, error) {
 		return nil, fmt.Errorf("cuda: Alloc(%d B): %w", size, err)
 	}
 	m := d.newMem(memOwned, uint64(p), size)
-	if err := register(d, d.mems, m); err != nil {
+	if err := d.res.add(m); err != nil {
 		m.life.release()
 		return nil, err
 	}
@@ -182,8 +182,8 @@ type driverHostBuf struct {
 const hostAllocRound = 64
 
 func (d *driverDevice) AllocHost(size uint64) (HostBuf, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	if size == 0 {
 		return nil, fmt.Errorf("%w: AllocHost of 0 B", ErrOutOfRange)
@@ -199,7 +199,7 @@ func (d *driverDevice) AllocHost(size uint64) (HostBuf, error) {
 	b.life.free = func() error {
 		return d.o.freeLater(func() error { return check("cuMemFreeHost", C.kv_mem_free_host(d.ctx, host)) })
 	}
-	if err := register(d, d.bufs, b); err != nil {
+	if err := d.res.add(b); err != nil {
 		b.life.release()
 		return nil, err
 	}
@@ -234,7 +234,7 @@ func (b *driverHostBuf) Bytes() []byte {
 func (b *driverHostBuf) Release() error {
 	first, err := b.life.release()
 	if first {
-		unregister(b.d, b.d.bufs, b)
+		b.d.res.remove(b)
 	}
 	if err != nil {
 		return fmt.Errorf("cuda: release host buffer of %d B: %w", b.size, err)
@@ -327,8 +327,8 @@ func (d *driverDevice) checkHandle(backend, dev string, raw []byte) (handleKey, 
 // ImportMem opens a handle: through cuIpcOpenMemHandle_v2 when another
 // process exported it, as a view of the allocation when this one did.
 func (d *driverDevice) ImportMem(h MemHandle) (Mem, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	key, err := d.checkHandle(h.Backend, h.Device, h.Raw)
 	if err != nil {
@@ -373,7 +373,7 @@ func (d *driverDevice) ImportMem(h MemHandle) (Mem, error) {
 		m = d.newMem(memIPC, uint64(base)+h.Offset, h.Size)
 		m.base = uint64(base)
 	}
-	if err := register(d, d.mems, m); err != nil {
+	if err := d.res.add(m); err != nil {
 		m.life.release()
 		return nil, err
 	}

@@ -58,14 +58,14 @@ var driverStreamIDs atomic.Uint64
 const defaultStageHalf = 32 << 20
 
 func (d *driverDevice) NewStream() (Stream, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	s := &driverStream{d: d, id: driverStreamIDs.Add(1)}
 	if err := check("cuStreamCreate", C.kv_stream_create(d.ctx, &s.h)); err != nil {
 		return nil, fmt.Errorf("cuda: NewStream: %w", err)
 	}
-	if err := register(d, d.streams, s); err != nil {
+	if err := d.res.add(s); err != nil {
 		C.kv_stream_destroy(d.ctx, s.h)
 		return nil, err
 	}
@@ -366,7 +366,7 @@ func (s *driverStream) Close() error {
 		errs = append(errs, check("cuStreamDestroy_v2", C.kv_stream_destroy(ctx, s.aux)))
 	}
 	errs = append(errs, check("cuStreamDestroy_v2", C.kv_stream_destroy(ctx, s.h)))
-	unregister(s.d, s.d.streams, s)
+	s.d.res.remove(s)
 	errs = append(errs, s.d.o.drain())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("cuda: close stream %d: %w", s.id, err)

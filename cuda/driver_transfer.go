@@ -8,7 +8,6 @@ package cuda
 import "C"
 
 import (
-	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -28,15 +27,9 @@ func (s *driverStream) Scatter(src HostBuf, objs []Object) (*Op, error) {
 	return s.transfer(src, objs, true, kFlagSum)
 }
 
-// interval is a destination range for the overlap check.
-type interval struct {
-	start, end uint64
-	obj, span  int
-}
-
-// resolve validates a transfer before anything is enqueued and takes a
-// reference on every buffer and Mem it uses. The returned functions drop
-// them.
+// resolve checks a transfer (checkTransfer) before anything is enqueued and
+// takes a reference on the buffer and every Mem it uses. The returned
+// functions drop them.
 func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, []func() error, error) {
 	buf, ok := hb.(*driverHostBuf)
 	if !ok || buf == nil {
@@ -45,87 +38,43 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 	if buf.d.ctx != s.d.ctx {
 		return nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
 	}
-	xobjs := make([]xferObject, len(objs))
-	var dsts []interval
-	type use struct{ obj, span int }
-	first := make(map[*driverMem]use)
-	var order []*driverMem
-	for i, o := range objs {
-		var total uint64
-		spans := make([]kSpan, 0, len(o.Spans))
-		for j, sp := range o.Spans {
-			m, err := s.d.asMem(sp.Mem, "span")
-			if err != nil {
-				return nil, nil, nil, fmt.Errorf("object %d span %d: %w", i, j, err)
-			}
-			if sp.Off > m.size || sp.Len > m.size-sp.Off {
-				return nil, nil, nil, fmt.Errorf("%w: object %d span %d: [%d, +%d B) outside its Mem of %d B",
-					ErrOutOfRange, i, j, sp.Off, sp.Len, m.size)
-			}
-			if total+sp.Len < total {
-				return nil, nil, nil, fmt.Errorf("%w: object %d: packed length overflows at span %d", ErrOutOfRange, i, j)
-			}
-			if _, seen := first[m]; !seen {
-				first[m] = use{i, j}
-				order = append(order, m)
-			}
-			if sp.Len > 0 {
-				spans = append(spans, kSpan{ptr: m.ptr + sp.Off, objOff: total, len: sp.Len})
-				if scatter {
-					dsts = append(dsts, interval{m.ptr + sp.Off, m.ptr + sp.Off + sp.Len, i, j})
-				}
-			}
-			total += sp.Len
-		}
-		if o.HostOff > buf.size || total > buf.size-o.HostOff {
-			return nil, nil, nil, fmt.Errorf("%w: object %d: host range [%d, +%d B) outside the host buffer of %d B",
-				ErrOutOfRange, i, o.HostOff, total, buf.size)
-		}
-		if !scatter && total > 0 {
-			dsts = append(dsts, interval{o.HostOff, o.HostOff + total, i, -1})
-		}
-		xobjs[i] = xferObject{hostOff: o.HostOff, len: total, spans: spans}
-	}
-	if err := checkIntervals(dsts, scatter); err != nil {
+	t, err := checkTransfer(objs, buf.size, scatter, s.d.resolveMem)
+	if err != nil {
 		return nil, nil, nil, err
+	}
+	xobjs := make([]xferObject, len(t.objs))
+	for i, o := range t.objs {
+		spans := make([]kSpan, 0, len(o.spans))
+		for _, sp := range o.spans {
+			if sp.len > 0 {
+				spans = append(spans, kSpan{ptr: sp.mem.ptr + sp.off, objOff: sp.objOff, len: sp.len})
+			}
+		}
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: spans}
 	}
 	if !buf.life.acquire() {
 		return nil, nil, nil, fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size)
 	}
-	unref := []func() error{buf.life.unref}
-	for _, m := range order {
-		if err := m.acquire(); err != nil {
-			for _, u := range unref {
-				u()
-			}
-			u := first[m]
-			return nil, nil, nil, fmt.Errorf("object %d span %d: %w", u.obj, u.span, err)
-		}
-		unref = append(unref, m.life.unref)
+	if err := t.acquire((*driverMem).acquire, func(m *driverMem) { m.life.unref() }); err != nil {
+		buf.life.unref()
+		return nil, nil, nil, err
+	}
+	unref := make([]func() error, 0, 1+len(t.mems))
+	unref = append(unref, buf.life.unref)
+	for _, u := range t.mems {
+		unref = append(unref, u.mem.life.unref)
 	}
 	return buf, xobjs, unref, nil
 }
 
-// checkIntervals rejects overlapping destinations: device ranges of a
-// Scatter (unified addresses, so views of one allocation compare), host
-// ranges of a Gather.
-func checkIntervals(iv []interval, scatter bool) error {
-	slices.SortFunc(iv, func(a, b interval) int { return cmp.Compare(a.start, b.start) })
-	var prev interval // of the intervals so far, the one ending last
-	for k, cur := range iv {
-		if k > 0 && cur.start < prev.end {
-			if !scatter {
-				return fmt.Errorf("%w: objects %d and %d overlap in the host buffer: [%d, %d) and [%d, %d)",
-					ErrOverlap, prev.obj, cur.obj, prev.start, prev.end, cur.start, cur.end)
-			}
-			return fmt.Errorf("%w: object %d span %d and object %d span %d both write %d B at device address %#x",
-				ErrOverlap, prev.obj, prev.span, cur.obj, cur.span, min(prev.end, cur.end)-cur.start, cur.start)
-		}
-		if k == 0 || cur.end > prev.end {
-			prev = cur
-		}
+// resolveMem tells checkTransfer about a span's Mem. Device addresses are
+// unified: views of one allocation alias where their addresses intersect.
+func (d *driverDevice) resolveMem(m Mem) (*driverMem, memView, error) {
+	dm, err := d.asMem(m, "span")
+	if err != nil {
+		return nil, memView{}, err
 	}
-	return nil
+	return dm, memView{size: dm.size, base: dm.ptr}, nil
 }
 
 // Staging policy of modeAuto: the copy engine pays off once a transfer is

@@ -125,10 +125,7 @@ func OpenHost(cfg HostConfig) (Device, error) {
 			Name:    cfg.Name,
 			Memory:  cfg.Memory,
 		},
-		streams: make(map[*hostStream]struct{}),
-		events:  make(map[*hostEvent]struct{}),
-		mems:    make(map[*hostMem]struct{}),
-		bufs:    make(map[*hostBuf]struct{}),
+		res: resourceSet{name: "host device " + cfg.UUID},
 	}
 	return d, nil
 }
@@ -137,49 +134,16 @@ func OpenHost(cfg HostConfig) (Device, error) {
 type hostDevice struct {
 	cfg  HostConfig
 	info Info
-
-	mu      sync.Mutex // guards the following
-	closed  bool
-	streams map[*hostStream]struct{}
-	events  map[*hostEvent]struct{}
-	mems    map[*hostMem]struct{}
-	bufs    map[*hostBuf]struct{}
+	res  resourceSet // its memory, host buffers, streams and events
 }
 
 var streamIDs atomic.Uint64
 
 func (d *hostDevice) Info() Info { return d.info }
 
-func (d *hostDevice) errClosed() error {
-	return fmt.Errorf("%w: host device %s is closed", ErrReleased, d.info.UUID)
-}
-
-// track registers a resource for Close; it fails once the device is closed.
-func track[T comparable](d *hostDevice, set map[T]struct{}, v T) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return d.errClosed()
-	}
-	set[v] = struct{}{}
-	return nil
-}
-
-func forget[T comparable](d *hostDevice, set map[T]struct{}, v T) {
-	d.mu.Lock()
-	delete(set, v)
-	d.mu.Unlock()
-}
-
-func (d *hostDevice) isClosed() bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.closed
-}
-
 func (d *hostDevice) Alloc(size uint64) (Mem, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	if size == 0 {
 		return nil, fmt.Errorf("%w: Alloc of 0 B", ErrOutOfRange)
@@ -199,7 +163,7 @@ func (d *hostDevice) Alloc(size uint64) (Mem, error) {
 		return nil, err
 	}
 	m := &hostMem{dev: d, name: name, size: size, data: view, mapping: mapping, path: f.Name()}
-	if err := track(d, d.mems, m); err != nil {
+	if err := d.res.add(m); err != nil {
 		m.Release()
 		return nil, err
 	}
@@ -214,7 +178,7 @@ func (d *hostDevice) AllocHost(size uint64) (HostBuf, error) {
 		return nil, fmt.Errorf("%w: AllocHost of %d B exceeds the address space", ErrOutOfRange, size)
 	}
 	b := &hostBuf{dev: d, b: make([]byte, size)}
-	if err := track(d, d.bufs, b); err != nil {
+	if err := d.res.add(b); err != nil {
 		return nil, err
 	}
 	return b, nil
@@ -222,7 +186,7 @@ func (d *hostDevice) AllocHost(size uint64) (HostBuf, error) {
 
 func (d *hostDevice) NewStream() (Stream, error) {
 	s := newHostStream(d)
-	if err := track(d, d.streams, s); err != nil {
+	if err := d.res.add(s); err != nil {
 		s.Close()
 		return nil, err
 	}
@@ -230,14 +194,14 @@ func (d *hostDevice) NewStream() (Stream, error) {
 }
 
 func (d *hostDevice) NewEvent(interprocess bool) (Event, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	e, err := newHostEvent(d, interprocess)
 	if err != nil {
 		return nil, err
 	}
-	if err := track(d, d.events, e); err != nil {
+	if err := d.res.add(e); err != nil {
 		e.Release()
 		return nil, err
 	}
@@ -245,7 +209,7 @@ func (d *hostDevice) NewEvent(interprocess bool) (Event, error) {
 }
 
 func (d *hostDevice) ExportMem(m Mem, off, size uint64) (MemHandle, error) {
-	hm, err := d.asHostMem(m, "ExportMem")
+	hm, err := asHostMem(m, "ExportMem")
 	if err != nil {
 		return MemHandle{}, err
 	}
@@ -288,8 +252,8 @@ func (d *hostDevice) checkHandle(backend, dev string, raw []byte, wantEvent bool
 }
 
 func (d *hostDevice) ImportMem(h MemHandle) (Mem, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	name, _, err := d.checkHandle(h.Backend, h.Device, h.Raw, false)
 	if err != nil {
@@ -315,7 +279,7 @@ func (d *hostDevice) ImportMem(h MemHandle) (Mem, error) {
 		return nil, fmt.Errorf("%w: %w", ErrBadHandle, err)
 	}
 	m := &hostMem{dev: d, name: name, off: h.Offset, size: h.Size, data: view, mapping: mapping, imported: true}
-	if err := track(d, d.mems, m); err != nil {
+	if err := d.res.add(m); err != nil {
 		m.Release()
 		return nil, err
 	}
@@ -337,8 +301,8 @@ func (d *hostDevice) ExportEvent(e Event) (EventHandle, error) {
 }
 
 func (d *hostDevice) ImportEvent(h EventHandle) (Event, error) {
-	if d.isClosed() {
-		return nil, d.errClosed()
+	if d.res.isClosed() {
+		return nil, d.res.errClosed()
 	}
 	name, pid, err := d.checkHandle(h.Backend, h.Device, h.Raw, true)
 	if err != nil {
@@ -348,14 +312,14 @@ func (d *hostDevice) ImportEvent(h EventHandle) (Event, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := track(d, d.events, e); err != nil {
+	if err := d.res.add(e); err != nil {
 		e.Release()
 		return nil, err
 	}
 	return e, nil
 }
 
-func (d *hostDevice) asHostMem(m Mem, what string) (*hostMem, error) {
+func asHostMem(m Mem, what string) (*hostMem, error) {
 	hm, ok := m.(*hostMem)
 	if !ok || hm == nil {
 		return nil, fmt.Errorf("%w: %s of a %T, not host backend memory", ErrBadHandle, what, m)
@@ -364,7 +328,7 @@ func (d *hostDevice) asHostMem(m Mem, what string) (*hostMem, error) {
 }
 
 func (d *hostDevice) Write(dst Mem, off uint64, src []byte) error {
-	hm, err := d.asHostMem(dst, "Write")
+	hm, err := asHostMem(dst, "Write")
 	if err != nil {
 		return err
 	}
@@ -380,7 +344,7 @@ func (d *hostDevice) Write(dst Mem, off uint64, src []byte) error {
 }
 
 func (d *hostDevice) Read(src Mem, off uint64, dst []byte) error {
-	hm, err := d.asHostMem(src, "Read")
+	hm, err := asHostMem(src, "Read")
 	if err != nil {
 		return err
 	}
@@ -408,14 +372,10 @@ func checkRange(off, n, size uint64) error {
 // imported events and views, frees allocations (removing their files) and
 // host buffers. It is idempotent.
 func (d *hostDevice) Close() error {
-	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
+	if !d.res.close() {
 		return nil
 	}
-	d.closed = true
-	streams, events, mems, bufs := keys(d.streams), keys(d.events), keys(d.mems), keys(d.bufs)
-	d.mu.Unlock()
+	streams, events, mems, bufs := liveOf[*hostStream](&d.res), liveOf[*hostEvent](&d.res), liveOf[*hostMem](&d.res), liveOf[*hostBuf](&d.res)
 
 	var errs []error
 	for _, s := range streams {
@@ -431,14 +391,6 @@ func (d *hostDevice) Close() error {
 		errs = append(errs, b.Release())
 	}
 	return errors.Join(errs...)
-}
-
-func keys[T comparable](m map[T]struct{}) []T {
-	out := make([]T, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
 }
 
 // hostBuf is "pinned" host memory: ordinary Go memory on the host backend.
@@ -465,7 +417,7 @@ func (b *hostBuf) Release() error {
 	b.released = true
 	b.mu.Unlock()
 	if !was {
-		forget(b.dev, b.dev.bufs, b)
+		b.dev.res.remove(b)
 	}
 	return nil
 }

@@ -327,6 +327,6 @@ func (e *hostEvent) Release() error {
 	e.w = nil
 	e.notifyLocked()
 	e.mu.Unlock()
-	forget(e.dev, e.dev.events, e)
+	e.dev.res.remove(e)
 	return err
 }

@@ -150,28 +150,6 @@ func TestOpenUUID(t *testing.T) {
 	})
 }
 
-func TestCheckOverlap(t *testing.T) {
-	seg := func(key string, start, end uint64) segment { return segment{key: key, start: start, end: end} }
-	for _, c := range []struct {
-		name    string
-		segs    []segment
-		overlap bool
-	}{
-		{"none", nil, false},
-		{"touching", []segment{seg("a", 10, 20), seg("a", 0, 10), seg("a", 20, 21)}, false},
-		{"same range, different allocations", []segment{seg("a", 0, 10), seg("b", 0, 10)}, false},
-		{"one byte", []segment{seg("a", 0, 10), seg("a", 9, 12)}, true},
-		{"contained behind a short one", []segment{seg("a", 0, 100), seg("a", 10, 11), seg("a", 50, 60)}, true},
-		{"duplicate", []segment{seg("a", 5, 6), seg("a", 5, 6)}, true},
-		{"host buffer", []segment{seg("", 0, 4), seg("", 3, 8)}, true},
-	} {
-		err := checkOverlap(c.segs)
-		if c.overlap != (err != nil) || (err != nil && !errors.Is(err, ErrOverlap)) {
-			t.Errorf("%s: %v", c.name, err)
-		}
-	}
-}
-
 // On this machine Discover either lists devices or says there is no driver;
 // it never panics.
 func TestDiscoverHere(t *testing.T) {

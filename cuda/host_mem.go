@@ -86,6 +86,6 @@ func (m *hostMem) Release() error {
 		m.unmapLocked()
 	}
 	m.mu.Unlock()
-	forget(m.dev, m.dev.mems, m)
+	m.dev.res.remove(m)
 	return err
 }

@@ -214,7 +214,7 @@ func (s *hostStream) Delay(d time.Duration) error {
 
 // Upload copies src to dst at off when the stream reaches it.
 func (s *hostStream) Upload(dst Mem, off uint64, src []byte) (*Op, error) {
-	hm, err := s.dev.asHostMem(dst, "Upload")
+	hm, err := asHostMem(dst, "Upload")
 	if err != nil {
 		return nil, err
 	}
@@ -309,7 +309,7 @@ func (s *hostStream) Close() error {
 	s.mu.Unlock()
 	<-s.exited
 	if first {
-		forget(s.dev, s.dev.streams, s)
+		s.dev.res.remove(s)
 	}
 	return nil
 }

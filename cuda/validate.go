@@ -1,0 +1,165 @@
+package cuda
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+)
+
+// The rules of a Gather or Scatter, the same for every backend: which
+// transfers are accepted does not depend on how the bytes are moved. A
+// backend resolves each Mem (its memView) and takes the references;
+// checkTransfer applies the rules. Pure Go, no cgo: it builds and is tested
+// without a GPU.
+
+// memView is what a backend tells checkTransfer about one Mem.
+type memView struct {
+	size uint64 // bytes of the Mem
+	// space names the address space that base is an address in. Scatter
+	// destinations are compared within a space, so views of one allocation
+	// that alias are caught: the host backend's space is the allocation's
+	// file name, the CUDA backend's "" (unified device addresses).
+	space string
+	base  uint64 // the address of the Mem's first byte in space
+}
+
+// checkedSpan is a span that passed the checks.
+type checkedSpan[M any] struct {
+	mem    M
+	off    uint64 // start in mem
+	len    uint64
+	objOff uint64 // start in the packed object
+}
+
+// checkedObject is an object that passed the checks.
+type checkedObject[M any] struct {
+	hostOff uint64
+	len     uint64 // packed length
+	spans   []checkedSpan[M]
+}
+
+// memUse is a Mem of a transfer and the span that uses it first.
+type memUse[M any] struct {
+	mem       M
+	obj, span int
+}
+
+// checkedTransfer is a Gather or Scatter that passed the checks, with its
+// Mems resolved to the backend's type M.
+type checkedTransfer[M comparable] struct {
+	objs []checkedObject[M]
+	mems []memUse[M] // every Mem once, in order of first use
+}
+
+// checkTransfer checks objs against a host buffer of hostLen bytes. It
+// fails if resolve fails for a span's Mem (a Mem of another backend or
+// device), a span lies outside its Mem, an object's packed length overflows
+// or its host range lies outside the buffer, or destinations overlap
+// (scatter: spans in one address space, also through different views;
+// gather: objects in the host buffer). It takes no references.
+func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, resolve func(Mem) (M, memView, error)) (*checkedTransfer[M], error) {
+	n := 0
+	for _, o := range objs {
+		n += len(o.Spans)
+	}
+	all := make([]checkedSpan[M], 0, n) // one allocation for every object's spans
+	t := &checkedTransfer[M]{objs: make([]checkedObject[M], len(objs))}
+	seen := make(map[M]struct{})
+	var dsts []destRange
+	for i, o := range objs {
+		first := len(all)
+		var total uint64
+		for j, sp := range o.Spans {
+			m, v, err := resolve(sp.Mem)
+			if err != nil {
+				return nil, fmt.Errorf("object %d span %d: %w", i, j, err)
+			}
+			if sp.Off > v.size || sp.Len > v.size-sp.Off {
+				return nil, fmt.Errorf("%w: object %d span %d: [%d, +%d B) outside its Mem of %d B",
+					ErrOutOfRange, i, j, sp.Off, sp.Len, v.size)
+			}
+			if total+sp.Len < total {
+				return nil, fmt.Errorf("%w: object %d: packed length overflows at span %d", ErrOutOfRange, i, j)
+			}
+			if _, ok := seen[m]; !ok {
+				seen[m] = struct{}{}
+				t.mems = append(t.mems, memUse[M]{m, i, j})
+			}
+			if scatter && sp.Len > 0 {
+				start := v.base + sp.Off
+				dsts = append(dsts, destRange{v.space, start, start + sp.Len, i, j})
+			}
+			all = append(all, checkedSpan[M]{mem: m, off: sp.Off, len: sp.Len, objOff: total})
+			total += sp.Len
+		}
+		if o.HostOff > hostLen || total > hostLen-o.HostOff {
+			return nil, fmt.Errorf("%w: object %d: host range [%d, +%d B) outside the host buffer of %d B",
+				ErrOutOfRange, i, o.HostOff, total, hostLen)
+		}
+		if !scatter && total > 0 {
+			dsts = append(dsts, destRange{"", o.HostOff, o.HostOff + total, i, -1})
+		}
+		t.objs[i] = checkedObject[M]{hostOff: o.HostOff, len: total, spans: all[first:len(all):len(all)]}
+	}
+	if err := checkOverlap(dsts, scatter); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// acquire takes a reference on every Mem of t, in order of first use. If
+// one fails (a released Mem), it drops the references it took and names the
+// span that first used that Mem.
+func (t *checkedTransfer[M]) acquire(acquire func(M) error, unref func(M)) error {
+	for k, u := range t.mems {
+		if err := acquire(u.mem); err != nil {
+			for _, got := range t.mems[:k] {
+				unref(got.mem)
+			}
+			return fmt.Errorf("object %d span %d: %w", u.obj, u.span, err)
+		}
+	}
+	return nil
+}
+
+// destRange is a destination of a transfer for the overlap check: the range
+// a scatter span writes in its address space, or the host range of a
+// gathered object (span -1).
+type destRange struct {
+	space      string
+	start, end uint64
+	obj, span  int
+}
+
+// checkOverlap rejects destinations that share a byte: ranges of one
+// address space for a scatter, host ranges for a gather. It sorts ds.
+func checkOverlap(ds []destRange, scatter bool) error {
+	slices.SortFunc(ds, func(a, b destRange) int {
+		return cmp.Or(cmp.Compare(a.space, b.space), cmp.Compare(a.start, b.start))
+	})
+	var prev destRange // of the ranges so far in cur's space, the one ending last
+	for k, cur := range ds {
+		if k == 0 || prev.space != cur.space {
+			prev = cur
+			continue
+		}
+		if cur.start >= prev.end {
+			if cur.end > prev.end {
+				prev = cur
+			}
+			continue
+		}
+		if !scatter {
+			return fmt.Errorf("%w: objects %d and %d overlap in the host buffer: [%d, %d) and [%d, %d)",
+				ErrOverlap, prev.obj, cur.obj, prev.start, prev.end, cur.start, cur.end)
+		}
+		end := min(prev.end, cur.end)
+		where := fmt.Sprintf("[%d, %d) of allocation %s", cur.start, end, cur.space)
+		if cur.space == "" {
+			where = fmt.Sprintf("[%#x, %#x) of unified device memory", cur.start, end)
+		}
+		return fmt.Errorf("%w: object %d span %d and object %d span %d both write %d B at %s",
+			ErrOverlap, prev.obj, prev.span, cur.obj, cur.span, end-cur.start, where)
+	}
+	return nil
+}
