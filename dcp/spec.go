@@ -77,20 +77,18 @@ func (s Spec) Resolve() (*Resolved, error) {
 }
 
 // canonical is the stable binary encoding of everything that decides where
-// bytes go: TP size when any group is sharded by TP, DCP size, interleave,
-// chunk size and every group's kind, MLA flag, block size, layers, semantic,
+// bytes go and who must confirm them: TP size, DCP size, interleave, chunk
+// size and every group's kind, MLA flag, block size, layers, semantic,
 // declared and stride bytes and KV format. Group names are excluded.
+//
+// TP is included even when every group is MLA (whose bytes do not depend on
+// TP): the set of ranks that must confirm a restore does, and the
+// coordinator keeps one spec per namespace.
 func (r *Resolved) canonical() []byte {
 	b := []byte("kvtier/layout/v1")
 	u64 := func(v uint64) { b = binary.BigEndian.AppendUint64(b, v) }
 	str := func(s string) { u64(uint64(len(s))); b = append(b, s...) }
-	tp := 0
-	for _, g := range r.Groups {
-		if !g.MLA {
-			tp = r.Layout.TP // shard s of a TP-sharded group depends on TP
-		}
-	}
-	u64(uint64(tp))
+	u64(uint64(r.Layout.TP))
 	u64(uint64(r.Layout.DCP))
 	u64(uint64(r.Layout.Interleave))
 	u64(uint64(r.ChunkTokens))

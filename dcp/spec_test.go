@@ -136,11 +136,11 @@ func TestNamespaceCoversGeometry(t *testing.T) {
 	if r, _ := s.Resolve(); r.Namespace != r0.Namespace {
 		t.Error("a group's name changed the namespace")
 	}
-	// TP is left out when every group is MLA (replicated across TP).
+	// TP is in even when every group is MLA: the readers that must confirm differ.
 	a, b := mlaSpec(4, 1), mlaSpec(8, 1)
 	ra, _ := a.Resolve()
 	rb, _ := b.Resolve()
-	if ra.Namespace != rb.Namespace {
-		t.Error("MLA-only layouts at TP4 and TP8 should share a namespace")
+	if ra.Namespace == rb.Namespace {
+		t.Error("MLA-only layouts at TP4 and TP8 share a namespace, but expect different readers")
 	}
 }

@@ -511,9 +511,8 @@ func (t *txn) fenceRank(r wire.Rank, upTo uint64) int {
 }
 
 // register stages a namespace spec. Registering a namespace again is
-// idempotent when the restore expectations agree (the namespace already
-// pins the geometry; only group names and, for MLA-only specs, the TP size
-// are outside it); otherwise it is a conflict.
+// idempotent: the namespace pins the geometry and TP size (only group names
+// are outside it), so a disagreement here is a defect, refused as a conflict.
 func (t *txn) register(r *dcp.Resolved, js []byte) error {
 	var have *dcp.Resolved
 	regs := t.regs
