@@ -99,8 +99,10 @@ func New(cfg Config) (*Cluster, error) {
 	c.meta.Store(&b)
 	c.log = cfg.Logger.Named("cluster").With(zap.String("member", c.id))
 	c.bridge = newLogBridge(c.log.Named("memberlist"))
-	if err := c.met.register(cfg.Registerer); err != nil {
-		return nil, fmt.Errorf("register cluster metrics: %w", err)
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(c.met); err != nil {
+			return nil, fmt.Errorf("register cluster metrics: %w", err)
+		}
 	}
 	return c, nil
 }
@@ -333,7 +335,9 @@ func (c *Cluster) Shutdown() error {
 	}
 	c.subMu.Unlock()
 	c.bridge.close()
-	c.met.unregister(c.cfg.Registerer)
+	if c.cfg.Registerer != nil {
+		c.cfg.Registerer.Unregister(c.met)
+	}
 	c.log.Info("cluster member shut down")
 	return err
 }

@@ -50,29 +50,16 @@ func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.members, m.joins, m.deaths, m.leaves, m.updates, m.dropped, m.rejected}
 }
 
-// register registers every collector, undoing partial work on error.
-func (m *metrics) register(r prometheus.Registerer) error {
-	if r == nil {
-		return nil
-	}
-	var done []prometheus.Collector
+// Describe and Collect make the metrics one prometheus.Collector, so they
+// are registered all together or not at all, and unregistered in one call.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, c := range m.collectors() {
-		if err := r.Register(c); err != nil {
-			for _, d := range done {
-				r.Unregister(d)
-			}
-			return err
-		}
-		done = append(done, c)
+		c.Describe(ch)
 	}
-	return nil
 }
 
-func (m *metrics) unregister(r prometheus.Registerer) {
-	if r == nil {
-		return
-	}
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	for _, c := range m.collectors() {
-		r.Unregister(c)
+		c.Collect(ch)
 	}
 }

@@ -110,7 +110,7 @@ func New(cfg Config) (*Coordinator, error) {
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)
 	c.live = newLiveTable()
-	if err := c.met.register(c.reg); err != nil {
+	if err := c.reg.Register(c.met); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
 	return c, nil
@@ -526,9 +526,7 @@ func (c *Coordinator) Shutdown() {
 	if c.nsrv != nil {
 		c.nsrv.Shutdown()
 	}
-	for _, col := range c.met.collectors() {
-		c.reg.Unregister(col)
-	}
+	c.reg.Unregister(c.met)
 	c.log.Info("coordinator shut down", zap.Duration("took", time.Since(t0)))
 }
 

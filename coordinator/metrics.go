@@ -140,11 +140,16 @@ func (m *metrics) collectors() []prometheus.Collector {
 	}
 }
 
-func (m *metrics) register(r prometheus.Registerer) error {
+// Describe and Collect make the metrics one prometheus.Collector, so they
+// are registered all together or not at all, and unregistered in one call.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, c := range m.collectors() {
-		if err := r.Register(c); err != nil {
-			return err
-		}
+		c.Describe(ch)
 	}
-	return nil
+}
+
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
+	for _, c := range m.collectors() {
+		c.Collect(ch)
+	}
 }

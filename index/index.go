@@ -157,8 +157,10 @@ func Open(cfg Config) (*Index, error) {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
-	if err := ix.met.register(cfg.Registerer); err != nil {
-		return fail(fmt.Errorf("register metrics: %w: %w", ErrConfig, err))
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(ix.met); err != nil {
+			return fail(fmt.Errorf("register metrics: %w: %w", ErrConfig, err))
+		}
 	}
 	ix.gauges()
 	ix.log.Info("index opened", zap.String("path", cfg.Path), zap.Int64("chunks", ix.st.chunks),
@@ -203,7 +205,9 @@ func (ix *Index) Close() error {
 		if err := ix.db.Close(); err != nil && ix.closeErr == nil {
 			ix.closeErr = fmt.Errorf("close %s: %w: %w", ix.cfg.Path, ErrStore, err)
 		}
-		ix.met.unregister(ix.cfg.Registerer)
+		if ix.cfg.Registerer != nil {
+			ix.cfg.Registerer.Unregister(ix.met)
+		}
 		ix.log.Info("index closed", zap.Error(ix.closeErr))
 	})
 	return ix.closeErr
