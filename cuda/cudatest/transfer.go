@@ -252,32 +252,6 @@ func testEmpty(t *testing.T, dev cuda.Device) {
 	equalBytes(t, "pool", readAll(t, dev, m), pool)
 }
 
-// kvsum64 test vectors of checksum/checksum_test.go: input n is the bytes
-// b[k] = byte(k*7 + 3).
-var sumVectors = []struct {
-	n    uint64
-	want uint64
-}{
-	{0, 0x9ca066f1a4ab2eea},
-	{1, 0xd81bead167cdc3e4},
-	{7, 0xba783eba9ec7cfc9},
-	{8, 0x0e5723504320ba15},
-	{15, 0x6df0fb5a2c3dc2ac},
-	{16, 0x2c0dec473029f5bc},
-	{17, 0xcd10a9de862921c2},
-	{561, 0x3333ae14f004cc91},
-	{656, 0x371fd43698bc0325},
-	{4096, 0x6bf1916d547f8a1d},
-}
-
-func vector(n uint64) []byte {
-	b := make([]byte, n)
-	for k := range b {
-		b[k] = byte(k*7 + 3)
-	}
-	return b
-}
-
 // The device reproduces the kvsum64 vectors whole and split at odd piece
 // boundaries across two pools, in both directions.
 func testChecksumVectors(t *testing.T, dev cuda.Device) {
@@ -285,10 +259,11 @@ func testChecksumVectors(t *testing.T, dev cuda.Device) {
 	a, b := alloc(t, dev, 4096+64), alloc(t, dev, 4096+64)
 	whole, back := alloc(t, dev, 4096+64), alloc(t, dev, 4096+64)
 	hb := allocHost(t, dev, 4096+64)
-	for _, v := range sumVectors {
-		in := vector(v.n)
+	for _, cv := range checksum.Vectors {
+		v := struct{ n, want uint64 }{uint64(cv.N), cv.Sum}
+		in := checksum.VectorInput(cv.N)
 		if got := checksum.Sum(in); got != v.want {
-			t.Fatalf("checksum.Sum(vector(%d)) = %#016x, want %#016x: package checksum changed", v.n, got, v.want)
+			t.Fatalf("checksum.Sum(VectorInput(%d)) = %#016x, want %#016x: package checksum changed", v.n, got, v.want)
 		}
 		cut := v.n / 3
 		write(t, dev, a, 5, in[:cut])
