@@ -57,6 +57,12 @@ type L2Tier interface {
 	// quarantined and gives a *CorruptError (errors.Is ErrCorrupt). dst
 	// holds garbage after an error.
 	Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error)
+	// Stat returns the header of the object of key, written by any rank,
+	// after checking that it is readable, names key and fits the object's
+	// length; it does not read or verify the payload and quarantines
+	// nothing. A missing object gives ErrNotFound; a bad header gives an
+	// error wrapping ErrCorrupt.
+	Stat(ctx context.Context, key dcp.Key) (L2Object, error)
 	// Delete removes the object of key; a missing object is not an error.
 	Delete(ctx context.Context, key dcp.Key) error
 	// Quarantine moves the object of key aside so it is never served
@@ -336,6 +342,33 @@ func (t *FileTier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {
 		return o, t.corrupt(key, o, true, path, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+	}
+	return o, nil
+}
+
+// Stat implements L2Tier.
+func (t *FileTier) Stat(ctx context.Context, key dcp.Key) (L2Object, error) {
+	if err := ctx.Err(); err != nil {
+		return L2Object{}, err
+	}
+	f, err := os.Open(t.Path(key))
+	if errors.Is(err, fs.ErrNotExist) {
+		return L2Object{}, fmt.Errorf("L2 object %s: %w", key, ErrNotFound)
+	}
+	if err != nil {
+		return L2Object{}, fmt.Errorf("open L2 object %s: %w", key, errors.Join(err, ErrIO))
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return L2Object{}, fmt.Errorf("stat L2 object %s: %w", key, errors.Join(err, ErrIO))
+	}
+	o, _, err := readHeader(f, st.Size())
+	if err == nil && o.Key != key {
+		err = fmt.Errorf("header names key %s", o.Key)
+	}
+	if err != nil {
+		return o, fmt.Errorf("L2 object %s: %s: %w", key, err, ErrCorrupt)
 	}
 	return o, nil
 }

@@ -299,3 +299,76 @@ func FuzzReadHeader(f *testing.F) {
 		}
 	})
 }
+
+// TestStoreAfterL2FileQuarantinedElsewhere: an object this rank wrote to
+// L2 and no longer holds in L1, whose file another rank (sharing the L2
+// root) quarantined, is stored again rather than deduplicated against the
+// stale inventory; the inventory drops it with a Removed L2 event.
+func TestStoreAfterL2FileQuarantinedElsewhere(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	root := t.TempDir()
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2Dir = root
+	e1 := newEngine(t, cfg)
+	r.register(e1)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e1, r, "first", c)
+	if err := e1.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	closeEngine(t, e1)
+
+	// A restart empties L1; the rescan puts the object in the L2 inventory.
+	pub := &pubRecorder{}
+	cfg2 := cfg
+	cfg2.Registerer, cfg2.Publisher = newRegistry(), pub
+	e2 := newEngine(t, cfg2)
+	r.register(e2)
+	key := keyOf(r, c, 0)
+	if st := e2.Stats(); st.L2Objects != 1 {
+		t.Fatalf("%d L2 objects after the rescan, want 1", st.L2Objects)
+	}
+
+	// Another rank reading the shared L2 quarantines the file.
+	other, err := OpenFileTier(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Quarantine(testCtx(t), key, "test: damaged"); err != nil {
+		t.Fatal(err)
+	}
+
+	res := storeAll(t, e2, r, "again", c)
+	if s := res.Objects[0].Status; s != Stored {
+		t.Fatalf("store after the quarantine: status %v, want %v (a dedupe drops the only copy)", s, Stored)
+	}
+	if err := e2.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Stat(testCtx(t), key); err != nil {
+		t.Fatalf("L2 file after the re-store and Flush: %v", err)
+	}
+	tgt := [][][]int64{r.consecutiveN(1)}
+	rr, err := e2.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, tgt))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rr.ChunkOK(0) {
+		t.Fatalf("retrieve after the re-store: %+v", rr.Items)
+	}
+	r.expectRestored(c, tgt[0])
+	r.check("after a retrieve of the re-stored chunk")
+
+	waitPublished(t, e2)
+	removed := 0
+	for _, ev := range pub.events() {
+		if ev.Kind == wire.Removed && ev.Tier == wire.L2 && ev.Key == key {
+			removed++
+		}
+	}
+	if removed != 1 {
+		t.Fatalf("%d Removed L2 events for %s, want 1", removed, key)
+	}
+	closeEngine(t, e2)
+}

@@ -204,6 +204,8 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 		e.hooks.imported(req.RequestID, ev)
 	}
 
+	l2ok := e.checkL2Dedupe(ctx, planned)
+
 	e.mu.Lock()
 	if e.closing {
 		e.mu.Unlock()
@@ -227,9 +229,19 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			continue
 		}
 		if ent, ok := e.cat.l2[p.key]; ok {
-			r.Status, r.Sum = Deduped, ent.sum
-			e.ctr.dedupeHits.Add(1)
-			continue
+			switch l2ok[p.key] {
+			case l2Present:
+				r.Status, r.Sum = Deduped, ent.sum
+				e.ctr.dedupeHits.Add(1)
+				continue
+			case l2Gone:
+				// The file is gone or damaged (another rank may have
+				// quarantined it): no copy is left, so store it again.
+				delete(e.cat.l2, p.key)
+				e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+				e.emitLocked(wire.Removed, wire.L2, p.key, ent.size, ent.sum)
+				e.log.Error("an L2 object of this rank vanished; storing it again", zap.Stringer("key", p.key))
+			}
 		}
 		o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
 		f.work = append(f.work, storeWork{idx: idx, o: o, spans: p.spans})
@@ -246,6 +258,58 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	e.goFunc(func() { e.runStore(f) })
 	return f, nil
 }
+
+// checkL2Dedupe stats, through the L2 tier, the planned objects that only
+// this rank's L2 inventory holds, and reports which of them may be
+// deduplicated: present, naming their key, of the recorded size and sum.
+// A key not checked (in L1, or not in the inventory) is absent. The file may have been
+// quarantined or deleted by another rank sharing the L2 root, so the
+// inventory alone cannot be trusted to hold a copy.
+func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dcp.Key]l2Check {
+	if e.l2 == nil {
+		return nil
+	}
+	var check map[dcp.Key]l2Entry
+	e.mu.Lock()
+	for _, p := range planned {
+		if e.cat.objs[p.key] != nil {
+			continue
+		}
+		if ent, ok := e.cat.l2[p.key]; ok {
+			if check == nil {
+				check = make(map[dcp.Key]l2Entry)
+			}
+			check[p.key] = ent
+		}
+	}
+	e.mu.Unlock()
+	if check == nil {
+		return nil
+	}
+	res := make(map[dcp.Key]l2Check, len(check))
+	for key, ent := range check {
+		o, err := e.l2.Stat(ctx, key)
+		switch {
+		case err == nil && o.Size == ent.size && o.Sum == ent.sum:
+			res[key] = l2Present
+		case err == nil || errors.Is(err, ErrNotFound) || errors.Is(err, ErrCorrupt):
+			res[key] = l2Gone
+		default: // I/O error or ctx: not known gone, but no dedupe either
+			res[key] = l2Unknown
+		}
+	}
+	return res
+}
+
+// l2Check is what checkL2Dedupe found of an inventoried L2 object.
+type l2Check uint8
+
+const (
+	l2Unchecked l2Check = iota
+	l2Present
+	l2Gone
+	l2Unknown
+)
 
 type plannedObj struct {
 	chunk, group int
