@@ -67,8 +67,8 @@ type Coordinator struct {
 	drainMu  sync.Mutex // guards draining and resyncing
 	draining bool
 	// resyncing holds the ranks with a resync worker running (at most one
-	// per rank).
-	resyncing map[wire.Rank]struct{}
+	// per rank); true asks the worker for one more resync when it is done.
+	resyncing map[wire.Rank]bool
 
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
@@ -105,7 +105,7 @@ func New(cfg Config) (*Coordinator, error) {
 		reg:       cfg.Registry,
 		met:       newMetrics(),
 		done:      make(chan struct{}),
-		resyncing: make(map[wire.Rank]struct{}),
+		resyncing: make(map[wire.Rank]bool),
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)

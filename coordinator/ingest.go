@@ -102,6 +102,11 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		// The old incarnation is gone: whatever it had not reported of an
 		// active restore it never will.
 		c.rs.failRank(b.Rank, b.Incarnation-1, "superseded", fmt.Sprintf("rank %s superseded", b.Rank))
+		// Its L2 placements stay in the index, but files may have been lost
+		// or quarantined while it was down, and the new incarnation's rescan
+		// announces only the files that exist: its inventory replaces all
+		// of the rank's placements, dropping the stale ones.
+		c.startResync(b.Rank)
 	}
 	if out.NewIncarnation && out.Fenced > 0 {
 		c.met.fences.WithLabelValues("incarnation").Inc()
@@ -124,10 +129,13 @@ func (c *Coordinator) startResync(r wire.Rank) {
 	if c.draining || c.ctx.Err() != nil {
 		return
 	}
-	if _, ok := c.resyncing[r]; ok {
+	if _, running := c.resyncing[r]; running {
+		// Events that raced past the running worker's inventory would be
+		// lost until the rank's next batch: run once more after it.
+		c.resyncing[r] = true
 		return
 	}
-	c.resyncing[r] = struct{}{}
+	c.resyncing[r] = false
 	c.wg.Add(1)
 	go c.resync(r)
 }
@@ -138,11 +146,22 @@ func (c *Coordinator) startResync(r wire.Rank) {
 // superseded incarnation.
 func (c *Coordinator) resync(r wire.Rank) {
 	defer c.wg.Done()
-	defer func() {
+	for {
+		c.resyncRank(r)
 		c.drainMu.Lock()
-		delete(c.resyncing, r)
+		again := c.resyncing[r] && !c.draining && c.ctx.Err() == nil
+		if !again {
+			delete(c.resyncing, r)
+			c.drainMu.Unlock()
+			return
+		}
+		c.resyncing[r] = false
 		c.drainMu.Unlock()
-	}()
+	}
+}
+
+// resyncRank is one resync of rank r, with its retries.
+func (c *Coordinator) resyncRank(r wire.Rank) {
 	log := c.log.With(zap.Stringer("rank", r))
 	t0 := time.Now()
 	backoff := c.cfg.ResyncBackoff
