@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -188,4 +189,94 @@ func TestCloseWithStuckProducer(t *testing.T) {
 	if err := e.Close(context.Background()); err == nil || err.Error() != cerr.Error() {
 		t.Fatalf("second Close = %v, want the first one's result %v", err, cerr)
 	}
+}
+
+// scatterFailDevice hands out streams whose first Scatter fails (as an
+// enqueue failure does on the CUDA backend, which leaves the stream
+// failed for good) and records which streams were closed.
+type scatterFailDevice struct {
+	cuda.Device
+	mu     sync.Mutex
+	fail   int // fail this many Scatters
+	failed map[*scatterFailStream]bool
+	closed map[*scatterFailStream]bool
+}
+
+type scatterFailStream struct {
+	cuda.Stream
+	d *scatterFailDevice
+}
+
+func (d *scatterFailDevice) NewStream() (cuda.Stream, error) {
+	s, err := d.Device.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	return &scatterFailStream{Stream: s, d: d}, nil
+}
+
+func (s *scatterFailStream) Scatter(src cuda.HostBuf, objs []cuda.Object) (*cuda.Op, error) {
+	s.d.mu.Lock()
+	if s.d.failed[s] {
+		s.d.mu.Unlock()
+		return nil, errors.New("stream is in a failed state")
+	}
+	if s.d.fail > 0 {
+		s.d.fail--
+		s.d.failed[s] = true
+		s.d.mu.Unlock()
+		return nil, errors.New("launch failed")
+	}
+	s.d.mu.Unlock()
+	return s.Stream.Scatter(src, objs)
+}
+
+func (s *scatterFailStream) Close() error {
+	s.d.mu.Lock()
+	s.d.closed[s] = true
+	s.d.mu.Unlock()
+	return s.Stream.Close()
+}
+
+// TestScatterErrorRetiresTheStream: a retrieve stream whose Scatter failed
+// is closed, never handed to a later retrieve, which succeeds.
+func TestScatterErrorRetiresTheStream(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	fd := &scatterFailDevice{Device: dev, fail: 1,
+		failed: make(map[*scatterFailStream]bool), closed: make(map[*scatterFailStream]bool)}
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.Device = fd
+	e := newEngine(t, cfg)
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e, r, "s", c)
+
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rr.ChunkOK(0) {
+		t.Fatal("retrieve with a failing Scatter succeeded")
+	}
+	fd.mu.Lock()
+	for s := range fd.failed {
+		if !fd.closed[s] {
+			t.Error("the stream whose Scatter failed went back to the pool")
+		}
+	}
+	fd.mu.Unlock()
+	for i := range 4 {
+		tgt := [][][]int64{r.consecutiveN(1 + i%2)}
+		rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, tgt))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !rr.ChunkOK(0) {
+			t.Fatalf("retrieve %d after a failed Scatter: %+v", i, rr.Items)
+		}
+		r.expectRestored(c, tgt[0])
+	}
+	r.check("after retrieves following a failed Scatter")
+	closeEngine(t, e)
 }

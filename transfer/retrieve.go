@@ -382,7 +382,9 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 	}
 	op, err := stream.Scatter(e.l1buf, objs)
 	if err != nil {
-		e.retrieveStreams.put(stream, true) // nothing was enqueued
+		// Never reuse it: on the CUDA backend a failed enqueue can leave
+		// the stream failed for good, failing every later retrieve on it.
+		e.retrieveStreams.put(stream, false)
 		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
 		return false
 	}
