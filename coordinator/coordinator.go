@@ -70,6 +70,8 @@ type Coordinator struct {
 	// per rank); true asks the worker for one more resync when it is done.
 	resyncing map[wire.Rank]bool
 
+	hb heartbeats
+
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
 	// startedAt is when Start began (set before any handler runs): the
@@ -106,6 +108,7 @@ func New(cfg Config) (*Coordinator, error) {
 		met:       newMetrics(),
 		done:      make(chan struct{}),
 		resyncing: make(map[wire.Rank]bool),
+		hb:        heartbeats{prev: make(map[wire.Rank]wire.Heartbeat)},
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)
@@ -359,6 +362,7 @@ func (c *Coordinator) subscribe() error {
 	}
 	hs := []handler{
 		{c.subj.EventsAll(), c.dispatchBatch},
+		{c.subj.HeartbeatAll(), c.handleHeartbeat},
 		{c.subj.Coord(wire.CoordRegister), c.handleRegister},
 		{c.subj.Coord(wire.CoordLookup), c.handleLookup},
 		{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},

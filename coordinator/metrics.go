@@ -11,6 +11,7 @@ type metrics struct {
 	events         prometheus.Counter
 	badRequests    *prometheus.CounterVec // by op
 	gaps           prometheus.Counter
+	heartbeatGaps  prometheus.Counter
 	resyncs        *prometheus.CounterVec // by outcome: ok | failed
 	resyncAttempts prometheus.Counter
 	dropped        prometheus.Counter
@@ -51,6 +52,10 @@ func newMetrics() *metrics {
 		gaps: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_event_gaps_total",
 			Help: "Event batches that started past a sequence gap (each needs a resync).",
+		}),
+		heartbeatGaps: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_heartbeat_gaps_total",
+			Help: "Heartbeats showing a rank's events lost in transit: the index stayed behind the sequence the rank announced one heartbeat earlier (each starts a resync).",
 		}),
 		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_resyncs_total",
@@ -133,7 +138,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
-		m.batches, m.events, m.badRequests, m.gaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
+		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal,

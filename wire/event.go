@@ -190,3 +190,14 @@ type Inventory struct {
 	Seq         uint64      `json:"seq"`
 	Objects     []Placement `json:"objects"`
 }
+
+// Heartbeat is a rank's periodic statement of the last event sequence it
+// has assigned. A lost event is otherwise noticed only when a later batch
+// arrives; an idle rank's heartbeat exposes it, and the coordinator
+// resyncs the rank when the index stays behind a sequence announced one
+// heartbeat earlier.
+type Heartbeat struct {
+	Rank        Rank   `json:"rank"`
+	Incarnation uint64 `json:"incarnation"`
+	Seq         uint64 `json:"seq"`
+}

@@ -11,6 +11,7 @@ import (
 // names are restricted (ValidInstance) so they are always one token.
 //
 //	<p>.events.<instance>.<tp>             rankd -> coordinator, request: binary Batch; reply EventAck
+//	<p>.heartbeat.<instance>.<tp>          rankd -> coordinator, publish: JSON Heartbeat (no reply)
 //	<p>.rank.<instance>.<tp>.inventory     coordinator -> rankd, request: {}; reply Inventory
 //	<p>.rank.<instance>.<tp>.engine.<op>   engine worker -> rankd, request/reply JSON (register, store, retrieve, release, status)
 //	<p>.coord.<op>                         scheduler/rankd -> coordinator (ns.register, lookup, restore.begin, restore.report, restore.wait)
@@ -64,3 +65,11 @@ func ValidInstance(name string) error {
 	}
 	return nil
 }
+
+// Heartbeat is where rank r announces the last event sequence it assigned.
+func (s Subjects) Heartbeat(r Rank) string {
+	return s.p() + ".heartbeat." + r.Instance + "." + strconv.Itoa(r.TPRank)
+}
+
+// HeartbeatAll matches every rank's heartbeat subject.
+func (s Subjects) HeartbeatAll() string { return s.p() + ".heartbeat.>" }

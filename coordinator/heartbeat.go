@@ -1,0 +1,68 @@
+package coordinator
+
+import (
+	"encoding/json"
+	"sync"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/wire"
+)
+
+// heartbeats remembers, per rank, the sequence its previous heartbeat
+// announced. An event lost in transit (a batch the rank gave up on, or an
+// event its buffer dropped) is otherwise noticed only when a later batch
+// arrives, which an idle rank never sends. A rank's events may be in
+// flight when it announces a sequence, so the rule allows one heartbeat
+// interval: when the index is still behind the sequence announced by the
+// PREVIOUS heartbeat of the same incarnation, events were lost, and the
+// rank is resynced.
+type heartbeats struct {
+	mu   sync.Mutex // guards prev
+	prev map[wire.Rank]wire.Heartbeat
+}
+
+// handleHeartbeat applies the rule above. Heartbeats are plain publishes:
+// a lost one only delays detection by an interval.
+func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
+	var hb wire.Heartbeat
+	if err := json.Unmarshal(m.Data, &hb); err != nil || wire.ValidInstance(hb.Rank.Instance) != nil {
+		c.met.badRequests.WithLabelValues("heartbeat").Inc()
+		c.log.Warn("malformed heartbeat dropped", zap.String("subject", m.Subject), zap.Error(err))
+		return
+	}
+	c.hb.mu.Lock()
+	prev, seen := c.hb.prev[hb.Rank]
+	c.hb.prev[hb.Rank] = hb
+	c.hb.mu.Unlock()
+	if !seen || prev.Incarnation != hb.Incarnation {
+		return
+	}
+	inc, known := c.rankIncarnation(hb.Rank)
+	if known && inc > hb.Incarnation {
+		return // a superseded incarnation still beating; its batches are fenced
+	}
+	var last uint64
+	if known && inc == hb.Incarnation {
+		last = c.lastSeq(hb.Rank)
+	}
+	if last >= prev.Seq {
+		return
+	}
+	c.met.heartbeatGaps.Inc()
+	c.log.Warn("rank's events lost in transit: resyncing", zap.Stringer("rank", hb.Rank),
+		zap.Uint64("incarnation", hb.Incarnation), zap.Uint64("index_seq", last),
+		zap.Uint64("announced_seq", prev.Seq))
+	c.startResync(hb.Rank)
+}
+
+// lastSeq is the last sequence the index applied for rank r.
+func (c *Coordinator) lastSeq(r wire.Rank) uint64 {
+	for _, ri := range c.idx.Ranks() {
+		if ri.Rank == r {
+			return ri.LastSeq
+		}
+	}
+	return 0
+}
