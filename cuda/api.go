@@ -113,8 +113,13 @@ type Stream interface {
 	// are checked before anything is enqueued.
 	Gather(dst HostBuf, objs []Object) (*Op, error)
 	// Scatter copies each object's packed bytes from src back into its
-	// spans and computes the kvsum64 of the bytes it read, so the caller can
-	// verify them. Overlapping destination spans are rejected.
+	// spans and computes each object's kvsum64 of the bytes it places, in
+	// span order, so the caller can verify them. The CUDA kernel hashes
+	// the values it stores as they pass through registers, without reading
+	// the destination back: it catches a host copy that changed, not a
+	// store that device memory failed to keep. The host backend hashes the
+	// destination spans after copying into them. Overlapping destination
+	// spans are rejected.
 	Scatter(src HostBuf, objs []Object) (*Op, error)
 
 	// Upload copies src into device memory asynchronously. src must not be

@@ -59,7 +59,9 @@ func resolveHostMem(m Mem) (*hostMem, memView, error) {
 }
 
 // run copies every object and stores its kvsum64 in sums. Gather hashes the
-// bytes it packed into the host buffer, Scatter the packed bytes it read.
+// bytes it packed into the host buffer; Scatter hashes the bytes it placed,
+// read back from each destination span after copying into it, in span
+// order.
 func (p *transferPlan) run(sums []uint64, scatter bool) {
 	for i, o := range p.objs {
 		var d checksum.Digest
@@ -68,10 +70,11 @@ func (p *transferPlan) run(sums []uint64, scatter bool) {
 			h := o.host[pos : pos+len(pc)]
 			if scatter {
 				copy(pc, h)
+				d.Write(pc)
 			} else {
 				copy(h, pc)
+				d.Write(h)
 			}
-			d.Write(h)
 			pos += len(pc)
 		}
 		sums[i] = d.Sum64()

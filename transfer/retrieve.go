@@ -39,8 +39,9 @@ type ItemResult struct {
 	// OK: the bytes were placed and the checksum the scatter computed over
 	// them equals the recorded one. Never true otherwise.
 	OK bool
-	// Sum is the kvsum64 of the bytes placed (OK, or a mismatch found
-	// after the scatter).
+	// Sum is the kvsum64 the scatter computed of the bytes it stored (OK,
+	// or a mismatch found after the scatter); on the CUDA backend of the
+	// values as they were stored, not read back (cuda.Stream.Scatter).
 	Sum uint64
 	// From is where the object was found: L1, or L2 (read into L1 first).
 	From   wire.Tier

@@ -114,7 +114,7 @@ type ItemResult struct {
 	Chunk  int    `json:"chunk"`
 	Group  int    `json:"group"`
 	OK     bool   `json:"ok"`
-	Sum    uint64 `json:"sum,omitempty"`    // kvsum64 of the bytes placed
+	Sum    uint64 `json:"sum,omitempty"`    // kvsum64 of the bytes the scatter stored (not read back)
 	Reason string `json:"reason,omitempty"` // missing | corrupt | timeout | device | ...
 }
 
