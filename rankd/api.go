@@ -206,6 +206,16 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 		return fmt.Errorf("store %s: %w", req.RequestID, ctx.Err())
 	}
 	rep := res.Wire()
+	// A store that timed out is done before the device has finished
+	// reading the blocks (a reaper waits for it): the engine must not
+	// reuse them or destroy its event until Released. Wait for it, and
+	// if it still has not come, say so in the reply.
+	wctx, wcancel := context.WithTimeout(ctx, d.releaseWait)
+	if err := f.WaitReleased(wctx); err != nil {
+		rep.BlocksInUse = true
+		d.log.Warn("store replied with its blocks still in use by the device", zap.String("request", req.RequestID), zap.Duration("waited", d.releaseWait))
+	}
+	wcancel()
 	if len(rep.Failed) > 0 {
 		d.log.Warn("store had failed objects", zap.String("request", req.RequestID), zap.Strings("failed", rep.Failed))
 	}

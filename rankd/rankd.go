@@ -45,8 +45,11 @@ type Daemon struct {
 
 	dev cuda.Device
 	eng *transfer.Engine
-	pub *publisher
-	clu *cluster.Cluster
+	// releaseWait bounds the wait, before a store's reply, for the device
+	// to finish reading the engine's blocks.
+	releaseWait time.Duration
+	pub         *publisher
+	clu         *cluster.Cluster
 
 	slots chan struct{} // engine request slots (MaxInFlight)
 	stop  chan struct{} // closed when Shutdown begins its final phase
@@ -109,6 +112,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Publisher = d.pub
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg
+	d.releaseWait = tc.StoreTimeout
 	eng, err := transfer.New(tc)
 	if err != nil {
 		_ = dev.Close()

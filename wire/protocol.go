@@ -82,6 +82,11 @@ type StoreReply struct {
 	Stored  int      `json:"stored"`  // objects committed by this store
 	Deduped int      `json:"deduped"` // objects already held
 	Failed  []string `json:"failed,omitempty"`
+	// BlocksInUse: the store ended (timed out) and the device may still
+	// be reading the blocks after a further wait; the engine must not
+	// reuse them or destroy its producer event yet (no later message says
+	// when they are free).
+	BlocksInUse bool `json:"blocks_in_use,omitempty"`
 }
 
 // Source says where a reader should take an object from.
