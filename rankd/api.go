@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -89,14 +90,28 @@ func (d *Daemon) engineHandler(op string) nats.MsgHandler {
 		}
 		d.mu.Unlock()
 		if closing {
-			d.replyErr(op, msg, fmt.Errorf("rankd %s is shutting down: %w", d.cfg.Rank, ErrUnavailable))
+			err := fmt.Errorf("rankd %s is shutting down: %w", d.cfg.Rank, ErrUnavailable)
+			if op == OpRetrieve {
+				d.reportRejected(msg.Data, err) // bounded by ReportTimeout
+			}
+			d.replyErr(op, msg, err)
 			return
 		}
 		select {
 		case d.slots <- struct{}{}:
 		default:
-			d.reqWG.Done()
-			d.replyErr(op, msg, fmt.Errorf("rankd %s serves %d requests already: %w", d.cfg.Rank, d.cfg.MaxInFlight, ErrUnavailable))
+			err := fmt.Errorf("rankd %s serves %d requests already: %w", d.cfg.Rank, d.cfg.MaxInFlight, ErrUnavailable)
+			if op != OpRetrieve {
+				d.reqWG.Done()
+				d.replyErr(op, msg, err)
+				return
+			}
+			// The report may take a while: not on the NATS callback.
+			go func() {
+				defer d.reqWG.Done()
+				d.reportRejected(msg.Data, err)
+				d.replyErr(op, msg, err)
+			}()
 			return
 		}
 		d.met.inFlight.Inc()
@@ -225,6 +240,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 	req, err := DecodeRetrieveRequest(msg.Data)
 	if err != nil {
+		d.reportRejected(msg.Data, err)
 		return err
 	}
 	res, err := d.eng.Retrieve(ctx, transfer.RetrieveRequest(*req))
@@ -248,6 +264,31 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 		d.log.Warn("retrieve had failed chunks", zap.String("restore", req.RestoreID), zap.Ints("chunks", fc))
 	}
 	return respond(d, OpRetrieve, msg, &rep)
+}
+
+// reportRejected tells the coordinator that a retrieve of a restore was
+// rejected before anything was placed: every item failed, the reason
+// naming the rejection. It decodes data leniently (only the restore id and
+// the items' chunk and group), so a retrieve refused for validation or
+// before it was decoded still fails its restore now rather than at the
+// deadline; when those cannot be decoded it reports nothing.
+func (d *Daemon) reportRejected(data []byte, rejection error) {
+	var req struct {
+		RestoreID string `json:"restore_id"`
+		Items     []struct {
+			Chunk int `json:"chunk"`
+			Group int `json:"group"`
+		} `json:"items"`
+	}
+	if json.Unmarshal(data, &req) != nil || req.RestoreID == "" || len(req.Items) == 0 ||
+		checkID("restore id", req.RestoreID, false) != nil {
+		return
+	}
+	failed := make([]wire.ItemResult, len(req.Items))
+	for i, it := range req.Items {
+		failed[i] = wire.ItemResult{Chunk: it.Chunk, Group: it.Group, Reason: "rejected: " + Code(rejection)}
+	}
+	d.report(req.RestoreID, failed)
 }
 
 // report sends the results of a restore's retrieve to the coordinator,

@@ -409,3 +409,32 @@ func nsJSON(ns dcp.Namespace) string {
 	b, _ := json.Marshal(ns)
 	return string(b)
 }
+
+// TestRejectedRetrieveReportsItsRestore: a retrieve of a restore that
+// fails validation after its restore id and items were decoded reports
+// every item failed to the coordinator before the error reply, so the
+// restore fails now rather than at its deadline.
+func TestRejectedRetrieveReportsItsRestore(t *testing.T) {
+	h := newHarness(t)
+	ctx := h.ctx()
+	ns := "0a000000000000000000000000000000"
+	key := ns + ".00000000000000000000000000000000.1.0"
+	body := `{"restore_id":"R-bad","namespace":"` + ns + `","items":[` +
+		`{"chunk":0,"group":0,"key":"` + key + `","blocks":[1]},` +
+		`{"chunk":1,"group":0,"key":"` + key + `","blocks":[]}]}`
+	rep, rerr := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), json.RawMessage(body))
+	if rerr == nil {
+		t.Fatalf("invalid retrieve answered %+v", rep)
+	}
+	h.mu.Lock()
+	reports := append([]wire.RestoreReport(nil), h.reports...)
+	h.mu.Unlock()
+	if len(reports) != 1 || reports[0].RestoreID != "R-bad" || reports[0].Rank != h.rank || len(reports[0].Results) != 2 {
+		t.Fatalf("reports %+v (reply error %v), want one of restore R-bad with 2 items", reports, rerr)
+	}
+	for i, r := range reports[0].Results {
+		if r.OK || r.Chunk != i || r.Group != 0 || r.Reason != "rejected: "+wire.CodeBadRequest {
+			t.Errorf("item %d reported %+v, want failed, rejected: %s", i, r, wire.CodeBadRequest)
+		}
+	}
+}
