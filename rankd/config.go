@@ -88,6 +88,11 @@ type Config struct {
 	// EventAckTimeout bounds one event batch request; on timeout the same
 	// batch is sent again (the coordinator ignores duplicates). Default 2 s.
 	EventAckTimeout time.Duration
+	// HeartbeatInterval is how often the daemon announces its last event
+	// sequence to the coordinator (wire.Heartbeat), so events lost in
+	// transit are noticed even when the rank is idle: within about two
+	// intervals. Default 2 s; shorter notices sooner for a few bytes more.
+	HeartbeatInterval time.Duration
 	// EventQueue is the most event batches queued for the coordinator;
 	// beyond it a batch is refused (the transfer engine retries and then
 	// drops it, leaving a sequence gap that makes the coordinator resync
@@ -113,24 +118,25 @@ type Config struct {
 // TPSize and Join (or NATSURL).
 func DefaultConfig() Config {
 	return Config{
-		DCPSize:         1,
-		Device:          cuda.SpecAuto,
-		Host:            cuda.DefaultHostConfig(),
-		L1Bytes:         1 << 30,
-		L2Policy:        transfer.WriteThrough,
-		BindAddr:        "0.0.0.0",
-		BindPort:        -1, // 7946 + 1 + TP rank
-		Detector:        cluster.DefaultDetector(),
-		JoinTimeout:     30 * time.Second,
-		NATSSwitchAfter: 3 * time.Second,
-		Prefix:          wire.DefaultPrefix,
-		HTTPAddr:        "127.0.0.1:0",
-		EventAckTimeout: 2 * time.Second,
-		EventQueue:      4096,
-		MaxInFlight:     1024,
-		ReportTimeout:   5 * time.Second,
-		ShutdownTimeout: 30 * time.Second,
-		Logger:          zap.NewNop(),
+		DCPSize:           1,
+		Device:            cuda.SpecAuto,
+		Host:              cuda.DefaultHostConfig(),
+		L1Bytes:           1 << 30,
+		L2Policy:          transfer.WriteThrough,
+		BindAddr:          "0.0.0.0",
+		BindPort:          -1, // 7946 + 1 + TP rank
+		Detector:          cluster.DefaultDetector(),
+		JoinTimeout:       30 * time.Second,
+		NATSSwitchAfter:   3 * time.Second,
+		Prefix:            wire.DefaultPrefix,
+		HTTPAddr:          "127.0.0.1:0",
+		EventAckTimeout:   2 * time.Second,
+		HeartbeatInterval: 2 * time.Second,
+		EventQueue:        4096,
+		MaxInFlight:       1024,
+		ReportTimeout:     5 * time.Second,
+		ShutdownTimeout:   30 * time.Second,
+		Logger:            zap.NewNop(),
 	}
 }
 
@@ -183,6 +189,8 @@ func (c *Config) Validate() error {
 		return bad("subject prefix %q must be one non-empty NATS token", c.Prefix)
 	case c.NATSSwitchAfter <= 0:
 		return bad("NATS switch delay %v must be > 0", c.NATSSwitchAfter)
+	case c.HeartbeatInterval <= 0:
+		return bad("heartbeat interval %v must be > 0", c.HeartbeatInterval)
 	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0:
 		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v)",
 			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout)

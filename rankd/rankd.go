@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -232,7 +233,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.nc, d.natsURL = nc, url
 	d.mu.Unlock()
 	d.pub.setConn(nc)
-	d.wg.Add(2)
+	d.wg.Add(3)
 	go func() {
 		defer d.wg.Done()
 		d.pub.run(d.stop)
@@ -240,6 +241,10 @@ func (d *Daemon) Start(ctx context.Context) error {
 	go func() {
 		defer d.wg.Done()
 		d.watchLoop()
+	}()
+	go func() {
+		defer d.wg.Done()
+		d.heartbeatLoop()
 	}()
 
 	if err := d.subscribe(nc); err != nil {
@@ -252,6 +257,34 @@ func (d *Daemon) Start(ctx context.Context) error {
 		zap.String("http", d.HTTPAddr()), zap.Uint64("incarnation", d.inc),
 		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID))
 	return nil
+}
+
+// heartbeatLoop announces the engine's last event sequence every
+// HeartbeatInterval (see wire.Heartbeat): the coordinator resyncs this rank
+// when its index stays behind, so an event lost in transit is noticed even
+// when no later batch comes. A failed publish is logged at debug level:
+// the next beat repeats it.
+func (d *Daemon) heartbeatLoop() {
+	t := time.NewTicker(d.cfg.HeartbeatInterval)
+	defer t.Stop()
+	subject := d.subj.Heartbeat(d.cfg.Rank)
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-t.C:
+		}
+		p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: d.eng.Stats().LastSeq})
+		if err != nil {
+			continue
+		}
+		d.mu.Lock()
+		nc := d.nc
+		d.mu.Unlock()
+		if err := nc.Publish(subject, p); err != nil {
+			d.log.Debug("heartbeat not sent", zap.Error(err))
+		}
+	}
 }
 
 // discoverNATS waits for a coordinator member that gossips a NATS URL.

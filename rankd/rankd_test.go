@@ -97,6 +97,7 @@ func newHarness(t *testing.T) *harness {
 	cfg.NATSURL = srv.ClientURL()
 	cfg.Prefix = "kvt"
 	cfg.BindAddr, cfg.BindPort = "127.0.0.1", 0
+	cfg.HeartbeatInterval = 100 * time.Millisecond
 	cfg.Logger = zaptest.NewLogger(t)
 	d, err := New(cfg)
 	if err != nil {
@@ -435,6 +436,40 @@ func TestRejectedRetrieveReportsItsRestore(t *testing.T) {
 	for i, r := range reports[0].Results {
 		if r.OK || r.Chunk != i || r.Group != 0 || r.Reason != "rejected: "+wire.CodeBadRequest {
 			t.Errorf("item %d reported %+v, want failed, rejected: %s", i, r, wire.CodeBadRequest)
+		}
+	}
+}
+
+// The daemon announces its incarnation's last event sequence, so the
+// coordinator can notice events lost while the rank is idle.
+func TestHeartbeatAnnouncesLastSeq(t *testing.T) {
+	h := newHarness(t)
+	beats := make(chan wire.Heartbeat, 16)
+	sub, err := h.nc.Subscribe(h.subj.Heartbeat(h.rank), func(m *nats.Msg) {
+		var hb wire.Heartbeat
+		if err := json.Unmarshal(m.Data, &hb); err == nil {
+			select {
+			case beats <- hb:
+			default:
+			}
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case hb := <-beats:
+			if hb.Rank != h.rank || hb.Incarnation != h.d.inc {
+				t.Fatalf("heartbeat %+v, want rank %s incarnation %d", hb, h.rank, h.d.inc)
+			}
+			if hb.Seq == h.d.eng.Stats().LastSeq {
+				return
+			}
+		case <-deadline:
+			t.Fatal("no heartbeat announcing the engine's last sequence within 10 s")
 		}
 	}
 }
