@@ -89,11 +89,15 @@ func New(cfg Config) (*Daemon, error) {
 		log:      cfg.Logger.Named("rankd").With(zap.Stringer("rank", cfg.Rank)),
 		met:      newMetrics(cfg.Rank.String()),
 		subj:     wire.Subjects{Prefix: cfg.Prefix},
-		inc:      cluster.NewIncarnation(),
 		slots:    make(chan struct{}, cfg.MaxInFlight),
 		stop:     make(chan struct{}),
 		shutDone: make(chan struct{}),
 	}
+	inc, err := nextIncarnation(cfg.L2Dir, cfg.Rank)
+	if err != nil {
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+	}
+	d.inc = inc
 	d.life, d.stopLife = context.WithCancel(context.Background())
 	dev, err := cuda.Open(cfg.Device, cfg.Host)
 	if err != nil {

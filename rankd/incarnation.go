@@ -1,0 +1,71 @@
+package rankd
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// nextIncarnation returns this start's incarnation: larger than every
+// earlier one of the rank even when the wall clock stepped back (an NTP
+// step, a rank moved to a host whose clock is behind), which would
+// otherwise make the coordinator drop every batch as from a superseded
+// incarnation (C7). With an L2 directory the last incarnation is kept in
+// <l2>/incarnations/<instance>.<tp>, written durably (temp, fsync, rename,
+// directory fsync) before it is used; without one the clock alone decides.
+func nextIncarnation(l2Dir string, r wire.Rank) (uint64, error) {
+	inc := cluster.NewIncarnation()
+	if l2Dir == "" {
+		return inc, nil
+	}
+	dir := filepath.Join(l2Dir, "incarnations")
+	path := filepath.Join(dir, r.Instance+"."+strconv.Itoa(r.TPRank))
+	b, err := os.ReadFile(path)
+	switch {
+	case err == nil:
+		last, perr := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+		if perr != nil {
+			return 0, fmt.Errorf("incarnation file %s holds %q, not a number: %w", path, b, ErrConfig)
+		}
+		if last >= inc {
+			inc = last + 1
+		}
+	case !errors.Is(err, os.ErrNotExist):
+		return 0, fmt.Errorf("read incarnation file: %w", err)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return 0, fmt.Errorf("incarnation directory: %w", err)
+	}
+	tmp := path + ".tmp"
+	f, err := os.Create(tmp)
+	if err != nil {
+		return 0, fmt.Errorf("write incarnation file: %w", err)
+	}
+	_, err = f.WriteString(strconv.FormatUint(inc, 10) + "\n")
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err == nil {
+		var d *os.File
+		if d, err = os.Open(dir); err == nil {
+			err = d.Sync()
+			d.Close()
+		}
+	}
+	if err != nil {
+		return 0, fmt.Errorf("write incarnation file %s: %w", path, err)
+	}
+	return inc, nil
+}
