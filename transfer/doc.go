@@ -23,7 +23,11 @@
 // inside the gather and recorded at commit; a retrieve compares the checksum
 // the scatter computes with it, and L2 bytes are verified before any
 // scatter, so a chunk that fails verification before the scatter has
-// nothing written into its pages.
+// nothing written into its pages. L1 bytes are not re-hashed on the CPU
+// before a scatter (that would cap restores at one core's hashing rate, far
+// below the copy engine's): bytes corrupted in pinned memory after commit
+// are caught by the scatter's own checksum, so the chunk is reported failed
+// and the engine recomputes it, but its pages have been written.
 //
 // The package must never: release a producer event before the device has
 // read the store's pages and its objects are committed; key in-flight work by
