@@ -2,13 +2,9 @@ package coordinator
 
 import (
 	"encoding/json"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
-	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -26,19 +22,7 @@ func TestHeartbeatExposesLostEvents(t *testing.T) {
 	if ack, werr := sendBatch(t, nc, c.subj, &first); werr != nil || ack.AppliedThrough != 4 {
 		t.Fatalf("batch: %+v %v", ack, werr)
 	}
-	inv := wire.Inventory{Rank: r, Incarnation: 3, Seq: 6}
-	for _, e := range all.Events {
-		inv.Objects = append(inv.Objects, wire.Placement{Key: e.Key, Tier: e.Tier, Size: e.Size, Sum: e.Sum})
-	}
-	var requests atomic.Int32
-	sub, err := connect(t, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
-		requests.Add(1)
-		_ = bus.Respond(m, &inv)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
+	requests := serveInventory(t, c, r, inventoryOf(r, 3, 6, all.Events))
 	beat := func(seq uint64) {
 		t.Helper()
 		p, _ := json.Marshal(wire.Heartbeat{Rank: r, Incarnation: 3, Seq: seq})

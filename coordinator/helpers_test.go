@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -260,4 +261,29 @@ func metric(tb testing.TB, c *Coordinator, name string, labelPairs ...string) fl
 		}
 	}
 	return 0
+}
+
+// inventoryOf is rank r's inventory holding exactly the placements of evs.
+func inventoryOf(r wire.Rank, inc, seq uint64, evs []wire.Event) wire.Inventory {
+	inv := wire.Inventory{Rank: r, Incarnation: inc, Seq: seq}
+	for _, e := range evs {
+		inv.Objects = append(inv.Objects, wire.Placement{Key: e.Key, Tier: e.Tier, Size: e.Size, Sum: e.Sum})
+	}
+	return inv
+}
+
+// serveInventory answers rank r's inventory requests with inv until the
+// test ends and returns the request count.
+func serveInventory(tb testing.TB, c *Coordinator, r wire.Rank, inv wire.Inventory) *atomic.Int32 {
+	tb.Helper()
+	var requests atomic.Int32
+	sub, err := connect(tb, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
+		requests.Add(1)
+		_ = bus.Respond(m, &inv)
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = sub.Unsubscribe() })
+	return &requests
 }

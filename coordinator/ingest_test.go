@@ -293,19 +293,7 @@ func TestNewIncarnationResyncDropsLostL2(t *testing.T) {
 	}
 	// Restarted: only chunks 0 and 1 still have files; its rescan announces them.
 	b := storeBatch(r, 2, 0, ns, chunks[:2], wire.L2)
-	inv := wire.Inventory{Rank: r, Incarnation: 2, Seq: 2}
-	for _, e := range b.Events {
-		inv.Objects = append(inv.Objects, wire.Placement{Key: e.Key, Tier: e.Tier, Size: e.Size, Sum: e.Sum})
-	}
-	var requests atomic.Int32
-	sub, err := connect(t, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
-		requests.Add(1)
-		_ = bus.Respond(m, &inv)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
+	requests := serveInventory(t, c, r, inventoryOf(r, 2, 2, b.Events))
 	if ack, werr := sendBatch(t, nc, c.subj, b); werr != nil || ack.AppliedThrough != 2 {
 		t.Fatalf("new incarnation: %+v %v", ack, werr)
 	}
