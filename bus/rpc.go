@@ -85,3 +85,42 @@ func Decode(msg *nats.Msg, v any) error {
 	}
 	return nil
 }
+
+// FetchInventory requests a rank's inventory page by page on subject (see
+// wire.InventoryRequest): page 0 of a new snapshot, then the remaining
+// pages of that snapshot, and assembles them. pageSize 0 uses the rank's
+// default. perPage > 0 bounds each page request on top of ctx. Any error
+// reply, timeout or page that does not belong to the snapshot fails the
+// whole fetch.
+func FetchInventory(ctx context.Context, nc *nats.Conn, subject string, pageSize int, perPage time.Duration) (*wire.Inventory, error) {
+	call := func(req wire.InventoryRequest) (*wire.InventoryPage, error) {
+		cctx, cancel := ctx, context.CancelFunc(func() {})
+		if perPage > 0 {
+			cctx, cancel = context.WithTimeout(ctx, perPage)
+		}
+		defer cancel()
+		return Call[wire.InventoryPage](cctx, nc, subject, req)
+	}
+	first, err := call(wire.InventoryRequest{PageSize: pageSize})
+	if err != nil {
+		return nil, err
+	}
+	if first.Pages < 1 || first.Snapshot == "" {
+		return nil, fmt.Errorf("inventory page 0 from %s declares %d pages and snapshot %q: %w",
+			subject, first.Pages, first.Snapshot, wire.ErrMalformed)
+	}
+	pages := make([]wire.InventoryPage, 1, min(first.Pages, 1024))
+	pages[0] = *first
+	for i := 1; i < first.Pages; i++ {
+		p, err := call(wire.InventoryRequest{Snapshot: first.Snapshot, Page: i, PageSize: pageSize})
+		if err != nil {
+			return nil, fmt.Errorf("inventory page %d of %d (snapshot %q): %w", i, first.Pages, first.Snapshot, err)
+		}
+		pages = append(pages, *p)
+	}
+	inv, err := wire.AssembleInventory(pages)
+	if err != nil {
+		return nil, fmt.Errorf("inventory from %s: %w", subject, err)
+	}
+	return &inv, nil
+}

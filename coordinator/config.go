@@ -91,8 +91,9 @@ type Config struct {
 	// its failed chunk list.
 	VerdictHistory int
 
-	// ResyncTimeout bounds one inventory request to a rank. Default 10 s;
-	// an inventory of millions of objects takes a while to build and send.
+	// ResyncTimeout bounds one inventory page request to a rank (the first
+	// one also takes the rank's snapshot). Default 10 s; an inventory of
+	// millions of objects takes a while to build.
 	ResyncTimeout time.Duration
 	// ResyncBackoff is the pause after the first failed inventory request;
 	// it doubles per failure up to ResyncMaxBackoff. Default 100 ms.

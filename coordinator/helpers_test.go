@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
+	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -272,18 +274,76 @@ func inventoryOf(r wire.Rank, inc, seq uint64, evs []wire.Event) wire.Inventory 
 	return inv
 }
 
-// serveInventory answers rank r's inventory requests with inv until the
-// test ends and returns the request count.
+// serveInventory answers rank r's paged inventory requests with inv (pages
+// of two objects) until the test ends and returns the count of snapshots
+// taken (requests without a snapshot id).
 func serveInventory(tb testing.TB, c *Coordinator, r wire.Rank, inv wire.Inventory) *atomic.Int32 {
 	tb.Helper()
 	var requests atomic.Int32
+	srv := newInventoryServer(2)
 	sub, err := connect(tb, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
-		requests.Add(1)
-		_ = bus.Respond(m, &inv)
+		if srv.fresh(m) {
+			requests.Add(1)
+		}
+		srv.serve(m, func() wire.Inventory { return inv })
 	})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { _ = sub.Unsubscribe() })
 	return &requests
+}
+
+// inventoryServer is a fake rank's side of the paged inventory protocol
+// (wire.InventoryRequest): a request without a snapshot id takes a new
+// snapshot, later ones are served from it.
+type inventoryServer struct {
+	pageSize int
+
+	mu    sync.Mutex // guards the following
+	n     int
+	snaps map[string][]wire.InventoryPage
+}
+
+func newInventoryServer(pageSize int) *inventoryServer {
+	return &inventoryServer{pageSize: pageSize, snaps: make(map[string][]wire.InventoryPage)}
+}
+
+func decodeInventoryRequest(m *nats.Msg) (wire.InventoryRequest, error) {
+	var req wire.InventoryRequest
+	err := json.Unmarshal(m.Data, &req)
+	return req, err
+}
+
+// fresh reports whether m asks for a new snapshot.
+func (s *inventoryServer) fresh(m *nats.Msg) bool {
+	req, err := decodeInventoryRequest(m)
+	return err == nil && req.Snapshot == ""
+}
+
+// serve answers m; take gives the inventory of a new snapshot.
+func (s *inventoryServer) serve(m *nats.Msg, take func() wire.Inventory) {
+	req, err := decodeInventoryRequest(m)
+	if err != nil {
+		_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+		return
+	}
+	s.mu.Lock()
+	pages, ok := s.snaps[req.Snapshot]
+	if req.Snapshot == "" {
+		s.n++
+		id := "snap-" + strconv.Itoa(s.n)
+		inv := take()
+		pages, ok = wire.PageInventory(&inv, id, s.pageSize), true
+		s.snaps[id] = pages
+	}
+	s.mu.Unlock()
+	switch {
+	case !ok:
+		_ = bus.RespondError(m, wire.CodeNotFound, "no snapshot "+req.Snapshot)
+	case req.Page < 0 || req.Page >= len(pages):
+		_ = bus.RespondError(m, wire.CodeBadRequest, "no page "+strconv.Itoa(req.Page))
+	default:
+		_ = bus.Respond(m, &pages[req.Page])
+	}
 }

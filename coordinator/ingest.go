@@ -202,12 +202,12 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 		zap.Duration("took", time.Since(t0)), zap.Error(last))
 }
 
-// resyncOnce makes one inventory request. done reports that retrying is
+// resyncOnce fetches and applies the rank's inventory once. done reports that retrying is
 // pointless (applied, or dropped for a reason a retry cannot fix).
 func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
-	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.ResyncTimeout)
-	inv, err := bus.Call[wire.Inventory](ctx, c.nc, c.subj.Inventory(r), struct{}{})
-	cancel()
+	// The inventory comes in pages of one snapshot (wire.InventoryRequest);
+	// ResyncTimeout bounds each page. Any failed page fails the attempt.
+	inv, err := bus.FetchInventory(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout)
 	if err != nil {
 		return false, err
 	}

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -167,20 +168,22 @@ func TestGapResyncAgreesWithRank(t *testing.T) {
 	var requests, inflight, overlap atomic.Int32
 	rankNC := connect(t, c)
 	invs := make(chan wire.Inventory, 1)
+	srv := newInventoryServer(7)
 	sub, err := rankNC.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
 		if inflight.Add(1) > 1 {
 			overlap.Add(1)
 		}
 		defer inflight.Add(-1)
-		n := requests.Add(1)
-		if n == 1 {
+		if srv.fresh(m) && requests.Add(1) == 1 {
 			// The first request fails: the coordinator must retry.
 			_ = bus.RespondError(m, wire.CodeUnavailable, "busy")
 			return
 		}
-		inv := <-invs
-		invs <- inv
-		_ = bus.Respond(m, &inv)
+		srv.serve(m, func() wire.Inventory {
+			inv := <-invs
+			invs <- inv
+			return inv
+		})
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -309,6 +312,76 @@ func TestNewIncarnationResyncDropsLostL2(t *testing.T) {
 	}
 	if requests.Load() < 1 {
 		t.Fatal("no inventory was requested")
+	}
+	mustVerify(t, c)
+}
+
+// A rank whose inventory spans many pages resyncs from pages of one
+// snapshot; a page that does not belong to the snapshot fails the attempt
+// and the retry assembles the whole inventory: the index then agrees with
+// the rank exactly.
+func TestResyncPagedInventory(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	r := wire.Rank{Instance: "big", TPRank: 0}
+	sim := indextest.NewRank(r, 7, indextest.Keys(ns, 3, 400, 2, 1), 11)
+
+	const pageSize = 16
+	var snapshots, pageReqs atomic.Int32
+	var invMu sync.Mutex
+	var inv wire.Inventory
+	srv := newInventoryServer(pageSize)
+	sub, err := connect(t, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
+		pageReqs.Add(1)
+		if srv.fresh(m) {
+			snapshots.Add(1)
+		}
+		req, _ := decodeInventoryRequest(m)
+		if snapshots.Load() == 1 && req.Page == 3 {
+			// The first attempt gets a page of another snapshot.
+			_ = bus.Respond(m, &wire.InventoryPage{Rank: r, Incarnation: 7, Seq: 1, Snapshot: "other", Page: 3, Pages: 99})
+			return
+		}
+		srv.serve(m, func() wire.Inventory {
+			invMu.Lock()
+			defer invMu.Unlock()
+			return inv
+		})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+
+	b1 := sim.Next(100)
+	if ack, werr := sendBatch(t, nc, c.subj, &b1); werr != nil || ack.AppliedThrough != 100 {
+		t.Fatalf("b1: %+v %v", ack, werr)
+	}
+	_ = sim.Next(300) // lost in transit
+	b3 := sim.Next(50)
+	invMu.Lock()
+	inv = sim.Inventory()
+	invMu.Unlock()
+	if len(inv.Objects) <= 4*pageSize {
+		t.Fatalf("inventory of %d objects fits in 4 pages of %d; the test needs more", len(inv.Objects), pageSize)
+	}
+	if ack, werr := sendBatch(t, nc, c.subj, &b3); werr != nil || !ack.Resync {
+		t.Fatalf("b3 past the gap: %+v %v", ack, werr)
+	}
+	waitFor(t, 10*time.Second, "the paged inventory to be applied", func() bool {
+		info, err := c.idx.ListRank(r)
+		return err == nil && info.LastSeq == sim.Seq && !info.Fenced
+	})
+	info, _ := c.idx.ListRank(r)
+	if !slices.Equal(info.Placements, inv.Objects) {
+		t.Fatalf("index holds %d placements, rank %d", len(info.Placements), len(inv.Objects))
+	}
+	if snapshots.Load() < 2 {
+		t.Errorf("%d snapshots taken; the bad page should have failed the first attempt", snapshots.Load())
+	}
+	if want := int32(4 + (len(inv.Objects)+pageSize-1)/pageSize); pageReqs.Load() < want {
+		t.Errorf("%d page requests, want at least %d", pageReqs.Load(), want)
 	}
 	mustVerify(t, c)
 }

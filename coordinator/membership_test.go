@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
@@ -278,7 +277,8 @@ func TestFencedRankRejoinResyncs(t *testing.T) {
 	for _, e := range b.Events {
 		inv.Objects = append(inv.Objects, wire.Placement{Key: e.Key, Tier: e.Tier, Size: e.Size, Sum: e.Sum})
 	}
-	sub, err := nc.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) { _ = bus.Respond(m, &inv) })
+	srv := newInventoryServer(2)
+	sub, err := nc.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) { srv.serve(m, func() wire.Inventory { return inv }) })
 	if err != nil {
 		t.Fatal(err)
 	}

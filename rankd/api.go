@@ -361,7 +361,8 @@ func (d *Daemon) Status() *StatusReply {
 	return st
 }
 
-// onInventory answers the coordinator's inventory request (resync).
+// onInventory answers one of the coordinator's paged inventory requests
+// (resync; wire.InventoryRequest).
 func (d *Daemon) onInventory(msg *nats.Msg) {
 	d.mu.Lock()
 	if d.stopped {
@@ -372,18 +373,24 @@ func (d *Daemon) onInventory(msg *nats.Msg) {
 	d.mu.Unlock()
 	go func() {
 		defer d.wg.Done()
-		if len(msg.Data) > 0 && string(msg.Data) != "{}" && string(msg.Data) != "null" {
-			var v struct{}
-			if err := bus.Decode(msg, &v); err != nil {
+		var req wire.InventoryRequest
+		if len(msg.Data) > 0 && string(msg.Data) != "null" {
+			if err := bus.Decode(msg, &req); err != nil {
 				_ = bus.RespondError(msg, wire.CodeBadRequest, err.Error())
 				return
 			}
 		}
-		inv := d.eng.Inventory()
+		page, err := d.inventoryPage(&req)
+		if err != nil {
+			d.log.Warn("inventory request refused", zap.String("snapshot", req.Snapshot), zap.Int("page", req.Page), zap.Error(err))
+			_ = bus.RespondError(msg, Code(err), err.Error())
+			return
+		}
 		d.met.inventories.Inc()
-		d.log.Info("inventory requested", zap.Uint64("seq", inv.Seq), zap.Int("objects", len(inv.Objects)))
-		if err := bus.Respond(msg, &inv); err != nil {
-			d.log.Warn("cannot send the inventory", zap.Error(err))
+		d.log.Debug("inventory page served", zap.String("snapshot", page.Snapshot), zap.Int("page", page.Page),
+			zap.Int("pages", page.Pages), zap.Int("objects", len(page.Objects)))
+		if err := bus.Respond(msg, page); err != nil {
+			d.log.Warn("cannot send the inventory page", zap.Error(err))
 		}
 	}()
 }

@@ -102,6 +102,20 @@ type Config struct {
 	// request gets code unavailable. Default 1024. A store holds its slot
 	// while it waits for the engine's producer event.
 	MaxInFlight int
+	// InventoryPageSize is the objects per inventory page when the
+	// coordinator's request names no size (wire.InventoryRequest). Default
+	// wire.DefaultInventoryPageSize (4096, about 0.5 MiB of JSON); at most
+	// wire.MaxInventoryPageSize. Larger pages mean fewer round trips but
+	// must stay under the NATS payload limit (8 MiB).
+	InventoryPageSize int
+	// InventorySnapshotTTL is how long an inventory snapshot stays
+	// available for its later pages after it was taken. Default 30 s. A
+	// resync that takes longer fails with code not_found and starts over.
+	InventorySnapshotTTL time.Duration
+	// MaxInventorySnapshots bounds the snapshots kept at once; taking one
+	// more evicts the oldest. Default 4. Each holds a full copy of the
+	// inventory.
+	MaxInventorySnapshots int
 	// ReportTimeout bounds sending one restore report to the coordinator.
 	// Default 5 s.
 	ReportTimeout time.Duration
@@ -118,25 +132,28 @@ type Config struct {
 // TPSize and Join (or NATSURL).
 func DefaultConfig() Config {
 	return Config{
-		DCPSize:           1,
-		Device:            cuda.SpecAuto,
-		Host:              cuda.DefaultHostConfig(),
-		L1Bytes:           1 << 30,
-		L2Policy:          transfer.WriteThrough,
-		BindAddr:          "0.0.0.0",
-		BindPort:          -1, // 7946 + 1 + TP rank
-		Detector:          cluster.DefaultDetector(),
-		JoinTimeout:       30 * time.Second,
-		NATSSwitchAfter:   3 * time.Second,
-		Prefix:            wire.DefaultPrefix,
-		HTTPAddr:          "127.0.0.1:0",
-		EventAckTimeout:   2 * time.Second,
-		HeartbeatInterval: 2 * time.Second,
-		EventQueue:        4096,
-		MaxInFlight:       1024,
-		ReportTimeout:     5 * time.Second,
-		ShutdownTimeout:   30 * time.Second,
-		Logger:            zap.NewNop(),
+		DCPSize:               1,
+		Device:                cuda.SpecAuto,
+		Host:                  cuda.DefaultHostConfig(),
+		L1Bytes:               1 << 30,
+		L2Policy:              transfer.WriteThrough,
+		BindAddr:              "0.0.0.0",
+		BindPort:              -1, // 7946 + 1 + TP rank
+		Detector:              cluster.DefaultDetector(),
+		JoinTimeout:           30 * time.Second,
+		NATSSwitchAfter:       3 * time.Second,
+		Prefix:                wire.DefaultPrefix,
+		HTTPAddr:              "127.0.0.1:0",
+		EventAckTimeout:       2 * time.Second,
+		HeartbeatInterval:     2 * time.Second,
+		EventQueue:            4096,
+		MaxInFlight:           1024,
+		InventoryPageSize:     wire.DefaultInventoryPageSize,
+		InventorySnapshotTTL:  30 * time.Second,
+		MaxInventorySnapshots: 4,
+		ReportTimeout:         5 * time.Second,
+		ShutdownTimeout:       30 * time.Second,
+		Logger:                zap.NewNop(),
 	}
 }
 
@@ -198,6 +215,12 @@ func (c *Config) Validate() error {
 		return bad("event queue %d must be >= 1", c.EventQueue)
 	case c.MaxInFlight < 1:
 		return bad("max in-flight requests %d must be >= 1", c.MaxInFlight)
+	case c.InventoryPageSize < 1 || c.InventoryPageSize > wire.MaxInventoryPageSize:
+		return bad("inventory page size %d outside 1..%d", c.InventoryPageSize, wire.MaxInventoryPageSize)
+	case c.InventorySnapshotTTL <= 0:
+		return bad("inventory snapshot TTL %v must be > 0", c.InventorySnapshotTTL)
+	case c.MaxInventorySnapshots < 1:
+		return bad("max inventory snapshots %d must be >= 1", c.MaxInventorySnapshots)
 	}
 	for i, s := range c.Join {
 		if _, _, err := net.SplitHostPort(s); err != nil {

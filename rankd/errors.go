@@ -19,6 +19,8 @@ var (
 	ErrTooLarge = errors.New("rankd: request too large")
 	// ErrUnavailable: the daemon is shutting down or overloaded.
 	ErrUnavailable = errors.New("rankd: unavailable")
+	// ErrNotFound: an inventory snapshot is unknown or expired.
+	ErrNotFound = errors.New("rankd: not found")
 	// ErrStarted and ErrClosed: lifecycle misuse.
 	ErrStarted = errors.New("rankd: already started")
 	ErrClosed  = errors.New("rankd: shut down")
@@ -42,7 +44,7 @@ func Code(err error) string {
 		errors.Is(err, transfer.ErrWrongDevice), errors.Is(err, dcp.ErrLayout),
 		errors.Is(err, dcp.ErrBlock), errors.Is(err, dcp.ErrKey):
 		return wire.CodeBadRequest
-	case errors.Is(err, transfer.ErrNotFound):
+	case errors.Is(err, transfer.ErrNotFound), errors.Is(err, ErrNotFound):
 		return wire.CodeNotFound
 	case errors.Is(err, ErrUnavailable), errors.Is(err, ErrClosed), errors.Is(err, transfer.ErrClosed),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),

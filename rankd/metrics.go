@@ -50,7 +50,7 @@ func newMetrics(rank string) *metrics {
 		reports: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "restore_reports_total", Help: "Restore reports sent to the coordinator, by result.", ConstLabels: labels},
 			[]string{"result"}),
-		inventories: c("inventory_requests_total", "Inventory requests served."),
+		inventories: c("inventory_requests_total", "Inventory pages served."),
 	}
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories,

@@ -50,6 +50,7 @@ type Daemon struct {
 	// to finish reading the engine's blocks.
 	releaseWait time.Duration
 	pub         *publisher
+	snaps       *snapshots // inventory snapshots being paged out
 	clu         *cluster.Cluster
 
 	slots chan struct{} // engine request slots (MaxInFlight)
@@ -92,6 +93,7 @@ func New(cfg Config) (*Daemon, error) {
 		slots:    make(chan struct{}, cfg.MaxInFlight),
 		stop:     make(chan struct{}),
 		shutDone: make(chan struct{}),
+		snaps:    newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
 	}
 	inc, err := nextIncarnation(cfg.L2Dir, cfg.Rank)
 	if err != nil {

@@ -346,7 +346,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	if err != nil || stat.Incarnation != h.d.Incarnation() || !stat.Accepting || stat.Engine.ObjectsStored != 1 {
 		t.Fatalf("status %+v, %v", stat, err)
 	}
-	inv, err := bus.Call[wire.Inventory](ctx, h.nc, h.subj.Inventory(h.rank), struct{}{})
+	inv, err := bus.FetchInventory(ctx, h.nc, h.subj.Inventory(h.rank), 0, 0)
 	if err != nil || inv.Incarnation != h.d.Incarnation() {
 		t.Fatalf("inventory %+v, %v", inv, err)
 	}
@@ -367,7 +367,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	if !errors.As(err, &we) || we.Code != wire.CodeUnknownNamespace {
 		t.Fatalf("retrieve after release: %v, want %s", err, wire.CodeUnknownNamespace)
 	}
-	if inv, err := bus.Call[wire.Inventory](ctx, h.nc, h.subj.Inventory(h.rank), struct{}{}); err != nil || len(inv.Objects) == 0 {
+	if inv, err := bus.FetchInventory(ctx, h.nc, h.subj.Inventory(h.rank), 0, 0); err != nil || len(inv.Objects) == 0 {
 		t.Fatalf("inventory after release: %+v, %v", inv, err)
 	}
 

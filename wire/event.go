@@ -201,3 +201,92 @@ type Heartbeat struct {
 	Incarnation uint64 `json:"incarnation"`
 	Seq         uint64 `json:"seq"`
 }
+
+// Inventory paging. An inventory travels as pages of one snapshot, so a
+// rank of any size fits the NATS payload limit: the first request (no
+// Snapshot) makes the rank take one consistent snapshot and keep it for a
+// short while under a random id; later requests name that id and a page.
+const (
+	// DefaultInventoryPageSize is the page size a rank uses when the
+	// request names none: about 130 B of JSON per object keeps a page near
+	// 0.5 MiB.
+	DefaultInventoryPageSize = 4096
+	// MaxInventoryPageSize caps a requested page size (about 2 MiB of
+	// JSON, well under the 8 MiB NATS payload limit).
+	MaxInventoryPageSize = 16384
+)
+
+// InventoryRequest asks a rank for one page of an inventory snapshot.
+type InventoryRequest struct {
+	// Snapshot is the id from an earlier page; "" takes a new snapshot.
+	Snapshot string `json:"snapshot,omitempty"`
+	// Page is the 0-based page number.
+	Page int `json:"page"`
+	// PageSize is the objects per page; 0 means the rank's default. It
+	// applies when a snapshot is taken; later requests must send 0 or the
+	// same size.
+	PageSize int `json:"page_size,omitempty"`
+}
+
+// InventoryPage is one page of an inventory snapshot. Every page of one
+// snapshot carries the same Rank, Incarnation, Seq, Snapshot and Pages.
+type InventoryPage struct {
+	Rank        Rank        `json:"rank"`
+	Incarnation uint64      `json:"incarnation"`
+	Seq         uint64      `json:"seq"`
+	Snapshot    string      `json:"snapshot"`
+	Page        int         `json:"page"`
+	Pages       int         `json:"pages"`
+	Objects     []Placement `json:"objects"`
+}
+
+// AssembleInventory joins the pages of one snapshot, in order, into the
+// inventory they describe. Every page must belong to the same snapshot
+// (rank, incarnation, sequence, id and page count) and page i must be
+// number i; otherwise the error wraps ErrMalformed.
+func AssembleInventory(pages []InventoryPage) (Inventory, error) {
+	if len(pages) == 0 {
+		return Inventory{}, fmt.Errorf("inventory of no pages: %w", ErrMalformed)
+	}
+	first := &pages[0]
+	if first.Pages != len(pages) {
+		return Inventory{}, fmt.Errorf("inventory snapshot %q declares %d pages, got %d: %w",
+			first.Snapshot, first.Pages, len(pages), ErrMalformed)
+	}
+	n := 0
+	for i := range pages {
+		p := &pages[i]
+		switch {
+		case p.Page != i:
+			return Inventory{}, fmt.Errorf("inventory snapshot %q: page %d arrived as page %d: %w", first.Snapshot, p.Page, i, ErrMalformed)
+		case p.Rank != first.Rank || p.Incarnation != first.Incarnation || p.Seq != first.Seq ||
+			p.Snapshot != first.Snapshot || p.Pages != first.Pages:
+			return Inventory{}, fmt.Errorf("inventory page %d (rank %s incarnation %d seq %d snapshot %q of %d pages) differs from page 0 (rank %s incarnation %d seq %d snapshot %q of %d pages): %w",
+				i, p.Rank, p.Incarnation, p.Seq, p.Snapshot, p.Pages,
+				first.Rank, first.Incarnation, first.Seq, first.Snapshot, first.Pages, ErrMalformed)
+		}
+		n += len(p.Objects)
+	}
+	inv := Inventory{Rank: first.Rank, Incarnation: first.Incarnation, Seq: first.Seq, Objects: make([]Placement, 0, n)}
+	for i := range pages {
+		inv.Objects = append(inv.Objects, pages[i].Objects...)
+	}
+	return inv, nil
+}
+
+// PageInventory cuts inv into pages of at most pageSize objects under
+// snapshot id; an empty inventory is one empty page. It is what a rank
+// serves, and AssembleInventory reverses it.
+func PageInventory(inv *Inventory, snapshot string, pageSize int) []InventoryPage {
+	if pageSize < 1 {
+		pageSize = DefaultInventoryPageSize
+	}
+	pages := max(1, (len(inv.Objects)+pageSize-1)/pageSize)
+	out := make([]InventoryPage, pages)
+	for i := range out {
+		lo, hi := i*pageSize, min((i+1)*pageSize, len(inv.Objects))
+		out[i] = InventoryPage{Rank: inv.Rank, Incarnation: inv.Incarnation, Seq: inv.Seq,
+			Snapshot: snapshot, Page: i, Pages: pages, Objects: inv.Objects[lo:hi:hi]}
+	}
+	return out
+}

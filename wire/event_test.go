@@ -82,3 +82,38 @@ func FuzzBatchUnmarshal(f *testing.F) {
 		}
 	})
 }
+
+// PageInventory and AssembleInventory are inverses for every size, and
+// assembly refuses pages of mixed snapshots, gaps and wrong counts.
+func TestInventoryPagesRoundTrip(t *testing.T) {
+	for _, n := range []int{0, 1, 4, 5, 9, 100} {
+		for _, size := range []int{1, 2, 5, 4096} {
+			inv := Inventory{Rank: Rank{Instance: "e", TPRank: 1}, Incarnation: 3, Seq: 77}
+			for i := range n {
+				inv.Objects = append(inv.Objects, Placement{Tier: L1, Size: uint64(i), Sum: uint64(i) * 7})
+			}
+			pages := PageInventory(&inv, "s", size)
+			if want := max(1, (n+size-1)/size); len(pages) != want {
+				t.Fatalf("%d objects in pages of %d: %d pages, want %d", n, size, len(pages), want)
+			}
+			got, err := AssembleInventory(pages)
+			if err != nil || got.Rank != inv.Rank || got.Seq != inv.Seq || got.Incarnation != inv.Incarnation ||
+				len(got.Objects) != n || (n > 0 && !reflect.DeepEqual(got.Objects, inv.Objects)) {
+				t.Fatalf("%d objects in pages of %d: reassembled %+v, %v", n, size, got, err)
+			}
+		}
+	}
+	inv := Inventory{Seq: 1, Objects: make([]Placement, 6)}
+	for name, mutate := range map[string]func(p []InventoryPage) []InventoryPage{
+		"none":         func(p []InventoryPage) []InventoryPage { return nil },
+		"missing page": func(p []InventoryPage) []InventoryPage { return p[:2] },
+		"reordered":    func(p []InventoryPage) []InventoryPage { p[1], p[2] = p[2], p[1]; return p },
+		"other seq":    func(p []InventoryPage) []InventoryPage { p[2].Seq++; return p },
+		"other id":     func(p []InventoryPage) []InventoryPage { p[1].Snapshot = "t"; return p },
+		"other count":  func(p []InventoryPage) []InventoryPage { p[1].Pages = 4; return p },
+	} {
+		if _, err := AssembleInventory(mutate(PageInventory(&inv, "s", 2))); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: %v, want ErrMalformed", name, err)
+		}
+	}
+}

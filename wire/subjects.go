@@ -12,10 +12,20 @@ import (
 //
 //	<p>.events.<instance>.<tp>             rankd -> coordinator, request: binary Batch; reply EventAck
 //	<p>.heartbeat.<instance>.<tp>          rankd -> coordinator, publish: JSON Heartbeat (no reply)
-//	<p>.rank.<instance>.<tp>.inventory     coordinator -> rankd, request: {}; reply Inventory
+//	<p>.rank.<instance>.<tp>.inventory     coordinator -> rankd, request: InventoryRequest; reply InventoryPage
 //	<p>.rank.<instance>.<tp>.engine.<op>   engine worker -> rankd, request/reply JSON (register, store, retrieve, release, status)
 //	<p>.coord.<op>                         scheduler/rankd -> coordinator (ns.register, lookup, restore.begin, restore.report, restore.wait)
 //	<p>.admin.<op>                         operators -> coordinator (members, ranks, object, namespaces, restores, verify)
+//
+// Inventories are paged, so a rank of any size fits the NATS payload limit
+// (8 MiB): the coordinator sends InventoryRequest{Page: 0} (no snapshot);
+// the rank takes one consistent snapshot, keeps it for a short TTL under a
+// random id and replies page 0 with the id and the page count. The
+// coordinator then asks for pages 1..Pages-1 naming that id and joins them
+// (AssembleInventory) into one Inventory. An unknown or expired id gets
+// code not_found; the coordinator then starts over with a new snapshot.
+// An empty request ({} or no body) is a request for page 0 of a new
+// snapshot.
 const DefaultPrefix = "kvtier"
 
 // Subjects builds subjects under one prefix.
