@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -163,22 +164,41 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
+// handedOut holds every port freePort has returned in this test process:
+// a port is closed again as soon as it is found free, and a process that
+// is down between a kill and its restart does not hold its port, so the
+// kernel may offer it again; it must never go to a second process.
+var handedOut = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
 // freePort returns a port free for both TCP and UDP on 127.0.0.1
-// (memberlist needs both).
+// (memberlist needs both) that no earlier call returned. Ports come from
+// 20000-31999, below Linux's ephemeral range (32768 up), so the local end
+// of some process's outgoing connection cannot take one between this check
+// and the daemon's bind.
 func freePort(t *testing.T) int {
 	t.Helper()
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for range 1000 {
+		port := 20000 + rand.IntN(12000)
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
 		if err != nil {
-			t.Fatal(err)
+			continue
 		}
-		port := l.Addr().(*net.TCPAddr).Port
 		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
 		l.Close()
 		if err != nil {
 			continue
 		}
 		u.Close()
+		handedOut.Lock()
+		dup := handedOut.ports[port]
+		handedOut.ports[port] = true
+		handedOut.Unlock()
+		if dup {
+			continue
+		}
 		return port
 	}
 	t.Fatal("no free port")
