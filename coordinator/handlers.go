@@ -234,12 +234,8 @@ func (c *Coordinator) handleRanks(m *nats.Msg) {
 
 // rankIncarnation returns the index's current incarnation of rank r.
 func (c *Coordinator) rankIncarnation(r wire.Rank) (uint64, bool) {
-	for _, ri := range c.idx.Ranks() {
-		if ri.Rank == r {
-			return ri.Incarnation, true
-		}
-	}
-	return 0, false
+	ri, ok := c.idx.Rank(r)
+	return ri.Incarnation, ok
 }
 
 // handleObject answers admin.object: one object by key text, or every

@@ -39,13 +39,13 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	if !seen || prev.Incarnation != hb.Incarnation {
 		return
 	}
-	inc, known := c.rankIncarnation(hb.Rank)
-	if known && inc > hb.Incarnation {
+	ri, known := c.idx.Rank(hb.Rank)
+	if known && ri.Incarnation > hb.Incarnation {
 		return // a superseded incarnation still beating; its batches are fenced
 	}
 	var last uint64
-	if known && inc == hb.Incarnation {
-		last = c.lastSeq(hb.Rank)
+	if known && ri.Incarnation == hb.Incarnation {
+		last = ri.LastSeq
 	}
 	if last >= prev.Seq {
 		return
@@ -55,14 +55,4 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 		zap.Uint64("incarnation", hb.Incarnation), zap.Uint64("index_seq", last),
 		zap.Uint64("announced_seq", prev.Seq))
 	c.startResync(hb.Rank)
-}
-
-// lastSeq is the last sequence the index applied for rank r.
-func (c *Coordinator) lastSeq(r wire.Rank) uint64 {
-	for _, ri := range c.idx.Ranks() {
-		if ri.Rank == r {
-			return ri.LastSeq
-		}
-	}
-	return 0
 }

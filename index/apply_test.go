@@ -198,6 +198,15 @@ func TestApplyRules(t *testing.T) {
 	if info, _ = ix.ListRank(r); info.Fenced || info.L1Placements != 1 {
 		t.Fatalf("after a superseded incarnation's fence: %+v", info)
 	}
+	// Rank is ListRank without the placements, in constant time.
+	quick, ok := ix.Rank(r)
+	info.Placements = nil
+	if !ok || !reflect.DeepEqual(quick, info) {
+		t.Fatalf("Rank = %+v, %v; ListRank without placements = %+v", quick, ok, info)
+	}
+	if _, ok := ix.Rank(wire.Rank{Instance: "nobody", TPRank: 3}); ok {
+		t.Fatal("Rank reports an unknown rank as known")
+	}
 	// A removal of something not held is applied (sequence advances) and counted.
 	o = mustApply(t, ix.Index, batch(9, removed(6, wire.L2, k2)))
 	if o.Applied != 1 || o.RemovedUnknown != 1 {

@@ -297,6 +297,18 @@ func (ix *Index) Ranks() []RankInfo {
 	return out
 }
 
+// Rank returns one rank's state and counts without its placements, in
+// constant time, and false for a rank the index has never seen.
+func (ix *Index) Rank(r wire.Rank) (RankInfo, bool) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	id, ok := ix.st.rankIDs[r]
+	if !ok {
+		return RankInfo{}, false
+	}
+	return ix.st.ranks[id].info(), true
+}
+
 // ListRank returns a rank's state and every placement it holds. It scans
 // the whole index (admin and tests; not for a hot path). An unknown rank
 // is an error wrapping ErrUnknownRank.
