@@ -358,3 +358,42 @@ func TestServe(t *testing.T) {
 		t.Fatal("serve did not stop")
 	}
 }
+
+// verify exits 1 and names the mismatches when the coordinator's index
+// disagrees with its durable copy (here a stand-in coordinator says so).
+func TestVerifyMismatchExitsOne(t *testing.T) {
+	ecfg := bus.DefaultEmbeddedConfig()
+	ecfg.Port = 0
+	srv, err := bus.StartEmbedded(ecfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	nc, err := bus.Connect(srv.ClientURL(), t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
+	sub, err := nc.Subscribe(subj.Admin(wire.AdminVerify), func(m *nats.Msg) {
+		_ = bus.Respond(m, &wire.AdminVerifyReply{OK: false, Ranks: 1, Chunks: 1, Placements: 2,
+			Mismatches: []string{"chunk 00ff: placement of eng/0 in memory, not in bbolt"}})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"verify"}, {"verify", "--json"}} {
+		var out, errb bytes.Buffer
+		code := run(context.Background(), append(args, "--nats", srv.ClientURL()), &out, &errb)
+		if code != 1 {
+			t.Fatalf("%v: exit %d, want 1\n%s%s", args, code, out.String(), errb.String())
+		}
+		if !strings.Contains(out.String()+errb.String(), "placement of eng/0 in memory, not in bbolt") {
+			t.Fatalf("%v: the mismatch is not shown:\n%s%s", args, out.String(), errb.String())
+		}
+	}
+}
