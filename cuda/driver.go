@@ -84,6 +84,13 @@ type driverDevice struct {
 type ordinalState struct {
 	base driverDevice // the immutable fields every Device copies
 
+	// enq is held shared by every thread that enqueues device work and
+	// exclusively by drain from its idle check to the end of its frees: a
+	// free runs only while no new work can reach the device, so it never
+	// waits for work enqueued after the check (a free that waits holds back
+	// every other thread's transfers, see freeLater).
+	enq sync.RWMutex
+
 	mu      sync.Mutex // guards the following
 	jobs    []*job     // idle table blocks
 	streams map[*driverStream]struct{}
@@ -106,6 +113,13 @@ func (o *ordinalState) freeLater(free func() error) error {
 
 // drain runs the deferred frees if the ordinal's streams are all idle.
 func (o *ordinalState) drain() error {
+	// Never blocks: a thread enqueuing now (or this very thread, when a
+	// release runs under an enqueue) makes the frees wait for the next
+	// drain.
+	if !o.enq.TryLock() {
+		return nil
+	}
+	defer o.enq.Unlock()
 	o.mu.Lock()
 	if len(o.pending) == 0 {
 		o.mu.Unlock()

@@ -111,6 +111,19 @@ func (s *driverStream) record(h C.CUstream) (C.CUevent, error) {
 	return e, nil
 }
 
+// lockEnqueue takes the locks under which work is enqueued on s: the
+// ordinal's enqueue lock shared (so drain never frees while another thread
+// is putting work on the device) and then s.mu.
+func (s *driverStream) lockEnqueue() {
+	s.d.o.enq.RLock()
+	s.mu.Lock()
+}
+
+func (s *driverStream) unlockEnqueue() {
+	s.mu.Unlock()
+	s.d.o.enq.RUnlock()
+}
+
 // refuseLocked reports why no work can be enqueued, if so.
 func (s *driverStream) refuseLocked() error {
 	if s.closed {
@@ -165,8 +178,8 @@ func (s *driverStream) WaitEvent(e Event) error {
 	if err != nil {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.lockEnqueue()
+	defer s.unlockEnqueue()
 	if err := s.refuseLocked(); err != nil {
 		return err
 	}
@@ -196,8 +209,8 @@ func (s *driverStream) Record(e Event) error {
 	if err != nil {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.lockEnqueue()
+	defer s.unlockEnqueue()
 	if err := s.refuseLocked(); err != nil {
 		return err
 	}
@@ -213,8 +226,8 @@ func (s *driverStream) Record(e Event) error {
 
 // Delay enqueues a kernel that spins for d.
 func (s *driverStream) Delay(d time.Duration) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.lockEnqueue()
+	defer s.unlockEnqueue()
 	if err := s.refuseLocked(); err != nil {
 		return err
 	}
@@ -252,8 +265,8 @@ func (s *driverStream) Upload(dst Mem, off uint64, src []byte) (*Op, error) {
 		host = st.job.host
 		copy(st.job.buf, src)
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.lockEnqueue()
+	defer s.unlockEnqueue()
 	if err := s.refuseLocked(); err != nil {
 		st.drop()
 		return nil, err

@@ -128,8 +128,8 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		st.lens[i] = o.len
 	}
 
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.lockEnqueue()
+	defer s.unlockEnqueue()
 	if err := s.refuseLocked(); err != nil {
 		st.drop()
 		return nil, fmt.Errorf("%s: %w", what, err)
