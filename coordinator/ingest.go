@@ -14,6 +14,9 @@ import (
 	"go.uber.org/zap"
 )
 
+// opEvents is the operation label of event batch replies.
+const opEvents = "events"
+
 // Event ingest: every message on <p>.events.> is a binary wire.Batch sent
 // as a request. It is applied through the index, which commits it before
 // Apply returns, and only then acknowledged with a wire.EventAck (C7).
@@ -27,7 +30,7 @@ func (c *Coordinator) dispatchBatch(m *nats.Msg) {
 	c.ingestMu.RLock()
 	defer c.ingestMu.RUnlock()
 	if c.ingestClosed {
-		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		c.replyError(opEvents, m, wire.CodeUnavailable, "coordinator shutting down")
 		return
 	}
 	c.ingest[h.Sum32()%uint32(len(c.ingest))] <- m
@@ -44,17 +47,17 @@ func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
 func (c *Coordinator) handleBatch(m *nats.Msg) {
 	var b wire.Batch
 	if err := b.UnmarshalBinary(m.Data); err != nil {
-		c.badRequest(m, "events", err)
+		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
 	if err := wire.ValidInstance(b.Rank.Instance); err != nil {
-		c.badRequest(m, "events", err)
+		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
 	if want := c.subj.Events(b.Rank); m.Subject != want {
-		c.badRequest(m, "events", fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
+		c.badRequest(m, opEvents, fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
 			b.Rank, m.Subject, want, wire.ErrMalformed))
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
@@ -67,11 +70,11 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		c.met.batches.WithLabelValues("failed").Inc()
 		switch {
 		case errors.Is(err, index.ErrInvalid):
-			c.badRequest(m, "events", err)
+			c.badRequest(m, opEvents, err)
 		case errors.Is(err, index.ErrClosed):
-			_ = bus.RespondError(m, wire.CodeUnavailable, "index closed: coordinator shutting down")
+			c.replyError(opEvents, m, wire.CodeUnavailable, "index closed: coordinator shutting down")
 		default:
-			c.internalError(m, "apply event batch", err, zap.Stringer("rank", b.Rank),
+			c.internalError(m, opEvents, "apply event batch", err, zap.Stringer("rank", b.Rank),
 				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", len(b.Events)))
 		}
 		return
@@ -117,9 +120,7 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		// AppliedThrough is meaningless to a superseded incarnation.
 		ack.AppliedThrough = 0
 	}
-	if err := bus.Respond(m, &ack); err != nil {
-		c.log.Warn("acknowledge batch", zap.Stringer("rank", b.Rank), zap.Error(err))
-	}
+	c.reply(opEvents, m, &ack)
 }
 
 // startResync starts the resync worker of rank r unless one is running.
@@ -242,16 +243,16 @@ func (c *Coordinator) badRequest(m *nats.Msg, op string, err error) {
 	c.met.badRequests.WithLabelValues(op).Inc()
 	c.log.Warn("bad request", zap.String("op", op), zap.String("subject", m.Subject), zap.Error(err))
 	if m.Reply != "" {
-		_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+		c.replyError(op, m, wire.CodeBadRequest, err.Error())
 	}
 }
 
 // internalError answers with code internal, counts and logs at Error: the
 // request's work is lost.
-func (c *Coordinator) internalError(m *nats.Msg, what string, err error, fields ...zap.Field) {
+func (c *Coordinator) internalError(m *nats.Msg, op, what string, err error, fields ...zap.Field) {
 	c.met.internal.Inc()
-	c.log.Error(what+" failed", append(fields, zap.String("subject", m.Subject), zap.Error(err))...)
+	c.log.Error(what+" failed", append(fields, zap.String("op", op), zap.String("subject", m.Subject), zap.Error(err))...)
 	if m.Reply != "" {
-		_ = bus.RespondError(m, wire.CodeInternal, what+": "+err.Error())
+		c.replyError(op, m, wire.CodeInternal, what+": "+err.Error())
 	}
 }

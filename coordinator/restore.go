@@ -172,7 +172,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	rs.mu.Lock()
 	if rs.closed {
 		rs.mu.Unlock()
-		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, "coordinator shutting down")
 		return
 	}
 	if len(rs.active) >= c.cfg.MaxActiveRestores {
@@ -180,7 +180,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		rs.mu.Unlock()
 		c.met.internal.Inc()
 		c.log.Warn("restore refused: too many active restores", zap.Int("active", n))
-		_ = bus.RespondError(m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
 		return
 	}
 	rs.seq++
@@ -192,6 +192,12 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		readers = c.readerStatuses(res.Instance, res.Expectations)
 		if down, reason := notAlive(res.Instance, readers); reason != "" {
 			plan.Prefix, plan.Reason = 0, reason
+			data, err := c.encodeReply(plan)
+			if err != nil {
+				rs.mu.Unlock()
+				c.replyUnsendable(wire.CoordRestoreBegin, m, err)
+				return
+			}
 			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
 			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 				VerdictLatencyUS: 0})
@@ -208,11 +214,17 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", id),
 				zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
 				zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", down), zap.String("reason", reason))
-			_ = bus.Respond(m, plan)
+			c.sendEncoded(wire.CoordRestoreBegin, m, data)
 			return
 		}
 	}
 	if plan.Prefix == 0 {
+		data, err := c.encodeReply(plan)
+		if err != nil {
+			rs.mu.Unlock()
+			c.replyUnsendable(wire.CoordRestoreBegin, m, err)
+			return
+		}
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
 		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 			VerdictLatencyUS: 0})
@@ -220,13 +232,13 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
 		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", id),
 			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
-		_ = bus.Respond(m, plan)
+		c.sendEncoded(wire.CoordRestoreBegin, m, data)
 		return
 	}
 	r, err := index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(&res, res.Prefix), now.Add(deadline))
 	if err != nil {
 		rs.mu.Unlock()
-		c.internalError(m, "start restore", err, zap.String("restore", id))
+		c.internalError(m, wire.CoordRestoreBegin, "start restore", err, zap.String("restore", id))
 		return
 	}
 	byTP := make(map[int]*restoreReader, len(readers))
@@ -247,6 +259,15 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			rd.slots = append(rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
 		}
 	}
+	// The plan must fit in one reply before the restore exists: a plan that
+	// cannot be sent would leave a restore nobody executes (C8).
+	data, err := c.encodeReply(plan)
+	if err != nil {
+		rs.mu.Unlock()
+		c.replyUnsendable(wire.CoordRestoreBegin, m, fmt.Errorf("restore plan of %d chunks for %d ranks: %w",
+			res.Prefix, len(plan.Ranks), err))
+		return
+	}
 	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now, readers: byTP}
 	rs.active[id] = a
 	heap.Push(&rs.byDL, a)
@@ -262,7 +283,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	c.log.Debug("restore begun", zap.String("restore", id), zap.Stringer("namespace", req.Namespace),
 		zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
 		zap.Int("ranks", len(plan.Ranks)), zap.Duration("deadline", deadline))
-	_ = bus.Respond(m, plan)
+	c.sendEncoded(wire.CoordRestoreBegin, m, data)
 }
 
 // handleReport feeds one rank's report to the state machine; when that
@@ -286,12 +307,12 @@ func (rs *restores) handleReport(m *nats.Msg) {
 			c.met.reports.WithLabelValues("late").Inc()
 			c.log.Info("report after the verdict ignored", zap.String("restore", rep.RestoreID),
 				zap.Stringer("rank", rep.Rank), zap.String("state", d.State))
-			_ = bus.Respond(m, &wire.ReportAck{State: d.State})
+			c.reply(wire.CoordRestoreReport, m, &wire.ReportAck{State: d.State})
 			return
 		}
 		c.met.reports.WithLabelValues("rejected").Inc()
 		c.log.Warn("report for an unknown restore", zap.String("restore", rep.RestoreID), zap.Stringer("rank", rep.Rank))
-		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", rep.RestoreID))
+		c.replyError(wire.CoordRestoreReport, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", rep.RestoreID))
 		return
 	}
 	if rep.Rank.Instance != a.instance {
@@ -331,7 +352,7 @@ func (rs *restores) handleReport(m *nats.Msg) {
 	default:
 		c.met.reports.WithLabelValues("ok").Inc()
 	}
-	_ = bus.Respond(m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
+	c.reply(wire.CoordRestoreReport, m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
 }
 
 // handleWait parks the waiter until the verdict is final, or answers at
@@ -347,7 +368,7 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	if a := rs.active[req.RestoreID]; a != nil {
 		if rs.closed {
 			rs.mu.Unlock()
-			_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "coordinator shutting down")
 			return
 		}
 		a.waiters = append(a.waiters, m)
@@ -357,11 +378,11 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	d := rs.decided[req.RestoreID]
 	rs.mu.Unlock()
 	if d == nil {
-		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
+		c.replyError(wire.CoordRestoreWait, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
 		return
 	}
 	v := d.RestoreVerdict
-	_ = bus.Respond(m, &v)
+	c.reply(wire.CoordRestoreWait, m, &v)
 }
 
 // finished is a verdict to deliver outside the lock.
@@ -403,7 +424,7 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 func (f *finished) deliver(c *Coordinator) {
 	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
 	for _, w := range f.waiters {
-		_ = bus.Respond(w, &f.verdict)
+		c.reply(wire.CoordRestoreWait, w, &f.verdict)
 	}
 	now := time.Now()
 	var lat time.Duration
@@ -557,7 +578,7 @@ func (rs *restores) close() {
 	}
 	rs.mu.Unlock()
 	for _, w := range ws {
-		_ = bus.RespondError(w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
+		rs.c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
 	}
 }
 
@@ -575,23 +596,23 @@ func (rs *restores) handleHistory(m *nats.Msg) {
 		out.Restores = append(out.Restores, *e)
 	}
 	rs.mu.Unlock()
-	_ = bus.Respond(m, out)
+	rs.c.reply(wire.AdminRestores, m, out)
 }
 
 // lookupError answers a failed lookup: unknown namespace, or internal.
 func (c *Coordinator) lookupError(m *nats.Msg, op string, ns dcp.Namespace, err error) {
 	if errors.Is(err, errTooLarge) {
 		c.met.badRequests.WithLabelValues(op).Inc()
-		_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+		c.replyError(op, m, wire.CodeTooLarge, err.Error())
 		return
 	}
 	if errors.Is(err, index.ErrUnknownNamespace) {
 		c.met.badRequests.WithLabelValues(op).Inc()
 		c.log.Info("request for an unknown namespace", zap.String("op", op), zap.Stringer("namespace", ns))
-		_ = bus.RespondError(m, wire.CodeUnknownNamespace, fmt.Sprintf("namespace %s is not registered", ns))
+		c.replyError(op, m, wire.CodeUnknownNamespace, fmt.Sprintf("namespace %s is not registered", ns))
 		return
 	}
-	c.internalError(m, op, err)
+	c.internalError(m, op, op, err)
 }
 
 // deadlineHeap orders active restores by deadline.
