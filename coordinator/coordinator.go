@@ -72,6 +72,8 @@ type Coordinator struct {
 
 	hb heartbeats
 
+	fences fenceGates // per-rank fence epochs: see fence.go
+
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
 	// startedAt is when Start began (set before any handler runs): the

@@ -182,6 +182,10 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 		c.met.resyncAttempts.Inc()
 		done, err := c.resyncOnce(r)
 		if done {
+			if errors.Is(err, errFencedSince) {
+				log.Warn("inventory dropped: the rank was fenced after it was requested", zap.Error(err))
+				return
+			}
 			if err != nil {
 				c.met.resyncs.WithLabelValues("failed").Inc()
 				log.Warn("resync ended without applying the inventory", zap.Error(err))
@@ -208,6 +212,8 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	// The inventory comes in pages of one snapshot (wire.InventoryRequest);
 	// ResyncTimeout bounds each page. Any failed page fails the attempt.
+	// The fence epoch is taken before the request: see fence.go.
+	epoch := c.fences.epoch(r)
 	inv, err := bus.FetchInventory(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout)
 	if err != nil {
 		return false, err
@@ -215,8 +221,20 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
 	}
+	fg := c.fences.gate(r)
+	fg.mu.Lock()
 	prev, known := c.rankIncarnation(r)
+	if fg.epoch != epoch && known && inv.Incarnation <= prev {
+		now := fg.epoch
+		fg.mu.Unlock()
+		c.met.resyncs.WithLabelValues("fenced").Inc()
+		// Done: the rank's next batch (refused as fenced) or its rejoin
+		// starts a resync under the new epoch.
+		return true, fmt.Errorf("inventory of incarnation %d requested at fence epoch %d, rank fenced since (epoch %d): %w",
+			inv.Incarnation, epoch, now, errFencedSince)
+	}
 	out, err := c.idx.ApplyInventory(c.ctx, *inv)
+	fg.mu.Unlock()
 	if err != nil {
 		return errors.Is(err, index.ErrClosed), err
 	}
@@ -236,6 +254,10 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 		return false, fmt.Errorf("inventory at seq %d behind applied seq %d (%s)", inv.Seq, out.LastSeq, out.Reason)
 	}
 }
+
+// errFencedSince: an inventory was requested before the rank's latest
+// fence and is not applied.
+var errFencedSince = errors.New("rank fenced after the inventory was requested")
 
 // badRequest answers a malformed or invalid request with code bad_request,
 // counts and logs it.

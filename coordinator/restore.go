@@ -498,6 +498,13 @@ func (rs *restores) deadlineLoop() {
 // pending. Called when the coordinator fences r: death, leave, new
 // incarnation, startup fence (see "Failing early").
 func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int {
+	return rs.failRankRange(r, 0, upTo, cause, reason)
+}
+
+// failRankRange is failRank for the restores that expect r at an
+// incarnation in from..upTo. A death notice fails only the restores that
+// expect the incarnation it names.
+func (rs *restores) failRankRange(r wire.Rank, from, upTo uint64, cause, reason string) int {
 	c := rs.c
 	now := time.Now()
 	var fins []*finished
@@ -508,7 +515,7 @@ func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int
 			continue
 		}
 		rd := a.readers[r.TPRank]
-		if rd == nil || rd.inc > upTo {
+		if rd == nil || rd.inc > upTo || rd.inc < from {
 			continue
 		}
 		results := make([]wire.ItemResult, len(rd.slots))
