@@ -24,7 +24,7 @@ type metrics struct {
 
 	lookups        *prometheus.CounterVec // by outcome: hit | partial | miss
 	lookupSeconds  prometheus.Histogram
-	restores       *prometheus.CounterVec // by outcome: complete | failed
+	restores       *prometheus.CounterVec // by outcome: complete | failed | refused
 	restoreBegins  prometheus.Counter
 	verdictSeconds prometheus.Histogram   // last report -> verdict
 	reports        *prometheus.CounterVec // by outcome: ok | duplicate | rejected
@@ -103,7 +103,7 @@ func newMetrics() *metrics {
 		}),
 		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_total",
-			Help: "Restores decided, by outcome (complete, failed) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
+			Help: "Restores decided, by outcome (complete, failed, refused) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
 		}, []string{"outcome", "cause"}),
 		notPlanned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_not_planned_total",

@@ -1,9 +1,11 @@
 package coordinator
 
 import (
+	"fmt"
 	"regexp"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
@@ -39,9 +41,7 @@ func TestReplyTooLargeRefused(t *testing.T) {
 	if n, _ := strconv.Atoi(sm[1]); n <= maxPayload {
 		t.Fatalf("reported plan size %d B is not over the limit %d B", n, maxPayload)
 	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", wire.CoordRestoreBegin, "outcome", replyTooLarge); got != 1 {
-		t.Fatalf("replies_total{restore.begin,too_large} = %v, want 1", got)
-	}
+	waitMetric(t, c, 1, "kvtier_coord_replies_total", "op", wire.CoordRestoreBegin, "outcome", replyTooLarge)
 	// No state was created: nothing active, nothing in the history.
 	c.rs.mu.Lock()
 	active, decided := len(c.rs.active), len(c.rs.decided)
@@ -63,20 +63,14 @@ func TestReplyTooLargeRefused(t *testing.T) {
 	if !regexp.MustCompile(`^reply of \d+ B exceeds the NATS max payload of 16384 B: reply exceeds the NATS max payload$`).MatchString(we.Message) {
 		t.Fatalf("lookup too_large message %q", we.Message)
 	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", wire.CoordLookup, "outcome", replyTooLarge); got != 1 {
-		t.Fatalf("replies_total{lookup,too_large} = %v, want 1", got)
-	}
+	waitMetric(t, c, 1, "kvtier_coord_replies_total", "op", wire.CoordLookup, "outcome", replyTooLarge)
 	// Without detail the same lookup fits and is answered.
 	lr := call[wire.LookupReply](t, nc, c.subj.Coord(wire.CoordLookup), wire.LookupRequest{Namespace: ns, Chunks: chunks})
 	if lr.Prefix != 64 {
 		t.Fatalf("lookup prefix %d, want 64", lr.Prefix)
 	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", wire.CoordLookup, "outcome", replyOK); got != 1 {
-		t.Fatalf("replies_total{lookup,ok} = %v, want 1", got)
-	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", opEvents, "outcome", replyOK); got != 8 {
-		t.Fatalf("replies_total{events,ok} = %v, want 8", got)
-	}
+	waitMetric(t, c, 1, "kvtier_coord_replies_total", "op", wire.CoordLookup, "outcome", replyOK)
+	waitMetric(t, c, 8, "kvtier_coord_replies_total", "op", opEvents, "outcome", replyOK)
 }
 
 // A reply whose send fails is counted as send_failed (and logged), not
@@ -91,14 +85,20 @@ func TestReplySendFailureCounted(t *testing.T) {
 	if c.replyError("test.op", m, wire.CodeInternal, "boom") {
 		t.Fatal("replyError reported success for a failed send")
 	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", "test.op", "outcome", replySendFailed); got != 2 {
-		t.Fatalf("replies_total{test.op,send_failed} = %v, want 2", got)
-	}
+	waitMetric(t, c, 2, "kvtier_coord_replies_total", "op", "test.op", "outcome", replySendFailed)
 	// No reply subject: counted as no_inbox, nothing sent.
 	if c.reply("test.op", &nats.Msg{Subject: "kvtier.test"}, &wire.EventAck{}) {
 		t.Fatal("reply without an inbox reported success")
 	}
-	if got := metric(t, c, "kvtier_coord_replies_total", "op", "test.op", "outcome", replyNoInbox); got != 1 {
-		t.Fatalf("replies_total{test.op,no_inbox} = %v, want 1", got)
-	}
+	waitMetric(t, c, 1, "kvtier_coord_replies_total", "op", "test.op", "outcome", replyNoInbox)
+}
+
+// waitMetric polls until metric name with labelPairs reaches want: a
+// reply is counted once its send returned, which may be just after the
+// requester has it.
+func waitMetric(t *testing.T, c *Coordinator, want float64, name string, labelPairs ...string) {
+	t.Helper()
+	waitFor(t, 5*time.Second, fmt.Sprintf("%s%v = %v", name, labelPairs, want), func() bool {
+		return metric(t, c, name, labelPairs...) == want
+	})
 }

@@ -35,6 +35,10 @@ import (
 // complete with prefix 0: nothing was promised, so nothing can be missing;
 // the engine recomputes every chunk, as it would after any verdict for the
 // chunks past the prefix. Its id is valid for restore.wait like any other.
+// A restore refused although chunks are stored (a reader rank is not
+// alive: see below) is decided at once as refused, with the reason in the
+// plan and in the verdict; it is recorded and counted as refused, never as
+// complete.
 //
 // # Reader liveness
 //
@@ -198,7 +202,9 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 				c.replyUnsendable(wire.CoordRestoreBegin, m, err)
 				return
 			}
-			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
+			// Refused, never complete (issue 11.4): nothing was restored or
+			// checked, and the reason travels with the verdict.
+			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictRefused, Reason: reason}
 			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 				VerdictLatencyUS: 0})
 			rs.mu.Unlock()
@@ -210,7 +216,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 				}
 			}
 			c.met.notPlanned.WithLabelValues(cause).Inc()
-			c.met.restores.WithLabelValues(wire.VerdictComplete, "readers_not_alive").Inc()
+			c.met.restores.WithLabelValues(wire.VerdictRefused, "readers_not_alive").Inc()
 			c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", id),
 				zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
 				zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", down), zap.String("reason", reason))

@@ -163,6 +163,10 @@ const (
 	VerdictPending  = "pending"
 	VerdictComplete = "complete"
 	VerdictFailed   = "failed"
+	// VerdictRefused: the coordinator planned nothing although chunks are
+	// stored (a reader rank is not alive, ...); Reason says why. Nothing
+	// was restored and nothing was checked: it is never complete.
+	VerdictRefused = "refused"
 )
 
 // RestoreVerdict is the coordinator's final word on a restore (C5).
@@ -172,12 +176,27 @@ type RestoreVerdict struct {
 	Prefix    int      `json:"prefix"`
 	Failed    []int    `json:"failed,omitempty"` // chunk indexes, sorted
 	Reasons   []string `json:"reasons,omitempty"`
+	// Reason says why a refused restore was refused; empty otherwise.
+	Reason string `json:"reason,omitempty"`
 }
 
-// Validate checks a verdict is self-consistent: complete has no failures.
+// Validate checks a verdict is self-consistent: complete has no failures;
+// refused has prefix 0, a reason and no failed chunks.
 func (v *RestoreVerdict) Validate() error {
+	switch v.State {
+	case VerdictPending, VerdictComplete, VerdictFailed, VerdictRefused:
+	default:
+		return fmt.Errorf("verdict %s has state %q, want pending, complete, failed or refused: %w", v.RestoreID, v.State, ErrMalformed)
+	}
 	if v.State == VerdictComplete && len(v.Failed) > 0 {
 		return fmt.Errorf("verdict %s complete with %d failed chunks: %w", v.RestoreID, len(v.Failed), ErrMalformed)
+	}
+	if v.State == VerdictRefused && (v.Prefix != 0 || v.Reason == "" || len(v.Failed) > 0) {
+		return fmt.Errorf("verdict %s refused with prefix %d, %d failed chunks and reason %q; want prefix 0, none and a reason: %w",
+			v.RestoreID, v.Prefix, len(v.Failed), v.Reason, ErrMalformed)
+	}
+	if v.State != VerdictRefused && v.Reason != "" {
+		return fmt.Errorf("verdict %s is %s with a refusal reason %q: %w", v.RestoreID, v.State, v.Reason, ErrMalformed)
 	}
 	return nil
 }
