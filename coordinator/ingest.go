@@ -62,6 +62,11 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
+	if err := checkBatchSums(&b); err != nil {
+		c.badRequest(m, opEvents, err)
+		c.met.batches.WithLabelValues("bad_request").Inc()
+		return
+	}
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
 	// and be acknowledged; Shutdown closes the index only after this.
@@ -221,6 +226,12 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
 	}
+	for i := range inv.Objects {
+		if ob := &inv.Objects[i]; ob.Sum == 0 {
+			return false, fmt.Errorf("inventory of %s incarnation %d: object %d (%s, %s) has sum 0: every stored object has a nonzero kvsum64: %w",
+				r, inv.Incarnation, i, ob.Key, ob.Tier, wire.ErrMalformed)
+		}
+	}
 	fg := c.fences.gate(r)
 	fg.mu.Lock()
 	prev, known := c.rankIncarnation(r)
@@ -253,6 +264,19 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 		// stale_inventory: events raced past the inventory; ask again.
 		return false, fmt.Errorf("inventory at seq %d behind applied seq %d (%s)", inv.Seq, out.LastSeq, out.Reason)
 	}
+}
+
+// checkBatchSums refuses a batch with a Stored event of sum 0 (issue
+// 11.8): 0 is what an unset sum looks like, and a restore could never
+// check the bytes against it.
+func checkBatchSums(b *wire.Batch) error {
+	for i := range b.Events {
+		if e := &b.Events[i]; e.Kind == wire.Stored && e.Sum == 0 {
+			return fmt.Errorf("batch from %s incarnation %d: event %d (seq %d) stores %s in %s with sum 0: every stored object has a nonzero kvsum64: %w",
+				b.Rank, b.Incarnation, i, e.Seq, e.Key, e.Tier, wire.ErrMalformed)
+		}
+	}
+	return nil
 }
 
 // errFencedSince: an inventory was requested before the rank's latest

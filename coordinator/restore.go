@@ -172,6 +172,23 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		return
 	}
 	c.met.restoreBegins.Inc()
+	// No rank is handed a sum it cannot check (issue 11.8): the prefix
+	// ends before a chunk with a recorded sum of 0 (only an index written
+	// before ingest refused such events holds one).
+	zeroCut := ""
+scan:
+	for i := range res.Prefix {
+		for j := range res.Expectations {
+			if res.Source(i, j).Sum == 0 {
+				zeroCut = fmt.Sprintf("prefix cut at chunk %d: its object of shard %d group %d is recorded with sum 0, which cannot be checked",
+					i, res.Expectations[j].Shard, res.Expectations[j].Group)
+				c.log.Warn("placement with sum 0 in the index; restore prefix cut", zap.Stringer("namespace", req.Namespace),
+					zap.Int("chunk", i), zap.Int("stored_prefix", res.Prefix))
+				res.Prefix = i
+				break scan
+			}
+		}
+	}
 
 	rs.mu.Lock()
 	if rs.closed {
@@ -189,7 +206,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	}
 	rs.seq++
 	id := rs.boot + "-" + strconv.FormatUint(rs.seq, 10)
-	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem)}
+	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
 	var readers []readerStatus
 	if res.Prefix > 0 {
 		// Under rs.mu: see "Reader liveness".

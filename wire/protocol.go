@@ -119,7 +119,7 @@ type ItemResult struct {
 	Chunk  int    `json:"chunk"`
 	Group  int    `json:"group"`
 	OK     bool   `json:"ok"`
-	Sum    uint64 `json:"sum,omitempty"`    // kvsum64 of the bytes the scatter stored (not read back)
+	Sum    uint64 `json:"sum"`              // kvsum64 of the bytes the scatter stored (not read back); never 0 when OK
 	Reason string `json:"reason,omitempty"` // missing | corrupt | timeout | device | ...
 }
 
@@ -141,8 +141,9 @@ type RestorePlan struct {
 	RestoreID string                    `json:"restore_id"`
 	Prefix    int                       `json:"prefix"` // chunks [0, Prefix) are planned
 	Ranks     map[string][]RetrieveItem `json:"ranks"`  // by Rank.String(); Blocks left empty
-	// Reason, when set, says why nothing was planned (Prefix 0) although
-	// chunks are stored: a reader rank is not alive.
+	// Reason, when set, says why less was planned than is stored: nothing
+	// (Prefix 0) because a reader rank is not alive, or a prefix cut short
+	// before a chunk whose recorded sum is 0 (it could not be checked).
 	Reason string `json:"reason,omitempty"`
 }
 
