@@ -106,6 +106,13 @@ type Config struct {
 	// rank's next batch starts a new one. Default 10.
 	ResyncAttempts int
 
+	// IndexMaxFileBytes caps the bbolt index file, in bytes
+	// (index.Config.MaxFileBytes): a commit that would grow it further
+	// fails, the index refuses writes until the coordinator restarts with
+	// more room, and /healthz reports 503. Default 0: no cap (the disk is
+	// the cap). A cap turns a full disk into a clear, early failure.
+	IndexMaxFileBytes int
+
 	// Logger receives lifecycle and fault logs. Default zap.NewNop().
 	Logger *zap.Logger
 	// Registry gets every metric of this coordinator and its cluster member
@@ -207,6 +214,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ResyncAttempts < 1 {
 		return fmt.Errorf("resync attempts %d must be >= 1: %w", c.ResyncAttempts, ErrConfig)
+	}
+	if c.IndexMaxFileBytes < 0 {
+		return fmt.Errorf("index max file bytes %d must be >= 0 (0: no cap): %w", c.IndexMaxFileBytes, ErrConfig)
 	}
 	if c.Logger == nil {
 		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)

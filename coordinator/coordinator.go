@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -71,6 +72,8 @@ type Coordinator struct {
 	resyncing map[wire.Rank]bool
 
 	hb heartbeats
+
+	fences fenceGates // per-rank fence epochs: see fence.go
 
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
@@ -227,6 +230,7 @@ func (c *Coordinator) openIndex() error {
 	icfg.Path = filepath.Join(c.cfg.DataDir, IndexFile)
 	icfg.Logger = c.cfg.Logger
 	icfg.Registerer = c.reg
+	icfg.MaxFileBytes = c.cfg.IndexMaxFileBytes
 	t0 := time.Now()
 	idx, err := index.Open(icfg)
 	if err != nil {
@@ -401,19 +405,88 @@ func (c *Coordinator) natsError(_ *nats.Conn, sub *nats.Subscription, err error)
 	c.log.Error("NATS error; requests may have been dropped", zap.String("subject", subject), zap.Error(err))
 }
 
-// healthz answers 200 while the coordinator serves, 503 otherwise.
-func (c *Coordinator) healthz(w http.ResponseWriter, _ *http.Request) {
+// Health is what /healthz reports: one word or line per dependency, and
+// Status "ok" only when every one of them is well.
+type Health struct {
+	Status string `json:"status"` // "ok" or "unavailable"
+	// Serving: "serving", or "starting", "shut down".
+	Serving string `json:"serving"`
+	// Index: "ok", or "failed: <the commit error>" once the index refuses
+	// writes for good (every batch gets code internal until a restart).
+	Index string `json:"index"`
+	// NATS: "connected", or the connection's state.
+	NATS string `json:"nats"`
+	// Cluster: "alive" while this coordinator's memberlist member is alive
+	// (it gossips, sees deaths and fences), or its state.
+	Cluster string `json:"cluster"`
+}
+
+// Health checks the coordinator's dependencies (issue 11.6).
+func (c *Coordinator) Health() Health {
+	h := Health{Serving: "serving", Index: "ok", NATS: "connected", Cluster: "alive"}
 	c.lifeMu.Lock()
-	ok := c.started && !c.closed
+	started, closed := c.started, c.closed
 	c.lifeMu.Unlock()
-	if ok && c.nc != nil && !c.nc.IsConnected() {
-		ok = false
+	ok := true
+	switch {
+	case closed:
+		h.Serving, ok = "shut down", false
+	case !started:
+		h.Serving, ok = "starting", false
 	}
+	switch {
+	case c.idx == nil:
+		h.Index, ok = "not open", false
+	case c.idx.Failed() != nil:
+		h.Index, ok = "failed: "+c.idx.Failed().Error(), false
+	}
+	switch {
+	case c.nc == nil:
+		h.NATS, ok = "not connected", false
+	case !c.nc.IsConnected():
+		h.NATS, ok = natsStatus(c.nc.Status()), false
+	}
+	switch {
+	case c.member == nil:
+		h.Cluster, ok = "not joined", false
+	default:
+		if st := c.member.LocalMember().State; st != cluster.StateAlive {
+			h.Cluster, ok = st.String(), false
+		}
+	}
+	h.Status = "ok"
 	if !ok {
-		http.Error(w, "unavailable", http.StatusServiceUnavailable)
-		return
+		h.Status = "unavailable"
 	}
-	_, _ = w.Write([]byte("ok\n"))
+	return h
+}
+
+func natsStatus(s nats.Status) string {
+	switch s {
+	case nats.DISCONNECTED:
+		return "disconnected"
+	case nats.RECONNECTING:
+		return "reconnecting"
+	case nats.CLOSED:
+		return "closed"
+	case nats.DRAINING_SUBS, nats.DRAINING_PUBS:
+		return "draining"
+	case nats.CONNECTING:
+		return "connecting"
+	}
+	return fmt.Sprintf("status %d", s)
+}
+
+// healthz answers 200 with Health as JSON while every dependency is well,
+// 503 with the same body otherwise.
+func (c *Coordinator) healthz(w http.ResponseWriter, _ *http.Request) {
+	h := c.Health()
+	body, _ := json.Marshal(h)
+	w.Header().Set("Content-Type", "application/json")
+	if h.Status != "ok" {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	_, _ = w.Write(append(body, '\n'))
 }
 
 // Run starts the coordinator unless it is started, serves until ctx ends,

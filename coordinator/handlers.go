@@ -39,19 +39,19 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 	case errors.Is(err, dcp.ErrGeometry), errors.Is(err, dcp.ErrLayout):
 		c.met.badRequests.WithLabelValues("ns.register").Inc()
 		c.log.Warn("namespace spec rejected", zap.String("model", spec.Model), zap.Error(err))
-		_ = bus.RespondError(m, wire.CodeGeometry, err.Error())
+		c.replyError(wire.CoordRegister, m, wire.CodeGeometry, err.Error())
 		return
 	case errors.Is(err, index.ErrInvalid), errors.Is(err, index.ErrNamespaceConflict):
 		c.badRequest(m, "ns.register", err)
 		return
 	case errors.Is(err, index.ErrClosed), errors.Is(err, context.Canceled):
-		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		c.replyError(wire.CoordRegister, m, wire.CodeUnavailable, "coordinator shutting down")
 		return
 	default:
-		c.internalError(m, "register namespace", err, zap.String("model", spec.Model))
+		c.internalError(m, wire.CoordRegister, "register namespace", err, zap.String("model", spec.Model))
 		return
 	}
-	_ = bus.Respond(m, &wire.RegisterReply{Namespace: res.Namespace})
+	c.reply(wire.CoordRegister, m, &wire.RegisterReply{Namespace: res.Namespace})
 }
 
 // lookup runs the index lookup for instance, or, with no instance, for the
@@ -125,7 +125,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
 			c.met.badRequests.WithLabelValues("lookup").Inc()
-			_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+			c.replyError(wire.CoordLookup, m, wire.CodeTooLarge, err.Error())
 			return
 		}
 		c.lookupError(m, "lookup", req.Namespace, err)
@@ -150,7 +150,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 			}
 		}
 	}
-	_ = bus.Respond(m, rep)
+	c.reply(wire.CoordLookup, m, rep)
 }
 
 // handleMembers answers admin.members.
@@ -167,7 +167,7 @@ func (c *Coordinator) handleMembers(m *nats.Msg) {
 		}
 		rep.Members = append(rep.Members, am)
 	}
-	_ = bus.Respond(m, rep)
+	c.reply(wire.AdminMembers, m, rep)
 }
 
 // handleRanks answers admin.ranks: the index's ranks joined with the
@@ -229,7 +229,7 @@ func (c *Coordinator) handleRanks(m *nats.Msg) {
 		}
 		return a.Rank.TPRank - b.Rank.TPRank
 	})
-	_ = bus.Respond(m, rep)
+	c.reply(wire.AdminRanks, m, rep)
 }
 
 // rankIncarnation returns the index's current incarnation of rank r.
@@ -252,7 +252,7 @@ func (c *Coordinator) handleObject(m *nats.Msg) {
 			c.badRequest(m, wire.AdminObject, err)
 			return
 		}
-		_ = bus.Respond(m, &wire.AdminObjectReply{Prefix: -1, Objects: []wire.ObjectInfo{c.objectInfo(-1, k)}})
+		c.reply(wire.AdminObject, m, &wire.AdminObjectReply{Prefix: -1, Objects: []wire.ObjectInfo{c.objectInfo(-1, k)}})
 		return
 	}
 	if len(req.Chunks) == 0 {
@@ -262,7 +262,7 @@ func (c *Coordinator) handleObject(m *nats.Msg) {
 	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
-			_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+			c.replyError(wire.AdminObject, m, wire.CodeTooLarge, err.Error())
 			return
 		}
 		c.lookupError(m, wire.AdminObject, req.Namespace, err)
@@ -279,7 +279,7 @@ func (c *Coordinator) handleObject(m *nats.Msg) {
 			rep.Objects = append(rep.Objects, c.objectInfo(i, k))
 		}
 	}
-	_ = bus.Respond(m, rep)
+	c.reply(wire.AdminObject, m, rep)
 }
 
 func (c *Coordinator) objectInfo(chunk int, k dcp.Key) wire.ObjectInfo {
@@ -307,7 +307,7 @@ func (c *Coordinator) handleNamespaces(m *nats.Msg) {
 		}
 		rep.Namespaces = append(rep.Namespaces, an)
 	}
-	_ = bus.Respond(m, rep)
+	c.reply(wire.AdminNamespaces, m, rep)
 }
 
 // handleVerify answers admin.verify: the index re-derives its state from
@@ -321,10 +321,10 @@ func (c *Coordinator) handleVerify(m *nats.Msg) {
 	rep, err := c.idx.Verify(ctx)
 	if err != nil && !errors.Is(err, index.ErrInconsistent) {
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
-			_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+			c.replyError(wire.AdminVerify, m, wire.CodeUnavailable, "coordinator shutting down")
 			return
 		}
-		c.internalError(m, "verify index", err)
+		c.internalError(m, wire.AdminVerify, "verify index", err)
 		return
 	}
 	if !rep.OK() {
@@ -334,7 +334,7 @@ func (c *Coordinator) handleVerify(m *nats.Msg) {
 	} else {
 		c.log.Info("index verified on request", zap.Int64("placements", rep.Placements))
 	}
-	_ = bus.Respond(m, &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
+	c.reply(wire.AdminVerify, m, &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
 		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems})
 }
 

@@ -14,6 +14,9 @@ import (
 	"go.uber.org/zap"
 )
 
+// opEvents is the operation label of event batch replies.
+const opEvents = "events"
+
 // Event ingest: every message on <p>.events.> is a binary wire.Batch sent
 // as a request. It is applied through the index, which commits it before
 // Apply returns, and only then acknowledged with a wire.EventAck (C7).
@@ -27,7 +30,7 @@ func (c *Coordinator) dispatchBatch(m *nats.Msg) {
 	c.ingestMu.RLock()
 	defer c.ingestMu.RUnlock()
 	if c.ingestClosed {
-		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		c.replyError(opEvents, m, wire.CodeUnavailable, "coordinator shutting down")
 		return
 	}
 	c.ingest[h.Sum32()%uint32(len(c.ingest))] <- m
@@ -44,18 +47,23 @@ func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
 func (c *Coordinator) handleBatch(m *nats.Msg) {
 	var b wire.Batch
 	if err := b.UnmarshalBinary(m.Data); err != nil {
-		c.badRequest(m, "events", err)
+		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
 	if err := wire.ValidInstance(b.Rank.Instance); err != nil {
-		c.badRequest(m, "events", err)
+		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
 	if want := c.subj.Events(b.Rank); m.Subject != want {
-		c.badRequest(m, "events", fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
+		c.badRequest(m, opEvents, fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
 			b.Rank, m.Subject, want, wire.ErrMalformed))
+		c.met.batches.WithLabelValues("bad_request").Inc()
+		return
+	}
+	if err := checkBatchSums(&b); err != nil {
+		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
@@ -67,11 +75,11 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		c.met.batches.WithLabelValues("failed").Inc()
 		switch {
 		case errors.Is(err, index.ErrInvalid):
-			c.badRequest(m, "events", err)
+			c.badRequest(m, opEvents, err)
 		case errors.Is(err, index.ErrClosed):
-			_ = bus.RespondError(m, wire.CodeUnavailable, "index closed: coordinator shutting down")
+			c.replyError(opEvents, m, wire.CodeUnavailable, "index closed: coordinator shutting down")
 		default:
-			c.internalError(m, "apply event batch", err, zap.Stringer("rank", b.Rank),
+			c.internalError(m, opEvents, "apply event batch", err, zap.Stringer("rank", b.Rank),
 				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", len(b.Events)))
 		}
 		return
@@ -117,9 +125,7 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		// AppliedThrough is meaningless to a superseded incarnation.
 		ack.AppliedThrough = 0
 	}
-	if err := bus.Respond(m, &ack); err != nil {
-		c.log.Warn("acknowledge batch", zap.Stringer("rank", b.Rank), zap.Error(err))
-	}
+	c.reply(opEvents, m, &ack)
 }
 
 // startResync starts the resync worker of rank r unless one is running.
@@ -181,6 +187,10 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 		c.met.resyncAttempts.Inc()
 		done, err := c.resyncOnce(r)
 		if done {
+			if errors.Is(err, errFencedSince) {
+				log.Warn("inventory dropped: the rank was fenced after it was requested", zap.Error(err))
+				return
+			}
 			if err != nil {
 				c.met.resyncs.WithLabelValues("failed").Inc()
 				log.Warn("resync ended without applying the inventory", zap.Error(err))
@@ -207,6 +217,8 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	// The inventory comes in pages of one snapshot (wire.InventoryRequest);
 	// ResyncTimeout bounds each page. Any failed page fails the attempt.
+	// The fence epoch is taken before the request: see fence.go.
+	epoch := c.fences.epoch(r)
 	inv, err := bus.FetchInventory(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout)
 	if err != nil {
 		return false, err
@@ -214,8 +226,26 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
 	}
+	for i := range inv.Objects {
+		if ob := &inv.Objects[i]; ob.Sum == 0 {
+			return false, fmt.Errorf("inventory of %s incarnation %d: object %d (%s, %s) has sum 0: every stored object has a nonzero kvsum64: %w",
+				r, inv.Incarnation, i, ob.Key, ob.Tier, wire.ErrMalformed)
+		}
+	}
+	fg := c.fences.gate(r)
+	fg.mu.Lock()
 	prev, known := c.rankIncarnation(r)
+	if fg.epoch != epoch && known && inv.Incarnation <= prev {
+		now := fg.epoch
+		fg.mu.Unlock()
+		c.met.resyncs.WithLabelValues("fenced").Inc()
+		// Done: the rank's next batch (refused as fenced) or its rejoin
+		// starts a resync under the new epoch.
+		return true, fmt.Errorf("inventory of incarnation %d requested at fence epoch %d, rank fenced since (epoch %d): %w",
+			inv.Incarnation, epoch, now, errFencedSince)
+	}
 	out, err := c.idx.ApplyInventory(c.ctx, *inv)
+	fg.mu.Unlock()
 	if err != nil {
 		return errors.Is(err, index.ErrClosed), err
 	}
@@ -236,22 +266,39 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	}
 }
 
+// checkBatchSums refuses a batch with a Stored event of sum 0 (issue
+// 11.8): 0 is what an unset sum looks like, and a restore could never
+// check the bytes against it.
+func checkBatchSums(b *wire.Batch) error {
+	for i := range b.Events {
+		if e := &b.Events[i]; e.Kind == wire.Stored && e.Sum == 0 {
+			return fmt.Errorf("batch from %s incarnation %d: event %d (seq %d) stores %s in %s with sum 0: every stored object has a nonzero kvsum64: %w",
+				b.Rank, b.Incarnation, i, e.Seq, e.Key, e.Tier, wire.ErrMalformed)
+		}
+	}
+	return nil
+}
+
+// errFencedSince: an inventory was requested before the rank's latest
+// fence and is not applied.
+var errFencedSince = errors.New("rank fenced after the inventory was requested")
+
 // badRequest answers a malformed or invalid request with code bad_request,
 // counts and logs it.
 func (c *Coordinator) badRequest(m *nats.Msg, op string, err error) {
 	c.met.badRequests.WithLabelValues(op).Inc()
 	c.log.Warn("bad request", zap.String("op", op), zap.String("subject", m.Subject), zap.Error(err))
 	if m.Reply != "" {
-		_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+		c.replyError(op, m, wire.CodeBadRequest, err.Error())
 	}
 }
 
 // internalError answers with code internal, counts and logs at Error: the
 // request's work is lost.
-func (c *Coordinator) internalError(m *nats.Msg, what string, err error, fields ...zap.Field) {
+func (c *Coordinator) internalError(m *nats.Msg, op, what string, err error, fields ...zap.Field) {
 	c.met.internal.Inc()
-	c.log.Error(what+" failed", append(fields, zap.String("subject", m.Subject), zap.Error(err))...)
+	c.log.Error(what+" failed", append(fields, zap.String("op", op), zap.String("subject", m.Subject), zap.Error(err))...)
 	if m.Reply != "" {
-		_ = bus.RespondError(m, wire.CodeInternal, what+": "+err.Error())
+		c.replyError(op, m, wire.CodeInternal, what+": "+err.Error())
 	}
 }

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"encoding/json"
 	"math"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -265,12 +266,28 @@ func TestRestoreBeginWithDeadReader(t *testing.T) {
 		t.Fatalf("plan with rank 1 dead = %+v, want prefix 0 and a reason naming eng/1", plan)
 	}
 	t.Logf("plan reason: %s", plan.Reason)
+	// Refused, never complete (issue 11.4): its own state with the reason,
+	// recorded and counted as such.
 	v := call[wire.RestoreVerdict](t, f.nc, f.c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID})
-	if v.State != wire.VerdictComplete || v.Prefix != 0 {
-		t.Fatalf("verdict of the unplanned restore = %+v", v)
+	want := wire.RestoreVerdict{RestoreID: plan.RestoreID, State: "refused", Prefix: 0, Reason: plan.Reason}
+	if !reflect.DeepEqual(*v, want) {
+		t.Fatalf("verdict of the unplanned restore = %+v, want %+v", *v, want)
+	}
+	if err := v.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	hist := call[wire.AdminRestoresReply](t, f.nc, f.c.subj.Admin(wire.AdminRestores), struct{}{})
+	if len(hist.Restores) != 1 || !reflect.DeepEqual(hist.Restores[0].RestoreVerdict, want) {
+		t.Fatalf("history = %+v, want one entry %+v", hist.Restores, want)
 	}
 	if got := metric(t, f.c, "kvtier_coord_restores_not_planned_total", "cause", causeDead); got != 1 {
 		t.Errorf("not planned (dead) = %v", got)
+	}
+	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", "refused", "cause", "readers_not_alive"); got != 1 {
+		t.Errorf("restores_total{refused,readers_not_alive} = %v, want 1", got)
+	}
+	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete); got != 0 {
+		t.Errorf("restores_total{complete} = %v, want 0", got)
 	}
 	// The plan reply stays backward compatible: no reason key when empty.
 	if b, _ := jsonOf(wire.RestorePlan{RestoreID: "x"}); strings.Contains(b, "reason") {

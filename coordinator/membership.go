@@ -80,19 +80,42 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 		return
 	}
 	r := memberRank(m)
-	// Restores that expect a newer incarnation are left alone by failRank.
-	c.rs.failRank(r, m.Meta.Incarnation, cause, fmt.Sprintf("rank %s %s", r, cause))
+	// Only restores that expect this very incarnation: one that expects
+	// another is not read by the member that died.
+	c.rs.failRankRange(r, m.Meta.Incarnation, m.Meta.Incarnation, cause, fmt.Sprintf("rank %s %s", r, cause))
 	log := c.log.With(zap.Stringer("rank", r), zap.String("member", m.ID), zap.String("cause", cause),
 		zap.Uint64("incarnation", m.Meta.Incarnation))
-	if inc, ok := c.rankIncarnation(r); ok && inc > m.Meta.Incarnation {
+	// Only the incarnation the index knows is fenced (issue 10.3): a notice
+	// for an older one is stale; one for a newer incarnation that never
+	// reported is unverified (a forged or confused member claiming the
+	// rank). A real restart's new incarnation fences the old one with its
+	// first batch, and reader liveness refuses restores from a rank whose
+	// newest member is dead meanwhile.
+	fg := c.fences.gate(r)
+	fg.mu.Lock()
+	defer fg.mu.Unlock()
+	inc, ok := c.rankIncarnation(r)
+	switch {
+	case !ok:
+		log.Debug("rank member gone; the index does not know the rank")
+		return
+	case inc > m.Meta.Incarnation:
 		c.met.fenceSkips.Inc()
 		log.Info("rank member gone, but a newer incarnation already reports; not fencing",
+			zap.Uint64("current_incarnation", inc))
+		return
+	case inc < m.Meta.Incarnation:
+		c.met.fenceSkips.Inc()
+		log.Warn("death notice for an incarnation that never reported; not fencing the one the index knows",
 			zap.Uint64("current_incarnation", inc))
 		return
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
 	n, err := c.idx.FenceRank(ctx, r, m.Meta.Incarnation)
+	if err == nil {
+		fg.epoch++
+	}
 	if err != nil {
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
 			log.Warn("rank not fenced: coordinator stopping", zap.Error(err))
@@ -165,7 +188,13 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		c.rs.failRank(ri.Rank, ri.Incarnation, "startup",
 			fmt.Sprintf("rank %s not in the cluster after the startup grace", ri.Rank))
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+		fg := c.fences.gate(ri.Rank)
+		fg.mu.Lock()
 		n, err := c.idx.FenceRank(ctx, ri.Rank, ri.Incarnation)
+		if err == nil {
+			fg.epoch++
+		}
+		fg.mu.Unlock()
 		cancel()
 		if err != nil {
 			if c.ctx.Err() == nil {

@@ -24,7 +24,7 @@ type metrics struct {
 
 	lookups        *prometheus.CounterVec // by outcome: hit | partial | miss
 	lookupSeconds  prometheus.Histogram
-	restores       *prometheus.CounterVec // by outcome: complete | failed
+	restores       *prometheus.CounterVec // by outcome: complete | failed | refused
 	restoreBegins  prometheus.Counter
 	verdictSeconds prometheus.Histogram   // last report -> verdict
 	reports        *prometheus.CounterVec // by outcome: ok | duplicate | rejected
@@ -32,6 +32,7 @@ type metrics struct {
 	rankFailures   *prometheus.CounterVec // restores failed early, by cause: dead | left | superseded | startup
 	active         prometheus.Gauge
 	internal       prometheus.Counter
+	replies        *prometheus.CounterVec // by op and outcome: ok | error | too_large | send_failed | no_inbox
 }
 
 func newMetrics() *metrics {
@@ -102,7 +103,7 @@ func newMetrics() *metrics {
 		}),
 		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_total",
-			Help: "Restores decided, by outcome (complete, failed) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
+			Help: "Restores decided, by outcome (complete, failed, refused) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
 		}, []string{"outcome", "cause"}),
 		notPlanned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_not_planned_total",
@@ -133,6 +134,10 @@ func newMetrics() *metrics {
 			Name: "kvtier_coord_internal_errors_total",
 			Help: "Requests that failed on an internal or I/O error.",
 		}),
+		replies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_replies_total",
+			Help: "Replies, by operation and outcome (ok, error, too_large: the answer exceeded the NATS max payload and was refused, send_failed: the send failed and the requester got nothing, no_inbox: the request had no reply subject).",
+		}, []string{"op", "outcome"}),
 	}
 }
 
@@ -141,7 +146,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
-		m.active, m.internal,
+		m.active, m.internal, m.replies,
 	}
 }
 

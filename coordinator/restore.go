@@ -35,6 +35,10 @@ import (
 // complete with prefix 0: nothing was promised, so nothing can be missing;
 // the engine recomputes every chunk, as it would after any verdict for the
 // chunks past the prefix. Its id is valid for restore.wait like any other.
+// A restore refused although chunks are stored (a reader rank is not
+// alive: see below) is decided at once as refused, with the reason in the
+// plan and in the verdict; it is recorded and counted as refused, never as
+// complete.
 //
 // # Reader liveness
 //
@@ -168,11 +172,28 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		return
 	}
 	c.met.restoreBegins.Inc()
+	// No rank is handed a sum it cannot check (issue 11.8): the prefix
+	// ends before a chunk with a recorded sum of 0 (only an index written
+	// before ingest refused such events holds one).
+	zeroCut := ""
+scan:
+	for i := range res.Prefix {
+		for j := range res.Expectations {
+			if res.Source(i, j).Sum == 0 {
+				zeroCut = fmt.Sprintf("prefix cut at chunk %d: its object of shard %d group %d is recorded with sum 0, which cannot be checked",
+					i, res.Expectations[j].Shard, res.Expectations[j].Group)
+				c.log.Warn("placement with sum 0 in the index; restore prefix cut", zap.Stringer("namespace", req.Namespace),
+					zap.Int("chunk", i), zap.Int("stored_prefix", res.Prefix))
+				res.Prefix = i
+				break scan
+			}
+		}
+	}
 
 	rs.mu.Lock()
 	if rs.closed {
 		rs.mu.Unlock()
-		_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, "coordinator shutting down")
 		return
 	}
 	if len(rs.active) >= c.cfg.MaxActiveRestores {
@@ -180,19 +201,27 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		rs.mu.Unlock()
 		c.met.internal.Inc()
 		c.log.Warn("restore refused: too many active restores", zap.Int("active", n))
-		_ = bus.RespondError(m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
 		return
 	}
 	rs.seq++
 	id := rs.boot + "-" + strconv.FormatUint(rs.seq, 10)
-	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem)}
+	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
 	var readers []readerStatus
 	if res.Prefix > 0 {
 		// Under rs.mu: see "Reader liveness".
 		readers = c.readerStatuses(res.Instance, res.Expectations)
 		if down, reason := notAlive(res.Instance, readers); reason != "" {
 			plan.Prefix, plan.Reason = 0, reason
-			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
+			data, err := c.encodeReply(plan)
+			if err != nil {
+				rs.mu.Unlock()
+				c.replyUnsendable(wire.CoordRestoreBegin, m, err)
+				return
+			}
+			// Refused, never complete (issue 11.4): nothing was restored or
+			// checked, and the reason travels with the verdict.
+			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictRefused, Reason: reason}
 			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 				VerdictLatencyUS: 0})
 			rs.mu.Unlock()
@@ -204,15 +233,21 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 				}
 			}
 			c.met.notPlanned.WithLabelValues(cause).Inc()
-			c.met.restores.WithLabelValues(wire.VerdictComplete, "readers_not_alive").Inc()
+			c.met.restores.WithLabelValues(wire.VerdictRefused, "readers_not_alive").Inc()
 			c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", id),
 				zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
 				zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", down), zap.String("reason", reason))
-			_ = bus.Respond(m, plan)
+			c.sendEncoded(wire.CoordRestoreBegin, m, data)
 			return
 		}
 	}
 	if plan.Prefix == 0 {
+		data, err := c.encodeReply(plan)
+		if err != nil {
+			rs.mu.Unlock()
+			c.replyUnsendable(wire.CoordRestoreBegin, m, err)
+			return
+		}
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
 		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
 			VerdictLatencyUS: 0})
@@ -220,13 +255,13 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
 		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", id),
 			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
-		_ = bus.Respond(m, plan)
+		c.sendEncoded(wire.CoordRestoreBegin, m, data)
 		return
 	}
 	r, err := index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(&res, res.Prefix), now.Add(deadline))
 	if err != nil {
 		rs.mu.Unlock()
-		c.internalError(m, "start restore", err, zap.String("restore", id))
+		c.internalError(m, wire.CoordRestoreBegin, "start restore", err, zap.String("restore", id))
 		return
 	}
 	byTP := make(map[int]*restoreReader, len(readers))
@@ -247,6 +282,15 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			rd.slots = append(rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
 		}
 	}
+	// The plan must fit in one reply before the restore exists: a plan that
+	// cannot be sent would leave a restore nobody executes (C8).
+	data, err := c.encodeReply(plan)
+	if err != nil {
+		rs.mu.Unlock()
+		c.replyUnsendable(wire.CoordRestoreBegin, m, fmt.Errorf("restore plan of %d chunks for %d ranks: %w",
+			res.Prefix, len(plan.Ranks), err))
+		return
+	}
 	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now, readers: byTP}
 	rs.active[id] = a
 	heap.Push(&rs.byDL, a)
@@ -262,7 +306,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	c.log.Debug("restore begun", zap.String("restore", id), zap.Stringer("namespace", req.Namespace),
 		zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
 		zap.Int("ranks", len(plan.Ranks)), zap.Duration("deadline", deadline))
-	_ = bus.Respond(m, plan)
+	c.sendEncoded(wire.CoordRestoreBegin, m, data)
 }
 
 // handleReport feeds one rank's report to the state machine; when that
@@ -286,12 +330,12 @@ func (rs *restores) handleReport(m *nats.Msg) {
 			c.met.reports.WithLabelValues("late").Inc()
 			c.log.Info("report after the verdict ignored", zap.String("restore", rep.RestoreID),
 				zap.Stringer("rank", rep.Rank), zap.String("state", d.State))
-			_ = bus.Respond(m, &wire.ReportAck{State: d.State})
+			c.reply(wire.CoordRestoreReport, m, &wire.ReportAck{State: d.State})
 			return
 		}
 		c.met.reports.WithLabelValues("rejected").Inc()
 		c.log.Warn("report for an unknown restore", zap.String("restore", rep.RestoreID), zap.Stringer("rank", rep.Rank))
-		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", rep.RestoreID))
+		c.replyError(wire.CoordRestoreReport, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", rep.RestoreID))
 		return
 	}
 	if rep.Rank.Instance != a.instance {
@@ -331,7 +375,7 @@ func (rs *restores) handleReport(m *nats.Msg) {
 	default:
 		c.met.reports.WithLabelValues("ok").Inc()
 	}
-	_ = bus.Respond(m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
+	c.reply(wire.CoordRestoreReport, m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
 }
 
 // handleWait parks the waiter until the verdict is final, or answers at
@@ -347,7 +391,7 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	if a := rs.active[req.RestoreID]; a != nil {
 		if rs.closed {
 			rs.mu.Unlock()
-			_ = bus.RespondError(m, wire.CodeUnavailable, "coordinator shutting down")
+			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "coordinator shutting down")
 			return
 		}
 		a.waiters = append(a.waiters, m)
@@ -357,11 +401,11 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	d := rs.decided[req.RestoreID]
 	rs.mu.Unlock()
 	if d == nil {
-		_ = bus.RespondError(m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
+		c.replyError(wire.CoordRestoreWait, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
 		return
 	}
 	v := d.RestoreVerdict
-	_ = bus.Respond(m, &v)
+	c.reply(wire.CoordRestoreWait, m, &v)
 }
 
 // finished is a verdict to deliver outside the lock.
@@ -403,7 +447,7 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 func (f *finished) deliver(c *Coordinator) {
 	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
 	for _, w := range f.waiters {
-		_ = bus.Respond(w, &f.verdict)
+		c.reply(wire.CoordRestoreWait, w, &f.verdict)
 	}
 	now := time.Now()
 	var lat time.Duration
@@ -477,6 +521,13 @@ func (rs *restores) deadlineLoop() {
 // pending. Called when the coordinator fences r: death, leave, new
 // incarnation, startup fence (see "Failing early").
 func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int {
+	return rs.failRankRange(r, 0, upTo, cause, reason)
+}
+
+// failRankRange is failRank for the restores that expect r at an
+// incarnation in from..upTo. A death notice fails only the restores that
+// expect the incarnation it names.
+func (rs *restores) failRankRange(r wire.Rank, from, upTo uint64, cause, reason string) int {
 	c := rs.c
 	now := time.Now()
 	var fins []*finished
@@ -487,7 +538,7 @@ func (rs *restores) failRank(r wire.Rank, upTo uint64, cause, reason string) int
 			continue
 		}
 		rd := a.readers[r.TPRank]
-		if rd == nil || rd.inc > upTo {
+		if rd == nil || rd.inc > upTo || rd.inc < from {
 			continue
 		}
 		results := make([]wire.ItemResult, len(rd.slots))
@@ -557,7 +608,7 @@ func (rs *restores) close() {
 	}
 	rs.mu.Unlock()
 	for _, w := range ws {
-		_ = bus.RespondError(w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
+		rs.c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
 	}
 }
 
@@ -575,23 +626,23 @@ func (rs *restores) handleHistory(m *nats.Msg) {
 		out.Restores = append(out.Restores, *e)
 	}
 	rs.mu.Unlock()
-	_ = bus.Respond(m, out)
+	rs.c.reply(wire.AdminRestores, m, out)
 }
 
 // lookupError answers a failed lookup: unknown namespace, or internal.
 func (c *Coordinator) lookupError(m *nats.Msg, op string, ns dcp.Namespace, err error) {
 	if errors.Is(err, errTooLarge) {
 		c.met.badRequests.WithLabelValues(op).Inc()
-		_ = bus.RespondError(m, wire.CodeTooLarge, err.Error())
+		c.replyError(op, m, wire.CodeTooLarge, err.Error())
 		return
 	}
 	if errors.Is(err, index.ErrUnknownNamespace) {
 		c.met.badRequests.WithLabelValues(op).Inc()
 		c.log.Info("request for an unknown namespace", zap.String("op", op), zap.Stringer("namespace", ns))
-		_ = bus.RespondError(m, wire.CodeUnknownNamespace, fmt.Sprintf("namespace %s is not registered", ns))
+		c.replyError(op, m, wire.CodeUnknownNamespace, fmt.Sprintf("namespace %s is not registered", ns))
 		return
 	}
-	c.internalError(m, op, err)
+	c.internalError(m, op, op, err)
 }
 
 // deadlineHeap orders active restores by deadline.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -71,6 +72,8 @@ type Index struct {
 	logBytes int64  // bytes in the change log
 	nextLog  uint64 // key of the next log record
 	failed   error  // sticky commit failure
+	// sticky mirrors failed for Failed, which any goroutine may call.
+	sticky   atomic.Pointer[error]
 	txns     [2]*txn
 	encs     [2]opEncoder
 	cur      *txn       // the txn being staged, nil if none
@@ -566,7 +569,7 @@ func (ix *Index) land(err error) {
 		ix.cur.detach()
 	}
 	if err != nil {
-		ix.failed = err
+		ix.setFailed(err)
 		ix.log.Error("commit failed; the index refuses writes until reopened",
 			zap.Int("requests", len(f.pending)), zap.Int("events", f.t.events), zap.Error(err))
 		ix.fail(f.pending, err)
@@ -803,10 +806,28 @@ func writeFold(tx *bolt.Tx, f *fold) error {
 	return nil
 }
 
+// setFailed makes err the sticky failure; committer only.
+func (ix *Index) setFailed(err error) {
+	ix.failed = err
+	werr := fmt.Errorf("%w: %w", ErrFailed, err)
+	ix.sticky.Store(&werr)
+}
+
+// Failed returns nil while the index accepts writes, or, once a commit or
+// checkpoint has failed, an error wrapping ErrFailed and the failure: the
+// index refuses every write until it is closed and reopened. Safe for
+// concurrent use; health checks call it.
+func (ix *Index) Failed() error {
+	if p := ix.sticky.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
 // landFold accounts for a fold written by the writer (or by checkpoint).
 func (ix *Index) landFold(f *fold, start time.Time, err error) error {
 	if err != nil {
-		ix.failed = err
+		ix.setFailed(err)
 		ix.log.Error("checkpoint failed; the index refuses writes until reopened", zap.Error(err))
 		return fmt.Errorf("%w: %w", ErrFailed, err)
 	}

@@ -18,7 +18,8 @@ import (
 // time. It fails, with the sorted union of the failed chunks, as soon as
 // every expectation has been reported (or the deadline has passed) and at
 // least one did not confirm: the rank reported a failure, reported a sum
-// other than the recorded one, or had not reported by the deadline. A
+// other than the recorded one or no sum (0), or had not reported by the
+// deadline. A recorded sum of 0 is refused at NewRestore. A
 // verdict, once complete or failed, never changes.
 
 // Expect is one object a restore needs confirmed.
@@ -131,6 +132,10 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 		case e.Shard < 0 || e.Shard > 0xffff || e.Group < 0 || e.Group > 0xffff:
 			return nil, fmt.Errorf("restore %q: expectation %d has shard %d group %d, want 0..65535: %w",
 				id, i, e.Shard, e.Group, ErrRestore)
+		case e.Sum == 0:
+			// 0 is what an unset sum looks like: nothing could confirm it.
+			return nil, fmt.Errorf("restore %q: expectation %d (chunk %d rank %d group %d) has recorded sum 0, which no placed bytes can be checked against: %w",
+				id, i, e.Chunk, e.Rank, e.Group, ErrRestore)
 		}
 		s := restoreSlot{e.Chunk, e.Rank, e.Group}
 		if j, dup := r.slots[s]; dup {
@@ -209,6 +214,10 @@ func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, er
 				reason = "failed"
 			}
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: %s", rank, e.Group, e.Shard, reason))
+		case res.Sum == 0:
+			// A confirmation without a sum confirms nothing (issue 11.8).
+			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: confirmed with sum 0 (no sum computed), recorded %#016x",
+				rank, e.Group, e.Shard, e.Sum))
 		case res.Sum != e.Sum:
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: checksum mismatch: placed %#016x, recorded %#016x",
 				rank, e.Group, e.Shard, res.Sum, e.Sum))

@@ -246,3 +246,29 @@ func TestRestoreVerdictProperty(t *testing.T) {
 		}
 	}
 }
+
+// TestRestoreZeroSum (issue 11.8): a recorded sum of 0 cannot be checked,
+// so a restore expecting it is refused at NewRestore; a rank confirming
+// with sum 0 fails that expectation by name, even if 0 were recorded. On
+// f044f94 both were accepted (a 0 recorded and a 0 reported gave
+// complete).
+func TestRestoreZeroSum(t *testing.T) {
+	exp := []index.Expect{{Chunk: 0, Rank: 0, Shard: 0, Group: 0, Sum: 0}}
+	_, err := index.NewRestore("z", dcp.Namespace{}, chunks(1), exp, t0.Add(time.Second))
+	if !errors.Is(err, index.ErrRestore) || err.Error() != `restore "z": expectation 0 (chunk 0 rank 0 group 0) has recorded sum 0, which no placed bytes can be checked against: invalid restore` {
+		t.Fatalf("NewRestore with a recorded sum of 0: %v", err)
+	}
+	exp[0].Sum = 42
+	r, err := index.NewRestore("z", dcp.Namespace{}, chunks(1), exp, t0.Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := r.Report(0, []wire.ItemResult{{Chunk: 0, Group: 0, OK: true, Sum: 0}})
+	if err != nil || out.Accepted != 1 {
+		t.Fatalf("report: %+v %v", out, err)
+	}
+	v := r.Verdict()
+	if v.State != wire.VerdictFailed || !slices.Equal(v.Reasons, []string{"chunk 0: rank 0 group 0 shard 0: confirmed with sum 0 (no sum computed), recorded 0x000000000000002a"}) {
+		t.Fatalf("verdict %+v", v)
+	}
+}

@@ -119,7 +119,7 @@ type ItemResult struct {
 	Chunk  int    `json:"chunk"`
 	Group  int    `json:"group"`
 	OK     bool   `json:"ok"`
-	Sum    uint64 `json:"sum,omitempty"`    // kvsum64 of the bytes the scatter stored (not read back)
+	Sum    uint64 `json:"sum"`              // kvsum64 of the bytes the scatter stored (not read back); never 0 when OK
 	Reason string `json:"reason,omitempty"` // missing | corrupt | timeout | device | ...
 }
 
@@ -141,8 +141,9 @@ type RestorePlan struct {
 	RestoreID string                    `json:"restore_id"`
 	Prefix    int                       `json:"prefix"` // chunks [0, Prefix) are planned
 	Ranks     map[string][]RetrieveItem `json:"ranks"`  // by Rank.String(); Blocks left empty
-	// Reason, when set, says why nothing was planned (Prefix 0) although
-	// chunks are stored: a reader rank is not alive.
+	// Reason, when set, says why less was planned than is stored: nothing
+	// (Prefix 0) because a reader rank is not alive, or a prefix cut short
+	// before a chunk whose recorded sum is 0 (it could not be checked).
 	Reason string `json:"reason,omitempty"`
 }
 
@@ -163,6 +164,10 @@ const (
 	VerdictPending  = "pending"
 	VerdictComplete = "complete"
 	VerdictFailed   = "failed"
+	// VerdictRefused: the coordinator planned nothing although chunks are
+	// stored (a reader rank is not alive, ...); Reason says why. Nothing
+	// was restored and nothing was checked: it is never complete.
+	VerdictRefused = "refused"
 )
 
 // RestoreVerdict is the coordinator's final word on a restore (C5).
@@ -172,12 +177,27 @@ type RestoreVerdict struct {
 	Prefix    int      `json:"prefix"`
 	Failed    []int    `json:"failed,omitempty"` // chunk indexes, sorted
 	Reasons   []string `json:"reasons,omitempty"`
+	// Reason says why a refused restore was refused; empty otherwise.
+	Reason string `json:"reason,omitempty"`
 }
 
-// Validate checks a verdict is self-consistent: complete has no failures.
+// Validate checks a verdict is self-consistent: complete has no failures;
+// refused has prefix 0, a reason and no failed chunks.
 func (v *RestoreVerdict) Validate() error {
+	switch v.State {
+	case VerdictPending, VerdictComplete, VerdictFailed, VerdictRefused:
+	default:
+		return fmt.Errorf("verdict %s has state %q, want pending, complete, failed or refused: %w", v.RestoreID, v.State, ErrMalformed)
+	}
 	if v.State == VerdictComplete && len(v.Failed) > 0 {
 		return fmt.Errorf("verdict %s complete with %d failed chunks: %w", v.RestoreID, len(v.Failed), ErrMalformed)
+	}
+	if v.State == VerdictRefused && (v.Prefix != 0 || v.Reason == "" || len(v.Failed) > 0) {
+		return fmt.Errorf("verdict %s refused with prefix %d, %d failed chunks and reason %q; want prefix 0, none and a reason: %w",
+			v.RestoreID, v.Prefix, len(v.Failed), v.Reason, ErrMalformed)
+	}
+	if v.State != VerdictRefused && v.Reason != "" {
+		return fmt.Errorf("verdict %s is %s with a refusal reason %q: %w", v.RestoreID, v.State, v.Reason, ErrMalformed)
 	}
 	return nil
 }

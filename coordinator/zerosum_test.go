@@ -1,0 +1,69 @@
+package coordinator
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestZeroSumRejectedAtIngest (issue 11.8): a Stored event with sum 0 is
+// refused with bad_request naming the event, and nothing of its batch is
+// applied. On f044f94 it was acknowledged.
+func TestZeroSumRejectedAtIngest(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	chunks := chain(ns, 3, 1)
+	b := storeBatch(r, 1, 0, ns, chunks, wire.L1)
+	b.Events[1].Sum = 0
+	ack, werr := sendBatch(t, nc, c.subj, b)
+	if werr == nil || werr.Code != wire.CodeBadRequest {
+		t.Fatalf("batch with a zero sum: ack %+v err %v, want bad_request", ack, werr)
+	}
+	want := "batch from eng/0 incarnation 1: event 1 (seq 2) stores " + b.Events[1].Key.String() + " in L1 with sum 0: every stored object has a nonzero kvsum64: wire: malformed message"
+	if werr.Message != want {
+		t.Fatalf("message %q\nwant    %q", werr.Message, want)
+	}
+	if _, known := c.idx.Rank(r); known {
+		t.Fatal("the rank of a refused batch is in the index")
+	}
+	if p, _ := c.lookup("eng", ns, chunks); p.Prefix != 0 {
+		t.Fatalf("prefix %d after a refused batch", p.Prefix)
+	}
+	// The same batch with the sum set is applied.
+	b.Events[1].Sum = sumOf(b.Events[1].Key)
+	if ack, werr := sendBatch(t, nc, c.subj, b); werr != nil || ack.AppliedThrough != 3 {
+		t.Fatalf("fixed batch: %+v %v", ack, werr)
+	}
+}
+
+// TestZeroSumNeverPlanned: a placement recorded with sum 0 (written by an
+// older coordinator) ends the plan's prefix before its chunk: no rank is
+// ever handed a sum it cannot check.
+func TestZeroSumNeverPlanned(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	chunks := chain(ns, 4, 1)
+	b := storeBatch(r, 1, 0, ns, chunks, wire.L1)
+	b.Events[2].Sum = 0
+	// Straight into the index, as an older coordinator would have.
+	if _, err := c.idx.Apply(tctx(t), *b); err != nil {
+		t.Fatal(err)
+	}
+	plan := call[wire.RestorePlan](t, nc, c.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBegin{Namespace: ns, Chunks: chunks})
+	if plan.Prefix != 2 || len(plan.Ranks["eng/0"]) != 2 {
+		t.Fatalf("plan over a zero sum: prefix %d, %d items; want 2 and 2", plan.Prefix, len(plan.Ranks["eng/0"]))
+	}
+	for _, it := range plan.Ranks["eng/0"] {
+		if it.Sum == 0 {
+			t.Fatalf("plan hands out sum 0: %+v", it)
+		}
+	}
+	if !strings.Contains(plan.Reason, "chunk 2") {
+		t.Fatalf("plan reason %q does not name chunk 2", plan.Reason)
+	}
+}
