@@ -31,6 +31,8 @@ bench:
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	@bad=$$($(GO) list -deps ./wire ./index ./coordinator ./cmd/coordinator | grep -x 'github.com/kvtier/kvtier/cuda.*'); \
+	if [ -n "$$bad" ]; then echo "wire, index, coordinator and cmd/coordinator must not link the device code (STYLE 25):"; echo "$$bad"; exit 1; fi
 	@cp go.mod /tmp/kvtier.go.mod.bak; cp go.sum /tmp/kvtier.go.sum.bak; \
 	$(GO) mod tidy; \
 	if ! cmp -s go.mod /tmp/kvtier.go.mod.bak || ! cmp -s go.sum /tmp/kvtier.go.sum.bak; then \

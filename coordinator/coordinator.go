@@ -92,6 +92,15 @@ const ingestWorkers = 8
 // NATS delivery goroutine waits (back-pressure into NATS's own buffers).
 const ingestQueue = 256
 
+// lookupSubscribers is the number of subscriptions (one queue group, each
+// with its own NATS delivery goroutine) that answer lookups and restore
+// plans concurrently. They read the index's published state under its read
+// lock; more than the cores of a small machine buys nothing.
+const lookupSubscribers = 4
+
+// lookupQueue is the NATS queue group of the lookup subscribers.
+const lookupQueue = "kvtier-lookup"
+
 // New validates cfg and builds a coordinator. It does no I/O.
 func New(cfg Config) (*Coordinator, error) {
 	if cfg.Logger == nil {
@@ -379,8 +388,17 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminRestores), c.rs.handleHistory},
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
 	}
+	for range lookupSubscribers - 1 {
+		hs = append(hs, handler{c.subj.Coord(wire.CoordLookup), c.handleLookup})
+	}
 	for _, h := range hs {
-		sub, err := c.nc.Subscribe(h.subject, h.fn)
+		var sub *nats.Subscription
+		var err error
+		if h.subject == c.subj.Coord(wire.CoordLookup) {
+			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, h.fn)
+		} else {
+			sub, err = c.nc.Subscribe(h.subject, h.fn)
+		}
 		if err != nil {
 			return fmt.Errorf("subscribe %s: %w", h.subject, err)
 		}

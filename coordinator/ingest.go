@@ -18,8 +18,8 @@ import (
 const opEvents = "events"
 
 // Event ingest: every message on <p>.events.> is a binary wire.Batch sent
-// as a request. It is applied through the index, which commits it before
-// Apply returns, and only then acknowledged with a wire.EventAck (C7).
+// as a request. It is queued into the index, and acknowledged with a
+// wire.EventAck only once the index has committed it (C7).
 
 // dispatchBatch runs on NATS's delivery goroutine for the events
 // subscription: it routes the message to the ingest worker of its subject
@@ -36,31 +36,61 @@ func (c *Coordinator) dispatchBatch(m *nats.Msg) {
 	c.ingest[h.Sum32()%uint32(len(c.ingest))] <- m
 }
 
+// ingestWorker queues the batches of its ranks into the index in arrival
+// order (ApplyAsync) without waiting for their commits, and hands each to
+// its acker, which acknowledges them in the same order once committed. A
+// rank with several batches in flight (rankd's publisher window) thus has
+// them all in the index's group commit at once, never one commit per
+// batch (no head-of-line blocking), and its acks still come in order.
 func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
 	defer c.ingestWG.Done()
+	acks := make(chan ingestJob, ingestQueue)
+	c.ingestWG.Add(1)
+	go c.ingestAcker(acks)
+	defer close(acks)
 	for m := range ch {
-		c.handleBatch(m)
+		if j, ok := c.queueBatch(m); ok {
+			acks <- j
+		}
 	}
 }
 
-// handleBatch decodes, applies and acknowledges one batch.
-func (c *Coordinator) handleBatch(m *nats.Msg) {
+// ingestJob is a batch queued in the index, waiting for its commit.
+type ingestJob struct {
+	m       *nats.Msg
+	b       *wire.Batch
+	pending *index.Pending
+	t0      time.Time
+}
+
+// ingestAcker acknowledges the batches of one ingest worker, in order.
+func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
+	defer c.ingestWG.Done()
+	for j := range jobs {
+		out, err := j.pending.Wait()
+		c.finishBatch(j.m, j.b, j.t0, out, err)
+	}
+}
+
+// queueBatch decodes and checks one batch and queues it in the index. When
+// it cannot be queued it has answered m and returns false.
+func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 	var b wire.Batch
 	if err := b.UnmarshalBinary(m.Data); err != nil {
 		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
-		return
+		return ingestJob{}, false
 	}
 	if err := wire.ValidInstance(b.Rank.Instance); err != nil {
 		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
-		return
+		return ingestJob{}, false
 	}
 	if want := c.subj.Events(b.Rank); m.Subject != want {
 		c.badRequest(m, opEvents, fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
 			b.Rank, m.Subject, want, wire.ErrMalformed))
 		c.met.batches.WithLabelValues("bad_request").Inc()
-		return
+		return ingestJob{}, false
 	}
 	if err := checkBatchSums(&b); err != nil {
 		c.badRequest(m, opEvents, err)
@@ -70,7 +100,17 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
 	// and be acknowledged; Shutdown closes the index only after this.
-	out, err := c.idx.Apply(context.Background(), b)
+	p, err := c.idx.ApplyAsync(context.Background(), b)
+	if err != nil {
+		c.finishBatch(m, &b, t0, index.Outcome{}, err)
+		return ingestJob{}, false
+	}
+	return ingestJob{m: m, b: &b, pending: p, t0: t0}, true
+}
+
+// finishBatch acknowledges one applied batch (or answers its error).
+func (c *Coordinator) finishBatch(m *nats.Msg, bp *wire.Batch, t0 time.Time, out index.Outcome, err error) {
+	b := *bp
 	if err != nil {
 		c.met.batches.WithLabelValues("failed").Inc()
 		switch {

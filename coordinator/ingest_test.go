@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -382,6 +383,73 @@ func TestResyncPagedInventory(t *testing.T) {
 	}
 	if want := int32(4 + (len(inv.Objects)+pageSize-1)/pageSize); pageReqs.Load() < want {
 		t.Errorf("%d page requests, want at least %d", pageReqs.Load(), want)
+	}
+	mustVerify(t, c)
+}
+
+// Batches of one rank sent back to back without waiting (rankd's publisher
+// window) are all applied, in order, and acknowledged in the order they
+// were sent, each only once committed; a duplicate in the stream is
+// acknowledged with the sequence reached so far and changes nothing.
+func TestIngestPipelinedBatchesAckInOrder(t *testing.T) {
+	const ranks, batches, per = 2, 24, 8
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(ranks))
+	subs := make([]*nats.Subscription, ranks)
+	sent := make([][]*wire.Batch, ranks)
+	for tp := range ranks {
+		r := wire.Rank{Instance: "eng", TPRank: tp}
+		inbox := nc.NewRespInbox()
+		sub, err := nc.SubscribeSync(inbox)
+		if err != nil {
+			t.Fatal(err)
+		}
+		subs[tp] = sub
+		for bi := range batches {
+			sent[tp] = append(sent[tp], storeBatch(r, 1, uint64(bi*per), ns, chain(ns, per, uint32(1000*tp+bi)), wire.L1))
+		}
+		// The duplicate of batch 5 goes out right after batch 6.
+		order := append(slices.Clone(sent[tp][:7]), sent[tp][5])
+		order = append(order, sent[tp][7:]...)
+		sent[tp] = order
+	}
+	for bi := range batches + 1 {
+		for tp := range ranks {
+			p, err := sent[tp][bi].MarshalBinary()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := nc.PublishRequest(c.subj.Events(sent[tp][bi].Rank), subs[tp].Subject, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for tp := range ranks {
+		reached := uint64(0)
+		for bi, b := range sent[tp] {
+			msg, err := subs[tp].NextMsg(10 * time.Second)
+			if err != nil {
+				t.Fatalf("rank %d ack %d: %v", tp, bi, err)
+			}
+			var rep wire.Reply[wire.EventAck]
+			if err := json.Unmarshal(msg.Data, &rep); err != nil || rep.OK == nil {
+				t.Fatalf("rank %d ack %d = %q (%v)", tp, bi, msg.Data, err)
+			}
+			reached = max(reached, b.Events[len(b.Events)-1].Seq)
+			if got := rep.OK; got.AppliedThrough != reached || got.Resync || got.Fenced {
+				t.Fatalf("rank %d ack %d = %+v, want applied through %d", tp, bi, *got, reached)
+			}
+			for _, e := range b.Events { // acknowledged means visible
+				if hs := c.idx.Get(e.Key); len(hs) != 1 || hs[0].Sum != e.Sum {
+					t.Fatalf("rank %d ack %d: %s holders = %+v", tp, bi, e.Key, hs)
+				}
+			}
+		}
+	}
+	st := c.idx.Stats()
+	if st.Objects != ranks*batches*per {
+		t.Errorf("objects = %d, want %d", st.Objects, ranks*batches*per)
 	}
 	mustVerify(t, c)
 }

@@ -3,6 +3,8 @@ package cuda
 import (
 	"context"
 	"time"
+
+	"github.com/kvtier/kvtier/wire"
 )
 
 // Device is one GPU, or the host simulator standing in for one.
@@ -149,22 +151,12 @@ type Event interface {
 	Release() error
 }
 
-// MemHandle names exported device memory for another process.
-// It is plain data: it travels as JSON over NATS.
-type MemHandle struct {
-	Backend string `json:"backend"` // "host" or "cuda"
-	Device  string `json:"device"`  // UUID of the device that owns the memory
-	Raw     []byte `json:"raw"`     // backend-specific handle bytes
-	Offset  uint64 `json:"offset"`  // start of the view in the base allocation
-	Size    uint64 `json:"size"`    // length of the view
-}
+// MemHandle names exported device memory for another process. The type
+// lives in wire (plain data, no device code behind it); see wire.MemHandle.
+type MemHandle = wire.MemHandle
 
-// EventHandle names an exported interprocess event.
-type EventHandle struct {
-	Backend string `json:"backend"`
-	Device  string `json:"device"`
-	Raw     []byte `json:"raw"`
-}
+// EventHandle names an exported interprocess event; see wire.EventHandle.
+type EventHandle = wire.EventHandle
 
 // Op is one enqueued operation.
 type Op struct {

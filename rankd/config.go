@@ -98,6 +98,13 @@ type Config struct {
 	// drops it, leaving a sequence gap that makes the coordinator resync
 	// from the inventory). Default 4096.
 	EventQueue int
+	// EventWindow is the most event batches sent to the coordinator and not
+	// yet acknowledged. Default 8. Acks come in order; on a timeout or a
+	// transient error every batch from the first unacknowledged one is sent
+	// again (the coordinator ignores duplicates). 1 sends one batch per
+	// round trip; a larger window keeps the coordinator's group commit fed
+	// at the cost of more resent batches after an error.
+	EventWindow int
 	// MaxInFlight bounds engine requests being served at once; beyond it a
 	// request gets code unavailable. Default 1024. A store holds its slot
 	// while it waits for the engine's producer event.
@@ -147,6 +154,7 @@ func DefaultConfig() Config {
 		EventAckTimeout:       2 * time.Second,
 		HeartbeatInterval:     2 * time.Second,
 		EventQueue:            4096,
+		EventWindow:           8,
 		MaxInFlight:           1024,
 		InventoryPageSize:     wire.DefaultInventoryPageSize,
 		InventorySnapshotTTL:  30 * time.Second,
@@ -213,6 +221,8 @@ func (c *Config) Validate() error {
 			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout)
 	case c.EventQueue < 1:
 		return bad("event queue %d must be >= 1", c.EventQueue)
+	case c.EventWindow < 1 || c.EventWindow > c.EventQueue:
+		return bad("event window %d must be in [1, event queue %d]", c.EventWindow, c.EventQueue)
 	case c.MaxInFlight < 1:
 		return bad("max in-flight requests %d must be >= 1", c.MaxInFlight)
 	case c.InventoryPageSize < 1 || c.InventoryPageSize > wire.MaxInventoryPageSize:

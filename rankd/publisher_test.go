@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -14,51 +15,181 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// fakeCoord answers event batch requests: it fails the first `fail`
-// requests (timeouts), then acknowledges, recording every batch it saw.
+// fakeCoord stands in for the coordinator's event subject and the NATS
+// connection of the publisher. It keeps the C7 rules of one rank: a batch
+// that continues the applied sequence is applied, one at or below it is a
+// duplicate (acknowledged, nothing applied), one past a gap is answered
+// with a resync and not applied. Replies are delivered in order by one
+// goroutine, as NATS delivers them to a subscription. A policy decides,
+// per request, to answer, to drop the reply (the sender times out), to
+// answer with an error code, or to answer twice.
 type fakeCoord struct {
-	mu    sync.Mutex
-	fail  int
-	code  string // error code to answer with instead of an ack, once
-	seen  []uint64
-	calls int
+	t      *testing.T
+	policy func(call int, first uint64) action
+
+	mu      sync.Mutex // guards the following
+	cb      nats.MsgHandler
+	calls   int
+	handed  int      // replies handed to the subscriber
+	sent    []uint64 // first sequence of every request, in arrival order
+	applied []uint64 // first sequence of every applied batch
+	last    uint64   // highest applied sequence
+	queue   []*nats.Msg
+	held    []*nats.Msg // replies held back by actHold
+	release bool        // held replies may go
+	wake    chan struct{}
+	closed  bool
+	wg      sync.WaitGroup
 }
 
-func (f *fakeCoord) RequestWithContext(ctx context.Context, subj string, data []byte) (*nats.Msg, error) {
+type action int
+
+const (
+	actAck action = iota
+	actDrop
+	actUnavailable
+	actBadRequest
+	actTwice
+	actHold      // queue the reply until releaseHeld
+	actLoseReply // apply the batch, then lose its reply
+)
+
+func newFakeCoord(t *testing.T, policy func(call int, first uint64) action) *fakeCoord {
+	f := &fakeCoord{t: t, policy: policy, wake: make(chan struct{}, 1)}
+	if f.policy == nil {
+		f.policy = func(int, uint64) action { return actAck }
+	}
+	f.wg.Add(1)
+	go f.deliver()
+	t.Cleanup(f.close)
+	return f
+}
+
+func (f *fakeCoord) NewRespInbox() string { return "_INBOX.fake" }
+
+func (f *fakeCoord) Subscribe(_ string, cb nats.MsgHandler) (*nats.Subscription, error) {
+	f.mu.Lock()
+	f.cb = cb
+	f.mu.Unlock()
+	return nil, nil
+}
+
+func (f *fakeCoord) PublishRequest(_, reply string, data []byte) error {
 	var b wire.Batch
 	if err := b.UnmarshalBinary(data); err != nil {
-		return nil, err
+		return err
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.calls++
-	if f.fail > 0 {
-		f.fail--
-		return nil, context.DeadlineExceeded
+	first, last := b.Events[0].Seq, b.Events[len(b.Events)-1].Seq
+	f.sent = append(f.sent, first)
+	act := f.policy(f.calls, first)
+	var rep wire.Reply[wire.EventAck]
+	switch act {
+	case actDrop:
+		return nil
+	case actUnavailable:
+		rep.Error = &wire.Error{Code: wire.CodeUnavailable, Message: "x"}
+	case actBadRequest:
+		rep.Error = &wire.Error{Code: wire.CodeBadRequest, Message: "x"}
+	default:
+		switch {
+		case first == f.last+1:
+			f.last = last
+			f.applied = append(f.applied, first)
+			rep.OK = &wire.EventAck{AppliedThrough: f.last}
+		case first <= f.last:
+			rep.OK = &wire.EventAck{AppliedThrough: f.last}
+		default:
+			rep.OK = &wire.EventAck{AppliedThrough: f.last, Resync: true}
+		}
 	}
-	if f.code != "" {
-		code := f.code
-		f.code = ""
-		out, _ := json.Marshal(wire.Reply[wire.EventAck]{Error: &wire.Error{Code: code, Message: "x"}})
-		return &nats.Msg{Data: out}, nil
+	if act == actLoseReply {
+		return nil
 	}
-	f.seen = append(f.seen, b.Events[0].Seq)
-	out, _ := json.Marshal(wire.Reply[wire.EventAck]{OK: &wire.EventAck{AppliedThrough: b.Events[len(b.Events)-1].Seq}})
-	return &nats.Msg{Data: out}, nil
+	out, _ := json.Marshal(rep)
+	m := &nats.Msg{Subject: reply, Data: out}
+	switch act {
+	case actHold:
+		f.held = append(f.held, m)
+		if f.release {
+			f.queue, f.held = append(f.queue, f.held...), nil
+		}
+	case actTwice:
+		f.queue = append(f.queue, m, m)
+	default:
+		f.queue = append(f.queue, m)
+	}
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+	return nil
 }
 
+// releaseHeld lets the held replies (and later ones) go.
+func (f *fakeCoord) releaseHeld() {
+	f.mu.Lock()
+	f.release = true
+	f.queue, f.held = append(f.queue, f.held...), nil
+	f.mu.Unlock()
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (f *fakeCoord) deliver() {
+	defer f.wg.Done()
+	for {
+		f.mu.Lock()
+		q, cb, closed := f.queue, f.cb, f.closed
+		f.queue = nil
+		f.mu.Unlock()
+		if closed {
+			return
+		}
+		for _, m := range q {
+			f.mu.Lock()
+			f.handed++
+			f.mu.Unlock()
+			cb(m)
+		}
+		if len(q) == 0 {
+			<-f.wake
+		}
+	}
+}
+
+func (f *fakeCoord) close() {
+	f.mu.Lock()
+	f.closed = true
+	f.mu.Unlock()
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+	f.wg.Wait()
+}
+
+func (f *fakeCoord) snapshot() (sent, applied []uint64, calls int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.sent), slices.Clone(f.applied), f.calls
+}
+
+// batch is one event with sequence seq.
 func batch(seq uint64) wire.Batch {
 	return wire.Batch{Rank: wire.Rank{Instance: "e", TPRank: 0}, Incarnation: 1,
 		Events: []wire.Event{{Seq: seq, Kind: wire.Stored, Tier: wire.L1}}}
 }
 
-// Batches go out in order, a timed-out batch is sent again before the next
-// one, and flush returns once everything was acknowledged.
-func TestPublisherOrderRetryFlush(t *testing.T) {
-	met := newMetrics("e/0")
-	p := newPublisher("s", time.Second, 100, zaptest.NewLogger(t), met)
-	fc := &fakeCoord{fail: 3}
-	for i := uint64(1); i <= 10; i++ {
+// runPublisher publishes batches 1..n, runs p against fc until flush
+// returns, and stops it.
+func runPublisher(t *testing.T, p *publisher, fc *fakeCoord, n int) {
+	t.Helper()
+	for i := uint64(1); i <= uint64(n); i++ {
 		if err := p.Publish(batch(i)); err != nil {
 			t.Fatal(err)
 		}
@@ -66,33 +197,123 @@ func TestPublisherOrderRetryFlush(t *testing.T) {
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() { p.run(stop); close(done) }()
+	defer func() { close(stop); <-done }()
 	p.setConn(fc)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if n := p.flush(ctx); n != 0 {
-		t.Fatalf("%d batches left after flush", n)
+	if left := p.flush(ctx); left != 0 {
+		sent, applied, _ := fc.snapshot()
+		t.Fatalf("%d batches left after flush; sent %v, applied %v", left, sent, applied)
 	}
-	close(stop)
-	<-done
-	fc.mu.Lock()
-	defer fc.mu.Unlock()
-	for i, s := range fc.seen {
-		if s != uint64(i+1) {
-			t.Fatalf("acknowledged order %v", fc.seen)
+}
+
+// wantApplied fails unless the fake applied batches 1..n, each once, in
+// order.
+func wantApplied(t *testing.T, fc *fakeCoord, n int) {
+	t.Helper()
+	_, applied, _ := fc.snapshot()
+	want := make([]uint64, n)
+	for i := range want {
+		want[i] = uint64(i + 1)
+	}
+	if !slices.Equal(applied, want) {
+		t.Fatalf("applied %v, want %v", applied, want)
+	}
+}
+
+// Batches go out in order, timed-out batches are sent again, and flush
+// returns once everything was acknowledged.
+func TestPublisherOrderRetryFlush(t *testing.T) {
+	p := newPublisher("s", 100*time.Millisecond, 100, 4, zaptest.NewLogger(t), newMetrics("e/0"))
+	fc := newFakeCoord(t, func(call int, _ uint64) action {
+		if call <= 3 {
+			return actDrop
 		}
-	}
-	if len(fc.seen) != 10 || fc.calls != 13 {
-		t.Fatalf("%d acknowledged in %d calls, want 10 in 13", len(fc.seen), fc.calls)
+		return actAck
+	})
+	runPublisher(t, p, fc, 10)
+	wantApplied(t, fc, 10)
+	if _, _, calls := fc.snapshot(); calls <= 10 {
+		t.Fatalf("%d requests for 10 batches with 3 dropped replies", calls)
 	}
 	if err := p.Publish(batch(11)); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Publish after flush: %v", err)
 	}
 }
 
+// The window fills: with window w, w batches are in flight before the
+// first acknowledgement, and never more. (With window 1 this publisher
+// never gets its first acknowledgement here, and flush fails.)
+func TestPublisherWindowFills(t *testing.T) {
+	const w = 4
+	p := newPublisher("s", 5*time.Second, 100, w, zaptest.NewLogger(t), newMetrics("e/0"))
+	var fc *fakeCoord
+	fc = newFakeCoord(t, func(call int, _ uint64) action {
+		if call == w {
+			go fc.releaseHeld() // not under fc.mu
+		}
+		if call == w+1 && fc.handed == 0 { // the policy runs under fc.mu
+			t.Errorf("request %d sent before any acknowledgement arrived", call)
+		}
+		return actHold
+	})
+	runPublisher(t, p, fc, 3*w)
+	wantApplied(t, fc, 3*w)
+	sent, _, _ := fc.snapshot()
+	if !slices.Equal(sent[:w], []uint64{1, 2, 3, 4}) {
+		t.Fatalf("first window sent %v", sent[:w])
+	}
+}
+
+// An error on one batch makes the publisher send again from it: the batches
+// after it that the coordinator saw past the gap were answered with a
+// resync and never applied; the resend applies every batch once, in order.
+func TestPublisherResendFromFirstUnacknowledged(t *testing.T) {
+	p := newPublisher("s", 5*time.Second, 100, 4, zaptest.NewLogger(t), newMetrics("e/0"))
+	failedOnce := false
+	fc := newFakeCoord(t, func(_ int, first uint64) action {
+		if first == 2 && !failedOnce {
+			failedOnce = true
+			return actUnavailable
+		}
+		return actAck
+	})
+	runPublisher(t, p, fc, 8)
+	wantApplied(t, fc, 8)
+	sent, _, _ := fc.snapshot()
+	// The second time batch 2 goes out, every later batch follows it in
+	// order, each once.
+	i := slices.Index(sent[2:], 2) + 2
+	if i < 2 || !slices.Equal(sent[i:], []uint64{2, 3, 4, 5, 6, 7, 8}) {
+		t.Fatalf("sent %v: want a resend of 2..8 after the failure of 2", sent)
+	}
+}
+
+// A lost acknowledgement: the batch was applied, the publisher times out
+// and sends it (and what followed) again; the coordinator's duplicates
+// change nothing, and replies delivered twice are taken once.
+func TestPublisherLostAckAndDuplicateReplies(t *testing.T) {
+	p := newPublisher("s", 150*time.Millisecond, 100, 3, zaptest.NewLogger(t), newMetrics("e/0"))
+	dropped := false
+	fc := newFakeCoord(t, func(_ int, first uint64) action {
+		if first == 3 && !dropped {
+			dropped = true
+			return actLoseReply
+		}
+		return actTwice
+	})
+	runPublisher(t, p, fc, 7)
+	wantApplied(t, fc, 7)
+	sent, _, _ := fc.snapshot()
+	if slices.Index(sent[3:], 3) < 0 {
+		t.Fatalf("sent %v: batch 3 never sent again after its reply was lost", sent)
+	}
+}
+
 // A full queue refuses batches (the engine retries and then drops them);
 // a batch the coordinator rejects for good is dropped, not retried forever.
 func TestPublisherBoundsAndRejects(t *testing.T) {
-	p := newPublisher("s", time.Second, 2, zaptest.NewLogger(t), newMetrics("e/0"))
+	p := newPublisher("s", time.Second, 2, 2, zaptest.NewLogger(t), newMetrics("e/0"))
 	if err := p.Publish(batch(1)); err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +323,12 @@ func TestPublisherBoundsAndRejects(t *testing.T) {
 	if err := p.Publish(batch(3)); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("third batch into a queue of 2: %v", err)
 	}
-	fc := &fakeCoord{code: wire.CodeBadRequest}
+	fc := newFakeCoord(t, func(call int, _ uint64) action {
+		if call == 1 {
+			return actBadRequest
+		}
+		return actAck
+	})
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() { p.run(stop); close(done) }()
@@ -114,7 +340,10 @@ func TestPublisherBoundsAndRejects(t *testing.T) {
 	}
 	close(stop)
 	<-done
-	if len(fc.seen) != 1 || fc.seen[0] != 2 {
-		t.Fatalf("acknowledged %v, want [2] (1 rejected and dropped)", fc.seen)
+	// Batch 1 was rejected and dropped; batch 2 then lies past a gap: the
+	// coordinator answers it with a resync, and the publisher is done.
+	sent, applied, _ := fc.snapshot()
+	if !slices.Equal(sent, []uint64{1, 2}) || len(applied) != 0 {
+		t.Fatalf("sent %v applied %v, want [1 2] sent and nothing applied", sent, applied)
 	}
 }

@@ -106,7 +106,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, fmt.Errorf("rankd %s: open device %q: %w", cfg.Rank, cfg.Device, err)
 	}
 	d.dev = dev
-	d.pub = newPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventQueue, d.log.Named("events"), d.met)
+	d.pub = newPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventQueue, cfg.EventWindow, d.log.Named("events"), d.met)
 
 	tc := transfer.DefaultConfig()
 	tc.Rank = cfg.Rank

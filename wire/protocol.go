@@ -3,7 +3,6 @@ package wire
 import (
 	"fmt"
 
-	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
 )
 
@@ -44,9 +43,9 @@ type EventAck struct {
 
 // PoolRegistration is one layer's KV pool of one group.
 type PoolRegistration struct {
-	Group  int            `json:"group"`
-	Layer  int            `json:"layer"`
-	Handle cuda.MemHandle `json:"handle"`
+	Group  int       `json:"group"`
+	Layer  int       `json:"layer"`
+	Handle MemHandle `json:"handle"`
 }
 
 // RegisterRequest registers an engine's KV pools with its rankd.
@@ -70,10 +69,10 @@ type ChunkBlocks struct {
 // StoreRequest asks a rankd to store chunks from the engine's pages once the
 // engine's producer event has completed.
 type StoreRequest struct {
-	RequestID string           `json:"request_id"`
-	Namespace dcp.Namespace    `json:"namespace"`
-	Chunks    []ChunkBlocks    `json:"chunks"`
-	Event     cuda.EventHandle `json:"event"`
+	RequestID string        `json:"request_id"`
+	Namespace dcp.Namespace `json:"namespace"`
+	Chunks    []ChunkBlocks `json:"chunks"`
+	Event     EventHandle   `json:"event"`
 }
 
 // StoreReply answers a store once the device has read the pages (the engine
