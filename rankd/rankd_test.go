@@ -46,7 +46,7 @@ type harness struct {
 	reports []wire.RestoreReport
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	t.Helper()
 	ec := bus.DefaultEmbeddedConfig()
 	ec.Port = 0
@@ -99,6 +99,9 @@ func newHarness(t *testing.T) *harness {
 	cfg.BindAddr, cfg.BindPort = "127.0.0.1", 0
 	cfg.HeartbeatInterval = 100 * time.Millisecond
 	cfg.Logger = zaptest.NewLogger(t)
+	for _, o := range opts {
+		o(&cfg)
+	}
 	d, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -113,7 +113,10 @@ type Config struct {
 	// (StoreFuture.Released).
 	StoreTimeout time.Duration
 	// RetrieveTimeout bounds a retrieve: L2 reads, the scatter and its
-	// verification. Default 30 s.
+	// verification. Default 30 s. When it expires with the scatter still
+	// enqueued, the items fail with reason timeout but the answer waits
+	// until the device has stopped writing their pages (C10), so the
+	// engine may recompute them the moment it has the answer.
 	RetrieveTimeout time.Duration
 	// Streams is the number of device streams for stores and, separately,
 	// for retrieves. A store holds its stream while it waits for the

@@ -51,6 +51,7 @@ type counters struct {
 	storeLatency      prometheus.Histogram
 	retrieveLatency   prometheus.Histogram
 	retrievesInflight atomic.Int64
+	retrieveDrains    atomic.Uint64 // timed-out scatters drained before their reply (C10)
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -84,6 +85,7 @@ type Stats struct {
 	L2WriteErrors    uint64
 	LostObjects      uint64 // objects only in L1 that could not be written back at Close
 	PinnedEvictions  uint64 // always 0 unless there is a bug
+	RetrieveDrains   uint64 // timed-out scatters drained before their reply (C10)
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -119,6 +121,7 @@ func (e *Engine) Stats() Stats {
 		L2WriteErrors:     c.l2WriteErrors.Load(),
 		LostObjects:       c.lostObjects.Load(),
 		PinnedEvictions:   c.pinnedEvictions.Load(),
+		RetrieveDrains:    c.retrieveDrains.Load(),
 		LastSeq:           c.lastSeq.Load(),
 		EventsPublished:   c.eventsPublished.Load(),
 		EventsDropped:     c.eventsDropped.Load(),
@@ -171,6 +174,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")
 	add("l2_write_errors_total", "Failed L2 writes.")
 	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
+	add("retrieve_drains_total", "Timed-out scatters the engine waited for before answering (C10: a failure reply means hands off).")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
@@ -218,6 +222,7 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l1_full_total", c.l1Full.Load())
 	counter("l2_write_errors_total", c.l2WriteErrors.Load())
 	counter("lost_objects_total", c.lostObjects.Load())
+	counter("retrieve_drains_total", c.retrieveDrains.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))

@@ -55,6 +55,11 @@ type ItemResult struct {
 // chunk's pages.
 type RetrieveResult struct {
 	Items []ItemResult
+	// BlocksInUse: a timed-out scatter could not be drained before the
+	// answer because the engine is closing; the device may still write
+	// the items' pages. Otherwise every answer, failed or not, is given
+	// once the device has stopped writing them (C10).
+	BlocksInUse bool
 }
 
 // FailedChunks returns the sorted chunk indexes with a failed item.
@@ -126,11 +131,9 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	defer cancel()
 	stop := context.AfterFunc(e.life, cancel)
 	defer stop()
-	reaped := r.run(ctx)
+	r.run(ctx)
 	r.account()
-	if !reaped {
-		r.finish()
-	}
+	r.finish()
 	e.ctr.retrieveLatency.Observe(time.Since(start).Seconds())
 	return r.res, nil
 }
@@ -185,9 +188,8 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 	return out, nil
 }
 
-// run does the retrieval; it reports true when a timed-out scatter left
-// the finishing to a reaper.
-func (r *retrieval) run(ctx context.Context) bool {
+// run does the retrieval.
+func (r *retrieval) run(ctx context.Context) {
 	e := r.e
 	res := r.sp.res
 	var loads, waits []int
@@ -287,10 +289,9 @@ func (r *retrieval) run(ctx context.Context) bool {
 		}
 	}
 	e.mu.Unlock()
-	if len(scatter) == 0 {
-		return false
+	if len(scatter) > 0 {
+		r.scatter(ctx, scatter)
 	}
-	return r.scatter(ctx, scatter)
 }
 
 // load reads item i's object from L2 into its (unplaced) L1 object.
@@ -361,9 +362,9 @@ func (r *retrieval) fail(i int, err error) {
 	ir.OK, ir.Err, ir.Reason = false, err, reasonOf(err)
 }
 
-// scatter places the items and verifies them. It reports true when a
-// timeout left the items' pins, the stream and the space to a reaper.
-func (r *retrieval) scatter(ctx context.Context, items []int) bool {
+// scatter places the items and verifies them. It returns only once the
+// device has stopped writing the items' pages, also after a timeout (C10).
+func (r *retrieval) scatter(ctx context.Context, items []int) {
 	e := r.e
 	objs := make([]cuda.Object, len(items))
 	e.mu.Lock()
@@ -379,7 +380,7 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 	stream, err := e.retrieveStreams.get(ctx)
 	if err != nil {
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
-		return false
+		return
 	}
 	op, err := stream.Scatter(e.l1buf, objs)
 	if err != nil {
@@ -387,17 +388,32 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 		// the stream failed for good, failing every later retrieve on it.
 		e.retrieveStreams.put(stream, false)
 		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return false
+		return
 	}
 	if err := op.Wait(ctx); err != nil {
 		if ctx.Err() != nil {
 			failAll(fmt.Errorf("scatter of %d objects: %w", len(items), ctxErr(ctx)))
-			e.goFunc(func() { r.reap(stream) })
-			return true
+			// C10: a failure reply means the device has stopped writing
+			// the engine's pages, which it recomputes at once. The scatter
+			// is still enqueued: wait for the stream to drain before
+			// answering (only Close cuts the wait short).
+			start := time.Now()
+			serr := stream.Synchronize(e.life)
+			e.retrieveStreams.put(stream, serr == nil)
+			e.ctr.retrieveDrains.Add(1)
+			if serr != nil {
+				r.res.BlocksInUse = true
+				e.log.Error("a timed-out scatter could not be drained before the reply; the target blocks may still be written",
+					zap.String("restore", r.req.RestoreID), zap.Int("objects", len(items)), zap.Error(serr))
+			} else {
+				e.log.Warn("a timed-out scatter was drained before the reply", zap.String("restore", r.req.RestoreID),
+					zap.Int("objects", len(items)), zap.Duration("drained", time.Since(start)))
+			}
+			return
 		}
 		e.retrieveStreams.put(stream, false)
 		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return false
+		return
 	}
 	e.retrieveStreams.put(stream, true)
 	sums := op.Sums()
@@ -422,14 +438,6 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 	e.mu.Unlock()
 	e.ctr.objectsRestored.Add(ok)
 	e.ctr.bytesRetrievedL1.Add(bytes)
-	return false
-}
-
-// reap waits for a timed-out scatter to drain, then finishes.
-func (r *retrieval) reap(stream cuda.Stream) {
-	err := stream.Synchronize(r.e.life)
-	r.e.retrieveStreams.put(stream, err == nil)
-	r.finish()
 }
 
 // account counts and logs the failed items.
