@@ -92,7 +92,14 @@ type Config struct {
 	// S3-compatible one). Default nil: a FileTier on L2Dir when set.
 	L2 L2Tier
 	// L2Policy is WriteThrough (default) or WriteBackOnEvict. Ignored
-	// without an L2 tier.
+	// without an L2 tier. Under either, a failing L2 never blocks L1: after
+	// 3 consecutive failed writes the tier is degraded (Warn log, gauge
+	// kvtier_transfer_l2_degraded = 1): write-through skips new writes
+	// (counted), objects only L1 holds become evictable and are dropped
+	// when L1 needs room (counted in l2_dropped_dirty_total, logged at
+	// Error), and one probe write is tried after 1 s, backing off to 30 s;
+	// its success ends the degradation and write-through writes the dirty
+	// objects L1 still holds. Flush and Close always try every write.
 	L2Policy L2Policy
 	// L2Writers is the number of goroutines writing objects to L2. Default
 	// 4. Every object is fsynced on its own (C6), so writers are bound by
