@@ -34,7 +34,7 @@ type Config struct {
 	Device string
 	// Host configures the host backend when Device selects it. Its Dir must
 	// be the one the engine's host backend uses. Default
-	// cuda.DefaultHostConfig() (/dev/shm).
+	// cuda.DefaultHostConfig() (/dev/shm/kvtier-<uid>, private 0700).
 	Host cuda.HostConfig
 
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds

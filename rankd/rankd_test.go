@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -62,6 +63,9 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	t.Cleanup(nc.Close)
 	h := &harness{t: t, srv: srv, nc: nc, subj: wire.Subjects{Prefix: "kvt"}, rank: wire.Rank{Instance: "eng", TPRank: 1},
 		hostCfg: cuda.HostConfig{Dir: t.TempDir(), UUID: "HOST-rankd-test"}}
+	if err := os.Chmod(h.hostCfg.Dir, 0o700); err != nil { // the host backend wants a private dir
+		t.Fatal(err)
+	}
 	if _, err := nc.Subscribe(h.subj.EventsAll(), func(m *nats.Msg) {
 		var b wire.Batch
 		if err := b.UnmarshalBinary(m.Data); err != nil {
