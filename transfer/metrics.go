@@ -56,6 +56,7 @@ type counters struct {
 	l2Skipped         atomic.Uint64 // write-through writes skipped while L2 was degraded
 	l2Degraded        atomic.Bool
 	l2DegradedTotal   atomic.Uint64 // times the tier became degraded
+	l2ScanSkipped     atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -93,6 +94,7 @@ type Stats struct {
 	L2Degraded       bool   // consecutive L2 writes failed: writes skipped, probes with backoff
 	L2DroppedDirty   uint64 // objects only L1 held, dropped for room while L2 was degraded
 	L2WritesSkipped  uint64 // write-through writes skipped while L2 was degraded
+	L2ScanSkipped    uint64 // rescan entries skipped: not regular files, symlinked namespace directories
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -132,6 +134,7 @@ func (e *Engine) Stats() Stats {
 		L2Degraded:        c.l2Degraded.Load(),
 		L2DroppedDirty:    c.l2DroppedDirty.Load(),
 		L2WritesSkipped:   c.l2Skipped.Load(),
+		L2ScanSkipped:     c.l2ScanSkipped.Load(),
 		LastSeq:           c.lastSeq.Load(),
 		EventsPublished:   c.eventsPublished.Load(),
 		EventsDropped:     c.eventsDropped.Load(),
@@ -189,6 +192,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_degraded_total", "Times L2 became degraded.")
 	add("l2_dropped_dirty_total", "Objects only L1 held, dropped to make room while L2 was degraded (lost from the tiers).")
 	add("l2_writes_skipped_total", "Write-through writes skipped while L2 was degraded.")
+	add("l2_scan_skipped_total", "L2 rescan entries skipped as unsafe: not regular files (FIFOs, devices, symlinks) or symlinked namespace directories.")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
@@ -245,6 +249,7 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_degraded_total", c.l2DegradedTotal.Load())
 	counter("l2_dropped_dirty_total", c.l2DroppedDirty.Load())
 	counter("l2_writes_skipped_total", c.l2Skipped.Load())
+	counter("l2_scan_skipped_total", c.l2ScanSkipped.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))
