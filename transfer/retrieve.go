@@ -336,10 +336,34 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if ent, ok := e.cat.l2[ce.Key]; ok && (!ce.WriterKnown || ce.Writer == e.cfg.Rank) {
+		if o := e.cat.objs[ce.Key]; o != nil && o.state == stReady && !o.doomed {
+			e.l2CopyGoneLocked(o)
+			return
+		}
 		delete(e.cat.l2, ce.Key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, ce.Key, ent.size, ent.sum)
 	}
+}
+
+// l2CopyGoneLocked handles an object L1 holds whose L2 copy (this rank's)
+// was found quarantined or gone: the copy is announced removed, and the
+// object becomes dirty and is written again, whatever the policy (it was
+// durable before), so a re-store or a read heals the tier and the new
+// copy is announced again (issue 11.12).
+func (e *Engine) l2CopyGoneLocked(o *l1Obj) {
+	if ent, ok := e.cat.l2[o.key]; ok {
+		delete(e.cat.l2, o.key)
+		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+		e.emitLocked(wire.Removed, wire.L2, o.key, ent.size, ent.sum)
+	}
+	if e.l2 == nil || o.dirty {
+		return
+	}
+	o.dirty = true
+	e.ctr.l2Rewrites.Add(1)
+	e.log.Warn("the L2 copy of an object L1 holds is gone or quarantined; writing it again", zap.Stringer("key", o.key))
+	e.queueWriteLocked(o)
 }
 
 // l2Vanished drops an object of this rank's L2 inventory whose file is
@@ -347,6 +371,12 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 func (e *Engine) l2Vanished(key dcp.Key) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if o := e.cat.objs[key]; o != nil && o.state == stReady && !o.doomed {
+		if _, ok := e.cat.l2[key]; ok {
+			e.l2CopyGoneLocked(o)
+			return
+		}
+	}
 	if ent, ok := e.cat.l2[key]; ok {
 		delete(e.cat.l2, key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))

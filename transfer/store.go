@@ -222,6 +222,11 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				r.Status, r.Sum = Deduped, o.sum
 				e.cat.touch(o)
 				e.ctr.dedupeHits.Add(1)
+				if l2ok[p.key] == l2Gone {
+					// Readers found the L2 copy damaged (quarantined) or
+					// gone: the re-store heals it from L1 (issue 11.12).
+					e.l2CopyGoneLocked(o)
+				}
 			} else {
 				o.pins++ // another store or a load is filling it: take its outcome
 				f.dups = append(f.dups, storeWork{idx: idx, o: o})
@@ -259,10 +264,11 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	return f, nil
 }
 
-// checkL2Dedupe stats, through the L2 tier, the planned objects that only
-// this rank's L2 inventory holds, and reports which of them may be
-// deduplicated: present, naming their key, of the recorded size and sum.
-// A key not checked (in L1, or not in the inventory) is absent. The file may have been
+// checkL2Dedupe stats, through the L2 tier, the planned objects this
+// rank's L2 inventory holds (also those L1 holds: readers may have
+// quarantined the file), and reports which of them may be deduplicated:
+// present, naming their key, of the recorded size and sum. A key not
+// checked (not in the inventory, or being filled or written) is absent. The file may have been
 // quarantined or deleted by another rank sharing the L2 root, so the
 // inventory alone cannot be trusted to hold a copy.
 func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dcp.Key]l2Check {
@@ -272,8 +278,8 @@ func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dc
 	var check map[dcp.Key]l2Entry
 	e.mu.Lock()
 	for _, p := range planned {
-		if e.cat.objs[p.key] != nil {
-			continue
+		if o := e.cat.objs[p.key]; o != nil && (o.state != stReady || o.dirty || o.writing) {
+			continue // no L2 copy to check, or one being written
 		}
 		if ent, ok := e.cat.l2[p.key]; ok {
 			if check == nil {
