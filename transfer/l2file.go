@@ -67,6 +67,16 @@ func OpenFileTier(root string) (*FileTier, error) {
 	return t, nil
 }
 
+// Check implements L2Checker: the root is there and passes the safety
+// rules.
+func (t *FileTier) Check() error {
+	fd, err := t.openRoot()
+	if err != nil {
+		return err
+	}
+	return syscall.Close(fd)
+}
+
 // Root returns the tier's root directory.
 func (t *FileTier) Root() string { return t.root }
 
