@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -18,9 +17,12 @@ type HostConfig struct {
 	// shareable across processes: one file per allocation or event, named
 	// kvtier-<pid>-<random> (SweepStaleHost removes those of dead
 	// processes). Processes that share memory must use the same Dir and
-	// run as the same user (files are 0600). It should be a tmpfs, where the
-	// files are plain memory; a disk directory works but its pages are
-	// written back. Default "/dev/shm"; tests use t.TempDir().
+	// run as the same user (files are 0600). It must be private: owned by
+	// the process's uid, mode 0700, not a symlink (imports refuse symlinks,
+	// foreign owners and files open to group or others). It should be a
+	// tmpfs, where the files are plain memory; a disk directory works but
+	// its pages are written back. Default DefaultHostDir()
+	// (/dev/shm/kvtier-<uid>, created 0700); tests use t.TempDir().
 	Dir string
 	// UUID is Info().UUID and is carried in every handle; ImportMem and
 	// ImportEvent accept only handles with the same UUID, as a GPU can open
@@ -45,7 +47,7 @@ func DefaultHostConfig() HostConfig {
 
 func (c *HostConfig) applyDefaults() {
 	if c.Dir == "" {
-		c.Dir = "/dev/shm"
+		c.Dir = DefaultHostDir()
 	}
 	if c.UUID == "" {
 		host, err := os.Hostname()
@@ -71,12 +73,8 @@ func (c *HostConfig) applyDefaults() {
 // and a usable UUID.
 func (c HostConfig) Validate() error {
 	c.applyDefaults()
-	fi, err := os.Stat(c.Dir)
-	if err != nil {
-		return fmt.Errorf("%w: host Dir: %w", ErrBadSpec, err)
-	}
-	if !fi.IsDir() {
-		return fmt.Errorf("%w: host Dir %s is not a directory", ErrBadSpec, c.Dir)
+	if err := checkPrivateDir(c.Dir); err != nil {
+		return err
 	}
 	for _, r := range c.UUID {
 		if r <= ' ' || r == '/' || r > '~' {
@@ -114,6 +112,9 @@ func (c HostConfig) Validate() error {
 // Files of crashed processes are removed by SweepStaleHost.
 func OpenHost(cfg HostConfig) (Device, error) {
 	cfg.applyDefaults()
+	if err := ensureHostDir(cfg.Dir); err != nil {
+		return nil, err
+	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -262,9 +263,9 @@ func (d *hostDevice) ImportMem(h MemHandle) (Mem, error) {
 	if h.Size == 0 || h.Offset+h.Size < h.Offset {
 		return nil, fmt.Errorf("%w: view [%d, +%d B)", ErrBadHandle, h.Offset, h.Size)
 	}
-	f, err := os.OpenFile(filepath.Join(d.cfg.Dir, name), os.O_RDWR, 0)
+	f, err := openShmFile(d.cfg.Dir, name, "memory")
 	if err != nil {
-		return nil, fmt.Errorf("%w: memory %s: %w", ErrBadHandle, name, err)
+		return nil, err
 	}
 	defer f.Close()
 	fi, err := f.Stat()

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -98,9 +97,9 @@ func newHostEvent(d *hostDevice, interprocess bool) (*hostEvent, error) {
 }
 
 func importHostEvent(d *hostDevice, name string, pid int) (*hostEvent, error) {
-	f, err := os.OpenFile(filepath.Join(d.cfg.Dir, name), os.O_RDWR, 0)
+	f, err := openShmFile(d.cfg.Dir, name, "event")
 	if err != nil {
-		return nil, fmt.Errorf("%w: event %s: %w", ErrBadHandle, name, err)
+		return nil, err
 	}
 	defer f.Close()
 	fi, err := f.Stat()

@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 )
@@ -98,7 +99,11 @@ func TestOpenUUID(t *testing.T) {
 			if ordinal >= len(perm) {
 				return nil, fmt.Errorf("%w: ordinal %d", ErrNoDriver, ordinal)
 			}
-			return OpenHost(HostConfig{Dir: t.TempDir(), UUID: uuids[perm[ordinal]]})
+			dir := t.TempDir()
+			if err := os.Chmod(dir, 0o700); err != nil {
+				return nil, err
+			}
+			return OpenHost(HostConfig{Dir: dir, UUID: uuids[perm[ordinal]]})
 		}
 	}
 	for _, c := range []struct {

@@ -28,6 +28,87 @@ const (
 	randHexLen  = 16
 )
 
+// File safety (C9). The directory must be private: a real directory (not
+// a symlink), owned by this process's effective uid, with no group or
+// other permission bits (0700), so no other local user can plant or swap
+// a file in it. Imports open their file with O_NOFOLLOW and accept only a
+// regular file owned by the same uid whose mode grants nothing to group or
+// others; anything else is refused with ErrBadHandle.
+
+// DefaultHostDir is the default HostConfig.Dir: a private directory under
+// /dev/shm per effective uid, created 0700 by OpenHost when missing.
+func DefaultHostDir() string { return "/dev/shm/kvtier-" + strconv.Itoa(os.Geteuid()) }
+
+// checkPrivateDir verifies the rules above for dir.
+func checkPrivateDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("%w: host Dir: %w", ErrBadSpec, err)
+	}
+	if fi.Mode()&os.ModeSymlink != 0 {
+		return fmt.Errorf("%w: host Dir %s is a symlink; give the directory itself", ErrBadSpec, dir)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("%w: host Dir %s is not a directory", ErrBadSpec, dir)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fmt.Errorf("%w: host Dir %s: no owner information", ErrBadSpec, dir)
+	}
+	if uid := os.Geteuid(); int(st.Uid) != uid {
+		return fmt.Errorf("%w: host Dir %s is owned by uid %d, this process runs as uid %d; it must be the process's own", ErrBadSpec, dir, st.Uid, uid)
+	}
+	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
+		return fmt.Errorf("%w: host Dir %s has mode %#o; it must grant nothing to group or others (0700), not be a shared directory such as bare /dev/shm", ErrBadSpec, dir, perm)
+	}
+	return nil
+}
+
+// ensureHostDir creates the default directory (0700) when it is missing.
+func ensureHostDir(dir string) error {
+	if dir != DefaultHostDir() {
+		return nil
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("%w: create host Dir %s: %w", ErrBadSpec, dir, err)
+	}
+	return nil
+}
+
+// openShmFile opens the shared file name of dir for an import, without
+// following a symlink, and checks that it is a regular file of this uid
+// that grants nothing to group or others.
+func openShmFile(dir, name, what string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, name), os.O_RDWR|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, syscall.ELOOP) {
+			return nil, fmt.Errorf("%w: %s %s is a symlink: refused", ErrBadHandle, what, name)
+		}
+		return nil, fmt.Errorf("%w: %s %s: %w", ErrBadHandle, what, name, err)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s %s: %w", ErrBadHandle, what, name, err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.Mode().IsRegular():
+		err = fmt.Errorf("%w: %s %s is not a regular file (mode %s): refused", ErrBadHandle, what, name, fi.Mode())
+	case !ok:
+		err = fmt.Errorf("%w: %s %s: no owner information", ErrBadHandle, what, name)
+	case int(st.Uid) != os.Geteuid():
+		err = fmt.Errorf("%w: %s %s is owned by uid %d, not this process's uid %d: refused", ErrBadHandle, what, name, st.Uid, os.Geteuid())
+	case fi.Mode().Perm()&0o077 != 0:
+		err = fmt.Errorf("%w: %s %s has mode %#o, want no group or other bits (0600): refused", ErrBadHandle, what, name, fi.Mode().Perm())
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
 // newShmName returns a fresh file name for this process.
 func newShmName(event bool) (string, error) {
 	var b [randHexLen / 2]byte
@@ -153,7 +234,7 @@ func createShmFile(dir, name string, size uint64) (*os.File, error) {
 		return nil, fmt.Errorf("%w: allocation of %d B exceeds the address space", ErrOutOfRange, size)
 	}
 	path := filepath.Join(dir, name)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: host: create %s: %w", path, err)
 	}

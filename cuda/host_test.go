@@ -19,7 +19,18 @@ import (
 
 // openHost opens a host device whose shared files live in a fresh
 // directory of the test.
-func openHost(t *testing.T) cuda.Device { return openHostIn(t, t.TempDir()) }
+func openHost(t *testing.T) cuda.Device { return openHostIn(t, privDir(t)) }
+
+// privDir returns a fresh private (0700) directory: the host backend
+// refuses any other.
+func privDir(t *testing.T) string {
+	t.Helper()
+	d := t.TempDir()
+	if err := os.Chmod(d, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
 
 func openHostIn(t *testing.T, dir string) cuda.Device {
 	t.Helper()
@@ -105,7 +116,7 @@ func shmFiles(t *testing.T, dir string) []string {
 
 func TestHostConfig(t *testing.T) {
 	c := cuda.DefaultHostConfig()
-	if c.Dir != "/dev/shm" || !strings.HasPrefix(c.UUID, "HOST-") || c.Name == "" {
+	if c.Dir != cuda.DefaultHostDir() || !strings.HasPrefix(c.UUID, "HOST-") || c.Name == "" {
 		t.Fatalf("DefaultHostConfig() = %+v", c)
 	}
 	if c2 := cuda.DefaultHostConfig(); c2.UUID != c.UUID {
@@ -121,8 +132,8 @@ func TestHostConfig(t *testing.T) {
 	}{
 		{"missing dir", cuda.HostConfig{Dir: filepath.Join(t.TempDir(), "nope")}},
 		{"dir is a file", cuda.HostConfig{Dir: file}},
-		{"UUID with a slash", cuda.HostConfig{Dir: t.TempDir(), UUID: "HOST-a/b"}},
-		{"UUID with a space", cuda.HostConfig{Dir: t.TempDir(), UUID: "HOST a"}},
+		{"UUID with a slash", cuda.HostConfig{Dir: privDir(t), UUID: "HOST-a/b"}},
+		{"UUID with a space", cuda.HostConfig{Dir: privDir(t), UUID: "HOST a"}},
 	} {
 		wantErr(t, c.name+": Validate", c.cfg.Validate(), cuda.ErrBadSpec)
 		_, err := cuda.OpenHost(c.cfg)
@@ -131,7 +142,7 @@ func TestHostConfig(t *testing.T) {
 }
 
 func TestOpen(t *testing.T) {
-	cfg := cuda.HostConfig{Dir: t.TempDir()}
+	cfg := cuda.HostConfig{Dir: privDir(t)}
 	dev := must(cuda.Open("host", cfg))(t)
 	if in := dev.Info(); in.Backend != "host" {
 		t.Fatalf("Open(host): %+v", in)
@@ -165,29 +176,36 @@ func TestOpen(t *testing.T) {
 	}
 }
 
-// The default directory is /dev/shm; every file goes away with its owner.
+// The default directory is a private one under /dev/shm, created 0700;
+// every file goes away with its owner.
 func TestHostDefaultDir(t *testing.T) {
 	if fi, err := os.Stat("/dev/shm"); err != nil || !fi.IsDir() {
 		t.Skip("no /dev/shm")
 	}
-	before := len(shmFiles(t, "/dev/shm"))
+	dir := cuda.DefaultHostDir()
+	probe := must(cuda.OpenHost(cuda.HostConfig{}))(t)
+	probe.Close()
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("default host dir %s: %v %v, want a 0700 directory", dir, fi, err)
+	}
+	before := len(shmFiles(t, dir))
 	dev := must(cuda.OpenHost(cuda.HostConfig{}))(t)
 	defer dev.Close()
 	m := must(dev.Alloc(1 << 20))(t)
 	e := must(dev.NewEvent(true))(t)
 	must(dev.Alloc(4096))(t)
-	if got := len(shmFiles(t, "/dev/shm")); got != before+3 {
-		t.Fatalf("%d files of this process in /dev/shm, want %d", got, before+3)
+	if got := len(shmFiles(t, dir)); got != before+3 {
+		t.Fatalf("%d files of this process in %s, want %d", got, dir, before+3)
 	}
 	m.Release()
 	e.Release()
-	if got := len(shmFiles(t, "/dev/shm")); got != before+1 {
+	if got := len(shmFiles(t, dir)); got != before+1 {
 		t.Fatalf("%d files after Release, want %d", got, before+1)
 	}
 	if err := dev.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if got := len(shmFiles(t, "/dev/shm")); got != before {
+	if got := len(shmFiles(t, dir)); got != before {
 		t.Fatalf("%d files after Close, want %d", got, before)
 	}
 }
@@ -195,7 +213,7 @@ func TestHostDefaultDir(t *testing.T) {
 // Close finishes promptly even with a Delay of an hour and a wait that can
 // never complete; the work behind them fails; every file is removed.
 func TestHostCloseAbortsAndCleansUp(t *testing.T) {
-	dir := t.TempDir()
+	dir := privDir(t)
 	dev := openHostIn(t, dir)
 	a, b := must(dev.NewStream())(t), must(dev.NewStream())(t)
 	m := must(dev.Alloc(4096))(t)
@@ -485,7 +503,7 @@ func TestHostSelfImport(t *testing.T) {
 }
 
 func TestHostBadHandles(t *testing.T) {
-	dir := t.TempDir()
+	dir := privDir(t)
 	dev := openHostIn(t, dir)
 	defer dev.Close()
 	m := must(dev.Alloc(4096))(t)
@@ -556,7 +574,7 @@ func TestHostGatherOverlap(t *testing.T) {
 }
 
 func TestSweepStaleHost(t *testing.T) {
-	dir := t.TempDir()
+	dir := privDir(t)
 	cmd := exec.Command("true")
 	if err := cmd.Run(); err != nil {
 		t.Skip("cannot run true:", err)

@@ -245,7 +245,7 @@ func newKV(t *testing.T, tp int) *kv {
 		c.rankAddr = append(c.rankAddr, "127.0.0.1:"+strconv.Itoa(freePort(t)))
 	}
 	for _, d := range []string{c.hostD, c.l2D, c.logD, filepath.Join(dir, "index")} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
+		if err := os.MkdirAll(d, 0o700); err != nil { // private: the host backend and L2 insist
 			t.Fatal(err)
 		}
 	}

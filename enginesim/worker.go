@@ -169,12 +169,27 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 			// The event lives until the rankd answered: it may still be
 			// waiting on it and reading the pages.
 			defer ev.Release()
+			// Subscribed before the request, so a BlocksFreed cannot be missed.
+			freed, err := w.nc.SubscribeSync(w.subj.Freed(w.rank))
+			if err != nil {
+				mu.Lock()
+				results = append(results, storeResult{chunk: c, err: err})
+				mu.Unlock()
+				return
+			}
+			defer freed.Unsubscribe()
 			rep, err := bus.Call[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req)
 			r := storeResult{chunk: c, err: err}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
 				if len(rep.Failed) > 0 {
 					r.err = fmt.Errorf("store of chunk %d failed objects: %v", c, rep.Failed)
+				}
+				if rep.BlocksInUse {
+					// C10: the blocks (and the event) stay untouched until freed.
+					if ferr := waitFreed(ctx, freed, reqID, cb.Chunk); ferr != nil {
+						r.err = errors.Join(r.err, ferr)
+					}
 				}
 			}
 			mu.Lock()

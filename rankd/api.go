@@ -229,6 +229,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 	if err := f.WaitReleased(wctx); err != nil {
 		rep.BlocksInUse = true
 		d.log.Warn("store replied with its blocks still in use by the device", zap.String("request", req.RequestID), zap.Duration("waited", d.releaseWait))
+		d.announceFreed(req, f) // C10: a later message says when they are free
 	}
 	wcancel()
 	if len(rep.Failed) > 0 {

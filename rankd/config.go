@@ -34,7 +34,7 @@ type Config struct {
 	Device string
 	// Host configures the host backend when Device selects it. Its Dir must
 	// be the one the engine's host backend uses. Default
-	// cuda.DefaultHostConfig() (/dev/shm).
+	// cuda.DefaultHostConfig() (/dev/shm/kvtier-<uid>, private 0700).
 	Host cuda.HostConfig
 
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
@@ -46,6 +46,12 @@ type Config struct {
 	// L2Policy is transfer.WriteThrough (default) or
 	// transfer.WriteBackOnEvict.
 	L2Policy transfer.L2Policy
+	// StoreTimeout bounds a store from its request to the commit
+	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
+	// for the device to release the engine's blocks before the reply; a
+	// reply sent while they are still in use says blocks_in_use and a
+	// wire.BlocksFreed message follows (C10). Default 30 s.
+	StoreTimeout time.Duration
 
 	// Join lists the memberlist seeds (host:port), normally the
 	// coordinator's gossip address. Required unless NATSURL is set.
@@ -144,6 +150,7 @@ func DefaultConfig() Config {
 		Host:                  cuda.DefaultHostConfig(),
 		L1Bytes:               1 << 30,
 		L2Policy:              transfer.WriteThrough,
+		StoreTimeout:          30 * time.Second,
 		BindAddr:              "0.0.0.0",
 		BindPort:              -1, // 7946 + 1 + TP rank
 		Detector:              cluster.DefaultDetector(),
@@ -216,9 +223,9 @@ func (c *Config) Validate() error {
 		return bad("NATS switch delay %v must be > 0", c.NATSSwitchAfter)
 	case c.HeartbeatInterval <= 0:
 		return bad("heartbeat interval %v must be > 0", c.HeartbeatInterval)
-	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0:
-		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v)",
-			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout)
+	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0 || c.StoreTimeout <= 0:
+		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v, store %v)",
+			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout, c.StoreTimeout)
 	case c.EventQueue < 1:
 		return bad("event queue %d must be >= 1", c.EventQueue)
 	case c.EventWindow < 1 || c.EventWindow > c.EventQueue:

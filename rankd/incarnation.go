@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/wire"
@@ -39,11 +40,11 @@ func nextIncarnation(l2Dir string, r wire.Rank) (uint64, error) {
 	case !errors.Is(err, os.ErrNotExist):
 		return 0, fmt.Errorf("read incarnation file: %w", err)
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil { // private, like the L2 tier (C9)
 		return 0, fmt.Errorf("incarnation directory: %w", err)
 	}
 	tmp := path + ".tmp"
-	f, err := os.Create(tmp)
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return 0, fmt.Errorf("write incarnation file: %w", err)
 	}

@@ -22,6 +22,7 @@ type metrics struct {
 	eventQueue        prometheus.Gauge
 	reports           *prometheus.CounterVec // result: ok | failed
 	inventories       prometheus.Counter
+	blocksFreed       *prometheus.CounterVec // result: sent | failed
 }
 
 func newMetrics(rank string) *metrics {
@@ -51,9 +52,12 @@ func newMetrics(rank string) *metrics {
 			Name: "restore_reports_total", Help: "Restore reports sent to the coordinator, by result.", ConstLabels: labels},
 			[]string{"result"}),
 		inventories: c("inventory_requests_total", "Inventory pages served."),
+		blocksFreed: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "blocks_freed_total", Help: "Blocks-freed messages for stores answered with blocks_in_use (C10), by result.", ConstLabels: labels},
+			[]string{"result"}),
 	}
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
-		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories,
+		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

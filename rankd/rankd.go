@@ -119,7 +119,8 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Publisher = d.pub
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg
-	d.releaseWait = tc.StoreTimeout
+	tc.StoreTimeout = cfg.StoreTimeout
+	d.releaseWait = cfg.StoreTimeout
 	eng, err := transfer.New(tc)
 	if err != nil {
 		_ = dev.Close()

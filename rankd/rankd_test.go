@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -46,7 +47,7 @@ type harness struct {
 	reports []wire.RestoreReport
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	t.Helper()
 	ec := bus.DefaultEmbeddedConfig()
 	ec.Port = 0
@@ -62,6 +63,9 @@ func newHarness(t *testing.T) *harness {
 	t.Cleanup(nc.Close)
 	h := &harness{t: t, srv: srv, nc: nc, subj: wire.Subjects{Prefix: "kvt"}, rank: wire.Rank{Instance: "eng", TPRank: 1},
 		hostCfg: cuda.HostConfig{Dir: t.TempDir(), UUID: "HOST-rankd-test"}}
+	if err := os.Chmod(h.hostCfg.Dir, 0o700); err != nil { // the host backend wants a private dir
+		t.Fatal(err)
+	}
 	if _, err := nc.Subscribe(h.subj.EventsAll(), func(m *nats.Msg) {
 		var b wire.Batch
 		if err := b.UnmarshalBinary(m.Data); err != nil {
@@ -99,6 +103,9 @@ func newHarness(t *testing.T) *harness {
 	cfg.BindAddr, cfg.BindPort = "127.0.0.1", 0
 	cfg.HeartbeatInterval = 100 * time.Millisecond
 	cfg.Logger = zaptest.NewLogger(t)
+	for _, o := range opts {
+		o(&cfg)
+	}
 	d, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

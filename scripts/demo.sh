@@ -32,7 +32,7 @@ GOSSIP=127.0.0.1:$((BASE + 1))
 NATS=nats://127.0.0.1:$NATS_PORT
 TP=4
 WORK=$(mktemp -d -t kvtier-demo.XXXXXX)
-mkdir -p "$WORK/index" "$WORK/shm" "$WORK/l2" "$WORK/logs"
+mkdir -p -m 0700 "$WORK/index" "$WORK/shm" "$WORK/l2" "$WORK/logs"
 
 declare -A PIDS=()
 

@@ -92,7 +92,14 @@ type Config struct {
 	// S3-compatible one). Default nil: a FileTier on L2Dir when set.
 	L2 L2Tier
 	// L2Policy is WriteThrough (default) or WriteBackOnEvict. Ignored
-	// without an L2 tier.
+	// without an L2 tier. Under either, a failing L2 never blocks L1: after
+	// 3 consecutive failed writes the tier is degraded (Warn log, gauge
+	// kvtier_transfer_l2_degraded = 1): write-through skips new writes
+	// (counted), objects only L1 holds become evictable and are dropped
+	// when L1 needs room (counted in l2_dropped_dirty_total, logged at
+	// Error), and one probe write is tried after 1 s, backing off to 30 s;
+	// its success ends the degradation and write-through writes the dirty
+	// objects L1 still holds. Flush and Close always try every write.
 	L2Policy L2Policy
 	// L2Writers is the number of goroutines writing objects to L2. Default
 	// 4. Every object is fsynced on its own (C6), so writers are bound by
@@ -113,7 +120,10 @@ type Config struct {
 	// (StoreFuture.Released).
 	StoreTimeout time.Duration
 	// RetrieveTimeout bounds a retrieve: L2 reads, the scatter and its
-	// verification. Default 30 s.
+	// verification. Default 30 s. When it expires with the scatter still
+	// enqueued, the items fail with reason timeout but the answer waits
+	// until the device has stopped writing their pages (C10), so the
+	// engine may recompute them the moment it has the answer.
 	RetrieveTimeout time.Duration
 	// Streams is the number of device streams for stores and, separately,
 	// for retrieves. A store holds its stream while it waits for the

@@ -165,10 +165,16 @@ func (e *Engine) L2() L2Tier { return e.l2 }
 // rescan rebuilds this rank's L2 inventory at New.
 func (e *Engine) rescan() error {
 	start := time.Now()
-	var found, bad int
+	var found, bad, skipped int
 	err := e.l2.Scan(e.life, e.cfg.Rank, !e.cfg.L2SkipVerifyOnScan, func(s ScanEntry) {
 		e.mu.Lock()
 		defer e.mu.Unlock()
+		if s.Skipped != "" {
+			skipped++
+			e.ctr.l2ScanSkipped.Add(1)
+			e.log.Warn("L2 rescan: skipped an entry that is not a regular file or directory", zap.String("why", s.Skipped))
+			return
+		}
 		if s.Err != nil {
 			bad++
 			e.ctr.quarantined.Add(1)
@@ -190,7 +196,8 @@ func (e *Engine) rescan() error {
 	if err != nil {
 		return fmt.Errorf("transfer: rescan L2: %w", err)
 	}
-	e.log.Info("L2 rescanned", zap.Int("objects", found), zap.Int("quarantined", bad), zap.Duration("took", time.Since(start)))
+	e.log.Info("L2 rescanned", zap.Int("objects", found), zap.Int("quarantined", bad), zap.Int("skipped", skipped),
+		zap.Duration("took", time.Since(start)))
 	return nil
 }
 

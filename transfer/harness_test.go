@@ -33,6 +33,9 @@ func openDevice(t testing.TB, dir string) cuda.Device {
 	t.Helper()
 	if dir == "" {
 		dir = t.TempDir()
+		if err := os.Chmod(dir, 0o700); err != nil { // the host backend wants a private dir
+			t.Fatal(err)
+		}
 	}
 	dev, err := cuda.OpenHost(cuda.HostConfig{Dir: dir})
 	if err != nil {

@@ -81,10 +81,19 @@ type catalog struct {
 	evictKick chan struct{}
 	writeKick chan struct{}
 	writeQ    []*l1Obj
-	writing   int      // objects queued or being written
-	prefix    []uint64 // scratch for window scans
-	blocked   []int32
-	waitable  []int32
+	writing   int // objects queued or being written
+	// L2 health (issue 11.3: a failing L2 never blocks L1). failStreak
+	// counts consecutive failed writes; at l2DegradeAfter the tier is
+	// degraded: new writes are skipped, objects only L1 holds become
+	// evictable (dropped, counted), and one probe write is tried every
+	// backoff (doubling up to l2MaxBackoff) until one succeeds.
+	failStreak int
+	degraded   bool
+	probeAt    time.Time
+	backoff    time.Duration
+	prefix     []uint64 // scratch for window scans
+	blocked    []int32
+	waitable   []int32
 }
 
 func (c *catalog) init(nslabs int, slabBytes uint64) {
@@ -205,6 +214,8 @@ func (c *catalog) classify(o *l1Obj, now time.Time) int {
 		return slabBlocked
 	case o.writing:
 		return slabWaitable
+	case o.dirty && c.degraded:
+		return slabClean // L2 is failing: dropped (counted) rather than block L1
 	case o.dirty && now.Sub(o.wbFailed) < writeBackRetry:
 		return slabBlocked
 	case o.dirty:
@@ -216,6 +227,14 @@ func (c *catalog) classify(o *l1Obj, now time.Time) int {
 // writeBackRetry is how long an object whose L2 write failed is left alone
 // before the next attempt.
 const writeBackRetry = time.Second
+
+// l2DegradeAfter consecutive failed L2 writes mark the tier degraded;
+// probes follow after l2MinBackoff, doubling up to l2MaxBackoff.
+const (
+	l2DegradeAfter = 3
+	l2MinBackoff   = time.Second
+	l2MaxBackoff   = 30 * time.Second
+)
 
 // findWindow returns the start of the best window of n slabs holding no
 // blocked slab, preferring windows without waitable slabs, then the least
@@ -313,19 +332,26 @@ func (e *Engine) assignLocked(o *l1Obj, s int) {
 	}
 }
 
-// evictLocked removes a ready, unpinned, clean object from L1.
+// evictLocked removes a ready, unpinned, clean object from L1 (or, while
+// L2 is degraded, one only L1 holds: dropped and counted).
 func (e *Engine) evictLocked(o *l1Obj) {
 	if e.hooks.evicting != nil {
 		e.hooks.evicting(o.key, o.pins)
 	}
-	if o.pins > 0 || o.writing || o.dirty || o.state != stReady || o.doomed {
+	if o.pins > 0 || o.writing || (o.dirty && !e.cat.degraded) || o.state != stReady || o.doomed {
 		e.ctr.pinnedEvictions.Add(1)
 		e.log.Error("BUG: refused to evict an object in use", zap.Stringer("key", o.key),
 			zap.Int("pins", o.pins), zap.Bool("writing", o.writing), zap.Bool("dirty", o.dirty))
 		return
 	}
 	e.ctr.evictions.Add(1)
-	e.log.Debug("evicted from L1", zap.Stringer("key", o.key), zap.Uint64("size", o.size))
+	if o.dirty {
+		o.dirty = false
+		e.ctr.l2DroppedDirty.Add(1)
+		e.log.Error("L2 is failing: an object only L1 held was dropped to make room", zap.Stringer("key", o.key), zap.Uint64("size", o.size))
+	} else {
+		e.log.Debug("evicted from L1", zap.Stringer("key", o.key), zap.Uint64("size", o.size))
+	}
 	e.dropLocked(o)
 }
 
@@ -386,7 +412,12 @@ func (e *Engine) commitLocked(o *l1Obj, sum uint64, dirty bool) {
 	e.emitLocked(wire.Stored, wire.L1, o.key, o.size, o.sum)
 	close(o.filled)
 	if o.dirty && e.cfg.L2Policy == WriteThrough {
-		e.queueWriteLocked(o)
+		if c.degraded {
+			o.wbFailed = e.cfg.Now()
+			e.ctr.l2Skipped.Add(1)
+		} else {
+			e.queueWriteLocked(o)
+		}
 	}
 }
 
@@ -405,8 +436,16 @@ func (e *Engine) newObjLocked(key dcp.Key, fp [32]byte, size uint64) *l1Obj {
 	return o
 }
 
-// queueWriteLocked hands o to the L2 writers.
+// queueWriteLocked hands o to the L2 writers, unless L2 is degraded
+// (then only probes and flushes write: queueWriteForcedLocked).
 func (e *Engine) queueWriteLocked(o *l1Obj) {
+	if e.cat.degraded {
+		return
+	}
+	e.queueWriteForcedLocked(o)
+}
+
+func (e *Engine) queueWriteForcedLocked(o *l1Obj) {
 	if o.writing || e.l2 == nil {
 		return
 	}
@@ -428,8 +467,61 @@ func (e *Engine) evictLoop() {
 			return
 		}
 		e.mu.Lock()
+		e.probeL2Locked()
 		e.evictToLowLocked()
 		e.mu.Unlock()
+	}
+}
+
+// probeL2Locked tries one write to a degraded L2 once its backoff is over
+// (an object only L1 holds): its success ends the degradation.
+func (e *Engine) probeL2Locked() {
+	c := &e.cat
+	if !c.degraded || c.writing > 0 || e.cfg.Now().Before(c.probeAt) {
+		return
+	}
+	for o := c.head; o != nil; o = o.next {
+		if o.dirty && !o.writing && !o.doomed && o.state == stReady {
+			c.probeAt = e.cfg.Now().Add(c.backoff) // until its outcome
+			e.queueWriteForcedLocked(o)
+			return
+		}
+	}
+}
+
+// l2WriteDoneLocked tracks the L2's health from one write's outcome.
+func (e *Engine) l2WriteDoneLocked(ok bool) {
+	c := &e.cat
+	now := e.cfg.Now()
+	if ok {
+		c.failStreak = 0
+		if c.degraded {
+			c.degraded = false
+			e.ctr.l2Degraded.Store(false)
+			e.log.Info("L2 writes succeed again; the tier is no longer degraded")
+			if e.cfg.L2Policy == WriteThrough {
+				for o := c.head; o != nil; o = o.next {
+					if o.dirty && !o.doomed {
+						e.queueWriteLocked(o)
+					}
+				}
+			}
+		}
+		return
+	}
+	c.failStreak++
+	switch {
+	case c.degraded:
+		c.backoff = min(2*c.backoff, l2MaxBackoff)
+		c.probeAt = now.Add(c.backoff)
+	case c.failStreak >= l2DegradeAfter:
+		c.degraded = true
+		c.backoff = l2MinBackoff
+		c.probeAt = now.Add(c.backoff)
+		e.ctr.l2Degraded.Store(true)
+		e.ctr.l2DegradedTotal.Add(1)
+		e.log.Warn("L2 is failing: writes are skipped and objects only L1 holds are dropped when L1 needs room",
+			zap.Int("consecutive_failures", c.failStreak), zap.Duration("probe_every", c.backoff))
 	}
 }
 
@@ -526,6 +618,7 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 		e.ctr.l2WriteErrors.Add(1)
 		e.log.Warn("L2 write failed; the object stays in L1 and is retried", zap.Stringer("key", o.key), zap.Error(err))
 	}
+	e.l2WriteDoneLocked(err == nil || isCorrupt(err))
 	e.maybeFreeLocked(o)
 	c.notifyLocked()
 	kick(e.cat.evictKick)
@@ -540,7 +633,7 @@ func (e *Engine) flushL2(ctx context.Context) error {
 		e.mu.Lock()
 		for _, o := range e.cat.objs {
 			if o.dirty && !o.writing && o.state == stReady && !o.doomed {
-				e.queueWriteLocked(o)
+				e.queueWriteForcedLocked(o) // also onto a degraded L2: its last chance
 			}
 		}
 		e.mu.Unlock()

@@ -51,6 +51,14 @@ type counters struct {
 	storeLatency      prometheus.Histogram
 	retrieveLatency   prometheus.Histogram
 	retrievesInflight atomic.Int64
+	retrieveDrains    atomic.Uint64 // timed-out scatters drained before their reply (C10)
+	l2DroppedDirty    atomic.Uint64 // objects only L1 held, dropped for room while L2 was failing
+	l2Skipped         atomic.Uint64 // write-through writes skipped while L2 was degraded
+	l2Degraded        atomic.Bool
+	l2DegradedTotal   atomic.Uint64 // times the tier became degraded
+	l2ScanSkipped     atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
+	l2Rewrites        atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
+	storesNotDurable  atomic.Uint64 // write-through stores answered NotDurable
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -84,6 +92,13 @@ type Stats struct {
 	L2WriteErrors    uint64
 	LostObjects      uint64 // objects only in L1 that could not be written back at Close
 	PinnedEvictions  uint64 // always 0 unless there is a bug
+	RetrieveDrains   uint64 // timed-out scatters drained before their reply (C10)
+	L2Degraded       bool   // consecutive L2 writes failed: writes skipped, probes with backoff
+	L2DroppedDirty   uint64 // objects only L1 held, dropped for room while L2 was degraded
+	L2WritesSkipped  uint64 // write-through writes skipped while L2 was degraded
+	L2ScanSkipped    uint64 // rescan entries skipped: not regular files, symlinked namespace directories
+	L2Rewrites       uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
+	StoresNotDurable uint64 // write-through stores answered NotDurable (L2 degraded or unavailable)
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -119,6 +134,13 @@ func (e *Engine) Stats() Stats {
 		L2WriteErrors:     c.l2WriteErrors.Load(),
 		LostObjects:       c.lostObjects.Load(),
 		PinnedEvictions:   c.pinnedEvictions.Load(),
+		RetrieveDrains:    c.retrieveDrains.Load(),
+		L2Degraded:        c.l2Degraded.Load(),
+		L2DroppedDirty:    c.l2DroppedDirty.Load(),
+		L2WritesSkipped:   c.l2Skipped.Load(),
+		L2ScanSkipped:     c.l2ScanSkipped.Load(),
+		L2Rewrites:        c.l2Rewrites.Load(),
+		StoresNotDurable:  c.storesNotDurable.Load(),
 		LastSeq:           c.lastSeq.Load(),
 		EventsPublished:   c.eventsPublished.Load(),
 		EventsDropped:     c.eventsDropped.Load(),
@@ -171,6 +193,14 @@ func newCollector(c *counters, rank string) *collector {
 	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")
 	add("l2_write_errors_total", "Failed L2 writes.")
 	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
+	add("retrieve_drains_total", "Timed-out scatters the engine waited for before answering (C10: a failure reply means hands off).")
+	add("l2_degraded", "1 while L2 writes keep failing: writes are skipped, objects only L1 holds are dropped for room, a probe write runs with backoff. Alert on it.")
+	add("l2_degraded_total", "Times L2 became degraded.")
+	add("l2_dropped_dirty_total", "Objects only L1 held, dropped to make room while L2 was degraded (lost from the tiers).")
+	add("l2_writes_skipped_total", "Write-through writes skipped while L2 was degraded.")
+	add("l2_scan_skipped_total", "L2 rescan entries skipped as unsafe: not regular files (FIFOs, devices, symlinks) or symlinked namespace directories.")
+	add("l2_rewrites_total", "Objects L1 holds written to L2 again because their L2 copy was found gone or quarantined.")
+	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
@@ -218,6 +248,18 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l1_full_total", c.l1Full.Load())
 	counter("l2_write_errors_total", c.l2WriteErrors.Load())
 	counter("lost_objects_total", c.lostObjects.Load())
+	counter("retrieve_drains_total", c.retrieveDrains.Load())
+	deg := 0.0
+	if c.l2Degraded.Load() {
+		deg = 1
+	}
+	gauge("l2_degraded", deg)
+	counter("l2_degraded_total", c.l2DegradedTotal.Load())
+	counter("l2_dropped_dirty_total", c.l2DroppedDirty.Load())
+	counter("l2_writes_skipped_total", c.l2Skipped.Load())
+	counter("l2_scan_skipped_total", c.l2ScanSkipped.Load())
+	counter("l2_rewrites_total", c.l2Rewrites.Load())
+	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))

@@ -55,6 +55,11 @@ type ItemResult struct {
 // chunk's pages.
 type RetrieveResult struct {
 	Items []ItemResult
+	// BlocksInUse: a timed-out scatter could not be drained before the
+	// answer because the engine is closing; the device may still write
+	// the items' pages. Otherwise every answer, failed or not, is given
+	// once the device has stopped writing them (C10).
+	BlocksInUse bool
 }
 
 // FailedChunks returns the sorted chunk indexes with a failed item.
@@ -126,11 +131,9 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	defer cancel()
 	stop := context.AfterFunc(e.life, cancel)
 	defer stop()
-	reaped := r.run(ctx)
+	r.run(ctx)
 	r.account()
-	if !reaped {
-		r.finish()
-	}
+	r.finish()
 	e.ctr.retrieveLatency.Observe(time.Since(start).Seconds())
 	return r.res, nil
 }
@@ -185,9 +188,8 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 	return out, nil
 }
 
-// run does the retrieval; it reports true when a timed-out scatter left
-// the finishing to a reaper.
-func (r *retrieval) run(ctx context.Context) bool {
+// run does the retrieval.
+func (r *retrieval) run(ctx context.Context) {
 	e := r.e
 	res := r.sp.res
 	var loads, waits []int
@@ -287,10 +289,9 @@ func (r *retrieval) run(ctx context.Context) bool {
 		}
 	}
 	e.mu.Unlock()
-	if len(scatter) == 0 {
-		return false
+	if len(scatter) > 0 {
+		r.scatter(ctx, scatter)
 	}
-	return r.scatter(ctx, scatter)
 }
 
 // load reads item i's object from L2 into its (unplaced) L1 object.
@@ -335,10 +336,34 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if ent, ok := e.cat.l2[ce.Key]; ok && (!ce.WriterKnown || ce.Writer == e.cfg.Rank) {
+		if o := e.cat.objs[ce.Key]; o != nil && o.state == stReady && !o.doomed {
+			e.l2CopyGoneLocked(o)
+			return
+		}
 		delete(e.cat.l2, ce.Key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, ce.Key, ent.size, ent.sum)
 	}
+}
+
+// l2CopyGoneLocked handles an object L1 holds whose L2 copy (this rank's)
+// was found quarantined or gone: the copy is announced removed, and the
+// object becomes dirty and is written again, whatever the policy (it was
+// durable before), so a re-store or a read heals the tier and the new
+// copy is announced again (issue 11.12).
+func (e *Engine) l2CopyGoneLocked(o *l1Obj) {
+	if ent, ok := e.cat.l2[o.key]; ok {
+		delete(e.cat.l2, o.key)
+		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
+		e.emitLocked(wire.Removed, wire.L2, o.key, ent.size, ent.sum)
+	}
+	if e.l2 == nil || o.dirty {
+		return
+	}
+	o.dirty = true
+	e.ctr.l2Rewrites.Add(1)
+	e.log.Warn("the L2 copy of an object L1 holds is gone or quarantined; writing it again", zap.Stringer("key", o.key))
+	e.queueWriteLocked(o)
 }
 
 // l2Vanished drops an object of this rank's L2 inventory whose file is
@@ -346,6 +371,12 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 func (e *Engine) l2Vanished(key dcp.Key) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if o := e.cat.objs[key]; o != nil && o.state == stReady && !o.doomed {
+		if _, ok := e.cat.l2[key]; ok {
+			e.l2CopyGoneLocked(o)
+			return
+		}
+	}
 	if ent, ok := e.cat.l2[key]; ok {
 		delete(e.cat.l2, key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
@@ -361,9 +392,9 @@ func (r *retrieval) fail(i int, err error) {
 	ir.OK, ir.Err, ir.Reason = false, err, reasonOf(err)
 }
 
-// scatter places the items and verifies them. It reports true when a
-// timeout left the items' pins, the stream and the space to a reaper.
-func (r *retrieval) scatter(ctx context.Context, items []int) bool {
+// scatter places the items and verifies them. It returns only once the
+// device has stopped writing the items' pages, also after a timeout (C10).
+func (r *retrieval) scatter(ctx context.Context, items []int) {
 	e := r.e
 	objs := make([]cuda.Object, len(items))
 	e.mu.Lock()
@@ -379,7 +410,7 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 	stream, err := e.retrieveStreams.get(ctx)
 	if err != nil {
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
-		return false
+		return
 	}
 	op, err := stream.Scatter(e.l1buf, objs)
 	if err != nil {
@@ -387,17 +418,32 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 		// the stream failed for good, failing every later retrieve on it.
 		e.retrieveStreams.put(stream, false)
 		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return false
+		return
 	}
 	if err := op.Wait(ctx); err != nil {
 		if ctx.Err() != nil {
 			failAll(fmt.Errorf("scatter of %d objects: %w", len(items), ctxErr(ctx)))
-			e.goFunc(func() { r.reap(stream) })
-			return true
+			// C10: a failure reply means the device has stopped writing
+			// the engine's pages, which it recomputes at once. The scatter
+			// is still enqueued: wait for the stream to drain before
+			// answering (only Close cuts the wait short).
+			start := time.Now()
+			serr := stream.Synchronize(e.life)
+			e.retrieveStreams.put(stream, serr == nil)
+			e.ctr.retrieveDrains.Add(1)
+			if serr != nil {
+				r.res.BlocksInUse = true
+				e.log.Error("a timed-out scatter could not be drained before the reply; the target blocks may still be written",
+					zap.String("restore", r.req.RestoreID), zap.Int("objects", len(items)), zap.Error(serr))
+			} else {
+				e.log.Warn("a timed-out scatter was drained before the reply", zap.String("restore", r.req.RestoreID),
+					zap.Int("objects", len(items)), zap.Duration("drained", time.Since(start)))
+			}
+			return
 		}
 		e.retrieveStreams.put(stream, false)
 		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return false
+		return
 	}
 	e.retrieveStreams.put(stream, true)
 	sums := op.Sums()
@@ -422,14 +468,6 @@ func (r *retrieval) scatter(ctx context.Context, items []int) bool {
 	e.mu.Unlock()
 	e.ctr.objectsRestored.Add(ok)
 	e.ctr.bytesRetrievedL1.Add(bytes)
-	return false
-}
-
-// reap waits for a timed-out scatter to drain, then finishes.
-func (r *retrieval) reap(stream cuda.Stream) {
-	err := stream.Synchronize(r.e.life)
-	r.e.retrieveStreams.put(stream, err == nil)
-	r.finish()
 }
 
 // account counts and logs the failed items.

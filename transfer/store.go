@@ -75,6 +75,11 @@ type StoredObject struct {
 type StoreResult struct {
 	RequestID string
 	Objects   []StoredObject
+	// NotDurable, when not empty, says why objects this store committed
+	// are in L1 only although the policy is WriteThrough: L2 is degraded
+	// or fails its health check (its root is gone, say). Counted in
+	// kvtier_transfer_stores_not_durable_total.
+	NotDurable string
 }
 
 // Err joins the errors of the failed objects; nil when every object was
@@ -91,7 +96,7 @@ func (r StoreResult) Err() error {
 
 // Wire converts r to the engine API reply.
 func (r StoreResult) Wire() wire.StoreReply {
-	var w wire.StoreReply
+	w := wire.StoreReply{NotDurable: r.NotDurable}
 	for _, o := range r.Objects {
 		switch o.Status {
 		case Stored:
@@ -222,6 +227,11 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				r.Status, r.Sum = Deduped, o.sum
 				e.cat.touch(o)
 				e.ctr.dedupeHits.Add(1)
+				if l2ok[p.key] == l2Gone {
+					// Readers found the L2 copy damaged (quarantined) or
+					// gone: the re-store heals it from L1 (issue 11.12).
+					e.l2CopyGoneLocked(o)
+				}
 			} else {
 				o.pins++ // another store or a load is filling it: take its outcome
 				f.dups = append(f.dups, storeWork{idx: idx, o: o})
@@ -259,10 +269,11 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	return f, nil
 }
 
-// checkL2Dedupe stats, through the L2 tier, the planned objects that only
-// this rank's L2 inventory holds, and reports which of them may be
-// deduplicated: present, naming their key, of the recorded size and sum.
-// A key not checked (in L1, or not in the inventory) is absent. The file may have been
+// checkL2Dedupe stats, through the L2 tier, the planned objects this
+// rank's L2 inventory holds (also those L1 holds: readers may have
+// quarantined the file), and reports which of them may be deduplicated:
+// present, naming their key, of the recorded size and sum. A key not
+// checked (not in the inventory, or being filled or written) is absent. The file may have been
 // quarantined or deleted by another rank sharing the L2 root, so the
 // inventory alone cannot be trusted to hold a copy.
 func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dcp.Key]l2Check {
@@ -272,8 +283,8 @@ func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dc
 	var check map[dcp.Key]l2Entry
 	e.mu.Lock()
 	for _, p := range planned {
-		if e.cat.objs[p.key] != nil {
-			continue
+		if o := e.cat.objs[p.key]; o != nil && (o.state != stReady || o.dirty || o.writing) {
+			continue // no L2 copy to check, or one being written
 		}
 		if ent, ok := e.cat.l2[p.key]; ok {
 			if check == nil {
@@ -444,12 +455,51 @@ func (e *Engine) runStore(f *StoreFuture) {
 		f.res.Objects[w.idx].Status, f.res.Objects[w.idx].Sum = Deduped, sum
 		e.ctr.dedupeHits.Add(1)
 	}
+	f.res.NotDurable = e.durability(f)
 	e.ctr.storeLatency.Observe(time.Since(f.start).Seconds())
 	close(f.done)
 	if f.reaper != nil {
 		<-f.reaper // a timed-out store is finished when the device is
 	}
 	e.finishFuture(f)
+}
+
+// L2Checker is implemented by L2 tiers that can tell cheaply whether a
+// write could succeed now (FileTier: its root is there and safe).
+type L2Checker interface {
+	Check() error
+}
+
+// durability says why the objects f committed are not on their way to L2
+// although the policy promises it ("" when they are, or nothing was
+// committed, or the policy is write-back).
+func (e *Engine) durability(f *StoreFuture) string {
+	if e.l2 == nil || e.cfg.L2Policy != WriteThrough {
+		return ""
+	}
+	stored := false
+	for _, o := range f.res.Objects {
+		stored = stored || o.Status == Stored
+	}
+	if !stored {
+		return ""
+	}
+	why := ""
+	e.mu.Lock()
+	if e.cat.degraded {
+		why = "L2 is degraded: its writes keep failing; the objects are in L1 only"
+	}
+	e.mu.Unlock()
+	if ck, ok := e.l2.(L2Checker); why == "" && ok {
+		if err := ck.Check(); err != nil {
+			why = "L2 is unavailable (" + err.Error() + "); the objects are in L1 only"
+		}
+	}
+	if why != "" {
+		e.ctr.storesNotDurable.Add(1)
+		e.log.Warn("store committed to L1 only although the policy is write-through", zap.String("request", f.req), zap.String("why", why))
+	}
+	return why
 }
 
 // gather runs the device part of a store. It reports true when it has

@@ -83,9 +83,13 @@ type StoreReply struct {
 	Failed  []string `json:"failed,omitempty"`
 	// BlocksInUse: the store ended (timed out) and the device may still
 	// be reading the blocks after a further wait; the engine must not
-	// reuse them or destroy its producer event yet (no later message says
-	// when they are free).
+	// reuse them or destroy its producer event until the rankd publishes
+	// BlocksFreed for this store on Subjects.Freed (C10).
 	BlocksInUse bool `json:"blocks_in_use,omitempty"`
+	// NotDurable, when set, says why the stored objects are in L1 only
+	// although the policy (write-through) promises L2: the tier is
+	// failing or its directory is gone. The store itself succeeded.
+	NotDurable string `json:"not_durable,omitempty"`
 }
 
 // Source says where a reader should take an object from.

@@ -30,7 +30,7 @@ func main() {
 	flag.StringVar(&cfg.Scenario, "scenario", "tp4dcp4", "scenario: "+strings.Join(enginesim.ScenarioNames(), ", "))
 	flag.StringVar(&cfg.Instance, "instance", "engine0", "engine instance the rankds serve")
 	flag.StringVar(&devices, "device", "host", "device spec for every rank, or a comma-separated one per rank (host, auto, cuda:N, GPU UUID)")
-	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (must match the rankds'; default /dev/shm)")
+	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir, must match the rankds'; default /dev/shm/kvtier-<uid>)")
 	flag.StringVar(&cfg.NATSURL, "nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
 	flag.StringVar(&cfg.Prefix, "prefix", "kvtier", "NATS subject prefix")
 	flag.StringVar(&cfg.Phase, "phase", enginesim.PhaseAll, "store | restore | all")

@@ -35,7 +35,7 @@ func main() {
 	flag.IntVar(&cfg.TPSize, "tp-size", 1, "TP size of the engine")
 	flag.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
 	flag.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
-	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (default /dev/shm; must match the engine's)")
+	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
 	flag.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
 	flag.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
 	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")

@@ -257,6 +257,9 @@ func RunCrossProcess(t *testing.T, cfg CrossProcessConfig) {
 			}
 			t.Parallel()
 			dir := t.TempDir()
+			if err := os.Chmod(dir, 0o700); err != nil { // the host backend wants a private dir
+				t.Fatal(err)
+			}
 			eng := startEngine(t, cfg, dir)
 			dev := cfg.Open(t, dir)
 			t.Cleanup(func() { dev.Close() })
