@@ -288,12 +288,21 @@ class HostEvent:
         assert self._m is not None
         struct.pack_into("<Q", self._m, off, v)
 
-    def record(self) -> None:
-        """Records (and, the work being synchronous, completes) a record."""
+    def record(self, completed: bool = True) -> None:
+        """Records a record; completed (the default, the work being
+        synchronous) also completes it. With completed=False a rankd's wait
+        blocks until :meth:`complete`: an engine still writing its pages."""
         if self._m is None:
             raise HandleError(f"event {self.name} was released")
         self._records += 1
         self._put(_W_RECORDED, self._records)
+        if completed:
+            self.complete()
+
+    def complete(self) -> None:
+        """Completes every record so far."""
+        if self._m is None:
+            raise HandleError(f"event {self.name} was released")
         self._put(_W_COMPLETED, self._records)
 
     def export(self) -> EventHandle:
