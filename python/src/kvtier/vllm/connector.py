@@ -532,7 +532,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 bpc = self.resolved.blocks_per_chunk(it.group)
                 it.blocks = load.block_ids[it.group][c * bpc:(c + 1) * bpc]
             try:
-                await self._session.aio.retrieve(items, load.restore_id)
+                try:
+                    await self._session.aio.retrieve(items, load.restore_id)
+                except UnknownNamespace:
+                    # A restarted rankd forgot the registration. Its report
+                    # of the refusal may already have failed the restore:
+                    # register again for the next one; the verdict decides.
+                    await self._session.aio.reregister()
+                    self.stats["reregistered"] += 1
+                    await self._session.aio.retrieve(items, load.restore_id)
             except Exception as e:  # the verdict decides
                 log.warning("kvtier retrieve of %s on %s: %s", load.restore_id, self._rank, e)
         verdict = await self.client.aio.restore_wait(load.restore_id)
