@@ -4,7 +4,7 @@ PKGS      := ./...
 BIN       := bin
 CLANG     ?= clang-14
 
-.PHONY: all build test test-short demo bench lint ptx soak gpu-build clean
+.PHONY: all build test test-short demo bench lint ptx soak gpu-build clean python-venv python-test
 
 all: build
 
@@ -16,6 +16,7 @@ build:
 # under ~15 minutes on 2 cores.
 test:
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(MAKE) python-test
 
 test-short:
 	$(GO) test -short $(PKGS)
@@ -58,5 +59,21 @@ gpu-build:
 soak:
 	KVTIER_SOAK=1 $(GO) test -race -timeout 60m -run 'Soak|Campaign' $(PKGS)
 
+# The Python client (python/): a venv with the package installed editable
+# and what its tests need (nats-py, pytest, ruff), then ruff and pytest. The
+# integration tests build the Go daemons themselves.
+PYTHON ?= python3
+VENV   := python/.venv
+
+python-venv: $(VENV)/.installed
+
+$(VENV)/.installed: python/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e 'python[test]'
+	touch $@
+
+python-test: python-venv
+	cd python && .venv/bin/ruff check . && .venv/bin/pytest -q
+
 clean:
-	rm -rf $(BIN) .gpu
+	rm -rf $(BIN) .gpu $(VENV)

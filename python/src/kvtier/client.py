@@ -1,0 +1,417 @@
+"""The engine's client: rankd's engine API and the coordinator's engine
+subjects over NATS request/reply.
+
+:class:`Client` is asyncio (nats-py); :class:`SyncClient` is a facade for
+engine threads that runs its own event loop on a thread it owns and stops
+it on :meth:`SyncClient.close`.
+
+Three seams are kept single so protocol changes touch one place:
+
+- :func:`connect_nats` / :class:`ConnectOptions`: how a connection is made
+  (servers, nkey seed or credentials file, TLS CA, inbox prefix);
+- :class:`RankSession`: what register returns and every store, retrieve and
+  release carries (today the namespace);
+- :func:`kvtier.wire.decode_restore_plan`: the restore plan's encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ssl
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier import wire
+from kvtier.cuda import EventHandle
+from kvtier.dcp import ChunkHash, Namespace, Spec
+from kvtier.errors import MalformedError, NotConnected, RequestTimeout, Unavailable
+from kvtier.wire import (
+    ChunkBlocks,
+    LookupReply,
+    PoolRegistration,
+    Rank,
+    RestorePlan,
+    RestoreVerdict,
+    RetrieveItem,
+    RetrieveReply,
+    StoreReply,
+    Subjects,
+)
+
+T = TypeVar("T")
+
+
+@dataclass
+class ConnectOptions:
+    """How to reach NATS. Fields map to nats-py's connect options."""
+
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    # name shows in the server's connection list.
+    name: str = "kvtier-engine"
+    # prefix of every subject (the daemons' --prefix).
+    prefix: str = wire.DEFAULT_PREFIX
+    # nkey_seed_file authenticates with an nkey seed (one per identity).
+    nkey_seed_file: str | None = None
+    # credentials_file authenticates with a NATS .creds file.
+    credentials_file: str | None = None
+    # tls_ca_file verifies the server's certificate (enables TLS).
+    tls_ca_file: str | None = None
+    # inbox_prefix replaces "_INBOX" for replies (per-identity inboxes).
+    inbox_prefix: str | None = None
+    # timeout is the default per-request timeout in seconds.
+    timeout: float = 30.0
+    # connect_timeout bounds the first connection, seconds.
+    connect_timeout: float = 5.0
+    # reconnect_wait between reconnect attempts, seconds; reconnects never stop.
+    reconnect_wait: float = 0.1
+
+    def validate(self) -> None:
+        if not self.servers:
+            raise ValueError("ConnectOptions.servers is empty")
+        if self.timeout <= 0 or self.connect_timeout <= 0:
+            raise ValueError(f"timeouts must be > 0 s (timeout {self.timeout}, connect {self.connect_timeout})")
+        if self.nkey_seed_file and self.credentials_file:
+            raise ValueError("give nkey_seed_file or credentials_file, not both")
+
+    def nats_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "servers": list(self.servers),
+            "name": self.name,
+            "connect_timeout": self.connect_timeout,
+            "reconnect_time_wait": self.reconnect_wait,
+            "max_reconnect_attempts": -1,
+            "allow_reconnect": True,
+        }
+        if self.nkey_seed_file:
+            kw["nkeys_seed"] = self.nkey_seed_file
+        if self.credentials_file:
+            kw["user_credentials"] = self.credentials_file
+        if self.tls_ca_file:
+            kw["tls"] = ssl.create_default_context(cafile=self.tls_ca_file)
+        if self.inbox_prefix:
+            kw["inbox_prefix"] = self.inbox_prefix.encode()
+        return kw
+
+
+async def connect_nats(opts: ConnectOptions) -> Any:
+    """The connection factory: a nats-py connection for opts."""
+    import nats  # deferred so importing kvtier needs no NATS
+
+    opts.validate()
+    try:
+        return await nats.connect(**opts.nats_kwargs())
+    except Exception as e:
+        raise NotConnected(f"connect to NATS at {','.join(opts.servers)}: {e}") from e
+
+
+class Client:
+    """asyncio client of one engine process (scheduler or worker)."""
+
+    def __init__(self, nc: Any, opts: ConnectOptions) -> None:
+        self._nc = nc
+        self.opts = opts
+        self.subjects = Subjects(opts.prefix)
+
+    @classmethod
+    async def connect(cls, opts: ConnectOptions | None = None) -> Client:
+        opts = opts or ConnectOptions()
+        return cls(await connect_nats(opts), opts)
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+
+    async def call(self, subject: str, req: Any, reply: type[T], timeout: float | None = None,
+                   decoder: Callable[[bytes, str], T] | None = None) -> T:
+        """Sends req as JSON and decodes the reply envelope; error replies
+        raise their kvtier.errors.WireError subclass."""
+        import nats.errors
+
+        data = wire.encode(req)
+        try:
+            msg = await self._nc.request(subject, data, timeout=timeout or self.opts.timeout)
+        except nats.errors.NoRespondersError:
+            raise Unavailable("unavailable", f"no responders on {subject}", subject) from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(f"no reply from {subject} within {timeout or self.opts.timeout} s") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+            raise NotConnected(f"request {subject}: {e}") from None
+        if decoder is not None:
+            return decoder(msg.data, subject)
+        return wire.decode_reply(reply, msg.data, subject)
+
+    # ------------------------------------------------------------ coordinator
+
+    async def register_spec(self, spec: Spec) -> Namespace:
+        """Registers the spec with the coordinator (the scheduler's job) and
+        checks the namespace it answers against the one derived here."""
+        want = spec.resolve().namespace
+        rep = await self.call(self.subjects.coord(wire.COORD_REGISTER), spec, wire.RegisterReply)
+        if rep.namespace != want:
+            raise MalformedError(f"coordinator registered namespace {rep.namespace}, the spec's is {want}")
+        return rep.namespace
+
+    async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
+                     detail: bool = False) -> LookupReply:
+        req = wire.LookupRequest(namespace, list(chunks), instance, detail)
+        return await self.call(self.subjects.coord(wire.COORD_LOOKUP), req, LookupReply)
+
+    async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
+                            deadline_ms: int = 0) -> RestorePlan:
+        req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), instance)
+        return await self.call(self.subjects.coord(wire.COORD_RESTORE_BEGIN), req, RestorePlan,
+                               decoder=wire.decode_restore_plan)
+
+    async def restore_wait(self, restore_id: str, timeout: float | None = None) -> RestoreVerdict:
+        v = await self.call(self.subjects.coord(wire.COORD_RESTORE_WAIT), wire.RestoreWait(restore_id),
+                            RestoreVerdict, timeout=timeout)
+        v.validate()
+        return v
+
+    # ------------------------------------------------------------ rankd
+
+    async def status(self, rank: Rank) -> wire.StatusReply:
+        return await self.call(self.subjects.engine(rank, wire.OP_STATUS), {}, wire.StatusReply)
+
+    async def register(self, rank: Rank, spec: Spec, device_uuid: str,
+                       pools: Sequence[PoolRegistration]) -> RankSession:
+        """Registers this worker's KV pools with its rankd."""
+        want = spec.resolve().namespace
+        req = wire.RegisterRequest(spec, device_uuid, list(pools))
+        rep = await self.call(self.subjects.engine(rank, wire.OP_REGISTER), req, wire.RegisterReply)
+        if rep.namespace != want:
+            raise MalformedError(f"rankd {rank} registered namespace {rep.namespace}, the spec's is {want}")
+        return RankSession(self, rank, spec, rep.namespace, list(pools), device_uuid)
+
+
+class RankSession:
+    """One registration of pools with one rankd. Every store, retrieve and
+    release goes through it, so what they must carry lives here."""
+
+    def __init__(self, client: Client, rank: Rank, spec: Spec, namespace: Namespace,
+                 pools: list[PoolRegistration], device_uuid: str) -> None:
+        self.client, self.rank, self.spec, self.namespace = client, rank, spec, namespace
+        self.pools, self.device_uuid = pools, device_uuid
+
+    async def reregister(self) -> None:
+        """Registers the same pools again (a restarted rankd forgot them)."""
+        s = await self.client.register(self.rank, self.spec, self.device_uuid, self.pools)
+        self.namespace = s.namespace
+
+    async def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle,
+                    timeout: float | None = None) -> StoreReply:
+        """One store: its own producer event (C1), recorded before this call.
+        The reply comes once the device has read the blocks; keep the event
+        and the blocks until then, and longer if blocks_in_use is set."""
+        req = wire.StoreRequest(request_id, self.namespace, list(chunks), event)
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), req, StoreReply,
+                                      timeout=timeout)
+
+    async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
+                       timeout: float | None = None) -> RetrieveReply:
+        req = wire.RetrieveRequest(restore_id, self.namespace, list(items))
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req,
+                                      RetrieveReply, timeout=timeout)
+
+    async def release(self) -> None:
+        await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RELEASE),
+                               wire.ReleaseRequest(self.namespace), wire.ReleaseReply)
+
+
+@dataclass
+class RestoreOutcome:
+    """What a restore achieved, as the engine must act on it (C5)."""
+
+    plan: RestorePlan
+    verdict: RestoreVerdict | None
+    # loaded: chunks [0, loaded) are confirmed by every rank; everything
+    # from loaded on must be recomputed.
+    loaded: int
+    failed: list[int]
+    problem: str = ""
+
+
+def restore_outcome(plan: RestorePlan, verdict: RestoreVerdict | None, problem: str = "") -> RestoreOutcome:
+    """Decides what counts as loaded: the planned prefix on a complete
+    verdict; on a failed one only the chunks before the first failure (the
+    engine recomputes from there on); nothing without a verdict."""
+    if verdict is None or verdict.restore_id != plan.restore_id:
+        return RestoreOutcome(plan, verdict, 0, list(range(plan.prefix)), problem or "no verdict")
+    if verdict.state == wire.VERDICT_COMPLETE and not verdict.failed:
+        return RestoreOutcome(plan, verdict, min(plan.prefix, verdict.prefix), [], problem)
+    first = min(verdict.failed) if verdict.failed else 0
+    return RestoreOutcome(plan, verdict, min(first, plan.prefix), sorted(verdict.failed),
+                          problem or f"verdict {verdict.state}: {', '.join(verdict.reasons)}")
+
+
+async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
+                  blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",
+                  deadline_ms: int = 0) -> RestoreOutcome:
+    """The whole restore protocol: begin, every rank's retrieve with the
+    target blocks blocks_for gives, then the verdict."""
+    if not sessions:
+        raise ValueError("restore needs the rank sessions of the instance")
+    ns = next(iter(sessions.values())).namespace
+    plan = await client.restore_begin(ns, chunks, instance, deadline_ms)
+    if plan.prefix == 0 or not plan.ranks:
+        return RestoreOutcome(plan, None, 0, [], plan.reason or "nothing restorable")
+    problems: list[str] = []
+
+    async def one(rank_name: str, items: list[RetrieveItem]) -> None:
+        s = sessions.get(rank_name)
+        if s is None:
+            problems.append(f"plan names rank {rank_name}, which this engine does not have")
+            return
+        for it in items:
+            it.blocks = blocks_for(s.rank, it)
+        try:
+            await s.retrieve(items, plan.restore_id)
+        except Exception as e:  # the verdict decides; the reason is kept
+            problems.append(f"retrieve on {rank_name}: {e}")
+
+    await asyncio.gather(*(one(r, items) for r, items in plan.ranks.items()))
+    try:
+        verdict = await client.restore_wait(plan.restore_id)
+    except Exception as e:
+        return restore_outcome(plan, None, f"restore.wait: {e}")
+    return restore_outcome(plan, verdict, "; ".join(problems))
+
+
+# ---------------------------------------------------------------- sync facade
+
+
+class SyncClient:
+    """Blocking facade for engine threads. It owns one event loop thread,
+    started here and stopped by close(); every method may be called from
+    any thread."""
+
+    def __init__(self, opts: ConnectOptions | None = None) -> None:
+        self.opts = opts or ConnectOptions()
+        self.opts.validate()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvtier-client-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.aio: Client = self.run(Client.connect(self.opts), self.opts.connect_timeout + 5)
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Runs coro on the client's loop; returns its future."""
+        if self._closed:
+            coro.close()
+            raise NotConnected("client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout if timeout is not None else self.opts.timeout + 5)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise RequestTimeout("request did not finish in time") from None
+
+    def register_spec(self, spec: Spec) -> Namespace:
+        return self.run(self.aio.register_spec(spec))
+
+    def register(self, rank: Rank, spec: Spec, device_uuid: str,
+                 pools: Sequence[PoolRegistration]) -> SyncRankSession:
+        return SyncRankSession(self, self.run(self.aio.register(rank, spec, device_uuid, pools)))
+
+    def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
+               detail: bool = False) -> LookupReply:
+        return self.run(self.aio.lookup(namespace, chunks, instance, detail))
+
+    def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
+                      deadline_ms: int = 0) -> RestorePlan:
+        return self.run(self.aio.restore_begin(namespace, chunks, instance, deadline_ms))
+
+    def restore_wait(self, restore_id: str) -> RestoreVerdict:
+        return self.run(self.aio.restore_wait(restore_id))
+
+    def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
+                blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",
+                deadline_ms: int = 0) -> RestoreOutcome:
+        return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
+                                instance, deadline_ms))
+
+    def status(self, rank: Rank) -> wire.StatusReply:
+        return self.run(self.aio.status(rank))
+
+    def _stop(self) -> None:
+        self._closed = True
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def close(self) -> None:
+        """Closes the connection and stops the loop thread. Idempotent."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):  # closing anyway
+            self.run(self.aio.close(), 10)
+        self._stop()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncRankSession:
+    """Blocking view of a RankSession."""
+
+    def __init__(self, client: SyncClient, aio: RankSession) -> None:
+        self.client, self.aio = client, aio
+
+    @property
+    def rank(self) -> Rank:
+        return self.aio.rank
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.aio.namespace
+
+    def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle) -> StoreReply:
+        return self.client.run(self.aio.store(request_id, chunks, event))
+
+    def store_async(self, request_id: str, chunks: Sequence[ChunkBlocks],
+                    event: EventHandle) -> concurrent.futures.Future[StoreReply]:
+        """Sends the store and returns at once: the future is this store's
+        own (C1); keep its event and blocks until it is done."""
+        return self.client.submit(self.aio.store(request_id, chunks, event))
+
+    def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "") -> RetrieveReply:
+        return self.client.run(self.aio.retrieve(items, restore_id))
+
+    def reregister(self) -> None:
+        self.client.run(self.aio.reregister())
+
+    def release(self) -> None:
+        self.client.run(self.aio.release())
+
+
+__all__ = [
+    "Client",
+    "ConnectOptions",
+    "RankSession",
+    "RestoreOutcome",
+    "SyncClient",
+    "SyncRankSession",
+    "connect_nats",
+    "restore",
+    "restore_outcome",
+]

@@ -1,0 +1,469 @@
+"""Messages between engines, rankd and the coordinator (Go package wire).
+
+Every dataclass encodes (``encode(msg)``) to the bytes Go's json.Marshal
+produces for the same value; the golden vectors in wire/testdata/golden
+hold both languages to that. :class:`Batch` has the binary event-batch
+encoding (``KVB1``). :class:`Subjects` builds NATS subjects.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, TypeVar
+
+from kvtier import _codec
+from kvtier._codec import field
+from kvtier.cuda import EventHandle, MemHandle
+from kvtier.dcp import KEY_SIZE, MAX_TP, ChunkHash, Key, Namespace, Spec
+from kvtier.errors import MalformedError, from_wire
+
+u64 = Annotated[int, "u64"]
+u8 = Annotated[int, "u8"]
+
+encode = _codec.encode
+decode = _codec.decode
+
+# Error codes that cross the wire (stable).
+CODE_BAD_REQUEST = "bad_request"
+CODE_UNKNOWN_NAMESPACE = "unknown_namespace"
+CODE_GEOMETRY = "geometry"
+CODE_NOT_FOUND = "not_found"
+CODE_TOO_LARGE = "too_large"
+CODE_UNAVAILABLE = "unavailable"
+CODE_INTERNAL = "internal"
+
+# Verdict states.
+VERDICT_PENDING = "pending"
+VERDICT_COMPLETE = "complete"
+VERDICT_FAILED = "failed"
+
+# Coordinator operations (<p>.coord.<op>).
+COORD_REGISTER = "ns.register"
+COORD_LOOKUP = "lookup"
+COORD_RESTORE_BEGIN = "restore.begin"
+COORD_RESTORE_REPORT = "restore.report"
+COORD_RESTORE_WAIT = "restore.wait"
+
+# Engine operations (<p>.rank.<instance>.<tp>.engine.<op>).
+OP_REGISTER = "register"
+OP_STORE = "store"
+OP_RETRIEVE = "retrieve"
+OP_RELEASE = "release"
+OP_STATUS = "status"
+
+DEFAULT_PREFIX = "kvtier"
+MAX_BATCH_EVENTS = 1 << 16
+
+
+class Tier(enum.IntEnum):
+    L1 = 1  # pinned host memory; lost when rankd restarts
+    L2 = 2  # files; survive restarts
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class EventKind(enum.IntEnum):
+    STORED = 1
+    REMOVED = 2
+
+
+_INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def valid_instance(name: str) -> None:
+    """Raises MalformedError unless name is 1..64 of [A-Za-z0-9_-]."""
+    if not _INSTANCE.fullmatch(name):
+        raise MalformedError(f"instance name {name!r}: want 1..64 characters of [A-Za-z0-9_-]")
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rankd: its engine instance and TP rank."""
+
+    instance: str = field("instance", default="")
+    tp_rank: int = field("tp_rank", default=0)
+
+    def __str__(self) -> str:
+        return f"{self.instance}/{self.tp_rank}"
+
+    @classmethod
+    def parse(cls, s: str) -> Rank:
+        i = s.rfind("/")
+        if i <= 0:
+            raise MalformedError(f"rank {s!r}: want instance/tp_rank")
+        tail = s[i + 1:]
+        if not tail.isascii() or not tail.isdigit() or int(tail) > MAX_TP:
+            raise MalformedError(f"rank {s!r}: TP rank not in 0..{MAX_TP}")
+        return cls(s[:i], int(tail))
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """NATS subjects under one prefix (Go wire.Subjects)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def _p(self) -> str:
+        return self.prefix or DEFAULT_PREFIX
+
+    def engine(self, r: Rank, op: str) -> str:
+        return f"{self._p()}.rank.{r.instance}.{r.tp_rank}.engine.{op}"
+
+    def coord(self, op: str) -> str:
+        return f"{self._p()}.coord.{op}"
+
+    def admin(self, op: str) -> str:
+        return f"{self._p()}.admin.{op}"
+
+    def events(self, r: Rank) -> str:
+        return f"{self._p()}.events.{r.instance}.{r.tp_rank}"
+
+    def heartbeat(self, r: Rank) -> str:
+        return f"{self._p()}.heartbeat.{r.instance}.{r.tp_rank}"
+
+    def inventory(self, r: Rank) -> str:
+        return f"{self._p()}.rank.{r.instance}.{r.tp_rank}.inventory"
+
+
+@dataclass
+class Error:
+    code: str = field("code", default="")
+    message: str = field("message", default="")
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Reply(Generic[T]):
+    """The envelope of every JSON reply: exactly one of error or ok."""
+
+    error: Error | None = field("error", omit="omitempty", default=None)
+    ok: T | None = field("ok", omit="omitempty", default=None)
+
+
+def encode_reply(ok: Any = None, error: Error | None = None) -> bytes:
+    return encode(Reply(error=error, ok=ok))
+
+
+def decode_reply(cls: type[T], data: bytes, subject: str = "") -> T:
+    """Decodes a reply envelope: returns the payload, raises the error
+    reply as a kvtier.errors.WireError subclass, MalformedError otherwise."""
+    obj = _codec.loads(data)
+    if not isinstance(obj, dict):
+        raise MalformedError(f"reply from {subject or '?'} is not a JSON object")
+    err = obj.get("error")
+    if err is not None:
+        e = _codec.from_obj(Error, err, "reply.error")
+        raise from_wire(e.code, e.message, subject)
+    if obj.get("ok") is None:
+        raise MalformedError(f"reply from {subject or '?'} has neither ok nor error")
+    return _codec.from_obj(cls, obj["ok"], f"{cls.__name__}")  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- engine API
+
+
+@dataclass
+class PoolRegistration:
+    group: int = field("group", default=0)
+    layer: int = field("layer", default=0)
+    handle: MemHandle = field("handle", default_factory=MemHandle)
+
+
+@dataclass
+class RegisterRequest:
+    spec: Spec = field("spec", default_factory=Spec)
+    device_uuid: str = field("device_uuid", default="")
+    pools: list[PoolRegistration] = field("pools", default_factory=list)
+
+
+@dataclass
+class RegisterReply:
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+
+
+@dataclass
+class ChunkBlocks:
+    chunk: ChunkHash = field("chunk", default_factory=ChunkHash)
+    blocks: list[list[int]] = field("blocks", default_factory=list)  # [group][block]
+
+
+@dataclass
+class StoreRequest:
+    request_id: str = field("request_id", default="")
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+    chunks: list[ChunkBlocks] = field("chunks", default_factory=list)
+    event: EventHandle = field("event", default_factory=EventHandle)
+
+
+@dataclass
+class StoreReply:
+    stored: int = field("stored", default=0)
+    deduped: int = field("deduped", default=0)
+    failed: list[str] = field("failed", omit="omitempty", default_factory=list)
+    # The store ended with the device possibly still reading the blocks: do
+    # not reuse them or destroy the producer event yet (C10).
+    blocks_in_use: bool = field("blocks_in_use", omit="omitempty", default=False)
+
+
+@dataclass
+class Source:
+    holder: Rank = field("holder", default_factory=Rank)
+    tier: u8 = field("tier", default=0)
+
+
+@dataclass
+class RetrieveItem:
+    chunk: int = field("chunk", default=0)
+    group: int = field("group", default=0)
+    key: Key = field("key", default_factory=Key)
+    sum: u64 = field("sum", default=0)
+    source: Source = field("source", default_factory=Source)
+    blocks: list[int] = field("blocks", default_factory=list)
+
+
+@dataclass
+class RetrieveRequest:
+    restore_id: str = field("restore_id", omit="omitempty", default="")
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+    items: list[RetrieveItem] = field("items", default_factory=list)
+
+
+@dataclass
+class ItemResult:
+    chunk: int = field("chunk", default=0)
+    group: int = field("group", default=0)
+    ok: bool = field("ok", default=False)
+    sum: u64 = field("sum", omit="omitempty", default=0)
+    reason: str = field("reason", omit="omitempty", default="")
+
+
+@dataclass
+class RetrieveReply:
+    results: list[ItemResult] = field("results", default_factory=list)
+
+
+@dataclass
+class ReleaseRequest:
+    """rankd's release request (Go rankd.ReleaseRequest)."""
+
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+
+
+@dataclass
+class ReleaseReply:
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+
+
+@dataclass
+class StatusReply:
+    """The part of rankd's status reply an engine reads."""
+
+    rank: Rank = field("rank", default_factory=Rank)
+    tp_size: int = field("tp_size", default=0)
+    incarnation: u64 = field("incarnation", default=0)
+    accepting: bool = field("accepting", default=False)
+
+
+# ---------------------------------------------------------------- coordinator
+
+
+@dataclass
+class LookupRequest:
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+    chunks: list[ChunkHash] = field("chunks", default_factory=list)
+    instance: str = field("instance", omit="omitempty", default="")
+    detail: bool = field("detail", omit="omitempty", default=False)
+
+
+@dataclass
+class ObjectPlacement:
+    holder: Rank = field("holder", default_factory=Rank)
+    tier: u8 = field("tier", default=0)
+    size: u64 = field("size", default=0)
+    sum: u64 = field("sum", default=0)
+    incarnation: u64 = field("incarnation", omit="omitempty", default=0)
+    seq: u64 = field("seq", omit="omitempty", default=0)
+
+
+@dataclass
+class ObjectInfo:
+    chunk: int = field("chunk", default=0)
+    key: Key = field("key", default_factory=Key)
+    reader: str = field("reader", omit="omitempty", default="")
+    placements: list[ObjectPlacement] = field("placements", default_factory=list)
+
+
+@dataclass
+class LookupReply:
+    instance: str = field("instance", omit="omitempty", default="")
+    prefix: int = field("prefix", default=0)
+    sources: list[ObjectInfo] = field("sources", omit="omitempty", default_factory=list)
+    not_alive: list[str] = field("not_alive", omit="omitempty", default_factory=list)
+    reason: str = field("reason", omit="omitempty", default="")
+
+
+@dataclass
+class RestoreBegin:
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+    chunks: list[ChunkHash] = field("chunks", default_factory=list)
+    deadline_ms: int = field("deadline_ms", omit="omitempty", default=0)
+
+
+@dataclass
+class RestoreBeginRequest:
+    """restore.begin's request: a RestoreBegin (embedded: its fields inline)
+    and optionally the engine instance whose ranks restore."""
+
+    begin: RestoreBegin = field("", default_factory=RestoreBegin)
+    instance: str = field("instance", omit="omitempty", default="")
+
+
+@dataclass
+class RestorePlan:
+    restore_id: str = field("restore_id", default="")
+    prefix: int = field("prefix", default=0)
+    ranks: dict[str, list[RetrieveItem]] = field("ranks", default_factory=dict)  # by str(Rank)
+    reason: str = field("reason", omit="omitempty", default="")
+
+
+def decode_restore_plan(data: bytes, subject: str = "") -> RestorePlan:
+    """Decodes restore.begin's reply. The one place that knows the plan's
+    encoding, so a compact encoding replaces only this function."""
+    plan = decode_reply(RestorePlan, data, subject)
+    for name in plan.ranks:
+        Rank.parse(name)
+    return plan
+
+
+@dataclass
+class RestoreReport:
+    restore_id: str = field("restore_id", default="")
+    rank: Rank = field("rank", default_factory=Rank)
+    results: list[ItemResult] = field("results", default_factory=list)
+
+
+@dataclass
+class RestoreWait:
+    restore_id: str = field("restore_id", default="")
+
+
+@dataclass
+class RestoreVerdict:
+    restore_id: str = field("restore_id", default="")
+    state: str = field("state", default="")
+    prefix: int = field("prefix", default=0)
+    failed: list[int] = field("failed", omit="omitempty", default_factory=list)  # chunk indexes, sorted
+    reasons: list[str] = field("reasons", omit="omitempty", default_factory=list)
+
+    def validate(self) -> None:
+        if self.state == VERDICT_COMPLETE and self.failed:
+            raise MalformedError(f"verdict {self.restore_id} complete with {len(self.failed)} failed chunks")
+
+
+@dataclass
+class ReportAck:
+    duplicate: bool = field("duplicate", omit="omitempty", default=False)
+    state: str = field("state", default="")
+
+
+@dataclass
+class EventAck:
+    applied_through: u64 = field("applied_through", default=0)
+    resync: bool = field("resync", omit="omitempty", default=False)
+    fenced: bool = field("fenced", omit="omitempty", default=False)
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass
+class Event:
+    seq: u64 = field("seq", default=0)
+    kind: u8 = field("kind", default=0)
+    tier: u8 = field("tier", default=0)
+    key: Key = field("key", default_factory=Key)
+    size: u64 = field("size", default=0)
+    sum: u64 = field("sum", default=0)
+
+
+_BATCH_MAGIC = b"KVB1"
+_EVENT_SIZE = 8 + 1 + 1 + KEY_SIZE + 8 + 8
+
+
+@dataclass
+class Batch:
+    """A run of events from one rank incarnation. Binary encoding, big-endian:
+    ``"KVB1" | u8 len(instance) | instance | u32 tp_rank | u64 incarnation |
+    u32 n | n x (u64 seq | u8 kind | u8 tier | key (37 B) | u64 size | u64 sum)``."""
+
+    rank: Rank = field("rank", default_factory=Rank)
+    incarnation: u64 = field("incarnation", default=0)
+    events: list[Event] = field("events", default_factory=list)
+
+    def to_binary(self) -> bytes:
+        inst = self.rank.instance.encode()
+        if len(inst) > 255:
+            raise MalformedError(f"instance name {len(inst)} bytes, limit 255")
+        if len(self.events) > MAX_BATCH_EVENTS:
+            raise MalformedError(f"batch of {len(self.events)} events, limit {MAX_BATCH_EVENTS}")
+        out = bytearray(_BATCH_MAGIC)
+        out.append(len(inst))
+        out += inst
+        out += struct.pack(">IQI", self.rank.tp_rank, self.incarnation, len(self.events))
+        for e in self.events:
+            out += struct.pack(">QBB", e.seq, int(e.kind), int(e.tier))
+            out += e.key.to_binary()
+            out += struct.pack(">QQ", e.size, e.sum)
+        return bytes(out)
+
+    @classmethod
+    def from_binary(cls, p: bytes) -> Batch:
+        def bad(msg: str) -> MalformedError:
+            return MalformedError(f"event batch: {msg}")
+
+        if len(p) < 5 or p[:4] != _BATCH_MAGIC:
+            raise bad(f"missing magic {_BATCH_MAGIC!r}")
+        n = p[4]
+        p = p[5:]
+        if len(p) < n + 16:
+            raise bad("truncated header")
+        try:
+            inst = p[:n].decode()
+        except UnicodeDecodeError:
+            raise bad("instance name is not UTF-8") from None
+        tp, inc, count = struct.unpack(">IQI", p[n:n + 16])
+        p = p[n + 16:]
+        if tp > MAX_TP:
+            raise bad(f"TP rank {tp} exceeds {MAX_TP}")
+        if count > MAX_BATCH_EVENTS:
+            raise bad(f"{count} events, limit {MAX_BATCH_EVENTS}")
+        if len(p) != count * _EVENT_SIZE:
+            raise bad(f"{len(p)} bytes of events, want {count} x {_EVENT_SIZE}")
+        events = []
+        for i in range(count):
+            q = p[i * _EVENT_SIZE:(i + 1) * _EVENT_SIZE]
+            seq, kind, tier = struct.unpack(">QBB", q[:10])
+            if kind not in (1, 2):
+                raise bad(f"event {i}: kind {kind}")
+            if tier not in (1, 2):
+                raise bad(f"event {i}: tier {tier}")
+            try:
+                key = Key.from_binary(q[10:10 + KEY_SIZE])
+            except MalformedError as e:
+                raise bad(f"event {i}: {e}") from None
+            size, sum_ = struct.unpack(">QQ", q[10 + KEY_SIZE:])
+            events.append(Event(seq, EventKind(kind), Tier(tier), key, size, sum_))
+        return cls(Rank(inst, tp), inc, events)
+
+
+@dataclass
+class Heartbeat:
+    rank: Rank = field("rank", default_factory=Rank)
+    incarnation: u64 = field("incarnation", default=0)
+    seq: u64 = field("seq", default=0)

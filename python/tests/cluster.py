@@ -1,0 +1,135 @@
+"""A kvtier cluster of real processes for the integration tests: the Go
+binaries built from this repository, a coordinator with its embedded NATS
+and TP rankds of instance "engine0" on the host backend."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+HOST_UUID = "HOST-pytest0000000001"
+T = TypeVar("T")
+
+
+def build_binaries(out: pathlib.Path) -> pathlib.Path:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not os.path.exists(go):
+        raise RuntimeError("the integration tests need Go to build cmd/coordinator and cmd/rankd")
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["nice", go, "build", "-o", str(out) + "/", "./cmd/coordinator", "./cmd/rankd"],
+                   cwd=REPO, check=True, timeout=600)
+    return out
+
+
+def free_port() -> int:
+    # Below the ephemeral range, so an outgoing connection cannot take it
+    # between here and the daemon's bind.
+    for _ in range(200):
+        port = 20000 + int.from_bytes(os.urandom(2), "big") % 12000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def eventually(what: str, f: Callable[[], T], timeout: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            return f()
+        except Exception as e:
+            last = e
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {timeout} s: {last}")
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log: pathlib.Path) -> None:
+        self.name, self.log = name, log
+        self._f = open(log, "ab")  # noqa: SIM115 (closed in stop)
+        self.p = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+        self._f.close()
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+class Cluster:
+    def __init__(self, bin_dir: pathlib.Path, root: pathlib.Path, tp: int) -> None:
+        self.bin, self.root, self.tp = bin_dir, root, tp
+        self.shm, self.l2, self.logs, self.index = (root / "shm", root / "l2", root / "logs", root / "index")
+        for d in (self.shm, self.l2, self.logs, self.index):
+            d.mkdir(parents=True, exist_ok=True)
+        self.nats_port = free_port()
+        self.gossip = f"127.0.0.1:{free_port()}"
+        self.rank_addr = [f"127.0.0.1:{free_port()}" for _ in range(tp)]
+        self.coord: Proc | None = None
+        self.ranks: list[Proc | None] = [None] * tp
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    def start_coordinator(self) -> None:
+        self.coord = Proc("coordinator", [str(self.bin / "coordinator"), "serve", "--data-dir", str(self.index),
+                                          "--nats-host", "127.0.0.1", "--nats-port", str(self.nats_port),
+                                          "--bind", self.gossip, "--http", "127.0.0.1:0", "--log-level", "info"],
+                          self.logs / "coordinator.log")
+
+        def up() -> None:
+            assert self.coord is not None
+            if not self.coord.alive():
+                raise AssertionError(f"coordinator exited:\n{self.coord.tail()}")
+            socket.create_connection(("127.0.0.1", self.nats_port), timeout=1).close()
+
+        eventually("coordinator NATS listens", up)
+
+    def start_rank(self, r: int) -> None:
+        self.ranks[r] = Proc(f"rankd{r}", [
+            str(self.bin / "rankd"), "--instance", "engine0", "--tp-rank", str(r), "--tp-size", str(self.tp),
+            "--device", "host", "--host-dir", str(self.shm), "--host-uuid", HOST_UUID, "--l1-bytes", "64MiB",
+            "--l2-dir", str(self.l2), "--join", self.gossip, "--bind", self.rank_addr[r],
+            "--http", "127.0.0.1:0", "--log-level", "info"], self.logs / f"rankd{r}.log")
+
+    def start_all(self) -> None:
+        self.start_coordinator()
+        for r in range(self.tp):
+            self.start_rank(r)
+
+    def stop_all(self) -> None:
+        for p in self.ranks:
+            if p is not None:
+                p.stop()
+        if self.coord is not None:
+            self.coord.stop()
+
+    def logs_tail(self) -> str:
+        out = []
+        for p in [self.coord, *self.ranks]:
+            if p is not None:
+                out.append(f"--- {p.name}\n{p.tail()}")
+        return "\n".join(out)

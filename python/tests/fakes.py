@@ -1,0 +1,298 @@
+"""Small fakes of the vLLM objects the connector reads (attribute names as
+in vLLM's source: kv_cache_interface.py, sched/output.py, request.py) and of
+kvtier's client, for tests without vLLM or daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier import client, dcp, wire
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    itemsize: int
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+BF16 = DType("bfloat16", 2)
+FP8 = DType("float8_e4m3fn", 1)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: DType
+    page_size_padded: int | None = None
+    kv_quant_mode: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.real_page_size_bytes
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    cache_dtype_str: str | None = None
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        if self.cache_dtype_str == "fp8_ds_mla":
+            return self.block_size * 656
+        return self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 128
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    attention_chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[DType, ...]
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+
+    @property
+    def page_size_bytes(self) -> int:
+        n = sum(dt.itemsize * _prod(s) for s, dt in zip(self.shapes, self.dtypes, strict=True))
+        return self.page_size_padded or n
+
+
+def _prod(s: tuple[int, ...]) -> int:
+    out = 1
+    for x in s:
+        out *= x
+    return out
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: list[str]
+    kv_cache_spec: Any
+
+
+@dataclass
+class KVCacheTensor:
+    size: int
+    shared_by: list[str]
+
+
+@dataclass
+class KVCacheConfig:
+    num_blocks: int
+    kv_cache_tensors: list[KVCacheTensor]
+    kv_cache_groups: list[KVCacheGroupSpec]
+
+
+@dataclass
+class KVTransferConfig:
+    kv_connector: str = "KvtierConnector"
+    kv_connector_module_path: str = "kvtier.vllm"
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    model: str = "tiny-llama"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+
+
+@dataclass
+class VllmConfig:
+    kv_transfer_config: KVTransferConfig
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def vllm_config(tp: int = 1, **extra: Any) -> VllmConfig:
+    return VllmConfig(KVTransferConfig(kv_connector_extra_config=extra), parallel_config=ParallelConfig(tp))
+
+
+def attention_config(num_blocks: int = 64, layers: int = 2, block_size: int = 16) -> KVCacheConfig:
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8, dtype=BF16)
+    return KVCacheConfig(num_blocks, [KVCacheTensor(num_blocks * spec.page_size_bytes, [n]) for n in names],
+                         [KVCacheGroupSpec(names, spec)])
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class KVCacheBlocks:
+    ids: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Tensor:
+    """The few tensor methods the connector's layout check reads."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    handle: Any = None
+
+    def numel(self) -> int:
+        return _prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.itemsize
+
+    def stride(self, d: int) -> int:
+        return self.strides[d]
+
+
+class FakeSession:
+    def __init__(self, rank: wire.Rank, ns: dcp.Namespace, world: FakeWorld) -> None:
+        self.rank, self.namespace, self.world = rank, ns, world
+
+    async def store(self, request_id, chunks, event, timeout=None):
+        self.world.stores.append((self.rank, request_id, chunks, event))
+        gate = self.world.store_gate
+        if gate is not None:
+            await asyncio.wrap_future(gate)
+        if self.world.store_error is not None:
+            raise self.world.store_error
+        return wire.StoreReply(stored=len(chunks))
+
+    async def retrieve(self, items, restore_id="", timeout=None):
+        self.world.retrieves.append((self.rank, restore_id, items))
+        if self.world.retrieve_error is not None:
+            raise self.world.retrieve_error
+        return wire.RetrieveReply([wire.ItemResult(it.chunk, it.group, True) for it in items])
+
+    async def reregister(self):
+        self.world.reregistered += 1
+
+    async def release(self):
+        self.world.released += 1
+
+
+class FakeWorld:
+    """What the fake coordinator and rankds know and were asked."""
+
+    def __init__(self) -> None:
+        self.prefix = 0
+        self.lookup_gate: Any = None
+        self.lookups: list[wire.LookupRequest] = []
+        self.lookup_error: Exception | None = None
+        self.begins: list[tuple[dcp.Namespace, list[dcp.ChunkHash], str]] = []
+        self.plan: wire.RestorePlan | None = None
+        self.begin_error: Exception | None = None
+        self.verdict: wire.RestoreVerdict | None = None
+        self.stores: list[Any] = []
+        self.store_gate: Any = None
+        self.store_error: Exception | None = None
+        self.retrieves: list[Any] = []
+        self.retrieve_error: Exception | None = None
+        self.registered: list[Any] = []
+        self.reregistered = 0
+        self.released = 0
+        self.specs: list[dcp.Spec] = []
+
+
+class FakeAio:
+    def __init__(self, world: FakeWorld) -> None:
+        self.world = world
+
+    async def lookup(self, namespace, chunks, instance="", detail=False):
+        self.world.lookups.append(wire.LookupRequest(namespace, list(chunks), instance))
+        if self.world.lookup_gate is not None:
+            await asyncio.wrap_future(self.world.lookup_gate)
+        if self.world.lookup_error is not None:
+            raise self.world.lookup_error
+        return wire.LookupReply(instance=instance, prefix=min(self.world.prefix, len(chunks)))
+
+    async def restore_wait(self, restore_id, timeout=None):
+        v = self.world.verdict
+        assert v is not None and v.restore_id == restore_id
+        return v
+
+
+class FakeSyncClient(client.SyncClient):
+    """SyncClient's loop thread and facade over fake coordinator/rankds."""
+
+    def __init__(self, world: FakeWorld) -> None:
+        self.opts = client.ConnectOptions()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._closed = False
+        self.world = world
+        self.aio = FakeAio(world)  # type: ignore[assignment]
+
+    def register_spec(self, spec):
+        self.world.specs.append(spec)
+        return spec.resolve().namespace
+
+    def register(self, rank, spec, device_uuid, pools):
+        self.world.registered.append((rank, device_uuid, list(pools)))
+        return client.SyncRankSession(self, FakeSession(rank, spec.resolve().namespace, self.world))  # type: ignore[arg-type]
+
+    def restore_begin(self, namespace, chunks, instance="", deadline_ms=0):
+        self.world.begins.append((namespace, list(chunks), instance))
+        if self.world.begin_error is not None:
+            raise self.world.begin_error
+        assert self.world.plan is not None
+        return self.world.plan
+
+    def close(self):
+        self._stop()

@@ -1,0 +1,96 @@
+"""Geometry rules (C2) and identity, with the numbers in the errors."""
+
+import pytest
+
+from kvtier import dcp, wire
+from kvtier.errors import GeometryError, MalformedError
+
+
+def spec(chunk: int = 64, **g) -> dcp.Spec:
+    grp = dict(name="attn", kind=dcp.Kind.ATTENTION, block_size=16, layers=1, semantic_bytes=16 * 528,
+               page_bytes=16 * 561, stride_bytes=16 * 561 + 37, kv_format="fp8")
+    grp.update(g)
+    return dcp.Spec(model="m", layout=dcp.Layout(4, 2, 1, 1), groups=[dcp.Group(**grp)], chunk_tokens=chunk)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(page_bytes=200_000, stride_bytes=160_000), "declared page 200000 B exceeds block stride 160000 B"),
+    (dict(semantic_bytes=9000, page_bytes=8976), "semantic page 9000 B exceeds declared page 8976 B"),
+    (dict(block_size=0), "block size 0 tokens must be >= 1"),
+    (dict(layers=0), "layer count 0 must be >= 1"),
+    (dict(kind=dcp.Kind.RECURRENT, mla=True), "MLA applies to attention groups"),
+    (dict(block_size=24), "not a multiple of the scheduler block 48"),
+])
+def test_geometry_rules(change, words):
+    with pytest.raises(GeometryError, match=words):
+        spec(**change).resolve()
+
+
+def test_layout_rules():
+    s = spec()
+    s.layout = dcp.Layout(tp=6, dcp=4)
+    with pytest.raises(GeometryError, match="TP size 6 is not divisible by DCP size 4"):
+        s.resolve()
+    s.layout = dcp.Layout(tp=2, dcp=1, pp=2)
+    with pytest.raises(GeometryError, match="only PP=1"):
+        s.resolve()
+
+
+def test_seed_geometries():
+    # packed NVFP4: one opaque slot per block
+    r = spec(chunk=1024, block_size=512, semantic_bytes=155_648, page_bytes=177_408, stride_bytes=200_000).resolve()
+    assert (r.geometry[0].slots, r.geometry[0].tiled) == (1, False)
+    # 561-byte rows tile
+    r = spec().resolve()
+    assert (r.geometry[0].slots, r.geometry[0].slot_bytes, r.geometry[0].span) == (16, 561, 32)
+    # recurrent, DCP2: split in two
+    r = spec(kind=dcp.Kind.RECURRENT, block_size=64, semantic_bytes=4096 * 265, page_bytes=4096 * 265,
+             stride_bytes=4096 * 266).resolve()
+    assert (r.geometry[0].slots, r.geometry[0].span) == (2, 64)
+
+
+def test_mla_shards():
+    r = spec(mla=True).resolve()
+    assert [(p.shard, p.writer, p.readers) for p in r.shards(0)] == [(0, 0, (0, 2)), (1, 1, (1, 3))]
+    assert [r.store_shard(0, t) for t in range(4)] == [0, 1, None, None]
+    assert [r.read_shard(0, t) for t in range(4)] == [0, 1, 0, 1]
+
+
+def test_identity_separates_geometry_and_salt():
+    a = spec().resolve().namespace
+    assert spec(stride_bytes=16 * 561 + 38).resolve().namespace != a
+    s = spec()
+    s.cache_salt = "other"
+    assert s.resolve().namespace != a
+    s = spec()
+    s.groups[0].name = "renamed"  # names are not identity
+    assert s.resolve().namespace == a
+
+
+def test_key_text_and_binary_reject_bad_input():
+    for bad in ["", "x", "a.b.c.d", "0" * 32 + "." + "0" * 32 + ".01.0", "0" * 32 + "." + "0" * 32 + ".0.65536",
+                "0" * 31 + "G." + "0" * 32 + ".0.0"]:
+        with pytest.raises(MalformedError):
+            dcp.Key.parse(bad)
+    with pytest.raises(MalformedError):
+        dcp.Key.from_binary(bytes(36))
+    with pytest.raises(MalformedError):
+        dcp.Key.from_binary(b"\x02" + bytes(36))
+
+
+@pytest.mark.parametrize("data", [b"{", b"[]", b'{"model":1}', b'{"groups":[{"kind":9}]}',
+                                  b'{"layout":{"tp":true}}', b'{"groups":[{"page_bytes":-1}]}',
+                                  b'{"groups":[{"page_bytes":18446744073709551616}]}'])
+def test_decode_rejects_bad_types(data):
+    with pytest.raises(MalformedError):
+        wire.decode(dcp.Spec, data)
+
+
+def test_decode_ignores_unknown_fields():
+    s = wire.decode(dcp.Spec, b'{"model":"m","future":{"x":1}}')
+    assert s.model == "m"
+
+
+def test_chunk_hashes_reject_out_of_range_tokens():
+    with pytest.raises(MalformedError):
+        dcp.chunk_hashes(dcp.Namespace(), [1 << 32, 0], 2)

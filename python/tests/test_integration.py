@@ -1,0 +1,283 @@
+"""The Python client against real daemons: coordinator (embedded NATS) and
+two rankds on the host backend. Pools are host-backend "device" memory made
+by kvtier.cuda.HostDevice; the test stores every chunk, wipes every page,
+restores into other blocks through the client and compares every byte,
+padding included."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import random
+import time
+
+import pytest
+
+from cluster import HOST_UUID, Cluster, build_binaries, eventually
+from kvtier import client, cuda, dcp, errors, wire
+
+pytestmark = pytest.mark.integration
+
+TP = 2
+BLOCKS = 24  # per layer pool
+CHUNKS = 5
+SPEC = dcp.Spec(
+    model="pytest-tiny", cache_salt="it",
+    layout=dcp.Layout(tp=TP, dcp=1, interleave=1, pp=1),
+    groups=[dcp.Group(name="attn", kind=dcp.Kind.ATTENTION, block_size=16, layers=3,
+                      semantic_bytes=16 * 528, page_bytes=16 * 561, stride_bytes=16 * 561 + 37,
+                      kv_format="fp8_tail")],
+    chunk_tokens=32,
+)
+PAD = 0xEE
+
+
+@pytest.fixture(scope="module")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return build_binaries(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture
+def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path):
+    c = Cluster(binaries, tmp_path, TP)
+    c.start_all()
+    try:
+        yield c
+    except BaseException:
+        print(c.logs_tail())
+        raise
+    finally:
+        c.stop_all()
+
+
+class Worker:
+    """One TP rank's engine side: a host-backend allocation holding every
+    layer's pool at an odd offset (the handles carry offsets), and the
+    pages' expected contents."""
+
+    def __init__(self, dev: cuda.HostDevice, tp: int, r: dcp.Resolved) -> None:
+        self.tp, self.r = tp, r
+        self.geo = r.geometry[0]
+        self.pool = self.geo.pool_bytes(BLOCKS)
+        self.layer_stride = self.pool + 4099  # not page aligned
+        layers = self.geo.group.layers
+        self.mem = dev.alloc(self.layer_stride * layers)
+        self.mem.view[:] = bytes([PAD]) * len(self.mem.view)
+        self.pools = [wire.PoolRegistration(0, layer, self.mem.export(layer * self.layer_stride, self.pool))
+                      for layer in range(layers)]
+
+    def page_off(self, layer: int, block: int) -> int:
+        return layer * self.layer_stride + block * self.geo.group.stride_bytes
+
+    def write_page(self, layer: int, block: int, data: bytes) -> None:
+        o = self.page_off(layer, block)
+        self.mem.view[o:o + len(data)] = data
+
+    def read_page(self, layer: int, block: int) -> bytes:
+        o = self.page_off(layer, block)
+        return bytes(self.mem.view[o:o + self.geo.group.page_bytes])
+
+
+def page_bytes(tp: int, chunk: int, layer: int, k: int, n: int) -> bytes:
+    seed = hashlib.sha256(f"{tp}/{chunk}/{layer}/{k}".encode()).digest()
+    return random.Random(seed).randbytes(n)
+
+
+def test_store_wipe_restore_every_byte(cluster: Cluster) -> None:
+    r = SPEC.resolve()
+    bpc = r.blocks_per_chunk(0)
+    assert bpc == 2
+    rng = random.Random(7)
+    tokens = [rng.randrange(1 << 32) for _ in range(CHUNKS * SPEC.chunk_tokens + 5)]
+    hashes = r.chunk_hashes(tokens)
+    assert len(hashes) == CHUNKS
+    store_blocks = rng.sample(range(BLOCKS), CHUNKS * bpc)
+    restore_blocks = rng.sample(range(BLOCKS), CHUNKS * bpc)
+
+    dev = cuda.HostDevice(str(cluster.shm), HOST_UUID)
+    workers = [Worker(dev, t, r) for t in range(TP)]
+    opts = client.ConnectOptions(servers=[cluster.nats_url], name="pytest-engine", timeout=20)
+    with client.SyncClient(opts) as c:
+        ns = eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
+        assert ns == r.namespace
+        ranks = [wire.Rank("engine0", t) for t in range(TP)]
+        for rk in ranks:
+            eventually(f"rankd {rk} accepts", lambda rk=rk: c.status(rk).accepting or (_ for _ in ()).throw(
+                AssertionError("not accepting yet")))
+        sessions = {str(rk): c.register(rk, SPEC, HOST_UUID, workers[rk.tp_rank].pools) for rk in ranks}
+
+        # Compute and store: every chunk its own store with its own event (C1).
+        layers = r.geometry[0].group.layers
+        page = r.geometry[0].group.page_bytes
+        futures = []
+        events = []
+        for w, rk in zip(workers, ranks, strict=True):
+            for ch in range(CHUNKS):
+                blocks = store_blocks[ch * bpc:(ch + 1) * bpc]
+                for layer in range(layers):
+                    for k, b in enumerate(blocks):
+                        w.write_page(layer, b, page_bytes(w.tp, ch, layer, k, page))
+                ev = dev.new_event()
+                ev.record()
+                events.append(ev)
+                futures.append(sessions[str(rk)].store_async(
+                    "prompt-1", [wire.ChunkBlocks(hashes[ch], [blocks])], ev.export()))
+        replies = [f.result(60) for f in futures]
+        for ev in events:
+            ev.release()
+        assert all(not rep.failed and not rep.blocks_in_use for rep in replies), replies
+        assert sum(rep.stored for rep in replies) == TP * CHUNKS
+
+        lk = eventually("lookup covers the prompt", lambda: _full(c.lookup(ns, hashes, "engine0"), CHUNKS))
+        assert lk.prefix == CHUNKS
+
+        # Storing the same chunk again is deduplicated.
+        ev = dev.new_event()
+        ev.record()
+        again = sessions[str(ranks[0])].store("prompt-1", [wire.ChunkBlocks(hashes[0], [store_blocks[:bpc]])],
+                                              ev.export())
+        ev.release()
+        assert (again.stored, again.deduped) == (0, 1)
+
+        # Wipe every declared page (prefix cache reset); padding stays.
+        snapshot_pad = [bytes(w.mem.view) for w in workers]
+        for w in workers:
+            for layer in range(layers):
+                for b in range(BLOCKS):
+                    w.write_page(layer, b, bytes(page))
+
+        def blocks_for(rank: wire.Rank, it: wire.RetrieveItem) -> list[int]:
+            assert it.group == 0
+            return restore_blocks[it.chunk * bpc:(it.chunk + 1) * bpc]
+
+        out = c.restore(sessions, hashes, blocks_for, instance="engine0", deadline_ms=10000)
+        assert out.verdict is not None and out.verdict.state == wire.VERDICT_COMPLETE, out
+        assert (out.loaded, out.failed) == (CHUNKS, [])
+
+        # Every byte: restored pages hold what was stored, other pages are
+        # still wiped, padding is untouched.
+        gs = r.geometry[0].group
+        for w in workers:
+            view = bytes(w.mem.view)
+            want = bytearray(len(view))
+            want[:] = bytes([PAD]) * len(view)
+            for layer in range(layers):
+                for b in range(BLOCKS):
+                    o = w.page_off(layer, b)
+                    want[o:o + page] = bytes(page)
+            for ch in range(CHUNKS):
+                for layer in range(layers):
+                    for k, b in enumerate(restore_blocks[ch * bpc:(ch + 1) * bpc]):
+                        o = w.page_off(layer, b)
+                        want[o:o + page] = page_bytes(w.tp, ch, layer, k, page)
+            assert gs.stride_bytes > page
+            assert view == bytes(want), f"rank {w.tp}: {_first_diff(view, bytes(want))}"
+            assert len(snapshot_pad[w.tp]) == len(view)
+
+        # A restore of chunks never stored plans nothing.
+        other = r.chunk_hashes([t ^ 1 for t in tokens])
+        none = c.restore(sessions, other, blocks_for, instance="engine0")
+        assert (none.loaded, none.verdict) == (0, None)
+
+        # Bad input gets an error reply with its stable code.
+        with pytest.raises(errors.BadRequest):
+            sessions[str(ranks[0])].retrieve([])
+        for s in sessions.values():
+            s.release()
+        with pytest.raises(errors.WireError) as ei:
+            ev = dev.new_event()
+            ev.record()
+            try:
+                sessions[str(ranks[0])].store("after-release", [wire.ChunkBlocks(hashes[0], [store_blocks[:bpc]])],
+                                              ev.export())
+            finally:
+                ev.release()
+        assert ei.value.code in (wire.CODE_UNKNOWN_NAMESPACE, wire.CODE_NOT_FOUND, wire.CODE_BAD_REQUEST)
+    for w in workers:
+        w.mem.release()
+
+
+def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Cluster) -> None:
+    """C1 through the Python host event. A store sent before its pages are
+    written waits for the event (the bytes it commits are the ones written
+    after the request); a store whose event is destroyed while the rankd
+    waits on it commits nothing."""
+    r = SPEC.resolve()
+    dev = cuda.HostDevice(str(cluster.shm), HOST_UUID)
+    workers = [Worker(dev, t, r) for t in range(TP)]
+    ranks = [wire.Rank("engine0", t) for t in range(TP)]
+    page = r.geometry[0].group.page_bytes
+    opts = client.ConnectOptions(servers=[cluster.nats_url], name="pytest-engine", timeout=20)
+    with client.SyncClient(opts) as c:
+        eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
+        sessions = {str(rk): eventually(f"rankd {rk} registers",
+                                        lambda rk=rk: c.register(rk, SPEC, HOST_UUID, workers[rk.tp_rank].pools))
+                    for rk in ranks}
+        h = r.chunk_hashes(list(range(2 * SPEC.chunk_tokens)))
+
+        # Pending events: the stores must wait, then commit the late bytes.
+        pending = []
+        for rk in ranks:
+            ev = dev.new_event()
+            ev.record(completed=False)
+            pending.append((ev, sessions[str(rk)].store_async("late", [wire.ChunkBlocks(h[0], [[0, 1]])],
+                                                              ev.export())))
+        for w in workers:
+            for layer in range(3):
+                for b in (0, 1):
+                    w.write_page(layer, b, page_bytes(w.tp, 0, layer, b, page))
+        assert not any(f.done() for _, f in pending)
+        for ev, _ in pending:
+            ev.complete()
+        for ev, f in pending:
+            rep = f.result(30)
+            ev.release()
+            assert (rep.stored, rep.failed) == (1, [])
+        ns = r.namespace
+        eventually("lookup shows chunk 0", lambda: _full(c.lookup(ns, h[:1], "engine0"), 1))
+        for w in workers:
+            for layer in range(3):
+                for b in (0, 1):
+                    w.write_page(layer, b, bytes(page))
+        out = c.restore(sessions, h[:1], lambda _r, it: [4, 5], instance="engine0")
+        assert out.loaded == 1, out
+        for w in workers:
+            for layer in range(3):
+                for k, b in enumerate((4, 5)):
+                    assert w.read_page(layer, b) == page_bytes(w.tp, 0, layer, k, page)
+
+        # Destroyed while the rankd waits on it: nothing is committed.
+        ev = dev.new_event()
+        ev.record(completed=False)
+        fut = sessions[str(ranks[0])].store_async("dead-event", [wire.ChunkBlocks(h[1], [[2, 3]])], ev.export())
+        # Give the rankd time to import the event and wait on it; if it has
+        # not yet, the import fails instead: either way nothing commits.
+        time.sleep(0.3)
+        assert not fut.done()
+        ev.release()
+        try:
+            rep = fut.result(30)
+        except errors.WireError as e:
+            assert e.code in (wire.CODE_BAD_REQUEST, wire.CODE_INTERNAL), e
+        else:
+            assert rep.stored == 0 and rep.failed, rep
+        lk = c.lookup(ns, h, "engine0", detail=True)
+        assert lk.prefix == 1
+        assert all(src.chunk == 0 for src in lk.sources), lk
+        for s in sessions.values():
+            s.release()
+    for w in workers:
+        w.mem.release()
+
+
+def _full(lk: wire.LookupReply, n: int) -> wire.LookupReply:
+    if lk.prefix != n:
+        raise AssertionError(f"lookup prefix {lk.prefix} of {n} ({lk.reason})")
+    return lk
+
+
+def _first_diff(a: bytes, b: bytes) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            return f"first difference at byte {i}: {x:#04x} != {y:#04x}"
+    return "lengths differ"

@@ -1,0 +1,393 @@
+"""KvtierConnector's logic against fakes of vLLM's objects and of kvtier's
+client (the connector has not run inside vLLM here: vLLM needs a GPU build
+or its CPU wheels, see NOTES-python.md)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+import fakes
+from kvtier import cuda, dcp, errors, wire
+from kvtier.vllm import KvtierConnector, KvtierConnectorMetadata, spec_from_vllm
+from kvtier.vllm.connector import KVConnectorRole
+
+
+class Event:
+    def __init__(self, n: int) -> None:
+        self.n, self.released = n, False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def make(world, role, kv_cfg=None, tp=1, tp_rank=0, **extra):
+    kv_cfg = kv_cfg or fakes.attention_config()
+
+    class Conn(KvtierConnector):
+        events: list[Event]
+
+        def _make_client(self):
+            return fakes.FakeSyncClient(world)
+
+        def _tp_rank(self):
+            return tp_rank
+
+        def _pool_handle(self, gi, layer, tensor):
+            super_check = KvtierConnector._pool_handle
+            try:
+                super_check(self, gi, layer, tensor)
+            except errors.GeometryError as e:
+                if "host" not in str(e):
+                    raise
+            return tensor.handle
+
+        def _new_event(self):
+            ev = Event(len(self.events))
+            self.events.append(ev)
+            return ev, cuda.EventHandle("host", "HOST-t", f"ev{ev.n}".encode())
+
+    extra.setdefault("kvtier_device", "host")
+    extra.setdefault("kvtier_lookup_wait_s", 5.0)
+    c = Conn(fakes.vllm_config(tp, **extra), role, kv_cfg)
+    c.events = []
+    return c
+
+
+def tokens(n: int) -> list[int]:
+    return [(i * 7919) % 32000 for i in range(n)]
+
+
+# ------------------------------------------------------------------ spec
+
+
+def test_spec_page_from_page_size_bytes_not_shape():
+    cfg = fakes.attention_config()
+    g = cfg.kv_cache_groups[0]
+    padded = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=fakes.BF16,
+                                     page_size_padded=1100)
+    g.kv_cache_spec = padded
+    spec, layers = spec_from_vllm(cfg, "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None)
+    grp = spec.groups[0]
+    assert (grp.page_bytes, grp.semantic_bytes, grp.stride_bytes) == (1100, 1024, 1100)
+    assert (grp.block_size, grp.layers, spec.chunk_tokens, spec.layout.tp) == (16, 2, 16, 2)
+    assert layers[0].layer_names == tuple(g.layer_names)
+
+
+def test_spec_mla_and_fp8_ds_mla():
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups[0].kv_cache_spec = fakes.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=fakes.FP8, cache_dtype_str="fp8_ds_mla")
+    spec, _ = spec_from_vllm(cfg, "m", "", tp=4, dcp_size=1, pp=1, chunk_tokens=128)
+    g = spec.groups[0]
+    assert g.mla and g.page_bytes == 64 * 656 and g.kv_format == "fp8_ds_mla"
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda c: setattr(c.kv_cache_groups[0], "kv_cache_spec", fakes.ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=fakes.BF16)), "ChunkedLocalAttentionSpec"),
+    (lambda c: setattr(c.kv_cache_groups[0], "kv_cache_spec", fakes.MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(fakes.BF16,))), "mamba_cache_mode 'none'"),
+    (lambda c: setattr(c.kv_cache_groups[0], "kv_cache_spec", object()), "is not a positive integer"),
+    (lambda c: setattr(c, "kv_cache_groups", []), "no kv_cache_groups"),
+    (lambda c: setattr(c.kv_cache_groups[0], "layer_names", []), "has no layers"),
+])
+def test_spec_fails_closed(mutate, words):
+    cfg = fakes.attention_config()
+    mutate(cfg)
+    with pytest.raises(errors.GeometryError, match=words):
+        spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
+
+
+def test_spec_refuses_dcp_and_pp():
+    with pytest.raises(errors.GeometryError, match="decode context parallel size 2"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
+    with pytest.raises(errors.GeometryError, match="PP size 2"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None)
+
+
+def test_mamba_all_mode_is_recurrent():
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups.append(fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
+        block_size=16, shapes=((4, 8), (2, 2)), dtypes=(fakes.BF16, fakes.FP8), page_size_padded=1024,
+        mamba_cache_mode="all")))
+    spec, _ = spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
+    g = spec.groups[1]
+    assert (g.kind, g.semantic_bytes, g.page_bytes) == (dcp.Kind.RECURRENT, 4 * 8 * 2 + 4, 1024)
+
+
+# ------------------------------------------------------------------ scheduler
+
+
+def test_matched_tokens_not_yet_then_idempotent():
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    world.lookup_gate = concurrent.futures.Future()
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_lookup_wait_s=0.01)
+    req = fakes.Request("r1", tokens(16 * 5 + 3))
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    world.lookup_gate.set_result(None)
+    s.cfg.lookup_wait_s = 5
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert len(world.lookups) == 1
+    assert world.lookups[0].chunks == s.resolved.chunk_hashes(req.prompt_token_ids)[:5]
+    assert world.specs == [s.spec]
+
+
+def test_matched_tokens_leave_the_last_token_and_respect_computed():
+    world = fakes.FakeWorld()
+    world.prefix = 99
+    s = make(world, KVConnectorRole.SCHEDULER)
+    # exactly 4 chunks: vLLM must compute the last token, so only 3 load
+    assert s.get_num_new_matched_tokens(fakes.Request("a", tokens(64)), 0) == (48, False)
+    # locally computed 2 chunks: the lookup starts at chunk 2
+    assert s.get_num_new_matched_tokens(fakes.Request("b", tokens(64 + 1)), 32) == (32, False)
+    assert world.lookups[-1].chunks == s.resolved.chunk_hashes(tokens(65))[2:4]
+    # not chunk aligned: nothing
+    assert s.get_num_new_matched_tokens(fakes.Request("c", tokens(100)), 8) == (0, False)
+    # too short
+    assert s.get_num_new_matched_tokens(fakes.Request("d", tokens(16)), 0) == (0, False)
+
+
+def test_lookup_error_means_recompute():
+    world = fakes.FakeWorld()
+    world.lookup_error = errors.Unavailable("unavailable", "coordinator down")
+    s = make(world, KVConnectorRole.SCHEDULER)
+    assert s.get_num_new_matched_tokens(fakes.Request("a", tokens(100)), 0) == (0, False)
+    assert s.stats["lookup_errors"] == 1
+
+
+def plan_for(s, req, first, n, ranks=("engine0/0",)):
+    hashes = s.resolved.chunk_hashes(req.prompt_token_ids)
+    items = {r: [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(s.resolved.namespace, hashes[first + c], 0, 0),
+                                   sum=c + 1, source=wire.Source(wire.Rank("engine0", 0), wire.Tier.L1))
+                 for c in range(n)] for r in ranks}
+    return wire.RestorePlan("r-1", n, items)
+
+
+def test_scheduler_load_and_save_metadata():
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("r1", tokens(16 * 4 + 5))
+    assert s.get_num_new_matched_tokens(req, 0) == (32, False)
+    world.plan = plan_for(s, req, 0, 2)
+    blocks = fakes.KVCacheBlocks(([10, 11, 12, 13, 14],))
+    s.update_state_after_alloc(req, blocks, 32)
+    out = fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("r1", req.prompt_token_ids, ([10, 11, 12, 13, 14],), 32)],
+        num_scheduled_tokens={"r1": 37})
+    meta = s.build_connector_meta(out)
+    assert [(ld.req_id, ld.restore_id, ld.first_chunk, ld.chunks, ld.planned) for ld in meta.loads] == [
+        ("r1", "r-1", 0, 2, 2)]
+    assert meta.loads[0].block_ids == [[10, 11, 12, 13, 14]]
+    hashes = s.resolved.chunk_hashes(req.prompt_token_ids)
+    # chunks 0-1 were loaded; 2 and 3 are computed in this step and stored
+    assert [(sv.req_id, sv.chunks) for sv in meta.saves] == [
+        ("r1", [(bytes(hashes[2]), [[12]]), (bytes(hashes[3]), [[13]])])]
+    # the next (decode) step stores nothing new; the load is not repeated
+    out2 = fakes.SchedulerOutput(scheduled_cached_reqs=fakes.CachedRequestData(["r1"], set(), [([15],)], [69]),
+                                 num_scheduled_tokens={"r1": 1})
+    meta2 = s.build_connector_meta(out2)
+    assert (meta2.loads, meta2.saves) == ([], [])
+    assert s.request_finished(req, [10, 11, 12, 13, 14, 15]) == (True, None)
+
+
+def test_request_without_saves_is_freed_at_once():
+    world = fakes.FakeWorld()
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("short", tokens(10))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("short", req.prompt_token_ids, ([1],), 0)],
+        num_scheduled_tokens={"short": 10}))
+    assert s.request_finished(req, [1]) == (False, None)
+
+
+def test_chunked_prefill_saves_each_chunk_once():
+    world = fakes.FakeWorld()
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("p", tokens(16 * 3 + 1))
+    s.get_num_new_matched_tokens(req, 0)
+    m1 = s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("p", req.prompt_token_ids, ([7, 8],), 0)],
+        num_scheduled_tokens={"p": 20}))
+    assert [len(sv.chunks) for sv in m1.saves] == [1]
+    m2 = s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_cached_reqs=fakes.CachedRequestData(["p"], set(), [([9, 3],)], [20]),
+        num_scheduled_tokens={"p": 29}))
+    assert [[b for _, b in sv.chunks] for sv in m2.saves] == [[[[8]], [[9]]]]
+
+
+def test_restore_begin_failure_still_reports_the_load():
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    world.begin_error = errors.Unavailable("unavailable", "down")
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("r", tokens(40))
+    assert s.get_num_new_matched_tokens(req, 0) == (32, False)
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([4, 5, 6],)), 32)
+    meta = s.build_connector_meta(fakes.SchedulerOutput())
+    assert meta.loads[0].restore_id == "" and "down" in meta.loads[0].problem
+
+
+# ------------------------------------------------------------------ worker
+
+
+def worker(world, tp=1, tp_rank=0, kv_cfg=None):
+    kv_cfg = kv_cfg or fakes.attention_config()
+    w = make(world, KVConnectorRole.WORKER, kv_cfg, tp=tp, tp_rank=tp_rank)
+    page = kv_cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    caches = {}
+    for i, name in enumerate(kv_cfg.kv_cache_groups[0].layer_names):
+        caches[name] = fakes.Tensor((kv_cfg.num_blocks, 2, 16, 2, 8), (page // 2, 256, 16, 8, 1), 2,
+                                    cuda.MemHandle("host", "HOST-t", b"pool", i * 1 << 20, kv_cfg.num_blocks * page))
+    w.register_kv_caches(caches)
+    return w
+
+
+def test_register_checks_layout_and_registers_every_layer():
+    world = fakes.FakeWorld()
+    w = worker(world)
+    (rank, uuid, pools), = world.registered
+    assert (rank, uuid) == (wire.Rank("engine0", 0), "HOST-t")
+    assert [(p.group, p.layer, p.handle.offset) for p in pools] == [(0, 0, 0), (0, 1, 1 << 20)]
+    assert w._session is not None
+
+
+def test_register_refuses_kv_split_layout():
+    world = fakes.FakeWorld()
+    cfg = fakes.attention_config()
+    w = make(world, KVConnectorRole.WORKER, cfg)
+    page = cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    split = {n: fakes.Tensor((2, cfg.num_blocks, 16, 2, 8), (cfg.num_blocks * page // 4, page // 4, 16, 8, 1), 2)
+             for n in cfg.kv_cache_groups[0].layer_names}
+    with pytest.raises(errors.GeometryError, match="block-major"):
+        w.register_kv_caches(split)
+    assert world.registered == []
+
+
+def bind(w, loads=(), saves=()):
+    w.bind_connector_metadata(KvtierConnectorMetadata(list(loads), list(saves)))
+
+
+def test_stores_own_events_and_finish_only_when_answered():
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    world.store_gate = concurrent.futures.Future()
+    w = worker(world)
+    h = [bytes([i]) * 16 for i in range(3)]
+    bind(w, saves=[SaveSpec("r1", [(h[0], [[1]]), (h[1], [[2]])]), SaveSpec("r2", [(h[2], [[3]])])])
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    assert len(w.events) == 2  # one event per store (C1)
+    assert w.get_finished({"r1", "r2", "other"}) == (None, None)
+    assert not any(e.released for e in w.events)
+    world.store_gate.set_result(None)
+    for p in [p for v in w._pending.values() for p in v]:
+        p.fut.result(5)
+    assert w.get_finished(set()) == ({"r1", "r2"}, None)
+    assert all(e.released for e in w.events)
+    assert w.get_finished(set()) == (None, None)
+    stored = sorted((s[1], [bytes(c.chunk) for c in s[2]]) for s in world.stores)
+    assert stored == [("r1", [h[0], h[1]]), ("r2", [h[2]])]
+
+
+def test_mla_rank_that_stores_nothing_still_reports_finished():
+    world = fakes.FakeWorld()
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups[0].kv_cache_spec = fakes.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=32,
+                                                                  dtype=fakes.BF16)
+    w = make(world, KVConnectorRole.WORKER, cfg, tp=2, tp_rank=1)
+    page = 16 * 32 * 2
+    w.register_kv_caches({n: fakes.Tensor((cfg.num_blocks, 16, 32), (16 * 32, 32, 1), 2,
+                                          cuda.MemHandle("host", "HOST-t", b"p", 0, cfg.num_blocks * page))
+                          for n in cfg.kv_cache_groups[0].layer_names})
+    from kvtier.vllm import SaveSpec
+
+    bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
+    w.wait_for_save()
+    assert world.stores == [] and w.events == []
+    assert w.get_finished({"r1"}) == ({"r1"}, None)
+
+
+def test_store_after_rankd_restart_reregisters():
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    w = worker(world)
+    calls = []
+
+    async def flaky(self, request_id, chunks, event, timeout=None):
+        calls.append(request_id)
+        if len(calls) == 1:
+            raise errors.UnknownNamespace("unknown_namespace", "never registered")
+        return wire.StoreReply(stored=1)
+
+    fakes.FakeSession.store, orig = flaky, fakes.FakeSession.store
+    try:
+        bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
+        w.wait_for_save()
+        for p in w._pending["r1"]:
+            assert p.fut.result(5).stored == 1
+    finally:
+        fakes.FakeSession.store = orig
+    assert (calls, world.reregistered) == (["r1", "r1"], 1)
+
+
+def load_spec(w, verdict_failed=(), planned=3, chunks=3, restore_id="r-1"):
+    from kvtier import _codec
+    from kvtier.vllm import LoadSpec
+
+    items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16)),
+                               source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(planned)]
+    raw = _codec.dumps([_codec.to_obj(i) for i in items])
+    return LoadSpec("r1", restore_id, 1, chunks, planned, {"engine0/0": raw}, [[20, 21, 22, 23, 24, 25]])
+
+
+def test_load_complete_verdict_has_no_errors():
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    bind(w, loads=[load_spec(w)])
+    w.start_load_kv(None)
+    (_, rid, items), = world.retrieves
+    # chunk c of the plan is request chunk 1 + c: blocks 21, 22, 23
+    assert rid == "r-1" and [it.blocks for it in items] == [[21], [22], [23]]
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.stats["loaded_tokens"] == 48
+
+
+def test_failed_verdict_recomputes_from_the_first_failed_chunk():
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [1], ["corrupt"])
+    bind(w, loads=[load_spec(w)])
+    w.start_load_kv(None)
+    assert w.get_block_ids_with_load_errors() == {22, 23}
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.stats["restore_failures"] == 1
+
+
+def test_partial_plan_and_retrieve_error_fail_closed():
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.retrieve_error = errors.Unavailable("unavailable", "rankd busy")
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 2)
+    bind(w, loads=[load_spec(w, planned=2)])
+    w.start_load_kv(None)
+    # the plan covered 2 of 3 chunks: chunk 3 of the request is an error
+    assert w.get_block_ids_with_load_errors() == {23}
+
+
+def test_no_restore_id_means_every_block_is_an_error():
+    world = fakes.FakeWorld()
+    w = worker(world)
+    bind(w, loads=[load_spec(w, restore_id="")])
+    w.start_load_kv(None)
+    assert w.get_block_ids_with_load_errors() == {21, 22, 23}
+    assert world.retrieves == []

@@ -1,0 +1,274 @@
+"""KvtierConnector end to end against real daemons (coordinator + two
+rankds, host backend): one scheduler-side and two worker-side connectors
+in this process, driven with vLLM's call sequence on fake vLLM request and
+scheduler-output objects, pools in host-backend shared memory. This is not
+vLLM: it runs the connector's code against real kvtier processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import pathlib
+import random
+
+import pytest
+
+import fakes
+from cluster import HOST_UUID, Cluster, build_binaries, eventually
+from kvtier import client, cuda, dcp, wire
+from kvtier.vllm import KvtierConnector
+from kvtier.vllm.connector import KVConnectorRole
+
+pytestmark = pytest.mark.integration
+
+TP = 2
+NUM_BLOCKS = 32
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return build_binaries(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture
+def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path):
+    c = Cluster(binaries, tmp_path, TP)
+    c.start_all()
+    try:
+        yield c
+    except BaseException:
+        print(c.logs_tail())
+        raise
+    finally:
+        c.stop_all()
+
+
+class HostConnector(KvtierConnector):
+    """The connector with its two device seams on the host backend."""
+
+    tp_rank = 0
+    dev: cuda.HostDevice
+
+    def _tp_rank(self) -> int:
+        return self.tp_rank
+
+    def _pool_handle(self, gi, layer, tensor):
+        try:
+            super()._pool_handle(gi, layer, tensor)  # the layout check
+        except Exception as e:
+            if "kvtier_device=host" not in str(e):
+                raise
+        return tensor.handle
+
+    def _new_event(self):
+        ev = self.dev.new_event()
+        ev.record()
+        return ev, ev.export()
+
+
+class Worker:
+    def __init__(self, cluster: Cluster, tp_rank: int, kv_cfg, extra) -> None:
+        self.dev = cuda.HostDevice(str(cluster.shm), HOST_UUID)
+        spec = kv_cfg.kv_cache_groups[0].kv_cache_spec
+        self.page = spec.page_size_bytes
+        self.mem = self.dev.alloc(LAYERS * NUM_BLOCKS * self.page)
+        self.conn = connector(KVConnectorRole.WORKER, kv_cfg, extra, tp_rank, self.dev)
+        self.tp = tp_rank
+        caches = {}
+        for li, name in enumerate(kv_cfg.kv_cache_groups[0].layer_names):
+            caches[name] = fakes.Tensor((NUM_BLOCKS, 2, 16, 2, 8), (self.page // 2, 256, 16, 8, 1), 2,
+                                        self.mem.export(li * NUM_BLOCKS * self.page, NUM_BLOCKS * self.page))
+        self.conn.register_kv_caches(caches)
+
+    def off(self, layer: int, block: int) -> int:
+        return (layer * NUM_BLOCKS + block) * self.page
+
+    def forward(self, tokens: list[int], blocks: list[int], upto: int) -> None:
+        """'Computes' the KV of tokens [0, upto): page content depends on
+        the rank, layer, and the tokens of the block and all before it."""
+        for bi in range(upto // 16):
+            for layer in range(LAYERS):
+                o = self.off(layer, blocks[bi])
+                self.mem.view[o:o + self.page] = kv_bytes(self.tp, layer, tokens[:(bi + 1) * 16], self.page)
+
+    def page_at(self, layer: int, block: int) -> bytes:
+        o = self.off(layer, block)
+        return bytes(self.mem.view[o:o + self.page])
+
+
+def kv_bytes(tp: int, layer: int, prefix: list[int], n: int) -> bytes:
+    seed = hashlib.sha256(f"{tp}/{layer}/{prefix}".encode()).digest()
+    return random.Random(seed).randbytes(n)
+
+
+def connector(role, kv_cfg, extra, tp_rank=0, dev=None) -> HostConnector:
+    cls = type("C", (HostConnector,), {"tp_rank": tp_rank, "dev": dev})
+    return cls(fakes.vllm_config(TP, **extra), role, kv_cfg)
+
+
+def run_step(sched, workers, out):
+    """One engine step: the scheduler's metadata goes to every worker, and
+    the workers (separate processes under vLLM, threads here) load at once:
+    each waits for the verdict, which needs every rank's report."""
+    meta = sched.build_connector_meta(out)
+    with concurrent.futures.ThreadPoolExecutor(len(workers)) as ex:
+        for w in workers:
+            w.conn.bind_connector_metadata(meta)
+        list(ex.map(lambda w: w.conn.start_load_kv(None), workers))
+    return meta
+
+
+def finish_saves(workers, req_ids: set[str]) -> None:
+    """vLLM passes finished request ids once, then polls get_finished."""
+    pending = {w.tp: set(req_ids) for w in workers}
+    first = {w.tp: True for w in workers}
+
+    def reap():
+        for w in workers:
+            done, _ = w.conn.get_finished(set(req_ids) if first[w.tp] else set())
+            first[w.tp] = False
+            pending[w.tp] -= done or set()
+        if any(pending.values()):
+            raise AssertionError(f"stores still in flight: {pending}")
+
+    eventually("every worker finished the stores", reap)
+
+
+def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster) -> None:
+    extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
+                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20)
+    kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS)
+    sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra)
+    workers = eventually("workers register with their rankds",
+                         lambda: [Worker(cluster, t, kv_cfg, extra) for t in range(TP)])
+    rng = random.Random(3)
+    prompt = [rng.randrange(32000) for _ in range(16 * 4 + 3)]  # 4 full chunks + 3 tokens
+
+    # 1. Cold: nothing to load; the prefill stores every full chunk.
+    req = fakes.Request("cold", prompt)
+    assert eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0))) == (0, False)
+    blocks_a = [3, 9, 4, 17, 11]
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_a,)), 0)
+    for w in workers:
+        w.forward(prompt, blocks_a, len(prompt))
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("cold", prompt, (blocks_a,), 0)],
+                                num_scheduled_tokens={"cold": len(prompt)})
+    meta = run_step(sched, workers, out)
+    assert [len(s.chunks) for s in meta.saves] == [4]
+    for w in workers:
+        w.conn.wait_for_save()
+    assert sched.request_finished(req, blocks_a) == (True, None)
+    finish_saves(workers, {"cold"})
+    assert sum(w.conn.stats["stored_objects"] for w in workers) == TP * 4
+    assert all(w.conn.stats["store_failures"] == 0 for w in workers)
+    originals = {(w.tp, layer, bi): w.page_at(layer, blocks_a[bi]) for w in workers
+                 for layer in range(LAYERS) for bi in range(4)}
+
+    # 2. reset_prefix_cache: pages wiped; the same prompt loads its 4 full
+    # chunks into other blocks (vLLM computes the 3 trailing tokens).
+    for w in workers:
+        w.mem.view[:] = bytes(len(w.mem.view))
+    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+        hashes = sched.resolved.chunk_hashes(prompt)
+        eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
+    assert restore_once(sched, workers, prompt, "warm", [20, 21, 22, 23, 24], originals) == 64
+
+    # 3. Restart the rankds (L1 lost): the same prompt loads from L2 once
+    # the workers registered their pools again.
+    restart_ranks(cluster)
+    for w in workers:
+        w.mem.view[:] = bytes(len(w.mem.view))
+    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+        eventually("index shows the L2 copies",
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+    for w in workers:  # a restarted rankd has forgotten the registration
+        w.conn._session.reregister()
+    assert restore_once(sched, workers, prompt, "after-restart", [5, 6, 7, 8, 9], originals) == 64
+
+    # 4. Restart the rankds (L1 empty again), then corrupt chunk 1's L2
+    # object of rank 1: the verdict fails; blocks of chunks 1..3 go to load
+    # errors (vLLM recomputes them), chunk 0 is byte-exact, and nothing
+    # garbled counts as loaded.
+    restart_ranks(cluster)
+    for w in workers:
+        w.conn._session.reregister()
+        w.mem.view[:] = bytes(len(w.mem.view))
+    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+        eventually("index shows the L2 copies",
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+    key = dcp.Key(sched.resolved.namespace, hashes[1], 1, 0)
+    path = cluster.l2 / str(sched.resolved.namespace) / (str(key) + ".kvo")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40
+    path.write_bytes(bytes(data))
+    blocks_d = [12, 13, 14, 15, 16]
+    req = fakes.Request("corrupt", prompt)
+    n, _ = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0)))
+    assert n == 64
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_d,)), n)
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("corrupt", prompt, (blocks_d,), n)],
+                                num_scheduled_tokens={"corrupt": len(prompt) - n})
+    run_step(sched, workers, out)
+    errs = [w.conn.get_block_ids_with_load_errors() for w in workers]
+    assert errs == [{13, 14, 15}, {13, 14, 15}], errs
+    for w in workers:
+        assert w.conn.stats["restore_failures"] == 1
+        for layer in range(LAYERS):
+            assert w.page_at(layer, blocks_d[0]) == originals[(w.tp, layer, 0)]
+    sched.request_finished(req, blocks_d)
+    for w in [*workers]:
+        w.conn.shutdown()
+        w.mem.release()
+    sched.shutdown()
+
+
+def restart_ranks(cluster: Cluster) -> None:
+    for r in range(TP):
+        cluster.ranks[r].stop()
+        cluster.start_rank(r)
+    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+        for r in range(TP):
+            rk = wire.Rank("engine0", r)
+            eventually(f"rankd {rk} accepts again", lambda rk=rk: _true(c.status(rk).accepting))
+
+
+def _true(v: bool) -> bool:
+    if not v:
+        raise AssertionError("not yet")
+    return v
+
+
+def restore_once(sched, workers, prompt, req_id, blocks, originals) -> int:
+    req = fakes.Request(req_id, prompt)
+    n, load_async = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0)))
+    assert (n, load_async) == (64, False)
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks,)), n)
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData(req_id, prompt, (blocks,), n)],
+                                num_scheduled_tokens={req_id: len(prompt) - n})
+    meta = run_step(sched, workers, out)
+    assert len(meta.loads) == 1 and meta.loads[0].planned == 4, meta.loads
+    assert meta.saves == []  # loaded chunks are not stored again
+    for w in workers:
+        assert w.conn.get_block_ids_with_load_errors() == set()
+        for layer in range(LAYERS):
+            for bi in range(4):
+                assert w.page_at(layer, blocks[bi]) == originals[(w.tp, layer, bi)], (w.tp, layer, bi)
+            assert w.page_at(layer, blocks[4]) == bytes(w.page)  # the partial block: computed by vLLM
+    for w in workers:
+        w.conn.wait_for_save()
+    sched.request_finished(req, blocks)
+    finish_saves(workers, {req_id} if meta.saves else set())
+    return sum(ld.planned for ld in meta.loads) * 16
+
+
+def _answered(r):
+    if r[0] is None:
+        raise AssertionError("not yet")
+    return r
+
+
+def _prefix(lk: wire.LookupReply, n: int) -> wire.LookupReply:
+    if lk.prefix != n:
+        raise AssertionError(f"lookup prefix {lk.prefix} of {n}")
+    return lk
