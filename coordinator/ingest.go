@@ -95,7 +95,7 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 	if err := checkBatchSums(&b); err != nil {
 		c.badRequest(m, opEvents, err)
 		c.met.batches.WithLabelValues("bad_request").Inc()
-		return
+		return ingestJob{}, false
 	}
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit

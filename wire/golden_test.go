@@ -10,7 +10,6 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
 )
 
@@ -72,10 +71,10 @@ func goldenKey(chunk byte, shard, group uint16) dcp.Key {
 func goldenCases() []goldenCase {
 	ns := goldenNS()
 	spec := goldenSpec()
-	mem := cuda.MemHandle{Backend: "cuda", Device: "GPU-5e1c0d2a-7f7e-4a8e-9c1b-0123456789ab",
+	mem := MemHandle{Backend: "cuda", Device: "GPU-5e1c0d2a-7f7e-4a8e-9c1b-0123456789ab",
 		Raw: bytes.Repeat([]byte{0x00, 0xff, 0x7e, 0x3f}, 16), Offset: 1 << 33, Size: 3<<30 + 561}
-	ev := cuda.EventHandle{Backend: "cuda", Device: mem.Device, Raw: bytes.Repeat([]byte{0xa5, 0x01}, 32)}
-	hostMem := cuda.MemHandle{Backend: "host", Device: "HOST-0011223344556677",
+	ev := EventHandle{Backend: "cuda", Device: mem.Device, Raw: bytes.Repeat([]byte{0xa5, 0x01}, 32)}
+	hostMem := MemHandle{Backend: "host", Device: "HOST-0011223344556677",
 		Raw: []byte("kvtier-4242-0123456789abcdef"), Offset: 4096, Size: 36 * 1024}
 	item := func(chunk int, group int, shard uint16, tier Tier, blocks []int64) RetrieveItem {
 		return RetrieveItem{Chunk: chunk, Group: group, Key: goldenKey(byte(chunk), shard, uint16(group)),
