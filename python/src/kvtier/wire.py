@@ -239,7 +239,7 @@ class ItemResult:
     chunk: int = field("chunk", default=0)
     group: int = field("group", default=0)
     ok: bool = field("ok", default=False)
-    sum: u64 = field("sum", omit="omitempty", default=0)
+    sum: u64 = field("sum", default=0)
     reason: str = field("reason", omit="omitempty", default="")
 
 
