@@ -115,13 +115,15 @@ type Stream interface {
 	// are checked before anything is enqueued.
 	Gather(dst HostBuf, objs []Object) (*Op, error)
 	// Scatter copies each object's packed bytes from src back into its
-	// spans and computes each object's kvsum64 of the bytes it places, in
-	// span order, so the caller can verify them. The CUDA kernel hashes
-	// the values it stores as they pass through registers, without reading
-	// the destination back: it catches a host copy that changed, not a
-	// store that device memory failed to keep. The host backend hashes the
-	// destination spans after copying into them. Overlapping destination
-	// spans are rejected.
+	// spans and computes each object's kvsum64 of what the spans hold
+	// afterwards, in span order, so the caller can verify them. Both
+	// backends read the destination back once every span of the transfer
+	// is placed: the CUDA backend runs a second kernel pass over the spans
+	// in device memory (a gather that writes nothing), the host backend
+	// hashes the destination spans after copying into them. A matching sum
+	// therefore confirms the bytes in device memory at the end of the
+	// transfer, not only the values the copy carried. Overlapping
+	// destination spans are rejected.
 	Scatter(src HostBuf, objs []Object) (*Op, error)
 
 	// Upload copies src into device memory asynchronously. src must not be

@@ -26,6 +26,10 @@ const (
 	kThreads  = 256  // NT
 	kTile     = 1024 // TILE: chunks of 16 bytes per block per step
 	kFlagSum  = 1    // FLAG_SUM
+	// kFlagNoStore makes kv_gather read and hash the device spans without
+	// writing the packed side (FLAG_NOSTORE): the read-back pass of a
+	// scatter.
+	kFlagNoStore = 2
 )
 
 // kSeg is struct Seg.

@@ -21,8 +21,9 @@ func (s *driverStream) Gather(dst HostBuf, objs []Object) (*Op, error) {
 	return s.transfer(dst, objs, false, kFlagSum)
 }
 
-// Scatter places the packed objects of src into their spans and computes
-// the kvsum64 of the bytes it read.
+// Scatter places the packed objects of src into their spans and, once every
+// span is placed, reads them back from device memory and computes the
+// kvsum64 of what they hold.
 func (s *driverStream) Scatter(src HostBuf, objs []Object) (*Op, error) {
 	return s.transfer(src, objs, true, kFlagSum)
 }
@@ -163,7 +164,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	if scatter {
 		fn = s.d.scatter
 	}
-	e := enqueuer{s: s, st: st}
+	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0}
 	if staged {
 		e.staged(plan, buf, fn, scatter, flags)
 	} else {
@@ -216,6 +217,28 @@ type enqueuer struct {
 	s   *driverStream
 	st  *opState
 	err error
+	// readBack: a scatter's sums come from reading the placed spans back
+	// from device memory after every batch is placed (kv_gather with
+	// FLAG_NOSTORE), not from the values the scatter kernel wrote; the
+	// scatter kernels then run without FLAG_SUM.
+	readBack bool
+}
+
+// scatterFlags is what the scatter kernels run with.
+func (e *enqueuer) scatterFlags(flags uint32) uint32 {
+	if e.readBack {
+		return flags &^ kFlagSum
+	}
+	return flags
+}
+
+// verify enqueues the read-back pass of batch bi of a scatter on h, after
+// the batch's scatter kernel. Destination spans never overlap, so a batch
+// read back once it is placed holds what the transfer leaves there.
+func (e *enqueuer) verify(h C.CUstream, plan *xferPlan, bi int, flags uint32) {
+	if e.readBack {
+		e.launch(h, e.s.d.gather, plan, bi, flags|kFlagNoStore)
+	}
 }
 
 func (e *enqueuer) do(op string, r C.CUresult) {
@@ -286,7 +309,8 @@ func (e *enqueuer) direct(plan *xferPlan, fn C.CUfunction, flags uint32) {
 	h := e.s.h
 	e.tables(h)
 	for bi := range plan.batches {
-		e.launch(h, fn, plan, bi, flags)
+		e.launch(h, fn, plan, bi, e.scatterFlags(flags))
+		e.verify(h, plan, bi, flags)
 	}
 	e.sums(h)
 }
@@ -328,8 +352,11 @@ func (e *enqueuer) staged(plan *xferPlan, buf *driverHostBuf, fn C.CUfunction, s
 				}
 			}
 			e.wait(A, e.event(S))
-			e.launch(A, fn, plan, bi, flags)
+			e.launch(A, fn, plan, bi, e.scatterFlags(flags))
 			drained[bi] = e.event(A)
+			// After drained: the read-back reads the spans, not the
+			// staging half, and hides under the copy of the next batch.
+			e.verify(A, plan, bi, flags)
 		}
 	}
 	e.sums(A)

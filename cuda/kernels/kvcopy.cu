@@ -68,6 +68,7 @@ enum {
 	ITER = 4, // chunks per thread per tile
 	TILE = NT * ITER,
 	FLAG_SUM = 1,
+	FLAG_NOSTORE = 2, // gather only: read and hash the spans, write nothing (the read-back check after a scatter)
 	NONE = 0xffffffffu,
 };
 
@@ -312,7 +313,7 @@ KV_DEVICE void copy(const Seg *segs, u32 nsegs, const Span *spans, u64 nchunks, 
 					scatterBytes(spans, s, a, from, to, v[j]);
 				} else {
 					v[j] = gatherBytes(spans, s, a, from, to);
-					store(c + head, (u32)(to - from), shr(v[j], head));
+					if (!(flags & FLAG_NOSTORE)) store(c + head, (u32)(to - from), shr(v[j], head));
 				}
 			}
 			if (!sum) continue; // uniform across the grid
