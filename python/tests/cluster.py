@@ -83,7 +83,10 @@ class Cluster:
         self.bin, self.root, self.tp = bin_dir, root, tp
         self.shm, self.l2, self.logs, self.index = (root / "shm", root / "l2", root / "logs", root / "index")
         for d in (self.shm, self.l2, self.logs, self.index):
-            d.mkdir(parents=True, exist_ok=True)
+            # Private: the host backend and the L2 tier refuse directories
+            # that grant anything to group or others (C9).
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.chmod(0o700)
         self.nats_port = free_port()
         self.gossip = f"127.0.0.1:{free_port()}"
         self.rank_addr = [f"127.0.0.1:{free_port()}" for _ in range(tp)]
