@@ -626,7 +626,9 @@ func (ix *Index) write(tx *bolt.Tx, t *txn) error {
 	if !t.enc.empty() {
 		var k [8]byte
 		binary.BigEndian.PutUint64(k[:], ix.nextLog)
-		if err := tx.Bucket(bucketLog).Put(k[:], t.enc.buf); err != nil {
+		// Sealed in a copy: the encoder's buffer is the committer's.
+		rec := seal(append(make([]byte, 0, len(t.enc.buf)+4), t.enc.buf...), 0)
+		if err := tx.Bucket(bucketLog).Put(k[:], rec); err != nil {
 			return fmt.Errorf("append log record %d: %w: %w", ix.nextLog, ErrStore, err)
 		}
 	}
