@@ -74,6 +74,7 @@ type Coordinator struct {
 	hb heartbeats
 
 	fences fenceGates // per-rank fence epochs: see fence.go
+	geo    geometries // registered namespaces' geometry: see limits.go
 
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist

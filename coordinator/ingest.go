@@ -67,6 +67,16 @@ func (c *Coordinator) handleBatch(m *nats.Msg) {
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return
 	}
+	if err := c.checkBatchLimits(&b, time.Now()); err != nil {
+		c.met.batches.WithLabelValues("refused").Inc()
+		if errors.Is(err, errNotMember) {
+			c.log.Warn("batch refused for now", zap.Stringer("rank", b.Rank), zap.Error(err))
+			c.replyError(opEvents, m, wire.CodeUnavailable, err.Error())
+			return
+		}
+		c.badRequest(m, opEvents, err)
+		return
+	}
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
 	// and be acknowledged; Shutdown closes the index only after this.
@@ -139,6 +149,12 @@ func (c *Coordinator) startResync(r wire.Rank) {
 		// Events that raced past the running worker's inventory would be
 		// lost until the rank's next batch: run once more after it.
 		c.resyncing[r] = true
+		return
+	}
+	if len(c.resyncing) >= c.cfg.MaxConcurrentResyncs {
+		c.met.refused.WithLabelValues("resync_cap").Inc()
+		c.log.Warn("resync not started: too many running; the rank's next batch or heartbeat asks again",
+			zap.Stringer("rank", r), zap.Int("running", len(c.resyncing)), zap.Int("limit", c.cfg.MaxConcurrentResyncs))
 		return
 	}
 	c.resyncing[r] = false
@@ -219,9 +235,17 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	// ResyncTimeout bounds each page. Any failed page fails the attempt.
 	// The fence epoch is taken before the request: see fence.go.
 	epoch := c.fences.epoch(r)
-	inv, err := bus.FetchInventory(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout)
+	inv, err := bus.FetchInventoryBounded(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout,
+		c.cfg.MaxInventoryPages, c.cfg.MaxInventoryObjects)
 	if err != nil {
+		if errors.Is(err, bus.ErrInventoryTooLarge) {
+			c.met.refused.WithLabelValues("inventory_pages").Inc()
+			return true, err // the rank's next batch asks again
+		}
 		return false, err
+	}
+	if err := c.checkInventoryLimits(inv, time.Now()); err != nil {
+		return true, err
 	}
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
