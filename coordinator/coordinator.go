@@ -385,6 +385,7 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminNamespaces), c.handleNamespaces},
 		{c.subj.Admin(wire.AdminRestores), c.rs.handleHistory},
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
+		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
 	}
 	for _, h := range hs {
 		sub, err := c.nc.Subscribe(h.subject, h.fn)

@@ -1,12 +1,19 @@
 package coordinator
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
+	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
 )
 
 // Limits for a hostile or broken sender (C9, issue 10.5). Every message
@@ -39,7 +46,7 @@ import (
 
 // errRefused: a message broke a limit. The coordinator answers it with
 // code bad_request (or unavailable where a retry may succeed).
-var errRefused = fmt.Errorf("limit for a hostile or broken sender")
+var errRefused = errors.New("limit for a hostile or broken sender")
 
 // checkIncarnation refuses an incarnation implausibly far in the future.
 func (c *Coordinator) checkIncarnation(what string, r wire.Rank, inc uint64, now time.Time) error {
@@ -53,7 +60,7 @@ func (c *Coordinator) checkIncarnation(what string, r wire.Rank, inc uint64, now
 }
 
 // errNotMember: a new incarnation is not (yet) alive in memberlist.
-var errNotMember = fmt.Errorf("incarnation not alive in the cluster")
+var errNotMember = errors.New("incarnation not alive in the cluster")
 
 // checkBatchLimits applies the caps to a batch before the index sees it:
 // incarnation plausibility and membership, rank, instance and namespace
@@ -203,4 +210,52 @@ func (c *Coordinator) checkInventoryLimits(inv *wire.Inventory, now time.Time) e
 			inv.Rank, len(inv.Objects), c.cfg.MaxInventoryObjects, errRefused, wire.ErrMalformed)
 	}
 	return nil
+}
+
+// handleRankReset answers admin.rank.reset: the rank's placements are
+// dropped and its incarnation forgotten (index.ResetRank), the restores
+// expecting it fail at once, its heartbeat record and fence gate are
+// dropped. Its real incarnation's next batch starts a resync.
+func (c *Coordinator) handleRankReset(m *nats.Msg) {
+	var req wire.AdminRankResetRequest
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, wire.AdminRankReset, err)
+		return
+	}
+	r, err := wire.ParseRank(req.Rank)
+	if err == nil {
+		err = wire.ValidInstance(r.Instance)
+	}
+	if err != nil {
+		c.badRequest(m, wire.AdminRankReset, err)
+		return
+	}
+	prev, known := c.rankIncarnation(r)
+	if !known {
+		c.replyError(wire.AdminRankReset, m, wire.CodeNotFound, fmt.Sprintf("rank %s is not known to the index", r))
+		return
+	}
+	failed := c.rs.failRank(r, math.MaxUint64, "reset", fmt.Sprintf("rank %s reset by an operator", r))
+	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
+	defer cancel()
+	fg := c.fences.gate(r)
+	fg.mu.Lock()
+	n, err := c.idx.ResetRank(ctx, r)
+	fg.epoch++ // a reset ends whatever an in-flight resync was asked under
+	fg.mu.Unlock()
+	if err != nil {
+		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
+			c.replyError(wire.AdminRankReset, m, wire.CodeUnavailable, "coordinator shutting down")
+			return
+		}
+		c.internalError(m, wire.AdminRankReset, "reset rank", err, zap.Stringer("rank", r))
+		return
+	}
+	c.hb.mu.Lock()
+	delete(c.hb.prev, r)
+	c.hb.mu.Unlock()
+	c.log.Warn("rank reset by an operator", zap.Stringer("rank", r), zap.Uint64("previous_incarnation", prev),
+		zap.Int("placements", n), zap.Int("restores_failed", failed))
+	c.reply(wire.AdminRankReset, m, &wire.AdminRankResetReply{Rank: r.String(), PreviousIncarnation: prev, Placements: n,
+		Restores: failed})
 }

@@ -257,3 +257,41 @@ func TestRankInstanceNamespaceCaps(t *testing.T) {
 	// Registering the known one again is fine.
 	register(t, nc2, c2.subj, testSpec(2))
 }
+
+// TestRankReset: an incarnation of 2^64-1 that got into the index (here
+// straight through the index, as before the skew limit existed) locks the
+// rank out; admin rank.reset undoes it and the real rank resyncs.
+func TestRankReset(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	inc := uint64(time.Now().UnixNano())
+	real := storeBatch(r, inc, 0, ns, chain(ns, 2, 1), wire.L1)
+	if _, werr := sendBatch(t, nc, c.subj, real); werr != nil {
+		t.Fatal(werr)
+	}
+	inv := inventoryOf(r, inc, 3, real.Events)
+	serveInventory(t, c, r, inv)
+	if _, err := c.idx.Apply(tctx(t), *storeBatch(r, 1<<64-1, 0, ns, chain(ns, 1, 2), wire.L1)); err != nil {
+		t.Fatal(err)
+	}
+	if ack, _ := sendBatch(t, nc, c.subj, storeBatch(r, inc, 2, ns, chain(ns, 1, 3), wire.L1)); !ack.Fenced {
+		t.Fatalf("real rank before the reset: %+v (want fenced: locked out)", ack)
+	}
+	rep := call[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng/0"})
+	if rep.Rank != "eng/0" || rep.PreviousIncarnation != 1<<64-1 || rep.Placements != 1 { // the bad one fenced the real L1 copies
+		t.Fatalf("reset reply %+v", rep)
+	}
+	ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, inc, 3, ns, chain(ns, 1, 4), wire.L1))
+	if werr != nil || ack.Fenced || !ack.Resync {
+		t.Fatalf("real rank after the reset: %+v %v (want a resync)", ack, werr)
+	}
+	waitFor(t, 10*time.Second, "the real rank to resync", func() bool {
+		ri, _ := c.idx.Rank(r)
+		return ri.Incarnation == inc && ri.LastSeq == 3 && ri.L1Placements == 2
+	})
+	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "nobody/0"}, wire.CodeNotFound)
+	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng"}, wire.CodeBadRequest)
+	mustVerify(t, c)
+}
