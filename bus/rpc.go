@@ -93,6 +93,19 @@ func Decode(msg *nats.Msg, v any) error {
 // reply, timeout or page that does not belong to the snapshot fails the
 // whole fetch.
 func FetchInventory(ctx context.Context, nc *nats.Conn, subject string, pageSize int, perPage time.Duration) (*wire.Inventory, error) {
+	return FetchInventoryBounded(ctx, nc, subject, pageSize, perPage, 0, 0)
+}
+
+// ErrInventoryTooLarge: an inventory declares more pages or objects than
+// the caller's bound.
+var ErrInventoryTooLarge = errors.New("inventory over the bound")
+
+// FetchInventoryBounded is FetchInventory that gives up, with an error
+// wrapping ErrInventoryTooLarge, as soon as the snapshot declares more
+// than maxPages pages or its pages hold more than maxObjects objects (0:
+// no bound), so a lying rank cannot make the caller fetch or hold more.
+func FetchInventoryBounded(ctx context.Context, nc *nats.Conn, subject string, pageSize int, perPage time.Duration,
+	maxPages, maxObjects int) (*wire.Inventory, error) {
 	call := func(req wire.InventoryRequest) (*wire.InventoryPage, error) {
 		cctx, cancel := ctx, context.CancelFunc(func() {})
 		if perPage > 0 {
@@ -109,12 +122,30 @@ func FetchInventory(ctx context.Context, nc *nats.Conn, subject string, pageSize
 		return nil, fmt.Errorf("inventory page 0 from %s declares %d pages and snapshot %q: %w",
 			subject, first.Pages, first.Snapshot, wire.ErrMalformed)
 	}
+	if maxPages > 0 && first.Pages > maxPages {
+		return nil, fmt.Errorf("inventory from %s declares %d pages, limit %d: %w", subject, first.Pages, maxPages, ErrInventoryTooLarge)
+	}
+	objects := len(first.Objects)
+	tooMany := func() error {
+		if maxObjects > 0 && objects > maxObjects {
+			return fmt.Errorf("inventory from %s holds more than %d objects (%d in its first pages), limit %d: %w",
+				subject, maxObjects, objects, maxObjects, ErrInventoryTooLarge)
+		}
+		return nil
+	}
+	if err := tooMany(); err != nil {
+		return nil, err
+	}
 	pages := make([]wire.InventoryPage, 1, min(first.Pages, 1024))
 	pages[0] = *first
 	for i := 1; i < first.Pages; i++ {
 		p, err := call(wire.InventoryRequest{Snapshot: first.Snapshot, Page: i, PageSize: pageSize})
 		if err != nil {
 			return nil, fmt.Errorf("inventory page %d of %d (snapshot %q): %w", i, first.Pages, first.Snapshot, err)
+		}
+		objects += len(p.Objects)
+		if err := tooMany(); err != nil {
+			return nil, err
 		}
 		pages = append(pages, *p)
 	}

@@ -106,6 +106,53 @@ type Config struct {
 	// rank's next batch starts a new one. Default 10.
 	ResyncAttempts int
 
+	// Limits for a hostile or broken sender (limits.go, C9). Each refusal
+	// is counted in kvtier_coord_refused_total by rule.
+	//
+	// MaxIncarnationSkew is how far ahead of this coordinator's clock a
+	// rank's incarnation (its start time in Unix nanoseconds) may be.
+	// Default 10 min. Larger tolerates worse clocks; an incarnation far in
+	// the future would supersede every real restart of the rank until it
+	// is reset (`coordinator rank reset`).
+	MaxIncarnationSkew time.Duration
+	// RequireMemberIncarnation refuses (code unavailable, so the rankd
+	// retries) a batch that introduces a new incarnation of a rank until
+	// memberlist shows that incarnation alive. Default true. Off, anyone
+	// who can publish a rank's events can supersede it; on, a coordinator
+	// driven over NATS alone (tests, no memberlist) accepts no new rank.
+	RequireMemberIncarnation bool
+	// MaxRanks caps the ranks the index holds; a batch of a new rank beyond
+	// it is refused. Default 4096 (512 TP8 engines). Each rank costs a few
+	// hundred bytes plus its placements.
+	MaxRanks int
+	// MaxInstances caps the engine instances the index holds. Default 512.
+	MaxInstances int
+	// MaxNamespaces caps the namespaces: a registration or a Stored event
+	// into a new namespace beyond it is refused. Default 1024 (models x
+	// salts x layouts in one fleet).
+	MaxNamespaces int
+	// MaxInventoryPages and MaxInventoryObjects bound one rank's inventory
+	// during a resync; a larger one fails the resync (counted). Defaults
+	// 8192 pages and 16777216 objects (16 Mi objects of >= 1 KiB is more
+	// than a rank's L1 and L2 together). Each object costs about 150 B in
+	// memory while the inventory is applied.
+	MaxInventoryPages   int
+	MaxInventoryObjects int
+	// MaxConcurrentResyncs bounds the resyncs running at once; one more is
+	// dropped and counted, and the rank's next batch or heartbeat asks
+	// again. Default 64. Each holds one inventory in memory.
+	MaxConcurrentResyncs int
+	// MaxActiveRestoresPerInstance caps one engine instance's active
+	// restores, so a flood from one leaves MaxActiveRestores minus this for
+	// the others. Default 4096; with MaxInstances * this > MaxActiveRestores
+	// many flooding instances together can still exhaust the global cap.
+	MaxActiveRestoresPerInstance int
+	// MaxWaitersPerRestore and MaxWaiters bound parked restore.wait
+	// requests (per restore and in all); beyond them a wait is refused with
+	// code unavailable. Defaults 64 and 262144. Each costs one message.
+	MaxWaitersPerRestore int
+	MaxWaiters           int
+
 	// IndexMaxFileBytes caps the bbolt index file, in bytes
 	// (index.Config.MaxFileBytes): a commit that would grow it further
 	// fails, the index refuses writes until the coordinator restarts with
@@ -145,7 +192,20 @@ func DefaultConfig() Config {
 		ResyncBackoff:      100 * time.Millisecond,
 		ResyncMaxBackoff:   5 * time.Second,
 		ResyncAttempts:     10,
-		Logger:             zap.NewNop(),
+
+		MaxIncarnationSkew:           10 * time.Minute,
+		RequireMemberIncarnation:     true,
+		MaxRanks:                     4096,
+		MaxInstances:                 512,
+		MaxNamespaces:                1024,
+		MaxInventoryPages:            8192,
+		MaxInventoryObjects:          16 << 20,
+		MaxConcurrentResyncs:         64,
+		MaxActiveRestoresPerInstance: 4096,
+		MaxWaitersPerRestore:         64,
+		MaxWaiters:                   262144,
+
+		Logger: zap.NewNop(),
 	}
 }
 
@@ -214,6 +274,27 @@ func (c *Config) Validate() error {
 	}
 	if c.ResyncAttempts < 1 {
 		return fmt.Errorf("resync attempts %d must be >= 1: %w", c.ResyncAttempts, ErrConfig)
+	}
+	if c.MaxIncarnationSkew < 0 {
+		return fmt.Errorf("max incarnation skew %v must be >= 0: %w", c.MaxIncarnationSkew, ErrConfig)
+	}
+	for _, v := range []struct {
+		name string
+		v    int
+	}{
+		{"max ranks", c.MaxRanks}, {"max instances", c.MaxInstances}, {"max namespaces", c.MaxNamespaces},
+		{"max inventory pages", c.MaxInventoryPages}, {"max inventory objects", c.MaxInventoryObjects},
+		{"max concurrent resyncs", c.MaxConcurrentResyncs},
+		{"max active restores per instance", c.MaxActiveRestoresPerInstance},
+		{"max waiters per restore", c.MaxWaitersPerRestore}, {"max waiters", c.MaxWaiters},
+	} {
+		if v.v < 1 {
+			return fmt.Errorf("%s %d must be >= 1: %w", v.name, v.v, ErrConfig)
+		}
+	}
+	if c.MaxActiveRestoresPerInstance > c.MaxActiveRestores {
+		return fmt.Errorf("max active restores per instance %d exceeds max active restores %d: %w",
+			c.MaxActiveRestoresPerInstance, c.MaxActiveRestores, ErrConfig)
 	}
 	if c.IndexMaxFileBytes < 0 {
 		return fmt.Errorf("index max file bytes %d must be >= 0 (0: no cap): %w", c.IndexMaxFileBytes, ErrConfig)

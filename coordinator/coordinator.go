@@ -74,6 +74,7 @@ type Coordinator struct {
 	hb heartbeats
 
 	fences fenceGates // per-rank fence epochs: see fence.go
+	geo    geometries // registered namespaces' geometry: see limits.go
 
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
@@ -232,8 +233,14 @@ func (c *Coordinator) start() error {
 }
 
 // openIndex opens the index in DataDir and verifies it: a coordinator
-// restarted after a crash must not serve from an index whose durable state
-// and re-derived state disagree.
+// restarted after a crash must not serve from a damaged index. What that
+// checks (index/doc.go): Open decodes every record and checks the CRC-32C
+// of every sealed one, so a record damaged on disk refuses the start
+// (ErrCorruptIndex); Verify then checks the invariants (counters against a
+// recount of the chunks, incarnations and sequences of every placement
+// against its rank, no fenced L1 copy). Its comparison of the live state
+// with a second load of the same bytes cannot fail at startup; it is there
+// for admin verify on a running index.
 func (c *Coordinator) openIndex() error {
 	icfg := index.DefaultConfig()
 	icfg.Path = filepath.Join(c.cfg.DataDir, IndexFile)
@@ -387,6 +394,7 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminNamespaces), c.handleNamespaces},
 		{c.subj.Admin(wire.AdminRestores), c.rs.handleHistory},
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
+		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
 	}
 	for range lookupSubscribers - 1 {
 		hs = append(hs, handler{c.subj.Coord(wire.CoordLookup), c.handleLookup})

@@ -31,6 +31,14 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 		c.badRequest(m, "ns.register", err)
 		return
 	}
+	if n := c.idx.Stats().Namespaces; n >= c.cfg.MaxNamespaces {
+		if res, err := spec.Resolve(); err != nil || !c.namespaceKnown(res.Namespace) {
+			c.met.refused.WithLabelValues("max_namespaces").Inc()
+			c.badRequest(m, wire.CoordRegister, fmt.Errorf("the index holds %d namespaces, limit %d (MaxNamespaces): %w: %w",
+				n, c.cfg.MaxNamespaces, errRefused, wire.ErrMalformed))
+			return
+		}
+	}
 	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
 	defer cancel()
 	res, err := c.idx.RegisterNamespace(ctx, spec)
@@ -52,6 +60,11 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 		return
 	}
 	c.reply(wire.CoordRegister, m, &wire.RegisterReply{Namespace: res.Namespace})
+}
+
+func (c *Coordinator) namespaceKnown(ns dcp.Namespace) bool {
+	_, err := c.idx.ListNamespace(ns)
+	return err == nil
 }
 
 // lookup runs the index lookup for instance, or, with no instance, for the

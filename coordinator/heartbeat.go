@@ -3,6 +3,7 @@ package coordinator
 import (
 	"encoding/json"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
@@ -32,6 +33,19 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 		c.log.Warn("malformed heartbeat dropped", zap.String("subject", m.Subject), zap.Error(err))
 		return
 	}
+	// Only ranks the index knows are tracked (issue 10.5): the table stays
+	// bounded by MaxRanks, and a heartbeat of an invented rank starts
+	// nothing. A rank whose first batch was lost is caught by its next
+	// batch's gap instead.
+	ri, known := c.idx.Rank(hb.Rank)
+	if !known {
+		c.met.refused.WithLabelValues("unknown_rank_heartbeat").Inc()
+		return
+	}
+	if err := c.checkIncarnation("heartbeat", hb.Rank, hb.Incarnation, time.Now()); err != nil {
+		c.log.Debug("heartbeat refused", zap.Error(err))
+		return
+	}
 	c.hb.mu.Lock()
 	prev, seen := c.hb.prev[hb.Rank]
 	c.hb.prev[hb.Rank] = hb
@@ -39,7 +53,6 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	if !seen || prev.Incarnation != hb.Incarnation {
 		return
 	}
-	ri, known := c.idx.Rank(hb.Rank)
 	if known && ri.Incarnation > hb.Incarnation {
 		return // a superseded incarnation still beating; its batches are fenced
 	}

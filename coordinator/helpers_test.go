@@ -53,6 +53,8 @@ func testConfig(tb testing.TB, dir string) Config {
 	cfg.ResyncTimeout = 2 * time.Second
 	cfg.LeaveTimeout = 500 * time.Millisecond
 	cfg.StartupFenceGrace = 0
+	// Tests drive ranks over NATS without memberlist members.
+	cfg.RequireMemberIncarnation = false
 	cfg.Logger = testLogger(tb)
 	return cfg
 }

@@ -97,6 +97,16 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return ingestJob{}, false
 	}
+	if err := c.checkBatchLimits(&b, time.Now()); err != nil {
+		c.met.batches.WithLabelValues("refused").Inc()
+		if errors.Is(err, errNotMember) {
+			c.log.Warn("batch refused for now", zap.Stringer("rank", b.Rank), zap.Error(err))
+			c.replyError(opEvents, m, wire.CodeUnavailable, err.Error())
+			return
+		}
+		c.badRequest(m, opEvents, err)
+		return
+	}
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
 	// and be acknowledged; Shutdown closes the index only after this.
@@ -181,6 +191,12 @@ func (c *Coordinator) startResync(r wire.Rank) {
 		c.resyncing[r] = true
 		return
 	}
+	if len(c.resyncing) >= c.cfg.MaxConcurrentResyncs {
+		c.met.refused.WithLabelValues("resync_cap").Inc()
+		c.log.Warn("resync not started: too many running; the rank's next batch or heartbeat asks again",
+			zap.Stringer("rank", r), zap.Int("running", len(c.resyncing)), zap.Int("limit", c.cfg.MaxConcurrentResyncs))
+		return
+	}
 	c.resyncing[r] = false
 	c.wg.Add(1)
 	go c.resync(r)
@@ -259,9 +275,17 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 	// ResyncTimeout bounds each page. Any failed page fails the attempt.
 	// The fence epoch is taken before the request: see fence.go.
 	epoch := c.fences.epoch(r)
-	inv, err := bus.FetchInventory(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout)
+	inv, err := bus.FetchInventoryBounded(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout,
+		c.cfg.MaxInventoryPages, c.cfg.MaxInventoryObjects)
 	if err != nil {
+		if errors.Is(err, bus.ErrInventoryTooLarge) {
+			c.met.refused.WithLabelValues("inventory_pages").Inc()
+			return true, err // the rank's next batch asks again
+		}
 		return false, err
+	}
+	if err := c.checkInventoryLimits(inv, time.Now()); err != nil {
+		return true, err
 	}
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)

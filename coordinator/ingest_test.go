@@ -160,7 +160,9 @@ func TestMalformedBatchIsRejectedAndServingContinues(t *testing.T) {
 func TestGapResyncAgreesWithRank(t *testing.T) {
 	c := startCoord(t, nil)
 	nc := connect(t, c)
-	ns := register(t, nc, c.subj, testSpec(2))
+	// Unregistered: the simulated rank's objects (random sizes, 3 shards,
+	// 2 groups) follow no spec's geometry, so none is checked.
+	ns := dcp.Namespace{0x51, 0x5e}
 	r := wire.Rank{Instance: "eng", TPRank: 1}
 	sim := indextest.NewRank(r, 42, indextest.Keys(ns, 3, 200, 2, 1), 9)
 
@@ -324,7 +326,7 @@ func TestNewIncarnationResyncDropsLostL2(t *testing.T) {
 func TestResyncPagedInventory(t *testing.T) {
 	c := startCoord(t, nil)
 	nc := connect(t, c)
-	ns := register(t, nc, c.subj, testSpec(2))
+	ns := dcp.Namespace{0x51, 0x5f} // unregistered: see TestGapResyncAgreesWithRank
 	r := wire.Rank{Instance: "big", TPRank: 0}
 	sim := indextest.NewRank(r, 7, indextest.Keys(ns, 3, 400, 2, 1), 11)
 

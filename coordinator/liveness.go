@@ -74,6 +74,18 @@ func (t *liveTable) observe(m cluster.Member) {
 	t.ranks[r] = incs
 }
 
+// aliveInc reports whether incarnation inc of rank r is alive.
+func (t *liveTable) aliveInc(r wire.Rank, inc uint64) bool {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, s := range t.ranks[r] {
+		if s.inc == inc && s.state == cluster.StateAlive {
+			return true
+		}
+	}
+	return false
+}
+
 // seen returns what the table knows of rank r.
 func (t *liveTable) seen(r wire.Rank) rankSeen {
 	t.mu.RLock()

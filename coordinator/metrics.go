@@ -33,6 +33,7 @@ type metrics struct {
 	active         prometheus.Gauge
 	internal       prometheus.Counter
 	replies        *prometheus.CounterVec // by op and outcome: ok | error | too_large | send_failed | no_inbox
+	refused        *prometheus.CounterVec // by rule (limits.go)
 }
 
 func newMetrics() *metrics {
@@ -138,6 +139,10 @@ func newMetrics() *metrics {
 			Name: "kvtier_coord_replies_total",
 			Help: "Replies, by operation and outcome (ok, error, too_large: the answer exceeded the NATS max payload and was refused, send_failed: the send failed and the requester got nothing, no_inbox: the request had no reply subject).",
 		}, []string{"op", "outcome"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_refused_total",
+			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, instance_restores, waiters, unknown_rank_heartbeat).",
+		}, []string{"rule"}),
 	}
 }
 
@@ -146,7 +151,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
-		m.active, m.internal, m.replies,
+		m.active, m.internal, m.replies, m.refused,
 	}
 }
 

@@ -103,6 +103,10 @@ type restores struct {
 	next    int                  // next ring slot
 	decided map[string]*wire.AdminRestore
 	closed  bool
+	// perInstance counts active restores by instance; waiters counts the
+	// parked waiters of every active restore.
+	perInstance map[string]int
+	waiters     int
 }
 
 type activeRestore struct {
@@ -140,6 +144,8 @@ func newRestores(c *Coordinator) *restores {
 		active:  make(map[string]*activeRestore),
 		history: make([]*wire.AdminRestore, c.cfg.VerdictHistory),
 		decided: make(map[string]*wire.AdminRestore),
+
+		perInstance: make(map[string]int),
 	}
 }
 
@@ -163,7 +169,11 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	}
 	deadline := c.cfg.RestoreDeadline
 	if req.DeadlineMS > 0 {
-		deadline = min(time.Duration(req.DeadlineMS)*time.Millisecond, c.cfg.MaxRestoreDeadline)
+		// Clamped before the multiplication: 2^62 ms would overflow.
+		deadline = c.cfg.MaxRestoreDeadline
+		if int64(req.DeadlineMS) < c.cfg.MaxRestoreDeadline.Milliseconds() {
+			deadline = time.Duration(req.DeadlineMS) * time.Millisecond
+		}
 	}
 	now := time.Now()
 	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
@@ -202,6 +212,16 @@ scan:
 		c.met.internal.Inc()
 		c.log.Warn("restore refused: too many active restores", zap.Int("active", n))
 		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", n, c.cfg.MaxActiveRestores))
+		return
+	}
+	if n := rs.perInstance[res.Instance]; res.Prefix > 0 && n >= c.cfg.MaxActiveRestoresPerInstance {
+		rs.mu.Unlock()
+		c.met.refused.WithLabelValues("instance_restores").Inc()
+		c.log.Warn("restore refused: the instance has too many active restores", zap.String("instance", res.Instance),
+			zap.Int("active", n))
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable,
+			fmt.Sprintf("instance %s has %d restores active, limit %d (MaxActiveRestoresPerInstance)", res.Instance, n,
+				c.cfg.MaxActiveRestoresPerInstance))
 		return
 	}
 	rs.seq++
@@ -293,6 +313,7 @@ scan:
 	}
 	a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(plan.Ranks), began: now, readers: byTP}
 	rs.active[id] = a
+	rs.perInstance[a.instance]++
 	heap.Push(&rs.byDL, a)
 	earliest := rs.byDL[0] == a
 	c.met.active.Set(float64(len(rs.active)))
@@ -394,7 +415,17 @@ func (rs *restores) handleWait(m *nats.Msg) {
 			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "coordinator shutting down")
 			return
 		}
+		if len(a.waiters) >= c.cfg.MaxWaitersPerRestore || rs.waiters >= c.cfg.MaxWaiters {
+			n, total := len(a.waiters), rs.waiters
+			rs.mu.Unlock()
+			c.met.refused.WithLabelValues("waiters").Inc()
+			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable,
+				fmt.Sprintf("restore %s has %d waiters (limit %d, MaxWaitersPerRestore), %d in all (limit %d, MaxWaiters)",
+					req.RestoreID, n, c.cfg.MaxWaitersPerRestore, total, c.cfg.MaxWaiters))
+			return
+		}
 		a.waiters = append(a.waiters, m)
+		rs.waiters++
 		rs.mu.Unlock()
 		return
 	}
@@ -420,6 +451,10 @@ type finished struct {
 // finishLocked moves a decided restore from active to the history.
 func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, cause string, last time.Time) *finished {
 	delete(rs.active, id)
+	rs.waiters -= len(a.waiters)
+	if rs.perInstance[a.instance]--; rs.perInstance[a.instance] <= 0 {
+		delete(rs.perInstance, a.instance)
+	}
 	if a.heapIdx >= 0 {
 		heap.Remove(&rs.byDL, a.heapIdx)
 	}
@@ -606,6 +641,7 @@ func (rs *restores) close() {
 		ws = append(ws, a.waiters...)
 		a.waiters = nil
 	}
+	rs.waiters = 0
 	rs.mu.Unlock()
 	for _, w := range ws {
 		rs.c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, "coordinator shutting down before the verdict")

@@ -3,6 +3,7 @@ package index
 import (
 	"encoding/binary"
 	"fmt"
+	"hash/crc32"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
@@ -13,6 +14,46 @@ import (
 // little-endian. Every value starts with a format version byte.
 
 const formatVersion = 1
+
+// Record checksums (issue 11.11). A value whose first byte is
+// sealedVersion carries the version-1 payload followed by the CRC-32C
+// (Castagnoli, 4 bytes little-endian) of every byte before it, version
+// byte included. Every chunk, rank and log record written is sealed;
+// version-1 values (written before sealing existed) are still read,
+// unchecked. A sealed value whose checksum does not match is ErrCorrupt:
+// Open, and so a coordinator's start, refuses the file, naming the record.
+const sealedVersion = 2
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// seal turns the record that starts at b[start] (a formatVersion byte)
+// into a sealed one: version byte sealedVersion, checksum appended.
+func seal(b []byte, start int) []byte {
+	b[start] = sealedVersion
+	return binary.LittleEndian.AppendUint32(b, crc32.Checksum(b[start:], castagnoli))
+}
+
+// unseal returns the payload of a record (after its version byte),
+// checking the checksum of a sealed one. what names the record in errors.
+func unseal(v []byte, what string) ([]byte, error) {
+	switch {
+	case len(v) == 0:
+		return nil, fmt.Errorf("%s: empty: %w", what, ErrCorrupt)
+	case v[0] == formatVersion:
+		return v[1:], nil
+	case v[0] != sealedVersion:
+		return nil, fmt.Errorf("%s: format version %d, want %d or %d: %w", what, v[0], formatVersion, sealedVersion, ErrCorrupt)
+	case len(v) < 5:
+		return nil, fmt.Errorf("%s: sealed record of %d B has no room for its checksum: %w", what, len(v), ErrCorrupt)
+	}
+	body := v[:len(v)-4]
+	want := binary.LittleEndian.Uint32(v[len(v)-4:])
+	if got := crc32.Checksum(body, castagnoli); got != want {
+		return nil, fmt.Errorf("%s: checksum mismatch: bytes give crc32c %#08x, record says %#08x (damaged on disk): %w",
+			what, got, want, ErrCorrupt)
+	}
+	return body[1:], nil
+}
 
 // Change-log ops. A log record is formatVersion followed by ops; put and
 // del use the (rank, incarnation) and namespace set by the last ctx and ns
@@ -171,10 +212,11 @@ func (d *decoder) tier(what string) wire.Tier {
 // replay applies one log record to t (whose enc is nil). nRanks bounds the
 // rank ids the record may name.
 func replay(rec []byte, t *txn, nRanks int) error {
-	if len(rec) == 0 || rec[0] != formatVersion {
-		return fmt.Errorf("log record: missing format version %d: %w", formatVersion, ErrCorrupt)
+	body, err := unseal(rec, "log record")
+	if err != nil {
+		return err
 	}
-	d := decoder{p: rec[1:]}
+	d := decoder{p: body}
 	var (
 		hasCtx, hasNS bool
 		rank          uint32
@@ -267,6 +309,7 @@ func parseSnapshotKey(k []byte) (chunkRef, error) {
 // placement shard, group, tier (1 byte), rank id, incarnation, seq, size,
 // sum (8 bytes).
 func appendChunk(b []byte, s []placement) []byte {
+	start := len(b)
 	b = append(b, formatVersion)
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	for i := range s {
@@ -280,14 +323,15 @@ func appendChunk(b []byte, s []placement) []byte {
 		b = binary.AppendUvarint(b, p.size)
 		b = binary.LittleEndian.AppendUint64(b, p.sum)
 	}
-	return b
+	return seal(b, start)
 }
 
 func parseChunk(v []byte, nRanks int) ([]placement, error) {
-	if len(v) == 0 || v[0] != formatVersion {
-		return nil, fmt.Errorf("chunk record: missing format version %d: %w", formatVersion, ErrCorrupt)
+	body, err := unseal(v, "chunk record")
+	if err != nil {
+		return nil, err
 	}
-	d := decoder{p: v[1:]}
+	d := decoder{p: body}
 	n := d.uvarint("placement count")
 	if d.err == nil && n > uint64(len(d.p)) {
 		d.fail("placement count")
@@ -322,6 +366,7 @@ func parseChunk(v []byte, nRanks int) ([]placement, error) {
 func appendRankKey(b []byte, id uint32) []byte { return binary.BigEndian.AppendUint32(b, id) }
 
 func appendRank(b []byte, r wire.Rank, m rankMeta) []byte {
+	start := len(b)
 	b = append(b, formatVersion)
 	b = binary.AppendUvarint(b, uint64(len(r.Instance)))
 	b = append(b, r.Instance...)
@@ -332,7 +377,7 @@ func appendRank(b []byte, r wire.Rank, m rankMeta) []byte {
 	if m.fenced {
 		f = 1
 	}
-	return append(b, f)
+	return seal(append(b, f), start)
 }
 
 func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
@@ -342,10 +387,11 @@ func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
 		return 0, r, m, fmt.Errorf("rank key is %d bytes, want 4: %w", len(k), ErrCorrupt)
 	}
 	id := binary.BigEndian.Uint32(k)
-	if len(v) == 0 || v[0] != formatVersion {
-		return 0, r, m, fmt.Errorf("rank %d record: missing format version %d: %w", id, formatVersion, ErrCorrupt)
+	body, err := unseal(v, fmt.Sprintf("rank %d record", id))
+	if err != nil {
+		return 0, r, m, err
 	}
-	d := decoder{p: v[1:]}
+	d := decoder{p: body}
 	n := d.uvarint("instance length")
 	if d.err == nil && n > 255 {
 		d.fail("instance length")

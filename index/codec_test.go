@@ -1,6 +1,7 @@
 package index
 
 import (
+	"errors"
 	"slices"
 	"testing"
 
@@ -103,4 +104,25 @@ func FuzzDecoders(f *testing.F) {
 		st := testState()
 		_ = replay(b, newTxn(st, nil), len(st.ranks))
 	})
+}
+
+// Records written before sealing (version 1, no checksum) still read; a
+// sealed record read back is the same; a sealed record cut short is
+// refused.
+func TestUnsealedRecordsStillRead(t *testing.T) {
+	s := []placement{{shard: 1, group: 0, tier: wire.L2, rank: 1, inc: 3, seq: 9, size: 561, sum: 0xfeed}}
+	v2 := appendChunk(nil, s)
+	if v2[0] != sealedVersion {
+		t.Fatalf("appendChunk wrote version %d, want %d", v2[0], sealedVersion)
+	}
+	v1 := append([]byte{formatVersion}, v2[1:len(v2)-4]...)
+	for name, v := range map[string][]byte{"v1": v1, "v2": v2} {
+		got, err := parseChunk(v, 2)
+		if err != nil || len(got) != 1 || got[0].sum != 0xfeed || got[0].size != 561 {
+			t.Fatalf("%s: %+v %v", name, got, err)
+		}
+	}
+	if _, err := parseChunk(v2[:len(v2)-1], 2); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("sealed record cut short: %v", err)
+	}
 }

@@ -33,7 +33,10 @@
 // # bbolt layout
 //
 // One file, five buckets; integers are varints unless noted, and every
-// value starts with a format version byte (formatVersion, codec.go):
+// value starts with a format version byte (formatVersion, codec.go).
+// Chunk, rank and log values are sealed: version 2, the version-1 payload,
+// then its CRC-32C (4 B); a mismatch is ErrCorrupt at Open. Version-1
+// values of older files are read unchecked.
 //
 //	meta    "version" -> 1
 //	ns      namespace (16 B) -> dcp.Spec as JSON
@@ -58,6 +61,21 @@
 // their L1 and L2 copies); the object key stays the identity (Get takes a
 // dcp.Key). bbolt runs with the map freelist and NoFreelistSync.
 //
-// Open rebuilds the in-memory state from the snapshot and the log; Verify
-// does the same from scratch into a second state and compares (STYLE 16).
+// Open rebuilds the in-memory state from the snapshot and the log,
+// checking every sealed record's checksum; Verify does the same from
+// scratch into a second state and compares (STYLE 16). What each catches:
+//
+//   - Open: a record damaged on disk (checksum), a record that does not
+//     decode, a placement naming an unknown rank, chunks out of slot order;
+//   - Verify's comparison: the live state and bbolt diverging while the
+//     index runs (a commit published but not written, or written but not
+//     published). Right after Open both are decodings of the same bytes,
+//     so at startup the comparison cannot fail;
+//   - Verify's invariants, on the live state: counters (per rank, per
+//     namespace, totals) equal a recount from the chunks; no placement from
+//     a future incarnation or past its rank's last sequence; no L1 copy of a
+//     fenced or superseded incarnation. These hold for any state the C7
+//     rules can produce, so a file whose records decode and check but whose
+//     ranks and placements disagree (a rank record restored from another
+//     backup, say) fails here.
 package index

@@ -95,6 +95,7 @@ const (
 	reqRegister
 	reqVerify
 	reqCheckpoint
+	reqReset
 )
 
 // request is one call waiting for the committer. The committer fills in
@@ -504,6 +505,8 @@ func (ix *Index) stage(r *request) {
 		r.invOut = t.applyInventory(r.inv)
 	case reqFence:
 		r.fenced = t.fenceRank(r.rank, r.upTo)
+	case reqReset:
+		r.fenced = t.resetRank(r.rank)
 	case reqRegister:
 		r.err = t.register(r.spec, r.json)
 	}
@@ -626,7 +629,9 @@ func (ix *Index) write(tx *bolt.Tx, t *txn) error {
 	if !t.enc.empty() {
 		var k [8]byte
 		binary.BigEndian.PutUint64(k[:], ix.nextLog)
-		if err := tx.Bucket(bucketLog).Put(k[:], t.enc.buf); err != nil {
+		// Sealed in a copy: the encoder's buffer is the committer's.
+		rec := seal(append(make([]byte, 0, len(t.enc.buf)+4), t.enc.buf...), 0)
+		if err := tx.Bucket(bucketLog).Put(k[:], rec); err != nil {
 			return fmt.Errorf("append log record %d: %w: %w", ix.nextLog, ErrStore, err)
 		}
 	}
@@ -743,6 +748,11 @@ func (ix *Index) account(r *request) {
 		}
 		m.fenced.WithLabelValues(string(FenceRankDead)).Add(float64(r.fenced))
 		ix.log.Warn("dead rank fenced", zap.Stringer("rank", r.rank), zap.Int("l1_placements", r.fenced))
+	case reqReset:
+		if r.fenced != fenceUnknown {
+			ix.log.Warn("rank reset by an operator: placements dropped, incarnation forgotten", zap.Stringer("rank", r.rank),
+				zap.Int("placements", r.fenced))
+		}
 	case reqRegister:
 		ix.log.Info("namespace registered", zap.Stringer("namespace", r.spec.Namespace),
 			zap.String("model", r.spec.Model), zap.Int("tp", r.spec.Layout.TP), zap.Int("dcp", r.spec.Layout.DCP))

@@ -17,7 +17,25 @@ const (
 	AdminNamespaces = "namespaces"
 	AdminRestores   = "restores"
 	AdminVerify     = "verify"
+	// AdminRankReset mutates the index (an admin-write operation):
+	// AdminRankResetRequest -> AdminRankResetReply.
+	AdminRankReset = "rank.reset"
 )
+
+// AdminRankResetRequest asks the coordinator to forget a rank's
+// incarnations and placements (undoing an implausible incarnation); the
+// rank's real incarnation then resyncs.
+type AdminRankResetRequest struct {
+	Rank string `json:"rank"` // instance/tp
+}
+
+// AdminRankResetReply says what the reset dropped.
+type AdminRankResetReply struct {
+	Rank                string `json:"rank"`
+	PreviousIncarnation uint64 `json:"previous_incarnation"`
+	Placements          int    `json:"placements"` // dropped
+	Restores            int    `json:"restores"`   // active restores failed
+}
 
 // Coordinator operations, the last tokens of <p>.coord.<op>.
 const (

@@ -60,6 +60,9 @@ commands:
   namespaces  registered namespaces and their usage
   restores    recent restore verdicts
   verify      re-derive the index from bbolt and compare (exit 1 on mismatch)
+  rank reset <instance>/<tp>
+              forget a rank's incarnation and placements (undoes an implausible
+              incarnation); the rank's real incarnation resyncs
 
 run "coordinator <command> -h" for its flags.
 `
@@ -75,6 +78,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return serve(ctx, args, stderr)
 	case wire.AdminMembers, wire.AdminRanks, wire.AdminNamespaces, wire.AdminRestores, wire.AdminVerify, wire.AdminObject:
 		return admin(ctx, cmd, args, stdout, stderr)
+	case "rank":
+		if len(args) == 0 || args[0] != "reset" {
+			fmt.Fprintf(stderr, "usage: coordinator rank reset [flags] <instance>/<tp>\n")
+			return exitUsage
+		}
+		return rankReset(ctx, args[1:], stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return exitOK
@@ -274,6 +283,49 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	if v, ok := rep.(*wire.AdminVerifyReply); ok && !v.OK {
 		return exitFail
 	}
+	return exitOK
+}
+
+// rankReset runs "coordinator rank reset <instance>/<tp>".
+func rankReset(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("rank reset", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
+	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
+	timeout := fs.Duration("timeout", 10*time.Second, "request timeout")
+	// The rank may come before or after the flags.
+	var rank []string
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		rank, args = args[:1], args[1:]
+	}
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	rank = append(rank, fs.Args()...)
+	if len(rank) != 1 {
+		fmt.Fprintf(stderr, "rank reset: want one rank as <instance>/<tp>, got %q\n", rank)
+		return exitUsage
+	}
+	if _, err := wire.ParseRank(rank[0]); err != nil {
+		fmt.Fprintf(stderr, "rank reset: %v\n", err)
+		return exitUsage
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli")
+	if err != nil {
+		fmt.Fprintf(stderr, "rank reset: %v\n", err)
+		return exitFail
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	rep, err := bus.Call[wire.AdminRankResetReply](ctx, nc, wire.Subjects{Prefix: *prefix}.Admin(wire.AdminRankReset),
+		wire.AdminRankResetRequest{Rank: rank[0]})
+	if err != nil {
+		fmt.Fprintf(stderr, "rank reset: %v\n", err)
+		return exitFail
+	}
+	fmt.Fprintf(stdout, "rank %s reset: incarnation %d forgotten, %d placements dropped, %d active restores failed\n",
+		rep.Rank, rep.PreviousIncarnation, rep.Placements, rep.Restores)
 	return exitOK
 }
 

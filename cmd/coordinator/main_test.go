@@ -51,6 +51,7 @@ func newFixture(t *testing.T) *fixture {
 	cfg.Cluster.NodeName = "coord"
 	cfg.Cluster.BindAddr, cfg.Cluster.BindPort = "127.0.0.1", 0
 	cfg.LeaveTimeout = 200 * time.Millisecond
+	cfg.RequireMemberIncarnation = false // eng/0 reports over NATS without a member
 	cfg.Logger = zaptest.NewLogger(t)
 	c, err := coordinator.New(cfg)
 	if err != nil {
@@ -107,7 +108,7 @@ func newFixture(t *testing.T) *fixture {
 		b := wire.Batch{Rank: r, Incarnation: inc}
 		for i, ch := range f.chunks[:2] {
 			b.Events = append(b.Events, wire.Event{Seq: uint64(i + 1), Kind: wire.Stored, Tier: wire.L1,
-				Key: dcp.Key{NS: f.ns, Chunk: ch, Shard: uint16(tp)}, Size: 1000, Sum: uint64(0xabc0 + i)})
+				Key: dcp.Key{NS: f.ns, Chunk: ch, Shard: uint16(tp)}, Size: 256, Sum: uint64(0xabc0 + i)})
 		}
 		p, _ := b.MarshalBinary()
 		if _, err := nc.RequestWithContext(jctx, subj.Events(r), p); err != nil {
@@ -199,7 +200,7 @@ func TestAdminCommands(t *testing.T) {
 	}
 	code, out, _ = f.cli(t, "ranks", "--json")
 	var rr wire.AdminRanksReply
-	if code != 0 || json.Unmarshal([]byte(out), &rr) != nil || len(rr.Ranks) != 2 || rr.Ranks[1].L1Objects != 2 || rr.Ranks[1].L1Bytes != 2000 {
+	if code != 0 || json.Unmarshal([]byte(out), &rr) != nil || len(rr.Ranks) != 2 || rr.Ranks[1].L1Objects != 2 || rr.Ranks[1].L1Bytes != 512 {
 		t.Fatalf("ranks --json: %d %+v", code, rr)
 	}
 
@@ -395,5 +396,26 @@ func TestVerifyMismatchExitsOne(t *testing.T) {
 		if !strings.Contains(out.String()+errb.String(), "placement of eng/0 in memory, not in bbolt") {
 			t.Fatalf("%v: the mismatch is not shown:\n%s%s", args, out.String(), errb.String())
 		}
+	}
+}
+
+// TestRankResetCommand: "rank reset <instance>/<tp>" forgets the rank's
+// incarnation and placements and says so; a bad rank is a usage error, an
+// unknown one a failure.
+func TestRankResetCommand(t *testing.T) {
+	f := newFixture(t)
+	code, out, _ := f.cli(t, "rank", "reset", "eng/0")
+	if code != 0 || out != "rank eng/0 reset: incarnation 1 forgotten, 2 placements dropped, 0 active restores failed\n" {
+		t.Fatalf("rank reset: %d %q", code, out)
+	}
+	var out2, errb bytes.Buffer
+	if code := run(context.Background(), []string{"rank", "reset", "--nats", f.c.NATSURL(), "eng"}, &out2, &errb); code != exitUsage {
+		t.Fatalf("rank reset eng: %d %s", code, errb.String())
+	}
+	if code, _, errs := f.cli(t, "rank", "reset", "nobody/3"); code != exitFail || !strings.Contains(errs, "not_found") {
+		t.Fatalf("rank reset nobody/3: %d %q", code, errs)
+	}
+	if code, _, _ := f.cli(t, "rank"); code != exitUsage {
+		t.Fatalf("rank without reset: %d", code)
 	}
 }

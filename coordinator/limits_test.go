@@ -1,0 +1,297 @@
+package coordinator
+
+import (
+	"encoding/json"
+	"errors"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+)
+
+// TestIncarnationFromTheFarFuture (issue 10.5): one batch with
+// incarnation 2^64-1 is refused naming the rule; the rank's real
+// incarnation keeps ingesting. On f044f94 it locked the rank out (its next
+// real batch was fenced).
+func TestIncarnationFromTheFarFuture(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	inc := uint64(time.Now().UnixNano())
+	if _, werr := sendBatch(t, nc, c.subj, storeBatch(r, inc, 0, ns, chain(ns, 2, 1), wire.L1)); werr != nil {
+		t.Fatal(werr)
+	}
+	forged := storeBatch(r, 1<<64-1, 0, ns, chain(ns, 1, 2), wire.L1)
+	_, werr := sendBatch(t, nc, c.subj, forged)
+	if werr == nil || werr.Code != wire.CodeBadRequest || !strings.Contains(werr.Message, "incarnation 18446744073709551615") ||
+		!strings.Contains(werr.Message, "MaxIncarnationSkew") {
+		t.Fatalf("forged batch: %v", werr)
+	}
+	ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, inc, 2, ns, chain(ns, 1, 3), wire.L1))
+	if werr != nil || ack.Fenced || ack.AppliedThrough != 3 {
+		t.Fatalf("the real rank after the forged batch: %+v %v", ack, werr)
+	}
+	if ri, _ := c.idx.Rank(r); ri.Incarnation != inc || ri.Fenced {
+		t.Fatalf("rank after the forged batch: %+v", ri)
+	}
+	waitMetric(t, c, 1, "kvtier_coord_refused_total", "rule", "incarnation_skew")
+}
+
+// TestNewIncarnationMustBeMember: with RequireMemberIncarnation, a batch
+// introducing an incarnation memberlist has not shown alive is refused
+// with code unavailable (the rankd retries) and accepted once it is.
+func TestNewIncarnationMustBeMember(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.RequireMemberIncarnation = true })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	inc := uint64(time.Now().UnixNano())
+	b := storeBatch(r, inc, 0, ns, chain(ns, 2, 1), wire.L1)
+	if _, werr := sendBatch(t, nc, c.subj, b); werr == nil || werr.Code != wire.CodeUnavailable ||
+		!strings.Contains(werr.Message, "memberlist does not show alive") {
+		t.Fatalf("batch of a rank not in the cluster: %v", werr)
+	}
+	if _, known := c.idx.Rank(r); known {
+		t.Fatal("refused batch created the rank")
+	}
+	startRankMemberInc(t, c, r, 1, inc)
+	waitFor(t, 10*time.Second, "the member to be seen", func() bool { return c.live.aliveInc(r, inc) })
+	if ack, werr := sendBatch(t, nc, c.subj, b); werr != nil || ack.AppliedThrough != 2 {
+		t.Fatalf("batch once the member is alive: %+v %v", ack, werr)
+	}
+}
+
+// TestGhostHeartbeats: 300,000 heartbeats from 150,000 invented ranks
+// (two each, the second announcing a sequence the index lacks) start no
+// resync and leave the heartbeat table empty; heap growth is measured and
+// bounded. On f044f94 each invented rank started a resync.
+func TestGhostHeartbeats(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	const ranks = 150_000
+	var before runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for round := range 2 {
+		for i := range ranks {
+			r := wire.Rank{Instance: "ghost" + strconv.Itoa(i), TPRank: 0}
+			data, _ := json.Marshal(wire.Heartbeat{Rank: r, Incarnation: 1, Seq: uint64(1 + round)})
+			if err := nc.Publish(c.subj.Heartbeat(r), data); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 120*time.Second, "every heartbeat to be handled", func() bool {
+		return metric(t, c, "kvtier_coord_refused_total", "rule", "unknown_rank_heartbeat") == 2*ranks
+	})
+	var after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	growth := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("300k ghost heartbeats: heap %d -> %d B (growth %d B)", before.HeapAlloc, after.HeapAlloc, growth)
+	if got := metric(t, c, "kvtier_coord_resync_attempts_total"); got != 0 {
+		t.Fatalf("%v resyncs started by ghost heartbeats, want 0", got)
+	}
+	c.hb.mu.Lock()
+	n := len(c.hb.prev)
+	c.hb.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("heartbeat table holds %d ranks, want 0", n)
+	}
+	const bound = 16 << 20
+	if growth > bound {
+		t.Fatalf("heap grew by %d B, bound %d B", growth, bound)
+	}
+}
+
+// TestRestoreDeadlineClamped: deadline_ms 2^62 does not overflow; the
+// restore waits MaxRestoreDeadline. On f044f94 it overflowed and the
+// restore expired at once.
+func TestRestoreDeadlineClamped(t *testing.T) {
+	f := newRestoreFixture(t, 2)
+	before := time.Now()
+	plan := call[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin),
+		wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks, DeadlineMS: 1 << 62})
+	f.c.rs.mu.Lock()
+	a := f.c.rs.active[plan.RestoreID]
+	var dl time.Time
+	if a != nil {
+		dl = a.r.Deadline()
+	}
+	f.c.rs.mu.Unlock()
+	if a == nil {
+		t.Fatal("restore with deadline_ms 2^62 is not active")
+	}
+	if want := before.Add(f.c.cfg.MaxRestoreDeadline); dl.Before(want) || dl.After(want.Add(time.Minute)) {
+		t.Fatalf("deadline %v, want about %v", dl, want)
+	}
+}
+
+// TestRestoreFloodLeavesOtherInstances: one instance's flood of begins is
+// capped per instance; another instance's begin is still accepted. On
+// f044f94 the flood took every slot.
+func TestRestoreFloodLeavesOtherInstances(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.MaxActiveRestores, cfg.MaxActiveRestoresPerInstance = 8, 4 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	chunks := chain(ns, 2, 1)
+	for _, inst := range []string{"flood", "victim"} {
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: inst}, 1, 0, ns, chunks, wire.L1)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	begin := func(inst string) *wire.Error {
+		_, err := callRaw[wire.RestorePlan](t, nc, c.subj.Coord(wire.CoordRestoreBegin),
+			wire.RestoreBeginRequest{Instance: inst, RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks, DeadlineMS: 60000}})
+		return err
+	}
+	for i := range 8 {
+		werr := begin("flood")
+		if i < 4 && werr != nil {
+			t.Fatalf("begin %d: %v", i, werr)
+		}
+		if i >= 4 && (werr == nil || werr.Code != wire.CodeUnavailable || !strings.Contains(werr.Message, "MaxActiveRestoresPerInstance")) {
+			t.Fatalf("begin %d of the flood: %v", i, werr)
+		}
+	}
+	if werr := begin("victim"); werr != nil {
+		t.Fatalf("the other instance's begin: %v", werr)
+	}
+}
+
+// callRaw is bus.Call returning the wire error, if any.
+func callRaw[T any](tb testing.TB, nc *nats.Conn, subject string, req any) (*T, *wire.Error) {
+	tb.Helper()
+	rep, err := bus.Call[T](tctx(tb), nc, subject, req)
+	if err == nil {
+		return rep, nil
+	}
+	var we *wire.Error
+	if !errors.As(err, &we) {
+		tb.Fatalf("%s: %v", subject, err)
+	}
+	return nil, we
+}
+
+// TestEventSizeCheckedAgainstGeometry: a Stored event of a registered
+// namespace must have the geometry's object size, a group and a shard the
+// spec has. On f044f94 any size was accepted.
+func TestEventSizeCheckedAgainstGeometry(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	for _, tc := range []struct {
+		name string
+		mod  func(e *wire.Event)
+		want string
+	}{
+		{"size", func(e *wire.Event) { e.Size = 2047 }, "with size 2047 B, the geometry says 2048 B"},
+		{"group", func(e *wire.Event) { e.Key.Group = 1 }, "group 1, the namespace has 1 groups"},
+		{"shard", func(e *wire.Event) { e.Key.Shard = 2 }, "shard 2, group 0 has 2 shards"},
+	} {
+		b := storeBatch(r, 1, 0, ns, chain(ns, 2, 1), wire.L1)
+		tc.mod(&b.Events[1])
+		b.Events[1].Sum = sumOf(b.Events[1].Key)
+		_, werr := sendBatch(t, nc, c.subj, b)
+		if werr == nil || werr.Code != wire.CodeBadRequest || !strings.Contains(werr.Message, tc.want) {
+			t.Fatalf("%s: %v, want bad_request containing %q", tc.name, werr, tc.want)
+		}
+	}
+	if _, known := c.idx.Rank(r); known {
+		t.Fatal("a refused batch created the rank")
+	}
+	if ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 0, ns, chain(ns, 2, 1), wire.L1)); werr != nil || ack.AppliedThrough != 2 {
+		t.Fatalf("a batch that fits the geometry: %+v %v", ack, werr)
+	}
+}
+
+// TestRankInstanceNamespaceCaps: beyond MaxRanks, MaxInstances and
+// MaxNamespaces, new ones are refused naming the cap; known ones go on.
+func TestRankInstanceNamespaceCaps(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.MaxRanks, cfg.MaxInstances, cfg.MaxNamespaces = 3, 2, 1 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	send := func(r wire.Rank) *wire.Error {
+		_, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 0, ns, chain(ns, 1, 1), wire.L1))
+		return werr
+	}
+	for _, r := range []wire.Rank{{Instance: "a", TPRank: 0}, {Instance: "a", TPRank: 1}, {Instance: "b", TPRank: 0}} {
+		if werr := send(r); werr != nil {
+			t.Fatalf("%s: %v", r, werr)
+		}
+	}
+	if werr := send(wire.Rank{Instance: "b", TPRank: 1}); werr == nil || !strings.Contains(werr.Message, "limit 3 (MaxRanks)") {
+		t.Fatalf("fourth rank: %v", werr)
+	}
+	c2 := startCoord(t, func(cfg *Config) { cfg.MaxInstances, cfg.MaxNamespaces = 1, 1 })
+	nc2 := connect(t, c2)
+	ns2 := register(t, nc2, c2.subj, testSpec(2))
+	if _, werr := sendBatch(t, nc2, c2.subj, storeBatch(wire.Rank{Instance: "a"}, 1, 0, ns2, chain(ns2, 1, 1), wire.L1)); werr != nil {
+		t.Fatal(werr)
+	}
+	_, werr := sendBatch(t, nc2, c2.subj, storeBatch(wire.Rank{Instance: "b"}, 1, 0, ns2, chain(ns2, 1, 1), wire.L1))
+	if werr == nil || !strings.Contains(werr.Message, "limit 1 (MaxInstances)") {
+		t.Fatalf("second instance: %v", werr)
+	}
+	other := testSpec(2)
+	other.CacheSalt = "other"
+	if werr := callErr[wire.RegisterReply](t, nc2, c2.subj.Coord(wire.CoordRegister), other, wire.CodeBadRequest); !strings.Contains(werr.Message, "limit 1 (MaxNamespaces)") {
+		t.Fatalf("second namespace: %v", werr)
+	}
+	// An event into a new, unregistered namespace is refused too.
+	b := storeBatch(wire.Rank{Instance: "a"}, 1, 1, dcp.Namespace{9}, chain(dcp.Namespace{9}, 1, 1), wire.L1)
+	if _, werr := sendBatch(t, nc2, c2.subj, b); werr == nil || !strings.Contains(werr.Message, "limit 1 (MaxNamespaces)") {
+		t.Fatalf("event into a new namespace: %v", werr)
+	}
+	// Registering the known one again is fine.
+	register(t, nc2, c2.subj, testSpec(2))
+}
+
+// TestRankReset: an incarnation of 2^64-1 that got into the index (here
+// straight through the index, as before the skew limit existed) locks the
+// rank out; admin rank.reset undoes it and the real rank resyncs.
+func TestRankReset(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	inc := uint64(time.Now().UnixNano())
+	real := storeBatch(r, inc, 0, ns, chain(ns, 2, 1), wire.L1)
+	if _, werr := sendBatch(t, nc, c.subj, real); werr != nil {
+		t.Fatal(werr)
+	}
+	inv := inventoryOf(r, inc, 3, real.Events)
+	serveInventory(t, c, r, inv)
+	if _, err := c.idx.Apply(tctx(t), *storeBatch(r, 1<<64-1, 0, ns, chain(ns, 1, 2), wire.L1)); err != nil {
+		t.Fatal(err)
+	}
+	if ack, _ := sendBatch(t, nc, c.subj, storeBatch(r, inc, 2, ns, chain(ns, 1, 3), wire.L1)); !ack.Fenced {
+		t.Fatalf("real rank before the reset: %+v (want fenced: locked out)", ack)
+	}
+	rep := call[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng/0"})
+	if rep.Rank != "eng/0" || rep.PreviousIncarnation != 1<<64-1 || rep.Placements != 1 { // the bad one fenced the real L1 copies
+		t.Fatalf("reset reply %+v", rep)
+	}
+	ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, inc, 3, ns, chain(ns, 1, 4), wire.L1))
+	if werr != nil || ack.Fenced || !ack.Resync {
+		t.Fatalf("real rank after the reset: %+v %v (want a resync)", ack, werr)
+	}
+	waitFor(t, 10*time.Second, "the real rank to resync", func() bool {
+		ri, _ := c.idx.Rank(r)
+		return ri.Incarnation == inc && ri.LastSeq == 3 && ri.L1Placements == 2
+	})
+	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "nobody/0"}, wire.CodeNotFound)
+	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng"}, wire.CodeBadRequest)
+	mustVerify(t, c)
+}
