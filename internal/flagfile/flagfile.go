@@ -8,6 +8,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -150,7 +151,7 @@ func Apply(fs *flag.FlagSet, path string, settings []Setting, secrets ...string)
 			}
 		}
 		if fs.Lookup(s.Key) == nil {
-			return fmt.Errorf("config %s:%d: key %q is not a flag of %s: %w", path, s.Line, s.Key, fs.Name(), ErrUnknownKey)
+			return fmt.Errorf("config %s:%d: key %q is not a flag of %s: %w", path, s.Line, s.Key, filepath.Base(fs.Name()), ErrUnknownKey)
 		}
 		if err := fs.Set(s.Key, s.Value); err != nil {
 			return fmt.Errorf("config %s:%d: key %q: value %q refused: %w: %w", path, s.Line, s.Key, clip(s.Value), ErrValue, err)
