@@ -3,7 +3,7 @@
 //
 //	coordinator serve --data-dir /var/lib/kvtier [--nats URL | --nats-host H --nats-port P]
 //	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key BASE64]
-//	                  [--http ADDR] [--prefix P] [--log-level info]
+//	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE]
 //	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--prefix P] [--json]
 //	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
 //	coordinator object ... --spec-file SPEC.json [--model M] --tokens FILE [--instance I]
@@ -32,6 +32,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/wire"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -112,7 +113,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "default restore deadline")
 	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
-	if err := fs.Parse(args); err != nil {
+	if err := flagfile.Parse(fs, args, "gossip-key"); err != nil {
 		return exitUsage
 	}
 	if fs.NArg() > 0 {

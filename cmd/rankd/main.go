@@ -5,6 +5,7 @@
 //
 //	rankd --instance engine0 --tp-rank 0 --tp-size 4 --device host \
 //	      --l2-dir /var/lib/kvtier/l2/engine0 --join 10.0.0.1:7946
+//	rankd --config /etc/kvtier/rankd-engine0-0.conf [flags that override it]
 package main
 
 import (
@@ -21,6 +22,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/rankd"
 )
 
@@ -47,7 +49,7 @@ func main() {
 	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	flag.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
 	flag.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
-	flag.Parse()
+	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
 
 	fail := func(err error) {
 		fmt.Fprintln(os.Stderr, "rankd:", err)

@@ -1,0 +1,79 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+)
+
+const exampleConf = "../../deploy/examples/rankd.conf"
+
+// buildRankd builds this command (main cannot be called in-process: it
+// parses the process's flags and exits).
+func buildRankd(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "rankd")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// runRankd runs bin with args and returns its exit code and stderr.
+func runRankd(t *testing.T, bin string, args ...string) (int, string) {
+	t.Helper()
+	var stderr bytes.Buffer
+	cmd := exec.Command(bin, args...)
+	cmd.Stderr = &stderr
+	err := cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return 0, stderr.String()
+	case errors.As(err, &ee):
+		return ee.ExitCode(), stderr.String()
+	}
+	t.Fatalf("run %s: %v", bin, err)
+	return 0, ""
+}
+
+// TestExampleConfig: the example config parses with rankd's real flags and
+// its values pass the checks main makes after parsing (--l1-bytes,
+// --l2-policy, --join, --bind): the only error is the command line's
+// --log-level, which overrides the file's and is checked after them.
+// A typo in a key is refused naming the file, line and key.
+func TestExampleConfig(t *testing.T) {
+	bin := buildRankd(t)
+
+	rc, stderr := runRankd(t, bin, "--config", exampleConf, "--log-level", "bogus")
+	if want := "rankd: --log-level: unrecognized level: \"bogus\"\n"; rc != 2 || stderr != want {
+		t.Fatalf("rc %d, stderr %q, want 2 and %q", rc, stderr, want)
+	}
+	rc, stderr = runRankd(t, bin, "--config", exampleConf, "-h")
+	if rc != 0 || !bytes.Contains([]byte(stderr), []byte("-config ")) {
+		t.Fatalf("-h: rc %d, stderr %q", rc, stderr)
+	}
+
+	data, err := os.ReadFile(exampleConf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := bytes.Index(data, []byte("l2-policy ="))
+	if i < 0 {
+		t.Fatal("no l2-policy in the example")
+	}
+	line := bytes.Count(data[:i], []byte("\n")) + 1
+	p := filepath.Join(t.TempDir(), "rankd.conf")
+	if err := os.WriteFile(p, bytes.Replace(data, []byte("l2-policy ="), []byte("l2_policy ="), 1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rc, stderr = runRankd(t, bin, "--config", p)
+	if want := fmt.Sprintf("config %s:%d: key \"l2_policy\" is not a flag of rankd: flagfile: unknown key\n", p, line); rc != 2 || stderr != want {
+		t.Fatalf("rc %d, stderr %q, want 2 and %q", rc, stderr, want)
+	}
+}
