@@ -102,10 +102,10 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		if errors.Is(err, errNotMember) {
 			c.log.Warn("batch refused for now", zap.Stringer("rank", b.Rank), zap.Error(err))
 			c.replyError(opEvents, m, wire.CodeUnavailable, err.Error())
-			return
+			return ingestJob{}, false
 		}
 		c.badRequest(m, opEvents, err)
-		return
+		return ingestJob{}, false
 	}
 	t0 := time.Now()
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
