@@ -261,12 +261,20 @@ class ReleaseReply:
 
 
 @dataclass
+class DeviceStatus:
+    backend: str = field("backend", default="")
+    uuid: str = field("uuid", default="")
+    name: str = field("name", default="")
+
+
+@dataclass
 class StatusReply:
     """The part of rankd's status reply an engine reads."""
 
     rank: Rank = field("rank", default_factory=Rank)
     tp_size: int = field("tp_size", default=0)
     incarnation: u64 = field("incarnation", default=0)
+    device: DeviceStatus = field("device", default_factory=DeviceStatus)
     accepting: bool = field("accepting", default=False)
 
 
