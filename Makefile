@@ -80,7 +80,7 @@ $(VENV)/.installed: python/pyproject.toml
 	touch $@
 
 python-test: python-venv
-	cd python && .venv/bin/ruff check . && .venv/bin/pytest -q
+	cd python && .venv/bin/ruff check . && .venv/bin/mypy --ignore-missing-imports src/kvtier && .venv/bin/pytest -q
 
 clean:
 	rm -rf $(BIN) .gpu $(VENV)

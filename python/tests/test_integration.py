@@ -104,6 +104,9 @@ def test_store_wipe_restore_every_byte(cluster: Cluster) -> None:
         for rk in ranks:
             eventually(f"rankd {rk} accepts", lambda rk=rk: c.status(rk).accepting or (_ for _ in ()).throw(
                 AssertionError("not accepting yet")))
+        for rk in ranks:
+            st = c.status(rk)
+            assert (st.rank, st.tp_size, st.device.backend, st.device.uuid) == (rk, TP, "host", HOST_UUID)
         sessions = {str(rk): c.register(rk, SPEC, HOST_UUID, workers[rk.tp_rank].pools) for rk in ranks}
 
         # Compute and store: every chunk its own store with its own event (C1).

@@ -140,8 +140,8 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster) ->
                  kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20)
     kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS)
     sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra)
-    workers = eventually("workers register with their rankds",
-                         lambda: [Worker(cluster, t, kv_cfg, extra) for t in range(TP)])
+    wait_ranks(cluster)
+    workers = [Worker(cluster, t, kv_cfg, extra) for t in range(TP)]
     rng = random.Random(3)
     prompt = [rng.randrange(32000) for _ in range(16 * 4 + 3)]  # 4 full chunks + 3 tokens
 
@@ -227,6 +227,10 @@ def restart_ranks(cluster: Cluster) -> None:
     for r in range(TP):
         cluster.ranks[r].stop()
         cluster.start_rank(r)
+    wait_ranks(cluster)
+
+
+def wait_ranks(cluster: Cluster) -> None:
     with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
         for r in range(TP):
             rk = wire.Rank("engine0", r)

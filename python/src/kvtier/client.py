@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import ssl
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -43,6 +44,7 @@ from kvtier.wire import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier.client")
 
 
 @dataclass
@@ -102,8 +104,19 @@ async def connect_nats(opts: ConnectOptions) -> Any:
     import nats  # deferred so importing kvtier needs no NATS
 
     opts.validate()
+
+    async def on_error(e: Exception) -> None:
+        log.warning("NATS %s: %s", ",".join(opts.servers), e)
+
+    async def on_disconnected() -> None:
+        log.warning("NATS disconnected from %s; reconnecting", ",".join(opts.servers))
+
+    async def on_reconnected() -> None:
+        log.info("NATS reconnected to %s", ",".join(opts.servers))
+
     try:
-        return await nats.connect(**opts.nats_kwargs())
+        return await nats.connect(**opts.nats_kwargs(), error_cb=on_error, disconnected_cb=on_disconnected,
+                                  reconnected_cb=on_reconnected)
     except Exception as e:
         raise NotConnected(f"connect to NATS at {','.join(opts.servers)}: {e}") from e
 

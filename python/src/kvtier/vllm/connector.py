@@ -342,28 +342,28 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             st.saved_through = max(st.saved_through, first + n)
         num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
-            st = self._reqs.get(new.req_id)
-            if st is None:
+            nst = self._reqs.get(new.req_id)
+            if nst is None:
                 continue  # never asked about (get_num_new_matched_tokens runs first)
-            st.block_ids = [list(b) for b in new.block_ids]
-            self._plan_saves(meta, new.req_id, st, new.num_computed_tokens + num_sched.get(new.req_id, 0))
+            nst.block_ids = [list(b) for b in new.block_ids]
+            self._plan_saves(meta, new.req_id, nst, new.num_computed_tokens + num_sched.get(new.req_id, 0))
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
             flags = getattr(cached, "resumed_from_preemption", None)
             for i, req_id in enumerate(cached.req_ids):
-                st = self._reqs.get(req_id)
-                if st is None:
+                cst = self._reqs.get(req_id)
+                if cst is None:
                     continue
                 new_ids = cached.new_block_ids[i]
                 if req_id in resumed or (flags is not None and flags[i]):
-                    st.block_ids = [list(b) for b in (new_ids or ())]
+                    cst.block_ids = [list(b) for b in (new_ids or ())]
                 elif new_ids is not None:
                     for gi, b in enumerate(new_ids):
-                        while len(st.block_ids) <= gi:
-                            st.block_ids.append([])
-                        st.block_ids[gi].extend(b)
-                self._plan_saves(meta, req_id, st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0))
+                        while len(cst.block_ids) <= gi:
+                            cst.block_ids.append([])
+                        cst.block_ids[gi].extend(b)
+                self._plan_saves(meta, req_id, cst, cached.num_computed_tokens[i] + num_sched.get(req_id, 0))
         return meta
 
     def _plan_saves(self, meta: KvtierConnectorMetadata, req_id: str, st: _Req, computed: int) -> None:
