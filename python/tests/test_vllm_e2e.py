@@ -174,17 +174,32 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster) ->
         eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
     assert restore_once(sched, workers, prompt, "warm", [20, 21, 22, 23, 24], originals) == 64
 
-    # 3. Restart the rankds (L1 lost): the same prompt loads from L2 once
-    # the workers registered their pools again.
+    # 3. Restart the rankds (L1 lost, registrations forgotten) without
+    # restarting the engine: the first restore is refused by the ranks
+    # (unknown namespace), fails closed (every block a load error) and makes
+    # the workers register again; the next one loads from L2.
     restart_ranks(cluster)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
         eventually("index shows the L2 copies",
                    lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
-    for w in workers:  # a restarted rankd has forgotten the registration
-        w.conn._session.reregister()
+    errs = load_attempt(sched, workers, prompt, "first-after-restart", [25, 26, 27, 28, 29])
+    assert errs == [{25, 26, 27, 28}] * TP, errs
+    assert [w.conn.stats["reregistered"] for w in workers] == [1] * TP
     assert restore_once(sched, workers, prompt, "after-restart", [5, 6, 7, 8, 9], originals) == 64
+
+    # 3b. Restart the coordinator (index in bbolt): clients reconnect, the
+    # same prompt still loads.
+    cluster.coord.stop()
+    cluster.start_coordinator()
+    wait_ranks(cluster)  # the rankds' NATS connections are back
+    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+        eventually("index answers after the coordinator restart",
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+    for w in workers:
+        w.mem.view[:] = bytes(len(w.mem.view))
+    assert restore_once(sched, workers, prompt, "after-coord-restart", [25, 26, 27, 28, 29], originals) == 64
 
     # 4. Restart the rankds (L1 empty again), then corrupt chunk 1's L2
     # object of rank 1: the verdict fails; blocks of chunks 1..3 go to load
@@ -213,7 +228,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster) ->
     errs = [w.conn.get_block_ids_with_load_errors() for w in workers]
     assert errs == [{13, 14, 15}, {13, 14, 15}], errs
     for w in workers:
-        assert w.conn.stats["restore_failures"] == 1
+        assert w.conn.stats["restore_failures"] == 2  # the refused one after the restart, and this one
         for layer in range(LAYERS):
             assert w.page_at(layer, blocks_d[0]) == originals[(w.tp, layer, 0)]
     sched.request_finished(req, blocks_d)
@@ -241,6 +256,18 @@ def _true(v: bool) -> bool:
     if not v:
         raise AssertionError("not yet")
     return v
+
+
+def load_attempt(sched, workers, prompt, req_id, blocks) -> list[set[int]]:
+    req = fakes.Request(req_id, prompt)
+    n, _ = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0)))
+    assert n == 64
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks,)), n)
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData(req_id, prompt, (blocks,), n)],
+                                num_scheduled_tokens={req_id: len(prompt) - n})
+    run_step(sched, workers, out)
+    sched.request_finished(req, blocks)
+    return [w.conn.get_block_ids_with_load_errors() for w in workers]
 
 
 def restore_once(sched, workers, prompt, req_id, blocks, originals) -> int:
@@ -273,6 +300,6 @@ def _answered(r):
 
 
 def _prefix(lk: wire.LookupReply, n: int) -> wire.LookupReply:
-    if lk.prefix != n:
-        raise AssertionError(f"lookup prefix {lk.prefix} of {n}")
+    if lk.prefix != n or lk.not_alive:
+        raise AssertionError(f"lookup prefix {lk.prefix} of {n}, not alive {lk.not_alive} {lk.reason}")
     return lk
