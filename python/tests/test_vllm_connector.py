@@ -34,14 +34,9 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, **extra):
         def _tp_rank(self):
             return tp_rank
 
-        def _pool_handle(self, gi, layer, tensor):
-            super_check = KvtierConnector._pool_handle
-            try:
-                super_check(self, gi, layer, tensor)
-            except errors.GeometryError as e:
-                if "host" not in str(e):
-                    raise
-            return tensor.handle
+        def _pool_handles(self, gi, layer, tensor):
+            self._check_layout(gi, layer, tensor)
+            return list(tensor.handle) if isinstance(tensor.handle, list) else [tensor.handle]
 
         def _new_event(self):
             ev = Event(len(self.events))
@@ -265,7 +260,7 @@ def test_register_refuses_kv_split_layout():
     page = cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     split = {n: fakes.Tensor((2, cfg.num_blocks, 16, 2, 8), (cfg.num_blocks * page // 4, page // 4, 16, 8, 1), 2)
              for n in cfg.kv_cache_groups[0].layer_names}
-    with pytest.raises(errors.GeometryError, match="block-major"):
+    with pytest.raises(errors.GeometryError, match="kvtier_pool_layout=kv_split"):
         w.register_kv_caches(split)
     assert world.registered == []
 
@@ -391,3 +386,48 @@ def test_no_restore_id_means_every_block_is_an_error():
     w.start_load_kv(None)
     assert w.get_block_ids_with_load_errors() == {21, 22, 23}
     assert world.retrieves == []
+
+
+# ------------------------------------------------------------------ kv_split layout
+
+
+def test_kv_split_spec_has_two_half_page_pools_per_layer():
+    spec, layers = spec_from_vllm(fakes.attention_config(), "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None,
+                                  layout="kv_split")
+    g = spec.groups[0]
+    assert (g.layers, g.page_bytes, g.semantic_bytes, g.stride_bytes) == (4, 512, 512, 512)
+    assert g.kv_format.endswith(":kv_split") and layers[0].kv_split and layers[0].page_bytes == 1024
+    bm, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
+    assert bm.resolve().namespace != spec.resolve().namespace  # never restored into the other layout
+
+
+def test_kv_split_refuses_padded_pages_and_unknown_layouts():
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                                                   dtype=fakes.BF16, page_size_padded=1100)
+    with pytest.raises(errors.GeometryError, match="cannot be split"):
+        spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None, layout="kv_split")
+    with pytest.raises(errors.GeometryError, match="pool layout 'nhd'"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None, layout="nhd")
+
+
+def test_kv_split_register_sends_k_then_v():
+    world = fakes.FakeWorld()
+    cfg = fakes.attention_config()
+    w = make(world, KVConnectorRole.WORKER, cfg, kvtier_pool_layout="kv_split")
+    nb, half = cfg.num_blocks, 512
+    caches = {}
+    for i, n in enumerate(cfg.kv_cache_groups[0].layer_names):
+        caches[n] = fakes.Tensor((2, nb, 16, 2, 8), (nb * half // 2, half // 2, 16, 8, 1), 2, [
+            cuda.MemHandle("host", "HOST-t", b"p", i * 2 * nb * half, nb * half),
+            cuda.MemHandle("host", "HOST-t", b"p", (i * 2 + 1) * nb * half, nb * half)])
+    w.register_kv_caches(caches)
+    (_, _, pools), = world.registered
+    assert [(p.group, p.layer, p.handle.offset) for p in pools] == [
+        (0, 0, 0), (0, 1, nb * half), (0, 2, 2 * nb * half), (0, 3, 3 * nb * half)]
+    # a block-major tensor is refused in this layout
+    w2 = make(world, KVConnectorRole.WORKER, cfg, kvtier_pool_layout="kv_split")
+    page = 1024
+    with pytest.raises(errors.GeometryError, match=r"\(2, 64, \.\.\.\) K/V halves"):
+        w2.register_kv_caches({n: fakes.Tensor((nb, 2, 16, 2, 8), (page // 2, 256, 16, 8, 1), 2)
+                               for n in cfg.kv_cache_groups[0].layer_names})

@@ -53,13 +53,9 @@ class HostConnector(KvtierConnector):
     def _tp_rank(self) -> int:
         return self.tp_rank
 
-    def _pool_handle(self, gi, layer, tensor):
-        try:
-            super()._pool_handle(gi, layer, tensor)  # the layout check
-        except Exception as e:
-            if "kvtier_device=host" not in str(e):
-                raise
-        return tensor.handle
+    def _pool_handles(self, gi, layer, tensor):
+        self._check_layout(gi, layer, tensor)
+        return list(tensor.handle) if isinstance(tensor.handle, list) else [tensor.handle]
 
     def _new_event(self):
         ev = self.dev.new_event()
@@ -75,26 +71,40 @@ class Worker:
         self.mem = self.dev.alloc(LAYERS * NUM_BLOCKS * self.page)
         self.conn = connector(KVConnectorRole.WORKER, kv_cfg, extra, tp_rank, self.dev)
         self.tp = tp_rank
+        self.split = extra.get("kvtier_pool_layout") == "kv_split"
         caches = {}
+        size = NUM_BLOCKS * self.page
+        half = self.page // 2
         for li, name in enumerate(kv_cfg.kv_cache_groups[0].layer_names):
-            caches[name] = fakes.Tensor((NUM_BLOCKS, 2, 16, 2, 8), (self.page // 2, 256, 16, 8, 1), 2,
-                                        self.mem.export(li * NUM_BLOCKS * self.page, NUM_BLOCKS * self.page))
+            if self.split:  # FlashAttention: (2, num_blocks, bs, heads, dim), K then V
+                caches[name] = fakes.Tensor((2, NUM_BLOCKS, 16, 2, 8), (NUM_BLOCKS * half // 2, half // 2, 16, 8, 1),
+                                            2, [self.mem.export(li * size, size // 2),
+                                                self.mem.export(li * size + size // 2, size // 2)])
+            else:  # FlashInfer: (num_blocks, 2, bs, heads, dim)
+                caches[name] = fakes.Tensor((NUM_BLOCKS, 2, 16, 2, 8), (half, 256, 16, 8, 1), 2,
+                                            self.mem.export(li * size, size))
         self.conn.register_kv_caches(caches)
 
-    def off(self, layer: int, block: int) -> int:
-        return (layer * NUM_BLOCKS + block) * self.page
+    def spans(self, layer: int, block: int) -> list[tuple[int, int]]:
+        """Where a layer's page of a block lives: one span, or K and V."""
+        base, half = layer * NUM_BLOCKS * self.page, self.page // 2
+        if self.split:
+            return [(base + block * half, half), (base + NUM_BLOCKS * half + block * half, half)]
+        return [(base + block * self.page, self.page)]
 
     def forward(self, tokens: list[int], blocks: list[int], upto: int) -> None:
         """'Computes' the KV of tokens [0, upto): page content depends on
         the rank, layer, and the tokens of the block and all before it."""
         for bi in range(upto // 16):
             for layer in range(LAYERS):
-                o = self.off(layer, blocks[bi])
-                self.mem.view[o:o + self.page] = kv_bytes(self.tp, layer, tokens[:(bi + 1) * 16], self.page)
+                data = kv_bytes(self.tp, layer, tokens[:(bi + 1) * 16], self.page)
+                pos = 0
+                for o, n in self.spans(layer, blocks[bi]):
+                    self.mem.view[o:o + n] = data[pos:pos + n]
+                    pos += n
 
     def page_at(self, layer: int, block: int) -> bytes:
-        o = self.off(layer, block)
-        return bytes(self.mem.view[o:o + self.page])
+        return b"".join(bytes(self.mem.view[o:o + n]) for o, n in self.spans(layer, block))
 
 
 def kv_bytes(tp: int, layer: int, prefix: list[int], n: int) -> bytes:
@@ -135,9 +145,10 @@ def finish_saves(workers, req_ids: set[str]) -> None:
     eventually("every worker finished the stores", reap)
 
 
-def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster) -> None:
+@pytest.mark.parametrize("layout", ["block_major", "kv_split"])
+def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, layout: str) -> None:
     extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
-                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20)
+                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20, kvtier_pool_layout=layout)
     kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS)
     sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra)
     wait_ranks(cluster)

@@ -153,6 +153,7 @@ class Config:
     nkey_seed_file: str | None
     tls_ca_file: str | None
     inbox_prefix: str | None
+    pool_layout: str  # block_major | kv_split (kvtier.vllm.spec)
 
     @classmethod
     def of(cls, vllm_config: Any) -> Config:
@@ -168,7 +169,8 @@ class Config:
                 restore_deadline_ms=int(extra.get("kvtier_restore_deadline_ms", 10000)),
                 device=extra.get("kvtier_device", "cuda"), host_dir=extra.get("kvtier_host_dir", "/dev/shm"),
                 host_uuid=extra.get("kvtier_host_uuid"), nkey_seed_file=extra.get("kvtier_nkey_seed_file"),
-                tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"))
+                tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
+                pool_layout=extra.get("kvtier_pool_layout", "block_major"))
         wire.valid_instance(c.instance)
         if c.device not in ("cuda", "host"):
             raise ValueError(f"kvtier_device {c.device!r}: want cuda or host")
@@ -193,7 +195,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if kv_cache_config is None:
             raise GeometryError("KvtierConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
         self.spec, self.layers = spec_from_vllm(kv_cache_config, self.cfg.model, self.cfg.cache_salt, self.tp,
-                                                dcp_size, pp, self.cfg.chunk_tokens)
+                                                dcp_size, pp, self.cfg.chunk_tokens, self.cfg.pool_layout)
         self.resolved = self.spec.resolve()
         self.chunk = self.spec.chunk_tokens
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
@@ -229,21 +231,37 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         return int(get_tensor_model_parallel_rank())
 
-    def _pool_handle(self, gi: int, layer: str, tensor: Any) -> cuda.MemHandle:
-        """The MemHandle of one layer's pool, after checking its layout is
-        block-major with the declared page as the block stride."""
+    def _check_layout(self, gi: int, layer: str, tensor: Any) -> None:
+        """Refuses a layer tensor whose layout is not the configured one:
+        block-major with the declared page as the block stride, or K/V split
+        (2, num_blocks, ...) with half pages."""
         gl = self.layers[gi]
-        nbytes = tensor.numel() * tensor.element_size()
-        shape0 = tensor.shape[0] if len(tensor.shape) else 0
-        stride0 = tensor.stride(0) * tensor.element_size() if len(tensor.shape) else 0
-        if shape0 != self.num_blocks or stride0 != gl.page_bytes or nbytes != self.num_blocks * gl.page_bytes:
-            raise GeometryError(
-                f"layer {layer} (group {gi}): tensor of shape {tuple(tensor.shape)}, {nbytes} B, block stride "
-                f"{stride0} B; kvtier needs {self.num_blocks} blocks of page_size_bytes {gl.page_bytes} B, block-major "
-                "(vLLM's FlashInfer/MLA layout; FlashAttention's (2, num_blocks, ...) K/V split is not supported)")
+        isz = tensor.element_size()
+        nbytes = tensor.numel() * isz
+        shape = tuple(tensor.shape)
+        if gl.kv_split:
+            ok = (len(shape) >= 2 and shape[0] == 2 and shape[1] == self.num_blocks
+                  and tensor.stride(1) * isz == gl.page_bytes // 2
+                  and tensor.stride(0) * isz == self.num_blocks * gl.page_bytes // 2)
+            want = f"(2, {self.num_blocks}, ...) K/V halves of {gl.page_bytes // 2} B pages"
+        else:
+            ok = len(shape) >= 1 and shape[0] == self.num_blocks and tensor.stride(0) * isz == gl.page_bytes
+            want = (f"{self.num_blocks} blocks of page_size_bytes {gl.page_bytes} B, block-major "
+                    "(FlashInfer/MLA/Mamba; FlashAttention's K/V split needs kvtier_pool_layout=kv_split)")
+        if not ok or nbytes != self.num_blocks * gl.page_bytes:
+            strides = tuple(tensor.stride(d) * isz for d in range(len(shape)))
+            raise GeometryError(f"layer {layer} (group {gi}): tensor of shape {shape}, {nbytes} B, byte strides "
+                                f"{strides}; kvtier needs {want}")
+
+    def _pool_handles(self, gi: int, layer: str, tensor: Any) -> list[cuda.MemHandle]:
+        """The MemHandles of one layer's pools (one, or K then V) after
+        checking the layout."""
+        self._check_layout(gi, layer, tensor)
         if self.cfg.device == "host":
-            raise GeometryError("kvtier_device=host needs pools made by the host backend (override _pool_handle)")
-        return cuda.mem_handle_from_torch(tensor)
+            raise GeometryError("kvtier_device=host needs pools made by the host backend (override _pool_handles)")
+        if self.layers[gi].kv_split:
+            return [cuda.mem_handle_from_torch(tensor[0]), cuda.mem_handle_from_torch(tensor[1])]
+        return [cuda.mem_handle_from_torch(tensor)]
 
     def _new_event(self) -> tuple[Any, cuda.EventHandle]:
         """A fresh interprocess event recorded after the forward on the
@@ -411,8 +429,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for li, name in enumerate(gl.layer_names):
                 if name not in kv_caches:
                     raise GeometryError(f"kv_caches has no tensor for layer {name} of group {gi}")
-                h = self._pool_handle(gi, name, kv_caches[name])
-                pools.append(wire.PoolRegistration(gi, li, h))
+                hs = self._pool_handles(gi, name, kv_caches[name])
+                want = 2 if gl.kv_split else 1
+                if len(hs) != want:
+                    raise GeometryError(f"layer {name} (group {gi}): {len(hs)} pools, want {want}")
+                for j, h in enumerate(hs):
+                    pools.append(wire.PoolRegistration(gi, li * want + j, h))
         uuids = {p.handle.device for p in pools}
         if len(uuids) != 1:
             raise GeometryError(f"pools on {len(uuids)} devices {sorted(uuids)}, want one")

@@ -3,11 +3,19 @@
 The page size of every group comes from the spec's ``page_size_bytes``
 (C2: never from a tensor shape); the semantic size from
 ``real_page_size_bytes`` (attention) or the state shapes (Mamba). Pools are
-registered block-major: block b of a layer at ``b * page_size_bytes`` of
-that layer's tensor, which is what vLLM's FlashInfer, MLA and Mamba layouts
-give; the worker checks every tensor against it before registering and
-refuses anything else (for example FlashAttention's K/V-split layout
-``(2, num_blocks, ...)``).
+registered in one of two layouts, chosen by configuration because the
+scheduler never sees a tensor and both sides must derive the same spec:
+
+- ``block_major`` (default): block b of a layer at ``b * page_size_bytes``
+  of that layer's tensor: vLLM's FlashInfer, MLA and Mamba layouts;
+- ``kv_split``: FlashAttention's ``(2, num_blocks, ...)``, K and V halves
+  num_blocks apart. Each non-MLA attention layer is then two kvtier pools
+  (K, V) of half pages, so the group has twice the layers and a page of
+  page_size_bytes / 2; a padded page (page_size_padded) cannot be split and
+  is refused.
+
+The worker checks every tensor against the layout before registering and
+refuses anything else.
 
 Only specs this module knows are accepted: FullAttentionSpec,
 MLAAttentionSpec, SlidingWindowSpec and MambaSpec, matched by class name
@@ -29,13 +37,19 @@ _ATTENTION = {"FullAttentionSpec": dcp.Kind.ATTENTION, "MLAAttentionSpec": dcp.K
 _RECURRENT = {"MambaSpec": dcp.Kind.RECURRENT}
 
 
+LAYOUT_BLOCK_MAJOR = "block_major"
+LAYOUT_KV_SPLIT = "kv_split"
+
+
 @dataclass(frozen=True)
 class GroupLayers:
-    """The vLLM layer names of one kvtier group, in pool order."""
+    """The vLLM layer names of one kvtier group, in pool order, and how a
+    layer's tensor maps to pools."""
 
     layer_names: tuple[str, ...]
     block_size: int
-    page_bytes: int
+    page_bytes: int  # vLLM's page_size_bytes of one layer (K and V)
+    kv_split: bool = False  # each layer is two pools: K then V, half pages
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -91,8 +105,11 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
 
 
 def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, dcp_size: int, pp: int,
-                   chunk_tokens: int | None) -> tuple[dcp.Spec, list[GroupLayers]]:
+                   chunk_tokens: int | None,
+                   layout: str = LAYOUT_BLOCK_MAJOR) -> tuple[dcp.Spec, list[GroupLayers]]:
     """kvtier's Spec for a vLLM KVCacheConfig, and each group's layers."""
+    if layout not in (LAYOUT_BLOCK_MAJOR, LAYOUT_KV_SPLIT):
+        raise GeometryError(f"pool layout {layout!r}: want {LAYOUT_BLOCK_MAJOR} or {LAYOUT_KV_SPLIT}")
     groups_in = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups_in:
         raise GeometryError("vLLM kv_cache_config has no kv_cache_groups")
@@ -104,8 +121,19 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
     for i, g in enumerate(groups_in):
         names = list(getattr(g, "layer_names", []) or [])
         grp = group_from_vllm(i, names, getattr(g, "kv_cache_spec", None))
+        split = layout == LAYOUT_KV_SPLIT and grp.kind != dcp.Kind.RECURRENT and not grp.mla
+        vllm_page = grp.page_bytes
+        if split:
+            if grp.semantic_bytes != grp.page_bytes or grp.page_bytes % 2:
+                raise GeometryError(
+                    f"KV cache group {i}: page of {grp.page_bytes} B (semantic {grp.semantic_bytes} B) cannot be "
+                    "split into K and V halves (padded or odd page)")
+            half = grp.page_bytes // 2
+            grp = dcp.Group(name=grp.name, kind=grp.kind, mla=False, block_size=grp.block_size,
+                            layers=2 * grp.layers, semantic_bytes=half, page_bytes=half, stride_bytes=half,
+                            kv_format=grp.kv_format + ":kv_split")
         groups.append(grp)
-        layers.append(GroupLayers(tuple(names), grp.block_size, grp.page_bytes))
+        layers.append(GroupLayers(tuple(names), grp.block_size, vllm_page, split))
     block = 1
     for grp in groups:
         block = math.lcm(block, grp.block_size * (dcp_size if grp.kind != dcp.Kind.RECURRENT else 1))
