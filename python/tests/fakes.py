@@ -211,6 +211,8 @@ class FakeSession:
             await asyncio.wrap_future(gate)
         if self.world.store_error is not None:
             raise self.world.store_error
+        if self.world.store_reply is not None:
+            return self.world.store_reply
         return wire.StoreReply(stored=len(chunks))
 
     async def retrieve(self, items, restore_id="", timeout=None):
@@ -221,6 +223,9 @@ class FakeSession:
 
     async def reregister(self):
         self.world.reregistered += 1
+
+    async def on_freed(self, handler):
+        self.world.freed_handlers.append(handler)
 
     async def release(self):
         self.world.released += 1
@@ -241,6 +246,8 @@ class FakeWorld:
         self.stores: list[Any] = []
         self.store_gate: Any = None
         self.store_error: Exception | None = None
+        self.store_reply: wire.StoreReply | None = None
+        self.freed_handlers: list[Any] = []
         self.retrieves: list[Any] = []
         self.retrieve_error: Exception | None = None
         self.registered: list[Any] = []

@@ -431,3 +431,27 @@ def test_kv_split_register_sends_k_then_v():
     with pytest.raises(errors.GeometryError, match=r"\(2, 64, \.\.\.\) K/V halves"):
         w2.register_kv_caches({n: fakes.Tensor((nb, 2, 16, 2, 8), (page // 2, 256, 16, 8, 1), 2)
                                for n in cfg.kv_cache_groups[0].layer_names})
+
+
+def test_blocks_in_use_are_held_until_blocks_freed():
+    """C10: a store answered blocks_in_use keeps its event and the request's
+    blocks (not reported finished) until the rankd publishes BlocksFreed."""
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    world.store_reply = wire.StoreReply(stored=1, blocks_in_use=True)
+    w = worker(world)
+    h = bytes([9]) * 16
+    bind(w, saves=[SaveSpec("r1", [(h, [[1]])])])
+    w.wait_for_save()
+    for p in w._pending["r1"]:
+        p.fut.result(5)
+    for _ in range(3):
+        assert w.get_finished({"r1"}) == (None, None)
+    assert not w.events[0].released and w.stats["blocks_in_use"] == 1
+    (handler,) = world.freed_handlers
+    handler(wire.BlocksFreed(wire.Rank("engine0", 0), "r1", w.resolved.namespace, [dcp.ChunkHash(bytes(16))]))
+    assert w.get_finished(set()) == (None, None)  # another store's chunks: still held
+    handler(wire.BlocksFreed(wire.Rank("engine0", 0), "r1", w.resolved.namespace, [dcp.ChunkHash(h)]))
+    assert w.get_finished(set()) == ({"r1"}, None)
+    assert w.events[0].released

@@ -157,6 +157,18 @@ class Client:
             return decoder(msg.data, subject)
         return wire.decode_reply(reply, msg.data, subject)
 
+    async def subscribe(self, subject: str, handler: Callable[[bytes], None]) -> Any:
+        """Subscribes handler to subject; it runs on the client's loop with
+        each message's data and must not block. Returns the subscription."""
+
+        async def cb(msg: Any) -> None:
+            try:
+                handler(msg.data)
+            except Exception:
+                log.exception("handler of %s failed", subject)
+
+        return await self._nc.subscribe(subject, cb=cb)
+
     # ------------------------------------------------------------ coordinator
 
     async def register_spec(self, spec: Spec) -> Namespace:
@@ -229,6 +241,21 @@ class RankSession:
         req = wire.RetrieveRequest(restore_id, self.namespace, list(items))
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req,
                                       RetrieveReply, timeout=timeout)
+
+    async def on_freed(self, handler: Callable[[wire.BlocksFreed], None]) -> Any:
+        """Calls handler with every BlocksFreed this rank publishes for this
+        namespace: the blocks of a store answered blocks_in_use are free."""
+
+        def decode(data: bytes) -> None:
+            try:
+                msg = wire.decode(wire.BlocksFreed, data)
+            except MalformedError as e:
+                log.warning("malformed BlocksFreed from %s: %s", self.rank, e)
+                return
+            if msg.namespace == self.namespace and msg.rank == self.rank:
+                handler(msg)
+
+        return await self.client.subscribe(self.client.subjects.freed(self.rank), decode)
 
     async def release(self) -> None:
         await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RELEASE),
@@ -412,6 +439,10 @@ class SyncRankSession:
 
     def reregister(self) -> None:
         self.client.run(self.aio.reregister())
+
+    def on_freed(self, handler: Callable[[wire.BlocksFreed], None]) -> Any:
+        """See RankSession.on_freed; handler runs on the client's loop thread."""
+        return self.client.run(self.aio.on_freed(handler))
 
     def release(self) -> None:
         self.client.run(self.aio.release())

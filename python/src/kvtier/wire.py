@@ -39,6 +39,9 @@ CODE_INTERNAL = "internal"
 VERDICT_PENDING = "pending"
 VERDICT_COMPLETE = "complete"
 VERDICT_FAILED = "failed"
+# refused: nothing was planned although chunks are stored (a reader rank is
+# not alive, ...); reason says why. Never complete.
+VERDICT_REFUSED = "refused"
 
 # Coordinator operations (<p>.coord.<op>).
 COORD_REGISTER = "ns.register"
@@ -128,6 +131,10 @@ class Subjects:
     def inventory(self, r: Rank) -> str:
         return f"{self._p()}.rank.{r.instance}.{r.tp_rank}.inventory"
 
+    def freed(self, r: Rank) -> str:
+        """Where rank r publishes BlocksFreed to its engine worker."""
+        return f"{self._p()}.rank.{r.instance}.{r.tp_rank}.freed"
+
 
 @dataclass
 class Error:
@@ -207,14 +214,31 @@ class StoreReply:
     deduped: int = field("deduped", default=0)
     failed: list[str] = field("failed", omit="omitempty", default_factory=list)
     # The store ended with the device possibly still reading the blocks: do
-    # not reuse them or destroy the producer event yet (C10).
+    # not reuse them or destroy the producer event until the rankd publishes
+    # BlocksFreed for this store (C10).
     blocks_in_use: bool = field("blocks_in_use", omit="omitempty", default=False)
+    # not_durable says why the objects are in L1 only although the policy
+    # promises L2; the store itself succeeded.
+    not_durable: str = field("not_durable", omit="omitempty", default="")
 
 
 @dataclass
 class Source:
     holder: Rank = field("holder", default_factory=Rank)
     tier: u8 = field("tier", default=0)
+
+
+@dataclass
+class BlocksFreed:
+    """Published by a rankd when the device has stopped reading the blocks
+    of a store it answered with blocks_in_use (C10): only then may the
+    engine reuse them or destroy the store's event. A store is named by its
+    request id and its chunks, in request order."""
+
+    rank: Rank = field("rank", default_factory=Rank)
+    request_id: str = field("request_id", default="")
+    namespace: Namespace = field("namespace", default_factory=Namespace)
+    chunks: list[ChunkHash] = field("chunks", default_factory=list)
 
 
 @dataclass
@@ -368,10 +392,20 @@ class RestoreVerdict:
     prefix: int = field("prefix", default=0)
     failed: list[int] = field("failed", omit="omitempty", default_factory=list)  # chunk indexes, sorted
     reasons: list[str] = field("reasons", omit="omitempty", default_factory=list)
+    # reason says why a refused restore was refused; empty otherwise.
+    reason: str = field("reason", omit="omitempty", default="")
 
     def validate(self) -> None:
+        if self.state not in (VERDICT_PENDING, VERDICT_COMPLETE, VERDICT_FAILED, VERDICT_REFUSED):
+            raise MalformedError(f"verdict {self.restore_id} has state {self.state!r}, want pending, complete, "
+                                 "failed or refused")
         if self.state == VERDICT_COMPLETE and self.failed:
             raise MalformedError(f"verdict {self.restore_id} complete with {len(self.failed)} failed chunks")
+        if self.state == VERDICT_REFUSED and (self.prefix != 0 or not self.reason or self.failed):
+            raise MalformedError(f"verdict {self.restore_id} refused with prefix {self.prefix}, {len(self.failed)} "
+                                 f"failed chunks and reason {self.reason!r}; want prefix 0, none and a reason")
+        if self.state != VERDICT_REFUSED and self.reason:
+            raise MalformedError(f"verdict {self.restore_id} is {self.state} with a refusal reason {self.reason!r}")
 
 
 @dataclass

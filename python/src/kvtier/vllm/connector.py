@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,8 @@ class _Req:
 class _Pending:
     fut: concurrent.futures.Future[wire.StoreReply]
     event: Any  # released once the store has answered (C1)
+    chunks: tuple[bytes, ...] = ()  # names the store in a BlocksFreed
+    in_use: bool = False  # answered blocks_in_use: held until BlocksFreed (C10)
 
 
 @dataclass
@@ -203,7 +206,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._client: kvclient.SyncClient | None = None
         self.stats = {"lookups": 0, "lookup_errors": 0, "loaded_tokens": 0, "restores": 0, "restore_failures": 0,
                       "load_error_blocks": 0, "stores": 0, "stored_objects": 0, "store_failures": 0,
-                      "reregistered": 0}
+                      "reregistered": 0, "blocks_in_use": 0}
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._registered_spec = False
@@ -214,7 +217,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._saving: set[str] = set()
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
-        self._leaked_events: list[Any] = []  # events of stores answered blocks_in_use (C10)
+        self._freed_lock = threading.Lock()
+        self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
         self._rank = wire.Rank(self.cfg.instance, 0)
         log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d",
                  "scheduler" if self.is_scheduler else "worker", self.resolved.namespace, len(self.spec.groups),
@@ -440,6 +444,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise GeometryError(f"pools on {len(uuids)} devices {sorted(uuids)}, want one")
         self._device_uuid = uuids.pop()
         self._session = self.client.register(self._rank, self.spec, self._device_uuid, pools)
+        self._session.on_freed(self._on_freed)
         log.info("kvtier: registered %d pools with rankd %s", len(pools), self._rank)
 
     def _store_chunks(self, save: SaveSpec) -> list[wire.ChunkBlocks]:
@@ -474,8 +479,20 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue  # this rank stores no shard of these chunks (MLA)
             ev, handle = self._new_event()
             fut = self.client.submit(self._store(save.req_id, chunks, handle))
-            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev))
+            key = tuple(bytes(c.chunk) for c in chunks)
+            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
+
+    def _on_freed(self, msg: wire.BlocksFreed) -> None:
+        with self._freed_lock:
+            self._freed.add((msg.request_id, tuple(bytes(c) for c in msg.chunks)))
+
+    def _take_freed(self, req_id: str, chunks: tuple[bytes, ...]) -> bool:
+        with self._freed_lock:
+            if (req_id, chunks) in self._freed:
+                self._freed.discard((req_id, chunks))
+                return True
+            return False
 
     def _reap(self) -> None:
         for req_id, pend in list(self._pending.items()):
@@ -484,24 +501,30 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if not p.fut.done():
                     keep.append(p)
                     continue
-                try:
-                    rep = p.fut.result()
-                except Exception as e:
-                    self.stats["store_failures"] += 1
-                    log.warning("kvtier store for %s failed: %s", req_id, e)
-                else:
-                    self.stats["stored_objects"] += rep.stored
-                    if rep.failed:
-                        self.stats["store_failures"] += 1
-                        log.warning("kvtier store for %s: failed objects %s", req_id, rep.failed)
-                    if rep.blocks_in_use:
-                        # C10: the device may still read the blocks; no message
-                        # says when they are free yet, so the event is kept
-                        # (never destroyed under a reader) and the request is
-                        # held no longer than this store's answer.
-                        log.error("kvtier store for %s answered with its blocks still in use", req_id)
-                        self._leaked_events.append(p.event)
+                if p.in_use:
+                    if not self._take_freed(req_id, p.chunks):
+                        keep.append(p)
                         continue
+                else:
+                    try:
+                        rep = p.fut.result()
+                    except Exception as e:
+                        self.stats["store_failures"] += 1
+                        log.warning("kvtier store for %s failed: %s", req_id, e)
+                    else:
+                        self.stats["stored_objects"] += rep.stored
+                        if rep.failed:
+                            self.stats["store_failures"] += 1
+                            log.warning("kvtier store for %s: failed objects %s", req_id, rep.failed)
+                        if rep.blocks_in_use and not self._take_freed(req_id, p.chunks):
+                            # C10: the device may still read the blocks. The
+                            # request keeps them (vLLM does not free them) and
+                            # the event lives until the rankd says BlocksFreed.
+                            log.warning("kvtier store for %s: blocks still in use; held until freed", req_id)
+                            self.stats["blocks_in_use"] += 1
+                            p.in_use = True
+                            keep.append(p)
+                            continue
                 rel = getattr(p.event, "release", None)
                 if callable(rel):
                     rel()
