@@ -20,7 +20,8 @@ CLASSES: dict[str, type] = {
 }
 for name in ("RegisterRequest", "RegisterReply", "StoreRequest", "StoreReply", "RetrieveRequest",
              "RetrieveReply", "LookupRequest", "LookupReply", "RestoreBeginRequest", "RestorePlan",
-             "RestoreReport", "RestoreWait", "RestoreVerdict", "ReportAck", "EventAck", "Heartbeat"):
+             "RestoreReport", "RestoreWait", "RestoreVerdict", "ReportAck", "EventAck", "Heartbeat",
+             "BlocksFreed"):
     CLASSES[name] = getattr(wire, name)
 
 JSON_CASES = sorted(f for f, t in MANIFEST.items() if f.endswith(".json") and t in CLASSES)
@@ -44,6 +45,18 @@ def test_store_request_fields():
     assert msg.chunks[1].blocks == [[2198, 1 << 40], [3]]
     assert msg.chunks[0].blocks[1] == []
     assert msg.event.raw == bytes([0xA5, 0x01]) * 32
+
+
+def test_new_fields_decode():
+    v = wire.decode(wire.RestoreVerdict, (GOLDEN / "restore_verdict_refused.json").read_bytes())
+    v.validate()
+    assert (v.state, v.prefix, v.reason) == (wire.VERDICT_REFUSED, 0, "reader engine0/2 is not alive")
+    bad = wire.RestoreVerdict("r", wire.VERDICT_COMPLETE, 1, reason="x")
+    with pytest.raises(MalformedError):
+        bad.validate()
+    f = wire.decode(wire.BlocksFreed, (GOLDEN / "blocks_freed.json").read_bytes())
+    assert (f.rank, f.request_id, len(f.chunks)) == (wire.Rank("engine0", 1), "req-1", 2)
+    assert wire.Subjects().freed(f.rank) == "kvtier.rank.engine0.1.freed"
 
 
 def test_plan_decoder():
