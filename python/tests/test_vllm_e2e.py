@@ -72,6 +72,7 @@ class Worker:
         self.conn = connector(KVConnectorRole.WORKER, kv_cfg, extra, tp_rank, self.dev)
         self.tp = tp_rank
         self.split = extra.get("kvtier_pool_layout") == "kv_split"
+        self.mla = type(spec).__name__ == "MLAAttentionSpec"
         caches = {}
         size = NUM_BLOCKS * self.page
         half = self.page // 2
@@ -80,6 +81,8 @@ class Worker:
                 caches[name] = fakes.Tensor((2, NUM_BLOCKS, 16, 2, 8), (NUM_BLOCKS * half // 2, half // 2, 16, 8, 1),
                                             2, [self.mem.export(li * size, size // 2),
                                                 self.mem.export(li * size + size // 2, size // 2)])
+            elif self.mla:  # MLA: (num_blocks, bs, latent)
+                caches[name] = fakes.Tensor((NUM_BLOCKS, 16, 32), (512, 32, 1), 2, self.mem.export(li * size, size))
             else:  # FlashInfer: (num_blocks, 2, bs, heads, dim)
                 caches[name] = fakes.Tensor((NUM_BLOCKS, 2, 16, 2, 8), (half, 256, 16, 8, 1), 2,
                                             self.mem.export(li * size, size))
@@ -97,7 +100,8 @@ class Worker:
         the rank, layer, and the tokens of the block and all before it."""
         for bi in range(upto // 16):
             for layer in range(LAYERS):
-                data = kv_bytes(self.tp, layer, tokens[:(bi + 1) * 16], self.page)
+                # MLA's latent cache is the same on every TP rank
+                data = kv_bytes(0 if self.mla else self.tp, layer, tokens[:(bi + 1) * 16], self.page)
                 pos = 0
                 for o, n in self.spans(layer, blocks[bi]):
                     self.mem.view[o:o + n] = data[pos:pos + n]
@@ -145,11 +149,19 @@ def finish_saves(workers, req_ids: set[str]) -> None:
     eventually("every worker finished the stores", reap)
 
 
-@pytest.mark.parametrize("layout", ["block_major", "kv_split"])
+@pytest.mark.parametrize("layout", ["block_major", "kv_split", "mla"])
 def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, layout: str) -> None:
+    """block_major: FlashInfer pools; kv_split: FlashAttention's; mla: an MLA
+    group, stored by TP rank 0 only and read back by both ranks (rank 1 from
+    rank 0's L2 object)."""
+    mla = layout == "mla"
     extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
-                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20, kvtier_pool_layout=layout)
+                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20,
+                 kvtier_pool_layout="block_major" if mla else layout)
     kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS)
+    if mla:
+        kv_cfg.kv_cache_groups[0].kv_cache_spec = fakes.MLAAttentionSpec(block_size=16, num_kv_heads=1,
+                                                                         head_size=32, dtype=fakes.BF16)
     sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra)
     wait_ranks(cluster)
     workers = [Worker(cluster, t, kv_cfg, extra) for t in range(TP)]
@@ -171,7 +183,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
         w.conn.wait_for_save()
     assert sched.request_finished(req, blocks_a) == (True, None)
     finish_saves(workers, {"cold"})
-    assert sum(w.conn.stats["stored_objects"] for w in workers) == TP * 4
+    assert [w.conn.stats["stored_objects"] for w in workers] == ([4, 0] if mla else [4] * TP)
     assert all(w.conn.stats["store_failures"] == 0 for w in workers)
     originals = {(w.tp, layer, bi): w.page_at(layer, blocks_a[bi]) for w in workers
                  for layer in range(LAYERS) for bi in range(4)}
@@ -223,7 +235,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
         eventually("index shows the L2 copies",
                    lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
-    key = dcp.Key(sched.resolved.namespace, hashes[1], 1, 0)
+    key = dcp.Key(sched.resolved.namespace, hashes[1], 0 if mla else 1, 0)
     path = cluster.l2 / str(sched.resolved.namespace) / (str(key) + ".kvo")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x40
