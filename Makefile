@@ -76,7 +76,7 @@ python-venv: $(VENV)/.installed
 
 $(VENV)/.installed: python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e 'python[test]'
+	$(VENV)/bin/pip install -q -e './python[test]'
 	touch $@
 
 python-test: python-venv
