@@ -252,6 +252,7 @@ class FakeWorld:
         self.retrieve_error: Exception | None = None
         self.registered: list[Any] = []
         self.reregistered = 0
+        self.incarnation = 1
         self.released = 0
         self.specs: list[dcp.Spec] = []
 
@@ -300,6 +301,9 @@ class FakeSyncClient(client.SyncClient):
             raise self.world.begin_error
         assert self.world.plan is not None
         return self.world.plan
+
+    def status(self, rank):
+        return wire.StatusReply(rank=rank, tp_size=1, incarnation=self.world.incarnation, accepting=True)
 
     def close(self):
         self._stop()

@@ -455,3 +455,17 @@ def test_blocks_in_use_are_held_until_blocks_freed():
     handler(wire.BlocksFreed(wire.Rank("engine0", 0), "r1", w.resolved.namespace, [dcp.ChunkHash(h)]))
     assert w.get_finished(set()) == ({"r1"}, None)
     assert w.events[0].released
+
+
+def test_worker_registers_again_when_the_rankd_restarted():
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    w = worker(world)
+    bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
+    w.wait_for_save()
+    assert world.reregistered == 0
+    world.incarnation = 2  # the rankd restarted
+    w.wait_for_save()
+    w.wait_for_save()
+    assert (world.reregistered, w.stats["reregistered"]) == (1, 1)

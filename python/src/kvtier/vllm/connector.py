@@ -445,7 +445,32 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._device_uuid = uuids.pop()
         self._session = self.client.register(self._rank, self.spec, self._device_uuid, pools)
         self._session.on_freed(self._on_freed)
+        self._incarnation = self._rank_incarnation()
         log.info("kvtier: registered %d pools with rankd %s", len(pools), self._rank)
+
+    def _rank_incarnation(self) -> int:
+        try:
+            return int(self.client.status(self._rank).incarnation)
+        except Exception as e:
+            log.warning("kvtier: status of rankd %s: %s", self._rank, e)
+            return 0
+
+    def _ensure_registered(self) -> None:
+        """Registers the pools again when the rankd restarted (a new
+        incarnation forgets registrations), before this step's loads or
+        stores reach it. One status request per step that has work."""
+        assert self._session is not None
+        inc = self._rank_incarnation()
+        if inc == 0 or inc == self._incarnation:
+            return
+        try:
+            self._session.reregister()
+        except Exception as e:
+            log.warning("kvtier: register again with rankd %s (incarnation %d): %s", self._rank, inc, e)
+            return
+        log.info("kvtier: rankd %s restarted (incarnation %d); pools registered again", self._rank, inc)
+        self.stats["reregistered"] += 1
+        self._incarnation = inc
 
     def _store_chunks(self, save: SaveSpec) -> list[wire.ChunkBlocks]:
         tp = self._rank.tp_rank
@@ -472,6 +497,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self.has_connector_metadata() or self._session is None:
             return
         meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        if meta.saves:
+            self._ensure_registered()
         for save in meta.saves:
             self._saving.add(save.req_id)
             chunks = self._store_chunks(save)
@@ -545,6 +572,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self.has_connector_metadata() or self._session is None:
             return
         meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        if meta.loads:
+            self._ensure_registered()
         futs = [(load, self.client.submit(self._load(load))) for load in meta.loads]
         for load, fut in futs:
             try:
