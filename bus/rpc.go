@@ -19,8 +19,8 @@ func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
 	nc, err := nats.Connect(url, append([]nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
-		nats.ReconnectWait(100*time.Millisecond),
-		nats.Timeout(5*time.Second),
+		nats.ReconnectWait(100 * time.Millisecond),
+		nats.Timeout(5 * time.Second),
 	}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
