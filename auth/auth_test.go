@@ -55,8 +55,8 @@ func TestInitWritesPrivateFiles(t *testing.T) {
 	if got := strings.Join(names, " "); got != want {
 		t.Fatalf("users = %q, want %q", got, want)
 	}
-	if _, err := auth.LoadGossipKey(filepath.Join(dir, auth.GossipKeyFile)); err != nil {
-		t.Fatal(err)
+	if k, more, err := auth.LoadGossipKeys(filepath.Join(dir, auth.GossipKeyFile)); err != nil || len(k) != 32 || len(more) != 0 {
+		t.Fatalf("gossip key: %d B, %d more, %v", len(k), len(more), err)
 	}
 	// Init never overwrites.
 	if err := auth.Init(dir, nil); !errors.Is(err, auth.ErrExists) {

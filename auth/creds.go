@@ -398,19 +398,33 @@ func ClientOptions(id Identity, seed *Seed) []nats.Option {
 	}
 }
 
-// LoadGossipKey reads a gossip key file (0600): base64 of 16, 24 or 32
-// bytes.
-func LoadGossipKey(path string) ([]byte, error) {
+// LoadGossipKeys reads a gossip key file (0600, no symlink): one base64
+// key of 16, 24 or 32 bytes per line. The first line is the primary key
+// (gossip is sent with it); later lines are accepted while a rotation is
+// rolled out (cluster.Config.SecondaryKeys). Blank lines and lines
+// starting with '#' are skipped.
+func LoadGossipKeys(path string) (primary []byte, secondary [][]byte, err error) {
 	data, err := readPrivate(path, true)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	key, err := base64.StdEncoding.DecodeString(string(bytes.TrimSpace(data)))
-	if err != nil {
-		return nil, fmt.Errorf("gossip key file %s is not base64: %w: %w", path, ErrCredsFile, err)
+	var keys [][]byte
+	for n, line := range bytes.Split(data, []byte("\n")) {
+		line = bytes.TrimSpace(line)
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		key, err := base64.StdEncoding.DecodeString(string(line))
+		if err != nil {
+			return nil, nil, fmt.Errorf("gossip key file %s line %d is not base64: %w: %w", path, n+1, ErrCredsFile, err)
+		}
+		if l := len(key); l != 16 && l != 24 && l != 32 {
+			return nil, nil, fmt.Errorf("gossip key file %s line %d holds %d bytes; want 16, 24 or 32: %w", path, n+1, l, ErrCredsFile)
+		}
+		keys = append(keys, key)
 	}
-	if n := len(key); n != 16 && n != 24 && n != 32 {
-		return nil, fmt.Errorf("gossip key file %s holds %d bytes; want 16, 24 or 32: %w", path, n, ErrCredsFile)
+	if len(keys) == 0 {
+		return nil, nil, fmt.Errorf("gossip key file %s holds no key: %w", path, ErrCredsFile)
 	}
-	return key, nil
+	return keys[0], keys[1:], nil
 }

@@ -76,6 +76,8 @@ type Coordinator struct {
 	fences fenceGates // per-rank fence epochs: see fence.go
 	geo    geometries // registered namespaces' geometry: see limits.go
 
+	auth authState
+
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
 	// startedAt is when Start began (set before any handler runs): the
@@ -126,7 +128,11 @@ func New(cfg Config) (*Coordinator, error) {
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)
 	c.live = newLiveTable()
+	c.auth.refused = newRefused()
 	if err := c.reg.Register(c.met); err != nil {
+		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
+	if err := c.reg.Register(c.auth.refused); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
 	return c, nil
@@ -166,8 +172,23 @@ func (c *Coordinator) start() error {
 
 	// NATS: embedded unless an external URL is configured.
 	advertise := c.cfg.NATSURL
+	var copts []nats.Option
+	if c.cfg.Insecure {
+		c.log.Warn("INSECURE: NATS without authentication; anyone who reaches the NATS port can read every plan and forge any rank's events and restore reports (C9)")
+	} else {
+		var err error
+		if copts, err = c.loadAuth(); err != nil {
+			return err
+		}
+	}
 	if c.cfg.NATSURL == "" {
-		srv, err := bus.StartEmbedded(c.cfg.Embedded)
+		ecfg := c.cfg.Embedded
+		ecfg.Insecure = c.cfg.Insecure
+		if !c.cfg.Insecure {
+			ecfg.Users = c.auth.users
+			ecfg.TLS = c.auth.tls
+		}
+		srv, err := bus.StartEmbedded(ecfg)
 		if err != nil {
 			return err
 		}
@@ -178,7 +199,7 @@ func (c *Coordinator) start() error {
 	} else {
 		c.natsURL = c.cfg.NATSURL
 	}
-	nc, err := bus.Connect(c.natsURL, "kvtier-coordinator")
+	nc, err := bus.Connect(c.natsURL, "kvtier-coordinator", copts...)
 	if err != nil {
 		return err
 	}
@@ -383,11 +404,13 @@ func (c *Coordinator) subscribe() error {
 	hs := []handler{
 		{c.subj.EventsAll(), c.dispatchBatch},
 		{c.subj.HeartbeatAll(), c.handleHeartbeat},
-		{c.subj.Coord(wire.CoordRegister), c.handleRegister},
-		{c.subj.Coord(wire.CoordLookup), c.handleLookup},
-		{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
-		{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
-		{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+		// Engine subjects scoped to the caller's instance and per-rank
+		// reports (C9): the NATS permissions say who may publish there.
+		{c.subj.EngineCoordAll(wire.CoordRegister), c.handleRegister},
+		{c.subj.EngineCoordAll(wire.CoordLookup), c.handleLookup},
+		{c.subj.EngineCoordAll(wire.CoordRestoreBegin), c.rs.handleBegin},
+		{c.subj.ReportAll(), c.rs.handleReport},
+		{c.subj.EngineCoordAll(wire.CoordRestoreWait), c.rs.handleWait},
 		{c.subj.Admin(wire.AdminMembers), c.handleMembers},
 		{c.subj.Admin(wire.AdminRanks), c.handleRanks},
 		{c.subj.Admin(wire.AdminObject), c.handleObject},
@@ -396,13 +419,28 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
 		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
 	}
+	if c.cfg.Insecure {
+		// Clients from before C9 use the unscoped subjects.
+		hs = append(hs, []handler{
+			{c.subj.Coord(wire.CoordRegister), c.handleRegister},
+			{c.subj.Coord(wire.CoordLookup), c.handleLookup},
+			{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
+			{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
+			{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+		}...)
+	}
+	lookups := map[string]bool{c.subj.EngineCoordAll(wire.CoordLookup): true, c.subj.Coord(wire.CoordLookup): c.cfg.Insecure}
 	for range lookupSubscribers - 1 {
-		hs = append(hs, handler{c.subj.Coord(wire.CoordLookup), c.handleLookup})
+		for subject, on := range lookups {
+			if on {
+				hs = append(hs, handler{subject, c.handleLookup})
+			}
+		}
 	}
 	for _, h := range hs {
 		var sub *nats.Subscription
 		var err error
-		if h.subject == c.subj.Coord(wire.CoordLookup) {
+		if lookups[h.subject] {
 			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, h.fn)
 		} else {
 			sub, err = c.nc.Subscribe(h.subject, h.fn)

@@ -46,6 +46,7 @@ type fixture struct {
 func newFixture(t *testing.T) *fixture {
 	cfg := coordinator.DefaultConfig()
 	cfg.DataDir = t.TempDir()
+	cfg.Insecure = true // the CLI output tests; TestServe runs with auth on
 	cfg.Embedded.Port = 0
 	cfg.HTTPAddr = ""
 	cfg.Cluster.NodeName = "coord"
@@ -139,7 +140,7 @@ func newFixture(t *testing.T) *fixture {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		var out, errb bytes.Buffer
-		if run(ctx, []string{"members", "--nats", c.NATSURL()}, &out, &errb) == 0 && strings.Contains(out.String(), "rankd-eng-1") {
+		if run(ctx, []string{"members", "--insecure", "--nats", c.NATSURL()}, &out, &errb) == 0 && strings.Contains(out.String(), "rankd-eng-1") {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -154,7 +155,7 @@ func newFixture(t *testing.T) *fixture {
 func (f *fixture) cli(t *testing.T, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
-	code := run(context.Background(), append(args, "--nats", f.c.NATSURL()), &out, &errb)
+	code := run(context.Background(), append(args, "--insecure", "--nats", f.c.NATSURL()), &out, &errb)
 	t.Logf("coordinator %s -> %d\n%s%s", strings.Join(args, " "), code, out.String(), errb.String())
 	return code, out.String(), errb.String()
 }
@@ -302,7 +303,7 @@ func TestUsage(t *testing.T) {
 	if code := run(context.Background(), []string{"serve"}, &out, &errb); code != 2 {
 		t.Fatalf("serve without --data-dir: %d", code)
 	}
-	if code := run(context.Background(), []string{"members", "--nats", "nats://127.0.0.1:1", "--timeout", "100ms"}, &out, &errb); code != 1 {
+	if code := run(context.Background(), []string{"members", "--insecure", "--nats", "nats://127.0.0.1:1", "--timeout", "100ms"}, &out, &errb); code != 1 {
 		t.Fatalf("members without a coordinator: %d", code)
 	}
 }
@@ -325,17 +326,32 @@ func TestServe(t *testing.T) {
 	defer cancel()
 	done := make(chan int, 1)
 	var errb bytes.Buffer
+	creds := filepath.Join(t.TempDir(), "creds")
+	if code := run(ctx, []string{"init", "--dir", creds, "--instance", "engine0", "--tp-size", "2"}, &bytes.Buffer{}, &errb); code != 0 {
+		t.Fatalf("init: %d %s", code, errb.String())
+	}
+	// Without credentials, serve refuses to start (auth is on by default).
+	if code := run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--bind", "127.0.0.1:0", "--http", ""}, &bytes.Buffer{}, &errb); code != 2 ||
+		!strings.Contains(errb.String(), "no credentials dir") {
+		t.Fatalf("serve without --creds-dir: %d %s", code, errb.String())
+	}
 	go func() {
-		done <- run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--nats-port", strconv.Itoa(port),
+		done <- run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--nats-port", strconv.Itoa(port), "--creds-dir", creds,
 			"--bind", "127.0.0.1:0", "--http", "127.0.0.1:0", "--log-level", "warn"}, &bytes.Buffer{}, &errb)
 	}()
 	url := "nats://127.0.0.1:" + strconv.Itoa(port)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var out bytes.Buffer
-		if run(context.Background(), []string{"members", "--nats", url, "--timeout", "200ms"}, &out, &bytes.Buffer{}) == 0 {
+		if run(context.Background(), []string{"members", "--creds-dir", creds, "--nats", url, "--timeout", "200ms"}, &out, &bytes.Buffer{}) == 0 {
 			if !strings.Contains(out.String(), "coordinator") {
 				t.Fatalf("members: %q", out.String())
+			}
+			// An anonymous admin client is refused.
+			var e2 bytes.Buffer
+			if code := run(context.Background(), []string{"members", "--insecure", "--nats", url, "--timeout", "500ms"}, &out, &e2); code != 1 ||
+				!strings.Contains(strings.ToLower(e2.String()), "authorization violation") {
+				t.Fatalf("anonymous members: %d %s", code, e2.String())
 			}
 			break
 		}
@@ -365,6 +381,7 @@ func TestServe(t *testing.T) {
 func TestVerifyMismatchExitsOne(t *testing.T) {
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port = 0
+	ecfg.Insecure = true
 	srv, err := bus.StartEmbedded(ecfg)
 	if err != nil {
 		t.Fatal(err)
@@ -389,7 +406,7 @@ func TestVerifyMismatchExitsOne(t *testing.T) {
 	}
 	for _, args := range [][]string{{"verify"}, {"verify", "--json"}} {
 		var out, errb bytes.Buffer
-		code := run(context.Background(), append(args, "--nats", srv.ClientURL()), &out, &errb)
+		code := run(context.Background(), append(args, "--insecure", "--nats", srv.ClientURL()), &out, &errb)
 		if code != 1 {
 			t.Fatalf("%v: exit %d, want 1\n%s%s", args, code, out.String(), errb.String())
 		}
