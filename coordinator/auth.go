@@ -3,11 +3,13 @@ package coordinator
 import (
 	"crypto/rand"
 	"crypto/tls"
+	"encoding/base64"
 	"encoding/hex"
 	"fmt"
 	"path/filepath"
 
 	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
@@ -20,6 +22,7 @@ import (
 type authState struct {
 	users []*server.NkeyUser
 	tls   *tls.Config
+	seed  *auth.Seed // signs the NATS URLs in the member metadata
 	// refused counts messages refused because their body names another
 	// identity than their subject (C9), by subject kind.
 	refused *prometheus.CounterVec
@@ -45,9 +48,13 @@ func (c *Coordinator) loadAuth() ([]nats.Option, error) {
 	if c.auth.tls, err = auth.ServerTLS(dir); err != nil {
 		return nil, fmt.Errorf("NATS TLS: %w", err)
 	}
-	opts, err := auth.Client{Identity: auth.Identity{Role: auth.RoleCoordinator}, Dir: dir}.Options()
+	id := auth.Identity{Role: auth.RoleCoordinator}
+	opts, err := auth.Client{Identity: id, Dir: dir}.Options()
 	if err != nil {
 		return nil, fmt.Errorf("coordinator NATS credentials: %w", err)
+	}
+	if c.auth.seed, err = auth.LoadSeed(filepath.Join(dir, id.Name()+auth.SeedSuffix)); err != nil {
+		return nil, fmt.Errorf("coordinator seed: %w", err)
 	}
 	c.log.Info("NATS authentication on", zap.String("creds_dir", dir), zap.Int("users", len(u.Users)),
 		zap.Bool("tls", c.auth.tls != nil))
@@ -108,4 +115,18 @@ func newRestoreID() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:])
 	return hex.EncodeToString(b[:])
+}
+
+// signNATS signs the NATS URLs of incarnation inc for the member metadata
+// (cluster.Meta.NATSSig); "" when insecure.
+func (c *Coordinator) signNATS(inc uint64, urls []string) string {
+	if c.auth.seed == nil {
+		return ""
+	}
+	sig, err := c.auth.seed.Sign(cluster.NATSStatement(inc, urls))
+	if err != nil {
+		c.log.Error("cannot sign the NATS URLs; rankds will not follow them", zap.Error(err))
+		return ""
+	}
+	return base64.StdEncoding.EncodeToString(sig)
 }

@@ -330,7 +330,8 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 		}
 		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
 	}
-	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr}
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation()}
+	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
 	if a := c.httpAddr; a != "" {
 		if h, p, err := net.SplitHostPort(a); err == nil {
 			if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() && cc.AdvertiseAddr != "" {
@@ -351,7 +352,9 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 	// memberlist picked is the best guess of the address others reach us at.
 	if changed := c.fixAdvertisedNATS(urls); changed != nil {
 		ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
-		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) { meta.NATS = changed })
+		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) {
+			meta.NATS, meta.NATSSig = changed, c.signNATS(meta.Incarnation, changed)
+		})
 		cancel()
 		if err != nil && !errors.Is(err, cluster.ErrTimeout) {
 			return fmt.Errorf("advertise NATS URL: %w", err)
