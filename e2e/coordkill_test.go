@@ -130,7 +130,7 @@ func (c *kv) agree() error {
 	for r := range c.tp {
 		rank := wire.Rank{Instance: "engine0", TPRank: r}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		inv, err := bus.FetchInventory(ctx, c.nc, c.subj.Inventory(rank), 0, 0)
+		inv, err := bus.FetchInventory(ctx, c.connFor(c.subj.Inventory(rank)), c.subj.Inventory(rank), 0, 0)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("inventory of %s: %w", rank, err)
