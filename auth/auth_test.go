@@ -3,6 +3,7 @@ package auth_test
 import (
 	"errors"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -399,5 +400,62 @@ func TestEmbeddedRefusesInsecureConfig(t *testing.T) {
 	cfg.Host = "0.0.0.0"
 	if _, err := bus.StartEmbedded(cfg); !errors.Is(err, bus.ErrInsecure) || !strings.Contains(err.Error(), "without TLS") {
 		t.Fatalf("off loopback without TLS: %v, want ErrInsecure", err)
+	}
+}
+
+// TestTLS: with the CA and server certificate of InitTLS the server may
+// listen off loopback; a client verifying against the CA connects, one
+// without it does not, and a plaintext client is refused.
+func TestTLS(t *testing.T) {
+	dir := initDir(t)
+	if err := auth.InitTLS(dir, []string{"127.0.0.1", "localhost"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.InitTLS(dir, []string{"127.0.0.1"}); !errors.Is(err, auth.ErrExists) {
+		t.Fatalf("second InitTLS: %v, want ErrExists", err)
+	}
+	st, err := os.Stat(filepath.Join(dir, auth.ServerKeyFile))
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("server key mode %v %v", st.Mode(), err)
+	}
+	tlsCfg, err := auth.ServerTLS(dir)
+	if err != nil || tlsCfg == nil {
+		t.Fatalf("ServerTLS: %v %v", tlsCfg, err)
+	}
+	u, err := auth.LoadUsers(filepath.Join(dir, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := bus.DefaultEmbeddedConfig()
+	cfg.Host, cfg.Port, cfg.Users, cfg.TLS = "0.0.0.0", 0, u.ServerUsers("kvtier"), tlsCfg
+	srv, err := bus.StartEmbedded(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	_, port, err := net.SplitHostPort(srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "nats://127.0.0.1:" + port
+	opts, err := auth.Client{Identity: auth.Rankd(rank0), Dir: dir}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := bus.Connect(url, "tls-client", opts...)
+	if err != nil {
+		t.Fatalf("client with the cluster CA: %v", err)
+	}
+	if !nc.TLSRequired() {
+		t.Error("connection is not TLS")
+	}
+	nc.Close()
+	seedOnly, err := auth.Client{Identity: auth.Rankd(rank0), SeedFile: filepath.Join(dir, "rankd-engine0-0.nk")}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nc, err := nats.Connect(url, append(seedOnly, nats.MaxReconnects(0))...); err == nil {
+		nc.Close()
+		t.Fatal("a client without the cluster CA connected (the certificate is self-signed)")
 	}
 }

@@ -1,12 +1,19 @@
 package coordinator
 
 import (
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
 )
 
 // The NATS permissions decide who may publish on a scoped subject; these
@@ -80,5 +87,96 @@ func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 		wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r1, Results: results(plan.Ranks[r1.String()])})
 	if ack.State != wire.VerdictComplete {
 		t.Fatalf("after both real reports: %s", ack.State)
+	}
+}
+
+// TestSecureCoordinatorReloadsCredentials runs the coordinator with auth
+// on: anonymous clients are refused, the engine serves through its scoped
+// subjects, an instance added later ('coordinator creds add') connects
+// once the users are reloaded (SIGHUP), and a rotated key replaces the old.
+func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 2}}); err != nil {
+		t.Fatal(err)
+	}
+	c := startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir = false, creds })
+	if nc, err := nats.Connect(c.NATSURL(), nats.MaxReconnects(0)); err == nil {
+		nc.Close()
+		t.Fatal("anonymous client accepted")
+	}
+	dial := func(id auth.Identity) (*nats.Conn, error) {
+		opts, err := auth.Client{Identity: id, Dir: creds}.Options()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return nats.Connect(c.NATSURL(), append(opts, nats.MaxReconnects(0))...)
+	}
+	eng, err := dial(auth.Engine("eng"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if rep := call[wire.RegisterReply](t, eng, c.subj.EngineCoord("eng", wire.CoordRegister), testSpec(2)); rep.Namespace == (dcp.Namespace{}) {
+		t.Fatal("register through the scoped subject gave no namespace")
+	}
+	// A new instance: refused until the coordinator reloads.
+	if err := auth.AddInstance(creds, auth.Instance{Name: "eng2", TPSize: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if nc, err := dial(auth.Engine("eng2")); err == nil {
+		nc.Close()
+		t.Fatal("engine eng2 connected before the reload")
+	}
+	if err := c.ReloadAuth(); err != nil {
+		t.Fatal(err)
+	}
+	nc2, err := dial(auth.Engine("eng2"))
+	if err != nil {
+		t.Fatalf("engine eng2 after the reload: %v", err)
+	}
+	nc2.Close()
+	// Rotation: the old seed stops working after the reload.
+	old, err := os.ReadFile(filepath.Join(creds, "engine-eng2.nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.Rotate(creds, "engine-eng2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ReloadAuth(); err != nil {
+		t.Fatal(err)
+	}
+	oldSeed := filepath.Join(t.TempDir(), "old.nk")
+	if err := os.WriteFile(oldSeed, old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts, err := auth.Client{Identity: auth.Engine("eng2"), SeedFile: oldSeed}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nc, err := nats.Connect(c.NATSURL(), append(opts, nats.MaxReconnects(0))...); err == nil {
+		nc.Close()
+		t.Fatal("the rotated-out seed still connects")
+	}
+	if nc, err := dial(auth.Engine("eng2")); err != nil {
+		t.Fatalf("the new seed: %v", err)
+	} else {
+		nc.Close()
+	}
+	// The coordinator signed the NATS URL it gossips.
+	m := c.member.LocalMember().Meta
+	u, err := auth.LoadUsers(filepath.Join(creds, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pub string
+	for _, x := range u.Users {
+		if x.Role == auth.RoleCoordinator {
+			pub = x.NKey
+		}
+	}
+	sig, err := base64.StdEncoding.DecodeString(m.NATSSig)
+	if err != nil || auth.Verify(pub, cluster.NATSStatement(m.Incarnation, m.NATS), sig) != nil {
+		t.Fatalf("gossiped NATS URLs %v carry no valid signature (%q)", m.NATS, m.NATSSig)
 	}
 }
