@@ -193,8 +193,10 @@ func (c *Coordinator) start() error {
 			return err
 		}
 		c.nsrv = srv
-		c.natsURL = srv.ClientURL()
-		advertise = c.natsURL
+		// Connect over loopback when listening on every address: the
+		// server certificate names real addresses, never 0.0.0.0.
+		advertise = srv.ClientURL()
+		c.natsURL = advertisedNATS(advertise, "127.0.0.1")
 		c.log.Info("embedded NATS started", zap.String("url", c.natsURL))
 	} else {
 		c.natsURL = c.cfg.NATSURL
