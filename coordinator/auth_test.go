@@ -134,7 +134,7 @@ func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
 	if err != nil {
 		t.Fatalf("engine eng2 after the reload: %v", err)
 	}
-	nc2.Close()
+	defer nc2.Close()
 	// Rotation: the old seed stops working after the reload.
 	old, err := os.ReadFile(filepath.Join(creds, "engine-eng2.nk"))
 	if err != nil {
@@ -146,6 +146,8 @@ func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
 	if err := c.ReloadAuth(); err != nil {
 		t.Fatal(err)
 	}
+	// The connection made with the rotated-out key is closed by the reload.
+	waitFor(t, 5*time.Second, "the old key's connection to be closed", func() bool { return nc2.IsClosed() })
 	oldSeed := filepath.Join(t.TempDir(), "old.nk")
 	if err := os.WriteFile(oldSeed, old, 0o600); err != nil {
 		t.Fatal(err)
