@@ -316,6 +316,7 @@ func advertisedNATS(u, host string) string {
 // the seeds.
 func (c *Coordinator) joinCluster(natsURL string) error {
 	cc := c.cfg.Cluster
+	cc.Insecure = cc.Insecure || c.cfg.Insecure // --insecure also allows plaintext gossip off loopback
 	if cc.Logger == nil {
 		cc.Logger = c.cfg.Logger
 	}
