@@ -66,7 +66,10 @@ func (c *Coordinator) loadAuth() ([]nats.Option, error) {
 // replace the old ones (connections of removed keys are closed). With an
 // external NATS server it does nothing: reload that server's config.
 func (c *Coordinator) ReloadAuth() error {
-	if c.cfg.Insecure || c.nsrv == nil {
+	// lifeMu orders this after Start (which sets nsrv) and before Shutdown.
+	c.lifeMu.Lock()
+	defer c.lifeMu.Unlock()
+	if c.cfg.Insecure || c.nsrv == nil || !c.started || c.closed {
 		return nil
 	}
 	u, err := auth.LoadUsers(filepath.Join(c.cfg.CredsDir, auth.UsersFile))

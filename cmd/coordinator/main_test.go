@@ -9,14 +9,17 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
@@ -353,6 +356,33 @@ func TestServe(t *testing.T) {
 				!strings.Contains(strings.ToLower(e2.String()), "authorization violation") {
 				t.Fatalf("anonymous members: %d %s", code, e2.String())
 			}
+			// An instance added later connects after SIGHUP.
+			if code := run(ctx, []string{"creds", "add", "--dir", creds, "--instance", "engine1", "--tp-size", "1"}, &out, &e2); code != 0 {
+				t.Fatalf("creds add: %d %s", code, e2.String())
+			}
+			dialEngine1 := func() error {
+				opts, err := auth.Client{Identity: auth.Engine("engine1"), Dir: creds}.Options()
+				if err != nil {
+					t.Fatal(err)
+				}
+				nc, err := nats.Connect(url, append(opts, nats.MaxReconnects(0))...)
+				if err == nil {
+					nc.Close()
+				}
+				return err
+			}
+			if dialEngine1() == nil {
+				t.Fatal("engine1 connected before the reload")
+			}
+			if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+				t.Fatal(err)
+			}
+			for dialEngine1() != nil {
+				if time.Now().After(deadline.Add(10 * time.Second)) {
+					t.Fatal("engine1 still refused after SIGHUP")
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
 			break
 		}
 		select {
@@ -434,5 +464,56 @@ func TestRankResetCommand(t *testing.T) {
 	}
 	if code, _, _ := f.cli(t, "rank"); code != exitUsage {
 		t.Fatalf("rank without reset: %d", code)
+	}
+}
+
+// TestInitCLI: init writes private credentials, TLS files and a
+// nats-server configuration that nats-server parses; creds rotate and
+// nats-conf work on the directory; a second init refuses to overwrite.
+func TestInitCLI(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	conf := filepath.Join(t.TempDir(), "nats-auth.conf")
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"init", "--dir", dir, "--instance", "a", "--tp-size", "2", "--instance", "b",
+		"--tls-host", "127.0.0.1,kv.example", "--nats-conf", conf}, &out, &errb); code != 0 {
+		t.Fatalf("init: %d %s", code, errb.String())
+	}
+	for name, mode := range map[string]os.FileMode{"coordinator.nk": 0o600, "rankd-a-1.nk": 0o600, "engine-b.nk": 0o600,
+		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
+		"server.pem": 0o644, "server-key.pem": 0o600} {
+		st, err := os.Stat(filepath.Join(dir, name))
+		if err != nil || st.Mode().Perm() != mode {
+			t.Errorf("%s: %v %v, want mode %04o", name, st.Mode(), err, mode)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "rankd-b-1.nk")); err == nil {
+		t.Error("instance b has TP size 1 but got a rank 1 identity")
+	}
+	body, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(conf, append([]byte("listen: 127.0.0.1:-1\n"), body...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := server.ProcessConfigFile(conf); err != nil {
+		t.Fatalf("nats-server does not parse the generated config: %v", err)
+	}
+	if code := run(context.Background(), []string{"init", "--dir", dir}, &out, &errb); code != 1 || !strings.Contains(errb.String(), "credentials exist") {
+		t.Fatalf("second init: %d %s", code, errb.String())
+	}
+	before, _ := os.ReadFile(filepath.Join(dir, "rankd-a-1.nk"))
+	if code := run(context.Background(), []string{"creds", "rotate", "--dir", dir, "--name", "rankd-a-1"}, &out, &errb); code != 0 {
+		t.Fatalf("rotate: %d %s", code, errb.String())
+	}
+	after, _ := os.ReadFile(filepath.Join(dir, "rankd-a-1.nk"))
+	if bytes.Equal(before, after) || len(after) == 0 {
+		t.Fatal("rotate did not replace the seed")
+	}
+	if code := run(context.Background(), []string{"creds", "rotate", "--dir", dir, "--name", "rankd-z-9"}, &out, &errb); code != 1 {
+		t.Fatalf("rotate of an unknown identity: %d", code)
+	}
+	if code := run(context.Background(), []string{"creds", "nats-conf", "--dir", dir, "--out", conf}, &out, &errb); code != 0 {
+		t.Fatalf("nats-conf: %d %s", code, errb.String())
 	}
 }
