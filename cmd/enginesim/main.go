@@ -50,6 +50,9 @@ func main() {
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.Parse()
 
+	if cfg.Creds.Insecure {
+		fmt.Fprintln(os.Stderr, "enginesim: INSECURE (--insecure): connecting without credentials; only an --insecure coordinator accepts that")
+	}
 	cfg.Devices = strings.Split(devices, ",")
 	cfg.Host = cuda.DefaultHostConfig()
 	if hostDir != "" {
