@@ -235,6 +235,7 @@ func TestCrossRankPublishRefused(t *testing.T) {
 		{"engine0 -> unscoped restore.begin", auth.Engine("engine0"), coordID, subj.Coord(wire.CoordRestoreBegin)},
 		{"admin -> engine API", auth.Identity{Role: auth.RoleAdmin}, auth.Rankd(rank0), subj.Engine(rank0, "release")},
 		{"rank1 -> rank0 engine API", auth.Rankd(rank1), auth.Rankd(rank0), subj.Engine(rank0, "retrieve")},
+		{"rank1 -> rank0 blocks freed", auth.Rankd(rank1), auth.Engine("engine0"), subj.Freed(rank0)},
 	}
 	for _, insecure := range []bool{true, false} {
 		c := start(t, insecure)
@@ -293,6 +294,20 @@ func TestOwnSubjectsWork(t *testing.T) {
 	echo(coord, subj.Admin(wire.AdminRanks))
 	echo(r0, subj.Engine(rank0, "store"))
 	echo(r0, subj.Inventory(rank0))
+	// The rank's blocks-freed announcement reaches its engine (C10).
+	freed, err := eng.SubscribeSync(subj.Freed(rank0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := eng.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r0.Publish(subj.Freed(rank0), []byte("free")); err != nil {
+		t.Fatal(err)
+	}
+	if !received(t, r0, freed) {
+		t.Fatal("the engine did not receive its rank's blocks-freed message")
+	}
 	for _, call := range []struct {
 		nc      *nats.Conn
 		subject string
@@ -341,7 +356,7 @@ func TestSubscribeEverythingRefused(t *testing.T) {
 		c := start(t, insecure)
 		for _, id := range ids {
 			for _, pattern := range []string{">", "_INBOX.>", "kvtier.>", auth.Engine("engine1").InboxPrefix() + ".>",
-				subj.Engine(rank1, "*")} {
+				subj.Engine(rank1, "*"), subj.Freed(wire.Rank{Instance: "engine1"})} {
 				if id.Role == auth.RoleCoordinator && pattern == "kvtier.>" {
 					continue
 				}

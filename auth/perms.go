@@ -28,9 +28,10 @@ type Perm struct {
 //
 //	coordinator  pub  <p>.rank.*.*.inventory
 //	             sub  <p>.events.>, <p>.heartbeat.>, <p>.coord.>, <p>.admin.>; replies
-//	rankd i/t    pub  <p>.events.i.t, <p>.heartbeat.i.t, <p>.coord.restore.report.i.t
+//	rankd i/t    pub  <p>.events.i.t, <p>.heartbeat.i.t, <p>.coord.restore.report.i.t, <p>.rank.i.t.freed
 //	             sub  <p>.rank.i.t.inventory, <p>.rank.i.t.engine.*; replies
 //	engine i     pub  <p>.rank.i.*.engine.*, <p>.coord.<op>.i for the engine ops
+//	             sub  <p>.rank.i.*.freed
 //	admin        pub  <p>.admin.<op> for the read-only ops
 //	admin-write  pub  <p>.admin.>
 func Permissions(id Identity, prefix string) Perm {
@@ -51,12 +52,13 @@ func Permissions(id Identity, prefix string) Perm {
 	case RoleRankd:
 		r := wire.Rank{Instance: id.Instance, TPRank: id.TPRank}
 		out = Perm{
-			Publish:   []string{s.Events(r), s.Heartbeat(r), s.Report(r)},
+			Publish:   []string{s.Events(r), s.Heartbeat(r), s.Report(r), s.Freed(r)},
 			Subscribe: []string{s.Inventory(r), s.Engine(r, "*")},
 			Responses: true,
 		}
 	case RoleEngine:
 		out.Publish = []string{p + ".rank." + id.Instance + ".*.engine.*"}
+		out.Subscribe = []string{p + ".rank." + id.Instance + ".*.freed"}
 		for _, op := range wire.EngineCoordOps {
 			out.Publish = append(out.Publish, s.EngineCoord(id.Instance, op))
 		}

@@ -14,6 +14,7 @@ import (
 //	<p>.heartbeat.<instance>.<tp>          rankd -> coordinator, publish: JSON Heartbeat (no reply)
 //	<p>.rank.<instance>.<tp>.inventory     coordinator -> rankd, request: InventoryRequest; reply InventoryPage
 //	<p>.rank.<instance>.<tp>.engine.<op>   engine worker -> rankd, request/reply JSON (register, store, retrieve, release, status)
+//	<p>.rank.<instance>.<tp>.freed         rankd -> engine worker, publish: JSON BlocksFreed (C10)
 //	<p>.coord.<op>.<instance>              engine scheduler -> coordinator (ns.register, lookup, restore.begin, restore.wait),
 //	                                       scoped to the caller's instance (C9); the body may not name another
 //	<p>.coord.restore.report.<instance>.<tp>  rankd -> coordinator: RestoreReport of exactly that rank (C9)
