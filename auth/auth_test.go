@@ -99,6 +99,14 @@ func TestSeedFileChecks(t *testing.T) {
 	if _, err := auth.LoadSeed(filepath.Join(dir, "nobody.nk")); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("missing seed: %v", err)
 	}
+	// A users file others may write is refused: they could add a key.
+	users := filepath.Join(dir, auth.UsersFile)
+	if err := os.Chmod(users, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := auth.LoadUsers(users); !errors.Is(err, auth.ErrCredsFile) || !strings.Contains(err.Error(), "others could add keys") {
+		t.Fatalf("world-writable users file: %v", err)
+	}
 }
 
 // cluster is an embedded server with the users of dir, or with no auth at

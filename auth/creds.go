@@ -311,9 +311,11 @@ func (u *Users) Lookup(nkey string) (Identity, bool) {
 	return Identity{}, false
 }
 
-// readPrivate reads a credentials file without following a symlink. With
-// secret set, the file must be a regular file owned by this process's
-// user with no group or other permission bits.
+// readPrivate reads a credentials file without following a symlink. It
+// must be a regular file. With secret set, it must be owned by this
+// process's user with no group or other permission bits; otherwise (the
+// public users file, whose keys decide who may connect) it must be owned
+// by this user or root and writable by no one else.
 func readPrivate(path string, secret bool) ([]byte, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
@@ -330,12 +332,20 @@ func readPrivate(path string, secret bool) ([]byte, error) {
 	if !st.Mode().IsRegular() {
 		return nil, fmt.Errorf("credentials file %s is not a regular file: %w", path, ErrCredsFile)
 	}
+	sys, _ := st.Sys().(*syscall.Stat_t)
 	if secret {
 		if m := st.Mode().Perm(); m&0o077 != 0 {
 			return nil, fmt.Errorf("secret file %s has mode %04o; want no group or other access (chmod 600): %w", path, m, ErrCredsFile)
 		}
-		if sys, ok := st.Sys().(*syscall.Stat_t); ok && int(sys.Uid) != os.Geteuid() {
+		if sys != nil && int(sys.Uid) != os.Geteuid() {
 			return nil, fmt.Errorf("secret file %s is owned by uid %d, not %d: %w", path, sys.Uid, os.Geteuid(), ErrCredsFile)
+		}
+	} else {
+		if m := st.Mode().Perm(); m&0o022 != 0 {
+			return nil, fmt.Errorf("credentials file %s has mode %04o; others could add keys to it (chmod 644): %w", path, m, ErrCredsFile)
+		}
+		if sys != nil && int(sys.Uid) != os.Geteuid() && sys.Uid != 0 {
+			return nil, fmt.Errorf("credentials file %s is owned by uid %d, neither %d nor root: %w", path, sys.Uid, os.Geteuid(), ErrCredsFile)
 		}
 	}
 	if st.Size() > 1<<20 {
