@@ -4,6 +4,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 )
 
@@ -180,5 +182,64 @@ func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
 	sig, err := base64.StdEncoding.DecodeString(m.NATSSig)
 	if err != nil || auth.Verify(pub, cluster.NATSStatement(m.Incarnation, m.NATS), sig) != nil {
 		t.Fatalf("gossiped NATS URLs %v carry no valid signature (%q)", m.NATS, m.NATSSig)
+	}
+}
+
+// TestSecureExternalNATS: a nats-server configured from the generated
+// permission set (auth.NATSConfig, what 'coordinator creds nats-conf'
+// writes) serves a secure coordinator and its engine; the engine's
+// unscoped request is refused by the server.
+func TestSecureExternalNATS(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	u, err := auth.LoadUsers(filepath.Join(creds, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(t.TempDir(), "nats.conf")
+	if err := os.WriteFile(conf, []byte("listen: 127.0.0.1:-1\n"+auth.NATSConfig(u, "kvtier")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	opts, err := server.ProcessConfigFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.NoLog, opts.NoSigs = true, true
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("external NATS not ready")
+	}
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() }) // after the coordinator's (cleanups run last first)
+	url := "nats://" + srv.Addr().String()
+	c := startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir, cfg.NATSURL = false, creds, url })
+	eopts, err := auth.Client{Identity: auth.Engine("eng"), Dir: creds}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 4)
+	eng, err := nats.Connect(url, append(eopts, nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { errs <- err }))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if rep := call[wire.RegisterReply](t, eng, c.subj.EngineCoord("eng", wire.CoordRegister), testSpec(1)); rep.Namespace == (dcp.Namespace{}) {
+		t.Fatal("no namespace through the external server")
+	}
+	if err := eng.Publish(c.subj.Coord(wire.CoordRegister), []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-errs:
+		if !errors.Is(err, nats.ErrPermissionViolation) {
+			t.Fatalf("unscoped publish: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the external server let the engine publish an unscoped subject")
 	}
 }
