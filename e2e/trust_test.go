@@ -29,7 +29,8 @@ import (
 //   - an unkeyed gossip member cannot join;
 //   - a member that claims the coordinator role (holding the gossip key
 //     but not the coordinator's nkey) and gossips its own NATS URL is not
-//     followed when the real coordinator goes away.
+//     followed when the real coordinator goes away, nor keeps the ranks
+//     from rejoining the real one when it is back.
 func TestTrustAttacksFail(t *testing.T) {
 	c := newKV(t, 4)
 	c.startAll()
@@ -228,7 +229,10 @@ func TestTrustAttacksFail(t *testing.T) {
 			t.Fatalf("rank %d moved to the fake coordinator's NATS", r)
 		}
 	}
-	_ = fake.Shutdown()
+	// The real coordinator comes back while the fake one is still a
+	// member: the ranks rejoin it (an unverified coordinator does not count
+	// as one) and restores work.
+	defer func() { _ = fake.Shutdown() }()
 	c.startCoordinator()
 	for r := range c.tp {
 		c.waitRank(r)

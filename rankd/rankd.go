@@ -340,7 +340,10 @@ func (d *Daemon) watchLoop() {
 		}
 		var coord *cluster.Member
 		for _, m := range d.clu.Members() {
-			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive {
+			// Only the coordinator that signed its NATS URLs counts (C9): a
+			// member merely claiming the role neither moves this rank nor
+			// keeps it from rejoining the real one.
+			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && d.trustedNATS(m) {
 				coord = &m
 				break
 			}
@@ -367,9 +370,6 @@ func (d *Daemon) watchLoop() {
 		}
 		if coord == nil || len(coord.Meta.NATS) == 0 || time.Since(downSince) < d.cfg.NATSSwitchAfter {
 			continue
-		}
-		if !d.trustedNATS(*coord) {
-			continue // logged and counted by trustedNATS
 		}
 		if url := strings.Join(coord.Meta.NATS, ","); url != cur {
 			d.switchNATS(url)
