@@ -58,9 +58,9 @@ func coordKillCampaign(t *testing.T, kills int, window time.Duration) {
 				if err != nil {
 					return
 				}
-				cmd := exec.Command(bin.enginesim, "--nats", c.natsURL(), "--creds-dir", c.creds, "--device", "host", "--host-dir", c.hostD,
+				cmd := exec.Command(bin.enginesim, append([]string{"--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
 					"--instance", "engine0", "--scenario", sc, "--phase", "store", "--seed", strconv.Itoa(seed),
-					"--chunks", "6", "--compute", "1ms", "--timeout", "15s")
+					"--chunks", "6", "--compute", "1ms", "--timeout", "15s"}, c.credsArgs()...)...)
 				cmd.Stdout, cmd.Stderr = logf, logf
 				if cmd.Run() == nil {
 					stores.Add(1)

@@ -229,18 +229,21 @@ type kv struct {
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
-	wrap   func(r int) []string
-	l1     string
-	coord  *proc
-	ranks  []*proc
-	nc     *nats.Conn // as admin-write
-	subj   wire.Subjects
-	creds  string                // credentials directory; made by the first startCoordinator
-	conns  map[string]*nats.Conn // the test's connections by identity name
-	hostD  string
-	l2D    string
-	logD   string
-	simSeq int
+	wrap  func(r int) []string
+	l1    string
+	coord *proc
+	ranks []*proc
+	nc    *nats.Conn // as admin-write
+	subj  wire.Subjects
+	creds string // credentials directory; made by the first startCoordinator
+	// insecure runs every process with --insecure instead of credentials
+	// (the development mode; TestInsecureModeStillWorks).
+	insecure bool
+	conns    map[string]*nats.Conn // the test's connections by identity name
+	hostD    string
+	l2D      string
+	logD     string
+	simSeq   int
 }
 
 func newKV(t *testing.T, tp int) *kv {
@@ -282,9 +285,10 @@ func (c *kv) dumpLogs() {
 func (c *kv) startCoordinator() {
 	c.t.Helper()
 	c.initCreds()
-	args := []string{bin.coordinator, "serve", "--data-dir", filepath.Join(c.dir, "index"), "--creds-dir", c.creds,
+	args := []string{bin.coordinator, "serve", "--data-dir", filepath.Join(c.dir, "index"),
 		"--nats-host", c.natsHost, "--nats-port", strconv.Itoa(c.natsPort), "--bind", c.gossip,
 		"--http", "127.0.0.1:0", "--log-level", "info"}
+	args = append(args, c.credsArgs()...)
 	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), append(args, c.coordArgs...)...)
 	if c.nc == nil {
 		for name, nc := range c.conns {
@@ -322,7 +326,8 @@ func (c *kv) startRank(r int) {
 	nats := c.rankdNATS
 	args := []string{bin.rankd, "--instance", "engine0", "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.tp),
 		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
-		"--join", c.gossip, "--bind", c.rankAddr[r], "--http", "127.0.0.1:0", "--log-level", "info", "--creds-dir", c.creds}
+		"--join", c.gossip, "--bind", c.rankAddr[r], "--http", "127.0.0.1:0", "--log-level", "info"}
+	args = append(args, c.credsArgs()...)
 	if nats != "" {
 		args = append(args, "--nats", nats)
 	}
@@ -409,8 +414,9 @@ func (c *kv) startSim(args ...string) (*proc, string) {
 	c.t.Helper()
 	c.simSeq++
 	result := filepath.Join(c.dir, fmt.Sprintf("sim%d.json", c.simSeq))
-	argv := append([]string{bin.enginesim, "--nats", c.natsURL(), "--creds-dir", c.creds, "--device", "host", "--host-dir", c.hostD,
-		"--instance", "engine0", "--result", result}, args...)
+	argv := append([]string{bin.enginesim, "--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
+		"--instance", "engine0", "--result", result}, c.credsArgs()...)
+	argv = append(argv, args...)
 	p := startProc(c.t, "enginesim", filepath.Join(c.logD, fmt.Sprintf("enginesim%d.log", c.simSeq)), argv...)
 	return p, result
 }
@@ -530,6 +536,9 @@ func equalInts(a, b []int) bool {
 // certificate when NATS listens off loopback: TLS is required there).
 func (c *kv) initCreds() {
 	c.t.Helper()
+	if c.insecure {
+		return
+	}
 	if _, err := os.Stat(filepath.Join(c.creds, auth.UsersFile)); err == nil {
 		return
 	}
@@ -552,7 +561,7 @@ func (c *kv) initCreds() {
 // dial connects to the coordinator's NATS as id with the cluster's
 // credentials.
 func (c *kv) dial(id auth.Identity, opts ...nats.Option) (*nats.Conn, error) {
-	o, err := auth.Client{Identity: id, Dir: c.creds}.Options()
+	o, err := auth.Client{Identity: id, Dir: c.creds, Insecure: c.insecure}.Options()
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -599,4 +608,13 @@ func (c *kv) connFor(subject string) *nats.Conn {
 		return c.as(auth.Engine(wire.InstanceOf(subject)))
 	}
 	return c.nc
+}
+
+// credsArgs are the credentials flags of every process: --creds-dir, or
+// --insecure in insecure mode.
+func (c *kv) credsArgs() []string {
+	if c.insecure {
+		return []string{"--insecure"}
+	}
+	return []string{"--creds-dir", c.creds}
 }

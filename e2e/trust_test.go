@@ -242,3 +242,21 @@ func TestTrustAttacksFail(t *testing.T) {
 		t.Fatalf("restore after the attacks: %+v", res)
 	}
 }
+
+// TestInsecureModeStillWorks: --insecure on every process is the one way
+// to run without credentials; it works end to end and every daemon says
+// so loudly in its log.
+func TestInsecureModeStillWorks(t *testing.T) {
+	c := newKV(t, 4)
+	c.insecure = true
+	c.startAll()
+	res := c.mustSim("--scenario", "tp4dcp4", "--phase", "all")
+	if res.Verdict != wire.VerdictComplete {
+		t.Fatalf("insecure restore: %+v", res)
+	}
+	for _, p := range append([]*proc{c.coord}, c.ranks...) {
+		if !strings.Contains(p.output(), "INSECURE") {
+			t.Errorf("%s does not warn that it runs insecure:\n%s", p.name, tail(p.output(), 10))
+		}
+	}
+}
