@@ -352,6 +352,11 @@ func rankReset(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
 	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
 	timeout := fs.Duration("timeout", 10*time.Second, "request timeout")
+	cl := auth.Client{Identity: auth.Identity{Role: auth.RoleAdminWrite}}
+	fs.StringVar(&cl.Dir, "creds-dir", "", "credentials directory (connects as the admin-write identity)")
+	fs.StringVar(&cl.SeedFile, "creds", "", "seed file of the admin-write identity (instead of --creds-dir)")
+	fs.StringVar(&cl.CAFile, "tls-ca", "", "CA certificate that verifies the NATS server (default <creds-dir>/ca.pem if present)")
+	fs.BoolVar(&cl.Insecure, "insecure", false, "connect without credentials (only an --insecure coordinator accepts that)")
 	// The rank may come before or after the flags.
 	var rank []string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -369,7 +374,12 @@ func rankReset(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fmt.Fprintf(stderr, "rank reset: %v\n", err)
 		return exitUsage
 	}
-	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli")
+	copts, err := cl.Options()
+	if err != nil {
+		fmt.Fprintf(stderr, "rank reset: %v\n", err)
+		return exitUsage
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli", copts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "rank reset: %v\n", err)
 		return exitFail

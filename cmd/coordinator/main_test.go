@@ -456,7 +456,7 @@ func TestRankResetCommand(t *testing.T) {
 		t.Fatalf("rank reset: %d %q", code, out)
 	}
 	var out2, errb bytes.Buffer
-	if code := run(context.Background(), []string{"rank", "reset", "--nats", f.c.NATSURL(), "eng"}, &out2, &errb); code != exitUsage {
+	if code := run(context.Background(), []string{"rank", "reset", "--insecure", "--nats", f.c.NATSURL(), "eng"}, &out2, &errb); code != exitUsage {
 		t.Fatalf("rank reset eng: %d %s", code, errb.String())
 	}
 	if code, _, errs := f.cli(t, "rank", "reset", "nobody/3"); code != exitFail || !strings.Contains(errs, "not_found") {
