@@ -21,6 +21,7 @@ type ping struct {
 func TestEmbeddedRequestReply(t *testing.T) {
 	cfg := DefaultEmbeddedConfig()
 	cfg.Port = 0
+	cfg.Insecure = true // the RPC helpers; auth/ tests the server with users
 	srv, err := StartEmbedded(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -1,10 +1,12 @@
 package bus
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -23,6 +25,17 @@ type EmbeddedConfig struct {
 	// ReadyTimeout bounds the wait for the server to accept clients.
 	// Default 10 s.
 	ReadyTimeout time.Duration
+	// Users are the nkey users the server accepts, each with its
+	// permissions (auth.Users.ServerUsers). Default nil. Empty means no
+	// authentication at all: StartEmbedded refuses that unless Insecure.
+	Users []*server.NkeyUser
+	// Insecure lets the server run without Users: anyone who reaches the
+	// port may read and forge every message (C9). Default false.
+	Insecure bool
+	// TLS, when set, makes the server require TLS from every client.
+	// Default nil. StartEmbedded refuses a non-loopback Host without it
+	// unless Insecure.
+	TLS *tls.Config
 }
 
 // DefaultEmbeddedConfig returns the defaults documented on EmbeddedConfig.
@@ -33,6 +46,19 @@ func DefaultEmbeddedConfig() EmbeddedConfig {
 // Embedded is a running in-process NATS server.
 type Embedded struct {
 	srv *server.Server
+
+	mu   sync.Mutex // guards opts
+	opts *server.Options
+}
+
+// ErrInsecure: the configuration would run NATS without authentication or
+// without TLS off loopback, and Insecure was not set.
+var ErrInsecure = errors.New("insecure NATS configuration")
+
+// IsLoopback reports whether host (an IP) only listens on loopback.
+func IsLoopback(host string) bool {
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // StartEmbedded starts a NATS server in this process.
@@ -40,12 +66,27 @@ func StartEmbedded(cfg EmbeddedConfig) (*Embedded, error) {
 	if cfg.MaxPayload <= 0 {
 		return nil, fmt.Errorf("embedded NATS max payload %d must be > 0", cfg.MaxPayload)
 	}
+	if !cfg.Insecure {
+		if len(cfg.Users) == 0 {
+			return nil, fmt.Errorf("embedded NATS has no users: every connection must be authenticated (C9); give credentials or set insecure: %w", ErrInsecure)
+		}
+		if cfg.TLS == nil && !IsLoopback(cfg.Host) {
+			return nil, fmt.Errorf("embedded NATS listens on %s, off loopback, without TLS; give a certificate or set insecure: %w", cfg.Host, ErrInsecure)
+		}
+	}
 	opts := &server.Options{
 		Host:       cfg.Host,
 		Port:       cfg.Port,
 		MaxPayload: cfg.MaxPayload,
 		NoSigs:     true,
 		NoLog:      true,
+		Nkeys:      cfg.Users,
+	}
+	if cfg.TLS != nil {
+		opts.TLSConfig = cfg.TLS
+		opts.TLS = true
+		opts.TLSVerify = false
+		opts.TLSTimeout = 2
 	}
 	if cfg.Port == 0 {
 		opts.Port = server.RANDOM_PORT
@@ -59,7 +100,25 @@ func StartEmbedded(cfg EmbeddedConfig) (*Embedded, error) {
 		srv.Shutdown()
 		return nil, errors.New("embedded NATS: not ready for connections within " + cfg.ReadyTimeout.String())
 	}
-	return &Embedded{srv: srv}, nil
+	return &Embedded{srv: srv, opts: opts}, nil
+}
+
+// SetUsers replaces the accepted users (credential rotation, a new
+// identity): new connections authenticate against users; connections of
+// users no longer present are closed by the server.
+func (e *Embedded) SetUsers(users []*server.NkeyUser) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(users) == 0 && len(e.opts.Nkeys) > 0 {
+		return fmt.Errorf("embedded NATS: refusing to reload an empty users list: %w", ErrInsecure)
+	}
+	o := e.opts.Clone()
+	o.Nkeys = users
+	if err := e.srv.ReloadOptions(o); err != nil {
+		return fmt.Errorf("embedded NATS: reload users: %w", err)
+	}
+	e.opts = o
+	return nil
 }
 
 // ClientURL is the URL clients connect to.

@@ -13,14 +13,15 @@ import (
 )
 
 // Connect dials NATS with reconnects that never give up and a name that
-// shows in the server's connection list.
-func Connect(url, name string) (*nats.Conn, error) {
-	nc, err := nats.Connect(url,
+// shows in the server's connection list; opts add credentials
+// (auth.ClientOptions, Creds.Options) and TLS.
+func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
+	nc, err := nats.Connect(url, append([]nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
-		nats.ReconnectWait(100*time.Millisecond),
-		nats.Timeout(5*time.Second),
-	)
+		nats.ReconnectWait(100 * time.Millisecond),
+		nats.Timeout(5 * time.Second),
+	}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
 	}

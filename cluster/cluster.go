@@ -79,6 +79,11 @@ func New(cfg Config) (*Cluster, error) {
 	}
 	cfg.Seeds = append([]string(nil), cfg.Seeds...)
 	cfg.SecretKey = append([]byte(nil), cfg.SecretKey...)
+	keys := make([][]byte, 0, len(cfg.SecondaryKeys))
+	for _, k := range cfg.SecondaryKeys {
+		keys = append(keys, append([]byte(nil), k...))
+	}
+	cfg.SecondaryKeys = keys
 	cfg.Meta = cfg.Meta.clone()
 	b, err := cfg.Meta.Encode()
 	if err != nil {

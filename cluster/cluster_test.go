@@ -337,6 +337,32 @@ func TestEncryption(t *testing.T) {
 	}
 }
 
+// TestKeyRotation follows the documented rotation: a member that already
+// sends with the new key (old one secondary) and a member that still sends
+// with the old key (new one secondary) gossip with each other; a member
+// with neither key cannot join.
+func TestKeyRotation(t *testing.T) {
+	oldKey := []byte("0123456789abcdef0123456789abcdef")
+	newKey := []byte("abcdefghijklmnopqrstuvwxyz012345")
+	a := testConfig(t, "coord", coordMeta())
+	a.SecretKey, a.SecondaryKeys = oldKey, [][]byte{newKey}
+	ca := startMember(t, a)
+	b := testConfig(t, "rankd-1", rankdMeta(1))
+	b.SecretKey, b.SecondaryKeys = newKey, [][]byte{oldKey}
+	cb := startMember(t, b, ca.LocalMember().Addr)
+	waitFor(t, 5*time.Second, func() bool {
+		return len(ca.Members()) == 2 && len(cb.Members()) == 2
+	}, "both members alive on both sides")
+	x := testConfig(t, "intruder", rankdMeta(2))
+	x.SecretKey = []byte("fedcba9876543210")
+	cx := startMember(t, x)
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if n, err := cx.Join(ctx, ca.LocalMember().Addr); !errors.Is(err, ErrJoin) || n != 0 {
+		t.Fatalf("join with a third key: n=%d err=%v, want ErrJoin", n, err)
+	}
+}
+
 func TestRejectsInvalidMeta(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	cfg := testConfig(t, "coord", coordMeta())

@@ -49,6 +49,17 @@ type Config struct {
 	// another key (or none) cannot join. Default nil: plaintext, which is
 	// only acceptable on a trusted network. The slice is copied by New.
 	SecretKey []byte
+	// SecondaryKeys are further keys accepted for decrypting gossip while
+	// a key rotation is rolled out (every member sends with SecretKey).
+	// Default none. Rotation: add the new key as a secondary everywhere,
+	// then make it the primary everywhere, then drop the old one. Each is
+	// 16, 24 or 32 bytes; they need SecretKey.
+	SecondaryKeys [][]byte
+	// Insecure allows plaintext gossip (no SecretKey) on a bind address
+	// other than loopback. Default false: without a key such a member
+	// refuses to start, because anyone on the network could then join,
+	// forge death notices and claim the coordinator role (C9).
+	Insecure bool
 	// Label, when set, is sent with every packet and must match at the
 	// receiver, so two kvtier clusters on one network never merge. Default
 	// "" (none). At most 255 bytes.
@@ -134,6 +145,21 @@ func (c *Config) Validate() error {
 	default:
 		return fmt.Errorf("secret key is %d B, must be 16, 24 or 32 B (AES-128/192/256): %w", len(c.SecretKey), ErrConfig)
 	}
+	if len(c.SecretKey) == 0 && !c.Insecure {
+		if ip := net.ParseIP(c.BindAddr); !ip.IsLoopback() {
+			return fmt.Errorf("gossip on %s (off loopback) needs a secret key: without one anyone on the network can join, forge death notices and claim the coordinator role; give a gossip key or run insecure: %w", c.BindAddr, ErrConfig)
+		}
+	}
+	if len(c.SecondaryKeys) > 0 && len(c.SecretKey) == 0 {
+		return fmt.Errorf("%d secondary gossip keys without a primary secret key: %w", len(c.SecondaryKeys), ErrConfig)
+	}
+	for i, k := range c.SecondaryKeys {
+		switch len(k) {
+		case 16, 24, 32:
+		default:
+			return fmt.Errorf("secondary gossip key %d is %d B, must be 16, 24 or 32 B: %w", i, len(k), ErrConfig)
+		}
+	}
 	if len(c.Label) > memberlist.LabelMaxSize {
 		return fmt.Errorf("label is %d B, over %d B: %w", len(c.Label), memberlist.LabelMaxSize, ErrConfig)
 	}
@@ -181,6 +207,12 @@ func (c *Config) memberlistConfig(id string, d *delegate, out *logBridge) *membe
 	}
 	if len(c.SecretKey) > 0 {
 		mc.SecretKey = append([]byte(nil), c.SecretKey...)
+		if len(c.SecondaryKeys) > 0 {
+			// Validate checked every key's length: NewKeyring cannot fail.
+			kr, _ := memberlist.NewKeyring(c.SecondaryKeys, mc.SecretKey)
+			mc.Keyring = kr
+		}
+		mc.GossipVerifyIncoming, mc.GossipVerifyOutgoing = true, true
 	}
 	mc.Label = c.Label
 	c.Detector.apply(mc)

@@ -15,10 +15,22 @@ func TestConfigValidate(t *testing.T) {
 		c := DefaultConfig()
 		c.NodeName = "rankd-0"
 		c.Meta = rankdMeta(0)
+		c.SecretKey = make([]byte, 32)
 		return c
 	}
 	if err := (func() *Config { c := base(); return &c })().Validate(); err != nil {
 		t.Fatalf("default config with meta: %v", err)
+	}
+	// Plaintext gossip is fine on loopback, or off it when insecure.
+	for _, mod := range []func(*Config){
+		func(c *Config) { c.SecretKey, c.BindAddr = nil, "127.0.0.1" },
+		func(c *Config) { c.SecretKey, c.Insecure = nil, true },
+	} {
+		c := base()
+		mod(&c)
+		if err := c.Validate(); err != nil {
+			t.Fatalf("plaintext gossip on %s (insecure %v): %v", c.BindAddr, c.Insecure, err)
+		}
 	}
 	for _, tc := range []struct {
 		name string
@@ -33,6 +45,11 @@ func TestConfigValidate(t *testing.T) {
 		{"advertise addr", func(c *Config) { c.AdvertiseAddr = "host" }, "advertise address"},
 		{"empty seed", func(c *Config) { c.Seeds = []string{"a:1", ""} }, "seed 1 is empty"},
 		{"key size", func(c *Config) { c.SecretKey = make([]byte, 20) }, "secret key is 20 B"},
+		{"plaintext off loopback", func(c *Config) { c.SecretKey = nil }, "gossip on 0.0.0.0 (off loopback) needs a secret key"},
+		{"secondary without primary", func(c *Config) {
+			c.SecretKey, c.BindAddr, c.SecondaryKeys = nil, "127.0.0.1", [][]byte{make([]byte, 16)}
+		}, "1 secondary gossip keys without a primary"},
+		{"secondary key size", func(c *Config) { c.SecondaryKeys = [][]byte{make([]byte, 16), make([]byte, 7)} }, "secondary gossip key 1 is 7 B"},
 		{"label", func(c *Config) { c.Label = strings.Repeat("l", 256) }, "label is 256 B"},
 		{"probe timeout vs interval", func(c *Config) { c.Detector.ProbeTimeout = 50 * time.Millisecond }, "2 x probe timeout 50ms must be below probe interval 100ms"},
 		{"probe interval", func(c *Config) { c.Detector.ProbeInterval = 0 }, "probe interval 0s"},

@@ -5,7 +5,11 @@
 // says how). It reports joins, updates, graceful leaves and deaths to its
 // owner through Subscriptions and a Members snapshot. A graceful leave is
 // told from a death by an announcement Leave makes before it leaves
-// (leave.go), through memberlist's public API only.
+// (leave.go), through memberlist's public API only. Gossip is encrypted
+// and authenticated with SecretKey (SecondaryKeys during a rotation); off
+// loopback a member refuses to run without a key unless Insecure (C9). A
+// coordinator's NATS URLs carry its signature (Meta.NATSSig); checking it
+// is the rankd's job, never membership's.
 //
 // It never touches the index or KV bytes and never decides what a death
 // means: fencing is the coordinator's. It never blocks memberlist's

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -56,6 +57,12 @@ type Meta struct {
 	// NATS lists the NATS URLs this member publishes on or serves (the
 	// coordinator's embedded server, or the external cluster it uses).
 	NATS []string `json:"nats,omitempty"`
+	// NATSSig is the coordinator's signature (base64 of an nkey Ed25519
+	// signature) over NATSStatement(Incarnation, NATS): a rankd follows a
+	// gossiped NATS URL only when it verifies against the coordinator's
+	// public key from its credentials (C9), never because a member claims
+	// the coordinator role. Empty when the coordinator runs insecure.
+	NATSSig string `json:"natssig,omitempty"`
 	// Admin is the host:port of the member's admin/metrics HTTP endpoint.
 	Admin string `json:"admin,omitempty"`
 	// L1UsedBytes, L1CapBytes and L2UsedBytes are the rankd's tier usage as of
@@ -68,6 +75,12 @@ type Meta struct {
 	// whose last Meta says Leaving is reported left, not dead, when it goes
 	// (see leave.go). Older members ignore the field.
 	Leaving bool `json:"leaving,omitempty"`
+}
+
+// NATSStatement is what a coordinator signs to vouch for the NATS URLs
+// of its incarnation inc (Meta.NATSSig).
+func NATSStatement(inc uint64, urls []string) []byte {
+	return []byte("kvtier coordinator nats v1\n" + strconv.FormatUint(inc, 10) + "\n" + strings.Join(urls, ","))
 }
 
 // wireMeta is Meta with its version, the encoding on the wire.

@@ -30,6 +30,20 @@ type Config struct {
 	// Default bus.DefaultEmbeddedConfig(): 127.0.0.1:4222. Use host 0.0.0.0
 	// when rankds run on other hosts; port 0 picks a free port (tests).
 	Embedded bus.EmbeddedConfig
+	// CredsDir is the cluster's credentials directory (auth.Init): the
+	// embedded server accepts exactly the users of its users file, each
+	// with its role's permissions (C9), and the coordinator connects as
+	// the coordinator identity with its seed (also to an external NATS).
+	// A server certificate there (auth.ServerCertFile, auth.ServerKeyFile)
+	// turns on TLS. Required unless Insecure; no default.
+	CredsDir string
+	// Insecure runs without authentication: no users on the embedded
+	// server, no credentials for the coordinator's connection, and the
+	// unscoped coordinator subjects of clients from before C9 are served.
+	// Anyone who reaches the NATS port can then read every plan and forge
+	// any rank's events and reports. Default false; for development only
+	// (logged as a warning at Start).
+	Insecure bool
 	// Prefix is the first token of every NATS subject (wire.Subjects), so
 	// several kvtier clusters can share one NATS deployment. Default
 	// "kvtier".
@@ -235,6 +249,9 @@ func (c *Config) Validate() error {
 		if c.Embedded.ReadyTimeout <= 0 {
 			return fmt.Errorf("embedded NATS ready timeout %v must be > 0: %w", c.Embedded.ReadyTimeout, ErrConfig)
 		}
+	}
+	if !c.Insecure && c.CredsDir == "" {
+		return fmt.Errorf("no credentials dir: NATS authentication is on by default (C9); make one with 'coordinator init' or run insecure: %w", ErrConfig)
 	}
 	if c.Prefix == "" || strings.ContainsAny(c.Prefix, ".*> \t\r\n") {
 		return fmt.Errorf("subject prefix %q must be one non-empty NATS token (no '.', '*', '>' or spaces): %w", c.Prefix, ErrConfig)

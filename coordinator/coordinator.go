@@ -76,6 +76,8 @@ type Coordinator struct {
 	fences fenceGates // per-rank fence epochs: see fence.go
 	geo    geometries // registered namespaces' geometry: see limits.go
 
+	auth authState
+
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
 	// startedAt is when Start began (set before any handler runs): the
@@ -126,7 +128,11 @@ func New(cfg Config) (*Coordinator, error) {
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.rs = newRestores(c)
 	c.live = newLiveTable()
+	c.auth.refused = newRefused()
 	if err := c.reg.Register(c.met); err != nil {
+		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
+	if err := c.reg.Register(c.auth.refused); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
 	return c, nil
@@ -166,19 +172,36 @@ func (c *Coordinator) start() error {
 
 	// NATS: embedded unless an external URL is configured.
 	advertise := c.cfg.NATSURL
+	var copts []nats.Option
+	if c.cfg.Insecure {
+		c.log.Warn("INSECURE: NATS without authentication; anyone who reaches the NATS port can read every plan and forge any rank's events and restore reports (C9)")
+	} else {
+		var err error
+		if copts, err = c.loadAuth(); err != nil {
+			return err
+		}
+	}
 	if c.cfg.NATSURL == "" {
-		srv, err := bus.StartEmbedded(c.cfg.Embedded)
+		ecfg := c.cfg.Embedded
+		ecfg.Insecure = c.cfg.Insecure
+		if !c.cfg.Insecure {
+			ecfg.Users = c.auth.users
+			ecfg.TLS = c.auth.tls
+		}
+		srv, err := bus.StartEmbedded(ecfg)
 		if err != nil {
 			return err
 		}
 		c.nsrv = srv
-		c.natsURL = srv.ClientURL()
-		advertise = c.natsURL
+		// Connect over loopback when listening on every address: the
+		// server certificate names real addresses, never 0.0.0.0.
+		advertise = srv.ClientURL()
+		c.natsURL = advertisedNATS(advertise, "127.0.0.1")
 		c.log.Info("embedded NATS started", zap.String("url", c.natsURL))
 	} else {
 		c.natsURL = c.cfg.NATSURL
 	}
-	nc, err := bus.Connect(c.natsURL, "kvtier-coordinator")
+	nc, err := bus.Connect(c.natsURL, "kvtier-coordinator", copts...)
 	if err != nil {
 		return err
 	}
@@ -293,6 +316,7 @@ func advertisedNATS(u, host string) string {
 // the seeds.
 func (c *Coordinator) joinCluster(natsURL string) error {
 	cc := c.cfg.Cluster
+	cc.Insecure = cc.Insecure || c.cfg.Insecure // --insecure also allows plaintext gossip off loopback
 	if cc.Logger == nil {
 		cc.Logger = c.cfg.Logger
 	}
@@ -309,7 +333,8 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 		}
 		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
 	}
-	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr}
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation()}
+	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
 	if a := c.httpAddr; a != "" {
 		if h, p, err := net.SplitHostPort(a); err == nil {
 			if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() && cc.AdvertiseAddr != "" {
@@ -330,7 +355,9 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 	// memberlist picked is the best guess of the address others reach us at.
 	if changed := c.fixAdvertisedNATS(urls); changed != nil {
 		ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
-		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) { meta.NATS = changed })
+		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) {
+			meta.NATS, meta.NATSSig = changed, c.signNATS(meta.Incarnation, changed)
+		})
 		cancel()
 		if err != nil && !errors.Is(err, cluster.ErrTimeout) {
 			return fmt.Errorf("advertise NATS URL: %w", err)
@@ -383,11 +410,13 @@ func (c *Coordinator) subscribe() error {
 	hs := []handler{
 		{c.subj.EventsAll(), c.dispatchBatch},
 		{c.subj.HeartbeatAll(), c.handleHeartbeat},
-		{c.subj.Coord(wire.CoordRegister), c.handleRegister},
-		{c.subj.Coord(wire.CoordLookup), c.handleLookup},
-		{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
-		{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
-		{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+		// Engine subjects scoped to the caller's instance and per-rank
+		// reports (C9): the NATS permissions say who may publish there.
+		{c.subj.EngineCoordAll(wire.CoordRegister), c.handleRegister},
+		{c.subj.EngineCoordAll(wire.CoordLookup), c.handleLookup},
+		{c.subj.EngineCoordAll(wire.CoordRestoreBegin), c.rs.handleBegin},
+		{c.subj.ReportAll(), c.rs.handleReport},
+		{c.subj.EngineCoordAll(wire.CoordRestoreWait), c.rs.handleWait},
 		{c.subj.Admin(wire.AdminMembers), c.handleMembers},
 		{c.subj.Admin(wire.AdminRanks), c.handleRanks},
 		{c.subj.Admin(wire.AdminObject), c.handleObject},
@@ -396,13 +425,28 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
 		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
 	}
+	if c.cfg.Insecure {
+		// Clients from before C9 use the unscoped subjects.
+		hs = append(hs, []handler{
+			{c.subj.Coord(wire.CoordRegister), c.handleRegister},
+			{c.subj.Coord(wire.CoordLookup), c.handleLookup},
+			{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
+			{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
+			{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+		}...)
+	}
+	lookups := map[string]bool{c.subj.EngineCoordAll(wire.CoordLookup): true, c.subj.Coord(wire.CoordLookup): c.cfg.Insecure}
 	for range lookupSubscribers - 1 {
-		hs = append(hs, handler{c.subj.Coord(wire.CoordLookup), c.handleLookup})
+		for subject, on := range lookups {
+			if on {
+				hs = append(hs, handler{subject, c.handleLookup})
+			}
+		}
 	}
 	for _, h := range hs {
 		var sub *nats.Subscription
 		var err error
-		if h.subject == c.subj.Coord(wire.CoordLookup) {
+		if lookups[h.subject] {
 			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, h.fn)
 		} else {
 			sub, err = c.nc.Subscribe(h.subject, h.fn)

@@ -10,5 +10,9 @@
 // logs every dropped event, fence, timeout and failed restore (C8), and owns
 // every goroutine it starts: Shutdown stops them all, in a documented order.
 // It never moves KV bytes and never decides a restore outside the index's
-// verdict state machine.
+// verdict state machine. Unless configured insecure it accepts only the
+// identities of its credentials directory (C9, auth.go): a batch,
+// heartbeat or report whose body names another rank than its subject, or
+// an engine request naming another instance, is refused and counted, never
+// applied.
 package coordinator

@@ -12,6 +12,7 @@ import (
 func TestExternalNATS(t *testing.T) {
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port = 0
+	ecfg.Insecure = true
 	ext, err := bus.StartEmbedded(ecfg) // stands in for an operator's NATS cluster
 	if err != nil {
 		t.Fatal(err)

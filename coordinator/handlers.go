@@ -134,6 +134,9 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 			return
 		}
 	}
+	if !c.scope(m, wire.CoordLookup, "lookup", &req.Instance) {
+		return
+	}
 	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
@@ -157,8 +160,8 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 					Chunk:  i,
 					Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
 					Reader: wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String(),
-					Placements: []wire.ObjectPlacement{{Holder: res.Holder(i, j), Tier: src.Tier, Size: src.Size,
-						Sum: src.Sum}},
+					// No Sum: checksums are for admin (admin.object) only (C9).
+					Placements: []wire.ObjectPlacement{{Holder: res.Holder(i, j), Tier: src.Tier, Size: src.Size}},
 				})
 			}
 		}

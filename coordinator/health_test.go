@@ -77,6 +77,7 @@ func TestHealthzReflectsIndex(t *testing.T) {
 func TestHealthzReflectsNATS(t *testing.T) {
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port = 0
+	ecfg.Insecure = true
 	ext, err := bus.StartEmbedded(ecfg)
 	if err != nil {
 		t.Fatal(err)

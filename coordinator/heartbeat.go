@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"encoding/json"
+	"fmt"
 	"sync"
 	"time"
 
@@ -31,6 +32,10 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	if err := json.Unmarshal(m.Data, &hb); err != nil || wire.ValidInstance(hb.Rank.Instance) != nil {
 		c.met.badRequests.WithLabelValues("heartbeat").Inc()
 		c.log.Warn("malformed heartbeat dropped", zap.String("subject", m.Subject), zap.Error(err))
+		return
+	}
+	if want := c.subj.Heartbeat(hb.Rank); m.Subject != want {
+		c.refuse(m, "heartbeat", fmt.Errorf("heartbeat of rank %s arrived on %s, want %s: %w", hb.Rank, m.Subject, want, wire.ErrMalformed))
 		return
 	}
 	// Only ranks the index knows are tracked (issue 10.5): the table stays

@@ -41,6 +41,9 @@ func testConfig(tb testing.TB, dir string) Config {
 		dir = tb.TempDir()
 	}
 	cfg.DataDir = dir
+	// The protocol tests run without NATS auth (and use the unscoped
+	// subjects it serves); auth_test.go and e2e/ test with it on.
+	cfg.Insecure = true
 	cfg.Embedded.Port = 0
 	cfg.HTTPAddr = "127.0.0.1:0"
 	cfg.Cluster.NodeName = "coord"

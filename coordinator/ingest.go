@@ -87,9 +87,9 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		return ingestJob{}, false
 	}
 	if want := c.subj.Events(b.Rank); m.Subject != want {
-		c.badRequest(m, opEvents, fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
+		c.refuse(m, opEvents, fmt.Errorf("batch of rank %s arrived on %s, want %s: %w",
 			b.Rank, m.Subject, want, wire.ErrMalformed))
-		c.met.batches.WithLabelValues("bad_request").Inc()
+		c.met.batches.WithLabelValues("unauthorized").Inc()
 		return ingestJob{}, false
 	}
 	if err := checkBatchSums(&b); err != nil {

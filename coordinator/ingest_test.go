@@ -140,12 +140,15 @@ func TestMalformedBatchIsRejectedAndServingContinues(t *testing.T) {
 			t.Fatalf("%s: error = %v, want %s", name, werr, wire.CodeBadRequest)
 		}
 	}
-	// A batch on another rank's subject is refused too.
-	if _, werr := sendRaw(t, nc, c.subj.Events(wire.Rank{Instance: "eng", TPRank: 1}), p); werr == nil || werr.Code != wire.CodeBadRequest {
+	// A batch on another rank's subject is refused as unauthorized (C9).
+	if _, werr := sendRaw(t, nc, c.subj.Events(wire.Rank{Instance: "eng", TPRank: 1}), p); werr == nil || werr.Code != wire.CodeUnauthorized {
 		t.Fatalf("wrong subject: error = %v", werr)
 	}
-	if got := metric(t, c, "kvtier_coord_bad_requests_total", "op", "events"); got != 4 {
-		t.Errorf("bad requests counted = %v, want 4", got)
+	if got := metric(t, c, "kvtier_coord_bad_requests_total", "op", "events"); got != 3 {
+		t.Errorf("bad requests counted = %v, want 3", got)
+	}
+	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "events"); got != 1 {
+		t.Errorf("unauthorized counted = %v, want 1", got)
 	}
 	ack, werr := sendBatch(t, nc, c.subj, good)
 	if werr != nil || ack.AppliedThrough != 2 {

@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"time"
 
@@ -167,6 +166,9 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			return
 		}
 	}
+	if !c.scope(m, wire.CoordRestoreBegin, "restore_begin", &req.Instance) {
+		return
+	}
 	deadline := c.cfg.RestoreDeadline
 	if req.DeadlineMS > 0 {
 		// Clamped before the multiplication: 2^62 ms would overflow.
@@ -225,7 +227,7 @@ scan:
 		return
 	}
 	rs.seq++
-	id := rs.boot + "-" + strconv.FormatUint(rs.seq, 10)
+	id := newRestoreID() // random 128 bits: not guessable by other callers (C9)
 	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
 	var readers []readerStatus
 	if res.Prefix > 0 {
@@ -341,6 +343,13 @@ func (rs *restores) handleReport(m *nats.Msg) {
 		c.badRequest(m, "restore.report", err)
 		return
 	}
+	if m.Subject != c.subj.Coord(wire.CoordRestoreReport) {
+		if want := c.subj.Report(rep.Rank); m.Subject != want {
+			c.met.reports.WithLabelValues("rejected").Inc()
+			c.refuse(m, "report", fmt.Errorf("report of rank %s arrived on %s, want %s: %w", rep.Rank, m.Subject, want, wire.ErrMalformed))
+			return
+		}
+	}
 	rs.mu.Lock()
 	a := rs.active[rep.RestoreID]
 	if a == nil {
@@ -408,8 +417,17 @@ func (rs *restores) handleWait(m *nats.Msg) {
 		c.badRequest(m, "restore.wait", err)
 		return
 	}
+	var inst string
+	if !c.scope(m, wire.CoordRestoreWait, "restore_wait", &inst) {
+		return
+	}
 	rs.mu.Lock()
 	if a := rs.active[req.RestoreID]; a != nil {
+		if inst != "" && a.instance != inst {
+			rs.mu.Unlock()
+			c.refuse(m, "restore_wait", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
+			return
+		}
 		if rs.closed {
 			rs.mu.Unlock()
 			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "coordinator shutting down")

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"sort"
@@ -18,6 +19,7 @@ import (
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/rankd"
@@ -202,7 +204,12 @@ func (e *exported) check(qs []query) []error {
 func daemonMetrics(t *testing.T) *exported {
 	t.Helper()
 	creg := prometheus.NewRegistry()
+	creds := filepath.Join(t.TempDir(), "creds") // auth on, as deployed
+	if err := auth.Init(creds, []auth.Instance{{Name: "dash", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
 	cc := coordinator.DefaultConfig()
+	cc.CredsDir = creds
 	cc.DataDir = t.TempDir()
 	cc.Embedded.Port = 0
 	cc.HTTPAddr = ""
@@ -230,6 +237,7 @@ func daemonMetrics(t *testing.T) *exported {
 	rc.L1Bytes = 8 << 20
 	rc.L2Dir = t.TempDir()
 	rc.NATSURL = c.NATSURL()
+	rc.CredsDir = creds
 	rc.BindAddr, rc.BindPort = "127.0.0.1", 0
 	rc.HTTPAddr = ""
 	rc.Logger = zaptest.NewLogger(t)

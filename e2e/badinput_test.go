@@ -77,27 +77,27 @@ func TestBadInput(t *testing.T) {
 		{"rankd inventory garbage", c.subj.Inventory(rank0), `[[[`, wire.CodeBadRequest, "decode"},
 		{"rankd status garbage", eng("status"), `{"verbose":true}`, wire.CodeBadRequest, "unknown field"},
 		// coordinator
-		{"coordinator garbage spec", c.subj.Coord(wire.CoordRegister), `{"model":`, wire.CodeBadRequest, "decode"},
-		{"coordinator wrong geometry", c.subj.Coord(wire.CoordRegister), js(badSpec), wire.CodeGeometry, "exceeds block stride"},
-		{"coordinator unknown field", c.subj.Coord(wire.CoordLookup), `{"namespace":` + js(ns) + `,"chunks":[],"hint":1}`, wire.CodeBadRequest, "unknown field"},
-		{"coordinator unknown namespace", c.subj.Coord(wire.CoordLookup), js(wire.LookupRequest{Namespace: unknownNS, Chunks: plan.Hashes}),
+		{"coordinator garbage spec", c.subj.EngineCoord("engine0", wire.CoordRegister), `{"model":`, wire.CodeBadRequest, "decode"},
+		{"coordinator wrong geometry", c.subj.EngineCoord("engine0", wire.CoordRegister), js(badSpec), wire.CodeGeometry, "exceeds block stride"},
+		{"coordinator unknown field", c.subj.EngineCoord("engine0", wire.CoordLookup), `{"namespace":` + js(ns) + `,"chunks":[],"hint":1}`, wire.CodeBadRequest, "unknown field"},
+		{"coordinator unknown namespace", c.subj.EngineCoord("engine0", wire.CoordLookup), js(wire.LookupRequest{Namespace: unknownNS, Chunks: plan.Hashes}),
 			wire.CodeUnknownNamespace, ""},
-		{"coordinator oversize chain", c.subj.Coord(wire.CoordLookup), js(wire.LookupRequest{Namespace: ns, Chunks: tooMany}), wire.CodeTooLarge, "limit"},
-		{"coordinator report of unknown restore", c.subj.Coord(wire.CoordRestoreReport), js(wire.RestoreReport{RestoreID: "nope", Rank: rank0}),
+		{"coordinator oversize chain", c.subj.EngineCoord("engine0", wire.CoordLookup), js(wire.LookupRequest{Namespace: ns, Chunks: tooMany}), wire.CodeTooLarge, "limit"},
+		{"coordinator report of unknown restore", c.subj.Report(rank0), js(wire.RestoreReport{RestoreID: "nope", Rank: rank0}),
 			wire.CodeNotFound, "not known"},
-		{"coordinator wait of unknown restore", c.subj.Coord(wire.CoordRestoreWait), js(wire.RestoreWait{RestoreID: "nope"}), wire.CodeNotFound, "not known"},
+		{"coordinator wait of unknown restore", c.subj.EngineCoord("engine0", wire.CoordRestoreWait), js(wire.RestoreWait{RestoreID: "nope"}), wire.CodeNotFound, "not known"},
 		{"coordinator garbage event batch", c.subj.Events(rank0), "KVB1\x07garbage", wire.CodeBadRequest, "event batch"},
 		{"coordinator batch on another rank's subject", c.subj.Events(wire.Rank{Instance: "engine0", TPRank: 3}), func() string {
 			b, _ := (&wire.Batch{Rank: rank0, Incarnation: 1}).MarshalBinary()
 			return string(b)
-		}(), wire.CodeBadRequest, "arrived on"},
+		}(), wire.CodeUnauthorized, "arrived on"},
 		{"coordinator admin bad key", c.subj.Admin(wire.AdminObject), `{"key":"not-a-key"}`, wire.CodeBadRequest, "key"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			m, err := c.nc.RequestWithContext(ctx, tc.subject, []byte(tc.body))
+			m, err := c.connFor(tc.subject).RequestWithContext(ctx, tc.subject, []byte(tc.body))
 			if err != nil {
 				t.Fatalf("no reply: %v", err)
 			}

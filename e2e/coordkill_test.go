@@ -58,9 +58,9 @@ func coordKillCampaign(t *testing.T, kills int, window time.Duration) {
 				if err != nil {
 					return
 				}
-				cmd := exec.Command(bin.enginesim, "--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
+				cmd := exec.Command(bin.enginesim, append([]string{"--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
 					"--instance", "engine0", "--scenario", sc, "--phase", "store", "--seed", strconv.Itoa(seed),
-					"--chunks", "6", "--compute", "1ms", "--timeout", "15s")
+					"--chunks", "6", "--compute", "1ms", "--timeout", "15s"}, c.credsArgs()...)...)
 				cmd.Stdout, cmd.Stderr = logf, logf
 				if cmd.Run() == nil {
 					stores.Add(1)
@@ -130,7 +130,7 @@ func (c *kv) agree() error {
 	for r := range c.tp {
 		rank := wire.Rank{Instance: "engine0", TPRank: r}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		inv, err := bus.FetchInventory(ctx, c.nc, c.subj.Inventory(rank), 0, 0)
+		inv, err := bus.FetchInventory(ctx, c.connFor(c.subj.Inventory(rank)), c.subj.Inventory(rank), 0, 0)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("inventory of %s: %w", rank, err)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/enginesim"
 	"github.com/kvtier/kvtier/wire"
@@ -207,7 +209,11 @@ func freePort(t *testing.T) int {
 
 // kv is one kvtier cluster of real processes: a coordinator with embedded
 // NATS and tp rankds of instance "engine0" on the host backend, sharing an
-// L2 directory.
+// L2 directory. Authentication is on, as in production (C9): the first
+// startCoordinator makes the credentials with 'coordinator init' (with a
+// CA and server certificate when NATS listens off loopback), every daemon
+// and the simulator get --creds-dir, and the test's own connections use
+// the identity that may send to a subject (connFor).
 type kv struct {
 	t        *testing.T
 	dir      string
@@ -223,16 +229,21 @@ type kv struct {
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
-	wrap   func(r int) []string
-	l1     string
-	coord  *proc
-	ranks  []*proc
-	nc     *nats.Conn
-	subj   wire.Subjects
-	hostD  string
-	l2D    string
-	logD   string
-	simSeq int
+	wrap  func(r int) []string
+	l1    string
+	coord *proc
+	ranks []*proc
+	nc    *nats.Conn // as admin-write
+	subj  wire.Subjects
+	creds string // credentials directory; made by the first startCoordinator
+	// insecure runs every process with --insecure instead of credentials
+	// (the development mode; TestInsecureModeStillWorks).
+	insecure bool
+	conns    map[string]*nats.Conn // the test's connections by identity name
+	hostD    string
+	l2D      string
+	logD     string
+	simSeq   int
 }
 
 func newKV(t *testing.T, tp int) *kv {
@@ -240,7 +251,8 @@ func newKV(t *testing.T, tp int) *kv {
 	dir := t.TempDir()
 	c := &kv{t: t, dir: dir, tp: tp, natsPort: freePort(t), natsHost: "127.0.0.1",
 		gossip: "127.0.0.1:" + strconv.Itoa(freePort(t)), l1: "256MiB", subj: wire.Subjects{Prefix: wire.DefaultPrefix},
-		hostD: filepath.Join(dir, "shm"), l2D: filepath.Join(dir, "l2"), logD: filepath.Join(dir, "logs")}
+		hostD: filepath.Join(dir, "shm"), l2D: filepath.Join(dir, "l2"), logD: filepath.Join(dir, "logs"),
+		creds: filepath.Join(dir, "creds"), conns: map[string]*nats.Conn{}}
 	for range tp {
 		c.rankAddr = append(c.rankAddr, "127.0.0.1:"+strconv.Itoa(freePort(t)))
 	}
@@ -272,16 +284,23 @@ func (c *kv) dumpLogs() {
 // answers admin requests.
 func (c *kv) startCoordinator() {
 	c.t.Helper()
+	c.initCreds()
 	args := []string{bin.coordinator, "serve", "--data-dir", filepath.Join(c.dir, "index"),
 		"--nats-host", c.natsHost, "--nats-port", strconv.Itoa(c.natsPort), "--bind", c.gossip,
 		"--http", "127.0.0.1:0", "--log-level", "info"}
+	args = append(args, c.credsArgs()...)
 	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), append(args, c.coordArgs...)...)
 	if c.nc == nil {
+		for name, nc := range c.conns {
+			nc.Close()
+			delete(c.conns, name)
+		}
 		deadline := time.Now().Add(20 * time.Second)
 		for {
-			nc, err := bus.Connect(c.natsURL(), "e2e-test")
+			nc, err := c.dial(auth.Identity{Role: auth.RoleAdminWrite})
 			if err == nil {
 				c.nc = nc
+				c.conns[auth.Identity{Role: auth.RoleAdminWrite}.Name()] = nc
 				c.t.Cleanup(nc.Close)
 				break
 			}
@@ -308,6 +327,7 @@ func (c *kv) startRank(r int) {
 	args := []string{bin.rankd, "--instance", "engine0", "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.tp),
 		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
 		"--join", c.gossip, "--bind", c.rankAddr[r], "--http", "127.0.0.1:0", "--log-level", "info"}
+	args = append(args, c.credsArgs()...)
 	if nats != "" {
 		args = append(args, "--nats", nats)
 	}
@@ -331,7 +351,7 @@ func (c *kv) waitRank(r int) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
-		st, err := bus.Call[statusReply](ctx, c.nc, c.subj.Engine(rank, "status"), struct{}{})
+		st, err := bus.Call[statusReply](ctx, c.as(auth.Engine("engine0")), c.subj.Engine(rank, "status"), struct{}{})
 		if err != nil {
 			return err
 		}
@@ -395,7 +415,8 @@ func (c *kv) startSim(args ...string) (*proc, string) {
 	c.simSeq++
 	result := filepath.Join(c.dir, fmt.Sprintf("sim%d.json", c.simSeq))
 	argv := append([]string{bin.enginesim, "--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
-		"--instance", "engine0", "--result", result}, args...)
+		"--instance", "engine0", "--result", result}, c.credsArgs()...)
+	argv = append(argv, args...)
 	p := startProc(c.t, "enginesim", filepath.Join(c.logD, fmt.Sprintf("enginesim%d.log", c.simSeq)), argv...)
 	return p, result
 }
@@ -508,4 +529,92 @@ func equalInts(a, b []int) bool {
 		}
 	}
 	return true
+}
+
+// initCreds makes the cluster's credentials once, as an operator does:
+// 'coordinator init' for instance engine0 (and a CA plus server
+// certificate when NATS listens off loopback: TLS is required there).
+func (c *kv) initCreds() {
+	c.t.Helper()
+	if c.insecure {
+		return
+	}
+	if _, err := os.Stat(filepath.Join(c.creds, auth.UsersFile)); err == nil {
+		return
+	}
+	args := []string{bin.coordinator, "init", "--dir", c.creds, "--instance", "engine0", "--tp-size", strconv.Itoa(c.tp)}
+	if !bus.IsLoopback(c.natsHost) {
+		hosts := []string{"127.0.0.1"}
+		if c.rankdNATS != "" {
+			if u, err := url.Parse(c.rankdNATS); err == nil {
+				hosts = append(hosts, u.Hostname())
+			}
+		}
+		args = append(args, "--tls-host", strings.Join(hosts, ","))
+	}
+	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
+	if err != nil {
+		c.t.Fatalf("coordinator init: %v\n%s", err, out)
+	}
+}
+
+// dial connects to the coordinator's NATS as id with the cluster's
+// credentials.
+func (c *kv) dial(id auth.Identity, opts ...nats.Option) (*nats.Conn, error) {
+	o, err := auth.Client{Identity: id, Dir: c.creds, Insecure: c.insecure}.Options()
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return bus.Connect(c.natsURL(), "e2e-"+id.Name(), append(o, opts...)...)
+}
+
+// as returns the test's connection as identity id (made once, closed at
+// the end of the test or when the coordinator's NATS moves).
+func (c *kv) as(id auth.Identity) *nats.Conn {
+	c.t.Helper()
+	if nc := c.conns[id.Name()]; nc != nil {
+		return nc
+	}
+	nc, err := c.dial(id)
+	if err != nil {
+		c.t.Fatalf("connect as %s: %v", id, err)
+	}
+	c.conns[id.Name()] = nc
+	c.t.Cleanup(nc.Close)
+	return nc
+}
+
+// connFor returns a connection of the identity that may send to subject:
+// a rank for its events, heartbeats and reports, the coordinator for an
+// inventory request, the instance's engine for the engine API and the
+// engine coordinator subjects, admin-write for admin.
+func (c *kv) connFor(subject string) *nats.Conn {
+	c.t.Helper()
+	p := c.subj.Prefix + "."
+	rest := strings.TrimPrefix(subject, p)
+	switch {
+	case strings.HasPrefix(rest, "events.") || strings.HasPrefix(rest, "heartbeat.") ||
+		strings.HasPrefix(rest, "coord."+wire.CoordRestoreReport+"."):
+		r, err := wire.RankOf(subject)
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		return c.as(auth.Rankd(r))
+	case strings.HasPrefix(rest, "rank.") && strings.HasSuffix(rest, ".inventory"):
+		return c.as(auth.Identity{Role: auth.RoleCoordinator})
+	case strings.HasPrefix(rest, "rank."):
+		return c.as(auth.Engine(strings.SplitN(rest, ".", 3)[1]))
+	case strings.HasPrefix(rest, "coord."):
+		return c.as(auth.Engine(wire.InstanceOf(subject)))
+	}
+	return c.nc
+}
+
+// credsArgs are the credentials flags of every process: --creds-dir, or
+// --insecure in insecure mode.
+func (c *kv) credsArgs() []string {
+	if c.insecure {
+		return []string{"--insecure"}
+	}
+	return []string{"--creds-dir", c.creds}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/wire"
@@ -40,6 +41,10 @@ type Config struct {
 	Host cuda.HostConfig
 	// NATSURL is the coordinator's NATS. Required.
 	NATSURL string
+	// Creds authenticates the simulator as the engine identity of
+	// Instance (auth.Client: CredsDir with engine-<instance>.nk, or a seed
+	// file; Insecure for none). Its Identity is set by Run.
+	Creds auth.Client
 	// Prefix is the subject prefix. Default "kvtier".
 	Prefix string
 	// Phase is store, restore or all. Default all.
@@ -222,7 +227,13 @@ func (s *sim) run(ctx context.Context) error {
 		s.logf("  group %d %-13s %-9s mla=%-5v page %7d B (semantic %7d) stride %7d slots %3d x %6d B, %d blocks/chunk x %d layers",
 			gi, g.Name, g.Kind, g.MLA, g.PageBytes, g.SemanticBytes, g.StrideBytes, g.Slots, g.SlotBytes, p.BPC[gi], g.Layers)
 	}
-	nc, err := bus.Connect(s.cfg.NATSURL, "enginesim-"+s.cfg.Instance)
+	cl := s.cfg.Creds
+	cl.Identity = auth.Engine(s.cfg.Instance)
+	opts, err := cl.Options()
+	if err != nil {
+		return err
+	}
+	nc, err := bus.Connect(s.cfg.NATSURL, "enginesim-"+s.cfg.Instance, opts...)
 	if err != nil {
 		return err
 	}
@@ -231,7 +242,7 @@ func (s *sim) run(ctx context.Context) error {
 
 	// Register the spec with the coordinator (the scheduler's job).
 	cctx, cancel := s.callCtx(ctx)
-	rep, err := bus.Call[wire.RegisterReply](cctx, nc, s.subj.Coord(wire.CoordRegister), p.Scenario.Spec)
+	rep, err := bus.Call[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec)
 	cancel()
 	if err != nil {
 		return fmt.Errorf("register spec with the coordinator: %w", err)
@@ -359,7 +370,7 @@ func (s *sim) waitPrefix(ctx context.Context, wait time.Duration) (int, error) {
 	deadline := time.Now().Add(wait)
 	for {
 		cctx, cancel := s.callCtx(ctx)
-		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.Coord(wire.CoordLookup),
+		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordLookup),
 			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance})
 		cancel()
 		prefix := 0
@@ -391,7 +402,7 @@ func (s *sim) restore(ctx context.Context) error {
 	}
 	start := time.Now()
 	cctx, cancel := s.callCtx(ctx)
-	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBeginRequest{
+	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), wire.RestoreBeginRequest{
 		Instance: s.cfg.Instance, RestoreBegin: wire.RestoreBegin{
 			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
 	cancel()
@@ -453,7 +464,7 @@ func (s *sim) restore(ctx context.Context) error {
 	})
 
 	cctx, cancel = s.callCtx(ctx)
-	v, err := bus.Call[wire.RestoreVerdict](cctx, s.nc, s.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID})
+	v, err := bus.Call[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID})
 	cancel()
 	if err != nil {
 		return fmt.Errorf("restore.wait: %w", err)

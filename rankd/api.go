@@ -306,7 +306,7 @@ func (d *Daemon) report(restoreID string, results []wire.ItemResult) {
 	for attempt := 0; ; attempt++ {
 		actx, acancel := context.WithTimeout(ctx, max(d.cfg.ReportTimeout/4, 100*time.Millisecond))
 		var ack *wire.ReportAck
-		ack, err = bus.Call[wire.ReportAck](actx, nc, d.subj.Coord(wire.CoordRestoreReport), rep)
+		ack, err = bus.Call[wire.ReportAck](actx, nc, d.subj.Report(d.cfg.Rank), rep)
 		acancel()
 		if err == nil {
 			d.met.reports.WithLabelValues("ok").Inc()

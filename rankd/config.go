@@ -87,6 +87,33 @@ type Config struct {
 	// Prefix is the first token of every NATS subject. Default "kvtier".
 	Prefix string
 
+	// CredsDir is the cluster's credentials directory (auth.Init), or a
+	// copy holding this rank's seed (rankd-<instance>-<tp>.nk), users.json
+	// and, with TLS, ca.pem. The seed authenticates the rank to NATS, where
+	// it may publish only its own events, heartbeats and reports (C9);
+	// users.json gives the coordinator's public key, which must have signed
+	// a gossiped NATS URL before the rank follows it. Required unless
+	// Insecure; no default.
+	CredsDir string
+	// SeedFile overrides the seed's path. Default "" (from CredsDir).
+	SeedFile string
+	// TLSCA is a PEM CA that verifies the NATS server. Default ""
+	// (CredsDir/ca.pem if present).
+	TLSCA string
+	// CoordinatorKey is the coordinator's public nkey ("U..."). Default ""
+	// (the coordinator entry of CredsDir/users.json).
+	CoordinatorKey string
+	// GossipKey encrypts and authenticates gossip (16, 24 or 32 bytes);
+	// GossipSecondaryKeys are accepted during a rotation. Default none.
+	// Without a key a rank refuses to gossip off loopback unless Insecure.
+	GossipKey           []byte
+	GossipSecondaryKeys [][]byte
+	// Insecure connects to NATS without credentials, follows any NATS URL
+	// a member claiming the coordinator role gossips, and allows plaintext
+	// gossip off loopback: anyone on the network can then speak for this
+	// rank or move it to their NATS server. Default false; development only.
+	Insecure bool
+
 	// HTTPAddr serves /metrics, /healthz and /readyz. Default
 	// "127.0.0.1:0" (a free port; the address is logged). "" disables it.
 	HTTPAddr string
@@ -256,6 +283,12 @@ func (c *Config) Validate() error {
 		if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
 			return bad("HTTP address %q must be host:port", c.HTTPAddr)
 		}
+	}
+	if !c.Insecure && c.CredsDir == "" && c.SeedFile == "" {
+		return bad("no NATS credentials: authentication is on by default (C9); give --creds-dir (from 'coordinator init') or run insecure")
+	}
+	if !c.Insecure && c.NATSURL == "" && c.CredsDir == "" && c.CoordinatorKey == "" {
+		return bad("no coordinator key to verify a gossiped NATS URL: give --creds-dir, the coordinator's public key, or --nats")
 	}
 	if err := c.Detector.Validate(); err != nil {
 		return fmt.Errorf("detector: %w", err)

@@ -43,6 +43,10 @@ func benchReps() int {
 func benchCoordinator(b *testing.B) *coordinator.Coordinator {
 	cfg := coordinator.DefaultConfig()
 	cfg.DataDir = b.TempDir()
+	// Without NATS auth (C9): the benchmark's clients use many ad-hoc
+	// identities. Production runs with per-user permissions, which
+	// nats-server checks against a per-subject cache.
+	cfg.Insecure = true
 	cfg.Embedded.Port = 0
 	cfg.HTTPAddr = ""
 	cfg.Cluster.NodeName = "coord"

@@ -65,6 +65,8 @@ type Daemon struct {
 	httpSrv *http.Server
 	httpLn  net.Listener
 
+	trust trust // NATS credentials and the coordinator key (auth.go)
+
 	mu        sync.Mutex // guards the following
 	started   bool
 	closing   bool // Shutdown began: engine requests are refused
@@ -145,6 +147,14 @@ func New(cfg Config) (*Daemon, error) {
 		DCPSize:     cfg.DCPSize,
 		Incarnation: d.inc,
 		L1CapBytes:  cfg.L1Bytes,
+	}
+	cc.SecretKey, cc.SecondaryKeys, cc.Insecure = cfg.GossipKey, cfg.GossipSecondaryKeys, cfg.Insecure
+	if err := d.loadAuth(); err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+		defer cancel()
+		_ = eng.Close(ctx)
+		_ = dev.Close()
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
 	clu, err := cluster.New(cc)
 	if err != nil {
@@ -232,7 +242,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 			return err
 		}
 	}
-	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank))
+	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank), d.natsOpts()...)
 	if err != nil {
 		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
 	}
@@ -298,7 +308,7 @@ func (d *Daemon) heartbeatLoop() {
 func (d *Daemon) discoverNATS(ctx context.Context) (string, error) {
 	for {
 		for _, m := range d.clu.Members() {
-			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && len(m.Meta.NATS) > 0 {
+			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && len(m.Meta.NATS) > 0 && d.trustedNATS(m) {
 				return strings.Join(m.Meta.NATS, ","), nil
 			}
 		}
@@ -330,7 +340,10 @@ func (d *Daemon) watchLoop() {
 		}
 		var coord *cluster.Member
 		for _, m := range d.clu.Members() {
-			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive {
+			// Only the coordinator that signed its NATS URLs counts (C9): a
+			// member merely claiming the role neither moves this rank nor
+			// keeps it from rejoining the real one.
+			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && d.trustedNATS(m) {
 				coord = &m
 				break
 			}
@@ -367,7 +380,7 @@ func (d *Daemon) watchLoop() {
 
 // switchNATS moves the daemon to another NATS URL.
 func (d *Daemon) switchNATS(url string) {
-	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank))
+	nc, err := bus.Connect(url, "rankd-"+d.cfg.Rank.Instance+"-"+fmt.Sprint(d.cfg.Rank.TPRank), d.natsOpts()...)
 	if err != nil {
 		d.log.Warn("the coordinator gossips another NATS URL, which does not answer", zap.String("url", url), zap.Error(err))
 		return

@@ -51,6 +51,7 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	t.Helper()
 	ec := bus.DefaultEmbeddedConfig()
 	ec.Port = 0
+	ec.Insecure = true // the engine API tests; auth is tested in auth/ and e2e/
 	srv, err := bus.StartEmbedded(ec)
 	if err != nil {
 		t.Fatal(err)
@@ -79,7 +80,7 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := nc.Subscribe(h.subj.Coord(wire.CoordRestoreReport), func(m *nats.Msg) {
+	if _, err := nc.Subscribe(h.subj.Report(h.rank), func(m *nats.Msg) {
 		var r wire.RestoreReport
 		if err := bus.Decode(m, &r); err != nil {
 			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
@@ -99,6 +100,7 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	cfg.L1Bytes = 64 << 20
 	cfg.L2Dir = t.TempDir()
 	cfg.NATSURL = srv.ClientURL()
+	cfg.Insecure = true
 	cfg.Prefix = "kvt"
 	cfg.BindAddr, cfg.BindPort = "127.0.0.1", 0
 	cfg.HeartbeatInterval = 100 * time.Millisecond

@@ -3,8 +3,10 @@
 #
 #   make demo            (builds bin/ first)
 #
-# Starts a coordinator (embedded NATS, bbolt index in a temp dir, memberlist
-# on 127.0.0.1) and 4 rankds (one per TP rank, host backend, shared L2 dir),
+# Makes the cluster's credentials with 'coordinator init' (one nkey per
+# identity, the users file with their roles, a gossip key), then starts a
+# coordinator (embedded NATS with authentication on, bbolt index in a temp
+# dir, keyed memberlist on 127.0.0.1) and 4 rankds (one per TP rank, host backend, shared L2 dir),
 # then the engine simulator: TP4/DCP4 and TP4/DCP1 with the seed geometries
 # (store in many incremental stores, wipe, restore through the coordinator,
 # byte-compare every rank). Then it restarts the rankds and the coordinator
@@ -33,6 +35,7 @@ NATS=nats://127.0.0.1:$NATS_PORT
 TP=4
 WORK=$(mktemp -d -t kvtier-demo.XXXXXX)
 mkdir -p -m 0700 "$WORK/index" "$WORK/shm" "$WORK/l2" "$WORK/logs"
+CREDS=$WORK/creds
 
 declare -A PIDS=()
 
@@ -78,11 +81,11 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 start_coordinator() {
-	"$BIN/coordinator" serve --data-dir "$WORK/index" --nats-host 127.0.0.1 --nats-port "$NATS_PORT" \
+	"$BIN/coordinator" serve --data-dir "$WORK/index" --creds-dir "$CREDS" --nats-host 127.0.0.1 --nats-port "$NATS_PORT" \
 		--bind "$GOSSIP" --http 127.0.0.1:0 --log-level warn >>"$WORK/logs/coordinator.log" 2>&1 &
 	PIDS[coordinator]=$!
 	for _ in $(seq 100); do
-		if "$BIN/coordinator" members --nats "$NATS" --timeout 1s >/dev/null 2>&1; then
+		if "$BIN/coordinator" members --creds-dir "$CREDS" --nats "$NATS" --timeout 1s >/dev/null 2>&1; then
 			info "coordinator up: NATS $NATS, gossip $GOSSIP, index $WORK/index (pid ${PIDS[coordinator]})"
 			return 0
 		fi
@@ -97,13 +100,13 @@ start_rankds() {
 	for ((r = 0; r < TP; r++)); do
 		"$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$TP" --dcp-size 4 --device "$DEVICE" \
 			--host-dir "$WORK/shm" --l1-bytes 256MiB --l2-dir "$WORK/l2" --l2-policy write-through \
-			--join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2 + r))" --http 127.0.0.1:0 --log-level warn \
+			--join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2 + r))" --http 127.0.0.1:0 --log-level warn --creds-dir "$CREDS" \
 			>>"$WORK/logs/rankd$r.log" 2>&1 &
 		PIDS[rankd$r]=$!
 	done
 	for _ in $(seq 300); do
 		local alive
-		alive=$("$BIN/coordinator" members --nats "$NATS" --timeout 1s 2>/dev/null | awk '$2=="rankd" && $3=="alive"' | wc -l)
+		alive=$("$BIN/coordinator" members --creds-dir "$CREDS" --nats "$NATS" --timeout 1s 2>/dev/null | awk '$2=="rankd" && $3=="alive"' | wc -l)
 		if [[ $alive -eq $TP ]]; then
 			info "$TP rankds alive in the cluster (device $DEVICE, L1 256 MiB each, shared L2 $WORK/l2)"
 			return 0
@@ -134,12 +137,16 @@ wait_children_of_stop() {
 }
 
 sim() {
-	"$BIN/enginesim" --nats "$NATS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 "$@"
+	"$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 "$@"
 }
 
 t0=$SECONDS
 step "kvtier demo in $WORK"
-step "starting the coordinator (embedded NATS + bbolt index + memberlist)"
+step "credentials: coordinator init (nkeys per identity, users file with roles, gossip key)"
+"$BIN/coordinator" init --dir "$CREDS" --instance engine0 --tp-size "$TP" >/dev/null
+info "$(ls "$CREDS" | tr '\n' ' ')"
+
+step "starting the coordinator (embedded NATS with auth + bbolt index + keyed memberlist)"
 start_coordinator
 step "starting $TP rankds"
 start_rankds
@@ -150,9 +157,16 @@ sim --scenario tp4dcp4 --phase all
 step "TP4 x DCP1: MLA stored by rank 0, restored on all 4 ranks"
 sim --scenario tp4dcp1 --phase all
 
+step "an anonymous client is refused"
+if "$BIN/coordinator" members --insecure --nats "$NATS" --timeout 2s >/dev/null 2>"$WORK/logs/anon.log"; then
+	echo "demo: an anonymous client was served" >&2
+	exit 1
+fi
+info "$(head -n 1 "$WORK/logs/anon.log")"
+
 step "the coordinator's view"
-"$BIN/coordinator" ranks --nats "$NATS"
-"$BIN/coordinator" verify --nats "$NATS"
+"$BIN/coordinator" ranks --creds-dir "$CREDS" --nats "$NATS"
+"$BIN/coordinator" verify --creds-dir "$CREDS" --nats "$NATS"
 
 step "restart: SIGTERM the rankds and the coordinator (L1 is gone), start them again"
 stop_rankds
@@ -164,7 +178,7 @@ start_rankds
 step "a new engine process restores both prompts from L2"
 sim --scenario tp4dcp4 --phase restore
 sim --scenario tp4dcp1 --phase restore
-"$BIN/coordinator" restores --nats "$NATS" | head -n 6
+"$BIN/coordinator" restores --creds-dir "$CREDS" --nats "$NATS" | head -n 6
 
 step "clean shutdown"
 stop_rankds

@@ -15,6 +15,7 @@ const (
 	CodeTooLarge         = "too_large"         // request over a size limit
 	CodeUnavailable      = "unavailable"       // shutting down, or a dependency is down
 	CodeInternal         = "internal"          // a bug or an I/O failure; logged
+	CodeUnauthorized     = "unauthorized"      // the body names another identity than the caller's (C9)
 )
 
 // Error is the error reply of every request/reply operation.

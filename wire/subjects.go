@@ -14,7 +14,12 @@ import (
 //	<p>.heartbeat.<instance>.<tp>          rankd -> coordinator, publish: JSON Heartbeat (no reply)
 //	<p>.rank.<instance>.<tp>.inventory     coordinator -> rankd, request: InventoryRequest; reply InventoryPage
 //	<p>.rank.<instance>.<tp>.engine.<op>   engine worker -> rankd, request/reply JSON (register, store, retrieve, release, status)
-//	<p>.coord.<op>                         scheduler/rankd -> coordinator (ns.register, lookup, restore.begin, restore.report, restore.wait)
+//	<p>.rank.<instance>.<tp>.freed         rankd -> engine worker, publish: JSON BlocksFreed (C10)
+//	<p>.coord.<op>.<instance>              engine scheduler -> coordinator (ns.register, lookup, restore.begin, restore.wait),
+//	                                       scoped to the caller's instance (C9); the body may not name another
+//	<p>.coord.restore.report.<instance>.<tp>  rankd -> coordinator: RestoreReport of exactly that rank (C9)
+//	<p>.coord.<op>                         unscoped engine subjects and report: served only by an --insecure
+//	                                       coordinator, for clients from before C9
 //	<p>.admin.<op>                         operators -> coordinator (members, ranks, object, namespaces, restores, verify)
 //
 // Inventories are paged, so a rank of any size fits the NATS payload limit
@@ -56,11 +61,66 @@ func (s Subjects) Engine(r Rank, op string) string {
 	return s.p() + ".rank." + r.Instance + "." + strconv.Itoa(r.TPRank) + ".engine." + op
 }
 
-// Coord is a coordinator operation.
+// Coord is the unscoped subject of a coordinator operation. Only an
+// insecure coordinator serves it (for old clients); under auth no role may
+// publish there. Engines use EngineCoord, ranks Report.
 func (s Subjects) Coord(op string) string { return s.p() + ".coord." + op }
+
+// EngineCoord is where engine instance inst sends coordinator operation op
+// (CoordRegister, CoordLookup, CoordRestoreBegin, CoordRestoreWait). Only
+// that instance's engine identity may publish there.
+func (s Subjects) EngineCoord(inst, op string) string { return s.p() + ".coord." + op + "." + inst }
+
+// EngineCoordAll matches EngineCoord(*, op).
+func (s Subjects) EngineCoordAll(op string) string { return s.p() + ".coord." + op + ".*" }
+
+// Report is where rank r sends its restore reports; only r may publish
+// there, and the coordinator refuses a report whose body names another
+// rank.
+func (s Subjects) Report(r Rank) string {
+	return s.p() + ".coord." + CoordRestoreReport + "." + r.Instance + "." + strconv.Itoa(r.TPRank)
+}
+
+// ReportAll matches every rank's report subject.
+func (s Subjects) ReportAll() string { return s.p() + ".coord." + CoordRestoreReport + ".*.*" }
+
+// EngineCoordOps are the coordinator operations an engine may call.
+var EngineCoordOps = []string{CoordRegister, CoordLookup, CoordRestoreBegin, CoordRestoreWait}
+
+// InstanceOf returns the last token of subject, which names the instance
+// of an EngineCoord subject.
+func InstanceOf(subject string) string {
+	if i := strings.LastIndexByte(subject, '.'); i >= 0 {
+		return subject[i+1:]
+	}
+	return subject
+}
+
+// RankOf parses the rank from the last two tokens of subject (Events,
+// Heartbeat, Report subjects).
+func RankOf(subject string) (Rank, error) {
+	i := strings.LastIndexByte(subject, '.')
+	if i <= 0 {
+		return Rank{}, fmt.Errorf("subject %q names no rank: %w", subject, ErrMalformed)
+	}
+	j := strings.LastIndexByte(subject[:i], '.')
+	tp, err := strconv.Atoi(subject[i+1:])
+	if err != nil || tp < 0 {
+		return Rank{}, fmt.Errorf("subject %q: TP rank token %q: %w", subject, subject[i+1:], ErrMalformed)
+	}
+	r := Rank{Instance: subject[j+1 : i], TPRank: tp}
+	if err := ValidInstance(r.Instance); err != nil {
+		return Rank{}, fmt.Errorf("subject %q: %w", subject, err)
+	}
+	return r, nil
+}
 
 // Admin is an admin operation.
 func (s Subjects) Admin(op string) string { return s.p() + ".admin." + op }
+
+// AdminReadOps are the admin operations that change nothing; the admin
+// role may send only these (admin-write may send every admin operation).
+var AdminReadOps = []string{AdminMembers, AdminRanks, AdminObject, AdminNamespaces, AdminRestores, AdminVerify}
 
 // ValidInstance checks an engine instance name: 1..64 characters of
 // [A-Za-z0-9_-], so it is one NATS subject token and one path element.

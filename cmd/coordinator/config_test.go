@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/coordinator"
 )
 
@@ -19,10 +20,14 @@ const exampleConf = "../../deploy/examples/coordinator.conf"
 // the command line (which wins), starts and stops a coordinator.
 func TestServeExampleConfig(t *testing.T) {
 	dir := t.TempDir()
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, nil); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel() // Run returns at once: start, then shut down
 	var stdout, stderr bytes.Buffer
-	rc := run(ctx, []string{"serve", "--config", exampleConf, "--data-dir", dir,
+	rc := run(ctx, []string{"serve", "--config", exampleConf, "--data-dir", dir, "--creds-dir", creds,
 		"--nats-host", "127.0.0.1", "--nats-port", "0", "--bind", "127.0.0.1:0", "--http", "127.0.0.1:0", "--log-level", "error"},
 		&stdout, &stderr)
 	if rc != exitOK || stderr.Len() != 0 {

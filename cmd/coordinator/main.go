@@ -1,16 +1,21 @@
-// Command coordinator runs the kvtier coordinator (serve) and queries a
-// running one (members, ranks, object, namespaces, restores, verify).
+// Command coordinator makes a cluster's credentials (init, creds), runs the
+// kvtier coordinator (serve) and queries a running one (members, ranks,
+// object, namespaces, restores, verify).
 //
-//	coordinator serve --data-dir /var/lib/kvtier [--nats URL | --nats-host H --nats-port P]
-//	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key BASE64]
-//	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE]
-//	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--prefix P] [--json]
+//	coordinator init --dir D [--instance engine0 --tp-size 4 ...] [--tls-host IP,...] [--nats-conf FILE]
+//	coordinator creds add --dir D --instance I --tp-size N
+//	coordinator creds rotate --dir D --name IDENTITY
+//	coordinator serve --data-dir /var/lib/kvtier --creds-dir D [--nats URL | --nats-host H --nats-port P]
+//	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key-file F]
+//	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE] [--insecure]
+//	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--creds-dir D] [--prefix P] [--json]
 //	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
 //	coordinator object ... --spec-file SPEC.json [--model M] --tokens FILE [--instance I]
 //	coordinator object ... --namespace NS --chunks HASH,HASH,... [--instance I]
 //
 // serve shuts down gracefully on SIGTERM or SIGINT (see
-// coordinator.Coordinator.Shutdown for the order).
+// coordinator.Coordinator.Shutdown for the order) and reloads the users
+// file of --creds-dir on SIGHUP (new identities, rotated keys).
 package main
 
 import (
@@ -29,6 +34,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
@@ -54,6 +60,8 @@ const (
 const usage = `usage: coordinator <command> [flags]
 
 commands:
+  init        make a new cluster's credentials directory (nkeys, users file, gossip key, TLS)
+  creds       add an instance's identities (creds add) or rotate one key (creds rotate)
   serve       run the coordinator
   members     memberlist members: name, role, state, address, incarnation
   ranks       ranks: incarnation, liveness, L1/L2 objects and bytes, last seq, fenced
@@ -77,6 +85,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	switch cmd {
 	case "serve":
 		return serve(ctx, args, stderr)
+	case "init":
+		return initCreds(args, stdout, stderr)
+	case "creds":
+		return creds(args, stdout, stderr)
 	case wire.AdminMembers, wire.AdminRanks, wire.AdminNamespaces, wire.AdminRestores, wire.AdminVerify, wire.AdminObject:
 		return admin(ctx, cmd, args, stdout, stderr)
 	case "rank":
@@ -106,7 +118,10 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	bind := fs.String("bind", net.JoinHostPort(cfg.Cluster.BindAddr, strconv.Itoa(cfg.Cluster.BindPort)), "memberlist gossip bind IP:PORT")
 	advertise := fs.String("advertise", "", "memberlist address others reach this node at, IP[:PORT] (default: derived from --bind)")
 	join := fs.String("join", "", "memberlist seeds, comma-separated host:port (empty: start a new cluster)")
-	gossipKey := fs.String("gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip; every member needs the same")
+	gossipKey := fs.String("gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip; prefer --gossip-key-file (a flag shows in ps)")
+	gossipKeyFile := fs.String("gossip-key-file", "", "gossip key file (0600; one base64 key per line, the first is sent with; default <creds-dir>/gossip.key if present)")
+	fs.StringVar(&cfg.CredsDir, "creds-dir", "", "credentials directory from 'coordinator init' (required unless --insecure)")
+	fs.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: NATS without authentication and gossip without a key off loopback; anyone on the network can forge COMPLETE verdicts")
 	fs.StringVar(&cfg.Cluster.NodeName, "node-name", cfg.Cluster.NodeName, "memberlist node name")
 	fs.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "HTTP address for /metrics and /healthz (empty disables)")
 	fs.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
@@ -149,6 +164,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 		}
 		cfg.Cluster.SecretKey = key
 	}
+	if err := gossipKeys(&cfg.Cluster, *gossipKeyFile, cfg.CredsDir, *gossipKey != ""); err != nil {
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitUsage
+	}
+	cfg.Cluster.Insecure = cfg.Insecure
 	lvl, err := zapcore.ParseLevel(*logLevel)
 	if err != nil {
 		fmt.Fprintf(stderr, "serve: --log-level: %v\n", err)
@@ -164,11 +184,34 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	defer func() { _ = log.Sync() }()
 	cfg.Logger = log
 
+	if cfg.Insecure {
+		log.Warn("INSECURE MODE (--insecure): no NATS authentication, no gossip key required; anyone who reaches these ports can read restore plans, forge events and reports and take over the cluster. Development only.")
+	}
 	c, err := coordinator.New(cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "serve: %v\n", err)
 		return exitUsage
 	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	hupDone := make(chan struct{})
+	defer func() { <-hupDone }()
+	hctx, hcancel := context.WithCancel(ctx)
+	defer hcancel()
+	go func() {
+		defer close(hupDone)
+		for {
+			select {
+			case <-hctx.Done():
+				return
+			case <-hup:
+				if err := c.ReloadAuth(); err != nil {
+					log.Error("SIGHUP: credentials not reloaded", zap.Error(err))
+				}
+			}
+		}
+	}()
 	if err := c.Start(); err != nil {
 		log.Error("coordinator failed to start", zap.Error(err))
 		fmt.Fprintf(stderr, "serve: %v\n", err)
@@ -204,6 +247,12 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	fs := flag.NewFlagSet(op, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
+	var cl auth.Client
+	fs.StringVar(&cl.Dir, "creds-dir", "", "credentials directory (connects as the admin identity)")
+	fs.StringVar(&cl.SeedFile, "creds", "", "seed file of the admin identity (instead of --creds-dir)")
+	fs.StringVar(&cl.CAFile, "tls-ca", "", "CA certificate that verifies the NATS server (default <creds-dir>/ca.pem if present)")
+	fs.BoolVar(&cl.Insecure, "insecure", false, "connect without credentials (only an --insecure coordinator accepts that)")
+	writeOp := fs.Bool("admin-write", false, "connect as admin-write (mutating admin operations)")
 	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
 	asJSON := fs.Bool("json", false, "print JSON instead of a table")
 	timeout := fs.Duration("timeout", 10*time.Second, "request timeout (verify of a large index takes a while)")
@@ -233,7 +282,16 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 		}
 		body = &req
 	}
-	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli")
+	cl.Identity = auth.Identity{Role: auth.RoleAdmin}
+	if *writeOp {
+		cl.Identity.Role = auth.RoleAdminWrite
+	}
+	copts, err := cl.Options()
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", op, err)
+		return exitUsage
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli", copts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", op, err)
 		return exitFail
@@ -294,6 +352,11 @@ func rankReset(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
 	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
 	timeout := fs.Duration("timeout", 10*time.Second, "request timeout")
+	cl := auth.Client{Identity: auth.Identity{Role: auth.RoleAdminWrite}}
+	fs.StringVar(&cl.Dir, "creds-dir", "", "credentials directory (connects as the admin-write identity)")
+	fs.StringVar(&cl.SeedFile, "creds", "", "seed file of the admin-write identity (instead of --creds-dir)")
+	fs.StringVar(&cl.CAFile, "tls-ca", "", "CA certificate that verifies the NATS server (default <creds-dir>/ca.pem if present)")
+	fs.BoolVar(&cl.Insecure, "insecure", false, "connect without credentials (only an --insecure coordinator accepts that)")
 	// The rank may come before or after the flags.
 	var rank []string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -311,7 +374,12 @@ func rankReset(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fmt.Fprintf(stderr, "rank reset: %v\n", err)
 		return exitUsage
 	}
-	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli")
+	copts, err := cl.Options()
+	if err != nil {
+		fmt.Fprintf(stderr, "rank reset: %v\n", err)
+		return exitUsage
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli", copts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "rank reset: %v\n", err)
 		return exitFail

@@ -9,14 +9,17 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
@@ -46,6 +49,7 @@ type fixture struct {
 func newFixture(t *testing.T) *fixture {
 	cfg := coordinator.DefaultConfig()
 	cfg.DataDir = t.TempDir()
+	cfg.Insecure = true // the CLI output tests; TestServe runs with auth on
 	cfg.Embedded.Port = 0
 	cfg.HTTPAddr = ""
 	cfg.Cluster.NodeName = "coord"
@@ -139,7 +143,7 @@ func newFixture(t *testing.T) *fixture {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		var out, errb bytes.Buffer
-		if run(ctx, []string{"members", "--nats", c.NATSURL()}, &out, &errb) == 0 && strings.Contains(out.String(), "rankd-eng-1") {
+		if run(ctx, []string{"members", "--insecure", "--nats", c.NATSURL()}, &out, &errb) == 0 && strings.Contains(out.String(), "rankd-eng-1") {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -154,7 +158,7 @@ func newFixture(t *testing.T) *fixture {
 func (f *fixture) cli(t *testing.T, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
-	code := run(context.Background(), append(args, "--nats", f.c.NATSURL()), &out, &errb)
+	code := run(context.Background(), append(args, "--insecure", "--nats", f.c.NATSURL()), &out, &errb)
 	t.Logf("coordinator %s -> %d\n%s%s", strings.Join(args, " "), code, out.String(), errb.String())
 	return code, out.String(), errb.String()
 }
@@ -302,7 +306,7 @@ func TestUsage(t *testing.T) {
 	if code := run(context.Background(), []string{"serve"}, &out, &errb); code != 2 {
 		t.Fatalf("serve without --data-dir: %d", code)
 	}
-	if code := run(context.Background(), []string{"members", "--nats", "nats://127.0.0.1:1", "--timeout", "100ms"}, &out, &errb); code != 1 {
+	if code := run(context.Background(), []string{"members", "--insecure", "--nats", "nats://127.0.0.1:1", "--timeout", "100ms"}, &out, &errb); code != 1 {
 		t.Fatalf("members without a coordinator: %d", code)
 	}
 }
@@ -325,17 +329,59 @@ func TestServe(t *testing.T) {
 	defer cancel()
 	done := make(chan int, 1)
 	var errb bytes.Buffer
+	creds := filepath.Join(t.TempDir(), "creds")
+	if code := run(ctx, []string{"init", "--dir", creds, "--instance", "engine0", "--tp-size", "2"}, &bytes.Buffer{}, &errb); code != 0 {
+		t.Fatalf("init: %d %s", code, errb.String())
+	}
+	// Without credentials, serve refuses to start (auth is on by default).
+	if code := run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--bind", "127.0.0.1:0", "--http", ""}, &bytes.Buffer{}, &errb); code != 2 ||
+		!strings.Contains(errb.String(), "no credentials dir") {
+		t.Fatalf("serve without --creds-dir: %d %s", code, errb.String())
+	}
 	go func() {
-		done <- run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--nats-port", strconv.Itoa(port),
+		done <- run(ctx, []string{"serve", "--data-dir", t.TempDir(), "--nats-port", strconv.Itoa(port), "--creds-dir", creds,
 			"--bind", "127.0.0.1:0", "--http", "127.0.0.1:0", "--log-level", "warn"}, &bytes.Buffer{}, &errb)
 	}()
 	url := "nats://127.0.0.1:" + strconv.Itoa(port)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var out bytes.Buffer
-		if run(context.Background(), []string{"members", "--nats", url, "--timeout", "200ms"}, &out, &bytes.Buffer{}) == 0 {
+		if run(context.Background(), []string{"members", "--creds-dir", creds, "--nats", url, "--timeout", "200ms"}, &out, &bytes.Buffer{}) == 0 {
 			if !strings.Contains(out.String(), "coordinator") {
 				t.Fatalf("members: %q", out.String())
+			}
+			// An anonymous admin client is refused.
+			var e2 bytes.Buffer
+			if code := run(context.Background(), []string{"members", "--insecure", "--nats", url, "--timeout", "500ms"}, &out, &e2); code != 1 ||
+				!strings.Contains(strings.ToLower(e2.String()), "authorization violation") {
+				t.Fatalf("anonymous members: %d %s", code, e2.String())
+			}
+			// An instance added later connects after SIGHUP.
+			if code := run(ctx, []string{"creds", "add", "--dir", creds, "--instance", "engine1", "--tp-size", "1"}, &out, &e2); code != 0 {
+				t.Fatalf("creds add: %d %s", code, e2.String())
+			}
+			dialEngine1 := func() error {
+				opts, err := auth.Client{Identity: auth.Engine("engine1"), Dir: creds}.Options()
+				if err != nil {
+					t.Fatal(err)
+				}
+				nc, err := nats.Connect(url, append(opts, nats.MaxReconnects(0))...)
+				if err == nil {
+					nc.Close()
+				}
+				return err
+			}
+			if dialEngine1() == nil {
+				t.Fatal("engine1 connected before the reload")
+			}
+			if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+				t.Fatal(err)
+			}
+			for dialEngine1() != nil {
+				if time.Now().After(deadline.Add(10 * time.Second)) {
+					t.Fatal("engine1 still refused after SIGHUP")
+				}
+				time.Sleep(20 * time.Millisecond)
 			}
 			break
 		}
@@ -365,6 +411,7 @@ func TestServe(t *testing.T) {
 func TestVerifyMismatchExitsOne(t *testing.T) {
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port = 0
+	ecfg.Insecure = true
 	srv, err := bus.StartEmbedded(ecfg)
 	if err != nil {
 		t.Fatal(err)
@@ -389,7 +436,7 @@ func TestVerifyMismatchExitsOne(t *testing.T) {
 	}
 	for _, args := range [][]string{{"verify"}, {"verify", "--json"}} {
 		var out, errb bytes.Buffer
-		code := run(context.Background(), append(args, "--nats", srv.ClientURL()), &out, &errb)
+		code := run(context.Background(), append(args, "--insecure", "--nats", srv.ClientURL()), &out, &errb)
 		if code != 1 {
 			t.Fatalf("%v: exit %d, want 1\n%s%s", args, code, out.String(), errb.String())
 		}
@@ -409,7 +456,7 @@ func TestRankResetCommand(t *testing.T) {
 		t.Fatalf("rank reset: %d %q", code, out)
 	}
 	var out2, errb bytes.Buffer
-	if code := run(context.Background(), []string{"rank", "reset", "--nats", f.c.NATSURL(), "eng"}, &out2, &errb); code != exitUsage {
+	if code := run(context.Background(), []string{"rank", "reset", "--insecure", "--nats", f.c.NATSURL(), "eng"}, &out2, &errb); code != exitUsage {
 		t.Fatalf("rank reset eng: %d %s", code, errb.String())
 	}
 	if code, _, errs := f.cli(t, "rank", "reset", "nobody/3"); code != exitFail || !strings.Contains(errs, "not_found") {
@@ -417,5 +464,56 @@ func TestRankResetCommand(t *testing.T) {
 	}
 	if code, _, _ := f.cli(t, "rank"); code != exitUsage {
 		t.Fatalf("rank without reset: %d", code)
+	}
+}
+
+// TestInitCLI: init writes private credentials, TLS files and a
+// nats-server configuration that nats-server parses; creds rotate and
+// nats-conf work on the directory; a second init refuses to overwrite.
+func TestInitCLI(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	conf := filepath.Join(t.TempDir(), "nats-auth.conf")
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"init", "--dir", dir, "--instance", "a", "--tp-size", "2", "--instance", "b",
+		"--tls-host", "127.0.0.1,kv.example", "--nats-conf", conf}, &out, &errb); code != 0 {
+		t.Fatalf("init: %d %s", code, errb.String())
+	}
+	for name, mode := range map[string]os.FileMode{"coordinator.nk": 0o600, "rankd-a-1.nk": 0o600, "engine-b.nk": 0o600,
+		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
+		"server.pem": 0o644, "server-key.pem": 0o600} {
+		st, err := os.Stat(filepath.Join(dir, name))
+		if err != nil || st.Mode().Perm() != mode {
+			t.Errorf("%s: %v %v, want mode %04o", name, st.Mode(), err, mode)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "rankd-b-1.nk")); err == nil {
+		t.Error("instance b has TP size 1 but got a rank 1 identity")
+	}
+	body, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(conf, append([]byte("listen: 127.0.0.1:-1\n"), body...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := server.ProcessConfigFile(conf); err != nil {
+		t.Fatalf("nats-server does not parse the generated config: %v", err)
+	}
+	if code := run(context.Background(), []string{"init", "--dir", dir}, &out, &errb); code != 1 || !strings.Contains(errb.String(), "credentials exist") {
+		t.Fatalf("second init: %d %s", code, errb.String())
+	}
+	before, _ := os.ReadFile(filepath.Join(dir, "rankd-a-1.nk"))
+	if code := run(context.Background(), []string{"creds", "rotate", "--dir", dir, "--name", "rankd-a-1"}, &out, &errb); code != 0 {
+		t.Fatalf("rotate: %d %s", code, errb.String())
+	}
+	after, _ := os.ReadFile(filepath.Join(dir, "rankd-a-1.nk"))
+	if bytes.Equal(before, after) || len(after) == 0 {
+		t.Fatal("rotate did not replace the seed")
+	}
+	if code := run(context.Background(), []string{"creds", "rotate", "--dir", dir, "--name", "rankd-z-9"}, &out, &errb); code != 1 {
+		t.Fatalf("rotate of an unknown identity: %d", code)
+	}
+	if code := run(context.Background(), []string{"creds", "nats-conf", "--dir", dir, "--out", conf}, &out, &errb); code != 0 {
+		t.Fatalf("nats-conf: %d %s", code, errb.String())
 	}
 }

@@ -4,7 +4,7 @@
 // coordinator's restore protocol and compares every byte on every rank.
 // It exits non-zero on any mismatch or unexpected verdict.
 //
-//	enginesim --scenario tp4dcp4 --nats nats://127.0.0.1:4222 --device host
+//	enginesim --scenario tp4dcp4 --nats nats://127.0.0.1:4222 --creds-dir D --device host
 package main
 
 import (
@@ -33,6 +33,10 @@ func main() {
 	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir, must match the rankds'; default /dev/shm/kvtier-<uid>)")
 	flag.StringVar(&cfg.NATSURL, "nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
 	flag.StringVar(&cfg.Prefix, "prefix", "kvtier", "NATS subject prefix")
+	flag.StringVar(&cfg.Creds.Dir, "creds-dir", "", "credentials directory from 'coordinator init' (engine-<instance>.nk; required unless --insecure)")
+	flag.StringVar(&cfg.Creds.SeedFile, "creds", "", "the engine identity's nkey seed file (default <creds-dir>/engine-<instance>.nk)")
+	flag.StringVar(&cfg.Creds.CAFile, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
+	flag.BoolVar(&cfg.Creds.Insecure, "insecure", false, "DEVELOPMENT ONLY: connect without credentials")
 	flag.StringVar(&cfg.Phase, "phase", enginesim.PhaseAll, "store | restore | all")
 	flag.Uint64Var(&cfg.Seed, "seed", 1, "content seed (the same seed regenerates the same prompt and pages)")
 	flag.IntVar(&cfg.Chunks, "chunks", 0, "chunks in the prompt (0: the scenario's)")
@@ -46,6 +50,9 @@ func main() {
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.Parse()
 
+	if cfg.Creds.Insecure {
+		fmt.Fprintln(os.Stderr, "enginesim: INSECURE (--insecure): connecting without credentials; only an --insecure coordinator accepts that")
+	}
 	cfg.Devices = strings.Split(devices, ",")
 	cfg.Host = cuda.DefaultHostConfig()
 	if hostDir != "" {

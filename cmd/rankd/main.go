@@ -4,8 +4,12 @@
 // memberlist cluster.
 //
 //	rankd --instance engine0 --tp-rank 0 --tp-size 4 --device host \
-//	      --l2-dir /var/lib/kvtier/l2/engine0 --join 10.0.0.1:7946
+//	      --l2-dir /var/lib/kvtier/l2/engine0 --join 10.0.0.1:7946 --creds-dir /etc/kvtier/creds
 //	rankd --config /etc/kvtier/rankd-engine0-0.conf [flags that override it]
+//
+// --creds-dir holds this rank's seed (rankd-<instance>-<tp>.nk), the
+// public users.json (the coordinator's key, which must sign a gossiped
+// NATS URL) and gossip.key; --insecure runs without them (development).
 package main
 
 import (
@@ -15,6 +19,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -22,9 +27,12 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/rankd"
 )
+
+func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
 func main() {
 	cfg := rankd.DefaultConfig()
@@ -49,6 +57,11 @@ func main() {
 	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	flag.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
 	flag.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
+	flag.StringVar(&cfg.CredsDir, "creds-dir", "", "credentials directory from 'coordinator init' (required unless --insecure)")
+	flag.StringVar(&cfg.SeedFile, "creds", "", "this rank's nkey seed file (default <creds-dir>/rankd-<instance>-<tp>.nk)")
+	flag.StringVar(&cfg.TLSCA, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
+	gossipKeyFile := flag.String("gossip-key-file", "", "gossip key file, 0600, one base64 key per line, the first sent with (default <creds-dir>/gossip.key if present)")
+	flag.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback")
 	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
 
 	fail := func(err error) {
@@ -81,6 +94,16 @@ func main() {
 	if hostUUID != "" {
 		cfg.Host.UUID = hostUUID
 	}
+	if *gossipKeyFile == "" && cfg.CredsDir != "" {
+		if p := filepath.Join(cfg.CredsDir, auth.GossipKeyFile); fileExists(p) {
+			*gossipKeyFile = p
+		}
+	}
+	if *gossipKeyFile != "" {
+		if cfg.GossipKey, cfg.GossipSecondaryKeys, err = auth.LoadGossipKeys(*gossipKeyFile); err != nil {
+			fail(err)
+		}
+	}
 	lvl, err := zapcore.ParseLevel(logLevel)
 	if err != nil {
 		fail(fmt.Errorf("--log-level: %w", err))
@@ -94,6 +117,9 @@ func main() {
 	}
 	defer log.Sync()
 	cfg.Logger = log
+	if cfg.Insecure {
+		log.Warn("INSECURE MODE (--insecure): anyone who reaches NATS or gossip can speak for this rank. Development only.")
+	}
 
 	d, err := rankd.New(cfg)
 	if err != nil {

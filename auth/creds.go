@@ -1,0 +1,440 @@
+package auth
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
+)
+
+// File names inside a credentials directory.
+const (
+	// UsersFile is the public users file: every identity's role, scope and
+	// nkey public key. It holds no secret (mode 0644).
+	UsersFile = "users.json"
+	// GossipKeyFile holds the memberlist key, base64 of 32 random bytes
+	// (mode 0600).
+	GossipKeyFile = "gossip.key"
+	// SeedSuffix ends every seed file: <Identity.Name()>.nk, mode 0600.
+	SeedSuffix = ".nk"
+)
+
+// User is one entry of the users file.
+type User struct {
+	Name string `json:"name"`
+	Identity
+	// NKey is the user's public nkey ("U...").
+	NKey string `json:"nkey"`
+}
+
+// Users is the users file.
+type Users struct {
+	Version int    `json:"version"`
+	Users   []User `json:"users"`
+}
+
+// UsersVersion is the users file format version.
+const UsersVersion = 1
+
+// Instance is one engine instance Init makes credentials for: an engine
+// identity and TPSize rankd identities.
+type Instance struct {
+	Name   string
+	TPSize int
+}
+
+// Init makes the credentials of a new cluster in dir (created 0700; it
+// must be empty or absent): the coordinator, admin and admin-write
+// identities, one engine and TPSize rankd identities per instance, a
+// gossip key, and the users file. It refuses to overwrite anything.
+func Init(dir string, instances []Instance) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create credentials dir %s: %w", dir, err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("credentials dir %s: %w", dir, err)
+	}
+	if ents, err := os.ReadDir(dir); err != nil {
+		return fmt.Errorf("read credentials dir %s: %w", dir, err)
+	} else if len(ents) > 0 {
+		return fmt.Errorf("credentials dir %s holds %d entries; Init writes only into an empty one (use Add): %w", dir, len(ents), ErrExists)
+	}
+	ids := []Identity{{Role: RoleCoordinator}, {Role: RoleAdmin}, {Role: RoleAdminWrite}}
+	for _, in := range instances {
+		more, err := instanceIdentities(in)
+		if err != nil {
+			return err
+		}
+		ids = append(ids, more...)
+	}
+	key := make([]byte, 32)
+	if _, err := rand.Read(key); err != nil {
+		return fmt.Errorf("gossip key: %w", err)
+	}
+	if err := writeNew(filepath.Join(dir, GossipKeyFile), []byte(base64.StdEncoding.EncodeToString(key)+"\n"), 0o600); err != nil {
+		return err
+	}
+	return Add(dir, ids...)
+}
+
+func instanceIdentities(in Instance) ([]Identity, error) {
+	if in.TPSize < 1 || in.TPSize > MaxTPRank {
+		return nil, fmt.Errorf("instance %s: TP size %d outside [1, %d]: %w", in.Name, in.TPSize, MaxTPRank, ErrIdentity)
+	}
+	ids := []Identity{Engine(in.Name)}
+	for t := range in.TPSize {
+		ids = append(ids, Identity{Role: RoleRankd, Instance: in.Name, TPRank: t})
+	}
+	for _, id := range ids {
+		if err := id.Validate(); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
+}
+
+// AddInstance adds the engine and rankd identities of one instance to an
+// existing credentials directory; identities already there are kept.
+func AddInstance(dir string, in Instance) error {
+	ids, err := instanceIdentities(in)
+	if err != nil {
+		return err
+	}
+	u, err := LoadUsers(filepath.Join(dir, UsersFile))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	have := map[string]bool{}
+	if u != nil {
+		for _, x := range u.Users {
+			have[x.Name] = true
+		}
+	}
+	var add []Identity
+	for _, id := range ids {
+		if !have[id.Name()] {
+			add = append(add, id)
+		}
+	}
+	return Add(dir, add...)
+}
+
+// Add writes a new seed for each identity and adds it to the users file
+// (creating it). An identity already in the users file is refused with
+// ErrExists: rotate with Rotate.
+func Add(dir string, ids ...Identity) error {
+	path := filepath.Join(dir, UsersFile)
+	u, err := LoadUsers(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		u, err = &Users{Version: UsersVersion}, nil
+	}
+	if err != nil {
+		return err
+	}
+	for _, id := range ids {
+		if err := id.Validate(); err != nil {
+			return err
+		}
+		if u.find(id.Name()) >= 0 {
+			return fmt.Errorf("identity %s is already in %s (rotate it instead): %w", id.Name(), path, ErrExists)
+		}
+		pub, err := newSeed(dir, id, false)
+		if err != nil {
+			return err
+		}
+		u.Users = append(u.Users, User{Name: id.Name(), Identity: id, NKey: pub})
+	}
+	return u.write(path)
+}
+
+// Rotate replaces the seed of an identity in the users file with a new
+// one. The running coordinator accepts the new key once it reloads the
+// users file (SIGHUP or restart); until then only the old seed works.
+func Rotate(dir string, name string) error {
+	path := filepath.Join(dir, UsersFile)
+	u, err := LoadUsers(path)
+	if err != nil {
+		return err
+	}
+	i := u.find(name)
+	if i < 0 {
+		return fmt.Errorf("identity %s is not in %s: %w", name, path, ErrIdentity)
+	}
+	pub, err := newSeed(dir, u.Users[i].Identity, true)
+	if err != nil {
+		return err
+	}
+	u.Users[i].NKey = pub
+	return u.write(path)
+}
+
+func (u *Users) find(name string) int {
+	for i, x := range u.Users {
+		if x.Name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// newSeed makes a user nkey and writes its seed to <dir>/<name>.nk (0600,
+// via a temp file and rename when replace is set).
+func newSeed(dir string, id Identity, replace bool) (string, error) {
+	kp, err := nkeys.CreateUser()
+	if err != nil {
+		return "", fmt.Errorf("create nkey for %s: %w", id.Name(), err)
+	}
+	seed, err := kp.Seed()
+	if err != nil {
+		return "", err
+	}
+	pub, err := kp.PublicKey()
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, id.Name()+SeedSuffix)
+	data := append(seed, '\n')
+	if !replace {
+		return pub, writeNew(path, data, 0o600)
+	}
+	tmp := path + ".tmp"
+	_ = os.Remove(tmp)
+	if err := writeNew(tmp, data, 0o600); err != nil {
+		return "", err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return "", fmt.Errorf("replace seed %s: %w", path, err)
+	}
+	return pub, nil
+}
+
+// writeNew creates path exclusively with mode and writes data, fsynced.
+func writeNew(path string, data []byte, mode os.FileMode) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, mode)
+	if err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("%s exists: %w", path, ErrExists)
+		}
+		return fmt.Errorf("create %s: %w", path, err)
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("sync %s: %w", path, err)
+	}
+	return f.Close()
+}
+
+func (u *Users) write(path string) error {
+	sort.Slice(u.Users, func(i, j int) bool { return u.Users[i].Name < u.Users[j].Name })
+	data, err := json.MarshalIndent(u, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	_ = os.Remove(tmp)
+	if err := writeNew(tmp, append(data, '\n'), 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("replace %s: %w", path, err)
+	}
+	return nil
+}
+
+// LoadUsers reads and validates a users file. A missing file wraps
+// fs.ErrNotExist.
+func LoadUsers(path string) (*Users, error) {
+	data, err := readPrivate(path, false)
+	if err != nil {
+		return nil, err
+	}
+	var u Users
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&u); err != nil {
+		return nil, fmt.Errorf("users file %s: %w: %w", path, ErrCredsFile, err)
+	}
+	if u.Version != UsersVersion {
+		return nil, fmt.Errorf("users file %s: version %d, want %d: %w", path, u.Version, UsersVersion, ErrCredsFile)
+	}
+	names, keys := map[string]bool{}, map[string]bool{}
+	for i, x := range u.Users {
+		if err := x.Identity.Validate(); err != nil {
+			return nil, fmt.Errorf("users file %s: user %d: %w", path, i, err)
+		}
+		if x.Name != x.Identity.Name() {
+			return nil, fmt.Errorf("users file %s: user %d is named %q but its identity is %s: %w", path, i, x.Name, x.Identity.Name(), ErrCredsFile)
+		}
+		if !nkeys.IsValidPublicUserKey(x.NKey) {
+			return nil, fmt.Errorf("users file %s: user %s: %q is not a public user nkey: %w", path, x.Name, x.NKey, ErrCredsFile)
+		}
+		if names[x.Name] || keys[x.NKey] {
+			return nil, fmt.Errorf("users file %s: user %s or its nkey appears twice: %w", path, x.Name, ErrCredsFile)
+		}
+		names[x.Name], keys[x.NKey] = true, true
+	}
+	return &u, nil
+}
+
+// ServerUsers returns the embedded server's users: one nkey user per entry
+// with the permission set of its role under prefix.
+func (u *Users) ServerUsers(prefix string) []*server.NkeyUser {
+	out := make([]*server.NkeyUser, 0, len(u.Users))
+	for _, x := range u.Users {
+		out = append(out, &server.NkeyUser{Nkey: x.NKey, Permissions: Permissions(x.Identity, prefix).serverPermissions()})
+	}
+	return out
+}
+
+// Lookup returns the identity of the user with public key nkey.
+func (u *Users) Lookup(nkey string) (Identity, bool) {
+	for _, x := range u.Users {
+		if x.NKey == nkey {
+			return x.Identity, true
+		}
+	}
+	return Identity{}, false
+}
+
+// readPrivate reads a credentials file without following a symlink. It
+// must be a regular file. With secret set, it must be owned by this
+// process's user with no group or other permission bits; otherwise (the
+// public users file, whose keys decide who may connect) it must be owned
+// by this user or root and writable by no one else.
+func readPrivate(path string, secret bool) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("credentials file %s: %w", path, err)
+		}
+		return nil, fmt.Errorf("open credentials file %s (symlinks are refused): %w: %w", path, ErrCredsFile, err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("credentials file %s is not a regular file: %w", path, ErrCredsFile)
+	}
+	sys, _ := st.Sys().(*syscall.Stat_t)
+	if secret {
+		if m := st.Mode().Perm(); m&0o077 != 0 {
+			return nil, fmt.Errorf("secret file %s has mode %04o; want no group or other access (chmod 600): %w", path, m, ErrCredsFile)
+		}
+		if sys != nil && int(sys.Uid) != os.Geteuid() {
+			return nil, fmt.Errorf("secret file %s is owned by uid %d, not %d: %w", path, sys.Uid, os.Geteuid(), ErrCredsFile)
+		}
+	} else {
+		if m := st.Mode().Perm(); m&0o022 != 0 {
+			return nil, fmt.Errorf("credentials file %s has mode %04o; others could add keys to it (chmod 644): %w", path, m, ErrCredsFile)
+		}
+		if sys != nil && int(sys.Uid) != os.Geteuid() && sys.Uid != 0 {
+			return nil, fmt.Errorf("credentials file %s is owned by uid %d, neither %d nor root: %w", path, sys.Uid, os.Geteuid(), ErrCredsFile)
+		}
+	}
+	if st.Size() > 1<<20 {
+		return nil, fmt.Errorf("credentials file %s is %d B, over 1 MiB: %w", path, st.Size(), ErrCredsFile)
+	}
+	data := make([]byte, st.Size())
+	if _, err := f.ReadAt(data, 0); err != nil && st.Size() > 0 {
+		return nil, fmt.Errorf("read %s: %w", path, err)
+	}
+	return data, nil
+}
+
+// Seed is a loaded identity seed.
+type Seed struct {
+	kp  nkeys.KeyPair
+	pub string
+}
+
+// LoadSeed reads a seed file (0600, owned by this user, no symlink).
+func LoadSeed(path string) (*Seed, error) {
+	data, err := readPrivate(path, true)
+	if err != nil {
+		return nil, err
+	}
+	kp, err := nkeys.FromSeed(bytes.TrimSpace(data))
+	if err != nil {
+		return nil, fmt.Errorf("seed file %s: %w: %w", path, ErrCredsFile, err)
+	}
+	pub, err := kp.PublicKey()
+	if err != nil {
+		return nil, fmt.Errorf("seed file %s: %w: %w", path, ErrCredsFile, err)
+	}
+	if !nkeys.IsValidPublicUserKey(pub) {
+		return nil, fmt.Errorf("seed file %s holds no user nkey: %w", path, ErrCredsFile)
+	}
+	return &Seed{kp: kp, pub: pub}, nil
+}
+
+// PublicKey is the seed's public nkey.
+func (s *Seed) PublicKey() string { return s.pub }
+
+// Sign signs data with the seed (also used for signed cluster metadata).
+func (s *Seed) Sign(data []byte) ([]byte, error) { return s.kp.Sign(data) }
+
+// Verify checks sig over data against public user key pub.
+func Verify(pub string, data, sig []byte) error {
+	kp, err := nkeys.FromPublicKey(pub)
+	if err != nil {
+		return fmt.Errorf("public key %q: %w: %w", pub, ErrCredsFile, err)
+	}
+	return kp.Verify(data, sig)
+}
+
+// ClientOptions returns the NATS connect options of identity id holding
+// seed: the nkey signature and the identity's inbox prefix.
+func ClientOptions(id Identity, seed *Seed) []nats.Option {
+	return []nats.Option{
+		nats.Nkey(seed.pub, seed.kp.Sign),
+		nats.CustomInboxPrefix(id.InboxPrefix()),
+	}
+}
+
+// LoadGossipKeys reads a gossip key file (0600, no symlink): one base64
+// key of 16, 24 or 32 bytes per line. The first line is the primary key
+// (gossip is sent with it); later lines are accepted while a rotation is
+// rolled out (cluster.Config.SecondaryKeys). Blank lines and lines
+// starting with '#' are skipped.
+func LoadGossipKeys(path string) (primary []byte, secondary [][]byte, err error) {
+	data, err := readPrivate(path, true)
+	if err != nil {
+		return nil, nil, err
+	}
+	var keys [][]byte
+	for n, line := range bytes.Split(data, []byte("\n")) {
+		line = bytes.TrimSpace(line)
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		key, err := base64.StdEncoding.DecodeString(string(line))
+		if err != nil {
+			return nil, nil, fmt.Errorf("gossip key file %s line %d is not base64: %w: %w", path, n+1, ErrCredsFile, err)
+		}
+		if l := len(key); l != 16 && l != 24 && l != 32 {
+			return nil, nil, fmt.Errorf("gossip key file %s line %d holds %d bytes; want 16, 24 or 32: %w", path, n+1, l, ErrCredsFile)
+		}
+		keys = append(keys, key)
+	}
+	if len(keys) == 0 {
+		return nil, nil, fmt.Errorf("gossip key file %s holds no key: %w", path, ErrCredsFile)
+	}
+	return keys[0], keys[1:], nil
+}

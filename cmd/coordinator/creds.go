@@ -1,0 +1,182 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// instancesFlag collects repeated --instance NAME with the --tp-size that
+// follows each (or precedes the next instance).
+type instancesFlag struct{ list []auth.Instance }
+
+func (f *instancesFlag) String() string { return fmt.Sprint(f.list) }
+func (f *instancesFlag) Set(s string) error {
+	f.list = append(f.list, auth.Instance{Name: s, TPSize: 1})
+	return nil
+}
+
+type tpFlag struct{ f *instancesFlag }
+
+func (t tpFlag) String() string { return "" }
+func (t tpFlag) Set(s string) error {
+	if len(t.f.list) == 0 {
+		return errors.New("--tp-size must follow an --instance")
+	}
+	var n int
+	if _, err := fmt.Sscan(s, &n); err != nil {
+		return fmt.Errorf("--tp-size %q: %w", s, err)
+	}
+	t.f.list[len(t.f.list)-1].TPSize = n
+	return nil
+}
+
+// initCreds is 'coordinator init'.
+func initCreds(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("init", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dir := fs.String("dir", "", "credentials directory to create (must be empty or absent; made 0700)")
+	var inst instancesFlag
+	fs.Var(&inst, "instance", "engine instance to make an engine and rankd identities for (repeatable)")
+	fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance (default 1)")
+	tlsHosts := fs.String("tls-host", "", "also write a CA and a server certificate for these IPs/names, comma-separated (needed when NATS listens off loopback)")
+	natsConf := fs.String("nats-conf", "", "also write an external nats-server configuration with every user's permissions to this file")
+	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix (for --nats-conf)")
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	if *dir == "" || fs.NArg() > 0 {
+		fmt.Fprintln(stderr, "init: --dir is required; no positional arguments")
+		return exitUsage
+	}
+	if err := auth.Init(*dir, inst.list); err != nil {
+		fmt.Fprintf(stderr, "init: %v\n", err)
+		return exitFail
+	}
+	if *tlsHosts != "" {
+		if err := auth.InitTLS(*dir, splitList(*tlsHosts)); err != nil {
+			fmt.Fprintf(stderr, "init: %v\n", err)
+			return exitFail
+		}
+	}
+	if *natsConf != "" {
+		if err := writeNATSConf(*dir, *natsConf, *prefix); err != nil {
+			fmt.Fprintf(stderr, "init: %v\n", err)
+			return exitFail
+		}
+	}
+	fmt.Fprintf(stdout, "credentials written to %s: give each daemon its own <identity>.nk only; users.json is public\n", *dir)
+	return exitOK
+}
+
+// creds is 'coordinator creds add|rotate|nats-conf'.
+func creds(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf --dir D ...")
+		return exitUsage
+	}
+	sub, args := args[0], args[1:]
+	fs := flag.NewFlagSet("creds "+sub, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dir := fs.String("dir", "", "credentials directory (required)")
+	var inst instancesFlag
+	var name, out, prefix *string
+	switch sub {
+	case "add":
+		fs.Var(&inst, "instance", "engine instance to add identities for (repeatable)")
+		fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance")
+	case "rotate":
+		name = fs.String("name", "", "identity to give a new key, e.g. rankd-engine0-3")
+	case "nats-conf":
+		out = fs.String("out", "", "nats-server configuration file to write")
+		prefix = fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
+	default:
+		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf)\n", sub)
+		return exitUsage
+	}
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	if *dir == "" || fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "creds %s: --dir is required; no positional arguments\n", sub)
+		return exitUsage
+	}
+	var err error
+	switch sub {
+	case "add":
+		if len(inst.list) == 0 {
+			fmt.Fprintln(stderr, "creds add: give --instance NAME --tp-size N")
+			return exitUsage
+		}
+		for _, in := range inst.list {
+			if err = auth.AddInstance(*dir, in); err != nil {
+				break
+			}
+		}
+	case "rotate":
+		err = auth.Rotate(*dir, *name)
+	case "nats-conf":
+		err = writeNATSConf(*dir, *out, *prefix)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "creds %s: %v\n", sub, err)
+		return exitFail
+	}
+	fmt.Fprintf(stdout, "credentials in %s updated; send SIGHUP to the coordinator (or restart it) to load them\n", *dir)
+	return exitOK
+}
+
+func writeNATSConf(dir, out, prefix string) error {
+	if out == "" {
+		return errors.New("no output file for the NATS configuration")
+	}
+	u, err := auth.LoadUsers(filepath.Join(dir, auth.UsersFile))
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(out, []byte(auth.NATSConfig(u, prefix)), 0o644)
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, x := range strings.Split(s, ",") {
+		if x = strings.TrimSpace(x); x != "" {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// gossipKeys fills cc's keys from file, or from <credsDir>/gossip.key when
+// file is empty and that exists (and no key was given on the command line).
+func gossipKeys(cc *cluster.Config, file, credsDir string, haveKey bool) error {
+	if file == "" && !haveKey && credsDir != "" {
+		p := filepath.Join(credsDir, auth.GossipKeyFile)
+		if _, err := os.Stat(p); err == nil {
+			file = p
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+	}
+	if file == "" {
+		return nil
+	}
+	if haveKey {
+		return errors.New("give --gossip-key or --gossip-key-file, not both")
+	}
+	k, more, err := auth.LoadGossipKeys(file)
+	if err != nil {
+		return err
+	}
+	cc.SecretKey, cc.SecondaryKeys = k, more
+	return nil
+}

@@ -1,0 +1,245 @@
+package coordinator
+
+import (
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+)
+
+// The NATS permissions decide who may publish on a scoped subject; these
+// tests check the coordinator's half of C9: a body naming another rank or
+// instance than its subject is refused, counted by subject kind, and a
+// forged report cannot move the verdict. (Insecure mode, so the test can
+// publish anywhere; auth/ and e2e/ test the permissions.)
+func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
+	f := newRestoreFixture(t, 3)
+	c, nc := f.c, f.nc
+	plan := call[wire.RestorePlan](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreBegin),
+		wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks})
+	if plan.Prefix != 3 || len(plan.Ranks) != 2 {
+		t.Fatalf("plan = %+v", plan)
+	}
+	if id, err := hex.DecodeString(plan.RestoreID); err != nil || len(id) != 16 {
+		t.Fatalf("restore id %q is not 128 random bits in hex", plan.RestoreID)
+	}
+	r0, r1 := wire.Rank{Instance: "eng", TPRank: 0}, wire.Rank{Instance: "eng", TPRank: 1}
+	// Rank 0 (on its own subject) forges rank 1's report with the planned
+	// sums, and its own: without the check that gives COMPLETE.
+	forged := wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r1, Results: results(plan.Ranks[r1.String()])}
+	callErr[wire.ReportAck](t, nc, c.subj.Report(r0), forged, wire.CodeUnauthorized)
+	ack := call[wire.ReportAck](t, nc, c.subj.Report(r0),
+		wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r0, Results: results(plan.Ranks[r0.String()])})
+	if ack.State != wire.VerdictPending {
+		t.Fatalf("after rank 0's own report and a forged rank 1 report: state %s, want pending", ack.State)
+	}
+	// Engine instance "other" asks about, and waits on, instance eng.
+	callErr[wire.LookupReply](t, nc, c.subj.EngineCoord("other", wire.CoordLookup),
+		wire.LookupRequest{Namespace: f.ns, Chunks: f.chunks, Instance: "eng"}, wire.CodeUnauthorized)
+	callErr[wire.RestorePlan](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreBegin),
+		wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks}, Instance: "eng"}, wire.CodeUnauthorized)
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: plan.RestoreID}, wire.CodeUnauthorized)
+	// A scoped lookup without an instance is the caller's own: instance
+	// "other" has no ranks, so nothing is restorable for it.
+	lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("other", wire.CoordLookup),
+		wire.LookupRequest{Namespace: f.ns, Chunks: f.chunks, Detail: true})
+	if lr.Prefix != 0 {
+		t.Fatalf("lookup scoped to instance other = %+v, want prefix 0", lr)
+	}
+	// Lookup detail gives no checksums (admin.object does).
+	lr = call[wire.LookupReply](t, nc, c.subj.EngineCoord("eng", wire.CoordLookup),
+		wire.LookupRequest{Namespace: f.ns, Chunks: f.chunks, Detail: true})
+	if lr.Prefix != 3 || len(lr.Sources) == 0 {
+		t.Fatalf("lookup = %+v", lr)
+	}
+	for _, s := range lr.Sources {
+		for _, p := range s.Placements {
+			if p.Sum != 0 {
+				t.Fatalf("lookup detail hands out sum %x of %s", p.Sum, s.Key)
+			}
+		}
+	}
+	// A heartbeat naming rank 1 on rank 0's subject is refused.
+	hb, _ := json.Marshal(wire.Heartbeat{Rank: r1, Incarnation: 1, Seq: 99})
+	if err := nc.Publish(c.subj.Heartbeat(r0), hb); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the forged heartbeat to be refused", func() bool {
+		return metric(t, c, "kvtier_coord_unauthorized_total", "subject", "heartbeat") == 1
+	})
+	for kind, want := range map[string]float64{"report": 1, "lookup": 1, "restore_begin": 1, "restore_wait": 1} {
+		if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", kind); got != want {
+			t.Errorf("unauthorized %s = %v, want %v", kind, got, want)
+		}
+	}
+	// The real rank 1 completes it.
+	ack = call[wire.ReportAck](t, nc, c.subj.Report(r1),
+		wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r1, Results: results(plan.Ranks[r1.String()])})
+	if ack.State != wire.VerdictComplete {
+		t.Fatalf("after both real reports: %s", ack.State)
+	}
+}
+
+// TestSecureCoordinatorReloadsCredentials runs the coordinator with auth
+// on: anonymous clients are refused, the engine serves through its scoped
+// subjects, an instance added later ('coordinator creds add') connects
+// once the users are reloaded (SIGHUP), and a rotated key replaces the old.
+func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 2}}); err != nil {
+		t.Fatal(err)
+	}
+	c := startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir = false, creds })
+	if nc, err := nats.Connect(c.NATSURL(), nats.MaxReconnects(0)); err == nil {
+		nc.Close()
+		t.Fatal("anonymous client accepted")
+	}
+	dial := func(id auth.Identity) (*nats.Conn, error) {
+		opts, err := auth.Client{Identity: id, Dir: creds}.Options()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return nats.Connect(c.NATSURL(), append(opts, nats.MaxReconnects(0))...)
+	}
+	eng, err := dial(auth.Engine("eng"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if rep := call[wire.RegisterReply](t, eng, c.subj.EngineCoord("eng", wire.CoordRegister), testSpec(2)); rep.Namespace == (dcp.Namespace{}) {
+		t.Fatal("register through the scoped subject gave no namespace")
+	}
+	// A new instance: refused until the coordinator reloads.
+	if err := auth.AddInstance(creds, auth.Instance{Name: "eng2", TPSize: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if nc, err := dial(auth.Engine("eng2")); err == nil {
+		nc.Close()
+		t.Fatal("engine eng2 connected before the reload")
+	}
+	if err := c.ReloadAuth(); err != nil {
+		t.Fatal(err)
+	}
+	nc2, err := dial(auth.Engine("eng2"))
+	if err != nil {
+		t.Fatalf("engine eng2 after the reload: %v", err)
+	}
+	defer nc2.Close()
+	// Rotation: the old seed stops working after the reload.
+	old, err := os.ReadFile(filepath.Join(creds, "engine-eng2.nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.Rotate(creds, "engine-eng2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ReloadAuth(); err != nil {
+		t.Fatal(err)
+	}
+	// The connection made with the rotated-out key is closed by the reload.
+	waitFor(t, 5*time.Second, "the old key's connection to be closed", func() bool { return nc2.IsClosed() })
+	oldSeed := filepath.Join(t.TempDir(), "old.nk")
+	if err := os.WriteFile(oldSeed, old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts, err := auth.Client{Identity: auth.Engine("eng2"), SeedFile: oldSeed}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nc, err := nats.Connect(c.NATSURL(), append(opts, nats.MaxReconnects(0))...); err == nil {
+		nc.Close()
+		t.Fatal("the rotated-out seed still connects")
+	}
+	if nc, err := dial(auth.Engine("eng2")); err != nil {
+		t.Fatalf("the new seed: %v", err)
+	} else {
+		nc.Close()
+	}
+	// The coordinator signed the NATS URL it gossips.
+	m := c.member.LocalMember().Meta
+	u, err := auth.LoadUsers(filepath.Join(creds, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pub string
+	for _, x := range u.Users {
+		if x.Role == auth.RoleCoordinator {
+			pub = x.NKey
+		}
+	}
+	sig, err := base64.StdEncoding.DecodeString(m.NATSSig)
+	if err != nil || auth.Verify(pub, cluster.NATSStatement(m.Incarnation, m.NATS), sig) != nil {
+		t.Fatalf("gossiped NATS URLs %v carry no valid signature (%q)", m.NATS, m.NATSSig)
+	}
+}
+
+// TestSecureExternalNATS: a nats-server configured from the generated
+// permission set (auth.NATSConfig, what 'coordinator creds nats-conf'
+// writes) serves a secure coordinator and its engine; the engine's
+// unscoped request is refused by the server.
+func TestSecureExternalNATS(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	u, err := auth.LoadUsers(filepath.Join(creds, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(t.TempDir(), "nats.conf")
+	if err := os.WriteFile(conf, []byte("listen: 127.0.0.1:-1\n"+auth.NATSConfig(u, "kvtier")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	opts, err := server.ProcessConfigFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.NoLog, opts.NoSigs = true, true
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("external NATS not ready")
+	}
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() }) // after the coordinator's (cleanups run last first)
+	url := "nats://" + srv.Addr().String()
+	c := startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir, cfg.NATSURL = false, creds, url })
+	eopts, err := auth.Client{Identity: auth.Engine("eng"), Dir: creds}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 4)
+	eng, err := nats.Connect(url, append(eopts, nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { errs <- err }))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	if rep := call[wire.RegisterReply](t, eng, c.subj.EngineCoord("eng", wire.CoordRegister), testSpec(1)); rep.Namespace == (dcp.Namespace{}) {
+		t.Fatal("no namespace through the external server")
+	}
+	if err := eng.Publish(c.subj.Coord(wire.CoordRegister), []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-errs:
+		if !errors.Is(err, nats.ErrPermissionViolation) {
+			t.Fatalf("unscoped publish: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the external server let the engine publish an unscoped subject")
+	}
+}
