@@ -1,6 +1,6 @@
-// Package flagfile reads a daemon's config file and applies it to the
-// daemon's flag.FlagSet before the command line is parsed, so a flag given
-// on the command line always wins over the file.
+// Package flagfile reads a daemon's config file (--config) and applies it
+// to the flags of the daemon's flag.FlagSet that the command line did not
+// set: a flag given on the command line always wins over the file.
 //
 // The format is one setting per line, named exactly as the flag:
 //
