@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 
@@ -117,7 +118,7 @@ func queries(d *dashboard) ([]query, []error) {
 // no gather; registered still finds it).
 type exported struct {
 	regs  map[string]*prometheus.Registry // by daemon
-	types map[string]string               // "COUNTER", "HISTOGRAM", ...
+	types map[string]dto.MetricType
 }
 
 // probe is a collector of one descriptor: registering it asks the registry
@@ -181,8 +182,8 @@ func (e *exported) check(qs []query) []error {
 					errs = append(errs, err)
 					continue
 				}
-				if t, ok := e.types[base]; len(who) > 0 && ok && t != "HISTOGRAM" && t != "GAUGE_HISTOGRAM" && t != "SUMMARY" {
-					errs = append(errs, fmt.Errorf("%s: %s: %s is a %s, not a histogram", q.where, name, base, t))
+				if t, ok := e.types[base]; len(who) > 0 && ok && t != dto.MetricType_HISTOGRAM && t != dto.MetricType_SUMMARY {
+					errs = append(errs, fmt.Errorf("%s: %s: %s is a %v, not a histogram", q.where, name, base, t))
 					continue
 				}
 			}
@@ -244,14 +245,14 @@ func daemonMetrics(t *testing.T) *exported {
 		}
 	})
 
-	e := &exported{regs: map[string]*prometheus.Registry{"coordinator": creg, "rankd": d.Registry()}, types: map[string]string{}}
+	e := &exported{regs: map[string]*prometheus.Registry{"coordinator": creg, "rankd": d.Registry()}, types: map[string]dto.MetricType{}}
 	for _, reg := range e.regs {
 		mfs, err := reg.Gather()
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, mf := range mfs {
-			e.types[mf.GetName()] = mf.GetType().String()
+			e.types[mf.GetName()] = mf.GetType()
 		}
 	}
 	return e

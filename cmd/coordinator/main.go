@@ -3,7 +3,7 @@
 //
 //	coordinator serve --data-dir /var/lib/kvtier [--nats URL | --nats-host H --nats-port P]
 //	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key BASE64]
-//	                  [--http ADDR] [--prefix P] [--log-level info]
+//	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE]
 //	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--prefix P] [--json]
 //	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
 //	coordinator object ... --spec-file SPEC.json [--model M] --tokens FILE [--instance I]
