@@ -73,7 +73,7 @@ func TestExampleConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	rc, stderr = runRankd(t, bin, "--config", p)
-	if want := fmt.Sprintf("rankd: config %s:%d: key \"l2_policy\" is not a flag of rankd: flagfile: unknown key\n", p, line); rc != 2 || stderr != want {
+	if want := fmt.Sprintf("config %s:%d: key \"l2_policy\" is not a flag of rankd: flagfile: unknown key\n", p, line); rc != 2 || stderr != want {
 		t.Fatalf("rc %d, stderr %q, want 2 and %q", rc, stderr, want)
 	}
 }
