@@ -1,6 +1,6 @@
-// Package flagfile reads a daemon's config file and applies it to the
-// daemon's flag.FlagSet before the command line is parsed, so a flag given
-// on the command line always wins over the file.
+// Package flagfile reads a daemon's config file (--config) and applies it
+// to the flags of the daemon's flag.FlagSet that the command line did not
+// set: a flag given on the command line always wins over the file.
 //
 // The format is one setting per line, named exactly as the flag:
 //
@@ -14,7 +14,8 @@
 // without dashes; a value runs to the end of the line or to a '#' that
 // follows whitespace, and is trimmed. A value in double quotes is a Go
 // string literal (escapes included). An empty value sets the flag to the
-// empty string. Each key may appear once.
+// empty string. Each key may appear once. A key the command line also sets
+// is checked as a key but its value is not applied, nor checked.
 //
 // The package refuses, naming the file and line: a key that is not a flag of
 // the command (a typo must not be silently ignored), a key given twice, a

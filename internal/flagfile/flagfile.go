@@ -137,9 +137,14 @@ func clip(s string) string {
 	return s
 }
 
-// Apply sets fs's flags from settings. secrets are flag names refused in a
-// file. It stops at the first error, which names path and the line.
+// Apply sets each flag that settings name and the command line did not set
+// (fs.Visit: call it after fs.Parse, so the command line wins). secrets are
+// flag names refused in a file. Every key is checked, set or not; a value is
+// checked by its flag only where it is applied. It stops at the first error,
+// which names path and the line.
 func Apply(fs *flag.FlagSet, path string, settings []Setting, secrets ...string) error {
+	onCmdLine := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { onCmdLine[f.Name] = true })
 	for _, s := range settings {
 		if s.Key == FlagName {
 			return fmt.Errorf("config %s:%d: key %q: %w", path, s.Line, s.Key, ErrNested)
@@ -153,6 +158,9 @@ func Apply(fs *flag.FlagSet, path string, settings []Setting, secrets ...string)
 		if fs.Lookup(s.Key) == nil {
 			return fmt.Errorf("config %s:%d: key %q is not a flag of %s: %w", path, s.Line, s.Key, filepath.Base(fs.Name()), ErrUnknownKey)
 		}
+		if onCmdLine[s.Key] {
+			continue
+		}
 		if err := fs.Set(s.Key, s.Value); err != nil {
 			return fmt.Errorf("config %s:%d: key %q: value %q refused: %w: %w", path, s.Line, s.Key, clip(s.Value), ErrValue, err)
 		}
@@ -161,8 +169,12 @@ func Apply(fs *flag.FlagSet, path string, settings []Setting, secrets ...string)
 }
 
 // Load reads the config file at path, checks that it is safe to trust
-// (CheckFile) and applies it to fs.
+// (CheckFile) and applies it to the flags of fs the command line did not
+// set (Apply). Call it after fs.Parse. An empty path is no file: nil.
 func Load(fs *flag.FlagSet, path string, secrets ...string) error {
+	if path == "" {
+		return nil
+	}
 	// O_NONBLOCK: opening a FIFO must not wait for a writer; the mode check
 	// below refuses it.
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
@@ -216,68 +228,32 @@ func CheckFile(mode fs.FileMode, size int64, uid, euid int) error {
 	return nil
 }
 
-// Parse defines --config on fs, applies the file it names (if any) and then
-// parses args, so flags on the command line override the file. secrets are
-// flag names refused in the file.
-//
-// A file error is printed to fs.Output() and handled as fs's ErrorHandling
-// says (returned, os.Exit(2) or panic), like a command-line error; errors of
-// the command line are flag.FlagSet.Parse's own. A flag.Value that
-// accumulates (each Set appends) gets the file's values before the command
-// line's.
-func Parse(fs *flag.FlagSet, args []string, secrets ...string) error {
-	fs.String(FlagName, "", "config file of `flag-name = value` lines (see deploy/examples); flags on the command line win")
-	if path := configArg(fs, args); path != "" {
-		if err := Load(fs, path, secrets...); err != nil {
-			fmt.Fprintln(fs.Output(), err)
-			switch fs.ErrorHandling() {
-			case flag.ExitOnError:
-				os.Exit(2)
-			case flag.PanicOnError:
-				panic(err)
-			}
-			return err
-		}
-	}
-	return fs.Parse(args)
+// Define defines --config on fs and returns where its value goes: give it
+// to Load after fs.Parse.
+func Define(fs *flag.FlagSet) *string {
+	return fs.String(FlagName, "", "config file of `flag-name = value` lines (see deploy/examples); flags on the command line win")
 }
 
-// configArg finds the last --config value among the flags of args, walking
-// them as flag.FlagSet.Parse will: it stops at "--", at the first non-flag
-// argument and at an unknown flag (Parse then reports it), and knows which
-// flags take a separate value argument.
-func configArg(fs *flag.FlagSet, args []string) string {
-	path := ""
-	for i := 0; i < len(args); i++ {
-		a := args[i]
-		if len(a) < 2 || a[0] != '-' || a == "--" {
-			break
-		}
-		name := strings.TrimPrefix(a[1:], "-")
-		value, hasValue := "", false
-		if eq := strings.IndexByte(name, '='); eq >= 0 {
-			name, value, hasValue = name[:eq], name[eq+1:], true
-		}
-		f := fs.Lookup(name)
-		if f == nil {
-			if name == "h" || name == "help" {
-				continue
-			}
-			break
-		}
-		if bf, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && bf.IsBoolFlag() {
-			continue
-		}
-		if !hasValue {
-			if i+1 >= len(args) {
-				break
-			}
-			i++
-			value = args[i]
-		}
-		if name == FlagName {
-			path = value
-		}
+// Parse is Define, fs.Parse(args) and Load: flags on the command line
+// override the file. secrets are flag names refused in the file.
+//
+// Errors of the command line are flag.FlagSet.Parse's own. A file error is
+// printed to fs.Output() and handled as fs's ErrorHandling says (returned,
+// os.Exit(2) or panic), like a command-line error.
+func Parse(fs *flag.FlagSet, args []string, secrets ...string) error {
+	path := Define(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
 	}
-	return path
+	if err := Load(fs, *path, secrets...); err != nil {
+		fmt.Fprintln(fs.Output(), err)
+		switch fs.ErrorHandling() {
+		case flag.ExitOnError:
+			os.Exit(2)
+		case flag.PanicOnError:
+			panic(err)
+		}
+		return err
+	}
+	return nil
 }

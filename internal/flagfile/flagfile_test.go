@@ -258,3 +258,25 @@ func FuzzParseSettings(f *testing.F) {
 		}
 	})
 }
+
+// list is a flag.Value that accumulates, as a repeatable flag does.
+type list []string
+
+func (l *list) String() string     { return strings.Join(*l, ",") }
+func (l *list) Set(s string) error { *l = append(*l, s); return nil }
+
+// TestOverriddenNotApplied: a flag the command line sets gets nothing from
+// the file, so a repeatable flag holds the command line's values only.
+func TestOverriddenNotApplied(t *testing.T) {
+	var out bytes.Buffer
+	fs, v := newSet(&out)
+	var seeds list
+	fs.Var(&seeds, "seed", "")
+	p := writeConf(t, "seed = file:1\ninstance = fromfile\n", 0o600)
+	if err := Parse(fs, []string{"--seed", "cli:1", "--seed", "cli:2", "--config", p}); err != nil {
+		t.Fatal(err)
+	}
+	if got := seeds.String(); got != "cli:1,cli:2" || *v["instance"].(*string) != "fromfile" {
+		t.Fatalf("seeds %q instance %q, want cli:1,cli:2 and fromfile", got, *v["instance"].(*string))
+	}
+}
