@@ -82,13 +82,16 @@ type Config struct {
 
 // Result is the outcome of a run, as printed and as written to ResultFile.
 type Result struct {
-	Scenario  string       `json:"scenario"`
-	Phase     string       `json:"phase"`
-	Namespace string       `json:"namespace"`
-	Chunks    int          `json:"chunks"`
-	Stores    int          `json:"stores"` // store requests sent
-	Stored    int          `json:"stored"` // objects committed
-	Deduped   int          `json:"deduped"`
+	Scenario  string `json:"scenario"`
+	Phase     string `json:"phase"`
+	Namespace string `json:"namespace"`
+	Chunks    int    `json:"chunks"`
+	Stores    int    `json:"stores"` // store requests sent
+	Stored    int    `json:"stored"` // objects committed
+	Deduped   int    `json:"deduped"`
+	// Sessions are the rankd sessions of this process's registration, by
+	// TP rank.
+	Sessions  []string     `json:"sessions,omitempty"`
 	RestoreID string       `json:"restore_id,omitempty"`
 	Prefix    int          `json:"prefix"`
 	Verdict   string       `json:"verdict,omitempty"`
@@ -277,6 +280,9 @@ func (s *sim) run(ctx context.Context) error {
 		return err
 	}
 	registered = true
+	for _, w := range s.workers {
+		s.res.Sessions = append(s.res.Sessions, w.session)
+	}
 	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
 
 	if s.cfg.Phase != PhaseRestore {
