@@ -70,6 +70,10 @@ type Config struct {
 	// the restore plan arrived and wait until this file exists (tests kill
 	// a rankd in the gap).
 	HoldBeforeRetrieve string
+	// HoldBeforeStore, when set, makes the run print a HOLD line after
+	// its registration and wait until this file exists before storing
+	// (tests start another engine process in the gap).
+	HoldBeforeStore string
 	// KeepRegistered leaves the pools registered with the rankds at exit
 	// (tests that poke at a registered namespace afterwards). Default
 	// false: the engine releases its pools before freeing them.
@@ -286,6 +290,9 @@ func (s *sim) run(ctx context.Context) error {
 	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
 
 	if s.cfg.Phase != PhaseRestore {
+		if err := s.hold(ctx, "store", s.cfg.HoldBeforeStore); err != nil {
+			return err
+		}
 		if err := s.store(ctx); err != nil {
 			return err
 		}
@@ -301,6 +308,26 @@ func (s *sim) run(ctx context.Context) error {
 		s.logf("wiped every page on every rank (prefix cache reset)")
 	}
 	return s.restore(ctx)
+}
+
+// hold prints a HOLD line and waits until file exists ("" : no hold).
+func (s *sim) hold(ctx context.Context, before, file string) error {
+	if file == "" {
+		return nil
+	}
+	s.logf("HOLD before %s: waiting for %s", before, file)
+	for {
+		if _, err := os.Stat(file); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	s.logf("HOLD released")
+	return nil
 }
 
 // each runs f for every worker concurrently and joins the errors.
@@ -407,19 +434,8 @@ func (s *sim) restore(ctx context.Context) error {
 	s.res.RestoreID, s.res.Prefix = plan.RestoreID, plan.Prefix
 	s.logf("restore %s: plan covers %d of %d chunks on %d ranks", plan.RestoreID, plan.Prefix, len(p.Hashes), len(plan.Ranks))
 
-	if s.cfg.HoldBeforeRetrieve != "" {
-		s.logf("HOLD before retrieve: waiting for %s", s.cfg.HoldBeforeRetrieve)
-		for {
-			if _, err := os.Stat(s.cfg.HoldBeforeRetrieve); err == nil {
-				break
-			}
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-		s.logf("HOLD released")
+	if err := s.hold(ctx, "retrieve", s.cfg.HoldBeforeRetrieve); err != nil {
+		return err
 	}
 
 	rows := make([]RankResult, len(s.workers))
