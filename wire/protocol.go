@@ -60,8 +60,9 @@ type RegisterReply struct {
 	Namespace dcp.Namespace `json:"namespace"`
 	// Session names this registration (32 hex characters, 128 random
 	// bits); every later store, retrieve and release of the engine process
-	// sends it. See session.go.
-	Session string `json:"session"`
+	// sends it. See session.go. Empty in the coordinator's ns.register
+	// reply (namespaces have no sessions).
+	Session string `json:"session,omitempty"`
 	// Superseded is the session this registration replaced ("" if none):
 	// its later requests are refused with CodeStaleSession.
 	Superseded string `json:"superseded,omitempty"`
