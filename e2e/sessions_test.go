@@ -112,6 +112,42 @@ func TestTwoEnginesOneInstance(t *testing.T) {
 	}
 }
 
+// TestTwoEnginesOverlapping: the second engine process of instance engine0
+// registers while the first one's stores are in flight (its rankds wait on
+// producer events 400 ms apart). Whatever the interleaving, the first
+// process's accepted stores drain on its own pools and any later one is
+// refused with stale_session; each prompt, restored alone, is byte-exact in
+// every chunk the verdict does not fail, and nothing outside a block table
+// is written.
+func TestTwoEnginesOverlapping(t *testing.T) {
+	c := newKV(t, 4)
+	c.startAll()
+	pa, resA := c.startSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", "13", "--compute", "400ms")
+	waitOutput(c, pa, "registered 4 ranks' pools")
+	pb, resB := c.startSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", "14", "--compute", "50ms")
+	errA := pa.wait(3 * time.Minute)
+	errB := pb.wait(3 * time.Minute)
+	if rb := readResult(t, resB); errB != nil || rb == nil || !rb.OK {
+		t.Fatalf("superseding engine: %v\n%s", errB, tail(pb.output(), 30))
+	}
+	if errA != nil && !strings.Contains(pa.output(), wire.CodeStaleSession) {
+		t.Fatalf("first engine failed for another reason than %s: %v\n%s", wire.CodeStaleSession, errA, tail(pa.output(), 30))
+	}
+	t.Logf("first engine: exit %v, result %+v", errA, readResult(t, resA))
+	for _, seed := range []string{"13", "14"} {
+		res, out, err := c.sim("--scenario", "tp4dcp4", "--phase", "restore", "--seed", seed, "--wait-prefix", "-1s")
+		exact(t, "restore of seed "+seed, res)
+		if seed == "14" && (err != nil || !res.OK) {
+			t.Fatalf("restore of the superseding engine's prompt: %v\n%s", err, tail(out, 30))
+		}
+		t.Logf("restore of seed %s: verdict %s prefix %d of %d", seed, res.Verdict, res.Prefix, res.Chunks)
+	}
+	v, err := admin[wire.AdminVerifyReply](c, wire.AdminVerify, struct{}{})
+	if err != nil || !v.OK {
+		t.Fatalf("verify: %+v %v", v, err)
+	}
+}
+
 // TestEngineKilledWhileStoring: an engine process is SIGKILLed while its
 // stores are in flight (the rankds wait on producer events it will never
 // complete) and is restarted at once; the restarted process registers
