@@ -44,7 +44,10 @@ type StatusReply struct {
 	Gossip      string         `json:"gossip"`
 	Events      EventStatus    `json:"events"`
 	Engine      transfer.Stats `json:"engine"`
-	Accepting   bool           `json:"accepting"`
+	// Sessions is the number of live engine sessions (one per registered
+	// namespace).
+	Sessions  int  `json:"sessions"`
+	Accepting bool `json:"accepting"`
 }
 
 // DeviceStatus is the device part of a status reply.
@@ -389,6 +392,7 @@ func (d *Daemon) Status() *StatusReply {
 	st.Events = EventStatus{QueuedBatches: len(d.pub.queue), AppliedThrough: d.pub.applied}
 	d.pub.mu.Unlock()
 	st.Engine = d.eng.Stats()
+	st.Sessions = d.eng.Sessions()
 	return st
 }
 

@@ -76,6 +76,9 @@ func TestSessionRefusals(t *testing.T) {
 	if v := gatherCounter(t, h, "kvtier_rankd_engine_sessions_superseded_total"); v != 1 {
 		t.Fatalf("supersessions metric %v, want 1", v)
 	}
+	if st := h.d.Status(); st.Sessions != 1 {
+		t.Fatalf("status: %d live sessions, want 1", st.Sessions)
+	}
 
 	evh := func(e *engine) wire.StoreRequest {
 		ev, err := e.dev.NewEvent(true)
