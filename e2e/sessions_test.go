@@ -186,7 +186,7 @@ func TestEngineKilledWhileStoring(t *testing.T) {
 func startInstance(c *kv, instance string) []*proc {
 	c.t.Helper()
 	l2 := filepath.Join(c.dir, "l2-"+instance)
-	if err := os.MkdirAll(l2, 0o755); err != nil {
+	if err := os.MkdirAll(l2, 0o700); err != nil { // private, as the L2 tier insists
 		c.t.Fatal(err)
 	}
 	var ps []*proc
