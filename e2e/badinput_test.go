@@ -20,7 +20,8 @@ import (
 func TestBadInput(t *testing.T) {
 	c := newKV(t, 4)
 	c.startAll()
-	c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--keep-registered")
+	stored := c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--keep-registered")
+	sess0 := stored.Sessions[0]
 
 	sc, _ := enginesim.LookupScenario("tp4dcp4")
 	plan, err := enginesim.NewPlan(sc, 1)
@@ -69,9 +70,11 @@ func TestBadInput(t *testing.T) {
 		}(), DeviceUUID: "HOST-x", Pools: pools}), wire.CodeBadRequest, "TP size 8"},
 		{"rankd unknown namespace", eng("store"), js(wire.StoreRequest{RequestID: "r", Namespace: unknownNS, Event: evHandle,
 			Chunks: []wire.ChunkBlocks{{Chunk: plan.Hashes[0], Blocks: [][]int64{{0}}}}}), wire.CodeUnknownNamespace, "not registered"},
-		{"rankd block outside the pool", eng("retrieve"), js(wire.RetrieveRequest{Namespace: ns,
+		{"rankd block outside the pool", eng("retrieve"), js(wire.RetrieveRequest{Namespace: ns, Session: sess0,
 			Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key0, Blocks: []int64{1 << 40}}}}), wire.CodeBadRequest, "block"},
-		{"rankd key of another shard", eng("retrieve"), js(wire.RetrieveRequest{Namespace: ns,
+		{"rankd no session", eng("retrieve"), js(wire.RetrieveRequest{Namespace: ns,
+			Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key0, Blocks: []int64{0}}}}), wire.CodeUnknownSession, "names no session"},
+		{"rankd key of another shard", eng("retrieve"), js(wire.RetrieveRequest{Namespace: ns, Session: sess0,
 			Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: dcp.Key{NS: ns, Chunk: plan.Hashes[0], Shard: 3}, Blocks: []int64{0}}}}),
 			wire.CodeBadRequest, "shard"},
 		{"rankd inventory garbage", c.subj.Inventory(rank0), `[[[`, wire.CodeBadRequest, "decode"},

@@ -75,6 +75,10 @@ type Config struct {
 	// the restore plan arrived and wait until this file exists (tests kill
 	// a rankd in the gap).
 	HoldBeforeRetrieve string
+	// HoldBeforeStore, when set, makes the run print a HOLD line after
+	// its registration and wait until this file exists before storing
+	// (tests start another engine process in the gap).
+	HoldBeforeStore string
 	// KeepRegistered leaves the pools registered with the rankds at exit
 	// (tests that poke at a registered namespace afterwards). Default
 	// false: the engine releases its pools before freeing them.
@@ -87,13 +91,16 @@ type Config struct {
 
 // Result is the outcome of a run, as printed and as written to ResultFile.
 type Result struct {
-	Scenario  string       `json:"scenario"`
-	Phase     string       `json:"phase"`
-	Namespace string       `json:"namespace"`
-	Chunks    int          `json:"chunks"`
-	Stores    int          `json:"stores"` // store requests sent
-	Stored    int          `json:"stored"` // objects committed
-	Deduped   int          `json:"deduped"`
+	Scenario  string `json:"scenario"`
+	Phase     string `json:"phase"`
+	Namespace string `json:"namespace"`
+	Chunks    int    `json:"chunks"`
+	Stores    int    `json:"stores"` // store requests sent
+	Stored    int    `json:"stored"` // objects committed
+	Deduped   int    `json:"deduped"`
+	// Sessions are the rankd sessions of this process's registration, by
+	// TP rank.
+	Sessions  []string     `json:"sessions,omitempty"`
 	RestoreID string       `json:"restore_id,omitempty"`
 	Prefix    int          `json:"prefix"`
 	Verdict   string       `json:"verdict,omitempty"`
@@ -288,9 +295,15 @@ func (s *sim) run(ctx context.Context) error {
 		return err
 	}
 	registered = true
+	for _, w := range s.workers {
+		s.res.Sessions = append(s.res.Sessions, w.session)
+	}
 	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
 
 	if s.cfg.Phase != PhaseRestore {
+		if err := s.hold(ctx, "store", s.cfg.HoldBeforeStore); err != nil {
+			return err
+		}
 		if err := s.store(ctx); err != nil {
 			return err
 		}
@@ -306,6 +319,26 @@ func (s *sim) run(ctx context.Context) error {
 		s.logf("wiped every page on every rank (prefix cache reset)")
 	}
 	return s.restore(ctx)
+}
+
+// hold prints a HOLD line and waits until file exists ("" : no hold).
+func (s *sim) hold(ctx context.Context, before, file string) error {
+	if file == "" {
+		return nil
+	}
+	s.logf("HOLD before %s: waiting for %s", before, file)
+	for {
+		if _, err := os.Stat(file); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	s.logf("HOLD released")
+	return nil
 }
 
 // each runs f for every worker concurrently and joins the errors.
@@ -412,19 +445,8 @@ func (s *sim) restore(ctx context.Context) error {
 	s.res.RestoreID, s.res.Prefix = plan.RestoreID, plan.Prefix
 	s.logf("restore %s: plan covers %d of %d chunks on %d ranks", plan.RestoreID, plan.Prefix, len(p.Hashes), len(plan.Ranks))
 
-	if s.cfg.HoldBeforeRetrieve != "" {
-		s.logf("HOLD before retrieve: waiting for %s", s.cfg.HoldBeforeRetrieve)
-		for {
-			if _, err := os.Stat(s.cfg.HoldBeforeRetrieve); err == nil {
-				break
-			}
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-		s.logf("HOLD released")
+	if err := s.hold(ctx, "retrieve", s.cfg.HoldBeforeRetrieve); err != nil {
+		return err
 	}
 
 	rows := make([]RankResult, len(s.workers))

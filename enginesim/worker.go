@@ -26,6 +26,9 @@ type worker struct {
 	nc     *nats.Conn
 	subj   wire.Subjects
 	log    func(format string, args ...any)
+	// session is the rankd session of this process's registration; every
+	// store, retrieve and release names it.
+	session string
 }
 
 func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
@@ -61,9 +64,11 @@ func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.Ho
 func (w *worker) release(ctx context.Context) error {
 	type releaseRequest struct {
 		Namespace dcp.Namespace `json:"namespace"`
+		Session   string        `json:"session"`
 	}
-	_, err := bus.Call[releaseRequest](ctx, w.nc, w.subj.Engine(w.rank, "release"), releaseRequest{Namespace: w.plan.R.Namespace})
-	return err
+	req := releaseRequest{Namespace: w.plan.R.Namespace, Session: w.session}
+	_, err := bus.Call[releaseRequest](ctx, w.nc, w.subj.Engine(w.rank, "release"), req)
+	return sessionErr(w, "release", err)
 }
 
 func (w *worker) close() {
@@ -77,7 +82,13 @@ func (w *worker) close() {
 }
 
 // register exports every layer's pool (a view of the group's allocation at
-// the layer's offset: the handle carries the offset) and registers them.
+// the layer's offset: the handle carries the offset) and registers them,
+// keeping the session the rankd answers. This is the engine's start (or
+// restart) path, the only one that registers: a registration supersedes
+// any live session of the instance on that rank. A request later refused
+// with stale_session means another process of the instance registered
+// since; the simulator then fails rather than re-registering, which would
+// take the pools away from that process in turn.
 func (w *worker) register(ctx context.Context) error {
 	req := wire.RegisterRequest{Spec: w.plan.Scenario.Spec, DeviceUUID: w.dev.Info().UUID}
 	for gi, g := range w.plan.R.Geometry {
@@ -96,7 +107,24 @@ func (w *worker) register(ctx context.Context) error {
 	if rep.Namespace != w.plan.R.Namespace {
 		return fmt.Errorf("rank %d: register answered namespace %s, the spec's is %s", w.t, rep.Namespace, w.plan.R.Namespace)
 	}
+	if err := wire.CheckSessionID(rep.Session); err != nil {
+		return fmt.Errorf("rank %d: register answered no usable session: %w", w.t, err)
+	}
+	w.session = rep.Session
+	if rep.Superseded != "" {
+		w.log("rank %d: registration superseded session %s of instance %s (an earlier engine process)", w.t, rep.Superseded, w.rank.Instance)
+	}
 	return nil
+}
+
+// sessionErr explains a stale_session refusal: this process was superseded.
+func sessionErr(w *worker, op string, err error) error {
+	var we *wire.Error
+	if errors.As(err, &we) && we.Code == wire.CodeStaleSession {
+		return fmt.Errorf("rank %d: %s refused, session %s was superseded by another registration of instance %s (not re-registering): %w",
+			w.t, op, w.session, w.rank.Instance, err)
+	}
+	return err
 }
 
 // storeResult is the outcome of one store request.
@@ -162,7 +190,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 			_ = ev.Release()
 			return nil, fmt.Errorf("rank %d: export event: %w", w.t, err)
 		}
-		req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Chunks: []wire.ChunkBlocks{cb}, Event: eh}
+		req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Session: w.session, Chunks: []wire.ChunkBlocks{cb}, Event: eh}
 		wg.Add(1)
 		go func(c int) {
 			defer wg.Done()
@@ -179,7 +207,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 			}
 			defer freed.Unsubscribe()
 			rep, err := bus.Call[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req)
-			r := storeResult{chunk: c, err: err}
+			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
 				if len(rep.Failed) > 0 {
@@ -237,12 +265,13 @@ func (w *worker) wipe() error {
 
 // retrieve sends the rank's part of a restore plan, with its target blocks.
 func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.RetrieveItem) (*wire.RetrieveReply, error) {
-	req := wire.RetrieveRequest{RestoreID: restoreID, Namespace: w.plan.R.Namespace}
+	req := wire.RetrieveRequest{RestoreID: restoreID, Namespace: w.plan.R.Namespace, Session: w.session}
 	for _, it := range items {
 		it.Blocks = w.plan.ChunkBlocks(PhaseRestoreTable, it.Group, it.Chunk)
 		req.Items = append(req.Items, it)
 	}
-	return bus.Call[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req)
+	rep, err := bus.Call[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req)
+	return rep, sessionErr(w, "retrieve", err)
 }
 
 // verify reads back every allocation and compares it with what it must hold.

@@ -16,16 +16,19 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// ReleaseRequest asks a rankd to release an engine's pools of a namespace
-// (the engine is going away); objects stay in L1 and L2. wire has no type
-// for it, so it lives here.
+// ReleaseRequest asks a rankd to release the pools one engine session
+// registered for a namespace (the engine is going away); objects stay in
+// L1 and L2. Session is the RegisterReply.Session of that registration.
+// wire has no type for it, so it lives here.
 type ReleaseRequest struct {
 	Namespace dcp.Namespace `json:"namespace"`
+	Session   string        `json:"session"`
 }
 
 // ReleaseReply confirms a release.
 type ReleaseReply struct {
 	Namespace dcp.Namespace `json:"namespace"`
+	Session   string        `json:"session"`
 }
 
 // StatusRequest is the (empty) status request; "{}" or an empty body.
@@ -41,7 +44,10 @@ type StatusReply struct {
 	Gossip      string         `json:"gossip"`
 	Events      EventStatus    `json:"events"`
 	Engine      transfer.Stats `json:"engine"`
-	Accepting   bool           `json:"accepting"`
+	// Sessions is the number of live engine sessions (one per registered
+	// namespace).
+	Sessions  int  `json:"sessions"`
+	Accepting bool `json:"accepting"`
 }
 
 // DeviceStatus is the device part of a status reply.
@@ -195,18 +201,38 @@ func (d *Daemon) serveRegister(ctx context.Context, msg *nats.Msg) error {
 	if req.Spec.Layout.TP != d.cfg.TPSize {
 		return fmt.Errorf("register: layout TP size %d, this rank belongs to TP size %d: %w", req.Spec.Layout.TP, d.cfg.TPSize, ErrBadRequest)
 	}
-	res, err := d.eng.Register(ctx, transfer.Registration(*req))
+	caller := d.callerOf(msg)
+	s, err := d.eng.Register(ctx, transfer.Registration(*req), caller)
 	if err != nil {
 		return err
 	}
-	d.log.Info("engine registered pools", zap.Stringer("namespace", res.Namespace), zap.String("model", res.Model), zap.Int("pools", len(req.Pools)))
-	return respond(d, OpRegister, msg, &wire.RegisterReply{Namespace: res.Namespace})
+	res := s.Resolved
+	if s.Superseded != "" {
+		d.met.supersessions.Inc()
+		d.log.Warn("engine registration superseded a live session: its later requests are refused as stale_session",
+			zap.Stringer("namespace", res.Namespace), zap.String("session", s.ID), zap.String("superseded", s.Superseded),
+			zap.String("engine", caller))
+	}
+	d.log.Info("engine registered pools", zap.Stringer("namespace", res.Namespace), zap.String("model", res.Model),
+		zap.String("session", s.ID), zap.String("engine", caller), zap.Int("pools", len(req.Pools)))
+	return respond(d, OpRegister, msg, &wire.RegisterReply{Namespace: res.Namespace, Session: s.ID, Superseded: s.Superseded})
+}
+
+// callerOf returns the engine identity of msg's sender (Config.EngineIdentity).
+func (d *Daemon) callerOf(msg *nats.Msg) string {
+	if d.cfg.EngineIdentity != nil {
+		return d.cfg.EngineIdentity(msg)
+	}
+	return "engine/" + d.cfg.Rank.Instance
 }
 
 func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 	req, err := DecodeStoreRequest(msg.Data)
 	if err != nil {
 		return err
+	}
+	if err := d.eng.Authorize(req.Namespace, req.Session, d.callerOf(msg)); err != nil {
+		return fmt.Errorf("store %s: %w", req.RequestID, err)
 	}
 	f, err := d.eng.Store(ctx, transfer.StoreRequest(*req))
 	if err != nil {
@@ -244,7 +270,14 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 		d.reportRejected(msg.Data, err)
 		return err
 	}
-	res, err := d.eng.Retrieve(ctx, transfer.RetrieveRequest(*req))
+	// The caller must own the session before anything is placed.
+	var res transfer.RetrieveResult
+	err = d.eng.Authorize(req.Namespace, req.Session, d.callerOf(msg))
+	if err == nil {
+		res, err = d.eng.Retrieve(ctx, transfer.RetrieveRequest(*req))
+	} else {
+		err = fmt.Errorf("retrieve %s: %w", req.RestoreID, err)
+	}
 	if err != nil {
 		if req.RestoreID != "" {
 			// The coordinator must learn that this rank placed nothing, so
@@ -333,11 +366,11 @@ func (d *Daemon) serveRelease(msg *nats.Msg) error {
 	if err != nil {
 		return err
 	}
-	if err := d.eng.Unregister(req.Namespace); err != nil {
+	if err := d.eng.Release(req.Namespace, req.Session, d.callerOf(msg)); err != nil {
 		return err
 	}
-	d.log.Info("engine released its pools", zap.Stringer("namespace", req.Namespace))
-	return respond(d, OpRelease, msg, &ReleaseReply{Namespace: req.Namespace})
+	d.log.Info("engine released its pools", zap.Stringer("namespace", req.Namespace), zap.String("session", req.Session))
+	return respond(d, OpRelease, msg, &ReleaseReply{Namespace: req.Namespace, Session: req.Session})
 }
 
 func (d *Daemon) serveStatus(msg *nats.Msg) error {
@@ -359,6 +392,7 @@ func (d *Daemon) Status() *StatusReply {
 	st.Events = EventStatus{QueuedBatches: len(d.pub.queue), AppliedThrough: d.pub.applied}
 	d.pub.mu.Unlock()
 	st.Engine = d.eng.Stats()
+	st.Sessions = d.eng.Sessions()
 	return st
 }
 

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/cluster"
@@ -163,6 +164,15 @@ type Config struct {
 	// in-flight requests and stores, flushing events, leaving the cluster.
 	// Default 30 s.
 	ShutdownTimeout time.Duration
+
+	// EngineIdentity returns the authenticated engine identity of the
+	// sender of an engine API message; a session belongs to the identity
+	// that registered it, and only that identity may store, retrieve or
+	// release in it. Default nil: every sender is "engine/<instance>",
+	// because only the instance's engine may publish on this rank's
+	// engine subjects (NATS permissions, C9), so the subject is the
+	// proof. The connection layer sets it when its identities are finer.
+	EngineIdentity func(msg *nats.Msg) string
 
 	// Logger receives logs. Default zap.NewNop().
 	Logger *zap.Logger

@@ -11,4 +11,36 @@
 // and never decides whether a restore is complete (the coordinator does).
 // Bad input gets an error reply with a stable wire code; the daemon keeps
 // serving.
+//
+// # Engine sessions
+//
+// Every engine.register that succeeds opens a session: the rankd imports
+// that registration's pools for it alone and answers a random 128-bit
+// session id (wire.RegisterReply.Session, 32 hex characters). Every store,
+// retrieve and release names the session; the rankd serves it only against
+// that session's own pools, and checks every block id against that
+// session's pool geometry before any copy. A session's imports are
+// released only after its last store or retrieve in flight has finished.
+//
+// Policy for a second registration of a namespace on this rank (the same
+// instance):
+//   - From the engine identity that owns the live session (an engine
+//     restart, or a second process of the instance): the new registration
+//     supersedes the old session. The old session's stores and retrieves in
+//     flight drain against the old session's pools; every later request
+//     naming the old session is refused with stale_session. Each
+//     supersession is counted (kvtier_rankd_engine_sessions_superseded_total)
+//     and logged at Warn.
+//   - From another identity while a session is live: refused with
+//     unauthorized. After the owner released its session, anyone entitled to
+//     the instance may register.
+//
+// A request naming a session this rank never issued (or none) is refused
+// with unknown_session, one from another identity than the session's owner
+// with unauthorized; a released session is stale. No request is ever served
+// against another session's pools, so no object is committed from pages
+// its store did not name and no retrieve writes outside its own engine's
+// pools. The engine identity comes from the connection layer
+// (Config.EngineIdentity); by default it is "engine/<instance>", the only
+// identity NATS lets publish on this rank's engine subjects.
 package rankd

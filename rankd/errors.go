@@ -37,6 +37,12 @@ func Code(err error) string {
 		return wire.CodeTooLarge
 	case errors.Is(err, transfer.ErrUnknownNamespace):
 		return wire.CodeUnknownNamespace
+	case errors.Is(err, transfer.ErrStaleSession):
+		return wire.CodeStaleSession
+	case errors.Is(err, transfer.ErrUnknownSession):
+		return wire.CodeUnknownSession
+	case errors.Is(err, transfer.ErrUnauthorized):
+		return wire.CodeUnauthorized
 	case errors.Is(err, dcp.ErrGeometry):
 		return wire.CodeGeometry
 	case errors.Is(err, ErrBadRequest), errors.Is(err, wire.ErrMalformed),

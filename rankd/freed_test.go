@@ -23,7 +23,8 @@ func TestBlocksFreedFollowsBlocksInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := h.ctx()
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
 	}
 	freed, err := h.nc.SubscribeSync(h.subj.Freed(h.rank))
@@ -56,7 +57,7 @@ func TestBlocksFreedFollowsBlocksInUse(t *testing.T) {
 	}
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "slow", Namespace: e.res.Namespace, Event: evh,
+		RequestID: "slow", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
 		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{3}}}}})
 	if err != nil {
 		t.Fatal(err)

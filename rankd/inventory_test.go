@@ -23,7 +23,8 @@ func TestInventoryPaged(t *testing.T) {
 	if e.res, err = e.spec.Resolve(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
 	}
 	s, err := e.dev.NewStream()
@@ -44,7 +45,7 @@ func TestInventoryPaged(t *testing.T) {
 		t.Fatal(err)
 	}
 	const chunks = 12
-	req := wire.StoreRequest{RequestID: "r", Namespace: e.res.Namespace, Event: evh}
+	req := wire.StoreRequest{RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh}
 	for i, ch := range dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16*chunks), 16) {
 		req.Chunks = append(req.Chunks, wire.ChunkBlocks{Chunk: ch, Blocks: [][]int64{{int64(i % blocks)}}})
 	}

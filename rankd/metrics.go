@@ -23,6 +23,7 @@ type metrics struct {
 	reports           *prometheus.CounterVec // result: ok | failed
 	inventories       prometheus.Counter
 	blocksFreed       *prometheus.CounterVec // result: sent | failed
+	supersessions     prometheus.Counter
 }
 
 func newMetrics(rank string) *metrics {
@@ -55,9 +56,11 @@ func newMetrics(rank string) *metrics {
 		blocksFreed: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "blocks_freed_total", Help: "Blocks-freed messages for stores answered with blocks_in_use (C10), by result.", ConstLabels: labels},
 			[]string{"result"}),
+		supersessions: c("engine_sessions_superseded_total",
+			"Engine registrations that superseded a live session of their namespace (an engine restart, or a second engine process of the instance)."),
 	}
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
-		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed,
+		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

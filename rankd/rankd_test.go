@@ -238,7 +238,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "r", Namespace: e.res.Namespace, Event: evh,
+		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
 		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
 	if err != nil {
 		t.Fatal(err)
@@ -254,8 +254,12 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	if e.res, err = e.spec.Resolve(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg2, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
+	}
+	if wire.CheckSessionID(reg2.Session) != nil || reg2.Session == reg.Session || reg2.Superseded != "" {
+		t.Fatalf("register of a second namespace: %+v (first session %s)", reg2, reg.Session)
 	}
 	ev2, _ := e.dev.NewEvent(true)
 	defer ev2.Release()
@@ -265,7 +269,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	evh2, _ := e.dev.ExportEvent(ev2)
 	chunk = dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	st, err = bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "r", Namespace: e.res.Namespace, Event: evh2,
+		RequestID: "r", Namespace: e.res.Namespace, Session: reg2.Session, Event: evh2,
 		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
 	if err != nil {
 		t.Fatal(err)
@@ -282,7 +286,7 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	// Retrieve into block 5 as part of restore "R1": the report reaches the
 	// coordinator with the checksum of the bytes placed.
 	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
-		RestoreID: "R1", Namespace: e.res.Namespace,
+		RestoreID: "R1", Namespace: e.res.Namespace, Session: reg2.Session,
 		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
 	if err != nil {
 		t.Fatal(err)
@@ -328,7 +332,9 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 		{OpStore, `{garbage`, wire.CodeBadRequest},
 		{OpStore, `{"request_id":"x","bogus":1}`, wire.CodeBadRequest},
 		{OpRetrieve, `{"namespace":"09000000000000000000000000000000","items":[{"key":"09000000000000000000000000000000.00000000000000000000000000000000.1.0","blocks":[1]}]}`, wire.CodeUnknownNamespace},
-		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"items":[{"key":"` + key.String() + `","blocks":[99]}]}`, wire.CodeBadRequest},
+		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"session":"` + reg2.Session + `","items":[{"key":"` + key.String() + `","blocks":[99]}]}`, wire.CodeBadRequest},
+		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"items":[{"key":"` + key.String() + `","blocks":[1]}]}`, wire.CodeUnknownSession},
+		{OpRetrieve, `{"namespace":` + nsJSON(e.res.Namespace) + `,"session":"` + reg.Session + `","items":[{"key":"` + key.String() + `","blocks":[1]}]}`, wire.CodeBadRequest},
 		{OpRegister, string(mustJSON(t, func() wire.RegisterRequest {
 			r := e.registerReq(t)
 			r.Spec.Groups[0].StrideBytes = 100
@@ -368,13 +374,13 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}
 
 	// Release: the pools are gone, the objects stay.
-	if _, err := bus.Call[ReleaseReply](ctx, h.nc, h.subj.Engine(h.rank, OpRelease), ReleaseRequest{Namespace: e.res.Namespace}); err != nil {
+	if _, err := bus.Call[ReleaseReply](ctx, h.nc, h.subj.Engine(h.rank, OpRelease), ReleaseRequest{Namespace: e.res.Namespace, Session: reg2.Session}); err != nil {
 		t.Fatal(err)
 	}
 	_, err = bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
-		Namespace: e.res.Namespace, Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Blocks: []int64{6}}}})
-	if !errors.As(err, &we) || we.Code != wire.CodeUnknownNamespace {
-		t.Fatalf("retrieve after release: %v, want %s", err, wire.CodeUnknownNamespace)
+		Namespace: e.res.Namespace, Session: reg2.Session, Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Blocks: []int64{6}}}})
+	if !errors.As(err, &we) || we.Code != wire.CodeStaleSession {
+		t.Fatalf("retrieve after release: %v, want %s", err, wire.CodeStaleSession)
 	}
 	if inv, err := bus.FetchInventory(ctx, h.nc, h.subj.Inventory(h.rank), 0, 0); err != nil || len(inv.Objects) == 0 {
 		t.Fatalf("inventory after release: %+v, %v", inv, err)

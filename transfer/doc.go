@@ -8,14 +8,23 @@
 // Usage (in-process or behind the daemon):
 //
 //	e, err := transfer.New(cfg)                      // allocates L1, rescans L2
-//	res, err := e.Register(ctx, reg)                 // imports the engine's pools
+//	s, err := e.Register(ctx, reg, owner)            // a session: its own pool imports
+//	storeReq.Session = s.ID                          // every request names its session
 //	f, err := e.Store(ctx, storeReq)                 // one future per store
 //	<-f.Released()                                   // the engine may reuse the blocks
 //	result, err := f.Wait(ctx)                       // committed in L1 (or failed)
 //	err = e.WaitRequest(ctx, reqID)                  // every store of the request
 //	rr, err := e.Retrieve(ctx, retrieveReq)          // placed and verified, per item
 //	inv := e.Inventory()                             // for a coordinator resync
+//	err = e.Release(ns, s.ID, owner)                 // the engine is going away
 //	err = e.Close(ctx)                               // drain, flush, stop
+//
+// Sessions: each registration imports its pools for itself alone; a Store
+// or Retrieve is served only against the pools of the session it names, and
+// every block id is checked against that session's pools before any copy.
+// A later registration of the namespace by the same owner supersedes the
+// session (its work in flight drains on its own pools; its later requests
+// get ErrStaleSession); another owner gets ErrUnauthorized while it is live.
 //
 // Objects: one per (chunk, shard, group), holding every layer's pages of the
 // chunk's blocks packed layer-major then in block order, each page exactly
@@ -33,6 +42,7 @@
 // read the store's pages and its objects are committed; key in-flight work by
 // request id; evict a pinned object; drop an object only L1 holds under
 // write-back without writing it to L2 first; report an object restored that
-// was not verified; announce an L2 object before it is durable; or move bytes
-// of one namespace into another's geometry.
+// was not verified; announce an L2 object before it is durable; move bytes
+// of one namespace into another's geometry; or serve a request against the
+// pools of another session than the one it names.
 package transfer

@@ -44,7 +44,7 @@ type Engine struct {
 	mu sync.Mutex // guards everything below
 	// closing: Close has begun; new work is refused.
 	closing bool
-	spaces  map[dcp.Namespace]*space
+	sess    sessionTable
 	reqs    map[string]*request
 	futures int // store futures not yet finished
 	// retrieves: Retrieve calls (and their reapers) not yet finished.
@@ -82,11 +82,11 @@ func New(cfg Config) (*Engine, error) {
 		cfg:    cfg,
 		dev:    cfg.Device,
 		rankID: cfg.Rank.String(),
-		spaces: make(map[dcp.Namespace]*space),
 		reqs:   make(map[string]*request),
 		idle:   make(chan struct{}),
 		closed: make(chan struct{}),
 	}
+	e.sess.init()
 	e.log = cfg.Logger.Named("transfer").With(zap.Stringer("rank", cfg.Rank), zap.Uint64("incarnation", cfg.Incarnation))
 	e.ctr.storeLatency = newLatency("store_seconds", "Store latency, request to commit.", e.rankID)
 	e.ctr.retrieveLatency = newLatency("retrieve_seconds", "Retrieve latency, request to verified answer.", e.rankID)
@@ -262,10 +262,9 @@ func (e *Engine) close(ctx context.Context) error {
 	e.storeStreams.closeAll()
 	e.retrieveStreams.closeAll()
 	e.mu.Lock()
-	for _, sp := range e.spaces {
-		sp.retire()
+	for _, sp := range e.sess.byID {
+		e.sess.retireLocked(sp, "closed with its engine")
 	}
-	e.spaces = nil
 	e.mu.Unlock()
 	if e.coll != nil {
 		// A later engine of the same rank (a restart in-process) registers

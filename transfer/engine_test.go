@@ -71,7 +71,7 @@ func TestRegistrationRules(t *testing.T) {
 			reg := r.registration()
 			reg.Spec.Groups = append([]dcp.Group(nil), reg.Spec.Groups...)
 			c.mod(&reg)
-			_, err := e.Register(ctx, reg)
+			_, err := e.Register(ctx, reg, "")
 			if !errors.Is(err, c.target) || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("Register = %v, want %v naming %q", err, c.target, c.want)
 			}
@@ -88,10 +88,10 @@ func TestRegistrationRules(t *testing.T) {
 		want string
 	}{
 		{"unknown namespace", StoreRequest{Namespace: dcp.Namespace{7}, Event: h}, "not registered"},
-		{"block count", StoreRequest{Namespace: r.res.Namespace, Event: h, Chunks: []wire.ChunkBlocks{{Blocks: [][]int64{{0}}}}}, "1 block ids, a chunk of 32 tokens holds 2"},
-		{"block outside pool", StoreRequest{Namespace: r.res.Namespace, Event: h, Chunks: []wire.ChunkBlocks{{Blocks: [][]int64{{7, 8}}}}}, "block id 8"},
-		{"groups", StoreRequest{Namespace: r.res.Namespace, Event: h, Chunks: []wire.ChunkBlocks{{}}}, "block ids for 0 groups, the spec has 1"},
-		{"event", StoreRequest{Namespace: r.res.Namespace, Event: cuda.EventHandle{Backend: "host", Device: dev.Info().UUID, Raw: []byte("x")}}, "import producer event"},
+		{"block count", StoreRequest{Namespace: r.res.Namespace, Session: r.session, Event: h, Chunks: []wire.ChunkBlocks{{Blocks: [][]int64{{0}}}}}, "1 block ids, a chunk of 32 tokens holds 2"},
+		{"block outside pool", StoreRequest{Namespace: r.res.Namespace, Session: r.session, Event: h, Chunks: []wire.ChunkBlocks{{Blocks: [][]int64{{7, 8}}}}}, "block id 8"},
+		{"groups", StoreRequest{Namespace: r.res.Namespace, Session: r.session, Event: h, Chunks: []wire.ChunkBlocks{{}}}, "block ids for 0 groups, the spec has 1"},
+		{"event", StoreRequest{Namespace: r.res.Namespace, Session: r.session, Event: cuda.EventHandle{Backend: "host", Device: dev.Info().UUID, Raw: []byte("x")}}, "import producer event"},
 	}
 	for _, b := range bad {
 		if _, err := e.Store(ctx, b.req); err == nil || !strings.Contains(err.Error(), b.want) {
@@ -172,7 +172,7 @@ func TestReRegistrationDrainsOldPools(t *testing.T) {
 	e := newEngine(t, engineConfig(t, dev, 0, 1))
 	r.register(e)
 	e.mu.Lock()
-	old := e.spaces[r.res.Namespace]
+	old := e.sess.byNS[r.res.Namespace]
 	e.mu.Unlock()
 	c := r.newChunk(0, r.consecutiveN(0))
 	r.write(c, c.blocks, 200*time.Millisecond)
@@ -183,7 +183,7 @@ func TestReRegistrationDrainsOldPools(t *testing.T) {
 	}
 	r.register(e) // the restarted engine's registration
 	e.mu.Lock()
-	cur := e.spaces[r.res.Namespace]
+	cur := e.sess.byNS[r.res.Namespace]
 	oldPools := old.pools != nil
 	e.mu.Unlock()
 	if cur == old || cur.gen != old.gen+1 || !oldPools {

@@ -20,6 +20,15 @@ var (
 	ErrWrongDevice = errors.New("transfer: handle of another device")
 	// ErrUnknownNamespace: no pools are registered for the namespace.
 	ErrUnknownNamespace = errors.New("transfer: namespace not registered")
+	// ErrUnknownSession: a request names no session, or one this engine
+	// never issued (or has forgotten).
+	ErrUnknownSession = errors.New("transfer: unknown session")
+	// ErrStaleSession: a request names a session that a newer registration
+	// of its namespace superseded, or that was released.
+	ErrStaleSession = errors.New("transfer: stale session")
+	// ErrUnauthorized: the caller is not the engine identity that owns the
+	// session (or the namespace's live session).
+	ErrUnauthorized = errors.New("transfer: unauthorized")
 	// ErrBadRequest: a store or retrieve request breaks a rule (block
 	// counts, block ids outside the pool, keys of another namespace).
 	ErrBadRequest = errors.New("transfer: bad request")

@@ -56,6 +56,9 @@ type rig struct {
 	pools  [][]cuda.Mem
 	image  [][][]byte // nil when the pools are too large to mirror (sparse)
 	stream cuda.Stream
+	// session is the session of the latest register; storeReq and
+	// retrieveReq name it.
+	session string
 }
 
 // newRig allocates pools of blocks[g] pages per group and fills them with
@@ -154,10 +157,12 @@ func (r *rig) registration() Registration {
 
 func (r *rig) register(e *Engine) *dcp.Resolved {
 	r.t.Helper()
-	res, err := e.Register(testCtx(r.t), r.registration())
+	s, err := e.Register(testCtx(r.t), r.registration(), "")
 	if err != nil {
 		r.t.Fatalf("Register: %v", err)
 	}
+	r.session = s.ID
+	res := s.Resolved
 	if res.Namespace != r.res.Namespace {
 		r.t.Fatalf("namespace %s, want %s", res.Namespace, r.res.Namespace)
 	}
@@ -264,7 +269,7 @@ func (r *rig) record() (cuda.Event, cuda.EventHandle) {
 
 // storeReq builds a store of chunks (at their blocks).
 func (r *rig) storeReq(reqID string, h cuda.EventHandle, cs ...chunk) StoreRequest {
-	req := StoreRequest{RequestID: reqID, Namespace: r.res.Namespace, Event: h}
+	req := StoreRequest{RequestID: reqID, Namespace: r.res.Namespace, Session: r.session, Event: h}
 	for _, c := range cs {
 		req.Chunks = append(req.Chunks, wire.ChunkBlocks{Chunk: c.hash, Blocks: c.blocks})
 	}
@@ -274,7 +279,7 @@ func (r *rig) storeReq(reqID string, h cuda.EventHandle, cs ...chunk) StoreReque
 // retrieveReq builds a retrieve of chunks into targets (one per chunk),
 // for TP rank tp.
 func (r *rig) retrieveReq(tp int, cs []chunk, targets [][][]int64) RetrieveRequest {
-	req := RetrieveRequest{RestoreID: "restore", Namespace: r.res.Namespace}
+	req := RetrieveRequest{RestoreID: "restore", Namespace: r.res.Namespace, Session: r.session}
 	for ci, c := range cs {
 		for gi := range r.res.Groups {
 			key := dcp.Key{NS: r.res.Namespace, Chunk: c.hash, Shard: uint16(r.res.ReadShard(gi, tp)), Group: uint16(gi)}

@@ -2,6 +2,8 @@ package transfer
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 
@@ -28,11 +30,15 @@ type Registration struct {
 	Pools []wire.PoolRegistration
 }
 
-// space is the registered pools of one namespace. A Store or Retrieve
-// holds a reference from validation until the device has finished with the
-// pools; a re-registration retires the old space, whose imports are
-// released when its last reference is dropped.
+// space is the pools one session imported: one registration of an engine
+// process. A Store or Retrieve holds a reference from validation until the
+// device has finished with the pools; a superseding registration or a
+// release retires the space, whose imports are released when its last
+// reference is dropped. A space serves only requests that name its own
+// session id: never those of another registration of its namespace.
 type space struct {
+	id    string // session id, wire.CheckSessionID form
+	owner string // engine identity that registered it (see Register)
 	res   *dcp.Resolved
 	pools [][]cuda.Mem // [group][layer]
 	gen   uint64
@@ -62,16 +68,87 @@ func (sp *space) release() {
 	sp.pools = nil
 }
 
-// acquireSpace returns the current space of ns with a reference held.
-func (e *Engine) acquireSpace(ns dcp.Namespace) (*space, error) {
+// maxStaleSessions bounds the retired session ids an engine remembers (so
+// a late request of one is refused as stale rather than unknown); older
+// ones are forgotten and then refused as unknown. 64 B each.
+const maxStaleSessions = 4096
+
+// sessionTable is the engine's sessions; guarded by Engine.mu.
+type sessionTable struct {
+	byNS map[dcp.Namespace]*space // the live session of each namespace
+	byID map[string]*space        // live sessions by id
+	// stale maps retired session ids to why they were retired; order is
+	// their retirement order, for forgetting the oldest.
+	stale map[string]string
+	order []string
+}
+
+func (t *sessionTable) init() {
+	t.byNS = make(map[dcp.Namespace]*space)
+	t.byID = make(map[string]*space)
+	t.stale = make(map[string]string)
+}
+
+// retireLocked retires sp (superseded or released) and remembers its id.
+func (t *sessionTable) retireLocked(sp *space, why string) {
+	if t.byNS[sp.res.Namespace] == sp {
+		delete(t.byNS, sp.res.Namespace)
+	}
+	delete(t.byID, sp.id)
+	sp.retire()
+	if len(t.order) >= maxStaleSessions {
+		delete(t.stale, t.order[0])
+		t.order = t.order[1:]
+	}
+	t.stale[sp.id] = why
+	t.order = append(t.order, sp.id)
+}
+
+// lookupLocked returns the live session id of namespace ns, or the error a
+// request naming it gets: ErrUnknownSession, ErrStaleSession, or
+// ErrBadRequest when the session serves another namespace.
+func (t *sessionTable) lookupLocked(ns dcp.Namespace, id string) (*space, error) {
+	if id == "" {
+		if t.byNS[ns] == nil {
+			return nil, fmt.Errorf("namespace %s: %w", ns, ErrUnknownNamespace)
+		}
+		return nil, fmt.Errorf("namespace %s: the request names no session (register answers one): %w", ns, ErrUnknownSession)
+	}
+	sp := t.byID[id]
+	if sp == nil {
+		if why, ok := t.stale[id]; ok {
+			return nil, fmt.Errorf("session %s of namespace %s was %s: %w", id, ns, why, ErrStaleSession)
+		}
+		if err := wire.CheckSessionID(id); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrUnknownSession, err)
+		}
+		return nil, fmt.Errorf("session %s (namespace %s) was never issued by this rank (or forgotten after %d newer retirements): %w",
+			id, ns, maxStaleSessions, ErrUnknownSession)
+	}
+	if sp.res.Namespace != ns {
+		return nil, fmt.Errorf("session %s serves namespace %s, the request names %s: %w", id, sp.res.Namespace, ns, ErrBadRequest)
+	}
+	return sp, nil
+}
+
+// newSessionID returns 128 random bits in hex.
+func newSessionID() string {
+	var b [wire.SessionIDBytes]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+)
+	return hex.EncodeToString(b[:])
+}
+
+// acquireSpace returns the live space of session id in namespace ns with a
+// reference held: the pools that registration imported, never another's.
+func (e *Engine) acquireSpace(ns dcp.Namespace, id string) (*space, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closing {
 		return nil, ErrClosed
 	}
-	sp := e.spaces[ns]
-	if sp == nil {
-		return nil, fmt.Errorf("namespace %s: %w", ns, ErrUnknownNamespace)
+	sp, err := e.sess.lookupLocked(ns, id)
+	if err != nil {
+		return nil, err
 	}
 	sp.refs++
 	return sp, nil
@@ -87,14 +164,35 @@ func (e *Engine) releaseSpace(sp *space) {
 	}
 }
 
-// Register validates reg and imports its pools, replacing any earlier
-// registration of the same namespace (an engine restart): work in flight
-// keeps using the old pools, which are released once it has drained. It
-// returns the resolved spec (whose Namespace names the pools in Store and
-// Retrieve). Objects this rank wrote to L2 under the namespace are checked
-// against its geometry; files of another fingerprint or length are
-// quarantined.
-func (e *Engine) Register(ctx context.Context, reg Registration) (*dcp.Resolved, error) {
+// Session is one accepted registration.
+type Session struct {
+	// ID names the session in every later Store, Retrieve and Release
+	// (wire.CheckSessionID form: 128 random bits in hex).
+	ID string
+	// Resolved is the validated spec; its Namespace names the pools.
+	Resolved *dcp.Resolved
+	// Superseded is the session of the namespace this one replaced ("" if
+	// none): its later requests are refused with ErrStaleSession, its work
+	// in flight finishes on its own pools.
+	Superseded string
+}
+
+// Register validates reg, imports its pools and opens a new session for
+// them. owner is the engine identity of the caller, as the connection layer
+// authenticated it ("" when it cannot tell); only that identity may use or
+// release the session.
+//
+// A namespace has one live session. A registration of a namespace with a
+// live session of the same owner supersedes it (an engine restart, or a
+// second engine process of the instance): the old session's stores and
+// retrieves in flight finish on the old pools, which are released once
+// they have drained, and every later request naming the old session is
+// refused with ErrStaleSession. A registration by another owner while a
+// session is live is refused with ErrUnauthorized.
+//
+// Objects this rank wrote to L2 under the namespace are checked against
+// its geometry; files of another fingerprint or length are quarantined.
+func (e *Engine) Register(ctx context.Context, reg Registration, owner string) (*Session, error) {
 	res, err := reg.Spec.Resolve()
 	if err != nil {
 		return nil, fmt.Errorf("register: %w: %w", ErrRegistration, err)
@@ -140,13 +238,20 @@ func (e *Engine) Register(ctx context.Context, reg Registration) (*dcp.Resolved,
 		}
 		handles[p.Group][p.Layer] = &p.Handle
 	}
+	// Refuse another owner before importing anything (checked again below).
+	e.mu.Lock()
+	err = e.checkOwnerLocked(res.Namespace, owner)
+	e.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
 
-	sp := &space{res: res, pools: make([][]cuda.Mem, len(res.Groups))}
+	sp := &space{id: newSessionID(), owner: owner, res: res, pools: make([][]cuda.Mem, len(res.Groups))}
 	for gi := range res.Groups {
 		sp.pools[gi] = make([]cuda.Mem, len(handles[gi]))
 		for li, h := range handles[gi] {
 			m, err := e.dev.ImportMem(*h)
-			if err == nil && m.Size() < h.Size {
+			if err == nil && m.Size() != h.Size {
 				_ = m.Release()
 				err = fmt.Errorf("imported view is %d B, the handle says %d B", m.Size(), h.Size)
 			}
@@ -167,37 +272,89 @@ func (e *Engine) Register(ctx context.Context, reg Registration) (*dcp.Resolved,
 		sp.release()
 		return nil, ErrClosed
 	}
-	old := e.spaces[res.Namespace]
+	if err := e.checkOwnerLocked(res.Namespace, owner); err != nil {
+		e.mu.Unlock()
+		sp.release()
+		return nil, err
+	}
+	out := &Session{ID: sp.id, Resolved: res}
+	old := e.sess.byNS[res.Namespace]
 	if old != nil {
 		sp.gen = old.gen + 1
-		old.retire()
+		out.Superseded = old.id
+		e.sess.retireLocked(old, "superseded by session "+sp.id)
 	}
-	e.spaces[res.Namespace] = sp
+	e.sess.byNS[res.Namespace] = sp
+	e.sess.byID[sp.id] = sp
 	bad := e.checkL2Locked(res)
 	e.mu.Unlock()
 
 	for _, k := range bad {
 		e.quarantineOwn(ctx, k.key, k.why)
 	}
+	if old != nil {
+		e.log.Warn("a registration superseded the live session of its namespace; the old session's work in flight drains on its own pools, its later requests are refused",
+			zap.Stringer("namespace", res.Namespace), zap.String("session", sp.id), zap.String("superseded", old.id),
+			zap.String("owner", owner), zap.Uint64("generation", sp.gen))
+	}
 	e.log.Info("pools registered", zap.Stringer("namespace", res.Namespace), zap.String("model", res.Model),
+		zap.String("session", sp.id), zap.String("owner", owner),
 		zap.Int("groups", len(res.Groups)), zap.Int("pools", len(reg.Pools)), zap.Uint64("generation", sp.gen),
 		zap.Bool("replaced", old != nil))
-	return res, nil
+	return out, nil
 }
 
-// Unregister retires the pools of ns (the engine is going away). Work in
-// flight finishes on them; their imports are released after it. Objects
-// stay in L1 and L2.
-func (e *Engine) Unregister(ns dcp.Namespace) error {
+// checkOwnerLocked refuses a registration of ns by owner while another
+// identity holds its live session.
+func (e *Engine) checkOwnerLocked(ns dcp.Namespace, owner string) error {
+	if old := e.sess.byNS[ns]; old != nil && old.owner != owner {
+		return fmt.Errorf("register: namespace %s has a live session %s of engine %q, the caller is %q: %w",
+			ns, old.id, old.owner, owner, ErrUnauthorized)
+	}
+	return nil
+}
+
+// Authorize checks that caller may use session id of namespace ns: the
+// session is live and caller is the identity that registered it. A session
+// never changes owner, so a request checked here and then served by Store
+// or Retrieve (which look the session up again, and refuse it if it was
+// retired since) is served for its owner only.
+func (e *Engine) Authorize(ns dcp.Namespace, id, caller string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	sp := e.spaces[ns]
-	if sp == nil {
-		return fmt.Errorf("unregister namespace %s: %w", ns, ErrUnknownNamespace)
+	sp, err := e.sess.lookupLocked(ns, id)
+	if err != nil {
+		return err
 	}
-	delete(e.spaces, ns)
-	sp.retire()
+	if sp.owner != caller {
+		return fmt.Errorf("session %s of namespace %s belongs to engine %q, the caller is %q: %w", id, ns, sp.owner, caller, ErrUnauthorized)
+	}
 	return nil
+}
+
+// Release retires session id of namespace ns (the engine is going away):
+// work in flight finishes on its pools, whose imports are released after
+// it; later requests naming it are refused with ErrStaleSession. Objects
+// stay in L1 and L2. Only the session's owner may release it.
+func (e *Engine) Release(ns dcp.Namespace, id, caller string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	sp, err := e.sess.lookupLocked(ns, id)
+	if err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	if sp.owner != caller {
+		return fmt.Errorf("release: session %s of namespace %s belongs to engine %q, the caller is %q: %w", id, ns, sp.owner, caller, ErrUnauthorized)
+	}
+	e.sess.retireLocked(sp, "released")
+	return nil
+}
+
+// Sessions returns the number of live sessions.
+func (e *Engine) Sessions() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.sess.byID)
 }
 
 type badKey struct {

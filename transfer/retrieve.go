@@ -22,6 +22,9 @@ type RetrieveRequest struct {
 	// RestoreID names the coordinator's restore, for logs ("" if none).
 	RestoreID string
 	Namespace dcp.Namespace
+	// Session is the registration whose pools receive the bytes
+	// (Session.ID); a retrieve never writes into another's.
+	Session string
 	// Items are the objects to place: Key is this rank's ReadShard of
 	// Group for the chunk; Blocks are BlocksPerChunk(Group) target block
 	// ids; Sum, when not 0, is the checksum the coordinator recorded at
@@ -105,7 +108,7 @@ func (r RetrieveResult) Wire() wire.RetrieveReply {
 // ErrClosed); per-object failures are in the result.
 func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveResult, error) {
 	start := time.Now()
-	sp, err := e.acquireSpace(req.Namespace)
+	sp, err := e.acquireSpace(req.Namespace, req.Session)
 	if err != nil {
 		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, err)
 	}

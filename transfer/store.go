@@ -23,6 +23,9 @@ type StoreRequest struct {
 	// RequestDone/WaitRequest: in-flight work is never keyed by it (C1).
 	RequestID string
 	Namespace dcp.Namespace
+	// Session is the registration whose pools the blocks are in
+	// (Session.ID); a store is never served against another's.
+	Session string
 	// Chunks name each chunk and, per group, its block ids in this rank's
 	// pools: Blocks[g] has BlocksPerChunk(g) ids for every group this rank
 	// stores (dcp StoreShard); it is ignored for the others.
@@ -188,7 +191,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	sp, err := e.acquireSpace(req.Namespace)
+	sp, err := e.acquireSpace(req.Namespace, req.Session)
 	if err != nil {
 		return nil, fmt.Errorf("store %q: %w", req.RequestID, err)
 	}

@@ -40,6 +40,12 @@ func goldenNS() dcp.Namespace {
 	return n
 }
 
+// Engine session ids of the vectors (wire.CheckSessionID form).
+const (
+	goldenSession    = "5e5510a1d00000000000000000c0ffee"
+	goldenSuperseded = "0000000000000000000000005e5510a1"
+)
+
 func goldenChunk(seed byte) dcp.ChunkHash {
 	var c dcp.ChunkHash
 	for i := range c {
@@ -85,13 +91,14 @@ func goldenCases() []goldenCase {
 		{"spec", "Spec", &spec},
 		{"register_request", "RegisterRequest", &RegisterRequest{Spec: spec, DeviceUUID: mem.Device, Pools: []PoolRegistration{
 			{Group: 0, Layer: 0, Handle: mem}, {Group: 1, Layer: 0, Handle: hostMem}}}},
-		{"register_reply", "RegisterReply", &RegisterReply{Namespace: ns}},
-		{"store_request", "StoreRequest", &StoreRequest{RequestID: "req-1/<prompt>&co", Namespace: ns,
+		{"register_reply", "RegisterReply", &RegisterReply{Namespace: ns, Session: goldenSession, Superseded: goldenSuperseded}},
+		{"register_reply_min", "RegisterReply", &RegisterReply{Namespace: ns}}, // the coordinator's ns.register: no session
+		{"store_request", "StoreRequest", &StoreRequest{RequestID: "req-1/<prompt>&co", Namespace: ns, Session: goldenSession,
 			Chunks: []ChunkBlocks{{Chunk: goldenChunk(1), Blocks: [][]int64{{7, 8, 9, 10}, {}}},
 				{Chunk: goldenChunk(2), Blocks: [][]int64{{2198, 1 << 40}, {3}}}}, Event: ev}},
 		{"store_reply", "StoreReply", &StoreReply{Stored: 3, Deduped: 1, Failed: []string{"ns.chunk.0.1: device"}, BlocksInUse: true}},
 		{"store_reply_min", "StoreReply", &StoreReply{Stored: 2}},
-		{"retrieve_request", "RetrieveRequest", &RetrieveRequest{RestoreID: "r-00000001", Namespace: ns,
+		{"retrieve_request", "RetrieveRequest", &RetrieveRequest{RestoreID: "r-00000001", Namespace: ns, Session: goldenSession,
 			Items: []RetrieveItem{item(0, 0, 0, L1, []int64{4, 5}), item(1, 1, 1, L2, []int64{0})}}},
 		{"retrieve_reply", "RetrieveReply", &RetrieveReply{Results: []ItemResult{
 			{Chunk: 0, Group: 0, OK: true, Sum: 1<<64 - 1}, {Chunk: 1, Group: 1, Reason: "corrupt"}}}},

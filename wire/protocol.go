@@ -59,6 +59,14 @@ type RegisterRequest struct {
 // RegisterReply confirms a registration.
 type RegisterReply struct {
 	Namespace dcp.Namespace `json:"namespace"`
+	// Session names this registration (32 hex characters, 128 random
+	// bits); every later store, retrieve and release of the engine process
+	// sends it. See session.go. Empty in the coordinator's ns.register
+	// reply (namespaces have no sessions).
+	Session string `json:"session,omitempty"`
+	// Superseded is the session this registration replaced ("" if none):
+	// its later requests are refused with CodeStaleSession.
+	Superseded string `json:"superseded,omitempty"`
 }
 
 // ChunkBlocks names one chunk and, per group, the block ids that hold it.
@@ -72,6 +80,7 @@ type ChunkBlocks struct {
 type StoreRequest struct {
 	RequestID string        `json:"request_id"`
 	Namespace dcp.Namespace `json:"namespace"`
+	Session   string        `json:"session"` // RegisterReply.Session of the engine's registration
 	Chunks    []ChunkBlocks `json:"chunks"`
 	Event     EventHandle   `json:"event"`
 }
@@ -115,6 +124,7 @@ type RetrieveItem struct {
 type RetrieveRequest struct {
 	RestoreID string         `json:"restore_id,omitempty"`
 	Namespace dcp.Namespace  `json:"namespace"`
+	Session   string         `json:"session"` // RegisterReply.Session of the engine's registration
 	Items     []RetrieveItem `json:"items"`
 }
 

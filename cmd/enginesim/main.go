@@ -46,6 +46,7 @@ func main() {
 	flag.DurationVar(&cfg.Timeout, "timeout", 60*time.Second, "timeout of each request")
 	flag.DurationVar(&cfg.WaitPrefix, "wait-prefix", 15*time.Second, "before a restore, wait up to this long for the lookup to cover the prompt (negative: no wait)")
 	flag.StringVar(&cfg.HoldBeforeRetrieve, "hold-before-retrieve", "", "after the restore plan, wait until this file exists")
+	flag.StringVar(&cfg.HoldBeforeStore, "hold-before-store", "", "after registering, wait until this file exists before storing")
 	flag.BoolVar(&cfg.KeepRegistered, "keep-registered", false, "do not release the pools at exit")
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.Parse()

@@ -210,7 +210,7 @@ class Client:
         rep = await self.call(self.subjects.engine(rank, wire.OP_REGISTER), req, wire.RegisterReply)
         if rep.namespace != want:
             raise MalformedError(f"rankd {rank} registered namespace {rep.namespace}, the spec's is {want}")
-        return RankSession(self, rank, spec, rep.namespace, list(pools), device_uuid)
+        return RankSession(self, rank, spec, rep.namespace, list(pools), device_uuid, rep.session)
 
 
 class RankSession:
@@ -218,27 +218,30 @@ class RankSession:
     release goes through it, so what they must carry lives here."""
 
     def __init__(self, client: Client, rank: Rank, spec: Spec, namespace: Namespace,
-                 pools: list[PoolRegistration], device_uuid: str) -> None:
+                 pools: list[PoolRegistration], device_uuid: str, session: str = "") -> None:
         self.client, self.rank, self.spec, self.namespace = client, rank, spec, namespace
         self.pools, self.device_uuid = pools, device_uuid
+        # The rankd's session id of this registration: every store,
+        # retrieve and release names it.
+        self.session = session
 
     async def reregister(self) -> None:
         """Registers the same pools again (a restarted rankd forgot them)."""
         s = await self.client.register(self.rank, self.spec, self.device_uuid, self.pools)
-        self.namespace = s.namespace
+        self.namespace, self.session = s.namespace, s.session
 
     async def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle,
                     timeout: float | None = None) -> StoreReply:
         """One store: its own producer event (C1), recorded before this call.
         The reply comes once the device has read the blocks; keep the event
         and the blocks until then, and longer if blocks_in_use is set."""
-        req = wire.StoreRequest(request_id, self.namespace, list(chunks), event)
+        req = wire.StoreRequest(request_id, self.namespace, self.session, list(chunks), event)
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), req, StoreReply,
                                       timeout=timeout)
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
                        timeout: float | None = None) -> RetrieveReply:
-        req = wire.RetrieveRequest(restore_id, self.namespace, list(items))
+        req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req,
                                       RetrieveReply, timeout=timeout)
 
@@ -259,7 +262,7 @@ class RankSession:
 
     async def release(self) -> None:
         await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RELEASE),
-                               wire.ReleaseRequest(self.namespace), wire.ReleaseReply)
+                               wire.ReleaseRequest(self.namespace, self.session), wire.ReleaseReply)
 
 
 @dataclass

@@ -75,8 +75,26 @@ class Internal(WireError):
     code = "internal"
 
 
+class UnknownSession(WireError):
+    """The rankd never issued the session (or restarted since): register again."""
+
+    code = "unknown_session"
+
+
+class StaleSession(WireError):
+    """Another registration of the instance superseded the session, or it was
+    released. Only an engine that is (re)starting should register again."""
+
+    code = "stale_session"
+
+
+class Unauthorized(WireError):
+    code = "unauthorized"
+
+
 _BY_CODE: dict[str, type[WireError]] = {
-    c.code: c for c in (BadRequest, UnknownNamespace, Geometry, NotFound, TooLarge, Unavailable, Internal)
+    c.code: c for c in (BadRequest, UnknownNamespace, Geometry, NotFound, TooLarge, Unavailable, Internal,
+                        UnknownSession, StaleSession, Unauthorized)
 }
 
 

@@ -34,6 +34,10 @@ CODE_NOT_FOUND = "not_found"
 CODE_TOO_LARGE = "too_large"
 CODE_UNAVAILABLE = "unavailable"
 CODE_INTERNAL = "internal"
+# Engine sessions (Go wire/session.go).
+CODE_UNKNOWN_SESSION = "unknown_session"
+CODE_STALE_SESSION = "stale_session"
+CODE_UNAUTHORIZED = "unauthorized"
 
 # Verdict states.
 VERDICT_PENDING = "pending"
@@ -192,6 +196,12 @@ class RegisterRequest:
 @dataclass
 class RegisterReply:
     namespace: Namespace = field("namespace", default_factory=Namespace)
+    # The rankd's session of this registration (32 hex characters); every
+    # later store, retrieve and release sends it. Empty from the
+    # coordinator's ns.register.
+    session: str = field("session", omit="omitempty", default="")
+    # The session this registration superseded, if any.
+    superseded: str = field("superseded", omit="omitempty", default="")
 
 
 @dataclass
@@ -204,6 +214,7 @@ class ChunkBlocks:
 class StoreRequest:
     request_id: str = field("request_id", default="")
     namespace: Namespace = field("namespace", default_factory=Namespace)
+    session: str = field("session", default="")
     chunks: list[ChunkBlocks] = field("chunks", default_factory=list)
     event: EventHandle = field("event", default_factory=EventHandle)
 
@@ -255,6 +266,7 @@ class RetrieveItem:
 class RetrieveRequest:
     restore_id: str = field("restore_id", omit="omitempty", default="")
     namespace: Namespace = field("namespace", default_factory=Namespace)
+    session: str = field("session", default="")
     items: list[RetrieveItem] = field("items", default_factory=list)
 
 
@@ -277,11 +289,13 @@ class ReleaseRequest:
     """rankd's release request (Go rankd.ReleaseRequest)."""
 
     namespace: Namespace = field("namespace", default_factory=Namespace)
+    session: str = field("session", default="")
 
 
 @dataclass
 class ReleaseReply:
     namespace: Namespace = field("namespace", default_factory=Namespace)
+    session: str = field("session", default="")
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
-from kvtier.errors import GeometryError, KvtierError, UnknownNamespace
+from kvtier.errors import GeometryError, KvtierError, UnknownNamespace, UnknownSession
 from kvtier.vllm.spec import spec_from_vllm
 
 log = logging.getLogger("kvtier.vllm")
@@ -487,8 +487,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         s = self._session.aio
         try:
             return await s.store(req_id, chunks, handle)
-        except UnknownNamespace:
+        except (UnknownNamespace, UnknownSession):
             # A restarted rankd forgot the registration: register again.
+            # (Never on StaleSession: another process of the instance took
+            # the pools; registering again would take them back.)
             await s.reregister()
             self.stats["reregistered"] += 1
             return await s.store(req_id, chunks, handle)
@@ -608,7 +610,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             try:
                 try:
                     await self._session.aio.retrieve(items, load.restore_id)
-                except UnknownNamespace:
+                except (UnknownNamespace, UnknownSession):
                     # A restarted rankd forgot the registration. Its report
                     # of the refusal may already have failed the restore:
                     # register again for the next one; the verdict decides.
