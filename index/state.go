@@ -132,6 +132,10 @@ type rankState struct {
 	inst uint32 // instance id (state.insts), in memory only
 	rankMeta
 	tally
+	// chunks holds every chunk with at least one placement of this rank
+	// (kept by setChunk), so fences and inventories visit the rank's
+	// chunks, not the whole index (STYLE 24). Nil until the first.
+	chunks map[chunkRef]struct{}
 }
 
 // state is the whole index in memory: what Lookup reads. The committer is
@@ -204,6 +208,7 @@ func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []
 		st.add(p, -1)
 		st.ranks[p.rank].add(p, -1)
 	}
+	st.trackRanks(ref, old.s, s)
 	o := countObjects(old.s)
 	n.objects -= o
 	st.objects -= o
@@ -234,6 +239,38 @@ func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []
 	st.objects += o
 }
 
+// trackRanks keeps the per-rank chunk sets in step when a chunk's
+// placements change from old to cur: only the ranks that appear in one and
+// not the other touch their set (a chunk holds a handful of placements, so
+// the scans are short).
+func (st *state) trackRanks(ref chunkRef, old, cur []placement) {
+	for i := range old {
+		id := old[i].rank
+		if !holdsRank(old[:i], id) && !holdsRank(cur, id) {
+			delete(st.ranks[id].chunks, ref)
+		}
+	}
+	for i := range cur {
+		id := cur[i].rank
+		if !holdsRank(cur[:i], id) && !holdsRank(old, id) {
+			r := st.ranks[id]
+			if r.chunks == nil {
+				r.chunks = make(map[chunkRef]struct{})
+			}
+			r.chunks[ref] = struct{}{}
+		}
+	}
+}
+
+func holdsRank(s []placement, id uint32) bool {
+	for i := range s {
+		if s[i].rank == id {
+			return true
+		}
+	}
+	return false
+}
+
 // dirtyRefs returns the dirty list sorted, without repeats.
 func (st *state) dirtyRefs() []chunkRef {
 	slices.SortFunc(st.dirty, compareRef)
@@ -252,4 +289,38 @@ func compareRef(a, b chunkRef) int {
 		return c
 	}
 	return bytes.Compare(a.chunk[:], b.chunk[:])
+}
+
+// checkRankChunks re-derives every rank's chunk set from the chunks and
+// compares (STYLE 16). It reads the whole state: Verify-time only.
+func checkRankChunks(pr *problems, st *state) {
+	want := make([]map[chunkRef]struct{}, len(st.ranks))
+	for ns, n := range st.ns {
+		for c, v := range n.chunks {
+			for i := range v.s {
+				id := v.s[i].rank
+				if int(id) >= len(want) {
+					pr.add("chunk %s/%s: placement of unknown rank id %d", ns, c, id)
+					continue
+				}
+				if want[id] == nil {
+					want[id] = make(map[chunkRef]struct{})
+				}
+				want[id][chunkRef{ns, c}] = struct{}{}
+			}
+		}
+	}
+	for id := 1; id < len(st.ranks); id++ {
+		got := st.ranks[id].chunks
+		if len(got) != len(want[id]) {
+			pr.add("rank %s: chunk set holds %d chunks, its placements are in %d", st.ranks[id].rank, len(got), len(want[id]))
+			continue
+		}
+		for ref := range want[id] {
+			if _, ok := got[ref]; !ok {
+				pr.add("rank %s: chunk %s/%s missing from its chunk set", st.ranks[id].rank, ref.ns, ref.chunk)
+				break
+			}
+		}
+	}
 }

@@ -145,6 +145,8 @@ func TestPipelinedTxnsMatchSequential(t *testing.T) {
 		var pr problems
 		compareStates(&pr, pipeSt, seqSt)
 		checkInvariants(&pr, pipeSt)
+		checkRankChunks(&pr, pipeSt)
+		checkRankChunks(&pr, seqSt)
 		if len(pr.list) > 0 {
 			t.Fatalf("seed %d: %v", seed, pr.list)
 		}
