@@ -2,6 +2,7 @@ package index_test
 
 import (
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -62,7 +63,12 @@ func BenchmarkAdminStall(b *testing.B) {
 	for tp := range 2 {
 		fill(wire.Rank{Instance: "small", TPRank: tp}, small, 9)
 	}
-	b.Logf("index: %+v", ix.Stats())
+	runtime.GC()
+	var mem runtime.MemStats
+	runtime.ReadMemStats(&mem)
+	st := ix.Stats()
+	b.Logf("index: %+v; heap in use %.0f MiB (%.0f B per placement)", st, float64(mem.HeapInuse)/(1<<20),
+		float64(mem.HeapInuse)/float64(st.L1Placements+st.L2Placements))
 
 	// The producer: 1-event batches of its own rank, back to back.
 	var (
