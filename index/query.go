@@ -321,7 +321,12 @@ func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 	}
 	rs := ix.st.ranks[id]
 	info := rs.info()
-	for ref := range rs.chunks {
+	seen := make(map[chunkRef]bool, rs.live)
+	for _, ref := range rs.chunks {
+		if seen[ref] {
+			continue // listed twice (left and entered again)
+		}
+		seen[ref] = true
 		for _, p := range ix.st.chunk(ref) {
 			if p.rank == id {
 				info.Placements = append(info.Placements, wire.Placement{

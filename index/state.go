@@ -132,10 +132,16 @@ type rankState struct {
 	inst uint32 // instance id (state.insts), in memory only
 	rankMeta
 	tally
-	// chunks holds every chunk with at least one placement of this rank
+	// chunks lists every chunk with at least one placement of this rank
 	// (kept by setChunk), so fences and inventories visit the rank's
-	// chunks, not the whole index (STYLE 24). Nil until the first.
-	chunks map[chunkRef]struct{}
+	// chunks, not the whole index (STYLE 24). It may also list chunks the
+	// rank has left, and a chunk more than once (left and entered again):
+	// readers check the chunk. live counts the chunks the rank is in now;
+	// when the list grows past twice that, it is compacted. A list of refs
+	// (32 B each) rather than a set: a map costs ~80 B per entry, as much
+	// as the placement itself.
+	chunks []chunkRef
+	live   int
 }
 
 // state is the whole index in memory: what Lookup reads. The committer is
@@ -155,6 +161,9 @@ type state struct {
 	// twice); epoch is the current checkpoint epoch.
 	dirty []chunkRef
 	epoch uint32
+	// compactQ: ranks whose chunk lists are due for compaction once the
+	// chunk being set is in place (setChunk).
+	compactQ []uint32
 }
 
 func newState() *state {
@@ -202,6 +211,14 @@ func (st *state) addRank(r wire.Rank, m rankMeta) *rankState {
 // changes chunks, so it is still current). setChunk owns s from now on and
 // fills in each placement's inst and tp.
 func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
+	st.setChunkVal(n, ref, old, had, s)
+	for _, id := range st.compactQ {
+		st.compactChunks(st.ranks[id])
+	}
+	st.compactQ = st.compactQ[:0]
+}
+
+func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
 	for i := range old.s {
 		p := &old.s[i]
 		n.add(p, -1)
@@ -247,19 +264,42 @@ func (st *state) trackRanks(ref chunkRef, old, cur []placement) {
 	for i := range old {
 		id := old[i].rank
 		if !holdsRank(old[:i], id) && !holdsRank(cur, id) {
-			delete(st.ranks[id].chunks, ref)
+			r := st.ranks[id]
+			r.live--
+			if len(r.chunks) >= 2*r.live+compactSlack && !slices.Contains(st.compactQ, id) {
+				st.compactQ = append(st.compactQ, id)
+			}
 		}
 	}
 	for i := range cur {
 		id := cur[i].rank
 		if !holdsRank(cur[:i], id) && !holdsRank(old, id) {
 			r := st.ranks[id]
-			if r.chunks == nil {
-				r.chunks = make(map[chunkRef]struct{})
-			}
-			r.chunks[ref] = struct{}{}
+			r.chunks = append(r.chunks, ref)
+			r.live++
 		}
 	}
+}
+
+// compactSlack is how many stale entries a rank's chunk list may hold
+// beyond its live chunks before it is compacted (a variable for tests).
+var compactSlack = 1024
+
+// compactChunks drops from r's chunk list the chunks it is no longer in,
+// and repeats. Called once the chunk just changed is in place; amortized
+// O(1) per change (the list is at least twice its live size).
+func (st *state) compactChunks(r *rankState) {
+	cs := r.chunks
+	slices.SortFunc(cs, compareRef)
+	cs = slices.CompactFunc(cs, func(a, b chunkRef) bool { return a == b })
+	k := 0
+	for _, ref := range cs {
+		if holdsRank(st.chunk(ref), r.id) {
+			cs[k] = ref
+			k++
+		}
+	}
+	r.chunks = slices.Clip(cs[:k])
 }
 
 func holdsRank(s []placement, id uint32) bool {
@@ -311,14 +351,20 @@ func checkRankChunks(pr *problems, st *state) {
 		}
 	}
 	for id := 1; id < len(st.ranks); id++ {
-		got := st.ranks[id].chunks
-		if len(got) != len(want[id]) {
-			pr.add("rank %s: chunk set holds %d chunks, its placements are in %d", st.ranks[id].rank, len(got), len(want[id]))
-			continue
+		r := st.ranks[id]
+		if r.live != len(want[id]) {
+			pr.add("rank %s: live chunk count %d, its placements are in %d chunks", r.rank, r.live, len(want[id]))
+		}
+		if len(r.chunks) > 2*r.live+compactSlack {
+			pr.add("rank %s: chunk list of %d entries for %d live chunks was never compacted", r.rank, len(r.chunks), r.live)
+		}
+		listed := make(map[chunkRef]bool, len(r.chunks))
+		for _, ref := range r.chunks {
+			listed[ref] = true
 		}
 		for ref := range want[id] {
-			if _, ok := got[ref]; !ok {
-				pr.add("rank %s: chunk %s/%s missing from its chunk set", st.ranks[id].rank, ref.ns, ref.chunk)
+			if !listed[ref] {
+				pr.add("rank %s: chunk %s/%s missing from its chunk list", r.rank, ref.ns, ref.chunk)
 				break
 			}
 		}

@@ -303,7 +303,7 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 
 // filter removes every placement of rank id for which drop is true and
 // returns how many it removed. It visits only the chunks that may hold
-// the rank: those of its chunk set in the published state (rankState.chunks)
+// the rank: those of its chunk list in the published state (rankState.chunks)
 // and those staged in this txn and its parent, so a fence or an inventory
 // costs the rank's own placements, never a scan of the index (STYLE 24).
 // The price is a set update whenever a rank first or last appears in a
@@ -318,11 +318,11 @@ func (t *txn) filter(id uint32, drop func(*placement) bool) int {
 		return false
 	}
 	p := t.parent
-	var published map[chunkRef]struct{}
+	var published []chunkRef
 	if int(id) < len(t.st.ranks) {
 		published = t.st.ranks[id].chunks
 	}
-	for ref := range published {
+	for _, ref := range published { // repeats: the second visit finds it staged
 		if _, ok := t.idx[ref]; ok {
 			continue // staged here: handled below
 		}
