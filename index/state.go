@@ -2,6 +2,7 @@ package index
 
 import (
 	"bytes"
+	"maps"
 	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -369,4 +370,28 @@ func checkRankChunks(pr *problems, st *state) {
 			}
 		}
 	}
+}
+
+// snapshot copies the state for Verify: every map and rank record, sharing
+// the placement slices (never modified once published) and the namespace
+// specs. Not the per-rank chunk lists (64 MB at 2 M placements: the copy
+// would stall the committer; the model tests check them) nor the
+// checkpoint bookkeeping.
+func (st *state) snapshot() *state {
+	c := &state{ns: make(map[dcp.Namespace]*nsState, len(st.ns)), ranks: make([]*rankState, len(st.ranks)),
+		rankIDs: maps.Clone(st.rankIDs), insts: maps.Clone(st.insts), objects: st.objects, chunks: st.chunks,
+		tally: st.tally, epoch: st.epoch}
+	for ns, n := range st.ns {
+		cn := *n
+		cn.chunks = maps.Clone(n.chunks)
+		c.ns[ns] = &cn
+	}
+	for i, r := range st.ranks {
+		if r != nil {
+			cr := *r
+			cr.chunks = nil
+			c.ranks[i] = &cr
+		}
+	}
+	return c
 }
