@@ -15,4 +15,12 @@
 // heartbeat or report whose body names another rank than its subject, or
 // an engine request naming another instance, is refused and counted, never
 // applied.
+//
+// Lookups are answered by several subscribers of one NATS queue group
+// (lookupSubscribers) reading the index under its read lock, from JSON or
+// binary requests (wire/lookup.go). Event batches are queued into the index
+// in arrival order per rank and acknowledged in that order once committed,
+// so a rank's in-flight batches share group commits. restore.begin answers
+// a JSON or binary plan (wire/plan.go) and refuses one that cannot fit a
+// message before the restore exists.
 package coordinator

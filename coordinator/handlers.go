@@ -121,10 +121,17 @@ func (c *Coordinator) countLookup(prefix, n int, err error) {
 	}
 }
 
-// handleLookup answers coord.lookup.
+// handleLookup answers coord.lookup: a wire.LookupRequest as JSON or in
+// its binary form; the reply is JSON either way.
 func (c *Coordinator) handleLookup(m *nats.Msg) {
 	var req wire.LookupRequest
-	if err := bus.Decode(m, &req); err != nil {
+	var err error
+	if wire.IsBinaryLookup(m.Data) {
+		err = req.UnmarshalBinary(m.Data) // see wire/lookup.go
+	} else {
+		err = bus.Decode(m, &req)
+	}
+	if err != nil {
 		c.badRequest(m, "lookup", err)
 		return
 	}

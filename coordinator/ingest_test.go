@@ -458,3 +458,54 @@ func TestIngestPipelinedBatchesAckInOrder(t *testing.T) {
 	}
 	mustVerify(t, c)
 }
+
+// A binary lookup request is answered exactly like the same request as
+// JSON (detail included), by any of the queue-group subscribers; a
+// malformed one gets bad_request and serving continues.
+func TestLookupBinaryMatchesJSON(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	chunks := chain(ns, 6, 3)
+	for tp := range 2 {
+		sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: "eng", TPRank: tp}, 1, 0, ns, chunks[:4+tp], wire.L1))
+	}
+	subject := c.subj.Coord(wire.CoordLookup)
+	for _, req := range []wire.LookupRequest{
+		{Namespace: ns, Chunks: chunks, Instance: "eng"},
+		{Namespace: ns, Chunks: chunks, Instance: "eng", Detail: true},
+		{Namespace: ns, Chunks: chunks},
+		{Namespace: dcp.Namespace{1}, Chunks: chunks},
+	} {
+		js, _ := json.Marshal(req)
+		bin, err := req.MarshalBinary()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 8 { // every subscriber of the queue group, most likely
+			a, err := nc.RequestWithContext(tctx(t), subject, js)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := nc.RequestWithContext(tctx(t), subject, bin)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(a.Data) != string(b.Data) {
+				t.Fatalf("JSON lookup answered %s, binary %s", a.Data, b.Data)
+			}
+		}
+	}
+	rep := call[wire.LookupReply](t, nc, subject, wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "eng"})
+	if rep.Prefix != 4 {
+		t.Fatalf("prefix %d, want 4", rep.Prefix)
+	}
+	m, err := nc.RequestWithContext(tctx(t), subject, []byte("KVL1\x00trunc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bad wire.Reply[wire.LookupReply]
+	if err := json.Unmarshal(m.Data, &bad); err != nil || bad.Error == nil || bad.Error.Code != wire.CodeBadRequest {
+		t.Fatalf("truncated binary lookup answered %s", m.Data)
+	}
+}

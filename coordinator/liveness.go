@@ -9,7 +9,6 @@ import (
 
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/dcp"
-	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -163,18 +162,12 @@ func (c *Coordinator) readerStatuses(instance string, exps []dcp.Expectation) []
 			out = append(out, readerStatus{tp: e.Rank})
 		}
 	}
-	var ranks []index.RankInfo
-	for _, ri := range c.idx.Ranks() {
-		if ri.Rank.Instance == instance {
-			ranks = append(ranks, ri)
-		}
-	}
 	absentIsDead := c.cfg.StartupFenceGrace > 0 && time.Since(c.startedAt) >= c.cfg.StartupFenceGrace
 	for i := range out {
 		r := wire.Rank{Instance: instance, TPRank: out[i].tp}
 		v := readerView{Seen: c.live.seen(r)}
-		if j := slices.IndexFunc(ranks, func(ri index.RankInfo) bool { return ri.Rank == r }); j >= 0 {
-			v.Known, v.Inc, v.Fenced = true, ranks[j].Incarnation, ranks[j].Fenced
+		if ri, ok := c.idx.Rank(r); ok { // constant time: lookups call this
+			v.Known, v.Inc, v.Fenced = true, ri.Incarnation, ri.Fenced
 		}
 		out[i].inc = max(v.Inc, v.Seen.AliveInc)
 		out[i].cause = judgeReader(v, absentIsDead)

@@ -169,6 +169,13 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	if !c.scope(m, wire.CoordRestoreBegin, "restore_begin", &req.Instance) {
 		return
 	}
+	switch req.PlanEncoding {
+	case "", wire.PlanEncodingJSON, wire.PlanEncodingBinary:
+	default:
+		c.badRequest(m, "restore.begin", fmt.Errorf("plan encoding %q: want %q or %q: %w",
+			req.PlanEncoding, wire.PlanEncodingJSON, wire.PlanEncodingBinary, wire.ErrMalformed))
+		return
+	}
 	deadline := c.cfg.RestoreDeadline
 	if req.DeadlineMS > 0 {
 		// Clamped before the multiplication: 2^62 ms would overflow.
@@ -235,7 +242,7 @@ scan:
 		readers = c.readerStatuses(res.Instance, res.Expectations)
 		if down, reason := notAlive(res.Instance, readers); reason != "" {
 			plan.Prefix, plan.Reason = 0, reason
-			data, err := c.encodeReply(plan)
+			data, err := c.encodePlan(req.PlanEncoding, req.Namespace, plan)
 			if err != nil {
 				rs.mu.Unlock()
 				c.replyUnsendable(wire.CoordRestoreBegin, m, err)
@@ -264,7 +271,7 @@ scan:
 		}
 	}
 	if plan.Prefix == 0 {
-		data, err := c.encodeReply(plan)
+		data, err := c.encodePlan(req.PlanEncoding, req.Namespace, plan)
 		if err != nil {
 			rs.mu.Unlock()
 			c.replyUnsendable(wire.CoordRestoreBegin, m, err)
@@ -306,7 +313,7 @@ scan:
 	}
 	// The plan must fit in one reply before the restore exists: a plan that
 	// cannot be sent would leave a restore nobody executes (C8).
-	data, err := c.encodeReply(plan)
+	data, err := c.encodePlan(req.PlanEncoding, req.Namespace, plan)
 	if err != nil {
 		rs.mu.Unlock()
 		c.replyUnsendable(wire.CoordRestoreBegin, m, fmt.Errorf("restore plan of %d chunks for %d ranks: %w",
@@ -330,6 +337,24 @@ scan:
 		zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
 		zap.Int("ranks", len(plan.Ranks)), zap.Duration("deadline", deadline))
 	c.sendEncoded(wire.CoordRestoreBegin, m, data)
+}
+
+// encodePlan encodes a successful restore.begin reply in the requested
+// encoding: a wire.Reply with the plan as JSON (encodeReply), or the
+// binary plan (wire/plan.go), checked against the max payload the same
+// way (the error wraps errReplyTooLarge and names both numbers).
+func (c *Coordinator) encodePlan(enc string, ns dcp.Namespace, plan *wire.RestorePlan) ([]byte, error) {
+	if enc != wire.PlanEncodingBinary {
+		return c.encodeReply(plan)
+	}
+	data, err := wire.AppendPlanBinary(nil, plan, ns)
+	if err != nil {
+		return nil, fmt.Errorf("encode reply: %w", err)
+	}
+	if lim := c.nc.MaxPayload(); int64(len(data)) > lim {
+		return nil, fmt.Errorf("binary reply of %d B exceeds the NATS max payload of %d B: %w", len(data), lim, errReplyTooLarge)
+	}
+	return data, nil
 }
 
 // handleReport feeds one rank's report to the state machine; when that

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -394,4 +395,76 @@ func history(t *testing.T, c *Coordinator, nc *nats.Conn) *wire.AdminRestoresRep
 		return true
 	})
 	return hist
+}
+
+// A binary plan (plan_encoding "binary") carries exactly the JSON plan's
+// items; a plan over the NATS max payload is refused with too_large naming
+// the numbers, before any restore exists, while the same plan in binary
+// fits and is answered; an unknown encoding is a bad request.
+func TestRestorePlanBinaryAndTooLarge(t *testing.T) {
+	const n = 200 // 2 ranks x 200 items: ~80 KB of JSON, 4.5 KB binary
+	c := startCoord(t, func(cfg *Config) { cfg.Embedded.MaxPayload = 64 << 10 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	chunks := chain(ns, n, 7)
+	for tp := range 2 {
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: "eng", TPRank: tp}, 1, 0, ns, chunks, wire.L1)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	subject := c.subj.Coord(wire.CoordRestoreBegin)
+	begin := func(enc string, chunks []dcp.ChunkHash) []byte {
+		t.Helper()
+		req, _ := json.Marshal(wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks},
+			Instance: "eng", PlanEncoding: enc})
+		m, err := nc.RequestWithContext(tctx(t), subject, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Data
+	}
+	// Small enough for JSON: both encodings agree.
+	js := begin("", chunks[:20])
+	var jrep wire.Reply[wire.RestorePlan]
+	if err := json.Unmarshal(js, &jrep); err != nil || jrep.OK == nil {
+		t.Fatalf("JSON plan reply %s (%v)", js, err)
+	}
+	bin := begin(wire.PlanEncodingBinary, chunks[:20])
+	bplan, err := wire.DecodePlanBinary(bin, chunks[:20])
+	if err != nil {
+		t.Fatalf("binary plan: %v (%d B reply)", err, len(bin))
+	}
+	bplan.RestoreID = jrep.OK.RestoreID
+	if !reflect.DeepEqual(bplan, jrep.OK) || bplan.Prefix != 20 || len(bplan.Ranks) != 2 {
+		t.Fatalf("binary plan %+v\nJSON plan %+v", bplan, jrep.OK)
+	}
+	active := func() int {
+		c.rs.mu.Lock()
+		defer c.rs.mu.Unlock()
+		return len(c.rs.active)
+	}
+	before := active()
+	// The full chain: too large as JSON, refused up front.
+	var erep wire.Reply[wire.RestorePlan]
+	if err := json.Unmarshal(begin(wire.PlanEncodingJSON, chunks), &erep); err != nil || erep.Error == nil ||
+		erep.Error.Code != wire.CodeTooLarge {
+		t.Fatalf("JSON plan of %d chunks: %+v (%v), want too_large", n, erep, err)
+	}
+	for _, want := range []string{"200 chunks", "2 ranks", "65536 B"} {
+		if !strings.Contains(erep.Error.Message, want) {
+			t.Errorf("too_large message %q does not name %q", erep.Error.Message, want)
+		}
+	}
+	if got := active(); got != before {
+		t.Fatalf("a refused plan left a restore behind: %d active, had %d", got, before)
+	}
+	// The same in binary fits.
+	big, err := wire.DecodePlanBinary(begin(wire.PlanEncodingBinary, chunks), chunks)
+	if err != nil || big.Prefix != n || len(big.Ranks["eng/0"]) != n {
+		t.Fatalf("binary plan of %d chunks: %+v, %v", n, big, err)
+	}
+	var brep wire.Reply[wire.RestorePlan]
+	if err := json.Unmarshal(begin("xml", chunks[:1]), &brep); err != nil || brep.Error == nil || brep.Error.Code != wire.CodeBadRequest {
+		t.Fatalf("unknown encoding: %+v (%v)", brep, err)
+	}
 }

@@ -435,8 +435,8 @@ func (s *sim) restore(ctx context.Context) error {
 	}
 	start := time.Now()
 	cctx, cancel := s.callCtx(ctx)
-	plan, err := bus.Call[wire.RestorePlan](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), wire.RestoreBeginRequest{
-		Instance: s.cfg.Instance, RestoreBegin: wire.RestoreBegin{
+	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), wire.RestoreBeginRequest{
+		Instance: s.cfg.Instance, PlanEncoding: wire.PlanEncodingBinary, RestoreBegin: wire.RestoreBegin{
 			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
 	cancel()
 	if err != nil {
@@ -644,4 +644,32 @@ func compareWord(rows []RankResult) string {
 		}
 	}
 	return "ok"
+}
+
+// beginRestore asks for a restore plan. With PlanEncodingBinary the plan
+// comes back in the compact binary form (wire/plan.go), which refers to
+// req.Chunks by index; an error reply is JSON either way.
+func beginRestore(ctx context.Context, nc *nats.Conn, subject string, req wire.RestoreBeginRequest) (*wire.RestorePlan, error) {
+	if req.PlanEncoding != wire.PlanEncodingBinary {
+		return bus.Call[wire.RestorePlan](ctx, nc, subject, req)
+	}
+	data, err := json.Marshal(req)
+	if err != nil {
+		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
+	}
+	msg, err := nc.RequestWithContext(ctx, subject, data)
+	if err != nil {
+		return nil, fmt.Errorf("request %s: %w", subject, err)
+	}
+	if wire.IsBinaryPlan(msg.Data) {
+		return wire.DecodePlanBinary(msg.Data, req.Chunks)
+	}
+	var rep wire.Reply[wire.RestorePlan]
+	if err := json.Unmarshal(msg.Data, &rep); err != nil {
+		return nil, fmt.Errorf("decode reply from %s: %w", subject, errors.Join(err, wire.ErrMalformed))
+	}
+	if rep.Error != nil {
+		return nil, rep.Error
+	}
+	return nil, fmt.Errorf("reply from %s is neither a binary plan nor an error: %w", subject, wire.ErrMalformed)
 }

@@ -29,6 +29,9 @@
 // same instance can restore from it, even while its holder is fenced.
 // Fenced L1 copies are never usable; the index drops them when it fences
 // (new incarnation, or FenceRank when memberlist declares a rank dead).
+// Every rank keeps the set of chunks it has placements in, so a fence, an
+// inventory or ListRank visits the rank's own chunks, never the whole index
+// (STYLE 24).
 //
 // # bbolt layout
 //

@@ -363,8 +363,11 @@ func (ix *Index) Checkpoint(ctx context.Context) error {
 
 // Verify re-derives the whole state from bbolt, from scratch, and compares
 // it with the live in-memory state; it also checks the invariants (see
-// VerifyReport). It runs between two group commits, so the two states
-// describe the same moment. The error wraps ErrInconsistent when the
+// VerifyReport). The committer takes both at a barrier between two group
+// commits (a bbolt read transaction and a copy of the state's maps; the
+// placement slices are shared, they are never modified once published), so
+// they describe the same moment, and compares them on a goroutine of its
+// own while it goes on committing (STYLE 24). The error wraps ErrInconsistent when the
 // report lists problems.
 func (ix *Index) Verify(ctx context.Context) (VerifyReport, error) {
 	r := &request{kind: reqVerify, n: 1}
@@ -490,8 +493,10 @@ func (ix *Index) stage(r *request) {
 	if r.kind == reqVerify || r.kind == reqCheckpoint {
 		ix.barrier()
 		if r.kind == reqVerify {
-			r.report = ix.verify()
-		} else if err := ix.checkpoint(); err != nil {
+			ix.startVerify(r) // answers r itself, off the committer
+			return
+		}
+		if err := ix.checkpoint(); err != nil {
 			r.err = err
 		}
 		close(r.done)
@@ -874,4 +879,52 @@ func (ix *Index) finish() {
 	if err := ix.checkpoint(); err != nil {
 		ix.closeErr = err
 	}
+}
+
+// startVerify takes, at a barrier, a bbolt read transaction and a copy of
+// the live state, and compares them on a goroutine (tracked in ix.wg),
+// which answers r. The copy costs O(chunks) map copying on the committer;
+// the re-derivation from bbolt and the comparison, O(index) each, run off
+// it. (While the read transaction is open, a commit that must grow bbolt's
+// memory map waits for it.)
+func (ix *Index) startVerify(r *request) {
+	tx, err := ix.db.Begin(false)
+	if err != nil {
+		r.report = VerifyReport{Problems: []string{fmt.Sprintf("derive from bbolt: begin read transaction: %v", err)}}
+		close(r.done)
+		return
+	}
+	live := ix.st.snapshot()
+	ix.wg.Add(1)
+	go func() {
+		defer ix.wg.Done()
+		r.report = verifyAgainst(live, tx)
+		_ = tx.Rollback()
+		close(r.done)
+	}()
+}
+
+// verifyAgainst is Verify's comparison of a copy of the live state with the
+// state derived from tx.
+func verifyAgainst(live *state, tx *bolt.Tx) VerifyReport {
+	rep := VerifyReport{Ranks: len(live.ranks) - 1, Chunks: live.chunks, Objects: live.objects,
+		Placements: live.placements[wire.L1] + live.placements[wire.L2]}
+	var pr problems
+	if ld, err := load(tx); err != nil {
+		pr.add("derive from bbolt: %v", err)
+	} else {
+		rep.LogRecords = ld.logRecords
+		compareStates(&pr, live, ld.st)
+	}
+	checkInvariants(&pr, live)
+	for _, n := range live.ns {
+		if n.spec != nil || len(n.chunks) > 0 {
+			rep.Namespaces++
+		}
+	}
+	rep.Problems = pr.list
+	if pr.more > 0 {
+		rep.Problems = append(rep.Problems, fmt.Sprintf("... and %d more", pr.more))
+	}
+	return rep
 }

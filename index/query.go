@@ -309,9 +309,9 @@ func (ix *Index) Rank(r wire.Rank) (RankInfo, bool) {
 	return ix.st.ranks[id].info(), true
 }
 
-// ListRank returns a rank's state and every placement it holds. It scans
-// the whole index (admin and tests; not for a hot path). An unknown rank
-// is an error wrapping ErrUnknownRank.
+// ListRank returns a rank's state and every placement it holds. It visits
+// the rank's own chunks (its chunk set), not the whole index. An unknown
+// rank is an error wrapping ErrUnknownRank.
 func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
@@ -319,15 +319,19 @@ func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 	if !ok {
 		return RankInfo{}, fmt.Errorf("rank %s: %w", r, ErrUnknownRank)
 	}
-	info := ix.st.ranks[id].info()
-	for ns, n := range ix.st.ns {
-		for c, v := range n.chunks {
-			for _, p := range v.s {
-				if p.rank == id {
-					info.Placements = append(info.Placements, wire.Placement{
-						Key:  dcp.Key{NS: ns, Chunk: c, Shard: p.shard, Group: p.group},
-						Tier: p.tier, Size: p.size, Sum: p.sum})
-				}
+	rs := ix.st.ranks[id]
+	info := rs.info()
+	seen := make(map[chunkRef]bool, rs.live)
+	for _, ref := range rs.chunks {
+		if seen[ref] {
+			continue // listed twice (left and entered again)
+		}
+		seen[ref] = true
+		for _, p := range ix.st.chunk(ref) {
+			if p.rank == id {
+				info.Placements = append(info.Placements, wire.Placement{
+					Key:  dcp.Key{NS: ref.ns, Chunk: ref.chunk, Shard: p.shard, Group: p.group},
+					Tier: p.tier, Size: p.size, Sum: p.sum})
 			}
 		}
 	}

@@ -2,6 +2,7 @@ package index
 
 import (
 	"bytes"
+	"maps"
 	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -132,6 +133,16 @@ type rankState struct {
 	inst uint32 // instance id (state.insts), in memory only
 	rankMeta
 	tally
+	// chunks lists every chunk with at least one placement of this rank
+	// (kept by setChunk), so fences and inventories visit the rank's
+	// chunks, not the whole index (STYLE 24). It may also list chunks the
+	// rank has left, and a chunk more than once (left and entered again):
+	// readers check the chunk. live counts the chunks the rank is in now;
+	// when the list grows past twice that, it is compacted. A list of refs
+	// (32 B each) rather than a set: a map costs ~80 B per entry, as much
+	// as the placement itself.
+	chunks []chunkRef
+	live   int
 }
 
 // state is the whole index in memory: what Lookup reads. The committer is
@@ -151,6 +162,9 @@ type state struct {
 	// twice); epoch is the current checkpoint epoch.
 	dirty []chunkRef
 	epoch uint32
+	// compactQ: ranks whose chunk lists are due for compaction once the
+	// chunk being set is in place (setChunk).
+	compactQ []uint32
 }
 
 func newState() *state {
@@ -198,12 +212,21 @@ func (st *state) addRank(r wire.Rank, m rankMeta) *rankState {
 // changes chunks, so it is still current). setChunk owns s from now on and
 // fills in each placement's inst and tp.
 func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
+	st.setChunkVal(n, ref, old, had, s)
+	for _, id := range st.compactQ {
+		st.compactChunks(st.ranks[id])
+	}
+	st.compactQ = st.compactQ[:0]
+}
+
+func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
 	for i := range old.s {
 		p := &old.s[i]
 		n.add(p, -1)
 		st.add(p, -1)
 		st.ranks[p.rank].add(p, -1)
 	}
+	st.trackRanks(ref, old.s, s)
 	o := countObjects(old.s)
 	n.objects -= o
 	st.objects -= o
@@ -234,6 +257,61 @@ func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []
 	st.objects += o
 }
 
+// trackRanks keeps the per-rank chunk sets in step when a chunk's
+// placements change from old to cur: only the ranks that appear in one and
+// not the other touch their set (a chunk holds a handful of placements, so
+// the scans are short).
+func (st *state) trackRanks(ref chunkRef, old, cur []placement) {
+	for i := range old {
+		id := old[i].rank
+		if !holdsRank(old[:i], id) && !holdsRank(cur, id) {
+			r := st.ranks[id]
+			r.live--
+			if len(r.chunks) >= 2*r.live+compactSlack && !slices.Contains(st.compactQ, id) {
+				st.compactQ = append(st.compactQ, id)
+			}
+		}
+	}
+	for i := range cur {
+		id := cur[i].rank
+		if !holdsRank(cur[:i], id) && !holdsRank(old, id) {
+			r := st.ranks[id]
+			r.chunks = append(r.chunks, ref)
+			r.live++
+		}
+	}
+}
+
+// compactSlack is how many stale entries a rank's chunk list may hold
+// beyond its live chunks before it is compacted (a variable for tests).
+var compactSlack = 1024
+
+// compactChunks drops from r's chunk list the chunks it is no longer in,
+// and repeats. Called once the chunk just changed is in place; amortized
+// O(1) per change (the list is at least twice its live size).
+func (st *state) compactChunks(r *rankState) {
+	cs := r.chunks
+	slices.SortFunc(cs, compareRef)
+	cs = slices.CompactFunc(cs, func(a, b chunkRef) bool { return a == b })
+	k := 0
+	for _, ref := range cs {
+		if holdsRank(st.chunk(ref), r.id) {
+			cs[k] = ref
+			k++
+		}
+	}
+	r.chunks = slices.Clip(cs[:k])
+}
+
+func holdsRank(s []placement, id uint32) bool {
+	for i := range s {
+		if s[i].rank == id {
+			return true
+		}
+	}
+	return false
+}
+
 // dirtyRefs returns the dirty list sorted, without repeats.
 func (st *state) dirtyRefs() []chunkRef {
 	slices.SortFunc(st.dirty, compareRef)
@@ -252,4 +330,68 @@ func compareRef(a, b chunkRef) int {
 		return c
 	}
 	return bytes.Compare(a.chunk[:], b.chunk[:])
+}
+
+// checkRankChunks re-derives every rank's chunk set from the chunks and
+// compares (STYLE 16). It reads the whole state: Verify-time only.
+func checkRankChunks(pr *problems, st *state) {
+	want := make([]map[chunkRef]struct{}, len(st.ranks))
+	for ns, n := range st.ns {
+		for c, v := range n.chunks {
+			for i := range v.s {
+				id := v.s[i].rank
+				if int(id) >= len(want) {
+					pr.add("chunk %s/%s: placement of unknown rank id %d", ns, c, id)
+					continue
+				}
+				if want[id] == nil {
+					want[id] = make(map[chunkRef]struct{})
+				}
+				want[id][chunkRef{ns, c}] = struct{}{}
+			}
+		}
+	}
+	for id := 1; id < len(st.ranks); id++ {
+		r := st.ranks[id]
+		if r.live != len(want[id]) {
+			pr.add("rank %s: live chunk count %d, its placements are in %d chunks", r.rank, r.live, len(want[id]))
+		}
+		if len(r.chunks) > 2*r.live+compactSlack {
+			pr.add("rank %s: chunk list of %d entries for %d live chunks was never compacted", r.rank, len(r.chunks), r.live)
+		}
+		listed := make(map[chunkRef]bool, len(r.chunks))
+		for _, ref := range r.chunks {
+			listed[ref] = true
+		}
+		for ref := range want[id] {
+			if !listed[ref] {
+				pr.add("rank %s: chunk %s/%s missing from its chunk list", r.rank, ref.ns, ref.chunk)
+				break
+			}
+		}
+	}
+}
+
+// snapshot copies the state for Verify: every map and rank record, sharing
+// the placement slices (never modified once published) and the namespace
+// specs. Not the per-rank chunk lists (64 MB at 2 M placements: the copy
+// would stall the committer; the model tests check them) nor the
+// checkpoint bookkeeping.
+func (st *state) snapshot() *state {
+	c := &state{ns: make(map[dcp.Namespace]*nsState, len(st.ns)), ranks: make([]*rankState, len(st.ranks)),
+		rankIDs: maps.Clone(st.rankIDs), insts: maps.Clone(st.insts), objects: st.objects, chunks: st.chunks,
+		tally: st.tally, epoch: st.epoch}
+	for ns, n := range st.ns {
+		cn := *n
+		cn.chunks = maps.Clone(n.chunks)
+		c.ns[ns] = &cn
+	}
+	for i, r := range st.ranks {
+		if r != nil {
+			cr := *r
+			cr.chunks = nil
+			c.ranks[i] = &cr
+		}
+	}
+	return c
 }

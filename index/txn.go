@@ -301,11 +301,14 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 	return tl.placements[tier] > 0
 }
 
-// filter removes every placement for which drop is true, from every chunk,
-// and returns how many it removed. It visits every chunk: fences and
-// inventories are rare next to events, and a per-rank index would cost
-// every event a second map update.
-func (t *txn) filter(drop func(*placement) bool) int {
+// filter removes every placement of rank id for which drop is true and
+// returns how many it removed. It visits only the chunks that may hold
+// the rank: those of its chunk list in the published state (rankState.chunks)
+// and those staged in this txn and its parent, so a fence or an inventory
+// costs the rank's own placements, never a scan of the index (STYLE 24).
+// The price is a set update whenever a rank first or last appears in a
+// chunk.
+func (t *txn) filter(id uint32, drop func(*placement) bool) int {
 	hit := func(s []placement) bool {
 		for j := range s {
 			if drop(&s[j]) {
@@ -315,20 +318,21 @@ func (t *txn) filter(drop func(*placement) bool) int {
 		return false
 	}
 	p := t.parent
-	for ns, nst := range t.st.ns {
-		for c, v := range nst.chunks {
-			ref := chunkRef{ns, c}
-			if _, ok := t.idx[ref]; ok {
-				continue // staged here: handled below
+	var published []chunkRef
+	if int(id) < len(t.st.ranks) {
+		published = t.st.ranks[id].chunks
+	}
+	for _, ref := range published { // repeats: the second visit finds it staged
+		if _, ok := t.idx[ref]; ok {
+			continue // staged here: handled below
+		}
+		if p != nil {
+			if _, ok := p.idx[ref]; ok {
+				continue // the parent's copy is the current one: next loop
 			}
-			if p != nil {
-				if _, ok := p.idx[ref]; ok {
-					continue // the parent's copy is the current one: next loop
-				}
-			}
-			if hit(v.s) {
-				t.mut(ref)
-			}
+		}
+		if hit(t.st.chunk(ref)) {
+			t.mut(ref)
 		}
 	}
 	if p != nil {
@@ -361,7 +365,7 @@ func (t *txn) fenceL1(id uint32, below uint64) int {
 	if !t.mayHold(id, wire.L1) {
 		return 0
 	}
-	n := t.filter(func(p *placement) bool { return p.rank == id && p.tier == wire.L1 && p.inc < below })
+	n := t.filter(id, func(p *placement) bool { return p.rank == id && p.tier == wire.L1 && p.inc < below })
 	if n > 0 && t.enc != nil {
 		t.enc.fence(id, below)
 	}
@@ -373,7 +377,7 @@ func (t *txn) dropRank(id uint32) int {
 	if !t.mayHold(id, 0) {
 		return 0
 	}
-	n := t.filter(func(p *placement) bool { return p.rank == id })
+	n := t.filter(id, func(p *placement) bool { return p.rank == id })
 	if n > 0 && t.enc != nil {
 		t.enc.drop(id)
 	}

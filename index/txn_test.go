@@ -92,7 +92,9 @@ func randomOps(rng *rand.Rand, n int) []op {
 // txn that is not yet published (the committer's pipeline) gives the same
 // outcomes and the same state as applying every request one by one.
 func TestPipelinedTxnsMatchSequential(t *testing.T) {
+	defer func(s int) { compactSlack = s }(compactSlack)
 	for seed := range uint64(300) {
+		compactSlack = int(seed % 3) // compact the rank chunk lists early and often
 		rng := rand.New(rand.NewPCG(seed, 11))
 		ops := randomOps(rng, 60)
 
@@ -145,6 +147,8 @@ func TestPipelinedTxnsMatchSequential(t *testing.T) {
 		var pr problems
 		compareStates(&pr, pipeSt, seqSt)
 		checkInvariants(&pr, pipeSt)
+		checkRankChunks(&pr, pipeSt)
+		checkRankChunks(&pr, seqSt)
 		if len(pr.list) > 0 {
 			t.Fatalf("seed %d: %v", seed, pr.list)
 		}

@@ -243,7 +243,12 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		}
 		br.waitApplied(b)
 	}
-	req, err := jsonBytes(wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "eng"})
+	lreq := wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "eng"}
+	jsonReq, err := jsonBytes(lreq)
+	if err != nil {
+		b.Fatal(err)
+	}
+	req, err := lreq.MarshalBinary() // the compact form (wire/lookup.go)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -276,9 +281,17 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		_, err := nc.Request("bench.echo", req, 10*time.Second)
 		return err
 	}
-	b.Logf("request %d B, reply %d B", len(req), len(probe.Data))
+	lookupJSON := func() error {
+		_, err := nc.Request(subj.Coord(wire.CoordLookup), jsonReq, 10*time.Second)
+		return err
+	}
+	echoJSON := func() error {
+		_, err := nc.Request("bench.echo", jsonReq, 10*time.Second)
+		return err
+	}
+	b.Logf("request %d B binary (%d B JSON), reply %d B", len(req), len(jsonReq), len(probe.Data))
 
-	measure := func(label string) {
+	measure := func(label string, lookup, echo func() error) {
 		var r50, r99, l50, l99, e50, e99 []float64
 		for range benchReps() {
 			d := latencies(b, samples, lookup, echo)
@@ -295,7 +308,8 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		b.ReportMetric(median(r99), label+"-ratio-p99")
 	}
 	for b.Loop() {
-		measure("idle")
+		measure("idle", lookup, echo)
+		measure("idle-json", lookupJSON, echoJSON)
 
 		// Under ingest: 8 ranks publishing batches of 1024 without pause.
 		ingest := startBenchRanks(b, c, "load", shards, DefaultConfig().EventWindow)
@@ -318,7 +332,7 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		}
 		time.Sleep(500 * time.Millisecond) // let ingest reach its pace
 		e0, t0 := events.Load(), time.Now()
-		measure("ingest")
+		measure("ingest", lookup, echo)
 		rate := float64(events.Load()-e0) / time.Since(t0).Seconds()
 		stop.Store(true)
 		wg.Wait()

@@ -65,6 +65,9 @@ type LookupRequest struct {
 type RestoreBeginRequest struct {
 	RestoreBegin
 	Instance string `json:"instance,omitempty"`
+	// PlanEncoding asks for the plan as PlanEncodingJSON (default, also
+	// "") or PlanEncodingBinary (compact; see plan.go).
+	PlanEncoding string `json:"plan_encoding,omitempty"`
 }
 
 // ObjectPlacement is one rank's copy of an object.

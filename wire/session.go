@@ -17,7 +17,6 @@ import "fmt"
 const (
 	CodeUnknownSession = "unknown_session" // the rankd never issued this session id (or the request has none)
 	CodeStaleSession   = "stale_session"   // the session was superseded by a newer registration, or released
-	CodeUnauthorized   = "unauthorized"    // the caller is not the engine identity that owns the session or namespace
 )
 
 // SessionIDBytes is the size of a session id; its text form is twice as

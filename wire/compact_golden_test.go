@@ -1,0 +1,85 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+
+	"github.com/kvtier/kvtier/dcp"
+)
+
+// Golden vectors of the compact binary encodings (lookup.go, plan.go), in
+// testdata/compact, beside (not in) the golden set of golden_test.go so
+// that the Python client adopts them when it implements them:
+//
+//	lookup_request.bin  the golden lookup_request.json value, binary
+//	restore_plan.bin    the binary plan of restore_plan.json, which
+//	                    answers a restore.begin for chunks.json
+//
+//	go test ./wire -run CompactGolden -update    rewrites the files
+const compactDir = "testdata/compact"
+
+// goldenBinaryPlan is a plan of the regular shape the binary encoding
+// carries: 2 chunks; reader engine0/0 restores groups 0 and 1 of shard 0
+// (one object from engine0/1's L2), engine0/1 group 0 of shard 1. blocks:
+// empty Blocks slices (for JSON), else nil (as decoded from binary).
+func goldenBinaryPlan(blocks bool) *RestorePlan {
+	item := func(chunk, group int, shard uint16, holder int, tier Tier) RetrieveItem {
+		it := RetrieveItem{Chunk: chunk, Group: group, Key: goldenKey(byte(chunk), shard, uint16(group)),
+			Sum: 0x0123456789abcdef + uint64(chunk*16+group), Source: Source{Holder: Rank{Instance: "engine0", TPRank: holder}, Tier: tier}}
+		if blocks {
+			it.Blocks = []int64{}
+		}
+		return it
+	}
+	return &RestorePlan{RestoreID: "r-00000002", Prefix: 2, Ranks: map[string][]RetrieveItem{
+		"engine0/0": {item(0, 0, 0, 0, L1), item(0, 1, 0, 0, L1), item(1, 0, 0, 1, L2), item(1, 1, 0, 0, L2)},
+		"engine0/1": {item(0, 0, 1, 1, L1), item(1, 0, 1, 1, L1)},
+	}}
+}
+
+func TestCompactGolden(t *testing.T) {
+	chunks := []dcp.ChunkHash{goldenChunk(0), goldenChunk(1)}
+	lr := &LookupRequest{Namespace: goldenNS(), Chunks: chunks, Instance: "engine0", Detail: true}
+	files := map[string][]byte{}
+	var err error
+	if files["lookup_request.bin"], err = lr.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
+	if files["restore_plan.bin"], err = AppendPlanBinary(nil, goldenBinaryPlan(false), goldenNS()); err != nil {
+		t.Fatal(err)
+	}
+	if files["restore_plan.json"], err = json.Marshal(goldenBinaryPlan(true)); err != nil {
+		t.Fatal(err)
+	}
+	if files["chunks.json"], err = json.Marshal(chunks); err != nil {
+		t.Fatal(err)
+	}
+	if *updateGolden {
+		if err := os.MkdirAll(compactDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for n, b := range files {
+			if err := os.WriteFile(filepath.Join(compactDir, n), b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for n, want := range files {
+		got, err := os.ReadFile(filepath.Join(compactDir, n))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Errorf("%s: file differs from what Go encodes now (%v); run go test ./wire -run CompactGolden -update", n, err)
+		}
+	}
+	var back LookupRequest
+	if err := back.UnmarshalBinary(files["lookup_request.bin"]); err != nil || !reflect.DeepEqual(&back, lr) {
+		t.Errorf("lookup_request.bin decodes to %+v, %v", back, err)
+	}
+	plan, err := DecodePlanBinary(files["restore_plan.bin"], chunks)
+	if err != nil || !reflect.DeepEqual(plan, goldenBinaryPlan(false)) {
+		t.Errorf("restore_plan.bin decodes to %+v, %v", plan, err)
+	}
+}
