@@ -156,6 +156,14 @@ type Config struct {
 	// dropped and counted, and the rank's next batch or heartbeat asks
 	// again. Default 64. Each holds one inventory in memory.
 	MaxConcurrentResyncs int
+	// ResyncRate and ResyncBurst bound how fast resyncs start (a token
+	// bucket: ResyncRate per second, up to ResyncBurst at once); one more is
+	// dropped and counted like one over MaxConcurrentResyncs. Defaults 50/s
+	// and 64: a whole cluster restarting resyncs within seconds, while a
+	// rank that keeps asking (gap after gap) costs at most that many
+	// inventory fetches a second.
+	ResyncRate  float64
+	ResyncBurst int
 	// MaxActiveRestoresPerInstance caps one engine instance's active
 	// restores, so a flood from one leaves MaxActiveRestores minus this for
 	// the others. Default 4096; with MaxInstances * this > MaxActiveRestores
@@ -215,6 +223,8 @@ func DefaultConfig() Config {
 		MaxInventoryPages:            8192,
 		MaxInventoryObjects:          16 << 20,
 		MaxConcurrentResyncs:         64,
+		ResyncRate:                   50,
+		ResyncBurst:                  64,
 		MaxActiveRestoresPerInstance: 4096,
 		MaxWaitersPerRestore:         64,
 		MaxWaiters:                   262144,
@@ -301,13 +311,16 @@ func (c *Config) Validate() error {
 	}{
 		{"max ranks", c.MaxRanks}, {"max instances", c.MaxInstances}, {"max namespaces", c.MaxNamespaces},
 		{"max inventory pages", c.MaxInventoryPages}, {"max inventory objects", c.MaxInventoryObjects},
-		{"max concurrent resyncs", c.MaxConcurrentResyncs},
+		{"max concurrent resyncs", c.MaxConcurrentResyncs}, {"resync burst", c.ResyncBurst},
 		{"max active restores per instance", c.MaxActiveRestoresPerInstance},
 		{"max waiters per restore", c.MaxWaitersPerRestore}, {"max waiters", c.MaxWaiters},
 	} {
 		if v.v < 1 {
 			return fmt.Errorf("%s %d must be >= 1: %w", v.name, v.v, ErrConfig)
 		}
+	}
+	if !(c.ResyncRate > 0) {
+		return fmt.Errorf("resync rate %v per second must be > 0: %w", c.ResyncRate, ErrConfig)
 	}
 	if c.MaxActiveRestoresPerInstance > c.MaxActiveRestores {
 		return fmt.Errorf("max active restores per instance %d exceeds max active restores %d: %w",

@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	bolterr "go.etcd.io/bbolt/errors"
 	"go.uber.org/zap"
+	"golang.org/x/time/rate"
 )
 
 // Coordinator is one running coordinator. New builds it, Start brings it up
@@ -75,6 +76,9 @@ type Coordinator struct {
 
 	fences fenceGates // per-rank fence epochs: see fence.go
 	geo    geometries // registered namespaces' geometry: see limits.go
+	// resyncLimit paces resync starts (ResyncRate, ResyncBurst); used
+	// under drainMu.
+	resyncLimit *rate.Limiter
 
 	auth authState
 
@@ -126,6 +130,7 @@ func New(cfg Config) (*Coordinator, error) {
 		hb:        heartbeats{prev: make(map[wire.Rank]wire.Heartbeat)},
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.resyncLimit = rate.NewLimiter(rate.Limit(cfg.ResyncRate), cfg.ResyncBurst)
 	c.rs = newRestores(c)
 	c.live = newLiveTable()
 	c.auth.refused = newRefused()

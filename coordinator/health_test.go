@@ -106,3 +106,13 @@ func TestHealthzReflectsNATS(t *testing.T) {
 	})
 	c.Shutdown() // before its NATS server goes
 }
+
+// TestProductionIndexSyncs (issue 11.7): the coordinator opens its index
+// with fsync on every commit and on growth; NoFreelistSync is the one
+// relaxation, and it is safe (the freelist is rebuilt at Open).
+func TestProductionIndexSyncs(t *testing.T) {
+	c := startCoord(t, nil)
+	if d := c.Index().Durability(); d.NoSync || d.NoGrowSync || !d.NoFreelistSync {
+		t.Fatalf("coordinator's index opened with %+v, want NoSync=false NoGrowSync=false NoFreelistSync=true", d)
+	}
+}

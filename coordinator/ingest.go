@@ -197,6 +197,12 @@ func (c *Coordinator) startResync(r wire.Rank) {
 			zap.Stringer("rank", r), zap.Int("running", len(c.resyncing)), zap.Int("limit", c.cfg.MaxConcurrentResyncs))
 		return
 	}
+	if !c.resyncLimit.Allow() {
+		c.met.refused.WithLabelValues("resync_rate").Inc()
+		c.log.Warn("resync not started: resync rate limit; the rank's next batch or heartbeat asks again",
+			zap.Stringer("rank", r), zap.Float64("per_second", c.cfg.ResyncRate), zap.Int("burst", c.cfg.ResyncBurst))
+		return
+	}
 	c.resyncing[r] = false
 	c.wg.Add(1)
 	go c.resync(r)

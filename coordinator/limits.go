@@ -38,7 +38,8 @@ import (
 //   - heartbeats: only ranks the index knows are tracked (so the table is
 //     bounded by MaxRanks, and a heartbeat of an invented rank starts
 //     nothing); resyncs running at once: MaxConcurrentResyncs (one more is
-//     dropped and counted; the rank's next batch or heartbeat asks again);
+//     dropped and counted; the rank's next batch or heartbeat asks again),
+//     and how fast they start: ResyncRate, ResyncBurst;
 //   - restores: MaxActiveRestoresPerInstance (so one instance's flood
 //     leaves MaxActiveRestores - MaxActiveRestoresPerInstance for the
 //     others), parked waiters: MaxWaitersPerRestore and MaxWaiters;

@@ -295,3 +295,27 @@ func TestRankReset(t *testing.T) {
 	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng"}, wire.CodeBadRequest)
 	mustVerify(t, c)
 }
+
+// TestResyncRateLimited: resync starts beyond ResyncBurst (with a rate
+// too slow to refill during the test) are dropped and counted; the rank's
+// next gap asks again once a token is back.
+func TestResyncRateLimited(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.ResyncRate, cfg.ResyncBurst = 1e-6, 2 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	for i := range 3 {
+		r := wire.Rank{Instance: "gap" + strconv.Itoa(i), TPRank: 0}
+		// Starts past a gap: the ack asks for a resync.
+		ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 5, ns, chain(ns, 1, uint32(i)), wire.L1))
+		if werr != nil || !ack.Resync {
+			t.Fatalf("rank %s: %+v %v", r, ack, werr)
+		}
+	}
+	waitMetric(t, c, 1, "kvtier_coord_refused_total", "rule", "resync_rate")
+	waitFor(t, 10*time.Second, "the two started resyncs to give up", func() bool {
+		return metric(t, c, "kvtier_coord_resyncs_total", "outcome", "failed") == 2
+	})
+	if got := metric(t, c, "kvtier_coord_refused_total", "rule", "resync_rate"); got != 1 {
+		t.Fatalf("resyncs refused by the rate: %v, want 1", got)
+	}
+}

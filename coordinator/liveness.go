@@ -73,6 +73,19 @@ func (t *liveTable) observe(m cluster.Member) {
 	t.ranks[r] = incs
 }
 
+// alive returns the alive incarnations of rank r.
+func (t *liveTable) alive(r wire.Rank) []uint64 {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	var out []uint64
+	for _, s := range t.ranks[r] {
+		if s.state == cluster.StateAlive {
+			out = append(out, s.inc)
+		}
+	}
+	return out
+}
+
 // aliveInc reports whether incarnation inc of rank r is alive.
 func (t *liveTable) aliveInc(r wire.Rank, inc uint64) bool {
 	t.mu.RLock()

@@ -36,11 +36,33 @@ func (c *Coordinator) membershipLoop() {
 		c.live.observe(ev.Member)
 		switch ev.Type {
 		case cluster.EventJoin:
+			c.noteDuplicate(ev.Member)
 			c.resyncRejoined(ev.Member)
 		case cluster.EventDead:
 			c.fenceMember(ev.Member, "dead", ev.At)
 		case cluster.EventLeave:
 			c.fenceMember(ev.Member, "left", ev.At)
+		}
+	}
+}
+
+// noteDuplicate counts and logs a rankd member that joins while another
+// incarnation of its rank is alive (issue 18.3): a second rankd for a live
+// rank, which refuses to start after rankd's DuplicateWait, or a restart
+// whose predecessor is not declared dead yet. Neither changes the index:
+// only batches do, and a death or leave of an incarnation the index does
+// not know fences nothing.
+func (c *Coordinator) noteDuplicate(m cluster.Member) {
+	if m.Meta.Role != cluster.RoleRankd || m.Local {
+		return
+	}
+	r := memberRank(m)
+	for _, s := range c.live.alive(r) {
+		if s != m.Meta.Incarnation {
+			c.met.duplicates.Inc()
+			c.log.Warn("a second rankd member claims a live rank", zap.Stringer("rank", r), zap.String("member", m.ID),
+				zap.Uint64("incarnation", m.Meta.Incarnation), zap.Uint64("live_incarnation", s))
+			return
 		}
 	}
 }

@@ -34,6 +34,7 @@ type metrics struct {
 	internal       prometheus.Counter
 	replies        *prometheus.CounterVec // by op and outcome: ok | error | too_large | send_failed | no_inbox
 	refused        *prometheus.CounterVec // by rule (limits.go)
+	duplicates     prometheus.Counter     // rankd members joining beside a live incarnation of their rank
 }
 
 func newMetrics() *metrics {
@@ -143,6 +144,10 @@ func newMetrics() *metrics {
 			Name: "kvtier_coord_refused_total",
 			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, instance_restores, waiters, unknown_rank_heartbeat).",
 		}, []string{"rule"}),
+		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_duplicate_rank_members_total",
+			Help: "Rankd members that joined while another incarnation of their rank was alive (a second rankd for a live rank, or a restart before its predecessor was declared dead).",
+		}),
 	}
 }
 
@@ -151,7 +156,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
-		m.active, m.internal, m.replies, m.refused,
+		m.active, m.internal, m.replies, m.refused, m.duplicates,
 	}
 }
 

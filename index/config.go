@@ -53,6 +53,13 @@ type Config struct {
 	// process holding the file). Default 5 s.
 	OpenTimeout time.Duration
 
+	// AfterCommit, when set, is called on the writer goroutine after each
+	// group commit's bbolt transaction has committed (written and, unless
+	// NoSync, fsynced) and before any of its requests is answered: the
+	// seam through which tests observe the commit-before-ack order (C7).
+	// It must return promptly; the next commit waits for it. Default nil.
+	AfterCommit func()
+
 	// Logger receives lifecycle and fault logs. Default zap.NewNop().
 	Logger *zap.Logger
 	// Registerer, when non-nil, gets the index's metrics (metrics.go); Close

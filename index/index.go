@@ -473,7 +473,11 @@ func (ix *Index) writer() {
 			f.done <- ix.db.Update(func(tx *bolt.Tx) error { return writeFold(tx, f.fold) })
 			continue
 		}
-		f.done <- ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, f.t) })
+		err := ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, f.t) })
+		if err == nil && ix.cfg.AfterCommit != nil {
+			ix.cfg.AfterCommit()
+		}
+		f.done <- err
 	}
 }
 
@@ -819,6 +823,19 @@ func writeFold(tx *bolt.Tx, f *fold) error {
 		return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
 	}
 	return nil
+}
+
+// Durability is how the bbolt file is opened, as far as acknowledged
+// writes surviving a crash or power cut depend on it.
+type Durability struct {
+	NoSync         bool // no fsync on commit: acknowledged writes can be lost (C7 broken)
+	NoGrowSync     bool // no fsync after growing the file
+	NoFreelistSync bool // freelist not written; rebuilt by a scan at Open (safe)
+}
+
+// Durability reports the open bbolt file's durability options.
+func (ix *Index) Durability() Durability {
+	return Durability{NoSync: ix.db.NoSync, NoGrowSync: ix.db.NoGrowSync, NoFreelistSync: ix.db.NoFreelistSync}
 }
 
 // setFailed makes err the sticky failure; committer only.

@@ -75,6 +75,14 @@ type Config struct {
 	// JoinTimeout bounds the initial join and the wait for the coordinator's
 	// NATS URL in its member metadata. Default 30 s.
 	JoinTimeout time.Duration
+	// DuplicateWait is how long Start waits, after joining, for another
+	// live member serving the same rank (another incarnation) to be
+	// declared dead or to leave before refusing to start with
+	// ErrDuplicateRank (issue 18.3). Default 5 s: a few failure-detector
+	// rounds, so a replacement started right after its predecessor crashed
+	// waits for the death instead of failing; a duplicate of a live rank
+	// exits after it, non-zero, naming the live member.
+	DuplicateWait time.Duration
 
 	// NATSURL is an explicit NATS URL (comma-separated for a cluster).
 	// Default "": use the URLs the coordinator gossips in its member
@@ -192,6 +200,7 @@ func DefaultConfig() Config {
 		BindPort:              -1, // 7946 + 1 + TP rank
 		Detector:              cluster.DefaultDetector(),
 		JoinTimeout:           30 * time.Second,
+		DuplicateWait:         5 * time.Second,
 		NATSSwitchAfter:       3 * time.Second,
 		Prefix:                wire.DefaultPrefix,
 		HTTPAddr:              "127.0.0.1:0",
@@ -260,6 +269,8 @@ func (c *Config) Validate() error {
 		return bad("NATS switch delay %v must be > 0", c.NATSSwitchAfter)
 	case c.HeartbeatInterval <= 0:
 		return bad("heartbeat interval %v must be > 0", c.HeartbeatInterval)
+	case c.DuplicateWait < 0:
+		return bad("duplicate wait %v must be >= 0", c.DuplicateWait)
 	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0 || c.StoreTimeout <= 0:
 		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v, store %v)",
 			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout, c.StoreTimeout)

@@ -26,6 +26,8 @@ var (
 	ErrClosed  = errors.New("rankd: shut down")
 	// ErrNoCoordinator: no coordinator NATS URL was found in time.
 	ErrNoCoordinator = errors.New("rankd: no coordinator found")
+	// ErrDuplicateRank: another live rankd serves this rank.
+	ErrDuplicateRank = errors.New("rankd: the rank is served by another live rankd")
 )
 
 // Code maps an error to its stable wire code.

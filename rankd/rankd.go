@@ -235,6 +235,11 @@ func (d *Daemon) Start(ctx context.Context) error {
 			return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
 		}
 	}
+	// Before anything is published: a second rankd for a live rank would
+	// supersede it (issue 18.3).
+	if err := d.refuseDuplicate(ctx); err != nil {
+		return err
+	}
 	url := d.cfg.NATSURL
 	if url == "" {
 		var err error
@@ -300,6 +305,41 @@ func (d *Daemon) heartbeatLoop() {
 		d.mu.Unlock()
 		if err := nc.Publish(subject, p); err != nil {
 			d.log.Debug("heartbeat not sent", zap.Error(err))
+		}
+	}
+}
+
+// refuseDuplicate returns ErrDuplicateRank, naming the live member, when
+// another incarnation of this rank is still alive in memberlist after
+// DuplicateWait; nil as soon as there is none.
+func (d *Daemon) refuseDuplicate(ctx context.Context) error {
+	self := d.clu.LocalMember().ID
+	deadline := time.Now().Add(d.cfg.DuplicateWait)
+	for {
+		var live *cluster.Member
+		for _, m := range d.clu.Members() {
+			if m.ID != self && m.Meta.Role == cluster.RoleRankd && m.State == cluster.StateAlive &&
+				m.Meta.Engine == d.cfg.Rank.Instance && m.Meta.TPRank == d.cfg.Rank.TPRank {
+				live = &m
+				break
+			}
+		}
+		if live == nil {
+			return nil
+		}
+		if !time.Now().Before(deadline) {
+			d.log.Error("refusing to start: the rank is served by another live rankd", zap.Stringer("rank", d.cfg.Rank),
+				zap.String("live_member", live.ID), zap.Uint64("live_incarnation", live.Meta.Incarnation),
+				zap.String("live_addr", live.Addr), zap.Duration("waited", d.cfg.DuplicateWait))
+			return fmt.Errorf("rank %s is served by live member %s (incarnation %d, gossip %s), still alive after %v; stop it, or wait until it is declared dead: %w",
+				d.cfg.Rank, live.ID, live.Meta.Incarnation, live.Addr, d.cfg.DuplicateWait, ErrDuplicateRank)
+		}
+		d.log.Warn("another rankd serves this rank; waiting for it to die or leave", zap.Stringer("rank", d.cfg.Rank),
+			zap.String("live_member", live.ID), zap.Duration("until", time.Until(deadline)))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
 		}
 	}
 }

@@ -127,6 +127,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	fs.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "default restore deadline")
 	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries")
+	fs.DurationVar(&cfg.MaxIncarnationSkew, "max-incarnation-skew", cfg.MaxIncarnationSkew, "refuse rank incarnations further ahead of this clock")
+	fs.BoolVar(&cfg.RequireMemberIncarnation, "require-member-incarnation", cfg.RequireMemberIncarnation, "accept a new rank incarnation only once memberlist shows it alive")
+	fs.IntVar(&cfg.MaxRanks, "max-ranks", cfg.MaxRanks, "ranks the index may hold")
+	fs.IntVar(&cfg.MaxActiveRestoresPerInstance, "max-active-restores-per-instance", cfg.MaxActiveRestoresPerInstance, "active restores of one engine instance")
+	fs.IntVar(&cfg.IndexMaxFileBytes, "index-max-file-bytes", cfg.IndexMaxFileBytes, "cap on the bbolt index file in bytes (0: none); beyond it the index fails and /healthz is 503")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	if err := flagfile.Parse(fs, args, "gossip-key"); err != nil {
 		return exitUsage
