@@ -114,6 +114,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Incarnation = d.inc
 	tc.Device = dev
 	tc.L1Bytes = cfg.L1Bytes
+	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
 	tc.L2Policy = cfg.L2Policy
 	tc.Publisher = d.pub
