@@ -629,6 +629,22 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 // while a pass makes progress.
 func (e *Engine) flushL2(ctx context.Context) error {
 	prev := -1
+	e.mu.Lock()
+	total := e.cat.countDirty()
+	e.mu.Unlock()
+	if total > 0 {
+		e.log.Info("flushing objects only L1 holds to L2", zap.Int("objects", total))
+	}
+	start, lastLog := time.Now(), time.Now()
+	defer func() {
+		if total == 0 {
+			return
+		}
+		e.mu.Lock()
+		left := e.cat.countDirty()
+		e.mu.Unlock()
+		e.log.Info("flush to L2 done", zap.Int("flushed", total-left), zap.Int("unflushed", left), zap.Duration("took", time.Since(start)))
+	}()
 	for {
 		e.mu.Lock()
 		for _, o := range e.cat.objs {
@@ -644,10 +660,18 @@ func (e *Engine) flushL2(ctx context.Context) error {
 			if n == 0 {
 				break
 			}
+			if total > 0 && time.Since(lastLog) >= time.Second {
+				lastLog = time.Now()
+				e.mu.Lock()
+				left := e.cat.countDirty()
+				e.mu.Unlock()
+				e.log.Info("flushing to L2", zap.Int("flushed", total-left), zap.Int("of", total))
+			}
 			select {
 			case <-ch:
 			case <-ctx.Done():
 				return ctx.Err()
+			case <-time.After(time.Second): // progress
 			}
 		}
 		e.mu.Lock()

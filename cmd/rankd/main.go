@@ -49,6 +49,9 @@ func main() {
 	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	flag.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
 	flag.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
+	flag.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
+		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
+	flag.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
 	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
 
 	fail := func(err error) {
