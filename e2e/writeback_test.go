@@ -28,3 +28,27 @@ func TestWriteBackSIGTERMRestart(t *testing.T) {
 		}
 	}
 }
+
+// TestWriteBackSmallL1 (issue 18.1): rankds with a 64 MiB write-back L1.
+// A 13-chunk TP4/DCP4 prompt (31 MiB per rank) stores and restores
+// COMPLETE byte-exact, and so does a prompt larger than L1 (30 chunks),
+// whose restore streams from L2.
+func TestWriteBackSmallL1(t *testing.T) {
+	c := newKV(t, 4)
+	c.l1 = "64MiB"
+	c.rankArgs = []string{"--l2-policy", "write-back"}
+	c.startAll()
+	for _, n := range []string{"13", "30"} {
+		t.Run(n+"_chunks", func(t *testing.T) {
+			res := c.mustSim("--scenario", "tp4dcp4", "--chunks", n, "--phase", "all")
+			if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks {
+				t.Fatalf("result %+v", res)
+			}
+			for _, r := range res.Ranks {
+				if r.Placed != r.Items || r.Mismatch != 0 || r.Outside != 0 {
+					t.Fatalf("rank %d: %+v", r.Rank, r)
+				}
+			}
+		})
+	}
+}
