@@ -542,6 +542,9 @@ func (e *Engine) evictToLowLocked() {
 		bytes := float64(uint64(o.nslab) * c.slabBytes)
 		switch c.classify(o, now) {
 		case slabClean:
+			if o.dirty {
+				break // L2 is degraded: dropped only when a placement needs the room
+			}
 			e.evictLocked(o)
 			need -= bytes
 		case slabWaitable:
