@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -17,8 +18,11 @@ import (
 // cheapest window of slabs holding no pinned object is chosen (cheapest =
 // least recently used occupants) and its occupants evicted, after writing
 // them to L2 first where they exist nowhere else. If every window holds a
-// pinned object the placement fails at once with ErrL1Full: it never waits
-// for pins, so work holding pins can never deadlock waiting for room.
+// pinned object the placement fails at once with ErrL1Full. A store then
+// gives back every slab it placed and waits for room holding none
+// (placeAll), so stores holding room always finish and waiting ones
+// never deadlock; a retrieve's L2 load does not wait (its batch holds
+// pins) and fails with no_space.
 
 type objState uint8
 
@@ -273,6 +277,9 @@ func (c *catalog) findWindow(n int, now time.Time) (start int, needsWait bool) {
 	return best, bestWait
 }
 
+// errL1TooSmall: an object larger than the whole of L1.
+var errL1TooSmall = errors.New("larger than L1")
+
 func (c *catalog) countDirty() int {
 	n := 0
 	for _, o := range c.objs {
@@ -285,13 +292,13 @@ func (c *catalog) countDirty() int {
 
 // placeLocked gives the unplaced object o its slabs. It returns nil when o
 // is placed; a channel to wait on (then call again) when room is being
-// made by L2 writes; or an error wrapping ErrL1Full.
+// made by L2 writes; or an error wrapping ErrL1Full (errL1TooSmall when o
+// can never fit). The caller counts a final failure (l1Full).
 func (e *Engine) placeLocked(o *l1Obj) (<-chan struct{}, error) {
 	c := &e.cat
 	if o.nslab > len(c.owner) {
-		e.ctr.l1Full.Add(1)
-		return nil, fmt.Errorf("object %s of %d B needs %d slabs of %d B, L1 has %d: %w",
-			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), ErrL1Full)
+		return nil, fmt.Errorf("object %s of %d B needs %d slabs of %d B, L1 has %d: %w: %w",
+			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), errL1TooSmall, ErrL1Full)
 	}
 	if s := c.findFree(o.nslab); s >= 0 {
 		e.assignLocked(o, s)
@@ -299,7 +306,6 @@ func (e *Engine) placeLocked(o *l1Obj) (<-chan struct{}, error) {
 	}
 	s, wait := c.findWindow(o.nslab, e.cfg.Now())
 	if s < 0 {
-		e.ctr.l1Full.Add(1)
 		return nil, fmt.Errorf("object %s of %d B needs %d contiguous slabs of %d B; every such run of L1 (%d slabs, %d free) holds a pinned or filling object: %w",
 			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), c.free, ErrL1Full)
 	}

@@ -111,3 +111,31 @@ func TestL1PressureWriteBackPrompts(t *testing.T) {
 		t.Fatalf("stats %+v: want reads from L2 and no pinned eviction", st)
 	}
 }
+
+// TestStoresThrottleOnFullL1 (issue 18.1): more stores in flight than L1
+// can hold, behind a slow producer (each holds its room while it waits
+// for its event): under write-back the later stores wait for room (L2
+// takes the bytes) instead of failing no_space, and every chunk restores.
+func TestStoresThrottleOnFullL1(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 30 // 72 MiB of objects
+	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * n})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	cfg.L2Dir = t.TempDir()
+	cfg.L2Policy = WriteBackOnEvict
+	e := newEngine(t, cfg)
+	r.register(e)
+	var cs []chunk
+	var tgts [][][]int64
+	for i := range n {
+		cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+		tgts = append(tgts, r.consecutiveN(n+i))
+	}
+	storeConcurrently(t, e, r, "slow", cs, 100*time.Millisecond)
+	if st := e.Stats(); st.StoreFailures[ReasonNoSpace] != 0 {
+		t.Fatalf("%d stores failed no_space", st.StoreFailures[ReasonNoSpace])
+	}
+	restoreAll(t, e, r, "every chunk of a prompt stored faster than L1 drains", cs, tgts)
+}
