@@ -92,6 +92,7 @@ type catalog struct {
 	// evictable (dropped, counted), and one probe write is tried every
 	// backoff (doubling up to l2MaxBackoff) until one succeeds.
 	failStreak int
+	retryWrite bool // a write failed while not degraded: retry it (write-through)
 	degraded   bool
 	probeAt    time.Time
 	backoff    time.Duration
@@ -474,6 +475,7 @@ func (e *Engine) evictLoop() {
 		}
 		e.mu.Lock()
 		e.probeL2Locked()
+		e.retryWritesLocked()
 		e.evictToLowLocked()
 		e.mu.Unlock()
 	}
@@ -492,6 +494,29 @@ func (e *Engine) probeL2Locked() {
 			e.queueWriteForcedLocked(o)
 			return
 		}
+	}
+}
+
+// retryWritesLocked queues again, under write-through, the objects whose
+// L2 write failed at least writeBackRetry ago (a transient failure, or
+// the directory removed and put back): L2 gets every object without a
+// restart. While L2 is degraded the probe does this instead.
+func (e *Engine) retryWritesLocked() {
+	c := &e.cat
+	if !c.retryWrite || c.degraded || e.cfg.L2Policy != WriteThrough {
+		return
+	}
+	c.retryWrite = false
+	now := e.cfg.Now()
+	for o := c.head; o != nil; o = o.next {
+		if !o.dirty || o.writing || o.doomed || o.state != stReady || o.wbFailed.IsZero() {
+			continue
+		}
+		if now.Sub(o.wbFailed) < writeBackRetry {
+			c.retryWrite = true // not yet: the next tick
+			continue
+		}
+		e.queueWriteLocked(o)
 	}
 }
 
@@ -624,6 +649,7 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 		e.dropLocked(o)
 	default:
 		o.wbFailed = e.cfg.Now()
+		c.retryWrite = true
 		e.ctr.l2WriteErrors.Add(1)
 		e.log.Warn("L2 write failed; the object stays in L1 and is retried", zap.Stringer("key", o.key), zap.Error(err))
 	}
