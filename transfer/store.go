@@ -444,6 +444,9 @@ func (e *Engine) placeAll(ctx context.Context, work []storeWork) error {
 				e.cat.freeSlabs(w.o)
 			}
 			e.ctr.l1OccupiedBytes.Store(e.cat.occupied())
+			if placed > 0 {
+				e.cat.notifyLocked() // the room given back may serve another store
+			}
 			wait = e.cat.changed
 			if !waited {
 				waited = true
