@@ -13,12 +13,12 @@ func TestWriteBackSIGTERMRestart(t *testing.T) {
 	c := newKV(t, 4)
 	c.rankArgs = []string{"--l2-policy", "write-back"}
 	c.startAll()
-	c.mustSim("--scenario", "tp4dcp4", "--phase", "store")
-	c.stopRanks() // SIGTERM
+	c.mustSim("--scenario", "tp4dcp4", "--chunks", "8", "--phase", "store") // the filed prompt: 8 chunks
+	c.stopRanks()                                                           // SIGTERM
 	for r := range c.tp {
 		c.startRank(r)
 	}
-	res := c.mustSim("--scenario", "tp4dcp4", "--phase", "restore")
+	res := c.mustSim("--scenario", "tp4dcp4", "--chunks", "8", "--phase", "restore")
 	if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks {
 		t.Fatalf("restore after SIGTERM + restart under write-back: %+v", res)
 	}
