@@ -53,6 +53,15 @@ type Config struct {
 	// reply sent while they are still in use says blocks_in_use and a
 	// wire.BlocksFreed message follows (C10). Default 30 s.
 	StoreTimeout time.Duration
+	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
+	// its flush to L2: under write-back every object only L1 holds is
+	// written to L2 before the rankd leaves, with progress in the log;
+	// whatever is still unwritten when it expires is counted
+	// (kvtier_transfer_lost_objects_total) and logged at Error. It runs
+	// apart from ShutdownTimeout, so a graceful shutdown takes at most
+	// ShutdownTimeout + FlushTimeout. Default 120 s: about 12 GB at a
+	// 100 MB/s disk; raise it for larger L1s on slow L2s.
+	FlushTimeout time.Duration
 
 	// Join lists the memberlist seeds (host:port), normally the
 	// coordinator's gossip address. Required unless NATSURL is set.
@@ -196,6 +205,7 @@ func DefaultConfig() Config {
 		L1Bytes:               1 << 30,
 		L2Policy:              transfer.WriteThrough,
 		StoreTimeout:          30 * time.Second,
+		FlushTimeout:          120 * time.Second,
 		BindAddr:              "0.0.0.0",
 		BindPort:              -1, // 7946 + 1 + TP rank
 		Detector:              cluster.DefaultDetector(),
@@ -271,9 +281,9 @@ func (c *Config) Validate() error {
 		return bad("heartbeat interval %v must be > 0", c.HeartbeatInterval)
 	case c.DuplicateWait < 0:
 		return bad("duplicate wait %v must be >= 0", c.DuplicateWait)
-	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0 || c.StoreTimeout <= 0:
-		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v, store %v)",
-			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout, c.StoreTimeout)
+	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0 || c.StoreTimeout <= 0 || c.FlushTimeout <= 0:
+		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v, store %v, flush %v)",
+			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout, c.StoreTimeout, c.FlushTimeout)
 	case c.EventQueue < 1:
 		return bad("event queue %d must be >= 1", c.EventQueue)
 	case c.EventWindow < 1 || c.EventWindow > c.EventQueue:

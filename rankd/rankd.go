@@ -116,6 +116,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Incarnation = d.inc
 	tc.Device = dev
 	tc.L1Bytes = cfg.L1Bytes
+	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
 	tc.L2Policy = cfg.L2Policy
 	tc.Publisher = d.pub
@@ -503,10 +504,18 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		errs = append(errs, fmt.Errorf("drain engine requests: %w", ctx.Err()))
 	}
-	// 2. The engine drains its stores, finishes L2 writes, publishes the
-	// last events to the publisher.
-	if err := d.eng.Close(ctx); err != nil {
+	// 2. The engine drains its stores, finishes L2 writes (under
+	// write-back: every object only L1 holds, issue 18.2), publishes the
+	// last events to the publisher. Bounded by FlushTimeout on its own.
+	fctx, fcancel := context.WithTimeout(context.Background(), d.cfg.FlushTimeout)
+	if err := d.eng.Close(fctx); err != nil {
 		errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
+	}
+	fcancel()
+	if st := d.eng.Stats(); st.LostObjects > 0 {
+		d.log.Error("objects only L1 held were not flushed to L2 before shutdown; they are lost",
+			zap.Uint64("unflushed", st.LostObjects), zap.Duration("flush_timeout", d.cfg.FlushTimeout))
+		errs = append(errs, fmt.Errorf("%d objects only L1 held were not flushed to L2", st.LostObjects))
 	}
 	// 3. Every event reaches the coordinator (durably) or is counted lost.
 	if connected {

@@ -39,6 +39,7 @@ type harness struct {
 	nc      *nats.Conn
 	d       *Daemon
 	hostCfg cuda.HostConfig
+	cfg     Config // the daemon's config (a restart reuses it)
 	subj    wire.Subjects
 	rank    wire.Rank
 
@@ -108,6 +109,7 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	for _, o := range opts {
 		o(&cfg)
 	}
+	h.cfg = cfg
 	d, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

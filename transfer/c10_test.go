@@ -92,3 +92,53 @@ func TestC10RetrieveTimeoutStopsWritingBeforeReply(t *testing.T) {
 	time.Sleep(400 * time.Millisecond) // room for a late scatter to show (not a timing assertion)
 	r.check("recomputed pages after a timed-out retrieve")
 }
+
+// TestC10LargeScatterTimeout is the filed scenario without a delay seam: a
+// 31 MiB scatter on the host backend with a retrieve timeout far shorter
+// than the copy. Every chunk the answer calls failed is recomputed at
+// once; none of its recomputed bytes may be overwritten afterwards, and
+// every chunk it calls restored holds the stored bytes.
+func TestC10LargeScatterTimeout(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 13
+	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * n})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.RetrieveTimeout = time.Millisecond
+	e := newEngine(t, cfg)
+	r.register(e)
+	var cs []chunk
+	var tgts [][][]int64
+	for i := range n {
+		cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+		tgts = append(tgts, r.consecutiveN(n+i))
+	}
+	for _, c := range cs {
+		storeAll(t, e, r, "s", c)
+	}
+	// The recomputed pages are ready before the answer, so they land the
+	// moment it comes (a late scatter would land after them).
+	var recomputed []chunk
+	for i := range cs {
+		recomputed = append(recomputed, r.newChunk(1000+i, tgts[i]))
+	}
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, tgts))
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := 0
+	for i := range cs {
+		if rr.ChunkOK(i) {
+			r.expectRestored(cs[i], tgts[i])
+			continue
+		}
+		failed++
+		r.place(recomputed[i], tgts[i], func(m cuda.Mem, off uint64, p []byte) {
+			if err := dev.Write(m, off, p); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	t.Logf("%d of %d chunks failed the 1 ms retrieve", failed, n)
+	closeEngine(t, e) // whatever the engine still ran has ended
+	r.check("after recomputing the chunks a timed-out retrieve failed")
+}

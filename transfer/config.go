@@ -72,9 +72,10 @@ type Config struct {
 	// 1 GiB. Larger holds more hot objects; it is pinned (unswappable) RAM.
 	L1Bytes uint64
 	// L1SlabBytes is the allocation unit of L1: an object occupies a run of
-	// contiguous slabs. Default 1 MiB; a multiple of 4096. Smaller wastes
-	// less on small objects (on average half a slab per object) but makes
-	// placement scans longer (they are linear in the slab count).
+	// contiguous slabs. Default 64 KiB (SlabFor of the default L1); a
+	// multiple of 4096. Smaller wastes less on small objects (on average
+	// half a slab per object) but makes placement scans longer (they are
+	// linear in the slab count). SlabFor(L1Bytes) picks one for any L1.
 	L1SlabBytes uint64
 	// HighWatermark and LowWatermark are fractions of L1Bytes: when the
 	// occupied bytes exceed High, the evictor evicts least-recently-used
@@ -132,6 +133,14 @@ type Config struct {
 	Streams int
 	// L2Readers bounds the concurrent L2 reads of one retrieve. Default 4.
 	L2Readers int
+	// RetrieveBatchBytes bounds the L1 one retrieve pins at a time (slab
+	// rounded): its items go through L1 in batches of whole chunks, each
+	// scattered, verified and unpinned before the next is read, so a
+	// prompt larger than L1 restores from L2. The bound used is
+	// min(RetrieveBatchBytes, L1Bytes/4) (at least one slab). Default
+	// 256 MiB. Larger batches mean fewer, longer scatters; smaller ones
+	// leave more of L1 to concurrent work.
+	RetrieveBatchBytes uint64
 
 	// Publisher receives event batches. Default nil: events are sequenced
 	// and reflected in Inventory but discarded.
@@ -161,21 +170,22 @@ type Config struct {
 // Rank, TPSize and Device.
 func DefaultConfig() Config {
 	return Config{
-		L1Bytes:         1 << 30,
-		L1SlabBytes:     1 << 20,
-		HighWatermark:   0.90,
-		LowWatermark:    0.75,
-		L2Policy:        WriteThrough,
-		L2Writers:       4,
-		StoreTimeout:    30 * time.Second,
-		RetrieveTimeout: 30 * time.Second,
-		Streams:         8,
-		L2Readers:       4,
-		EventBatch:      1024,
-		EventBuffer:     1 << 20,
-		PublishRetries:  5,
-		Logger:          zap.NewNop(),
-		Now:             time.Now,
+		L1Bytes:            1 << 30,
+		L1SlabBytes:        1 << 20,
+		HighWatermark:      0.90,
+		LowWatermark:       0.75,
+		L2Policy:           WriteThrough,
+		L2Writers:          4,
+		StoreTimeout:       30 * time.Second,
+		RetrieveTimeout:    30 * time.Second,
+		Streams:            8,
+		L2Readers:          4,
+		RetrieveBatchBytes: 256 << 20,
+		EventBatch:         1024,
+		EventBuffer:        1 << 20,
+		PublishRetries:     5,
+		Logger:             zap.NewNop(),
+		Now:                time.Now,
 	}
 }
 
@@ -211,6 +221,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.L2Readers == 0 {
 		c.L2Readers = d.L2Readers
+	}
+	if c.RetrieveBatchBytes == 0 {
+		c.RetrieveBatchBytes = d.RetrieveBatchBytes
 	}
 	if c.EventBatch == 0 {
 		c.EventBatch = d.EventBatch
@@ -272,4 +285,15 @@ func (c Config) Validate() error {
 		return bad("logger and clock must be set (New fills them in)")
 	}
 	return nil
+}
+
+// SlabFor returns a slab size for an L1 of l1Bytes that keeps the slab
+// count near 16,384 (placement scans are linear in it) while wasting at
+// most one slab per object: a power of two between 4 KiB and 1 MiB.
+func SlabFor(l1Bytes uint64) uint64 {
+	s := uint64(4096)
+	for s < 1<<20 && l1Bytes/s > 16384 {
+		s *= 2
+	}
+	return s
 }

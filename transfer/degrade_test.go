@@ -85,7 +85,8 @@ func TestFailingL2NeverBlocksL1(t *testing.T) {
 			if err := e.Flush(testCtx(t)); err != nil {
 				t.Fatalf("Flush after L2 recovered: %v", err)
 			}
-			if st := e.Stats(); st.L2Objects != st.L1Objects || st.L2Objects == 0 {
+			// Flush succeeded: nothing only L1 holds is left.
+			if st := e.Stats(); st.L2Objects < st.L1Objects || st.L2Objects == 0 {
 				t.Fatalf("after recovery L2 holds %d objects, L1 %d; want every L1 object in L2", st.L2Objects, st.L1Objects)
 			}
 			if v := metric(t, e, "kvtier_transfer_l2_degraded", nil); v != 0 {

@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -17,8 +18,11 @@ import (
 // cheapest window of slabs holding no pinned object is chosen (cheapest =
 // least recently used occupants) and its occupants evicted, after writing
 // them to L2 first where they exist nowhere else. If every window holds a
-// pinned object the placement fails at once with ErrL1Full: it never waits
-// for pins, so work holding pins can never deadlock waiting for room.
+// pinned object the placement fails at once with ErrL1Full. A store then
+// gives back every slab it placed and waits for room holding none
+// (placeAll), so stores holding room always finish and waiting ones
+// never deadlock; a retrieve's L2 load does not wait (its batch holds
+// pins) and fails with no_space.
 
 type objState uint8
 
@@ -88,6 +92,7 @@ type catalog struct {
 	// evictable (dropped, counted), and one probe write is tried every
 	// backoff (doubling up to l2MaxBackoff) until one succeeds.
 	failStreak int
+	retryWrite bool // a write failed while not degraded: retry it (write-through)
 	degraded   bool
 	probeAt    time.Time
 	backoff    time.Duration
@@ -273,6 +278,9 @@ func (c *catalog) findWindow(n int, now time.Time) (start int, needsWait bool) {
 	return best, bestWait
 }
 
+// errL1TooSmall: an object larger than the whole of L1.
+var errL1TooSmall = errors.New("larger than L1")
+
 func (c *catalog) countDirty() int {
 	n := 0
 	for _, o := range c.objs {
@@ -285,13 +293,13 @@ func (c *catalog) countDirty() int {
 
 // placeLocked gives the unplaced object o its slabs. It returns nil when o
 // is placed; a channel to wait on (then call again) when room is being
-// made by L2 writes; or an error wrapping ErrL1Full.
+// made by L2 writes; or an error wrapping ErrL1Full (errL1TooSmall when o
+// can never fit). The caller counts a final failure (l1Full).
 func (e *Engine) placeLocked(o *l1Obj) (<-chan struct{}, error) {
 	c := &e.cat
 	if o.nslab > len(c.owner) {
-		e.ctr.l1Full.Add(1)
-		return nil, fmt.Errorf("object %s of %d B needs %d slabs of %d B, L1 has %d: %w",
-			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), ErrL1Full)
+		return nil, fmt.Errorf("object %s of %d B needs %d slabs of %d B, L1 has %d: %w: %w",
+			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), errL1TooSmall, ErrL1Full)
 	}
 	if s := c.findFree(o.nslab); s >= 0 {
 		e.assignLocked(o, s)
@@ -299,7 +307,6 @@ func (e *Engine) placeLocked(o *l1Obj) (<-chan struct{}, error) {
 	}
 	s, wait := c.findWindow(o.nslab, e.cfg.Now())
 	if s < 0 {
-		e.ctr.l1Full.Add(1)
 		return nil, fmt.Errorf("object %s of %d B needs %d contiguous slabs of %d B; every such run of L1 (%d slabs, %d free) holds a pinned or filling object: %w",
 			o.key, o.size, o.nslab, c.slabBytes, len(c.owner), c.free, ErrL1Full)
 	}
@@ -468,6 +475,7 @@ func (e *Engine) evictLoop() {
 		}
 		e.mu.Lock()
 		e.probeL2Locked()
+		e.retryWritesLocked()
 		e.evictToLowLocked()
 		e.mu.Unlock()
 	}
@@ -486,6 +494,29 @@ func (e *Engine) probeL2Locked() {
 			e.queueWriteForcedLocked(o)
 			return
 		}
+	}
+}
+
+// retryWritesLocked queues again, under write-through, the objects whose
+// L2 write failed at least writeBackRetry ago (a transient failure, or
+// the directory removed and put back): L2 gets every object without a
+// restart. While L2 is degraded the probe does this instead.
+func (e *Engine) retryWritesLocked() {
+	c := &e.cat
+	if !c.retryWrite || c.degraded || e.cfg.L2Policy != WriteThrough {
+		return
+	}
+	c.retryWrite = false
+	now := e.cfg.Now()
+	for o := c.head; o != nil; o = o.next {
+		if !o.dirty || o.writing || o.doomed || o.state != stReady || o.wbFailed.IsZero() {
+			continue
+		}
+		if now.Sub(o.wbFailed) < writeBackRetry {
+			c.retryWrite = true // not yet: the next tick
+			continue
+		}
+		e.queueWriteLocked(o)
 	}
 }
 
@@ -542,6 +573,9 @@ func (e *Engine) evictToLowLocked() {
 		bytes := float64(uint64(o.nslab) * c.slabBytes)
 		switch c.classify(o, now) {
 		case slabClean:
+			if o.dirty {
+				break // L2 is degraded: dropped only when a placement needs the room
+			}
 			e.evictLocked(o)
 			need -= bytes
 		case slabWaitable:
@@ -615,6 +649,7 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 		e.dropLocked(o)
 	default:
 		o.wbFailed = e.cfg.Now()
+		c.retryWrite = true
 		e.ctr.l2WriteErrors.Add(1)
 		e.log.Warn("L2 write failed; the object stays in L1 and is retried", zap.Stringer("key", o.key), zap.Error(err))
 	}
@@ -629,6 +664,22 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 // while a pass makes progress.
 func (e *Engine) flushL2(ctx context.Context) error {
 	prev := -1
+	e.mu.Lock()
+	total := e.cat.countDirty()
+	e.mu.Unlock()
+	if total > 0 {
+		e.log.Info("flushing objects only L1 holds to L2", zap.Int("objects", total))
+	}
+	start, lastLog := time.Now(), time.Now()
+	defer func() {
+		if total == 0 {
+			return
+		}
+		e.mu.Lock()
+		left := e.cat.countDirty()
+		e.mu.Unlock()
+		e.log.Info("flush to L2 done", zap.Int("flushed", total-left), zap.Int("unflushed", left), zap.Duration("took", time.Since(start)))
+	}()
 	for {
 		e.mu.Lock()
 		for _, o := range e.cat.objs {
@@ -644,10 +695,18 @@ func (e *Engine) flushL2(ctx context.Context) error {
 			if n == 0 {
 				break
 			}
+			if total > 0 && time.Since(lastLog) >= time.Second {
+				lastLog = time.Now()
+				e.mu.Lock()
+				left := e.cat.countDirty()
+				e.mu.Unlock()
+				e.log.Info("flushing to L2", zap.Int("flushed", total-left), zap.Int("of", total))
+			}
 			select {
 			case <-ch:
 			case <-ctx.Done():
 				return ctx.Err()
+			case <-time.After(time.Second): // progress
 			}
 		}
 		e.mu.Lock()

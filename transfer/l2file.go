@@ -36,6 +36,65 @@ import (
 // root, durably) on the next write.
 type FileTier struct {
 	root string
+
+	// obs, when set (tests only), sees every change Put makes to the file
+	// system, in order, and can stop it at a simulated power cut; ab
+	// removes one of Put's durability steps (tests only: they prove the
+	// power-cut test sees each missing step).
+	obs fsObserver
+	ab  l2Ablation
+}
+
+// fsObserver sees, in order, the changes FileTier makes: the power-cut
+// model of the tests. dir is a directory path under the root. An error
+// means the machine lost power at that point: the operation did not
+// happen, and Put fails.
+type fsObserver interface {
+	created(dir, name string) error // opened O_CREAT (a new file, or an existing one truncated)
+	wrote(dir, name string, p []byte) error
+	synced(dir, name string) error // fsync of the file
+	renamed(dir, from, to string) error
+	dirSynced(dir string) error
+	mkdir(parent, name string) error
+}
+
+// l2Ablation removes a durability step of Put (tests only).
+type l2Ablation struct {
+	noFileSync bool // skip the fsync of the object file
+	noDirSync  bool // skip the fsync of directories after a rename or mkdir
+	noRename   bool // write the final name in place instead of temp + rename
+}
+
+func (t *FileTier) observe(f func(fsObserver) error) error {
+	if t.obs == nil {
+		return nil
+	}
+	return f(t.obs)
+}
+
+// The durability steps of Put go through these helpers only, each telling
+// the observer and doing the system call together, so a step removed from
+// Put is missing from the power-cut model too.
+
+func (t *FileTier) fsyncFile(dir, name string, f *os.File) error {
+	if err := t.observe(func(o fsObserver) error { return o.synced(dir, name) }); err != nil {
+		return err
+	}
+	return f.Sync()
+}
+
+func (t *FileTier) fsyncDir(dir string, fd int) error {
+	if err := t.observe(func(o fsObserver) error { return o.dirSynced(dir) }); err != nil {
+		return err
+	}
+	return syscall.Fsync(fd)
+}
+
+func (t *FileTier) renameIn(dir string, fd int, from, to string) error {
+	if err := t.observe(func(o fsObserver) error { return o.renamed(dir, from, to) }); err != nil {
+		return err
+	}
+	return syscall.Renameat(fd, from, fd, to)
 }
 
 // Modes of what the tier creates.
@@ -123,6 +182,10 @@ func (t *FileTier) openRoot() (int, error) {
 // openDir opens the directory name beneath dirfd without following a
 // symlink, creating it (0700, then fsyncing dirfd) when create is set.
 func (t *FileTier) openDir(dirfd int, name string, create bool) (int, error) {
+	return t.openDirAt(dirfd, t.root, name, create)
+}
+
+func (t *FileTier) openDirAt(dirfd int, parent, name string, create bool) (int, error) {
 	for attempt := 0; ; attempt++ {
 		fd, err := syscall.Openat(dirfd, name, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
 		switch {
@@ -131,11 +194,16 @@ func (t *FileTier) openDir(dirfd int, name string, create bool) (int, error) {
 		case errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR):
 			return -1, fmt.Errorf("%s/%s is a symlink or not a directory: %w", t.root, name, errors.Join(ErrUnsafe, ErrIO))
 		case errors.Is(err, syscall.ENOENT) && create && attempt == 0:
-			if err := syscall.Mkdirat(dirfd, name, l2DirMode); err != nil && !errors.Is(err, syscall.EEXIST) {
-				return -1, fmt.Errorf("create %s/%s: %w", t.root, name, errors.Join(err, ErrIO))
+			if err := t.observe(func(o fsObserver) error { return o.mkdir(parent, name) }); err != nil {
+				return -1, err
 			}
-			if err := syscall.Fsync(dirfd); err != nil {
-				return -1, fmt.Errorf("fsync %s after creating %s: %w", t.root, name, errors.Join(err, ErrIO))
+			if err := syscall.Mkdirat(dirfd, name, l2DirMode); err != nil && !errors.Is(err, syscall.EEXIST) {
+				return -1, fmt.Errorf("create %s/%s: %w", parent, name, errors.Join(err, ErrIO))
+			}
+			if !t.ab.noDirSync {
+				if err := t.fsyncDir(parent, dirfd); err != nil {
+					return -1, fmt.Errorf("fsync %s after creating %s: %w", parent, name, errors.Join(err, ErrIO))
+				}
 			}
 			continue
 		case errors.Is(err, syscall.ENOENT):
@@ -204,35 +272,61 @@ func (t *FileTier) Put(ctx context.Context, obj L2Object, payload []byte) (err e
 		return ioErr("namespace directory", err)
 	}
 	defer syscall.Close(dfd)
-	tmp := tmpName(obj.Key, obj.Writer)
-	fd, err := syscall.Openat(dfd, tmp, syscall.O_WRONLY|syscall.O_CREAT|syscall.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, l2FileMode)
+	dir := filepath.Join(t.root, obj.Key.NS.String())
+	tmp, flags := tmpName(obj.Key, obj.Writer), syscall.O_EXCL
+	if t.ab.noRename {
+		tmp, flags = objName(obj.Key), syscall.O_TRUNC
+	}
+	if err := t.observe(func(o fsObserver) error { return o.created(dir, tmp) }); err != nil {
+		return ioErr("power cut", err)
+	}
+	fd, err := syscall.Openat(dfd, tmp, syscall.O_WRONLY|syscall.O_CREAT|flags|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, l2FileMode)
 	if err != nil {
 		return ioErr("create temp file "+tmp, err)
 	}
-	f := os.NewFile(uintptr(fd), filepath.Join(t.root, obj.Key.NS.String(), tmp))
+	f := os.NewFile(uintptr(fd), filepath.Join(dir, tmp))
 	defer func() {
 		if err != nil {
 			_ = f.Close()
 			_ = syscall.Unlinkat(dfd, tmp)
 		}
 	}()
-	if _, err = f.Write(encodeHeader(obj)); err != nil {
-		return ioErr("write header", err)
+	write := func(what string, p []byte) error {
+		if err := t.observe(func(o fsObserver) error { return o.wrote(dir, tmp, p) }); err != nil {
+			return ioErr("power cut", err)
+		}
+		if _, err := f.Write(p); err != nil {
+			return ioErr(what, err)
+		}
+		return nil
 	}
-	if _, err = f.Write(payload); err != nil {
-		return ioErr("write payload", err)
+	// 1. The whole object into a temporary name.
+	if err = write("write header", encodeHeader(obj)); err != nil {
+		return err
 	}
-	if err = f.Sync(); err != nil {
-		return ioErr("fsync", err)
+	if err = write("write payload", payload); err != nil {
+		return err
+	}
+	// 2. Its bytes durable before any name points at them.
+	if !t.ab.noFileSync {
+		if err = t.fsyncFile(dir, tmp, f); err != nil {
+			return ioErr("fsync", err)
+		}
 	}
 	if err = f.Close(); err != nil {
 		return ioErr("close", err)
 	}
-	if err = syscall.Renameat(dfd, tmp, dfd, objName(obj.Key)); err != nil {
-		return ioErr("rename", err)
+	// 3. The name switches atomically from the old object to the new one.
+	if !t.ab.noRename {
+		if err = t.renameIn(dir, dfd, tmp, objName(obj.Key)); err != nil {
+			return ioErr("rename", err)
+		}
 	}
-	if err = syscall.Fsync(dfd); err != nil {
-		return ioErr("fsync directory", err)
+	// 4. The new name durable: only now is the object acknowledged (C6).
+	if !t.ab.noDirSync {
+		if err = t.fsyncDir(dir, dfd); err != nil {
+			return ioErr("fsync directory", err)
+		}
 	}
 	return nil
 }

@@ -59,6 +59,7 @@ type counters struct {
 	l2ScanSkipped     atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
 	l2Rewrites        atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	storesNotDurable  atomic.Uint64 // write-through stores answered NotDurable
+	storeThrottled    atomic.Uint64 // stores that waited for L1 room
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -99,6 +100,7 @@ type Stats struct {
 	L2ScanSkipped    uint64 // rescan entries skipped: not regular files, symlinked namespace directories
 	L2Rewrites       uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	StoresNotDurable uint64 // write-through stores answered NotDurable (L2 degraded or unavailable)
+	StoresThrottled  uint64 // stores that waited for L1 room (full of pinned or filling objects)
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -141,6 +143,7 @@ func (e *Engine) Stats() Stats {
 		L2ScanSkipped:     c.l2ScanSkipped.Load(),
 		L2Rewrites:        c.l2Rewrites.Load(),
 		StoresNotDurable:  c.storesNotDurable.Load(),
+		StoresThrottled:   c.storeThrottled.Load(),
 		LastSeq:           c.lastSeq.Load(),
 		EventsPublished:   c.eventsPublished.Load(),
 		EventsDropped:     c.eventsDropped.Load(),
@@ -201,6 +204,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_scan_skipped_total", "L2 rescan entries skipped as unsafe: not regular files (FIFOs, devices, symlinks) or symlinked namespace directories.")
 	add("l2_rewrites_total", "Objects L1 holds written to L2 again because their L2 copy was found gone or quarantined.")
 	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
+	add("stores_throttled_total", "Stores that waited for L1 room because L1 was full of pinned or filling objects.")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
@@ -260,6 +264,7 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_scan_skipped_total", c.l2ScanSkipped.Load())
 	counter("l2_rewrites_total", c.l2Rewrites.Load())
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
+	counter("stores_throttled_total", c.storeThrottled.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))

@@ -204,10 +204,12 @@ func sameChunk(got, want [][]byte) bool {
 	return len(got) == len(want)
 }
 
-// TestL1FullFailsClearlyWithoutDeadlock: when every run of slabs holds a
-// pinned object, a store fails at once with no_space (counted) instead of
-// waiting for pins that its own kind of work holds.
-func TestL1FullFailsClearlyWithoutDeadlock(t *testing.T) {
+// TestL1FullThrottlesWithoutDeadlock: when every run of slabs holds a
+// pinned object, a store waits for room holding none (it is throttled,
+// counted) instead of failing or deadlocking with the store that holds
+// the pins; an object larger than the whole of L1 fails at once with
+// no_space (counted).
+func TestL1FullThrottlesWithoutDeadlock(t *testing.T) {
 	dev := openDevice(t, "")
 	r := newRig(t, dev, c1Spec(), []int64{16})
 	cfg := engineConfig(t, dev, 0, 1)
@@ -238,17 +240,39 @@ func TestL1FullFailsClearlyWithoutDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resB, err := fb.Wait(testCtx(t))
-	if err == nil || resB.Objects[0].Status != Stored || resB.Objects[1].Status != Failed || resB.Objects[1].Reason != ReasonNoSpace {
-		t.Fatalf("store B: %+v, %v; want the first stored, the second failed for no space", resB.Objects, err)
-	}
 	if _, err := fa.Wait(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}
-	if v := metric(t, e, "kvtier_transfer_l1_full_total", nil); v != 1 {
+	resB, err := fb.Wait(testCtx(t))
+	if err != nil || resB.Objects[0].Status != Stored || resB.Objects[1].Status != Stored {
+		t.Fatalf("store B: %+v, %v; want both stored once A let go of L1", resB.Objects, err)
+	}
+	if st := e.Stats(); st.StoresThrottled == 0 || st.L1Full != 0 {
+		t.Fatalf("throttled %d, l1 full %d; want B throttled and nothing failed", st.StoresThrottled, st.L1Full)
+	}
+
+	// An object larger than all of L1 fails at once.
+	dev2 := openDevice(t, "")
+	r2 := newRig(t, dev2, c1Spec(), []int64{4})
+	cfg2 := engineConfig(t, dev2, 0, 1)
+	cfg2.L1Bytes, cfg2.L1SlabBytes = 2*4096, 4096
+	e2 := newEngine(t, cfg2)
+	r2.register(e2)
+	c := r2.newChunk(0, r2.consecutiveN(0))
+	r2.write(c, c.blocks, 0)
+	_, h := r2.record()
+	f, err := e2.Store(testCtx(t), r2.storeReq("big", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := f.Wait(testCtx(t))
+	if err == nil || res.Objects[0].Reason != ReasonNoSpace {
+		t.Fatalf("store of an object larger than L1: %+v, %v; want no_space", res.Objects, err)
+	}
+	if v := metric(t, e2, "kvtier_transfer_l1_full_total", nil); v != 1 {
 		t.Fatalf("l1_full_total = %v, want 1", v)
 	}
-	if v := metric(t, e, "kvtier_transfer_store_failures_total", map[string]string{"reason": "no_space"}); v != 1 {
+	if v := metric(t, e2, "kvtier_transfer_store_failures_total", map[string]string{"reason": "no_space"}); v != 1 {
 		t.Fatalf("store_failures_total{reason=no_space} = %v, want 1", v)
 	}
 }

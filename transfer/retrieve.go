@@ -134,7 +134,13 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	defer cancel()
 	stop := context.AfterFunc(e.life, cancel)
 	defer stop()
-	r.run(ctx)
+	// The items go through L1 in batches of whole chunks, each pinned only
+	// until its scatter is verified, so a prompt larger than L1 restores
+	// from L2 whatever L1's size (issue 18.1).
+	for _, b := range r.batches() {
+		r.run(ctx, b)
+		r.unpinAll()
+	}
 	r.account()
 	r.finish()
 	e.ctr.retrieveLatency.Observe(time.Since(start).Seconds())
@@ -191,13 +197,15 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 	return out, nil
 }
 
-// run does the retrieval.
-func (r *retrieval) run(ctx context.Context) {
+// run does the retrieval of the items idx (whole chunks): pin or load,
+// verdicts, scatter. The caller unpins them afterwards (unpinAll).
+func (r *retrieval) run(ctx context.Context, idx []int) {
 	e := r.e
 	res := r.sp.res
 	var loads, waits []int
 	e.mu.Lock()
-	for i, it := range r.req.Items {
+	for _, i := range idx {
+		it := r.req.Items[i]
 		ir := &r.res.Items[i]
 		ir.Chunk, ir.Group, ir.Key = it.Chunk, it.Group, it.Key
 		o := e.cat.objs[it.Key]
@@ -248,7 +256,8 @@ func (r *retrieval) run(ctx context.Context) {
 
 	// Verdicts before the scatter.
 	e.mu.Lock()
-	for i, it := range r.req.Items {
+	for _, i := range idx {
+		it := r.req.Items[i]
 		o := r.objs[i]
 		if o == nil {
 			continue
@@ -269,13 +278,14 @@ func (r *retrieval) run(ctx context.Context) {
 		}
 	}
 	failed := map[int]bool{}
-	for i := range r.req.Items {
+	for _, i := range idx {
 		if r.res.Items[i].Reason != ReasonNone {
 			failed[r.req.Items[i].Chunk] = true
 		}
 	}
 	var scatter []int
-	for i, it := range r.req.Items {
+	for _, i := range idx {
+		it := r.req.Items[i]
 		switch {
 		case r.res.Items[i].Reason != ReasonNone:
 		case failed[it.Chunk]:
@@ -285,7 +295,7 @@ func (r *retrieval) run(ctx context.Context) {
 			scatter = append(scatter, i)
 		}
 	}
-	for i := range r.req.Items {
+	for _, i := range idx {
 		if r.res.Items[i].Reason != ReasonNone && r.objs[i] != nil {
 			e.unpinLocked(r.objs[i])
 			r.objs[i] = nil
@@ -484,6 +494,60 @@ func (r *retrieval) account() {
 					zap.Int("chunk", it.Chunk), zap.Int("group", it.Group), zap.Stringer("key", it.Key),
 					zap.String("reason", string(it.Reason)), zap.Error(it.Err))
 			}
+		}
+	}
+}
+
+// batches splits the items into runs of whole chunks, in request order,
+// each needing at most batchBytes of L1 slabs (a chunk larger than that
+// is a batch of its own).
+func (r *retrieval) batches() [][]int {
+	e := r.e
+	limit := e.retrieveBatchBytes()
+	// The items of each chunk, chunks in order of first appearance.
+	var order []int
+	items := map[int][]int{}
+	for i, it := range r.req.Items {
+		if _, ok := items[it.Chunk]; !ok {
+			order = append(order, it.Chunk)
+		}
+		items[it.Chunk] = append(items[it.Chunk], i)
+	}
+	var out [][]int
+	var cur []int
+	var bytes uint64
+	for _, c := range order {
+		var cb uint64
+		for _, i := range items[c] {
+			cb += uint64(e.cat.slabsFor(r.sp.res.ObjectSize(r.req.Items[i].Group))) * e.cat.slabBytes
+		}
+		if len(cur) > 0 && bytes+cb > limit {
+			out = append(out, cur)
+			cur, bytes = nil, 0
+		}
+		cur = append(cur, items[c]...)
+		bytes += cb
+	}
+	if len(cur) > 0 {
+		out = append(out, cur)
+	}
+	return out
+}
+
+// retrieveBatchBytes is the most L1 one retrieve pins at a time.
+func (e *Engine) retrieveBatchBytes() uint64 {
+	return max(e.cat.slabBytes, min(e.cfg.RetrieveBatchBytes, e.ctr.l1CapacityBytes/4))
+}
+
+// unpinAll gives back the pins of the items of the last batch.
+func (r *retrieval) unpinAll() {
+	e := r.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, o := range r.objs {
+		if o != nil {
+			e.unpinLocked(o)
+			r.objs[i] = nil
 		}
 	}
 }

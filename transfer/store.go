@@ -390,13 +390,82 @@ func (e *Engine) placeWait(ctx context.Context, o *l1Obj) error {
 		e.mu.Lock()
 		ch, err := e.placeLocked(o)
 		e.mu.Unlock()
-		if err != nil || ch == nil {
+		if err != nil {
+			e.ctr.l1Full.Add(1)
 			return err
+		}
+		if ch == nil {
+			return nil
 		}
 		select {
 		case <-ch:
 		case <-ctx.Done():
 			return fmt.Errorf("waiting for L1 room for %s: %w", o.key, ctxErr(ctx))
+		}
+	}
+}
+
+// placeAll places every object of a store, or none: when L1 has no room
+// because it is full of pinned or filling objects (other stores waiting
+// on their producers, retrieves scattering), it gives back what it placed
+// and waits for room, until ctx ends (the store timeout). A store that
+// waits holds no room, so waiting stores never deadlock one another; the
+// ones holding room finish, and under write-back their objects are then
+// written to L2 and evicted to make the room (throttling, not failing).
+// Only an object larger than the whole of L1 fails at once.
+func (e *Engine) placeAll(ctx context.Context, work []storeWork) error {
+	waited := false
+	for {
+		var wait <-chan struct{}
+		var err error
+		e.mu.Lock()
+		placed := 0
+		for _, w := range work {
+			if w.o.slab >= 0 {
+				placed++
+				continue
+			}
+			var ch <-chan struct{}
+			if ch, err = e.placeLocked(w.o); err != nil || ch != nil {
+				wait = ch
+				break
+			}
+			placed++
+		}
+		if err == nil && wait == nil {
+			e.mu.Unlock()
+			return nil
+		}
+		if errors.Is(err, errL1TooSmall) {
+			e.mu.Unlock()
+			e.ctr.l1Full.Add(1)
+			return err
+		}
+		if err != nil {
+			// Full of pinned or filling objects: hold nothing while waiting.
+			for _, w := range work {
+				e.cat.freeSlabs(w.o)
+			}
+			e.ctr.l1OccupiedBytes.Store(e.cat.occupied())
+			if placed > 0 {
+				e.cat.notifyLocked() // the room given back may serve another store
+			}
+			wait = e.cat.changed
+			if !waited {
+				waited = true
+				e.ctr.storeThrottled.Add(1)
+				e.log.Debug("store waits for L1 room", zap.Int("objects", len(work)), zap.Error(err))
+			}
+		}
+		e.mu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			e.ctr.l1Full.Add(1)
+			if err == nil {
+				err = fmt.Errorf("waiting for L2 writes to make L1 room: %w", ErrL1Full)
+			}
+			return fmt.Errorf("%w (waited until %w)", err, ctxErr(ctx))
 		}
 	}
 }
@@ -414,18 +483,20 @@ func (e *Engine) runStore(f *StoreFuture) {
 	ctx, cancel := context.WithTimeout(e.life, e.cfg.StoreTimeout)
 	defer cancel()
 
-	// 1. Room in L1 for every object to gather.
+	// 1. Room in L1 for every object to gather (waiting for it: issue 18.1).
 	var live []storeWork
-	for _, w := range f.work {
-		if err := e.placeWait(ctx, w.o); err != nil {
-			e.mu.Lock()
+	if err := e.placeAll(ctx, f.work); err != nil {
+		e.mu.Lock()
+		for _, w := range f.work {
 			e.failFillLocked(w.o, err)
 			e.unpinLocked(w.o)
-			e.mu.Unlock()
-			e.failObj(f, w.idx, err)
-			continue
 		}
-		live = append(live, w)
+		e.mu.Unlock()
+		for _, w := range f.work {
+			e.failObj(f, w.idx, err)
+		}
+	} else {
+		live = f.work
 	}
 
 	// 2. Wait for the producer, gather, wait for the device.

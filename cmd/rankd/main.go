@@ -62,6 +62,9 @@ func main() {
 	flag.StringVar(&cfg.TLSCA, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
 	gossipKeyFile := flag.String("gossip-key-file", "", "gossip key file, 0600, one base64 key per line, the first sent with (default <creds-dir>/gossip.key if present)")
 	flag.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback")
+	flag.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
+		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
+	flag.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
 	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
 
 	fail := func(err error) {

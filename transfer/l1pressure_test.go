@@ -1,0 +1,141 @@
+package transfer
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+)
+
+// bigSpec: 656-byte rows, 60 layers, chunks of four 16-token blocks: one
+// object of 60 x 4 x 10,496 B = 2,519,040 B (2.4 MiB) per chunk.
+func bigSpec() dcp.Spec {
+	return dcp.Spec{Model: "big", Layout: dcp1, ChunkTokens: 64, Groups: []dcp.Group{
+		{Kind: dcp.Attention, MLA: true, BlockSize: 16, Layers: 60, KVFormat: "fp8_ds_mla",
+			SemanticBytes: 16 * 656, PageBytes: 16 * 656, StrideBytes: 16 * 656}}}
+}
+
+// storeConcurrently stores each chunk in a store of its own, all in flight
+// at once (as an engine does for an incrementally stored prompt), and
+// fails the test on any failed object.
+func storeConcurrently(t *testing.T, e *Engine, r *rig, reqID string, cs []chunk, compute time.Duration) {
+	t.Helper()
+	var fs []*StoreFuture
+	for _, c := range cs {
+		r.write(c, c.blocks, compute)
+		_, h := r.record()
+		f, err := e.Store(testCtx(t), r.storeReq(reqID, h, c))
+		if err != nil {
+			t.Fatalf("Store: %v", err)
+		}
+		fs = append(fs, f)
+	}
+	for i, f := range fs {
+		if _, err := f.Wait(testCtx(t)); err != nil {
+			t.Fatalf("%s: store of chunk %d: %v", reqID, i, err)
+		}
+	}
+}
+
+// restoreAll retrieves cs into targets and checks every byte.
+func restoreAll(t *testing.T, e *Engine, r *rig, what string, cs []chunk, tgts [][][]int64) {
+	t.Helper()
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, tgts))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range cs {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("%s: chunk %d of %d: %+v", what, i, len(cs), rr.Items[i])
+		}
+		r.expectRestored(cs[i], tgts[i])
+	}
+	r.check(what)
+}
+
+// TestL1PressureWriteBackPrompts (issue 18.1): a 64 MiB write-back L1. A
+// 13-chunk prompt of 31 MiB per rank stores (all its stores in flight at
+// once) and restores byte-exact, also after a second such prompt pushed
+// it out to L2; a prompt larger than L1 restores from L2.
+func TestL1PressureWriteBackPrompts(t *testing.T) {
+	dev := openDevice(t, "")
+	const small, large = 13, 30
+	r := newRig(t, dev, bigSpec(), []int64{4 * (2*small + large)})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	cfg.L2Dir = t.TempDir()
+	cfg.L2Policy = WriteBackOnEvict
+	e := newEngine(t, cfg)
+	r.register(e)
+	prompt := func(base, n, first int) []chunk {
+		var cs []chunk
+		for i := range n {
+			cs = append(cs, r.newChunk(base+i, r.consecutiveN(first+i)))
+		}
+		return cs
+	}
+	a := prompt(0, small, 0)
+	b := prompt(100, small, small)
+	storeConcurrently(t, e, r, "a", a, 0)
+	storeConcurrently(t, e, r, "b", b, 0)
+	// A's targets: the blocks B occupies (the engine reuses them).
+	var tgts [][][]int64
+	for i := range a {
+		tgts = append(tgts, r.consecutiveN(small+i))
+	}
+	restoreAll(t, e, r, "prompt A after prompt B", a, tgts)
+
+	c := prompt(200, large, 2*small)
+	for i, ch := range c {
+		storeAll(t, e, r, fmt.Sprint("c", i), ch)
+	}
+	tgts = nil
+	for i := range c {
+		tgts = append(tgts, r.consecutiveN(i))
+	}
+	restoreAll(t, e, r, "prompt C, larger than L1", c, tgts)
+
+	// A prompt larger than L1 whose stores are all in flight at once,
+	// behind a producer still computing: stores wait for room (L2 takes
+	// the bytes) instead of failing.
+	d := prompt(300, large, 2*small)
+	storeConcurrently(t, e, r, "d", d, 40*time.Millisecond)
+	tgts = nil
+	for i := range d {
+		tgts = append(tgts, r.consecutiveN(i))
+	}
+	restoreAll(t, e, r, "prompt D, stored all at once, larger than L1", d, tgts)
+	if st := e.Stats(); st.BytesReadL2 == 0 || st.PinnedEvictions != 0 {
+		t.Fatalf("stats %+v: want reads from L2 and no pinned eviction", st)
+	}
+}
+
+// TestStoresThrottleOnFullL1 (issue 18.1): more stores in flight than L1
+// can hold, behind a slow producer (each holds its room while it waits
+// for its event): under write-back the later stores wait for room (L2
+// takes the bytes) instead of failing no_space, and every chunk restores.
+func TestStoresThrottleOnFullL1(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 30 // 72 MiB of objects
+	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * n})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	cfg.L2Dir = t.TempDir()
+	cfg.L2Policy = WriteBackOnEvict
+	e := newEngine(t, cfg)
+	r.register(e)
+	var cs []chunk
+	var tgts [][][]int64
+	for i := range n {
+		cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+		tgts = append(tgts, r.consecutiveN(n+i))
+	}
+	storeConcurrently(t, e, r, "slow", cs, 100*time.Millisecond)
+	if st := e.Stats(); st.StoreFailures[ReasonNoSpace] != 0 {
+		t.Fatalf("%d stores failed no_space", st.StoreFailures[ReasonNoSpace])
+	}
+	restoreAll(t, e, r, "every chunk of a prompt stored faster than L1 drains", cs, tgts)
+}
