@@ -166,37 +166,6 @@ func (p *problems) add(format string, args ...any) {
 	p.more++
 }
 
-// verify runs on the committer between groups.
-func (ix *Index) verify() VerifyReport {
-	live := ix.st
-	rep := VerifyReport{Ranks: len(live.ranks) - 1, Chunks: live.chunks, Objects: live.objects,
-		Placements: live.placements[wire.L1] + live.placements[wire.L2]}
-	var pr problems
-	var ld loaded
-	err := ix.db.View(func(tx *bolt.Tx) error {
-		var err error
-		ld, err = load(tx)
-		return err
-	})
-	if err != nil {
-		pr.add("derive from bbolt: %v", err)
-	} else {
-		rep.LogRecords = ld.logRecords
-		compareStates(&pr, live, ld.st)
-	}
-	checkInvariants(&pr, live)
-	for _, n := range live.ns {
-		if n.spec != nil || len(n.chunks) > 0 {
-			rep.Namespaces++
-		}
-	}
-	rep.Problems = pr.list
-	if pr.more > 0 {
-		rep.Problems = append(rep.Problems, fmt.Sprintf("... and %d more", pr.more))
-	}
-	return rep
-}
-
 // compareStates reports every difference between the live state and the
 // one derived from bbolt.
 func compareStates(pr *problems, live, disk *state) {
