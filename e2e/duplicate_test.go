@@ -26,10 +26,11 @@ func TestDuplicateRankdRefused(t *testing.T) {
 		t.Fatalf("before the duplicate: %+v", res)
 	}
 
-	dup := startProc(t, "rankd2-duplicate", filepath.Join(c.logD, "rankd2-duplicate.log"),
-		bin.rankd, "--instance", "engine0", "--tp-rank", "2", "--tp-size", "4",
+	dupArgs := append([]string{bin.rankd, "--instance", "engine0", "--tp-rank", "2", "--tp-size", "4",
 		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
-		"--join", c.gossip, "--bind", "127.0.0.1:"+strconv.Itoa(freePort(t)), "--http", "127.0.0.1:0", "--log-level", "info")
+		"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(freePort(t)), "--http", "127.0.0.1:0", "--log-level", "info"},
+		c.credsArgs()...)
+	dup := startProc(t, "rankd2-duplicate", filepath.Join(c.logD, "rankd2-duplicate.log"), dupArgs...)
 	err := dup.wait(60 * time.Second)
 	if err == nil {
 		t.Fatalf("the duplicate rankd exited 0:\n%s", tail(dup.output(), 20))

@@ -558,6 +558,23 @@ func (c *kv) initCreds() {
 	}
 }
 
+// addInstanceCreds adds the identities of another engine instance (its
+// rankds and its engine) to the cluster's credentials, as an operator does
+// with 'coordinator creds add' before starting them. Called before the
+// coordinator starts, it needs no reload.
+func (c *kv) addInstanceCreds(instance string) {
+	c.t.Helper()
+	if c.insecure {
+		return
+	}
+	c.initCreds()
+	out, err := exec.Command(bin.coordinator, "creds", "add", "--dir", c.creds, "--instance", instance,
+		"--tp-size", strconv.Itoa(c.tp)).CombinedOutput()
+	if err != nil {
+		c.t.Fatalf("coordinator creds add --instance %s: %v\n%s", instance, err, out)
+	}
+}
+
 // dial connects to the coordinator's NATS as id with the cluster's
 // credentials.
 func (c *kv) dial(id auth.Identity, opts ...nats.Option) (*nats.Conn, error) {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"github.com/kvtier/kvtier/auth"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -195,6 +196,7 @@ func startInstance(c *kv, instance string) []*proc {
 			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", l2,
 			"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(freePort(c.t)), "--http", "127.0.0.1:0", "--log-level", "info"}
 		args = append(args, c.rankArgs...)
+		args = append(args, c.credsArgs()...)
 		ps = append(ps, startProc(c.t, fmt.Sprintf("rankd-%s-%d", instance, r), filepath.Join(c.logD, fmt.Sprintf("rankd-%s-%d.log", instance, r)), args...))
 	}
 	for r, p := range ps {
@@ -205,7 +207,7 @@ func startInstance(c *kv, instance string) []*proc {
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			defer cancel()
-			st, err := bus.Call[statusReply](ctx, c.nc, c.subj.Engine(rank, "status"), struct{}{})
+			st, err := bus.Call[statusReply](ctx, c.as(auth.Engine(instance)), c.subj.Engine(rank, "status"), struct{}{})
 			if err != nil {
 				return err
 			}
@@ -236,6 +238,7 @@ func startInstance(c *kv, instance string) []*proc {
 // restore COMPLETE and byte-exact, nothing outside a block table written.
 func TestTwoInstancesOneDevice(t *testing.T) {
 	c := newKV(t, 4)
+	c.addInstanceCreds("engine1")
 	c.startAll()
 	startInstance(c, "engine1")
 	type run struct {

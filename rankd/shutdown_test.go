@@ -28,7 +28,8 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := h.ctx()
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
 	}
 	const n = 4
@@ -61,7 +62,7 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 		ch := dcp.ChunkHashes(e.res.Namespace, toks, 16)[0]
 		chunks = append(chunks, ch)
 		st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-			RequestID: fmt.Sprint("p", c), Namespace: e.res.Namespace, Event: evh,
+			RequestID: fmt.Sprint("p", c), Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
 			Chunks: []wire.ChunkBlocks{{Chunk: ch, Blocks: [][]int64{{int64(c)}}}}})
 		if err != nil || st.Stored != 1 {
 			t.Fatalf("store %d: %+v %v", c, st, err)
@@ -88,7 +89,8 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 	if err := d2.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg, err = bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
 	}
 	var items []wire.RetrieveItem
@@ -97,7 +99,7 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 			Blocks: []int64{int64(n + c)}})
 	}
 	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
-		Namespace: e.res.Namespace, Items: items})
+		Namespace: e.res.Namespace, Session: reg.Session, Items: items})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +136,8 @@ func TestShutdownCountsUnflushed(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := h.ctx()
-	if _, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t)); err != nil {
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
 		t.Fatal(err)
 	}
 	s, err := e.dev.NewStream()
@@ -153,7 +156,7 @@ func TestShutdownCountsUnflushed(t *testing.T) {
 		toks[0] = uint32(c + 1)
 		ch := dcp.ChunkHashes(e.res.Namespace, toks, 16)[0]
 		if st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-			RequestID: "u", Namespace: e.res.Namespace, Event: evh,
+			RequestID: "u", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
 			Chunks: []wire.ChunkBlocks{{Chunk: ch, Blocks: [][]int64{{int64(c)}}}}}); err != nil || st.Stored != 1 {
 			t.Fatalf("store %d: %+v %v", c, st, err)
 		}
