@@ -31,3 +31,50 @@ def test_connect_options_map_to_nats_py(tmp_path):
         client.ConnectOptions(nkey_seed_file="a", credentials_file="b").validate()
     with pytest.raises(FileNotFoundError):
         client.ConnectOptions(tls_ca_file=str(ca)).nats_kwargs()
+
+
+def test_connect_options_from_creds_dir(tmp_path):
+    (tmp_path / "engine-engine0.nk").write_text("SU...")
+    opts = client.ConnectOptions(servers=["nats://a:4222"], creds_dir=str(tmp_path), instance="engine0")
+    opts.validate()
+    kw = opts.nats_kwargs()
+    assert kw["nkeys_seed"] == str(tmp_path / "engine-engine0.nk")
+    assert kw["inbox_prefix"] == b"_INBOX.engine-engine0"
+    assert "tls" not in kw  # no ca.pem in the directory
+    assert opts.identity() == "engine-engine0"
+    # An explicit seed, CA or inbox wins over the directory's.
+    opts = client.ConnectOptions(creds_dir=str(tmp_path), instance="engine0", nkey_seed_file="/s/x.nk",
+                                 inbox_prefix="_INBOX.x")
+    assert (opts.nats_kwargs()["nkeys_seed"], opts.nats_kwargs()["inbox_prefix"]) == ("/s/x.nk", b"_INBOX.x")
+
+
+def test_connect_options_are_secure_by_default():
+    with pytest.raises(ValueError, match="no NATS credentials"):
+        client.ConnectOptions().validate()
+    with pytest.raises(ValueError, match="needs the engine instance"):
+        client.ConnectOptions(creds_dir="/c").validate()
+    with pytest.raises(ValueError, match="insecure connects without credentials"):
+        client.ConnectOptions(creds_dir="/c", instance="e", insecure=True).validate()
+    with pytest.raises(ValueError, match="instance name"):
+        client.ConnectOptions(creds_dir="/c", instance="a.b").validate()
+    anon = client.ConnectOptions(insecure=True, instance="engine0")
+    anon.validate()
+    kw = anon.nats_kwargs()
+    assert "nkeys_seed" not in kw and "inbox_prefix" not in kw
+
+
+def test_subjects_are_scoped_to_the_instance():
+    s = wire.Subjects("kv")
+    assert s.engine_coord("engine0", wire.COORD_LOOKUP) == "kv.coord.lookup.engine0"
+    assert s.engine_coord("engine0", wire.COORD_REGISTER) == "kv.coord.ns.register.engine0"
+    assert s.report(wire.Rank("engine0", 3)) == "kv.coord.restore.report.engine0.3"
+    c = client.Client(None, client.ConnectOptions(prefix="kv", instance="e1", insecure=True))
+    assert c.coord_subject(wire.COORD_RESTORE_WAIT) == "kv.coord.restore.wait.e1"
+    assert c.coord_subject(wire.COORD_RESTORE_BEGIN, "e2") == "kv.coord.restore.begin.e2"
+    with pytest.raises(ValueError, match="engine instance"):
+        client.Client(None, client.ConnectOptions(insecure=True)).coord_subject(wire.COORD_LOOKUP)
+
+
+def test_permission_refusal_is_parsed():
+    m = client._PERMISSION_RE.search("nats: permissions violation for publish to \"kvtier.coord.lookup.e1\"")
+    assert m is not None and m.group(1) == "kvtier.coord.lookup.e1"

@@ -139,7 +139,7 @@ def test_python_built_messages_equal_go_bytes():
     """What Python sends, built from scratch, is byte for byte what Go sends."""
     ns = _golden_ns()
     ev = cuda.EventHandle("cuda", "GPU-5e1c0d2a-7f7e-4a8e-9c1b-0123456789ab", bytes([0xA5, 0x01]) * 32)
-    store = wire.StoreRequest("req-1/<prompt>&co", ns, [
+    store = wire.StoreRequest("req-1/<prompt>&co", ns, "5e5510a1d00000000000000000c0ffee", [
         wire.ChunkBlocks(_golden_chunk(1), [[7, 8, 9, 10], []]),
         wire.ChunkBlocks(_golden_chunk(2), [[2198, 1 << 40], [3]]),
     ], ev)

@@ -20,6 +20,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
+import re
 import ssl
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -29,7 +31,7 @@ from typing import Any, TypeVar
 from kvtier import wire
 from kvtier.cuda import EventHandle
 from kvtier.dcp import ChunkHash, Namespace, Spec
-from kvtier.errors import MalformedError, NotConnected, RequestTimeout, Unavailable
+from kvtier.errors import MalformedError, NotConnected, RequestTimeout, Unauthorized, Unavailable
 from kvtier.wire import (
     ChunkBlocks,
     LookupReply,
@@ -49,27 +51,47 @@ log = logging.getLogger("kvtier.client")
 
 @dataclass
 class ConnectOptions:
-    """How to reach NATS. Fields map to nats-py's connect options."""
+    """How to reach NATS. Fields map to nats-py's connect options.
+
+    Secure by default: give the engine's credentials (creds_dir from
+    ``coordinator init``, or an nkey seed / .creds file) or set insecure,
+    which only an ``--insecure`` coordinator accepts."""
 
     servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
     # name shows in the server's connection list.
     name: str = "kvtier-engine"
     # prefix of every subject (the daemons' --prefix).
     prefix: str = wire.DEFAULT_PREFIX
+    # instance is the engine instance this process belongs to: its NATS
+    # identity is engine-<instance> and its coordinator subjects are
+    # <prefix>.coord.<op>.<instance>. Required with creds_dir.
+    instance: str = ""
+    # creds_dir is a credentials directory made by `coordinator init`: the
+    # seed is <creds_dir>/engine-<instance>.nk unless nkey_seed_file is set,
+    # the TLS CA <creds_dir>/ca.pem if present unless tls_ca_file is set.
+    creds_dir: str | None = None
     # nkey_seed_file authenticates with an nkey seed (one per identity).
     nkey_seed_file: str | None = None
     # credentials_file authenticates with a NATS .creds file.
     credentials_file: str | None = None
     # tls_ca_file verifies the server's certificate (enables TLS).
     tls_ca_file: str | None = None
-    # inbox_prefix replaces "_INBOX" for replies (per-identity inboxes).
+    # inbox_prefix replaces "_INBOX" for replies. Default with an instance:
+    # _INBOX.engine-<instance>, the only inbox the engine may subscribe to.
     inbox_prefix: str | None = None
+    # insecure connects without credentials (DEVELOPMENT ONLY: an
+    # --insecure coordinator; a secure one refuses the connection).
+    insecure: bool = False
     # timeout is the default per-request timeout in seconds.
     timeout: float = 30.0
     # connect_timeout bounds the first connection, seconds.
     connect_timeout: float = 5.0
     # reconnect_wait between reconnect attempts, seconds; reconnects never stop.
     reconnect_wait: float = 0.1
+
+    def identity(self) -> str:
+        """The NATS identity name (auth.Engine(instance).Name() in Go)."""
+        return f"engine-{self.instance}" if self.instance else ""
 
     def validate(self) -> None:
         if not self.servers:
@@ -78,6 +100,39 @@ class ConnectOptions:
             raise ValueError(f"timeouts must be > 0 s (timeout {self.timeout}, connect {self.connect_timeout})")
         if self.nkey_seed_file and self.credentials_file:
             raise ValueError("give nkey_seed_file or credentials_file, not both")
+        if self.instance:
+            wire.valid_instance(self.instance)
+        if self.creds_dir and not self.instance:
+            raise ValueError(f"creds_dir {self.creds_dir} needs the engine instance (its seed is engine-<instance>.nk)")
+        has_creds = bool(self.creds_dir or self.nkey_seed_file or self.credentials_file)
+        if self.insecure and has_creds:
+            raise ValueError("insecure connects without credentials; do not give creds_dir or a seed with it")
+        if not self.insecure and not has_creds:
+            raise ValueError("no NATS credentials: give creds_dir (from `coordinator init`) and instance, an "
+                             "nkey_seed_file or a credentials_file; insecure=True only for an --insecure coordinator")
+
+    def seed_file(self) -> str | None:
+        if self.nkey_seed_file:
+            return self.nkey_seed_file
+        if self.creds_dir and not self.credentials_file:
+            return os.path.join(self.creds_dir, self.identity() + ".nk")
+        return None
+
+    def ca_file(self) -> str | None:
+        if self.tls_ca_file:
+            return self.tls_ca_file
+        if self.creds_dir:
+            p = os.path.join(self.creds_dir, CA_FILE)
+            if os.path.exists(p):
+                return p
+        return None
+
+    def inbox(self) -> str | None:
+        if self.inbox_prefix:
+            return self.inbox_prefix
+        if self.instance and not self.insecure:
+            return "_INBOX." + self.identity()
+        return None
 
     def nats_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -88,24 +143,37 @@ class ConnectOptions:
             "max_reconnect_attempts": -1,
             "allow_reconnect": True,
         }
-        if self.nkey_seed_file:
-            kw["nkeys_seed"] = self.nkey_seed_file
+        seed = self.seed_file()
+        if seed:
+            kw["nkeys_seed"] = seed
         if self.credentials_file:
             kw["user_credentials"] = self.credentials_file
-        if self.tls_ca_file:
-            kw["tls"] = ssl.create_default_context(cafile=self.tls_ca_file)
-        if self.inbox_prefix:
-            kw["inbox_prefix"] = self.inbox_prefix.encode()
+        ca = self.ca_file()
+        if ca:
+            kw["tls"] = ssl.create_default_context(cafile=ca)
+        inbox = self.inbox()
+        if inbox:
+            kw["inbox_prefix"] = inbox.encode()
         return kw
 
 
-async def connect_nats(opts: ConnectOptions) -> Any:
-    """The connection factory: a nats-py connection for opts."""
+# CA_FILE is the cluster CA's name in a credentials directory (auth.CAFile).
+CA_FILE = "ca.pem"
+
+
+async def connect_nats(opts: ConnectOptions, on_denied: Callable[[str, str], None] | None = None) -> Any:
+    """The connection factory: a nats-py connection for opts. on_denied is
+    called with (subject, server message) for every publish or subscribe
+    the server refuses under this identity's permissions."""
     import nats  # deferred so importing kvtier needs no NATS
 
     opts.validate()
 
     async def on_error(e: Exception) -> None:
+        text = str(e)
+        m = _PERMISSION_RE.search(text)
+        if m and on_denied is not None:
+            on_denied(m.group(1), text)
         log.warning("NATS %s: %s", ",".join(opts.servers), e)
 
     async def on_disconnected() -> None:
@@ -118,7 +186,12 @@ async def connect_nats(opts: ConnectOptions) -> Any:
         return await nats.connect(**opts.nats_kwargs(), error_cb=on_error, disconnected_cb=on_disconnected,
                                   reconnected_cb=on_reconnected)
     except Exception as e:
-        raise NotConnected(f"connect to NATS at {','.join(opts.servers)}: {e}") from e
+        raise NotConnected(f"connect to NATS at {','.join(opts.servers)} as "
+                           f"{opts.identity() or 'anonymous'}: {e!r}") from e
+
+
+# The server's refusal: -ERR 'Permissions Violation for Publish to "subj"'.
+_PERMISSION_RE = re.compile(r'permissions violation for (?:publish|subscription) to "?([^"\s]+)"?', re.IGNORECASE)
 
 
 class Client:
@@ -128,11 +201,34 @@ class Client:
         self._nc = nc
         self.opts = opts
         self.subjects = Subjects(opts.prefix)
+        # subjects the server refused this identity (permissions), with
+        # its message; a request to one that times out raises Unauthorized.
+        self.denied: dict[str, str] = {}
 
     @classmethod
     async def connect(cls, opts: ConnectOptions | None = None) -> Client:
         opts = opts or ConnectOptions()
-        return cls(await connect_nats(opts), opts)
+        denied: dict[str, str] = {}
+
+        def on_denied(subject: str, text: str) -> None:
+            if len(denied) >= 1024:
+                denied.clear()
+            denied[subject] = text
+
+        c = cls(await connect_nats(opts, on_denied), opts)
+        c.denied = denied
+        return c
+
+    def _instance(self, instance: str) -> str:
+        inst = instance or self.opts.instance
+        if not inst:
+            raise ValueError("coordinator requests need the engine instance (ConnectOptions.instance)")
+        return inst
+
+    def coord_subject(self, op: str, instance: str = "") -> str:
+        """The coordinator subject of op for instance (default this
+        client's): <prefix>.coord.<op>.<instance>."""
+        return self.subjects.engine_coord(self._instance(instance), op)
 
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
@@ -150,6 +246,10 @@ class Client:
         except nats.errors.NoRespondersError:
             raise Unavailable("unavailable", f"no responders on {subject}", subject) from None
         except nats.errors.TimeoutError:
+            why = self.denied.pop(subject, "")
+            if why:
+                raise Unauthorized("unauthorized", f"NATS refused {subject} to "
+                                   f"{self.opts.identity() or 'this connection'}: {why}", subject) from None
             raise RequestTimeout(f"no reply from {subject} within {timeout or self.opts.timeout} s") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
             raise NotConnected(f"request {subject}: {e}") from None
@@ -175,24 +275,26 @@ class Client:
         """Registers the spec with the coordinator (the scheduler's job) and
         checks the namespace it answers against the one derived here."""
         want = spec.resolve().namespace
-        rep = await self.call(self.subjects.coord(wire.COORD_REGISTER), spec, wire.RegisterReply)
+        rep = await self.call(self.coord_subject(wire.COORD_REGISTER), spec, wire.RegisterReply)
         if rep.namespace != want:
             raise MalformedError(f"coordinator registered namespace {rep.namespace}, the spec's is {want}")
         return rep.namespace
 
     async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
                      detail: bool = False) -> LookupReply:
-        req = wire.LookupRequest(namespace, list(chunks), instance, detail)
-        return await self.call(self.subjects.coord(wire.COORD_LOOKUP), req, LookupReply)
+        inst = self._instance(instance)
+        req = wire.LookupRequest(namespace, list(chunks), inst, detail)
+        return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply)
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
                             deadline_ms: int = 0) -> RestorePlan:
-        req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), instance)
-        return await self.call(self.subjects.coord(wire.COORD_RESTORE_BEGIN), req, RestorePlan,
+        inst = self._instance(instance)
+        req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), inst)
+        return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
                                decoder=wire.decode_restore_plan)
 
-    async def restore_wait(self, restore_id: str, timeout: float | None = None) -> RestoreVerdict:
-        v = await self.call(self.subjects.coord(wire.COORD_RESTORE_WAIT), wire.RestoreWait(restore_id),
+    async def restore_wait(self, restore_id: str, timeout: float | None = None, instance: str = "") -> RestoreVerdict:
+        v = await self.call(self.coord_subject(wire.COORD_RESTORE_WAIT, instance), wire.RestoreWait(restore_id),
                             RestoreVerdict, timeout=timeout)
         v.validate()
         return v
@@ -318,7 +420,7 @@ async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequ
 
     await asyncio.gather(*(one(r, items) for r, items in plan.ranks.items()))
     try:
-        verdict = await client.restore_wait(plan.restore_id)
+        verdict = await client.restore_wait(plan.restore_id, instance=instance)
     except Exception as e:
         return restore_outcome(plan, None, f"restore.wait: {e}")
     return restore_outcome(plan, verdict, "; ".join(problems))
@@ -379,8 +481,8 @@ class SyncClient:
                       deadline_ms: int = 0) -> RestorePlan:
         return self.run(self.aio.restore_begin(namespace, chunks, instance, deadline_ms))
 
-    def restore_wait(self, restore_id: str) -> RestoreVerdict:
-        return self.run(self.aio.restore_wait(restore_id))
+    def restore_wait(self, restore_id: str, instance: str = "") -> RestoreVerdict:
+        return self.run(self.aio.restore_wait(restore_id, instance=instance))
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
                 blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",

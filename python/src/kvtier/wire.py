@@ -121,7 +121,18 @@ class Subjects:
         return f"{self._p()}.rank.{r.instance}.{r.tp_rank}.engine.{op}"
 
     def coord(self, op: str) -> str:
+        """The unscoped coordinator subject: served only by an --insecure
+        coordinator. Engines use engine_coord."""
         return f"{self._p()}.coord.{op}"
+
+    def engine_coord(self, instance: str, op: str) -> str:
+        """Where engine instance sends coordinator op (ns.register, lookup,
+        restore.begin, restore.wait); only engine-<instance> may publish."""
+        return f"{self._p()}.coord.{op}.{instance}"
+
+    def report(self, r: Rank) -> str:
+        """Where rank r (only) sends its restore reports."""
+        return f"{self._p()}.coord.{COORD_RESTORE_REPORT}.{r.instance}.{r.tp_rank}"
 
     def admin(self, op: str) -> str:
         return f"{self._p()}.admin.{op}"
