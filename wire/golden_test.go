@@ -194,6 +194,14 @@ func TestGolden(t *testing.T) {
 	}
 	files["identity.json"] = id
 	manifest["identity.json"] = "identity"
+	// Subjects pins every subject an engine or rank uses, so the Python
+	// client's wire.Subjects cannot drift from Go's (C9 scoping included).
+	sj, err := json.Marshal(goldenSubjects())
+	if err != nil {
+		t.Fatal(err)
+	}
+	files["subjects.json"] = sj
+	manifest["subjects.json"] = "subjects"
 	mb, err := json.MarshalIndent(manifest, "", "  ")
 	if err != nil {
 		t.Fatal(err)
@@ -251,4 +259,23 @@ func TestGolden(t *testing.T) {
 	if err := batch.UnmarshalBinary(files["batch.bin"]); err != nil || !reflect.DeepEqual(&batch, goldenBatch()) {
 		t.Errorf("batch.bin: decoded %+v, %v", batch, err)
 	}
+}
+
+// goldenSubjects names each subject of prefix "kv", rank engine0/3 and
+// instance engine0.
+func goldenSubjects() map[string]string {
+	s := Subjects{Prefix: "kv"}
+	r := Rank{Instance: "engine0", TPRank: 3}
+	out := map[string]string{
+		"freed": s.Freed(r), "events": s.Events(r), "heartbeat": s.Heartbeat(r),
+		"inventory": s.Inventory(r), "report": s.Report(r), "coord.unscoped.lookup": s.Coord(CoordLookup),
+	}
+	// The engine API's ops (rankd.Op*; wire cannot import rankd).
+	for _, op := range []string{"register", "store", "retrieve", "release", "status"} {
+		out["engine."+op] = s.Engine(r, op)
+	}
+	for _, op := range EngineCoordOps {
+		out["coord."+op] = s.EngineCoord(r.Instance, op)
+	}
+	return out
 }

@@ -28,7 +28,7 @@ JSON_CASES = sorted(f for f, t in MANIFEST.items() if f.endswith(".json") and t 
 
 
 def test_manifest_is_fully_covered():
-    handled = set(JSON_CASES) | {"batch.bin", "identity.json", "reply_ok.json", "reply_error.json"}
+    handled = set(JSON_CASES) | {"batch.bin", "identity.json", "reply_ok.json", "reply_error.json", "subjects.json"}
     assert set(MANIFEST) == handled, "a golden vector has no Python check"
 
 
@@ -57,6 +57,19 @@ def test_new_fields_decode():
     f = wire.decode(wire.BlocksFreed, (GOLDEN / "blocks_freed.json").read_bytes())
     assert (f.rank, f.request_id, len(f.chunks)) == (wire.Rank("engine0", 1), "req-1", 2)
     assert wire.Subjects().freed(f.rank) == "kvtier.rank.engine0.1.freed"
+
+
+def test_subjects_equal_go():
+    """Every subject Python builds is Go's (scoped coordinator subjects, C9)."""
+    want = json.loads((GOLDEN / "subjects.json").read_text())
+    s, r = wire.Subjects("kv"), wire.Rank("engine0", 3)
+    got = {"freed": s.freed(r), "events": s.events(r), "heartbeat": s.heartbeat(r),
+           "inventory": s.inventory(r), "report": s.report(r), "coord.unscoped.lookup": s.coord(wire.COORD_LOOKUP)}
+    for op in (wire.OP_REGISTER, wire.OP_STORE, wire.OP_RETRIEVE, wire.OP_RELEASE, wire.OP_STATUS):
+        got["engine." + op] = s.engine(r, op)
+    for op in (wire.COORD_REGISTER, wire.COORD_LOOKUP, wire.COORD_RESTORE_BEGIN, wire.COORD_RESTORE_WAIT):
+        got["coord." + op] = s.engine_coord("engine0", op)
+    assert got == want
 
 
 def test_plan_decoder():
