@@ -1,6 +1,9 @@
 """A kvtier cluster of real processes for the integration tests: the Go
 binaries built from this repository, a coordinator with its embedded NATS
-and TP rankds of instance "engine0" on the host backend."""
+and TP rankds of instance "engine0" on the host backend, secure as in
+production: `coordinator init` makes the credentials (nkeys, users, gossip
+key, a TLS CA for 127.0.0.1) and every daemon runs with --creds-dir; the
+tests connect as engine-engine0 (connect_options)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from kvtier import client
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HOST_UUID = "HOST-pytest0000000001"
+INSTANCE = "engine0"
 T = TypeVar("T")
 
 
@@ -92,6 +98,16 @@ class Cluster:
         self.rank_addr = [f"127.0.0.1:{free_port()}" for _ in range(tp)]
         self.coord: Proc | None = None
         self.ranks: list[Proc | None] = [None] * tp
+        self.creds = root / "creds"
+        subprocess.run([str(self.bin / "coordinator"), "init", "--dir", str(self.creds), "--instance", INSTANCE,
+                        "--tp-size", str(tp), "--tls-host", "127.0.0.1"], check=True, timeout=60,
+                       stdout=subprocess.DEVNULL)
+
+    def connect_options(self, **kw: Any) -> client.ConnectOptions:
+        """How the engine of instance engine0 connects: its seed, its
+        inbox prefix and the cluster CA, all from the creds dir."""
+        kw.setdefault("name", "pytest-engine")
+        return client.ConnectOptions(servers=[self.nats_url], instance=INSTANCE, creds_dir=str(self.creds), **kw)
 
     @property
     def nats_url(self) -> str:
@@ -100,7 +116,8 @@ class Cluster:
     def start_coordinator(self) -> None:
         self.coord = Proc("coordinator", [str(self.bin / "coordinator"), "serve", "--data-dir", str(self.index),
                                           "--nats-host", "127.0.0.1", "--nats-port", str(self.nats_port),
-                                          "--bind", self.gossip, "--http", "127.0.0.1:0", "--log-level", "info"],
+                                          "--bind", self.gossip, "--http", "127.0.0.1:0", "--log-level", "info",
+                                          "--creds-dir", str(self.creds)],
                           self.logs / "coordinator.log")
 
         def up() -> None:
@@ -113,10 +130,11 @@ class Cluster:
 
     def start_rank(self, r: int) -> None:
         self.ranks[r] = Proc(f"rankd{r}", [
-            str(self.bin / "rankd"), "--instance", "engine0", "--tp-rank", str(r), "--tp-size", str(self.tp),
+            str(self.bin / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r), "--tp-size", str(self.tp),
             "--device", "host", "--host-dir", str(self.shm), "--host-uuid", HOST_UUID, "--l1-bytes", "64MiB",
             "--l2-dir", str(self.l2), "--join", self.gossip, "--bind", self.rank_addr[r],
-            "--http", "127.0.0.1:0", "--log-level", "info"], self.logs / f"rankd{r}.log")
+            "--http", "127.0.0.1:0", "--log-level", "info", "--creds-dir", str(self.creds)],
+            self.logs / f"rankd{r}.log")
 
     def start_all(self) -> None:
         self.start_coordinator()

@@ -2,6 +2,8 @@
 
 import mmap
 import os
+import re
+import stat
 import struct
 
 import pytest
@@ -99,3 +101,31 @@ def test_pointer_export_without_a_driver_is_a_clear_error():
         pass
     with pytest.raises(HandleError, match="cannot load the CUDA driver"):
         cuda.mem_handle_from_pointer(0x1000, 16, "GPU-x")
+
+
+def test_host_device_needs_a_private_dir(tmp_path):
+    """The host backend's directory rules (C9), as rankd applies them."""
+    assert cuda.default_host_dir() == f"/dev/shm/kvtier-{os.geteuid()}"
+    with pytest.raises(HandleError, match=r"mode 0o1777.*bare /dev/shm"):
+        cuda.HostDevice("/dev/shm")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(HandleError, match=re.escape("mode 0o755; it must grant nothing")):
+        cuda.HostDevice(str(shared))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    with pytest.raises(HandleError, match="is a symlink"):
+        cuda.HostDevice(str(link))
+    with pytest.raises(HandleError, match="No such file"):
+        cuda.HostDevice(str(tmp_path / "missing"))
+    dev = cuda.HostDevice(str(private), "HOST-x")
+    m = dev.alloc(4096)
+    assert stat.S_IMODE(os.stat(m.path).st_mode) == 0o600
+    m.release()
+    # The default directory is created 0700 when missing, and accepted.
+    d = cuda.HostDevice()
+    assert d.dir == cuda.default_host_dir()
+    assert stat.S_IMODE(os.lstat(d.dir).st_mode) & 0o077 == 0

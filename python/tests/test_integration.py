@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import random
+import re
+import subprocess
 import time
 
 import pytest
@@ -96,7 +98,7 @@ def test_store_wipe_restore_every_byte(cluster: Cluster) -> None:
 
     dev = cuda.HostDevice(str(cluster.shm), HOST_UUID)
     workers = [Worker(dev, t, r) for t in range(TP)]
-    opts = client.ConnectOptions(servers=[cluster.nats_url], name="pytest-engine", timeout=20)
+    opts = cluster.connect_options(timeout=20)
     with client.SyncClient(opts) as c:
         ns = eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
         assert ns == r.namespace
@@ -211,7 +213,7 @@ def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Clust
     workers = [Worker(dev, t, r) for t in range(TP)]
     ranks = [wire.Rank("engine0", t) for t in range(TP)]
     page = r.geometry[0].group.page_bytes
-    opts = client.ConnectOptions(servers=[cluster.nats_url], name="pytest-engine", timeout=20)
+    opts = cluster.connect_options(timeout=20)
     with client.SyncClient(opts) as c:
         eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
         sessions = {str(rk): eventually(f"rankd {rk} registers",
@@ -272,6 +274,61 @@ def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Clust
             s.release()
     for w in workers:
         w.mem.release()
+
+
+def test_anonymous_and_unknown_connections_are_refused(cluster: Cluster) -> None:
+    """Secure by default: the coordinator's NATS refuses a connection
+    without credentials (even over TLS with the right CA) and one whose
+    seed is not in its users file."""
+    ca = str(cluster.creds / "ca.pem")
+    anon = client.ConnectOptions(servers=[cluster.nats_url], insecure=True, tls_ca_file=ca, connect_timeout=5)
+    with pytest.raises(errors.NotConnected, match=r"as anonymous:.*[Aa]uthorization"):
+        client.SyncClient(anon)
+    # engine0's seed from another cluster's init: a user this one never issued.
+    other = cluster.root / "other-creds"
+    subprocess.run([str(cluster.bin / "coordinator"), "init", "--dir", str(other), "--instance", "engine0"],
+                   check=True, timeout=60, stdout=subprocess.DEVNULL)
+    forged = cluster.connect_options(nkey_seed_file=str(other / "engine-engine0.nk"), connect_timeout=5)
+    with pytest.raises(errors.NotConnected, match=r"[Aa]uthorization"):
+        client.SyncClient(forged)
+    # The engine's own credentials are accepted.
+    with client.SyncClient(cluster.connect_options(timeout=20)) as c:
+        eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
+
+
+def test_forged_and_other_instance_requests_are_refused(cluster: Cluster) -> None:
+    """Connected as engine-engine0, the Python client cannot speak for
+    another instance or a rank: NATS refuses the publish (Unauthorized once
+    the request times out), and the coordinator refuses a body that names
+    another instance on engine0's own subject (code unauthorized)."""
+    r = SPEC.resolve()
+    ns = r.namespace
+    h = r.chunk_hashes(list(range(SPEC.chunk_tokens)))
+    with client.SyncClient(cluster.connect_options(timeout=3)) as c:
+        eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
+        assert c.lookup(ns, h, "engine0").prefix == 0  # its own instance: served
+        subjects = c.aio.subjects
+        # Another instance's coordinator subject.
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.lookup.engine1")):
+            c.lookup(ns, h, "engine1")
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.restore.wait.engine1")):
+            c.run(c.aio.restore_wait("0" * 32, instance="engine1"))
+        # Its own subject, a body naming another instance: the coordinator refuses.
+        with pytest.raises(errors.Unauthorized) as ei:
+            c.run(c.aio.call(subjects.engine_coord("engine0", wire.COORD_LOOKUP),
+                             wire.LookupRequest(ns, list(h), "engine1"), wire.LookupReply))
+        assert ei.value.code == "unauthorized" and "engine1" in str(ei.value), ei.value
+        # A forged restore report of rank engine0/0 (only that rankd may send it).
+        report = wire.RestoreReport("0" * 32, wire.Rank("engine0", 0), [])
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.restore.report.engine0.0")):
+            c.run(c.aio.call(subjects.report(wire.Rank("engine0", 0)), report, wire.ReportAck))
+        # The unscoped subject (served only by an --insecure coordinator).
+        with pytest.raises(errors.Unauthorized, match=r'to "kvtier\.coord\.lookup"'):
+            c.run(c.aio.call(subjects.coord(wire.COORD_LOOKUP), wire.LookupRequest(ns, list(h), "engine0"),
+                             wire.LookupReply))
+        # Another instance's rankd.
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.rank.engine1.0.engine.status")):
+            c.status(wire.Rank("engine1", 0))
 
 
 def _full(lk: wire.LookupReply, n: int) -> wire.LookupReply:

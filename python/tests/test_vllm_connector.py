@@ -5,6 +5,7 @@ or its CPU wheels, see NOTES-python.md)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import pytest
 
@@ -44,6 +45,7 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, **extra):
             return ev, cuda.EventHandle("host", "HOST-t", f"ev{ev.n}".encode())
 
     extra.setdefault("kvtier_device", "host")
+    extra.setdefault("kvtier_creds_dir", "/etc/kvtier/creds")  # the fakes connect nowhere
     extra.setdefault("kvtier_lookup_wait_s", 5.0)
     c = Conn(fakes.vllm_config(tp, **extra), role, kv_cfg)
     c.events = []
@@ -469,3 +471,19 @@ def test_worker_registers_again_when_the_rankd_restarted():
     w.wait_for_save()
     w.wait_for_save()
     assert (world.reregistered, w.stats["reregistered"]) == (1, 1)
+
+
+def test_config_is_secure_by_default_and_uses_the_private_host_dir():
+    from kvtier.vllm.connector import Config
+
+    with pytest.raises(ValueError, match=r"no NATS credentials.*kvtier_creds_dir"):
+        Config.of(fakes.vllm_config(1, kvtier_instance="engine0"))
+    c = Config.of(fakes.vllm_config(1, kvtier_instance="engine3", kvtier_creds_dir="/c", kvtier_tls_ca_file="/ca"))
+    assert c.host_dir == cuda.default_host_dir() == f"/dev/shm/kvtier-{os.geteuid()}"
+    kw = c.connect_options("n")
+    assert (kw.instance, kw.creds_dir, kw.tls_ca_file, kw.seed_file(), kw.inbox()) == (
+        "engine3", "/c", "/ca", "/c/engine-engine3.nk", "_INBOX.engine-engine3")
+    seed = Config.of(fakes.vllm_config(1, kvtier_nkey_seed_file="/s.nk", kvtier_host_dir="/h"))
+    assert (seed.connect_options("n").seed_file(), seed.host_dir) == ("/s.nk", "/h")
+    dev = Config.of(fakes.vllm_config(1, kvtier_insecure="true"))
+    assert dev.connect_options("n").insecure and dev.connect_options("n").seed_file() is None

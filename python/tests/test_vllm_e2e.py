@@ -156,6 +156,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     rank 0's L2 object)."""
     mla = layout == "mla"
     extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
+                 kvtier_creds_dir=str(cluster.creds),
                  kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20,
                  kvtier_pool_layout="block_major" if mla else layout)
     kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS)
@@ -192,7 +193,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     # chunks into other blocks (vLLM computes the 3 trailing tokens).
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
-    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+    with client.SyncClient(cluster.connect_options()) as c:
         hashes = sched.resolved.chunk_hashes(prompt)
         eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
     assert restore_once(sched, workers, prompt, "warm", [20, 21, 22, 23, 24], originals) == 64
@@ -203,7 +204,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     restart_ranks(cluster)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
-    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+    with client.SyncClient(cluster.connect_options()) as c:
         eventually("index shows the L2 copies",
                    lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
     assert restore_once(sched, workers, prompt, "after-restart", [5, 6, 7, 8, 9], originals) == 64
@@ -214,7 +215,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     cluster.coord.stop()
     cluster.start_coordinator()
     wait_ranks(cluster)  # the rankds' NATS connections are back
-    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+    with client.SyncClient(cluster.connect_options()) as c:
         eventually("index answers after the coordinator restart",
                    lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
     for w in workers:
@@ -228,7 +229,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     restart_ranks(cluster)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
-    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+    with client.SyncClient(cluster.connect_options()) as c:
         eventually("index shows the L2 copies",
                    lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
     key = dcp.Key(sched.resolved.namespace, hashes[1], 0 if mla else 1, 0)
@@ -266,7 +267,7 @@ def restart_ranks(cluster: Cluster) -> None:
 
 
 def wait_ranks(cluster: Cluster) -> None:
-    with client.SyncClient(client.ConnectOptions(servers=[cluster.nats_url])) as c:
+    with client.SyncClient(cluster.connect_options()) as c:
         for r in range(TP):
             rk = wire.Rank("engine0", r)
             eventually(f"rankd {rk} accepts again", lambda rk=rk: _true(c.status(rk).accepting))

@@ -162,18 +162,33 @@ CA_FILE = "ca.pem"
 
 
 async def connect_nats(opts: ConnectOptions, on_denied: Callable[[str, str], None] | None = None) -> Any:
-    """The connection factory: a nats-py connection for opts. on_denied is
-    called with (subject, server message) for every publish or subscribe
-    the server refuses under this identity's permissions."""
+    """The connection factory: a nats-py connection for opts. The first
+    connection is bounded by opts.connect_timeout and fails at once when
+    the server refuses the credentials (nats-py alone would retry forever);
+    later reconnects never stop. on_denied is called with (subject, server
+    message) for every publish or subscribe the server refuses under this
+    identity's permissions."""
     import nats  # deferred so importing kvtier needs no NATS
+    import nats.errors
 
     opts.validate()
+    who = opts.identity() if not opts.insecure else "anonymous"
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[str] = loop.create_future()
+    last_error: list[str] = []
 
     async def on_error(e: Exception) -> None:
         text = str(e)
         m = _PERMISSION_RE.search(text)
         if m and on_denied is not None:
             on_denied(m.group(1), text)
+        # During the handshake nats-py reports the server's -ERR as a plain
+        # Error; later as AuthorizationError. Either is final for these
+        # credentials.
+        auth = isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in text.lower()
+        if auth and not refused.done():
+            refused.set_result(text)
+        last_error[:] = [text or repr(e)]
         log.warning("NATS %s: %s", ",".join(opts.servers), e)
 
     async def on_disconnected() -> None:
@@ -182,12 +197,27 @@ async def connect_nats(opts: ConnectOptions, on_denied: Callable[[str, str], Non
     async def on_reconnected() -> None:
         log.info("NATS reconnected to %s", ",".join(opts.servers))
 
-    try:
-        return await nats.connect(**opts.nats_kwargs(), error_cb=on_error, disconnected_cb=on_disconnected,
-                                  reconnected_cb=on_reconnected)
-    except Exception as e:
-        raise NotConnected(f"connect to NATS at {','.join(opts.servers)} as "
-                           f"{opts.identity() or 'anonymous'}: {e!r}") from e
+    where = f"NATS at {','.join(opts.servers)} as {who}"
+    task = asyncio.ensure_future(nats.connect(**opts.nats_kwargs(), error_cb=on_error,
+                                              disconnected_cb=on_disconnected, reconnected_cb=on_reconnected))
+    waiters: set[asyncio.Future[Any]] = {task, refused}
+    done, _ = await asyncio.wait(waiters, timeout=opts.connect_timeout,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        refused.cancel()
+        try:
+            return task.result()
+        except Exception as e:
+            raise NotConnected(f"connect to {where}: {e!r}") from e
+    task.cancel()
+    with contextlib.suppress(BaseException):  # cancelled: the reason is below
+        await task
+    if refused.done() and not refused.cancelled():
+        raise NotConnected(f"connect to {where}: the server refused the credentials ({refused.result()}); "
+                           f"an engine needs its seed from `coordinator init` (creds_dir, instance)")
+    refused.cancel()
+    raise NotConnected(f"connect to {where}: no connection within {opts.connect_timeout} s "
+                       f"(last error: {last_error[0] if last_error else 'none'})")
 
 
 # The server's refusal: -ERR 'Permissions Violation for Publish to "subj"'.

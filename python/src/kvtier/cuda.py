@@ -26,6 +26,7 @@ import ctypes.util
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -321,14 +322,46 @@ class HostEvent:
         self._m = None
 
 
+def default_host_dir() -> str:
+    """The host backend's default directory (Go cuda.DefaultHostDir): a
+    private directory under /dev/shm per effective uid."""
+    return f"/dev/shm/kvtier-{os.geteuid()}"
+
+
+def check_private_dir(dir: str) -> None:
+    """Raises HandleError unless dir is a directory (not a symlink) owned by
+    this uid granting nothing to group or others: what rankd accepts as
+    --host-dir (C9). Bare /dev/shm (mode 1777) is refused."""
+    try:
+        st = os.lstat(dir)
+    except OSError as e:
+        raise HandleError(f"host backend directory {dir}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise HandleError(f"host backend directory {dir} is a symlink; give the directory itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise HandleError(f"host backend directory {dir} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise HandleError(f"host backend directory {dir} is owned by uid {st.st_uid}, this process runs as uid "
+                          f"{os.geteuid()}; it must be the process's own")
+    perm = stat.S_IMODE(st.st_mode)
+    if perm & 0o077:
+        raise HandleError(f"host backend directory {dir} has mode {perm:#o}; it must grant nothing to group or "
+                          f"others (0700), not be a shared directory such as bare /dev/shm")
+
+
 class HostDevice:
     """The host backend's device, as seen by an engine: allocations and
-    interprocess events in dir (the rankds' ``--host-dir``) under uuid (their
-    ``--host-uuid``, default :func:`default_host_uuid`)."""
+    interprocess events in dir (the rankds' ``--host-dir``, default
+    :func:`default_host_dir`, created 0700 when missing) under uuid (their
+    ``--host-uuid``, default :func:`default_host_uuid`). The directory must
+    be private (:func:`check_private_dir`), as rankd requires."""
 
-    def __init__(self, dir: str = "/dev/shm", uuid: str | None = None) -> None:
-        if not os.path.isdir(dir):
-            raise HandleError(f"host backend directory {dir} does not exist")
+    def __init__(self, dir: str | None = None, uuid: str | None = None) -> None:
+        dir = dir or default_host_dir()
+        if dir == default_host_dir():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(dir, 0o700)
+        check_private_dir(dir)
         self.dir = dir
         self.uuid = uuid or default_host_uuid()
 

@@ -2,7 +2,12 @@
 
 Load it with ``kv_transfer_config={"kv_connector": "KvtierConnector",
 "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
-"kv_connector_extra_config": {"kvtier_nats": "nats://...", "kvtier_instance": "engine0"}}``.
+"kv_connector_extra_config": {"kvtier_nats": "nats://...", "kvtier_instance": "engine0",
+"kvtier_creds_dir": "/etc/kvtier/creds"}}``. The connector connects as
+engine-<instance> with that directory's seed (and ca.pem, if present);
+``kvtier_nkey_seed_file`` / ``kvtier_tls_ca_file`` name them one by one.
+Without credentials it refuses to start (``kvtier_insecure`` only for an
+``--insecure`` coordinator).
 
 Scheduler side: ``get_num_new_matched_tokens`` asks the coordinator's
 lookup for the request's chunks (answering "not yet", None, while the
@@ -151,11 +156,13 @@ class Config:
     lookup_wait_s: float
     restore_deadline_ms: int
     device: str  # "cuda" or "host"
-    host_dir: str
+    host_dir: str  # private (0700), default cuda.default_host_dir()
     host_uuid: str | None
+    creds_dir: str | None  # from `coordinator init`: engine-<instance>.nk, ca.pem
     nkey_seed_file: str | None
     tls_ca_file: str | None
     inbox_prefix: str | None
+    insecure: bool  # DEVELOPMENT ONLY: no credentials (an --insecure coordinator)
     pool_layout: str  # block_major | kv_split (kvtier.vllm.spec)
 
     @classmethod
@@ -170,19 +177,33 @@ class Config:
                 timeout_s=float(extra.get("kvtier_timeout_s", 30.0)),
                 lookup_wait_s=float(extra.get("kvtier_lookup_wait_s", 0.05)),
                 restore_deadline_ms=int(extra.get("kvtier_restore_deadline_ms", 10000)),
-                device=extra.get("kvtier_device", "cuda"), host_dir=extra.get("kvtier_host_dir", "/dev/shm"),
-                host_uuid=extra.get("kvtier_host_uuid"), nkey_seed_file=extra.get("kvtier_nkey_seed_file"),
+                device=extra.get("kvtier_device", "cuda"),
+                host_dir=extra.get("kvtier_host_dir") or cuda.default_host_dir(),
+                host_uuid=extra.get("kvtier_host_uuid"), creds_dir=extra.get("kvtier_creds_dir"),
+                nkey_seed_file=extra.get("kvtier_nkey_seed_file"),
                 tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
+                insecure=str(extra.get("kvtier_insecure", "")).lower() in ("1", "true", "yes"),
                 pool_layout=extra.get("kvtier_pool_layout", "block_major"))
         wire.valid_instance(c.instance)
         if c.device not in ("cuda", "host"):
             raise ValueError(f"kvtier_device {c.device!r}: want cuda or host")
+        try:
+            c.connect_options("kvtier-vllm").validate()
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config: {e} (keys kvtier_creds_dir, kvtier_nkey_seed_file, "
+                             f"kvtier_tls_ca_file; kvtier_insecure only for an --insecure coordinator)") from None
         return c
 
     def connect_options(self, name: str) -> kvclient.ConnectOptions:
         return kvclient.ConnectOptions(servers=self.nats, name=name, prefix=self.prefix, timeout=self.timeout_s,
+                                       instance=self.instance, creds_dir=self.creds_dir,
                                        nkey_seed_file=self.nkey_seed_file, tls_ca_file=self.tls_ca_file,
-                                       inbox_prefix=self.inbox_prefix)
+                                       inbox_prefix=self.inbox_prefix, insecure=self.insecure)
+
+    def host_device(self) -> cuda.HostDevice:
+        """The host backend device of kvtier_device=host: host_dir (created
+        0700 when it is the default) must be private, as rankd requires."""
+        return cuda.HostDevice(self.host_dir, self.host_uuid)
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
