@@ -118,12 +118,17 @@ def main() -> int:
         log = open(work / "logs" / f"{name}.log", "wb")  # noqa: SIM115 (lives with the process)
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
 
+    # Secure as in production: credentials for instance "hf" (TLS for 127.0.0.1).
+    creds = work / "creds"
+    subprocess.run([str(bindir / "coordinator"), "init", "--dir", str(creds), "--instance", "hf", "--tp-size", "1",
+                    "--tls-host", "127.0.0.1"], check=True, stdout=subprocess.DEVNULL)
     start("coordinator", [str(bindir / "coordinator"), "serve", "--data-dir", str(work / "index"),
                           "--nats-host", "127.0.0.1", "--nats-port", str(nats_port), "--bind", gossip,
-                          "--http", "127.0.0.1:0"])
+                          "--http", "127.0.0.1:0", "--creds-dir", str(creds)])
     start("rankd0", [str(bindir / "rankd"), "--instance", "hf", "--tp-rank", "0", "--tp-size", "1",
                      "--device", "cuda:0", "--l1-bytes", "2GiB", "--l2-dir", str(work / "l2"),
-                     "--join", gossip, "--bind", f"127.0.0.1:{free_port()}", "--http", "127.0.0.1:0"])
+                     "--join", gossip, "--bind", f"127.0.0.1:{free_port()}", "--http", "127.0.0.1:0",
+                     "--creds-dir", str(creds)])
     try:
         return run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port, work)
     finally:
@@ -192,7 +197,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
     assert len(hashes) == n_chunks
 
     rows: list[tuple[str, str, bool]] = []
-    opts = client.ConnectOptions(servers=[f"nats://127.0.0.1:{nats_port}"], name="hf-roundtrip", timeout=60)
+    opts = client.ConnectOptions(servers=[f"nats://127.0.0.1:{nats_port}"], name="hf-roundtrip", timeout=60,
+                                 instance="hf", creds_dir=str(work / "creds"))
     c = wait_for("NATS reachable", lambda: client.SyncClient(opts))
     with c:
         rank = wire.Rank("hf", 0)
