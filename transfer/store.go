@@ -236,8 +236,10 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 					e.l2CopyGoneLocked(o)
 				}
 			} else {
-				o.pins++ // another store or a load is filling it: take its outcome
-				f.dups = append(f.dups, storeWork{idx: idx, o: o})
+				// Another store or a load is filling it: take its outcome,
+				// or gather it from these pages if that fill fails.
+				o.pins++
+				f.dups = append(f.dups, storeWork{idx: idx, o: o, spans: p.spans})
 			}
 			continue
 		}
@@ -499,35 +501,21 @@ func (e *Engine) runStore(f *StoreFuture) {
 		live = f.work
 	}
 
-	// 2. Wait for the producer, gather, wait for the device.
+	// 2. Wait for the producer, gather, wait for the device. While objects
+	// another store is filling are pending, the pages and the event stay
+	// held: a failed fill is gathered again from them (step 3).
 	handled := false
 	if len(live) > 0 {
-		handled = e.gather(ctx, f, live)
+		handled = e.gather(ctx, f, live, len(f.dups) > 0)
+	}
+
+	// 3. Objects another store was filling.
+	if len(f.dups) > 0 {
+		handled = e.settleDups(ctx, f, handled)
 	}
 	if !handled {
 		close(f.released) // nothing is or will be reading the pages
 		e.releaseEvent(f)
-	}
-
-	// 3. Objects another store was filling.
-	for _, w := range f.dups {
-		var err error
-		select {
-		case <-w.o.filled:
-			err = w.o.err
-		case <-ctx.Done():
-			err = fmt.Errorf("waiting for another store of %s: %w", w.o.key, ctxErr(ctx))
-		}
-		e.mu.Lock()
-		sum := w.o.sum
-		e.unpinLocked(w.o)
-		e.mu.Unlock()
-		if err != nil {
-			e.failObj(f, w.idx, err)
-			continue
-		}
-		f.res.Objects[w.idx].Status, f.res.Objects[w.idx].Sum = Deduped, sum
-		e.ctr.dedupeHits.Add(1)
 	}
 	f.res.NotDurable = e.durability(f)
 	e.ctr.storeLatency.Observe(time.Since(f.start).Seconds())
@@ -536,6 +524,75 @@ func (e *Engine) runStore(f *StoreFuture) {
 		<-f.reaper // a timed-out store is finished when the device is
 	}
 	e.finishFuture(f)
+}
+
+// settleDups waits for the objects of f another store (or a load) was
+// filling and takes their outcomes. When such a fill fails (a superseded
+// session's producer died under it, its L2 read failed) while f's own
+// context is live, f does not inherit that failure: it gathers the object
+// from its own pages under its own event, unless handled says the pages
+// and event are already given up (a timed-out gather's reaper owns them).
+// It reports whether f.released and the event have been taken care of.
+func (e *Engine) settleDups(ctx context.Context, f *StoreFuture, handled bool) bool {
+	pending := f.dups
+	for len(pending) > 0 {
+		var next, refill []storeWork
+		for _, w := range pending {
+			var err error
+			select {
+			case <-w.o.filled:
+				err = w.o.err
+			case <-ctx.Done():
+				err = fmt.Errorf("waiting for another store of %s: %w", w.o.key, ctxErr(ctx))
+			}
+			retry := err != nil && ctx.Err() == nil && !handled
+			e.mu.Lock()
+			sum := w.o.sum
+			e.unpinLocked(w.o)
+			if retry {
+				switch o := e.cat.objs[w.o.key]; {
+				case o == nil:
+					e.log.Warn("the fill a store waited on failed; gathering the object from the store's own pages",
+						zap.String("request", f.req), zap.Uint64("future", f.id), zap.Stringer("key", w.o.key), zap.Error(err))
+					o = e.newObjLocked(w.o.key, f.sp.res.Fingerprint, w.o.size)
+					refill = append(refill, storeWork{idx: w.idx, o: o, spans: w.spans})
+				case o.state == stReady: // another waiter gathered it again first
+					e.cat.touch(o)
+					sum, err = o.sum, nil
+				default: // another waiter is gathering it again: wait for that
+					o.pins++
+					next = append(next, storeWork{idx: w.idx, o: o, spans: w.spans})
+				}
+			}
+			e.mu.Unlock()
+			if retry && err != nil {
+				continue // gathered again or waited on again below
+			}
+			if err != nil {
+				e.failObj(f, w.idx, err)
+				continue
+			}
+			f.res.Objects[w.idx].Status, f.res.Objects[w.idx].Sum = Deduped, sum
+			e.ctr.dedupeHits.Add(1)
+		}
+		if len(refill) > 0 {
+			if err := e.placeAll(ctx, refill); err != nil {
+				e.mu.Lock()
+				for _, w := range refill {
+					e.failFillLocked(w.o, err)
+					e.unpinLocked(w.o)
+				}
+				e.mu.Unlock()
+				for _, w := range refill {
+					e.failObj(f, w.idx, err)
+				}
+			} else {
+				handled = e.gather(ctx, f, refill, len(next) > 0)
+			}
+		}
+		pending = next
+	}
+	return handled
 }
 
 // L2Checker is implemented by L2 tiers that can tell cheaply whether a
@@ -580,7 +637,10 @@ func (e *Engine) durability(f *StoreFuture) string {
 // taken care of f.released and the producer event: after a commit, or
 // after a timeout with device work still pending, where a reaper owns the
 // event, the stream and the pins until the device is done.
-func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork) (handled bool) {
+//
+// With keep, a commit leaves f.released open and the event held (and
+// reports false): more objects of f may still be gathered from the pages.
+func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, keep bool) (handled bool) {
 	failAll := func(err error) {
 		e.mu.Lock()
 		for _, w := range live {
@@ -619,7 +679,9 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork) (
 	err = op.Wait(ctx)
 	switch {
 	case err == nil:
-		close(f.released) // the device has read every page: the blocks are free
+		if !keep {
+			close(f.released) // the device has read every page: the blocks are free
+		}
 		e.storeStreams.put(stream, true)
 		sums := op.Sums()
 		e.mu.Lock()
@@ -637,6 +699,9 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork) (
 				e.log.Debug("stored", zap.String("request", f.req), zap.Uint64("future", f.id),
 					zap.Stringer("key", w.o.key), zap.Uint64("size", w.o.size), zap.Uint64("sum", f.res.Objects[w.idx].Sum))
 			}
+		}
+		if keep {
+			return false
 		}
 		e.releaseEvent(f) // only now: pages read and objects committed (C1)
 		return true
