@@ -198,9 +198,10 @@ func (e *exported) check(qs []query) []error {
 }
 
 // daemonMetrics builds a real coordinator (started: the index and the
-// cluster member register theirs in Start) and a real rankd (New registers
-// its own, the transfer engine's and the cluster member's) on the host
-// backend, and returns their registries. Both are shut down at cleanup.
+// cluster member register theirs in Start) and a real rankd (started too:
+// New registers its own and the cluster member's, Start the transfer
+// engine's, built after the duplicate-rank check) on the host backend, and
+// returns their registries. Both are shut down at cleanup.
 func daemonMetrics(t *testing.T) *exported {
 	t.Helper()
 	creg := prometheus.NewRegistry()
@@ -252,6 +253,11 @@ func daemonMetrics(t *testing.T) *exported {
 			t.Errorf("rankd shutdown: %v", err)
 		}
 	})
+	sctx, scancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer scancel()
+	if err := d.Start(sctx); err != nil {
+		t.Fatalf("rankd start: %v", err)
+	}
 
 	e := &exported{regs: map[string]*prometheus.Registry{"coordinator": creg, "rankd": d.Registry()}, types: map[string]dto.MetricType{}}
 	for _, reg := range e.regs {

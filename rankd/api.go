@@ -386,13 +386,16 @@ func (d *Daemon) Status() *StatusReply {
 	d.mu.Lock()
 	st := &StatusReply{Rank: d.cfg.Rank, TPSize: d.cfg.TPSize, Incarnation: d.inc, NATS: d.natsURL,
 		Device: DeviceStatus{Backend: info.Backend, UUID: info.UUID, Name: info.Name}, Accepting: !d.closing && d.readyOnce}
+	eng := d.eng
 	d.mu.Unlock()
 	st.Gossip = d.clu.LocalMember().Addr
 	d.pub.mu.Lock()
 	st.Events = EventStatus{QueuedBatches: len(d.pub.queue), AppliedThrough: d.pub.applied}
 	d.pub.mu.Unlock()
-	st.Engine = d.eng.Stats()
-	st.Sessions = d.eng.Sessions()
+	if eng != nil { // nil until Start passed the duplicate check
+		st.Engine = eng.Stats()
+		st.Sessions = eng.Sessions()
+	}
 	return st
 }
 

@@ -32,8 +32,10 @@ const (
 
 // Daemon is one running rankd.
 //
-// Lifecycle: New (opens the device, rescans L2, builds the engine and the
-// cluster member; no network), Start (HTTP, memberlist join, NATS, serving),
+// Lifecycle: New (opens the device, builds the cluster member; no network,
+// nothing written), Start (HTTP, memberlist join, the duplicate-rank
+// check, then the incarnation file and the engine, which rescans L2; NATS,
+// serving),
 // Shutdown (stop accepting engine requests, drain in-flight ones and the
 // stores, flush events, leave the cluster, close). Shutdown is idempotent
 // and blocks until every goroutine the daemon started has exited.
@@ -45,6 +47,11 @@ type Daemon struct {
 	inc  uint64
 
 	dev cuda.Device
+	// tc configures the engine Start builds, after the duplicate check, so
+	// that a refused duplicate touches nothing of the live rank's L2.
+	tc transfer.Config
+	// eng is nil until Start built it; written under mu, read under mu
+	// where Start may run concurrently (status, Engine, Shutdown).
 	eng *transfer.Engine
 	// releaseWait bounds the wait, before a store's reply, for the device
 	// to finish reading the engine's blocks.
@@ -80,8 +87,10 @@ type Daemon struct {
 	readyOnce bool
 }
 
-// New validates cfg, opens the device, starts the transfer engine (which
-// rescans L2) and builds the cluster member. It does not touch the network.
+// New validates cfg, opens the device, reads (never writes) the stored
+// incarnation and builds the cluster member. It does not touch the
+// network, nor L2: Start builds the engine once no other live rankd
+// serves the rank.
 func New(cfg Config) (*Daemon, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -97,7 +106,7 @@ func New(cfg Config) (*Daemon, error) {
 		shutDone: make(chan struct{}),
 		snaps:    newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
 	}
-	inc, err := nextIncarnation(cfg.L2Dir, cfg.Rank)
+	inc, err := peekIncarnation(cfg.L2Dir, cfg.Rank)
 	if err != nil {
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
@@ -124,12 +133,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Registerer = d.met.reg
 	tc.StoreTimeout = cfg.StoreTimeout
 	d.releaseWait = cfg.StoreTimeout
-	eng, err := transfer.New(tc)
-	if err != nil {
-		_ = dev.Close()
-		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
-	}
-	d.eng = eng
+	d.tc = tc
 
 	cc := cluster.DefaultConfig()
 	cc.NodeName = cfg.NodeName
@@ -151,17 +155,11 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	cc.SecretKey, cc.SecondaryKeys, cc.Insecure = cfg.GossipKey, cfg.GossipSecondaryKeys, cfg.Insecure
 	if err := d.loadAuth(); err != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
-		defer cancel()
-		_ = eng.Close(ctx)
 		_ = dev.Close()
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
 	clu, err := cluster.New(cc)
 	if err != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
-		defer cancel()
-		_ = eng.Close(ctx)
 		_ = dev.Close()
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
@@ -173,8 +171,12 @@ func New(cfg Config) (*Daemon, error) {
 // the member metadata).
 func (d *Daemon) Incarnation() uint64 { return d.inc }
 
-// Engine returns the transfer engine (tests).
-func (d *Daemon) Engine() *transfer.Engine { return d.eng }
+// Engine returns the transfer engine (tests); nil until Start built it.
+func (d *Daemon) Engine() *transfer.Engine {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.eng
+}
 
 // HTTPAddr returns the address of the metrics/health listener, "" if none.
 func (d *Daemon) HTTPAddr() string {
@@ -241,6 +243,18 @@ func (d *Daemon) Start(ctx context.Context) error {
 	if err := d.refuseDuplicate(ctx); err != nil {
 		return err
 	}
+	// Only now the rank's files: the incarnation, then L2 (rescanned by
+	// the engine).
+	if err := saveIncarnation(d.cfg.L2Dir, d.cfg.Rank, d.inc); err != nil {
+		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+	}
+	eng, err := transfer.New(d.tc)
+	if err != nil {
+		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+	}
+	d.mu.Lock()
+	d.eng = eng
+	d.mu.Unlock()
 	url := d.cfg.NATSURL
 	if url == "" {
 		var err error
@@ -489,6 +503,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	}
 	d.closing = true
 	connected := d.nc != nil
+	eng := d.eng
 	d.mu.Unlock()
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.ShutdownTimeout)
@@ -507,15 +522,18 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	// 2. The engine drains its stores, finishes L2 writes (under
 	// write-back: every object only L1 holds, issue 18.2), publishes the
 	// last events to the publisher. Bounded by FlushTimeout on its own.
-	fctx, fcancel := context.WithTimeout(context.Background(), d.cfg.FlushTimeout)
-	if err := d.eng.Close(fctx); err != nil {
-		errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
-	}
-	fcancel()
-	if st := d.eng.Stats(); st.LostObjects > 0 {
-		d.log.Error("objects only L1 held were not flushed to L2 before shutdown; they are lost",
-			zap.Uint64("unflushed", st.LostObjects), zap.Duration("flush_timeout", d.cfg.FlushTimeout))
-		errs = append(errs, fmt.Errorf("%d objects only L1 held were not flushed to L2", st.LostObjects))
+	// Not built when Start never got past the duplicate check.
+	if eng != nil {
+		fctx, fcancel := context.WithTimeout(context.Background(), d.cfg.FlushTimeout)
+		if err := eng.Close(fctx); err != nil {
+			errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
+		}
+		fcancel()
+		if st := eng.Stats(); st.LostObjects > 0 {
+			d.log.Error("objects only L1 held were not flushed to L2 before shutdown; they are lost",
+				zap.Uint64("unflushed", st.LostObjects), zap.Duration("flush_timeout", d.cfg.FlushTimeout))
+			errs = append(errs, fmt.Errorf("%d objects only L1 held were not flushed to L2", st.LostObjects))
+		}
 	}
 	// 3. Every event reaches the coordinator (durably) or is counted lost.
 	if connected {
