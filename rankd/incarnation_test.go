@@ -1,9 +1,11 @@
 package rankd
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/wire"
@@ -45,5 +47,38 @@ func TestNextIncarnationSurvivesAClockBehind(t *testing.T) {
 	// Without L2 the clock decides.
 	if x, err := nextIncarnation("", r); err != nil || x == 0 {
 		t.Fatalf("no L2: %d %v", x, err)
+	}
+}
+
+// TestPeekIncarnationWritesNothing: the peek New does reads only; the save
+// Start does after the duplicate check refuses an incarnation another
+// start of the rank overtook in between, naming both numbers, and leaves
+// the stored one as it was.
+func TestPeekIncarnationWritesNothing(t *testing.T) {
+	dir := t.TempDir()
+	r := wire.Rank{Instance: "eng", TPRank: 2}
+	inc, err := peekIncarnation(dir, r)
+	if err != nil || inc == 0 {
+		t.Fatalf("peek: %d %v", inc, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "incarnations")); !os.IsNotExist(err) {
+		t.Fatalf("peek created the incarnation directory (stat: %v)", err)
+	}
+	// Another start of the rank stores a later one first.
+	other := inc + 10
+	if err := saveIncarnation(dir, r, other); err != nil {
+		t.Fatal(err)
+	}
+	err = saveIncarnation(dir, r, inc)
+	if !errors.Is(err, ErrDuplicateRank) || !strings.Contains(err.Error(), "holds "+strconv.FormatUint(other, 10)) ||
+		!strings.Contains(err.Error(), "this start's "+strconv.FormatUint(inc, 10)) {
+		t.Fatalf("save of an overtaken incarnation = %v, want ErrDuplicateRank naming %d and %d", err, other, inc)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "incarnations", "eng.2"))
+	if err != nil || string(b) != strconv.FormatUint(other, 10)+"\n" {
+		t.Fatalf("stored incarnation %q (%v), want %d", b, err, other)
+	}
+	if next, err := peekIncarnation(dir, r); err != nil || next <= other {
+		t.Fatalf("peek after: %d %v, want > %d", next, err, other)
 	}
 }
