@@ -114,3 +114,69 @@ func TestDedupeOntoFailedFillGathersOwnPages(t *testing.T) {
 		t.Fatalf("%d objects stored, want 1 (b's, gathered after a's fill failed)", st.ObjectsStored)
 	}
 }
+
+// TestTwoStoresDedupedOntoAFailedFill: two stores of the new session wait
+// on the same failing fill; one gathers the object again from its pages,
+// the other waits on that gather and dedupes onto it: one object stored,
+// neither store failed. Seen failing with main's store.go: "store b1: ...
+// Status:failed ... Reason:device".
+func TestTwoStoresDedupedOntoAFailedFill(t *testing.T) {
+	gd := &gateDevice{Device: openDevice(t, ""), bad: map[cuda.Event]bool{},
+		waiting: make(chan struct{}), gate: make(chan struct{})}
+	ra := newRig(t, gd, c1Spec(), []int64{8})
+	rb := newRig(t, gd, c1Spec(), []int64{8})
+	e := newEngine(t, engineConfig(t, gd, 0, 1))
+	e.hooks.imported = func(reqID string, ev cuda.Event) {
+		if reqID == "a" {
+			gd.mu.Lock()
+			gd.bad[ev] = true
+			gd.mu.Unlock()
+		}
+	}
+	ra.register(e)
+	ca := ra.newChunk(0, ra.consecutiveN(0))
+	ra.write(ca, ca.blocks, 0)
+	_, ha := ra.record()
+	fa, err := e.Store(testCtx(t), ra.storeReq("a", ha, ca))
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-gd.waiting
+	rb.register(e)
+	cb := rb.newChunk(0, rb.consecutiveN(1))
+	rb.write(cb, cb.blocks, 0)
+	var fs []*StoreFuture
+	for _, id := range []string{"b1", "b2"} {
+		_, h := rb.record()
+		f, err := e.Store(testCtx(t), rb.storeReq(id, h, cb))
+		if err != nil {
+			t.Fatal(err)
+		}
+		fs = append(fs, f)
+	}
+	close(gd.gate)
+	if res, _ := fa.Wait(testCtx(t)); res.Objects[0].Status != Failed {
+		t.Fatalf("store a: %+v, want failed", res)
+	}
+	got := map[StoreStatus]int{}
+	for i, f := range fs {
+		res, err := f.Wait(testCtx(t))
+		if err != nil || len(res.Objects) != 1 {
+			t.Fatalf("store b%d: %+v %v", i+1, res, err)
+		}
+		got[res.Objects[0].Status]++
+	}
+	if got[Stored] != 1 || got[Deduped] != 1 {
+		t.Fatalf("outcomes of b1 and b2: %v, want one stored and one deduped", got)
+	}
+	if st := e.Stats(); st.ObjectsStored != 1 {
+		t.Fatalf("%d objects stored, want 1", st.ObjectsStored)
+	}
+	tgt := rb.consecutiveN(3)
+	rr, err := e.Retrieve(testCtx(t), rb.retrieveReq(0, []chunk{cb}, [][][]int64{tgt}))
+	if err != nil || !rr.ChunkOK(0) {
+		t.Fatalf("retrieve: %+v %v", rr, err)
+	}
+	rb.expectRestored(cb, tgt)
+	rb.check("engine B's pools")
+}
