@@ -149,7 +149,9 @@ func (f *StoreFuture) RequestID() string { return f.req }
 // Released is closed once the device will no longer read the store's
 // blocks: the engine may reuse them. It is closed before Done except after
 // a timeout, where the store fails at once but the blocks stay in use until
-// the device has really finished (or the engine closes).
+// the device has really finished (or the engine closes). A store deduped
+// onto an object another store (or a load) is filling keeps its blocks
+// until that fill's outcome is known: it gathers from them if it fails.
 func (f *StoreFuture) Released() <-chan struct{} { return f.released }
 
 // Done is closed once the result is final: every object committed in L1
