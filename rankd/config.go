@@ -47,6 +47,16 @@ type Config struct {
 	// L2Policy is transfer.WriteThrough (default) or
 	// transfer.WriteBackOnEvict.
 	L2Policy transfer.L2Policy
+	// L2Bytes bounds the bytes (header and payload) of the L2 files this
+	// rank writes; least recently used objects are evicted to stay under
+	// it, each announced to the coordinator as a removal
+	// (transfer.Config.L2Bytes). Default 0: unbounded. Smaller keeps the
+	// disk in check at the cost of more prompts recomputed.
+	L2Bytes uint64
+	// L2FreeFloorBytes makes L2 writes evict this rank's least recently
+	// used objects while the L2 file system would have less free space
+	// (transfer.Config.L2FreeFloorBytes). Default 0: no floor.
+	L2FreeFloorBytes uint64
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a

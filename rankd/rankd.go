@@ -128,6 +128,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
 	tc.L2Policy = cfg.L2Policy
+	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.Publisher = d.pub
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg

@@ -113,6 +113,25 @@ type Config struct {
 	// wrote and verifies its payload checksum, which takes time on large
 	// tiers; Get verifies every read either way.
 	L2SkipVerifyOnScan bool
+	// L2Bytes bounds the bytes of the L2 files this rank wrote (header and
+	// payload; other ranks sharing the directory keep their own bounds).
+	// Default 0: unbounded. When a write would pass it, the least recently
+	// used objects (by last write or read of this rank) are deleted first,
+	// each announced as an L2 removal and counted in
+	// kvtier_transfer_l2_evictions_total. An object L1 holds dirty or is
+	// writing is never evicted, and a store never fails because of the
+	// bound: an object larger than the bound is not written to L2
+	// (counted in l2_writes_skipped_total). A smaller bound keeps the disk
+	// in check at the cost of more misses that must be recomputed.
+	L2Bytes uint64
+	// L2FreeFloorBytes, when not 0, makes L2 writes of a FileTier evict
+	// this rank's least recently used objects while the file system would
+	// have less than this many bytes free after the write (statfs, so it
+	// counts every writer of the file system). Default 0: no floor. A
+	// floor keeps the file system from filling (ENOSPC fails writes and
+	// degrades L2), at the cost of evicting when others use the space;
+	// when this rank has nothing left to evict the write goes ahead.
+	L2FreeFloorBytes uint64
 
 	// StoreTimeout bounds a store from its request until its objects are
 	// committed: the producer event, the device read and the commit.

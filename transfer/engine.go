@@ -100,6 +100,8 @@ func New(cfg Config) (*Engine, error) {
 	e.l1buf, e.l1mem = buf, buf.Bytes()
 	e.ctr.l1CapacityBytes = size
 	e.cat.init(nslabs, cfg.L1SlabBytes)
+	e.cat.l2acct.hdr = uint64(fileFixedHdr + len(cfg.Rank.Instance) + 8)
+	e.cat.l2acct.gauge = &e.ctr.l2Bytes
 	e.ev.init(cfg.Publisher != nil)
 
 	e.l2 = cfg.L2
@@ -189,7 +191,8 @@ func (e *Engine) rescan() error {
 			return
 		}
 		found++
-		e.cat.l2[s.Object.Key] = l2Entry{size: s.Object.Size, sum: s.Object.Sum, fp: s.Object.Fingerprint}
+		e.cat.l2Set(s.Object.Key, l2Entry{size: s.Object.Size, sum: s.Object.Sum, fp: s.Object.Fingerprint},
+			uint64(max(s.Object.Created.UnixNano(), 1)))
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Stored, wire.L2, s.Object.Key, s.Object.Size, s.Object.Sum)
 	})

@@ -66,6 +66,7 @@ type l1Obj struct {
 type l2Entry struct {
 	size, sum uint64
 	fp        [32]byte
+	used      uint64 // last write or read (l2Clock), for LRU eviction
 }
 
 // catalog is everything the engine holds, guarded by Engine.mu.
@@ -74,7 +75,8 @@ type catalog struct {
 	owner     []*l1Obj // per slab
 	free      int      // free slabs
 	objs      map[dcp.Key]*l1Obj
-	l2        map[dcp.Key]l2Entry
+	l2        map[dcp.Key]l2Entry // change only through l2Set and l2Del
+	l2acct    l2Accounting
 	ready     int
 	head      *l1Obj
 	tail      *l1Obj
@@ -107,6 +109,7 @@ func (c *catalog) init(nslabs int, slabBytes uint64) {
 	c.free = nslabs
 	c.objs = make(map[dcp.Key]*l1Obj)
 	c.l2 = make(map[dcp.Key]l2Entry)
+	c.l2acct.deleting = make(map[dcp.Key]uint64)
 	c.changed = make(chan struct{})
 	c.evictKick = make(chan struct{}, 1)
 	c.writeKick = make(chan struct{}, 1)
@@ -606,18 +609,32 @@ func (e *Engine) l2WriteLoop() {
 		if len(e.cat.writeQ) > 0 {
 			kick(e.cat.writeKick) // let another writer take the next
 		}
+		// An eviction deleting o's key must be done before o's file is
+		// renamed into place, or it could remove the new file.
+		for e.cat.l2acct.deleting[o.key] != 0 {
+			ch := e.cat.changed
+			e.mu.Unlock()
+			<-ch // l2Evict notifies once its deletes returned
+			e.mu.Lock()
+		}
 		meta := L2Object{Key: o.key, Fingerprint: o.fp, Writer: e.cfg.Rank, Incarnation: e.cfg.Incarnation,
 			Size: o.size, Sum: o.sum, Created: e.cfg.Now()}
 		data := e.l1mem[e.cat.off(o) : e.cat.off(o)+o.size]
+		need := e.cat.fileBytes(o.size)
+		err := e.l2ReserveLocked(need) // pending until the write's outcome
 		e.mu.Unlock()
 
-		// Never write bytes that do not match their recorded checksum.
-		err := verifyBytes(data, o.sum)
 		if err == nil {
-			err = e.l2.Put(e.life, meta, data)
+			// Never write bytes that do not match their recorded checksum.
+			err = verifyBytes(data, o.sum)
+			if err == nil {
+				err = e.l2.Put(e.life, meta, data)
+			}
+			e.mu.Lock()
+			e.cat.l2acct.pending -= need
+		} else {
+			e.mu.Lock()
 		}
-
-		e.mu.Lock()
 		e.finishWriteLocked(o, err)
 		e.mu.Unlock()
 	}
@@ -632,7 +649,7 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 	switch {
 	case err == nil:
 		o.dirty = false
-		c.l2[o.key] = l2Entry{size: o.size, sum: o.sum, fp: o.fp}
+		c.l2Set(o.key, l2Entry{size: o.size, sum: o.sum, fp: o.fp}, 0)
 		e.ctr.l2Objects.Store(int64(len(c.l2)))
 		e.ctr.bytesWrittenL2.Add(o.size)
 		e.emitLocked(wire.Stored, wire.L2, o.key, o.size, o.sum)
@@ -641,6 +658,16 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 			e.ctr.writeBacks.Add(1)
 			e.evictLocked(o)
 		}
+	case errors.Is(err, errL2TooLarge):
+		// Never written; the store succeeded on L1 and it stays there
+		// until L1 evicts it.
+		o.dirty = false
+		e.ctr.l2Skipped.Add(1)
+		e.log.Warn("object larger than the L2 bound is kept in L1 only", zap.Stringer("key", o.key), zap.Error(err))
+		e.maybeFreeLocked(o)
+		c.notifyLocked()
+		kick(e.cat.evictKick)
+		return
 	case isCorrupt(err):
 		// L1's copy no longer matches its checksum: it is lost.
 		e.ctr.checksumL1.Add(1)

@@ -57,6 +57,9 @@ type counters struct {
 	l2Degraded        atomic.Bool
 	l2DegradedTotal   atomic.Uint64 // times the tier became degraded
 	l2ScanSkipped     atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
+	l2Evictions       atomic.Uint64 // L2 objects deleted to stay under L2Bytes or the free-space floor
+	l2EvictErrors     atomic.Uint64 // evictions whose delete failed (the object is kept)
+	l2Bytes           atomic.Uint64 // bytes of this rank's L2 files
 	l2Rewrites        atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	storesNotDurable  atomic.Uint64 // write-through stores answered NotDurable
 	storeThrottled    atomic.Uint64 // stores that waited for L1 room
@@ -98,6 +101,9 @@ type Stats struct {
 	L2DroppedDirty   uint64 // objects only L1 held, dropped for room while L2 was degraded
 	L2WritesSkipped  uint64 // write-through writes skipped while L2 was degraded
 	L2ScanSkipped    uint64 // rescan entries skipped: not regular files, symlinked namespace directories
+	L2Evictions      uint64 // L2 objects deleted to stay under L2Bytes or the free-space floor
+	L2EvictErrors    uint64 // evictions whose delete failed (the object is kept)
+	L2Bytes          uint64 // bytes (header and payload) of this rank's L2 files
 	L2Rewrites       uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	StoresNotDurable uint64 // write-through stores answered NotDurable (L2 degraded or unavailable)
 	StoresThrottled  uint64 // stores that waited for L1 room (full of pinned or filling objects)
@@ -141,6 +147,9 @@ func (e *Engine) Stats() Stats {
 		L2DroppedDirty:    c.l2DroppedDirty.Load(),
 		L2WritesSkipped:   c.l2Skipped.Load(),
 		L2ScanSkipped:     c.l2ScanSkipped.Load(),
+		L2Evictions:       c.l2Evictions.Load(),
+		L2EvictErrors:     c.l2EvictErrors.Load(),
+		L2Bytes:           c.l2Bytes.Load(),
 		L2Rewrites:        c.l2Rewrites.Load(),
 		StoresNotDurable:  c.storesNotDurable.Load(),
 		StoresThrottled:   c.storeThrottled.Load(),
@@ -203,6 +212,9 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_writes_skipped_total", "Write-through writes skipped while L2 was degraded.")
 	add("l2_scan_skipped_total", "L2 rescan entries skipped as unsafe: not regular files (FIFOs, devices, symlinks) or symlinked namespace directories.")
 	add("l2_rewrites_total", "Objects L1 holds written to L2 again because their L2 copy was found gone or quarantined.")
+	add("l2_evictions_total", "L2 objects of this rank deleted to stay under --l2-bytes or the free-space floor (each announced as a removal).")
+	add("l2_evict_errors_total", "L2 evictions whose delete failed; the object is kept and announced again.")
+	add("l2_bytes", "Bytes (header and payload) of the L2 files this rank wrote.")
 	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
 	add("stores_throttled_total", "Stores that waited for L1 room because L1 was full of pinned or filling objects.")
 	add("events_published_total", "Events handed to the publisher.")
@@ -263,6 +275,9 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_writes_skipped_total", c.l2Skipped.Load())
 	counter("l2_scan_skipped_total", c.l2ScanSkipped.Load())
 	counter("l2_rewrites_total", c.l2Rewrites.Load())
+	counter("l2_evictions_total", c.l2Evictions.Load())
+	counter("l2_evict_errors_total", c.l2EvictErrors.Load())
+	gauge("l2_bytes", float64(c.l2Bytes.Load()))
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("stores_throttled_total", c.storeThrottled.Load())
 	counter("events_published_total", c.eventsPublished.Load())

@@ -388,7 +388,7 @@ func (e *Engine) quarantineOwn(ctx context.Context, key dcp.Key, why string) {
 	e.mu.Lock()
 	ent, ok := e.cat.l2[key]
 	if ok {
-		delete(e.cat.l2, key)
+		e.cat.l2Del(key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, key, ent.size, ent.sum)
 	}

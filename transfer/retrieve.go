@@ -334,6 +334,9 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		return
 	}
 	e.ctr.bytesReadL2.Add(o.size)
+	if meta.Writer == e.cfg.Rank {
+		e.cat.l2Touch(o.key) // a use, for L2's LRU eviction
+	}
 	e.commitLocked(o, meta.Sum, false)
 	e.log.Debug("loaded from L2", zap.Stringer("key", o.key), zap.Uint64("size", o.size), zap.Stringer("writer", meta.Writer))
 }
@@ -353,7 +356,7 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 			e.l2CopyGoneLocked(o)
 			return
 		}
-		delete(e.cat.l2, ce.Key)
+		e.cat.l2Del(ce.Key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, ce.Key, ent.size, ent.sum)
 	}
@@ -366,7 +369,7 @@ func (e *Engine) l2Corrupt(ce *CorruptError) {
 // copy is announced again (issue 11.12).
 func (e *Engine) l2CopyGoneLocked(o *l1Obj) {
 	if ent, ok := e.cat.l2[o.key]; ok {
-		delete(e.cat.l2, o.key)
+		e.cat.l2Del(o.key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, o.key, ent.size, ent.sum)
 	}
@@ -391,7 +394,7 @@ func (e *Engine) l2Vanished(key dcp.Key) {
 		}
 	}
 	if ent, ok := e.cat.l2[key]; ok {
-		delete(e.cat.l2, key)
+		e.cat.l2Del(key)
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Removed, wire.L2, key, ent.size, ent.sum)
 		e.log.Error("an L2 object of this rank vanished", zap.Stringer("key", key))

@@ -254,7 +254,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			case l2Gone:
 				// The file is gone or damaged (another rank may have
 				// quarantined it): no copy is left, so store it again.
-				delete(e.cat.l2, p.key)
+				e.cat.l2Del(p.key)
 				e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 				e.emitLocked(wire.Removed, wire.L2, p.key, ent.size, ent.sum)
 				e.log.Error("an L2 object of this rank vanished; storing it again", zap.Stringer("key", p.key))

@@ -38,7 +38,7 @@ func main() {
 	cfg := rankd.DefaultConfig()
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
-		l1Bytes                                                      string
+		l1Bytes, l2Bytes, l2FreeFloor                                string
 	)
 	flag.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
 	flag.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
@@ -50,6 +50,8 @@ func main() {
 	flag.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
 	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
 	flag.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
+	flag.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
+	flag.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
 	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
 	flag.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
 	flag.StringVar(&advertise, "advertise", "", "gossip address advertised to peers, ip[:port]")
@@ -74,6 +76,12 @@ func main() {
 	var err error
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
 		fail(fmt.Errorf("--l1-bytes: %w", err))
+	}
+	if cfg.L2Bytes, err = parseBytes(l2Bytes); err != nil {
+		fail(fmt.Errorf("--l2-bytes: %w", err))
+	}
+	if cfg.L2FreeFloorBytes, err = parseBytes(l2FreeFloor); err != nil {
+		fail(fmt.Errorf("--l2-free-floor: %w", err))
 	}
 	if cfg.L2Policy, err = rankd.ParseL2Policy(l2Policy); err != nil {
 		fail(err)

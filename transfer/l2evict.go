@@ -1,0 +1,274 @@
+package transfer
+
+import (
+	"container/heap"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"syscall"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// errL2TooLarge is why an object larger than L2Bytes is not written.
+var errL2TooLarge = errors.New("object larger than the L2 bound")
+
+// l2Accounting tracks the bytes of this rank's L2 files and their use
+// order (issue 15.2: a bounded L2), guarded by Engine.mu with the catalog.
+//
+// bytes counts the files in catalog.l2; pending counts the files being
+// written (reserved before the write starts, the whole new file) and the
+// ones being deleted (until the unlink returned), so bytes+pending is an
+// upper bound of what this rank has on disk at any instant: a write only
+// starts once bytes+pending+its size fits the bound.
+type l2Accounting struct {
+	hdr      uint64 // header bytes of every file this rank writes
+	bytes    uint64
+	pending  uint64
+	deleting map[dcp.Key]uint64 // evicted objects whose delete is running
+	clock    uint64             // last use stamp handed out
+	lru      l2Heap             // lazy: entries whose stamp no longer matches are stale
+	gauge    *atomic.Uint64     // kvtier_transfer_l2_bytes
+}
+
+type l2Use struct {
+	used uint64
+	key  dcp.Key
+}
+
+// l2Heap is a min-heap of use stamps.
+type l2Heap []l2Use
+
+func (h l2Heap) Len() int           { return len(h) }
+func (h l2Heap) Less(i, j int) bool { return h[i].used < h[j].used }
+func (h l2Heap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *l2Heap) Push(x any)        { *h = append(*h, x.(l2Use)) }
+func (h *l2Heap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
+func (c *catalog) fileBytes(size uint64) uint64 { return c.l2acct.hdr + size }
+
+// stamp returns a use stamp after every earlier one, at least at (a
+// wall-clock stamp in Unix ns, or 0).
+func (c *catalog) stamp(at uint64) uint64 {
+	a := &c.l2acct
+	a.clock = max(a.clock+1, at)
+	return a.clock
+}
+
+// l2Set enters (or replaces) key in this rank's L2 inventory, used at
+// stamp used (0: now, the most recent use).
+func (c *catalog) l2Set(key dcp.Key, ent l2Entry, used uint64) {
+	a := &c.l2acct
+	if old, ok := c.l2[key]; ok {
+		a.bytes -= c.fileBytes(old.size)
+	}
+	if used == 0 {
+		used = c.stamp(0)
+	} else {
+		a.clock = max(a.clock, used)
+	}
+	ent.used = used
+	c.l2[key] = ent
+	a.bytes += c.fileBytes(ent.size)
+	c.l2push(l2Use{used: used, key: key})
+	c.l2gauge()
+}
+
+// l2Del removes key from this rank's L2 inventory.
+func (c *catalog) l2Del(key dcp.Key) {
+	if old, ok := c.l2[key]; ok {
+		delete(c.l2, key)
+		c.l2acct.bytes -= c.fileBytes(old.size)
+		c.l2gauge()
+	}
+}
+
+// l2Touch marks key used now (a read of this rank's object).
+func (c *catalog) l2Touch(key dcp.Key) {
+	if ent, ok := c.l2[key]; ok {
+		ent.used = c.stamp(0)
+		c.l2[key] = ent
+		c.l2push(l2Use{used: ent.used, key: key})
+	}
+}
+
+func (c *catalog) l2gauge() {
+	if c.l2acct.gauge != nil {
+		c.l2acct.gauge.Store(c.l2acct.bytes)
+	}
+}
+
+// l2push adds a use to the heap, rebuilding it from the inventory when
+// stale entries make up most of it (so it stays O(objects)).
+func (c *catalog) l2push(u l2Use) {
+	a := &c.l2acct
+	if len(a.lru) > 2*len(c.l2)+1024 {
+		a.lru = a.lru[:0]
+		for k, ent := range c.l2 {
+			a.lru = append(a.lru, l2Use{used: ent.used, key: k})
+		}
+		heap.Init(&a.lru)
+		return // u is among them
+	}
+	heap.Push(&a.lru, u)
+}
+
+// l2Victim is an object evicted from L2, its delete still to do.
+type l2Victim struct {
+	key dcp.Key
+	ent l2Entry
+}
+
+// l2FreeSpacer is implemented by tiers that know the free space of their
+// file system (FileTier).
+type l2FreeSpacer interface {
+	FreeBytes() (uint64, error)
+}
+
+// FreeBytes returns the bytes available to this user on the file system
+// of the tier's root (statfs).
+func (t *FileTier) FreeBytes() (uint64, error) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(t.root, &st); err != nil {
+		return 0, fmt.Errorf("statfs of L2 root %s: %w", t.root, errors.Join(err, ErrIO))
+	}
+	return st.Bavail * uint64(st.Bsize), nil
+}
+
+// l2MakeRoomLocked picks the least recently used objects of this rank to
+// evict so that a new file of need bytes fits L2Bytes and leaves the free-
+// space floor: it removes them from the inventory, announces each as an L2
+// removal and marks them deleting (their bytes stay pending until l2Evict
+// returned). Objects L1 holds dirty or is writing are never picked. fits
+// says whether the write then fits the bound; when it does not, other
+// writes or deletes are in flight (pending) or nothing is left to evict.
+// It returns errL2TooLarge when need alone passes the bound.
+func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, err error) {
+	c := &e.cat
+	a := &c.l2acct
+	bound, floor := e.cfg.L2Bytes, e.cfg.L2FreeFloorBytes
+	if bound == 0 && floor == 0 {
+		return nil, true, nil
+	}
+	if bound != 0 && need > bound {
+		return nil, false, fmt.Errorf("%d B file, bound %d B: %w", need, bound, errL2TooLarge)
+	}
+	var deficit uint64 // bytes the floor wants freed
+	if fs, ok := e.l2.(l2FreeSpacer); ok && floor != 0 {
+		free, err := fs.FreeBytes()
+		if err != nil {
+			e.log.Warn("L2 free-space floor not checked", zap.Error(err))
+		} else if free < floor+need {
+			deficit = floor + need - free
+		}
+	}
+	var freed uint64
+	var kept []l2Use
+	for a.lru.Len() > 0 {
+		// This call's victims are deleted before its write starts (the
+		// same writer does both), so they do not count against it;
+		// other writers see them pending until their deletes returned.
+		overBound := bound != 0 && a.bytes+a.pending-freed+need > bound
+		if !overBound && freed >= deficit {
+			break
+		}
+		u := heap.Pop(&a.lru).(l2Use)
+		ent, ok := c.l2[u.key]
+		if !ok || ent.used != u.used {
+			continue // stale
+		}
+		if o := c.objs[u.key]; o != nil && (o.dirty || o.writing) {
+			kept = append(kept, u)
+			continue
+		}
+		fb := c.fileBytes(ent.size)
+		c.l2Del(u.key)
+		a.pending += fb
+		a.deleting[u.key] += fb
+		freed += fb
+		e.emitLocked(wire.Removed, wire.L2, u.key, ent.size, ent.sum)
+		victims = append(victims, l2Victim{key: u.key, ent: ent})
+	}
+	for _, u := range kept {
+		heap.Push(&a.lru, u)
+	}
+	e.ctr.l2Objects.Store(int64(len(c.l2)))
+	fits = bound == 0 || a.bytes+a.pending-freed+need <= bound
+	return victims, fits, nil
+}
+
+// l2ReserveLocked makes room for a new file of need bytes and reserves it
+// (pending) once it fits the bound, deleting victims and waiting for other
+// writers' writes and deletes as needed; it returns with e.mu held. When
+// nothing is in flight and nothing is left to evict the write goes ahead
+// (a store never fails because of the bound). errL2TooLarge: need alone
+// passes the bound, nothing reserved.
+func (e *Engine) l2ReserveLocked(need uint64) error {
+	a := &e.cat.l2acct
+	for {
+		victims, fits, err := e.l2MakeRoomLocked(need)
+		if err != nil {
+			return err
+		}
+		if len(victims) > 0 {
+			e.mu.Unlock()
+			e.l2Evict(victims) // before the write starts: they count no more
+			e.mu.Lock()
+		}
+		if fits || a.pending == 0 {
+			a.pending += need
+			return nil
+		}
+		ch := e.cat.changed
+		e.mu.Unlock()
+		<-ch // a write or delete in flight ends (finishWriteLocked, l2Evict notify)
+		e.mu.Lock()
+	}
+}
+
+// l2Evict deletes the victims l2MakeRoomLocked picked (not holding e.mu).
+// A victim whose delete failed is entered and announced again.
+func (e *Engine) l2Evict(victims []l2Victim) {
+	if len(victims) == 0 {
+		return
+	}
+	errs := make([]error, len(victims))
+	for i, v := range victims {
+		errs[i] = e.l2.Delete(e.life, v.key)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.l2EvictedLocked(victims, errs)
+}
+
+func (e *Engine) l2EvictedLocked(victims []l2Victim, errs []error) {
+	c := &e.cat
+	for i, v := range victims {
+		fb := c.fileBytes(v.ent.size)
+		c.l2acct.pending -= fb
+		if c.l2acct.deleting[v.key] -= fb; c.l2acct.deleting[v.key] == 0 {
+			delete(c.l2acct.deleting, v.key)
+		}
+		if errs[i] != nil {
+			e.ctr.l2EvictErrors.Add(1)
+			e.log.Warn("L2 eviction: delete failed; the object is kept", zap.Stringer("key", v.key), zap.Error(errs[i]))
+			if _, ok := c.l2[v.key]; !ok {
+				c.l2Set(v.key, v.ent, v.ent.used)
+				e.emitLocked(wire.Stored, wire.L2, v.key, v.ent.size, v.ent.sum)
+			}
+			continue
+		}
+		e.ctr.l2Evictions.Add(1)
+		e.log.Debug("evicted from L2", zap.Stringer("key", v.key), zap.Uint64("size", v.ent.size))
+	}
+	e.ctr.l2Objects.Store(int64(len(c.l2)))
+	c.notifyLocked()
+}
