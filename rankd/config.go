@@ -57,6 +57,10 @@ type Config struct {
 	// used objects while the L2 file system would have less free space
 	// (transfer.Config.L2FreeFloorBytes). Default 0: no floor.
 	L2FreeFloorBytes uint64
+	// L2CollectGrace is the age after which quarantined, temporary and
+	// orphaned L2 files are removed (transfer.Config.L2CollectGrace).
+	// Default 24 h; longer keeps quarantined files for inspection.
+	L2CollectGrace time.Duration
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a
@@ -214,6 +218,7 @@ func DefaultConfig() Config {
 		Host:                  cuda.DefaultHostConfig(),
 		L1Bytes:               1 << 30,
 		L2Policy:              transfer.WriteThrough,
+		L2CollectGrace:        24 * time.Hour,
 		StoreTimeout:          30 * time.Second,
 		FlushTimeout:          120 * time.Second,
 		BindAddr:              "0.0.0.0",

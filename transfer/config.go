@@ -132,6 +132,18 @@ type Config struct {
 	// degrades L2), at the cost of evicting when others use the space;
 	// when this rank has nothing left to evict the write goes ahead.
 	L2FreeFloorBytes uint64
+	// L2CollectGrace is the age (last modification) after which the file
+	// tier's garbage is removed: quarantined files, temporary files of
+	// interrupted writes and orphaned files in namespace directories
+	// (counted in l2_collected_files_total). Default 24 h. Longer keeps
+	// quarantined files for an operator to inspect; it must stay well
+	// above the longest L2 write, or a slow write's temporary file could
+	// be taken for an interrupted one.
+	L2CollectGrace time.Duration
+	// L2CollectEvery is how often garbage is collected after the first
+	// collection, which runs right after start-up in the background.
+	// Default 10 min. Each collection lists every namespace directory.
+	L2CollectEvery time.Duration
 
 	// StoreTimeout bounds a store from its request until its objects are
 	// committed: the producer event, the device read and the commit.
@@ -195,6 +207,8 @@ func DefaultConfig() Config {
 		LowWatermark:       0.75,
 		L2Policy:           WriteThrough,
 		L2Writers:          4,
+		L2CollectGrace:     24 * time.Hour,
+		L2CollectEvery:     10 * time.Minute,
 		StoreTimeout:       30 * time.Second,
 		RetrieveTimeout:    30 * time.Second,
 		Streams:            8,
@@ -228,6 +242,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.L2Writers == 0 {
 		c.L2Writers = d.L2Writers
+	}
+	if c.L2CollectGrace == 0 {
+		c.L2CollectGrace = d.L2CollectGrace
+	}
+	if c.L2CollectEvery == 0 {
+		c.L2CollectEvery = d.L2CollectEvery
 	}
 	if c.StoreTimeout == 0 {
 		c.StoreTimeout = d.StoreTimeout
@@ -288,6 +308,8 @@ func (c Config) Validate() error {
 		return bad("L2 policy %d: want WriteThrough or WriteBackOnEvict", uint8(c.L2Policy))
 	case c.L2Writers < 1 || c.L2Writers > 256:
 		return bad("%d L2 writers: want 1..256", c.L2Writers)
+	case c.L2CollectGrace <= 0 || c.L2CollectEvery <= 0:
+		return bad("L2 collection grace %v and period %v must be > 0", c.L2CollectGrace, c.L2CollectEvery)
 	case c.StoreTimeout <= 0 || c.RetrieveTimeout <= 0:
 		return bad("store timeout %v and retrieve timeout %v must be > 0", c.StoreTimeout, c.RetrieveTimeout)
 	case c.Streams < 1 || c.Streams > 1024:

@@ -138,6 +138,7 @@ func New(cfg Config) (*Engine, error) {
 		for range cfg.L2Writers {
 			e.goFunc(e.l2WriteLoop)
 		}
+		e.goFunc(e.collectLoop)
 	}
 	e.log.Info("engine started",
 		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs),

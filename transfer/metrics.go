@@ -21,48 +21,52 @@ func reasonIndex(r Reason) int {
 // counters are the engine's monotonic counters and gauges. They are the one
 // source of truth for Stats and for the Prometheus collector.
 type counters struct {
-	bytesStoredL1     atomic.Uint64 // device -> L1 (gather)
-	bytesRetrievedL1  atomic.Uint64 // L1 -> device (scatter)
-	bytesWrittenL2    atomic.Uint64 // L1 -> L2
-	bytesReadL2       atomic.Uint64 // L2 -> L1
-	storesInflight    atomic.Int64
-	objectsStored     atomic.Uint64
-	dedupeHits        atomic.Uint64
-	objectsRestored   atomic.Uint64
-	evictions         atomic.Uint64
-	writeBacks        atomic.Uint64
-	checksumL1        atomic.Uint64
-	checksumL2        atomic.Uint64
-	quarantined       atomic.Uint64
-	l1Full            atomic.Uint64
-	l2WriteErrors     atomic.Uint64
-	eventsPublished   atomic.Uint64
-	eventsDropped     atomic.Uint64
-	pinnedEvictions   atomic.Uint64 // must stay 0: evicting a pinned object is a bug
-	lostObjects       atomic.Uint64 // dirty objects dropped without reaching L2
-	storeFailures     [8]atomic.Uint64
-	retrieveFailures  [8]atomic.Uint64
-	l1OccupiedBytes   atomic.Uint64
-	l1Objects         atomic.Int64
-	l2Objects         atomic.Int64
-	lastSeq           atomic.Uint64
-	publishedThrough  atomic.Uint64
-	l1CapacityBytes   uint64
-	storeLatency      prometheus.Histogram
-	retrieveLatency   prometheus.Histogram
-	retrievesInflight atomic.Int64
-	retrieveDrains    atomic.Uint64 // timed-out scatters drained before their reply (C10)
-	l2DroppedDirty    atomic.Uint64 // objects only L1 held, dropped for room while L2 was failing
-	l2Skipped         atomic.Uint64 // write-through writes skipped while L2 was degraded
-	l2Degraded        atomic.Bool
-	l2DegradedTotal   atomic.Uint64 // times the tier became degraded
-	l2ScanSkipped     atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
-	l2Evictions       atomic.Uint64 // L2 objects deleted to stay under L2Bytes or the free-space floor
-	l2EvictErrors     atomic.Uint64 // evictions whose delete failed (the object is kept)
-	l2Bytes           atomic.Uint64 // bytes of this rank's L2 files
-	l2Rewrites        atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
-	storesNotDurable  atomic.Uint64 // write-through stores answered NotDurable
-	storeThrottled    atomic.Uint64 // stores that waited for L1 room
+	bytesStoredL1         atomic.Uint64 // device -> L1 (gather)
+	bytesRetrievedL1      atomic.Uint64 // L1 -> device (scatter)
+	bytesWrittenL2        atomic.Uint64 // L1 -> L2
+	bytesReadL2           atomic.Uint64 // L2 -> L1
+	storesInflight        atomic.Int64
+	objectsStored         atomic.Uint64
+	dedupeHits            atomic.Uint64
+	objectsRestored       atomic.Uint64
+	evictions             atomic.Uint64
+	writeBacks            atomic.Uint64
+	checksumL1            atomic.Uint64
+	checksumL2            atomic.Uint64
+	quarantined           atomic.Uint64
+	l1Full                atomic.Uint64
+	l2WriteErrors         atomic.Uint64
+	eventsPublished       atomic.Uint64
+	eventsDropped         atomic.Uint64
+	pinnedEvictions       atomic.Uint64 // must stay 0: evicting a pinned object is a bug
+	lostObjects           atomic.Uint64 // dirty objects dropped without reaching L2
+	storeFailures         [8]atomic.Uint64
+	retrieveFailures      [8]atomic.Uint64
+	l1OccupiedBytes       atomic.Uint64
+	l1Objects             atomic.Int64
+	l2Objects             atomic.Int64
+	lastSeq               atomic.Uint64
+	publishedThrough      atomic.Uint64
+	l1CapacityBytes       uint64
+	storeLatency          prometheus.Histogram
+	retrieveLatency       prometheus.Histogram
+	retrievesInflight     atomic.Int64
+	retrieveDrains        atomic.Uint64 // timed-out scatters drained before their reply (C10)
+	l2DroppedDirty        atomic.Uint64 // objects only L1 held, dropped for room while L2 was failing
+	l2Skipped             atomic.Uint64 // write-through writes skipped while L2 was degraded
+	l2Degraded            atomic.Bool
+	l2DegradedTotal       atomic.Uint64 // times the tier became degraded
+	l2ScanSkipped         atomic.Uint64 // rescan entries skipped: not regular files, symlinked directories
+	l2Evictions           atomic.Uint64 // L2 objects deleted to stay under L2Bytes or the free-space floor
+	l2EvictErrors         atomic.Uint64 // evictions whose delete failed (the object is kept)
+	l2Bytes               atomic.Uint64 // bytes of this rank's L2 files
+	l2CollectedQuarantine atomic.Uint64 // quarantined files collected
+	l2CollectedTemp       atomic.Uint64 // temp files of interrupted writes collected
+	l2CollectedOrphan     atomic.Uint64 // orphaned files collected
+	l2CollectedBytes      atomic.Uint64
+	l2Rewrites            atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
+	storesNotDurable      atomic.Uint64 // write-through stores answered NotDurable
+	storeThrottled        atomic.Uint64 // stores that waited for L1 room
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -94,19 +98,20 @@ type Stats struct {
 	Quarantined      uint64 // L2 files moved to quarantine
 	L1Full           uint64 // placements that failed for lack of L1 room
 	L2WriteErrors    uint64
-	LostObjects      uint64 // objects only in L1 that could not be written back at Close
-	PinnedEvictions  uint64 // always 0 unless there is a bug
-	RetrieveDrains   uint64 // timed-out scatters drained before their reply (C10)
-	L2Degraded       bool   // consecutive L2 writes failed: writes skipped, probes with backoff
-	L2DroppedDirty   uint64 // objects only L1 held, dropped for room while L2 was degraded
-	L2WritesSkipped  uint64 // write-through writes skipped while L2 was degraded
-	L2ScanSkipped    uint64 // rescan entries skipped: not regular files, symlinked namespace directories
-	L2Evictions      uint64 // L2 objects deleted to stay under L2Bytes or the free-space floor
-	L2EvictErrors    uint64 // evictions whose delete failed (the object is kept)
-	L2Bytes          uint64 // bytes (header and payload) of this rank's L2 files
-	L2Rewrites       uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
-	StoresNotDurable uint64 // write-through stores answered NotDurable (L2 degraded or unavailable)
-	StoresThrottled  uint64 // stores that waited for L1 room (full of pinned or filling objects)
+	LostObjects      uint64        // objects only in L1 that could not be written back at Close
+	PinnedEvictions  uint64        // always 0 unless there is a bug
+	RetrieveDrains   uint64        // timed-out scatters drained before their reply (C10)
+	L2Degraded       bool          // consecutive L2 writes failed: writes skipped, probes with backoff
+	L2DroppedDirty   uint64        // objects only L1 held, dropped for room while L2 was degraded
+	L2WritesSkipped  uint64        // write-through writes skipped while L2 was degraded
+	L2ScanSkipped    uint64        // rescan entries skipped: not regular files, symlinked namespace directories
+	L2Evictions      uint64        // L2 objects deleted to stay under L2Bytes or the free-space floor
+	L2EvictErrors    uint64        // evictions whose delete failed (the object is kept)
+	L2Bytes          uint64        // bytes (header and payload) of this rank's L2 files
+	L2Collected      CollectResult // garbage files removed since New, by kind
+	L2Rewrites       uint64        // L1 objects written to L2 again after their copy was found gone or quarantined
+	StoresNotDurable uint64        // write-through stores answered NotDurable (L2 degraded or unavailable)
+	StoresThrottled  uint64        // stores that waited for L1 room (full of pinned or filling objects)
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -150,13 +155,15 @@ func (e *Engine) Stats() Stats {
 		L2Evictions:       c.l2Evictions.Load(),
 		L2EvictErrors:     c.l2EvictErrors.Load(),
 		L2Bytes:           c.l2Bytes.Load(),
-		L2Rewrites:        c.l2Rewrites.Load(),
-		StoresNotDurable:  c.storesNotDurable.Load(),
-		StoresThrottled:   c.storeThrottled.Load(),
-		LastSeq:           c.lastSeq.Load(),
-		EventsPublished:   c.eventsPublished.Load(),
-		EventsDropped:     c.eventsDropped.Load(),
-		PublishedThrough:  c.publishedThrough.Load(),
+		L2Collected: CollectResult{Quarantined: int(c.l2CollectedQuarantine.Load()), Temp: int(c.l2CollectedTemp.Load()),
+			Orphans: int(c.l2CollectedOrphan.Load()), Bytes: c.l2CollectedBytes.Load()},
+		L2Rewrites:       c.l2Rewrites.Load(),
+		StoresNotDurable: c.storesNotDurable.Load(),
+		StoresThrottled:  c.storeThrottled.Load(),
+		LastSeq:          c.lastSeq.Load(),
+		EventsPublished:  c.eventsPublished.Load(),
+		EventsDropped:    c.eventsDropped.Load(),
+		PublishedThrough: c.publishedThrough.Load(),
 	}
 	s.ChecksumFailures = s.ChecksumL1 + s.ChecksumL2
 	for i, r := range reasons {
@@ -215,6 +222,8 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_evictions_total", "L2 objects of this rank deleted to stay under --l2-bytes or the free-space floor (each announced as a removal).")
 	add("l2_evict_errors_total", "L2 evictions whose delete failed; the object is kept and announced again.")
 	add("l2_bytes", "Bytes (header and payload) of the L2 files this rank wrote.")
+	add("l2_collected_files_total", "L2 garbage files removed once older than the grace period, by kind (quarantine, temp: interrupted writes, orphan: stray files).", "kind")
+	add("l2_collected_bytes_total", "Bytes of the L2 garbage files removed.")
 	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
 	add("stores_throttled_total", "Stores that waited for L1 room because L1 was full of pinned or filling objects.")
 	add("events_published_total", "Events handed to the publisher.")
@@ -278,6 +287,10 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_evictions_total", c.l2Evictions.Load())
 	counter("l2_evict_errors_total", c.l2EvictErrors.Load())
 	gauge("l2_bytes", float64(c.l2Bytes.Load()))
+	counter("l2_collected_files_total", c.l2CollectedQuarantine.Load(), "quarantine")
+	counter("l2_collected_files_total", c.l2CollectedTemp.Load(), "temp")
+	counter("l2_collected_files_total", c.l2CollectedOrphan.Load(), "orphan")
+	counter("l2_collected_bytes_total", c.l2CollectedBytes.Load())
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("stores_throttled_total", c.storeThrottled.Load())
 	counter("events_published_total", c.eventsPublished.Load())
