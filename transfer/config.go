@@ -108,11 +108,12 @@ type Config struct {
 	// project's 2-core VM, 4 writers reached 2-3x the rate of one); each
 	// holds its object in L1 until written.
 	L2Writers int
-	// L2SkipVerifyOnScan makes the rescan at New check only headers and
-	// file lengths. Default false: the rescan reads every file this rank
-	// wrote and verifies its payload checksum, which takes time on large
-	// tiers; Get verifies every read either way.
-	L2SkipVerifyOnScan bool
+	// L2VerifyOnScan makes the background rescan at New also read every
+	// file this rank wrote and verify its payload checksum. Default false:
+	// the rescan reads headers only (and file lengths), so a large tier is
+	// rescanned quickly; Get verifies every read either way (C5), so a
+	// corrupted payload is caught when it is restored, and quarantined.
+	L2VerifyOnScan bool
 	// L2Bytes bounds the bytes of the L2 files this rank wrote (header and
 	// payload; other ranks sharing the directory keep their own bounds).
 	// Default 0: unbounded. When a write would pass it, the least recently

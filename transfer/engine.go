@@ -40,6 +40,10 @@ type Engine struct {
 	closer sync.Once
 	closed chan struct{} // closed when Close has finished
 	cerr   error
+	// rescanDone is closed when the background L2 rescan has ended;
+	// rescanErr (written before) says why it stopped early.
+	rescanDone chan struct{}
+	rescanErr  error
 
 	mu sync.Mutex // guards everything below
 	// closing: Close has begun; new work is refused.
@@ -62,12 +66,21 @@ type testHooks struct {
 	releasing func(f *StoreFuture)
 	// evicting runs under the engine lock for every evicted object.
 	evicting func(key dcp.Key, pins int)
+	// rescanned runs, outside the engine lock, after the rescan entered
+	// each entry (copied from rescanHook at New).
+	rescanned func(ScanEntry)
 }
 
-// New starts an engine: it allocates L1, opens and rescans L2 (rebuilding
-// this rank's L2 inventory, quarantining bad files) and starts its
-// goroutines. The rescanned L2 objects are announced as the first events of
-// the new incarnation.
+// rescanHook, when set (tests only, before New), becomes the new engine's
+// hooks.rescanned.
+var rescanHook func(ScanEntry)
+
+// New starts an engine: it allocates L1, opens L2 and starts its
+// goroutines, among them the rescan of L2, which rebuilds this rank's L2
+// inventory from the files' headers in the background (quarantining files
+// whose headers fail, announcing every object it finds) while the engine
+// serves: retrieves read any object from L2 whether or not the rescan
+// reached it, verifying it (C5). WaitRescan waits for the rescan.
 func New(cfg Config) (*Engine, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -85,8 +98,11 @@ func New(cfg Config) (*Engine, error) {
 		reqs:   make(map[string]*request),
 		idle:   make(chan struct{}),
 		closed: make(chan struct{}),
+
+		rescanDone: make(chan struct{}),
 	}
 	e.sess.init()
+	e.hooks.rescanned = rescanHook
 	e.log = cfg.Logger.Named("transfer").With(zap.Stringer("rank", cfg.Rank), zap.Uint64("incarnation", cfg.Incarnation))
 	e.ctr.storeLatency = newLatency("store_seconds", "Store latency, request to commit.", e.rankID)
 	e.ctr.retrieveLatency = newLatency("retrieve_seconds", "Retrieve latency, request to verified answer.", e.rankID)
@@ -117,13 +133,6 @@ func New(cfg Config) (*Engine, error) {
 	e.storeStreams = newStreamPool(cfg.Device, cfg.Streams)
 	e.retrieveStreams = newStreamPool(cfg.Device, cfg.Streams)
 
-	if e.l2 != nil {
-		if err := e.rescan(); err != nil {
-			e.stopLife()
-			_ = buf.Release()
-			return nil, err
-		}
-	}
 	if cfg.Registerer != nil {
 		e.coll = newCollector(&e.ctr, e.rankID)
 		if err := cfg.Registerer.Register(e.coll); err != nil {
@@ -139,6 +148,19 @@ func New(cfg Config) (*Engine, error) {
 			e.goFunc(e.l2WriteLoop)
 		}
 		e.goFunc(e.collectLoop)
+		// Start-up serves at once (issue 15.2): the rescan reads headers in
+		// the background, announcing what it finds; Get verifies every read.
+		e.ctr.l2Rescanning.Store(true)
+		e.goFunc(func() {
+			defer close(e.rescanDone)
+			defer e.ctr.l2Rescanning.Store(false)
+			e.rescanErr = e.rescan()
+			if e.rescanErr != nil && e.life.Err() == nil {
+				e.log.Error("L2 rescan stopped early; serving the objects it found", zap.Error(e.rescanErr))
+			}
+		})
+	} else {
+		close(e.rescanDone)
 	}
 	e.log.Info("engine started",
 		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs),
@@ -169,7 +191,10 @@ func (e *Engine) L2() L2Tier { return e.l2 }
 func (e *Engine) rescan() error {
 	start := time.Now()
 	var found, bad, skipped int
-	err := e.l2.Scan(e.life, e.cfg.Rank, !e.cfg.L2SkipVerifyOnScan, func(s ScanEntry) {
+	err := e.l2.Scan(e.life, e.cfg.Rank, e.cfg.L2VerifyOnScan, func(s ScanEntry) {
+		if e.hooks.rescanned != nil {
+			defer e.hooks.rescanned(s)
+		}
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		if s.Skipped != "" {
@@ -192,6 +217,12 @@ func (e *Engine) rescan() error {
 			return
 		}
 		found++
+		if _, ok := e.cat.l2[s.Object.Key]; ok {
+			return // written (or read) since the start: that entry is newer
+		}
+		if o := e.cat.objs[s.Object.Key]; o != nil && o.writing {
+			return // being written again: its write announces it
+		}
 		e.cat.l2Set(s.Object.Key, l2Entry{size: s.Object.Size, sum: s.Object.Sum, fp: s.Object.Fingerprint},
 			uint64(max(s.Object.Created.UnixNano(), 1)))
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
@@ -410,4 +441,24 @@ func (e *Engine) Flush(ctx context.Context) error {
 		return fmt.Errorf("flush: %d objects could not be written to L2: %w", n, ErrIO)
 	}
 	return nil
+}
+
+// WaitRescan waits until the L2 rescan New started in the background has
+// ended (or ctx, or the engine, ended first) and returns its error: nil
+// when it went through, or why it stopped early (the objects it found
+// before are served and announced). Without L2 it returns nil at once.
+func (e *Engine) WaitRescan(ctx context.Context) error {
+	select {
+	case <-e.rescanDone:
+		return e.rescanErr
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-e.closed:
+		select {
+		case <-e.rescanDone:
+			return e.rescanErr
+		default:
+			return ErrClosed
+		}
+	}
 }

@@ -357,6 +357,11 @@ func newEngine(t testing.TB, cfg Config) *Engine {
 			t.Errorf("Close: %v", err)
 		}
 	})
+	// Most tests look at the inventory right after a restart: wait for the
+	// background rescan (TestStartServesBeforeRescan does not).
+	if err := e.WaitRescan(testCtx(t)); err != nil {
+		t.Fatalf("L2 rescan: %v", err)
+	}
 	return e
 }
 

@@ -211,6 +211,9 @@ func TestL2RescanSkipsFIFO(t *testing.T) {
 		return
 	}
 	defer closeEngine(t, e)
+	if err := e.WaitRescan(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
 	st := e.Stats()
 	if st.L2ScanSkipped != 1 || st.L2Objects != 1 {
 		t.Fatalf("rescan: %d skipped, %d objects; want the FIFO skipped and the object found", st.L2ScanSkipped, st.L2Objects)

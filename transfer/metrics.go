@@ -64,6 +64,7 @@ type counters struct {
 	l2CollectedTemp       atomic.Uint64 // temp files of interrupted writes collected
 	l2CollectedOrphan     atomic.Uint64 // orphaned files collected
 	l2CollectedBytes      atomic.Uint64
+	l2Rescanning          atomic.Bool   // the background rescan is running
 	l2Rewrites            atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	storesNotDurable      atomic.Uint64 // write-through stores answered NotDurable
 	storeThrottled        atomic.Uint64 // stores that waited for L1 room
@@ -223,6 +224,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_evict_errors_total", "L2 evictions whose delete failed; the object is kept and announced again.")
 	add("l2_bytes", "Bytes (header and payload) of the L2 files this rank wrote.")
 	add("l2_collected_files_total", "L2 garbage files removed once older than the grace period, by kind (quarantine, temp: interrupted writes, orphan: stray files).", "kind")
+	add("l2_rescanning", "1 while the start-up rescan of L2 (headers only, in the background) runs; objects it has not reached are still served.")
 	add("l2_collected_bytes_total", "Bytes of the L2 garbage files removed.")
 	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
 	add("stores_throttled_total", "Stores that waited for L1 room because L1 was full of pinned or filling objects.")
@@ -291,6 +293,11 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_collected_files_total", c.l2CollectedTemp.Load(), "temp")
 	counter("l2_collected_files_total", c.l2CollectedOrphan.Load(), "orphan")
 	counter("l2_collected_bytes_total", c.l2CollectedBytes.Load())
+	resc := 0.0
+	if c.l2Rescanning.Load() {
+		resc = 1
+	}
+	gauge("l2_rescanning", resc)
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("stores_throttled_total", c.storeThrottled.Load())
 	counter("events_published_total", c.eventsPublished.Load())
