@@ -122,7 +122,10 @@ type Config struct {
 	// kvtier_transfer_l2_evictions_total. An object L1 holds dirty or is
 	// writing is never evicted, and a store never fails because of the
 	// bound: an object larger than the bound is not written to L2
-	// (counted in l2_writes_skipped_total). A smaller bound keeps the disk
+	// (counted in l2_writes_skipped_total). L2 writes wait for the start-
+	// up rescan (headers only) to have counted this rank's files; objects
+	// wait in L1 meanwhile. A tier already over the bound at start-up is
+	// brought under it by the next writes. A smaller bound keeps the disk
 	// in check at the cost of more misses that must be recomputed.
 	L2Bytes uint64
 	// L2FreeFloorBytes, when not 0, makes L2 writes of a FileTier evict

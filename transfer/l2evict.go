@@ -213,6 +213,24 @@ func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, e
 // passes the bound, nothing reserved.
 func (e *Engine) l2ReserveLocked(need uint64) error {
 	a := &e.cat.l2acct
+	if e.cfg.L2Bytes != 0 {
+		// Until the rescan has counted every file of this rank, bytes
+		// undercounts the disk: bounded writes wait for it (the objects
+		// stay in L1; the rescan reads headers only).
+		select {
+		case <-e.rescanDone:
+		default:
+			e.mu.Unlock()
+			select {
+			case <-e.rescanDone:
+			case <-e.life.Done():
+			}
+			e.mu.Lock()
+			if err := e.life.Err(); err != nil {
+				return fmt.Errorf("wait for the L2 rescan: %w", err)
+			}
+		}
+	}
 	for {
 		victims, fits, err := e.l2MakeRoomLocked(need)
 		if err != nil {
