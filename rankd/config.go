@@ -61,6 +61,10 @@ type Config struct {
 	// orphaned L2 files are removed (transfer.Config.L2CollectGrace).
 	// Default 24 h; longer keeps quarantined files for inspection.
 	L2CollectGrace time.Duration
+	// L2VerifyOnScan makes the background start-up rescan of L2 also
+	// hash every payload this rank wrote (transfer.Config.L2VerifyOnScan).
+	// Default false: headers only; every read is verified anyway (C5).
+	L2VerifyOnScan bool
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a

@@ -129,7 +129,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L2Dir = cfg.L2Dir
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
-	tc.L2CollectGrace = cfg.L2CollectGrace
+	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
 	tc.Publisher = d.pub
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg

@@ -51,6 +51,7 @@ func main() {
 	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
 	flag.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
 	flag.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
+	flag.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
 	flag.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
 	flag.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
 	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
