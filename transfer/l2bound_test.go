@@ -149,3 +149,58 @@ func TestL2BoundHolds(t *testing.T) {
 		})
 	}
 }
+
+// freeTier reports the free space of a simulated file system of capacity
+// bytes holding only the tier's files.
+type freeTier struct {
+	L2Tier
+	t        *testing.T
+	root     string
+	capacity uint64
+}
+
+func (f *freeTier) FreeBytes() (uint64, error) {
+	used, _ := diskUse(f.t, f.root)
+	if used > f.capacity {
+		return 0, nil
+	}
+	return f.capacity - used, nil
+}
+
+// TestL2FreeFloorHolds (issue 15.2): with a free-space floor (and no
+// bound), a long store stream evicts least recently used objects so the
+// file system keeps at least the floor free, without a failed store.
+func TestL2FreeFloorHolds(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 40
+	r := newRig(t, dev, c1Spec(), []int64{int64(2*n + 8)})
+	root := t.TempDir()
+	ft, err := OpenFileTier(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const capacity, floor = 1 << 20, 800 << 10 // room for 5 objects of 42 KB
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2 = &freeTier{L2Tier: ft, t: t, root: root, capacity: capacity}
+	cfg.L2FreeFloorBytes = floor
+	cfg.L2Writers = 1 // the floor does not count other writers' files in flight
+	e := newEngine(t, cfg)
+	r.register(e)
+	for i := range n {
+		c := r.newChunk(i, r.consecutiveN(i))
+		res := storeAll(t, e, r, "s", c)
+		if res.Objects[0].Status != Stored {
+			t.Fatalf("store %d: %+v", i, res.Objects[0])
+		}
+		if err := e.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+		if used, _ := diskUse(t, root); capacity-used < floor {
+			t.Fatalf("after store %d: %d B free of %d B, floor %d B", i, capacity-used, capacity, floor)
+		}
+	}
+	st := e.Stats()
+	if st.L2Evictions == 0 || st.L2Evictions+uint64(st.L2Objects) != n {
+		t.Fatalf("%d L2 evictions, %d objects left of %d", st.L2Evictions, st.L2Objects, n)
+	}
+}
