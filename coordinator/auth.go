@@ -97,10 +97,11 @@ func (c *Coordinator) refuse(m *nats.Msg, kind string, err error) {
 // scope applies the instance scope of an engine subject
 // (wire.Subjects.EngineCoord) to the instance a request body names: an
 // empty body instance becomes the subject's, another one is refused. The
-// unscoped subject (insecure mode only) keeps the body's. It reports
+// unscoped subject keeps the body's, and only in insecure mode (the only
+// mode that subscribes it): anywhere else it is treated as a scoped one. It reports
 // whether the request may go on.
 func (c *Coordinator) scope(m *nats.Msg, op, kind string, bodyInstance *string) bool {
-	if m.Subject == c.subj.Coord(op) {
+	if c.cfg.Insecure && m.Subject == c.subj.Coord(op) {
 		return true
 	}
 	inst := wire.InstanceOf(m.Subject)

@@ -368,7 +368,7 @@ func (rs *restores) handleReport(m *nats.Msg) {
 		c.badRequest(m, "restore.report", err)
 		return
 	}
-	if m.Subject != c.subj.Coord(wire.CoordRestoreReport) {
+	if !c.cfg.Insecure || m.Subject != c.subj.Coord(wire.CoordRestoreReport) {
 		if want := c.subj.Report(rep.Rank); m.Subject != want {
 			c.met.reports.WithLabelValues("rejected").Inc()
 			c.refuse(m, "report", fmt.Errorf("report of rank %s arrived on %s, want %s: %w", rep.Rank, m.Subject, want, wire.ErrMalformed))

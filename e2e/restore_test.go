@@ -148,7 +148,7 @@ func TestCorruptL2Object(t *testing.T) {
 	c.mustSim("--scenario", "tp4dcp4", "--phase", "store")
 	c.stopRanks()
 	for r := range c.tp {
-		c.startRank(r) // L1 is empty now; L2 rescanned and verified
+		c.startRank(r) // L1 is empty now; the background L2 rescan (headers) announces the objects, restores verify every byte
 	}
 
 	sc, err := enginesim.LookupScenario("tp4dcp4")
