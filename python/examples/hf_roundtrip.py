@@ -107,7 +107,7 @@ def main() -> int:
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="kvtier-hf-"))
     shutil.rmtree(work, ignore_errors=True)
     for d in ("index", "l2", "logs"):
-        (work / d).mkdir(parents=True)
+        (work / d).mkdir(mode=0o700, parents=True)  # rankd refuses an L2 directory others can read
     bindir = pathlib.Path(args.bin)
 
     # ---- daemons
