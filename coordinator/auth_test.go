@@ -90,6 +90,18 @@ func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 	if ack.State != wire.VerdictComplete {
 		t.Fatalf("after both real reports: %s", ack.State)
 	}
+	// Decided, the verdict stays the instance's own: another instance that
+	// names the id is refused, the owner still reads it.
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: plan.RestoreID}, wire.CodeUnauthorized)
+	v := call[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: plan.RestoreID})
+	if v.State != wire.VerdictComplete {
+		t.Fatalf("owner's wait after the verdict: %s, want complete", v.State)
+	}
+	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "restore_wait"); got != 2 {
+		t.Errorf("unauthorized restore_wait = %v, want 2", got)
+	}
 }
 
 // TestSecureCoordinatorReloadsCredentials runs the coordinator with auth

@@ -478,6 +478,10 @@ func (rs *restores) handleWait(m *nats.Msg) {
 		c.replyError(wire.CoordRestoreWait, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known (never begun, or its verdict left the history)", req.RestoreID))
 		return
 	}
+	if inst != "" && d.Instance != inst {
+		c.refuse(m, "restore_wait", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
+		return
+	}
 	v := d.RestoreVerdict
 	c.reply(wire.CoordRestoreWait, m, &v)
 }
@@ -503,8 +507,8 @@ func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, c
 	}
 	rs.c.met.active.Set(float64(len(rs.active)))
 	wv := v.Wire(id, a.prefix)
-	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace().String(), Ranks: a.ranks, Began: a.began,
-		VerdictLatencyUS: -1}
+	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace().String(), Instance: a.instance, Ranks: a.ranks,
+		Began: a.began, VerdictLatencyUS: -1}
 	rs.recordLocked(e)
 	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause}
 }

@@ -207,10 +207,13 @@ type AdminRestoresReply struct {
 // AdminRestore is one decided restore.
 type AdminRestore struct {
 	RestoreVerdict
-	Namespace string    `json:"namespace"` // hex
-	Ranks     int       `json:"ranks"`
-	Began     time.Time `json:"began"`
-	Decided   time.Time `json:"decided"`
+	Namespace string `json:"namespace"` // hex
+	// Instance is the engine instance that began the restore: only it may
+	// read the verdict (restore.wait), before and after the decision.
+	Instance string    `json:"instance,omitempty"`
+	Ranks    int       `json:"ranks"`
+	Began    time.Time `json:"began"`
+	Decided  time.Time `json:"decided"`
 	// VerdictLatencyUS is the time from the last report to the verdict, in
 	// microseconds; -1 when the verdict came from the deadline.
 	VerdictLatencyUS int64 `json:"verdict_latency_us"`
