@@ -99,8 +99,22 @@ func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 	if v.State != wire.VerdictComplete {
 		t.Fatalf("owner's wait after the verdict: %s, want complete", v.State)
 	}
-	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "restore_wait"); got != 2 {
-		t.Errorf("unauthorized restore_wait = %v, want 2", got)
+	// A restore decided at begin (nothing stored: complete, empty) is its
+	// instance's too.
+	missing := []dcp.ChunkHash{{0xee}}
+	empty := call[wire.RestorePlan](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreBegin),
+		wire.RestoreBegin{Namespace: f.ns, Chunks: missing})
+	if empty.Prefix != 0 {
+		t.Fatalf("plan of an unstored chunk: %+v", empty)
+	}
+	if v := call[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: empty.RestoreID}); v.State != wire.VerdictComplete {
+		t.Fatalf("owner's wait of the empty restore: %s, want complete", v.State)
+	}
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: empty.RestoreID}, wire.CodeUnauthorized)
+	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "restore_wait"); got != 3 {
+		t.Errorf("unauthorized restore_wait = %v, want 3", got)
 	}
 }
 

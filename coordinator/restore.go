@@ -251,7 +251,7 @@ scan:
 			// Refused, never complete (issue 11.4): nothing was restored or
 			// checked, and the reason travels with the verdict.
 			v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictRefused, Reason: reason}
-			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
+			rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
 				VerdictLatencyUS: 0})
 			rs.mu.Unlock()
 			cause := ""
@@ -278,7 +278,7 @@ scan:
 			return
 		}
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
-		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Began: now, Decided: now,
+		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
 			VerdictLatencyUS: 0})
 		rs.mu.Unlock()
 		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
