@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -436,4 +437,79 @@ func TestRaftRestoresAtFailover(t *testing.T) {
 	callErr[wire.ReportAck](t, rc.nc, rc.subj.Coord(wire.CoordRestoreReport),
 		wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r1, Results: results(plan.Ranks[r1.String()])}, wire.CodeNotFound)
 	callErr[wire.RestoreVerdict](t, rc.nc, rc.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, wire.CodeNotFound)
+}
+
+// TestRaftDeposedLeader: a leader cut off from its peers (its raft
+// transport partitioned) acknowledges no batch and sends no COMPLETE
+// verdict, although every rank reported good bytes to it: the batch gets
+// unavailable and the parked wait gets unavailable; the majority elects a
+// new leader; after the partition heals the old leader follows and every
+// index is identical. Seen failing with confirmComplete returning nil: the
+// waiter got a COMPLETE verdict from the deposed leader.
+func TestRaftDeposedLeader(t *testing.T) {
+	rc := newRaftCluster(t, 3, func(c *Config) {
+		// A lease long enough that the deposed leader still serves when
+		// the batch and the reports reach it.
+		c.Raft.HeartbeatTimeout, c.Raft.ElectionTimeout, c.Raft.LeaderLeaseTimeout = time.Second, time.Second, time.Second
+	})
+	l := rc.leader()
+	lc := rc.nodes[l]
+	ns, chunks := rc.storeFixture(4)
+	plan := call[wire.RestorePlan](t, rc.nc, rc.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBegin{Namespace: ns, Chunks: chunks})
+	waitInbox := nats.NewInbox()
+	waitSub, err := rc.nc.SubscribeSync(waitInbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.nc.PublishRequest(rc.subj.Coord(wire.CoordRestoreWait), waitInbox, []byte(`{"restore_id":"`+plan.RestoreID+`"}`)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the waiter to be parked", func() bool {
+		lc.rs.mu.Lock()
+		defer lc.rs.mu.Unlock()
+		a := lc.rs.active[plan.RestoreID]
+		return a != nil && len(a.waiters) == 1
+	})
+	applied := metric(t, lc, "kvtier_coord_event_batches_total", "outcome", "applied")
+
+	lc.rn.strm.partition(true)
+	// A batch and both ranks' reports, fire and forget: the deposed leader
+	// (and, once elected, the new one) may answer.
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	b := storeBatch(r, 1, 4, ns, chain(ns, 5, 1)[4:], wire.L1)
+	p, _ := b.MarshalBinary()
+	sink := nats.NewInbox()
+	if _, err := rc.nc.SubscribeSync(sink); err != nil {
+		t.Fatal(err)
+	}
+	_ = rc.nc.PublishRequest(rc.subj.Events(r), sink, p)
+	for tp := range 2 {
+		rr := wire.Rank{Instance: "eng", TPRank: tp}
+		rep, _ := json.Marshal(wire.RestoreReport{RestoreID: plan.RestoreID, Rank: rr, Results: results(plan.Ranks[rr.String()])})
+		_ = rc.nc.PublishRequest(rc.subj.Coord(wire.CoordRestoreReport), sink, rep)
+	}
+	msg, err := waitSub.NextMsg(10 * time.Second)
+	if err != nil {
+		t.Fatalf("no answer to the parked wait: %v", err)
+	}
+	var v wire.Reply[wire.RestoreVerdict]
+	if err := json.Unmarshal(msg.Data, &v); err != nil {
+		t.Fatal(err)
+	}
+	if v.OK != nil || v.Error == nil || v.Error.Code != wire.CodeUnavailable {
+		t.Fatalf("deposed leader answered the wait with %s; want code unavailable, never a verdict", msg.Data)
+	}
+	waitFor(t, 10*time.Second, "the deposed leader to stop serving", func() bool { return !serving(lc) })
+	if got := metric(t, lc, "kvtier_coord_event_batches_total", "outcome", "applied"); got != applied {
+		t.Fatalf("deposed leader acknowledged %v batches", got-applied)
+	}
+	if hs := lc.idx.Get(b.Events[0].Key); len(hs) != 0 {
+		t.Fatalf("deposed leader's index holds the uncommitted placement: %+v", hs)
+	}
+	l2 := rc.leader()
+	if l2 == l {
+		t.Fatal("the partitioned node still leads")
+	}
+	lc.rn.strm.partition(false)
+	rc.converged(rc.leader())
 }
