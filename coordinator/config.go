@@ -182,6 +182,11 @@ type Config struct {
 	// the cap). A cap turns a full disk into a clear, early failure.
 	IndexMaxFileBytes int
 
+	// Raft turns on replicated mode (raft.go): several coordinators keep
+	// one index through hashicorp/raft. Default DefaultRaftConfig(), with
+	// ID "": off, one coordinator, no raft code on any path.
+	Raft RaftConfig
+
 	// Logger receives lifecycle and fault logs. Default zap.NewNop().
 	Logger *zap.Logger
 	// Registry gets every metric of this coordinator and its cluster member
@@ -228,6 +233,7 @@ func DefaultConfig() Config {
 		MaxActiveRestoresPerInstance: 4096,
 		MaxWaitersPerRestore:         64,
 		MaxWaiters:                   262144,
+		Raft:                         DefaultRaftConfig(),
 
 		Logger: zap.NewNop(),
 	}
@@ -328,6 +334,9 @@ func (c *Config) Validate() error {
 	}
 	if c.IndexMaxFileBytes < 0 {
 		return fmt.Errorf("index max file bytes %d must be >= 0 (0: no cap): %w", c.IndexMaxFileBytes, ErrConfig)
+	}
+	if err := c.Raft.Validate(); err != nil {
+		return err
 	}
 	if c.Logger == nil {
 		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)

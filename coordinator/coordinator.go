@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -83,7 +84,9 @@ type Coordinator struct {
 	auth authState
 
 	rs   *restores
-	live *liveTable // the rankd incarnations seen in memberlist
+	live *liveTable
+	// rn is the raft node in replicated mode, nil otherwise (raft.go).
+	rn *raftNode // the rankd incarnations seen in memberlist
 	// startedAt is when Start began (set before any handler runs): the
 	// startup grace of the reader liveness rule counts from it.
 	startedAt time.Time
@@ -247,8 +250,14 @@ func (c *Coordinator) start() error {
 	if err := c.joinCluster(advertise); err != nil {
 		return err
 	}
-	if err := c.subscribe(); err != nil {
+	leaderOnly, err := c.subscribe()
+	if err != nil {
 		return err
+	}
+	if c.cfg.Raft.Enabled() {
+		if err := c.startRaft(leaderOnly); err != nil {
+			return err
+		}
 	}
 	if g := c.cfg.StartupFenceGrace; g > 0 {
 		c.wg.Add(1)
@@ -406,8 +415,10 @@ func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
 	return out
 }
 
-// subscribe registers every NATS handler.
-func (c *Coordinator) subscribe() error {
+// subscribe registers every NATS handler. In replicated mode it
+// subscribes only what every coordinator serves (admin members and raft)
+// and returns the rest, which the raft leader subscribes (raft.go).
+func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 	type handler struct {
 		subject string
 		fn      nats.MsgHandler
@@ -430,6 +441,15 @@ func (c *Coordinator) subscribe() error {
 		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
 		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
 	}
+	if c.cfg.Raft.Enabled() {
+		hs = append(hs, []handler{
+			{c.subj.Admin(wire.AdminRaft), c.handleRaftStatus},
+			{c.subj.Admin(wire.AdminRaftAddVoter), c.handleRaftChange(wire.AdminRaftAddVoter)},
+			{c.subj.Admin(wire.AdminRaftRemove), c.handleRaftChange(wire.AdminRaftRemove)},
+		}...)
+	}
+	everyNode := map[string]bool{c.subj.Admin(wire.AdminMembers): true, c.subj.Admin(wire.AdminRaft): true}
+	var leaderOnly []leaderHandler
 	if c.cfg.Insecure {
 		// Clients from before C9 use the unscoped subjects.
 		hs = append(hs, []handler{
@@ -449,6 +469,14 @@ func (c *Coordinator) subscribe() error {
 		}
 	}
 	for _, h := range hs {
+		if c.cfg.Raft.Enabled() && !everyNode[h.subject] {
+			lh := leaderHandler{subject: h.subject, fn: h.fn}
+			if lookups[h.subject] {
+				lh.queue = lookupQueue
+			}
+			leaderOnly = append(leaderOnly, lh)
+			continue
+		}
 		var sub *nats.Subscription
 		var err error
 		if lookups[h.subject] {
@@ -457,16 +485,16 @@ func (c *Coordinator) subscribe() error {
 			sub, err = c.nc.Subscribe(h.subject, h.fn)
 		}
 		if err != nil {
-			return fmt.Errorf("subscribe %s: %w", h.subject, err)
+			return nil, fmt.Errorf("subscribe %s: %w", h.subject, err)
 		}
 		// Bursts of event batches wait in NATS's client buffer rather than
 		// being dropped as a slow consumer: up to 1 GiB, unbounded count.
 		if err := sub.SetPendingLimits(-1, 1<<30); err != nil {
-			return fmt.Errorf("pending limits of %s: %w", h.subject, err)
+			return nil, fmt.Errorf("pending limits of %s: %w", h.subject, err)
 		}
 		c.subs = append(c.subs, sub)
 	}
-	return c.nc.Flush()
+	return leaderOnly, c.nc.Flush()
 }
 
 // natsError counts and logs NATS asynchronous errors: a slow consumer
@@ -609,13 +637,18 @@ func (c *Coordinator) Shutdown() {
 	defer close(c.done)
 	t0 := time.Now()
 
-	// 1. Drain subscriptions.
-	for _, s := range c.subs {
+	// 1. Drain subscriptions (in replicated mode the leader's too, and no
+	// more are made).
+	subs := c.subs
+	if c.rn != nil {
+		subs = append(slices.Clip(subs), c.rn.closeGate()...)
+	}
+	for _, s := range subs {
 		if err := s.Drain(); err != nil {
 			c.log.Warn("drain subscription", zap.String("subject", s.Subject), zap.Error(err))
 		}
 	}
-	for _, s := range c.subs {
+	for _, s := range subs {
 		if !waitDrained(s, 10*time.Second) {
 			c.log.Warn("subscription did not drain in time; unsubscribing", zap.String("subject", s.Subject))
 			_ = s.Unsubscribe()
@@ -633,6 +666,12 @@ func (c *Coordinator) Shutdown() {
 	c.drainMu.Lock()
 	c.draining = true
 	c.drainMu.Unlock()
+	// Replicated: raft stops here (it does not leave the configuration),
+	// before the index it applies to closes. A fence or resync still
+	// waiting on it fails.
+	if c.rn != nil {
+		c.rn.shutdown()
+	}
 
 	// 2. Pending restore waits.
 	c.rs.close()

@@ -41,7 +41,7 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
 	defer cancel()
-	res, err := c.idx.RegisterNamespace(ctx, spec)
+	res, err := c.registerNamespace(ctx, spec)
 	switch {
 	case err == nil:
 	case errors.Is(err, dcp.ErrGeometry), errors.Is(err, dcp.ErrLayout):
@@ -54,6 +54,9 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 		return
 	case errors.Is(err, index.ErrClosed), errors.Is(err, context.Canceled):
 		c.replyError(wire.CoordRegister, m, wire.CodeUnavailable, "coordinator shutting down")
+		return
+	case errors.Is(err, errNotLeader):
+		c.replyError(wire.CoordRegister, m, wire.CodeUnavailable, err.Error())
 		return
 	default:
 		c.internalError(m, wire.CoordRegister, "register namespace", err, zap.String("model", spec.Model))

@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -60,6 +61,7 @@ type ingestJob struct {
 	m       *nats.Msg
 	b       *wire.Batch
 	pending *index.Pending
+	raft    raft.ApplyFuture // replicated mode, instead of pending
 	t0      time.Time
 }
 
@@ -67,6 +69,11 @@ type ingestJob struct {
 func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
 	defer c.ingestWG.Done()
 	for j := range jobs {
+		if j.raft != nil {
+			res := c.rn.result(j.raft, j.t0)
+			c.finishBatch(j.m, j.b, j.t0, res.Outcome, res.Err)
+			continue
+		}
 		out, err := j.pending.Wait()
 		c.finishBatch(j.m, j.b, j.t0, out, err)
 	}
@@ -108,6 +115,14 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		return ingestJob{}, false
 	}
 	t0 := time.Now()
+	if c.rn != nil {
+		f, err := c.proposeBatch(&b)
+		if err != nil {
+			c.finishBatch(m, &b, t0, index.Outcome{}, err)
+			return ingestJob{}, false
+		}
+		return ingestJob{m: m, b: &b, raft: f, t0: t0}, true
+	}
 	// Not c.ctx: a batch being applied while Shutdown drains must commit
 	// and be acknowledged; Shutdown closes the index only after this.
 	p, err := c.idx.ApplyAsync(context.Background(), b)
@@ -128,6 +143,8 @@ func (c *Coordinator) finishBatch(m *nats.Msg, bp *wire.Batch, t0 time.Time, out
 			c.badRequest(m, opEvents, err)
 		case errors.Is(err, index.ErrClosed):
 			c.replyError(opEvents, m, wire.CodeUnavailable, "index closed: coordinator shutting down")
+		case errors.Is(err, errNotLeader):
+			c.replyError(opEvents, m, wire.CodeUnavailable, err.Error())
 		default:
 			c.internalError(m, opEvents, "apply event batch", err, zap.Stringer("rank", b.Rank),
 				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", len(b.Events)))
@@ -182,7 +199,7 @@ func (c *Coordinator) finishBatch(m *nats.Msg, bp *wire.Batch, t0 time.Time, out
 func (c *Coordinator) startResync(r wire.Rank) {
 	c.drainMu.Lock()
 	defer c.drainMu.Unlock()
-	if c.draining || c.ctx.Err() != nil {
+	if c.draining || c.ctx.Err() != nil || !c.actsOnMembership() {
 		return
 	}
 	if _, running := c.resyncing[r]; running {
@@ -314,10 +331,10 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 		return true, fmt.Errorf("inventory of incarnation %d requested at fence epoch %d, rank fenced since (epoch %d): %w",
 			inv.Incarnation, epoch, now, errFencedSince)
 	}
-	out, err := c.idx.ApplyInventory(c.ctx, *inv)
+	out, err := c.applyInventory(c.ctx, *inv)
 	fg.mu.Unlock()
 	if err != nil {
-		return errors.Is(err, index.ErrClosed), err
+		return errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader), err
 	}
 	switch {
 	case out.Applied:

@@ -241,12 +241,16 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 	defer cancel()
 	fg := c.fences.gate(r)
 	fg.mu.Lock()
-	n, err := c.idx.ResetRank(ctx, r)
+	n, err := c.resetRank(ctx, r)
 	fg.epoch++ // a reset ends whatever an in-flight resync was asked under
 	fg.mu.Unlock()
 	if err != nil {
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
 			c.replyError(wire.AdminRankReset, m, wire.CodeUnavailable, "coordinator shutting down")
+			return
+		}
+		if errors.Is(err, errNotLeader) {
+			c.replyError(wire.AdminRankReset, m, wire.CodeUnavailable, err.Error())
 			return
 		}
 		c.internalError(m, wire.AdminRankReset, "reset rank", err, zap.Stringer("rank", r))

@@ -102,6 +102,9 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 		return
 	}
 	r := memberRank(m)
+	if !c.actsOnMembership() {
+		return // replicated: the leader fences (and a new leader sweeps)
+	}
 	// Only restores that expect this very incarnation: one that expects
 	// another is not read by the member that died.
 	c.rs.failRankRange(r, m.Meta.Incarnation, m.Meta.Incarnation, cause, fmt.Sprintf("rank %s %s", r, cause))
@@ -134,11 +137,15 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
-	n, err := c.idx.FenceRank(ctx, r, m.Meta.Incarnation)
+	n, err := c.fenceRank(ctx, r, m.Meta.Incarnation)
 	if err == nil {
 		fg.epoch++
 	}
 	if err != nil {
+		if errors.Is(err, errNotLeader) {
+			log.Warn("rank not fenced: leadership lost; the new leader's sweep fences it", zap.Error(err))
+			return
+		}
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
 			log.Warn("rank not fenced: coordinator stopping", zap.Error(err))
 			return
@@ -189,6 +196,18 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		return
 	case <-t.C:
 	}
+	if !c.actsOnMembership() {
+		c.log.Info("startup fence check skipped: not the raft leader (the leader sweeps when it gains leadership)")
+		return
+	}
+	c.fenceAbsent("startup")
+}
+
+// fenceAbsent fences the L1 placements of every rank whose incarnation is
+// not alive in the cluster (the startup fence; in replicated mode also a
+// new leader's sweep, cause "leader").
+func (c *Coordinator) fenceAbsent(cause string) {
+	grace := c.cfg.StartupFenceGrace
 	type key struct {
 		r   wire.Rank
 		inc uint64
@@ -207,12 +226,12 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		if inc, ok := c.rankIncarnation(ri.Rank); !ok || inc != ri.Incarnation {
 			continue // a new incarnation reported meanwhile
 		}
-		c.rs.failRank(ri.Rank, ri.Incarnation, "startup",
+		c.rs.failRank(ri.Rank, ri.Incarnation, cause,
 			fmt.Sprintf("rank %s not in the cluster after the startup grace", ri.Rank))
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 		fg := c.fences.gate(ri.Rank)
 		fg.mu.Lock()
-		n, err := c.idx.FenceRank(ctx, ri.Rank, ri.Incarnation)
+		n, err := c.fenceRank(ctx, ri.Rank, ri.Incarnation)
 		if err == nil {
 			fg.epoch++
 		}
@@ -221,16 +240,16 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		if err != nil {
 			if c.ctx.Err() == nil {
 				c.met.internal.Inc()
-				c.log.Error("startup fence failed", zap.Stringer("rank", ri.Rank), zap.Error(err))
+				c.log.Error("startup fence failed", zap.String("cause", cause), zap.Stringer("rank", ri.Rank), zap.Error(err))
 			}
 			return
 		}
 		fenced++
-		c.met.fences.WithLabelValues("startup").Inc()
+		c.met.fences.WithLabelValues(cause).Inc()
 		c.met.fenced.Add(float64(n))
 		c.log.Warn("rank not alive in the cluster after the startup grace; L1 placements fenced",
 			zap.Stringer("rank", ri.Rank), zap.Uint64("incarnation", ri.Incarnation), zap.Int("l1_placements", n),
 			zap.Duration("grace", grace))
 	}
-	c.log.Info("startup fence check done", zap.Int("ranks_fenced", fenced))
+	c.log.Info("absent-rank fence check done", zap.String("cause", cause), zap.Int("ranks_fenced", fenced))
 }

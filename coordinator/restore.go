@@ -483,6 +483,12 @@ func (rs *restores) handleWait(m *nats.Msg) {
 		return
 	}
 	v := d.RestoreVerdict
+	if v.State == wire.VerdictComplete {
+		if err := c.confirmComplete(); err != nil {
+			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "COMPLETE withheld: "+err.Error())
+			return
+		}
+	}
 	c.reply(wire.CoordRestoreWait, m, &v)
 }
 
@@ -528,6 +534,17 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 // the verdict counted.
 func (f *finished) deliver(c *Coordinator) {
 	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
+	if len(f.waiters) > 0 && f.verdict.State == wire.VerdictComplete {
+		if err := c.confirmComplete(); err != nil {
+			// Replicated and deposed: a leader that cannot confirm its
+			// leadership sends no COMPLETE; the engine recomputes.
+			for _, w := range f.waiters {
+				c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, "COMPLETE withheld: "+err.Error())
+			}
+			c.log.Warn("COMPLETE verdict withheld", zap.String("restore", f.verdict.RestoreID), zap.Error(err))
+			return
+		}
+	}
 	for _, w := range f.waiters {
 		c.reply(wire.CoordRestoreWait, w, &f.verdict)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -84,6 +85,11 @@ type Index struct {
 	flight   *flight    // the txn bbolt is committing, nil if none
 	writes   chan *flight
 	arena    []byte // owned by the writer goroutine
+
+	// applied is the highest raft index staged (replicate.go); committer
+	// only. appliedPub is the highest one committed and published.
+	applied    uint64
+	appliedPub atomic.Uint64
 }
 
 type reqKind uint8
@@ -96,6 +102,10 @@ const (
 	reqVerify
 	reqCheckpoint
 	reqReset
+	reqSkip     // a replicated request refused by validation: only its raft index counts
+	reqSnapshot // replicate.go
+	reqRestore
+	reqDump
 )
 
 // request is one call waiting for the committer. The committer fills in
@@ -117,6 +127,14 @@ type request struct {
 	fenced int
 	report VerifyReport
 	err    error
+
+	// Replicated requests (replicate.go).
+	raftIndex uint64
+	skipped   bool
+	snap      *Snapshot
+	src       io.Reader
+	restored  bool
+	dump      Dump
 }
 
 // Open opens (creating if needed) the index at cfg.Path, rebuilds the
@@ -126,16 +144,9 @@ func Open(cfg Config) (*Index, error) {
 		return nil, err
 	}
 	start := time.Now()
-	db, err := bolt.Open(cfg.Path, 0o600, &bolt.Options{
-		Timeout:         cfg.OpenTimeout,
-		NoSync:          cfg.NoSync,
-		NoFreelistSync:  true, // rebuilt by scanning at Open: commits write less
-		FreelistType:    bolt.FreelistMapType,
-		InitialMmapSize: cfg.InitialMmapSize,
-		MaxSize:         cfg.MaxFileBytes,
-	})
+	db, err := openBolt(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
+		return nil, err
 	}
 	ix := &Index{
 		cfg:  cfg,
@@ -161,6 +172,8 @@ func Open(cfg Config) (*Index, error) {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
+	ix.applied = ld.applied
+	ix.appliedPub.Store(ld.applied)
 	if cfg.Registerer != nil {
 		if err := cfg.Registerer.Register(ix.met); err != nil {
 			return fail(fmt.Errorf("register metrics: %w: %w", ErrConfig, err))
@@ -176,6 +189,21 @@ func Open(cfg Config) (*Index, error) {
 	go ix.run()
 	go ix.writer()
 	return ix, nil
+}
+
+func openBolt(cfg Config) (*bolt.DB, error) {
+	db, err := bolt.Open(cfg.Path, 0o600, &bolt.Options{
+		Timeout:         cfg.OpenTimeout,
+		NoSync:          cfg.NoSync,
+		NoFreelistSync:  true, // rebuilt by scanning at Open: commits write less
+		FreelistType:    bolt.FreelistMapType,
+		InitialMmapSize: cfg.InitialMmapSize,
+		MaxSize:         cfg.MaxFileBytes,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
+	}
+	return db, nil
 }
 
 func initBuckets(tx *bolt.Tx) error {
@@ -494,16 +522,29 @@ func (ix *Index) stage(r *request) {
 		close(r.done)
 		return
 	}
-	if r.kind == reqVerify || r.kind == reqCheckpoint {
+	switch r.kind {
+	case reqVerify, reqCheckpoint, reqSnapshot, reqRestore, reqDump:
 		ix.barrier()
-		if r.kind == reqVerify {
+		switch r.kind {
+		case reqVerify:
 			ix.startVerify(r) // answers r itself, off the committer
 			return
-		}
-		if err := ix.checkpoint(); err != nil {
-			r.err = err
+		case reqDump:
+			ix.startDump(r) // likewise
+			return
+		case reqSnapshot:
+			ix.takeSnapshot(r)
+		case reqRestore:
+			ix.restore(r)
+		default:
+			if err := ix.checkpoint(); err != nil {
+				r.err = err
+			}
 		}
 		close(r.done)
+		return
+	}
+	if r.raftIndex != 0 && !ix.stageReplicated(r) {
 		return
 	}
 	t := ix.staging()
@@ -635,6 +676,11 @@ func (ix *Index) fail(pending []*request, err error) {
 // write puts a txn's change into bbolt: one change-log record, the ranks
 // whose state changed, and new namespace specs.
 func (ix *Index) write(tx *bolt.Tx, t *txn) error {
+	if t.raftIndex != 0 {
+		if err := tx.Bucket(bucketMeta).Put(keyApplied, binary.BigEndian.AppendUint64(nil, t.raftIndex)); err != nil {
+			return fmt.Errorf("record raft index %d: %w: %w", t.raftIndex, ErrStore, err)
+		}
+	}
 	if !t.enc.empty() {
 		var k [8]byte
 		binary.BigEndian.PutUint64(k[:], ix.nextLog)
@@ -675,6 +721,9 @@ func (ix *Index) publish(t *txn) {
 	if !t.enc.empty() {
 		ix.logBytes += int64(len(t.enc.buf))
 		ix.nextLog++
+	}
+	if t.raftIndex != 0 {
+		ix.appliedPub.Store(t.raftIndex)
 	}
 	ix.mu.Lock()
 	ix.st.publishRanks(t)

@@ -51,6 +51,7 @@ type metrics struct {
 	placements  *prometheus.GaugeVec // by tier
 	ranks       prometheus.Gauge
 	logBytes    prometheus.Gauge
+	raftSkipped prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -119,12 +120,17 @@ func newMetrics() *metrics {
 			Name: "kvtier_index_log_bytes",
 			Help: "Bytes in the change log, folded into the snapshot at the checkpoint threshold.",
 		}),
+		raftSkipped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_raft_skipped_total",
+			Help: "Replicated requests skipped because their raft index was applied already (replay after a restart).",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.dropped, m.fenced, m.resyncs, m.applied, m.removeNoop, m.inventories,
-		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks, m.logBytes}
+		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks, m.logBytes,
+		m.raftSkipped}
 }
 
 // Describe and Collect make the metrics one prometheus.Collector, so they

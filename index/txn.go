@@ -93,6 +93,9 @@ type txn struct {
 	regs     []nsReg    // staged namespace registrations
 	enc      *opEncoder // nil while replaying
 	events   int        // events and inventory objects applied
+	// raftIndex is the highest raft index staged in the txn (0: none),
+	// recorded in the meta bucket with it (replicate.go).
+	raftIndex uint64
 
 	lastNS dcp.Namespace // cache of the last namespace looked up
 	lastN  *nsState
@@ -129,7 +132,7 @@ func (t *txn) detach() {
 
 // changed reports whether the txn has anything to commit.
 func (t *txn) changed() bool {
-	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0
+	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0 || t.raftIndex != 0
 }
 
 func (t *txn) rankID(r wire.Rank) (uint32, bool) {

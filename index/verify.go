@@ -19,6 +19,7 @@ type loaded struct {
 	logBytes   int64
 	logRecords int
 	nextLog    uint64
+	applied    uint64 // the raft index recorded (replicate.go), 0 if none
 }
 
 // load derives the whole state from a bbolt transaction: ranks, namespace
@@ -34,6 +35,12 @@ func load(tx *bolt.Tx) (loaded, error) {
 		if tx.Bucket(name) == nil {
 			return ld, fmt.Errorf("bucket %q missing: %w", name, ErrCorrupt)
 		}
+	}
+	switch a, err := readApplied(tx); {
+	case err == nil:
+		ld.applied = a
+	case !errors.Is(err, errNoApplied):
+		return ld, err
 	}
 	c := tx.Bucket(bucketRanks).Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {

@@ -20,7 +20,54 @@ const (
 	// AdminRankReset mutates the index (an admin-write operation):
 	// AdminRankResetRequest -> AdminRankResetReply.
 	AdminRankReset = "rank.reset"
+	// AdminRaft is answered by every coordinator of a replicated cluster
+	// with its own raft state (AdminRaftNode), not by the leader alone:
+	// read it by collecting replies (one request, several replies).
+	AdminRaft = "raft"
+	// AdminRaftAddVoter and AdminRaftRemove change the raft membership
+	// (admin-write, leader only): AdminRaftChangeRequest ->
+	// AdminRaftChangeReply.
+	AdminRaftAddVoter = "raft.add_voter"
+	AdminRaftRemove   = "raft.remove_server"
 )
+
+// AdminRaftNode is one coordinator's raft state.
+type AdminRaftNode struct {
+	ID       string `json:"id"`
+	Addr     string `json:"addr"`
+	State    string `json:"state"` // Leader | Follower | Candidate | Shutdown
+	Term     uint64 `json:"term"`
+	LeaderID string `json:"leader_id"`
+	// LastLogIndex is the last entry in the node's log; CommitIndex the
+	// last it knows committed; AppliedIndex the last handed to its state
+	// machine; IndexApplied the last its index committed to bbolt.
+	LastLogIndex  uint64            `json:"last_log_index"`
+	CommitIndex   uint64            `json:"commit_index"`
+	AppliedIndex  uint64            `json:"applied_index"`
+	IndexApplied  uint64            `json:"index_applied"`
+	SnapshotIndex uint64            `json:"snapshot_index"`
+	Servers       []AdminRaftServer `json:"servers"`
+}
+
+// AdminRaftServer is one server of the raft configuration.
+type AdminRaftServer struct {
+	ID       string `json:"id"`
+	Addr     string `json:"addr"`
+	Suffrage string `json:"suffrage"` // Voter | Nonvoter | Staging
+}
+
+// AdminRaftChangeRequest names the server to add (ID and Addr) or remove
+// (ID).
+type AdminRaftChangeRequest struct {
+	ID   string `json:"id"`
+	Addr string `json:"addr,omitempty"`
+}
+
+// AdminRaftChangeReply is the configuration after the change.
+type AdminRaftChangeReply struct {
+	Index   uint64            `json:"index"`
+	Servers []AdminRaftServer `json:"servers"`
+}
 
 // AdminRankResetRequest asks the coordinator to forget a rank's
 // incarnations and placements (undoing an implausible incarnation); the

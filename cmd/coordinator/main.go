@@ -8,6 +8,8 @@
 //	coordinator serve --data-dir /var/lib/kvtier --creds-dir D [--nats URL | --nats-host H --nats-port P]
 //	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key-file F]
 //	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE] [--insecure]
+//	                  [--raft-id ID --raft-bind H:P --raft-dir D --raft-peers id=H:P,... [--raft-bootstrap]]
+//	coordinator raft add-voter|remove-server --id ID [--addr H:P] [--nats URL] [--creds-dir D]
 //	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--creds-dir D] [--prefix P] [--json]
 //	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
 //	coordinator object ... --spec-file SPEC.json [--model M] --tokens FILE [--instance I]
@@ -29,6 +31,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -133,8 +136,31 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.IntVar(&cfg.MaxActiveRestoresPerInstance, "max-active-restores-per-instance", cfg.MaxActiveRestoresPerInstance, "active restores of one engine instance")
 	fs.IntVar(&cfg.IndexMaxFileBytes, "index-max-file-bytes", cfg.IndexMaxFileBytes, "cap on the bbolt index file in bytes (0: none); beyond it the index fails and /healthz is 503")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	// Replicated mode (issue 16): several coordinators, one index, hashicorp/raft.
+	fs.StringVar(&cfg.Raft.ID, "raft-id", "", "raft server id of this coordinator; empty runs one coordinator without raft")
+	fs.StringVar(&cfg.Raft.Bind, "raft-bind", cfg.Raft.Bind, "raft TCP listen host:port")
+	fs.StringVar(&cfg.Raft.Advertise, "raft-advertise", "", "raft address peers reach this node at (default: --raft-bind)")
+	fs.StringVar(&cfg.Raft.Dir, "raft-dir", "", "raft log, stable store and snapshots (0700; default <data-dir>/raft)")
+	raftPeers := fs.String("raft-peers", "", "initial voters id=host:port,... including this node (with --raft-bootstrap)")
+	fs.BoolVar(&cfg.Raft.Bootstrap, "raft-bootstrap", false, "bootstrap a new raft cluster from --raft-peers if this node has no raft state (safe on every node with the same peers)")
+	fs.StringVar(&cfg.Raft.KeyFile, "raft-key-file", "", "pre-shared key authenticating the raft port (default <creds-dir>/raft.key, written by init)")
+	fs.DurationVar(&cfg.Raft.HeartbeatTimeout, "raft-heartbeat-timeout", cfg.Raft.HeartbeatTimeout, "raft heartbeat timeout (failover detection)")
+	fs.DurationVar(&cfg.Raft.ElectionTimeout, "raft-election-timeout", cfg.Raft.ElectionTimeout, "raft election timeout")
+	fs.DurationVar(&cfg.Raft.LeaderLeaseTimeout, "raft-lease-timeout", cfg.Raft.LeaderLeaseTimeout, "a leader without a quorum this long steps down and stops acknowledging")
+	fs.Uint64Var(&cfg.Raft.SnapshotThreshold, "raft-snapshot-threshold", cfg.Raft.SnapshotThreshold, "log entries between raft snapshots")
 	if err := flagfile.Parse(fs, args, "gossip-key"); err != nil {
 		return exitUsage
+	}
+	if cfg.Raft.ID != "" {
+		peers, err := coordinator.ParseRaftPeers(*raftPeers)
+		if err != nil {
+			fmt.Fprintf(stderr, "serve: --raft-peers: %v\n", err)
+			return exitUsage
+		}
+		cfg.Raft.Peers = peers
+		if cfg.Raft.Dir == "" && cfg.DataDir != "" {
+			cfg.Raft.Dir = filepath.Join(cfg.DataDir, "raft")
+		}
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "serve: unexpected arguments %q\n", fs.Args())
