@@ -189,6 +189,11 @@ type Config struct {
 
 	// Logger receives lifecycle and fault logs. Default zap.NewNop().
 	Logger *zap.Logger
+	// indexOpenHook, when set (tests only), runs in Start just before the
+	// index is opened: a test blocks it to hold the coordinator in its
+	// opening phase, as a large index would.
+	indexOpenHook func()
+
 	// Registry gets every metric of this coordinator and its cluster member
 	// and is what /metrics serves. Default: a new registry per coordinator
 	// (so tests can run several in one process).

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
@@ -84,9 +85,17 @@ type Coordinator struct {
 	auth authState
 
 	rs   *restores
-	live *liveTable
+	live *liveTable // the rankd incarnations seen in memberlist
 	// rn is the raft node in replicated mode, nil otherwise (raft.go).
-	rn *raftNode // the rankd incarnations seen in memberlist
+	rn *raftNode
+	// phase is how far Start has come (phaseOpening, phaseIndex,
+	// phaseServing): gate reads it before a handler touches the index or
+	// the member, Health before it reads them.
+	phase atomic.Int32
+	// shut is set once Shutdown has begun (Health reads it without lifeMu,
+	// which Start holds while it opens the index).
+	shut atomic.Bool
+
 	// startedAt is when Start began (set before any handler runs): the
 	// startup grace of the reader liveness rule counts from it.
 	startedAt time.Time
@@ -146,9 +155,13 @@ func New(cfg Config) (*Coordinator, error) {
 	return c, nil
 }
 
-// Start opens and verifies the index, starts or connects to NATS, joins the
-// cluster, starts the workers, subscribes and serves HTTP. On error
-// everything already started is shut down again.
+// Start starts or connects to NATS, serves HTTP, starts the workers and
+// subscribes, then opens and verifies the index and joins the cluster. It
+// returns once all of that is done; meanwhile, from the moment the
+// subscriptions exist, every request is answered with code unavailable
+// and a retry hint (gate), so a restart with a large index is not an
+// outage of silence, and /healthz reports "starting". On error everything
+// already started is shut down again.
 func (c *Coordinator) Start() error {
 	c.lifeMu.Lock()
 	defer c.lifeMu.Unlock()
@@ -174,10 +187,11 @@ func (c *Coordinator) start() error {
 	if err := os.MkdirAll(c.cfg.DataDir, 0o700); err != nil {
 		return fmt.Errorf("create data dir %s: %w", c.cfg.DataDir, err)
 	}
-	if err := c.openIndex(); err != nil {
-		return err
-	}
 
+	// NATS first, so a restart serves at once (issue 12): until the index
+	// is open and verified every request is answered with code
+	// unavailable and a retry hint (see gate), never left unanswered, and
+	// no batch is acknowledged.
 	// NATS: embedded unless an external URL is configured.
 	advertise := c.cfg.NATSURL
 	var copts []nats.Option
@@ -247,13 +261,23 @@ func (c *Coordinator) start() error {
 	c.wg.Add(1)
 	go c.rs.deadlineLoop()
 
-	if err := c.joinCluster(advertise); err != nil {
-		return err
-	}
 	leaderOnly, err := c.subscribe()
 	if err != nil {
 		return err
 	}
+	c.log.Info("serving (unavailable until the index is open)", zap.String("nats", c.natsURL),
+		zap.Duration("took", time.Since(t0)))
+	if err := c.openIndex(); err != nil {
+		return err
+	}
+	c.phase.Store(phaseIndex) // handlers see c.idx from here on
+
+	if err := c.joinCluster(advertise); err != nil {
+		return err
+	}
+	c.phase.Store(phaseServing)
+	// Replicated: raft starts on the open index (its FSM); the leader-only
+	// handlers are subscribed on winning an election (raft.go).
 	if c.cfg.Raft.Enabled() {
 		if err := c.startRaft(leaderOnly); err != nil {
 			return err
@@ -267,6 +291,32 @@ func (c *Coordinator) start() error {
 		zap.String("gossip", c.member.LocalMember().Addr), zap.String("prefix", c.subj.Prefix),
 		zap.Duration("took", time.Since(t0)))
 	return nil
+}
+
+// Start-up phases (Coordinator.phase): which handlers may run.
+const (
+	phaseOpening int32 = iota // NATS up, index opening: every request answered unavailable
+	phaseIndex                // index open and verified: all but the membership admin requests served
+	phaseServing              // cluster joined: everything served
+)
+
+// gate wraps a handler of operation op so that it runs only once the
+// coordinator has reached phase need; before that the request is answered
+// with code unavailable and the retry hint startupRetryMS (a message with
+// no reply subject, a heartbeat, is dropped and counted as no_inbox).
+func (c *Coordinator) gate(op string, need int32, fn nats.MsgHandler) nats.MsgHandler {
+	return func(m *nats.Msg) {
+		if c.phase.Load() < need {
+			what := "index opening: the coordinator serves once it is open and verified; retry"
+			if need == phaseServing && c.phase.Load() >= phaseIndex {
+				what = "joining the cluster: membership is not known yet; retry"
+			}
+			c.met.startupRefused.Inc()
+			c.sendErrorRetry(op, m, wire.CodeUnavailable, what, startupRetryMS, replyError)
+			return
+		}
+		fn(m)
+	}
 }
 
 // openIndex opens the index in DataDir and verifies it: a coordinator
@@ -284,6 +334,9 @@ func (c *Coordinator) openIndex() error {
 	icfg.Logger = c.cfg.Logger
 	icfg.Registerer = c.reg
 	icfg.MaxFileBytes = c.cfg.IndexMaxFileBytes
+	if c.cfg.indexOpenHook != nil {
+		c.cfg.indexOpenHook()
+	}
 	t0 := time.Now()
 	idx, err := index.Open(icfg)
 	if err != nil {
@@ -421,31 +474,32 @@ func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
 func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 	type handler struct {
 		subject string
+		op      string
 		fn      nats.MsgHandler
 	}
 	hs := []handler{
-		{c.subj.EventsAll(), c.dispatchBatch},
-		{c.subj.HeartbeatAll(), c.handleHeartbeat},
+		{c.subj.EventsAll(), opEvents, c.dispatchBatch},
+		{c.subj.HeartbeatAll(), "heartbeat", c.handleHeartbeat},
 		// Engine subjects scoped to the caller's instance and per-rank
 		// reports (C9): the NATS permissions say who may publish there.
-		{c.subj.EngineCoordAll(wire.CoordRegister), c.handleRegister},
-		{c.subj.EngineCoordAll(wire.CoordLookup), c.handleLookup},
-		{c.subj.EngineCoordAll(wire.CoordRestoreBegin), c.rs.handleBegin},
-		{c.subj.ReportAll(), c.rs.handleReport},
-		{c.subj.EngineCoordAll(wire.CoordRestoreWait), c.rs.handleWait},
-		{c.subj.Admin(wire.AdminMembers), c.handleMembers},
-		{c.subj.Admin(wire.AdminRanks), c.handleRanks},
-		{c.subj.Admin(wire.AdminObject), c.handleObject},
-		{c.subj.Admin(wire.AdminNamespaces), c.handleNamespaces},
-		{c.subj.Admin(wire.AdminRestores), c.rs.handleHistory},
-		{c.subj.Admin(wire.AdminVerify), c.handleVerify},
-		{c.subj.Admin(wire.AdminRankReset), c.handleRankReset},
+		{c.subj.EngineCoordAll(wire.CoordRegister), wire.CoordRegister, c.handleRegister},
+		{c.subj.EngineCoordAll(wire.CoordLookup), wire.CoordLookup, c.handleLookup},
+		{c.subj.EngineCoordAll(wire.CoordRestoreBegin), wire.CoordRestoreBegin, c.rs.handleBegin},
+		{c.subj.ReportAll(), wire.CoordRestoreReport, c.rs.handleReport},
+		{c.subj.EngineCoordAll(wire.CoordRestoreWait), wire.CoordRestoreWait, c.rs.handleWait},
+		{c.subj.Admin(wire.AdminMembers), wire.AdminMembers, c.handleMembers},
+		{c.subj.Admin(wire.AdminRanks), wire.AdminRanks, c.handleRanks},
+		{c.subj.Admin(wire.AdminObject), wire.AdminObject, c.handleObject},
+		{c.subj.Admin(wire.AdminNamespaces), wire.AdminNamespaces, c.handleNamespaces},
+		{c.subj.Admin(wire.AdminRestores), wire.AdminRestores, c.rs.handleHistory},
+		{c.subj.Admin(wire.AdminVerify), wire.AdminVerify, c.handleVerify},
+		{c.subj.Admin(wire.AdminRankReset), wire.AdminRankReset, c.handleRankReset},
 	}
 	if c.cfg.Raft.Enabled() {
 		hs = append(hs, []handler{
-			{c.subj.Admin(wire.AdminRaft), c.handleRaftStatus},
-			{c.subj.Admin(wire.AdminRaftAddVoter), c.handleRaftChange(wire.AdminRaftAddVoter)},
-			{c.subj.Admin(wire.AdminRaftRemove), c.handleRaftChange(wire.AdminRaftRemove)},
+			{c.subj.Admin(wire.AdminRaft), wire.AdminRaft, c.handleRaftStatus},
+			{c.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftAddVoter, c.handleRaftChange(wire.AdminRaftAddVoter)},
+			{c.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftRemove, c.handleRaftChange(wire.AdminRaftRemove)},
 		}...)
 	}
 	everyNode := map[string]bool{c.subj.Admin(wire.AdminMembers): true, c.subj.Admin(wire.AdminRaft): true}
@@ -453,24 +507,32 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 	if c.cfg.Insecure {
 		// Clients from before C9 use the unscoped subjects.
 		hs = append(hs, []handler{
-			{c.subj.Coord(wire.CoordRegister), c.handleRegister},
-			{c.subj.Coord(wire.CoordLookup), c.handleLookup},
-			{c.subj.Coord(wire.CoordRestoreBegin), c.rs.handleBegin},
-			{c.subj.Coord(wire.CoordRestoreReport), c.rs.handleReport},
-			{c.subj.Coord(wire.CoordRestoreWait), c.rs.handleWait},
+			{c.subj.Coord(wire.CoordRegister), wire.CoordRegister, c.handleRegister},
+			{c.subj.Coord(wire.CoordLookup), wire.CoordLookup, c.handleLookup},
+			{c.subj.Coord(wire.CoordRestoreBegin), wire.CoordRestoreBegin, c.rs.handleBegin},
+			{c.subj.Coord(wire.CoordRestoreReport), wire.CoordRestoreReport, c.rs.handleReport},
+			{c.subj.Coord(wire.CoordRestoreWait), wire.CoordRestoreWait, c.rs.handleWait},
 		}...)
 	}
 	lookups := map[string]bool{c.subj.EngineCoordAll(wire.CoordLookup): true, c.subj.Coord(wire.CoordLookup): c.cfg.Insecure}
 	for range lookupSubscribers - 1 {
 		for subject, on := range lookups {
 			if on {
-				hs = append(hs, handler{subject, c.handleLookup})
+				hs = append(hs, handler{subject, wire.CoordLookup, c.handleLookup})
 			}
 		}
 	}
+	// The membership admin requests read the member, which exists only
+	// once the cluster is joined; the rest need the index.
+	needs := map[string]int32{wire.AdminMembers: phaseServing, wire.AdminRanks: phaseServing}
 	for _, h := range hs {
+		need := phaseIndex
+		if n, ok := needs[h.op]; ok {
+			need = n
+		}
+		fn := c.gate(h.op, need, h.fn)
 		if c.cfg.Raft.Enabled() && !everyNode[h.subject] {
-			lh := leaderHandler{subject: h.subject, fn: h.fn}
+			lh := leaderHandler{subject: h.subject, fn: fn}
 			if lookups[h.subject] {
 				lh.queue = lookupQueue
 			}
@@ -480,9 +542,9 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		var sub *nats.Subscription
 		var err error
 		if lookups[h.subject] {
-			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, h.fn)
+			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, fn)
 		} else {
-			sub, err = c.nc.Subscribe(h.subject, h.fn)
+			sub, err = c.nc.Subscribe(h.subject, fn)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("subscribe %s: %w", h.subject, err)
@@ -527,17 +589,19 @@ type Health struct {
 // Health checks the coordinator's dependencies (issue 11.6).
 func (c *Coordinator) Health() Health {
 	h := Health{Serving: "serving", Index: "ok", NATS: "connected", Cluster: "alive"}
-	c.lifeMu.Lock()
-	started, closed := c.started, c.closed
-	c.lifeMu.Unlock()
+	// Atomics, not lifeMu: Start holds that while the index opens, and
+	// /healthz answers meanwhile.
+	phase := c.phase.Load()
 	ok := true
 	switch {
-	case closed:
+	case c.shut.Load():
 		h.Serving, ok = "shut down", false
-	case !started:
+	case phase < phaseServing:
 		h.Serving, ok = "starting", false
 	}
 	switch {
+	case phase < phaseIndex:
+		h.Index, ok = "opening", false
 	case c.idx == nil:
 		h.Index, ok = "not open", false
 	case c.idx.Failed() != nil:
@@ -550,7 +614,7 @@ func (c *Coordinator) Health() Health {
 		h.NATS, ok = natsStatus(c.nc.Status()), false
 	}
 	switch {
-	case c.member == nil:
+	case phase < phaseServing || c.member == nil:
 		h.Cluster, ok = "not joined", false
 	default:
 		if st := c.member.LocalMember().State; st != cluster.StateAlive {
@@ -633,6 +697,7 @@ func (c *Coordinator) Shutdown() {
 		return
 	}
 	c.closed = true
+	c.shut.Store(true)
 	c.lifeMu.Unlock()
 	defer close(c.done)
 	t0 := time.Now()

@@ -16,6 +16,7 @@ type metrics struct {
 	resyncAttempts prometheus.Counter
 	dropped        prometheus.Counter
 	applySeconds   prometheus.Histogram
+	startupRefused prometheus.Counter // requests answered unavailable while starting
 
 	fences       *prometheus.CounterVec // by cause: dead | left | incarnation | startup
 	fenced       prometheus.Counter     // placements fenced
@@ -71,6 +72,10 @@ func newMetrics() *metrics {
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_nats_dropped_total",
 			Help: "NATS asynchronous errors (slow consumer drops included); each may be a lost request.",
+		}),
+		startupRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_startup_unavailable_total",
+			Help: "Requests answered with code unavailable because the coordinator was still opening its index or joining the cluster.",
 		}),
 		applySeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvtier_coord_apply_seconds",
@@ -153,7 +158,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
-		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds,
+		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,

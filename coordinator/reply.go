@@ -100,11 +100,17 @@ func (c *Coordinator) replyError(op string, m *nats.Msg, code, message string) b
 }
 
 func (c *Coordinator) sendError(op string, m *nats.Msg, code, message, outcome string) bool {
+	return c.sendErrorRetry(op, m, code, message, 0, outcome)
+}
+
+// sendErrorRetry is sendError with a retry hint (wire.Error.RetryAfterMS;
+// 0: none).
+func (c *Coordinator) sendErrorRetry(op string, m *nats.Msg, code, message string, retryMS int, outcome string) bool {
 	if m.Reply == "" {
 		c.met.replies.WithLabelValues(op, replyNoInbox).Inc()
 		return false
 	}
-	data, err := json.Marshal(wire.Reply[struct{}]{Error: &wire.Error{Code: code, Message: message}})
+	data, err := json.Marshal(wire.Reply[struct{}]{Error: &wire.Error{Code: code, Message: message, RetryAfterMS: retryMS}})
 	if err != nil { // cannot happen: strings always encode
 		c.met.replies.WithLabelValues(op, replySendFailed).Inc()
 		c.log.Error("encode error reply", zap.String("op", op), zap.Error(err))
@@ -116,7 +122,7 @@ func (c *Coordinator) sendError(op string, m *nats.Msg, code, message, outcome s
 		keep := max(int(lim)-256, 0)
 		message = fmt.Sprintf("%.*s... (error message of %d B cut to fit the max payload of %d B)",
 			keep, message, len(message), lim)
-		data, _ = json.Marshal(wire.Reply[struct{}]{Error: &wire.Error{Code: code, Message: message}})
+		data, _ = json.Marshal(wire.Reply[struct{}]{Error: &wire.Error{Code: code, Message: message, RetryAfterMS: retryMS}})
 	}
 	return c.sendReply(op, m, data, outcome)
 }
@@ -137,3 +143,7 @@ func (c *Coordinator) sendReply(op string, m *nats.Msg, data []byte, outcome str
 	c.met.replies.WithLabelValues(op, outcome).Inc()
 	return outcome == replyOK
 }
+
+// startupRetryMS is the retry hint (wire.Error.RetryAfterMS) of the
+// unavailable answers a coordinator gives while its index opens.
+const startupRetryMS = 250

@@ -248,8 +248,9 @@ func (s *sim) run(ctx context.Context) error {
 	defer nc.Close()
 
 	// Register the spec with the coordinator (the scheduler's job).
+	// A coordinator still opening its index answers unavailable: retry.
 	cctx, cancel := s.callCtx(ctx)
-	rep, err := bus.Call[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec)
+	rep, err := callRetrying[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec)
 	cancel()
 	if err != nil {
 		return fmt.Errorf("register spec with the coordinator: %w", err)
@@ -672,4 +673,30 @@ func beginRestore(ctx context.Context, nc *nats.Conn, subject string, req wire.R
 		return nil, rep.Error
 	}
 	return nil, fmt.Errorf("reply from %s is neither a binary plan nor an error: %w", subject, wire.ErrMalformed)
+}
+
+// retryPause is the pause between two tries of callRetrying when the
+// answer carries no retry hint.
+const retryPause = 100 * time.Millisecond
+
+// callRetrying is bus.Call sent again while the answer is retryable
+// (wire.Error.Retryable: code unavailable, as from a coordinator still
+// opening its index, or internal), after the answer's retry hint
+// (wire.Error.RetryAfter, else retryPause), until ctx ends. Any other
+// answer, success or error, is returned as it came.
+func callRetrying[T any](ctx context.Context, nc *nats.Conn, subject string, req any) (*T, error) {
+	for {
+		rep, err := bus.Call[T](ctx, nc, subject, req)
+		var we *wire.Error
+		if err == nil || !errors.As(err, &we) || !we.Retryable() {
+			return rep, err
+		}
+		t := time.NewTimer(we.RetryAfter(retryPause))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("%s still answering %w when the call ended: %w", subject, err, ctx.Err())
+		case <-t.C:
+		}
+	}
 }

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/kvtier/kvtier/dcp"
 )
@@ -22,9 +23,27 @@ const (
 type Error struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`
+	// RetryAfterMS, with code unavailable, is how long the sender suggests
+	// waiting before the same request is sent again (a coordinator still
+	// opening its index sets it); 0: no hint, the caller's own backoff.
+	RetryAfterMS int `json:"retry_after_ms,omitempty"`
 }
 
 func (e *Error) Error() string { return e.Code + ": " + e.Message }
+
+// Retryable reports whether the same request may succeed when sent again:
+// code unavailable (shutting down, starting, a dependency down) and
+// internal (an I/O failure that may pass). Every other code is final for
+// that request.
+func (e *Error) Retryable() bool { return e.Code == CodeUnavailable || e.Code == CodeInternal }
+
+// RetryAfter is the sender's retry hint, or def when it gave none.
+func (e *Error) RetryAfter(def time.Duration) time.Duration {
+	if e.RetryAfterMS > 0 {
+		return time.Duration(e.RetryAfterMS) * time.Millisecond
+	}
+	return def
+}
 
 // Reply wraps every JSON reply: exactly one of Error or the payload is set.
 type Reply[T any] struct {

@@ -3,7 +3,7 @@ and the connection options."""
 
 import pytest
 
-from kvtier import client, wire
+from kvtier import client, errors, wire
 
 
 @pytest.mark.parametrize("verdict, loaded, failed", [
@@ -78,3 +78,15 @@ def test_subjects_are_scoped_to_the_instance():
 def test_permission_refusal_is_parsed():
     m = client._PERMISSION_RE.search("nats: permissions violation for publish to \"kvtier.coord.lookup.e1\"")
     assert m is not None and m.group(1) == "kvtier.coord.lookup.e1"
+
+
+def test_unavailable_carries_the_retry_hint():
+    data = b'{"error":{"code":"unavailable","message":"index opening","retry_after_ms":250}}'
+    with pytest.raises(errors.Unavailable) as ei:
+        wire.decode_reply(wire.LookupReply, data, "kvtier.coord.lookup.e0")
+    e = ei.value
+    assert (e.code, e.message, e.retry_after_ms, e.retryable) == ("unavailable", "index opening", 250, True)
+    assert e.retry_after(1.0) == 0.25
+    with pytest.raises(errors.NotFound) as ei:
+        wire.decode_reply(wire.LookupReply, b'{"error":{"code":"not_found","message":"x"}}', "s")
+    assert (ei.value.retry_after_ms, ei.value.retryable, ei.value.retry_after(1.0)) == (0, False, 1.0)

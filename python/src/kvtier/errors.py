@@ -39,12 +39,23 @@ class WireError(KvtierError):
 
     code = "unknown"
 
-    def __init__(self, code: str, message: str, subject: str = "") -> None:
+    def __init__(self, code: str, message: str, subject: str = "", retry_after_ms: int = 0) -> None:
         self.code = code
         self.message = message
         self.subject = subject
+        self.retry_after_ms = retry_after_ms
         where = f" (from {subject})" if subject else ""
         super().__init__(f"{code}: {message}{where}")
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed when sent again (Go
+        wire.Error.Retryable): codes unavailable and internal."""
+        return self.code in ("unavailable", "internal")
+
+    def retry_after(self, default: float) -> float:
+        """The sender's retry hint in seconds, or default without one."""
+        return self.retry_after_ms / 1000 if self.retry_after_ms > 0 else default
 
 
 class BadRequest(WireError):
@@ -98,6 +109,6 @@ _BY_CODE: dict[str, type[WireError]] = {
 }
 
 
-def from_wire(code: str, message: str, subject: str = "") -> WireError:
+def from_wire(code: str, message: str, subject: str = "", retry_after_ms: int = 0) -> WireError:
     """Returns the WireError subclass instance for an error reply."""
-    return _BY_CODE.get(code, WireError)(code, message, subject)
+    return _BY_CODE.get(code, WireError)(code, message, subject, retry_after_ms)

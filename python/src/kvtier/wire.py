@@ -155,6 +155,10 @@ class Subjects:
 class Error:
     code: str = field("code", default="")
     message: str = field("message", default="")
+    # With code unavailable: how long the sender suggests waiting before
+    # the same request is sent again (a coordinator still opening its
+    # index sets it); 0: no hint.
+    retry_after_ms: int = field("retry_after_ms", omit="omitempty", default=0)
 
 
 T = TypeVar("T")
@@ -181,7 +185,7 @@ def decode_reply(cls: type[T], data: bytes, subject: str = "") -> T:
     err = obj.get("error")
     if err is not None:
         e = _codec.from_obj(Error, err, "reply.error")
-        raise from_wire(e.code, e.message, subject)
+        raise from_wire(e.code, e.message, subject, e.retry_after_ms)
     if obj.get("ok") is None:
         raise MalformedError(f"reply from {subject or '?'} has neither ok nor error")
     return _codec.from_obj(cls, obj["ok"], f"{cls.__name__}")  # type: ignore[no-any-return]
