@@ -173,6 +173,21 @@ func TestCallRetryNoResponders(t *testing.T) {
 	}
 }
 
+// TestRetryFor: a responder that never comes is given up on after For.
+func TestRetryFor(t *testing.T) {
+	calls := 0
+	r := Retry{For: 300 * time.Millisecond, Backoff: Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}}
+	err := r.Do(context.Background(), func(context.Context) error { calls++; return nats.ErrNoResponders })
+	if !errors.Is(err, nats.ErrNoResponders) || calls < 2 {
+		t.Fatalf("Do: %v after %d calls; want ErrNoResponders after several", err, calls)
+	}
+	calls = 0
+	err = r.Do(context.Background(), func(context.Context) error { calls++; return errors.New("decided") })
+	if err == nil || err.Error() != "decided" || calls != 1 {
+		t.Fatalf("Do with a final error: %v after %d calls; want it after 1", err, calls)
+	}
+}
+
 func TestBackoffDelay(t *testing.T) {
 	b := Backoff{Initial: 20 * time.Millisecond, Max: 500 * time.Millisecond}
 	for attempt, want := range []time.Duration{20, 40, 80, 160, 320, 500, 500} {

@@ -49,6 +49,11 @@ type Retry struct {
 	// is left of ctx (then a lost reply is only noticed at ctx's end).
 	// Default 0.
 	Attempt time.Duration
+	// For bounds the resending: no attempt starts later than this after
+	// the first; 0 resends until ctx ends. Default 0; NoResponders sets 3 s,
+	// beyond a client's move to another server (under 2 s), so a request to
+	// a responder that is really gone still fails soon.
+	For time.Duration
 	// Backoff spaces the attempts. Default DefaultBackoff().
 	Backoff Backoff
 }
@@ -56,7 +61,7 @@ type Retry struct {
 // NoResponders returns the policy that resends only requests nobody
 // received: what every request may use while its client or its responder
 // moves to another NATS server of a cluster.
-func NoResponders() Retry { return Retry{Backoff: DefaultBackoff()} }
+func NoResponders() Retry { return Retry{For: 3 * time.Second, Backoff: DefaultBackoff()} }
 
 // Retryable reports whether err (from Call) may be sent again under r.
 func (r Retry) Retryable(err error) bool {
@@ -70,26 +75,46 @@ func (r Retry) Retryable(err error) bool {
 		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrConnectionReconnecting)
 }
 
-// CallRetry is Call sent again, under r, until it succeeds, fails for good
-// or ctx ends; the error is the last attempt's. A reply carrying an error
-// (*wire.Error) is never resent here: the responder decided.
-func CallRetry[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any, r Retry) (*Resp, error) {
+// Do runs f until it succeeds, fails for good (not Retryable) or ctx
+// ends, spacing the attempts by r.Backoff; each attempt gets its own
+// context bounded by r.Attempt. The error is the last attempt's.
+func (r Retry) Do(ctx context.Context, f func(context.Context) error) error {
+	first := time.Now()
 	for attempt := 0; ; attempt++ {
 		actx, cancel := ctx, context.CancelFunc(func() {})
 		if r.Attempt > 0 {
 			actx, cancel = context.WithTimeout(ctx, r.Attempt)
 		}
-		rep, err := Call[Resp](actx, nc, subject, req)
+		err := f(actx)
 		cancel()
 		if err == nil || ctx.Err() != nil || !r.Retryable(err) {
-			return rep, err
+			return err
 		}
-		t := time.NewTimer(r.Backoff.Delay(attempt))
+		wait := r.Backoff.Delay(attempt)
+		if r.For > 0 && time.Since(first)+wait > r.For {
+			return err
+		}
+		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return nil, err
+			return err
 		case <-t.C:
 		}
 	}
+}
+
+// CallRetry is Call sent again under r (Retry.Do). A reply carrying an
+// error (*wire.Error) is never resent here: the responder decided.
+func CallRetry[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any, r Retry) (*Resp, error) {
+	var rep *Resp
+	err := r.Do(ctx, func(ctx context.Context) error {
+		var err error
+		rep, err = Call[Resp](ctx, nc, subject, req)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return rep, nil
 }
