@@ -234,7 +234,7 @@ type kv struct {
 	natsRoutes  []string
 	// simNATS, when set, is the simulator's --nats (several URLs of a
 	// NATS cluster); default natsURL().
-	simNATS string
+	simNATS   string
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
