@@ -38,6 +38,13 @@ type EmbeddedConfig struct {
 	// Default nil. StartEmbedded refuses a non-loopback Host without it
 	// unless Insecure.
 	TLS *tls.Config
+	// PingInterval is how often the server pings a quiet client or route;
+	// after MaxPingsOut unanswered pings it drops the connection (and its
+	// subscriptions, so requests to a rank behind a partition fail with no
+	// responders rather than time out). Default 2 s and 3: a peer cut off
+	// is noticed within about 8 s (nats-server's default is 2 min).
+	PingInterval time.Duration
+	MaxPingsOut  int
 	// Cluster, when its Host is set, joins this server to a NATS cluster
 	// of embedded servers (several coordinators): clients of any server
 	// reach the subscribers of every other, and a client whose server dies
@@ -137,7 +144,7 @@ func (c ClusterConfig) routeURLs() ([]*url.URL, error) {
 // DefaultEmbeddedConfig returns the defaults documented on EmbeddedConfig.
 func DefaultEmbeddedConfig() EmbeddedConfig {
 	return EmbeddedConfig{Host: "127.0.0.1", Port: 4222, MaxPayload: 8 << 20, ReadyTimeout: 10 * time.Second,
-		Cluster: DefaultClusterConfig()}
+		PingInterval: 2 * time.Second, MaxPingsOut: 3, Cluster: DefaultClusterConfig()}
 }
 
 // Embedded is a running in-process NATS server.
@@ -185,6 +192,9 @@ func StartEmbedded(cfg EmbeddedConfig) (*Embedded, error) {
 		NoSigs:     true,
 		NoLog:      true,
 		Nkeys:      cfg.Users,
+		// Zero keeps nats-server's defaults (2 min, 2).
+		PingInterval: cfg.PingInterval,
+		MaxPingsOut:  cfg.MaxPingsOut,
 	}
 	if cfg.TLS != nil {
 		opts.TLSConfig = cfg.TLS
@@ -204,7 +214,8 @@ func StartEmbedded(cfg EmbeddedConfig) (*Embedded, error) {
 		opts.Cluster = server.ClusterOpts{Name: cc.Name, Host: cc.Host, Port: cc.Port,
 			// Explicit routes are retried for as long as the server runs:
 			// a killed server's peers reconnect when it is back.
-			Username: cc.Username, Password: cc.Password, AuthTimeout: 2}
+			Username: cc.Username, Password: cc.Password, AuthTimeout: 2,
+			PingInterval: cfg.PingInterval, MaxPingsOut: cfg.MaxPingsOut}
 		if cc.Port == 0 {
 			opts.Cluster.Port = server.RANDOM_PORT
 		}

@@ -30,6 +30,11 @@ func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
 		nats.ReconnectWait(100 * time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, 250*time.Millisecond),
 		nats.Timeout(5 * time.Second),
+		// A server cut off by a partition (no RST, no FIN) is noticed
+		// after 3 unanswered pings, 3-4 s, and left for another server
+		// (nats.go's default is 2 min).
+		nats.PingInterval(time.Second),
+		nats.MaxPingsOutstanding(3),
 	}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)

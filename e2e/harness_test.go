@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -234,7 +235,14 @@ type kv struct {
 	natsRoutes  []string
 	// simNATS, when set, is the simulator's --nats (several URLs of a
 	// NATS cluster); default natsURL().
-	simNATS   string
+	simNATS string
+	// natsDial is the host the test's own connections dial the
+	// coordinator's NATS at (default 127.0.0.1; its namespace IP when the
+	// coordinator runs in one), coordWrap prefixes its command line, and
+	// tlsHosts are more names for the server certificate.
+	natsDial  string
+	coordWrap []string
+	tlsHosts  []string
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
@@ -279,7 +287,13 @@ func newKV(t *testing.T, tp int) *kv {
 	return c
 }
 
-func (c *kv) natsURL() string { return "nats://127.0.0.1:" + strconv.Itoa(c.natsPort) }
+func (c *kv) natsURL() string {
+	host := c.natsDial
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	return "nats://" + host + ":" + strconv.Itoa(c.natsPort)
+}
 
 func (c *kv) dumpLogs() {
 	entries, _ := os.ReadDir(c.logD)
@@ -301,7 +315,8 @@ func (c *kv) startCoordinator() {
 	if c.natsCluster != "" {
 		args = append(args, "--nats-cluster", c.natsCluster, "--nats-routes", strings.Join(c.natsRoutes, ","))
 	}
-	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), append(args, c.coordArgs...)...)
+	args = append(append(slices.Clone(c.coordWrap), args...), c.coordArgs...)
+	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), args...)
 	if c.nc == nil {
 		for name, nc := range c.conns {
 			nc.Close()
@@ -566,7 +581,7 @@ func (c *kv) initCreds() {
 				hosts = append(hosts, u.Hostname())
 			}
 		}
-		args = append(args, "--tls-host", strings.Join(hosts, ","))
+		args = append(args, "--tls-host", strings.Join(append(hosts, c.tlsHosts...), ","))
 	}
 	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
 	if err != nil {
