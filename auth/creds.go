@@ -57,7 +57,7 @@ type Instance struct {
 // Init makes the credentials of a new cluster in dir (created 0700; it
 // must be empty or absent): the coordinator, admin and admin-write
 // identities, one engine and TPSize rankd identities per instance, a
-// gossip key, and the users file. It refuses to overwrite anything.
+// gossip key, a route secret (RouteSecretFile), and the users file. It refuses to overwrite anything.
 func Init(dir string, instances []Instance) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create credentials dir %s: %w", dir, err)
@@ -83,6 +83,9 @@ func Init(dir string, instances []Instance) error {
 		return fmt.Errorf("gossip key: %w", err)
 	}
 	if err := writeNew(filepath.Join(dir, GossipKeyFile), []byte(base64.StdEncoding.EncodeToString(key)+"\n"), 0o600); err != nil {
+		return err
+	}
+	if err := InitRouteSecret(dir); err != nil {
 		return err
 	}
 	return Add(dir, ids...)

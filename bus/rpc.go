@@ -14,13 +14,27 @@ import (
 
 // Connect dials NATS with reconnects that never give up and a name that
 // shows in the server's connection list; opts add credentials
-// (auth.ClientOptions, Creds.Options) and TLS.
+// (auth.ClientOptions, Creds.Options) and TLS. url may list several
+// servers, comma-separated (a cluster): the client connects to one of
+// them and, when it dies, moves to another (also to servers the cluster
+// announced since), keeping its subscriptions.
 func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
 	nc, err := nats.Connect(url, append([]nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
+		// With several servers (a cluster), a client whose server dies
+		// tries the others at once; these only space the rounds over a
+		// list whose every server is down. The jitter keeps the clients
+		// of a dead server from arriving in lockstep; the TLS one is
+		// below nats.go's default of 1 s so a move stays under 2 s.
 		nats.ReconnectWait(100 * time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, 250*time.Millisecond),
 		nats.Timeout(5 * time.Second),
+		// A server cut off by a partition (no RST, no FIN) is noticed
+		// after 3 unanswered pings, 3-4 s, and left for another server
+		// (nats.go's default is 2 min).
+		nats.PingInterval(time.Second),
+		nats.MaxPingsOutstanding(3),
 	}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)

@@ -23,6 +23,10 @@ type authState struct {
 	users []*server.NkeyUser
 	tls   *tls.Config
 	seed  *auth.Seed // signs the NATS URLs in the member metadata
+	// route holds the route credentials and TLS of the embedded NATS
+	// cluster (Embedded.Cluster), loaded only when it is enabled.
+	routeUser, routePass string
+	routeTLS             *tls.Config
 	// refused counts messages refused because their body names another
 	// identity than their subject (C9), by subject kind.
 	refused *prometheus.CounterVec
@@ -56,8 +60,16 @@ func (c *Coordinator) loadAuth() ([]nats.Option, error) {
 	if c.auth.seed, err = auth.LoadSeed(filepath.Join(dir, id.Name()+auth.SeedSuffix)); err != nil {
 		return nil, fmt.Errorf("coordinator seed: %w", err)
 	}
+	if c.cfg.NATSURL == "" && c.cfg.Embedded.Cluster.Enabled() {
+		if c.auth.routeUser, c.auth.routePass, err = auth.RouteCredentials(dir); err != nil {
+			return nil, fmt.Errorf("NATS cluster routes: %w (make one with 'coordinator creds route-secret' and copy the directory to every coordinator)", err)
+		}
+		if c.auth.routeTLS, err = auth.RouteTLS(dir); err != nil {
+			return nil, fmt.Errorf("NATS cluster routes: %w", err)
+		}
+	}
 	c.log.Info("NATS authentication on", zap.String("creds_dir", dir), zap.Int("users", len(u.Users)),
-		zap.Bool("tls", c.auth.tls != nil))
+		zap.Bool("tls", c.auth.tls != nil), zap.Bool("route_tls", c.auth.routeTLS != nil))
 	return opts, nil
 }
 

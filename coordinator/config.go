@@ -270,6 +270,15 @@ func (c *Config) Validate() error {
 		if c.Embedded.ReadyTimeout <= 0 {
 			return fmt.Errorf("embedded NATS ready timeout %v must be > 0: %w", c.Embedded.ReadyTimeout, ErrConfig)
 		}
+		// The route credentials come from CredsDir at Start; here only
+		// the shape.
+		if err := c.Embedded.Cluster.Validate(true); err != nil {
+			return fmt.Errorf("%w: %w", err, ErrConfig)
+		}
+	}
+	if c.NATSURL != "" && (c.Embedded.Cluster.Enabled() || len(c.Embedded.Cluster.Routes) > 0) {
+		return fmt.Errorf("an external NATS (%s) and an embedded NATS cluster (listen %q, %d routes) exclude each other: %w",
+			c.NATSURL, c.Embedded.Cluster.Host, len(c.Embedded.Cluster.Routes), ErrConfig)
 	}
 	if !c.Insecure && c.CredsDir == "" {
 		return fmt.Errorf("no credentials dir: NATS authentication is on by default (C9); make one with 'coordinator init' or run insecure: %w", ErrConfig)

@@ -209,6 +209,8 @@ func (c *Coordinator) start() error {
 		if !c.cfg.Insecure {
 			ecfg.Users = c.auth.users
 			ecfg.TLS = c.auth.tls
+			ecfg.Cluster.Username, ecfg.Cluster.Password = c.auth.routeUser, c.auth.routePass
+			ecfg.Cluster.TLS = c.auth.routeTLS
 		}
 		srv, err := bus.StartEmbedded(ecfg)
 		if err != nil {
@@ -219,7 +221,8 @@ func (c *Coordinator) start() error {
 		// server certificate names real addresses, never 0.0.0.0.
 		advertise = srv.ClientURL()
 		c.natsURL = advertisedNATS(advertise, "127.0.0.1")
-		c.log.Info("embedded NATS started", zap.String("url", c.natsURL))
+		c.log.Info("embedded NATS started", zap.String("url", c.natsURL), zap.String("cluster", srv.ClusterAddr()),
+			zap.Strings("routes", ecfg.Cluster.Routes))
 	} else {
 		c.natsURL = c.cfg.NATSURL
 	}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -29,7 +30,7 @@ import (
 
 // bin holds the paths of the daemons and the simulator, built once by
 // TestMain without -race (the tests themselves run under -race).
-var bin struct{ coordinator, rankd, enginesim string }
+var bin struct{ coordinator, rankd, enginesim, natsnode string }
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "kvtier-e2e-bin-")
@@ -38,7 +39,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	build := exec.Command("go", "build", "-o", dir+string(os.PathSeparator),
-		"./cmd/coordinator", "./cmd/rankd", "./cmd/enginesim")
+		"./cmd/coordinator", "./cmd/rankd", "./cmd/enginesim", "./e2e/natsnode")
 	build.Dir = ".."
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
@@ -49,6 +50,7 @@ func TestMain(m *testing.M) {
 	bin.coordinator = filepath.Join(dir, "coordinator")
 	bin.rankd = filepath.Join(dir, "rankd")
 	bin.enginesim = filepath.Join(dir, "enginesim")
+	bin.natsnode = filepath.Join(dir, "natsnode")
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
@@ -226,6 +228,21 @@ type kv struct {
 	natsHost  string
 	rankdNATS string
 	rankAddr  []string // gossip host:port of each rankd
+	// natsCluster, when set, is the coordinator's NATS route listen
+	// address (--nats-cluster) and natsRoutes the other servers' route
+	// URLs: its embedded server joins a NATS cluster.
+	natsCluster string
+	natsRoutes  []string
+	// simNATS, when set, is the simulator's --nats (several URLs of a
+	// NATS cluster); default natsURL().
+	simNATS string
+	// natsDial is the host the test's own connections dial the
+	// coordinator's NATS at (default 127.0.0.1; its namespace IP when the
+	// coordinator runs in one), coordWrap prefixes its command line, and
+	// tlsHosts are more names for the server certificate.
+	natsDial  string
+	coordWrap []string
+	tlsHosts  []string
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
@@ -270,7 +287,13 @@ func newKV(t *testing.T, tp int) *kv {
 	return c
 }
 
-func (c *kv) natsURL() string { return "nats://127.0.0.1:" + strconv.Itoa(c.natsPort) }
+func (c *kv) natsURL() string {
+	host := c.natsDial
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	return "nats://" + host + ":" + strconv.Itoa(c.natsPort)
+}
 
 func (c *kv) dumpLogs() {
 	entries, _ := os.ReadDir(c.logD)
@@ -289,7 +312,11 @@ func (c *kv) startCoordinator() {
 		"--nats-host", c.natsHost, "--nats-port", strconv.Itoa(c.natsPort), "--bind", c.gossip,
 		"--http", "127.0.0.1:0", "--log-level", "info"}
 	args = append(args, c.credsArgs()...)
-	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), append(args, c.coordArgs...)...)
+	if c.natsCluster != "" {
+		args = append(args, "--nats-cluster", c.natsCluster, "--nats-routes", strings.Join(c.natsRoutes, ","))
+	}
+	args = append(append(slices.Clone(c.coordWrap), args...), c.coordArgs...)
+	c.coord = startProc(c.t, "coordinator", filepath.Join(c.logD, "coordinator.log"), args...)
 	if c.nc == nil {
 		for name, nc := range c.conns {
 			nc.Close()
@@ -414,7 +441,11 @@ func (c *kv) startSim(args ...string) (*proc, string) {
 	c.t.Helper()
 	c.simSeq++
 	result := filepath.Join(c.dir, fmt.Sprintf("sim%d.json", c.simSeq))
-	argv := append([]string{bin.enginesim, "--nats", c.natsURL(), "--device", "host", "--host-dir", c.hostD,
+	simNATS := c.natsURL()
+	if c.simNATS != "" {
+		simNATS = c.simNATS
+	}
+	argv := append([]string{bin.enginesim, "--nats", simNATS, "--device", "host", "--host-dir", c.hostD,
 		"--instance", "engine0", "--result", result}, c.credsArgs()...)
 	argv = append(argv, args...)
 	p := startProc(c.t, "enginesim", filepath.Join(c.logD, fmt.Sprintf("enginesim%d.log", c.simSeq)), argv...)
@@ -550,7 +581,7 @@ func (c *kv) initCreds() {
 				hosts = append(hosts, u.Hostname())
 			}
 		}
-		args = append(args, "--tls-host", strings.Join(hosts, ","))
+		args = append(args, "--tls-host", strings.Join(append(hosts, c.tlsHosts...), ","))
 	}
 	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
 	if err != nil {

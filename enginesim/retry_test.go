@@ -47,7 +47,7 @@ func TestCallRetryingWaitsOutUnavailable(t *testing.T) {
 	defer sub.Unsubscribe()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := callRetrying[wire.RegisterReply](ctx, nc, "coord.register", struct{}{}); err != nil {
+	if _, err := callRetrying[wire.RegisterReply](ctx, nc, "coord.register", struct{}{}, bus.NoResponders()); err != nil {
 		t.Fatalf("callRetrying: %v", err)
 	}
 	if n := calls.Load(); n != 4 {
@@ -62,7 +62,7 @@ func TestCallRetryingWaitsOutUnavailable(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub2.Unsubscribe()
-	_, err = callRetrying[wire.LookupReply](ctx, nc, "coord.lookup", struct{}{})
+	_, err = callRetrying[wire.LookupReply](ctx, nc, "coord.lookup", struct{}{}, bus.NoResponders())
 	var we *wire.Error
 	if !errors.As(err, &we) || we.Code != wire.CodeUnknownNamespace || calls.Load() != 5 {
 		t.Fatalf("final error: %v after %d calls; want unknown_namespace after 5", err, calls.Load())

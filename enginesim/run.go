@@ -39,7 +39,9 @@ type Config struct {
 	Devices []string
 	// Host configures the host backend; its Dir must be the rankds'.
 	Host cuda.HostConfig
-	// NATSURL is the coordinator's NATS. Required.
+	// NATSURL is the coordinator's NATS, comma-separated for a NATS
+	// cluster (several coordinators): the simulator moves to a surviving
+	// server when its server dies. Required.
 	NATSURL string
 	// Creds authenticates the simulator as the engine identity of
 	// Instance (auth.Client: CredsDir with engine-<instance>.nk, or a seed
@@ -221,6 +223,13 @@ func (s *sim) logf(format string, args ...any) {
 	fmt.Fprintf(s.cfg.Out, "enginesim: "+format+"\n", args...)
 }
 
+// retryIdempotent resends the requests the coordinator may answer twice
+// (registering the spec, a lookup) also after a lost reply: with the
+// engine or the coordinator moving to another NATS server of a cluster, a
+// reply in flight to the dead one is lost. Every other request is resent
+// only when nobody received it (bus.NoResponders).
+var retryIdempotent = bus.Retry{Idempotent: true, Attempt: 3 * time.Second, For: 10 * time.Second, Backoff: bus.DefaultBackoff()}
+
 func (s *sim) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, s.cfg.Timeout)
 }
@@ -250,7 +259,7 @@ func (s *sim) run(ctx context.Context) error {
 	// Register the spec with the coordinator (the scheduler's job).
 	// A coordinator still opening its index answers unavailable: retry.
 	cctx, cancel := s.callCtx(ctx)
-	rep, err := callRetrying[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec)
+	rep, err := callRetrying[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec, retryIdempotent)
 	cancel()
 	if err != nil {
 		return fmt.Errorf("register spec with the coordinator: %w", err)
@@ -404,8 +413,8 @@ func (s *sim) waitPrefix(ctx context.Context, wait time.Duration) (int, error) {
 	deadline := time.Now().Add(wait)
 	for {
 		cctx, cancel := s.callCtx(ctx)
-		lr, err := bus.Call[wire.LookupReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordLookup),
-			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance})
+		lr, err := bus.CallRetry[wire.LookupReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordLookup),
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance}, retryIdempotent)
 		cancel()
 		prefix := 0
 		if err == nil {
@@ -487,7 +496,7 @@ func (s *sim) restore(ctx context.Context) error {
 	})
 
 	cctx, cancel = s.callCtx(ctx)
-	v, err := bus.Call[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID})
+	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, bus.NoResponders())
 	cancel()
 	if err != nil {
 		return fmt.Errorf("restore.wait: %w", err)
@@ -652,14 +661,17 @@ func compareWord(rows []RankResult) string {
 // req.Chunks by index; an error reply is JSON either way.
 func beginRestore(ctx context.Context, nc *nats.Conn, subject string, req wire.RestoreBeginRequest) (*wire.RestorePlan, error) {
 	if req.PlanEncoding != wire.PlanEncodingBinary {
-		return bus.Call[wire.RestorePlan](ctx, nc, subject, req)
+		return bus.CallRetry[wire.RestorePlan](ctx, nc, subject, req, bus.NoResponders())
 	}
 	data, err := json.Marshal(req)
 	if err != nil {
 		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
 	}
-	msg, err := nc.RequestWithContext(ctx, subject, data)
-	if err != nil {
+	var msg *nats.Msg
+	if err := bus.NoResponders().Do(ctx, func(ctx context.Context) error {
+		msg, err = nc.RequestWithContext(ctx, subject, data)
+		return err
+	}); err != nil {
 		return nil, fmt.Errorf("request %s: %w", subject, err)
 	}
 	if wire.IsBinaryPlan(msg.Data) {
@@ -684,9 +696,9 @@ const retryPause = 100 * time.Millisecond
 // opening its index, or internal), after the answer's retry hint
 // (wire.Error.RetryAfter, else retryPause), until ctx ends. Any other
 // answer, success or error, is returned as it came.
-func callRetrying[T any](ctx context.Context, nc *nats.Conn, subject string, req any) (*T, error) {
+func callRetrying[T any](ctx context.Context, nc *nats.Conn, subject string, req any, r bus.Retry) (*T, error) {
 	for {
-		rep, err := bus.Call[T](ctx, nc, subject, req)
+		rep, err := bus.CallRetry[T](ctx, nc, subject, req, r)
 		var we *wire.Error
 		if err == nil || !errors.As(err, &we) || !we.Retryable() {
 			return rep, err

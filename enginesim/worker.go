@@ -67,7 +67,7 @@ func (w *worker) release(ctx context.Context) error {
 		Session   string        `json:"session"`
 	}
 	req := releaseRequest{Namespace: w.plan.R.Namespace, Session: w.session}
-	_, err := bus.Call[releaseRequest](ctx, w.nc, w.subj.Engine(w.rank, "release"), req)
+	_, err := bus.CallRetry[releaseRequest](ctx, w.nc, w.subj.Engine(w.rank, "release"), req, bus.NoResponders())
 	return sessionErr(w, "release", err)
 }
 
@@ -100,7 +100,7 @@ func (w *worker) register(ctx context.Context) error {
 			req.Pools = append(req.Pools, wire.PoolRegistration{Group: gi, Layer: l, Handle: h})
 		}
 	}
-	rep, err := bus.Call[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req)
+	rep, err := bus.CallRetry[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, bus.NoResponders())
 	if err != nil {
 		return fmt.Errorf("rank %d: register: %w", w.t, err)
 	}
@@ -206,7 +206,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 				return
 			}
 			defer freed.Unsubscribe()
-			rep, err := bus.Call[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req)
+			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, bus.NoResponders())
 			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
@@ -270,7 +270,7 @@ func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.Re
 		it.Blocks = w.plan.ChunkBlocks(PhaseRestoreTable, it.Group, it.Chunk)
 		req.Items = append(req.Items, it)
 	}
-	rep, err := bus.Call[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req)
+	rep, err := bus.CallRetry[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req, bus.NoResponders())
 	return rep, sessionErr(w, "retrieve", err)
 }
 

@@ -111,9 +111,9 @@ type Config struct {
 	// exits after it, non-zero, naming the live member.
 	DuplicateWait time.Duration
 
-	// NATSURL is an explicit NATS URL (comma-separated for a cluster).
-	// Default "": use the URLs the coordinator gossips in its member
-	// metadata.
+	// NATSURL is an explicit NATS URL (comma-separated for a cluster:
+	// the rank moves to another when its server dies). Default "": use
+	// the URLs every alive coordinator gossips in its member metadata.
 	NATSURL string
 	// NATSSwitchAfter: with a discovered NATS URL, how long the connection
 	// must be down before the daemon moves to other URLs the coordinator

@@ -116,6 +116,10 @@ type outcome struct {
 type reply struct {
 	round, ticket uint64
 	data          []byte
+	// noResponders: the server answered for the coordinator that nobody
+	// subscribes to the events subject (it, or this rank, is moving to
+	// another NATS server, or it is down); send again.
+	noResponders bool
 }
 
 // window is the run goroutine's view of the batches in flight. Ticket t is
@@ -237,6 +241,10 @@ func (p *publisher) take(w *window, r reply) {
 	p.mu.Lock()
 	b := &p.queue[r.ticket-w.head]
 	p.mu.Unlock()
+	if r.noResponders {
+		w.got[r.ticket] = outcome{err: fmt.Errorf("request %s: %w", p.subject, nats.ErrNoResponders)}
+		return
+	}
 	done, err := p.settle(b, r.data)
 	w.got[r.ticket] = outcome{done: done, err: err}
 }
@@ -287,8 +295,11 @@ func deliverReply(m *nats.Msg, inbox string, out chan<- reply, stop <-chan struc
 	if err1 != nil || err2 != nil {
 		return
 	}
+	// A status message without a body: nats-server's "no responders"
+	// (503) for a request nobody is subscribed to.
+	noResp := len(m.Data) == 0 && m.Header.Get("Status") == "503"
 	select {
-	case out <- reply{round: round, ticket: ticket, data: m.Data}:
+	case out <- reply{round: round, ticket: ticket, data: m.Data, noResponders: noResp}:
 	case <-stop:
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"strings"
 	"sync"
 	"time"
 
@@ -361,13 +360,12 @@ func (d *Daemon) refuseDuplicate(ctx context.Context) error {
 	}
 }
 
-// discoverNATS waits for a coordinator member that gossips a NATS URL.
+// discoverNATS waits for a coordinator member that gossips a NATS URL and
+// returns the URLs of every coordinator that does (clusterNATS).
 func (d *Daemon) discoverNATS(ctx context.Context) (string, error) {
 	for {
-		for _, m := range d.clu.Members() {
-			if m.Meta.Role == cluster.RoleCoordinator && m.State == cluster.StateAlive && len(m.Meta.NATS) > 0 && d.trustedNATS(m) {
-				return strings.Join(m.Meta.NATS, ","), nil
-			}
+		if urls := clusterNATS(d.clu.Members(), d.trustedNATS); urls != "" {
+			return urls, nil
 		}
 		select {
 		case <-ctx.Done():
@@ -382,9 +380,11 @@ func (d *Daemon) discoverNATS(ctx context.Context) (string, error) {
 //     member table (a restarted coordinator starts a cluster of its own and
 //     only learns of the ranks when they contact it);
 //   - when the NATS URL was discovered (not configured) and the connection
-//     has been down for NATSSwitchAfter while an alive coordinator gossips
-//     other URLs (it moved or restarted on another port), it connects
-//     there, subscribes again and hands the publisher the new connection.
+//     has been down for NATSSwitchAfter while the alive coordinators
+//     gossip other URLs (one moved or restarted on another port), it
+//     connects there, subscribes again and hands the publisher the new
+//     connection. A rank holding several URLs (a NATS cluster) normally
+//     never gets here: nats.go moves it to a surviving server first.
 func (d *Daemon) watchLoop() {
 	t := time.NewTicker(500 * time.Millisecond)
 	defer t.Stop()
@@ -428,7 +428,7 @@ func (d *Daemon) watchLoop() {
 		if coord == nil || len(coord.Meta.NATS) == 0 || time.Since(downSince) < d.cfg.NATSSwitchAfter {
 			continue
 		}
-		if url := strings.Join(coord.Meta.NATS, ","); url != cur {
+		if url := clusterNATS(d.clu.Members(), d.trustedNATS); url != "" && url != cur {
 			d.switchNATS(url)
 			downSince = time.Time{}
 		}

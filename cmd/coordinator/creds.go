@@ -78,10 +78,10 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	return exitOK
 }
 
-// creds is 'coordinator creds add|rotate|nats-conf'.
+// creds is 'coordinator creds add|rotate|nats-conf|route-secret'.
 func creds(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf --dir D ...")
+		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf|route-secret --dir D ...")
 		return exitUsage
 	}
 	sub, args := args[0], args[1:]
@@ -99,8 +99,11 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	case "nats-conf":
 		out = fs.String("out", "", "nats-server configuration file to write")
 		prefix = fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
+	case "route-secret":
+		// For a directory made before 'coordinator init' wrote one; copy
+		// the directory to every coordinator of the NATS cluster after.
 	default:
-		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf)\n", sub)
+		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf, route-secret)\n", sub)
 		return exitUsage
 	}
 	if err := fs.Parse(args); err != nil {
@@ -126,6 +129,8 @@ func creds(args []string, stdout, stderr io.Writer) int {
 		err = auth.Rotate(*dir, *name)
 	case "nats-conf":
 		err = writeNATSConf(*dir, *out, *prefix)
+	case "route-secret":
+		err = auth.InitRouteSecret(*dir)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "creds %s: %v\n", sub, err)

@@ -118,6 +118,9 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
 	fs.StringVar(&cfg.Embedded.Host, "nats-host", cfg.Embedded.Host, "embedded NATS listen IP (0.0.0.0 for rankds on other hosts)")
 	fs.IntVar(&cfg.Embedded.Port, "nats-port", cfg.Embedded.Port, "embedded NATS client port (0 picks one)")
+	natsCluster := fs.String("nats-cluster", "", "embedded NATS route listen IP:PORT: join the embedded servers of several coordinators into one NATS cluster (empty: a single server)")
+	natsRoutes := fs.String("nats-routes", "", "the other coordinators' NATS route URLs, comma-separated nats-route://IP:PORT (credentials come from <creds-dir>/route.secret)")
+	fs.StringVar(&cfg.Embedded.Cluster.Name, "nats-cluster-name", cfg.Embedded.Cluster.Name, "NATS cluster name, the same on every coordinator")
 	bind := fs.String("bind", net.JoinHostPort(cfg.Cluster.BindAddr, strconv.Itoa(cfg.Cluster.BindPort)), "memberlist gossip bind IP:PORT")
 	advertise := fs.String("advertise", "", "memberlist address others reach this node at, IP[:PORT] (default: derived from --bind)")
 	join := fs.String("join", "", "memberlist seeds, comma-separated host:port (empty: start a new cluster)")
@@ -180,6 +183,15 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 		}
 		cfg.Cluster.AdvertiseAddr, cfg.Cluster.AdvertisePort = host, port
 	}
+	if *natsCluster != "" {
+		host, port, err := splitHostPort(*natsCluster, cfg.Embedded.Cluster.Port)
+		if err != nil {
+			fmt.Fprintf(stderr, "serve: --nats-cluster: %v\n", err)
+			return exitUsage
+		}
+		cfg.Embedded.Cluster.Host, cfg.Embedded.Cluster.Port = host, port
+	}
+	cfg.Embedded.Cluster.Routes = splitList(*natsRoutes)
 	if *join != "" {
 		for _, s := range strings.Split(*join, ",") {
 			if s = strings.TrimSpace(s); s != "" {

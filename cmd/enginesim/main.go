@@ -31,7 +31,7 @@ func main() {
 	flag.StringVar(&cfg.Instance, "instance", "engine0", "engine instance the rankds serve")
 	flag.StringVar(&devices, "device", "host", "device spec for every rank, or a comma-separated one per rank (host, auto, cuda:N, GPU UUID)")
 	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir, must match the rankds'; default /dev/shm/kvtier-<uid>)")
-	flag.StringVar(&cfg.NATSURL, "nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
+	flag.StringVar(&cfg.NATSURL, "nats", "nats://127.0.0.1:4222", "NATS URL(s) of the coordinator, comma-separated for a NATS cluster")
 	flag.StringVar(&cfg.Prefix, "prefix", "kvtier", "NATS subject prefix")
 	flag.StringVar(&cfg.Creds.Dir, "creds-dir", "", "credentials directory from 'coordinator init' (engine-<instance>.nk; required unless --insecure)")
 	flag.StringVar(&cfg.Creds.SeedFile, "creds", "", "the engine identity's nkey seed file (default <creds-dir>/engine-<instance>.nk)")

@@ -90,3 +90,55 @@ def test_unavailable_carries_the_retry_hint():
     with pytest.raises(errors.NotFound) as ei:
         wire.decode_reply(wire.LookupReply, b'{"error":{"code":"not_found","message":"x"}}', "s")
     assert (ei.value.retry_after_ms, ei.value.retryable, ei.value.retry_after(1.0)) == (0, False, 1.0)
+
+
+def test_connect_options_take_a_comma_list_of_servers():
+    opts = client.ConnectOptions(servers=["nats://a:4222, nats://b:4222", "nats://c:4222"], insecure=True)
+    assert opts.servers == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+    assert opts.nats_kwargs()["servers"] == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+    assert client.ConnectOptions(servers="nats://a:4222,nats://b:4222", insecure=True).servers == [  # type: ignore[arg-type]
+        "nats://a:4222", "nats://b:4222"]
+
+
+class _MovingNC:
+    """A connection whose first requests find no responder (it is moving
+    to another server of the cluster), then one answers."""
+
+    def __init__(self, misses: int) -> None:
+        self.misses, self.calls = misses, 0
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> object:
+        import nats.errors
+
+        self.calls += 1
+        if self.calls <= self.misses:
+            raise nats.errors.NoRespondersError
+
+        class Msg:
+            pass
+
+        m = Msg()
+        m.data = b"answer"  # type: ignore[attr-defined]
+        return m
+
+
+def test_call_resends_a_request_nobody_received():
+    import asyncio
+
+    from kvtier.errors import Unavailable
+
+    async def go(misses: int, window: float) -> tuple[object, int]:
+        nc = _MovingNC(misses)
+        c = client.Client(nc, client.ConnectOptions(insecure=True, no_responders_retry_s=window))
+        try:
+            got: object = await c.call("s", {}, bytes, decoder=lambda d, _s: d)
+        except Unavailable as e:
+            got = e
+        return got, nc.calls
+
+    got, calls = asyncio.run(go(3, 5.0))
+    assert got == b"answer" and calls == 4
+    got, calls = asyncio.run(go(1000, 0.2))
+    assert isinstance(got, Unavailable) and "no responders on s" in str(got) and 1 < calls < 1000
+    got, calls = asyncio.run(go(1, 0.0))
+    assert isinstance(got, Unavailable) and calls == 1

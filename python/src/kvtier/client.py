@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import random
 import re
 import ssl
 import threading
@@ -88,6 +89,18 @@ class ConnectOptions:
     connect_timeout: float = 5.0
     # reconnect_wait between reconnect attempts, seconds; reconnects never stop.
     reconnect_wait: float = 0.1
+    # no_responders_retry_s: a request nobody received (no subscriber: the
+    # responder, or this client, is moving to another server of a NATS
+    # cluster) is sent again, with jittered backoff, for up to this many
+    # seconds before it raises Unavailable. Safe for every request: nothing
+    # handled it. 0 disables.
+    no_responders_retry_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        # Several servers (a NATS cluster, one per coordinator) may come as
+        # one comma-separated string, as the daemons' --nats takes them.
+        raw = [self.servers] if isinstance(self.servers, str) else list(self.servers)
+        self.servers = [u.strip() for item in raw for u in str(item).split(",") if u.strip()]
 
     def identity(self) -> str:
         """The NATS identity name (auth.Engine(instance).Name() in Go)."""
@@ -220,6 +233,14 @@ async def connect_nats(opts: ConnectOptions, on_denied: Callable[[str, str], Non
                        f"(last error: {last_error[0] if last_error else 'none'})")
 
 
+def _backoff(attempt: int) -> float:
+    """The wait before retry attempt (0 is the first), seconds: 20 ms
+    doubling up to 500 ms, a random point in its upper half (bus.Backoff
+    in Go)."""
+    d = min(0.02 * (2 ** min(attempt, 10)), 0.5)
+    return d / 2 + random.random() * d / 2
+
+
 # The server's refusal: -ERR 'Permissions Violation for Publish to "subj"'.
 _PERMISSION_RE = re.compile(r'permissions violation for (?:publish|subscription) to "?([^"\s]+)"?', re.IGNORECASE)
 
@@ -271,18 +292,28 @@ class Client:
         import nats.errors
 
         data = wire.encode(req)
-        try:
-            msg = await self._nc.request(subject, data, timeout=timeout or self.opts.timeout)
-        except nats.errors.NoRespondersError:
-            raise Unavailable("unavailable", f"no responders on {subject}", subject) from None
-        except nats.errors.TimeoutError:
-            why = self.denied.pop(subject, "")
-            if why:
-                raise Unauthorized("unauthorized", f"NATS refused {subject} to "
-                                   f"{self.opts.identity() or 'this connection'}: {why}", subject) from None
-            raise RequestTimeout(f"no reply from {subject} within {timeout or self.opts.timeout} s") from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
-            raise NotConnected(f"request {subject}: {e}") from None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.opts.no_responders_retry_s
+        attempt = 0
+        while True:
+            try:
+                msg = await self._nc.request(subject, data, timeout=timeout or self.opts.timeout)
+                break
+            except nats.errors.NoRespondersError:
+                wait = _backoff(attempt)
+                attempt += 1
+                if loop.time() + wait > give_up:
+                    raise Unavailable("unavailable", f"no responders on {subject} "
+                                      f"(after {attempt} attempts)", subject) from None
+                await asyncio.sleep(wait)
+            except nats.errors.TimeoutError:
+                why = self.denied.pop(subject, "")
+                if why:
+                    raise Unauthorized("unauthorized", f"NATS refused {subject} to "
+                                       f"{self.opts.identity() or 'this connection'}: {why}", subject) from None
+                raise RequestTimeout(f"no reply from {subject} within {timeout or self.opts.timeout} s") from None
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+                raise NotConnected(f"request {subject}: {e}") from None
         if decoder is not None:
             return decoder(msg.data, subject)
         return wire.decode_reply(reply, msg.data, subject)
