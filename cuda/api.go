@@ -19,6 +19,15 @@ type Device interface {
 	// AllocHost allocates size bytes of pinned host memory that the device
 	// can read and write directly (cuMemHostAlloc, portable + device-mapped).
 	AllocHost(size uint64) (HostBuf, error)
+	// RegisterHost makes existing host memory b (a mapping of a shared
+	// segment, page-aligned, length a multiple of 4096) usable as a
+	// HostBuf without copying it: the CUDA backend pins it with
+	// cuMemHostRegister (portable + device-mapped, plus read-only when
+	// readOnly: the device never writes it, so a read-only mapping of
+	// another process's memory can be registered); the host backend uses
+	// it as it is. Release unregisters; it never unmaps b, which stays
+	// the caller's.
+	RegisterHost(b []byte, readOnly bool) (HostBuf, error)
 
 	// NewStream creates an asynchronous, in-order work queue.
 	NewStream() (Stream, error)

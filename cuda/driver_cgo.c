@@ -29,6 +29,8 @@ static CUresult (*p_cuMemAlloc_v2)(CUdeviceptr *, size_t);
 static CUresult (*p_cuMemFree_v2)(CUdeviceptr);
 static CUresult (*p_cuMemHostAlloc)(void **, size_t, unsigned int);
 static CUresult (*p_cuMemFreeHost)(void *);
+static CUresult (*p_cuMemHostRegister_v2)(void *, size_t, unsigned int);
+static CUresult (*p_cuMemHostUnregister)(void *);
 static CUresult (*p_cuMemHostGetDevicePointer_v2)(CUdeviceptr *, void *, unsigned int);
 static CUresult (*p_cuMemGetAddressRange_v2)(CUdeviceptr *, size_t *, CUdeviceptr);
 static CUresult (*p_cuMemcpyHtoD_v2)(CUdeviceptr, const void *, size_t);
@@ -87,6 +89,8 @@ int kv_load(char *err, size_t errlen) {
 		SYM(p_cuMemFree_v2, "cuMemFree_v2", NULL),
 		SYM(p_cuMemHostAlloc, "cuMemHostAlloc", NULL),
 		SYM(p_cuMemFreeHost, "cuMemFreeHost", NULL),
+		SYM(p_cuMemHostRegister_v2, "cuMemHostRegister_v2", "cuMemHostRegister"),
+		SYM(p_cuMemHostUnregister, "cuMemHostUnregister", NULL),
 		SYM(p_cuMemHostGetDevicePointer_v2, "cuMemHostGetDevicePointer_v2", NULL),
 		SYM(p_cuMemGetAddressRange_v2, "cuMemGetAddressRange_v2", NULL),
 		SYM(p_cuMemcpyHtoD_v2, "cuMemcpyHtoD_v2", NULL),
@@ -172,6 +176,11 @@ CUresult kv_mem_host_alloc(CUcontext c, void **p, size_t n, unsigned int flags) 
 	return p_cuMemHostAlloc(p, n, flags);
 }
 CUresult kv_mem_free_host(CUcontext c, void *p) { CTX(c); return p_cuMemFreeHost(p); }
+CUresult kv_mem_host_register(CUcontext c, void *p, size_t n, unsigned int flags) {
+	CTX(c);
+	return p_cuMemHostRegister_v2(p, n, flags);
+}
+CUresult kv_mem_host_unregister(CUcontext c, void *p) { CTX(c); return p_cuMemHostUnregister(p); }
 CUresult kv_mem_host_device_ptr(CUcontext c, CUdeviceptr *d, void *h) {
 	CTX(c);
 	return p_cuMemHostGetDevicePointer_v2(d, h, 0);

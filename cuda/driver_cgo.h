@@ -32,6 +32,9 @@ enum {
 	KV_ATTR_CC_MINOR = 76,
 	KV_MEMHOSTALLOC_PORTABLE = 0x01,
 	KV_MEMHOSTALLOC_DEVICEMAP = 0x02,
+	KV_MEMHOSTREGISTER_PORTABLE = 0x01,
+	KV_MEMHOSTREGISTER_DEVICEMAP = 0x02,
+	KV_MEMHOSTREGISTER_READ_ONLY = 0x08,
 	KV_STREAM_NON_BLOCKING = 0x1,
 	KV_EVENT_DISABLE_TIMING = 0x2,
 	KV_EVENT_INTERPROCESS = 0x4,
@@ -61,6 +64,8 @@ CUresult kv_mem_alloc(CUcontext c, CUdeviceptr *p, size_t n);
 CUresult kv_mem_free(CUcontext c, CUdeviceptr p);
 CUresult kv_mem_host_alloc(CUcontext c, void **p, size_t n, unsigned int flags);
 CUresult kv_mem_free_host(CUcontext c, void *p);
+CUresult kv_mem_host_register(CUcontext c, void *p, size_t n, unsigned int flags);
+CUresult kv_mem_host_unregister(CUcontext c, void *p);
 CUresult kv_mem_host_device_ptr(CUcontext c, CUdeviceptr *d, void *h);
 CUresult kv_mem_address_range(CUcontext c, CUdeviceptr *base, size_t *size, CUdeviceptr p);
 CUresult kv_memcpy_htod(CUcontext c, CUdeviceptr dst, const void *src, size_t n);
