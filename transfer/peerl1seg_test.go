@@ -1,0 +1,246 @@
+package transfer
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"unsafe"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+func testSeg(t *testing.T, slabs uint64) *segment {
+	t.Helper()
+	geo := newSegGeometry(slabs, 4096)
+	mem := make([]uint64, geo.size()/8) // 8-aligned, like a mapping
+	all := unsafe.Slice((*byte)(unsafe.Pointer(&mem[0])), geo.size())
+	s := &segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], geo: geo}
+	s.initHeader(7, 1)
+	return s
+}
+
+func segKey(i int) dcp.Key {
+	var k dcp.Key
+	k.NS[0] = 0xaa
+	k.Chunk[0], k.Chunk[1] = byte(i), byte(i>>8)
+	k.Shard, k.Group = uint16(i%3), uint16(i%2)
+	return k
+}
+
+// TestSegPublishFindRetire: a published object is found with exactly its
+// fields; another key is not; a retired one is gone; republishing gives a
+// new generation; colliding keys all stay findable across tombstones.
+func TestSegPublishFindRetire(t *testing.T) {
+	s := testSeg(t, 16)
+	var slots []uint64
+	for i := range 20 {
+		sl, err := s.publish(segKey(i), uint64(i%16)*4096, 100+uint64(i), 0xfeed0000+uint64(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		slots = append(slots, sl)
+	}
+	for i := range 20 {
+		v, miss := s.find(segKey(i))
+		if miss != segHit || v.off != uint64(i%16)*4096 || v.size != 100+uint64(i) || v.sum != 0xfeed0000+uint64(i) || v.slot != slots[i] || v.gen%2 != 0 {
+			t.Fatalf("key %d: %+v miss %d", i, v, miss)
+		}
+	}
+	if _, miss := s.find(segKey(99)); miss != segNone {
+		t.Fatalf("unknown key: miss %d, want segNone", miss)
+	}
+	for i := 0; i < 20; i += 2 {
+		s.retire(slots[i])
+	}
+	for i := range 20 {
+		_, miss := s.find(segKey(i))
+		if want := map[bool]segMiss{true: segNone, false: segHit}[i%2 == 0]; miss != want {
+			t.Fatalf("after retiring the even keys, key %d: miss %d want %d", i, miss, want)
+		}
+	}
+	old, _ := s.find(segKey(1))
+	s.retire(old.slot)
+	sl, err := s.publish(segKey(1), 8192, 5, 6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, miss := s.find(segKey(1))
+	if miss != segHit || v.off != 8192 || v.size != 5 || v.sum != 6 || v.slot != sl || (v.slot == old.slot && v.gen == old.gen) {
+		t.Fatalf("republished: %+v (old %+v)", v, old)
+	}
+}
+
+// TestSegOutOfRangeSlotIsMiss: a live slot naming bytes outside the data
+// region (a damaged catalog) is a miss, never a read out of range.
+func TestSegOutOfRangeSlotIsMiss(t *testing.T) {
+	s := testSeg(t, 4)
+	if _, err := s.publish(segKey(1), uint64(len(s.data))-10, 11, 1); err != nil {
+		t.Fatal(err)
+	}
+	if v, miss := s.find(segKey(1)); miss != segNone {
+		t.Fatalf("slot past the data region (%d B): %+v miss %d, want segNone", len(s.data), v, miss)
+	}
+}
+
+// TestSegTornSlot: a slot the holder is rewriting (odd seq) is never
+// taken; once the rewrite ends it is.
+func TestSegTornSlot(t *testing.T) {
+	s := testSeg(t, 4)
+	sl, _ := s.publish(segKey(3), 4096, 10, 11)
+	seq := s.seq(sl)
+	g := seq.Load()
+	seq.Store(g + 1) // the holder died (or is) mid-rewrite
+	s.u64(s.slot(sl) + 72).Store(999)
+	if v, miss := s.find(segKey(3)); miss != segBusy {
+		t.Fatalf("mid-rewrite slot: %+v miss %d, want segBusy", v, miss)
+	}
+	seq.Store(g + 2)
+	if v, miss := s.find(segKey(3)); miss != segHit || v.size != 999 || v.gen != g+2 {
+		t.Fatalf("after the rewrite: %+v miss %d", v, miss)
+	}
+}
+
+// TestSegStaleGeneration: a lease on a slot found before the holder
+// retired or replaced it is refused and given back at once; a lease on
+// the current generation holds the slot until given back or too old.
+func TestSegStaleGeneration(t *testing.T) {
+	s := testSeg(t, 4)
+	sl, _ := s.publish(segKey(5), 0, 10, 11)
+	v, _ := s.find(segKey(5))
+	s.retire(sl)
+	if _, err := s.publish(segKey(5), 4096, 10, 12); err != nil { // same slot, new generation
+		t.Fatal(err)
+	}
+	if s.lease(v, 100) {
+		t.Fatalf("lease on generation %d taken; the slot is at %d", v.gen, s.seq(v.slot).Load())
+	}
+	if n := s.leases(v.slot).Load(); n != 0 || s.leased(v.slot, 100, 50) {
+		t.Fatalf("refused lease left %d leases", n)
+	}
+	cur, _ := s.find(segKey(5))
+	if cur.off != 4096 || cur.sum != 12 || !s.lease(cur, 100) {
+		t.Fatalf("current generation: %+v", cur)
+	}
+	if !s.leased(cur.slot, 120, 50) {
+		t.Fatal("a 20 ns old lease with a 50 ns TTL is not seen")
+	}
+	if s.leased(cur.slot, 151, 50) {
+		t.Fatal("a lease older than its TTL still holds the slot")
+	}
+	s.unlease(cur)
+	if s.leased(cur.slot, 120, 50) {
+		t.Fatal("a given-back lease still holds the slot")
+	}
+}
+
+// TestSegConcurrentRewritesNeverTorn: while the holder keeps rewriting
+// a slot with consistent (off, size, sum) triples, every hit a reader
+// gets is one of them, never a mix.
+func TestSegConcurrentRewritesNeverTorn(t *testing.T) {
+	s := testSeg(t, 4)
+	sl, _ := s.publish(segKey(9), 4096, 1, 1^0x5555)
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		w := keyWords(segKey(9))
+		for x := uint64(1); !stop.Load(); x++ {
+			s.write(sl, slotLive, w, x*4096%uint64(len(s.data)-4096), x, x^0x5555)
+		}
+	}()
+	hits := 0
+	for range 50000 {
+		v, miss := s.find(segKey(9))
+		if miss != segHit {
+			continue
+		}
+		hits++
+		if v.sum != v.size^0x5555 || v.off != v.size*4096%uint64(len(s.data)-4096) {
+			stop.Store(true)
+			wg.Wait()
+			t.Fatalf("torn slot read: %+v", v)
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	if hits == 0 {
+		t.Fatal("no consistent read in 50000 tries")
+	}
+}
+
+// TestSegHeaderChecks: a peer refuses a segment whose header is not one.
+func TestSegHeaderChecks(t *testing.T) {
+	s := testSeg(t, 8)
+	size := s.geo.size()
+	hdr := append([]byte(nil), s.meta[:segHeaderBytes]...)
+	if g, inc, err := parseSegHeader(hdr, size); err != nil || g != s.geo || inc != 7 {
+		t.Fatalf("good header: %+v %d %v", g, inc, err)
+	}
+	if _, _, err := parseSegHeader(hdr, size-4096); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("short file: %v", err)
+	}
+	bad := append([]byte(nil), hdr...)
+	bad[0] ^= 1
+	if _, _, err := parseSegHeader(bad, size); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("bad magic: %v", err)
+	}
+	bad = append([]byte(nil), hdr...)
+	bad[16]++ // slot count
+	if _, _, err := parseSegHeader(bad, size); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("bad slot count: %v", err)
+	}
+}
+
+// TestSegFileSafety: the directory must be private and real; a peer's
+// segment must be a private regular file, never followed through a
+// symlink.
+func TestSegFileSafety(t *testing.T) {
+	dir := t.TempDir()
+	r0 := wire.Rank{Instance: "inst", TPRank: 0}
+	r1 := wire.Rank{Instance: "inst", TPRank: 1}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+		t.Fatalf("0755 dir: %v", err)
+	}
+	_ = os.Chmod(dir, 0o700)
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(dir, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := createSegment(link, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+		t.Fatalf("symlinked dir: %v", err)
+	}
+	s, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := openPeerSegment(dir, r0)
+	if err != nil || p.incarnation != 1 || p.seg.geo != s.geo {
+		t.Fatalf("open a good segment: %v", err)
+	}
+	p.unmap()
+	if err := os.Symlink(filepath.Join(dir, segFileName(r0)), filepath.Join(dir, segFileName(r1))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := openPeerSegment(dir, r1); err == nil {
+		t.Fatal("a symlinked segment was opened")
+	}
+	_ = os.Remove(filepath.Join(dir, segFileName(r1)))
+	if err := os.WriteFile(filepath.Join(dir, segFileName(r1)), make([]byte, 8192), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := openPeerSegment(dir, r1); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("0644 segment file: %v", err)
+	}
+	s.closeOwn(dir, r0)
+	if _, err := os.Lstat(filepath.Join(dir, segFileName(r0))); !os.IsNotExist(err) {
+		t.Fatalf("closed segment left its file: %v", err)
+	}
+}
