@@ -85,6 +85,20 @@ type Config struct {
 	HighWatermark float64
 	LowWatermark  float64
 
+	// HostL1Dir, when not "", makes L1 host-shared (issue 15.1): L1 is the
+	// data region of a shared-memory segment "<instance>.<tp>.l1" created
+	// in this directory (a private 0700 directory of this uid, typically
+	// under /dev/shm; symlinks and foreign owners are refused), whose
+	// catalog lists every object L1 holds; the other TP ranks of the
+	// instance on this host, given the same directory, restore those
+	// objects straight from it (mapped read-only, registered with the
+	// device) instead of reading L2, so an MLA object read by every TP
+	// rank is held once per host. Default "": L1 is private pinned memory.
+	// The segment is tmpfs memory the kernel accounts to the directory's
+	// file system, not to the process; it is removed by Close, and a
+	// crashed run's is replaced by the next start.
+	HostL1Dir string
+
 	// L2Dir is the root of the L2 file tier, shared by the rankds of one
 	// engine instance (objects of every rank live under it; each file
 	// records its writer). Default "": no L2 unless L2 is set.

@@ -37,6 +37,7 @@ type Engine struct {
 
 	l1buf  cuda.HostBuf
 	l1mem  []byte
+	peers  *peerTable // nil unless Config.HostL1Dir
 	closer sync.Once
 	closed chan struct{} // closed when Close has finished
 	cerr   error
@@ -69,6 +70,9 @@ type testHooks struct {
 	// rescanned runs, outside the engine lock, after the rescan entered
 	// each entry (copied from rescanHook at New).
 	rescanned func(ScanEntry)
+	// peerLeased runs after a retrieve leased an object in a peer's L1,
+	// before its scatter (tests set it before the retrieve).
+	peerLeased func(dcp.Key)
 }
 
 // rescanHook, when set (tests only, before New), becomes the new engine's
@@ -109,13 +113,19 @@ func New(cfg Config) (*Engine, error) {
 
 	nslabs := int(cfg.L1Bytes / cfg.L1SlabBytes)
 	size := uint64(nslabs) * cfg.L1SlabBytes
-	buf, err := cfg.Device.AllocHost(size)
-	if err != nil {
-		return nil, fmt.Errorf("transfer: allocate L1 of %d B pinned host memory: %w", size, errors.Join(err, ErrDevice))
-	}
-	e.l1buf, e.l1mem = buf, buf.Bytes()
-	e.ctr.l1CapacityBytes = size
 	e.cat.init(nslabs, cfg.L1SlabBytes)
+	if cfg.HostL1Dir != "" {
+		if err := e.openHostL1(nslabs); err != nil {
+			return nil, err
+		}
+	} else {
+		buf, err := cfg.Device.AllocHost(size)
+		if err != nil {
+			return nil, fmt.Errorf("transfer: allocate L1 of %d B pinned host memory: %w", size, errors.Join(err, ErrDevice))
+		}
+		e.l1buf, e.l1mem = buf, buf.Bytes()
+	}
+	e.ctr.l1CapacityBytes = size
 	e.cat.l2acct.hdr = uint64(fileFixedHdr + len(cfg.Rank.Instance) + 8)
 	e.cat.l2acct.gauge = &e.ctr.l2Bytes
 	e.ev.init(cfg.Publisher != nil)
@@ -124,7 +134,7 @@ func New(cfg Config) (*Engine, error) {
 	if e.l2 == nil && cfg.L2Dir != "" {
 		ft, err := OpenFileTier(cfg.L2Dir)
 		if err != nil {
-			_ = buf.Release()
+			e.releaseL1()
 			return nil, err
 		}
 		e.l2 = ft
@@ -137,7 +147,7 @@ func New(cfg Config) (*Engine, error) {
 		e.coll = newCollector(&e.ctr, e.rankID)
 		if err := cfg.Registerer.Register(e.coll); err != nil {
 			e.stopLife()
-			_ = buf.Release()
+			e.releaseL1()
 			return nil, fmt.Errorf("transfer: register metrics: %w", errors.Join(err, ErrConfig))
 		}
 	}
@@ -314,7 +324,7 @@ func (e *Engine) close(ctx context.Context) error {
 		e.log.Error("retrieves still running after shutdown; L1 is left allocated")
 		return errors.Join(append(errs, fmt.Errorf("transfer: close: retrieves still running: %w", err))...)
 	}
-	_ = e.l1buf.Release()
+	e.releaseL1()
 	e.log.Info("engine closed", zap.Uint64("last_seq", e.ctr.lastSeq.Load()),
 		zap.Uint64("published_through", e.ctr.publishedThrough.Load()))
 	return errors.Join(errs...)

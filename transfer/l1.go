@@ -60,6 +60,9 @@ type l1Obj struct {
 	next   *l1Obj
 	filled chan struct{} // closed when filling ends
 	err    error         // why filling failed; valid after filled
+	// pslot is the object's slot in the host L1 catalog while published
+	// (committed and not dropped), else -1.
+	pslot int64
 }
 
 // l2Entry is one object this rank wrote to L2.
@@ -98,9 +101,14 @@ type catalog struct {
 	degraded   bool
 	probeAt    time.Time
 	backoff    time.Duration
-	prefix     []uint64 // scratch for window scans
-	blocked    []int32
-	waitable   []int32
+	// seg is the host L1 segment (nil unless Config.HostL1Dir): its
+	// catalog lists the ready objects for peer rankds; leaseTTL (ns) is how
+	// long a peer's lease keeps an object from being chosen for eviction.
+	seg      *segment
+	leaseTTL int64
+	prefix   []uint64 // scratch for window scans
+	blocked  []int32
+	waitable []int32
 }
 
 func (c *catalog) init(nslabs int, slabBytes uint64) {
@@ -218,7 +226,7 @@ func (c *catalog) classify(o *l1Obj, now time.Time) int {
 	switch {
 	case o == nil:
 		return slabFree
-	case o.pins > 0 || o.state != stReady || o.doomed:
+	case o.pins > 0 || o.state != stReady || o.doomed || c.peerLeased(o, now):
 		return slabBlocked
 	case o.writing:
 		return slabWaitable
@@ -376,6 +384,7 @@ func (e *Engine) dropLocked(o *l1Obj) {
 	if c.objs[o.key] == o {
 		delete(c.objs, o.key)
 	}
+	e.peerRetireLocked(o) // peers stop finding it before its slabs can be reused
 	if o.state == stReady {
 		c.lruRemove(o)
 		c.ready--
@@ -419,6 +428,7 @@ func (e *Engine) commitLocked(o *l1Obj, sum uint64, dirty bool) {
 	c.ready++
 	e.ctr.l1Objects.Store(int64(c.ready))
 	c.lruPush(o)
+	e.peerPublishLocked(o)
 	e.emitLocked(wire.Stored, wire.L1, o.key, o.size, o.sum)
 	close(o.filled)
 	if o.dirty && e.cfg.L2Policy == WriteThrough {
@@ -441,7 +451,7 @@ func (e *Engine) failFillLocked(o *l1Obj, err error) {
 // newObjLocked creates an unplaced, filling object of key, pinned once by
 // its filler, and enters it in the catalog.
 func (e *Engine) newObjLocked(key dcp.Key, fp [32]byte, size uint64) *l1Obj {
-	o := &l1Obj{key: key, fp: fp, size: size, slab: -1, nslab: e.cat.slabsFor(size), pins: 1, filled: make(chan struct{})}
+	o := &l1Obj{key: key, fp: fp, size: size, slab: -1, nslab: e.cat.slabsFor(size), pins: 1, filled: make(chan struct{}), pslot: -1}
 	e.cat.objs[key] = o
 	return o
 }

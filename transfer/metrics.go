@@ -68,6 +68,11 @@ type counters struct {
 	l2Rewrites            atomic.Uint64 // L1 objects written to L2 again after their copy was found gone or quarantined
 	storesNotDurable      atomic.Uint64 // write-through stores answered NotDurable
 	storeThrottled        atomic.Uint64 // stores that waited for L1 room
+	l2Reads               atomic.Uint64 // objects read from L2 files into L1
+	peerL1Reads           atomic.Uint64 // objects placed from a peer's L1 and verified
+	peerL1Bytes           atomic.Uint64
+	peerL1Failures        atomic.Uint64 // peer reads that failed (wrong size or sum, scatter failed or mismatched)
+	peerL1Stale           atomic.Uint64 // objects found in a peer's catalog but evicted before the lease
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -113,6 +118,11 @@ type Stats struct {
 	L2Rewrites       uint64        // L1 objects written to L2 again after their copy was found gone or quarantined
 	StoresNotDurable uint64        // write-through stores answered NotDurable (L2 degraded or unavailable)
 	StoresThrottled  uint64        // stores that waited for L1 room (full of pinned or filling objects)
+	L2Reads          uint64        // objects read from L2 files
+	PeerL1Reads      uint64        // objects restored from a peer's L1 (host-shared L1), verified
+	PeerL1Bytes      uint64
+	PeerL1Failures   uint64 // peer L1 reads that failed (the chunk failed, or it was read from L2)
+	PeerL1Stale      uint64 // objects a peer's catalog listed but evicted before they were leased
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -161,6 +171,11 @@ func (e *Engine) Stats() Stats {
 		L2Rewrites:       c.l2Rewrites.Load(),
 		StoresNotDurable: c.storesNotDurable.Load(),
 		StoresThrottled:  c.storeThrottled.Load(),
+		L2Reads:          c.l2Reads.Load(),
+		PeerL1Reads:      c.peerL1Reads.Load(),
+		PeerL1Bytes:      c.peerL1Bytes.Load(),
+		PeerL1Failures:   c.peerL1Failures.Load(),
+		PeerL1Stale:      c.peerL1Stale.Load(),
 		LastSeq:          c.lastSeq.Load(),
 		EventsPublished:  c.eventsPublished.Load(),
 		EventsDropped:    c.eventsDropped.Load(),
@@ -228,6 +243,11 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_collected_bytes_total", "Bytes of the L2 garbage files removed.")
 	add("stores_not_durable_total", "Write-through stores committed to L1 only because L2 was degraded or unavailable (said so in the reply).")
 	add("stores_throttled_total", "Stores that waited for L1 room because L1 was full of pinned or filling objects.")
+	add("l2_reads_total", "Objects read from L2 files into L1 by retrieves.")
+	add("peer_l1_reads_total", "Objects restored straight from the L1 of another rank of this host and instance (host-shared L1), verified.")
+	add("peer_l1_bytes_total", "Bytes restored from the L1 of another rank of this host (host-shared L1).")
+	add("peer_l1_failures_total", "Reads from another rank's L1 that failed: size or checksum not the expected ones, or the bytes changed during the read (an eviction raced it); the chunk failed or came from L2.")
+	add("peer_l1_stale_total", "Objects another rank's L1 catalog listed but that were evicted or replaced before this rank's lease (read from L2 or failed).")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
@@ -300,6 +320,11 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l2_rescanning", resc)
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("stores_throttled_total", c.storeThrottled.Load())
+	counter("l2_reads_total", c.l2Reads.Load())
+	counter("peer_l1_reads_total", c.peerL1Reads.Load())
+	counter("peer_l1_bytes_total", c.peerL1Bytes.Load())
+	counter("peer_l1_failures_total", c.peerL1Failures.Load())
+	counter("peer_l1_stale_total", c.peerL1Stale.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))

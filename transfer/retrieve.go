@@ -129,7 +129,7 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 
 	r := &retrieval{e: e, sp: sp, req: req, spans: spans,
 		res:  RetrieveResult{Items: make([]ItemResult, len(req.Items))},
-		objs: make([]*l1Obj, len(req.Items))}
+		objs: make([]*l1Obj, len(req.Items)), peer: make([]*peerItem, len(req.Items))}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.RetrieveTimeout)
 	defer cancel()
 	stop := context.AfterFunc(e.life, cancel)
@@ -155,6 +155,9 @@ type retrieval struct {
 	spans [][]cuda.Span
 	res   RetrieveResult
 	objs  []*l1Obj // pinned object of each item, nil once unpinned
+	// peer is, for an item read from another rank's L1 (host-shared L1),
+	// its lease; nil once given back.
+	peer []*peerItem
 }
 
 // planRetrieve validates req and returns each item's target spans.
@@ -202,30 +205,49 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 func (r *retrieval) run(ctx context.Context, idx []int) {
 	e := r.e
 	res := r.sp.res
-	var loads, waits []int
+	var loads, waits, remote []int
 	e.mu.Lock()
 	for _, i := range idx {
 		it := r.req.Items[i]
 		ir := &r.res.Items[i]
 		ir.Chunk, ir.Group, ir.Key = it.Chunk, it.Group, it.Key
-		o := e.cat.objs[it.Key]
-		switch {
-		case o != nil:
+		if o := e.cat.objs[it.Key]; o != nil {
 			e.pinLocked(o)
 			r.objs[i] = o
 			ir.From = wire.L1
 			if o.state != stReady {
 				waits = append(waits, i)
 			}
-		case e.l2 == nil:
-			r.fail(i, fmt.Errorf("%s is not in L1 and there is no L2: %w", it.Key, ErrNotFound))
-		default:
-			r.objs[i] = e.newObjLocked(it.Key, res.Fingerprint, res.ObjectSize(it.Group))
-			ir.From = wire.L2
-			loads = append(loads, i)
+		} else {
+			remote = append(remote, i)
 		}
 	}
 	e.mu.Unlock()
+	// Then the L1 of the other ranks of this host (host-shared L1), then L2.
+	if remote = r.findPeers(remote); len(remote) > 0 {
+		e.mu.Lock()
+		for _, i := range remote {
+			it := r.req.Items[i]
+			ir := &r.res.Items[i]
+			o := e.cat.objs[it.Key] // another retrieve may be loading it meanwhile
+			switch {
+			case o != nil:
+				e.pinLocked(o)
+				r.objs[i] = o
+				ir.From = wire.L1
+				if o.state != stReady {
+					waits = append(waits, i)
+				}
+			case e.l2 == nil:
+				r.fail(i, fmt.Errorf("%s is not in L1 and there is no L2: %w", it.Key, ErrNotFound))
+			default:
+				r.objs[i] = e.newObjLocked(it.Key, res.Fingerprint, res.ObjectSize(it.Group))
+				ir.From = wire.L2
+				loads = append(loads, i)
+			}
+		}
+		e.mu.Unlock()
+	}
 
 	// Loads from L2, a few at a time; each is verified before it is used.
 	if len(loads) > 0 {
@@ -283,7 +305,7 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 			failed[r.req.Items[i].Chunk] = true
 		}
 	}
-	var scatter []int
+	var scatter, fromPeers []int
 	for _, i := range idx {
 		it := r.req.Items[i]
 		switch {
@@ -291,6 +313,8 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 		case failed[it.Chunk]:
 			r.fail(i, fmt.Errorf("another object of chunk %d failed; nothing of the chunk is written", it.Chunk))
 			r.res.Items[i].Reason = ReasonSibling
+		case r.peer[i] != nil:
+			fromPeers = append(fromPeers, i)
 		default:
 			scatter = append(scatter, i)
 		}
@@ -300,10 +324,16 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 			e.unpinLocked(r.objs[i])
 			r.objs[i] = nil
 		}
+		if r.res.Items[i].Reason != ReasonNone {
+			r.releasePeer(i)
+		}
 	}
 	e.mu.Unlock()
 	if len(scatter) > 0 {
 		r.scatter(ctx, scatter)
+	}
+	if len(fromPeers) > 0 {
+		r.scatterPeers(ctx, fromPeers)
 	}
 }
 
@@ -334,6 +364,7 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		return
 	}
 	e.ctr.bytesReadL2.Add(o.size)
+	e.ctr.l2Reads.Add(1)
 	if meta.Writer == e.cfg.Rank {
 		e.cat.l2Touch(o.key) // a use, for L2's LRU eviction
 	}
@@ -418,52 +449,11 @@ func (r *retrieval) scatter(ctx context.Context, items []int) {
 		objs[k] = cuda.Object{HostOff: e.cat.off(r.objs[i]), Spans: r.spans[i]}
 	}
 	e.mu.Unlock()
-	failAll := func(err error) {
-		for _, i := range items {
-			r.fail(i, err)
-		}
-	}
-	stream, err := e.retrieveStreams.get(ctx)
-	if err != nil {
-		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
+	sums, ok := r.scatterFrom(ctx, e.l1buf, items, objs)
+	if !ok {
 		return
 	}
-	op, err := stream.Scatter(e.l1buf, objs)
-	if err != nil {
-		// Never reuse it: on the CUDA backend a failed enqueue can leave
-		// the stream failed for good, failing every later retrieve on it.
-		e.retrieveStreams.put(stream, false)
-		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return
-	}
-	if err := op.Wait(ctx); err != nil {
-		if ctx.Err() != nil {
-			failAll(fmt.Errorf("scatter of %d objects: %w", len(items), ctxErr(ctx)))
-			// C10: a failure reply means the device has stopped writing
-			// the engine's pages, which it recomputes at once. The scatter
-			// is still enqueued: wait for the stream to drain before
-			// answering (only Close cuts the wait short).
-			start := time.Now()
-			serr := stream.Synchronize(e.life)
-			e.retrieveStreams.put(stream, serr == nil)
-			e.ctr.retrieveDrains.Add(1)
-			if serr != nil {
-				r.res.BlocksInUse = true
-				e.log.Error("a timed-out scatter could not be drained before the reply; the target blocks may still be written",
-					zap.String("restore", r.req.RestoreID), zap.Int("objects", len(items)), zap.Error(serr))
-			} else {
-				e.log.Warn("a timed-out scatter was drained before the reply", zap.String("restore", r.req.RestoreID),
-					zap.Int("objects", len(items)), zap.Duration("drained", time.Since(start)))
-			}
-			return
-		}
-		e.retrieveStreams.put(stream, false)
-		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return
-	}
-	e.retrieveStreams.put(stream, true)
-	sums := op.Sums()
-	var ok, bytes uint64
+	var nok, bytes uint64
 	e.mu.Lock()
 	for k, i := range items {
 		o := r.objs[i]
@@ -478,11 +468,11 @@ func (r *retrieval) scatter(ctx context.Context, items []int) {
 			continue
 		}
 		ir.OK = true
-		ok++
+		nok++
 		bytes += o.size
 	}
 	e.mu.Unlock()
-	e.ctr.objectsRestored.Add(ok)
+	e.ctr.objectsRestored.Add(nok)
 	e.ctr.bytesRetrievedL1.Add(bytes)
 }
 
@@ -545,6 +535,9 @@ func (e *Engine) retrieveBatchBytes() uint64 {
 // unpinAll gives back the pins of the items of the last batch.
 func (r *retrieval) unpinAll() {
 	e := r.e
+	for i := range r.peer {
+		r.releasePeer(i)
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for i, o := range r.objs {
@@ -558,6 +551,9 @@ func (r *retrieval) unpinAll() {
 // finish unpins everything and ends the call.
 func (r *retrieval) finish() {
 	e := r.e
+	for i := range r.peer {
+		r.releasePeer(i)
+	}
 	e.mu.Lock()
 	for i, o := range r.objs {
 		if o != nil {
@@ -570,4 +566,57 @@ func (r *retrieval) finish() {
 	e.mu.Unlock()
 	e.releaseSpace(r.sp)
 	e.ctr.retrievesInflight.Add(-1)
+}
+
+// scatterFrom runs one scatter of objs (the objects of items) from buf and
+// returns its sums; on failure every item is failed and ok is false. It
+// returns only once the device has stopped writing the items' pages, also
+// after a timeout (C10).
+func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []int, objs []cuda.Object) (sums []uint64, ok bool) {
+	e := r.e
+	failAll := func(err error) {
+		for _, i := range items {
+			r.fail(i, err)
+		}
+	}
+	stream, err := e.retrieveStreams.get(ctx)
+	if err != nil {
+		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
+		return
+	}
+	op, err := stream.Scatter(buf, objs)
+	if err != nil {
+		// Never reuse it: on the CUDA backend a failed enqueue can leave
+		// the stream failed for good, failing every later retrieve on it.
+		e.retrieveStreams.put(stream, false)
+		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
+		return
+	}
+	if err := op.Wait(ctx); err != nil {
+		if ctx.Err() != nil {
+			failAll(fmt.Errorf("scatter of %d objects: %w", len(items), ctxErr(ctx)))
+			// C10: a failure reply means the device has stopped writing
+			// the engine's pages, which it recomputes at once. The scatter
+			// is still enqueued: wait for the stream to drain before
+			// answering (only Close cuts the wait short).
+			start := time.Now()
+			serr := stream.Synchronize(e.life)
+			e.retrieveStreams.put(stream, serr == nil)
+			e.ctr.retrieveDrains.Add(1)
+			if serr != nil {
+				r.res.BlocksInUse = true
+				e.log.Error("a timed-out scatter could not be drained before the reply; the target blocks may still be written",
+					zap.String("restore", r.req.RestoreID), zap.Int("objects", len(items)), zap.Error(serr))
+			} else {
+				e.log.Warn("a timed-out scatter was drained before the reply", zap.String("restore", r.req.RestoreID),
+					zap.Int("objects", len(items)), zap.Duration("drained", time.Since(start)))
+			}
+			return
+		}
+		e.retrieveStreams.put(stream, false)
+		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
+		return
+	}
+	e.retrieveStreams.put(stream, true)
+	return op.Sums(), true
 }
