@@ -49,6 +49,18 @@ type Config struct {
 	// would grow it further fails, and the index then refuses writes
 	// (ErrFailed) until it is reopened with more room. Default 0: no cap.
 	MaxFileBytes int
+	// HostSharedL1 says that the rankds of every instance run on one host
+	// with host-shared L1 (rankd --host-l1-dir): an L1 copy is then usable
+	// by every reader of its holder's instance, not only by the holder,
+	// since a peer rankd restores it straight from the holder's shared
+	// segment. Lookups prefer the reader's own L1, then the L1 of another
+	// rank of the instance (lowest TP rank first), then L2. Default false:
+	// an L1 copy serves its holder only. Set it only when every instance's
+	// ranks share a host: a reader on another host that is sent to a peer's
+	// L1 fails the chunk (or reads the L2 copy when one exists), and the
+	// engine recomputes it.
+	HostSharedL1 bool
+
 	// OpenTimeout bounds the wait for bbolt's file lock at Open (another
 	// process holding the file). Default 5 s.
 	OpenTimeout time.Duration

@@ -59,7 +59,8 @@ func (r *LookupResult) Holder(i, j int) wire.Rank {
 // which copy to read.
 //
 // Usability: an L1 copy (pinned memory of its holder's rankd) is usable
-// only by its holder itself; an L2 copy (a file under the instance's L2
+// only by its holder itself (with Config.HostSharedL1, by every rank of
+// its instance, after the reader's own L1 and before any L2 copy); an L2 copy (a file under the instance's L2
 // root, shared by the instance's rankds) is usable by any reader of the
 // holder's instance, even while the holder is fenced (the file outlives
 // it). Fenced L1 copies are never usable: the index does not keep them.
@@ -128,7 +129,7 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 		res.touch += touch
 		for i := range w {
 			s := ss[i]
-			if !pl.pick(s, readers, inst, best, score) {
+			if !pl.pick(s, readers, inst, ix.cfg.HostSharedL1, best, score) {
 				return nil
 			}
 			for j := range ne {
@@ -173,10 +174,12 @@ func newPlan(r *dcp.Resolved) *lookupPlan {
 
 // pick chooses, in one pass over a chunk's placements, the copy each
 // expectation's reader should read (best[j], an index into s) and reports
-// whether every expectation has one. Scores: the reader's own L1 (4), its
-// own L2 (3), another rank's L2 of the same instance (2, lowest TP rank
-// first); anything else is unusable (0). readers[j] is the reader's rank id.
-func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, score []int32) bool {
+// whether every expectation has one. Scores (placement.score): the
+// reader's own L1, with hostL1 another rank's L1 of the same instance,
+// the reader's own L2, another rank's L2 of the same instance (among
+// other ranks' copies of one tier, the lowest TP rank first); anything
+// else is unusable (0). readers[j] is the reader's rank id.
+func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 bool, best, score []int32) bool {
 	if len(s) == 0 {
 		return false
 	}
@@ -190,13 +193,13 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, sc
 		}
 		o := sh*groups + g
 		if j := one[o]; j >= 0 { // the common case: one reader per object
-			if sc := p.score(readers[j], inst); sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
+			if sc := p.score(readers[j], inst, hostL1); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 			continue
 		}
 		for _, j := range pl.readers[o] {
-			if sc := p.score(readers[j], inst); sc > score[j] || (sc == 2 && score[j] == 2 && p.tp < s[best[j]].tp) {
+			if sc := p.score(readers[j], inst, hostL1); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 		}
@@ -209,17 +212,25 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, best, sc
 	return true
 }
 
-// score rates p for a reader (rank id) of instance inst: 4 the reader's
-// own L1, 3 its own L2, 2 another rank's L2 of the same instance, 0
-// unusable.
-func (p *placement) score(reader int32, inst uint32) int32 {
+// score rates p for a reader (rank id) of instance inst: 5 the reader's
+// own L1, 4 another rank's L1 of the same instance when L1 is host-shared
+// (hostL1), 3 the reader's own L2, 2 another rank's L2 of the same
+// instance, 0 unusable. Only one copy per (rank, tier) exists, so equal
+// scores below 5 and 3 compare copies of other ranks.
+func (p *placement) score(reader int32, inst uint32, hostL1 bool) int32 {
 	if int32(p.rank) == reader {
 		if p.tier == wire.L1 {
-			return 4
+			return 5
 		}
 		return 3
 	}
-	if p.tier == wire.L2 && p.inst == inst {
+	if p.inst != inst {
+		return 0
+	}
+	switch {
+	case p.tier == wire.L1 && hostL1:
+		return 4
+	case p.tier == wire.L2:
 		return 2
 	}
 	return 0
