@@ -175,6 +175,11 @@ type Config struct {
 	MaxWaitersPerRestore int
 	MaxWaiters           int
 
+	// HostSharedL1 plans restores from another rank's L1 of the same
+	// instance (index.Config.HostSharedL1): set it when every instance's
+	// rankds share a host and run with --host-l1-dir. Default false.
+	HostSharedL1 bool
+
 	// IndexMaxFileBytes caps the bbolt index file, in bytes
 	// (index.Config.MaxFileBytes): a commit that would grow it further
 	// fails, the index refuses writes until the coordinator restarts with

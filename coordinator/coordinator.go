@@ -337,6 +337,7 @@ func (c *Coordinator) openIndex() error {
 	icfg.Logger = c.cfg.Logger
 	icfg.Registerer = c.reg
 	icfg.MaxFileBytes = c.cfg.IndexMaxFileBytes
+	icfg.HostSharedL1 = c.cfg.HostSharedL1
 	if c.cfg.indexOpenHook != nil {
 		c.cfg.indexOpenHook()
 	}

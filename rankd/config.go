@@ -41,6 +41,13 @@ type Config struct {
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
 	// more hot objects; it is pinned (unswappable) RAM.
 	L1Bytes uint64
+	// HostL1Dir makes L1 host-shared (transfer.Config.HostL1Dir): L1 lives
+	// in a shared-memory segment in this private (0700) directory, and the
+	// rankds of the same instance on this host given the same directory
+	// restore each other's L1 objects straight from it (MLA is then held
+	// once per host, and write-back serves TP readers). The coordinator
+	// plans such reads with --host-shared-l1. Default "": private L1.
+	HostL1Dir string
 	// L2Dir is the root of the L2 file tier, shared by the ranks of one
 	// engine instance. Default "": no L2, and nothing survives a restart.
 	L2Dir string

@@ -126,6 +126,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L1Bytes = cfg.L1Bytes
 	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
+	tc.HostL1Dir = cfg.HostL1Dir
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan

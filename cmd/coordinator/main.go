@@ -137,6 +137,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.BoolVar(&cfg.RequireMemberIncarnation, "require-member-incarnation", cfg.RequireMemberIncarnation, "accept a new rank incarnation only once memberlist shows it alive")
 	fs.IntVar(&cfg.MaxRanks, "max-ranks", cfg.MaxRanks, "ranks the index may hold")
 	fs.IntVar(&cfg.MaxActiveRestoresPerInstance, "max-active-restores-per-instance", cfg.MaxActiveRestoresPerInstance, "active restores of one engine instance")
+	fs.BoolVar(&cfg.HostSharedL1, "host-shared-l1", cfg.HostSharedL1, "every instance's rankds share a host with --host-l1-dir: plan reads of another rank's L1 (before L2)")
 	fs.IntVar(&cfg.IndexMaxFileBytes, "index-max-file-bytes", cfg.IndexMaxFileBytes, "cap on the bbolt index file in bytes (0: none); beyond it the index fails and /healthz is 503")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	// Replicated mode (issue 16): several coordinators, one index, hashicorp/raft.

@@ -48,6 +48,7 @@ func main() {
 	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
 	flag.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
 	flag.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
+	flag.StringVar(&cfg.HostL1Dir, "host-l1-dir", "", "host-shared L1: keep L1 in a shared-memory segment in this private 0700 dir (e.g. /dev/shm/kvtier-l1) so the instance's other rankds on this host restore from it; empty: private L1")
 	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
 	flag.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
 	flag.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
