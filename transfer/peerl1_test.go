@@ -3,6 +3,7 @@ package transfer
 import (
 	"bytes"
 	"os"
+	"sync"
 	"testing"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -197,5 +198,85 @@ func TestPeerL1PeerRestartReplacesSegment(t *testing.T) {
 	}
 	if got := r1.readChunk(tgt2[0]); !bytes.Equal(got[0], c2.packed[0]) {
 		t.Fatal("read other bytes after the restart")
+	}
+}
+
+// TestPeerL1ReadsRacingEvictionsNeverWrong (C5): rank 0's L1 holds 16
+// objects while it stores 120 chunks, evicting all the time; meanwhile
+// rank 1 keeps restoring the latest chunks from it. Every item rank 1
+// reports OK holds exactly the chunk's bytes; the rest failed (missing:
+// evicted before the lookup; corrupt: changed under the read).
+func TestPeerL1ReadsRacingEvictionsNeverWrong(t *testing.T) {
+	dev := openDevice(t, "")
+	dir := hostL1Dir(t)
+	spec := c1Spec()
+	spec.Layout = dcp.Layout{TP: 2, DCP: 1, Interleave: 1, PP: 1}
+	r0 := newRig(t, dev, spec, []int64{16})
+	r1 := newRig(t, dev, spec, []int64{16})
+	cfg0 := engineConfig(t, dev, 0, 2)
+	cfg0.HostL1Dir, cfg0.L1Bytes = dir, 16*cfg0.L1SlabBytes
+	cfg1 := engineConfig(t, dev, 1, 2)
+	cfg1.HostL1Dir = dir
+	e0, e1 := newEngine(t, cfg0), newEngine(t, cfg1)
+	r0.register(e0)
+	r1.register(e1)
+
+	const total = 120
+	var mu sync.Mutex // guards stored
+	var stored []chunk
+	done := make(chan struct{})
+	var ok, failed, wrong int
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			mu.Lock()
+			// Chunks around the eviction edge: some still in L1, some gone.
+			cs := append([]chunk(nil), stored[max(0, len(stored)-19):max(0, len(stored)-13)]...)
+			mu.Unlock()
+			if len(cs) == 0 {
+				continue
+			}
+			tgt := make([][][]int64, len(cs))
+			for i := range cs {
+				tgt[i] = r1.consecutiveN(i)
+			}
+			rr, err := e1.Retrieve(testCtx(t), r1.retrieveReq(1, cs, tgt))
+			if err != nil {
+				t.Errorf("retrieve: %v", err)
+				return
+			}
+			for i := range cs {
+				if !rr.ChunkOK(i) {
+					failed++
+					continue
+				}
+				ok++
+				if got := r1.readChunk(tgt[i]); !bytes.Equal(got[0], cs[i].packed[0]) {
+					wrong++
+				}
+			}
+		}
+	}()
+	for i := range total {
+		c := r0.newChunk(i, r0.consecutiveN(i%8))
+		storeAll(t, e0, r0, "s", c)
+		mu.Lock()
+		stored = append(stored, c)
+		mu.Unlock()
+	}
+	close(done)
+	wg.Wait()
+	st := e1.Stats()
+	t.Logf("rank 1: %d chunks OK, %d failed; peer reads %d, failures %d, stale %d; rank 0 evictions %d",
+		ok, failed, st.PeerL1Reads, st.PeerL1Failures, st.PeerL1Stale, e0.Stats().Evictions)
+	if wrong != 0 || ok == 0 || e0.Stats().Evictions == 0 {
+		t.Fatalf("%d chunks reported OK with wrong bytes, %d OK, %d evictions", wrong, ok, e0.Stats().Evictions)
 	}
 }
