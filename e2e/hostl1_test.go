@@ -1,12 +1,14 @@
 package e2e
 
 import (
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -42,6 +44,20 @@ func rankMetric(t *testing.T, c *kv, r int, name string) float64 {
 	return 0
 }
 
+// startHostL1 starts a TP4 cluster with write-back and host-shared L1 and
+// returns it with the segment directory.
+func startHostL1(t *testing.T) (*kv, string) {
+	c := newKV(t, 4)
+	shm := filepath.Join(c.dir, "l1shm")
+	if err := os.Mkdir(shm, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	c.rankArgs = []string{"--l2-policy", "write-back", "--host-l1-dir", shm}
+	c.coordArgs = []string{"--host-shared-l1"}
+	c.startAll()
+	return c, shm
+}
+
 // TestHostL1WriteBackTP4DCP1 (issue 15.1): MLA at TP4/DCP1 under
 // write-back with host-shared L1 (rankd --host-l1-dir, coordinator
 // --host-shared-l1). Rank 0 stores; the restore is COMPLETE and byte-exact
@@ -52,14 +68,7 @@ func rankMetric(t *testing.T, c *kv, r int, name string) float64 {
 // the others none). Seen failing first on main's behaviour (without the
 // flags: ranks 1..3 have no source, prefix 0).
 func TestHostL1WriteBackTP4DCP1(t *testing.T) {
-	c := newKV(t, 4)
-	shm := filepath.Join(c.dir, "l1shm")
-	if err := os.Mkdir(shm, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	c.rankArgs = []string{"--l2-policy", "write-back", "--host-l1-dir", shm}
-	c.coordArgs = []string{"--host-shared-l1"}
-	c.startAll()
+	c, _ := startHostL1(t)
 	st := c.mustSim("--scenario", "tp4dcp1", "--chunks", "8", "--phase", "store")
 	res := c.mustSim("--scenario", "tp4dcp1", "--chunks", "8", "--phase", "restore")
 	if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks || len(res.Ranks) != 4 {
@@ -100,5 +109,66 @@ func TestHostL1WriteBackTP4DCP1(t *testing.T) {
 	}
 	if res.Ranks[1].Items-int(l1[1]) <= 0 {
 		t.Fatalf("rank 1 read nothing from rank 0's L1: %+v, L1 %v", res.Ranks[1], l1)
+	}
+}
+
+// TestHostL1ChangedBytesFailChunk (C5 across processes): the bytes of the
+// first object in rank 0's L1 segment change behind the rankds' backs (as
+// when an eviction reuses the slabs during a read). The restore fails
+// exactly that chunk, on rank 0 (its own L1) and on the TP readers (rank
+// 0's L1, counted in peer_l1_failures_total); no wrong byte is reported
+// placed. After the engine stores the prompt again, the next restore is
+// COMPLETE from L1 on all 4 ranks.
+func TestHostL1ChangedBytesFailChunk(t *testing.T) {
+	c, shm := startHostL1(t)
+	c.mustSim("--scenario", "tp4dcp1", "--chunks", "4", "--phase", "store")
+	f, err := os.OpenFile(filepath.Join(shm, "engine0.0.l1"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hdr [48]byte
+	if _, err := f.ReadAt(hdr[:], 0); err != nil {
+		t.Fatal(err)
+	}
+	dataOff := int64(binary.LittleEndian.Uint64(hdr[40:]))
+	var b [1]byte
+	if _, err := f.ReadAt(b[:], dataOff+1000); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0x40
+	if _, err := f.WriteAt(b[:], dataOff+1000); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	res, out, err := c.sim("--scenario", "tp4dcp1", "--chunks", "4", "--phase", "restore", "--expect-fail")
+	t.Logf("restore with changed bytes in rank 0's L1:\n%s", tableOf(out))
+	if err != nil || res == nil || !res.OK {
+		t.Fatalf("simulator: %v\n%s", err, tail(out, 40))
+	}
+	if res.Verdict != wire.VerdictFailed || len(res.Failed) != 1 {
+		t.Fatalf("verdict %s failed %v, want one failed chunk", res.Verdict, res.Failed)
+	}
+	bad := res.Failed[0]
+	for _, r := range res.Ranks {
+		if len(r.FailedItem) == 0 || slices.Min(r.FailedItem) != bad || slices.Max(r.FailedItem) != bad {
+			t.Fatalf("rank %d failed items %v, want only chunk %d (every rank reads the MLA object)", r.Rank, r.FailedItem, bad)
+		}
+	}
+	for r := 1; r < 4; r++ {
+		if got := rankMetric(t, c, r, "kvtier_transfer_peer_l1_failures_total"); got != 1 {
+			t.Fatalf("rank %d: %v peer L1 failures, want 1", r, got)
+		}
+	}
+	// The engine recomputes and stores again; the next restore succeeds.
+	c.mustSim("--scenario", "tp4dcp1", "--chunks", "4", "--phase", "store")
+	res = c.mustSim("--scenario", "tp4dcp1", "--chunks", "4", "--phase", "restore")
+	if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks {
+		t.Fatalf("restore after the re-store: %+v", res)
+	}
+	for _, r := range res.Ranks {
+		if r.Tier != "L1" || r.Placed != r.Items || r.Mismatch != 0 || r.Outside != 0 {
+			t.Fatalf("rank %d after the re-store: %+v", r.Rank, r)
+		}
 	}
 }
