@@ -2,7 +2,9 @@ package transfer
 
 import (
 	"bytes"
+	"errors"
 	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 
@@ -278,5 +280,46 @@ func TestPeerL1ReadsRacingEvictionsNeverWrong(t *testing.T) {
 		ok, failed, st.PeerL1Reads, st.PeerL1Failures, st.PeerL1Stale, e0.Stats().Evictions)
 	if wrong != 0 || ok == 0 || e0.Stats().Evictions == 0 {
 		t.Fatalf("%d chunks reported OK with wrong bytes, %d OK, %d evictions", wrong, ok, e0.Stats().Evictions)
+	}
+}
+
+// TestPeerL1DirRules: New refuses a host L1 directory that is not private
+// and real (C9), naming the rule; a good one gets this rank's segment,
+// which Close removes.
+func TestPeerL1DirRules(t *testing.T) {
+	dev := openDevice(t, "")
+	open := hostL1Dir(t)
+	if err := os.Chmod(open, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "l1")
+	good := hostL1Dir(t)
+	if err := os.Symlink(good, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{open, link, filepath.Join(good, "missing")} {
+		cfg := engineConfig(t, dev, 0, 1)
+		cfg.HostL1Dir = d
+		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
+			if e != nil {
+				_ = e.Close(testCtx(t))
+			}
+			t.Fatalf("host L1 dir %s: %v, want ErrConfig", d, err)
+		}
+	}
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.HostL1Dir = good
+	e, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg := filepath.Join(good, "test.0.l1")
+	fi, err := os.Lstat(seg)
+	if err != nil || fi.Mode().Perm() != 0o600 || uint64(fi.Size()) != newSegGeometry(cfg.L1Bytes/cfg.L1SlabBytes, cfg.L1SlabBytes).size() {
+		t.Fatalf("segment %s: %v %v", seg, fi, err)
+	}
+	closeEngine(t, e)
+	if _, err := os.Lstat(seg); !os.IsNotExist(err) {
+		t.Fatalf("Close left the segment: %v", err)
 	}
 }
