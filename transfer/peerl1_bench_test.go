@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
 )
 
@@ -18,7 +19,10 @@ import (
 // verify). Reported beside it, measured in the same run over the same
 // bytes: rank 0 restoring the same chunks from its own L1, memmove, and
 // kvsum64; x_copy+kvsum is the peer figure over the single-core ceiling
-// of a copy that hashes every byte (the host backend's scatter).
+// of a copy that hashes every byte (the host backend's scatter). With
+// KVTIER_BENCH_CUDA=1 it runs on CUDA device 0 instead (the segments are
+// then registered with cuMemHostRegister); x_own_L1 is the figure to read
+// there (own L1 is cuMemHostRegister'd shared memory too).
 func BenchmarkRetrievePeerL1(b *testing.B) {
 	const n = 32
 	dir, err := os.MkdirTemp("/dev/shm", "kvtier-bench-")
@@ -32,6 +36,14 @@ func BenchmarkRetrievePeerL1(b *testing.B) {
 	}
 	b.Cleanup(func() { os.RemoveAll(l1dir) })
 	dev := openDevice(b, dir)
+	if os.Getenv("KVTIER_BENCH_CUDA") == "1" { // the H200: the driver backend, device 0
+		d, err := cuda.OpenCUDA(0)
+		if err != nil {
+			b.Fatalf("KVTIER_BENCH_CUDA=1: %v", err)
+		}
+		b.Cleanup(func() { _ = d.Close() })
+		dev = d
+	}
 	spec := benchSpec()
 	spec.Layout = dcp.Layout{TP: 2, DCP: 1, Interleave: 1, PP: 1}
 	var rigs []*rig
