@@ -240,7 +240,9 @@ type kv struct {
 	// coordinator's NATS at (default 127.0.0.1; its namespace IP when the
 	// coordinator runs in one), coordWrap prefixes its command line, and
 	// tlsHosts are more names for the server certificate.
-	natsDial  string
+	natsDial string
+	// natsURLs, when set, replaces natsURL() (several servers).
+	natsURLs  string
 	coordWrap []string
 	tlsHosts  []string
 	coordArgs []string // extra coordinator serve flags
@@ -288,6 +290,9 @@ func newKV(t *testing.T, tp int) *kv {
 }
 
 func (c *kv) natsURL() string {
+	if c.natsURLs != "" {
+		return c.natsURLs
+	}
 	host := c.natsDial
 	if host == "" {
 		host = "127.0.0.1"

@@ -158,7 +158,7 @@ func TestNATSClusterSurvivesServerKill(t *testing.T) {
 	c.waitL2([]int64{16, 16, 16, 16})
 	resyncs0 := coordMetric(t, c, "kvtier_coord_resync_attempts_total")
 
-	s := c.startStoreStream(2, all)
+	s := c.startStoreStream(1, all)
 	stopped := false
 	defer func() {
 		if !stopped {
@@ -274,7 +274,7 @@ func TestNetnsNATSServerPartition(t *testing.T) {
 	c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", "78")
 	c.waitL2([]int64{16, 16, 16, 16})
 	resyncs0 := coordMetric(t, c, "kvtier_coord_resync_attempts_total")
-	s := c.startStoreStream(2, all)
+	s := c.startStoreStream(1, all)
 	stopped := false
 	defer func() {
 		if !stopped {
