@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/enginesim"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -105,6 +107,13 @@ func newHA(t *testing.T, n int) *haCluster {
 	}
 	c.wrap = func(r int) []string { return []string{"ip", "netns", "exec", lab.ns[r]} }
 	c.initCreds()
+	// The raft port's key: 'coordinator init' writes it on the raft
+	// branch; a directory without one gets one here, as an operator would.
+	if _, err := os.Stat(filepath.Join(c.creds, coordinator.RaftKeyFile)); errors.Is(err, fs.ErrNotExist) {
+		if err := coordinator.WriteRaftKey(filepath.Join(c.creds, coordinator.RaftKeyFile)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	h.peers = strings.Join(peers, ",")
 	for i := range h.nodes {
 		h.startNode(i)
