@@ -24,6 +24,10 @@ type eventConn interface {
 	PublishRequest(subj, reply string, data []byte) error
 	Subscribe(subj string, cb nats.MsgHandler) (*nats.Subscription, error)
 	NewRespInbox() string
+	// IsConnected and Stats().Reconnects tell the publisher its
+	// connection is moving to another server (or moved).
+	IsConnected() bool
+	Stats() nats.Statistics
 }
 
 // publisher sends the transfer engine's event batches to the coordinator as
@@ -98,6 +102,15 @@ func (p *publisher) setConn(c eventConn) {
 	p.mu.Unlock()
 }
 
+// reconnected wakes the publisher after its connection moved to another
+// server (nats.Conn's reconnect handler): it sends the batches in flight
+// again at once, from the head, instead of waiting for their timeout.
+func (p *publisher) reconnected() {
+	p.mu.Lock()
+	p.wakeLocked()
+	p.mu.Unlock()
+}
+
 // pending returns the batches queued or being sent.
 func (p *publisher) pending() int {
 	p.mu.Lock()
@@ -150,6 +163,7 @@ func (p *publisher) run(stop <-chan struct{}) {
 		}
 	}()
 	backoff := 50 * time.Millisecond
+	var reconnects uint64 // conn's reconnect count when last looked at
 	for {
 		var failed error
 		p.mu.Lock()
@@ -164,6 +178,7 @@ func (p *publisher) run(stop <-chan struct{}) {
 			conn = p.conn
 			w.restart()
 			if conn != nil {
+				reconnects = conn.Stats().Reconnects
 				inbox = conn.NewRespInbox()
 				var err error
 				sub, err = conn.Subscribe(inbox+".*.*", func(m *nats.Msg) { deliverReply(m, inbox, replies, stop) })
@@ -173,7 +188,24 @@ func (p *publisher) run(stop <-chan struct{}) {
 				failed = err
 			}
 		}
-		for failed == nil && conn != nil && w.sent < min(p.window, len(p.queue)) {
+		// A connection that moved to another server lost what was in
+		// flight on the old one: send it again, from the head, before
+		// anything newer, so the coordinator sees no gap (a gap costs a
+		// resync). While it is moving, send nothing: nats.go would buffer
+		// it and deliver it on the new server ahead of those resends.
+		moving := false
+		if failed == nil && conn != nil {
+			if n := conn.Stats().Reconnects; n != reconnects {
+				reconnects = n
+				if w.sent > 0 {
+					p.log.Info("NATS connection moved to another server; sending the batches in flight again",
+						zap.Uint64("ticket", w.head), zap.Int("in_flight", w.sent))
+					w.restart()
+				}
+			}
+			moving = !conn.IsConnected()
+		}
+		for failed == nil && conn != nil && !moving && w.sent < min(p.window, len(p.queue)) {
 			t := w.head + uint64(w.sent)
 			sent, err := p.sendOne(conn, inbox, w.round, t, &p.queue[w.sent])
 			if err != nil {
@@ -206,7 +238,11 @@ func (p *publisher) run(stop <-chan struct{}) {
 			continue
 		}
 		var tick <-chan time.Time
-		if w.sent > 0 {
+		switch {
+		case moving:
+			timer.Reset(20 * time.Millisecond) // look again soon
+			tick = timer.C
+		case w.sent > 0:
 			timer.Reset(time.Until(w.deadline[0]))
 			tick = timer.C
 		}

@@ -67,6 +67,10 @@ func newFakeCoord(t *testing.T, policy func(call int, first uint64) action) *fak
 
 func (f *fakeCoord) NewRespInbox() string { return "_INBOX.fake" }
 
+func (f *fakeCoord) IsConnected() bool { return true }
+
+func (f *fakeCoord) Stats() nats.Statistics { return nats.Statistics{} }
+
 func (f *fakeCoord) Subscribe(_ string, cb nats.MsgHandler) (*nats.Subscription, error) {
 	f.mu.Lock()
 	f.cb = cb

@@ -271,6 +271,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Lock()
 	d.nc, d.natsURL = nc, url
 	d.mu.Unlock()
+	nc.SetReconnectHandler(func(*nats.Conn) { d.pub.reconnected() })
 	d.pub.setConn(nc)
 	d.wg.Add(3)
 	go func() {
@@ -455,6 +456,7 @@ func (d *Daemon) switchNATS(url string) {
 	if err := d.subscribe(nc); err != nil {
 		d.log.Error("subscribe on the new NATS connection", zap.Error(err))
 	}
+	nc.SetReconnectHandler(func(*nats.Conn) { d.pub.reconnected() })
 	d.pub.setConn(nc)
 	for _, s := range oldSubs {
 		_ = s.Unsubscribe()
