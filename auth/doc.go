@@ -4,10 +4,12 @@
 // in a 0700 directory, plus a public users file), derives the exact NATS
 // permission set of every role (Permissions), turns the users file into
 // the embedded server's users (ServerUsers) or an external server's
-// configuration (NATSConfig), and gives clients their connect options
-// (ClientOptions: nkey signature and a per-identity inbox prefix).
+// configuration (NATSConfig), gives clients their connect options
+// (ClientOptions: nkey signature and a per-identity inbox prefix), and
+// gives the embedded servers of several coordinators the credentials and
+// TLS of the routes between them (RouteCredentials, RouteTLS).
 //
 // It never grants "subscribe >", never gives one identity another's inbox,
-// and never reads a seed file that others can read. It holds no
+// and never reads a seed or route secret file that others can read. It holds no
 // connections and starts no goroutines.
 package auth
