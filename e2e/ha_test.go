@@ -69,22 +69,11 @@ type haCluster struct {
 	cutOff map[string]bool
 }
 
-// needRaft skips a test when the coordinator binary has no replicated
-// mode (this branch before the raft branch is merged).
-func needRaft(t *testing.T) {
-	t.Helper()
-	out, _ := exec.Command(bin.coordinator, "serve", "-h").CombinedOutput()
-	if !strings.Contains(string(out), "-raft-id") {
-		t.Skip("replicated coordinators: this coordinator has no --raft-id (the raft work is not merged)")
-	}
-}
-
 // newHA builds the namespaces (0-3 the ranks', 4.. the coordinators'),
 // starts n coordinators and the four rankds, and waits until a leader
 // serves.
 func newHA(t *testing.T, n int) *haCluster {
 	t.Helper()
-	needRaft(t)
 	lab := newNetlab(t, 4+n)
 	c := newKV(t, 4)
 	h := &haCluster{kv: c, lab: lab, leaders: map[uint64]string{}, cutOff: map[string]bool{}}
@@ -107,8 +96,8 @@ func newHA(t *testing.T, n int) *haCluster {
 	}
 	c.wrap = func(r int) []string { return []string{"ip", "netns", "exec", lab.ns[r]} }
 	c.initCreds()
-	// The raft port's key: 'coordinator init' writes it on the raft
-	// branch; a directory without one gets one here, as an operator would.
+	// The raft port's key: a directory without one (main's 'coordinator
+	// init' does not write it yet) gets one here, as an operator would.
 	if _, err := os.Stat(filepath.Join(c.creds, coordinator.RaftKeyFile)); errors.Is(err, fs.ErrNotExist) {
 		if err := coordinator.WriteRaftKey(filepath.Join(c.creds, coordinator.RaftKeyFile)); err != nil {
 			t.Fatal(err)
@@ -160,10 +149,9 @@ func (h *haCluster) startNode(i int) {
 }
 
 // waitStarted waits until each node logged the end of its start. The
-// tests send admin.raft only to started nodes: the raft branch's
-// coordinator answers admin.raft before its raft node exists and then
-// panics in raftStatus (a nil *raft.Raft), seen in TestHAKillLeader on a
-// restarted node.
+// tests send admin.raft only to started nodes: a coordinator subscribes
+// admin.raft before its raft node exists and then panics in raftStatus (a
+// nil *raft.Raft), seen in TestHAKillLeader on a restarted node.
 func (h *haCluster) waitStarted(nodes ...*coordNode) {
 	h.t.Helper()
 	for _, n := range nodes {
