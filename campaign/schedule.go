@@ -1,0 +1,132 @@
+package campaign
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"time"
+)
+
+// Kind is a kind of injected fault.
+type Kind string
+
+// The fault kinds. Target is a TP rank (0..Ranks-1) unless the kind names
+// the coordinator.
+const (
+	KillRankd       Kind = "kill_rankd"       // SIGKILL, restarted after For
+	StopRankd       Kind = "stop_rankd"       // SIGSTOP, SIGCONT after For
+	KillCoordinator Kind = "kill_coordinator" // SIGKILL, restarted after For
+	StopCoordinator Kind = "stop_coordinator" // SIGSTOP, SIGCONT after For
+	L2BitFlip       Kind = "l2_bitflip"       // one bit of one L2 object file
+	L2Truncate      Kind = "l2_truncate"      // an L2 object file cut short
+	L2Delete        Kind = "l2_delete"        // an L2 object file removed
+	L2Swap          Kind = "l2_swap"          // two L2 object files exchange contents
+	L2NoSpace       Kind = "l2_enospc"        // the L2 file system full for For
+	NATSDrop        Kind = "nats_drop"        // the next Count message frames vanish
+	NATSDup         Kind = "nats_dup"         // the next Count message frames arrive twice
+	NATSReorder     Kind = "nats_reorder"     // the next message frame is overtaken by the one after it
+	NATSDelay       Kind = "nats_delay"       // the stream stalls for For
+	NATSCut         Kind = "nats_cut"         // the rank's NATS connections are closed
+	Partition       Kind = "partition"        // the rank's link is down for For
+	LossyLink       Kind = "lossy_link"       // the rank's link flaps (packets lost) for For
+)
+
+// weight is how often each kind is drawn, out of the sum of weights.
+// Cheap faults dominate so that a campaign reaches thousands of faults;
+// the disruptive ones still come every few seconds.
+var weights = []struct {
+	kind Kind
+	w    int
+}{
+	{NATSDrop, 180}, {NATSDup, 180}, {NATSReorder, 150}, {NATSDelay, 60}, {NATSCut, 25},
+	{L2BitFlip, 60}, {L2Truncate, 50}, {L2Delete, 50}, {L2Swap, 40}, {L2NoSpace, 12},
+	{KillRankd, 25}, {StopRankd, 30}, {KillCoordinator, 6}, {StopCoordinator, 8},
+	{Partition, 20}, {LossyLink, 20},
+}
+
+// Kinds lists every fault kind in schedule order.
+func Kinds() []Kind {
+	out := make([]Kind, len(weights))
+	for i, w := range weights {
+		out[i] = w.kind
+	}
+	return out
+}
+
+// Fault is one scheduled fault.
+type Fault struct {
+	// Seq numbers the faults from 1 in schedule order.
+	Seq int `json:"seq"`
+	// At is the offset from the campaign's start at which it is injected.
+	At time.Duration `json:"at_ns"`
+	// Kind is what is done.
+	Kind Kind `json:"kind"`
+	// Target is the TP rank it hits (-1: the coordinator).
+	Target int `json:"target"`
+	// Dir is the NATS direction of a frame fault: 0 rankd to NATS, 1 NATS
+	// to rankd.
+	Dir int `json:"dir"`
+	// Count is the number of frames of a drop or duplication.
+	Count int `json:"count,omitempty"`
+	// For is how long a fault with a duration lasts (down time after a
+	// kill, stop, stall, partition, full file system).
+	For time.Duration `json:"for_ns,omitempty"`
+	// Pick chooses among runtime objects (L2 files, bit offsets); the same
+	// pick against the same files chooses the same ones.
+	Pick uint64 `json:"pick"`
+}
+
+func (f Fault) String() string {
+	t := fmt.Sprintf("rank %d", f.Target)
+	if f.Target < 0 {
+		t = "coordinator"
+	}
+	return fmt.Sprintf("#%d %s %s dir=%d count=%d for=%v pick=%#x", f.Seq, f.Kind, t, f.Dir, f.Count, f.For, f.Pick)
+}
+
+// Schedule returns n faults for seed, rate faults per second over ranks
+// TP ranks. It is a pure function of its arguments: the same seed gives
+// the same schedule.
+func Schedule(seed uint64, n int, rate float64, ranks int) []Fault {
+	rng := rand.New(rand.NewPCG(seed, 0x6b76746965722d63)) // "kvtier-c"
+	total := 0
+	for _, w := range weights {
+		total += w.w
+	}
+	gap := time.Duration(float64(time.Second) / rate)
+	out := make([]Fault, n)
+	for i := range out {
+		x := rng.IntN(total)
+		var k Kind
+		for _, w := range weights {
+			if x < w.w {
+				k = w.kind
+				break
+			}
+			x -= w.w
+		}
+		f := Fault{Seq: i + 1, At: time.Duration(i+1) * gap, Kind: k, Target: rng.IntN(ranks),
+			Dir: rng.IntN(2), Pick: rng.Uint64()}
+		switch k {
+		case KillCoordinator, StopCoordinator:
+			f.Target = -1
+		}
+		switch k {
+		case NATSDrop, NATSDup:
+			f.Count = 1 + rng.IntN(3)
+		case NATSDelay:
+			f.For = time.Duration(50+rng.IntN(450)) * time.Millisecond
+		case KillRankd, KillCoordinator:
+			f.For = time.Duration(200+rng.IntN(1800)) * time.Millisecond
+		case StopRankd, StopCoordinator:
+			// Some stops outlast memberlist's suspicion (the rank is
+			// declared dead and fenced), most do not.
+			f.For = time.Duration(100+rng.IntN(2900)) * time.Millisecond
+		case Partition, LossyLink:
+			f.For = time.Duration(300+rng.IntN(2700)) * time.Millisecond
+		case L2NoSpace:
+			f.For = time.Duration(500+rng.IntN(3500)) * time.Millisecond
+		}
+		out[i] = f
+	}
+	return out
+}
