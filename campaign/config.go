@@ -38,7 +38,8 @@ type Config struct {
 	// Keep leaves WorkDir in place at the end. Default false.
 	Keep bool
 	// TracePath is the Mooncake conversation trace. Default
-	// <SourceDir>/../shared/data/traces/mooncake_conversation_trace.jsonl.
+	// $KVTIER_TRACE, else shared/data/traces/mooncake_conversation_trace.jsonl
+	// in the nearest of SourceDir and its parents that has it.
 	TracePath string
 	// Netns runs every rankd in its own network namespace when the
 	// campaign runs as root. Default true; without root it falls back to

@@ -72,9 +72,6 @@ func (r *Report) Print(w io.Writer) {
 	for _, k := range Kinds() {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", k, r.ByKind[k], r.Skipped[k], r.SkipWhy[k])
 	}
-	for k, why := range r.NotCovered {
-		fmt.Fprintf(tw, "%s\t-\t-\tnot covered: %s\n", k, why)
-	}
 	fmt.Fprintln(tw, "RESTORE OUTCOME\tRUNS\t")
 	outs := make([]string, 0, len(r.Restores))
 	for o := range r.Restores {
@@ -96,8 +93,18 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "index equals inventories\t%v\t%v\n", r.IndexEqualsInventory, r.InventoryDiffs)
 	fmt.Fprintf(tw, "panics / crashes\t%d / %d\t\n", len(r.Panics), len(r.Crashes))
 	fmt.Fprintf(tw, "max RSS (bound %d MiB)\t%v\t\n", r.RSSBound>>20, mib(r.MaxRSS))
+	fmt.Fprintf(tw, "proxy frames\t%v\t\n", r.Proxy)
+	fmt.Fprintf(tw, "daemon starts\t%v\t\n", r.Restarts)
 	fmt.Fprintf(tw, "OK\t%v\t%v\n", r.OK, r.Problems)
 	tw.Flush()
+	nc := make([]string, 0, len(r.NotCovered))
+	for k := range r.NotCovered {
+		nc = append(nc, k)
+	}
+	sort.Strings(nc)
+	for _, k := range nc {
+		fmt.Fprintf(w, "not covered: %s: %s\n", k, r.NotCovered[k])
+	}
 	for _, s := range r.Wrong {
 		fmt.Fprintln(w, "WRONG:", s)
 	}

@@ -81,7 +81,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	tp := cfg.TracePath
 	if tp == "" {
-		tp = filepath.Join(cfg.SourceDir, "..", "shared", "data", "traces", "mooncake_conversation_trace.jsonl")
+		tp = findTrace(cfg.SourceDir)
 	}
 	trace, err := loadTrace(tp)
 	if err != nil {
@@ -559,7 +559,7 @@ func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Conf
 	}
 	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
 		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 5 * time.Second, Timeout: 15 * time.Second, WaitPrefix: wait,
+		Compute: time.Millisecond, RestoreDeadline: 5 * time.Second, Timeout: 6 * time.Second, WaitPrefix: wait,
 		Out: r.elog, RequestID: id}
 }
 
@@ -616,8 +616,11 @@ func (r *runner) workload(ctx context.Context) {
 // (the engine recomputes the chunks). tally, when set, receives the
 // outcome instead of the report's restore counts.
 func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tally map[Outcome]int) Outcome {
-	res, _ := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, phase, id))
+	t0 := time.Now()
+	fmt.Fprintf(r.elog, "=== campaign: run %s %s %s at %.3fs\n", id, p.scenario, phase, time.Since(r.start).Seconds())
+	res, err := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, phase, id))
 	o, prob := Classify(res)
+	fmt.Fprintf(r.elog, "=== campaign: run %s: %s in %.3fs (err: %v)\n", id, o, time.Since(t0).Seconds(), err)
 	r.mu.Lock()
 	if tally != nil {
 		tally[o]++
@@ -642,6 +645,7 @@ func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tal
 	}
 	for attempt := range 3 {
 		res, err := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, enginesim.PhaseStore, id+"-re"+strconv.Itoa(attempt)))
+		fmt.Fprintf(r.elog, "=== campaign: re-store %s attempt %d: err %v\n", id, attempt, err)
 		if err == nil && res != nil && res.OK {
 			r.mu.Lock()
 			r.rep.Recomputed++
@@ -934,4 +938,27 @@ func (r *runner) compareIndex(ctx context.Context) (index, inv map[placementID]b
 		inv[p] = true
 	}
 	return index, inv, incs, diffs, nil
+}
+
+// findTrace looks for shared/data/traces/mooncake_conversation_trace.jsonl
+// beside src and beside each of its parents ($KVTIER_TRACE first).
+func findTrace(src string) string {
+	const rel = "shared/data/traces/mooncake_conversation_trace.jsonl"
+	if p := os.Getenv("KVTIER_TRACE"); p != "" {
+		return p
+	}
+	d, err := filepath.Abs(src)
+	if err != nil {
+		d = src
+	}
+	for {
+		p := filepath.Join(d, rel)
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+		if filepath.Dir(d) == d {
+			return filepath.Join(src, "..", rel)
+		}
+		d = filepath.Dir(d)
+	}
 }

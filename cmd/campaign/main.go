@@ -30,7 +30,7 @@ func main() {
 	flag.StringVar(&cfg.BinDir, "bin", "", "directory of prebuilt coordinator and rankd binaries (default: build them)")
 	flag.StringVar(&cfg.WorkDir, "dir", "", "work directory (default: a temporary one, removed unless --keep)")
 	flag.BoolVar(&cfg.Keep, "keep", false, "keep the work directory (logs, faults.jsonl)")
-	flag.StringVar(&cfg.TracePath, "trace", "", "Mooncake trace (default <src>/../shared/data/traces/mooncake_conversation_trace.jsonl)")
+	flag.StringVar(&cfg.TracePath, "trace", "", "Mooncake trace (default $KVTIER_TRACE, else shared/data/traces/... beside the nearest parent of --src)")
 	flag.BoolVar(&cfg.Netns, "netns", cfg.Netns, "one network namespace per rankd when root")
 	flag.Int64Var(&cfg.L2Bytes, "l2-bytes", cfg.L2Bytes, "size of the L2 tmpfs in bytes (root)")
 	flag.StringVar(&cfg.L1, "l1-bytes", cfg.L1, "each rankd's L1")
