@@ -48,3 +48,28 @@ func sum(m map[Kind]int) int {
 	}
 	return n
 }
+
+// TestSoakCampaign (make soak, KVTIER_SOAK=1): a few-minute campaign, 600
+// faults at 4 faults/s, judged as TestTinyCampaign.
+func TestSoakCampaign(t *testing.T) {
+	if os.Getenv("KVTIER_SOAK") == "" {
+		t.Skip("soak: set KVTIER_SOAK=1 (make soak)")
+	}
+	cfg := DefaultConfig()
+	cfg.Seed, cfg.Faults, cfg.Rate = 23, 600, 4
+	cfg.SourceDir = ".."
+	cfg.WorkDir = t.TempDir()
+	cfg.Log = zaptest.NewLogger(t)
+	cfg.Out = os.Stderr
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK {
+		t.Fatalf("soak campaign seed %d failed: wrong COMPLETE %d, wrong unnamed %d, lost acked %d, verify %v %v, index=inventory %v %v, panics %v, crashes %v, rss %v, problems %v",
+			cfg.Seed, rep.WrongComplete, rep.WrongUnnamed, rep.LostAcked, rep.VerifyOK, rep.VerifyProblems,
+			rep.IndexEqualsInventory, rep.InventoryDiffs, rep.Panics, rep.Crashes, rep.RSSOver, rep.Problems)
+	}
+}

@@ -30,17 +30,21 @@ const (
 	LossyLink       Kind = "lossy_link"       // the rank's link flaps (packets lost) for For
 )
 
-// weight is how often each kind is drawn, out of the sum of weights.
-// Cheap faults dominate so that a campaign reaches thousands of faults;
-// the disruptive ones still come every few seconds.
+// weights say how often each kind is drawn, per mille. At 11 faults/s
+// (10,000 in about 15 minutes) a rankd is killed every ~18 s, the
+// coordinator every ~45 s, a rank partitioned every ~20 s; an L2 file is
+// damaged ~3 times a second; frame drops stay near 0.7/s because the
+// daemons' NATS traffic is tens of frames a second and a dropped request
+// costs its sender a timeout. Duplicates and reorders are cheap for the
+// cluster and dominate.
 var weights = []struct {
 	kind Kind
 	w    int
 }{
-	{NATSDrop, 180}, {NATSDup, 180}, {NATSReorder, 150}, {NATSDelay, 60}, {NATSCut, 25},
-	{L2BitFlip, 60}, {L2Truncate, 50}, {L2Delete, 50}, {L2Swap, 40}, {L2NoSpace, 12},
-	{KillRankd, 25}, {StopRankd, 30}, {KillCoordinator, 6}, {StopCoordinator, 8},
-	{Partition, 20}, {LossyLink, 20},
+	{NATSDrop, 60}, {NATSDup, 337}, {NATSReorder, 250}, {NATSDelay, 20}, {NATSCut, 6},
+	{L2BitFlip, 100}, {L2Truncate, 70}, {L2Delete, 70}, {L2Swap, 60}, {L2NoSpace, 3},
+	{KillRankd, 5}, {StopRankd, 7}, {KillCoordinator, 2}, {StopCoordinator, 2},
+	{Partition, 4}, {LossyLink, 4},
 }
 
 // Kinds lists every fault kind in schedule order.
