@@ -32,10 +32,13 @@ type Proxy struct {
 	closed bool
 	// per direction: frames still to drop, duplicate, reorder.
 	drop, dup, reorder [2]int
+	armedAt            [2]time.Time // when the pending frame faults were armed
 	stallUntil         [2]time.Time
 
-	// Counters.
-	Frames, Dropped, Duplicated, Reordered, Cuts atomic.Int64
+	// Counters. Armed frame faults that no frame met within ArmTTL expire
+	// (Expired); Dropped, Duplicated and Reordered count frames hit.
+
+	Frames, Dropped, Duplicated, Reordered, Cuts, Expired atomic.Int64
 }
 
 type proxyConn struct {
@@ -86,19 +89,39 @@ func (p *Proxy) accept() {
 	}
 }
 
+// ArmTTL is how long an armed frame fault waits for a message frame. Arms
+// do not pile up: a new arm of a kind replaces a pending one (the larger
+// count wins), so a quiet connection is not hit by a backlog of faults.
+const ArmTTL = 2 * time.Second
+
+// ReorderHold is the longest a reordered frame waits for a successor to
+// overtake it; then it goes out alone (delayed).
+const ReorderHold = 100 * time.Millisecond
+
 // Inject arms a frame fault on direction dir: drop or duplicate the next n
 // message frames, or reorder the next one behind its successor.
 func (p *Proxy) Inject(k Kind, dir, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.expireLocked(dir)
 	switch k {
 	case NATSDrop:
-		p.drop[dir] += n
+		p.drop[dir] = max(p.drop[dir], n)
 	case NATSDup:
-		p.dup[dir] += n
+		p.dup[dir] = max(p.dup[dir], n)
 	case NATSReorder:
-		p.reorder[dir]++
+		p.reorder[dir] = 1
 	}
+	p.armedAt[dir] = time.Now()
+}
+
+func (p *Proxy) expireLocked(dir int) {
+	if p.armedAt[dir].IsZero() || time.Since(p.armedAt[dir]) < ArmTTL {
+		return
+	}
+	p.Expired.Add(int64(p.drop[dir] + p.dup[dir] + p.reorder[dir]))
+	p.drop[dir], p.dup[dir], p.reorder[dir] = 0, 0, 0
+	p.armedAt[dir] = time.Time{}
 }
 
 // Stall holds every frame of direction dir for d.
@@ -149,6 +172,7 @@ func (p *Proxy) action(dir int) (drop, dup, reorder bool, stall time.Duration) {
 	if d := time.Until(p.stallUntil[dir]); d > 0 {
 		stall = d
 	}
+	p.expireLocked(dir)
 	switch {
 	case p.drop[dir] > 0:
 		p.drop[dir]--
@@ -169,30 +193,69 @@ func (p *Proxy) stallOf(dir int) time.Duration {
 	return time.Until(p.stallUntil[dir])
 }
 
+type frameMsg struct {
+	b   []byte
+	msg bool
+}
+
+// pump forwards from -> to for one direction: a reader goroutine parses
+// frames, this loop applies the faults and writes (so a reordered frame
+// can go out on a timer when no successor comes).
 func (p *Proxy) pump(pc *proxyConn, dir int, from, to net.Conn) {
 	defer p.wg.Done()
+	stop := make(chan struct{})
+	frames := make(chan frameMsg, 64)
 	defer func() {
+		close(stop)
 		pc.client.Close()
 		pc.server.Close()
 		p.mu.Lock()
 		delete(p.conns, pc)
 		p.mu.Unlock()
 	}()
-	r := bufio.NewReaderSize(from, 64<<10)
-	var held []byte // a frame being reordered behind the next one
-	for {
-		fr, msg, err := ReadFrame(r)
-		if err != nil {
-			if held != nil {
-				_, _ = to.Write(held)
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		defer close(frames)
+		r := bufio.NewReaderSize(from, 64<<10)
+		for {
+			b, msg, err := ReadFrame(r)
+			if err != nil {
+				return
 			}
-			return
+			select {
+			case frames <- frameMsg{b, msg}:
+			case <-stop:
+				return
+			}
 		}
-		if !msg {
+	}()
+	var held []byte // a frame being reordered behind the next one
+	var flush <-chan time.Time
+	for {
+		var fm frameMsg
+		var ok bool
+		select {
+		case fm, ok = <-frames:
+			if !ok {
+				if held != nil {
+					_, _ = to.Write(held)
+				}
+				return
+			}
+		case <-flush:
+			flush = nil
+			if _, err := to.Write(held); err != nil {
+				return
+			}
+			held = nil
+			continue
+		}
+		if !fm.msg {
 			if d := p.stallOf(dir); d > 0 {
 				time.Sleep(d)
 			}
-			if _, err := to.Write(fr); err != nil {
+			if _, err := to.Write(fm.b); err != nil {
 				return
 			}
 			continue
@@ -207,18 +270,19 @@ func (p *Proxy) pump(pc *proxyConn, dir int, from, to net.Conn) {
 		case drop:
 			p.Dropped.Add(1)
 		case reorder && held == nil:
-			held = fr
+			held = fm.b
+			flush = time.After(ReorderHold)
 			p.Reordered.Add(1)
 			continue
 		case dup:
 			p.Duplicated.Add(1)
-			out = append(append(out, fr...), fr...)
+			out = append(append(out, fm.b...), fm.b...)
 		default:
-			out = fr
+			out = fm.b
 		}
 		if held != nil {
 			out = append(out, held...)
-			held = nil
+			held, flush = nil, nil
 		}
 		if len(out) > 0 {
 			if _, err := to.Write(out); err != nil {
