@@ -181,6 +181,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Proxy["duplicated"] += p.Duplicated.Load()
 		rep.Proxy["reordered"] += p.Reordered.Load()
 		rep.Proxy["cuts"] += p.Cuts.Load()
+		rep.Proxy["armed_expired"] += p.Expired.Load()
 	}
 	rep.Restarts = map[string]int{}
 	for _, p := range append([]*proc{c.coord}, c.ranks...) {
@@ -559,7 +560,7 @@ func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Conf
 	}
 	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
 		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 5 * time.Second, Timeout: 6 * time.Second, WaitPrefix: wait,
+		Compute: time.Millisecond, RestoreDeadline: 4 * time.Second, Timeout: 4 * time.Second, WaitPrefix: wait,
 		Out: r.elog, RequestID: id}
 }
 
@@ -646,7 +647,7 @@ func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tal
 	if !needStore {
 		return o
 	}
-	for attempt := range 3 {
+	for attempt := range 2 {
 		res, err := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, enginesim.PhaseStore, id+"-re"+strconv.Itoa(attempt)))
 		fmt.Fprintf(r.elog, "=== campaign: re-store %s attempt %d: err %v\n", id, attempt, err)
 		time.Sleep(250 * time.Millisecond)
