@@ -31,20 +31,21 @@ const (
 )
 
 // weights say how often each kind is drawn, per mille. At 11 faults/s
-// (10,000 in about 15 minutes) a rankd is killed every ~18 s, the
-// coordinator every ~45 s, a rank partitioned every ~20 s; an L2 file is
-// damaged ~3 times a second; frame drops stay near 0.7/s because the
-// daemons' NATS traffic is tens of frames a second and a dropped request
-// costs its sender a timeout. Duplicates and reorders are cheap for the
-// cluster and dominate.
+// (10,000 in about 15 minutes) a rankd is killed about every 11 s, the
+// coordinator every 30 s, a rank partitioned or its link made lossy every
+// 6 s; an L2 file is damaged 5 times a second. The daemons' NATS traffic
+// is only a few message frames a second per direction, so frame faults
+// stay under half of the schedule and drops (each costs its sender a
+// timeout) near 0.4/s: more would fault nearly every frame and the engine
+// would reach no verdict to check.
 var weights = []struct {
 	kind Kind
 	w    int
 }{
-	{NATSDrop, 60}, {NATSDup, 337}, {NATSReorder, 250}, {NATSDelay, 20}, {NATSCut, 6},
-	{L2BitFlip, 100}, {L2Truncate, 70}, {L2Delete, 70}, {L2Swap, 60}, {L2NoSpace, 3},
-	{KillRankd, 5}, {StopRankd, 7}, {KillCoordinator, 2}, {StopCoordinator, 2},
-	{Partition, 4}, {LossyLink, 4},
+	{NATSDrop, 40}, {NATSDup, 210}, {NATSReorder, 200}, {NATSDelay, 20}, {NATSCut, 6},
+	{L2BitFlip, 150}, {L2Truncate, 110}, {L2Delete, 110}, {L2Swap, 110}, {L2NoSpace, 5},
+	{KillRankd, 8}, {StopRankd, 10}, {KillCoordinator, 3}, {StopCoordinator, 3},
+	{Partition, 8}, {LossyLink, 7},
 }
 
 // Kinds lists every fault kind in schedule order.
