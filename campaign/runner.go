@@ -560,7 +560,7 @@ func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Conf
 	}
 	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
 		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 4 * time.Second, Timeout: 4 * time.Second, WaitPrefix: wait,
+		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: 2500 * time.Millisecond, WaitPrefix: wait,
 		Out: r.elog, RequestID: id}
 }
 
@@ -613,8 +613,8 @@ func (r *runner) workload(ctx context.Context) {
 }
 
 // runEngine runs one engine process's worth of work in this process and
-// judges it; a failed verdict or a failed store is followed by a re-store
-// (the engine recomputes the chunks). tally, when set, receives the
+// judges it; a failed verdict is followed by a re-store (the engine
+// recomputes the chunks). tally, when set, receives the
 // outcome instead of the report's restore counts.
 func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tally map[Outcome]int) Outcome {
 	t0 := time.Now()
@@ -643,7 +643,10 @@ func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tal
 	if o == WrongComplete || o == WrongUnnamed {
 		r.log.Error("checker: wrong verdict", zap.String("problem", prob))
 	}
-	needStore := o == Failed || (o == NoVerdict && phase == enginesim.PhaseAll)
+	// The engine recomputes what a failed verdict named: it stores the
+	// prompt again. (A run that ended before a verdict claimed nothing;
+	// the next run of the workload stores on.)
+	needStore := o == Failed
 	if !needStore {
 		return o
 	}
