@@ -9,7 +9,7 @@ import (
 	"go.uber.org/zap/zaptest"
 )
 
-// TestTinyCampaign runs a real campaign of 30 faults at 1.5 faults/s
+// TestTinyCampaign runs a real campaign of 30 faults at 3 faults/s
 // (network namespaces and a tmpfs L2 when root, loopback otherwise) and
 // requires the checker to pass: no wrong COMPLETE, no unnamed failed
 // chunk, no lost acknowledged placement, verify clean, index equal to
@@ -19,10 +19,11 @@ func TestTinyCampaign(t *testing.T) {
 		t.Skip("real cluster campaign: skipped in -short mode")
 	}
 	cfg := DefaultConfig()
-	cfg.Seed, cfg.Faults, cfg.Rate = 17, 30, 1.5
+	cfg.Seed, cfg.Faults, cfg.Rate = 17, 30, 3
 	cfg.SourceDir = ".."
 	cfg.WorkDir = t.TempDir()
 	cfg.Quiesce = 40 * time.Second
+	cfg.FinalRuns = 2
 	cfg.Log = zaptest.NewLogger(t)
 	cfg.Out = os.Stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

@@ -56,6 +56,9 @@ type Config struct {
 	MaxChunks int
 	// MaxRSS is the memory bound per daemon (VmRSS). Default 1.5 GiB.
 	MaxRSS uint64
+	// FinalRuns is the number of engine runs after every fault healed
+	// (half new prompts, half restores of old ones). Default 6.
+	FinalRuns int
 	// Quiesce bounds the wait, after the last fault is healed, for the
 	// index to equal every inventory. Default 60 s.
 	Quiesce time.Duration
@@ -68,7 +71,7 @@ type Config struct {
 // DefaultConfig returns the defaults documented on Config.
 func DefaultConfig() Config {
 	return Config{Seed: 1, Faults: 30, Rate: 2, Ranks: 4, SourceDir: ".", Netns: true, L2Bytes: 768 << 20,
-		L1: "96MiB", MaxChunks: 4, MaxRSS: 3 << 29, Quiesce: 60 * time.Second, Log: zap.NewNop(), Out: io.Discard}
+		L1: "96MiB", MaxChunks: 4, MaxRSS: 3 << 29, Quiesce: 60 * time.Second, FinalRuns: 6, Log: zap.NewNop(), Out: io.Discard}
 }
 
 // Validate checks c as given.
@@ -88,6 +91,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: max chunks %d, want >= 1", ErrConfig, c.MaxChunks)
 	case c.MaxRSS == 0:
 		return fmt.Errorf("%w: RSS bound 0", ErrConfig)
+	case c.FinalRuns < 0:
+		return fmt.Errorf("%w: %d final runs, want >= 0", ErrConfig, c.FinalRuns)
 	case c.Quiesce <= 0:
 		return fmt.Errorf("%w: quiesce wait %v, want > 0", ErrConfig, c.Quiesce)
 	case c.Log == nil || c.Out == nil:

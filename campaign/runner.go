@@ -676,7 +676,7 @@ func (r *runner) finalRound(ctx context.Context) {
 	r.mu.Lock()
 	olds := append([]*prompt(nil), r.prompts...)
 	r.mu.Unlock()
-	for i := range 3 {
+	for i := range (r.cfg.FinalRuns + 1) / 2 {
 		tr := r.trace[(i*997+int(r.cfg.Seed))%len(r.trace)]
 		toks := PromptTokens(tr.InputLength, tr.HashIDs, r.cfg.MaxChunks)
 		if toks == nil {
@@ -691,7 +691,7 @@ func (r *runner) finalRound(ctx context.Context) {
 		r.mu.Unlock()
 		r.runEngine(ctx, p, enginesim.PhaseAll, fmt.Sprintf("final%d", i), r.rep.Final)
 	}
-	for i := 0; i < 3 && i < len(olds); i++ {
+	for i := 0; i < r.cfg.FinalRuns/2 && i < len(olds); i++ {
 		r.runEngine(ctx, olds[len(olds)-1-i], enginesim.PhaseRestore, fmt.Sprintf("final-old%d", i), r.rep.Final)
 	}
 }

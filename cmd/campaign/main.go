@@ -35,6 +35,7 @@ func main() {
 	flag.Int64Var(&cfg.L2Bytes, "l2-bytes", cfg.L2Bytes, "size of the L2 tmpfs in bytes (root)")
 	flag.StringVar(&cfg.L1, "l1-bytes", cfg.L1, "each rankd's L1")
 	flag.IntVar(&cfg.MaxChunks, "max-chunks", cfg.MaxChunks, "chunks per replayed prompt at most")
+	flag.IntVar(&cfg.FinalRuns, "final-runs", cfg.FinalRuns, "engine runs after every fault healed")
 	flag.DurationVar(&cfg.Quiesce, "quiesce", cfg.Quiesce, "wait for the index to equal every inventory after the faults")
 	out := flag.String("out", "", "write the report as JSON here")
 	verbose := flag.Bool("v", false, "log every fault")
