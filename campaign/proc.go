@@ -1,6 +1,7 @@
 package campaign
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -27,6 +28,8 @@ type proc struct {
 	stopping bool
 	starts   int
 	crashes  []string // exits the campaign did not cause
+	// refusals counts exits with status 1 the campaign did not cause.
+	refusals int
 }
 
 func newProc(name, log string, argv []string) *proc {
@@ -64,7 +67,16 @@ func (p *proc) start() error {
 		p.mu.Lock()
 		p.err = err
 		if !p.killed && !p.stopping {
-			p.crashes = append(p.crashes, fmt.Sprintf("%s start %d exited on its own: %v", p.name, p.starts, err))
+			// Exit status 1 is a daemon refusing to run (it logs why: a
+			// start under ENOSPC cannot record its incarnation); a Go
+			// panic exits 2; a signal the campaign did not send is a
+			// crash too.
+			var ee *exec.ExitError
+			if errors.As(err, &ee) && ee.ExitCode() == 1 {
+				p.refusals++
+			} else {
+				p.crashes = append(p.crashes, fmt.Sprintf("%s start %d exited on its own: %v", p.name, p.starts, err))
+			}
 		}
 		p.mu.Unlock()
 		close(done)

@@ -52,8 +52,11 @@ type Report struct {
 	RSSOver              []string          `json:"rss_over,omitempty"`
 	Proxy                map[string]int64  `json:"proxy_frames"`
 	Restarts             map[string]int    `json:"starts"`
-	Problems             []string          `json:"problems,omitempty"`
-	WorkDir              string            `json:"work_dir,omitempty"`
+	// Refused counts daemon exits with status 1 the campaign did not
+	// cause (a refusal to run, logged; not a crash).
+	Refused  map[string]int `json:"refused_starts,omitempty"`
+	Problems []string       `json:"problems,omitempty"`
+	WorkDir  string         `json:"work_dir,omitempty"`
 	// OK: zero wrong verdicts, zero lost acknowledged placements, verify
 	// clean, index equals inventories, no panic, no crash, memory bounded.
 	OK bool `json:"ok"`
@@ -94,7 +97,7 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "panics / crashes\t%d / %d\t\n", len(r.Panics), len(r.Crashes))
 	fmt.Fprintf(tw, "max RSS (bound %d MiB)\t%v\t\n", r.RSSBound>>20, mib(r.MaxRSS))
 	fmt.Fprintf(tw, "proxy frames\t%v\t\n", r.Proxy)
-	fmt.Fprintf(tw, "daemon starts\t%v\t\n", r.Restarts)
+	fmt.Fprintf(tw, "daemon starts (refused)\t%v (%v)\t\n", r.Restarts, r.Refused)
 	fmt.Fprintf(tw, "OK\t%v\t%v\n", r.OK, r.Problems)
 	tw.Flush()
 	nc := make([]string, 0, len(r.NotCovered))

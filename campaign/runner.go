@@ -183,10 +183,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Proxy["cuts"] += p.Cuts.Load()
 		rep.Proxy["armed_expired"] += p.Expired.Load()
 	}
-	rep.Restarts = map[string]int{}
+	rep.Restarts, rep.Refused = map[string]int{}, map[string]int{}
 	for _, p := range append([]*proc{c.coord}, c.ranks...) {
 		p.mu.Lock()
 		rep.Restarts[p.name] = p.starts
+		if p.refusals > 0 {
+			rep.Refused[p.name] = p.refusals
+		}
 		rep.Crashes = append(rep.Crashes, p.crashes...)
 		p.mu.Unlock()
 	}
