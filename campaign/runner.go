@@ -156,11 +156,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	<-workDone
 	r.log.Info("faults done; healing", zap.Int("faults", len(sched)), zap.Duration("elapsed", time.Since(r.start)))
 	r.heal()
-	if err := c.waitServing(ctx, 90*time.Second); err != nil {
-		r.problem("after healing: %v", err)
+	if ctx.Err() != nil {
+		r.problem("interrupted after %v: no final round and no final checks", time.Since(r.start).Round(time.Second))
+	} else {
+		if err := c.waitServing(ctx, 90*time.Second); err != nil {
+			r.problem("after healing: %v", err)
+		}
+		r.finalRound(ctx)
+		r.quiesceAndCheck(ctx)
 	}
-	r.finalRound(ctx)
-	r.quiesceAndCheck(ctx)
 	stopBG()
 	r.wg.Wait()
 	r.scanLogs(true)
