@@ -108,6 +108,14 @@ func TestCheckerCatchesWrongComplete(t *testing.T) {
 	if o, prob := Classify(res); o != WrongComplete || !strings.Contains(prob, "ranks reported chunks [0] not placed") {
 		t.Fatalf("rank failure under COMPLETE: %s %q", o, prob)
 	}
+	// A retrieve reply the engine did not get in time, bytes exact: the
+	// rank placed and reported them; COMPLETE is right (the campaign's
+	// first 10,000-fault run flagged this as wrong before the fix).
+	res = resultFor(p, wire.VerdictComplete, nil, nil)
+	res.Ranks[0].Error, res.Ranks[0].ChunkList = "request ...retrieve: context deadline exceeded", []int{0, 1}
+	if o, prob := Classify(res); o != Complete {
+		t.Fatalf("late retrieve reply, exact bytes, COMPLETE: %s %q", o, prob)
+	}
 	if o, _ := Classify(nil); o != NoVerdict {
 		t.Fatalf("nil result: %s", o)
 	}
