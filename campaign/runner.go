@@ -104,7 +104,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			NotCovered: map[string]string{
 				"clock_step":     "no per-namespace wall clock: Linux time namespaces offset only the monotonic and boot clocks, and stepping the host clock would hit every engineer's processes",
 				"packet_loss":    "tc netem is not available on this kernel (sch_netem missing) and neither is iptables; lossy_link flaps the veth instead",
-				"raft_leader":    "single coordinator: replicated mode is not on this branch's main yet",
+				"raft_leader":    "the campaign runs one coordinator; replicated mode (raft) reached main while this was built and a raft trio in the harness is left for later",
 				"l3":             "no L3 tier in this build",
 				"vllm_connector": "needs a GPU and vLLM; the Go engine simulator plays the engines",
 			}}}
