@@ -11,7 +11,7 @@ CLANG     ?= clang-14
 CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 export CGO_CFLAGS
 
-.PHONY: all build test test-short demo bench lint ptx soak gpu-build clean python-venv python-test
+.PHONY: all build test test-short demo bench lint ptx soak campaign gpu-build clean python-venv python-test
 
 all: build
 
@@ -66,9 +66,21 @@ gpu-build:
 	CGO_ENABLED=1 $(GO) test -c -o .gpu/cuda.test ./cuda
 	CGO_ENABLED=1 $(GO) build -o .gpu/ ./cmd/...
 
-# Long soaks and fault campaigns, kept out of `make test`.
+# Long soaks and fault campaigns, kept out of `make test` (soak includes a
+# few-minute fault campaign, TestSoakCampaign).
 soak:
 	KVTIER_SOAK=1 $(GO) test -race -timeout 60m -run 'Soak|Campaign' $(PKGS)
+
+# The long seeded fault campaign (package campaign): a real cluster, faults
+# drawn from SEED, the checker's report printed and written to OUT. Run it
+# as root for network namespaces, partitions and a tmpfs L2 (ENOSPC). A
+# failing seed replays the same fault schedule.
+SEED   ?= 1
+FAULTS ?= 10000
+RATE   ?= 11
+OUT    ?= campaign-report.json
+campaign:
+	$(GO) run ./cmd/campaign --seed $(SEED) --faults $(FAULTS) --rate $(RATE) --out $(OUT)
 
 # The Python client (python/): a venv with the package installed editable
 # and what its tests need (nats-py, pytest, ruff), then ruff and pytest. The

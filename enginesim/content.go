@@ -60,10 +60,18 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 
 	// The prompt: deterministic token ids.
 	n := sc.Chunks*sc.Spec.ChunkTokens + sc.TailTokens
-	rng := rand.New(rand.NewPCG(p.modelSeed, 0x70726f6d7074))
-	p.Tokens = make([]uint32, n)
-	for i := range p.Tokens {
-		p.Tokens[i] = rng.Uint32N(151936)
+	if sc.Tokens != nil {
+		if len(sc.Tokens) != n {
+			return nil, fmt.Errorf("scenario %s: prompt of %d tokens, want %d chunks x %d + %d tail = %d",
+				sc.Name, len(sc.Tokens), sc.Chunks, sc.Spec.ChunkTokens, sc.TailTokens, n)
+		}
+		p.Tokens = append([]uint32(nil), sc.Tokens...)
+	} else {
+		rng := rand.New(rand.NewPCG(p.modelSeed, 0x70726f6d7074))
+		p.Tokens = make([]uint32, n)
+		for i := range p.Tokens {
+			p.Tokens[i] = rng.Uint32N(151936)
+		}
 	}
 	p.Hashes = dcp.ChunkHashes(r.Namespace, p.Tokens, sc.Spec.ChunkTokens)
 

@@ -1,6 +1,9 @@
 package enginesim
 
 import (
+	"bytes"
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -92,5 +95,59 @@ func TestPlanIsDeterministicAndVerifies(t *testing.T) {
 				t.Fatal("MLA page differs between TP ranks 0 and 3 at DCP1")
 			}
 		}
+	}
+}
+
+// TestPlanTokensSharePrefix: two replayed prompts that share their first
+// chunk under one seed share its chunk hash and every byte of its pages on
+// every rank; the second chunk differs; a prompt of the wrong length is
+// refused with the numbers.
+func TestPlanTokensSharePrefix(t *testing.T) {
+	sc, err := LookupScenario("tp4dcp4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct := sc.Spec.ChunkTokens
+	mk := func(second uint32) []uint32 {
+		tok := make([]uint32, 2*ct)
+		for i := range tok {
+			tok[i] = uint32(i % 1000)
+			if i >= ct {
+				tok[i] = second + uint32(i%7)
+			}
+		}
+		return tok
+	}
+	ps := make([]*Plan, 2)
+	for i, second := range []uint32{5000, 6000} {
+		s := sc
+		s.Tokens, s.Chunks, s.TailTokens = mk(second), 2, 0
+		if ps[i], err = NewPlan(s, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, b := ps[0], ps[1]
+	if a.Hashes[0] != b.Hashes[0] {
+		t.Fatalf("shared first chunk hashes differ: %v vs %v", a.Hashes[0], b.Hashes[0])
+	}
+	if a.Hashes[1] == b.Hashes[1] {
+		t.Fatalf("different second chunks share hash %v", a.Hashes[1])
+	}
+	for gi, g := range a.R.Geometry {
+		pa, pb := make([]byte, g.PageBytes), make([]byte, g.PageBytes)
+		for tp := range a.R.Layout.TP {
+			for v := range a.BPC[gi] { // the blocks of chunk 0
+				a.Page(tp, gi, 0, v, pa)
+				b.Page(tp, gi, 0, v, pb)
+				if !bytes.Equal(pa, pb) {
+					t.Fatalf("group %s rank %d virtual block %d of the shared chunk differs", g.Name, tp, v)
+				}
+			}
+		}
+	}
+	s := sc
+	s.Tokens, s.Chunks, s.TailTokens = mk(1)[:ct+3], 2, 0
+	if _, err := NewPlan(s, 1); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("prompt of %d tokens, want 2 chunks x %d + 0 tail = %d", ct+3, ct, 2*ct)) {
+		t.Fatalf("wrong-length prompt: %v", err)
 	}
 }

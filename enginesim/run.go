@@ -56,6 +56,12 @@ type Config struct {
 	Seed uint64
 	// Chunks overrides the scenario's chunk count when > 0.
 	Chunks int
+	// Tokens, when set, is the prompt (its full chunks replace the
+	// scenario's chunk count, the rest is the tail); Chunks is ignored.
+	// Default: a prompt drawn from Seed.
+	Tokens []uint32
+	// RequestID names the store requests. Default prompt-<scenario>-<seed>.
+	RequestID string
 	// ExpectFail: the restore must not restore the whole prompt (a failed
 	// verdict, or a plan that covers only a prefix); every chunk it does
 	// not list as failed must still be byte-exact.
@@ -181,6 +187,13 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	if cfg.Chunks > 0 {
 		sc.Chunks = cfg.Chunks
+	}
+	if cfg.Tokens != nil {
+		ct := sc.Spec.ChunkTokens
+		if ct <= 0 || len(cfg.Tokens) < ct {
+			return nil, fmt.Errorf("prompt of %d tokens has no full chunk of %d tokens", len(cfg.Tokens), ct)
+		}
+		sc.Tokens, sc.Chunks, sc.TailTokens = cfg.Tokens, len(cfg.Tokens)/ct, len(cfg.Tokens)%ct
 	}
 	tp := sc.Spec.Layout.TP
 	if len(cfg.Devices) != 1 && len(cfg.Devices) != tp {
@@ -369,7 +382,10 @@ func (s *sim) each(f func(w *worker) error) error {
 func (s *sim) store(ctx context.Context) error {
 	p := s.plan
 	start := time.Now()
-	reqID := fmt.Sprintf("prompt-%s-%d", p.Scenario.Name, s.cfg.Seed)
+	reqID := s.cfg.RequestID
+	if reqID == "" {
+		reqID = fmt.Sprintf("prompt-%s-%d", p.Scenario.Name, s.cfg.Seed)
+	}
 	var mu sync.Mutex
 	err := s.each(func(w *worker) error {
 		cctx, cancel := s.callCtx(ctx)

@@ -21,6 +21,13 @@ type Scenario struct {
 	// TailTokens is a trailing partial chunk: part of the prompt, never
 	// stored (it has no chunk hash).
 	TailTokens int
+	// Tokens, when set, is the prompt itself (a replayed trace request)
+	// instead of one drawn from the seed; it must hold exactly Chunks full
+	// chunks and TailTokens more. Pages stay a function of position and
+	// token (and, for opaque pages, of position under the seed), so two
+	// prompts sharing a prefix under one seed share its chunk keys and
+	// their bytes.
+	Tokens []uint32
 }
 
 // The seed geometries of the design brief. Block sizes and layer counts are

@@ -2,9 +2,11 @@ package rankd
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -194,17 +196,39 @@ func respond[T any](d *Daemon, op string, msg *nats.Msg, v *T) error {
 }
 
 func (d *Daemon) serveRegister(ctx context.Context, msg *nats.Msg) error {
-	req, _, err := DecodeRegisterRequest(msg.Data)
+	// One request delivered twice (same bytes, same reply subject: every
+	// request has its own) gets the first delivery's answer; registering
+	// it again would supersede the engine's own session.
+	first, dup := d.regs.claim(msg.Reply, msg.Data)
+	if dup {
+		rep, err := first.wait(ctx)
+		if err != nil {
+			return err
+		}
+		d.log.Warn("register request delivered twice; answered with the session of its first delivery",
+			zap.String("session", rep.Session), zap.String("reply", msg.Reply))
+		return respond(d, OpRegister, msg, rep)
+	}
+	rep, err := d.register(ctx, msg)
+	first.finish(rep, err)
 	if err != nil {
 		return err
 	}
+	return respond(d, OpRegister, msg, rep)
+}
+
+func (d *Daemon) register(ctx context.Context, msg *nats.Msg) (*wire.RegisterReply, error) {
+	req, _, err := DecodeRegisterRequest(msg.Data)
+	if err != nil {
+		return nil, err
+	}
 	if req.Spec.Layout.TP != d.cfg.TPSize {
-		return fmt.Errorf("register: layout TP size %d, this rank belongs to TP size %d: %w", req.Spec.Layout.TP, d.cfg.TPSize, ErrBadRequest)
+		return nil, fmt.Errorf("register: layout TP size %d, this rank belongs to TP size %d: %w", req.Spec.Layout.TP, d.cfg.TPSize, ErrBadRequest)
 	}
 	caller := d.callerOf(msg)
 	s, err := d.eng.Register(ctx, transfer.Registration(*req), caller)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	res := s.Resolved
 	if s.Superseded != "" {
@@ -215,7 +239,62 @@ func (d *Daemon) serveRegister(ctx context.Context, msg *nats.Msg) error {
 	}
 	d.log.Info("engine registered pools", zap.Stringer("namespace", res.Namespace), zap.String("model", res.Model),
 		zap.String("session", s.ID), zap.String("engine", caller), zap.Int("pools", len(req.Pools)))
-	return respond(d, OpRegister, msg, &wire.RegisterReply{Namespace: res.Namespace, Session: s.ID, Superseded: s.Superseded})
+	return &wire.RegisterReply{Namespace: res.Namespace, Session: s.ID, Superseded: s.Superseded}, nil
+}
+
+// regDedup remembers the last register requests by reply subject and body
+// digest, so that a second delivery of one request is answered, not
+// registered again.
+type regDedup struct {
+	mu      sync.Mutex  // guards the following
+	entries []*regEntry // oldest first, at most regDedupSize
+}
+
+// regDedupSize is how many recent register requests are remembered.
+const regDedupSize = 64
+
+type regEntry struct {
+	reply string
+	sum   [sha256.Size]byte
+	done  chan struct{}
+	rep   *wire.RegisterReply // valid after done
+	err   error
+}
+
+// claim returns the entry of the request (reply, data): the earlier one
+// and dup true when it was seen, else a new one the caller must finish.
+// A request without a reply subject is never a duplicate.
+func (r *regDedup) claim(reply string, data []byte) (*regEntry, bool) {
+	e := &regEntry{reply: reply, sum: sha256.Sum256(data), done: make(chan struct{})}
+	if reply == "" {
+		return e, false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, old := range r.entries {
+		if old.reply == reply && old.sum == e.sum {
+			return old, true
+		}
+	}
+	if len(r.entries) == regDedupSize {
+		r.entries = append(r.entries[:0], r.entries[1:]...)
+	}
+	r.entries = append(r.entries, e)
+	return e, false
+}
+
+func (e *regEntry) finish(rep *wire.RegisterReply, err error) {
+	e.rep, e.err = rep, err
+	close(e.done)
+}
+
+func (e *regEntry) wait(ctx context.Context) (*wire.RegisterReply, error) {
+	select {
+	case <-e.done:
+		return e.rep, e.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
 // callerOf returns the engine identity of msg's sender (Config.EngineIdentity).

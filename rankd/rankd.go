@@ -57,6 +57,7 @@ type Daemon struct {
 	releaseWait time.Duration
 	pub         *publisher
 	snaps       *snapshots // inventory snapshots being paged out
+	regs        regDedup   // recent register requests (duplicate deliveries)
 	clu         *cluster.Cluster
 
 	slots chan struct{} // engine request slots (MaxInFlight)
