@@ -14,6 +14,7 @@ type Report struct {
 	Rate      float64 `json:"rate_per_s"`
 	Seconds   float64 `json:"seconds"`
 	Network   string  `json:"network"` // "netns" or "loopback: <why>"
+	Trace     string  `json:"trace"`   // the trace file, or the built-in sample
 	L2FS      string  `json:"l2_fs"`   // "tmpfs <bytes>" or "directory: <why>"
 	Injected  int     `json:"faults_injected"`
 	FaultRate float64 `json:"faults_per_s"`
@@ -70,7 +71,7 @@ func (r *Report) judge() {
 // Print writes the report as a table.
 func (r *Report) Print(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "campaign seed %d: %d faults in %.0f s (%.2f/s), network %s, L2 %s\n", r.Seed, r.Injected, r.Seconds, r.FaultRate, r.Network, r.L2FS)
+	fmt.Fprintf(tw, "campaign seed %d: %d faults in %.0f s (%.2f/s), network %s, L2 %s, trace %s\n", r.Seed, r.Injected, r.Seconds, r.FaultRate, r.Network, r.L2FS, r.Trace)
 	fmt.Fprintln(tw, "FAULT\tINJECTED\tSKIPPED")
 	for _, k := range Kinds() {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", k, r.ByKind[k], r.Skipped[k], r.SkipWhy[k])

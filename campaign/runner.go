@@ -87,6 +87,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
+	traceName := tp
+	if traceName == "" {
+		traceName = sampleTraceName
+	}
 	c, err := newCluster(cfg, dir)
 	if err != nil {
 		return nil, err
@@ -99,7 +103,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	r := &runner{cfg: cfg, log: cfg.Log, c: c, led: newLedger(), trace: trace, downUntil: map[int]time.Time{},
 		stops: map[int]int{}, maxRSS: map[string]uint64{}, logOff: map[string]int64{},
-		rep: &Report{Seed: cfg.Seed, Faults: cfg.Faults, Rate: cfg.Rate, ByKind: map[Kind]int{}, Skipped: map[Kind]int{},
+		rep: &Report{Seed: cfg.Seed, Faults: cfg.Faults, Rate: cfg.Rate, Trace: traceName, ByKind: map[Kind]int{}, Skipped: map[Kind]int{},
 			SkipWhy: map[Kind]string{}, Restores: map[Outcome]int{}, Final: map[Outcome]int{}, RSSBound: cfg.MaxRSS,
 			NotCovered: map[string]string{
 				"clock_step":     "no per-namespace wall clock: Linux time namespaces offset only the monotonic and boot clocks, and stepping the host clock would hit every engineer's processes",
@@ -956,7 +960,8 @@ func (r *runner) compareIndex(ctx context.Context) (index, inv map[placementID]b
 }
 
 // findTrace looks for shared/data/traces/mooncake_conversation_trace.jsonl
-// beside src and beside each of its parents ($KVTIER_TRACE first).
+// beside src and beside each of its parents ($KVTIER_TRACE first); ""
+// when there is none (loadTrace then reads the built-in sample).
 func findTrace(src string) string {
 	const rel = "shared/data/traces/mooncake_conversation_trace.jsonl"
 	if p := os.Getenv("KVTIER_TRACE"); p != "" {
@@ -972,7 +977,7 @@ func findTrace(src string) string {
 			return p
 		}
 		if filepath.Dir(d) == d {
-			return filepath.Join(src, "..", rel)
+			return "" // the built-in sample
 		}
 		d = filepath.Dir(d)
 	}

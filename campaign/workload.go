@@ -2,8 +2,11 @@ package campaign
 
 import (
 	"bufio"
+	"bytes"
+	_ "embed"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 )
 
@@ -21,15 +24,31 @@ type traceRequest struct {
 	HashIDs     []uint64 `json:"hash_ids"`
 }
 
-// loadTrace reads the requests of the trace at path.
+// sampleTrace is the first 1,000 requests of the Mooncake trace
+// (testdata/README.md), used when the full trace is not found.
+//
+//go:embed testdata/mooncake_sample.jsonl
+var sampleTrace []byte
+
+// sampleTraceName names sampleTrace in errors and reports.
+const sampleTraceName = "built-in sample (first 1,000 requests of the Mooncake trace)"
+
+// loadTrace reads the requests of the trace at path; path "" reads the
+// built-in sample.
 func loadTrace(path string) ([]traceRequest, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("trace: %w", err)
+	var rd io.Reader = bytes.NewReader(sampleTrace)
+	if path != "" {
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, fmt.Errorf("trace: %w", err)
+		}
+		defer f.Close()
+		rd = f
+	} else {
+		path = sampleTraceName
 	}
-	defer f.Close()
 	var out []traceRequest
-	sc := bufio.NewScanner(f)
+	sc := bufio.NewScanner(rd)
 	sc.Buffer(make([]byte, 1<<20), 16<<20)
 	for line := 1; sc.Scan(); line++ {
 		var r traceRequest
