@@ -977,3 +977,38 @@ func WriteRaftKey(path string) error {
 	}
 	return f.Close()
 }
+
+// CollectRaft asks every coordinator on nc for its raft state (admin.raft,
+// one request, one reply per coordinator) and returns the replies that
+// arrive within window, sorted by id; none (nil) from a cluster without
+// raft.
+func CollectRaft(ctx context.Context, nc *nats.Conn, subj wire.Subjects, window time.Duration) ([]wire.AdminRaftNode, error) {
+	inbox := nc.NewInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe %s: %w", inbox, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.PublishRequest(subj.Admin(wire.AdminRaft), inbox, []byte("{}")); err != nil {
+		return nil, fmt.Errorf("request %s: %w", subj.Admin(wire.AdminRaft), err)
+	}
+	deadline := time.Now().Add(window)
+	var out []wire.AdminRaftNode
+	for {
+		left := time.Until(deadline)
+		if left <= 0 || ctx.Err() != nil {
+			break
+		}
+		msg, err := sub.NextMsg(left)
+		if err != nil {
+			break // the window closed (or no responders)
+		}
+		var rep wire.Reply[wire.AdminRaftNode]
+		if err := json.Unmarshal(msg.Data, &rep); err != nil || rep.OK == nil {
+			continue
+		}
+		out = append(out, *rep.OK)
+	}
+	slices.SortFunc(out, func(a, b wire.AdminRaftNode) int { return strings.Compare(a.ID, b.ID) })
+	return out, nil
+}

@@ -513,3 +513,59 @@ func TestRaftDeposedLeader(t *testing.T) {
 	lc.rn.strm.partition(false)
 	rc.converged(rc.leader())
 }
+
+// TestRaftMembersAndChanges: every coordinator answers admin.raft with
+// its role, term and indexes (one leader, the same term and commit on all
+// once idle); remove-server and add-voter change the configuration through
+// the leader; a follower refuses them (it does not serve them).
+func TestRaftMembersAndChanges(t *testing.T) {
+	rc := newRaftCluster(t, 3, nil)
+	l := rc.leader()
+	rc.storeFixture(2)
+	rc.converged(l)
+	var nodes []wire.AdminRaftNode
+	waitFor(t, 10*time.Second, "three raft states", func() bool {
+		var err error
+		nodes, err = CollectRaft(tctx(t), rc.nc, rc.subj, 300*time.Millisecond)
+		return err == nil && len(nodes) == 3 && nodes[0].CommitIndex == nodes[1].CommitIndex && nodes[1].CommitIndex == nodes[2].CommitIndex
+	})
+	leaders := 0
+	for i, n := range nodes {
+		if n.ID != rc.peers[i].ID || len(n.Servers) != 3 || n.Term != nodes[0].Term || n.LeaderID != rc.peers[l].ID {
+			t.Fatalf("node %d: %+v", i, n)
+		}
+		if n.IndexApplied == 0 || n.AppliedIndex < n.IndexApplied {
+			t.Fatalf("node %s: raft applied %d, index applied %d", n.ID, n.AppliedIndex, n.IndexApplied)
+		}
+		if n.State == "Leader" {
+			leaders++
+		}
+	}
+	if leaders != 1 {
+		t.Fatalf("%d leaders in %+v", leaders, nodes)
+	}
+	var out bytes.Buffer
+	if err := WriteMembersTable(&out, &wire.AdminMembersReply{Raft: nodes}); err != nil || !bytes.Contains(out.Bytes(), []byte("INDEX_APPLIED")) {
+		t.Fatalf("members table: %v\n%s", err, out.String())
+	}
+	f := (l + 1) % 3
+	rep := call[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftChangeRequest{ID: rc.peers[f].ID})
+	if len(rep.Servers) != 2 {
+		t.Fatalf("after remove-server: %+v", rep.Servers)
+	}
+	rc.stop(f)
+	// Two voters left: the leader still commits (quorum 2 of 2).
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	ns := rc.nodes[l].idx.Namespaces()[0].Namespace
+	if ack, werr := sendBatch(t, rc.nc, rc.subj, storeBatch(r, 1, 2, ns, chain(ns, 3, 8)[2:], wire.L1)); werr != nil || ack.AppliedThrough != 3 {
+		t.Fatalf("batch with two voters: %+v %v", ack, werr)
+	}
+	rep = call[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftAddVoter),
+		wire.AdminRaftChangeRequest{ID: rc.peers[f].ID, Addr: rc.peers[f].Addr})
+	if len(rep.Servers) != 3 {
+		t.Fatalf("after add-voter: %+v", rep.Servers)
+	}
+	rc.start(f)
+	rc.converged(rc.leader())
+	callErr[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftChangeRequest{ID: "x"}, wire.CodeBadRequest)
+}

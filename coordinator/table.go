@@ -65,6 +65,24 @@ func WriteMembersTable(w io.Writer, r *wire.AdminMembersReply) error {
 		}
 		t.row(name, m.Role, m.State, m.Addr, u64(m.Incarnation), orDash(m.Rank), m.Since.UTC().Format(time.RFC3339))
 	}
+	if err := t.flush(); err != nil || len(r.Raft) == 0 {
+		return err
+	}
+	if _, err := fmt.Fprintln(w); err != nil {
+		return err
+	}
+	return WriteRaftTable(w, r.Raft)
+}
+
+// WriteRaftTable writes one row per coordinator of a replicated cluster:
+// its raft role, term, and log, commit and applied indexes (raft's, and
+// its index's own).
+func WriteRaftTable(w io.Writer, nodes []wire.AdminRaftNode) error {
+	t := newTable(w, "RAFT_ID", "ADDRESS", "ROLE", "TERM", "LEADER", "LAST_LOG", "COMMIT", "APPLIED", "INDEX_APPLIED", "SNAPSHOT")
+	for _, n := range nodes {
+		t.row(n.ID, n.Addr, n.State, u64(n.Term), orDash(n.LeaderID), u64(n.LastLogIndex), u64(n.CommitIndex),
+			u64(n.AppliedIndex), u64(n.IndexApplied), u64(n.SnapshotIndex))
+	}
 	return t.flush()
 }
 

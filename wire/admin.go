@@ -164,6 +164,9 @@ type ReportAck struct {
 // AdminMembersReply lists the memberlist members the coordinator knows.
 type AdminMembersReply struct {
 	Members []AdminMember `json:"members"`
+	// Raft, in a replicated cluster, is every coordinator's raft state as
+	// collected by the admin CLI from admin.raft (one reply per node).
+	Raft []AdminRaftNode `json:"raft,omitempty"`
 }
 
 // AdminMember is one memberlist member.

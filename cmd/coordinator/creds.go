@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -59,6 +60,11 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	if err := auth.Init(*dir, inst.list); err != nil {
+		fmt.Fprintf(stderr, "init: %v\n", err)
+		return exitFail
+	}
+	// The raft port's pre-shared key (replicated mode, --raft-id).
+	if err := coordinator.WriteRaftKey(filepath.Join(*dir, coordinator.RaftKeyFile)); err != nil {
 		fmt.Fprintf(stderr, "init: %v\n", err)
 		return exitFail
 	}

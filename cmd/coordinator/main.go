@@ -66,12 +66,15 @@ commands:
   init        make a new cluster's credentials directory (nkeys, users file, gossip key, TLS)
   creds       add an instance's identities (creds add) or rotate one key (creds rotate)
   serve       run the coordinator
-  members     memberlist members: name, role, state, address, incarnation
+  members     memberlist members: name, role, state, address, incarnation; and in a
+              replicated cluster every coordinator's raft role, term, commit and applied index
   ranks       ranks: incarnation, liveness, L1/L2 objects and bytes, last seq, fenced
   object      placements of one object (--key) or of a token chain's objects
   namespaces  registered namespaces and their usage
   restores    recent restore verdicts
   verify      re-derive the index from bbolt and compare (exit 1 on mismatch)
+  raft add-voter --id ID --addr HOST:PORT | raft remove-server --id ID
+              change a replicated cluster's voters (admin-write, answered by the leader)
   rank reset <instance>/<tp>
               forget a rank's incarnation and placements (undoes an implausible
               incarnation); the rank's real incarnation resyncs
@@ -94,6 +97,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return creds(args, stdout, stderr)
 	case wire.AdminMembers, wire.AdminRanks, wire.AdminNamespaces, wire.AdminRestores, wire.AdminVerify, wire.AdminObject:
 		return admin(ctx, cmd, args, stdout, stderr)
+	case "raft":
+		return raftChange(ctx, args, stdout, stderr)
 	case "rank":
 		if len(args) == 0 || args[0] != "reset" {
 			fmt.Fprintf(stderr, "usage: coordinator rank reset [flags] <instance>/<tp>\n")
@@ -300,6 +305,10 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
 	asJSON := fs.Bool("json", false, "print JSON instead of a table")
 	timeout := fs.Duration("timeout", 10*time.Second, "request timeout (verify of a large index takes a while)")
+	raftWindow := new(time.Duration)
+	if op == wire.AdminMembers {
+		fs.DurationVar(raftWindow, "raft-window", 500*time.Millisecond, "how long to collect the coordinators' raft states (replicated mode)")
+	}
 	var req wire.AdminObjectRequest
 	var specFile, model, tokensFile, nsText, chunksText string
 	if op == wire.AdminObject {
@@ -350,6 +359,11 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	switch op {
 	case wire.AdminMembers:
 		r, e := bus.Call[wire.AdminMembersReply](ctx, nc, subject, body)
+		if e == nil {
+			// A replicated cluster: every coordinator's raft role and
+			// indexes (none answer in a cluster of one without raft).
+			r.Raft, _ = coordinator.CollectRaft(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
+		}
 		rep, err, write = r, e, func() error { return coordinator.WriteMembersTable(stdout, r) }
 	case wire.AdminRanks:
 		r, e := bus.Call[wire.AdminRanksReply](ctx, nc, subject, body)
@@ -385,6 +399,63 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	}
 	if v, ok := rep.(*wire.AdminVerifyReply); ok && !v.OK {
 		return exitFail
+	}
+	return exitOK
+}
+
+// raftChange runs "coordinator raft add-voter|remove-server".
+func raftChange(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || (args[0] != "add-voter" && args[0] != "remove-server") {
+		fmt.Fprintln(stderr, "usage: coordinator raft add-voter --id ID --addr HOST:PORT | remove-server --id ID [flags]")
+		return exitUsage
+	}
+	op := wire.AdminRaftAddVoter
+	if args[0] == "remove-server" {
+		op = wire.AdminRaftRemove
+	}
+	fs := flag.NewFlagSet("raft "+args[0], flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinators")
+	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix")
+	timeout := fs.Duration("timeout", 30*time.Second, "request timeout")
+	var req wire.AdminRaftChangeRequest
+	fs.StringVar(&req.ID, "id", "", "raft id of the server (required)")
+	if op == wire.AdminRaftAddVoter {
+		fs.StringVar(&req.Addr, "addr", "", "raft host:port of the server to add (required)")
+	}
+	cl := auth.Client{Identity: auth.Identity{Role: auth.RoleAdminWrite}}
+	fs.StringVar(&cl.Dir, "creds-dir", "", "credentials directory (connects as the admin-write identity)")
+	fs.StringVar(&cl.SeedFile, "creds", "", "seed file of the admin-write identity (instead of --creds-dir)")
+	fs.StringVar(&cl.CAFile, "tls-ca", "", "CA certificate that verifies the NATS server (default <creds-dir>/ca.pem if present)")
+	fs.BoolVar(&cl.Insecure, "insecure", false, "connect without credentials (only an --insecure coordinator accepts that)")
+	if err := fs.Parse(args[1:]); err != nil {
+		return exitUsage
+	}
+	if req.ID == "" || (op == wire.AdminRaftAddVoter && req.Addr == "") || fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "raft %s: --id is required (and --addr to add a voter); no positional arguments\n", args[0])
+		return exitUsage
+	}
+	copts, err := cl.Options()
+	if err != nil {
+		fmt.Fprintf(stderr, "raft %s: %v\n", args[0], err)
+		return exitUsage
+	}
+	nc, err := bus.Connect(*natsURL, "kvtier-coordinator-cli", copts...)
+	if err != nil {
+		fmt.Fprintf(stderr, "raft %s: %v\n", args[0], err)
+		return exitFail
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	rep, err := bus.Call[wire.AdminRaftChangeReply](ctx, nc, wire.Subjects{Prefix: *prefix}.Admin(op), req)
+	if err != nil {
+		fmt.Fprintf(stderr, "raft %s: %v\n", args[0], err)
+		return exitFail
+	}
+	fmt.Fprintf(stdout, "raft configuration at index %d:\n", rep.Index)
+	for _, s := range rep.Servers {
+		fmt.Fprintf(stdout, "  %s %s %s\n", s.ID, s.Addr, s.Suffrage)
 	}
 	return exitOK
 }

@@ -479,7 +479,7 @@ func TestInitCLI(t *testing.T) {
 		t.Fatalf("init: %d %s", code, errb.String())
 	}
 	for name, mode := range map[string]os.FileMode{"coordinator.nk": 0o600, "rankd-a-1.nk": 0o600, "engine-b.nk": 0o600,
-		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
+		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "raft.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
 		"server.pem": 0o644, "server-key.pem": 0o600} {
 		st, err := os.Stat(filepath.Join(dir, name))
 		if err != nil || st.Mode().Perm() != mode {
