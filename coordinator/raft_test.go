@@ -22,7 +22,7 @@ var testRaftKey = []byte("0123456789abcdef0123456789abcdef")
 // NATS server (in-process; the NATS cluster of several servers is
 // natsha's), each with its own data and raft dirs.
 type raftCluster struct {
-	t     *testing.T
+	t     testing.TB
 	nats  *bus.Embedded
 	nc    *nats.Conn
 	subj  wire.Subjects
@@ -32,7 +32,7 @@ type raftCluster struct {
 	mod   func(*Config)
 }
 
-func freeAddr(t *testing.T) string {
+func freeAddr(t testing.TB) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -42,7 +42,7 @@ func freeAddr(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-func newRaftCluster(t *testing.T, n int, mod func(*Config)) *raftCluster {
+func newRaftCluster(t testing.TB, n int, mod func(*Config)) *raftCluster {
 	t.Helper()
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port, ecfg.Insecure = 0, true
@@ -188,7 +188,7 @@ func (rc *raftCluster) converged(leader int) []byte {
 
 // retryCall calls until a coordinator answers (no responders while a
 // leader is being elected).
-func retryCall[T any](t *testing.T, nc *nats.Conn, subject string, req any) *T {
+func retryCall[T any](t testing.TB, nc *nats.Conn, subject string, req any) *T {
 	t.Helper()
 	var out *T
 	waitFor(t, 20*time.Second, "an answer on "+subject, func() bool {
