@@ -588,6 +588,10 @@ type Health struct {
 	// Cluster: "alive" while this coordinator's memberlist member is alive
 	// (it gossips, sees deaths and fences), or its state.
 	Cluster string `json:"cluster"`
+	// Raft, in replicated mode only: "leader", "follower of <id>", or
+	// "no leader" / "candidate" / "shutdown" (unavailable: the cluster
+	// cannot commit, as far as this node can tell).
+	Raft string `json:"raft,omitempty"`
 }
 
 // Health checks the coordinator's dependencies (issue 11.6).
@@ -624,6 +628,11 @@ func (c *Coordinator) Health() Health {
 		if st := c.member.LocalMember().State; st != cluster.StateAlive {
 			h.Cluster, ok = st.String(), false
 		}
+	}
+	if c.rn != nil && c.rn.r != nil {
+		var well bool
+		h.Raft, well = c.rn.health()
+		ok = ok && well
 	}
 	h.Status = "ok"
 	if !ok {

@@ -1012,3 +1012,18 @@ func CollectRaft(ctx context.Context, nc *nats.Conn, subj wire.Subjects, window 
 	slices.SortFunc(out, func(a, b wire.AdminRaftNode) int { return strings.Compare(a.ID, b.ID) })
 	return out, nil
 }
+
+// health is /healthz's raft line and whether it is well.
+func (n *raftNode) health() (string, bool) {
+	switch st := n.r.State(); st {
+	case raft.Leader:
+		return "leader", true
+	case raft.Follower:
+		if _, id := n.r.LeaderWithID(); id != "" {
+			return "follower of " + string(id), true
+		}
+		return "no leader", false
+	default:
+		return strings.ToLower(st.String()), false
+	}
+}

@@ -544,6 +544,16 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	if leaders != 1 {
 		t.Fatalf("%d leaders in %+v", leaders, nodes)
 	}
+	for i, c := range rc.nodes {
+		h := c.Health()
+		want := "follower of " + rc.peers[l].ID
+		if i == l {
+			want = "leader"
+		}
+		if h.Raft != want || h.Status != "ok" {
+			t.Fatalf("%s health %+v, want raft %q and ok", rc.peers[i].ID, h, want)
+		}
+	}
 	var out bytes.Buffer
 	if err := WriteMembersTable(&out, &wire.AdminMembersReply{Raft: nodes}); err != nil || !bytes.Contains(out.Bytes(), []byte("INDEX_APPLIED")) {
 		t.Fatalf("members table: %v\n%s", err, out.String())
@@ -568,4 +578,44 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	rc.start(f)
 	rc.converged(rc.leader())
 	callErr[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftChangeRequest{ID: "x"}, wire.CodeBadRequest)
+}
+
+// TestRaftConfigRules: the peer list parses or names the bad entry, and
+// Validate names the rule; replicated mode off validates nothing.
+func TestRaftConfigRules(t *testing.T) {
+	peers, err := ParseRaftPeers("n1=10.0.0.1:9480, n2=10.0.0.2:9480,")
+	if err != nil || len(peers) != 2 || peers[1] != (RaftPeer{ID: "n2", Addr: "10.0.0.2:9480"}) {
+		t.Fatalf("parse: %+v %v", peers, err)
+	}
+	for _, bad := range []string{"n1", "=10.0.0.1:1", "n1=10.0.0.1"} {
+		if _, err := ParseRaftPeers(bad); !errors.Is(err, ErrConfig) {
+			t.Errorf("ParseRaftPeers(%q) = %v, want ErrConfig", bad, err)
+		}
+	}
+	ok := DefaultRaftConfig()
+	ok.ID, ok.Dir, ok.Peers, ok.Bootstrap = "n1", "/tmp/x", peers[:1], true
+	if err := ok.Validate(); err != nil {
+		t.Fatalf("valid config: %v", err)
+	}
+	off := RaftConfig{}
+	if err := off.Validate(); err != nil {
+		t.Fatalf("raft off: %v", err)
+	}
+	for name, mod := range map[string]func(*RaftConfig){
+		"no dir":              func(c *RaftConfig) { c.Dir = "" },
+		"bootstrap w/o self":  func(c *RaftConfig) { c.Peers = peers[1:] },
+		"duplicate peer":      func(c *RaftConfig) { c.Peers = []RaftPeer{peers[0], peers[0]} },
+		"lease > heartbeat":   func(c *RaftConfig) { c.LeaderLeaseTimeout = 2 * c.HeartbeatTimeout },
+		"election < heartbt":  func(c *RaftConfig) { c.ElectionTimeout = c.HeartbeatTimeout / 2 },
+		"short key":           func(c *RaftConfig) { c.Key = []byte("short") },
+		"bad bind":            func(c *RaftConfig) { c.Bind = "nowhere" },
+		"append entries 2000": func(c *RaftConfig) { c.MaxAppendEntries = 2000 },
+		"id with comma":       func(c *RaftConfig) { c.ID = "a,b" },
+	} {
+		c := ok
+		mod(&c)
+		if err := c.Validate(); !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: %v, want ErrConfig", name, err)
+		}
+	}
 }
