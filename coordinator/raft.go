@@ -919,6 +919,10 @@ func (c *Coordinator) handleRaftStatus(m *nats.Msg) {
 	if !c.decodeAdmin(m, wire.AdminRaft) {
 		return
 	}
+	if c.rn == nil || c.rn.r == nil {
+		c.replyError(wire.AdminRaft, m, wire.CodeUnavailable, "raft is starting")
+		return
+	}
 	st := c.rn.raftStatus()
 	c.reply(wire.AdminRaft, m, &st)
 }
@@ -927,6 +931,10 @@ func (c *Coordinator) handleRaftStatus(m *nats.Msg) {
 // (admin-write, leader only).
 func (c *Coordinator) handleRaftChange(op string) nats.MsgHandler {
 	return func(m *nats.Msg) {
+		if c.rn == nil || c.rn.r == nil {
+			c.replyError(op, m, wire.CodeUnavailable, "raft is starting")
+			return
+		}
 		var req wire.AdminRaftChangeRequest
 		if err := json.Unmarshal(m.Data, &req); err != nil || req.ID == "" {
 			c.badRequest(m, op, fmt.Errorf("raft change wants {\"id\": ..., \"addr\": ...}: %w", wire.ErrMalformed))
