@@ -89,6 +89,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -364,6 +365,9 @@ func (f raftFSM) ApplyBatch(logs []*raft.Log) []any {
 		}
 		out[i] = p
 	}
+	if len(logs) > 0 {
+		f.n.fsmLast.Store(logs[len(logs)-1].Index)
+	}
 	return out
 }
 
@@ -383,6 +387,9 @@ func (f raftFSM) Restore(rc io.ReadCloser) error {
 	}
 	if ok {
 		f.n.met.restores.Inc()
+	}
+	if a := f.n.c.idx.AppliedIndex(); a > f.n.fsmLast.Load() {
+		f.n.fsmLast.Store(a)
 	}
 	return nil
 }
@@ -458,6 +465,10 @@ type raftNode struct {
 	store *raftStore
 	trans *raft.NetworkTransport
 	strm  *authStream
+
+	// fsmLast is the last raft index ApplyBatch has queued into the index
+	// in this process (0 after a start, until raft replays).
+	fsmLast atomic.Uint64
 
 	notify chan bool
 	obs    chan raft.Observation

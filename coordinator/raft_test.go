@@ -85,9 +85,8 @@ func (rc *raftCluster) config(i int) Config {
 	cfg.Raft.Peers = rc.peers
 	cfg.Raft.Bootstrap = true
 	cfg.Raft.Key = testRaftKey
-	cfg.Raft.HeartbeatTimeout = 300 * time.Millisecond
-	cfg.Raft.ElectionTimeout = 300 * time.Millisecond
-	cfg.Raft.LeaderLeaseTimeout = 150 * time.Millisecond
+	// The production timeouts: shorter ones make elections under the race
+	// detector on a loaded 2-core machine.
 	if rc.mod != nil {
 		rc.mod(&cfg)
 	}
@@ -150,16 +149,16 @@ func (rc *raftCluster) leader() int {
 // clean on each.
 func (rc *raftCluster) converged(leader int) []byte {
 	rc.t.Helper()
-	// What raft has handed to each state machine, then (Dump's barrier)
-	// what the index committed: a restarted node's index may be ahead of
-	// its raft, which replays.
-	want := rc.nodes[leader].rn.r.AppliedIndex()
+	// What raft has handed to each state machine in this process, then
+	// (Dump's barrier) what the index committed: a restarted node's index
+	// may be ahead of its raft, which replays.
+	want := rc.nodes[leader].rn.fsmLast.Load()
 	for i, c := range rc.nodes {
 		if c == nil {
 			continue
 		}
 		waitFor(rc.t, 20*time.Second, fmt.Sprintf("%s to apply through %d", rc.peers[i].ID, want), func() bool {
-			return c.rn.r.AppliedIndex() >= want
+			return c.rn.fsmLast.Load() >= want
 		})
 	}
 	var ref []byte
@@ -184,6 +183,32 @@ func (rc *raftCluster) converged(leader int) []byte {
 		}
 	}
 	return ref
+}
+
+// send sends a batch to whichever coordinator leads, resending while the
+// answer is unavailable or nobody answers (an election; what a rankd
+// does: batches are idempotent by sequence).
+func (rc *raftCluster) send(b *wire.Batch) (*wire.EventAck, *wire.Error) {
+	rc.t.Helper()
+	p, err := b.MarshalBinary()
+	if err != nil {
+		rc.t.Fatal(err)
+	}
+	var ack *wire.EventAck
+	var werr *wire.Error
+	waitFor(rc.t, 20*time.Second, "an answer to a batch", func() bool {
+		msg, err := rc.nc.RequestWithContext(tctx(rc.t), rc.subj.Events(b.Rank), p)
+		if err != nil {
+			return false
+		}
+		var rep wire.Reply[wire.EventAck]
+		if err := json.Unmarshal(msg.Data, &rep); err != nil {
+			rc.t.Fatalf("decode ack %q: %v", msg.Data, err)
+		}
+		ack, werr = rep.OK, rep.Error
+		return werr == nil || werr.Code != wire.CodeUnavailable
+	})
+	return ack, werr
 }
 
 // retryCall calls until a coordinator answers (no responders while a
@@ -216,7 +241,7 @@ func TestRaftReplicatesAndFailsOver(t *testing.T) {
 		r := wire.Rank{Instance: "eng", TPRank: tp}
 		for part := range 4 {
 			b := storeBatch(r, 1, uint64(part*10), ns, chunks[part*10:(part+1)*10], wire.L1)
-			ack, werr := sendBatch(t, rc.nc, rc.subj, b)
+			ack, werr := rc.send(b)
 			if werr != nil || ack.AppliedThrough != uint64((part+1)*10) {
 				t.Fatalf("batch %d of %s: ack %+v err %v", part, r, ack, werr)
 			}
@@ -247,7 +272,7 @@ func TestRaftReplicatesAndFailsOver(t *testing.T) {
 	r := wire.Rank{Instance: "eng", TPRank: 0}
 	more := chain(ns, 50, 9)[40:]
 	b := storeBatch(r, 1, 40, ns, more, wire.L1)
-	if ack, werr := sendBatch(t, rc.nc, rc.subj, b); werr != nil || ack.AppliedThrough != 50 {
+	if ack, werr := rc.send(b); werr != nil || ack.AppliedThrough != 50 {
 		t.Fatalf("batch to the new leader: ack %+v err %v", ack, werr)
 	}
 	rc.converged(l2)
@@ -265,7 +290,7 @@ func (rc *raftCluster) storeFixture(n int) (dcp.Namespace, []dcp.ChunkHash) {
 	chunks := chain(ns, n, 5)
 	for tp := range 2 {
 		r := wire.Rank{Instance: "eng", TPRank: tp}
-		if ack, werr := sendBatch(t, rc.nc, rc.subj, storeBatch(r, 1, 0, ns, chunks, wire.L1)); werr != nil || ack.AppliedThrough != uint64(n) {
+		if ack, werr := rc.send(storeBatch(r, 1, 0, ns, chunks, wire.L1)); werr != nil || ack.AppliedThrough != uint64(n) {
 			t.Fatalf("store %s: ack %+v err %v", r, ack, werr)
 		}
 	}
@@ -325,7 +350,7 @@ func TestRaftRestartAppliesOnce(t *testing.T) {
 	if out, err := lc.applyInventory(tctx(t), inv); err != nil || !out.Applied {
 		t.Fatalf("inventory: %+v %v", out, err)
 	}
-	if ack, werr := sendBatch(t, rc.nc, rc.subj, storeBatch(r, 1, 6, ns, chain(ns, 8, 6)[6:], wire.L1)); werr != nil || ack.AppliedThrough != 8 {
+	if ack, werr := rc.send(storeBatch(r, 1, 6, ns, chain(ns, 8, 6)[6:], wire.L1)); werr != nil || ack.AppliedThrough != 8 {
 		t.Fatalf("batch after the inventory: %+v %v", ack, werr)
 	}
 	want := rc.converged(l)
@@ -356,7 +381,7 @@ func TestRaftSnapshotCatchUp(t *testing.T) {
 	r := wire.Rank{Instance: "eng", TPRank: 1}
 	for i := range 10 {
 		b := storeBatch(r, 1, uint64(4+i), ns, chain(ns, 5+i, 11)[4+i:], wire.L2)
-		if ack, werr := sendBatch(t, rc.nc, rc.subj, b); werr != nil || ack.AppliedThrough != uint64(5+i) {
+		if ack, werr := rc.send(b); werr != nil || ack.AppliedThrough != uint64(5+i) {
 			t.Fatalf("batch %d: %+v %v", i, ack, werr)
 		}
 	}
@@ -567,7 +592,7 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	// Two voters left: the leader still commits (quorum 2 of 2).
 	r := wire.Rank{Instance: "eng", TPRank: 0}
 	ns := rc.nodes[l].idx.Namespaces()[0].Namespace
-	if ack, werr := sendBatch(t, rc.nc, rc.subj, storeBatch(r, 1, 2, ns, chain(ns, 3, 8)[2:], wire.L1)); werr != nil || ack.AppliedThrough != 3 {
+	if ack, werr := rc.send(storeBatch(r, 1, 2, ns, chain(ns, 3, 8)[2:], wire.L1)); werr != nil || ack.AppliedThrough != 3 {
 		t.Fatalf("batch with two voters: %+v %v", ack, werr)
 	}
 	rep = call[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftAddVoter),
