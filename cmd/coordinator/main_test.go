@@ -517,3 +517,22 @@ func TestInitCLI(t *testing.T) {
 		t.Fatalf("nats-conf: %d %s", code, errb.String())
 	}
 }
+
+// TestServeRaftFlags: a bad --raft-peers entry and a bootstrap whose peers
+// leave this node out are usage errors naming the rule, before anything
+// starts.
+func TestServeRaftFlags(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--raft-id", "c1", "--raft-peers", "c1"}, "must be id=host:port"},
+		{[]string{"--raft-id", "c1", "--raft-peers", "c2=127.0.0.1:9481", "--raft-bootstrap"}, "must include this node"},
+	} {
+		var out, errb bytes.Buffer
+		args := append([]string{"serve", "--data-dir", t.TempDir(), "--insecure"}, tc.args...)
+		if code := run(context.Background(), args, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), tc.want) {
+			t.Errorf("%v: exit %d, stderr %q; want usage error with %q", tc.args, code, errb.String(), tc.want)
+		}
+	}
+}
