@@ -637,6 +637,10 @@ func (n *raftNode) gainLeadership() {
 		n.log.Warn("leadership gained but the barrier failed; not serving", zap.Error(err))
 		return
 	}
+	if err := n.c.idx.Failed(); err != nil {
+		n.stepDown("this coordinator's index refuses writes: " + err.Error())
+		return
+	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.closed || n.r.State() != raft.Leader || len(n.subs) > 0 {
@@ -762,13 +766,32 @@ func (n *raftNode) result(f raft.ApplyFuture, t0 time.Time) index.Result {
 		return index.Result{Err: fmt.Errorf("entry not committed by this coordinator: %w: %w", errNotLeader, err)}
 	}
 	n.met.commitSecs.Observe(time.Since(t0).Seconds())
+	var res index.Result
 	switch v := f.Response().(type) {
 	case *index.Pending:
-		return v.Result(n.c.idx)
+		res = v.Result(n.c.idx)
 	case error:
-		return index.Result{Err: v}
+		res = index.Result{Err: v}
+	default:
+		return index.Result{Err: fmt.Errorf("raft entry %d has no index result: %w", f.Index(), index.ErrInvalid)}
 	}
-	return index.Result{Err: fmt.Errorf("raft entry %d has no index result: %w", f.Index(), index.ErrInvalid)}
+	if errors.Is(res.Err, index.ErrFailed) {
+		n.stepDown("this coordinator's index refuses writes")
+	}
+	return res
+}
+
+// stepDown hands leadership to another voter: a leader whose index has
+// failed (it refuses every write until restarted) would otherwise keep the
+// cluster from acknowledging anything. The replicas with healthy indexes
+// carry on; this one is rebuilt by a restart (raft replays or sends a
+// snapshot).
+func (n *raftNode) stepDown(why string) {
+	if !n.isLeader() {
+		return
+	}
+	n.log.Error("raft leader stepping down", zap.String("why", why))
+	_ = n.r.LeadershipTransfer() // asynchronous; its outcome shows in the leadership notifications
 }
 
 func (n *raftNode) do(kind byte, v any) index.Result {

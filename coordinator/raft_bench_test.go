@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -47,6 +48,7 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 	})
 	rc.leader()
 
+	var retries atomic.Int64
 	type result struct {
 		rate     float64
 		p50, p99 time.Duration
@@ -68,15 +70,33 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 		for tp := range ranks {
 			wg.Go(func() {
 				for bi, p := range payloads[tp] {
-					msg, err := nc.Request(subj.Events(work[tp][bi].Rank), p, 30*time.Second)
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					var rep wire.Reply[wire.EventAck]
-					if err := json.Unmarshal(msg.Data, &rep); err != nil || rep.Error != nil || rep.OK.AppliedThrough != uint64((bi+1)*events) {
-						b.Errorf("ack %s", msg.Data)
-						return
+					// Resend while nobody answers or the answer is
+					// unavailable (an election), as a rankd does.
+					for attempt := 0; ; attempt++ {
+						if attempt == 200 {
+							b.Errorf("batch %d of rank %d: no ack after %d attempts", bi, tp, attempt)
+							return
+						}
+						msg, err := nc.Request(subj.Events(work[tp][bi].Rank), p, 30*time.Second)
+						if err != nil {
+							retries.Add(1)
+							time.Sleep(10 * time.Millisecond)
+							continue
+						}
+						var rep wire.Reply[wire.EventAck]
+						if err := json.Unmarshal(msg.Data, &rep); err != nil {
+							b.Errorf("ack %s", msg.Data)
+							return
+						}
+						if rep.Error != nil && rep.Error.Code == wire.CodeUnavailable {
+							retries.Add(1)
+							continue
+						}
+						if rep.Error != nil || rep.OK.AppliedThrough != uint64((bi+1)*events) {
+							b.Errorf("ack %s", msg.Data)
+							return
+						}
+						break
 					}
 				}
 			})
@@ -91,7 +111,12 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 		// of other chunks, so store the 8 shards of these 128 first.
 		for tp := range ranks {
 			r := wire.Rank{Instance: inst + "l", TPRank: tp}
-			if _, werr := sendBatch(b, nc, subj, storeBatch(r, 1, 0, ns, chunks, wire.L1)); werr != nil {
+			bt := storeBatch(r, 1, 0, ns, chunks, wire.L1)
+			if name == "single" {
+				if _, werr := sendBatch(b, nc, subj, bt); werr != nil {
+					b.Fatal(werr)
+				}
+			} else if _, werr := rc.send(bt); werr != nil {
 				b.Fatal(werr)
 			}
 		}
@@ -99,7 +124,7 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 		d := make([]time.Duration, 0, lookups)
 		for range lookups {
 			t0 := time.Now()
-			rep := call[wire.LookupReply](b, nc, subj.Coord(wire.CoordLookup), req)
+			rep := retryCall[wire.LookupReply](b, nc, subj.Coord(wire.CoordLookup), req)
 			d = append(d, time.Since(t0))
 			if rep.Prefix != len(chunks) {
 				b.Fatalf("%s lookup prefix %d, want %d", name, rep.Prefix, len(chunks))
@@ -122,6 +147,8 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 	b.ReportMetric(float64(one.p50.Microseconds()), "single-lookup-p50-us")
 	b.ReportMetric(float64(three.p50.Microseconds()), "raft3-lookup-p50-us")
 	b.ReportMetric(float64(three.p99)/float64(one.p99), "lookup-p99-ratio")
+	b.ReportMetric(float64(retries.Load()), "resends")
+	b.ReportMetric(metric(b, rc.nodes[rc.leader()], "kvtier_raft_leader_changes_total"), "leader-changes-seen")
 }
 
 // BenchmarkRaftFailover measures, per iteration, the time from stopping
