@@ -152,6 +152,13 @@ func New(cfg Config) (*Coordinator, error) {
 	if err := c.reg.Register(c.auth.refused); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
+	if cfg.Raft.Enabled() {
+		n, err := newRaftNode(c)
+		if err != nil {
+			return nil, err
+		}
+		c.rn = n
+	}
 	return c, nil
 }
 
@@ -629,7 +636,7 @@ func (c *Coordinator) Health() Health {
 			h.Cluster, ok = st.String(), false
 		}
 	}
-	if c.rn != nil && c.rn.r != nil {
+	if c.rn != nil && c.rn.ready.Load() {
 		var well bool
 		h.Raft, well = c.rn.health()
 		ok = ok && well

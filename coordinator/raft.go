@@ -466,6 +466,9 @@ type raftNode struct {
 	trans *raft.NetworkTransport
 	strm  *authStream
 
+	// ready is set once startRaft has set r and the stores; r, store,
+	// trans and strm are read only after it.
+	ready atomic.Bool
 	// fsmLast is the last raft index ApplyBatch has queued into the index
 	// in this process (0 after a start, until raft replays).
 	fsmLast atomic.Uint64
@@ -487,27 +490,15 @@ type raftNode struct {
 // authenticated transport and the raft server, bootstraps when asked, and
 // starts the leadership and observation loops. The leader-only handlers
 // are subscribed when this node becomes leader.
+//
+// c.rn exists from New on (newRaftNode), so the membership loop and the
+// handlers, which start before raft does, see replicated mode: until
+// ready is set, this node neither leads nor acts on membership, and every
+// mutation answers errNotLeader; nothing writes the index outside raft.
 func (c *Coordinator) startRaft(handlers []leaderHandler) error {
 	rc := c.cfg.Raft
-	n := &raftNode{c: c, cfg: rc, log: c.log.Named("raft"), met: newRaftMetrics(), handlers: handlers,
-		notify: make(chan bool, 16), obs: make(chan raft.Observation, 64), stop: make(chan struct{})}
-	for _, m := range n.met.collectors() {
-		if err := c.reg.Register(m); err != nil {
-			return fmt.Errorf("register raft metrics: %w: %w", ErrConfig, err)
-		}
-	}
-	lag := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvtier_raft_apply_lag",
-		Help: "Entries committed by raft (as this node knows) not yet committed to this node's index."},
-		func() float64 {
-			if n.r == nil {
-				return 0
-			}
-			return float64(n.r.CommitIndex()) - float64(c.idx.AppliedIndex())
-		})
-	if err := c.reg.Register(lag); err != nil {
-		return fmt.Errorf("register raft metrics: %w: %w", ErrConfig, err)
-	}
-	c.rn = n
+	n := c.rn
+	n.handlers = handlers
 	key := rc.Key
 	if key == nil {
 		path := rc.KeyFile
@@ -596,6 +587,7 @@ func (c *Coordinator) startRaft(handlers []leaderHandler) error {
 		}
 		return false
 	}))
+	n.ready.Store(true)
 	n.wg.Add(2)
 	go n.leaderLoop()
 	go n.observeLoop()
@@ -795,6 +787,9 @@ func (n *raftNode) stepDown(why string) {
 }
 
 func (n *raftNode) do(kind byte, v any) index.Result {
+	if !n.ready.Load() {
+		return index.Result{Err: fmt.Errorf("raft is starting: %w", errNotLeader)}
+	}
 	payload, err := json.Marshal(v)
 	if err != nil {
 		return index.Result{Err: fmt.Errorf("encode raft command: %w: %w", index.ErrInvalid, err)}
@@ -803,10 +798,37 @@ func (n *raftNode) do(kind byte, v any) index.Result {
 }
 
 // isLeader reports whether raft says this node leads.
-func (n *raftNode) isLeader() bool { return n.r != nil && n.r.State() == raft.Leader }
+func (n *raftNode) isLeader() bool { return n.ready.Load() && n.r.State() == raft.Leader }
+
+// newRaftNode is New's part of replicated mode: the node and its metrics,
+// no I/O (startRaft does that).
+func newRaftNode(c *Coordinator) (*raftNode, error) {
+	n := &raftNode{c: c, cfg: c.cfg.Raft, log: c.log.Named("raft"), met: newRaftMetrics(),
+		notify: make(chan bool, 16), obs: make(chan raft.Observation, 64), stop: make(chan struct{})}
+	for _, m := range n.met.collectors() {
+		if err := c.reg.Register(m); err != nil {
+			return nil, fmt.Errorf("register raft metrics: %w: %w", ErrConfig, err)
+		}
+	}
+	lag := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvtier_raft_apply_lag",
+		Help: "Entries committed by raft (as this node knows) not yet committed to this node's index."},
+		func() float64 {
+			if !n.ready.Load() {
+				return 0
+			}
+			return float64(n.r.CommitIndex()) - float64(c.idx.AppliedIndex())
+		})
+	if err := c.reg.Register(lag); err != nil {
+		return nil, fmt.Errorf("register raft metrics: %w: %w", ErrConfig, err)
+	}
+	return n, nil
+}
 
 // verifyLeader confirms with a quorum that this node still leads.
 func (n *raftNode) verifyLeader() error {
+	if !n.ready.Load() {
+		return fmt.Errorf("raft is starting: %w", errNotLeader)
+	}
 	if err := n.r.VerifyLeader().Error(); err != nil {
 		return fmt.Errorf("%w: %w", errNotLeader, err)
 	}
@@ -953,7 +975,7 @@ func (c *Coordinator) handleRaftStatus(m *nats.Msg) {
 	if !c.decodeAdmin(m, wire.AdminRaft) {
 		return
 	}
-	if c.rn == nil || c.rn.r == nil {
+	if !c.rn.ready.Load() {
 		c.replyError(wire.AdminRaft, m, wire.CodeUnavailable, "raft is starting")
 		return
 	}
@@ -965,7 +987,7 @@ func (c *Coordinator) handleRaftStatus(m *nats.Msg) {
 // (admin-write, leader only).
 func (c *Coordinator) handleRaftChange(op string) nats.MsgHandler {
 	return func(m *nats.Msg) {
-		if c.rn == nil || c.rn.r == nil {
+		if !c.rn.ready.Load() {
 			c.replyError(op, m, wire.CodeUnavailable, "raft is starting")
 			return
 		}
