@@ -509,11 +509,13 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 	if c.cfg.Raft.Enabled() {
 		hs = append(hs, []handler{
 			{c.subj.Admin(wire.AdminRaft), wire.AdminRaft, c.handleRaftStatus},
+			{c.subj.Admin(wire.AdminRaftVerify), wire.AdminRaftVerify, c.handleRaftVerify},
 			{c.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftAddVoter, c.handleRaftChange(wire.AdminRaftAddVoter)},
 			{c.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftRemove, c.handleRaftChange(wire.AdminRaftRemove)},
 		}...)
 	}
-	everyNode := map[string]bool{c.subj.Admin(wire.AdminMembers): true, c.subj.Admin(wire.AdminRaft): true}
+	everyNode := map[string]bool{c.subj.Admin(wire.AdminMembers): true, c.subj.Admin(wire.AdminRaft): true,
+		c.subj.Admin(wire.AdminRaftVerify): true}
 	var leaderOnly []leaderHandler
 	if c.cfg.Insecure {
 		// Clients from before C9 use the unscoped subjects.

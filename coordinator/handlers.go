@@ -360,8 +360,12 @@ func (c *Coordinator) handleVerify(m *nats.Msg) {
 	} else {
 		c.log.Info("index verified on request", zap.Int64("placements", rep.Placements))
 	}
-	c.reply(wire.AdminVerify, m, &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
-		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems})
+	c.reply(wire.AdminVerify, m, verifyReply(rep))
+}
+
+func verifyReply(rep index.VerifyReport) *wire.AdminVerifyReply {
+	return &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
+		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems}
 }
 
 // decodeAdmin accepts an empty body or an empty JSON object.

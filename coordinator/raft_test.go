@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -581,6 +582,23 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	var out bytes.Buffer
 	if err := WriteMembersTable(&out, &wire.AdminMembersReply{Raft: nodes}); err != nil || !bytes.Contains(out.Bytes(), []byte("INDEX_APPLIED")) {
 		t.Fatalf("members table: %v\n%s", err, out.String())
+	}
+	reps, err := CollectRaftVerify(tctx(t), rc.nc, rc.subj, 2*time.Second)
+	if err != nil || len(reps) != 3 {
+		t.Fatalf("raft verify: %d replies, %v", len(reps), err)
+	}
+	for _, r := range reps {
+		if r.RaftIndex != reps[0].RaftIndex || r.Digest != reps[0].Digest || !r.Verify.OK || r.Verify.Placements != 4 {
+			t.Fatalf("replica %+v differs from %+v", r, reps[0])
+		}
+	}
+	if err := ReplicasAgree(reps); err != nil {
+		t.Fatal(err)
+	}
+	bad := append([]wire.AdminRaftVerifyReply(nil), reps...)
+	bad[1].Digest = "00"
+	if err := ReplicasAgree(bad); !errors.Is(err, index.ErrInconsistent) {
+		t.Fatalf("digest mismatch at one raft index: %v, want ErrInconsistent", err)
 	}
 	f := (l + 1) % 3
 	rep := call[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftChangeRequest{ID: rc.peers[f].ID})

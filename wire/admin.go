@@ -29,7 +29,22 @@ const (
 	// AdminRaftChangeReply.
 	AdminRaftAddVoter = "raft.add_voter"
 	AdminRaftRemove   = "raft.remove_server"
+	// AdminRaftVerify, like AdminRaft, is answered by every coordinator:
+	// its own index verified, and a digest of its state at the raft index
+	// it has applied (AdminRaftVerifyReply), so replicas can be compared.
+	AdminRaftVerify = "raft.verify"
 )
+
+// AdminRaftVerifyReply is one replica's verify and state digest.
+type AdminRaftVerifyReply struct {
+	ID string `json:"id"`
+	// RaftIndex is the raft index the digest's state is at; Digest is the
+	// hex SHA-256 of the index's canonical dump there. Two replicas at the
+	// same raft index must have the same digest.
+	RaftIndex uint64           `json:"raft_index"`
+	Digest    string           `json:"digest"`
+	Verify    AdminVerifyReply `json:"verify"`
+}
 
 // AdminRaftNode is one coordinator's raft state.
 type AdminRaftNode struct {

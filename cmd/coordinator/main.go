@@ -306,6 +306,11 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 	asJSON := fs.Bool("json", false, "print JSON instead of a table")
 	timeout := fs.Duration("timeout", 10*time.Second, "request timeout (verify of a large index takes a while)")
 	raftWindow := new(time.Duration)
+	replicas := new(bool)
+	if op == wire.AdminVerify {
+		fs.BoolVar(replicas, "replicas", false, "replicated cluster: every coordinator verifies its own index and digests its state; exit 1 unless all verify and agree")
+		fs.DurationVar(raftWindow, "raft-window", 2*time.Second, "how long to collect the replicas' answers (with --replicas)")
+	}
 	if op == wire.AdminMembers {
 		fs.DurationVar(raftWindow, "raft-window", 500*time.Millisecond, "how long to collect the coordinators' raft states (replicated mode)")
 	}
@@ -378,6 +383,30 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 		r, e := bus.Call[wire.AdminRestoresReply](ctx, nc, subject, body)
 		rep, err, write = r, e, func() error { return coordinator.WriteRestoresTable(stdout, r) }
 	case wire.AdminVerify:
+		if *replicas {
+			reps, err := coordinator.CollectRaftVerify(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
+			if err == nil && len(reps) == 0 {
+				err = errors.New("no coordinator answered admin.raft.verify (not a replicated cluster?)")
+			}
+			if err != nil {
+				fmt.Fprintf(stderr, "verify: %v\n", err)
+				return exitFail
+			}
+			if *asJSON {
+				err = coordinator.WriteJSON(stdout, reps)
+			} else {
+				err = coordinator.WriteRaftVerifyTable(stdout, reps)
+			}
+			if err != nil {
+				fmt.Fprintf(stderr, "verify: write output: %v\n", err)
+				return exitFail
+			}
+			if err := coordinator.ReplicasAgree(reps); err != nil {
+				fmt.Fprintf(stderr, "verify: %v\n", err)
+				return exitFail
+			}
+			return exitOK
+		}
 		r, e := bus.Call[wire.AdminVerifyReply](ctx, nc, subject, body)
 		rep, err, write = r, e, func() error { return coordinator.WriteVerifyTable(stdout, r) }
 		if e == nil && !r.OK {
