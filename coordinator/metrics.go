@@ -84,7 +84,7 @@ func newMetrics() *metrics {
 		}),
 		fences: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_rank_fences_total",
-			Help: "Ranks whose L1 placements were fenced, by cause (dead, left, startup).",
+			Help: "Ranks whose L1 placements were fenced, by cause (dead, left, startup; leader: a new raft leader's sweep).",
 		}, []string{"cause"}),
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_placements_fenced_total",

@@ -686,3 +686,30 @@ func TestRaftModeBeforeRaftStarts(t *testing.T) {
 		t.Fatalf("COMPLETE before raft started: %v, want errNotLeader", err)
 	}
 }
+
+// TestRaftNewLeaderSweeps: deaths memberlist reported while a node
+// followed were the old leader's to fence; a new leader therefore fences,
+// through raft, the L1 placements of every rank whose incarnation is not
+// alive in the cluster (here: ranks that never joined memberlist, past the
+// startup grace). Seen failing with afterGainLeadership doing nothing: the
+// ranks stayed unfenced on the new leader.
+func TestRaftNewLeaderSweeps(t *testing.T) {
+	rc := newRaftCluster(t, 3, func(c *Config) { c.StartupFenceGrace = 200 * time.Millisecond })
+	l := rc.leader()
+	rc.storeFixture(3)
+	time.Sleep(300 * time.Millisecond) // past every node's startup grace
+	rc.stop(l)
+	l2 := rc.leader()
+	c := rc.nodes[l2]
+	for tp := range 2 {
+		r := wire.Rank{Instance: "eng", TPRank: tp}
+		waitFor(t, 10*time.Second, "the new leader to fence "+r.String(), func() bool {
+			ri, ok := c.idx.Rank(r)
+			return ok && ri.Fenced && ri.L1Placements == 0
+		})
+	}
+	if got := metric(t, c, "kvtier_coord_rank_fences_total", "cause", "leader"); got != 2 {
+		t.Fatalf("leader sweep fences counted %v, want 2", got)
+	}
+	rc.converged(l2)
+}
