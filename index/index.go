@@ -90,6 +90,12 @@ type Index struct {
 	// only. appliedPub is the highest one committed and published.
 	applied    uint64
 	appliedPub atomic.Uint64
+	// fences are the sliced FenceRanks in progress, oldest first (see
+	// fenceJob); fencing counts those whose request is not answered yet
+	// (a finished fence's last slice may still be in flight). No fold is
+	// cut while fencing > 0.
+	fences  []*fenceJob
+	fencing int
 }
 
 type reqKind uint8
@@ -106,6 +112,7 @@ const (
 	reqSnapshot // replicate.go
 	reqRestore
 	reqDump
+	reqSlice // a slice of a sliced fence, staged by the committer itself
 )
 
 // request is one call waiting for the committer. The committer fills in
@@ -135,6 +142,9 @@ type request struct {
 	src       io.Reader
 	restored  bool
 	dump      Dump
+	// slice: a sliced fence's request (or one that joined it), answered
+	// with its last slice; Index.fencing counts it until then.
+	slice bool
 }
 
 // Open opens (creating if needed) the index at cfg.Path, rebuilds the
@@ -425,6 +435,9 @@ func (ix *Index) run() {
 	defer close(ix.writes)
 	var timer *time.Timer
 	for {
+		if len(ix.fences) > 0 && ix.cur == nil && ix.failed == nil {
+			ix.staging() // the next slice of a sliced fence
+		}
 		if ix.flight == nil && ix.cur != nil && len(ix.pending) > 0 {
 			// Take in some of what queued up meanwhile, up to twice what
 			// was staged while the last commit ran: when the committer is
@@ -483,6 +496,7 @@ func (ix *Index) run() {
 				}
 				break
 			}
+			ix.finishFences()
 			ix.barrier()
 			ix.finish()
 			if timer != nil {
@@ -524,6 +538,7 @@ func (ix *Index) stage(r *request) {
 	}
 	switch r.kind {
 	case reqVerify, reqCheckpoint, reqSnapshot, reqRestore, reqDump:
+		ix.finishFences()
 		ix.barrier()
 		switch r.kind {
 		case reqVerify:
@@ -551,12 +566,24 @@ func (ix *Index) stage(r *request) {
 	switch r.kind {
 	case reqBatch:
 		r.out = t.applyBatch(r.batch)
+		if r.out.NewIncarnation {
+			ix.endFence(t, r.batch.Rank)
+		}
 	case reqInventory:
 		r.invOut = t.applyInventory(r.inv)
+		if r.invOut.Applied {
+			ix.endFence(t, r.inv.Rank)
+		}
 	case reqFence:
+		if ix.startFence(t, r) {
+			return // answered with the fence's last slice
+		}
 		r.fenced = t.fenceRank(r.rank, r.upTo)
 	case reqReset:
 		r.fenced = t.resetRank(r.rank)
+		if r.fenced >= 0 {
+			ix.endFence(t, r.rank)
+		}
 	case reqRegister:
 		r.err = t.register(r.spec, r.json)
 	}
@@ -584,6 +611,9 @@ func (ix *Index) staging() *txn {
 		ix.txns[i].reset(ix.st, parent, enc)
 	}
 	ix.cur, ix.curIdx, ix.curN, ix.curStart = ix.txns[i], i, 0, time.Now()
+	if len(ix.fences) > 0 && ix.failed == nil {
+		ix.fenceSlice(ix.cur, ix.fences[0])
+	}
 	return ix.cur
 }
 
@@ -637,7 +667,7 @@ func (ix *Index) land(err error) {
 	ix.met.groupEvents.Observe(float64(f.t.events))
 	ix.publish(f.t)
 	ix.answer(f.pending)
-	if ix.logBytes >= ix.cfg.CheckpointBytes {
+	if ix.logBytes >= ix.cfg.CheckpointBytes && ix.fencing == 0 {
 		// Fold on the writer: the committer stages the next group
 		// meanwhile (it changes nothing the fold reads).
 		ix.flight = &flight{fold: ix.cutFold(), start: time.Now(), done: make(chan error, 1)}
@@ -659,6 +689,9 @@ func (ix *Index) barrier() {
 
 func (ix *Index) answer(pending []*request) {
 	for _, r := range pending {
+		if r.slice {
+			ix.fencing--
+		}
 		if r.err == nil {
 			ix.account(r)
 		}
@@ -667,7 +700,11 @@ func (ix *Index) answer(pending []*request) {
 }
 
 func (ix *Index) fail(pending []*request, err error) {
+	ix.failFences(err)
 	for _, r := range pending {
+		if r.slice {
+			ix.fencing--
+		}
 		r.err = fmt.Errorf("%w: %w", ErrFailed, err)
 		close(r.done)
 	}
@@ -732,6 +769,11 @@ func (ix *Index) publish(t *txn) {
 		to := min(from+publishSlice, len(t.staged))
 		ix.mu.Lock()
 		ix.st.publishChunks(t, from, to)
+		ix.mu.Unlock()
+	}
+	if len(t.unhide) > 0 {
+		ix.mu.Lock()
+		ix.st.publishUnhide(t)
 		ix.mu.Unlock()
 	}
 	ix.gauges()
@@ -947,12 +989,17 @@ func (ix *Index) finish() {
 	}
 }
 
-// startVerify takes, at a barrier, a bbolt read transaction and a copy of
-// the live state, and compares them on a goroutine (tracked in ix.wg),
-// which answers r. The copy costs O(chunks) map copying on the committer;
-// the re-derivation from bbolt and the comparison, O(index) each, run off
-// it. (While the read transaction is open, a commit that must grow bbolt's
-// memory map waits for it.)
+// startVerify takes, at a barrier, a bbolt read transaction and the shell
+// of the live state (namespaces and ranks, O(namespaces + ranks)) and
+// compares them on a goroutine (tracked in ix.wg), which answers r. That
+// goroutine first copies the chunk maps off the committer (copyChunks):
+// the committer records, from the barrier on, the barrier value of every
+// chunk it changes (state.undo), so the copy describes the barrier's
+// moment although the committer goes on committing. The re-derivation
+// from bbolt and the comparison, O(index) each, run off it too. (While
+// the read transaction is open, a commit that must grow bbolt's memory
+// map waits for it; InitialMmapSize makes that rare.) A second Verify
+// while one is copying copies the maps on the committer, as before.
 func (ix *Index) startVerify(r *request) {
 	tx, err := ix.db.Begin(false)
 	if err != nil {
@@ -960,14 +1007,79 @@ func (ix *Index) startVerify(r *request) {
 		close(r.done)
 		return
 	}
-	live := ix.st.snapshot()
+	var live *state
+	shellOnly := ix.st.undo == nil
+	if shellOnly {
+		live = ix.st.shell()
+		ix.mu.Lock()
+		ix.st.undo = make(map[chunkRef]undoVal)
+		ix.mu.Unlock()
+	} else {
+		live = ix.st.snapshot()
+	}
 	ix.wg.Add(1)
 	go func() {
 		defer ix.wg.Done()
+		if shellOnly {
+			ix.copyChunks(live)
+		}
 		r.report = verifyAgainst(live, tx)
 		_ = tx.Rollback()
 		close(r.done)
 	}()
+}
+
+// copySlice is how many chunks copyChunks copies per hold of the read
+// lock (a variable for tests).
+var copySlice = 4096
+
+// copyPause, when set (tests only), runs in copyChunks each time it has
+// released the read lock between two slices.
+var copyPause func()
+
+// copyChunks fills the chunk maps of shell, taken at a barrier, with the
+// chunks as they were at that barrier, without stopping the committer:
+// it walks each live chunk map under the read lock, released every
+// copySlice chunks (the committer publishes in between), keeping the
+// chunks not changed since the barrier, then ends the recording and puts
+// back the barrier value of every chunk changed meanwhile (state.undo). A
+// chunk unchanged the whole time is produced by the walk exactly once
+// (Go's map iteration produces every entry neither added nor removed
+// during it); every other one is in undo.
+func (ix *Index) copyChunks(shell *state) {
+	for ns, sn := range shell.ns {
+		ix.mu.RLock()
+		n := ix.st.ns[ns]
+		sn.chunks = make(map[dcp.ChunkHash]chunkVal, len(n.chunks))
+		i := 0
+		for c, v := range n.chunks {
+			if _, changed := ix.st.undo[chunkRef{ns, c}]; !changed {
+				sn.chunks[c] = v
+			}
+			if i++; i%copySlice == 0 {
+				ix.mu.RUnlock()
+				if copyPause != nil {
+					copyPause()
+				}
+				ix.mu.RLock()
+			}
+		}
+		ix.mu.RUnlock()
+	}
+	ix.mu.Lock()
+	undo := ix.st.undo
+	ix.st.undo = nil
+	ix.mu.Unlock()
+	for ref, u := range undo {
+		sn := shell.ns[ref.ns]
+		switch {
+		case sn == nil: // a namespace new since the barrier
+		case u.had:
+			sn.chunks[ref.chunk] = u.v
+		default:
+			delete(sn.chunks, ref.chunk)
+		}
+	}
 }
 
 // verifyAgainst is Verify's comparison of a copy of the live state with the

@@ -1,9 +1,11 @@
 package index_test
 
 import (
+	"os"
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -27,11 +29,21 @@ import (
 // Apply when nothing else runs (the fsync floor).
 //
 //	go test -run '^$' -bench AdminStall -benchtime 1x ./index/
+//	# KVTIER_BENCH_FENCE_SLICE sets Config.FenceSliceChunks (1000000: the
+//	# whole rank in one commit, as before the sliced fences)
 func BenchmarkAdminStall(b *testing.B) {
 	const bigRanks, perRank, small = 8, 250_000, 1_000
 	cfg := index.DefaultConfig()
 	cfg.Path = filepath.Join(b.TempDir(), "index.db")
 	cfg.Logger = zap.NewNop()
+	if v := os.Getenv("KVTIER_BENCH_FENCE_SLICE"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			b.Fatalf("KVTIER_BENCH_FENCE_SLICE=%q: %v", v, err)
+		}
+		cfg.FenceSliceChunks = n
+	}
+	b.Logf("FenceSliceChunks %d", cfg.FenceSliceChunks)
 	ix, err := index.Open(cfg)
 	if err != nil {
 		b.Fatal(err)
