@@ -932,6 +932,7 @@ func (ix *Index) Durability() Durability {
 // setFailed makes err the sticky failure; committer only.
 func (ix *Index) setFailed(err error) {
 	ix.failed = err
+	ix.failFences(err) // they can no longer finish
 	werr := fmt.Errorf("%w: %w", ErrFailed, err)
 	ix.sticky.Store(&werr)
 }
