@@ -47,6 +47,9 @@ func BenchmarkTraceReplayThroughNATS(b *testing.B) {
 			b.Logf("replay: %d lookups, %d events in %.1f s: %.0f lookups/s, %.0f events/s, hit ratio %.3f, lookup p50 %.0f us p99 %.0f us",
 				r.lookups, r.events, r.seconds, r.lookupsPerSec, r.eventsPerSec, r.hitRatio, r.p50, r.p99)
 		}
+		if median(hit) == 0 {
+			b.Fatal("no lookup hit anything: the events were not applied")
+		}
 		b.Logf("trace replay TP8 through NATS (auth %v), median of %d: %.0f lookups/s, %.0f events/s, hit ratio %.3f, lookup p50 %.0f us, p99 %.0f us",
 			os.Getenv("KVTIER_BENCH_INSECURE") != "1", len(lps), median(lps), median(eps), median(hit), median(p50), median(p99))
 		b.ReportMetric(median(lps), "lookups/s")
@@ -82,6 +85,11 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 		b.Fatal(err)
 	}
 	ns := reg.Namespace
+	res, err := spec.Resolve()
+	if err != nil {
+		b.Fatal(err)
+	}
+	objSize := res.ObjectSize(0) // the coordinator refuses other sizes (limits.go)
 	ranks := startBenchRanks(b, c, "eng", tp, DefaultConfig().EventWindow)
 	l1 := make([]traceRank, tp)
 	for i := range l1 {
@@ -114,7 +122,7 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 				br.seq++
 				var size uint64
 				if kind == wire.Stored {
-					size = 16 * 1024 * 32 * 512 / 16 / tp
+					size = objSize
 				}
 				bt.Events = append(bt.Events, wire.Event{Seq: br.seq, Kind: kind, Tier: tier, Key: k, Size: size, Sum: sum})
 			}
