@@ -38,6 +38,16 @@ type Config struct {
 	// per 100 MB). Default 128 MiB. Close folds whatever is left.
 	CheckpointBytes int64
 
+	// FenceSliceChunks bounds the work FenceRank does in one group commit:
+	// a rank whose chunk list is longer is fenced in slices of this many
+	// of its chunks, one slice per group commit, so the acknowledgements
+	// of other ranks wait for one slice, not for the whole rank (STYLE 24).
+	// The fence is visible at once (from the first slice, lookups no longer
+	// count the rank's L1 copies) and FenceRank returns once the last slice
+	// is committed. Default 4096 (a few milliseconds of committer time).
+	// Larger finishes a big fence in fewer commits; smaller stalls less.
+	FenceSliceChunks int
+
 	// NoSync skips fsync on commit. Only for tests: with it set, an
 	// acknowledged write can be lost to a crash, breaking C7.
 	NoSync bool
@@ -82,12 +92,13 @@ type Config struct {
 // DefaultConfig returns a Config with every default filled in except Path.
 func DefaultConfig() Config {
 	return Config{
-		MaxGroupEvents:  1 << 18,
-		QueueDepth:      4096,
-		CheckpointBytes: 128 << 20,
-		InitialMmapSize: 256 << 20,
-		OpenTimeout:     5 * time.Second,
-		Logger:          zap.NewNop(),
+		MaxGroupEvents:   1 << 18,
+		QueueDepth:       4096,
+		CheckpointBytes:  128 << 20,
+		FenceSliceChunks: 4096,
+		InitialMmapSize:  256 << 20,
+		OpenTimeout:      5 * time.Second,
+		Logger:           zap.NewNop(),
 	}
 }
 
@@ -105,6 +116,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("queue depth %d must be >= 1: %w", c.QueueDepth, ErrConfig)
 	case c.CheckpointBytes < 1:
 		return fmt.Errorf("checkpoint bytes %d must be >= 1: %w", c.CheckpointBytes, ErrConfig)
+	case c.FenceSliceChunks < 1:
+		return fmt.Errorf("fence slice chunks %d must be >= 1: %w", c.FenceSliceChunks, ErrConfig)
 	case c.MaxFileBytes < 0:
 		return fmt.Errorf("max file bytes %d must be >= 0: %w", c.MaxFileBytes, ErrConfig)
 	case c.InitialMmapSize < 0:

@@ -55,6 +55,7 @@ func runScenario(t *testing.T, seed uint64, f indextest.Faults) map[string]int {
 	ix := openTest(t, "", func(c *index.Config) {
 		c.CheckpointBytes = 16 << 10 // fold often: replay and snapshot both in play
 		c.NoSync = true
+		c.FenceSliceChunks = 8 // fences of most ranks in slices (index/fence.go)
 	})
 	rng := rand.New(rand.NewPCG(seed, 42))
 	keys := indextest.Keys(testNS, seed, 96, 2, 2) // shared: chunks get several holders
@@ -208,7 +209,10 @@ func TestApplyAsyncOrder(t *testing.T) {
 // inventories on top of commits in flight. The index must agree exactly
 // with every rank at the end.
 func TestConcurrentRanks(t *testing.T) {
-	ix := openTest(t, "", func(c *index.Config) { c.CheckpointBytes = 64 << 10 })
+	ix := openTest(t, "", func(c *index.Config) {
+		c.CheckpointBytes = 64 << 10
+		c.FenceSliceChunks = 8 // fences in slices, racing the ranks' batches
+	})
 	keys := indextest.Keys(testNS, 77, 128, 2, 1)
 	const nRanks = 6
 	sims := make([]*indextest.Rank, nRanks)

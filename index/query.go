@@ -105,8 +105,16 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 		scratch = make([]int32, 3*ne)
 	}
 	readers, best, score := scratch[:ne], scratch[ne:2*ne], scratch[2*ne:]
+	hostL1 := ix.cfg.HostSharedL1
 	for j, e := range pl.exps {
-		readers[j] = int32(st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}])
+		id := st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}]
+		readers[j] = int32(id)
+		if id != 0 && st.ranks[id].l1Hidden {
+			readers[j] |= l1HiddenBit // being fenced: its own L1 is not usable
+			// nor, conservatively, any other rank's L1 for this lookup:
+			// the fenced rank's copies are read as other ranks' L1 too.
+			hostL1 = false
+		}
 	}
 	if cap(res.Sources) < len(chunks)*ne {
 		res.Sources = make([]Source, 0, len(chunks)*ne)
@@ -129,7 +137,7 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 		res.touch += touch
 		for i := range w {
 			s := ss[i]
-			if !pl.pick(s, readers, inst, ix.cfg.HostSharedL1, best, score) {
+			if !pl.pick(s, readers, inst, hostL1, best, score) {
 				return nil
 			}
 			for j := range ne {
@@ -212,14 +220,22 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 b
 	return true
 }
 
-// score rates p for a reader (rank id) of instance inst: 5 the reader's
-// own L1, 4 another rank's L1 of the same instance when L1 is host-shared
-// (hostL1), 3 the reader's own L2, 2 another rank's L2 of the same
-// instance, 0 unusable. Only one copy per (rank, tier) exists, so equal
-// scores below 5 and 3 compare copies of other ranks.
+// l1HiddenBit marks a reader (a rank id in Lookup's readers) whose own L1
+// copies are hidden by a sliced fence in progress (index/fence.go).
+const l1HiddenBit = -1 << 31
+
+// score rates p for a reader (rank id, possibly with l1HiddenBit) of
+// instance inst: 5 the reader's own L1 (0 while hidden), 4 another rank's
+// L1 of the same instance when L1 is host-shared (hostL1), 3 the reader's
+// own L2, 2 another rank's L2 of the same instance, 0 unusable. Only one
+// copy per (rank, tier) exists, so equal scores below 5 and 3 compare
+// copies of other ranks.
 func (p *placement) score(reader int32, inst uint32, hostL1 bool) int32 {
-	if int32(p.rank) == reader {
+	if int32(p.rank) == reader&^l1HiddenBit {
 		if p.tier == wire.L1 {
+			if reader < 0 {
+				return 0
+			}
 			return 5
 		}
 		return 3
@@ -252,12 +268,18 @@ func (ix *Index) Get(k dcp.Key) []Holder {
 	defer ix.mu.RUnlock()
 	var out []Holder
 	for _, p := range ix.st.chunk(chunkRef{k.NS, k.Chunk}) {
-		if p.shard == k.Shard && p.group == k.Group {
+		if p.shard == k.Shard && p.group == k.Group && !ix.st.hidden(&p) {
 			out = append(out, ix.st.holder(&p))
 		}
 	}
 	slices.SortStableFunc(out, func(a, b Holder) int { return int(a.Tier) - int(b.Tier) })
 	return out
+}
+
+// hidden reports whether p is an L1 copy of a rank being fenced in slices
+// (index/fence.go): still in the chunk, no longer usable.
+func (st *state) hidden(p *placement) bool {
+	return p.tier == wire.L1 && st.ranks[p.rank].l1Hidden
 }
 
 func (st *state) holder(p *placement) Holder {
@@ -339,7 +361,7 @@ func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 		}
 		seen[ref] = true
 		for _, p := range ix.st.chunk(ref) {
-			if p.rank == id {
+			if p.rank == id && !ix.st.hidden(&p) {
 				info.Placements = append(info.Placements, wire.Placement{
 					Key:  dcp.Key{NS: ref.ns, Chunk: ref.chunk, Shard: p.shard, Group: p.group},
 					Tier: p.tier, Size: p.size, Sum: p.sum})

@@ -143,6 +143,14 @@ type rankState struct {
 	// as the placement itself.
 	chunks []chunkRef
 	live   int
+	// l1Hidden: a sliced FenceRank of this rank is in progress (Index,
+	// fenceJob): its L1 placements still in the chunks are not usable and
+	// queries skip them. Written by the committer under Index.mu.
+	l1Hidden bool
+	// fencing: the same, for the committer only (queries never read it):
+	// the chunk list is not compacted meanwhile, so the fence's cursor
+	// into it stays valid.
+	fencing bool
 }
 
 // state is the whole index in memory: what Lookup reads. The committer is
@@ -267,7 +275,7 @@ func (st *state) trackRanks(ref chunkRef, old, cur []placement) {
 		if !holdsRank(old[:i], id) && !holdsRank(cur, id) {
 			r := st.ranks[id]
 			r.live--
-			if len(r.chunks) >= 2*r.live+compactSlack && !slices.Contains(st.compactQ, id) {
+			if !r.fencing && len(r.chunks) >= 2*r.live+compactSlack && !slices.Contains(st.compactQ, id) {
 				st.compactQ = append(st.compactQ, id)
 			}
 		}
@@ -378,12 +386,21 @@ func checkRankChunks(pr *problems, st *state) {
 // would stall the committer; the model tests check them) nor the
 // checkpoint bookkeeping.
 func (st *state) snapshot() *state {
+	c := st.shell()
+	for ns, n := range st.ns {
+		c.ns[ns].chunks = maps.Clone(n.chunks)
+	}
+	return c
+}
+
+// shell is snapshot without the chunk maps (nil): O(namespaces + ranks).
+func (st *state) shell() *state {
 	c := &state{ns: make(map[dcp.Namespace]*nsState, len(st.ns)), ranks: make([]*rankState, len(st.ranks)),
 		rankIDs: maps.Clone(st.rankIDs), insts: maps.Clone(st.insts), objects: st.objects, chunks: st.chunks,
 		tally: st.tally, epoch: st.epoch}
 	for ns, n := range st.ns {
 		cn := *n
-		cn.chunks = maps.Clone(n.chunks)
+		cn.chunks = nil
 		c.ns[ns] = &cn
 	}
 	for i, r := range st.ranks {

@@ -96,6 +96,10 @@ type txn struct {
 	// raftIndex is the highest raft index staged in the txn (0: none),
 	// recorded in the meta bucket with it (replicate.go).
 	raftIndex uint64
+	// hide and unhide: ranks whose sliced fence starts (their L1 copies
+	// become unusable when the txn is published, before its chunks) and
+	// ends (usable again once its chunks are published) in this txn.
+	hide, unhide []uint32
 
 	lastNS dcp.Namespace // cache of the last namespace looked up
 	lastN  *nsState
@@ -121,7 +125,7 @@ func (t *txn) reset(st *state, parent *txn, enc *opEncoder) {
 	clear(t.putRank)
 	clear(t.regs)
 	*t = txn{st: st, parent: parent, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
-		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc}
+		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc, hide: t.hide[:0], unhide: t.unhide[:0]}
 }
 
 // detach drops the link to the parent once the parent is published.
@@ -132,7 +136,8 @@ func (t *txn) detach() {
 
 // changed reports whether the txn has anything to commit.
 func (t *txn) changed() bool {
-	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0 || t.raftIndex != 0
+	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0 || t.raftIndex != 0 ||
+		len(t.hide) > 0 || len(t.unhide) > 0 // a sliced fence starts or ends: it must be published
 }
 
 func (t *txn) rankID(r wire.Rank) (uint32, bool) {
@@ -312,6 +317,17 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 // The price is a set update whenever a rank first or last appears in a
 // chunk.
 func (t *txn) filter(id uint32, drop func(*placement) bool) int {
+	var published []chunkRef
+	if int(id) < len(t.st.ranks) {
+		published = t.st.ranks[id].chunks
+	}
+	return t.filterRefs(id, published, drop)
+}
+
+// filterRefs is filter over the published chunks listed in published (a
+// range of the rank's chunk list: a slice of a fence) and every chunk
+// staged in the txn and its parent.
+func (t *txn) filterRefs(id uint32, published []chunkRef, drop func(*placement) bool) int {
 	hit := func(s []placement) bool {
 		for j := range s {
 			if drop(&s[j]) {
@@ -321,10 +337,6 @@ func (t *txn) filter(id uint32, drop func(*placement) bool) int {
 		return false
 	}
 	p := t.parent
-	var published []chunkRef
-	if int(id) < len(t.st.ranks) {
-		published = t.st.ranks[id].chunks
-	}
 	for _, ref := range published { // repeats: the second visit finds it staged
 		if _, ok := t.idx[ref]; ok {
 			continue // staged here: handled below
@@ -561,6 +573,24 @@ func (st *state) publishRanks(t *txn) {
 	for _, g := range t.regs {
 		n := st.namespace(g.ns)
 		n.spec, n.specJSON, n.plan = g.spec, g.json, newPlan(g.spec)
+	}
+	for _, id := range t.hide {
+		st.ranks[id].l1Hidden = true
+	}
+}
+
+// publishUnhide ends the sliced fences that ended in t, once its chunks are
+// published: the rank's chunk list, left alone during the fence, is emptied
+// when the rank holds nothing any more, else compacted.
+func (st *state) publishUnhide(t *txn) {
+	for _, id := range t.unhide {
+		r := st.ranks[id]
+		r.l1Hidden, r.fencing = false, false
+		if r.live == 0 {
+			r.chunks = nil
+		} else if len(r.chunks) >= 2*r.live+compactSlack {
+			st.compactChunks(r)
+		}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
@@ -29,7 +31,11 @@ import (
 //
 //	go test -run '^$' -bench ThroughNATS -benchtime 1x ./rankd/
 //
-// KVTIER_BENCH_REPS overrides the repetitions (default 3).
+// KVTIER_BENCH_REPS overrides the repetitions (default 3). NATS auth is on
+// as production runs it (C9: a credentials directory from auth.Init, every
+// connection with its own identity's nkey and permissions, the engine on
+// its scoped subjects); KVTIER_BENCH_INSECURE=1 runs the coordinator
+// --insecure instead.
 
 func benchReps() int {
 	if n, err := strconv.Atoi(os.Getenv("KVTIER_BENCH_REPS")); err == nil && n > 0 {
@@ -38,15 +44,38 @@ func benchReps() int {
 	return 3
 }
 
+// benchCoord is a coordinator and the credentials directory its clients
+// connect with ("" when insecure).
+type benchCoord struct {
+	*coordinator.Coordinator
+	creds string
+}
+
+// benchInstances are the engine instances the benchmarks' credentials
+// hold: TP8 each.
+var benchInstances = []string{"eng", "load", "ingest-w8", "ingest-w1"}
+
 // benchCoordinator starts a coordinator as `coordinator serve` would, on
-// loopback with free ports, logging off.
-func benchCoordinator(b *testing.B) *coordinator.Coordinator {
+// loopback with free ports, logging off, with NATS auth unless
+// KVTIER_BENCH_INSECURE=1.
+func benchCoordinator(b *testing.B) *benchCoord {
 	cfg := coordinator.DefaultConfig()
 	cfg.DataDir = b.TempDir()
-	// Without NATS auth (C9): the benchmark's clients use many ad-hoc
-	// identities. Production runs with per-user permissions, which
-	// nats-server checks against a per-subject cache.
-	cfg.Insecure = true
+	bc := &benchCoord{}
+	if os.Getenv("KVTIER_BENCH_INSECURE") == "1" {
+		cfg.Insecure = true
+	} else {
+		bc.creds = filepath.Join(b.TempDir(), "creds")
+		var ins []auth.Instance
+		for _, name := range benchInstances {
+			ins = append(ins, auth.Instance{Name: name, TPSize: 8})
+		}
+		if err := auth.Init(bc.creds, ins); err != nil {
+			b.Fatal(err)
+		}
+		cfg.CredsDir = bc.creds
+	}
+	b.Logf("NATS auth: %v", !cfg.Insecure)
 	cfg.Embedded.Port = 0
 	cfg.HTTPAddr = ""
 	cfg.Cluster.NodeName = "coord"
@@ -65,11 +94,21 @@ func benchCoordinator(b *testing.B) *coordinator.Coordinator {
 		b.Fatal(err)
 	}
 	b.Cleanup(c.Shutdown)
-	return c
+	bc.Coordinator = c
+	return bc
 }
 
-func benchConnect(b *testing.B, url, name string) *nats.Conn {
-	nc, err := bus.Connect(url, name)
+// benchConnect connects to c's NATS as id (with its credentials unless
+// insecure).
+func benchConnect(b *testing.B, c *benchCoord, id auth.Identity) *nats.Conn {
+	var opts []nats.Option
+	if c.creds != "" {
+		var err error
+		if opts, err = (auth.Client{Identity: id, Dir: c.creds}).Options(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	nc, err := bus.Connect(c.NATSURL(), "bench-"+id.Name(), opts...)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -103,12 +142,12 @@ type benchRank struct {
 	done chan struct{}
 }
 
-func startBenchRanks(b *testing.B, c *coordinator.Coordinator, instance string, n, window int) []*benchRank {
+func startBenchRanks(b *testing.B, c *benchCoord, instance string, n, window int) []*benchRank {
 	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
 	out := make([]*benchRank, n)
 	for tp := range n {
 		r := wire.Rank{Instance: instance, TPRank: tp}
-		nc := benchConnect(b, c.NATSURL(), "bench-"+r.String())
+		nc := benchConnect(b, c, auth.Rankd(r))
 		br := &benchRank{r: r, stop: make(chan struct{}), done: make(chan struct{}),
 			pub: newPublisher(subj.Events(r), 30*time.Second, 1<<20, window, zap.NewNop(), newMetrics(r.String()))}
 		br.pub.setConn(nc)
@@ -179,10 +218,10 @@ func median(xs []float64) float64 {
 func BenchmarkIngestThroughNATS(b *testing.B) {
 	const ranks, batches, events = 8, 64, 1024
 	c := benchCoordinator(b)
-	nc := benchConnect(b, c.NATSURL(), "bench-admin")
+	nc := benchConnect(b, c, auth.Engine("eng"))
 	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
 	ctx := context.Background()
-	reg, err := bus.Call[wire.RegisterReply](ctx, nc, subj.Coord(wire.CoordRegister), benchSpec(ranks))
+	reg, err := bus.Call[wire.RegisterReply](ctx, nc, subj.EngineCoord("eng", wire.CoordRegister), benchSpec(ranks))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -230,9 +269,9 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 	const shards, nchunks, samples = 8, 128, 3000
 	c := benchCoordinator(b)
 	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
-	nc := benchConnect(b, c.NATSURL(), "bench-engine")
+	nc := benchConnect(b, c, auth.Engine("eng"))
 	ctx := context.Background()
-	reg, err := bus.Call[wire.RegisterReply](ctx, nc, subj.Coord(wire.CoordRegister), benchSpec(shards))
+	reg, err := bus.Call[wire.RegisterReply](ctx, nc, subj.EngineCoord("eng", wire.CoordRegister), benchSpec(shards))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -254,7 +293,8 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	probe, err := nc.Request(subj.Coord(wire.CoordLookup), req, 10*time.Second)
+	lookupSubj := subj.EngineCoord("eng", wire.CoordLookup)
+	probe, err := nc.Request(lookupSubj, req, 10*time.Second)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -263,32 +303,35 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		b.Fatalf("lookup = %+v, %v (%s)", rep, err, probe.Data)
 	}
 	// The bare request/reply: same server, its own connection, a reply of
-	// the lookup reply's size.
-	echoNC := benchConnect(b, c.NATSURL(), "bench-echo")
+	// the lookup reply's size, on a subject the engine may request and a
+	// rankd may answer (its engine API), so with auth on both sides pass
+	// the same permission checks as the lookup.
+	echoNC := benchConnect(b, c, auth.Rankd(wire.Rank{Instance: "eng", TPRank: 0}))
 	echoReply := make([]byte, len(probe.Data))
-	if _, err := echoNC.Subscribe("bench.echo", func(m *nats.Msg) { _ = m.Respond(echoReply) }); err != nil {
+	echoSubj := subj.Engine(wire.Rank{Instance: "eng", TPRank: 0}, "echo")
+	if _, err := echoNC.Subscribe(echoSubj, func(m *nats.Msg) { _ = m.Respond(echoReply) }); err != nil {
 		b.Fatal(err)
 	}
 	if err := echoNC.Flush(); err != nil {
 		b.Fatal(err)
 	}
 	lookup := func() error {
-		m, err := nc.Request(subj.Coord(wire.CoordLookup), req, 10*time.Second)
+		m, err := nc.Request(lookupSubj, req, 10*time.Second)
 		if err == nil && len(m.Data) != len(probe.Data) {
 			err = fmt.Errorf("lookup reply %d B, want %d B: %s", len(m.Data), len(probe.Data), m.Data)
 		}
 		return err
 	}
 	echo := func() error {
-		_, err := nc.Request("bench.echo", req, 10*time.Second)
+		_, err := nc.Request(echoSubj, req, 10*time.Second)
 		return err
 	}
 	lookupJSON := func() error {
-		_, err := nc.Request(subj.Coord(wire.CoordLookup), jsonReq, 10*time.Second)
+		_, err := nc.Request(lookupSubj, jsonReq, 10*time.Second)
 		return err
 	}
 	echoJSON := func() error {
-		_, err := nc.Request("bench.echo", jsonReq, 10*time.Second)
+		_, err := nc.Request(echoSubj, jsonReq, 10*time.Second)
 		return err
 	}
 	b.Logf("request %d B binary (%d B JSON), reply %d B", len(req), len(jsonReq), len(probe.Data))
