@@ -127,7 +127,7 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 					name, n, it.Group, it.Key.Shard, first.Group, first.Key.Shard)
 			case it.Key.NS != ns:
 				return bad("reader %s item %d is in namespace %s, want %s", name, n, it.Key.NS, ns)
-			case it.Source.Tier != L1 && it.Source.Tier != L2:
+			case !it.Source.Tier.Valid():
 				return bad("reader %s item %d has tier %d", name, n, it.Source.Tier)
 			}
 			dst = binary.BigEndian.AppendUint64(dst, it.Sum)
