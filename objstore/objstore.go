@@ -133,6 +133,7 @@ func ReadCredentials(path string) (Credentials, error) {
 type Store struct {
 	cfg    Config
 	client *minio.Client
+	tr     *http.Transport
 }
 
 // Open connects to the object store and checks that the bucket exists.
@@ -179,17 +180,25 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("objstore: client for %s: %w", cfg.Endpoint, errors.Join(err, ErrConfig))
 	}
-	s := &Store{cfg: cfg, client: client}
+	s := &Store{cfg: cfg, client: client, tr: tr}
 	rctx, cancel := context.WithTimeout(ctx, cfg.RequestTimeout)
 	defer cancel()
 	ok, err := client.BucketExists(rctx, cfg.Bucket)
 	if err != nil {
+		tr.CloseIdleConnections()
 		return nil, fmt.Errorf("objstore: check bucket %q at %s: %w", cfg.Bucket, cfg.Endpoint, errors.Join(err, ErrIO))
 	}
 	if !ok {
+		tr.CloseIdleConnections()
 		return nil, fmt.Errorf("objstore: bucket %q does not exist at %s (objstore never creates buckets): %w", cfg.Bucket, cfg.Endpoint, ErrConfig)
 	}
 	return s, nil
+}
+
+// Close closes the store's idle connections; requests in flight finish.
+func (s *Store) Close() error {
+	s.tr.CloseIdleConnections()
+	return nil
 }
 
 // String names the store for logs: endpoint, bucket and prefix.

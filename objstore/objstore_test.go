@@ -20,6 +20,7 @@ func open(t *testing.T, srv *objstoretest.Server, prefix string) *objstore.Store
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = s.Close() })
 	return s
 }
 
