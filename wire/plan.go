@@ -246,7 +246,7 @@ func DecodePlanBinary(p []byte, chunks []dcp.ChunkHash) (*RestorePlan, error) {
 				if h >= len(holders) {
 					return nil, fmt.Errorf("restore plan: reader %s chunk %d: holder %d of %d: %w", rk, i, h, len(holders), ErrMalformed)
 				}
-				if tier != L1 && tier != L2 {
+				if !tier.Valid() {
 					return nil, fmt.Errorf("restore plan: reader %s chunk %d: tier %d: %w", rk, i, tier, ErrMalformed)
 				}
 				items = append(items, RetrieveItem{Chunk: i, Group: x.group,
