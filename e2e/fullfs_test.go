@@ -48,7 +48,7 @@ func rankMetric(t *testing.T, c *kv, r int, name string) float64 {
 	return sum
 }
 
-// TestFullL2FilesystemDegrades (issue 15.2): TP4/DCP1 with rank 1's L2 on
+// TestFullL2FilesystemDegrades (issue 15.2): TP4/DCP4 with rank 1's L2 on
 // a 2 MiB tmpfs. A long stream of stores fills it: every store still
 // succeeds (to L1), rank 1 counts its failed L2 writes and degrades its
 // L2, nothing hangs, the latest prompt restores COMPLETE (L1 service
@@ -69,14 +69,14 @@ func TestFullL2FilesystemDegrades(t *testing.T) {
 	c := newKV(t, 4)
 	c.rankArgsFor = func(r int) []string {
 		if r == 1 {
-			return []string{"--l2-dir", mnt} // rank 1 stores and reads only its own shards
+			return []string{"--l2-dir", mnt} // under DCP4 rank 1 stores and reads only its own shards
 		}
 		return nil
 	}
 	c.startAll()
 	const prompts = 6 // about 1.8 MB of rank 1 objects each: 5x the file system
 	for seed := 1; seed <= prompts; seed++ {
-		res := c.mustSim("--scenario", "tp4dcp1", "--phase", "store", "--seed", strconv.Itoa(seed))
+		res := c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", strconv.Itoa(seed))
 		if res.Stored == 0 {
 			t.Fatalf("prompt %d: nothing stored: %+v", seed, res)
 		}
@@ -88,7 +88,7 @@ func TestFullL2FilesystemDegrades(t *testing.T) {
 		t.Fatalf("rank 1: %v failed stores, want 0 (stores go to L1)", v)
 	}
 	// L1 keeps serving: the latest prompt restores on every rank.
-	res := c.mustSim("--scenario", "tp4dcp1", "--phase", "restore", "--seed", strconv.Itoa(prompts))
+	res := c.mustSim("--scenario", "tp4dcp4", "--phase", "restore", "--seed", strconv.Itoa(prompts))
 	if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks {
 		t.Fatalf("restore with rank 1's L2 full: %+v", res)
 	}
