@@ -16,26 +16,37 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// TestRestartWith100kL2Objects (issue 15.2): rank 0's L2 holds 100,000
-// small objects of its own (written straight into the tier, in its file
+// TestRestartWith10kL2Objects is restartWithManyL2Objects with 10,000
+// objects (about 40 s here); TestSoakRestartWith100kL2Objects (make soak)
+// with 100,000 (about 2 min).
+func TestRestartWith10kL2Objects(t *testing.T) { restartWithManyL2Objects(t, 10_000) }
+
+func TestSoakRestartWith100kL2Objects(t *testing.T) {
+	if os.Getenv("KVTIER_SOAK") != "1" {
+		t.Skip("soak: set KVTIER_SOAK=1 (make soak)")
+	}
+	restartWithManyL2Objects(t, 100_000)
+}
+
+// restartWithManyL2Objects (issue 15.2): rank 0's L2 holds n small
+// objects of its own (written straight into the tier, in its file
 // format) besides a stored prompt, and one payload byte of the prompt's
 // MLA object of chunk 2 is flipped while the ranks are down. Restarted,
 // rank 0 serves before its background rescan (headers only) has ended
 // ("rankd serving" is logged before "L2 rescanned"; the time to serve is
 // logged), the restore fails exactly chunk 2 (the corrupted object is
-// caught on read and quarantined), and the rescan announces all 100,000
-// objects to the coordinator.
-func TestRestartWith100kL2Objects(t *testing.T) {
-	if testing.Short() {
-		t.Skip("writes 100,000 files")
-	}
+// caught on read and quarantined), and the rescan announces all n objects
+// to the coordinator.
+//
+// Measured here (2-core VM, make soak): 100,016 objects, serving 106 ms
+// after the start, rescan 27 s.
+func restartWithManyL2Objects(t *testing.T, n int) {
 	c := newKV(t, 4)
 	c.startAll()
 	c.mustSim("--scenario", "tp4dcp1", "--phase", "store")
 	c.waitL2([]int64{16, 8, 8, 8})
 	c.stopRanks()
 
-	const n = 100_000
 	rank0 := wire.Rank{Instance: "engine0", TPRank: 0}
 	var ns dcp.Namespace
 	copy(ns[:], "kvtier-100k-test")
@@ -108,7 +119,7 @@ func TestRestartWith100kL2Objects(t *testing.T) {
 	if _, err := os.Stat(bad); !os.IsNotExist(err) {
 		t.Fatalf("the corrupted object is still in place: %v", err)
 	}
-	c.eventually(60*time.Second, "the coordinator holds rank 0's 100,000 extra L2 objects", func() error {
+	c.eventually(60*time.Second, "the coordinator holds rank 0's extra L2 objects", func() error {
 		k, err := c.rankInfo(0)
 		if err != nil {
 			return err
