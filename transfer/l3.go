@@ -61,11 +61,69 @@ func (t *L3Tier) Put(ctx context.Context, obj L2Object, payload []byte) error {
 		return fmt.Errorf("L3 put %s: payload %d B, header says %d B: %w", obj.Key, len(payload), obj.Size, ErrIO)
 	}
 	hdr := encodeHeader(obj)
-	r := io.MultiReader(bytes.NewReader(hdr), bytes.NewReader(payload))
-	if err := t.store.Put(ctx, t.Name(obj.Key), r, int64(len(hdr)+len(payload))); err != nil {
+	r := &twoPart{a: hdr, b: payload}
+	if err := t.store.Put(ctx, t.Name(obj.Key), r, r.size()); err != nil {
 		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
 	}
 	return nil
+}
+
+// twoPart reads a then b as one seekable stream without copying them (a
+// client can then sign, checksum and retry the body: minio-go reads a
+// seekable body twice instead of buffering it).
+type twoPart struct {
+	a, b []byte
+	off  int64
+}
+
+func (p *twoPart) size() int64 { return int64(len(p.a) + len(p.b)) }
+
+func (p *twoPart) ReadAt(dst []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("read at %d: negative offset: %w", off, ErrIO)
+	}
+	n := 0
+	for n < len(dst) && off < p.size() {
+		var src []byte
+		if off < int64(len(p.a)) {
+			src = p.a[off:]
+		} else {
+			src = p.b[off-int64(len(p.a)):]
+		}
+		k := copy(dst[n:], src)
+		n += k
+		off += int64(k)
+	}
+	if n < len(dst) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+func (p *twoPart) Read(dst []byte) (int, error) {
+	if p.off >= p.size() {
+		return 0, io.EOF
+	}
+	n, err := p.ReadAt(dst, p.off)
+	p.off += int64(n)
+	if err == io.EOF && n > 0 {
+		err = nil
+	}
+	return n, err
+}
+
+func (p *twoPart) Seek(off int64, whence int) (int64, error) {
+	switch whence {
+	case io.SeekCurrent:
+		off += p.off
+	case io.SeekEnd:
+		off += p.size()
+	}
+	if off < 0 {
+		return p.off, fmt.Errorf("seek to %d: negative offset: %w", off, ErrIO)
+	}
+	p.off = off
+	return off, nil
 }
 
 // Get reads key's object into dst after verifying, like FileTier.Get, its

@@ -16,7 +16,7 @@ import (
 
 // openL3 starts an in-process S3 server (gofakes3) and opens the real
 // client (minio-go) on it.
-func openL3(t *testing.T) (*objstore.Store, *objstoretest.Server) {
+func openL3(t testing.TB) (*objstore.Store, *objstoretest.Server) {
 	t.Helper()
 	srv := objstoretest.Start(t)
 	st, err := objstore.Open(testCtx(t), srv.Config("kv/"))
