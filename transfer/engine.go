@@ -311,7 +311,7 @@ func (e *Engine) close(ctx context.Context) error {
 	// 2b. The L3 write-behind queue drains (or ctx ends: what is left is
 	// not written, and L3 misses those objects).
 	if e.l3 != nil && len(errs) == 0 {
-		if err := e.FlushL3(ctx); err != nil {
+		if err := e.flushL3(ctx, true); err != nil {
 			e.log.Warn("closing before the L3 write-behind queue drained", zap.Error(err))
 		}
 	}

@@ -3,6 +3,7 @@ package transfer
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"os"
 	"slices"
@@ -237,5 +238,41 @@ func TestL3SlowBucketNeverBlocksStores(t *testing.T) {
 	}
 	if st2 := e.L3Stats(); st2.Written != uint64(st.Queued) || st2.Queued != 0 || tierCount(e.Inventory(), wire.L3) != int(st.Queued) {
 		t.Fatalf("after the bucket answered: %+v, want %d written", st2, st.Queued)
+	}
+}
+
+// failingStore refuses every Put: a bucket that answers errors.
+type failingStore struct{ ObjectStore }
+
+func (failingStore) Put(context.Context, string, io.Reader, int64) error {
+	return errors.New("503 slow down")
+}
+
+// TestL3FailingBucketCounted (issue 15.3): a bucket refusing every PUT
+// fails no store; each failed write is counted (l3_write_failures_total),
+// and nothing is announced in L3.
+func TestL3FailingBucketCounted(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 3
+	r := newRig(t, dev, c1Spec(), []int64{int64(2*n + 8)})
+	l3, _ := openL3(t)
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2Dir, cfg.L3 = t.TempDir(), failingStore{l3}
+	e := newEngine(t, cfg)
+	r.register(e)
+	for i := range n {
+		if err := storeAll(t, e, r, "s", r.newChunk(i, r.consecutiveN(i))).Err(); err != nil {
+			t.Fatalf("store %d: %v", i, err)
+		}
+	}
+	if err := e.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	st := e.L3Stats()
+	if st.Failed != n || st.Written != 0 || st.Objects != 0 || tierCount(e.Inventory(), wire.L3) != 0 {
+		t.Fatalf("with the bucket refusing: %+v, want %d failed writes and no L3 placement", st, n)
+	}
+	if v := metric(t, e, "kvtier_transfer_l3_write_failures_total", nil); v != n {
+		t.Fatalf("l3_write_failures_total = %v, want %d", v, n)
 	}
 }

@@ -326,16 +326,26 @@ func (e *Engine) l3Rescan() error {
 
 // FlushL3 waits until the L3 write-behind queue is empty and no write is
 // running (or ctx ends). Without L3 it returns at once.
-func (e *Engine) FlushL3(ctx context.Context) error {
+func (e *Engine) FlushL3(ctx context.Context) error { return e.flushL3(ctx, false) }
+
+// flushL3 is FlushL3; with giveUp (Close) it also returns as soon as a
+// write fails while it waits: a failing bucket does not hold a shutdown
+// for the rest of the queue (write-behind is best effort; the objects are
+// in L2).
+func (e *Engine) flushL3(ctx context.Context, giveUp bool) error {
 	if e.l3 == nil {
 		return nil
 	}
+	failed := e.l3c.failed.Load()
 	for {
 		e.mu.Lock()
 		n, ch := len(e.l3s.queue)+e.l3s.inflight, e.l3s.changed
 		e.mu.Unlock()
 		if n == 0 {
 			return nil
+		}
+		if giveUp && e.l3c.failed.Load() > failed {
+			return fmt.Errorf("flush L3: writes fail; %d objects left unwritten: %w", n, ErrIO)
 		}
 		select {
 		case <-ch:

@@ -30,7 +30,7 @@ type RetrieveRequest struct {
 	// ids; Sum, when not 0, is the checksum the coordinator recorded at
 	// store time and the object must match it; Source is a hint (the
 	// engine always looks in L1 first, then in the shared L2, whichever
-	// rank wrote it).
+	// rank wrote it, then in L3).
 	Items []wire.RetrieveItem
 }
 
@@ -46,7 +46,8 @@ type ItemResult struct {
 	// or a mismatch found after the scatter); on the CUDA backend of the
 	// values as they were stored, not read back (cuda.Stream.Scatter).
 	Sum uint64
-	// From is where the object was found: L1, or L2 (read into L1 first).
+	// From is where the object was found: L1, or L2 or L3 (read into L1
+	// first; L3 only when L1 and L2 hold no good copy).
 	From   wire.Tier
 	Reason Reason
 	Err    error
