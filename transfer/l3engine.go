@@ -160,6 +160,11 @@ func (e *Engine) l3WriteLoop() {
 		case inL2:
 			data = make([]byte, meta.Size)
 			_, err = e.l2.Get(e.life, key, meta.Fingerprint, data)
+			if ce := (*CorruptError)(nil); errors.As(err, &ce) {
+				e.l2Corrupt(ce) // quarantined: accounted and announced like a read's
+			} else if errors.Is(err, ErrNotFound) {
+				e.l2Vanished(key)
+			}
 		default:
 			err = ErrNotFound
 		}
