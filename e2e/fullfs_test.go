@@ -15,9 +15,9 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// rankMetric sums the samples of metric name on rankd r's /metrics (its
+// rankMetricSum sums the samples (every label set) of metric name on rankd r's /metrics (its
 // address is in its "rankd serving" log line).
-func rankMetric(t *testing.T, c *kv, r int, name string) float64 {
+func rankMetricSum(t *testing.T, c *kv, r int, name string) float64 {
 	t.Helper()
 	m := regexp.MustCompile(`"msg":"rankd serving".*?"http":"([0-9.:]+)"`).FindAllStringSubmatch(c.ranks[r].output(), -1)
 	if m == nil {
@@ -81,10 +81,10 @@ func TestFullL2FilesystemDegrades(t *testing.T) {
 			t.Fatalf("prompt %d: nothing stored: %+v", seed, res)
 		}
 	}
-	if v := rankMetric(t, c, 1, "kvtier_transfer_l2_write_errors_total"); v == 0 {
+	if v := rankMetricSum(t, c, 1, "kvtier_transfer_l2_write_errors_total"); v == 0 {
 		t.Fatal("rank 1 counted no failed L2 write on a full file system")
 	}
-	if v := rankMetric(t, c, 1, "kvtier_transfer_store_failures_total"); v != 0 {
+	if v := rankMetricSum(t, c, 1, "kvtier_transfer_store_failures_total"); v != 0 {
 		t.Fatalf("rank 1: %v failed stores, want 0 (stores go to L1)", v)
 	}
 	// L1 keeps serving: the latest prompt restores on every rank.
