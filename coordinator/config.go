@@ -20,6 +20,16 @@ type Config struct {
 	// mode 0700 if missing. Required; no default. Put it on a local disk with
 	// working fsync: every acknowledged event is committed there first (C7).
 	DataDir string
+	// RebuildIndex recovers from a damaged index (issue 15.2): when the
+	// index in DataDir fails to open or verify, Start renames it aside
+	// (IndexFile + ".damaged-<UTC time>", never deleted), starts with an
+	// empty index and asks every live rankd for its inventory (the resync
+	// path), so the placements come back from the ranks; ranks that join
+	// later resync on their first event or second heartbeat. Namespace
+	// specs come back when engines register again. A healthy index is
+	// kept as it is, so the flag is safe to leave set. Default false: a
+	// damaged index refuses the start (ErrCorruptIndex).
+	RebuildIndex bool
 
 	// NATSURL, when set, is an external NATS cluster (comma-separated URLs);
 	// no NATS server is embedded then. Default "" (embed one, configured by

@@ -99,6 +99,10 @@ type Coordinator struct {
 	// startedAt is when Start began (set before any handler runs): the
 	// startup grace of the reader liveness rule counts from it.
 	startedAt time.Time
+	// rebuilding: Start set a damaged index aside (RebuildIndex); every
+	// rankd that joins is asked for its inventory. Written before any
+	// handler runs.
+	rebuilding bool
 }
 
 // ingestWorkers is the number of event-ingest workers. Batches of one rank
@@ -278,7 +282,18 @@ func (c *Coordinator) start() error {
 	c.log.Info("serving (unavailable until the index is open)", zap.String("nats", c.natsURL),
 		zap.Duration("took", time.Since(t0)))
 	if err := c.openIndex(); err != nil {
-		return err
+		if !c.cfg.RebuildIndex || !errors.Is(err, ErrCorruptIndex) {
+			return err
+		}
+		if err := c.setIndexAside(err); err != nil {
+			return err
+		}
+		if err := c.openIndex(); err != nil {
+			return fmt.Errorf("open an empty index after setting the damaged one aside: %w", err)
+		}
+		c.rebuilding = true
+	} else if c.cfg.RebuildIndex {
+		c.log.Info("--rebuild-index: the index opened and verified; kept as it is")
 	}
 	c.phase.Store(phaseIndex) // handlers see c.idx from here on
 
@@ -296,6 +311,9 @@ func (c *Coordinator) start() error {
 	if g := c.cfg.StartupFenceGrace; g > 0 {
 		c.wg.Add(1)
 		go c.startupFence(g)
+	}
+	if c.rebuilding {
+		c.resyncAllRanks()
 	}
 	c.log.Info("coordinator started", zap.String("nats", c.natsURL), zap.String("http", c.httpAddr),
 		zap.String("gossip", c.member.LocalMember().Addr), zap.String("prefix", c.subj.Prefix),
@@ -373,6 +391,43 @@ func (c *Coordinator) openIndex() error {
 		zap.Int("ranks", rep.Ranks), zap.Int64("chunks", rep.Chunks), zap.Int64("placements", rep.Placements),
 		zap.Int("log_records_replayed", rep.LogRecords), zap.Duration("took", time.Since(t0)))
 	return nil
+}
+
+// setIndexAside renames the damaged index file (why says what failed)
+// to IndexFile.damaged-<UTC time> in DataDir, durably, so the next open
+// starts empty. The file is never deleted: an operator may inspect it.
+func (c *Coordinator) setIndexAside(why error) error {
+	if c.idx != nil { // opened, then failed verification
+		_ = c.idx.Close()
+		c.idx = nil
+	}
+	path := filepath.Join(c.cfg.DataDir, IndexFile)
+	aside := path + ".damaged-" + time.Now().UTC().Format("20060102T150405.000000000Z")
+	if err := os.Rename(path, aside); err != nil {
+		return fmt.Errorf("--rebuild-index: set the damaged index %s aside: %w", path, err)
+	}
+	if d, err := os.Open(c.cfg.DataDir); err == nil {
+		_ = d.Sync()
+		_ = d.Close()
+	}
+	c.met.indexRebuilds.Inc()
+	c.log.Warn("--rebuild-index: the damaged index was set aside; starting empty, every rank resyncs its inventory",
+		zap.String("damaged", aside), zap.Error(why))
+	return nil
+}
+
+// resyncAllRanks starts a resync of every live rankd member (after a
+// rebuild of the index: the ranks' inventories refill it).
+func (c *Coordinator) resyncAllRanks() {
+	n := 0
+	for _, m := range c.member.Members() {
+		if m.Meta.Role != cluster.RoleRankd || m.State != cluster.StateAlive {
+			continue
+		}
+		c.startResync(memberRank(m))
+		n++
+	}
+	c.log.Info("--rebuild-index: resync asked of every live rankd", zap.Int("ranks", n))
 }
 
 // advertisedNATS turns the URL this process uses into one other hosts can

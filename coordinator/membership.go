@@ -38,6 +38,9 @@ func (c *Coordinator) membershipLoop() {
 		case cluster.EventJoin:
 			c.noteDuplicate(ev.Member)
 			c.resyncRejoined(ev.Member)
+			if c.rebuilding && ev.Member.Meta.Role == cluster.RoleRankd {
+				c.startResync(memberRank(ev.Member)) // refill the rebuilt index
+			}
 		case cluster.EventDead:
 			c.fenceMember(ev.Member, "dead", ev.At)
 		case cluster.EventLeave:

@@ -14,6 +14,7 @@ type metrics struct {
 	heartbeatGaps  prometheus.Counter
 	resyncs        *prometheus.CounterVec // by outcome: ok | failed
 	resyncAttempts prometheus.Counter
+	indexRebuilds  prometheus.Counter
 	dropped        prometheus.Counter
 	applySeconds   prometheus.Histogram
 	startupRefused prometheus.Counter // requests answered unavailable while starting
@@ -68,6 +69,10 @@ func newMetrics() *metrics {
 		resyncAttempts: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_resync_attempts_total",
 			Help: "Inventory requests sent to ranks.",
+		}),
+		indexRebuilds: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_index_rebuilds_total",
+			Help: "Damaged index files set aside at start (--rebuild-index); the index was rebuilt from the ranks' inventories.",
 		}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_nats_dropped_total",
@@ -158,7 +163,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
-		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.dropped, m.applySeconds, m.startupRefused,
+		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,

@@ -147,9 +147,10 @@ func (c *kv) agree() error {
 		var l1, l2 int64
 		var l1b, l2b uint64
 		for _, o := range inv.Objects {
-			if o.Tier == wire.L1 {
+			switch o.Tier {
+			case wire.L1:
 				l1, l1b = l1+1, l1b+o.Size
-			} else {
+			case wire.L2:
 				l2, l2b = l2+1, l2b+o.Size
 			}
 		}

@@ -247,6 +247,9 @@ type kv struct {
 	tlsHosts  []string
 	coordArgs []string // extra coordinator serve flags
 	rankArgs  []string // extra rankd flags
+	// rankArgsFor, when set, gives rank r's own extra flags (after
+	// rankArgs: a flag given again overrides, e.g. --l2-dir).
+	rankArgsFor func(r int) []string
 	// wrap, when set, prefixes rank r's command line (ip netns exec ...).
 	wrap  func(r int) []string
 	l1    string
@@ -364,6 +367,9 @@ func (c *kv) startRank(r int) {
 		args = append(args, "--nats", nats)
 	}
 	args = append(args, c.rankArgs...)
+	if c.rankArgsFor != nil {
+		args = append(args, c.rankArgsFor(r)...)
+	}
 	if c.wrap != nil {
 		args = append(c.wrap(r), args...)
 	}

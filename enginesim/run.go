@@ -616,15 +616,16 @@ func (s *sim) printTable(v *wire.RestoreVerdict) {
 }
 
 func tierString(t map[wire.Tier]bool) string {
-	switch {
-	case t[wire.L1] && t[wire.L2]:
-		return "L1+L2"
-	case t[wire.L1]:
-		return "L1"
-	case t[wire.L2]:
-		return "L2"
+	var parts []string
+	for _, tier := range []wire.Tier{wire.L1, wire.L2, wire.L3} {
+		if t[tier] {
+			parts = append(parts, tier.String())
+		}
 	}
-	return "-"
+	if len(parts) == 0 {
+		return "-"
+	}
+	return strings.Join(parts, "+")
 }
 
 func human(n uint64) string {

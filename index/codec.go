@@ -203,7 +203,7 @@ func (d *decoder) byte1(what string) byte { return d.bytes(1, what)[0] }
 
 func (d *decoder) tier(what string) wire.Tier {
 	t := wire.Tier(d.byte1(what))
-	if d.err == nil && t != wire.L1 && t != wire.L2 {
+	if d.err == nil && !t.Valid() {
 		d.err = fmt.Errorf("%s: tier %d: %w", what, t, ErrCorrupt)
 	}
 	return t

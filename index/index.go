@@ -783,6 +783,7 @@ func (ix *Index) gauges() {
 	ix.met.objects.Set(float64(ix.st.objects))
 	ix.met.placements.WithLabelValues("L1").Set(float64(ix.st.placements[wire.L1]))
 	ix.met.placements.WithLabelValues("L2").Set(float64(ix.st.placements[wire.L2]))
+	ix.met.placements.WithLabelValues("L3").Set(float64(ix.st.placements[wire.L3]))
 	ix.met.ranks.Set(float64(len(ix.st.ranks) - 1))
 	ix.met.logBytes.Set(float64(ix.logBytes))
 }
@@ -1019,7 +1020,7 @@ func (ix *Index) startVerify(r *request) {
 // state derived from tx.
 func verifyAgainst(live *state, tx *bolt.Tx) VerifyReport {
 	rep := VerifyReport{Ranks: len(live.ranks) - 1, Chunks: live.chunks, Objects: live.objects,
-		Placements: live.placements[wire.L1] + live.placements[wire.L2]}
+		Placements: live.placements[wire.L1] + live.placements[wire.L2] + live.placements[wire.L3]}
 	var pr problems
 	if ld, err := load(tx); err != nil {
 		pr.add("derive from bbolt: %v", err)

@@ -184,9 +184,10 @@ func newPlan(r *dcp.Resolved) *lookupPlan {
 // expectation's reader should read (best[j], an index into s) and reports
 // whether every expectation has one. Scores (placement.score): the
 // reader's own L1, with hostL1 another rank's L1 of the same instance,
-// the reader's own L2, another rank's L2 of the same instance (among
-// other ranks' copies of one tier, the lowest TP rank first); anything
-// else is unusable (0). readers[j] is the reader's rank id.
+// the reader's own L2, another rank's L2 of the same instance, an L3 copy
+// of the same instance (among other ranks' copies of one tier, the lowest
+// TP rank first); anything else is unusable (0). readers[j] is the
+// reader's rank id.
 func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 bool, best, score []int32) bool {
 	if len(s) == 0 {
 		return false
@@ -227,10 +228,17 @@ const l1HiddenBit = -1 << 31
 // score rates p for a reader (rank id, possibly with l1HiddenBit) of
 // instance inst: 5 the reader's own L1 (0 while hidden), 4 another rank's
 // L1 of the same instance when L1 is host-shared (hostL1), 3 the reader's
-// own L2, 2 another rank's L2 of the same instance, 0 unusable. Only one
-// copy per (rank, tier) exists, so equal scores below 5 and 3 compare
-// copies of other ranks.
+// own L2, 2 another rank's L2 of the same instance, 1 an L3 copy of any
+// rank of the same instance (its bucket prefix is the instance's: the plan
+// prefers L1 > L2 > L3), 0 unusable. Only one copy per (rank, tier)
+// exists, so equal scores below 5 and 3 compare copies of other ranks.
 func (p *placement) score(reader int32, inst uint32, hostL1 bool) int32 {
+	if p.tier == wire.L3 {
+		if p.inst == inst {
+			return 1
+		}
+		return 0
+	}
 	if int32(p.rank) == reader&^l1HiddenBit {
 		if p.tier == wire.L1 {
 			if reader < 0 {

@@ -92,8 +92,8 @@ func countObjects(s []placement) int64 {
 
 // tally counts placements and their bytes by tier (index = wire.Tier).
 type tally struct {
-	placements [3]int64
-	bytes      [3]uint64
+	placements [4]int64
+	bytes      [4]uint64
 }
 
 func (t *tally) add(p *placement, sign int64) {

@@ -304,7 +304,7 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 	}
 	tl := &t.st.ranks[id].tally
 	if tier == 0 {
-		return tl.placements[wire.L1]+tl.placements[wire.L2] > 0
+		return tl.placements[wire.L1]+tl.placements[wire.L2]+tl.placements[wire.L3] > 0
 	}
 	return tl.placements[tier] > 0
 }
@@ -619,8 +619,8 @@ func validateBatch(b *wire.Batch) error {
 		case e.Kind != wire.Stored && e.Kind != wire.Removed:
 			return fmt.Errorf("batch from %s: event %d (seq %d) has kind %d, want 1 (stored) or 2 (removed): %w",
 				b.Rank, i, e.Seq, e.Kind, ErrInvalid)
-		case e.Tier != wire.L1 && e.Tier != wire.L2:
-			return fmt.Errorf("batch from %s: event %d (seq %d) has tier %d, want 1 (L1) or 2 (L2): %w",
+		case !e.Tier.Valid():
+			return fmt.Errorf("batch from %s: event %d (seq %d) has tier %d, want 1 (L1), 2 (L2) or 3 (L3): %w",
 				b.Rank, i, e.Seq, e.Tier, ErrInvalid)
 		}
 	}
@@ -639,8 +639,8 @@ func validateInventory(inv *wire.Inventory) error {
 	seen := make(map[slot]struct{}, len(inv.Objects))
 	for i := range inv.Objects {
 		ob := &inv.Objects[i]
-		if ob.Tier != wire.L1 && ob.Tier != wire.L2 {
-			return fmt.Errorf("inventory of %s: object %d (%s) has tier %d, want 1 (L1) or 2 (L2): %w",
+		if !ob.Tier.Valid() {
+			return fmt.Errorf("inventory of %s: object %d (%s) has tier %d, want 1 (L1), 2 (L2) or 3 (L3): %w",
 				inv.Rank, i, ob.Key, ob.Tier, ErrInvalid)
 		}
 		s := slot{ob.Key, ob.Tier}

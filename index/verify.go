@@ -119,7 +119,7 @@ func checkChunk(s []placement) error {
 	}
 	for i := range s {
 		p := &s[i]
-		if p.tier != wire.L1 && p.tier != wire.L2 {
+		if !p.tier.Valid() {
 			return fmt.Errorf("placement %d has tier %d", i, p.tier)
 		}
 		if i > 0 && cmpSlot(s[i-1].shard, s[i-1].group, s[i-1].tier, s[i-1].rank, p) >= 0 {
@@ -268,7 +268,7 @@ func checkInvariants(pr *problems, st *state) {
 					pr.add("chunk %s/%s: placement of unknown rank id %d", ns, c, p.rank)
 					continue
 				}
-				if p.tier != wire.L1 && p.tier != wire.L2 {
+				if !p.tier.Valid() {
 					continue
 				}
 				r := st.ranks[p.rank]

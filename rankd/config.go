@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -72,6 +73,16 @@ type Config struct {
 	// hash every payload this rank wrote (transfer.Config.L2VerifyOnScan).
 	// Default false: headers only; every read is verified anyway (C5).
 	L2VerifyOnScan bool
+	// L3 is the S3-compatible object store behind L2 (issue 15.3;
+	// transfer.Config.L3): objects are written behind to it and restored
+	// from it when neither L1 nor L2 holds them. Default: Endpoint "", no
+	// L3. Credentials come from L3.CredentialsFile only; HTTPS unless
+	// L3.Insecure.
+	L3 objstore.Config
+	// L3Bytes bounds the bytes of the L3 objects this rank wrote
+	// (transfer.Config.L3Bytes). Default 0: unbounded (leave expiry to a
+	// bucket lifecycle rule).
+	L3Bytes uint64
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a
@@ -230,6 +241,7 @@ func DefaultConfig() Config {
 		L1Bytes:               1 << 30,
 		L2Policy:              transfer.WriteThrough,
 		L2CollectGrace:        24 * time.Hour,
+		L3:                    objstore.DefaultConfig(),
 		StoreTimeout:          30 * time.Second,
 		FlushTimeout:          120 * time.Second,
 		BindAddr:              "0.0.0.0",
@@ -289,6 +301,8 @@ func (c *Config) Validate() error {
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case c.L2Policy != transfer.WriteThrough && c.L2Policy != transfer.WriteBackOnEvict:
 		return bad("L2 policy %d: want write-through or write-back", uint8(c.L2Policy))
+	case c.L3.Endpoint != "" && c.L3.Validate() != nil:
+		return fmt.Errorf("rankd: L3: %w", c.L3.Validate())
 	case len(c.Join) == 0 && c.NATSURL == "":
 		return bad("no memberlist seed to join and no NATS URL: set --join (the coordinator's gossip address)")
 	case net.ParseIP(c.BindAddr) == nil:

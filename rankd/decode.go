@@ -180,7 +180,7 @@ func DecodeRetrieveRequest(data []byte) (*wire.RetrieveRequest, error) {
 			return nil, badf("retrieve: item %d group %d does not match its key's group %d", i, it.Group, it.Key.Group)
 		case len(it.Blocks) == 0:
 			return nil, badf("retrieve: item %d (chunk %d group %d) has no target blocks", i, it.Chunk, it.Group)
-		case it.Source.Tier != 0 && it.Source.Tier != wire.L1 && it.Source.Tier != wire.L2:
+		case it.Source.Tier != 0 && !it.Source.Tier.Valid():
 			return nil, badf("retrieve: item %d source tier %d", i, it.Source.Tier)
 		}
 		if err := checkBlocks(fmt.Sprintf("retrieve item %d", i), it.Blocks); err != nil {

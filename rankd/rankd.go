@@ -16,6 +16,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -49,6 +50,9 @@ type Daemon struct {
 	// tc configures the engine Start builds, after the duplicate check, so
 	// that a refused duplicate touches nothing of the live rank's L2.
 	tc transfer.Config
+	// l3 is the L3 object store Start opened (nil: none); closed by
+	// Shutdown after the engine.
+	l3 *objstore.Store
 	// eng is nil until Start built it; written under mu, read under mu
 	// where Start may run concurrently (status, Engine, Shutdown).
 	eng *transfer.Engine
@@ -251,8 +255,21 @@ func (d *Daemon) Start(ctx context.Context) error {
 	if err := saveIncarnation(d.cfg.L2Dir, d.cfg.Rank, d.inc); err != nil {
 		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
 	}
-	eng, err := transfer.New(d.tc)
+	tc := d.tc
+	if d.cfg.L3.Endpoint != "" {
+		st, err := objstore.Open(ctx, d.cfg.L3)
+		if err != nil {
+			return fmt.Errorf("rankd %s: L3: %w", d.cfg.Rank, err)
+		}
+		d.l3 = st
+		tc.L3, tc.L3Bytes = st, d.cfg.L3Bytes
+		d.log.Info("L3 object store", zap.Stringer("store", st))
+	}
+	eng, err := transfer.New(tc)
 	if err != nil {
+		if d.l3 != nil {
+			_ = d.l3.Close()
+		}
 		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
 	}
 	d.mu.Lock()
@@ -535,6 +552,9 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("close transfer engine: %w", err))
 		}
 		fcancel()
+		if d.l3 != nil {
+			_ = d.l3.Close()
+		}
 		if st := eng.Stats(); st.LostObjects > 0 {
 			d.log.Error("objects only L1 held were not flushed to L2 before shutdown; they are lost",
 				zap.Uint64("unflushed", st.LostObjects), zap.Duration("flush_timeout", d.cfg.FlushTimeout))

@@ -163,6 +163,27 @@ type Config struct {
 	// Default 10 min. Each collection lists every namespace directory.
 	L2CollectEvery time.Duration
 
+	// L3 is an S3-compatible object store (objstore.Store) behind L2: every
+	// object a store commits is written behind to it, and retrieves read it
+	// when neither L1 nor L2 holds the object (issue 15.3). Default nil: no
+	// L3.
+	L3 ObjectStore
+	// L3Writers is the number of goroutines writing to L3. Default 4. Each
+	// pins the object it writes in L1 for the length of its PUT (or reads
+	// it from L2 once L1 has evicted it), so more writers overlap more
+	// round trips at the cost of more pinned L1.
+	L3Writers int
+	// L3QueueObjects bounds the write-behind queue. Default 4096. When it
+	// is full, a store's object is not queued (counted in
+	// kvtier_transfer_l3_queue_full_total): a slow bucket never blocks a
+	// store; the object reaches L3 only if a later store queues it again.
+	L3QueueObjects int
+	// L3Bytes bounds the bytes (header and payload) of the L3 objects this
+	// rank wrote: past it the least recently written or read are deleted,
+	// each announced as an L3 removal. Default 0: unbounded (a bucket
+	// lifecycle rule may expire objects instead; their reads then miss).
+	L3Bytes uint64
+
 	// StoreTimeout bounds a store from its request until its objects are
 	// committed: the producer event, the device read and the commit.
 	// Default 30 s. On timeout the store fails, but the engine keeps its
@@ -231,6 +252,8 @@ func DefaultConfig() Config {
 		RetrieveTimeout:    30 * time.Second,
 		Streams:            8,
 		L2Readers:          4,
+		L3Writers:          4,
+		L3QueueObjects:     4096,
 		RetrieveBatchBytes: 256 << 20,
 		EventBatch:         1024,
 		EventBuffer:        1 << 20,
@@ -278,6 +301,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.L2Readers == 0 {
 		c.L2Readers = d.L2Readers
+	}
+	if c.L3Writers == 0 {
+		c.L3Writers = d.L3Writers
+	}
+	if c.L3QueueObjects == 0 {
+		c.L3QueueObjects = d.L3QueueObjects
 	}
 	if c.RetrieveBatchBytes == 0 {
 		c.RetrieveBatchBytes = d.RetrieveBatchBytes
@@ -334,6 +363,10 @@ func (c Config) Validate() error {
 		return bad("%d streams: want 1..1024", c.Streams)
 	case c.L2Readers < 1 || c.L2Readers > 256:
 		return bad("%d L2 readers per retrieve: want 1..256", c.L2Readers)
+	case c.L3Writers < 1 || c.L3Writers > 256:
+		return bad("%d L3 writers: want 1..256", c.L3Writers)
+	case c.L3QueueObjects < 1:
+		return bad("L3 queue of %d objects: want >= 1", c.L3QueueObjects)
 	case c.EventBatch < 1 || c.EventBatch > wire.MaxBatchEvents:
 		return bad("event batch %d: want 1..%d", c.EventBatch, wire.MaxBatchEvents)
 	case c.EventBuffer < c.EventBatch:

@@ -20,7 +20,10 @@ type Engine struct {
 	cfg    Config
 	log    *zap.Logger
 	dev    cuda.Device
-	l2     L2Tier // nil: no L2
+	l2     L2Tier  // nil: no L2
+	l3     *L3Tier // nil: no L3
+	l3c    l3Counters
+	l3coll *l3Collector // registered with cfg.Registerer when L3 is set
 	ctr    counters
 	hooks  testHooks
 	rankID string
@@ -57,6 +60,7 @@ type Engine struct {
 	idle      chan struct{} // closed and replaced when futures+retrieves hits 0
 	cat       catalog
 	ev        eventLog
+	l3s       l3State
 }
 
 // testHooks let tests observe and perturb the engine (package-internal).
@@ -139,6 +143,10 @@ func New(cfg Config) (*Engine, error) {
 		}
 		e.l2 = ft
 	}
+	if cfg.L3 != nil {
+		e.l3 = NewL3Tier(cfg.L3, cfg.Rank.Instance)
+	}
+	e.l3Init()
 	e.life, e.stopLife = context.WithCancel(context.Background())
 	e.storeStreams = newStreamPool(cfg.Device, cfg.Streams)
 	e.retrieveStreams = newStreamPool(cfg.Device, cfg.Streams)
@@ -149,6 +157,15 @@ func New(cfg Config) (*Engine, error) {
 			e.stopLife()
 			e.releaseL1()
 			return nil, fmt.Errorf("transfer: register metrics: %w", errors.Join(err, ErrConfig))
+		}
+		if e.l3 != nil {
+			e.l3coll = newL3Collector(&e.l3c, e.rankID)
+			if err := cfg.Registerer.Register(e.l3coll); err != nil {
+				cfg.Registerer.Unregister(e.coll)
+				e.stopLife()
+				e.releaseL1()
+				return nil, fmt.Errorf("transfer: register L3 metrics: %w", errors.Join(err, ErrConfig))
+			}
 		}
 	}
 	e.goFunc(e.publishLoop)
@@ -172,9 +189,12 @@ func New(cfg Config) (*Engine, error) {
 	} else {
 		close(e.rescanDone)
 	}
+	if e.l3 != nil {
+		e.l3Start()
+	}
 	e.log.Info("engine started",
 		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs),
-		zap.Bool("l2", e.l2 != nil), zap.Stringer("l2_policy", cfg.L2Policy),
+		zap.Bool("l2", e.l2 != nil), zap.Stringer("l2_policy", cfg.L2Policy), zap.Bool("l3", e.l3 != nil),
 		zap.Int64("l2_objects", e.ctr.l2Objects.Load()))
 	return e, nil
 }
@@ -288,6 +308,13 @@ func (e *Engine) close(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("transfer: close: flush L2: %w", err))
 		}
 	}
+	// 2b. The L3 write-behind queue drains (or ctx ends: what is left is
+	// not written, and L3 misses those objects).
+	if e.l3 != nil && len(errs) == 0 {
+		if err := e.flushL3(ctx, true); err != nil {
+			e.log.Warn("closing before the L3 write-behind queue drained", zap.Error(err))
+		}
+	}
 	// 3. Stop: goroutines see life canceled; stream waits are cut short.
 	e.mu.Lock()
 	lost := e.cat.countDirty()
@@ -315,6 +342,9 @@ func (e *Engine) close(ctx context.Context) error {
 		// A later engine of the same rank (a restart in-process) registers
 		// its own.
 		e.cfg.Registerer.Unregister(e.coll)
+		if e.l3coll != nil {
+			e.cfg.Registerer.Unregister(e.l3coll)
+		}
 	}
 	// A Retrieve runs on its caller's goroutine; canceled by life, it ends
 	// promptly unless stuck in file I/O. L1 is freed only when none is left.
@@ -364,6 +394,7 @@ func (e *Engine) wakeAll() {
 	kick(e.ev.kick)
 	kick(e.cat.evictKick)
 	kick(e.cat.writeKick)
+	kick(e.l3s.kick)
 }
 
 // kick does a non-blocking send on a 1-buffered channel.

@@ -113,7 +113,7 @@ func (e *Engine) publishBatch(retry bool) bool {
 func (e *Engine) Inventory() wire.Inventory {
 	e.mu.Lock()
 	inv := wire.Inventory{Rank: e.cfg.Rank, Incarnation: e.cfg.Incarnation, Seq: e.ev.seq,
-		Objects: make([]wire.Placement, 0, e.cat.ready+len(e.cat.l2))}
+		Objects: make([]wire.Placement, 0, e.cat.ready+len(e.cat.l2)+len(e.l3s.objs))}
 	for _, o := range e.cat.objs {
 		if o.state == stReady {
 			inv.Objects = append(inv.Objects, wire.Placement{Key: o.key, Tier: wire.L1, Size: o.size, Sum: o.sum})
@@ -121,6 +121,9 @@ func (e *Engine) Inventory() wire.Inventory {
 	}
 	for k, ent := range e.cat.l2 {
 		inv.Objects = append(inv.Objects, wire.Placement{Key: k, Tier: wire.L2, Size: ent.size, Sum: ent.sum})
+	}
+	for k, ent := range e.l3s.objs {
+		inv.Objects = append(inv.Objects, wire.Placement{Key: k, Tier: wire.L3, Size: ent.size, Sum: ent.sum})
 	}
 	e.mu.Unlock()
 	slices.SortFunc(inv.Objects, comparePlacement)

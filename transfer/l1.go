@@ -431,6 +431,9 @@ func (e *Engine) commitLocked(o *l1Obj, sum uint64, dirty bool) {
 	e.peerPublishLocked(o)
 	e.emitLocked(wire.Stored, wire.L1, o.key, o.size, o.sum)
 	close(o.filled)
+	if dirty {
+		e.l3QueueLocked(o.key, o.sum) // a store's object: written behind to L3
+	}
 	if o.dirty && e.cfg.L2Policy == WriteThrough {
 		if c.degraded {
 			o.wbFailed = e.cfg.Now()

@@ -78,11 +78,16 @@ type CorruptError struct {
 	Path        string // where the object was
 	Quarantine  string // where it was moved; "" if the move failed
 	Reason      string // what failed, with the numbers
+	// Deleted: the object was removed instead of moved aside (an L3
+	// object: a bucket has no cheap rename).
+	Deleted bool
 }
 
 func (e *CorruptError) Error() string {
 	s := "L2 object " + e.Key.String() + " at " + e.Path + ": " + e.Reason
-	if e.Quarantine != "" {
+	if e.Deleted {
+		s = "L3 object " + e.Key.String() + " at " + e.Path + ": " + e.Reason + " (deleted)"
+	} else if e.Quarantine != "" {
 		s += " (quarantined to " + e.Quarantine + ")"
 	} else {
 		s += " (quarantine failed)"

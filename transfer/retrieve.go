@@ -30,7 +30,7 @@ type RetrieveRequest struct {
 	// ids; Sum, when not 0, is the checksum the coordinator recorded at
 	// store time and the object must match it; Source is a hint (the
 	// engine always looks in L1 first, then in the shared L2, whichever
-	// rank wrote it).
+	// rank wrote it, then in L3).
 	Items []wire.RetrieveItem
 }
 
@@ -46,7 +46,8 @@ type ItemResult struct {
 	// or a mismatch found after the scatter); on the CUDA backend of the
 	// values as they were stored, not read back (cuda.Stream.Scatter).
 	Sum uint64
-	// From is where the object was found: L1, or L2 (read into L1 first).
+	// From is where the object was found: L1, or L2 or L3 (read into L1
+	// first; L3 only when L1 and L2 hold no good copy).
 	From   wire.Tier
 	Reason Reason
 	Err    error
@@ -238,8 +239,8 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 				if o.state != stReady {
 					waits = append(waits, i)
 				}
-			case e.l2 == nil:
-				r.fail(i, fmt.Errorf("%s is not in L1 and there is no L2: %w", it.Key, ErrNotFound))
+			case e.l2 == nil && e.l3 == nil:
+				r.fail(i, fmt.Errorf("%s is not in L1 and there is no L2 or L3: %w", it.Key, ErrNotFound))
 			default:
 				r.objs[i] = e.newObjLocked(it.Key, res.Fingerprint, res.ObjectSize(it.Group))
 				ir.From = wire.L2
@@ -345,11 +346,24 @@ func (r *retrieval) load(ctx context.Context, i int) {
 	var meta L2Object
 	if err == nil {
 		dst := e.l1mem[e.cat.off(o) : e.cat.off(o)+o.size]
-		meta, err = e.l2.Get(ctx, o.key, o.fp, dst)
-		if ce := (*CorruptError)(nil); errors.As(err, &ce) {
-			e.l2Corrupt(ce)
-		} else if errors.Is(err, ErrNotFound) {
-			e.l2Vanished(o.key)
+		err = fmt.Errorf("%s: no L2: %w", o.key, ErrNotFound)
+		if e.l2 != nil {
+			meta, err = e.l2.Get(ctx, o.key, o.fp, dst)
+			if ce := (*CorruptError)(nil); errors.As(err, &ce) {
+				e.l2Corrupt(ce)
+			} else if errors.Is(err, ErrNotFound) {
+				e.l2Vanished(o.key)
+			}
+		}
+		// Neither L1 nor L2 holds a good copy: L3 may (issue 15.3).
+		if e.l3 != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrCorrupt)) && ctx.Err() == nil {
+			l2err := err
+			meta, err = e.l3Load(ctx, o, dst)
+			if err == nil {
+				r.res.Items[i].From = wire.L3
+			} else if errors.Is(err, ErrNotFound) {
+				err = l2err // say what L2 said: L3 has nothing to add
+			}
 		}
 	}
 	e.mu.Lock()
@@ -363,13 +377,15 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		e.failFillLocked(o, err)
 		return
 	}
-	e.ctr.bytesReadL2.Add(o.size)
-	e.ctr.l2Reads.Add(1)
-	if meta.Writer == e.cfg.Rank {
+	if r.res.Items[i].From == wire.L2 {
+		e.ctr.bytesReadL2.Add(o.size)
+		e.ctr.l2Reads.Add(1)
+	}
+	if meta.Writer == e.cfg.Rank && r.res.Items[i].From == wire.L2 {
 		e.cat.l2Touch(o.key) // a use, for L2's LRU eviction
 	}
 	e.commitLocked(o, meta.Sum, false)
-	e.log.Debug("loaded from L2", zap.Stringer("key", o.key), zap.Uint64("size", o.size), zap.Stringer("writer", meta.Writer))
+	e.log.Debug("loaded", zap.Stringer("from", r.res.Items[i].From), zap.Stringer("key", o.key), zap.Uint64("size", o.size), zap.Stringer("writer", meta.Writer))
 }
 
 // l2Corrupt accounts for an L2 object that failed verification on read.

@@ -19,7 +19,11 @@ type Tier uint8
 const (
 	L1 Tier = 1 // pinned host memory; lost when rankd restarts
 	L2 Tier = 2 // files; survives restarts
+	L3 Tier = 3 // an S3-compatible object store; survives restarts, shared by the instance
 )
+
+// Valid reports whether t is one of the tiers above.
+func (t Tier) Valid() bool { return t == L1 || t == L2 || t == L3 }
 
 func (t Tier) String() string {
 	switch t {
@@ -27,6 +31,8 @@ func (t Tier) String() string {
 		return "L1"
 	case L2:
 		return "L2"
+	case L3:
+		return "L3"
 	}
 	return "tier(" + strconv.Itoa(int(t)) + ")"
 }
@@ -160,7 +166,7 @@ func (b *Batch) UnmarshalBinary(p []byte) error {
 		if e.Kind != Stored && e.Kind != Removed {
 			return bad("event %d: kind %d", i, e.Kind)
 		}
-		if e.Tier != L1 && e.Tier != L2 {
+		if !e.Tier.Valid() {
 			return bad("event %d: tier %d", i, e.Tier)
 		}
 		if err := e.Key.UnmarshalBinary(p[10 : 10+dcp.KeySize]); err != nil {

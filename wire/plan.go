@@ -127,7 +127,7 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 					name, n, it.Group, it.Key.Shard, first.Group, first.Key.Shard)
 			case it.Key.NS != ns:
 				return bad("reader %s item %d is in namespace %s, want %s", name, n, it.Key.NS, ns)
-			case it.Source.Tier != L1 && it.Source.Tier != L2:
+			case !it.Source.Tier.Valid():
 				return bad("reader %s item %d has tier %d", name, n, it.Source.Tier)
 			}
 			dst = binary.BigEndian.AppendUint64(dst, it.Sum)
@@ -246,7 +246,7 @@ func DecodePlanBinary(p []byte, chunks []dcp.ChunkHash) (*RestorePlan, error) {
 				if h >= len(holders) {
 					return nil, fmt.Errorf("restore plan: reader %s chunk %d: holder %d of %d: %w", rk, i, h, len(holders), ErrMalformed)
 				}
-				if tier != L1 && tier != L2 {
+				if !tier.Valid() {
 					return nil, fmt.Errorf("restore plan: reader %s chunk %d: tier %d: %w", rk, i, tier, ErrMalformed)
 				}
 				items = append(items, RetrieveItem{Chunk: i, Group: x.group,

@@ -120,6 +120,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
+	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
 	fs.StringVar(&cfg.Embedded.Host, "nats-host", cfg.Embedded.Host, "embedded NATS listen IP (0.0.0.0 for rankds on other hosts)")
 	fs.IntVar(&cfg.Embedded.Port, "nats-port", cfg.Embedded.Port, "embedded NATS client port (0 picks one)")

@@ -38,7 +38,7 @@ func main() {
 	cfg := rankd.DefaultConfig()
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
-		l1Bytes, l2Bytes, l2FreeFloor                                string
+		l1Bytes, l2Bytes, l2FreeFloor, l3Bytes                       string
 	)
 	flag.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
 	flag.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
@@ -55,6 +55,14 @@ func main() {
 	flag.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
 	flag.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
 	flag.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
+	flag.StringVar(&cfg.L3.Endpoint, "l3-endpoint", "", "S3-compatible object store host:port for the L3 tier (empty: no L3); HTTPS unless --l3-insecure")
+	flag.StringVar(&cfg.L3.Bucket, "l3-bucket", "", "L3 bucket (must exist)")
+	flag.StringVar(&cfg.L3.Prefix, "l3-prefix", "kvtier/", "prefix of kvtier's object names in the L3 bucket")
+	flag.StringVar(&cfg.L3.CredentialsFile, "l3-credentials", "", "L3 credentials file, 0600 JSON {\"access_key_id\", \"secret_access_key\"[, \"session_token\"]} (never on the command line)")
+	flag.StringVar(&cfg.L3.CAFile, "l3-ca", "", "PEM CA bundle trusted for the L3 endpoint besides the system roots")
+	flag.StringVar(&cfg.L3.Region, "l3-region", cfg.L3.Region, "L3 bucket region")
+	flag.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint (a local test server only)")
+	flag.StringVar(&l3Bytes, "l3-bytes", "0", "bound of the L3 objects this rank writes (bytes or KiB..TiB; 0: unbounded); least recently used objects are deleted")
 	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
 	flag.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
 	flag.StringVar(&advertise, "advertise", "", "gossip address advertised to peers, ip[:port]")
@@ -85,6 +93,9 @@ func main() {
 	}
 	if cfg.L2FreeFloorBytes, err = parseBytes(l2FreeFloor); err != nil {
 		fail(fmt.Errorf("--l2-free-floor: %w", err))
+	}
+	if cfg.L3Bytes, err = parseBytes(l3Bytes); err != nil {
+		fail(fmt.Errorf("--l3-bytes: %w", err))
 	}
 	if cfg.L2Policy, err = rankd.ParseL2Policy(l2Policy); err != nil {
 		fail(err)

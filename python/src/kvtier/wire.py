@@ -68,6 +68,7 @@ MAX_BATCH_EVENTS = 1 << 16
 class Tier(enum.IntEnum):
     L1 = 1  # pinned host memory; lost when rankd restarts
     L2 = 2  # files; survive restarts
+    L3 = 3  # an S3-compatible object store shared by the instance
 
     def __str__(self) -> str:
         return self.name

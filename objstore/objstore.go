@@ -1,0 +1,295 @@
+package objstore
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+)
+
+// Sentinel errors.
+var (
+	// ErrConfig: a Config rule failed, or the credentials file is unusable.
+	ErrConfig = errors.New("objstore: bad configuration")
+	// ErrIO: the object store failed a request (network, server error,
+	// refused credentials).
+	ErrIO = errors.New("objstore: request failed")
+)
+
+// Config configures a Store. Start from DefaultConfig.
+type Config struct {
+	// Endpoint is the server's host:port (no scheme). Required.
+	Endpoint string
+	// Bucket is the bucket that holds the objects; it must exist (Open
+	// checks). Required.
+	Bucket string
+	// Prefix is prepended to every object name ("kvtier/" keeps kvtier's
+	// objects apart from others of the bucket). Default "".
+	Prefix string
+	// CredentialsFile names a JSON file {"access_key_id": ...,
+	// "secret_access_key": ..., "session_token": ...} (session_token
+	// optional) of mode 0600 or stricter. Required: credentials are never
+	// taken from flags or the environment.
+	CredentialsFile string
+	// Insecure talks plain HTTP. Default false: HTTPS, with the system's
+	// roots plus CAFile.
+	Insecure bool
+	// CAFile, when set, is a PEM bundle trusted besides the system roots
+	// (a private S3 server's CA). Default "".
+	CAFile string
+	// Region is the bucket's region. Default "us-east-1".
+	Region string
+	// RequestTimeout bounds one request (header to the last body byte).
+	// Default 60 s. Longer tolerates slower links for large objects; a hung
+	// server holds a writer that long.
+	RequestTimeout time.Duration
+}
+
+// DefaultConfig returns a Config with every default filled in; callers set
+// Endpoint, Bucket and CredentialsFile.
+func DefaultConfig() Config {
+	return Config{Region: "us-east-1", RequestTimeout: 60 * time.Second}
+}
+
+// Validate checks every rule of c.
+func (c Config) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("objstore: "+format+": %w", append(args, ErrConfig)...)
+	}
+	switch {
+	case c.Endpoint == "":
+		return bad("no endpoint")
+	case strings.Contains(c.Endpoint, "://") || strings.Contains(c.Endpoint, "/"):
+		return bad("endpoint %q: want host:port without a scheme or path (HTTPS unless Insecure)", c.Endpoint)
+	case c.Bucket == "":
+		return bad("no bucket")
+	case c.CredentialsFile == "":
+		return bad("no credentials file (credentials are never taken from flags or the environment)")
+	case c.Region == "":
+		return bad("no region")
+	case c.RequestTimeout <= 0:
+		return bad("request timeout %v must be > 0", c.RequestTimeout)
+	case strings.HasPrefix(c.Prefix, "/"):
+		return bad("prefix %q must not start with /", c.Prefix)
+	}
+	return nil
+}
+
+// Credentials is the content of Config.CredentialsFile.
+type Credentials struct {
+	AccessKeyID     string `json:"access_key_id"`
+	SecretAccessKey string `json:"secret_access_key"`
+	SessionToken    string `json:"session_token,omitempty"`
+}
+
+// ReadCredentials reads a credentials file, refusing one readable or
+// writable by group or others, or not a regular file.
+func ReadCredentials(path string) (Credentials, error) {
+	var c Credentials
+	f, err := os.OpenFile(path, os.O_RDONLY|syscallNoFollow, 0)
+	if err != nil {
+		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
+	}
+	if !st.Mode().IsRegular() {
+		return c, fmt.Errorf("objstore: credentials file %s is not a regular file (mode %s): %w", path, st.Mode(), ErrConfig)
+	}
+	if m := st.Mode().Perm(); m&0o077 != 0 {
+		return c, fmt.Errorf("objstore: credentials file %s has mode %#o: want no access by group or others (0600): %w", path, m, ErrConfig)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, 64<<10))
+	if err != nil {
+		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
+	}
+	dec := json.NewDecoder(strings.NewReader(string(b)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		return c, fmt.Errorf("objstore: credentials file %s: want JSON {\"access_key_id\", \"secret_access_key\"}: %w", path, errors.Join(err, ErrConfig))
+	}
+	if c.AccessKeyID == "" || c.SecretAccessKey == "" {
+		return c, fmt.Errorf("objstore: credentials file %s lacks access_key_id or secret_access_key: %w", path, ErrConfig)
+	}
+	return c, nil
+}
+
+// Store is one bucket and prefix of an S3-compatible object store. It is
+// safe for concurrent use.
+type Store struct {
+	cfg    Config
+	client *minio.Client
+	tr     *http.Transport
+}
+
+// Open connects to the object store and checks that the bucket exists.
+func Open(ctx context.Context, cfg Config) (*Store, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cred, err := ReadCredentials(cfg.CredentialsFile)
+	if err != nil {
+		return nil, err
+	}
+	tr := &http.Transport{
+		Proxy:                 nil, // never through a proxy from the environment
+		DialContext:           (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConnsPerHost:   64,
+		IdleConnTimeout:       90 * time.Second,
+		TLSHandshakeTimeout:   10 * time.Second,
+		ResponseHeaderTimeout: cfg.RequestTimeout,
+		DisableCompression:    true,
+	}
+	if !cfg.Insecure {
+		roots, err := x509.SystemCertPool()
+		if err != nil || roots == nil {
+			roots = x509.NewCertPool()
+		}
+		if cfg.CAFile != "" {
+			pem, err := os.ReadFile(cfg.CAFile)
+			if err != nil {
+				return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
+			}
+			if !roots.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("objstore: CA file %s holds no PEM certificate: %w", cfg.CAFile, ErrConfig)
+			}
+		}
+		tr.TLSClientConfig = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	}
+	client, err := minio.New(cfg.Endpoint, &minio.Options{
+		Creds:        credentials.NewStaticV4(cred.AccessKeyID, cred.SecretAccessKey, cred.SessionToken),
+		Secure:       !cfg.Insecure,
+		Transport:    tr,
+		Region:       cfg.Region,
+		BucketLookup: minio.BucketLookupPath,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("objstore: client for %s: %w", cfg.Endpoint, errors.Join(err, ErrConfig))
+	}
+	s := &Store{cfg: cfg, client: client, tr: tr}
+	rctx, cancel := context.WithTimeout(ctx, cfg.RequestTimeout)
+	defer cancel()
+	ok, err := client.BucketExists(rctx, cfg.Bucket)
+	if err != nil {
+		tr.CloseIdleConnections()
+		return nil, fmt.Errorf("objstore: check bucket %q at %s: %w", cfg.Bucket, cfg.Endpoint, errors.Join(err, ErrIO))
+	}
+	if !ok {
+		tr.CloseIdleConnections()
+		return nil, fmt.Errorf("objstore: bucket %q does not exist at %s (objstore never creates buckets): %w", cfg.Bucket, cfg.Endpoint, ErrConfig)
+	}
+	return s, nil
+}
+
+// Close closes the store's idle connections; requests in flight finish.
+func (s *Store) Close() error {
+	s.tr.CloseIdleConnections()
+	return nil
+}
+
+// String names the store for logs: endpoint, bucket and prefix.
+func (s *Store) String() string {
+	scheme := "https"
+	if s.cfg.Insecure {
+		scheme = "http"
+	}
+	return scheme + "://" + s.cfg.Endpoint + "/" + s.cfg.Bucket + "/" + s.cfg.Prefix
+}
+
+func (s *Store) full(name string) string { return s.cfg.Prefix + name }
+
+// Put stores size bytes from r under name, replacing any object of that
+// name; it returns once the server acknowledged the whole object.
+func (s *Store) Put(ctx context.Context, name string, r io.Reader, size int64) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	_, err := s.client.PutObject(ctx, s.cfg.Bucket, s.full(name), r, size, minio.PutObjectOptions{
+		ContentType:      "application/octet-stream",
+		DisableMultipart: size <= 5<<30,
+	})
+	if err != nil {
+		return fmt.Errorf("objstore: put %s (%d B): %w", name, size, errors.Join(err, ErrIO))
+	}
+	return nil
+}
+
+// Open returns the bytes of name from offset off: n of them, or to the
+// end when n is 0 (or the object ends first), and how many body holds. A
+// missing object gives an error wrapping fs.ErrNotExist. The caller closes
+// body; ctx bounds the reads of body too.
+func (s *Store) Open(ctx context.Context, name string, off, n int64) (io.ReadCloser, int64, error) {
+	opts := minio.GetObjectOptions{}
+	if off > 0 || n > 0 {
+		end := int64(0)
+		if n > 0 {
+			end = off + n - 1
+		}
+		if err := opts.SetRange(off, end); err != nil {
+			return nil, 0, fmt.Errorf("objstore: get %s from %d B (%d B): %w", name, off, n, errors.Join(err, ErrConfig))
+		}
+	}
+	obj, err := s.client.GetObject(ctx, s.cfg.Bucket, s.full(name), opts)
+	if err != nil {
+		return nil, 0, s.getErr(name, err)
+	}
+	st, err := obj.Stat()
+	if err != nil {
+		obj.Close()
+		return nil, 0, s.getErr(name, err)
+	}
+	return obj, st.Size, nil
+}
+
+func (s *Store) getErr(name string, err error) error {
+	switch minio.ToErrorResponse(err).Code {
+	case minio.NoSuchKey:
+		return fmt.Errorf("objstore: %s: %w", name, fs.ErrNotExist)
+	case minio.InvalidRange:
+		return fmt.Errorf("objstore: %s: range beyond the object: %w", name, errors.Join(err, ErrIO))
+	}
+	return fmt.Errorf("objstore: get %s: %w", name, errors.Join(err, ErrIO))
+}
+
+// Delete removes name; a missing object is not an error.
+func (s *Store) Delete(ctx context.Context, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	if err := s.client.RemoveObject(ctx, s.cfg.Bucket, s.full(name), minio.RemoveObjectOptions{}); err != nil {
+		if minio.ToErrorResponse(err).Code == minio.NoSuchKey {
+			return nil
+		}
+		return fmt.Errorf("objstore: delete %s: %w", name, errors.Join(err, ErrIO))
+	}
+	return nil
+}
+
+// List calls fn with the name (without the store's prefix) and size of
+// every object whose name starts with prefix, in lexical order, until fn
+// returns an error (which List returns).
+func (s *Store) List(ctx context.Context, prefix string, fn func(name string, size int64) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // ends the listing goroutine of minio-go
+	for oi := range s.client.ListObjects(ctx, s.cfg.Bucket, minio.ListObjectsOptions{Prefix: s.full(prefix), Recursive: true}) {
+		if oi.Err != nil {
+			return fmt.Errorf("objstore: list %s: %w", prefix, errors.Join(oi.Err, ErrIO))
+		}
+		if err := fn(strings.TrimPrefix(oi.Key, s.cfg.Prefix), oi.Size); err != nil {
+			return err
+		}
+	}
+	return ctx.Err()
+}

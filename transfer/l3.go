@@ -1,0 +1,257 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"strings"
+
+	"github.com/kvtier/kvtier/checksum"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// ObjectStore is what the L3 tier needs of an S3-compatible object store
+// (objstore.Store implements it). Names are relative to the store's bucket
+// and prefix. Implementations must be safe for concurrent use.
+type ObjectStore interface {
+	// Put stores size bytes of r under name, replacing any object of that
+	// name, and returns once the store acknowledged all of them.
+	Put(ctx context.Context, name string, r io.Reader, size int64) error
+	// Open returns n bytes of name from off (to the end when n is 0) and
+	// how many body holds; a missing object gives an error wrapping
+	// fs.ErrNotExist.
+	Open(ctx context.Context, name string, off, n int64) (body io.ReadCloser, length int64, err error)
+	// Delete removes name; a missing object is not an error.
+	Delete(ctx context.Context, name string) error
+	// List calls fn for every object whose name starts with prefix.
+	List(ctx context.Context, prefix string, fn func(name string, size int64) error) error
+}
+
+// L3Tier keeps objects in an object store, one per key, in the L2 file
+// format (header with key, fingerprint, writer, length and kvsum64, then
+// the payload), under <instance>/<namespace hex>/<key>.kvo: the ranks of
+// one engine instance share its objects, as they share an L2 root. Every
+// read is verified like an L2 read (C5); an object that fails is deleted
+// (a bucket has no cheap rename for a quarantine) and reported as a
+// *CorruptError with Deleted set.
+type L3Tier struct {
+	store    ObjectStore
+	instance string
+}
+
+// NewL3Tier returns the L3 tier of instance on store.
+func NewL3Tier(store ObjectStore, instance string) *L3Tier {
+	return &L3Tier{store: store, instance: instance}
+}
+
+// Name returns the object name of key.
+func (t *L3Tier) Name(key dcp.Key) string {
+	return t.instance + "/" + key.NS.String() + "/" + key.String() + fileExt
+}
+
+// Put stores payload under obj.Key; it returns once the store acknowledged
+// the whole object.
+func (t *L3Tier) Put(ctx context.Context, obj L2Object, payload []byte) error {
+	if uint64(len(payload)) != obj.Size {
+		return fmt.Errorf("L3 put %s: payload %d B, header says %d B: %w", obj.Key, len(payload), obj.Size, ErrIO)
+	}
+	hdr := encodeHeader(obj)
+	r := &twoPart{a: hdr, b: payload}
+	if err := t.store.Put(ctx, t.Name(obj.Key), r, r.size()); err != nil {
+		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
+	}
+	return nil
+}
+
+// twoPart reads a then b as one seekable stream without copying them (a
+// client can then sign, checksum and retry the body: minio-go reads a
+// seekable body twice instead of buffering it).
+type twoPart struct {
+	a, b []byte
+	off  int64
+}
+
+func (p *twoPart) size() int64 { return int64(len(p.a) + len(p.b)) }
+
+func (p *twoPart) ReadAt(dst []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("read at %d: negative offset: %w", off, ErrIO)
+	}
+	n := 0
+	for n < len(dst) && off < p.size() {
+		var src []byte
+		if off < int64(len(p.a)) {
+			src = p.a[off:]
+		} else {
+			src = p.b[off-int64(len(p.a)):]
+		}
+		k := copy(dst[n:], src)
+		n += k
+		off += int64(k)
+	}
+	if n < len(dst) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+func (p *twoPart) Read(dst []byte) (int, error) {
+	if p.off >= p.size() {
+		return 0, io.EOF
+	}
+	n, err := p.ReadAt(dst, p.off)
+	p.off += int64(n)
+	if err == io.EOF && n > 0 {
+		err = nil
+	}
+	return n, err
+}
+
+func (p *twoPart) Seek(off int64, whence int) (int64, error) {
+	switch whence {
+	case io.SeekCurrent:
+		off += p.off
+	case io.SeekEnd:
+		off += p.size()
+	}
+	if off < 0 {
+		return p.off, fmt.Errorf("seek to %d: negative offset: %w", off, ErrIO)
+	}
+	p.off = off
+	return off, nil
+}
+
+// Get reads key's object into dst after verifying, like FileTier.Get, its
+// header, key, fingerprint fp, length len(dst) and payload kvsum64. A
+// missing object gives ErrNotFound; one that fails is deleted and gives a
+// *CorruptError.
+func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error) {
+	name := t.Name(key)
+	body, size, err := t.store.Open(ctx, name, 0, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return L2Object{}, fmt.Errorf("L3 object %s: %w", key, ErrNotFound)
+	}
+	if err != nil {
+		return L2Object{}, fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
+	}
+	defer body.Close()
+	hb, err := readHeaderBytes(body, size)
+	if err != nil {
+		if ctx.Err() != nil || !errors.Is(err, ErrCorrupt) {
+			return L2Object{}, fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
+		}
+		return L2Object{}, t.corrupt(ctx, key, L2Object{}, false, err.Error())
+	}
+	o, _, err := readHeader(bytes.NewReader(hb), size)
+	switch {
+	case err != nil:
+		return o, t.corrupt(ctx, key, o, false, err.Error())
+	case o.Key != key:
+		return o, t.corrupt(ctx, key, o, true, "header names key "+o.Key.String())
+	case o.Fingerprint != fp:
+		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("layout fingerprint %x, namespace has %x", o.Fingerprint[:8], fp[:8]))
+	case o.Size != uint64(len(dst)):
+		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
+	}
+	if _, err := io.ReadFull(body, dst); err != nil {
+		return o, fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
+	}
+	if sum := checksum.Sum(dst); sum != o.Sum {
+		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+	}
+	return o, nil
+}
+
+// readHeaderBytes reads the header of an object of size bytes from r: its
+// fixed prefix, then as many bytes as the prefix declares (bounded). A
+// short or implausible header wraps ErrCorrupt.
+func readHeaderBytes(r io.Reader, size int64) ([]byte, error) {
+	var pre [8]byte
+	if _, err := io.ReadFull(r, pre[:]); err != nil {
+		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("object of %d B too short for a header: %w", size, ErrCorrupt)
+		}
+		return nil, err
+	}
+	h := int(binary.BigEndian.Uint16(pre[6:]))
+	if string(pre[:4]) != fileMagic || h < fileFixedHdr+8 || h > fileMaxHdr || int64(h) > size {
+		return nil, fmt.Errorf("bad header prefix (magic %q, header length %d, object %d B): %w", pre[:4], h, size, ErrCorrupt)
+	}
+	b := make([]byte, h)
+	copy(b, pre[:])
+	if _, err := io.ReadFull(r, b[8:]); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (t *L3Tier) corrupt(ctx context.Context, key dcp.Key, o L2Object, writerKnown bool, why string) error {
+	ce := &CorruptError{Key: key, Writer: o.Writer, WriterKnown: writerKnown, Path: "l3:" + t.Name(key), Reason: why}
+	if err := t.store.Delete(ctx, t.Name(key)); err == nil {
+		ce.Deleted = true
+	}
+	return ce
+}
+
+// Delete removes key's object; a missing one is not an error.
+func (t *L3Tier) Delete(ctx context.Context, key dcp.Key) error {
+	if err := t.store.Delete(ctx, t.Name(key)); err != nil {
+		return fmt.Errorf("L3 delete %s: %w", key, errors.Join(err, ErrIO))
+	}
+	return nil
+}
+
+// Scan calls fn for every object of the instance whose header names owner
+// as its writer, reading only headers (a ranged read of each object of
+// owner's shard: the writer TP rank is the shard, dcp.StoreShard). Objects
+// whose header fails are deleted and reported with Err (KeyKnown).
+func (t *L3Tier) Scan(ctx context.Context, owner wire.Rank, fn func(ScanEntry)) error {
+	return t.store.List(ctx, t.instance+"/", func(name string, size int64) error {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		rest := strings.TrimPrefix(name, t.instance+"/")
+		nsPart, file, ok := strings.Cut(rest, "/")
+		if !ok || !strings.HasSuffix(file, fileExt) {
+			return nil // not an object of ours
+		}
+		key, err := dcp.ParseKey(strings.TrimSuffix(file, fileExt))
+		if err != nil || key.NS.String() != nsPart || int(key.Shard) != owner.TPRank {
+			return nil
+		}
+		body, _, err := t.store.Open(ctx, name, 0, fileMaxHdr)
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil // deleted since the listing
+		}
+		if err != nil {
+			return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
+		}
+		hb, err := readHeaderBytes(body, size)
+		body.Close()
+		if err != nil && !errors.Is(err, ErrCorrupt) {
+			return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
+		}
+		var o L2Object
+		if err == nil {
+			o, _, err = readHeader(bytes.NewReader(hb), size)
+		}
+		if err == nil && o.Writer != owner {
+			return nil
+		}
+		if err == nil && o.Key != key {
+			err = fmt.Errorf("header names key %s", o.Key)
+		}
+		if err != nil {
+			o.Key = key
+			fn(ScanEntry{Object: o, KeyKnown: true, Err: t.corrupt(ctx, key, o, false, err.Error())})
+			return nil
+		}
+		fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true})
+		return nil
+	})
+}
