@@ -162,6 +162,17 @@ def outputs(rec: dict[str, Any]) -> list[tuple[list[int], list[str]]]:
     return [(o["tokens"], o["logprobs"]) for o in rec["outputs"]]
 
 
+def tokens_of(outs: list[tuple[list[int], list[str]]]) -> list[list[int]]:
+    return [t for t, _ in outs]
+
+
+def close(a: list[tuple[list[int], list[str]]], b: list[tuple[list[int], list[str]]], tol: float = 1e-4) -> bool:
+    """Logprobs equal within float32 rounding of a differently shaped
+    computation (the prefill split at another token)."""
+    return all(abs(float.fromhex(x) - float.fromhex(y)) <= tol
+               for (_, la), (_, lb) in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
+
+
 def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
     return int(after["worker"][key]) - int(before["worker"][key])
 
@@ -203,43 +214,51 @@ def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, mo
                                                             tmp_path: pathlib.Path) -> None:
     plain = prompts_plain()
     trace = prompts_from_trace()
+    assert len(trace) == 8 and distinct_chunks(trace, True) > 8
 
-    # The reference: vLLM alone, no connector (its own prefix cache only).
-    base = run_vllm(tmp_path, "baseline", model_dir, None, [gen(plain), gen(trace)])
-    ref_plain, ref_trace = outputs(base[1]), outputs(base[2])
-    assert len({tuple(t) for t, _ in ref_plain}) == 3  # distinct continuations: the check can tell them apart
+    # The reference: vLLM alone, no connector. Each batch runs twice: cold,
+    # then again with vLLM's own prefix-cache hits. A hit computes only the
+    # tail (other matmul shapes), so its float32 logprobs may differ from the
+    # cold run's in the last bits; a kvtier restore puts the same KV bytes in
+    # the same place as vLLM's own hit, so it must equal the hit run
+    # BITWISE, and a run that recomputes everything must equal the cold run.
+    base = run_vllm(tmp_path, "baseline", model_dir, None, [gen(plain), gen(plain), gen(trace), gen(trace)])
+    ref_cold, ref_hit, tref_cold, tref_hit = (outputs(base[i]) for i in (1, 2, 3, 4))
+    assert [o["cached"] for o in base[2]["outputs"]] == [3 * BLOCK, 2 * BLOCK, 3 * BLOCK]
+    assert tokens_of(ref_hit) == tokens_of(ref_cold) and close(ref_hit, ref_cold)
+    assert len({tuple(t) for t in tokens_of(ref_cold)}) == 3  # distinct continuations
 
     # 1 + 2 + 5: cold run stores every full chunk; after reset + wipe the
     # same prompts load them from L1; the trace batch (concurrent, shared
-    # prefixes) cold and then loaded, both equal to vLLM alone.
+    # prefixes) cold and then loaded, equal to vLLM alone.
     extra = extra_for(cluster)
     r = run_vllm(tmp_path, "first", model_dir, extra,
                  [gen(plain), *RESET, gen(plain), *RESET, gen(trace), *RESET, gen(trace)])
     init, cold, _, wipe, warm = r[0], r[1], r[2], r[3], r[4]
     assert wipe["tensors"] == 2 and wipe["nonzero"] == 0, wipe
-    assert outputs(cold) == ref_plain, "cold run with the connector differs from vLLM alone"
+    assert outputs(cold) == ref_cold, "cold run with the connector differs from vLLM alone"
     # prompts a, b are distinct (3 + 2 chunks); c shares a's 3 chunks, which
     # vLLM's own prefix cache serves, so kvtier stores them once
     assert distinct_chunks(plain, False) == distinct_chunks(plain, True) == 5  # a: 3, b: 2, c: a's 3
     assert delta(cold, init, "stored_objects") == 5, cold["worker"]
     assert cold["worker"]["store_failures"] == 0 and cold["worker"]["loaded_tokens"] == 0, cold["worker"]
-    assert outputs(warm) == ref_plain, "restored from L1: outputs or logprobs differ"
+    assert outputs(warm) == ref_hit, "restored from L1: outputs or logprobs differ from vLLM's own prefix hit"
     assert delta(warm, wipe, "loaded_tokens") == 5 * BLOCK, warm["worker"]
     assert delta(warm, wipe, "restore_failures") == 0 and delta(warm, wipe, "load_error_blocks") == 0
     assert [o["cached"] for o in warm["outputs"]] == [3 * BLOCK, 2 * BLOCK, 3 * BLOCK], warm["outputs"]
     assert delta(warm, wipe, "stored_objects") == 0  # loaded chunks are not stored again
-    tcold, twipe, twarm = r[6], r[8], r[9]
-    assert outputs(tcold) == ref_trace, "trace batch with the connector differs from vLLM alone"
-    assert delta(tcold, r[5], "stored_objects") == distinct_chunks(trace, False), tcold["worker"]
-    assert outputs(twarm) == ref_trace, "trace batch restored through kvtier differs from vLLM alone"
+    tcold, twipe, twarm = r[7], r[9], r[10]
+    assert outputs(tcold) == tref_cold, "trace batch with the connector differs from vLLM alone"
+    assert delta(tcold, r[6], "stored_objects") == distinct_chunks(trace, False), tcold["worker"]
+    assert outputs(twarm) == tref_hit, "trace batch restored through kvtier differs from vLLM's own prefix hit"
     assert delta(twarm, twipe, "loaded_tokens") == distinct_chunks(trace, True) * BLOCK, twarm["worker"]
     assert delta(twarm, twipe, "restore_failures") == 0, twarm["worker"]
 
     # 3: restart rankd and coordinator (L1 gone) and vLLM: loaded from L2.
     restart_daemons(cluster, model_dir)
     r = run_vllm(tmp_path, "after-restart", model_dir, extra, [gen(plain)])
-    assert outputs(r[1]) == ref_plain, "after the restart (from L2): outputs or logprobs differ"
-    assert delta(r[1], r[0], "loaded_tokens") >= 5 * BLOCK and delta(r[1], r[0], "restore_failures") == 0, r[1]
+    assert outputs(r[1]) == ref_hit, "after the restart (from L2): outputs or logprobs differ"
+    assert delta(r[1], r[0], "loaded_tokens") == 5 * BLOCK and delta(r[1], r[0], "restore_failures") == 0, r[1]
 
     # 4a: corrupt prompt b's chunk 1 in L2, restart rankd (L1 empty): that
     # chunk fails its checksum, vLLM recomputes it, outputs still equal.
@@ -271,11 +290,17 @@ def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, mo
     r = run_vllm(tmp_path, "failures", model_dir, extra,
                  [gen(plain), *RESET, dict(op="hook", file=str(hook)), gen(plain)], during=kill_mid_restore)
     corrupt = r[1]
-    assert outputs(corrupt) == ref_plain, "with a corrupt L2 object: outputs differ (garbled?)"
+    # a and c are loaded as in the hit run; b loads chunk 0 and recomputes
+    # from token 32 (a shape neither reference has): same tokens, logprobs
+    # within float32 rounding
+    got = outputs(corrupt)
+    assert [got[0], got[2]] == [ref_hit[0], ref_hit[2]], "loaded prompts beside the corrupt one differ"
+    assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "with a corrupt L2 object: garbled?"
     assert delta(corrupt, r[0], "restore_failures") == 1, corrupt["worker"]
     assert delta(corrupt, r[0], "load_error_blocks") == 1, corrupt["worker"]  # chunk 1 of b (chunk 0 loads)
     killed = r[5]
     assert r[4]["ok"], r[4]
-    assert outputs(killed) == ref_plain, "rankd killed mid-restore: outputs differ (garbled?)"
+    got = outputs(killed)
+    assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "rankd killed mid-restore: garbled?"
     assert delta(killed, r[4], "restore_failures") >= 1, killed["worker"]
     assert delta(killed, r[4], "loaded_tokens") == 0, killed["worker"]

@@ -79,13 +79,30 @@ def _kv_tensors(llm: Any) -> list[Any]:
     return list(out.values())
 
 
-def _drain(llm: Any, timeout: float = 60.0) -> bool:
-    """Steps the engine until every finished request's blocks are back
-    (the connector holds them while stores may still read them), so that
-    reset_prefix_cache can empty vLLM's cache."""
+def _reset(llm: Any, timeout: float = 60.0) -> bool:
+    """Steps the engine until reset_prefix_cache succeeds: every finished
+    request's blocks are back (the connector holds them while stores may
+    still read them) and vLLM's prefix cache is empty."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if llm.reset_prefix_cache():
+            return True
+        llm.llm_engine.step()
+        time.sleep(0.05)
+    return False
+
+
+def _drain(llm: Any, timeout: float = 60.0) -> bool:
+    """Steps the engine until the worker connector has no store in flight
+    (vLLM's prefix cache is left as it is)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return True
+    conn = get_kv_transfer_group()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not conn._pending and not conn._saving:
             return True
         llm.llm_engine.step()
         time.sleep(0.05)
@@ -127,7 +144,7 @@ def main() -> None:
             rec["drained"] = _drain(llm)
             rec["keys"] = _keys(step["prompts"])
         elif step["op"] == "reset":
-            rec["ok"] = _drain(llm)
+            rec["ok"] = _reset(llm)
         elif step["op"] == "wipe":  # after a reset: zero vLLM's own KV tensors, so nothing stale can help
             kv = _kv_tensors(llm)
             for tsr in kv:
