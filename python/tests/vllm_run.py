@@ -1,0 +1,170 @@
+"""Runs real vLLM (its CPU build) on a local model directory, with or without
+the kvtier connector, and writes what it generated as JSON. One process is
+one vLLM lifetime: test_vllm_real.py runs it as a subprocess so that
+"restart vLLM" is a new process.
+
+    python vllm_run.py ARGS.json OUT.json
+
+ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
+connector), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
+"prompts": [[ids...]], "max_tokens": n} | {"op": "reset"} | {"op": "wipe"} |
+{"op": "hook", "file": path}]}. "reset" waits until vLLM's prefix cache is
+empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
+(those its attention layers read), so a later hit can only come from a
+load. A "hook" step waits until the file exists (the test does
+something to the daemons meanwhile) and then goes on.
+
+OUT: one record per step: generated token ids, each token's logprob as
+float.hex (exact), vLLM's num_cached_tokens, and the connector's worker and
+scheduler counters after the step.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
+worker-side connector is vLLM's own instance, read through
+get_kv_transfer_group()."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _stats(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            out["worker"] = dict(get_kv_transfer_group().stats)
+    except Exception as e:  # reported, the test decides
+        out["worker_error"] = repr(e)
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        conn = getattr(sched, "connector", None)
+        if conn is not None:
+            out["scheduler"] = dict(conn.stats)
+    except Exception as e:
+        out["scheduler_error"] = repr(e)
+    return out
+
+
+def _keys(prompts: list[list[int]]) -> list[list[str]] | None:
+    """Each prompt's L2 object names (shard 0, group 0), from the worker
+    connector's own resolved spec."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from kvtier import dcp
+
+    if not has_kv_transfer_group():
+        return None
+    r = get_kv_transfer_group().resolved
+    return [[str(dcp.Key(r.namespace, h, 0, 0)) for h in r.chunk_hashes(p)] for p in prompts]
+
+
+def _kv_tensors(llm: Any) -> list[Any]:
+    import torch
+
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    out: dict[int, Any] = {}
+    for layer in ctx.values():
+        kv = getattr(layer, "kv_cache", None)
+        for t in [kv] if isinstance(kv, torch.Tensor) else list(kv or []):
+            if isinstance(t, torch.Tensor) and t.numel():
+                out[id(t)] = t
+    return list(out.values())
+
+
+def _reset(llm: Any, timeout: float = 60.0) -> bool:
+    """Steps the engine until reset_prefix_cache succeeds: every finished
+    request's blocks are back (the connector holds them while stores may
+    still read them) and vLLM's prefix cache is empty."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if llm.reset_prefix_cache():
+            return True
+        llm.llm_engine.step()
+        time.sleep(0.05)
+    return False
+
+
+def _drain(llm: Any, timeout: float = 60.0) -> bool:
+    """Steps the engine until the worker connector has no store in flight
+    (vLLM's prefix cache is left as it is)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return True
+    conn = get_kv_transfer_group()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not conn._pending and not conn._saving:
+            return True
+        llm.llm_engine.step()
+        time.sleep(0.05)
+    return False
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        args = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                              max_model_len=args.get("max_model_len", 512), max_num_seqs=args.get("max_num_seqs", 8),
+                              enable_prefix_caching=True, block_size=args["block_size"], seed=0,
+                              num_gpu_blocks_override=args["num_blocks"])
+    if args.get("extra") is not None:
+        kw["kv_transfer_config"] = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                    "kv_connector_extra_config": args["extra"]}
+    t0 = time.monotonic()
+    llm = LLM(**kw)
+    records: list[dict[str, Any]] = [{"op": "init", "s": round(time.monotonic() - t0, 2), **_stats(llm)}]
+    for step in args["steps"]:
+        t = time.monotonic()
+        rec: dict[str, Any] = {"op": step["op"]}
+        if step["op"] == "generate":
+            with open(sys.argv[2] + ".generating", "a") as f:
+                f.write(f"{len(records)}\n")
+            sp = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], logprobs=0, detokenize=False,
+                                ignore_eos=True)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp, use_tqdm=False)
+            rec["outputs"] = []
+            for o in outs:
+                c = o.outputs[0]
+                lps = [float(d[tok].logprob).hex() for tok, d in zip(c.token_ids, c.logprobs or [], strict=False)]
+                rec["outputs"].append({"tokens": list(c.token_ids), "logprobs": lps,
+                                       "cached": o.num_cached_tokens})
+            rec["drained"] = _drain(llm)
+            rec["keys"] = _keys(step["prompts"])
+        elif step["op"] == "reset":
+            rec["ok"] = _reset(llm)
+        elif step["op"] == "wipe":  # after a reset: zero vLLM's own KV tensors, so nothing stale can help
+            kv = _kv_tensors(llm)
+            for tsr in kv:
+                tsr.zero_()
+            rec["tensors"] = len(kv)
+            rec["nonzero"] = sum(int(tsr.count_nonzero()) for tsr in kv)
+        elif step["op"] == "hook":
+            with open(step["file"] + ".ready", "w") as f:
+                f.write("ready")
+            deadline = time.monotonic() + step.get("timeout", 120)
+            while not os.path.exists(step["file"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            rec["ok"] = os.path.exists(step["file"])
+        rec["s"] = round(time.monotonic() - t, 2)
+        rec.update(_stats(llm))
+        records.append(rec)
+        with open(sys.argv[2], "w") as f:
+            json.dump(records, f, indent=1)
+    del llm
+
+
+if __name__ == "__main__":
+    main()
