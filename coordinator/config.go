@@ -28,7 +28,9 @@ type Config struct {
 	// later resync on their first event or second heartbeat. Namespace
 	// specs come back when engines register again. A healthy index is
 	// kept as it is, so the flag is safe to leave set. Default false: a
-	// damaged index refuses the start (ErrCorruptIndex).
+	// damaged index refuses the start (ErrCorruptIndex). Refused together
+	// with replicated mode (Raft.ID set): a replica rebuilt from the
+	// inventories would diverge from the raft log.
 	RebuildIndex bool
 
 	// NATSURL, when set, is an external NATS cluster (comma-separated URLs);
@@ -366,6 +368,10 @@ func (c *Config) Validate() error {
 	}
 	if err := c.Raft.Validate(); err != nil {
 		return err
+	}
+	if c.RebuildIndex && c.Raft.Enabled() {
+		return fmt.Errorf("--rebuild-index is for a single coordinator: in replicated mode (raft id %q) a replica rebuilt from the ranks' inventories would diverge from the raft log: %w",
+			c.Raft.ID, ErrConfig)
 	}
 	if c.Logger == nil {
 		return fmt.Errorf("logger must be set (zap.NewNop() for none): %w", ErrConfig)

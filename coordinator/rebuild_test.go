@@ -147,3 +147,26 @@ func TestRebuildIndexFromInventories(t *testing.T) {
 		t.Fatalf("after a restart with the flag on a healthy index: %+v, want %+v", got, before)
 	}
 }
+
+// TestRebuildIndexRefusedWithRaft: RebuildIndex and replicated mode
+// exclude each other at Validate. A replica that rebuilt its index from
+// inventories would hold state the raft log never committed and diverge
+// from the other replicas. Seen failing before the rule: Validate
+// accepted the pair.
+func TestRebuildIndexRefusedWithRaft(t *testing.T) {
+	cfg := testConfig(t, t.TempDir())
+	cfg.RebuildIndex = true
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("rebuild without raft: %v", err)
+	}
+	cfg.Raft.ID, cfg.Raft.Dir, cfg.Raft.Key = "n1", t.TempDir(), testRaftKey
+	err := cfg.Validate()
+	const want = "--rebuild-index is for a single coordinator: in replicated mode (raft id \"n1\") a replica rebuilt from the ranks' inventories would diverge from the raft log: invalid coordinator config"
+	if !errors.Is(err, ErrConfig) || err.Error() != want {
+		t.Fatalf("Validate = %v\nwant %s", err, want)
+	}
+	cfg.RebuildIndex = false
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("raft without rebuild: %v", err)
+	}
+}

@@ -520,7 +520,8 @@ func TestInitCLI(t *testing.T) {
 
 // TestServeRaftFlags: a bad --raft-peers entry and a bootstrap whose peers
 // leave this node out are usage errors naming the rule, before anything
-// starts.
+// starts; so is --rebuild-index with --raft-id (seen failing before the
+// rule: serve started).
 func TestServeRaftFlags(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
@@ -528,6 +529,7 @@ func TestServeRaftFlags(t *testing.T) {
 	}{
 		{[]string{"--raft-id", "c1", "--raft-peers", "c1"}, "must be id=host:port"},
 		{[]string{"--raft-id", "c1", "--raft-peers", "c2=127.0.0.1:9481", "--raft-bootstrap"}, "must include this node"},
+		{[]string{"--raft-id", "c1", "--raft-dir", "/nonexistent/raft", "--rebuild-index"}, `serve: --rebuild-index is for a single coordinator: in replicated mode (raft id "c1") a replica rebuilt`},
 	} {
 		var out, errb bytes.Buffer
 		args := append([]string{"serve", "--data-dir", t.TempDir(), "--insecure"}, tc.args...)
