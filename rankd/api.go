@@ -406,11 +406,10 @@ func (d *Daemon) reportRejected(data []byte, rejection error) {
 
 // report sends the results of a restore's retrieve to the coordinator,
 // retrying within ReportTimeout; a report that cannot be delivered makes
-// the restore fail at its deadline (counted and logged).
+// the restore fail at its deadline (counted and logged). Each attempt
+// takes the daemon's current connection: after switchNATS the old one is
+// closed, and a retry on it could never arrive.
 func (d *Daemon) report(restoreID string, results []wire.ItemResult) {
-	d.mu.Lock()
-	nc := d.nc
-	d.mu.Unlock()
 	rep := wire.RestoreReport{RestoreID: restoreID, Rank: d.cfg.Rank, Results: results}
 	ctx, cancel := context.WithTimeout(d.life, d.cfg.ReportTimeout)
 	defer cancel()
@@ -418,6 +417,9 @@ func (d *Daemon) report(restoreID string, results []wire.ItemResult) {
 	for attempt := 0; ; attempt++ {
 		actx, acancel := context.WithTimeout(ctx, max(d.cfg.ReportTimeout/4, 100*time.Millisecond))
 		var ack *wire.ReportAck
+		d.mu.Lock()
+		nc := d.nc
+		d.mu.Unlock()
 		ack, err = bus.Call[wire.ReportAck](actx, nc, d.subj.Report(d.cfg.Rank), rep)
 		acancel()
 		if err == nil {

@@ -46,6 +46,10 @@ type harness struct {
 	mu      sync.Mutex
 	events  []wire.Event
 	reports []wire.RestoreReport
+	// refuseReports makes the fake coordinator answer every report with
+	// code unavailable (the rankd retries); refused counts those answers.
+	refuseReports bool
+	refused       int
 }
 
 func newHarness(t *testing.T, opts ...func(*Config)) *harness {
@@ -88,6 +92,12 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 			return
 		}
 		h.mu.Lock()
+		if h.refuseReports {
+			h.refused++
+			h.mu.Unlock()
+			_ = bus.RespondError(m, wire.CodeUnavailable, "test: reports refused")
+			return
+		}
 		h.reports = append(h.reports, r)
 		h.mu.Unlock()
 		_ = bus.Respond(m, &wire.ReportAck{State: wire.VerdictPending})
