@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -628,14 +629,65 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 }
 
 // natsError counts and logs NATS asynchronous errors: a slow consumer
-// drops messages, and each one is a request that gets no reply (C8).
+// drops messages, and each one is a request that gets no reply (C8). A
+// reply refused by the requester's allow_responses window (C9) loses
+// nothing: the request was delivered twice and its first answer went out,
+// or the requester had given up. It is counted by its kind and logged at
+// Warn.
 func (c *Coordinator) natsError(_ *nats.Conn, sub *nats.Subscription, err error) {
-	c.met.dropped.Inc()
+	kind := natsErrorKind(err)
+	c.met.natsErrors.WithLabelValues(kind).Inc()
 	subject := ""
 	if sub != nil {
 		subject = sub.Subject
 	}
-	c.log.Error("NATS error; requests may have been dropped", zap.String("subject", subject), zap.Error(err))
+	if kind == natsErrReplyPermission {
+		c.log.Warn("NATS refused a reply: the request was already answered (a duplicate) or its response window expired",
+			zap.String("kind", kind), zap.Error(err))
+		return
+	}
+	c.met.dropped.Inc()
+	c.log.Error("NATS error; requests may have been dropped", zap.String("subject", subject), zap.String("kind", kind), zap.Error(err))
+}
+
+// Kinds of NATS asynchronous errors (natsErrorKind), the kind label of
+// kvtier_coord_nats_errors_total.
+const (
+	natsErrReplyPermission = "reply_permission"
+	natsErrPermission      = "permission"
+	natsErrSlowConsumer    = "slow_consumer"
+	natsErrOther           = "other"
+)
+
+// natsErrorKind classifies a NATS asynchronous error. A permission
+// violation whose refused publish went to a reply inbox ("_INBOX." and
+// more: the server's text is "Permissions Violation for Publish to
+// \"<subject>\"") is reply_permission; any other violation is permission.
+func natsErrorKind(err error) string {
+	switch {
+	case err == nil:
+		return natsErrOther
+	case errors.Is(err, nats.ErrSlowConsumer):
+		return natsErrSlowConsumer
+	case !errors.Is(err, nats.ErrPermissionViolation):
+		return natsErrOther
+	}
+	const marker = "publish to "
+	msg := err.Error()
+	i := strings.LastIndex(strings.ToLower(msg), marker)
+	if i < 0 {
+		return natsErrPermission
+	}
+	quoted := msg[i+len(marker):]
+	q, qerr := strconv.QuotedPrefix(quoted)
+	if qerr != nil || q != quoted { // unquoted, or more follows ("using reply subject ...")
+		return natsErrPermission
+	}
+	subject, qerr := strconv.Unquote(q)
+	if qerr != nil || !strings.HasPrefix(subject, "_INBOX.") || len(subject) == len("_INBOX.") {
+		return natsErrPermission
+	}
+	return natsErrReplyPermission
 }
 
 // Health is what /healthz reports: one word or line per dependency, and

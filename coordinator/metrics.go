@@ -16,6 +16,7 @@ type metrics struct {
 	resyncAttempts prometheus.Counter
 	indexRebuilds  prometheus.Counter
 	dropped        prometheus.Counter
+	natsErrors     *prometheus.CounterVec // by kind: reply_permission | permission | slow_consumer | other
 	applySeconds   prometheus.Histogram
 	startupRefused prometheus.Counter // requests answered unavailable while starting
 
@@ -76,8 +77,12 @@ func newMetrics() *metrics {
 		}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_nats_dropped_total",
-			Help: "NATS asynchronous errors (slow consumer drops included); each may be a lost request.",
+			Help: "NATS asynchronous errors that may have lost a request (slow consumer drops included); a refused reply to an already answered request is not counted here (kvtier_coord_nats_errors_total{kind=\"reply_permission\"}).",
 		}),
+		natsErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_nats_errors_total",
+			Help: "NATS asynchronous errors, by kind (reply_permission: a reply refused by allow_responses, a duplicated request's second answer or one past the response window; permission; slow_consumer; other).",
+		}, []string{"kind"}),
 		startupRefused: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_startup_unavailable_total",
 			Help: "Requests answered with code unavailable because the coordinator was still opening its index or joining the cluster.",
@@ -163,7 +168,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
-		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.applySeconds, m.startupRefused,
+		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.natsErrors, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,
