@@ -205,6 +205,36 @@ func (r *rig) consecutive(first int64) [][]int64 {
 	return out
 }
 
+// gate holds back all later work on the engine stream until open is
+// called: the stream waits on an event recorded behind an hour's Delay on
+// a stream of its own, and open closes that stream, which cuts the Delay
+// short and completes the event. The stream waits however slowly the
+// test goes on, where a Delay of fixed length can run out under load.
+// open is idempotent; the cleanup opens a gate left shut.
+func (r *rig) gate() (open func()) {
+	r.t.Helper()
+	g, err := r.dev.NewStream()
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	ev, err := r.dev.NewEvent(false)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { _ = ev.Release() })
+	r.t.Cleanup(func() { _ = g.Close() }) // runs first
+	if err := g.Delay(time.Hour); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := g.Record(ev); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := r.stream.WaitEvent(ev); err != nil {
+		r.t.Fatal(err)
+	}
+	return func() { _ = g.Close() }
+}
+
 // write enqueues the chunk's page writes on the engine stream (after
 // delay), places them into blocks and updates the image.
 func (r *rig) write(c chunk, blocks [][]int64, delay time.Duration) {
