@@ -343,6 +343,12 @@ func TestDashboardMetricsExist(t *testing.T) {
 	bad := strings.Replace(string(data), "kvtier_coord_verdict_seconds_bucket", "kvtier_coord_verdict_second_bucket", 1)
 	bad = strings.Replace(bad, "kvtier_transfer_l1_objects{", "kvtier_transfer_l1_objects_bucket{", 1)
 	bad = strings.Replace(bad, "kvtier_index_log_bytes", "kvtier_index_log_bytes + kvtier_made_up_total", 1)
+	// And in this session's rows: a misspelled raft metric, an L3 gauge
+	// misspelled, a raft gauge as a histogram, a peer-L1 counter misspelled.
+	bad = strings.Replace(bad, "kvtier_raft_apply_lag", "kvtier_raft_apply_lags", 1)
+	bad = strings.Replace(bad, "kvtier_transfer_l3_queued{", "kvtier_transfer_l3_queue{", 1)
+	bad = strings.Replace(bad, "kvtier_raft_is_leader)", "kvtier_raft_is_leader_bucket)", 1)
+	bad = strings.Replace(bad, "kvtier_transfer_peer_l1_stale_total", "kvtier_transfer_peer_l1_stales_total", 1)
 	if bad == string(data) {
 		t.Fatal("the replacements changed nothing")
 	}
@@ -358,6 +364,10 @@ func TestDashboardMetricsExist(t *testing.T) {
 		`panel 4 "Objects by tier (ranks)" target A: kvtier_transfer_l1_objects_bucket: kvtier_transfer_l1_objects is a GAUGE, not a histogram`,
 		`panel 10 "Index size" target A: metric kvtier_made_up_total is registered by neither the coordinator nor rankd`,
 		`panel 18 "Verdict latency" target A: metric kvtier_coord_verdict_second_bucket is registered by neither the coordinator nor rankd`,
+		`panel 45 "Raft leader" target A: kvtier_raft_is_leader_bucket: kvtier_raft_is_leader is a GAUGE, not a histogram`,
+		`panel 48 "Raft apply lag" target A: metric kvtier_raft_apply_lags is registered by neither the coordinator nor rankd`,
+		`panel 52 "L3 write-behind queue" target A: metric kvtier_transfer_l3_queue is registered by neither the coordinator nor rankd`,
+		`panel 61 "Peer L1 failures and stale entries" target B: metric kvtier_transfer_peer_l1_stales_total is registered by neither the coordinator nor rankd`,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("errors for the bad dashboard:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
