@@ -74,29 +74,37 @@ func definedFlags(t *testing.T, dir string) map[string]bool {
 // commentedKey matches a commented-out setting: "# key = value".
 var commentedKey = regexp.MustCompile(`^#\s*([a-z][a-z0-9]*(?:-[a-z0-9]+)*) = \S`)
 
+// exampleKey is one key of an example config: its line and value.
+type exampleKey struct {
+	line  int
+	value string
+}
+
 // exampleKeys returns the keys of an example config, set or commented
-// out, each with its line.
-func exampleKeys(t *testing.T, path string) map[string]int {
+// out, each with its line and value.
+func exampleKeys(t *testing.T, path string) map[string]exampleKey {
 	t.Helper()
 	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	keys := map[string]int{}
+	keys := map[string]exampleKey{}
 	for i, line := range strings.Split(string(data), "\n") {
 		line = strings.TrimSpace(line)
 		if m := commentedKey.FindStringSubmatch(line); m != nil {
-			keys[m[1]] = i + 1
 			// Uncommented, the line must be one setting whose value is the
 			// example value alone (a note goes after " # ").
 			s, err := flagfile.ParseSettings([]byte(strings.TrimPrefix(line, "#")))
 			if err != nil || len(s) != 1 || s[0].Key != m[1] || strings.ContainsAny(s[0].Value, " \t") {
 				t.Errorf("%s:%d: uncommented, %q is not one %s setting with a one-word value: %+v, %v", path, i+1, line, m[1], s, err)
+				keys[m[1]] = exampleKey{line: i + 1}
+				continue
 			}
+			keys[m[1]] = exampleKey{line: i + 1, value: s[0].Value}
 			continue
 		}
-		if k, _, ok := strings.Cut(line, "="); ok && !strings.HasPrefix(line, "#") {
-			keys[strings.TrimSpace(k)] = i + 1
+		if k, v, ok := strings.Cut(line, "="); ok && !strings.HasPrefix(line, "#") {
+			keys[strings.TrimSpace(k)] = exampleKey{line: i + 1, value: strings.TrimSpace(v)}
 		}
 	}
 	return keys
@@ -104,11 +112,11 @@ func exampleKeys(t *testing.T, path string) map[string]int {
 
 // undefinedKeys returns "file:line: key" for each key of the example that
 // is not a flag of its command, sorted.
-func undefinedKeys(path string, keys map[string]int, flags map[string]bool) []string {
+func undefinedKeys(path string, keys map[string]exampleKey, flags map[string]bool) []string {
 	var bad []string
-	for k, line := range keys {
+	for k, ek := range keys {
 		if !flags[k] {
-			bad = append(bad, path+":"+strconv.Itoa(line)+": "+k)
+			bad = append(bad, path+":"+strconv.Itoa(ek.line)+": "+k)
 		}
 	}
 	sort.Strings(bad)
@@ -143,7 +151,7 @@ func TestExampleKeysAreFlags(t *testing.T) {
 	}
 
 	// A misspelled commented-out key is caught, with its line.
-	keys := map[string]int{"raft-id": 3, "raft-bootsrap": 7}
+	keys := map[string]exampleKey{"raft-id": {line: 3}, "raft-bootsrap": {line: 7}}
 	got := undefinedKeys("x.conf", keys, definedFlags(t, "../cmd/coordinator"))
 	if want := []string{"x.conf:7: raft-bootsrap"}; strings.Join(got, "|") != strings.Join(want, "|") {
 		t.Fatalf("undefinedKeys = %q, want %q", got, want)
