@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/objstore/objstoretest"
 	"github.com/kvtier/kvtier/rankd"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -202,6 +204,12 @@ func (e *exported) check(qs []query) []error {
 // New registers its own and the cluster member's, Start the transfer
 // engine's, built after the duplicate-rank check) on the host backend, and
 // returns their registries. Both are shut down at cleanup.
+//
+// Both run with this session's optional features on, so that their
+// metrics exist: the coordinator in replicated mode (a single-node raft
+// cluster that bootstraps itself; New registers kvtier_raft_*), the rankd
+// with host-shared L1 and an L3 tier on the in-process S3 server (the
+// engine registers kvtier_transfer_l3_* only when L3 is configured).
 func daemonMetrics(t *testing.T) *exported {
 	t.Helper()
 	creg := prometheus.NewRegistry()
@@ -209,6 +217,10 @@ func daemonMetrics(t *testing.T) *exported {
 	if err := auth.Init(creds, []auth.Instance{{Name: "dash", TPSize: 1}}); err != nil {
 		t.Fatal(err)
 	}
+	if err := coordinator.WriteRaftKey(filepath.Join(creds, coordinator.RaftKeyFile)); err != nil {
+		t.Fatal(err)
+	}
+	raftAddr := freeAddr(t)
 	cc := coordinator.DefaultConfig()
 	cc.CredsDir = creds
 	cc.DataDir = t.TempDir()
@@ -219,6 +231,9 @@ func daemonMetrics(t *testing.T) *exported {
 	cc.LeaveTimeout = 200 * time.Millisecond
 	cc.Logger = zaptest.NewLogger(t)
 	cc.Registry = creg
+	cc.Raft.ID, cc.Raft.Bind, cc.Raft.Dir = "dash1", raftAddr, filepath.Join(t.TempDir(), "raft")
+	cc.Raft.Peers = []coordinator.RaftPeer{{ID: "dash1", Addr: raftAddr}}
+	cc.Raft.Bootstrap = true // the key comes from <creds>/raft.key, as deployed
 	c, err := coordinator.New(cc)
 	if err != nil {
 		t.Fatal(err)
@@ -237,6 +252,12 @@ func daemonMetrics(t *testing.T) *exported {
 	rc.Device, rc.Host = "host", cuda.HostConfig{Dir: hostDir, UUID: "HOST-deploy-test"}
 	rc.L1Bytes = 8 << 20
 	rc.L2Dir = t.TempDir()
+	hostL1 := t.TempDir()
+	if err := os.Chmod(hostL1, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rc.HostL1Dir = hostL1
+	rc.L3 = objstoretest.Start(t).Config("dash/")
 	rc.NATSURL = c.NATSURL()
 	rc.CredsDir = creds
 	rc.BindAddr, rc.BindPort = "127.0.0.1", 0
@@ -270,6 +291,18 @@ func daemonMetrics(t *testing.T) *exported {
 		}
 	}
 	return e
+}
+
+// freeAddr returns a loopback host:port that was free a moment ago (raft
+// wants a fixed address in its peer list).
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
 }
 
 func loadDashboard(t *testing.T, data []byte) *dashboard {
@@ -310,6 +343,12 @@ func TestDashboardMetricsExist(t *testing.T) {
 	bad := strings.Replace(string(data), "kvtier_coord_verdict_seconds_bucket", "kvtier_coord_verdict_second_bucket", 1)
 	bad = strings.Replace(bad, "kvtier_transfer_l1_objects{", "kvtier_transfer_l1_objects_bucket{", 1)
 	bad = strings.Replace(bad, "kvtier_index_log_bytes", "kvtier_index_log_bytes + kvtier_made_up_total", 1)
+	// And in this session's rows: a misspelled raft metric, an L3 gauge
+	// misspelled, a raft gauge as a histogram, a peer-L1 counter misspelled.
+	bad = strings.Replace(bad, "kvtier_raft_apply_lag", "kvtier_raft_apply_lags", 1)
+	bad = strings.Replace(bad, "kvtier_transfer_l3_queued{", "kvtier_transfer_l3_queue{", 1)
+	bad = strings.Replace(bad, "kvtier_raft_is_leader)", "kvtier_raft_is_leader_bucket)", 1)
+	bad = strings.Replace(bad, "kvtier_transfer_peer_l1_stale_total", "kvtier_transfer_peer_l1_stales_total", 1)
 	if bad == string(data) {
 		t.Fatal("the replacements changed nothing")
 	}
@@ -325,6 +364,10 @@ func TestDashboardMetricsExist(t *testing.T) {
 		`panel 4 "Objects by tier (ranks)" target A: kvtier_transfer_l1_objects_bucket: kvtier_transfer_l1_objects is a GAUGE, not a histogram`,
 		`panel 10 "Index size" target A: metric kvtier_made_up_total is registered by neither the coordinator nor rankd`,
 		`panel 18 "Verdict latency" target A: metric kvtier_coord_verdict_second_bucket is registered by neither the coordinator nor rankd`,
+		`panel 45 "Raft leader" target A: kvtier_raft_is_leader_bucket: kvtier_raft_is_leader is a GAUGE, not a histogram`,
+		`panel 48 "Raft apply lag" target A: metric kvtier_raft_apply_lags is registered by neither the coordinator nor rankd`,
+		`panel 52 "L3 write-behind queue" target A: metric kvtier_transfer_l3_queue is registered by neither the coordinator nor rankd`,
+		`panel 61 "Peer L1 failures and stale entries" target B: metric kvtier_transfer_peer_l1_stales_total is registered by neither the coordinator nor rankd`,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("errors for the bad dashboard:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))

@@ -88,9 +88,12 @@ func writable(u unit, dir string) bool {
 func TestUnits(t *testing.T) {
 	for _, tc := range []struct {
 		file, bin, conf, example, dirKey string
+		// optional directories the daemon writes, commented out in the
+		// example: each must be writable under the unit once uncommented
+		optDirKeys []string
 	}{
-		{"systemd/kvtier-coordinator.service", "/usr/local/bin/coordinator", "/etc/kvtier/coordinator.conf", "examples/coordinator.conf", "data-dir"},
-		{"systemd/kvtier-rankd@.service", "/usr/local/bin/rankd", "/etc/kvtier/rankd-%i.conf", "examples/rankd.conf", "l2-dir"},
+		{"systemd/kvtier-coordinator.service", "/usr/local/bin/coordinator", "/etc/kvtier/coordinator.conf", "examples/coordinator.conf", "data-dir", []string{"raft-dir"}},
+		{"systemd/kvtier-rankd@.service", "/usr/local/bin/rankd", "/etc/kvtier/rankd-%i.conf", "examples/rankd.conf", "l2-dir", []string{"host-l1-dir"}},
 	} {
 		u := readUnit(t, tc.file)
 		if user := u.one(t, "Service", "User"); user == "" || user == "root" || user == "0" {
@@ -118,6 +121,12 @@ func TestUnits(t *testing.T) {
 		dir := ex[tc.dirKey]
 		if dir == "" || !writable(u, dir) {
 			t.Errorf("%s: %s %q of %s is not under ReadWritePaths %q", tc.file, tc.dirKey, dir, tc.example, u["Service"]["ReadWritePaths"])
+		}
+		all := exampleKeys(t, tc.example)
+		for _, k := range tc.optDirKeys {
+			if dir := all[k].value; dir == "" || !writable(u, dir) {
+				t.Errorf("%s: %s %q of %s (line %d) is not under ReadWritePaths %q", tc.file, k, dir, tc.example, all[k].line, u["Service"]["ReadWritePaths"])
+			}
 		}
 		if tc.dirKey == "l2-dir" {
 			if got := u.one(t, "Service", "LimitMEMLOCK"); got != "infinity" {
