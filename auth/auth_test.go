@@ -353,6 +353,25 @@ func TestOwnSubjectsWork(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantViolation(t, aerrs, "admin sending a mutating op")
+	// Raft membership changes are mutating too: admin-write only, although
+	// the read-only raft status op shares their prefix.
+	for _, op := range []string{wire.AdminRaftAddVoter, wire.AdminRaftRemove} {
+		if err := admW.Publish(subj.Admin(op), nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := admW.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-werrs:
+			t.Fatalf("admin-write sending %s: %v", op, err)
+		default:
+		}
+		if err := adm.Publish(subj.Admin(op), nil); err != nil {
+			t.Fatal(err)
+		}
+		wantViolation(t, aerrs, "admin sending "+op)
+	}
 }
 
 // TestSubscribeEverythingRefused: no identity may subscribe to ">", to
