@@ -4,6 +4,7 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -155,5 +156,40 @@ func TestExampleKeysAreFlags(t *testing.T) {
 	got := undefinedKeys("x.conf", keys, definedFlags(t, "../cmd/coordinator"))
 	if want := []string{"x.conf:7: raft-bootsrap"}; strings.Join(got, "|") != strings.Join(want, "|") {
 		t.Fatalf("undefinedKeys = %q, want %q", got, want)
+	}
+}
+
+// listenerKeys are the keys of the example configs that name a port a
+// daemon listens on.
+var listenerKeys = map[string][]string{
+	"examples/coordinator.conf": {"nats-port", "nats-cluster", "bind", "raft-bind", "http"},
+	"examples/rankd.conf":       {"bind", "http"},
+}
+
+// TestExampleListenersDoNotCollide: a coordinator and the rankds of its
+// host run from these examples side by side, so no two listening keys of
+// the examples may name the same port (the rankd example once put its
+// HTTP port on the coordinator's default raft port).
+func TestExampleListenersDoNotCollide(t *testing.T) {
+	seen := map[string]string{} // port -> "file key"
+	for file, names := range listenerKeys {
+		keys := exampleKeys(t, file)
+		for _, name := range names {
+			k, ok := keys[name]
+			if !ok || k.value == "" {
+				t.Fatalf("%s: no example value for %s", file, name)
+			}
+			port := k.value
+			if _, p, err := net.SplitHostPort(k.value); err == nil {
+				port = p
+			}
+			if _, err := strconv.Atoi(port); err != nil {
+				t.Fatalf("%s:%d: %s = %q has no port", file, k.line, name, k.value)
+			}
+			if prev, dup := seen[port]; dup {
+				t.Errorf("port %s: %s and %s %s (line %d)", port, prev, file, name, k.line)
+			}
+			seen[port] = file + " " + name
+		}
 	}
 }
