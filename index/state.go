@@ -173,6 +173,19 @@ type state struct {
 	// compactQ: ranks whose chunk lists are due for compaction once the
 	// chunk being set is in place (setChunk).
 	compactQ []uint32
+	// undo, while a Verify copies the chunks off the committer
+	// (Index.copyChunks): for every chunk changed since Verify's barrier,
+	// its value at the barrier, recorded by setChunkVal at its first
+	// change. nil otherwise. Set by the committer, filled by it while it
+	// publishes, set back to nil by the copying goroutine: always under
+	// Index.mu.
+	undo map[chunkRef]undoVal
+}
+
+// undoVal is a chunk's value at a Verify barrier: had false, no chunk.
+type undoVal struct {
+	v   chunkVal
+	had bool
 }
 
 func newState() *state {
@@ -228,6 +241,11 @@ func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []
 }
 
 func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {
+	if st.undo != nil {
+		if _, ok := st.undo[ref]; !ok {
+			st.undo[ref] = undoVal{old, had}
+		}
+	}
 	for i := range old.s {
 		p := &old.s[i]
 		n.add(p, -1)
