@@ -46,6 +46,7 @@ func crashConfig(dir string) index.Config {
 	cfg := index.DefaultConfig()
 	cfg.Path = filepath.Join(dir, "index.db")
 	cfg.CheckpointBytes = 1 << 20
+	cfg.FoldSliceChunks = 64 // kills land in the middle of folds too
 	return cfg
 }
 

@@ -57,9 +57,13 @@
 // cost of a commit does not grow with the index) and rewrites the few rank
 // records it touched. When the log reaches Config.CheckpointBytes (and at
 // Close) the committer folds it: it writes every chunk changed since the
-// last fold from memory, in key order, and empties the log, in one
-// transaction, on the writer goroutine (published placement slices are
-// never modified, so the fold reads them while the committer carries on). One record per chunk rather than per object key keeps the
+// last fold from memory, in key order, Config.FoldSliceChunks chunks per
+// bbolt transaction riding along with the next group commits (or alone
+// when none waits), and the last slice deletes the log records the fold
+// covers; Close and Checkpoint fold whatever is left in one transaction
+// and empty the log (published placement slices are never modified, so
+// the fold reads them while the committer carries on; see foldJob for why
+// a crash mid-fold is safe). One record per chunk rather than per object key keeps the
 // fold at one bbolt put per chunk (8 objects of a TP8 chunk, say, and
 // their L1 and L2 copies); the object key stays the identity (Get takes a
 // dcp.Key). bbolt runs with the map freelist and NoFreelistSync.

@@ -70,9 +70,11 @@ type Index struct {
 
 	// Owned by the committer goroutine (and Open, before it starts); the
 	// writer reads nextLog and the flight it is handed.
-	logBytes int64  // bytes in the change log
+	logBytes int64  // bytes in the change log since the last fold was cut
 	nextLog  uint64 // key of the next log record
-	failed   error  // sticky commit failure
+	// folding is the automatic fold being written in slices, nil if none.
+	folding *foldJob
+	failed  error // sticky commit failure
 	// sticky mirrors failed for Failed, which any goroutine may call.
 	sticky   atomic.Pointer[error]
 	txns     [2]*txn
@@ -419,8 +421,8 @@ func (ix *Index) Verify(ctx context.Context) (VerifyReport, error) {
 
 // flight is a txn handed to the writer goroutine.
 type flight struct {
-	t       *txn  // a group commit, or
-	fold    *fold // a checkpoint
+	t       *txn // a group commit (nil: a fold slice alone)
+	slice   *foldSlice
 	idx     int
 	pending []*request
 	start   time.Time
@@ -439,6 +441,11 @@ func (ix *Index) run() {
 	for {
 		if len(ix.fences) > 0 && ix.cur == nil && ix.failed == nil {
 			ix.staging() // the next slice of a sliced fence
+		}
+		if ix.folding != nil && ix.flight == nil && len(ix.pending) == 0 && ix.failed == nil {
+			// No group waits: the next slice of the fold, alone.
+			ix.flight = &flight{slice: ix.nextSlice(), start: time.Now(), done: make(chan error, 1)}
+			ix.writes <- ix.flight
 		}
 		if ix.flight == nil && ix.cur != nil && len(ix.pending) > 0 {
 			// Take in some of what queued up meanwhile, up to twice what
@@ -513,12 +520,18 @@ func (ix *Index) run() {
 func (ix *Index) writer() {
 	defer ix.wg.Done()
 	for f := range ix.writes {
-		if f.fold != nil {
-			f.done <- ix.db.Update(func(tx *bolt.Tx) error { return writeFold(tx, f.fold) })
-			continue
-		}
-		err := ix.db.Update(func(tx *bolt.Tx) error { return ix.write(tx, f.t) })
-		if err == nil && ix.cfg.AfterCommit != nil {
+		err := ix.db.Update(func(tx *bolt.Tx) error {
+			if f.t != nil {
+				if err := ix.write(tx, f.t); err != nil {
+					return err
+				}
+			}
+			if f.slice != nil {
+				return writeSlice(tx, f.slice)
+			}
+			return nil
+		})
+		if err == nil && f.t != nil && ix.cfg.AfterCommit != nil {
 			ix.cfg.AfterCommit()
 		}
 		f.done <- err
@@ -634,6 +647,9 @@ func (ix *Index) launch() {
 		return
 	}
 	ix.flight = &flight{t: t, idx: ix.curIdx, pending: pending, start: time.Now(), done: make(chan error, 1)}
+	if ix.folding != nil {
+		ix.flight.slice = ix.nextSlice()
+	}
 	ix.writes <- ix.flight
 }
 
@@ -643,8 +659,8 @@ func (ix *Index) launch() {
 func (ix *Index) land(err error) {
 	f := ix.flight
 	ix.flight = nil
-	if f.fold != nil {
-		if err := ix.landFold(f.fold, f.start, err); err != nil && ix.cur != nil {
+	if f.t == nil { // a fold slice alone
+		if err := ix.landSlice(f.slice, err); err != nil && ix.cur != nil {
 			ix.fail(ix.pending, err)
 			ix.cur, ix.pending, ix.curN = nil, nil, 0
 		}
@@ -669,12 +685,85 @@ func (ix *Index) land(err error) {
 	ix.met.groupEvents.Observe(float64(f.t.events))
 	ix.publish(f.t)
 	ix.answer(f.pending)
-	if ix.logBytes >= ix.cfg.CheckpointBytes && ix.fencing == 0 {
-		// Fold on the writer: the committer stages the next group
-		// meanwhile (it changes nothing the fold reads).
-		ix.flight = &flight{fold: ix.cutFold(), start: time.Now(), done: make(chan error, 1)}
-		ix.writes <- ix.flight
+	if f.slice != nil {
+		_ = ix.landSlice(f.slice, nil)
 	}
+	if ix.folding == nil && ix.logBytes >= ix.cfg.CheckpointBytes && ix.fencing == 0 {
+		// Cut a fold; its slices ride along with the next commits (the
+		// published slices it holds are never modified).
+		ix.folding = &foldJob{f: ix.cutFold(), below: ix.nextLog, start: time.Now()}
+	}
+}
+
+// foldJob is an automatic fold in progress: f's chunks are written
+// FoldSliceChunks per commit from pos on; the last slice deletes the log
+// records below below (those the fold covers). A crash at any point is
+// safe: the snapshot then holds some chunks at the cut's value and the
+// rest older, and Open replays the whole log on top, whose ops give every
+// placement its last value either way (put and del set a placement; fence
+// and drop remove what matches, which replaying again removes no more).
+type foldJob struct {
+	f     *fold
+	pos   int
+	below uint64
+	start time.Time
+}
+
+// foldSlice is one slice of a foldJob handed to the writer.
+type foldSlice struct {
+	job      *foldJob
+	from, to int
+	below    uint64 // non-zero on the last slice: delete the log records below it
+}
+
+// nextSlice takes the next slice of the fold in progress.
+func (ix *Index) nextSlice() *foldSlice {
+	j := ix.folding
+	s := &foldSlice{job: j, from: j.pos, to: min(j.pos+ix.cfg.FoldSliceChunks, len(j.f.refs))}
+	j.pos = s.to
+	if s.to == len(j.f.refs) {
+		s.below = j.below
+	}
+	return s
+}
+
+// landSlice accounts for a fold slice written (err nil) or not; the
+// fold ends with its last slice.
+func (ix *Index) landSlice(s *foldSlice, err error) error {
+	if err != nil {
+		ix.folding = nil
+		return ix.landFold(s.job.f, s.job.start, err)
+	}
+	ix.met.foldSlices.Inc()
+	if s.below == 0 {
+		return nil
+	}
+	ix.folding = nil
+	ix.gauges()
+	return ix.landFold(s.job.f, s.job.start, nil)
+}
+
+// writeSlice writes a fold slice; the last one deletes the change log
+// records the fold covers.
+func writeSlice(tx *bolt.Tx, s *foldSlice) error {
+	if err := writeChunks(tx, s.job.f.refs[s.from:s.to], s.job.f.chunks[s.from:s.to]); err != nil {
+		return err
+	}
+	if s.below == 0 {
+		return nil
+	}
+	b := tx.Bucket(bucketLog)
+	var keys [][]byte
+	c := b.Cursor()
+	for k, _ := c.First(); k != nil && binary.BigEndian.Uint64(k) < s.below; k, _ = c.Next() {
+		keys = append(keys, slices.Clone(k))
+	}
+	for _, k := range keys {
+		if err := b.Delete(k); err != nil {
+			return fmt.Errorf("delete folded log record %d: %w: %w", binary.BigEndian.Uint64(k), ErrStore, err)
+		}
+	}
+	return nil
 }
 
 // barrier commits and publishes everything staged so far.
@@ -787,7 +876,11 @@ func (ix *Index) gauges() {
 	ix.met.placements.WithLabelValues("L2").Set(float64(ix.st.placements[wire.L2]))
 	ix.met.placements.WithLabelValues("L3").Set(float64(ix.st.placements[wire.L3]))
 	ix.met.ranks.Set(float64(len(ix.st.ranks) - 1))
-	ix.met.logBytes.Set(float64(ix.logBytes))
+	lb := ix.logBytes
+	if ix.folding != nil {
+		lb += ix.folding.f.logBytes // not deleted until its last slice
+	}
+	ix.met.logBytes.Set(float64(lb))
 }
 
 // account counts and logs what a committed request did (C8).
@@ -883,38 +976,45 @@ func (ix *Index) cutFold() *fold {
 	ix.st.dirty = ix.st.dirty[:0]
 	ix.st.epoch++
 	ix.logBytes = 0
-	ix.nextLog = 1
-	ix.met.logBytes.Set(0)
 	return f
 }
 
 // writeFold writes a fold and empties the change log, in one transaction.
 func writeFold(tx *bolt.Tx, f *fold) error {
-	b := tx.Bucket(bucketSnap)
-	// Keys and values must stay valid until the commit: one arena, never
-	// overwritten (a grown arena leaves the old one intact).
-	arena := make([]byte, 0, len(f.refs)*(snapshotKeySize+64))
-	for i, ref := range f.refs {
-		ks := len(arena)
-		arena = appendSnapshotKey(arena, ref)
-		key := arena[ks:len(arena):len(arena)]
-		if len(f.chunks[i]) == 0 {
-			if err := b.Delete(key); err != nil {
-				return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
-			}
-			continue
-		}
-		vs := len(arena)
-		arena = appendChunk(arena, f.chunks[i])
-		if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
-			return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
-		}
+	if err := writeChunks(tx, f.refs, f.chunks); err != nil {
+		return err
 	}
 	if err := tx.DeleteBucket(bucketLog); err != nil {
 		return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
 	}
 	if _, err := tx.CreateBucket(bucketLog); err != nil {
 		return fmt.Errorf("truncate log: %w: %w", ErrStore, err)
+	}
+	return nil
+}
+
+// writeChunks writes chunks into the snapshot bucket (nil or empty: the
+// chunk is gone).
+func writeChunks(tx *bolt.Tx, refs []chunkRef, chunks [][]placement) error {
+	b := tx.Bucket(bucketSnap)
+	// Keys and values must stay valid until the commit: one arena, never
+	// overwritten (a grown arena leaves the old one intact).
+	arena := make([]byte, 0, len(refs)*(snapshotKeySize+64))
+	for i, ref := range refs {
+		ks := len(arena)
+		arena = appendSnapshotKey(arena, ref)
+		key := arena[ks:len(arena):len(arena)]
+		if len(chunks[i]) == 0 {
+			if err := b.Delete(key); err != nil {
+				return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
+			}
+			continue
+		}
+		vs := len(arena)
+		arena = appendChunk(arena, chunks[i])
+		if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
+			return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
+		}
 	}
 	return nil
 }
@@ -974,18 +1074,32 @@ func (ix *Index) checkpoint() error {
 	if ix.failed != nil {
 		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
 	}
-	if len(ix.st.dirty) == 0 && ix.logBytes == 0 {
+	if len(ix.st.dirty) == 0 && ix.logBytes == 0 && ix.folding == nil {
 		return nil
 	}
 	start := time.Now()
+	var rest *fold // what the automatic fold in progress has not written yet
+	if j := ix.folding; j != nil {
+		rest = &fold{refs: j.f.refs[j.pos:], chunks: j.f.chunks[j.pos:]}
+		ix.folding = nil
+	}
 	f := ix.cutFold()
-	return ix.landFold(f, start, ix.db.Update(func(tx *bolt.Tx) error { return writeFold(tx, f) }))
+	ix.nextLog = 1
+	ix.met.logBytes.Set(0)
+	return ix.landFold(f, start, ix.db.Update(func(tx *bolt.Tx) error {
+		if rest != nil { // older values: written first, f's overwrite them
+			if err := writeChunks(tx, rest.refs, rest.chunks); err != nil {
+				return err
+			}
+		}
+		return writeFold(tx, f)
+	}))
 }
 
 // finish runs on the committer when it stops: a final checkpoint so the
 // next Open has no log to replay.
 func (ix *Index) finish() {
-	if ix.failed != nil || (len(ix.st.dirty) == 0 && ix.logBytes == 0) {
+	if ix.failed != nil || (len(ix.st.dirty) == 0 && ix.logBytes == 0 && ix.folding == nil) {
 		return
 	}
 	if err := ix.checkpoint(); err != nil {

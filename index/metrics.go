@@ -46,6 +46,7 @@ type metrics struct {
 	commitSecs  prometheus.Histogram
 	groupEvents prometheus.Histogram
 	checkpoints prometheus.Counter
+	foldSlices  prometheus.Counter
 	ckptSecs    prometheus.Histogram
 	objects     prometheus.Gauge
 	placements  *prometheus.GaugeVec // by tier
@@ -99,6 +100,10 @@ func newMetrics() *metrics {
 			Name: "kvtier_index_checkpoints_total",
 			Help: "Change-log folds into the snapshot bucket.",
 		}),
+		foldSlices: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_index_fold_slices_total",
+			Help: "Slices of automatic folds written (Config.FoldSliceChunks chunks each), with a group commit or alone.",
+		}),
 		ckptSecs: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvtier_index_checkpoint_seconds",
 			Help:    "Time to fold the change log into the snapshot bucket.",
@@ -129,7 +134,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.dropped, m.fenced, m.resyncs, m.applied, m.removeNoop, m.inventories,
-		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.ckptSecs, m.objects, m.placements, m.ranks, m.logBytes,
+		m.commits, m.commitSecs, m.groupEvents, m.checkpoints, m.foldSlices, m.ckptSecs, m.objects, m.placements, m.ranks, m.logBytes,
 		m.raftSkipped}
 }
 

@@ -316,6 +316,7 @@ func (ix *Index) restore(r *request) {
 	ix.st = ld.st
 	ix.mu.Unlock()
 	ix.logBytes, ix.nextLog, ix.applied = ld.logBytes, ld.nextLog, ld.applied
+	ix.folding = nil // of the file replaced; the loaded log's chunks are dirty
 	ix.appliedPub.Store(ld.applied)
 	ix.txns = [2]*txn{}
 	ix.gauges()
