@@ -1,0 +1,114 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"sync/atomic"
+	"testing"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// flakyStore refuses every Put while fail is set: a bucket that was down
+// when an object was first stored.
+type flakyStore struct {
+	ObjectStore
+	fail atomic.Bool
+}
+
+func (s *flakyStore) Put(ctx context.Context, name string, r io.Reader, size int64) error {
+	if s.fail.Load() {
+		return errors.New("503 service unavailable")
+	}
+	return s.ObjectStore.Put(ctx, name, r, size)
+}
+
+// l3Holds reads key's object from the bucket through the L3 tier
+// (verified) and compares its payload with want.
+func l3Holds(t *testing.T, st ObjectStore, r *rig, key dcp.Key, want []byte) error {
+	t.Helper()
+	got := make([]byte, len(want))
+	if _, err := NewL3Tier(st, "test").Get(testCtx(t), key, r.res.Fingerprint, got); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, want) {
+		return errors.New("payload differs")
+	}
+	return nil
+}
+
+// TestL3DedupedStoreQueuesWhatL3Lacks (issue 15, tiers4.2): a store that
+// finds its object already held — in L1, or only in this rank's L2 after a
+// restart — writes it behind to L3 when this rank's L3 copy is missing (a
+// bucket that was down at the first store); an object L3 already holds is
+// not written again. Seen failing before the fix: both deduplicated stores
+// left L3 without the object (0 written).
+func TestL3DedupedStoreQueuesWhatL3Lacks(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{24})
+	l3, _ := openL3(t)
+	flaky := &flakyStore{ObjectStore: l3}
+	flaky.fail.Store(true)
+	root := t.TempDir()
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2Dir, cfg.L3, cfg.L3Writers = root, flaky, 1
+	a, b := r.newChunk(0, r.consecutiveN(0)), r.newChunk(1, r.consecutiveN(1))
+
+	// The bucket is down: b's write behind fails; b is in L1 and L2.
+	e1 := newEngine(t, cfg)
+	r.register(e1)
+	storeAll(t, e1, r, "b", b)
+	if err := e1.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if st := e1.L3Stats(); st.Failed != 1 || st.Written != 0 {
+		t.Fatalf("with the bucket down: %+v, want 1 failed write", st)
+	}
+	closeEngine(t, e1)
+
+	// Restarted with the bucket up: b is in L2 only; a is stored while the
+	// bucket is down again, so it is in L1 (and L2) but not L3.
+	c2 := cfg
+	c2.Registerer, c2.Publisher = newRegistry(), &pubRecorder{}
+	e2 := newEngine(t, c2)
+	r.register(e2)
+	storeAll(t, e2, r, "a", a)
+	if err := e2.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	flaky.fail.Store(false)
+	if st := e2.L3Stats(); st.Failed != 1 || st.Written != 0 {
+		t.Fatalf("after a's store with the bucket down: %+v, want 1 failed write", st)
+	}
+
+	// Both stores again, both deduplicated: each queues its object to L3.
+	for i, c := range []chunk{a, b} {
+		res := storeAll(t, e2, r, "again", c)
+		if res.Objects[0].Status != Deduped {
+			t.Fatalf("second store of chunk %d: %v, want deduped", i, res.Objects[0].Status)
+		}
+	}
+	if err := e2.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	st := e2.L3Stats()
+	if st.Written != 2 || st.Objects != 2 || tierCount(e2.Inventory(), wire.L3) != 2 {
+		t.Fatalf("after the deduplicated stores: %+v, L3 placements %d; want 2 written", st, tierCount(e2.Inventory(), wire.L3))
+	}
+	for i, c := range []chunk{a, b} {
+		if err := l3Holds(t, l3, r, keyOf(r, c, 0), c.packed[0]); err != nil {
+			t.Fatalf("chunk %d in the bucket: %v", i, err)
+		}
+	}
+	// L3 holds them now: a third store writes nothing.
+	storeAll(t, e2, r, "third", a, b)
+	if err := e2.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if st := e2.L3Stats(); st.Written != 2 {
+		t.Fatalf("after a store of objects L3 holds: %+v, want still 2 written", st)
+	}
+}
