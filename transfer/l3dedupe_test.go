@@ -7,6 +7,7 @@ import (
 	"io"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
@@ -110,5 +111,114 @@ func TestL3DedupedStoreQueuesWhatL3Lacks(t *testing.T) {
 	}
 	if st := e2.L3Stats(); st.Written != 2 {
 		t.Fatalf("after a store of objects L3 holds: %+v, want still 2 written", st)
+	}
+}
+
+// gatedDeletes holds the first Delete of one object name until released,
+// saying when it started and when the bucket's delete returned.
+type gatedDeletes struct {
+	ObjectStore
+	name             string
+	started, deleted chan struct{}
+	release          chan struct{}
+	once             atomic.Bool
+}
+
+func (s *gatedDeletes) Delete(ctx context.Context, name string) error {
+	if name != s.name || !s.once.CompareAndSwap(false, true) {
+		return s.ObjectStore.Delete(ctx, name)
+	}
+	close(s.started)
+	select {
+	case <-s.release:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	err := s.ObjectStore.Delete(ctx, name)
+	close(s.deleted)
+	return err
+}
+
+// TestL3EvictionDeleteNeverRemovesARewrite (issue 15, tiers4.2): an L3
+// eviction's delete still in flight while the same object is stored and
+// written again must not remove the new copy: the rewrite waits for the
+// delete (counted as deferred), and afterwards every L3 placement the
+// inventory announces is in the bucket, byte-exact. Seen failing before
+// the fix: the second writer wrote A while A's delete was held, the delete
+// then removed it, and the inventory announced an L3 copy of A the bucket
+// lacked (the next read missed).
+func TestL3EvictionDeleteNeverRemovesARewrite(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{24})
+	l3, _ := openL3(t)
+	a, b, c := r.newChunk(0, r.consecutiveN(0)), r.newChunk(1, r.consecutiveN(1)), r.newChunk(2, r.consecutiveN(2))
+	gate := &gatedDeletes{ObjectStore: l3, name: NewL3Tier(l3, "test").Name(keyOf(r, a, 0)),
+		started: make(chan struct{}), deleted: make(chan struct{}), release: make(chan struct{})}
+	cfg := engineConfig(t, dev, 0, 1)
+	obj := uint64(fileFixedHdr+len(cfg.Rank.Instance)+8) + uint64(len(a.packed[0]))
+	cfg.L2Dir, cfg.L3, cfg.L3Writers, cfg.L3Bytes = t.TempDir(), gate, 2, 2*obj // two objects fit
+	e := newEngine(t, cfg)
+	t.Cleanup(func() {
+		select {
+		case <-gate.release:
+		default:
+			close(gate.release)
+		}
+	})
+	r.register(e)
+	for _, ch := range []chunk{a, b} {
+		storeAll(t, e, r, "s", ch)
+		if err := e.FlushL3(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// c's write evicts a (least recently written); a's delete is held.
+	storeAll(t, e, r, "c", c)
+	select {
+	case <-gate.started:
+	case <-testCtx(t).Done():
+		t.Fatalf("a was not evicted: %+v", e.L3Stats())
+	}
+	// a is stored again (deduplicated in L1, L3 lacks it): queued while
+	// its delete is in flight. Wait until the other writer took it.
+	if res := storeAll(t, e, r, "a-again", a); res.Objects[0].Status != Deduped {
+		t.Fatalf("a stored again: %v, want deduped", res.Objects[0].Status)
+	}
+	for {
+		st := e.L3Stats()
+		if st.Written >= 4 || st.Deferred >= 1 {
+			break
+		}
+		select {
+		case <-testCtx(t).Done():
+			t.Fatalf("the rewrite of a was neither written nor deferred: %+v", st)
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+	close(gate.release)
+	<-gate.deleted
+	if err := e.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	// a rewritten after c: b is the one evicted. The inventory and the
+	// bucket agree, byte for byte.
+	inv := map[dcp.Key]bool{}
+	for _, p := range e.Inventory().Objects {
+		if p.Tier == wire.L3 {
+			inv[p.Key] = true
+		}
+	}
+	for i, ch := range []chunk{a, b, c} {
+		k := keyOf(r, ch, 0)
+		err := l3Holds(t, l3, r, k, ch.packed[0])
+		switch {
+		case inv[k] && err != nil:
+			t.Fatalf("chunk %d: the inventory announces an L3 copy, the bucket says %v", i, err)
+		case !inv[k] && !errors.Is(err, ErrNotFound):
+			t.Fatalf("chunk %d: no L3 placement, but the bucket read gave %v (want not found)", i, err)
+		}
+	}
+	if st := e.L3Stats(); !inv[keyOf(r, a, 0)] || !inv[keyOf(r, c, 0)] || inv[keyOf(r, b, 0)] || st.Objects != 2 || st.Written != 4 {
+		t.Fatalf("L3 placements %v, stats %+v: want a and c, 4 writes", inv, st)
 	}
 }
