@@ -298,8 +298,26 @@ func (s *Store) Open(ctx context.Context, name string, off, n int64) (io.ReadClo
 		obj.Close()
 		return nil, 0, s.getErr(name, err)
 	}
-	return obj, st.Size, nil
+	return &body{obj: obj, name: name}, st.Size, nil
 }
+
+// body is an object being read. minio-go's Stat is a HEAD and the GET
+// comes with the first Read: an object deleted in between reads as an
+// error wrapping fs.ErrNotExist, as a missing one opens.
+type body struct {
+	obj  *minio.Object
+	name string
+}
+
+func (b *body) Read(p []byte) (int, error) {
+	n, err := b.obj.Read(p)
+	if err != nil && err != io.EOF && minio.ToErrorResponse(err).Code == minio.NoSuchKey {
+		err = fmt.Errorf("objstore: %s deleted while opened: %w", b.name, fs.ErrNotExist)
+	}
+	return n, err
+}
+
+func (b *body) Close() error { return b.obj.Close() }
 
 func (s *Store) getErr(name string, err error) error {
 	switch minio.ToErrorResponse(err).Code {

@@ -222,3 +222,82 @@ func TestL3EvictionDeleteNeverRemovesARewrite(t *testing.T) {
 		t.Fatalf("L3 placements %v, stats %+v: want a and c, 4 writes", inv, st)
 	}
 }
+
+// vanishOnOpen deletes one object right after opening it, while armed:
+// another rank deleting it (as corrupt) between this rank's open (a HEAD)
+// and its read (the GET).
+type vanishOnOpen struct {
+	ObjectStore
+	name  string
+	armed atomic.Bool
+}
+
+func (s *vanishOnOpen) Open(ctx context.Context, name string, off, n int64) (io.ReadCloser, int64, error) {
+	body, size, err := s.ObjectStore.Open(ctx, name, off, n)
+	if err == nil && name == s.name && s.armed.CompareAndSwap(true, false) {
+		if derr := s.ObjectStore.Delete(ctx, name); derr != nil {
+			body.Close()
+			return nil, 0, derr
+		}
+	}
+	return body, size, err
+}
+
+// TestL3ObjectDeletedDuringReadIsGone (tiers4.2): an L3 object this rank
+// wrote is deleted by someone else between the retrieve's open and its
+// read. The chunk fails, and the rank drops its L3 copy and announces the
+// removal. That copy is gone, not an I/O error, so the next store writes
+// the object again. Seen failing before: the read failed as io, the rank
+// kept listing the L3 copy, and the next store wrote nothing (the e2e
+// TestL3RestoreAfterL1L2Wiped failed this way when another rank deleted
+// the corrupted object first).
+func TestL3ObjectDeletedDuringReadIsGone(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{24})
+	l3, _ := openL3(t)
+	c := r.newChunk(0, r.consecutiveN(0))
+	vs := &vanishOnOpen{ObjectStore: l3, name: NewL3Tier(l3, "test").Name(keyOf(r, c, 0))}
+	root := t.TempDir()
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L2Dir, cfg.L3, cfg.L3Writers = root, vs, 1
+	e1 := newEngine(t, cfg)
+	r.register(e1)
+	storeAll(t, e1, r, "s", c)
+	if err := e1.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	closeEngine(t, e1)
+	wipe(t, root)
+	c2 := cfg
+	c2.Registerer, c2.Publisher = newRegistry(), &pubRecorder{}
+	e2 := newEngine(t, c2)
+	if err := e2.WaitL3Scan(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	r.register(e2)
+	if st := e2.L3Stats(); st.Objects != 1 {
+		t.Fatalf("after the restart: %+v, want the L3 copy found", st)
+	}
+	vs.armed.Store(true)
+	rr, err := e2.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(2)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rr.ChunkOK(0) || rr.Items[0].Reason == ReasonIO {
+		t.Fatalf("read of an object deleted after its open: %+v, want failed as gone, not io", rr.Items[0])
+	}
+	r.check("after the vanished read: nothing written")
+	if st := e2.L3Stats(); st.Objects != 0 || tierCount(e2.Inventory(), wire.L3) != 0 {
+		t.Fatalf("after the vanished read: %+v, L3 placements %d; want the copy dropped", st, tierCount(e2.Inventory(), wire.L3))
+	}
+	storeAll(t, e2, r, "again", c)
+	if err := e2.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if st := e2.L3Stats(); st.Written != 1 || st.Objects != 1 {
+		t.Fatalf("after the next store: %+v, want the object written again", st)
+	}
+	if err := l3Holds(t, l3, r, keyOf(r, c, 0), c.packed[0]); err != nil {
+		t.Fatalf("the bucket after the healing store: %v", err)
+	}
+}
