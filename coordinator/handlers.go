@@ -230,7 +230,7 @@ func (c *Coordinator) handleRanks(m *nats.Msg) {
 		known[ri.Rank] = true
 		ar := wire.AdminRank{Rank: ri.Rank, Incarnation: ri.Incarnation, Liveness: "unknown",
 			L1Objects: ri.L1Placements, L1Bytes: ri.L1Bytes, L2Objects: ri.L2Placements, L2Bytes: ri.L2Bytes,
-			LastSeq: ri.LastSeq, Fenced: ri.Fenced, Resync: resyncing[ri.Rank]}
+			L3Objects: ri.L3Placements, L3Bytes: ri.L3Bytes, LastSeq: ri.LastSeq, Fenced: ri.Fenced, Resync: resyncing[ri.Rank]}
 		if mb, ok := byInc[memberKey{ri.Rank, ri.Incarnation}]; ok {
 			ar.Liveness, ar.Member = mb.State.String(), mb.ID
 		} else if mb, ok := latest[ri.Rank]; ok {

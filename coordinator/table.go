@@ -88,10 +88,11 @@ func WriteRaftTable(w io.Writer, nodes []wire.AdminRaftNode) error {
 
 // WriteRanksTable writes the ranks table.
 func WriteRanksTable(w io.Writer, r *wire.AdminRanksReply) error {
-	t := newTable(w, "RANK", "INCARNATION", "LIVENESS", "L1_OBJECTS", "L1_BYTES", "L2_OBJECTS", "L2_BYTES", "LAST_SEQ", "FENCED", "RESYNC")
+	t := newTable(w, "RANK", "INCARNATION", "LIVENESS", "L1_OBJECTS", "L1_BYTES", "L2_OBJECTS", "L2_BYTES",
+		"L3_OBJECTS", "L3_BYTES", "LAST_SEQ", "FENCED", "RESYNC")
 	for _, k := range r.Ranks {
 		t.row(k.Rank.String(), u64(k.Incarnation), k.Liveness, i64(k.L1Objects), u64(k.L1Bytes),
-			i64(k.L2Objects), u64(k.L2Bytes), u64(k.LastSeq), yes(k.Fenced), yes(k.Resync))
+			i64(k.L2Objects), u64(k.L2Bytes), i64(k.L3Objects), u64(k.L3Bytes), u64(k.LastSeq), yes(k.Fenced), yes(k.Resync))
 	}
 	return t.flush()
 }

@@ -8,13 +8,17 @@ package cuda
 import "C"
 
 import (
+	"fmt"
+	"slices"
 	"time"
 	"unsafe"
 )
 
-// Measurement helpers of the CUDA backend for its benchmark
-// (driver_bench_test.go): timing events and the plain copy-engine copy the
-// transfers are compared with.
+// Measurement helpers of the CUDA backend for its benchmarks
+// (driver_bench_test.go, driver_peerl1_test.go): timing events and the
+// plain copy-engine copy the transfers are compared with; CopyCeilingHtoD
+// offers that ceiling to other packages' benchmarks (transfer's peer-L1
+// restore).
 
 // timer is a pair of timing-enabled events.
 type timer struct {
@@ -78,4 +82,62 @@ func (s *driverStream) copyCE(h unsafe.Pointer, dev uint64, n uint64, h2d bool) 
 		return check("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(s.d.ctx, C.CUdeviceptr(dev), h, C.size_t(n), s.h))
 	}
 	return check("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(s.d.ctx, h, C.CUdeviceptr(dev), C.size_t(n), s.h))
+}
+
+// CopyCeilingHtoD measures, on a CUDA device, the copy engine's
+// host-to-device ceiling that benchmarks of other packages report their
+// restores against: one cuMemcpyHtoDAsync of n bytes from a pinned
+// (cuMemHostAlloc) buffer into one device buffer, timed with CUDA events
+// on a stream of its own; the median of reps copies after one warm-up, in
+// GB/s (1e9 B/s). It is a measurement helper, never on the data path. On a
+// device that is not the CUDA backend it returns an error wrapping
+// ErrNoDriver.
+func CopyCeilingHtoD(dev Device, n uint64, reps int) (float64, error) {
+	d, ok := dev.(*driverDevice)
+	if !ok {
+		return 0, fmt.Errorf("cuda: copy ceiling of a %s device: %w", dev.Info().Backend, ErrNoDriver)
+	}
+	if n == 0 || reps < 1 {
+		return 0, fmt.Errorf("cuda: copy ceiling of %d B, %d repetitions: want both > 0", n, reps)
+	}
+	hb, err := d.AllocHost(n)
+	if err != nil {
+		return 0, err
+	}
+	defer hb.Release()
+	dst, err := d.rawAlloc(n)
+	if err != nil {
+		return 0, err
+	}
+	defer d.rawFree(dst)
+	st, err := d.NewStream()
+	if err != nil {
+		return 0, err
+	}
+	defer st.Close()
+	s := st.(*driverStream)
+	tm, err := d.newTimer()
+	if err != nil {
+		return 0, err
+	}
+	defer tm.close()
+	host := hb.(*driverHostBuf).host
+	var ts []time.Duration
+	for rep := range reps + 1 {
+		if err := tm.begin(s); err != nil {
+			return 0, err
+		}
+		if err := s.copyCE(host, dst, n, true); err != nil {
+			return 0, err
+		}
+		t, err := tm.finish(s)
+		if err != nil {
+			return 0, err
+		}
+		if rep > 0 {
+			ts = append(ts, t)
+		}
+	}
+	slices.Sort(ts)
+	return float64(n) / ts[len(ts)/2].Seconds() / 1e9, nil
 }

@@ -10,3 +10,9 @@ import "fmt"
 func OpenCUDA(ordinal int) (Device, error) {
 	return nil, fmt.Errorf("%w: built without cgo, libcuda.so.1 cannot be loaded (device %d)", ErrNoDriver, ordinal)
 }
+
+// CopyCeilingHtoD measures the copy engine's host-to-device ceiling of a
+// CUDA device; without cgo there is none: an error wrapping ErrNoDriver.
+func CopyCeilingHtoD(dev Device, n uint64, reps int) (float64, error) {
+	return 0, fmt.Errorf("cuda: copy ceiling of a %s device: %w", dev.Info().Backend, ErrNoDriver)
+}

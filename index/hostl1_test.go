@@ -2,7 +2,9 @@ package index_test
 
 import (
 	"math"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -50,5 +52,86 @@ func TestLookupHostSharedL1(t *testing.T) {
 		got.Holder(2, 0) != rk("e1", 3) || got.Source(2, 0).Tier != wire.L1 {
 		t.Fatalf("after fencing rank 0: %+v", got)
 	}
+	mustVerify(t, ix.Index)
+}
+
+// TestLookupHostSharedL1NeverPlansAFencedHolder (tiers4.4): a rank killed
+// -9 leaves its host-shared L1 segment behind; once it is fenced, no
+// lookup may send a peer to it. With HostSharedL1, TP2 MLA, rank 0
+// holding 12 chunks in L1 (the first 3 also in L2): while its sliced
+// fence is half done (the first slice committed, the rest held), and after
+// it, rank 1 is never planned to read rank 0's L1; only the L2 copies
+// serve (prefix 3). Seen failing with the lookup's conservative switch off
+// (hostL1 left on while a reader is being fenced): mid-fence, rank 1 was
+// planned from rank 0's L1 (chunk 2 first).
+func TestLookupHostSharedL1NeverPlansAFencedHolder(t *testing.T) {
+	var hold atomic.Bool
+	commit, proceed, stop := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	ix := openTest(t, "", func(c *index.Config) {
+		c.HostSharedL1, c.FenceSliceChunks = true, 2
+		c.AfterCommit = func() {
+			if !hold.Load() {
+				return
+			}
+			select {
+			case commit <- struct{}{}:
+			case <-stop:
+				return
+			}
+			select {
+			case <-proceed:
+			case <-stop:
+			}
+		}
+	})
+	t.Cleanup(func() { close(stop) })
+	w, _ := newWorld(t, ix.Index, mlaSpec(2, 1))
+	const n = 12
+	for c := range n {
+		w.store(rk("e1", 0), wire.L1, c, 0, 0)
+	}
+	for c := range 3 {
+		w.store(rk("e1", 0), wire.L2, c, 0, 0)
+	}
+	if got := lookup(t, ix.Index, "e1", w.ns, n); got.Prefix != n || got.Holder(n-1, 1) != rk("e1", 0) || got.Source(n-1, 1).Tier != wire.L1 {
+		t.Fatalf("before the fence: %+v, want rank 1 reading rank 0's L1 for %d chunks", got, n)
+	}
+	noPeerL1 := func(what string) {
+		t.Helper()
+		got := lookup(t, ix.Index, "e1", w.ns, n)
+		if got.Prefix != 3 {
+			t.Fatalf("%s: prefix %d, want 3 (the L2 copies only)", what, got.Prefix)
+		}
+		for i := range got.Prefix {
+			for j := range got.Expectations {
+				if s := got.Source(i, j); s.Tier == wire.L1 {
+					t.Fatalf("%s: chunk %d reader %d planned from the L1 of %s", what, i, got.Expectations[j].Rank, got.Holder(i, j))
+				}
+			}
+		}
+	}
+	hold.Store(true)
+	fenced := make(chan error, 1)
+	go func() {
+		_, err := ix.FenceRank(ctx, rk("e1", 0), math.MaxUint64)
+		fenced <- err
+	}()
+	for i := range 2 { // the second slice is committed once the first is published
+		select {
+		case <-commit:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no commit of fence slice %d", i+1)
+		}
+		if i == 0 {
+			proceed <- struct{}{}
+		}
+	}
+	noPeerL1("mid-fence (2 of 6 slices)")
+	hold.Store(false)
+	close(proceed)
+	if err := <-fenced; err != nil {
+		t.Fatal(err)
+	}
+	noPeerL1("after the fence")
 	mustVerify(t, ix.Index)
 }

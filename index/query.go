@@ -306,6 +306,10 @@ type RankInfo struct {
 	L1Bytes      uint64
 	L2Placements int64
 	L2Bytes      uint64
+	// L3Placements and L3Bytes count the objects this rank wrote to the
+	// object store (L3) and reported.
+	L3Placements int64
+	L3Bytes      uint64
 	// Placements is filled by ListRank only, sorted by key then tier;
 	// Seq/Incarnation of each copy are in Holder form via Get.
 	Placements []wire.Placement
@@ -314,7 +318,8 @@ type RankInfo struct {
 func (r *rankState) info() RankInfo {
 	return RankInfo{Rank: r.rank, Incarnation: r.inc, LastSeq: r.last, Fenced: r.fenced,
 		L1Placements: r.placements[wire.L1], L1Bytes: r.bytes[wire.L1],
-		L2Placements: r.placements[wire.L2], L2Bytes: r.bytes[wire.L2]}
+		L2Placements: r.placements[wire.L2], L2Bytes: r.bytes[wire.L2],
+		L3Placements: r.placements[wire.L3], L3Bytes: r.bytes[wire.L3]}
 }
 
 // Ranks returns every known rank's state and counts (no placement lists),

@@ -11,5 +11,7 @@
 // The package must never: take credentials from the command line or the
 // environment (only from the file Config.CredentialsFile names, which
 // must not be readable by group or others), talk plain HTTP unless
-// Config.Insecure says so, or create, configure or delete buckets.
+// Config.Insecure says so (and, to an endpoint off loopback, also
+// Config.InsecureRemote), follow a symlink to its credentials or CA file,
+// or create, configure or delete buckets.
 package objstore

@@ -43,9 +43,16 @@ type Config struct {
 	// optional) of mode 0600 or stricter. Required: credentials are never
 	// taken from flags or the environment.
 	CredentialsFile string
-	// Insecure talks plain HTTP. Default false: HTTPS, with the system's
-	// roots plus CAFile.
+	// Insecure talks plain HTTP, to a loopback endpoint only (127.0.0.0/8,
+	// ::1, localhost: a local test server) unless InsecureRemote. Default
+	// false: HTTPS, with the system's roots plus CAFile.
 	Insecure bool
+	// InsecureRemote, with Insecure, also allows plain HTTP to an endpoint
+	// off loopback: request signatures, object names and the KV bytes then
+	// cross the network unencrypted, readable and alterable on the way
+	// (reads are still verified, C5). Default false; a trusted network
+	// only, like NATS's plaintext gossip off loopback.
+	InsecureRemote bool
 	// CAFile, when set, is a PEM bundle trusted besides the system roots
 	// (a private S3 server's CA). Default "".
 	CAFile string
@@ -83,8 +90,48 @@ func (c Config) Validate() error {
 		return bad("request timeout %v must be > 0", c.RequestTimeout)
 	case strings.HasPrefix(c.Prefix, "/"):
 		return bad("prefix %q must not start with /", c.Prefix)
+	case c.InsecureRemote && !c.Insecure:
+		return bad("insecure-remote allows plain HTTP off loopback, but the store talks HTTPS (Insecure not set)")
+	case c.Insecure && !c.InsecureRemote && !loopbackHost(c.Endpoint):
+		return bad("plain HTTP to %s, off loopback: credentials' signatures and KV bytes would cross the network unencrypted; use HTTPS (with a CA file for a private CA), or allow it explicitly (InsecureRemote)", c.Endpoint)
 	}
 	return nil
+}
+
+// loopbackHost reports whether endpoint (host or host:port) names a
+// loopback address or localhost, without resolving anything.
+func loopbackHost(endpoint string) bool {
+	host := endpoint
+	if h, _, err := net.SplitHostPort(endpoint); err == nil {
+		host = h
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// readCA reads a PEM bundle, refusing a symlink or anything but a regular
+// file (C9: the files a daemon opens are its own).
+func readCA(path string) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscallNoFollow, 0)
+	if err != nil {
+		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("objstore: CA file %s is not a regular file (mode %s): %w", path, st.Mode(), ErrConfig)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, 4<<20))
+	if err != nil {
+		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
+	}
+	return b, nil
 }
 
 // Credentials is the content of Config.CredentialsFile.
@@ -160,9 +207,9 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 			roots = x509.NewCertPool()
 		}
 		if cfg.CAFile != "" {
-			pem, err := os.ReadFile(cfg.CAFile)
+			pem, err := readCA(cfg.CAFile)
 			if err != nil {
-				return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
+				return nil, err
 			}
 			if !roots.AppendCertsFromPEM(pem) {
 				return nil, fmt.Errorf("objstore: CA file %s holds no PEM certificate: %w", cfg.CAFile, ErrConfig)
@@ -251,8 +298,26 @@ func (s *Store) Open(ctx context.Context, name string, off, n int64) (io.ReadClo
 		obj.Close()
 		return nil, 0, s.getErr(name, err)
 	}
-	return obj, st.Size, nil
+	return &body{obj: obj, name: name}, st.Size, nil
 }
+
+// body is an object being read. minio-go's Stat is a HEAD and the GET
+// comes with the first Read: an object deleted in between reads as an
+// error wrapping fs.ErrNotExist, as a missing one opens.
+type body struct {
+	obj  *minio.Object
+	name string
+}
+
+func (b *body) Read(p []byte) (int, error) {
+	n, err := b.obj.Read(p)
+	if err != nil && err != io.EOF && minio.ToErrorResponse(err).Code == minio.NoSuchKey {
+		err = fmt.Errorf("objstore: %s deleted while opened: %w", b.name, fs.ErrNotExist)
+	}
+	return n, err
+}
+
+func (b *body) Close() error { return b.obj.Close() }
 
 func (s *Store) getErr(name string, err error) error {
 	switch minio.ToErrorResponse(err).Code {

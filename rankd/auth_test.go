@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/wire"
 	"go.uber.org/zap/zaptest"
 )
@@ -93,6 +94,29 @@ func TestTrustedNATS(t *testing.T) {
 	} {
 		if got := d.trustedNATS(tc.m); got != tc.want {
 			t.Errorf("%s: trusted = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+// TestL3PlaintextOnlyOnLoopback (tiers4.3): a rankd's L3 over plain HTTP
+// is refused at Validate off loopback unless --l3-insecure-remote, as
+// plaintext gossip off loopback is unless --insecure.
+func TestL3PlaintextOnlyOnLoopback(t *testing.T) {
+	for _, tc := range []struct {
+		endpoint string
+		remote   bool
+		ok       bool
+	}{
+		{"127.0.0.1:9000", false, true},
+		{"s3.internal.example:9000", false, false},
+		{"s3.internal.example:9000", true, true},
+	} {
+		c := DefaultConfig()
+		c.Rank, c.TPSize, c.Join, c.Insecure = wire.Rank{Instance: "eng", TPRank: 0}, 1, []string{"127.0.0.1:7946"}, true
+		c.L3.Endpoint, c.L3.Bucket, c.L3.CredentialsFile, c.L3.Insecure, c.L3.InsecureRemote = tc.endpoint, "kv", "/etc/kvtier/s3.json", true, tc.remote
+		err := c.Validate()
+		if tc.ok && err != nil || !tc.ok && (!errors.Is(err, objstore.ErrConfig) || !strings.Contains(err.Error(), "off loopback")) {
+			t.Errorf("plain HTTP to %s, remote allowed %v: %v, want ok=%v", tc.endpoint, tc.remote, err, tc.ok)
 		}
 	}
 }

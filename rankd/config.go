@@ -77,7 +77,7 @@ type Config struct {
 	// transfer.Config.L3): objects are written behind to it and restored
 	// from it when neither L1 nor L2 holds them. Default: Endpoint "", no
 	// L3. Credentials come from L3.CredentialsFile only; HTTPS unless
-	// L3.Insecure.
+	// L3.Insecure, which is refused off loopback unless L3.InsecureRemote.
 	L3 objstore.Config
 	// L3Bytes bounds the bytes of the L3 objects this rank wrote
 	// (transfer.Config.L3Bytes). Default 0: unbounded (leave expiry to a

@@ -19,7 +19,12 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if dir := os.Getenv(segHolderEnv); dir != "" {
+		os.Exit(runSegHolder(dir)) // a child of TestPeerL1HolderKilled
+	}
+	goleak.VerifyTestMain(m)
+}
 
 func testCtx(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)

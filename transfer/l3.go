@@ -141,6 +141,9 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 	}
 	defer body.Close()
 	hb, err := readHeaderBytes(body, size)
+	if errors.Is(err, fs.ErrNotExist) { // deleted since the open
+		return L2Object{}, fmt.Errorf("L3 object %s: %w", key, ErrNotFound)
+	}
 	if err != nil {
 		if ctx.Err() != nil || !errors.Is(err, ErrCorrupt) {
 			return L2Object{}, fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
@@ -158,7 +161,9 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 	case o.Size != uint64(len(dst)):
 		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
 	}
-	if _, err := io.ReadFull(body, dst); err != nil {
+	if _, err := io.ReadFull(body, dst); errors.Is(err, fs.ErrNotExist) {
+		return o, fmt.Errorf("L3 object %s deleted while read: %w", key, ErrNotFound)
+	} else if err != nil {
 		return o, fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {

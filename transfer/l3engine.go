@@ -25,19 +25,30 @@ import (
 // L3 when neither L1 nor L2 holds the object (or L2's copy failed), and
 // verify it (C5). Each object written is announced as an L3 placement,
 // each one removed (eviction under L3Bytes, failed verification, found
-// gone) as an L3 removal. The objects this rank wrote are found again at
-// start-up by a background scan of the instance's objects (headers only).
+// gone) as an L3 removal. One request per object runs at a time: a write
+// queued while the object's eviction delete (or another write of it) is in
+// flight waits for it (l3_deferred_writes_total), so a late delete never
+// removes a fresh copy. A store deduplicated against L1 or L2 queues the
+// object too, unless this rank's L3 copy exists. The objects this rank
+// wrote are found again at start-up by a background scan of the
+// instance's objects (headers only).
 
 // l3State is the engine's L3 bookkeeping, guarded by Engine.mu.
 type l3State struct {
-	objs     map[dcp.Key]l2Entry // objects this rank wrote that L3 holds
-	bytes    uint64              // header and payload bytes of objs
-	hdr      uint64              // header bytes of every object this rank writes
-	clock    uint64
-	lru      l2Heap // lazy, by write (or read) stamp
-	queue    []dcp.Key
-	queued   map[dcp.Key]struct{}
-	inflight int
+	objs   map[dcp.Key]l2Entry // objects this rank wrote that L3 holds
+	bytes  uint64              // header and payload bytes of objs
+	hdr    uint64              // header bytes of every object this rank writes
+	clock  uint64
+	lru    l2Heap // lazy, by write (or read) stamp
+	queue  []dcp.Key
+	queued map[dcp.Key]struct{}
+	// busy holds the keys with a PUT or DELETE in flight: one request per
+	// object at a time, so an eviction's delete never lands after (and
+	// removes) a rewrite of the same object. after holds the keys whose
+	// write was asked for while busy: queued again when the request ends.
+	busy     map[dcp.Key]struct{}
+	after    map[dcp.Key]struct{}
+	inflight int // writes and their evictions' deletes running
 	kick     chan struct{}
 	changed  chan struct{} // closed and replaced when a write ends
 	scanDone chan struct{} // closed when the start-up scan ended
@@ -58,6 +69,7 @@ type l3Counters struct {
 	objects       atomic.Int64
 	bytes         atomic.Uint64
 	restoredFrom  atomic.Uint64 // objects a retrieve read from L3
+	deferred      atomic.Uint64 // writes held back while a delete or write of the same key ran
 	scanRunning   atomic.Bool
 	scanFound     atomic.Uint64
 	scanCorrupted atomic.Uint64
@@ -67,6 +79,8 @@ func (e *Engine) l3Init() {
 	s := &e.l3s
 	s.objs = make(map[dcp.Key]l2Entry)
 	s.queued = make(map[dcp.Key]struct{})
+	s.busy = make(map[dcp.Key]struct{})
+	s.after = make(map[dcp.Key]struct{})
 	s.kick = make(chan struct{}, 1)
 	s.changed = make(chan struct{})
 	s.scanDone = make(chan struct{})
@@ -134,6 +148,16 @@ func (e *Engine) l3WriteLoop() {
 			kick(s.kick)
 		}
 		delete(s.queued, key)
+		if _, ok := s.busy[key]; ok {
+			// Its eviction's delete (or another write) is in flight: write
+			// it when that ends, never alongside.
+			s.after[key] = struct{}{}
+			e.l3c.deferred.Add(1)
+			e.l3c.queued.Add(-1)
+			e.mu.Unlock()
+			continue
+		}
+		s.busy[key] = struct{}{}
 		s.inflight++
 		var data []byte
 		var meta L2Object
@@ -176,28 +200,52 @@ func (e *Engine) l3WriteLoop() {
 		if o != nil {
 			e.unpinLocked(o)
 		}
+		delete(s.busy, key)
+		victims := e.l3WriteDoneLocked(key, meta, err) // marks them busy
+		if _, ok := s.busy[key]; !ok {
+			e.l3ReleaseLocked(key)
+		}
+		e.mu.Unlock()
+		e.l3Evict(victims)
+		e.mu.Lock()
 		s.inflight--
 		e.l3c.queued.Add(-1)
-		victims := e.l3WriteDoneLocked(meta, err)
 		close(s.changed)
 		s.changed = make(chan struct{})
 		e.mu.Unlock()
-		e.l3Evict(victims)
 	}
 }
 
-// l3WriteDoneLocked accounts for one write and returns the objects to
-// delete to stay under L3Bytes (already removed and announced).
-func (e *Engine) l3WriteDoneLocked(meta L2Object, err error) []dcp.Key {
+// l3ReleaseLocked queues key again when a write of it was asked for
+// while its last request ran (and L3 does not hold it now).
+func (e *Engine) l3ReleaseLocked(key dcp.Key) {
+	s := &e.l3s
+	if _, ok := s.after[key]; !ok {
+		return
+	}
+	delete(s.after, key)
+	if o := e.cat.objs[key]; o != nil && o.state == stReady && !o.doomed {
+		e.l3QueueLocked(key, o.sum)
+	} else if ent, ok := e.cat.l2[key]; ok {
+		e.l3QueueLocked(key, ent.sum)
+	} else {
+		e.l3c.sourceGone.Add(1)
+	}
+}
+
+// l3WriteDoneLocked accounts for one write of key and returns the
+// objects to delete to stay under L3Bytes (already removed and announced,
+// and marked busy until their delete ends).
+func (e *Engine) l3WriteDoneLocked(key dcp.Key, meta L2Object, err error) []dcp.Key {
 	s := &e.l3s
 	switch {
 	case errors.Is(err, ErrNotFound):
 		e.l3c.sourceGone.Add(1)
-		e.log.Debug("queued for L3 but held by neither L1 nor L2 any more", zap.Stringer("key", meta.Key))
+		e.log.Debug("queued for L3 but held by neither L1 nor L2 any more", zap.Stringer("key", key))
 		return nil
 	case err != nil:
 		e.l3c.failed.Add(1)
-		e.log.Warn("L3 write failed; the next store of the object tries again", zap.Stringer("key", meta.Key), zap.Error(err))
+		e.log.Warn("L3 write failed; the next store of the object tries again", zap.Stringer("key", key), zap.Error(err))
 		return nil
 	}
 	e.l3SetLocked(meta.Key, l2Entry{size: meta.Size, sum: meta.Sum, fp: meta.Fingerprint}, 0)
@@ -205,20 +253,30 @@ func (e *Engine) l3WriteDoneLocked(meta L2Object, err error) []dcp.Key {
 	e.l3c.bytesWritten.Add(meta.Size)
 	e.emitLocked(wire.Stored, wire.L3, meta.Key, meta.Size, meta.Sum)
 	var victims []dcp.Key
+	var skipped []l2Use
 	for e.cfg.L3Bytes > 0 && s.bytes > e.cfg.L3Bytes && s.lru.Len() > 0 {
 		u := heap.Pop(&s.lru).(l2Use)
 		v, ok := s.objs[u.key]
 		if !ok || v.used != u.used {
 			continue // stale
 		}
+		if _, ok := s.busy[u.key]; ok {
+			skipped = append(skipped, u) // being written again: not now
+			continue
+		}
 		e.l3DelLocked(u.key)
 		e.emitLocked(wire.Removed, wire.L3, u.key, v.size, v.sum)
+		s.busy[u.key] = struct{}{}
 		victims = append(victims, u.key)
+	}
+	for _, u := range skipped {
+		heap.Push(&s.lru, u)
 	}
 	return victims
 }
 
-// l3Evict deletes evicted objects (announced removed already).
+// l3Evict deletes evicted objects (announced removed already) and ends
+// their busy marks, queueing again those stored meanwhile.
 func (e *Engine) l3Evict(keys []dcp.Key) {
 	for _, k := range keys {
 		e.l3c.evictions.Add(1)
@@ -226,6 +284,10 @@ func (e *Engine) l3Evict(keys []dcp.Key) {
 			e.l3c.evictErrors.Add(1)
 			e.log.Warn("L3 eviction: delete failed; the object stays in the bucket unannounced", zap.Stringer("key", k), zap.Error(err))
 		}
+		e.mu.Lock()
+		delete(e.l3s.busy, k)
+		e.l3ReleaseLocked(k)
+		e.mu.Unlock()
 	}
 }
 
@@ -317,6 +379,9 @@ func (e *Engine) l3Rescan() error {
 		if _, ok := e.l3s.queued[s.Object.Key]; ok {
 			return // being written again: its write announces it
 		}
+		if _, ok := e.l3s.busy[s.Object.Key]; ok {
+			return // being written or deleted: that request decides
+		}
 		e.l3SetLocked(s.Object.Key, l2Entry{size: s.Object.Size, sum: s.Object.Sum, fp: s.Object.Fingerprint},
 			uint64(max(s.Object.Created.UnixNano(), 1)))
 		e.emitLocked(wire.Stored, wire.L3, s.Object.Key, s.Object.Size, s.Object.Sum)
@@ -376,6 +441,7 @@ type L3Stats struct {
 	Objects      int64  // objects this rank wrote that L3 holds
 	Bytes        uint64 // their header and payload bytes
 	RestoredFrom uint64 // objects retrieves read from L3
+	Deferred     uint64 // writes held back while a delete or write of the same object ran
 	Scanning     bool
 }
 
@@ -385,7 +451,7 @@ func (e *Engine) L3Stats() L3Stats {
 	return L3Stats{Queued: c.queued.Load(), Written: c.written.Load(), Failed: c.failed.Load(),
 		BytesWritten: c.bytesWritten.Load(), BytesRead: c.bytesRead.Load(), QueueFull: c.queueFull.Load(),
 		SourceGone: c.sourceGone.Load(), Checksum: c.checksum.Load(), Evictions: c.evictions.Load(),
-		Objects: c.objects.Load(), Bytes: c.bytes.Load(), RestoredFrom: c.restoredFrom.Load(), Scanning: c.scanRunning.Load()}
+		Objects: c.objects.Load(), Bytes: c.bytes.Load(), RestoredFrom: c.restoredFrom.Load(), Deferred: c.deferred.Load(), Scanning: c.scanRunning.Load()}
 }
 
 // WaitL3Scan waits until the start-up L3 scan has ended (tests, tools).
@@ -424,6 +490,7 @@ func newL3Collector(c *l3Counters, rank string) *l3Collector {
 	add("l3_objects", "Objects this rank wrote that L3 holds.")
 	add("l3_object_bytes", "Header and payload bytes of the L3 objects this rank wrote.")
 	add("l3_restored_objects_total", "Objects retrieves read from L3 (neither L1 nor L2 held them).")
+	add("l3_deferred_writes_total", "L3 writes held back until a delete (an eviction) or a write of the same object ended.")
 	add("l3_scanning", "1 while the start-up scan of L3 (headers only, in the background) runs.")
 	return cl
 }
@@ -454,6 +521,7 @@ func (cl *l3Collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l3_objects", float64(c.objects.Load()))
 	gauge("l3_object_bytes", float64(c.bytes.Load()))
 	counter("l3_restored_objects_total", c.restoredFrom.Load())
+	counter("l3_deferred_writes_total", c.deferred.Load())
 	sc := 0.0
 	if c.scanRunning.Load() {
 		sc = 1

@@ -73,6 +73,8 @@ type counters struct {
 	peerL1Bytes           atomic.Uint64
 	peerL1Failures        atomic.Uint64 // peer reads that failed (wrong size or sum, scatter failed or mismatched)
 	peerL1Stale           atomic.Uint64 // objects found in a peer's catalog but evicted before the lease
+	peerL1DeadHolders     atomic.Uint64 // peer segments left by a holder that died (kill -9), not read
+	hostL1Collected       atomic.Uint64 // files of an earlier run (its segment, temporary files) collected at start
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -123,6 +125,8 @@ type Stats struct {
 	PeerL1Bytes      uint64
 	PeerL1Failures   uint64 // peer L1 reads that failed (the chunk failed, or it was read from L2)
 	PeerL1Stale      uint64 // objects a peer's catalog listed but evicted before they were leased
+	PeerL1DeadHolder uint64 // peer segments whose holder died without closing them (kill -9): never read
+	HostL1Collected  uint64 // segment files of an earlier run of this rank collected at start
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -176,6 +180,8 @@ func (e *Engine) Stats() Stats {
 		PeerL1Bytes:      c.peerL1Bytes.Load(),
 		PeerL1Failures:   c.peerL1Failures.Load(),
 		PeerL1Stale:      c.peerL1Stale.Load(),
+		PeerL1DeadHolder: c.peerL1DeadHolders.Load(),
+		HostL1Collected:  c.hostL1Collected.Load(),
 		LastSeq:          c.lastSeq.Load(),
 		EventsPublished:  c.eventsPublished.Load(),
 		EventsDropped:    c.eventsDropped.Load(),
@@ -247,6 +253,8 @@ func newCollector(c *counters, rank string) *collector {
 	add("peer_l1_reads_total", "Objects restored straight from the L1 of another rank of this host and instance (host-shared L1), verified.")
 	add("peer_l1_bytes_total", "Bytes restored from the L1 of another rank of this host (host-shared L1).")
 	add("peer_l1_failures_total", "Reads from another rank's L1 that failed: size or checksum not the expected ones, or the bytes changed during the read (an eviction raced it); the chunk failed or came from L2.")
+	add("peer_l1_dead_holder_total", "Peer host L1 segments found left by a rankd that died without closing them (kill -9): never read; its next start replaces them.")
+	add("host_l1_collected_total", "Host L1 segment files of an earlier run of this rank (its segment, temporary files) collected at start.")
 	add("peer_l1_stale_total", "Objects another rank's L1 catalog listed but that were evicted or replaced before this rank's lease (read from L2 or failed).")
 	add("events_published_total", "Events handed to the publisher.")
 	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
@@ -325,6 +333,8 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("peer_l1_bytes_total", c.peerL1Bytes.Load())
 	counter("peer_l1_failures_total", c.peerL1Failures.Load())
 	counter("peer_l1_stale_total", c.peerL1Stale.Load())
+	counter("peer_l1_dead_holder_total", c.peerL1DeadHolders.Load())
+	counter("host_l1_collected_total", c.hostL1Collected.Load())
 	counter("events_published_total", c.eventsPublished.Load())
 	counter("events_dropped_total", c.eventsDropped.Load())
 	gauge("event_seq", float64(c.lastSeq.Load()))

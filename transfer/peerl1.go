@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -29,9 +30,15 @@ type peerTable struct {
 	dev cuda.Device
 	log *zap.Logger
 
+	// dead counts the segments found left by a dead holder (Stats).
+	dead *atomic.Uint64
+
 	mu   sync.Mutex // guards the following
 	segs map[int]*peerMap
-	done bool
+	// deadIno is, per peer TP rank, the inode of a segment found left by
+	// a dead holder: not opened again until the file changes.
+	deadIno map[int]uint64
+	done    bool
 }
 
 // peerMap is one mapped peer segment, registered as a host buffer, with
@@ -60,13 +67,25 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 		t.dropLocked(m)
 		m = nil
 	}
+	if m != nil && !m.ps.holderAlive() {
+		t.deadLocked(r, m.ps)
+		t.dropLocked(m)
+		return nil
+	}
 	if m == nil {
-		if ino == 0 {
+		if ino == 0 || t.deadIno[r.TPRank] == ino {
 			return nil
 		}
 		ps, err := openPeerSegment(t.dir, r)
 		if err != nil {
 			t.log.Debug("host L1: peer segment not usable", zap.Stringer("peer", r), zap.Error(err))
+			return nil
+		}
+		if ps.seg.closed() || !ps.holderAlive() {
+			if !ps.seg.closed() {
+				t.deadLocked(r, ps)
+			}
+			ps.unmap()
 			return nil
 		}
 		buf, err := t.dev.RegisterHost(ps.dataMap, true)
@@ -82,6 +101,16 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 	}
 	m.refs++
 	return m
+}
+
+// deadLocked records that ps was left by a holder that died without
+// closing it (kill -9): its objects are never read, since the rank is
+// (or is about to be) fenced and the index no longer lists them.
+func (t *peerTable) deadLocked(r wire.Rank, ps *peerSeg) {
+	t.deadIno[r.TPRank] = ps.ino
+	t.dead.Add(1)
+	t.log.Warn("host L1: a peer's segment was left by a holder that died; not read (its next start replaces it)",
+		zap.Stringer("peer", r), zap.Uint64("incarnation", ps.incarnation), zap.Uint64("inode", ps.ino))
 }
 
 func (t *peerTable) put(m *peerMap) {
@@ -119,9 +148,22 @@ func (t *peerTable) close() {
 // openHostL1 creates this rank's segment and makes its data region L1.
 func (e *Engine) openHostL1(nslabs int) error {
 	geo := newSegGeometry(uint64(nslabs), e.cfg.L1SlabBytes)
-	seg, err := createSegment(e.cfg.HostL1Dir, e.cfg.Rank, geo, e.cfg.Incarnation)
+	seg, col, err := createSegment(e.cfg.HostL1Dir, e.cfg.Rank, geo, e.cfg.Incarnation)
 	if err != nil {
 		return fmt.Errorf("transfer: host L1: %w", err)
+	}
+	if col.Replaced || col.Temps > 0 {
+		n := uint64(col.Temps)
+		if col.Replaced {
+			n++
+		}
+		e.ctr.hostL1Collected.Add(n)
+		log := e.log.Info
+		if col.Replaced && !col.DeadHolder {
+			log = e.log.Warn // a live process held it: another rankd of this rank?
+		}
+		log("host L1: collected the files an earlier run of this rank left", zap.Bool("segment_replaced", col.Replaced),
+			zap.Bool("holder_dead", col.DeadHolder), zap.Int("temp_files", col.Temps))
 	}
 	buf, err := e.dev.RegisterHost(seg.data, false)
 	if err != nil {
@@ -131,7 +173,8 @@ func (e *Engine) openHostL1(nslabs int) error {
 	e.l1buf, e.l1mem = buf, seg.data
 	e.cat.seg = seg
 	e.cat.leaseTTL = int64(e.cfg.RetrieveTimeout)
-	e.peers = &peerTable{dir: e.cfg.HostL1Dir, dev: e.dev, log: e.log, segs: map[int]*peerMap{}}
+	e.peers = &peerTable{dir: e.cfg.HostL1Dir, dev: e.dev, log: e.log, dead: &e.ctr.peerL1DeadHolders,
+		segs: map[int]*peerMap{}, deadIno: map[int]uint64{}}
 	return nil
 }
 

@@ -21,8 +21,14 @@ import (
 // kvsum64; x_copy+kvsum is the peer figure over the single-core ceiling
 // of a copy that hashes every byte (the host backend's scatter). With
 // KVTIER_BENCH_CUDA=1 it runs on CUDA device 0 instead (the segments are
-// then registered with cuMemHostRegister); x_own_L1 is the figure to read
-// there (own L1 is cuMemHostRegister'd shared memory too).
+// then registered with cuMemHostRegister: the holder's read-write, the
+// peer's read-only); the figures to read there are x_ce, the peer restore
+// over the copy engine's host-to-device ceiling measured in the same run
+// (cuda.CopyCeilingHtoD: one cuMemcpyHtoDAsync of the same bytes from a
+// pinned buffer), and x_own_L1 (own L1 is cuMemHostRegister'd shared
+// memory too). On the H200, from make gpu-build:
+//
+//	KVTIER_BENCH_CUDA=1 .gpu/transfer.test -test.run '^$' -test.bench RetrievePeerL1 -test.benchtime 5x
 func BenchmarkRetrievePeerL1(b *testing.B) {
 	const n = 32
 	dir, err := os.MkdirTemp("/dev/shm", "kvtier-bench-")
@@ -36,7 +42,8 @@ func BenchmarkRetrievePeerL1(b *testing.B) {
 	}
 	b.Cleanup(func() { os.RemoveAll(l1dir) })
 	dev := openDevice(b, dir)
-	if os.Getenv("KVTIER_BENCH_CUDA") == "1" { // the H200: the driver backend, device 0
+	onCUDA := os.Getenv("KVTIER_BENCH_CUDA") == "1"
+	if onCUDA { // the H200: the driver backend, device 0
 		d, err := cuda.OpenCUDA(0)
 		if err != nil {
 			b.Fatalf("KVTIER_BENCH_CUDA=1: %v", err)
@@ -92,6 +99,15 @@ func BenchmarkRetrievePeerL1(b *testing.B) {
 		b.Fatalf("rank 1: %d peer reads, %d L2 reads; want %d and 0", st.PeerL1Reads, st.L2Reads, n*(b.N+1))
 	}
 	own := retrieve(0)
+	if onCUDA {
+		ce, err := cuda.CopyCeilingHtoD(dev, uint64(bytes), 5)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(ce, "ce_GB/s")
+		b.ReportMetric(peer/ce, "x_ce")
+		b.ReportMetric(own/ce, "x_ce_own_L1")
+	}
 	mm, ks := memmoveGBps(bytes), kvsumGBps(bytes)
 	b.ReportMetric(peer, "GB/s")
 	b.ReportMetric(own, "own_L1_GB/s")

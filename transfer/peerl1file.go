@@ -63,24 +63,87 @@ func checkSegFile(f *os.File) (int64, uint64, error) {
 	return fi.Size(), st.Ino, nil
 }
 
+// segCollected is what createSegment found of earlier runs of its rank.
+type segCollected struct {
+	// Replaced: the segment an earlier run left (a kill -9, or a crash)
+	// was replaced; DeadHolder when no process held it any more, else its
+	// holder was alive (another rankd of the same rank: a misconfiguration).
+	Replaced, DeadHolder bool
+	Temps                int // temporary files of dead creators removed
+}
+
+// lockFree reports whether no process holds a lock on f: it takes and
+// gives back a lock of kind how (LOCK_SH or LOCK_EX) without waiting.
+func lockFree(f *os.File, how int) (bool, error) {
+	err := syscall.Flock(int(f.Fd()), how|syscall.LOCK_NB)
+	switch {
+	case err == nil:
+		_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+		return true, nil
+	case errors.Is(err, syscall.EWOULDBLOCK):
+		return false, nil
+	}
+	return false, err
+}
+
+// collectSegFiles removes the temporary files of r's segment whose
+// creator died (no lock held on them) and reports whether r's segment
+// file exists and whether its holder died. Only regular files of this uid
+// are touched.
+func collectSegFiles(dir string, r wire.Rank) (c segCollected, exists bool) {
+	final := filepath.Join(dir, segFileName(r))
+	tmps, _ := filepath.Glob(final + ".tmp-*") // the name has no pattern characters
+	for _, p := range tmps {
+		f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
+		if err != nil {
+			continue
+		}
+		if _, _, err := checkSegFile(f); err == nil {
+			if free, err := lockFree(f, syscall.LOCK_EX); err == nil && free && os.Remove(p) == nil {
+				c.Temps++
+			}
+		}
+		f.Close()
+	}
+	f, err := os.OpenFile(final, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return c, false
+	}
+	defer f.Close()
+	if _, _, err := checkSegFile(f); err != nil {
+		return c, true
+	}
+	free, err := lockFree(f, syscall.LOCK_EX)
+	c.DeadHolder = err == nil && free
+	return c, true
+}
+
 // createSegment creates and maps this rank's segment, replacing any left
 // by an earlier run (a peer still mapping that one keeps its old pages and
-// finds it closed or its objects gone).
-func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64) (*segment, error) {
+// finds it closed, its holder dead, or its objects gone; the old file's
+// memory is freed when the last mapping goes) and removing the temporary
+// files of earlier runs that died while creating theirs. The file stays
+// open, flock'ed exclusive, until closeOwn: the lock is how peers tell a
+// live holder from a dead one.
+func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64) (*segment, segCollected, error) {
 	if err := checkSegDir(dir); err != nil {
-		return nil, err
+		return nil, segCollected{}, err
 	}
+	col, exists := collectSegFiles(dir, r)
 	final := filepath.Join(dir, segFileName(r))
 	tmp := final + ".tmp-" + strconv.Itoa(os.Getpid())
 	_ = os.Remove(tmp) // ours from a crashed run of this pid, if any
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("create host L1 segment %s: %w", tmp, errors.Join(err, ErrIO))
+		return nil, col, fmt.Errorf("create host L1 segment %s: %w", tmp, errors.Join(err, ErrIO))
 	}
-	defer f.Close()
-	fail := func(err error) (*segment, error) {
+	fail := func(err error) (*segment, segCollected, error) {
 		_ = os.Remove(tmp)
-		return nil, fmt.Errorf("create host L1 segment %s of %d B: %w", tmp, geo.size(), errors.Join(err, ErrIO))
+		f.Close()
+		return nil, col, fmt.Errorf("create host L1 segment %s of %d B: %w", tmp, geo.size(), errors.Join(err, ErrIO))
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return fail(fmt.Errorf("lock: %w", err))
 	}
 	if err := f.Truncate(int64(geo.size())); err != nil {
 		return fail(err)
@@ -89,7 +152,7 @@ func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64)
 	if err != nil {
 		return fail(err)
 	}
-	s := &segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], whole: all, geo: geo}
+	s := &segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], whole: all, geo: geo, lock: f}
 	if _, s.ino, err = checkSegFile(f); err != nil {
 		_ = syscall.Munmap(all)
 		return fail(err)
@@ -99,7 +162,8 @@ func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64)
 		_ = syscall.Munmap(all)
 		return fail(err)
 	}
-	return s, nil
+	col.Replaced = exists
+	return s, col, nil
 }
 
 // closeOwn marks the holder's segment closed (peers drop their
@@ -112,6 +176,10 @@ func (s *segment) closeOwn(dir string, r wire.Rank) {
 	}
 	_ = syscall.Munmap(s.whole)
 	s.meta, s.data, s.whole = nil, nil, nil
+	if s.lock != nil {
+		_ = s.lock.Close() // the lock goes with the descriptor
+		s.lock = nil
+	}
 }
 
 // peerSeg is a peer's segment as this rank mapped it.
@@ -119,8 +187,17 @@ type peerSeg struct {
 	seg         *segment
 	ino         uint64
 	incarnation uint64
-	metaMap     []byte // header and slots, read-write (leases)
-	dataMap     []byte // the slabs, read-only
+	metaMap     []byte   // header and slots, read-write (leases)
+	dataMap     []byte   // the slabs, read-only
+	f           *os.File // open while mapped: tests the holder's lock
+}
+
+// holderAlive reports whether the segment's holder still holds its lock:
+// false once it died, even by kill -9 (the kernel dropped the lock), or
+// when the lock cannot be tested.
+func (p *peerSeg) holderAlive() bool {
+	free, err := lockFree(p.f, syscall.LOCK_SH)
+	return err == nil && !free
 }
 
 // openPeerSegment maps a peer's segment: its header and slots read-write
@@ -131,7 +208,12 @@ func openPeerSegment(dir string, r wire.Rank) (*peerSeg, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open host L1 segment of %s: %w", r, errors.Join(err, ErrNotFound))
 	}
-	defer f.Close()
+	ok := false
+	defer func() {
+		if !ok {
+			f.Close()
+		}
+	}()
 	size, ino, err := checkSegFile(f)
 	if err != nil {
 		return nil, fmt.Errorf("open host L1 segment of %s: %w", r, err)
@@ -156,12 +238,14 @@ func openPeerSegment(dir string, r wire.Rank) (*peerSeg, error) {
 		_ = syscall.Munmap(meta)
 		return nil, fmt.Errorf("map host L1 segment data %s: %w", path, errors.Join(err, ErrIO))
 	}
-	return &peerSeg{seg: &segment{meta: meta, data: data, geo: geo}, ino: ino, incarnation: inc, metaMap: meta, dataMap: data}, nil
+	ok = true
+	return &peerSeg{seg: &segment{meta: meta, data: data, geo: geo}, ino: ino, incarnation: inc, metaMap: meta, dataMap: data, f: f}, nil
 }
 
 func (p *peerSeg) unmap() {
 	_ = syscall.Munmap(p.metaMap)
 	_ = syscall.Munmap(p.dataMap)
+	_ = p.f.Close()
 }
 
 // segInode returns the inode of the segment file of r now (0 if none), to

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/bits"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"unsafe"
@@ -23,6 +24,11 @@ import (
 //	  0 magic "KVTL1SG1"   8 version   16 slots   24 slab bytes
 //	  32 slabs   40 data offset   48 holder incarnation   56 closed
 //	  64 holder pid
+//	The holder keeps an exclusive flock(2) on the file for as long as it
+//	lives: the kernel drops it when the process dies, even by kill -9, so a
+//	peer that can take a shared lock knows the holder is gone and reads
+//	nothing from the segment (its closed word was never set).
+//	Version 2 added the lock; a version-1 segment is refused.
 //	slots (slots x segSlotBytes, padded to a page):
 //	  0 seq: a seqlock; odd while the holder rewrites the slot, bumped by
 //	    2 on every publish and retire, so it is also the generation of the
@@ -45,7 +51,7 @@ import (
 
 const (
 	segMagic       = 0x3147534c3154564b // "KVTL1SG1"
-	segVersion     = 1
+	segVersion     = 2
 	segHeaderBytes = 4096
 	segSlotBytes   = 128
 	segPage        = 4096
@@ -83,9 +89,11 @@ type segment struct {
 	meta []byte // header and slots
 	data []byte // the L1 slabs
 	geo  segGeometry
-	// The holder's own segment: its one mapping and the file's inode.
+	// The holder's own segment: its one mapping, the file's inode, and the
+	// open file that holds the exclusive lock.
 	whole []byte
 	ino   uint64
+	lock  *os.File
 }
 
 func (s *segment) u64(off uint64) *atomic.Uint64 {

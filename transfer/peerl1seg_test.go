@@ -206,7 +206,7 @@ func TestSegFileSafety(t *testing.T) {
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+	if _, _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
 		t.Fatalf("0755 dir: %v", err)
 	}
 	_ = os.Chmod(dir, 0o700)
@@ -214,10 +214,10 @@ func TestSegFileSafety(t *testing.T) {
 	if err := os.Symlink(dir, link); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := createSegment(link, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+	if _, _, err := createSegment(link, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
 		t.Fatalf("symlinked dir: %v", err)
 	}
-	s, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1)
+	s, _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -232,6 +232,9 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				r.Status, r.Sum = Deduped, o.sum
 				e.cat.touch(o)
 				e.ctr.dedupeHits.Add(1)
+				// Held in L1, maybe not in L3 (a failed or dropped write
+				// behind, an eviction): queued unless L3 has it.
+				e.l3QueueLocked(p.key, o.sum)
 				if l2ok[p.key] == l2Gone {
 					// Readers found the L2 copy damaged (quarantined) or
 					// gone: the re-store heals it from L1 (issue 11.12).
@@ -250,6 +253,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			case l2Present:
 				r.Status, r.Sum = Deduped, ent.sum
 				e.ctr.dedupeHits.Add(1)
+				e.l3QueueLocked(p.key, ent.sum) // written from the L2 copy
 				continue
 			case l2Gone:
 				// The file is gone or damaged (another rank may have
@@ -550,6 +554,9 @@ func (e *Engine) settleDups(ctx context.Context, f *StoreFuture, handled bool) b
 			retry := err != nil && ctx.Err() == nil && !handled
 			e.mu.Lock()
 			sum := w.o.sum
+			if err == nil {
+				e.l3QueueLocked(w.o.key, sum) // the fill may have been a load, not queued
+			}
 			e.unpinLocked(w.o)
 			if retry {
 				switch o := e.cat.objs[w.o.key]; {

@@ -216,6 +216,10 @@ type AdminRank struct {
 	L1Bytes   uint64 `json:"l1_bytes"`
 	L2Objects int64  `json:"l2_objects"`
 	L2Bytes   uint64 `json:"l2_bytes"`
+	// L3Objects and L3Bytes are the objects this rank wrote to the object
+	// store (L3) and reported, with their bytes.
+	L3Objects int64  `json:"l3_objects"`
+	L3Bytes   uint64 `json:"l3_bytes"`
 	LastSeq   uint64 `json:"last_seq"`
 	Fenced    bool   `json:"fenced,omitempty"` // its L1 placements are fenced
 	Resync    bool   `json:"resync,omitempty"` // waiting for its inventory

@@ -114,6 +114,11 @@ func newFixture(t *testing.T) *fixture {
 			b.Events = append(b.Events, wire.Event{Seq: uint64(i + 1), Kind: wire.Stored, Tier: wire.L1,
 				Key: dcp.Key{NS: f.ns, Chunk: ch, Shard: uint16(tp)}, Size: 256, Sum: uint64(0xabc0 + i)})
 		}
+		if tp == 1 {
+			// Rank 1 also wrote its first object to L3 (admin ranks counts it).
+			b.Events = append(b.Events, wire.Event{Seq: 3, Kind: wire.Stored, Tier: wire.L3,
+				Key: dcp.Key{NS: f.ns, Chunk: f.chunks[0], Shard: 1}, Size: 256, Sum: 0xabc0})
+		}
 		p, _ := b.MarshalBinary()
 		if _, err := nc.RequestWithContext(jctx, subj.Events(r), p); err != nil {
 			t.Fatal(err)
@@ -198,13 +203,20 @@ func TestAdminCommands(t *testing.T) {
 	}
 
 	code, out, _ = f.cli(t, "ranks")
-	rows = header(t, out, "RANK", "INCARNATION", "LIVENESS", "L1_OBJECTS", "L1_BYTES", "L2_OBJECTS", "L2_BYTES", "LAST_SEQ", "FENCED", "RESYNC")
+	rows = header(t, out, "RANK", "INCARNATION", "LIVENESS", "L1_OBJECTS", "L1_BYTES", "L2_OBJECTS", "L2_BYTES",
+		"L3_OBJECTS", "L3_BYTES", "LAST_SEQ", "FENCED", "RESYNC")
 	if code != 0 || len(rows) != 2 || !strings.Contains(rows[1], "alive") || !strings.Contains(rows[0], "unknown") {
 		t.Fatalf("ranks: code %d rows %v", code, rows)
 	}
+	// eng/1: 2 L1 objects of 512 B, none in L2, 1 L3 object of 256 B, last seq 3.
+	if f := strings.Fields(rows[1]); len(f) < 10 || f[0] != "eng/1" || f[3] != "2" || f[4] != "512" || f[5] != "0" ||
+		f[6] != "0" || f[7] != "1" || f[8] != "256" || f[9] != "3" {
+		t.Fatalf("ranks: row of eng/1 %q", rows[1])
+	}
 	code, out, _ = f.cli(t, "ranks", "--json")
 	var rr wire.AdminRanksReply
-	if code != 0 || json.Unmarshal([]byte(out), &rr) != nil || len(rr.Ranks) != 2 || rr.Ranks[1].L1Objects != 2 || rr.Ranks[1].L1Bytes != 512 {
+	if code != 0 || json.Unmarshal([]byte(out), &rr) != nil || len(rr.Ranks) != 2 || rr.Ranks[1].L1Objects != 2 || rr.Ranks[1].L1Bytes != 512 ||
+		rr.Ranks[1].L3Objects != 1 || rr.Ranks[1].L3Bytes != 256 || rr.Ranks[0].L3Objects != 0 || rr.Ranks[0].L3Bytes != 0 {
 		t.Fatalf("ranks --json: %d %+v", code, rr)
 	}
 
@@ -233,7 +245,7 @@ func TestAdminCommands(t *testing.T) {
 	}
 	code, out, _ = f.cli(t, "verify", "--json")
 	var vr wire.AdminVerifyReply
-	if code != 0 || json.Unmarshal([]byte(out), &vr) != nil || !vr.OK || vr.Placements != 4 {
+	if code != 0 || json.Unmarshal([]byte(out), &vr) != nil || !vr.OK || vr.Placements != 5 {
 		t.Fatalf("verify --json: %d %+v", code, vr)
 	}
 }
@@ -255,13 +267,14 @@ func TestObjectCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// By token chain: 3 chunks x 2 shards, the first 2 chunks held.
+	// By token chain: 3 chunks x 2 shards, the first 2 chunks held, the
+	// first chunk's shard 1 in L1 and L3 (7 rows).
 	code, out, _ := f.cli(t, "object", "--spec-file", specFile, "--tokens", tokFile)
 	if code != 0 || !strings.HasPrefix(out, "restorable prefix: 2 chunks (instance eng)") {
 		t.Fatalf("object by tokens: %d %q", code, out)
 	}
 	rows := header(t, strings.SplitN(out, "\n", 2)[1], "CHUNK", "KEY", "HOLDER", "TIER", "SIZE", "SUM", "INCARNATION", "SEQ")
-	if len(rows) != 6 || strings.Count(out, "(missing)") != 2 {
+	if len(rows) != 7 || strings.Count(out, "(missing)") != 2 || !strings.Contains(out, " L3 ") {
 		t.Fatalf("object by tokens: %d rows", len(rows))
 	}
 	// The same chain in JSON.

@@ -61,7 +61,8 @@ func main() {
 	flag.StringVar(&cfg.L3.CredentialsFile, "l3-credentials", "", "L3 credentials file, 0600 JSON {\"access_key_id\", \"secret_access_key\"[, \"session_token\"]} (never on the command line)")
 	flag.StringVar(&cfg.L3.CAFile, "l3-ca", "", "PEM CA bundle trusted for the L3 endpoint besides the system roots")
 	flag.StringVar(&cfg.L3.Region, "l3-region", cfg.L3.Region, "L3 bucket region")
-	flag.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint (a local test server only)")
+	flag.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint; refused off loopback unless --l3-insecure-remote")
+	flag.BoolVar(&cfg.L3.InsecureRemote, "l3-insecure-remote", false, "with --l3-insecure: also allow plain HTTP to an L3 endpoint off loopback (signatures and KV bytes unencrypted on the network; a trusted network only)")
 	flag.StringVar(&l3Bytes, "l3-bytes", "0", "bound of the L3 objects this rank writes (bytes or KiB..TiB; 0: unbounded); least recently used objects are deleted")
 	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
 	flag.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
@@ -144,6 +145,10 @@ func main() {
 	cfg.Logger = log
 	if cfg.Insecure {
 		log.Warn("INSECURE MODE (--insecure): anyone who reaches NATS or gossip can speak for this rank. Development only.")
+	}
+	if cfg.L3.Endpoint != "" && cfg.L3.InsecureRemote {
+		log.Warn("L3 over plain HTTP off loopback (--l3-insecure-remote): anyone on the path reads the KV bytes and can replay signed requests",
+			zap.String("endpoint", cfg.L3.Endpoint))
 	}
 
 	d, err := rankd.New(cfg)

@@ -6,6 +6,9 @@ package objstoretest
 
 import (
 	"encoding/json"
+	"encoding/pem"
+	"io"
+	"log"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -25,33 +28,62 @@ type Server struct {
 	Bucket   string
 	// CredentialsFile is a 0600 credentials file for objstore.
 	CredentialsFile string
-	Backend         *s3mem.Backend
-	http            *httptest.Server
+	// CAFile, for a server started by StartTLS, is a PEM file of the
+	// certificate that signs the server's (httptest's own CA); "" for
+	// plain HTTP.
+	CAFile  string
+	Backend *s3mem.Backend
+	http    *httptest.Server
 }
 
 // Start starts a server with bucket "kvtier" and registers its shutdown
 // with t.Cleanup.
-func Start(t testing.TB) *Server {
+func Start(t testing.TB) *Server { return start(t, false) }
+
+// StartTLS starts a server like Start behind HTTPS: httptest's TLS server,
+// with a certificate for 127.0.0.1 signed by a CA that CAFile holds.
+func StartTLS(t testing.TB) *Server { return start(t, true) }
+
+func start(t testing.TB, tls bool) *Server {
 	t.Helper()
 	be := s3mem.New()
 	if err := be.CreateBucket("kvtier"); err != nil {
 		t.Fatal(err)
 	}
-	hs := httptest.NewServer(gofakes3.New(be).Server())
+	hs := httptest.NewUnstartedServer(gofakes3.New(be).Server())
+	// Refused handshakes are what TLS tests provoke: not logged.
+	hs.Config.ErrorLog = log.New(io.Discard, "", 0)
+	if tls {
+		hs.StartTLS()
+	} else {
+		hs.Start()
+	}
 	t.Cleanup(hs.Close)
-	creds := filepath.Join(t.TempDir(), "s3.json")
+	dir := t.TempDir()
+	creds := filepath.Join(dir, "s3.json")
 	b, _ := json.Marshal(objstore.Credentials{AccessKeyID: "kvtier-test", SecretAccessKey: "kvtier-test-secret"})
 	if err := os.WriteFile(creds, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return &Server{Endpoint: strings.TrimPrefix(hs.URL, "http://"), Bucket: "kvtier", CredentialsFile: creds, Backend: be, http: hs}
+	s := &Server{Bucket: "kvtier", CredentialsFile: creds, Backend: be, http: hs}
+	s.Endpoint = strings.TrimPrefix(strings.TrimPrefix(hs.URL, "http://"), "https://")
+	if tls {
+		s.CAFile = filepath.Join(dir, "ca.pem")
+		ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: hs.Certificate().Raw})
+		if err := os.WriteFile(s.CAFile, ca, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return s
 }
 
-// Config returns an objstore.Config for the server (plain HTTP) under
-// prefix.
+// Config returns an objstore.Config for the server under prefix: plain
+// HTTP (Insecure, on loopback) for Start's, HTTPS trusting CAFile for
+// StartTLS's.
 func (s *Server) Config(prefix string) objstore.Config {
 	c := objstore.DefaultConfig()
-	c.Endpoint, c.Bucket, c.CredentialsFile, c.Insecure, c.Prefix = s.Endpoint, s.Bucket, s.CredentialsFile, true, prefix
+	c.Endpoint, c.Bucket, c.CredentialsFile, c.Prefix = s.Endpoint, s.Bucket, s.CredentialsFile, prefix
+	c.Insecure, c.CAFile = s.CAFile == "", s.CAFile
 	return c
 }
 
