@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"sort"
+	"unsafe"
 )
 
 // Plans of the CUDA backend's Gather and Scatter: the tables that the copy
@@ -82,8 +83,70 @@ func chunksOf(addr, n uint64) uint64 {
 	return (addr+n+15)/16 - addr/16
 }
 
+// deviceObjects turns a checked transfer into device-address objects, all
+// spans in one array in order (newPlan then uses it without a copy);
+// empty spans are left out. base gives a Mem's device address.
+func deviceObjects[M comparable](t *checkedTransfer[M], base func(M) uint64) []xferObject {
+	n := 0
+	for _, o := range t.objs {
+		n += len(o.spans)
+	}
+	all := make([]kSpan, 0, n)
+	xobjs := make([]xferObject, len(t.objs))
+	for i, o := range t.objs {
+		first := len(all)
+		for _, sp := range o.spans {
+			if sp.len > 0 {
+				all = append(all, kSpan{ptr: base(sp.mem) + sp.off, objOff: sp.objOff, len: sp.len})
+			}
+		}
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all):len(all)]}
+	}
+	return xobjs
+}
+
+// sharedSpans returns the spans of every object as one slice when they lie
+// back to back in one array (as deviceObjects makes them), else nil.
+func sharedSpans(objs []xferObject) []kSpan {
+	var base unsafe.Pointer
+	n := 0
+	for _, o := range objs {
+		if len(o.spans) == 0 {
+			continue
+		}
+		p := unsafe.Pointer(unsafe.SliceData(o.spans))
+		if base == nil {
+			base = p
+		} else if p != unsafe.Add(base, uintptr(n)*unsafe.Sizeof(kSpan{})) {
+			return nil
+		}
+		n += len(o.spans)
+	}
+	if base == nil {
+		return nil
+	}
+	return unsafe.Slice((*kSpan)(base), n)
+}
+
 func newPlan(objs []xferObject) (*xferPlan, error) {
 	p := &xferPlan{nobj: len(objs), first: make([]uint32, len(objs))}
+	if shared := sharedSpans(objs); shared != nil {
+		if uint64(len(shared)) >= 1<<32 {
+			return nil, fmt.Errorf("%w: more than 2^32 spans in one transfer", ErrOutOfRange)
+		}
+		n := uint32(0)
+		for i, o := range objs {
+			p.first[i] = n
+			n += uint32(len(o.spans))
+		}
+		p.spans = shared
+		return p, nil
+	}
+	n := 0
+	for _, o := range objs {
+		n += len(o.spans)
+	}
+	p.spans = make([]kSpan, 0, n)
 	for i, o := range objs {
 		if uint64(len(p.spans))+uint64(len(o.spans)) >= 1<<32 {
 			return nil, fmt.Errorf("%w: more than 2^32 spans in one transfer", ErrOutOfRange)

@@ -78,14 +78,7 @@ func BenchmarkPlanRowSpans(b *testing.B) {
 					b.Fatal(err)
 				}
 				t1 := time.Now()
-				xobjs := make([]xferObject, len(t.objs))
-				for i, o := range t.objs {
-					spans := make([]kSpan, 0, len(o.spans))
-					for _, sp := range o.spans {
-						spans = append(spans, kSpan{ptr: devBase + sp.off, objOff: sp.objOff, len: sp.len})
-					}
-					xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: spans}
-				}
+				xobjs := deviceObjects(t, func(*planMem) uint64 { return devBase })
 				t2 := time.Now()
 				p, err := planStaged(xobjs, [2]uint64{stageBase, stageBase + 32<<20}, 32<<20)
 				if err != nil {
