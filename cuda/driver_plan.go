@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"sort"
-	"unsafe"
 )
 
 // Plans of the CUDA backend's Gather and Scatter: the tables that the copy
@@ -100,32 +99,36 @@ func deviceObjects[M comparable](t *checkedTransfer[M], base func(M) uint64) []x
 				all = append(all, kSpan{ptr: base(sp.mem) + sp.off, objOff: sp.objOff, len: sp.len})
 			}
 		}
-		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all):len(all)]}
+		// The capacity behind each slice is the next objects' spans
+		// (sharedSpans finds them); nothing appends to an object's spans.
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all)]}
 	}
 	return xobjs
 }
 
 // sharedSpans returns the spans of every object as one slice when they lie
-// back to back in one array (as deviceObjects makes them), else nil.
+// back to back in one array (as deviceObjects makes them: each object's
+// slice keeps the array's capacity behind it), else nil.
 func sharedSpans(objs []xferObject) []kSpan {
-	var base unsafe.Pointer
+	var first []kSpan
 	n := 0
 	for _, o := range objs {
 		if len(o.spans) == 0 {
 			continue
 		}
-		p := unsafe.Pointer(unsafe.SliceData(o.spans))
-		if base == nil {
-			base = p
-		} else if p != unsafe.Add(base, uintptr(n)*unsafe.Sizeof(kSpan{})) {
+		if first == nil {
+			first, n = o.spans, len(o.spans)
+			continue
+		}
+		if cap(first) <= n || &o.spans[0] != &first[:n+1][n] {
 			return nil
 		}
 		n += len(o.spans)
 	}
-	if base == nil {
+	if first == nil {
 		return nil
 	}
-	return unsafe.Slice((*kSpan)(base), n)
+	return first[:n]
 }
 
 func newPlan(objs []xferObject) (*xferPlan, error) {
