@@ -22,6 +22,7 @@
 #   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench")
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
+#   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
 #   KEEP=1         keep the temp dir (logs); PORT_BASE picks the ports
 set -euo pipefail
 
@@ -120,7 +121,7 @@ for ((r = 0; r < RANKS; r++)); do
 	# shellcheck disable=SC2046
 	"$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$RANKS" --dcp-size "$DCP" --device "$DEVICE" \
 		--host-dir "$WORK/shm" --l1-bytes "$L1" --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2 + r))" \
-		--http 127.0.0.1:0 --log-level warn --creds-dir "$CREDS" $(prof "rankd$r") >>"$WORK/logs/rankd$r.log" 2>&1 &
+		--http 127.0.0.1:0 --log-level warn --creds-dir "$CREDS" $(prof "rankd$r") ${RANKD_ARGS:-} >>"$WORK/logs/rankd$r.log" 2>&1 &
 	PIDS+=($!)
 done
 alive=0

@@ -145,12 +145,21 @@ func TestStoresThrottleOnFullL1(t *testing.T) {
 // b+1 before it waits for batch b, so the device is not idle while the host
 // prepares the next batch; every byte still arrives.
 func TestRetrieveBatchesOverlap(t *testing.T) {
+	for _, serial := range []bool{false, true} {
+		t.Run(fmt.Sprintf("serial=%v", serial), func(t *testing.T) { testRetrieveBatchesOverlap(t, serial) })
+	}
+}
+
+// testRetrieveBatchesOverlap: with RetrieveSerialBatches (the ablation)
+// every batch completes before the next is enqueued; without, they overlap.
+func testRetrieveBatchesOverlap(t *testing.T, serial bool) {
 	dev := openDevice(t, "")
 	const n = 13 // 31 MiB: two batches of 16 MiB
 	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * n})
 	cfg := engineConfig(t, dev, 0, 1)
 	cfg.L1Bytes = 64 << 20
 	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	cfg.RetrieveSerialBatches = serial
 	e := newEngine(t, cfg)
 	r.register(e)
 	var cs []chunk
@@ -181,7 +190,10 @@ func TestRetrieveBatchesOverlap(t *testing.T) {
 	}
 	for b := 1; b < len(batchOf); b++ {
 		enq, done := pos[fmt.Sprintf("enqueue %d", b)], pos[fmt.Sprintf("complete %d", b-1)]
-		if enq > done {
+		if serial && enq < done {
+			t.Fatalf("serial batches: batch %d was enqueued before batch %d completed (events %v)", b, b-1, events)
+		}
+		if !serial && enq > done {
 			t.Fatalf("batch %d was enqueued after batch %d completed (events %v): batches do not overlap", b, b-1, events)
 		}
 	}

@@ -227,6 +227,10 @@ type pendingScatter struct {
 // retrieve never waits for a stream while holding one.
 func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter) *pendingScatter {
 	e := r.e
+	if e.cfg.RetrieveSerialBatches && *prev != nil {
+		r.complete(ctx, *prev)
+		*prev = nil
+	}
 	scatter, fromPeers := r.prepare(ctx, idx)
 	p := &pendingScatter{idx: idx, fromPeers: fromPeers}
 	if len(scatter) == 0 {
