@@ -11,7 +11,7 @@ CLANG     ?= clang-14
 CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 export CGO_CFLAGS
 
-.PHONY: all build test test-short demo bench lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm
+.PHONY: all build test test-short demo bench bench-daemon lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm
 
 all: build
 
@@ -39,6 +39,15 @@ demo: build
 # Benchmarks print ratios against ceilings measured in the same run.
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 1x $(PKGS)
+
+# The daemon-path benchmark (enginesim --bench through a coordinator and
+# real rankds, see scripts/gpu-bench.sh) on the host backend, small. On the
+# H200: RANKS=4 DEVICE=cuda:0 GB=1.3 bash scripts/gpu-bench.sh .gpu
+BENCH_RANKS ?= 4
+BENCH_GB    ?= 0.05
+BENCH_REPS  ?= 5
+bench-daemon: build
+	RANKS=$(BENCH_RANKS) DEVICE=host GB=$(BENCH_GB) REPS=$(BENCH_REPS) OUT=$(BIN)/bench-daemon.json bash scripts/gpu-bench.sh $(BIN)
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

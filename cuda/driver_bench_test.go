@@ -285,7 +285,7 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 		return 2 * time.Second
 	}
 	samples := map[string][]time.Duration{}
-	var ce []time.Duration
+	var ce, enq []time.Duration // enq: host time of the staged+sum enqueue (validation, plan, tables)
 	for rep := range reps + 1 {
 		c := bx.ceiling(b, host, scatter)
 		for _, mode := range []string{"direct", "staged"} {
@@ -311,6 +311,9 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 				gates[key] = max(20*time.Millisecond, hostT*3/2+10*time.Millisecond)
 				if rep > 0 { // the first repetition warms up
 					samples[key] = append(samples[key], t)
+					if key == "staged" {
+						enq = append(enq, hostT)
+					}
 				}
 			}
 		}
@@ -323,10 +326,16 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	for k, v := range samples {
 		res.t[k] = median(v)
 	}
-	fmt.Printf("%s, %s: %d objects, %.2f GB: CE %.1f GB/s; direct %.1f, staged %.1f GB/s; without checksum direct %.1f, staged %.1f GB/s\n",
+	nspans := 0
+	for _, o := range objs {
+		nspans += len(o.Spans)
+	}
+	he := median(enq)
+	fmt.Printf("%s, %s: %d objects, %.2f GB: CE %.1f GB/s; direct %.1f, staged %.1f GB/s; without checksum direct %.1f, staged %.1f GB/s; host enqueue (staged) %v for %d spans = %.1f ns/span\n",
 		g.name, res.dir, len(objs), float64(host)/1e9, gbps(host, res.ce),
 		gbps(host, res.t["direct"]), gbps(host, res.t["staged"]),
-		gbps(host, res.t["direct-nosum"]), gbps(host, res.t["staged-nosum"]))
+		gbps(host, res.t["direct-nosum"]), gbps(host, res.t["staged-nosum"]),
+		he.Round(time.Microsecond), nspans, float64(he.Nanoseconds())/float64(max(nspans, 1)))
 	return res
 }
 

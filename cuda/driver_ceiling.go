@@ -8,6 +8,7 @@ package cuda
 import "C"
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"time"
@@ -140,4 +141,45 @@ func CopyCeilingHtoD(dev Device, n uint64, reps int) (float64, error) {
 	}
 	slices.Sort(ts)
 	return float64(n) / ts[len(ts)/2].Seconds() / 1e9, nil
+}
+
+// plainCopy is PlainCopy on the CUDA backend: one copy-engine copy of n
+// bytes between the start of m and the start of the pinned buffer hb,
+// enqueued on s after its earlier work, waited for with
+// cuStreamSynchronize (no polling, so the ceiling is not slowed by a wait
+// granularity).
+func (s *driverStream) plainCopy(ctx context.Context, m Mem, hb HostBuf, n uint64, toDevice bool) error {
+	dm, err := s.d.asMem(m, "PlainCopy")
+	if err != nil {
+		return err
+	}
+	buf, ok := hb.(*driverHostBuf)
+	if !ok || buf == nil || buf.d.ctx != s.d.ctx {
+		return fmt.Errorf("%w: PlainCopy with a host buffer (%T) not of this device", ErrBadHandle, hb)
+	}
+	if n > buf.size {
+		return fmt.Errorf("%w: PlainCopy of %d B into a host buffer of %d B", ErrOutOfRange, n, buf.size)
+	}
+	if !dm.life.acquire() {
+		return fmt.Errorf("%w: PlainCopy from a released Mem", ErrReleased)
+	}
+	defer dm.life.unref()
+	if !buf.life.acquire() {
+		return fmt.Errorf("%w: PlainCopy with a released host buffer", ErrReleased)
+	}
+	defer buf.life.unref()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.lockEnqueue()
+	if err := s.refuseLocked(); err != nil {
+		s.unlockEnqueue()
+		return fmt.Errorf("PlainCopy: %w", err)
+	}
+	err = s.copyCE(buf.host, dm.ptr, n, toDevice)
+	s.unlockEnqueue()
+	if err != nil {
+		return fmt.Errorf("PlainCopy: %w", err)
+	}
+	return check("cuStreamSynchronize", C.kv_stream_synchronize(s.d.ctx, s.h))
 }

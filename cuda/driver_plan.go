@@ -82,8 +82,74 @@ func chunksOf(addr, n uint64) uint64 {
 	return (addr+n+15)/16 - addr/16
 }
 
+// deviceObjects turns a checked transfer into device-address objects, all
+// spans in one array in order (newPlan then uses it without a copy);
+// empty spans are left out. base gives a Mem's device address.
+func deviceObjects[M comparable](t *checkedTransfer[M], base func(M) uint64) []xferObject {
+	n := 0
+	for _, o := range t.objs {
+		n += len(o.spans)
+	}
+	all := make([]kSpan, 0, n)
+	xobjs := make([]xferObject, len(t.objs))
+	for i, o := range t.objs {
+		first := len(all)
+		for _, sp := range o.spans {
+			if sp.len > 0 {
+				all = append(all, kSpan{ptr: base(sp.mem) + sp.off, objOff: sp.objOff, len: sp.len})
+			}
+		}
+		// The capacity behind each slice is the next objects' spans
+		// (sharedSpans finds them); nothing appends to an object's spans.
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all)]}
+	}
+	return xobjs
+}
+
+// sharedSpans returns the spans of every object as one slice when they lie
+// back to back in one array (as deviceObjects makes them: each object's
+// slice keeps the array's capacity behind it), else nil.
+func sharedSpans(objs []xferObject) []kSpan {
+	var first []kSpan
+	n := 0
+	for _, o := range objs {
+		if len(o.spans) == 0 {
+			continue
+		}
+		if first == nil {
+			first, n = o.spans, len(o.spans)
+			continue
+		}
+		if cap(first) <= n || &o.spans[0] != &first[:n+1][n] {
+			return nil
+		}
+		n += len(o.spans)
+	}
+	if first == nil {
+		return nil
+	}
+	return first[:n]
+}
+
 func newPlan(objs []xferObject) (*xferPlan, error) {
 	p := &xferPlan{nobj: len(objs), first: make([]uint32, len(objs))}
+	if shared := sharedSpans(objs); shared != nil {
+		if uint64(len(shared)) >= 1<<32 {
+			return nil, fmt.Errorf("%w: more than 2^32 spans in one transfer", ErrOutOfRange)
+		}
+		n := uint32(0)
+		for i, o := range objs {
+			p.first[i] = n
+			n += uint32(len(o.spans))
+		}
+		p.spans = shared
+		return p, nil
+	}
+	n := 0
+	for _, o := range objs {
+		n += len(o.spans)
+	}
+	p.spans = make([]kSpan, 0, n)
 	for i, o := range objs {
 		if uint64(len(p.spans))+uint64(len(o.spans)) >= 1<<32 {
 			return nil, fmt.Errorf("%w: more than 2^32 spans in one transfer", ErrOutOfRange)

@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -182,5 +183,50 @@ func TestChunksOf(t *testing.T) {
 		if got := chunksOf(c.addr, c.n); got != c.want {
 			t.Errorf("chunksOf(%d, %d) = %d, want %d", c.addr, c.n, got, c.want)
 		}
+	}
+}
+
+// newPlan takes the spans of objects made by deviceObjects (one shared
+// array) without copying them, with the same tables as for objects whose
+// spans are separate slices; empty objects and empty spans included.
+func TestNewPlanSharedSpans(t *testing.T) {
+	a := &planMem{size: 1 << 20}
+	objs := []Object{
+		{HostOff: 0, Spans: []Span{{Mem: a, Off: 100, Len: 561}, {Mem: a, Off: 0, Len: 0}, {Mem: a, Off: 5000, Len: 561}}},
+		{HostOff: 2000},
+		{HostOff: 4000, Spans: []Span{{Mem: a, Off: 9000, Len: 17}}},
+		{HostOff: 8000, Spans: []Span{{Mem: a, Off: 20000, Len: 4096}, {Mem: a, Off: 30000, Len: 1}}},
+	}
+	ct, err := checkTransfer(objs, 1<<16, true, func(m Mem) (*planMem, memView, error) {
+		return m.(*planMem), memView{size: m.Size(), base: devBase}, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := deviceObjects(ct, func(*planMem) uint64 { return devBase })
+	if sharedSpans(shared) == nil {
+		t.Fatal("deviceObjects did not put the spans in one array")
+	}
+	separate := make([]xferObject, len(shared))
+	for i, o := range shared {
+		separate[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: append([]kSpan(nil), o.spans...)}
+	}
+	if sharedSpans(separate) != nil && len(separate) > 1 {
+		t.Fatal("separately allocated spans reported as one array")
+	}
+	p1, err := newPlan(shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2, err := newPlan(separate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(p1.spans, p2.spans) || !slices.Equal(p1.first, p2.first) || p1.nobj != p2.nobj {
+		t.Fatalf("shared: spans %v first %v; separate: spans %v first %v", p1.spans, p1.first, p2.spans, p2.first)
+	}
+	want := []kSpan{{devBase + 100, 0, 561}, {devBase + 5000, 561, 561}, {devBase + 9000, 0, 17}, {devBase + 20000, 0, 4096}, {devBase + 30000, 4096, 1}}
+	if !slices.Equal(p1.spans, want) || !slices.Equal(p1.first, []uint32{0, 2, 2, 3}) {
+		t.Fatalf("spans %v first %v, want %v first [0 2 2 3]", p1.spans, p1.first, want)
 	}
 }

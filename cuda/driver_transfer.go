@@ -43,16 +43,7 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	xobjs := make([]xferObject, len(t.objs))
-	for i, o := range t.objs {
-		spans := make([]kSpan, 0, len(o.spans))
-		for _, sp := range o.spans {
-			if sp.len > 0 {
-				spans = append(spans, kSpan{ptr: sp.mem.ptr + sp.off, objOff: sp.objOff, len: sp.len})
-			}
-		}
-		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: spans}
-	}
+	xobjs := deviceObjects(t, func(m *driverMem) uint64 { return m.ptr })
 	if !buf.life.acquire() {
 		return nil, nil, nil, fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size)
 	}

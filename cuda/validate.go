@@ -66,13 +66,29 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, re
 	t := &checkedTransfer[M]{objs: make([]checkedObject[M], len(objs))}
 	seen := make(map[M]struct{})
 	var dsts []destRange
+	// Consecutive spans mostly name the same Mem: it is resolved once per
+	// run of spans (a Mem that resolve accepted is of the backend's
+	// comparable type, so comparing it with the next span's is safe).
+	var (
+		lastMem Mem
+		lastM   M
+		lastV   memView
+	)
 	for i, o := range objs {
 		first := len(all)
 		var total uint64
 		for j, sp := range o.Spans {
-			m, v, err := resolve(sp.Mem)
-			if err != nil {
-				return nil, fmt.Errorf("object %d span %d: %w", i, j, err)
+			m, v := lastM, lastV
+			if lastMem == nil || sp.Mem != lastMem {
+				var err error
+				if m, v, err = resolve(sp.Mem); err != nil {
+					return nil, fmt.Errorf("object %d span %d: %w", i, j, err)
+				}
+				if _, ok := seen[m]; !ok {
+					seen[m] = struct{}{}
+					t.mems = append(t.mems, memUse[M]{m, i, j})
+				}
+				lastMem, lastM, lastV = sp.Mem, m, v
 			}
 			if sp.Off > v.size || sp.Len > v.size-sp.Off {
 				return nil, fmt.Errorf("%w: object %d span %d: [%d, +%d B) outside its Mem of %d B",
@@ -81,13 +97,17 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, re
 			if total+sp.Len < total {
 				return nil, fmt.Errorf("%w: object %d: packed length overflows at span %d", ErrOutOfRange, i, j)
 			}
-			if _, ok := seen[m]; !ok {
-				seen[m] = struct{}{}
-				t.mems = append(t.mems, memUse[M]{m, i, j})
-			}
 			if scatter && sp.Len > 0 {
 				start := v.base + sp.Off
-				dsts = append(dsts, destRange{v.space, start, start + sp.Len, i, j})
+				// A span that continues the previous destination (rows of
+				// one page) extends it: far fewer ranges to sort, and the
+				// same answer, since adjacent ranges share no byte. An
+				// overlap found is named span by span (exactDests).
+				if k := len(dsts) - 1; k >= 0 && dsts[k].end == start && dsts[k].space == v.space {
+					dsts[k].end = start + sp.Len
+				} else {
+					dsts = append(dsts, destRange{v.space, start, start + sp.Len, i, j})
+				}
 			}
 			all = append(all, checkedSpan[M]{mem: m, off: sp.Off, len: sp.Len, objOff: total})
 			total += sp.Len
@@ -102,9 +122,27 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, re
 		t.objs[i] = checkedObject[M]{hostOff: o.HostOff, len: total, spans: all[first:len(all):len(all)]}
 	}
 	if err := checkOverlap(dsts, scatter); err != nil {
+		if scatter {
+			return nil, checkOverlap(exactDests(objs, resolve), true)
+		}
 		return nil, err
 	}
 	return t, nil
+}
+
+// exactDests lists every destination span of a scatter that passed the
+// per-span checks, one range per span, for naming the spans that overlap.
+func exactDests[M comparable](objs []Object, resolve func(Mem) (M, memView, error)) []destRange {
+	var ds []destRange
+	for i, o := range objs {
+		for j, sp := range o.Spans {
+			if _, v, err := resolve(sp.Mem); err == nil && sp.Len > 0 {
+				start := v.base + sp.Off
+				ds = append(ds, destRange{v.space, start, start + sp.Len, i, j})
+			}
+		}
+	}
+	return ds
 }
 
 // acquire takes a reference on every Mem of t, in order of first use. If

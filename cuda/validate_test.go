@@ -73,6 +73,14 @@ func TestCheckTransfer(t *testing.T) {
 			[]string{"both write 4 B at [0x1040, 0x1044) of unified device memory"}},
 		{"scatter: contained behind a short range", true, []Object{obj(0, sp(a, 0, 100), sp(a, 10, 1)), obj(200, sp(a, 50, 60))}, ErrOverlap, nil},
 		{"scatter: empty spans write nothing", true, []Object{obj(0, sp(a, 5, 0), sp(a, 0, 10))}, nil, nil},
+		// Rows of one page, one span each, merge into one range for the
+		// overlap check; an overlap inside the run is still found and named
+		// span by span.
+		{"scatter: adjacent rows, across objects", true, []Object{obj(0, sp(a, 0, 10), sp(a, 10, 10)), obj(20, sp(a, 20, 10), sp(b, 30, 5))}, nil, nil},
+		{"scatter: overlap inside a run of adjacent rows", true, []Object{obj(0, sp(a, 0, 10), sp(a, 10, 10), sp(a, 20, 10)), obj(40, sp(a, 15, 2))}, ErrOverlap,
+			[]string{"object 0 span 1 and object 1 span 0 both write 2 B at [15, 17) of allocation A"}},
+		{"scatter: a run of rows overlaps across spaces' views", true, []Object{obj(0, sp(a, 540, 10), sp(a, 550, 10)), obj(100, sp(a2, 55, 10))}, ErrOverlap,
+			[]string{"object 0 span 1 and object 1 span 0 both write 5 B at [555, 560) of allocation A"}},
 	} {
 		got, err := checkTransfer(c.objs, hostLen, c.scatter, resolveFake)
 		if c.want == nil {

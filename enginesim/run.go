@@ -95,6 +95,19 @@ type Config struct {
 	Out io.Writer
 	// ResultFile, when set, receives the Result as JSON.
 	ResultFile string
+
+	// Bench runs the daemon-path benchmark (bench.go) instead of one
+	// store and restore: BenchReps repetitions (default 5) of a timed
+	// store and a timed restore with fresh content, against a plain copy
+	// of the same bytes. Phase must be all.
+	Bench     bool
+	BenchReps int
+	// BenchChunksPerStore is the number of chunks in one store request
+	// (default 1: one request per chunk, as an engine stores).
+	BenchChunksPerStore int
+	// BenchGB, when > 0, sizes the prompt so that the rank storing the
+	// most stores at least this many GB (1e9 B); it overrides Chunks.
+	BenchGB float64
 }
 
 // Result is the outcome of a run, as printed and as written to ResultFile.
@@ -121,6 +134,8 @@ type Result struct {
 	// Seconds per phase step.
 	StoreSeconds   float64 `json:"store_seconds,omitempty"`
 	RestoreSeconds float64 `json:"restore_seconds,omitempty"`
+	// Bench is the benchmark's outcome (Config.Bench).
+	Bench *BenchResult `json:"bench,omitempty"`
 }
 
 // RankResult is one rank's row of the final table.
@@ -137,6 +152,8 @@ type RankResult struct {
 	Compare    string `json:"compare"`         // ok, or what differed
 	Mismatch   uint64 `json:"mismatch_bytes"`
 	Outside    uint64 `json:"outside_bytes"`
+	// Seconds is the time from restore.begin to this rank's retrieve reply.
+	Seconds float64 `json:"seconds,omitempty"`
 }
 
 // Run runs one simulation. It returns the result and an error when the run
@@ -188,6 +205,16 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if cfg.Chunks > 0 {
 		sc.Chunks = cfg.Chunks
 	}
+	if cfg.Bench {
+		if cfg.Phase != PhaseAll {
+			return nil, fmt.Errorf("bench: phase %q, the benchmark stores and restores (phase all)", cfg.Phase)
+		}
+		if cfg.BenchGB > 0 {
+			if sc.Chunks, err = benchChunks(sc, cfg.BenchGB); err != nil {
+				return nil, err
+			}
+		}
+	}
 	if cfg.Tokens != nil {
 		ct := sc.Spec.ChunkTokens
 		if ct <= 0 || len(cfg.Tokens) < ct {
@@ -228,6 +255,9 @@ type sim struct {
 	workers []*worker
 	res     *Result
 	outMu   sync.Mutex
+	// quiet leaves out the per-rank restore table (bench repetitions
+	// before the last).
+	quiet bool
 }
 
 func (s *sim) logf(format string, args ...any) {
@@ -323,6 +353,9 @@ func (s *sim) run(ctx context.Context) error {
 	}
 	s.logf("registered %d ranks' pools (%s device %s)", len(s.workers), s.workers[0].dev.Info().Backend, s.workers[0].dev.Info().UUID)
 
+	if s.cfg.Bench {
+		return s.bench(ctx)
+	}
 	if s.cfg.Phase != PhaseRestore {
 		if err := s.hold(ctx, "store", s.cfg.HoldBeforeStore); err != nil {
 			return err
@@ -494,6 +527,7 @@ func (s *sim) restore(ctx context.Context) error {
 		cctx, cancel := s.callCtx(ctx)
 		defer cancel()
 		rep, err := w.retrieve(cctx, plan.RestoreID, items)
+		row.Seconds = time.Since(start).Seconds()
 		if err != nil {
 			row.Error = err.Error()
 			s.logf("rank %d: retrieve failed: %v", w.t, err)
@@ -555,7 +589,9 @@ func (s *sim) restore(ctx context.Context) error {
 		}
 	}
 	s.res.Ranks = rows
-	s.printTable(v)
+	if !s.quiet {
+		s.printTable(v)
+	}
 
 	if err := v.Validate(); err != nil {
 		problems = append(problems, err.Error())

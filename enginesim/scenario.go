@@ -61,6 +61,13 @@ var scenarios = map[string]Scenario{
 			Groups: seedGroups(), ChunkTokens: 2048},
 		Chunks: 4, TailTokens: 100,
 	},
+	"tp1": {
+		Name:     "tp1",
+		Describe: "TP1 (one rank, one rankd), every group stored and restored by rank 0",
+		Spec: dcp.Spec{Model: "enginesim/tp1", Layout: dcp.Layout{TP: 1, DCP: 1, Interleave: 1, PP: 1},
+			Groups: seedGroups(), ChunkTokens: 2048},
+		Chunks: 4, TailTokens: 100,
+	},
 	"tp4dcp1": {
 		Name:     "tp4dcp1",
 		Describe: "TP4 x DCP1, MLA groups stored by rank 0 and restored on all 4 ranks, NVFP4 and recurrent per rank",

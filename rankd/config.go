@@ -89,6 +89,9 @@ type Config struct {
 	// reply sent while they are still in use says blocks_in_use and a
 	// wire.BlocksFreed message follows (C10). Default 30 s.
 	StoreTimeout time.Duration
+	// RetrieveSerialBatches: transfer.Config.RetrieveSerialBatches (an
+	// ablation for benchmarks). Default false.
+	RetrieveSerialBatches bool
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;

@@ -139,6 +139,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg
 	tc.StoreTimeout = cfg.StoreTimeout
+	tc.RetrieveSerialBatches = cfg.RetrieveSerialBatches
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

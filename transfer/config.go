@@ -211,6 +211,11 @@ type Config struct {
 	// 256 MiB. Larger batches mean fewer, longer scatters; smaller ones
 	// leave more of L1 to concurrent work.
 	RetrieveBatchBytes uint64
+	// RetrieveSerialBatches makes a retrieve wait for and verify each
+	// batch's scatter before it prepares the next, as before issue 12.6.
+	// Default false: batch b+1 is prepared and enqueued while batch b is
+	// on the device (two batches pinned at most). For A/B measurements.
+	RetrieveSerialBatches bool
 
 	// Publisher receives event batches. Default nil: events are sequenced
 	// and reflected in Inventory but discarded.

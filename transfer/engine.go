@@ -74,6 +74,10 @@ type testHooks struct {
 	// rescanned runs, outside the engine lock, after the rescan entered
 	// each entry (copied from rescanHook at New).
 	rescanned func(ScanEntry)
+	// scatterEnqueued runs after a retrieve enqueued the scatter of a
+	// batch (idx: the batch's items); scatterCompleted after it waited
+	// for and verified it.
+	scatterEnqueued, scatterCompleted func(restoreID string, idx []int)
 	// peerLeased runs after a retrieve leased an object in a peer's L1,
 	// before its scatter (tests set it before the retrieve).
 	peerLeased func(dcp.Key)
@@ -424,6 +428,26 @@ func (p *streamPool) get(ctx context.Context) (cuda.Stream, error) {
 	case p.sem <- struct{}{}:
 	case <-ctx.Done():
 		return nil, ctx.Err()
+	}
+	select {
+	case s := <-p.free:
+		return s, nil
+	default:
+	}
+	s, err := p.dev.NewStream()
+	if err != nil {
+		<-p.sem
+		return nil, fmt.Errorf("new stream: %w", errors.Join(err, ErrDevice))
+	}
+	return s, nil
+}
+
+// tryGet is get without waiting: nil, nil when every stream is taken.
+func (p *streamPool) tryGet() (cuda.Stream, error) {
+	select {
+	case p.sem <- struct{}{}:
+	default:
+		return nil, nil
 	}
 	select {
 	case s := <-p.free:

@@ -139,3 +139,62 @@ func TestStoresThrottleOnFullL1(t *testing.T) {
 	}
 	restoreAll(t, e, r, "every chunk of a prompt stored faster than L1 drains", cs, tgts)
 }
+
+// TestRetrieveBatchesOverlap (issue 12.6): a restore larger than one
+// retrieve batch (L1/4 of a 64 MiB L1 here) enqueues the scatter of batch
+// b+1 before it waits for batch b, so the device is not idle while the host
+// prepares the next batch; every byte still arrives.
+func TestRetrieveBatchesOverlap(t *testing.T) {
+	for _, serial := range []bool{false, true} {
+		t.Run(fmt.Sprintf("serial=%v", serial), func(t *testing.T) { testRetrieveBatchesOverlap(t, serial) })
+	}
+}
+
+// testRetrieveBatchesOverlap: with RetrieveSerialBatches (the ablation)
+// every batch completes before the next is enqueued; without, they overlap.
+func testRetrieveBatchesOverlap(t *testing.T, serial bool) {
+	dev := openDevice(t, "")
+	const n = 13 // 31 MiB: two batches of 16 MiB
+	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * n})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	cfg.RetrieveSerialBatches = serial
+	e := newEngine(t, cfg)
+	r.register(e)
+	var cs []chunk
+	for i := range n {
+		cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+	}
+	storeConcurrently(t, e, r, "p", cs, 0)
+	var events []string
+	batchOf := map[int]int{} // first item of a batch -> batch number
+	e.hooks.scatterEnqueued = func(_ string, idx []int) {
+		batchOf[idx[0]] = len(batchOf)
+		events = append(events, fmt.Sprintf("enqueue %d", batchOf[idx[0]]))
+	}
+	e.hooks.scatterCompleted = func(_ string, idx []int) {
+		events = append(events, fmt.Sprintf("complete %d", batchOf[idx[0]]))
+	}
+	var tgts [][][]int64
+	for i := range cs {
+		tgts = append(tgts, r.consecutiveN(n+i))
+	}
+	restoreAll(t, e, r, "prompt of two batches", cs, tgts)
+	if len(batchOf) < 2 {
+		t.Fatalf("%d batches (events %v): the test needs a restore of several", len(batchOf), events)
+	}
+	pos := map[string]int{}
+	for i, ev := range events {
+		pos[ev] = i
+	}
+	for b := 1; b < len(batchOf); b++ {
+		enq, done := pos[fmt.Sprintf("enqueue %d", b)], pos[fmt.Sprintf("complete %d", b-1)]
+		if serial && enq < done {
+			t.Fatalf("serial batches: batch %d was enqueued before batch %d completed (events %v)", b, b-1, events)
+		}
+		if !serial && enq > done {
+			t.Fatalf("batch %d was enqueued after batch %d completed (events %v): batches do not overlap", b, b-1, events)
+		}
+	}
+}

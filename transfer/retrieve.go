@@ -137,10 +137,21 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	defer stop()
 	// The items go through L1 in batches of whole chunks, each pinned only
 	// until its scatter is verified, so a prompt larger than L1 restores
-	// from L2 whatever L1's size (issue 18.1).
+	// from L2 whatever L1's size (issue 18.1). Batches overlap by one: batch
+	// b+1 is prepared and its scatter enqueued (on another stream) before
+	// batch b's scatter is waited for and verified, so the device never
+	// idles between batches while the host plans the next one (issue 12.6).
+	// At most two batches are pinned at once.
+	var prev *pendingScatter
 	for _, b := range r.batches() {
-		r.run(ctx, b)
-		r.unpinAll()
+		next := r.start(ctx, b, &prev)
+		if prev != nil {
+			r.complete(ctx, prev)
+		}
+		prev = next
+	}
+	if prev != nil {
+		r.complete(ctx, prev)
 	}
 	r.account()
 	r.finish()
@@ -201,9 +212,85 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 	return out, nil
 }
 
-// run does the retrieval of the items idx (whole chunks): pin or load,
-// verdicts, scatter. The caller unpins them afterwards (unpinAll).
-func (r *retrieval) run(ctx context.Context, idx []int) {
+// pendingScatter is a batch whose scatter is enqueued but not yet waited
+// for: idx are all its items, scatter those in the scatter (op on stream;
+// nil op when nothing was enqueued), fromPeers those read from another
+// rank's L1 (scattered in complete).
+type pendingScatter struct {
+	idx, scatter, fromPeers []int
+	stream                  cuda.Stream
+	op                      *cuda.Op
+}
+
+// start prepares batch idx (prepare) and enqueues its scatter. When no
+// stream is free it first completes *prev (and sets it to nil), so a
+// retrieve never waits for a stream while holding one.
+func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter) *pendingScatter {
+	e := r.e
+	if e.cfg.RetrieveSerialBatches && *prev != nil {
+		r.complete(ctx, *prev)
+		*prev = nil
+	}
+	scatter, fromPeers := r.prepare(ctx, idx)
+	p := &pendingScatter{idx: idx, fromPeers: fromPeers}
+	if len(scatter) == 0 {
+		return p
+	}
+	p.scatter = scatter
+	stream, err := e.retrieveStreams.tryGet()
+	if stream == nil && err == nil {
+		if *prev != nil {
+			r.complete(ctx, *prev)
+			*prev = nil
+		}
+		stream, err = e.retrieveStreams.get(ctx)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			err = ctxErr(ctx)
+		}
+		for _, i := range scatter {
+			r.fail(i, fmt.Errorf("no stream: %w", err))
+		}
+		p.scatter = nil
+		return p
+	}
+	objs := make([]cuda.Object, len(scatter))
+	e.mu.Lock()
+	for k, i := range scatter {
+		objs[k] = cuda.Object{HostOff: e.cat.off(r.objs[i]), Spans: r.spans[i]}
+	}
+	e.mu.Unlock()
+	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
+		p.stream, p.op = stream, op
+	}
+	if e.hooks.scatterEnqueued != nil {
+		e.hooks.scatterEnqueued(r.req.RestoreID, idx)
+	}
+	return p
+}
+
+// complete waits for and verifies the scatter of batch p, scatters its
+// items held by peers, and unpins the batch.
+func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
+	if p.op != nil {
+		if sums, ok := r.waitScatter(ctx, p.stream, p.op, p.scatter); ok {
+			r.verifyScatter(p.scatter, sums)
+		}
+	}
+	if e := r.e; e.hooks.scatterCompleted != nil {
+		e.hooks.scatterCompleted(r.req.RestoreID, p.idx)
+	}
+	if len(p.fromPeers) > 0 {
+		r.scatterPeers(ctx, p.fromPeers)
+	}
+	r.unpinBatch(p.idx)
+}
+
+// prepare pins and loads the items of batch idx, gives each its verdict
+// before the scatter, and returns the items to scatter from this rank's L1
+// and those to scatter from peers' L1.
+func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers []int) {
 	e := r.e
 	res := r.sp.res
 	var loads, waits, remote []int
@@ -306,7 +393,6 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 			failed[r.req.Items[i].Chunk] = true
 		}
 	}
-	var scatter, fromPeers []int
 	for _, i := range idx {
 		it := r.req.Items[i]
 		switch {
@@ -330,12 +416,7 @@ func (r *retrieval) run(ctx context.Context, idx []int) {
 		}
 	}
 	e.mu.Unlock()
-	if len(scatter) > 0 {
-		r.scatter(ctx, scatter)
-	}
-	if len(fromPeers) > 0 {
-		r.scatterPeers(ctx, fromPeers)
-	}
+	return scatter, fromPeers
 }
 
 // load reads item i's object from L2 into its (unplaced) L1 object.
@@ -455,20 +536,10 @@ func (r *retrieval) fail(i int, err error) {
 	ir.OK, ir.Err, ir.Reason = false, err, reasonOf(err)
 }
 
-// scatter places the items and verifies them. It returns only once the
-// device has stopped writing the items' pages, also after a timeout (C10).
-func (r *retrieval) scatter(ctx context.Context, items []int) {
+// verifyScatter checks the sums a scatter of items from this rank's L1
+// read back against the objects' recorded sums.
+func (r *retrieval) verifyScatter(items []int, sums []uint64) {
 	e := r.e
-	objs := make([]cuda.Object, len(items))
-	e.mu.Lock()
-	for k, i := range items {
-		objs[k] = cuda.Object{HostOff: e.cat.off(r.objs[i]), Spans: r.spans[i]}
-	}
-	e.mu.Unlock()
-	sums, ok := r.scatterFrom(ctx, e.l1buf, items, objs)
-	if !ok {
-		return
-	}
 	var nok, bytes uint64
 	e.mu.Lock()
 	for k, i := range items {
@@ -548,16 +619,16 @@ func (e *Engine) retrieveBatchBytes() uint64 {
 	return max(e.cat.slabBytes, min(e.cfg.RetrieveBatchBytes, e.ctr.l1CapacityBytes/4))
 }
 
-// unpinAll gives back the pins of the items of the last batch.
-func (r *retrieval) unpinAll() {
+// unpinBatch gives back the pins and peer leases of the items idx.
+func (r *retrieval) unpinBatch(idx []int) {
 	e := r.e
-	for i := range r.peer {
+	for _, i := range idx {
 		r.releasePeer(i)
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for i, o := range r.objs {
-		if o != nil {
+	for _, i := range idx {
+		if o := r.objs[i]; o != nil {
 			e.unpinLocked(o)
 			r.objs[i] = nil
 		}
@@ -600,13 +671,41 @@ func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []i
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
 		return
 	}
+	op, ok := r.enqueueScatter(stream, buf, items, objs)
+	if !ok {
+		return nil, false
+	}
+	return r.waitScatter(ctx, stream, op, items)
+}
+
+// enqueueScatter enqueues the scatter of objs (the objects of items) from
+// buf on stream. On failure it fails every item, discards the stream and
+// returns false.
+func (r *retrieval) enqueueScatter(stream cuda.Stream, buf cuda.HostBuf, items []int, objs []cuda.Object) (*cuda.Op, bool) {
+	e := r.e
 	op, err := stream.Scatter(buf, objs)
 	if err != nil {
 		// Never reuse it: on the CUDA backend a failed enqueue can leave
 		// the stream failed for good, failing every later retrieve on it.
 		e.retrieveStreams.put(stream, false)
-		failAll(fmt.Errorf("scatter: %w: %w", ErrDevice, err))
-		return
+		for _, i := range items {
+			r.fail(i, fmt.Errorf("scatter: %w: %w", ErrDevice, err))
+		}
+		return nil, false
+	}
+	return op, true
+}
+
+// waitScatter waits for op, the scatter of items on stream, gives the
+// stream back and returns the sums; on failure every item is failed and ok
+// is false. It returns only once the device has stopped writing the items'
+// pages, also after a timeout (C10).
+func (r *retrieval) waitScatter(ctx context.Context, stream cuda.Stream, op *cuda.Op, items []int) (sums []uint64, ok bool) {
+	e := r.e
+	failAll := func(err error) {
+		for _, i := range items {
+			r.fail(i, err)
+		}
 	}
 	if err := op.Wait(ctx); err != nil {
 		if ctx.Err() != nil {

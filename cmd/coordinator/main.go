@@ -41,6 +41,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/cpuprof"
 	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/wire"
 	"go.uber.org/zap"
@@ -119,6 +120,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	cfg := coordinator.DefaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
 	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
@@ -242,6 +244,12 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "serve: %v\n", err)
 		return exitUsage
 	}
+	stopProf, err := cpuprof.Start(*cpuProfile)
+	if err != nil {
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitUsage
+	}
+	defer func() { _ = stopProf() }()
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)

@@ -5,6 +5,10 @@
 // It exits non-zero on any mismatch or unexpected verdict.
 //
 //	enginesim --scenario tp4dcp4 --nats nats://127.0.0.1:4222 --creds-dir D --device host
+//
+// With --bench it times a store and a restore of the whole prompt through
+// the rankds, repeated, against a plain copy of the same bytes
+// (scripts/gpu-bench.sh starts the daemons and runs it).
 package main
 
 import (
@@ -49,6 +53,10 @@ func main() {
 	flag.StringVar(&cfg.HoldBeforeStore, "hold-before-store", "", "after registering, wait until this file exists before storing")
 	flag.BoolVar(&cfg.KeepRegistered, "keep-registered", false, "do not release the pools at exit")
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
+	flag.BoolVar(&cfg.Bench, "bench", false, "daemon-path benchmark: timed store and restore of the prompt, repeated, against a plain copy of the same bytes")
+	flag.IntVar(&cfg.BenchReps, "bench-reps", 5, "bench: repetitions (median, min and max reported)")
+	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", 1, "bench: chunks per store request")
+	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
 	flag.Parse()
 
 	if cfg.Creds.Insecure {

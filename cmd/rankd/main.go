@@ -28,6 +28,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/internal/cpuprof"
 	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/rankd"
 )
@@ -79,6 +80,8 @@ func main() {
 	flag.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
 	flag.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
+	flag.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
+	cpuProfile := flag.String("cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
 
 	fail := func(err error) {
@@ -155,6 +158,11 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
+	stopProf, err := cpuprof.Start(*cpuProfile)
+	if err != nil {
+		fail(err)
+	}
+	defer func() { _ = stopProf() }()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := d.Start(ctx); err != nil {
@@ -165,7 +173,9 @@ func main() {
 	<-ctx.Done()
 	stop()
 	log.Info("signal received; shutting down")
-	if err := d.Shutdown(context.Background()); err != nil {
+	err = d.Shutdown(context.Background())
+	_ = stopProf()
+	if err != nil {
 		log.Error("shutdown", zap.Error(err))
 		os.Exit(1)
 	}

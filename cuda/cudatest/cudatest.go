@@ -51,6 +51,7 @@ func Run(t *testing.T, open Opener) {
 	t.Run("Events", func(t *testing.T) { testEvents(t, open) })
 	t.Run("ManyStreams", func(t *testing.T) { testManyStreams(t, openDev(t, open)) })
 	t.Run("Lifecycle", func(t *testing.T) { testLifecycle(t, openDev(t, open)) })
+	t.Run("PlainCopy", func(t *testing.T) { testPlainCopy(t, openDev(t, open)) })
 }
 
 func openDev(t *testing.T, open Opener) cuda.Device {

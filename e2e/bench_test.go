@@ -1,0 +1,65 @@
+package e2e
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvtier/kvtier/enginesim"
+)
+
+// The daemon-path benchmark (enginesim --bench) through real daemons on the
+// host backend: every repetition moves every byte (fresh content, nothing
+// deduplicated), restores COMPLETE and byte-exact, and reports a timed
+// figure and a ceiling per repetition. Speed is not asserted.
+func TestBenchDaemonPath(t *testing.T) {
+	c := newKV(t, 4)
+	c.startAll()
+	const reps, chunks = 2, 2
+	res := c.mustSim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "2", "--chunks", "2", "--seed", "7")
+	b := res.Bench
+	if b == nil || b.Reps != reps || b.Ranks != 4 {
+		t.Fatalf("bench result %+v", b)
+	}
+	sc, err := enginesim.LookupScenario("tp4dcp4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc.Chunks = chunks
+	p, err := enginesim.NewPlan(sc, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// TP4/DCP4: each rank stores and restores its own shard of every group.
+	var perRank uint64
+	for gi := range p.R.Geometry {
+		perRank += p.ChunkBytes(gi) * chunks
+	}
+	for tr := range 4 {
+		if b.StoreBytes[tr] != perRank || b.RestoreBytes[tr] != perRank {
+			t.Fatalf("rank %d: store %d B, restore %d B, want %d B each", tr, b.StoreBytes[tr], b.RestoreBytes[tr], perRank)
+		}
+	}
+	if want := reps * 4 * len(p.R.Geometry) * chunks; res.Stored != want {
+		t.Fatalf("%d objects committed, want %d (%d repetitions x 4 ranks x %d groups x %d chunks)", res.Stored, want, reps, len(p.R.Geometry), chunks)
+	}
+	for name, st := range map[string]enginesim.BenchStat{"store": b.Store, "restore": b.Restore, "ceiling d2h": b.CeilingD2H, "ceiling h2d": b.CeilingH2D} {
+		if len(st.Seconds) != reps || len(st.RankSeconds) != reps || st.Median <= 0 || st.GBps <= 0 || len(st.RankGBps) != 4 {
+			t.Fatalf("%s: %+v", name, st)
+		}
+	}
+	if b.StoreRatio <= 0 || b.RestoreRatio <= 0 {
+		t.Fatalf("ratios %v / %v", b.StoreRatio, b.RestoreRatio)
+	}
+	for _, r := range res.Ranks {
+		if r.Placed != r.Items || r.Mismatch != 0 || r.Outside != 0 {
+			t.Fatalf("rank %d: %+v", r.Rank, r)
+		}
+	}
+
+	// The same seed again: the first store finds its objects held, which
+	// moves no bytes, and the benchmark must refuse to report it.
+	res2, out, err := c.sim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "7")
+	if err == nil || res2 == nil || res2.OK || !strings.Contains(res2.Problem, "deduplicated") {
+		t.Fatalf("bench over already stored content: err %v, result %+v\n%s", err, res2, tail(out, 20))
+	}
+}
