@@ -37,7 +37,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
@@ -566,7 +566,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata() or self._session is None:
             return
-        meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
         if meta.saves:
             self._ensure_registered()
         for save in meta.saves:
@@ -641,7 +641,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if not self.has_connector_metadata() or self._session is None:
             return
-        meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
         if meta.loads:
             self._ensure_registered()
         futs = [(load, self.client.submit(self._load(load))) for load in meta.loads]
