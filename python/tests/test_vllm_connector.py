@@ -98,20 +98,77 @@ def test_spec_fails_closed(mutate, words):
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
 
 
-def test_spec_refuses_dcp_and_pp():
-    with pytest.raises(errors.GeometryError, match="decode context parallel size 2"):
-        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
+def test_spec_refuses_pcp_pp_and_what_dcp_does_not_shard():
+    with pytest.raises(errors.GeometryError, match="prefill context parallel size 2"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None, pcp_size=2)
     with pytest.raises(errors.GeometryError, match="PP size 2"):
         spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None)
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                                                   dtype=fakes.BF16, dcp_sharded=False)
+    spec_from_vllm(cfg, "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None)  # no DCP: nothing is dealt
+    with pytest.raises(errors.GeometryError, match="not DCP-sharded under decode context parallel size 2"):
+        spec_from_vllm(cfg, "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
+    cfg = fakes.KVCacheConfig(64, [], [fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(fakes.BF16,), mamba_cache_mode="all"))])
+    with pytest.raises(errors.GeometryError, match=r"MambaSpec\) under decode context parallel size 2"):
+        spec_from_vllm(cfg, "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
+
+
+def test_spec_dcp_groups_span_block_size_times_dcp():
+    """DCP W: the spec's block_size is a rank's; vLLM's scheduler blocks hold
+    block_size*W tokens, dealt in runs of the interleave; a chunk is whole
+    scheduler blocks and its namespace names the layout."""
+    spec, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=4, dcp_size=2, pp=1, chunk_tokens=None,
+                             interleave=8)
+    r = spec.resolve()
+    assert (spec.layout.tp, spec.layout.dcp, spec.layout.interleave) == (4, 2, 8)
+    assert (spec.chunk_tokens, r.geometry[0].span, r.blocks_per_chunk(0)) == (32, 32, 1)
+    one, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=4, dcp_size=2, pp=1, chunk_tokens=None)
+    assert one.resolve().namespace != r.namespace  # interleave 1 vs 8: other pages, other objects
+    spec, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=4, dcp_size=4, pp=1, chunk_tokens=128)
+    assert spec.resolve().blocks_per_chunk(0) == 2
+    with pytest.raises(errors.GeometryError, match="chunk size 48 tokens is not a multiple of the scheduler block 32"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=48)
+    with pytest.raises(errors.GeometryError, match="DCP interleave 32 does not divide block size 16"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None, interleave=32)
+
+
+def test_connector_reads_dcp_interleave_and_pcp_from_vllm():
+    vc = fakes.vllm_config(4, kvtier_creds_dir="/nonexistent")
+    vc.parallel_config.decode_context_parallel_size = 2
+    vc.parallel_config.cp_kv_cache_interleave_size = 16
+    conn = KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
+    assert (conn.spec.layout.dcp, conn.spec.layout.interleave, conn.chunk) == (2, 16, 32)
+    vc.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(errors.GeometryError, match="prefill context parallel size 2"):
+        KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
+
+
+def test_spec_refuses_more_than_one_group_and_non_causal():
+    """vLLM's flat set of load-error block ids cannot name a block of one
+    group among several (its scheduler raises), so a hybrid model's groups
+    are refused; the refusal names them."""
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups.append(fakes.KVCacheGroupSpec(["l9"], fakes.SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=fakes.BF16, sliding_window=48)))
+    with pytest.raises(errors.GeometryError, match=r"2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"):
+        spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
+    with pytest.raises(errors.GeometryError, match="2 KV cache groups"):
+        KvtierConnector(fakes.vllm_config(1, kvtier_creds_dir="/nonexistent"), KVConnectorRole.SCHEDULER, cfg)
+    cfg = fakes.attention_config()
+    cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                                                   dtype=fakes.BF16, non_causal=True)
+    with pytest.raises(errors.GeometryError, match="non-causal"):
+        spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
 
 
 def test_mamba_all_mode_is_recurrent():
-    cfg = fakes.attention_config()
-    cfg.kv_cache_groups.append(fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
+    cfg = fakes.KVCacheConfig(64, [], [fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
         block_size=16, shapes=((4, 8), (2, 2)), dtypes=(fakes.BF16, fakes.FP8), page_size_padded=1024,
-        mamba_cache_mode="all")))
+        mamba_cache_mode="all"))])
     spec, _ = spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
-    g = spec.groups[1]
+    g = spec.groups[0]
     assert (g.kind, g.semantic_bytes, g.page_bytes) == (dcp.Kind.RECURRENT, 4 * 8 * 2 + 4, 1024)
 
 

@@ -64,12 +64,12 @@ class HostConnector(KvtierConnector):
 
 
 class Worker:
-    def __init__(self, cluster: Cluster, tp_rank: int, kv_cfg, extra) -> None:
+    def __init__(self, cluster: Cluster, tp_rank: int, kv_cfg, extra, par: dict | None = None) -> None:
         self.dev = cuda.HostDevice(str(cluster.shm), HOST_UUID)
         spec = kv_cfg.kv_cache_groups[0].kv_cache_spec
         self.page = spec.page_size_bytes
         self.mem = self.dev.alloc(LAYERS * NUM_BLOCKS * self.page)
-        self.conn = connector(KVConnectorRole.WORKER, kv_cfg, extra, tp_rank, self.dev)
+        self.conn = connector(KVConnectorRole.WORKER, kv_cfg, extra, tp_rank, self.dev, par)
         self.tp = tp_rank
         self.split = extra.get("kvtier_pool_layout") == "kv_split"
         self.mla = type(spec).__name__ == "MLAAttentionSpec"
@@ -116,9 +116,12 @@ def kv_bytes(tp: int, layer: int, prefix: list[int], n: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def connector(role, kv_cfg, extra, tp_rank=0, dev=None) -> HostConnector:
+def connector(role, kv_cfg, extra, tp_rank=0, dev=None, par: dict | None = None) -> HostConnector:
     cls = type("C", (HostConnector,), {"tp_rank": tp_rank, "dev": dev})
-    return cls(fakes.vllm_config(TP, **extra), role, kv_cfg)
+    vc = fakes.vllm_config(TP, **extra)
+    for k, v in (par or {}).items():
+        setattr(vc.parallel_config, k, v)
+    return cls(vc, role, kv_cfg)
 
 
 def run_step(sched, workers, out):
@@ -254,6 +257,101 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
             assert w.page_at(layer, blocks_d[0]) == originals[(w.tp, layer, 0)]
     sched.request_finished(req, blocks_d)
     for w in [*workers]:
+        w.conn.shutdown()
+        w.mem.release()
+    sched.shutdown()
+
+
+DCP_BS = 16  # a rank's block size; vLLM's scheduler blocks hold DCP_BS * 2 tokens
+ROW = 2 * 8 * 2  # one token of one K (or V) page half: 2 heads x 8 dims x bf16
+
+
+def dcp_forward(w: Worker, lay: dcp.Layout, tokens: list[int], blocks: list[int], upto: int) -> None:
+    """'Computes' tokens [0, upto) as vLLM does under DCP: each position's
+    K and V row go to the rank and slot vLLM's slot mapping gives
+    (dcp.Layout.local_slot, held to vLLM's kernel by test_vllm_dcp), in the
+    FlashInfer page (K rows, then V rows); a row depends on the rank, the
+    layer and the tokens up to it."""
+    for pos in range(upto):
+        r, slot = lay.local_slot(pos, DCP_BS, blocks)
+        if r != lay.dcp_rank(w.tp):
+            continue
+        for layer in range(LAYERS):
+            kv = kv_bytes(w.tp, layer, tokens[:pos + 1], 2 * ROW)
+            base = layer * NUM_BLOCKS * w.page + (slot // DCP_BS) * w.page + (slot % DCP_BS) * ROW
+            w.mem.view[base:base + ROW] = kv[:ROW]
+            w.mem.view[base + w.page // 2:base + w.page // 2 + ROW] = kv[ROW:]
+
+
+def test_connector_dcp2_stores_and_restores_pages_dealt_as_vllm_deals_them(cluster: Cluster) -> None:
+    """TP2 with DCP 2, interleave 4: every TP rank holds its own tokens of
+    each scheduler block (32 tokens, block ids shared by both ranks); each
+    stores its own pages of every chunk, and a restore into other block ids
+    puts back, on each rank, exactly the KV rows of its tokens."""
+    par = dict(decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)
+    extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
+                 kvtier_creds_dir=str(cluster.creds), kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20)
+    kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS, block_size=DCP_BS)
+    sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra, par=par)
+    assert (sched.chunk, sched.spec.layout.dcp, sched.spec.layout.interleave) == (32, 2, 4)
+    lay = sched.spec.layout
+    wait_ranks(cluster)
+    workers = [Worker(cluster, t, kv_cfg, extra, par) for t in range(TP)]
+    rng = random.Random(5)
+    prompt = [rng.randrange(32000) for _ in range(32 * 4 + 3)]  # 4 full chunks + 3 tokens
+
+    req = fakes.Request("dcp-cold", prompt)
+    assert eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0))) == (0, False)
+    blocks_a = [3, 9, 4, 17, 11]
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_a,)), 0)
+    for w in workers:
+        dcp_forward(w, lay, prompt, blocks_a, len(prompt))
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("dcp-cold", prompt, (blocks_a,), 0)],
+                                num_scheduled_tokens={"dcp-cold": len(prompt)})
+    meta = run_step(sched, workers, out)
+    assert [[c[1] for c in s.chunks] for s in meta.saves] == [[[[3]], [[9]], [[4]], [[17]]]]
+    for w in workers:
+        w.conn.wait_for_save()
+    assert sched.request_finished(req, blocks_a) == (True, None)
+    finish_saves(workers, {"dcp-cold"})
+    assert [w.conn.stats["stored_objects"] for w in workers] == [4, 4]
+    originals = {(w.tp, layer, bi): w.page_at(layer, blocks_a[bi]) for w in workers
+                 for layer in range(LAYERS) for bi in range(4)}
+    assert originals[(0, 0, 0)] != originals[(1, 0, 0)]  # the ranks hold different tokens
+
+    for w in workers:
+        w.mem.view[:] = bytes(len(w.mem.view))
+    with client.SyncClient(cluster.connect_options()) as c:
+        hashes = sched.resolved.chunk_hashes(prompt)
+        eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
+    blocks_b = [20, 21, 22, 23, 24]
+    req = fakes.Request("dcp-warm", prompt)
+    n, load_async = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0)))
+    assert (n, load_async) == (128, False)
+    sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_b,)), n)
+    out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("dcp-warm", prompt, (blocks_b,), n)],
+                                num_scheduled_tokens={"dcp-warm": len(prompt) - n})
+    meta = run_step(sched, workers, out)
+    assert len(meta.loads) == 1 and meta.loads[0].planned == 4 and meta.saves == []
+    for w in workers:
+        assert w.conn.get_block_ids_with_load_errors() == set()
+        assert w.conn.stats["loaded_tokens"] == 128
+        for layer in range(LAYERS):
+            for bi in range(4):
+                assert w.page_at(layer, blocks_b[bi]) == originals[(w.tp, layer, bi)], (w.tp, layer, bi)
+            assert w.page_at(layer, blocks_b[4]) == bytes(w.page)
+    # read back through vLLM's mapping at the new block ids: every token's
+    # rows are the ones computed for it, on the rank that owns it
+    for pos in range(128):
+        r, slot = lay.local_slot(pos, DCP_BS, blocks_b)
+        w = workers[r]
+        for layer in range(LAYERS):
+            kv = kv_bytes(w.tp, layer, prompt[:pos + 1], 2 * ROW)
+            base = layer * NUM_BLOCKS * w.page + (slot // DCP_BS) * w.page + (slot % DCP_BS) * ROW
+            assert bytes(w.mem.view[base:base + ROW]) == kv[:ROW], (pos, layer)
+            assert bytes(w.mem.view[base + w.page // 2:base + w.page // 2 + ROW]) == kv[ROW:], (pos, layer)
+    sched.request_finished(req, blocks_b)
+    for w in workers:
         w.conn.shutdown()
         w.mem.release()
     sched.shutdown()

@@ -122,12 +122,15 @@ def prompts_from_trace(pairs: int = 4, max_blocks: int = 6) -> list[list[int]]:
 
 
 def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str, Any] | None,
-             steps: list[dict[str, Any]], during=None) -> list[dict[str, Any]]:
-    """One vLLM lifetime; `during(proc, out_path)` runs while it works."""
+             steps: list[dict[str, Any]], during=None, hma: bool | None = None,
+             expect_fail: bool = False) -> list[dict[str, Any]]:
+    """One vLLM lifetime; `during(proc, out_path)` runs while it works.
+    With expect_fail the run must exit non-zero; its log is returned as
+    [{"log": text}]."""
     args = tmp / f"{name}.args.json"
     out = tmp / f"{name}.out.json"
     args.write_text(json.dumps(dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                                    steps=steps)))
+                                    steps=steps, hma=hma)))
     log = tmp / f"{name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as lf:
@@ -142,6 +145,9 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
                 p.kill()
                 p.wait()
     print(f"vLLM run {name}: {time.monotonic() - t0:.1f} s, rc {rc}")
+    if expect_fail:
+        assert rc != 0, f"vLLM run {name} was to fail, exited 0"
+        return [{"log": log.read_text(errors="replace")}]
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise AssertionError(f"vLLM run {name} exited {rc}:\n{tail}")
@@ -310,6 +316,54 @@ def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, mo
     assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), "rankd killed mid-restore: garbled?"
     assert delta(killed, r[4], "restore_failures") >= 1, killed["worker"]
     assert delta(killed, r[4], "loaded_tokens") == 0, killed["worker"]
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A 2-layer Gemma-2 (random weights): layer 0 sliding-window attention
+    (window 48 tokens, shorter than the prompts), layer 1 full attention."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-gemma2")
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=48,
+                       max_position_embeddings=1024)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    Gemma2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_real_vllm_sliding_window_model_runs_as_one_group(cluster: Cluster, gemma2_dir: pathlib.Path,
+                                                          tmp_path: pathlib.Path) -> None:
+    """Issue 13, several KV cache groups: vLLM alone gives the hybrid
+    Gemma-2 two groups (SlidingWindowSpec, FullAttentionSpec). The kvtier
+    connector does not support the hybrid allocator (vLLM's load errors are
+    block ids without a group), so with it vLLM turns the allocator off: one
+    FullAttentionSpec group with the window recorded, every token's KV kept;
+    the connector stores and restores it bitwise equal to vLLM's own prefix
+    hit in the same configuration. Forced on, vLLM refuses the connector."""
+    plain = prompts_plain()
+    alone = run_vllm(tmp_path, "g2-hma", gemma2_dir, None, [gen(plain)])
+    assert alone[0]["groups"] == [["SlidingWindowSpec", 48, 1], ["FullAttentionSpec", None, 1]], alone[0]
+    base = run_vllm(tmp_path, "g2-baseline", gemma2_dir, None, [gen(plain), gen(plain)], hma=False)
+    assert base[0]["groups"] == [["FullAttentionSpec", 48, 2]], base[0]
+    ref_cold, ref_hit = outputs(base[1]), outputs(base[2])
+    assert tokens_of(outputs(alone[1])) == tokens_of(ref_cold) and close(outputs(alone[1]), ref_cold)
+
+    r = run_vllm(tmp_path, "g2-kvtier", gemma2_dir, extra_for(cluster), [gen(plain), *RESET, gen(plain)])
+    init, cold, wipe, warm = r[0], r[1], r[3], r[4]
+    assert init["groups"] == [["FullAttentionSpec", 48, 2]], init  # vLLM turned HMA off for the connector
+    assert wipe["tensors"] == 2 and wipe["nonzero"] == 0, wipe
+    assert outputs(cold) == ref_cold, "cold run with the connector differs from vLLM alone (HMA off)"
+    assert delta(cold, init, "stored_objects") == 5 and cold["worker"]["store_failures"] == 0, cold["worker"]
+    assert outputs(warm) == ref_hit, "restored from kvtier: outputs or logprobs differ from vLLM's own prefix hit"
+    assert delta(warm, wipe, "loaded_tokens") == 5 * BLOCK and delta(warm, wipe, "restore_failures") == 0
+
+    forced = run_vllm(tmp_path, "g2-hma-forced", gemma2_dir, extra_for(cluster), [gen(plain)], hma=True,
+                      expect_fail=True)
+    assert "does not support HMA" in forced[0]["log"], forced[0]["log"][-3000:]
 
 
 def test_host_pools_are_vllms_tensors_in_place(tmp_path: pathlib.Path) -> None:

@@ -6,7 +6,8 @@ one vLLM lifetime: test_vllm_real.py runs it as a subprocess so that
     python vllm_run.py ARGS.json OUT.json
 
 ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
-connector), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
+connector), "hma": true/false/absent (force vLLM's hybrid KV cache manager
+on or off, or let vLLM decide), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
 "prompts": [[ids...]], "max_tokens": n} | {"op": "reset"} | {"op": "wipe"} |
 {"op": "hook", "file": path}]}. "reset" waits until vLLM's prefix cache is
 empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
@@ -48,6 +49,9 @@ def _stats(llm: Any) -> dict[str, Any]:
         conn = getattr(sched, "connector", None)
         if conn is not None:
             out["scheduler"] = dict(conn.stats)
+        # vLLM's KV cache groups: spec class, sliding window, layer count
+        out["groups"] = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
+                          len(g.layer_names)] for g in sched.kv_cache_config.kv_cache_groups]
     except Exception as e:
         out["scheduler_error"] = repr(e)
     return out
@@ -119,6 +123,8 @@ def main() -> None:
                               max_model_len=args.get("max_model_len", 512), max_num_seqs=args.get("max_num_seqs", 8),
                               enable_prefix_caching=True, block_size=args["block_size"], seed=0,
                               num_gpu_blocks_override=args["num_blocks"])
+    if args.get("hma") is not None:  # True: force the hybrid KV cache manager on; False: off
+        kw["disable_hybrid_kv_cache_manager"] = not args["hma"]
     if args.get("extra") is not None:
         kw["kv_transfer_config"] = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
                                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

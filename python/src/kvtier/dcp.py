@@ -178,6 +178,31 @@ class Layout:
         if self.tp % self.dcp != 0:
             raise GeometryError(f"TP size {self.tp} is not divisible by DCP size {self.dcp}")
 
+    def dcp_rank(self, tp_rank: int) -> int:
+        """The DCP rank of a TP rank (vLLM's DCP groups are runs of DCP
+        consecutive TP ranks)."""
+        return tp_rank % self.dcp
+
+    def owner(self, pos: int, block_size: int) -> int:
+        """The DCP rank holding token position pos of an attention group
+        whose blocks hold block_size tokens per rank (Go Layout.Owner)."""
+        vbo = pos % (block_size * self.dcp)
+        return (vbo // self.interleave) % self.dcp
+
+    def local_slot(self, pos: int, block_size: int, block_table: list[int]) -> tuple[int, int]:
+        """(DCP rank owning pos, its slot in that rank's KV pool), where
+        block_table maps virtual blocks of block_size*DCP tokens to block
+        ids (Go Layout.LocalSlot)."""
+        if pos < 0:
+            raise GeometryError(f"token position {pos} is negative")
+        w, i = self.dcp, self.interleave
+        vbs = block_size * w
+        vb = pos // vbs
+        if vb >= len(block_table):
+            raise GeometryError(f"token position {pos} needs virtual block {vb}, block table has {len(block_table)}")
+        vbo = pos % vbs
+        return (vbo // i) % w, block_table[vb] * block_size + (vbo // (w * i)) * i + vbo % i
+
 
 @dataclass
 class Group:

@@ -37,7 +37,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
@@ -222,11 +222,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         par = vllm_config.parallel_config
         self.tp = int(getattr(par, "tensor_parallel_size", 1))
         dcp_size = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+        pcp_size = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
         pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
         if kv_cache_config is None:
             raise GeometryError("KvtierConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
         self.spec, self.layers = spec_from_vllm(kv_cache_config, self.cfg.model, self.cfg.cache_salt, self.tp,
-                                                dcp_size, pp, self.cfg.chunk_tokens, self.cfg.pool_layout)
+                                                dcp_size, pp, self.cfg.chunk_tokens, self.cfg.pool_layout,
+                                                interleave=interleave, pcp_size=pcp_size)
         self.resolved = self.spec.resolve()
         self.chunk = self.spec.chunk_tokens
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
@@ -250,9 +253,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._rank = wire.Rank(self.cfg.instance, 0)
         self._host: cuda.HostDevice | None = None
         self._host_mems: list[cuda.HostMem] = []  # kvtier_device=host: the pools, alive as long as vLLM's tensors
-        log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d",
+        log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d, DCP %d (interleave %d)",
                  "scheduler" if self.is_scheduler else "worker", self.resolved.namespace, len(self.spec.groups),
-                 self.chunk, self.tp)
+                 self.chunk, self.tp, dcp_size, interleave)
 
     # ---------------------------------------------------------------- seams
 
@@ -563,7 +566,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata() or self._session is None:
             return
-        meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
         if meta.saves:
             self._ensure_registered()
         for save in meta.saves:
@@ -638,7 +641,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if not self.has_connector_metadata() or self._session is None:
             return
-        meta: KvtierConnectorMetadata = self._get_connector_metadata()
+        meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
         if meta.loads:
             self._ensure_registered()
         futs = [(load, self.client.submit(self._load(load))) for load in meta.loads]

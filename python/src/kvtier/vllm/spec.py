@@ -21,6 +21,32 @@ Only specs this module knows are accepted: FullAttentionSpec,
 MLAAttentionSpec, SlidingWindowSpec and MambaSpec, matched by class name
 exactly (a subclass it does not know may change the page meaning, so it is
 refused). Everything else raises GeometryError naming the group.
+
+One KV cache group only. vLLM's hybrid allocator (HMA) gives a model with
+sliding-window and full-attention layers (Gemma-2/3), or Mamba and
+attention layers, one group per kind, with block ids per group; but vLLM
+(0.32) takes block-level load failures only as one flat set of block ids
+(get_block_ids_with_load_errors), which its scheduler refuses for more than
+one group (block ids are unique only within a group: _handle_invalid_blocks
+raises), and the connector, which loads synchronously, has no other way to
+say "recompute these chunks". So KvtierConnector does not subclass vLLM's
+SupportsHMA: vLLM then turns HMA off for it (a sliding-window layer becomes
+a FullAttentionSpec with its window recorded, every token's KV kept, one
+group) and refuses to create it with HMA forced on. A kv_cache_config with
+more than one group is refused here all the same.
+
+DCP (decode context parallel, vLLM's decode_context_parallel_size W):
+vLLM deals each token of a scheduler block of block_size*W tokens to DCP
+rank (offset // interleave) % W, the DCP rank of TP rank t being t % W
+(vllm/v1/worker/block_table.py, distributed/parallel_state.py); kvtier's
+dcp.Layout.local_slot is that mapping (tests/test_vllm_dcp.py runs vLLM's
+own slot-mapping kernel against it). The spec's block_size is a rank's
+(vLLM multiplies it by W for the scheduler's block ids), so a group spans
+block_size*W tokens and every rank stores and restores its own pages of the
+chunk's block ids. The interleave comes from cp_kv_cache_interleave_size.
+Refused: prefill context parallel (PCP) > 1, and an attention group vLLM
+marks not DCP-sharded (dcp_sharded False) under DCP > 1 (its blocks would
+span block_size tokens, not block_size*W).
 """
 
 from __future__ import annotations
@@ -75,6 +101,11 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
     if not layer_names:
         raise GeometryError(f"KV cache group {i} ({cls}) has no layers")
     if cls in _ATTENTION:
+        if getattr(s, "non_causal", False):
+            # bidirectional attention: a token's KV depends on tokens after
+            # it, so a prefix-chained chunk hash does not name it
+            raise GeometryError(f"KV cache group {i} ({cls}) is non-causal (prefix LM): its KV is not a function "
+                                "of the prefix; refusing it")
         mla = cls == "MLAAttentionSpec"
         semantic = getattr(s, "real_page_size_bytes", page)
         fmt = getattr(s, "cache_dtype_str", None) or _dtype_name(getattr(s, "dtype", "?"))
@@ -106,21 +137,38 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
 
 def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, dcp_size: int, pp: int,
                    chunk_tokens: int | None,
-                   layout: str = LAYOUT_BLOCK_MAJOR) -> tuple[dcp.Spec, list[GroupLayers]]:
+                   layout: str = LAYOUT_BLOCK_MAJOR, interleave: int = 1,
+                   pcp_size: int = 1) -> tuple[dcp.Spec, list[GroupLayers]]:
     """kvtier's Spec for a vLLM KVCacheConfig, and each group's layers."""
     if layout not in (LAYOUT_BLOCK_MAJOR, LAYOUT_KV_SPLIT):
         raise GeometryError(f"pool layout {layout!r}: want {LAYOUT_BLOCK_MAJOR} or {LAYOUT_KV_SPLIT}")
     groups_in = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups_in:
         raise GeometryError("vLLM kv_cache_config has no kv_cache_groups")
-    if dcp_size != 1:
-        raise GeometryError(f"decode context parallel size {dcp_size}: the connector maps vLLM block tables "
-                            "only for DCP 1 (kvtier's DCP geometry is not yet verified against vLLM's)")
+    if len(groups_in) > 1:
+        kinds = ", ".join(type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups_in)
+        raise GeometryError(
+            f"vLLM kv_cache_config has {len(groups_in)} KV cache groups ({kinds}): the connector supports one. "
+            "vLLM's block-level load errors are one flat set of block ids, which its scheduler refuses for "
+            "several groups, so a failed chunk could not be recomputed; run with the hybrid KV cache manager "
+            "off (vLLM turns it off for this connector unless forced on)")
+    if pcp_size != 1:
+        raise GeometryError(f"prefill context parallel size {pcp_size}: the connector supports PCP 1 only")
+    if dcp_size < 1 or interleave < 1:
+        raise GeometryError(f"decode context parallel size {dcp_size}, interleave {interleave}: want >= 1")
     groups: list[dcp.Group] = []
     layers: list[GroupLayers] = []
     for i, g in enumerate(groups_in):
         names = list(getattr(g, "layer_names", []) or [])
-        grp = group_from_vllm(i, names, getattr(g, "kv_cache_spec", None))
+        vspec = getattr(g, "kv_cache_spec", None)
+        grp = group_from_vllm(i, names, vspec)
+        if dcp_size > 1 and grp.kind == dcp.Kind.RECURRENT:
+            raise GeometryError(f"KV cache group {i} (MambaSpec) under decode context parallel size {dcp_size}: "
+                                "not verified against vLLM; refusing it")
+        if dcp_size > 1 and getattr(vspec, "dcp_sharded", True) is not True:
+            raise GeometryError(f"KV cache group {i} ({type(vspec).__name__}) is not DCP-sharded under decode "
+                                f"context parallel size {dcp_size}: its blocks span block_size tokens, kvtier's "
+                                "attention groups block_size*DCP; refusing it")
         split = layout == LAYOUT_KV_SPLIT and grp.kind != dcp.Kind.RECURRENT and not grp.mla
         vllm_page = grp.page_bytes
         if split:
@@ -138,7 +186,8 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
     for grp in groups:
         block = math.lcm(block, grp.block_size * (dcp_size if grp.kind != dcp.Kind.RECURRENT else 1))
     chunk = chunk_tokens or block
-    spec = dcp.Spec(model=model, cache_salt=cache_salt, layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=1, pp=pp),
+    spec = dcp.Spec(model=model, cache_salt=cache_salt,
+                    layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=interleave, pp=pp),
                     groups=groups, chunk_tokens=chunk)
     spec.resolve()  # every rule, with the numbers, before anything registers
     return spec, layers

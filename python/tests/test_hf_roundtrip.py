@@ -1,0 +1,47 @@
+"""python/examples/hf_roundtrip.py (the H200 harness) off-GPU: CPU torch,
+the host backend, 4 TP rankds, a tiny random Llama. It must pass, and fail
+when one restored bit of one rank is flipped (--tamper). Needs torch and
+transformers: run by `make test-vllm` (python/.venv-vllm)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from cluster import REPO, build_binaries
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+SCRIPT = REPO / "python" / "examples" / "hf_roundtrip.py"
+
+
+@pytest.fixture(scope="module")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return build_binaries(tmp_path_factory.mktemp("bin"))
+
+
+def roundtrip(binaries: pathlib.Path, work: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), "--bin", str(binaries), "--work", str(work), "--ranks", "4",
+                           "--device", "host", "--chunks", "4", "--layers", "2", "--generate", "4", *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+def rank_rows(out: str) -> list[list[str]]:
+    """The per-rank table: rank, KV heads, bytes, store, restore, verdict."""
+    rows = [line.split() for line in out.splitlines()]
+    return [r for r in rows if len(r) == 6 and r[0].isdigit() and "," in r[1]]
+
+
+def test_four_rank_roundtrip_on_the_host_backend(binaries: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    p = roundtrip(binaries, tmp_path / "ok")
+    assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "TP4 (2 heads per rank)" in p.stdout and "16/16 chunk shards" in p.stdout, p.stdout
+    ranks = rank_rows(p.stdout)
+    assert [(r[0], r[1], r[2], r[-1]) for r in ranks] == [(str(i), f"{2 * i},{2 * i + 1}", "262144", "ok")
+                                                           for i in range(4)], p.stdout
+    bad = roundtrip(binaries, tmp_path / "tamper", "--tamper", "3")
+    assert bad.returncode == 1 and "RESULT FAIL" in bad.stdout, bad.stdout[-3000:]
+    assert [r[-1] for r in rank_rows(bad.stdout)] == ["ok", "ok", "ok", "FAIL"], bad.stdout
