@@ -562,6 +562,16 @@ func (r *runner) supervise(ctx context.Context) {
 
 // ---- workload ----
 
+// The engine's request bounds. A message the proxies drop costs its
+// request engineResend, not the run: the engine resends (enginesim
+// ResendAfter). engineTimeout outlasts the longest stop (3 s) and a kill's
+// down time (2 s) plus a restart, so a request to a daemon that comes
+// back is answered instead of ending the run before a verdict.
+const (
+	engineTimeout = 6 * time.Second
+	engineResend  = time.Second
+)
+
 func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Config {
 	host := cuda.DefaultHostConfig()
 	host.Dir = r.c.hostD
@@ -571,8 +581,8 @@ func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Conf
 	}
 	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
 		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: 2500 * time.Millisecond, WaitPrefix: wait,
-		Out: r.elog, RequestID: id}
+		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: engineTimeout, ResendAfter: engineResend,
+		WaitPrefix: wait, Out: r.elog, RequestID: id}
 }
 
 func newPrompt(scenario string, tokens []uint32) (*prompt, error) {
@@ -628,6 +638,12 @@ func (r *runner) workload(ctx context.Context) {
 // recomputes the chunks). tally, when set, receives the
 // outcome instead of the report's restore counts.
 func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tally map[Outcome]int) Outcome {
+	// A killed coordinator takes the embedded NATS server with it: a run
+	// started before it is back only fails to connect. Wait out its down
+	// time (at most 2 s, then the restart) first.
+	for deadline := time.Now().Add(5 * time.Second); !r.c.coord.alive() && time.Now().Before(deadline) && ctx.Err() == nil; {
+		time.Sleep(50 * time.Millisecond)
+	}
 	t0 := time.Now()
 	fmt.Fprintf(r.elog, "=== campaign: run %s %s %s at %.3fs\n", id, p.scenario, phase, time.Since(r.start).Seconds())
 	res, err := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, phase, id))

@@ -29,6 +29,8 @@ type worker struct {
 	// session is the rankd session of this process's registration; every
 	// store, retrieve and release names it.
 	session string
+	// resend is the retry policy of register and store (Config.ResendAfter).
+	resend bus.Retry
 }
 
 func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
@@ -37,7 +39,8 @@ func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.Ho
 	if err != nil {
 		return nil, fmt.Errorf("rank %d: open device %q: %w", t, spec, err)
 	}
-	w := &worker{t: t, rank: wire.Rank{Instance: instance, TPRank: t}, plan: plan, dev: dev, nc: nc, subj: subj, log: logf}
+	w := &worker{t: t, rank: wire.Rank{Instance: instance, TPRank: t}, plan: plan, dev: dev, nc: nc, subj: subj, log: logf,
+		resend: bus.NoResponders()}
 	if w.stream, err = dev.NewStream(); err != nil {
 		w.close()
 		return nil, fmt.Errorf("rank %d: new stream: %w", t, err)
@@ -100,7 +103,7 @@ func (w *worker) register(ctx context.Context) error {
 			req.Pools = append(req.Pools, wire.PoolRegistration{Group: gi, Layer: l, Handle: h})
 		}
 	}
-	rep, err := bus.CallRetry[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, bus.NoResponders())
+	rep, err := bus.CallRetry[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, w.resend)
 	if err != nil {
 		return fmt.Errorf("rank %d: register: %w", w.t, err)
 	}
@@ -206,7 +209,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 				return
 			}
 			defer freed.Unsubscribe()
-			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, bus.NoResponders())
+			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, w.resend)
 			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
