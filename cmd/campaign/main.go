@@ -26,6 +26,7 @@ func main() {
 	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the fault schedule and the workload (a failing seed replays the same schedule)")
 	flag.IntVar(&cfg.Faults, "faults", cfg.Faults, "faults to inject")
 	flag.Float64Var(&cfg.Rate, "rate", cfg.Rate, "faults per second")
+	flag.IntVar(&cfg.Coordinators, "coordinators", cfg.Coordinators, "1, or 3 replicated through raft (the leader among the kill -9 / SIGSTOP targets)")
 	flag.StringVar(&cfg.SourceDir, "src", cfg.SourceDir, "repository root the daemons are built from")
 	flag.StringVar(&cfg.BinDir, "bin", "", "directory of prebuilt coordinator and rankd binaries (default: build them)")
 	flag.StringVar(&cfg.WorkDir, "dir", "", "work directory (default: a temporary one, removed unless --keep)")
