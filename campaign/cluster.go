@@ -39,7 +39,8 @@ type cluster struct {
 	coordBin, rankdBin                         string
 
 	lab    *lab
-	labWhy string // why there are no namespaces ("" with them)
+	labWhy string    // why there are no namespaces ("" with them)
+	l3     *l3Server // nil without L3
 	tmpfs  bool
 	l2Why  string // why L2 is not a tmpfs ("" when it is)
 
@@ -239,6 +240,11 @@ func (c *cluster) up(ctx context.Context) error {
 	for _, n := range c.coords {
 		gossips = append(gossips, n.gossip)
 	}
+	if c.cfg.L3 {
+		if c.l3, err = startL3(host, c.dir); err != nil {
+			return err
+		}
+	}
 	for r := range c.cfg.Ranks {
 		listen := "127.0.0.1:0"
 		addr := "127.0.0.1:" + strconv.Itoa(7947)
@@ -268,6 +274,9 @@ func (c *cluster) up(ctx context.Context) error {
 			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.cfg.L1, "--l2-dir", c.l2D,
 			"--join", strings.Join(gossips, ","), "--bind", addr, "--http", "", "--log-level", "info", "--creds-dir", c.creds,
 			"--nats", strings.Join(urls, ",")}
+		if c.l3 != nil {
+			argv = append(argv, "--l3-endpoint", c.l3.endpoint, "--l3-bucket", l3Bucket, "--l3-credentials", c.l3.creds, "--l3-insecure")
+		}
 		if c.lab != nil {
 			argv = append(c.lab.wrap(r), argv...)
 		}
@@ -420,6 +429,9 @@ func (c *cluster) down() {
 		n.p.mu.Unlock()
 		n.p.signal(syscall.SIGCONT)
 		n.p.signal(syscall.SIGKILL)
+	}
+	if c.l3 != nil {
+		c.l3.close()
 	}
 	for _, nc := range []*nats.Conn{c.admin, c.engine, c.observer} {
 		if nc != nil {

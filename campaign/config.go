@@ -53,6 +53,9 @@ type Config struct {
 	// L2Bytes is the size of the L2 tmpfs (root only). Default 768 MiB: a
 	// full file system is a fault, not the steady state.
 	L2Bytes int64
+	// L3 gives every rankd an L3 tier: an S3 server (gofakes3) in the
+	// campaign's process, with L3 object faults. Default true.
+	L3 bool
 	// L1 is each rankd's --l1-bytes. Default "96MiB" (small: eviction
 	// happens).
 	L1 string
@@ -75,7 +78,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults documented on Config.
 func DefaultConfig() Config {
-	return Config{Seed: 1, Faults: 30, Rate: 2, Coordinators: 1, Ranks: 4, SourceDir: ".", Netns: true, L2Bytes: 768 << 20,
+	return Config{Seed: 1, Faults: 30, Rate: 2, Coordinators: 1, Ranks: 4, SourceDir: ".", Netns: true, L3: true, L2Bytes: 768 << 20,
 		L1: "96MiB", MaxChunks: 4, MaxRSS: 3 << 29, Quiesce: 60 * time.Second, FinalRuns: 6, Log: zap.NewNop(), Out: io.Discard}
 }
 

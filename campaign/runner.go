@@ -115,13 +115,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			NotCovered: map[string]string{
 				"clock_step":     "no per-namespace wall clock: Linux time namespaces offset only the monotonic and boot clocks, and stepping the host clock would hit every engineer's processes",
 				"packet_loss":    "tc netem is not available on this kernel (sch_netem missing) and neither is iptables; lossy_link flaps the veth instead",
-				"l3":             "no L3 tier in this build",
 				"vllm_connector": "needs a GPU and vLLM; the Go engine simulator plays the engines",
 			}}}
 	if cfg.Keep {
 		r.rep.WorkDir = dir
 	}
 	r.rep.Coordinators = cfg.Coordinators
+	if !cfg.L3 {
+		r.rep.NotCovered["l3"] = "switched off (--l3=false)"
+	}
 	if cfg.Coordinators == 1 {
 		r.rep.NotCovered["raft_leader"] = "this campaign ran one coordinator (--coordinators 3 runs a raft trio with the leader among the targets)"
 	}
@@ -372,6 +374,15 @@ func (r *runner) apply(ctx context.Context, f Fault) string {
 		})
 	case L2BitFlip, L2Truncate, L2Delete, L2Swap:
 		return r.l2Fault(f)
+	case L3BitFlip, L3Truncate, L3Delete:
+		if c.l3 == nil {
+			return "no L3 (--l3=false)"
+		}
+		key, skip := c.l3.fault(f.Kind, f.Pick)
+		if skip == "" {
+			r.led.hitL3(key, time.Now())
+		}
+		return skip
 	case L2NoSpace:
 		if !c.tmpfs {
 			return "no tmpfs for L2 (" + c.l2Why + ")"
@@ -1018,9 +1029,10 @@ func (r *runner) compareIndex(ctx context.Context) (index, inv map[placementID]b
 		var n1, n2 int64
 		for _, o := range in.Objects {
 			invs[placementID{Key: o.Key.String(), Holder: name, Tier: o.Tier}] = val{o.Size, o.Sum}
-			if o.Tier == wire.L1 {
+			switch o.Tier {
+			case wire.L1:
 				n1++
-			} else {
+			case wire.L2:
 				n2++
 			}
 		}

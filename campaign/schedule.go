@@ -28,6 +28,9 @@ const (
 	NATSCut         Kind = "nats_cut"         // the rank's NATS connections are closed
 	Partition       Kind = "partition"        // the rank's link is down for For
 	LossyLink       Kind = "lossy_link"       // the rank's link flaps (packets lost) for For
+	L3BitFlip       Kind = "l3_bitflip"       // one bit of one L3 object
+	L3Truncate      Kind = "l3_truncate"      // an L3 object cut short
+	L3Delete        Kind = "l3_delete"        // an L3 object removed
 )
 
 // weights say how often each kind is drawn, per mille. At 11 faults/s
@@ -46,6 +49,7 @@ var weights = []struct {
 	{L2BitFlip, 150}, {L2Truncate, 110}, {L2Delete, 110}, {L2Swap, 110}, {L2NoSpace, 5},
 	{KillRankd, 8}, {StopRankd, 10}, {KillCoordinator, 3}, {StopCoordinator, 3},
 	{Partition, 8}, {LossyLink, 7},
+	{L3BitFlip, 20}, {L3Truncate, 15}, {L3Delete, 15},
 }
 
 // Kinds lists every fault kind in schedule order.

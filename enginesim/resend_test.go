@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,8 +19,12 @@ import (
 // TestResendAfterLostRegistration (campaign finding: 17 of 21 engine runs
 // of seed 31 ended before a verdict because one message of a registration
 // was dropped and the engine waited out its whole timeout): with
-// ResendAfter the engine registers again after a lost delivery and gets
-// the rankd's answer; without it the lost message costs the request.
+// ResendAfter the engine sends the registration again after a lost
+// delivery, as the same message (same reply subject, same bytes: the
+// rankd answers a redelivery with its first session instead of
+// registering again and superseding it, seen in the raft campaign as
+// stores refused stale_session), and gets the answer; without it the lost
+// message costs the request.
 func TestResendAfterLostRegistration(t *testing.T) {
 	ecfg := bus.DefaultEmbeddedConfig()
 	ecfg.Port, ecfg.Insecure = 0, true
@@ -53,7 +58,12 @@ func TestResendAfterLostRegistration(t *testing.T) {
 	defer w.close()
 	const session = "0123456789abcdef0123456789abcdef"
 	var calls atomic.Int32
+	var mu sync.Mutex
+	var replies []string
 	sub, err := nc.Subscribe(subj.Engine(w.rank, "register"), func(m *nats.Msg) {
+		mu.Lock()
+		replies = append(replies, m.Reply)
+		mu.Unlock()
 		if calls.Add(1) <= 2 {
 			return // the first two deliveries are lost
 		}
@@ -65,7 +75,7 @@ func TestResendAfterLostRegistration(t *testing.T) {
 	defer sub.Unsubscribe()
 
 	// Without ResendAfter: the lost delivery costs the request.
-	w.resend = (&sim{cfg: Config{}}).resend(0)
+	w.resendEvery = 0
 	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
 	err = w.register(ctx)
 	cancel()
@@ -74,7 +84,7 @@ func TestResendAfterLostRegistration(t *testing.T) {
 	}
 
 	// With it: sent again, answered.
-	w.resend = (&sim{cfg: Config{ResendAfter: 200 * time.Millisecond}}).resend(0)
+	w.resendEvery = 200 * time.Millisecond
 	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := w.register(ctx); err != nil {
@@ -82,5 +92,10 @@ func TestResendAfterLostRegistration(t *testing.T) {
 	}
 	if w.session != session || calls.Load() != 3 {
 		t.Fatalf("session %q after %d deliveries, want %q after 3", w.session, calls.Load(), session)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if replies[1] != replies[2] {
+		t.Fatalf("the resend used reply subject %s, the first send %s: the rankd would register it again", replies[2], replies[1])
 	}
 }

@@ -78,8 +78,9 @@ type Config struct {
 	// this long, until Timeout ends: the engine's registration with each
 	// rankd, its stores, lookups, restore.begin and restore.wait (which
 	// waits ResendAfter on top of RestoreDeadline). Each of them may be
-	// handled twice: a second registration supersedes the first (nothing
-	// was sent under it), a second store of a chunk dedupes against the
+	// handled twice: a registration is resent as the same message (same
+	// reply subject), which the rankd answers with the first delivery's
+	// session, a second store of a chunk dedupes against the
 	// first (its event and pages stay untouched until a reply, C1/C10), a
 	// second restore.begin starts a second restore and the first expires
 	// unclaimed, a second restore.wait reads the same verdict. Retrieves
@@ -323,7 +324,7 @@ func (s *sim) run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		w.resend = s.resend(0)
+		w.resend, w.resendEvery = s.resend(0), s.cfg.ResendAfter
 		s.workers = append(s.workers, w)
 	}
 	registered := false

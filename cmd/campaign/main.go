@@ -33,6 +33,7 @@ func main() {
 	flag.BoolVar(&cfg.Keep, "keep", false, "keep the work directory (logs, faults.jsonl)")
 	flag.StringVar(&cfg.TracePath, "trace", "", "Mooncake trace (default $KVTIER_TRACE, else shared/data/traces/... beside the nearest parent of --src)")
 	flag.BoolVar(&cfg.Netns, "netns", cfg.Netns, "one network namespace per rankd when root")
+	flag.BoolVar(&cfg.L3, "l3", cfg.L3, "an L3 tier on an S3 server (gofakes3) in the campaign's process, with L3 object faults")
 	flag.Int64Var(&cfg.L2Bytes, "l2-bytes", cfg.L2Bytes, "size of the L2 tmpfs in bytes (root)")
 	flag.StringVar(&cfg.L1, "l1-bytes", cfg.L1, "each rankd's L1")
 	flag.IntVar(&cfg.MaxChunks, "max-chunks", cfg.MaxChunks, "chunks per replayed prompt at most")
