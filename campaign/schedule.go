@@ -33,7 +33,8 @@ const (
 	L3Delete        Kind = "l3_delete"        // an L3 object removed
 )
 
-// weights say how often each kind is drawn, per mille. At 11 faults/s
+// weights say how often each kind is drawn (relative weights, 1,050 in
+// all; the L3 kinds came last, with 50). At 11 faults/s
 // (10,000 in about 15 minutes) a rankd is killed about every 11 s, the
 // coordinator every 30 s, a rank partitioned or its link made lossy every
 // 6 s; an L2 file is damaged 5 times a second. The daemons' NATS traffic
