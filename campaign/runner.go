@@ -113,7 +113,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		rep: &Report{Seed: cfg.Seed, Faults: cfg.Faults, Rate: cfg.Rate, Trace: traceName, ByKind: map[Kind]int{}, Skipped: map[Kind]int{},
 			SkipWhy: map[Kind]string{}, Restores: map[Outcome]int{}, Final: map[Outcome]int{}, RSSBound: cfg.MaxRSS,
 			NotCovered: map[string]string{
-				"clock_step":     "no per-namespace wall clock: Linux time namespaces offset only the monotonic and boot clocks, and stepping the host clock would hit every engineer's processes",
+				"clock_step":     "no per-process wall clock: Linux time namespaces offset only the monotonic and boot clocks, libfaketime does not reach Go (it reads the clock through the vDSO, not libc), and stepping the host clock would hit every engineer's processes",
 				"packet_loss":    "tc netem is not available on this kernel (sch_netem missing) and neither is iptables; lossy_link flaps the veth instead",
 				"vllm_connector": "needs a GPU and vLLM; the Go engine simulator plays the engines",
 			}}}
