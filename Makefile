@@ -87,12 +87,15 @@ soak:
 # drawn from SEED, the checker's report printed and written to OUT. Run it
 # as root for network namespaces, partitions and a tmpfs L2 (ENOSPC). A
 # failing seed replays the same fault schedule.
+# COORDS=3 runs three coordinators replicated through raft (the leader
+# among the kill -9 / SIGSTOP targets).
 SEED   ?= 1
 FAULTS ?= 10000
 RATE   ?= 11
+COORDS ?= 1
 OUT    ?= campaign-report.json
 campaign:
-	$(GO) run ./cmd/campaign --seed $(SEED) --faults $(FAULTS) --rate $(RATE) --out $(OUT)
+	$(GO) run ./cmd/campaign --seed $(SEED) --faults $(FAULTS) --rate $(RATE) --coordinators $(COORDS) --out $(OUT)
 
 # The Python client (python/): a venv with the package installed editable
 # and what its tests need (nats-py, pytest, ruff), then ruff and pytest. The

@@ -51,13 +51,15 @@ func sum(m map[Kind]int) int {
 }
 
 // TestSoakCampaign (make soak, KVTIER_SOAK=1): a few-minute campaign, 600
-// faults at 4 faults/s, judged as TestTinyCampaign.
+// faults at 4 faults/s against three coordinators replicated through raft
+// (the leader among the kill -9 / SIGSTOP targets) and an L3 tier,
+// judged as TestTinyCampaign.
 func TestSoakCampaign(t *testing.T) {
 	if os.Getenv("KVTIER_SOAK") == "" {
 		t.Skip("soak: set KVTIER_SOAK=1 (make soak)")
 	}
 	cfg := DefaultConfig()
-	cfg.Seed, cfg.Faults, cfg.Rate = 23, 600, 4
+	cfg.Seed, cfg.Faults, cfg.Rate, cfg.Coordinators = 23, 600, 4, 3
 	cfg.SourceDir = ".."
 	cfg.WorkDir = t.TempDir()
 	cfg.Log = zaptest.NewLogger(t)

@@ -133,13 +133,14 @@ type ledger struct {
 	seen     map[placementID]seenPlacement
 	removed  map[placementID]time.Time // last Removed event seen
 	l2Hit    map[string]time.Time      // L2 file faults by object key
+	l3Hit    map[string]time.Time      // L3 object faults by object key
 	rankHits map[string][]time.Time    // faults that may fence or resync a rank's placements
 	coordHit []time.Time               // coordinator kills and stops
 }
 
 func newLedger() *ledger {
 	return &ledger{seen: map[placementID]seenPlacement{}, removed: map[placementID]time.Time{},
-		l2Hit: map[string]time.Time{}, rankHits: map[string][]time.Time{}}
+		l2Hit: map[string]time.Time{}, l3Hit: map[string]time.Time{}, rankHits: map[string][]time.Time{}}
 }
 
 func (l *ledger) see(p placementID, inc, size, sum uint64, at time.Time) {
@@ -162,6 +163,12 @@ func (l *ledger) hitL2(key string, at time.Time) {
 	l.l2Hit[key] = at
 }
 
+func (l *ledger) hitL3(key string, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.l3Hit[key] = at
+}
+
 func (l *ledger) hitRank(rank string, at time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -180,9 +187,15 @@ func (l *ledger) explain(p placementID, s seenPlacement, curInc uint64) string {
 	if t, ok := l.removed[p]; ok && !t.Before(s.at.Add(-time.Minute)) {
 		return "removed_event"
 	}
-	if p.Tier == wire.L2 {
+	switch p.Tier {
+	case wire.L2:
 		if _, ok := l.l2Hit[p.Key]; ok {
 			return "l2_fault"
+		}
+		return ""
+	case wire.L3:
+		if _, ok := l.l3Hit[p.Key]; ok {
+			return "l3_fault"
 		}
 		return ""
 	}

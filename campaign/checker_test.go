@@ -158,3 +158,25 @@ func TestLedgerJudgesPlacements(t *testing.T) {
 		}
 	}
 }
+
+// TestLedgerL3SurvivesRestarts: an L3 copy outlives its writer's restart
+// and fences, so a lost one is explained only by an L3 fault on its key
+// (the L1 rules once excused it as fenced at the restart).
+func TestLedgerL3SurvivesRestarts(t *testing.T) {
+	l := newLedger()
+	t0 := time.Now()
+	hit := placementID{"k1", "engine0/0", wire.L3}
+	gone := placementID{"k2", "engine0/0", wire.L3}
+	l.see(hit, 5, 100, 1, t0)
+	l.see(gone, 5, 100, 1, t0)
+	l.hitL3("k1", t0.Add(time.Second))
+	l.hitL2("k2", t0.Add(time.Second)) // an L2 fault does not explain an L3 copy
+	l.hitRank("engine0/0", t0.Add(time.Second))
+	lost, ex := l.judgePlacements(map[placementID]bool{}, map[placementID]bool{}, map[string]uint64{"engine0/0": 6})
+	if len(lost) != 1 || lost[0].Key != "k2" || lost[0].Tier != "L3" {
+		t.Fatalf("lost %+v, want only k2 on L3", lost)
+	}
+	if ex["l3_fault"] != 1 || len(ex) != 1 {
+		t.Fatalf("explained %v, want l3_fault 1 only", ex)
+	}
+}

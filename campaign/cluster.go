@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -37,15 +39,14 @@ type cluster struct {
 	coordBin, rankdBin                         string
 
 	lab    *lab
-	labWhy string // why there are no namespaces ("" with them)
+	labWhy string    // why there are no namespaces ("" with them)
+	l3     *l3Server // nil without L3
 	tmpfs  bool
 	l2Why  string // why L2 is not a tmpfs ("" when it is)
 
-	natsPort int
-	gossip   string
+	coords   []*coordNode
 	rankAddr []string
-	proxies  []*Proxy
-	coord    *proc
+	proxies  []proxySet // per rank: one proxy per coordinator's NATS server
 	ranks    []*proc
 	subj     wire.Subjects
 
@@ -54,7 +55,60 @@ type cluster struct {
 	observer *nats.Conn // the coordinator identity: events and inventories
 }
 
-func (c *cluster) natsURL() string { return "nats://127.0.0.1:" + strconv.Itoa(c.natsPort) }
+// coordNode is one coordinator: its embedded NATS server on loopback,
+// its gossip address, and with Coordinators 3 its NATS route and raft
+// ports.
+type coordNode struct {
+	id                            string // raft server id (c1, c2, c3)
+	natsPort, routePort, raftPort int
+	gossip                        string
+	dataD                         string
+	p                             *proc
+}
+
+func (n *coordNode) natsURL() string { return "nats://127.0.0.1:" + strconv.Itoa(n.natsPort) }
+
+// natsURL lists every coordinator's NATS server (the clients move to a
+// surviving one).
+func (c *cluster) natsURL() string {
+	urls := make([]string, len(c.coords))
+	for i, n := range c.coords {
+		urls[i] = n.natsURL()
+	}
+	return strings.Join(urls, ",")
+}
+
+// coordProcs returns the coordinators' processes.
+func (c *cluster) coordProcs() []*proc {
+	out := make([]*proc, len(c.coords))
+	for i, n := range c.coords {
+		out[i] = n.p
+	}
+	return out
+}
+
+// raftMode reports whether the coordinators replicate through raft.
+func (c *cluster) raftMode() bool { return len(c.coords) > 1 }
+
+// leader returns the index of the coordinator raft names leader, -1 when
+// none answers as one (or without raft).
+func (c *cluster) leader(ctx context.Context) int {
+	if !c.raftMode() {
+		return -1
+	}
+	nodes, _ := coordinator.CollectRaft(ctx, c.admin, c.subj, 300*time.Millisecond)
+	for _, n := range nodes {
+		if n.State != "Leader" {
+			continue
+		}
+		for i, cn := range c.coords {
+			if cn.id == n.ID {
+				return i
+			}
+		}
+	}
+	return -1
+}
 
 // freePort returns a port free for TCP and UDP on 127.0.0.1, below the
 // ephemeral range.
@@ -133,26 +187,63 @@ func (c *cluster) up(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("coordinator init: %w\n%s", err, out)
 	}
-	if c.natsPort, err = freePort(); err != nil {
-		return err
-	}
-	gp, err := freePort()
-	if err != nil {
-		return err
-	}
 	host := "127.0.0.1"
 	if c.lab != nil {
 		host = c.lab.hostIP()
 	}
-	c.gossip = net.JoinHostPort(host, strconv.Itoa(gp))
-	c.coord = newProc("coordinator", filepath.Join(c.logD, "coordinator.log"), []string{c.coordBin, "serve",
-		"--data-dir", c.indexD, "--nats-host", "127.0.0.1", "--nats-port", strconv.Itoa(c.natsPort), "--bind", c.gossip,
-		"--http", "", "--log-level", "info", "--creds-dir", c.creds})
-	if err := c.coord.start(); err != nil {
-		return err
+	for i := range c.cfg.Coordinators {
+		n := &coordNode{id: fmt.Sprintf("c%d", i+1), dataD: c.indexD}
+		if c.cfg.Coordinators > 1 {
+			n.dataD = filepath.Join(c.indexD, n.id)
+		}
+		ports := []*int{&n.natsPort, new(int), &n.routePort, &n.raftPort}
+		for _, pp := range ports {
+			if *pp, err = freePort(); err != nil {
+				return err
+			}
+		}
+		n.gossip = net.JoinHostPort(host, strconv.Itoa(*ports[1]))
+		c.coords = append(c.coords, n)
+	}
+	var peers []string
+	for _, n := range c.coords {
+		peers = append(peers, n.id+"=127.0.0.1:"+strconv.Itoa(n.raftPort))
+	}
+	for i, n := range c.coords {
+		name := "coordinator"
+		argv := []string{c.coordBin, "serve", "--data-dir", n.dataD, "--nats-host", "127.0.0.1", "--nats-port", strconv.Itoa(n.natsPort),
+			"--bind", n.gossip, "--http", "", "--log-level", "info", "--creds-dir", c.creds}
+		if c.raftMode() {
+			name = "coordinator-" + n.id
+			var gossip, routes []string
+			for j, o := range c.coords {
+				if j != i {
+					gossip, routes = append(gossip, o.gossip), append(routes, "nats-route://127.0.0.1:"+strconv.Itoa(o.routePort))
+				}
+			}
+			// 1 s raft timeouts: on this loaded 2-core machine 500 ms
+			// elects on CPU starvation alone (BENCHMARKS, raft).
+			argv = append(argv, "--node-name", name, "--join", strings.Join(gossip, ","),
+				"--nats-cluster", "127.0.0.1:"+strconv.Itoa(n.routePort), "--nats-routes", strings.Join(routes, ","),
+				"--raft-id", n.id, "--raft-bind", "127.0.0.1:"+strconv.Itoa(n.raftPort), "--raft-peers", strings.Join(peers, ","),
+				"--raft-bootstrap", "--raft-heartbeat-timeout", "1s", "--raft-election-timeout", "1s")
+		}
+		n.p = newProc(name, filepath.Join(c.logD, name+".log"), argv)
+		if err := n.p.start(); err != nil {
+			return err
+		}
 	}
 	if err := c.connect(ctx); err != nil {
 		return err
+	}
+	var gossips []string
+	for _, n := range c.coords {
+		gossips = append(gossips, n.gossip)
+	}
+	if c.cfg.L3 {
+		if c.l3, err = startL3(host, c.dir); err != nil {
+			return err
+		}
 	}
 	for r := range c.cfg.Ranks {
 		listen := "127.0.0.1:0"
@@ -167,16 +258,25 @@ func (c *cluster) up(ctx context.Context) error {
 			}
 			addr = "127.0.0.1:" + strconv.Itoa(p)
 		}
-		px, err := NewProxy(listen, "127.0.0.1:"+strconv.Itoa(c.natsPort), c.log.Named("proxy"+strconv.Itoa(r)))
-		if err != nil {
-			return err
+		var ps proxySet
+		var urls []string
+		for _, n := range c.coords {
+			px, err := NewProxy(listen, "127.0.0.1:"+strconv.Itoa(n.natsPort), c.log.Named("proxy"+strconv.Itoa(r)))
+			if err != nil {
+				return err
+			}
+			ps = append(ps, px)
+			urls = append(urls, "nats://"+px.Addr())
 		}
-		c.proxies = append(c.proxies, px)
+		c.proxies = append(c.proxies, ps)
 		c.rankAddr = append(c.rankAddr, addr)
 		argv := []string{c.rankdBin, "--instance", Instance, "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.cfg.Ranks),
 			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.cfg.L1, "--l2-dir", c.l2D,
-			"--join", c.gossip, "--bind", addr, "--http", "", "--log-level", "info", "--creds-dir", c.creds,
-			"--nats", "nats://" + px.Addr()}
+			"--join", strings.Join(gossips, ","), "--bind", addr, "--http", "", "--log-level", "info", "--creds-dir", c.creds,
+			"--nats", strings.Join(urls, ",")}
+		if c.l3 != nil {
+			argv = append(argv, "--l3-endpoint", c.l3.endpoint, "--l3-bucket", l3Bucket, "--l3-credentials", c.l3.creds, "--l3-insecure")
+		}
 		if c.lab != nil {
 			argv = append(c.lab.wrap(r), argv...)
 		}
@@ -239,6 +339,12 @@ func (c *cluster) serving(ctx context.Context) error {
 	m, err := adminCall[wire.AdminMembersReply](ctx, c, wire.AdminMembers, struct{}{})
 	if err != nil {
 		return fmt.Errorf("coordinator members: %w", err)
+	}
+	if c.raftMode() {
+		// admin.ranks is served by the raft leader alone.
+		if _, err := adminCall[wire.AdminRanksReply](ctx, c, wire.AdminRanks, struct{}{}); err != nil {
+			return fmt.Errorf("no raft leader serves: %w", err)
+		}
 	}
 	for r := range c.cfg.Ranks {
 		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -314,12 +420,18 @@ func (c *cluster) down() {
 		p.signal(syscall.SIGCONT)
 		p.signal(syscall.SIGKILL)
 	}
-	if c.coord != nil {
-		c.coord.mu.Lock()
-		c.coord.stopping = true
-		c.coord.mu.Unlock()
-		c.coord.signal(syscall.SIGCONT)
-		c.coord.signal(syscall.SIGKILL)
+	for _, n := range c.coords {
+		if n.p == nil {
+			continue
+		}
+		n.p.mu.Lock()
+		n.p.stopping = true
+		n.p.mu.Unlock()
+		n.p.signal(syscall.SIGCONT)
+		n.p.signal(syscall.SIGKILL)
+	}
+	if c.l3 != nil {
+		c.l3.close()
 	}
 	for _, nc := range []*nats.Conn{c.admin, c.engine, c.observer} {
 		if nc != nil {

@@ -22,6 +22,11 @@ type Config struct {
 	// Rate is faults per second. Default 2. Higher rates reach more faults
 	// in the time but leave the cluster less time to recover between them.
 	Rate float64
+	// Coordinators is 1 (one coordinator, its embedded NATS server) or 3
+	// (replicated through raft, each embedding one server of a NATS
+	// cluster; coordinator faults then hit the raft leader half of the
+	// time). Default 1.
+	Coordinators int
 	// Ranks is the TP size of the engine instance (one rankd per rank).
 	// Default 4.
 	Ranks int
@@ -48,6 +53,9 @@ type Config struct {
 	// L2Bytes is the size of the L2 tmpfs (root only). Default 768 MiB: a
 	// full file system is a fault, not the steady state.
 	L2Bytes int64
+	// L3 gives every rankd an L3 tier: an S3 server (gofakes3) in the
+	// campaign's process, with L3 object faults. Default true.
+	L3 bool
 	// L1 is each rankd's --l1-bytes. Default "96MiB" (small: eviction
 	// happens).
 	L1 string
@@ -70,7 +78,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults documented on Config.
 func DefaultConfig() Config {
-	return Config{Seed: 1, Faults: 30, Rate: 2, Ranks: 4, SourceDir: ".", Netns: true, L2Bytes: 768 << 20,
+	return Config{Seed: 1, Faults: 30, Rate: 2, Coordinators: 1, Ranks: 4, SourceDir: ".", Netns: true, L3: true, L2Bytes: 768 << 20,
 		L1: "96MiB", MaxChunks: 4, MaxRSS: 3 << 29, Quiesce: 60 * time.Second, FinalRuns: 6, Log: zap.NewNop(), Out: io.Discard}
 }
 
@@ -81,6 +89,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: %d faults, want >= 0", ErrConfig, c.Faults)
 	case c.Rate <= 0 || c.Rate > 1000:
 		return fmt.Errorf("%w: rate %g faults/s, want (0, 1000]", ErrConfig, c.Rate)
+	case c.Coordinators != 1 && c.Coordinators != 3:
+		return fmt.Errorf("%w: %d coordinators, want 1 or 3 (raft)", ErrConfig, c.Coordinators)
 	case c.Ranks != 4:
 		return fmt.Errorf("%w: %d ranks; the engine scenarios are TP4, want 4", ErrConfig, c.Ranks)
 	case c.SourceDir == "" && c.BinDir == "":

@@ -334,3 +334,43 @@ func ReadFrame(r *bufio.Reader) (frame []byte, msg bool, err error) {
 	}
 	return frame, true, nil
 }
+
+// proxySet is one daemon's proxies, one per NATS server of the cluster:
+// a fault armed on the set is armed on each, so it hits whichever
+// connection the daemon holds.
+type proxySet []*Proxy
+
+// Inject arms the frame fault on every proxy of the set.
+func (s proxySet) Inject(k Kind, dir, n int) {
+	for _, p := range s {
+		p.Inject(k, dir, n)
+	}
+}
+
+// Stall stalls direction dir of every proxy of the set for d.
+func (s proxySet) Stall(dir int, d time.Duration) {
+	for _, p := range s {
+		p.Stall(dir, d)
+	}
+}
+
+// Cut closes every connection of every proxy of the set.
+func (s proxySet) Cut() {
+	for _, p := range s {
+		p.Cut()
+	}
+}
+
+// Heal disarms every proxy of the set.
+func (s proxySet) Heal() {
+	for _, p := range s {
+		p.Heal()
+	}
+}
+
+// Close closes every proxy of the set.
+func (s proxySet) Close() {
+	for _, p := range s {
+		p.Close()
+	}
+}

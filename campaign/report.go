@@ -9,15 +9,23 @@ import (
 
 // Report is the outcome of a campaign, as JSON and as a printed table.
 type Report struct {
-	Seed      uint64  `json:"seed"`
-	Faults    int     `json:"faults_scheduled"`
-	Rate      float64 `json:"rate_per_s"`
-	Seconds   float64 `json:"seconds"`
-	Network   string  `json:"network"` // "netns" or "loopback: <why>"
-	Trace     string  `json:"trace"`   // the trace file, or the built-in sample
-	L2FS      string  `json:"l2_fs"`   // "tmpfs <bytes>" or "directory: <why>"
-	Injected  int     `json:"faults_injected"`
-	FaultRate float64 `json:"faults_per_s"`
+	Seed    uint64  `json:"seed"`
+	Faults  int     `json:"faults_scheduled"`
+	Rate    float64 `json:"rate_per_s"`
+	Seconds float64 `json:"seconds"`
+	Network string  `json:"network"` // "netns" or "loopback: <why>"
+	// Coordinators is 1, or 3 replicated through raft.
+	Coordinators int `json:"coordinators"`
+	// LeaderHits counts coordinator faults that hit the raft leader;
+	// Leaders counts the distinct (term, leader) pairs the samples saw.
+	LeaderHits int `json:"raft_leader_faults,omitempty"`
+	Leaders    int `json:"raft_leaders_seen,omitempty"`
+	// CommitIndex is the leader's raft commit index at the last sample.
+	CommitIndex uint64  `json:"raft_commit_index,omitempty"`
+	Trace       string  `json:"trace"` // the trace file, or the built-in sample
+	L2FS        string  `json:"l2_fs"` // "tmpfs <bytes>" or "directory: <why>"
+	Injected    int     `json:"faults_injected"`
+	FaultRate   float64 `json:"faults_per_s"`
 	// ByKind counts injected and skipped faults per kind.
 	ByKind  map[Kind]int    `json:"faults_by_kind"`
 	Skipped map[Kind]int    `json:"faults_skipped"`
@@ -72,6 +80,10 @@ func (r *Report) judge() {
 func (r *Report) Print(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "campaign seed %d: %d faults in %.0f s (%.2f/s), network %s, L2 %s, trace %s\n", r.Seed, r.Injected, r.Seconds, r.FaultRate, r.Network, r.L2FS, r.Trace)
+	if r.Coordinators > 1 {
+		fmt.Fprintf(tw, "coordinators %d (raft): %d coordinator faults hit the leader, %d leaders seen, leader commit index %d at the last sample\n",
+			r.Coordinators, r.LeaderHits, r.Leaders, r.CommitIndex)
+	}
 	fmt.Fprintln(tw, "FAULT\tINJECTED\tSKIPPED")
 	for _, k := range Kinds() {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", k, r.ByKind[k], r.Skipped[k], r.SkipWhy[k])

@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/enginesim"
@@ -51,11 +52,17 @@ type runner struct {
 	mu        sync.Mutex
 	rep       *Report
 	prompts   []*prompt
-	downUntil map[int]time.Time // target -> no restart before (kill down time)
-	stops     map[int]int       // target -> stops in force
+	downUntil map[string]time.Time // process name -> no restart before (kill down time)
+	stops     map[string]int       // process name -> stops in force
 	enospc    int
 	maxRSS    map[string]uint64
 	logOff    map[string]int64
+
+	leaders map[uint64]string // raft term -> leader seen (under mu)
+
+	// lastOn names the process the fault being applied hit (inject's
+	// goroutine only).
+	lastOn string
 }
 
 // Run runs one campaign and returns its report. The error is for a
@@ -101,19 +108,24 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		c.hostD = shm
 		defer os.RemoveAll(shm)
 	}
-	r := &runner{cfg: cfg, log: cfg.Log, c: c, led: newLedger(), trace: trace, downUntil: map[int]time.Time{},
-		stops: map[int]int{}, maxRSS: map[string]uint64{}, logOff: map[string]int64{},
+	r := &runner{cfg: cfg, log: cfg.Log, c: c, led: newLedger(), trace: trace, downUntil: map[string]time.Time{},
+		stops: map[string]int{}, maxRSS: map[string]uint64{}, logOff: map[string]int64{},
 		rep: &Report{Seed: cfg.Seed, Faults: cfg.Faults, Rate: cfg.Rate, Trace: traceName, ByKind: map[Kind]int{}, Skipped: map[Kind]int{},
 			SkipWhy: map[Kind]string{}, Restores: map[Outcome]int{}, Final: map[Outcome]int{}, RSSBound: cfg.MaxRSS,
 			NotCovered: map[string]string{
-				"clock_step":     "no per-namespace wall clock: Linux time namespaces offset only the monotonic and boot clocks, and stepping the host clock would hit every engineer's processes",
+				"clock_step":     "no per-process wall clock: Linux time namespaces offset only the monotonic and boot clocks, libfaketime does not reach Go (it reads the clock through the vDSO, not libc), and stepping the host clock would hit every engineer's processes",
 				"packet_loss":    "tc netem is not available on this kernel (sch_netem missing) and neither is iptables; lossy_link flaps the veth instead",
-				"raft_leader":    "the campaign runs one coordinator; replicated mode (raft) reached main while this was built and a raft trio in the harness is left for later",
-				"l3":             "no L3 tier in this build",
 				"vllm_connector": "needs a GPU and vLLM; the Go engine simulator plays the engines",
 			}}}
 	if cfg.Keep {
 		r.rep.WorkDir = dir
+	}
+	r.rep.Coordinators = cfg.Coordinators
+	if !cfg.L3 {
+		r.rep.NotCovered["l3"] = "switched off (--l3=false)"
+	}
+	if cfg.Coordinators == 1 {
+		r.rep.NotCovered["raft_leader"] = "this campaign ran one coordinator (--coordinators 3 runs a raft trio with the leader among the targets)"
 	}
 	defer c.down()
 	if err := c.up(ctx); err != nil {
@@ -183,16 +195,20 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rep.RestoreRate = float64(runs) / rep.Seconds
 	rep.MaxRSS = r.maxRSS
 	rep.Proxy = map[string]int64{}
-	for _, p := range c.proxies {
-		rep.Proxy["frames"] += p.Frames.Load()
-		rep.Proxy["dropped"] += p.Dropped.Load()
-		rep.Proxy["duplicated"] += p.Duplicated.Load()
-		rep.Proxy["reordered"] += p.Reordered.Load()
-		rep.Proxy["cuts"] += p.Cuts.Load()
-		rep.Proxy["armed_expired"] += p.Expired.Load()
+	for _, ps := range c.proxies {
+		for _, p := range ps {
+			rep.Proxy["frames"] += p.Frames.Load()
+			rep.Proxy["dropped"] += p.Dropped.Load()
+			rep.Proxy["duplicated"] += p.Duplicated.Load()
+			rep.Proxy["reordered"] += p.Reordered.Load()
+			rep.Proxy["armed_expired"] += p.Expired.Load()
+		}
+		if len(ps) > 0 {
+			rep.Proxy["cuts"] += ps[0].Cuts.Load() // a cut hits the whole set
+		}
 	}
 	rep.Restarts, rep.Refused = map[string]int{}, map[string]int{}
-	for _, p := range append([]*proc{c.coord}, c.ranks...) {
+	for _, p := range append(c.coordProcs(), c.ranks...) {
 		p.mu.Lock()
 		rep.Restarts[p.name] = p.starts
 		if p.refusals > 0 {
@@ -250,12 +266,14 @@ func (r *runner) inject(ctx context.Context, sched []Fault) {
 			case <-time.After(d):
 			}
 		}
+		r.lastOn = ""
 		skip := r.apply(ctx, f)
 		rec := struct {
 			Fault
 			T       float64 `json:"t"`
+			On      string  `json:"on,omitempty"` // the process a process fault hit
 			Skipped string  `json:"skipped,omitempty"`
-		}{f, time.Since(r.start).Seconds(), skip}
+		}{f, time.Since(r.start).Seconds(), r.lastOn, skip}
 		b, _ := json.Marshal(rec)
 		r.mu.Lock()
 		_, _ = r.flog.Write(append(b, '\n'))
@@ -272,11 +290,27 @@ func (r *runner) inject(ctx context.Context, sched []Fault) {
 	}
 }
 
-func (r *runner) procOf(target int) *proc {
-	if target < 0 {
-		return r.c.coord
+// procOf resolves a fault's target to a process. A coordinator fault
+// with raft hits the leader when bit 40 of its pick is clear (the
+// leader's death is the failover the campaign must survive), else the
+// node its pick names; without raft the one coordinator.
+func (r *runner) procOf(ctx context.Context, f Fault) *proc {
+	if f.Target >= 0 {
+		return r.c.ranks[f.Target]
 	}
-	return r.c.ranks[target]
+	n := r.c.coords[0]
+	if r.c.raftMode() {
+		n = r.c.coords[(f.Pick>>41)%uint64(len(r.c.coords))]
+		if f.Pick>>40&1 == 0 {
+			if l := r.c.leader(ctx); l >= 0 {
+				n = r.c.coords[l]
+				r.mu.Lock()
+				r.rep.LeaderHits++
+				r.mu.Unlock()
+			}
+		}
+	}
+	return n.p
 }
 
 // after runs f after d on a goroutine the runner owns.
@@ -310,27 +344,29 @@ func (r *runner) apply(ctx context.Context, f Fault) string {
 	c := r.c
 	switch f.Kind {
 	case KillRankd, KillCoordinator:
-		p := r.procOf(f.Target)
+		p := r.procOf(ctx, f)
+		r.lastOn = p.name
 		r.mu.Lock()
-		r.downUntil[f.Target] = time.Now().Add(f.For)
-		r.stops[f.Target] = 0
+		r.downUntil[p.name] = time.Now().Add(f.For)
+		r.stops[p.name] = 0
 		r.mu.Unlock()
 		r.hit(f.Target)
 		p.signal(syscall.SIGKILL)
 	case StopRankd, StopCoordinator:
-		p := r.procOf(f.Target)
+		p := r.procOf(ctx, f)
+		r.lastOn = p.name
 		if !p.alive() {
 			return "process down"
 		}
 		r.mu.Lock()
-		r.stops[f.Target]++
+		r.stops[p.name]++
 		r.mu.Unlock()
 		r.hit(f.Target)
 		p.signal(syscall.SIGSTOP)
 		r.after(ctx, f.For, func() {
 			r.mu.Lock()
-			r.stops[f.Target] = max(0, r.stops[f.Target]-1)
-			n := r.stops[f.Target]
+			r.stops[p.name] = max(0, r.stops[p.name]-1)
+			n := r.stops[p.name]
 			r.mu.Unlock()
 			if n == 0 {
 				p.signal(syscall.SIGCONT)
@@ -338,6 +374,15 @@ func (r *runner) apply(ctx context.Context, f Fault) string {
 		})
 	case L2BitFlip, L2Truncate, L2Delete, L2Swap:
 		return r.l2Fault(f)
+	case L3BitFlip, L3Truncate, L3Delete:
+		if c.l3 == nil {
+			return "no L3 (--l3=false)"
+		}
+		key, skip := c.l3.fault(f.Kind, f.Pick)
+		if skip == "" {
+			r.led.hitL3(key, time.Now())
+		}
+		return skip
 	case L2NoSpace:
 		if !c.tmpfs {
 			return "no tmpfs for L2 (" + c.l2Why + ")"
@@ -501,11 +546,10 @@ func (r *runner) heal() {
 	for t := range r.stops {
 		r.stops[t] = 0
 	}
-	r.downUntil = map[int]time.Time{}
+	r.downUntil = map[string]time.Time{}
 	r.enospc = 0
 	r.mu.Unlock()
-	r.c.coord.signal(syscall.SIGCONT)
-	for _, p := range r.c.ranks {
+	for _, p := range append(r.c.coordProcs(), r.c.ranks...) {
 		p.signal(syscall.SIGCONT)
 	}
 	for _, p := range r.c.proxies {
@@ -520,8 +564,8 @@ func (r *runner) heal() {
 	// Let restarts happen now.
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		all := r.c.coord.alive()
-		for _, p := range r.c.ranks {
+		all := true
+		for _, p := range append(r.c.coordProcs(), r.c.ranks...) {
 			all = all && p.alive()
 		}
 		if all {
@@ -529,6 +573,16 @@ func (r *runner) heal() {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// anyCoordinator reports whether some coordinator process runs.
+func (r *runner) anyCoordinator() bool {
+	for _, p := range r.c.coordProcs() {
+		if p.alive() {
+			return true
+		}
+	}
+	return false
 }
 
 // supervise restarts every daemon that is down once its kill's down time
@@ -542,13 +596,12 @@ func (r *runner) supervise(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		for target := -1; target < r.cfg.Ranks; target++ {
-			p := r.procOf(target)
+		for _, p := range append(r.c.coordProcs(), r.c.ranks...) {
 			if p.alive() {
 				continue
 			}
 			r.mu.Lock()
-			wait := time.Now().Before(r.downUntil[target])
+			wait := time.Now().Before(r.downUntil[p.name])
 			r.mu.Unlock()
 			if wait {
 				continue
@@ -562,6 +615,16 @@ func (r *runner) supervise(ctx context.Context) {
 
 // ---- workload ----
 
+// The engine's request bounds. A message the proxies drop costs its
+// request engineResend, not the run: the engine resends (enginesim
+// ResendAfter). engineTimeout outlasts the longest stop (3 s) and a kill's
+// down time (2 s) plus a restart, so a request to a daemon that comes
+// back is answered instead of ending the run before a verdict.
+const (
+	engineTimeout = 6 * time.Second
+	engineResend  = time.Second
+)
+
 func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Config {
 	host := cuda.DefaultHostConfig()
 	host.Dir = r.c.hostD
@@ -571,8 +634,8 @@ func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Conf
 	}
 	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
 		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: 2500 * time.Millisecond, WaitPrefix: wait,
-		Out: r.elog, RequestID: id}
+		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: engineTimeout, ResendAfter: engineResend,
+		WaitPrefix: wait, Out: r.elog, RequestID: id}
 }
 
 func newPrompt(scenario string, tokens []uint32) (*prompt, error) {
@@ -628,6 +691,12 @@ func (r *runner) workload(ctx context.Context) {
 // recomputes the chunks). tally, when set, receives the
 // outcome instead of the report's restore counts.
 func (r *runner) runEngine(ctx context.Context, p *prompt, phase, id string, tally map[Outcome]int) Outcome {
+	// A killed coordinator takes the embedded NATS server with it: a run
+	// started before it is back only fails to connect. Wait out its down
+	// time (at most 2 s, then the restart) first.
+	for deadline := time.Now().Add(5 * time.Second); !r.anyCoordinator() && time.Now().Before(deadline) && ctx.Err() == nil; {
+		time.Sleep(50 * time.Millisecond)
+	}
 	t0 := time.Now()
 	fmt.Fprintf(r.elog, "=== campaign: run %s %s %s at %.3fs\n", id, p.scenario, phase, time.Since(r.start).Seconds())
 	res, err := enginesim.Run(context.WithoutCancel(ctx), r.engineConfig(p, phase, id))
@@ -730,6 +799,7 @@ func (r *runner) sample(ctx context.Context) {
 		for _, p := range ps {
 			r.recordIndex(ctx, p)
 		}
+		r.sampleRaft(ctx)
 		r.sampleRSS()
 		r.scanLogs(false)
 	}
@@ -758,8 +828,36 @@ func (r *runner) recordIndex(ctx context.Context, p *prompt) {
 	}
 }
 
+// sampleRaft reads every coordinator's raft state: two leaders of one
+// term would be a split brain (a problem); the leader's commit index is
+// reported.
+func (r *runner) sampleRaft(ctx context.Context) {
+	if !r.c.raftMode() {
+		return
+	}
+	nodes, _ := coordinator.CollectRaft(ctx, r.c.admin, r.c.subj, 300*time.Millisecond)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.leaders == nil {
+		r.leaders = map[uint64]string{}
+	}
+	for _, n := range nodes {
+		if n.State != "Leader" {
+			continue
+		}
+		if prev, ok := r.leaders[n.Term]; ok && prev != n.ID {
+			r.rep.Problems = append(r.rep.Problems, fmt.Sprintf("raft term %d has two leaders: %s and %s", n.Term, prev, n.ID))
+		}
+		if _, ok := r.leaders[n.Term]; !ok {
+			r.leaders[n.Term] = n.ID
+			r.rep.Leaders++
+		}
+		r.rep.CommitIndex = n.CommitIndex
+	}
+}
+
 func (r *runner) sampleRSS() {
-	for _, p := range append([]*proc{r.c.coord}, r.c.ranks...) {
+	for _, p := range append(r.c.coordProcs(), r.c.ranks...) {
 		v := p.rssBytes()
 		r.mu.Lock()
 		if v > r.maxRSS[p.name] {
@@ -870,7 +968,17 @@ func (r *runner) quiesceAndCheck(ctx context.Context) {
 	} else {
 		r.problem("no final index snapshot: the acknowledged placements were not judged")
 	}
-	v, err := adminCall[wire.AdminVerifyReply](ctx, r.c, wire.AdminVerify, struct{}{})
+	// Verify is served by the raft leader alone: retried across an
+	// election.
+	var v *wire.AdminVerifyReply
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		v, err = adminCall[wire.AdminVerifyReply](ctx, r.c, wire.AdminVerify, struct{}{})
+		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(time.Second)
+	}
 	switch {
 	case err != nil:
 		r.rep.VerifyProblems = []string{err.Error()}
@@ -921,9 +1029,10 @@ func (r *runner) compareIndex(ctx context.Context) (index, inv map[placementID]b
 		var n1, n2 int64
 		for _, o := range in.Objects {
 			invs[placementID{Key: o.Key.String(), Holder: name, Tier: o.Tier}] = val{o.Size, o.Sum}
-			if o.Tier == wire.L1 {
+			switch o.Tier {
+			case wire.L1:
 				n1++
-			} else {
+			case wire.L2:
 				n2++
 			}
 		}

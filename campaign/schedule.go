@@ -28,9 +28,13 @@ const (
 	NATSCut         Kind = "nats_cut"         // the rank's NATS connections are closed
 	Partition       Kind = "partition"        // the rank's link is down for For
 	LossyLink       Kind = "lossy_link"       // the rank's link flaps (packets lost) for For
+	L3BitFlip       Kind = "l3_bitflip"       // one bit of one L3 object
+	L3Truncate      Kind = "l3_truncate"      // an L3 object cut short
+	L3Delete        Kind = "l3_delete"        // an L3 object removed
 )
 
-// weights say how often each kind is drawn, per mille. At 11 faults/s
+// weights say how often each kind is drawn (relative weights, 1,050 in
+// all; the L3 kinds came last, with 50). At 11 faults/s
 // (10,000 in about 15 minutes) a rankd is killed about every 11 s, the
 // coordinator every 30 s, a rank partitioned or its link made lossy every
 // 6 s; an L2 file is damaged 5 times a second. The daemons' NATS traffic
@@ -46,6 +50,7 @@ var weights = []struct {
 	{L2BitFlip, 150}, {L2Truncate, 110}, {L2Delete, 110}, {L2Swap, 110}, {L2NoSpace, 5},
 	{KillRankd, 8}, {StopRankd, 10}, {KillCoordinator, 3}, {StopCoordinator, 3},
 	{Partition, 8}, {LossyLink, 7},
+	{L3BitFlip, 20}, {L3Truncate, 15}, {L3Delete, 15},
 }
 
 // Kinds lists every fault kind in schedule order.

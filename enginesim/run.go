@@ -74,6 +74,21 @@ type Config struct {
 	RestoreDeadline time.Duration
 	// Timeout bounds each request. Default 60 s.
 	Timeout time.Duration
+	// ResendAfter, when > 0, resends a request that got no reply within
+	// this long, until Timeout ends: the engine's registration with each
+	// rankd, its stores, lookups, restore.begin and restore.wait (which
+	// waits ResendAfter on top of RestoreDeadline). Each of them may be
+	// handled twice: a registration is resent as the same message (same
+	// reply subject), which the rankd answers with the first delivery's
+	// session, a second store of a chunk dedupes against the
+	// first (its event and pages stay untouched until a reply, C1/C10), a
+	// second restore.begin starts a second restore and the first expires
+	// unclaimed, a second restore.wait reads the same verdict. Retrieves
+	// are never resent (a retrieve without a reply claims nothing: the
+	// verdict decides). Default 0: only a request nobody received is
+	// resent, so a lost message costs the request its Timeout (a fault
+	// campaign, which drops messages on purpose, sets it).
+	ResendAfter time.Duration
 	// WaitPrefix is how long a restore first waits for the coordinator's
 	// lookup to cover the whole prompt (after restarts the ranks' L2
 	// placements arrive as their first events). The restore begins after
@@ -273,6 +288,24 @@ func (s *sim) logf(format string, args ...any) {
 // only when nobody received it (bus.NoResponders).
 var retryIdempotent = bus.Retry{Idempotent: true, Attempt: 3 * time.Second, For: 10 * time.Second, Backoff: bus.DefaultBackoff()}
 
+// resend is the retry policy of the requests ResendAfter names; extra is
+// added to each attempt (a long poll's own wait).
+func (s *sim) resend(extra time.Duration) bus.Retry {
+	if s.cfg.ResendAfter <= 0 {
+		return bus.NoResponders()
+	}
+	return bus.Retry{Idempotent: true, Attempt: s.cfg.ResendAfter + extra, Backoff: bus.DefaultBackoff()}
+}
+
+// lookupRetry is the lookups' policy: idempotent always, resent after
+// ResendAfter when set.
+func (s *sim) lookupRetry() bus.Retry {
+	if s.cfg.ResendAfter <= 0 {
+		return retryIdempotent
+	}
+	return s.resend(0)
+}
+
 func (s *sim) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, s.cfg.Timeout)
 }
@@ -321,6 +354,7 @@ func (s *sim) run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		w.resend, w.resendEvery = s.resend(0), s.cfg.ResendAfter
 		s.workers = append(s.workers, w)
 	}
 	registered := false
@@ -463,7 +497,7 @@ func (s *sim) waitPrefix(ctx context.Context, wait time.Duration) (int, error) {
 	for {
 		cctx, cancel := s.callCtx(ctx)
 		lr, err := bus.CallRetry[wire.LookupReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordLookup),
-			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance}, retryIdempotent)
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance}, s.lookupRetry())
 		cancel()
 		prefix := 0
 		if err == nil {
@@ -494,7 +528,7 @@ func (s *sim) restore(ctx context.Context) error {
 	}
 	start := time.Now()
 	cctx, cancel := s.callCtx(ctx)
-	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), wire.RestoreBeginRequest{
+	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), s.resend(0), wire.RestoreBeginRequest{
 		Instance: s.cfg.Instance, PlanEncoding: wire.PlanEncodingBinary, RestoreBegin: wire.RestoreBegin{
 			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
 	cancel()
@@ -546,7 +580,7 @@ func (s *sim) restore(ctx context.Context) error {
 	})
 
 	cctx, cancel = s.callCtx(ctx)
-	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, bus.NoResponders())
+	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, s.resend(s.cfg.RestoreDeadline))
 	cancel()
 	if err != nil {
 		return fmt.Errorf("restore.wait: %w", err)
@@ -712,16 +746,16 @@ func compareWord(rows []RankResult) string {
 // beginRestore asks for a restore plan. With PlanEncodingBinary the plan
 // comes back in the compact binary form (wire/plan.go), which refers to
 // req.Chunks by index; an error reply is JSON either way.
-func beginRestore(ctx context.Context, nc *nats.Conn, subject string, req wire.RestoreBeginRequest) (*wire.RestorePlan, error) {
+func beginRestore(ctx context.Context, nc *nats.Conn, subject string, retry bus.Retry, req wire.RestoreBeginRequest) (*wire.RestorePlan, error) {
 	if req.PlanEncoding != wire.PlanEncodingBinary {
-		return bus.CallRetry[wire.RestorePlan](ctx, nc, subject, req, bus.NoResponders())
+		return bus.CallRetry[wire.RestorePlan](ctx, nc, subject, req, retry)
 	}
 	data, err := json.Marshal(req)
 	if err != nil {
 		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
 	}
 	var msg *nats.Msg
-	if err := bus.NoResponders().Do(ctx, func(ctx context.Context) error {
+	if err := retry.Do(ctx, func(ctx context.Context) error {
 		msg, err = nc.RequestWithContext(ctx, subject, data)
 		return err
 	}); err != nil {

@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -29,6 +30,11 @@ type worker struct {
 	// session is the rankd session of this process's registration; every
 	// store, retrieve and release names it.
 	session string
+	// resend is the retry policy of store (Config.ResendAfter);
+	// resendEvery > 0 resends a registration, as the same message, after
+	// that long without a reply.
+	resend      bus.Retry
+	resendEvery time.Duration
 }
 
 func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
@@ -37,7 +43,8 @@ func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.Ho
 	if err != nil {
 		return nil, fmt.Errorf("rank %d: open device %q: %w", t, spec, err)
 	}
-	w := &worker{t: t, rank: wire.Rank{Instance: instance, TPRank: t}, plan: plan, dev: dev, nc: nc, subj: subj, log: logf}
+	w := &worker{t: t, rank: wire.Rank{Instance: instance, TPRank: t}, plan: plan, dev: dev, nc: nc, subj: subj, log: logf,
+		resend: bus.NoResponders()}
 	if w.stream, err = dev.NewStream(); err != nil {
 		w.close()
 		return nil, fmt.Errorf("rank %d: new stream: %w", t, err)
@@ -100,7 +107,13 @@ func (w *worker) register(ctx context.Context) error {
 			req.Pools = append(req.Pools, wire.PoolRegistration{Group: gi, Layer: l, Handle: h})
 		}
 	}
-	rep, err := bus.CallRetry[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, bus.NoResponders())
+	var rep *wire.RegisterReply
+	var err error
+	if w.resendEvery > 0 {
+		rep, err = callResending[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, w.resendEvery)
+	} else {
+		rep, err = bus.CallRetry[wire.RegisterReply](ctx, w.nc, w.subj.Engine(w.rank, "register"), req, bus.NoResponders())
+	}
 	if err != nil {
 		return fmt.Errorf("rank %d: register: %w", w.t, err)
 	}
@@ -115,6 +128,50 @@ func (w *worker) register(ctx context.Context) error {
 		w.log("rank %d: registration superseded session %s of instance %s (an earlier engine process)", w.t, rep.Superseded, w.rank.Instance)
 	}
 	return nil
+}
+
+// callResending sends req and, while no reply came within every, sends
+// the very same message again: same bytes, same reply subject. A rankd
+// takes such a resend for one request delivered twice and answers it
+// with the session of its first delivery (a fresh request would register
+// again and supersede that session, and a late first registration would
+// supersede the second). A no-responders answer is resent too.
+func callResending[T any](ctx context.Context, nc *nats.Conn, subject string, req any, every time.Duration) (*T, error) {
+	data, err := json.Marshal(req)
+	if err != nil {
+		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
+	}
+	inbox := nc.NewInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, fmt.Errorf("request %s: subscribe %s: %w", subject, inbox, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	for {
+		if err := nc.PublishRequest(subject, inbox, data); err != nil && !errors.Is(err, nats.ErrConnectionReconnecting) {
+			return nil, fmt.Errorf("request %s: %w", subject, err)
+		}
+		actx, cancel := context.WithTimeout(ctx, every)
+		msg, err := sub.NextMsgWithContext(actx)
+		cancel()
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("request %s: %w", subject, ctx.Err())
+		}
+		if err != nil || msg.Header.Get("Status") == "503" {
+			continue // lost, or nobody subscribed yet: the same message again
+		}
+		var rep wire.Reply[T]
+		if err := json.Unmarshal(msg.Data, &rep); err != nil {
+			return nil, fmt.Errorf("decode reply from %s: %w", subject, errors.Join(err, wire.ErrMalformed))
+		}
+		if rep.Error != nil {
+			return nil, rep.Error
+		}
+		if rep.OK == nil {
+			return nil, fmt.Errorf("reply from %s has neither ok nor error: %w", subject, wire.ErrMalformed)
+		}
+		return rep.OK, nil
+	}
 }
 
 // sessionErr explains a stale_session refusal: this process was superseded.
@@ -206,7 +263,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 				return
 			}
 			defer freed.Unsubscribe()
-			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, bus.NoResponders())
+			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, w.resend)
 			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped

@@ -7,7 +7,10 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -80,5 +83,73 @@ func TestPeekIncarnationWritesNothing(t *testing.T) {
 	}
 	if next, err := peekIncarnation(dir, r); err != nil || next <= other {
 		t.Fatalf("peek after: %d %v, want > %d", next, err, other)
+	}
+}
+
+// TestStartsWhileIncarnationUnwritable (campaign finding: a rankd whose L2
+// file system was full exited 1 at start, "write incarnation file: no
+// space left on device"): a failing L2 must not keep the rank from serving
+// L1 (issue 11.3). The temp name of the incarnation file is taken by a
+// directory, so its write fails (as under ENOSPC, without root); the rank
+// starts with the incarnation it drew, counts and logs the failure, stores
+// a chunk, and stores its incarnation once the write succeeds again.
+func TestStartsWhileIncarnationUnwritable(t *testing.T) {
+	l2 := t.TempDir()
+	blocker := filepath.Join(l2, "incarnations", "eng.1.tmp")
+	if err := os.MkdirAll(blocker, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	h := newHarness(t, func(c *Config) { c.L2Dir = l2 })
+	path := filepath.Join(l2, "incarnations", "eng.1")
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Fatalf("incarnation file written although its temp name is a directory (stat: %v)", err)
+	}
+	if v := gatherCounter(t, h, "kvtier_rankd_incarnation_save_failures_total"); v < 1 {
+		t.Fatalf("incarnation_save_failures_total = %v, want >= 1", v)
+	}
+	// It serves: a register and a store of a non-MLA chunk (rank 1 stores
+	// its own shard) are answered, the object committed.
+	e := newEngine(t, h)
+	e.spec.Groups[0].MLA = false
+	var err error
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	ctx := h.ctx()
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev.Release()
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil || st.Stored != 1 || len(st.Failed) != 0 {
+		t.Fatalf("store while the incarnation is unsaved: %+v %v, want 1 stored", st, err)
+	}
+	// The L2 heals: the incarnation is stored (retried every heartbeat).
+	if err := os.Remove(blocker); err != nil {
+		t.Fatal(err)
+	}
+	want := strconv.FormatUint(h.d.inc, 10) + "\n"
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		b, err := os.ReadFile(path)
+		if err == nil && string(b) == want {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("incarnation file %q (%v) 15 s after the L2 healed, want %q", b, err, want)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

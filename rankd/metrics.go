@@ -24,6 +24,9 @@ type metrics struct {
 	inventories       prometheus.Counter
 	blocksFreed       *prometheus.CounterVec // result: sent | failed
 	supersessions     prometheus.Counter
+	// incarnationSaveFailures counts failed writes of the incarnation file
+	// (a failing L2 at start, then each retry).
+	incarnationSaveFailures prometheus.Counter
 }
 
 func newMetrics(rank string) *metrics {
@@ -58,9 +61,11 @@ func newMetrics(rank string) *metrics {
 			[]string{"result"}),
 		supersessions: c("engine_sessions_superseded_total",
 			"Engine registrations that superseded a live session of their namespace (an engine restart, or a second engine process of the instance)."),
+		incarnationSaveFailures: c("incarnation_save_failures_total",
+			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
 	}
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
-		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions,
+		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

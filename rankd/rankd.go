@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -77,6 +78,10 @@ type Daemon struct {
 	httpLn  net.Listener
 
 	trust trust // NATS credentials and the coordinator key (auth.go)
+
+	// incUnsaved: Start could not store this start's incarnation (a
+	// failing L2); the heartbeat loop retries until it succeeds.
+	incUnsaved atomic.Bool
 
 	mu        sync.Mutex // guards the following
 	started   bool
@@ -254,7 +259,20 @@ func (d *Daemon) Start(ctx context.Context) error {
 	// Only now the rank's files: the incarnation, then L2 (rescanned by
 	// the engine).
 	if err := saveIncarnation(d.cfg.L2Dir, d.cfg.Rank, d.inc); err != nil {
-		return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+		// Another start overtook this one, or the file is damaged: refuse.
+		// A write that fails (ENOSPC, EIO, a read-only L2) is a failing
+		// L2, and a failing L2 never keeps L1 from serving (issue 11.3):
+		// start with the incarnation drawn (already above the stored one),
+		// count, warn, and store it from the heartbeat loop once the L2
+		// takes writes again. Until then only a clock stepped back below
+		// this start could give a later start a smaller incarnation.
+		if errors.Is(err, ErrDuplicateRank) || errors.Is(err, ErrConfig) {
+			return fmt.Errorf("rankd %s: %w", d.cfg.Rank, err)
+		}
+		d.met.incarnationSaveFailures.Inc()
+		d.incUnsaved.Store(true)
+		d.log.Warn("cannot store this start's incarnation in the L2 directory; serving anyway (a failing L2 degrades, L1 serves), retried every heartbeat",
+			zap.Uint64("incarnation", d.inc), zap.String("l2_dir", d.cfg.L2Dir), zap.Error(err))
 	}
 	tc := d.tc
 	if d.cfg.L3.Endpoint != "" {
@@ -327,12 +345,18 @@ func (d *Daemon) heartbeatLoop() {
 	t := time.NewTicker(d.cfg.HeartbeatInterval)
 	defer t.Stop()
 	subject := d.subj.Heartbeat(d.cfg.Rank)
+	defer func() {
+		if d.incUnsaved.Load() {
+			d.log.Warn("shut down without having stored this start's incarnation", zap.Uint64("incarnation", d.inc))
+		}
+	}()
 	for {
 		select {
 		case <-d.stop:
 			return
 		case <-t.C:
 		}
+		d.retryIncarnation()
 		p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: d.eng.Stats().LastSeq})
 		if err != nil {
 			continue
@@ -343,6 +367,27 @@ func (d *Daemon) heartbeatLoop() {
 		if err := nc.Publish(subject, p); err != nil {
 			d.log.Debug("heartbeat not sent", zap.Error(err))
 		}
+	}
+}
+
+// retryIncarnation stores the incarnation Start could not (incUnsaved).
+// A later start that overtook this one meanwhile is logged at Error (it
+// supersedes this one) and not retried.
+func (d *Daemon) retryIncarnation() {
+	if !d.incUnsaved.Load() {
+		return
+	}
+	err := saveIncarnation(d.cfg.L2Dir, d.cfg.Rank, d.inc)
+	switch {
+	case err == nil:
+		d.incUnsaved.Store(false)
+		d.log.Info("incarnation stored in the L2 directory after all", zap.Uint64("incarnation", d.inc))
+	case errors.Is(err, ErrDuplicateRank) || errors.Is(err, ErrConfig):
+		d.incUnsaved.Store(false)
+		d.log.Error("incarnation not stored: the file moved on without this start", zap.Uint64("incarnation", d.inc), zap.Error(err))
+	default:
+		d.met.incarnationSaveFailures.Inc()
+		d.log.Debug("incarnation still not stored", zap.Error(err))
 	}
 }
 

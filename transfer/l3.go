@@ -229,7 +229,14 @@ func (t *L3Tier) Scan(ctx context.Context, owner wire.Rank, fn func(ScanEntry)) 
 		if err != nil || key.NS.String() != nsPart || int(key.Shard) != owner.TPRank {
 			return nil
 		}
-		body, _, err := t.store.Open(ctx, name, 0, fileMaxHdr)
+		if size <= 0 {
+			// No header to read (a ranged read of an empty object is
+			// refused, 416): corrupt, deleted, and the scan goes on.
+			fn(ScanEntry{Object: L2Object{Key: key}, KeyKnown: true,
+				Err: t.corrupt(ctx, key, L2Object{Key: key}, false, "empty object: no header")})
+			return nil
+		}
+		body, _, err := t.store.Open(ctx, name, 0, min(size, int64(fileMaxHdr)))
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil // deleted since the listing
 		}
