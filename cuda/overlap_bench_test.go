@@ -1,0 +1,90 @@
+package cuda
+
+import (
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// BenchmarkCheckOverlap: the overlap check of a scatter of n page spans at
+// random pages of one allocation (a restore into a block table), per range.
+func BenchmarkCheckOverlap(b *testing.B) {
+	const n, page = 160_000, 8192
+	r := rand.New(rand.NewPCG(1, 2))
+	perm := r.Perm(n)
+	src := make([]destRange, n)
+	for i, p := range perm {
+		src[i] = destRange{space: "alloc-7f3a9c", start: uint64(p) * page, end: uint64(p)*page + page, obj: i, span: 0}
+	}
+	ds := make([]destRange, n)
+	b.ResetTimer()
+	for b.Loop() {
+		copy(ds, src)
+		if err := checkOverlap(ds, true); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/n, "ns/range")
+}
+
+// overlapsBrute reports whether two ranges of one space share a byte, by
+// comparing every pair of the same space (small inputs only).
+func overlapsBrute(ds []destRange) bool {
+	for i := range ds {
+		for j := i + 1; j < len(ds); j++ {
+			a, b := ds[i], ds[j]
+			if a.space == b.space && a.start < b.end && b.start < a.end && a.end > a.start && b.end > b.start {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestCheckOverlapMatchesBruteForce: on random destinations in several
+// address spaces, above and below the radix-sort threshold, with start
+// digits shared by neighbours and spaces interleaved, the check finds an overlap
+// exactly when one exists, and leaves ds as it was.
+func TestCheckOverlapMatchesBruteForce(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 11))
+	spaces := []string{"", "alloc-a", "alloc-b", "alloc-c"}
+	for trial := range 300 {
+		n := 2 + r.IntN(2*radixMin)
+		// Each space's ranges packed densely from one base with random
+		// gaps and lengths (so the ranges of the spaces interleave and
+		// neighbours share high digits), then shuffled.
+		base := r.Uint64() >> 8
+		next := map[string]uint64{}
+		ds := make([]destRange, n)
+		for i := range ds {
+			sp := spaces[r.IntN(len(spaces))]
+			start := base + next[sp] + uint64(r.IntN(300))
+			end := start + 1 + uint64(r.IntN(5000))
+			next[sp] = end - base
+			ds[i] = destRange{space: sp, start: start, end: end, obj: i}
+		}
+		r.Shuffle(n, func(i, j int) { ds[i], ds[j] = ds[j], ds[i] })
+		if trial%2 == 1 { // one range moved onto another's, in the same space
+			a, b := r.IntN(n), r.IntN(n)
+			for b == a {
+				b = r.IntN(n)
+			}
+			ds[b].space = ds[a].space
+			ds[b].start = ds[a].start + uint64(r.IntN(int(ds[a].end-ds[a].start)))
+			ds[b].end = ds[b].start + 1 + uint64(r.IntN(5000))
+		}
+		before := slices.Clone(ds)
+		want := overlapsBrute(ds)
+		err := checkOverlap(ds, true)
+		if got := err != nil; got != want {
+			t.Fatalf("trial %d (n %d): overlap found %v (%v), want %v", trial, n, got, err, want)
+		}
+		if err != nil && !errors.Is(err, ErrOverlap) {
+			t.Fatalf("trial %d: %v is not ErrOverlap", trial, err)
+		}
+		if !slices.Equal(ds, before) {
+			t.Fatalf("trial %d: checkOverlap changed its input", trial)
+		}
+	}
+}
