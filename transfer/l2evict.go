@@ -240,6 +240,9 @@ func (e *Engine) l2ReserveLocked(need uint64) error {
 			e.mu.Unlock()
 			e.l2Evict(victims) // before the write starts: they count no more
 			e.mu.Lock()
+			// While e.mu was released another writer may have reserved
+			// the room the victims left: fits is stale, decide again.
+			continue
 		}
 		if fits || a.pending == 0 {
 			a.pending += need
