@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"strconv"
 	"testing"
@@ -33,14 +34,26 @@ type raftCluster struct {
 	mod   func(*Config)
 }
 
+// freeAddr returns a loopback address whose port was free a moment ago.
+// The raft peers' ports must be known before any node starts, so they are
+// probed and released; a port of the kernel's ephemeral range (32768 and
+// up here, what ":0" hands out) can meanwhile become the source port of
+// any outgoing connection of the parallel test binaries (one run lost
+// TestRaftDeposedLeader to "address already in use"), so they are drawn
+// from 10000-19999, below that range and apart from e2e's 20000-31999.
 func freeAddr(t testing.TB) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 500 {
+		addr := "127.0.0.1:" + strconv.Itoa(10000+rand.IntN(10000))
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		return addr
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	t.Fatal("no free port in 10000-19999")
+	return ""
 }
 
 func newRaftCluster(t testing.TB, n int, mod func(*Config)) *raftCluster {
