@@ -44,8 +44,10 @@ type Config struct {
 	// of other ranks wait for one slice, not for the whole rank (STYLE 24).
 	// The fence is visible at once (from the first slice, lookups no longer
 	// count the rank's L1 copies) and FenceRank returns once the last slice
-	// is committed. Default 4096 (a few milliseconds of committer time).
-	// Larger finishes a big fence in fewer commits; smaller stalls less.
+	// is committed. Default 1024: about 2-4 ms of committer time per
+	// slice (4096 held other ranks' acks up to 18-20 ms at 2 M placements,
+	// BENCHMARKS.md). Larger finishes a big fence in fewer commits; smaller
+	// stalls less.
 	FenceSliceChunks int
 
 	// FoldSliceChunks bounds the work an automatic fold (CheckpointBytes)
@@ -103,7 +105,7 @@ func DefaultConfig() Config {
 		MaxGroupEvents:   1 << 18,
 		QueueDepth:       4096,
 		CheckpointBytes:  128 << 20,
-		FenceSliceChunks: 4096,
+		FenceSliceChunks: 1024,
 		FoldSliceChunks:  4096,
 		InitialMmapSize:  256 << 20,
 		OpenTimeout:      5 * time.Second,
