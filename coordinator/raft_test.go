@@ -721,6 +721,11 @@ func TestRaftNewLeaderSweeps(t *testing.T) {
 			return ok && ri.Fenced && ri.L1Placements == 0
 		})
 	}
+	// The sweep counts a fence once its raft entry has come back, after
+	// the index (which the waits above read) shows it.
+	waitFor(t, 10*time.Second, "the sweep to count its fences", func() bool {
+		return metric(t, c, "kvtier_coord_rank_fences_total", "cause", "leader") >= 2
+	})
 	if got := metric(t, c, "kvtier_coord_rank_fences_total", "cause", "leader"); got != 2 {
 		t.Fatalf("leader sweep fences counted %v, want 2", got)
 	}
