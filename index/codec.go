@@ -282,27 +282,70 @@ func replay(rec []byte, t *txn, nRanks int) error {
 	return d.err
 }
 
-// snapshotKey is the bbolt key of a chunk: the first 33 bytes of the
-// dcp.Key binary encoding (version, namespace, chunk), so it sorts the same.
-const snapshotKeySize = 33
+// Snapshot keys. A chunk's record is keyed by the generation of the fold
+// that wrote it (its checkpoint epoch, state.epoch), then its namespace and
+// hash:
+//
+//	2 | generation (4 B big-endian) | namespace (16) | chunk hash (16)
+//
+// so every fold's records sort after those of the folds before it: a fold
+// appends its chunks at the end of the bucket (full pages, written once)
+// instead of rewriting a page wherever a changed chunk's hash falls, and
+// deletes the older record of each chunk it rewrites, which it knows from
+// the dirty list (dirtyRef.prev). A chunk has one record at any time (the
+// put and the delete are in one transaction). Files written before this
+// layout hold 33-byte keys, the first 33 bytes of the dcp.Key encoding
+// (version 1, namespace, chunk): read as generation 0 and deleted as such
+// when their chunk is rewritten.
+const (
+	snapshotKeySize = 37
+	legacyKeySize   = 33
+	snapKeyVersion  = 2
+	// legacyGen is the generation of a 33-byte key; noRecord marks a
+	// dirty chunk with no record on disk.
+	legacyGen = 0
+	noRecord  = ^uint32(0)
+	// maxGen bounds a key's generation: a fold per 128 MiB of change log
+	// never gets near it, and the epoch after it is still not noRecord.
+	maxGen = 1<<31 - 1
+)
 
-func appendSnapshotKey(b []byte, ref chunkRef) []byte {
-	k := dcp.Key{NS: ref.ns, Chunk: ref.chunk}
-	b, _ = k.AppendBinary(b)
-	return b[:len(b)-4]
+func appendSnapshotKey(b []byte, gen uint32, ref chunkRef) []byte {
+	if gen == legacyGen {
+		k := dcp.Key{NS: ref.ns, Chunk: ref.chunk}
+		b, _ = k.AppendBinary(b)
+		return b[:len(b)-4]
+	}
+	b = append(b, snapKeyVersion)
+	b = binary.BigEndian.AppendUint32(b, gen)
+	b = append(b, ref.ns[:]...)
+	return append(b, ref.chunk[:]...)
 }
 
-func parseSnapshotKey(k []byte) (chunkRef, error) {
-	if len(k) != snapshotKeySize {
-		return chunkRef{}, fmt.Errorf("snapshot key is %d bytes, want %d: %w", len(k), snapshotKeySize, ErrCorrupt)
+func parseSnapshotKey(k []byte) (chunkRef, uint32, error) {
+	switch {
+	case len(k) == legacyKeySize:
+		var full [dcp.KeySize]byte
+		copy(full[:], k)
+		var key dcp.Key
+		if err := key.UnmarshalBinary(full[:]); err != nil {
+			return chunkRef{}, 0, fmt.Errorf("snapshot key: %w: %w", err, ErrCorrupt)
+		}
+		return chunkRef{key.NS, key.Chunk}, legacyGen, nil
+	case len(k) != snapshotKeySize:
+		return chunkRef{}, 0, fmt.Errorf("snapshot key is %d bytes, want %d (or %d in files of the older layout): %w",
+			len(k), snapshotKeySize, legacyKeySize, ErrCorrupt)
+	case k[0] != snapKeyVersion:
+		return chunkRef{}, 0, fmt.Errorf("snapshot key version %d, want %d: %w", k[0], snapKeyVersion, ErrCorrupt)
 	}
-	var full [dcp.KeySize]byte
-	copy(full[:], k)
-	var key dcp.Key
-	if err := key.UnmarshalBinary(full[:]); err != nil {
-		return chunkRef{}, fmt.Errorf("snapshot key: %w: %w", err, ErrCorrupt)
+	gen := binary.BigEndian.Uint32(k[1:5])
+	if gen == legacyGen || gen > maxGen {
+		return chunkRef{}, 0, fmt.Errorf("snapshot key of generation %d, want 1 to %d: %w", gen, maxGen, ErrCorrupt)
 	}
-	return chunkRef{key.NS, key.Chunk}, nil
+	var ref chunkRef
+	copy(ref.ns[:], k[5:21])
+	copy(ref.chunk[:], k[21:37])
+	return ref, gen, nil
 }
 
 // appendChunk encodes a chunk's placements: version, count, then per

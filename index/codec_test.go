@@ -35,8 +35,19 @@ func TestCodecRoundTrip(t *testing.T) {
 		t.Fatalf("rank round trip: %d %v %+v %v", id, r2, m2, err)
 	}
 	ref := chunkRef{dcp.Namespace{1, 2}, dcp.ChunkHash{3, 4}}
-	if got, err := parseSnapshotKey(appendSnapshotKey(nil, ref)); err != nil || got != ref {
-		t.Fatalf("snapshot key round trip: %v %v", got, err)
+	for _, gen := range []uint32{legacyGen, 1, 7 << 20, maxGen} {
+		got, g, err := parseSnapshotKey(appendSnapshotKey(nil, gen, ref))
+		if err != nil || got != ref || g != gen {
+			t.Fatalf("snapshot key round trip at generation %d: %v %d %v", gen, got, g, err)
+		}
+	}
+	for _, gen := range []uint32{maxGen + 1, noRecord} {
+		if _, _, err := parseSnapshotKey(appendSnapshotKey(nil, gen, ref)); !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("snapshot key of generation %d: %v, want ErrCorrupt", gen, err)
+		}
+	}
+	if k := appendSnapshotKey(nil, 1, ref); len(k) != snapshotKeySize {
+		t.Fatalf("snapshot key is %d bytes, want %d", len(k), snapshotKeySize)
 	}
 
 	// A txn's ops, replayed on the same start state, give the same result.
@@ -100,7 +111,7 @@ func FuzzDecoders(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		_, _ = parseChunk(b, 3)
 		_, _, _, _ = parseRank([]byte{0, 0, 0, 1}, b)
-		_, _ = parseSnapshotKey(b)
+		_, _, _ = parseSnapshotKey(b)
 		st := testState()
 		_ = replay(b, newTxn(st, nil), len(st.ranks))
 	})

@@ -41,12 +41,15 @@
 // then its CRC-32C (4 B); a mismatch is ErrCorrupt at Open. Version-1
 // values of older files are read unchecked.
 //
-//	meta    "version" -> 1
+//	meta    "version" -> 2 (1: chunk keys of the older layout only; Open
+//	        upgrades it in place)
 //	ns      namespace (16 B) -> dcp.Spec as JSON
 //	ranks   rank id (4 B big-endian, dense from 1) -> instance, TP rank,
 //	        incarnation, last applied seq, fenced flag
-//	chunks  version(1) | namespace (16) | chunk hash (16): the first 33
-//	        bytes of the dcp.Key encoding, so chunks sort by namespace ->
+//	chunks  2 | generation (4 B big-endian) | namespace (16) | chunk hash
+//	        (16), the generation being the fold that wrote the record, so
+//	        each fold's records sort after the older ones (older files:
+//	        the first 33 bytes of the dcp.Key encoding, generation 0) ->
 //	        every placement of the chunk: shard, group, tier, rank id,
 //	        incarnation, seq, size, kvsum64 (8 B)
 //	log     record number (8 B big-endian) -> the ops of one group commit:
@@ -57,7 +60,8 @@
 // cost of a commit does not grow with the index) and rewrites the few rank
 // records it touched. When the log reaches Config.CheckpointBytes (and at
 // Close) the committer folds it: it writes every chunk changed since the
-// last fold from memory, in key order, Config.FoldSliceChunks chunks per
+// last fold from memory under a new generation (appended at the end of the
+// bucket, deleting the chunk's older record), in key order, Config.FoldSliceChunks chunks per
 // bbolt transaction riding along with the next group commits (or alone
 // when none waits), and the last slice deletes the log records the fold
 // covers; Close and Checkpoint fold whatever is left in one transaction

@@ -27,6 +27,11 @@ var (
 	keyVersion  = []byte("version")
 )
 
+// storeVersion is the file's format (meta "version"): 2 since chunk
+// records are keyed by generation (codec.go, snapshot keys); Open
+// upgrades a version-1 file in place.
+const storeVersion = 2
+
 // publishSlice is how many staged chunks are published per hold of the
 // write lock, so a large group never stalls lookups for long.
 const publishSlice = 64
@@ -226,12 +231,16 @@ func initBuckets(tx *bolt.Tx) error {
 	}
 	m := tx.Bucket(bucketMeta)
 	switch v := m.Get(keyVersion); {
-	case v == nil:
-		if err := m.Put(keyVersion, []byte{formatVersion}); err != nil {
+	case len(v) == 1 && v[0] == storeVersion:
+	case v == nil || (len(v) == 1 && v[0] == 1):
+		// New, or of the older snapshot layout (33-byte chunk keys, read
+		// as generation 0): from now on it may hold keys of the new one,
+		// which builds that read only version 1 must not open.
+		if err := m.Put(keyVersion, []byte{storeVersion}); err != nil {
 			return fmt.Errorf("write format version: %w: %w", ErrStore, err)
 		}
-	case len(v) != 1 || v[0] != formatVersion:
-		return fmt.Errorf("store format version %v, this build reads %d: %w", v, formatVersion, ErrCorrupt)
+	default:
+		return fmt.Errorf("store format version %v, this build reads 1 and %d: %w", v, storeVersion, ErrCorrupt)
 	}
 	return nil
 }
@@ -746,7 +755,8 @@ func (ix *Index) landSlice(s *foldSlice, err error) error {
 // writeSlice writes a fold slice; the last one deletes the change log
 // records the fold covers.
 func writeSlice(tx *bolt.Tx, s *foldSlice) error {
-	if err := writeChunks(tx, s.job.f.refs[s.from:s.to], s.job.f.chunks[s.from:s.to]); err != nil {
+	f := s.job.f
+	if err := writeChunks(tx, &fold{gen: f.gen, refs: f.refs[s.from:s.to], prevs: f.prevs[s.from:s.to], chunks: f.chunks[s.from:s.to]}); err != nil {
 		return err
 	}
 	if s.below == 0 {
@@ -959,19 +969,27 @@ func (ix *Index) account(r *request) {
 // its placements at the moment the fold was cut (published slices are never
 // modified, so they can be written while the committer carries on).
 type fold struct {
+	gen      uint32 // the epoch it folds: its records' generation
 	refs     []chunkRef
+	prevs    []uint32      // per chunk: the generation of its record on disk, or noRecord
 	chunks   [][]placement // nil: the chunk is gone
 	logBytes int64
+}
+
+// part is the fold of refs[from:].
+func (f *fold) part(from int) *fold {
+	return &fold{gen: f.gen, refs: f.refs[from:], prevs: f.prevs[from:], chunks: f.chunks[from:]}
 }
 
 // cutFold takes the fold of everything published so far and starts a new
 // checkpoint epoch; it is called with nothing in flight, so the published
 // state is the committed one.
 func (ix *Index) cutFold() *fold {
-	f := &fold{refs: slices.Clone(ix.st.dirtyRefs()), logBytes: ix.logBytes}
-	f.chunks = make([][]placement, len(f.refs))
-	for i, ref := range f.refs {
-		f.chunks[i] = ix.st.chunk(ref)
+	dirty := ix.st.dirtyRefs()
+	f := &fold{gen: ix.st.epoch, refs: make([]chunkRef, len(dirty)), prevs: make([]uint32, len(dirty)),
+		chunks: make([][]placement, len(dirty)), logBytes: ix.logBytes}
+	for i, d := range dirty {
+		f.refs[i], f.prevs[i], f.chunks[i] = d.ref, d.prev, ix.st.chunk(d.ref)
 	}
 	ix.st.dirty = ix.st.dirty[:0]
 	ix.st.epoch++
@@ -981,7 +999,7 @@ func (ix *Index) cutFold() *fold {
 
 // writeFold writes a fold and empties the change log, in one transaction.
 func writeFold(tx *bolt.Tx, f *fold) error {
-	if err := writeChunks(tx, f.refs, f.chunks); err != nil {
+	if err := writeChunks(tx, f); err != nil {
 		return err
 	}
 	if err := tx.DeleteBucket(bucketLog); err != nil {
@@ -993,25 +1011,33 @@ func writeFold(tx *bolt.Tx, f *fold) error {
 	return nil
 }
 
-// writeChunks writes chunks into the snapshot bucket (nil or empty: the
-// chunk is gone).
-func writeChunks(tx *bolt.Tx, refs []chunkRef, chunks [][]placement) error {
+// writeChunks writes f's chunks into the snapshot bucket under f's
+// generation (nil or empty: the chunk is gone), deleting each chunk's
+// older record.
+func writeChunks(tx *bolt.Tx, f *fold) error {
 	b := tx.Bucket(bucketSnap)
+	// A fold's keys sort after every key in the bucket, in the order they
+	// are put: split the pages they fill full, not in halves.
+	b.FillPercent = 0.95
 	// Keys and values must stay valid until the commit: one arena, never
 	// overwritten (a grown arena leaves the old one intact).
-	arena := make([]byte, 0, len(refs)*(snapshotKeySize+64))
-	for i, ref := range refs {
-		ks := len(arena)
-		arena = appendSnapshotKey(arena, ref)
-		key := arena[ks:len(arena):len(arena)]
-		if len(chunks[i]) == 0 {
-			if err := b.Delete(key); err != nil {
-				return fmt.Errorf("delete chunk: %w: %w", ErrStore, err)
+	arena := make([]byte, 0, len(f.refs)*(2*snapshotKeySize+64))
+	for i, ref := range f.refs {
+		if prev := f.prevs[i]; prev != noRecord && prev != f.gen {
+			ks := len(arena)
+			arena = appendSnapshotKey(arena, prev, ref)
+			if err := b.Delete(arena[ks:len(arena):len(arena)]); err != nil {
+				return fmt.Errorf("delete chunk record of generation %d: %w: %w", prev, ErrStore, err)
 			}
+		}
+		if len(f.chunks[i]) == 0 {
 			continue
 		}
+		ks := len(arena)
+		arena = appendSnapshotKey(arena, f.gen, ref)
+		key := arena[ks:len(arena):len(arena)]
 		vs := len(arena)
-		arena = appendChunk(arena, chunks[i])
+		arena = appendChunk(arena, f.chunks[i])
 		if err := b.Put(key, arena[vs:len(arena):len(arena)]); err != nil {
 			return fmt.Errorf("write chunk: %w: %w", ErrStore, err)
 		}
@@ -1080,7 +1106,7 @@ func (ix *Index) checkpoint() error {
 	start := time.Now()
 	var rest *fold // what the automatic fold in progress has not written yet
 	if j := ix.folding; j != nil {
-		rest = &fold{refs: j.f.refs[j.pos:], chunks: j.f.chunks[j.pos:]}
+		rest = j.f.part(j.pos)
 		ix.folding = nil
 	}
 	f := ix.cutFold()
@@ -1088,7 +1114,7 @@ func (ix *Index) checkpoint() error {
 	ix.met.logBytes.Set(0)
 	return ix.landFold(f, start, ix.db.Update(func(tx *bolt.Tx) error {
 		if rest != nil { // older values: written first, f's overwrite them
-			if err := writeChunks(tx, rest.refs, rest.chunks); err != nil {
+			if err := writeChunks(tx, rest); err != nil {
 				return err
 			}
 		}

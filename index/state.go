@@ -2,6 +2,7 @@ package index
 
 import (
 	"bytes"
+	"cmp"
 	"maps"
 	"slices"
 
@@ -167,8 +168,10 @@ type state struct {
 	// Checkpoint bookkeeping, used by the committer only (queries never
 	// read it): dirty lists the chunks changed since the last checkpoint,
 	// each once per epoch (a chunk deleted and re-created may appear
-	// twice); epoch is the current checkpoint epoch.
-	dirty []chunkRef
+	// twice); epoch is the current checkpoint epoch, which is also the
+	// generation the next fold writes its records under (codec.go,
+	// snapshot keys): above every generation in the file.
+	dirty []dirtyRef
 	epoch uint32
 	// compactQ: ranks whose chunk lists are due for compaction once the
 	// chunk being set is in place (setChunk).
@@ -256,8 +259,13 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	o := countObjects(old.s)
 	n.objects -= o
 	st.objects -= o
-	if !had || old.epoch != st.epoch {
-		st.dirty = append(st.dirty, ref)
+	switch {
+	case !had:
+		st.dirty = append(st.dirty, dirtyRef{ref, noRecord})
+	case old.epoch != st.epoch:
+		// Its first change this epoch: its record on disk is the one
+		// the fold of its last epoch wrote (folds land in order).
+		st.dirty = append(st.dirty, dirtyRef{ref, old.epoch})
 	}
 	if len(s) == 0 {
 		if had {
@@ -338,10 +346,25 @@ func holdsRank(s []placement, id uint32) bool {
 	return false
 }
 
-// dirtyRefs returns the dirty list sorted, without repeats.
-func (st *state) dirtyRefs() []chunkRef {
-	slices.SortFunc(st.dirty, compareRef)
-	return slices.CompactFunc(st.dirty, func(a, b chunkRef) bool { return a == b })
+// dirtyRef is a chunk on the dirty list and the generation of its record
+// on disk when it first changed this epoch (noRecord: none).
+type dirtyRef struct {
+	ref  chunkRef
+	prev uint32
+}
+
+// dirtyRefs returns the dirty list sorted, one entry per chunk. A chunk
+// listed twice was deleted and re-created this epoch: its second entry
+// says noRecord, its first names the record on disk, and noRecord sorts
+// last, so the first entry of a chunk is the one kept.
+func (st *state) dirtyRefs() []dirtyRef {
+	slices.SortFunc(st.dirty, func(a, b dirtyRef) int {
+		if c := compareRef(a.ref, b.ref); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.prev, b.prev)
+	})
+	return slices.CompactFunc(st.dirty, func(a, b dirtyRef) bool { return a.ref == b.ref })
 }
 
 // chunkRef names one chunk of one namespace.

@@ -76,13 +76,23 @@ func load(tx *bolt.Tx) (loaded, error) {
 		n := st.namespace(ns)
 		n.spec, n.specJSON, n.plan = res, append([]byte(nil), v...), newPlan(res)
 	}
-	st.epoch = 0 // snapshot chunks are clean: epoch 0, before any checkpoint epoch
+	// Snapshot chunks are clean: each is loaded in the epoch of the fold
+	// that wrote it (its key's generation), and the epoch after the
+	// highest is the one the next fold writes.
+	var maxGen uint32
 	c = tx.Bucket(bucketSnap).Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
-		ref, err := parseSnapshotKey(k)
+		ref, gen, err := parseSnapshotKey(k)
 		if err != nil {
 			return ld, err
 		}
+		n := st.namespace(ref.ns)
+		if _, dup := n.chunks[ref.chunk]; dup {
+			return ld, fmt.Errorf("chunk %s/%s recorded twice (generation %d and generation %d): %w",
+				ref.ns, ref.chunk, n.chunks[ref.chunk].epoch, gen, ErrCorrupt)
+		}
+		maxGen = max(maxGen, gen)
+		st.epoch = gen
 		s, err := parseChunk(v, len(st.ranks))
 		if err != nil {
 			return ld, fmt.Errorf("chunk %s/%s: %w", ref.ns, ref.chunk, err)
@@ -90,9 +100,9 @@ func load(tx *bolt.Tx) (loaded, error) {
 		if err := checkChunk(s); err != nil {
 			return ld, fmt.Errorf("chunk %s/%s: %w: %w", ref.ns, ref.chunk, err, ErrCorrupt)
 		}
-		st.setChunk(st.namespace(ref.ns), ref, chunkVal{}, false, s)
+		st.setChunk(n, ref, chunkVal{}, false, s)
 	}
-	st.epoch, st.dirty = 1, st.dirty[:0]
+	st.epoch, st.dirty = maxGen+1, st.dirty[:0]
 	c = tx.Bucket(bucketLog).Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
 		if len(k) != 8 {
