@@ -80,6 +80,14 @@ func flipLastValueBit(t *testing.T, path, bucket string) {
 		if k == nil {
 			return errors.New("bucket " + bucket + " is empty")
 		}
+		if v == nil { // a change-log record in its own bucket
+			if b = b.Bucket(k); b == nil {
+				return errors.New("first key of bucket " + bucket + " is neither a value nor a bucket")
+			}
+			if k, v = b.Cursor().First(); k == nil {
+				return errors.New("the first record bucket of " + bucket + " is empty")
+			}
+		}
 		if len(v) < 8 {
 			return errors.New("value too short")
 		}

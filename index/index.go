@@ -27,6 +27,17 @@ var (
 	keyVersion  = []byte("version")
 )
 
+// logValueKey is the one key of a change-log record's bucket. Each record
+// is a bucket of its own (bucket log, key the record number) holding the
+// record under this key: bbolt rewrites the whole leaf an appended key
+// lands in, and a leaf keeps at least two of these large values, so plain
+// values in one bucket wrote every record several times (7.1x its bytes
+// for records of 32 KiB to 256 KiB, the group commits of an 8-rank
+// ingest); a record in its own bucket is written once (1.1x at 256 KiB,
+// 2.1x at 32 KiB with the commit's own pages). Files written before hold
+// plain values in bucket log, still read and deleted.
+var logValueKey = []byte{0}
+
 // storeVersion is the file's format (meta "version"): 2 since chunk
 // records are keyed by generation (codec.go, snapshot keys); Open
 // upgrades a version-1 file in place.
@@ -764,12 +775,17 @@ func writeSlice(tx *bolt.Tx, s *foldSlice) error {
 	}
 	b := tx.Bucket(bucketLog)
 	var keys [][]byte
+	var nested []bool
 	c := b.Cursor()
-	for k, _ := c.First(); k != nil && binary.BigEndian.Uint64(k) < s.below; k, _ = c.Next() {
-		keys = append(keys, slices.Clone(k))
+	for k, v := c.First(); k != nil && binary.BigEndian.Uint64(k) < s.below; k, v = c.Next() {
+		keys, nested = append(keys, slices.Clone(k)), append(nested, v == nil)
 	}
-	for _, k := range keys {
-		if err := b.Delete(k); err != nil {
+	for i, k := range keys {
+		del := b.Delete
+		if nested[i] {
+			del = b.DeleteBucket
+		}
+		if err := del(k); err != nil {
 			return fmt.Errorf("delete folded log record %d: %w: %w", binary.BigEndian.Uint64(k), ErrStore, err)
 		}
 	}
@@ -824,7 +840,11 @@ func (ix *Index) write(tx *bolt.Tx, t *txn) error {
 		binary.BigEndian.PutUint64(k[:], ix.nextLog)
 		// Sealed in a copy: the encoder's buffer is the committer's.
 		rec := seal(append(make([]byte, 0, len(t.enc.buf)+4), t.enc.buf...), 0)
-		if err := tx.Bucket(bucketLog).Put(k[:], rec); err != nil {
+		lb, err := tx.Bucket(bucketLog).CreateBucket(k[:])
+		if err == nil {
+			err = lb.Put(logValueKey, rec)
+		}
+		if err != nil {
 			return fmt.Errorf("append log record %d: %w: %w", ix.nextLog, ErrStore, err)
 		}
 	}

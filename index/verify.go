@@ -103,12 +103,21 @@ func load(tx *bolt.Tx) (loaded, error) {
 		st.setChunk(n, ref, chunkVal{}, false, s)
 	}
 	st.epoch, st.dirty = maxGen+1, st.dirty[:0]
-	c = tx.Bucket(bucketLog).Cursor()
+	lb := tx.Bucket(bucketLog)
+	c = lb.Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
 		if len(k) != 8 {
 			return ld, fmt.Errorf("log key is %d bytes, want 8: %w", len(k), ErrCorrupt)
 		}
 		seq := binary.BigEndian.Uint64(k)
+		if v == nil { // a record in its own bucket (logValueKey)
+			if sub := lb.Bucket(k); sub != nil {
+				v = sub.Get(logValueKey)
+			}
+			if v == nil {
+				return ld, fmt.Errorf("log record %d: its bucket holds no record: %w", seq, ErrCorrupt)
+			}
+		}
 		t := newTxn(st, nil)
 		if err := replay(v, t, len(st.ranks)); err != nil {
 			return ld, fmt.Errorf("log record %d: %w", seq, err)
