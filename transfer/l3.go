@@ -214,56 +214,97 @@ func (t *L3Tier) Delete(ctx context.Context, key dcp.Key) error {
 // Scan calls fn for every object of the instance whose header names owner
 // as its writer, reading only headers (a ranged read of each object of
 // owner's shard: the writer TP rank is the shard, dcp.StoreShard). Objects
-// whose header fails are deleted and reported with Err (KeyKnown).
+// whose header fails are deleted and reported with Err (KeyKnown). An
+// object whose header cannot be read (an I/O error, not a bad header) does
+// not stop the scan: it is read once more after the listing, and those
+// that fail again are left out and named in the error Scan returns, with
+// the objects after them scanned.
 func (t *L3Tier) Scan(ctx context.Context, owner wire.Rank, fn func(ScanEntry)) error {
-	return t.store.List(ctx, t.instance+"/", func(name string, size int64) error {
+	type skip struct {
+		name string
+		size int64
+	}
+	var skipped []skip
+	err := t.store.List(ctx, t.instance+"/", func(name string, size int64) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		rest := strings.TrimPrefix(name, t.instance+"/")
-		nsPart, file, ok := strings.Cut(rest, "/")
-		if !ok || !strings.HasSuffix(file, fileExt) {
-			return nil // not an object of ours
+		if err := t.scanOne(ctx, owner, name, size, fn); err != nil {
+			if len(skipped) >= maxScanSkips {
+				return fmt.Errorf("L3 scan: %d objects unreadable, stopped at %s: %w", len(skipped)+1, name, err)
+			}
+			skipped = append(skipped, skip{name, size})
 		}
-		key, err := dcp.ParseKey(strings.TrimSuffix(file, fileExt))
-		if err != nil || key.NS.String() != nsPart || int(key.Shard) != owner.TPRank {
-			return nil
-		}
-		if size <= 0 {
-			// No header to read (a ranged read of an empty object is
-			// refused, 416): corrupt, deleted, and the scan goes on.
-			fn(ScanEntry{Object: L2Object{Key: key}, KeyKnown: true,
-				Err: t.corrupt(ctx, key, L2Object{Key: key}, false, "empty object: no header")})
-			return nil
-		}
-		body, _, err := t.store.Open(ctx, name, 0, min(size, int64(fileMaxHdr)))
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil // deleted since the listing
-		}
-		if err != nil {
-			return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
-		}
-		hb, err := readHeaderBytes(body, size)
-		body.Close()
-		if err != nil && !errors.Is(err, ErrCorrupt) {
-			return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
-		}
-		var o L2Object
-		if err == nil {
-			o, _, err = readHeader(bytes.NewReader(hb), size)
-		}
-		if err == nil && o.Writer != owner {
-			return nil
-		}
-		if err == nil && o.Key != key {
-			err = fmt.Errorf("header names key %s", o.Key)
-		}
-		if err != nil {
-			o.Key = key
-			fn(ScanEntry{Object: o, KeyKnown: true, Err: t.corrupt(ctx, key, o, false, err.Error())})
-			return nil
-		}
-		fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true})
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	var failed []error
+	for _, sk := range skipped {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := t.scanOne(ctx, owner, sk.name, sk.size, fn); err != nil {
+			failed = append(failed, err)
+		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("L3 scan: %d of its objects unreadable twice, left out (first: %w)", len(failed), failed[0])
+	}
+	return nil
+}
+
+// maxScanSkips bounds the unreadable objects one Scan sets aside before it
+// gives up on the bucket.
+const maxScanSkips = 1024
+
+// scanOne is Scan's work on one listed object; an error is an I/O error
+// reading its header (the object is neither reported nor deleted).
+func (t *L3Tier) scanOne(ctx context.Context, owner wire.Rank, name string, size int64, fn func(ScanEntry)) error {
+	rest := strings.TrimPrefix(name, t.instance+"/")
+	nsPart, file, ok := strings.Cut(rest, "/")
+	if !ok || !strings.HasSuffix(file, fileExt) {
+		return nil // not an object of ours
+	}
+	key, err := dcp.ParseKey(strings.TrimSuffix(file, fileExt))
+	if err != nil || key.NS.String() != nsPart || int(key.Shard) != owner.TPRank {
+		return nil
+	}
+	if size <= 0 {
+		// No header to read (a ranged read of an empty object is
+		// refused, 416): corrupt, deleted, and the scan goes on.
+		fn(ScanEntry{Object: L2Object{Key: key}, KeyKnown: true,
+			Err: t.corrupt(ctx, key, L2Object{Key: key}, false, "empty object: no header")})
+		return nil
+	}
+	body, _, err := t.store.Open(ctx, name, 0, min(size, int64(fileMaxHdr)))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil // deleted since the listing
+	}
+	if err != nil {
+		return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
+	}
+	hb, err := readHeaderBytes(body, size)
+	body.Close()
+	if err != nil && !errors.Is(err, ErrCorrupt) {
+		return fmt.Errorf("L3 scan %s: %w", name, errors.Join(err, ErrIO))
+	}
+	var o L2Object
+	if err == nil {
+		o, _, err = readHeader(bytes.NewReader(hb), size)
+	}
+	if err == nil && o.Writer != owner {
+		return nil
+	}
+	if err == nil && o.Key != key {
+		err = fmt.Errorf("header names key %s", o.Key)
+	}
+	if err != nil {
+		o.Key = key
+		fn(ScanEntry{Object: o, KeyKnown: true, Err: t.corrupt(ctx, key, o, false, err.Error())})
+		return nil
+	}
+	fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true})
+	return nil
 }
