@@ -217,20 +217,21 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		}
 		tr.TLSClientConfig = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
 	}
-	client, err := minio.New(cfg.Endpoint, &minio.Options{
+	opts := &minio.Options{
 		Creds:        credentials.NewStaticV4(cred.AccessKeyID, cred.SecretAccessKey, cred.SessionToken),
 		Secure:       !cfg.Insecure,
 		Transport:    tr,
 		Region:       cfg.Region,
 		BucketLookup: minio.BucketLookupPath,
-	})
+	}
+	client, err := minio.New(cfg.Endpoint, opts)
 	if err != nil {
 		return nil, fmt.Errorf("objstore: client for %s: %w", cfg.Endpoint, errors.Join(err, ErrConfig))
 	}
 	s := &Store{cfg: cfg, client: client, tr: tr}
 	rctx, cancel := context.WithTimeout(ctx, cfg.RequestTimeout)
 	defer cancel()
-	ok, err := client.BucketExists(rctx, cfg.Bucket)
+	ok, err := s.bucketExists(rctx, opts)
 	if err != nil {
 		tr.CloseIdleConnections()
 		return nil, fmt.Errorf("objstore: check bucket %q at %s: %w", cfg.Bucket, cfg.Endpoint, errors.Join(err, ErrIO))
@@ -240,6 +241,31 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		return nil, fmt.Errorf("objstore: bucket %q does not exist at %s (objstore never creates buckets): %w", cfg.Bucket, cfg.Endpoint, ErrConfig)
 	}
 	return s, nil
+}
+
+// bucketExists checks the bucket, first with one attempt: minio-go retries
+// every transport error but an x509.UnknownAuthorityError it no longer
+// sees (Go wraps certificate failures in tls.CertificateVerificationError),
+// so a server whose certificate this store refuses took 4-7 s of retries to
+// fail. A certificate failure is final at once; any other failure of the
+// single attempt is tried again with the client's retries. opts are the
+// client's options.
+func (s *Store) bucketExists(ctx context.Context, opts *minio.Options) (bool, error) {
+	once := *opts
+	once.MaxRetries = 1
+	probe, err := minio.New(s.cfg.Endpoint, &once)
+	if err != nil {
+		return false, err
+	}
+	ok, err := probe.BucketExists(ctx, s.cfg.Bucket)
+	var cve *tls.CertificateVerificationError
+	var ua x509.UnknownAuthorityError
+	var hn x509.HostnameError
+	var ci x509.CertificateInvalidError
+	if err == nil || errors.As(err, &cve) || errors.As(err, &ua) || errors.As(err, &hn) || errors.As(err, &ci) {
+		return ok, err
+	}
+	return s.client.BucketExists(ctx, s.cfg.Bucket)
 }
 
 // Close closes the store's idle connections; requests in flight finish.

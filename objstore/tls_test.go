@@ -59,8 +59,14 @@ func TestTLSWithCAFile(t *testing.T) {
 
 	noCA := srv.Config("tls/")
 	noCA.CAFile = ""
+	conns := srv.Conns()
 	if _, err := objstore.Open(ctx, noCA); !errors.Is(err, objstore.ErrIO) || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("HTTPS without the CA file: err %v, want ErrIO naming the certificate", err)
+	}
+	// Refused at the first handshake, not retried (minio-go retried it
+	// 4-7 s: seen failing with 10 connections).
+	if n := srv.Conns() - conns; n != 1 {
+		t.Fatalf("HTTPS without the CA file: %d connections, want 1 (a certificate failure is not retried)", n)
 	}
 	wrongCA := srv.Config("tls/")
 	wrongCA.CAFile = otherCA(t)

@@ -9,10 +9,13 @@ import (
 	"encoding/pem"
 	"io"
 	"log"
+	"net"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/johannesboyne/gofakes3"
@@ -34,7 +37,11 @@ type Server struct {
 	CAFile  string
 	Backend *s3mem.Backend
 	http    *httptest.Server
+	conns   atomic.Int64
 }
+
+// Conns is how many connections clients have opened to the server.
+func (s *Server) Conns() int64 { return s.conns.Load() }
 
 // Start starts a server with bucket "kvtier" and registers its shutdown
 // with t.Cleanup.
@@ -53,6 +60,12 @@ func start(t testing.TB, tls bool) *Server {
 	hs := httptest.NewUnstartedServer(gofakes3.New(be).Server())
 	// Refused handshakes are what TLS tests provoke: not logged.
 	hs.Config.ErrorLog = log.New(io.Discard, "", 0)
+	s := &Server{Bucket: "kvtier", Backend: be, http: hs}
+	hs.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			s.conns.Add(1)
+		}
+	}
 	if tls {
 		hs.StartTLS()
 	} else {
@@ -65,7 +78,7 @@ func start(t testing.TB, tls bool) *Server {
 	if err := os.WriteFile(creds, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	s := &Server{Bucket: "kvtier", CredentialsFile: creds, Backend: be, http: hs}
+	s.CredentialsFile = creds
 	s.Endpoint = strings.TrimPrefix(strings.TrimPrefix(hs.URL, "http://"), "https://")
 	if tls {
 		s.CAFile = filepath.Join(dir, "ca.pem")
