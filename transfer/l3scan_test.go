@@ -16,6 +16,24 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
+// putScanObjects writes n objects of owner's shard (3,000 B each) in
+// their list order and returns their keys.
+func putScanObjects(t *testing.T, tier *L3Tier, owner wire.Rank, n int) []dcp.Key {
+	t.Helper()
+	var keys []dcp.Key
+	for i := range n {
+		key := dcp.Key{NS: dcp.Namespace{1}, Chunk: dcp.ChunkHash{byte(i + 1)}, Shard: uint16(owner.TPRank), Group: 0}
+		payload := bytes.Repeat([]byte{byte(i)}, 3000)
+		obj := L2Object{Key: key, Writer: owner, Incarnation: 7, Size: uint64(len(payload)), Sum: checksum.Sum(payload),
+			Created: time.Unix(100, 0)}
+		if err := tier.Put(context.Background(), obj, payload); err != nil {
+			t.Fatal(err)
+		}
+		keys = append(keys, key)
+	}
+	return keys
+}
+
 // TestL3ScanPastTruncatedObject (campaign finding, seed 41: an L3 object
 // truncated to 0 bytes answered the scan's ranged header read with 416,
 // the scan stopped there as an I/O error, and every object listed after it
@@ -28,17 +46,7 @@ func TestL3ScanPastTruncatedObject(t *testing.T) {
 	tier := NewL3Tier(st, "eng")
 	owner := wire.Rank{Instance: "eng", TPRank: 1}
 	ctx := context.Background()
-	var keys []dcp.Key
-	for i := range 4 {
-		key := dcp.Key{NS: dcp.Namespace{1}, Chunk: dcp.ChunkHash{byte(i + 1)}, Shard: 1, Group: 0}
-		payload := bytes.Repeat([]byte{byte(i)}, 3000)
-		obj := L2Object{Key: key, Writer: owner, Incarnation: 7, Size: uint64(len(payload)), Sum: checksum.Sum(payload),
-			Created: time.Unix(100, 0)}
-		if err := tier.Put(ctx, obj, payload); err != nil {
-			t.Fatal(err)
-		}
-		keys = append(keys, key)
-	}
+	keys := putScanObjects(t, tier, owner, 4)
 	// The first object in list order cut to 0 bytes, the second to 10.
 	for i, n := range []int{0, 10} {
 		name := "kv/" + tier.Name(keys[i])
@@ -105,17 +113,7 @@ func TestL3ScanPastUnreadableObject(t *testing.T) {
 			owner := wire.Rank{Instance: "eng", TPRank: 1}
 			ctx := context.Background()
 			put := NewL3Tier(st, "eng")
-			var keys []dcp.Key
-			for i := range 4 {
-				key := dcp.Key{NS: dcp.Namespace{1}, Chunk: dcp.ChunkHash{byte(i + 1)}, Shard: 1, Group: 0}
-				payload := bytes.Repeat([]byte{byte(i)}, 3000)
-				obj := L2Object{Key: key, Writer: owner, Incarnation: 7, Size: uint64(len(payload)), Sum: checksum.Sum(payload),
-					Created: time.Unix(100, 0)}
-				if err := put.Put(ctx, obj, payload); err != nil {
-					t.Fatal(err)
-				}
-				keys = append(keys, key)
-			}
+			keys := putScanObjects(t, put, owner, 4)
 			fo := &failingOpens{ObjectStore: st, name: put.Name(keys[0]), fails: fails}
 			tier := NewL3Tier(fo, "eng")
 			var good, bad []dcp.Key
