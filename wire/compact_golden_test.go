@@ -18,6 +18,10 @@ import (
 //	lookup_request.bin  the golden lookup_request.json value, binary
 //	restore_plan.bin    the binary plan of restore_plan.json, which
 //	                    answers a restore.begin for chunks.json
+//	store_request.bin   the golden store_request.json value, binary
+//	                    (block ids of 8 B: one is 2^40)
+//	retrieve_request.bin  the golden retrieve_request.json value, binary
+//	                    (block ids of 4 B)
 //
 //	go test ./wire -run CompactGolden -update    rewrites the files
 const compactDir = "testdata/compact"
@@ -49,6 +53,14 @@ func TestCompactGolden(t *testing.T) {
 	if files["lookup_request.bin"], err = lr.MarshalBinary(); err != nil {
 		t.Fatal(err)
 	}
+	store := goldenValue(t, "store_request").(*StoreRequest)
+	if files["store_request.bin"], err = store.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
+	retrieve := goldenValue(t, "retrieve_request").(*RetrieveRequest)
+	if files["retrieve_request.bin"], err = retrieve.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
 	if files["restore_plan.bin"], err = AppendPlanBinary(nil, goldenBinaryPlan(false), goldenNS()); err != nil {
 		t.Fatal(err)
 	}
@@ -78,8 +90,27 @@ func TestCompactGolden(t *testing.T) {
 	if err := back.UnmarshalBinary(files["lookup_request.bin"]); err != nil || !reflect.DeepEqual(&back, lr) {
 		t.Errorf("lookup_request.bin decodes to %+v, %v", back, err)
 	}
+	lim := RequestLimits{MaxChunks: 2, MaxItems: 2, MaxBlocks: 4}
+	if back, err := DecodeStoreBinary(files["store_request.bin"], lim); err != nil || !reflect.DeepEqual(back, store) {
+		t.Errorf("store_request.bin decodes to %+v, %v", back, err)
+	}
+	if back, err := DecodeRetrieveBinary(files["retrieve_request.bin"], lim); err != nil || !reflect.DeepEqual(back, retrieve) {
+		t.Errorf("retrieve_request.bin decodes to %+v, %v", back, err)
+	}
 	plan, err := DecodePlanBinary(files["restore_plan.bin"], chunks)
 	if err != nil || !reflect.DeepEqual(plan, goldenBinaryPlan(false)) {
 		t.Errorf("restore_plan.bin decodes to %+v, %v", plan, err)
 	}
+}
+
+// goldenValue is the value of the golden case name (golden_test.go).
+func goldenValue(t *testing.T, name string) any {
+	t.Helper()
+	for _, c := range goldenCases() {
+		if c.name == name {
+			return c.v
+		}
+	}
+	t.Fatalf("no golden case %s", name)
+	return nil
 }
