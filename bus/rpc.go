@@ -45,12 +45,21 @@ func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
 // MaxRequestBytes bounds a decoded JSON request.
 const MaxRequestBytes = 8 << 20
 
-// Call sends req as JSON to subject and decodes the wire.Reply. A reply
-// with an error comes back as a *wire.Error.
+// Raw is a request body that Call sends as it is (a binary request such
+// as wire.RetrieveRequest's MarshalBinary), not encoded as JSON.
+type Raw []byte
+
+// Call sends req as JSON (a Raw as it is) to subject and decodes the
+// wire.Reply. A reply with an error comes back as a *wire.Error.
 func Call[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any) (*Resp, error) {
-	data, err := json.Marshal(req)
-	if err != nil {
-		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
+	var data []byte
+	if raw, ok := req.(Raw); ok {
+		data = raw
+	} else {
+		var err error
+		if data, err = json.Marshal(req); err != nil {
+			return nil, fmt.Errorf("encode request for %s: %w", subject, err)
+		}
 	}
 	msg, err := nc.RequestWithContext(ctx, subject, data)
 	if err != nil {

@@ -17,7 +17,7 @@ func TestBenchDaemonPath(t *testing.T) {
 	const reps, chunks = 2, 2
 	res := c.mustSim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "2", "--chunks", "2", "--seed", "7")
 	b := res.Bench
-	if b == nil || b.Reps != reps || b.Ranks != 4 {
+	if b == nil || b.Reps != reps || b.Ranks != 4 || b.ChunksPerStore != 8 {
 		t.Fatalf("bench result %+v", b)
 	}
 	sc, err := enginesim.LookupScenario("tp4dcp4")
@@ -38,6 +38,10 @@ func TestBenchDaemonPath(t *testing.T) {
 		if b.StoreBytes[tr] != perRank || b.RestoreBytes[tr] != perRank {
 			t.Fatalf("rank %d: store %d B, restore %d B, want %d B each", tr, b.StoreBytes[tr], b.RestoreBytes[tr], perRank)
 		}
+	}
+	// Both chunks of a rank in one store request (8 per request).
+	if res.Stores != reps*4 {
+		t.Fatalf("%d store requests, want %d (one per rank and repetition)", res.Stores, reps*4)
 	}
 	if want := reps * 4 * len(p.R.Geometry) * chunks; res.Stored != want {
 		t.Fatalf("%d objects committed, want %d (%d repetitions x 4 ranks x %d groups x %d chunks)", res.Stored, want, reps, len(p.R.Geometry), chunks)

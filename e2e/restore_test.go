@@ -15,13 +15,19 @@ import (
 )
 
 // (a) Cold store, wipe, restore from L1, byte-exact on every rank, for
-// TP4/DCP4 and TP4/DCP1 with the seed geometries.
+// TP4/DCP4 and TP4/DCP1 with the seed geometries; store and retrieve
+// requests binary, and as JSON (an engine from before the binary form).
 func TestColdStoreWipeRestoreL1(t *testing.T) {
 	c := newKV(t, 4)
 	c.startAll()
-	for _, sc := range []string{"tp4dcp4", "tp4dcp1"} {
-		t.Run(sc, func(t *testing.T) {
-			res := c.mustSim("--scenario", sc, "--phase", "all")
+	for _, name := range []string{"tp4dcp4", "tp4dcp1", "tp4dcp4/json-requests"} {
+		sc, form, _ := strings.Cut(name, "/")
+		t.Run(name, func(t *testing.T) {
+			args := []string{"--scenario", sc, "--phase", "all"}
+			if form != "" {
+				args = append(args, "--"+form, "--seed", "2")
+			}
+			res := c.mustSim(args...)
 			if res.Verdict != wire.VerdictComplete || res.Prefix != res.Chunks || len(res.Ranks) != 4 {
 				t.Fatalf("result %+v", res)
 			}

@@ -302,6 +302,7 @@ func (s *sim) ceiling(ctx context.Context, cbufs []ceilBuf, bytes []uint64, toDe
 func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Duration, []time.Duration, error) {
 	type prepared struct {
 		req   wire.StoreRequest
+		body  any // req as sent: binary, or JSON with Config.JSONRequests
 		ev    cuda.Event
 		freed *nats.Subscription
 	}
@@ -347,6 +348,11 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 				_ = ev.Release()
 				return 0, nil, fmt.Errorf("rank %d: export event: %w", w.t, err)
 			}
+			// Encoded before the clock starts, as the engine's own work.
+			if pr.body, err = w.body(&pr.req); err != nil {
+				_ = ev.Release()
+				return 0, nil, err
+			}
 			// Subscribed before the request, so a BlocksFreed cannot be missed.
 			if pr.freed, err = w.nc.SubscribeSync(w.subj.Freed(w.rank)); err != nil {
 				_ = ev.Release()
@@ -373,7 +379,7 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 				defer wg.Done()
 				cctx, cancel := s.callCtx(ctx)
 				defer cancel()
-				rep, err := bus.CallRetry[wire.StoreReply](cctx, w.nc, w.subj.Engine(w.rank, "store"), ps[i].req, bus.NoResponders())
+				rep, err := bus.CallRetry[wire.StoreReply](cctx, w.nc, w.subj.Engine(w.rank, "store"), ps[i].body, bus.NoResponders())
 				replies[w.t][i], errs[i] = rep, sessionErr(w, "store", err)
 			}()
 		}
@@ -387,6 +393,7 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 	}
 	stored := 0
 	for t, reps := range replies {
+		s.res.Stores += len(reps)
 		for i, rep := range reps {
 			if len(rep.Failed) > 0 {
 				return 0, nil, fmt.Errorf("rank %d: store failed objects: %v", t, rep.Failed)
@@ -459,9 +466,9 @@ func (s *sim) printBench(br *BenchResult) {
 	fmt.Fprintln(out)
 }
 
-// benchChunks returns the number of chunks of sc for which the rank
+// BenchChunks returns the number of chunks of sc for which the rank
 // storing the most stores at least gb GB.
-func benchChunks(sc Scenario, gb float64) (int, error) {
+func BenchChunks(sc Scenario, gb float64) (int, error) {
 	one := sc
 	one.Chunks = 1
 	p, err := NewPlan(one, 1)

@@ -111,6 +111,11 @@ type Config struct {
 	// ResultFile, when set, receives the Result as JSON.
 	ResultFile string
 
+	// JSONRequests sends store and retrieve requests as JSON, as engines
+	// before the binary form did (wire/reqbin.go); default false: binary.
+	// rankd reads both.
+	JSONRequests bool
+
 	// Bench runs the daemon-path benchmark (bench.go) instead of one
 	// store and restore: BenchReps repetitions (default 5) of a timed
 	// store and a timed restore with fresh content, against a plain copy
@@ -118,7 +123,12 @@ type Config struct {
 	Bench     bool
 	BenchReps int
 	// BenchChunksPerStore is the number of chunks in one store request
-	// (default 1: one request per chunk, as an engine stores).
+	// (0 or 1: one request per chunk). An engine stores what one forward
+	// step completed in one request with one producer event: the vLLM
+	// connector sends one store per request and step with every chunk the
+	// step filled, so a chunked prefill of 16,384 tokens per step stores
+	// 8 chunks of 2,048 tokens per request (cmd/enginesim's default), a
+	// prefill without chunking the whole prompt.
 	BenchChunksPerStore int
 	// BenchGB, when > 0, sizes the prompt so that the rank storing the
 	// most stores at least this many GB (1e9 B); it overrides Chunks.
@@ -225,7 +235,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 			return nil, fmt.Errorf("bench: phase %q, the benchmark stores and restores (phase all)", cfg.Phase)
 		}
 		if cfg.BenchGB > 0 {
-			if sc.Chunks, err = benchChunks(sc, cfg.BenchGB); err != nil {
+			if sc.Chunks, err = BenchChunks(sc, cfg.BenchGB); err != nil {
 				return nil, err
 			}
 		}
@@ -355,6 +365,7 @@ func (s *sim) run(ctx context.Context) error {
 			return err
 		}
 		w.resend, w.resendEvery = s.resend(0), s.cfg.ResendAfter
+		w.jsonRequests = s.cfg.JSONRequests
 		s.workers = append(s.workers, w)
 	}
 	registered := false

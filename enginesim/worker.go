@@ -35,6 +35,21 @@ type worker struct {
 	// that long without a reply.
 	resend      bus.Retry
 	resendEvery time.Duration
+	// jsonRequests sends stores and retrieves as JSON (Config.JSONRequests).
+	jsonRequests bool
+}
+
+// body is a store or retrieve request as this engine sends it: binary
+// (wire/reqbin.go), or JSON with jsonRequests.
+func (w *worker) body(req interface{ MarshalBinary() ([]byte, error) }) (any, error) {
+	if w.jsonRequests {
+		return req, nil
+	}
+	b, err := req.MarshalBinary()
+	if err != nil {
+		return nil, fmt.Errorf("rank %d: %w", w.t, err)
+	}
+	return bus.Raw(b), nil
 }
 
 func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
@@ -247,7 +262,11 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 			_ = ev.Release()
 			return nil, fmt.Errorf("rank %d: export event: %w", w.t, err)
 		}
-		req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Session: w.session, Chunks: []wire.ChunkBlocks{cb}, Event: eh}
+		body, err := w.body(&wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Session: w.session, Chunks: []wire.ChunkBlocks{cb}, Event: eh})
+		if err != nil {
+			_ = ev.Release()
+			return nil, err
+		}
 		wg.Add(1)
 		go func(c int) {
 			defer wg.Done()
@@ -263,7 +282,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 				return
 			}
 			defer freed.Unsubscribe()
-			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), req, w.resend)
+			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), body, w.resend)
 			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
@@ -327,7 +346,11 @@ func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.Re
 		it.Blocks = w.plan.ChunkBlocks(PhaseRestoreTable, it.Group, it.Chunk)
 		req.Items = append(req.Items, it)
 	}
-	rep, err := bus.CallRetry[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), req, bus.NoResponders())
+	body, err := w.body(&req)
+	if err != nil {
+		return nil, err
+	}
+	rep, err := bus.CallRetry[wire.RetrieveReply](ctx, w.nc, w.subj.Engine(w.rank, "retrieve"), body, bus.NoResponders())
 	return rep, sessionErr(w, "retrieve", err)
 }
 

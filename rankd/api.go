@@ -382,26 +382,49 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 // reportRejected tells the coordinator that a retrieve of a restore was
 // rejected before anything was placed: every item failed, the reason
 // naming the rejection. It decodes data leniently (only the restore id and
-// the items' chunk and group), so a retrieve refused for validation or
-// before it was decoded still fails its restore now rather than at the
-// deadline; when those cannot be decoded it reports nothing.
+// the items' chunk and group: JSON, or a binary request up to its items),
+// so a retrieve refused for validation or before it was decoded still
+// fails its restore now rather than at the deadline; when those cannot be
+// decoded it reports nothing.
 func (d *Daemon) reportRejected(data []byte, rejection error) {
-	var req struct {
-		RestoreID string `json:"restore_id"`
-		Items     []struct {
-			Chunk int `json:"chunk"`
-			Group int `json:"group"`
-		} `json:"items"`
+	type item struct{ Chunk, Group int }
+	var restoreID string
+	var items []item
+	if wire.IsBinaryRetrieve(data) {
+		req, err := wire.PeekRetrieveBinary(data, binaryLimits)
+		if err != nil {
+			return
+		}
+		restoreID = req.RestoreID
+		items = make([]item, len(req.Items))
+		for i, it := range req.Items {
+			items[i] = item{it.Chunk, it.Group}
+		}
+	} else {
+		var req struct {
+			RestoreID string `json:"restore_id"`
+			Items     []struct {
+				Chunk int `json:"chunk"`
+				Group int `json:"group"`
+			} `json:"items"`
+		}
+		if json.Unmarshal(data, &req) != nil {
+			return
+		}
+		restoreID = req.RestoreID
+		items = make([]item, len(req.Items))
+		for i, it := range req.Items {
+			items[i] = item{it.Chunk, it.Group}
+		}
 	}
-	if json.Unmarshal(data, &req) != nil || req.RestoreID == "" || len(req.Items) == 0 ||
-		checkID("restore id", req.RestoreID, false) != nil {
+	if restoreID == "" || len(items) == 0 || checkID("restore id", restoreID, false) != nil {
 		return
 	}
-	failed := make([]wire.ItemResult, len(req.Items))
-	for i, it := range req.Items {
+	failed := make([]wire.ItemResult, len(items))
+	for i, it := range items {
 		failed[i] = wire.ItemResult{Chunk: it.Chunk, Group: it.Group, Reason: "rejected: " + Code(rejection)}
 	}
-	d.report(req.RestoreID, failed)
+	d.report(restoreID, failed)
 }
 
 // report sends the results of a restore's retrieve to the coordinator,

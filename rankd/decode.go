@@ -59,16 +59,38 @@ func checkID(what, id string, required bool) error {
 	return nil
 }
 
-func checkBlocks(what string, ids []int64) error {
+// checkBlocks checks one list of block ids; what names it in an error (a
+// function, so that the valid path formats nothing).
+func checkBlocks(ids []int64, what func() string) error {
 	if len(ids) > MaxBlocksPerGroup {
-		return fmt.Errorf("%s lists %d block ids, limit %d: %w", what, len(ids), MaxBlocksPerGroup, ErrTooLarge)
+		return fmt.Errorf("%s lists %d block ids, limit %d: %w", what(), len(ids), MaxBlocksPerGroup, ErrTooLarge)
 	}
 	for i, id := range ids {
 		if id < 0 {
-			return badf("%s: block id %d at index %d is negative", what, id, i)
+			return badf("%s: block id %d at index %d is negative", what(), id, i)
 		}
 	}
 	return nil
+}
+
+// binaryLimits are the limits above for the binary request decoders.
+var binaryLimits = wire.RequestLimits{MaxChunks: MaxChunksPerStore, MaxItems: MaxItemsPerRetrieve, MaxBlocks: MaxBlocksPerGroup}
+
+// decodeBinary decodes a binary engine request (wire/reqbin.go) of at most
+// MaxRequestBytes: a count over a limit is ErrTooLarge, other bad input
+// ErrBadRequest, as for JSON.
+func decodeBinary[T any](what string, data []byte, dec func([]byte, wire.RequestLimits) (*T, error)) (*T, error) {
+	if len(data) > MaxRequestBytes {
+		return nil, fmt.Errorf("%s request of %d B exceeds %d B: %w", what, len(data), MaxRequestBytes, ErrTooLarge)
+	}
+	v, err := dec(data, binaryLimits)
+	switch {
+	case errors.Is(err, wire.ErrOverLimit):
+		return nil, fmt.Errorf("decode %s request: %w: %w", what, err, ErrTooLarge)
+	case err != nil:
+		return nil, fmt.Errorf("decode %s request: %w: %w", what, err, ErrBadRequest)
+	}
+	return v, nil
 }
 
 // DecodeRegisterRequest decodes and validates a register request: the spec
@@ -116,76 +138,111 @@ func DecodeRegisterRequest(data []byte) (*wire.RegisterRequest, *dcp.Resolved, e
 	return &req, r, nil
 }
 
-// DecodeStoreRequest decodes and validates the shape of a store request.
+// DecodeStoreRequest decodes and validates the shape of a store request,
+// JSON or binary (wire.IsBinaryStore); both forms pass the same checks.
 // Whether the blocks fit the registered pools is the transfer engine's check.
 func DecodeStoreRequest(data []byte) (*wire.StoreRequest, error) {
+	if wire.IsBinaryStore(data) {
+		req, err := decodeBinary("store", data, wire.DecodeStoreBinary)
+		if err != nil {
+			return nil, err
+		}
+		return checked(req, checkStore(req))
+	}
 	var req wire.StoreRequest
 	if err := decodeStrict("store", data, &req); err != nil {
 		return nil, err
 	}
-	if err := checkID("store request id", req.RequestID, true); err != nil {
+	return checked(&req, checkStore(&req))
+}
+
+// checked returns v, or nil and err when err is set.
+func checked[T any](v *T, err error) (*T, error) {
+	if err != nil {
 		return nil, err
 	}
+	return v, nil
+}
+
+// checkStore validates a decoded store request.
+func checkStore(req *wire.StoreRequest) error {
+	if err := checkID("store request id", req.RequestID, true); err != nil {
+		return err
+	}
 	if req.Namespace == (dcp.Namespace{}) {
-		return nil, badf("store %s: namespace is missing", req.RequestID)
+		return badf("store %s: namespace is missing", req.RequestID)
 	}
 	switch {
 	case len(req.Chunks) == 0:
-		return nil, badf("store %s: no chunks", req.RequestID)
+		return badf("store %s: no chunks", req.RequestID)
 	case len(req.Chunks) > MaxChunksPerStore:
-		return nil, fmt.Errorf("store %s: %d chunks, limit %d: %w", req.RequestID, len(req.Chunks), MaxChunksPerStore, ErrTooLarge)
+		return fmt.Errorf("store %s: %d chunks, limit %d: %w", req.RequestID, len(req.Chunks), MaxChunksPerStore, ErrTooLarge)
 	case req.Event.Backend == "" || len(req.Event.Raw) == 0:
-		return nil, badf("store %s: no producer event handle (the engine must record one per store, C1)", req.RequestID)
+		return badf("store %s: no producer event handle (the engine must record one per store, C1)", req.RequestID)
 	}
 	for i, c := range req.Chunks {
 		if len(c.Blocks) == 0 || len(c.Blocks) > dcp.MaxGroups {
-			return nil, badf("store %s: chunk %d has block lists for %d groups, want 1..%d", req.RequestID, i, len(c.Blocks), dcp.MaxGroups)
+			return badf("store %s: chunk %d has block lists for %d groups, want 1..%d", req.RequestID, i, len(c.Blocks), dcp.MaxGroups)
 		}
 		for g, ids := range c.Blocks {
-			if err := checkBlocks(fmt.Sprintf("store %s chunk %d group %d", req.RequestID, i, g), ids); err != nil {
-				return nil, err
+			if err := checkBlocks(ids, func() string { return fmt.Sprintf("store %s chunk %d group %d", req.RequestID, i, g) }); err != nil {
+				return err
 			}
 		}
 	}
-	return &req, nil
+	return nil
 }
 
 // DecodeRetrieveRequest decodes and validates the shape of a retrieve
-// request: every item's key is in the request's namespace and names the
-// item's group, and every item has target blocks.
+// request, JSON or binary (wire.IsBinaryRetrieve): every item's key is in
+// the request's namespace and names the item's group, and every item has
+// target blocks.
 func DecodeRetrieveRequest(data []byte) (*wire.RetrieveRequest, error) {
+	if wire.IsBinaryRetrieve(data) {
+		req, err := decodeBinary("retrieve", data, wire.DecodeRetrieveBinary)
+		if err != nil {
+			return nil, err
+		}
+		return checked(req, checkRetrieve(req))
+	}
 	var req wire.RetrieveRequest
 	if err := decodeStrict("retrieve", data, &req); err != nil {
 		return nil, err
 	}
+	return checked(&req, checkRetrieve(&req))
+}
+
+// checkRetrieve validates a decoded retrieve request.
+func checkRetrieve(req *wire.RetrieveRequest) error {
 	if err := checkID("restore id", req.RestoreID, false); err != nil {
-		return nil, err
+		return err
 	}
 	if req.Namespace == (dcp.Namespace{}) {
-		return nil, badf("retrieve: namespace is missing")
+		return badf("retrieve: namespace is missing")
 	}
 	switch {
 	case len(req.Items) == 0:
-		return nil, badf("retrieve: no items")
+		return badf("retrieve: no items")
 	case len(req.Items) > MaxItemsPerRetrieve:
-		return nil, fmt.Errorf("retrieve: %d items, limit %d: %w", len(req.Items), MaxItemsPerRetrieve, ErrTooLarge)
+		return fmt.Errorf("retrieve: %d items, limit %d: %w", len(req.Items), MaxItemsPerRetrieve, ErrTooLarge)
 	}
-	for i, it := range req.Items {
+	for i := range req.Items {
+		it := &req.Items[i]
 		switch {
 		case it.Key.NS != req.Namespace:
-			return nil, badf("retrieve: item %d key %s is not in namespace %s", i, it.Key, req.Namespace)
+			return badf("retrieve: item %d key %s is not in namespace %s", i, it.Key, req.Namespace)
 		case it.Chunk < 0:
-			return nil, badf("retrieve: item %d chunk index %d is negative", i, it.Chunk)
+			return badf("retrieve: item %d chunk index %d is negative", i, it.Chunk)
 		case it.Group < 0 || it.Group != int(it.Key.Group):
-			return nil, badf("retrieve: item %d group %d does not match its key's group %d", i, it.Group, it.Key.Group)
+			return badf("retrieve: item %d group %d does not match its key's group %d", i, it.Group, it.Key.Group)
 		case len(it.Blocks) == 0:
-			return nil, badf("retrieve: item %d (chunk %d group %d) has no target blocks", i, it.Chunk, it.Group)
+			return badf("retrieve: item %d (chunk %d group %d) has no target blocks", i, it.Chunk, it.Group)
 		case it.Source.Tier != 0 && !it.Source.Tier.Valid():
-			return nil, badf("retrieve: item %d source tier %d", i, it.Source.Tier)
+			return badf("retrieve: item %d source tier %d", i, it.Source.Tier)
 		}
-		if err := checkBlocks(fmt.Sprintf("retrieve item %d", i), it.Blocks); err != nil {
-			return nil, err
+		if err := checkBlocks(it.Blocks, func() string { return fmt.Sprintf("retrieve item %d", i) }); err != nil {
+			return err
 		}
 	}
-	return &req, nil
+	return nil
 }

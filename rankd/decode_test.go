@@ -1,8 +1,10 @@
 package rankd
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -151,6 +153,9 @@ func FuzzDecodeStoreRequest(f *testing.F) {
 	f.Add(validStore(f))
 	f.Add([]byte(`{"request_id":"a","namespace":"01000000000000000000000000000000","chunks":[{"blocks":[[]]}],"event":{"backend":"host","raw":"eA=="}}`))
 	f.Add([]byte(`{}`))
+	f.Add(mustBinary(f, &wire.StoreRequest{RequestID: "r1", Namespace: dcp.Namespace{1},
+		Chunks: []wire.ChunkBlocks{{Chunk: dcp.ChunkHash{2}, Blocks: [][]int64{{3}, {}}}},
+		Event:  cuda.EventHandle{Backend: "host", Device: "d", Raw: []byte("x")}}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		req, err := DecodeStoreRequest(data)
 		fuzzCheck(t, err)
@@ -174,6 +179,10 @@ func FuzzDecodeStoreRequest(f *testing.F) {
 func FuzzDecodeRetrieveRequest(f *testing.F) {
 	f.Add(validRetrieve(f))
 	f.Add([]byte(`{"namespace":"01000000000000000000000000000000","items":[{"blocks":[1]}]}`))
+	ns := dcp.Namespace{1}
+	f.Add(mustBinary(f, &wire.RetrieveRequest{RestoreID: "x", Namespace: ns, Items: []wire.RetrieveItem{
+		{Chunk: 0, Group: 0, Key: dcp.Key{NS: ns, Chunk: dcp.ChunkHash{2}}, Blocks: []int64{4}},
+		{Chunk: 1, Group: 1, Key: dcp.Key{NS: ns, Chunk: dcp.ChunkHash{3}, Group: 1}, Source: wire.Source{Tier: wire.L2}, Blocks: []int64{5, 1 << 33}}}}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		req, err := DecodeRetrieveRequest(data)
 		fuzzCheck(t, err)
@@ -196,4 +205,104 @@ func FuzzDecodeRegisterRequest(f *testing.F) {
 			t.Fatal("accepted a registration without pools or a resolved spec")
 		}
 	})
+}
+
+func mustBinary(t testing.TB, req interface{ MarshalBinary() ([]byte, error) }) []byte {
+	t.Helper()
+	b, err := req.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// A request decodes to the same value, or is refused with the same code,
+// as JSON and as binary.
+func TestDecodeBinaryMatchesJSON(t *testing.T) {
+	ns := dcp.Namespace{1}
+	ev := cuda.EventHandle{Backend: "host", Device: "d", Raw: []byte("x")}
+	store := func(f func(r *wire.StoreRequest)) *wire.StoreRequest {
+		r := &wire.StoreRequest{RequestID: "r1", Namespace: ns, Session: "s", Event: ev,
+			Chunks: []wire.ChunkBlocks{{Chunk: dcp.ChunkHash{2}, Blocks: [][]int64{{3, 4}, {}}}, {Chunk: dcp.ChunkHash{3}, Blocks: [][]int64{{5}, {6}}}}}
+		f(r)
+		return r
+	}
+	many := make([]int64, MaxBlocksPerGroup+1)
+	for _, c := range []struct {
+		name string
+		req  *wire.StoreRequest
+		code string
+	}{
+		{"valid", store(func(*wire.StoreRequest) {}), ""},
+		{"no request id", store(func(r *wire.StoreRequest) { r.RequestID = "" }), wire.CodeBadRequest},
+		{"long request id", store(func(r *wire.StoreRequest) { r.RequestID = strings.Repeat("i", MaxIDBytes+1) }), wire.CodeBadRequest},
+		{"no namespace", store(func(r *wire.StoreRequest) { r.Namespace = dcp.Namespace{} }), wire.CodeBadRequest},
+		{"no chunks", store(func(r *wire.StoreRequest) { r.Chunks = []wire.ChunkBlocks{} }), wire.CodeBadRequest},
+		{"no event", store(func(r *wire.StoreRequest) { r.Event = cuda.EventHandle{} }), wire.CodeBadRequest},
+		{"no groups", store(func(r *wire.StoreRequest) { r.Chunks[1].Blocks = [][]int64{} }), wire.CodeBadRequest},
+		{"too many blocks", store(func(r *wire.StoreRequest) { r.Chunks[1].Blocks[1] = many }), wire.CodeTooLarge},
+	} {
+		t.Run("store/"+c.name, func(t *testing.T) {
+			fromJSON, jerr := DecodeStoreRequest(mustJSON(t, c.req))
+			fromBin, berr := DecodeStoreRequest(mustBinary(t, c.req))
+			if Code(jerr) != c.code || Code(berr) != c.code {
+				t.Fatalf("codes %q (JSON: %v) and %q (binary: %v), want %q", Code(jerr), jerr, Code(berr), berr, c.code)
+			}
+			if c.code == "" && !reflect.DeepEqual(fromJSON, fromBin) {
+				t.Fatalf("JSON decodes to %+v, binary to %+v", fromJSON, fromBin)
+			}
+		})
+	}
+	item := func(c, g int) wire.RetrieveItem {
+		return wire.RetrieveItem{Chunk: c, Group: g, Key: dcp.Key{NS: ns, Chunk: dcp.ChunkHash{byte(c)}, Shard: 1, Group: uint16(g)},
+			Sum: 77, Source: wire.Source{Holder: wire.Rank{Instance: "e", TPRank: 1}, Tier: wire.L2}, Blocks: []int64{int64(c), 9}}
+	}
+	retrieve := func(f func(r *wire.RetrieveRequest)) *wire.RetrieveRequest {
+		r := &wire.RetrieveRequest{RestoreID: "x", Namespace: ns, Session: "s", Items: []wire.RetrieveItem{item(0, 0), item(0, 1), item(1, 0)}}
+		f(r)
+		return r
+	}
+	overItems := make([]wire.RetrieveItem, MaxItemsPerRetrieve+1)
+	for i := range overItems {
+		overItems[i] = item(0, 0)
+	}
+	for _, c := range []struct {
+		name string
+		req  *wire.RetrieveRequest
+		code string
+	}{
+		{"valid", retrieve(func(*wire.RetrieveRequest) {}), ""},
+		{"no restore id", retrieve(func(r *wire.RetrieveRequest) { r.RestoreID = "" }), ""},
+		{"long restore id", retrieve(func(r *wire.RetrieveRequest) { r.RestoreID = strings.Repeat("i", MaxIDBytes+1) }), wire.CodeBadRequest},
+		{"no namespace", retrieve(func(r *wire.RetrieveRequest) {
+			r.Namespace = dcp.Namespace{}
+			r.Items = []wire.RetrieveItem{{Blocks: []int64{1}}}
+		}), wire.CodeBadRequest},
+		{"no items", retrieve(func(r *wire.RetrieveRequest) { r.Items = []wire.RetrieveItem{} }), wire.CodeBadRequest},
+		{"no blocks", retrieve(func(r *wire.RetrieveRequest) { r.Items[2].Blocks = []int64{} }), wire.CodeBadRequest},
+		{"bad tier", retrieve(func(r *wire.RetrieveRequest) { r.Items[1].Source.Tier = 7 }), wire.CodeBadRequest},
+		{"too many blocks", retrieve(func(r *wire.RetrieveRequest) { r.Items[1].Blocks = many }), wire.CodeTooLarge},
+		{"too many items", retrieve(func(r *wire.RetrieveRequest) { r.Items = overItems }), wire.CodeTooLarge},
+	} {
+		t.Run("retrieve/"+c.name, func(t *testing.T) {
+			fromJSON, jerr := DecodeRetrieveRequest(mustJSON(t, c.req))
+			fromBin, berr := DecodeRetrieveRequest(mustBinary(t, c.req))
+			if Code(jerr) != c.code || Code(berr) != c.code {
+				t.Fatalf("codes %q (JSON: %v) and %q (binary: %v), want %q", Code(jerr), jerr, Code(berr), berr, c.code)
+			}
+			if c.code == "" && !reflect.DeepEqual(fromJSON, fromBin) {
+				t.Fatalf("JSON decodes to %+v, binary to %+v", fromJSON, fromBin)
+			}
+		})
+	}
+	// Block ids the binary form carries unsigned: 2^63 and above decode
+	// negative and are refused, as a negative id in JSON.
+	p := mustBinary(t, store(func(r *wire.StoreRequest) { r.Chunks[1].Blocks[1] = []int64{1 << 40} }))
+	binary.BigEndian.PutUint64(p[len(p)-8:], 1<<63)
+	if _, err := DecodeStoreRequest(p); Code(err) != wire.CodeBadRequest || !strings.Contains(err.Error(), "block id -9223372036854775808") {
+		t.Fatalf("block id 2^63: %v", err)
+	}
+	if _, err := DecodeStoreRequest(append([]byte("KVS1"), make([]byte, MaxRequestBytes)...)); Code(err) != wire.CodeTooLarge {
+		t.Fatalf("oversize binary store: %v", err)
+	}
 }

@@ -3,6 +3,7 @@ package rankd
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -202,7 +203,30 @@ func pageOf(layer int, block int64, n uint64) []byte {
 	return b
 }
 
+// engineBody is req as the engine sends it: JSON (bus.Call encodes it)
+// or, with binary, its binary form (wire/reqbin.go).
+func engineBody(t *testing.T, asBinary bool, req interface{ MarshalBinary() ([]byte, error) }) any {
+	t.Helper()
+	if !asBinary {
+		return req
+	}
+	b, err := req.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bus.Raw(b)
+}
+
+// TestDaemonStoreRetrieveReport: stores, a retrieve and its report, bad
+// input refused with stable codes, with the store and retrieve requests
+// as JSON and as binary.
 func TestDaemonStoreRetrieveReport(t *testing.T) {
+	for _, form := range []string{"json", "binary"} {
+		t.Run(form, func(t *testing.T) { testDaemonStoreRetrieveReport(t, form == "binary") })
+	}
+}
+
+func testDaemonStoreRetrieveReport(t *testing.T, asBinary bool) {
 	h := newHarness(t)
 	e := newEngine(t, h)
 	ctx := h.ctx()
@@ -249,9 +273,9 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 		t.Fatal(err)
 	}
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), engineBody(t, asBinary, &wire.StoreRequest{
 		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
-		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,9 +304,9 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 	}
 	evh2, _ := e.dev.ExportEvent(ev2)
 	chunk = dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-	st, err = bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+	st, err = bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), engineBody(t, asBinary, &wire.StoreRequest{
 		RequestID: "r", Namespace: e.res.Namespace, Session: reg2.Session, Event: evh2,
-		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,9 +321,9 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 
 	// Retrieve into block 5 as part of restore "R1": the report reaches the
 	// coordinator with the checksum of the bytes placed.
-	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), wire.RetrieveRequest{
+	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), engineBody(t, asBinary, &wire.RetrieveRequest{
 		RestoreID: "R1", Namespace: e.res.Namespace, Session: reg2.Session,
-		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,6 +385,43 @@ func TestDaemonStoreRetrieveReport(t *testing.T) {
 		var rep wire.Reply[struct{}]
 		if err := json.Unmarshal(data, &rep); err != nil || rep.Error == nil || rep.Error.Code != c.code {
 			t.Fatalf("%s %.60s: reply %s, want code %s", c.op, c.body, data, c.code)
+		}
+	}
+	// The same refusals of binary requests.
+	bin := func(req interface{ MarshalBinary() ([]byte, error) }) []byte {
+		b, err := req.MarshalBinary()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	ns9 := dcp.Namespace{9}
+	overItems := bin(&wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg2.Session})
+	binary.BigEndian.PutUint32(overItems[len(overItems)-4:], MaxItemsPerRetrieve+1)
+	for _, c := range []struct {
+		name, op string
+		body     []byte
+		code     string
+	}{
+		{"version", OpStore, []byte("KVS9\x04"), wire.CodeBadRequest},
+		{"truncated", OpStore, bin(&wire.StoreRequest{RequestID: "x", Namespace: e.res.Namespace})[:20], wire.CodeBadRequest},
+		{"no event", OpStore, bin(&wire.StoreRequest{RequestID: "x", Namespace: e.res.Namespace, Session: reg2.Session,
+			Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}}), wire.CodeBadRequest},
+		{"unknown namespace", OpRetrieve, bin(&wire.RetrieveRequest{Namespace: ns9, Items: []wire.RetrieveItem{
+			{Key: dcp.Key{NS: ns9, Shard: 1}, Blocks: []int64{1}}}}), wire.CodeUnknownNamespace},
+		{"block outside the pool", OpRetrieve, bin(&wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg2.Session,
+			Items: []wire.RetrieveItem{{Key: key, Blocks: []int64{99}}}}), wire.CodeBadRequest},
+		{"no blocks", OpRetrieve, bin(&wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg2.Session,
+			Items: []wire.RetrieveItem{{Key: key}}}), wire.CodeBadRequest},
+		{"items over the limit", OpRetrieve, overItems, wire.CodeTooLarge},
+	} {
+		data, err := call(c.op, c.body)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		var rep wire.Reply[struct{}]
+		if err := json.Unmarshal(data, &rep); err != nil || rep.Error == nil || rep.Error.Code != c.code {
+			t.Fatalf("binary %s %s: reply %s, want code %s", c.op, c.name, data, c.code)
 		}
 	}
 	big := `{"request_id":"` + strings.Repeat("y", MaxRequestBytes) + `"}`
@@ -442,7 +503,14 @@ func nsJSON(ns dcp.Namespace) string {
 // fails validation after its restore id and items were decoded reports
 // every item failed to the coordinator before the error reply, so the
 // restore fails now rather than at its deadline.
+// The same for a binary request.
 func TestRejectedRetrieveReportsItsRestore(t *testing.T) {
+	for _, form := range []string{"json", "binary"} {
+		t.Run(form, func(t *testing.T) { testRejectedRetrieveReportsItsRestore(t, form == "binary") })
+	}
+}
+
+func testRejectedRetrieveReportsItsRestore(t *testing.T, asBinary bool) {
 	h := newHarness(t)
 	ctx := h.ctx()
 	ns := "0a000000000000000000000000000000"
@@ -450,7 +518,15 @@ func TestRejectedRetrieveReportsItsRestore(t *testing.T) {
 	body := `{"restore_id":"R-bad","namespace":"` + ns + `","items":[` +
 		`{"chunk":0,"group":0,"key":"` + key + `","blocks":[1]},` +
 		`{"chunk":1,"group":0,"key":"` + key + `","blocks":[]}]}`
-	rep, rerr := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), json.RawMessage(body))
+	var req any = json.RawMessage(body)
+	if asBinary {
+		var r wire.RetrieveRequest
+		if err := json.Unmarshal([]byte(body), &r); err != nil {
+			t.Fatal(err)
+		}
+		req = engineBody(t, true, &r)
+	}
+	rep, rerr := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), req)
 	if rerr == nil {
 		t.Fatalf("invalid retrieve answered %+v", rep)
 	}

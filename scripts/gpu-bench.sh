@@ -18,7 +18,9 @@
 #   DEVICE=cuda:0  or host (the host backend, for a machine without a GPU)
 #   GB=1.3         bytes each rank stores per repetition, in GB (1e9 B)
 #   REPS=5         repetitions
-#   PER=1          chunks per store request
+#   PER=8          chunks per store request (an engine stores what one forward step
+#                  completed in one request: 8 chunks of 2,048 tokens per 16,384-token step)
+#   JSON=1         engine requests as JSON (--json-requests; default binary)
 #   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench")
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
@@ -41,7 +43,9 @@ RANKS=${RANKS:-4}
 DEVICE=${DEVICE:-cuda:0}
 GB=${GB:-1.3}
 REPS=${REPS:-5}
-PER=${PER:-1}
+PER=${PER:-8}
+JSON_FLAG=
+if [[ ${JSON:-0} == 1 ]]; then JSON_FLAG=--json-requests; fi
 case $RANKS in
 1) SCENARIO=tp1 DCP=1 ;;
 4) SCENARIO=tp4dcp4 DCP=4 ;;
@@ -137,7 +141,7 @@ done
 echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), scenario $SCENARIO, $GB GB per rank, $REPS repetitions; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 "$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 \
-	--scenario "$SCENARIO" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" \
+	--scenario "$SCENARIO" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG \
 	--result "$OUT" >"$WORK/logs/enginesim.out" 2>&1 || {
 	rc=$?
 	tail -n 30 "$WORK/logs/enginesim.out" >&2

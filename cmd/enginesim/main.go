@@ -55,7 +55,8 @@ func main() {
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.BoolVar(&cfg.Bench, "bench", false, "daemon-path benchmark: timed store and restore of the prompt, repeated, against a plain copy of the same bytes")
 	flag.IntVar(&cfg.BenchReps, "bench-reps", 5, "bench: repetitions (median, min and max reported)")
-	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", 1, "bench: chunks per store request")
+	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", 8, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
+	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store and retrieve requests as JSON (as engines before the binary form; rankd reads both)")
 	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
 	flag.Parse()
 
