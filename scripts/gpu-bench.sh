@@ -149,4 +149,12 @@ echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), 
 }
 sed -n '/^bench /,$p' "$WORK/logs/enginesim.out"
 grep -E '^enginesim: bench repetition' "$WORK/logs/enginesim.out" || true
+# CPU seconds (user + system) each rankd has used since it started: the
+# whole run (warm-up, every repetition's store and restore, idle gossip).
+tck=$(getconf CLK_TCK)
+cpu=""
+for pid in "${PIDS[@]}"; do
+	cpu+=" $(awk -v t="$tck" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$pid/stat" 2>/dev/null || echo "?")"
+done
+echo "gpu-bench: rankd CPU seconds (user+system, whole run):$cpu"
 echo "gpu-bench: result in $OUT"

@@ -287,11 +287,12 @@ class Client:
 
     async def call(self, subject: str, req: Any, reply: type[T], timeout: float | None = None,
                    decoder: Callable[[bytes, str], T] | None = None) -> T:
-        """Sends req as JSON and decodes the reply envelope; error replies
-        raise their kvtier.errors.WireError subclass."""
+        """Sends req as JSON (bytes as they are: a binary request) and
+        decodes the reply envelope; error replies raise their
+        kvtier.errors.WireError subclass."""
         import nats.errors
 
-        data = wire.encode(req)
+        data = bytes(req) if isinstance(req, (bytes, bytearray)) else wire.encode(req)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.opts.no_responders_retry_s
         attempt = 0
@@ -399,13 +400,13 @@ class RankSession:
         The reply comes once the device has read the blocks; keep the event
         and the blocks until then, and longer if blocks_in_use is set."""
         req = wire.StoreRequest(request_id, self.namespace, self.session, list(chunks), event)
-        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), req, StoreReply,
-                                      timeout=timeout)
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), req.to_binary(),
+                                      StoreReply, timeout=timeout)
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
                        timeout: float | None = None) -> RetrieveReply:
         req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
-        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req,
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req.to_binary(),
                                       RetrieveReply, timeout=timeout)
 
     async def on_freed(self, handler: Callable[[wire.BlocksFreed], None]) -> Any:

@@ -8,9 +8,11 @@ encoding (``KVB1``). :class:`Subjects` builds NATS subjects.
 
 from __future__ import annotations
 
+import array
 import enum
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -234,6 +236,37 @@ class StoreRequest:
     chunks: list[ChunkBlocks] = field("chunks", default_factory=list)
     event: EventHandle = field("event", default_factory=EventHandle)
 
+    def to_binary(self) -> bytes:
+        """The binary store request (``KVS1``, Go wire/reqbin.go): the
+        bytes Go's StoreRequest.MarshalBinary encodes for the same value.
+        Raises MalformedError for a request the form cannot carry."""
+        rid, sess = _utf8(self.request_id), _utf8(self.session)
+        backend, device, raw = _utf8(self.event.backend), _utf8(self.event.device), bytes(self.event.raw)
+        if len(rid) > 0xFFFF or len(raw) > 0xFFFF:
+            raise MalformedError(f"store request: request id {len(rid)} B, event handle {len(raw)} B: limit 65535 each")
+        if max(len(sess), len(backend), len(device)) > 0xFF:
+            raise MalformedError(f"store request: session {len(sess)} B, event backend {len(backend)} B, "
+                                 f"event device {len(device)} B: limit 255 each")
+        if len(self.chunks) > _U32:
+            raise MalformedError(f"store request: {len(self.chunks)} chunks, limit {_U32}")
+        table = bytearray()
+        ids: list[int] = []
+        for i, c in enumerate(self.chunks):
+            if len(c.blocks) > 0xFF:
+                raise MalformedError(f"store request: chunk {i} has {len(c.blocks)} groups, limit 255")
+            table += bytes(c.chunk)
+            table.append(len(c.blocks))
+            for g in c.blocks:
+                table += struct.pack(">I", len(g))
+                ids.extend(g)
+        width, packed = _pack_blocks(ids, "store request")
+        out = bytearray(_STORE_MAGIC)
+        out.append(width)
+        out += struct.pack(">H", len(rid)) + rid + bytes(self.namespace)
+        out += bytes([len(sess)]) + sess + bytes([len(backend)]) + backend + bytes([len(device)]) + device
+        out += struct.pack(">H", len(raw)) + raw + struct.pack(">I", len(self.chunks))
+        return bytes(out + table + packed)
+
 
 @dataclass
 class StoreReply:
@@ -284,6 +317,90 @@ class RetrieveRequest:
     namespace: Namespace = field("namespace", default_factory=Namespace)
     session: str = field("session", default="")
     items: list[RetrieveItem] = field("items", default_factory=list)
+
+    def to_binary(self) -> bytes:
+        """The binary retrieve request (``KVR1``, Go wire/reqbin.go): the
+        namespace once, a table of the items' chunk hashes and one of their
+        holders, fixed-width items, the block ids packed; the bytes Go's
+        RetrieveRequest.MarshalBinary encodes for the same value. Raises
+        MalformedError for a request the form cannot carry (an item's key in
+        another namespace or of another group, values out of range)."""
+        rid, sess = _utf8(self.restore_id), _utf8(self.session)
+        if len(rid) > 0xFFFF or len(sess) > 0xFF:
+            raise MalformedError(f"retrieve request: restore id {len(rid)} B (limit 65535), "
+                                 f"session {len(sess)} B (limit 255)")
+        if len(self.items) > _U32:
+            raise MalformedError(f"retrieve request: {len(self.items)} items, limit {_U32}")
+        keys: dict[ChunkHash, int] = {}
+        holders: dict[tuple[str, int], int] = {}
+        holder_table = bytearray()
+        items = bytearray()
+        ids: list[int] = []
+        for i, it in enumerate(self.items):
+            if it.key.ns != self.namespace:
+                raise MalformedError(f"retrieve request: item {i} key {it.key} is not in namespace {self.namespace}")
+            if not 0 <= it.group <= 0xFFFF or it.group != it.key.group:
+                raise MalformedError(f"retrieve request: item {i} group {it.group}, its key's group {it.key.group}: "
+                                     "want the same, in 0..65535")
+            if not 0 <= it.chunk <= _U32 or len(it.blocks) > _U32:
+                raise MalformedError(f"retrieve request: item {i} chunk index {it.chunk}, {len(it.blocks)} block ids: "
+                                     f"want 0..{_U32} each")
+            if not 0 <= int(it.source.tier) <= 0xFF:
+                raise MalformedError(f"retrieve request: item {i} tier {it.source.tier}")
+            k = keys.setdefault(it.key.chunk, len(keys))
+            h = it.source.holder
+            hk = (h.instance, h.tp_rank)
+            hi = holders.get(hk)
+            if hi is None:
+                inst = _utf8(h.instance)
+                if len(inst) > 0xFF or not 0 <= h.tp_rank <= 0xFFFF:
+                    raise MalformedError(f"retrieve request: item {i} holder {h} does not fit "
+                                         "(instance <= 255 B, TP rank in 0..65535)")
+                if len(holders) == 0xFFFF:
+                    raise MalformedError("retrieve request: more than 65535 holders")
+                hi = holders[hk] = len(holders)
+                holder_table += bytes([len(inst)]) + inst + struct.pack(">H", h.tp_rank)
+            items += struct.pack(">IHHIQHBI", it.chunk, it.group, it.key.shard, k, it.sum, hi,
+                                 int(it.source.tier), len(it.blocks))
+            ids.extend(it.blocks)
+        width, packed = _pack_blocks(ids, "retrieve request")
+        out = bytearray(_RETRIEVE_MAGIC)
+        out.append(width)
+        out += struct.pack(">H", len(rid)) + rid + bytes(self.namespace) + bytes([len(sess)]) + sess
+        out += struct.pack(">I", len(keys))
+        for c in keys:  # insertion order: first appearance, as Go's table
+            out += bytes(c)
+        out += struct.pack(">H", len(holders)) + holder_table
+        out += struct.pack(">I", len(self.items)) + items
+        return bytes(out + packed)
+
+
+_STORE_MAGIC = b"KVS1"
+_RETRIEVE_MAGIC = b"KVR1"
+_U32 = 0xFFFFFFFF
+
+
+def _utf8(s: str) -> bytes:
+    return s.encode("utf-8")
+
+
+def _pack_blocks(ids: list[int], what: str) -> tuple[int, bytes]:
+    """The block ids packed big-endian, 4 bytes each when all fit in 32
+    bits, else 8 (Go wire/reqbin.go), and that width."""
+    if not ids:
+        return 4, b""
+    lo, hi = min(ids), max(ids)
+    if lo < 0:
+        raise MalformedError(f"{what}: block id {lo} is negative")
+    if hi > 0xFFFFFFFFFFFFFFFF:
+        raise MalformedError(f"{what}: block id {hi} exceeds 64 bits")
+    width, code = (4, "I") if hi <= _U32 else (8, "Q")
+    a = array.array(code, ids) if array.array(code).itemsize == width else None
+    if a is None:  # a platform whose C type is not that wide
+        return width, struct.pack(f">{len(ids)}{code}", *ids)
+    if sys.byteorder == "little":
+        a.byteswap()
+    return width, a.tobytes()
 
 
 @dataclass
