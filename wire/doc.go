@@ -2,5 +2,6 @@
 // rankd, the coordinator and engines: placement events and inventories
 // (rankd -> coordinator), and their encodings. Types here are plain data with
 // stable encodings; every decoder returns an error wrapping ErrMalformed for
-// bad input and never panics. The package holds no state and does no I/O.
+// bad input (ErrOverLimit for a count over the caller's RequestLimits) and
+// never panics. The package holds no state and does no I/O.
 package wire
