@@ -536,7 +536,7 @@ func decodeRetrieveHead(p []byte, lim RequestLimits) (*RetrieveRequest, []uint64
 	req.RestoreID = r.str16("restore id")
 	copy(req.Namespace[:], r.take(16, "namespace"))
 	req.Session = r.str8("session")
-	nk := r.count("keys", 16, math.MaxUint32)
+	nk := r.count("keys", 16, math.MaxInt32) // bounded by the bytes left in practice
 	if r.err != nil {
 		return nil, nil, r
 	}
