@@ -142,3 +142,37 @@ def test_call_resends_a_request_nobody_received():
     assert isinstance(got, Unavailable) and "no responders on s" in str(got) and 1 < calls < 1000
     got, calls = asyncio.run(go(1, 0.0))
     assert isinstance(got, Unavailable) and calls == 1
+
+
+def test_store_and_retrieve_go_binary_unless_json_requests():
+    """RankSession sends store and retrieve requests in their binary form
+    (KVS1/KVR1); ConnectOptions.json_requests sends the JSON message."""
+    import asyncio
+
+    from kvtier import cuda, dcp
+
+    class _NC:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def request(self, subject: str, data: bytes, timeout: float) -> object:
+            self.sent.append(data)
+
+            class Msg:
+                pass
+
+            m = Msg()
+            m.data = wire.encode_reply(ok=wire.StoreReply(stored=1))  # type: ignore[attr-defined]
+            return m
+
+    ns = dcp.Namespace(bytes(range(1, 17)))
+    chunks = [wire.ChunkBlocks(dcp.ChunkHash(bytes(16)), [[1, 2]])]
+    ev = cuda.EventHandle("host", "d", b"x")
+    for json_requests, magic in ((False, b"KVS1"), (True, b'{"request_id"')):
+        nc = _NC()
+        c = client.Client(nc, client.ConnectOptions(insecure=True, json_requests=json_requests))
+        s = client.RankSession(c, wire.Rank("engine0", 0), dcp.Spec(), ns, [], "d", "s" * 32)
+        rep = asyncio.run(s.store("r", chunks, ev))
+        assert rep.stored == 1 and nc.sent[0].startswith(magic)
+        want = wire.StoreRequest("r", ns, "s" * 32, chunks, ev)
+        assert nc.sent[0] == (wire.encode(want) if json_requests else want.to_binary())

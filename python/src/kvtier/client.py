@@ -95,6 +95,10 @@ class ConnectOptions:
     # seconds before it raises Unavailable. Safe for every request: nothing
     # handled it. 0 disables.
     no_responders_retry_s: float = 3.0
+    # json_requests sends store and retrieve requests as JSON instead of
+    # their binary form (KVS1/KVR1): for rankds from before the binary
+    # form, during a rolling upgrade (rankd reads both since).
+    json_requests: bool = False
 
     def __post_init__(self) -> None:
         # Several servers (a NATS cluster, one per coordinator) may come as
@@ -400,14 +404,19 @@ class RankSession:
         The reply comes once the device has read the blocks; keep the event
         and the blocks until then, and longer if blocks_in_use is set."""
         req = wire.StoreRequest(request_id, self.namespace, self.session, list(chunks), event)
-        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), req.to_binary(),
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
                                       StoreReply, timeout=timeout)
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
                        timeout: float | None = None) -> RetrieveReply:
         req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
-        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), req.to_binary(),
+        return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), self._body(req),
                                       RetrieveReply, timeout=timeout)
+
+    def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
+        """req as sent: its binary form, or the message itself (JSON) with
+        ConnectOptions.json_requests."""
+        return req if self.client.opts.json_requests else req.to_binary()
 
     async def on_freed(self, handler: Callable[[wire.BlocksFreed], None]) -> Any:
         """Calls handler with every BlocksFreed this rank publishes for this
