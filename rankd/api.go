@@ -515,24 +515,14 @@ func (d *Daemon) onInventory(msg *nats.Msg) {
 	d.mu.Unlock()
 	go func() {
 		defer d.wg.Done()
-		var req wire.InventoryRequest
-		if len(msg.Data) > 0 && string(msg.Data) != "null" {
-			if err := bus.Decode(msg, &req); err != nil {
-				_ = bus.RespondError(msg, wire.CodeBadRequest, err.Error())
-				return
-			}
+		page, _, err := d.invs.serve(msg)
+		if page != nil {
+			d.met.inventories.Inc()
+			d.log.Debug("inventory page served", zap.String("snapshot", page.Snapshot), zap.Int("page", page.Page),
+				zap.Int("pages", page.Pages), zap.Int("objects", len(page.Objects)))
 		}
-		page, err := d.inventoryPage(&req)
 		if err != nil {
-			d.log.Warn("inventory request refused", zap.String("snapshot", req.Snapshot), zap.Int("page", req.Page), zap.Error(err))
-			_ = bus.RespondError(msg, Code(err), err.Error())
-			return
-		}
-		d.met.inventories.Inc()
-		d.log.Debug("inventory page served", zap.String("snapshot", page.Snapshot), zap.Int("page", page.Page),
-			zap.Int("pages", page.Pages), zap.Int("objects", len(page.Objects)))
-		if err := bus.Respond(msg, page); err != nil {
-			d.log.Warn("cannot send the inventory page", zap.Error(err))
+			d.log.Warn("cannot send the inventory reply", zap.Error(err))
 		}
 	}()
 }

@@ -3,12 +3,15 @@ package rankd
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
 
+	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -84,9 +87,41 @@ func (s *snapshots) expireLocked() {
 	s.order = keep
 }
 
-// inventoryPage answers one inventory request: a new snapshot when req
-// names none, else a page of the named one.
-func (d *Daemon) inventoryPage(req *wire.InventoryRequest) (*wire.InventoryPage, error) {
+// inventoryServer answers the coordinator's paged inventory requests
+// (resync; wire.InventoryRequest) from snapshots of inventory(). The
+// daemon runs one; the resync benchmark runs the same code against a
+// synthetic inventory.
+type inventoryServer struct {
+	snaps     *snapshots
+	pageSize  int                   // objects per page when the request names none
+	inventory func() wire.Inventory // a consistent copy of what the rank holds
+	log       *zap.Logger
+}
+
+// serve decodes one request, answers it and returns the page it sent (nil
+// when it answered an error) and the bytes of the reply.
+func (s *inventoryServer) serve(msg *nats.Msg) (*wire.InventoryPage, int, error) {
+	var req wire.InventoryRequest
+	if len(msg.Data) > 0 && string(msg.Data) != "null" {
+		if err := bus.Decode(msg, &req); err != nil {
+			return nil, 0, bus.RespondError(msg, wire.CodeBadRequest, err.Error())
+		}
+	}
+	page, err := s.page(&req)
+	if err != nil {
+		s.log.Warn("inventory request refused", zap.String("snapshot", req.Snapshot), zap.Int("page", req.Page), zap.Error(err))
+		return nil, 0, bus.RespondError(msg, Code(err), err.Error())
+	}
+	data, err := json.Marshal(wire.Reply[wire.InventoryPage]{OK: page})
+	if err != nil {
+		return nil, 0, bus.RespondError(msg, wire.CodeInternal, "encode inventory page: "+err.Error())
+	}
+	return page, len(data), msg.Respond(data)
+}
+
+// page answers one inventory request: a new snapshot when req names none,
+// else a page of the named one.
+func (s *inventoryServer) page(req *wire.InventoryRequest) (*wire.InventoryPage, error) {
 	switch {
 	case req.Page < 0:
 		return nil, badf("inventory page %d is negative", req.Page)
@@ -99,19 +134,19 @@ func (d *Daemon) inventoryPage(req *wire.InventoryRequest) (*wire.InventoryPage,
 	if req.Snapshot == "" {
 		size := req.PageSize
 		if size == 0 {
-			size = d.cfg.InventoryPageSize
+			size = s.pageSize
 		}
-		inv := d.eng.Inventory()
+		inv := s.inventory()
 		var err error
-		if pages, err = d.snaps.put(&inv, size); err != nil {
+		if pages, err = s.snaps.put(&inv, size); err != nil {
 			return nil, err
 		}
-		d.log.Info("inventory snapshot taken", zap.String("snapshot", pages[0].Snapshot), zap.Uint64("seq", inv.Seq),
+		s.log.Info("inventory snapshot taken", zap.String("snapshot", pages[0].Snapshot), zap.Uint64("seq", inv.Seq),
 			zap.Int("objects", len(inv.Objects)), zap.Int("pages", len(pages)))
 	} else {
 		var size int
 		var err error
-		if pages, size, err = d.snaps.get(req.Snapshot); err != nil {
+		if pages, size, err = s.snaps.get(req.Snapshot); err != nil {
 			return nil, err
 		}
 		if req.PageSize != 0 && req.PageSize != size {

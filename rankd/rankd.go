@@ -61,8 +61,8 @@ type Daemon struct {
 	// to finish reading the engine's blocks.
 	releaseWait time.Duration
 	pub         *publisher
-	snaps       *snapshots // inventory snapshots being paged out
-	regs        regDedup   // recent register requests (duplicate deliveries)
+	invs        *inventoryServer // inventory snapshots being paged out
+	regs        regDedup         // recent register requests (duplicate deliveries)
 	clu         *cluster.Cluster
 
 	slots chan struct{} // engine request slots (MaxInFlight)
@@ -113,13 +113,14 @@ func New(cfg Config) (*Daemon, error) {
 		slots:    make(chan struct{}, cfg.MaxInFlight),
 		stop:     make(chan struct{}),
 		shutDone: make(chan struct{}),
-		snaps:    newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
 	}
 	inc, err := peekIncarnation(cfg.L2Dir, cfg.Rank)
 	if err != nil {
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
 	d.inc = inc
+	d.invs = &inventoryServer{snaps: newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
+		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { return d.eng.Inventory() }, log: d.log}
 	d.life, d.stopLife = context.WithCancel(context.Background())
 	dev, err := cuda.Open(cfg.Device, cfg.Host)
 	if err != nil {
