@@ -232,6 +232,9 @@ type InventoryRequest struct {
 	// applies when a snapshot is taken; later requests must send 0 or the
 	// same size.
 	PageSize int `json:"page_size,omitempty"`
+	// Encoding is "" for JSON pages or InventoryEncodingBinary for binary
+	// ones (the reply is then the page's bytes, or a JSON error reply).
+	Encoding string `json:"encoding,omitempty"`
 }
 
 // InventoryPage is one page of an inventory snapshot. Every page of one
