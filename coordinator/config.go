@@ -121,6 +121,12 @@ type Config struct {
 	// one also takes the rank's snapshot). Default 10 s; an inventory of
 	// millions of objects takes a while to build.
 	ResyncTimeout time.Duration
+	// ResyncWindow is the inventory page requests a resync keeps in flight
+	// to the rank (pages are still taken in order; the first failed one
+	// fails the attempt). Default bus.DefaultInventoryWindow (8); 1 fetches
+	// page after page. More hides more round trips and holds more pages
+	// in memory at once (about 170 KiB each in binary).
+	ResyncWindow int
 	// ResyncBackoff is the pause after the first failed inventory request;
 	// it doubles per failure up to ResyncMaxBackoff. Default 100 ms.
 	ResyncBackoff time.Duration
@@ -238,6 +244,7 @@ func DefaultConfig() Config {
 		MaxActiveRestores:  65536,
 		VerdictHistory:     1024,
 		ResyncTimeout:      10 * time.Second,
+		ResyncWindow:       bus.DefaultInventoryWindow,
 		ResyncBackoff:      100 * time.Millisecond,
 		ResyncMaxBackoff:   5 * time.Second,
 		ResyncAttempts:     10,
@@ -348,7 +355,7 @@ func (c *Config) Validate() error {
 	}{
 		{"max ranks", c.MaxRanks}, {"max instances", c.MaxInstances}, {"max namespaces", c.MaxNamespaces},
 		{"max inventory pages", c.MaxInventoryPages}, {"max inventory objects", c.MaxInventoryObjects},
-		{"max concurrent resyncs", c.MaxConcurrentResyncs}, {"resync burst", c.ResyncBurst},
+		{"max concurrent resyncs", c.MaxConcurrentResyncs}, {"resync burst", c.ResyncBurst}, {"resync window", c.ResyncWindow},
 		{"max active restores per instance", c.MaxActiveRestoresPerInstance},
 		{"max waiters per restore", c.MaxWaitersPerRestore}, {"max waiters", c.MaxWaiters},
 	} {

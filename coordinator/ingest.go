@@ -294,12 +294,14 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 // resyncOnce fetches and applies the rank's inventory once. done reports that retrying is
 // pointless (applied, or dropped for a reason a retry cannot fix).
 func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
-	// The inventory comes in pages of one snapshot (wire.InventoryRequest);
-	// ResyncTimeout bounds each page. Any failed page fails the attempt.
+	// The inventory comes in binary pages of one snapshot
+	// (wire.InventoryRequest; JSON from an older rankd), ResyncWindow of
+	// them in flight; ResyncTimeout bounds each page. Any failed page
+	// fails the attempt.
 	// The fence epoch is taken before the request: see fence.go.
 	epoch := c.fences.epoch(r)
-	inv, err := bus.FetchInventoryBounded(c.ctx, c.nc, c.subj.Inventory(r), 0, c.cfg.ResyncTimeout,
-		c.cfg.MaxInventoryPages, c.cfg.MaxInventoryObjects)
+	inv, err := bus.FetchInventoryWith(c.ctx, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
+		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: c.cfg.MaxInventoryObjects, Window: c.cfg.ResyncWindow})
 	if err != nil {
 		if errors.Is(err, bus.ErrInventoryTooLarge) {
 			c.met.refused.WithLabelValues("inventory_pages").Inc()

@@ -107,12 +107,23 @@ func (s *inventoryServer) serve(msg *nats.Msg) (*wire.InventoryPage, int, error)
 			return nil, 0, bus.RespondError(msg, wire.CodeBadRequest, err.Error())
 		}
 	}
-	page, err := s.page(&req)
+	var page *wire.InventoryPage
+	var err error
+	if req.Encoding != "" && req.Encoding != wire.InventoryEncodingBinary {
+		err = badf("inventory encoding %q unknown: want \"\" (JSON) or %q", req.Encoding, wire.InventoryEncodingBinary)
+	} else {
+		page, err = s.page(&req)
+	}
 	if err != nil {
 		s.log.Warn("inventory request refused", zap.String("snapshot", req.Snapshot), zap.Int("page", req.Page), zap.Error(err))
 		return nil, 0, bus.RespondError(msg, Code(err), err.Error())
 	}
-	data, err := json.Marshal(wire.Reply[wire.InventoryPage]{OK: page})
+	var data []byte
+	if req.Encoding == wire.InventoryEncodingBinary {
+		data, err = page.MarshalBinary()
+	} else {
+		data, err = json.Marshal(wire.Reply[wire.InventoryPage]{OK: page})
+	}
 	if err != nil {
 		return nil, 0, bus.RespondError(msg, wire.CodeInternal, "encode inventory page: "+err.Error())
 	}

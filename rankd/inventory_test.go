@@ -1,6 +1,7 @@
 package rankd
 
 import (
+	"encoding/json"
 	"errors"
 	"slices"
 	"testing"
@@ -90,6 +91,17 @@ func TestInventoryPaged(t *testing.T) {
 		t.Fatalf("last page: %+v %v", last, err)
 	}
 
+	// The last page in binary is the JSON page's binary encoding, byte for
+	// byte.
+	data, _ := json.Marshal(wire.InventoryRequest{Snapshot: first.Snapshot, Page: first.Pages - 1, Encoding: wire.InventoryEncodingBinary})
+	msg, err := h.nc.RequestWithContext(ctx, h.subj.Inventory(h.rank), data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if wantBin, _ := last.MarshalBinary(); string(msg.Data) != string(wantBin) {
+		t.Fatalf("binary last page %x\nwant %x", msg.Data, wantBin)
+	}
+
 	var we *wire.Error
 	for _, c := range []struct {
 		req  wire.InventoryRequest
@@ -100,6 +112,7 @@ func TestInventoryPaged(t *testing.T) {
 		{wire.InventoryRequest{Snapshot: first.Snapshot, Page: 1, PageSize: pageSize + 1}, wire.CodeBadRequest},
 		{wire.InventoryRequest{Page: -1}, wire.CodeBadRequest},
 		{wire.InventoryRequest{PageSize: wire.MaxInventoryPageSize + 1}, wire.CodeBadRequest},
+		{wire.InventoryRequest{Snapshot: first.Snapshot, Page: 1, Encoding: "zstd"}, wire.CodeBadRequest},
 	} {
 		_, err := bus.Call[wire.InventoryPage](ctx, h.nc, h.subj.Inventory(h.rank), c.req)
 		if !errors.As(err, &we) || we.Code != c.code {

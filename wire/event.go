@@ -264,23 +264,31 @@ func AssembleInventory(pages []InventoryPage) (Inventory, error) {
 	}
 	n := 0
 	for i := range pages {
-		p := &pages[i]
-		switch {
-		case p.Page != i:
-			return Inventory{}, fmt.Errorf("inventory snapshot %q: page %d arrived as page %d: %w", first.Snapshot, p.Page, i, ErrMalformed)
-		case p.Rank != first.Rank || p.Incarnation != first.Incarnation || p.Seq != first.Seq ||
-			p.Snapshot != first.Snapshot || p.Pages != first.Pages:
-			return Inventory{}, fmt.Errorf("inventory page %d (rank %s incarnation %d seq %d snapshot %q of %d pages) differs from page 0 (rank %s incarnation %d seq %d snapshot %q of %d pages): %w",
-				i, p.Rank, p.Incarnation, p.Seq, p.Snapshot, p.Pages,
-				first.Rank, first.Incarnation, first.Seq, first.Snapshot, first.Pages, ErrMalformed)
+		if err := SamePage(first, &pages[i], i); err != nil {
+			return Inventory{}, err
 		}
-		n += len(p.Objects)
+		n += len(pages[i].Objects)
 	}
 	inv := Inventory{Rank: first.Rank, Incarnation: first.Incarnation, Seq: first.Seq, Objects: make([]Placement, 0, n)}
 	for i := range pages {
 		inv.Objects = append(inv.Objects, pages[i].Objects...)
 	}
 	return inv, nil
+}
+
+// SamePage checks that p is page i of first's snapshot (rank,
+// incarnation, sequence, id and page count); the error wraps ErrMalformed.
+func SamePage(first, p *InventoryPage, i int) error {
+	switch {
+	case p.Page != i:
+		return fmt.Errorf("inventory snapshot %q: page %d arrived as page %d: %w", first.Snapshot, p.Page, i, ErrMalformed)
+	case p.Rank != first.Rank || p.Incarnation != first.Incarnation || p.Seq != first.Seq ||
+		p.Snapshot != first.Snapshot || p.Pages != first.Pages:
+		return fmt.Errorf("inventory page %d (rank %s incarnation %d seq %d snapshot %q of %d pages) differs from page 0 (rank %s incarnation %d seq %d snapshot %q of %d pages): %w",
+			i, p.Rank, p.Incarnation, p.Seq, p.Snapshot, p.Pages,
+			first.Rank, first.Incarnation, first.Seq, first.Snapshot, first.Pages, ErrMalformed)
+	}
+	return nil
 }
 
 // PageInventory cuts inv into pages of at most pageSize objects under
