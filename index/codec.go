@@ -404,7 +404,8 @@ func parseChunk(v []byte, nRanks int) ([]placement, error) {
 }
 
 // Rank records: key = rank id (4 bytes big-endian); value = version,
-// instance (length-prefixed), TP rank, incarnation, last seq, fenced (1 byte).
+// instance (length-prefixed), TP rank, incarnation, last seq, flags (1
+// byte: 1 fenced, 2 partial; older builds read only 0 and 1).
 
 func appendRankKey(b []byte, id uint32) []byte { return binary.BigEndian.AppendUint32(b, id) }
 
@@ -419,6 +420,9 @@ func appendRank(b []byte, r wire.Rank, m rankMeta) []byte {
 	f := byte(0)
 	if m.fenced {
 		f = 1
+	}
+	if m.partial {
+		f |= 2
 	}
 	return seal(append(b, f), start)
 }
@@ -447,12 +451,10 @@ func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
 	r.TPRank = int(tp)
 	m.inc = d.uvarint("incarnation")
 	m.last = d.uvarint("last seq")
-	switch d.byte1("fenced") {
-	case 0:
-	case 1:
-		m.fenced = true
-	default:
+	if f := d.byte1("fenced"); f > 3 {
 		d.fail("fenced flag")
+	} else {
+		m.fenced, m.partial = f&1 != 0, f&2 != 0
 	}
 	if d.err == nil && len(d.p) != 0 {
 		d.fail("rank record (trailing bytes)")

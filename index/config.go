@@ -50,6 +50,18 @@ type Config struct {
 	// stalls less.
 	FenceSliceChunks int
 
+	// InventorySlice bounds the work ApplyInventory does in one group
+	// commit: an inventory whose rank's chunk list and objects add up to
+	// more is applied in slices (index/inventory.go), this many of the
+	// rank's chunks dropped or objects put per group commit, so other
+	// ranks' acknowledgements wait for one slice, not for the whole
+	// inventory. Lookups see none of the rank's placements from the first
+	// slice to the last (never a half-applied inventory), and
+	// ApplyInventory returns once the last slice is committed. Default
+	// 2048 (about a millisecond of committer time). Larger finishes a
+	// resync in fewer commits; smaller stalls less.
+	InventorySlice int
+
 	// FoldSliceChunks bounds the work an automatic fold (CheckpointBytes)
 	// adds to one bbolt transaction: the chunks changed since the last
 	// fold are written this many per commit, riding along with group
@@ -106,6 +118,7 @@ func DefaultConfig() Config {
 		QueueDepth:       4096,
 		CheckpointBytes:  128 << 20,
 		FenceSliceChunks: 1024,
+		InventorySlice:   2048,
 		FoldSliceChunks:  4096,
 		InitialMmapSize:  256 << 20,
 		OpenTimeout:      5 * time.Second,
@@ -129,6 +142,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("checkpoint bytes %d must be >= 1: %w", c.CheckpointBytes, ErrConfig)
 	case c.FenceSliceChunks < 1:
 		return fmt.Errorf("fence slice chunks %d must be >= 1: %w", c.FenceSliceChunks, ErrConfig)
+	case c.InventorySlice < 1:
+		return fmt.Errorf("inventory slice %d must be >= 1: %w", c.InventorySlice, ErrConfig)
 	case c.FoldSliceChunks < 1:
 		return fmt.Errorf("fold slice chunks %d must be >= 1: %w", c.FoldSliceChunks, ErrConfig)
 	case c.MaxFileBytes < 0:

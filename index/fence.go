@@ -63,7 +63,8 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 		return true
 	}
 	rs := ix.st.ranks[id]
-	if len(rs.chunks) <= ix.cfg.FenceSliceChunks || !t.mayHold(id, wire.L1) {
+	if len(rs.chunks) <= ix.cfg.FenceSliceChunks || !t.mayHold(id, wire.L1) ||
+		rs.fencing || slices.Contains(t.unhide, id) { // a sliced fence or inventory of the rank ends in flight or in t
 		return false
 	}
 	if !m.fenced {
@@ -144,10 +145,10 @@ func (ix *Index) endFence(t *txn, r wire.Rank) {
 	}
 }
 
-// finishFences runs every sliced fence to its end, committing each slice
-// (Verify, Checkpoint and Close need the fences whole).
+// finishFences runs every sliced fence and inventory to its end,
+// committing each slice (Verify, Checkpoint and Close need them whole).
 func (ix *Index) finishFences() {
-	for len(ix.fences) > 0 && ix.failed == nil {
+	for (len(ix.fences) > 0 || len(ix.invs) > 0) && ix.failed == nil {
 		ix.barrier()
 		ix.staging()
 	}
@@ -157,6 +158,7 @@ func (ix *Index) finishFences() {
 // failFences answers every sliced fence's requests with err (the index
 // has failed).
 func (ix *Index) failFences(err error) {
+	ix.failInventories(err)
 	for _, j := range ix.fences {
 		for _, r := range j.reqs {
 			r.err = fmt.Errorf("%w: %w", ErrFailed, err)

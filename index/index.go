@@ -114,6 +114,9 @@ type Index struct {
 	// cut while fencing > 0.
 	fences  []*fenceJob
 	fencing int
+	// invs are the sliced ApplyInventorys in progress, oldest first (see
+	// invJob); fencing counts their requests too.
+	invs []*invJob
 }
 
 type reqKind uint8
@@ -459,8 +462,8 @@ func (ix *Index) run() {
 	defer close(ix.writes)
 	var timer *time.Timer
 	for {
-		if len(ix.fences) > 0 && ix.cur == nil && ix.failed == nil {
-			ix.staging() // the next slice of a sliced fence
+		if (len(ix.fences) > 0 || len(ix.invs) > 0) && ix.cur == nil && ix.failed == nil {
+			ix.staging() // the next slice of a sliced fence or inventory
 		}
 		if ix.folding != nil && ix.flight == nil && len(ix.pending) == 0 && ix.failed == nil {
 			// No group waits: the next slice of the fold, alone.
@@ -600,24 +603,38 @@ func (ix *Index) stage(r *request) {
 	t := ix.staging()
 	switch r.kind {
 	case reqBatch:
+		j := ix.invOfRank(t, r.batch.Rank)
+		if j != nil && r.batch.Incarnation > j.inv.Incarnation {
+			ix.finishInventory(t, j) // a newer incarnation sees the inventory whole
+			j = nil
+		}
+		if j != nil {
+			j.touch(t, r.batch)
+		}
 		r.out = t.applyBatch(r.batch)
 		if r.out.NewIncarnation {
 			ix.endFence(t, r.batch.Rank)
 		}
 	case reqInventory:
+		if !ix.finishInventoryOf(t, r.inv.Rank) && ix.startInventory(t, r) {
+			return // answered with the inventory's last slice
+		}
 		r.invOut = t.applyInventory(r.inv)
 		if r.invOut.Applied {
 			ix.endFence(t, r.inv.Rank)
+			ix.unhidePartial(t, r.inv.Rank)
 		}
 	case reqFence:
-		if ix.startFence(t, r) {
+		if !ix.finishInventoryOf(t, r.rank) && ix.startFence(t, r) {
 			return // answered with the fence's last slice
 		}
 		r.fenced = t.fenceRank(r.rank, r.upTo)
 	case reqReset:
+		ix.finishInventoryOf(t, r.rank)
 		r.fenced = t.resetRank(r.rank)
 		if r.fenced >= 0 {
 			ix.endFence(t, r.rank)
+			ix.unhidePartial(t, r.rank)
 		}
 	case reqRegister:
 		r.err = t.register(r.spec, r.json)
@@ -646,8 +663,12 @@ func (ix *Index) staging() *txn {
 		ix.txns[i].reset(ix.st, parent, enc)
 	}
 	ix.cur, ix.curIdx, ix.curN, ix.curStart = ix.txns[i], i, 0, time.Now()
+	ix.cur.invLive = ix.invLive
 	if len(ix.fences) > 0 && ix.failed == nil {
 		ix.fenceSlice(ix.cur, ix.fences[0])
+	}
+	if len(ix.invs) > 0 && ix.failed == nil {
+		ix.invSlice(ix.cur, ix.invs[0], ix.cfg.InventorySlice)
 	}
 	return ix.cur
 }

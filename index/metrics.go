@@ -22,6 +22,9 @@ const (
 	// sequence is below the rank's last applied event; applying it would
 	// roll the rank back.
 	DropStaleInventory DropReason = "stale_inventory"
+	// DropPartialRank: a batch of a rank whose inventory a crash
+	// interrupted (a sliced ApplyInventory); it must resync.
+	DropPartialRank DropReason = "partial_rank"
 )
 
 // FenceCause says why placements were fenced (kvtier_index_fenced_total).

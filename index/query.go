@@ -124,6 +124,7 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	// chain costs about half as much), then the scans, from cache.
 	const window = 16
 	var ss [window][]placement
+	var vis []placement
 	for base := 0; base < len(chunks); base += window {
 		w := min(window, len(chunks)-base)
 		var touch uint32
@@ -137,6 +138,9 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 		res.touch += touch
 		for i := range w {
 			s := ss[i]
+			if st.hiding > 0 {
+				s = st.visible(s, &vis) // a sliced inventory is being applied
+			}
 			if !pl.pick(s, readers, inst, hostL1, best, score) {
 				return nil
 			}
@@ -284,10 +288,31 @@ func (ix *Index) Get(k dcp.Key) []Holder {
 	return out
 }
 
-// hidden reports whether p is an L1 copy of a rank being fenced in slices
-// (index/fence.go): still in the chunk, no longer usable.
+// hidden reports whether p is still in its chunk but no longer usable: an
+// L1 copy of a rank being fenced in slices (index/fence.go), or any copy
+// of a rank whose inventory is being applied in slices or was interrupted
+// by a crash (index/inventory.go).
 func (st *state) hidden(p *placement) bool {
-	return p.tier == wire.L1 && st.ranks[p.rank].l1Hidden
+	r := st.ranks[p.rank]
+	return r.allHidden || (p.tier == wire.L1 && r.l1Hidden)
+}
+
+// visible returns s without the placements of ranks whose inventory is
+// being applied in slices, in buf when it must filter.
+func (st *state) visible(s []placement, buf *[]placement) []placement {
+	for i := range s {
+		if st.ranks[s[i].rank].allHidden {
+			out := append((*buf)[:0], s[:i]...)
+			for j := i + 1; j < len(s); j++ {
+				if !st.ranks[s[j].rank].allHidden {
+					out = append(out, s[j])
+				}
+			}
+			*buf = out
+			return out
+		}
+	}
+	return s
 }
 
 func (st *state) holder(p *placement) Holder {

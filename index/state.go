@@ -126,6 +126,10 @@ type rankMeta struct {
 	inc    uint64 // current incarnation
 	last   uint64 // last applied sequence of that incarnation
 	fenced bool   // declared dead by FenceRank; cleared by an inventory or a new incarnation
+	// partial: a sliced inventory is being applied (index/inventory.go);
+	// durable, so a crash before its last slice leaves the rank partial:
+	// hidden, its batches refused until an inventory is applied whole.
+	partial bool
 }
 
 type rankState struct {
@@ -148,6 +152,11 @@ type rankState struct {
 	// fenceJob): its L1 placements still in the chunks are not usable and
 	// queries skip them. Written by the committer under Index.mu.
 	l1Hidden bool
+	// allHidden: a sliced inventory of this rank is in progress, or was
+	// interrupted by a crash (rankMeta.partial): none of its placements is
+	// usable. Written by the committer under Index.mu; state.hiding counts
+	// the ranks with it set.
+	allHidden bool
 	// fencing: the same, for the committer only (queries never read it):
 	// the chunk list is not compacted meanwhile, so the fence's cursor
 	// into it stays valid.
@@ -164,6 +173,9 @@ type state struct {
 	objects int64
 	chunks  int64
 	tally
+	// hiding counts the ranks with allHidden set: while it is 0, Lookup
+	// reads every placement as it is.
+	hiding int
 
 	// Checkpoint bookkeeping, used by the committer only (queries never
 	// read it): dirty lists the chunks changed since the last checkpoint,
@@ -224,7 +236,10 @@ func (st *state) addRank(r wire.Rank, m rankMeta) *rankState {
 		inst = uint32(len(st.insts) + 1)
 		st.insts[r.Instance] = inst
 	}
-	rs := &rankState{id: uint32(len(st.ranks)), rank: r, inst: inst, rankMeta: m}
+	rs := &rankState{id: uint32(len(st.ranks)), rank: r, inst: inst, rankMeta: m, allHidden: m.partial}
+	if m.partial {
+		st.hiding++
+	}
 	st.ranks = append(st.ranks, rs)
 	st.rankIDs[r] = rs.id
 	return rs
@@ -438,7 +453,7 @@ func (st *state) snapshot() *state {
 func (st *state) shell() *state {
 	c := &state{ns: make(map[dcp.Namespace]*nsState, len(st.ns)), ranks: make([]*rankState, len(st.ranks)),
 		rankIDs: maps.Clone(st.rankIDs), insts: maps.Clone(st.insts), objects: st.objects, chunks: st.chunks,
-		tally: st.tally, epoch: st.epoch}
+		tally: st.tally, epoch: st.epoch, hiding: st.hiding}
 	for ns, n := range st.ns {
 		cn := *n
 		cn.chunks = nil

@@ -100,6 +100,12 @@ type txn struct {
 	// become unusable when the txn is published, before its chunks) and
 	// ends (usable again once its chunks are published) in this txn.
 	hide, unhide []uint32
+	// hideAll: ranks whose sliced inventory starts in this txn (every
+	// placement of theirs unusable once it is published, before its
+	// chunks); unhide ends it too. invLive reports whether a rank's
+	// inventory is being applied in slices (nil while replaying).
+	hideAll []uint32
+	invLive func(uint32) bool
 
 	lastNS dcp.Namespace // cache of the last namespace looked up
 	lastN  *nsState
@@ -125,7 +131,8 @@ func (t *txn) reset(st *state, parent *txn, enc *opEncoder) {
 	clear(t.putRank)
 	clear(t.regs)
 	*t = txn{st: st, parent: parent, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
-		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc, hide: t.hide[:0], unhide: t.unhide[:0]}
+		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc, hide: t.hide[:0], unhide: t.unhide[:0],
+		hideAll: t.hideAll[:0]}
 }
 
 // detach drops the link to the parent once the parent is published.
@@ -137,7 +144,7 @@ func (t *txn) detach() {
 // changed reports whether the txn has anything to commit.
 func (t *txn) changed() bool {
 	return len(t.staged) > 0 || len(t.metas) > 0 || len(t.newRanks) > 0 || len(t.regs) > 0 || t.raftIndex != 0 ||
-		len(t.hide) > 0 || len(t.unhide) > 0 // a sliced fence starts or ends: it must be published
+		len(t.hide) > 0 || len(t.unhide) > 0 || len(t.hideAll) > 0 // a sliced fence or inventory starts or ends: it must be published
 }
 
 func (t *txn) rankID(r wire.Rank) (uint32, bool) {
@@ -424,6 +431,13 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 		o.Dropped, o.Reason = len(b.Events), DropStaleIncarnation
 		o.Incarnation, o.LastSeq = m.inc, m.last
 		return o
+	case m.partial && (t.invLive == nil || !t.invLive(id)):
+		// A crash interrupted a sliced inventory: only a whole one makes
+		// the rank's placements usable again.
+		o.Dropped, o.Reason = len(b.Events), DropPartialRank
+		o.Resync, o.ResyncFrom = true, m.last+1
+		o.Incarnation, o.LastSeq = m.inc, m.last
+		return o
 	case b.Incarnation > m.inc:
 		o.NewIncarnation = true
 		o.Fenced = t.fenceL1(id, b.Incarnation)
@@ -577,6 +591,12 @@ func (st *state) publishRanks(t *txn) {
 	for _, id := range t.hide {
 		st.ranks[id].l1Hidden = true
 	}
+	for _, id := range t.hideAll {
+		if r := st.ranks[id]; !r.allHidden {
+			r.allHidden = true
+			st.hiding++
+		}
+	}
 }
 
 // publishUnhide ends the sliced fences that ended in t, once its chunks are
@@ -585,7 +605,10 @@ func (st *state) publishRanks(t *txn) {
 func (st *state) publishUnhide(t *txn) {
 	for _, id := range t.unhide {
 		r := st.ranks[id]
-		r.l1Hidden, r.fencing = false, false
+		if r.allHidden {
+			st.hiding--
+		}
+		r.l1Hidden, r.allHidden, r.fencing = false, false, false
 		if r.live == 0 {
 			r.chunks = nil
 		} else if len(r.chunks) >= 2*r.live+compactSlack {
