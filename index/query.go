@@ -326,7 +326,11 @@ type RankInfo struct {
 	LastSeq     uint64
 	// Fenced: declared dead (FenceRank); its batches are refused until it
 	// sends an inventory or a new incarnation starts.
-	Fenced       bool
+	Fenced bool
+	// Partial: a sliced inventory of the rank is being applied, or was
+	// interrupted by a crash; none of its placements is usable until one
+	// is applied whole (index/inventory.go).
+	Partial      bool
 	L1Placements int64
 	L1Bytes      uint64
 	L2Placements int64
@@ -341,7 +345,7 @@ type RankInfo struct {
 }
 
 func (r *rankState) info() RankInfo {
-	return RankInfo{Rank: r.rank, Incarnation: r.inc, LastSeq: r.last, Fenced: r.fenced,
+	return RankInfo{Rank: r.rank, Incarnation: r.inc, LastSeq: r.last, Fenced: r.fenced, Partial: r.partial,
 		L1Placements: r.placements[wire.L1], L1Bytes: r.bytes[wire.L1],
 		L2Placements: r.placements[wire.L2], L2Bytes: r.bytes[wire.L2],
 		L3Placements: r.placements[wire.L3], L3Bytes: r.bytes[wire.L3]}
