@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"sort"
+	"unsafe"
 )
 
 // Plans of the CUDA backend's Gather and Scatter: the tables that the copy
@@ -42,6 +43,16 @@ type kSeg struct {
 type kSpan struct {
 	ptr, objOff, len uint64
 }
+
+// A kSpan has struct Span's size, and on a little-endian host its memory
+// is the table entry the device reads (encode copies the spans as bytes).
+var (
+	_ [kSpanSize - unsafe.Sizeof(kSpan{})]struct{}
+	_ [unsafe.Sizeof(kSpan{}) - kSpanSize]struct{}
+)
+
+// littleEndian: this host stores integers as the device reads them.
+var littleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
 
 // xferObject is a validated object: its spans as device addresses, in order,
 // with their offsets in the packed object.
@@ -82,26 +93,15 @@ func chunksOf(addr, n uint64) uint64 {
 	return (addr+n+15)/16 - addr/16
 }
 
-// deviceObjects turns a checked transfer into device-address objects, all
-// spans in one array in order (newPlan then uses it without a copy);
-// empty spans are left out. base gives a Mem's device address.
-func deviceObjects[M comparable](t *checkedTransfer[M], base func(M) uint64) []xferObject {
-	n := 0
-	for _, o := range t.objs {
-		n += len(o.spans)
-	}
-	all := make([]kSpan, 0, n)
+// deviceObjects turns a checked transfer into device-address objects: the
+// checked spans are already the kernels' span table (their addresses are
+// device addresses, the CUDA backend's space), so this is per object, and
+// every object's spans are a piece of the one array (newPlan then uses it
+// without a copy).
+func deviceObjects[M comparable](t *checkedTransfer[M]) []xferObject {
 	xobjs := make([]xferObject, len(t.objs))
 	for i, o := range t.objs {
-		first := len(all)
-		for _, sp := range o.spans {
-			if sp.len > 0 {
-				all = append(all, kSpan{ptr: base(sp.mem) + sp.off, objOff: sp.objOff, len: sp.len})
-			}
-		}
-		// The capacity behind each slice is the next objects' spans
-		// (sharedSpans finds them); nothing appends to an object's spans.
-		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all)]}
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: t.objSpans(i)}
 	}
 	return xobjs
 }
@@ -297,11 +297,15 @@ func align16(n uint64) uint64 { return (n + 15) &^ 15 }
 // bytes), little-endian as the device reads them.
 func (p *xferPlan) encode(buf []byte, l tableLayout) {
 	le := binary.LittleEndian
-	for k, s := range p.spans {
-		b := buf[k*kSpanSize:]
-		le.PutUint64(b[0:], s.ptr)
-		le.PutUint64(b[8:], s.objOff)
-		le.PutUint64(b[16:], s.len)
+	if littleEndian && len(p.spans) > 0 {
+		copy(buf, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(p.spans))), len(p.spans)*kSpanSize))
+	} else {
+		for k, s := range p.spans {
+			b := buf[k*kSpanSize:]
+			le.PutUint64(b[0:], s.ptr)
+			le.PutUint64(b[8:], s.objOff)
+			le.PutUint64(b[16:], s.len)
+		}
 	}
 	for bi, bt := range p.batches {
 		for k, s := range bt.segs {

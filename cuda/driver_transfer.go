@@ -39,11 +39,11 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 	if buf.d.ctx != s.d.ctx {
 		return nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
 	}
-	t, err := checkTransfer(objs, buf.size, scatter, s.d.resolveMem)
+	t, err := checkTransfer(objs, buf.size, scatter, false, s.d.resolveMem)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	xobjs := deviceObjects(t, func(m *driverMem) uint64 { return m.ptr })
+	xobjs := deviceObjects(t)
 	if !buf.life.acquire() {
 		return nil, nil, nil, fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size)
 	}
@@ -61,6 +61,8 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 
 // resolveMem tells checkTransfer about a span's Mem. Device addresses are
 // unified: views of one allocation alias where their addresses intersect.
+// The base is the Mem's device address, so the checked spans' addresses
+// are the device addresses the kernels use (deviceObjects).
 func (d *driverDevice) resolveMem(m Mem) (*driverMem, memView, error) {
 	dm, err := d.asMem(m, "span")
 	if err != nil {
