@@ -3,6 +3,7 @@ package cuda
 import (
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"sort"
 	"unsafe"
 )
@@ -269,6 +270,31 @@ func planStaged(objs []xferObject, stage [2]uint64, half uint64) (*xferPlan, err
 	return p, nil
 }
 
+// tableEstimate is a table block size that mostly holds the tables of a
+// transfer of nspans spans in nobj objects: the spans, a segment per
+// object and per batch boundary, the partial sums.
+func tableEstimate(nspans, nobj int) uint64 {
+	return align16(uint64(nspans)*kSpanSize) + uint64(nobj+64)*kSegSize + 16 + uint64(nobj)*8
+}
+
+// jobCap is the size of the table block allocated for tables of size
+// bytes: a power of two of at least 64 KiB, so that blocks are reused by
+// transfers of similar sizes.
+func jobCap(size uint64) uint64 {
+	return max(uint64(64<<10), uint64(1)<<bits.Len64(size-1))
+}
+
+// spanTableOf is a table block as a span table (the spans come first in a
+// block: tableLayout), for checkTransfer to write the checked spans into
+// (checkOptions.table). b must be 8-byte aligned; a kSpan holds no
+// pointers.
+func spanTableOf(b []byte) []kSpan {
+	if len(b) < kSpanSize {
+		return nil
+	}
+	return unsafe.Slice((*kSpan)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/kSpanSize)
+}
+
 // tableLayout gives the byte offsets of a plan's tables in one block:
 // spans, then each batch's segments, then nobj 8-byte partial sums.
 type tableLayout struct {
@@ -294,12 +320,18 @@ func (p *xferPlan) layout() tableLayout {
 func align16(n uint64) uint64 { return (n + 15) &^ 15 }
 
 // encode writes the spans and segments into buf (at least l.partials
-// bytes), little-endian as the device reads them.
+// bytes), little-endian as the device reads them. The spans may already be
+// in place at buf's start (checkOptions.table).
 func (p *xferPlan) encode(buf []byte, l tableLayout) {
 	le := binary.LittleEndian
-	if littleEndian && len(p.spans) > 0 {
-		copy(buf, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(p.spans))), len(p.spans)*kSpanSize))
-	} else {
+	spanBytes := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(p.spans))), len(p.spans)*kSpanSize)
+	switch {
+	case len(p.spans) == 0:
+	case littleEndian && &spanBytes[0] == &buf[0]:
+		// checkTransfer wrote the spans into buf (checkOptions.table).
+	case littleEndian:
+		copy(buf, spanBytes)
+	default:
 		for k, s := range p.spans {
 			b := buf[k*kSpanSize:]
 			le.PutUint64(b[0:], s.ptr)

@@ -197,7 +197,7 @@ func TestNewPlanSharedSpans(t *testing.T) {
 		{HostOff: 4000, Spans: []Span{{Mem: a, Off: 9000, Len: 17}}},
 		{HostOff: 8000, Spans: []Span{{Mem: a, Off: 20000, Len: 4096}, {Mem: a, Off: 30000, Len: 1}}},
 	}
-	ct, err := checkTransfer(objs, 1<<16, true, false, func(m Mem) (*planMem, memView, error) {
+	ct, err := checkTransfer(objs, 1<<16, true, checkOptions{}, func(m Mem) (*planMem, memView, error) {
 		return m.(*planMem), memView{size: m.Size(), base: devBase}, nil
 	})
 	if err != nil {

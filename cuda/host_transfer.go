@@ -23,7 +23,7 @@ func planTransfer(hb HostBuf, objs []Object, scatter bool) (*transferPlan, error
 	if err != nil {
 		return nil, err
 	}
-	t, err := checkTransfer(objs, uint64(len(buf)), scatter, true, resolveHostMem)
+	t, err := checkTransfer(objs, uint64(len(buf)), scatter, checkOptions{memOf: true}, resolveHostMem)
 	if err != nil {
 		return nil, err
 	}

@@ -1,12 +1,15 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // cpuTime is the CPU time (user + system) of the process so far: on a
@@ -96,24 +99,44 @@ func shuffledRowObjects(nobj int) ([]Object, *planMem) {
 	return objs, pool
 }
 
-// planStages is the host time of the stages of planning one transfer.
-type planStages struct {
-	check, build, plan, enc time.Duration
+// tableBlock is a table block of n bytes for benchPlan, 8-byte aligned.
+func tableBlock(n uint64) []byte {
+	w := make([]uint64, (n+7)/8)
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(w))), n)
 }
 
-func (s *planStages) add(t [5]time.Duration) {
-	s.check += t[1] - t[0]
-	s.build += t[2] - t[1]
-	s.plan += t[3] - t[2]
-	s.enc += t[4] - t[3]
+// planStages is the host time of the stages of planning one transfer:
+// checks, device objects, staged plan, encoded tables.
+type planStages [4]time.Duration
+
+func (s planStages) total() time.Duration { return s[0] + s[1] + s[2] + s[3] }
+
+// medianStages returns the repetition of median total time, and the
+// median of each stage on its own.
+func medianStages(v []planStages) (mid, each planStages) {
+	s := slices.Clone(v)
+	slices.SortFunc(s, func(a, b planStages) int { return cmp.Compare(a.total(), b.total()) })
+	mid = s[len(s)/2]
+	for k := range each {
+		col := make([]time.Duration, len(v))
+		for i := range v {
+			col[i] = v[i][k]
+		}
+		slices.Sort(col)
+		each[k] = col[len(col)/2]
+	}
+	return mid, each
 }
 
 // benchPlan runs the host side of a staged Gather or Scatter of objs the
-// way driverStream.transfer does (checks, device objects, staged plan,
-// tables encoded into buf), b.N times, and reports per span: the stages'
-// wall time and thread CPU time, and the process's CPU time (which
-// includes the GC's background work). On a loaded machine the CPU times
-// are the figures to compare.
+// way driverStream.transfer does (checks writing the span table into the
+// table block when it is large enough, device objects, staged plan, the
+// other tables encoded into the block), once to warm up (the device's pool
+// then holds a large enough block, as it does after the first transfer of
+// a size), then b.N times, and reports per span the medians of the
+// repetitions: each stage's wall time and thread CPU time, and the
+// process's CPU time (which includes the GC's background work). On a
+// loaded machine the CPU times are the figures to compare.
 func benchPlan(b *testing.B, objs []Object, scatter bool) {
 	nspans := 0
 	var hostLen uint64
@@ -127,14 +150,18 @@ func benchPlan(b *testing.B, objs []Object, scatter bool) {
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	var wall, cpu planStages
-	var buf []byte
-	var tw, tc [5]time.Duration
-	mark := func(k int) { tw[k], tc[k] = time.Duration(time.Now().UnixNano()), threadCPU() }
-	cpu0 := cpuTime()
-	for b.Loop() {
+	var buf []byte // the table block, reused as the device's pool reuses them
+	run := func() (wall, cpu, proc planStages) {
+		var tw, tc, tp [5]time.Duration
+		mark := func(k int) {
+			tw[k], tc[k], tp[k] = time.Duration(time.Now().UnixNano()), threadCPU(), cpuTime()
+		}
 		mark(0)
-		t, err := checkTransfer(objs, hostLen, scatter, false, resolve)
+		var opt checkOptions
+		if uint64(len(buf)) >= tableEstimate(nspans, len(objs)) {
+			opt.table = spanTableOf(buf)
+		}
+		t, err := checkTransfer(objs, hostLen, scatter, opt, resolve)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -148,27 +175,39 @@ func benchPlan(b *testing.B, objs []Object, scatter bool) {
 		mark(3)
 		lay := p.layout()
 		if uint64(len(buf)) < lay.size {
-			buf = make([]byte, lay.size)
+			big := tableBlock(jobCap(lay.size))
+			p.encode(big, lay)
+			buf = big
+		} else {
+			p.encode(buf, lay)
 		}
-		p.encode(buf, lay)
 		mark(4)
-		wall.add(tw)
-		cpu.add(tc)
+		for k := range 4 {
+			wall[k], cpu[k], proc[k] = tw[k+1]-tw[k], tc[k+1]-tc[k], tp[k+1]-tp[k]
+		}
+		return wall, cpu, proc
 	}
-	proc := cpuTime() - cpu0
-	per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(b.N) / float64(nspans) }
-	sum := func(s planStages) float64 { return per(s.check) + per(s.build) + per(s.plan) + per(s.enc) }
-	b.ReportMetric(sum(wall), "ns/span")
-	b.ReportMetric(sum(cpu), "thread-cpu-ns/span")
-	b.ReportMetric(per(proc), "cpu-ns/span")
-	b.ReportMetric(per(wall.check), "check-ns/span")
+	run()
+	var walls, cpus, procs []planStages
+	for b.Loop() {
+		w, c, p := run()
+		walls, cpus, procs = append(walls, w), append(cpus, c), append(procs, p)
+	}
+	wall, wallEach := medianStages(walls)
+	_, cpuEach := medianStages(cpus)
+	proc, _ := medianStages(procs)
+	cpu, _ := medianStages(cpus)
+	per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(nspans) }
+	b.ReportMetric(per(wall.total()), "ns/span")
+	b.ReportMetric(per(cpu.total()), "thread-cpu-ns/span")
+	b.ReportMetric(per(proc.total()), "cpu-ns/span")
 	dir := "gather"
 	if scatter {
 		dir = "scatter"
 	}
-	fmt.Printf("%s: %s of %d spans: wall %.1f ns/span = check %.1f + device objects %.1f + staged plan %.1f + encode %.1f; thread CPU %.1f = %.1f + %.1f + %.1f + %.1f; process CPU %.1f ns/span\n",
-		b.Name(), dir, nspans, sum(wall), per(wall.check), per(wall.build), per(wall.plan), per(wall.enc),
-		sum(cpu), per(cpu.check), per(cpu.build), per(cpu.plan), per(cpu.enc), per(proc))
+	fmt.Printf("%s: %s of %d spans, median of %d: wall %.1f ns/span (stages' medians: check %.1f, device objects %.1f, staged plan %.1f, encode %.1f); thread CPU %.1f (%.1f, %.1f, %.1f, %.1f); process CPU %.1f\n",
+		b.Name(), dir, nspans, len(walls), per(wall.total()), per(wallEach[0]), per(wallEach[1]), per(wallEach[2]), per(wallEach[3]),
+		per(cpu.total()), per(cpuEach[0]), per(cpuEach[1]), per(cpuEach[2]), per(cpuEach[3]), per(proc.total()))
 }
 
 // BenchmarkPlanRowSpans measures the host side of planning a scatter of

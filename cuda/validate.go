@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/bits"
 	"slices"
+	"unsafe"
 )
 
 // The rules of a Gather or Scatter, the same for every backend: which
@@ -60,6 +61,18 @@ type checkedTransfer[M comparable] struct {
 	mems  []memUse[M] // every Mem once, in order of first use
 }
 
+// checkOptions says what checkTransfer builds besides its verdict.
+type checkOptions struct {
+	// memOf: say each span's Mem (checkedTransfer.memOf).
+	memOf bool
+	// table, when its capacity holds every span of the transfer, is where
+	// the span table is written, from its first entry; otherwise one is
+	// allocated. The CUDA backend passes the pinned block it copies the
+	// tables to the device from: the checked spans are written once,
+	// where the device reads them, into memory already paged in.
+	table []kSpan
+}
+
 // objSpans returns the spans of object i. The capacity behind the slice is
 // the next objects' spans (newPlan's sharedSpans finds them); nothing
 // appends to it.
@@ -74,18 +87,21 @@ func (t *checkedTransfer[M]) objSpans(i int) []kSpan {
 // or its host range lies outside the buffer, or destinations overlap
 // (scatter: spans in one address space, also through different views;
 // gather: objects in the host buffer). Empty spans are checked and left
-// out of the result. With memOf the result says each span's Mem. It takes
-// no references.
+// out of the result. It takes no references.
 //
 // One pass over the spans does the checks and builds the span table; the
 // overlap check needs no sort when each region's destinations come in
-// increasing address order (checkDests).
-func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf bool, resolve func(Mem) (M, memView, error)) (*checkedTransfer[M], error) {
+// increasing address order (overlapIn).
+func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, opt checkOptions, resolve func(Mem) (M, memView, error)) (*checkedTransfer[M], error) {
 	n := 0
 	for _, o := range objs {
 		n += len(o.Spans)
 	}
-	t := &checkedTransfer[M]{objs: make([]checkedObject, len(objs)), spans: make([]kSpan, 0, n)}
+	t := &checkedTransfer[M]{objs: make([]checkedObject, len(objs)), spans: opt.table[:0]}
+	if cap(t.spans) < n {
+		t.spans = make([]kSpan, 0, n)
+	}
+	memOf := opt.memOf
 	if memOf {
 		t.memOf = make([]uint32, 0, n)
 	}
@@ -101,6 +117,7 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 		size    uint64
 		base    uint64
 		mi      uint32
+		cur     []destSpan // scatter: dests[mi] while the run lasts
 	)
 	spans := t.spans
 	for i, o := range objs {
@@ -108,7 +125,10 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 		var total uint64
 		for j := range o.Spans {
 			sp := &o.Spans[j]
-			if lastMem == nil || sp.Mem != lastMem {
+			if lastMem == nil || !sameWords(&sp.Mem, &lastMem) {
+				if scatter && lastMem != nil {
+					dests[mi] = cur
+				}
 				m, v, err := resolve(sp.Mem)
 				if err != nil {
 					return nil, fmt.Errorf("object %d span %d: %w", i, j, err)
@@ -126,6 +146,9 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 					}
 				}
 				lastMem, size, base, mi = sp.Mem, v.size, v.base, k
+				if scatter {
+					cur = dests[k]
+				}
 			}
 			off, sl := sp.Off, sp.Len
 			if off > size || sl > size-off {
@@ -143,11 +166,10 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 					// check, and the same answer, since adjacent ranges
 					// share no byte. An overlap found is named span by
 					// span (exactDests).
-					d := dests[mi]
-					if k := len(d) - 1; k >= 0 && d[k].end == start {
-						d[k].end = start + sl
+					if k := len(cur) - 1; k >= 0 && cur[k].end == start {
+						cur[k].end = start + sl
 					} else {
-						dests[mi] = append(d, destSpan{start, start + sl})
+						cur = append(cur, destSpan{start, start + sl})
 					}
 				}
 				spans = append(spans, kSpan{ptr: start, objOff: total, len: sl})
@@ -171,6 +193,9 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 		t.objs[i] = checkedObject{hostOff: o.HostOff, len: total, first: first, n: len(spans) - first}
 	}
 	t.spans = spans
+	if scatter && lastMem != nil {
+		dests[mi] = cur
+	}
 	if scatter {
 		if overlapInRegions(t.mems, dests) {
 			return nil, nameOverlap(exactDests(objs, resolve), true)
@@ -179,6 +204,15 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter, memOf b
 		return nil, nameOverlap(hostDests(t), false)
 	}
 	return t, nil
+}
+
+// sameWords reports whether a and b hold the same dynamic type and the
+// same data word, so that a == b; false says nothing (equal values boxed
+// apart), and the caller then resolves the Mem again. Unlike ==, it costs
+// no call into the runtime, once per span.
+func sameWords(a, b *Mem) bool {
+	x, y := (*[2]uintptr)(unsafe.Pointer(a)), (*[2]uintptr)(unsafe.Pointer(b))
+	return x[0] == y[0] && x[1] == y[1]
 }
 
 // overlapInRegions reports whether two destinations of a scatter share a

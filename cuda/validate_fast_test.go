@@ -113,7 +113,7 @@ func TestCheckTransferFastPaths(t *testing.T) {
 		{"gather: host ranges out of order, disjoint", false,
 			[]Object{obj(100, sp(a, 0, 10)), obj(0, sp(a, 0, 10)), obj(110, sp(a, 0, 1))}, nil, nil},
 	} {
-		got, err := checkTransfer(c.objs, hostLen, c.scatter, true, resolveFake)
+		got, err := checkTransfer(c.objs, hostLen, c.scatter, checkOptions{memOf: true}, resolveFake)
 		if c.want == nil {
 			if err != nil {
 				t.Errorf("%s: %v", c.name, err)
@@ -264,7 +264,7 @@ func TestCheckTransferMatchesReference(t *testing.T) {
 		}
 		for _, scatter := range []bool{false, true} {
 			want, where := refCheck(objs, hostLen, scatter)
-			got, err := checkTransfer(objs, hostLen, scatter, true, resolveFake)
+			got, err := checkTransfer(objs, hostLen, scatter, checkOptions{memOf: true}, resolveFake)
 			if want == nil {
 				if err != nil || got == nil {
 					t.Fatalf("trial %d scatter=%v: refused %v; the reference accepts", trial, scatter, err)

@@ -82,7 +82,7 @@ func TestCheckTransfer(t *testing.T) {
 		{"scatter: a run of rows overlaps across spaces' views", true, []Object{obj(0, sp(a, 540, 10), sp(a, 550, 10)), obj(100, sp(a2, 55, 10))}, ErrOverlap,
 			[]string{"object 0 span 1 and object 1 span 0 both write 5 B at [555, 560) of allocation A"}},
 	} {
-		got, err := checkTransfer(c.objs, hostLen, c.scatter, true, resolveFake)
+		got, err := checkTransfer(c.objs, hostLen, c.scatter, checkOptions{memOf: true}, resolveFake)
 		if c.want == nil {
 			if err != nil {
 				t.Errorf("%s: %v", c.name, err)
@@ -113,7 +113,7 @@ func TestCheckTransferResult(t *testing.T) {
 		{HostOff: 16, Spans: []Span{{Mem: a, Off: 50, Len: 3}}},
 	}
 	for _, memOf := range []bool{false, true} {
-		got, err := checkTransfer(objs, 128, true, memOf, resolveFake)
+		got, err := checkTransfer(objs, 128, true, checkOptions{memOf: memOf}, resolveFake)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -150,7 +150,7 @@ func TestCheckedTransferAcquire(t *testing.T) {
 		{HostOff: 0, Spans: []Span{{Mem: a, Off: 0, Len: 1}}},
 		{HostOff: 1, Spans: []Span{{Mem: a, Off: 1, Len: 1}, {Mem: b, Off: 0, Len: 1}, {Mem: c, Off: 0, Len: 1}}},
 	}
-	ct, err := checkTransfer(objs, 10, true, false, resolveFake)
+	ct, err := checkTransfer(objs, 10, true, checkOptions{}, resolveFake)
 	if err != nil {
 		t.Fatal(err)
 	}
