@@ -105,6 +105,13 @@ func tableBlock(n uint64) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(w))), n)
 }
 
+// median returns the median of v.
+func median(v []time.Duration) time.Duration {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
 // planStages is the host time of the stages of planning one transfer:
 // checks, device objects, staged plan, encoded tables.
 type planStages [4]time.Duration
