@@ -121,7 +121,7 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, op
 		}()
 		dests = dl.lists[:0]
 	}
-	var host []destSpan    // gather: the objects' host ranges
+	var host []destSpan // gather: the objects' host ranges
 	// Consecutive spans mostly name the same Mem: it is resolved once per
 	// run of spans (a Mem that resolve accepted is of the backend's
 	// comparable type, so comparing it with the next span's is safe). The
