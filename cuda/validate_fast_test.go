@@ -16,6 +16,10 @@ import (
 // cases aimed at each shortcut, then random transfers against a reference
 // that checks every span and every pair of destinations.
 
+// shadowMem is a Mem of another type than fakeMem whose address is that
+// of the fakeMem inside it.
+type shadowMem struct{ fakeMem }
+
 // rowsAt returns n spans of width w in m, from off, each starting step
 // bytes after the one before (step w: adjacent rows).
 func rowsAt(m Mem, off, w, step uint64, n int) []Span {
@@ -36,6 +40,8 @@ func TestCheckTransferFastPaths(t *testing.T) {
 	hi := &fakeMem{size: 1000, space: "A", base: 1000}
 	mid := &fakeMem{size: 200, space: "A", base: 900}
 	dev := &fakeMem{size: 1 << 20, base: 1 << 30} // unified addresses
+	// shadow and &shadow.fakeMem are Mems of two types at one address.
+	shadow := &shadowMem{fakeMem{size: 100, space: "S"}}
 	obj := func(hostOff uint64, spans ...Span) Object { return Object{HostOff: hostOff, Spans: spans} }
 	cat := func(s ...[]Span) []Span { return slices.Concat(s...) }
 	sp := func(m Mem, off, n uint64) Span { return Span{Mem: m, Off: off, Len: n} }
@@ -99,6 +105,9 @@ func TestCheckTransferFastPaths(t *testing.T) {
 		{"another backend's Mem after a run", false,
 			[]Object{obj(0, cat(rowsAt(a, 0, 10, 10, 20), []Span{sp(&planMem{size: 1 << 20}, 0, 10)})...)}, ErrBadHandle,
 			[]string{"object 0 span 20", "*cuda.planMem"}},
+		{"a Mem of another type at the run's Mem's address", true,
+			[]Object{obj(0, sp(&shadow.fakeMem, 0, 10), sp(&shadow.fakeMem, 10, 10), sp(shadow, 20, 10))}, ErrBadHandle,
+			[]string{"object 0 span 2", "*cuda.shadowMem"}},
 		{"a nil Mem after a run, next object", true,
 			[]Object{obj(0, rowsAt(a, 0, 10, 10, 20)...), obj(200, sp(nil, 0, 10))}, ErrBadHandle,
 			[]string{"object 1 span 0"}},
