@@ -46,9 +46,11 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 		n += len(o.Spans)
 	}
 	var opt checkOptions
-	j := s.d.idleJob(tableEstimate(n, len(objs)))
-	if j != nil {
-		opt.table = j.spanTable()
+	var j *job
+	if n > 0 {
+		if j = s.d.idleJob(tableEstimate(n, len(objs))); j != nil {
+			opt.table = j.spanTable()
+		}
 	}
 	fail := func(err error) (*driverHostBuf, []xferObject, *job, []func() error, error) {
 		if j != nil {
@@ -163,6 +165,12 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	lay := plan.layout()
+	if lay.size == 0 && st.job != nil {
+		// No tables (and no spans in the block): a job without a layout
+		// of this transfer must not reach the enqueuer or poll.
+		s.d.putJob(st.job)
+		st.job = nil
+	}
 	if lay.size > 0 {
 		if st.job == nil || st.job.cap < lay.size {
 			// The span table is in Go memory or in a block too small for

@@ -123,9 +123,9 @@ func checkTransfer[M comparable](objs []Object, hostLen uint64, scatter bool, op
 	}
 	var host []destSpan // gather: the objects' host ranges
 	// Consecutive spans mostly name the same Mem: it is resolved once per
-	// run of spans (a Mem that resolve accepted is of the backend's
-	// comparable type, so comparing it with the next span's is safe). The
-	// run's Mem, its size and base, its index in t.mems.
+	// run of spans, a span whose Mem is word for word the run's
+	// (sameWords) continuing the run. The run's Mem, its size and base,
+	// its index in t.mems.
 	var (
 		lastMem Mem
 		size    uint64
