@@ -221,7 +221,8 @@ func benchPlan(b *testing.B, objs []Object, scatter bool) {
 // 561 B rows as one span per row (the rows of a page in order), per stage
 // and per span: the transfer checks (checkTransfer: bounds, Mems, the
 // overlap check of the destination spans), the device-address objects,
-// the staged plan, and the encoded tables. Not asserted anywhere.
+// the staged plan, and the encoded tables, medians of the repetitions
+// (benchPlan). Not asserted anywhere.
 //
 //	go test -run '^$' -bench PlanRowSpans -benchtime 5x ./cuda
 func BenchmarkPlanRowSpans(b *testing.B) {
