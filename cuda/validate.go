@@ -515,31 +515,6 @@ type destRange struct {
 	obj, span  int
 }
 
-// checkOverlap rejects destinations that share a byte: ranges of one
-// address space for a scatter, host ranges for a gather, naming the first
-// two that do. ds is not modified.
-func checkOverlap(ds []destRange, scatter bool) error {
-	ids := map[string]int{}
-	var per [][]destSpan
-	for _, d := range ds {
-		id, ok := ids[d.space]
-		if !ok {
-			id = len(per)
-			ids[d.space] = id
-			per = append(per, nil)
-		}
-		if d.end > d.start {
-			per[id] = append(per[id], destSpan{d.start, d.end})
-		}
-	}
-	for _, p := range per {
-		if overlapIn(p) {
-			return nameOverlap(ds, scatter)
-		}
-	}
-	return nil
-}
-
 // nameOverlap returns the error for destinations of which two share a
 // byte (overlapIn found them), naming two that do. ds is not modified.
 func nameOverlap(ds []destRange, scatter bool) error {
