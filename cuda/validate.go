@@ -3,6 +3,7 @@ package cuda
 import (
 	"cmp"
 	"fmt"
+	"math"
 	"math/bits"
 	"slices"
 	"sync"
@@ -353,7 +354,7 @@ func overlapIn(ds []destSpan) bool {
 	case overlapping:
 		return true
 	}
-	if len(ds) >= radixMin {
+	if len(ds) >= radixMin && len(ds) < math.MaxUint32 { // radixSortKeys counts in 32 bits
 		if over, ok := overlapPacked(ds); ok {
 			return over
 		}
@@ -459,7 +460,8 @@ func scanSorted(ds []destSpan) int {
 	return disjoint
 }
 
-// radixMin is the number of ranges from which sortSpans radix sorts.
+// radixMin is the number of ranges from which overlapIn and sortSpans
+// radix sort.
 const radixMin = 1024
 
 // radixBits is the width of a digit of the radix sorts: 256 buckets,
