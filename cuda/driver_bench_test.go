@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -337,10 +336,4 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 		gbps(host, res.t["direct-nosum"]), gbps(host, res.t["staged-nosum"]),
 		he.Round(time.Microsecond), nspans, float64(he.Nanoseconds())/float64(max(nspans, 1)))
 	return res
-}
-
-func median(v []time.Duration) time.Duration {
-	s := slices.Clone(v)
-	slices.Sort(s)
-	return s[len(s)/2]
 }

@@ -3,7 +3,9 @@ package cuda
 import (
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"sort"
+	"unsafe"
 )
 
 // Plans of the CUDA backend's Gather and Scatter: the tables that the copy
@@ -42,6 +44,16 @@ type kSeg struct {
 type kSpan struct {
 	ptr, objOff, len uint64
 }
+
+// A kSpan has struct Span's size, and on a little-endian host its memory
+// is the table entry the device reads (encode copies the spans as bytes).
+var (
+	_ [kSpanSize - unsafe.Sizeof(kSpan{})]struct{}
+	_ [unsafe.Sizeof(kSpan{}) - kSpanSize]struct{}
+)
+
+// littleEndian: this host stores integers as the device reads them.
+var littleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
 
 // xferObject is a validated object: its spans as device addresses, in order,
 // with their offsets in the packed object.
@@ -82,26 +94,15 @@ func chunksOf(addr, n uint64) uint64 {
 	return (addr+n+15)/16 - addr/16
 }
 
-// deviceObjects turns a checked transfer into device-address objects, all
-// spans in one array in order (newPlan then uses it without a copy);
-// empty spans are left out. base gives a Mem's device address.
-func deviceObjects[M comparable](t *checkedTransfer[M], base func(M) uint64) []xferObject {
-	n := 0
-	for _, o := range t.objs {
-		n += len(o.spans)
-	}
-	all := make([]kSpan, 0, n)
+// deviceObjects turns a checked transfer into device-address objects: the
+// checked spans are already the kernels' span table (their addresses are
+// device addresses, the CUDA backend's space), so this is per object, and
+// every object's spans are a piece of the one array (newPlan then uses it
+// without a copy).
+func deviceObjects[M comparable](t *checkedTransfer[M]) []xferObject {
 	xobjs := make([]xferObject, len(t.objs))
 	for i, o := range t.objs {
-		first := len(all)
-		for _, sp := range o.spans {
-			if sp.len > 0 {
-				all = append(all, kSpan{ptr: base(sp.mem) + sp.off, objOff: sp.objOff, len: sp.len})
-			}
-		}
-		// The capacity behind each slice is the next objects' spans
-		// (sharedSpans finds them); nothing appends to an object's spans.
-		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: all[first:len(all)]}
+		xobjs[i] = xferObject{hostOff: o.hostOff, len: o.len, spans: t.objSpans(i)}
 	}
 	return xobjs
 }
@@ -269,6 +270,31 @@ func planStaged(objs []xferObject, stage [2]uint64, half uint64) (*xferPlan, err
 	return p, nil
 }
 
+// tableEstimate is a table block size that mostly holds the tables of a
+// transfer of nspans spans in nobj objects: the spans, a segment per
+// object and per batch boundary, the partial sums.
+func tableEstimate(nspans, nobj int) uint64 {
+	return align16(uint64(nspans)*kSpanSize) + uint64(nobj+64)*kSegSize + 16 + uint64(nobj)*8
+}
+
+// jobCap is the size of the table block allocated for tables of size
+// bytes: a power of two of at least 64 KiB, so that blocks are reused by
+// transfers of similar sizes.
+func jobCap(size uint64) uint64 {
+	return max(uint64(64<<10), uint64(1)<<bits.Len64(size-1))
+}
+
+// spanTableOf is a table block as a span table (the spans come first in a
+// block: tableLayout), for checkTransfer to write the checked spans into
+// (checkOptions.table). b must be 8-byte aligned; a kSpan holds no
+// pointers.
+func spanTableOf(b []byte) []kSpan {
+	if len(b) < kSpanSize {
+		return nil
+	}
+	return unsafe.Slice((*kSpan)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/kSpanSize)
+}
+
 // tableLayout gives the byte offsets of a plan's tables in one block:
 // spans, then each batch's segments, then nobj 8-byte partial sums.
 type tableLayout struct {
@@ -294,14 +320,24 @@ func (p *xferPlan) layout() tableLayout {
 func align16(n uint64) uint64 { return (n + 15) &^ 15 }
 
 // encode writes the spans and segments into buf (at least l.partials
-// bytes), little-endian as the device reads them.
+// bytes), little-endian as the device reads them. The spans may already be
+// in place at buf's start (checkOptions.table).
 func (p *xferPlan) encode(buf []byte, l tableLayout) {
 	le := binary.LittleEndian
-	for k, s := range p.spans {
-		b := buf[k*kSpanSize:]
-		le.PutUint64(b[0:], s.ptr)
-		le.PutUint64(b[8:], s.objOff)
-		le.PutUint64(b[16:], s.len)
+	spanBytes := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(p.spans))), len(p.spans)*kSpanSize)
+	switch {
+	case len(p.spans) == 0:
+	case littleEndian && &spanBytes[0] == &buf[0]:
+		// checkTransfer wrote the spans into buf (checkOptions.table).
+	case littleEndian:
+		copy(buf, spanBytes)
+	default:
+		for k, s := range p.spans {
+			b := buf[k*kSpanSize:]
+			le.PutUint64(b[0:], s.ptr)
+			le.PutUint64(b[8:], s.objOff)
+			le.PutUint64(b[16:], s.len)
+		}
 	}
 	for bi, bt := range p.batches {
 		for k, s := range bt.segs {

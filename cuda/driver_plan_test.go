@@ -197,13 +197,13 @@ func TestNewPlanSharedSpans(t *testing.T) {
 		{HostOff: 4000, Spans: []Span{{Mem: a, Off: 9000, Len: 17}}},
 		{HostOff: 8000, Spans: []Span{{Mem: a, Off: 20000, Len: 4096}, {Mem: a, Off: 30000, Len: 1}}},
 	}
-	ct, err := checkTransfer(objs, 1<<16, true, func(m Mem) (*planMem, memView, error) {
+	ct, err := checkTransfer(objs, 1<<16, true, checkOptions{}, func(m Mem) (*planMem, memView, error) {
 		return m.(*planMem), memView{size: m.Size(), base: devBase}, nil
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := deviceObjects(ct, func(*planMem) uint64 { return devBase })
+	shared := deviceObjects(ct)
 	if sharedSpans(shared) == nil {
 		t.Fatal("deviceObjects did not put the spans in one array")
 	}
@@ -228,5 +228,63 @@ func TestNewPlanSharedSpans(t *testing.T) {
 	want := []kSpan{{devBase + 100, 0, 561}, {devBase + 5000, 561, 561}, {devBase + 9000, 0, 17}, {devBase + 20000, 0, 4096}, {devBase + 30000, 4096, 1}}
 	if !slices.Equal(p1.spans, want) || !slices.Equal(p1.first, []uint32{0, 2, 2, 3}) {
 		t.Fatalf("spans %v first %v, want %v first [0 2 2 3]", p1.spans, p1.first, want)
+	}
+}
+
+// The tables encode to the same bytes whether the checks wrote the span
+// table into the block (checkOptions.table), into memory of their own
+// (copied as bytes) or field by field as on a big-endian host.
+func TestEncodeSpanTableInPlace(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 8))
+	pool := &planMem{size: 1 << 24}
+	resolve := func(m Mem) (*planMem, memView, error) {
+		return m.(*planMem), memView{size: m.Size(), base: devBase}, nil
+	}
+	for trial := range 50 {
+		var objs []Object
+		var host, dev uint64
+		for range 1 + r.IntN(40) {
+			o := Object{HostOff: host}
+			for range r.IntN(300) {
+				n := uint64(r.IntN(700))
+				o.Spans = append(o.Spans, Span{Mem: pool, Off: dev, Len: n})
+				dev += n + uint64(r.IntN(50))
+			}
+			objs = append(objs, o)
+			host += o.Len() + uint64(r.IntN(100))
+		}
+		encoded := func(inPlace, native bool) []byte {
+			defer func(was bool) { littleEndian = was }(littleEndian)
+			littleEndian = littleEndian && native
+			nspans := 0
+			for _, o := range objs {
+				nspans += len(o.Spans)
+			}
+			block := tableBlock(jobCap(tableEstimate(nspans, len(objs)) + 1<<20))
+			var opt checkOptions
+			if inPlace {
+				opt.table = spanTableOf(block)
+			}
+			ct, err := checkTransfer(objs, host, true, opt, resolve)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if inPlace && len(ct.spans) > 0 && &ct.spans[0] != &spanTableOf(block)[0] {
+				t.Fatal("the span table is not in the block")
+			}
+			p, err := planStaged(deviceObjects(ct), [2]uint64{stageBase, stageBase + 1<<20}, 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := p.layout()
+			p.encode(block, l)
+			return block[:l.partials]
+		}
+		want := encoded(false, false)
+		for _, c := range []struct{ inPlace, native bool }{{true, true}, {false, true}} {
+			if got := encoded(c.inPlace, c.native); !bytes.Equal(got, want) {
+				t.Fatalf("trial %d: in place %v, native %v: tables differ from the field-by-field encoding", trial, c.inPlace, c.native)
+			}
+		}
 	}
 }

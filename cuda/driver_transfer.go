@@ -11,7 +11,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"math/bits"
 	"slices"
 	"unsafe"
 )
@@ -30,37 +29,59 @@ func (s *driverStream) Scatter(src HostBuf, objs []Object) (*Op, error) {
 
 // resolve checks a transfer (checkTransfer) before anything is enqueued and
 // takes a reference on the buffer and every Mem it uses. The returned
-// functions drop them.
-func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, []func() error, error) {
+// functions drop them. When an idle table block can hold the span table,
+// the checks write it there (checkOptions.table) and resolve returns the
+// block, which the caller then owns; otherwise the block is nil. A transfer
+// that fails the checks never allocates a block.
+func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, *job, []func() error, error) {
 	buf, ok := hb.(*driverHostBuf)
 	if !ok || buf == nil {
-		return nil, nil, nil, fmt.Errorf("%w: host buffer is a %T, not a CUDA backend buffer", ErrBadHandle, hb)
+		return nil, nil, nil, nil, fmt.Errorf("%w: host buffer is a %T, not a CUDA backend buffer", ErrBadHandle, hb)
 	}
 	if buf.d.ctx != s.d.ctx {
-		return nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
+		return nil, nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
 	}
-	t, err := checkTransfer(objs, buf.size, scatter, s.d.resolveMem)
+	n := 0
+	for _, o := range objs {
+		n += len(o.Spans)
+	}
+	var opt checkOptions
+	var j *job
+	if n > 0 {
+		if j = s.d.idleJob(tableEstimate(n, len(objs))); j != nil {
+			opt.table = j.spanTable()
+		}
+	}
+	fail := func(err error) (*driverHostBuf, []xferObject, *job, []func() error, error) {
+		if j != nil {
+			s.d.putJob(j)
+		}
+		return nil, nil, nil, nil, err
+	}
+	t, err := checkTransfer(objs, buf.size, scatter, opt, s.d.resolveMem)
 	if err != nil {
-		return nil, nil, nil, err
+		return fail(err)
 	}
-	xobjs := deviceObjects(t, func(m *driverMem) uint64 { return m.ptr })
+	xobjs := deviceObjects(t)
 	if !buf.life.acquire() {
-		return nil, nil, nil, fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size)
+		return fail(fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size))
 	}
 	if err := t.acquire((*driverMem).acquire, func(m *driverMem) { m.life.unref() }); err != nil {
 		buf.life.unref()
-		return nil, nil, nil, err
+		return fail(err)
 	}
 	unref := make([]func() error, 0, 1+len(t.mems))
 	unref = append(unref, buf.life.unref)
 	for _, u := range t.mems {
 		unref = append(unref, u.mem.life.unref)
 	}
-	return buf, xobjs, unref, nil
+	return buf, xobjs, j, unref, nil
 }
 
 // resolveMem tells checkTransfer about a span's Mem. Device addresses are
 // unified: views of one allocation alias where their addresses intersect.
+// The base is the Mem's device address, so the checked spans' addresses
+// are the device addresses the kernels use (deviceObjects).
 func (d *driverDevice) resolveMem(m Mem) (*driverMem, memView, error) {
 	dm, err := d.asMem(m, "span")
 	if err != nil {
@@ -105,7 +126,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	if scatter {
 		what = "scatter"
 	}
-	buf, xobjs, unref, err := s.resolve(hb, objs, scatter)
+	buf, xobjs, j, unref, err := s.resolve(hb, objs, scatter)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
@@ -114,6 +135,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		what:  fmt.Sprintf("%s of %d objects", what, len(objs)),
 		lens:  make([]uint64, len(objs)),
 		sums:  make([]uint64, len(objs)),
+		job:   j, // holds the span table, if not nil; dropped with st
 		unref: unref,
 	}
 	for i, o := range xobjs {
@@ -143,13 +165,33 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	lay := plan.layout()
+	if lay.size == 0 && st.job != nil {
+		// No tables (and no spans in the block): a job without a layout
+		// of this transfer must not reach the enqueuer or poll.
+		s.d.putJob(st.job)
+		st.job = nil
+	}
 	if lay.size > 0 {
-		if st.job, err = s.d.getJob(lay.size); err != nil {
-			st.drop()
-			return nil, fmt.Errorf("%s: %w", what, err)
+		if st.job == nil || st.job.cap < lay.size {
+			// The span table is in Go memory or in a block too small for
+			// all the tables: encode copies it into a block that holds
+			// them, before the old block goes back.
+			big, err := s.d.getJob(lay.size)
+			if err != nil {
+				st.drop()
+				return nil, fmt.Errorf("%s: %w", what, err)
+			}
+			old := st.job
+			st.job = big
+			big.lay = lay
+			plan.encode(big.buf, lay)
+			if old != nil {
+				s.d.putJob(old)
+			}
+		} else {
+			st.job.lay = lay
+			plan.encode(st.job.buf, lay)
 		}
-		st.job.lay = lay
-		plan.encode(st.job.buf, lay)
 	}
 	fn := s.d.gather
 	if scatter {
@@ -371,23 +413,35 @@ const maxIdleJobs = 16
 // getJob returns an idle table block of at least size bytes from the
 // ordinal's pool, or allocates one.
 func (d *driverDevice) getJob(size uint64) (*job, error) {
+	if j := d.idleJob(size); j != nil {
+		return j, nil
+	}
+	return d.newJob(jobCap(size))
+}
+
+// idleJob takes the smallest idle table block of at least size bytes from
+// the ordinal's pool; nil if none is that large.
+func (d *driverDevice) idleJob(size uint64) *job {
 	o := d.o
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	best := -1
 	for i, j := range o.jobs {
 		if j.cap >= size && (best < 0 || j.cap < o.jobs[best].cap) {
 			best = i
 		}
 	}
-	if best >= 0 {
-		j := o.jobs[best]
-		o.jobs = slices.Delete(o.jobs, best, best+1)
-		o.mu.Unlock()
-		return j, nil
+	if best < 0 {
+		return nil
 	}
-	o.mu.Unlock()
-	return d.newJob(max(uint64(64<<10), uint64(1)<<bits.Len64(size-1)))
+	j := o.jobs[best]
+	o.jobs = slices.Delete(o.jobs, best, best+1)
+	return j
 }
+
+// spanTable is the block's memory as a span table, for checkTransfer to
+// write the checked spans into; pinned memory is page-aligned.
+func (j *job) spanTable() []kSpan { return spanTableOf(j.buf) }
 
 func (d *driverDevice) newJob(c uint64) (*job, error) {
 	host, _, err := d.pinned(c)

@@ -23,7 +23,7 @@ func planTransfer(hb HostBuf, objs []Object, scatter bool) (*transferPlan, error
 	if err != nil {
 		return nil, err
 	}
-	t, err := checkTransfer(objs, uint64(len(buf)), scatter, resolveHostMem)
+	t, err := checkTransfer(objs, uint64(len(buf)), scatter, checkOptions{memOf: true}, resolveHostMem)
 	if err != nil {
 		return nil, err
 	}
@@ -36,10 +36,12 @@ func planTransfer(hb HostBuf, objs []Object, scatter bool) (*transferPlan, error
 	}
 	for i, o := range t.objs {
 		po := &p.objs[i]
-		po.pieces = make([][]byte, len(o.spans))
-		for j, sp := range o.spans {
-			end := sp.off + sp.len
-			po.pieces[j] = sp.mem.data[sp.off:end:end]
+		po.pieces = make([][]byte, o.n)
+		for j, sp := range t.objSpans(i) {
+			u := t.mems[t.memOf[o.first+j]]
+			off := sp.ptr - u.view.base // the span's address is in the file
+			end := off + sp.len
+			po.pieces[j] = u.mem.data[off:end:end]
 		}
 		end := o.hostOff + o.len
 		po.host = buf[o.hostOff:end:end]

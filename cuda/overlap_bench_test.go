@@ -3,29 +3,71 @@ package cuda
 import (
 	"errors"
 	"math/rand/v2"
+	"runtime"
 	"slices"
+	"strings"
 	"testing"
+	"time"
 )
 
+// checkOverlap rejects destinations that share a byte, ranges of one
+// address space (for a scatter) or host ranges (for a gather), the way
+// checkTransfer does with its ranges: overlapIn on each space's ranges,
+// then nameOverlap names two that share a byte. ds is not modified.
+func checkOverlap(ds []destRange, scatter bool) error {
+	ids := map[string]int{}
+	var per [][]destSpan
+	for _, d := range ds {
+		id, ok := ids[d.space]
+		if !ok {
+			id = len(per)
+			ids[d.space] = id
+			per = append(per, nil)
+		}
+		if d.end > d.start {
+			per[id] = append(per[id], destSpan{d.start, d.end})
+		}
+	}
+	for _, p := range per {
+		if overlapIn(p) {
+			return nameOverlap(ds, scatter)
+		}
+	}
+	return nil
+}
+
 // BenchmarkCheckOverlap: the overlap check of a scatter of n page spans at
-// random pages of one allocation (a restore into a block table), per range.
+// random pages of one allocation (a restore into a block table), per
+// range, as checkTransfer runs it on the ranges of one Mem (overlapIn).
 func BenchmarkCheckOverlap(b *testing.B) {
 	const n, page = 160_000, 8192
 	r := rand.New(rand.NewPCG(1, 2))
 	perm := r.Perm(n)
-	src := make([]destRange, n)
+	src := make([]destSpan, n)
 	for i, p := range perm {
-		src[i] = destRange{space: "alloc-7f3a9c", start: uint64(p) * page, end: uint64(p)*page + page, obj: i, span: 0}
+		src[i] = destSpan{devBase + uint64(p)*page, devBase + uint64(p)*page + page}
 	}
-	ds := make([]destRange, n)
-	b.ResetTimer()
+	benchOverlapIn(b, src)
+}
+
+// benchOverlapIn times overlapIn on copies of src and reports per range
+// the medians of wall and thread CPU time.
+func benchOverlapIn(b *testing.B, src []destSpan) {
+	ds := make([]destSpan, len(src))
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var wall, cpu []time.Duration
 	for b.Loop() {
 		copy(ds, src)
-		if err := checkOverlap(ds, true); err != nil {
-			b.Fatal(err)
+		t0, c0 := time.Now(), threadCPU()
+		if overlapIn(ds) {
+			b.Fatal("overlap")
 		}
+		wall, cpu = append(wall, time.Since(t0)), append(cpu, threadCPU()-c0)
 	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/n, "ns/range")
+	per := func(v []time.Duration) float64 { return float64(median(v).Nanoseconds()) / float64(len(src)) }
+	b.ReportMetric(per(wall), "ns/range")
+	b.ReportMetric(per(cpu), "thread-cpu-ns/range")
 }
 
 // overlapsBrute reports whether two ranges of one space share a byte, by
@@ -80,11 +122,25 @@ func TestCheckOverlapMatchesBruteForce(t *testing.T) {
 		if got := err != nil; got != want {
 			t.Fatalf("trial %d (n %d): overlap found %v (%v), want %v", trial, n, got, err, want)
 		}
-		if err != nil && !errors.Is(err, ErrOverlap) {
-			t.Fatalf("trial %d: %v is not ErrOverlap", trial, err)
+		if err != nil && (!errors.Is(err, ErrOverlap) || !strings.Contains(err.Error(), "both write")) {
+			t.Fatalf("trial %d: %v is not ErrOverlap naming two spans", trial, err)
 		}
 		if !slices.Equal(ds, before) {
 			t.Fatalf("trial %d: checkOverlap changed its input", trial)
 		}
 	}
+}
+
+// BenchmarkOverlapInShuffled: the overlap check of 3.8 M rows of 561 B at
+// random places of a 2.4 GB pool (BenchmarkPlanShuffledRows' scatter), per
+// range: the radix sort and the scan.
+func BenchmarkOverlapInShuffled(b *testing.B) {
+	objs, _ := shuffledRowObjects(14848)
+	var src []destSpan
+	for _, o := range objs {
+		for _, sp := range o.Spans {
+			src = append(src, destSpan{devBase + sp.Off, devBase + sp.Off + sp.Len})
+		}
+	}
+	benchOverlapIn(b, src)
 }

@@ -1,17 +1,40 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // cpuTime is the CPU time (user + system) of the process so far: on a
 // shared machine a better measure of host work than wall time.
-func cpuTime() time.Duration {
+func cpuTime() time.Duration { return rusage(syscall.RUSAGE_SELF) }
+
+// clockThreadCPUTime is Linux's CLOCK_THREAD_CPUTIME_ID.
+const clockThreadCPUTime = 3
+
+// threadCPU is the CPU time of the calling thread so far (lock the
+// goroutine to its thread), in nanoseconds (getrusage's thread times come
+// in scheduler ticks of 4 ms here, too coarse for a stage): the host work
+// of one stage, without the time it waited for a core or the garbage
+// collector's background workers.
+func threadCPU() time.Duration {
+	var ts syscall.Timespec
+	if _, _, e := syscall.Syscall(syscall.SYS_CLOCK_GETTIME, clockThreadCPUTime, uintptr(unsafe.Pointer(&ts)), 0); e != 0 {
+		return 0
+	}
+	return time.Duration(ts.Nano())
+}
+
+func rusage(who int) time.Duration {
 	var ru syscall.Rusage
-	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+	if syscall.Getrusage(who, &ru) != nil {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
@@ -23,89 +46,215 @@ type planMem struct{ size uint64 }
 func (m *planMem) Size() uint64   { return m.size }
 func (m *planMem) Release() error { return nil }
 
-// rowSpanObjects builds the 561 B-row geometry with one span per row
-// (issue 12.7): rows of 561 B in 64-row pages of stride 64*561+37, nobj
-// objects of 256 rows (4 pages) each, pages of object k at distinct places
-// of one pool, objects back to back in the host buffer.
+// The 561 B-row geometry of issue 12.7: rows of 561 B in 64-row pages of
+// stride 64*561+37, objects of 256 rows each, back to back in the host
+// buffer.
+const (
+	benchRow     = 561
+	benchRows    = 256 // rows per object
+	benchPerPage = 64
+	benchStride  = benchPerPage*benchRow + 37
+)
+
+// rowSpanObjects builds the 561 B-row geometry with one span per row: nobj
+// objects of 4 pages each, pages of object k at distinct places of one
+// pool (not adjacent), the rows of a page in order.
 func rowSpanObjects(nobj int) ([]Object, *planMem) {
-	const row, rows, perPage = 561, 256, 64
-	const stride = perPage*row + 37
-	pool := &planMem{size: uint64(nobj*rows/perPage) * stride}
+	pool := &planMem{size: uint64(nobj*benchRows/benchPerPage) * benchStride}
 	objs := make([]Object, nobj)
 	var host uint64
 	for k := range objs {
-		spans := make([]Span, 0, rows)
-		for p := range rows / perPage {
+		spans := make([]Span, 0, benchRows)
+		for p := range benchRows / benchPerPage {
 			// Pages of an object spread over the pool (not adjacent).
-			page := uint64((p*nobj + k) % (nobj * rows / perPage))
-			for r := range perPage {
-				spans = append(spans, Span{Mem: pool, Off: page*stride + uint64(r)*row, Len: row})
+			page := uint64((p*nobj + k) % (nobj * benchRows / benchPerPage))
+			for r := range benchPerPage {
+				spans = append(spans, Span{Mem: pool, Off: page*benchStride + uint64(r)*benchRow, Len: benchRow})
 			}
 		}
 		objs[k] = Object{HostOff: host, Spans: spans}
-		host += rows * row
+		host += benchRows * benchRow
 	}
 	return objs, pool
 }
 
+// shuffledRowObjects builds what BenchmarkDriverTransfer's "one span per
+// row" geometry transfers: every row of the pool's pages taken once, in
+// random order, 256 rows per object: no two spans of the transfer are
+// adjacent, so a scatter's overlap check sees one range per span.
+func shuffledRowObjects(nobj int) ([]Object, *planMem) {
+	pages := nobj * benchRows / benchPerPage
+	pool := &planMem{size: uint64(pages+pages/4+1) * benchStride}
+	r := rand.New(rand.NewPCG(benchRow, benchRows))
+	perm := r.Perm(pages + pages/4 + 1)
+	rows := make([]uint64, 0, nobj*benchRows)
+	for _, p := range perm[:pages] {
+		for k := range benchPerPage {
+			rows = append(rows, uint64(p)*benchStride+uint64(k)*benchRow)
+		}
+	}
+	r.Shuffle(len(rows), func(i, j int) { rows[i], rows[j] = rows[j], rows[i] })
+	objs := make([]Object, nobj)
+	var host uint64
+	for i := range objs {
+		spans := make([]Span, benchRows)
+		for k := range spans {
+			spans[k] = Span{Mem: pool, Off: rows[i*benchRows+k], Len: benchRow}
+		}
+		objs[i] = Object{HostOff: host, Spans: spans}
+		host += benchRows * benchRow
+	}
+	return objs, pool
+}
+
+// tableBlock is a table block of n bytes for benchPlan, 8-byte aligned.
+func tableBlock(n uint64) []byte {
+	w := make([]uint64, (n+7)/8)
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(w))), n)
+}
+
+// median returns the median of v.
+func median(v []time.Duration) time.Duration {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// planStages is the host time of the stages of planning one transfer:
+// checks, device objects, staged plan, encoded tables.
+type planStages [4]time.Duration
+
+func (s planStages) total() time.Duration { return s[0] + s[1] + s[2] + s[3] }
+
+// medianStages returns the repetition of median total time, and the
+// median of each stage on its own.
+func medianStages(v []planStages) (mid, each planStages) {
+	s := slices.Clone(v)
+	slices.SortFunc(s, func(a, b planStages) int { return cmp.Compare(a.total(), b.total()) })
+	mid = s[len(s)/2]
+	for k := range each {
+		col := make([]time.Duration, len(v))
+		for i := range v {
+			col[i] = v[i][k]
+		}
+		slices.Sort(col)
+		each[k] = col[len(col)/2]
+	}
+	return mid, each
+}
+
+// benchPlan runs the host side of a staged Gather or Scatter of objs the
+// way driverStream.transfer does (checks writing the span table into the
+// table block when it is large enough, device objects, staged plan, the
+// other tables encoded into the block), once to warm up (the device's pool
+// then holds a large enough block, as it does after the first transfer of
+// a size), then b.N times, and reports per span the medians of the
+// repetitions: each stage's wall time and thread CPU time, and the
+// process's CPU time (which includes the GC's background work). On a
+// loaded machine the CPU times are the figures to compare.
+func benchPlan(b *testing.B, objs []Object, scatter bool) {
+	nspans := 0
+	var hostLen uint64
+	for _, o := range objs {
+		nspans += len(o.Spans)
+		hostLen = max(hostLen, o.HostOff+o.Len())
+	}
+	resolve := func(m Mem) (*planMem, memView, error) {
+		fm := m.(*planMem)
+		return fm, memView{size: fm.size, base: devBase}, nil
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var buf []byte // the table block, reused as the device's pool reuses them
+	run := func() (wall, cpu, proc planStages) {
+		var tw, tc, tp [5]time.Duration
+		mark := func(k int) {
+			tw[k], tc[k], tp[k] = time.Duration(time.Now().UnixNano()), threadCPU(), cpuTime()
+		}
+		mark(0)
+		var opt checkOptions
+		if uint64(len(buf)) >= tableEstimate(nspans, len(objs)) {
+			opt.table = spanTableOf(buf)
+		}
+		t, err := checkTransfer(objs, hostLen, scatter, opt, resolve)
+		if err != nil {
+			b.Fatal(err)
+		}
+		mark(1)
+		xobjs := deviceObjects(t)
+		mark(2)
+		p, err := planStaged(xobjs, [2]uint64{stageBase, stageBase + 32<<20}, 32<<20)
+		if err != nil {
+			b.Fatal(err)
+		}
+		mark(3)
+		lay := p.layout()
+		if uint64(len(buf)) < lay.size {
+			big := tableBlock(jobCap(lay.size))
+			p.encode(big, lay)
+			buf = big
+		} else {
+			p.encode(buf, lay)
+		}
+		mark(4)
+		for k := range 4 {
+			wall[k], cpu[k], proc[k] = tw[k+1]-tw[k], tc[k+1]-tc[k], tp[k+1]-tp[k]
+		}
+		return wall, cpu, proc
+	}
+	run()
+	var walls, cpus, procs []planStages
+	for b.Loop() {
+		w, c, p := run()
+		walls, cpus, procs = append(walls, w), append(cpus, c), append(procs, p)
+	}
+	wall, wallEach := medianStages(walls)
+	_, cpuEach := medianStages(cpus)
+	proc, _ := medianStages(procs)
+	cpu, _ := medianStages(cpus)
+	per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(nspans) }
+	b.ReportMetric(per(wall.total()), "ns/span")
+	b.ReportMetric(per(cpu.total()), "thread-cpu-ns/span")
+	b.ReportMetric(per(proc.total()), "cpu-ns/span")
+	dir := "gather"
+	if scatter {
+		dir = "scatter"
+	}
+	fmt.Printf("%s: %s of %d spans, median of %d: wall %.1f ns/span (stages' medians: check %.1f, device objects %.1f, staged plan %.1f, encode %.1f); thread CPU %.1f (%.1f, %.1f, %.1f, %.1f); process CPU %.1f\n",
+		b.Name(), dir, nspans, len(walls), per(wall.total()), per(wallEach[0]), per(wallEach[1]), per(wallEach[2]), per(wallEach[3]),
+		per(cpu.total()), per(cpuEach[0]), per(cpuEach[1]), per(cpuEach[2]), per(cpuEach[3]), per(proc.total()))
+}
+
 // BenchmarkPlanRowSpans measures the host side of planning a scatter of
-// 561 B rows as one span per row, per stage and per span: the transfer
-// checks (checkTransfer: bounds, Mems, the overlap sort of every
-// destination span), the device-address objects, the staged plan, and the
-// encoded tables. Not asserted anywhere; it prints ns/span.
+// 561 B rows as one span per row (the rows of a page in order), per stage
+// and per span: the transfer checks (checkTransfer: bounds, Mems, the
+// overlap check of the destination spans), the device-address objects,
+// the staged plan, and the encoded tables, medians of the repetitions
+// (benchPlan). Not asserted anywhere.
 //
 //	go test -run '^$' -bench PlanRowSpans -benchtime 5x ./cuda
 func BenchmarkPlanRowSpans(b *testing.B) {
 	for _, nobj := range []int{1024, 14848} { // 262,144 and 3.8 M spans
-		b.Run(fmt.Sprintf("spans=%d", nobj*256), func(b *testing.B) {
-			objs, pool := rowSpanObjects(nobj)
-			nspans := nobj * 256
-			var hostLen uint64
-			for _, o := range objs {
-				hostLen = max(hostLen, o.HostOff+o.Len())
-			}
-			resolve := func(m Mem) (*planMem, memView, error) {
-				fm := m.(*planMem)
-				return fm, memView{size: fm.size, base: devBase}, nil
-			}
-			var check, build, plan, enc time.Duration
-			var buf []byte
-			cpu0 := cpuTime()
-			for b.Loop() {
-				t0 := time.Now()
-				t, err := checkTransfer(objs, hostLen, true, resolve)
-				if err != nil {
-					b.Fatal(err)
-				}
-				t1 := time.Now()
-				xobjs := deviceObjects(t, func(*planMem) uint64 { return devBase })
-				t2 := time.Now()
-				p, err := planStaged(xobjs, [2]uint64{stageBase, stageBase + 32<<20}, 32<<20)
-				if err != nil {
-					b.Fatal(err)
-				}
-				t3 := time.Now()
-				lay := p.layout()
-				if uint64(len(buf)) < lay.size {
-					buf = make([]byte, lay.size)
-				}
-				p.encode(buf, lay)
-				t4 := time.Now()
-				check += t1.Sub(t0)
-				build += t2.Sub(t1)
-				plan += t3.Sub(t2)
-				enc += t4.Sub(t3)
-			}
-			cpu := cpuTime() - cpu0
-			_ = pool
-			per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / float64(b.N) / float64(nspans) }
-			total := per(check) + per(build) + per(plan) + per(enc)
-			b.ReportMetric(total, "ns/span")
-			b.ReportMetric(per(cpu), "cpu-ns/span")
-			b.ReportMetric(per(check), "check-ns/span")
-			b.ReportMetric(per(plan), "plan-ns/span")
-			fmt.Printf("plan 561 B rows, one span per row, %d spans: %.1f ns/span wall = check %.1f + device objects %.1f + staged plan %.1f + encode %.1f; process CPU %.1f ns/span\n",
-				nspans, total, per(check), per(build), per(plan), per(enc), per(cpu))
+		b.Run(fmt.Sprintf("spans=%d", nobj*benchRows), func(b *testing.B) {
+			objs, _ := rowSpanObjects(nobj)
+			benchPlan(b, objs, true)
 		})
+	}
+}
+
+// BenchmarkPlanShuffledRows is the planning of BenchmarkDriverTransfer's
+// "one span per row" transfers (rows in random order, 3.8 M spans of
+// 561 B: 2.1 GB), gather and scatter: the host side of the staged enqueue
+// that benchmark times on the GPU, without the driver calls.
+//
+//	go test -run '^$' -bench PlanShuffledRows -benchtime 5x ./cuda
+func BenchmarkPlanShuffledRows(b *testing.B) {
+	objs, _ := shuffledRowObjects(14848)
+	for _, scatter := range []bool{false, true} {
+		name := "gather"
+		if scatter {
+			name = "scatter"
+		}
+		b.Run(name, func(b *testing.B) { benchPlan(b, objs, scatter) })
 	}
 }

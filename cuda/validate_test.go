@@ -82,7 +82,7 @@ func TestCheckTransfer(t *testing.T) {
 		{"scatter: a run of rows overlaps across spaces' views", true, []Object{obj(0, sp(a, 540, 10), sp(a, 550, 10)), obj(100, sp(a2, 55, 10))}, ErrOverlap,
 			[]string{"object 0 span 1 and object 1 span 0 both write 5 B at [555, 560) of allocation A"}},
 	} {
-		got, err := checkTransfer(c.objs, hostLen, c.scatter, resolveFake)
+		got, err := checkTransfer(c.objs, hostLen, c.scatter, checkOptions{memOf: true}, resolveFake)
 		if c.want == nil {
 			if err != nil {
 				t.Errorf("%s: %v", c.name, err)
@@ -101,35 +101,44 @@ func TestCheckTransfer(t *testing.T) {
 	}
 }
 
-// The checked transfer keeps every span in order with its place in the
-// packed object, and lists each Mem once, with the span that first used it.
+// The checked transfer keeps every non-empty span in order with its
+// address in its Mem's space and its place in the packed object, says
+// each span's Mem when asked, and lists each Mem once, with the span that
+// first used it.
 func TestCheckTransferResult(t *testing.T) {
-	a, b := &fakeMem{size: 100, space: "A"}, &fakeMem{size: 100, space: "B"}
+	a, b := &fakeMem{size: 100, space: "A", base: 1000}, &fakeMem{size: 100, space: "B", base: 5000}
 	objs := []Object{
 		{HostOff: 64, Spans: []Span{{Mem: b, Off: 10, Len: 5}, {Mem: a, Off: 0, Len: 0}, {Mem: b, Off: 20, Len: 7}}},
 		{HostOff: 0},
 		{HostOff: 16, Spans: []Span{{Mem: a, Off: 50, Len: 3}}},
 	}
-	got, err := checkTransfer(objs, 128, true, resolveFake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := []checkedObject[*fakeMem]{
-		{hostOff: 64, len: 12, spans: []checkedSpan[*fakeMem]{{b, 10, 5, 0}, {a, 0, 0, 5}, {b, 20, 7, 5}}},
-		{hostOff: 0, len: 0, spans: []checkedSpan[*fakeMem]{}},
-		{hostOff: 16, len: 3, spans: []checkedSpan[*fakeMem]{{a, 50, 3, 0}}},
-	}
-	if len(got.objs) != len(want) {
-		t.Fatalf("%d objects, want %d", len(got.objs), len(want))
-	}
-	for i := range want {
-		g, w := got.objs[i], want[i]
-		if g.hostOff != w.hostOff || g.len != w.len || !slices.Equal(g.spans, w.spans) {
-			t.Errorf("object %d: %+v, want %+v", i, g, w)
+	for _, memOf := range []bool{false, true} {
+		got, err := checkTransfer(objs, 128, true, checkOptions{memOf: memOf}, resolveFake)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	if wantUses := []memUse[*fakeMem]{{b, 0, 0}, {a, 0, 1}}; !slices.Equal(got.mems, wantUses) {
-		t.Errorf("mems %+v, want %+v", got.mems, wantUses)
+		wantObjs := []checkedObject{{hostOff: 64, len: 12, first: 0, n: 2}, {hostOff: 0, len: 0, first: 2, n: 0}, {hostOff: 16, len: 3, first: 2, n: 1}}
+		if !slices.Equal(got.objs, wantObjs) {
+			t.Errorf("objects %+v, want %+v", got.objs, wantObjs)
+		}
+		wantSpans := []kSpan{{5010, 0, 5}, {5020, 5, 7}, {1050, 0, 3}}
+		if !slices.Equal(got.spans, wantSpans) {
+			t.Errorf("spans %+v, want %+v", got.spans, wantSpans)
+		}
+		if got := got.objSpans(2); !slices.Equal(got, wantSpans[2:]) {
+			t.Errorf("spans of object 2: %+v", got)
+		}
+		var wantOf []uint32
+		if memOf {
+			wantOf = []uint32{0, 0, 1}
+		}
+		if !slices.Equal(got.memOf, wantOf) {
+			t.Errorf("memOf %v, want %v", got.memOf, wantOf)
+		}
+		wantUses := []memUse[*fakeMem]{{b, memView{100, "B", 5000}, 0, 0}, {a, memView{100, "A", 1000}, 0, 1}}
+		if !slices.Equal(got.mems, wantUses) {
+			t.Errorf("mems %+v, want %+v", got.mems, wantUses)
+		}
 	}
 }
 
@@ -141,7 +150,7 @@ func TestCheckedTransferAcquire(t *testing.T) {
 		{HostOff: 0, Spans: []Span{{Mem: a, Off: 0, Len: 1}}},
 		{HostOff: 1, Spans: []Span{{Mem: a, Off: 1, Len: 1}, {Mem: b, Off: 0, Len: 1}, {Mem: c, Off: 0, Len: 1}}},
 	}
-	ct, err := checkTransfer(objs, 10, true, resolveFake)
+	ct, err := checkTransfer(objs, 10, true, checkOptions{}, resolveFake)
 	if err != nil {
 		t.Fatal(err)
 	}
