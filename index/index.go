@@ -465,7 +465,7 @@ func (ix *Index) run() {
 		if (len(ix.fences) > 0 || len(ix.invs) > 0) && ix.cur == nil && ix.failed == nil {
 			ix.staging() // the next slice of a sliced fence or inventory
 		}
-		if ix.folding != nil && ix.flight == nil && len(ix.pending) == 0 && ix.failed == nil {
+		if ix.folding != nil && ix.folding.ready() && ix.flight == nil && len(ix.pending) == 0 && ix.failed == nil {
 			// No group waits: the next slice of the fold, alone.
 			ix.flight = &flight{slice: ix.nextSlice(), start: time.Now(), done: make(chan error, 1)}
 			ix.writes <- ix.flight
@@ -512,12 +512,17 @@ func (ix *Index) run() {
 		if timer != nil && ix.flight == nil && len(ix.pending) > 0 {
 			tick = timer.C
 		}
+		var sorted <-chan struct{} // a fold's list being sorted: wake when it is
+		if ix.folding != nil && !ix.folding.ready() {
+			sorted = ix.folding.sorted
+		}
 		select {
 		case r := <-reqs:
 			ix.stage(r)
 		case err := <-landed:
 			ix.land(err)
 		case <-tick:
+		case <-sorted:
 		case <-ix.stop:
 			for {
 				select {
@@ -688,7 +693,7 @@ func (ix *Index) launch() {
 		return
 	}
 	ix.flight = &flight{t: t, idx: ix.curIdx, pending: pending, start: time.Now(), done: make(chan error, 1)}
-	if ix.folding != nil {
+	if ix.folding != nil && ix.folding.ready() {
 		ix.flight.slice = ix.nextSlice()
 	}
 	ix.writes <- ix.flight
@@ -730,37 +735,76 @@ func (ix *Index) land(err error) {
 		_ = ix.landSlice(f.slice, nil)
 	}
 	if ix.folding == nil && ix.logBytes >= ix.cfg.CheckpointBytes && ix.fencing == 0 {
-		// Cut a fold; its slices ride along with the next commits (the
-		// published slices it holds are never modified).
-		ix.folding = &foldJob{f: ix.cutFold(), below: ix.nextLog, start: time.Now()}
+		// Cut a fold; its slices ride along with the next commits once a
+		// goroutine of its own has sorted its chunk list: the cut itself
+		// only swaps the list (O(1) on the committer, which a fold of a
+		// few million chunks held for seconds when it sorted the list and
+		// collected every chunk here).
+		gen, dirty, logBytes := ix.cutDirty()
+		j := &foldJob{f: &fold{gen: gen, logBytes: logBytes}, below: ix.nextLog, start: time.Now(), sorted: make(chan struct{})}
+		ix.folding, ix.st.folding = j, gen
+		ix.wg.Add(1)
+		go func() {
+			defer ix.wg.Done()
+			defer close(j.sorted)
+			if h := testHookFoldSort; h != nil {
+				h()
+			}
+			j.f.refs, j.f.prevs = sortDirty(dirty)
+		}()
 	}
 }
 
 // foldJob is an automatic fold in progress: f's chunks are written
-// FoldSliceChunks per commit from pos on; the last slice deletes the log
-// records below below (those the fold covers). A crash at any point is
-// safe: the snapshot then holds some chunks at the cut's value and the
-// rest older, and Open replays the whole log on top, whose ops give every
-// placement its last value either way (put and del set a placement; fence
-// and drop remove what matches, which replaying again removes no more).
+// FoldSliceChunks per commit from pos on, each slice with the chunks'
+// values when it is taken (nextSlice, on the committer: published
+// placement slices are never modified, so the writer reads them while the
+// committer goes on); the last slice deletes the log records below below
+// (those the fold covers). A crash at any point is safe: the snapshot
+// then holds some chunks as they were when their slice was taken (at or
+// after the cut) and the rest older, and Open replays every log record
+// from the cut on, in order, on top; its ops give every placement its
+// last value whatever the snapshot held of it (put and del set one
+// placement; fence and drop remove what matches, which replaying again
+// removes no more, and whatever a later record put back is put back by
+// that record again).
 type foldJob struct {
 	f     *fold
 	pos   int
 	below uint64
 	start time.Time
+	// sorted is closed once f.refs and f.prevs are set (the goroutine
+	// the cut started); no slice is taken before.
+	sorted chan struct{}
+}
+
+// testHookFoldSort, when set (tests), runs in an automatic fold's sorting
+// goroutine before it sorts.
+var testHookFoldSort func()
+
+// ready reports whether j's chunk list is sorted.
+func (j *foldJob) ready() bool {
+	select {
+	case <-j.sorted:
+		return true
+	default:
+		return false
+	}
 }
 
 // foldSlice is one slice of a foldJob handed to the writer.
 type foldSlice struct {
 	job      *foldJob
 	from, to int
-	below    uint64 // non-zero on the last slice: delete the log records below it
+	chunks   [][]placement // of refs[from:to], as nextSlice found them
+	below    uint64        // non-zero on the last slice: delete the log records below it
 }
 
 // nextSlice takes the next slice of the fold in progress.
 func (ix *Index) nextSlice() *foldSlice {
 	j := ix.folding
 	s := &foldSlice{job: j, from: j.pos, to: min(j.pos+ix.cfg.FoldSliceChunks, len(j.f.refs))}
+	s.chunks = ix.chunksOf(j.f.refs[s.from:s.to])
 	j.pos = s.to
 	if s.to == len(j.f.refs) {
 		s.below = j.below
@@ -772,14 +816,14 @@ func (ix *Index) nextSlice() *foldSlice {
 // fold ends with its last slice.
 func (ix *Index) landSlice(s *foldSlice, err error) error {
 	if err != nil {
-		ix.folding = nil
+		ix.folding, ix.st.folding = nil, 0
 		return ix.landFold(s.job.f, s.job.start, err)
 	}
 	ix.met.foldSlices.Inc()
 	if s.below == 0 {
 		return nil
 	}
-	ix.folding = nil
+	ix.folding, ix.st.folding = nil, 0
 	ix.gauges()
 	return ix.landFold(s.job.f, s.job.start, nil)
 }
@@ -788,7 +832,7 @@ func (ix *Index) landSlice(s *foldSlice, err error) error {
 // records the fold covers.
 func writeSlice(tx *bolt.Tx, s *foldSlice) error {
 	f := s.job.f
-	if err := writeChunks(tx, &fold{gen: f.gen, refs: f.refs[s.from:s.to], prevs: f.prevs[s.from:s.to], chunks: f.chunks[s.from:s.to]}); err != nil {
+	if err := writeChunks(tx, &fold{gen: f.gen, refs: f.refs[s.from:s.to], prevs: f.prevs[s.from:s.to], chunks: s.chunks}); err != nil {
 		return err
 	}
 	if s.below == 0 {
@@ -1013,28 +1057,44 @@ type fold struct {
 	gen      uint32 // the epoch it folds: its records' generation
 	refs     []chunkRef
 	prevs    []uint32      // per chunk: the generation of its record on disk, or noRecord
-	chunks   [][]placement // nil: the chunk is gone
+	chunks   [][]placement // per chunk, nil: gone (an automatic fold's slices carry their own)
 	logBytes int64
 }
 
-// part is the fold of refs[from:].
-func (f *fold) part(from int) *fold {
-	return &fold{gen: f.gen, refs: f.refs[from:], prevs: f.prevs[from:], chunks: f.chunks[from:]}
+// part is the fold of refs[from:], its chunks as they are now.
+func (ix *Index) part(f *fold, from int) *fold {
+	return &fold{gen: f.gen, refs: f.refs[from:], prevs: f.prevs[from:], chunks: ix.chunksOf(f.refs[from:])}
 }
 
-// cutFold takes the fold of everything published so far and starts a new
-// checkpoint epoch; it is called with nothing in flight, so the published
-// state is the committed one.
-func (ix *Index) cutFold() *fold {
-	dirty := ix.st.dirtyRefs()
-	f := &fold{gen: ix.st.epoch, refs: make([]chunkRef, len(dirty)), prevs: make([]uint32, len(dirty)),
-		chunks: make([][]placement, len(dirty)), logBytes: ix.logBytes}
-	for i, d := range dirty {
-		f.refs[i], f.prevs[i], f.chunks[i] = d.ref, d.prev, ix.st.chunk(d.ref)
+// chunksOf returns the published placements of refs (nil: gone).
+func (ix *Index) chunksOf(refs []chunkRef) [][]placement {
+	cs := make([][]placement, len(refs))
+	for i, ref := range refs {
+		cs[i] = ix.st.chunk(ref)
 	}
-	ix.st.dirty = ix.st.dirty[:0]
+	return cs
+}
+
+// cutDirty ends the checkpoint epoch: it hands over the dirty list (the
+// chunks the fold of the epoch, generation gen, writes) and the log bytes
+// it covers, and starts a new epoch. Called with nothing in flight, so
+// the published state is the committed one.
+func (ix *Index) cutDirty() (gen uint32, dirty []dirtyRef, logBytes int64) {
+	gen, dirty, logBytes = ix.st.epoch, ix.st.dirty, ix.logBytes
+	ix.st.dirty = nil
 	ix.st.epoch++
 	ix.logBytes = 0
+	return gen, dirty, logBytes
+}
+
+// cutFold is a fold of everything published so far, whole: cutDirty, the
+// list sorted and every chunk read, on the caller's goroutine
+// (Checkpoint and Close).
+func (ix *Index) cutFold() *fold {
+	gen, dirty, logBytes := ix.cutDirty()
+	f := &fold{gen: gen, logBytes: logBytes}
+	f.refs, f.prevs = sortDirty(dirty)
+	f.chunks = ix.chunksOf(f.refs)
 	return f
 }
 
@@ -1147,10 +1207,12 @@ func (ix *Index) checkpoint() error {
 	start := time.Now()
 	var rest *fold // what the automatic fold in progress has not written yet
 	if j := ix.folding; j != nil {
-		rest = j.f.part(j.pos)
-		ix.folding = nil
+		<-j.sorted
+		rest = ix.part(j.f, j.pos)
+		ix.folding = nil // st.folding stays until the cut below: f's chunks created meanwhile delete rest's records
 	}
 	f := ix.cutFold()
+	ix.st.folding = 0
 	ix.nextLog = 1
 	ix.met.logBytes.Set(0)
 	return ix.landFold(f, start, ix.db.Update(func(tx *bolt.Tx) error {

@@ -185,6 +185,12 @@ type state struct {
 	// snapshot keys): above every generation in the file.
 	dirty []dirtyRef
 	epoch uint32
+	// folding is the generation of the automatic fold in progress (0:
+	// none). Its slices write chunks as they are when taken, so a chunk
+	// it lists as deleted may be written again if it is re-created
+	// meanwhile: a chunk created while it runs names its generation as
+	// the record to delete (see setChunkVal).
+	folding uint32
 	// compactQ: ranks whose chunk lists are due for compaction once the
 	// chunk being set is in place (setChunk).
 	compactQ []uint32
@@ -276,7 +282,14 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	st.objects -= o
 	switch {
 	case !had:
-		st.dirty = append(st.dirty, dirtyRef{ref, noRecord})
+		// No record, unless the fold in progress writes one of the
+		// chunk re-created after the cut (deleting a key that is not
+		// there is a no-op).
+		prev := noRecord
+		if st.folding != 0 {
+			prev = st.folding
+		}
+		st.dirty = append(st.dirty, dirtyRef{ref, prev})
 	case old.epoch != st.epoch:
 		// Its first change this epoch: its record on disk is the one
 		// the fold of its last epoch wrote (folds land in order).
@@ -368,18 +381,24 @@ type dirtyRef struct {
 	prev uint32
 }
 
-// dirtyRefs returns the dirty list sorted, one entry per chunk. A chunk
-// listed twice was deleted and re-created this epoch: its second entry
-// says noRecord, its first names the record on disk, and noRecord sorts
-// last, so the first entry of a chunk is the one kept.
-func (st *state) dirtyRefs() []dirtyRef {
-	slices.SortFunc(st.dirty, func(a, b dirtyRef) int {
+// sortDirty sorts a dirty list and returns one entry per chunk, as the
+// chunks and the generations of their records on disk. A chunk listed
+// twice was deleted and re-created in the epoch: its second entry says
+// noRecord, its first names the record on disk, and noRecord sorts last,
+// so the first entry of a chunk is the one kept. It sorts dirty in place.
+func sortDirty(dirty []dirtyRef) ([]chunkRef, []uint32) {
+	slices.SortFunc(dirty, func(a, b dirtyRef) int {
 		if c := compareRef(a.ref, b.ref); c != 0 {
 			return c
 		}
 		return cmp.Compare(a.prev, b.prev)
 	})
-	return slices.CompactFunc(st.dirty, func(a, b dirtyRef) bool { return a.ref == b.ref })
+	dirty = slices.CompactFunc(dirty, func(a, b dirtyRef) bool { return a.ref == b.ref })
+	refs, prevs := make([]chunkRef, len(dirty)), make([]uint32, len(dirty))
+	for i, d := range dirty {
+		refs[i], prevs[i] = d.ref, d.prev
+	}
+	return refs, prevs
 }
 
 // chunkRef names one chunk of one namespace.
