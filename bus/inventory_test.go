@@ -41,24 +41,34 @@ type oldRequest struct {
 
 func (r *invResponder) serve(m *nats.Msg) {
 	n := r.inFlight.Add(1)
-	defer r.inFlight.Add(-1)
 	for {
 		mx := r.maxInFlight.Load()
 		if n <= mx || r.maxInFlight.CompareAndSwap(mx, n) {
 			break
 		}
 	}
+	// Out of flight before the answer leaves: the fetch sends its next
+	// request as soon as it has this one's.
+	code, msg, data := r.answer(m)
+	r.inFlight.Add(-1)
+	if code != "" {
+		_ = RespondError(m, code, msg)
+		return
+	}
+	_ = m.Respond(data)
+}
+
+// answer is serve's reply to m: an error code and message, or the bytes.
+func (r *invResponder) answer(m *nats.Msg) (code, msg string, data []byte) {
 	var req wire.InventoryRequest
 	if r.old {
 		var o oldRequest
 		if err := Decode(m, &o); err != nil {
-			_ = RespondError(m, wire.CodeBadRequest, err.Error())
-			return
+			return wire.CodeBadRequest, err.Error(), nil
 		}
 		req = wire.InventoryRequest{Snapshot: o.Snapshot, Page: o.Page, PageSize: o.PageSize}
 	} else if err := Decode(m, &req); err != nil {
-		_ = RespondError(m, wire.CodeBadRequest, err.Error())
-		return
+		return wire.CodeBadRequest, err.Error(), nil
 	}
 	r.mu.Lock()
 	r.encodings[req.Encoding]++
@@ -67,12 +77,10 @@ func (r *invResponder) serve(m *nats.Msg) {
 		time.Sleep(r.delay(req.Page))
 	}
 	if r.fail > 0 && req.Page == r.fail {
-		_ = RespondError(m, wire.CodeInternal, "page lost")
-		return
+		return wire.CodeInternal, "page lost", nil
 	}
 	pages := wire.PageInventory(&r.inv, "snap", r.pageSize)
 	p := &pages[req.Page]
-	var data []byte
 	var err error
 	if req.Encoding == wire.InventoryEncodingBinary {
 		data, err = p.MarshalBinary()
@@ -82,7 +90,7 @@ func (r *invResponder) serve(m *nats.Msg) {
 	if err != nil {
 		panic(err)
 	}
-	_ = m.Respond(data)
+	return "", "", data
 }
 
 func inventoryServer(t *testing.T) *nats.Conn {
