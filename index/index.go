@@ -449,7 +449,29 @@ type flight struct {
 	idx     int
 	pending []*request
 	start   time.Time
+	wrote   time.Duration // the writer's bbolt transaction, set before done
 	done    chan error
+}
+
+// slowCommit is how long a commit (launch to landing) may take before the
+// committer logs it, with what it carried.
+const slowCommit = 500 * time.Millisecond
+
+// logSlow logs f if it took longer than slowCommit: every request it
+// answers waited that long.
+func (ix *Index) logSlow(f *flight) {
+	took := time.Since(f.start)
+	if took < slowCommit {
+		return
+	}
+	fields := []zap.Field{zap.Duration("took", took), zap.Duration("bbolt", f.wrote), zap.Int("requests", len(f.pending))}
+	if f.t != nil {
+		fields = append(fields, zap.Int("events", f.t.events), zap.Int("chunks", len(f.t.staged)))
+	}
+	if f.slice != nil {
+		fields = append(fields, zap.Int("fold_chunks", f.slice.to-f.slice.from), zap.Bool("fold_last", f.slice.below != 0))
+	}
+	ix.log.Warn("slow commit", fields...)
 }
 
 // run is the committer goroutine. It stages requests into a txn while the
@@ -562,6 +584,7 @@ func (ix *Index) writer() {
 		if err == nil && f.t != nil && ix.cfg.AfterCommit != nil {
 			ix.cfg.AfterCommit()
 		}
+		f.wrote = time.Since(f.start)
 		f.done <- err
 	}
 }
@@ -705,6 +728,7 @@ func (ix *Index) launch() {
 func (ix *Index) land(err error) {
 	f := ix.flight
 	ix.flight = nil
+	defer ix.logSlow(f)
 	if f.t == nil { // a fold slice alone
 		if err := ix.landSlice(f.slice, err); err != nil && ix.cur != nil {
 			ix.fail(ix.pending, err)

@@ -85,6 +85,9 @@ func benchCoordinator(b *testing.B) *benchCoord {
 	// The bench's ranks are publishers without memberlist members.
 	cfg.RequireMemberIncarnation = false
 	cfg.Logger = zap.NewNop()
+	if os.Getenv("KVTIER_BENCH_LOG") != "" { // the coordinator's warnings on stderr
+		cfg.Logger = zap.Must(zap.NewDevelopmentConfig().Build(zap.IncreaseLevel(zap.WarnLevel)))
+	}
 	cfg.Cluster.Logger = zap.NewNop()
 	c, err := coordinator.New(cfg)
 	if err != nil {
