@@ -72,6 +72,10 @@ type Index struct {
 	// reading. The committer reads st without it (it is the only writer).
 	mu sync.RWMutex
 	st *state
+	// view is what lookups read besides the chunk maps (chunkmap.go):
+	// replaced by the committer, never modified once stored. Lookups take
+	// neither mu nor any lock but a chunk shard's, one map read at a time.
+	view atomic.Pointer[lookupView]
 
 	reqs chan *request
 	// closeMu guards closed: senders hold it for reading while they queue
@@ -203,6 +207,7 @@ func Open(cfg Config) (*Index, error) {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
+	ix.view.Store(ix.st.buildView(nil))
 	ix.applied = ld.applied
 	ix.appliedPub.Store(ld.applied)
 	if cfg.Registerer != nil {
@@ -949,7 +954,14 @@ func (ix *Index) publish(t *txn) {
 		ix.appliedPub.Store(t.raftIndex)
 	}
 	ix.mu.Lock()
-	ix.st.publishRanks(t)
+	viewed := ix.st.publishRanks(t)
+	if viewed {
+		// Restrictions first, merged with the view lookups hold, so that
+		// nothing is lifted before the chunks are in (chunkmap.go); under
+		// mu, so a lookup that starts after Rank reports a rank fenced
+		// applies the fence.
+		ix.view.Store(ix.st.buildView(ix.view.Load()))
+	}
 	ix.mu.Unlock()
 	for from := 0; from < len(t.staged); from += publishSlice {
 		to := min(from+publishSlice, len(t.staged))
@@ -960,6 +972,11 @@ func (ix *Index) publish(t *txn) {
 	if len(t.unhide) > 0 {
 		ix.mu.Lock()
 		ix.st.publishUnhide(t)
+		ix.mu.Unlock()
+	}
+	if viewed || len(t.unhide) > 0 {
+		ix.mu.Lock()
+		ix.view.Store(ix.st.buildView(nil)) // exact: may lift a fence
 		ix.mu.Unlock()
 	}
 	ix.gauges()
@@ -1311,11 +1328,11 @@ func (ix *Index) copyChunks(st, shell *state) {
 	for ns, sn := range shell.ns {
 		ix.mu.RLock()
 		n := st.ns[ns]
-		sn.chunks = make(map[dcp.ChunkHash]chunkVal, len(n.chunks))
+		sn.chunks = newChunkMap()
 		i := 0
-		for c, v := range n.chunks {
+		for c, v := range n.chunks.all() {
 			if _, changed := st.undo[chunkRef{ns, c}]; !changed {
-				sn.chunks[c] = v
+				sn.chunks.set(c, v)
 			}
 			if i++; i%copySlice == 0 {
 				ix.mu.RUnlock()
@@ -1336,9 +1353,9 @@ func (ix *Index) copyChunks(st, shell *state) {
 		switch {
 		case sn == nil: // a namespace new since the barrier
 		case u.had:
-			sn.chunks[ref.chunk] = u.v
+			sn.chunks.set(ref.chunk, u.v)
 		default:
-			delete(sn.chunks, ref.chunk)
+			sn.chunks.del(ref.chunk)
 		}
 	}
 }
@@ -1357,7 +1374,7 @@ func verifyAgainst(live *state, tx *bolt.Tx) VerifyReport {
 	}
 	checkInvariants(&pr, live)
 	for _, n := range live.ns {
-		if n.spec != nil || len(n.chunks) > 0 {
+		if n.spec != nil || n.chunks.len() > 0 {
 			rep.Namespaces++
 		}
 	}
