@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
@@ -73,40 +74,47 @@ func (c *Coordinator) namespaceKnown(ns dcp.Namespace) bool {
 // lookup runs the index lookup for instance, or, with no instance, for the
 // instance with the longest prefix (ties: the first by name).
 func (c *Coordinator) lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (index.LookupResult, error) {
+	var res index.LookupResult
+	err := c.lookupInto(&res, instance, ns, chunks)
+	return res, err
+}
+
+// lookupPool holds the results of coord.lookup between requests, so a
+// lookup allocates no Sources (32 KiB for 128 chunks x 8 shards).
+var lookupPool = sync.Pool{New: func() any { return new(index.LookupResult) }}
+
+// lookupInto is lookup writing into res (index.LookupInto).
+func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
 	if len(chunks) > MaxChunks {
-		return index.LookupResult{}, fmt.Errorf("%d chunks, limit %d: %w", len(chunks), MaxChunks, errTooLarge)
+		return fmt.Errorf("%d chunks, limit %d: %w", len(chunks), MaxChunks, errTooLarge)
 	}
 	t0 := time.Now()
 	defer func() { c.met.lookupSeconds.Observe(time.Since(t0).Seconds()) }()
 	if instance != "" {
-		res, err := c.idx.Lookup(instance, ns, chunks)
+		err := c.idx.LookupInto(res, instance, ns, chunks)
 		c.countLookup(res.Prefix, len(chunks), err)
-		return res, err
+		return err
 	}
-	best, err := c.idx.Lookup("", ns, chunks) // checks the namespace
-	if err != nil {
+	if err := c.idx.LookupInto(res, "", ns, chunks); err != nil { // checks the namespace
 		c.countLookup(0, len(chunks), err)
-		return best, err
+		return err
 	}
-	seen := ""
-	for _, r := range c.idx.Ranks() { // sorted by instance
-		if r.Rank.Instance == seen {
-			continue
+	var cand index.LookupResult
+	for _, inst := range c.idx.Instances() { // sorted
+		if err := c.idx.LookupInto(&cand, inst, ns, chunks); err != nil {
+			*res = cand
+			return err
 		}
-		seen = r.Rank.Instance
-		res, err := c.idx.Lookup(seen, ns, chunks)
-		if err != nil {
-			return res, err
+		if res.Instance == "" || cand.Prefix > res.Prefix {
+			// Swap, so the loser's Sources are reused by the next candidate.
+			*res, cand = cand, *res
 		}
-		if best.Instance == "" || res.Prefix > best.Prefix {
-			best = res
-		}
-		if best.Prefix == len(chunks) {
+		if res.Prefix == len(chunks) {
 			break
 		}
 	}
-	c.countLookup(best.Prefix, len(chunks), nil)
-	return best, nil
+	c.countLookup(res.Prefix, len(chunks), nil)
+	return nil
 }
 
 var errTooLarge = errors.New("request too large")
@@ -147,7 +155,9 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	if !c.scope(m, wire.CoordLookup, "lookup", &req.Instance) {
 		return
 	}
-	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	res := lookupPool.Get().(*index.LookupResult)
+	defer lookupPool.Put(res)
+	err = c.lookupInto(res, req.Instance, req.Namespace, req.Chunks)
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
 			c.met.badRequests.WithLabelValues("lookup").Inc()

@@ -3,6 +3,7 @@ package index
 import (
 	"iter"
 	"maps"
+	"math/bits"
 	"slices"
 	"sync"
 
@@ -44,7 +45,7 @@ const chunkShards = 256
 // Index.mu for writing and the shard's lock (set, del); Open and snapshot
 // installs build maps no reader can reach yet. Readers: the committer
 // (without locks: it is the only writer), the admin queries under
-// Index.mu (get, len, all), lookups under the shard's read lock (load).
+// Index.mu (get, len, all), lookups under the shards' read locks (loadAll).
 type chunkMap struct {
 	sh [chunkShards]chunkShard
 }
@@ -64,13 +65,31 @@ func (cm *chunkMap) get(c dcp.ChunkHash) (chunkVal, bool) {
 	return v, ok
 }
 
-// load reads a chunk's placements under its shard's read lock: lookups.
-func (cm *chunkMap) load(c dcp.ChunkHash) []placement {
-	sh := &cm.sh[c[0]]
-	sh.mu.RLock()
-	s := sh.m[c].s
-	sh.mu.RUnlock()
-	return s
+// loadAll reads the placements of cs into out (len(out) >= len(cs)) under
+// the read locks of their shards, each taken once (a read lock taken twice
+// would wait behind a writer queued on it) and all held until every map
+// read is done: the reads of one window then overlap their cache misses,
+// where a lock per read (an atomic read-modify-write, a full fence on
+// x86) would wait for each read's misses before starting the next. A
+// writer holds a shard's lock for one assignment and never waits for
+// another shard while holding one, so this cannot deadlock with it.
+func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
+	var held [chunkShards / 64]uint64
+	for _, c := range cs {
+		if b := c[0]; held[b>>6]&(1<<(b&63)) == 0 {
+			held[b>>6] |= 1 << (b & 63)
+			cm.sh[b].mu.RLock()
+		}
+	}
+	for i, c := range cs {
+		out[i] = cm.sh[c[0]].m[c].s
+	}
+	for w, set := range held {
+		for set != 0 {
+			cm.sh[w<<6|bits.TrailingZeros64(set)].mu.RUnlock()
+			set &= set - 1
+		}
+	}
 }
 
 // set installs a chunk's value; the committer, with Index.mu held for

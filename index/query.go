@@ -136,10 +136,10 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	cm := nv.chunks
 	for base := 0; base < len(chunks); base += window {
 		w := min(window, len(chunks)-base)
+		cm.loadAll(chunks[base:base+w], ss[:w])
 		var touch uint32
 		for i := range w {
-			s := cm.load(chunks[base+i])
-			ss[i] = s
+			s := ss[i]
 			for k := range s {
 				touch += uint32(s[k].shard)
 			}
