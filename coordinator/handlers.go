@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -79,9 +80,39 @@ func (c *Coordinator) lookup(instance string, ns dcp.Namespace, chunks []dcp.Chu
 	return res, err
 }
 
-// lookupPool holds the results of coord.lookup between requests, so a
-// lookup allocates no Sources (32 KiB for 128 chunks x 8 shards).
-var lookupPool = sync.Pool{New: func() any { return new(index.LookupResult) }}
+// lookupScratch is what one coord.lookup decodes into, looks up into and
+// encodes into, kept in lookupPool between requests so a lookup in the
+// steady state allocates neither its chunk list nor its Sources (32 KiB
+// for 128 chunks x 8 shards) nor its reply.
+type lookupScratch struct {
+	req   wire.LookupRequest
+	res   index.LookupResult
+	reply []byte
+}
+
+var lookupPool = sync.Pool{New: func() any { return new(lookupScratch) }}
+
+// appendLookupReply appends the JSON reply of a lookup without sources or
+// readers not alive, exactly as json.Marshal writes okReply{OK:
+// &wire.LookupReply{Instance: instance, Prefix: prefix}}, and reports
+// whether it could: only for an instance of the characters
+// wire.ValidInstance allows (no escaping needed).
+func appendLookupReply(b []byte, instance string, prefix int) ([]byte, bool) {
+	for i := 0; i < len(instance); i++ {
+		if c := instance[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+			return b, false
+		}
+	}
+	b = append(b, `{"ok":{`...)
+	if instance != "" {
+		b = append(b, `"instance":"`...)
+		b = append(b, instance...)
+		b = append(b, `",`...)
+	}
+	b = append(b, `"prefix":`...)
+	b = strconv.AppendInt(b, int64(prefix), 10)
+	return append(b, "}}"...), true
+}
 
 // lookupInto is lookup writing into res (index.LookupInto).
 func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
@@ -135,12 +166,15 @@ func (c *Coordinator) countLookup(prefix, n int, err error) {
 // handleLookup answers coord.lookup: a wire.LookupRequest as JSON or in
 // its binary form; the reply is JSON either way.
 func (c *Coordinator) handleLookup(m *nats.Msg) {
-	var req wire.LookupRequest
+	sc := lookupPool.Get().(*lookupScratch)
+	defer lookupPool.Put(sc)
+	req := &sc.req
+	*req = wire.LookupRequest{Chunks: req.Chunks[:0]} // decoders reuse its capacity
 	var err error
 	if wire.IsBinaryLookup(m.Data) {
 		err = req.UnmarshalBinary(m.Data) // see wire/lookup.go
 	} else {
-		err = bus.Decode(m, &req)
+		err = bus.Decode(m, req)
 	}
 	if err != nil {
 		c.badRequest(m, "lookup", err)
@@ -155,8 +189,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	if !c.scope(m, wire.CoordLookup, "lookup", &req.Instance) {
 		return
 	}
-	res := lookupPool.Get().(*index.LookupResult)
-	defer lookupPool.Put(res)
+	res := &sc.res
 	err = c.lookupInto(res, req.Instance, req.Namespace, req.Chunks)
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
@@ -167,11 +200,20 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		c.lookupError(m, "lookup", req.Namespace, err)
 		return
 	}
-	rep := &wire.LookupReply{Instance: res.Instance, Prefix: res.Prefix}
+	var notAliveRanks []string
+	var reason string
 	if res.Instance != "" {
 		// See "Reader liveness" in restore.go.
-		rep.NotAlive, rep.Reason = notAlive(res.Instance, c.readerStatuses(res.Instance, res.Expectations))
+		notAliveRanks, reason = notAlive(res.Instance, c.readerStatuses(res.Instance, res.Expectations))
 	}
+	if !req.Detail && len(notAliveRanks) == 0 {
+		var ok bool
+		if sc.reply, ok = appendLookupReply(sc.reply[:0], res.Instance, res.Prefix); ok {
+			c.sendEncoded(wire.CoordLookup, m, sc.reply) // a few dozen bytes: always fits
+			return
+		}
+	}
+	rep := &wire.LookupReply{Instance: res.Instance, Prefix: res.Prefix, NotAlive: notAliveRanks, Reason: reason}
 	if req.Detail {
 		for i := range res.Prefix {
 			for j, e := range res.Expectations {

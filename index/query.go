@@ -3,6 +3,7 @@ package index
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -116,7 +117,7 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 			rv := v.ranks[id]
 			readers[j].inc = rv.inc
 			if rv.noL1 {
-				readers[j].id |= l1HiddenBit // fenced or being fenced: its own L1 is not usable
+				readers[j].inc = math.MaxUint64 // fenced or being fenced: its own L1 is not usable
 			}
 		}
 	}
@@ -164,8 +165,9 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 }
 
 // reader is one expectation's reader as Lookup scores copies for it: its
-// rank id (0: unknown; with l1HiddenBit: its L1 copies are not usable)
-// and the oldest incarnation whose L1 copies it may read (lookupView).
+// rank id (0: unknown) and the oldest incarnation whose L1 copies of its
+// own it may read (the lookup view's; math.MaxUint64 while it is fenced or
+// being fenced: none).
 type reader struct {
 	inc uint64
 	id  int32
@@ -226,13 +228,21 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 		}
 		o := sh*groups + g
 		if j := one[o]; j >= 0 { // the common case: one reader per object
-			if sc := p.score(&readers[j], inst, ranks); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
+			sc := p.score(&readers[j], inst)
+			if sc == 4 && !p.peerL1(ranks) {
+				sc = 0
+			}
+			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 			continue
 		}
 		for _, j := range pl.readers[o] {
-			if sc := p.score(&readers[j], inst, ranks); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
+			sc := p.score(&readers[j], inst)
+			if sc == 4 && !p.peerL1(ranks) {
+				sc = 0
+			}
+			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 		}
@@ -245,47 +255,46 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 	return true
 }
 
-// l1HiddenBit marks a reader (a rank id in Lookup's readers) whose own L1
-// copies are hidden by a sliced fence in progress (index/fence.go).
-const l1HiddenBit = -1 << 31
-
-// score rates p for a reader r (rank id, possibly with l1HiddenBit) of
-// instance inst: 5 the reader's own L1 (0 while hidden or fenced, or when
-// stored by an incarnation older than r.inc), 4 another rank's L1 of the
-// same instance when L1 is host-shared (ranks non-nil: the lookup view's
-// fence state of every rank, which must allow the copy), 3 the reader's
+// score rates p for a reader r of instance inst: 5 the reader's own L1
+// (0 when stored by an incarnation older than r.inc: while the reader is
+// fenced or being fenced, every one), 4 another rank's L1 of the
+// same instance (usable only when L1 is host-shared and its holder's fence
+// state allows it: pick asks peerL1), 3 the reader's
 // own L2, 2 another rank's L2 of the same instance, 1 an L3 copy of any
 // rank of the same instance (its bucket prefix is the instance's: the plan
 // prefers L1 > L2 > L3), 0 unusable. Only one copy per (rank, tier)
 // exists, so equal scores below 5 and 3 compare copies of other ranks.
-func (p *placement) score(r *reader, inst uint32, ranks []rankView) int32 {
+func (p *placement) score(r *reader, inst uint32) int32 {
 	if p.tier == wire.L3 {
 		if p.inst == inst {
 			return 1
 		}
 		return 0
 	}
-	if int32(p.rank) == r.id&^l1HiddenBit {
-		if p.tier == wire.L1 {
-			if r.id < 0 || p.inc < r.inc {
-				return 0
-			}
-			return 5
+	if int32(p.rank) == r.id {
+		if p.tier != wire.L1 {
+			return 3
 		}
-		return 3
+		if p.inc < r.inc {
+			return 0
+		}
+		return 5
 	}
 	if p.inst != inst {
 		return 0
 	}
-	switch {
-	case p.tier == wire.L1 && ranks != nil:
-		if int(p.rank) < len(ranks) && !ranks[p.rank].noL1 && p.inc >= ranks[p.rank].inc {
-			return 4
-		}
-	case p.tier == wire.L2:
+	if p.tier == wire.L2 {
 		return 2
 	}
-	return 0
+	return 4 // another rank's L1: pick checks it (peerL1)
+}
+
+// peerL1 reports whether p, another rank's L1 copy of the reader's
+// instance (score 4), is usable: only with HostSharedL1 (ranks non-nil),
+// and only when its holder's fence state in the lookup view allows it.
+// Out of score so that score stays inlined in pick's loop.
+func (p *placement) peerL1(ranks []rankView) bool {
+	return ranks != nil && int(p.rank) < len(ranks) && !ranks[p.rank].noL1 && p.inc >= ranks[p.rank].inc
 }
 
 // Holder is one copy of an object.
