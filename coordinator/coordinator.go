@@ -50,9 +50,13 @@ type Coordinator struct {
 	done    chan struct{} // closed once Shutdown has finished
 
 	// Set by Start, read-only afterwards.
-	idx      *index.Index
-	nsrv     *bus.Embedded
-	nc       *nats.Conn
+	idx  *index.Index
+	nsrv *bus.Embedded
+	nc   *nats.Conn
+	// lnc carries the lookups and their replies only, so a lookup never
+	// waits behind the event stream in c.nc's socket, read loop or write
+	// buffer (issue 12.1: under 8-rank ingest they shared one connection).
+	lnc      *nats.Conn
 	natsURL  string // what this process connects to
 	member   *cluster.Cluster
 	msub     *cluster.Subscription
@@ -244,6 +248,12 @@ func (c *Coordinator) start() error {
 	}
 	c.nc = nc
 	nc.SetErrorHandler(c.natsError)
+	lnc, err := bus.Connect(c.natsURL, "kvtier-coordinator-lookup", copts...)
+	if err != nil {
+		return err
+	}
+	c.lnc = lnc
+	lnc.SetErrorHandler(c.natsError)
 
 	// HTTP listener before membership, so its real address is in Meta.
 	if c.cfg.HTTPAddr != "" {
@@ -611,7 +621,7 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		var sub *nats.Subscription
 		var err error
 		if lookups[h.subject] {
-			sub, err = c.nc.QueueSubscribe(h.subject, lookupQueue, fn)
+			sub, err = c.lnc.QueueSubscribe(h.subject, lookupQueue, fn)
 		} else {
 			sub, err = c.nc.Subscribe(h.subject, fn)
 		}
@@ -624,6 +634,9 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 			return nil, fmt.Errorf("pending limits of %s: %w", h.subject, err)
 		}
 		c.subs = append(c.subs, sub)
+	}
+	if err := c.lnc.Flush(); err != nil {
+		return nil, fmt.Errorf("flush the lookup connection: %w", err)
 	}
 	return leaderOnly, c.nc.Flush()
 }
@@ -885,7 +898,13 @@ func (c *Coordinator) Shutdown() {
 		}
 	}
 
-	// 5. NATS connection, HTTP.
+	// 5. NATS connections, HTTP.
+	if c.lnc != nil {
+		if err := c.lnc.Flush(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+			c.log.Debug("final NATS flush of the lookup connection", zap.Error(err))
+		}
+		c.lnc.Close()
+	}
 	if c.nc != nil {
 		if err := c.nc.Flush(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
 			c.log.Debug("final NATS flush", zap.Error(err))

@@ -17,8 +17,9 @@
 // applied.
 //
 // Lookups are answered by several subscribers of one NATS queue group
-// (lookupSubscribers) reading the index under its read lock, from JSON or
-// binary requests (wire/lookup.go). Event batches are queued into the index
+// (lookupSubscribers) on a NATS connection of their own (never behind the
+// event stream), reading the index without waiting for its committer
+// (index/chunkmap.go), from JSON or binary requests (wire/lookup.go). Event batches are queued into the index
 // in arrival order per rank and acknowledged in that order once committed,
 // so a rank's in-flight batches share group commits. restore.begin answers
 // a JSON or binary plan (wire/plan.go) and refuses one that cannot fit a

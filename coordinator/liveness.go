@@ -179,8 +179,10 @@ func (c *Coordinator) readerStatuses(instance string, exps []dcp.Expectation) []
 	for i := range out {
 		r := wire.Rank{Instance: instance, TPRank: out[i].tp}
 		v := readerView{Seen: c.live.seen(r)}
-		if ri, ok := c.idx.Rank(r); ok { // constant time: lookups call this
-			v.Known, v.Inc, v.Fenced = true, ri.Incarnation, ri.Fenced
+		// Lock-free (the lookup view): lookups call this per reader and
+		// must not wait for the committer's publish.
+		if inc, fenced, ok := c.idx.RankFence(r); ok {
+			v.Known, v.Inc, v.Fenced = true, inc, fenced
 		}
 		out[i].inc = max(v.Inc, v.Seen.AliveInc)
 		out[i].cause = judgeReader(v, absentIsDead)

@@ -643,7 +643,9 @@ func (n *raftNode) gainLeadership() {
 	for _, h := range n.handlers {
 		var sub *nats.Subscription
 		var err error
-		if h.queue != "" {
+		if h.queue == lookupQueue {
+			sub, err = n.c.lnc.QueueSubscribe(h.subject, h.queue, h.fn)
+		} else if h.queue != "" {
 			sub, err = n.c.nc.QueueSubscribe(h.subject, h.queue, h.fn)
 		} else {
 			sub, err = n.c.nc.Subscribe(h.subject, h.fn)
@@ -661,6 +663,9 @@ func (n *raftNode) gainLeadership() {
 	}
 	if err := n.c.nc.Flush(); err != nil {
 		n.log.Warn("flush after leader subscriptions", zap.Error(err))
+	}
+	if err := n.c.lnc.Flush(); err != nil {
+		n.log.Warn("flush the lookup connection after leader subscriptions", zap.Error(err))
 	}
 	n.met.isLeader.Set(1)
 	n.log.Info("raft leader: serving", zap.Uint64("term", n.r.CurrentTerm()), zap.Uint64("index_applied", n.c.idx.AppliedIndex()),

@@ -84,13 +84,13 @@ func TestCodecRoundTrip(t *testing.T) {
 func compareChunksOnly(pr *problems, a, b *state) {
 	for ns, na := range a.ns {
 		nb := b.ns[ns]
-		for c, va := range na.chunks {
-			if nb == nil || !slices.Equal(va.s, nb.chunks[c].s) {
+		for c, va := range na.chunks.all() {
+			if nb == nil || !slices.Equal(va.s, func() []placement { v, _ := nb.chunks.get(c); return v.s }()) {
 				pr.add("chunk %s/%s differs", ns, c)
 			}
 		}
-		if nb != nil && len(nb.chunks) != len(na.chunks) {
-			pr.add("namespace %s: %d chunks vs %d", ns, len(na.chunks), len(nb.chunks))
+		if nb != nil && nb.chunks.len() != na.chunks.len() {
+			pr.add("namespace %s: %d chunks vs %d", ns, na.chunks.len(), nb.chunks.len())
 		}
 	}
 }

@@ -3,13 +3,15 @@ package index
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"slices"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
-// Queries read the in-memory state under the read lock; none touches bbolt.
+// Queries read the in-memory state under the read lock (Lookup: without
+// it, see chunkmap.go); none touches bbolt.
 
 // Source is where one reader takes one expected object from. A usable copy
 // is always held within the reader's instance (L1: by the reader itself;
@@ -81,40 +83,47 @@ func (ix *Index) Lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHas
 // res.Expectations is shared with the index and must not be modified.
 func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
 	*res = LookupResult{Namespace: ns, Instance: instance, Sources: res.Sources[:0]}
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	st := ix.st
-	n := st.ns[ns]
-	if n == nil || n.spec == nil {
+	// No Index.mu: the view, then one shard read lock per chunk
+	// (chunkmap.go), so a publish never holds a lookup up.
+	v := ix.view.Load()
+	nv, ok := v.ns[ns]
+	if !ok {
 		return fmt.Errorf("lookup in namespace %s: %w", ns, ErrUnknownNamespace)
 	}
-	pl := n.plan
+	pl := nv.plan
 	ne := len(pl.exps)
 	res.Expectations = pl.exps
-	inst := st.insts[instance] // 0: unknown instance, nothing of it is usable
+	inst := v.insts[instance] // 0: unknown instance, nothing of it is usable
 	if inst == 0 || len(chunks) == 0 {
 		return nil
 	}
-	// Per expectation: the reader's rank id (0 if unknown: no L1 of its
-	// own), and while scanning a chunk the best copy and its score.
-	var buf [3 * 32]int32
+	// Per expectation: the reader (rank id, 0 if unknown: no L1 of its
+	// own, and the oldest incarnation whose L1 copies it may read), and
+	// while scanning a chunk the best copy and its score.
+	var rbuf [32]reader
+	var sbuf [2 * 32]int32
+	var readers []reader
 	var scratch []int32
-	if 3*ne <= len(buf) {
-		scratch = buf[:3*ne]
+	if ne <= len(rbuf) {
+		readers, scratch = rbuf[:ne], sbuf[:2*ne]
 	} else {
-		scratch = make([]int32, 3*ne)
+		readers, scratch = make([]reader, ne), make([]int32, 2*ne)
 	}
-	readers, best, score := scratch[:ne], scratch[ne:2*ne], scratch[2*ne:]
-	hostL1 := ix.cfg.HostSharedL1
+	best, score := scratch[:ne], scratch[ne:]
 	for j, e := range pl.exps {
-		id := st.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}]
-		readers[j] = int32(id)
-		if id != 0 && st.ranks[id].l1Hidden {
-			readers[j] |= l1HiddenBit // being fenced: its own L1 is not usable
-			// nor, conservatively, any other rank's L1 for this lookup:
-			// the fenced rank's copies are read as other ranks' L1 too.
-			hostL1 = false
+		id := v.rankIDs[wire.Rank{Instance: instance, TPRank: e.Rank}]
+		readers[j] = reader{id: int32(id)}
+		if id != 0 {
+			rv := v.ranks[id]
+			readers[j].inc = rv.inc
+			if rv.noL1 {
+				readers[j].inc = math.MaxUint64 // fenced or being fenced: its own L1 is not usable
+			}
 		}
+	}
+	var ranks []rankView // with HostSharedL1: every holder's fence state, checked per copy
+	if ix.cfg.HostSharedL1 {
+		ranks = v.ranks
 	}
 	if cap(res.Sources) < len(chunks)*ne {
 		res.Sources = make([]Source, 0, len(chunks)*ne)
@@ -125,12 +134,13 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	const window = 16
 	var ss [window][]placement
 	var vis []placement
+	cm := nv.chunks
 	for base := 0; base < len(chunks); base += window {
 		w := min(window, len(chunks)-base)
+		cm.loadAll(chunks[base:base+w], ss[:w])
 		var touch uint32
 		for i := range w {
-			s := n.chunks[chunks[base+i]].s
-			ss[i] = s
+			s := ss[i]
 			for k := range s {
 				touch += uint32(s[k].shard)
 			}
@@ -138,10 +148,10 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 		res.touch += touch
 		for i := range w {
 			s := ss[i]
-			if st.hiding > 0 {
-				s = st.visible(s, &vis) // a sliced inventory is being applied
+			if v.hiding > 0 {
+				s = v.visible(s, &vis) // a sliced inventory is being applied
 			}
-			if !pl.pick(s, readers, inst, hostL1, best, score) {
+			if !pl.pick(s, readers, inst, ranks, best, score) {
 				return nil
 			}
 			for j := range ne {
@@ -153,6 +163,19 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	}
 	return nil
 }
+
+// reader is one expectation's reader as Lookup scores copies for it: its
+// rank id (0: unknown) and the oldest incarnation whose L1 copies of its
+// own it may read (the lookup view's; math.MaxUint64 while it is fenced or
+// being fenced: none).
+type reader struct {
+	inc uint64
+	id  int32
+}
+
+// Instances returns the names of the instances the index has heard from,
+// sorted, without taking Index.mu (the lookup view's list: do not modify).
+func (ix *Index) Instances() []string { return ix.view.Load().instances }
 
 // lookupPlan is a namespace spec arranged for Lookup: for every object
 // (shard, group) of a chunk, the expectations that read it.
@@ -187,12 +210,11 @@ func newPlan(r *dcp.Resolved) *lookupPlan {
 // pick chooses, in one pass over a chunk's placements, the copy each
 // expectation's reader should read (best[j], an index into s) and reports
 // whether every expectation has one. Scores (placement.score): the
-// reader's own L1, with hostL1 another rank's L1 of the same instance,
+// reader's own L1, with ranks another rank's L1 of the same instance,
 // the reader's own L2, another rank's L2 of the same instance, an L3 copy
 // of the same instance (among other ranks' copies of one tier, the lowest
-// TP rank first); anything else is unusable (0). readers[j] is the
-// reader's rank id.
-func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 bool, best, score []int32) bool {
+// TP rank first); anything else is unusable (0).
+func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks []rankView, best, score []int32) bool {
 	if len(s) == 0 {
 		return false
 	}
@@ -206,13 +228,21 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 b
 		}
 		o := sh*groups + g
 		if j := one[o]; j >= 0 { // the common case: one reader per object
-			if sc := p.score(readers[j], inst, hostL1); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
+			sc := p.score(&readers[j], inst)
+			if sc == 4 && !p.peerL1(ranks) {
+				sc = 0
+			}
+			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 			continue
 		}
 		for _, j := range pl.readers[o] {
-			if sc := p.score(readers[j], inst, hostL1); sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
+			sc := p.score(&readers[j], inst)
+			if sc == 4 && !p.peerL1(ranks) {
+				sc = 0
+			}
+			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
 			}
 		}
@@ -225,43 +255,46 @@ func (pl *lookupPlan) pick(s []placement, readers []int32, inst uint32, hostL1 b
 	return true
 }
 
-// l1HiddenBit marks a reader (a rank id in Lookup's readers) whose own L1
-// copies are hidden by a sliced fence in progress (index/fence.go).
-const l1HiddenBit = -1 << 31
-
-// score rates p for a reader (rank id, possibly with l1HiddenBit) of
-// instance inst: 5 the reader's own L1 (0 while hidden), 4 another rank's
-// L1 of the same instance when L1 is host-shared (hostL1), 3 the reader's
+// score rates p for a reader r of instance inst: 5 the reader's own L1
+// (0 when stored by an incarnation older than r.inc: while the reader is
+// fenced or being fenced, every one), 4 another rank's L1 of the
+// same instance (usable only when L1 is host-shared and its holder's fence
+// state allows it: pick asks peerL1), 3 the reader's
 // own L2, 2 another rank's L2 of the same instance, 1 an L3 copy of any
 // rank of the same instance (its bucket prefix is the instance's: the plan
 // prefers L1 > L2 > L3), 0 unusable. Only one copy per (rank, tier)
 // exists, so equal scores below 5 and 3 compare copies of other ranks.
-func (p *placement) score(reader int32, inst uint32, hostL1 bool) int32 {
+func (p *placement) score(r *reader, inst uint32) int32 {
 	if p.tier == wire.L3 {
 		if p.inst == inst {
 			return 1
 		}
 		return 0
 	}
-	if int32(p.rank) == reader&^l1HiddenBit {
-		if p.tier == wire.L1 {
-			if reader < 0 {
-				return 0
-			}
-			return 5
+	if int32(p.rank) == r.id {
+		if p.tier != wire.L1 {
+			return 3
 		}
-		return 3
+		if p.inc < r.inc {
+			return 0
+		}
+		return 5
 	}
 	if p.inst != inst {
 		return 0
 	}
-	switch {
-	case p.tier == wire.L1 && hostL1:
-		return 4
-	case p.tier == wire.L2:
+	if p.tier == wire.L2 {
 		return 2
 	}
-	return 0
+	return 4 // another rank's L1: pick checks it (peerL1)
+}
+
+// peerL1 reports whether p, another rank's L1 copy of the reader's
+// instance (score 4), is usable: only with HostSharedL1 (ranks non-nil),
+// and only when its holder's fence state in the lookup view allows it.
+// Out of score so that score stays inlined in pick's loop.
+func (p *placement) peerL1(ranks []rankView) bool {
+	return ranks != nil && int(p.rank) < len(ranks) && !ranks[p.rank].noL1 && p.inc >= ranks[p.rank].inc
 }
 
 // Holder is one copy of an object.
@@ -384,6 +417,22 @@ func (ix *Index) Rank(r wire.Rank) (RankInfo, bool) {
 	return ix.st.ranks[id].info(), true
 }
 
+// RankFence returns a rank's incarnation and whether it is fenced as
+// lookups apply them (chunkmap.go), without taking Index.mu: the lookup
+// path calls it per reader, and it never waits for a publish. While a
+// group that changes them is being published it reports the higher of
+// the old and new incarnations and fenced if either is; Rank is exact.
+// known is false for a rank the index has never seen.
+func (ix *Index) RankFence(r wire.Rank) (inc uint64, fenced, known bool) {
+	v := ix.view.Load()
+	id, ok := v.rankIDs[r]
+	if !ok {
+		return 0, false, false
+	}
+	rv := v.ranks[id]
+	return rv.inc, rv.fenced, true
+}
+
 // ListRank returns a rank's state and every placement it holds. It visits
 // the rank's own chunks (its chunk set), not the whole index. An unknown
 // rank is an error wrapping ErrUnknownRank.
@@ -440,7 +489,7 @@ type NamespaceInfo struct {
 }
 
 func (n *nsState) info(ns dcp.Namespace) NamespaceInfo {
-	return NamespaceInfo{Namespace: ns, Spec: n.spec, Chunks: int64(len(n.chunks)), Objects: n.objects,
+	return NamespaceInfo{Namespace: ns, Spec: n.spec, Chunks: int64(n.chunks.len()), Objects: n.objects,
 		L1Placements: n.placements[wire.L1], L1Bytes: n.bytes[wire.L1],
 		L2Placements: n.placements[wire.L2], L2Bytes: n.bytes[wire.L2]}
 }
@@ -452,7 +501,7 @@ func (ix *Index) ListNamespace(ns dcp.Namespace) (NamespaceInfo, error) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	n := ix.st.ns[ns]
-	if n == nil || (n.spec == nil && len(n.chunks) == 0) {
+	if n == nil || (n.spec == nil && n.chunks.len() == 0) {
 		return NamespaceInfo{}, fmt.Errorf("namespace %s: %w", ns, ErrUnknownNamespace)
 	}
 	return n.info(ns), nil
@@ -464,7 +513,7 @@ func (ix *Index) Namespaces() []NamespaceInfo {
 	defer ix.mu.RUnlock()
 	var out []NamespaceInfo
 	for ns, n := range ix.st.ns {
-		if n.spec != nil || len(n.chunks) > 0 {
+		if n.spec != nil || n.chunks.len() > 0 {
 			out = append(out, n.info(ns))
 		}
 	}
@@ -493,7 +542,7 @@ func (ix *Index) Stats() Stats {
 		L1Placements: st.placements[wire.L1], L1Bytes: st.bytes[wire.L1],
 		L2Placements: st.placements[wire.L2], L2Bytes: st.bytes[wire.L2]}
 	for _, n := range st.ns {
-		if n.spec != nil || len(n.chunks) > 0 {
+		if n.spec != nil || n.chunks.len() > 0 {
 			s.Namespaces++
 		}
 	}

@@ -315,6 +315,7 @@ func (ix *Index) restore(r *request) {
 	ix.mu.Lock()
 	ix.st = ld.st
 	ix.mu.Unlock()
+	ix.view.Store(ix.st.buildView(nil))
 	ix.logBytes, ix.nextLog, ix.applied = ld.logBytes, ld.nextLog, ld.applied
 	ix.folding = nil // of the file replaced; the loaded log's chunks are dirty
 	ix.appliedPub.Store(ld.applied)
@@ -412,7 +413,7 @@ func encodeDump(st *state) []byte {
 	}
 	nss := make([]dcp.Namespace, 0, len(st.ns))
 	for ns, n := range st.ns {
-		if n.spec != nil || len(n.chunks) > 0 {
+		if n.spec != nil || n.chunks.len() > 0 {
 			nss = append(nss, ns)
 		}
 	}
@@ -422,15 +423,16 @@ func encodeDump(st *state) []byte {
 		b = append(b, ns[:]...)
 		b = binary.AppendUvarint(b, uint64(len(n.specJSON)))
 		b = append(b, n.specJSON...)
-		hs := make([]dcp.ChunkHash, 0, len(n.chunks))
-		for h := range n.chunks {
+		hs := make([]dcp.ChunkHash, 0, n.chunks.len())
+		for h := range n.chunks.all() {
 			hs = append(hs, h)
 		}
 		slices.SortFunc(hs, func(a, c dcp.ChunkHash) int { return bytes.Compare(a[:], c[:]) })
 		b = binary.AppendUvarint(b, uint64(len(hs)))
 		for _, h := range hs {
 			b = append(b, h[:]...)
-			b = appendChunk(b, n.chunks[h].s)
+			v, _ := n.chunks.get(h)
+			b = appendChunk(b, v.s)
 		}
 	}
 	return b

@@ -108,7 +108,7 @@ type nsState struct {
 	spec     *dcp.Resolved
 	specJSON []byte
 	plan     *lookupPlan // derived from spec for Lookup
-	chunks   map[dcp.ChunkHash]chunkVal
+	chunks   *chunkMap
 	objects  int64
 	tally
 }
@@ -222,7 +222,7 @@ func newState() *state {
 func (st *state) namespace(ns dcp.Namespace) *nsState {
 	n := st.ns[ns]
 	if n == nil {
-		n = &nsState{chunks: make(map[dcp.ChunkHash]chunkVal)}
+		n = &nsState{chunks: newChunkMap()}
 		st.ns[ns] = n
 	}
 	return n
@@ -230,7 +230,8 @@ func (st *state) namespace(ns dcp.Namespace) *nsState {
 
 func (st *state) chunk(ref chunkRef) []placement {
 	if n := st.ns[ref.ns]; n != nil {
-		return n.chunks[ref.chunk].s
+		v, _ := n.chunks.get(ref.chunk)
+		return v.s
 	}
 	return nil
 }
@@ -297,7 +298,7 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	}
 	if len(s) == 0 {
 		if had {
-			delete(n.chunks, ref.chunk)
+			n.chunks.del(ref.chunk)
 			st.chunks--
 		}
 		return
@@ -305,7 +306,6 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	if !had {
 		st.chunks++
 	}
-	n.chunks[ref.chunk] = chunkVal{s: s, epoch: st.epoch}
 	for i := range s {
 		p := &s[i]
 		r := st.ranks[p.rank]
@@ -314,6 +314,8 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 		st.add(p, 1)
 		r.add(p, 1)
 	}
+	// Last: lookups read s from now on, without Index.mu (chunkmap.go).
+	n.chunks.set(ref.chunk, chunkVal{s: s, epoch: st.epoch})
 	o = countObjects(s)
 	n.objects += o
 	st.objects += o
@@ -420,7 +422,7 @@ func compareRef(a, b chunkRef) int {
 func checkRankChunks(pr *problems, st *state) {
 	want := make([]map[chunkRef]struct{}, len(st.ranks))
 	for ns, n := range st.ns {
-		for c, v := range n.chunks {
+		for c, v := range n.chunks.all() {
 			for i := range v.s {
 				id := v.s[i].rank
 				if int(id) >= len(want) {
@@ -463,7 +465,7 @@ func checkRankChunks(pr *problems, st *state) {
 func (st *state) snapshot() *state {
 	c := st.shell()
 	for ns, n := range st.ns {
-		c.ns[ns].chunks = maps.Clone(n.chunks)
+		c.ns[ns].chunks = n.chunks.clone()
 	}
 	return c
 }

@@ -232,7 +232,7 @@ func (t *txn) mut(ref chunkRef) int {
 	if !found {
 		sc = stagedChunk{ref: ref, n: t.nsOf(ref.ns)}
 		if sc.n != nil {
-			sc.old, sc.had = sc.n.chunks[ref.chunk]
+			sc.old, sc.had = sc.n.chunks.get(ref.chunk)
 		}
 	}
 	sc.s = make([]placement, len(sc.old.s), len(sc.old.s)+2)
@@ -254,7 +254,8 @@ func (t *txn) view(ref chunkRef) []placement {
 		}
 	}
 	if n := t.nsOf(ref.ns); n != nil {
-		return n.chunks[ref.chunk].s
+		v, _ := n.chunks.get(ref.chunk)
+		return v.s
 	}
 	return nil
 }
@@ -577,12 +578,21 @@ func (t *txn) register(r *dcp.Resolved, js []byte) error {
 // first. Only the committer calls them, with Index.mu held for writing;
 // from, to select a range of staged chunks so a large group can be
 // published in slices (see Index.publish).
-func (st *state) publishRanks(t *txn) {
+//
+// publishRanks reports whether it changed anything of the lookup view
+// (chunkmap.go): a new rank or instance, a registration, a rank's
+// incarnation or fence, a sliced fence's or inventory's start.
+func (st *state) publishRanks(t *txn) bool {
+	viewed := len(t.newRanks) > 0 || len(t.regs) > 0 || len(t.hide) > 0 || len(t.hideAll) > 0
 	for _, r := range t.newRanks {
 		st.addRank(r, rankMeta{})
 	}
 	for id, m := range t.metas {
-		st.ranks[id].rankMeta = m
+		r := st.ranks[id]
+		if r.inc != m.inc || r.fenced != m.fenced {
+			viewed = true
+		}
+		r.rankMeta = m
 	}
 	for _, g := range t.regs {
 		n := st.namespace(g.ns)
@@ -597,6 +607,7 @@ func (st *state) publishRanks(t *txn) {
 			st.hiding++
 		}
 	}
+	return viewed
 }
 
 // publishUnhide ends the sliced fences that ended in t, once its chunks are

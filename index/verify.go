@@ -87,9 +87,9 @@ func load(tx *bolt.Tx) (loaded, error) {
 			return ld, err
 		}
 		n := st.namespace(ref.ns)
-		if _, dup := n.chunks[ref.chunk]; dup {
+		if prev, dup := n.chunks.get(ref.chunk); dup {
 			return ld, fmt.Errorf("chunk %s/%s recorded twice (generation %d and generation %d): %w",
-				ref.ns, ref.chunk, n.chunks[ref.chunk].epoch, gen, ErrCorrupt)
+				ref.ns, ref.chunk, prev.epoch, gen, ErrCorrupt)
 		}
 		maxGen = max(maxGen, gen)
 		st.epoch = gen
@@ -207,7 +207,7 @@ func compareStates(pr *problems, live, disk *state) {
 			pr.add("rank %s: live counts %+v, bbolt %+v", a.rank, a.tally, b.tally)
 		}
 	}
-	used := func(n *nsState) bool { return n != nil && (n.spec != nil || len(n.chunks) > 0) }
+	used := func(n *nsState) bool { return n != nil && (n.spec != nil || n.chunks.len() > 0) }
 	for ns, a := range live.ns {
 		b := disk.ns[ns]
 		if !used(a) && !used(b) {
@@ -223,8 +223,8 @@ func compareStates(pr *problems, live, disk *state) {
 		if a.objects != b.objects || a.tally != b.tally {
 			pr.add("namespace %s: live %d objects %+v, bbolt %d objects %+v", ns, a.objects, a.tally, b.objects, b.tally)
 		}
-		for c, va := range a.chunks {
-			vb, ok := b.chunks[c]
+		for c, va := range a.chunks.all() {
+			vb, ok := b.chunks.get(c)
 			if !ok {
 				pr.add("chunk %s/%s: live (%d placements), not in bbolt", ns, c, len(va.s))
 				continue
@@ -233,8 +233,8 @@ func compareStates(pr *problems, live, disk *state) {
 				pr.add("chunk %s/%s: live %+v, bbolt %+v", ns, c, va.s, vb.s)
 			}
 		}
-		for c, vb := range b.chunks {
-			if _, ok := a.chunks[c]; !ok {
+		for c, vb := range b.chunks.all() {
+			if _, ok := a.chunks.get(c); !ok {
 				pr.add("chunk %s/%s: in bbolt (%d placements), not live", ns, c, len(vb.s))
 			}
 		}
@@ -274,7 +274,7 @@ func checkInvariants(pr *problems, st *state) {
 	for ns, n := range st.ns {
 		var nt tally
 		var nobj int64
-		for c, v := range n.chunks {
+		for c, v := range n.chunks.all() {
 			s := v.s
 			chunks++
 			if err := checkChunk(s); err != nil {

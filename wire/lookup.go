@@ -61,7 +61,8 @@ func (r *LookupRequest) MarshalBinary() ([]byte, error) {
 	return r.AppendBinary(make([]byte, 0, 26+len(r.Instance)+16*len(r.Chunks)))
 }
 
-// UnmarshalBinary decodes a binary lookup request.
+// UnmarshalBinary decodes a binary lookup request, reusing r.Chunks'
+// capacity when it suffices.
 func (r *LookupRequest) UnmarshalBinary(p []byte) error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("lookup request: "+format+": %w", append(args, ErrMalformed)...)
@@ -96,7 +97,11 @@ func (r *LookupRequest) UnmarshalBinary(p []byte) error {
 	if uint64(len(p)) != uint64(count)*16 {
 		return bad("%d bytes of chunk hashes, want %d x 16", len(p), count)
 	}
-	r.Chunks = make([]dcp.ChunkHash, count)
+	if uint64(cap(r.Chunks)) >= uint64(count) {
+		r.Chunks = r.Chunks[:count] // reused: a server decodes into pooled requests
+	} else {
+		r.Chunks = make([]dcp.ChunkHash, count)
+	}
 	for i := range r.Chunks {
 		copy(r.Chunks[i][:], p[16*i:])
 	}
