@@ -198,14 +198,21 @@ func TestFetchInventoryFailures(t *testing.T) {
 	if !errors.As(err, &we) || we.Code != wire.CodeInternal {
 		t.Fatalf("fetch with page 5 failing: err = %v", err)
 	}
-	r.fail = 0
-	if _, err := FetchInventoryWith(ctx, nc, "inv.fail", InventoryFetch{Window: 4, MaxObjects: 500}); !errors.Is(err, ErrInventoryTooLarge) {
+	// A responder of its own: the first one's goroutines may still be
+	// answering the cancelled requests.
+	ok := &invResponder{inv: r.inv, pageSize: 64, encodings: map[string]int{}}
+	sub2, err := nc.Subscribe("inv.ok", func(m *nats.Msg) { go ok.serve(m) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub2.Unsubscribe()
+	if _, err := FetchInventoryWith(ctx, nc, "inv.ok", InventoryFetch{Window: 4, MaxObjects: 500}); !errors.Is(err, ErrInventoryTooLarge) {
 		t.Fatalf("500-object bound: err = %v", err)
 	}
-	if _, err := FetchInventoryWith(ctx, nc, "inv.fail", InventoryFetch{Window: 4, MaxPages: 15}); !errors.Is(err, ErrInventoryTooLarge) {
+	if _, err := FetchInventoryWith(ctx, nc, "inv.ok", InventoryFetch{Window: 4, MaxPages: 15}); !errors.Is(err, ErrInventoryTooLarge) {
 		t.Fatalf("15-page bound: err = %v", err)
 	}
-	if _, err := FetchInventoryWith(ctx, nc, "inv.fail", InventoryFetch{}); !errors.Is(err, wire.ErrMalformed) {
+	if _, err := FetchInventoryWith(ctx, nc, "inv.ok", InventoryFetch{}); !errors.Is(err, wire.ErrMalformed) {
 		t.Fatalf("window 0: err = %v", err)
 	}
 }
