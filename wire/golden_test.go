@@ -163,7 +163,7 @@ func makeGoldenIdentity(t *testing.T) goldenIdentity {
 	}
 	tokens := make([]uint32, 2*spec.ChunkTokens+7) // two full chunks and a partial one
 	for i := range tokens {
-		tokens[i] = uint32(i*2654435761) ^ 0xfffff000
+		tokens[i] = uint32(i)*2654435761 ^ 0xfffff000
 	}
 	k := goldenKey(5, 513, 2)
 	return goldenIdentity{Spec: spec, Fingerprint: hex.EncodeToString(r.Fingerprint[:]), Namespace: r.Namespace,

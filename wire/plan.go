@@ -55,7 +55,7 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 	bad := func(format string, args ...any) ([]byte, error) {
 		return dst, fmt.Errorf("encode restore plan: "+format+": %w", append(args, ErrMalformed)...)
 	}
-	if len(plan.RestoreID) > 255 || len(plan.Reason) > 65535 || plan.Prefix < 0 || plan.Prefix > 1<<31 {
+	if len(plan.RestoreID) > 255 || len(plan.Reason) > 65535 || plan.Prefix < 0 || int64(plan.Prefix) > 1<<31 {
 		return bad("restore id %d B (limit 255), reason %d B (limit 65535), prefix %d", len(plan.RestoreID), len(plan.Reason), plan.Prefix)
 	}
 	readers := make([]string, 0, len(plan.Ranks))
