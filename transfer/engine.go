@@ -429,17 +429,7 @@ func (p *streamPool) get(ctx context.Context) (cuda.Stream, error) {
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
-	select {
-	case s := <-p.free:
-		return s, nil
-	default:
-	}
-	s, err := p.dev.NewStream()
-	if err != nil {
-		<-p.sem
-		return nil, fmt.Errorf("new stream: %w", errors.Join(err, ErrDevice))
-	}
-	return s, nil
+	return p.take()
 }
 
 // tryGet is get without waiting: nil, nil when every stream is taken.
@@ -449,6 +439,12 @@ func (p *streamPool) tryGet() (cuda.Stream, error) {
 	default:
 		return nil, nil
 	}
+	return p.take()
+}
+
+// take returns a free stream or a new one; the caller holds a slot of
+// p.sem, given back if no stream can be made.
+func (p *streamPool) take() (cuda.Stream, error) {
 	select {
 	case s := <-p.free:
 		return s, nil
