@@ -109,6 +109,8 @@ type catalog struct {
 	prefix   []uint64 // scratch for window scans
 	blocked  []int32
 	waitable []int32
+	slabTick []uint64
+	window   []int
 }
 
 func (c *catalog) init(nslabs int, slabBytes uint64) {
@@ -253,37 +255,64 @@ const (
 )
 
 // findWindow returns the start of the best window of n slabs holding no
-// blocked slab, preferring windows without waitable slabs, then the least
-// recently used occupants; -1 if none exists.
+// blocked slab: one without waitable slabs if any exists; then the one whose
+// most recently used occupant is least recent, so that a placement never
+// evicts an object while a window of only older ones would do (LRU across
+// windows: a sum of ages would trade one object stored a moment ago for a
+// window of free slabs beside it); then the fewest and least recently used
+// occupants. It returns -1 if none exists.
 func (c *catalog) findWindow(n int, now time.Time) (start int, needsWait bool) {
 	ns := len(c.owner)
 	if cap(c.prefix) < ns+1 {
 		c.prefix = make([]uint64, ns+1)
 		c.blocked = make([]int32, ns+1)
 		c.waitable = make([]int32, ns+1)
+		c.slabTick = make([]uint64, ns)
+		c.window = make([]int, 0, ns)
 	}
-	pre, blk, wt := c.prefix[:ns+1], c.blocked[:ns+1], c.waitable[:ns+1]
+	pre, blk, wt, tick := c.prefix[:ns+1], c.blocked[:ns+1], c.waitable[:ns+1], c.slabTick[:ns]
 	for i, o := range c.owner {
 		pre[i+1], blk[i+1], wt[i+1] = pre[i], blk[i], wt[i]
+		tick[i] = 0
 		switch c.classify(o, now) {
 		case slabClean:
 			pre[i+1] += o.tick
+			tick[i] = o.tick
 		case slabWaitable:
 			pre[i+1] += o.tick
 			wt[i+1]++
+			tick[i] = o.tick
 		case slabBlocked:
 			blk[i+1]++
 		}
 	}
-	best, bestWait, bestCost := -1, true, uint64(0)
-	for s := 0; s+n <= ns; s++ {
+	// dq[head:] holds slabs of the current window whose ticks decrease:
+	// dq[head] is the window's most recent occupant.
+	dq, head := c.window[:0], 0
+	best, bestWait, bestNewest, bestCost := -1, true, uint64(0), uint64(0)
+	for i := range ns {
+		for len(dq) > head && tick[dq[len(dq)-1]] <= tick[i] {
+			dq = dq[:len(dq)-1]
+		}
+		dq = append(dq, i)
+		s := i - n + 1
+		if s < 0 {
+			continue
+		}
+		if dq[head] < s {
+			head++
+		}
 		if blk[s+n]-blk[s] != 0 {
 			continue
 		}
 		wait := wt[s+n]-wt[s] != 0
-		cost := pre[s+n] - pre[s]
-		if best < 0 || (bestWait && !wait) || (wait == bestWait && cost < bestCost) {
-			best, bestWait, bestCost = s, wait, cost
+		newest, cost := tick[dq[head]], pre[s+n]-pre[s]
+		better := best < 0 || (bestWait && !wait)
+		if !better && wait == bestWait {
+			better = newest < bestNewest || (newest == bestNewest && cost < bestCost)
+		}
+		if better {
+			best, bestWait, bestNewest, bestCost = s, wait, newest, cost
 		}
 	}
 	return best, bestWait
