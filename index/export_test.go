@@ -1,5 +1,35 @@
 package index
 
+import "github.com/kvtier/kvtier/wire"
+
 // SetFoldSortHook sets testHookFoldSort for the rest of the test binary's
 // test (nil clears it).
 func SetFoldSortHook(h func()) { testHookFoldSort = h }
+
+// SetCompactHook sets testHookCompact (nil clears it).
+func SetCompactHook(h func(wire.Rank)) { testHookCompact = h }
+
+// SetCompactSlack sets compactSlack and returns its previous value.
+func SetCompactSlack(n int) int {
+	old := compactSlack
+	compactSlack = n
+	return old
+}
+
+// RankChunkProblems checks every rank's chunk list against the chunks of
+// the live state (checkRankChunks), under Index.mu.
+func RankChunkProblems(ix *Index) []string {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	var pr problems
+	checkRankChunks(&pr, ix.st)
+	return pr.list
+}
+
+// Compacting reports how many chunk-list compactions are in flight or
+// waiting to be installed.
+func Compacting(ix *Index) int {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return len(ix.st.compacting)
+}

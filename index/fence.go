@@ -63,7 +63,7 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 		return true
 	}
 	rs := ix.st.ranks[id]
-	if len(rs.chunks) <= ix.cfg.FenceSliceChunks || !t.mayHold(id, wire.L1) ||
+	if rs.chunks.len() <= ix.cfg.FenceSliceChunks || !t.mayHold(id, wire.L1) ||
 		rs.fencing || slices.Contains(t.unhide, id) { // a sliced fence or inventory of the rank ends in flight or in t
 		return false
 	}
@@ -96,10 +96,10 @@ func (ix *Index) fenceOf(id uint32) *fenceJob {
 // committed even when nothing else arrives; after the last slice the
 // fence's requests join t's group and are answered with it.
 func (ix *Index) fenceSlice(t *txn, j *fenceJob) {
-	list := ix.st.ranks[j.id].chunks
-	end := min(j.pos+ix.cfg.FenceSliceChunks, len(list))
+	list := &ix.st.ranks[j.id].chunks
+	end := min(j.pos+ix.cfg.FenceSliceChunks, list.len())
 	id, below := j.id, j.below
-	n := t.filterRefs(id, list[j.pos:end], func(p *placement) bool {
+	n := t.filterRefs(id, list.segments(j.pos, end), func(p *placement) bool {
 		return p.rank == id && p.tier == wire.L1 && p.inc < below
 	})
 	if t.enc != nil {
@@ -109,7 +109,7 @@ func (ix *Index) fenceSlice(t *txn, j *fenceJob) {
 	ix.curN += end - j.pos + 1
 	j.n += n
 	j.pos = end
-	if j.pos < len(list) {
+	if j.pos < list.len() {
 		return
 	}
 	ix.dropFence(t, j)

@@ -208,6 +208,7 @@ func Open(cfg Config) (*Index, error) {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
+	ix.st.bg = &ix.wg // compactions off the committer from now on
 	ix.view.Store(ix.st.buildView(nil))
 	ix.applied = ld.applied
 	ix.appliedPub.Store(ld.applied)
@@ -780,7 +781,7 @@ func (ix *Index) land(err error) {
 			if h := testHookFoldSort; h != nil {
 				h()
 			}
-			j.f.refs, j.f.prevs = sortDirty(dirty)
+			j.f.refs, j.f.prevs = sortDirty(dirty.flat())
 		}()
 	}
 }
@@ -1126,9 +1127,9 @@ func (ix *Index) chunksOf(refs []chunkRef) [][]placement {
 // chunks the fold of the epoch, generation gen, writes) and the log bytes
 // it covers, and starts a new epoch. Called with nothing in flight, so
 // the published state is the committed one.
-func (ix *Index) cutDirty() (gen uint32, dirty []dirtyRef, logBytes int64) {
+func (ix *Index) cutDirty() (gen uint32, dirty dirtyList, logBytes int64) {
 	gen, dirty, logBytes = ix.st.epoch, ix.st.dirty, ix.logBytes
-	ix.st.dirty = nil
+	ix.st.dirty = dirtyList{}
 	ix.st.epoch++
 	ix.logBytes = 0
 	return gen, dirty, logBytes
@@ -1140,7 +1141,7 @@ func (ix *Index) cutDirty() (gen uint32, dirty []dirtyRef, logBytes int64) {
 func (ix *Index) cutFold() *fold {
 	gen, dirty, logBytes := ix.cutDirty()
 	f := &fold{gen: gen, logBytes: logBytes}
-	f.refs, f.prevs = sortDirty(dirty)
+	f.refs, f.prevs = sortDirty(dirty.flat())
 	f.chunks = ix.chunksOf(f.refs)
 	return f
 }
@@ -1248,7 +1249,7 @@ func (ix *Index) checkpoint() error {
 	if ix.failed != nil {
 		return fmt.Errorf("%w: %w", ErrFailed, ix.failed)
 	}
-	if len(ix.st.dirty) == 0 && ix.logBytes == 0 && ix.folding == nil {
+	if ix.st.dirty.len() == 0 && ix.logBytes == 0 && ix.folding == nil {
 		return nil
 	}
 	start := time.Now()
@@ -1275,7 +1276,7 @@ func (ix *Index) checkpoint() error {
 // finish runs on the committer when it stops: a final checkpoint so the
 // next Open has no log to replay.
 func (ix *Index) finish() {
-	if ix.failed != nil || (len(ix.st.dirty) == 0 && ix.logBytes == 0 && ix.folding == nil) {
+	if ix.failed != nil || (ix.st.dirty.len() == 0 && ix.logBytes == 0 && ix.folding == nil) {
 		return
 	}
 	if err := ix.checkpoint(); err != nil {

@@ -50,7 +50,7 @@ type invJob struct {
 	inv *wire.Inventory
 	// Drop phase: list (the rank's chunk list when the inventory started)
 	// from pos to end; then the put phase from obj on.
-	list     []chunkRef
+	list     refList // a view (refList.view)
 	pos, end int
 	obj      int
 	// below: L1 placements older than this incarnation are counted as
@@ -112,7 +112,7 @@ func (ix *Index) startInventory(t *txn, r *request) bool {
 			return false // a sliced fence or inventory ends in t: its end would unhide this one
 		}
 		if int(id) < len(ix.st.ranks) {
-			units += len(ix.st.ranks[id].chunks)
+			units += ix.st.ranks[id].chunks.len()
 		}
 	}
 	if units <= ix.cfg.InventorySlice {
@@ -127,16 +127,12 @@ func (ix *Index) startInventory(t *txn, r *request) bool {
 	}
 	if int(id) < len(ix.st.ranks) {
 		rs := ix.st.ranks[id]
-		// Nothing compacts the list in place while fencing is set, and
-		// appends leave list's entries alone; but a fence or inventory that
-		// has just ended in the txn in flight compacts it when it is
-		// published: then work on a copy (rare).
-		j.list = rs.chunks[:len(rs.chunks):len(rs.chunks)]
-		if rs.fencing {
-			j.list = slices.Clone(j.list)
-		}
+		// A view: appends leave its entries alone, and a compaction (of
+		// a fence or inventory that has just ended in the txn in flight,
+		// installed when it is published) builds a new list.
+		j.list = rs.chunks.view()
 		rs.fencing = true
-		j.end = len(j.list)
+		j.end = j.list.len()
 	}
 	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq, partial: true})
 	t.hideAll = append(t.hideAll, id)
@@ -168,7 +164,7 @@ func (j *invJob) old(p *placement) bool {
 func (ix *Index) invSlice(t *txn, j *invJob, budget int) {
 	if j.pos < j.end {
 		end := min(j.pos+budget, j.end)
-		j.dropOld(t, j.list[j.pos:end])
+		j.dropOld(t, j.list.segments(j.pos, end))
 		budget -= end - j.pos
 		ix.curN += end - j.pos
 		j.pos = end
@@ -198,7 +194,7 @@ func (ix *Index) invSlice(t *txn, j *invJob, budget int) {
 // dropOld drops the rank's old placements from the published chunks refs
 // (and whatever t and its parent staged), counting L1 copies of an older
 // incarnation as fenced.
-func (j *invJob) dropOld(t *txn, refs []chunkRef) {
+func (j *invJob) dropOld(t *txn, refs [][]chunkRef) {
 	// Two passes: filterRefs calls its predicate more than once per
 	// placement, so it cannot count; its result can.
 	if j.below > 0 {

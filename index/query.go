@@ -446,7 +446,7 @@ func (ix *Index) ListRank(r wire.Rank) (RankInfo, error) {
 	rs := ix.st.ranks[id]
 	info := rs.info()
 	seen := make(map[chunkRef]bool, rs.live)
-	for _, ref := range rs.chunks {
+	for ref := range rs.chunks.all {
 		if seen[ref] {
 			continue // listed twice (left and entered again)
 		}

@@ -312,6 +312,7 @@ func (ix *Index) restore(r *request) {
 		return
 	}
 	ix.db = db
+	ld.st.bg = &ix.wg
 	ix.mu.Lock()
 	ix.st = ld.st
 	ix.mu.Unlock()

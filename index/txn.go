@@ -325,9 +325,10 @@ func (t *txn) mayHold(id uint32, tier wire.Tier) bool {
 // The price is a set update whenever a rank first or last appears in a
 // chunk.
 func (t *txn) filter(id uint32, drop func(*placement) bool) int {
-	var published []chunkRef
+	var published [][]chunkRef
 	if int(id) < len(t.st.ranks) {
-		published = t.st.ranks[id].chunks
+		l := &t.st.ranks[id].chunks
+		published = l.segments(0, l.len())
 	}
 	return t.filterRefs(id, published, drop)
 }
@@ -335,7 +336,7 @@ func (t *txn) filter(id uint32, drop func(*placement) bool) int {
 // filterRefs is filter over the published chunks listed in published (a
 // range of the rank's chunk list: a slice of a fence) and every chunk
 // staged in the txn and its parent.
-func (t *txn) filterRefs(id uint32, published []chunkRef, drop func(*placement) bool) int {
+func (t *txn) filterRefs(id uint32, published [][]chunkRef, drop func(*placement) bool) int {
 	hit := func(s []placement) bool {
 		for j := range s {
 			if drop(&s[j]) {
@@ -345,17 +346,19 @@ func (t *txn) filterRefs(id uint32, published []chunkRef, drop func(*placement) 
 		return false
 	}
 	p := t.parent
-	for _, ref := range published { // repeats: the second visit finds it staged
-		if _, ok := t.idx[ref]; ok {
-			continue // staged here: handled below
-		}
-		if p != nil {
-			if _, ok := p.idx[ref]; ok {
-				continue // the parent's copy is the current one: next loop
+	for _, seg := range published {
+		for _, ref := range seg { // repeats: the second visit finds it staged
+			if _, ok := t.idx[ref]; ok {
+				continue // staged here: handled below
 			}
-		}
-		if hit(t.st.chunk(ref)) {
-			t.mut(ref)
+			if p != nil {
+				if _, ok := p.idx[ref]; ok {
+					continue // the parent's copy is the current one: next loop
+				}
+			}
+			if hit(t.st.chunk(ref)) {
+				t.mut(ref)
+			}
 		}
 	}
 	if p != nil {
@@ -621,10 +624,14 @@ func (st *state) publishUnhide(t *txn) {
 		}
 		r.l1Hidden, r.allHidden, r.fencing = false, false, false
 		if r.live == 0 {
-			r.chunks = nil
-		} else if len(r.chunks) >= 2*r.live+compactSlack {
-			st.compactChunks(r)
+			r.chunks = refList{}
+			r.listGen++
+		} else if r.chunks.len() >= 2*r.live+compactSlack {
+			st.compact(r)
 		}
+	}
+	if len(st.compacting) > 0 {
+		st.installCompactions() // those that waited for a fence's end
 	}
 }
 

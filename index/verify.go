@@ -102,7 +102,7 @@ func load(tx *bolt.Tx) (loaded, error) {
 		}
 		st.setChunk(n, ref, chunkVal{}, false, s)
 	}
-	st.epoch, st.dirty = maxGen+1, st.dirty[:0]
+	st.epoch, st.dirty = maxGen+1, dirtyList{}
 	lb := tx.Bucket(bucketLog)
 	c = lb.Cursor()
 	for k, v := c.First(); k != nil; k, v = c.Next() {
