@@ -626,16 +626,16 @@ const (
 )
 
 func (r *runner) engineConfig(p *prompt, phase string, id string) enginesim.Config {
-	host := cuda.DefaultHostConfig()
-	host.Dir = r.c.hostD
-	wait := time.Second
+	cfg := enginesim.DefaultConfig()
+	cfg.Host.Dir = r.c.hostD
+	cfg.WaitPrefix = time.Second
 	if phase == enginesim.PhaseRestore {
-		wait = 3 * time.Second
+		cfg.WaitPrefix = 3 * time.Second
 	}
-	return enginesim.Config{Scenario: p.scenario, Instance: Instance, Devices: []string{cuda.SpecHost}, Host: host,
-		NATSURL: r.c.natsURL(), Creds: auth.Client{Dir: r.c.creds}, Phase: phase, Seed: 1, Tokens: p.tokens,
-		Compute: time.Millisecond, RestoreDeadline: 3 * time.Second, Timeout: engineTimeout, ResendAfter: engineResend,
-		WaitPrefix: wait, Out: r.elog, RequestID: id}
+	cfg.Scenario, cfg.Instance, cfg.Devices, cfg.Phase, cfg.Seed = p.scenario, Instance, []string{cuda.SpecHost}, phase, 1
+	cfg.NATSURL, cfg.Creds, cfg.Tokens, cfg.RequestID, cfg.Out = r.c.natsURL(), auth.Client{Dir: r.c.creds}, p.tokens, id, r.elog
+	cfg.Compute, cfg.RestoreDeadline, cfg.Timeout, cfg.ResendAfter = time.Millisecond, 3*time.Second, engineTimeout, engineResend
+	return cfg
 }
 
 func newPrompt(scenario string, tokens []uint32) (*prompt, error) {

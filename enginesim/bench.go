@@ -141,8 +141,7 @@ func benchBytes(p *Plan, t int) (store, restore uint64) {
 
 // bench runs the benchmark on registered workers.
 func (s *sim) bench(ctx context.Context) error {
-	reps := max(s.cfg.BenchReps, 1)
-	per := max(s.cfg.BenchChunksPerStore, 1)
+	reps, per := s.cfg.BenchReps, s.cfg.BenchChunksPerStore
 	br := &BenchResult{Reps: reps, Ranks: len(s.workers), ChunksPerStore: per}
 	s.res.Bench = br
 	info := s.workers[0].dev.Info()

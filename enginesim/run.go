@@ -28,14 +28,17 @@ const (
 	PhaseAll     = "all"     // store, wipe, restore, compare in one process
 )
 
-// Config configures one simulation run.
+// Config configures one simulation run. Start from DefaultConfig, which
+// holds every default; Run validates exactly what it is given (zero means
+// zero: a zero Timeout is an error, not 60 s).
 type Config struct {
 	// Scenario is a name from ScenarioNames. Required.
 	Scenario string
-	// Instance is the engine instance the rankds serve. Default "engine0".
+	// Instance is the engine instance the rankds serve (DefaultConfig:
+	// "engine0").
 	Instance string
 	// Devices is one device spec per TP rank, or one for all ranks
-	// ("host", "cuda:N", "auto" or a GPU UUID). Default ["host"].
+	// ("host", "cuda:N", "auto" or a GPU UUID). DefaultConfig: ["host"].
 	Devices []string
 	// Host configures the host backend; its Dir must be the rankds'.
 	Host cuda.HostConfig
@@ -47,12 +50,12 @@ type Config struct {
 	// Instance (auth.Client: CredsDir with engine-<instance>.nk, or a seed
 	// file; Insecure for none). Its Identity is set by Run.
 	Creds auth.Client
-	// Prefix is the subject prefix. Default "kvtier".
+	// Prefix is the subject prefix (DefaultConfig: "kvtier").
 	Prefix string
-	// Phase is store, restore or all. Default all.
+	// Phase is store, restore or all (DefaultConfig: all).
 	Phase string
 	// Seed varies the prompt and block tables; the same seed regenerates
-	// the same content in a new process. Default 1.
+	// the same content in a new process (DefaultConfig: 1).
 	Seed uint64
 	// Chunks overrides the scenario's chunk count when > 0.
 	Chunks int
@@ -67,12 +70,13 @@ type Config struct {
 	// not list as failed must still be byte-exact.
 	ExpectFail bool
 	// Compute is the simulated compute time per chunk before its pages are
-	// written (the rankd must wait on the producer event). Default 5 ms.
+	// written (the rankd must wait on the producer event); 0: none
+	// (DefaultConfig: 5 ms).
 	Compute time.Duration
-	// RestoreDeadline is asked of the coordinator in restore.begin.
-	// Default 10 s.
+	// RestoreDeadline is asked of the coordinator in restore.begin; > 0
+	// (DefaultConfig: 10 s).
 	RestoreDeadline time.Duration
-	// Timeout bounds each request. Default 60 s.
+	// Timeout bounds each request; > 0 (DefaultConfig: 60 s).
 	Timeout time.Duration
 	// ResendAfter, when > 0, resends a request that got no reply within
 	// this long, until Timeout ends: the engine's registration with each
@@ -92,7 +96,7 @@ type Config struct {
 	// WaitPrefix is how long a restore first waits for the coordinator's
 	// lookup to cover the whole prompt (after restarts the ranks' L2
 	// placements arrive as their first events). The restore begins after
-	// it either way. Default 15 s; negative: no wait.
+	// it either way. Zero or negative: no wait (DefaultConfig: 15 s).
 	WaitPrefix time.Duration
 	// HoldBeforeRetrieve, when set, makes the run print a HOLD line after
 	// the restore plan arrived and wait until this file exists (tests kill
@@ -106,7 +110,8 @@ type Config struct {
 	// (tests that poke at a registered namespace afterwards). Default
 	// false: the engine releases its pools before freeing them.
 	KeepRegistered bool
-	// Out receives progress lines and the final table. Default os.Stdout.
+	// Out receives progress lines and the final table. Required
+	// (DefaultConfig: os.Stdout).
 	Out io.Writer
 	// ResultFile, when set, receives the Result as JSON.
 	ResultFile string
@@ -117,17 +122,17 @@ type Config struct {
 	JSONRequests bool
 
 	// Bench runs the daemon-path benchmark (bench.go) instead of one
-	// store and restore: BenchReps repetitions (default 5) of a timed
+	// store and restore: BenchReps repetitions (>= 1; DefaultConfig 5) of a timed
 	// store and a timed restore with fresh content, against a plain copy
 	// of the same bytes. Phase must be all.
 	Bench     bool
 	BenchReps int
 	// BenchChunksPerStore is the number of chunks in one store request
-	// (0 or 1: one request per chunk). An engine stores what one forward
+	// (>= 1; 1: one request per chunk). An engine stores what one forward
 	// step completed in one request with one producer event: the vLLM
 	// connector sends one store per request and step with every chunk the
 	// step filled, so a chunked prefill of 16,384 tokens per step stores
-	// 8 chunks of 2,048 tokens per request (cmd/enginesim's default), a
+	// 8 chunks of 2,048 tokens per request (DefaultConfig), a
 	// prefill without chunking the whole prompt.
 	BenchChunksPerStore int
 	// BenchGB, when > 0, sizes the prompt so that the rank storing the
@@ -181,47 +186,71 @@ type RankResult struct {
 	Seconds float64 `json:"seconds,omitempty"`
 }
 
+// DefaultConfig returns the defaults cmd/enginesim starts from, the only
+// place they live (STYLE 23). NATSURL and Creds are left for the caller.
+func DefaultConfig() Config {
+	return Config{
+		Scenario: "tp4dcp4", Instance: "engine0", Devices: []string{cuda.SpecHost}, Host: cuda.DefaultHostConfig(),
+		Prefix: wire.DefaultPrefix, Phase: PhaseAll, Seed: 1, Compute: 5 * time.Millisecond,
+		RestoreDeadline: 10 * time.Second, Timeout: 60 * time.Second, WaitPrefix: 15 * time.Second, Out: os.Stdout,
+		BenchReps: 5, BenchChunksPerStore: 8,
+	}
+}
+
+// Validate reports every setting of c that Run cannot use, as one error.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.Instance == "" {
+		bad("no instance")
+	}
+	if len(c.Devices) == 0 {
+		bad("no device spec")
+	}
+	if c.NATSURL == "" {
+		bad("no NATS URL (the coordinator's)")
+	}
+	if c.Prefix == "" {
+		bad("no subject prefix")
+	}
+	switch c.Phase {
+	case PhaseStore, PhaseRestore, PhaseAll:
+	default:
+		bad("phase %q: want store, restore or all", c.Phase)
+	}
+	if c.Compute < 0 {
+		bad("compute %v: negative", c.Compute)
+	}
+	if c.RestoreDeadline <= 0 {
+		bad("restore deadline %v: want > 0", c.RestoreDeadline)
+	}
+	if c.Timeout <= 0 {
+		bad("timeout %v: want > 0", c.Timeout)
+	}
+	if c.ResendAfter < 0 {
+		bad("resend-after %v: negative", c.ResendAfter)
+	}
+	if c.Out == nil {
+		bad("no output writer (Out)")
+	}
+	if c.Bench && c.BenchReps < 1 {
+		bad("bench repetitions %d: want >= 1", c.BenchReps)
+	}
+	if c.Bench && c.BenchChunksPerStore < 1 {
+		bad("bench chunks per store %d: want >= 1", c.BenchChunksPerStore)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("enginesim config: %w", err)
+	}
+	return nil
+}
+
 // Run runs one simulation. It returns the result and an error when the run
 // failed (a mismatch, a verdict that is not the expected one, or an error
 // talking to kvtier); the result is filled as far as the run got.
 func Run(ctx context.Context, cfg Config) (*Result, error) {
-	if cfg.Instance == "" {
-		cfg.Instance = "engine0"
-	}
-	if len(cfg.Devices) == 0 {
-		cfg.Devices = []string{cuda.SpecHost}
-	}
-	if cfg.Prefix == "" {
-		cfg.Prefix = wire.DefaultPrefix
-	}
-	if cfg.Phase == "" {
-		cfg.Phase = PhaseAll
-	}
-	if cfg.Seed == 0 {
-		cfg.Seed = 1
-	}
-	if cfg.Compute == 0 {
-		cfg.Compute = 5 * time.Millisecond
-	}
-	if cfg.RestoreDeadline == 0 {
-		cfg.RestoreDeadline = 10 * time.Second
-	}
-	if cfg.Timeout == 0 {
-		cfg.Timeout = 60 * time.Second
-	}
-	if cfg.WaitPrefix == 0 {
-		cfg.WaitPrefix = 15 * time.Second
-	}
-	if cfg.Out == nil {
-		cfg.Out = os.Stdout
-	}
-	switch cfg.Phase {
-	case PhaseStore, PhaseRestore, PhaseAll:
-	default:
-		return nil, fmt.Errorf("phase %q: want store, restore or all", cfg.Phase)
-	}
-	if cfg.NATSURL == "" {
-		return nil, errors.New("no NATS URL (the coordinator's)")
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	sc, err := LookupScenario(cfg.Scenario)
 	if err != nil {

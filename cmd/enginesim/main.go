@@ -19,43 +19,39 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
-	"time"
 
-	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/enginesim"
 )
 
 func main() {
-	var (
-		cfg     enginesim.Config
-		devices string
-		hostDir string
-	)
-	flag.StringVar(&cfg.Scenario, "scenario", "tp4dcp4", "scenario: "+strings.Join(enginesim.ScenarioNames(), ", "))
-	flag.StringVar(&cfg.Instance, "instance", "engine0", "engine instance the rankds serve")
-	flag.StringVar(&devices, "device", "host", "device spec for every rank, or a comma-separated one per rank (host, auto, cuda:N, GPU UUID)")
+	cfg := enginesim.DefaultConfig()
+	cfg.NATSURL = "nats://127.0.0.1:4222"
+	var devices, hostDir string
+	flag.StringVar(&cfg.Scenario, "scenario", cfg.Scenario, "scenario: "+strings.Join(enginesim.ScenarioNames(), ", "))
+	flag.StringVar(&cfg.Instance, "instance", cfg.Instance, "engine instance the rankds serve")
+	flag.StringVar(&devices, "device", strings.Join(cfg.Devices, ","), "device spec for every rank, or a comma-separated one per rank (host, auto, cuda:N, GPU UUID)")
 	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir, must match the rankds'; default /dev/shm/kvtier-<uid>)")
-	flag.StringVar(&cfg.NATSURL, "nats", "nats://127.0.0.1:4222", "NATS URL(s) of the coordinator, comma-separated for a NATS cluster")
-	flag.StringVar(&cfg.Prefix, "prefix", "kvtier", "NATS subject prefix")
+	flag.StringVar(&cfg.NATSURL, "nats", cfg.NATSURL, "NATS URL(s) of the coordinator, comma-separated for a NATS cluster")
+	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	flag.StringVar(&cfg.Creds.Dir, "creds-dir", "", "credentials directory from 'coordinator init' (engine-<instance>.nk; required unless --insecure)")
 	flag.StringVar(&cfg.Creds.SeedFile, "creds", "", "the engine identity's nkey seed file (default <creds-dir>/engine-<instance>.nk)")
 	flag.StringVar(&cfg.Creds.CAFile, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
 	flag.BoolVar(&cfg.Creds.Insecure, "insecure", false, "DEVELOPMENT ONLY: connect without credentials")
-	flag.StringVar(&cfg.Phase, "phase", enginesim.PhaseAll, "store | restore | all")
-	flag.Uint64Var(&cfg.Seed, "seed", 1, "content seed (the same seed regenerates the same prompt and pages)")
+	flag.StringVar(&cfg.Phase, "phase", cfg.Phase, "store | restore | all")
+	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "content seed (the same seed regenerates the same prompt and pages)")
 	flag.IntVar(&cfg.Chunks, "chunks", 0, "chunks in the prompt (0: the scenario's)")
 	flag.BoolVar(&cfg.ExpectFail, "expect-fail", false, "the restore must fail; chunks it does not name must still be byte-exact")
-	flag.DurationVar(&cfg.Compute, "compute", 5*time.Millisecond, "simulated compute per chunk before its pages are written")
-	flag.DurationVar(&cfg.RestoreDeadline, "restore-deadline", 10*time.Second, "restore deadline asked of the coordinator")
-	flag.DurationVar(&cfg.Timeout, "timeout", 60*time.Second, "timeout of each request")
-	flag.DurationVar(&cfg.WaitPrefix, "wait-prefix", 15*time.Second, "before a restore, wait up to this long for the lookup to cover the prompt (negative: no wait)")
+	flag.DurationVar(&cfg.Compute, "compute", cfg.Compute, "simulated compute per chunk before its pages are written")
+	flag.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "restore deadline asked of the coordinator")
+	flag.DurationVar(&cfg.Timeout, "timeout", cfg.Timeout, "timeout of each request")
+	flag.DurationVar(&cfg.WaitPrefix, "wait-prefix", cfg.WaitPrefix, "before a restore, wait up to this long for the lookup to cover the prompt (0 or negative: no wait)")
 	flag.StringVar(&cfg.HoldBeforeRetrieve, "hold-before-retrieve", "", "after the restore plan, wait until this file exists")
 	flag.StringVar(&cfg.HoldBeforeStore, "hold-before-store", "", "after registering, wait until this file exists before storing")
 	flag.BoolVar(&cfg.KeepRegistered, "keep-registered", false, "do not release the pools at exit")
 	flag.StringVar(&cfg.ResultFile, "result", "", "write the result as JSON to this file")
 	flag.BoolVar(&cfg.Bench, "bench", false, "daemon-path benchmark: timed store and restore of the prompt, repeated, against a plain copy of the same bytes")
-	flag.IntVar(&cfg.BenchReps, "bench-reps", 5, "bench: repetitions (median, min and max reported)")
-	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", 8, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
+	flag.IntVar(&cfg.BenchReps, "bench-reps", cfg.BenchReps, "bench: repetitions (median, min and max reported)")
+	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", cfg.BenchChunksPerStore, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
 	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store and retrieve requests as JSON (as engines before the binary form; rankd reads both)")
 	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
 	flag.Parse()
@@ -64,7 +60,6 @@ func main() {
 		fmt.Fprintln(os.Stderr, "enginesim: INSECURE (--insecure): connecting without credentials; only an --insecure coordinator accepts that")
 	}
 	cfg.Devices = strings.Split(devices, ",")
-	cfg.Host = cuda.DefaultHostConfig()
 	if hostDir != "" {
 		cfg.Host.Dir = hostDir
 	}
