@@ -40,7 +40,7 @@ func TestRefList(t *testing.T) {
 	}
 	v := l.view()
 	for i := range refBlock {
-		l.add(ref(1 << 20 + i))
+		l.add(ref(1<<20 + i))
 	}
 	if v.len() != len(want) || !slices.Equal(v.flat(), want) {
 		t.Fatal("the view changed as the list grew")
