@@ -274,9 +274,6 @@ func (st *state) setChunk(n *nsState, ref chunkRef, old chunkVal, had bool, s []
 		st.compact(st.ranks[id])
 	}
 	st.compactQ = st.compactQ[:0]
-	if len(st.compacting) > 0 {
-		st.installCompactions()
-	}
 }
 
 func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s []placement) {

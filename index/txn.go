@@ -644,6 +644,9 @@ func (st *state) publishChunks(t *txn, from, to int) {
 		}
 		st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
 	}
+	if len(st.compacting) > 0 {
+		st.installCompactions() // once per slice of the publish
+	}
 }
 
 // validateBatch checks a batch before it is queued; nothing of an invalid
