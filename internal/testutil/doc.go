@@ -1,0 +1,14 @@
+// Package testutil is the one home of the helpers that tests in several
+// packages share (STYLE 34): a metric reader, a poll with a deadline, an
+// embedded NATS server and a free port.
+//
+// Every helper fails the test loudly instead of returning a neutral value:
+// a metric or series that is absent fails (it never reads as 0), a
+// condition that does not come true in time fails with what was awaited,
+// a server that does not start fails. Servers listen on loopback at a port
+// the kernel chooses and are stopped by tb.Cleanup.
+//
+// testutil never imports a kvtier package, so every package's tests,
+// internal or external, can import it without a cycle; it is imported only
+// by tests (and by the campaign lab for PickPort), never by a daemon.
+package testutil
