@@ -263,13 +263,16 @@ class FakeWorld:
         self.incarnation = 1
         self.released = 0
         self.specs: list[dcp.Spec] = []
+        self.status_error: Exception | None = None
 
 
 class FakeAio:
     def __init__(self, world: FakeWorld) -> None:
         self.world = world
 
-    async def lookup(self, namespace, chunks, instance="", detail=False):
+    connected = True
+
+    async def lookup(self, namespace, chunks, instance="", detail=False, *, timeout=None):
         self.world.lookups.append(wire.LookupRequest(namespace, list(chunks), instance))
         if self.world.lookup_gate is not None:
             await asyncio.wrap_future(self.world.lookup_gate)
@@ -277,7 +280,14 @@ class FakeAio:
             raise self.world.lookup_error
         return wire.LookupReply(instance=instance, prefix=min(self.world.prefix, len(chunks)))
 
-    async def restore_wait(self, restore_id, timeout=None):
+    async def restore_begin(self, namespace, chunks, instance="", deadline_ms=0, *, timeout=None):
+        self.world.begins.append((namespace, list(chunks), instance))
+        if self.world.begin_error is not None:
+            raise self.world.begin_error
+        assert self.world.plan is not None
+        return self.world.plan
+
+    async def restore_wait(self, restore_id, timeout=None, instance=""):
         v = self.world.verdict
         assert v is not None and v.restore_id == restore_id
         return v
@@ -303,14 +313,9 @@ class FakeSyncClient(client.SyncClient):
         self.world.registered.append((rank, device_uuid, list(pools)))
         return client.SyncRankSession(self, FakeSession(rank, spec.resolve().namespace, self.world))  # type: ignore[arg-type]
 
-    def restore_begin(self, namespace, chunks, instance="", deadline_ms=0):
-        self.world.begins.append((namespace, list(chunks), instance))
-        if self.world.begin_error is not None:
-            raise self.world.begin_error
-        assert self.world.plan is not None
-        return self.world.plan
-
-    def status(self, rank):
+    def status(self, rank, *, timeout=None):
+        if self.world.status_error is not None:
+            raise self.world.status_error
         return wire.StatusReply(rank=rank, tp_size=1, incarnation=self.world.incarnation, accepting=True)
 
     def close(self):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 import types
 
 import pytest
@@ -24,14 +25,14 @@ class Event:
         self.released = True
 
 
-def make(world, role, kv_cfg=None, tp=1, tp_rank=0, **extra):
+def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=True, **extra):
     kv_cfg = kv_cfg or fakes.attention_config()
 
     class Conn(KvtierConnector):
         events: list[Event]
 
         def _make_client(self):
-            return fakes.FakeSyncClient(world)
+            return client_factory() if client_factory is not None else fakes.FakeSyncClient(world)
 
         def _tp_rank(self):
             return tp_rank
@@ -48,9 +49,31 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, **extra):
     extra.setdefault("kvtier_device", "host")
     extra.setdefault("kvtier_creds_dir", "/etc/kvtier/creds")  # the fakes connect nowhere
     extra.setdefault("kvtier_lookup_wait_s", 5.0)
+    extra.setdefault("kvtier_load_async", False)  # the tests read a load's errors in the step it runs
+    if "kvtier_chunk_tokens" not in extra:  # one chunk per block unless a test says otherwise
+        g = kv_cfg.kv_cache_groups[0].kv_cache_spec
+        dcp_size = extra.pop("_dcp", 1)
+        extra["kvtier_chunk_tokens"] = g.block_size * dcp_size
     c = Conn(fakes.vllm_config(tp, **extra), role, kv_cfg)
     c.events = []
+    if role == KVConnectorRole.SCHEDULER and attach:
+        assert c.wait_attached(5), "the fake scheduler link did not attach"
     return c
+
+
+def attached(conn):
+    """register_kv_caches has started the worker's link: wait for it."""
+    assert conn.wait_attached(5), f"the fake worker link did not attach: {conn._link.why}"
+    return conn
+
+
+def eventually(what, cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def tokens(n: int) -> list[int]:
@@ -69,7 +92,7 @@ def test_spec_page_from_page_size_bytes_not_shape():
     spec, layers = spec_from_vllm(cfg, "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None)
     grp = spec.groups[0]
     assert (grp.page_bytes, grp.semantic_bytes, grp.stride_bytes) == (1100, 1024, 1100)
-    assert (grp.block_size, grp.layers, spec.chunk_tokens, spec.layout.tp) == (16, 2, 16, 2)
+    assert (grp.block_size, grp.layers, spec.chunk_tokens, spec.layout.tp) == (16, 2, 256, 2)  # 16 blocks of 16
     assert layers[0].layer_names == tuple(g.layer_names)
 
 
@@ -123,7 +146,7 @@ def test_spec_dcp_groups_span_block_size_times_dcp():
                              interleave=8)
     r = spec.resolve()
     assert (spec.layout.tp, spec.layout.dcp, spec.layout.interleave) == (4, 2, 8)
-    assert (spec.chunk_tokens, r.geometry[0].span, r.blocks_per_chunk(0)) == (32, 32, 1)
+    assert (spec.chunk_tokens, r.geometry[0].span, r.blocks_per_chunk(0)) == (256, 32, 8)  # default >= 256
     one, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=4, dcp_size=2, pp=1, chunk_tokens=None)
     assert one.resolve().namespace != r.namespace  # interleave 1 vs 8: other pages, other objects
     spec, _ = spec_from_vllm(fakes.attention_config(), "m", "", tp=4, dcp_size=4, pp=1, chunk_tokens=128)
@@ -139,7 +162,7 @@ def test_connector_reads_dcp_interleave_and_pcp_from_vllm():
     vc.parallel_config.decode_context_parallel_size = 2
     vc.parallel_config.cp_kv_cache_interleave_size = 16
     conn = KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
-    assert (conn.spec.layout.dcp, conn.spec.layout.interleave, conn.chunk) == (2, 16, 32)
+    assert (conn.spec.layout.dcp, conn.spec.layout.interleave, conn.chunk) == (2, 16, 256)
     vc.parallel_config.prefill_context_parallel_size = 2
     with pytest.raises(errors.GeometryError, match="prefill context parallel size 2"):
         KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
@@ -181,14 +204,16 @@ def test_matched_tokens_not_yet_then_idempotent():
     world.lookup_gate = concurrent.futures.Future()
     s = make(world, KVConnectorRole.SCHEDULER, kvtier_lookup_wait_s=0.01)
     req = fakes.Request("r1", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)
     world.lookup_gate.set_result(None)
     s.cfg.lookup_wait_s = 5
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
-    assert len(world.lookups) == 1
+    assert len(world.lookups) == 1 and len(world.begins) == 1
     assert world.lookups[0].chunks == s.resolved.chunk_hashes(req.prompt_token_ids)[:5]
+    assert world.begins[0][1] == s.resolved.chunk_hashes(req.prompt_token_ids)[:3]  # the hit only
     assert world.specs == [s.spec]
 
 
@@ -196,9 +221,11 @@ def test_matched_tokens_leave_the_last_token_and_respect_computed():
     world = fakes.FakeWorld()
     world.prefix = 99
     s = make(world, KVConnectorRole.SCHEDULER)
+    world.plan = wire.RestorePlan("r-9", 3, {})
     # exactly 4 chunks: vLLM must compute the last token, so only 3 load
     assert s.get_num_new_matched_tokens(fakes.Request("a", tokens(64)), 0) == (48, False)
     # locally computed 2 chunks: the lookup starts at chunk 2
+    world.plan = wire.RestorePlan("r-10", 2, {})
     assert s.get_num_new_matched_tokens(fakes.Request("b", tokens(64 + 1)), 32) == (32, False)
     assert world.lookups[-1].chunks == s.resolved.chunk_hashes(tokens(65))[2:4]
     # not chunk aligned: nothing
@@ -228,8 +255,8 @@ def test_scheduler_load_and_save_metadata():
     world.prefix = 2
     s = make(world, KVConnectorRole.SCHEDULER)
     req = fakes.Request("r1", tokens(16 * 4 + 5))
-    assert s.get_num_new_matched_tokens(req, 0) == (32, False)
     world.plan = plan_for(s, req, 0, 2)
+    assert s.get_num_new_matched_tokens(req, 0) == (32, False)
     blocks = fakes.KVCacheBlocks(([10, 11, 12, 13, 14],))
     s.update_state_after_alloc(req, blocks, 32)
     out = fakes.SchedulerOutput(
@@ -277,31 +304,43 @@ def test_chunked_prefill_saves_each_chunk_once():
     assert [[b for _, b in sv.chunks] for sv in m2.saves] == [[[[8]], [[9]]]]
 
 
-def test_restore_begin_failure_still_reports_the_load():
+def test_restore_begin_failure_is_a_miss():
+    """The restore begins with the lookup: a begin that fails is a miss,
+    so vLLM is never told of tokens without a plan."""
     world = fakes.FakeWorld()
     world.prefix = 2
     world.begin_error = errors.Unavailable("unavailable", "down")
     s = make(world, KVConnectorRole.SCHEDULER)
     req = fakes.Request("r", tokens(40))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.stats["lookup_errors"] == 1 and len(world.begins) == 1
+
+
+def test_vllm_taking_fewer_chunks_than_planned_loads_nothing():
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("r", tokens(40))
+    world.plan = plan_for(s, req, 0, 2)
     assert s.get_num_new_matched_tokens(req, 0) == (32, False)
-    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([4, 5, 6],)), 32)
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([4, 5, 6],)), 16)
     meta = s.build_connector_meta(fakes.SchedulerOutput())
-    assert meta.loads[0].restore_id == "" and "down" in meta.loads[0].problem
+    assert meta.loads[0].restore_id == "" and "took 1 of the 2" in meta.loads[0].problem
 
 
 # ------------------------------------------------------------------ worker
 
 
-def worker(world, tp=1, tp_rank=0, kv_cfg=None):
+def worker(world, tp=1, tp_rank=0, kv_cfg=None, attach=True, **extra):
     kv_cfg = kv_cfg or fakes.attention_config()
-    w = make(world, KVConnectorRole.WORKER, kv_cfg, tp=tp, tp_rank=tp_rank)
+    w = make(world, KVConnectorRole.WORKER, kv_cfg, tp=tp, tp_rank=tp_rank, **extra)
     page = kv_cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     caches = {}
     for i, name in enumerate(kv_cfg.kv_cache_groups[0].layer_names):
         caches[name] = fakes.Tensor((kv_cfg.num_blocks, 2, 16, 2, 8), (page // 2, 256, 16, 8, 1), 2,
                                     cuda.MemHandle("host", "HOST-t", b"pool", i * 1 << 20, kv_cfg.num_blocks * page))
     w.register_kv_caches(caches)
-    return w
+    return attached(w) if attach else w
 
 
 def test_register_checks_layout_and_registers_every_layer():
@@ -387,21 +426,28 @@ def test_store_after_rankd_restart_reregisters():
     try:
         bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
         w.wait_for_save()
-        for p in w._pending["r1"]:
-            assert p.fut.result(5).stored == 1
+        with pytest.raises(errors.UnknownNamespace):
+            w._pending["r1"][0].fut.result(5)
+        # the link registers the pools again in the background
+        eventually("registered again", lambda: len(world.registered) == 2 and w.wait_attached(0.01))
+        assert w.stats["reregistered"] == 1
+        bind(w, saves=[SaveSpec("r2", [(bytes(16), [[1]])])])
+        w.wait_for_save()
+        assert w._pending["r2"][-1].fut.result(5).stored == 1
     finally:
         fakes.FakeSession.store = orig
-    assert (calls, world.reregistered) == (["r1", "r1"], 1)
+    assert calls == ["r1", "r2"]
 
 
-def load_spec(w, verdict_failed=(), planned=3, chunks=3, restore_id="r-1"):
+def load_spec(w, verdict_failed=(), planned=3, chunks=3, restore_id="r-1", async_load=False):
     from kvtier import _codec
     from kvtier.vllm import LoadSpec
 
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16)),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(planned)]
     raw = _codec.dumps([_codec.to_obj(i) for i in items])
-    return LoadSpec("r1", restore_id, 1, chunks, planned, {"engine0/0": raw}, [[20, 21, 22, 23, 24, 25]])
+    return LoadSpec("r1", restore_id, 1, chunks, planned, {"engine0/0": raw}, [[20, 21, 22, 23, 24, 25]],
+                    async_load=async_load)
 
 
 def test_load_complete_verdict_has_no_errors():
@@ -482,6 +528,7 @@ def test_kv_split_register_sends_k_then_v():
             cuda.MemHandle("host", "HOST-t", b"p", i * 2 * nb * half, nb * half),
             cuda.MemHandle("host", "HOST-t", b"p", (i * 2 + 1) * nb * half, nb * half)])
     w.register_kv_caches(caches)
+    attached(w)
     (_, _, pools), = world.registered
     assert [(p.group, p.layer, p.handle.offset) for p in pools] == [
         (0, 0, 0), (0, 1, nb * half), (0, 2, 2 * nb * half), (0, 3, 3 * nb * half)]
@@ -518,17 +565,12 @@ def test_blocks_in_use_are_held_until_blocks_freed():
 
 
 def test_worker_registers_again_when_the_rankd_restarted():
-    from kvtier.vllm import SaveSpec
-
     world = fakes.FakeWorld()
-    w = worker(world)
-    bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
-    w.wait_for_save()
-    assert world.reregistered == 0
-    world.incarnation = 2  # the rankd restarted
-    w.wait_for_save()
-    w.wait_for_save()
-    assert (world.reregistered, w.stats["reregistered"]) == (1, 1)
+    w = worker(world, kvtier_health_check_s=0.02)
+    assert len(world.registered) == 1
+    world.incarnation = 2  # the rankd restarted: the link's check notices it
+    eventually("registered again", lambda: len(world.registered) == 2 and w.wait_attached(0.01))
+    assert w.stats["reregistered"] == 1 and w._incarnation == 2
 
 
 def test_config_is_secure_by_default_and_uses_the_private_host_dir():

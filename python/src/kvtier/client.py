@@ -285,9 +285,20 @@ class Client:
         client's): <prefix>.coord.<op>.<instance>."""
         return self.subjects.engine_coord(self._instance(instance), op)
 
+    @property
+    def connected(self) -> bool:
+        """Whether NATS is connected now (False while nats-py reconnects)."""
+        return self._nc is not None and bool(self._nc.is_connected)
+
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def call(self, subject: str, req: Any, reply: type[T], timeout: float | None = None,
                    decoder: Callable[[bytes, str], T] | None = None) -> T:
@@ -347,17 +358,17 @@ class Client:
         return rep.namespace
 
     async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                     detail: bool = False) -> LookupReply:
+                     detail: bool = False, *, timeout: float | None = None) -> LookupReply:
         inst = self._instance(instance)
         req = wire.LookupRequest(namespace, list(chunks), inst, detail)
-        return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply)
+        return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply, timeout=timeout)
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                            deadline_ms: int = 0) -> RestorePlan:
+                            deadline_ms: int = 0, *, timeout: float | None = None) -> RestorePlan:
         inst = self._instance(instance)
         req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), inst)
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
-                               decoder=wire.decode_restore_plan)
+                               timeout=timeout, decoder=wire.decode_restore_plan)
 
     async def restore_wait(self, restore_id: str, timeout: float | None = None, instance: str = "") -> RestoreVerdict:
         v = await self.call(self.coord_subject(wire.COORD_RESTORE_WAIT, instance), wire.RestoreWait(restore_id),
@@ -367,8 +378,8 @@ class Client:
 
     # ------------------------------------------------------------ rankd
 
-    async def status(self, rank: Rank) -> wire.StatusReply:
-        return await self.call(self.subjects.engine(rank, wire.OP_STATUS), {}, wire.StatusReply)
+    async def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
+        return await self.call(self.subjects.engine(rank, wire.OP_STATUS), {}, wire.StatusReply, timeout=timeout)
 
     async def register(self, rank: Rank, spec: Spec, device_uuid: str,
                        pools: Sequence[PoolRegistration]) -> RankSession:
@@ -545,15 +556,16 @@ class SyncClient:
         return SyncRankSession(self, self.run(self.aio.register(rank, spec, device_uuid, pools)))
 
     def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-               detail: bool = False) -> LookupReply:
-        return self.run(self.aio.lookup(namespace, chunks, instance, detail))
+               detail: bool = False, *, timeout: float | None = None) -> LookupReply:
+        return self.run(self.aio.lookup(namespace, chunks, instance, detail, timeout=timeout), _outer(timeout))
 
     def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                      deadline_ms: int = 0) -> RestorePlan:
-        return self.run(self.aio.restore_begin(namespace, chunks, instance, deadline_ms))
+                      deadline_ms: int = 0, *, timeout: float | None = None) -> RestorePlan:
+        return self.run(self.aio.restore_begin(namespace, chunks, instance, deadline_ms, timeout=timeout),
+                        _outer(timeout))
 
-    def restore_wait(self, restore_id: str, instance: str = "") -> RestoreVerdict:
-        return self.run(self.aio.restore_wait(restore_id, instance=instance))
+    def restore_wait(self, restore_id: str, timeout: float | None = None, instance: str = "") -> RestoreVerdict:
+        return self.run(self.aio.restore_wait(restore_id, timeout, instance), _outer(timeout))
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
                 blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",
@@ -561,13 +573,25 @@ class SyncClient:
         return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
                                 instance, deadline_ms))
 
-    def status(self, rank: Rank) -> wire.StatusReply:
-        return self.run(self.aio.status(rank))
+    def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
+        return self.run(self.aio.status(rank, timeout=timeout), _outer(timeout))
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is open and NATS is connected now."""
+        return not self._closed and self.aio.connected
 
     def _stop(self) -> None:
         self._closed = True
         if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            def stop() -> None:
+                # Requests still in flight end as cancelled (their futures
+                # say so) rather than vanish with the loop.
+                for t in asyncio.all_tasks(self._loop):
+                    t.cancel()
+                self._loop.call_soon(self._loop.stop)
+
+            self._loop.call_soon_threadsafe(stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
@@ -585,6 +609,12 @@ class SyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _outer(timeout: float | None) -> float | None:
+    """The facade's bound for a request of the given timeout (the default
+    when None): the request's own timeout fires first."""
+    return None if timeout is None else timeout + 5
 
 
 class SyncRankSession:

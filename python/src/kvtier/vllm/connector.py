@@ -7,25 +7,35 @@ Load it with ``kv_transfer_config={"kv_connector": "KvtierConnector",
 engine-<instance> with that directory's seed (and ca.pem, if present);
 ``kvtier_nkey_seed_file`` / ``kvtier_tls_ca_file`` name them one by one.
 Without credentials it refuses to start (``kvtier_insecure`` only for an
-``--insecure`` coordinator).
+``--insecure`` coordinator). Every key: docs/vllm.md.
 
-Scheduler side: ``get_num_new_matched_tokens`` asks the coordinator's
-lookup for the request's chunks (answering "not yet", None, while the
-lookup is in flight; the answer is cached per request, so repeated calls
-agree); ``update_state_after_alloc`` records what to load into which
-blocks; ``build_connector_meta`` begins each restore at the coordinator
-and lists the chunks to store that this step completes;
-``request_finished`` keeps a request's blocks while stores may still read
-them.
+A cache outage never takes vLLM down (C11). The connection and the
+registrations are made by a background link (kvtier.vllm.attach) that
+retries with backoff; while it is not attached every lookup is a miss and
+every store is skipped at once. Nothing on vLLM's path waits on the network
+for longer than kvtier_lookup_wait_s per scheduler call; a lookup, restore
+or store that times out or fails is a recompute, never "not yet" forever.
 
-Worker side: ``register_kv_caches`` registers every layer's pool with the
-worker's rankd (raw CUDA IPC handle plus offset); ``start_load_kv`` sends
-this rank's part of every restore and waits for the coordinator's verdict;
+Scheduler side: ``get_num_new_matched_tokens`` sends the lookup and, on a
+hit, begins the restore at the coordinator (answering "not yet", None,
+while they are in flight, for at most twice kvtier_lookup_timeout_s); the
+plan is kept per request, so repeated calls agree and building the step's
+metadata sends nothing; ``update_state_after_alloc`` records what to load
+into which blocks; ``build_connector_meta`` hands each load its plan and
+lists the chunks to store that this step completes; ``request_finished``
+keeps a request's blocks while stores may still read them.
+
+Worker side: ``register_kv_caches`` checks every layer's pool (raw CUDA IPC
+handle plus offset) and the link registers them with the worker's rankd,
+again whenever the rankd restarts; ``start_load_kv`` sends this rank's part
+of every restore and returns (loads are asynchronous: ``get_finished``
+reports a request once its verdict is in, bounded by the restore deadline);
 only a complete verdict counts, and every block of a chunk that is not
 confirmed goes to ``get_block_ids_with_load_errors`` so vLLM recomputes it;
 ``wait_for_save`` records one interprocess event per store (C1) after the
 forward and sends the stores; ``get_finished`` reports a request once all
-its stores have answered.
+its stores have answered. ``get_kv_connector_stats`` feeds vLLM's stats
+and /metrics (kvtier.vllm.stats).
 
 The spec comes from vLLM's kv_cache_config (see kvtier.vllm.spec) and
 fails closed on layouts it does not understand.
@@ -33,16 +43,21 @@ fails closed on layouts it does not understand.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
-from kvtier.errors import GeometryError, KvtierError, UnknownNamespace, UnknownSession
+from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace, UnknownSession
+from kvtier.vllm.attach import Check, Link
 from kvtier.vllm.spec import spec_from_vllm
+from kvtier.vllm.stats import KvtierPromMetrics, KvtierStats
+from kvtier.vllm.stats import delta as stats_delta
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -105,6 +120,7 @@ class LoadSpec:
     items: dict[str, bytes]  # by str(Rank): JSON list of RetrieveItem
     block_ids: list[list[int]]  # [group][block] of the whole request
     problem: str = ""
+    async_load: bool = True  # vLLM was told the load is asynchronous (get_finished reports it)
 
 
 @dataclass
@@ -125,9 +141,11 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class _Req:
     tokens: list[int]
     hashes: list[dcp.ChunkHash]
-    lookup: concurrent.futures.Future[wire.LookupReply] | None = None
+    lookup: concurrent.futures.Future[wire.RestorePlan | None] | None = None
+    lookup_since: float = 0.0
     lookup_first: int = -1
     matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
+    plan: wire.RestorePlan | None = None  # the restore begun for the hit
     load: tuple[int, int] | None = None  # (first chunk, chunks) to load
     block_ids: list[list[int]] = field(default_factory=list)
     saved_through: int = 0  # chunks [0, saved_through) are stored or being stored
@@ -154,7 +172,12 @@ class Config:
     chunk_tokens: int | None
     timeout_s: float
     lookup_wait_s: float
+    lookup_timeout_s: float
     restore_deadline_ms: int
+    load_async: bool
+    health_check_s: float
+    attach_backoff_max_s: float
+    shutdown_timeout_s: float
     device: str  # "cuda" or "host"
     host_dir: str  # private (0700), default cuda.default_host_dir()
     host_uuid: str | None
@@ -175,14 +198,19 @@ class Config:
                 instance=extra.get("kvtier_instance", "engine0"), model=model,
                 cache_salt=extra.get("kvtier_cache_salt", ""), chunk_tokens=int(chunk) if chunk else None,
                 timeout_s=float(extra.get("kvtier_timeout_s", 30.0)),
-                lookup_wait_s=float(extra.get("kvtier_lookup_wait_s", 0.05)),
+                lookup_wait_s=float(extra.get("kvtier_lookup_wait_s", 0.005)),
+                lookup_timeout_s=float(extra.get("kvtier_lookup_timeout_s", 2.0)),
                 restore_deadline_ms=int(extra.get("kvtier_restore_deadline_ms", 10000)),
+                load_async=_flag(extra.get("kvtier_load_async", True)),
+                health_check_s=float(extra.get("kvtier_health_check_s", 1.0)),
+                attach_backoff_max_s=float(extra.get("kvtier_attach_backoff_max_s", 5.0)),
+                shutdown_timeout_s=float(extra.get("kvtier_shutdown_timeout_s", 5.0)),
                 device=extra.get("kvtier_device", "cuda"),
                 host_dir=extra.get("kvtier_host_dir") or cuda.default_host_dir(),
                 host_uuid=extra.get("kvtier_host_uuid"), creds_dir=extra.get("kvtier_creds_dir"),
                 nkey_seed_file=extra.get("kvtier_nkey_seed_file"),
                 tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
-                insecure=str(extra.get("kvtier_insecure", "")).lower() in ("1", "true", "yes"),
+                insecure=_flag(extra.get("kvtier_insecure", False)),
                 pool_layout=extra.get("kvtier_pool_layout", "block_major"))
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
         if policy is not None and policy != "recompute":
@@ -192,6 +220,17 @@ class Config:
             raise ValueError(f'kv_transfer_config kv_load_failure_policy "{policy}": the kvtier connector needs '
                              '"recompute" (a chunk kvtier cannot restore is recomputed, not an error for the request)')
         wire.valid_instance(c.instance)
+        for key, v in (("kvtier_timeout_s", c.timeout_s), ("kvtier_lookup_timeout_s", c.lookup_timeout_s),
+                       ("kvtier_health_check_s", c.health_check_s),
+                       ("kvtier_attach_backoff_max_s", c.attach_backoff_max_s),
+                       ("kvtier_shutdown_timeout_s", c.shutdown_timeout_s)):
+            if not v > 0:
+                raise ValueError(f"kv_connector_extra_config {key} {v}: want > 0 seconds")
+        if c.lookup_wait_s < 0 or c.restore_deadline_ms <= 0:
+            raise ValueError(f"kv_connector_extra_config kvtier_lookup_wait_s {c.lookup_wait_s} (want >= 0), "
+                             f"kvtier_restore_deadline_ms {c.restore_deadline_ms} (want > 0)")
+        if c.chunk_tokens is not None and c.chunk_tokens <= 0:
+            raise ValueError(f"kv_connector_extra_config kvtier_chunk_tokens {c.chunk_tokens}: want > 0")
         if c.device not in ("cuda", "host"):
             raise ValueError(f"kvtier_device {c.device!r}: want cuda or host")
         try:
@@ -202,7 +241,10 @@ class Config:
         return c
 
     def connect_options(self, name: str) -> kvclient.ConnectOptions:
+        # The first connection is tried for at most lookup_timeout_s; the
+        # link tries again in the background (C11).
         return kvclient.ConnectOptions(servers=self.nats, name=name, prefix=self.prefix, timeout=self.timeout_s,
+                                       connect_timeout=self.lookup_timeout_s,
                                        instance=self.instance, creds_dir=self.creds_dir,
                                        nkey_seed_file=self.nkey_seed_file, tls_ca_file=self.tls_ca_file,
                                        inbox_prefix=self.inbox_prefix, insecure=self.insecure)
@@ -211,6 +253,18 @@ class Config:
         """The host backend device of kvtier_device=host: host_dir (created
         0700 when it is the default) must be private, as rankd requires."""
         return cuda.HostDevice(self.host_dir, self.host_uuid)
+
+
+def _flag(v: Any) -> bool:
+    """A boolean key: JSON true/false, or the strings 1/true/yes/on and 0/false/no/off."""
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kv_connector_extra_config: {v!r} is not a boolean")
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -234,33 +288,43 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.chunk = self.spec.chunk_tokens
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
-        self._client: kvclient.SyncClient | None = None
-        self.stats = {"lookups": 0, "lookup_errors": 0, "loaded_tokens": 0, "restores": 0, "restore_failures": 0,
-                      "load_error_blocks": 0, "stores": 0, "stored_objects": 0, "store_failures": 0,
-                      "reregistered": 0, "blocks_in_use": 0}
+        self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
+                      "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
+                      "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
+                      "load_error_blocks": 0, "load_ms": 0, "loads_skipped": 0, "stores": 0, "stored_objects": 0,
+                      "store_failures": 0, "stores_skipped": 0, "reregistered": 0, "blocks_in_use": 0,
+                      "attaches": 0, "detaches": 0}
+        self._stats_sent: dict[str, int] = {}
+        self._link: Link | None = None
         # scheduler side
         self._reqs: dict[str, _Req] = {}
-        self._registered_spec = False
         # worker side
         self._session: kvclient.SyncRankSession | None = None
+        self._freed_sub: kvclient.SyncClient | None = None  # the client whose BlocksFreed we subscribed to
+        self._incarnation = 0
+        self._pools: list[wire.PoolRegistration] = []
         self._device_uuid = ""
         self._pending: dict[str, list[_Pending]] = {}
         self._saving: set[str] = set()
         self._finishing: set[str] = set()
+        self._loading: dict[str, _Loading] = {}
         self._load_errors: set[int] = set()
         self._freed_lock = threading.Lock()
         self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
         self._rank = wire.Rank(self.cfg.instance, 0)
         self._host: cuda.HostDevice | None = None
         self._host_mems: list[cuda.HostMem] = []  # kvtier_device=host: the pools, alive as long as vLLM's tensors
-        log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d, DCP %d (interleave %d)",
-                 "scheduler" if self.is_scheduler else "worker", self.resolved.namespace, len(self.spec.groups),
-                 self.chunk, self.tp, dcp_size, interleave)
+        log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d, DCP %d (interleave %d), "
+                 "loads %s", "scheduler" if self.is_scheduler else "worker", self.resolved.namespace,
+                 len(self.spec.groups), self.chunk, self.tp, dcp_size, interleave,
+                 "asynchronous" if self.cfg.load_async else "synchronous")
+        if self.is_scheduler:
+            self._start_link("scheduler", self._setup_scheduler, None)
 
     # ---------------------------------------------------------------- seams
 
     def _make_client(self) -> kvclient.SyncClient:
-        role = "scheduler" if self.is_scheduler else f"worker{self._tp_rank()}"
+        role = "scheduler" if self.is_scheduler else f"worker{self._rank.tp_rank}"
         return kvclient.SyncClient(self.cfg.connect_options(f"kvtier-vllm-{self.cfg.instance}-{role}"))
 
     def _tp_rank(self) -> int:
@@ -345,18 +409,56 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ev.record(torch.cuda.current_stream())
         return ev, cuda.event_handle_from_torch(ev, self._device_uuid)
 
-    @property
-    def client(self) -> kvclient.SyncClient:
-        if self._client is None:
-            self._client = self._make_client()
-        return self._client
+    # ---------------------------------------------------------------- the link (C11)
+
+    def _start_link(self, name: str, setup: Any, check: Any) -> None:
+        cap = self.cfg.attach_backoff_max_s
+        self._link = Link(name, self._make_client, setup, check=check, check_every_s=self.cfg.health_check_s,
+                          backoff_s=min(0.2, cap), max_backoff_s=cap)
+        self._link.start()
+
+    def _client_now(self) -> kvclient.SyncClient | None:
+        """The client when kvtier is usable now, else None (a miss)."""
+        return None if self._link is None else self._link.client
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s for the link to attach; True when it did.
+        vLLM never calls this: it is for tools and tests that want a warm
+        connector before their first request."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._client_now() is not None:
+                return True
+            time.sleep(0.02)
+        return self._client_now() is not None
+
+    def _setup_scheduler(self, c: kvclient.SyncClient) -> None:
+        c.register_spec(self.spec)
+
+    def _setup_worker(self, c: kvclient.SyncClient) -> None:
+        """Registers the pools with this worker's rankd (again after it
+        restarted), and learns its incarnation."""
+        sess = c.register(self._rank, self.spec, self._device_uuid, self._pools)
+        if self._freed_sub is not c:
+            sess.on_freed(self._on_freed)
+            self._freed_sub = c
+        inc = int(c.status(self._rank, timeout=self.cfg.lookup_timeout_s).incarnation)
+        if self._session is not None:
+            self.stats["reregistered"] += 1
+        self._session, self._incarnation = sess, inc
+        log.info("kvtier: registered %d pools with rankd %s (incarnation %d)", len(self._pools), self._rank, inc)
+
+    def _check_worker(self, c: kvclient.SyncClient) -> Check:
+        """Whether the rankd still holds this worker's registration: a new
+        incarnation forgot it."""
+        inc = int(c.status(self._rank, timeout=self.cfg.lookup_timeout_s).incarnation)
+        return "ok" if inc == self._incarnation else "setup"
+
+    def _sync_link_stats(self) -> None:
+        if self._link is not None:
+            self.stats["attaches"], self.stats["detaches"] = self._link.attaches, self._link.detaches
 
     # ---------------------------------------------------------------- scheduler
-
-    def _ensure_spec(self) -> None:
-        if not self._registered_spec:
-            self.client.register_spec(self.spec)
-            self._registered_spec = True
 
     def _req(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -365,6 +467,17 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             st = _Req(tokens, self.resolved.chunk_hashes(tokens))
             self._reqs[request.request_id] = st
         return st
+
+    async def _lookup_and_begin(self, c: kvclient.SyncClient, chunks: list[dcp.ChunkHash]) -> wire.RestorePlan | None:
+        """The lookup and, on a hit, the restore's begin: the plan comes
+        before vLLM is told of any tokens, so building the step's metadata
+        sends nothing. None: nothing restorable."""
+        t = self.cfg.lookup_timeout_s
+        rep = await c.aio.lookup(self.resolved.namespace, chunks, self.cfg.instance, timeout=t)
+        if rep.not_alive or rep.prefix <= 0:
+            return None
+        return await c.aio.restore_begin(self.resolved.namespace, chunks[:rep.prefix], self.cfg.instance,
+                                         self.cfg.restore_deadline_ms, timeout=t)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
@@ -376,31 +489,50 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if first >= last:
             return 0, False
         if st.lookup_first != first:
-            st.lookup, st.lookup_first, st.matched_chunks = None, first, None
+            st.lookup, st.lookup_first, st.matched_chunks, st.plan = None, first, None, None
         if st.matched_chunks is None:
             if st.lookup is None:
-                try:
-                    self._ensure_spec()
-                    st.lookup = self.client.submit(self.client.aio.lookup(
-                        self.resolved.namespace, st.hashes[first:last], self.cfg.instance))
-                except KvtierError as e:
-                    log.warning("kvtier lookup for %s not sent: %s", request.request_id, e)
-                    self.stats["lookup_errors"] += 1
+                c = self._client_now()
+                if c is None:  # kvtier is down or not attached yet: a miss, at once (C11)
+                    self.stats["lookups_skipped"] += 1
                     st.matched_chunks = 0
                     return 0, False
+                st.lookup = c.submit(self._lookup_and_begin(c, list(st.hashes[first:last])))
+                st.lookup_since = time.monotonic()
                 self.stats["lookups"] += 1
-            try:
-                rep = st.lookup.result(timeout=self.cfg.lookup_wait_s)
-            except concurrent.futures.TimeoutError:
-                return None, False  # not yet: vLLM asks again
-            except Exception as e:
-                log.warning("kvtier lookup for %s failed: %s", request.request_id, e)
-                self.stats["lookup_errors"] += 1
+                self.stats["lookup_tokens"] += (last - first) * self.chunk
+            done, _ = concurrent.futures.wait([st.lookup], timeout=self.cfg.lookup_wait_s)
+            if not done:
+                if time.monotonic() - st.lookup_since < self.cfg.lookup_timeout_s * 2 + 1:
+                    return None, False  # not yet: vLLM asks again
+                st.lookup.cancel()  # its own timeouts did not fire: give up, a miss
+                log.warning("kvtier lookup for %s: no answer in time; recomputing", request.request_id)
+                self.stats["lookup_timeouts"] += 1
                 st.matched_chunks = 0
             else:
-                st.matched_chunks = 0 if rep.not_alive else rep.prefix
+                try:
+                    st.plan = st.lookup.result()
+                except Exception as e:  # a timed-out or failed lookup is a miss, never "not yet"
+                    self._lookup_failed(request.request_id, e)
+                    st.matched_chunks = 0
+                else:
+                    st.matched_chunks = 0 if st.plan is None else min(st.plan.prefix, last - first)
+                    if st.plan is not None and st.plan.prefix < 1 and st.plan.reason:
+                        log.info("kvtier restore for %s not planned: %s", request.request_id, st.plan.reason)
+                self.stats["hit_tokens"] += st.matched_chunks * self.chunk
         n = min(st.matched_chunks, last - first)
-        return n * self.chunk, False
+        if n <= 0:
+            return 0, False
+        return n * self.chunk, self.cfg.load_async
+
+    def _lookup_failed(self, req_id: str, e: BaseException) -> None:
+        if isinstance(e, (RequestTimeout, TimeoutError)):
+            self.stats["lookup_timeouts"] += 1
+        else:
+            self.stats["lookup_errors"] += 1
+        if isinstance(e, UnknownNamespace) and self._link is not None:
+            self._link.resetup("the coordinator does not know the namespace")
+        log.warning("kvtier lookup for %s failed, recomputing: %s", req_id, e)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._req(request)
@@ -428,7 +560,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             first, n = st.load
             st.load = None
-            meta.loads.append(self._begin_restore(req_id, st, first, n))
+            meta.loads.append(self._load_spec(req_id, st, first, n))
+            st.plan = None  # a plan is used once
             st.saved_through = max(st.saved_through, first + n)
         num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
@@ -472,20 +605,22 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             meta.saves.append(SaveSpec(req_id, chunks))
             st.saved_any = True
 
-    def _begin_restore(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:
-        spec = LoadSpec(req_id, "", first, n, 0, {}, [list(b) for b in st.block_ids])
-        try:
-            plan = self.client.restore_begin(self.resolved.namespace, st.hashes[first:first + n], self.cfg.instance,
-                                             self.cfg.restore_deadline_ms)
-        except Exception as e:
-            spec.problem = f"restore.begin: {e}"
-            log.warning("kvtier restore for %s not begun: %s", req_id, e)
+    def _load_spec(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:
+        """The load of n chunks from first, from the plan the lookup began."""
+        spec = LoadSpec(req_id, "", first, n, 0, {}, [list(b) for b in st.block_ids], async_load=self.cfg.load_async)
+        plan = st.plan
+        if plan is None:
+            spec.problem = "no restore plan"
             return spec
-        spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
-        spec.items = {r: _codec.dumps([_codec.to_obj(it) for it in items])
-                      for r, items in plan.ranks.items()}
         if plan.prefix < n:
             spec.problem = f"plan covers {plan.prefix} of {n} chunks ({plan.reason})"
+        if plan.prefix > n:
+            # vLLM took fewer tokens than offered: items past n would name
+            # blocks the request does not own. Not loaded; recomputed.
+            spec.problem = f"vLLM took {n} of the {plan.prefix} planned chunks"
+            return spec
+        spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
+        spec.items = {r: _codec.dumps([_codec.to_obj(it) for it in items]) for r, items in plan.ranks.items()}
         return spec
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -495,6 +630,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---------------------------------------------------------------- worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Checks every layer's pool and starts registering them with this
+        worker's rankd in the background: vLLM starts whether or not the
+        rankd is up (C11); the pools are registered when it answers."""
         self._rank = wire.Rank(self.cfg.instance, self._tp_rank())
         pools: list[wire.PoolRegistration] = []
         for gi, gl in enumerate(self.layers):
@@ -511,34 +649,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if len(uuids) != 1:
             raise GeometryError(f"pools on {len(uuids)} devices {sorted(uuids)}, want one")
         self._device_uuid = uuids.pop()
-        self._session = self.client.register(self._rank, self.spec, self._device_uuid, pools)
-        self._session.on_freed(self._on_freed)
-        self._incarnation = self._rank_incarnation()
-        log.info("kvtier: registered %d pools with rankd %s", len(pools), self._rank)
+        self._pools = pools
+        self._start_link(f"worker {self._rank}", self._setup_worker, self._check_worker)
 
-    def _rank_incarnation(self) -> int:
-        try:
-            return int(self.client.status(self._rank).incarnation)
-        except Exception as e:
-            log.warning("kvtier: status of rankd %s: %s", self._rank, e)
-            return 0
-
-    def _ensure_registered(self) -> None:
-        """Registers the pools again when the rankd restarted (a new
-        incarnation forgets registrations), before this step's loads or
-        stores reach it. One status request per step that has work."""
-        assert self._session is not None
-        inc = self._rank_incarnation()
-        if inc == 0 or inc == self._incarnation:
-            return
-        try:
-            self._session.reregister()
-        except Exception as e:
-            log.warning("kvtier: register again with rankd %s (incarnation %d): %s", self._rank, inc, e)
-            return
-        log.info("kvtier: rankd %s restarted (incarnation %d); pools registered again", self._rank, inc)
-        self.stats["reregistered"] += 1
-        self._incarnation = inc
+    def _usable(self) -> tuple[kvclient.SyncClient, kvclient.SyncRankSession] | None:
+        c, s = self._client_now(), self._session
+        return None if c is None or s is None else (c, s)
 
     def _store_chunks(self, save: SaveSpec) -> list[wire.ChunkBlocks]:
         tp = self._rank.tp_rank
@@ -550,33 +666,35 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 out.append(wire.ChunkBlocks(dcp.ChunkHash(h), per_group))
         return out
 
-    async def _store(self, req_id: str, chunks: list[wire.ChunkBlocks], handle: cuda.EventHandle) -> wire.StoreReply:
-        assert self._session is not None
-        s = self._session.aio
+    async def _store(self, s: kvclient.SyncRankSession, req_id: str, chunks: list[wire.ChunkBlocks],
+                     handle: cuda.EventHandle) -> wire.StoreReply:
         try:
-            return await s.store(req_id, chunks, handle)
+            return await s.aio.store(req_id, chunks, handle, timeout=self.cfg.timeout_s)
         except (UnknownNamespace, UnknownSession):
-            # A restarted rankd forgot the registration: register again.
-            # (Never on StaleSession: another process of the instance took
-            # the pools; registering again would take them back.)
-            await s.reregister()
-            self.stats["reregistered"] += 1
-            return await s.store(req_id, chunks, handle)
+            # A restarted rankd forgot the registration: the link registers
+            # again. (Never on StaleSession: another process of the instance
+            # took the pools; registering again would take them back.)
+            if self._link is not None:
+                self._link.resetup(f"rankd {self._rank} does not know the session")
+            raise
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata() or self._session is None:
+        if not self.has_connector_metadata() or self._link is None:
             return
         meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
-        if meta.saves:
-            self._ensure_registered()
         for save in meta.saves:
-            self._saving.add(save.req_id)
+            self._saving.add(save.req_id)  # reported finished by get_finished, stored or not
             chunks = self._store_chunks(save)
             if not chunks:
                 continue  # this rank stores no shard of these chunks (MLA)
+            use = self._usable()
+            if use is None:
+                self.stats["stores_skipped"] += 1  # kvtier is down: nothing waits on it (C11)
+                continue
+            c, s = use
             ev, handle = self._new_event()
-            fut = self.client.submit(self._store(save.req_id, chunks, handle))
-            key = tuple(bytes(c.chunk) for c in chunks)
+            fut = c.submit(self._store(s, save.req_id, chunks, handle))
+            key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
 
@@ -636,63 +754,124 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         done = {r for r in self._finishing if r not in self._pending}
         self._finishing -= done
         self._saving -= done
-        return (done or None), None
+        return (done or None), (self._finish_loads() or None)
+
+    def _load_bound_s(self) -> float:
+        """How long one load may take, start to verdict, before it is
+        given up and its chunks recomputed."""
+        return self.cfg.restore_deadline_ms / 1000 + self.cfg.lookup_timeout_s + 1
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if not self.has_connector_metadata() or self._session is None:
+        """Starts this step's loads on the client's loop and returns: an
+        asynchronous load is reported by get_finished when its verdict is
+        in (vLLM runs the other requests meanwhile); a synchronous one
+        (kvtier_load_async false) is waited for here, bounded."""
+        if not self.has_connector_metadata() or self._link is None:
             return
         meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
-        if meta.loads:
-            self._ensure_registered()
-        futs = [(load, self.client.submit(self._load(load))) for load in meta.loads]
-        for load, fut in futs:
-            try:
-                loaded = fut.result(self.cfg.timeout_s + self.cfg.restore_deadline_ms / 1000 + 5)
-            except Exception as e:
-                log.warning("kvtier restore %s for %s: %s", load.restore_id, load.req_id, e)
-                loaded = 0
+        sync: list[str] = []
+        for load in meta.loads:
             self.stats["restores"] += 1
-            if loaded < load.chunks:
-                self.stats["restore_failures"] += 1
-            self.stats["loaded_tokens"] += loaded * self.chunk
-            for c in range(load.first_chunk + loaded, load.first_chunk + load.chunks):
-                for gi in range(len(self.spec.groups)):
-                    bpc = self.resolved.blocks_per_chunk(gi)
-                    ids = load.block_ids[gi][c * bpc:(c + 1) * bpc]
-                    self._load_errors.update(ids)
-                    self.stats["load_error_blocks"] += len(ids)
+            use = self._usable()
+            fut: concurrent.futures.Future[_LoadResult]
+            if use is None or not load.restore_id:
+                fut = concurrent.futures.Future()
+                if use is None:
+                    self.stats["loads_skipped"] += 1
+                    load.problem = load.problem or "kvtier not attached"
+                fut.set_result(_LoadResult(0, 0, load.problem))
+            else:
+                c, s = use
+                fut = c.submit(self._load(c, s, load))
+            self._loading[load.req_id] = _Loading(fut, load, time.monotonic())
+            if not load.async_load:
+                sync.append(load.req_id)
+        if sync:
+            concurrent.futures.wait([self._loading[r].fut for r in sync], timeout=self._load_bound_s() + 1)
+            self._finish_loads(only=set(sync), force=True)
 
-    async def _load(self, load: LoadSpec) -> int:
-        """This rank's part of one restore; returns the chunks confirmed by
-        the verdict (only a complete verdict confirms all of them)."""
-        assert self._session is not None
-        if not load.restore_id:
-            return 0
+    def _finish_loads(self, only: set[str] | None = None, force: bool = False) -> set[str]:
+        """Settles every load that is done (or, with force, every one of
+        only): the chunks not confirmed go to the load errors, in the same
+        step as the request is reported finished. Returns the requests of
+        asynchronous loads settled."""
+        out: set[str] = set()
+        now = time.monotonic()
+        for req_id, ld in list(self._loading.items()):
+            if only is not None and req_id not in only:
+                continue
+            if not ld.fut.done():
+                if not force and now - ld.since < self._load_bound_s():
+                    continue
+                ld.fut.cancel()
+                res = _LoadResult(0, 0, "no verdict in time")
+            else:
+                try:
+                    res = ld.fut.result()
+                except BaseException as e:  # a failed load is a recompute, whatever the cause
+                    res = _LoadResult(0, 0, str(e) or type(e).__name__)
+            del self._loading[req_id]
+            self._settle(ld.load, res, now - ld.since)
+            if ld.load.async_load:
+                out.add(req_id)
+        return out
+
+    def _settle(self, load: LoadSpec, res: _LoadResult, took_s: float) -> None:
+        self.stats["loads"] += 1
+        self.stats["load_ms"] += int(took_s * 1000)
+        loaded = min(res.loaded, load.chunks)
+        if loaded < load.chunks:
+            self.stats["restore_failures"] += 1
+            self.stats["load_failed_tokens"] += (load.chunks - loaded) * self.chunk
+            log.warning("kvtier restore %s for %s: %d of %d chunks loaded, recomputing the rest (%s)",
+                        load.restore_id or "-", load.req_id, loaded, load.chunks, res.problem or "verdict failed")
+        self.stats["recomputed_bad_bytes_tokens"] += res.bad_bytes_chunks * self.chunk
+        self.stats["loaded_tokens"] += loaded * self.chunk
+        for c in range(load.first_chunk + loaded, load.first_chunk + load.chunks):
+            for gi in range(len(self.spec.groups)):
+                bpc = self.resolved.blocks_per_chunk(gi)
+                ids = load.block_ids[gi][c * bpc:(c + 1) * bpc]
+                self._load_errors.update(ids)
+                self.stats["load_error_blocks"] += len(ids)
+
+    async def _load(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec) -> _LoadResult:
+        """This rank's part of one restore, bounded by _load_bound_s: the
+        chunks confirmed by the verdict (only a complete verdict confirms
+        all of them)."""
+        try:
+            return await asyncio.wait_for(self._load_inner(c, s, load), self._load_bound_s())
+        except TimeoutError:
+            return _LoadResult(0, 0, f"no verdict within {self._load_bound_s():.1f} s")
+
+    async def _load_inner(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec) -> _LoadResult:
+        bound = self._load_bound_s()
         raw = load.items.get(str(self._rank))
+        problem = ""
         if raw:
             items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
             for it in items:
-                c = load.first_chunk + it.chunk
+                ch = load.first_chunk + it.chunk
                 bpc = self.resolved.blocks_per_chunk(it.group)
-                it.blocks = load.block_ids[it.group][c * bpc:(c + 1) * bpc]
+                it.blocks = load.block_ids[it.group][ch * bpc:(ch + 1) * bpc]
             try:
-                try:
-                    await self._session.aio.retrieve(items, load.restore_id)
-                except (UnknownNamespace, UnknownSession):
-                    # A restarted rankd forgot the registration. Its report
-                    # of the refusal may already have failed the restore:
-                    # register again for the next one; the verdict decides.
-                    await self._session.aio.reregister()
-                    self.stats["reregistered"] += 1
-                    await self._session.aio.retrieve(items, load.restore_id)
+                await s.aio.retrieve(items, load.restore_id, timeout=bound)
+            except (UnknownNamespace, UnknownSession) as e:
+                # A restarted rankd forgot the registration: the link
+                # registers again for the next restore; the verdict decides.
+                if self._link is not None:
+                    self._link.resetup(f"rankd {self._rank} does not know the session")
+                problem = f"retrieve: {e}"
             except Exception as e:  # the verdict decides
+                problem = f"retrieve: {e}"
                 log.warning("kvtier retrieve of %s on %s: %s", load.restore_id, self._rank, e)
-        verdict = await self.client.aio.restore_wait(load.restore_id)
+        verdict = await c.aio.restore_wait(load.restore_id, timeout=bound)
         plan = wire.RestorePlan(load.restore_id, load.planned)
-        return kvclient.restore_outcome(plan, verdict).loaded
+        out = kvclient.restore_outcome(plan, verdict, problem)
+        bad = sum(1 for r in verdict.reasons if "mismatch" in r)
+        return _LoadResult(out.loaded, bad, out.problem)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # everything is placed in start_load_kv
+        return  # loads are whole requests: start_load_kv / get_finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole chunks are stored after the forward (wait_for_save)
@@ -701,22 +880,72 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         out, self._load_errors = self._load_errors, set()
         return out
 
+    # ---------------------------------------------------------------- stats
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """What the worker counters did since the last call (vLLM sums the
+        workers' and exports them: kvtier.vllm.stats)."""
+        self._sync_link_stats()
+        return stats_delta(self.stats, self._stats_sent)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats | None:
+        return KvtierStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---------------------------------------------------------------- shutdown
+
     def shutdown(self) -> None:
-        if self._client is None:
+        """Waits for stores in flight and releases the pools, all within
+        kvtier_shutdown_timeout_s: a dead daemon never holds vLLM's exit."""
+        link, self._link = self._link, None
+        if link is None:
             return
-        if self._session is not None:
-            for pend in self._pending.values():
-                for p in pend:
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        c = link.close(min(1.0, self.cfg.shutdown_timeout_s))
+        if c is None:
+            return
+        try:
+            if self._session is not None and c.connected:
+                futs = [p.fut for pend in self._pending.values() for p in pend]
+                _, left = concurrent.futures.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+                if left:
+                    log.warning("kvtier shutdown: %d stores still in flight after %.1f s; not waiting",
+                                len(left), self.cfg.shutdown_timeout_s)
+                rest = deadline - time.monotonic()
+                if rest > 0:
                     try:
-                        p.fut.result(self.cfg.timeout_s)
+                        c.run(self._session.aio.release(), rest)
                     except Exception as e:
-                        log.warning("kvtier store at shutdown: %s", e)
-            try:
-                self._session.release()
-            except Exception as e:
-                log.warning("kvtier release at shutdown: %s", e)
-        self._client.close()
-        self._client = None
+                        log.warning("kvtier release at shutdown: %s", e)
+        finally:
+            self._close_client(c, max(0.1, deadline - time.monotonic()))
+
+    @staticmethod
+    def _close_client(c: kvclient.SyncClient, timeout_s: float) -> None:
+        t = threading.Thread(target=c.close, name="kvtier-close", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            log.warning("kvtier shutdown: the client did not close within %.1f s; leaving it", timeout_s)
+
+
+@dataclass
+class _LoadResult:
+    loaded: int  # chunks confirmed from the load's first chunk
+    bad_bytes_chunks: int  # failed chunks whose bytes did not match the recorded sum
+    problem: str = ""
+
+
+@dataclass
+class _Loading:
+    fut: concurrent.futures.Future[_LoadResult]
+    load: LoadSpec
+    since: float
 
 
 __all__ = ["HAVE_VLLM", "KvtierConnector", "KvtierConnectorMetadata", "LoadSpec", "SaveSpec"]

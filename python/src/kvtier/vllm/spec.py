@@ -135,6 +135,11 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
                      semantic_bytes=semantic, page_bytes=page, stride_bytes=page, kv_format=fmt)
 
 
+# DEFAULT_CHUNK_TOKENS is the least number of tokens of a default chunk
+# (kvtier_chunk_tokens overrides it).
+DEFAULT_CHUNK_TOKENS = 256
+
+
 def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, dcp_size: int, pp: int,
                    chunk_tokens: int | None,
                    layout: str = LAYOUT_BLOCK_MAJOR, interleave: int = 1,
@@ -185,7 +190,12 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
     block = 1
     for grp in groups:
         block = math.lcm(block, grp.block_size * (dcp_size if grp.kind != dcp.Kind.RECURRENT else 1))
-    chunk = chunk_tokens or block
+    # The default chunk is the smallest whole number of blocks of at least
+    # DEFAULT_CHUNK_TOKENS: a chunk is one object per rank and group and one
+    # checksum, so one-block chunks (16 tokens on a GPU build) make the
+    # per-object costs dominate; a prompt shorter than one chunk plus a
+    # token is never stored.
+    chunk = chunk_tokens or block * max(1, -(-DEFAULT_CHUNK_TOKENS // block))
     spec = dcp.Spec(model=model, cache_salt=cache_salt,
                     layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=interleave, pp=pp),
                     groups=groups, chunk_tokens=chunk)
