@@ -33,10 +33,12 @@ type authState struct {
 }
 
 func newRefused() *prometheus.CounterVec {
-	return prometheus.NewCounterVec(prometheus.CounterOpts{
+	v := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvtier_coord_unauthorized_total",
 		Help: "Messages refused because the body names another rank or instance than the subject the sender is authorized for, by subject kind (events, heartbeat, report, lookup, restore_begin, restore_wait).",
 	}, []string{"subject"})
+	initLabels(v, unauthorizedKinds...)
+	return v
 }
 
 // loadAuth loads the users file (for the embedded server), the server

@@ -200,6 +200,11 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		c.lookupError(m, "lookup", req.Namespace, err)
 		return
 	}
+	// Token-weighted: a lookup of 2 chunks counts less than one of 2,000.
+	// Engine lookups only (not restore begins, which follow a lookup, nor
+	// admin queries).
+	c.met.lookupTokens.Add(float64(len(req.Chunks) * res.ChunkTokens))
+	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
 	var notAliveRanks []string
 	var reason string
 	if res.Instance != "" {

@@ -1,7 +1,11 @@
 package coordinator
 
 import (
+	"slices"
+
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvtier/kvtier/wire"
 )
 
 // metrics of one coordinator (C8: every drop, fence, timeout and failure is
@@ -26,7 +30,10 @@ type metrics struct {
 	fenceSkips   prometheus.Counter     // deaths of superseded incarnations
 
 	lookups        *prometheus.CounterVec // by outcome: hit | partial | miss
+	lookupTokens   prometheus.Counter     // coord.lookup: chunks asked x the namespace's chunk_tokens
+	lookupHits     prometheus.Counter     // coord.lookup: prefix chunks found x chunk_tokens
 	lookupSeconds  prometheus.Histogram
+	restoreChunks  *prometheus.CounterVec // chunks of decided restores, by outcome: verified | bytes_wrong | failed
 	restores       *prometheus.CounterVec // by outcome: complete | failed | refused
 	restoreBegins  prometheus.Counter
 	verdictSeconds prometheus.Histogram   // last report -> verdict
@@ -42,7 +49,7 @@ type metrics struct {
 
 func newMetrics() *metrics {
 	fine := prometheus.ExponentialBuckets(1e-6, 2, 24) // 1 us .. 8 s
-	return &metrics{
+	m := &metrics{
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_event_batches_total",
 			Help: "Event batches received, by outcome (applied, resync, fenced, bad_request, failed).",
@@ -113,6 +120,18 @@ func newMetrics() *metrics {
 			Name: "kvtier_coord_lookups_total",
 			Help: "Lookups answered, by outcome (hit: whole chain, partial, miss).",
 		}, []string{"outcome"}),
+		lookupTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_lookup_tokens_total",
+			Help: "Tokens of the chunk chains engines looked up (coord.lookup; chunks x the namespace's chunk_tokens). With kvtier_coord_lookup_hit_tokens_total, the token-weighted hit ratio.",
+		}),
+		lookupHits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_lookup_hit_tokens_total",
+			Help: "Tokens of the stored prefixes those lookups found (prefix chunks x chunk_tokens): the tokens an engine may restore instead of computing.",
+		}),
+		restoreChunks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_restore_chunks_total",
+			Help: "Chunks of decided restores, by outcome (verified: every object of the chunk placed with its recorded checksum; bytes_wrong: a rank found the bytes failed verification, or placed bytes whose checksum was not the recorded one, so the engine recomputes the chunk; failed: any other failure, missing, timeout, device, deadline, rank gone).",
+		}, []string{"outcome"}),
 		lookupSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvtier_coord_lookup_seconds",
 			Help:    "Index lookup latency, lookups and restore begins.",
@@ -164,13 +183,85 @@ func newMetrics() *metrics {
 			Help: "Rankd members that joined while another incarnation of their rank was alive (a second rankd for a live rank, or a restart before its predecessor was declared dead).",
 		}),
 	}
+	m.initialise()
+	return m
+}
+
+// Label values every vector starts with, at 0, so that a healthy, idle
+// cluster shows 0 rather than no data: a vector exports a series only once
+// one of its label values is used, and increase() or rate() over a series
+// that appears at 1 sees nothing (an alert on the first failure would never
+// fire). A value not listed here still appears when it is first used.
+// deploy's TestVectorsInitialised fails when a vector has no series on a
+// fresh coordinator.
+var (
+	batchOutcomes  = []string{"applied", "resync", "fenced", "bad_request", "unauthorized", "refused", "failed"}
+	replyOps       = []string{wire.CoordRegister, wire.CoordLookup, wire.CoordRestoreBegin, wire.CoordRestoreReport, wire.CoordRestoreWait, opEvents}
+	requestOps     = append(slices.Clone(replyOps), "heartbeat") // heartbeats get no reply
+	replyOutcomes  = []string{replyOK, replyError, replyTooLarge, replySendFailed, replyNoInbox}
+	resyncOutcomes = []string{"ok", "failed", "fenced"}
+	natsErrorKinds = []string{natsErrReplyPermission, natsErrPermission, natsErrSlowConsumer, natsErrOther}
+	fenceCauses    = []string{"dead", "left", "incarnation", "startup", "leader"}
+	lookupOutcomes = []string{"hit", "partial", "miss"}
+	// rankCauses are failRank's causes; a restore failed by one has cause
+	// "rank_<cause>".
+	rankCauses        = []string{"dead", "left", "superseded", "startup", "leader", "reset"}
+	notPlannedCauses  = []string{causeDead, causeLeft, causeFenced, causeAbsent}
+	reportOutcomes    = []string{"ok", "duplicate", "late", "rejected"}
+	restoreChunkKinds = []string{"verified", "bytes_wrong", "failed"}
+	refusalRules      = []string{"incarnation_skew", "not_member", "max_ranks", "max_instances", "max_namespaces", "geometry",
+		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "unknown_rank_heartbeat"}
+	unauthorizedKinds = []string{"events", "heartbeat", "report", "lookup", "restore_begin", "restore_wait"}
+)
+
+// restoreOutcomes are the (outcome, cause) pairs of kvtier_coord_restores_total.
+func restoreOutcomes() [][2]string {
+	out := [][2]string{
+		{wire.VerdictComplete, "reports"}, {wire.VerdictComplete, "empty"},
+		{wire.VerdictFailed, "reports"}, {wire.VerdictFailed, "deadline"},
+		{wire.VerdictRefused, "readers_not_alive"},
+	}
+	for _, c := range rankCauses {
+		out = append(out, [2]string{wire.VerdictFailed, "rank_" + c})
+	}
+	return out
+}
+
+// initLabels creates the series of v for each label value.
+func initLabels(v *prometheus.CounterVec, values ...string) {
+	for _, x := range values {
+		v.WithLabelValues(x)
+	}
+}
+
+// initialise creates the known series of every vector (see above).
+func (m *metrics) initialise() {
+	initLabels(m.batches, batchOutcomes...)
+	initLabels(m.badRequests, requestOps...)
+	initLabels(m.resyncs, resyncOutcomes...)
+	initLabels(m.natsErrors, natsErrorKinds...)
+	initLabels(m.fences, fenceCauses...)
+	initLabels(m.lookups, lookupOutcomes...)
+	for _, oc := range restoreOutcomes() {
+		m.restores.WithLabelValues(oc[0], oc[1])
+	}
+	initLabels(m.notPlanned, notPlannedCauses...)
+	initLabels(m.rankFailures, rankCauses...)
+	initLabels(m.reports, reportOutcomes...)
+	initLabels(m.restoreChunks, restoreChunkKinds...)
+	for _, op := range replyOps {
+		for _, oc := range replyOutcomes {
+			m.replies.WithLabelValues(op, oc)
+		}
+	}
+	initLabels(m.refused, refusalRules...)
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.natsErrors, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
-		m.lookups, m.lookupSeconds, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
+		m.lookups, m.lookupTokens, m.lookupHits, m.lookupSeconds, m.restoreChunks, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,
 	}
 }

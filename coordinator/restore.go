@@ -499,6 +499,9 @@ type finished struct {
 	entry   *wire.AdminRestore
 	last    time.Time // the report that decided it; zero for the deadline
 	cause   string
+	// bytesWrong counts the failed chunks with wrong bytes
+	// (index.Verdict.BytesWrong).
+	bytesWrong int
 }
 
 // finishLocked moves a decided restore from active to the history.
@@ -516,7 +519,7 @@ func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, c
 	e := &wire.AdminRestore{RestoreVerdict: wv, Namespace: a.r.Namespace().String(), Instance: a.instance, Ranks: a.ranks,
 		Began: a.began, VerdictLatencyUS: -1}
 	rs.recordLocked(e)
-	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause}
+	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause, bytesWrong: v.BytesWrong}
 }
 
 // recordLocked adds a decided restore to the bounded history.
@@ -534,6 +537,11 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 // the verdict counted.
 func (f *finished) deliver(c *Coordinator) {
 	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
+	// Every chunk of the plan is verified or failed once the verdict is final.
+	failed := len(f.verdict.Failed)
+	c.met.restoreChunks.WithLabelValues("verified").Add(float64(f.verdict.Prefix - failed))
+	c.met.restoreChunks.WithLabelValues("bytes_wrong").Add(float64(f.bytesWrong))
+	c.met.restoreChunks.WithLabelValues("failed").Add(float64(failed - f.bytesWrong))
 	if len(f.waiters) > 0 && f.verdict.State == wire.VerdictComplete {
 		if err := c.confirmComplete(); err != nil {
 			// Replicated and deposed: a leader that cannot confirm its

@@ -123,6 +123,10 @@ func queries(d *dashboard) ([]query, []error) {
 type exported struct {
 	regs  map[string]*prometheus.Registry // by daemon
 	types map[string]dto.MetricType
+	// fresh is what each daemon's registry gathered right after Start,
+	// before any other daemon or engine talked to it: the series an
+	// operator sees on a healthy, idle cluster.
+	fresh map[string][]*dto.MetricFamily
 }
 
 // probe is a collector of one descriptor: registering it asks the registry
@@ -242,6 +246,10 @@ func daemonMetrics(t *testing.T) *exported {
 		t.Fatal(err)
 	}
 	t.Cleanup(c.Shutdown)
+	freshCoord, err := creg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	hostDir := t.TempDir()
 	if err := os.Chmod(hostDir, 0o700); err != nil { // the host backend wants a private dir
@@ -279,8 +287,13 @@ func daemonMetrics(t *testing.T) *exported {
 	if err := d.Start(sctx); err != nil {
 		t.Fatalf("rankd start: %v", err)
 	}
+	freshRankd, err := d.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
 
-	e := &exported{regs: map[string]*prometheus.Registry{"coordinator": creg, "rankd": d.Registry()}, types: map[string]dto.MetricType{}}
+	e := &exported{regs: map[string]*prometheus.Registry{"coordinator": creg, "rankd": d.Registry()}, types: map[string]dto.MetricType{},
+		fresh: map[string][]*dto.MetricFamily{"coordinator": freshCoord, "rankd": freshRankd}}
 	for _, reg := range e.regs {
 		mfs, err := reg.Gather()
 		if err != nil {

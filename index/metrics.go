@@ -59,7 +59,7 @@ type metrics struct {
 }
 
 func newMetrics() *metrics {
-	return &metrics{
+	m := &metrics{
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_index_dropped_total",
 			Help: "Events not applied, by reason (duplicate, gap, stale_incarnation, fenced_rank); " +
@@ -133,6 +133,18 @@ func newMetrics() *metrics {
 			Help: "Replicated requests skipped because their raft index was applied already (replay after a restart).",
 		}),
 	}
+	// Every vector starts with its known series at 0, so an idle index
+	// shows 0 rather than no data (deploy's TestVectorsInitialised).
+	for _, r := range []DropReason{DropDuplicate, DropGap, DropStaleIncarnation, DropFencedRank, DropStaleInventory, DropPartialRank} {
+		m.dropped.WithLabelValues(string(r))
+	}
+	for _, c := range []FenceCause{FenceNewIncarnation, FenceRankDead} {
+		m.fenced.WithLabelValues(string(c))
+	}
+	for _, r := range []DropReason{DropGap, DropFencedRank, DropPartialRank} {
+		m.resyncs.WithLabelValues(string(r))
+	}
+	return m
 }
 
 func (m *metrics) collectors() []prometheus.Collector {

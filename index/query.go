@@ -33,6 +33,9 @@ type LookupResult struct {
 	// Prefix is the number of leading chunks for which every expectation
 	// has a usable copy.
 	Prefix int
+	// ChunkTokens is the namespace spec's chunk size in tokens (0 when
+	// the namespace is unknown): Prefix*ChunkTokens tokens were found.
+	ChunkTokens int
 	// Expectations are the namespace spec's (rank, shard, group) triples
 	// (dcp.Resolved.Expectations), ordered by rank then group.
 	Expectations []dcp.Expectation
@@ -92,7 +95,7 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	}
 	pl := nv.plan
 	ne := len(pl.exps)
-	res.Expectations = pl.exps
+	res.Expectations, res.ChunkTokens = pl.exps, pl.chunkTokens
 	inst := v.insts[instance] // 0: unknown instance, nothing of it is usable
 	if inst == 0 || len(chunks) == 0 {
 		return nil
@@ -180,15 +183,16 @@ func (ix *Index) Instances() []string { return ix.view.Load().instances }
 // lookupPlan is a namespace spec arranged for Lookup: for every object
 // (shard, group) of a chunk, the expectations that read it.
 type lookupPlan struct {
-	exps    []dcp.Expectation
-	groups  int
-	shards  int
-	readers [][]int32 // by shard*groups+group: indexes into exps
-	one     []int32   // by shard*groups+group: the only reader, or -1 (see readers)
+	chunkTokens int
+	exps        []dcp.Expectation
+	groups      int
+	shards      int
+	readers     [][]int32 // by shard*groups+group: indexes into exps
+	one         []int32   // by shard*groups+group: the only reader, or -1 (see readers)
 }
 
 func newPlan(r *dcp.Resolved) *lookupPlan {
-	pl := &lookupPlan{exps: r.Expectations(), groups: len(r.Groups)}
+	pl := &lookupPlan{chunkTokens: r.ChunkTokens, exps: r.Expectations(), groups: len(r.Groups)}
 	for _, e := range pl.exps {
 		pl.shards = max(pl.shards, e.Shard+1)
 	}

@@ -56,7 +56,17 @@ type Verdict struct {
 	Expected  int // expectations
 	Confirmed int // expectations confirmed with the recorded checksum
 	Reported  int // expectations reported (confirmed or not)
+	// BytesWrong counts the failed chunks with an object whose bytes were
+	// wrong: a rank reported it ReasonCorrupt (its verification failed),
+	// or confirmed it with a checksum other than the recorded one (or 0).
+	// The engine recomputes them; an operator looks for a bad disk, bad
+	// memory or a bug. The other failed chunks were missing, late, ...
+	BytesWrong int
 }
+
+// ReasonCorrupt is the wire.ItemResult reason of an object whose bytes
+// failed their checksum at the rank (transfer.ReasonCorrupt).
+const ReasonCorrupt = "corrupt"
 
 // Final reports whether the verdict can no longer change.
 func (v Verdict) Final() bool { return v.State != wire.VerdictPending }
@@ -96,6 +106,7 @@ type Restore struct {
 	reported   int
 	confirmed  int
 	chunkFail  []string // per chunk: first failure reason, "" if none
+	chunkWrong []bool   // per chunk: an object of it had wrong bytes (see Verdict.BytesWrong)
 	duplicates int
 	rejected   int
 	late       int
@@ -116,11 +127,12 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 	}
 	r := &Restore{
 		id: id, ns: ns, chunks: slices.Clone(chunks), deadline: deadline,
-		exp:       make([]expectState, len(expect)),
-		slots:     make(map[restoreSlot]int, len(expect)),
-		ranks:     make(map[int]bool),
-		state:     wire.VerdictPending,
-		chunkFail: make([]string, len(chunks)),
+		exp:        make([]expectState, len(expect)),
+		slots:      make(map[restoreSlot]int, len(expect)),
+		ranks:      make(map[int]bool),
+		state:      wire.VerdictPending,
+		chunkFail:  make([]string, len(chunks)),
+		chunkWrong: make([]bool, len(chunks)),
 	}
 	covered := make([]bool, len(chunks))
 	for i, e := range expect {
@@ -213,12 +225,15 @@ func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, er
 			if reason == "" {
 				reason = "failed"
 			}
+			r.chunkWrong[e.Chunk] = r.chunkWrong[e.Chunk] || reason == ReasonCorrupt
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: %s", rank, e.Group, e.Shard, reason))
 		case res.Sum == 0:
 			// A confirmation without a sum confirms nothing (issue 11.8).
+			r.chunkWrong[e.Chunk] = true
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: confirmed with sum 0 (no sum computed), recorded %#016x",
 				rank, e.Group, e.Shard, e.Sum))
 		case res.Sum != e.Sum:
+			r.chunkWrong[e.Chunk] = true
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: checksum mismatch: placed %#016x, recorded %#016x",
 				rank, e.Group, e.Shard, res.Sum, e.Sum))
 		default:
@@ -275,6 +290,9 @@ func (r *Restore) Verdict() Verdict {
 	v := Verdict{State: r.state, Expected: len(r.exp), Confirmed: r.confirmed, Reported: r.reported}
 	for i, reason := range r.chunkFail {
 		if reason != "" {
+			if r.chunkWrong[i] {
+				v.BytesWrong++
+			}
 			v.Failed = append(v.Failed, i)
 			v.Reasons = append(v.Reasons, fmt.Sprintf("chunk %d: %s", i, reason))
 		}
