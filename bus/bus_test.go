@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
@@ -19,14 +20,7 @@ type ping struct {
 }
 
 func TestEmbeddedRequestReply(t *testing.T) {
-	cfg := DefaultEmbeddedConfig()
-	cfg.Port = 0
-	cfg.Insecure = true // the RPC helpers; auth/ tests the server with users
-	srv, err := StartEmbedded(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv := testutil.NATS(t)
 	nc, err := Connect(srv.ClientURL(), "test")
 	if err != nil {
 		t.Fatal(err)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -98,13 +99,7 @@ func TestClientsMoveToSurvivingServer(t *testing.T) {
 // is answered with CallRetry once the responder is there; a responder's
 // error reply is not resent; without Idempotent a timeout is not resent.
 func TestCallRetryNoResponders(t *testing.T) {
-	cfg := DefaultEmbeddedConfig()
-	cfg.Port, cfg.Insecure = 0, true
-	srv, err := StartEmbedded(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv := testutil.NATS(t)
 	nc, err := Connect(srv.ClientURL(), "test")
 	if err != nil {
 		t.Fatal(err)

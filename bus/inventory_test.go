@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -94,14 +95,7 @@ func (r *invResponder) answer(m *nats.Msg) (code, msg string, data []byte) {
 }
 
 func inventoryServer(t *testing.T) *nats.Conn {
-	cfg := DefaultEmbeddedConfig()
-	cfg.Port = 0
-	cfg.Insecure = true
-	srv, err := StartEmbedded(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
+	srv := testutil.NATS(t)
 	nc, err := Connect(srv.ClientURL(), "test")
 	if err != nil {
 		t.Fatal(err)

@@ -2,9 +2,7 @@ package campaign
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -21,6 +19,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -110,26 +109,6 @@ func (c *cluster) leader(ctx context.Context) int {
 	return -1
 }
 
-// freePort returns a port free for TCP and UDP on 127.0.0.1, below the
-// ephemeral range.
-func freePort() (int, error) {
-	for range 1000 {
-		port := 20000 + rand.IntN(12000)
-		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
-			continue
-		}
-		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		l.Close()
-		if err != nil {
-			continue
-		}
-		u.Close()
-		return port, nil
-	}
-	return 0, errors.New("campaign: no free port in 20000-31999")
-}
-
 func newCluster(cfg Config, dir string) (*cluster, error) {
 	c := &cluster{cfg: cfg, log: cfg.Log.Named("cluster"), dir: dir, creds: filepath.Join(dir, "creds"),
 		hostD: filepath.Join(dir, "shm"), l2FS: filepath.Join(dir, "l2fs"), logD: filepath.Join(dir, "logs"),
@@ -198,7 +177,7 @@ func (c *cluster) up(ctx context.Context) error {
 		}
 		ports := []*int{&n.natsPort, new(int), &n.routePort, &n.raftPort}
 		for _, pp := range ports {
-			if *pp, err = freePort(); err != nil {
+			if *pp, err = testutil.PickPort(); err != nil {
 				return err
 			}
 		}
@@ -252,7 +231,7 @@ func (c *cluster) up(ctx context.Context) error {
 			listen = c.lab.hostIP() + ":0"
 			addr = c.lab.rankIP(r) + ":7947"
 		} else {
-			p, err := freePort()
+			p, err := testutil.PickPort()
 			if err != nil {
 				return err
 			}

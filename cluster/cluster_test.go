@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -57,10 +58,10 @@ func TestJoinMembersMeta(t *testing.T) {
 			}
 		}
 	}
-	if got := metricValue(t, reg, "kvtier_cluster_members", map[string]string{"state": "alive"}); got != 3 {
+	if got := testutil.Metric(t, reg, "kvtier_cluster_members", "state", "alive"); got != 3 {
 		t.Fatalf("members{alive} = %v, want 3", got)
 	}
-	if got := metricValue(t, reg, "kvtier_cluster_joins_total", nil); got != 2 {
+	if got := testutil.Metric(t, reg, "kvtier_cluster_joins_total"); got != 2 {
 		t.Fatalf("joins = %v, want 2", got)
 	}
 }
@@ -85,10 +86,10 @@ func TestMetaUpdatePropagates(t *testing.T) {
 			t.Fatalf("subscriber %d: update carries %+v", i, ev.Member.Meta)
 		}
 	}
-	waitFor(t, 5*time.Second, func() bool {
+	testutil.Eventually(t, 5*time.Second, "Members to show the new meta", func() bool {
 		m, _ := member(nodes[0], id)
 		return m.Meta.L1CapBytes == 4<<30
-	}, "Members to show the new meta")
+	})
 
 	// Identity is fixed for an incarnation; an oversized meta is refused;
 	// neither changes the meta in effect.
@@ -138,14 +139,14 @@ func TestGracefulLeaveIsLeft(t *testing.T) {
 		t.Fatalf("graceful leave reported as %s/%s", ev.Type, ev.Member.State)
 	}
 	for _, n := range nodes[:2] {
-		waitFor(t, 5*time.Second, func() bool { return memberState(n, id) == StateLeft }, "left state at every survivor")
+		testutil.Eventually(t, 5*time.Second, "left state at every survivor", func() bool { return memberState(n, id) == StateLeft })
 	}
 	// Stay left: no death follows, even after a few suspicion timeouts.
 	time.Sleep(3 * nodes[0].cfg.Detector.SuspicionFor(3).Max)
 	if st := memberState(nodes[0], id); st != StateLeft {
 		t.Fatalf("left member is now %s", st)
 	}
-	if d, l := metricValue(t, reg, "kvtier_cluster_deaths_total", nil), metricValue(t, reg, "kvtier_cluster_leaves_total", nil); d != 0 || l != 1 {
+	if d, l := testutil.Metric(t, reg, "kvtier_cluster_deaths_total"), testutil.Metric(t, reg, "kvtier_cluster_leaves_total"); d != 0 || l != 1 {
 		t.Fatalf("deaths %v leaves %v, want 0 and 1", d, l)
 	}
 }
@@ -353,9 +354,9 @@ func TestKeyRotation(t *testing.T) {
 	b := testConfig(t, "rankd-1", rankdMeta(1))
 	b.SecretKey, b.SecondaryKeys = newKey, [][]byte{oldKey}
 	cb := startMember(t, b, ca.LocalMember().Addr)
-	waitFor(t, 5*time.Second, func() bool {
+	testutil.Eventually(t, 5*time.Second, "both members alive on both sides", func() bool {
 		return len(ca.Members()) == 2 && len(cb.Members()) == 2
-	}, "both members alive on both sides")
+	})
 	x := testConfig(t, "intruder", rankdMeta(2))
 	x.SecretKey = []byte("fedcba9876543210")
 	cx := startMember(t, x)
@@ -387,9 +388,9 @@ func TestRejectsInvalidMeta(t *testing.T) {
 		_, _ = ml.Join([]string{c.LocalMember().Addr})
 		_ = ml.Shutdown()
 	}
-	waitFor(t, 5*time.Second, func() bool {
-		return metricValue(t, reg, "kvtier_cluster_alive_rejected_total", nil) >= 3
-	}, "three rejections")
+	testutil.Eventually(t, 5*time.Second, "three rejections", func() bool {
+		return testutil.Metric(t, reg, "kvtier_cluster_alive_rejected_total") >= 3
+	})
 	if ms := c.Members(); len(ms) != 1 {
 		t.Fatalf("invalid members admitted: %+v", ms)
 	}
@@ -414,8 +415,8 @@ func TestSubscriptionDropsAreCounted(t *testing.T) {
 		startMember(t, testConfig(t, "rankd-1", rankdMeta(1)), c.LocalMember().Addr),
 	}
 	waitConverged(t, append(others, c), 5*time.Second)
-	waitFor(t, 5*time.Second, func() bool { return s.Dropped() >= 1 }, "a drop")
-	if got := metricValue(t, reg, "kvtier_cluster_events_dropped_total", nil); got < 1 {
+	testutil.Eventually(t, 5*time.Second, "a drop", func() bool { return s.Dropped() >= 1 })
+	if got := testutil.Metric(t, reg, "kvtier_cluster_events_dropped_total"); got < 1 {
 		t.Fatalf("dropped metric %v", got)
 	}
 	first := <-s.C()

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
@@ -119,18 +118,6 @@ func waitConverged(tb testing.TB, nodes []*Cluster, timeout time.Duration) {
 	}
 }
 
-// waitFor polls cond every 5 ms until it holds or timeout passes.
-func waitFor(tb testing.TB, timeout time.Duration, cond func() bool, what string) {
-	tb.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // memberState returns id's state at c, 0 when unknown.
 func memberState(c *Cluster, id string) MemberState {
 	m, ok := member(c, id)
@@ -167,33 +154,6 @@ func nextEvent(tb testing.TB, s *Subscription, timeout time.Duration, match func
 			tb.Fatalf("no matching event within %v", timeout)
 		}
 	}
-}
-
-// metricValue reads one counter or gauge sample from reg.
-func metricValue(tb testing.TB, reg *prometheus.Registry, name string, labels map[string]string) float64 {
-	tb.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		tb.Fatalf("gather: %v", err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if labels[lp.GetName()] != lp.GetValue() {
-					continue next
-				}
-			}
-			if c := m.GetCounter(); c != nil {
-				return c.GetValue()
-			}
-			return m.GetGauge().GetValue()
-		}
-	}
-	return 0
 }
 
 // killAndMeasure shuts nodes[victim] down without Leave (kill -9 as far as

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -26,13 +27,7 @@ import (
 // stores refused stale_session), and gets the answer; without it the lost
 // message costs the request.
 func TestResendAfterLostRegistration(t *testing.T) {
-	ecfg := bus.DefaultEmbeddedConfig()
-	ecfg.Port, ecfg.Insecure = 0, true
-	srv, err := bus.StartEmbedded(ecfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv := testutil.NATS(t)
 	nc, err := bus.Connect(srv.ClientURL(), t.Name())
 	if err != nil {
 		t.Fatal(err)

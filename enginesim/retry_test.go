@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -17,13 +18,7 @@ import (
 // (as while it opens its index) is asked again until it answers; a final
 // error code is returned at once, without a second try.
 func TestCallRetryingWaitsOutUnavailable(t *testing.T) {
-	ecfg := bus.DefaultEmbeddedConfig()
-	ecfg.Port, ecfg.Insecure = 0, true
-	srv, err := bus.StartEmbedded(ecfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv := testutil.NATS(t)
 	nc, err := bus.Connect(srv.ClientURL(), t.Name())
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	bolt "go.etcd.io/bbolt"
 )
@@ -24,7 +25,7 @@ func TestApplyRules(t *testing.T) {
 		return wire.Batch{Rank: r, Incarnation: inc, Events: evs}
 	}
 	count := func(reason string) float64 {
-		return counter(t, ix.reg, "kvtier_index_dropped_total", "reason", reason)
+		return testutil.Metric(t, ix.reg, "kvtier_index_dropped_total", "reason", reason)
 	}
 
 	// In order: applied.
@@ -66,7 +67,7 @@ func TestApplyRules(t *testing.T) {
 	if h := ix.Get(k3); len(h) != 0 {
 		t.Fatalf("k3 applied past a gap: %+v", h)
 	}
-	if count("gap") != 2 || counter(t, ix.reg, "kvtier_index_resyncs_requested_total", "reason", "gap") != 1 {
+	if count("gap") != 2 || testutil.Metric(t, ix.reg, "kvtier_index_resyncs_requested_total", "reason", "gap") != 1 {
 		t.Fatal("gap not counted")
 	}
 	mustVerify(t, ix.Index)
@@ -110,7 +111,7 @@ func TestApplyRules(t *testing.T) {
 			t.Fatalf("fenced L1 copy of k1 still listed: %+v", h)
 		}
 	}
-	if counter(t, ix.reg, "kvtier_index_fenced_placements_total", "cause", "new_incarnation") != 2 {
+	if testutil.Metric(t, ix.reg, "kvtier_index_fenced_placements_total", "cause", "new_incarnation") != 2 {
 		t.Fatal("fenced placements not counted")
 	}
 	mustVerify(t, ix.Index)
@@ -172,7 +173,7 @@ func TestApplyRules(t *testing.T) {
 	if !info.Fenced || info.L1Placements != 0 || info.L2Placements != 2 {
 		t.Fatalf("after fence: %+v", info)
 	}
-	if counter(t, ix.reg, "kvtier_index_fenced_placements_total", "cause", "rank_dead") != 1 {
+	if testutil.Metric(t, ix.reg, "kvtier_index_fenced_placements_total", "cause", "rank_dead") != 1 {
 		t.Fatal("dead fence not counted")
 	}
 	mustVerify(t, ix.Index)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -306,10 +307,10 @@ func replayTrace(b *testing.B, reqs [][]dcp.ChunkHash, spec dcp.Spec, batchSize,
 	b.StartTimer()
 	start := time.Now()
 	wall, cpu := ingest(b, ix, batches, inflight)
-	commits := counter(b, reg, "kvtier_index_commits_total")
+	commits := testutil.Metric(b, reg, "kvtier_index_commits_total")
 	commitSecs := histSum(b, reg, "kvtier_index_commit_seconds")
-	folds := counter(b, reg, "kvtier_index_checkpoints_total")
-	logBytes := counter(b, reg, "kvtier_index_log_bytes")
+	folds := testutil.Metric(b, reg, "kvtier_index_checkpoints_total")
+	logBytes := testutil.Metric(b, reg, "kvtier_index_log_bytes")
 	if err := ix.Checkpoint(ctx); err != nil {
 		b.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -169,7 +170,7 @@ func TestGroupCommit(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	commits := counter(t, ix.reg, "kvtier_index_commits_total")
+	commits := testutil.Metric(t, ix.reg, "kvtier_index_commits_total")
 	if commits >= ranks*batches {
 		t.Fatalf("%v commits for %d batches: no group commit", commits, ranks*batches)
 	}

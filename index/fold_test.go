@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"go.uber.org/zap"
 )
@@ -73,8 +74,8 @@ func TestFoldInSlices(t *testing.T) {
 		}
 		check(step)
 	}
-	folds := counter(t, ix.reg, "kvtier_index_checkpoints_total")
-	slices := counter(t, ix.reg, "kvtier_index_fold_slices_total")
+	folds := testutil.Metric(t, ix.reg, "kvtier_index_checkpoints_total")
+	slices := testutil.Metric(t, ix.reg, "kvtier_index_fold_slices_total")
 	t.Logf("%d crash copies checked; %v folds in %v slices", copies, folds, slices)
 	if folds < 2 || slices < 4*folds {
 		t.Fatalf("%v folds in %v slices: the test did not exercise folds in several slices", folds, slices)
@@ -151,7 +152,7 @@ func TestFoldCutLeavesTheCommitter(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := counter(t, ix.reg, "kvtier_index_checkpoints_total"); n < 2 {
+	if n := testutil.Metric(t, ix.reg, "kvtier_index_checkpoints_total"); n < 2 {
 		t.Fatalf("%v folds: the test did not see the held fold end and another follow", n)
 	}
 	if err := ix.Close(); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -85,7 +86,7 @@ func BenchmarkIngestGrowth(b *testing.B) {
 		seqs := make([]uint64, ranks)
 		var chunk uint64 // chunks stored so far (each holds one placement per rank)
 		for done := 0; done+step <= total; done += step {
-			folds0 := counter(b, reg, "kvtier_index_checkpoints_total")
+			folds0 := testutil.Metric(b, reg, "kvtier_index_checkpoints_total")
 			w0 := writeBytes(b)
 			per := step / ranks
 			var (
@@ -138,7 +139,7 @@ func BenchmarkIngestGrowth(b *testing.B) {
 			b.Logf("step %5.1f-%5.1f M: %7.0f k events/s; ack p50 %6.1f ms p99 %7.1f ms max %7.1f ms; %d folds; file %5.1f B/placement; wrote %6.1f B/placement",
 				float64(done)/1e6, float64(size)/1e6, float64(step)/wall.Seconds()/1e3,
 				ms(acks[len(acks)/2]), ms(acks[len(acks)*99/100]), ms(acks[len(acks)-1]),
-				int(counter(b, reg, "kvtier_index_checkpoints_total")-folds0),
+				int(testutil.Metric(b, reg, "kvtier_index_checkpoints_total")-folds0),
 				float64(fi.Size())/float64(size), float64(writeBytes(b)-w0)/float64(step))
 		}
 		st := ix.Stats()
@@ -146,7 +147,7 @@ func BenchmarkIngestGrowth(b *testing.B) {
 		runtime.GC()
 		runtime.ReadMemStats(&mem)
 		b.Logf("index %+v; heap in use %.0f MiB; change log %.1f MiB unfolded", st, float64(mem.HeapInuse)/(1<<20),
-			counter(b, reg, "kvtier_index_log_bytes")/(1<<20))
+			testutil.Metric(b, reg, "kvtier_index_log_bytes")/(1<<20))
 
 		// The crash copy: the file as the last commit left it.
 		crash := filepath.Join(dir, "crash.db")

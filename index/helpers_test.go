@@ -121,42 +121,6 @@ func mustInventory(t testing.TB, ix *index.Index, inv wire.Inventory) index.Inve
 	return o
 }
 
-// counter reads one sample of a metric family from the registry (0 if
-// absent).
-func counter(t testing.TB, reg *prometheus.Registry, name string, labels ...string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(labels); i += 2 {
-				found := false
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
-						found = true
-					}
-				}
-				if !found {
-					continue next
-				}
-			}
-			if c := m.GetCounter(); c != nil {
-				return c.GetValue()
-			}
-			if g := m.GetGauge(); g != nil {
-				return g.GetValue()
-			}
-		}
-	}
-	return 0
-}
-
 // testNS is a namespace for tests that do not register a spec.
 var testNS = dcp.Namespace{0xab, 0xcd}
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -104,7 +105,7 @@ func TestStartsWhileIncarnationUnwritable(t *testing.T) {
 	if _, err := os.Stat(path); !os.IsNotExist(err) {
 		t.Fatalf("incarnation file written although its temp name is a directory (stat: %v)", err)
 	}
-	if v := gatherCounter(t, h, "kvtier_rankd_incarnation_save_failures_total"); v < 1 {
+	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_incarnation_save_failures_total"); v < 1 {
 		t.Fatalf("incarnation_save_failures_total = %v, want >= 1", v)
 	}
 	// It serves: a register and a store of a non-MLA chunk (rank 1 stores

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap/zaptest"
@@ -51,13 +52,7 @@ func TestPublisherSurvivesServerMove(t *testing.T) {
 	}
 	a := start()
 	b := start("nats-route://" + a.ClusterAddr())
-	deadline := time.Now().Add(10 * time.Second)
-	for a.NumRoutes() == 0 || b.NumRoutes() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("servers not routed within 10 s")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testutil.Eventually(t, 10*time.Second, "the servers to be routed", func() bool { return a.NumRoutes() > 0 && b.NumRoutes() > 0 })
 
 	// The coordinator on B applies batches in sequence, acknowledges
 	// each applied one and ignores duplicates (as the index does).

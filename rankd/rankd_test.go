@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
@@ -21,6 +22,7 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -36,7 +38,7 @@ func TestMain(m *testing.M) {
 // batch, records restore reports) and one daemon on the host backend.
 type harness struct {
 	t       *testing.T
-	srv     *bus.Embedded
+	srv     *server.Server
 	nc      *nats.Conn
 	d       *Daemon
 	hostCfg cuda.HostConfig
@@ -55,14 +57,7 @@ type harness struct {
 
 func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	t.Helper()
-	ec := bus.DefaultEmbeddedConfig()
-	ec.Port = 0
-	ec.Insecure = true // the engine API tests; auth is tested in auth/ and e2e/
-	srv, err := bus.StartEmbedded(ec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
+	srv := testutil.NATS(t) // no auth: the engine API tests; auth is tested in auth/ and e2e/
 	nc, err := bus.Connect(srv.ClientURL(), "test")
 	if err != nil {
 		t.Fatal(err)

@@ -5,9 +5,9 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -20,13 +20,7 @@ import (
 // got no report and the report was counted failed.
 func TestReportRetriesOnTheCurrentConnection(t *testing.T) {
 	h := newHarness(t, func(c *Config) { c.ReportTimeout = 5 * time.Second })
-	ec := bus.DefaultEmbeddedConfig()
-	ec.Port, ec.Insecure = 0, true
-	srvB, err := bus.StartEmbedded(ec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srvB.Shutdown)
+	srvB := testutil.NATS(t)
 	ncB, err := bus.Connect(srvB.ClientURL(), "test-b")
 	if err != nil {
 		t.Fatal(err)
@@ -83,22 +77,13 @@ func TestReportRetriesOnTheCurrentConnection(t *testing.T) {
 	if len(got) != 0 {
 		t.Fatalf("%d more reports on the new NATS, want exactly one", len(got))
 	}
-	if ok, failed := reportsCounted(t, h, "ok"), reportsCounted(t, h, "failed"); ok != 1 || failed != 0 {
-		t.Fatalf("restore_reports_total ok=%v failed=%v, want 1 and 0", ok, failed)
+	const reports = "kvtier_rankd_restore_reports_total"
+	if ok, all := testutil.Metric(t, h.d.met.reg, reports, "result", "ok"), testutil.MetricSum(t, h.d.met.reg, reports); ok != 1 || all != 1 {
+		t.Fatalf("%s ok=%v, all results=%v, want 1 and 1 (none failed)", reports, ok, all)
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if len(h.reports) != 0 {
 		t.Fatalf("the old NATS took %d reports while refusing, want 0", len(h.reports))
 	}
-}
-
-// reportsCounted reads kvtier_rankd_restore_reports_total{result}.
-func reportsCounted(t *testing.T, h *harness, result string) float64 {
-	t.Helper()
-	var m dto.Metric
-	if err := h.d.met.reports.WithLabelValues(result).Write(&m); err != nil {
-		t.Fatal(err)
-	}
-	return m.GetCounter().GetValue()
 }

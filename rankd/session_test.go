@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -73,7 +74,7 @@ func TestSessionRefusals(t *testing.T) {
 	if rb.Superseded != ra.Session || rb.Session == ra.Session || wire.CheckSessionID(rb.Session) != nil {
 		t.Fatalf("second registration %+v, first session %s", rb, ra.Session)
 	}
-	if v := gatherCounter(t, h, "kvtier_rankd_engine_sessions_superseded_total"); v != 1 {
+	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_engine_sessions_superseded_total"); v != 1 {
 		t.Fatalf("supersessions metric %v, want 1", v)
 	}
 	if st := h.d.Status(); st.Sessions != 1 {
@@ -177,20 +178,4 @@ func TestSessionRefusals(t *testing.T) {
 			}
 		}
 	}
-}
-
-// gatherCounter reads one counter of the daemon's registry.
-func gatherCounter(t *testing.T, h *harness, name string) float64 {
-	t.Helper()
-	mfs, err := h.d.met.reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
-			return mf.GetMetric()[0].GetCounter().GetValue()
-		}
-	}
-	t.Fatalf("no counter %s", name)
-	return 0
 }

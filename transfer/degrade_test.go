@@ -6,6 +6,8 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 // TestFailingL2NeverBlocksL1 (issue 11.3): with every L2 write failing
@@ -46,7 +48,7 @@ func TestFailingL2NeverBlocksL1(t *testing.T) {
 			if st.L1Full != 0 || st.StoreFailures[ReasonNoSpace] != 0 || st.L2DroppedDirty == 0 {
 				t.Fatalf("%d objects stored into 16 slabs with L2 dead, none counted dropped: %+v", n, st)
 			}
-			if v := metric(t, e, "kvtier_transfer_l2_degraded", nil); v != 1 {
+			if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_degraded"); v != 1 {
 				t.Fatalf("l2_degraded = %v, want 1", v)
 			}
 			if logs.FilterMessage("L2 is failing: writes are skipped and objects only L1 holds are dropped when L1 needs room").Len() != 1 {
@@ -89,7 +91,7 @@ func TestFailingL2NeverBlocksL1(t *testing.T) {
 			if st := e.Stats(); st.L2Objects < st.L1Objects || st.L2Objects == 0 {
 				t.Fatalf("after recovery L2 holds %d objects, L1 %d; want every L1 object in L2", st.L2Objects, st.L1Objects)
 			}
-			if v := metric(t, e, "kvtier_transfer_l2_degraded", nil); v != 0 {
+			if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_degraded"); v != 0 {
 				t.Fatalf("l2_degraded = %v after recovery", v)
 			}
 		})

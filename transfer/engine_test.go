@@ -11,6 +11,7 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -158,7 +159,7 @@ func TestStoreTimeoutHoldsBlocksUntilDeviceDone(t *testing.T) {
 	if len(e.Inventory().Objects) != 0 {
 		t.Fatal("a timed-out store committed an object")
 	}
-	if v := metric(t, e, "kvtier_transfer_store_failures_total", map[string]string{"reason": "timeout"}); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_store_failures_total", "reason", "timeout"); v != 1 {
 		t.Fatalf("store_failures_total{reason=timeout} = %v", v)
 	}
 }
@@ -239,7 +240,7 @@ func TestDedupe(t *testing.T) {
 	if res3.Objects[0].Status != Deduped {
 		t.Fatalf("third store %+v", res3)
 	}
-	if v := metric(t, e, "kvtier_transfer_dedupe_hits_total", nil); v != 2 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_dedupe_hits_total"); v != 2 {
 		t.Fatalf("dedupe_hits_total = %v, want 2", v)
 	}
 	if w := res3.Wire(); w.Deduped != 1 || w.Stored != 0 {

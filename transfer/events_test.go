@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -190,7 +191,7 @@ func TestPublishFailuresDropAndCount(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	if v := metric(t, e, "kvtier_transfer_events_dropped_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_events_dropped_total"); v != 1 {
 		t.Fatalf("events_dropped_total = %v, want 1", v)
 	}
 	storeAll(t, e, r, "y", r.newChunk(1, r.consecutiveN(1)))

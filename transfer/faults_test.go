@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -69,7 +70,7 @@ func TestL2WriteFailuresAreRetriedAndCounted(t *testing.T) {
 	if st.L2Objects != 4 || st.L2WriteErrors != 3 {
 		t.Fatalf("%d L2 objects, %d write errors; want 4 and 3", st.L2Objects, st.L2WriteErrors)
 	}
-	if v := metric(t, e, "kvtier_transfer_l2_write_errors_total", nil); v != 3 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_write_errors_total"); v != 3 {
 		t.Fatalf("l2_write_errors_total = %v", v)
 	}
 	if n := logs.FilterMessage("L2 write failed; the object stays in L1 and is retried").Len(); n != 3 {

@@ -425,39 +425,12 @@ func storeAll(t testing.TB, e *Engine, r *rig, reqID string, cs ...chunk) StoreR
 	return res
 }
 
-// metric returns the value of a metric of e's registry with the given
-// label values ("" matches any).
-func metric(t testing.TB, e *Engine, name string, labels map[string]string) float64 {
+// gatherer is e's test registry, for testutil.Metric.
+func gatherer(t testing.TB, e *Engine) prometheus.Gatherer {
 	t.Helper()
-	reg, ok := e.cfg.Registerer.(*prometheus.Registry)
+	reg, ok := e.cfg.Registerer.(prometheus.Gatherer)
 	if !ok {
 		t.Fatal("engine has no test registry")
 	}
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
-					continue metrics
-				}
-			}
-			switch {
-			case m.GetCounter() != nil:
-				return m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				return m.GetGauge().GetValue()
-			case m.GetHistogram() != nil:
-				return float64(m.GetHistogram().GetSampleCount())
-			}
-		}
-	}
-	t.Fatalf("metric %s %v not found", name, labels)
-	return 0
+	return reg
 }

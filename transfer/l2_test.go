@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -129,14 +130,14 @@ func TestL2DamageFailsOnlyItsChunk(t *testing.T) {
 	r.expectRestored(cs[0], tgt[0])
 	r.check("after a retrieve with damaged L2 files (chunks 1-3 must be untouched)")
 
-	if v := metric(t, e2, "kvtier_transfer_checksum_failures_total", map[string]string{"tier": "L2"}); v != 2 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_checksum_failures_total", "tier", "L2"); v != 2 {
 		t.Errorf("checksum_failures_total{tier=L2} = %v, want 2", v)
 	}
-	if v := metric(t, e2, "kvtier_transfer_quarantined_files_total", nil); v != 2 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_quarantined_files_total"); v != 2 {
 		t.Errorf("quarantined_files_total = %v, want 2", v)
 	}
 	for reason, n := range map[string]float64{"corrupt": 2, "missing": 1, "sibling": 3} {
-		if v := metric(t, e2, "kvtier_transfer_retrieve_failures_total", map[string]string{"reason": reason}); v != n {
+		if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_retrieve_failures_total", "reason", reason); v != n {
 			t.Errorf("retrieve_failures_total{reason=%s} = %v, want %v", reason, v, n)
 		}
 	}
@@ -165,7 +166,7 @@ func TestL2DamageFailsOnlyItsChunk(t *testing.T) {
 	logs.TakeAll()
 	e3 := newEngine(t, cfg3)
 	r.register(e3)
-	if v := metric(t, e3, "kvtier_transfer_quarantined_files_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e3), "kvtier_transfer_quarantined_files_total"); v != 1 {
 		t.Errorf("after the rescan quarantined_files_total = %v, want 1", v)
 	}
 	if n := logs.FilterMessage("L2 rescan: quarantined a bad object file").Len(); n != 1 {

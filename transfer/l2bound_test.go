@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -124,10 +125,10 @@ func TestL2BoundHolds(t *testing.T) {
 			if st.L2Evictions == 0 || st.L2Evictions+uint64(len(files)) != n {
 				t.Fatalf("%d L2 evictions, %d files left of %d objects", st.L2Evictions, len(files), n)
 			}
-			if v := metric(t, e, "kvtier_transfer_l2_evictions_total", nil); v != float64(st.L2Evictions) {
+			if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_evictions_total"); v != float64(st.L2Evictions) {
 				t.Fatalf("l2_evictions_total = %v, Stats %d", v, st.L2Evictions)
 			}
-			if v := metric(t, e, "kvtier_transfer_l2_bytes", nil); v != float64(used) {
+			if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_bytes"); v != float64(used) {
 				t.Fatalf("l2_bytes = %v, files %d B", v, used)
 			}
 			closeEngine(t, e)

@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 // TestL2CollectsOldGarbage (issue 15.2): at start-up the engine removes,
@@ -83,7 +85,7 @@ func TestL2CollectsOldGarbage(t *testing.T) {
 	if _, err := os.Lstat(obj); err != nil {
 		t.Fatalf("object collected: %v", err)
 	}
-	if v := metric(t, e2, "kvtier_transfer_l2_collected_files_total", map[string]string{"kind": "orphan"}); v != 2 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_l2_collected_files_total", "kind", "orphan"); v != 2 {
 		t.Fatalf("l2_collected_files_total{kind=orphan} = %v, want 2", v)
 	}
 	if e2.Stats().L2Objects != 1 {

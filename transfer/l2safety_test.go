@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -218,7 +219,7 @@ func TestL2RescanSkipsFIFO(t *testing.T) {
 	if st.L2ScanSkipped != 1 || st.L2Objects != 1 {
 		t.Fatalf("rescan: %d skipped, %d objects; want the FIFO skipped and the object found", st.L2ScanSkipped, st.L2Objects)
 	}
-	if v := metric(t, e, "kvtier_transfer_l2_scan_skipped_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_scan_skipped_total"); v != 1 {
 		t.Fatalf("l2_scan_skipped_total = %v", v)
 	}
 }

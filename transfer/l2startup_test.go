@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -90,7 +91,7 @@ func TestStartServesBeforeRescan(t *testing.T) {
 	if st := e2.Stats(); st.L2Objects != 1 {
 		t.Fatalf("%d L2 objects while the rescan is held after its first, want 1", st.L2Objects)
 	}
-	if v := metric(t, e2, "kvtier_transfer_l2_rescanning", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_l2_rescanning"); v != 1 {
 		t.Fatalf("l2_rescanning = %v during the rescan, want 1", v)
 	}
 	r.register(e2)
@@ -118,7 +119,7 @@ func TestStartServesBeforeRescan(t *testing.T) {
 	if st := e2.Stats(); st.L2Objects != n || st.Quarantined != 0 {
 		t.Fatalf("after the rescan: %d L2 objects, %d quarantined; want %d and 0 (headers only)", st.L2Objects, st.Quarantined, n)
 	}
-	if v := metric(t, e2, "kvtier_transfer_l2_rescanning", nil); v != 0 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_l2_rescanning"); v != 0 {
 		t.Fatalf("l2_rescanning = %v after the rescan, want 0", v)
 	}
 

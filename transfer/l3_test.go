@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/objstore/objstoretest"
 	"github.com/kvtier/kvtier/wire"
@@ -84,7 +85,7 @@ func TestL3RestoreAfterL1L2Wiped(t *testing.T) {
 	if got := tierCount(e1.Inventory(), wire.L3); got != n {
 		t.Fatalf("inventory holds %d L3 placements, want %d", got, n)
 	}
-	if v := metric(t, e1, "kvtier_transfer_l3_bytes_total", map[string]string{"direction": "store"}); v != float64(n*len(cs[0].packed[0])) {
+	if v := testutil.Metric(t, gatherer(t, e1), "kvtier_transfer_l3_bytes_total", "direction", "store"); v != float64(n*len(cs[0].packed[0])) {
 		t.Fatalf("l3_bytes_total{store} = %v, want %d", v, n*len(cs[0].packed[0]))
 	}
 	closeEngine(t, e1)
@@ -229,7 +230,7 @@ func TestL3SlowBucketNeverBlocksStores(t *testing.T) {
 	if st.Queued+int64(st.QueueFull) != n || st.Queued < 3 || st.Queued > 4 || st.Written != 0 {
 		t.Fatalf("with the bucket stalled: %+v, want %d stores split between queued (3..4) and queue-full", st, n)
 	}
-	if v := metric(t, e, "kvtier_transfer_l3_queued", nil); v != float64(st.Queued) {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l3_queued"); v != float64(st.Queued) {
 		t.Fatalf("l3_queued = %v, want %d", v, st.Queued)
 	}
 	slow.unblock()
@@ -272,7 +273,7 @@ func TestL3FailingBucketCounted(t *testing.T) {
 	if st.Failed != n || st.Written != 0 || st.Objects != 0 || tierCount(e.Inventory(), wire.L3) != 0 {
 		t.Fatalf("with the bucket refusing: %+v, want %d failed writes and no L3 placement", st, n)
 	}
-	if v := metric(t, e, "kvtier_transfer_l3_write_failures_total", nil); v != n {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l3_write_failures_total"); v != n {
 		t.Fatalf("l3_write_failures_total = %v, want %d", v, n)
 	}
 }

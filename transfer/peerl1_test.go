@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -93,10 +94,10 @@ func TestPeerL1WriteBackTPReaders(t *testing.T) {
 			t.Fatalf("rank %d stats: peer reads %d (%d B), L2 reads %d, own L1 objects %d, peer failures %d",
 				tp, st.PeerL1Reads, st.PeerL1Bytes, st.L2Reads, st.L1Objects, st.PeerL1Failures)
 		}
-		if got := metric(t, e, "kvtier_transfer_peer_l1_reads_total", nil); got != 3 {
+		if got := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_peer_l1_reads_total"); got != 3 {
 			t.Fatalf("rank %d: kvtier_transfer_peer_l1_reads_total %v", tp, got)
 		}
-		if got := metric(t, e, "kvtier_transfer_l2_reads_total", nil); got != 0 {
+		if got := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_reads_total"); got != 0 {
 			t.Fatalf("rank %d: kvtier_transfer_l2_reads_total %v", tp, got)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -136,7 +137,7 @@ func TestPeerL1HolderKilled(t *testing.T) {
 	if st := e1.Stats(); st.PeerL1Reads != 1 || st.PeerL1DeadHolder != 1 {
 		t.Fatalf("after the kill: peer reads %d, dead holders %d; want 1 and 1 (counted once)", st.PeerL1Reads, st.PeerL1DeadHolder)
 	}
-	if v := metric(t, e1, "kvtier_transfer_peer_l1_dead_holder_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e1), "kvtier_transfer_peer_l1_dead_holder_total"); v != 1 {
 		t.Fatalf("peer_l1_dead_holder_total = %v, want 1", v)
 	}
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -269,10 +270,10 @@ func TestL1FullThrottlesWithoutDeadlock(t *testing.T) {
 	if err == nil || res.Objects[0].Reason != ReasonNoSpace {
 		t.Fatalf("store of an object larger than L1: %+v, %v; want no_space", res.Objects, err)
 	}
-	if v := metric(t, e2, "kvtier_transfer_l1_full_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_l1_full_total"); v != 1 {
 		t.Fatalf("l1_full_total = %v, want 1", v)
 	}
-	if v := metric(t, e2, "kvtier_transfer_store_failures_total", map[string]string{"reason": "no_space"}); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e2), "kvtier_transfer_store_failures_total", "reason", "no_space"); v != 1 {
 		t.Fatalf("store_failures_total{reason=no_space} = %v, want 1", v)
 	}
 }

@@ -3,6 +3,8 @@ package transfer
 import (
 	"os"
 	"testing"
+
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 // TestL2RootRemovedHeals (issue 11.13): the L2 directory is removed under
@@ -34,7 +36,7 @@ func TestL2RootRemovedHeals(t *testing.T) {
 	if res.Objects[0].Status != Stored || res.NotDurable == "" || res.Wire().NotDurable == "" {
 		t.Fatalf("write-through store with the L2 root gone: %+v, want stored and not durable", res)
 	}
-	if v := metric(t, e, "kvtier_transfer_stores_not_durable_total", nil); v != 1 {
+	if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_stores_not_durable_total"); v != 1 {
 		t.Fatalf("stores_not_durable_total = %v, want 1", v)
 	}
 	if err := e.Flush(testCtx(t)); err == nil {
