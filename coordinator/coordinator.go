@@ -91,8 +91,9 @@ type Coordinator struct {
 
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
-	// rn is the raft node in replicated mode, nil otherwise (raft.go).
-	rn *raftNode
+	// repl is how the index is changed: standalone, or replicated through
+	// raft (replicator.go). Set by New, never nil.
+	repl replicator
 	// phase is how far Start has come (phaseOpening, phaseIndex,
 	// phaseServing): gate reads it before a handler touches the index or
 	// the member, Health before it reads them.
@@ -161,12 +162,13 @@ func New(cfg Config) (*Coordinator, error) {
 	if err := c.reg.Register(c.auth.refused); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
+	c.repl = standalone{c}
 	if cfg.Raft.Enabled() {
-		n, err := newRaftNode(c)
+		r, err := newReplicated(c)
 		if err != nil {
 			return nil, err
 		}
-		c.rn = n
+		c.repl = r
 	}
 	return c, nil
 }
@@ -313,11 +315,9 @@ func (c *Coordinator) start() error {
 	}
 	c.phase.Store(phaseServing)
 	// Replicated: raft starts on the open index (its FSM); the leader-only
-	// handlers are subscribed on winning an election (raft.go).
-	if c.cfg.Raft.Enabled() {
-		if err := c.startRaft(leaderOnly); err != nil {
-			return err
-		}
+	// handlers are subscribed on winning an election (replicated.go).
+	if err := c.repl.start(leaderOnly); err != nil {
+		return err
 	}
 	if g := c.cfg.StartupFenceGrace; g > 0 {
 		c.wg.Add(1)
@@ -547,7 +547,7 @@ func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
 
 // subscribe registers every NATS handler. In replicated mode it
 // subscribes only what every coordinator serves (admin members and raft)
-// and returns the rest, which the raft leader subscribes (raft.go).
+// and returns the rest, which the raft leader subscribes (replicated.go).
 func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 	type handler struct {
 		subject string
@@ -572,12 +572,12 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		{c.subj.Admin(wire.AdminVerify), wire.AdminVerify, c.handleVerify},
 		{c.subj.Admin(wire.AdminRankReset), wire.AdminRankReset, c.handleRankReset},
 	}
-	if c.cfg.Raft.Enabled() {
+	if r, ok := c.repl.(*replicated); ok {
 		hs = append(hs, []handler{
-			{c.subj.Admin(wire.AdminRaft), wire.AdminRaft, c.handleRaftStatus},
-			{c.subj.Admin(wire.AdminRaftVerify), wire.AdminRaftVerify, c.handleRaftVerify},
-			{c.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftAddVoter, c.handleRaftChange(wire.AdminRaftAddVoter)},
-			{c.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftRemove, c.handleRaftChange(wire.AdminRaftRemove)},
+			{c.subj.Admin(wire.AdminRaft), wire.AdminRaft, r.handleRaftStatus},
+			{c.subj.Admin(wire.AdminRaftVerify), wire.AdminRaftVerify, r.handleRaftVerify},
+			{c.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftAddVoter, r.handleRaftChange(wire.AdminRaftAddVoter)},
+			{c.subj.Admin(wire.AdminRaftRemove), wire.AdminRaftRemove, r.handleRaftChange(wire.AdminRaftRemove)},
 		}...)
 	}
 	everyNode := map[string]bool{c.subj.Admin(wire.AdminMembers): true, c.subj.Admin(wire.AdminRaft): true,
@@ -758,11 +758,8 @@ func (c *Coordinator) Health() Health {
 			h.Cluster, ok = st.String(), false
 		}
 	}
-	if c.rn != nil && c.rn.ready.Load() {
-		var well bool
-		h.Raft, well = c.rn.health()
-		ok = ok && well
-	}
+	raftLine, well := c.repl.health()
+	h.Raft, ok = raftLine, ok && well
 	h.Status = "ok"
 	if !ok {
 		h.Status = "unavailable"
@@ -846,10 +843,7 @@ func (c *Coordinator) Shutdown() {
 
 	// 1. Drain subscriptions (in replicated mode the leader's too, and no
 	// more are made).
-	subs := c.subs
-	if c.rn != nil {
-		subs = append(slices.Clip(subs), c.rn.closeGate()...)
-	}
+	subs := append(slices.Clip(c.subs), c.repl.closeGate()...)
 	for _, s := range subs {
 		if err := s.Drain(); err != nil {
 			c.log.Warn("drain subscription", zap.String("subject", s.Subject), zap.Error(err))
@@ -876,9 +870,7 @@ func (c *Coordinator) Shutdown() {
 	// Replicated: raft stops here (it does not leave the configuration),
 	// before the index it applies to closes. A fence or resync still
 	// waiting on it fails.
-	if c.rn != nil {
-		c.rn.shutdown()
-	}
+	c.repl.shutdown()
 
 	// 2. Pending restore waits.
 	c.rs.close()

@@ -4,13 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
-	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/coordinator/admin"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -43,7 +42,7 @@ func (c *Coordinator) handleRegister(m *nats.Msg) {
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
 	defer cancel()
-	res, err := c.registerNamespace(ctx, spec)
+	res, err := c.repl.registerNamespace(ctx, spec)
 	switch {
 	case err == nil:
 	case errors.Is(err, dcp.ErrGeometry), errors.Is(err, dcp.ErrLayout):
@@ -241,16 +240,7 @@ func (c *Coordinator) handleMembers(m *nats.Msg) {
 	if !c.decodeAdmin(m, wire.AdminMembers) {
 		return
 	}
-	rep := &wire.AdminMembersReply{Members: []wire.AdminMember{}}
-	for _, mb := range c.member.Members() {
-		am := wire.AdminMember{Name: mb.Name, ID: mb.ID, Role: string(mb.Meta.Role), State: mb.State.String(),
-			Addr: mb.Addr, Incarnation: mb.Meta.Incarnation, NATS: mb.Meta.NATS, Since: mb.Since, Local: mb.Local}
-		if mb.Meta.Role == cluster.RoleRankd {
-			am.Rank = memberRank(mb).String()
-		}
-		rep.Members = append(rep.Members, am)
-	}
-	c.reply(wire.AdminMembers, m, rep)
+	c.reply(wire.AdminMembers, m, admin.Members(c.member.Members()))
 }
 
 // handleRanks answers admin.ranks: the index's ranks joined with the
@@ -259,60 +249,13 @@ func (c *Coordinator) handleRanks(m *nats.Msg) {
 	if !c.decodeAdmin(m, wire.AdminRanks) {
 		return
 	}
-	type memberKey struct {
-		r   wire.Rank
-		inc uint64
-	}
-	byInc := make(map[memberKey]cluster.Member)
-	latest := make(map[wire.Rank]cluster.Member)
-	for _, mb := range c.member.Members() {
-		if mb.Meta.Role != cluster.RoleRankd {
-			continue
-		}
-		r := memberRank(mb)
-		byInc[memberKey{r, mb.Meta.Incarnation}] = mb
-		if old, ok := latest[r]; !ok || mb.Meta.Incarnation > old.Meta.Incarnation {
-			latest[r] = mb
-		}
-	}
 	c.drainMu.Lock()
 	resyncing := make(map[wire.Rank]bool, len(c.resyncing))
 	for r := range c.resyncing {
 		resyncing[r] = true
 	}
 	c.drainMu.Unlock()
-	rep := &wire.AdminRanksReply{Ranks: []wire.AdminRank{}}
-	known := make(map[wire.Rank]bool)
-	for _, ri := range c.idx.Ranks() {
-		known[ri.Rank] = true
-		ar := wire.AdminRank{Rank: ri.Rank, Incarnation: ri.Incarnation, Liveness: "unknown",
-			L1Objects: ri.L1Placements, L1Bytes: ri.L1Bytes, L2Objects: ri.L2Placements, L2Bytes: ri.L2Bytes,
-			L3Objects: ri.L3Placements, L3Bytes: ri.L3Bytes, LastSeq: ri.LastSeq, Fenced: ri.Fenced, Resync: resyncing[ri.Rank]}
-		if mb, ok := byInc[memberKey{ri.Rank, ri.Incarnation}]; ok {
-			ar.Liveness, ar.Member = mb.State.String(), mb.ID
-		} else if mb, ok := latest[ri.Rank]; ok {
-			// A member of another incarnation (a restart not reported yet).
-			ar.Liveness = fmt.Sprintf("%s (incarnation %d)", mb.State, mb.Meta.Incarnation)
-			ar.Member = mb.ID
-		}
-		rep.Ranks = append(rep.Ranks, ar)
-	}
-	for r, mb := range latest {
-		if !known[r] {
-			rep.Ranks = append(rep.Ranks, wire.AdminRank{Rank: r, Incarnation: mb.Meta.Incarnation,
-				Member: mb.ID, Liveness: mb.State.String()})
-		}
-	}
-	slices.SortFunc(rep.Ranks, func(a, b wire.AdminRank) int {
-		if a.Rank.Instance != b.Rank.Instance {
-			if a.Rank.Instance < b.Rank.Instance {
-				return -1
-			}
-			return 1
-		}
-		return a.Rank.TPRank - b.Rank.TPRank
-	})
-	c.reply(wire.AdminRanks, m, rep)
+	c.reply(wire.AdminRanks, m, admin.Ranks(c.idx.Ranks(), c.member.Members(), resyncing))
 }
 
 // rankIncarnation returns the index's current incarnation of rank r.
@@ -366,12 +309,7 @@ func (c *Coordinator) handleObject(m *nats.Msg) {
 }
 
 func (c *Coordinator) objectInfo(chunk int, k dcp.Key) wire.ObjectInfo {
-	oi := wire.ObjectInfo{Chunk: chunk, Key: k, Placements: []wire.ObjectPlacement{}}
-	for _, h := range c.idx.Get(k) {
-		oi.Placements = append(oi.Placements, wire.ObjectPlacement{Holder: h.Rank, Tier: h.Tier, Size: h.Size,
-			Sum: h.Sum, Incarnation: h.Incarnation, Seq: h.Seq})
-	}
-	return oi
+	return admin.Object(chunk, k, c.idx.Get(k))
 }
 
 // handleNamespaces answers admin.namespaces.
@@ -379,18 +317,7 @@ func (c *Coordinator) handleNamespaces(m *nats.Msg) {
 	if !c.decodeAdmin(m, wire.AdminNamespaces) {
 		return
 	}
-	rep := &wire.AdminNamespacesReply{Namespaces: []wire.AdminNamespace{}}
-	for _, n := range c.idx.Namespaces() {
-		an := wire.AdminNamespace{Namespace: n.Namespace.String(), Chunks: n.Chunks, Objects: n.Objects,
-			L1Placements: n.L1Placements, L1Bytes: n.L1Bytes, L2Placements: n.L2Placements, L2Bytes: n.L2Bytes}
-		if s := n.Spec; s != nil {
-			an.Registered = true
-			an.Model, an.CacheSalt = s.Model, s.CacheSalt
-			an.TP, an.DCP, an.Groups, an.ChunkTokens = s.Layout.TP, s.Layout.DCP, len(s.Groups), s.ChunkTokens
-		}
-		rep.Namespaces = append(rep.Namespaces, an)
-	}
-	c.reply(wire.AdminNamespaces, m, rep)
+	c.reply(wire.AdminNamespaces, m, admin.Namespaces(c.idx.Namespaces()))
 }
 
 // handleVerify answers admin.verify: the index re-derives its state from
@@ -417,12 +344,7 @@ func (c *Coordinator) handleVerify(m *nats.Msg) {
 	} else {
 		c.log.Info("index verified on request", zap.Int64("placements", rep.Placements))
 	}
-	c.reply(wire.AdminVerify, m, verifyReply(rep))
-}
-
-func verifyReply(rep index.VerifyReport) *wire.AdminVerifyReply {
-	return &wire.AdminVerifyReply{OK: rep.OK(), Checked: uint64(rep.Placements), Namespaces: rep.Namespaces, Ranks: rep.Ranks,
-		Chunks: rep.Chunks, Placements: rep.Placements, LogRecords: rep.LogRecords, Mismatches: rep.Problems}
+	c.reply(wire.AdminVerify, m, admin.Verify(rep))
 }
 
 // decodeAdmin accepts an empty body or an empty JSON object.

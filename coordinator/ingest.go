@@ -1,13 +1,11 @@
 package coordinator
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"time"
 
-	"github.com/hashicorp/raft"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -60,8 +58,7 @@ func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
 type ingestJob struct {
 	m       *nats.Msg
 	b       *wire.Batch
-	pending *index.Pending
-	raft    raft.ApplyFuture // replicated mode, instead of pending
+	pending batchResult
 	t0      time.Time
 }
 
@@ -69,11 +66,6 @@ type ingestJob struct {
 func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
 	defer c.ingestWG.Done()
 	for j := range jobs {
-		if j.raft != nil {
-			res := c.rn.result(j.raft, j.t0)
-			c.finishBatch(j.m, j.b, j.t0, res.Outcome, res.Err)
-			continue
-		}
 		out, err := j.pending.Wait()
 		c.finishBatch(j.m, j.b, j.t0, out, err)
 	}
@@ -115,17 +107,7 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		return ingestJob{}, false
 	}
 	t0 := time.Now()
-	if c.rn != nil {
-		f, err := c.proposeBatch(&b)
-		if err != nil {
-			c.finishBatch(m, &b, t0, index.Outcome{}, err)
-			return ingestJob{}, false
-		}
-		return ingestJob{m: m, b: &b, raft: f, t0: t0}, true
-	}
-	// Not c.ctx: a batch being applied while Shutdown drains must commit
-	// and be acknowledged; Shutdown closes the index only after this.
-	p, err := c.idx.ApplyAsync(context.Background(), b)
+	p, err := c.repl.applyBatch(&b)
 	if err != nil {
 		c.finishBatch(m, &b, t0, index.Outcome{}, err)
 		return ingestJob{}, false
@@ -199,7 +181,7 @@ func (c *Coordinator) finishBatch(m *nats.Msg, bp *wire.Batch, t0 time.Time, out
 func (c *Coordinator) startResync(r wire.Rank) {
 	c.drainMu.Lock()
 	defer c.drainMu.Unlock()
-	if c.draining || c.ctx.Err() != nil || !c.actsOnMembership() {
+	if c.draining || c.ctx.Err() != nil || !c.repl.decides() {
 		return
 	}
 	if _, running := c.resyncing[r]; running {
@@ -333,7 +315,7 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 		return true, fmt.Errorf("inventory of incarnation %d requested at fence epoch %d, rank fenced since (epoch %d): %w",
 			inv.Incarnation, epoch, now, errFencedSince)
 	}
-	out, err := c.applyInventory(c.ctx, *inv)
+	out, err := c.repl.applyInventory(c.ctx, *inv)
 	fg.mu.Unlock()
 	if err != nil {
 		return errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader), err

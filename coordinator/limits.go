@@ -241,7 +241,7 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 	defer cancel()
 	fg := c.fences.gate(r)
 	fg.mu.Lock()
-	n, err := c.resetRank(ctx, r)
+	n, err := c.repl.resetRank(ctx, r)
 	fg.epoch++ // a reset ends whatever an in-flight resync was asked under
 	fg.mu.Unlock()
 	if err != nil {

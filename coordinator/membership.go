@@ -105,7 +105,7 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 		return
 	}
 	r := memberRank(m)
-	if !c.actsOnMembership() {
+	if !c.repl.decides() {
 		return // replicated: the leader fences (and a new leader sweeps)
 	}
 	// Only restores that expect this very incarnation: one that expects
@@ -140,7 +140,7 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
-	n, err := c.fenceRank(ctx, r, m.Meta.Incarnation)
+	n, err := c.repl.fenceRank(ctx, r, m.Meta.Incarnation)
 	if err == nil {
 		fg.epoch++
 	}
@@ -199,7 +199,7 @@ func (c *Coordinator) startupFence(grace time.Duration) {
 		return
 	case <-t.C:
 	}
-	if !c.actsOnMembership() {
+	if !c.repl.decides() {
 		c.log.Info("startup fence check skipped: not the raft leader (the leader sweeps when it gains leadership)")
 		return
 	}
@@ -234,7 +234,7 @@ func (c *Coordinator) fenceAbsent(cause string) {
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 		fg := c.fences.gate(ri.Rank)
 		fg.mu.Lock()
-		n, err := c.fenceRank(ctx, ri.Rank, ri.Incarnation)
+		n, err := c.repl.fenceRank(ctx, ri.Rank, ri.Incarnation)
 		if err == nil {
 			fg.epoch++
 		}

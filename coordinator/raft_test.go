@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/coordinator/admin"
+	"github.com/kvtier/kvtier/coordinator/replica"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -131,13 +133,15 @@ func (rc *raftCluster) stop(i int) {
 
 // serving reports whether c leads and has its leader subscriptions.
 func serving(c *Coordinator) bool {
-	if c == nil || c.rn == nil || !c.rn.isLeader() {
+	if c == nil {
 		return false
 	}
-	c.rn.mu.Lock()
-	defer c.rn.mu.Unlock()
-	return len(c.rn.subs) > 0
+	r, ok := c.repl.(*replicated)
+	return ok && r.serving()
 }
+
+// node is a replicated coordinator's raft node.
+func node(c *Coordinator) *replica.Node { return c.repl.(*replicated).n }
 
 // leader waits for exactly one serving leader among the running nodes.
 func (rc *raftCluster) leader() int {
@@ -166,13 +170,13 @@ func (rc *raftCluster) converged(leader int) []byte {
 	// What raft has handed to each state machine in this process, then
 	// (Dump's barrier) what the index committed: a restarted node's index
 	// may be ahead of its raft, which replays.
-	want := rc.nodes[leader].rn.fsmLast.Load()
+	want := node(rc.nodes[leader]).FSMLast()
 	for i, c := range rc.nodes {
 		if c == nil {
 			continue
 		}
 		waitFor(rc.t, 20*time.Second, fmt.Sprintf("%s to apply through %d", rc.peers[i].ID, want), func() bool {
-			return c.rn.fsmLast.Load() >= want
+			return node(c).FSMLast() >= want
 		})
 	}
 	var ref []byte
@@ -353,7 +357,7 @@ func TestRaftRestartAppliesOnce(t *testing.T) {
 	ns, chunks := rc.storeFixture(6)
 	lc := rc.nodes[l]
 	r := wire.Rank{Instance: "eng", TPRank: 0}
-	if n, err := lc.fenceRank(tctx(t), r, 1); err != nil || n != 6 {
+	if n, err := lc.repl.fenceRank(tctx(t), r, 1); err != nil || n != 6 {
 		t.Fatalf("fence: %d %v", n, err)
 	}
 	inv := wire.Inventory{Rank: r, Incarnation: 1, Seq: 6}
@@ -361,7 +365,7 @@ func TestRaftRestartAppliesOnce(t *testing.T) {
 		k := dcp.Key{NS: ns, Chunk: ch, Shard: 0}
 		inv.Objects = append(inv.Objects, wire.Placement{Key: k, Tier: wire.L1, Size: 2048, Sum: sumOf(k)})
 	}
-	if out, err := lc.applyInventory(tctx(t), inv); err != nil || !out.Applied {
+	if out, err := lc.repl.applyInventory(tctx(t), inv); err != nil || !out.Applied {
 		t.Fatalf("inventory: %+v %v", out, err)
 	}
 	if ack, werr := rc.send(storeBatch(r, 1, 6, ns, chain(ns, 8, 6)[6:], wire.L1)); werr != nil || ack.AppliedThrough != 8 {
@@ -399,10 +403,10 @@ func TestRaftSnapshotCatchUp(t *testing.T) {
 			t.Fatalf("batch %d: %+v %v", i, ack, werr)
 		}
 	}
-	if err := rc.nodes[l].rn.r.Snapshot().Error(); err != nil {
+	if err := node(rc.nodes[l]).Snapshot(); err != nil {
 		t.Fatalf("leader snapshot: %v", err)
 	}
-	first, err := rc.nodes[l].rn.store.FirstIndex()
+	first, err := node(rc.nodes[l]).FirstLogIndex()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -426,10 +430,10 @@ func TestRaftPortRefusesStrangers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = raftClientHandshake(conn, []byte("wrong key wrong key wrong key!!!"), time.Now().Add(5*time.Second))
+	err = replica.ClientHandshake(conn, []byte("wrong key wrong key wrong key!!!"), time.Now().Add(5*time.Second))
 	conn.Close()
-	if !errors.Is(err, errRaftAuth) {
-		t.Fatalf("wrong-key handshake: %v, want errRaftAuth", err)
+	if !errors.Is(err, replica.ErrAuth) {
+		t.Fatalf("wrong-key handshake: %v, want replica.ErrAuth", err)
 	}
 	// A raw RequestVote (raft's rpcRequestVote type byte, then garbage
 	// msgpack) from a stranger who skips the handshake.
@@ -449,8 +453,8 @@ func TestRaftPortRefusesStrangers(t *testing.T) {
 	waitFor(t, 5*time.Second, "both refusals counted", func() bool {
 		return metric(t, c, "kvtier_raft_refused_connections_total") >= 2
 	})
-	if n != raftNonceSize {
-		t.Fatalf("the stranger read %d B, want only the %d B nonce: raft answered it", n, raftNonceSize)
+	if n != replica.NonceSize {
+		t.Fatalf("the stranger read %d B, want only the %d B nonce: raft answered it", n, replica.NonceSize)
 	}
 }
 
@@ -510,7 +514,7 @@ func TestRaftDeposedLeader(t *testing.T) {
 	})
 	applied := metric(t, lc, "kvtier_coord_event_batches_total", "outcome", "applied")
 
-	lc.rn.strm.partition(true)
+	node(lc).Partition(true)
 	// A batch and both ranks' reports, fire and forget: the deposed leader
 	// (and, once elected, the new one) may answer.
 	r := wire.Rank{Instance: "eng", TPRank: 0}
@@ -548,7 +552,7 @@ func TestRaftDeposedLeader(t *testing.T) {
 	if l2 == l {
 		t.Fatal("the partitioned node still leads")
 	}
-	lc.rn.strm.partition(false)
+	node(lc).Partition(false)
 	rc.converged(rc.leader())
 }
 
@@ -564,7 +568,7 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	var nodes []wire.AdminRaftNode
 	waitFor(t, 10*time.Second, "three raft states", func() bool {
 		var err error
-		nodes, err = CollectRaft(tctx(t), rc.nc, rc.subj, 300*time.Millisecond)
+		nodes, err = admin.CollectRaft(tctx(t), rc.nc, rc.subj, 300*time.Millisecond)
 		return err == nil && len(nodes) == 3 && nodes[0].CommitIndex == nodes[1].CommitIndex && nodes[1].CommitIndex == nodes[2].CommitIndex
 	})
 	leaders := 0
@@ -593,10 +597,10 @@ func TestRaftMembersAndChanges(t *testing.T) {
 		}
 	}
 	var out bytes.Buffer
-	if err := WriteMembersTable(&out, &wire.AdminMembersReply{Raft: nodes}); err != nil || !bytes.Contains(out.Bytes(), []byte("INDEX_APPLIED")) {
+	if err := admin.WriteMembersTable(&out, &wire.AdminMembersReply{Raft: nodes}); err != nil || !bytes.Contains(out.Bytes(), []byte("INDEX_APPLIED")) {
 		t.Fatalf("members table: %v\n%s", err, out.String())
 	}
-	reps, err := CollectRaftVerify(tctx(t), rc.nc, rc.subj, 2*time.Second)
+	reps, err := admin.CollectRaftVerify(tctx(t), rc.nc, rc.subj, 2*time.Second)
 	if err != nil || len(reps) != 3 {
 		t.Fatalf("raft verify: %d replies, %v", len(reps), err)
 	}
@@ -605,12 +609,12 @@ func TestRaftMembersAndChanges(t *testing.T) {
 			t.Fatalf("replica %+v differs from %+v", r, reps[0])
 		}
 	}
-	if err := ReplicasAgree(reps); err != nil {
+	if err := admin.ReplicasAgree(reps); err != nil {
 		t.Fatal(err)
 	}
 	bad := append([]wire.AdminRaftVerifyReply(nil), reps...)
 	bad[1].Digest = "00"
-	if err := ReplicasAgree(bad); !errors.Is(err, index.ErrInconsistent) {
+	if err := admin.ReplicasAgree(bad); !errors.Is(err, index.ErrInconsistent) {
 		t.Fatalf("digest mismatch at one raft index: %v, want ErrInconsistent", err)
 	}
 	f := (l + 1) % 3
@@ -635,46 +639,6 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	callErr[wire.AdminRaftChangeReply](t, rc.nc, rc.subj.Admin(wire.AdminRaftAddVoter), wire.AdminRaftChangeRequest{ID: "x"}, wire.CodeBadRequest)
 }
 
-// TestRaftConfigRules: the peer list parses or names the bad entry, and
-// Validate names the rule; replicated mode off validates nothing.
-func TestRaftConfigRules(t *testing.T) {
-	peers, err := ParseRaftPeers("n1=10.0.0.1:9480, n2=10.0.0.2:9480,")
-	if err != nil || len(peers) != 2 || peers[1] != (RaftPeer{ID: "n2", Addr: "10.0.0.2:9480"}) {
-		t.Fatalf("parse: %+v %v", peers, err)
-	}
-	for _, bad := range []string{"n1", "=10.0.0.1:1", "n1=10.0.0.1"} {
-		if _, err := ParseRaftPeers(bad); !errors.Is(err, ErrConfig) {
-			t.Errorf("ParseRaftPeers(%q) = %v, want ErrConfig", bad, err)
-		}
-	}
-	ok := DefaultRaftConfig()
-	ok.ID, ok.Dir, ok.Peers, ok.Bootstrap = "n1", "/tmp/x", peers[:1], true
-	if err := ok.Validate(); err != nil {
-		t.Fatalf("valid config: %v", err)
-	}
-	off := RaftConfig{}
-	if err := off.Validate(); err != nil {
-		t.Fatalf("raft off: %v", err)
-	}
-	for name, mod := range map[string]func(*RaftConfig){
-		"no dir":              func(c *RaftConfig) { c.Dir = "" },
-		"bootstrap w/o self":  func(c *RaftConfig) { c.Peers = peers[1:] },
-		"duplicate peer":      func(c *RaftConfig) { c.Peers = []RaftPeer{peers[0], peers[0]} },
-		"lease > heartbeat":   func(c *RaftConfig) { c.LeaderLeaseTimeout = 2 * c.HeartbeatTimeout },
-		"election < heartbt":  func(c *RaftConfig) { c.ElectionTimeout = c.HeartbeatTimeout / 2 },
-		"short key":           func(c *RaftConfig) { c.Key = []byte("short") },
-		"bad bind":            func(c *RaftConfig) { c.Bind = "nowhere" },
-		"append entries 2000": func(c *RaftConfig) { c.MaxAppendEntries = 2000 },
-		"id with comma":       func(c *RaftConfig) { c.ID = "a,b" },
-	} {
-		c := ok
-		mod(&c)
-		if err := c.Validate(); !errors.Is(err, ErrConfig) {
-			t.Errorf("%s: %v, want ErrConfig", name, err)
-		}
-	}
-}
-
 // TestRaftModeBeforeRaftStarts: between New and the end of startRaft (the
 // membership loop and the gated handlers already run), a replicated
 // coordinator neither acts on membership nor writes its index: a fence
@@ -689,13 +653,13 @@ func TestRaftModeBeforeRaftStarts(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Shutdown()
-	if c.actsOnMembership() {
+	if c.repl.decides() {
 		t.Fatal("a replicated coordinator whose raft has not started acts on membership")
 	}
-	if _, err := c.fenceRank(tctx(t), wire.Rank{Instance: "eng"}, 1); !errors.Is(err, errNotLeader) {
+	if _, err := c.repl.fenceRank(tctx(t), wire.Rank{Instance: "eng"}, 1); !errors.Is(err, errNotLeader) {
 		t.Fatalf("fence before raft started: %v, want errNotLeader", err)
 	}
-	if err := c.confirmComplete(); !errors.Is(err, errNotLeader) {
+	if err := c.repl.confirmComplete(); !errors.Is(err, errNotLeader) {
 		t.Fatalf("COMPLETE before raft started: %v, want errNotLeader", err)
 	}
 }

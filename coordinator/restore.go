@@ -484,7 +484,7 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	}
 	v := d.RestoreVerdict
 	if v.State == wire.VerdictComplete {
-		if err := c.confirmComplete(); err != nil {
+		if err := c.repl.confirmComplete(); err != nil {
 			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable, "COMPLETE withheld: "+err.Error())
 			return
 		}
@@ -543,7 +543,7 @@ func (f *finished) deliver(c *Coordinator) {
 	c.met.restoreChunks.WithLabelValues("bytes_wrong").Add(float64(f.bytesWrong))
 	c.met.restoreChunks.WithLabelValues("failed").Add(float64(failed - f.bytesWrong))
 	if len(f.waiters) > 0 && f.verdict.State == wire.VerdictComplete {
-		if err := c.confirmComplete(); err != nil {
+		if err := c.repl.confirmComplete(); err != nil {
 			// Replicated and deposed: a leader that cannot confirm its
 			// leadership sends no COMPLETE; the engine recomputes.
 			for _, w := range f.waiters {
@@ -774,4 +774,25 @@ func (h *deadlineHeap) Pop() any {
 	a.heapIdx = -1
 	*h = old[:len(old)-1]
 	return a
+}
+
+// abandonAll drops every active restore, answering its waiters with code
+// unavailable, and returns how many there were.
+func (rs *restores) abandonAll(reason string) int {
+	rs.mu.Lock()
+	var waiters []*nats.Msg
+	n := len(rs.active)
+	for id, a := range rs.active {
+		waiters = append(waiters, a.waiters...)
+		delete(rs.active, id)
+	}
+	rs.byDL = rs.byDL[:0]
+	rs.perInstance = make(map[string]int)
+	rs.waiters = 0
+	rs.c.met.active.Set(0)
+	rs.mu.Unlock()
+	for _, w := range waiters {
+		rs.c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, reason)
+	}
+	return n
 }

@@ -40,6 +40,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
+	"github.com/kvtier/kvtier/coordinator/admin"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/cpuprof"
 	"github.com/kvtier/kvtier/internal/flagfile"
@@ -97,7 +98,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case "creds":
 		return creds(args, stdout, stderr)
 	case wire.AdminMembers, wire.AdminRanks, wire.AdminNamespaces, wire.AdminRestores, wire.AdminVerify, wire.AdminObject:
-		return admin(ctx, cmd, args, stdout, stderr)
+		return adminQuery(ctx, cmd, args, stdout, stderr)
 	case "raft":
 		return raftChange(ctx, args, stdout, stderr)
 	case "rank":
@@ -300,8 +301,8 @@ func splitHostPort(s string, defPort int) (string, int, error) {
 	return host, p, nil
 }
 
-// admin runs one admin query and prints a table or JSON.
-func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writer) int {
+// adminQuery runs one admin query and prints a table or JSON.
+func adminQuery(ctx context.Context, op string, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet(op, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	natsURL := fs.String("nats", "nats://127.0.0.1:4222", "NATS URL of the coordinator")
@@ -376,24 +377,24 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 		if e == nil {
 			// A replicated cluster: every coordinator's raft role and
 			// indexes (none answer in a cluster of one without raft).
-			r.Raft, _ = coordinator.CollectRaft(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
+			r.Raft, _ = admin.CollectRaft(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
 		}
-		rep, err, write = r, e, func() error { return coordinator.WriteMembersTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteMembersTable(stdout, r) }
 	case wire.AdminRanks:
 		r, e := bus.Call[wire.AdminRanksReply](ctx, nc, subject, body)
-		rep, err, write = r, e, func() error { return coordinator.WriteRanksTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteRanksTable(stdout, r) }
 	case wire.AdminObject:
 		r, e := bus.Call[wire.AdminObjectReply](ctx, nc, subject, body)
-		rep, err, write = r, e, func() error { return coordinator.WriteObjectTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteObjectTable(stdout, r) }
 	case wire.AdminNamespaces:
 		r, e := bus.Call[wire.AdminNamespacesReply](ctx, nc, subject, body)
-		rep, err, write = r, e, func() error { return coordinator.WriteNamespacesTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteNamespacesTable(stdout, r) }
 	case wire.AdminRestores:
 		r, e := bus.Call[wire.AdminRestoresReply](ctx, nc, subject, body)
-		rep, err, write = r, e, func() error { return coordinator.WriteRestoresTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteRestoresTable(stdout, r) }
 	case wire.AdminVerify:
 		if *replicas {
-			reps, err := coordinator.CollectRaftVerify(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
+			reps, err := admin.CollectRaftVerify(ctx, nc, wire.Subjects{Prefix: *prefix}, *raftWindow)
 			if err == nil && len(reps) == 0 {
 				err = errors.New("no coordinator answered admin.raft.verify (not a replicated cluster?)")
 			}
@@ -402,22 +403,22 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 				return exitFail
 			}
 			if *asJSON {
-				err = coordinator.WriteJSON(stdout, reps)
+				err = admin.WriteJSON(stdout, reps)
 			} else {
-				err = coordinator.WriteRaftVerifyTable(stdout, reps)
+				err = admin.WriteRaftVerifyTable(stdout, reps)
 			}
 			if err != nil {
 				fmt.Fprintf(stderr, "verify: write output: %v\n", err)
 				return exitFail
 			}
-			if err := coordinator.ReplicasAgree(reps); err != nil {
+			if err := admin.ReplicasAgree(reps); err != nil {
 				fmt.Fprintf(stderr, "verify: %v\n", err)
 				return exitFail
 			}
 			return exitOK
 		}
 		r, e := bus.Call[wire.AdminVerifyReply](ctx, nc, subject, body)
-		rep, err, write = r, e, func() error { return coordinator.WriteVerifyTable(stdout, r) }
+		rep, err, write = r, e, func() error { return admin.WriteVerifyTable(stdout, r) }
 		if e == nil && !r.OK {
 			defer func() { fmt.Fprintln(stderr, "verify: the index is inconsistent") }()
 		}
@@ -427,7 +428,7 @@ func admin(ctx context.Context, op string, args []string, stdout, stderr io.Writ
 		return exitFail
 	}
 	if *asJSON {
-		err = coordinator.WriteJSON(stdout, rep)
+		err = admin.WriteJSON(stdout, rep)
 	} else {
 		err = write()
 	}

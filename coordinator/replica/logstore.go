@@ -1,4 +1,4 @@
-package coordinator
+package replica
 
 import (
 	"encoding/binary"
@@ -13,7 +13,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 )
 
-// raftStore is raft's log store and stable store in one bbolt file
+// LogStore is raft's log store and stable store in one bbolt file
 // (raft.db in the raft dir), fsynced on every commit: raft's safety rests
 // on a vote or an appended entry being durable before it is answered.
 //
@@ -25,7 +25,7 @@ import (
 // Layout: bucket "logs": index (8 B big-endian) -> term (8), type (1),
 // appended-at Unix ns (8), data length (uvarint), data, extensions length
 // (uvarint), extensions. Bucket "stable": key -> value.
-type raftStore struct {
+type LogStore struct {
 	db *bolt.DB
 }
 
@@ -34,11 +34,11 @@ var (
 	bucketRaftStable = []byte("stable")
 )
 
-// errRaftKeyNotFound is what raft expects from a stable store for a key it
+// errKeyNotFound is what raft expects from a stable store for a key it
 // never set: it compares the message, "not found".
-var errRaftKeyNotFound = errors.New("not found")
+var errKeyNotFound = errors.New("not found")
 
-func openRaftStore(path string) (*raftStore, error) {
+func OpenLogStore(path string) (*LogStore, error) {
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: time.Second, NoFreelistSync: true,
 		FreelistType: bolt.FreelistMapType})
 	if err != nil {
@@ -55,12 +55,12 @@ func openRaftStore(path string) (*raftStore, error) {
 		_ = db.Close()
 		return nil, fmt.Errorf("init raft store %s: %w", path, err)
 	}
-	return &raftStore{db: db}, nil
+	return &LogStore{db: db}, nil
 }
 
-func (s *raftStore) Close() error { return s.db.Close() }
+func (s *LogStore) Close() error { return s.db.Close() }
 
-func (s *raftStore) edge(first bool) (uint64, error) {
+func (s *LogStore) edge(first bool) (uint64, error) {
 	var idx uint64
 	err := s.db.View(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketRaftLogs).Cursor()
@@ -79,10 +79,10 @@ func (s *raftStore) edge(first bool) (uint64, error) {
 }
 
 // FirstIndex, LastIndex, GetLog, StoreLog(s), DeleteRange: raft.LogStore.
-func (s *raftStore) FirstIndex() (uint64, error) { return s.edge(true) }
-func (s *raftStore) LastIndex() (uint64, error)  { return s.edge(false) }
+func (s *LogStore) FirstIndex() (uint64, error) { return s.edge(true) }
+func (s *LogStore) LastIndex() (uint64, error)  { return s.edge(false) }
 
-func (s *raftStore) GetLog(index uint64, l *raft.Log) error {
+func (s *LogStore) GetLog(index uint64, l *raft.Log) error {
 	return s.db.View(func(tx *bolt.Tx) error {
 		v := tx.Bucket(bucketRaftLogs).Get(binary.BigEndian.AppendUint64(nil, index))
 		if v == nil {
@@ -92,9 +92,9 @@ func (s *raftStore) GetLog(index uint64, l *raft.Log) error {
 	})
 }
 
-func (s *raftStore) StoreLog(l *raft.Log) error { return s.StoreLogs([]*raft.Log{l}) }
+func (s *LogStore) StoreLog(l *raft.Log) error { return s.StoreLogs([]*raft.Log{l}) }
 
-func (s *raftStore) StoreLogs(logs []*raft.Log) error {
+func (s *LogStore) StoreLogs(logs []*raft.Log) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketRaftLogs)
 		for _, l := range logs {
@@ -106,7 +106,7 @@ func (s *raftStore) StoreLogs(logs []*raft.Log) error {
 	})
 }
 
-func (s *raftStore) DeleteRange(min, max uint64) error {
+func (s *LogStore) DeleteRange(min, max uint64) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		c := tx.Bucket(bucketRaftLogs).Cursor()
 		for k, _ := c.Seek(binary.BigEndian.AppendUint64(nil, min)); k != nil; k, _ = c.Next() {
@@ -122,18 +122,18 @@ func (s *raftStore) DeleteRange(min, max uint64) error {
 }
 
 // Set, Get, SetUint64, GetUint64: raft.StableStore.
-func (s *raftStore) Set(k, v []byte) error {
+func (s *LogStore) Set(k, v []byte) error {
 	return s.db.Update(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketRaftStable).Put(k, append([]byte(nil), v...))
 	})
 }
 
-func (s *raftStore) Get(k []byte) ([]byte, error) {
+func (s *LogStore) Get(k []byte) ([]byte, error) {
 	var out []byte
 	err := s.db.View(func(tx *bolt.Tx) error {
 		v := tx.Bucket(bucketRaftStable).Get(k)
 		if v == nil {
-			return errRaftKeyNotFound
+			return errKeyNotFound
 		}
 		out = append([]byte(nil), v...)
 		return nil
@@ -141,11 +141,11 @@ func (s *raftStore) Get(k []byte) ([]byte, error) {
 	return out, err
 }
 
-func (s *raftStore) SetUint64(k []byte, v uint64) error {
+func (s *LogStore) SetUint64(k []byte, v uint64) error {
 	return s.Set(k, binary.BigEndian.AppendUint64(nil, v))
 }
 
-func (s *raftStore) GetUint64(k []byte) (uint64, error) {
+func (s *LogStore) GetUint64(k []byte) (uint64, error) {
 	v, err := s.Get(k)
 	if err != nil {
 		return 0, err
@@ -173,7 +173,7 @@ func encodeRaftLog(l *raft.Log) []byte {
 
 func decodeRaftLog(index uint64, v []byte, l *raft.Log) error {
 	bad := func(what string) error {
-		return fmt.Errorf("raft log %d: %s (%d B record): %w", index, what, len(v), ErrCorruptIndex)
+		return fmt.Errorf("raft log %d: %s (%d B record): %w", index, what, len(v), ErrCorrupt)
 	}
 	if len(v) < 17 {
 		return bad("short header")
@@ -199,10 +199,10 @@ func decodeRaftLog(index uint64, v []byte, l *raft.Log) error {
 	return nil
 }
 
-// privateDir creates dir (0700) if missing and checks it is a directory of
+// PrivateDir creates dir (0700) if missing and checks it is a directory of
 // this user, not a symlink, with no group or other access: the raft log and
 // snapshots are the index.
-func privateDir(dir string) error {
+func PrivateDir(dir string) error {
 	dir = filepath.Clean(dir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create raft dir %s: %w: %w", dir, ErrConfig, err)

@@ -1,4 +1,4 @@
-package coordinator
+package replica
 
 import (
 	"crypto/hmac"
@@ -34,15 +34,14 @@ import (
 // stream, or put it behind a VPN.
 
 const (
-	raftNonceSize = 32
-	raftMACSize   = sha256.Size
+	// NonceSize is the length of each side's handshake nonce.
+	NonceSize   = 32
+	raftMACSize = sha256.Size
 	// raftHandshakeTimeout bounds one handshake; a silent stranger holds
 	// one of raftMaxHandshakes slots that long.
 	raftHandshakeTimeout = 2 * time.Second
 	raftMaxHandshakes    = 64
 )
-
-var errRaftAuth = errors.New("raft peer failed the key handshake")
 
 func raftMAC(key []byte, label string, ns, nc []byte) []byte {
 	h := hmac.New(sha256.New, key)
@@ -56,20 +55,20 @@ func raftMAC(key []byte, label string, ns, nc []byte) []byte {
 func raftServerHandshake(conn net.Conn, key []byte) error {
 	_ = conn.SetDeadline(time.Now().Add(raftHandshakeTimeout))
 	defer func() { _ = conn.SetDeadline(time.Time{}) }()
-	ns := make([]byte, raftNonceSize)
+	ns := make([]byte, NonceSize)
 	if _, err := rand.Read(ns); err != nil {
 		return err
 	}
 	if _, err := conn.Write(ns); err != nil {
 		return fmt.Errorf("send nonce: %w", err)
 	}
-	msg := make([]byte, raftNonceSize+raftMACSize)
+	msg := make([]byte, NonceSize+raftMACSize)
 	if _, err := io.ReadFull(conn, msg); err != nil {
-		return fmt.Errorf("read client proof: %w: %w", errRaftAuth, err)
+		return fmt.Errorf("read client proof: %w: %w", ErrAuth, err)
 	}
-	nc := msg[:raftNonceSize]
-	if !hmac.Equal(msg[raftNonceSize:], raftMAC(key, "kvtier-raft client", ns, nc)) {
-		return fmt.Errorf("client proof does not match the raft key: %w", errRaftAuth)
+	nc := msg[:NonceSize]
+	if !hmac.Equal(msg[NonceSize:], raftMAC(key, "kvtier-raft client", ns, nc)) {
+		return fmt.Errorf("client proof does not match the raft key: %w", ErrAuth)
 	}
 	if _, err := conn.Write(raftMAC(key, "kvtier-raft server", ns, nc)); err != nil {
 		return fmt.Errorf("send server proof: %w", err)
@@ -77,15 +76,15 @@ func raftServerHandshake(conn net.Conn, key []byte) error {
 	return nil
 }
 
-// raftClientHandshake answers the server's challenge and checks its proof.
-func raftClientHandshake(conn net.Conn, key []byte, deadline time.Time) error {
+// ClientHandshake answers the server's challenge and checks its proof.
+func ClientHandshake(conn net.Conn, key []byte, deadline time.Time) error {
 	_ = conn.SetDeadline(deadline)
 	defer func() { _ = conn.SetDeadline(time.Time{}) }()
-	ns := make([]byte, raftNonceSize)
+	ns := make([]byte, NonceSize)
 	if _, err := io.ReadFull(conn, ns); err != nil {
-		return fmt.Errorf("read server nonce: %w: %w", errRaftAuth, err)
+		return fmt.Errorf("read server nonce: %w: %w", ErrAuth, err)
 	}
-	nc := make([]byte, raftNonceSize)
+	nc := make([]byte, NonceSize)
 	if _, err := rand.Read(nc); err != nil {
 		return err
 	}
@@ -94,19 +93,19 @@ func raftClientHandshake(conn net.Conn, key []byte, deadline time.Time) error {
 	}
 	proof := make([]byte, raftMACSize)
 	if _, err := io.ReadFull(conn, proof); err != nil {
-		return fmt.Errorf("read server proof: %w: %w", errRaftAuth, err)
+		return fmt.Errorf("read server proof: %w: %w", ErrAuth, err)
 	}
 	if !hmac.Equal(proof, raftMAC(key, "kvtier-raft server", ns, nc)) {
-		return fmt.Errorf("server proof does not match the raft key: %w", errRaftAuth)
+		return fmt.Errorf("server proof does not match the raft key: %w", ErrAuth)
 	}
 	return nil
 }
 
-// authStream is a raft.StreamLayer over TCP whose connections have passed
+// Transport is a raft.StreamLayer over TCP whose connections have passed
 // the key handshake. Accepted connections are handshaken on goroutines of
 // their own (at most raftMaxHandshakes at once), so a silent stranger
 // never delays a peer.
-type authStream struct {
+type Transport struct {
 	ln        net.Listener
 	key       []byte
 	advertise net.Addr
@@ -127,7 +126,7 @@ type authStream struct {
 	once  sync.Once
 }
 
-func newAuthStream(bind string, advertise net.Addr, key []byte, log *zap.Logger, refused func()) (*authStream, error) {
+func NewTransport(bind string, advertise net.Addr, key []byte, log *zap.Logger, refused func()) (*Transport, error) {
 	ln, err := net.Listen("tcp", bind)
 	if err != nil {
 		return nil, fmt.Errorf("listen for raft on %s: %w", bind, err)
@@ -139,14 +138,14 @@ func newAuthStream(bind string, advertise net.Addr, key []byte, log *zap.Logger,
 		_ = ln.Close()
 		return nil, fmt.Errorf("raft address %s is unspecified; give an address peers reach (advertise): %w", advertise, ErrConfig)
 	}
-	s := &authStream{ln: ln, key: key, advertise: advertise, log: log, refused: refused,
+	s := &Transport{ln: ln, key: key, advertise: advertise, log: log, refused: refused,
 		conns: make(chan net.Conn), done: make(chan struct{}), slots: make(chan struct{}, raftMaxHandshakes)}
 	s.wg.Add(1)
 	go s.acceptLoop()
 	return s, nil
 }
 
-func (s *authStream) acceptLoop() {
+func (s *Transport) acceptLoop() {
 	defer s.wg.Done()
 	for {
 		conn, err := s.ln.Accept()
@@ -192,7 +191,7 @@ func (s *authStream) acceptLoop() {
 }
 
 // Accept returns the next authenticated connection.
-func (s *authStream) Accept() (net.Conn, error) {
+func (s *Transport) Accept() (net.Conn, error) {
 	select {
 	case c := <-s.conns:
 		return c, nil
@@ -202,7 +201,7 @@ func (s *authStream) Accept() (net.Conn, error) {
 }
 
 // Close stops listening and waits for the handshakes in progress.
-func (s *authStream) Close() error {
+func (s *Transport) Close() error {
 	var err error
 	s.once.Do(func() {
 		close(s.done)
@@ -221,10 +220,10 @@ func (s *authStream) Close() error {
 }
 
 // Addr is the address peers reach this node at.
-func (s *authStream) Addr() net.Addr { return s.advertise }
+func (s *Transport) Addr() net.Addr { return s.advertise }
 
 // Dial connects to a peer and runs the client side of the handshake.
-func (s *authStream) Dial(addr raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
+func (s *Transport) Dial(addr raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
 	if s.cut.Load() {
 		return nil, fmt.Errorf("raft peer %s: partitioned (fault seam)", addr)
 	}
@@ -233,14 +232,14 @@ func (s *authStream) Dial(addr raft.ServerAddress, timeout time.Duration) (net.C
 	if err != nil {
 		return nil, err
 	}
-	if err := raftClientHandshake(conn, s.key, time.Now().Add(max(timeout, raftHandshakeTimeout))); err != nil {
+	if err := ClientHandshake(conn, s.key, time.Now().Add(max(timeout, raftHandshakeTimeout))); err != nil {
 		_ = conn.Close()
 		return nil, fmt.Errorf("raft peer %s: %w", addr, err)
 	}
 	return s.track(conn), nil
 }
 
-func (s *authStream) track(conn net.Conn) *cuttableConn {
+func (s *Transport) track(conn net.Conn) *cuttableConn {
 	c := &cuttableConn{Conn: conn, s: s}
 	s.liveMu.Lock()
 	if s.live == nil {
@@ -253,7 +252,7 @@ func (s *authStream) track(conn net.Conn) *cuttableConn {
 
 // partition cuts (or heals) every connection of this node's raft
 // transport: the fault seam tests isolate a node with.
-func (s *authStream) partition(on bool) {
+func (s *Transport) Partition(on bool) {
 	s.cut.Store(on)
 	if !on {
 		return
@@ -275,7 +274,7 @@ func (c *cuttableConn) Close() error {
 // cuttableConn fails while its stream is cut (the partition seam).
 type cuttableConn struct {
 	net.Conn
-	s *authStream
+	s *Transport
 }
 
 var errPartitioned = errors.New("raft connection cut (partition fault seam)")

@@ -1,4 +1,4 @@
-package coordinator
+package admin
 
 import (
 	"encoding/json"
