@@ -69,6 +69,18 @@ type Config struct {
 	// verdict, or a plan that covers only a prefix); every chunk it does
 	// not list as failed must still be byte-exact.
 	ExpectFail bool
+	// FailOpen makes the run behave as an engine must when the cache is
+	// down or failing (C11): a kvtier that cannot be reached or registered
+	// with (retried for AttachWait), a store that fails, a restore that
+	// cannot begin or has no verdict in time is a recompute, not an error:
+	// the engine writes the chunks kvtier did not confirm itself, and every
+	// byte of every rank must then equal the prompt's KV. A COMPLETE
+	// verdict with a wrong byte still fails the run. Result.Recomputed and
+	// Result.CacheProblems say what was recomputed and why.
+	FailOpen bool
+	// AttachWait is how long a FailOpen run keeps trying to reach kvtier
+	// and register before it serves without it (0: one attempt).
+	AttachWait time.Duration
 	// Compute is the simulated compute time per chunk before its pages are
 	// written (the rankd must wait on the producer event); 0: none
 	// (DefaultConfig: 5 ms).
@@ -164,6 +176,12 @@ type Result struct {
 	// Seconds per phase step.
 	StoreSeconds   float64 `json:"store_seconds,omitempty"`
 	RestoreSeconds float64 `json:"restore_seconds,omitempty"`
+	// Recomputed lists the chunks the engine computed itself because
+	// kvtier did not confirm them (FailOpen); CacheProblems says why.
+	Recomputed    []int    `json:"recomputed,omitempty"`
+	CacheProblems []string `json:"cache_problems,omitempty"`
+	// Attached is false when a FailOpen run never reached kvtier.
+	Attached bool `json:"attached"`
 	// Bench is the benchmark's outcome (Config.Bench).
 	Bench *BenchResult `json:"bench,omitempty"`
 }
@@ -226,6 +244,15 @@ func (c *Config) Validate() error {
 	}
 	if c.Timeout <= 0 {
 		bad("timeout %v: want > 0", c.Timeout)
+	}
+	if c.AttachWait < 0 {
+		bad("attach wait %v: negative", c.AttachWait)
+	}
+	if c.AttachWait > 0 && !c.FailOpen {
+		bad("attach wait %v without fail-open: a run that is not fail-open needs kvtier at once", c.AttachWait)
+	}
+	if c.FailOpen && c.Bench {
+		bad("fail-open with bench: the benchmark measures kvtier and needs it")
 	}
 	if c.ResendAfter < 0 {
 		bad("resend-after %v: negative", c.ResendAfter)
@@ -364,24 +391,17 @@ func (s *sim) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if s.cfg.FailOpen {
+		// A server that is down is not an error: nats.go keeps trying in
+		// the background and the attach below waits for it, bounded.
+		opts = append(opts, nats.RetryOnFailedConnect(true))
+	}
 	nc, err := bus.Connect(s.cfg.NATSURL, "enginesim-"+s.cfg.Instance, opts...)
 	if err != nil {
 		return err
 	}
 	s.nc = nc
 	defer nc.Close()
-
-	// Register the spec with the coordinator (the scheduler's job).
-	// A coordinator still opening its index answers unavailable: retry.
-	cctx, cancel := s.callCtx(ctx)
-	rep, err := callRetrying[wire.RegisterReply](cctx, nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec, retryIdempotent)
-	cancel()
-	if err != nil {
-		return fmt.Errorf("register spec with the coordinator: %w", err)
-	}
-	if rep.Namespace != p.R.Namespace {
-		return fmt.Errorf("coordinator registered namespace %s, the spec's is %s", rep.Namespace, p.R.Namespace)
-	}
 
 	// Open every worker's device and pools, register them with its rankd.
 	for t := range p.R.Layout.TP {
@@ -414,14 +434,17 @@ func (s *sim) run(ctx context.Context) error {
 			w.close()
 		}
 	}()
-	if err := s.each(func(w *worker) error {
-		cctx, cancel := s.callCtx(ctx)
-		defer cancel()
-		return w.register(cctx)
-	}); err != nil {
-		return err
+	attachErr := s.attach(ctx)
+	if attachErr != nil && !s.cfg.FailOpen {
+		return attachErr
 	}
-	registered = true
+	registered = attachErr == nil
+	if attachErr != nil {
+		s.logf("kvtier unavailable, serving without it (fail-open): %v", attachErr)
+		s.res.CacheProblems = append(s.res.CacheProblems, attachErr.Error())
+		return s.recomputeAll(ctx)
+	}
+	s.res.Attached = true
 	for _, w := range s.workers {
 		s.res.Sessions = append(s.res.Sessions, w.session)
 	}
@@ -435,7 +458,11 @@ func (s *sim) run(ctx context.Context) error {
 			return err
 		}
 		if err := s.store(ctx); err != nil {
-			return err
+			if !s.cfg.FailOpen {
+				return err
+			}
+			s.logf("store failed, going on without it (fail-open): %v", err)
+			s.res.CacheProblems = append(s.res.CacheProblems, err.Error())
 		}
 	}
 	if s.cfg.Phase == PhaseStore {
@@ -449,6 +476,90 @@ func (s *sim) run(ctx context.Context) error {
 		s.logf("wiped every page on every rank (prefix cache reset)")
 	}
 	return s.restore(ctx)
+}
+
+// attach registers the spec with the coordinator (the scheduler's job)
+// and every worker's pools with its rankd. A fail-open run retries with
+// backoff for AttachWait, each attempt only while NATS is connected;
+// otherwise one attempt, each request retried as before (a coordinator
+// still opening its index answers unavailable).
+func (s *sim) attach(ctx context.Context) error {
+	deadline := time.Now().Add(s.cfg.AttachWait)
+	bo := bus.DefaultBackoff()
+	for attempt := 0; ; attempt++ {
+		err := s.attachOnce(ctx)
+		if err == nil || !s.cfg.FailOpen || !time.Now().Before(deadline) {
+			return err
+		}
+		if attempt == 0 {
+			s.logf("kvtier not attached yet (%v); retrying for %v", err, time.Until(deadline).Round(time.Millisecond))
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(min(bo.Delay(attempt), time.Until(deadline))):
+		}
+	}
+}
+
+func (s *sim) attachOnce(ctx context.Context) error {
+	p := s.plan
+	if s.cfg.FailOpen && !s.nc.IsConnected() {
+		return fmt.Errorf("NATS at %s: not connected", s.cfg.NATSURL)
+	}
+	cctx, cancel := s.callCtx(ctx)
+	rep, err := callRetrying[wire.RegisterReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRegister), p.Scenario.Spec, retryIdempotent)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("register spec with the coordinator: %w", err)
+	}
+	if rep.Namespace != p.R.Namespace {
+		return fmt.Errorf("coordinator registered namespace %s, the spec's is %s", rep.Namespace, p.R.Namespace)
+	}
+	return s.each(func(w *worker) error {
+		cctx, cancel := s.callCtx(ctx)
+		defer cancel()
+		return w.register(cctx)
+	})
+}
+
+// recomputeAll is a fail-open run's answer to a cache it could not use:
+// the engine computes every chunk of the prompt itself.
+func (s *sim) recomputeAll(ctx context.Context) error {
+	all := make([]int, len(s.plan.Hashes))
+	for i := range all {
+		all[i] = i
+	}
+	if err := s.each(func(w *worker) error { return w.wipe() }); err != nil {
+		return err
+	}
+	return s.recompute(all)
+}
+
+// recompute writes the given chunks' pages on every rank, as the engine's
+// own prefill would, then checks every byte of every rank: the chunks
+// kvtier confirmed and the recomputed ones.
+func (s *sim) recompute(chunks []int) error {
+	if err := s.each(func(w *worker) error { return w.recompute(chunks) }); err != nil {
+		return err
+	}
+	s.res.Recomputed = chunks
+	var problems []string
+	for _, w := range s.workers {
+		m, err := w.verify(nil)
+		if err != nil {
+			return err
+		}
+		if len(m.Chunks) > 0 || m.Outside > 0 {
+			problems = append(problems, fmt.Sprintf("rank %d after the recompute: %s", w.t, m.First))
+		}
+	}
+	s.logf("RESULT scenario=%s phase=%s recomputed=%s cache=%q ok=%v", s.plan.Scenario.Name, s.cfg.Phase,
+		intList(chunks), strings.Join(s.res.CacheProblems, "; "), len(problems) == 0)
+	if len(problems) > 0 {
+		return errors.New(strings.Join(problems, "; "))
+	}
+	return nil
 }
 
 // hold prints a HOLD line and waits until file exists ("" : no hold).
@@ -573,6 +684,11 @@ func (s *sim) restore(ctx context.Context) error {
 			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
 	cancel()
 	if err != nil {
+		if s.cfg.FailOpen {
+			s.res.CacheProblems = append(s.res.CacheProblems, "restore.begin: "+err.Error())
+			s.logf("restore.begin failed, recomputing the prompt (fail-open): %v", err)
+			return s.recomputeAll(ctx)
+		}
 		return fmt.Errorf("restore.begin: %w", err)
 	}
 	s.res.RestoreID, s.res.Prefix = plan.RestoreID, plan.Prefix
@@ -623,7 +739,13 @@ func (s *sim) restore(ctx context.Context) error {
 	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, s.resend(s.cfg.RestoreDeadline))
 	cancel()
 	if err != nil {
-		return fmt.Errorf("restore.wait: %w", err)
+		if !s.cfg.FailOpen {
+			return fmt.Errorf("restore.wait: %w", err)
+		}
+		// No verdict: nothing the rankds wrote is trusted.
+		s.res.CacheProblems = append(s.res.CacheProblems, "restore.wait: "+err.Error())
+		s.logf("no verdict, recomputing the prompt (fail-open): %v", err)
+		return s.recomputeAll(ctx)
 	}
 	s.res.Verdict, s.res.Failed, s.res.Reasons = v.State, v.Failed, v.Reasons
 	s.res.RestoreSeconds = time.Since(start).Seconds()
@@ -671,6 +793,15 @@ func (s *sim) restore(ctx context.Context) error {
 		problems = append(problems, err.Error())
 	}
 	switch {
+	case s.cfg.FailOpen && len(problems) == 0:
+		// The confirmed chunks were exact; the engine computes the rest.
+		if len(skip) > 0 {
+			s.res.CacheProblems = append(s.res.CacheProblems, fmt.Sprintf("verdict %s, plan %d of %d chunks",
+				v.State, plan.Prefix, len(p.Hashes)))
+			if err := s.recompute(sortedKeys(skip)); err != nil {
+				return err
+			}
+		}
 	case s.cfg.ExpectFail && v.State == wire.VerdictComplete && plan.Prefix == len(p.Hashes):
 		problems = append(problems, "expected a failed verdict or a partial plan, got a complete restore of every chunk")
 	case !s.cfg.ExpectFail && v.State != wire.VerdictComplete:

@@ -316,6 +316,31 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 	return results, errors.Join(errs...)
 }
 
+// recompute writes the pages of the given chunks into the restore
+// table's blocks, as the engine's own prefill would compute them.
+func (w *worker) recompute(chunks []int) error {
+	p := w.plan
+	want := make(map[int]bool, len(chunks))
+	for _, c := range chunks {
+		want[c] = true
+	}
+	for gi, g := range p.R.Geometry {
+		buf := make([]byte, g.PageBytes)
+		for v, b := range p.Tables[PhaseRestoreTable][gi] {
+			if !want[v/p.BPC[gi]] {
+				continue
+			}
+			for l := range g.Layers {
+				p.Page(w.t, gi, l, v, buf)
+				if err := w.dev.Write(w.allocs[gi], p.PageOffset(gi, l, b), buf); err != nil {
+					return fmt.Errorf("rank %d: recompute group %d: %w", w.t, gi, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
 // wipe overwrites every declared page with the wipe pattern, as when the
 // engine's prefix cache is reset; padding is left alone.
 func (w *worker) wipe() error {

@@ -41,6 +41,8 @@ func main() {
 	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "content seed (the same seed regenerates the same prompt and pages)")
 	flag.IntVar(&cfg.Chunks, "chunks", 0, "chunks in the prompt (0: the scenario's)")
 	flag.BoolVar(&cfg.ExpectFail, "expect-fail", false, "the restore must fail; chunks it does not name must still be byte-exact")
+	flag.BoolVar(&cfg.FailOpen, "fail-open", false, "serve as an engine must with the cache down or failing: what kvtier does not confirm is recomputed, not an error (a wrong byte under a COMPLETE verdict still fails)")
+	flag.DurationVar(&cfg.AttachWait, "attach-wait", 0, "fail-open: keep trying to reach kvtier and register for this long before serving without it")
 	flag.DurationVar(&cfg.Compute, "compute", cfg.Compute, "simulated compute per chunk before its pages are written")
 	flag.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "restore deadline asked of the coordinator")
 	flag.DurationVar(&cfg.Timeout, "timeout", cfg.Timeout, "timeout of each request")
