@@ -87,6 +87,7 @@ class Worker:
                 caches[name] = fakes.Tensor((NUM_BLOCKS, 2, 16, 2, 8), (half, 256, 16, 8, 1), 2,
                                             self.mem.export(li * size, size))
         self.conn.register_kv_caches(caches)
+        assert self.conn.wait_attached(30), f"worker {tp_rank} did not attach: {self.conn._link.why}"
 
     def spans(self, layer: int, block: int) -> list[tuple[int, int]]:
         """Where a layer's page of a block lives: one span, or K and V."""
@@ -118,10 +119,31 @@ def kv_bytes(tp: int, layer: int, prefix: list[int], n: int) -> bytes:
 
 def connector(role, kv_cfg, extra, tp_rank=0, dev=None, par: dict | None = None) -> HostConnector:
     cls = type("C", (HostConnector,), {"tp_rank": tp_rank, "dev": dev})
+    extra = dict(extra)
+    extra.setdefault("kvtier_chunk_tokens", 16 * int((par or {}).get("decode_context_parallel_size", 1)))
+    extra.setdefault("kvtier_load_async", False)  # run_step reads each step's load errors at once
     vc = fakes.vllm_config(TP, **extra)
     for k, v in (par or {}).items():
         setattr(vc.parallel_config, k, v)
-    return cls(vc, role, kv_cfg)
+    conn = cls(vc, role, kv_cfg)
+    if role == KVConnectorRole.SCHEDULER:
+        assert conn.wait_attached(30), f"the scheduler did not attach: {conn._link.why}"
+    return conn
+
+
+def reattached(workers, n: int) -> None:
+    """A restarted rankd forgot the registrations: each worker's link sees
+    the new incarnation (health check, 1 s) and registers again in the
+    background; until it has, a load on that rank fails (a recompute)."""
+
+    def ok() -> bool:
+        for w in workers:
+            if w.conn.stats["reregistered"] < n or not w.conn.wait_attached(0.05):
+                raise AssertionError(f"worker {w.tp}: registered again {w.conn.stats['reregistered']} times, "
+                                     f"link {w.conn._link.state}: {w.conn._link.why}")
+        return True
+
+    eventually(f"every worker registered again ({n})", ok, timeout=30)
 
 
 def run_step(sched, workers, out):
@@ -205,6 +227,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     # restarting the engine: the workers see the new incarnation before the
     # step's loads, register again, and the prompt loads from L2.
     restart_ranks(cluster)
+    reattached(workers, 1)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:
@@ -230,6 +253,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     # errors (vLLM recomputes them), chunk 0 is byte-exact, and nothing
     # garbled counts as loaded.
     restart_ranks(cluster)
+    reattached(workers, 2)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:

@@ -212,3 +212,24 @@ def test_config_rejects_nonsense_timeouts():
         Config.of(fakes.vllm_config(1, kvtier_creds_dir="/c", kvtier_load_async="maybe"))
     c = Config.of(fakes.vllm_config(1, kvtier_creds_dir="/c"))
     assert (c.load_async, c.lookup_timeout_s, c.shutdown_timeout_s) == (True, 2.0, 5.0)
+
+
+def test_a_request_is_offered_kvtier_tokens_once():
+    """Real vLLM asks again after an asynchronous load failed (the request
+    goes back to waiting with no computed tokens): offering the same tokens
+    again looped forever (seen with vLLM 0.32 CPU: the same three requests
+    loaded and failed hundreds of times a second). After its load is issued
+    a request is a miss."""
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_load_async=True)
+    req = fakes.Request("r", tokens(40))
+    world.plan = plan_for(s, req, 0, 2)
+    assert s.get_num_new_matched_tokens(req, 0) == (32, True)
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([4, 5, 6],)), 32)
+    meta = s.build_connector_meta(fakes.SchedulerOutput())
+    assert [ld.restore_id for ld in meta.loads] == ["r-1"]
+    # the load failed; vLLM frees the blocks and asks again from token 0
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta(fakes.SchedulerOutput()).loads == []
+    assert len(world.lookups) == 1

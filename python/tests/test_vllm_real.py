@@ -159,7 +159,8 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
 def extra_for(c: Cluster) -> dict[str, Any]:
     return dict(kvtier_nats=c.nats_url, kvtier_device="host", kvtier_instance="engine0",
                 kvtier_creds_dir=str(c.creds), kvtier_host_dir=str(c.shm), kvtier_host_uuid=HOST_UUID,
-                kvtier_lookup_wait_s=2.0, kvtier_timeout_s=10, kvtier_restore_deadline_ms=4000)
+                kvtier_lookup_wait_s=2.0, kvtier_timeout_s=10, kvtier_restore_deadline_ms=4000,
+                kvtier_chunk_tokens=BLOCK)
 
 
 def gen(prompts: list[list[int]]) -> dict[str, Any]:
@@ -403,3 +404,88 @@ def test_host_pools_are_vllms_tensors_in_place(tmp_path: pathlib.Path) -> None:
     with pytest.raises(GeometryError, match="page_size_bytes"):
         conn._pool_handles(0, "x", torch.zeros(8, 2, 16, 2, 4, dtype=torch.bfloat16))
     conn.shutdown()
+
+
+def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Issue 31 / C11 in one vLLM lifetime: vLLM starts with every kvtier
+    daemon down and serves (recomputing); it attaches in the background when
+    the coordinator and then the rankd appear, and its hits are vLLM's own
+    prefix hit bitwise; kill -9 of the coordinator (which embeds NATS) and
+    then of the rankd while it serves costs each request at most the
+    configured timeouts and a recompute (tokens equal vLLM alone); after
+    both come back it attaches again (counted) and hits again."""
+    plain = prompts_plain()
+    base = run_vllm(tmp_path, "fo-baseline", model_dir, None, [gen(plain), gen(plain)])
+    ref_cold, ref_hit = outputs(base[1]), outputs(base[2])
+    c = Cluster(binaries, tmp_path / "cluster", 1)  # credentials made; no daemon started
+    extra = dict(extra_for(c), kvtier_lookup_timeout_s=1.0, kvtier_timeout_s=5, kvtier_restore_deadline_ms=2000,
+                 kvtier_lookup_wait_s=0.005, kvtier_attach_backoff_max_s=0.5, kvtier_health_check_s=0.5)
+    hooks = {name: tmp_path / name for name in ("coord-up", "rank-up", "kill-coord", "kill-rank", "both-up")}
+
+    def hook(name: str) -> dict[str, Any]:
+        return dict(op="hook", file=str(hooks[name]), timeout=300)
+
+    steps = [
+        gen(plain), *RESET,                                 # 1: nothing up
+        hook("coord-up"), gen(plain), *RESET,               # 5: coordinator up, rankd down
+        hook("rank-up"), dict(op="attached"), gen(plain), *RESET, gen(plain),  # 9..13: stored, then a hit
+        hook("kill-coord"), *RESET, gen(plain),             # 14: coordinator (and NATS) killed
+        hook("kill-rank"), *RESET, gen(plain),              # 18: coordinator back, rankd killed
+        hook("both-up"), dict(op="attached"), *RESET, gen(plain), *RESET, gen(plain),  # 22..27: attached again
+    ]
+
+    def during(p: subprocess.Popen, out: pathlib.Path) -> None:
+        def at(name: str) -> None:
+            eventually(f"vLLM reaches hook {name}", lambda: _true(pathlib.Path(str(hooks[name]) + ".ready").exists()),
+                       timeout=600)
+
+        try:
+            at("coord-up")
+            c.start_coordinator()
+            hooks["coord-up"].write_text("go")
+            at("rank-up")
+            c.start_rank(0)
+            hooks["rank-up"].write_text("go")
+            at("kill-coord")
+            assert c.coord is not None
+            c.coord.stop(signal.SIGKILL)
+            hooks["kill-coord"].write_text("go")
+            at("kill-rank")
+            c.start_coordinator()
+            rk = c.ranks[0]
+            assert rk is not None
+            rk.stop(signal.SIGKILL)
+            hooks["kill-rank"].write_text("go")
+            at("both-up")
+            c.start_rank(0)
+            hooks["both-up"].write_text("go")
+        except BaseException:
+            print(c.logs_tail())
+            raise
+
+    t0 = time.monotonic()
+    try:
+        r = run_vllm(tmp_path, "fail-open", model_dir, extra, steps, during=during)
+    finally:
+        c.stop_all()
+    print(f"fail-open lifetime: {time.monotonic() - t0:.1f} s; steps: "
+          + ", ".join(f"{i}:{x['op']}={x['s']}" for i, x in enumerate(r)))
+    init = r[0]
+    assert init["s"] < base[0]["s"] + 30, f"vLLM start with kvtier down took {init['s']} s"
+    bound = 30.0  # per generate of 3 requests: timeouts of 1-5 s, never a hang
+    for i in (1, 5, 17, 21):
+        assert outputs(r[i]) == ref_cold, f"step {i}: with kvtier down the outputs differ from vLLM alone"
+        assert r[i]["s"] < bound, f"step {i} took {r[i]['s']} s"
+        assert delta(r[i], r[i - 1], "loaded_tokens") == 0, r[i]["worker"]
+    assert r[1]["worker"]["stores_skipped"] > 0 and r[1]["scheduler"]["lookups_skipped"] > 0, r[1]
+    assert r[5]["worker"]["stores_skipped"] > r[1]["worker"]["stores_skipped"], r[5]["worker"]  # rankd still down
+    assert r[9]["ok"], "the connector did not attach after the daemons came up"
+    assert r[9]["worker"]["attaches"] == 1 and r[9]["scheduler"]["attaches"] == 1, r[9]
+    assert outputs(r[10]) == ref_cold and delta(r[10], r[9], "stored_objects") == 5, r[10]["worker"]
+    assert outputs(r[13]) == ref_hit and delta(r[13], r[12], "loaded_tokens") > 0, r[13]["worker"]
+    assert r[23]["ok"], "the connector did not attach again after the kills"
+    assert r[23]["worker"]["detaches"] >= 1 and r[23]["worker"]["attaches"] >= 2, r[23]["worker"]
+    assert r[23]["scheduler"]["detaches"] >= 1 and r[23]["scheduler"]["attaches"] >= 2, r[23]["scheduler"]
+    # stored again, or loaded (in part) from the L2 copies that survived the kill
+    assert tokens_of(outputs(r[26])) == tokens_of(ref_cold) and close(outputs(r[26]), ref_cold)
+    assert outputs(r[29]) == ref_hit and delta(r[29], r[28], "loaded_tokens") > 0, r[29]["worker"]

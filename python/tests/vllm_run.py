@@ -9,11 +9,12 @@ ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
 connector), "hma": true/false/absent (force vLLM's hybrid KV cache manager
 on or off, or let vLLM decide), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
 "prompts": [[ids...]], "max_tokens": n} | {"op": "reset"} | {"op": "wipe"} |
-{"op": "hook", "file": path}]}. "reset" waits until vLLM's prefix cache is
+{"op": "hook", "file": path} | {"op": "attached", "timeout": s}]}. "reset" waits until vLLM's prefix cache is
 empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
 (those its attention layers read), so a later hit can only come from a
 load. A "hook" step waits until the file exists (the test does
-something to the daemons meanwhile) and then goes on.
+something to the daemons meanwhile) and then goes on. An "attached" step
+waits until the connector's links (worker and scheduler) are attached.
 
 OUT: one record per step: generated token ids, each token's logprob as
 float.hex (exact), vLLM's num_cached_tokens, and the connector's worker and
@@ -157,6 +158,12 @@ def main() -> None:
                 tsr.zero_()
             rec["tensors"] = len(kv)
             rec["nonzero"] = sum(int(tsr.count_nonzero()) for tsr in kv)
+        elif step["op"] == "attached":  # wait until the worker's and the scheduler's links are attached
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            t_end = time.monotonic() + step.get("timeout", 60)
+            conns = [get_kv_transfer_group(), llm.llm_engine.engine_core.engine_core.scheduler.connector]
+            rec["ok"] = all(c.wait_attached(max(0.0, t_end - time.monotonic())) for c in conns)
         elif step["op"] == "hook":
             with open(step["file"] + ".ready", "w") as f:
                 f.write("ready")

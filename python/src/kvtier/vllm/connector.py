@@ -146,6 +146,11 @@ class _Req:
     lookup_first: int = -1
     matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
     plan: wire.RestorePlan | None = None  # the restore begun for the hit
+    # A request is offered kvtier tokens once: after its load is handed to
+    # the workers every later ask (vLLM asks again after an asynchronous
+    # load failed, or after a preemption) is a miss, so a chunk that fails
+    # to load can never be offered, loaded and failed in a loop.
+    load_issued: bool = False
     load: tuple[int, int] | None = None  # (first chunk, chunks) to load
     block_ids: list[list[int]] = field(default_factory=list)
     saved_through: int = 0  # chunks [0, saved_through) are stored or being stored
@@ -414,7 +419,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _start_link(self, name: str, setup: Any, check: Any) -> None:
         cap = self.cfg.attach_backoff_max_s
         self._link = Link(name, self._make_client, setup, check=check, check_every_s=self.cfg.health_check_s,
-                          backoff_s=min(0.2, cap), max_backoff_s=cap)
+                          backoff_s=min(0.2, cap), max_backoff_s=cap, on_change=self._on_link_change)
         self._link.start()
 
     def _client_now(self) -> kvclient.SyncClient | None:
@@ -454,8 +459,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         inc = int(c.status(self._rank, timeout=self.cfg.lookup_timeout_s).incarnation)
         return "ok" if inc == self._incarnation else "setup"
 
-    def _sync_link_stats(self) -> None:
-        if self._link is not None:
+    def _on_link_change(self, state: str) -> None:
+        if self._link is not None:  # runs on the link's thread: two plain stores
             self.stats["attaches"], self.stats["detaches"] = self._link.attaches, self._link.detaches
 
     # ---------------------------------------------------------------- scheduler
@@ -481,8 +486,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
-        if num_computed_tokens % self.chunk:
-            return 0, False  # kvtier restores whole chunks only
+        if st.load_issued or num_computed_tokens % self.chunk:
+            return 0, False  # loaded once already; kvtier restores whole chunks only
         first = num_computed_tokens // self.chunk
         last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
         last = min(last, len(st.hashes))
@@ -561,7 +566,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             first, n = st.load
             st.load = None
             meta.loads.append(self._load_spec(req_id, st, first, n))
-            st.plan = None  # a plan is used once
+            st.plan, st.load_issued = None, True  # a plan is used once, a request loads once
             st.saved_through = max(st.saved_through, first + n)
         num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
@@ -885,7 +890,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """What the worker counters did since the last call (vLLM sums the
         workers' and exports them: kvtier.vllm.stats)."""
-        self._sync_link_stats()
         return stats_delta(self.stats, self._stats_sent)
 
     @classmethod
