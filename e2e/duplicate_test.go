@@ -1,15 +1,13 @@
 package e2e
 
 import (
-	"io"
-	"net/http"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -28,7 +26,7 @@ func TestDuplicateRankdRefused(t *testing.T) {
 
 	dupArgs := append([]string{bin.rankd, "--instance", "engine0", "--tp-rank", "2", "--tp-size", "4",
 		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
-		"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(freePort(t)), "--http", "127.0.0.1:0", "--log-level", "info"},
+		"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t)), "--http", "127.0.0.1:0", "--log-level", "info"},
 		c.credsArgs()...)
 	dup := startProc(t, "rankd2-duplicate", filepath.Join(c.logD, "rankd2-duplicate.log"), dupArgs...)
 	err := dup.wait(60 * time.Second)
@@ -39,7 +37,7 @@ func TestDuplicateRankdRefused(t *testing.T) {
 		t.Fatalf("the duplicate's exit (%v) does not name the live rank:\n%s", err, tail(dup.output(), 20))
 	}
 	t.Logf("duplicate refused: %v: %s", err, lineWith(dup.output(), "served by live member"))
-	if n := coordMetric(t, c, "kvtier_coord_duplicate_rank_members_total"); n < 1 {
+	if n := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_duplicate_rank_members_total"); n < 1 {
 		t.Fatalf("duplicates counted at the coordinator: %v, want >= 1", n)
 	}
 
@@ -64,31 +62,4 @@ func lineWith(out, s string) string {
 		}
 	}
 	return ""
-}
-
-// coordMetric reads one unlabelled counter from the coordinator's
-// /metrics (its address is in its "coordinator started" log line).
-func coordMetric(t *testing.T, c *kv, name string) float64 {
-	t.Helper()
-	m := regexp.MustCompile(`"http":\s*"([0-9.:]+)"`).FindStringSubmatch(c.coord.output())
-	if m == nil {
-		t.Fatalf("coordinator HTTP address not in its log")
-	}
-	resp, err := http.Get("http://" + m[1] + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	for _, l := range strings.Split(string(body), "\n") {
-		if f := strings.Fields(l); len(f) == 2 && f[0] == name {
-			v, err := strconv.ParseFloat(f[1], 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return v
-		}
-	}
-	t.Fatalf("%s not in /metrics", name)
-	return 0
 }

@@ -1,52 +1,16 @@
 package e2e
 
 import (
-	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
-
-// rankMetricSum sums the samples (every label set) of metric name on rankd r's /metrics (its
-// address is in its "rankd serving" log line).
-func rankMetricSum(t *testing.T, c *kv, r int, name string) float64 {
-	t.Helper()
-	m := regexp.MustCompile(`"msg":"rankd serving".*?"http":"([0-9.:]+)"`).FindAllStringSubmatch(c.ranks[r].output(), -1)
-	if m == nil {
-		t.Fatalf("rankd %d HTTP address not in its log", r)
-	}
-	resp, err := http.Get("http://" + m[len(m)-1][1] + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	var sum float64
-	found := false
-	for _, l := range strings.Split(string(body), "\n") {
-		f := strings.Fields(l)
-		if len(f) != 2 || (f[0] != name && !strings.HasPrefix(f[0], name+"{")) {
-			continue
-		}
-		v, err := strconv.ParseFloat(f[1], 64)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sum, found = sum+v, true
-	}
-	if !found {
-		t.Fatalf("%s not in rankd %d's /metrics", name, r)
-	}
-	return sum
-}
 
 // TestFullL2FilesystemDegrades (issue 15.2): TP4/DCP4 with rank 1's L2 on
 // a 2 MiB tmpfs. A long stream of stores fills it: every store still
@@ -81,10 +45,10 @@ func TestFullL2FilesystemDegrades(t *testing.T) {
 			t.Fatalf("prompt %d: nothing stored: %+v", seed, res)
 		}
 	}
-	if v := rankMetricSum(t, c, 1, "kvtier_transfer_l2_write_errors_total"); v == 0 {
+	if v := testutil.MetricSum(t, c.rankMetrics(1), "kvtier_transfer_l2_write_errors_total"); v == 0 {
 		t.Fatal("rank 1 counted no failed L2 write on a full file system")
 	}
-	if v := rankMetricSum(t, c, 1, "kvtier_transfer_store_failures_total"); v != 0 {
+	if v := testutil.MetricSum(t, c.rankMetrics(1), "kvtier_transfer_store_failures_total"); v != 0 {
 		t.Fatalf("rank 1: %v failed stores, want 0 (stores go to L1)", v)
 	}
 	// L1 keeps serving: the latest prompt restores on every rank.

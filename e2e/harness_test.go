@@ -6,12 +6,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"math/rand/v2"
-	"net"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -21,10 +20,12 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/enginesim"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -168,45 +169,32 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// handedOut holds every port freePort has returned in this test process:
-// a port is closed again as soon as it is found free, and a process that
-// is down between a kill and its restart does not hold its port, so the
-// kernel may offer it again; it must never go to a second process.
-var handedOut = struct {
-	sync.Mutex
-	ports map[int]bool
-}{ports: map[int]bool{}}
+// httpAddr matches the "http" field of a daemon's start log line (rankd
+// serving, coordinator started).
+var httpAddr = regexp.MustCompile(`"http":\s*"([0-9.:]+)"`)
 
-// freePort returns a port free for both TCP and UDP on 127.0.0.1
-// (memberlist needs both) that no earlier call returned. Ports come from
-// 20000-31999, below Linux's ephemeral range (32768 up), so the local end
-// of some process's outgoing connection cannot take one between this check
-// and the daemon's bind.
-func freePort(t *testing.T) int {
+// metricsOf is the /metrics of the daemon name whose log is out, at the
+// address its last start logged (a restarted daemon logs a new one),
+// scraped at each read.
+func metricsOf(t *testing.T, name, out string) prometheus.Gatherer {
 	t.Helper()
-	for range 1000 {
-		port := 20000 + rand.IntN(12000)
-		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
-			continue
-		}
-		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		l.Close()
-		if err != nil {
-			continue
-		}
-		u.Close()
-		handedOut.Lock()
-		dup := handedOut.ports[port]
-		handedOut.ports[port] = true
-		handedOut.Unlock()
-		if dup {
-			continue
-		}
-		return port
+	m := httpAddr.FindAllStringSubmatch(out, -1)
+	if m == nil {
+		t.Fatalf("%s HTTP address not in its log", name)
 	}
-	t.Fatal("no free port")
-	return 0
+	return testutil.Scrape("http://" + m[len(m)-1][1] + "/metrics")
+}
+
+// rankMetrics is rankd r's /metrics, for testutil.Metric.
+func (c *kv) rankMetrics(r int) prometheus.Gatherer {
+	c.t.Helper()
+	return metricsOf(c.t, "rankd "+strconv.Itoa(r), c.ranks[r].output())
+}
+
+// coordMetrics is the coordinator's /metrics, for testutil.Metric.
+func (c *kv) coordMetrics() prometheus.Gatherer {
+	c.t.Helper()
+	return metricsOf(c.t, "coordinator", c.coord.output())
 }
 
 // kv is one kvtier cluster of real processes: a coordinator with embedded
@@ -271,12 +259,12 @@ type kv struct {
 func newKV(t *testing.T, tp int) *kv {
 	t.Helper()
 	dir := t.TempDir()
-	c := &kv{t: t, dir: dir, tp: tp, natsPort: freePort(t), natsHost: "127.0.0.1",
-		gossip: "127.0.0.1:" + strconv.Itoa(freePort(t)), l1: "256MiB", subj: wire.Subjects{Prefix: wire.DefaultPrefix},
+	c := &kv{t: t, dir: dir, tp: tp, natsPort: testutil.FreePort(t), natsHost: "127.0.0.1",
+		gossip: "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t)), l1: "256MiB", subj: wire.Subjects{Prefix: wire.DefaultPrefix},
 		hostD: filepath.Join(dir, "shm"), l2D: filepath.Join(dir, "l2"), logD: filepath.Join(dir, "logs"),
 		creds: filepath.Join(dir, "creds"), conns: map[string]*nats.Conn{}}
 	for range tp {
-		c.rankAddr = append(c.rankAddr, "127.0.0.1:"+strconv.Itoa(freePort(t)))
+		c.rankAddr = append(c.rankAddr, "127.0.0.1:"+strconv.Itoa(testutil.FreePort(t)))
 	}
 	for _, d := range []string{c.hostD, c.l2D, c.logD, filepath.Join(dir, "index")} {
 		if err := os.MkdirAll(d, 0o700); err != nil { // private: the host backend and L2 insist

@@ -2,47 +2,14 @@ package e2e
 
 import (
 	"encoding/binary"
-	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strconv"
-	"strings"
 	"testing"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
-
-// rankMetric reads one transfer counter of rankd r from its /metrics (the
-// address is in its "rankd started" log line).
-func rankMetric(t *testing.T, c *kv, r int, name string) float64 {
-	t.Helper()
-	m := regexp.MustCompile(`"http":\s*"([0-9.:]+)"`).FindStringSubmatch(c.ranks[r].output())
-	if m == nil {
-		t.Fatalf("rankd %d HTTP address not in its log", r)
-	}
-	resp, err := http.Get("http://" + m[1] + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	want := fmt.Sprintf(`%s{rank="engine0/%d"}`, name, r)
-	for _, l := range strings.Split(string(body), "\n") {
-		if f := strings.Fields(l); len(f) == 2 && f[0] == want {
-			v, err := strconv.ParseFloat(f[1], 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return v
-		}
-	}
-	t.Fatalf("%s not in rankd %d's /metrics", want, r)
-	return 0
-}
 
 // startHostL1 starts a TP4 cluster with write-back and host-shared L1 and
 // returns it with the segment directory.
@@ -91,10 +58,10 @@ func TestHostL1WriteBackTP4DCP1(t *testing.T) {
 		}
 		l1 = append(l1, k.L1Objects)
 		total += k.L1Objects
-		if got := rankMetric(t, c, r, "kvtier_transfer_l2_reads_total"); got != 0 {
+		if got := testutil.Metric(t, c.rankMetrics(r), "kvtier_transfer_l2_reads_total"); got != 0 {
 			t.Fatalf("rank %d read %v objects from L2 files", r, got)
 		}
-		if got := rankMetric(t, c, r, "kvtier_transfer_peer_l1_failures_total"); got != 0 {
+		if got := testutil.Metric(t, c.rankMetrics(r), "kvtier_transfer_peer_l1_failures_total"); got != 0 {
 			t.Fatalf("rank %d: %v peer L1 failures", r, got)
 		}
 	}
@@ -103,7 +70,7 @@ func TestHostL1WriteBackTP4DCP1(t *testing.T) {
 	}
 	for r := range 4 {
 		want := float64(int64(res.Ranks[r].Items) - l1[r]) // every item it does not hold itself
-		if got := rankMetric(t, c, r, "kvtier_transfer_peer_l1_reads_total"); got != want {
+		if got := testutil.Metric(t, c.rankMetrics(r), "kvtier_transfer_peer_l1_reads_total"); got != want {
 			t.Fatalf("rank %d: %v peer L1 reads, want %v (%d items, %d own)", r, got, want, res.Ranks[r].Items, l1[r])
 		}
 	}
@@ -156,7 +123,7 @@ func TestHostL1ChangedBytesFailChunk(t *testing.T) {
 		}
 	}
 	for r := 1; r < 4; r++ {
-		if got := rankMetric(t, c, r, "kvtier_transfer_peer_l1_failures_total"); got != 1 {
+		if got := testutil.Metric(t, c.rankMetrics(r), "kvtier_transfer_peer_l1_failures_total"); got != 1 {
 			t.Fatalf("rank %d: %v peer L1 failures, want 1", r, got)
 		}
 	}

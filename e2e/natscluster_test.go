@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -131,9 +132,9 @@ func (c *kv) startStoreStream(workers int, natsURLs string) *storeStream {
 // restores COMPLETE and byte-exact through the surviving servers.
 func TestNATSClusterSurvivesServerKill(t *testing.T) {
 	c := newKV(t, 4)
-	a := &natsNode{name: "natsA", client: "nats://127.0.0.1:" + strconv.Itoa(freePort(t)), route: "127.0.0.1:" + strconv.Itoa(freePort(t))}
-	cn := &natsNode{name: "natsC", client: "nats://127.0.0.1:" + strconv.Itoa(freePort(t)), route: "127.0.0.1:" + strconv.Itoa(freePort(t))}
-	c.natsCluster = "127.0.0.1:" + strconv.Itoa(freePort(t))
+	a := &natsNode{name: "natsA", client: "nats://127.0.0.1:" + strconv.Itoa(testutil.FreePort(t)), route: "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t))}
+	cn := &natsNode{name: "natsC", client: "nats://127.0.0.1:" + strconv.Itoa(testutil.FreePort(t)), route: "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t))}
+	c.natsCluster = "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t))
 	c.natsRoutes = []string{a.routeURL(), cn.routeURL()}
 	c.startNATSNode(a, []string{"nats-route://" + c.natsCluster, cn.routeURL()})
 	c.startNATSNode(cn, []string{"nats-route://" + c.natsCluster, a.routeURL()})
@@ -156,7 +157,7 @@ func TestNATSClusterSurvivesServerKill(t *testing.T) {
 	// A prompt stored before anything happens, restored at the end.
 	c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", "77")
 	c.waitL2([]int64{16, 16, 16, 16})
-	resyncs0 := coordMetric(t, c, "kvtier_coord_resync_attempts_total")
+	resyncs0 := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resync_attempts_total")
 
 	s := c.startStoreStream(1, all)
 	stopped := false
@@ -214,7 +215,7 @@ func TestNATSClusterSurvivesServerKill(t *testing.T) {
 		last = c.agree()
 		return last
 	})
-	if n := coordMetric(t, c, "kvtier_coord_resync_attempts_total"); n != resyncs0 {
+	if n := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resync_attempts_total"); n != resyncs0 {
 		t.Fatalf("the coordinator resynced ranks %v times across the kill of A: events were lost (sequence gaps)", n-resyncs0)
 	}
 	v, err := admin[wire.AdminVerifyReply](c, wire.AdminVerify, struct{}{})
@@ -273,7 +274,7 @@ func TestNetnsNATSServerPartition(t *testing.T) {
 
 	c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", "78")
 	c.waitL2([]int64{16, 16, 16, 16})
-	resyncs0 := coordMetric(t, c, "kvtier_coord_resync_attempts_total")
+	resyncs0 := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resync_attempts_total")
 	s := c.startStoreStream(1, all)
 	stopped := false
 	defer func() {
@@ -322,7 +323,7 @@ func TestNetnsNATSServerPartition(t *testing.T) {
 		last = c.agree()
 		return last
 	})
-	if n := coordMetric(t, c, "kvtier_coord_resync_attempts_total"); n != resyncs0 {
+	if n := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resync_attempts_total"); n != resyncs0 {
 		t.Fatalf("the coordinator resynced ranks %v times across the partition of A: events were lost (sequence gaps)", n-resyncs0)
 	}
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/enginesim"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -106,7 +107,7 @@ func TestNetnsPartitionFencesRank(t *testing.T) {
 	const victim = 1
 	lab := newNetlab(t, 4)
 	c := newKV(t, 4)
-	gport := freePort(t)
+	gport := testutil.FreePort(t)
 	c.gossip = lab.hostIP() + ":" + strconv.Itoa(gport)
 	c.natsHost = "0.0.0.0"
 	c.rankdNATS = "nats://" + lab.hostIP() + ":" + strconv.Itoa(c.natsPort)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/enginesim"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -222,7 +223,7 @@ func TestCoordinatorMovesNATS(t *testing.T) {
 	c.coord.stop()
 	c.nc.Close()
 	c.nc = nil
-	c.natsPort = freePort(t)
+	c.natsPort = testutil.FreePort(t)
 	c.startCoordinator()
 	for r := range c.tp {
 		c.waitRank(r) // answers on the new NATS

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/enginesim"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -194,7 +195,7 @@ func startInstance(c *kv, instance string) []*proc {
 	for r := range c.tp {
 		args := []string{bin.rankd, "--instance", instance, "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.tp),
 			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", l2,
-			"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(freePort(c.t)), "--http", "127.0.0.1:0", "--log-level", "info"}
+			"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(testutil.FreePort(c.t)), "--http", "127.0.0.1:0", "--log-level", "info"}
 		args = append(args, c.rankArgs...)
 		args = append(args, c.credsArgs()...)
 		ps = append(ps, startProc(c.t, fmt.Sprintf("rankd-%s-%d", instance, r), filepath.Join(c.logD, fmt.Sprintf("rankd-%s-%d.log", instance, r)), args...))

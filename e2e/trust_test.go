@@ -15,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/enginesim"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -188,13 +189,7 @@ func TestTrustAttacksFail(t *testing.T) {
 	}
 
 	// A keyed member claims the coordinator role with its own NATS URL.
-	trap := bus.DefaultEmbeddedConfig()
-	trap.Port, trap.Insecure = 0, true
-	trapSrv, err := bus.StartEmbedded(trap)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer trapSrv.Shutdown()
+	trapSrv := testutil.NATS(t)
 	key, more, err := auth.LoadGossipKeys(filepath.Join(c.creds, auth.GossipKeyFile))
 	if err != nil {
 		t.Fatal(err)
