@@ -1,0 +1,308 @@
+package coordinator
+
+import (
+	"container/heap"
+	"fmt"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+)
+
+// restore.begin (see restore.go for the protocol): a pure decision,
+// planRestore, taken under the restore table's lock in admit, which
+// locks once and releases by defer; handleBegin replies after it.
+
+// handleBegin answers restore.begin with a plan: it checks the request,
+// looks the chunks up (no lock), then admit decides and records under the
+// restore table's lock, once; the reply leaves after the lock is released.
+func (rs *restores) handleBegin(m *nats.Msg) {
+	c := rs.c
+	var req wire.RestoreBeginRequest
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, "restore.begin", err)
+		return
+	}
+	if req.DeadlineMS < 0 {
+		c.badRequest(m, "restore.begin", fmt.Errorf("deadline %d ms must be >= 0: %w", req.DeadlineMS, wire.ErrMalformed))
+		return
+	}
+	if req.Instance != "" {
+		if err := wire.ValidInstance(req.Instance); err != nil {
+			c.badRequest(m, "restore.begin", err)
+			return
+		}
+	}
+	if !c.scope(m, wire.CoordRestoreBegin, "restore_begin", &req.Instance) {
+		return
+	}
+	switch req.PlanEncoding {
+	case "", wire.PlanEncodingJSON, wire.PlanEncodingBinary:
+	default:
+		c.badRequest(m, "restore.begin", fmt.Errorf("plan encoding %q: want %q or %q: %w",
+			req.PlanEncoding, wire.PlanEncodingJSON, wire.PlanEncodingBinary, wire.ErrMalformed))
+		return
+	}
+	deadline := restoreDeadline(req.DeadlineMS, c.cfg.RestoreDeadline, c.cfg.MaxRestoreDeadline)
+	now := time.Now()
+	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	if err != nil {
+		c.lookupError(m, "restore.begin", req.Namespace, err)
+		return
+	}
+	c.met.restoreBegins.Inc()
+	// No rank is handed a sum it cannot check (issue 11.8): the prefix
+	// ends before a chunk with a recorded sum of 0 (only an index written
+	// before ingest refused such events holds one).
+	zeroCut := ""
+	if cut, reason := zeroSumCut(&res); cut >= 0 {
+		c.log.Warn("placement with sum 0 in the index; restore prefix cut", zap.Stringer("namespace", req.Namespace),
+			zap.Int("chunk", cut), zap.Int("stored_prefix", res.Prefix))
+		res.Prefix, zeroCut = cut, reason
+	}
+
+	out := rs.admit(&req, &res, zeroCut, now, deadline)
+	switch out.kind {
+	case beginClosed:
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, "coordinator shutting down")
+	case beginTooMany:
+		c.met.internal.Inc()
+		c.log.Warn("restore refused: too many active restores", zap.Int("active", out.active))
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable, fmt.Sprintf("%d restores active, limit %d", out.active, c.cfg.MaxActiveRestores))
+	case beginInstanceFull:
+		c.met.refused.WithLabelValues("instance_restores").Inc()
+		c.log.Warn("restore refused: the instance has too many active restores", zap.String("instance", res.Instance),
+			zap.Int("active", out.active))
+		c.replyError(wire.CoordRestoreBegin, m, wire.CodeUnavailable,
+			fmt.Sprintf("instance %s has %d restores active, limit %d (MaxActiveRestoresPerInstance)", res.Instance, out.active,
+				c.cfg.MaxActiveRestoresPerInstance))
+	case beginUnsendable:
+		c.replyUnsendable(wire.CoordRestoreBegin, m, out.err)
+	case beginFailed:
+		c.internalError(m, wire.CoordRestoreBegin, "start restore", out.err, zap.String("restore", out.id))
+	case beginNotPlanned:
+		c.met.notPlanned.WithLabelValues(out.cause).Inc()
+		c.met.restores.WithLabelValues(wire.VerdictRefused, "readers_not_alive").Inc()
+		c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", out.id),
+			zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
+			zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", out.down), zap.String("reason", out.plan.Reason))
+		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+	case beginEmpty:
+		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
+		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", out.id),
+			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
+		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+	case beginActive:
+		if out.earliest {
+			select {
+			case rs.kick <- struct{}{}:
+			default:
+			}
+		}
+		c.log.Debug("restore begun", zap.String("restore", out.id), zap.Stringer("namespace", req.Namespace),
+			zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
+			zap.Int("ranks", len(out.plan.Ranks)), zap.Duration("deadline", deadline))
+		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+	}
+}
+
+// restoreDeadline is how long a restore waits for its reports: the
+// configured default when the request asks none (0 ms), else what it asks,
+// capped at max (clamped before the multiplication: 2^62 ms would
+// overflow).
+func restoreDeadline(askedMS int, def, max time.Duration) time.Duration {
+	if askedMS <= 0 {
+		return def
+	}
+	if int64(askedMS) < max.Milliseconds() {
+		return time.Duration(askedMS) * time.Millisecond
+	}
+	return max
+}
+
+// zeroSumCut returns the first chunk of res's prefix with a source whose
+// recorded sum is 0, and why; -1 when there is none.
+func zeroSumCut(res *index.LookupResult) (int, string) {
+	for i := range res.Prefix {
+		for j := range res.Expectations {
+			if res.Source(i, j).Sum == 0 {
+				return i, fmt.Sprintf("prefix cut at chunk %d: its object of shard %d group %d is recorded with sum 0, which cannot be checked",
+					i, res.Expectations[j].Shard, res.Expectations[j].Group)
+			}
+		}
+	}
+	return -1, ""
+}
+
+// beginKind is what a restore.begin gets.
+type beginKind uint8
+
+const (
+	beginClosed       beginKind = iota + 1 // the coordinator is shutting down
+	beginTooMany                           // MaxActiveRestores reached
+	beginInstanceFull                      // the instance's MaxActiveRestoresPerInstance reached
+	beginNotPlanned                        // a reader rank is not alive: decided refused at once
+	beginEmpty                             // nothing restorable: decided complete at once
+	beginActive                            // planned and tracked until its verdict
+	beginUnsendable                        // the plan cannot fit a reply: nothing recorded
+	beginFailed                            // the restore could not be started: nothing recorded
+)
+
+// beginState is what planRestore needs of the restore table: read under
+// its lock.
+type beginState struct {
+	closed bool
+	// active counts the active restores, instanceActive those of the
+	// restore's instance.
+	active, instanceActive int
+	// maxActive and maxPerInstance are the limits (Config).
+	maxActive, maxPerInstance int
+}
+
+// restorePlan is planRestore's decision.
+type restorePlan struct {
+	kind beginKind
+	// active is the count that refused the restore (beginTooMany,
+	// beginInstanceFull).
+	active int
+	// plan is the reply (every kind from beginNotPlanned on).
+	plan *wire.RestorePlan
+	// down and cause name the reader ranks not alive and the first one's
+	// cause (beginNotPlanned).
+	down  []string
+	cause string
+	// readers is what the restore expects of each reader rank, by TP rank
+	// (beginActive).
+	readers map[int]*restoreReader
+}
+
+// planRestore decides a restore.begin from the table's state, the
+// lookup (its prefix already cut by zeroSumCut, whose reason is zeroCut)
+// and the reader ranks' liveness judged under the table's lock: a pure
+// function of its inputs. The limits come first, then liveness: nothing
+// is planned unless every reader rank is alive; a prefix of 0 is decided
+// complete; otherwise the plan lists each reader's items in chunk order.
+func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *index.LookupResult, zeroCut string,
+	readers []readerStatus) restorePlan {
+	switch {
+	case st.closed:
+		return restorePlan{kind: beginClosed}
+	case st.active >= st.maxActive:
+		return restorePlan{kind: beginTooMany, active: st.active}
+	case res.Prefix > 0 && st.instanceActive >= st.maxPerInstance:
+		return restorePlan{kind: beginInstanceFull, active: st.instanceActive}
+	}
+	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
+	if res.Prefix > 0 {
+		if down, reason := notAlive(res.Instance, readers); reason != "" {
+			plan.Prefix, plan.Reason = 0, reason
+			p := restorePlan{kind: beginNotPlanned, plan: plan, down: down}
+			for _, s := range readers {
+				if s.cause != "" {
+					p.cause = s.cause
+					break
+				}
+			}
+			return p
+		}
+	}
+	if plan.Prefix == 0 {
+		return restorePlan{kind: beginEmpty, plan: plan}
+	}
+	byTP := make(map[int]*restoreReader, len(readers))
+	for _, s := range readers {
+		byTP[s.tp] = &restoreReader{inc: s.inc, slots: make([]readSlot, 0, res.Prefix)}
+	}
+	for i := range res.Prefix {
+		for j, e := range res.Expectations {
+			src := res.Source(i, j)
+			reader := wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String()
+			plan.Ranks[reader] = append(plan.Ranks[reader], wire.RetrieveItem{
+				Chunk: i, Group: e.Group,
+				Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
+				Sum:    src.Sum,
+				Source: wire.Source{Holder: res.Holder(i, j), Tier: src.Tier},
+			})
+			rd := byTP[e.Rank]
+			rd.slots = append(rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
+		}
+	}
+	return restorePlan{kind: beginActive, plan: plan, readers: byTP}
+}
+
+// beginOutcome is admit's result, acted on after the lock is released.
+type beginOutcome struct {
+	restorePlan
+	id string
+	// data is the encoded reply (beginNotPlanned, beginEmpty,
+	// beginActive).
+	data []byte
+	// earliest: the new restore has the earliest deadline (beginActive).
+	earliest bool
+	err      error // beginUnsendable, beginFailed
+}
+
+// admit takes the restore table's lock once: it judges the readers'
+// liveness under it (see "Reader liveness"), plans (planRestore), encodes
+// the reply (a plan that cannot be sent would leave a restore nobody
+// executes, C8) and records the restore or its immediate verdict.
+func (rs *restores) admit(req *wire.RestoreBeginRequest, res *index.LookupResult, zeroCut string, now time.Time,
+	deadline time.Duration) beginOutcome {
+	c := rs.c
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	st := beginState{closed: rs.closed, active: len(rs.active), instanceActive: rs.perInstance[res.Instance],
+		maxActive: c.cfg.MaxActiveRestores, maxPerInstance: c.cfg.MaxActiveRestoresPerInstance}
+	var readers []readerStatus
+	if res.Prefix > 0 && !st.closed {
+		readers = c.readerStatuses(res.Instance, res.Expectations)
+	}
+	id := newRestoreID() // random 128 bits: not guessable by other callers (C9)
+	out := beginOutcome{restorePlan: planRestore(st, id, req, res, zeroCut, readers), id: id}
+	var r *index.Restore
+	switch out.kind {
+	case beginClosed, beginTooMany, beginInstanceFull:
+		return out
+	case beginActive:
+		var err error
+		r, err = index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(res, res.Prefix), now.Add(deadline))
+		if err != nil {
+			out.kind, out.err = beginFailed, err
+			return out
+		}
+	}
+	rs.seq++
+	data, err := c.encodePlan(req.PlanEncoding, req.Namespace, out.plan)
+	if err != nil {
+		if out.kind == beginActive {
+			err = fmt.Errorf("restore plan of %d chunks for %d ranks: %w", res.Prefix, len(out.plan.Ranks), err)
+		}
+		out.kind, out.err = beginUnsendable, err
+		return out
+	}
+	out.data = data
+	switch out.kind {
+	case beginNotPlanned:
+		// Refused, never complete (issue 11.4): nothing was restored or
+		// checked, and the reason travels with the verdict.
+		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictRefused, Reason: out.plan.Reason}
+		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
+			VerdictLatencyUS: 0})
+	case beginEmpty:
+		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
+		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
+			VerdictLatencyUS: 0})
+	case beginActive:
+		a := &activeRestore{r: r, instance: res.Instance, prefix: res.Prefix, ranks: len(out.plan.Ranks), began: now, readers: out.readers}
+		rs.active[id] = a
+		rs.perInstance[a.instance]++
+		heap.Push(&rs.byDL, a)
+		out.earliest = rs.byDL[0] == a
+		c.met.active.Set(float64(len(rs.active)))
+	}
+	return out
+}
