@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -244,7 +245,7 @@ func BenchmarkL2FileTier(b *testing.B) {
 	objs := make([][]byte, 48)
 	var total int64
 	for i := range objs {
-		objs[i] = randomBytes(1343488, uint64(i))
+		objs[i] = testutil.RandomBytes(1343488, uint64(i))
 		total += int64(len(objs[i]))
 	}
 	const rounds = 5

@@ -38,6 +38,36 @@
 // are caught by the scatter's own checksum, so the chunk is reported failed
 // and the engine recomputes it, but its pages have been written.
 //
+// Tiers: L1 is pinned host memory this engine owns. With a host L1
+// directory (Config.HostL1Dir) L1 is a shared-memory segment that the
+// other ranks of the host map read-only: a lock-free catalog of slots the
+// holder publishes and retires (under Engine.mu) and readers lease, so a
+// rank restores from a peer's L1 without a copy through L2. L2 is the
+// file tier (transfer/tier.FileTier): one file per object, written
+// durably, verified on every read, quarantined when corrupt, bounded and
+// evicted LRU by the engine. L3 is an object-storage bucket
+// (transfer/tier.L3Tier) written behind L2 by a queue of writers and
+// read when neither L1 nor L2 holds an object; L2 files and L3 objects
+// share one object format (tier.EncodeObject).
+//
+// Packages: transfer/tier holds the L2 file tier, the L3 bucket tier and
+// the object format; it never takes Engine.mu and knows nothing of the
+// engine. Its sentinel errors (ErrNotFound, ErrCorrupt, ErrIO, ErrUnsafe,
+// ErrConfig) are aliased here, with its types (L2Object, FileTier,
+// L3Tier, ...), so callers keep the transfer names. The host-shared L1
+// segment (peerl1seg.go, peerl1file.go) never takes Engine.mu either; it
+// is to move to transfer/hostl1 (issue 30), not done yet.
+//
+// Locks, outermost first: Engine.mu (guards the catalog, sessions,
+// futures, the L2 and L3 accounting and the holder's side of the host L1
+// segment); then peerTable.mu (the mapped peer segments and their
+// reference counts; taken alone, or inside Engine.mu when a retrieve
+// drops its peer references). transfer/tier takes no lock of its own; the
+// host L1 segment is lock-free (atomics and leases). No lock is held
+// across a NATS request (the engine makes none: it hands events to the
+// Publisher outside Engine.mu), nor across an L2 or L3 Put (the writers
+// unlock around it).
+//
 // The package must never: release a producer event before the device has
 // read the store's pages and its objects are committed; key in-flight work by
 // request id; evict a pinned object; drop an object only L1 holds under

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -134,7 +135,7 @@ func New(cfg Config) (*Engine, error) {
 		e.l1buf, e.l1mem = buf, buf.Bytes()
 	}
 	e.ctr.l1CapacityBytes = size
-	e.cat.l2acct.hdr = uint64(fileFixedHdr + len(cfg.Rank.Instance) + 8)
+	e.cat.l2acct.hdr = tier.HeaderBytes(cfg.Rank.Instance)
 	e.cat.l2acct.gauge = &e.ctr.l2Bytes
 	e.ev.init(cfg.Publisher != nil)
 

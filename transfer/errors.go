@@ -3,14 +3,19 @@ package transfer
 import (
 	"context"
 	"errors"
+
+	"github.com/kvtier/kvtier/transfer/tier"
 )
 
-// Sentinel errors. Every error this package returns wraps one of them (and,
+// Sentinel errors. The ones the durable tiers return are defined in
+// transfer/tier and aliased here (as bbolt aliases bbolt/errors), so
+// errors.Is works with either name. Every error this package returns wraps one of them (and,
 // where one exists, the cause from dcp or cuda) with the rule that failed and
 // the numbers; callers use errors.Is.
 var (
-	// ErrConfig: a Config field breaks a rule.
-	ErrConfig = errors.New("transfer: invalid config")
+	// ErrConfig: a Config field breaks a rule (tier.ErrConfig: an empty L2
+	// root is one).
+	ErrConfig = tier.ErrConfig
 	// ErrClosed: the engine is closing or closed.
 	ErrClosed = errors.New("transfer: engine closed")
 	// ErrRegistration: a registration breaks a rule (geometry, pool count,
@@ -36,17 +41,23 @@ var (
 	// everything evictable (the rest is pinned by in-flight work, or dirty
 	// and its write-back failed).
 	ErrL1Full = errors.New("transfer: no room in L1")
-	// ErrNotFound: no tier holds the object.
-	ErrNotFound = errors.New("transfer: object not found")
+	// ErrNotFound: no tier holds the object (tier.ErrNotFound).
+	ErrNotFound = tier.ErrNotFound
 	// ErrCorrupt: an object's bytes or file failed verification (checksum,
-	// length, fingerprint, header). Corrupt L2 files are quarantined.
-	ErrCorrupt = errors.New("transfer: object failed verification")
+	// length, fingerprint, header). Corrupt L2 files are quarantined
+	// (tier.ErrCorrupt).
+	ErrCorrupt = tier.ErrCorrupt
 	// ErrTimeout: a store or retrieve did not finish within its timeout.
 	ErrTimeout = errors.New("transfer: timed out")
 	// ErrDevice: the device (stream, event, copy) reported an error.
 	ErrDevice = errors.New("transfer: device error")
-	// ErrIO: an L2 read or write failed for a reason other than corruption.
-	ErrIO = errors.New("transfer: L2 I/O error")
+	// ErrIO: an L2 read or write failed for a reason other than corruption
+	// (tier.ErrIO).
+	ErrIO = tier.ErrIO
+	// ErrUnsafe is wrapped (with ErrIO) by an L2 operation refused by a
+	// file safety rule: a symlink, a foreign owner, a group/world-writable
+	// root (tier.ErrUnsafe).
+	ErrUnsafe = tier.ErrUnsafe
 )
 
 // Reason is the stable, wire-safe reason an object or chunk failed.

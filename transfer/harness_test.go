@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"testing"
 	"time"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -118,7 +118,7 @@ var sentinelPatterns [256][]byte
 
 func init() {
 	for s := range sentinelPatterns {
-		sentinelPatterns[s] = randomBytes(sentinelPeriod, 0x5e47_0000|uint64(s))
+		sentinelPatterns[s] = testutil.RandomBytes(sentinelPeriod, 0x5e47_0000|uint64(s))
 	}
 }
 
@@ -133,16 +133,6 @@ func sentinelAt(b []byte, off uint64, seed byte) {
 	for n < len(b) {
 		n += copy(b[n:], p)
 	}
-}
-
-func randomBytes(n uint64, seed uint64) []byte {
-	b := make([]byte, n)
-	var s [32]byte
-	for i := range 8 {
-		s[i] = byte(seed >> (8 * i))
-	}
-	rand.NewChaCha8(s).Read(b)
-	return b
 }
 
 func (r *rig) registration() Registration {
@@ -192,7 +182,7 @@ func chunkHash(i int) dcp.ChunkHash {
 func (r *rig) newChunk(i int, blocks [][]int64) chunk {
 	c := chunk{hash: chunkHash(i), blocks: blocks}
 	for gi, g := range r.res.Geometry {
-		c.packed = append(c.packed, randomBytes(uint64(len(blocks[gi])*g.Layers)*g.PageBytes, uint64(i)<<8|uint64(gi)))
+		c.packed = append(c.packed, testutil.RandomBytes(uint64(len(blocks[gi])*g.Layers)*g.PageBytes, uint64(i)<<8|uint64(gi)))
 	}
 	return c
 }

@@ -1,7 +1,6 @@
 package transfer
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"os"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -35,7 +35,7 @@ func keyOf(r *rig, c chunk, group int) dcp.Key {
 
 func quarantined(t *testing.T, root string) []string {
 	t.Helper()
-	ents, err := os.ReadDir(filepath.Join(root, quarantineDir))
+	ents, err := os.ReadDir(filepath.Join(root, tier.QuarantineDir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,7 +194,7 @@ func TestFileTierRejectsEveryDamage(t *testing.T) {
 	}
 	ctx := context.Background()
 	key := dcp.Key{NS: dcp.Namespace{1}, Chunk: dcp.ChunkHash{2}, Shard: 3, Group: 4}
-	payload := randomBytes(5000, 1)
+	payload := testutil.RandomBytes(5000, 1)
 	obj := L2Object{Key: key, Fingerprint: [32]byte{9}, Writer: wire.Rank{Instance: "i", TPRank: 3},
 		Incarnation: 7, Size: uint64(len(payload)), Sum: checksum.Sum(payload), Created: time.Unix(100, 5)}
 	put := func() {
@@ -220,7 +220,7 @@ func TestFileTierRejectsEveryDamage(t *testing.T) {
 	if _, err := ft.Get(ctx, key, obj.Fingerprint, dst); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("Get after quarantine: %v, want ErrNotFound", err)
 	}
-	hdr := len(encodeHeader(obj))
+	hdr := int(tier.HeaderBytes(obj.Writer.Instance))
 	positions := []int{}
 	for i := range hdr {
 		positions = append(positions, i)
@@ -277,28 +277,6 @@ func TestFileTierRejectsEveryDamage(t *testing.T) {
 	if err := ft.Scan(ctx, wire.Rank{Instance: "i", TPRank: 1}, true, func(s ScanEntry) { seen = append(seen, s) }); err != nil || len(seen) != 0 {
 		t.Fatalf("Scan as another rank = %+v, %v", seen, err)
 	}
-}
-
-// FuzzReadHeader: any bytes give a header or an error, never a panic, and
-// an accepted header re-encodes to the same bytes.
-func FuzzReadHeader(f *testing.F) {
-	obj := L2Object{Key: dcp.Key{NS: dcp.Namespace{1}}, Writer: wire.Rank{Instance: "x", TPRank: 1}, Size: 3, Created: time.Unix(0, 1)}
-	good := append(encodeHeader(obj), 1, 2, 3)
-	f.Add(good)
-	f.Add(good[:20])
-	f.Add([]byte("KVTO"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		o, h, err := readHeader(bytes.NewReader(b), int64(len(b)))
-		if err != nil {
-			return
-		}
-		if h < fileFixedHdr+8 || h > len(b) {
-			t.Fatalf("accepted header length %d of %d bytes", h, len(b))
-		}
-		if enc := encodeHeader(o); string(enc) != string(b[:h]) {
-			t.Fatalf("accepted header does not re-encode: %x vs %x", enc, b[:h])
-		}
-	})
 }
 
 // TestStoreAfterL2FileQuarantinedElsewhere: an object this rank wrote to

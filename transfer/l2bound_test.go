@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -28,7 +29,7 @@ func diskUse(t *testing.T, root string) (uint64, map[string]bool) {
 			return err
 		}
 		if d.IsDir() {
-			if d.Name() == quarantineDir {
+			if d.Name() == tier.QuarantineDir {
 				return filepath.SkipDir
 			}
 			return nil
@@ -41,7 +42,7 @@ func diskUse(t *testing.T, root string) (uint64, map[string]bool) {
 			return err
 		}
 		total += uint64(info.Size())
-		if strings.HasSuffix(d.Name(), fileExt) && !strings.HasPrefix(d.Name(), tmpPrefix) {
+		if strings.HasSuffix(d.Name(), tier.FileExt) && !strings.HasPrefix(d.Name(), tier.TmpPrefix) {
 			names[d.Name()] = true
 		}
 		return nil
@@ -90,7 +91,7 @@ func TestL2BoundHolds(t *testing.T) {
 					t.Fatalf("after store %d: %d B of files under L2, bound %d B", i, used, bound)
 				}
 				if objBytes == 0 {
-					objBytes = r.res.ObjectSize(0) + uint64(fileFixedHdr+len(cfg.Rank.Instance)+8)
+					objBytes = r.res.ObjectSize(0) + tier.HeaderBytes(cfg.Rank.Instance)
 				}
 			}
 			if err := e.Flush(testCtx(t)); err != nil {
@@ -110,7 +111,7 @@ func TestL2BoundHolds(t *testing.T) {
 			inv := map[string]bool{}
 			for _, p := range e.Inventory().Objects {
 				if p.Tier == wire.L2 {
-					inv[p.Key.String()+fileExt] = true
+					inv[p.Key.String()+tier.FileExt] = true
 				}
 			}
 			if len(inv) != len(files) {

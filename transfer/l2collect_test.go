@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/tier"
 )
 
 // TestL2CollectsOldGarbage (issue 15.2): at start-up the engine removes,
@@ -40,16 +41,16 @@ func TestL2CollectsOldGarbage(t *testing.T) {
 		}
 	}
 	gone := map[string]int{
-		filepath.Join(root, quarantineDir, "x.kvo.1.ab"):     100,
-		filepath.Join(root, quarantineDir, "x.kvo.1.ab.why"): 10,
-		filepath.Join(nsDir, tmpPrefix+"k.other-3.abcdef"):   1000,
-		filepath.Join(nsDir, "stray.txt"):                    7,
-		filepath.Join(nsDir, "not-a-key.kvo"):                5,
+		filepath.Join(root, tier.QuarantineDir, "x.kvo.1.ab"):     100,
+		filepath.Join(root, tier.QuarantineDir, "x.kvo.1.ab.why"): 10,
+		filepath.Join(nsDir, tier.TmpPrefix+"k.other-3.abcdef"):   1000,
+		filepath.Join(nsDir, "stray.txt"):                         7,
+		filepath.Join(nsDir, "not-a-key.kvo"):                     5,
 	}
 	kept := map[string]int{
-		filepath.Join(root, quarantineDir, "y.kvo.2.cd"):  100, // young
-		filepath.Join(nsDir, tmpPrefix+"k.other-3.young"): 1000,
-		filepath.Join(root, "operator-notes"):             3, // the root's own files are left alone
+		filepath.Join(root, tier.QuarantineDir, "y.kvo.2.cd"):  100, // young
+		filepath.Join(nsDir, tier.TmpPrefix+"k.other-3.young"): 1000,
+		filepath.Join(root, "operator-notes"):                  3, // the root's own files are left alone
 	}
 	var wantBytes uint64
 	for p, n := range gone {

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
-	"syscall"
 
 	"go.uber.org/zap"
 
@@ -131,16 +130,6 @@ type l2Victim struct {
 // file system (FileTier).
 type l2FreeSpacer interface {
 	FreeBytes() (uint64, error)
-}
-
-// FreeBytes returns the bytes available to this user on the file system
-// of the tier's root (statfs).
-func (t *FileTier) FreeBytes() (uint64, error) {
-	var st syscall.Statfs_t
-	if err := syscall.Statfs(t.root, &st); err != nil {
-		return 0, fmt.Errorf("statfs of L2 root %s: %w", t.root, errors.Join(err, ErrIO))
-	}
-	return st.Bavail * uint64(st.Bsize), nil
 }
 
 // l2MakeRoomLocked picks the least recently used objects of this rank to

@@ -11,12 +11,13 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
 func safetyObj(i int) (L2Object, []byte) {
 	key := dcp.Key{NS: dcp.Namespace{7}, Chunk: chunkHash(i)}
-	p := randomBytes(4096, uint64(i))
+	p := testutil.RandomBytes(4096, uint64(i))
 	return L2Object{Key: key, Writer: wire.Rank{Instance: "test", TPRank: 0}, Size: uint64(len(p)), Sum: checksum.Sum(p), Created: time.Unix(1, 0)}, p
 }
 
@@ -42,10 +43,10 @@ func TestL2FileModes(t *testing.T) {
 		t.Fatal(err)
 	}
 	for path, want := range map[string]os.FileMode{
-		root:                               0o700,
-		filepath.Join(root, quarantineDir): 0o700,
-		filepath.Dir(ft.Path(o.Key)):       0o700,
-		ft.Path(o.Key):                     0o600,
+		root:                                    0o700,
+		filepath.Join(root, tier.QuarantineDir): 0o700,
+		filepath.Dir(ft.Path(o.Key)):            0o700,
+		ft.Path(o.Key):                          0o600,
 	} {
 		if got := perm(t, path); got != want {
 			t.Errorf("%s has mode %#o, want %#o", path, got, want)
@@ -55,7 +56,7 @@ func TestL2FileModes(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, q := range quarantined(t, root) {
-		if got := perm(t, filepath.Join(root, quarantineDir, q)); got&0o077 != 0 {
+		if got := perm(t, filepath.Join(root, tier.QuarantineDir, q)); got&0o077 != 0 {
 			t.Errorf("quarantined %s has mode %#o, want nothing for group or others", q, got)
 		}
 	}

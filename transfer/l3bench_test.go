@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -26,7 +27,7 @@ func BenchmarkL3(b *testing.B) {
 		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) {
 			st, _ := openL3(b)
 			tier := NewL3Tier(st, "bench")
-			payload := randomBytes(uint64(size), 7)
+			payload := testutil.RandomBytes(uint64(size), 7)
 			sum := checksum.Sum(payload)
 			var ns dcp.Namespace
 			copy(ns[:], "l3-bench")

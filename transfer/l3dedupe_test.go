@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -155,7 +156,7 @@ func TestL3EvictionDeleteNeverRemovesARewrite(t *testing.T) {
 	gate := &gatedDeletes{ObjectStore: l3, name: NewL3Tier(l3, "test").Name(keyOf(r, a, 0)),
 		started: make(chan struct{}), deleted: make(chan struct{}), release: make(chan struct{})}
 	cfg := engineConfig(t, dev, 0, 1)
-	obj := uint64(fileFixedHdr+len(cfg.Rank.Instance)+8) + uint64(len(a.packed[0]))
+	obj := tier.HeaderBytes(cfg.Rank.Instance) + uint64(len(a.packed[0]))
 	cfg.L2Dir, cfg.L3, cfg.L3Writers, cfg.L3Bytes = t.TempDir(), gate, 2, 2*obj // two objects fit
 	e := newEngine(t, cfg)
 	t.Cleanup(func() {

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -84,7 +85,7 @@ func (e *Engine) l3Init() {
 	s.kick = make(chan struct{}, 1)
 	s.changed = make(chan struct{})
 	s.scanDone = make(chan struct{})
-	s.hdr = uint64(fileFixedHdr + len(e.cfg.Rank.Instance) + 8)
+	s.hdr = tier.HeaderBytes(e.cfg.Rank.Instance)
 }
 
 // l3Start starts the writers and the start-up scan.

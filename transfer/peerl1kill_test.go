@@ -40,7 +40,7 @@ func runSegHolder(dir string) int {
 		return 2
 	}
 	size := res.ObjectSize(0)
-	payload := randomBytes(size, 0)
+	payload := testutil.RandomBytes(size, 0)
 	copy(s.data, payload)
 	key := dcp.Key{NS: res.Namespace, Chunk: chunkHash(0), Shard: uint16(res.ReadShard(0, 0))}
 	if _, err := s.publish(key, 0, size, checksum.Sum(payload)); err != nil {

@@ -1,4 +1,4 @@
-package transfer
+package tier
 
 import (
 	"bytes"
@@ -51,7 +51,7 @@ func NewL3Tier(store ObjectStore, instance string) *L3Tier {
 
 // Name returns the object name of key.
 func (t *L3Tier) Name(key dcp.Key) string {
-	return t.instance + "/" + key.NS.String() + "/" + key.String() + fileExt
+	return t.instance + "/" + key.NS.String() + "/" + key.String() + FileExt
 }
 
 // Put stores payload under obj.Key; it returns once the store acknowledged
@@ -264,10 +264,10 @@ const maxScanSkips = 1024
 func (t *L3Tier) scanOne(ctx context.Context, owner wire.Rank, name string, size int64, fn func(ScanEntry)) error {
 	rest := strings.TrimPrefix(name, t.instance+"/")
 	nsPart, file, ok := strings.Cut(rest, "/")
-	if !ok || !strings.HasSuffix(file, fileExt) {
+	if !ok || !strings.HasSuffix(file, FileExt) {
 		return nil // not an object of ours
 	}
-	key, err := dcp.ParseKey(strings.TrimSuffix(file, fileExt))
+	key, err := dcp.ParseKey(strings.TrimSuffix(file, FileExt))
 	if err != nil || key.NS.String() != nsPart || int(key.Shard) != owner.TPRank {
 		return nil
 	}

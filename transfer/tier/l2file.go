@@ -1,4 +1,4 @@
-package transfer
+package tier
 
 import (
 	"context"
@@ -118,7 +118,7 @@ func OpenFileTier(root string) (*FileTier, error) {
 		return nil, err
 	}
 	defer syscall.Close(fd)
-	qfd, err := t.openDir(fd, quarantineDir, true)
+	qfd, err := t.openDir(fd, QuarantineDir, true)
 	if err != nil {
 		return nil, fmt.Errorf("create L2 quarantine directory: %w", err)
 	}
@@ -141,14 +141,10 @@ func (t *FileTier) Root() string { return t.root }
 
 // Path returns the file of key.
 func (t *FileTier) Path(key dcp.Key) string {
-	return filepath.Join(t.root, key.NS.String(), key.String()+fileExt)
+	return filepath.Join(t.root, key.NS.String(), key.String()+FileExt)
 }
 
-func objName(key dcp.Key) string { return key.String() + fileExt }
-
-// ErrUnsafe is wrapped (with ErrIO) by a tier operation refused by a file
-// safety rule: a symlink, a foreign owner, a group/world-writable root.
-var ErrUnsafe = errors.New("transfer: unsafe L2 path")
+func objName(key dcp.Key) string { return key.String() + FileExt }
 
 // openRoot opens the root directory without following a symlink at its
 // last element and checks that it belongs to this process's uid and is
@@ -250,7 +246,7 @@ func openObj(dirfd int, dir, name string) (*os.File, error) {
 func tmpName(key dcp.Key, w wire.Rank) string {
 	var r [6]byte
 	_, _ = rand.Read(r[:])
-	return tmpPrefix + key.String() + "." + w.Instance + "-" + strconv.Itoa(w.TPRank) + "." + hex.EncodeToString(r[:])
+	return TmpPrefix + key.String() + "." + w.Instance + "-" + strconv.Itoa(w.TPRank) + "." + hex.EncodeToString(r[:])
 }
 
 // Put implements L2Tier: temp file, write, fsync, rename, fsync directory.
@@ -440,7 +436,7 @@ func (t *FileTier) moveAside(dirfd int, name, why string) (string, error) {
 		return "", err
 	}
 	defer syscall.Close(rfd)
-	qfd, err := t.openDir(rfd, quarantineDir, true)
+	qfd, err := t.openDir(rfd, QuarantineDir, true)
 	if err != nil {
 		return "", err
 	}
@@ -458,7 +454,7 @@ func (t *FileTier) moveAside(dirfd int, name, why string) (string, error) {
 	}
 	_ = syscall.Fsync(qfd)
 	_ = syscall.Fsync(dirfd)
-	return filepath.Join(t.root, quarantineDir, qname), nil
+	return filepath.Join(t.root, QuarantineDir, qname), nil
 }
 
 // Delete implements L2Tier.
@@ -582,16 +578,16 @@ func (t *FileTier) scanNS(ctx context.Context, dfd int, dir string, ns dcp.Names
 			}
 			continue
 		}
-		if strings.HasPrefix(name, tmpPrefix) {
+		if strings.HasPrefix(name, TmpPrefix) {
 			if strings.Contains(name, myTmp) {
 				_ = syscall.Unlinkat(dfd, name) // an interrupted write of ours
 			}
 			continue
 		}
-		if !strings.HasSuffix(name, fileExt) {
+		if !strings.HasSuffix(name, FileExt) {
 			continue
 		}
-		key, kerr := dcp.ParseKey(strings.TrimSuffix(name, fileExt))
+		key, kerr := dcp.ParseKey(strings.TrimSuffix(name, FileExt))
 		if kerr != nil || key.NS != ns {
 			continue // not an object file of ours to judge
 		}
@@ -655,4 +651,14 @@ func (t *FileTier) scanFile(dfd int, dir, name string, key dcp.Key, owner wire.R
 		}
 	}
 	return &ScanEntry{Object: o, KeyKnown: true, WriterKnown: true}
+}
+
+// FreeBytes returns the bytes available to this user on the file system
+// of the tier's root (statfs).
+func (t *FileTier) FreeBytes() (uint64, error) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(t.root, &st); err != nil {
+		return 0, fmt.Errorf("statfs of L2 root %s: %w", t.root, errors.Join(err, ErrIO))
+	}
+	return st.Bavail * uint64(st.Bsize), nil
 }

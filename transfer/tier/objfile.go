@@ -1,4 +1,4 @@
-package transfer
+package tier
 
 // EncodeObject returns the bytes of an object file (the L2 file format,
 // also the L3 object format): obj's header, then payload. obj.Size must be

@@ -1,4 +1,4 @@
-package transfer
+package tier
 
 import (
 	"bytes"
@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 // crashModel is a file system that loses what was not synced at a power
@@ -185,17 +186,17 @@ func runPowerCut(t *testing.T, ab l2Ablation) []dcp.Key {
 	ft.obs, ft.ab = m, ab
 	acked := map[dcp.Key][]byte{}
 	for i := range 5 {
-		o, p := safetyObj(20 + i)
-		if err := ft.Put(testCtx(t), o, p); err != nil {
+		o, p := testObj(20 + i)
+		if err := ft.Put(t.Context(), o, p); err != nil {
 			t.Fatal(err)
 		}
 		acked[o.Key] = p
 	}
-	o0, _ := safetyObj(20)
-	newer := randomBytes(o0.Size, 999)
+	o0, _ := testObj(20)
+	newer := testutil.RandomBytes(o0.Size, 999)
 	o0.Sum = checksum.Sum(newer)
 	m.cutAt = m.ops + 3 // the file is created and its header written; power fails on the payload
-	if err := ft.Put(testCtx(t), o0, newer); !errors.Is(err, errPowerCut) {
+	if err := ft.Put(t.Context(), o0, newer); !errors.Is(err, errPowerCut) {
 		t.Fatalf("Put across the power cut: %v", err)
 	}
 	m.apply(t)
@@ -207,7 +208,7 @@ func runPowerCut(t *testing.T, ab l2Ablation) []dcp.Key {
 	var lost []dcp.Key
 	for key, p := range acked {
 		got := make([]byte, len(p))
-		_, err := after.Get(testCtx(t), key, [32]byte{}, got)
+		_, err := after.Get(t.Context(), key, [32]byte{}, got)
 		if err != nil || !(bytes.Equal(got, p) || key == o0.Key && bytes.Equal(got, newer)) {
 			lost = append(lost, key)
 		}

@@ -1,4 +1,4 @@
-package transfer
+package tier
 
 import (
 	"context"
@@ -119,15 +119,22 @@ func (e *CorruptError) Is(target error) bool { return target == ErrCorrupt }
 // into place and the directory fsynced, so a crash leaves either the old
 // state or the whole new file; torn files can only come from the storage
 // itself, and the checksums catch them.
+//
+// FileExt, TmpPrefix and QuarantineDir name an object file, a temporary
+// file of a write and the directory of quarantined files beneath the root.
 const (
 	fileMagic     = "KVTO"
 	fileVersion   = 1
 	fileFixedHdr  = 114
 	fileMaxHdr    = fileFixedHdr + 64 + 8
-	fileExt       = ".kvo"
-	tmpPrefix     = ".tmp."
-	quarantineDir = "quarantine"
+	FileExt       = ".kvo"
+	TmpPrefix     = ".tmp."
+	QuarantineDir = "quarantine"
 )
+
+// HeaderBytes is the length of the header of an object file written by
+// an instance named instance (the bytes a file holds beyond its payload).
+func HeaderBytes(instance string) uint64 { return uint64(fileFixedHdr + len(instance) + 8) }
 
 func encodeHeader(o L2Object) []byte {
 	b := make([]byte, 0, fileFixedHdr+len(o.Writer.Instance)+8)
