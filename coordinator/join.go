@@ -1,0 +1,117 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+
+	"github.com/kvtier/kvtier/cluster"
+	"go.uber.org/zap"
+)
+
+// advertisedNATS turns the URL this process uses into one other hosts can
+// use: an unspecified listen host (0.0.0.0) is replaced by host.
+func advertisedNATS(u, host string) string {
+	p, err := url.Parse(u)
+	if err != nil || host == "" {
+		return u
+	}
+	if ip := net.ParseIP(p.Hostname()); ip != nil && ip.IsUnspecified() {
+		p.Host = net.JoinHostPort(host, p.Port())
+		return p.String()
+	}
+	return u
+}
+
+// joinCluster starts the memberlist member with role coordinator and the
+// NATS URL in its Meta, so a rankd needs only one seed address, and joins
+// the seeds.
+func (c *Coordinator) joinCluster(natsURL string) error {
+	cc := c.cfg.Cluster
+	cc.Insecure = cc.Insecure || c.cfg.Insecure // --insecure also allows plaintext gossip off loopback
+	if cc.Logger == nil {
+		cc.Logger = c.cfg.Logger
+	}
+	if cc.Registerer == nil {
+		cc.Registerer = c.reg
+	}
+	var urls []string
+	for _, u := range strings.Split(natsURL, ",") {
+		host := cc.AdvertiseAddr
+		if host == "" {
+			if ip := net.ParseIP(cc.BindAddr); ip != nil && !ip.IsUnspecified() {
+				host = cc.BindAddr
+			}
+		}
+		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
+	}
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation()}
+	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
+	if a := c.httpAddr; a != "" {
+		if h, p, err := net.SplitHostPort(a); err == nil {
+			if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() && cc.AdvertiseAddr != "" {
+				cc.Meta.Admin = net.JoinHostPort(cc.AdvertiseAddr, p)
+			}
+		}
+	}
+	m, err := cluster.New(cc)
+	if err != nil {
+		return fmt.Errorf("cluster member: %w", err)
+	}
+	c.member = m
+	c.msub = m.Subscribe(0)
+	if err := m.Start(); err != nil {
+		return err
+	}
+	// With a wildcard bind and no advertise address, the gossip address
+	// memberlist picked is the best guess of the address others reach us at.
+	if changed := c.fixAdvertisedNATS(urls); changed != nil {
+		ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
+		err := m.UpdateMeta(ctx, func(meta *cluster.Meta) {
+			meta.NATS, meta.NATSSig = changed, c.signNATS(meta.Incarnation, changed)
+		})
+		cancel()
+		if err != nil && !errors.Is(err, cluster.ErrTimeout) {
+			return fmt.Errorf("advertise NATS URL: %w", err)
+		}
+	}
+	c.wg.Add(1)
+	go c.membershipLoop()
+	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
+	defer cancel()
+	n, err := m.Join(ctx)
+	if err != nil {
+		if errors.Is(err, cluster.ErrClosed) {
+			return fmt.Errorf("join cluster: %w", err)
+		}
+		// The ranks find us anyway: a rankd rejoins its seeds whenever it
+		// sees no live coordinator. Serving beats refusing to start.
+		c.log.Error("no seed reachable; serving as a cluster of one until members join", zap.Strings("seeds", cc.Seeds),
+			zap.Error(err))
+	}
+	c.log.Info("cluster joined", zap.Int("seeds_reached", n), zap.Strings("nats_advertised", m.LocalMember().Meta.NATS))
+	return nil
+}
+
+// fixAdvertisedNATS returns urls with unspecified hosts replaced by the
+// member's gossip host, or nil when none needed it.
+func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
+	host, _, err := net.SplitHostPort(c.member.LocalMember().Addr)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	changed := false
+	for _, u := range urls {
+		v := advertisedNATS(u, host)
+		changed = changed || v != u
+		out = append(out, v)
+	}
+	if !changed {
+		return nil
+	}
+	return out
+}
