@@ -115,13 +115,51 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return exitUsage
 }
 
-// serve parses the serve flags into a coordinator.Config, runs the
-// coordinator until ctx ends (a signal) and shuts it down.
+// serve parses the serve flags into a coordinator.Config (parseServe),
+// runs the coordinator until ctx ends (a signal) and shuts it down
+// (runServe): cmd/rankd's main has the same shape.
 func serve(ctx context.Context, args []string, stderr io.Writer) int {
-	cfg := coordinator.DefaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	cfg, opts, err := parseServe(fs, args)
+	if err == nil {
+		err = runServe(ctx, cfg, opts)
+	}
+	var ue usageError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, errFlags):
+		return exitUsage // the flag set printed why
+	case errors.As(err, &ue):
+		fmt.Fprintf(stderr, "serve: %v\n", err)
+		return exitUsage
+	}
+	fmt.Fprintf(stderr, "serve: %v\n", err)
+	return exitFail
+}
+
+// serveOptions are the serve command line's settings that are not the
+// coordinator's.
+type serveOptions struct {
+	cpuProfile string // write a CPU profile of the whole run here
+}
+
+// errFlags: the flags did not parse; the flag set has said why.
+var errFlags = errors.New("bad flags")
+
+// usageError is a flag value or config that was refused (exit 2).
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+// parseServe parses args (a --config file first, the command line over
+// it) on fs into a coordinator.Config with its logger.
+func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptions, error) {
+	cfg := coordinator.DefaultConfig()
+	var opts serveOptions
+	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
 	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
@@ -162,13 +200,12 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.DurationVar(&cfg.Raft.LeaderLeaseTimeout, "raft-lease-timeout", cfg.Raft.LeaderLeaseTimeout, "a leader without a quorum this long steps down and stops acknowledging")
 	fs.Uint64Var(&cfg.Raft.SnapshotThreshold, "raft-snapshot-threshold", cfg.Raft.SnapshotThreshold, "log entries between raft snapshots")
 	if err := flagfile.Parse(fs, args, "gossip-key"); err != nil {
-		return exitUsage
+		return cfg, opts, errFlags
 	}
 	if cfg.Raft.ID != "" {
 		peers, err := coordinator.ParseRaftPeers(*raftPeers)
 		if err != nil {
-			fmt.Fprintf(stderr, "serve: --raft-peers: %v\n", err)
-			return exitUsage
+			return cfg, opts, usageError{fmt.Errorf("--raft-peers: %w", err)}
 		}
 		cfg.Raft.Peers = peers
 		if cfg.Raft.Dir == "" && cfg.DataDir != "" {
@@ -176,28 +213,24 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 		}
 	}
 	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "serve: unexpected arguments %q\n", fs.Args())
-		return exitUsage
+		return cfg, opts, usageError{fmt.Errorf("unexpected arguments %q", fs.Args())}
 	}
 	host, port, err := splitHostPort(*bind, cfg.Cluster.BindPort)
 	if err != nil {
-		fmt.Fprintf(stderr, "serve: --bind: %v\n", err)
-		return exitUsage
+		return cfg, opts, usageError{fmt.Errorf("--bind: %w", err)}
 	}
 	cfg.Cluster.BindAddr, cfg.Cluster.BindPort = host, port
 	if *advertise != "" {
 		host, port, err := splitHostPort(*advertise, 0)
 		if err != nil {
-			fmt.Fprintf(stderr, "serve: --advertise: %v\n", err)
-			return exitUsage
+			return cfg, opts, usageError{fmt.Errorf("--advertise: %w", err)}
 		}
 		cfg.Cluster.AdvertiseAddr, cfg.Cluster.AdvertisePort = host, port
 	}
 	if *natsCluster != "" {
 		host, port, err := splitHostPort(*natsCluster, cfg.Embedded.Cluster.Port)
 		if err != nil {
-			fmt.Fprintf(stderr, "serve: --nats-cluster: %v\n", err)
-			return exitUsage
+			return cfg, opts, usageError{fmt.Errorf("--nats-cluster: %w", err)}
 		}
 		cfg.Embedded.Cluster.Host, cfg.Embedded.Cluster.Port = host, port
 	}
@@ -212,43 +245,44 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	if *gossipKey != "" {
 		key, err := base64.StdEncoding.DecodeString(*gossipKey)
 		if err != nil {
-			fmt.Fprintf(stderr, "serve: --gossip-key is not base64: %v\n", err)
-			return exitUsage
+			return cfg, opts, usageError{fmt.Errorf("--gossip-key is not base64: %w", err)}
 		}
 		cfg.Cluster.SecretKey = key
 	}
 	if err := gossipKeys(&cfg.Cluster, *gossipKeyFile, cfg.CredsDir, *gossipKey != ""); err != nil {
-		fmt.Fprintf(stderr, "serve: %v\n", err)
-		return exitUsage
+		return cfg, opts, usageError{err}
 	}
 	cfg.Cluster.Insecure = cfg.Insecure
 	lvl, err := zapcore.ParseLevel(*logLevel)
 	if err != nil {
-		fmt.Fprintf(stderr, "serve: --log-level: %v\n", err)
-		return exitUsage
+		return cfg, opts, usageError{fmt.Errorf("--log-level: %w", err)}
 	}
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	log, err := zc.Build()
 	if err != nil {
-		fmt.Fprintf(stderr, "serve: logger: %v\n", err)
-		return exitFail
+		return cfg, opts, fmt.Errorf("logger: %w", err)
 	}
-	defer func() { _ = log.Sync() }()
 	cfg.Logger = log
+	return cfg, opts, nil
+}
+
+// runServe builds the coordinator from cfg, starts it and serves until
+// ctx ends, then shuts it down. SIGHUP reloads the credentials.
+func runServe(ctx context.Context, cfg coordinator.Config, opts serveOptions) error {
+	log := cfg.Logger
+	defer func() { _ = log.Sync() }()
 
 	if cfg.Insecure {
 		log.Warn("INSECURE MODE (--insecure): no NATS authentication, no gossip key required; anyone who reaches these ports can read restore plans, forge events and reports and take over the cluster. Development only.")
 	}
 	c, err := coordinator.New(cfg)
 	if err != nil {
-		fmt.Fprintf(stderr, "serve: %v\n", err)
-		return exitUsage
+		return usageError{err}
 	}
-	stopProf, err := cpuprof.Start(*cpuProfile)
+	stopProf, err := cpuprof.Start(opts.cpuProfile)
 	if err != nil {
-		fmt.Fprintf(stderr, "serve: %v\n", err)
-		return exitUsage
+		return usageError{err}
 	}
 	defer func() { _ = stopProf() }()
 	hup := make(chan os.Signal, 1)
@@ -273,16 +307,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 	}()
 	if err := c.Start(); err != nil {
 		log.Error("coordinator failed to start", zap.Error(err))
-		fmt.Fprintf(stderr, "serve: %v\n", err)
-		return exitFail
+		return err
 	}
 	log.Info("serving; SIGTERM or SIGINT to stop", zap.String("nats", c.NATSURL()), zap.String("gossip", c.GossipAddr()),
 		zap.String("http", c.HTTPAddr()))
-	if err := c.Run(ctx); err != nil {
-		fmt.Fprintf(stderr, "serve: %v\n", err)
-		return exitFail
-	}
-	return exitOK
+	return c.Run(ctx)
 }
 
 // splitHostPort parses IP[:PORT]; a missing port is defPort.

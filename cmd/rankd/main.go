@@ -14,6 +14,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -35,86 +36,122 @@ import (
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
+// main parses the flags into a rankd.Config and runs the daemon until
+// SIGTERM or SIGINT: exit 2 on a bad flag or config (printed), 1 when the
+// daemon fails to start or to shut down cleanly (logged).
 func main() {
+	cfg, opts, err := parseFlags(flag.NewFlagSet(os.Args[0], flag.ExitOnError), os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "rankd:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal starts the shutdown; a second one kills.
+	context.AfterFunc(ctx, stop)
+	err = run(ctx, cfg, opts)
+	stop()
+	var ce configError
+	switch {
+	case errors.As(err, &ce):
+		fmt.Fprintln(os.Stderr, "rankd:", ce.err)
+		os.Exit(2)
+	case err != nil:
+		os.Exit(1)
+	}
+}
+
+// options are the command line's settings that are not the daemon's.
+type options struct {
+	cpuProfile string // write a CPU profile of the whole run here
+}
+
+// configError is a config the daemon refused (exit 2).
+type configError struct{ err error }
+
+func (e configError) Error() string { return e.err.Error() }
+func (e configError) Unwrap() error { return e.err }
+
+// parseFlags parses args (the --config file first, the command line over
+// it) on fs into a rankd.Config with its logger. With fs's ExitOnError, -h
+// and a bad flag or file exit (0 and 2); the error names a flag value
+// that parsed but is not valid.
+func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) {
 	cfg := rankd.DefaultConfig()
+	var opts options
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
 		l1Bytes, l2Bytes, l2FreeFloor, l3Bytes                       string
 	)
-	flag.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
-	flag.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
-	flag.IntVar(&cfg.TPSize, "tp-size", 1, "TP size of the engine")
-	flag.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
-	flag.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
-	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
-	flag.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
-	flag.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
-	flag.StringVar(&cfg.HostL1Dir, "host-l1-dir", "", "host-shared L1: keep L1 in a shared-memory segment in this private 0700 dir (e.g. /dev/shm/kvtier-l1) so the instance's other rankds on this host restore from it; empty: private L1")
-	flag.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
-	flag.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
-	flag.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
-	flag.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
-	flag.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
-	flag.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
-	flag.StringVar(&cfg.L3.Endpoint, "l3-endpoint", "", "S3-compatible object store host:port for the L3 tier (empty: no L3); HTTPS unless --l3-insecure")
-	flag.StringVar(&cfg.L3.Bucket, "l3-bucket", "", "L3 bucket (must exist)")
-	flag.StringVar(&cfg.L3.Prefix, "l3-prefix", "kvtier/", "prefix of kvtier's object names in the L3 bucket")
-	flag.StringVar(&cfg.L3.CredentialsFile, "l3-credentials", "", "L3 credentials file, 0600 JSON {\"access_key_id\", \"secret_access_key\"[, \"session_token\"]} (never on the command line)")
-	flag.StringVar(&cfg.L3.CAFile, "l3-ca", "", "PEM CA bundle trusted for the L3 endpoint besides the system roots")
-	flag.StringVar(&cfg.L3.Region, "l3-region", cfg.L3.Region, "L3 bucket region")
-	flag.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint; refused off loopback unless --l3-insecure-remote")
-	flag.BoolVar(&cfg.L3.InsecureRemote, "l3-insecure-remote", false, "with --l3-insecure: also allow plain HTTP to an L3 endpoint off loopback (signatures and KV bytes unencrypted on the network; a trusted network only)")
-	flag.StringVar(&l3Bytes, "l3-bytes", "0", "bound of the L3 objects this rank writes (bytes or KiB..TiB; 0: unbounded); least recently used objects are deleted")
-	flag.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
-	flag.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
-	flag.StringVar(&advertise, "advertise", "", "gossip address advertised to peers, ip[:port]")
-	flag.StringVar(&cfg.NATSURL, "nats", "", "NATS URL (default: discovered from the coordinator's member metadata)")
-	flag.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
-	flag.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
-	flag.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
-	flag.StringVar(&cfg.CredsDir, "creds-dir", "", "credentials directory from 'coordinator init' (required unless --insecure)")
-	flag.StringVar(&cfg.SeedFile, "creds", "", "this rank's nkey seed file (default <creds-dir>/rankd-<instance>-<tp>.nk)")
-	flag.StringVar(&cfg.TLSCA, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
-	gossipKeyFile := flag.String("gossip-key-file", "", "gossip key file, 0600, one base64 key per line, the first sent with (default <creds-dir>/gossip.key if present)")
-	flag.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback")
-	flag.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
+	fs.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
+	fs.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
+	fs.IntVar(&cfg.TPSize, "tp-size", 1, "TP size of the engine")
+	fs.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
+	fs.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
+	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
+	fs.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
+	fs.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
+	fs.StringVar(&cfg.HostL1Dir, "host-l1-dir", "", "host-shared L1: keep L1 in a shared-memory segment in this private 0700 dir (e.g. /dev/shm/kvtier-l1) so the instance's other rankds on this host restore from it; empty: private L1")
+	fs.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
+	fs.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
+	fs.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
+	fs.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
+	fs.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
+	fs.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
+	fs.StringVar(&cfg.L3.Endpoint, "l3-endpoint", "", "S3-compatible object store host:port for the L3 tier (empty: no L3); HTTPS unless --l3-insecure")
+	fs.StringVar(&cfg.L3.Bucket, "l3-bucket", "", "L3 bucket (must exist)")
+	fs.StringVar(&cfg.L3.Prefix, "l3-prefix", "kvtier/", "prefix of kvtier's object names in the L3 bucket")
+	fs.StringVar(&cfg.L3.CredentialsFile, "l3-credentials", "", "L3 credentials file, 0600 JSON {\"access_key_id\", \"secret_access_key\"[, \"session_token\"]} (never on the command line)")
+	fs.StringVar(&cfg.L3.CAFile, "l3-ca", "", "PEM CA bundle trusted for the L3 endpoint besides the system roots")
+	fs.StringVar(&cfg.L3.Region, "l3-region", cfg.L3.Region, "L3 bucket region")
+	fs.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint; refused off loopback unless --l3-insecure-remote")
+	fs.BoolVar(&cfg.L3.InsecureRemote, "l3-insecure-remote", false, "with --l3-insecure: also allow plain HTTP to an L3 endpoint off loopback (signatures and KV bytes unencrypted on the network; a trusted network only)")
+	fs.StringVar(&l3Bytes, "l3-bytes", "0", "bound of the L3 objects this rank writes (bytes or KiB..TiB; 0: unbounded); least recently used objects are deleted")
+	fs.StringVar(&join, "join", "", "memberlist seeds, comma-separated host:port (the coordinator's gossip address)")
+	fs.StringVar(&bind, "bind", "", "gossip bind address ip:port (default 0.0.0.0:7947+tp-rank)")
+	fs.StringVar(&advertise, "advertise", "", "gossip address advertised to peers, ip[:port]")
+	fs.StringVar(&cfg.NATSURL, "nats", "", "NATS URL (default: discovered from the coordinator's member metadata)")
+	fs.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
+	fs.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "metrics/health HTTP address (empty: none)")
+	fs.StringVar(&logLevel, "log-level", "info", "debug | info | warn | error")
+	fs.StringVar(&cfg.CredsDir, "creds-dir", "", "credentials directory from 'coordinator init' (required unless --insecure)")
+	fs.StringVar(&cfg.SeedFile, "creds", "", "this rank's nkey seed file (default <creds-dir>/rankd-<instance>-<tp>.nk)")
+	fs.StringVar(&cfg.TLSCA, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
+	gossipKeyFile := fs.String("gossip-key-file", "", "gossip key file, 0600, one base64 key per line, the first sent with (default <creds-dir>/gossip.key if present)")
+	fs.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback")
+	fs.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
-	flag.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
-	flag.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
-	cpuProfile := flag.String("cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
-	_ = flagfile.Parse(flag.CommandLine, os.Args[1:]) // ExitOnError: exits 2 on a bad file or flag
+	fs.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
+	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
+	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
 
-	fail := func(err error) {
-		fmt.Fprintln(os.Stderr, "rankd:", err)
-		os.Exit(2)
-	}
 	var err error
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
-		fail(fmt.Errorf("--l1-bytes: %w", err))
+		return cfg, opts, fmt.Errorf("--l1-bytes: %w", err)
 	}
 	if cfg.L2Bytes, err = parseBytes(l2Bytes); err != nil {
-		fail(fmt.Errorf("--l2-bytes: %w", err))
+		return cfg, opts, fmt.Errorf("--l2-bytes: %w", err)
 	}
 	if cfg.L2FreeFloorBytes, err = parseBytes(l2FreeFloor); err != nil {
-		fail(fmt.Errorf("--l2-free-floor: %w", err))
+		return cfg, opts, fmt.Errorf("--l2-free-floor: %w", err)
 	}
 	if cfg.L3Bytes, err = parseBytes(l3Bytes); err != nil {
-		fail(fmt.Errorf("--l3-bytes: %w", err))
+		return cfg, opts, fmt.Errorf("--l3-bytes: %w", err)
 	}
 	if cfg.L2Policy, err = rankd.ParseL2Policy(l2Policy); err != nil {
-		fail(err)
+		return cfg, opts, err
 	}
 	if join != "" {
 		cfg.Join = strings.Split(join, ",")
 	}
 	if bind != "" {
 		if cfg.BindAddr, cfg.BindPort, err = splitHostPort(bind, cfg.BindPort); err != nil {
-			fail(fmt.Errorf("--bind: %w", err))
+			return cfg, opts, fmt.Errorf("--bind: %w", err)
 		}
 	}
 	if advertise != "" {
 		if cfg.AdvertiseAddr, cfg.AdvertisePort, err = splitHostPort(advertise, 0); err != nil {
-			fail(fmt.Errorf("--advertise: %w", err))
+			return cfg, opts, fmt.Errorf("--advertise: %w", err)
 		}
 	}
 	if hostDir != "" {
@@ -130,22 +167,30 @@ func main() {
 	}
 	if *gossipKeyFile != "" {
 		if cfg.GossipKey, cfg.GossipSecondaryKeys, err = auth.LoadGossipKeys(*gossipKeyFile); err != nil {
-			fail(err)
+			return cfg, opts, err
 		}
 	}
 	lvl, err := zapcore.ParseLevel(logLevel)
 	if err != nil {
-		fail(fmt.Errorf("--log-level: %w", err))
+		return cfg, opts, fmt.Errorf("--log-level: %w", err)
 	}
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	zc.Sampling = nil
 	log, err := zc.Build()
 	if err != nil {
-		fail(err)
+		return cfg, opts, err
 	}
-	defer log.Sync()
 	cfg.Logger = log
+	return cfg, opts, nil
+}
+
+// run builds the daemon from cfg, starts it and serves until ctx ends,
+// then shuts it down. A config the daemon refuses is a configError; a
+// failed start or shutdown is logged and returned.
+func run(ctx context.Context, cfg rankd.Config, opts options) error {
+	log := cfg.Logger
+	defer func() { _ = log.Sync() }()
 	if cfg.Insecure {
 		log.Warn("INSECURE MODE (--insecure): anyone who reaches NATS or gossip can speak for this rank. Development only.")
 	}
@@ -153,32 +198,29 @@ func main() {
 		log.Warn("L3 over plain HTTP off loopback (--l3-insecure-remote): anyone on the path reads the KV bytes and can replay signed requests",
 			zap.String("endpoint", cfg.L3.Endpoint))
 	}
-
 	d, err := rankd.New(cfg)
 	if err != nil {
-		fail(err)
+		return configError{err}
 	}
-	stopProf, err := cpuprof.Start(*cpuProfile)
+	stopProf, err := cpuprof.Start(opts.cpuProfile)
 	if err != nil {
-		fail(err)
+		return configError{err}
 	}
 	defer func() { _ = stopProf() }()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	if err := d.Start(ctx); err != nil {
 		log.Error("start failed", zap.Error(err))
 		_ = d.Shutdown(context.Background())
-		os.Exit(1)
+		return err
 	}
 	<-ctx.Done()
-	stop()
 	log.Info("signal received; shutting down")
 	err = d.Shutdown(context.Background())
 	_ = stopProf()
 	if err != nil {
 		log.Error("shutdown", zap.Error(err))
-		os.Exit(1)
+		return err
 	}
+	return nil
 }
 
 // splitHostPort parses "ip:port" or "ip" (keeping defPort).
