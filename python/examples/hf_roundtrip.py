@@ -375,7 +375,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
         rows.append(("store (all ranks)", f"{sum(sum(x.stored for x in rep) for rep in replies)}/{tp * n_chunks} "
                      f"chunk shards, {tp * nbytes} B, {tp * nbytes / store_all / 1e9:.2f} GB/s", all(ok_store)))
 
-        wait_for("lookup covers the prompt", lambda: c.lookup(res.namespace, hashes, INSTANCE).prefix == n_chunks)
+        wait_for("lookup covers the prompt",
+                 lambda: c.lookup(res.namespace, hashes, instance=INSTANCE).prefix == n_chunks)
 
         # Wipe and restore into another block table: one restore, every
         # rank retrieving its own shard.

@@ -272,7 +272,7 @@ class FakeAio:
 
     connected = True
 
-    async def lookup(self, namespace, chunks, instance="", detail=False, *, timeout=None):
+    async def lookup(self, namespace, chunks, *, instance=None, detail=False, timeout=None):
         self.world.lookups.append(wire.LookupRequest(namespace, list(chunks), instance))
         if self.world.lookup_gate is not None:
             await asyncio.wrap_future(self.world.lookup_gate)
@@ -280,14 +280,14 @@ class FakeAio:
             raise self.world.lookup_error
         return wire.LookupReply(instance=instance, prefix=min(self.world.prefix, len(chunks)))
 
-    async def restore_begin(self, namespace, chunks, instance="", deadline_ms=0, *, timeout=None):
+    async def restore_begin(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None):
         self.world.begins.append((namespace, list(chunks), instance))
         if self.world.begin_error is not None:
             raise self.world.begin_error
         assert self.world.plan is not None
         return self.world.plan
 
-    async def restore_wait(self, restore_id, timeout=None, instance=""):
+    async def restore_wait(self, restore_id, *, timeout=None, instance=None):
         v = self.world.verdict
         assert v is not None and v.restore_id == restore_id
         return v

@@ -176,3 +176,61 @@ def test_store_and_retrieve_go_binary_unless_json_requests():
         assert rep.stored == 1 and nc.sent[0].startswith(magic)
         want = wire.StoreRequest("r", ns, "s" * 32, chunks, ev)
         assert nc.sent[0] == (wire.encode(want) if json_requests else want.to_binary())
+
+
+def test_package_exports_its_public_names_without_importing_nats():
+    """STYLE 34: the public names at the top of the package, loaded on use,
+    so importing kvtier still starts nothing and imports no NATS."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtier; assert 'nats' not in sys.modules and 'torch' not in sys.modules; "
+            "c = kvtier.SyncClient; e = kvtier.RequestTimeout; assert 'nats' not in sys.modules; "
+            "assert issubclass(e, kvtier.KvtierError); print(len(kvtier.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) >= 30
+    import kvtier
+
+    for name in kvtier.__all__:
+        assert getattr(kvtier, name) is not None
+    with pytest.raises(AttributeError):
+        kvtier.NoSuchThing  # noqa: B018
+
+
+def test_sync_and_async_clients_have_the_same_signatures():
+    """STYLE 34 (httpx): every request of the async client exists on the
+    sync one with the same parameters; options are keyword-only, None
+    when absent."""
+    import inspect
+
+    for name in ("lookup", "restore_begin", "restore_wait", "register_spec", "register", "status"):
+        a = inspect.signature(getattr(client.Client, name))
+        s = inspect.signature(getattr(client.SyncClient, name))
+        assert list(a.parameters) == list(s.parameters), name
+        for p in a.parameters.values():
+            if p.name in ("instance", "timeout", "detail", "deadline_ms"):
+                assert p.kind is inspect.Parameter.KEYWORD_ONLY, (name, p.name)
+            if p.name in ("instance", "timeout"):
+                assert p.default is None, (name, p.name)
+    r = inspect.signature(client.restore).parameters
+    assert r["instance"].kind is inspect.Parameter.KEYWORD_ONLY and r["instance"].default is None
+
+
+def test_async_client_closes_with_async_with():
+    import asyncio
+
+    class NC:
+        is_closed, is_connected, closed = False, True, 0
+
+        async def close(self):
+            self.closed += 1
+            self.is_closed = True
+
+    nc = NC()
+
+    async def main():
+        async with client.Client(nc, client.ConnectOptions(insecure=True)) as c:
+            assert c.connected
+        return nc.closed
+
+    assert asyncio.run(main()) == 1

@@ -133,7 +133,7 @@ def test_store_wipe_restore_every_byte(cluster: Cluster) -> None:
         assert all(not rep.failed and not rep.blocks_in_use for rep in replies), replies
         assert sum(rep.stored for rep in replies) == TP * CHUNKS
 
-        lk = eventually("lookup covers the prompt", lambda: _full(c.lookup(ns, hashes, "engine0"), CHUNKS))
+        lk = eventually("lookup covers the prompt", lambda: _full(c.lookup(ns, hashes, instance="engine0"), CHUNKS))
         assert lk.prefix == CHUNKS
 
         # Storing the same chunk again is deduplicated.
@@ -240,7 +240,7 @@ def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Clust
             ev.release()
             assert (rep.stored, rep.failed) == (1, [])
         ns = r.namespace
-        eventually("lookup shows chunk 0", lambda: _full(c.lookup(ns, h[:1], "engine0"), 1))
+        eventually("lookup shows chunk 0", lambda: _full(c.lookup(ns, h[:1], instance="engine0"), 1))
         for w in workers:
             for layer in range(3):
                 for b in (0, 1):
@@ -267,7 +267,7 @@ def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Clust
             assert e.code in (wire.CODE_BAD_REQUEST, wire.CODE_INTERNAL), e
         else:
             assert rep.stored == 0 and rep.failed, rep
-        lk = c.lookup(ns, h, "engine0", detail=True)
+        lk = c.lookup(ns, h, instance="engine0", detail=True)
         assert lk.prefix == 1
         assert all(src.chunk == 0 for src in lk.sources), lk
         for s in sessions.values():
@@ -306,11 +306,11 @@ def test_forged_and_other_instance_requests_are_refused(cluster: Cluster) -> Non
     h = r.chunk_hashes(list(range(SPEC.chunk_tokens)))
     with client.SyncClient(cluster.connect_options(timeout=3)) as c:
         eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
-        assert c.lookup(ns, h, "engine0").prefix == 0  # its own instance: served
+        assert c.lookup(ns, h, instance="engine0").prefix == 0  # its own instance: served
         subjects = c.aio.subjects
         # Another instance's coordinator subject.
         with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.lookup.engine1")):
-            c.lookup(ns, h, "engine1")
+            c.lookup(ns, h, instance="engine1")
         with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.restore.wait.engine1")):
             c.run(c.aio.restore_wait("0" * 32, instance="engine1"))
         # Its own subject, a body naming another instance: the coordinator refuses.

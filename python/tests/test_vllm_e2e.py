@@ -220,7 +220,8 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:
         hashes = sched.resolved.chunk_hashes(prompt)
-        eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
+        eventually("index shows the prompt",
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 4))
     assert restore_once(sched, workers, prompt, "warm", [20, 21, 22, 23, 24], originals) == 64
 
     # 3. Restart the rankds (L1 lost, registrations forgotten) without
@@ -232,7 +233,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:
         eventually("index shows the L2 copies",
-                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 4), timeout=60)
     assert restore_once(sched, workers, prompt, "after-restart", [5, 6, 7, 8, 9], originals) == 64
     assert [w.conn.stats["reregistered"] for w in workers] == [1] * TP
 
@@ -243,7 +244,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
     wait_ranks(cluster)  # the rankds' NATS connections are back
     with client.SyncClient(cluster.connect_options()) as c:
         eventually("index answers after the coordinator restart",
-                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 4), timeout=60)
     for w in workers:
         w.mem.view[:] = bytes(len(w.mem.view))
     assert restore_once(sched, workers, prompt, "after-coord-restart", [25, 26, 27, 28, 29], originals) == 64
@@ -258,7 +259,7 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:
         eventually("index shows the L2 copies",
-                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4), timeout=60)
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 4), timeout=60)
     key = dcp.Key(sched.resolved.namespace, hashes[1], 0 if mla else 1, 0)
     path = cluster.l2 / str(sched.resolved.namespace) / (str(key) + ".kvo")
     data = bytearray(path.read_bytes())
@@ -347,7 +348,8 @@ def test_connector_dcp2_stores_and_restores_pages_dealt_as_vllm_deals_them(clust
         w.mem.view[:] = bytes(len(w.mem.view))
     with client.SyncClient(cluster.connect_options()) as c:
         hashes = sched.resolved.chunk_hashes(prompt)
-        eventually("index shows the prompt", lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, "engine0"), 4))
+        eventually("index shows the prompt",
+                   lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 4))
     blocks_b = [20, 21, 22, 23, 24]
     req = fakes.Request("dcp-warm", prompt)
     n, load_async = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0)))

@@ -133,7 +133,7 @@ def test_async_load_returns_at_once_and_reports_through_get_finished():
     gate: concurrent.futures.Future[None] = concurrent.futures.Future()
     orig = fakes.FakeAio.restore_wait
 
-    async def slow_wait(self, restore_id, timeout=None, instance=""):
+    async def slow_wait(self, restore_id, *, timeout=None, instance=None):
         await asyncio.wrap_future(gate)
         return wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [2], ["chunk 2: rank 0 group 0 shard 0: checksum "
                                                                          "mismatch: placed 0x1, recorded 0x2"])
@@ -165,7 +165,7 @@ def test_async_load_without_a_verdict_is_given_up_within_its_bound():
     w = worker(world, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
     orig = fakes.FakeAio.restore_wait
 
-    async def never(self, restore_id, timeout=None, instance=""):
+    async def never(self, restore_id, *, timeout=None, instance=None):
         await asyncio.sleep(3600)
 
     fakes.FakeAio.restore_wait = never

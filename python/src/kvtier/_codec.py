@@ -146,7 +146,8 @@ def loads(data: bytes | str) -> Any:
 
 def decode(cls: type[T], data: bytes | str) -> T:
     """Decodes a JSON message into cls, checking every field's type."""
-    return from_obj(cls, loads(data), cls.__name__)
+    out: T = from_obj(cls, loads(data), cls.__name__)
+    return out
 
 
 def _bad(path: str, want: str, got: Any) -> MalformedError:

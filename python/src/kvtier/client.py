@@ -241,7 +241,7 @@ def _backoff(attempt: int) -> float:
     """The wait before retry attempt (0 is the first), seconds: 20 ms
     doubling up to 500 ms, a random point in its upper half (bus.Backoff
     in Go)."""
-    d = min(0.02 * (2 ** min(attempt, 10)), 0.5)
+    d = min(0.02 * 2.0 ** min(attempt, 10), 0.5)
     return d / 2 + random.random() * d / 2
 
 
@@ -274,13 +274,13 @@ class Client:
         c.denied = denied
         return c
 
-    def _instance(self, instance: str) -> str:
+    def _instance(self, instance: str | None) -> str:
         inst = instance or self.opts.instance
         if not inst:
             raise ValueError("coordinator requests need the engine instance (ConnectOptions.instance)")
         return inst
 
-    def coord_subject(self, op: str, instance: str = "") -> str:
+    def coord_subject(self, op: str, instance: str | None = None) -> str:
         """The coordinator subject of op for instance (default this
         client's): <prefix>.coord.<op>.<instance>."""
         return self.subjects.engine_coord(self._instance(instance), op)
@@ -357,20 +357,21 @@ class Client:
             raise MalformedError(f"coordinator registered namespace {rep.namespace}, the spec's is {want}")
         return rep.namespace
 
-    async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                     detail: bool = False, *, timeout: float | None = None) -> LookupReply:
+    async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
+                     detail: bool = False, timeout: float | None = None) -> LookupReply:
         inst = self._instance(instance)
         req = wire.LookupRequest(namespace, list(chunks), inst, detail)
         return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply, timeout=timeout)
 
-    async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                            deadline_ms: int = 0, *, timeout: float | None = None) -> RestorePlan:
+    async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
+                            deadline_ms: int = 0, timeout: float | None = None) -> RestorePlan:
         inst = self._instance(instance)
         req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), inst)
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
                                timeout=timeout, decoder=wire.decode_restore_plan)
 
-    async def restore_wait(self, restore_id: str, timeout: float | None = None, instance: str = "") -> RestoreVerdict:
+    async def restore_wait(self, restore_id: str, *, timeout: float | None = None,
+                           instance: str | None = None) -> RestoreVerdict:
         v = await self.call(self.coord_subject(wire.COORD_RESTORE_WAIT, instance), wire.RestoreWait(restore_id),
                             RestoreVerdict, timeout=timeout)
         v.validate()
@@ -476,14 +477,14 @@ def restore_outcome(plan: RestorePlan, verdict: RestoreVerdict | None, problem: 
 
 
 async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
-                  blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",
+                  blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
                   deadline_ms: int = 0) -> RestoreOutcome:
     """The whole restore protocol: begin, every rank's retrieve with the
     target blocks blocks_for gives, then the verdict."""
     if not sessions:
         raise ValueError("restore needs the rank sessions of the instance")
     ns = next(iter(sessions.values())).namespace
-    plan = await client.restore_begin(ns, chunks, instance, deadline_ms)
+    plan = await client.restore_begin(ns, chunks, instance=instance, deadline_ms=deadline_ms)
     if plan.prefix == 0 or not plan.ranks:
         return RestoreOutcome(plan, None, 0, [], plan.reason or "nothing restorable")
     problems: list[str] = []
@@ -555,23 +556,25 @@ class SyncClient:
                  pools: Sequence[PoolRegistration]) -> SyncRankSession:
         return SyncRankSession(self, self.run(self.aio.register(rank, spec, device_uuid, pools)))
 
-    def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-               detail: bool = False, *, timeout: float | None = None) -> LookupReply:
-        return self.run(self.aio.lookup(namespace, chunks, instance, detail, timeout=timeout), _outer(timeout))
-
-    def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], instance: str = "",
-                      deadline_ms: int = 0, *, timeout: float | None = None) -> RestorePlan:
-        return self.run(self.aio.restore_begin(namespace, chunks, instance, deadline_ms, timeout=timeout),
+    def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
+               detail: bool = False, timeout: float | None = None) -> LookupReply:
+        return self.run(self.aio.lookup(namespace, chunks, instance=instance, detail=detail, timeout=timeout),
                         _outer(timeout))
 
-    def restore_wait(self, restore_id: str, timeout: float | None = None, instance: str = "") -> RestoreVerdict:
-        return self.run(self.aio.restore_wait(restore_id, timeout, instance), _outer(timeout))
+    def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
+                      deadline_ms: int = 0, timeout: float | None = None) -> RestorePlan:
+        return self.run(self.aio.restore_begin(namespace, chunks, instance=instance, deadline_ms=deadline_ms,
+                                               timeout=timeout), _outer(timeout))
+
+    def restore_wait(self, restore_id: str, *, timeout: float | None = None,
+                     instance: str | None = None) -> RestoreVerdict:
+        return self.run(self.aio.restore_wait(restore_id, timeout=timeout, instance=instance), _outer(timeout))
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
-                blocks_for: Callable[[Rank, RetrieveItem], list[int]], instance: str = "",
+                blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
                 deadline_ms: int = 0) -> RestoreOutcome:
         return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
-                                instance, deadline_ms))
+                                instance=instance, deadline_ms=deadline_ms))
 
     def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
         return self.run(self.aio.status(rank, timeout=timeout), _outer(timeout))

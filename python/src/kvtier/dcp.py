@@ -59,7 +59,7 @@ class _Hash16(TextValue):
         return self._b
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._b == self._b  # type: ignore[attr-defined]
+        return type(other) is type(self) and other._b == self._b
 
     def __lt__(self, other: _Hash16) -> bool:
         return self._b < other._b

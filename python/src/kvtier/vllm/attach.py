@@ -21,7 +21,9 @@ States, logged once per change and counted:
   answer again; registering anew would supersede sessions in flight).
 
 A NATS disconnection (the coordinator, which embeds NATS, is down) makes
-the link report no client until nats-py has reconnected by itself.
+the link report no client until nats-py has reconnected by itself; then the
+client is usable at once (the registration is kept), before the next check
+marks the link attached again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -47,19 +48,20 @@ class Link:
     def __init__(self, name: str, connect: Callable[[], SyncClient], setup: Callable[[SyncClient], None], *,
                  check: Callable[[SyncClient], Check] | None = None, check_every_s: float = 1.0,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 on_change: Callable[[State], None] | None = None) -> None:
         if backoff_s <= 0 or max_backoff_s < backoff_s or check_every_s <= 0:
             raise ValueError(f"link {name}: backoff {backoff_s} s, max {max_backoff_s} s, check every "
                              f"{check_every_s} s: want 0 < backoff <= max and check > 0")
         self.name = name
         self._connect, self._setup, self._check = connect, setup, check
         self._check_every, self._backoff, self._max_backoff = check_every_s, backoff_s, max_backoff_s
-        self._clock = clock
+        self._on_change = on_change
         self._mu = threading.Lock()
         self._client: SyncClient | None = None  # guarded by _mu
         self._state: State = "detached"  # guarded by _mu
         self._why = "not started"  # guarded by _mu
         self._resetup = False  # guarded by _mu: the owner asked for the registration again
+        self._nats_down = False  # guarded by _mu: unhealthy only because NATS was disconnected
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,7 +88,8 @@ class Link:
         """The client when the link is attached and NATS is connected, else
         None: the caller treats kvtier as absent for this request."""
         with self._mu:
-            c = self._client if self._state == "attached" else None
+            usable = self._state == "attached" or (self._state == "unhealthy" and self._nats_down)
+            c = self._client if usable else None
         if c is None or not c.connected:
             return None
         return c
@@ -138,6 +141,8 @@ class Link:
                 self.detaches += 1
             log.warning("kvtier %s: %s, serving without the cache (recompute) and retrying in the background: %s",
                         self.name, state, why)
+        if self._on_change is not None:
+            self._on_change(state)
 
     def _sleep(self, s: float) -> bool:
         """Waits s seconds or until woken; True when the link is closing."""
@@ -146,7 +151,7 @@ class Link:
         return self._stop.is_set()
 
     def _delay(self, attempt: int) -> float:
-        d = min(self._backoff * (2 ** min(attempt, 16)), self._max_backoff)
+        d = min(self._backoff * 2.0 ** min(attempt, 16), self._max_backoff)
         return d / 2 + random.random() * d / 2
 
     def _run(self) -> None:
@@ -189,7 +194,16 @@ class Link:
                 self._set("attached", "registered")
             if self._sleep(self._check_every):
                 return
-            if self._check is None or not c.connected:
+            if not c.connected:
+                with self._mu:
+                    self._nats_down = True
+                self._set("unhealthy", "NATS disconnected; reconnecting")
+                continue
+            with self._mu:
+                self._nats_down = False
+            if self._check is None:
+                if self.state == "unhealthy":
+                    self._set("attached", "NATS reconnected")
                 continue
             try:
                 verdict = self._check(c)

@@ -62,7 +62,7 @@ from kvtier.vllm.stats import delta as stats_delta
 log = logging.getLogger("kvtier.vllm")
 
 try:  # the real base class when vLLM is installed
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
@@ -333,7 +333,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return kvclient.SyncClient(self.cfg.connect_options(f"kvtier-vllm-{self.cfg.instance}-{role}"))
 
     def _tp_rank(self) -> int:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
 
@@ -381,7 +381,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         and the tensor keeps its shape and strides (``set_`` swaps its
         storage: every reference vLLM holds to the tensor sees the new
         memory). _check_layout has made sure the tensor is dense."""
-        import torch  # type: ignore[import-not-found]
+        import torch
 
         if tensor.device.type != "cpu":
             raise GeometryError(f"layer {layer}: kvtier_device=host needs CPU tensors (vLLM's CPU backend), "
@@ -408,7 +408,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             hev = self._host_dev().new_event()
             hev.record()
             return hev, hev.export()
-        import torch  # type: ignore[import-not-found]
+        import torch
 
         ev = torch.cuda.Event(interprocess=True)
         ev.record(torch.cuda.current_stream())
@@ -478,11 +478,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         before vLLM is told of any tokens, so building the step's metadata
         sends nothing. None: nothing restorable."""
         t = self.cfg.lookup_timeout_s
-        rep = await c.aio.lookup(self.resolved.namespace, chunks, self.cfg.instance, timeout=t)
+        rep = await c.aio.lookup(self.resolved.namespace, chunks, instance=self.cfg.instance, timeout=t)
         if rep.not_alive or rep.prefix <= 0:
             return None
-        return await c.aio.restore_begin(self.resolved.namespace, chunks[:rep.prefix], self.cfg.instance,
-                                         self.cfg.restore_deadline_ms, timeout=t)
+        return await c.aio.restore_begin(self.resolved.namespace, chunks[:rep.prefix], instance=self.cfg.instance,
+                                         deadline_ms=self.cfg.restore_deadline_ms, timeout=t)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found]
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
