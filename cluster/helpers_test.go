@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -271,4 +273,100 @@ func lagMonitor() func() time.Duration {
 		<-done
 		return time.Duration(worst.Load())
 	}
+}
+
+// starvable runs attempt, a test whose verdict rests on wall-clock bounds
+// (an ack within a timeout, an event within seconds), and judges it only
+// on an attempt the machine let run: the worst wake-up lag of a sleeping
+// goroutine stays under maxLag. A failed attempt that saw more lag is
+// inconclusive and run again on a fresh cluster; after attempts starved
+// ones the test is skipped with the measured lag (reported as skipped,
+// never as passed). A failure without starvation fails the test. issue 31:
+// TestLeaveAnnouncementLost and TestConcurrentLeaves failed at a load of
+// 55-72 on 2 cores, where a 1 s leave announcement cannot be judged.
+func starvable(t *testing.T, attempts int, maxLag time.Duration, attempt func(tb testing.TB)) {
+	t.Helper()
+	for i := 1; ; i++ {
+		stopLag := lagMonitor()
+		a := &attemptTB{TB: t}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			attempt(a)
+		}()
+		<-done
+		lag := stopLag()
+		why := strings.Join(a.msgs, "; ")
+		switch judgeAttempt(a.failed, lag, maxLag, i, attempts) {
+		case attemptPassed:
+			if i > 1 {
+				t.Logf("attempt %d passed (worst lag %v)", i, lag.Round(time.Millisecond))
+			}
+			return
+		case attemptFailed:
+			t.Fatalf("attempt %d failed with the machine responsive (worst lag %v <= %v): %s", i,
+				lag.Round(time.Millisecond), maxLag, why)
+		case attemptRetry:
+			t.Logf("attempt %d inconclusive, the process starved (worst lag %v > %v): %s", i,
+				lag.Round(time.Millisecond), maxLag, why)
+		default:
+			t.Skipf("machine too loaded to judge: starved in all %d attempts (last worst lag %v > %v): %s",
+				attempts, lag.Round(time.Millisecond), maxLag, why)
+		}
+	}
+}
+
+type attemptVerdict int
+
+const (
+	attemptPassed attemptVerdict = iota
+	attemptFailed
+	attemptRetry
+	attemptSkip
+)
+
+// judgeAttempt is starvable's decision: a pass is a pass whatever the
+// lag; a failure counts only when the process was not starved.
+func judgeAttempt(failed bool, lag, maxLag time.Duration, i, attempts int) attemptVerdict {
+	switch {
+	case !failed:
+		return attemptPassed
+	case lag <= maxLag:
+		return attemptFailed
+	case i < attempts:
+		return attemptRetry
+	default:
+		return attemptSkip
+	}
+}
+
+// attemptTB is the testing.TB of one starvable attempt: a failure is
+// recorded and ends the attempt's goroutine instead of failing the test.
+type attemptTB struct {
+	testing.TB
+	mu     sync.Mutex
+	failed bool
+	msgs   []string
+}
+
+func (a *attemptTB) fail(msg string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.failed = true
+	a.msgs = append(a.msgs, msg)
+}
+
+func (a *attemptTB) Errorf(format string, args ...any) { a.fail(fmt.Sprintf(format, args...)) }
+func (a *attemptTB) Error(args ...any)                 { a.fail(fmt.Sprint(args...)) }
+func (a *attemptTB) Fail()                             { a.fail("failed") }
+func (a *attemptTB) FailNow()                          { a.fail("failed"); runtime.Goexit() }
+func (a *attemptTB) Fatalf(format string, args ...any) {
+	a.fail(fmt.Sprintf(format, args...))
+	runtime.Goexit()
+}
+func (a *attemptTB) Fatal(args ...any) { a.fail(fmt.Sprint(args...)); runtime.Goexit() }
+func (a *attemptTB) Failed() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.failed
 }

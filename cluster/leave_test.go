@@ -127,40 +127,42 @@ func TestLeaveAnnouncementLost(t *testing.T) {
 		{"message lost, meta seen", map[string]bool{kindLeaving: true}, EventLeave},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			nodes := startCluster(t, 3, nil)
-			coord, deaf, leaver := nodes[0], nodes[1], nodes[2]
-			id := leaver.LocalMember().ID
-			lose := func(what, from string) bool { return from == id && tc.lose[what] }
-			deaf.lose.Store(&lose)
-			sc, sd := coord.Subscribe(0), deaf.Subscribe(0)
+			starvable(t, 3, 250*time.Millisecond, func(t testing.TB) {
+				nodes := startCluster(t, 3, nil)
+				coord, deaf, leaver := nodes[0], nodes[1], nodes[2]
+				id := leaver.LocalMember().ID
+				lose := func(what, from string) bool { return from == id && tc.lose[what] }
+				deaf.lose.Store(&lose)
+				sc, sd := coord.Subscribe(0), deaf.Subscribe(0)
 
-			const timeout = time.Second
-			t0 := time.Now()
-			if err := leaver.Leave(timeout); err != nil {
-				t.Fatalf("Leave: %v", err)
-			}
-			// The leaver waited for the deaf member's ack until half the
-			// timeout, then left anyway.
-			if took := time.Since(t0); took < timeout/2 {
-				t.Fatalf("Leave returned after %v, before the announcement deadline %v", took, timeout/2)
-			}
-			if err := leaver.Shutdown(); err != nil {
-				t.Fatalf("Shutdown: %v", err)
-			}
-			gone := func(ev Event) bool {
-				return ev.Member.ID == id && (ev.Type == EventLeave || ev.Type == EventDead)
-			}
-			if ev := nextEvent(t, sc, 5*time.Second, gone); ev.Type != EventLeave || ev.Member.State != StateLeft {
-				t.Fatalf("member that got the announcement: %s/%s, want leave/left", ev.Type, ev.Member.State)
-			}
-			ev := nextEvent(t, sd, 5*time.Second, gone)
-			wantState := map[EventType]MemberState{EventLeave: StateLeft, EventDead: StateDead}[tc.want]
-			if ev.Type != tc.want || ev.Member.State != wantState {
-				t.Fatalf("member that lost %v: %s/%s, want %s/%s", tc.lose, ev.Type, ev.Member.State, tc.want, wantState)
-			}
-			if st := memberState(deaf, id); st != wantState {
-				t.Fatalf("Members at the deaf member: %s, want %s", st, wantState)
-			}
+				const timeout = time.Second
+				t0 := time.Now()
+				if err := leaver.Leave(timeout); err != nil {
+					t.Fatalf("Leave: %v", err)
+				}
+				// The leaver waited for the deaf member's ack until half the
+				// timeout, then left anyway.
+				if took := time.Since(t0); took < timeout/2 {
+					t.Fatalf("Leave returned after %v, before the announcement deadline %v", took, timeout/2)
+				}
+				if err := leaver.Shutdown(); err != nil {
+					t.Fatalf("Shutdown: %v", err)
+				}
+				gone := func(ev Event) bool {
+					return ev.Member.ID == id && (ev.Type == EventLeave || ev.Type == EventDead)
+				}
+				if ev := nextEvent(t, sc, 5*time.Second, gone); ev.Type != EventLeave || ev.Member.State != StateLeft {
+					t.Fatalf("member that got the announcement: %s/%s, want leave/left", ev.Type, ev.Member.State)
+				}
+				ev := nextEvent(t, sd, 5*time.Second, gone)
+				wantState := map[EventType]MemberState{EventLeave: StateLeft, EventDead: StateDead}[tc.want]
+				if ev.Type != tc.want || ev.Member.State != wantState {
+					t.Fatalf("member that lost %v: %s/%s, want %s/%s", tc.lose, ev.Type, ev.Member.State, tc.want, wantState)
+				}
+				if st := memberState(deaf, id); st != wantState {
+					t.Fatalf("Members at the deaf member: %s, want %s", st, wantState)
+				}
+			})
 		})
 	}
 }
@@ -169,7 +171,9 @@ func TestLeaveAnnouncementLost(t *testing.T) {
 // announcements, and every survivor reports every one as left. The cluster
 // is encrypted and labelled, so the announcements go through memberlist's
 // encrypted streams.
-func TestConcurrentLeaves(t *testing.T) {
+func TestConcurrentLeaves(t *testing.T) { starvable(t, 3, 250*time.Millisecond, concurrentLeaves) }
+
+func concurrentLeaves(t testing.TB) {
 	nodes := startCluster(t, 4, func(c *Config) {
 		c.SecretKey = []byte("0123456789abcdef")
 		c.Label = "kvtier-test"
@@ -202,6 +206,27 @@ func TestConcurrentLeaves(t *testing.T) {
 	for _, l := range leavers {
 		if typ := seen[l.LocalMember().ID]; typ != EventLeave {
 			t.Errorf("%s reported as %s, want leave", l.LocalMember().ID, typ)
+		}
+	}
+}
+
+func TestJudgeAttempt(t *testing.T) {
+	ms := time.Millisecond
+	for _, tc := range []struct {
+		failed      bool
+		lag         time.Duration
+		i, attempts int
+		want        attemptVerdict
+	}{
+		{false, 5 * ms, 1, 3, attemptPassed},
+		{false, 900 * ms, 3, 3, attemptPassed}, // a pass under starvation is still a pass
+		{true, 250 * ms, 1, 3, attemptFailed},  // responsive machine: the failure is real
+		{true, 251 * ms, 1, 3, attemptRetry},
+		{true, 2000 * ms, 3, 3, attemptSkip},
+	} {
+		if got := judgeAttempt(tc.failed, tc.lag, 250*ms, tc.i, tc.attempts); got != tc.want {
+			t.Errorf("judgeAttempt(failed %v, lag %v, attempt %d of %d) = %d, want %d",
+				tc.failed, tc.lag, tc.i, tc.attempts, got, tc.want)
 		}
 	}
 }
