@@ -13,6 +13,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
@@ -76,11 +77,11 @@ func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 	if err := nc.Publish(c.subj.Heartbeat(r0), hb); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "the forged heartbeat to be refused", func() bool {
-		return metric(t, c, "kvtier_coord_unauthorized_total", "subject", "heartbeat") == 1
+	testutil.Eventually(t, 5*time.Second, "the forged heartbeat to be refused", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", "heartbeat") == 1
 	})
 	for kind, want := range map[string]float64{"report": 1, "lookup": 1, "restore_begin": 1, "restore_wait": 1} {
-		if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", kind); got != want {
+		if got := testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", kind); got != want {
 			t.Errorf("unauthorized %s = %v, want %v", kind, got, want)
 		}
 	}
@@ -113,7 +114,7 @@ func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 	}
 	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait),
 		wire.RestoreWait{RestoreID: empty.RestoreID}, wire.CodeUnauthorized)
-	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "restore_wait"); got != 3 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", "restore_wait"); got != 3 {
 		t.Errorf("unauthorized restore_wait = %v, want 3", got)
 	}
 }
@@ -175,7 +176,7 @@ func TestSecureCoordinatorReloadsCredentials(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The connection made with the rotated-out key is closed by the reload.
-	waitFor(t, 5*time.Second, "the old key's connection to be closed", func() bool { return nc2.IsClosed() })
+	testutil.Eventually(t, 5*time.Second, "the old key's connection to be closed", func() bool { return nc2.IsClosed() })
 	oldSeed := filepath.Join(t.TempDir(), "old.nk")
 	if err := os.WriteFile(oldSeed, old, 0o600); err != nil {
 		t.Fatal(err)

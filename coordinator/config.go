@@ -205,9 +205,10 @@ type Config struct {
 	// the cap). A cap turns a full disk into a clear, early failure.
 	IndexMaxFileBytes int
 
-	// Raft turns on replicated mode (raft.go): several coordinators keep
-	// one index through hashicorp/raft. Default DefaultRaftConfig(), with
-	// ID "": off, one coordinator, no raft code on any path.
+	// Raft turns on replicated mode (replicated.go, package replica):
+	// several coordinators keep one index through hashicorp/raft. Default
+	// DefaultRaftConfig(), with ID "": off, one coordinator, no raft code
+	// on any path.
 	Raft RaftConfig
 
 	// Logger receives lifecycle and fault logs. Default zap.NewNop().

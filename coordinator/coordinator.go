@@ -124,11 +124,11 @@ const lookupSubscribers = 4
 // lookupQueue is the NATS queue group of the lookup subscribers.
 const lookupQueue = "kvtier-lookup"
 
-// New validates cfg and builds a coordinator. It does no I/O.
+// New validates cfg exactly as given (build it from DefaultConfig: zero
+// means zero, nothing is filled in behind Validate's back) and builds a
+// coordinator. It does no I/O. A nil Registry is not a default but a
+// registry of the coordinator's own (Config.Registry).
 func New(cfg Config) (*Coordinator, error) {
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}

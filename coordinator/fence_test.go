@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -74,7 +75,7 @@ func TestLateInventoryDoesNotUndoFence(t *testing.T) {
 
 	// Now the held inventory arrives.
 	close(release)
-	waitFor(t, 10*time.Second, "the resync to end", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the resync to end", func() bool {
 		c.drainMu.Lock()
 		_, running := c.resyncing[r]
 		c.drainMu.Unlock()
@@ -88,12 +89,12 @@ func TestLateInventoryDoesNotUndoFence(t *testing.T) {
 	if p, _ := c.lookup("eng", ns, l1); p.Prefix != 0 {
 		t.Fatalf("lookup prefix %d after the late inventory, want 0", p.Prefix)
 	}
-	if got := metric(t, c, "kvtier_coord_resyncs_total", "outcome", "fenced"); got != 1 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "fenced"); got != 1 {
 		t.Fatalf("resyncs_total{fenced} = %v, want 1", got)
 	}
 	// A resync asked for after the fence (the rank came back) applies.
 	c.startResync(r)
-	waitFor(t, 10*time.Second, "the second resync to apply", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the second resync to apply", func() bool {
 		ri, _ := c.idx.Rank(r)
 		return !ri.Fenced && ri.L1Placements == 4
 	})
@@ -133,7 +134,7 @@ func TestDeathNoticeFencesOnlyKnownIncarnation(t *testing.T) {
 			t.Fatalf("death notice for incarnation %d (index knows %d) decided the restore", bad, inc)
 		}
 	}
-	if got := metric(t, c, "kvtier_coord_rank_fences_skipped_total"); got != 3 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_skipped_total"); got != 3 {
 		t.Fatalf("fences skipped = %v, want 3", got)
 	}
 	// The rank still ingests.

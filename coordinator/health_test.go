@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -88,7 +89,7 @@ func TestHealthzReflectsNATS(t *testing.T) {
 	}
 	_, port, _ := net.SplitHostPort(ext.Addr())
 	ext.Shutdown()
-	waitFor(t, 10*time.Second, "healthz to report NATS down", func() bool {
+	testutil.Eventually(t, 10*time.Second, "healthz to report NATS down", func() bool {
 		code, h := getHealth(t, c)
 		return code == http.StatusServiceUnavailable && h["status"] == "unavailable" &&
 			(h["nats"] == "reconnecting" || h["nats"] == "disconnected") && h["index"] == "ok"
@@ -100,7 +101,7 @@ func TestHealthzReflectsNATS(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ext2.Shutdown()
-	waitFor(t, 10*time.Second, "healthz to recover", func() bool {
+	testutil.Eventually(t, 10*time.Second, "healthz to recover", func() bool {
 		code, _ := getHealth(t, c)
 		return code == http.StatusOK
 	})

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -37,19 +38,19 @@ func TestHeartbeatExposesLostEvents(t *testing.T) {
 	beat(4)
 	beat(4)
 	time.Sleep(100 * time.Millisecond) // nothing to wait for: prove nothing happens
-	if requests.Load() != 0 || metric(t, c, "kvtier_coord_heartbeat_gaps_total") != 0 {
+	if requests.Load() != 0 || testutil.Metric(t, c.reg, "kvtier_coord_heartbeat_gaps_total") != 0 {
 		t.Fatalf("a current rank was resynced (%d requests)", requests.Load())
 	}
 	// Events 5 and 6 are lost: the first heartbeat at 6 may race them, the
 	// second proves them lost.
 	beat(6)
 	beat(6)
-	waitFor(t, 5*time.Second, "the resync after the heartbeat", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the resync after the heartbeat", func() bool {
 		info, err := c.idx.ListRank(r)
 		return err == nil && info.LastSeq == 6 && len(info.Placements) == 6
 	})
-	if requests.Load() < 1 || metric(t, c, "kvtier_coord_heartbeat_gaps_total") < 1 {
-		t.Fatalf("requests %d, heartbeat gaps %v", requests.Load(), metric(t, c, "kvtier_coord_heartbeat_gaps_total"))
+	if requests.Load() < 1 || testutil.Metric(t, c.reg, "kvtier_coord_heartbeat_gaps_total") < 1 {
+		t.Fatalf("requests %d, heartbeat gaps %v", requests.Load(), testutil.Metric(t, c.reg, "kvtier_coord_heartbeat_gaps_total"))
 	}
 	mustVerify(t, c)
 }

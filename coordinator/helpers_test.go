@@ -188,19 +188,6 @@ func storeBatch(r wire.Rank, inc, seq uint64, ns dcp.Namespace, chunks []dcp.Chu
 	return b
 }
 
-// waitFor polls cond every millisecond until it holds or d passes.
-func waitFor(tb testing.TB, d time.Duration, what string, cond func() bool) time.Duration {
-	tb.Helper()
-	t0 := time.Now()
-	for !cond() {
-		if time.Since(t0) > d {
-			tb.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-	return time.Since(t0)
-}
-
 // startRankMember starts a rankd cluster member for rank r joined to the
 // coordinator; the caller kills or shuts it down.
 func startRankMember(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int) *cluster.Cluster {
@@ -229,45 +216,6 @@ func startRankMemberInc(tb testing.TB, c *Coordinator, r wire.Rank, tpSize int, 
 		tb.Fatal(err)
 	}
 	return m
-}
-
-// metric returns the value of the counter, gauge or histogram count name
-// in the coordinator's registry whose labels include labelPairs (name,
-// value, ...); 0 when absent.
-func metric(tb testing.TB, c *Coordinator, name string, labelPairs ...string) float64 {
-	tb.Helper()
-	mfs, err := c.reg.Gather()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(labelPairs); i += 2 {
-				found := false
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == labelPairs[i] && lp.GetValue() == labelPairs[i+1] {
-						found = true
-					}
-				}
-				if !found {
-					continue next
-				}
-			}
-			switch {
-			case m.GetCounter() != nil:
-				return m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				return m.GetGauge().GetValue()
-			case m.GetHistogram() != nil:
-				return float64(m.GetHistogram().GetSampleCount())
-			}
-		}
-	}
-	return 0
 }
 
 // inventoryOf is rank r's inventory holding exactly the placements of evs.

@@ -15,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -118,7 +119,7 @@ func TestIngestAcksAfterCommit(t *testing.T) {
 	if ack, werr = sendBatch(t, nc, c.subj, storeBatch(r, 7, 8, ns, chunks[:1], wire.L1)); werr != nil || !ack.Fenced {
 		t.Fatalf("stale incarnation ack = %+v, %v", ack, werr)
 	}
-	if got := metric(t, c, "kvtier_coord_rank_fences_total", "cause", "incarnation"); got != 1 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_total", "cause", "incarnation"); got != 1 {
 		t.Errorf("incarnation fences = %v, want 1", got)
 	}
 	mustVerify(t, c)
@@ -144,10 +145,10 @@ func TestMalformedBatchIsRejectedAndServingContinues(t *testing.T) {
 	if _, werr := sendRaw(t, nc, c.subj.Events(wire.Rank{Instance: "eng", TPRank: 1}), p); werr == nil || werr.Code != wire.CodeUnauthorized {
 		t.Fatalf("wrong subject: error = %v", werr)
 	}
-	if got := metric(t, c, "kvtier_coord_bad_requests_total", "op", "events"); got != 3 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_bad_requests_total", "op", "events"); got != 3 {
 		t.Errorf("bad requests counted = %v, want 3", got)
 	}
-	if got := metric(t, c, "kvtier_coord_unauthorized_total", "subject", "events"); got != 1 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", "events"); got != 1 {
 		t.Errorf("unauthorized counted = %v, want 1", got)
 	}
 	ack, werr := sendBatch(t, nc, c.subj, good)
@@ -211,7 +212,7 @@ func TestGapResyncAgreesWithRank(t *testing.T) {
 	// (no overlap below); at most it asks the running one for one more
 	// round, for events that raced past its inventory.
 	sendBatch(t, nc, c.subj, &b3)
-	waitFor(t, 5*time.Second, "the inventory to be applied", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the inventory to be applied", func() bool {
 		info, err := c.idx.ListRank(r) // all of it: see TestResyncPagedInventory
 		return err == nil && info.LastSeq == sim.Seq && !info.Fenced && len(info.Placements) == len(sim.Inventory().Objects)
 	})
@@ -222,16 +223,16 @@ func TestGapResyncAgreesWithRank(t *testing.T) {
 	if overlap.Load() != 0 {
 		t.Fatalf("%d inventory requests overlapped", overlap.Load())
 	}
-	if got := metric(t, c, "kvtier_coord_event_gaps_total"); got < 1 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_event_gaps_total"); got < 1 {
 		t.Errorf("gaps counted = %v", got)
 	}
-	waitFor(t, 5*time.Second, "the resyncs to finish", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the resyncs to finish", func() bool {
 		c.drainMu.Lock()
 		_, running := c.resyncing[r]
 		c.drainMu.Unlock()
-		return !running && metric(t, c, "kvtier_coord_resyncs_total", "outcome", "ok") >= 1
+		return !running && testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "ok") >= 1
 	})
-	if ok := metric(t, c, "kvtier_coord_resyncs_total", "outcome", "ok"); ok > 2 {
+	if ok := testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "ok"); ok > 2 {
 		t.Errorf("%v resyncs for one gap and one batch during it, want 1 or 2", ok)
 	}
 	// Events continue from the inventory's sequence.
@@ -258,10 +259,10 @@ func TestResyncGivesUpAndCounts(t *testing.T) {
 	if ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 5, ns, chain(ns, 1, 1), wire.L1)); werr != nil || !ack.Resync {
 		t.Fatalf("batch past a gap: %+v %v", ack, werr)
 	}
-	waitFor(t, 10*time.Second, "the resync to fail", func() bool {
-		return metric(t, c, "kvtier_coord_resyncs_total", "outcome", "failed") == 1
+	testutil.Eventually(t, 10*time.Second, "the resync to fail", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "failed") == 1
 	})
-	if got := metric(t, c, "kvtier_coord_resync_attempts_total"); got != 3 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_resync_attempts_total"); got != 3 {
 		t.Errorf("attempts = %v, want 3", got)
 	}
 }
@@ -306,7 +307,7 @@ func TestNewIncarnationResyncDropsLostL2(t *testing.T) {
 	if ack, werr := sendBatch(t, nc, c.subj, b); werr != nil || ack.AppliedThrough != 2 {
 		t.Fatalf("new incarnation: %+v %v", ack, werr)
 	}
-	waitFor(t, 5*time.Second, "the stale L2 placements to leave the index", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the stale L2 placements to leave the index", func() bool {
 		info, err := c.idx.ListRank(r)
 		return err == nil && info.L2Placements == 2
 	})
@@ -377,7 +378,7 @@ func TestResyncPagedInventory(t *testing.T) {
 	}
 	// The index publishes a large commit in slices (index.publishSlice):
 	// the rank's sequence can be visible a moment before all its chunks.
-	waitFor(t, 10*time.Second, "the paged inventory to be applied", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the paged inventory to be applied", func() bool {
 		info, err := c.idx.ListRank(r)
 		return err == nil && info.LastSeq == sim.Seq && !info.Fenced && len(info.Placements) == len(inv.Objects)
 	})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -63,7 +64,7 @@ func TestNewIncarnationMustBeMember(t *testing.T) {
 		t.Fatal("refused batch created the rank")
 	}
 	startRankMemberInc(t, c, r, 1, inc)
-	waitFor(t, 10*time.Second, "the member to be seen", func() bool { return c.live.aliveInc(r, inc) })
+	testutil.Eventually(t, 10*time.Second, "the member to be seen", func() bool { return c.live.aliveInc(r, inc) })
 	if ack, werr := sendBatch(t, nc, c.subj, b); werr != nil || ack.AppliedThrough != 2 {
 		t.Fatalf("batch once the member is alive: %+v %v", ack, werr)
 	}
@@ -103,7 +104,7 @@ func TestGhostHeartbeats(t *testing.T) {
 	}
 	checkNothingStarted := func(what string) {
 		t.Helper()
-		if got := metric(t, c, "kvtier_coord_resync_attempts_total"); got != 0 {
+		if got := testutil.Metric(t, c.reg, "kvtier_coord_resync_attempts_total"); got != 0 {
 			t.Fatalf("%s: %v resyncs started by ghost heartbeats, want 0", what, got)
 		}
 		c.hb.mu.Lock()
@@ -126,8 +127,8 @@ func TestGhostHeartbeats(t *testing.T) {
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 60*time.Second, "every heartbeat sent through NATS to be handled", func() bool {
-		return metric(t, c, "kvtier_coord_refused_total", "rule", "unknown_rank_heartbeat") == 2*viaNATS
+	testutil.Eventually(t, 60*time.Second, "every heartbeat sent through NATS to be handled", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_refused_total", "rule", "unknown_rank_heartbeat") == 2*viaNATS
 	})
 	checkNothingStarted("through NATS")
 
@@ -146,7 +147,7 @@ func TestGhostHeartbeats(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	growth := int64(after.HeapAlloc) - int64(before.HeapAlloc)
 	t.Logf("%d ghost heartbeats handed to the handler: heap %d -> %d B (growth %d B)", 2*ranks, before.HeapAlloc, after.HeapAlloc, growth)
-	if got := metric(t, c, "kvtier_coord_refused_total", "rule", "unknown_rank_heartbeat"); got != 2*viaNATS+2*ranks {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_refused_total", "rule", "unknown_rank_heartbeat"); got != 2*viaNATS+2*ranks {
 		t.Fatalf("%v unknown-rank heartbeats refused, want %d", got, 2*viaNATS+2*ranks)
 	}
 	checkNothingStarted("handed to the handler")
@@ -329,7 +330,7 @@ func TestRankReset(t *testing.T) {
 	if werr != nil || ack.Fenced || !ack.Resync {
 		t.Fatalf("real rank after the reset: %+v %v (want a resync)", ack, werr)
 	}
-	waitFor(t, 10*time.Second, "the real rank to resync", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the real rank to resync", func() bool {
 		ri, _ := c.idx.Rank(r)
 		return ri.Incarnation == inc && ri.LastSeq == 3 && ri.L1Placements == 2
 	})
@@ -354,10 +355,10 @@ func TestResyncRateLimited(t *testing.T) {
 		}
 	}
 	waitMetric(t, c, 1, "kvtier_coord_refused_total", "rule", "resync_rate")
-	waitFor(t, 10*time.Second, "the two started resyncs to give up", func() bool {
-		return metric(t, c, "kvtier_coord_resyncs_total", "outcome", "failed") == 2
+	testutil.Eventually(t, 10*time.Second, "the two started resyncs to give up", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "failed") == 2
 	})
-	if got := metric(t, c, "kvtier_coord_refused_total", "rule", "resync_rate"); got != 1 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_refused_total", "rule", "resync_rate"); got != 1 {
 		t.Fatalf("resyncs refused by the rate: %v, want 1", got)
 	}
 }

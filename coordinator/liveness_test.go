@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -107,7 +108,7 @@ func newMemberFixture(t *testing.T, n int, tier wire.Tier, mod func(*Config)) *m
 // inc of r alive.
 func (f *memberFixture) waitAlive(t *testing.T, r wire.Rank, inc uint64) {
 	t.Helper()
-	waitFor(t, 10*time.Second, "the coordinator to see "+r.String()+" alive", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the coordinator to see "+r.String()+" alive", func() bool {
 		return f.c.live.seen(r).AliveInc == inc
 	})
 }
@@ -176,10 +177,10 @@ func TestRestoreFailsEarlyWhenReaderFenced(t *testing.T) {
 				t.Fatalf("verdict after %v: not well before the %v deadline", took, deadline)
 			}
 			t.Logf("rank 1 %s mid-restore: verdict failed %v after %v (deadline %v)", tc.cause, v.Failed, took, deadline)
-			if got := metric(t, f.c, "kvtier_coord_restore_rank_failures_total", "cause", tc.cause); got != 1 {
+			if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restore_rank_failures_total", "cause", tc.cause); got != 1 {
 				t.Errorf("restores failed early (%s) = %v, want 1", tc.cause, got)
 			}
-			if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "rank_"+tc.cause); got != 1 {
+			if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "rank_"+tc.cause); got != 1 {
 				t.Errorf("failed restores (rank_%s) = %v, want 1", tc.cause, got)
 			}
 			// Rank 1's own late report changes nothing.
@@ -197,8 +198,8 @@ func TestRestoreFenceBeforeOtherReports(t *testing.T) {
 	f := newMemberFixture(t, 3, wire.L1, nil)
 	plan := f.beginDeadline(t, 20*time.Second)
 	_ = f.members[1].Shutdown()
-	waitFor(t, 10*time.Second, "rank 1's chunks to be failed", func() bool {
-		return metric(t, f.c, "kvtier_coord_restore_rank_failures_total", "cause", "dead") == 1
+	testutil.Eventually(t, 10*time.Second, "rank 1's chunks to be failed", func() bool {
+		return testutil.Metric(t, f.c.reg, "kvtier_coord_restore_rank_failures_total", "cause", "dead") == 1
 	})
 	w := f.waitAsync(t, plan.RestoreID)
 	if ack := f.report(t, plan.RestoreID, 0, results(plan.Ranks["eng/0"])); ack.State != wire.VerdictFailed {
@@ -208,7 +209,7 @@ func TestRestoreFenceBeforeOtherReports(t *testing.T) {
 	if v.State != wire.VerdictFailed || !slices.Equal(v.Failed, []int{0, 1, 2}) {
 		t.Fatalf("verdict = %+v", v)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "reports"); got != 1 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "reports"); got != 1 {
 		t.Errorf("decided by the last report: %v", got)
 	}
 }
@@ -228,8 +229,8 @@ func TestOldIncarnationDeathSparesNewRestore(t *testing.T) {
 		t.Fatalf("plan = %+v", plan)
 	}
 	_ = f.members[1].Shutdown() // the old incarnation dies
-	waitFor(t, 10*time.Second, "the old incarnation's death to be handled", func() bool {
-		return metric(t, f.c, "kvtier_coord_rank_fences_skipped_total") == 1
+	testutil.Eventually(t, 10*time.Second, "the old incarnation's death to be handled", func() bool {
+		return testutil.Metric(t, f.c.reg, "kvtier_coord_rank_fences_skipped_total") == 1
 	})
 	w := f.waitAsync(t, plan.RestoreID)
 	f.report(t, plan.RestoreID, 0, results(plan.Ranks["eng/0"]))
@@ -237,7 +238,7 @@ func TestOldIncarnationDeathSparesNewRestore(t *testing.T) {
 	if v := recv(t, w); v.State != wire.VerdictComplete {
 		t.Fatalf("verdict = %+v", v)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restore_rank_failures_total", "cause", "dead"); got != 0 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restore_rank_failures_total", "cause", "dead"); got != 0 {
 		t.Fatalf("restores failed by the old incarnation's death: %v", got)
 	}
 }
@@ -253,7 +254,7 @@ func TestRestoreBeginWithDeadReader(t *testing.T) {
 	}
 	_ = f.members[1].Shutdown()
 	r1 := wire.Rank{Instance: "eng", TPRank: 1}
-	waitFor(t, 10*time.Second, "rank 1 declared dead", func() bool {
+	testutil.Eventually(t, 10*time.Second, "rank 1 declared dead", func() bool {
 		return !f.c.live.seen(r1).Seen || f.c.live.seen(r1).AliveInc == 0
 	})
 
@@ -280,13 +281,13 @@ func TestRestoreBeginWithDeadReader(t *testing.T) {
 	if len(hist.Restores) != 1 || !reflect.DeepEqual(hist.Restores[0].RestoreVerdict, want) {
 		t.Fatalf("history = %+v, want one entry %+v", hist.Restores, want)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restores_not_planned_total", "cause", causeDead); got != 1 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_not_planned_total", "cause", causeDead); got != 1 {
 		t.Errorf("not planned (dead) = %v", got)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", "refused", "cause", "readers_not_alive"); got != 1 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", "refused", "cause", "readers_not_alive"); got != 1 {
 		t.Errorf("restores_total{refused,readers_not_alive} = %v, want 1", got)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete); got != 0 {
+	if got := testutil.MetricSum(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete); got != 0 {
 		t.Errorf("restores_total{complete} = %v, want 0", got)
 	}
 	// The plan reply stays backward compatible: no reason key when empty.
@@ -339,7 +340,7 @@ func TestRestoreBeginAbsentOrFencedReader(t *testing.T) {
 		if lr.Prefix != 3 || !slices.Equal(lr.NotAlive, []string{"eng/0"}) {
 			t.Fatalf("lookup with rank 0 fenced = %+v", lr)
 		}
-		if got := metric(t, f.c, "kvtier_coord_restores_not_planned_total", "cause", causeFenced); got != 1 {
+		if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_not_planned_total", "cause", causeFenced); got != 1 {
 			t.Errorf("not planned (fenced) = %v", got)
 		}
 	})
@@ -350,21 +351,21 @@ func TestRestoreBeginAbsentOrFencedReader(t *testing.T) {
 		if p := f.begin(t, f.chunks); time.Since(c.startedAt) < grace && p.Prefix != 3 {
 			t.Fatalf("plan within the startup grace = %+v, want prefix 3", p)
 		}
-		waitFor(t, 10*time.Second, "the startup grace to pass", func() bool { return time.Since(c.startedAt) > grace })
+		testutil.Eventually(t, 10*time.Second, "the startup grace to pass", func() bool { return time.Since(c.startedAt) > grace })
 		p := f.begin(t, f.chunks)
 		if p.Prefix != 0 || !strings.Contains(p.Reason, "eng/0 never joined") || !strings.Contains(p.Reason, "eng/1 never joined") {
 			t.Fatalf("plan after the grace = %+v", p)
 		}
 		// A rank that joins is alive again; the other is still absent.
 		m := startRankMember(t, c, wire.Rank{Instance: "eng", TPRank: 0}, 2)
-		waitFor(t, 10*time.Second, "rank 0 alive", func() bool {
+		testutil.Eventually(t, 10*time.Second, "rank 0 alive", func() bool {
 			return c.live.seen(wire.Rank{Instance: "eng", TPRank: 0}).AliveInc == m.LocalMember().Meta.Incarnation
 		})
 		p = f.begin(t, f.chunks)
 		if p.Prefix != 0 || strings.Contains(p.Reason, "eng/0") || !strings.Contains(p.Reason, "eng/1") {
 			t.Fatalf("plan with rank 0 joined = %+v", p)
 		}
-		if got := metric(t, c, "kvtier_coord_restores_not_planned_total", "cause", causeAbsent); got != 2 {
+		if got := testutil.Metric(t, c.reg, "kvtier_coord_restores_not_planned_total", "cause", causeAbsent); got != 2 {
 			t.Errorf("not planned (absent) = %v", got)
 		}
 	})

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	bolt "go.etcd.io/bbolt"
@@ -25,7 +26,7 @@ func TestDeadMemberFenced(t *testing.T) {
 	r := wire.Rank{Instance: "eng", TPRank: 0}
 	m := startRankMember(t, c, r, 1)
 	inc := m.LocalMember().Meta.Incarnation
-	waitFor(t, 5*time.Second, "the coordinator to see the rank", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the coordinator to see the rank", func() bool {
 		for _, mb := range c.member.Members() {
 			if mb.ID == m.LocalMember().ID && mb.State == cluster.StateAlive {
 				return true
@@ -51,7 +52,7 @@ func TestDeadMemberFenced(t *testing.T) {
 	if err := m.Shutdown(); err != nil { // no Leave: a crash
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "L1 placements to be fenced", func() bool {
+	testutil.Eventually(t, 10*time.Second, "L1 placements to be fenced", func() bool {
 		p, _ := c.lookup("eng", ns, l1)
 		return p.Prefix == 0
 	})
@@ -64,8 +65,8 @@ func TestDeadMemberFenced(t *testing.T) {
 		t.Fatalf("rank after death: %+v %v", info, err)
 	}
 	// The fence is visible to lookups a moment before it is counted.
-	waitFor(t, 5*time.Second, "the fence to be counted", func() bool {
-		return metric(t, c, "kvtier_coord_rank_fences_total", "cause", "dead") == 1
+	testutil.Eventually(t, 5*time.Second, "the fence to be counted", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_total", "cause", "dead") == 1
 	})
 	// Timing is logged, not asserted: kill -> fence committed as observed
 	// by polling lookups, which includes memberlist's failure detection.
@@ -107,12 +108,12 @@ func TestLeftMemberFenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = m.Shutdown()
-	waitFor(t, 10*time.Second, "L1 placements to be fenced", func() bool {
+	testutil.Eventually(t, 10*time.Second, "L1 placements to be fenced", func() bool {
 		p, _ := c.lookup("eng", ns, l1)
 		return p.Prefix == 0
 	})
-	waitFor(t, 5*time.Second, "the fence to be counted", func() bool {
-		return metric(t, c, "kvtier_coord_rank_fences_total", "cause", "left") == 1
+	testutil.Eventually(t, 5*time.Second, "the fence to be counted", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_total", "cause", "left") == 1
 	})
 }
 
@@ -130,8 +131,8 @@ func TestOldIncarnationDeathDoesNotFenceNewOne(t *testing.T) {
 	newInc := cluster.NewIncarnation()
 	sendBatch(t, nc, c.subj, storeBatch(r, newInc, 0, ns, l1, wire.L1))
 	_ = old.Shutdown()
-	waitFor(t, 10*time.Second, "the old incarnation's death to be handled", func() bool {
-		return metric(t, c, "kvtier_coord_rank_fences_skipped_total") == 1
+	testutil.Eventually(t, 10*time.Second, "the old incarnation's death to be handled", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_skipped_total") == 1
 	})
 	mustVerify(t, c)
 	if p, _ := c.lookup("eng", ns, l1); p.Prefix != 3 {
@@ -245,8 +246,8 @@ func TestStartupFence(t *testing.T) {
 
 	c2 := startCoord(t, func(cfg *Config) { cfg.DataDir = dir; cfg.StartupFenceGrace = 300 * time.Millisecond })
 	startRankMemberInc(t, c2, live, 2, liveInc)
-	waitFor(t, 10*time.Second, "the startup fence", func() bool {
-		return metric(t, c2, "kvtier_coord_rank_fences_total", "cause", "startup") == 1
+	testutil.Eventually(t, 10*time.Second, "the startup fence", func() bool {
+		return testutil.Metric(t, c2.reg, "kvtier_coord_rank_fences_total", "cause", "startup") == 1
 	})
 	for _, tc := range []struct {
 		r      wire.Rank
@@ -284,7 +285,7 @@ func TestFencedRankRejoinResyncs(t *testing.T) {
 	}
 	defer sub.Unsubscribe()
 	startRankMemberInc(t, c, r, 1, inc)
-	waitFor(t, 10*time.Second, "the rejoined rank to be resynced", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the rejoined rank to be resynced", func() bool {
 		info, err := c.idx.ListRank(r)
 		return err == nil && !info.Fenced && info.L1Placements == 3
 	})

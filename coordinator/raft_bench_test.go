@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
@@ -148,7 +149,7 @@ func BenchmarkRaftVsSingle(b *testing.B) {
 	b.ReportMetric(float64(three.p50.Microseconds()), "raft3-lookup-p50-us")
 	b.ReportMetric(float64(three.p99)/float64(one.p99), "lookup-p99-ratio")
 	b.ReportMetric(float64(retries.Load()), "resends")
-	b.ReportMetric(metric(b, rc.nodes[rc.leader()], "kvtier_raft_leader_changes_total"), "leader-changes-seen")
+	b.ReportMetric(testutil.Metric(b, rc.nodes[rc.leader()].reg, "kvtier_raft_leader_changes_total"), "leader-changes-seen")
 }
 
 // BenchmarkRaftFailover measures, per iteration, the time from stopping

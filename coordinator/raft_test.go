@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"strconv"
 	"testing"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/coordinator/replica"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -36,28 +36,6 @@ type raftCluster struct {
 	mod   func(*Config)
 }
 
-// freeAddr returns a loopback address whose port was free a moment ago.
-// The raft peers' ports must be known before any node starts, so they are
-// probed and released; a port of the kernel's ephemeral range (32768 and
-// up here, what ":0" hands out) can meanwhile become the source port of
-// any outgoing connection of the parallel test binaries (one run lost
-// TestRaftDeposedLeader to "address already in use"), so they are drawn
-// from 10000-19999, below that range and apart from e2e's 20000-31999.
-func freeAddr(t testing.TB) string {
-	t.Helper()
-	for range 500 {
-		addr := "127.0.0.1:" + strconv.Itoa(10000+rand.IntN(10000))
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
-			continue
-		}
-		ln.Close()
-		return addr
-	}
-	t.Fatal("no free port in 10000-19999")
-	return ""
-}
-
 func newRaftCluster(t testing.TB, n int, mod func(*Config)) *raftCluster {
 	t.Helper()
 	ecfg := bus.DefaultEmbeddedConfig()
@@ -69,7 +47,7 @@ func newRaftCluster(t testing.TB, n int, mod func(*Config)) *raftCluster {
 	t.Cleanup(srv.Shutdown)
 	rc := &raftCluster{t: t, nats: srv, subj: wire.Subjects{Prefix: "kvtier"}, mod: mod}
 	for i := range n {
-		rc.peers = append(rc.peers, RaftPeer{ID: "n" + strconv.Itoa(i+1), Addr: freeAddr(t)})
+		rc.peers = append(rc.peers, RaftPeer{ID: "n" + strconv.Itoa(i+1), Addr: "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t))})
 		rc.dirs = append(rc.dirs, t.TempDir())
 	}
 	rc.nodes = make([]*Coordinator, n)
@@ -147,7 +125,7 @@ func node(c *Coordinator) *replica.Node { return c.repl.(*replicated).n }
 func (rc *raftCluster) leader() int {
 	rc.t.Helper()
 	at := -1
-	waitFor(rc.t, 20*time.Second, "a serving raft leader", func() bool {
+	testutil.Eventually(rc.t, 20*time.Second, "a serving raft leader", func() bool {
 		at = -1
 		for i, c := range rc.nodes {
 			if serving(c) {
@@ -175,7 +153,7 @@ func (rc *raftCluster) converged(leader int) []byte {
 		if c == nil {
 			continue
 		}
-		waitFor(rc.t, 20*time.Second, fmt.Sprintf("%s to apply through %d", rc.peers[i].ID, want), func() bool {
+		testutil.Eventually(rc.t, 20*time.Second, fmt.Sprintf("%s to apply through %d", rc.peers[i].ID, want), func() bool {
 			return node(c).FSMLast() >= want
 		})
 	}
@@ -214,7 +192,7 @@ func (rc *raftCluster) send(b *wire.Batch) (*wire.EventAck, *wire.Error) {
 	}
 	var ack *wire.EventAck
 	var werr *wire.Error
-	waitFor(rc.t, 20*time.Second, "an answer to a batch", func() bool {
+	testutil.Eventually(rc.t, 20*time.Second, "an answer to a batch", func() bool {
 		msg, err := rc.nc.RequestWithContext(tctx(rc.t), rc.subj.Events(b.Rank), p)
 		if err != nil {
 			return false
@@ -234,7 +212,7 @@ func (rc *raftCluster) send(b *wire.Batch) (*wire.EventAck, *wire.Error) {
 func retryCall[T any](t testing.TB, nc *nats.Conn, subject string, req any) *T {
 	t.Helper()
 	var out *T
-	waitFor(t, 20*time.Second, "an answer on "+subject, func() bool {
+	testutil.Eventually(t, 20*time.Second, "an answer on "+subject, func() bool {
 		rep, err := bus.Call[T](tctx(t), nc, subject, req)
 		if err != nil {
 			return false
@@ -412,7 +390,7 @@ func TestRaftSnapshotCatchUp(t *testing.T) {
 	}
 	rc.start(f)
 	rc.converged(l)
-	if got := metric(t, rc.nodes[f], "kvtier_raft_snapshots_installed_total"); got < 1 {
+	if got := testutil.Metric(t, rc.nodes[f].reg, "kvtier_raft_snapshots_installed_total"); got < 1 {
 		t.Fatalf("follower installed %v snapshots (leader's log starts at %d); want >= 1", got, first)
 	}
 }
@@ -450,8 +428,8 @@ func TestRaftPortRefusesStrangers(t *testing.T) {
 	if rerr == nil {
 		t.Fatal("stranger's connection still open after a bad proof")
 	}
-	waitFor(t, 5*time.Second, "both refusals counted", func() bool {
-		return metric(t, c, "kvtier_raft_refused_connections_total") >= 2
+	testutil.Eventually(t, 5*time.Second, "both refusals counted", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_raft_refused_connections_total") >= 2
 	})
 	if n != replica.NonceSize {
 		t.Fatalf("the stranger read %d B, want only the %d B nonce: raft answered it", n, replica.NonceSize)
@@ -506,13 +484,13 @@ func TestRaftDeposedLeader(t *testing.T) {
 	if err := rc.nc.PublishRequest(rc.subj.Coord(wire.CoordRestoreWait), waitInbox, []byte(`{"restore_id":"`+plan.RestoreID+`"}`)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "the waiter to be parked", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the waiter to be parked", func() bool {
 		lc.rs.mu.Lock()
 		defer lc.rs.mu.Unlock()
 		a := lc.rs.active[plan.RestoreID]
 		return a != nil && len(a.waiters) == 1
 	})
-	applied := metric(t, lc, "kvtier_coord_event_batches_total", "outcome", "applied")
+	applied := testutil.Metric(t, lc.reg, "kvtier_coord_event_batches_total", "outcome", "applied")
 
 	node(lc).Partition(true)
 	// A batch and both ranks' reports, fire and forget: the deposed leader
@@ -541,8 +519,8 @@ func TestRaftDeposedLeader(t *testing.T) {
 	if v.OK != nil || v.Error == nil || v.Error.Code != wire.CodeUnavailable {
 		t.Fatalf("deposed leader answered the wait with %s; want code unavailable, never a verdict", msg.Data)
 	}
-	waitFor(t, 10*time.Second, "the deposed leader to stop serving", func() bool { return !serving(lc) })
-	if got := metric(t, lc, "kvtier_coord_event_batches_total", "outcome", "applied"); got != applied {
+	testutil.Eventually(t, 10*time.Second, "the deposed leader to stop serving", func() bool { return !serving(lc) })
+	if got := testutil.Metric(t, lc.reg, "kvtier_coord_event_batches_total", "outcome", "applied"); got != applied {
 		t.Fatalf("deposed leader acknowledged %v batches", got-applied)
 	}
 	if hs := lc.idx.Get(b.Events[0].Key); len(hs) != 0 {
@@ -566,7 +544,7 @@ func TestRaftMembersAndChanges(t *testing.T) {
 	rc.storeFixture(2)
 	rc.converged(l)
 	var nodes []wire.AdminRaftNode
-	waitFor(t, 10*time.Second, "three raft states", func() bool {
+	testutil.Eventually(t, 10*time.Second, "three raft states", func() bool {
 		var err error
 		nodes, err = admin.CollectRaft(tctx(t), rc.nc, rc.subj, 300*time.Millisecond)
 		return err == nil && len(nodes) == 3 && nodes[0].CommitIndex == nodes[1].CommitIndex && nodes[1].CommitIndex == nodes[2].CommitIndex
@@ -680,17 +658,17 @@ func TestRaftNewLeaderSweeps(t *testing.T) {
 	c := rc.nodes[l2]
 	for tp := range 2 {
 		r := wire.Rank{Instance: "eng", TPRank: tp}
-		waitFor(t, 10*time.Second, "the new leader to fence "+r.String(), func() bool {
+		testutil.Eventually(t, 10*time.Second, "the new leader to fence "+r.String(), func() bool {
 			ri, ok := c.idx.Rank(r)
 			return ok && ri.Fenced && ri.L1Placements == 0
 		})
 	}
 	// The sweep counts a fence once its raft entry has come back, after
 	// the index (which the waits above read) shows it.
-	waitFor(t, 10*time.Second, "the sweep to count its fences", func() bool {
-		return metric(t, c, "kvtier_coord_rank_fences_total", "cause", "leader") >= 2
+	testutil.Eventually(t, 10*time.Second, "the sweep to count its fences", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_total", "cause", "leader") >= 2
 	})
-	if got := metric(t, c, "kvtier_coord_rank_fences_total", "cause", "leader"); got != 2 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_rank_fences_total", "cause", "leader"); got != 2 {
 		t.Fatalf("leader sweep fences counted %v, want 2", got)
 	}
 	rc.converged(l2)

@@ -14,6 +14,7 @@ import (
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -114,14 +115,14 @@ func TestRebuildIndexFromInventories(t *testing.T) {
 	if st := c2.Index().Stats(); st.Objects != 0 {
 		t.Fatalf("the rebuilt index starts with %d objects, want 0", st.Objects)
 	}
-	if v := metric(t, c2, "kvtier_coord_index_rebuilds_total"); v != 1 {
+	if v := testutil.Metric(t, c2.reg, "kvtier_coord_index_rebuilds_total"); v != 1 {
 		t.Fatalf("index_rebuilds_total = %v, want 1", v)
 	}
 	// The rank joins; the coordinator asks it for its inventory.
 	inv := inventoryOf(r, inc, 7, append(slices.Clone(l1.Events), l2.Events...))
 	requests := serveInventory(t, c2, r, inv)
 	startRankMemberInc(t, c2, r, 1, inc)
-	waitFor(t, 30*time.Second, "the index equals the inventory", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the index equals the inventory", func() bool {
 		got := holdersOf(c2.Index(), keys)
 		for i := range got {
 			if !slices.Equal(got[i], before[i]) {

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -49,7 +50,7 @@ func TestReplyTooLargeRefused(t *testing.T) {
 	if active != 0 || decided != 0 {
 		t.Fatalf("refused begin left %d active and %d decided restores, want 0 and 0", active, decided)
 	}
-	if got := metric(t, c, "kvtier_coord_restores_active"); got != 0 {
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_restores_active"); got != 0 {
 		t.Fatalf("restores_active = %v, want 0", got)
 	}
 	hist := call[wire.AdminRestoresReply](t, nc, c.subj.Admin(wire.AdminRestores), struct{}{})
@@ -98,7 +99,7 @@ func TestReplySendFailureCounted(t *testing.T) {
 // requester has it.
 func waitMetric(t *testing.T, c *Coordinator, want float64, name string, labelPairs ...string) {
 	t.Helper()
-	waitFor(t, 5*time.Second, fmt.Sprintf("%s%v = %v", name, labelPairs, want), func() bool {
-		return metric(t, c, name, labelPairs...) == want
+	testutil.Eventually(t, 5*time.Second, fmt.Sprintf("%s%v = %v", name, labelPairs, want), func() bool {
+		return testutil.Metric(t, c.reg, name, labelPairs...) == want
 	})
 }

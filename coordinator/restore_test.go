@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -75,7 +76,7 @@ func (f *restoreFixture) waitAsync(t *testing.T, id string) <-chan *wire.Restore
 	}
 	// The wait is parked once the coordinator has it: poll for that so the
 	// test's timing starts from a parked waiter.
-	waitFor(t, 5*time.Second, "the waiter to be parked", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the waiter to be parked", func() bool {
 		f.c.rs.mu.Lock()
 		defer f.c.rs.mu.Unlock()
 		a := f.c.rs.active[id]
@@ -207,7 +208,7 @@ func TestRestoreComplete(t *testing.T) {
 	if v2.State != wire.VerdictComplete {
 		t.Fatalf("late wait = %+v", v2)
 	}
-	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete, "cause", "reports"); got != 1 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete, "cause", "reports"); got != 1 {
 		t.Errorf("complete restores = %v", got)
 	}
 }
@@ -248,7 +249,7 @@ func TestRestoreSilentRankFailsAtDeadline(t *testing.T) {
 		t.Fatalf("late report ack = %+v", ack)
 	}
 	history(t, f.c, f.nc) // every verdict counted and recorded
-	if got := metric(t, f.c, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "deadline"); got != 2 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "deadline"); got != 2 {
 		t.Errorf("deadline failures = %v", got)
 	}
 }
@@ -298,7 +299,7 @@ func TestRestoreDuplicateAndUnexpectedReports(t *testing.T) {
 	callErr[wire.ReportAck](t, f.nc, f.c.subj.Coord(wire.CoordRestoreReport),
 		wire.RestoreReport{RestoreID: plan.RestoreID, Rank: wire.Rank{Instance: "other", TPRank: 1}, Results: good}, wire.CodeBadRequest)
 	callErr[wire.RestoreVerdict](t, f.nc, f.c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: "nope"}, wire.CodeNotFound)
-	if got := metric(t, f.c, "kvtier_coord_restore_reports_total", "outcome", "rejected"); got != 3 {
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restore_reports_total", "outcome", "rejected"); got != 3 {
 		t.Errorf("rejected reports = %v, want 3", got)
 	}
 	f.report(t, plan.RestoreID, 1, results(plan.Ranks["eng/1"]))
@@ -385,7 +386,7 @@ func TestRestoreVerdictLatency(t *testing.T) {
 func history(t *testing.T, c *Coordinator, nc *nats.Conn) *wire.AdminRestoresReply {
 	t.Helper()
 	var hist *wire.AdminRestoresReply
-	waitFor(t, 5*time.Second, "verdict latencies to be recorded", func() bool {
+	testutil.Eventually(t, 5*time.Second, "verdict latencies to be recorded", func() bool {
 		hist = call[wire.AdminRestoresReply](t, nc, c.subj.Admin(wire.AdminRestores), nil)
 		for _, r := range hist.Restores {
 			if r.Decided.IsZero() {

@@ -2,24 +2,13 @@ package coordinator
 
 import (
 	"fmt"
-	"net"
 	"testing"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
-
-// freePort returns a TCP port free on loopback a moment ago.
-func freePort(tb testing.TB) int {
-	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
 
 // TestServesUnavailableWhileIndexOpens: a restarted coordinator brings NATS
 // and its subscriptions up before it opens the index (issue 12 item 3,
@@ -30,7 +19,7 @@ func freePort(tb testing.TB) int {
 // index as it was before the restart and the resent batch is acknowledged.
 func TestServesUnavailableWhileIndexOpens(t *testing.T) {
 	dir := t.TempDir()
-	port := freePort(t)
+	port := testutil.FreePort(t)
 	cfg := testConfig(t, dir)
 	cfg.Embedded.Port = port
 	r := wire.Rank{Instance: "eng", TPRank: 0}

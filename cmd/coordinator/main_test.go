@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -18,6 +17,7 @@ import (
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
@@ -324,20 +324,10 @@ func TestUsage(t *testing.T) {
 	}
 }
 
-// freePort returns a TCP port free right now on loopback.
-func freePort(t *testing.T) int {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 // TestServe runs the serve command, queries it, and stops it the way a
 // signal does (its context ends).
 func TestServe(t *testing.T) {
-	port := freePort(t)
+	port := testutil.FreePort(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan int, 1)
