@@ -50,6 +50,7 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=
     extra.setdefault("kvtier_creds_dir", "/etc/kvtier/creds")  # the fakes connect nowhere
     extra.setdefault("kvtier_lookup_wait_s", 5.0)
     extra.setdefault("kvtier_load_async", False)  # the tests read a load's errors in the step it runs
+    extra.setdefault("kvtier_attach_wait_s", 0)  # the tests wait for the link themselves
     if "kvtier_chunk_tokens" not in extra:  # one chunk per block unless a test says otherwise
         g = kv_cfg.kv_cache_groups[0].kv_cache_spec
         dcp_size = extra.pop("_dcp", 1)

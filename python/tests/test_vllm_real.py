@@ -186,6 +186,13 @@ def close(a: list[tuple[list[int], list[str]]], b: list[tuple[list[int], list[st
                for (_, la), (_, lb) in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
 
 
+def hit_like(got: list[tuple[list[int], list[str]]], ref: list[tuple[list[int], list[str]]]) -> bool:
+    """Outputs of requests an asynchronous load (or its failure) moved to
+    other batches: ref's tokens, logprobs within float32 rounding (other
+    matmul shapes)."""
+    return tokens_of(got) == tokens_of(ref) and close(got, ref)
+
+
 def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
     return int(after["worker"][key]) - int(before["worker"][key])
 
@@ -244,7 +251,13 @@ def test_real_vllm_store_restore_restart_failures_and_trace(cluster: Cluster, mo
     # 1 + 2 + 5: cold run stores every full chunk; after reset + wipe the
     # same prompts load them from L1; the trace batch (concurrent, shared
     # prefixes) cold and then loaded, equal to vLLM alone.
-    extra = extra_for(cluster)
+    # Synchronous loads here: a loaded request then runs in the same batch
+    # as in vLLM's own hit run, so its logprobs can be compared bitwise (the
+    # bytes are restored by the same code either way). With asynchronous
+    # loads (the default, test_real_vllm_fails_open) vLLM schedules each
+    # request when its load is done, in other batches: the same tokens,
+    # logprobs within float32 rounding.
+    extra = dict(extra_for(cluster), kvtier_load_async=False)
     r = run_vllm(tmp_path, "first", model_dir, extra,
                  [gen(plain), *RESET, gen(plain), *RESET, gen(trace), *RESET, gen(trace)])
     init, cold, _, wipe, warm = r[0], r[1], r[2], r[3], r[4]
@@ -353,7 +366,8 @@ def test_real_vllm_sliding_window_model_runs_as_one_group(cluster: Cluster, gemm
     ref_cold, ref_hit = outputs(base[1]), outputs(base[2])
     assert tokens_of(outputs(alone[1])) == tokens_of(ref_cold) and close(outputs(alone[1]), ref_cold)
 
-    r = run_vllm(tmp_path, "g2-kvtier", gemma2_dir, extra_for(cluster), [gen(plain), *RESET, gen(plain)])
+    r = run_vllm(tmp_path, "g2-kvtier", gemma2_dir, dict(extra_for(cluster), kvtier_load_async=False),
+                 [gen(plain), *RESET, gen(plain)])
     init, cold, wipe, warm = r[0], r[1], r[3], r[4]
     assert init["groups"] == [["FullAttentionSpec", 48, 2]], init  # vLLM turned HMA off for the connector
     assert wipe["tensors"] == 2 and wipe["nonzero"] == 0, wipe
@@ -418,7 +432,8 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     base = run_vllm(tmp_path, "fo-baseline", model_dir, None, [gen(plain), gen(plain)])
     ref_cold, ref_hit = outputs(base[1]), outputs(base[2])
     c = Cluster(binaries, tmp_path / "cluster", 1)  # credentials made; no daemon started
-    extra = dict(extra_for(c), kvtier_lookup_timeout_s=1.0, kvtier_timeout_s=5, kvtier_restore_deadline_ms=2000,
+    extra = dict(extra_for(c), kvtier_attach_wait_s=1.0, kvtier_lookup_timeout_s=1.0, kvtier_timeout_s=5,
+                 kvtier_restore_deadline_ms=2000,
                  kvtier_lookup_wait_s=0.005, kvtier_attach_backoff_max_s=0.5, kvtier_health_check_s=0.5)
     hooks = {name: tmp_path / name for name in ("coord-up", "rank-up", "kill-coord", "kill-rank", "both-up")}
 
@@ -474,7 +489,11 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     assert init["s"] < base[0]["s"] + 30, f"vLLM start with kvtier down took {init['s']} s"
     bound = 30.0  # per generate of 3 requests: timeouts of 1-5 s, never a hang
     for i in (1, 5, 17, 21):
-        assert outputs(r[i]) == ref_cold, f"step {i}: with kvtier down the outputs differ from vLLM alone"
+        # 1 and 5 never try a load: the very batches of vLLM alone. 17 and
+        # 21 offer loads that fail and are rescheduled (other batches):
+        # the same tokens, logprobs within float32 rounding.
+        got = outputs(r[i])
+        assert got == ref_cold if i in (1, 5) else hit_like(got, ref_cold), f"step {i}: outputs differ from vLLM alone"
         assert r[i]["s"] < bound, f"step {i} took {r[i]['s']} s"
         assert delta(r[i], r[i - 1], "loaded_tokens") == 0, r[i]["worker"]
     assert r[1]["worker"]["stores_skipped"] > 0 and r[1]["scheduler"]["lookups_skipped"] > 0, r[1]
@@ -482,10 +501,10 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     assert r[9]["ok"], "the connector did not attach after the daemons came up"
     assert r[9]["worker"]["attaches"] == 1 and r[9]["scheduler"]["attaches"] == 1, r[9]
     assert outputs(r[10]) == ref_cold and delta(r[10], r[9], "stored_objects") == 5, r[10]["worker"]
-    assert outputs(r[13]) == ref_hit and delta(r[13], r[12], "loaded_tokens") > 0, r[13]["worker"]
+    assert hit_like(outputs(r[13]), ref_hit) and delta(r[13], r[12], "loaded_tokens") > 0, r[13]["worker"]
     assert r[23]["ok"], "the connector did not attach again after the kills"
     assert r[23]["worker"]["detaches"] >= 1 and r[23]["worker"]["attaches"] >= 2, r[23]["worker"]
     assert r[23]["scheduler"]["detaches"] >= 1 and r[23]["scheduler"]["attaches"] >= 2, r[23]["scheduler"]
     # stored again, or loaded (in part) from the L2 copies that survived the kill
     assert tokens_of(outputs(r[26])) == tokens_of(ref_cold) and close(outputs(r[26]), ref_cold)
-    assert outputs(r[29]) == ref_hit and delta(r[29], r[28], "loaded_tokens") > 0, r[29]["worker"]
+    assert hit_like(outputs(r[29]), ref_hit) and delta(r[29], r[28], "loaded_tokens") > 0, r[29]["worker"]

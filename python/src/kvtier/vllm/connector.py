@@ -182,6 +182,7 @@ class Config:
     load_async: bool
     health_check_s: float
     attach_backoff_max_s: float
+    attach_wait_s: float
     shutdown_timeout_s: float
     device: str  # "cuda" or "host"
     host_dir: str  # private (0700), default cuda.default_host_dir()
@@ -209,6 +210,7 @@ class Config:
                 load_async=_flag(extra.get("kvtier_load_async", True)),
                 health_check_s=float(extra.get("kvtier_health_check_s", 1.0)),
                 attach_backoff_max_s=float(extra.get("kvtier_attach_backoff_max_s", 5.0)),
+                attach_wait_s=float(extra.get("kvtier_attach_wait_s", 5.0)),
                 shutdown_timeout_s=float(extra.get("kvtier_shutdown_timeout_s", 5.0)),
                 device=extra.get("kvtier_device", "cuda"),
                 host_dir=extra.get("kvtier_host_dir") or cuda.default_host_dir(),
@@ -231,6 +233,8 @@ class Config:
                        ("kvtier_shutdown_timeout_s", c.shutdown_timeout_s)):
             if not v > 0:
                 raise ValueError(f"kv_connector_extra_config {key} {v}: want > 0 seconds")
+        if c.attach_wait_s < 0:
+            raise ValueError(f"kv_connector_extra_config kvtier_attach_wait_s {c.attach_wait_s}: want >= 0 seconds")
         if c.lookup_wait_s < 0 or c.restore_deadline_ms <= 0:
             raise ValueError(f"kv_connector_extra_config kvtier_lookup_wait_s {c.lookup_wait_s} (want >= 0), "
                              f"kvtier_restore_deadline_ms {c.restore_deadline_ms} (want > 0)")
@@ -325,6 +329,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                  "asynchronous" if self.cfg.load_async else "synchronous")
         if self.is_scheduler:
             self._start_link("scheduler", self._setup_scheduler, None)
+            self._wait_at_start()
 
     # ---------------------------------------------------------------- seams
 
@@ -421,6 +426,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._link = Link(name, self._make_client, setup, check=check, check_every_s=self.cfg.health_check_s,
                           backoff_s=min(0.2, cap), max_backoff_s=cap, on_change=self._on_link_change)
         self._link.start()
+
+    def _wait_at_start(self) -> None:
+        """Gives the link kvtier_attach_wait_s to attach before vLLM serves,
+        so the first requests of a healthy cluster can hit; vLLM starts
+        either way (C11)."""
+        if self.cfg.attach_wait_s > 0 and not self.wait_attached(self.cfg.attach_wait_s):
+            assert self._link is not None
+            log.warning("kvtier %s: not attached within %.1f s (%s); vLLM starts without the cache and the "
+                        "connector attaches in the background", self._link.name, self.cfg.attach_wait_s,
+                        self._link.why)
 
     def _client_now(self) -> kvclient.SyncClient | None:
         """The client when kvtier is usable now, else None (a miss)."""
@@ -656,6 +671,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._device_uuid = uuids.pop()
         self._pools = pools
         self._start_link(f"worker {self._rank}", self._setup_worker, self._check_worker)
+        self._wait_at_start()
 
     def _usable(self) -> tuple[kvclient.SyncClient, kvclient.SyncRankSession] | None:
         c, s = self._client_now(), self._session
