@@ -137,5 +137,5 @@ def test_readme_quickstart_runs_verbatim(tmp_path: pathlib.Path) -> None:
     c2 = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert (c1 or 0) == 0 and c2 == 256, (c1, c2)
 
-    printed = [line for line in output.splitlines() if line.startswith(("kvtier_coord_", "vllm:"))]
+    printed = [line for line in output.splitlines() if line.startswith(("kvtier_coord_", "vllm:", "kvtier:"))]
     assert printed == expected_output(text), "the metric lines differ from the README's example output"

@@ -418,6 +418,10 @@ def test_host_pools_are_vllms_tensors_in_place(tmp_path: pathlib.Path) -> None:
     with pytest.raises(GeometryError, match="page_size_bytes"):
         conn._pool_handles(0, "x", torch.zeros(8, 2, 16, 2, 4, dtype=torch.bfloat16))
     conn.shutdown()
+    # the pool file is gone (nothing left in /dev/shm), vLLM's tensor still works
+    assert not path.exists()
+    t[5].view(torch.int16).fill_(0x0101)
+    assert t[5].view(torch.int16).flatten().tolist() == [0x0101] * (page // 2)
 
 
 def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:

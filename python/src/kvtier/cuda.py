@@ -253,6 +253,13 @@ class HostMem:
             raise HandleError(f"allocation {self.name} was released")
         return MemHandle(BACKEND_HOST, self.dev.uuid, self.name.encode(), offset, size)
 
+    def unlink(self) -> None:
+        """Removes the allocation's file and keeps the mapping: tensors on
+        it stay valid, rankds that imported it keep their views, no new
+        process can import it. Idempotent."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
     def release(self) -> None:
         """Frees the allocation; rankds that imported it keep their views."""
         if self.buf is None:

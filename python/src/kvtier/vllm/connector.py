@@ -44,6 +44,7 @@ fails closed on layouts it does not understand.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import threading
@@ -393,6 +394,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                 f"got a tensor on {tensor.device}; use kvtier_device=cuda on a GPU")
         nbytes = tensor.numel() * tensor.element_size()
         mem = self._host_dev().alloc(nbytes)
+        if not self._host_mems:
+            # vLLM's tensors live in these files: they go when the process
+            # ends (shutdown, or the interpreter's exit on SIGTERM).
+            atexit.register(self._unlink_host_files)
         self._host_mems.append(mem)
         raw = torch.frombuffer(mem.buf, dtype=torch.uint8, count=nbytes)
         moved = torch.as_strided(raw.view(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()), 0)
@@ -923,6 +928,18 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Waits for stores in flight and releases the pools, all within
         kvtier_shutdown_timeout_s: a dead daemon never holds vLLM's exit."""
         link, self._link = self._link, None
+        try:
+            self._shutdown_link(link)
+        finally:
+            self._unlink_host_files()
+
+    def _unlink_host_files(self) -> None:
+        """kvtier_device=host: removes the pool files from the host
+        directory; the mappings (vLLM's tensors) stay valid."""
+        for mem in self._host_mems:
+            mem.unlink()
+
+    def _shutdown_link(self, link: Link | None) -> None:
         if link is None:
             return
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
