@@ -29,7 +29,7 @@ func TestReStoreHealsCorruptL2(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tier, err := transfer.OpenFileTier(c.l2D)
+	tier, err := transfer.OpenFileTier(c.l2D, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -128,7 +128,7 @@ func TestL3RestoreAfterL1L2Wiped(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer store.Close()
-	name := transfer.NewL3Tier(store, "engine0").Name(dcp.Key{NS: plan.R.Namespace, Chunk: plan.Hashes[1], Shard: 0, Group: 0})
+	name := transfer.NewL3Tier(store, "engine0", nil).Name(dcp.Key{NS: plan.R.Namespace, Chunk: plan.Hashes[1], Shard: 0, Group: 0})
 	body, _, err := store.Open(context.Background(), name, 0, 0)
 	if err != nil {
 		t.Fatalf("the MLA object of chunk 1 is not in the bucket: %v", err)

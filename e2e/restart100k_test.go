@@ -63,7 +63,7 @@ func restartWithManyL2Objects(t *testing.T, n int) {
 		binary.BigEndian.PutUint64(payload, uint64(i))
 		obj := transfer.L2Object{Key: key, Writer: rank0, Incarnation: 1, Size: uint64(len(payload)),
 			Sum: checksum.Sum(payload), Created: time.Unix(1_700_000_000, int64(i))}
-		if err := os.WriteFile(filepath.Join(dir, key.String()+".kvo"), transfer.EncodeObject(obj, payload), 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, key.String()+".kvo"), transfer.EncodeObject(obj, payload, nil), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -78,7 +78,7 @@ func restartWithManyL2Objects(t *testing.T, n int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tier, err := transfer.OpenFileTier(c.l2D)
+	tier, err := transfer.OpenFileTier(c.l2D, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -166,7 +166,7 @@ func TestCorruptL2Object(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tier, err := transfer.OpenFileTier(c.l2D)
+	tier, err := transfer.OpenFileTier(c.l2D, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -238,7 +238,7 @@ func plainRead(b *testing.B, path string, objs [][]byte) float64 {
 // and reports medians.
 func BenchmarkL2FileTier(b *testing.B) {
 	root := b.TempDir()
-	ft, err := OpenFileTier(filepath.Join(root, "l2"))
+	ft, err := OpenFileTier(filepath.Join(root, "l2"), nil)
 	if err != nil {
 		b.Fatal(err)
 	}

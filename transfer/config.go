@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -183,6 +184,19 @@ type Config struct {
 	// each announced as an L3 removal. Default 0: unbounded (a bucket
 	// lifecycle rule may expire objects instead; their reads then miss).
 	L3Bytes uint64
+
+	// StorageKey is the cluster's storage MAC key (C12; auth's storage.key,
+	// at least 32 bytes): every L2 and L3 object header the engine writes
+	// carries its MAC, and the start-up L2 rescan and L3 scan announce only
+	// objects whose MAC verifies; the others (another cluster's, written
+	// with a rotated key, format 1 without a MAC, or forged by whoever can
+	// write the directory or the bucket) are counted in
+	// kvtier_transfer_unverified_objects_total, quarantined (L2) or left
+	// unannounced (L3), and never served. Default nil: no MAC is written
+	// or checked, and the tiers' headers are trusted (rankd allows this
+	// only with --insecure). Applies to the tiers New opens (L2Dir, L3); a
+	// Config.L2 brings its own key.
+	StorageKey []byte
 
 	// StoreTimeout bounds a store from its request until its objects are
 	// committed: the producer event, the device read and the commit.
@@ -372,6 +386,8 @@ func (c Config) Validate() error {
 		return bad("%d L3 writers: want 1..256", c.L3Writers)
 	case c.L3QueueObjects < 1:
 		return bad("L3 queue of %d objects: want >= 1", c.L3QueueObjects)
+	case c.StorageKey != nil && len(c.StorageKey) < tier.MinMACKeyBytes:
+		return bad("storage key of %d B: want at least %d B", len(c.StorageKey), tier.MinMACKeyBytes)
 	case c.EventBatch < 1 || c.EventBatch > wire.MaxBatchEvents:
 		return bad("event batch %d: want 1..%d", c.EventBatch, wire.MaxBatchEvents)
 	case c.EventBuffer < c.EventBatch:

@@ -21,7 +21,7 @@ func TestFailingL2NeverBlocksL1(t *testing.T) {
 			dev := openDevice(t, "")
 			const n = 40
 			r := newRig(t, dev, c1Spec(), []int64{int64(2*n + 8)})
-			ft, err := OpenFileTier(t.TempDir())
+			ft, err := OpenFileTier(t.TempDir(), nil)
 			if err != nil {
 				t.Fatal(err)
 			}

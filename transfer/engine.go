@@ -139,9 +139,18 @@ func New(cfg Config) (*Engine, error) {
 	e.cat.l2acct.gauge = &e.ctr.l2Bytes
 	e.ev.init(cfg.Publisher != nil)
 
+	var mac *MACKey
+	if cfg.StorageKey != nil {
+		k, err := NewMACKey(cfg.StorageKey)
+		if err != nil {
+			e.releaseL1()
+			return nil, err
+		}
+		mac = k
+	}
 	e.l2 = cfg.L2
 	if e.l2 == nil && cfg.L2Dir != "" {
-		ft, err := OpenFileTier(cfg.L2Dir)
+		ft, err := OpenFileTier(cfg.L2Dir, mac)
 		if err != nil {
 			e.releaseL1()
 			return nil, err
@@ -149,7 +158,7 @@ func New(cfg Config) (*Engine, error) {
 		e.l2 = ft
 	}
 	if cfg.L3 != nil {
-		e.l3 = NewL3Tier(cfg.L3, cfg.Rank.Instance)
+		e.l3 = NewL3Tier(cfg.L3, cfg.Rank.Instance, mac)
 	}
 	e.l3Init()
 	e.life, e.stopLife = context.WithCancel(context.Background())
@@ -225,7 +234,7 @@ func (e *Engine) L2() L2Tier { return e.l2 }
 // rescan rebuilds this rank's L2 inventory at New.
 func (e *Engine) rescan() error {
 	start := time.Now()
-	var found, bad, skipped int
+	var found, bad, skipped, unverified int
 	err := e.l2.Scan(e.life, e.cfg.Rank, e.cfg.L2VerifyOnScan, func(s ScanEntry) {
 		if e.hooks.rescanned != nil {
 			defer e.hooks.rescanned(s)
@@ -236,6 +245,18 @@ func (e *Engine) rescan() error {
 			skipped++
 			e.ctr.l2ScanSkipped.Add(1)
 			e.log.Warn("L2 rescan: skipped an entry that is not a regular file or directory", zap.String("why", s.Skipped))
+			return
+		}
+		if errors.Is(s.Err, ErrUnverified) {
+			// C12: its header's sum is not one this cluster recorded; it
+			// must never become a placement. Logged once, with the count.
+			unverified++
+			e.ctr.unverifiedL2.Add(1)
+			e.ctr.quarantined.Add(1)
+			e.log.Debug("L2 rescan: quarantined an object whose header MAC does not verify", zap.Error(s.Err))
+			if s.KeyKnown {
+				e.emitLocked(wire.Removed, wire.L2, s.Object.Key, s.Object.Size, s.Object.Sum)
+			}
 			return
 		}
 		if s.Err != nil {
@@ -263,10 +284,14 @@ func (e *Engine) rescan() error {
 		e.ctr.l2Objects.Store(int64(len(e.cat.l2)))
 		e.emitLocked(wire.Stored, wire.L2, s.Object.Key, s.Object.Size, s.Object.Sum)
 	})
+	if unverified > 0 {
+		e.log.Warn("L2 rescan: objects whose header MAC does not verify with this cluster's storage key were quarantined, not announced (another cluster's or a rotated key, written before storage MACs, or replaced by someone who can write the L2 directory); they are recomputed when needed",
+			zap.Int("objects", unverified))
+	}
 	if err != nil {
 		return fmt.Errorf("transfer: rescan L2: %w", err)
 	}
-	e.log.Info("L2 rescanned", zap.Int("objects", found), zap.Int("quarantined", bad), zap.Int("skipped", skipped),
+	e.log.Info("L2 rescanned", zap.Int("objects", found), zap.Int("quarantined", bad), zap.Int("unverified", unverified), zap.Int("skipped", skipped),
 		zap.Duration("took", time.Since(start)))
 	return nil
 }

@@ -58,6 +58,10 @@ var (
 	// file safety rule: a symlink, a foreign owner, a group/world-writable
 	// root (tier.ErrUnsafe).
 	ErrUnsafe = tier.ErrUnsafe
+	// ErrUnverified is wrapped (with ErrCorrupt) by an object whose header
+	// MAC does not verify with the cluster's storage key (tier.ErrUnverified,
+	// C12).
+	ErrUnverified = tier.ErrUnverified
 )
 
 // Reason is the stable, wire-safe reason an object or chunk failed.

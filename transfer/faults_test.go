@@ -47,7 +47,7 @@ func (f *faultyTier) Put(ctx context.Context, obj L2Object, p []byte) error {
 func TestL2WriteFailuresAreRetriedAndCounted(t *testing.T) {
 	dev := openDevice(t, "")
 	r := newRig(t, dev, c1Spec(), []int64{16})
-	ft, err := OpenFileTier(t.TempDir())
+	ft, err := OpenFileTier(t.TempDir(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

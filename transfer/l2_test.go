@@ -188,7 +188,7 @@ func TestL2DamageFailsOnlyItsChunk(t *testing.T) {
 // CorruptError, quarantines the file, and never returns the bytes.
 func TestFileTierRejectsEveryDamage(t *testing.T) {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -310,7 +310,7 @@ func TestStoreAfterL2FileQuarantinedElsewhere(t *testing.T) {
 	}
 
 	// Another rank reading the shared L2 quarantines the file.
-	other, err := OpenFileTier(root)
+	other, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

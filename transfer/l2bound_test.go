@@ -177,7 +177,7 @@ func TestL2FreeFloorHolds(t *testing.T) {
 	const n = 40
 	r := newRig(t, dev, c1Spec(), []int64{int64(2*n + 8)})
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

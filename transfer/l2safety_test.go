@@ -34,7 +34,7 @@ func perm(t *testing.T, path string) os.FileMode {
 // objects 0600, whatever the umask.
 func TestL2FileModes(t *testing.T) {
 	root := filepath.Join(t.TempDir(), "l2")
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +86,7 @@ func TestL2RefusesUnsafeRoot(t *testing.T) {
 		roots["foreign"] = foreign
 	}
 	for what, root := range roots {
-		if _, err := OpenFileTier(root); !errors.Is(err, ErrUnsafe) {
+		if _, err := OpenFileTier(root, nil); !errors.Is(err, ErrUnsafe) {
 			t.Errorf("OpenFileTier of a %s root: %v, want ErrUnsafe", what, err)
 		}
 	}
@@ -97,7 +97,7 @@ func TestL2RefusesUnsafeRoot(t *testing.T) {
 // through, never read through, and skipped (counted) at the rescan.
 func TestL2SymlinkedNamespaceDirRefused(t *testing.T) {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,7 +147,7 @@ func TestL2SymlinkedNamespaceDirRefused(t *testing.T) {
 // target is left alone.
 func TestL2ObjectSymlinkNotFollowed(t *testing.T) {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func TestL2ObjectSymlinkNotFollowed(t *testing.T) {
 // real objects beside it are found.
 func TestL2RescanSkipsFIFO(t *testing.T) {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

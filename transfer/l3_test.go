@@ -130,7 +130,7 @@ func TestL3RestoreAfterL1L2Wiped(t *testing.T) {
 
 	// One payload byte flipped in the bucket while the rank is down.
 	bad := keyOf(r, cs[2], 0)
-	tier := NewL3Tier(l3, cfg.Rank.Instance)
+	tier := NewL3Tier(l3, cfg.Rank.Instance, nil)
 	body, _, err := l3.Open(testCtx(t), tier.Name(bad), 0, 0)
 	if err != nil {
 		t.Fatal(err)

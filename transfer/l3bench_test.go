@@ -26,7 +26,7 @@ func BenchmarkL3(b *testing.B) {
 	for _, size := range []int{1 << 20, 8 << 20} {
 		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) {
 			st, _ := openL3(b)
-			tier := NewL3Tier(st, "bench")
+			tier := NewL3Tier(st, "bench", nil)
 			payload := testutil.RandomBytes(uint64(size), 7)
 			sum := checksum.Sum(payload)
 			var ns dcp.Namespace

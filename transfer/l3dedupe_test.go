@@ -33,7 +33,7 @@ func (s *flakyStore) Put(ctx context.Context, name string, r io.Reader, size int
 func l3Holds(t *testing.T, st ObjectStore, r *rig, key dcp.Key, want []byte) error {
 	t.Helper()
 	got := make([]byte, len(want))
-	if _, err := NewL3Tier(st, "test").Get(testCtx(t), key, r.res.Fingerprint, got); err != nil {
+	if _, err := NewL3Tier(st, "test", nil).Get(testCtx(t), key, r.res.Fingerprint, got); err != nil {
 		return err
 	}
 	if !bytes.Equal(got, want) {
@@ -153,7 +153,7 @@ func TestL3EvictionDeleteNeverRemovesARewrite(t *testing.T) {
 	r := newRig(t, dev, c1Spec(), []int64{24})
 	l3, _ := openL3(t)
 	a, b, c := r.newChunk(0, r.consecutiveN(0)), r.newChunk(1, r.consecutiveN(1)), r.newChunk(2, r.consecutiveN(2))
-	gate := &gatedDeletes{ObjectStore: l3, name: NewL3Tier(l3, "test").Name(keyOf(r, a, 0)),
+	gate := &gatedDeletes{ObjectStore: l3, name: NewL3Tier(l3, "test", nil).Name(keyOf(r, a, 0)),
 		started: make(chan struct{}), deleted: make(chan struct{}), release: make(chan struct{})}
 	cfg := engineConfig(t, dev, 0, 1)
 	obj := tier.HeaderBytes(cfg.Rank.Instance) + uint64(len(a.packed[0]))
@@ -257,7 +257,7 @@ func TestL3ObjectDeletedDuringReadIsGone(t *testing.T) {
 	r := newRig(t, dev, c1Spec(), []int64{24})
 	l3, _ := openL3(t)
 	c := r.newChunk(0, r.consecutiveN(0))
-	vs := &vanishOnOpen{ObjectStore: l3, name: NewL3Tier(l3, "test").Name(keyOf(r, c, 0))}
+	vs := &vanishOnOpen{ObjectStore: l3, name: NewL3Tier(l3, "test", nil).Name(keyOf(r, c, 0))}
 	root := t.TempDir()
 	cfg := engineConfig(t, dev, 0, 1)
 	cfg.L2Dir, cfg.L3, cfg.L3Writers = root, vs, 1

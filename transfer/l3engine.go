@@ -364,9 +364,19 @@ func (e *Engine) l3Gone(key dcp.Key) {
 // l3Rescan finds the objects this rank wrote to L3 (headers only).
 func (e *Engine) l3Rescan() error {
 	start := time.Now()
+	var unverified int
 	err := e.l3.Scan(e.life, e.cfg.Rank, func(s ScanEntry) {
 		e.mu.Lock()
 		defer e.mu.Unlock()
+		if errors.Is(s.Err, ErrUnverified) {
+			// C12: not announced (its sum is not one this cluster
+			// recorded), left in the bucket; logged once, with the count.
+			unverified++
+			e.ctr.unverifiedL3.Add(1)
+			e.log.Debug("L3 scan: an object whose header MAC does not verify is not announced", zap.Error(s.Err))
+			e.emitLocked(wire.Removed, wire.L3, s.Object.Key, s.Object.Size, s.Object.Sum)
+			return
+		}
 		if s.Err != nil {
 			e.l3c.scanCorrupted.Add(1)
 			e.l3c.checksum.Add(1)
@@ -387,10 +397,14 @@ func (e *Engine) l3Rescan() error {
 			uint64(max(s.Object.Created.UnixNano(), 1)))
 		e.emitLocked(wire.Stored, wire.L3, s.Object.Key, s.Object.Size, s.Object.Sum)
 	})
+	if unverified > 0 {
+		e.log.Warn("L3 scan: objects whose header MAC does not verify with this cluster's storage key were not announced and are left in the bucket (another cluster's or a rotated key, written before storage MACs, or replaced by someone who can write the bucket); they are recomputed when needed",
+			zap.Int("objects", unverified))
+	}
 	if err != nil {
 		return fmt.Errorf("transfer: scan L3: %w", err)
 	}
-	e.log.Info("L3 scanned", zap.Uint64("objects", e.l3c.scanFound.Load()), zap.Uint64("deleted", e.l3c.scanCorrupted.Load()),
+	e.log.Info("L3 scanned", zap.Uint64("objects", e.l3c.scanFound.Load()), zap.Uint64("deleted", e.l3c.scanCorrupted.Load()), zap.Int("unverified", unverified),
 		zap.Duration("took", time.Since(start)))
 	return nil
 }

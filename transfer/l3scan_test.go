@@ -43,7 +43,7 @@ func putScanObjects(t *testing.T, tier *L3Tier, owner wire.Rank, n int) []dcp.Ke
 // objects after it.
 func TestL3ScanPastTruncatedObject(t *testing.T) {
 	st, srv := openL3(t)
-	tier := NewL3Tier(st, "eng")
+	tier := NewL3Tier(st, "eng", nil)
 	owner := wire.Rank{Instance: "eng", TPRank: 1}
 	ctx := context.Background()
 	keys := putScanObjects(t, tier, owner, 4)
@@ -112,10 +112,10 @@ func TestL3ScanPastUnreadableObject(t *testing.T) {
 			st, _ := openL3(t)
 			owner := wire.Rank{Instance: "eng", TPRank: 1}
 			ctx := context.Background()
-			put := NewL3Tier(st, "eng")
+			put := NewL3Tier(st, "eng", nil)
 			keys := putScanObjects(t, put, owner, 4)
 			fo := &failingOpens{ObjectStore: st, name: put.Name(keys[0]), fails: fails}
-			tier := NewL3Tier(fo, "eng")
+			tier := NewL3Tier(fo, "eng", nil)
 			var good, bad []dcp.Key
 			err := tier.Scan(ctx, owner, func(e ScanEntry) {
 				if e.Err != nil {

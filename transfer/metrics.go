@@ -75,6 +75,8 @@ type counters struct {
 	peerL1Stale           atomic.Uint64 // objects found in a peer's catalog but evicted before the lease
 	peerL1DeadHolders     atomic.Uint64 // peer segments left by a holder that died (kill -9), not read
 	hostL1Collected       atomic.Uint64 // files of an earlier run (its segment, temporary files) collected at start
+	unverifiedL2          atomic.Uint64 // L2 objects a rescan found with a header MAC that does not verify (C12)
+	unverifiedL3          atomic.Uint64 // the same in the L3 scan
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -127,6 +129,9 @@ type Stats struct {
 	PeerL1Stale      uint64 // objects a peer's catalog listed but evicted before they were leased
 	PeerL1DeadHolder uint64 // peer segments whose holder died without closing them (kill -9): never read
 	HostL1Collected  uint64 // segment files of an earlier run of this rank collected at start
+	// UnverifiedL2 and UnverifiedL3 count objects the start-up scans found
+	// with a header MAC that does not verify (C12), never announced.
+	UnverifiedL2, UnverifiedL3 uint64
 
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
@@ -182,6 +187,8 @@ func (e *Engine) Stats() Stats {
 		PeerL1Stale:      c.peerL1Stale.Load(),
 		PeerL1DeadHolder: c.peerL1DeadHolders.Load(),
 		HostL1Collected:  c.hostL1Collected.Load(),
+		UnverifiedL2:     c.unverifiedL2.Load(),
+		UnverifiedL3:     c.unverifiedL3.Load(),
 		LastSeq:          c.lastSeq.Load(),
 		EventsPublished:  c.eventsPublished.Load(),
 		EventsDropped:    c.eventsDropped.Load(),
@@ -231,6 +238,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("write_backs_total", "Objects written to L2 to be evicted from L1.")
 	add("checksum_failures_total", "Objects whose bytes failed their kvsum64, by tier.", "tier")
 	add("quarantined_files_total", "L2 files moved to quarantine.")
+	add("unverified_objects_total", "Objects a start-up scan found whose header MAC does not verify with the cluster's storage key (C12: another cluster's or a rotated key, format 1, or replaced by whoever can write the tier): never announced nor served; quarantined (L2) or left in the bucket (L3).", "tier")
 	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")
 	add("l2_write_errors_total", "Failed L2 writes.")
 	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
@@ -300,6 +308,8 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("checksum_failures_total", c.checksumL1.Load(), "L1")
 	counter("checksum_failures_total", c.checksumL2.Load(), "L2")
 	counter("quarantined_files_total", c.quarantined.Load())
+	counter("unverified_objects_total", c.unverifiedL2.Load(), "L2")
+	counter("unverified_objects_total", c.unverifiedL3.Load(), "L3")
 	counter("l1_full_total", c.l1Full.Load())
 	counter("l2_write_errors_total", c.l2WriteErrors.Load())
 	counter("lost_objects_total", c.lostObjects.Load())

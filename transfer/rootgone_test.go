@@ -72,7 +72,7 @@ func TestL2RootRemovedHeals(t *testing.T) {
 // write until restarted.
 func TestFileTierRecreatesNamespaceDir(t *testing.T) {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,13 +19,22 @@ type (
 	L3Tier = tier.L3Tier
 	// ObjectStore is tier.ObjectStore: the bucket behind L3Tier.
 	ObjectStore = tier.ObjectStore
+	// MACKey is tier.MACKey: the cluster's storage MAC key (C12).
+	MACKey = tier.MACKey
 )
 
 // OpenFileTier is tier.OpenFileTier.
-func OpenFileTier(root string) (*FileTier, error) { return tier.OpenFileTier(root) }
+func OpenFileTier(root string, key *MACKey) (*FileTier, error) { return tier.OpenFileTier(root, key) }
 
 // NewL3Tier is tier.NewL3Tier.
-func NewL3Tier(store ObjectStore, instance string) *L3Tier { return tier.NewL3Tier(store, instance) }
+func NewL3Tier(store ObjectStore, instance string, key *MACKey) *L3Tier {
+	return tier.NewL3Tier(store, instance, key)
+}
+
+// NewMACKey is tier.NewMACKey.
+func NewMACKey(secret []byte) (*MACKey, error) { return tier.NewMACKey(secret) }
 
 // EncodeObject is tier.EncodeObject: the bytes of an object file.
-func EncodeObject(obj L2Object, payload []byte) []byte { return tier.EncodeObject(obj, payload) }
+func EncodeObject(obj L2Object, payload []byte, key *MACKey) []byte {
+	return tier.EncodeObject(obj, payload, key)
+}

@@ -24,4 +24,10 @@ var (
 	// file safety rule: a symlink, a foreign owner, a group/world-writable
 	// root.
 	ErrUnsafe = errors.New("transfer: unsafe L2 path")
+	// ErrUnverified is wrapped (with ErrCorrupt) by an object whose header
+	// MAC does not verify with this cluster's storage key (C12): written by
+	// another cluster, with a rotated key, by a version without MACs
+	// (format 1), or forged by someone who can write the tier. Such an
+	// object is never announced nor served; a scan counts it.
+	ErrUnverified = errors.New("transfer: object header MAC does not verify")
 )

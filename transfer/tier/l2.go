@@ -66,7 +66,10 @@ type L2Tier interface {
 	// Scan calls fn for every object written by owner (verifying payload
 	// checksums when verify) and for every object that fails its checks
 	// (after quarantining it), including unreadable ones whose writer is
-	// unknown. Leftovers of owner's interrupted writes are removed.
+	// unknown. An object whose header MAC does not verify with the tier's
+	// storage key (C12) is quarantined too and reported with an Err
+	// wrapping ErrUnverified: never announce it. Leftovers of owner's
+	// interrupted writes are removed.
 	Scan(ctx context.Context, owner wire.Rank, verify bool, fn func(ScanEntry)) error
 }
 
@@ -81,28 +84,39 @@ type CorruptError struct {
 	// Deleted: the object was removed instead of moved aside (an L3
 	// object: a bucket has no cheap rename).
 	Deleted bool
+	// Unverified: the header's MAC did not verify (ErrUnverified, C12).
+	// An unverified L3 object is left in the bucket (Kept): a wrong key
+	// must not empty a bucket; it is never announced nor served.
+	Unverified bool
+	Kept       bool
 }
 
 func (e *CorruptError) Error() string {
 	s := "L2 object " + e.Key.String() + " at " + e.Path + ": " + e.Reason
-	if e.Deleted {
+	switch {
+	case e.Deleted:
 		s = "L3 object " + e.Key.String() + " at " + e.Path + ": " + e.Reason + " (deleted)"
-	} else if e.Quarantine != "" {
+	case e.Kept:
+		s = "L3 object " + e.Key.String() + " at " + e.Path + ": " + e.Reason + " (left in the bucket, not served)"
+	case e.Quarantine != "":
 		s += " (quarantined to " + e.Quarantine + ")"
-	} else {
+	default:
 		s += " (quarantine failed)"
 	}
 	return s
 }
 
-// Is makes errors.Is(err, ErrCorrupt) true.
-func (e *CorruptError) Is(target error) bool { return target == ErrCorrupt }
+// Is makes errors.Is(err, ErrCorrupt) true, and errors.Is(err,
+// ErrUnverified) for an object whose header MAC failed.
+func (e *CorruptError) Is(target error) bool {
+	return target == ErrCorrupt || e.Unverified && target == ErrUnverified
+}
 
-// Object file format (version 1), all integers big-endian:
+// Object file format (version 2), all integers big-endian:
 //
 //	[0:4]      magic "KVTO"
-//	[4:6]      version, 1
-//	[6:8]      header length H (bytes, including the header checksum)
+//	[4:6]      version, 2
+//	[6:8]      header length H (bytes, including MAC and header checksum)
 //	[8:45]     key (dcp binary key)
 //	[45:77]    layout fingerprint
 //	[77:85]    payload length
@@ -112,8 +126,18 @@ func (e *CorruptError) Is(target error) bool { return target == ErrCorrupt }
 //	[109:113]  writer TP rank
 //	[113]      writer instance length n (<= 64)
 //	[114:114+n] writer instance
+//	[H-40:H-8] MAC: HMAC-SHA256(storage key, "kvtier object header v2\x00"
+//	           || bytes [0, H-40)), zero when written without a key
 //	[H-8:H]    kvsum64 of header bytes [0, H-8)
 //	[H:]       payload, exactly payload length bytes
+//
+// The MAC covers every header field (key, fingerprint, length, payload
+// sum, writer, created), so a header that verifies was written by a holder
+// of the cluster's storage key (C12): nobody else can pair other bytes
+// with a matching sum. The header checksum stays to tell a torn or
+// bit-flipped header (ErrCorrupt) from a well-formed one whose MAC fails
+// (ErrUnverified). Version 1 is the same without the MAC (H = 114+n+8);
+// it is read, but with a key it is unverified.
 //
 // A file is written to a temporary name in its directory, fsynced, renamed
 // into place and the directory fsynced, so a crash leaves either the old
@@ -124,9 +148,11 @@ func (e *CorruptError) Is(target error) bool { return target == ErrCorrupt }
 // file of a write and the directory of quarantined files beneath the root.
 const (
 	fileMagic     = "KVTO"
-	fileVersion   = 1
+	fileVersion   = 2
+	fileVersion1  = 1
 	fileFixedHdr  = 114
-	fileMaxHdr    = fileFixedHdr + 64 + 8
+	fileMinHdr    = fileFixedHdr + 8 // version 1, empty instance
+	fileMaxHdr    = fileFixedHdr + 64 + macBytes + 8
 	FileExt       = ".kvo"
 	TmpPrefix     = ".tmp."
 	QuarantineDir = "quarantine"
@@ -134,13 +160,16 @@ const (
 
 // HeaderBytes is the length of the header of an object file written by
 // an instance named instance (the bytes a file holds beyond its payload).
-func HeaderBytes(instance string) uint64 { return uint64(fileFixedHdr + len(instance) + 8) }
+func HeaderBytes(instance string) uint64 { return uint64(fileFixedHdr + len(instance) + macBytes + 8) }
 
-func encodeHeader(o L2Object) []byte {
-	b := make([]byte, 0, fileFixedHdr+len(o.Writer.Instance)+8)
+// encodeHeader returns o's version 2 header, MACed with key (zero MAC for
+// a nil key).
+func encodeHeader(o L2Object, key *MACKey) []byte {
+	h := fileFixedHdr + len(o.Writer.Instance) + macBytes + 8
+	b := make([]byte, 0, h)
 	b = append(b, fileMagic...)
 	b = binary.BigEndian.AppendUint16(b, fileVersion)
-	b = binary.BigEndian.AppendUint16(b, uint16(fileFixedHdr+len(o.Writer.Instance)+8))
+	b = binary.BigEndian.AppendUint16(b, uint16(h))
 	b, _ = o.Key.AppendBinary(b)
 	b = append(b, o.Fingerprint[:]...)
 	b = binary.BigEndian.AppendUint64(b, o.Size)
@@ -150,12 +179,18 @@ func encodeHeader(o L2Object) []byte {
 	b = binary.BigEndian.AppendUint32(b, uint32(o.Writer.TPRank))
 	b = append(b, byte(len(o.Writer.Instance)))
 	b = append(b, o.Writer.Instance...)
+	mac := key.sum(b)
+	b = append(b, mac[:]...)
 	return binary.BigEndian.AppendUint64(b, checksum.Sum(b))
 }
 
 // readHeader reads and verifies the header of an open object file of
-// fileSize bytes.
-func readHeader(f io.ReaderAt, fileSize int64) (L2Object, int, error) {
+// fileSize bytes: its form and checksum, the file's length, then its MAC
+// with key. It returns the header length h > 0 once the fields are read
+// (the writer is then known, though unverified when the MAC fails); a MAC
+// that does not verify, or a version 1 header (no MAC) when key is set,
+// gives an error wrapping ErrUnverified with the header's fields.
+func readHeader(f io.ReaderAt, fileSize int64, key *MACKey) (L2Object, int, error) {
 	var o L2Object
 	var pre [8]byte
 	if _, err := f.ReadAt(pre[:], 0); err != nil {
@@ -164,12 +199,18 @@ func readHeader(f io.ReaderAt, fileSize int64) (L2Object, int, error) {
 	if string(pre[:4]) != fileMagic {
 		return o, 0, fmt.Errorf("bad magic %q, want %q", pre[:4], fileMagic)
 	}
-	if v := binary.BigEndian.Uint16(pre[4:]); v != fileVersion {
-		return o, 0, fmt.Errorf("format version %d, want %d", v, fileVersion)
+	v := binary.BigEndian.Uint16(pre[4:])
+	macLen := 0
+	switch v {
+	case fileVersion:
+		macLen = macBytes
+	case fileVersion1:
+	default:
+		return o, 0, fmt.Errorf("format version %d, want %d (or %d)", v, fileVersion, fileVersion1)
 	}
 	h := int(binary.BigEndian.Uint16(pre[6:]))
-	if h < fileFixedHdr+8 || h > fileMaxHdr {
-		return o, 0, fmt.Errorf("header length %d outside %d..%d", h, fileFixedHdr+8, fileMaxHdr)
+	if h < fileFixedHdr+macLen+8 || h > fileFixedHdr+64+macLen+8 {
+		return o, 0, fmt.Errorf("header length %d outside %d..%d", h, fileFixedHdr+macLen+8, fileFixedHdr+64+macLen+8)
 	}
 	b := make([]byte, h)
 	if _, err := f.ReadAt(b, 0); err != nil {
@@ -179,7 +220,7 @@ func readHeader(f io.ReaderAt, fileSize int64) (L2Object, int, error) {
 		return o, 0, fmt.Errorf("header checksum %016x, recorded %016x", got, want)
 	}
 	n := int(b[113])
-	if fileFixedHdr+n+8 != h {
+	if fileFixedHdr+n+macLen+8 != h {
 		return o, 0, fmt.Errorf("writer instance of %d B does not fit header length %d", n, h)
 	}
 	if err := o.Key.UnmarshalBinary(b[8:45]); err != nil {
@@ -194,6 +235,14 @@ func readHeader(f io.ReaderAt, fileSize int64) (L2Object, int, error) {
 	o.Writer.Instance = string(b[114 : 114+n])
 	if want := int64(h) + int64(o.Size); o.Size > 1<<50 || fileSize != want {
 		return o, h, fmt.Errorf("file is %d B, header %d B + payload %d B = %d B", fileSize, h, o.Size, want)
+	}
+	if key != nil {
+		if v == fileVersion1 {
+			return o, h, fmt.Errorf("format version 1 carries no MAC (written before storage MACs): %w", ErrUnverified)
+		}
+		if end := fileFixedHdr + n; !key.verify(b[:end], b[end:end+macBytes]) {
+			return o, h, fmt.Errorf("header MAC does not verify with this cluster's storage key (another cluster's or a rotated key, or forged): %w", ErrUnverified)
+		}
 	}
 	return o, h, nil
 }

@@ -178,7 +178,7 @@ func (m *crashModel) apply(t *testing.T) {
 // the one being overwritten, the new ones).
 func runPowerCut(t *testing.T, ab l2Ablation) []dcp.Key {
 	root := t.TempDir()
-	ft, err := OpenFileTier(root)
+	ft, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,7 +201,7 @@ func runPowerCut(t *testing.T, ab l2Ablation) []dcp.Key {
 	}
 	m.apply(t)
 
-	after, err := OpenFileTier(root)
+	after, err := OpenFileTier(root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

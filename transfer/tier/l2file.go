@@ -36,6 +36,9 @@ import (
 // root, durably) on the next write.
 type FileTier struct {
 	root string
+	// key MACs every header written and verifies every header read (C12);
+	// nil: no MAC written or checked (insecure).
+	key *MACKey
 
 	// obs, when set (tests only), sees every change Put makes to the file
 	// system, in order, and can stop it at a simulated power cut; ab
@@ -105,14 +108,18 @@ const (
 
 // OpenFileTier opens the file tier rooted at root, creating the root
 // (0700, with its parents) when missing, and checks its safety rules.
-func OpenFileTier(root string) (*FileTier, error) {
+// key is the cluster's storage MAC key: headers are written with its MAC
+// and a header read (Get, Stat, Scan) whose MAC does not verify is
+// unverified (ErrUnverified). A nil key writes zero MACs and checks none:
+// whoever can write the root can then make a scan announce any sum.
+func OpenFileTier(root string, key *MACKey) (*FileTier, error) {
 	if root == "" {
 		return nil, fmt.Errorf("L2 root is empty: %w", ErrConfig)
 	}
 	if err := os.MkdirAll(root, l2DirMode); err != nil {
 		return nil, fmt.Errorf("create L2 root %s: %w", root, errors.Join(err, ErrIO))
 	}
-	t := &FileTier{root: filepath.Clean(root)}
+	t := &FileTier{root: filepath.Clean(root), key: key}
 	fd, err := t.openRoot()
 	if err != nil {
 		return nil, err
@@ -297,7 +304,7 @@ func (t *FileTier) Put(ctx context.Context, obj L2Object, payload []byte) (err e
 		return nil
 	}
 	// 1. The whole object into a temporary name.
-	if err = write("write header", encodeHeader(obj)); err != nil {
+	if err = write("write header", encodeHeader(obj, t.key)); err != nil {
 		return err
 	}
 	if err = write("write payload", payload); err != nil {
@@ -368,9 +375,9 @@ func (t *FileTier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte
 	if err != nil {
 		return L2Object{}, fmt.Errorf("stat L2 object %s: %w", key, errors.Join(err, ErrIO))
 	}
-	o, h, err := readHeader(f, st.Size())
+	o, h, err := readHeader(f, st.Size(), t.key)
 	if err != nil {
-		return o, t.corruptAt(dfd, key, o, h > 0, path, err.Error())
+		return o, markUnverified(t.corruptAt(dfd, key, o, h > 0, path, err.Error()), err)
 	}
 	switch {
 	case o.Key != key:
@@ -408,9 +415,12 @@ func (t *FileTier) Stat(ctx context.Context, key dcp.Key) (L2Object, error) {
 	if err != nil {
 		return L2Object{}, fmt.Errorf("stat L2 object %s: %w", key, errors.Join(err, ErrIO))
 	}
-	o, _, err := readHeader(f, st.Size())
+	o, _, err := readHeader(f, st.Size(), t.key)
 	if err == nil && o.Key != key {
 		err = fmt.Errorf("header names key %s", o.Key)
+	}
+	if errors.Is(err, ErrUnverified) {
+		return o, fmt.Errorf("L2 object %s: %w: %w", key, err, ErrCorrupt)
 	}
 	if err != nil {
 		return o, fmt.Errorf("L2 object %s: %s: %w", key, err, ErrCorrupt)
@@ -426,6 +436,16 @@ func (t *FileTier) corruptAt(dirfd int, key dcp.Key, o L2Object, writerKnown boo
 		ce.Quarantine = q
 	}
 	return ce
+}
+
+// markUnverified sets Unverified on the *CorruptError err when its cause
+// was a header MAC that failed; it returns err.
+func markUnverified(err, cause error) error {
+	var ce *CorruptError
+	if errors.Is(cause, ErrUnverified) && errors.As(err, &ce) {
+		ce.Unverified = true
+	}
+	return err
 }
 
 // moveAside renames name of dirfd into the quarantine directory (created
@@ -607,6 +627,13 @@ func (t *FileTier) scanFile(dfd int, dir, name string, key dcp.Key, owner wire.R
 		return &ScanEntry{Object: o, KeyKnown: true, WriterKnown: writerKnown,
 			Err: t.corruptAt(dfd, key, o, writerKnown, path, why)}
 	}
+	// An unverified object (its MAC fails: C12) is quarantined like a
+	// corrupt one and never announced; ScanEntry.Err says ErrUnverified.
+	badErr := func(o L2Object, writerKnown bool, err error) *ScanEntry {
+		e := bad(o, writerKnown, err.Error())
+		markUnverified(e.Err, err)
+		return e
+	}
 	f, err := openObj(dfd, dir, name)
 	if errors.Is(err, ErrUnsafe) {
 		return &ScanEntry{Skipped: err.Error()} // swapped for a non-regular file since the listing
@@ -619,7 +646,7 @@ func (t *FileTier) scanFile(dfd int, dir, name string, key dcp.Key, owner wire.R
 	if err != nil {
 		return nil
 	}
-	o, h, err := readHeader(f, st.Size())
+	o, h, err := readHeader(f, st.Size(), t.key)
 	if err != nil && h == 0 {
 		// Unreadable header: the writer is unknown. Only the shard's writer
 		// quarantines it (writer TP rank = shard, see dcp.StoreShard), so
@@ -633,7 +660,7 @@ func (t *FileTier) scanFile(dfd int, dir, name string, key dcp.Key, owner wire.R
 		return nil
 	}
 	if err != nil {
-		return bad(o, true, err.Error())
+		return badErr(o, true, err)
 	}
 	if o.Key != key {
 		return bad(o, true, "header names key "+o.Key.String())

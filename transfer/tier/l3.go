@@ -38,15 +38,21 @@ type ObjectStore interface {
 // one engine instance share its objects, as they share an L2 root. Every
 // read is verified like an L2 read (C5); an object that fails is deleted
 // (a bucket has no cheap rename for a quarantine) and reported as a
-// *CorruptError with Deleted set.
+// *CorruptError with Deleted set. An object whose header MAC does not
+// verify with the cluster's storage key (C12) is neither served nor
+// announced nor deleted (a wrong key must not empty a bucket): it is
+// reported with Unverified and Kept, and a later store of its key
+// overwrites it.
 type L3Tier struct {
 	store    ObjectStore
 	instance string
+	key      *MACKey // nil: no MAC written or checked (insecure)
 }
 
-// NewL3Tier returns the L3 tier of instance on store.
-func NewL3Tier(store ObjectStore, instance string) *L3Tier {
-	return &L3Tier{store: store, instance: instance}
+// NewL3Tier returns the L3 tier of instance on store; key is the cluster's
+// storage MAC key, as for OpenFileTier.
+func NewL3Tier(store ObjectStore, instance string, key *MACKey) *L3Tier {
+	return &L3Tier{store: store, instance: instance, key: key}
 }
 
 // Name returns the object name of key.
@@ -60,7 +66,7 @@ func (t *L3Tier) Put(ctx context.Context, obj L2Object, payload []byte) error {
 	if uint64(len(payload)) != obj.Size {
 		return fmt.Errorf("L3 put %s: payload %d B, header says %d B: %w", obj.Key, len(payload), obj.Size, ErrIO)
 	}
-	hdr := encodeHeader(obj)
+	hdr := encodeHeader(obj, t.key)
 	r := &twoPart{a: hdr, b: payload}
 	if err := t.store.Put(ctx, t.Name(obj.Key), r, r.size()); err != nil {
 		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
@@ -150,8 +156,10 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		}
 		return L2Object{}, t.corrupt(ctx, key, L2Object{}, false, err.Error())
 	}
-	o, _, err := readHeader(bytes.NewReader(hb), size)
+	o, _, err := readHeader(bytes.NewReader(hb), size, t.key)
 	switch {
+	case errors.Is(err, ErrUnverified):
+		return o, t.unverified(key, o, err)
 	case err != nil:
 		return o, t.corrupt(ctx, key, o, false, err.Error())
 	case o.Key != key:
@@ -184,7 +192,7 @@ func readHeaderBytes(r io.Reader, size int64) ([]byte, error) {
 		return nil, err
 	}
 	h := int(binary.BigEndian.Uint16(pre[6:]))
-	if string(pre[:4]) != fileMagic || h < fileFixedHdr+8 || h > fileMaxHdr || int64(h) > size {
+	if string(pre[:4]) != fileMagic || h < fileMinHdr || h > fileMaxHdr || int64(h) > size {
 		return nil, fmt.Errorf("bad header prefix (magic %q, header length %d, object %d B): %w", pre[:4], h, size, ErrCorrupt)
 	}
 	b := make([]byte, h)
@@ -193,6 +201,13 @@ func readHeaderBytes(r io.Reader, size int64) ([]byte, error) {
 		return nil, err
 	}
 	return b, nil
+}
+
+// unverified reports key's object, whose header MAC failed (cause), as a
+// *CorruptError with Unverified and Kept: it stays in the bucket.
+func (t *L3Tier) unverified(key dcp.Key, o L2Object, cause error) error {
+	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: true, Path: "l3:" + t.Name(key), Reason: cause.Error(),
+		Unverified: true, Kept: true}
 }
 
 func (t *L3Tier) corrupt(ctx context.Context, key dcp.Key, o L2Object, writerKnown bool, why string) error {
@@ -214,8 +229,10 @@ func (t *L3Tier) Delete(ctx context.Context, key dcp.Key) error {
 // Scan calls fn for every object of the instance whose header names owner
 // as its writer, reading only headers (a ranged read of each object of
 // owner's shard: the writer TP rank is the shard, dcp.StoreShard). Objects
-// whose header fails are deleted and reported with Err (KeyKnown). An
-// object whose header cannot be read (an I/O error, not a bad header) does
+// whose header fails are deleted and reported with Err (KeyKnown); those
+// whose header MAC does not verify (C12) are left in the bucket and
+// reported with an Err wrapping ErrUnverified, to be counted and never
+// announced. An object whose header cannot be read (an I/O error, not a bad header) does
 // not stop the scan: it is read once more after the listing, and those
 // that fail again are left out and named in the error Scan returns, with
 // the objects after them scanned.
@@ -292,9 +309,14 @@ func (t *L3Tier) scanOne(ctx context.Context, owner wire.Rank, name string, size
 	}
 	var o L2Object
 	if err == nil {
-		o, _, err = readHeader(bytes.NewReader(hb), size)
+		o, _, err = readHeader(bytes.NewReader(hb), size, t.key)
 	}
-	if err == nil && o.Writer != owner {
+	if (err == nil || errors.Is(err, ErrUnverified)) && o.Writer != owner {
+		return nil
+	}
+	if errors.Is(err, ErrUnverified) {
+		o.Key = key
+		fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true, Err: t.unverified(key, o, err)})
 		return nil
 	}
 	if err == nil && o.Key != key {
