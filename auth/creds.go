@@ -28,6 +28,12 @@ const (
 	GossipKeyFile = "gossip.key"
 	// SeedSuffix ends every seed file: <Identity.Name()>.nk, mode 0600.
 	SeedSuffix = ".nk"
+	// StorageKeyFile holds the storage MAC key, base64 of 32 random bytes
+	// (mode 0600): every rankd of the cluster MACs the headers of the L2
+	// and L3 objects it writes with it, and announces after a restart only
+	// the objects whose MAC verifies (C12). It must never be stored beside
+	// the objects (in an L2 directory or the bucket).
+	StorageKeyFile = "storage.key"
 )
 
 // User is one entry of the users file.
@@ -57,7 +63,8 @@ type Instance struct {
 // Init makes the credentials of a new cluster in dir (created 0700; it
 // must be empty or absent): the coordinator, admin and admin-write
 // identities, one engine and TPSize rankd identities per instance, a
-// gossip key, a route secret (RouteSecretFile), and the users file. It refuses to overwrite anything.
+// gossip key, a route secret (RouteSecretFile), a storage MAC key
+// (StorageKeyFile), and the users file. It refuses to overwrite anything.
 func Init(dir string, instances []Instance) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create credentials dir %s: %w", dir, err)
@@ -86,6 +93,9 @@ func Init(dir string, instances []Instance) error {
 		return err
 	}
 	if err := InitRouteSecret(dir); err != nil {
+		return err
+	}
+	if err := InitStorageKey(dir); err != nil {
 		return err
 	}
 	return Add(dir, ids...)
@@ -440,4 +450,40 @@ func LoadGossipKeys(path string) (primary []byte, secondary [][]byte, err error)
 		return nil, nil, fmt.Errorf("gossip key file %s holds no key: %w", path, ErrCredsFile)
 	}
 	return keys[0], keys[1:], nil
+}
+
+// MinStorageKeyBytes is the shortest storage MAC key LoadStorageKey
+// accepts.
+const MinStorageKeyBytes = 32
+
+// InitStorageKey writes a new storage MAC key (32 random bytes, base64,
+// mode 0600) into dir, touching nothing else there: for a directory made
+// before 'coordinator init' wrote one as well. It refuses to overwrite a
+// key (ErrExists): objects MACed with the old one would no longer be
+// announced after a restart (docs/storage-mac.md: rotation).
+func InitStorageKey(dir string) error {
+	key := make([]byte, 32)
+	if _, err := rand.Read(key); err != nil {
+		return fmt.Errorf("storage key: %w", err)
+	}
+	return writeNew(filepath.Join(dir, StorageKeyFile), []byte(base64.StdEncoding.EncodeToString(key)+"\n"), 0o600)
+}
+
+// LoadStorageKey reads a storage MAC key file: a regular file (no
+// symlink) owned by this user with no group or other access, holding one
+// base64 key of at least MinStorageKeyBytes. A missing file wraps
+// fs.ErrNotExist.
+func LoadStorageKey(path string) ([]byte, error) {
+	data, err := readPrivate(path, true)
+	if err != nil {
+		return nil, err
+	}
+	key, err := base64.StdEncoding.DecodeString(string(bytes.TrimSpace(data)))
+	if err != nil {
+		return nil, fmt.Errorf("storage key file %s is not one base64 key: %w: %w", path, ErrCredsFile, err)
+	}
+	if len(key) < MinStorageKeyBytes {
+		return nil, fmt.Errorf("storage key file %s holds %d bytes; want at least %d: %w", path, len(key), MinStorageKeyBytes, ErrCredsFile)
+	}
+	return key, nil
 }
