@@ -84,10 +84,10 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	return exitOK
 }
 
-// creds is 'coordinator creds add|rotate|nats-conf|route-secret'.
+// creds is 'coordinator creds add|rotate|nats-conf|route-secret|storage-key'.
 func creds(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf|route-secret --dir D ...")
+		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf|route-secret|storage-key --dir D ...")
 		return exitUsage
 	}
 	sub, args := args[0], args[1:]
@@ -108,8 +108,11 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	case "route-secret":
 		// For a directory made before 'coordinator init' wrote one; copy
 		// the directory to every coordinator of the NATS cluster after.
+	case "storage-key":
+		// For a directory made before 'coordinator init' wrote one (issue
+		// 28.1): only storage.key is written; give it to every rankd.
 	default:
-		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf, route-secret)\n", sub)
+		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf, route-secret, storage-key)\n", sub)
 		return exitUsage
 	}
 	if err := fs.Parse(args); err != nil {
@@ -137,6 +140,8 @@ func creds(args []string, stdout, stderr io.Writer) int {
 		err = writeNATSConf(*dir, *out, *prefix)
 	case "route-secret":
 		err = auth.InitRouteSecret(*dir)
+	case "storage-key":
+		err = auth.InitStorageKey(*dir)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "creds %s: %v\n", sub, err)

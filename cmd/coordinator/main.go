@@ -5,6 +5,7 @@
 //	coordinator init --dir D [--instance engine0 --tp-size 4 ...] [--tls-host IP,...] [--nats-conf FILE]
 //	coordinator creds add --dir D --instance I --tp-size N
 //	coordinator creds rotate --dir D --name IDENTITY
+//	coordinator creds storage-key --dir D   (adds storage.key to a directory made without it)
 //	coordinator serve --data-dir /var/lib/kvtier --creds-dir D [--nats URL | --nats-host H --nats-port P]
 //	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key-file F]
 //	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE] [--insecure]
@@ -65,8 +66,9 @@ const (
 const usage = `usage: coordinator <command> [flags]
 
 commands:
-  init        make a new cluster's credentials directory (nkeys, users file, gossip key, TLS)
-  creds       add an instance's identities (creds add) or rotate one key (creds rotate)
+  init        make a new cluster's credentials directory (nkeys, users file, gossip key, storage MAC key, TLS)
+  creds       add an instance's identities (creds add), rotate one key (creds rotate), or add a
+              storage MAC key to a directory made without one (creds storage-key)
   serve       run the coordinator
   members     memberlist members: name, role, state, address, incarnation; and in a
               replicated cluster every coordinator's raft role, term, commit and applied index
