@@ -447,7 +447,7 @@ func rollingSingle(t *testing.T, rounds int) {
 	c := newKV(t, 4)
 	c.startAll()
 	l := startRollLoop(t, rollEngineConfig(t, c, c.natsURL()))
-	waitBaseline(c, l, 3)
+	waitBaseline(c, l, 2)
 	var targets []string
 	for range rounds {
 		for r := range c.tp {
@@ -468,7 +468,7 @@ func rollingSingle(t *testing.T, rounds int) {
 		c.ranks[r].stop()
 		c.startRank(r)
 	})
-	time.Sleep(2 * time.Second) // a tail after the last recovery, for the timeline
+	time.Sleep(time.Second) // a tail after the last recovery, for the timeline
 	until := time.Now()
 	runs := l.snapshot()
 	checkRuns(t, l, runs)
@@ -626,7 +626,7 @@ func rollingRaft(t *testing.T, rounds int, ranks bool) {
 	h := newRaftTrio(t)
 	c := h.kv
 	l := startRollLoop(t, rollEngineConfig(t, c, c.natsURLs))
-	waitBaseline(c, l, 3)
+	waitBaseline(c, l, 2)
 	var rs []restart
 	for range rounds {
 		var targets []string
@@ -664,7 +664,7 @@ func rollingRaft(t *testing.T, rounds int, ranks bool) {
 			}
 		})...)
 	}
-	time.Sleep(2 * time.Second)
+	time.Sleep(time.Second)
 	until := time.Now()
 	runs := l.snapshot()
 	checkRuns(t, l, runs)
