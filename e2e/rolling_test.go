@@ -63,12 +63,24 @@ func rollEngineConfig(t *testing.T, c *kv, natsURL string) enginesim.Config {
 	return cfg
 }
 
-// stampWriter prefixes each write (one log line of the engine) with the
-// wall clock, so the engine's log lines up with the daemons'.
-type stampWriter struct{ w io.Writer }
+// stampWriter prefixes each line of the engine's log with the wall clock,
+// so that it lines up with the daemons' logs.
+type stampWriter struct {
+	w    io.Writer
+	mid  bool // the last write ended inside a line
+	line []byte
+}
 
 func (s *stampWriter) Write(b []byte) (int, error) {
-	if _, err := fmt.Fprintf(s.w, "%s %s", time.Now().Format("15:04:05.000"), b); err != nil {
+	s.line = s.line[:0]
+	for _, ch := range b {
+		if !s.mid {
+			s.line = append(s.line, time.Now().Format("15:04:05.000 ")...)
+		}
+		s.line = append(s.line, ch)
+		s.mid = ch != '\n'
+	}
+	if _, err := s.w.Write(s.line); err != nil {
 		return 0, err
 	}
 	return len(b), nil
@@ -572,8 +584,9 @@ func (h *raftTrio) waitStarted(i int) {
 }
 
 // waitLeader waits until all three answer admin.raft, one leads and the
-// others follow it with everything it committed applied; it returns the
-// leader's index.
+// others follow it, each within 64 entries of what the leader had
+// committed (the load keeps committing between the replies); it returns
+// the leader's index.
 func (h *raftTrio) waitLeader() int {
 	h.t.Helper()
 	lead := -1
