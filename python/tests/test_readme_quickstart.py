@@ -88,8 +88,7 @@ def test_readme_quickstart_runs_verbatim(tmp_path: pathlib.Path) -> None:
             script = re.sub(rf"\b{p}\b", str(moved[p]), script)
     if moved:
         print(f"ports taken on this machine, replaced in the script: {moved}")
-    build_binaries(tmp_path / "gobin")
-    (tmp_path / "bin").symlink_to(tmp_path / "gobin")
+    (tmp_path / "bin").symlink_to(build_binaries(tmp_path / "gobin"))  # $KVTIER_BIN_DIR when set
     (tmp_path / "quickstart.sh").write_text("set -euo pipefail\n" + script + "\n")
 
     venv_bin = str(pathlib.Path(sys.executable).parent)

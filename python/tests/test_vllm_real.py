@@ -439,7 +439,8 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     extra = dict(extra_for(c), kvtier_attach_wait_s=1.0, kvtier_lookup_timeout_s=1.0, kvtier_timeout_s=5,
                  kvtier_restore_deadline_ms=2000,
                  kvtier_lookup_wait_s=0.005, kvtier_attach_backoff_max_s=0.5, kvtier_health_check_s=0.5)
-    hooks = {name: tmp_path / name for name in ("coord-up", "rank-up", "kill-coord", "kill-rank", "both-up")}
+    hooks = {name: tmp_path / name for name in ("coord-up", "rank-up", "kill-coord", "kill-rank", "both-up",
+                                                "kill-all")}
 
     def hook(name: str) -> dict[str, Any]:
         return dict(op="hook", file=str(hooks[name]), timeout=300)
@@ -450,8 +451,10 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
         hook("rank-up"), dict(op="attached"), gen(plain), *RESET, gen(plain),  # 9..13: stored, then a hit
         hook("kill-coord"), *RESET, gen(plain),             # 14: coordinator (and NATS) killed
         hook("kill-rank"), *RESET, gen(plain),              # 18: coordinator back, rankd killed
-        hook("both-up"), dict(op="attached"), *RESET, gen(plain), *RESET, gen(plain),  # 22..27: attached again
+        hook("both-up"), dict(op="attached"), *RESET, gen(plain), *RESET, gen(plain),  # 22..29: attached again
+        hook("kill-all"),                                   # 30: both killed, then vLLM exits
     ]
+    exit_s: list[float] = []
 
     def during(p: subprocess.Popen, out: pathlib.Path) -> None:
         def at(name: str) -> None:
@@ -478,6 +481,14 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
             at("both-up")
             c.start_rank(0)
             hooks["both-up"].write_text("go")
+            at("kill-all")
+            for proc in (c.ranks[0], c.coord):
+                assert proc is not None
+                proc.stop(signal.SIGKILL)
+            t_kill = time.monotonic()
+            hooks["kill-all"].write_text("go")
+            p.wait(120)  # vLLM's shutdown with every daemon dead: bounded by kvtier_shutdown_timeout_s
+            exit_s.append(time.monotonic() - t_kill)
         except BaseException:
             print(c.logs_tail())
             raise
@@ -491,6 +502,8 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
           + ", ".join(f"{i}:{x['op']}={x['s']}" for i, x in enumerate(r)))
     init = r[0]
     assert init["s"] < base[0]["s"] + 30, f"vLLM start with kvtier down took {init['s']} s"
+    print(f"vLLM exited {exit_s[0]:.1f} s after both daemons were killed")
+    assert exit_s[0] < 30, f"vLLM took {exit_s[0]:.1f} s to exit with every kvtier daemon dead"
     bound = 30.0  # per generate of 3 requests: timeouts of 1-5 s, never a hang
     for i in (1, 5, 17, 21):
         # 1 and 5 never try a load: the very batches of vLLM alone. 17 and
@@ -512,3 +525,74 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     # stored again, or loaded (in part) from the L2 copies that survived the kill
     assert tokens_of(outputs(r[26])) == tokens_of(ref_cold) and close(outputs(r[26]), ref_cold)
     assert hit_like(outputs(r[29]), ref_hit) and delta(r[29], r[28], "loaded_tokens") > 0, r[29]["worker"]
+
+
+def test_real_vllm_rolling_restart(binaries: pathlib.Path, model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Issue 31.2 with real vLLM: one vLLM process serves the same batch
+    again and again (prefix cache reset and KV wiped before each, so a hit
+    can only be a kvtier load) while the rankd and then the coordinator are
+    restarted one at a time (SIGTERM, started again: the same binary stands
+    in for the upgraded one). Every answer has vLLM alone's tokens, no
+    generate waits beyond its bound, vLLM is never restarted, and the hit
+    rate per generate shows the dip and the recovery (printed)."""
+    plain = prompts_plain()
+    base = run_vllm(tmp_path, "ru-baseline", model_dir, None, [gen(plain)])
+    ref_cold = outputs(base[1])
+    c = Cluster(binaries, tmp_path / "cluster", 1)
+    c.start_all()
+    rounds = 12
+    extra = dict(extra_for(c), kvtier_lookup_timeout_s=1.0, kvtier_timeout_s=5, kvtier_restore_deadline_ms=2000,
+                 kvtier_attach_backoff_max_s=0.5, kvtier_health_check_s=0.5)
+    steps = [dict(op="attached"), gen(plain)]
+    for _ in range(rounds):
+        steps += [*RESET, gen(plain)]
+    events: list[tuple[float, str]] = []
+
+    def during(p: subprocess.Popen, out: pathlib.Path) -> None:
+        marker = pathlib.Path(str(out) + ".generating")
+
+        def generates() -> int:
+            return len(marker.read_text().split()) if marker.exists() else 0
+
+        def after(n: int) -> None:
+            eventually(f"vLLM reaches generate {n}", lambda: _true(generates() >= n), timeout=600)
+
+        try:
+            after(4)
+            rk = c.ranks[0]
+            assert rk is not None
+            events.append((time.monotonic(), "rankd SIGTERM"))
+            rk.stop(signal.SIGTERM)
+            c.start_rank(0)
+            events.append((time.monotonic(), "rankd started"))
+            after(8)
+            assert c.coord is not None
+            events.append((time.monotonic(), "coordinator SIGTERM"))
+            c.coord.stop(signal.SIGTERM)
+            c.start_coordinator()
+            events.append((time.monotonic(), "coordinator started"))
+        except BaseException:
+            print(c.logs_tail())
+            raise
+
+    try:
+        r = run_vllm(tmp_path, "rolling", model_dir, extra, steps, during=during)
+    finally:
+        c.stop_all()
+    assert r[1]["ok"], "the connector did not attach"
+    gens = [i for i, x in enumerate(r) if x["op"] == "generate"]
+    assert len(gens) == rounds + 1
+    rows = []
+    for k, i in enumerate(gens):
+        got = outputs(r[i])
+        assert tokens_of(got) == tokens_of(ref_cold) and close(got, ref_cold), f"generate {k}: wrong tokens"
+        assert r[i]["s"] < 30, f"generate {k} took {r[i]['s']} s"
+        loaded = delta(r[i], r[i - 1], "loaded_tokens")
+        rows.append((k, r[i]["s"], loaded))
+    print("rolling restart under real vLLM (3 requests per generate, 5 loadable chunks of 32 tokens):")
+    print("  events: " + ", ".join(name for _, name in events))
+    for k, s, loaded in rows:
+        print(f"  generate {k:2d}: {s:5.2f} s, {loaded:4d} tokens loaded from kvtier")
+    assert rows[0][2] == 0  # the cold generate stores
+    assert rows[1][2] > 0, "no hit before the restarts"
+    assert all(loaded > 0 for _, _, loaded in rows[-2:]), "no hit after both restarts: not recovered"
