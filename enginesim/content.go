@@ -1,10 +1,13 @@
 package enginesim
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"math/rand/v2"
+	"sync"
 
 	"github.com/kvtier/kvtier/dcp"
 )
@@ -30,7 +33,13 @@ type Plan struct {
 	Hashes []dcp.ChunkHash
 	// BPC is the blocks per chunk of each group on one rank.
 	BPC []int
-	// PoolBlocks is the number of blocks in each group's pool (per layer).
+	// BlockBase is the first block id the engine uses in every pool
+	// (Scenario.BlockBase): blocks [0, BlockBase) exist but belong to
+	// nobody the simulation knows; they hold the padding sentinels and
+	// must never change.
+	BlockBase int64
+	// PoolBlocks is the number of blocks in each group's pool (per layer):
+	// BlockBase plus the window of blocks the block tables draw from.
 	PoolBlocks []int64
 	// PoolBytes is the size of one layer's pool of each group.
 	PoolBytes []uint64
@@ -45,6 +54,15 @@ type Plan struct {
 	modelSeed uint64
 }
 
+// Bounds of a scenario's pools, so a spec file cannot ask for an
+// allocation no machine has.
+const (
+	// MaxBlockID is the largest block id a scenario may use (2^40).
+	MaxBlockID = 1 << 40
+	// MaxPoolBytes bounds one layer's pool of one group (1 TiB).
+	MaxPoolBytes = 1 << 40
+)
+
 // NewPlan validates the scenario's spec and derives the plan.
 func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 	r, err := sc.Spec.Resolve()
@@ -54,7 +72,17 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 	if sc.Chunks < 1 {
 		return nil, fmt.Errorf("scenario %s: %d chunks, want >= 1", sc.Name, sc.Chunks)
 	}
-	p := &Plan{Scenario: sc, R: r, Seed: seed}
+	if sc.TailTokens < 0 || sc.TailTokens >= sc.Spec.ChunkTokens {
+		return nil, fmt.Errorf("scenario %s: %d tail tokens, want 0..%d (less than a chunk of %d)",
+			sc.Name, sc.TailTokens, sc.Spec.ChunkTokens-1, sc.Spec.ChunkTokens)
+	}
+	if sc.BlockBase < 0 || sc.BlockBase > MaxBlockID {
+		return nil, fmt.Errorf("scenario %s: block id base %d, want 0..%d", sc.Name, sc.BlockBase, int64(MaxBlockID))
+	}
+	if sc.PoolBlocks < 0 {
+		return nil, fmt.Errorf("scenario %s: %d pool blocks, want >= 0 (0: twice the blocks the prompt uses, plus 3)", sc.Name, sc.PoolBlocks)
+	}
+	p := &Plan{Scenario: sc, R: r, Seed: seed, BlockBase: sc.BlockBase}
 	h := sha256.Sum256([]byte(sc.Spec.Model))
 	p.modelSeed = binary.LittleEndian.Uint64(h[:8]) ^ seed
 
@@ -79,9 +107,22 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 		bpc := r.BlocksPerChunk(gi)
 		used := int64(bpc * sc.Chunks)
 		blocks := 2*used + 3
-		pb := g.PoolBytes(blocks)
+		if sc.PoolBlocks > 0 {
+			if sc.PoolBlocks < used {
+				return nil, fmt.Errorf("scenario %s: group %q: %d pool blocks, the prompt uses %d (%d chunks x %d blocks)",
+					sc.Name, g.Name, sc.PoolBlocks, used, sc.Chunks, bpc)
+			}
+			blocks = sc.PoolBlocks
+		}
+		total := sc.BlockBase + blocks
+		hi, pb := bits.Mul64(uint64(total-1), g.StrideBytes)
+		if total > MaxBlockID+1 || hi != 0 || pb+g.PageBytes < pb || pb+g.PageBytes > MaxPoolBytes {
+			return nil, fmt.Errorf("scenario %s: group %q: a pool of %d blocks (block id base %d + %d) of stride %d B exceeds %d B",
+				sc.Name, g.Name, total, sc.BlockBase, blocks, g.StrideBytes, uint64(MaxPoolBytes))
+		}
+		pb = g.PoolBytes(total)
 		p.BPC = append(p.BPC, bpc)
-		p.PoolBlocks = append(p.PoolBlocks, blocks)
+		p.PoolBlocks = append(p.PoolBlocks, total)
 		p.PoolBytes = append(p.PoolBytes, pb)
 		p.LayerStride = append(p.LayerStride, (pb+4095)&^4095)
 		for phase := range 2 {
@@ -89,7 +130,7 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 			perm := prng.Perm(int(blocks))
 			t := make([]int64, used)
 			for v := range t {
-				t[v] = int64(perm[v])
+				t[v] = sc.BlockBase + int64(perm[v])
 			}
 			p.Tables[phase] = append(p.Tables[phase], t)
 		}
@@ -178,25 +219,55 @@ func WipeByte(off uint64) byte { return byte(0x5A ^ off*0x1f ^ off>>9) }
 
 // Blank writes the initial image of group gi's allocation into dst
 // (AllocBytes long): wipe bytes in every declared page, sentinels elsewhere.
-func (p *Plan) Blank(gi int, dst []byte) {
-	for i := range dst {
-		dst[i] = PadByte(uint64(i))
-	}
-	p.eachPage(gi, func(off uint64, n uint64) {
-		for i := off; i < off+n; i++ {
-			dst[i] = WipeByte(i)
+func (p *Plan) Blank(gi int, dst []byte) { p.BlankRange(gi, 0, dst) }
+
+// BlankRange writes bytes [off, off+len(dst)) of the initial image of group
+// gi's allocation into dst, so that a large pool is initialized in pieces.
+// Blocks below BlockBase are not the engine's: they hold sentinels.
+func (p *Plan) BlankRange(gi int, off uint64, dst []byte) {
+	fillPad(off, dst)
+	end := off + uint64(len(dst))
+	p.eachPage(gi, func(po, n uint64) {
+		lo, hi := max(po, off), min(po+n, end)
+		for i := lo; i < hi; i++ {
+			dst[i-off] = WipeByte(i)
 		}
 	})
 }
 
+// padPeriod is the period of PadByte: it depends on off only through the
+// low 8 bits of off>>3.
+const padPeriod = 2048
+
+// padPiece is the largest piece padding is checked or filled in at once.
+const padPiece = 16 << 20
+
+var padPattern = sync.OnceValue(func() []byte {
+	b := make([]byte, padPiece+padPeriod)
+	for i := range b {
+		b[i] = PadByte(uint64(i))
+	}
+	return b
+})
+
+// fillPad writes the sentinels of allocation bytes [off, off+len(dst)).
+func fillPad(off uint64, dst []byte) {
+	pat := padPattern()
+	for len(dst) > 0 {
+		n := min(len(dst), padPiece)
+		copy(dst[:n], pat[off%padPeriod:])
+		dst, off = dst[n:], off+uint64(n)
+	}
+}
+
 // eachPage calls f with the allocation offset and length of every declared
-// page of every layer of group gi.
+// page of every layer of group gi that the engine uses: blocks BlockBase
+// and above.
 func (p *Plan) eachPage(gi int, f func(off, n uint64)) {
 	g := p.R.Geometry[gi]
 	for l := range g.Layers {
-		base := uint64(l) * p.LayerStride[gi]
-		for b := int64(0); b < p.PoolBlocks[gi]; b++ {
-			f(base+uint64(b)*g.StrideBytes, g.PageBytes)
+		for b := p.BlockBase; b < p.PoolBlocks[gi]; b++ {
+			f(p.PageOffset(gi, l, b), g.PageBytes)
 		}
 	}
 }
@@ -225,13 +296,26 @@ type Mismatch struct {
 // declared page, the sentinels everywhere else. Chunks in skip (failed,
 // the engine recomputes them) may hold anything in their table pages.
 func (p *Plan) Verify(t, gi, phase int, got []byte, skip map[int]bool) Mismatch {
+	m, _ := p.VerifyFrom(t, gi, phase, func(off uint64, dst []byte) error {
+		copy(dst, got[off:])
+		return nil
+	}, uint64(len(got)), skip)
+	return m
+}
+
+// VerifyFrom is Verify reading the allocation of size bytes through read,
+// in pieces of at most 16 MiB (or one page), so that a pool of gigabytes
+// (block ids near 2^31) is checked without a copy of it in memory. It
+// returns read's first error.
+func (p *Plan) VerifyFrom(t, gi, phase int, read func(off uint64, dst []byte) error, size uint64, skip map[int]bool) (Mismatch, error) {
 	g := p.R.Geometry[gi]
-	m := Mismatch{Chunks: map[int]uint64{}, Bytes: uint64(len(got))}
+	m := Mismatch{Chunks: map[int]uint64{}, Bytes: size}
 	note := func(what string, off uint64, want, have byte) {
 		if m.First == "" {
 			m.First = fmt.Sprintf("%s: byte %d of group %s allocation: want %#02x, got %#02x", what, off, g.Name, want, have)
 		}
 	}
+	rd := &rangeReader{read: read, size: size, buf: make([]byte, max(min(padPiece, size), g.PageBytes))}
 	// Which block of each layer holds which virtual block.
 	owner := make(map[int64]int, len(p.Tables[phase][gi]))
 	for v, b := range p.Tables[phase][gi] {
@@ -239,20 +323,37 @@ func (p *Plan) Verify(t, gi, phase int, got []byte, skip map[int]bool) Mismatch 
 	}
 	page := make([]byte, g.PageBytes)
 	covered := uint64(0) // end of the last checked range
-	checkPad := func(from, to uint64) {
-		for i := from; i < to; i++ {
-			if got[i] != PadByte(i) {
-				m.Outside++
-				note("padding changed", i, PadByte(i), got[i])
+	pat := padPattern()
+	checkPad := func(from, to uint64) error {
+		for from < to {
+			n := min(to-from, padPiece)
+			have, err := rd.get(from, n)
+			if err != nil {
+				return err
 			}
+			if want := pat[from%padPeriod : from%padPeriod+n]; !bytes.Equal(have, want) {
+				for i := range have {
+					if have[i] != want[i] {
+						m.Outside++
+						note("padding changed", from+uint64(i), want[i], have[i])
+					}
+				}
+			}
+			from += n
 		}
+		return nil
 	}
 	for l := range g.Layers {
-		for b := int64(0); b < p.PoolBlocks[gi]; b++ {
+		for b := p.BlockBase; b < p.PoolBlocks[gi]; b++ {
 			off := p.PageOffset(gi, l, b)
-			checkPad(covered, off)
+			if err := checkPad(covered, off); err != nil {
+				return m, err
+			}
 			covered = off + g.PageBytes
-			have := got[off : off+g.PageBytes]
+			have, err := rd.get(off, g.PageBytes)
+			if err != nil {
+				return m, err
+			}
 			v, ok := owner[b]
 			if !ok {
 				for i := range have {
@@ -268,6 +369,9 @@ func (p *Plan) Verify(t, gi, phase int, got []byte, skip map[int]bool) Mismatch 
 				continue
 			}
 			p.Page(t, gi, l, v, page)
+			if bytes.Equal(have, page) {
+				continue
+			}
 			for i := range have {
 				if have[i] != page[i] {
 					m.Chunks[c]++
@@ -276,8 +380,32 @@ func (p *Plan) Verify(t, gi, phase int, got []byte, skip map[int]bool) Mismatch 
 			}
 		}
 	}
-	checkPad(covered, uint64(len(got)))
-	return m
+	return m, checkPad(covered, size)
+}
+
+// rangeReader serves forward reads of an allocation from a buffer it
+// refills in pieces of len(buf).
+type rangeReader struct {
+	read     func(off uint64, dst []byte) error
+	size     uint64
+	buf      []byte
+	off, end uint64 // the allocation range buf holds
+}
+
+// get returns bytes [off, off+n) of the allocation, n <= len(buf); the
+// slice is valid until the next get.
+func (r *rangeReader) get(off, n uint64) ([]byte, error) {
+	if off < r.off || off+n > r.end {
+		if off > r.size || n > r.size-off || n > uint64(len(r.buf)) {
+			return nil, fmt.Errorf("enginesim: verify read [%d, +%d) of a %d B allocation", off, n, r.size)
+		}
+		r.off, r.end = off, off+min(uint64(len(r.buf)), r.size-off)
+		if err := r.read(r.off, r.buf[:r.end-r.off]); err != nil {
+			r.off, r.end = 0, 0
+			return nil, err
+		}
+	}
+	return r.buf[off-r.off : off-r.off+n], nil
 }
 
 // ChunkBytes returns the declared bytes one chunk of group gi occupies on

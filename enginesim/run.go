@@ -32,8 +32,13 @@ const (
 // holds every default; Run validates exactly what it is given (zero means
 // zero: a zero Timeout is an error, not 60 s).
 type Config struct {
-	// Scenario is a name from ScenarioNames. Required.
+	// Scenario is a name from ScenarioNames. Exactly one of Scenario and
+	// SpecFile is required (DefaultConfig: "tp4dcp4").
 	Scenario string
+	// SpecFile is a model spec file (JSON, or YAML by its .yaml/.yml
+	// extension; docs/enginesim.md), or the name of a spec shipped in
+	// SpecDir (LoadSpec). It replaces Scenario.
+	SpecFile string
 	// Instance is the engine instance the rankds serve (DefaultConfig:
 	// "engine0").
 	Instance string
@@ -219,6 +224,12 @@ func DefaultConfig() Config {
 func (c *Config) Validate() error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	switch {
+	case c.Scenario == "" && c.SpecFile == "":
+		bad("no scenario and no spec file")
+	case c.Scenario != "" && c.SpecFile != "":
+		bad("scenario %q and spec file %q: give one", c.Scenario, c.SpecFile)
+	}
 	if c.Instance == "" {
 		bad("no instance")
 	}
@@ -279,7 +290,13 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	sc, err := LookupScenario(cfg.Scenario)
+	var sc Scenario
+	var err error
+	if cfg.SpecFile != "" {
+		sc, err = LoadSpec(cfg.SpecFile)
+	} else {
+		sc, err = LookupScenario(cfg.Scenario)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -379,6 +396,13 @@ func (s *sim) callCtx(ctx context.Context) (context.Context, context.CancelFunc)
 func (s *sim) run(ctx context.Context) error {
 	p := s.plan
 	s.logf("scenario %s: %s", p.Scenario.Name, p.Scenario.Describe)
+	if p.Scenario.Source != "" {
+		s.logf("spec file %s: model %q, TP %d x DCP %d, interleave %d", p.Scenario.Source, p.R.Model,
+			p.R.Layout.TP, p.R.Layout.DCP, p.R.Layout.Interleave)
+	}
+	if p.BlockBase > 0 {
+		s.logf("block ids from %d: every pool holds %d blocks below them that must stay untouched", p.BlockBase, p.BlockBase)
+	}
 	s.logf("namespace %s, %d chunks of %d tokens (+%d tail tokens), %d groups:", p.R.Namespace, p.Scenario.Chunks,
 		p.Scenario.Spec.ChunkTokens, p.Scenario.TailTokens, len(p.R.Groups))
 	for gi, g := range p.R.Geometry {

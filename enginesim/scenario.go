@@ -28,6 +28,19 @@ type Scenario struct {
 	// prompts sharing a prefix under one seed share its chunk keys and
 	// their bytes.
 	Tokens []uint32
+	// BlockBase is the first block id the block tables use in every
+	// pool: the pools hold BlockBase more blocks below the ones the engine
+	// uses, which must stay untouched (0: none). Block ids near 2^31 or
+	// byte offsets past 2^32 are expressed with it without a table of
+	// that many blocks.
+	BlockBase int64
+	// PoolBlocks is the number of blocks above BlockBase in every pool
+	// that the block tables draw from; at least the blocks the prompt
+	// uses (0: twice those, plus 3).
+	PoolBlocks int64
+	// Source is the spec file the scenario was read from ("" for a
+	// built-in one).
+	Source string
 }
 
 // The seed geometries of the design brief. Block sizes and layer counts are

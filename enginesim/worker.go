@@ -71,11 +71,16 @@ func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.Ho
 			return nil, fmt.Errorf("rank %d: allocate %d B for group %s: %w", t, plan.AllocBytes(gi), plan.R.Groups[gi].Name, err)
 		}
 		w.allocs = append(w.allocs, m)
-		img := make([]byte, plan.AllocBytes(gi))
-		plan.Blank(gi, img)
-		if err := dev.Write(m, 0, img); err != nil {
-			w.close()
-			return nil, fmt.Errorf("rank %d: initialize group %s: %w", t, plan.R.Groups[gi].Name, err)
+		// In pieces: a pool with block ids near 2^31 is gigabytes.
+		size := plan.AllocBytes(gi)
+		img := make([]byte, min(size, padPiece))
+		for off := uint64(0); off < size; off += uint64(len(img)) {
+			piece := img[:min(uint64(len(img)), size-off)]
+			plan.BlankRange(gi, off, piece)
+			if err := dev.Write(m, off, piece); err != nil {
+				w.close()
+				return nil, fmt.Errorf("rank %d: initialize group %s: %w", t, plan.R.Groups[gi].Name, err)
+			}
 		}
 	}
 	return w, nil
@@ -383,11 +388,12 @@ func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.Re
 func (w *worker) verify(skip map[int]bool) (Mismatch, error) {
 	total := Mismatch{Chunks: map[int]uint64{}}
 	for gi := range w.plan.R.Geometry {
-		got := make([]byte, w.plan.AllocBytes(gi))
-		if err := w.dev.Read(w.allocs[gi], 0, got); err != nil {
+		m, err := w.plan.VerifyFrom(w.t, gi, PhaseRestoreTable, func(off uint64, dst []byte) error {
+			return w.dev.Read(w.allocs[gi], off, dst)
+		}, w.plan.AllocBytes(gi), skip)
+		if err != nil {
 			return total, fmt.Errorf("rank %d: read group %d: %w", w.t, gi, err)
 		}
-		m := w.plan.Verify(w.t, gi, PhaseRestoreTable, got, skip)
 		total.Bytes += m.Bytes
 		total.Outside += m.Outside
 		for c, n := range m.Chunks {

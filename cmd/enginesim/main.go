@@ -5,6 +5,8 @@
 // It exits non-zero on any mismatch or unexpected verdict.
 //
 //	enginesim --scenario tp4dcp4 --nats nats://127.0.0.1:4222 --creds-dir D --device host
+//	enginesim --spec my-model.json ...   # a model spec file (docs/enginesim.md)
+//	enginesim --spec tp8dcp2 ...         # a spec shipped in enginesim/specs/
 //
 // With --bench it times a store and a restore of the whole prompt through
 // the rankds, repeated, against a plain copy of the same bytes
@@ -27,7 +29,10 @@ func main() {
 	cfg := enginesim.DefaultConfig()
 	cfg.NATSURL = "nats://127.0.0.1:4222"
 	var devices, hostDir string
-	flag.StringVar(&cfg.Scenario, "scenario", cfg.Scenario, "scenario: "+strings.Join(enginesim.ScenarioNames(), ", "))
+	flag.StringVar(&cfg.Scenario, "scenario", cfg.Scenario, "built-in scenario: "+strings.Join(enginesim.ScenarioNames(), ", ")+" (each also ships as a spec file)")
+	flag.StringVar(&cfg.SpecFile, "spec", "", "model spec FILE (JSON, or YAML by a .yaml/.yml name; format in docs/enginesim.md) replacing --scenario, "+
+		"or the name of a spec shipped in "+enginesim.SpecDir+"/ (built into this binary): "+strings.Join(enginesim.ShippedSpecs(), ", "))
+	listSpecs := flag.Bool("list-specs", false, "list the shipped specs ("+enginesim.SpecDir+"/) with their descriptions and exit")
 	flag.StringVar(&cfg.Instance, "instance", cfg.Instance, "engine instance the rankds serve")
 	flag.StringVar(&devices, "device", strings.Join(cfg.Devices, ","), "device spec for every rank, or a comma-separated one per rank (host, auto, cuda:N, GPU UUID)")
 	flag.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir, must match the rankds'; default /dev/shm/kvtier-<uid>)")
@@ -56,7 +61,36 @@ func main() {
 	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", cfg.BenchChunksPerStore, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
 	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store and retrieve requests as JSON (as engines before the binary form; rankd reads both)")
 	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
+	flag.Usage = func() {
+		out := flag.CommandLine.Output()
+		fmt.Fprintf(out, "Usage: enginesim [--scenario NAME | --spec FILE] --nats URL --creds-dir DIR [flags]\n\n"+
+			"Stores a prompt's KV through the rankds, wipes it, restores it through the coordinator and compares every byte.\n"+
+			"--spec FILE describes any model (groups, page/semantic/stride bytes, TP, DCP, interleave); shipped specs\n"+
+			"(the built-in scenarios, every seed geometry row, TP8, DCP2/8, odd rows, block ids near 2^31) are in\n"+
+			"%s/ and built in by name (--list-specs). Format: docs/enginesim.md.\n\n", enginesim.SpecDir)
+		flag.PrintDefaults()
+	}
 	flag.Parse()
+	if *listSpecs {
+		for _, n := range enginesim.ShippedSpecs() {
+			sc, err := enginesim.LoadSpec(n)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "enginesim: shipped spec %s: %v\n", n, err)
+				os.Exit(1)
+			}
+			fmt.Printf("%-28s %s\n", n, sc.Describe)
+		}
+		return
+	}
+	if cfg.SpecFile != "" {
+		scenarioSet := false
+		flag.Visit(func(f *flag.Flag) { scenarioSet = scenarioSet || f.Name == "scenario" })
+		if scenarioSet {
+			fmt.Fprintln(os.Stderr, "enginesim: give --scenario or --spec, not both")
+			os.Exit(2)
+		}
+		cfg.Scenario = ""
+	}
 
 	if cfg.Creds.Insecure {
 		fmt.Fprintln(os.Stderr, "enginesim: INSECURE (--insecure): connecting without credentials; only an --insecure coordinator accepts that")
