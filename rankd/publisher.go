@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
 
+	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -162,7 +163,10 @@ func (p *publisher) run(stop <-chan struct{}) {
 			_ = sub.Unsubscribe()
 		}
 	}()
-	backoff := 50 * time.Millisecond
+	// Resends are spaced by the one backoff with jitter (STYLE 30): 25-50
+	// ms after the first failure, doubling to 0.5-1 s.
+	bo := bus.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}
+	failures := 0
 	var reconnects uint64 // conn's reconnect count when last looked at
 	for {
 		var failed error
@@ -223,18 +227,19 @@ func (p *publisher) run(stop <-chan struct{}) {
 			var popped int
 			popped, failed = p.advance(&w)
 			if popped > 0 {
-				backoff = 50 * time.Millisecond
+				failures = 0
 			}
 		}
 		if failed != nil {
 			p.met.eventRetries.Inc()
+			backoff := bo.Delay(failures)
+			failures++
 			p.log.Warn("event batch not acknowledged; sending again from it", zap.Uint64("ticket", w.head),
 				zap.Int("in_flight", w.sent), zap.Duration("backoff", backoff), zap.Error(failed))
 			w.restart()
 			if !sleep(stop, backoff) {
 				return
 			}
-			backoff = min(2*backoff, time.Second)
 			continue
 		}
 		var tick <-chan time.Time
