@@ -31,7 +31,7 @@ import (
 
 // bin holds the paths of the daemons and the simulator, built once by
 // TestMain without -race (the tests themselves run under -race).
-var bin struct{ coordinator, rankd, enginesim, natsnode string }
+var bin struct{ coordinator, rankd, enginesim, natsnode, s3node string }
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "kvtier-e2e-bin-")
@@ -40,7 +40,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	build := exec.Command("go", "build", "-o", dir+string(os.PathSeparator),
-		"./cmd/coordinator", "./cmd/rankd", "./cmd/enginesim", "./e2e/natsnode")
+		"./cmd/coordinator", "./cmd/rankd", "./cmd/enginesim", "./e2e/natsnode", "./e2e/s3node")
 	build.Dir = ".."
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
@@ -52,6 +52,7 @@ func TestMain(m *testing.M) {
 	bin.rankd = filepath.Join(dir, "rankd")
 	bin.enginesim = filepath.Join(dir, "enginesim")
 	bin.natsnode = filepath.Join(dir, "natsnode")
+	bin.s3node = filepath.Join(dir, "s3node")
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/enginesim"
@@ -54,6 +55,18 @@ func restartWithManyL2Objects(t *testing.T, n int) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
+	// The objects carry the cluster's storage MAC, or the rescan would
+	// not announce them (C12).
+	var mac *transfer.MACKey
+	if !c.insecure {
+		secret, err := auth.LoadStorageKey(filepath.Join(c.creds, auth.StorageKeyFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mac, err = transfer.NewMACKey(secret); err != nil {
+			t.Fatal(err)
+		}
+	}
 	t0 := time.Now()
 	payload := make([]byte, 64)
 	for i := range n {
@@ -63,7 +76,7 @@ func restartWithManyL2Objects(t *testing.T, n int) {
 		binary.BigEndian.PutUint64(payload, uint64(i))
 		obj := transfer.L2Object{Key: key, Writer: rank0, Incarnation: 1, Size: uint64(len(payload)),
 			Sum: checksum.Sum(payload), Created: time.Unix(1_700_000_000, int64(i))}
-		if err := os.WriteFile(filepath.Join(dir, key.String()+".kvo"), transfer.EncodeObject(obj, payload, nil), 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, key.String()+".kvo"), transfer.EncodeObject(obj, payload, mac), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}

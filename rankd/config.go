@@ -154,6 +154,16 @@ type Config struct {
 	CredsDir string
 	// SeedFile overrides the seed's path. Default "" (from CredsDir).
 	SeedFile string
+	// StorageKeyFile is the storage MAC key file (C12, issue 28.1): the
+	// headers of the L2 and L3 objects this rank writes carry a MAC keyed
+	// with it, and after a restart the rank announces only the objects
+	// whose MAC verifies, so whoever can write the L2 directory or the
+	// bucket cannot make a forged sum the recorded one. A regular 0600
+	// file of this user (symlinks, group or other access refused), never
+	// kept beside the objects. Default "" (CredsDir/storage.key, written
+	// by 'coordinator init' or 'coordinator creds storage-key'). With an L2
+	// directory or L3 and no key, New refuses to start unless Insecure.
+	StorageKeyFile string
 	// TLSCA is a PEM CA that verifies the NATS server. Default ""
 	// (CredsDir/ca.pem if present).
 	TLSCA string

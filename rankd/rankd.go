@@ -121,6 +121,10 @@ func New(cfg Config) (*Daemon, error) {
 	d.inc = inc
 	d.invs = &inventoryServer{snaps: newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
 		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { return d.eng.Inventory() }, log: d.log}
+	storageKey, err := loadStorageKey(cfg, d.log)
+	if err != nil {
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+	}
 	d.life, d.stopLife = context.WithCancel(context.Background())
 	dev, err := cuda.Open(cfg.Device, cfg.Host)
 	if err != nil {
@@ -137,6 +141,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L1Bytes = cfg.L1Bytes
 	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
+	tc.StorageKey = storageKey
 	tc.HostL1Dir = cfg.HostL1Dir
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes

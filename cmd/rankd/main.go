@@ -9,7 +9,8 @@
 //
 // --creds-dir holds this rank's seed (rankd-<instance>-<tp>.nk), the
 // public users.json (the coordinator's key, which must sign a gossiped
-// NATS URL) and gossip.key; --insecure runs without them (development).
+// NATS URL), gossip.key and storage.key (the MAC key of L2 and L3 object
+// headers); --insecure runs without them (development).
 package main
 
 import (
@@ -116,8 +117,9 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&cfg.CredsDir, "creds-dir", "", "credentials directory from 'coordinator init' (required unless --insecure)")
 	fs.StringVar(&cfg.SeedFile, "creds", "", "this rank's nkey seed file (default <creds-dir>/rankd-<instance>-<tp>.nk)")
 	fs.StringVar(&cfg.TLSCA, "tls-ca", "", "CA certificate verifying the NATS server (default <creds-dir>/ca.pem if present)")
+	fs.StringVar(&cfg.StorageKeyFile, "storage-key-file", "", "storage MAC key file, 0600: L2/L3 object headers are MACed with it and only verified objects are announced after a restart (default <creds-dir>/storage.key; required with --l2-dir or L3 unless --insecure)")
 	gossipKeyFile := fs.String("gossip-key-file", "", "gossip key file, 0600, one base64 key per line, the first sent with (default <creds-dir>/gossip.key if present)")
-	fs.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback")
+	fs.BoolVar(&cfg.Insecure, "insecure", false, "DEVELOPMENT ONLY: no NATS credentials, unverified coordinator NATS URLs, plaintext gossip off loopback, L2/L3 headers trusted without a storage key")
 	fs.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
 	fs.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
