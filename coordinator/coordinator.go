@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -75,8 +76,7 @@ type Coordinator struct {
 
 	hb heartbeats
 
-	fences fenceGates // per-rank fence epochs: see fence.go
-	geo    geometries // registered namespaces' geometry: see limits.go
+	geo geometries // registered namespaces' geometry: see limits.go
 	// resyncLimit paces resync starts (ResyncRate, ResyncBurst); used
 	// under drainMu.
 	resyncLimit *rate.Limiter
@@ -99,9 +99,9 @@ type Coordinator struct {
 	// startedAt is when Start began (set before any handler runs): the
 	// startup grace of the reader liveness rule counts from it.
 	startedAt time.Time
-	// rebuilding: Start set a damaged index aside (RebuildIndex); every
-	// rankd that joins is asked for its inventory. Written before any
-	// handler runs.
+	// rebuilding: Start set a damaged index aside (RebuildIndex) or
+	// created a new one (a lost data directory); every rankd that joins is
+	// asked for its inventory. Written before any handler runs.
 	rebuilding bool
 }
 
@@ -298,6 +298,14 @@ func (c *Coordinator) start() error {
 		if err := c.openIndex(); err != nil {
 			return fmt.Errorf("open an empty index after setting the damaged one aside: %w", err)
 		}
+		c.rebuilding = true
+	} else if c.idx.Created() && c.cfg.Raft.ID == "" {
+		// A new index: a first start, or a lost data directory (issue
+		// 29.2). Every live rankd is asked for its inventory, as after a
+		// rebuild: on a first start there is nothing to ask for and each
+		// inventory is empty. (A replica's index is filled by raft.)
+		c.log.Warn("new empty index: every live rankd is asked for its inventory", zap.String("index_id", c.idx.ID()),
+			zap.String("path", filepath.Join(c.cfg.DataDir, IndexFile)))
 		c.rebuilding = true
 	} else if c.cfg.RebuildIndex {
 		c.log.Info("--rebuild-index: the index opened and verified; kept as it is")

@@ -45,32 +45,30 @@
 //     Shutdown's first step and by ReloadAuth; no handler takes it.
 //  2. Coordinator.ingestMu (read by dispatchBatch while it queues a batch,
 //     written by Shutdown when it closes the queues).
-//  3. replicated.mu: the leader gate's subscriptions. Held while the
-//     leader subscribes its handlers (and flushes the connections), and
-//     across afterGainLeadership, which takes drainMu.
+//  3. replicated.mu: the leader gate's subscriptions and the leadership
+//     term's context (replicator.term). Held while the leader subscribes
+//     its handlers (and flushes the connections), and across
+//     afterGainLeadership, which takes drainMu; term takes it alone.
 //  4. Coordinator.drainMu: draining, resyncing, resyncLimit.
-//  5. fenceGate.mu, one per rank (fence.go): held across one fence, one
-//     rank reset, or one epoch check and inventory apply, so a fence and
-//     an inventory requested before it are ordered.
-//  6. restores.mu: the restore table. admit judges reader liveness under
+//  5. restores.mu: the restore table. admit judges reader liveness under
 //     it (liveTable.mu, below, and the index's own read paths); verdicts
 //     are delivered and waiters answered after it is released.
-//  7. Leaves, nothing taken under them: liveTable.mu, heartbeats.mu,
-//     geometries.mu, fenceGates.mu (the map of gates; released before a
-//     gate's own mu is taken).
+//  6. Leaves, nothing taken under them: liveTable.mu, heartbeats.mu,
+//     geometries.mu.
 //
-// fenceGate.mu and restores.mu are never held together: a fence fails the
-// rank's restores first, then takes the gate. The index's locks and
-// raft's are theirs (index/doc.go, hashicorp/raft) and are only ever
-// taken inside the calls above, never around a coordinator lock;
-// replica.Transport.liveMu is a leaf of package replica.
+// The index's locks and raft's are theirs (index/doc.go, hashicorp/raft)
+// and are only ever taken inside the calls above, never around a
+// coordinator lock; replica.Transport.liveMu is a leaf of package replica.
 //
 // No lock is held across a NATS request (inventory fetches, the raft admin
-// queries) or across a wait for another coordinator, with one exception
-// by design: fenceGate.mu is held across its index mutation, which in
-// replicated mode is a raft Apply and its commit on a quorum (bounded by
-// ApplyTimeout and the caller's context). Nothing else is held across a
-// raft Apply: batches are proposed and waited on by the ingest acker
-// without a lock, and the COMPLETE check (raft.VerifyLeader) runs after
-// restores.mu is released.
+// queries), across a wait for another coordinator, or across a raft Apply:
+// batches are proposed and waited on by the ingest acker without a lock,
+// fences and inventories are proposed by their caller without one, and the
+// COMPLETE check (raft.VerifyLeader) runs after restores.mu is released.
+// A fence and an inventory requested before it are ordered by the index,
+// not by a coordinator lock: the rank's fence generation (durable, moved
+// by every fence, on every replica) is read before the inventory request
+// and checked when the inventory is applied (ingest.go resyncOnce,
+// index.ApplyInventoryAt); a resync ends with the leadership term it was
+// started in.
 package coordinator

@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -209,14 +210,17 @@ func (c *Coordinator) startResync(r wire.Rank) {
 
 // resync asks rank r for its inventory and applies it, retrying with
 // exponential backoff up to ResyncAttempts times. It gives up early when
-// the coordinator stops or the index says the inventory is from a
-// superseded incarnation.
+// the coordinator stops, when it stops deciding (raft leadership lost:
+// the new leader resyncs what it needs), or when the index says the
+// inventory is from a superseded incarnation or was requested before a
+// fence (fenced_since).
 func (c *Coordinator) resync(r wire.Rank) {
 	defer c.wg.Done()
 	for {
-		c.resyncRank(r)
+		term := c.repl.term()
+		c.resyncRank(term, r)
 		c.drainMu.Lock()
-		again := c.resyncing[r] && !c.draining && c.ctx.Err() == nil
+		again := c.resyncing[r] && !c.draining && term.Err() == nil
 		if !again {
 			delete(c.resyncing, r)
 			c.drainMu.Unlock()
@@ -227,26 +231,32 @@ func (c *Coordinator) resync(r wire.Rank) {
 	}
 }
 
-// resyncRank is one resync of rank r, with its retries.
-func (c *Coordinator) resyncRank(r wire.Rank) {
+// resyncRank is one resync of rank r, with its retries, within term (the
+// replicator's term: it ends when the coordinator stops or loses raft
+// leadership, and so does the resync, its inventory request included).
+func (c *Coordinator) resyncRank(term context.Context, r wire.Rank) {
 	log := c.log.With(zap.Stringer("rank", r))
 	t0 := time.Now()
 	backoff := c.cfg.ResyncBackoff
 	var last error
 	for attempt := 1; attempt <= c.cfg.ResyncAttempts; attempt++ {
+		if term.Err() != nil {
+			c.resyncEnded(log)
+			return
+		}
 		if attempt > 1 {
 			t := time.NewTimer(backoff)
 			select {
-			case <-c.ctx.Done():
+			case <-term.Done():
 				t.Stop()
-				log.Info("resync abandoned: coordinator stopping")
+				c.resyncEnded(log)
 				return
 			case <-t.C:
 			}
 			backoff = min(2*backoff, c.cfg.ResyncMaxBackoff)
 		}
 		c.met.resyncAttempts.Inc()
-		done, err := c.resyncOnce(r)
+		done, err := c.resyncOnce(term, r)
 		if done {
 			if errors.Is(err, errFencedSince) {
 				log.Warn("inventory dropped: the rank was fenced after it was requested", zap.Error(err))
@@ -261,8 +271,8 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 			log.Info("rank resynced", zap.Int("attempts", attempt), zap.Duration("took", time.Since(t0)))
 			return
 		}
-		if c.ctx.Err() != nil {
-			log.Info("resync abandoned: coordinator stopping")
+		if term.Err() != nil {
+			c.resyncEnded(log)
 			return
 		}
 		last = err
@@ -273,16 +283,42 @@ func (c *Coordinator) resyncRank(r wire.Rank) {
 		zap.Duration("took", time.Since(t0)), zap.Error(last))
 }
 
-// resyncOnce fetches and applies the rank's inventory once. done reports that retrying is
-// pointless (applied, or dropped for a reason a retry cannot fix).
-func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
+// resyncEnded logs a resync that ended with its term.
+func (c *Coordinator) resyncEnded(log *zap.Logger) {
+	if c.ctx.Err() != nil {
+		log.Info("resync abandoned: coordinator stopping")
+		return
+	}
+	c.met.resyncs.WithLabelValues("abandoned").Inc()
+	log.Warn("resync abandoned: raft leadership lost (the leader resyncs the rank if it needs to)")
+}
+
+// resyncOnce fetches and applies the rank's inventory once, within term.
+// done reports that retrying is pointless (applied, or dropped for a
+// reason a retry cannot fix).
+//
+// Fence generations (C7, issues 11.2 and 29.1). Fetching an inventory
+// takes time; memberlist may declare the rank dead meanwhile, and the
+// fence may be committed by this coordinator or, under raft, by another
+// leader while this one was deposed. The inventory was taken before the
+// death, so applying it would bring back the L1 placements the fence
+// dropped, and clear the fence. So the rank's fence generation (durable
+// index state, moved by every fence and reset) is read before the request
+// and travels with the inventory; the index drops it at apply time if the
+// generation moved (fenced_since), on every replica alike, unless it comes
+// from a newer incarnation than the index knows (a restarted rankd: its
+// inventory is the truth). Reading a generation the index has not yet
+// caught up to (a fence queued, not applied) only drops the inventory.
+func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, err error) {
 	// The inventory comes in binary pages of one snapshot
 	// (wire.InventoryRequest; JSON from an older rankd), ResyncWindow of
 	// them in flight; ResyncTimeout bounds each page. Any failed page
 	// fails the attempt.
-	// The fence epoch is taken before the request: see fence.go.
-	epoch := c.fences.epoch(r)
-	inv, err := bus.FetchInventoryWith(c.ctx, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
+	var gen uint64
+	if ri, ok := c.idx.Rank(r); ok {
+		gen = ri.FenceGen
+	}
+	inv, err := bus.FetchInventoryWith(term, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
 		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: c.cfg.MaxInventoryObjects, Window: c.cfg.ResyncWindow})
 	if err != nil {
 		if errors.Is(err, bus.ErrInventoryTooLarge) {
@@ -303,24 +339,18 @@ func (c *Coordinator) resyncOnce(r wire.Rank) (done bool, err error) {
 				r, inv.Incarnation, i, ob.Key, ob.Tier, wire.ErrMalformed)
 		}
 	}
-	fg := c.fences.gate(r)
-	fg.mu.Lock()
 	prev, known := c.rankIncarnation(r)
-	if fg.epoch != epoch && known && inv.Incarnation <= prev {
-		now := fg.epoch
-		fg.mu.Unlock()
-		c.met.resyncs.WithLabelValues("fenced").Inc()
-		// Done: the rank's next batch (refused as fenced) or its rejoin
-		// starts a resync under the new epoch.
-		return true, fmt.Errorf("inventory of incarnation %d requested at fence epoch %d, rank fenced since (epoch %d): %w",
-			inv.Incarnation, epoch, now, errFencedSince)
-	}
-	out, err := c.repl.applyInventory(c.ctx, *inv)
-	fg.mu.Unlock()
+	out, err := c.repl.applyInventory(term, *inv, gen)
 	if err != nil {
 		return errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader), err
 	}
 	switch {
+	case out.Reason == index.DropFencedSince:
+		c.met.resyncs.WithLabelValues("fenced").Inc()
+		// Done: the rank's next batch (refused as fenced) or its rejoin
+		// starts a resync under the new generation.
+		return true, fmt.Errorf("inventory of incarnation %d requested at fence generation %d, rank fenced since (generation %d): %w",
+			inv.Incarnation, gen, out.FenceGen, errFencedSince)
 	case out.Applied:
 		if known && inv.Incarnation > prev {
 			// A restarted rank answered: the incarnation restores expect

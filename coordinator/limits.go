@@ -239,11 +239,9 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 	failed := c.rs.failRank(r, math.MaxUint64, "reset", fmt.Sprintf("rank %s reset by an operator", r))
 	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
 	defer cancel()
-	fg := c.fences.gate(r)
-	fg.mu.Lock()
+	// A reset moves the rank's fence generation (index.ResetRank): an
+	// inventory requested before it is not applied after it.
 	n, err := c.repl.resetRank(ctx, r)
-	fg.epoch++ // a reset ends whatever an in-flight resync was asked under
-	fg.mu.Unlock()
 	if err != nil {
 		if errors.Is(err, index.ErrClosed) || errors.Is(err, context.Canceled) {
 			c.replyError(wire.AdminRankReset, m, wire.CodeUnavailable, "coordinator shutting down")

@@ -119,9 +119,6 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 	// rank). A real restart's new incarnation fences the old one with its
 	// first batch, and reader liveness refuses restores from a rank whose
 	// newest member is dead meanwhile.
-	fg := c.fences.gate(r)
-	fg.mu.Lock()
-	defer fg.mu.Unlock()
 	inc, ok := c.rankIncarnation(r)
 	switch {
 	case !ok:
@@ -141,9 +138,6 @@ func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) 
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
 	n, err := c.repl.fenceRank(ctx, r, m.Meta.Incarnation)
-	if err == nil {
-		fg.epoch++
-	}
 	if err != nil {
 		if errors.Is(err, errNotLeader) {
 			log.Warn("rank not fenced: leadership lost; the new leader's sweep fences it", zap.Error(err))
@@ -232,13 +226,7 @@ func (c *Coordinator) fenceAbsent(cause string) {
 		c.rs.failRank(ri.Rank, ri.Incarnation, cause,
 			fmt.Sprintf("rank %s not in the cluster after the startup grace", ri.Rank))
 		ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
-		fg := c.fences.gate(ri.Rank)
-		fg.mu.Lock()
 		n, err := c.repl.fenceRank(ctx, ri.Rank, ri.Incarnation)
-		if err == nil {
-			fg.epoch++
-		}
-		fg.mu.Unlock()
 		cancel()
 		if err != nil {
 			if c.ctx.Err() == nil {

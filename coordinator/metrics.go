@@ -16,7 +16,7 @@ type metrics struct {
 	badRequests    *prometheus.CounterVec // by op
 	gaps           prometheus.Counter
 	heartbeatGaps  prometheus.Counter
-	resyncs        *prometheus.CounterVec // by outcome: ok | failed
+	resyncs        *prometheus.CounterVec // by outcome: ok | failed | fenced | abandoned
 	resyncAttempts prometheus.Counter
 	indexRebuilds  prometheus.Counter
 	dropped        prometheus.Counter
@@ -72,7 +72,7 @@ func newMetrics() *metrics {
 		}),
 		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_resyncs_total",
-			Help: "Inventory resyncs finished, by outcome (ok, failed).",
+			Help: "Inventory resyncs finished, by outcome (ok, failed; fenced: dropped, the rank was fenced after the inventory was requested; abandoned: raft leadership lost).",
 		}, []string{"outcome"}),
 		resyncAttempts: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_resync_attempts_total",
@@ -199,7 +199,7 @@ var (
 	replyOps       = []string{wire.CoordRegister, wire.CoordLookup, wire.CoordRestoreBegin, wire.CoordRestoreReport, wire.CoordRestoreWait, opEvents}
 	requestOps     = append(slices.Clone(replyOps), "heartbeat") // heartbeats get no reply
 	replyOutcomes  = []string{replyOK, replyError, replyTooLarge, replySendFailed, replyNoInbox}
-	resyncOutcomes = []string{"ok", "failed", "fenced"}
+	resyncOutcomes = []string{"ok", "failed", "fenced", "abandoned"}
 	natsErrorKinds = []string{natsErrReplyPermission, natsErrPermission, natsErrSlowConsumer, natsErrOther}
 	fenceCauses    = []string{"dead", "left", "incarnation", "startup", "leader"}
 	lookupOutcomes = []string{"hit", "partial", "miss"}

@@ -343,7 +343,8 @@ func TestRaftRestartAppliesOnce(t *testing.T) {
 		k := dcp.Key{NS: ns, Chunk: ch, Shard: 0}
 		inv.Objects = append(inv.Objects, wire.Placement{Key: k, Tier: wire.L1, Size: 2048, Sum: sumOf(k)})
 	}
-	if out, err := lc.repl.applyInventory(tctx(t), inv); err != nil || !out.Applied {
+	ri, _ := lc.idx.Rank(r)
+	if out, err := lc.repl.applyInventory(tctx(t), inv, ri.FenceGen); err != nil || !out.Applied {
 		t.Fatalf("inventory: %+v %v", out, err)
 	}
 	if ack, werr := rc.send(storeBatch(r, 1, 6, ns, chain(ns, 8, 6)[6:], wire.L1)); werr != nil || ack.AppliedThrough != 8 {

@@ -94,6 +94,10 @@ type replicated struct {
 	handlers []leaderHandler
 	subs     []*nats.Subscription
 	closed   bool
+	// leading is the current leadership term's context (term), ended by
+	// follow and closeGate; an ended one while this node follows.
+	leading    context.Context
+	endLeading context.CancelFunc
 }
 
 // newReplicated is New's part of replicated mode: the node and its
@@ -104,6 +108,8 @@ type replicated struct {
 // nothing writes the index outside raft.
 func newReplicated(c *Coordinator) (*replicated, error) {
 	r := &replicated{c: c, log: c.log.Named("raft")}
+	r.leading, r.endLeading = context.WithCancel(c.ctx)
+	r.endLeading()
 	n, err := replica.New(c.cfg.Raft, replica.Options{Logger: c.log, Registerer: c.reg,
 		Hooks: replica.Hooks{Lead: r.lead, Follow: r.follow}})
 	if err != nil {
@@ -168,6 +174,9 @@ func (r *replicated) lead() (bool, error) {
 		}
 		r.subs = append(r.subs, sub)
 	}
+	// A new term: the resyncs it starts end when it does (follow).
+	r.endLeading()
+	r.leading, r.endLeading = context.WithCancel(c.ctx)
 	if err := c.nc.Flush(); err != nil {
 		r.log.Warn("flush after leader subscriptions", zap.Error(err))
 	}
@@ -184,6 +193,7 @@ func (r *replicated) follow() {
 	r.mu.Lock()
 	had := len(r.subs) > 0
 	r.unsubscribeLocked()
+	r.endLeading() // resyncs of the term end (issue 29.1)
 	r.mu.Unlock()
 	if had {
 		a := r.c.rs.abandonAll("coordinator lost raft leadership before the verdict; recompute")
@@ -216,6 +226,7 @@ func (r *replicated) closeGate() []*nats.Subscription {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.closed = true
+	r.endLeading()
 	subs := r.subs
 	r.subs = nil
 	return subs
@@ -231,8 +242,8 @@ func (r *replicated) applyBatch(b *wire.Batch) (batchResult, error) {
 	return f, nil
 }
 
-func (r *replicated) applyInventory(ctx context.Context, inv wire.Inventory) (index.InventoryOutcome, error) {
-	return r.n.ApplyInventory(ctx, inv)
+func (r *replicated) applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error) {
+	return r.n.ApplyInventoryAt(ctx, inv, gen)
 }
 
 func (r *replicated) fenceRank(ctx context.Context, rk wire.Rank, upTo uint64) (int, error) {
@@ -247,7 +258,14 @@ func (r *replicated) resetRank(ctx context.Context, rk wire.Rank) (int, error) {
 	return r.n.ResetRank(ctx, rk)
 }
 
-func (r *replicated) decides() bool          { return r.n.IsLeader() }
+func (r *replicated) decides() bool { return r.n.IsLeader() }
+
+// term returns the current leadership term's context.
+func (r *replicated) term() context.Context {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.leading
+}
 func (r *replicated) confirmComplete() error { return r.n.VerifyLeader() }
 func (r *replicated) health() (string, bool) { return r.n.Health() }
 

@@ -31,13 +31,20 @@ type replicator interface {
 	// result, which is the index's commit (standalone) or raft's commit on
 	// a quorum and then the leader's index commit (replicated).
 	applyBatch(b *wire.Batch) (batchResult, error)
-	applyInventory(ctx context.Context, inv wire.Inventory) (index.InventoryOutcome, error)
+	// applyInventory applies an inventory requested under the rank's fence
+	// generation gen (index.ApplyInventoryAt).
+	applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error)
 	fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error)
 	registerNamespace(ctx context.Context, spec dcp.Spec) (*dcp.Resolved, error)
 	resetRank(ctx context.Context, r wire.Rank) (int, error)
 	// decides reports whether this coordinator acts on membership news
 	// and sweeps absent ranks: always standalone, the leader replicated.
 	decides() bool
+	// term is a context that ends when this coordinator stops deciding:
+	// standalone when it stops (c.ctx); replicated when the leadership
+	// term ends (already ended while it follows). Work begun for a term,
+	// a resync, ends with it.
+	term() context.Context
 	// confirmComplete is called before a COMPLETE verdict leaves:
 	// standalone nil at once; replicated raft's leadership check.
 	confirmComplete() error
@@ -74,8 +81,8 @@ func (s standalone) applyBatch(b *wire.Batch) (batchResult, error) {
 	return s.c.idx.ApplyAsync(context.Background(), *b)
 }
 
-func (s standalone) applyInventory(ctx context.Context, inv wire.Inventory) (index.InventoryOutcome, error) {
-	return s.c.idx.ApplyInventory(ctx, inv)
+func (s standalone) applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error) {
+	return s.c.idx.ApplyInventoryAt(ctx, inv, gen)
 }
 
 func (s standalone) fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error) {
@@ -91,6 +98,7 @@ func (s standalone) resetRank(ctx context.Context, r wire.Rank) (int, error) {
 }
 
 func (standalone) decides() bool                   { return true }
+func (s standalone) term() context.Context         { return s.c.ctx }
 func (standalone) confirmComplete() error          { return nil }
 func (standalone) health() (string, bool)          { return "", true }
 func (standalone) closeGate() []*nats.Subscription { return nil }

@@ -405,7 +405,9 @@ func parseChunk(v []byte, nRanks int) ([]placement, error) {
 
 // Rank records: key = rank id (4 bytes big-endian); value = version,
 // instance (length-prefixed), TP rank, incarnation, last seq, flags (1
-// byte: 1 fenced, 2 partial; older builds read only 0 and 1).
+// byte: 1 fenced, 2 partial; older builds read only 0 and 1), then the
+// fence generation when it is not 0 (older records end at the flags and
+// read as generation 0; a rank never fenced is encoded as before).
 
 func appendRankKey(b []byte, id uint32) []byte { return binary.BigEndian.AppendUint32(b, id) }
 
@@ -424,7 +426,11 @@ func appendRank(b []byte, r wire.Rank, m rankMeta) []byte {
 	if m.partial {
 		f |= 2
 	}
-	return seal(append(b, f), start)
+	b = append(b, f)
+	if m.fenceGen != 0 {
+		b = binary.AppendUvarint(b, m.fenceGen)
+	}
+	return seal(b, start)
 }
 
 func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
@@ -455,6 +461,12 @@ func parseRank(k, v []byte) (uint32, wire.Rank, rankMeta, error) {
 		d.fail("fenced flag")
 	} else {
 		m.fenced, m.partial = f&1 != 0, f&2 != 0
+	}
+	if d.err == nil && len(d.p) != 0 {
+		m.fenceGen = d.uvarint("fence generation")
+		if d.err == nil && m.fenceGen == 0 {
+			d.fail("fence generation 0 (never encoded)")
+		}
 	}
 	if d.err == nil && len(d.p) != 0 {
 		d.fail("rank record (trailing bytes)")

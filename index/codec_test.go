@@ -29,7 +29,7 @@ func TestCodecRoundTrip(t *testing.T) {
 	if err != nil || !slices.Equal(got, s) {
 		t.Fatalf("chunk round trip: %+v %v", got, err)
 	}
-	r, m := wire.Rank{Instance: "inst-x", TPRank: 4095}, rankMeta{inc: 1 << 63, last: 12, fenced: true}
+	r, m := wire.Rank{Instance: "inst-x", TPRank: 4095}, rankMeta{inc: 1 << 63, last: 12, fenced: true, fenceGen: 1 << 40}
 	id, r2, m2, err := parseRank(appendRankKey(nil, 9), appendRank(nil, r, m))
 	if err != nil || id != 9 || r2 != r || m2 != m {
 		t.Fatalf("rank round trip: %d %v %+v %v", id, r2, m2, err)
@@ -65,7 +65,7 @@ func TestCodecRoundTrip(t *testing.T) {
 		{Seq: 1, Kind: wire.Stored, Tier: wire.L2, Key: dcp.Key{NS: dcp.Namespace{7}, Chunk: ref.chunk}, Size: 3, Sum: 4},
 	}})
 	tx.applyInventory(&wire.Inventory{Rank: live.ranks[1].rank, Incarnation: 4, Seq: 0, Objects: []wire.Placement{
-		{Key: dcp.Key{NS: ref.ns, Chunk: ref.chunk, Shard: 1}, Tier: wire.L2, Size: 9, Sum: 9}}})
+		{Key: dcp.Key{NS: ref.ns, Chunk: ref.chunk, Shard: 1}, Tier: wire.L2, Size: 9, Sum: 9}}}, 0, false)
 	live.publishRanks(tx)
 	live.publishChunks(tx, 0, len(tx.staged))
 	rt := newTxn(replayed, nil)

@@ -10,7 +10,7 @@
 // # Driving it
 //
 // Any number of goroutines may call Apply, ApplyAsync, ApplyInventory,
-// FenceRank and RegisterNamespace. Each call is a request to one committer
+// ApplyInventoryAt, FenceRank and RegisterNamespace. Each call is a request to one committer
 // goroutine, which merges the requests waiting for it into one bbolt
 // transaction (group commit, Config.MaxGroupEvents and MaxGroupDelay). A
 // writer goroutine commits it (fsync) while the committer already stages
@@ -47,7 +47,10 @@
 //	        upgrades it in place)
 //	ns      namespace (16 B) -> dcp.Spec as JSON
 //	ranks   rank id (4 B big-endian, dense from 1) -> instance, TP rank,
-//	        incarnation, last applied seq, fenced flag
+//	        incarnation, last applied seq, fenced flag, fence generation
+//	        (absent while 0: every FenceRank and ResetRank moves it; an
+//	        inventory requested under an older one is dropped at apply,
+//	        ApplyInventoryAt, issue 29.1)
 //	chunks  2 | generation (4 B big-endian) | namespace (16) | chunk hash
 //	        (16), the generation being the fold that wrote the record, so
 //	        each fold's records sort after the older ones (older files:

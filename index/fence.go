@@ -57,6 +57,8 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 		return false // superseded: the full path answers it
 	}
 	if j := ix.fenceOf(id); j != nil {
+		m.fenceGen++ // every fence moves the generation (txn.fenceRank)
+		t.setMeta(id, m)
 		r.slice = true
 		ix.fencing++
 		j.reqs = append(j.reqs, r)
@@ -67,10 +69,9 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 		rs.fencing || slices.Contains(t.unhide, id) { // a sliced fence or inventory of the rank ends in flight or in t
 		return false
 	}
-	if !m.fenced {
-		m.fenced = true
-		t.setMeta(id, m)
-	}
+	m.fenced = true
+	m.fenceGen++
+	t.setMeta(id, m)
 	j := &fenceJob{id: id, below: math.MaxUint64, reqs: []*request{r}}
 	r.slice = true
 	ix.fencing++

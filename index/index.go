@@ -2,7 +2,9 @@ package index
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -25,6 +27,11 @@ var (
 	bucketSnap  = []byte("chunks")
 	bucketLog   = []byte("log")
 	keyVersion  = []byte("version")
+	// keyID is the index's identity (idBytes random bytes), written when
+	// the file is created (or first opened by a build that has it) and
+	// never changed: a coordinator gossips it, so a lost index replaced by
+	// an empty one is told apart from the one the ranks reported to.
+	keyID = []byte("index_id")
 )
 
 // logValueKey is the one key of a change-log record's bucket. Each record
@@ -62,10 +69,14 @@ const publishSlice = 64
 // only what the committer handed it (and the rank table, which the
 // committer changes only between two commits).
 type Index struct {
-	cfg Config
-	log *zap.Logger
-	met *metrics
-	db  *bolt.DB
+	// id and created: the index's identity and whether Open created the
+	// file (ID, Created); set by Open, never changed.
+	id      string
+	created bool
+	cfg     Config
+	log     *zap.Logger
+	met     *metrics
+	db      *bolt.DB
 
 	// mu guards the published contents of st: the committer holds it for
 	// writing while it publishes a committed group; queries hold it for
@@ -150,10 +161,14 @@ type request struct {
 	inv   *wire.Inventory
 	rank  wire.Rank
 	upTo  uint64 // reqFence: the incarnation that died
-	spec  *dcp.Resolved
-	json  []byte
-	n     int // events, for group sizing
-	done  chan struct{}
+	// reqInventory: the rank's fence generation the inventory was
+	// requested under, when genChecked (ApplyInventoryAt, Op.FenceGen).
+	fenceGen   uint64
+	genChecked bool
+	spec       *dcp.Resolved
+	json       []byte
+	n          int // events, for group sizing
+	done       chan struct{}
 
 	out    Outcome
 	invOut InventoryOutcome
@@ -196,7 +211,11 @@ func Open(cfg Config) (*Index, error) {
 		_ = db.Close()
 		return nil, err
 	}
-	if err := db.Update(initBuckets); err != nil {
+	if err := db.Update(func(tx *bolt.Tx) error {
+		var err error
+		ix.id, ix.created, err = initBuckets(tx)
+		return err
+	}); err != nil {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	var ld loaded
@@ -244,10 +263,13 @@ func openBolt(cfg Config) (*bolt.DB, error) {
 	return db, nil
 }
 
-func initBuckets(tx *bolt.Tx) error {
+// initBuckets creates what a new file lacks and returns the index's
+// identity and whether the file was created by this call (it had no
+// format version).
+func initBuckets(tx *bolt.Tx) (id string, created bool, err error) {
 	for _, name := range [][]byte{bucketMeta, bucketNS, bucketRanks, bucketSnap, bucketLog} {
 		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
-			return fmt.Errorf("create bucket %s: %w: %w", name, ErrStore, err)
+			return "", false, fmt.Errorf("create bucket %s: %w: %w", name, ErrStore, err)
 		}
 	}
 	m := tx.Bucket(bucketMeta)
@@ -257,14 +279,40 @@ func initBuckets(tx *bolt.Tx) error {
 		// New, or of the older snapshot layout (33-byte chunk keys, read
 		// as generation 0): from now on it may hold keys of the new one,
 		// which builds that read only version 1 must not open.
+		created = v == nil
 		if err := m.Put(keyVersion, []byte{storeVersion}); err != nil {
-			return fmt.Errorf("write format version: %w: %w", ErrStore, err)
+			return "", false, fmt.Errorf("write format version: %w: %w", ErrStore, err)
 		}
 	default:
-		return fmt.Errorf("store format version %v, this build reads 1 and %d: %w", v, storeVersion, ErrCorrupt)
+		return "", false, fmt.Errorf("store format version %v, this build reads 1 and %d: %w", v, storeVersion, ErrCorrupt)
 	}
-	return nil
+	if v := m.Get(keyID); v != nil {
+		if len(v) != idBytes {
+			return "", false, fmt.Errorf("index id is %d B, want %d: %w", len(v), idBytes, ErrCorrupt)
+		}
+		return hex.EncodeToString(v), created, nil
+	}
+	b := make([]byte, idBytes)
+	if _, err := rand.Read(b); err != nil {
+		return "", false, fmt.Errorf("new index id: %w: %w", ErrStore, err)
+	}
+	if err := m.Put(keyID, b); err != nil {
+		return "", false, fmt.Errorf("write index id: %w: %w", ErrStore, err)
+	}
+	return hex.EncodeToString(b), created, nil
 }
+
+// idBytes is the length of an index's identity.
+const idBytes = 16
+
+// ID is the index's identity: 32 hex digits, random, written when the
+// file was created and kept for its life (meta "index_id"). A new empty
+// index has a new one.
+func (ix *Index) ID() string { return ix.id }
+
+// Created reports whether this Open created the file: the index is new
+// and empty (a first start, or a lost data directory).
+func (ix *Index) Created() bool { return ix.created }
 
 // Close stops accepting requests, commits the ones already queued, folds
 // the change log into the snapshot, stops the committer and closes bbolt.
@@ -371,11 +419,28 @@ func (p *Pending) Wait() (Outcome, error) {
 // to the inventory's (clearing a fence). An inventory from an older
 // incarnation, or from the current one but behind the last applied event,
 // is dropped (the outcome says so). The inventory is not retained.
+//
+// It applies the inventory whatever fences the rank had since it was
+// taken; a caller that asked the rank for it uses ApplyInventoryAt.
 func (ix *Index) ApplyInventory(ctx context.Context, inv wire.Inventory) (InventoryOutcome, error) {
+	return ix.applyInventory(ctx, inv, 0, false)
+}
+
+// ApplyInventoryAt is ApplyInventory for an inventory requested while the
+// rank's fence generation was gen (RankInfo.FenceGen, read before the
+// request): if a fence of the rank has been committed since, the
+// inventory is dropped (fenced_since; the outcome's FenceGen is the
+// current generation), unless it comes from a newer incarnation than the
+// index knows. A rank the index does not know has generation 0.
+func (ix *Index) ApplyInventoryAt(ctx context.Context, inv wire.Inventory, gen uint64) (InventoryOutcome, error) {
+	return ix.applyInventory(ctx, inv, gen, true)
+}
+
+func (ix *Index) applyInventory(ctx context.Context, inv wire.Inventory, gen uint64, checked bool) (InventoryOutcome, error) {
 	if err := validateInventory(&inv); err != nil {
 		return InventoryOutcome{}, err
 	}
-	r := &request{kind: reqInventory, inv: &inv, n: len(inv.Objects) + 1}
+	r := &request{kind: reqInventory, inv: &inv, n: len(inv.Objects) + 1, fenceGen: gen, genChecked: checked}
 	err := ix.submit(ctx, r)
 	return r.invOut, err
 }
@@ -654,7 +719,7 @@ func (ix *Index) stage(r *request) {
 		if !ix.finishInventoryOf(t, r.inv.Rank) && ix.startInventory(t, r) {
 			return // answered with the inventory's last slice
 		}
-		r.invOut = t.applyInventory(r.inv)
+		r.invOut = t.applyInventory(r.inv, r.fenceGen, r.genChecked)
 		if r.invOut.Applied {
 			ix.endFence(t, r.inv.Rank)
 			ix.unhidePartial(t, r.inv.Rank)

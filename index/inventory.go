@@ -104,7 +104,7 @@ func (ix *Index) startInventory(t *txn, r *request) bool {
 	if known {
 		m = t.meta(id)
 		switch {
-		case inv.Incarnation < m.inc, inv.Incarnation == m.inc && inv.Seq < m.last:
+		case invDrop(inv, m, r.fenceGen, r.genChecked) != "":
 			return false // dropped: the full path says why
 		case ix.fenceOf(id) != nil:
 			return false // a sliced fence runs: the full path ends it
@@ -134,7 +134,7 @@ func (ix *Index) startInventory(t *txn, r *request) bool {
 		rs.fencing = true
 		j.end = j.list.len()
 	}
-	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq, partial: true})
+	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq, partial: true, fenceGen: m.fenceGen})
 	t.hideAll = append(t.hideAll, id)
 	if t.enc != nil {
 		t.enc.drop(id) // replay drops at once what the slices drop
@@ -216,7 +216,7 @@ func (ix *Index) endInventory(t *txn, j *invJob) {
 	t.unhide = append(t.unhide, j.id)
 	inv := j.inv
 	j.r.invOut = InventoryOutcome{Applied: true, Replaced: j.replaced, Placements: len(inv.Objects), Fenced: j.fenced,
-		Incarnation: inv.Incarnation, LastSeq: inv.Seq}
+		Incarnation: inv.Incarnation, LastSeq: inv.Seq, FenceGen: m.fenceGen}
 	ix.pending = append(ix.pending, j.r)
 }
 

@@ -25,6 +25,12 @@ const (
 	// DropPartialRank: a batch of a rank whose inventory a crash
 	// interrupted (a sliced ApplyInventory); it must resync.
 	DropPartialRank DropReason = "partial_rank"
+	// DropFencedSince: an inventory requested under an older fence
+	// generation of the rank than the index's (ApplyInventoryAt): the
+	// rank was fenced after the inventory was taken, and applying it would
+	// bring back the L1 placements the fence dropped and clear the fence.
+	// Counts whole inventories.
+	DropFencedSince DropReason = "fenced_since"
 )
 
 // FenceCause says why placements were fenced (kvtier_index_fenced_total).
@@ -63,7 +69,7 @@ func newMetrics() *metrics {
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_index_dropped_total",
 			Help: "Events not applied, by reason (duplicate, gap, stale_incarnation, fenced_rank); " +
-				"stale_inventory counts whole inventories.",
+				"stale_inventory and fenced_since count whole inventories.",
 		}, []string{"reason"}),
 		fenced: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_index_fenced_placements_total",
@@ -135,7 +141,7 @@ func newMetrics() *metrics {
 	}
 	// Every vector starts with its known series at 0, so an idle index
 	// shows 0 rather than no data (deploy's TestVectorsInitialised).
-	for _, r := range []DropReason{DropDuplicate, DropGap, DropStaleIncarnation, DropFencedRank, DropStaleInventory, DropPartialRank} {
+	for _, r := range []DropReason{DropDuplicate, DropGap, DropStaleIncarnation, DropFencedRank, DropStaleInventory, DropPartialRank, DropFencedSince} {
 		m.dropped.WithLabelValues(string(r))
 	}
 	for _, c := range []FenceCause{FenceNewIncarnation, FenceRankDead} {

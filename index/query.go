@@ -367,7 +367,11 @@ type RankInfo struct {
 	// Partial: a sliced inventory of the rank is being applied, or was
 	// interrupted by a crash; none of its placements is usable until one
 	// is applied whole (index/inventory.go).
-	Partial      bool
+	Partial bool
+	// FenceGen is the rank's fence generation: every FenceRank of it (and
+	// ResetRank) advances it. Read it before asking the rank for its
+	// inventory and pass it to ApplyInventoryAt.
+	FenceGen     uint64
 	L1Placements int64
 	L1Bytes      uint64
 	L2Placements int64
@@ -383,7 +387,7 @@ type RankInfo struct {
 
 func (r *rankState) info() RankInfo {
 	return RankInfo{Rank: r.rank, Incarnation: r.inc, LastSeq: r.last, Fenced: r.fenced, Partial: r.partial,
-		L1Placements: r.placements[wire.L1], L1Bytes: r.bytes[wire.L1],
+		FenceGen: r.fenceGen, L1Placements: r.placements[wire.L1], L1Bytes: r.bytes[wire.L1],
 		L2Placements: r.placements[wire.L2], L2Bytes: r.bytes[wire.L2],
 		L3Placements: r.placements[wire.L3], L3Bytes: r.bytes[wire.L3]}
 }

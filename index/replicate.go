@@ -41,6 +41,10 @@ type Op struct {
 
 	Batch     *wire.Batch
 	Inventory *wire.Inventory
+	// FenceGen, when not nil, is the rank's fence generation Inventory
+	// was requested under (ApplyInventoryAt); nil applies it whatever
+	// fences came since (ApplyInventory; entries of older leaders).
+	FenceGen *uint64
 	// Fence fences FenceRank (FenceRank's rank and upTo).
 	Fence *wire.Rank
 	UpTo  uint64
@@ -83,6 +87,9 @@ func (ix *Index) ApplyReplicated(ctx context.Context, op Op) (*Pending, error) {
 		verr = validateBatch(op.Batch)
 	case op.Inventory != nil:
 		r.kind, r.inv, r.n = reqInventory, op.Inventory, len(op.Inventory.Objects)+1
+		if op.FenceGen != nil {
+			r.fenceGen, r.genChecked = *op.FenceGen, true
+		}
 		verr = validateInventory(op.Inventory)
 	case op.Fence != nil:
 		r.kind, r.rank, r.upTo = reqFence, *op.Fence, op.UpTo

@@ -37,6 +37,8 @@ func (t *txn) resetRank(r wire.Rank) int {
 		return fenceUnknown
 	}
 	n := t.dropRank(id)
-	t.setMeta(id, rankMeta{})
+	// The fence generation survives and moves: an inventory requested
+	// before the reset is not applied on top of it as the current one.
+	t.setMeta(id, rankMeta{fenceGen: t.meta(id).fenceGen + 1})
 	return n
 }

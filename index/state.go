@@ -131,6 +131,15 @@ type rankMeta struct {
 	// durable, so a crash before its last slice leaves the rank partial:
 	// hidden, its batches refused until an inventory is applied whole.
 	partial bool
+	// fenceGen: the rank's fence generation, advanced by every FenceRank
+	// that applies to the rank (and by ResetRank), never by anything else,
+	// and never going back. A caller that asks a rank for its inventory
+	// reads it first (RankInfo.FenceGen) and passes it with the inventory
+	// (ApplyInventoryAt, Op.FenceGen): if it moved in between, the rank was
+	// fenced after the inventory was taken and the inventory is dropped
+	// (fenced_since), deterministically on every replica. Durable (rank
+	// record), so it is part of every raft snapshot.
+	fenceGen uint64
 }
 
 type rankState struct {

@@ -49,7 +49,7 @@ type Outcome struct {
 type InventoryOutcome struct {
 	// Applied: the inventory replaced all of the rank's placements.
 	// Otherwise Reason says why it was dropped (stale_incarnation,
-	// stale_inventory) and nothing changed.
+	// stale_inventory, fenced_since) and nothing changed.
 	Applied bool
 	Reason  DropReason
 	// Replaced is the number of placements the rank had before; Placements
@@ -60,6 +60,9 @@ type InventoryOutcome struct {
 	Fenced      int
 	Incarnation uint64
 	LastSeq     uint64
+	// FenceGen is the rank's fence generation (after the inventory when
+	// applied; the one that dropped it for fenced_since).
+	FenceGen uint64
 }
 
 type stagedChunk struct {
@@ -445,7 +448,7 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 	case b.Incarnation > m.inc:
 		o.NewIncarnation = true
 		o.Fenced = t.fenceL1(id, b.Incarnation)
-		m = rankMeta{inc: b.Incarnation}
+		m = rankMeta{inc: b.Incarnation, fenceGen: m.fenceGen}
 		t.setMeta(id, m)
 	case m.fenced:
 		o.Dropped, o.Reason = len(b.Events), DropFencedRank
@@ -490,20 +493,20 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 // applyInventory replaces all of a rank's placements with the inventory,
 // sets its incarnation and last sequence to the inventory's and clears its
 // fence. An inventory from an older incarnation, or from the current one
-// but older than the last applied event, is dropped.
-func (t *txn) applyInventory(inv *wire.Inventory) InventoryOutcome {
+// but older than the last applied event, is dropped; so is one requested
+// under an older fence generation (gen, when checked; see invDrop).
+func (t *txn) applyInventory(inv *wire.Inventory, gen uint64, checked bool) InventoryOutcome {
 	var o InventoryOutcome
 	id, known := t.rankID(inv.Rank)
+	var gen0 uint64
 	if known {
 		m := t.meta(id)
-		switch {
-		case inv.Incarnation < m.inc:
-			o.Reason, o.Incarnation, o.LastSeq = DropStaleIncarnation, m.inc, m.last
+		gen0 = m.fenceGen
+		if why := invDrop(inv, m, gen, checked); why != "" {
+			o.Reason, o.Incarnation, o.LastSeq, o.FenceGen = why, m.inc, m.last, m.fenceGen
 			return o
-		case inv.Incarnation == m.inc && inv.Seq < m.last:
-			o.Reason, o.Incarnation, o.LastSeq = DropStaleInventory, m.inc, m.last
-			return o
-		case inv.Incarnation > m.inc:
+		}
+		if inv.Incarnation > m.inc {
 			o.Fenced = t.fenceL1(id, inv.Incarnation)
 		}
 	} else {
@@ -516,10 +519,38 @@ func (t *txn) applyInventory(inv *wire.Inventory) InventoryOutcome {
 			inc: inv.Incarnation, rank: id, shard: ob.Key.Shard, group: ob.Key.Group, tier: ob.Tier})
 	}
 	t.events += len(inv.Objects)
-	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq})
+	t.setMeta(id, rankMeta{inc: inv.Incarnation, last: inv.Seq, fenceGen: gen0})
 	o.Applied, o.Placements = true, len(inv.Objects)
-	o.Incarnation, o.LastSeq = inv.Incarnation, inv.Seq
+	o.Incarnation, o.LastSeq, o.FenceGen = inv.Incarnation, inv.Seq, gen0
 	return o
+}
+
+// invDrop is the C7 verdict on an inventory of a known rank whose meta is
+// m: "" to apply it, else why it is dropped. gen is the rank's fence
+// generation the inventory was requested under; checked says whether the
+// caller gave one (ApplyInventoryAt, Op.FenceGen; ApplyInventory does not).
+//
+//   - an older incarnation's inventory is stale (stale_incarnation);
+//   - a newer incarnation's is the truth (a restarted rankd answered): it
+//     supersedes any fence, whatever the generation;
+//   - the current incarnation's, requested before a fence that has been
+//     committed since (gen moved), was taken before the rank died: applying
+//     it would bring back the L1 copies the fence dropped and clear the
+//     fence (fenced_since, issue 29.1);
+//   - the current incarnation's behind its last applied event would roll
+//     it back (stale_inventory).
+func invDrop(inv *wire.Inventory, m rankMeta, gen uint64, checked bool) DropReason {
+	switch {
+	case inv.Incarnation < m.inc:
+		return DropStaleIncarnation
+	case inv.Incarnation > m.inc:
+		return ""
+	case checked && gen != m.fenceGen:
+		return DropFencedSince
+	case inv.Seq < m.last:
+		return DropStaleInventory
+	}
+	return ""
 }
 
 // Results of fenceRank that fenced nothing.
@@ -529,7 +560,9 @@ const (
 )
 
 // fenceRank drops the rank's L1 placements and marks it fenced until it
-// resyncs, if its current incarnation is <= upTo.
+// resyncs, if its current incarnation is <= upTo, and advances its fence
+// generation (every fence does, even of a rank fenced already: an
+// inventory requested before it is dropped).
 func (t *txn) fenceRank(r wire.Rank, upTo uint64) int {
 	id, known := t.rankID(r)
 	if !known {
@@ -540,10 +573,9 @@ func (t *txn) fenceRank(r wire.Rank, upTo uint64) int {
 		return fenceSuperseded
 	}
 	n := t.fenceL1(id, math.MaxUint64)
-	if !m.fenced {
-		m.fenced = true
-		t.setMeta(id, m)
-	}
+	m.fenced = true
+	m.fenceGen++
+	t.setMeta(id, m)
 	return n
 }
 

@@ -23,7 +23,7 @@ func (o op) apply(t *txn) string {
 	case o.batch != nil:
 		return fmt.Sprintf("%+v", t.applyBatch(o.batch))
 	case o.inv != nil:
-		return fmt.Sprintf("%+v", t.applyInventory(o.inv))
+		return fmt.Sprintf("%+v", t.applyInventory(o.inv, 0, false))
 	default:
 		return fmt.Sprint(t.fenceRank(*o.fence, math.MaxUint64))
 	}

@@ -23,7 +23,16 @@ const (
 	raftCmdFence    = 3 // fenceCmd JSON
 	raftCmdRegister = 4 // dcp.Spec JSON
 	raftCmdReset    = 5 // wire.Rank JSON
+	raftCmdInvAt    = 6 // invAtCmd JSON (issue 29.1; older nodes refuse it: upgrade every replica first)
 )
+
+// invAtCmd is an inventory with the fence generation it was requested
+// under (index.ApplyInventoryAt): every replica drops it alike if a fence
+// entry before it in the log moved the generation.
+type invAtCmd struct {
+	Inventory wire.Inventory `json:"inventory"`
+	FenceGen  uint64         `json:"fence_gen"`
+}
 
 type fenceCmd struct {
 	Rank wire.Rank `json:"rank"`
@@ -46,6 +55,10 @@ func decodeCommand(data []byte) (index.Op, error) {
 		var inv wire.Inventory
 		err = json.Unmarshal(p, &inv)
 		op.Inventory = &inv
+	case raftCmdInvAt:
+		var c invAtCmd
+		err = json.Unmarshal(p, &c)
+		op.Inventory, op.FenceGen = &c.Inventory, &c.FenceGen
 	case raftCmdFence:
 		var f fenceCmd
 		err = json.Unmarshal(p, &f)

@@ -37,8 +37,12 @@ func TestCommandCodec(t *testing.T) {
 			return op.Batch != nil && op.Batch.Rank == r && op.Batch.Incarnation == 7
 		}},
 		{"inventory", appendCommand(raftCmdInv, js(wire.Inventory{Rank: r, Incarnation: 7})), func(op index.Op) bool {
-			return op.Inventory != nil && op.Inventory.Rank == r
+			return op.Inventory != nil && op.Inventory.Rank == r && op.FenceGen == nil
 		}},
+		{"inventory at a fence generation", appendCommand(raftCmdInvAt, js(invAtCmd{Inventory: wire.Inventory{Rank: r, Incarnation: 7}, FenceGen: 4})),
+			func(op index.Op) bool {
+				return op.Inventory != nil && op.Inventory.Rank == r && op.FenceGen != nil && *op.FenceGen == 4
+			}},
 		{"fence", appendCommand(raftCmdFence, js(fenceCmd{Rank: r, UpTo: 9})), func(op index.Op) bool {
 			return op.Fence != nil && *op.Fence == r && op.UpTo == 9
 		}},

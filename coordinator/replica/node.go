@@ -408,6 +408,30 @@ func (n *Node) ApplyInventory(_ context.Context, inv wire.Inventory) (index.Inve
 	return res.Inventory, res.Err
 }
 
+// ApplyInventoryAt replaces a rank's placements with an inventory
+// requested under fence generation gen (index.ApplyInventoryAt): dropped
+// on every replica (fenced_since) if a fence committed before it in the
+// log moved the generation, whichever leader committed that fence.
+func (n *Node) ApplyInventoryAt(_ context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error) {
+	if err := index.ValidateInventory(&inv); err != nil {
+		return index.InventoryOutcome{}, err
+	}
+	res := n.do(raftCmdInvAt, invAtCmd{Inventory: inv, FenceGen: gen})
+	return res.Inventory, res.Err
+}
+
+// TransferLeadership hands this leader's leadership to voter id at addr
+// and returns once raft has done so, or failed to.
+func (n *Node) TransferLeadership(id, addr string) error {
+	if !n.ready.Load() {
+		return fmt.Errorf("raft is starting: %w", ErrNotLeader)
+	}
+	if err := n.r.LeadershipTransferToServer(raft.ServerID(id), raft.ServerAddress(addr)).Error(); err != nil {
+		return fmt.Errorf("leadership transfer to %s at %s: %w", id, addr, err)
+	}
+	return nil
+}
+
 // FenceRank fences a rank's L1 placements up to incarnation upTo.
 func (n *Node) FenceRank(_ context.Context, r wire.Rank, upTo uint64) (int, error) {
 	res := n.do(raftCmdFence, fenceCmd{Rank: r, UpTo: upTo})
