@@ -63,6 +63,11 @@ type Meta struct {
 	// public key from its credentials (C9), never because a member claims
 	// the coordinator role. Empty when the coordinator runs insecure.
 	NATSSig string `json:"natssig,omitempty"`
+	// Index is a coordinator's index identity (index.ID: 32 hex digits,
+	// random, new with every new index file). A coordinator restarted on
+	// an empty data directory gossips a new one; it asks every live rankd
+	// for its inventory. Empty for a rankd and from older coordinators.
+	Index string `json:"idx,omitempty"`
 	// Admin is the host:port of the member's admin/metrics HTTP endpoint.
 	Admin string `json:"admin,omitempty"`
 	// L1UsedBytes, L1CapBytes and L2UsedBytes are the rankd's tier usage as of
@@ -125,6 +130,9 @@ func (m *Meta) Validate() error {
 		if u == "" || strings.ContainsAny(u, ", \t\r\n") {
 			return fmt.Errorf("nats url %d %q must be one non-empty URL without spaces or commas: %w", i, u, ErrMeta)
 		}
+	}
+	if len(m.Index) > 64 || strings.ContainsAny(m.Index, ", \t\r\n") {
+		return fmt.Errorf("index id %q must be at most 64 bytes without spaces or commas: %w", m.Index, ErrMeta)
 	}
 	if m.Admin != "" {
 		if _, _, err := net.SplitHostPort(m.Admin); err != nil {

@@ -93,5 +93,5 @@ func (c *Coordinator) resyncAllRanks() {
 		c.startResync(memberRank(m))
 		n++
 	}
-	c.log.Info("--rebuild-index: resync asked of every live rankd", zap.Int("ranks", n))
+	c.log.Info("index rebuild: resync asked of every live rankd", zap.Int("ranks", n), zap.String("index_id", c.idx.ID()))
 }

@@ -48,7 +48,8 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 		}
 		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
 	}
-	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation()}
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation(),
+		Index: c.idx.ID()}
 	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
 	if a := c.httpAddr; a != "" {
 		if h, p, err := net.SplitHostPort(a); err == nil {
