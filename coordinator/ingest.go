@@ -208,8 +208,9 @@ func (c *Coordinator) startResync(r wire.Rank) {
 	go c.resync(r)
 }
 
-// resync asks rank r for its inventory and applies it, retrying with
-// exponential backoff up to ResyncAttempts times. It gives up early when
+// resync asks rank r for its inventory and applies it, retrying up to
+// ResyncAttempts times, spaced by the one backoff with jitter (bus.Backoff
+// from ResyncBackoff up to ResyncMaxBackoff; STYLE 30). It gives up early when
 // the coordinator stops, when it stops deciding (raft leadership lost:
 // the new leader resyncs what it needs), or when the index says the
 // inventory is from a superseded incarnation or was requested before a
@@ -237,7 +238,8 @@ func (c *Coordinator) resync(r wire.Rank) {
 func (c *Coordinator) resyncRank(term context.Context, r wire.Rank) {
 	log := c.log.With(zap.Stringer("rank", r))
 	t0 := time.Now()
-	backoff := c.cfg.ResyncBackoff
+	bo := bus.Backoff{Initial: c.cfg.ResyncBackoff, Max: c.cfg.ResyncMaxBackoff}
+	var wait time.Duration // before the next attempt: drawn when one fails
 	var last error
 	for attempt := 1; attempt <= c.cfg.ResyncAttempts; attempt++ {
 		if term.Err() != nil {
@@ -245,7 +247,7 @@ func (c *Coordinator) resyncRank(term context.Context, r wire.Rank) {
 			return
 		}
 		if attempt > 1 {
-			t := time.NewTimer(backoff)
+			t := time.NewTimer(wait)
 			select {
 			case <-term.Done():
 				t.Stop()
@@ -253,7 +255,6 @@ func (c *Coordinator) resyncRank(term context.Context, r wire.Rank) {
 				return
 			case <-t.C:
 			}
-			backoff = min(2*backoff, c.cfg.ResyncMaxBackoff)
 		}
 		c.met.resyncAttempts.Inc()
 		done, err := c.resyncOnce(term, r)
@@ -276,7 +277,8 @@ func (c *Coordinator) resyncRank(term context.Context, r wire.Rank) {
 			return
 		}
 		last = err
-		log.Warn("inventory request failed", zap.Int("attempt", attempt), zap.Duration("next_in", backoff), zap.Error(err))
+		wait = bo.Delay(attempt - 1)
+		log.Warn("inventory request failed", zap.Int("attempt", attempt), zap.Duration("next_in", wait), zap.Error(err))
 	}
 	c.met.resyncs.WithLabelValues("failed").Inc()
 	log.Error("resync failed; the rank's next batch starts another", zap.Int("attempts", c.cfg.ResyncAttempts),
