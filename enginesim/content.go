@@ -61,6 +61,11 @@ const (
 	MaxBlockID = 1 << 40
 	// MaxPoolBytes bounds one layer's pool of one group (1 TiB).
 	MaxPoolBytes = 1 << 40
+	// MaxWindowBlocks bounds the blocks above the base a block table
+	// draws from (the plan holds a permutation of them).
+	MaxWindowBlocks = 1 << 22
+	// MaxPromptTokens bounds the simulated prompt.
+	MaxPromptTokens = 1 << 26
 )
 
 // NewPlan validates the scenario's spec and derives the plan.
@@ -81,6 +86,13 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 	}
 	if sc.PoolBlocks < 0 {
 		return nil, fmt.Errorf("scenario %s: %d pool blocks, want >= 0 (0: twice the blocks the prompt uses, plus 3)", sc.Name, sc.PoolBlocks)
+	}
+	if int64(sc.Chunks)*int64(sc.Spec.ChunkTokens) > MaxPromptTokens {
+		return nil, fmt.Errorf("scenario %s: %d chunks x %d tokens exceeds the %d-token prompt limit",
+			sc.Name, sc.Chunks, sc.Spec.ChunkTokens, MaxPromptTokens)
+	}
+	if sc.PoolBlocks > MaxWindowBlocks {
+		return nil, fmt.Errorf("scenario %s: %d pool blocks, limit %d", sc.Name, sc.PoolBlocks, MaxWindowBlocks)
 	}
 	p := &Plan{Scenario: sc, R: r, Seed: seed, BlockBase: sc.BlockBase}
 	h := sha256.Sum256([]byte(sc.Spec.Model))
@@ -113,6 +125,10 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 					sc.Name, g.Name, sc.PoolBlocks, used, sc.Chunks, bpc)
 			}
 			blocks = sc.PoolBlocks
+		}
+		if blocks > MaxWindowBlocks {
+			return nil, fmt.Errorf("scenario %s: group %q: the prompt's %d chunks use %d blocks, a pool of %d, limit %d",
+				sc.Name, g.Name, sc.Chunks, used, blocks, MaxWindowBlocks)
 		}
 		total := sc.BlockBase + blocks
 		hi, pb := bits.Mul64(uint64(total-1), g.StrideBytes)
