@@ -261,8 +261,8 @@ func daemonMetrics(t *testing.T) *exported {
 	if err := os.Chmod(hostDir, 0o700); err != nil { // the host backend wants a private dir
 		t.Fatal(err)
 	}
-	rc := rankd.DefaultConfig()
-	rc.Rank, rc.TPSize = wire.Rank{Instance: "dash", TPRank: 0}, 1
+	rc := rankd.DefaultConfig(wire.Rank{Instance: "dash", TPRank: 0})
+	rc.TPSize = 1
 	rc.Device, rc.Host = "host", cuda.HostConfig{Dir: hostDir, UUID: "HOST-deploy-test"}
 	rc.L1Bytes = 8 << 20
 	rc.L2Dir = t.TempDir()

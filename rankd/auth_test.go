@@ -18,8 +18,8 @@ import (
 // credentials (or a way to verify the coordinator) unless insecure.
 func TestConfigNeedsCredentials(t *testing.T) {
 	base := func() Config {
-		c := DefaultConfig()
-		c.Rank, c.TPSize, c.Join = wire.Rank{Instance: "eng", TPRank: 0}, 1, []string{"127.0.0.1:7946"}
+		c := DefaultConfig(wire.Rank{Instance: "eng", TPRank: 0})
+		c.TPSize, c.Join = 1, []string{"127.0.0.1:7946"}
 		return c
 	}
 	for _, tc := range []struct {
@@ -64,7 +64,7 @@ func TestTrustedNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &Daemon{cfg: DefaultConfig(), log: zaptest.NewLogger(t), met: newMetrics("eng/0")}
+	d := &Daemon{cfg: DefaultConfig(wire.Rank{Instance: "eng"}), log: zaptest.NewLogger(t), met: newMetrics("eng/0")}
 	d.cfg.Rank, d.cfg.CredsDir = wire.Rank{Instance: "eng"}, dir
 	if err := d.loadAuth(); err != nil {
 		t.Fatal(err)
@@ -111,8 +111,8 @@ func TestL3PlaintextOnlyOnLoopback(t *testing.T) {
 		{"s3.internal.example:9000", false, false},
 		{"s3.internal.example:9000", true, true},
 	} {
-		c := DefaultConfig()
-		c.Rank, c.TPSize, c.Join, c.Insecure = wire.Rank{Instance: "eng", TPRank: 0}, 1, []string{"127.0.0.1:7946"}, true
+		c := DefaultConfig(wire.Rank{Instance: "eng", TPRank: 0})
+		c.TPSize, c.Join, c.Insecure = 1, []string{"127.0.0.1:7946"}, true
 		c.L3.Endpoint, c.L3.Bucket, c.L3.CredentialsFile, c.L3.Insecure, c.L3.InsecureRemote = tc.endpoint, "kv", "/etc/kvtier/s3.json", true, tc.remote
 		err := c.Validate()
 		if tc.ok && err != nil || !tc.ok && (!errors.Is(err, objstore.ErrConfig) || !strings.Contains(err.Error(), "off loopback")) {

@@ -17,8 +17,9 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// Config configures one rankd. Build it from DefaultConfig, set Rank,
-// TPSize and Join, then pass it to New, which validates it.
+// Config configures one rankd. Build it from DefaultConfig(rank), set
+// TPSize and Join, then pass it to New, which validates exactly what it is
+// given: a zero value means zero (STYLE 23), never "the default".
 type Config struct {
 	// Rank is the engine instance and TP rank this daemon serves. Required;
 	// the instance is 1..64 characters of [A-Za-z0-9_-].
@@ -105,12 +106,13 @@ type Config struct {
 	// Join lists the memberlist seeds (host:port), normally the
 	// coordinator's gossip address. Required unless NATSURL is set.
 	Join []string
-	// NodeName is the memberlist node name. Default
-	// "rankd-<instance>-<tp rank>".
+	// NodeName is the memberlist node name. Required; DefaultConfig(rank)
+	// sets DefaultNodeName(rank), "rankd-<instance>-<tp rank>".
 	NodeName string
 	// BindAddr and BindPort are the gossip address. Defaults "0.0.0.0" and
-	// 7946 + 1 + TP rank (so the ranks of one host do not collide with each
-	// other or with a coordinator on 7946). Port 0 picks a free one.
+	// DefaultBindPort(rank), 7946 + 1 + TP rank (so the ranks of one host
+	// do not collide with each other or with a coordinator on 7946). Port
+	// 0 picks a free one.
 	BindAddr string
 	BindPort int
 	// AdvertiseAddr and AdvertisePort are what peers dial, for NAT or
@@ -240,14 +242,17 @@ type Config struct {
 	// proof. The connection layer sets it when its identities are finer.
 	EngineIdentity func(msg *nats.Msg) string
 
-	// Logger receives logs. Default zap.NewNop().
+	// Logger receives logs. Required; default zap.NewNop() (no logs).
 	Logger *zap.Logger
 }
 
-// DefaultConfig returns a Config with every default filled in; set Rank,
-// TPSize and Join (or NATSURL).
-func DefaultConfig() Config {
+// DefaultConfig returns the Config of rank r with every default filled
+// in, those derived from the rank included (NodeName, BindPort); set
+// TPSize and Join (or NATSURL). A caller that changes Rank afterwards
+// derives them again (DefaultNodeName, DefaultBindPort) or sets its own.
+func DefaultConfig(r wire.Rank) Config {
 	return Config{
+		Rank:                  r,
 		DCPSize:               1,
 		Device:                cuda.SpecAuto,
 		Host:                  cuda.DefaultHostConfig(),
@@ -258,7 +263,8 @@ func DefaultConfig() Config {
 		StoreTimeout:          30 * time.Second,
 		FlushTimeout:          120 * time.Second,
 		BindAddr:              "0.0.0.0",
-		BindPort:              -1, // 7946 + 1 + TP rank
+		NodeName:              DefaultNodeName(r),
+		BindPort:              DefaultBindPort(r),
 		Detector:              cluster.DefaultDetector(),
 		JoinTimeout:           30 * time.Second,
 		DuplicateWait:         5 * time.Second,
@@ -279,19 +285,14 @@ func DefaultConfig() Config {
 	}
 }
 
-// withDefaults fills derived defaults.
-func (c Config) withDefaults() Config {
-	if c.NodeName == "" {
-		c.NodeName = fmt.Sprintf("rankd-%s-%d", c.Rank.Instance, c.Rank.TPRank)
-	}
-	if c.BindPort < 0 {
-		c.BindPort = 7946 + 1 + c.Rank.TPRank
-	}
-	if c.Logger == nil {
-		c.Logger = zap.NewNop()
-	}
-	return c
-}
+// DefaultNodeName is rank r's default memberlist node name,
+// "rankd-<instance>-<tp rank>".
+func DefaultNodeName(r wire.Rank) string { return fmt.Sprintf("rankd-%s-%d", r.Instance, r.TPRank) }
+
+// DefaultBindPort is rank r's default gossip port, 7946 + 1 + TP rank: the
+// ranks of one host collide neither with each other nor with a
+// coordinator on 7946.
+func DefaultBindPort(r wire.Rank) int { return 7946 + 1 + r.TPRank }
 
 // Validate checks every rule of c; the error names the rule and the numbers.
 func (c *Config) Validate() error {
@@ -320,7 +321,9 @@ func (c *Config) Validate() error {
 		return bad("no memberlist seed to join and no NATS URL: set --join (the coordinator's gossip address)")
 	case net.ParseIP(c.BindAddr) == nil:
 		return bad("bind address %q must be an IP address", c.BindAddr)
-	case c.BindPort < -1 || c.BindPort > 65535:
+	case c.NodeName == "":
+		return bad("node name is empty (DefaultConfig sets rankd-<instance>-<tp rank>)")
+	case c.BindPort < 0 || c.BindPort > 65535:
 		return bad("bind port %d outside 0..65535", c.BindPort)
 	case c.AdvertiseAddr != "" && net.ParseIP(c.AdvertiseAddr) == nil:
 		return bad("advertise address %q must be an IP address", c.AdvertiseAddr)
@@ -349,6 +352,8 @@ func (c *Config) Validate() error {
 		return bad("inventory snapshot TTL %v must be > 0", c.InventorySnapshotTTL)
 	case c.MaxInventorySnapshots < 1:
 		return bad("max inventory snapshots %d must be >= 1", c.MaxInventorySnapshots)
+	case c.Logger == nil:
+		return bad("no logger (zap.NewNop() for none)")
 	}
 	for i, s := range c.Join {
 		if _, _, err := net.SplitHostPort(s); err != nil {

@@ -229,7 +229,7 @@ func BenchmarkIngestThroughNATS(b *testing.B) {
 		b.Fatal(err)
 	}
 	for b.Loop() {
-		for _, window := range []int{DefaultConfig().EventWindow, 1} {
+		for _, window := range []int{DefaultConfig(wire.Rank{}).EventWindow, 1} {
 			rs := startBenchRanks(b, c, fmt.Sprintf("ingest-w%d", window), ranks, window)
 			var rates []float64
 			for rep := range benchReps() {
@@ -360,7 +360,7 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		measure("idle-json", lookupJSON, echoJSON)
 
 		// Under ingest: 8 ranks publishing batches of 1024 without pause.
-		ingest := startBenchRanks(b, c, "load", shards, DefaultConfig().EventWindow)
+		ingest := startBenchRanks(b, c, "load", shards, DefaultConfig(wire.Rank{}).EventWindow)
 		var stop atomic.Bool
 		var events atomic.Int64
 		var wg sync.WaitGroup

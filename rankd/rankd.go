@@ -96,12 +96,12 @@ type Daemon struct {
 	readyOnce bool
 }
 
-// New validates cfg, opens the device, reads (never writes) the stored
+// New validates cfg exactly as given (no default is filled in here: see
+// DefaultConfig), opens the device, reads (never writes) the stored
 // incarnation and builds the cluster member. It does not touch the
 // network, nor L2: Start builds the engine once no other live rankd
 // serves the rank.
 func New(cfg Config) (*Daemon, error) {
-	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}

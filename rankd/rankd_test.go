@@ -101,8 +101,8 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 		t.Fatal(err)
 	}
 
-	cfg := DefaultConfig()
-	cfg.Rank, cfg.TPSize = h.rank, 2
+	cfg := DefaultConfig(h.rank)
+	cfg.TPSize = 2
 	cfg.Device, cfg.Host = "host", h.hostCfg
 	cfg.L1Bytes = 64 << 20
 	cfg.L2Dir = t.TempDir()

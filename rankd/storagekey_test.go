@@ -36,8 +36,8 @@ func TestStorageKeyRequired(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := func() Config {
-		c := DefaultConfig()
-		c.Rank, c.TPSize, c.Join = wire.Rank{Instance: "eng", TPRank: 0}, 1, []string{"127.0.0.1:7946"}
+		c := DefaultConfig(wire.Rank{Instance: "eng", TPRank: 0})
+		c.TPSize, c.Join = 1, []string{"127.0.0.1:7946"}
 		c.L2Dir, c.CredsDir = t.TempDir(), creds
 		c.Logger = zaptest.NewLogger(t)
 		return c

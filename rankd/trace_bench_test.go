@@ -90,7 +90,7 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 		b.Fatal(err)
 	}
 	objSize := res.ObjectSize(0) // the coordinator refuses other sizes (limits.go)
-	ranks := startBenchRanks(b, c, "eng", tp, DefaultConfig().EventWindow)
+	ranks := startBenchRanks(b, c, "eng", tp, DefaultConfig(wire.Rank{}).EventWindow)
 	l1 := make([]traceRank, tp)
 	for i := range l1 {
 		l1[i] = traceRank{lru: list.New(), where: make(map[dcp.Key]*list.Element)}

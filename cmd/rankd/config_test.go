@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -75,5 +76,35 @@ func TestExampleConfig(t *testing.T) {
 	rc, stderr = runRankd(t, bin, "--config", p)
 	if want := fmt.Sprintf("config %s:%d: key \"l2_policy\" is not a flag of rankd: flagfile: unknown key\n", p, line); rc != 2 || stderr != want {
 		t.Fatalf("rc %d, stderr %q, want 2 and %q", rc, stderr, want)
+	}
+}
+
+// TestFlagsDeriveFromRank: the node name and gossip port DefaultConfig
+// derives from a rank are derived from the rank the flags name; --bind
+// without a port keeps the derived port, with one replaces it.
+func TestFlagsDeriveFromRank(t *testing.T) {
+	for _, tc := range []struct {
+		bind     string
+		wantAddr string
+		wantPort int
+	}{
+		{"", "0.0.0.0", 7949},
+		{"127.0.0.1", "127.0.0.1", 7949},
+		{"127.0.0.1:0", "127.0.0.1", 0},
+	} {
+		args := []string{"--instance", "e0", "--tp-rank", "2", "--tp-size", "4", "--insecure", "--join", "127.0.0.1:7946"}
+		if tc.bind != "" {
+			args = append(args, "--bind", tc.bind)
+		}
+		cfg, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), args)
+		if err != nil {
+			t.Fatalf("--bind %q: %v", tc.bind, err)
+		}
+		if cfg.NodeName != "rankd-e0-2" || cfg.BindAddr != tc.wantAddr || cfg.BindPort != tc.wantPort {
+			t.Fatalf("--bind %q: node %q, bind %s:%d; want rankd-e0-2, %s:%d", tc.bind, cfg.NodeName, cfg.BindAddr, cfg.BindPort, tc.wantAddr, tc.wantPort)
+		}
+		if err := cfg.Validate(); err != nil {
+			t.Fatalf("--bind %q: %v", tc.bind, err)
+		}
 	}
 }

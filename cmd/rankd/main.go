@@ -33,6 +33,7 @@ import (
 	"github.com/kvtier/kvtier/internal/cpuprof"
 	"github.com/kvtier/kvtier/internal/flagfile"
 	"github.com/kvtier/kvtier/rankd"
+	"github.com/kvtier/kvtier/wire"
 )
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
@@ -77,7 +78,7 @@ func (e configError) Unwrap() error { return e.err }
 // and a bad flag or file exit (0 and 2); the error names a flag value
 // that parsed but is not valid.
 func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) {
-	cfg := rankd.DefaultConfig()
+	cfg := rankd.DefaultConfig(wire.Rank{}) // the rank comes from the flags; what it derives is set below
 	var opts options
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
@@ -126,6 +127,10 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
+
+	// The defaults derived from the rank, now that the flags named it.
+	cfg.NodeName = rankd.DefaultNodeName(cfg.Rank)
+	cfg.BindPort = rankd.DefaultBindPort(cfg.Rank) // --bind without a port keeps it
 
 	var err error
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
