@@ -129,3 +129,15 @@ def test_host_device_needs_a_private_dir(tmp_path):
     d = cuda.HostDevice()
     assert d.dir == cuda.default_host_dir()
     assert stat.S_IMODE(os.lstat(d.dir).st_mode) & 0o077 == 0
+
+
+def test_dense_permuted_views():
+    # vLLM 0.26's FlashAttention KV cache on a GPU: a (blocks, heads, tokens,
+    # 2*dim) view with the NHD stride order (blocks, tokens, heads, 2*dim)
+    # in memory, dense but not contiguous: shared as its numel bytes.
+    b, h, n, d = 10, 8, 16, 256
+    assert cuda.is_dense((b, h, n, d), (n * h * d, d, h * d, 1))
+    assert cuda.is_dense((b, h, n, d), (h * n * d, n * d, d, 1))
+    assert cuda.is_dense((b, 1, n, d), (n * d, 7, d, 1))  # a size-1 dim's stride is free
+    assert not cuda.is_dense((b, h, n, d), (2 * n * h * d, d, h * d, 1))  # gaps between blocks
+    assert not cuda.is_dense((2, 3), (1, 1))  # overlapping

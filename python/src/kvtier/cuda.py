@@ -120,12 +120,29 @@ def mem_handle_from_torch_share(share: tuple[Any, ...], device_uuid: str, view_o
     return MemHandle(BACKEND_CUDA, device_uuid, raw, storage_offset + view_offset, view_size)
 
 
+def is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a tensor of these sizes and element strides covers exactly
+    numel consecutive elements from its first one: a contiguous tensor or a
+    permutation of one. vLLM's GPU KV caches are such permuted views
+    (FlashAttention's NHD stride order over a (blocks, heads, tokens, 2*dim)
+    shape)."""
+    dims = sorted((st, sz) for sz, st in zip(shape, strides, strict=True) if sz != 1)
+    want = 1
+    for st, sz in dims:
+        if st != want:
+            return False
+        want *= sz
+    return True
+
+
 def mem_handle_from_torch(tensor: Any) -> MemHandle:
-    """The MemHandle of a contiguous CUDA tensor's bytes (needs torch)."""
+    """The MemHandle of a dense CUDA tensor's bytes (contiguous, or a
+    permutation of a contiguous tensor; needs torch)."""
     import torch  # deferred: torch is optional
 
-    if not tensor.is_cuda or not tensor.is_contiguous():
-        raise HandleError("kvtier shares contiguous CUDA tensors only")
+    if not tensor.is_cuda or not (tensor.is_contiguous()
+                                  or is_dense(tuple(tensor.shape), tuple(tensor.stride()))):
+        raise HandleError("kvtier shares dense CUDA tensors only (contiguous or a permutation of a contiguous one)")
     props = torch.cuda.get_device_properties(tensor.device)
     uuid = "GPU-" + str(props.uuid)
     share = tensor.untyped_storage()._share_cuda_()

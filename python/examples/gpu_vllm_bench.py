@@ -1,0 +1,440 @@
+"""TTFT of real vLLM on a GPU: recompute, vLLM's own OffloadingConnector, kvtier.
+
+Run by scripts/gpu-vllm.sh (which starts the coordinator and the rankd and
+sets KVTIER_* in the environment); each mode runs in its own process so
+that one vLLM engine holds the GPU at a time:
+
+  gpu_vllm_bench.py make-model --geometry 8b --out DIR     random weights, saved on the GPU machine
+  gpu_vllm_bench.py run --mode alone|offload|kvtier --model DIR --out R.json
+  gpu_vllm_bench.py table R1.json R2.json R3.json          the table, tokens compared
+
+Prompts are random token ids (seeded: every mode sees the same ones) of
+N*1024+1 tokens, so that every cache (vLLM's prefix cache, the offload
+connector's 64-token blocks, kvtier's 256-token chunks) holds exactly the
+first N*1024 tokens and the hit computes one token. TTFT is the time from
+LLMEngine.add_request to the step that returns the first token. Before
+every timed run the GPU prefix cache is reset (reset_prefix_cache, not the
+connector's), so a hit can only be a load from the connector's tier.
+
+Modes:
+  alone    no connector: "recompute" (prefix cache reset before each run)
+           and "gpu-prefix" (the same prompt again, vLLM's own GPU prefix
+           cache: the same one-token compute as a hit, the token reference
+           for the hits)
+  offload  vLLM's OffloadingConnector (CPU tier): a first run stores, the
+           prefix cache is reset, the second run loads
+  kvtier   the kvtier connector: a first run stores (L1, write-through L2),
+           reset, hits load from L1 (the coordinator's and rankd's
+           counters give the verified chunks and bytes of each hit); with
+           --itl, the inter-token latency of 8 decoding requests while the
+           longest prompt loads; with --l2, the rankd is restarted (L1 is
+           gone), the page cache dropped where allowed, and the hits load
+           from L2 files
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+GEOMETRIES = {
+    # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads x 128, MLP 14336, vocab 128256
+    "8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+               tie_word_embeddings=False),
+    "tiny": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=40960,
+                 tie_word_embeddings=False),
+}
+
+
+def log(*a: Any) -> None:
+    print("gpu-vllm:", *a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def make_model(geometry: str, out: str) -> None:
+    """A random-weight LlamaForCausalLM in bf16, built on the GPU and saved
+    with save_pretrained (safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.exists(os.path.join(out, "config.json")):
+        log(f"model {out} exists")
+        return
+    t = time.perf_counter()
+    cfg = LlamaConfig(**GEOMETRIES[geometry])
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out, max_shard_size="5GB")
+    log(f"model {geometry}: {n / 1e9:.2f} B parameters, bf16, saved to {out} in {time.perf_counter() - t:.1f} s")
+
+
+# ---------------------------------------------------------------- metrics of the daemons
+
+
+def scrape(url: str | None) -> dict[str, float]:
+    """A Prometheus text page as {name{labels}: value}; {} without a URL or on error."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except Exception as e:
+        log(f"scrape {url}: {e}")
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        k, _, v = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            out[k] = float(v)
+    return out
+
+
+WATCH = {
+    "verified_chunks": 'kvtier_coord_restore_chunks_total{outcome="verified"}',
+    "wrong_chunks": 'kvtier_coord_restore_chunks_total{outcome="bytes_wrong"}',
+    "failed_chunks": 'kvtier_coord_restore_chunks_total{outcome="failed"}',
+    "l1_bytes": 'kvtier_transfer_bytes_total{direction="retrieve",tier="L1"}',
+    "l2_bytes": 'kvtier_transfer_bytes_total{direction="retrieve",tier="L2"}',
+    "stored_bytes": 'kvtier_transfer_bytes_total{direction="store",tier="L1"}',
+}
+
+
+def pick(m: dict[str, float], want: str) -> float:
+    """The sum of the series of want's metric whose labels include want's
+    (a daemon may add labels of its own, in any order)."""
+    name, _, labels = want.partition("{")
+    need = [x for x in labels.rstrip("}").split(",") if x]
+    total = 0.0
+    for k, v in m.items():
+        kn, _, kl = k.partition("{")
+        if kn == name and all(x in kl.rstrip("}").split(",") for x in need):
+            total += v
+    return total
+
+
+def counters() -> dict[str, float]:
+    m = scrape(os.environ.get("KVTIER_COORD_METRICS"))
+    m.update(scrape(os.environ.get("KVTIER_RANKD_METRICS")))
+    return {k: pick(m, v) for k, v in WATCH.items()}
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a}
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from vllm import LLM
+
+        self.args = args
+        kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=not args.graphs,
+                                  gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
+                                  enable_prefix_caching=True, seed=0)
+        if args.mode == "offload":
+            kw["kv_transfer_config"] = {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"block_size": 64, "cpu_bytes_to_use": int(args.cpu_bytes)}}
+        elif args.mode == "kvtier":
+            kw["kv_transfer_config"] = {
+                "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "kvtier_nats": os.environ["KVTIER_NATS"],
+                    "kvtier_instance": os.environ.get("KVTIER_INSTANCE", "engine0"),
+                    "kvtier_creds_dir": os.environ["KVTIER_CREDS_DIR"], "kvtier_device": "cuda",
+                    "kvtier_attach_wait_s": 20}}
+        t = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.build_s = time.perf_counter() - t
+        self.eng = self.llm.llm_engine
+        sc = self.eng.vllm_config.scheduler_config
+        self.sched = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+                      "enforce_eager": not args.graphs}
+        log(f"mode {args.mode}: engine built in {self.build_s:.1f} s; scheduler {self.sched}")
+        self.n = 0
+
+    def rid(self, tag: str) -> str:
+        self.n += 1
+        return f"{tag}-{self.n}"
+
+    def run(self, tokens: list[int], max_tokens: int, tag: str) -> dict[str, Any]:
+        """One request alone: TTFT (add_request to the first token) and its tokens."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        rid = self.rid(tag)
+        t0 = time.perf_counter()
+        self.eng.add_request(rid, {"prompt_token_ids": tokens}, sp)
+        ttft = None
+        toks: list[int] = []
+        while self.eng.has_unfinished_requests():
+            for o in self.eng.step():
+                got = list(o.outputs[0].token_ids) if o.outputs else []
+                if ttft is None and got:
+                    ttft = time.perf_counter() - t0
+                if o.finished:
+                    toks = got
+        total = time.perf_counter() - t0
+        return {"ttft_s": ttft, "total_s": total, "tokens": toks}
+
+    def reset(self) -> bool:
+        """Resets vLLM's GPU prefix cache (not the connector's). Blocks a
+        connector still stores from are held until it reports them sent:
+        tiny requests step the engine until the reset succeeds."""
+        for i in range(200):
+            if self.llm.reset_prefix_cache():
+                return True
+            self.run([7 + i % 50, 11, 13], 1, "flush")
+            time.sleep(0.05)
+        log("reset_prefix_cache kept failing")
+        return False
+
+    def itl(self, long_prompt: list[int] | None, n: int = 8, decode: int = 400, after: int = 60) -> dict[str, Any]:
+        """Inter-token latency of n decoding requests; with long_prompt,
+        that request is added once they have decoded `after` tokens."""
+        import random
+
+        from vllm import SamplingParams
+
+        rng = random.Random(99)
+        sp = SamplingParams(temperature=0.0, max_tokens=decode, ignore_eos=True)
+        ids = []
+        for _ in range(n):
+            rid = self.rid("dec")
+            ids.append(rid)
+            self.eng.add_request(rid, {"prompt_token_ids": [rng.randrange(100, 1000) for _ in range(256)]}, sp)
+        seen = {r: 0 for r in ids}
+        stamps: list[tuple[float, int]] = []  # (time, tokens the decoders got in that step)
+        long_rid, t_add, t_first = None, None, None
+        while self.eng.has_unfinished_requests():
+            outs = self.eng.step()
+            now = time.perf_counter()
+            got = 0
+            for o in outs:
+                k = len(o.outputs[0].token_ids) if o.outputs else 0
+                if o.request_id in seen:
+                    got += k - seen[o.request_id]
+                    seen[o.request_id] = k
+                elif o.request_id == long_rid and k and t_first is None:
+                    t_first = now
+            if got:
+                stamps.append((now, got))
+            if long_prompt is not None and long_rid is None and min(seen.values()) >= after:
+                long_rid = self.rid("long")
+                t_add = time.perf_counter()
+                self.eng.add_request(long_rid, {"prompt_token_ids": long_prompt},
+                                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        gaps = [(b[0], b[0] - a[0]) for a, b in itertools.pairwise(stamps)]
+        out: dict[str, Any] = {"decoders": n}
+        steady = [g for t, g in gaps[5:]]
+        if long_prompt is None:
+            out["itl_ms_mean"] = 1000 * statistics.mean(steady)
+            out["itl_ms_p50"] = 1000 * statistics.median(steady)
+            out["itl_ms_max"] = 1000 * max(steady)
+            return out
+        assert t_add is not None
+        end = t_first if t_first is not None else t_add
+        during = [g for t, g in gaps if t_add < t <= end + 1e-9] or [g for t, g in gaps if t > t_add][:1]
+        before = [g for t, g in gaps[5:] if t <= t_add]
+        out.update({"long_ttft_s": None if t_first is None else t_first - t_add,
+                    "itl_ms_before_mean": 1000 * statistics.mean(before),
+                    "itl_ms_during_mean": 1000 * statistics.mean(during),
+                    "itl_ms_during_max": 1000 * max(during), "steps_during": len(during)})
+        return out
+
+
+def prompt(length: int, seed: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab - 1) for _ in range(length)]
+
+
+def run_mode(args: argparse.Namespace) -> None:
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    b = Bench(args)
+    res: dict[str, Any] = {"mode": args.mode, "build_s": b.build_s, "scheduler": b.sched, "rows": []}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prompts = {L: prompt(L, 1000 + L, vocab) for L in lengths}
+    b.run(prompt(300, 7, vocab), 4, "warm")  # kernels, allocator
+    b.reset()
+
+    def add(kind: str, L: int, r: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        row = {"kind": kind, "tokens_in": L, "ttft_s": r["ttft_s"], "tokens": r["tokens"]}
+        row.update(extra or {})
+        res["rows"].append(row)
+        log(f"{args.mode} {kind} {L}: TTFT {r['ttft_s'] * 1000:.1f} ms {extra or ''} tokens {r['tokens'][:8]}")
+
+    for L in lengths:
+        p = prompts[L]
+        if args.mode == "alone":
+            for _ in range(args.reps):
+                b.reset()
+                add("recompute", L, b.run(p, args.max_tokens, "rc"))
+            for _ in range(args.reps):
+                add("gpu-prefix", L, b.run(p, args.max_tokens, "gp"))  # the previous run left it cached
+        else:
+            b.reset()
+            c0 = counters()
+            add("miss+store", L, b.run(p, args.max_tokens, "store"))
+            time.sleep(args.settle)
+            b.reset()
+            c1 = counters()
+            res.setdefault("stored", {})[L] = delta(c0, c1)
+            kind = "offload-hit" if args.mode == "offload" else "kvtier-L1-hit"
+            for _ in range(args.reps):
+                b.reset()
+                c0 = counters()
+                r = b.run(p, args.max_tokens, "hit")
+                add(kind, L, r, delta(c0, counters()) if args.mode == "kvtier" else None)
+    if args.itl:
+        L = max(lengths)
+        b.reset()
+        res["itl_idle"] = b.itl(None)
+        log(f"{args.mode} ITL, no load: {res['itl_idle']}")
+        b.reset()
+        c0 = counters()
+        res["itl_load"] = b.itl(prompts[L])
+        res["itl_load"]["counters"] = delta(c0, counters()) if args.mode == "kvtier" else {}
+        res["itl_load"]["tokens_in"] = L
+        log(f"{args.mode} ITL while a {L}-token prompt {'computes' if args.mode == 'alone' else 'loads'}: "
+            f"{res['itl_load']}")
+    if args.l2 and args.mode == "kvtier":
+        restart = os.environ["KVTIER_RESTART_RANKD"]
+        t = time.perf_counter()
+        rr = subprocess.run(["bash", restart], capture_output=True, text=True)
+        log(f"rankd restarted in {time.perf_counter() - t:.1f} s (rc {rr.returncode}): "
+            f"{rr.stdout.strip()} {rr.stderr.strip()}")
+        res["l2_note"] = rr.stdout.strip()
+        # The connector's link sees the new incarnation and registers again
+        # (health check every kvtier_health_check_s): in the run of
+        # 2026-12-03 a 3-4 s wait was too short and the first two L2 hits
+        # were recomputes ("kvtier not attached").
+        time.sleep(args.settle + 12)
+        for L in lengths:
+            b.reset()
+            c0 = counters()
+            add("kvtier-L2-hit", L, b.run(prompts[L], args.max_tokens, "l2"), delta(c0, counters()))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"mode {args.mode}: results in {args.out}")
+
+
+# ---------------------------------------------------------------- the table
+
+
+def table(paths: list[str]) -> int:
+    rows: list[dict[str, Any]] = []
+    runs = {}
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        runs[r["mode"]] = r
+        rows += r["rows"]
+    lengths = sorted({r["tokens_in"] for r in rows})
+    ref = {L: next((r["tokens"] for r in rows if r["kind"] == "recompute" and r["tokens_in"] == L), None)
+           for L in lengths}
+    gpref = {L: next((r["tokens"] for r in rows if r["kind"] == "gpu-prefix" and r["tokens_in"] == L), None)
+             for L in lengths}
+
+    def med(kind: str, L: int) -> float | None:
+        v = [r["ttft_s"] for r in rows if r["kind"] == kind and r["tokens_in"] == L and r["ttft_s"] is not None]
+        return statistics.median(v) if v else None
+
+    kinds = ["recompute", "gpu-prefix", "offload-hit", "kvtier-L1-hit", "kvtier-L2-hit", "miss+store"]
+    print("| prompt tokens | path | TTFT ms (median) | runs | vs recompute | vs OffloadingConnector | "
+          "tokens = recompute | tokens = GPU prefix hit | kvtier verified chunks / bytes loaded |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for L in lengths:
+        rc, off = med("recompute", L), med("offload-hit", L)
+        for kind in kinds:
+            sel = [r for r in rows if r["kind"] == kind and r["tokens_in"] == L]
+            if not sel:
+                continue
+            m = med(kind, L)
+            mode = "kvtier" if kind.startswith("kvtier") else ("offload" if kind == "offload-hit" else "")
+            if kind == "miss+store":
+                mode = "kvtier/offload (first run)"
+            eq_rc = all(r["tokens"] == ref[L] for r in sel) if ref[L] is not None else None
+            eq_gp = all(r["tokens"] == gpref[L] for r in sel) if gpref[L] is not None else None
+            if kind.endswith("hit") and eq_gp is False and eq_rc is False:
+                bad += 1
+            ctr = ""
+            if kind.startswith("kvtier"):
+                parts = []
+                for r in sel:
+                    gb = (r.get("l1_bytes", 0) + r.get("l2_bytes", 0)) / 1e9
+                    l2 = f" (L2 {r['l2_bytes'] / 1e9:.2f} GB)" if r.get("l2_bytes") else ""
+                    parts.append(f"{r.get('verified_chunks', 0):.0f} / {gb:.2f} GB{l2}")
+                ctr = "; ".join(parts)
+            vs_rc = f"{rc / m:.1f}x" if rc and m else ""
+            vs_off = f"{m / off:.2f}x TTFT" if off and m and kind.startswith("kvtier") else ""
+            n = len([r for r in sel if r['ttft_s'] is not None])
+            label = f"{kind} ({mode})" if kind == "miss+store" else kind
+            print(f"| {L} | {label} | {m * 1000:.1f} | {n} | {vs_rc} | {vs_off} | {eq_rc} | {eq_gp} | {ctr} |")
+    for mode, r in runs.items():
+        if "itl_load" in r:
+            print(f"\nITL {mode}: no load {r['itl_idle']}; with a {r['itl_load'].get('tokens_in')}-token prompt "
+                  f"arriving: {r['itl_load']}")
+        print(f"{mode}: engine built in {r['build_s']:.1f} s, {r['scheduler']}")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make-model")
+    m.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
+    m.add_argument("--out", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--mode", choices=["alone", "offload", "kvtier"], required=True)
+    r.add_argument("--model", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--lengths", default="4097,16385,32769")
+    r.add_argument("--reps", type=int, default=2)
+    r.add_argument("--max-tokens", type=int, default=16)
+    r.add_argument("--max-model-len", type=int, default=33792)
+    r.add_argument("--gpu-mem", type=float, default=0.5)
+    r.add_argument("--cpu-bytes", type=float, default=16e9)
+    r.add_argument("--settle", type=float, default=1.0, help="seconds after a store before the hits")
+    r.add_argument("--graphs", action="store_true", help="CUDA graphs (default: enforce_eager)")
+    r.add_argument("--itl", action="store_true")
+    r.add_argument("--l2", action="store_true")
+    t = sub.add_parser("table")
+    t.add_argument("results", nargs="+")
+    a = ap.parse_args()
+    if a.cmd == "make-model":
+        make_model(a.geometry, a.out)
+        return 0
+    if a.cmd == "run":
+        run_mode(a)
+        return 0
+    return table(a.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
