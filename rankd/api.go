@@ -310,10 +310,9 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 	if err != nil {
 		return err
 	}
-	if err := d.eng.Authorize(req.Namespace, req.Session, d.callerOf(msg)); err != nil {
-		return fmt.Errorf("store %s: %w", req.RequestID, err)
-	}
-	f, err := d.eng.Store(ctx, transfer.StoreRequest(*req))
+	// The engine serves it only for the session's owner (checked where it
+	// finds the session).
+	f, err := d.eng.Store(ctx, transfer.StoreRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		return err
 	}
@@ -349,14 +348,9 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 		d.reportRejected(msg.Data, err)
 		return err
 	}
-	// The caller must own the session before anything is placed.
-	var res transfer.RetrieveResult
-	err = d.eng.Authorize(req.Namespace, req.Session, d.callerOf(msg))
-	if err == nil {
-		res, err = d.eng.Retrieve(ctx, transfer.RetrieveRequest(*req))
-	} else {
-		err = fmt.Errorf("retrieve %s: %w", req.RestoreID, err)
-	}
+	// The caller must own the session before anything is placed: the
+	// engine checks it where it finds the session.
+	res, err := d.eng.Retrieve(ctx, transfer.RetrieveRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		if req.RestoreID != "" {
 			// The coordinator must learn that this rank placed nothing, so

@@ -62,8 +62,9 @@ type rig struct {
 	image  [][][]byte // nil when the pools are too large to mirror (sparse)
 	stream cuda.Stream
 	// session is the session of the latest register; storeReq and
-	// retrieveReq name it.
+	// retrieveReq name it, sent as caller (register's owner is "").
 	session string
+	caller  string
 }
 
 // newRig allocates pools of blocks[g] pages per group and fills them with
@@ -294,7 +295,7 @@ func (r *rig) record() (cuda.Event, cuda.EventHandle) {
 
 // storeReq builds a store of chunks (at their blocks).
 func (r *rig) storeReq(reqID string, h cuda.EventHandle, cs ...chunk) StoreRequest {
-	req := StoreRequest{RequestID: reqID, Namespace: r.res.Namespace, Session: r.session, Event: h}
+	req := StoreRequest{RequestID: reqID, Namespace: r.res.Namespace, Session: r.session, Event: h, Caller: r.caller}
 	for _, c := range cs {
 		req.Chunks = append(req.Chunks, wire.ChunkBlocks{Chunk: c.hash, Blocks: c.blocks})
 	}
@@ -304,7 +305,7 @@ func (r *rig) storeReq(reqID string, h cuda.EventHandle, cs ...chunk) StoreReque
 // retrieveReq builds a retrieve of chunks into targets (one per chunk),
 // for TP rank tp.
 func (r *rig) retrieveReq(tp int, cs []chunk, targets [][][]int64) RetrieveRequest {
-	req := RetrieveRequest{RestoreID: "restore", Namespace: r.res.Namespace, Session: r.session}
+	req := RetrieveRequest{RestoreID: "restore", Namespace: r.res.Namespace, Session: r.session, Caller: r.caller}
 	for ci, c := range cs {
 		for gi := range r.res.Groups {
 			key := dcp.Key{NS: r.res.Namespace, Chunk: c.hash, Shard: uint16(r.res.ReadShard(gi, tp)), Group: uint16(gi)}

@@ -138,9 +138,11 @@ func newSessionID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// acquireSpace returns the live space of session id in namespace ns with a
+// acquireSpace returns the live space of session id in namespace ns, after
+// checking under the lock that finds it that caller is the identity that
+// registered it (STYLE 32: authorization travels with the call), with a
 // reference held: the pools that registration imported, never another's.
-func (e *Engine) acquireSpace(ns dcp.Namespace, id string) (*space, error) {
+func (e *Engine) acquireSpace(ns dcp.Namespace, id, caller string) (*space, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closing {
@@ -148,6 +150,9 @@ func (e *Engine) acquireSpace(ns dcp.Namespace, id string) (*space, error) {
 	}
 	sp, err := e.sess.lookupLocked(ns, id)
 	if err != nil {
+		return nil, err
+	}
+	if err := sp.authorize(ns, caller); err != nil {
 		return nil, err
 	}
 	sp.refs++
@@ -314,20 +319,11 @@ func (e *Engine) checkOwnerLocked(ns dcp.Namespace, owner string) error {
 	return nil
 }
 
-// Authorize checks that caller may use session id of namespace ns: the
-// session is live and caller is the identity that registered it. A session
-// never changes owner, so a request checked here and then served by Store
-// or Retrieve (which look the session up again, and refuse it if it was
-// retired since) is served for its owner only.
-func (e *Engine) Authorize(ns dcp.Namespace, id, caller string) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sp, err := e.sess.lookupLocked(ns, id)
-	if err != nil {
-		return err
-	}
+// authorize refuses caller unless it is the identity that registered sp
+// (Store, Retrieve and Release check it under the lock that found sp).
+func (sp *space) authorize(ns dcp.Namespace, caller string) error {
 	if sp.owner != caller {
-		return fmt.Errorf("session %s of namespace %s belongs to engine %q, the caller is %q: %w", id, ns, sp.owner, caller, ErrUnauthorized)
+		return fmt.Errorf("session %s of namespace %s belongs to engine %q, the caller is %q: %w", sp.id, ns, sp.owner, caller, ErrUnauthorized)
 	}
 	return nil
 }
@@ -343,8 +339,8 @@ func (e *Engine) Release(ns dcp.Namespace, id, caller string) error {
 	if err != nil {
 		return fmt.Errorf("release: %w", err)
 	}
-	if sp.owner != caller {
-		return fmt.Errorf("release: session %s of namespace %s belongs to engine %q, the caller is %q: %w", id, ns, sp.owner, caller, ErrUnauthorized)
+	if err := sp.authorize(ns, caller); err != nil {
+		return fmt.Errorf("release: %w", err)
 	}
 	e.sess.retireLocked(sp, "released")
 	return nil

@@ -16,8 +16,8 @@ import (
 )
 
 // RetrieveRequest asks the engine to place objects into the engine's
-// pages. It has the same fields as wire.RetrieveRequest, so the daemon
-// converts with transfer.RetrieveRequest(req).
+// pages. It has the fields of wire.RetrieveRequest and the caller
+// (RetrieveRequestOf).
 type RetrieveRequest struct {
 	// RestoreID names the coordinator's restore, for logs ("" if none).
 	RestoreID string
@@ -32,6 +32,16 @@ type RetrieveRequest struct {
 	// engine always looks in L1 first, then in the shared L2, whichever
 	// rank wrote it, then in L3).
 	Items []wire.RetrieveItem
+	// Caller is the engine identity that sent the request (as
+	// StoreRequest.Caller): it must own the session, checked under the
+	// lock that finds it, before anything is placed (ErrUnauthorized).
+	Caller string
+}
+
+// RetrieveRequestOf is the retrieve that caller sent as req.
+func RetrieveRequestOf(req *wire.RetrieveRequest, caller string) RetrieveRequest {
+	return RetrieveRequest{RestoreID: req.RestoreID, Namespace: req.Namespace, Session: req.Session,
+		Items: req.Items, Caller: caller}
 }
 
 // ItemResult is the authoritative outcome of one item.
@@ -105,11 +115,12 @@ func (r RetrieveResult) Wire() wire.RetrieveReply {
 // the device has finished and every placed object is verified. Each object
 // comes from L1, or from L2 into L1 (verified before any scatter), is
 // pinned, scattered, and its checksum compared with the recorded one. The
-// error is for the request as a whole (ErrUnknownNamespace, ErrBadRequest,
-// ErrClosed); per-object failures are in the result.
+// error is for the request as a whole (ErrUnknownSession, ErrStaleSession,
+// ErrUnauthorized, ErrUnknownNamespace, ErrBadRequest, ErrClosed);
+// per-object failures are in the result.
 func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveResult, error) {
 	start := time.Now()
-	sp, err := e.acquireSpace(req.Namespace, req.Session)
+	sp, err := e.acquireSpace(req.Namespace, req.Session, req.Caller)
 	if err != nil {
 		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, err)
 	}

@@ -198,8 +198,10 @@ func TestReleasedSessionIsStale(t *testing.T) {
 }
 
 // TestOtherOwnerRefused: while a session is live, another engine identity
-// may neither register the namespace nor use or release the session; the
-// owner's session keeps working.
+// may neither register the namespace nor use or release the session: a
+// store or retrieve it sends is refused where the engine finds the session
+// (STYLE 32), before anything is imported or placed; the owner's session
+// keeps working.
 func TestOtherOwnerRefused(t *testing.T) {
 	dev := openDevice(t, "")
 	ra := newRig(t, dev, c1Spec(), []int64{8})
@@ -209,19 +211,32 @@ func TestOtherOwnerRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ra.session = sa.ID
+	ra.session, ra.caller = sa.ID, "engine/a"
 	_, err = e.Register(testCtx(t), rb.registration(), "engine/b")
 	if !errors.Is(err, ErrUnauthorized) || !strings.Contains(err.Error(), `live session `+sa.ID+` of engine "engine/a", the caller is "engine/b"`) {
 		t.Fatalf("registration by another identity = %v", err)
 	}
-	if err := e.Authorize(ra.res.Namespace, sa.ID, "engine/b"); !errors.Is(err, ErrUnauthorized) {
-		t.Fatalf("Authorize(other) = %v", err)
+	c0 := ra.newChunk(0, ra.consecutiveN(1))
+	ra.write(c0, c0.blocks, 0)
+	_, h0 := ra.record()
+	for _, caller := range []string{"engine/b", ""} {
+		sr := ra.storeReq("other", h0, c0)
+		sr.Caller = caller
+		if _, err := e.Store(testCtx(t), sr); !errors.Is(err, ErrUnauthorized) ||
+			!strings.Contains(err.Error(), `belongs to engine "engine/a", the caller is "`+caller+`"`) {
+			t.Fatalf("Store by %q = %v", caller, err)
+		}
+		rr := ra.retrieveReq(0, []chunk{c0}, [][][]int64{ra.consecutiveN(2)})
+		rr.Caller = caller
+		if _, err := e.Retrieve(testCtx(t), rr); !errors.Is(err, ErrUnauthorized) {
+			t.Fatalf("Retrieve by %q = %v", caller, err)
+		}
+	}
+	if st := e.Stats(); st.StoresInflight != 0 || st.ObjectsStored != 0 {
+		t.Fatalf("refused stores left work: %+v", st)
 	}
 	if err := e.Release(ra.res.Namespace, sa.ID, "engine/b"); !errors.Is(err, ErrUnauthorized) {
 		t.Fatalf("Release(other) = %v", err)
-	}
-	if err := e.Authorize(ra.res.Namespace, sa.ID, "engine/a"); err != nil {
-		t.Fatalf("Authorize(owner) = %v", err)
 	}
 	// The owner's re-registration supersedes (its restart).
 	sa2, err := e.Register(testCtx(t), ra.registration(), "engine/a")

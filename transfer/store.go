@@ -15,8 +15,8 @@ import (
 )
 
 // StoreRequest asks the engine to store chunks from the engine's pages once
-// the producer event has completed. It has the same fields as
-// wire.StoreRequest, so the daemon converts with transfer.StoreRequest(req).
+// the producer event has completed. It has the fields of wire.StoreRequest
+// and the caller (StoreRequestOf).
 type StoreRequest struct {
 	// RequestID is the engine's request; many stores may share it (a long
 	// prompt is stored incrementally). It only groups futures for
@@ -35,6 +35,17 @@ type StoreRequest struct {
 	// and holds it until the device has read the pages and the objects are
 	// committed.
 	Event cuda.EventHandle
+	// Caller is the engine identity that sent the request, as the
+	// connection layer authenticated it: it must be the session's owner
+	// (the owner Register was given), checked under the lock that finds
+	// the session (ErrUnauthorized). Never from the request's bytes.
+	Caller string
+}
+
+// StoreRequestOf is the store that caller sent as req.
+func StoreRequestOf(req *wire.StoreRequest, caller string) StoreRequest {
+	return StoreRequest{RequestID: req.RequestID, Namespace: req.Namespace, Session: req.Session,
+		Chunks: req.Chunks, Event: req.Event, Caller: caller}
 }
 
 // MaxStoreChunks bounds the chunks of one store or retrieve request.
@@ -187,13 +198,15 @@ type request struct {
 // Store validates req, imports its producer event and starts a store
 // future; it returns without waiting for the device. This rank stores the
 // shard dcp.StoreShard assigns it for every group (none for some MLA
-// ranks); objects already held are deduplicated. Errors: ErrUnknownNamespace,
-// ErrBadRequest (wrapping dcp or cuda causes), ErrClosed.
+// ranks); objects already held are deduplicated. Errors: ErrUnknownSession,
+// ErrStaleSession, ErrUnauthorized (req.Caller is not the session's
+// owner), ErrUnknownNamespace, ErrBadRequest (wrapping dcp or cuda
+// causes), ErrClosed.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	sp, err := e.acquireSpace(req.Namespace, req.Session)
+	sp, err := e.acquireSpace(req.Namespace, req.Session, req.Caller)
 	if err != nil {
 		return nil, fmt.Errorf("store %q: %w", req.RequestID, err)
 	}
