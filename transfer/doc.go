@@ -39,10 +39,11 @@
 // and the engine recomputes it, but its pages have been written.
 //
 // Tiers: L1 is pinned host memory this engine owns. With a host L1
-// directory (Config.HostL1Dir) L1 is a shared-memory segment that the
-// other ranks of the host map read-only: a lock-free catalog of slots the
-// holder publishes and retires (under Engine.mu) and readers lease, so a
-// rank restores from a peer's L1 without a copy through L2. L2 is the
+// directory (Config.HostL1Dir) L1 is a shared-memory segment
+// (transfer/hostl1) that the other ranks of the host map read-only: a
+// lock-free catalog of slots the holder publishes and retires (under
+// Engine.mu) and readers lease, so a rank restores from a peer's L1
+// without a copy through L2. L2 is the
 // file tier (transfer/tier.FileTier): one file per object, written
 // durably, verified on every read, quarantined when corrupt, bounded and
 // evicted LRU by the engine. L3 is an object-storage bucket
@@ -54,16 +55,21 @@
 // the object format; it never takes Engine.mu and knows nothing of the
 // engine. Its sentinel errors (ErrNotFound, ErrCorrupt, ErrIO, ErrUnsafe,
 // ErrConfig) are aliased here, with its types (L2Object, FileTier,
-// L3Tier, ...), so callers keep the transfer names. The host-shared L1
-// segment (peerl1seg.go, peerl1file.go) never takes Engine.mu either; it
-// is to move to transfer/hostl1 (issue 30), not done yet.
+// L3Tier, ...), so callers keep the transfer names. transfer/hostl1 holds
+// the host-shared L1 segment (its layout, the lock-free catalog, its
+// files); it never takes Engine.mu either and has its own sentinel errors,
+// which the engine matches to its own of the same meaning where they
+// reach a caller (ErrConfig, ErrIO, ... from New). Here stay the engine's
+// side of the host L1 (peerl1.go: publishing and retiring under
+// Engine.mu, the table of mapped peer segments registered with the
+// device, and the retrieve's reads from peers).
 //
 // Locks, outermost first: Engine.mu (guards the catalog, sessions,
 // futures, the L2 and L3 accounting and the holder's side of the host L1
 // segment); then peerTable.mu (the mapped peer segments and their
 // reference counts; taken alone, or inside Engine.mu when a retrieve
-// drops its peer references). transfer/tier takes no lock of its own; the
-// host L1 segment is lock-free (atomics and leases). No lock is held
+// drops its peer references). transfer/tier takes no lock of its own;
+// transfer/hostl1 is lock-free (atomics, seqlocked slots and leases). No lock is held
 // across a NATS request (the engine makes none: it hands events to the
 // Publisher outside Engine.mu), nor across an L2 or L3 Put (the writers
 // unlock around it).

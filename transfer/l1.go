@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/transfer/hostl1"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -104,7 +105,7 @@ type catalog struct {
 	// seg is the host L1 segment (nil unless Config.HostL1Dir): its
 	// catalog lists the ready objects for peer rankds; leaseTTL (ns) is how
 	// long a peer's lease keeps an object from being chosen for eviction.
-	seg      *segment
+	seg      *hostl1.Segment
 	leaseTTL int64
 	prefix   []uint64 // scratch for window scans
 	blocked  []int32

@@ -11,11 +11,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/transfer/hostl1"
 	"github.com/kvtier/kvtier/wire"
 )
 
-// The engine's side of the host-shared L1 (see peerl1seg.go for the
-// segment and its slot protocol). As holder, the engine publishes every
+// The engine's side of the host-shared L1 (package transfer/hostl1 is
+// the segment and its slot protocol; it never takes Engine.mu). As holder, the engine publishes every
 // committed L1 object in its segment's catalog and retires it the moment
 // it is dropped; an object a peer holds a fresh lease on is not chosen for
 // eviction. As reader, a retrieve looks for an object it does not hold in
@@ -46,7 +47,7 @@ type peerTable struct {
 // only when the last one is done.
 type peerMap struct {
 	tp   int
-	ps   *peerSeg
+	ps   *hostl1.Peer
 	buf  cuda.HostBuf
 	refs int  // guarded by peerTable.mu
 	gone bool // replaced or closed: unmap at refs 0
@@ -56,18 +57,18 @@ type peerMap struct {
 // it with put), mapping it (again) when it is new or was replaced; nil
 // when the peer has none.
 func (t *peerTable) get(r wire.Rank) *peerMap {
-	ino := segInode(t.dir, r)
+	ino := hostl1.Inode(t.dir, r)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done {
 		return nil
 	}
 	m := t.segs[r.TPRank]
-	if m != nil && (m.ps.ino != ino || m.ps.seg.closed()) {
+	if m != nil && (m.ps.Inode() != ino || m.ps.Closed()) {
 		t.dropLocked(m)
 		m = nil
 	}
-	if m != nil && !m.ps.holderAlive() {
+	if m != nil && !m.ps.HolderAlive() {
 		t.deadLocked(r, m.ps)
 		t.dropLocked(m)
 		return nil
@@ -76,28 +77,28 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 		if ino == 0 || t.deadIno[r.TPRank] == ino {
 			return nil
 		}
-		ps, err := openPeerSegment(t.dir, r)
+		ps, err := hostl1.OpenPeer(t.dir, r)
 		if err != nil {
 			t.log.Debug("host L1: peer segment not usable", zap.Stringer("peer", r), zap.Error(err))
 			return nil
 		}
-		if ps.seg.closed() || !ps.holderAlive() {
-			if !ps.seg.closed() {
+		if ps.Closed() || !ps.HolderAlive() {
+			if !ps.Closed() {
 				t.deadLocked(r, ps)
 			}
-			ps.unmap()
+			ps.Unmap()
 			return nil
 		}
-		buf, err := t.dev.RegisterHost(ps.dataMap, true)
+		buf, err := t.dev.RegisterHost(ps.Data(), true)
 		if err != nil {
-			ps.unmap()
+			ps.Unmap()
 			t.log.Warn("host L1: register a peer's segment with the device failed; reading from L2", zap.Stringer("peer", r), zap.Error(err))
 			return nil
 		}
 		m = &peerMap{tp: r.TPRank, ps: ps, buf: buf}
 		t.segs[r.TPRank] = m
-		t.log.Info("host L1: mapped a peer's segment", zap.Stringer("peer", r), zap.Uint64("incarnation", ps.incarnation),
-			zap.Uint64("bytes", uint64(len(ps.dataMap))))
+		t.log.Info("host L1: mapped a peer's segment", zap.Stringer("peer", r), zap.Uint64("incarnation", ps.Incarnation()),
+			zap.Uint64("bytes", uint64(len(ps.Data()))))
 	}
 	m.refs++
 	return m
@@ -106,11 +107,11 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 // deadLocked records that ps was left by a holder that died without
 // closing it (kill -9): its objects are never read, since the rank is
 // (or is about to be) fenced and the index no longer lists them.
-func (t *peerTable) deadLocked(r wire.Rank, ps *peerSeg) {
-	t.deadIno[r.TPRank] = ps.ino
+func (t *peerTable) deadLocked(r wire.Rank, ps *hostl1.Peer) {
+	t.deadIno[r.TPRank] = ps.Inode()
 	t.dead.Add(1)
 	t.log.Warn("host L1: a peer's segment was left by a holder that died; not read (its next start replaces it)",
-		zap.Stringer("peer", r), zap.Uint64("incarnation", ps.incarnation), zap.Uint64("inode", ps.ino))
+		zap.Stringer("peer", r), zap.Uint64("incarnation", ps.Incarnation()), zap.Uint64("inode", ps.Inode()))
 }
 
 func (t *peerTable) put(m *peerMap) {
@@ -132,7 +133,7 @@ func (t *peerTable) dropLocked(m *peerMap) {
 
 func (t *peerTable) unmapLocked(m *peerMap) {
 	_ = m.buf.Release()
-	m.ps.unmap()
+	m.ps.Unmap()
 }
 
 // close unmaps every peer segment (Close, after every retrieve ended).
@@ -147,10 +148,10 @@ func (t *peerTable) close() {
 
 // openHostL1 creates this rank's segment and makes its data region L1.
 func (e *Engine) openHostL1(nslabs int) error {
-	geo := newSegGeometry(uint64(nslabs), e.cfg.L1SlabBytes)
-	seg, col, err := createSegment(e.cfg.HostL1Dir, e.cfg.Rank, geo, e.cfg.Incarnation)
+	geo := hostl1.NewGeometry(uint64(nslabs), e.cfg.L1SlabBytes)
+	seg, col, err := hostl1.Create(e.cfg.HostL1Dir, e.cfg.Rank, geo, e.cfg.Incarnation)
 	if err != nil {
-		return fmt.Errorf("transfer: host L1: %w", err)
+		return fmt.Errorf("transfer: host L1: %w", hostL1Error(err))
 	}
 	if col.Replaced || col.Temps > 0 {
 		n := uint64(col.Temps)
@@ -165,12 +166,12 @@ func (e *Engine) openHostL1(nslabs int) error {
 		log("host L1: collected the files an earlier run of this rank left", zap.Bool("segment_replaced", col.Replaced),
 			zap.Bool("holder_dead", col.DeadHolder), zap.Int("temp_files", col.Temps))
 	}
-	buf, err := e.dev.RegisterHost(seg.data, false)
+	buf, err := e.dev.RegisterHost(seg.Data(), false)
 	if err != nil {
-		seg.closeOwn(e.cfg.HostL1Dir, e.cfg.Rank)
-		return fmt.Errorf("transfer: host L1: register %d B with the device: %w", len(seg.data), errors.Join(err, ErrDevice))
+		seg.Close()
+		return fmt.Errorf("transfer: host L1: register %d B with the device: %w", len(seg.Data()), errors.Join(err, ErrDevice))
 	}
-	e.l1buf, e.l1mem = buf, seg.data
+	e.l1buf, e.l1mem = buf, seg.Data()
 	e.cat.seg = seg
 	e.cat.leaseTTL = int64(e.cfg.RetrieveTimeout)
 	e.peers = &peerTable{dir: e.cfg.HostL1Dir, dev: e.dev, log: e.log, dead: &e.ctr.peerL1DeadHolders,
@@ -190,7 +191,7 @@ func (e *Engine) closeHostL1() {
 		e.peers.close()
 	}
 	if e.cat.seg != nil {
-		e.cat.seg.closeOwn(e.cfg.HostL1Dir, e.cfg.Rank)
+		e.cat.seg.Close()
 		e.cat.seg = nil
 	}
 }
@@ -201,7 +202,7 @@ func (e *Engine) peerPublishLocked(o *l1Obj) {
 	if c.seg == nil {
 		return
 	}
-	s, err := c.seg.publish(o.key, c.off(o), o.size, o.sum)
+	s, err := c.seg.Publish(o.key, c.off(o), o.size, o.sum)
 	if err != nil { // cannot happen: twice as many slots as slabs
 		e.log.Error("BUG: host L1 catalog full; the object is served to this rank only", zap.Stringer("key", o.key), zap.Error(err))
 		return
@@ -214,19 +215,19 @@ func (e *Engine) peerRetireLocked(o *l1Obj) {
 	if e.cat.seg == nil || o.pslot < 0 {
 		return
 	}
-	e.cat.seg.retire(uint64(o.pslot))
+	e.cat.seg.Retire(uint64(o.pslot))
 	o.pslot = -1
 }
 
 // peerLeased reports whether a peer holds a fresh lease on o.
 func (c *catalog) peerLeased(o *l1Obj, now time.Time) bool {
-	return c.seg != nil && o.pslot >= 0 && c.seg.leased(uint64(o.pslot), now.UnixNano(), c.leaseTTL)
+	return c.seg != nil && o.pslot >= 0 && c.seg.Leased(uint64(o.pslot), now.UnixNano(), c.leaseTTL)
 }
 
 // peerItem is an item of a retrieve read from a peer's L1.
 type peerItem struct {
 	m      *peerMap
-	v      slotView
+	v      hostl1.Slot
 	leased bool
 }
 
@@ -253,18 +254,18 @@ func (r *retrieval) findPeers(idx []int) (missed []int) {
 		it := r.req.Items[i]
 		found := false
 		for _, m := range maps {
-			v, miss := m.ps.seg.find(it.Key)
-			if miss != segHit {
+			v, miss := m.ps.Find(it.Key)
+			if miss != hostl1.Hit {
 				continue
 			}
-			if v.size != res.ObjectSize(it.Group) || (it.Sum != 0 && v.sum != it.Sum) {
+			if v.Size != res.ObjectSize(it.Group) || (it.Sum != 0 && v.Sum != it.Sum) {
 				e.ctr.peerL1Failures.Add(1)
 				e.log.Warn("host L1: a peer holds the object with another size or checksum than expected; not used",
-					zap.Stringer("key", it.Key), zap.Int("peer", m.tp), zap.Uint64("size", v.size), zap.Uint64("sum", v.sum),
+					zap.Stringer("key", it.Key), zap.Int("peer", m.tp), zap.Uint64("size", v.Size), zap.Uint64("sum", v.Sum),
 					zap.Uint64("want_size", res.ObjectSize(it.Group)), zap.Uint64("want_sum", it.Sum))
 				continue
 			}
-			if !m.ps.seg.lease(v, now) {
+			if !m.ps.Lease(v, now) {
 				e.ctr.peerL1Stale.Add(1)
 				continue // evicted or replaced between finding and leasing
 			}
@@ -294,7 +295,7 @@ func (r *retrieval) releasePeer(i int) {
 	}
 	r.peer[i] = nil
 	if p.leased {
-		p.m.ps.seg.unlease(p.v)
+		p.m.ps.Unlease(p.v)
 	}
 	r.e.peers.put(p.m)
 }
@@ -324,7 +325,7 @@ func (r *retrieval) scatterPeers(ctx context.Context, items []int) {
 		idx := byMap[m]
 		objs := make([]cuda.Object, len(idx))
 		for k, i := range idx {
-			objs[k] = cuda.Object{HostOff: r.peer[i].v.off, Spans: r.spans[i]}
+			objs[k] = cuda.Object{HostOff: r.peer[i].v.Off, Spans: r.spans[i]}
 		}
 		sums, ok := r.scatterFrom(ctx, m.buf, idx, objs)
 		if !ok {
@@ -338,17 +339,38 @@ func (r *retrieval) scatterPeers(ctx context.Context, items []int) {
 			p := r.peer[i]
 			ir := &r.res.Items[i]
 			ir.Sum = sums[k]
-			if sums[k] != p.v.sum {
+			if sums[k] != p.v.Sum {
 				r.fail(i, fmt.Errorf("the scatter of %s from the L1 of TP rank %d read kvsum64 %016x, recorded %016x (evicted during the read): %w",
-					r.req.Items[i].Key, m.tp, sums[k], p.v.sum, ErrCorrupt))
+					r.req.Items[i].Key, m.tp, sums[k], p.v.Sum, ErrCorrupt))
 				e.ctr.peerL1Failures.Add(1)
 			} else {
 				ir.OK = true
 				e.ctr.peerL1Reads.Add(1)
-				e.ctr.peerL1Bytes.Add(p.v.size)
+				e.ctr.peerL1Bytes.Add(p.v.Size)
 				e.ctr.objectsRestored.Add(1)
 			}
 			r.releasePeer(i)
 		}
 	}
 }
+
+// hostL1Error makes an error of transfer/hostl1 also match this package's
+// sentinel of the same meaning (its text unchanged), so callers keep
+// testing errors.Is(err, transfer.ErrConfig) and the like.
+func hostL1Error(err error) error {
+	for _, m := range [...]struct{ leaf, ours error }{
+		{hostl1.ErrConfig, ErrConfig}, {hostl1.ErrCorrupt, ErrCorrupt}, {hostl1.ErrIO, ErrIO},
+		{hostl1.ErrNotFound, ErrNotFound}, {hostl1.ErrFull, ErrL1Full},
+	} {
+		if errors.Is(err, m.leaf) {
+			return &leafError{err: err, ours: m.ours}
+		}
+	}
+	return err
+}
+
+// leafError is an error of a leaf package that also matches ours.
+type leafError struct{ err, ours error }
+
+func (e *leafError) Error() string   { return e.err.Error() }
+func (e *leafError) Unwrap() []error { return []error{e.err, e.ours} }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/hostl1"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -316,7 +317,7 @@ func TestPeerL1DirRules(t *testing.T) {
 	}
 	seg := filepath.Join(good, "test.0.l1")
 	fi, err := os.Lstat(seg)
-	if err != nil || fi.Mode().Perm() != 0o600 || uint64(fi.Size()) != newSegGeometry(cfg.L1Bytes/cfg.L1SlabBytes, cfg.L1SlabBytes).size() {
+	if err != nil || fi.Mode().Perm() != 0o600 || uint64(fi.Size()) != hostl1.NewGeometry(cfg.L1Bytes/cfg.L1SlabBytes, cfg.L1SlabBytes).Size() {
 		t.Fatalf("segment %s: %v %v", seg, fi, err)
 	}
 	closeEngine(t, e)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer/hostl1"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -34,20 +35,20 @@ func runSegHolder(dir string) int {
 		return 2
 	}
 	r0 := wire.Rank{Instance: "test", TPRank: 0}
-	s, _, err := createSegment(dir, r0, newSegGeometry(16, 64<<10), 1)
+	s, _, err := hostl1.Create(dir, r0, hostl1.NewGeometry(16, 64<<10), 1)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	size := res.ObjectSize(0)
 	payload := testutil.RandomBytes(size, 0)
-	copy(s.data, payload)
+	copy(s.Data(), payload)
 	key := dcp.Key{NS: res.Namespace, Chunk: chunkHash(0), Shard: uint16(res.ReadShard(0, 0))}
-	if _, err := s.publish(key, 0, size, checksum.Sum(payload)); err != nil {
+	if _, err := s.Publish(key, 0, size, checksum.Sum(payload)); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	tmp, err := os.OpenFile(filepath.Join(dir, segFileName(r0)+".tmp-"+strconv.Itoa(os.Getpid())), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	tmp, err := os.OpenFile(filepath.Join(dir, hostl1.FileName(r0)+".tmp-"+strconv.Itoa(os.Getpid())), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err == nil {
 		err = syscall.Flock(int(tmp.Fd()), syscall.LOCK_EX)
 	}
@@ -122,8 +123,8 @@ func TestPeerL1HolderKilled(t *testing.T) {
 	r1.expectRestored(c, r1.consecutiveN(1))
 	r1.check("restored from the live holder")
 
-	segPath := filepath.Join(dir, segFileName(wire.Rank{Instance: "test", TPRank: 0}))
-	oldIno := segInode(dir, wire.Rank{Instance: "test", TPRank: 0})
+	segPath := filepath.Join(dir, hostl1.FileName(wire.Rank{Instance: "test", TPRank: 0}))
+	oldIno := hostl1.Inode(dir, wire.Rank{Instance: "test", TPRank: 0})
 	kill()
 	if _, err := os.Lstat(segPath); err != nil {
 		t.Fatalf("the killed holder's segment: %v, want it left behind", err)
@@ -153,7 +154,7 @@ func TestPeerL1HolderKilled(t *testing.T) {
 	if tmps, _ := filepath.Glob(segPath + ".tmp-*"); len(tmps) != 0 {
 		t.Fatalf("temporary segment files left: %v", tmps)
 	}
-	if ino := segInode(dir, wire.Rank{Instance: "test", TPRank: 0}); ino == 0 || ino == oldIno {
+	if ino := hostl1.Inode(dir, wire.Rank{Instance: "test", TPRank: 0}); ino == 0 || ino == oldIno {
 		t.Fatalf("segment inode %d after the restart, the killed run's was %d", ino, oldIno)
 	}
 	if rr := retrieve(4); rr.ChunkOK(0) {

@@ -1,4 +1,4 @@
-package transfer
+package hostl1
 
 import (
 	"errors"
@@ -13,12 +13,12 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-func testSeg(t *testing.T, slabs uint64) *segment {
+func testSeg(t *testing.T, slabs uint64) *Segment {
 	t.Helper()
-	geo := newSegGeometry(slabs, 4096)
-	mem := make([]uint64, geo.size()/8) // 8-aligned, like a mapping
-	all := unsafe.Slice((*byte)(unsafe.Pointer(&mem[0])), geo.size())
-	s := &segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], geo: geo}
+	geo := NewGeometry(slabs, 4096)
+	mem := make([]uint64, geo.Size()/8) // 8-aligned, like a mapping
+	all := unsafe.Slice((*byte)(unsafe.Pointer(&mem[0])), geo.Size())
+	s := &Segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], geo: geo}
 	s.initHeader(7, 1)
 	return s
 }
@@ -38,38 +38,38 @@ func TestSegPublishFindRetire(t *testing.T) {
 	s := testSeg(t, 16)
 	var slots []uint64
 	for i := range 20 {
-		sl, err := s.publish(segKey(i), uint64(i%16)*4096, 100+uint64(i), 0xfeed0000+uint64(i))
+		sl, err := s.Publish(segKey(i), uint64(i%16)*4096, 100+uint64(i), 0xfeed0000+uint64(i))
 		if err != nil {
 			t.Fatal(err)
 		}
 		slots = append(slots, sl)
 	}
 	for i := range 20 {
-		v, miss := s.find(segKey(i))
-		if miss != segHit || v.off != uint64(i%16)*4096 || v.size != 100+uint64(i) || v.sum != 0xfeed0000+uint64(i) || v.slot != slots[i] || v.gen%2 != 0 {
+		v, miss := s.Find(segKey(i))
+		if miss != Hit || v.Off != uint64(i%16)*4096 || v.Size != 100+uint64(i) || v.Sum != 0xfeed0000+uint64(i) || v.slot != slots[i] || v.gen%2 != 0 {
 			t.Fatalf("key %d: %+v miss %d", i, v, miss)
 		}
 	}
-	if _, miss := s.find(segKey(99)); miss != segNone {
-		t.Fatalf("unknown key: miss %d, want segNone", miss)
+	if _, miss := s.Find(segKey(99)); miss != Absent {
+		t.Fatalf("unknown key: miss %d, want Absent", miss)
 	}
 	for i := 0; i < 20; i += 2 {
-		s.retire(slots[i])
+		s.Retire(slots[i])
 	}
 	for i := range 20 {
-		_, miss := s.find(segKey(i))
-		if want := map[bool]segMiss{true: segNone, false: segHit}[i%2 == 0]; miss != want {
+		_, miss := s.Find(segKey(i))
+		if want := map[bool]Miss{true: Absent, false: Hit}[i%2 == 0]; miss != want {
 			t.Fatalf("after retiring the even keys, key %d: miss %d want %d", i, miss, want)
 		}
 	}
-	old, _ := s.find(segKey(1))
-	s.retire(old.slot)
-	sl, err := s.publish(segKey(1), 8192, 5, 6)
+	old, _ := s.Find(segKey(1))
+	s.Retire(old.slot)
+	sl, err := s.Publish(segKey(1), 8192, 5, 6)
 	if err != nil {
 		t.Fatal(err)
 	}
-	v, miss := s.find(segKey(1))
-	if miss != segHit || v.off != 8192 || v.size != 5 || v.sum != 6 || v.slot != sl || (v.slot == old.slot && v.gen == old.gen) {
+	v, miss := s.Find(segKey(1))
+	if miss != Hit || v.Off != 8192 || v.Size != 5 || v.Sum != 6 || v.slot != sl || (v.slot == old.slot && v.gen == old.gen) {
 		t.Fatalf("republished: %+v (old %+v)", v, old)
 	}
 }
@@ -78,11 +78,11 @@ func TestSegPublishFindRetire(t *testing.T) {
 // region (a damaged catalog) is a miss, never a read out of range.
 func TestSegOutOfRangeSlotIsMiss(t *testing.T) {
 	s := testSeg(t, 4)
-	if _, err := s.publish(segKey(1), uint64(len(s.data))-10, 11, 1); err != nil {
+	if _, err := s.Publish(segKey(1), uint64(len(s.data))-10, 11, 1); err != nil {
 		t.Fatal(err)
 	}
-	if v, miss := s.find(segKey(1)); miss != segNone {
-		t.Fatalf("slot past the data region (%d B): %+v miss %d, want segNone", len(s.data), v, miss)
+	if v, miss := s.Find(segKey(1)); miss != Absent {
+		t.Fatalf("slot past the data region (%d B): %+v miss %d, want Absent", len(s.data), v, miss)
 	}
 }
 
@@ -90,16 +90,16 @@ func TestSegOutOfRangeSlotIsMiss(t *testing.T) {
 // taken; once the rewrite ends it is.
 func TestSegTornSlot(t *testing.T) {
 	s := testSeg(t, 4)
-	sl, _ := s.publish(segKey(3), 4096, 10, 11)
+	sl, _ := s.Publish(segKey(3), 4096, 10, 11)
 	seq := s.seq(sl)
 	g := seq.Load()
 	seq.Store(g + 1) // the holder died (or is) mid-rewrite
 	s.u64(s.slot(sl) + 72).Store(999)
-	if v, miss := s.find(segKey(3)); miss != segBusy {
-		t.Fatalf("mid-rewrite slot: %+v miss %d, want segBusy", v, miss)
+	if v, miss := s.Find(segKey(3)); miss != Busy {
+		t.Fatalf("mid-rewrite slot: %+v miss %d, want Busy", v, miss)
 	}
 	seq.Store(g + 2)
-	if v, miss := s.find(segKey(3)); miss != segHit || v.size != 999 || v.gen != g+2 {
+	if v, miss := s.Find(segKey(3)); miss != Hit || v.Size != 999 || v.gen != g+2 {
 		t.Fatalf("after the rewrite: %+v miss %d", v, miss)
 	}
 }
@@ -109,30 +109,30 @@ func TestSegTornSlot(t *testing.T) {
 // the current generation holds the slot until given back or too old.
 func TestSegStaleGeneration(t *testing.T) {
 	s := testSeg(t, 4)
-	sl, _ := s.publish(segKey(5), 0, 10, 11)
-	v, _ := s.find(segKey(5))
-	s.retire(sl)
-	if _, err := s.publish(segKey(5), 4096, 10, 12); err != nil { // same slot, new generation
+	sl, _ := s.Publish(segKey(5), 0, 10, 11)
+	v, _ := s.Find(segKey(5))
+	s.Retire(sl)
+	if _, err := s.Publish(segKey(5), 4096, 10, 12); err != nil { // same slot, new generation
 		t.Fatal(err)
 	}
-	if s.lease(v, 100) {
+	if s.Lease(v, 100) {
 		t.Fatalf("lease on generation %d taken; the slot is at %d", v.gen, s.seq(v.slot).Load())
 	}
-	if n := s.leases(v.slot).Load(); n != 0 || s.leased(v.slot, 100, 50) {
+	if n := s.leases(v.slot).Load(); n != 0 || s.Leased(v.slot, 100, 50) {
 		t.Fatalf("refused lease left %d leases", n)
 	}
-	cur, _ := s.find(segKey(5))
-	if cur.off != 4096 || cur.sum != 12 || !s.lease(cur, 100) {
+	cur, _ := s.Find(segKey(5))
+	if cur.Off != 4096 || cur.Sum != 12 || !s.Lease(cur, 100) {
 		t.Fatalf("current generation: %+v", cur)
 	}
-	if !s.leased(cur.slot, 120, 50) {
+	if !s.Leased(cur.slot, 120, 50) {
 		t.Fatal("a 20 ns old lease with a 50 ns TTL is not seen")
 	}
-	if s.leased(cur.slot, 151, 50) {
+	if s.Leased(cur.slot, 151, 50) {
 		t.Fatal("a lease older than its TTL still holds the slot")
 	}
-	s.unlease(cur)
-	if s.leased(cur.slot, 120, 50) {
+	s.Unlease(cur)
+	if s.Leased(cur.slot, 120, 50) {
 		t.Fatal("a given-back lease still holds the slot")
 	}
 }
@@ -142,7 +142,7 @@ func TestSegStaleGeneration(t *testing.T) {
 // gets is one of them, never a mix.
 func TestSegConcurrentRewritesNeverTorn(t *testing.T) {
 	s := testSeg(t, 4)
-	sl, _ := s.publish(segKey(9), 4096, 1, 1^0x5555)
+	sl, _ := s.Publish(segKey(9), 4096, 1, 1^0x5555)
 	var stop atomic.Bool
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -155,12 +155,12 @@ func TestSegConcurrentRewritesNeverTorn(t *testing.T) {
 	}()
 	hits := 0
 	for range 50000 {
-		v, miss := s.find(segKey(9))
-		if miss != segHit {
+		v, miss := s.Find(segKey(9))
+		if miss != Hit {
 			continue
 		}
 		hits++
-		if v.sum != v.size^0x5555 || v.off != v.size*4096%uint64(len(s.data)-4096) {
+		if v.Sum != v.Size^0x5555 || v.Off != v.Size*4096%uint64(len(s.data)-4096) {
 			stop.Store(true)
 			wg.Wait()
 			t.Fatalf("torn slot read: %+v", v)
@@ -176,7 +176,7 @@ func TestSegConcurrentRewritesNeverTorn(t *testing.T) {
 // TestSegHeaderChecks: a peer refuses a segment whose header is not one.
 func TestSegHeaderChecks(t *testing.T) {
 	s := testSeg(t, 8)
-	size := s.geo.size()
+	size := s.geo.Size()
 	hdr := append([]byte(nil), s.meta[:segHeaderBytes]...)
 	if g, inc, err := parseSegHeader(hdr, size); err != nil || g != s.geo || inc != 7 {
 		t.Fatalf("good header: %+v %d %v", g, inc, err)
@@ -206,7 +206,7 @@ func TestSegFileSafety(t *testing.T) {
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+	if _, _, err := Create(dir, r0, NewGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
 		t.Fatalf("0755 dir: %v", err)
 	}
 	_ = os.Chmod(dir, 0o700)
@@ -214,33 +214,33 @@ func TestSegFileSafety(t *testing.T) {
 	if err := os.Symlink(dir, link); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := createSegment(link, r0, newSegGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
+	if _, _, err := Create(link, r0, NewGeometry(4, 4096), 1); !errors.Is(err, ErrConfig) {
 		t.Fatalf("symlinked dir: %v", err)
 	}
-	s, _, err := createSegment(dir, r0, newSegGeometry(4, 4096), 1)
+	s, _, err := Create(dir, r0, NewGeometry(4, 4096), 1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := openPeerSegment(dir, r0)
+	p, err := OpenPeer(dir, r0)
 	if err != nil || p.incarnation != 1 || p.seg.geo != s.geo {
 		t.Fatalf("open a good segment: %v", err)
 	}
-	p.unmap()
-	if err := os.Symlink(filepath.Join(dir, segFileName(r0)), filepath.Join(dir, segFileName(r1))); err != nil {
+	p.Unmap()
+	if err := os.Symlink(filepath.Join(dir, FileName(r0)), filepath.Join(dir, FileName(r1))); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := openPeerSegment(dir, r1); err == nil {
+	if _, err := OpenPeer(dir, r1); err == nil {
 		t.Fatal("a symlinked segment was opened")
 	}
-	_ = os.Remove(filepath.Join(dir, segFileName(r1)))
-	if err := os.WriteFile(filepath.Join(dir, segFileName(r1)), make([]byte, 8192), 0o644); err != nil {
+	_ = os.Remove(filepath.Join(dir, FileName(r1)))
+	if err := os.WriteFile(filepath.Join(dir, FileName(r1)), make([]byte, 8192), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := openPeerSegment(dir, r1); !errors.Is(err, ErrCorrupt) {
+	if _, err := OpenPeer(dir, r1); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("0644 segment file: %v", err)
 	}
-	s.closeOwn(dir, r0)
-	if _, err := os.Lstat(filepath.Join(dir, segFileName(r0))); !os.IsNotExist(err) {
+	s.Close()
+	if _, err := os.Lstat(filepath.Join(dir, FileName(r0))); !os.IsNotExist(err) {
 		t.Fatalf("closed segment left its file: %v", err)
 	}
 }

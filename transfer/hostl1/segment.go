@@ -1,4 +1,4 @@
-package transfer
+package hostl1
 
 import (
 	"encoding/binary"
@@ -10,13 +10,15 @@ import (
 	"unsafe"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
 )
 
-// Host-shared L1 (issue 15.1). With Config.HostL1Dir set, a rank's L1 is
-// the data region of a shared segment (a file in a private directory under
-// /dev/shm), and the segment also holds a catalog of the objects L1 holds:
-// an open-addressed hash table of slots keyed by object key, which the
-// holder (the one writer, under Engine.mu) publishes and readers of the
+// Host-shared L1 (issue 15.1). With transfer.Config.HostL1Dir set, a
+// rank's L1 is the data region of a shared segment (a file in a private
+// directory under /dev/shm), and the segment also holds a catalog of the
+// objects L1 holds: an open-addressed hash table of slots keyed by object
+// key, which the holder (the one writer: the engine calls Publish and
+// Retire under its own lock) publishes and readers of the
 // same host and instance (peer rankds) search without any message to the
 // holder. Layout, little-endian, every field 8-byte aligned:
 //
@@ -64,58 +66,64 @@ const (
 	segSpins = 64
 )
 
-// segGeometry is the layout of a segment for an L1 of slabs x slabBytes.
-type segGeometry struct {
+// Geometry is the layout of a segment for an L1 of slabs x slabBytes.
+type Geometry struct {
 	slots     uint64 // a power of two, >= 2*slabs
 	slabBytes uint64
 	slabs     uint64
 	dataOff   uint64
 }
 
-func newSegGeometry(slabs, slabBytes uint64) segGeometry {
+func NewGeometry(slabs, slabBytes uint64) Geometry {
 	n := uint64(64)
 	for n < 2*slabs {
 		n *= 2
 	}
 	tbl := (n*segSlotBytes + segPage - 1) / segPage * segPage
-	return segGeometry{slots: n, slabBytes: slabBytes, slabs: slabs, dataOff: segHeaderBytes + tbl}
+	return Geometry{slots: n, slabBytes: slabBytes, slabs: slabs, dataOff: segHeaderBytes + tbl}
 }
 
-func (g segGeometry) size() uint64 { return g.dataOff + g.slabs*g.slabBytes }
+func (g Geometry) Size() uint64 { return g.dataOff + g.slabs*g.slabBytes }
 
-// segment is a mapped segment: the holder's (read-write) or a peer's (the
+// Segment is a mapped segment: the holder's (read-write) or a peer's (the
 // header and slots read-write for leases, the data read-only).
-type segment struct {
+type Segment struct {
 	meta []byte // header and slots
 	data []byte // the L1 slabs
-	geo  segGeometry
-	// The holder's own segment: its one mapping, the file's inode, and the
-	// open file that holds the exclusive lock.
+	geo  Geometry
+	// The holder's own segment: its one mapping, the file's inode, the
+	// open file that holds the exclusive lock, and where the file is.
 	whole []byte
 	ino   uint64
 	lock  *os.File
+	dir   string
+	rank  wire.Rank
 }
 
-func (s *segment) u64(off uint64) *atomic.Uint64 {
+// Data is the segment's data region: the holder's L1 slabs (read-write in
+// the holder's segment).
+func (s *Segment) Data() []byte { return s.data }
+
+func (s *Segment) u64(off uint64) *atomic.Uint64 {
 	return (*atomic.Uint64)(unsafe.Pointer(&s.meta[off]))
 }
 
-func (s *segment) slot(i uint64) uint64 { return segHeaderBytes + i*segSlotBytes }
+func (s *Segment) slot(i uint64) uint64 { return segHeaderBytes + i*segSlotBytes }
 
-func (s *segment) seq(i uint64) *atomic.Uint64 { return s.u64(s.slot(i)) }
-func (s *segment) state(i uint64) *atomic.Uint32 {
+func (s *Segment) seq(i uint64) *atomic.Uint64 { return s.u64(s.slot(i)) }
+func (s *Segment) state(i uint64) *atomic.Uint32 {
 	return (*atomic.Uint32)(unsafe.Pointer(&s.meta[s.slot(i)+8]))
 }
-func (s *segment) leases(i uint64) *atomic.Int32 {
+func (s *Segment) leases(i uint64) *atomic.Int32 {
 	return (*atomic.Int32)(unsafe.Pointer(&s.meta[s.slot(i)+12]))
 }
-func (s *segment) leaseAt(i uint64) *atomic.Int64 {
+func (s *Segment) leaseAt(i uint64) *atomic.Int64 {
 	return (*atomic.Int64)(unsafe.Pointer(&s.meta[s.slot(i)+16]))
 }
 
 // initHeader writes a new segment's header (the holder, before anyone can
 // open it).
-func (s *segment) initHeader(incarnation uint64, pid int) {
+func (s *Segment) initHeader(incarnation uint64, pid int) {
 	g := s.geo
 	h := s.meta[:segHeaderBytes]
 	binary.LittleEndian.PutUint64(h[0:], segMagic)
@@ -129,35 +137,36 @@ func (s *segment) initHeader(incarnation uint64, pid int) {
 }
 
 // parseSegHeader checks a peer's header against the file's size.
-func parseSegHeader(h []byte, fileSize uint64) (segGeometry, uint64, error) {
+func parseSegHeader(h []byte, fileSize uint64) (Geometry, uint64, error) {
 	if len(h) < segHeaderBytes {
-		return segGeometry{}, 0, fmt.Errorf("segment header of %d B, want %d B: %w", len(h), segHeaderBytes, ErrCorrupt)
+		return Geometry{}, 0, fmt.Errorf("segment header of %d B, want %d B: %w", len(h), segHeaderBytes, ErrCorrupt)
 	}
 	le := binary.LittleEndian
 	if m := le.Uint64(h[0:]); m != segMagic {
-		return segGeometry{}, 0, fmt.Errorf("segment magic %#x, want %#x: %w", m, uint64(segMagic), ErrCorrupt)
+		return Geometry{}, 0, fmt.Errorf("segment magic %#x, want %#x: %w", m, uint64(segMagic), ErrCorrupt)
 	}
 	if v := le.Uint64(h[8:]); v != segVersion {
-		return segGeometry{}, 0, fmt.Errorf("segment version %d, this rankd reads %d: %w", v, segVersion, ErrCorrupt)
+		return Geometry{}, 0, fmt.Errorf("segment version %d, this rankd reads %d: %w", v, segVersion, ErrCorrupt)
 	}
 	slabs, slabBytes := le.Uint64(h[32:]), le.Uint64(h[24:])
 	if slabs == 0 || slabs > 1<<24 || slabBytes < segPage || slabBytes%segPage != 0 || slabBytes > 1<<30 {
-		return segGeometry{}, 0, fmt.Errorf("segment of %d slabs of %d B breaks the L1 rules: %w", slabs, slabBytes, ErrCorrupt)
+		return Geometry{}, 0, fmt.Errorf("segment of %d slabs of %d B breaks the L1 rules: %w", slabs, slabBytes, ErrCorrupt)
 	}
-	g := newSegGeometry(slabs, slabBytes)
+	g := NewGeometry(slabs, slabBytes)
 	if got := le.Uint64(h[16:]); got != g.slots || le.Uint64(h[40:]) != g.dataOff {
-		return segGeometry{}, 0, fmt.Errorf("segment of %d slabs names %d slots at data offset %d, want %d at %d: %w",
+		return Geometry{}, 0, fmt.Errorf("segment of %d slabs names %d slots at data offset %d, want %d at %d: %w",
 			slabs, got, le.Uint64(h[40:]), g.slots, g.dataOff, ErrCorrupt)
 	}
-	if g.size() != fileSize {
-		return segGeometry{}, 0, fmt.Errorf("segment file of %d B, its header describes %d B: %w", fileSize, g.size(), ErrCorrupt)
+	if g.Size() != fileSize {
+		return Geometry{}, 0, fmt.Errorf("segment file of %d B, its header describes %d B: %w", fileSize, g.Size(), ErrCorrupt)
 	}
 	return g, le.Uint64(h[48:]), nil
 }
 
-func (s *segment) closed() bool { return s.u64(56).Load() != 0 }
+// Closed reports whether the holder closed the segment.
+func (s *Segment) Closed() bool { return s.u64(56).Load() != 0 }
 
-func (s *segment) markClosed() { s.u64(56).Store(1) }
+func (s *Segment) markClosed() { s.u64(56).Store(1) }
 
 // keyWords packs k into the five words a slot stores.
 func keyWords(k dcp.Key) [5]uint64 {
@@ -173,7 +182,7 @@ func keyWords(k dcp.Key) [5]uint64 {
 	return w
 }
 
-func (s *segment) home(w [5]uint64) uint64 {
+func (s *Segment) home(w [5]uint64) uint64 {
 	h := w[0] ^ bits.RotateLeft64(w[1], 17) ^ bits.RotateLeft64(w[2], 31) ^ bits.RotateLeft64(w[3], 47) ^ w[4]*0x9e3779b97f4a7c15
 	h ^= h >> 29
 	h *= 0xbf58476d1ce4e5b9
@@ -181,9 +190,9 @@ func (s *segment) home(w [5]uint64) uint64 {
 	return h & (s.geo.slots - 1)
 }
 
-// publish enters a live object (holder only, under Engine.mu) and returns
+// Publish enters a live object (holder only, one writer) and returns
 // its slot. The holder never has two live slots of one key.
-func (s *segment) publish(k dcp.Key, off, size, sum uint64) (uint64, error) {
+func (s *Segment) Publish(k dcp.Key, off, size, sum uint64) (uint64, error) {
 	w := keyWords(k)
 	mask := s.geo.slots - 1
 	i := s.home(w)
@@ -194,16 +203,16 @@ func (s *segment) publish(k dcp.Key, off, size, sum uint64) (uint64, error) {
 		}
 		i = (i + 1) & mask
 	}
-	return 0, fmt.Errorf("host L1 catalog: all %d slots live (%d slabs): %w", s.geo.slots, s.geo.slabs, ErrL1Full)
+	return 0, fmt.Errorf("host L1 catalog: all %d slots live (%d slabs): %w", s.geo.slots, s.geo.slabs, ErrFull)
 }
 
-// retire turns slot i into a tombstone (holder only): readers that find it
+// Retire turns slot i into a tombstone (holder only): readers that find it
 // afterwards, or that hold its old generation, no longer use the object.
-func (s *segment) retire(i uint64) {
+func (s *Segment) Retire(i uint64) {
 	s.write(i, slotTombstone, [5]uint64{}, 0, 0, 0)
 }
 
-func (s *segment) write(i uint64, state uint32, w [5]uint64, off, size, sum uint64) {
+func (s *Segment) write(i uint64, state uint32, w [5]uint64, off, size, sum uint64) {
 	seq := s.seq(i)
 	v := seq.Load()
 	seq.Store(v + 1) // odd: being rewritten
@@ -218,54 +227,55 @@ func (s *segment) write(i uint64, state uint32, w [5]uint64, off, size, sum uint
 	seq.Store(v + 2)
 }
 
-// slotView is a consistent read of one live slot.
-type slotView struct {
+// Slot is a consistent read of one live slot: where its object lies in
+// the data region (Off, Size) and the kvsum64 it was published with.
+type Slot struct {
 	slot           uint64
 	gen            uint64 // the slot's seq when read
-	off, size, sum uint64
+	Off, Size, Sum uint64
 }
 
-// segFind results besides a hit.
-type segMiss uint8
+// Miss says what Find found: a hit, or why not.
+type Miss uint8
 
 const (
-	segHit  segMiss = iota
-	segNone         // not in the catalog
-	segBusy         // a slot on the way stayed mid-rewrite: treated as a miss
+	Hit    Miss = iota // a live slot of the key, its fields consistent
+	Absent             // not in the catalog
+	Busy               // a slot on the way stayed mid-rewrite: treated as a miss
 )
 
-// find searches the catalog for k (any process). It never returns a torn
+// Find searches the catalog for k (any process). It never returns a torn
 // slot: each slot's fields are taken only when its seq was even and equal
 // before and after reading them. A hit is checked against the data region
 // (a damaged catalog is a miss, never an out-of-range read).
-func (s *segment) find(k dcp.Key) (slotView, segMiss) {
+func (s *Segment) Find(k dcp.Key) (Slot, Miss) {
 	w := keyWords(k)
 	mask := s.geo.slots - 1
 	i := s.home(w)
 	for range s.geo.slots {
 		v, st, ok := s.read(i, w)
 		if !ok {
-			return slotView{}, segBusy
+			return Slot{}, Busy
 		}
 		switch st {
 		case slotEmpty:
-			return slotView{}, segNone
+			return Slot{}, Absent
 		case slotLive:
-			if v.size != 0 && v.off <= uint64(len(s.data)) && v.size <= uint64(len(s.data))-v.off {
-				return v, segHit
+			if v.Size != 0 && v.Off <= uint64(len(s.data)) && v.Size <= uint64(len(s.data))-v.Off {
+				return v, Hit
 			}
-			if v.size != 0 {
-				return slotView{}, segNone
+			if v.Size != 0 {
+				return Slot{}, Absent
 			}
 		}
 		i = (i + 1) & mask
 	}
-	return slotView{}, segNone
+	return Slot{}, Absent
 }
 
 // read takes a consistent copy of slot i; st is slotLive only when its key
 // is w. ok is false when the slot stayed mid-rewrite for segSpins tries.
-func (s *segment) read(i uint64, w [5]uint64) (v slotView, st uint32, ok bool) {
+func (s *Segment) read(i uint64, w [5]uint64) (v Slot, st uint32, ok bool) {
 	base := s.slot(i)
 	seq := s.seq(i)
 	for try := 0; try < segSpins; try++ {
@@ -283,7 +293,7 @@ func (s *segment) read(i uint64, w [5]uint64) (v slotView, st uint32, ok bool) {
 				match = false
 			}
 		}
-		v = slotView{slot: i, gen: g1, off: s.u64(base + 64).Load(), size: s.u64(base + 72).Load(), sum: s.u64(base + 80).Load()}
+		v = Slot{slot: i, gen: g1, Off: s.u64(base + 64).Load(), Size: s.u64(base + 72).Load(), Sum: s.u64(base + 80).Load()}
 		if seq.Load() != g1 {
 			continue // torn: the holder rewrote it meanwhile
 		}
@@ -292,13 +302,13 @@ func (s *segment) read(i uint64, w [5]uint64) (v slotView, st uint32, ok bool) {
 		}
 		return v, st, true
 	}
-	return slotView{}, 0, false
+	return Slot{}, 0, false
 }
 
-// lease takes a lease on a slot found by find, stamped now (unix ns), and
+// Lease takes a lease on a slot found by Find, stamped now (unix ns), and
 // reports whether the slot still holds the same generation; when not, the
 // lease is already given back.
-func (s *segment) lease(v slotView, now int64) bool {
+func (s *Segment) Lease(v Slot, now int64) bool {
 	s.leases(v.slot).Add(1)
 	s.leaseAt(v.slot).Store(now)
 	if s.seq(v.slot).Load() != v.gen {
@@ -308,11 +318,11 @@ func (s *segment) lease(v slotView, now int64) bool {
 	return true
 }
 
-// unlease gives a lease back.
-func (s *segment) unlease(v slotView) { s.leases(v.slot).Add(-1) }
+// Unlease gives a lease back.
+func (s *Segment) Unlease(v Slot) { s.leases(v.slot).Add(-1) }
 
-// leased reports whether slot i has a lease taken less than ttl ns before
+// Leased reports whether slot i has a lease taken less than ttl ns before
 // now (a lease of a reader that died is ignored once it is older).
-func (s *segment) leased(i uint64, now, ttl int64) bool {
+func (s *Segment) Leased(i uint64, now, ttl int64) bool {
 	return s.leases(i).Load() > 0 && now-s.leaseAt(i).Load() < ttl
 }

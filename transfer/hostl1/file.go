@@ -1,4 +1,4 @@
-package transfer
+package hostl1
 
 import (
 	"errors"
@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"syscall"
 
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -20,7 +21,7 @@ import (
 // The file of rank r of instance i is "<i>.<r>.l1"; instances are
 // [A-Za-z0-9_-], so the name is always one path element.
 
-func segFileName(r wire.Rank) string { return r.Instance + "." + strconv.Itoa(r.TPRank) + ".l1" }
+func FileName(r wire.Rank) string { return r.Instance + "." + strconv.Itoa(r.TPRank) + ".l1" }
 
 // checkSegDir verifies the directory rules above.
 func checkSegDir(dir string) error {
@@ -63,8 +64,8 @@ func checkSegFile(f *os.File) (int64, uint64, error) {
 	return fi.Size(), st.Ino, nil
 }
 
-// segCollected is what createSegment found of earlier runs of its rank.
-type segCollected struct {
+// Collected is what Create found of earlier runs of its rank.
+type Collected struct {
 	// Replaced: the segment an earlier run left (a kill -9, or a crash)
 	// was replaced; DeadHolder when no process held it any more, else its
 	// holder was alive (another rankd of the same rank: a misconfiguration).
@@ -90,8 +91,8 @@ func lockFree(f *os.File, how int) (bool, error) {
 // creator died (no lock held on them) and reports whether r's segment
 // file exists and whether its holder died. Only regular files of this uid
 // are touched.
-func collectSegFiles(dir string, r wire.Rank) (c segCollected, exists bool) {
-	final := filepath.Join(dir, segFileName(r))
+func collectSegFiles(dir string, r wire.Rank) (c Collected, exists bool) {
+	final := filepath.Join(dir, FileName(r))
 	tmps, _ := filepath.Glob(final + ".tmp-*") // the name has no pattern characters
 	for _, p := range tmps {
 		f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
@@ -118,41 +119,41 @@ func collectSegFiles(dir string, r wire.Rank) (c segCollected, exists bool) {
 	return c, true
 }
 
-// createSegment creates and maps this rank's segment, replacing any left
+// Create creates and maps this rank's segment, replacing any left
 // by an earlier run (a peer still mapping that one keeps its old pages and
 // finds it closed, its holder dead, or its objects gone; the old file's
 // memory is freed when the last mapping goes) and removing the temporary
 // files of earlier runs that died while creating theirs. The file stays
-// open, flock'ed exclusive, until closeOwn: the lock is how peers tell a
+// open, flock'ed exclusive, until Close: the lock is how peers tell a
 // live holder from a dead one.
-func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64) (*segment, segCollected, error) {
+func Create(dir string, r wire.Rank, geo Geometry, incarnation uint64) (*Segment, Collected, error) {
 	if err := checkSegDir(dir); err != nil {
-		return nil, segCollected{}, err
+		return nil, Collected{}, err
 	}
 	col, exists := collectSegFiles(dir, r)
-	final := filepath.Join(dir, segFileName(r))
+	final := filepath.Join(dir, FileName(r))
 	tmp := final + ".tmp-" + strconv.Itoa(os.Getpid())
 	_ = os.Remove(tmp) // ours from a crashed run of this pid, if any
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, col, fmt.Errorf("create host L1 segment %s: %w", tmp, errors.Join(err, ErrIO))
 	}
-	fail := func(err error) (*segment, segCollected, error) {
+	fail := func(err error) (*Segment, Collected, error) {
 		_ = os.Remove(tmp)
 		f.Close()
-		return nil, col, fmt.Errorf("create host L1 segment %s of %d B: %w", tmp, geo.size(), errors.Join(err, ErrIO))
+		return nil, col, fmt.Errorf("create host L1 segment %s of %d B: %w", tmp, geo.Size(), errors.Join(err, ErrIO))
 	}
 	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		return fail(fmt.Errorf("lock: %w", err))
 	}
-	if err := f.Truncate(int64(geo.size())); err != nil {
+	if err := f.Truncate(int64(geo.Size())); err != nil {
 		return fail(err)
 	}
-	all, err := syscall.Mmap(int(f.Fd()), 0, int(geo.size()), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	all, err := syscall.Mmap(int(f.Fd()), 0, int(geo.Size()), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
 		return fail(err)
 	}
-	s := &segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], whole: all, geo: geo, lock: f}
+	s := &Segment{meta: all[:geo.dataOff], data: all[geo.dataOff:], whole: all, geo: geo, lock: f, dir: dir, rank: r}
 	if _, s.ino, err = checkSegFile(f); err != nil {
 		_ = syscall.Munmap(all)
 		return fail(err)
@@ -166,13 +167,13 @@ func createSegment(dir string, r wire.Rank, geo segGeometry, incarnation uint64)
 	return s, col, nil
 }
 
-// closeOwn marks the holder's segment closed (peers drop their
-// mappings), removes its file when it is still the one this run created,
-// and unmaps it. The caller has stopped every use of the data.
-func (s *segment) closeOwn(dir string, r wire.Rank) {
+// Close marks the holder's segment (from Create) closed (peers drop
+// their mappings), removes its file when it is still the one this run
+// created, and unmaps it. The caller has stopped every use of the data.
+func (s *Segment) Close() {
 	s.markClosed()
-	if segInode(dir, r) == s.ino {
-		_ = os.Remove(filepath.Join(dir, segFileName(r)))
+	if Inode(s.dir, s.rank) == s.ino {
+		_ = os.Remove(filepath.Join(s.dir, FileName(s.rank)))
 	}
 	_ = syscall.Munmap(s.whole)
 	s.meta, s.data, s.whole = nil, nil, nil
@@ -182,9 +183,10 @@ func (s *segment) closeOwn(dir string, r wire.Rank) {
 	}
 }
 
-// peerSeg is a peer's segment as this rank mapped it.
-type peerSeg struct {
-	seg         *segment
+// Peer is a peer's segment as this rank mapped it (OpenPeer): the reader's
+// side, which finds and leases slots and never publishes.
+type Peer struct {
+	seg         *Segment
 	ino         uint64
 	incarnation uint64
 	metaMap     []byte   // header and slots, read-write (leases)
@@ -192,18 +194,18 @@ type peerSeg struct {
 	f           *os.File // open while mapped: tests the holder's lock
 }
 
-// holderAlive reports whether the segment's holder still holds its lock:
+// HolderAlive reports whether the segment's holder still holds its lock:
 // false once it died, even by kill -9 (the kernel dropped the lock), or
 // when the lock cannot be tested.
-func (p *peerSeg) holderAlive() bool {
+func (p *Peer) HolderAlive() bool {
 	free, err := lockFree(p.f, syscall.LOCK_SH)
 	return err == nil && !free
 }
 
-// openPeerSegment maps a peer's segment: its header and slots read-write
+// OpenPeer maps a peer's segment: its header and slots read-write
 // (leases are written there), its data read-only.
-func openPeerSegment(dir string, r wire.Rank) (*peerSeg, error) {
-	path := filepath.Join(dir, segFileName(r))
+func OpenPeer(dir string, r wire.Rank) (*Peer, error) {
+	path := filepath.Join(dir, FileName(r))
 	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open host L1 segment of %s: %w", r, errors.Join(err, ErrNotFound))
@@ -239,19 +241,42 @@ func openPeerSegment(dir string, r wire.Rank) (*peerSeg, error) {
 		return nil, fmt.Errorf("map host L1 segment data %s: %w", path, errors.Join(err, ErrIO))
 	}
 	ok = true
-	return &peerSeg{seg: &segment{meta: meta, data: data, geo: geo}, ino: ino, incarnation: inc, metaMap: meta, dataMap: data, f: f}, nil
+	return &Peer{seg: &Segment{meta: meta, data: data, geo: geo}, ino: ino, incarnation: inc, metaMap: meta, dataMap: data, f: f}, nil
 }
 
-func (p *peerSeg) unmap() {
+// Find is Segment.Find on the peer's catalog.
+func (p *Peer) Find(k dcp.Key) (Slot, Miss) { return p.seg.Find(k) }
+
+// Lease is Segment.Lease on the peer's catalog.
+func (p *Peer) Lease(v Slot, now int64) bool { return p.seg.Lease(v, now) }
+
+// Unlease is Segment.Unlease on the peer's catalog.
+func (p *Peer) Unlease(v Slot) { p.seg.Unlease(v) }
+
+// Closed reports whether the holder closed the segment (it is gone).
+func (p *Peer) Closed() bool { return p.seg.Closed() }
+
+// Data is the peer's data region, mapped read-only.
+func (p *Peer) Data() []byte { return p.dataMap }
+
+// Inode is the inode of the file mapped (Inode tells whether it was
+// replaced since).
+func (p *Peer) Inode() uint64 { return p.ino }
+
+// Incarnation is the holder's incarnation, from the segment's header.
+func (p *Peer) Incarnation() uint64 { return p.incarnation }
+
+// Unmap drops the peer's mappings and closes its file.
+func (p *Peer) Unmap() {
 	_ = syscall.Munmap(p.metaMap)
 	_ = syscall.Munmap(p.dataMap)
 	_ = p.f.Close()
 }
 
-// segInode returns the inode of the segment file of r now (0 if none), to
+// Inode returns the inode of the segment file of r now (0 if none), to
 // see whether the peer restarted and replaced it.
-func segInode(dir string, r wire.Rank) uint64 {
-	fi, err := os.Lstat(filepath.Join(dir, segFileName(r)))
+func Inode(dir string, r wire.Rank) uint64 {
+	fi, err := os.Lstat(filepath.Join(dir, FileName(r)))
 	if err != nil {
 		return 0
 	}
