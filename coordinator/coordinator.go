@@ -143,7 +143,7 @@ func New(cfg Config) (*Coordinator, error) {
 		met:       newMetrics(),
 		done:      make(chan struct{}),
 		resyncing: make(map[wire.Rank]bool),
-		hb:        heartbeats{prev: make(map[wire.Rank]wire.Heartbeat)},
+		hb:        heartbeats{prev: make(map[wire.Rank]wire.Heartbeat), received: make(map[wire.Rank]receivedSeq)},
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.resyncLimit = rate.NewLimiter(rate.Limit(cfg.ResyncRate), cfg.ResyncBurst)

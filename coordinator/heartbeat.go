@@ -19,10 +19,37 @@ import (
 // flight when it announces a sequence, so the rule allows one heartbeat
 // interval: when the index is still behind the sequence announced by the
 // PREVIOUS heartbeat of the same incarnation, events were lost, and the
-// rank is resynced.
+// rank is resynced. "Behind" counts the events received and handed to the
+// index but not yet committed (received): on a loaded host a commit can
+// take longer than a heartbeat interval, and those events are not lost
+// (issue 31: the coordinator resynced every rank of a busy machine).
 type heartbeats struct {
-	mu   sync.Mutex // guards prev
-	prev map[wire.Rank]wire.Heartbeat
+	mu       sync.Mutex // guards prev and received
+	prev     map[wire.Rank]wire.Heartbeat
+	received map[wire.Rank]receivedSeq
+}
+
+// receivedSeq is the last event sequence of a rank's incarnation handed to
+// the index.
+type receivedSeq struct{ incarnation, seq uint64 }
+
+// noteReceived records that events through seq of the rank's incarnation
+// were handed to the index.
+func (h *heartbeats) noteReceived(r wire.Rank, incarnation, seq uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if cur, ok := h.received[r]; ok && cur.incarnation == incarnation && cur.seq >= seq {
+		return
+	}
+	h.received[r] = receivedSeq{incarnation, seq}
+}
+
+// forget drops what is remembered of a removed rank.
+func (h *heartbeats) forget(r wire.Rank) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.prev, r)
+	delete(h.received, r)
 }
 
 // handleHeartbeat applies the rule above. Heartbeats are plain publishes:
@@ -54,6 +81,7 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	c.hb.mu.Lock()
 	prev, seen := c.hb.prev[hb.Rank]
 	c.hb.prev[hb.Rank] = hb
+	recv, received := c.hb.received[hb.Rank]
 	c.hb.mu.Unlock()
 	if !seen || prev.Incarnation != hb.Incarnation {
 		return
@@ -64,6 +92,9 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	var last uint64
 	if known && ri.Incarnation == hb.Incarnation {
 		last = ri.LastSeq
+	}
+	if received && recv.incarnation == hb.Incarnation {
+		last = max(last, recv.seq) // handed to the index, still committing
 	}
 	if last >= prev.Seq {
 		return

@@ -113,6 +113,9 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		c.finishBatch(m, &b, t0, index.Outcome{}, err)
 		return ingestJob{}, false
 	}
+	if n := len(b.Events); n > 0 {
+		c.hb.noteReceived(b.Rank, b.Incarnation, b.Events[n-1].Seq)
+	}
 	return ingestJob{m: m, b: &b, pending: p, t0: t0}, true
 }
 

@@ -254,9 +254,7 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 		c.internalError(m, wire.AdminRankReset, "reset rank", err, zap.Stringer("rank", r))
 		return
 	}
-	c.hb.mu.Lock()
-	delete(c.hb.prev, r)
-	c.hb.mu.Unlock()
+	c.hb.forget(r)
 	c.log.Warn("rank reset by an operator", zap.Stringer("rank", r), zap.Uint64("previous_incarnation", prev),
 		zap.Int("placements", n), zap.Int("restores_failed", failed))
 	c.reply(wire.AdminRankReset, m, &wire.AdminRankResetReply{Rank: r.String(), PreviousIncarnation: prev, Placements: n,
