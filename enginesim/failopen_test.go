@@ -54,9 +54,7 @@ func TestFailOpenWithoutNATS(t *testing.T) {
 	}
 	cfg = failOpenConfig(t, url)
 	cfg.FailOpen, cfg.AttachWait = true, 500*time.Millisecond
-	start := time.Now()
 	res, err := Run(context.Background(), cfg)
-	took := time.Since(start)
 	if err != nil {
 		t.Fatalf("fail-open run with kvtier down: %v", err)
 	}
@@ -64,8 +62,12 @@ func TestFailOpenWithoutNATS(t *testing.T) {
 		t.Fatalf("attached %v, recomputed %v, problems %q, ok %v; want not attached, chunks 0-2 recomputed, one problem",
 			res.Attached, res.Recomputed, res.CacheProblems, res.OK)
 	}
-	if took > 5*time.Second {
-		t.Fatalf("fail-open run took %v with an attach wait of 500ms", took)
+	// What the engine waited on kvtier: the attach wait and one attempt
+	// that fails at once (not connected). Computing the prompt itself is
+	// the engine's own work and is not bounded here (under -race on a busy
+	// machine it took 50 s).
+	if res.AttachSeconds > 2.5 {
+		t.Fatalf("fail-open run waited %.1f s on kvtier with an attach wait of 500ms", res.AttachSeconds)
 	}
 }
 

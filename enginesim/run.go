@@ -187,6 +187,9 @@ type Result struct {
 	CacheProblems []string `json:"cache_problems,omitempty"`
 	// Attached is false when a FailOpen run never reached kvtier.
 	Attached bool `json:"attached"`
+	// AttachSeconds is how long the run tried to reach kvtier and register
+	// (bounded by AttachWait plus one attempt when FailOpen).
+	AttachSeconds float64 `json:"attach_seconds"`
 	// Bench is the benchmark's outcome (Config.Bench).
 	Bench *BenchResult `json:"bench,omitempty"`
 }
@@ -458,7 +461,9 @@ func (s *sim) run(ctx context.Context) error {
 			w.close()
 		}
 	}()
+	attachStart := time.Now()
 	attachErr := s.attach(ctx)
+	s.res.AttachSeconds = time.Since(attachStart).Seconds()
 	if attachErr != nil && !s.cfg.FailOpen {
 		return attachErr
 	}
