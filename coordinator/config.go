@@ -128,7 +128,8 @@ type Config struct {
 	// in memory at once (about 170 KiB each in binary).
 	ResyncWindow int
 	// ResyncBackoff is the pause after the first failed inventory request;
-	// it doubles per failure up to ResyncMaxBackoff. Default 100 ms.
+	// it doubles per failure up to ResyncMaxBackoff, each pause a random
+	// point in the upper half of its step (bus.Backoff). Default 100 ms.
 	ResyncBackoff time.Duration
 	// ResyncMaxBackoff caps the pause between inventory requests. Default
 	// 5 s.
