@@ -217,6 +217,11 @@ func (s *Segment) write(i uint64, state uint32, w [5]uint64, off, size, sum uint
 	v := seq.Load()
 	seq.Store(v + 1) // odd: being rewritten
 	base := s.slot(i)
+	// The leases were the old object's: a reader that died holding one
+	// would otherwise hold every later object of the slot (issue 29.5).
+	// A live reader's late give-back finds 0 and leaves it (unlease).
+	s.leases(i).Store(0)
+	s.leaseAt(i).Store(0)
 	s.state(i).Store(state)
 	for j, x := range w {
 		s.u64(base + 24 + 8*uint64(j)).Store(x)
@@ -312,14 +317,29 @@ func (s *Segment) Lease(v Slot, now int64) bool {
 	s.leases(v.slot).Add(1)
 	s.leaseAt(v.slot).Store(now)
 	if s.seq(v.slot).Load() != v.gen {
-		s.leases(v.slot).Add(-1)
+		s.unlease(v.slot)
 		return false
 	}
 	return true
 }
 
 // Unlease gives a lease back.
-func (s *Segment) Unlease(v Slot) { s.leases(v.slot).Add(-1) }
+func (s *Segment) Unlease(v Slot) { s.unlease(v.slot) }
+
+// unlease takes one lease off slot i, never below zero: a rewrite of the
+// slot reset its count, and a give-back of a lease on the old object that
+// comes after it must not eat a lease on the new one. (What it may still
+// eat is a lease taken between the reset and the give-back; an eviction
+// chosen then is caught by the reader's checksum, C5.)
+func (s *Segment) unlease(i uint64) {
+	l := s.leases(i)
+	for {
+		n := l.Load()
+		if n <= 0 || l.CompareAndSwap(n, n-1) {
+			return
+		}
+	}
+}
 
 // Leased reports whether slot i has a lease taken less than ttl ns before
 // now (a lease of a reader that died is ignored once it is older).

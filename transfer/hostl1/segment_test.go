@@ -244,3 +244,48 @@ func TestSegFileSafety(t *testing.T) {
 		t.Fatalf("closed segment left its file: %v", err)
 	}
 }
+
+// TestSegDeadReadersLeaseEndsWithItsObject (issue 29.5): a reader that
+// died holding a lease kept its slot leased for every later object in it
+// (the count was never reset, and each later reader refreshed the lease
+// time). The lease now ends with the object: after a rewrite, a reader that
+// takes and gives back a lease leaves the slot unleased, and a late
+// give-back of the old object's lease never takes the count below zero
+// (one that comes after a new lease can still cancel it: the documented
+// residual race, caught by the reader's checksum).
+func TestSegDeadReadersLeaseEndsWithItsObject(t *testing.T) {
+	s := testSeg(t, 4)
+	sl, _ := s.Publish(segKey(1), 0, 10, 11)
+	dead, _ := s.Find(segKey(1))
+	if !s.Lease(dead, 100) { // this reader dies holding it
+		t.Fatal("lease refused")
+	}
+	s.Retire(sl) // its lease expired: the holder evicts the object
+	if _, err := s.Publish(segKey(1), 4096, 10, 12); err != nil { // the same slot, a new object
+		t.Fatal(err)
+	}
+	cur, miss := s.Find(segKey(1))
+	if miss != Hit || cur.slot != sl {
+		t.Fatalf("the new object is not in the old slot: %+v %d", cur, miss)
+	}
+	if !s.Lease(cur, 1000) {
+		t.Fatal("lease on the new object refused")
+	}
+	s.Unlease(cur)
+	if s.Leased(sl, 1010, 50) {
+		t.Fatalf("the slot stays leased by the dead reader (%d leases)", s.leases(sl).Load())
+	}
+	s.Unlease(dead) // a late give-back of the old object's lease: not below zero
+	if n := s.leases(sl).Load(); n != 0 {
+		t.Fatalf("a late give-back took the count to %d", n)
+	}
+	live, _ := s.Find(segKey(1))
+	if !s.Lease(live, 2000) || !s.Leased(sl, 2010, 50) {
+		t.Fatal("a lease after the late give-back is not seen")
+	}
+	s.Unlease(live)
+	s.Unlease(live)
+	if n := s.leases(sl).Load(); n != 0 {
+		t.Fatalf("leases went to %d", n)
+	}
+}
