@@ -260,7 +260,7 @@ func TestSegDeadReadersLeaseEndsWithItsObject(t *testing.T) {
 	if !s.Lease(dead, 100) { // this reader dies holding it
 		t.Fatal("lease refused")
 	}
-	s.Retire(sl) // its lease expired: the holder evicts the object
+	s.Retire(sl)                                                  // its lease expired: the holder evicts the object
 	if _, err := s.Publish(segKey(1), 4096, 10, 12); err != nil { // the same slot, a new object
 		t.Fatal(err)
 	}
