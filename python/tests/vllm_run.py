@@ -9,7 +9,8 @@ ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
 connector), "hma": true/false/absent (force vLLM's hybrid KV cache manager
 on or off, or let vLLM decide), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
 "prompts": [[ids...]], "max_tokens": n} | {"op": "reset"} | {"op": "wipe"} |
-{"op": "hook", "file": path} | {"op": "attached", "timeout": s}]}. "reset" waits until vLLM's prefix cache is
+{"op": "hook", "file": path} | {"op": "attached", "timeout": s} |
+{"op": "sleep", "s": s}]}. "reset" waits until vLLM's prefix cache is
 empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
 (those its attention layers read), so a later hit can only come from a
 load. A "hook" step waits until the file exists (the test does
@@ -158,6 +159,8 @@ def main() -> None:
                 tsr.zero_()
             rec["tensors"] = len(kv)
             rec["nonzero"] = sum(int(tsr.count_nonzero()) for tsr in kv)
+        elif step["op"] == "sleep":  # the client's think time between requests
+            time.sleep(step["s"])
         elif step["op"] == "attached":  # wait until the worker's and the scheduler's links are attached
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
