@@ -10,7 +10,9 @@
 //
 // The package must never: take credentials from the command line or the
 // environment (only from the file Config.CredentialsFile names, which
-// must not be readable by group or others), talk plain HTTP unless
+// must be a regular file owned by this user or root and not readable by
+// group or others), block opening a configured file (a FIFO is refused
+// after a non-blocking open), talk plain HTTP unless
 // Config.Insecure says so (and, to an endpoint off loopback, also
 // Config.InsecureRemote), follow a symlink to its credentials or CA file,
 // or create, configure or delete buckets.

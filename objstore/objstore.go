@@ -11,7 +11,6 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
-	"os"
 	"strings"
 	"time"
 
@@ -112,27 +111,9 @@ func loopbackHost(endpoint string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// readCA reads a PEM bundle, refusing a symlink or anything but a regular
-// file (C9: the files a daemon opens are its own).
-func readCA(path string) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscallNoFollow, 0)
-	if err != nil {
-		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
-	}
-	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("objstore: CA file %s is not a regular file (mode %s): %w", path, st.Mode(), ErrConfig)
-	}
-	b, err := io.ReadAll(io.LimitReader(f, 4<<20))
-	if err != nil {
-		return nil, fmt.Errorf("objstore: CA file: %w", errors.Join(err, ErrConfig))
-	}
-	return b, nil
-}
+// readCA reads a PEM bundle (readOwnFile: not a symlink, a regular file,
+// this user's or root's, writable by no one else, at most 4 MiB).
+func readCA(path string) ([]byte, error) { return readOwnFile("CA file", path, false, 4<<20) }
 
 // Credentials is the content of Config.CredentialsFile.
 type Credentials struct {
@@ -141,28 +122,14 @@ type Credentials struct {
 	SessionToken    string `json:"session_token,omitempty"`
 }
 
-// ReadCredentials reads a credentials file, refusing one readable or
-// writable by group or others, or not a regular file.
+// ReadCredentials reads a credentials file (readOwnFile: not a symlink, a
+// regular file, this user's or root's, no group or other access, at most
+// 64 KiB).
 func ReadCredentials(path string) (Credentials, error) {
 	var c Credentials
-	f, err := os.OpenFile(path, os.O_RDONLY|syscallNoFollow, 0)
+	b, err := readOwnFile("credentials file", path, true, 64<<10)
 	if err != nil {
-		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
-	}
-	if !st.Mode().IsRegular() {
-		return c, fmt.Errorf("objstore: credentials file %s is not a regular file (mode %s): %w", path, st.Mode(), ErrConfig)
-	}
-	if m := st.Mode().Perm(); m&0o077 != 0 {
-		return c, fmt.Errorf("objstore: credentials file %s has mode %#o: want no access by group or others (0600): %w", path, m, ErrConfig)
-	}
-	b, err := io.ReadAll(io.LimitReader(f, 64<<10))
-	if err != nil {
-		return c, fmt.Errorf("objstore: credentials file: %w", errors.Join(err, ErrConfig))
+		return c, err
 	}
 	dec := json.NewDecoder(strings.NewReader(string(b)))
 	dec.DisallowUnknownFields()
