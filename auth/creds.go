@@ -324,13 +324,14 @@ func (u *Users) Lookup(nkey string) (Identity, bool) {
 	return Identity{}, false
 }
 
-// readPrivate reads a credentials file without following a symlink. It
-// must be a regular file. With secret set, it must be owned by this
+// readPrivate reads a credentials file without following a symlink and
+// without blocking on the open (a FIFO at the path would wait for a
+// writer; the fstat below refuses it). It must be a regular file. With secret set, it must be owned by this
 // process's user with no group or other permission bits; otherwise (the
 // public users file, whose keys decide who may connect) it must be owned
 // by this user or root and writable by no one else.
 func readPrivate(path string, secret bool) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("credentials file %s: %w", path, err)
