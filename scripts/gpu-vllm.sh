@@ -32,6 +32,14 @@
 #   GPU_MEM=0.5        vLLM gpu_memory_utilization
 #   CPU_BYTES=10e9     the OffloadingConnector's cpu_bytes_to_use
 #   OUT_DIR=gpu-vllm-results   KEEP=1 keeps the temp dir (logs); PORT_BASE picks the ports
+#   HOST_L1=0          1: the rankd keeps L1 in a host-shared segment (/dev/shm), which the
+#                      duel-kvtier mode needs to flip a byte of an L1 copy
+#   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
+#                      times per engine step in the ITL results)
+# Modes besides the three: kvtier-detached (the connector configured but never
+# attached: vLLM's connector path without kvtier; ITL only), duel-offload and
+# duel-kvtier (issue 24.5: one byte flipped in the OffloadingConnector's CPU
+# copy, in kvtier's L1 and in its L2 copy; tokens against the computed run).
 set -euo pipefail
 
 BIN=${1:-${BIN:-}}
@@ -65,6 +73,14 @@ RANKD_HTTP=127.0.0.1:$((BASE + 3))
 COORD_HTTP=127.0.0.1:$((BASE + 4))
 WORK=$(mktemp -d -t kvtier-vllm.XXXXXX)
 mkdir -p -m 0700 "$WORK/index" "$WORK/l2" "$WORK/logs"
+L1ARGS=
+if [[ ${HOST_L1:-0} == 1 ]]; then
+	L1DIR=$(mktemp -d -p /dev/shm kvtier-l1.XXXXXX)
+	chmod 0700 "$L1DIR"
+	L1ARGS="--host-l1-dir $L1DIR"
+	export KVTIER_HOST_L1_DIR=$L1DIR
+fi
+export KVTIER_L2_DIR=$WORK/l2
 CREDS=$WORK/creds
 COORD=
 
@@ -93,7 +109,7 @@ cleanup() {
 		done
 	fi
 	cp "$WORK"/logs/*.log "$OUT_DIR/" 2>/dev/null || true
-	if [[ ${KEEP:-0} == 1 ]]; then echo "gpu-vllm: kept $WORK"; else rm -rf "$WORK"; fi
+	if [[ ${KEEP:-0} == 1 ]]; then echo "gpu-vllm: kept $WORK"; else rm -rf "$WORK" "${L1DIR:-/nonexistent}"; fi
 	exit $rc
 }
 trap cleanup EXIT
@@ -119,7 +135,7 @@ if [[ -s $WORK/rankd.pid ]]; then
 	if echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else echo "page cache NOT dropped (not allowed here)"; fi
 fi
 setsid "$BIN/rankd" --instance engine0 --tp-rank 0 --tp-size 1 --dcp-size 1 --device "$DEVICE" \\
-	--l1-bytes "$L1" --l2-dir "$WORK/l2" --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
+	--l1-bytes "$L1" $L1ARGS --l2-dir "$WORK/l2" --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
 	--http "$RANKD_HTTP" --log-level warn --creds-dir "$CREDS" >>"$WORK/logs/rankd.log" 2>&1 </dev/null &
 echo \$! >$WORK/rankd.pid
 for _ in \$(seq 600); do
@@ -149,6 +165,7 @@ echo "gpu-vllm: coordinator + 1 rankd on $DEVICE (L1 $L1, L2 $WORK/l2 write-thro
 export KVTIER_NATS=$NATS KVTIER_CREDS_DIR=$CREDS KVTIER_INSTANCE=engine0 \
 	KVTIER_COORD_METRICS=http://$COORD_HTTP/metrics KVTIER_RANKD_METRICS=http://$RANKD_HTTP/metrics \
 	KVTIER_RESTART_RANKD=$WORK/rankd.sh
+export KVTIER_PROFILE_OUT=$WORK/profile PYTHONPATH=$HERE/python/examples${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
@@ -158,11 +175,9 @@ python3 "$DRIVER" make-model --geometry "$GEOMETRY" --out "$MODEL_DIR"
 results=()
 for mode in $MODES; do
 	extra=()
-	if [[ $mode == kvtier ]]; then
-		[[ ${ITL:-1} == 1 ]] && extra+=(--itl)
-		[[ ${L2:-1} == 1 ]] && extra+=(--l2)
-	fi
-	[[ $mode == alone && ${ITL:-1} == 1 ]] && extra+=(--itl)
+	[[ $mode == kvtier && ${L2:-1} == 1 ]] && extra+=(--l2)
+	[[ $mode != duel-* && ${ITL:-1} == 1 ]] && extra+=(--itl)
+	[[ $mode == kvtier* && ${PROFILE:-0} == 1 ]] && extra+=(--profile-connector)
 	python3 "$DRIVER" run --mode "$mode" --model "$MODEL_DIR" --lengths "$LENGTHS" --reps "$REPS" \
 		--gpu-mem "$GPU_MEM" --cpu-bytes "$CPU_BYTES" --out "$OUT_DIR/$mode.json" "${extra[@]}" 2>&1 | tee "$WORK/logs/vllm-$mode.log" |
 		grep -E '^gpu-vllm:|Error|error|Traceback|kvtier' | grep -v 'DEBUG' || true

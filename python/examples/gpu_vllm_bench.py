@@ -141,6 +141,220 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a}
 
 
+# ---------------------------------------------------------------- where the CPU goes
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids below root (vLLM's engine core runs in a child process)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        ppid = int(st[st.rindex(")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def thread_cpu() -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of every thread of this process and its
+    descendants, by (pid, tid)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], float] = {}
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    st = f.read()
+                    fields = st[st.rindex(")") + 2:].split()
+                    out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def read_profiles() -> dict[str, dict[str, Any]]:
+    """The ProfiledKvtierConnector's latest dumps, by role."""
+    import glob
+
+    base = os.environ.get("KVTIER_PROFILE_OUT")
+    out: dict[str, dict[str, Any]] = {}
+    if not base:
+        return out
+    for path in glob.glob(base + ".*"):
+        if path.endswith(".tmp"):
+            continue
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            d = json.load(f)
+            out[d["role"]] = d
+    return out
+
+
+def cpu_report(a: dict[tuple[int, int], float], b: dict[tuple[int, int], float], wall: float,
+               pa: dict[str, dict[str, Any]], pb: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Per-thread CPU over a phase (the busiest threads, kvtier's named),
+    and the connector's hook time per engine step when it was profiled."""
+    names: dict[int, str] = {}
+    for role, d in pb.items():
+        names[d["main_tid"]] = f"engine main ({role} connector)"
+        for n, tid in d["threads"].items():
+            names[tid] = f"{n} ({role})"
+    used = sorted(((b[k] - a.get(k, 0.0), k) for k in b), reverse=True)
+    top = [{"pid": k[0], "tid": k[1], "thread": names.get(k[1], ""), "cpu_s": round(c, 3),
+            "cpu_share": round(c / wall, 3)} for c, k in used[:8] if c > 0]
+    kv = sum(c for c, k in used if names.get(k[1], "").startswith("kvtier"))
+    out: dict[str, Any] = {"wall_s": round(wall, 3), "threads": top, "kvtier_threads_cpu_s": round(kv, 3)}
+    hooks: dict[str, Any] = {}
+    for role, d in pb.items():
+        before = pa.get(role, {}).get("hooks", {})
+        for h, (sec, calls) in d["hooks"].items():
+            s0, c0 = before.get(h, [0.0, 0])
+            if calls - c0:
+                hooks[f"{role}.{h}"] = {"ms_per_step": round(1000 * (sec - s0) / max(steps, 1), 4),
+                                        "calls": calls - c0}
+    if hooks:
+        out["hooks"] = hooks
+        out["hook_ms_per_step"] = round(sum(v["ms_per_step"] for v in hooks.values()), 4)
+    return out
+
+
+# ---------------------------------------------------------------- the corruption duel (issue 24.5)
+
+
+def _flip(buf: Any, at: int) -> dict[str, int]:
+    """XORs 0x40 into one byte: in a bf16's high byte that is the top
+    exponent bit (the value scales by 2^+-128), in a low byte a mantissa bit."""
+    old = buf[at]
+    buf[at] = old ^ 0x40
+    return {"offset": at, "old": old, "new": buf[at]}
+
+
+def flip_offload_cpu() -> dict[str, Any]:
+    """One byte of a stored block in vLLM's OffloadingConnector CPU tier,
+    found by walking the worker connector's objects for its CPU tensors
+    (needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    root = get_kv_transfer_group()
+    seen: set[int] = set()
+    found: list[torch.Tensor] = []
+    todo: list[tuple[Any, int]] = [(root, 0)]
+    while todo:
+        o, depth = todo.pop()
+        if id(o) in seen or depth > 10:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.device.type == "cpu" and o.dim() == 2 and o.numel() >= 1 << 20:
+                found.append(o)
+            continue
+        if isinstance(o, dict):
+            todo += [(v, depth + 1) for v in o.values()]
+        elif isinstance(o, (list, tuple, set)):
+            todo += [(v, depth + 1) for v in o]
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith("vllm"):
+            todo += [(v, depth + 1) for v in vars(o).values()]
+    if not found:
+        return {"error": "no CPU tensor found in the offloading worker"}
+    t = found[0].view(torch.uint8)
+    rows = (t != 0).any(dim=1).nonzero().flatten().tolist()
+    if not rows:
+        return {"error": "no stored block (every CPU row is zero)", "tensors": len(found)}
+    r = rows[0]
+    at = (t.shape[1] // 2) | 1
+    old = int(t[r, at])
+    t[r, at] = old ^ 0x40
+    return {"tensors": len(found), "stored_rows": len(rows), "row": r, "offset": at, "old": old, "new": int(t[r, at])}
+
+
+def flip_l1_segment(d: str) -> dict[str, Any]:
+    """One byte in the middle of the first live object of the rankd's
+    host-shared L1 segment (layout in transfer/hostl1/segment.go)."""
+    import mmap
+    import struct
+
+    names = [n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n))]
+    for n in names:
+        path = os.path.join(d, n)
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            if m[:8] != b"KVTL1SG1":
+                continue
+            slots, data_off = struct.unpack_from("<Q", m, 16)[0], struct.unpack_from("<Q", m, 40)[0]
+            for i in range(slots):
+                base = 4096 + 128 * i
+                if struct.unpack_from("<I", m, base + 8)[0] != 1:
+                    continue
+                off, size = struct.unpack_from("<QQ", m, base + 64)
+                at = data_off + off + ((size // 2) | 1)
+                return {"segment": n, "slot": i, "object_bytes": size, **_flip(m, at)}
+    return {"error": f"no live object in a segment of {d} ({names})"}
+
+
+def flip_l2(d: str) -> dict[str, Any]:
+    """One byte in the payload of the largest L2 object file."""
+    files = []
+    for dp, _, fs in os.walk(d):
+        for n in fs:
+            if n.endswith(".tmp") or "incarnation" in dp or "quarantine" in dp:
+                continue
+            files.append(os.path.join(dp, n))
+    if not files:
+        return {"error": f"no L2 file under {d}"}
+    path = max(files, key=os.path.getsize)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 4095)
+        b = bytearray(f.read(1))
+        info = _flip(b, 0)
+        f.seek(size - 4095)
+        f.write(b)
+        f.flush()
+        os.fsync(f.fileno())
+    info["offset"] = size - 4095
+    return {"file": os.path.relpath(path, d), "file_bytes": size, "files": len(files), **info}
+
+
+def duel(b: Bench, args: argparse.Namespace, p: list[int]) -> dict[str, Any]:
+    """Stores p, then serves it from the connector's tier with one byte
+    flipped: the OffloadingConnector's CPU copy, or kvtier's L1 copy and
+    (after a rankd restart) its L2 copy. Reports the tokens against the
+    first, computed run's."""
+    ref = b.run(p, args.max_tokens, "ref")
+    time.sleep(args.settle)
+    out: dict[str, Any] = {"tokens_in": len(p), "reference_tokens": ref["tokens"], "cases": []}
+
+    def hit(case: str, flipped: dict[str, Any] | None) -> None:
+        b.reset()
+        c0 = counters()
+        r = b.run(p, args.max_tokens, case)
+        row = {"case": case, "flipped": flipped, "ttft_s": r["ttft_s"], "tokens": r["tokens"],
+               "tokens_equal_reference": r["tokens"] == ref["tokens"], "counters": delta(c0, counters())}
+        out["cases"].append(row)
+        log(f"duel {args.mode} {case}: TTFT {1000 * (r['ttft_s'] or 0):.1f} ms, tokens equal: "
+            f"{row['tokens_equal_reference']} {r['tokens'][:8]} vs {ref['tokens'][:8]}; flipped {flipped}; "
+            f"counters {row['counters']}")
+
+    hit("clean hit", None)
+    if args.mode == "duel-offload":
+        hit("CPU tier byte flipped", flip_offload_cpu())
+        return out
+    hit("L1 byte flipped", flip_l1_segment(os.environ["KVTIER_HOST_L1_DIR"]))
+    hit("next hit after the L1 flip", None)
+    rr = subprocess.run(["bash", os.environ["KVTIER_RESTART_RANKD"]], capture_output=True, text=True)
+    log(f"rankd restarted (rc {rr.returncode}): {rr.stdout.strip()} {rr.stderr.strip()}")
+    time.sleep(args.settle + 12)
+    hit("L2 byte flipped (L1 gone)", flip_l2(os.environ["KVTIER_L2_DIR"]))
+    return out
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -152,19 +366,25 @@ class Bench:
         kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=not args.graphs,
                                   gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
                                   enable_prefix_caching=True, seed=0)
-        if args.mode == "offload":
+        if args.mode == "offload" or args.mode == "duel-offload":
             kw["kv_transfer_config"] = {
                 "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"block_size": 64, "cpu_bytes_to_use": int(args.cpu_bytes)}}
-        elif args.mode == "kvtier":
+        elif args.mode.startswith("kvtier") or args.mode == "duel-kvtier":
+            detached = args.mode == "kvtier-detached"
+            name, module = "KvtierConnector", "kvtier.vllm"
+            if args.profile_connector:
+                name, module = "ProfiledKvtierConnector", "kvtier_profiled"
             kw["kv_transfer_config"] = {
-                "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                "kv_connector": name, "kv_connector_module_path": module,
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
-                    "kvtier_nats": os.environ["KVTIER_NATS"],
+                    # detached: nothing listens there, the connector never
+                    # attaches (C11): vLLM's connector path without kvtier
+                    "kvtier_nats": "nats://127.0.0.1:9" if detached else os.environ["KVTIER_NATS"],
                     "kvtier_instance": os.environ.get("KVTIER_INSTANCE", "engine0"),
                     "kvtier_creds_dir": os.environ["KVTIER_CREDS_DIR"], "kvtier_device": "cuda",
-                    "kvtier_attach_wait_s": 20}}
+                    "kvtier_attach_wait_s": 1 if detached else 20}}
         t = time.perf_counter()
         self.llm = LLM(**kw)
         self.build_s = time.perf_counter() - t
@@ -227,9 +447,11 @@ class Bench:
             self.eng.add_request(rid, {"prompt_token_ids": [rng.randrange(100, 1000) for _ in range(256)]}, sp)
         seen = {r: 0 for r in ids}
         stamps: list[tuple[float, int]] = []  # (time, tokens the decoders got in that step)
+        cpu0, prof0, t_cpu0, steps = thread_cpu(), read_profiles(), time.perf_counter(), 0
         long_rid, t_add, t_first = None, None, None
         while self.eng.has_unfinished_requests():
             outs = self.eng.step()
+            steps += 1
             now = time.perf_counter()
             got = 0
             for o in outs:
@@ -246,8 +468,10 @@ class Bench:
                 t_add = time.perf_counter()
                 self.eng.add_request(long_rid, {"prompt_token_ids": long_prompt},
                                      SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        time.sleep(0.6)  # the profiled connector writes its totals twice a second
+        cpu = cpu_report(cpu0, thread_cpu(), time.perf_counter() - t_cpu0, prof0, read_profiles(), steps)
         gaps = [(b[0], b[0] - a[0]) for a, b in itertools.pairwise(stamps)]
-        out: dict[str, Any] = {"decoders": n}
+        out: dict[str, Any] = {"decoders": n, "steps": steps, "cpu": cpu}
         steady = [g for t, g in gaps[5:]]
         if long_prompt is None:
             out["itl_ms_mean"] = 1000 * statistics.mean(steady)
@@ -279,6 +503,11 @@ def run_mode(args: argparse.Namespace) -> None:
     res: dict[str, Any] = {"mode": args.mode, "build_s": b.build_s, "scheduler": b.sched, "rows": []}
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {L: prompt(L, 1000 + L, vocab) for L in lengths}
+    if args.mode.startswith("duel"):
+        res["duel"] = duel(b, args, prompts[min(lengths)])
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     b.run(prompt(300, 7, vocab), 4, "warm")  # kernels, allocator
     b.reset()
 
@@ -288,7 +517,7 @@ def run_mode(args: argparse.Namespace) -> None:
         res["rows"].append(row)
         log(f"{args.mode} {kind} {L}: TTFT {r['ttft_s'] * 1000:.1f} ms {extra or ''} tokens {r['tokens'][:8]}")
 
-    for L in lengths:
+    for L in lengths if args.mode != "kvtier-detached" else []:
         p = prompts[L]
         if args.mode == "alone":
             for _ in range(args.reps):
@@ -310,7 +539,11 @@ def run_mode(args: argparse.Namespace) -> None:
                 c0 = counters()
                 r = b.run(p, args.max_tokens, "hit")
                 add(kind, L, r, delta(c0, counters()) if args.mode == "kvtier" else None)
-    if args.itl:
+    if args.itl and args.mode == "kvtier-detached":
+        b.reset()
+        res["itl_idle"] = b.itl(None)
+        log(f"{args.mode} ITL, no load: {res['itl_idle']}")
+    elif args.itl:
         L = max(lengths)
         b.reset()
         res["itl_idle"] = b.itl(None)
@@ -396,11 +629,30 @@ def table(paths: list[str]) -> int:
             n = len([r for r in sel if r['ttft_s'] is not None])
             label = f"{kind} ({mode})" if kind == "miss+store" else kind
             print(f"| {L} | {label} | {m * 1000:.1f} | {n} | {vs_rc} | {vs_off} | {eq_rc} | {eq_gp} | {ctr} |")
+    print("\n| mode | ITL no load (mean / p50 ms) | ITL while the long prompt arrives (before / during / max ms) | "
+          "steps | long TTFT ms | connector hooks ms/step | kvtier threads CPU s |")
+    print("|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
-        if "itl_load" in r:
-            print(f"\nITL {mode}: no load {r['itl_idle']}; with a {r['itl_load'].get('tokens_in')}-token prompt "
-                  f"arriving: {r['itl_load']}")
+        idle, ld = r.get("itl_idle"), r.get("itl_load")
+        if not idle:
+            continue
+        during = (f"{ld['itl_ms_before_mean']:.1f} / {ld['itl_ms_during_mean']:.1f} / {ld['itl_ms_during_max']:.1f}"
+                  if ld else "")
+        lt = f"{1000 * ld['long_ttft_s']:.0f}" if ld and ld.get("long_ttft_s") else ""
+        cpu = idle.get("cpu", {})
+        print(f"| {mode} | {idle['itl_ms_mean']:.1f} / {idle['itl_ms_p50']:.1f} | {during} | "
+              f"{ld.get('steps_during', '') if ld else ''} | {lt} | {cpu.get('hook_ms_per_step', '')} | "
+              f"{cpu.get('kvtier_threads_cpu_s', '')} |")
+    for mode, r in runs.items():
+        for k in ("itl_idle", "itl_load"):
+            if k in r:
+                print(f"{mode} {k}: {json.dumps(r[k])}")
         print(f"{mode}: engine built in {r['build_s']:.1f} s, {r['scheduler']}")
+        d = r.get("duel")
+        if d:
+            for c in d["cases"]:
+                print(f"duel {mode} | {c['case']} | tokens equal reference: {c['tokens_equal_reference']} | "
+                      f"TTFT {1000 * (c['ttft_s'] or 0):.1f} ms | flipped {c['flipped']} | {c['counters']}")
     return 1 if bad else 0
 
 
@@ -411,7 +663,8 @@ def main() -> int:
     m.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
     m.add_argument("--out", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--mode", choices=["alone", "offload", "kvtier"], required=True)
+    r.add_argument("--mode", choices=["alone", "offload", "kvtier", "kvtier-detached", "duel-offload", "duel-kvtier"],
+                   required=True)
     r.add_argument("--model", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--lengths", default="4097,16385,32769")
@@ -424,6 +677,8 @@ def main() -> int:
     r.add_argument("--graphs", action="store_true", help="CUDA graphs (default: enforce_eager)")
     r.add_argument("--itl", action="store_true")
     r.add_argument("--l2", action="store_true")
+    r.add_argument("--profile-connector", action="store_true",
+                   help="load kvtier_profiled.ProfiledKvtierConnector: hook times per step in the ITL results")
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     a = ap.parse_args()
@@ -431,6 +686,8 @@ def main() -> int:
         make_model(a.geometry, a.out)
         return 0
     if a.cmd == "run":
+        if a.mode == "duel-offload":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the flip needs the worker in this process
         run_mode(a)
         return 0
     return table(a.results)
