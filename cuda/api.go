@@ -34,6 +34,10 @@ type Device interface {
 	// NewEvent creates an event. Interprocess events can be exported with
 	// ExportEvent (CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING).
 	NewEvent(interprocess bool) (Event, error)
+	// NewTimer creates a timer: a process-local point in a stream whose
+	// completion time the device reports (a timing-enabled cuEvent).
+	// Stream.Mark places it; Timer.Time reads it.
+	NewTimer() (Timer, error)
 
 	// ExportMem returns an IPC handle for [off, off+size) of m. A CUDA legacy
 	// IPC handle names the whole base allocation, so the handle carries the
@@ -118,6 +122,10 @@ type Stream interface {
 	WaitEvent(e Event) error
 	// Record captures all work enqueued so far on the stream into e.
 	Record(e Event) error
+	// Mark places t after all work enqueued so far on the stream
+	// (cuEventRecord of a timing event): the device reaches it when that
+	// work has completed. Marking t again replaces its earlier mark.
+	Mark(t Timer) error
 
 	// Gather copies each object's spans from device memory into dst,
 	// packed, and computes each object's kvsum64. All spans and host ranges
@@ -159,6 +167,24 @@ type Event interface {
 	Synchronize(ctx context.Context) error
 	// Release destroys an event this process created, or closes an imported
 	// one. Later waits on it are errors. Idempotent.
+	Release() error
+}
+
+// Timer is a point in a stream whose time the device reports, for stage
+// timelines and benchmarks; it never orders work (that is Event's job).
+type Timer interface {
+	// Time waits until the device has reached the timer's most recent
+	// Mark and returns when it did, on this process's clock: a time.Time
+	// with a monotonic reading, comparable with time.Now. The host
+	// backend takes it when its stream reaches the mark; the CUDA backend
+	// adds the cuEventElapsedTime from a reference event to the host time
+	// at which that event was seen complete (a reference renewed every
+	// second), so its times are within microseconds of the host clock.
+	// It fails for a timer never marked, released, or whose stream
+	// failed before reaching the mark, and when ctx is done.
+	Time(ctx context.Context) (time.Time, error)
+	// Release destroys the timer; a later Mark or Time fails with
+	// ErrReleased. Idempotent.
 	Release() error
 }
 

@@ -95,6 +95,8 @@ type ordinalState struct {
 	jobs    []*job     // idle table blocks
 	streams map[*driverStream]struct{}
 	pending []func() error // frees waiting for the device to be idle
+
+	clock deviceClock // the anchors of timers (driver_timer.go); its own lock
 }
 
 // freeLater runs free (cuMemFree_v2, cuMemFreeHost, cuIpcCloseMemHandle)
@@ -359,6 +361,9 @@ func (d *driverDevice) Close() error {
 	events, mems, bufs := liveOf[*driverEvent](&d.res), liveOf[*driverMem](&d.res), liveOf[*driverHostBuf](&d.res)
 	for _, e := range events {
 		errs = append(errs, e.Release())
+	}
+	for _, t := range liveOf[*driverTimer](&d.res) {
+		errs = append(errs, t.Release())
 	}
 	// Imported and aliased views first: they may hold their allocation.
 	for _, m := range mems {

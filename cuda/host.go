@@ -391,6 +391,9 @@ func (d *hostDevice) Close() error {
 	for _, b := range bufs {
 		errs = append(errs, b.Release())
 	}
+	for _, t := range liveOf[*hostTimer](&d.res) {
+		errs = append(errs, t.Release())
+	}
 	return errors.Join(errs...)
 }
 

@@ -52,6 +52,7 @@ func Run(t *testing.T, open Opener) {
 	t.Run("ManyStreams", func(t *testing.T) { testManyStreams(t, openDev(t, open)) })
 	t.Run("Lifecycle", func(t *testing.T) { testLifecycle(t, openDev(t, open)) })
 	t.Run("PlainCopy", func(t *testing.T) { testPlainCopy(t, openDev(t, open)) })
+	t.Run("Timers", func(t *testing.T) { testTimers(t, open) })
 }
 
 func openDev(t *testing.T, open Opener) cuda.Device {
