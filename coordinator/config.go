@@ -218,6 +218,9 @@ type Config struct {
 	// index is opened: a test blocks it to hold the coordinator in its
 	// opening phase, as a large index would.
 	indexOpenHook func()
+	// indexAfterCommit, when set (tests only), is the index's AfterCommit
+	// seam: a test blocks it to hold commits back (a slow committer).
+	indexAfterCommit func()
 
 	// Registry gets every metric of this coordinator and its cluster member
 	// and is what /metrics serves. Default: a new registry per coordinator

@@ -20,10 +20,13 @@ package coordinator
 // Only the leader serves the subjects that mutate or decide: events,
 // heartbeats, engine register/lookup/restore, restore reports and every
 // admin subject but members and raft (which every coordinator answers).
-// It subscribes them when raft makes it leader, after a barrier (its index
-// holds every entry of earlier terms), and unsubscribes them when it loses
-// leadership; so engines and rankds reach whichever coordinator leads
-// through the same subjects, with no configuration change. A COMPLETE
+// It subscribes them when raft makes it leader, after a barrier and once
+// its index has committed every entry the barrier covers (the state
+// machine only queues entries into the index; a plan made before they are
+// committed could name a copy a queued fence removed), and unsubscribes
+// them when it loses leadership; so engines and rankds reach whichever
+// coordinator leads through the same subjects, with no configuration
+// change. A COMPLETE
 // verdict is sent only after raft.VerifyLeader succeeded (a deposed leader
 // that has not noticed yet cannot confirm a restore); memberlist deaths are
 // acted on by the leader only, and the fence goes through raft. Restores

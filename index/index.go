@@ -150,6 +150,7 @@ const (
 	reqRestore
 	reqDump
 	reqSlice // a slice of a sliced fence, staged by the committer itself
+	reqSync  // replicate.go
 )
 
 // request is one call waiting for the committer. The committer fills in
@@ -675,7 +676,7 @@ func (ix *Index) stage(r *request) {
 		return
 	}
 	switch r.kind {
-	case reqVerify, reqCheckpoint, reqSnapshot, reqRestore, reqDump:
+	case reqVerify, reqCheckpoint, reqSnapshot, reqRestore, reqDump, reqSync:
 		ix.finishFences()
 		ix.barrier()
 		switch r.kind {
@@ -689,6 +690,7 @@ func (ix *Index) stage(r *request) {
 			ix.takeSnapshot(r)
 		case reqRestore:
 			ix.restore(r)
+		case reqSync: // the barrier is all it asks
 		default:
 			if err := ix.checkpoint(); err != nil {
 				r.err = err

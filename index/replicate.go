@@ -164,6 +164,14 @@ func (p *Pending) Result(ix *Index) Result {
 // (0 when the index was never replicated).
 func (ix *Index) AppliedIndex() uint64 { return ix.appliedPub.Load() }
 
+// Sync returns once everything queued before it (sliced fences and
+// inventories included) is committed and visible to lookups. A new raft
+// leader calls it after its barrier: raft's barrier only says the entries
+// were queued here.
+func (ix *Index) Sync(ctx context.Context) error {
+	return ix.submit(ctx, &request{kind: reqSync, n: 1})
+}
+
 // stageReplicated decides whether a replicated request is applied: false
 // when its raft index was applied already (r is answered as skipped).
 // Committer only.

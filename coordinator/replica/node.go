@@ -248,6 +248,16 @@ func (n *Node) gainLeadership() {
 		n.log.Warn("leadership gained but the barrier failed; not serving", zap.Error(err))
 		return
 	}
+	// The barrier says the state machine has queued every earlier entry
+	// into the index; its committer commits them asynchronously. Serving
+	// before they are committed could plan a restore from a copy an entry
+	// already fenced (issue 29.5), so wait until the index holds them all.
+	t1 := time.Now()
+	if err := n.syncIndex(); err != nil {
+		n.stepDown("this coordinator's index did not commit the entries before the barrier: " + err.Error())
+		return
+	}
+	indexWait := time.Since(t1)
 	if err := n.idx.Failed(); err != nil {
 		n.stepDown("this coordinator's index refuses writes: " + err.Error())
 		return
@@ -266,7 +276,22 @@ func (n *Node) gainLeadership() {
 	}
 	n.met.isLeader.Set(1)
 	n.log.Info("raft leader: serving", zap.Uint64("term", n.r.CurrentTerm()), zap.Uint64("index_applied", n.idx.AppliedIndex()),
-		zap.Duration("barrier", time.Since(t0)))
+		zap.Duration("barrier", time.Since(t0)), zap.Duration("index_wait", indexWait))
+}
+
+// syncIndex waits until the index has committed everything queued into it
+// (index.Sync), or the node stops.
+func (n *Node) syncIndex() error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-n.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return n.idx.Sync(ctx)
 }
 
 func (n *Node) loseLeadership() {
