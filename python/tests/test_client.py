@@ -1,6 +1,9 @@
 """The client's pure parts: what a verdict lets the engine count as loaded,
 and the connection options."""
 
+import os
+
+import nkeys
 import pytest
 
 from kvtier import client, errors, wire
@@ -21,31 +24,41 @@ def test_restore_outcome_counts_only_confirmed_chunks(verdict, loaded, failed):
     assert bool(out.problem) == (loaded < 4)
 
 
+def _seed_file(path):
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    path.write_text(seed + "\n")
+    path.chmod(0o600)
+    return seed
+
+
 def test_connect_options_map_to_nats_py(tmp_path):
     ca = tmp_path / "ca.pem"
-    opts = client.ConnectOptions(servers=["nats://a:4222"], nkey_seed_file="/s/engine.nk", inbox_prefix="_INBOX.e0")
+    seed = _seed_file(tmp_path / "engine.nk")
+    opts = client.ConnectOptions(servers=["nats://a:4222"], nkey_seed_file=str(tmp_path / "engine.nk"),
+                                 inbox_prefix="_INBOX.e0")
     kw = opts.nats_kwargs()
-    assert kw["nkeys_seed"] == "/s/engine.nk" and kw["inbox_prefix"] == b"_INBOX.e0"
+    assert kw["nkeys_seed_str"] == seed and kw["inbox_prefix"] == b"_INBOX.e0"
     assert kw["max_reconnect_attempts"] == -1 and "tls" not in kw
     with pytest.raises(ValueError, match="not both"):
         client.ConnectOptions(nkey_seed_file="a", credentials_file="b").validate()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(errors.CredentialsError, match="No such file"):
         client.ConnectOptions(tls_ca_file=str(ca)).nats_kwargs()
 
 
 def test_connect_options_from_creds_dir(tmp_path):
-    (tmp_path / "engine-engine0.nk").write_text("SU...")
+    seed = _seed_file(tmp_path / "engine-engine0.nk")
     opts = client.ConnectOptions(servers=["nats://a:4222"], creds_dir=str(tmp_path), instance="engine0")
     opts.validate()
     kw = opts.nats_kwargs()
-    assert kw["nkeys_seed"] == str(tmp_path / "engine-engine0.nk")
+    assert kw["nkeys_seed_str"] == seed and opts.seed_file() == str(tmp_path / "engine-engine0.nk")
     assert kw["inbox_prefix"] == b"_INBOX.engine-engine0"
     assert "tls" not in kw  # no ca.pem in the directory
     assert opts.identity() == "engine-engine0"
     # An explicit seed, CA or inbox wins over the directory's.
-    opts = client.ConnectOptions(creds_dir=str(tmp_path), instance="engine0", nkey_seed_file="/s/x.nk",
+    other = _seed_file(tmp_path / "x.nk")
+    opts = client.ConnectOptions(creds_dir=str(tmp_path), instance="engine0", nkey_seed_file=str(tmp_path / "x.nk"),
                                  inbox_prefix="_INBOX.x")
-    assert (opts.nats_kwargs()["nkeys_seed"], opts.nats_kwargs()["inbox_prefix"]) == ("/s/x.nk", b"_INBOX.x")
+    assert (opts.nats_kwargs()["nkeys_seed_str"], opts.nats_kwargs()["inbox_prefix"]) == (other, b"_INBOX.x")
 
 
 def test_connect_options_are_secure_by_default():

@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import random
 import re
 import ssl
+import stat
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 from kvtier import wire
 from kvtier.cuda import EventHandle
 from kvtier.dcp import ChunkHash, Namespace, Spec
-from kvtier.errors import MalformedError, NotConnected, RequestTimeout, Unauthorized, Unavailable
+from kvtier.errors import CredentialsError, MalformedError, NotConnected, RequestTimeout, Unauthorized, Unavailable
 from kvtier.wire import (
     ChunkBlocks,
     LookupReply,
@@ -160,14 +162,19 @@ class ConnectOptions:
             "max_reconnect_attempts": -1,
             "allow_reconnect": True,
         }
+        # nats-py gets the checked bytes, never a path: given a path it
+        # opens the file again on every connect and reconnect, unchecked.
         seed = self.seed_file()
         if seed:
-            kw["nkeys_seed"] = seed
+            kw["nkeys_seed_str"] = load_seed(seed)
         if self.credentials_file:
-            kw["user_credentials"] = self.credentials_file
+            from nats.aio.client import RawCredentials
+
+            text = read_private_file(self.credentials_file, "credentials file", secret=True)
+            kw["user_credentials"] = RawCredentials(text)
         ca = self.ca_file()
         if ca:
-            kw["tls"] = ssl.create_default_context(cafile=ca)
+            kw["tls"] = ssl.create_default_context(cadata=read_private_file(ca, "CA file", secret=False))
         inbox = self.inbox()
         if inbox:
             kw["inbox_prefix"] = inbox.encode()
@@ -176,6 +183,75 @@ class ConnectOptions:
 
 # CA_FILE is the cluster CA's name in a credentials directory (auth.CAFile).
 CA_FILE = "ca.pem"
+
+# PRIVATE_FILE_MAX bounds a seed, .creds or CA file, bytes (Go auth's
+# readPrivate: 1 MiB).
+PRIVATE_FILE_MAX = 1 << 20
+
+
+def read_private_file(path: str, what: str, *, secret: bool) -> str:
+    """Reads a credentials file as Go's auth.readPrivate does: opened
+    without following a symlink and without blocking (a FIFO at the path
+    would wait for a writer; fstat refuses it), a regular file of at most
+    PRIVATE_FILE_MAX bytes. With secret (a seed, a .creds file) it must be
+    owned by this process's effective user with no group or other access;
+    otherwise (a CA bundle, which decides whom to trust) owned by this user
+    or root and writable by no one else. Raises CredentialsError naming the
+    path and the rule."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CredentialsError(f"{what} {path} is a symlink (symlinks are refused)") from e
+        raise CredentialsError(f"{what} {path}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CredentialsError(f"{what} {path} is not a regular file ({stat.filemode(st.st_mode)})")
+        mode, uid = stat.S_IMODE(st.st_mode), os.geteuid()
+        if secret and mode & 0o077:
+            raise CredentialsError(f"{what} {path} has mode {mode:04o}; want no group or other access (chmod 600)")
+        if not secret and mode & 0o022:
+            raise CredentialsError(f"{what} {path} has mode {mode:04o}; others could write it (chmod 644)")
+        if st.st_uid != uid and (secret or st.st_uid != 0):
+            owners = f"{uid}" if secret else f"{uid} nor root"
+            raise CredentialsError(f"{what} {path} is owned by uid {st.st_uid}, not {owners}")
+        if st.st_size > PRIVATE_FILE_MAX:
+            raise CredentialsError(f"{what} {path} is {st.st_size} B, over {PRIVATE_FILE_MAX} B")
+        chunks, n = [], 0
+        while n <= PRIVATE_FILE_MAX:  # one byte past the bound: a file that grew is refused, not cut
+            b = os.read(fd, PRIVATE_FILE_MAX + 1 - n)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        if n > PRIVATE_FILE_MAX:
+            raise CredentialsError(f"{what} {path} grew over {PRIVATE_FILE_MAX} B while read")
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("ascii")
+    except UnicodeDecodeError as e:
+        raise CredentialsError(f"{what} {path} is not ASCII text") from e
+
+
+def load_seed(path: str) -> str:
+    """The nkey user seed in path (read_private_file, secret), checked the
+    way Go's auth.LoadSeed checks it: a seed, of a user key."""
+    # deferred: importing kvtier needs no nkeys (which ships no types)
+    import nkeys  # type: ignore[import-untyped]
+
+    seed = read_private_file(path, "seed file", secret=True).strip()
+    try:
+        kp = nkeys.from_seed(bytearray(seed.encode()))
+    except Exception as e:  # nkeys raises its own error types, and binascii's
+        raise CredentialsError(f"seed file {path} holds no nkey seed ({type(e).__name__})") from e
+    try:
+        if not kp.public_key.startswith(b"U"):
+            raise CredentialsError(f"seed file {path} holds no user nkey (a {kp.public_key[:1].decode()}... key)")
+    finally:
+        kp.wipe()
+    return seed
 
 
 async def connect_nats(opts: ConnectOptions, on_denied: Callable[[str, str], None] | None = None) -> Any:

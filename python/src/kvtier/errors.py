@@ -26,6 +26,13 @@ class HandleError(KvtierError, ValueError):
     """An IPC handle could not be made or parsed (Go cuda.ErrBadHandle)."""
 
 
+class CredentialsError(KvtierError, ValueError):
+    """A seed, .creds or CA file is unsafe or unreadable (Go
+    auth.ErrCredsFile): a symlink, not a regular file, another user's,
+    readable by group or others, too large, or not what it should hold.
+    The message names the path and the rule."""
+
+
 class NotConnected(KvtierError):
     """The client is closed, or NATS is unreachable."""
 
