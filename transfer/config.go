@@ -89,7 +89,8 @@ type Config struct {
 	// HostL1Dir, when not "", makes L1 host-shared (issue 15.1): L1 is the
 	// data region of a shared-memory segment "<instance>.<tp>.l1" created
 	// in this directory (a private 0700 directory of this uid, typically
-	// under /dev/shm; symlinks and foreign owners are refused), whose
+	// under /dev/shm, created when missing; symlinks, foreign owners and a
+	// parent others could replace it in are refused), whose
 	// catalog lists every object L1 holds; the other TP ranks of the
 	// instance on this host, given the same directory, restore those
 	// objects straight from it (mapped read-only, registered with the

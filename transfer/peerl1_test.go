@@ -299,7 +299,9 @@ func TestPeerL1DirRules(t *testing.T) {
 	if err := os.Symlink(good, link); err != nil {
 		t.Fatal(err)
 	}
-	for _, d := range []string{open, link, filepath.Join(good, "missing")} {
+	// A missing directory is created (hostl1.TestSegDirSquat); one whose
+	// parent is missing is refused.
+	for _, d := range []string{open, link, filepath.Join(good, "missing", "l1")} {
 		cfg := engineConfig(t, dev, 0, 1)
 		cfg.HostL1Dir = d
 		if e, err := New(cfg); !errors.Is(err, ErrConfig) {

@@ -14,7 +14,8 @@
 //
 // The package never takes a lock of the engine and holds none of its own:
 // the catalog is atomics, seqlocked slots and leases (segment.go). Its
-// files follow C9 (file.go): a private directory of this uid, files
+// files follow C9 (file.go): a private directory of this uid (created
+// 0700 when missing; a squatter's is refused, never used), files
 // created O_EXCL|O_NOFOLLOW 0600 and renamed into place, peers accepted
 // only as private regular files of this uid. Its sentinel errors are its
 // own (ErrConfig, ErrCorrupt, ErrIO, ErrNotFound, ErrFull); package

@@ -3,7 +3,9 @@ package hostl1
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
+	"os/user"
 	"path/filepath"
 	"strconv"
 	"syscall"
@@ -20,8 +22,73 @@ import (
 // and accepts only a regular file of the same uid with a private mode.
 // The file of rank r of instance i is "<i>.<r>.l1"; instances are
 // [A-Za-z0-9_-], so the name is always one path element.
+//
+// Squatting (issue 28.5). The directory usually lives in /dev/shm, where
+// any local user may create a name first. Create makes a missing
+// directory itself (0700), and never uses or changes one it did not make
+// and that is not this uid's: a squatter's directory is refused with its
+// owner and the remedy named (remove it, create it at boot before users
+// can, or use a parent only this uid or root can write). A squat can stop
+// a rankd from starting; it can never make one use the squatter's files.
+// Once the directory is ours no one else can replace it: its parent must
+// be this uid's or root's, and writable by others only with the sticky bit
+// (/dev/shm's 1777), which keeps others from renaming or removing what is
+// not theirs. In the private directory no one else can plant a segment
+// file; one root planted is replaced by Create (rename) and refused by
+// peers (checkSegFile).
 
 func FileName(r wire.Rank) string { return r.Instance + "." + strconv.Itoa(r.TPRank) + ".l1" }
+
+// owner names uid for an error: "uid 65534 (nobody)".
+func owner(uid uint32) string {
+	if u, err := user.LookupId(strconv.FormatUint(uint64(uid), 10)); err == nil && u.Username != "" {
+		return fmt.Sprintf("uid %d (%s)", uid, u.Username)
+	}
+	return fmt.Sprintf("uid %d", uid)
+}
+
+// prepareSegDir creates dir (0700) when it is missing and verifies the
+// rules above for it and its parent.
+func prepareSegDir(dir string) error {
+	if err := checkSegParent(dir); err != nil {
+		return err
+	}
+	if err := os.Mkdir(dir, 0o700); err == nil {
+		// Ours now: make the mode exact whatever the umask.
+		if err := os.Chmod(dir, 0o700); err != nil {
+			return fmt.Errorf("host L1 dir %s: %w: %w", dir, err, ErrConfig)
+		}
+	} else if !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("create host L1 dir %s (its parent must exist): %w: %w", dir, err, ErrConfig)
+	}
+	return checkSegDir(dir)
+}
+
+// checkSegParent verifies that no one but this uid and root can replace
+// dir: its parent is theirs, and writable by others only if sticky.
+func checkSegParent(dir string) error {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return fmt.Errorf("host L1 dir %s: %w: %w", dir, err, ErrConfig)
+	}
+	parent := filepath.Dir(abs)
+	fi, err := os.Stat(parent)
+	if err != nil {
+		return fmt.Errorf("host L1 dir %s: parent: %w: %w", dir, err, ErrConfig)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.IsDir():
+		return fmt.Errorf("host L1 dir %s: parent %s is not a directory: %w", dir, parent, ErrConfig)
+	case !ok:
+		return fmt.Errorf("host L1 dir %s: parent %s: no owner information: %w", dir, parent, ErrConfig)
+	case int(st.Uid) != os.Geteuid() && st.Uid != 0:
+		return fmt.Errorf("host L1 dir %s: parent %s is owned by %s, neither this process's uid %d nor root: that user could rename the directory and put another in its place: %w", dir, parent, owner(st.Uid), os.Geteuid(), ErrConfig)
+	case fi.Mode().Perm()&0o022 != 0 && fi.Mode()&os.ModeSticky == 0:
+		return fmt.Errorf("host L1 dir %s: parent %s has mode %04o, writable by others without the sticky bit: anyone could rename the directory and put another in its place (use a parent like /dev/shm, mode 1777, or one only this user can write): %w", dir, parent, fi.Mode().Perm(), ErrConfig)
+	}
+	return nil
+}
 
 // checkSegDir verifies the directory rules above.
 func checkSegDir(dir string) error {
@@ -38,9 +105,9 @@ func checkSegDir(dir string) error {
 	case !ok:
 		return fmt.Errorf("host L1 dir %s: no owner information: %w", dir, ErrConfig)
 	case int(st.Uid) != os.Geteuid():
-		return fmt.Errorf("host L1 dir %s is owned by uid %d, this process runs as uid %d: %w", dir, st.Uid, os.Geteuid(), ErrConfig)
+		return fmt.Errorf("host L1 dir %s is owned by %s, not this process's uid %d: another user created it first, and rankd never uses or changes it: remove it (as root), then let rankd create it or create it at boot before users can (systemd-tmpfiles: d %s 0700 <user> - -), or give a directory under a parent only this user or root can write: %w", dir, owner(st.Uid), os.Geteuid(), dir, ErrConfig)
 	case fi.Mode().Perm()&0o077 != 0:
-		return fmt.Errorf("host L1 dir %s has mode %#o; it must grant nothing to group or others (0700): %w", dir, fi.Mode().Perm(), ErrConfig)
+		return fmt.Errorf("host L1 dir %s has mode %04o; it must grant nothing to group or others (0700); others may have put files in it, so rankd does not change it: check its content, then chmod 700: %w", dir, fi.Mode().Perm(), ErrConfig)
 	}
 	return nil
 }
@@ -127,7 +194,7 @@ func collectSegFiles(dir string, r wire.Rank) (c Collected, exists bool) {
 // open, flock'ed exclusive, until Close: the lock is how peers tell a
 // live holder from a dead one.
 func Create(dir string, r wire.Rank, geo Geometry, incarnation uint64) (*Segment, Collected, error) {
-	if err := checkSegDir(dir); err != nil {
+	if err := prepareSegDir(dir); err != nil {
 		return nil, Collected{}, err
 	}
 	col, exists := collectSegFiles(dir, r)
