@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -260,6 +261,13 @@ func openBolt(cfg Config) (*bolt.DB, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
+	}
+	// bbolt fsyncs the file it creates, never its directory: until the
+	// directory is fsynced, a power cut can lose the new file's name and
+	// with it every batch acknowledged since.
+	if err := syncDir(filepath.Dir(cfg.Path)); err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	return db, nil
 }
