@@ -34,13 +34,16 @@ import (
 //   - Verify, Checkpoint and Close finish every fence first
 //     (finishFences), so they never see a half-fenced rank.
 
-// fenceJob is one sliced fence in progress.
+// fenceJob is one sliced fence, or sliced reset (reset.go), in progress.
 type fenceJob struct {
 	id    uint32
-	below uint64     // L1 placements with incarnation < below are dropped
+	below uint64 // L1 placements with incarnation < below are dropped
+	// reset: every placement of the rank is dropped, whatever its tier
+	// (a sliced ResetRank); below is unused.
+	reset bool
 	pos   int        // next index into the rank's chunk list
 	n     int        // placements dropped so far
-	reqs  []*request // FenceRank calls answered when it ends
+	reqs  []*request // FenceRank (or ResetRank) calls answered when it ends
 }
 
 // startFence starts a sliced fence of r's rank when the rank's chunk list
@@ -78,7 +81,7 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 	rs.fencing = true
 	t.hide = append(t.hide, id)
 	ix.fences = append(ix.fences, j)
-	ix.fenceSlice(t, j)
+	ix.fenceSlice(t, j, ix.cfg.FenceSliceChunks)
 	return true
 }
 
@@ -91,20 +94,30 @@ func (ix *Index) fenceOf(id uint32) *fenceJob {
 	return nil
 }
 
-// fenceSlice stages the next slice of j in t: up to FenceSliceChunks of
-// the rank's published chunks, and every chunk staged in t and its parent.
-// The slice is one more request of t's group (reqSlice), so t is
-// committed even when nothing else arrives; after the last slice the
-// fence's requests join t's group and are answered with it.
-func (ix *Index) fenceSlice(t *txn, j *fenceJob) {
+// fenceSlice stages the next slice of j in t: up to chunks (normally
+// FenceSliceChunks) of the rank's published chunks, and every chunk staged
+// in t and its parent. The slice is one more request of t's group
+// (reqSlice), so t is committed even when nothing else arrives; after the
+// last slice the fence's requests join t's group and are answered with it.
+//
+// Every slice logs the whole fence (or, for a reset, the drop of every
+// placement of the rank): replaying any of them does all of it, so a crash
+// after the first slice's commit replays the whole fence or reset.
+func (ix *Index) fenceSlice(t *txn, j *fenceJob, chunks int) {
 	list := &ix.st.ranks[j.id].chunks
-	end := min(j.pos+ix.cfg.FenceSliceChunks, list.len())
+	end := min(j.pos+chunks, list.len())
 	id, below := j.id, j.below
-	n := t.filterRefs(id, list.segments(j.pos, end), func(p *placement) bool {
-		return p.rank == id && p.tier == wire.L1 && p.inc < below
-	})
+	drop := func(p *placement) bool { return p.rank == id && p.tier == wire.L1 && p.inc < below }
+	if j.reset {
+		drop = func(p *placement) bool { return p.rank == id }
+	}
+	n := t.filterRefs(id, list.segments(j.pos, end), drop)
 	if t.enc != nil {
-		t.enc.fence(id, below)
+		if j.reset {
+			t.enc.drop(id)
+		} else {
+			t.enc.fence(id, below)
+		}
 	}
 	ix.pending = append(ix.pending, &request{kind: reqSlice, ctx: context.Background(), done: make(chan struct{})})
 	ix.curN += end - j.pos + 1

@@ -427,7 +427,8 @@ func (p *Pending) Wait() (Outcome, error) {
 // inventory, atomically, and sets the rank's incarnation and last sequence
 // to the inventory's (clearing a fence). An inventory from an older
 // incarnation, or from the current one but behind the last applied event,
-// is dropped (the outcome says so). The inventory is not retained.
+// is dropped (the outcome says so). The inventory is not retained, but
+// its objects are sorted in place (by key, then tier) when it is checked.
 //
 // It applies the inventory whatever fences the rank had since it was
 // taken; a caller that asked the rank for it uses ApplyInventoryAt.
@@ -713,6 +714,7 @@ func (ix *Index) stage(r *request) {
 	t := ix.staging()
 	switch r.kind {
 	case reqBatch:
+		ix.finishResetOf(t, r.batch.Rank)
 		j := ix.invOfRank(t, r.batch.Rank)
 		if j != nil && r.batch.Incarnation > j.inv.Incarnation {
 			ix.finishInventory(t, j) // a newer incarnation sees the inventory whole
@@ -726,6 +728,7 @@ func (ix *Index) stage(r *request) {
 			ix.endFence(t, r.batch.Rank)
 		}
 	case reqInventory:
+		ix.finishResetOf(t, r.inv.Rank)
 		if !ix.finishInventoryOf(t, r.inv.Rank) && ix.startInventory(t, r) {
 			return // answered with the inventory's last slice
 		}
@@ -735,12 +738,17 @@ func (ix *Index) stage(r *request) {
 			ix.unhidePartial(t, r.inv.Rank)
 		}
 	case reqFence:
+		if ix.fenceDuringReset(t, r) {
+			break
+		}
 		if !ix.finishInventoryOf(t, r.rank) && ix.startFence(t, r) {
 			return // answered with the fence's last slice
 		}
 		r.fenced = t.fenceRank(r.rank, r.upTo)
 	case reqReset:
-		ix.finishInventoryOf(t, r.rank)
+		if !ix.finishInventoryOf(t, r.rank) && ix.startReset(t, r) {
+			return // answered with the reset's last slice
+		}
 		r.fenced = t.resetRank(r.rank)
 		if r.fenced >= 0 {
 			ix.endFence(t, r.rank)
@@ -775,7 +783,7 @@ func (ix *Index) staging() *txn {
 	ix.cur, ix.curIdx, ix.curN, ix.curStart = ix.txns[i], i, 0, time.Now()
 	ix.cur.invLive = ix.invLive
 	if len(ix.fences) > 0 && ix.failed == nil {
-		ix.fenceSlice(ix.cur, ix.fences[0])
+		ix.fenceSlice(ix.cur, ix.fences[0], ix.cfg.FenceSliceChunks)
 	}
 	if len(ix.invs) > 0 && ix.failed == nil {
 		ix.invSlice(ix.cur, ix.invs[0], ix.cfg.InventorySlice)

@@ -197,8 +197,10 @@ func buckets(t *testing.T, path string) map[string]string {
 func TestSlicedInventoryModel(t *testing.T) {
 	for seed := range uint64(80) {
 		ops := modelScript(seed)
-		// Even seeds fence in one piece and compare every count; odd ones
-		// slice fences too (3 chunks a slice).
+		// Even seeds fence and reset in one piece and compare every
+		// count; odd ones also slice the second index's fences and resets
+		// (3 chunks a slice), the first one fencing and resetting in one
+		// piece.
 		fenceSlice, counts := 1<<20, seed%2 == 0
 		if !counts {
 			fenceSlice = 3
@@ -213,6 +215,9 @@ func TestSlicedInventoryModel(t *testing.T) {
 			cfg.NoSync = true
 			cfg.InventorySlice = slice
 			cfg.FenceSliceChunks = fenceSlice
+			if k == 0 {
+				cfg.FenceSliceChunks = 1 << 20
+			}
 			ix, err := Open(cfg)
 			if err != nil {
 				t.Fatal(err)

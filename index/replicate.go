@@ -474,5 +474,6 @@ func readApplied(tx *bolt.Tx) (uint64, error) {
 // refuses).
 func ValidateBatch(b *wire.Batch) error { return validateBatch(b) }
 
-// ValidateInventory checks an inventory as ApplyInventory does.
+// ValidateInventory checks an inventory as ApplyInventory does, sorting
+// its objects in place as ApplyInventory does.
 func ValidateInventory(inv *wire.Inventory) error { return validateInventory(inv) }

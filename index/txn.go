@@ -1,6 +1,8 @@
 package index
 
 import (
+	"bytes"
+	"cmp"
 	"fmt"
 	"math"
 	"slices"
@@ -703,29 +705,52 @@ func validateBatch(b *wire.Batch) error {
 	return nil
 }
 
-// validateInventory checks an inventory before it is queued.
+// validateInventory checks an inventory before it is queued. It sorts
+// inv.Objects in place (by key, then tier; cmpPlacement) and finds a slot
+// listed twice as two neighbours: no memory on top of the inventory's own
+// (issue 28.3: a set of the slots seen cost about 80 B an object, 1.3 GB
+// for the 16 Mi objects an inventory could carry). The order of an
+// inventory's objects means nothing to its apply.
 func validateInventory(inv *wire.Inventory) error {
 	if err := validateRank(inv.Rank); err != nil {
 		return fmt.Errorf("inventory: %w", err)
 	}
-	type slot struct {
-		k dcp.Key
-		t wire.Tier
-	}
-	seen := make(map[slot]struct{}, len(inv.Objects))
 	for i := range inv.Objects {
 		ob := &inv.Objects[i]
 		if !ob.Tier.Valid() {
 			return fmt.Errorf("inventory of %s: object %d (%s) has tier %d, want 1 (L1), 2 (L2) or 3 (L3): %w",
 				inv.Rank, i, ob.Key, ob.Tier, ErrInvalid)
 		}
-		s := slot{ob.Key, ob.Tier}
-		if _, dup := seen[s]; dup {
-			return fmt.Errorf("inventory of %s: object %d (%s, %s) is listed twice: %w", inv.Rank, i, ob.Key, ob.Tier, ErrInvalid)
+	}
+	objs := inv.Objects
+	if !slices.IsSortedFunc(objs, cmpPlacement) {
+		slices.SortFunc(objs, cmpPlacement)
+	}
+	for i := 1; i < len(objs); i++ {
+		if cmpPlacement(objs[i-1], objs[i]) == 0 {
+			ob := &objs[i]
+			return fmt.Errorf("inventory of %s: object %s in %s is listed twice: %w", inv.Rank, ob.Key, ob.Tier, ErrInvalid)
 		}
-		seen[s] = struct{}{}
 	}
 	return nil
+}
+
+// cmpPlacement orders inventory objects by key (namespace, chunk, shard,
+// group), then tier, without allocating.
+func cmpPlacement(a, b wire.Placement) int {
+	if c := bytes.Compare(a.Key.NS[:], b.Key.NS[:]); c != 0 {
+		return c
+	}
+	if c := bytes.Compare(a.Key.Chunk[:], b.Key.Chunk[:]); c != 0 {
+		return c
+	}
+	if c := cmp.Compare(a.Key.Shard, b.Key.Shard); c != 0 {
+		return c
+	}
+	if c := cmp.Compare(a.Key.Group, b.Key.Group); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.Tier, b.Tier)
 }
 
 func validateRank(r wire.Rank) error {
