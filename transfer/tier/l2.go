@@ -151,8 +151,8 @@ const (
 	fileVersion   = 2
 	fileVersion1  = 1
 	fileFixedHdr  = 114
-	fileMinHdr    = fileFixedHdr + 8 // version 1, empty instance
-	fileMaxHdr    = fileFixedHdr + 64 + macBytes + 8
+	fileMinHdr    = fileFixedHdr + 8                               // version 1, empty instance
+	fileMaxHdr    = fileFixedHdr + 64 + encHdrExtra + macBytes + 8 // format 3
 	FileExt       = ".kvo"
 	TmpPrefix     = ".tmp."
 	QuarantineDir = "quarantine"
@@ -164,11 +164,20 @@ func HeaderBytes(instance string) uint64 { return uint64(fileFixedHdr + len(inst
 
 // encodeHeader returns o's version 2 header, MACed with key (zero MAC for
 // a nil key).
-func encodeHeader(o L2Object, key *MACKey) []byte {
-	h := fileFixedHdr + len(o.Writer.Instance) + macBytes + 8
+func encodeHeader(o L2Object, key *MACKey) []byte { return encodeHeaderNonce(o, key, nil) }
+
+// encodeHeaderNonce returns o's header: version 2 for a nil nonce,
+// version 3 (an encrypted L3 object, l3crypt.go) with the cipher id and
+// nonce before the MAC otherwise.
+func encodeHeaderNonce(o L2Object, key *MACKey, nonce []byte) []byte {
+	version, extra := fileVersion, 0
+	if nonce != nil {
+		version, extra = fileVersionEnc, 1+len(nonce)
+	}
+	h := fileFixedHdr + len(o.Writer.Instance) + extra + macBytes + 8
 	b := make([]byte, 0, h)
 	b = append(b, fileMagic...)
-	b = binary.BigEndian.AppendUint16(b, fileVersion)
+	b = binary.BigEndian.AppendUint16(b, uint16(version))
 	b = binary.BigEndian.AppendUint16(b, uint16(h))
 	b, _ = o.Key.AppendBinary(b)
 	b = append(b, o.Fingerprint[:]...)
@@ -179,6 +188,9 @@ func encodeHeader(o L2Object, key *MACKey) []byte {
 	b = binary.BigEndian.AppendUint32(b, uint32(o.Writer.TPRank))
 	b = append(b, byte(len(o.Writer.Instance)))
 	b = append(b, o.Writer.Instance...)
+	if nonce != nil {
+		b = append(append(b, cipherAES256GCM), nonce...)
+	}
 	mac := key.sum(b)
 	b = append(b, mac[:]...)
 	return binary.BigEndian.AppendUint64(b, checksum.Sum(b))
@@ -191,40 +203,60 @@ func encodeHeader(o L2Object, key *MACKey) []byte {
 // that does not verify, or a version 1 header (no MAC) when key is set,
 // gives an error wrapping ErrUnverified with the header's fields.
 func readHeader(f io.ReaderAt, fileSize int64, key *MACKey) (L2Object, int, error) {
+	o, h, _, err := readObjHeader(f, fileSize, key, false)
+	return o, h, err
+}
+
+// readObjHeader is readHeader that, with encrypted set (the L3 tier), also
+// takes format 3 and returns its nonce (nil for a format 1 or 2 header): a
+// format 3 object is the header, the payload's length in ciphertext and a
+// GCM tag.
+func readObjHeader(f io.ReaderAt, fileSize int64, key *MACKey, encrypted bool) (L2Object, int, []byte, error) {
 	var o L2Object
 	var pre [8]byte
 	if _, err := f.ReadAt(pre[:], 0); err != nil {
-		return o, 0, fmt.Errorf("file of %d B too short for a header: %w", fileSize, err)
+		return o, 0, nil, fmt.Errorf("file of %d B too short for a header: %w", fileSize, err)
 	}
 	if string(pre[:4]) != fileMagic {
-		return o, 0, fmt.Errorf("bad magic %q, want %q", pre[:4], fileMagic)
+		return o, 0, nil, fmt.Errorf("bad magic %q, want %q", pre[:4], fileMagic)
 	}
 	v := binary.BigEndian.Uint16(pre[4:])
-	macLen := 0
-	switch v {
-	case fileVersion:
+	macLen, extra := 0, 0
+	switch {
+	case v == fileVersion:
 		macLen = macBytes
-	case fileVersion1:
+	case v == fileVersion1:
+	case v == fileVersionEnc && encrypted:
+		macLen, extra = macBytes, encHdrExtra
+	case v == fileVersionEnc:
+		return o, 0, nil, fmt.Errorf("format version %d (an encrypted L3 object) in an L2 file", v)
 	default:
-		return o, 0, fmt.Errorf("format version %d, want %d (or %d)", v, fileVersion, fileVersion1)
+		return o, 0, nil, fmt.Errorf("format version %d, want %d (or %d)", v, fileVersion, fileVersion1)
 	}
 	h := int(binary.BigEndian.Uint16(pre[6:]))
-	if h < fileFixedHdr+macLen+8 || h > fileFixedHdr+64+macLen+8 {
-		return o, 0, fmt.Errorf("header length %d outside %d..%d", h, fileFixedHdr+macLen+8, fileFixedHdr+64+macLen+8)
+	if lo, hi := fileFixedHdr+extra+macLen+8, fileFixedHdr+64+extra+macLen+8; h < lo || h > hi {
+		return o, 0, nil, fmt.Errorf("header length %d outside %d..%d", h, lo, hi)
 	}
 	b := make([]byte, h)
 	if _, err := f.ReadAt(b, 0); err != nil {
-		return o, 0, fmt.Errorf("header of %d B truncated in a %d B file: %w", h, fileSize, err)
+		return o, 0, nil, fmt.Errorf("header of %d B truncated in a %d B file: %w", h, fileSize, err)
 	}
 	if got, want := checksum.Sum(b[:h-8]), binary.BigEndian.Uint64(b[h-8:]); got != want {
-		return o, 0, fmt.Errorf("header checksum %016x, recorded %016x", got, want)
+		return o, 0, nil, fmt.Errorf("header checksum %016x, recorded %016x", got, want)
 	}
 	n := int(b[113])
-	if fileFixedHdr+n+macLen+8 != h {
-		return o, 0, fmt.Errorf("writer instance of %d B does not fit header length %d", n, h)
+	if fileFixedHdr+n+extra+macLen+8 != h {
+		return o, 0, nil, fmt.Errorf("writer instance of %d B does not fit header length %d", n, h)
+	}
+	var nonce []byte
+	if extra > 0 {
+		if c := b[fileFixedHdr+n]; c != cipherAES256GCM {
+			return o, 0, nil, fmt.Errorf("cipher id %d, want %d (AES-256-GCM)", c, cipherAES256GCM)
+		}
+		nonce = b[fileFixedHdr+n+1 : fileFixedHdr+n+extra]
 	}
 	if err := o.Key.UnmarshalBinary(b[8:45]); err != nil {
-		return o, 0, err
+		return o, 0, nil, err
 	}
 	copy(o.Fingerprint[:], b[45:77])
 	o.Size = binary.BigEndian.Uint64(b[77:])
@@ -233,16 +265,26 @@ func readHeader(f io.ReaderAt, fileSize int64, key *MACKey) (L2Object, int, erro
 	o.Created = time.Unix(0, int64(binary.BigEndian.Uint64(b[101:])))
 	o.Writer.TPRank = int(binary.BigEndian.Uint32(b[109:]))
 	o.Writer.Instance = string(b[114 : 114+n])
-	if want := int64(h) + int64(o.Size); o.Size > 1<<50 || fileSize != want {
-		return o, h, fmt.Errorf("file is %d B, header %d B + payload %d B = %d B", fileSize, h, o.Size, want)
+	tag := 0
+	if nonce != nil {
+		tag = gcmTagBytes
+	}
+	if want := int64(h) + int64(o.Size) + int64(tag); o.Size > 1<<50 || fileSize != want {
+		if tag > 0 {
+			return o, h, nil, fmt.Errorf("file is %d B, header %d B + payload %d B + GCM tag %d B = %d B", fileSize, h, o.Size, tag, want)
+		}
+		return o, h, nil, fmt.Errorf("file is %d B, header %d B + payload %d B = %d B", fileSize, h, o.Size, want)
+	}
+	if key == nil && nonce != nil {
+		return o, h, nil, fmt.Errorf("an encrypted object, and this rankd has no storage key to open it: %w", ErrUnverified)
 	}
 	if key != nil {
 		if v == fileVersion1 {
-			return o, h, fmt.Errorf("format version 1 carries no MAC (written before storage MACs): %w", ErrUnverified)
+			return o, h, nil, fmt.Errorf("format version 1 carries no MAC (written before storage MACs): %w", ErrUnverified)
 		}
-		if end := fileFixedHdr + n; !key.verify(b[:end], b[end:end+macBytes]) {
-			return o, h, fmt.Errorf("header MAC does not verify with this cluster's storage key (another cluster's or a rotated key, or forged): %w", ErrUnverified)
+		if end := fileFixedHdr + n + extra; !key.verify(b[:end], b[end:end+macBytes]) {
+			return o, h, nil, fmt.Errorf("header MAC does not verify with this cluster's storage key (another cluster's or a rotated key, or forged): %w", ErrUnverified)
 		}
 	}
-	return o, h, nil
+	return o, h, nonce, nil
 }

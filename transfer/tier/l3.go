@@ -3,6 +3,7 @@ package tier
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -43,16 +44,39 @@ type ObjectStore interface {
 // announced nor deleted (a wrong key must not empty a bucket): it is
 // reported with Unverified and Kept, and a later store of its key
 // overwrites it.
+//
+// With a key it also reads encrypted objects (format 3, l3crypt.go),
+// whatever it writes; NewEncryptingL3Tier's tier also writes them.
 type L3Tier struct {
 	store    ObjectStore
 	instance string
-	key      *MACKey // nil: no MAC written or checked (insecure)
+	key      *MACKey        // nil: no MAC written or checked (insecure)
+	cipher   *payloadCipher // nil without a key: encrypted objects are unverified
+	encrypt  bool           // write payloads encrypted (format 3)
 }
 
 // NewL3Tier returns the L3 tier of instance on store; key is the cluster's
-// storage MAC key, as for OpenFileTier.
+// storage MAC key, as for OpenFileTier. It writes payloads in clear
+// (format 2, as before encryption existed) and reads both formats.
 func NewL3Tier(store ObjectStore, instance string, key *MACKey) *L3Tier {
-	return &L3Tier{store: store, instance: instance, key: key}
+	t := &L3Tier{store: store, instance: instance, key: key}
+	if key != nil {
+		t.cipher = newPayloadCipher(key)
+	}
+	return t
+}
+
+// NewEncryptingL3Tier is NewL3Tier whose writes encrypt the payload with
+// AES-256-GCM under a key derived from key, the instance and the object's
+// namespace (format 3, l3crypt.go). key is required: the payload keys are
+// derived from it.
+func NewEncryptingL3Tier(store ObjectStore, instance string, key *MACKey) (*L3Tier, error) {
+	if key == nil {
+		return nil, fmt.Errorf("L3 encryption needs the cluster's storage key (its payload keys are derived from it): %w", ErrConfig)
+	}
+	t := NewL3Tier(store, instance, key)
+	t.encrypt = true
+	return t, nil
 }
 
 // Name returns the object name of key.
@@ -66,8 +90,30 @@ func (t *L3Tier) Put(ctx context.Context, obj L2Object, payload []byte) error {
 	if uint64(len(payload)) != obj.Size {
 		return fmt.Errorf("L3 put %s: payload %d B, header says %d B: %w", obj.Key, len(payload), obj.Size, ErrIO)
 	}
+	if t.encrypt {
+		return t.putEncrypted(ctx, obj, payload)
+	}
 	hdr := encodeHeader(obj, t.key)
 	r := &twoPart{a: hdr, b: payload}
+	if err := t.store.Put(ctx, t.Name(obj.Key), r, r.size()); err != nil {
+		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
+	}
+	return nil
+}
+
+// putEncrypted is Put of a format 3 object: a fresh random nonce in the
+// MACed header, the payload sealed with the header as associated data.
+func (t *L3Tier) putEncrypted(ctx context.Context, obj L2Object, payload []byte) error {
+	aead, err := t.cipher.aead(t.instance, obj.Key.NS)
+	if err != nil {
+		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
+	}
+	nonce := make([]byte, gcmNonceBytes)
+	_, _ = rand.Read(nonce) // never fails (crypto/rand), or the process ends
+	hdr := encodeHeaderNonce(obj, t.key, nonce)
+	buf, done := getBuf(len(payload) + gcmTagBytes)
+	defer done()
+	r := &twoPart{a: hdr, b: aead.Seal(buf[:0], nonce, payload, hdr)}
 	if err := t.store.Put(ctx, t.Name(obj.Key), r, r.size()); err != nil {
 		return fmt.Errorf("L3 put %s: %w", obj.Key, errors.Join(err, ErrIO))
 	}
@@ -156,7 +202,7 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		}
 		return L2Object{}, t.corrupt(ctx, key, L2Object{}, false, err.Error())
 	}
-	o, _, err := readHeader(bytes.NewReader(hb), size, t.key)
+	o, _, nonce, err := readObjHeader(bytes.NewReader(hb), size, t.key, true)
 	switch {
 	case errors.Is(err, ErrUnverified):
 		return o, t.unverified(key, o, err)
@@ -169,6 +215,9 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 	case o.Size != uint64(len(dst)):
 		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
 	}
+	if nonce != nil {
+		return o, t.getEncrypted(ctx, key, o, hb, nonce, body, dst)
+	}
 	if _, err := io.ReadFull(body, dst); errors.Is(err, fs.ErrNotExist) {
 		return o, fmt.Errorf("L3 object %s deleted while read: %w", key, ErrNotFound)
 	} else if err != nil {
@@ -178,6 +227,31 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
 	}
 	return o, nil
+}
+
+// getEncrypted is the rest of Get for a format 3 object whose header hb
+// (with nonce) was read and checked: the ciphertext and tag are read from
+// body and opened into dst with the header as associated data, then the
+// plaintext's kvsum64 is checked against the MACed sum.
+func (t *L3Tier) getEncrypted(ctx context.Context, key dcp.Key, o L2Object, hb, nonce []byte, body io.Reader, dst []byte) error {
+	aead, err := t.cipher.aead(t.instance, key.NS)
+	if err != nil {
+		return fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
+	}
+	buf, done := getBuf(len(dst) + gcmTagBytes)
+	defer done()
+	if _, err := io.ReadFull(body, buf); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("L3 object %s deleted while read: %w", key, ErrNotFound)
+	} else if err != nil {
+		return fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
+	}
+	if _, err := aead.Open(dst[:0], nonce, buf, hb); err != nil {
+		return t.corrupt(ctx, key, o, true, "payload does not decrypt: its AES-256-GCM tag does not verify (ciphertext or tag altered, or the object was written for another instance or namespace)")
+	}
+	if sum := checksum.Sum(dst); sum != o.Sum {
+		return t.corrupt(ctx, key, o, true, fmt.Sprintf("decrypted payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+	}
+	return nil
 }
 
 // readHeaderBytes reads the header of an object of size bytes from r: its
@@ -309,7 +383,7 @@ func (t *L3Tier) scanOne(ctx context.Context, owner wire.Rank, name string, size
 	}
 	var o L2Object
 	if err == nil {
-		o, _, err = readHeader(bytes.NewReader(hb), size, t.key)
+		o, _, _, err = readObjHeader(bytes.NewReader(hb), size, t.key, true)
 	}
 	if (err == nil || errors.Is(err, ErrUnverified)) && o.Writer != owner {
 		return nil
