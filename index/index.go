@@ -6,8 +6,11 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -251,6 +254,7 @@ func Open(cfg Config) (*Index, error) {
 }
 
 func openBolt(cfg Config) (*bolt.DB, error) {
+	_, statErr := os.Stat(cfg.Path)
 	db, err := bolt.Open(cfg.Path, 0o600, &bolt.Options{
 		Timeout:         cfg.OpenTimeout,
 		NoSync:          cfg.NoSync,
@@ -262,12 +266,15 @@ func openBolt(cfg Config) (*bolt.DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w: %w", cfg.Path, ErrStore, err)
 	}
-	// bbolt fsyncs the file it creates, never its directory: until the
+	// bbolt fsyncs a file it creates, never its directory: until the
 	// directory is fsynced, a power cut can lose the new file's name and
-	// with it every batch acknowledged since.
-	if err := syncDir(filepath.Dir(cfg.Path)); err != nil {
-		_ = db.Close()
-		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
+	// with it every batch acknowledged since. (The name of a file that was
+	// there is durable already: its creator, or Restore, synced it.)
+	if errors.Is(statErr, fs.ErrNotExist) {
+		if err := syncDir(filepath.Dir(cfg.Path)); err != nil {
+			_ = db.Close()
+			return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
+		}
 	}
 	return db, nil
 }

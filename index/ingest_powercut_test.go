@@ -146,9 +146,12 @@ func TestPowerCutIndexIngest(t *testing.T) {
 	run("uncut", -1)
 	total := fs.Ops() - before
 	const points = 30
+	seen := make([]int, len(steps)+1) // crash points by steps acknowledged
+	defer func() { t.Logf("%d mutations; crash points by steps acknowledged: %v", total, seen) }()
 	for p := range points {
 		cut := total * int64(p) / points
 		acked, dir := run(fmt.Sprintf("cut-%d", cut), cut)
+		seen[acked]++
 		ix, err := index.Open(powercutConfig(dir))
 		if err != nil {
 			t.Fatalf("power cut after %d of %d mutations, %d of %d steps acknowledged: open: %v", cut, total, acked, len(steps), err)
