@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -39,10 +40,20 @@ var (
 var errKeyNotFound = errors.New("not found")
 
 func OpenLogStore(path string) (*LogStore, error) {
+	_, statErr := os.Stat(path)
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: time.Second, NoFreelistSync: true,
 		FreelistType: bolt.FreelistMapType})
 	if err != nil {
 		return nil, fmt.Errorf("open raft store %s: %w", path, err)
+	}
+	// bbolt fsyncs a file it creates, never its directory: until the
+	// directory is fsynced, a power cut can lose raft.db's name and with it
+	// every vote and entry stored since.
+	if errors.Is(statErr, fs.ErrNotExist) {
+		if err := syncDir(filepath.Dir(path)); err != nil {
+			_ = db.Close()
+			return nil, fmt.Errorf("open raft store %s: %w", path, err)
+		}
 	}
 	if err := db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketRaftLogs, bucketRaftStable} {
@@ -222,6 +233,23 @@ func PrivateDir(dir string) error {
 	}
 	if sys, ok := st.Sys().(*syscall.Stat_t); ok && int(sys.Uid) != os.Geteuid() {
 		return fmt.Errorf("raft dir %s is owned by uid %d, not %d: %w", dir, sys.Uid, os.Geteuid(), ErrConfig)
+	}
+	return nil
+}
+
+// syncDir fsyncs directory dir: the names created or renamed in it are
+// durable once it returns.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("open directory %s: %w", dir, err)
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("fsync directory %s: %w", dir, err)
 	}
 	return nil
 }
