@@ -159,6 +159,9 @@ type lookupView struct {
 	hiding int
 	// instances lists the instance names, sorted (Index.Instances).
 	instances []string
+	// minObject is the smallest object size of any registered namespace's
+	// groups (Index.MinObjectSize); 0 while none is registered.
+	minObject uint64
 }
 
 type nsView struct {
@@ -187,6 +190,11 @@ func (st *state) buildView(prev *lookupView) *lookupView {
 	for ns, n := range st.ns {
 		if n.spec != nil {
 			v.ns[ns] = nsView{plan: n.plan, chunks: n.chunks}
+			for gi := range n.spec.Groups {
+				if sz := n.spec.ObjectSize(gi); sz > 0 && (v.minObject == 0 || sz < v.minObject) {
+					v.minObject = sz
+				}
+			}
 		}
 	}
 	for id := 1; id < len(st.ranks); id++ {
