@@ -546,7 +546,7 @@ def test_async_load_is_reported_steps_later_with_its_errors(failed):
     and the steps it spanned are counted."""
     world = fakes.FakeWorld()
     w = worker(world, kvtier_load_async=True)
-    world.verdict = (wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [1], ["rank engine0/0: checksum mismatch"])
+    world.verdict = (wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [1], ["rank 0 group 0 shard 0: corrupt"])
                      if failed else wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3))
     world.verdict_gate = concurrent.futures.Future()
     bind(w, loads=[load_spec(w, async_load=True)])
@@ -564,6 +564,30 @@ def test_async_load_is_reported_steps_later_with_its_errors(failed):
     assert w.stats["recomputed_bad_bytes_tokens"] == (16 if failed else 0)
     last = w.recent_loads[-1]
     assert (last["req"], last["steps"], last["loaded"], last["chunks"]) == ("r1", 4, 1 if failed else 3, 3)
+
+
+@pytest.mark.parametrize("reason, wrong", [
+    ("rank 0 group 0 shard 0: corrupt", True),  # the rank's verification failed (L2 payload, L1 copy)
+    ("rank 1 group 0 shard 1: checksum mismatch: placed 0x00000000000000ab, recorded 0x00000000000000cd", True),
+    ("rank 0 group 0 shard 0: confirmed with sum 0 (no sum computed), recorded 0x00000000000000cd", True),
+    ("rank 0 group 0 shard 0: missing", False),
+    ("rank 0 group 0 shard 0: timeout", False),
+    ("rank 0 group 0 shard 0: rank engine0/0 dead", False),
+    ("rank 0 group 0 shard 0: failed", False),
+])
+def test_wrong_bytes_are_counted_from_the_verdict_reasons(reason, wrong):
+    """recomputed_bad_bytes_tokens counts the chunks whose bytes were wrong,
+    in the coordinator's words (index/restore.go): a rank that found its
+    copy corrupt, or confirmed another sum; not a chunk that was missing,
+    late or on a dead rank."""
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [2], [reason])
+    bind(w, loads=[load_spec(w)])
+    w.start_load_kv(None)
+    assert w.get_block_ids_with_load_errors() == {23}
+    assert w.stats["recomputed_bad_bytes_tokens"] == (16 if wrong else 0)
+    assert w.stats["load_failed_tokens"] == 16
 
 
 def test_partial_plan_and_retrieve_error_fail_closed():
