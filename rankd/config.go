@@ -84,6 +84,12 @@ type Config struct {
 	// (transfer.Config.L3Bytes). Default 0: unbounded (leave expiry to a
 	// bucket lifecycle rule).
 	L3Bytes uint64
+	// L3Encrypt encrypts the payload of the L3 objects this rank writes
+	// (AES-256-GCM, keys derived from the storage key per instance and
+	// namespace; transfer.Config.L3Encrypt, docs/storage-encryption.md).
+	// Needs L3 and the storage key. Default false: payloads in clear.
+	// Either format is read whatever the setting.
+	L3Encrypt bool
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a
@@ -317,6 +323,8 @@ func (c *Config) Validate() error {
 		return bad("L2 policy %d: want write-through or write-back", uint8(c.L2Policy))
 	case c.L3.Endpoint != "" && c.L3.Validate() != nil:
 		return fmt.Errorf("rankd: L3: %w", c.L3.Validate())
+	case c.L3Encrypt && c.L3.Endpoint == "":
+		return bad("L3 encryption without L3: give --l3-endpoint or drop --l3-encrypt")
 	case len(c.Join) == 0 && c.NATSURL == "":
 		return bad("no memberlist seed to join and no NATS URL: set --join (the coordinator's gossip address)")
 	case net.ParseIP(c.BindAddr) == nil:

@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/wire"
@@ -36,5 +37,19 @@ func TestConfigZeroMeansZero(t *testing.T) {
 	free.BindPort = 0
 	if err := free.Validate(); err != nil || free.BindPort != 0 {
 		t.Fatalf("port 0 (a free one): %v, port %d", err, free.BindPort)
+	}
+}
+
+// TestConfigL3EncryptNeedsL3: --l3-encrypt without an L3 endpoint is
+// refused, naming both flags (transfer refuses it without a storage key).
+func TestConfigL3EncryptNeedsL3(t *testing.T) {
+	c := DefaultConfig(wire.Rank{Instance: "eng", TPRank: 0})
+	c.TPSize, c.Join, c.Insecure, c.L3Encrypt = 1, []string{"127.0.0.1:7946"}, true, true
+	if err := c.Validate(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "--l3-encrypt") || !strings.Contains(err.Error(), "--l3-endpoint") {
+		t.Fatalf("L3Encrypt without L3: %v, want ErrConfig naming --l3-endpoint and --l3-encrypt", err)
+	}
+	c.L3.Endpoint, c.L3.Bucket, c.L3.CredentialsFile, c.L3.Insecure = "127.0.0.1:9000", "kv", "/etc/kvtier/s3.json", true
+	if err := c.Validate(); err != nil {
+		t.Fatalf("L3Encrypt with L3: %v", err)
 	}
 }

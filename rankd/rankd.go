@@ -287,7 +287,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 			return fmt.Errorf("rankd %s: L3: %w", d.cfg.Rank, err)
 		}
 		d.l3 = st
-		tc.L3, tc.L3Bytes = st, d.cfg.L3Bytes
+		tc.L3, tc.L3Bytes, tc.L3Encrypt = st, d.cfg.L3Bytes, d.cfg.L3Encrypt
 		d.log.Info("L3 object store", zap.Stringer("store", st))
 	}
 	eng, err := transfer.New(tc)

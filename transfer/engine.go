@@ -157,7 +157,15 @@ func New(cfg Config) (*Engine, error) {
 		}
 		e.l2 = ft
 	}
-	if cfg.L3 != nil {
+	switch {
+	case cfg.L3 != nil && cfg.L3Encrypt:
+		l3, err := NewEncryptingL3Tier(cfg.L3, cfg.Rank.Instance, mac)
+		if err != nil {
+			e.releaseL1()
+			return nil, err
+		}
+		e.l3 = l3
+	case cfg.L3 != nil:
 		e.l3 = NewL3Tier(cfg.L3, cfg.Rank.Instance, mac)
 	}
 	e.l3Init()

@@ -31,6 +31,11 @@ func NewL3Tier(store ObjectStore, instance string, key *MACKey) *L3Tier {
 	return tier.NewL3Tier(store, instance, key)
 }
 
+// NewEncryptingL3Tier is tier.NewEncryptingL3Tier.
+func NewEncryptingL3Tier(store ObjectStore, instance string, key *MACKey) (*L3Tier, error) {
+	return tier.NewEncryptingL3Tier(store, instance, key)
+}
+
 // NewMACKey is tier.NewMACKey.
 func NewMACKey(secret []byte) (*MACKey, error) { return tier.NewMACKey(secret) }
 
