@@ -285,7 +285,7 @@ def flip_l1_segment(d: str) -> dict[str, Any]:
     for n in names:
         path = os.path.join(d, n)
         with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-            if m[:8] != b"KVTL1SG1":
+            if struct.unpack_from("<Q", m, 0)[0] != 0x3147534C3154564B:  # segMagic
                 continue
             slots, data_off = struct.unpack_from("<Q", m, 16)[0], struct.unpack_from("<Q", m, 40)[0]
             for i in range(slots):
