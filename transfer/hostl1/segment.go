@@ -23,7 +23,7 @@ import (
 // holder. Layout, little-endian, every field 8-byte aligned:
 //
 //	header (segHeaderBytes):
-//	  0 magic "KVTL1SG1"   8 version   16 slots   24 slab bytes
+//	  0 magic 0x3147534c3154564b (bytes "KVT1LSG1")   8 version   16 slots   24 slab bytes
 //	  32 slabs   40 data offset   48 holder incarnation   56 closed
 //	  64 holder pid
 //	The holder keeps an exclusive flock(2) on the file for as long as it
@@ -52,7 +52,7 @@ import (
 // restored with wrong bytes.
 
 const (
-	segMagic       = 0x3147534c3154564b // "KVTL1SG1"
+	segMagic       = 0x3147534c3154564b // bytes "KVT1LSG1" on disk (little-endian)
 	segVersion     = 2
 	segHeaderBytes = 4096
 	segSlotBytes   = 128
