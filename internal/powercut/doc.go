@@ -11,13 +11,18 @@
 //
 // What is modelled, strictly (POSIX, not what ext4 happens to do):
 //
-//   - A file's bytes, size and attributes change at once for every reader
+//   - A file's bytes and attributes change at once for every reader
 //     (reads see unsynced data) and become durable only at fsync or
 //     fdatasync of that file (both record the same: bytes, size, mode,
 //     owner, mtime). close, flush and a sync of another file do nothing.
 //     sync(2), syncfs and sync_file_range are not modelled: they make
 //     nothing durable. Durable bytes are kept per 4 KiB page, copied on
 //     write, so recording them costs a page table, not the file.
+//   - A file's size is metadata that can reach the disk without the data
+//     (as XFS or ext4 with data=writeback may leave it): after a crash a
+//     file has the size it had at the cut, holding the bytes of its last
+//     fsync, zeros past them. An unsynced O_TRUNC and rewrite of a file in
+//     place leaves zeros; an unsynced append leaves a tail of zeros.
 //   - Names (create, mkdir, unlink, rmdir, rename) change at once for
 //     every reader and become durable only at fsync of the directory that
 //     holds them: that fsync records the directory's whole name list as it
@@ -26,9 +31,9 @@
 //     the target synced, both names survive a crash (one inode, two
 //     names); with only the source synced, neither does.
 //   - An inode keeps its own last record: a name made durable for a file
-//     never fsynced brings the file back empty (size 0), for a directory
-//     never fsynced, empty. A file fsynced under a name that never became
-//     durable is gone.
+//     never fsynced brings the file back with no synced bytes (zeros, at
+//     its size at the cut), for a directory never fsynced, empty. A file
+//     fsynced under a name that never became durable is gone.
 //   - A power cut (Cut, CutAfter, Crash) makes every later mutating
 //     operation of that mount fail with EIO and change nothing, the
 //     operation that hits it included; reads go on. Crash then detaches

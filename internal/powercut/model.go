@@ -118,7 +118,9 @@ func (m *model) state() (ops int64, cut bool) {
 
 // crash cuts the power of the running generation and starts a new one
 // holding only what was durable: every inode reachable from the root
-// through durable names, with its recorded content. It returns the new
+// through durable names, with its recorded content, except that a file
+// keeps the size it had at the cut (zeros past its recorded bytes, its
+// recorded bytes cut at a smaller size). It returns the new
 // generation; the old one stays cut forever (its open files keep reading
 // what they saw, and can change nothing).
 func (m *model) crash() *generation {
@@ -145,9 +147,13 @@ func (m *model) crash() *generation {
 			}
 			n.durable = n.record()
 		} else {
+			// The size as it ran (metadata can reach the disk without the
+			// data), the bytes of the last fsync: zeros where it had none.
 			n.nlink = 1
 			n.data = content{pages: maps.Clone(r.data.pages), size: r.data.size}
-			n.durable = r
+			n.truncate(o.data.size)
+			n.owned = nil
+			n.durable = n.record()
 		}
 		return n
 	}

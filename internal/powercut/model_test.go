@@ -52,7 +52,7 @@ func TestModelFileSyncAndDirSync(t *testing.T) {
 	}{
 		{"both synced: survives", true, true, "hello", 0},
 		{"file synced, name not: gone", true, false, "", syscall.ENOENT},
-		{"name synced, bytes not: empty", false, true, "", 0},
+		{"name synced, bytes not: zeros", false, true, "\x00\x00\x00\x00\x00", 0},
 		{"nothing synced: gone", false, false, "", syscall.ENOENT},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -78,7 +78,9 @@ func TestModelFileSyncAndDirSync(t *testing.T) {
 	}
 }
 
-func TestModelUnsyncedOverwriteAndTruncateVanish(t *testing.T) {
+// An unsynced overwrite and truncate leave the synced bytes, cut at the
+// size the file had (a size can reach the disk without the data).
+func TestModelUnsyncedOverwriteAndTruncate(t *testing.T) {
 	m := newModel(0, 0)
 	g := m.gen
 	f := mustAdd(t, m, g, rootIno, "f", false)
@@ -93,8 +95,14 @@ func TestModelUnsyncedOverwriteAndTruncateVanish(t *testing.T) {
 		t.Fatalf("running view %q, want %q", got, "01xx")
 	}
 	g = m.crash()
-	if got, _ := readName(t, m, g, "f"); got != "0123456789" {
-		t.Fatalf("after crash %q, want the synced %q", got, "0123456789")
+	if got, _ := readName(t, m, g, "f"); got != "0123" {
+		t.Fatalf("after crash %q, want the synced bytes at the size of the cut %q", got, "0123")
+	}
+	// Grown without a sync: zeros past the synced bytes.
+	mustWrite(t, m, g, f, 6, "zz")
+	g = m.crash()
+	if got, _ := readName(t, m, g, "f"); got != "0123\x00\x00\x00\x00" {
+		t.Fatalf("after crash %q, want %q", got, "0123\x00\x00\x00\x00")
 	}
 }
 
@@ -198,8 +206,8 @@ func TestModelCutFailsEveryLaterMutation(t *testing.T) {
 		t.Fatal("state does not report the cut")
 	}
 	g = m.crash()
-	if got, _ := readName(t, m, g, "f"); got != "" {
-		t.Fatalf("after crash %q, want empty (bytes never synced)", got)
+	if got, _ := readName(t, m, g, "f"); got != "\x00\x00" {
+		t.Fatalf("after crash %q, want two zeros (the size, not the bytes)", got)
 	}
 	mustWrite(t, m, g, f, 0, "z") // the new generation has power
 }
@@ -207,7 +215,7 @@ func TestModelCutFailsEveryLaterMutation(t *testing.T) {
 // TestModelPagesMatchAReference drives random writes, truncates and
 // fsyncs on one file across page boundaries and checks the running bytes
 // against a plain slice, and the bytes after each crash against the slice
-// as of the last fsync.
+// as of the last fsync, at the size the file had at the crash.
 func TestModelPagesMatchAReference(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	m := newModel(0, 0)
@@ -243,7 +251,9 @@ func TestModelPagesMatchAReference(t *testing.T) {
 			durable = bytes.Clone(cur)
 		default:
 			g = m.crash()
-			cur = bytes.Clone(durable)
+			next := make([]byte, len(cur))
+			copy(next, durable)
+			cur, durable = next, bytes.Clone(next) // what the disk holds now
 		}
 		got, _ := readName(t, m, g, "f")
 		if !bytes.Equal([]byte(got), cur) {
