@@ -116,7 +116,7 @@ func OpenFileTier(root string, key *MACKey) (*FileTier, error) {
 	if root == "" {
 		return nil, fmt.Errorf("L2 root is empty: %w", ErrConfig)
 	}
-	if err := os.MkdirAll(root, l2DirMode); err != nil {
+	if err := mkdirAllDurable(root, l2DirMode); err != nil {
 		return nil, fmt.Errorf("create L2 root %s: %w", root, errors.Join(err, ErrIO))
 	}
 	t := &FileTier{root: filepath.Clean(root), key: key}
@@ -131,6 +131,34 @@ func OpenFileTier(root string, key *MACKey) (*FileTier, error) {
 	}
 	syscall.Close(qfd)
 	return t, nil
+}
+
+// mkdirAllDurable is os.MkdirAll, then an fsync of the parent of each
+// directory it created: without it a power cut can lose a new root's name
+// and every object acknowledged in it.
+func mkdirAllDurable(dir string, mode os.FileMode) error {
+	var made []string // directories missing before, innermost first
+	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); !errors.Is(err, fs.ErrNotExist) || filepath.Dir(d) == d {
+			break
+		}
+		made = append(made, d)
+	}
+	if err := os.MkdirAll(dir, mode); err != nil {
+		return err
+	}
+	for _, d := range made {
+		p, err := os.Open(filepath.Dir(d))
+		if err != nil {
+			return err
+		}
+		err = p.Sync()
+		p.Close()
+		if err != nil {
+			return fmt.Errorf("fsync %s: %w", filepath.Dir(d), err)
+		}
+	}
+	return nil
 }
 
 // Check implements L2Checker: the root is there and passes the safety
