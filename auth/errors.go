@@ -11,4 +11,8 @@ var (
 	ErrCredsFile = errors.New("auth: bad credentials file")
 	// ErrExists: Init or Add would overwrite existing credentials.
 	ErrExists = errors.New("auth: credentials exist")
+	// ErrPeerCert: a peer's certificate does not chain to the cluster CA,
+	// is expired, lacks the key usage of its role, or names no (or more
+	// than one) raft server.
+	ErrPeerCert = errors.New("auth: peer certificate refused")
 )

@@ -188,6 +188,23 @@ func (c *cluster) up(ctx context.Context) error {
 	for _, n := range c.coords {
 		peers = append(peers, n.id+"=127.0.0.1:"+strconv.Itoa(n.raftPort))
 	}
+	// The raft port is mutual TLS: a CA of its own and a certificate per
+	// coordinator, given by flag, so that NATS (proxied into the ranks'
+	// namespaces) stays as it is.
+	raftCA := filepath.Join(c.dir, "raft-ca")
+	if c.raftMode() {
+		if err := os.MkdirAll(raftCA, 0o700); err != nil {
+			return err
+		}
+		if err := auth.InitTLS(raftCA, []string{"127.0.0.1"}); err != nil {
+			return err
+		}
+		for _, n := range c.coords {
+			if err := auth.IssueRaftCert(raftCA, n.id, false); err != nil {
+				return err
+			}
+		}
+	}
 	for i, n := range c.coords {
 		name := "coordinator"
 		argv := []string{c.coordBin, "serve", "--data-dir", n.dataD, "--nats-host", "127.0.0.1", "--nats-port", strconv.Itoa(n.natsPort),
@@ -205,7 +222,9 @@ func (c *cluster) up(ctx context.Context) error {
 			argv = append(argv, "--node-name", name, "--join", strings.Join(gossip, ","),
 				"--nats-cluster", "127.0.0.1:"+strconv.Itoa(n.routePort), "--nats-routes", strings.Join(routes, ","),
 				"--raft-id", n.id, "--raft-bind", "127.0.0.1:"+strconv.Itoa(n.raftPort), "--raft-peers", strings.Join(peers, ","),
-				"--raft-bootstrap", "--raft-heartbeat-timeout", "1s", "--raft-election-timeout", "1s")
+				"--raft-bootstrap", "--raft-heartbeat-timeout", "1s", "--raft-election-timeout", "1s",
+				"--raft-cert", filepath.Join(raftCA, auth.RaftCertFile(n.id)), "--raft-cert-key", filepath.Join(raftCA, auth.RaftCertKeyFile(n.id)),
+				"--raft-ca", filepath.Join(raftCA, auth.CAFile))
 		}
 		n.p = newProc(name, filepath.Join(c.logD, name+".log"), argv)
 		if err := n.p.start(); err != nil {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"strconv"
 	"testing"
 	"time"
@@ -20,8 +19,6 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-var testRaftKey = []byte("0123456789abcdef0123456789abcdef")
-
 // raftCluster is n coordinators replicating one index, all on one shared
 // NATS server (in-process; the NATS cluster of several servers is
 // natsha's), each with its own data and raft dirs.
@@ -32,6 +29,7 @@ type raftCluster struct {
 	subj  wire.Subjects
 	peers []RaftPeer
 	dirs  []string
+	tls   string         // the cluster CA and every peer's raft certificate
 	nodes []*Coordinator // nil: stopped
 	mod   func(*Config)
 }
@@ -50,6 +48,7 @@ func newRaftCluster(t testing.TB, n int, mod func(*Config)) *raftCluster {
 		rc.peers = append(rc.peers, RaftPeer{ID: "n" + strconv.Itoa(i+1), Addr: "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t))})
 		rc.dirs = append(rc.dirs, t.TempDir())
 	}
+	rc.tls = raftTLSDir(t, rc.peers)
 	rc.nodes = make([]*Coordinator, n)
 	for i := range n {
 		rc.start(i)
@@ -78,7 +77,7 @@ func (rc *raftCluster) config(i int) Config {
 	cfg.Raft.Dir = rc.dirs[i] + "/raft"
 	cfg.Raft.Peers = rc.peers
 	cfg.Raft.Bootstrap = true
-	cfg.Raft.Key = testRaftKey
+	useRaftTLS(&cfg.Raft, rc.tls)
 	// The production timeouts: shorter ones make elections under the race
 	// detector on a loaded 2-core machine.
 	if rc.mod != nil {
@@ -396,47 +395,6 @@ func TestRaftSnapshotCatchUp(t *testing.T) {
 	}
 }
 
-// TestRaftPortRefusesStrangers: a peer without the key is closed before
-// raft reads anything: a wrong-key handshake and a raw raft RPC both fail,
-// are counted, and the stranger never gets a byte of raft's.
-func TestRaftPortRefusesStrangers(t *testing.T) {
-	rc := newRaftCluster(t, 3, nil)
-	l := rc.leader()
-	c := rc.nodes[l]
-	addr := rc.peers[l].Addr
-
-	conn, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = replica.ClientHandshake(conn, []byte("wrong key wrong key wrong key!!!"), time.Now().Add(5*time.Second))
-	conn.Close()
-	if !errors.Is(err, replica.ErrAuth) {
-		t.Fatalf("wrong-key handshake: %v, want replica.ErrAuth", err)
-	}
-	// A raw RequestVote (raft's rpcRequestVote type byte, then garbage
-	// msgpack) from a stranger who skips the handshake.
-	conn, err = net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _ = conn.Write(append([]byte{1}, bytes.Repeat([]byte{0x80}, 64)...))
-	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-	buf := make([]byte, 128)
-	n, _ := conn.Read(buf) // the server's nonce, then nothing
-	_, rerr := conn.Read(buf[n:])
-	conn.Close()
-	if rerr == nil {
-		t.Fatal("stranger's connection still open after a bad proof")
-	}
-	testutil.Eventually(t, 5*time.Second, "both refusals counted", func() bool {
-		return testutil.Metric(t, c.reg, "kvtier_raft_refused_connections_total") >= 2
-	})
-	if n != replica.NonceSize {
-		t.Fatalf("the stranger read %d B, want only the %d B nonce: raft answered it", n, replica.NonceSize)
-	}
-}
-
 // TestRaftRestoresAtFailover: a restore begun on a leader that dies is
 // unknown to the new leader: the ranks' reports and the engine's wait get
 // not_found (the engine recomputes), never a COMPLETE.
@@ -626,7 +584,7 @@ func TestRaftMembersAndChanges(t *testing.T) {
 // outside raft.
 func TestRaftModeBeforeRaftStarts(t *testing.T) {
 	cfg := testConfig(t, "")
-	cfg.Raft.ID, cfg.Raft.Dir, cfg.Raft.Key = "n1", t.TempDir(), testRaftKey
+	cfg.Raft.ID, cfg.Raft.Dir = "n1", t.TempDir()
 	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -160,7 +160,7 @@ func TestRebuildIndexRefusedWithRaft(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("rebuild without raft: %v", err)
 	}
-	cfg.Raft.ID, cfg.Raft.Dir, cfg.Raft.Key = "n1", t.TempDir(), testRaftKey
+	cfg.Raft.ID, cfg.Raft.Dir = "n1", t.TempDir()
 	err := cfg.Validate()
 	const want = "--rebuild-index is for a single coordinator: in replicated mode (raft id \"n1\") a replica rebuilt from the ranks' inventories would diverge from the raft log: invalid coordinator config"
 	if !errors.Is(err, ErrConfig) || err.Error() != want {

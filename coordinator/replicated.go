@@ -64,18 +64,11 @@ type (
 	RaftPeer = replica.Peer
 )
 
-// RaftKeyFile is the pre-shared key of the raft port in the credentials
-// directory (one base64 key of 16, 24 or 32 bytes; mode 0600).
-const RaftKeyFile = replica.KeyFile
-
 // DefaultRaftConfig returns replicated mode's defaults (ID "": off).
 func DefaultRaftConfig() RaftConfig { return replica.DefaultConfig() }
 
 // ParseRaftPeers parses "id=host:port,id=host:port".
 func ParseRaftPeers(s string) ([]RaftPeer, error) { return replica.ParsePeers(s) }
-
-// WriteRaftKey writes a new random raft key to path (0600, O_EXCL).
-func WriteRaftKey(path string) error { return replica.WriteKey(path) }
 
 // leaderHandler is a subscription only the leader holds.
 type leaderHandler struct {
@@ -132,7 +125,7 @@ func (r *replicated) start(leaderOnly []leaderHandler) error {
 	r.mu.Lock()
 	r.handlers = leaderOnly
 	r.mu.Unlock()
-	key, err := c.cfg.Raft.LoadKey(c.cfg.CredsDir)
+	creds, err := c.cfg.Raft.LoadTLS(c.cfg.CredsDir)
 	if err != nil {
 		return fmt.Errorf("%w: %w", err, ErrConfig)
 	}
@@ -140,7 +133,7 @@ func (r *replicated) start(leaderOnly []leaderHandler) error {
 		return fmt.Errorf("index %s holds %d ranks written outside raft; a replicated coordinator starts from an empty data dir (move it aside; the ranks resync): %w",
 			c.cfg.DataDir, c.idx.Stats().Ranks, ErrConfig)
 	}
-	if err := r.n.Start(c.idx, key); err != nil {
+	if err := r.n.Start(c.idx, creds); err != nil {
 		if errors.Is(err, replica.ErrConfig) {
 			return fmt.Errorf("%w: %w", err, ErrConfig)
 		}

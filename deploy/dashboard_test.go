@@ -227,7 +227,12 @@ func daemonMetrics(t *testing.T) *exported {
 	if err := auth.Init(creds, []auth.Instance{{Name: "dash", TPSize: 1}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := coordinator.WriteRaftKey(filepath.Join(creds, coordinator.RaftKeyFile)); err != nil {
+	// The raft port is mutual TLS: the cluster CA and the one peer's
+	// certificate (NATS speaks TLS too, as deployed).
+	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.IssueRaftCert(creds, "dash1", false); err != nil {
 		t.Fatal(err)
 	}
 	raftAddr := freeAddr(t)
@@ -243,7 +248,7 @@ func daemonMetrics(t *testing.T) *exported {
 	cc.Registry = creg
 	cc.Raft.ID, cc.Raft.Bind, cc.Raft.Dir = "dash1", raftAddr, filepath.Join(t.TempDir(), "raft")
 	cc.Raft.Peers = []coordinator.RaftPeer{{ID: "dash1", Addr: raftAddr}}
-	cc.Raft.Bootstrap = true // the key comes from <creds>/raft.key, as deployed
+	cc.Raft.Bootstrap = true // its certificate comes from <creds>/raft-dash1.pem, as deployed
 	c, err := coordinator.New(cc)
 	if err != nil {
 		t.Fatal(err)

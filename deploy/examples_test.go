@@ -134,7 +134,7 @@ func TestExampleKeysAreFlags(t *testing.T) {
 	}{
 		{"examples/coordinator.conf", "../cmd/coordinator", []string{
 			"nats-cluster", "nats-routes", "nats-cluster-name", "raft-id", "raft-bind", "raft-advertise", "raft-dir",
-			"raft-peers", "raft-bootstrap", "raft-key-file", "raft-heartbeat-timeout", "raft-election-timeout",
+			"raft-peers", "raft-bootstrap", "raft-cert", "raft-cert-key", "raft-ca", "raft-heartbeat-timeout", "raft-election-timeout",
 			"raft-lease-timeout", "raft-snapshot-threshold", "host-shared-l1", "rebuild-index"}},
 		{"examples/rankd.conf", "../cmd/rankd", []string{
 			"host-l1-dir", "l3-endpoint", "l3-bucket", "l3-prefix", "l3-credentials", "l3-ca", "l3-region", "l3-bytes"}},

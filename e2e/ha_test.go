@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -23,7 +22,6 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
-	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/enginesim"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -96,10 +94,10 @@ func newHA(t *testing.T, n int) *haCluster {
 	}
 	c.wrap = func(r int) []string { return []string{"ip", "netns", "exec", lab.ns[r]} }
 	c.initCreds()
-	// The raft port's key: a directory without one (main's 'coordinator
-	// init' does not write it yet) gets one here, as an operator would.
-	if _, err := os.Stat(filepath.Join(c.creds, coordinator.RaftKeyFile)); errors.Is(err, fs.ErrNotExist) {
-		if err := coordinator.WriteRaftKey(filepath.Join(c.creds, coordinator.RaftKeyFile)); err != nil {
+	// Every coordinator's raft peer certificate, from the cluster CA that
+	// --tls-host made (as 'coordinator creds raft-cert --id c1,c2,...').
+	for _, n := range h.nodes {
+		if err := auth.IssueRaftCert(c.creds, n.id, false); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -15,7 +14,6 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/auth"
-	"github.com/kvtier/kvtier/coordinator"
 	coordadmin "github.com/kvtier/kvtier/coordinator/admin"
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/enginesim"
@@ -519,10 +517,15 @@ func newRaftTrio(t *testing.T) *raftTrio {
 	c.simNATS, c.rankdNATS = c.natsURLs, c.natsURLs
 	c.gossip = strings.Join(h.gossip, ",")
 	c.initCreds()
-	// The raft port's key, as newHA writes it where 'coordinator init'
-	// did not.
-	if _, err := os.Stat(filepath.Join(c.creds, coordinator.RaftKeyFile)); errors.Is(err, os.ErrNotExist) {
-		if err := coordinator.WriteRaftKey(filepath.Join(c.creds, coordinator.RaftKeyFile)); err != nil {
+	// The raft port is mutual TLS: the cluster CA (with a NATS server
+	// certificate for loopback, so NATS speaks TLS too, as 'coordinator
+	// creds tls --host 127.0.0.1' makes it) and each coordinator's raft
+	// peer certificate.
+	if err := auth.InitTLS(c.creds, []string{"127.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range h.ids {
+		if err := auth.IssueRaftCert(c.creds, id, false); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -12,7 +12,6 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/cluster"
-	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -50,6 +49,7 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	fs.Var(&inst, "instance", "engine instance to make an engine and rankd identities for (repeatable)")
 	fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance (default 1)")
 	tlsHosts := fs.String("tls-host", "", "also write a CA and a server certificate for these IPs/names, comma-separated (needed when NATS listens off loopback)")
+	raftIDs := fs.String("raft-ids", "", "also issue a raft peer certificate for each of these raft server ids, comma-separated (replicated coordinators; needs --tls-host: the cluster CA signs them)")
 	natsConf := fs.String("nats-conf", "", "also write an external nats-server configuration with every user's permissions to this file")
 	prefix := fs.String("prefix", wire.DefaultPrefix, "NATS subject prefix (for --nats-conf)")
 	if err := fs.Parse(args); err != nil {
@@ -59,17 +59,29 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "init: --dir is required; no positional arguments")
 		return exitUsage
 	}
-	if err := auth.Init(*dir, inst.list); err != nil {
-		fmt.Fprintf(stderr, "init: %v\n", err)
-		return exitFail
+	ids := splitList(*raftIDs)
+	if len(ids) > 0 && *tlsHosts == "" {
+		fmt.Fprintln(stderr, "init: --raft-ids needs --tls-host: the cluster CA it makes signs the raft certificates (NATS then speaks TLS too; give 127.0.0.1 on one machine)")
+		return exitUsage
 	}
-	// The raft port's pre-shared key (replicated mode, --raft-id).
-	if err := coordinator.WriteRaftKey(filepath.Join(*dir, coordinator.RaftKeyFile)); err != nil {
+	for _, id := range ids {
+		if err := auth.ValidRaftFileID(id); err != nil {
+			fmt.Fprintf(stderr, "init: --raft-ids: %v\n", err)
+			return exitUsage
+		}
+	}
+	if err := auth.Init(*dir, inst.list); err != nil {
 		fmt.Fprintf(stderr, "init: %v\n", err)
 		return exitFail
 	}
 	if *tlsHosts != "" {
 		if err := auth.InitTLS(*dir, splitList(*tlsHosts)); err != nil {
+			fmt.Fprintf(stderr, "init: %v\n", err)
+			return exitFail
+		}
+	}
+	for _, id := range ids {
+		if err := auth.IssueRaftCert(*dir, id, false); err != nil {
 			fmt.Fprintf(stderr, "init: %v\n", err)
 			return exitFail
 		}
@@ -84,10 +96,10 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	return exitOK
 }
 
-// creds is 'coordinator creds add|rotate|nats-conf|route-secret|storage-key'.
+// creds is 'coordinator creds add|rotate|nats-conf|route-secret|storage-key|tls|raft-cert'.
 func creds(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf|route-secret|storage-key --dir D ...")
+		fmt.Fprintln(stderr, "usage: coordinator creds add|rotate|nats-conf|route-secret|storage-key|tls|raft-cert --dir D ...")
 		return exitUsage
 	}
 	sub, args := args[0], args[1:]
@@ -95,7 +107,9 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	dir := fs.String("dir", "", "credentials directory (required)")
 	var inst instancesFlag
-	var name, out, prefix *string
+	var name, out, prefix, hosts *string
+	var ids listFlag
+	var replace *bool
 	switch sub {
 	case "add":
 		fs.Var(&inst, "instance", "engine instance to add identities for (repeatable)")
@@ -111,8 +125,15 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	case "storage-key":
 		// For a directory made before 'coordinator init' wrote one (issue
 		// 28.1): only storage.key is written; give it to every rankd.
+	case "tls":
+		// For a directory made without --tls-host: the cluster CA (which
+		// raft certificates need) and the NATS server certificate.
+		hosts = fs.String("host", "", "IPs/names of the NATS server certificate, comma-separated (required)")
+	case "raft-cert":
+		fs.Var(&ids, "id", "raft server id to issue a certificate for (repeatable, or comma-separated)")
+		replace = fs.Bool("replace", false, "replace an existing certificate and key (renewal; restart that coordinator after)")
 	default:
-		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf, route-secret, storage-key)\n", sub)
+		fmt.Fprintf(stderr, "creds: unknown subcommand %q (add, rotate, nats-conf, route-secret, storage-key, tls, raft-cert)\n", sub)
 		return exitUsage
 	}
 	if err := fs.Parse(args); err != nil {
@@ -142,6 +163,24 @@ func creds(args []string, stdout, stderr io.Writer) int {
 		err = auth.InitRouteSecret(*dir)
 	case "storage-key":
 		err = auth.InitStorageKey(*dir)
+	case "tls":
+		if len(splitList(*hosts)) == 0 {
+			fmt.Fprintln(stderr, "creds tls: give --host IP,...")
+			return exitUsage
+		}
+		err = auth.InitTLS(*dir, splitList(*hosts))
+	case "raft-cert":
+		if len(ids) == 0 {
+			fmt.Fprintln(stderr, "creds raft-cert: give --id ID (one per raft server)")
+			return exitUsage
+		}
+		for _, id := range ids {
+			if err = auth.IssueRaftCert(*dir, id, *replace); err != nil {
+				break
+			}
+			fmt.Fprintf(stdout, "raft certificate for %s: %s, %s (give them and ca.pem to that coordinator only)\n", id,
+				filepath.Join(*dir, auth.RaftCertFile(id)), filepath.Join(*dir, auth.RaftCertKeyFile(id)))
+		}
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "creds %s: %v\n", sub, err)
@@ -160,6 +199,16 @@ func writeNATSConf(dir, out, prefix string) error {
 		return err
 	}
 	return os.WriteFile(out, []byte(auth.NATSConfig(u, prefix)), 0o644)
+}
+
+// listFlag collects a repeatable flag whose values may also be
+// comma-separated.
+type listFlag []string
+
+func (f *listFlag) String() string { return strings.Join(*f, ",") }
+func (f *listFlag) Set(s string) error {
+	*f = append(*f, splitList(s)...)
+	return nil
 }
 
 func splitList(s string) []string {

@@ -2,14 +2,17 @@
 // kvtier coordinator (serve) and queries a running one (members, ranks,
 // object, namespaces, restores, verify).
 //
-//	coordinator init --dir D [--instance engine0 --tp-size 4 ...] [--tls-host IP,...] [--nats-conf FILE]
+//	coordinator init --dir D [--instance engine0 --tp-size 4 ...] [--tls-host IP,...] [--raft-ids c1,c2,c3] [--nats-conf FILE]
 //	coordinator creds add --dir D --instance I --tp-size N
 //	coordinator creds rotate --dir D --name IDENTITY
 //	coordinator creds storage-key --dir D   (adds storage.key to a directory made without it)
+//	coordinator creds tls --dir D --host IP,...   (adds the cluster CA and a NATS server certificate)
+//	coordinator creds raft-cert --dir D --id ID [--id ID ...] [--replace]   (raft peer certificates)
 //	coordinator serve --data-dir /var/lib/kvtier --creds-dir D [--nats URL | --nats-host H --nats-port P]
 //	                  [--bind IP:PORT] [--advertise IP[:PORT]] [--join SEED,...] [--gossip-key-file F]
 //	                  [--http ADDR] [--prefix P] [--log-level info] [--config FILE] [--insecure]
 //	                  [--raft-id ID --raft-bind H:P --raft-dir D --raft-peers id=H:P,... [--raft-bootstrap]]
+//	                  [--raft-cert F --raft-cert-key F --raft-ca F]
 //	coordinator raft add-voter|remove-server --id ID [--addr H:P] [--nats URL] [--creds-dir D]
 //	coordinator members|ranks|namespaces|restores|verify [--nats URL] [--creds-dir D] [--prefix P] [--json]
 //	coordinator object [--nats URL] [--prefix P] [--json] --key KEY
@@ -67,8 +70,9 @@ const usage = `usage: coordinator <command> [flags]
 
 commands:
   init        make a new cluster's credentials directory (nkeys, users file, gossip key, storage MAC key, TLS)
-  creds       add an instance's identities (creds add), rotate one key (creds rotate), or add a
-              storage MAC key to a directory made without one (creds storage-key)
+  creds       add an instance's identities (creds add), rotate one key (creds rotate), add a
+              storage MAC key (creds storage-key) or the CA and NATS certificate (creds tls) to a
+              directory made without one, issue raft peer certificates (creds raft-cert)
   serve       run the coordinator
   members     memberlist members: name, role, state, address, incarnation; and in a
               replicated cluster every coordinator's raft role, term, commit and applied index
@@ -196,13 +200,20 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	fs.StringVar(&cfg.Raft.Dir, "raft-dir", "", "raft log, stable store and snapshots (0700; default <data-dir>/raft)")
 	raftPeers := fs.String("raft-peers", "", "initial voters id=host:port,... including this node (with --raft-bootstrap)")
 	fs.BoolVar(&cfg.Raft.Bootstrap, "raft-bootstrap", false, "bootstrap a new raft cluster from --raft-peers if this node has no raft state (safe on every node with the same peers)")
-	fs.StringVar(&cfg.Raft.KeyFile, "raft-key-file", "", "pre-shared key authenticating the raft port (default <creds-dir>/raft.key, written by init)")
+	fs.StringVar(&cfg.Raft.CertFile, "raft-cert", "", "this coordinator's raft peer certificate, naming its --raft-id (default <creds-dir>/raft-<raft-id>.pem, from 'creds raft-cert')")
+	fs.StringVar(&cfg.Raft.CertKeyFile, "raft-cert-key", "", "the raft certificate's key, 0600 (default <creds-dir>/raft-<raft-id>-key.pem)")
+	fs.StringVar(&cfg.Raft.CAFile, "raft-ca", "", "cluster CA that every raft peer's certificate must chain to (default <creds-dir>/ca.pem)")
+	raftKeyFile := fs.String("raft-key-file", "", "REMOVED: the raft port is mutual TLS now (--raft-cert); raft.key is no longer read")
 	fs.DurationVar(&cfg.Raft.HeartbeatTimeout, "raft-heartbeat-timeout", cfg.Raft.HeartbeatTimeout, "raft heartbeat timeout (failover detection)")
 	fs.DurationVar(&cfg.Raft.ElectionTimeout, "raft-election-timeout", cfg.Raft.ElectionTimeout, "raft election timeout")
 	fs.DurationVar(&cfg.Raft.LeaderLeaseTimeout, "raft-lease-timeout", cfg.Raft.LeaderLeaseTimeout, "a leader without a quorum this long steps down and stops acknowledging")
 	fs.Uint64Var(&cfg.Raft.SnapshotThreshold, "raft-snapshot-threshold", cfg.Raft.SnapshotThreshold, "log entries between raft snapshots")
 	if err := flagfile.Parse(fs, args, "gossip-key"); err != nil {
 		return cfg, opts, errFlags
+	}
+	if *raftKeyFile != "" {
+		return cfg, opts, usageError{errors.New("--raft-key-file: the raft port is mutual TLS since issue 28.4 and raft.key is no longer read; " +
+			"remove the flag and issue each coordinator a raft certificate ('coordinator creds raft-cert --dir D --id ID'; docs/scale-out.md)")}
 	}
 	if cfg.Raft.ID != "" {
 		peers, err := coordinator.ParseRaftPeers(*raftPeers)

@@ -478,12 +478,13 @@ func TestInitCLI(t *testing.T) {
 	conf := filepath.Join(t.TempDir(), "nats-auth.conf")
 	var out, errb bytes.Buffer
 	if code := run(context.Background(), []string{"init", "--dir", dir, "--instance", "a", "--tp-size", "2", "--instance", "b",
-		"--tls-host", "127.0.0.1,kv.example", "--nats-conf", conf}, &out, &errb); code != 0 {
+		"--tls-host", "127.0.0.1,kv.example", "--raft-ids", "c1,c2", "--nats-conf", conf}, &out, &errb); code != 0 {
 		t.Fatalf("init: %d %s", code, errb.String())
 	}
 	for name, mode := range map[string]os.FileMode{"coordinator.nk": 0o600, "rankd-a-1.nk": 0o600, "engine-b.nk": 0o600,
-		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "raft.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
-		"server.pem": 0o644, "server-key.pem": 0o600} {
+		"rankd-b-0.nk": 0o600, "gossip.key": 0o600, "users.json": 0o644, "ca.pem": 0o644, "ca-key.pem": 0o600,
+		"server.pem": 0o644, "server-key.pem": 0o600, "raft-c1.pem": 0o644, "raft-c1-key.pem": 0o600, "raft-c2.pem": 0o644,
+		"raft-c2-key.pem": 0o600} {
 		st, err := os.Stat(filepath.Join(dir, name))
 		if err != nil || st.Mode().Perm() != mode {
 			t.Errorf("%s: %v %v, want mode %04o", name, st.Mode(), err, mode)
@@ -491,6 +492,9 @@ func TestInitCLI(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "rankd-b-1.nk")); err == nil {
 		t.Error("instance b has TP size 1 but got a rank 1 identity")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "raft.key")); err == nil {
+		t.Error("init wrote raft.key; the raft port is TLS (issue 28.4)")
 	}
 	body, err := os.ReadFile(conf)
 	if err != nil {
@@ -533,11 +537,63 @@ func TestServeRaftFlags(t *testing.T) {
 		{[]string{"--raft-id", "c1", "--raft-peers", "c1"}, "must be id=host:port"},
 		{[]string{"--raft-id", "c1", "--raft-peers", "c2=127.0.0.1:9481", "--raft-bootstrap"}, "must include this node"},
 		{[]string{"--raft-id", "c1", "--raft-dir", "/nonexistent/raft", "--rebuild-index"}, `serve: --rebuild-index is for a single coordinator: in replicated mode (raft id "c1") a replica rebuilt`},
+		{[]string{"--raft-id", "c1", "--raft-key-file", "/etc/kvtier/raft.key"}, "raft.key is no longer read"},
 	} {
 		var out, errb bytes.Buffer
 		args := append([]string{"serve", "--data-dir", t.TempDir(), "--insecure"}, tc.args...)
 		if code := run(context.Background(), args, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), tc.want) {
 			t.Errorf("%v: exit %d, stderr %q; want usage error with %q", tc.args, code, errb.String(), tc.want)
 		}
+	}
+}
+
+// TestRaftCertCLI (issue 28.4): raft peer certificates come from the
+// cluster CA: init issues them with --raft-ids (only together with
+// --tls-host, which makes the CA), 'creds tls' adds the CA to a directory
+// made without one, 'creds raft-cert' issues more (repeatable or
+// comma-separated --id, --replace to renew), and each refusal says what to
+// run instead.
+func TestRaftCertCLI(t *testing.T) {
+	cli := func(args ...string) (int, string) {
+		var out, errb bytes.Buffer
+		code := run(context.Background(), args, &out, &errb)
+		return code, out.String() + errb.String()
+	}
+	dir := filepath.Join(t.TempDir(), "creds")
+	if code, out := cli("init", "--dir", dir, "--raft-ids", "c1"); code != exitUsage || !strings.Contains(out, "--raft-ids needs --tls-host") {
+		t.Fatalf("init --raft-ids without --tls-host: %d %s", code, out)
+	}
+	if code, out := cli("init", "--dir", dir, "--tls-host", "127.0.0.1", "--raft-ids", "c1,../x"); code != exitUsage || !strings.Contains(out, `"../x"`) {
+		t.Fatalf("init with a bad raft id: %d %s", code, out)
+	}
+	if code, out := cli("init", "--dir", dir); code != exitOK {
+		t.Fatalf("init: %d %s", code, out)
+	}
+	if code, out := cli("creds", "raft-cert", "--dir", dir, "--id", "c1"); code != exitFail || !strings.Contains(out, "coordinator creds tls") {
+		t.Fatalf("raft-cert without a CA: %d %s", code, out)
+	}
+	if code, out := cli("creds", "tls", "--dir", dir); code != exitUsage {
+		t.Fatalf("creds tls without --host: %d %s", code, out)
+	}
+	if code, out := cli("creds", "tls", "--dir", dir, "--host", "127.0.0.1"); code != exitOK {
+		t.Fatalf("creds tls: %d %s", code, out)
+	}
+	if code, out := cli("creds", "raft-cert", "--dir", dir); code != exitUsage {
+		t.Fatalf("raft-cert without --id: %d %s", code, out)
+	}
+	if code, out := cli("creds", "raft-cert", "--dir", dir, "--id", "c1", "--id", "c2,c3"); code != exitOK {
+		t.Fatalf("raft-cert: %d %s", code, out)
+	}
+	for _, id := range []string{"c1", "c2", "c3"} {
+		if _, err := auth.LoadRaftTLS(filepath.Join(dir, auth.RaftCertFile(id)), filepath.Join(dir, auth.RaftCertKeyFile(id)),
+			filepath.Join(dir, auth.CAFile)); err != nil {
+			t.Errorf("%s: %v", id, err)
+		}
+	}
+	if code, out := cli("creds", "raft-cert", "--dir", dir, "--id", "c2"); code != exitFail || !strings.Contains(out, "--replace") {
+		t.Fatalf("raft-cert over an existing one: %d %s", code, out)
+	}
+	if code, out := cli("creds", "raft-cert", "--dir", dir, "--id", "c2", "--replace"); code != exitOK {
+		t.Fatalf("raft-cert --replace: %d %s", code, out)
 	}
 }

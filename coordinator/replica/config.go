@@ -1,18 +1,16 @@
 package replica
 
 import (
-	"crypto/rand"
-	"encoding/base64"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
-	"os"
+	"path/filepath"
 	"strings"
 	"time"
-)
 
-// KeyFile is the pre-shared key of the raft port in the credentials
-// directory (one base64 key of 16, 24 or 32 bytes; mode 0600).
-const KeyFile = "raft.key"
+	"github.com/kvtier/kvtier/auth"
+)
 
 // Peer is one voter of the initial configuration.
 type Peer struct {
@@ -42,11 +40,16 @@ type Config struct {
 	// raft state yet (ignored once it has). Default false. Safe to set on
 	// every node of a new cluster with the same Peers.
 	Bootstrap bool
-	// Key authenticates the raft port (see transport.go); 16 to 64 bytes.
-	// Default nil: read from KeyFile.
-	Key []byte
-	// KeyFile is read when Key is nil. Default "": <CredsDir>/raft.key.
-	KeyFile string
+	// CertFile and CertKeyFile are this server's raft peer certificate,
+	// signed by the cluster CA and naming ID (kvtier://raft/<ID>), and its
+	// key (0600): the raft port is mutual TLS 1.3 (transport.go). Default
+	// "": <CredsDir>/raft-<ID>.pem and raft-<ID>-key.pem, written by
+	// 'coordinator creds raft-cert' (or 'init --raft-ids').
+	CertFile    string
+	CertKeyFile string
+	// CAFile is the cluster CA every peer's certificate must chain to.
+	// Default "": <CredsDir>/ca.pem.
+	CAFile string
 
 	// HeartbeatTimeout and ElectionTimeout: a follower that hears nothing
 	// from the leader this long starts an election. Defaults 500 ms each.
@@ -134,9 +137,6 @@ func (rc *Config) Validate() error {
 	if rc.Bootstrap && !self {
 		return fmt.Errorf("raft bootstrap: the peers %v must include this node %q: %w", rc.Peers, rc.ID, ErrConfig)
 	}
-	if rc.Key != nil && (len(rc.Key) < 16 || len(rc.Key) > 64) {
-		return fmt.Errorf("raft key is %d bytes, want 16..64: %w", len(rc.Key), ErrConfig)
-	}
 	for _, d := range []struct {
 		name string
 		v    time.Duration
@@ -183,19 +183,40 @@ func ParsePeers(s string) ([]Peer, error) {
 	return out, nil
 }
 
-// WriteKey writes a new random raft key to path (0600, O_EXCL).
-func WriteKey(path string) error {
-	k := make([]byte, 32)
-	if _, err := rand.Read(k); err != nil {
-		return err
+// LoadTLS reads this server's raft TLS material: CertFile, CertKeyFile
+// and CAFile, each defaulting to its file in credsDir (above). The
+// certificate must chain to the CA and name this server's ID. Errors name
+// the file, the flag that sets it and how to make it, and wrap ErrConfig.
+func (rc *Config) LoadTLS(credsDir string) (*auth.RaftTLS, error) {
+	cert, key, ca := rc.CertFile, rc.CertKeyFile, rc.CAFile
+	if cert == "" || key == "" || ca == "" {
+		if credsDir == "" {
+			return nil, fmt.Errorf("raft TLS: give --raft-cert, --raft-cert-key and --raft-ca, or --creds-dir holding them: %w", ErrConfig)
+		}
+		if (cert == "" || key == "") && auth.ValidRaftFileID(rc.ID) != nil {
+			return nil, fmt.Errorf("raft TLS: raft id %q cannot name a file in %s ([A-Za-z0-9._-]); give --raft-cert and --raft-cert-key: %w", rc.ID, credsDir, ErrConfig)
+		}
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if cert == "" {
+		cert = filepath.Join(credsDir, auth.RaftCertFile(rc.ID))
+	}
+	if key == "" {
+		key = filepath.Join(credsDir, auth.RaftCertKeyFile(rc.ID))
+	}
+	if ca == "" {
+		ca = filepath.Join(credsDir, auth.CAFile)
+	}
+	t, err := auth.LoadRaftTLS(cert, key, ca)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w: %w (the raft port is mutual TLS: issue this server's certificate with "+
+			"'coordinator creds raft-cert --dir <creds> --id %s' where the cluster CA's key is, and copy "+
+			"raft-%s.pem, raft-%s-key.pem and ca.pem to it)", err, ErrConfig, rc.ID, rc.ID, rc.ID)
+	}
 	if err != nil {
-		return fmt.Errorf("write raft key: %w", err)
+		return nil, fmt.Errorf("%w: %w", err, ErrConfig)
 	}
-	if _, err := f.WriteString(base64.StdEncoding.EncodeToString(k) + "\n"); err != nil {
-		_ = f.Close()
-		return fmt.Errorf("write raft key %s: %w", path, err)
+	if t.ID != rc.ID {
+		return nil, fmt.Errorf("raft certificate %s names server %q, but this server's raft id is %q: %w", cert, t.ID, rc.ID, ErrConfig)
 	}
-	return f.Close()
+	return t, nil
 }

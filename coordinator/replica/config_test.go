@@ -32,7 +32,6 @@ func TestConfigRules(t *testing.T) {
 		"duplicate peer":      func(c *Config) { c.Peers = []Peer{peers[0], peers[0]} },
 		"lease > heartbeat":   func(c *Config) { c.LeaderLeaseTimeout = 2 * c.HeartbeatTimeout },
 		"election < heartbt":  func(c *Config) { c.ElectionTimeout = c.HeartbeatTimeout / 2 },
-		"short key":           func(c *Config) { c.Key = []byte("short") },
 		"bad bind":            func(c *Config) { c.Bind = "nowhere" },
 		"append entries 2000": func(c *Config) { c.MaxAppendEntries = 2000 },
 		"id with comma":       func(c *Config) { c.ID = "a,b" },

@@ -9,6 +9,8 @@ type metrics struct {
 	elections     prometheus.Counter
 	commitSecs    prometheus.Histogram
 	refused       prometheus.Counter
+	broken        prometheus.Counter
+	certNotAfter  prometheus.Gauge
 	notLeader     prometheus.Counter
 	withheld      prometheus.Counter
 	restores      prometheus.Counter
@@ -27,7 +29,11 @@ func newMetrics() *metrics {
 			Help:    "Leader: entry proposed to committed on a quorum and handed to the index.",
 			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 18)}),
 		refused: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvtier_raft_refused_connections_total",
-			Help: "Connections to the raft port refused: the peer failed the key handshake, or too many handshakes."}),
+			Help: "Raft connections refused at their TLS handshake, accepted or dialled: the peer's certificate does not chain to the cluster CA or names another raft server, or too many handshakes."}),
+		broken: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvtier_raft_conn_integrity_errors_total",
+			Help: "Established raft connections dropped because a TLS record failed its integrity check (altered on the path)."}),
+		certNotAfter: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvtier_raft_cert_expiry_timestamp_seconds",
+			Help: "When this coordinator's raft peer certificate expires (Unix seconds); renew before: 'coordinator creds raft-cert --replace'."}),
 		notLeader: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvtier_raft_not_leader_total",
 			Help: "Requests answered unavailable because leadership was lost before their entry committed."}),
 		withheld: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvtier_raft_verdicts_withheld_total",
@@ -40,6 +46,6 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.isLeader, m.leaderChanges, m.elections, m.commitSecs, m.refused, m.notLeader,
+	return []prometheus.Collector{m.isLeader, m.leaderChanges, m.elections, m.commitSecs, m.refused, m.broken, m.certNotAfter, m.notLeader,
 		m.withheld, m.restores, m.abandoned}
 }

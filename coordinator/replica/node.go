@@ -111,31 +111,11 @@ func New(cfg Config, opts Options) (*Node, error) {
 	return n, nil
 }
 
-// LoadKey returns the raft port's key: Config.Key, else the key file
-// (Config.KeyFile, else KeyFile in credsDir).
-func (rc *Config) LoadKey(credsDir string) ([]byte, error) {
-	if rc.Key != nil {
-		return rc.Key, nil
-	}
-	path := rc.KeyFile
-	if path == "" {
-		if credsDir == "" {
-			return nil, fmt.Errorf("raft needs a key: set --raft-key-file or --creds-dir with %s: %w", KeyFile, ErrConfig)
-		}
-		path = filepath.Join(credsDir, KeyFile)
-	}
-	k, _, err := auth.LoadGossipKeys(path)
-	if err != nil {
-		return nil, fmt.Errorf("raft key: %w (make one: 'coordinator init' writes %s)", err, KeyFile)
-	}
-	return k, nil
-}
-
-// Start opens the raft store and snapshot store in Dir, starts the
-// authenticated transport (with key) and the raft server over idx,
+// Start opens the raft store and snapshot store in Dir, starts the mutual
+// TLS transport (with creds, Config.LoadTLS) and the raft server over idx,
 // bootstraps when asked, and starts the leadership and observation loops.
 // Hooks.Lead runs when this node becomes leader.
-func (n *Node) Start(idx *index.Index, key []byte) error {
+func (n *Node) Start(idx *index.Index, creds *auth.RaftTLS) error {
 	rc := n.cfg
 	n.idx = idx
 	if err := PrivateDir(rc.Dir); err != nil {
@@ -157,7 +137,12 @@ func (n *Node) Start(idx *index.Index, key []byte) error {
 			return fmt.Errorf("raft advertise %q: %w: %w", rc.Advertise, ErrConfig, err)
 		}
 	}
-	strm, err := NewTransport(rc.Bind, adv, key, n.log, n.met.refused.Inc)
+	if creds == nil || creds.ID != rc.ID {
+		return fmt.Errorf("raft TLS material for server %q is missing or names another server: %w", rc.ID, ErrConfig)
+	}
+	n.met.certNotAfter.Set(float64(creds.NotAfter.Unix()))
+	strm, err := NewTransport(TransportConfig{Bind: rc.Bind, Advertise: adv, TLS: creds, Peers: rc.Peers, Logger: n.log,
+		Refused: n.met.refused.Inc, Broken: n.met.broken.Inc})
 	if err != nil {
 		return err
 	}
@@ -200,6 +185,7 @@ func (n *Node) Start(idx *index.Index, key []byte) error {
 		return fmt.Errorf("start raft: %w", err)
 	}
 	n.r = r
+	strm.SetServers(func() []raft.Server { return r.GetConfiguration().Configuration().Servers })
 	r.RegisterObserver(raft.NewObserver(n.obs, false, func(o *raft.Observation) bool {
 		switch o.Data.(type) {
 		case raft.LeaderObservation, raft.RaftState:
