@@ -88,8 +88,19 @@ func saveIncarnation(l2Dir string, r wire.Rank, inc uint64) error {
 		return fmt.Errorf("incarnation file %s holds %d, not below this start's %d: another start of rank %s stored its incarnation meanwhile: %w",
 			path, last, inc, r, ErrDuplicateRank)
 	}
+	_, statErr := os.Stat(dir)
 	if err := os.MkdirAll(dir, 0o700); err != nil { // private, like the L2 tier (C9)
 		return fmt.Errorf("incarnation directory: %w", err)
+	}
+	if errors.Is(statErr, os.ErrNotExist) { // its name is durable once the L2 root is fsynced
+		var d *os.File
+		if d, err = os.Open(l2Dir); err == nil {
+			err = d.Sync()
+			d.Close()
+		}
+		if err != nil {
+			return fmt.Errorf("incarnation directory: fsync %s: %w", l2Dir, err)
+		}
 	}
 	tmp := path + ".tmp"
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o600)
