@@ -123,14 +123,16 @@ def prompts_from_trace(pairs: int = 4, max_blocks: int = 6) -> list[list[int]]:
 
 def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str, Any] | None,
              steps: list[dict[str, Any]], during=None, hma: bool | None = None,
-             expect_fail: bool = False) -> list[dict[str, Any]]:
+             expect_fail: bool = False, runner: str | None = None,
+             skip_if_refused: str | None = None) -> list[dict[str, Any]]:
     """One vLLM lifetime; `during(proc, out_path)` runs while it works.
     With expect_fail the run must exit non-zero; its log is returned as
-    [{"log": text}]."""
+    [{"log": text}]. runner "v1"/"v2" picks vLLM's model runner; a run that
+    fails with skip_if_refused in its log skips the test, quoting it."""
     args = tmp / f"{name}.args.json"
     out = tmp / f"{name}.out.json"
     args.write_text(json.dumps(dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                                    steps=steps, hma=hma)))
+                                    steps=steps, hma=hma, runner=runner)))
     log = tmp / f"{name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as lf:
@@ -148,6 +150,10 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
     if expect_fail:
         assert rc != 0, f"vLLM run {name} was to fail, exited 0"
         return [{"log": log.read_text(errors="replace")}]
+    if rc != 0 and skip_if_refused is not None:
+        said = [ln for ln in log.read_text(errors="replace").splitlines() if skip_if_refused in ln]
+        if said:
+            pytest.skip(f"vLLM run {name} refused: {said[-1].strip()}")
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise AssertionError(f"vLLM run {name} exited {rc}:\n{tail}")
@@ -163,8 +169,12 @@ def extra_for(c: Cluster) -> dict[str, Any]:
                 kvtier_chunk_tokens=BLOCK)
 
 
-def gen(prompts: list[list[int]]) -> dict[str, Any]:
-    return dict(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
+def gen(prompts: list[list[int]], salts: list[str | None] | None = None) -> dict[str, Any]:
+    """A generate step; salts: vLLM's cache_salt of each prompt."""
+    out: dict[str, Any] = dict(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
+    if salts is not None:
+        out["salts"] = salts
+    return out
 
 
 RESET = [dict(op="reset"), dict(op="wipe")]
@@ -193,8 +203,16 @@ def hit_like(got: list[tuple[list[int], list[str]]], ref: list[tuple[list[int], 
     return tokens_of(got) == tokens_of(ref) and close(got, ref)
 
 
-def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
-    return int(after["worker"][key]) - int(before["worker"][key])
+def delta(after: dict[str, Any], before: dict[str, Any], key: str, side: str = "worker") -> int:
+    return int(after[side][key]) - int(before[side][key])
+
+
+def loads_in(after: dict[str, Any], before: dict[str, Any]) -> list[dict[str, Any]]:
+    """The loads the worker settled between two records (its recent_loads,
+    newest last)."""
+    n = delta(after, before, "loads")
+    assert 0 <= n <= len(after["worker"]["recent_loads"]), after["worker"]
+    return after["worker"]["recent_loads"][len(after["worker"]["recent_loads"]) - n:]
 
 
 def distinct_chunks(prompts: list[list[int]], loads: bool) -> int:
@@ -596,3 +614,168 @@ def test_real_vllm_rolling_restart(binaries: pathlib.Path, model_dir: pathlib.Pa
     assert rows[0][2] == 0  # the cold generate stores
     assert rows[1][2] > 0, "no hit before the restarts"
     assert rows[-1][2] > 0, "no hit after both restarts: not recovered"
+
+
+def test_real_vllm_cache_salt_separates_tenants(cluster: Cluster, model_dir: pathlib.Path,
+                                                tmp_path: pathlib.Path) -> None:
+    """Issue 24.3: vLLM's per-request cache_salt enters kvtier's chunk
+    hashes. The batch stored under salt A is a miss under salt B and without
+    a salt (no kvtier token offered, nothing loaded, each stores its own
+    objects: no key shared) and a hit under A again, bitwise equal to vLLM's
+    own prefix hit (synchronous loads keep vLLM alone's batches)."""
+    plain = prompts_plain()
+    base = run_vllm(tmp_path, "salt-baseline", model_dir, None, [gen(plain), gen(plain)])
+    ref_cold, ref_hit = outputs(base[1]), outputs(base[2])
+    cold_cached = [o["cached"] for o in base[1]["outputs"]]
+    a, b = ["tenant-a"] * 3, ["tenant-b"] * 3
+    r = run_vllm(tmp_path, "salted", model_dir, dict(extra_for(cluster), kvtier_load_async=False),
+                 [gen(plain, a), *RESET, gen(plain, b), *RESET, gen(plain), *RESET, gen(plain, a)])
+    stored_a, miss_b, miss_none, hit_a = r[1], r[4], r[7], r[10]
+    assert outputs(stored_a) == ref_cold and delta(stored_a, r[0], "stored_objects") == 5, stored_a["worker"]
+    for rec, before in ((miss_b, r[3]), (miss_none, r[6])):
+        assert outputs(rec) == ref_cold, "a miss must be vLLM alone's cold run"
+        assert [o["cached"] for o in rec["outputs"]] == cold_cached, rec["outputs"]
+        assert delta(rec, before, "lookups", "scheduler") >= 2, rec["scheduler"]  # asked, and
+        assert delta(rec, before, "hit_tokens", "scheduler") == 0, rec["scheduler"]  # offered nothing
+        assert delta(rec, before, "loads") == 0 and delta(rec, before, "loaded_tokens") == 0, rec["worker"]
+        assert delta(rec, before, "stored_objects") == 5, rec["worker"]  # its own copies
+    keys = [{k for ks in rec["keys"] for k in ks} for rec in (stored_a, miss_b, miss_none)]
+    assert all(len(k) == 5 for k in keys)  # a's 3 full chunks, b's 2 (c's 3 are a's)
+    assert not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2], keys
+    for k in set().union(*keys):
+        assert (cluster.l2 / k.split(".")[0] / (k + ".kvo")).exists(), f"object {k} not in L2"
+    assert hit_a["keys"] == stored_a["keys"]
+    assert outputs(hit_a) == ref_hit, "salt A again: outputs or logprobs differ from vLLM's own prefix hit"
+    assert delta(hit_a, r[9], "loaded_tokens") == 5 * BLOCK and delta(hit_a, r[9], "restore_failures") == 0
+    assert [o["cached"] for o in hit_a["outputs"]] == [3 * BLOCK, 2 * BLOCK, 3 * BLOCK], hit_a["outputs"]
+
+
+# How long a slow load is held (vllm_run's load_delay_s: on the connector's
+# client loop, before its retrieve goes to the rankd), and how long the
+# rankd is stopped (SIGSTOP) before it is killed while loads wait on it:
+# thousands of engine steps. (A stopped rankd cannot stand for a slow one: with
+# two gossip members the coordinator declares it dead within about a second
+# and fails its restores.)
+PAUSE_S = 1.0
+
+
+def corrupt_l2(c: Cluster, key: str) -> None:
+    """Flips one payload bit of a stored L2 object."""
+    obj = c.l2 / key.split(".")[0] / (key + ".kvo")
+    data = bytearray(obj.read_bytes())
+    data[-100] ^= 0x40
+    obj.write_bytes(bytes(data))
+
+
+def is_v2_runner(name: str) -> bool:
+    """vLLM's V2 model runners live in vllm.v1.worker.{gpu,cpu}.model_runner,
+    the V1 ones in vllm.v1.worker.{gpu,cpu}_model_runner."""
+    return ".worker.gpu.model_runner." in name or ".worker.cpu.model_runner." in name
+
+
+def rankd_killed_during(c: Cluster, tmp: pathlib.Path, hooks: list[str]):
+    """A `during` for run_vllm: at each hook in order the rankd is stopped
+    (SIGSTOP), vLLM goes on to its next generate, whose loads wait on the
+    stopped rankd; PAUSE_S after that generate began the rankd is killed
+    and a new one started."""
+
+    def during(p: subprocess.Popen, out: pathlib.Path) -> None:
+        marker = pathlib.Path(str(out) + ".generating")
+        try:
+            for hook in hooks:
+                eventually(f"vLLM reaches hook {hook}", lambda h=hook: _true((tmp / (h + ".ready")).exists()),
+                           timeout=600)
+                seen = len(marker.read_text().split()) if marker.exists() else 0
+                rk = c.ranks[0]
+                assert rk is not None
+                rk.p.send_signal(signal.SIGSTOP)
+                (tmp / hook).write_text("go")
+                eventually(f"vLLM generates after hook {hook}",
+                           lambda n=seen: _true(len(marker.read_text().split()) > n), timeout=60)
+                time.sleep(PAUSE_S)  # the loads wait on the stopped rankd while vLLM steps
+                rk.p.send_signal(signal.SIGKILL)
+                rk.stop()
+                c.start_rank(0)
+        except BaseException:
+            print(c.logs_tail())
+            raise
+
+    return during
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_real_vllm_failed_restores_on_each_model_runner(cluster: Cluster, model_dir: pathlib.Path,
+                                                        tmp_path: pathlib.Path, runner: str) -> None:
+    """Issue 24.2 and 24.6, on each model runner vLLM offers (vLLM issue
+    #49250: wrong output when a load fails and "recompute" recomputes on
+    the V2 runner; the CPU build has no V2 runner without triton-cpu and
+    skips it, quoting vLLM's refusal).
+
+    Asynchronous loads (the default), held PAUSE_S before they go to the
+    rankd: loads that complete engine steps after they started (get_finished
+    reports them then) beside one whose chunk 1 is a corrupted L2 object and
+    fails as late (its block in the load errors of the step that reports
+    it); then the rankd stopped and killed while the loads wait on it: every
+    load fails, steps later. Synchronous loads: a corrupted object, then the
+    rankd killed mid-restore. Every answer has vLLM alone's tokens (on the
+    same runner), every failure is counted."""
+    plain = prompts_plain()
+    base = run_vllm(tmp_path, f"{runner}-baseline", model_dir, None, [gen(plain), gen(plain)], runner=runner,
+                    skip_if_refused="Model Runner V2 requires")
+    assert is_v2_runner(base[0]["runner"]) == (runner == "v2"), base[0]["runner"]
+    ref_cold = outputs(base[1])
+    extra = extra_for(cluster)
+    store = run_vllm(tmp_path, f"{runner}-store", model_dir, extra, [gen(plain)], runner=runner)
+    assert is_v2_runner(store[0]["runner"]) == (runner == "v2"), store[0]["runner"]
+    assert outputs(store[1]) == ref_cold and delta(store[1], store[0], "stored_objects") == 5, store[1]["worker"]
+    keys = store[1]["keys"]
+
+    # Asynchronous loads from L2 (daemons restarted: L1 empty), b's chunk 1 corrupted.
+    corrupt_l2(cluster, keys[1][1])
+    restart_daemons(cluster, model_dir)
+    r = run_vllm(tmp_path, f"{runner}-async", model_dir, extra,
+                 [dict(op="attached"), dict(gen(plain), load_delay_s=PAUSE_S), *RESET,
+                  dict(op="hook", file=str(tmp_path / "kill"), timeout=300), gen(plain)], runner=runner,
+                 during=rankd_killed_during(cluster, tmp_path, ["kill"]))
+    assert r[1]["ok"], "the connector did not attach"
+    slow, killed = r[2], r[6]
+    print(f"{runner} async, loads held {PAUSE_S} s: "
+          + ", ".join(f"{ld['loaded']}/{ld['chunks']} chunks after {ld['steps']} steps, {ld['ms']} ms"
+                      for ld in loads_in(slow, r[1])))
+    got = outputs(slow)
+    assert hit_like(got, ref_cold), "loads completed late beside a corrupt chunk: tokens differ from vLLM alone"
+    lds = loads_in(slow, r[1])
+    assert lds and all(ld["steps"] >= 3 for ld in lds), lds  # reported engine steps after they started
+    done = [ld for ld in lds if ld["loaded"] == ld["chunks"]]
+    bad = [ld for ld in lds if ld["loaded"] < ld["chunks"]]
+    assert done and all(ld["chunks"] == 3 for ld in done), lds  # a (and c, unless vLLM's prefix cache served it)
+    assert [(ld["loaded"], ld["chunks"]) for ld in bad] == [(1, 2)], lds  # b: chunk 0 loaded, chunk 1 not
+    assert delta(slow, r[1], "restore_failures") == 1 and delta(slow, r[1], "load_error_blocks") == 1, slow["worker"]
+    assert delta(slow, r[1], "recomputed_bad_bytes_tokens") == BLOCK, slow["worker"]  # the checksum caught it
+    assert delta(slow, r[1], "loaded_tokens") == sum(ld["loaded"] for ld in lds) * BLOCK >= 4 * BLOCK
+    lds = loads_in(killed, r[5])
+    print(f"{runner} async, rankd stopped, killed {PAUSE_S} s later: loads "
+          + ", ".join(f"{ld['loaded']}/{ld['chunks']} chunks after {ld['steps']} steps ({ld['problem']})"
+                      for ld in lds))
+    assert hit_like(outputs(killed), ref_cold), "rankd killed while loads waited: tokens differ from vLLM alone"
+    assert lds and all(ld["steps"] >= 3 and ld["loaded"] == 0 for ld in lds), lds
+    assert delta(killed, r[5], "restore_failures") == len(lds), killed["worker"]
+    assert delta(killed, r[5], "load_error_blocks") == sum(ld["chunks"] for ld in lds), killed["worker"]
+    assert delta(killed, r[5], "loaded_tokens") == 0, killed["worker"]
+
+    # Synchronous loads (vLLM waits for them in the step): a's chunk 2 corrupted, then the rankd killed.
+    corrupt_l2(cluster, keys[0][2])
+    restart_daemons(cluster, model_dir)
+    r = run_vllm(tmp_path, f"{runner}-sync", model_dir, dict(extra, kvtier_load_async=False),
+                 [dict(op="attached"), gen(plain), *RESET,
+                  dict(op="hook", file=str(tmp_path / "kill-sync"), timeout=300), gen(plain)], runner=runner,
+                 during=rankd_killed_during(cluster, tmp_path, ["kill-sync"]))
+    corrupt, killed = r[2], r[6]
+    assert tokens_of(outputs(corrupt)) == tokens_of(ref_cold) and close(outputs(corrupt), ref_cold)
+    assert delta(corrupt, r[1], "restore_failures") >= 1, corrupt["worker"]
+    assert delta(corrupt, r[1], "recomputed_bad_bytes_tokens") >= BLOCK, corrupt["worker"]
+    assert delta(corrupt, r[1], "load_error_blocks") >= 1 and delta(corrupt, r[1], "loaded_tokens") > 0
+    lds = loads_in(killed, r[5])
+    assert tokens_of(outputs(killed)) == tokens_of(ref_cold) and close(outputs(killed), ref_cold)
+    assert lds and all(ld["loaded"] == 0 and ld["steps"] == 0 for ld in lds), lds  # waited in its own step
+    assert delta(killed, r[5], "restore_failures") == len(lds) and delta(killed, r[5], "loaded_tokens") == 0

@@ -7,8 +7,13 @@ one vLLM lifetime: test_vllm_real.py runs it as a subprocess so that
 
 ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
 connector), "hma": true/false/absent (force vLLM's hybrid KV cache manager
-on or off, or let vLLM decide), "block_size": n, "num_blocks": n, "steps": [{"op": "generate",
-"prompts": [[ids...]], "max_tokens": n} | {"op": "reset"} | {"op": "wipe"} |
+on or off, or let vLLM decide), "runner": "v1"/"v2"/absent (vLLM's model
+runner: VLLM_USE_V2_MODEL_RUNNER=0/1, or vLLM's choice), "block_size": n,
+"num_blocks": n, "steps": [{"op": "generate", "prompts": [[ids...]],
+"max_tokens": n, "salts": [salt or null per prompt] (optional: vLLM's
+per-request cache_salt), "load_delay_s": s (optional: every load the
+worker connector starts in this generate waits s seconds before it goes to
+the rankd, a slow load as vLLM sees it)} | {"op": "reset"} | {"op": "wipe"} |
 {"op": "hook", "file": path} | {"op": "attached", "timeout": s} |
 {"op": "sleep", "s": s}]}. "reset" waits until vLLM's prefix cache is
 empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
@@ -19,7 +24,9 @@ waits until the connector's links (worker and scheduler) are attached.
 
 OUT: one record per step: generated token ids, each token's logprob as
 float.hex (exact), vLLM's num_cached_tokens, and the connector's worker and
-scheduler counters after the step.
+scheduler counters after the step (the worker's with "recent_loads": its
+last loads, each with the engine steps from start to report); the first
+record names the model runner class that ran ("runner").
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
 worker-side connector is vLLM's own instance, read through
@@ -27,6 +34,7 @@ get_kv_transfer_group()."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -37,13 +45,38 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+_load_delay_s = 0.0
+
+
+def _delay_loads(s: float) -> None:
+    """Makes every load the worker connector starts from now on wait s
+    seconds on the client's loop before its retrieve goes to the rankd (0:
+    none). The engine runs in this process, so patching the class reaches
+    vLLM's own connector instance."""
+    global _load_delay_s
+    from kvtier.vllm.connector import KvtierConnector
+
+    if s > 0 and not getattr(KvtierConnector, "_test_delay", False):
+        inner = KvtierConnector._load_inner
+
+        async def delayed(self: Any, c: Any, sess: Any, load: Any) -> Any:
+            if _load_delay_s > 0:
+                await asyncio.sleep(_load_delay_s)
+            return await inner(self, c, sess, load)
+
+        KvtierConnector._load_inner = delayed  # type: ignore[method-assign]
+        KvtierConnector._test_delay = True  # type: ignore[attr-defined]
+    _load_delay_s = s
+
+
 def _stats(llm: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if has_kv_transfer_group():
-            out["worker"] = dict(get_kv_transfer_group().stats)
+            conn = get_kv_transfer_group()
+            out["worker"] = dict(conn.stats, recent_loads=list(conn.recent_loads))
     except Exception as e:  # reported, the test decides
         out["worker_error"] = repr(e)
     try:
@@ -59,17 +92,28 @@ def _stats(llm: Any) -> dict[str, Any]:
     return out
 
 
-def _keys(prompts: list[list[int]]) -> list[list[str]] | None:
+def _keys(prompts: list[list[int]], salts: list[str | None]) -> list[list[str]] | None:
     """Each prompt's L2 object names (shard 0, group 0), from the worker
-    connector's own resolved spec."""
+    connector's own resolved spec and the prompt's cache salt."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     from kvtier import dcp
+    from kvtier.vllm.spec import request_chunk_hashes
 
     if not has_kv_transfer_group():
         return None
     r = get_kv_transfer_group().resolved
-    return [[str(dcp.Key(r.namespace, h, 0, 0)) for h in r.chunk_hashes(p)] for p in prompts]
+    return [[str(dcp.Key(r.namespace, h, 0, 0)) for h in request_chunk_hashes(r, p, s)]
+            for p, s in zip(prompts, salts, strict=True)]
+
+
+def _runner(llm: Any) -> str:
+    """The model runner class the worker runs (vLLM's V1 or V2 runner)."""
+    try:
+        mr = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        return f"{type(mr).__module__}.{type(mr).__name__}"
+    except Exception as e:  # reported, the test decides
+        return f"unknown: {e!r}"
 
 
 def _kv_tensors(llm: Any) -> list[Any]:
@@ -118,6 +162,8 @@ def _drain(llm: Any, timeout: float = 60.0) -> bool:
 def main() -> None:
     with open(sys.argv[1]) as f:
         args = json.load(f)
+    if args.get("runner") is not None:  # before vLLM reads its environment
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = {"v1": "0", "v2": "1"}[args["runner"]]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -133,16 +179,21 @@ def main() -> None:
                                     "kv_connector_extra_config": args["extra"]}
     t0 = time.monotonic()
     llm = LLM(**kw)
-    records: list[dict[str, Any]] = [{"op": "init", "s": round(time.monotonic() - t0, 2), **_stats(llm)}]
+    records: list[dict[str, Any]] = [{"op": "init", "s": round(time.monotonic() - t0, 2), "runner": _runner(llm),
+                                      **_stats(llm)}]
     for step in args["steps"]:
         t = time.monotonic()
         rec: dict[str, Any] = {"op": step["op"]}
         if step["op"] == "generate":
             with open(sys.argv[2] + ".generating", "a") as f:
                 f.write(f"{len(records)}\n")
+            _delay_loads(float(step.get("load_delay_s", 0.0)))
             sp = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], logprobs=0, detokenize=False,
                                 ignore_eos=True)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp, use_tqdm=False)
+            salts = step.get("salts") or [None] * len(step["prompts"])
+            prompts = [TokensPrompt(prompt_token_ids=p) if s is None else TokensPrompt(prompt_token_ids=p, cache_salt=s)
+                       for p, s in zip(step["prompts"], salts, strict=True)]
+            outs = llm.generate(prompts, sp, use_tqdm=False)
             rec["outputs"] = []
             for o in outs:
                 c = o.outputs[0]
@@ -150,7 +201,7 @@ def main() -> None:
                 rec["outputs"].append({"tokens": list(c.token_ids), "logprobs": lps,
                                        "cached": o.num_cached_tokens})
             rec["drained"] = _drain(llm)
-            rec["keys"] = _keys(step["prompts"])
+            rec["keys"] = _keys(step["prompts"], salts)
         elif step["op"] == "reset":
             rec["ok"] = _reset(llm)
         elif step["op"] == "wipe":  # after a reset: zero vLLM's own KV tensors, so nothing stale can help
