@@ -216,7 +216,7 @@ func (c *Cluster) usable(op string) error {
 }
 
 // UpdateMeta changes this member's Meta and gossips it (memberlist
-// UpdateNode): update edits a copy; NATS, Admin and the usage counters may
+// UpdateNode): update edits a copy; NATS and the usage counters may
 // change, the identity fields and Leaving may not (ErrMeta; Leave sets
 // Leaving). After Leave it returns ErrClosed. The new Meta is in effect
 // locally at once; UpdateMeta then waits until it has been sent to at least

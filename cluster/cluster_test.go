@@ -449,13 +449,13 @@ func TestLifecycle(t *testing.T) {
 	if err := c.Leave(time.Second); !errors.Is(err, ErrNotStarted) {
 		t.Fatalf("Leave before Start: %v", err)
 	}
-	if err := c.UpdateMeta(ctx, func(m *Meta) { m.Admin = "127.0.0.1:9999" }); err != nil {
+	if err := c.UpdateMeta(ctx, func(m *Meta) { m.L1UsedBytes = 9999 }); err != nil {
 		t.Fatalf("UpdateMeta before Start: %v", err)
 	}
 	if err := c.Start(); err != nil {
 		t.Fatal(err)
 	}
-	if got := c.LocalMember(); got.Meta.Admin != "127.0.0.1:9999" || got.State != StateAlive {
+	if got := c.LocalMember(); got.Meta.L1UsedBytes != 9999 || got.State != StateAlive {
 		t.Fatalf("meta set before Start not announced: %+v", got)
 	}
 	if err := c.Start(); !errors.Is(err, ErrStarted) {

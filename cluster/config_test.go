@@ -92,7 +92,6 @@ func TestMetaValidate(t *testing.T) {
 		{"dcp rank rule", func(m *Meta) { m.TPRank, m.DCPRank = 6, 1 }, "dcp rank 1 must equal tp rank 6 % dcp size 4 = 2"},
 		{"incarnation", func(m *Meta) { m.Incarnation = 0 }, "incarnation must be non-zero"},
 		{"nats list in one", func(m *Meta) { m.NATS = []string{"nats://a:1,nats://b:1"} }, "nats url 0"},
-		{"admin", func(m *Meta) { m.Admin = "9100" }, "admin address \"9100\" must be host:port"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := rankdMeta(0)
@@ -153,6 +152,19 @@ func TestMetaEncodeRoundTrip(t *testing.T) {
 	fb, _ := json.Marshal(raw)
 	if _, err := DecodeMeta(fb); err != nil {
 		t.Fatalf("unknown field refused: %v", err)
+	}
+	// A member from before issue 28.2 still gossips its admin address:
+	// decoded, and not kept (nothing re-gossips it).
+	delete(raw, "future")
+	raw["admin"] = "10.0.0.7:9100"
+	ab, _ := json.Marshal(raw)
+	if got, err := DecodeMeta(ab); err != nil {
+		t.Fatalf("an older member's meta with an admin address refused: %v", err)
+	} else if again, _ := got.Encode(); strings.Contains(string(again), "admin") || strings.Contains(string(again), "9100") {
+		t.Fatalf("the admin address survives decoding: %s", again)
+	}
+	if strings.Contains(string(b), "admin") {
+		t.Fatalf("encoding %s carries an admin address", b)
 	}
 	raw["v"] = 2
 	vb, _ := json.Marshal(raw)

@@ -17,13 +17,13 @@ import (
 )
 
 func coordMeta() Meta {
-	return Meta{Role: RoleCoordinator, NATS: []string{"nats://127.0.0.1:4222"}, Admin: "127.0.0.1:9090"}
+	return Meta{Role: RoleCoordinator, NATS: []string{"nats://127.0.0.1:4222"}}
 }
 
 func rankdMeta(tp int) Meta {
 	return Meta{
 		Role: RoleRankd, Engine: "engine-0", TPRank: tp, TPSize: 8, DCPSize: 4, DCPRank: tp % 4,
-		NATS: []string{"nats://127.0.0.1:4222"}, Admin: fmt.Sprintf("127.0.0.1:%d", 9100+tp),
+		NATS: []string{"nats://127.0.0.1:4222"}, L1CapBytes: uint64(tp+1) << 30,
 	}
 }
 

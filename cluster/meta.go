@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,9 +34,16 @@ const MaxMetaBytes = memberlist.MetaMaxSize
 // Meta is what a member tells the cluster about itself. It travels in every
 // memberlist alive message, so it is small: one JSON object of at most
 // MaxMetaBytes bytes. The identity fields (Role, Engine, the rank numbers and
-// Incarnation) are fixed for the life of a process; NATS, Admin and the usage
+// Incarnation) are fixed for the life of a process; NATS and the usage
 // counters may change through Cluster.UpdateMeta; Leaving only through
 // Cluster.Leave.
+//
+// Every holder of the gossip key reads every member's Meta, so it carries
+// only what discovery needs (issue 28.2): no admin or metrics address. The
+// coordinator's NATS URLs stay: they are how a rankd without --nats finds
+// NATS, and they are signed (NATSSig); NATS itself authenticates every
+// connection. Older members that still send "admin" are decoded as before
+// (the field is ignored).
 type Meta struct {
 	// Role is coordinator or rankd.
 	Role Role `json:"role"`
@@ -68,8 +74,6 @@ type Meta struct {
 	// an empty data directory gossips a new one; it asks every live rankd
 	// for its inventory. Empty for a rankd and from older coordinators.
 	Index string `json:"idx,omitempty"`
-	// Admin is the host:port of the member's admin/metrics HTTP endpoint.
-	Admin string `json:"admin,omitempty"`
 	// L1UsedBytes, L1CapBytes and L2UsedBytes are the rankd's tier usage as of
 	// its last UpdateMeta; informational, gossip-delayed.
 	L1UsedBytes uint64 `json:"l1,omitempty"`
@@ -134,11 +138,6 @@ func (m *Meta) Validate() error {
 	if len(m.Index) > 64 || strings.ContainsAny(m.Index, ", \t\r\n") {
 		return fmt.Errorf("index id %q must be at most 64 bytes without spaces or commas: %w", m.Index, ErrMeta)
 	}
-	if m.Admin != "" {
-		if _, _, err := net.SplitHostPort(m.Admin); err != nil {
-			return fmt.Errorf("admin address %q must be host:port: %w: %w", m.Admin, ErrMeta, err)
-		}
-	}
 	return nil
 }
 
@@ -152,8 +151,8 @@ func (m *Meta) Encode() ([]byte, error) {
 		return nil, fmt.Errorf("encode meta: %w: %w", ErrMeta, err)
 	}
 	if len(b) > MaxMetaBytes {
-		return nil, fmt.Errorf("meta encodes to %d B, over memberlist's limit of %d B (engine %d B, %d NATS URLs, admin %d B): %w",
-			len(b), MaxMetaBytes, len(m.Engine), len(m.NATS), len(m.Admin), ErrMetaTooLarge)
+		return nil, fmt.Errorf("meta encodes to %d B, over memberlist's limit of %d B (engine %d B, %d NATS URLs): %w",
+			len(b), MaxMetaBytes, len(m.Engine), len(m.NATS), ErrMetaTooLarge)
 	}
 	return b, nil
 }

@@ -64,8 +64,8 @@ type Config struct {
 	// Cluster configures the memberlist member: bind/advertise addresses,
 	// seeds, gossip encryption key, failure detector. Default
 	// cluster.DefaultConfig() with NodeName "coordinator-<host>". Meta is
-	// filled in by New (role coordinator, the NATS client URL, the HTTP
-	// address); whatever the caller sets there is ignored. Logger and
+	// filled in by New (role coordinator, the signed NATS client URLs, the
+	// index id); whatever the caller sets there is ignored. Logger and
 	// Registerer default to this Config's.
 	Cluster cluster.Config
 	// JoinTimeout bounds the initial join to Cluster.Seeds. Default 10 s.
@@ -94,6 +94,10 @@ type Config struct {
 	// and nothing is planned; with 0, absence alone never refuses a
 	// restore (see "Reader liveness" in restore.go).
 	StartupFenceGrace time.Duration
+	// Death says how a gossip death or leave of a rankd is confirmed over
+	// the rank's own NATS channel before it is acted on (deaths.go):
+	// gossip alone fences nothing. Default DefaultDeathConfig().
+	Death DeathConfig
 
 	// HTTPAddr serves /metrics (Prometheus) and /healthz. Default
 	// "127.0.0.1:9470"; "" disables the listener; port 0 picks a free one.
@@ -243,6 +247,7 @@ func DefaultConfig() Config {
 		JoinTimeout:        10 * time.Second,
 		LeaveTimeout:       2 * time.Second,
 		StartupFenceGrace:  10 * time.Second,
+		Death:              DefaultDeathConfig(),
 		HTTPAddr:           "127.0.0.1:9470",
 		RestoreDeadline:    5 * time.Second,
 		MaxRestoreDeadline: 60 * time.Second,
@@ -335,6 +340,9 @@ func (c *Config) Validate() error {
 	}
 	if c.StartupFenceGrace < 0 {
 		return fmt.Errorf("startup fence grace %v must be >= 0: %w", c.StartupFenceGrace, ErrConfig)
+	}
+	if err := c.Death.Validate(); err != nil {
+		return err
 	}
 	if c.RestoreDeadline > c.MaxRestoreDeadline {
 		return fmt.Errorf("restore deadline %v exceeds max restore deadline %v: %w", c.RestoreDeadline, c.MaxRestoreDeadline, ErrConfig)

@@ -30,7 +30,8 @@ import (
 //
 // Goroutines it owns, all tracked in wg and stopped by Shutdown: the ingest
 // workers, one resync worker per rank being resynced, the membership loop,
-// the restore deadline loop and the HTTP server. NATS delivers requests on
+// the restore deadline loop, the death check (with its liveness probes)
+// and the HTTP server. NATS delivers requests on
 // its own per-subscription goroutines, which Shutdown drains.
 type Coordinator struct {
 	cfg  Config
@@ -75,6 +76,9 @@ type Coordinator struct {
 	resyncing map[wire.Rank]bool
 
 	hb heartbeats
+	// deaths holds the ranks gossip reports gone, until NATS confirms it
+	// (deaths.go).
+	deaths *deaths
 
 	geo geometries // registered namespaces' geometry: see limits.go
 	// resyncLimit paces resync starts (ResyncRate, ResyncBurst); used
@@ -143,7 +147,8 @@ func New(cfg Config) (*Coordinator, error) {
 		met:       newMetrics(),
 		done:      make(chan struct{}),
 		resyncing: make(map[wire.Rank]bool),
-		hb:        heartbeats{prev: make(map[wire.Rank]wire.Heartbeat), received: make(map[wire.Rank]receivedSeq)},
+		hb:        newHeartbeats(),
+		deaths:    newDeaths(),
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.resyncLimit = rate.NewLimiter(rate.Limit(cfg.ResyncRate), cfg.ResyncBurst)
@@ -154,6 +159,9 @@ func New(cfg Config) (*Coordinator, error) {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
 	if err := c.reg.Register(c.auth.refused); err != nil {
+		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
+	if err := c.reg.Register(c.deaths.met); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}
 	c.repl = standalone{c}
@@ -325,6 +333,8 @@ func (c *Coordinator) start() error {
 		c.wg.Add(1)
 		go c.startupFence(g)
 	}
+	c.wg.Add(1)
+	go c.deathLoop()
 	if c.rebuilding {
 		c.resyncAllRanks()
 	}
@@ -462,6 +472,7 @@ func (c *Coordinator) Shutdown() {
 		c.nsrv.Shutdown()
 	}
 	c.reg.Unregister(c.met)
+	c.reg.Unregister(c.deaths.met)
 	c.log.Info("coordinator shut down", zap.Duration("took", time.Since(t0)))
 }
 

@@ -18,6 +18,13 @@ func deadMember(r wire.Rank, inc uint64) cluster.Member {
 			Incarnation: inc}}
 }
 
+// fenceMember acts on a confirmed death of member m (what the death check
+// does once NATS confirmed a gossip notice), for tests of what follows.
+func (c *Coordinator) fenceMember(m cluster.Member, cause string, at time.Time) {
+	c.confirmDeath(suspect{rank: memberRank(m), inc: m.Meta.Incarnation, cause: cause, member: m.ID, state: m.State, since: at},
+		byNATS, time.Now())
+}
+
 // TestLateInventoryDoesNotUndoFence (issue 11.2): a resync's inventory
 // requested before the rank was declared dead arrives after the fence. It
 // must not bring the fenced L1 placements back. On f044f94 the rank ended

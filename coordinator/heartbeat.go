@@ -23,10 +23,57 @@ import (
 // index but not yet committed (received): on a loaded host a commit can
 // take longer than a heartbeat interval, and those events are not lost
 // (issue 31: the coordinator resynced every rank of a busy machine).
+//
+// The heartbeats are also the authenticated proof of life that a gossip
+// death needs before it is acted on (deaths.go): beats keeps, per rank the
+// index knows, when its last heartbeat arrived, the interval it announced
+// and whether it said it is leaving.
 type heartbeats struct {
-	mu       sync.Mutex // guards prev and received
+	mu       sync.Mutex // guards prev, received and beats
 	prev     map[wire.Rank]wire.Heartbeat
 	received map[wire.Rank]receivedSeq
+	beats    map[wire.Rank]beatSeen
+}
+
+// beatSeen is a rank's last heartbeat as received.
+type beatSeen struct {
+	inc      uint64
+	at       time.Time     // received (local clock)
+	interval time.Duration // announced; 0: none
+	leaving  bool          // this incarnation said it is leaving
+}
+
+func newHeartbeats() heartbeats {
+	return heartbeats{prev: make(map[wire.Rank]wire.Heartbeat), received: make(map[wire.Rank]receivedSeq),
+		beats: make(map[wire.Rank]beatSeen)}
+}
+
+// noteBeat records hb's arrival at now and returns what was recorded.
+func (h *heartbeats) noteBeat(hb *wire.Heartbeat, now time.Time) beatSeen {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	b := beatSeen{inc: hb.Incarnation, at: now, interval: time.Duration(hb.IntervalMS) * time.Millisecond, leaving: hb.Leaving}
+	if b.interval < 0 {
+		b.interval = 0
+	}
+	if old, ok := h.beats[hb.Rank]; ok {
+		switch {
+		case old.inc > b.inc:
+			return old // a superseded incarnation still beating
+		case old.inc == b.inc:
+			b.leaving = b.leaving || old.leaving // said once, stays said
+		}
+	}
+	h.beats[hb.Rank] = b
+	return b
+}
+
+// lastBeat returns rank r's last recorded heartbeat.
+func (h *heartbeats) lastBeat(r wire.Rank) (beatSeen, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	b, ok := h.beats[r]
+	return b, ok
 }
 
 // receivedSeq is the last event sequence of a rank's incarnation handed to
@@ -50,6 +97,7 @@ func (h *heartbeats) forget(r wire.Rank) {
 	defer h.mu.Unlock()
 	delete(h.prev, r)
 	delete(h.received, r)
+	delete(h.beats, r)
 }
 
 // handleHeartbeat applies the rule above. Heartbeats are plain publishes:
@@ -69,14 +117,24 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	// bounded by MaxRanks, and a heartbeat of an invented rank starts
 	// nothing. A rank whose first batch was lost is caught by its next
 	// batch's gap instead.
+	now := time.Now()
 	ri, known := c.idx.Rank(hb.Rank)
 	if !known {
+		// Still proof of life for a suspect the index does not know (a
+		// reader that never stored): the suspect table is bounded.
+		c.provedAlive(hb.Rank, hb.Incarnation, now, time.Duration(hb.IntervalMS)*time.Millisecond, hb.Leaving, "heartbeat")
 		c.met.refused.WithLabelValues("unknown_rank_heartbeat").Inc()
 		return
 	}
-	if err := c.checkIncarnation("heartbeat", hb.Rank, hb.Incarnation, time.Now()); err != nil {
+	if err := c.checkIncarnation("heartbeat", hb.Rank, hb.Incarnation, now); err != nil {
 		c.log.Debug("heartbeat refused", zap.Error(err))
 		return
+	}
+	b := c.hb.noteBeat(&hb, now)
+	c.provedAlive(hb.Rank, hb.Incarnation, now, time.Duration(hb.IntervalMS)*time.Millisecond,
+		hb.Leaving || (b.inc == hb.Incarnation && b.leaving), "heartbeat")
+	if hb.Leaving {
+		c.log.Info("rank says it is leaving", zap.Stringer("rank", hb.Rank), zap.Uint64("incarnation", hb.Incarnation))
 	}
 	c.hb.mu.Lock()
 	prev, seen := c.hb.prev[hb.Rank]

@@ -56,6 +56,10 @@ func testConfig(tb testing.TB, dir string) Config {
 	cfg.ResyncTimeout = 2 * time.Second
 	cfg.LeaveTimeout = 500 * time.Millisecond
 	cfg.StartupFenceGrace = 0
+	// Test ranks mostly send no heartbeats: a gossip death of one is
+	// confirmed by silence after 3 x 100 ms (or at once when nothing
+	// subscribes its inventory subject); deaths_test.go sends heartbeats.
+	cfg.Death.AssumedInterval = 100 * time.Millisecond
 	// Tests drive ranks over NATS without memberlist members.
 	cfg.RequireMemberIncarnation = false
 	cfg.Logger = testLogger(tb)
@@ -271,7 +275,7 @@ func decodeInventoryRequest(m *nats.Msg) (wire.InventoryRequest, error) {
 // fresh reports whether m asks for a new snapshot.
 func (s *inventoryServer) fresh(m *nats.Msg) bool {
 	req, err := decodeInventoryRequest(m)
-	return err == nil && req.Snapshot == ""
+	return err == nil && req.Snapshot == "" && !req.Probe
 }
 
 // serve answers m; take gives the inventory of a new snapshot.
@@ -279,6 +283,12 @@ func (s *inventoryServer) serve(m *nats.Msg, take func() wire.Inventory) {
 	req, err := decodeInventoryRequest(m)
 	if err != nil {
 		_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+		return
+	}
+	if req.Probe {
+		// As a rankd from before: its identity is there, its incarnation
+		// unknown (the death check then waits for silence).
+		_ = bus.RespondError(m, wire.CodeBadRequest, "unknown field \"probe\"")
 		return
 	}
 	s.mu.Lock()

@@ -27,8 +27,8 @@ func advertisedNATS(u, host string) string {
 }
 
 // joinCluster starts the memberlist member with role coordinator and the
-// NATS URL in its Meta, so a rankd needs only one seed address, and joins
-// the seeds.
+// signed NATS URLs in its Meta, so a rankd needs only one seed address, and
+// joins the seeds.
 func (c *Coordinator) joinCluster(natsURL string) error {
 	cc := c.cfg.Cluster
 	cc.Insecure = cc.Insecure || c.cfg.Insecure // --insecure also allows plaintext gossip off loopback
@@ -48,16 +48,12 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 		}
 		urls = append(urls, advertisedNATS(strings.TrimSpace(u), host))
 	}
-	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Admin: c.httpAddr, Incarnation: cluster.NewIncarnation(),
+	// No HTTP (metrics, health) address: every gossip key holder reads the
+	// Meta (issue 28.2). The NATS URLs stay, signed: they are how rankds
+	// without --nats find NATS.
+	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Incarnation: cluster.NewIncarnation(),
 		Index: c.idx.ID()}
 	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
-	if a := c.httpAddr; a != "" {
-		if h, p, err := net.SplitHostPort(a); err == nil {
-			if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() && cc.AdvertiseAddr != "" {
-				cc.Meta.Admin = net.JoinHostPort(cc.AdvertiseAddr, p)
-			}
-		}
-	}
 	m, err := cluster.New(cc)
 	if err != nil {
 		return fmt.Errorf("cluster member: %w", err)

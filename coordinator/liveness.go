@@ -22,14 +22,16 @@ import (
 // Causes of a reader not being alive, also the label values of
 // kvtier_coord_restores_not_planned_total.
 const (
-	causeDead   = "dead"   // memberlist declared its newest incarnation dead
-	causeLeft   = "left"   // its newest incarnation left gracefully
+	causeDead   = "dead"   // its newest incarnation is dead: gossip said so and NATS confirmed it (deaths.go)
+	causeLeft   = "left"   // its newest incarnation left gracefully (confirmed likewise)
 	causeFenced = "fenced" // the index has it fenced and memberlist never showed it alive since
 	causeAbsent = "absent" // known to the index, never seen in memberlist, startup grace passed
 )
 
 // liveTable is every rankd incarnation this coordinator has seen in
-// memberlist since it started, with its last state. Unlike the member
+// memberlist since it started, with its last state: alive as gossip says,
+// dead or left only once confirmed over NATS (markGone; a gossip notice
+// alone is a suspicion, deaths.go). Unlike the member
 // table (cluster.Members), which forgets dead members after
 // GossipToTheDeadTime, it keeps the newest incarnation of each rank for the
 // life of the process, so a rank dead for long is still known dead rather
@@ -49,21 +51,34 @@ func newLiveTable() *liveTable {
 	return &liveTable{ranks: make(map[wire.Rank][]seenInc)}
 }
 
-// observe records a rankd member's state.
+// observe records a rankd member gossip shows alive; other states are
+// recorded by markGone once confirmed.
 func (t *liveTable) observe(m cluster.Member) {
-	if m.Meta.Role != cluster.RoleRankd || m.Local {
+	if m.Meta.Role != cluster.RoleRankd || m.Local || m.State != cluster.StateAlive {
 		return
 	}
-	r := memberRank(m)
+	t.set(memberRank(m), m.Meta.Incarnation, cluster.StateAlive)
+}
+
+// markGone records that incarnation inc of rank r is confirmed dead or
+// left (state).
+func (t *liveTable) markGone(r wire.Rank, inc uint64, state cluster.MemberState) {
+	if state == cluster.StateAlive {
+		state = cluster.StateDead
+	}
+	t.set(r, inc, state)
+}
+
+func (t *liveTable) set(r wire.Rank, inc uint64, state cluster.MemberState) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	incs := t.ranks[r]
-	i := slices.IndexFunc(incs, func(s seenInc) bool { return s.inc == m.Meta.Incarnation })
+	i := slices.IndexFunc(incs, func(s seenInc) bool { return s.inc == inc })
 	if i < 0 {
-		incs = append(incs, seenInc{inc: m.Meta.Incarnation})
+		incs = append(incs, seenInc{inc: inc})
 		i = len(incs) - 1
 	}
-	incs[i].state = m.State
+	incs[i].state = state
 	// Keep the alive incarnations and the newest one.
 	newest := uint64(0)
 	for _, s := range incs {
@@ -211,7 +226,7 @@ func notAlive(instance string, st []readerStatus) (ranks []string, reason string
 func causeText(cause string) string {
 	switch cause {
 	case causeDead:
-		return "declared dead by memberlist"
+		return "declared dead (gossip's notice confirmed over NATS)"
 	case causeLeft:
 		return "left the cluster"
 	case causeFenced:

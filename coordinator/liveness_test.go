@@ -60,11 +60,16 @@ func TestLiveTableKeepsAliveAndNewest(t *testing.T) {
 	if s := lt.seen(r); s.AliveInc != 7 || s.NewestInc != 7 {
 		t.Fatalf("two alive: %+v", s)
 	}
+	// A gossip death alone records nothing (deaths.go confirms it first).
 	lt.observe(mb(7, cluster.StateDead))
+	if s := lt.seen(r); s.AliveInc != 7 {
+		t.Fatalf("unconfirmed gossip death recorded: %+v", s)
+	}
+	lt.markGone(r, 7, cluster.StateDead)
 	if s := lt.seen(r); s.AliveInc != 5 || s.NewestState != cluster.StateDead {
 		t.Fatalf("newest dead, older alive: %+v", s)
 	}
-	lt.observe(mb(5, cluster.StateDead))
+	lt.markGone(r, 5, cluster.StateDead)
 	if s := lt.seen(r); s.AliveInc != 0 || s.NewestInc != 7 || s.NewestState != cluster.StateDead || len(lt.ranks[r]) != 1 {
 		t.Fatalf("all dead: %+v (%d entries, want the newest only)", s, len(lt.ranks[r]))
 	}

@@ -95,7 +95,10 @@ type inventoryServer struct {
 	snaps     *snapshots
 	pageSize  int                   // objects per page when the request names none
 	inventory func() wire.Inventory // a consistent copy of what the rank holds
-	log       *zap.Logger
+	// probe answers a liveness probe (wire.InventoryRequest.Probe); nil
+	// refuses probes.
+	probe func() wire.RankProbe
+	log   *zap.Logger
 }
 
 // serve decodes one request, answers it and returns the page it sent (nil
@@ -106,6 +109,9 @@ func (s *inventoryServer) serve(msg *nats.Msg) (*wire.InventoryPage, int, error)
 		if err := bus.Decode(msg, &req); err != nil {
 			return nil, 0, bus.RespondError(msg, wire.CodeBadRequest, err.Error())
 		}
+	}
+	if req.Probe {
+		return nil, 0, s.answerProbe(msg, &req)
 	}
 	var page *wire.InventoryPage
 	var err error
@@ -128,6 +134,18 @@ func (s *inventoryServer) serve(msg *nats.Msg) (*wire.InventoryPage, int, error)
 		return nil, 0, bus.RespondError(msg, wire.CodeInternal, "encode inventory page: "+err.Error())
 	}
 	return page, len(data), msg.Respond(data)
+}
+
+// answerProbe answers a liveness probe at once: no snapshot is taken.
+func (s *inventoryServer) answerProbe(msg *nats.Msg, req *wire.InventoryRequest) error {
+	if req.Snapshot != "" || req.Page != 0 || req.PageSize != 0 || req.Encoding != "" {
+		return bus.RespondError(msg, wire.CodeBadRequest, "a liveness probe names no snapshot, page, page size or encoding")
+	}
+	if s.probe == nil {
+		return bus.RespondError(msg, wire.CodeBadRequest, "this server answers no liveness probe")
+	}
+	p := s.probe()
+	return bus.Respond(msg, &p)
 }
 
 // page answers one inventory request: a new snapshot when req names none,

@@ -82,6 +82,9 @@ type Daemon struct {
 	// incUnsaved: Start could not store this start's incarnation (a
 	// failing L2); the heartbeat loop retries until it succeeds.
 	incUnsaved atomic.Bool
+	// leaving is set once Shutdown has sent the leaving heartbeat
+	// (wire.Heartbeat.Leaving); liveness probes then say so too.
+	leaving atomic.Bool
 
 	mu        sync.Mutex // guards the following
 	started   bool
@@ -120,7 +123,10 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	d.inc = inc
 	d.invs = &inventoryServer{snaps: newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
-		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { return d.eng.Inventory() }, log: d.log}
+		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { return d.eng.Inventory() }, log: d.log,
+		probe: func() wire.RankProbe {
+			return wire.RankProbe{Rank: cfg.Rank, Incarnation: d.inc, Leaving: d.leaving.Load()}
+		}}
 	storageKey, err := loadStorageKey(cfg, d.log)
 	if err != nil {
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
@@ -241,10 +247,8 @@ func (d *Daemon) Start(ctx context.Context) error {
 				d.log.Error("HTTP server stopped", zap.Error(err))
 			}
 		}()
-		addr := ln.Addr().String()
-		if err := d.clu.UpdateMeta(ctx, func(m *cluster.Meta) { m.Admin = addr }); err != nil {
-			d.log.Warn("cannot put the HTTP address in the member metadata", zap.Error(err))
-		}
+		// The address is not gossiped (issue 28.2: every gossip key holder
+		// would read it); operators find it in the start log line.
 	}
 
 	if err := d.clu.Start(); err != nil {
@@ -345,8 +349,12 @@ func (d *Daemon) Start(ctx context.Context) error {
 // heartbeatLoop announces the engine's last event sequence every
 // HeartbeatInterval (see wire.Heartbeat): the coordinator resyncs this rank
 // when its index stays behind, so an event lost in transit is noticed even
-// when no later batch comes. A failed publish is logged at debug level:
-// the next beat repeats it.
+// when no later batch comes. The heartbeats also keep a gossip death
+// notice from being acted on while this process is alive (a forged
+// notice, or a probe timeout on a starved host): the coordinator fences
+// only once they have stopped for a few intervals, or the NATS connection
+// is gone. A failed publish is logged at debug level: the next beat
+// repeats it.
 func (d *Daemon) heartbeatLoop() {
 	t := time.NewTicker(d.cfg.HeartbeatInterval)
 	defer t.Stop()
@@ -363,17 +371,52 @@ func (d *Daemon) heartbeatLoop() {
 		case <-t.C:
 		}
 		d.retryIncarnation()
-		p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: d.eng.Stats().LastSeq})
-		if err != nil {
-			continue
-		}
-		d.mu.Lock()
-		nc := d.nc
-		d.mu.Unlock()
-		if err := nc.Publish(subject, p); err != nil {
+		if err := d.publishHeartbeat(subject, d.leaving.Load()); err != nil {
 			d.log.Debug("heartbeat not sent", zap.Error(err))
 		}
 	}
+}
+
+// publishHeartbeat sends one heartbeat on the rank's own subject.
+func (d *Daemon) publishHeartbeat(subject string, leaving bool) error {
+	d.mu.Lock()
+	nc, eng := d.nc, d.eng
+	d.mu.Unlock()
+	if nc == nil || eng == nil {
+		return nats.ErrConnectionClosed
+	}
+	p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: eng.Stats().LastSeq,
+		IntervalMS: d.cfg.HeartbeatInterval.Milliseconds(), Leaving: leaving})
+	if err != nil {
+		return err
+	}
+	return nc.Publish(subject, p)
+}
+
+// announceLeaving tells the coordinator, on the rank's own authenticated
+// heartbeat subject, that this incarnation is leaving (Shutdown step 4,
+// before the gossip leave): the coordinator acts on the gossip leave that
+// follows only with this word of the rank's own, its heartbeats stopped,
+// or its NATS connection gone (issue 28.2). Bounded by ctx.
+func (d *Daemon) announceLeaving(ctx context.Context) {
+	d.mu.Lock()
+	nc := d.nc
+	d.mu.Unlock()
+	if nc == nil {
+		return
+	}
+	d.leaving.Store(true)
+	err := d.publishHeartbeat(d.subj.Heartbeat(d.cfg.Rank), true)
+	if err == nil {
+		err = nc.FlushWithContext(ctx)
+	}
+	if err != nil {
+		// The coordinator then confirms the leave when the heartbeats stop
+		// or the NATS connection closes, a few seconds later.
+		d.log.Warn("leaving notice not sent to the coordinator", zap.Error(err))
+		return
+	}
+	d.log.Debug("leaving notice sent")
 }
 
 // retryIncarnation stores the incarnation Start could not (incUnsaved).
@@ -624,10 +667,16 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 		cancelDone()
 		d.pub.flush(done) // never connected: nothing can be sent
 	}
-	// 4. Leave the cluster so the coordinator sees a graceful exit.
+	// 4. Say so on NATS, then leave the cluster, so the coordinator sees
+	// a graceful exit it can trust.
 	d.mu.Lock()
 	started := d.started
 	d.mu.Unlock()
+	if connected {
+		actx, acancel := context.WithTimeout(ctx, time.Second)
+		d.announceLeaving(actx)
+		acancel()
+	}
 	if started {
 		if err := d.clu.Leave(2 * time.Second); err != nil && !errors.Is(err, cluster.ErrNotStarted) {
 			d.log.Warn("leave", zap.Error(err))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/kvtier/kvtier/dcp"
 )
@@ -202,11 +203,33 @@ type Inventory struct {
 // arrives; an idle rank's heartbeat exposes it, and the coordinator
 // resyncs the rank when the index stays behind a sequence announced one
 // heartbeat earlier.
+//
+// Heartbeats are also the authenticated half of failure detection: only
+// the rank's own NATS identity may publish on its heartbeat subject (C9),
+// so the coordinator acts on a gossip death or leave only when the rank's
+// heartbeats have stopped, its NATS connection is gone, or the rank said
+// it is leaving here (Leaving). IntervalMS and Leaving are absent from
+// rankds from before; decoders ignore fields they do not know.
 type Heartbeat struct {
 	Rank        Rank   `json:"rank"`
 	Incarnation uint64 `json:"incarnation"`
 	Seq         uint64 `json:"seq"`
+	// IntervalMS is the rank's heartbeat interval in milliseconds: the
+	// coordinator confirms a gossip death once no heartbeat of the
+	// incarnation arrived for a few of these. 0: not announced (the
+	// coordinator assumes its configured default).
+	IntervalMS int64 `json:"interval_ms,omitempty"`
+	// Leaving: the rank has begun a graceful shutdown and is about to
+	// leave the cluster (sent once, after its last events were flushed,
+	// before its gossip leave). It is the rank's own, authenticated word
+	// for the leave that gossip then reports.
+	Leaving bool `json:"leaving,omitempty"`
 }
+
+// MaxHeartbeatInterval caps the interval a heartbeat may announce; a
+// larger one is taken as this (a rank cannot make its death unconfirmable
+// by announcing a huge interval).
+const MaxHeartbeatInterval = time.Minute
 
 // Inventory paging. An inventory travels as pages of one snapshot, so a
 // rank of any size fits the NATS payload limit: the first request (no
@@ -235,6 +258,22 @@ type InventoryRequest struct {
 	// Encoding is "" for JSON pages or InventoryEncodingBinary for binary
 	// ones (the reply is then the page's bytes, or a JSON error reply).
 	Encoding string `json:"encoding,omitempty"`
+	// Probe asks only whether the rank is there: it answers a RankProbe at
+	// once and takes no snapshot (the other fields must be zero). The
+	// coordinator probes a rank that gossip reports dead or left: "no
+	// responders" from NATS means no connection of the rank's identity
+	// is subscribed (its NATS connection is gone). A rankd from before
+	// refuses the unknown field (strict decoding) with bad_request, which
+	// still proves a connection of the rank's identity is there.
+	Probe bool `json:"probe,omitempty"`
+}
+
+// RankProbe is a rank's answer to an InventoryRequest with Probe set.
+type RankProbe struct {
+	Rank        Rank   `json:"rank"`
+	Incarnation uint64 `json:"incarnation"`
+	// Leaving: the rank has sent its leaving heartbeat (Heartbeat.Leaving).
+	Leaving bool `json:"leaving,omitempty"`
 }
 
 // InventoryPage is one page of an inventory snapshot. Every page of one
