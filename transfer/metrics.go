@@ -52,6 +52,8 @@ type counters struct {
 	retrieveLatency       prometheus.Histogram
 	retrievesInflight     atomic.Int64
 	retrieveDrains        atomic.Uint64 // timed-out scatters drained before their reply (C10)
+	sessionDrains         atomic.Uint64 // registrations answered after a retired session's retrieves drained
+	sessionDrainsRefused  atomic.Uint64 // registrations refused: a retired session's retrieves did not drain in time
 	l2DroppedDirty        atomic.Uint64 // objects only L1 held, dropped for room while L2 was failing
 	l2Skipped             atomic.Uint64 // write-through writes skipped while L2 was degraded
 	l2Degraded            atomic.Bool
@@ -243,6 +245,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_write_errors_total", "Failed L2 writes.")
 	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
 	add("retrieve_drains_total", "Timed-out scatters the engine waited for before answering (C10: a failure reply means hands off).")
+	add("session_drains_total", "Registrations that waited for a retired session's retrieves to stop writing its pools (drained: answered after; refused: they did not stop within the retrieve timeout).", "outcome")
 	add("l2_degraded", "1 while L2 writes keep failing: writes are skipped, objects only L1 holds are dropped for room, a probe write runs with backoff. Alert on it.")
 	add("l2_degraded_total", "Times L2 became degraded.")
 	add("l2_dropped_dirty_total", "Objects only L1 held, dropped to make room while L2 was degraded (lost from the tiers).")
@@ -314,6 +317,8 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("l2_write_errors_total", c.l2WriteErrors.Load())
 	counter("lost_objects_total", c.lostObjects.Load())
 	counter("retrieve_drains_total", c.retrieveDrains.Load())
+	counter("session_drains_total", c.sessionDrains.Load(), "drained")
+	counter("session_drains_total", c.sessionDrainsRefused.Load(), "refused")
 	deg := 0.0
 	if c.l2Degraded.Load() {
 		deg = 1

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -42,22 +43,42 @@ type space struct {
 	res   *dcp.Resolved
 	pools [][]cuda.Mem // [group][layer]
 	gen   uint64
+	// stop ends when sp is retired: its retrieves in flight stop
+	// (cancelStop) and scatter nothing more into its pools.
+	stop       context.Context
+	cancelStop context.CancelFunc
 
 	// guarded by Engine.mu
 	refs    int
 	retired bool
+	// writers counts sp's retrieves in flight (they write its pools);
+	// drained is closed once sp is retired and writers is 0.
+	writers int
+	drained chan struct{}
 }
 
-// retire marks sp replaced and releases its imports if nothing uses them.
-// Called with Engine.mu held.
+func newSpace(owner string, res *dcp.Resolved) *space {
+	sp := &space{id: newSessionID(), owner: owner, res: res, pools: make([][]cuda.Mem, len(res.Groups)),
+		drained: make(chan struct{})}
+	sp.stop, sp.cancelStop = context.WithCancel(context.Background())
+	return sp
+}
+
+// retire marks sp replaced, stops its retrieves in flight and releases its
+// imports if nothing uses them. Called with Engine.mu held.
 func (sp *space) retire() {
 	sp.retired = true
+	sp.cancelStop()
+	if sp.writers == 0 {
+		close(sp.drained)
+	}
 	if sp.refs == 0 {
 		sp.release()
 	}
 }
 
 func (sp *space) release() {
+	sp.cancelStop()
 	for _, layers := range sp.pools {
 		for _, m := range layers {
 			if m != nil {
@@ -81,12 +102,29 @@ type sessionTable struct {
 	// their retirement order, for forgetting the oldest.
 	stale map[string]string
 	order []string
+	// draining are the retired sessions whose retrieves still write their
+	// pools (writers > 0): a registration of their namespace waits for
+	// them (Register).
+	draining map[*space]struct{}
 }
 
 func (t *sessionTable) init() {
 	t.byNS = make(map[dcp.Namespace]*space)
 	t.byID = make(map[string]*space)
 	t.stale = make(map[string]string)
+	t.draining = make(map[*space]struct{})
+}
+
+// drainingLocked returns the retired sessions of ns whose retrieves still
+// write their pools.
+func (t *sessionTable) drainingLocked(ns dcp.Namespace) []*space {
+	var out []*space
+	for sp := range t.draining {
+		if sp.res.Namespace == ns {
+			out = append(out, sp)
+		}
+	}
+	return out
 }
 
 // retireLocked retires sp (superseded or released) and remembers its id.
@@ -96,6 +134,9 @@ func (t *sessionTable) retireLocked(sp *space, why string) {
 	}
 	delete(t.byID, sp.id)
 	sp.retire()
+	if sp.writers > 0 {
+		t.draining[sp] = struct{}{}
+	}
 	if len(t.order) >= maxStaleSessions {
 		delete(t.stale, t.order[0])
 		t.order = t.order[1:]
@@ -159,6 +200,26 @@ func (e *Engine) acquireSpace(ns dcp.Namespace, id, caller string) (*space, erro
 	return sp, nil
 }
 
+// beginWriteLocked counts a retrieve that will write sp's pools; false
+// when sp was retired since it was acquired (nothing may be written).
+func (e *Engine) beginWriteLocked(sp *space) bool {
+	if sp.retired {
+		return false
+	}
+	sp.writers++
+	return true
+}
+
+// endWriteLocked ends a retrieve counted by beginWriteLocked: the last one
+// of a retired session closes its drained.
+func (e *Engine) endWriteLocked(sp *space) {
+	sp.writers--
+	if sp.writers == 0 && sp.retired {
+		delete(e.sess.draining, sp)
+		close(sp.drained)
+	}
+}
+
 func (e *Engine) releaseSpace(sp *space) {
 	e.mu.Lock()
 	sp.refs--
@@ -189,11 +250,18 @@ type Session struct {
 //
 // A namespace has one live session. A registration of a namespace with a
 // live session of the same owner supersedes it (an engine restart, or a
-// second engine process of the instance): the old session's stores and
-// retrieves in flight finish on the old pools, which are released once
-// they have drained, and every later request naming the old session is
-// refused with ErrStaleSession. A registration by another owner while a
-// session is live is refused with ErrUnauthorized.
+// second engine process of the instance): every later request naming the
+// old session is refused with ErrStaleSession; its stores in flight finish
+// on the old pools, which are released once they have drained. Its
+// retrieves in flight are stopped (their items not yet scattered fail)
+// and the registration is answered only once none of them can write the
+// old pools any more: the new pools may be the same memory (the same
+// engine registering again), which belongs to the new session from the
+// answer on. The same holds for a released session's retrieves. If they
+// have not drained within RetrieveTimeout, the registration is refused
+// with ErrTimeout (the old session stays retired; a later registration
+// waits again). A registration by another owner while a session is live is
+// refused with ErrUnauthorized.
 //
 // Objects this rank wrote to L2 under the namespace are checked against
 // its geometry; files of another fingerprint or length are quarantined.
@@ -251,7 +319,7 @@ func (e *Engine) Register(ctx context.Context, reg Registration, owner string) (
 		return nil, err
 	}
 
-	sp := &space{id: newSessionID(), owner: owner, res: res, pools: make([][]cuda.Mem, len(res.Groups))}
+	sp := newSpace(owner, res)
 	for gi := range res.Groups {
 		sp.pools[gi] = make([]cuda.Mem, len(handles[gi]))
 		for li, h := range handles[gi] {
@@ -271,29 +339,54 @@ func (e *Engine) Register(ctx context.Context, reg Registration, owner string) (
 		}
 	}
 
-	e.mu.Lock()
-	if e.closing {
-		e.mu.Unlock()
-		sp.release()
-		return nil, ErrClosed
-	}
-	if err := e.checkOwnerLocked(res.Namespace, owner); err != nil {
-		e.mu.Unlock()
-		sp.release()
-		return nil, err
-	}
 	out := &Session{ID: sp.id, Resolved: res}
-	old := e.sess.byNS[res.Namespace]
-	if old != nil {
-		sp.gen = old.gen + 1
-		out.Superseded = old.id
-		e.sess.retireLocked(old, "superseded by session "+sp.id)
+	var old *space
+	drainStart := time.Now()
+	drainUntil := drainStart.Add(e.cfg.RetrieveTimeout)
+	waited := 0
+	e.mu.Lock()
+	for {
+		if e.closing {
+			e.mu.Unlock()
+			sp.release()
+			return nil, ErrClosed
+		}
+		if err := e.checkOwnerLocked(res.Namespace, owner); err != nil {
+			e.mu.Unlock()
+			sp.release()
+			return nil, err
+		}
+		if live := e.sess.byNS[res.Namespace]; live != nil {
+			old = live
+			sp.gen = old.gen + 1
+			out.Superseded = old.id
+			e.sess.retireLocked(old, "superseded by session "+sp.id)
+		}
+		draining := e.sess.drainingLocked(res.Namespace)
+		if len(draining) == 0 {
+			break
+		}
+		e.mu.Unlock()
+		waited++
+		if err := e.waitDrained(ctx, draining, drainUntil); err != nil {
+			sp.release()
+			e.ctr.sessionDrainsRefused.Add(1)
+			e.log.Warn("registration refused: a retired session's retrieves still write its pools",
+				zap.Stringer("namespace", res.Namespace), zap.String("owner", owner), zap.Error(err))
+			return nil, fmt.Errorf("register: %w", err)
+		}
+		e.mu.Lock()
 	}
 	e.sess.byNS[res.Namespace] = sp
 	e.sess.byID[sp.id] = sp
 	bad := e.checkL2Locked(res)
 	e.mu.Unlock()
 
+	if waited > 0 {
+		e.ctr.sessionDrains.Add(1)
+		e.log.Info("a retired session's retrieves drained before the registration was answered",
+			zap.Stringer("namespace", res.Namespace), zap.String("session", sp.id), zap.Duration("drained", time.Since(drainStart)))
+	}
 	for _, k := range bad {
 		e.quarantineOwn(ctx, k.key, k.why)
 	}
@@ -307,6 +400,33 @@ func (e *Engine) Register(ctx context.Context, reg Registration, owner string) (
 		zap.Int("groups", len(res.Groups)), zap.Int("pools", len(reg.Pools)), zap.Uint64("generation", sp.gen),
 		zap.Bool("replaced", old != nil))
 	return out, nil
+}
+
+// waitDrained waits until every session of draining has no retrieve left
+// writing its pools, until the deadline, ctx's end or Close.
+func (e *Engine) waitDrained(ctx context.Context, draining []*space, until time.Time) error {
+	dctx, cancel := context.WithDeadline(ctx, until)
+	defer cancel()
+	for _, sp := range draining {
+		select {
+		case <-sp.drained:
+			continue
+		case <-dctx.Done():
+		case <-e.life.Done():
+			return ErrClosed
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("waiting for retired session %s's retrieves to drain: %w", sp.id, ctx.Err())
+		}
+		e.mu.Lock()
+		n := sp.writers
+		e.mu.Unlock()
+		if n > 0 {
+			return fmt.Errorf("retired session %s of namespace %s still has %d retrieves writing its pools after %v (the engine's retrieve timeout); not answered, so they cannot write into the new registration's memory: %w",
+				sp.id, sp.res.Namespace, n, e.cfg.RetrieveTimeout, ErrTimeout)
+		}
+	}
+	return nil
 }
 
 // checkOwnerLocked refuses a registration of ns by owner while another
