@@ -29,11 +29,10 @@ import (
 //
 // What they cannot see: whether the data reached the disk. The copy reads
 // the page cache, which a process kill (and these tests) never lose; only a
-// power cut does. A missing fsync inside bbolt, or a filesystem that lies
-// about fsync, passes here; the option check is the guard against NoSync.
-// Simulating a power cut needs a block device that drops unsynced writes
-// (dm-flakey, or a LazyFS-style FUSE layer): root and device-mapper, which
-// this test machine does not give.
+// power cut does. TestPowerCutIndexIngest (ingest_powercut_test.go) runs
+// the index on a FUSE file system that drops what was not fsynced; the
+// option check here stays the guard for NoGrowSync, which that file system
+// cannot see.
 
 const durableChildEnv = "KVTIER_INDEX_DURABLE_CHILD" // path of the copied file
 
