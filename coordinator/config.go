@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/wire"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -175,6 +176,29 @@ type Config struct {
 	// memory while the inventory is applied.
 	MaxInventoryPages   int
 	MaxInventoryObjects int
+	// MaxPlacementsPerRank caps the placements (copies in any tier) the
+	// index holds for one rank (budget.go, issue 28.3): a batch that would
+	// take its rank past it is refused whole (code bad_request, naming
+	// the rank, the count and the budget), and so is an inventory larger
+	// than it. A rank whose heartbeats declare its capacity
+	// (wire.Capacity) is held to the lower of this and that capacity over
+	// the smallest object of any registered namespace. Default 2097152 (2
+	// Mi: a rank with 1 TiB of L2 holds 2 Mi objects of 512 KiB). Each
+	// placement costs the coordinator about 350 B of memory and the index
+	// file about 30 B, so this is what one rankd credential can make it
+	// hold; MaxRanks times it bounds the fleet. Must be >= 1.
+	MaxPlacementsPerRank int
+	// EventRatePerRank and EventBurstPerRank bound how fast one rank's
+	// events are taken (a token bucket per rank, one token per event of
+	// a batch): a batch over the rate is refused with code unavailable
+	// and a retry hint, and the rank sends it again. Defaults 2,000,000
+	// events/s and 2,000,000: above the fastest ingest measured of one
+	// rank (the index's committer takes 0.7-1.9 M events/s in all), so
+	// they bound a runaway or hostile rank's churn, not a healthy one.
+	// The burst must be >= wire.MaxBatchEvents (65536): a full batch must
+	// be able to pass.
+	EventRatePerRank  float64
+	EventBurstPerRank int
 	// MaxConcurrentResyncs bounds the resyncs running at once; one more is
 	// dropped and counted, and the rank's next batch or heartbeat asks
 	// again. Default 64. Each holds one inventory in memory.
@@ -266,6 +290,9 @@ func DefaultConfig() Config {
 		MaxNamespaces:                1024,
 		MaxInventoryPages:            8192,
 		MaxInventoryObjects:          16 << 20,
+		MaxPlacementsPerRank:         2 << 20,
+		EventRatePerRank:             2_000_000,
+		EventBurstPerRank:            2_000_000,
 		MaxConcurrentResyncs:         64,
 		ResyncRate:                   50,
 		ResyncBurst:                  64,
@@ -368,6 +395,7 @@ func (c *Config) Validate() error {
 	}{
 		{"max ranks", c.MaxRanks}, {"max instances", c.MaxInstances}, {"max namespaces", c.MaxNamespaces},
 		{"max inventory pages", c.MaxInventoryPages}, {"max inventory objects", c.MaxInventoryObjects},
+		{"max placements per rank", c.MaxPlacementsPerRank},
 		{"max concurrent resyncs", c.MaxConcurrentResyncs}, {"resync burst", c.ResyncBurst}, {"resync window", c.ResyncWindow},
 		{"max active restores per instance", c.MaxActiveRestoresPerInstance},
 		{"max waiters per restore", c.MaxWaitersPerRestore}, {"max waiters", c.MaxWaiters},
@@ -378,6 +406,13 @@ func (c *Config) Validate() error {
 	}
 	if !(c.ResyncRate > 0) {
 		return fmt.Errorf("resync rate %v per second must be > 0: %w", c.ResyncRate, ErrConfig)
+	}
+	if !(c.EventRatePerRank > 0) {
+		return fmt.Errorf("event rate per rank %v per second must be > 0: %w", c.EventRatePerRank, ErrConfig)
+	}
+	if c.EventBurstPerRank < wire.MaxBatchEvents {
+		return fmt.Errorf("event burst per rank %d must be >= %d, the events of one batch (wire.MaxBatchEvents): %w",
+			c.EventBurstPerRank, wire.MaxBatchEvents, ErrConfig)
 	}
 	if c.MaxActiveRestoresPerInstance > c.MaxActiveRestores {
 		return fmt.Errorf("max active restores per instance %d exceeds max active restores %d: %w",

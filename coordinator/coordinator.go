@@ -81,6 +81,8 @@ type Coordinator struct {
 	deaths *deaths
 
 	geo geometries // registered namespaces' geometry: see limits.go
+	// budgets: per-rank placement budgets and event rates (budget.go).
+	budgets rankBudgets
 	// resyncLimit paces resync starts (ResyncRate, ResyncBurst); used
 	// under drainMu.
 	resyncLimit *rate.Limiter

@@ -68,6 +68,7 @@ func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
 	defer c.ingestWG.Done()
 	for j := range jobs {
 		out, err := j.pending.Wait()
+		c.batchDone(j.b.Rank)
 		c.finishBatch(j.m, j.b, j.t0, out, err)
 	}
 }
@@ -108,8 +109,19 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		return ingestJob{}, false
 	}
 	t0 := time.Now()
+	if retryMS, err := c.admitBatch(&b, t0); err != nil {
+		c.met.batches.WithLabelValues("refused").Inc()
+		if errors.Is(err, errRetryLater) {
+			c.sendErrorRetry(opEvents, m, wire.CodeUnavailable, err.Error(), retryMS, replyError)
+			return ingestJob{}, false
+		}
+		c.met.badRequests.WithLabelValues(opEvents).Inc()
+		c.replyError(opEvents, m, wire.CodeBadRequest, err.Error()) // logged by admitBatch, once per interval
+		return ingestJob{}, false
+	}
 	p, err := c.repl.applyBatch(&b)
 	if err != nil {
+		c.batchDone(b.Rank)
 		c.finishBatch(m, &b, t0, index.Outcome{}, err)
 		return ingestJob{}, false
 	}
@@ -185,8 +197,8 @@ func (c *Coordinator) finishBatch(m *nats.Msg, bp *wire.Batch, t0 time.Time, out
 func (c *Coordinator) startResync(r wire.Rank) {
 	c.drainMu.Lock()
 	defer c.drainMu.Unlock()
-	if c.draining || c.ctx.Err() != nil || !c.repl.decides() {
-		return
+	if c.draining || c.ctx.Err() != nil || !c.repl.decides() || c.resetting(r) {
+		return // a rank being reset resyncs on its first batch after it
 	}
 	if _, running := c.resyncing[r]; running {
 		// Events that raced past the running worker's inventory would be
@@ -323,17 +335,33 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 	if ri, ok := c.idx.Rank(r); ok {
 		gen = ri.FenceGen
 	}
+	// The rank's budget bounds its inventory too (issue 28.3): the fetch
+	// stops at the first page past it, so an inventory never costs more
+	// memory than the placements the rank may hold.
+	budget, from := c.rankBudget(r)
+	maxObjects := min(int64(c.cfg.MaxInventoryObjects), budget)
 	inv, err := bus.FetchInventoryWith(term, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
-		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: c.cfg.MaxInventoryObjects, Window: c.cfg.ResyncWindow})
+		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: int(maxObjects), Window: c.cfg.ResyncWindow})
 	if err != nil {
 		if errors.Is(err, bus.ErrInventoryTooLarge) {
-			c.met.refused.WithLabelValues("inventory_pages").Inc()
+			rule := "inventory_pages"
+			if budget < int64(c.cfg.MaxInventoryObjects) {
+				rule = "inventory_budget"
+				err = fmt.Errorf("inventory of %s over the rank's budget of %d placements (%s): %w", r, budget, from, err)
+			}
+			c.met.refused.WithLabelValues(rule).Inc()
 			return true, err // the rank's next batch asks again
 		}
 		return false, err
 	}
 	if err := c.checkInventoryLimits(inv, time.Now()); err != nil {
 		return true, err
+	}
+	if c.resetting(r) {
+		// Applied now, it would make the index drop the rest of the
+		// reset in one piece; the rank's first batch after the reset asks
+		// again.
+		return true, fmt.Errorf("inventory of %s dropped: an operator is resetting the rank", r)
 	}
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)

@@ -210,6 +210,11 @@ func (c *Coordinator) checkInventoryLimits(inv *wire.Inventory, now time.Time) e
 		return fmt.Errorf("inventory of %s holds %d objects, limit %d (MaxInventoryObjects): %w: %w",
 			inv.Rank, len(inv.Objects), c.cfg.MaxInventoryObjects, errRefused, wire.ErrMalformed)
 	}
+	if budget, from := c.rankBudget(inv.Rank); int64(len(inv.Objects)) > budget {
+		c.met.refused.WithLabelValues("inventory_budget").Inc()
+		return fmt.Errorf("inventory of %s holds %d objects, over the rank's budget of %d placements (%s): %w: %w",
+			inv.Rank, len(inv.Objects), budget, from, errRefused, wire.ErrMalformed)
+	}
 	return nil
 }
 
@@ -237,6 +242,13 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 		return
 	}
 	failed := c.rs.failRank(r, math.MaxUint64, "reset", fmt.Sprintf("rank %s reset by an operator", r))
+	// Until the reset returns, the rank's batches are refused (code
+	// unavailable: it sends them again) and no resync of it starts: the
+	// index resets a large rank in slices (index.ResetRank), and a batch
+	// or inventory of the rank arriving meanwhile would make it drop the
+	// rest in one piece, the memory spike slicing avoids (issue 28.3).
+	c.setResetting(r, true)
+	defer c.setResetting(r, false)
 	ctx, cancel := context.WithTimeout(c.ctx, requestTimeout)
 	defer cancel()
 	// A reset moves the rank's fence generation (index.ResetRank): an

@@ -176,7 +176,7 @@ func newMetrics() *metrics {
 		}, []string{"op", "outcome"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_refused_total",
-			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, instance_restores, waiters, unknown_rank_heartbeat).",
+			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, resync_rate, instance_restores, waiters, unknown_rank_heartbeat; per-rank budgets: rank_budget, rank_budget_in_flight, rank_rate, rank_held, rank_resetting, inventory_budget).",
 		}, []string{"rule"}),
 		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_duplicate_rank_members_total",
@@ -210,7 +210,8 @@ var (
 	reportOutcomes    = []string{"ok", "duplicate", "late", "rejected"}
 	restoreChunkKinds = []string{"verified", "bytes_wrong", "failed"}
 	refusalRules      = []string{"incarnation_skew", "not_member", "max_ranks", "max_instances", "max_namespaces", "geometry",
-		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "unknown_rank_heartbeat"}
+		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "unknown_rank_heartbeat",
+		"rank_budget", "rank_budget_in_flight", "rank_rate", "rank_held", "rank_resetting", "inventory_budget"}
 	unauthorizedKinds = []string{"events", "heartbeat", "report", "lookup", "restore_begin", "restore_wait"}
 )
 
