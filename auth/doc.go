@@ -7,7 +7,10 @@
 // configuration (NATSConfig), gives clients their connect options
 // (ClientOptions: nkey signature and a per-identity inbox prefix), and
 // gives the embedded servers of several coordinators the credentials and
-// TLS of the routes between them (RouteCredentials, RouteTLS).
+// TLS of the routes between them (RouteCredentials, RouteTLS), and issues
+// and checks the raft peer certificates of replicated coordinators
+// (IssueRaftCert, LoadRaftTLS, VerifyRaftPeer: the cluster CA's
+// certificates naming kvtier://raft/<server id>).
 //
 // It never grants "subscribe >", never gives one identity another's inbox,
 // and never reads a seed or route secret file that others can read. It holds no

@@ -1,8 +1,9 @@
 // Package replica keeps several coordinators' indexes identical through
 // hashicorp/raft (issue 16): the configuration of replicated mode, the
 // command codec, raft's state machine (the index itself), its log and
-// stable store (raft.db), the authenticated raft transport and the
-// snapshots. Node is one raft server; the coordinator drives it through
+// stable store (raft.db), the raft transport (mutual TLS 1.3 with the
+// cluster CA, each peer's certificate naming its raft server id:
+// transport.go) and the snapshots. Node is one raft server; the coordinator drives it through
 // its replicator seam (coordinator/replicated.go) and decides what a
 // leader serves. A single coordinator never builds a Node.
 //

@@ -21,7 +21,7 @@ import (
 
 // caDir makes a cluster CA and raft certificates for ids in a new
 // directory.
-func caDir(t *testing.T, ids ...string) string {
+func caDir(t testing.TB, ids ...string) string {
 	t.Helper()
 	dir := t.TempDir()
 	if err := auth.InitTLS(dir, []string{"127.0.0.1"}); err != nil {
@@ -35,7 +35,7 @@ func caDir(t *testing.T, ids ...string) string {
 	return dir
 }
 
-func loadTLS(t *testing.T, dir, id string) *auth.RaftTLS {
+func loadTLS(t testing.TB, dir, id string) *auth.RaftTLS {
 	t.Helper()
 	rt, err := auth.LoadRaftTLS(filepath.Join(dir, auth.RaftCertFile(id)), filepath.Join(dir, auth.RaftCertKeyFile(id)),
 		filepath.Join(dir, auth.CAFile))
@@ -66,7 +66,7 @@ func server(id string, addr raft.ServerAddress) raft.Server {
 	return raft.Server{Suffrage: raft.Voter, ID: raft.ServerID(id), Address: addr}
 }
 
-func startNode(t *testing.T, creds *auth.RaftTLS) *tnode {
+func startNode(t testing.TB, creds *auth.RaftTLS) *tnode {
 	t.Helper()
 	n := &tnode{}
 	tr, err := NewTransport(TransportConfig{Bind: "127.0.0.1:0", TLS: creds, Logger: zaptest.NewLogger(t),
