@@ -120,9 +120,11 @@ func detach(mp string) error {
 	return err
 }
 
+// errKind is "perm" when this machine cannot mount FUSE at all (no
+// permission, no fusermount, no FUSE in the kernel), "fail" otherwise.
 func errKind(err error) string {
-	if errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.EACCES) || errors.Is(err, exec.ErrNotFound) ||
-		strings.Contains(err.Error(), "fusermount") {
+	if errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.ENODEV) ||
+		errors.Is(err, exec.ErrNotFound) || strings.Contains(err.Error(), "fusermount") {
 		return "perm"
 	}
 	return "fail"
