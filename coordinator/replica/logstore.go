@@ -210,13 +210,26 @@ func decodeRaftLog(index uint64, v []byte, l *raft.Log) error {
 	return nil
 }
 
-// PrivateDir creates dir (0700) if missing and checks it is a directory of
-// this user, not a symlink, with no group or other access: the raft log and
+// PrivateDir creates dir (0700) if missing, durably (the parent of each
+// directory created is fsynced), and checks it is a directory of this
+// user, not a symlink, with no group or other access: the raft log and
 // snapshots are the index.
 func PrivateDir(dir string) error {
 	dir = filepath.Clean(dir)
+	var made []string // missing before, innermost first
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); !errors.Is(err, fs.ErrNotExist) || filepath.Dir(d) == d {
+			break
+		}
+		made = append(made, d)
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create raft dir %s: %w: %w", dir, ErrConfig, err)
+	}
+	for _, d := range made { // a new directory's name is durable once its parent is fsynced
+		if err := syncDir(filepath.Dir(d)); err != nil {
+			return fmt.Errorf("create raft dir %s: %w", dir, err)
+		}
 	}
 	st, err := os.Lstat(dir)
 	if err != nil {

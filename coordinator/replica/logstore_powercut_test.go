@@ -19,7 +19,8 @@ import (
 // DeleteRange, Set and SetUint64 returned nil for must survive a power
 // cut. The store runs on a powercut mount, which drops every write not
 // fsynced (and every name whose directory was not fsynced); the power is
-// cut at many points of a workload that appends, overwrites a conflicting
+// cut at many points of a workload that creates the raft directory and
+// the store (as Node.Start does), appends, overwrites a conflicting
 // tail (DeleteRange, then entries of a new term at the same indexes),
 // compacts a prefix and moves the term and vote. After each crash the store
 // must hold exactly the state after its last acknowledged operation, or
@@ -176,18 +177,24 @@ func TestPowerCutRaftLogStore(t *testing.T) {
 	// operation fails; it returns the states after 0..acked operations
 	// and the store path.
 	run := func(name string, cutAfter int64) (states []raftState, path string) {
-		dir := filepath.Join(fs.Dir(), name)
-		if err := os.Mkdir(dir, 0o700); err != nil {
+		parent := filepath.Join(fs.Dir(), name)
+		if err := os.Mkdir(parent, 0o700); err != nil {
 			t.Fatal(err)
 		}
 		syncDirT(t, fs.Dir())
+		syncDirT(t, parent)
 		if cutAfter >= 0 {
 			fs.CutAfter(cutAfter)
 		}
+		dir := filepath.Join(parent, "raft") // created as Node.Start does
 		path = filepath.Join(dir, "raft.db")
 		st := raftState{logs: map[uint64]string{}, stable: map[string]string{}}
 		states = []raftState{st.clone()}
-		s, err := OpenLogStore(path)
+		err := PrivateDir(dir)
+		var s *LogStore
+		if err == nil {
+			s, err = OpenLogStore(path)
+		}
 		if err != nil {
 			if cutAfter < 0 {
 				t.Fatal(err)
@@ -227,11 +234,12 @@ func TestPowerCutRaftLogStore(t *testing.T) {
 		if acked < len(ops) {
 			inFlight = &full[acked+1]
 		}
-		s, err := OpenLogStore(path)
+		err := PrivateDir(filepath.Dir(path))
+		var s *LogStore
+		if err == nil {
+			s, err = OpenLogStore(path)
+		}
 		if err != nil {
-			if acked == 0 && errors.Is(err, os.ErrNotExist) {
-				continue
-			}
 			t.Fatalf("power cut after %d of %d mutations (%d store operations acknowledged): reopen: %v", cut, total, acked, err)
 		}
 		got := readRaftState(t, s)
