@@ -138,7 +138,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	if err != nil {
 		return nil, fmt.Errorf("store %q: %w", req.RequestID, err)
 	}
-	f := &StoreFuture{e: e, id: futureIDs.Add(1), req: req.RequestID, start: time.Now(), sp: sp,
+	f := &StoreFuture{e: e, id: futureIDs.Add(1), req: req.RequestID, start: time.Now(), sp: sp, tl: TimelineFrom(ctx),
 		res: StoreResult{RequestID: req.RequestID}, released: make(chan struct{}), done: make(chan struct{})}
 	planned, err := e.planStore(sp, req)
 	if err != nil {
@@ -217,6 +217,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	r.pending++
 	e.mu.Unlock()
 	e.ctr.storesInflight.Add(1)
+	f.tl.Lap(StageAdmit, -1) // the store's goroutine has it from here
 	e.goFunc(func() { e.runStore(f) })
 	return f, nil
 }

@@ -25,6 +25,7 @@ type StoreFuture struct {
 	work  []storeWork // objects to gather
 	dups  []storeWork // objects another store is gathering
 	res   StoreResult
+	tl    *Timeline // nil: not timed; the future's goroutine's until done
 
 	released chan struct{} // the device no longer reads the blocks
 	done     chan struct{} // res is final

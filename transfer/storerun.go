@@ -129,6 +129,7 @@ func (e *Engine) runStore(f *StoreFuture) {
 	} else {
 		live = f.work
 	}
+	f.tl.Lap(StagePlace, -1)
 
 	// 2. Wait for the producer, gather, wait for the device. While objects
 	// another store is filling are pending, the pages and the event stay
@@ -289,6 +290,10 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
 		return false
 	}
+	f.tl.Lap(StageStream, 0)
+	// Marks before the wait on the producer, after it and after the gather.
+	tm := newCopyTimers(e.dev, f.tl, 3).mark(stream, 0)
+	defer func() { tm.release() }()
 	if err := stream.WaitEvent(f.ev); err != nil {
 		e.storeStreams.put(stream, false)
 		failAll(fmt.Errorf("wait on the producer event: %w: %w", ErrDevice, err))
@@ -302,15 +307,28 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		bytes += w.o.size
 	}
 	e.mu.Unlock()
+	tm = tm.mark(stream, 1)
 	op, err := stream.Gather(e.l1buf, objs)
 	if err != nil {
 		e.storeStreams.put(stream, false) // its wait may still be pending
 		failAll(fmt.Errorf("gather: %w: %w", ErrDevice, err))
 		return false
 	}
+	tm = tm.mark(stream, 2)
+	f.tl.Lap(StageEnqueue, 0)
 	err = op.Wait(ctx)
 	switch {
 	case err == nil:
+		if f.tl != nil {
+			waited := time.Now()
+			at, timed := tm.times(ctx)
+			if timed {
+				f.tl.Device(StageProducer, 0, at[0], at[1])
+				f.tl.Device(StageGather, 0, at[1], at[2])
+			}
+			f.tl.lapCopy(0, at[2], timed, waited)
+			f.tl.Bytes += bytes
+		}
 		if !keep {
 			close(f.released) // the device has read every page: the blocks are free
 		}
@@ -326,6 +344,7 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		e.mu.Unlock()
 		e.ctr.objectsStored.Add(uint64(len(live)))
 		e.ctr.bytesStoredL1.Add(bytes)
+		f.tl.Lap(StageCommit, 0)
 		if ce := e.log.Check(zap.DebugLevel, "stored"); ce != nil {
 			for _, w := range live {
 				e.log.Debug("stored", zap.String("request", f.req), zap.Uint64("future", f.id),

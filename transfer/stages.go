@@ -1,0 +1,254 @@
+package transfer
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvtier/kvtier/cuda"
+)
+
+// Stage timelines: where the time of one store or retrieve goes, for the
+// rankd's kvtier_rankd_stage_seconds histograms and enginesim --bench.
+//
+// A Timeline has two lanes. The host lane is a sequence of laps: each
+// host stage runs from the end of the previous one to the moment it is
+// recorded, so host stages never overlap, leave no gap and add up to the
+// request's time so far. The device lane holds what the device did, timed
+// with cuda.Timer marks placed around each copy on its stream (CUDA
+// events on a GPU); device stages overlap the host's (the host waits, or
+// prepares the next batch, meanwhile).
+
+// Stage is one step of a store or a retrieve.
+type Stage uint8
+
+// The stages, host lane first. Per batch: Lookup, Stream, Enqueue, Wait,
+// Notice, Verify, Scatter (a store is one batch).
+const (
+	StageDecode   Stage = iota // rankd: receipt to request decoded (including the hand-off to a handler)
+	StageAdmit                 // store: session, checks, object keys, dedupe, producer event import
+	StagePlan                  // retrieve: session, checks and target spans of every item
+	StagePlace                 // store: L1 room for the objects (and the start of the store's goroutine)
+	StageLookup                // retrieve: L1 lookup and pins, L2/L3/peer reads, checks before the scatter
+	StageStream                // waiting for a free stream
+	StageEnqueue               // validating and enqueuing the copy (with its timer marks)
+	StageWait                  // the host waits until the device has finished the copy
+	StageNotice                // from the device's finish until the host saw it (polling)
+	StageCommit                // store: the objects committed in L1
+	StageVerify                // retrieve: sums compared, peers' objects placed, pins given back
+	StageFinish                // retrieve: failures accounted, last pins given back
+	StageRelease               // store, rankd: result final, blocks released, durability checked
+	StageReport                // retrieve, rankd: the report to the coordinator and its ack
+	StageReply                 // rankd: the reply encoded and sent
+	StageProducer              // device, store: the stream waits for the producer event
+	StageGather                // device, store: the gather (copy and checksum)
+	StageScatter               // device, retrieve: the scatter (copy, then the read-back checksum)
+	NumStages
+)
+
+var stageNames = [NumStages]string{
+	StageDecode: "decode", StageAdmit: "admit", StagePlan: "plan", StagePlace: "place", StageLookup: "lookup",
+	StageStream: "stream", StageEnqueue: "enqueue", StageWait: "wait", StageNotice: "notice",
+	StageCommit: "commit", StageVerify: "verify", StageFinish: "finish", StageRelease: "release",
+	StageReport: "report", StageReply: "reply", StageProducer: "producer", StageGather: "gather",
+	StageScatter: "scatter",
+}
+
+func (s Stage) String() string {
+	if s < NumStages {
+		return stageNames[s]
+	}
+	return "stage?"
+}
+
+// Device reports whether s is a device-lane stage.
+func (s Stage) Device() bool { return s >= StageProducer && s < NumStages }
+
+// StageSpan is one recorded stage.
+type StageSpan struct {
+	Stage Stage
+	// Batch is the copy batch the stage belongs to (a retrieve's batches
+	// from 0; a store's one gather is 0); -1 for a stage of the request.
+	Batch int
+	// Start and Dur are offsets from the timeline's origin.
+	Start, Dur time.Duration
+}
+
+// maxSpans bounds the spans a Timeline keeps; later ones are still added
+// to Totals. A retrieve of 100 GB in 256 MiB batches records ~2,400.
+const maxSpans = 512
+
+// Timeline records the stages of one store or retrieve. A caller asks
+// for it by passing the Timeline in the context of Store or Retrieve
+// (WithTimeline); a nil *Timeline records nothing. It is used by one
+// goroutine at a time: a store hands it to its future's goroutine until
+// the future is Done, and the caller must not touch it before.
+type Timeline struct {
+	origin    time.Time
+	last      time.Time // end of the last host stage
+	spans     []StageSpan
+	totals    [NumStages]time.Duration
+	seen      [NumStages]bool
+	truncated bool
+	// Bytes are the bytes the request moved (gathered or scattered).
+	Bytes uint64
+}
+
+type timelineKey struct{}
+
+// WithTimeline returns ctx carrying tl, for Store or Retrieve to record
+// their stages in.
+func WithTimeline(ctx context.Context, tl *Timeline) context.Context {
+	return context.WithValue(ctx, timelineKey{}, tl)
+}
+
+// TimelineFrom returns the Timeline ctx carries, or nil.
+func TimelineFrom(ctx context.Context) *Timeline {
+	tl, _ := ctx.Value(timelineKey{}).(*Timeline)
+	return tl
+}
+
+// NewTimeline starts a timeline at origin (the request's receipt).
+func NewTimeline(origin time.Time) *Timeline {
+	return &Timeline{origin: origin, last: origin, spans: make([]StageSpan, 0, 16)}
+}
+
+// Origin is the time the timeline starts at.
+func (t *Timeline) Origin() time.Time { return t.origin }
+
+// Spans returns the recorded stages, in the order recorded.
+func (t *Timeline) Spans() []StageSpan { return t.spans }
+
+// Truncated reports whether spans beyond maxSpans were left out of Spans
+// (they are in Totals).
+func (t *Timeline) Truncated() bool { return t.truncated }
+
+// Total returns the summed duration of stage s and whether it occurred.
+func (t *Timeline) Total(s Stage) (time.Duration, bool) { return t.totals[s], t.seen[s] }
+
+// End is the end of the last host stage.
+func (t *Timeline) End() time.Time { return t.last }
+
+func (t *Timeline) add(s Stage, batch int, from, to time.Time) {
+	d := max(to.Sub(from), 0)
+	t.totals[s] += d
+	t.seen[s] = true
+	if len(t.spans) >= maxSpans {
+		t.truncated = true
+		return
+	}
+	t.spans = append(t.spans, StageSpan{Stage: s, Batch: batch, Start: from.Sub(t.origin), Dur: d})
+}
+
+// Lap records host stage s (of batch, or -1) from the end of the previous
+// host stage until now.
+func (t *Timeline) Lap(s Stage, batch int) {
+	if t == nil {
+		return
+	}
+	t.LapTo(s, batch, time.Now())
+}
+
+// LapTo records host stage s from the end of the previous host stage until
+// at (at most now: clamped so the lane stays ordered).
+func (t *Timeline) LapTo(s Stage, batch int, at time.Time) {
+	if t == nil {
+		return
+	}
+	if at.Before(t.last) {
+		at = t.last
+	}
+	t.add(s, batch, t.last, at)
+	t.last = at
+}
+
+// Device records device stage s of batch over [from, to).
+func (t *Timeline) Device(s Stage, batch int, from, to time.Time) {
+	if t == nil {
+		return
+	}
+	if to.Before(from) {
+		to = from
+	}
+	t.add(s, batch, from, to)
+}
+
+// copyTimers are the marks around one copy on its stream: before it,
+// (a store) after the producer event, and after the copy.
+type copyTimers struct {
+	t [3]cuda.Timer
+	n int
+}
+
+// newCopyTimers creates n timers for a timeline, or none (nil) when tl is
+// nil or the device cannot: the copy is then simply not timed.
+func newCopyTimers(dev cuda.Device, tl *Timeline, n int) *copyTimers {
+	if tl == nil {
+		return nil
+	}
+	c := &copyTimers{n: n}
+	for i := range n {
+		t, err := dev.NewTimer()
+		if err != nil {
+			c.release()
+			return nil
+		}
+		c.t[i] = t
+	}
+	return c
+}
+
+// mark places timer i on s; a failure forgets the timers (the copy is not
+// timed), it never fails the copy: the enqueue that follows reports a
+// broken stream itself.
+func (c *copyTimers) mark(s cuda.Stream, i int) *copyTimers {
+	if c == nil {
+		return nil
+	}
+	if err := s.Mark(c.t[i]); err != nil {
+		c.release()
+		return nil
+	}
+	return c
+}
+
+// times waits for the marks (the copy's Op has completed, so they are
+// reached or about to be) and returns their times; ok is false when one
+// cannot be read.
+func (c *copyTimers) times(ctx context.Context) (at [3]time.Time, ok bool) {
+	if c == nil {
+		return at, false
+	}
+	for i := range c.n {
+		var err error
+		if at[i], err = c.t[i].Time(ctx); err != nil {
+			return at, false
+		}
+	}
+	return at, true
+}
+
+func (c *copyTimers) release() {
+	if c == nil {
+		return
+	}
+	for i, t := range c.t {
+		if t != nil {
+			_ = t.Release()
+			c.t[i] = nil
+		}
+	}
+}
+
+// lapCopy records the end of a copy the host waited for: StageWait until
+// the device finished (devEnd, when known), StageNotice until waited.
+func (t *Timeline) lapCopy(batch int, devEnd time.Time, timed bool, waited time.Time) {
+	if t == nil {
+		return
+	}
+	if timed && devEnd.Before(waited) {
+		t.LapTo(StageWait, batch, devEnd)
+	} else {
+		t.LapTo(StageWait, batch, waited)
+	}
+	t.LapTo(StageNotice, batch, waited)
+}

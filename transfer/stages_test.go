@@ -1,0 +1,188 @@
+package transfer
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/dcp"
+)
+
+// checkTimeline checks the invariants of a finished timeline whose request
+// took wall from the timeline's origin: host stages follow one another
+// from the origin without gap or overlap, none negative, adding up to no
+// more than wall; device stages lie within [0, wall]. It returns the
+// spans by stage and batch.
+func checkTimeline(t *testing.T, tl *Timeline, wall time.Duration) map[string]StageSpan {
+	t.Helper()
+	if tl.Truncated() {
+		t.Fatal("timeline truncated")
+	}
+	byName := map[string]StageSpan{}
+	var end, host time.Duration
+	for i, s := range tl.Spans() {
+		name := fmt.Sprintf("%s/%d", s.Stage, s.Batch)
+		if _, dup := byName[name]; dup {
+			t.Fatalf("span %d: stage %s recorded twice", i, name)
+		}
+		byName[name] = s
+		if s.Start < 0 || s.Dur < 0 {
+			t.Fatalf("span %d (%s): start %v, duration %v: negative", i, name, s.Start, s.Dur)
+		}
+		if s.Stage.Device() {
+			if s.Start+s.Dur > wall {
+				t.Fatalf("device stage %s ends at %v, after the request's %v", name, s.Start+s.Dur, wall)
+			}
+			continue
+		}
+		if s.Start != end {
+			t.Fatalf("host stage %s starts at %v, the previous one ended at %v", name, s.Start, end)
+		}
+		end += s.Dur
+		host += s.Dur
+	}
+	if host > wall {
+		t.Fatalf("host stages add up to %v, more than the request's %v", host, wall)
+	}
+	if got := tl.End().Sub(tl.Origin()); got != end {
+		t.Fatalf("End is %v after the origin, the host stages end at %v", got, end)
+	}
+	return byName
+}
+
+// within checks that device stage dev of a batch lies between the start of
+// its enqueue and the end of the host's notice of it.
+func within(t *testing.T, spans map[string]StageSpan, dev string, batch int) {
+	t.Helper()
+	d, ok := spans[fmt.Sprintf("%s/%d", dev, batch)]
+	enq, ok2 := spans[fmt.Sprintf("enqueue/%d", batch)]
+	notice, ok3 := spans[fmt.Sprintf("notice/%d", batch)]
+	if !ok || !ok2 || !ok3 {
+		t.Fatalf("batch %d: %s, enqueue or notice missing (%v %v %v)", batch, dev, ok, ok2, ok3)
+	}
+	if d.Start < enq.Start || d.Start+d.Dur > notice.Start+notice.Dur {
+		t.Fatalf("batch %d: %s [%v, %v] outside its enqueue (from %v) and notice (to %v)", batch, dev,
+			d.Start, d.Start+d.Dur, enq.Start, notice.Start+notice.Dur)
+	}
+}
+
+// before checks that host stage a ends no later than host stage b starts.
+func before(t *testing.T, spans map[string]StageSpan, a, b string) {
+	t.Helper()
+	sa, ok := spans[a]
+	sb, ok2 := spans[b]
+	if !ok || !ok2 {
+		t.Fatalf("stage %s or %s missing (%v %v)", a, b, ok, ok2)
+	}
+	if sa.Start+sa.Dur > sb.Start {
+		t.Fatalf("stage %s ends at %v, after %s starts at %v", a, sa.Start+sa.Dur, b, sb.Start)
+	}
+}
+
+// TestStageTimelines: on the host backend a store's and a retrieve's
+// timelines hold every stage, the host's in order without gaps and adding
+// up to no more than the measured time, each batch's device copy between
+// its enqueue and the host's notice of its end; and the bytes moved. No
+// duration is compared with a threshold.
+func TestStageTimelines(t *testing.T) {
+	dev := openDevice(t, "")
+	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 32, Groups: []dcp.Group{
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 2, SemanticBytes: 16 * 528, PageBytes: 16 * 561, StrideBytes: 16*561 + 37, KVFormat: "fp8"},
+	}}
+	r := newRig(t, dev, spec, []int64{32})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.RetrieveBatchBytes = cfg.L1SlabBytes // one chunk (one slab) per batch
+	e := newEngine(t, cfg)
+	res := r.register(e)
+	const chunks = 3
+	var cs []chunk
+	for i := range chunks {
+		cs = append(cs, r.newChunk(i, r.consecutive(int64(2*i))))
+	}
+	objBytes := res.ObjectSize(0)
+
+	// A store of three chunks: one gather.
+	for _, c := range cs {
+		r.write(c, c.blocks, 0)
+	}
+	// The producer's work ends after a delay: the device waits for it.
+	if err := r.stream.Delay(20 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	_, h := r.record()
+	req := r.storeReq("timeline", h, cs...)
+	origin := time.Now()
+	tl := NewTimeline(origin)
+	f, err := e.Store(WithTimeline(testCtx(t), tl), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Wait(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	wall := time.Since(origin)
+	spans := checkTimeline(t, tl, wall)
+	var order []string
+	for _, s := range tl.Spans() {
+		if !s.Stage.Device() {
+			order = append(order, s.Stage.String())
+		}
+	}
+	if got, want := fmt.Sprint(order), "[admit place stream enqueue wait notice commit]"; got != want {
+		t.Fatalf("store host stages %s, want %s", got, want)
+	}
+	within(t, spans, "producer", 0)
+	within(t, spans, "gather", 0)
+	if p, g := spans["producer/0"], spans["gather/0"]; p.Start+p.Dur != g.Start {
+		t.Fatalf("the producer wait ends at %v, the gather starts at %v: they share a mark", p.Start+p.Dur, g.Start)
+	}
+	if tl.Bytes != chunks*objBytes {
+		t.Fatalf("store timeline bytes %d, want %d", tl.Bytes, chunks*objBytes)
+	}
+
+	// A retrieve of the three chunks: three batches, overlapping by one.
+	targets := make([][][]int64, chunks)
+	for i := range targets {
+		targets[i] = r.consecutive(int64(16 + 2*i))
+	}
+	rreq := r.retrieveReq(0, cs, targets)
+	origin = time.Now()
+	tl = NewTimeline(origin)
+	rr, err := e.Retrieve(WithTimeline(testCtx(t), tl), rreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wall = time.Since(origin)
+	for i := range chunks {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("chunk %d not restored: %+v", i, rr.Items)
+		}
+		r.expectRestored(cs[i], targets[i])
+	}
+	r.check("after the retrieve")
+	spans = checkTimeline(t, tl, wall)
+	if s := tl.Spans(); s[0].Stage != StagePlan || s[len(s)-1].Stage != StageFinish {
+		t.Fatalf("retrieve starts with %s and ends with %s, want plan and finish", s[0].Stage, s[len(s)-1].Stage)
+	}
+	for b := range chunks {
+		seq := []string{"lookup", "stream", "enqueue", "wait", "notice", "verify"}
+		for i := 1; i < len(seq); i++ {
+			before(t, spans, fmt.Sprintf("%s/%d", seq[i-1], b), fmt.Sprintf("%s/%d", seq[i], b))
+		}
+		within(t, spans, "scatter", b)
+	}
+	if n := len(tl.Spans()); n != 2+7*chunks {
+		t.Fatalf("retrieve timeline has %d stages, want %d (plan, finish and 7 per batch)", n, 2+7*chunks)
+	}
+	if tl.Bytes != chunks*objBytes {
+		t.Fatalf("retrieve timeline bytes %d, want %d", tl.Bytes, chunks*objBytes)
+	}
+	for _, st := range []Stage{StagePlan, StageLookup, StageScatter, StageVerify} {
+		if _, ok := tl.Total(st); !ok {
+			t.Fatalf("no total of %s", st)
+		}
+	}
+	if _, ok := tl.Total(StageGather); ok {
+		t.Fatal("a retrieve has a gather total")
+	}
+}
