@@ -188,10 +188,10 @@ func TestRankBudgetExact(t *testing.T) {
 	}
 }
 
-// TestRankBudgetDeclaredCapacity: a rank's declared capacity over the
-// smallest object of the registered namespaces lowers its budget below
-// MaxPlacementsPerRank; a declaration of infinity leaves it at
-// MaxPlacementsPerRank.
+// TestRankBudgetDeclaredCapacity: the capacity a rank's heartbeat
+// declares, over the smallest object of the registered namespaces, lowers
+// its budget below MaxPlacementsPerRank; a declaration of infinity leaves
+// it at MaxPlacementsPerRank.
 func TestRankBudgetDeclaredCapacity(t *testing.T) {
 	c := startCoord(t, func(cfg *Config) { cfg.MaxPlacementsPerRank = 20 })
 	nc := connect(t, c)
@@ -204,7 +204,21 @@ func TestRankBudgetDeclaredCapacity(t *testing.T) {
 	if _, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 0, ns, chain(ns, 2, 1), wire.L2)); werr != nil {
 		t.Fatal(werr)
 	}
-	c.declareCapacity(r, &wire.Capacity{L1Bytes: 3 * size, L2Bytes: 2 * size})
+	declare := func(capacity wire.Capacity, want int64) {
+		t.Helper()
+		hb, err := json.Marshal(wire.Heartbeat{Rank: r, Incarnation: 1, Seq: 2, Capacity: &capacity})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Publish(c.subj.Heartbeat(r), hb); err != nil {
+			t.Fatal(err)
+		}
+		testutil.Eventually(t, 5*time.Second, "the heartbeat's capacity to set the budget", func() bool {
+			budget, _ := c.rankBudget(r)
+			return budget == want
+		})
+	}
+	declare(wire.Capacity{L1Bytes: 3 * size, L2Bytes: 2 * size}, 5)
 	if ack, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 2, ns, chain(ns, 3, 2), wire.L2)); werr != nil || ack.AppliedThrough != 5 {
 		t.Fatalf("up to the declared 5 objects: %+v %v", ack, werr)
 	}
@@ -212,7 +226,7 @@ func TestRankBudgetDeclaredCapacity(t *testing.T) {
 	if werr == nil || werr.Code != wire.CodeBadRequest || !strings.Contains(werr.Message, "budget of 5 (declared capacity") {
 		t.Fatalf("a sixth object: %v", werr)
 	}
-	c.declareCapacity(r, &wire.Capacity{L1Bytes: 1 << 30, L3Bytes: wire.CapacityUnbounded})
+	declare(wire.Capacity{L1Bytes: 1 << 30, L3Bytes: wire.CapacityUnbounded}, 20)
 	if budget, from := c.rankBudget(r); budget != 20 || from != "MaxPlacementsPerRank" {
 		t.Fatalf("budget after declaring infinity: %d from %s, want 20 from MaxPlacementsPerRank", budget, from)
 	}

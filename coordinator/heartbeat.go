@@ -130,6 +130,9 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 		c.log.Debug("heartbeat refused", zap.Error(err))
 		return
 	}
+	if hb.Incarnation >= ri.Incarnation {
+		c.declareCapacity(hb.Rank, hb.Capacity) // the rank's budget (budget.go)
+	}
 	b := c.hb.noteBeat(&hb, now)
 	c.provedAlive(hb.Rank, hb.Incarnation, now, time.Duration(hb.IntervalMS)*time.Millisecond,
 		hb.Leaving || (b.inc == hb.Incarnation && b.leaving), "heartbeat")

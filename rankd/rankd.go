@@ -385,8 +385,9 @@ func (d *Daemon) publishHeartbeat(subject string, leaving bool) error {
 	if nc == nil || eng == nil {
 		return nats.ErrConnectionClosed
 	}
+	capacity := declaredCapacity(&d.cfg)
 	p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: eng.Stats().LastSeq,
-		IntervalMS: d.cfg.HeartbeatInterval.Milliseconds(), Leaving: leaving})
+		IntervalMS: d.cfg.HeartbeatInterval.Milliseconds(), Leaving: leaving, Capacity: &capacity})
 	if err != nil {
 		return err
 	}

@@ -224,6 +224,10 @@ type Heartbeat struct {
 	// before its gossip leave). It is the rank's own, authenticated word
 	// for the leave that gossip then reports.
 	Leaving bool `json:"leaving,omitempty"`
+	// Capacity is what the rank declares it can hold (issue 28.3): the
+	// coordinator bounds the rank's placements by it (and by its own
+	// per-rank cap). Absent from rankds from before: the cap alone.
+	Capacity *Capacity `json:"capacity,omitempty"`
 }
 
 // MaxHeartbeatInterval caps the interval a heartbeat may announce; a
@@ -274,6 +278,10 @@ type RankProbe struct {
 	Incarnation uint64 `json:"incarnation"`
 	// Leaving: the rank has sent its leaving heartbeat (Heartbeat.Leaving).
 	Leaving bool `json:"leaving,omitempty"`
+	// Capacity is what the rank declares it can hold (issue 28.3): the
+	// coordinator bounds the rank's placements by it (and by its own
+	// per-rank cap). Absent from rankds from before: the cap alone.
+	Capacity *Capacity `json:"capacity,omitempty"`
 }
 
 // InventoryPage is one page of an inventory snapshot. Every page of one
