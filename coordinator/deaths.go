@@ -233,6 +233,7 @@ type deathMetrics struct {
 	suspects    prometheus.GaugeFunc
 	stalls      prometheus.Counter
 	ignored     prometheus.Counter
+	gaps        prometheus.Histogram
 	n           func() int
 }
 
@@ -253,6 +254,11 @@ func newDeathMetrics() *deathMetrics {
 		ignored: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_death_notices_ignored_total",
 			Help: "Gossip deaths or leaves not even suspected: the table of suspects of incarnations the index does not know was full (1024).",
+		}),
+		gaps: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_heartbeat_gap_seconds",
+			Help:    "Time between two heartbeats of one rank incarnation as received: compare its tail with Death.ConfirmBeats times the ranks' interval (a starved host stretches it; a gap over the window confirms a gossip death).",
+			Buckets: []float64{0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 15, 20, 30, 60},
 		}),
 		stalls: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_death_check_stalls_total",
@@ -275,7 +281,7 @@ func newDeathMetrics() *deathMetrics {
 }
 
 func (m *deathMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.unconfirmed, m.confirmed, m.probes, m.suspects, m.stalls, m.ignored}
+	return []prometheus.Collector{m.unconfirmed, m.confirmed, m.probes, m.suspects, m.stalls, m.ignored, m.gaps}
 }
 
 func (m *deathMetrics) Describe(ch chan<- *prometheus.Desc) {

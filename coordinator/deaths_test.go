@@ -216,6 +216,9 @@ func TestGossipDeathNeedsNATSConfirmation(t *testing.T) {
 	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_death_notices_unconfirmed_total", "cause", "dead"); got != 1 {
 		t.Fatalf("unconfirmed{dead} = %v, want 1 (counted once)", got)
 	}
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_heartbeat_gap_seconds"); got < 2 {
+		t.Fatalf("heartbeat gaps observed: %v, want >= 2", got)
+	}
 
 	gone := time.Now()
 	rk.close() // the process dies: its connection closes, gossip already says dead

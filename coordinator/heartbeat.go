@@ -41,6 +41,7 @@ type beatSeen struct {
 	at       time.Time     // received (local clock)
 	interval time.Duration // announced; 0: none
 	leaving  bool          // this incarnation said it is leaving
+	gap      time.Duration // since the previous heartbeat of this incarnation; 0: none
 }
 
 func newHeartbeats() heartbeats {
@@ -62,6 +63,7 @@ func (h *heartbeats) noteBeat(hb *wire.Heartbeat, now time.Time) beatSeen {
 			return old // a superseded incarnation still beating
 		case old.inc == b.inc:
 			b.leaving = b.leaving || old.leaving // said once, stays said
+			b.gap = max(now.Sub(old.at), 0)
 		}
 	}
 	h.beats[hb.Rank] = b
@@ -134,6 +136,9 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 		c.declareCapacity(hb.Rank, hb.Capacity) // the rank's budget (budget.go)
 	}
 	b := c.hb.noteBeat(&hb, now)
+	if b.gap > 0 && b.inc == hb.Incarnation {
+		c.deaths.met.gaps.Observe(b.gap.Seconds())
+	}
 	c.provedAlive(hb.Rank, hb.Incarnation, now, time.Duration(hb.IntervalMS)*time.Millisecond,
 		hb.Leaving || (b.inc == hb.Incarnation && b.leaving), "heartbeat")
 	if hb.Leaving {

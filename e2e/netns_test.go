@@ -100,7 +100,9 @@ func (n *netlab) cut(r int) error  { return ipCmd("link", "set", n.vethH[r], "do
 func (n *netlab) heal(r int) error { return ipCmd("link", "set", n.vethH[r], "up") }
 
 // (e) Each rankd in its own network namespace; one is cut off mid-restore:
-// the coordinator fences it (measured against the 1.5 s target), the
+// the coordinator fences it (measured against its target: memberlist's
+// 1.5 s, then the death confirmed over NATS, which for a partition means
+// the heartbeat silence window, 3 of rankd's 2 s intervals; issue 28.2), the
 // restore fails, nothing of that rank is usable; after the link heals it
 // recovers and a new restore succeeds.
 func TestNetnsPartitionFencesRank(t *testing.T) {
@@ -174,11 +176,14 @@ func TestNetnsPartitionFencesRank(t *testing.T) {
 	if dead == 0 {
 		dead = fenced
 	}
-	target := 1500 * time.Millisecond
-	t.Logf("partition of rank %d: declared dead after %v, L1 placements fenced after %v (target %v; admin polled every 50 ms)",
+	// A partition leaves the rank's NATS connection half-open: nothing
+	// says "gone" before its heartbeats have been silent for the window
+	// (or NATS's pings drop it), whichever comes first.
+	target := 1500*time.Millisecond + 3*2*time.Second
+	t.Logf("partition of rank %d: declared dead after %v, L1 placements fenced after %v (target %v: detection, then the heartbeat silence window; admin polled every 50 ms)",
 		victim, dead.Round(time.Millisecond), fenced.Round(time.Millisecond), target)
 	switch {
-	case fenced > 4*target:
+	case fenced > 2*target:
 		t.Fatalf("fencing took %v, far beyond the %v target", fenced, target)
 	case fenced > target && os.Getenv("KVTIER_STRICT_TIMING") == "1":
 		t.Fatalf("fencing took %v, over the %v target", fenced, target)
