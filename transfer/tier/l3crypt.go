@@ -39,8 +39,8 @@ import (
 //
 // A header whose MAC verifies but whose payload does not open (a flipped
 // ciphertext or tag byte, a copy to another instance's prefix) is corrupt
-// like a payload whose kvsum64 differs: the read fails, the object is
-// deleted, the chunk fails and is counted. Without a storage key (the
+// like a payload whose kvsum64 differs: the read fails, and the chunk
+// fails and is counted. Without a storage key (the
 // insecure mode) a format 3 object cannot be opened: it is unverified and
 // left in the bucket. The L2 tier never writes or accepts format 3.
 

@@ -159,8 +159,8 @@ func TestL3EncryptRoundTrip(t *testing.T) {
 }
 
 // TestL3EncryptTamperFailsRead: a flipped byte anywhere in the ciphertext
-// or in the GCM tag fails the read as corrupt (the object is deleted, as
-// any L3 object that fails verification); nothing is returned as good.
+// or in the GCM tag fails the read as corrupt (then handled as any L3
+// object that fails verification); nothing is returned as good.
 // A tag byte flip leaves the ciphertext, so the decrypted bytes and their
 // kvsum64 would be right: only the tag check catches it (seen red with
 // the tag check skipped: Get served the object).
@@ -188,13 +188,13 @@ func TestL3EncryptTamperFailsRead(t *testing.T) {
 		dst := make([]byte, len(p))
 		_, err := enc.Get(ctx, o.Key, o.Fingerprint, dst)
 		var ce *CorruptError
+		// Whether the read deletes the object is the L3 tier's policy for
+		// every object that fails verification, not this test's.
 		switch {
-		case !errors.As(err, &ce) || !errors.Is(err, ErrCorrupt) || errors.Is(err, ErrUnverified) || !ce.Deleted:
-			t.Errorf("%s flipped: %v; want a corrupt read, the object deleted", what, err)
+		case !errors.As(err, &ce) || !errors.Is(err, ErrCorrupt) || errors.Is(err, ErrUnverified):
+			t.Errorf("%s flipped: %v; want a corrupt read (not unverified)", what, err)
 		case !strings.Contains(err.Error(), "does not decrypt"):
 			t.Errorf("%s flipped: %q does not say the payload failed to decrypt", what, err)
-		case st.get(name) != nil:
-			t.Errorf("%s flipped: the object is still in the bucket", what)
 		}
 	}
 }
