@@ -33,8 +33,14 @@ type ReleaseReply struct {
 	Session   string        `json:"session"`
 }
 
-// StatusRequest is the (empty) status request; "{}" or an empty body.
-type StatusRequest struct{}
+// StatusRequest is the status request; "{}" or an empty body asks for
+// the status alone.
+type StatusRequest struct {
+	// Timelines, when set, asks for the stage timelines of the recent
+	// requests with this id (a store's request id, a retrieve's restore
+	// id; StatusAllTimelines: every recent one) in StatusReply.Timelines.
+	Timelines string `json:"timelines,omitempty"`
+}
 
 // StatusReply describes the daemon and its engine.
 type StatusReply struct {
@@ -50,6 +56,10 @@ type StatusReply struct {
 	// namespace).
 	Sessions  int  `json:"sessions"`
 	Accepting bool `json:"accepting"`
+	// Timelines are the recent stage timelines StatusRequest.Timelines
+	// asked for (the rankd keeps the last 64 stores and retrieves), oldest
+	// first.
+	Timelines []wire.Timeline `json:"timelines,omitempty"`
 }
 
 // DeviceStatus is the device part of a status reply.
@@ -77,13 +87,14 @@ func DecodeReleaseRequest(data []byte) (*ReleaseRequest, error) {
 	return &req, nil
 }
 
-// decodeStatus accepts an empty body or an empty JSON object.
-func decodeStatus(data []byte) error {
-	if len(data) == 0 {
-		return nil
-	}
+// decodeStatus accepts an empty body or a StatusRequest.
+func decodeStatus(data []byte) (StatusRequest, error) {
 	var req StatusRequest
-	return decodeStrict("status", data, &req)
+	if len(data) == 0 {
+		return req, nil
+	}
+	err := decodeStrict("status", data, &req)
+	return req, err
 }
 
 // engineHandler returns the NATS handler of one engine API operation. The
@@ -91,6 +102,7 @@ func decodeStatus(data []byte) error {
 // store waiting on its producer event never holds up other requests.
 func (d *Daemon) engineHandler(op string) nats.MsgHandler {
 	return func(msg *nats.Msg) {
+		recv := time.Now() // a store's or retrieve's timeline starts here
 		d.mu.Lock()
 		closing := d.closing
 		if !closing {
@@ -130,14 +142,15 @@ func (d *Daemon) engineHandler(op string) nats.MsgHandler {
 				d.reqWG.Done()
 			}()
 			start := time.Now()
-			d.serve(op, msg)
+			d.serve(op, msg, recv)
 			d.met.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
 		}()
 	}
 }
 
-// serve answers one engine request; every path replies exactly once.
-func (d *Daemon) serve(op string, msg *nats.Msg) {
+// serve answers one engine request, received at recv; every path replies
+// exactly once.
+func (d *Daemon) serve(op string, msg *nats.Msg, recv time.Time) {
 	defer func() {
 		if r := recover(); r != nil {
 			d.log.Error("engine request handler panicked; replied internal", zap.String("op", op), zap.Any("panic", r), zap.Stack("stack"))
@@ -152,9 +165,9 @@ func (d *Daemon) serve(op string, msg *nats.Msg) {
 	case OpRegister:
 		err = d.serveRegister(ctx, msg)
 	case OpStore:
-		err = d.serveStore(ctx, msg)
+		err = d.serveStore(ctx, msg, transfer.NewTimeline(recv))
 	case OpRetrieve:
-		err = d.serveRetrieve(ctx, msg)
+		err = d.serveRetrieve(ctx, msg, transfer.NewTimeline(recv))
 	case OpRelease:
 		err = d.serveRelease(msg)
 	case OpStatus:
@@ -305,14 +318,17 @@ func (d *Daemon) callerOf(msg *nats.Msg) string {
 	return "engine/" + d.cfg.Rank.Instance
 }
 
-func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
+// serveStore serves a store, recording its stages in tl.
+func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) error {
 	req, err := DecodeStoreRequest(msg.Data)
 	if err != nil {
 		return err
 	}
+	tl.Lap(transfer.StageDecode, -1)
 	// The engine serves it only for the session's owner (checked where it
 	// finds the session).
-	f, err := d.eng.Store(ctx, transfer.StoreRequestOf(req, d.callerOf(msg)))
+	// tl is the store's until Done.
+	f, err := d.eng.Store(transfer.WithTimeline(ctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		return err
 	}
@@ -339,18 +355,24 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg) error {
 	if len(rep.Failed) > 0 {
 		d.log.Warn("store had failed objects", zap.String("request", req.RequestID), zap.Strings("failed", rep.Failed))
 	}
-	return respond(d, OpStore, msg, &rep)
+	tl.Lap(transfer.StageRelease, -1)
+	err = respond(d, OpStore, msg, &rep)
+	tl.Lap(transfer.StageReply, -1)
+	d.met.stages.done(OpStore, req.RequestID, tl)
+	return err
 }
 
-func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
+// serveRetrieve serves a retrieve, recording its stages in tl.
+func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) error {
 	req, err := DecodeRetrieveRequest(msg.Data)
 	if err != nil {
 		d.reportRejected(msg.Data, err)
 		return err
 	}
+	tl.Lap(transfer.StageDecode, -1)
 	// The caller must own the session before anything is placed: the
 	// engine checks it where it finds the session.
-	res, err := d.eng.Retrieve(ctx, transfer.RetrieveRequestOf(req, d.callerOf(msg)))
+	res, err := d.eng.Retrieve(transfer.WithTimeline(ctx, tl), transfer.RetrieveRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		if req.RestoreID != "" {
 			// The coordinator must learn that this rank placed nothing, so
@@ -366,11 +388,15 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg) error {
 	rep := res.Wire()
 	if req.RestoreID != "" {
 		d.report(req.RestoreID, rep.Results)
+		tl.Lap(transfer.StageReport, -1)
 	}
 	if fc := res.FailedChunks(); len(fc) > 0 {
 		d.log.Warn("retrieve had failed chunks", zap.String("restore", req.RestoreID), zap.Ints("chunks", fc))
 	}
-	return respond(d, OpRetrieve, msg, &rep)
+	err = respond(d, OpRetrieve, msg, &rep)
+	tl.Lap(transfer.StageReply, -1)
+	d.met.stages.done(OpRetrieve, req.RestoreID, tl)
+	return err
 }
 
 // reportRejected tells the coordinator that a retrieve of a restore was
@@ -472,10 +498,15 @@ func (d *Daemon) serveRelease(msg *nats.Msg) error {
 }
 
 func (d *Daemon) serveStatus(msg *nats.Msg) error {
-	if err := decodeStatus(msg.Data); err != nil {
+	req, err := decodeStatus(msg.Data)
+	if err != nil {
 		return err
 	}
-	return respond(d, OpStatus, msg, d.Status())
+	st := d.Status()
+	if req.Timelines != "" {
+		st.Timelines = d.met.stages.find(req.Timelines)
+	}
+	return respond(d, OpStatus, msg, st)
 }
 
 // Status returns the daemon's status.

@@ -12,6 +12,8 @@ type metrics struct {
 
 	requests          *prometheus.CounterVec // op, code ("ok" on success)
 	requestSeconds    *prometheus.HistogramVec
+	stageSeconds      *prometheus.HistogramVec // op, stage
+	stages            *stageRecorder
 	inFlight          prometheus.Gauge
 	eventBatchesSent  prometheus.Counter
 	eventBatchesAcked prometheus.Counter
@@ -42,6 +44,9 @@ func newMetrics(rank string) *metrics {
 		requestSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "engine_request_seconds", Help: "Engine API request latency, receipt to reply.", ConstLabels: labels,
 			Buckets: prometheus.ExponentialBuckets(1e-4, 4, 10)}, []string{"op"}),
+		stageSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "stage_seconds", Help: "Time of each stage of a store or retrieve, per request (a stage of several copy batches: their sum); see docs/metrics.md.",
+			ConstLabels: labels, Buckets: prometheus.ExponentialBuckets(25e-6, 4, 9)}, []string{"op", "stage"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "engine_requests_in_flight", Help: "Engine API requests being served.", ConstLabels: labels}),
 		eventBatchesSent:  c("event_batch_requests_total", "Event batch requests sent to the coordinator, retries included."),
@@ -64,7 +69,8 @@ func newMetrics(rank string) *metrics {
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
 	}
-	m.reg.MustRegister(m.requests, m.requestSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
+	m.stages = newStageRecorder(m.stageSeconds) // every series of stageSeconds
+	m.reg.MustRegister(m.requests, m.requestSeconds, m.stageSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Every vector starts with its known series at 0, so an idle rank

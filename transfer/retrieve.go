@@ -144,7 +144,9 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	e.mu.Unlock()
 	e.ctr.retrievesInflight.Add(1)
 
-	r := &retrieval{e: e, sp: sp, req: req, spans: spans,
+	tl := TimelineFrom(ctx)
+	tl.Lap(StagePlan, -1)
+	r := &retrieval{e: e, sp: sp, req: req, spans: spans, tl: tl,
 		res:  RetrieveResult{Items: make([]ItemResult, len(req.Items))},
 		objs: make([]*l1Obj, len(req.Items)), peer: make([]*peerItem, len(req.Items))}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.RetrieveTimeout)
@@ -163,8 +165,8 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	// idles between batches while the host plans the next one (issue 12.6).
 	// At most two batches are pinned at once.
 	var prev *pendingScatter
-	for _, b := range r.batches() {
-		next := r.start(ctx, b, &prev)
+	for bi, b := range r.batches() {
+		next := r.start(ctx, bi, b, &prev)
 		if prev != nil {
 			r.complete(ctx, prev)
 		}
@@ -175,6 +177,7 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	}
 	r.account()
 	r.finish()
+	tl.Lap(StageFinish, -1)
 	e.ctr.retrieveLatency.Observe(time.Since(start).Seconds())
 	return r.res, nil
 }
@@ -190,6 +193,7 @@ type retrieval struct {
 	// peer is, for an item read from another rank's L1 (host-shared L1),
 	// its lease; nil once given back.
 	peer []*peerItem
+	tl   *Timeline // nil: not timed
 }
 
 // planRetrieve validates req and returns each item's target spans.
@@ -237,22 +241,25 @@ func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, er
 // nil op when nothing was enqueued), fromPeers those read from another
 // rank's L1 (scattered in complete).
 type pendingScatter struct {
+	batch                   int // index of the batch in the retrieve
 	idx, scatter, fromPeers []int
 	stream                  cuda.Stream
 	op                      *cuda.Op
+	timers                  *copyTimers // marks before and after the scatter; nil: not timed
 }
 
 // start prepares batch idx (prepare) and enqueues its scatter. When no
 // stream is free it first completes *prev (and sets it to nil), so a
 // retrieve never waits for a stream while holding one.
-func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter) *pendingScatter {
+func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pendingScatter) *pendingScatter {
 	e := r.e
 	if e.cfg.RetrieveSerialBatches && *prev != nil {
 		r.complete(ctx, *prev)
 		*prev = nil
 	}
 	scatter, fromPeers := r.prepare(ctx, idx)
-	p := &pendingScatter{idx: idx, fromPeers: fromPeers}
+	r.tl.Lap(StageLookup, bi)
+	p := &pendingScatter{batch: bi, idx: idx, fromPeers: fromPeers}
 	if len(scatter) == 0 {
 		return p
 	}
@@ -275,6 +282,7 @@ func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter)
 		p.scatter = nil
 		return p
 	}
+	r.tl.Lap(StageStream, bi)
 	objs := make([]cuda.Object, len(scatter))
 	e.mu.Lock()
 	retired := r.sp.retired
@@ -288,9 +296,14 @@ func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter)
 		p.scatter = nil
 		return p
 	}
+	tm := newCopyTimers(e.dev, r.tl, 2).mark(stream, 0)
 	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
 		p.stream, p.op = stream, op
+		p.timers = tm.mark(stream, 1)
+	} else {
+		tm.release()
 	}
+	r.tl.Lap(StageEnqueue, bi)
 	if e.hooks.scatterEnqueued != nil {
 		e.hooks.scatterEnqueued(r.req.RestoreID, idx)
 	}
@@ -300,8 +313,17 @@ func (r *retrieval) start(ctx context.Context, idx []int, prev **pendingScatter)
 // complete waits for and verifies the scatter of batch p, scatters its
 // items held by peers, and unpins the batch.
 func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
+	defer p.timers.release()
 	if p.op != nil {
 		if sums, ok := r.waitScatter(ctx, p.stream, p.op, p.scatter); ok {
+			if r.tl != nil {
+				waited := time.Now()
+				at, timed := p.timers.times(ctx)
+				if timed {
+					r.tl.Device(StageScatter, p.batch, at[0], at[1])
+				}
+				r.tl.lapCopy(p.batch, at[1], timed, waited)
+			}
 			r.verifyScatter(p.scatter, sums)
 		}
 	}
@@ -312,6 +334,7 @@ func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
 		r.scatterPeers(ctx, p.fromPeers)
 	}
 	r.unpinBatch(p.idx)
+	r.tl.Lap(StageVerify, p.batch)
 }
 
 // prepare pins and loads the items of batch idx, gives each its verdict
@@ -586,6 +609,9 @@ func (r *retrieval) verifyScatter(items []int, sums []uint64) {
 		bytes += o.size
 	}
 	e.mu.Unlock()
+	if r.tl != nil {
+		r.tl.Bytes += bytes
+	}
 	e.ctr.objectsRestored.Add(nok)
 	e.ctr.bytesRetrievedL1.Add(bytes)
 }

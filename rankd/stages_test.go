@@ -1,0 +1,170 @@
+package rankd
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/checksum"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// checkWireTimeline checks a timeline from a status reply: op and id, host
+// stages from the receipt in order without gaps adding up to DurNS, which
+// is no more than wall (the caller's request to reply); device stages
+// within it; every stage of want present. It returns the stage names.
+func checkWireTimeline(t *testing.T, tl wire.Timeline, op, id string, wall time.Duration, want []string) map[string]wire.TimelineStage {
+	t.Helper()
+	if tl.Op != op || tl.ID != id {
+		t.Fatalf("timeline of %s %q, want %s %q", tl.Op, tl.ID, op, id)
+	}
+	if tl.DurNS <= 0 || time.Duration(tl.DurNS) > wall {
+		t.Fatalf("%s timeline lasts %v, the caller measured %v", op, time.Duration(tl.DurNS), wall)
+	}
+	got := map[string]wire.TimelineStage{}
+	var end int64
+	for _, s := range tl.Stages {
+		got[s.Name] = s
+		if s.StartNS < 0 || s.DurNS < 0 {
+			t.Fatalf("%s stage %s: start %d ns, duration %d ns", op, s.Name, s.StartNS, s.DurNS)
+		}
+		if s.Device {
+			if s.StartNS+s.DurNS > tl.DurNS {
+				t.Fatalf("%s device stage %s ends at %d ns, after the request's %d ns", op, s.Name, s.StartNS+s.DurNS, tl.DurNS)
+			}
+			continue
+		}
+		if s.StartNS != end {
+			t.Fatalf("%s host stage %s starts at %d ns, the previous one ended at %d ns", op, s.Name, s.StartNS, end)
+		}
+		end += s.DurNS
+	}
+	if end != tl.DurNS {
+		t.Fatalf("%s host stages add up to %d ns, the timeline lasts %d ns", op, end, tl.DurNS)
+	}
+	for _, w := range want {
+		if _, ok := got[w]; !ok {
+			t.Fatalf("%s timeline has no stage %s: %+v", op, w, tl.Stages)
+		}
+	}
+	return got
+}
+
+// TestStageTimelinesThroughTheDaemon: a store and a retrieve through NATS
+// leave their timelines, with the rankd's own stages (decode, report,
+// reply) around the engine's, in the status reply that asks for them, and
+// an observation of every stage in kvtier_rankd_stage_seconds.
+func TestStageTimelinesThroughTheDaemon(t *testing.T) {
+	h := newHarness(t)
+	e := newEngine(t, h)
+	e.spec.Groups[0].MLA = false // rank 1 stores a shard
+	var err error
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	ctx := h.ctx()
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	var want []byte
+	for l, m := range e.pools {
+		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
+	}
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev.Release()
+	if err := s.Record(ev); err != nil {
+		t.Fatal(err)
+	}
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	start := time.Now()
+	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), &wire.StoreRequest{
+		RequestID: "tl-store", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	storeWall := time.Since(start)
+	if err != nil || st.Stored != 1 {
+		t.Fatalf("store: %+v, %v", st, err)
+	}
+	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
+	start = time.Now()
+	rr, err := bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), &wire.RetrieveRequest{
+		RestoreID: "tl-restore", Namespace: e.res.Namespace, Session: reg.Session,
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+	retrieveWall := time.Since(start)
+	if err != nil || len(rr.Results) != 1 || !rr.Results[0].OK {
+		t.Fatalf("retrieve: %+v, %v", rr, err)
+	}
+
+	status := func(id string) []wire.Timeline {
+		t.Helper()
+		rep, err := bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), &StatusRequest{Timelines: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rep.Timelines
+	}
+	tls := status("tl-store")
+	if len(tls) != 1 {
+		t.Fatalf("%d timelines of the store, want 1", len(tls))
+	}
+	stages := checkWireTimeline(t, tls[0], OpStore, "tl-store", storeWall, []string{"decode", "admit", "place", "stream", "enqueue",
+		"wait", "notice", "commit", "release", "reply", "producer", "gather"})
+	if !stages["gather"].Device || stages["commit"].Device {
+		t.Fatalf("device flags: gather %v, commit %v", stages["gather"].Device, stages["commit"].Device)
+	}
+	if tls[0].Bytes != e.res.ObjectSize(0) {
+		t.Fatalf("store timeline bytes %d, want %d", tls[0].Bytes, e.res.ObjectSize(0))
+	}
+	tls = status("tl-restore")
+	if len(tls) != 1 {
+		t.Fatalf("%d timelines of the restore, want 1", len(tls))
+	}
+	checkWireTimeline(t, tls[0], OpRetrieve, "tl-restore", retrieveWall, []string{"decode", "plan", "lookup", "stream", "enqueue",
+		"wait", "notice", "verify", "finish", "report", "reply", "scatter"})
+	if n := len(status(StatusAllTimelines)); n != 2 {
+		t.Fatalf("%d recent timelines, want 2", n)
+	}
+	if n := len(status("no-such-request")); n != 0 {
+		t.Fatalf("%d timelines of an unknown request", n)
+	}
+	if rep, err := bus.Call[StatusReply](ctx, h.nc, h.subj.Engine(h.rank, OpStatus), struct{}{}); err != nil || rep.Timelines != nil {
+		t.Fatalf("plain status: %d timelines, %v", len(rep.Timelines), err)
+	}
+
+	// Every stage of both was observed once.
+	for op, stages := range opStages {
+		for _, s := range stages {
+			if n := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_stage_seconds", "op", op, "stage", s.String()); n != 1 {
+				t.Errorf("kvtier_rankd_stage_seconds{op=%q,stage=%q} has %v observations, want 1", op, s, n)
+			}
+		}
+	}
+	// Beyond the ring, the oldest timelines are forgotten.
+	for i := range recentTimelines {
+		tl := transfer.NewTimeline(time.Now())
+		tl.Lap(transfer.StageDecode, -1)
+		h.d.met.stages.done(OpRetrieve, fmt.Sprintf("filler-%d", i), tl)
+	}
+	if n := len(status("tl-store")); n != 0 {
+		t.Fatalf("the store's timeline is still kept after %d newer ones", recentTimelines)
+	}
+}
