@@ -49,6 +49,13 @@ type BenchResult struct {
 	// GB/s over the ceiling's median aggregate GB/s.
 	StoreRatio   float64 `json:"store_ratio"`
 	RestoreRatio float64 `json:"restore_ratio"`
+	// StoreTimeline and RestoreTimeline are where the time of one store
+	// request and of the restore went in the last repetition, on the
+	// first TP rank that stores (timeline.go); TimelineProblem says why
+	// one is missing (a rankd that keeps no timelines).
+	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
+	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
+	TimelineProblem string         `json:"timeline_problem,omitempty"`
 }
 
 // BenchStat is one timed measure over the repetitions.
@@ -198,13 +205,24 @@ func (s *sim) bench(ctx context.Context) error {
 		}
 		br.CeilingD2H.add(tot, ranks)
 
-		tot, ranks, err = s.benchStore(ctx, fmt.Sprintf("bench-%d-%d", base, r), per)
+		reqID := fmt.Sprintf("bench-%d-%d", base, r)
+		sr, err := s.benchStore(ctx, reqID, per)
 		if err != nil {
 			return fmt.Errorf("bench repetition %d: %w", r, err)
 		}
-		br.Store.add(tot, ranks)
+		br.Store.add(sr.total, sr.ranks)
 		if prefix, err := s.waitPrefix(ctx, s.cfg.Timeout); err != nil || prefix != len(s.plan.Hashes) {
 			return fmt.Errorf("bench repetition %d: index shows %d of %d chunks after the store: %v", r, prefix, len(s.plan.Hashes), err)
+		}
+		last := r == reps-1
+		if t := slices.IndexFunc(sr.requests, func(n int) bool { return n > 0 }); last && t >= 0 {
+			// Untimed: where the time of one store request went.
+			tls, err := s.fetchTimelines(ctx, s.workers[t], reqID)
+			if err != nil {
+				br.TimelineProblem = err.Error()
+			} else {
+				br.StoreTimeline = storeTimeline(t, tls, sr.requests[t], sr.start, sr.start.Add(sr.ranks[t]))
+			}
 		}
 
 		if err := s.each(func(w *worker) error { return w.wipe() }); err != nil {
@@ -228,6 +246,14 @@ func (s *sim) bench(ctx context.Context) error {
 			}
 		}
 		br.Restore.add(time.Duration(s.res.RestoreSeconds*float64(time.Second)), rs)
+		if last && br.TimelineProblem == "" {
+			tls, err := s.fetchTimelines(ctx, s.workers[0], s.res.RestoreID)
+			if err != nil {
+				br.TimelineProblem = err.Error()
+			} else {
+				br.RestoreTimeline = restoreTimeline(0, tls[len(tls)-1], &s.rc)
+			}
+		}
 		s.logf("bench repetition %d: store %.3fs, restore %.3fs (ceilings %.3fs / %.3fs)", r,
 			br.Store.Seconds[r], br.Restore.Seconds[r], br.CeilingD2H.Seconds[r], br.CeilingH2D.Seconds[r])
 	}
@@ -293,12 +319,20 @@ func (s *sim) ceiling(ctx context.Context, cbufs []ceilBuf, bytes []uint64, toDe
 	return time.Since(start), ranks, err
 }
 
+// benchStoreRun is one timed store of the whole prompt: the requests were
+// sent at start; total is the time to the last reply, ranks each rank's
+// time to its last reply, requests the number each rank sent.
+type benchStoreRun struct {
+	start    time.Time
+	total    time.Duration
+	ranks    []time.Duration
+	requests []int
+}
+
 // benchStore stores the whole prompt from every rank at once, per chunks
-// per request, and returns the time from the first request to the last
-// reply, and each rank's time to its last reply. The pages are already
-// written; each request's producer event is recorded behind them before
-// the clock starts.
-func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Duration, []time.Duration, error) {
+// per request. The pages are already written; each request's producer
+// event is recorded behind them before the clock starts.
+func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStoreRun, error) {
 	type prepared struct {
 		req   wire.StoreRequest
 		body  any // req as sent: binary, or JSON with Config.JSONRequests
@@ -336,31 +370,31 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 			}
 			ev, err := w.dev.NewEvent(true)
 			if err != nil {
-				return 0, nil, fmt.Errorf("rank %d: new event: %w", w.t, err)
+				return benchStoreRun{}, fmt.Errorf("rank %d: new event: %w", w.t, err)
 			}
 			pr := prepared{req: req, ev: ev}
 			if err := w.stream.Record(ev); err != nil {
 				_ = ev.Release()
-				return 0, nil, fmt.Errorf("rank %d: record: %w", w.t, err)
+				return benchStoreRun{}, fmt.Errorf("rank %d: record: %w", w.t, err)
 			}
 			if pr.req.Event, err = w.dev.ExportEvent(ev); err != nil {
 				_ = ev.Release()
-				return 0, nil, fmt.Errorf("rank %d: export event: %w", w.t, err)
+				return benchStoreRun{}, fmt.Errorf("rank %d: export event: %w", w.t, err)
 			}
 			// Encoded before the clock starts, as the engine's own work.
 			if pr.body, err = w.body(&pr.req); err != nil {
 				_ = ev.Release()
-				return 0, nil, err
+				return benchStoreRun{}, err
 			}
 			// Subscribed before the request, so a BlocksFreed cannot be missed.
 			if pr.freed, err = w.nc.SubscribeSync(w.subj.Freed(w.rank)); err != nil {
 				_ = ev.Release()
-				return 0, nil, err
+				return benchStoreRun{}, err
 			}
 			all[w.t] = append(all[w.t], pr)
 		}
 		if err := w.stream.Synchronize(ctx); err != nil {
-			return 0, nil, fmt.Errorf("rank %d: stream: %w", w.t, err)
+			return benchStoreRun{}, fmt.Errorf("rank %d: stream: %w", w.t, err)
 		}
 	}
 
@@ -388,17 +422,17 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 	})
 	total := time.Since(start)
 	if err != nil {
-		return 0, nil, fmt.Errorf("store: %w", err)
+		return benchStoreRun{}, fmt.Errorf("store: %w", err)
 	}
 	stored := 0
 	for t, reps := range replies {
 		s.res.Stores += len(reps)
 		for i, rep := range reps {
 			if len(rep.Failed) > 0 {
-				return 0, nil, fmt.Errorf("rank %d: store failed objects: %v", t, rep.Failed)
+				return benchStoreRun{}, fmt.Errorf("rank %d: store failed objects: %v", t, rep.Failed)
 			}
 			if rep.Deduped > 0 {
-				return 0, nil, fmt.Errorf("rank %d: store deduplicated %d objects: the benchmark must move every byte", t, rep.Deduped)
+				return benchStoreRun{}, fmt.Errorf("rank %d: store deduplicated %d objects: the benchmark must move every byte", t, rep.Deduped)
 			}
 			stored += rep.Stored
 			if rep.BlocksInUse {
@@ -408,14 +442,18 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (time.Durat
 					err := waitFreed(cctx, all[t][i].freed, reqID, c.Chunk)
 					cancel()
 					if err != nil {
-						return 0, nil, err
+						return benchStoreRun{}, err
 					}
 				}
 			}
 		}
 	}
 	s.res.Stored += stored
-	return total, ranks, nil
+	run := benchStoreRun{start: start, total: total, ranks: ranks, requests: make([]int, len(all))}
+	for t, ps := range all {
+		run.requests[t] = len(ps)
+	}
+	return run, nil
 }
 
 // fillStore writes every page of the store table of the prompt: the
@@ -462,6 +500,15 @@ func (s *sim) printBench(br *BenchResult) {
 	row("restore (begin -> COMPLETE)", br.RestoreBytes, br.Restore, br.CeilingH2D, br.RestoreRatio)
 	tw.Flush()
 	fmt.Fprintln(out, "ceiling: one plain copy per rank, all ranks at once (store: device->host, restore: host->device)")
+	if br.StoreTimeline != nil {
+		printTimeline(out, "store", br.StoreTimeline)
+	}
+	if br.RestoreTimeline != nil {
+		printTimeline(out, "restore", br.RestoreTimeline)
+	}
+	if br.TimelineProblem != "" {
+		fmt.Fprintf(out, "\nno timeline: %s\n", br.TimelineProblem)
+	}
 	fmt.Fprintln(out)
 }
 

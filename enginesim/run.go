@@ -359,6 +359,8 @@ type sim struct {
 	// quiet leaves out the per-rank restore table (bench repetitions
 	// before the last).
 	quiet bool
+	// rc is what the last restore saw of its stages (timeline.go).
+	rc restoreClock
 }
 
 func (s *sim) logf(format string, args ...any) {
@@ -707,6 +709,7 @@ func (s *sim) restore(ctx context.Context) error {
 		s.logf("coordinator lookup: %d of %d chunks restorable", prefix, len(p.Hashes))
 	}
 	start := time.Now()
+	s.rc = restoreClock{begun: start, sent: make([]time.Time, len(s.workers)), replied: make([]time.Time, len(s.workers))}
 	cctx, cancel := s.callCtx(ctx)
 	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), s.resend(0), wire.RestoreBeginRequest{
 		Instance: s.cfg.Instance, PlanEncoding: wire.PlanEncodingBinary, RestoreBegin: wire.RestoreBegin{
@@ -720,6 +723,7 @@ func (s *sim) restore(ctx context.Context) error {
 		}
 		return fmt.Errorf("restore.begin: %w", err)
 	}
+	s.rc.planned = time.Now()
 	s.res.RestoreID, s.res.Prefix = plan.RestoreID, plan.Prefix
 	s.logf("restore %s: plan covers %d of %d chunks on %d ranks", plan.RestoreID, plan.Prefix, len(p.Hashes), len(plan.Ranks))
 
@@ -745,8 +749,10 @@ func (s *sim) restore(ctx context.Context) error {
 		}
 		cctx, cancel := s.callCtx(ctx)
 		defer cancel()
+		s.rc.sent[w.t] = time.Now()
 		rep, err := w.retrieve(cctx, plan.RestoreID, items)
-		row.Seconds = time.Since(start).Seconds()
+		s.rc.replied[w.t] = time.Now()
+		row.Seconds = s.rc.replied[w.t].Sub(start).Seconds()
 		if err != nil {
 			row.Error = err.Error()
 			s.logf("rank %d: retrieve failed: %v", w.t, err)
@@ -765,6 +771,7 @@ func (s *sim) restore(ctx context.Context) error {
 	})
 
 	cctx, cancel = s.callCtx(ctx)
+	s.rc.verdictFrom = time.Now()
 	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, s.resend(s.cfg.RestoreDeadline))
 	cancel()
 	if err != nil {
@@ -776,8 +783,9 @@ func (s *sim) restore(ctx context.Context) error {
 		s.logf("no verdict, recomputing the prompt (fail-open): %v", err)
 		return s.recomputeAll(ctx)
 	}
+	s.rc.ended = time.Now()
 	s.res.Verdict, s.res.Failed, s.res.Reasons = v.State, v.Failed, v.Reasons
-	s.res.RestoreSeconds = time.Since(start).Seconds()
+	s.res.RestoreSeconds = s.rc.ended.Sub(start).Seconds()
 	s.logf("verdict %s for restore %s: prefix %d, failed chunks %v %v (%.3fs)", v.State, v.RestoreID, v.Prefix, v.Failed, v.Reasons, s.res.RestoreSeconds)
 
 	// Chunks the engine must recompute: failed ones and those beyond the
