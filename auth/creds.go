@@ -69,6 +69,9 @@ func Init(dir string, instances []Instance) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create credentials dir %s: %w", dir, err)
 	}
+	if err := syncDir(filepath.Dir(dir)); err != nil { // the directory's own name
+		return err
+	}
 	if err := os.Chmod(dir, 0o700); err != nil {
 		return fmt.Errorf("credentials dir %s: %w", dir, err)
 	}
@@ -226,13 +229,14 @@ func newSeed(dir string, id Identity, replace bool) (string, error) {
 	if err := writeNew(tmp, data, 0o600); err != nil {
 		return "", err
 	}
-	if err := os.Rename(tmp, path); err != nil {
+	if err := replaceFile(tmp, path); err != nil {
 		return "", fmt.Errorf("replace seed %s: %w", path, err)
 	}
 	return pub, nil
 }
 
-// writeNew creates path exclusively with mode and writes data, fsynced.
+// writeNew creates path exclusively with mode and writes data, fsynced,
+// and fsyncs its directory so that the new name is durable too.
 func writeNew(path string, data []byte, mode os.FileMode) error {
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, mode)
 	if err != nil {
@@ -249,7 +253,10 @@ func writeNew(path string, data []byte, mode os.FileMode) error {
 		f.Close()
 		return fmt.Errorf("sync %s: %w", path, err)
 	}
-	return f.Close()
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("close %s: %w", path, err)
+	}
+	return syncDir(filepath.Dir(path))
 }
 
 func (u *Users) write(path string) error {
@@ -263,7 +270,7 @@ func (u *Users) write(path string) error {
 	if err := writeNew(tmp, append(data, '\n'), 0o644); err != nil {
 		return err
 	}
-	if err := os.Rename(tmp, path); err != nil {
+	if err := replaceFile(tmp, path); err != nil {
 		return fmt.Errorf("replace %s: %w", path, err)
 	}
 	return nil

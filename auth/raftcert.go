@@ -177,7 +177,7 @@ func IssueRaftCert(dir, id string, replace bool) error {
 		if err := writeNew(tmp, f.data, f.mode); err != nil {
 			return err
 		}
-		if err := os.Rename(tmp, path); err != nil {
+		if err := replaceFile(tmp, path); err != nil {
 			return fmt.Errorf("install %s: %w", path, err)
 		}
 	}
