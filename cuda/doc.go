@@ -1,8 +1,9 @@
 // Package cuda is kvtier's device abstraction: device memory, pinned host
-// buffers, streams, events, CUDA IPC handles and the two transfer operations
-// of the project, Gather (pages -> packed host object) and Scatter (packed
-// host object -> pages), each computing the kvsum64 checksum of the packed
-// bytes as it copies.
+// buffers, streams, events, timers (when the device reached a point of a
+// stream, on the host clock), CUDA IPC handles and the two transfer
+// operations of the project, Gather (pages -> packed host object) and
+// Scatter (packed host object -> pages), each computing the kvsum64
+// checksum of the packed bytes as it copies.
 //
 // Two backends implement Device:
 //   - the host backend (OpenHost), a faithful simulator that runs the same
