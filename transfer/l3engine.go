@@ -71,6 +71,7 @@ type l3Counters struct {
 	bytes         atomic.Uint64
 	restoredFrom  atomic.Uint64 // objects a retrieve read from L3
 	deferred      atomic.Uint64 // writes held back while a delete or write of the same key ran
+	leftForWriter atomic.Uint64 // bad copies of other ranks' objects a read left in the bucket
 	scanRunning   atomic.Bool
 	scanFound     atomic.Uint64
 	scanCorrupted atomic.Uint64
@@ -324,8 +325,14 @@ func (e *Engine) l3DelLocked(key dcp.Key) {
 	}
 }
 
-// l3Load reads o from L3 into its L1 slabs (placed), verified.
+// l3Load reads o from L3 into its L1 slabs (placed), verified. A copy that
+// fails verification is left in the bucket unless this rank wrote it
+// (l3RepairBad): only the writer can order its delete after its own
+// writes of the object.
 func (e *Engine) l3Load(ctx context.Context, o *l1Obj, dst []byte) (L2Object, error) {
+	e.mu.Lock()
+	stamp := e.l3s.clock
+	e.mu.Unlock()
 	meta, err := e.l3.Get(ctx, o.key, o.fp, dst)
 	ce := (*CorruptError)(nil)
 	switch {
@@ -342,13 +349,68 @@ func (e *Engine) l3Load(ctx context.Context, o *l1Obj, dst []byte) (L2Object, er
 		return meta, nil
 	case errors.As(err, &ce):
 		e.l3c.checksum.Add(1)
+		if !e.l3Writes(o.key) {
+			e.l3c.leftForWriter.Add(1)
+			e.log.Error("L3 object of another rank failed verification; not served, left in the bucket for its writer",
+				zap.Stringer("key", ce.Key), zap.String("path", ce.Path), zap.String("why", ce.Reason))
+			break
+		}
 		e.log.Error("L3 object failed verification; not served", zap.Stringer("key", ce.Key), zap.String("path", ce.Path),
-			zap.Bool("deleted", ce.Deleted), zap.String("why", ce.Reason))
-		e.l3Gone(o.key)
+			zap.String("why", ce.Reason))
+		e.l3RepairBad(o.key, stamp)
 	case errors.Is(err, ErrNotFound):
 		e.l3Gone(o.key)
 	}
 	return meta, err
+}
+
+// l3Writes reports whether this rank writes key's L3 object: the object
+// of shard s is written by TP rank s (dcp.StoreShard), as Scan reads it.
+func (e *Engine) l3Writes(key dcp.Key) bool { return int(key.Shard) == e.cfg.Rank.TPRank }
+
+// l3RepairBad handles a copy of key, written by this rank, that a read
+// begun at clock stamp found bad: it is dropped from the inventory
+// (announced removed) and written again from L1 or L2 when either holds
+// the object, else deleted. Nothing is done when a write of key is queued
+// or running, or one ended (or a read found the copy good) since the read
+// began: that copy replaced what the read saw. The delete is ordered with
+// this rank's writes of key like an eviction's (busy).
+func (e *Engine) l3RepairBad(key dcp.Key, stamp uint64) {
+	s := &e.l3s
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	_, busy := s.busy[key]
+	_, queued := s.queued[key]
+	ent, listed := s.objs[key]
+	if busy || queued || (listed && ent.used > stamp) {
+		e.log.Debug("L3 copy found bad was rewritten since the read; kept", zap.Stringer("key", key))
+		return
+	}
+	if listed {
+		e.l3DelLocked(key)
+		e.emitLocked(wire.Removed, wire.L3, key, ent.size, ent.sum)
+	}
+	if o := e.cat.objs[key]; o != nil && o.state == stReady && !o.doomed {
+		e.l3QueueLocked(key, o.sum) // the write replaces the bad copy
+		return
+	}
+	if l2, ok := e.cat.l2[key]; ok {
+		e.l3QueueLocked(key, l2.sum)
+		return
+	}
+	s.busy[key] = struct{}{}
+	s.inflight++
+	e.mu.Unlock()
+	err := e.l3.Delete(e.life, key)
+	e.mu.Lock()
+	if err != nil {
+		e.log.Warn("L3: delete of a bad copy failed; it stays in the bucket unannounced", zap.Stringer("key", key), zap.Error(err))
+	}
+	delete(s.busy, key)
+	e.l3ReleaseLocked(key)
+	s.inflight--
+	close(s.changed)
+	s.changed = make(chan struct{})
 }
 
 // l3Gone drops key from this rank's L3 inventory (announced), when there.
@@ -500,7 +562,8 @@ func newL3Collector(c *l3Counters, rank string) *l3Collector {
 	add("l3_bytes_total", "Payload bytes moved to (store) and from (retrieve) L3.", "direction")
 	add("l3_queue_full_total", "Objects not written to L3 because the write-behind queue was full (a slow bucket never blocks a store).")
 	add("l3_source_gone_total", "Objects queued for L3 that neither L1 nor L2 held any more when their turn came.")
-	add("l3_checksum_failures_total", "L3 objects that failed verification on read or in the start-up scan (deleted, never served).")
+	add("l3_checksum_failures_total", "L3 objects that failed verification on read or in the start-up scan (never served; this rank's own are rewritten or deleted).")
+	add("l3_left_for_writer_total", "Objects of another rank that failed verification on read here: not served, left in the bucket (only their writer deletes or rewrites them; a reader's delete could remove a rewrite).")
 	add("l3_evictions_total", "L3 objects of this rank deleted to stay under --l3-bytes (each announced as a removal).")
 	add("l3_objects", "Objects this rank wrote that L3 holds.")
 	add("l3_object_bytes", "Header and payload bytes of the L3 objects this rank wrote.")
@@ -537,6 +600,7 @@ func (cl *l3Collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l3_object_bytes", float64(c.bytes.Load()))
 	counter("l3_restored_objects_total", c.restoredFrom.Load())
 	counter("l3_deferred_writes_total", c.deferred.Load())
+	counter("l3_left_for_writer_total", c.leftForWriter.Load())
 	sc := 0.0
 	if c.scanRunning.Load() {
 		sc = 1

@@ -37,9 +37,10 @@ type ObjectStore interface {
 // format (header with key, fingerprint, writer, length and kvsum64, then
 // the payload), under <instance>/<namespace hex>/<key>.kvo: the ranks of
 // one engine instance share its objects, as they share an L2 root. Every
-// read is verified like an L2 read (C5); an object that fails is deleted
-// (a bucket has no cheap rename for a quarantine) and reported as a
-// *CorruptError with Deleted set. An object whose header MAC does not
+// read is verified like an L2 read (C5); an object that fails is reported
+// as a *CorruptError with Kept set and left in the bucket: only the rank
+// that wrote it removes or rewrites it (a reader's delete could remove a
+// rewrite made since its read). An object whose header MAC does not
 // verify with the cluster's storage key (C12) is neither served nor
 // announced nor deleted (a wrong key must not empty a bucket): it is
 // reported with Unverified and Kept, and a later store of its key
@@ -180,8 +181,8 @@ func (p *twoPart) Seek(off int64, whence int) (int64, error) {
 
 // Get reads key's object into dst after verifying, like FileTier.Get, its
 // header, key, fingerprint fp, length len(dst) and payload kvsum64. A
-// missing object gives ErrNotFound; one that fails is deleted and gives a
-// *CorruptError.
+// missing object gives ErrNotFound; one that fails gives a *CorruptError
+// (Kept: it is not deleted here).
 func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error) {
 	name := t.Name(key)
 	body, size, err := t.store.Open(ctx, name, 0, 0)
@@ -200,20 +201,20 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		if ctx.Err() != nil || !errors.Is(err, ErrCorrupt) {
 			return L2Object{}, fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
 		}
-		return L2Object{}, t.corrupt(ctx, key, L2Object{}, false, err.Error())
+		return L2Object{}, t.bad(key, L2Object{}, false, err.Error())
 	}
 	o, _, nonce, err := readObjHeader(bytes.NewReader(hb), size, t.key, true)
 	switch {
 	case errors.Is(err, ErrUnverified):
 		return o, t.unverified(key, o, err)
 	case err != nil:
-		return o, t.corrupt(ctx, key, o, false, err.Error())
+		return o, t.bad(key, o, false, err.Error())
 	case o.Key != key:
-		return o, t.corrupt(ctx, key, o, true, "header names key "+o.Key.String())
+		return o, t.bad(key, o, true, "header names key "+o.Key.String())
 	case o.Fingerprint != fp:
-		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("layout fingerprint %x, namespace has %x", o.Fingerprint[:8], fp[:8]))
+		return o, t.bad(key, o, true, fmt.Sprintf("layout fingerprint %x, namespace has %x", o.Fingerprint[:8], fp[:8]))
 	case o.Size != uint64(len(dst)):
-		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
+		return o, t.bad(key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
 	}
 	if nonce != nil {
 		return o, t.getEncrypted(ctx, key, o, hb, nonce, body, dst)
@@ -224,7 +225,7 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		return o, fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {
-		return o, t.corrupt(ctx, key, o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+		return o, t.bad(key, o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
 	}
 	return o, nil
 }
@@ -246,10 +247,10 @@ func (t *L3Tier) getEncrypted(ctx context.Context, key dcp.Key, o L2Object, hb, 
 		return fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
 	}
 	if _, err := aead.Open(dst[:0], nonce, buf, hb); err != nil {
-		return t.corrupt(ctx, key, o, true, "payload does not decrypt: its AES-256-GCM tag does not verify (ciphertext or tag altered, or the object was written for another instance or namespace)")
+		return t.bad(key, o, true, "payload does not decrypt: its AES-256-GCM tag does not verify (ciphertext or tag altered, or the object was written for another instance or namespace)")
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {
-		return t.corrupt(ctx, key, o, true, fmt.Sprintf("decrypted payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+		return t.bad(key, o, true, fmt.Sprintf("decrypted payload kvsum64 %016x, recorded %016x", sum, o.Sum))
 	}
 	return nil
 }
@@ -284,6 +285,18 @@ func (t *L3Tier) unverified(key dcp.Key, o L2Object, cause error) error {
 		Unverified: true, Kept: true}
 }
 
+// bad reports key's object, which failed a read's verification, as a
+// *CorruptError with Kept: it stays in the bucket. A reader cannot tell
+// whether the object's writer rewrote it since the read (the object stores
+// used here have no conditional delete), so a delete could remove a valid
+// rewrite while the writer's index entry still lists it; the engine of the
+// rank that wrote the object removes or rewrites it (transfer/l3engine.go).
+func (t *L3Tier) bad(key dcp.Key, o L2Object, writerKnown bool, why string) error {
+	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: writerKnown, Path: "l3:" + t.Name(key), Reason: why, Kept: true}
+}
+
+// corrupt reports key's object, whose header failed the scan of its
+// writer, as a *CorruptError, deleted.
 func (t *L3Tier) corrupt(ctx context.Context, key dcp.Key, o L2Object, writerKnown bool, why string) error {
 	ce := &CorruptError{Key: key, Writer: o.Writer, WriterKnown: writerKnown, Path: "l3:" + t.Name(key), Reason: why}
 	if err := t.store.Delete(ctx, t.Name(key)); err == nil {
