@@ -188,6 +188,8 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries")
 	fs.DurationVar(&cfg.MaxIncarnationSkew, "max-incarnation-skew", cfg.MaxIncarnationSkew, "refuse rank incarnations further ahead of this clock")
 	fs.BoolVar(&cfg.RequireMemberIncarnation, "require-member-incarnation", cfg.RequireMemberIncarnation, "accept a new rank incarnation only once memberlist shows it alive")
+	fs.IntVar(&cfg.Death.ConfirmBeats, "death-confirm-beats", cfg.Death.ConfirmBeats, "a gossip death of a rank still connected to NATS is acted on only after this many of its heartbeat intervals without a heartbeat")
+	fs.DurationVar(&cfg.Death.AssumedInterval, "death-assumed-interval", cfg.Death.AssumedInterval, "heartbeat interval assumed for a rank that announces none")
 	fs.IntVar(&cfg.MaxRanks, "max-ranks", cfg.MaxRanks, "ranks the index may hold")
 	fs.IntVar(&cfg.MaxActiveRestoresPerInstance, "max-active-restores-per-instance", cfg.MaxActiveRestoresPerInstance, "active restores of one engine instance")
 	fs.BoolVar(&cfg.HostSharedL1, "host-shared-l1", cfg.HostSharedL1, "every instance's rankds share a host with --host-l1-dir: plan reads of another rank's L1 (before L2)")
