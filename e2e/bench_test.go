@@ -60,6 +60,42 @@ func TestBenchDaemonPath(t *testing.T) {
 		}
 	}
 
+	// The last repetition's timelines: every stage, the engine's and the
+	// rankd's adding up to no more than the timed total, on one clock.
+	for name, want := range map[string][]string{
+		"store": {"request", "decode", "admit", "place", "stream", "enqueue", "wait", "notice", "commit", "release", "reply",
+			"response", "producer", "gather"},
+		"restore": {"begin", "request", "decode", "plan", "lookup", "stream", "enqueue", "wait", "notice", "verify", "finish",
+			"report", "reply", "response", "other ranks", "verdict", "scatter"},
+	} {
+		tl := b.StoreTimeline
+		if name == "restore" {
+			tl = b.RestoreTimeline
+		}
+		if tl == nil {
+			t.Fatalf("no %s timeline: %s", name, b.TimelineProblem)
+		}
+		seen := map[string]bool{}
+		var host int64
+		for _, r := range tl.Rows {
+			seen[r.Name] = true
+			if r.StartNS < 0 || r.DurNS < 0 || r.StartNS+r.DurNS > tl.TotalNS {
+				t.Fatalf("%s timeline row %+v outside [0, %d ns]", name, r, tl.TotalNS)
+			}
+			if r.Where != "device" {
+				host += r.DurNS
+			}
+		}
+		if tl.Skewed || host > tl.TotalNS {
+			t.Fatalf("%s timeline: engine and rankd stages add up to %d ns of %d ns (skewed %v)", name, host, tl.TotalNS, tl.Skewed)
+		}
+		for _, w := range want {
+			if !seen[w] {
+				t.Fatalf("%s timeline has no stage %s: %+v", name, w, tl.Rows)
+			}
+		}
+	}
+
 	// The same seed again: the first store finds its objects held, which
 	// moves no bytes, and the benchmark must refuse to report it.
 	res2, out, err := c.sim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "7")
