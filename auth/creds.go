@@ -16,6 +16,8 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nkeys"
+
+	"github.com/kvtier/kvtier/internal/durable"
 )
 
 // File names inside a credentials directory.
@@ -66,11 +68,8 @@ type Instance struct {
 // gossip key, a route secret (RouteSecretFile), a storage MAC key
 // (StorageKeyFile), and the users file. It refuses to overwrite anything.
 func Init(dir string, instances []Instance) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := durable.MkdirAll(dir, 0o700); err != nil { // its name survives a power cut
 		return fmt.Errorf("create credentials dir %s: %w", dir, err)
-	}
-	if err := syncDir(filepath.Dir(dir)); err != nil { // the directory's own name
-		return err
 	}
 	if err := os.Chmod(dir, 0o700); err != nil {
 		return fmt.Errorf("credentials dir %s: %w", dir, err)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/durable"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
@@ -206,7 +206,7 @@ func (c *Coordinator) Start() error {
 func (c *Coordinator) start() error {
 	t0 := time.Now()
 	c.startedAt = t0
-	if err := os.MkdirAll(c.cfg.DataDir, 0o700); err != nil {
+	if err := durable.MkdirAll(c.cfg.DataDir, 0o700); err != nil { // a first start's index.db must not lose its directory
 		return fmt.Errorf("create data dir %s: %w", c.cfg.DataDir, err)
 	}
 
