@@ -14,22 +14,32 @@ import (
 // it, see chunkmap.go); none touches bbolt.
 
 // Source is where one reader takes one expected object from. A usable copy
-// is always held within the reader's instance (L1: by the reader itself;
-// L2: under the instance's shared L2 root), so the holder is
-// wire.Rank{Instance: LookupResult.Instance, TPRank: HolderTP}; see
-// LookupResult.Holder. Source has no pointers, so a lookup result costs the
-// garbage collector nothing to scan.
+// is held within the reader's instance (L1: by the reader itself or, with
+// HostSharedL1, a rank of its instance; L2: under the instance's shared L2
+// root; L3: under the instance's bucket prefix) or, for LookupSharedInto,
+// in the L2 directory of another instance of the reader's share group, so
+// the holder is wire.Rank{Instance: LookupResult.Instance or
+// Shared[Member-1], TPRank: HolderTP}; see LookupResult.Holder. Source has
+// no pointers, so a lookup result costs the garbage collector nothing to
+// scan.
 type Source struct {
 	Size     uint64
 	Sum      uint64 // kvsum64 recorded at store time: what the reader must confirm
 	HolderTP int32
 	Tier     wire.Tier
+	// Member is 0 when the holder is of the reader's instance, else k for
+	// LookupResult.Shared[k-1] (an L2 copy of another share-group member).
+	Member uint8
 }
 
 // LookupResult is the answer to Lookup.
 type LookupResult struct {
 	Namespace dcp.Namespace
 	Instance  string
+	// Shared are the other instances of the reader's share group whose L2
+	// copies the lookup could use (LookupSharedInto's shared; nil for
+	// LookupInto). Shared with the caller: do not modify.
+	Shared []string
 	// Prefix is the number of leading chunks for which every expectation
 	// has a usable copy.
 	Prefix int
@@ -53,8 +63,29 @@ func (r *LookupResult) Source(i, j int) Source { return r.Sources[i*len(r.Expect
 // Holder returns the rank holding the copy the reader of expectation j
 // reads for chunk i.
 func (r *LookupResult) Holder(i, j int) wire.Rank {
-	return wire.Rank{Instance: r.Instance, TPRank: int(r.Source(i, j).HolderTP)}
+	src := r.Source(i, j)
+	inst := r.Instance
+	if src.Member > 0 {
+		inst = r.Shared[src.Member-1]
+	}
+	return wire.Rank{Instance: inst, TPRank: int(src.HolderTP)}
 }
+
+// SharedSources counts the sources of the prefix held by another instance
+// of the share group (Source.Member > 0).
+func (r *LookupResult) SharedSources() int {
+	n := 0
+	for i := range r.Sources {
+		if r.Sources[i].Member > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// MaxShared bounds LookupSharedInto's shared instances (Source.Member is
+// one byte).
+const MaxShared = 255
 
 // Lookup returns the longest prefix of chunks that engine instance can
 // restore in namespace ns: the largest k such that for every chunk i < k
@@ -85,7 +116,25 @@ func (ix *Index) Lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHas
 // caller that keeps one result per goroutine looks up without allocating.
 // res.Expectations is shared with the index and must not be modified.
 func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
-	*res = LookupResult{Namespace: ns, Instance: instance, Sources: res.Sources[:0]}
+	return ix.LookupSharedInto(res, instance, nil, ns, chunks)
+}
+
+// LookupSharedInto is LookupInto for a reader instance in a share group:
+// besides its own instance's copies, the L2 copies held by the ranks of
+// the instances in shared (the group's other members, whose rankds write
+// the same shared L2 directory) are usable by every reader of instance,
+// even while their holder is fenced (the file outlives it), after the
+// reader instance's own L2 copies and before its L3 copies. Another
+// instance's L1 and L3 copies are never usable: a rankd reads only its
+// own instance's host-shared L1 segments and bucket prefix. The namespace
+// still decides everything else (C4): a member storing under another
+// layout stores under another namespace. At most MaxShared instances;
+// names the index does not know, and instance itself, are ignored.
+func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
+	*res = LookupResult{Namespace: ns, Instance: instance, Shared: shared, Sources: res.Sources[:0]}
+	if len(shared) > MaxShared {
+		return fmt.Errorf("lookup shared with %d instances, limit %d: %w", len(shared), MaxShared, ErrInvalid)
+	}
 	// No Index.mu: the view, then one shard read lock per chunk
 	// (chunkmap.go), so a publish never holds a lookup up.
 	v := ix.view.Load()
@@ -97,7 +146,22 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 	ne := len(pl.exps)
 	res.Expectations, res.ChunkTokens = pl.exps, pl.chunkTokens
 	inst := v.insts[instance] // 0: unknown instance, nothing of it is usable
-	if inst == 0 || len(chunks) == 0 {
+	// members[k] is the id of shared[k] (0: unknown, or the reader's own).
+	var mbuf [8]uint32
+	var members []uint32
+	for k, name := range shared {
+		if id := v.insts[name]; id != 0 && id != inst {
+			if members == nil {
+				members = mbuf[:0]
+				if len(shared) > len(mbuf) {
+					members = make([]uint32, 0, len(shared))
+				}
+				members = members[:len(shared)]
+			}
+			members[k] = id
+		}
+	}
+	if (inst == 0 && members == nil) || len(chunks) == 0 {
 		return nil
 	}
 	// Per expectation: the reader (rank id, 0 if unknown: no L1 of its
@@ -154,17 +218,31 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 			if v.hiding > 0 {
 				s = v.visible(s, &vis) // a sliced inventory is being applied
 			}
-			if !pl.pick(s, readers, inst, ranks, best, score) {
+			if !pl.pick(s, readers, inst, members, ranks, best, score) {
 				return nil
 			}
 			for j := range ne {
 				p := &s[best[j]]
-				res.Sources = append(res.Sources, Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum})
+				src := Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum}
+				if p.inst != inst {
+					src.Member = memberOf(members, p.inst)
+				}
+				res.Sources = append(res.Sources, src)
 			}
 			res.Prefix++
 		}
 	}
 	return nil
+}
+
+// memberOf returns k+1 for the k with members[k] == id (0: none).
+func memberOf(members []uint32, id uint32) uint8 {
+	for k, m := range members {
+		if m == id {
+			return uint8(k + 1)
+		}
+	}
+	return 0
 }
 
 // reader is one expectation's reader as Lookup scores copies for it: its
@@ -215,10 +293,11 @@ func newPlan(r *dcp.Resolved) *lookupPlan {
 // expectation's reader should read (best[j], an index into s) and reports
 // whether every expectation has one. Scores (placement.score): the
 // reader's own L1, with ranks another rank's L1 of the same instance,
-// the reader's own L2, another rank's L2 of the same instance, an L3 copy
-// of the same instance (among other ranks' copies of one tier, the lowest
-// TP rank first); anything else is unusable (0).
-func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks []rankView, best, score []int32) bool {
+// the reader's own L2, another rank's L2 of the same instance, an L2 copy
+// of a share-group member (members, see sharedL2), an L3 copy of the same
+// instance (among other ranks' copies of one tier, the lowest TP rank
+// first); anything else is unusable (0).
+func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, members []uint32, ranks []rankView, best, score []int32) bool {
 	if len(s) == 0 {
 		return false
 	}
@@ -233,8 +312,10 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 		o := sh*groups + g
 		if j := one[o]; j >= 0 { // the common case: one reader per object
 			sc := p.score(&readers[j], inst)
-			if sc == 4 && !p.peerL1(ranks) {
+			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
+			} else if sc == 0 && members != nil {
+				sc = p.sharedL2(members)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -243,8 +324,10 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 		}
 		for _, j := range pl.readers[o] {
 			sc := p.score(&readers[j], inst)
-			if sc == 4 && !p.peerL1(ranks) {
+			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
+			} else if sc == 0 && members != nil {
+				sc = p.sharedL2(members)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -259,42 +342,72 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 	return true
 }
 
-// score rates p for a reader r of instance inst: 5 the reader's own L1
-// (0 when stored by an incarnation older than r.inc: while the reader is
-// fenced or being fenced, every one), 4 another rank's L1 of the
-// same instance (usable only when L1 is host-shared and its holder's fence
-// state allows it: pick asks peerL1), 3 the reader's
-// own L2, 2 another rank's L2 of the same instance, 1 an L3 copy of any
-// rank of the same instance (its bucket prefix is the instance's: the plan
-// prefers L1 > L2 > L3), 0 unusable. Only one copy per (rank, tier)
-// exists, so equal scores below 5 and 3 compare copies of other ranks.
+// Scores of a copy for one reader (placement.score, sharedL2), best
+// first; 0 is unusable.
+const (
+	scoreOwnL1    = 6 // the reader's own L1 (not of an older incarnation)
+	scorePeerL1   = 5 // another rank's L1 of the same instance: pick asks peerL1
+	scoreOwnL2    = 4 // the reader's own L2
+	scoreL2       = 3 // another rank's L2 of the same instance
+	scoreSharedL2 = 2 // an L2 copy of another instance of the share group
+	scoreL3       = 1 // an L3 copy of any rank of the same instance
+)
+
+// score rates p for a reader r of instance inst: scoreOwnL1 the reader's
+// own L1 (0 when stored by an incarnation older than r.inc: while the
+// reader is fenced or being fenced, every one), scorePeerL1 another rank's
+// L1 of the same instance (usable only when L1 is host-shared and its
+// holder's fence state allows it: pick asks peerL1), scoreOwnL2 the
+// reader's own L2, scoreL2 another rank's L2 of the same instance, scoreL3
+// an L3 copy of any rank of the same instance (its bucket prefix is the
+// instance's: the plan prefers L1 > L2 > L3), 0 anything of another
+// instance (pick asks sharedL2). Only one copy per (rank, tier) exists,
+// so equal scores below scoreOwnL1 and scoreOwnL2 compare copies of other
+// ranks.
 func (p *placement) score(r *reader, inst uint32) int32 {
 	if p.tier == wire.L3 {
 		if p.inst == inst {
-			return 1
+			return scoreL3
 		}
 		return 0
 	}
 	if int32(p.rank) == r.id {
 		if p.tier != wire.L1 {
-			return 3
+			return scoreOwnL2
 		}
 		if p.inc < r.inc {
 			return 0
 		}
-		return 5
+		return scoreOwnL1
 	}
 	if p.inst != inst {
 		return 0
 	}
 	if p.tier == wire.L2 {
-		return 2
+		return scoreL2
 	}
-	return 4 // another rank's L1: pick checks it (peerL1)
+	return scorePeerL1 // another rank's L1: pick checks it (peerL1)
+}
+
+// sharedL2 rates p, a copy of another instance than the reader's:
+// scoreSharedL2 when it is an L2 copy held by a rank of one of members
+// (the reader's share group: their rankds write the L2 directory the
+// reader's rankds read), else 0. Out of score so that score stays inlined
+// in pick's loop.
+func (p *placement) sharedL2(members []uint32) int32 {
+	if p.tier != wire.L2 {
+		return 0
+	}
+	for _, m := range members {
+		if m == p.inst {
+			return scoreSharedL2
+		}
+	}
+	return 0
 }
 
 // peerL1 reports whether p, another rank's L1 copy of the reader's
-// instance (score 4), is usable: only with HostSharedL1 (ranks non-nil),
+// instance (scorePeerL1), is usable: only with HostSharedL1 (ranks non-nil),
 // and only when its holder's fence state in the lookup view allows it.
 // Out of score so that score stays inlined in pick's loop.
 func (p *placement) peerL1(ranks []rankView) bool {
