@@ -224,10 +224,13 @@ func (c *Coordinator) admitLocked(rb *rankBudget, b *wire.Batch, now time.Time) 
 		rb.inFlight++
 		return "", 0, nil
 	}
+	// A batch that adds no placement on balance is taken even over the
+	// budget (a budget lowered by a declaration or the config): refusing
+	// it would only cost the rank a resync whose inventory is refused too.
 	held, added, removed := c.idx.BatchGrowth(b)
 	if rb.inFlight == 0 {
 		after := held + int64(added) - int64(removed)
-		if after > budget {
+		if after > budget && added > removed {
 			return "rank_budget", 0, fmt.Errorf("batch of %s incarnation %d (%d events from seq %d): the rank holds %d placements and would hold %d, over its budget of %d (%s): %w: %w",
 				b.Rank, b.Incarnation, len(b.Events), firstSeq(b), held, after, budget, from, errRefused, wire.ErrMalformed)
 		}
@@ -235,7 +238,7 @@ func (c *Coordinator) admitLocked(rb *rankBudget, b *wire.Batch, now time.Time) 
 		rb.inFlight++
 		return "", 0, nil
 	}
-	if rb.base+rb.grown+int64(added) > budget {
+	if added > 0 && rb.base+rb.grown+int64(added) > budget {
 		return "rank_budget_in_flight", 0, fmt.Errorf("batch of %s incarnation %d (%d events from seq %d): with %d batches in flight the rank may hold %d placements, over its budget of %d (%s); send it again once they are acknowledged: %w",
 			b.Rank, b.Incarnation, len(b.Events), firstSeq(b), rb.inFlight, rb.base+rb.grown+int64(added), budget, from, errRetryLater)
 	}

@@ -186,6 +186,26 @@ func TestRankBudgetExact(t *testing.T) {
 	if got := placementsOf(c, r); got != 4 {
 		t.Fatalf("index holds %d placements, want 4", got)
 	}
+	// Over a budget lowered by a declaration (2 objects), a batch that
+	// adds nothing on balance is still taken; one that adds is not.
+	hb, _ := json.Marshal(wire.Heartbeat{Rank: r, Incarnation: 1, Seq: 7, Capacity: &wire.Capacity{L1Bytes: 2 * c.idx.MinObjectSize()}})
+	if err := nc.Publish(c.subj.Heartbeat(r), hb); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 5*time.Second, "the declared capacity to lower the budget to 2", func() bool {
+		budget, _ := c.rankBudget(r)
+		return budget == 2
+	})
+	swap = storeBatch(r, 1, 8, ns, chunks[5:6], wire.L2)
+	swap.Events = append([]wire.Event{{Seq: 8, Kind: wire.Removed, Tier: wire.L2, Key: dcp.Key{NS: ns, Chunk: chunks[0]}}}, swap.Events...)
+	swap.Events[1].Seq = 9
+	if ack, werr := sendBatch(t, nc, c.subj, swap); werr != nil || ack.AppliedThrough != 9 {
+		t.Fatalf("one removed, one stored over a lowered budget: %+v %v", ack, werr)
+	}
+	_, werr = sendBatch(t, nc, c.subj, storeBatch(r, 1, 9, ns, chunks[1:2], wire.L2))
+	if werr == nil || werr.Code != wire.CodeBadRequest || !strings.Contains(werr.Message, "budget of 2") {
+		t.Fatalf("a new placement over a lowered budget: %v", werr)
+	}
 }
 
 // TestRankBudgetDeclaredCapacity: the capacity a rank's heartbeat

@@ -182,11 +182,14 @@ type Config struct {
 	// the rank, the count and the budget), and so is an inventory larger
 	// than it. A rank whose heartbeats declare its capacity
 	// (wire.Capacity) is held to the lower of this and that capacity over
-	// the smallest object of any registered namespace. Default 2097152 (2
-	// Mi: a rank with 1 TiB of L2 holds 2 Mi objects of 512 KiB). Each
-	// placement costs the coordinator about 350 B of memory and the index
-	// file about 30 B, so this is what one rankd credential can make it
-	// hold; MaxRanks times it bounds the fleet. Must be >= 1.
+	// the smallest object of any registered namespace. Default 1048576 (1
+	// Mi: 4 TiB of a TP8 rank's 4 MiB shards of 256-token chunks at 8B
+	// geometry; a rank stored 2 M invented placements in the attack of
+	// issue 28.3). Each placement costs the coordinator about 350 B of
+	// memory and the index file about 30 B, so this is what one rankd
+	// credential can make it hold (~350 MiB by default); MaxRanks times it
+	// bounds the fleet. Raise it for ranks that hold more objects. Must
+	// be >= 1.
 	MaxPlacementsPerRank int
 	// EventRatePerRank and EventBurstPerRank bound how fast one rank's
 	// events are taken (a token bucket per rank, one token per event of
@@ -290,7 +293,7 @@ func DefaultConfig() Config {
 		MaxNamespaces:                1024,
 		MaxInventoryPages:            8192,
 		MaxInventoryObjects:          16 << 20,
-		MaxPlacementsPerRank:         2 << 20,
+		MaxPlacementsPerRank:         1 << 20,
 		EventRatePerRank:             2_000_000,
 		EventBurstPerRank:            2_000_000,
 		MaxConcurrentResyncs:         64,

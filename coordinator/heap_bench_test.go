@@ -1,0 +1,201 @@
+package coordinator
+
+import (
+	"context"
+	"os"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
+)
+
+// BenchmarkRankResetHeap measures the heap of a coordinator (in process,
+// fsync on, embedded NATS; the test's own NATS clients and fake rank share
+// the process) while one rank's placements are reset and while a large
+// inventory of it is applied (issue 28.3): the rank stores
+// KVTIER_BENCH_RANK_OBJECTS placements (default 1 M; at most the default
+// MaxPlacementsPerRank), each its own chunk of the rank's shard, through
+// NATS in batches of 8,192; then
+//
+//   - reset: `coordinator rank reset` (admin.rank.reset through NATS)
+//     drops them all;
+//   - inventory: a gap batch makes the coordinator resync the rank from
+//     an inventory of as many objects (served by a fake rank in this
+//     process from an array built before the baseline), until the index
+//     shows its sequence.
+//
+// Reported: the peak of runtime.MemStats.HeapInuse sampled every
+// millisecond during each, above HeapInuse right before it (after a GC):
+//
+//	KVTIER_BENCH_RANK_OBJECTS=1000000 go test -run '^$' -bench RankResetHeap -benchtime 1x ./coordinator/
+func BenchmarkRankResetHeap(b *testing.B) {
+	n := 1 << 20
+	if v := os.Getenv("KVTIER_BENCH_RANK_OBJECTS"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("KVTIER_BENCH_RANK_OBJECTS=%q", v)
+		}
+	}
+	const batch = 8192
+	for b.Loop() {
+		c := benchCoord(b)
+		nc := connect(b, c)
+		ns := register(b, nc, c.subj, testSpec(1))
+		r := wire.Rank{Instance: "flood", TPRank: 0}
+		keyOf := func(seed uint64, i int) dcp.Key { return dcp.Key{NS: ns, Chunk: indextest.Chunk(seed, uint64(i))} }
+		size := uint64(2048) // testSpec's object (checkEventGeometry)
+		for lo := 0; lo < n; lo += batch {
+			bt := &wire.Batch{Rank: r, Incarnation: 1}
+			for i := lo; i < min(lo+batch, n); i++ {
+				bt.Events = append(bt.Events, wire.Event{Seq: uint64(i) + 1, Kind: wire.Stored, Tier: wire.L2, Key: keyOf(1, i),
+					Size: size, Sum: uint64(i) + 1})
+			}
+			if ack, werr := sendBatch(b, nc, c.subj, bt); werr != nil || ack.AppliedThrough != uint64(min(lo+batch, n)) {
+				b.Fatalf("fill: %+v %v", ack, werr)
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		reset := heapPeak(func() {
+			rep, err := bus.Call[wire.AdminRankResetReply](ctx, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: r.String()})
+			if err != nil || rep.Placements != n {
+				b.Fatalf("reset: %+v %v", rep, err)
+			}
+		})
+
+		inv := wire.Inventory{Rank: r, Incarnation: 2, Seq: 5, Objects: make([]wire.Placement, n)}
+		for i := range inv.Objects {
+			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: size, Sum: uint64(i) + 1}
+		}
+		srv := newInventoryServer(wire.DefaultInventoryPageSize)
+		sub, err := connect(b, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
+			srv.serve(m, func() wire.Inventory { return inv })
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+		apply := heapPeak(func() {
+			gap := &wire.Batch{Rank: r, Incarnation: 2, Events: []wire.Event{{Seq: 3, Kind: wire.Stored, Tier: wire.L2,
+				Key: keyOf(3, 0), Size: size, Sum: 1}}}
+			if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
+				b.Fatalf("gap batch: %+v %v", ack, werr)
+			}
+			for {
+				if ri, ok := c.idx.Rank(r); ok && ri.LastSeq == inv.Seq && !ri.Partial {
+					break
+				}
+				if ctx.Err() != nil {
+					b.Fatal("the resync never landed")
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+		cancel()
+		_ = sub.Unsubscribe()
+		runtime.KeepAlive(inv)
+		mib := func(v uint64) float64 { return float64(v) / (1 << 20) }
+		b.Logf("%d placements: reset peak +%.1f MiB (%.0f B each); inventory resync peak +%.1f MiB (%.0f B each)",
+			n, mib(reset), float64(reset)/float64(n), mib(apply), float64(apply)/float64(n))
+		b.ReportMetric(mib(reset), "MiB-reset-peak")
+		b.ReportMetric(mib(apply), "MiB-inventory-peak")
+	}
+}
+
+// heapPeak runs f and returns the peak HeapInuse sampled every
+// millisecond while it ran, above HeapInuse right before it (after a GC).
+func heapPeak(f func()) uint64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	base := ms.HeapInuse
+	var top atomic.Uint64
+	top.Store(base)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(time.Millisecond)
+		defer t.Stop()
+		var m runtime.MemStats
+		for {
+			runtime.ReadMemStats(&m)
+			if m.HeapInuse > top.Load() {
+				top.Store(m.HeapInuse)
+			}
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+		}
+	})
+	f()
+	close(stop)
+	wg.Wait()
+	runtime.ReadMemStats(&ms)
+	return max(top.Load(), ms.HeapInuse) - base
+}
+
+// BenchmarkPlacementFlood replays issue 28.3's attack on a coordinator
+// with the default config (in process, fsync on, embedded NATS, auth off
+// so the test can publish as the rank): one rank sends
+// KVTIER_BENCH_FLOOD invented placements of its own shard (default
+// 2,000,000, the attack's size), batches of 8,192 one after another; each
+// refused batch is sent on as the next (the attacker ignores refusals).
+// Reported: the placements the index holds for the rank, the batches
+// refused, HeapInuse after a GC above the empty coordinator's, and the
+// index file's size:
+//
+//	go test -run '^$' -bench PlacementFlood -benchtime 1x ./coordinator/
+func BenchmarkPlacementFlood(b *testing.B) {
+	n := 2_000_000
+	if v := os.Getenv("KVTIER_BENCH_FLOOD"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("KVTIER_BENCH_FLOOD=%q", v)
+		}
+	}
+	const batch = 8192
+	for b.Loop() {
+		c := benchCoord(b)
+		nc := connect(b, c)
+		ns := register(b, nc, c.subj, testSpec(1))
+		r := wire.Rank{Instance: "flood", TPRank: 0}
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		base := ms.HeapInuse
+		refused := 0
+		t0 := time.Now()
+		for lo := 0; lo < n; lo += batch {
+			bt := &wire.Batch{Rank: r, Incarnation: 1}
+			for i := lo; i < min(lo+batch, n); i++ {
+				bt.Events = append(bt.Events, wire.Event{Seq: uint64(i) + 1, Kind: wire.Stored, Tier: wire.L2,
+					Key: dcp.Key{NS: ns, Chunk: indextest.Chunk(1, uint64(i))}, Size: 2048, Sum: uint64(i) + 1})
+			}
+			if _, werr := sendBatch(b, nc, c.subj, bt); werr != nil {
+				refused++
+			}
+		}
+		took := time.Since(t0)
+		ri, _ := c.idx.Rank(r)
+		held := ri.L1Placements + ri.L2Placements + ri.L3Placements
+		runtime.GC()
+		runtime.ReadMemStats(&ms)
+		fi, err := os.Stat(c.cfg.DataDir + "/" + IndexFile)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Logf("%d invented placements in %v: the index holds %d, %d of %d batches refused; heap in use +%.1f MiB, index file %.1f MiB",
+			n, took.Round(time.Millisecond), held, refused, (n+batch-1)/batch, float64(int64(ms.HeapInuse)-int64(base))/(1<<20),
+			float64(fi.Size())/(1<<20))
+		b.ReportMetric(float64(held), "placements-held")
+		b.ReportMetric(float64(int64(ms.HeapInuse)-int64(base))/(1<<20), "MiB-heap")
+	}
+}
