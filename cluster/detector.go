@@ -92,6 +92,22 @@ import (
 // produce a false death, because the confirmations then come from equally
 // starved peers.
 //
+// Why the tuning stays this tight although inference hosts are often
+// CPU-bound (issue 29.4): to kvtier a death here is only a suspicion. The
+// coordinator acts on one only when the rank's own NATS channel confirms it
+// (coordinator/deaths.go: the rank's connection gone, its leaving notice,
+// or its heartbeats silent for a few of its 2 s intervals), so a false
+// death of a starved process costs a refutation round and a counted
+// notice, not a fence; and fast suspicion is what makes a real crash
+// fenced within a second (its NATS connection is gone by then). Lifeguard's
+// own defences (AwarenessMaxMultiplier, the confirmations SuspicionMult
+// asks for) stay at the values above. Under 8 busy loops per core with the
+// rankds at nice 10, memberlist declared 16 false deaths in 30 s, every one
+// refuted by heartbeats at most 4 s apart (e2e
+// TestSoakStarvedRanksNotFenced). Loosening the detector would trade
+// detection speed for fewer of these notices, and a key holder could still
+// forge them.
+//
 // Meta updates ride the same gossip: they are for data that changes every
 // few seconds at most (addresses, tier usage snapshots), not for a stream.
 //

@@ -54,7 +54,8 @@
 //     it (liveTable.mu, below, and the index's own read paths); verdicts
 //     are delivered and waiters answered after it is released.
 //  6. Leaves, nothing taken under them: liveTable.mu, heartbeats.mu,
-//     geometries.mu.
+//     geometries.mu, deaths.mu (the death check reads the index before
+//     it takes deaths.mu, and acts after releasing it).
 //
 // The index's locks and raft's are theirs (index/doc.go, hashicorp/raft)
 // and are only ever taken inside the calls above, never around a

@@ -9,7 +9,8 @@ package coordinator
 //
 // Every request that mutates the index is a raft log entry, and nothing
 // else writes it: event batches, rank inventories (resyncs), fences
-// (memberlist deaths and leaves, new incarnations' old L1 copies are fenced
+// (memberlist deaths and leaves once confirmed over NATS (deaths.go), new
+// incarnations' old L1 copies are fenced
 // by the batch itself, the startup and leader sweeps), namespace
 // registrations and operator rank resets. Restore state (plans, reports,
 // verdicts) is not: it lives on the leader only, and restores in flight at
