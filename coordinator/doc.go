@@ -55,7 +55,10 @@
 //     are delivered and waiters answered after it is released.
 //  6. Leaves, nothing taken under them: liveTable.mu, heartbeats.mu,
 //     geometries.mu, deaths.mu (the death check reads the index before
-//     it takes deaths.mu, and acts after releasing it).
+//     it takes deaths.mu, and acts after releasing it), rankBudgets.mu,
+//     and rankBudget.mu (a rank's budget: the index's read paths Rank,
+//     BatchGrowth and MinObjectSize are taken under it, nothing of the
+//     coordinator; budget.go).
 //
 // The index's locks and raft's are theirs (index/doc.go, hashicorp/raft)
 // and are only ever taken inside the calls above, never around a

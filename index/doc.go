@@ -31,9 +31,10 @@
 // (new incarnation, or FenceRank when memberlist declares a rank dead).
 // Every rank keeps the set of chunks it has placements in, so a fence, an
 // inventory or ListRank visits the rank's own chunks, never the whole index
-// (STYLE 24). A large fence or inventory is applied in slices between other
-// ranks' group commits (fence.go, inventory.go), hidden from queries until
-// it is whole: a rank being resynced shows none of its placements meanwhile.
+// (STYLE 24). A large fence, inventory or reset is applied in slices between
+// other ranks' group commits (fence.go, inventory.go, reset.go), hidden from
+// queries until it is whole: a rank being resynced or reset shows none of
+// its placements meanwhile.
 //
 // # bbolt layout
 //
