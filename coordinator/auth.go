@@ -120,6 +120,13 @@ func (c *Coordinator) scope(m *nats.Msg, op, kind string, bodyInstance *string) 
 	}
 	inst := wire.InstanceOf(m.Subject)
 	if *bodyInstance != "" && *bodyInstance != inst {
+		if g, outside := c.share.outside(inst, *bodyInstance); outside {
+			// An attempt at another share group's copies (share.go).
+			c.share.met.refused.WithLabelValues(kind).Inc()
+			c.refuse(m, kind, fmt.Errorf("request on %s names instance %q of share group %q, which instance %q is not in: an engine may act only for its own instance: %w",
+				m.Subject, *bodyInstance, g, inst, wire.ErrMalformed))
+			return false
+		}
 		c.refuse(m, kind, fmt.Errorf("request on %s names instance %q: an engine may act only for its own instance %q: %w",
 			m.Subject, *bodyInstance, inst, wire.ErrMalformed))
 		return false

@@ -103,9 +103,17 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			default:
 			}
 		}
+		shared := 0
+		if res.Shared != nil {
+			shared = sharedPlanned(&res, out.plan.Prefix)
+		}
+		if shared > 0 {
+			c.share.met.restores.Inc()
+			c.share.met.objects.Add(float64(shared))
+		}
 		c.log.Debug("restore begun", zap.String("restore", out.id), zap.Stringer("namespace", req.Namespace),
 			zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
-			zap.Int("ranks", len(out.plan.Ranks)), zap.Duration("deadline", deadline))
+			zap.Int("ranks", len(out.plan.Ranks)), zap.Int("shared_objects", shared), zap.Duration("deadline", deadline))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
 	}
 }
@@ -122,6 +130,18 @@ func restoreDeadline(askedMS int, def, max time.Duration) time.Duration {
 		return time.Duration(askedMS) * time.Millisecond
 	}
 	return max
+}
+
+// sharedPlanned counts the sources of chunks [0, n) of res read from
+// another share-group member's copy (index.Source.Member).
+func sharedPlanned(res *index.LookupResult, n int) int {
+	k := 0
+	for _, s := range res.Sources[:n*len(res.Expectations)] {
+		if s.Member > 0 {
+			k++
+		}
+	}
+	return k
 }
 
 // zeroSumCut returns the first chunk of res's prefix with a source whose

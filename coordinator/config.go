@@ -230,6 +230,23 @@ type Config struct {
 	// rankds share a host and run with --host-l1-dir. Default false.
 	HostSharedL1 bool
 
+	// ShareGroups puts engine instances that serve the same model with the
+	// same layout into share groups (docs/sharing.md): a lookup or restore
+	// of a member may read the L2 copies the group's other members stored,
+	// so instance B restores what instance A computed. The members' rankds
+	// must share one L2 directory (a shared file system): a plan names a
+	// file by key, and a reader that cannot see it fails the chunk and the
+	// engine recomputes it. Nothing else changes: each reader rank still
+	// confirms the sum recorded at store time (C5), a different layout is
+	// another namespace (C4), another instance's L1 and L3 copies are never
+	// planned, and an engine still acts only for its own instance (C9). An
+	// instance is in at most one group. Default none: every instance reads
+	// only its own copies. The trade-off: the members trust each other's
+	// bytes as their own (they are checked against the writer's recorded
+	// sum, not recomputed), and each can tell from its hit rate what the
+	// others' prompts were, within a cache_salt.
+	ShareGroups []ShareGroup
+
 	// IndexMaxFileBytes caps the bbolt index file, in bytes
 	// (index.Config.MaxFileBytes): a commit that would grow it further
 	// fails, the index refuses writes until the coordinator restarts with
@@ -423,6 +440,9 @@ func (c *Config) Validate() error {
 	}
 	if c.IndexMaxFileBytes < 0 {
 		return fmt.Errorf("index max file bytes %d must be >= 0 (0: no cap): %w", c.IndexMaxFileBytes, ErrConfig)
+	}
+	if err := validateShareGroups(c.ShareGroups); err != nil {
+		return err
 	}
 	if err := c.Raft.Validate(); err != nil {
 		return err

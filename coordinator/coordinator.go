@@ -39,6 +39,8 @@ type Coordinator struct {
 	subj wire.Subjects
 	reg  *prometheus.Registry
 	met  *metrics
+	// share is the share groups' state (share.go); read-only.
+	share *shareState
 
 	lifeMu  sync.Mutex // guards started, closed
 	started bool
@@ -157,6 +159,10 @@ func New(cfg Config) (*Coordinator, error) {
 	c.rs = newRestores(c)
 	c.live = newLiveTable()
 	c.auth.refused = newRefused()
+	c.share = newShareState(cfg.ShareGroups)
+	if err := c.reg.Register(c.share.met); err != nil {
+		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
 	if err := c.reg.Register(c.met); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
 	}

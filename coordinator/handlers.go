@@ -113,7 +113,9 @@ func appendLookupReply(b []byte, instance string, prefix int) ([]byte, bool) {
 	return append(b, "}}"...), true
 }
 
-// lookupInto is lookup writing into res (index.LookupInto).
+// lookupInto is lookup writing into res (index.LookupSharedInto): the
+// reader instance's copies and the L2 copies of the other instances of
+// its share group (share.go).
 func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
 	if len(chunks) > MaxChunks {
 		return fmt.Errorf("%d chunks, limit %d: %w", len(chunks), MaxChunks, errTooLarge)
@@ -121,7 +123,7 @@ func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dc
 	t0 := time.Now()
 	defer func() { c.met.lookupSeconds.Observe(time.Since(t0).Seconds()) }()
 	if instance != "" {
-		err := c.idx.LookupInto(res, instance, ns, chunks)
+		err := c.idx.LookupSharedInto(res, instance, c.share.shared(instance), ns, chunks)
 		c.countLookup(res.Prefix, len(chunks), err)
 		return err
 	}
@@ -131,7 +133,7 @@ func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dc
 	}
 	var cand index.LookupResult
 	for _, inst := range c.idx.Instances() { // sorted
-		if err := c.idx.LookupInto(&cand, inst, ns, chunks); err != nil {
+		if err := c.idx.LookupSharedInto(&cand, inst, c.share.shared(inst), ns, chunks); err != nil {
 			*res = cand
 			return err
 		}
@@ -204,6 +206,9 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	// admin queries).
 	c.met.lookupTokens.Add(float64(len(req.Chunks) * res.ChunkTokens))
 	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
+	if res.Shared != nil && res.SharedSources() > 0 {
+		c.share.met.lookups.Inc()
+	}
 	var notAliveRanks []string
 	var reason string
 	if res.Instance != "" {

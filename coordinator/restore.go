@@ -259,6 +259,9 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	if a := rs.active[req.RestoreID]; a != nil {
 		if inst != "" && a.instance != inst {
 			rs.mu.Unlock()
+			if _, outside := c.share.outside(inst, a.instance); outside {
+				c.share.met.refused.WithLabelValues("restore_wait").Inc()
+			}
 			c.refuse(m, "restore_wait", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
 			return
 		}
@@ -288,6 +291,9 @@ func (rs *restores) handleWait(m *nats.Msg) {
 		return
 	}
 	if inst != "" && d.Instance != inst {
+		if _, outside := c.share.outside(inst, d.Instance); outside {
+			c.share.met.refused.WithLabelValues("restore_wait").Inc()
+		}
 		c.refuse(m, "restore_wait", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
 		return
 	}

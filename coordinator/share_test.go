@@ -1,0 +1,192 @@
+package coordinator
+
+import (
+	"errors"
+	"math"
+	"testing"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestShareGroupRestore (issue 26.1, 26.2): engA and engB are one share
+// group, engC is outside it. engA's two ranks store three chunks in L1
+// and the first two in L2. engB's lookup and restore read engA's L2 copies
+// (never its L1): its own ranks are the readers and each must confirm
+// engA's recorded sums (a wrong sum fails the restore); a fence of the
+// holder leaves its L2 copies readable. engC gets a plain miss, and is
+// refused (and counted) when it names engA or engB's restore; another
+// layout of the model never matches. Seen failing first without the
+// group in the config (engB's prefix 0).
+func TestShareGroupRestore(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.ShareGroups = []ShareGroup{{Name: "chat", Instances: []string{"engA", "engB"}}}
+	})
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	chunks := chain(ns, 3, 11)
+	for tp := range 2 {
+		r := wire.Rank{Instance: "engA", TPRank: tp}
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 0, ns, chunks, wire.L1)); werr != nil {
+			t.Fatal(werr)
+		}
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 3, ns, chunks[:2], wire.L2)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("engB", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chunks, Detail: true})
+	if lr.Instance != "engB" || lr.Prefix != 2 || len(lr.Sources) != 4 {
+		t.Fatalf("engB's lookup = %+v, want prefix 2 from engA's L2", lr)
+	}
+	for _, s := range lr.Sources {
+		want := wire.Rank{Instance: "engA", TPRank: int(s.Key.Shard)}
+		if s.Reader != (wire.Rank{Instance: "engB", TPRank: int(s.Key.Shard)}).String() || s.Placements[0].Holder != want ||
+			s.Placements[0].Tier != wire.L2 {
+			t.Fatalf("source %+v, want engB's rank reading %s's L2", s, want)
+		}
+	}
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_share_lookups_total"); got != 1 {
+		t.Fatalf("share lookups %v, want 1", got)
+	}
+
+	begin := func(inst string) *wire.RestorePlan {
+		t.Helper()
+		return call[wire.RestorePlan](t, nc, c.subj.EngineCoord(inst, wire.CoordRestoreBegin),
+			wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks}})
+	}
+	report := func(plan *wire.RestorePlan, tp int, bad bool) *wire.ReportAck {
+		t.Helper()
+		r := wire.Rank{Instance: "engB", TPRank: tp}
+		res := results(plan.Ranks[r.String()])
+		if bad {
+			res[0].Sum++
+		}
+		return call[wire.ReportAck](t, nc, c.subj.Report(r), wire.RestoreReport{RestoreID: plan.RestoreID, Rank: r, Results: res})
+	}
+	plan := begin("engB")
+	if plan.Prefix != 2 || len(plan.Ranks) != 2 {
+		t.Fatalf("engB's plan = %+v", plan)
+	}
+	for reader, items := range plan.Ranks {
+		for _, it := range items {
+			if it.Source.Holder.Instance != "engA" || it.Source.Tier != wire.L2 || it.Sum != sumOf(it.Key) {
+				t.Fatalf("%s: item %+v, want engA's L2 copy with its recorded sum", reader, it)
+			}
+		}
+	}
+	report(plan, 0, false)
+	if ack := report(plan, 1, false); ack.State != wire.VerdictComplete {
+		t.Fatalf("engB's restore from engA's copies: %s, want complete", ack.State)
+	}
+	// Per rank verdicts unchanged: a reader confirming another sum than
+	// the one engA recorded fails the restore.
+	plan = begin("engB")
+	report(plan, 0, false)
+	if ack := report(plan, 1, true); ack.State != wire.VerdictFailed {
+		t.Fatalf("a wrong sum from engB/1: %s, want failed", ack.State)
+	}
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_share_restores_total"); got != 2 {
+		t.Fatalf("share restores %v, want 2", got)
+	}
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_share_planned_objects_total"); got != 8 {
+		t.Fatalf("share planned objects %v, want 8", got)
+	}
+
+	// engC is outside the group: its own lookup and restore find nothing
+	// (a plain miss: a refusal would tell it engA holds the prompt) ...
+	if lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("engC", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chunks}); lr.Prefix != 0 {
+		t.Fatalf("engC's lookup = %+v, want prefix 0", lr)
+	}
+	if p := begin("engC"); p.Prefix != 0 || len(p.Ranks) != 0 {
+		t.Fatalf("engC's plan = %+v, want nothing", p)
+	}
+	// ... and naming engA, or engB's restore, is refused and counted.
+	callErr[wire.LookupReply](t, nc, c.subj.EngineCoord("engC", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "engA"}, wire.CodeUnauthorized)
+	callErr[wire.RestorePlan](t, nc, c.subj.EngineCoord("engC", wire.CoordRestoreBegin),
+		wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks}, Instance: "engB"}, wire.CodeUnauthorized)
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("engC", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: plan.RestoreID}, wire.CodeUnauthorized)
+	// A member still acts only for itself: engB naming engA is refused
+	// too, but it is no attempt at another group's copies.
+	callErr[wire.LookupReply](t, nc, c.subj.EngineCoord("engB", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "engA"}, wire.CodeUnauthorized)
+	for op, want := range map[string]float64{"lookup": 1, "restore_begin": 1, "restore_wait": 1} {
+		if got := testutil.Metric(t, c.reg, "kvtier_coord_share_refused_total", "op", op); got != want {
+			t.Errorf("share refused %s = %v, want %v", op, got, want)
+		}
+	}
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", "lookup"); got != 2 {
+		t.Errorf("unauthorized lookups %v, want 2", got)
+	}
+
+	// The holder dies: its L1 copies are fenced for every reader; its L2
+	// files outlive it.
+	if _, err := c.idx.FenceRank(tctx(t), wire.Rank{Instance: "engA", TPRank: 0}, math.MaxUint64); err != nil {
+		t.Fatal(err)
+	}
+	if lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("engB", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chunks}); lr.Prefix != 2 {
+		t.Fatalf("engB's lookup after engA/0's fence = %+v, want prefix 2", lr)
+	}
+
+	// Another layout of the same model is another namespace (C4).
+	spec2 := testSpec(2)
+	spec2.Layout.DCP, spec2.ChunkTokens = 2, 32
+	ns2 := register(t, nc, c.subj, spec2)
+	if ns2 == ns {
+		t.Fatal("two layouts, one namespace")
+	}
+	for _, ch := range [][]dcp.ChunkHash{chunks, chain(ns2, 3, 11)} {
+		if lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("engB", wire.CoordLookup),
+			wire.LookupRequest{Namespace: ns2, Chunks: ch}); lr.Prefix != 0 {
+			t.Fatalf("engB's lookup under another layout = %+v, want prefix 0", lr)
+		}
+	}
+}
+
+// TestShareGroupConfig: the groups' rules, and the flag's form.
+func TestShareGroupConfig(t *testing.T) {
+	g, err := ParseShareGroup("chat=a, b,c")
+	if err != nil || g.Name != "chat" || len(g.Instances) != 3 || g.Instances[1] != "b" {
+		t.Fatalf("ParseShareGroup = %+v, %v", g, err)
+	}
+	for _, bad := range []string{"chat", "chat=a", "=a,b", "chat=a,a", "chat=a,b c", "chat=a,,b", "ch.at=a,b"} {
+		if _, err := ParseShareGroup(bad); !errors.Is(err, ErrConfig) {
+			t.Errorf("ParseShareGroup(%q) = %v, want ErrConfig", bad, err)
+		}
+	}
+	for name, gs := range map[string][]ShareGroup{
+		"two groups":    {{Name: "x", Instances: []string{"a", "b"}}, {Name: "y", Instances: []string{"b", "c"}}},
+		"one name":      {{Name: "x", Instances: []string{"a", "b"}}, {Name: "x", Instances: []string{"c", "d"}}},
+		"one instance":  {{Name: "x", Instances: []string{"a"}}},
+		"too many":      {{Name: "x", Instances: make([]string, MaxShareGroupMembers+1)}},
+		"bad instance":  {{Name: "x", Instances: []string{"a", "b/c"}}},
+		"empty in list": {{Name: "x", Instances: []string{"a", ""}}},
+	} {
+		cfg := testConfig(t, "")
+		cfg.ShareGroups = gs
+		if err := cfg.Validate(); !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: Validate = %v, want ErrConfig", name, err)
+		}
+	}
+	s := newShareState([]ShareGroup{{Name: "x", Instances: []string{"c", "a", "b"}}})
+	if o := s.shared("a"); len(o) != 2 || o[0] != "b" || o[1] != "c" {
+		t.Fatalf("shared(a) = %v", o)
+	}
+	if s.shared("d") != nil {
+		t.Fatal("an instance in no group shares")
+	}
+	if _, out := s.outside("a", "b"); out {
+		t.Fatal("a member outside its own group")
+	}
+	if g, out := s.outside("d", "b"); !out || g != "x" {
+		t.Fatalf("outside(d, b) = %q, %v", g, out)
+	}
+	if _, out := s.outside("d", "e"); out {
+		t.Fatal("an instance in no group counted as a group's")
+	}
+}
