@@ -427,13 +427,6 @@ type deathOutcome struct {
 // coordinator decides.
 func (c *Coordinator) checkSuspects(now time.Time) {
 	d := c.deaths
-	if !c.repl.decides() {
-		d.mu.Lock()
-		d.lastCheck = time.Time{}
-		d.mu.Unlock()
-		return
-	}
-	term := c.repl.term()
 	// The index's incarnations first: no index lock under d.mu.
 	d.mu.Lock()
 	ranks := make(map[wire.Rank]uint64, len(d.suspects))
@@ -446,6 +439,20 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 			ranks[r] = ri.Incarnation
 		}
 	}
+	if !c.repl.decides() {
+		// A follower keeps its suspects for when it leads, but not those a
+		// newer incarnation superseded (the table stays bounded).
+		d.mu.Lock()
+		d.lastCheck = time.Time{}
+		for k := range d.suspects {
+			if ranks[k.rank] > k.inc {
+				delete(d.suspects, k)
+			}
+		}
+		d.mu.Unlock()
+		return
+	}
+	term := c.repl.term()
 
 	d.mu.Lock()
 	if late := d.advanceWatchLocked(term, now); late > 0 {
@@ -618,10 +625,16 @@ func (c *Coordinator) confirmDeath(s suspect, by string, now time.Time) {
 		// expects another is not read by the member that died.
 		c.rs.failRankRange(r, s.inc, s.inc, cause, fmt.Sprintf("rank %s %s", r, cause))
 	}
-	inc, ok := c.rankIncarnation(r)
+	ri, ok := c.idx.Rank(r)
+	inc := ri.Incarnation
 	switch {
 	case !ok:
 		log.Info("rank gone (confirmed); the index does not know the rank")
+		return
+	case inc == s.inc && ri.Fenced:
+		// Fenced already: by an earlier leader (a suspect kept while this
+		// coordinator followed), or by a new incarnation's batch.
+		log.Info("rank gone (confirmed); already fenced")
 		return
 	case inc > s.inc:
 		c.met.fenceSkips.Inc()

@@ -393,3 +393,80 @@ func keyedRankMember(t *testing.T, c *Coordinator, name string, meta cluster.Met
 	}
 	return m
 }
+
+// TestRaftNewLeaderConfirmsOverNATS: in replicated mode every coordinator
+// holds the suspect a gossip death makes; only the leader probes and
+// fences. A rank declared dead by gossip but alive over NATS survives a
+// leader failover (the new leader's probes find it alive: nothing fenced),
+// and is fenced through raft by the new leader once its NATS connection is
+// gone. Seen red with followers dropping their suspects (none held the
+// suspect, so a new leader would never have fenced the rank).
+func TestRaftNewLeaderConfirmsOverNATS(t *testing.T) {
+	rc := newRaftCluster(t, 3, nil)
+	l := rc.leader()
+	r := wire.Rank{Instance: "eng", TPRank: 0}
+	cc := cluster.DefaultConfig()
+	cc.NodeName, cc.BindAddr, cc.BindPort = "rankd-eng-0", "127.0.0.1", 0
+	cc.JoinRetry = 50 * time.Millisecond
+	cc.Logger = testLogger(t).Named(cc.NodeName)
+	cc.Meta = cluster.Meta{Role: cluster.RoleRankd, Engine: "eng", TPRank: 0, TPSize: 1, DCPSize: 1}
+	m, err := cluster.New(cc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Shutdown() })
+	if err := m.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var seeds []string
+	for _, c := range rc.nodes {
+		seeds = append(seeds, c.GossipAddr())
+	}
+	if _, err := m.Join(tctx(t), seeds...); err != nil {
+		t.Fatal(err)
+	}
+	inc := m.LocalMember().Meta.Incarnation
+	ns := retryCall[wire.RegisterReply](t, rc.nc, rc.subj.Coord(wire.CoordRegister), testSpec(1)).Namespace
+	if ack, werr := rc.send(storeBatch(r, inc, 0, ns, chain(ns, 3, 1), wire.L1)); werr != nil || ack.AppliedThrough != 3 {
+		t.Fatalf("store: %+v %v", ack, werr)
+	}
+	for _, c := range rc.nodes {
+		testutil.Eventually(t, 10*time.Second, "every coordinator to see the rank alive", func() bool {
+			return c.live.seen(r).AliveInc == inc
+		})
+	}
+	rk := startNATSRank(t, rc.nodes[l], r, inc, 100*time.Millisecond)
+
+	_ = m.Shutdown() // gossip: dead; NATS: alive
+	testutil.Eventually(t, 10*time.Second, "the leader to find the rank alive", func() bool {
+		return testutil.Metric(t, rc.nodes[l].reg, "kvtier_coord_death_notices_unconfirmed_total", "cause", "dead") == 1
+	})
+	for i, c := range rc.nodes {
+		testutil.Eventually(t, 10*time.Second, "every coordinator to hold the suspect", func() bool {
+			return c.deaths.count() == 1
+		})
+		if i != l && testutil.Metric(t, c.reg, "kvtier_coord_death_probes_total", "outcome", "alive") != 0 {
+			t.Fatalf("follower %s probed", rc.peers[i].ID)
+		}
+	}
+
+	rc.stop(l)
+	l2 := rc.leader()
+	c2 := rc.nodes[l2]
+	testutil.Eventually(t, 10*time.Second, "the new leader to probe the rank alive", func() bool {
+		return testutil.Metric(t, c2.reg, "kvtier_coord_death_probes_total", "outcome", "alive") >= 2
+	})
+	if ri, _ := c2.idx.Rank(r); ri.Fenced {
+		t.Fatalf("the new leader fenced a rank alive over NATS: %+v", ri)
+	}
+
+	rk.close()
+	testutil.Eventually(t, 10*time.Second, "the new leader to fence the dead rank", func() bool {
+		ri, _ := c2.idx.Rank(r)
+		return ri.Fenced && ri.L1Placements == 0
+	})
+	if got := testutil.Metric(t, c2.reg, "kvtier_coord_death_notices_confirmed_total", "by", "nats_gone"); got != 1 {
+		t.Fatalf("confirmed{nats_gone} on the new leader = %v", got)
+	}
+	rc.converged(l2)
+}
