@@ -64,6 +64,9 @@ type l1Obj struct {
 	// pslot is the object's slot in the host L1 catalog while published
 	// (committed and not dropped), else -1.
 	pslot int64
+	// prompt is the tag of the store request that last stored it
+	// (promptTag): its L2 write never evicts that prompt's other objects.
+	prompt uint64
 }
 
 // l2Entry is one object this rank wrote to L2.
@@ -71,6 +74,7 @@ type l2Entry struct {
 	size, sum uint64
 	fp        [32]byte
 	used      uint64 // last write or read (l2Clock), for LRU eviction
+	prompt    uint64 // tag of the store request that last wrote or stored it (0: none)
 }
 
 // catalog is everything the engine holds, guarded by Engine.mu.
@@ -90,8 +94,13 @@ type catalog struct {
 	changed   chan struct{}
 	evictKick chan struct{}
 	writeKick chan struct{}
-	writeQ    []*l1Obj
-	writing   int // objects queued or being written
+	// writeQ holds first writes, retryQ writes tried again after a
+	// failure: the writers take first writes first (nextWriteLocked), so
+	// a retry backlog never takes the room a new prompt needs.
+	writeQ   []*l1Obj
+	retryQ   []*l1Obj
+	retryRun int // first writes taken in a row while retries waited
+	writing  int // objects queued or being written
 	// L2 health (issue 11.3: a failing L2 never blocks L1). failStreak
 	// counts consecutive failed writes; at l2DegradeAfter the tier is
 	// degraded: new writes are skipped, objects only L1 holds become
@@ -504,8 +513,40 @@ func (e *Engine) queueWriteForcedLocked(o *l1Obj) {
 	}
 	o.writing = true
 	e.cat.writing++
-	e.cat.writeQ = append(e.cat.writeQ, o)
+	if o.wbFailed.IsZero() {
+		e.cat.writeQ = append(e.cat.writeQ, o)
+	} else {
+		e.cat.retryQ = append(e.cat.retryQ, o)
+	}
 	kick(e.cat.writeKick)
+}
+
+// retryEvery: while both first writes and retries wait, one retry is
+// taken after this many first writes, so neither starves.
+const retryEvery = 8
+
+// nextWriteLocked takes the next object to write to L2, or nil: first
+// writes in order, before retries (one retry after every retryEvery first
+// writes while both wait).
+func (e *Engine) nextWriteLocked() *l1Obj {
+	c := &e.cat
+	take := func(q *[]*l1Obj) *l1Obj {
+		o := (*q)[0]
+		(*q)[0] = nil
+		*q = (*q)[1:]
+		return o
+	}
+	switch {
+	case len(c.writeQ) > 0 && (len(c.retryQ) == 0 || c.retryRun < retryEvery):
+		if len(c.retryQ) > 0 {
+			c.retryRun++
+		}
+		return take(&c.writeQ)
+	case len(c.retryQ) > 0:
+		c.retryRun = 0
+		return take(&c.retryQ)
+	}
+	return nil
 }
 
 // evictLoop keeps L1 occupancy under the high watermark.
@@ -637,7 +678,8 @@ func (e *Engine) evictToLowLocked() {
 func (e *Engine) l2WriteLoop() {
 	for {
 		e.mu.Lock()
-		for len(e.cat.writeQ) == 0 {
+		o := e.nextWriteLocked()
+		for o == nil {
 			e.mu.Unlock()
 			select {
 			case <-e.cat.writeKick:
@@ -645,11 +687,9 @@ func (e *Engine) l2WriteLoop() {
 				return
 			}
 			e.mu.Lock()
+			o = e.nextWriteLocked()
 		}
-		o := e.cat.writeQ[0]
-		e.cat.writeQ[0] = nil
-		e.cat.writeQ = e.cat.writeQ[1:]
-		if len(e.cat.writeQ) > 0 {
+		if len(e.cat.writeQ)+len(e.cat.retryQ) > 0 {
 			kick(e.cat.writeKick) // let another writer take the next
 		}
 		// An eviction deleting o's key must be done before o's file is
@@ -664,7 +704,7 @@ func (e *Engine) l2WriteLoop() {
 			Size: o.size, Sum: o.sum, Created: e.cfg.Now()}
 		data := e.l1mem[e.cat.off(o) : e.cat.off(o)+o.size]
 		need := e.cat.fileBytes(o.size)
-		err := e.l2ReserveLocked(need) // pending until the write's outcome
+		err := e.l2ReserveLocked(need, o.prompt) // pending until the write's outcome
 		e.mu.Unlock()
 
 		if err == nil {
@@ -692,7 +732,8 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 	switch {
 	case err == nil:
 		o.dirty = false
-		c.l2Set(o.key, l2Entry{size: o.size, sum: o.sum, fp: o.fp}, 0)
+		o.wbFailed = time.Time{}
+		c.l2Set(o.key, l2Entry{size: o.size, sum: o.sum, fp: o.fp, prompt: o.prompt}, 0)
 		e.ctr.l2Objects.Store(int64(len(c.l2)))
 		e.ctr.bytesWrittenL2.Add(o.size)
 		e.emitLocked(wire.Stored, wire.L2, o.key, o.size, o.sum)
@@ -701,6 +742,20 @@ func (e *Engine) finishWriteLocked(o *l1Obj, err error) {
 			e.ctr.writeBacks.Add(1)
 			e.evictLocked(o)
 		}
+	case errors.Is(err, errL2PromptFull):
+		// The bound is full of this prompt's earlier objects: they stay
+		// (the prompt's prefix stays readable from L2) and this one is
+		// kept in L1 only, as a store past the bound's room.
+		o.dirty = false
+		o.wbFailed = time.Time{}
+		if n := e.ctr.l2BoundSkipped.Add(1); n&(n-1) == 0 { // log at powers of two
+			e.log.Warn("L2 bound full of the same prompt's earlier objects; later objects of the prompt are kept in L1 only",
+				zap.Stringer("key", o.key), zap.Uint64("l2_bytes_bound", e.cfg.L2Bytes), zap.Uint64("skipped", n))
+		}
+		e.maybeFreeLocked(o)
+		c.notifyLocked()
+		kick(e.cat.evictKick)
+		return
 	case errors.Is(err, errL2TooLarge):
 		// Never written; the store succeeded on L1 and it stays there
 		// until L1 evicts it.

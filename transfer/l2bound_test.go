@@ -81,7 +81,7 @@ func TestL2BoundHolds(t *testing.T) {
 			var objBytes uint64
 			for i := range n {
 				c := r.newChunk(i, r.consecutiveN(i))
-				res := storeAll(t, e, r, "s", c) // fails the test on any failed object
+				res := storeAll(t, e, r, fmt.Sprintf("prompt-%d", i), c) // a stream of prompts; fails the test on any failed object
 				for _, o := range res.Objects {
 					if o.Status != Stored {
 						t.Fatalf("store %d: %+v", i, o)
@@ -190,7 +190,7 @@ func TestL2FreeFloorHolds(t *testing.T) {
 	r.register(e)
 	for i := range n {
 		c := r.newChunk(i, r.consecutiveN(i))
-		res := storeAll(t, e, r, "s", c)
+		res := storeAll(t, e, r, fmt.Sprintf("prompt-%d", i), c) // a stream of prompts
 		if res.Objects[0].Status != Stored {
 			t.Fatalf("store %d: %+v", i, res.Objects[0])
 		}

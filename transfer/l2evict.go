@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"sync/atomic"
 
 	"go.uber.org/zap"
@@ -14,6 +15,19 @@ import (
 
 // errL2TooLarge is why an object larger than L2Bytes is not written.
 var errL2TooLarge = errors.New("object larger than the L2 bound")
+
+// errL2PromptFull is why an object is not written to L2: the room it
+// needs is held by objects of the same prompt (store request), which its
+// write does not evict (issue 29.3).
+var errL2PromptFull = errors.New("L2 bound full of the same prompt's objects")
+
+// promptTag names a store request (a prompt: an engine stores one request
+// id's chunks in order, incrementally) for L2's eviction; never 0.
+func promptTag(requestID string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(requestID))
+	return h.Sum64() | 1
+}
 
 // l2Accounting tracks the bytes of this rank's L2 files and their use
 // order (issue 15.2: a bounded L2), guarded by Engine.mu with the catalog.
@@ -99,6 +113,16 @@ func (c *catalog) l2Touch(key dcp.Key) {
 	}
 }
 
+// l2Claim marks key used now by the store request tagged prompt (a store
+// that deduplicated it): that prompt's later writes do not evict it.
+func (c *catalog) l2Claim(key dcp.Key, prompt uint64) {
+	if ent, ok := c.l2[key]; ok {
+		ent.prompt = prompt
+		c.l2[key] = ent
+		c.l2Touch(key)
+	}
+}
+
 func (c *catalog) l2gauge() {
 	if c.l2acct.gauge != nil {
 		c.l2acct.gauge.Store(c.l2acct.bytes)
@@ -136,19 +160,24 @@ type l2FreeSpacer interface {
 // evict so that a new file of need bytes fits L2Bytes and leaves the free-
 // space floor: it removes them from the inventory, announces each as an L2
 // removal and marks them deleting (their bytes stay pending until l2Evict
-// returned). Objects L1 holds dirty or is writing are never picked. fits
-// says whether the write then fits the bound; when it does not, other
-// writes or deletes are in flight (pending) or nothing is left to evict.
-// It returns errL2TooLarge when need alone passes the bound.
-func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, err error) {
+// returned). Objects L1 holds dirty or is writing are never picked, nor
+// objects of the writing object's own prompt (tag prompt, non-zero): a
+// prompt larger than the bound keeps its first objects in L2 (its prefix,
+// what a restore needs; with MLA the other TP ranks read them only there)
+// instead of evicting them for its last ones (issue 29.3). fits says
+// whether the write then fits the bound; when it does not, other writes or
+// deletes are in flight (pending), nothing is left to evict, or only the
+// prompt's own objects are (kept). It returns errL2TooLarge when need
+// alone passes the bound.
+func (e *Engine) l2MakeRoomLocked(need, prompt uint64) (victims []l2Victim, fits, kept bool, err error) {
 	c := &e.cat
 	a := &c.l2acct
 	bound, floor := e.cfg.L2Bytes, e.cfg.L2FreeFloorBytes
 	if bound == 0 && floor == 0 {
-		return nil, true, nil
+		return nil, true, false, nil
 	}
 	if bound != 0 && need > bound {
-		return nil, false, fmt.Errorf("%d B file, bound %d B: %w", need, bound, errL2TooLarge)
+		return nil, false, false, fmt.Errorf("%d B file, bound %d B: %w", need, bound, errL2TooLarge)
 	}
 	var deficit uint64 // bytes the floor wants freed
 	if fs, ok := e.l2.(l2FreeSpacer); ok && floor != 0 {
@@ -160,7 +189,7 @@ func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, e
 		}
 	}
 	var freed uint64
-	var kept []l2Use
+	var keep []l2Use
 	for a.lru.Len() > 0 {
 		// This call's victims are deleted before its write starts (the
 		// same writer does both), so they do not count against it;
@@ -175,7 +204,12 @@ func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, e
 			continue // stale
 		}
 		if o := c.objs[u.key]; o != nil && (o.dirty || o.writing) {
-			kept = append(kept, u)
+			keep = append(keep, u)
+			continue
+		}
+		if prompt != 0 && ent.prompt == prompt {
+			keep = append(keep, u)
+			kept = true
 			continue
 		}
 		fb := c.fileBytes(ent.size)
@@ -186,21 +220,23 @@ func (e *Engine) l2MakeRoomLocked(need uint64) (victims []l2Victim, fits bool, e
 		e.emitLocked(wire.Removed, wire.L2, u.key, ent.size, ent.sum)
 		victims = append(victims, l2Victim{key: u.key, ent: ent})
 	}
-	for _, u := range kept {
+	for _, u := range keep {
 		heap.Push(&a.lru, u)
 	}
 	e.ctr.l2Objects.Store(int64(len(c.l2)))
-	fits = bound == 0 || a.bytes+a.pending-freed+need <= bound
-	return victims, fits, nil
+	fits = (bound == 0 || a.bytes+a.pending-freed+need <= bound) && (!kept || freed >= deficit)
+	return victims, fits, kept, nil
 }
 
 // l2ReserveLocked makes room for a new file of need bytes and reserves it
 // (pending) once it fits the bound, deleting victims and waiting for other
 // writers' writes and deletes as needed; it returns with e.mu held. When
 // nothing is in flight and nothing is left to evict the write goes ahead
-// (a store never fails because of the bound). errL2TooLarge: need alone
+// (a store never fails because of the bound), unless what is left holds
+// the same prompt's objects (prompt, l2MakeRoomLocked): then nothing is
+// reserved and the error is errL2PromptFull. errL2TooLarge: need alone
 // passes the bound, nothing reserved.
-func (e *Engine) l2ReserveLocked(need uint64) error {
+func (e *Engine) l2ReserveLocked(need, prompt uint64) error {
 	a := &e.cat.l2acct
 	if e.cfg.L2Bytes != 0 {
 		// Until the rescan has counted every file of this rank, bytes
@@ -221,7 +257,7 @@ func (e *Engine) l2ReserveLocked(need uint64) error {
 		}
 	}
 	for {
-		victims, fits, err := e.l2MakeRoomLocked(need)
+		victims, fits, kept, err := e.l2MakeRoomLocked(need, prompt)
 		if err != nil {
 			return err
 		}
@@ -232,6 +268,9 @@ func (e *Engine) l2ReserveLocked(need uint64) error {
 			// While e.mu was released another writer may have reserved
 			// the room the victims left: fits is stale, decide again.
 			continue
+		}
+		if !fits && kept && a.pending == 0 {
+			return fmt.Errorf("%d B file: %w", need, errL2PromptFull)
 		}
 		if fits || a.pending == 0 {
 			a.pending += need

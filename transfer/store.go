@@ -156,6 +156,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	}
 
 	l2ok := e.checkL2Dedupe(ctx, planned)
+	prompt := promptTag(req.RequestID)
 
 	e.mu.Lock()
 	if e.closing {
@@ -176,10 +177,21 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				// Held in L1, maybe not in L3 (a failed or dropped write
 				// behind, an eviction): queued unless L3 has it.
 				e.l3QueueLocked(p.key, o.sum)
-				if l2ok[p.key] == l2Gone {
+				o.prompt = prompt
+				switch _, inL2 := e.cat.l2[p.key]; {
+				case l2ok[p.key] == l2Gone:
 					// Readers found the L2 copy damaged (quarantined) or
 					// gone: the re-store heals it from L1 (issue 11.12).
 					e.l2CopyGoneLocked(o)
+				case inL2:
+					e.cat.l2Claim(p.key, prompt)
+				case e.l2 != nil && !o.dirty && !o.writing && !o.doomed:
+					// L2 evicted its copy (its bound) while L1 kept it:
+					// written again, or a restart would lose it (issue
+					// 29.3).
+					o.dirty = true
+					e.ctr.l2Rewrites.Add(1)
+					e.queueWriteLocked(o)
 				}
 			} else {
 				// Another store or a load is filling it: take its outcome,
@@ -194,6 +206,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			case l2Present:
 				r.Status, r.Sum = Deduped, ent.sum
 				e.ctr.dedupeHits.Add(1)
+				e.cat.l2Claim(p.key, prompt)
 				e.l3QueueLocked(p.key, ent.sum) // written from the L2 copy
 				continue
 			case l2Gone:
@@ -206,6 +219,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			}
 		}
 		o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
+		o.prompt = prompt
 		f.work = append(f.work, storeWork{idx: idx, o: o, spans: p.spans})
 	}
 	e.futures++
