@@ -653,9 +653,9 @@ def test_real_vllm_cache_salt_separates_tenants(cluster: Cluster, model_dir: pat
 # How long a slow load is held (vllm_run's load_delay_s: on the connector's
 # client loop, before its retrieve goes to the rankd), and how long the
 # rankd is stopped (SIGSTOP) before it is killed while loads wait on it:
-# thousands of engine steps. (A stopped rankd cannot stand for a slow one: with
-# two gossip members the coordinator declares it dead within about a second
-# and fails its restores.)
+# thousands of engine steps. (Not a stopped rankd standing for a slow one:
+# that would test the coordinator's failure detection, which before 5086077
+# declared a rankd stopped for a second dead and failed its restores.)
 PAUSE_S = 1.0
 
 
