@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/numa"
 	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -78,6 +79,16 @@ type Config struct {
 	// half a slab per object) but makes placement scans longer (they are
 	// linear in the slab count). SlabFor(L1Bytes) picks one for any L1.
 	L1SlabBytes uint64
+	// L1NUMA places L1's pages on a NUMA node (docs/gpu.md, "Multi-GPU
+	// hosts: L1 near the GPU"): numa.Auto binds them to the Device's node
+	// (sysfs numa_node of its PCI bus id) when it is known and the host
+	// has more than one node; numa.Node(n) binds them to node n (refused
+	// at New when the host has no node n); numa.Off (the zero value)
+	// leaves them to the kernel, as cuMemHostAlloc does. Bound L1 is
+	// mapped, bound with mbind (preferred: a full node spills elsewhere,
+	// counted in L1Placement), faulted in and then registered with the
+	// device. Default numa.Auto.
+	L1NUMA numa.Spec
 	// HighWatermark and LowWatermark are fractions of L1Bytes: when the
 	// occupied bytes exceed High, the evictor evicts least-recently-used
 	// unpinned objects until they are at or below Low. Defaults 0.90 and
@@ -271,6 +282,7 @@ func DefaultConfig() Config {
 	return Config{
 		L1Bytes:            1 << 30,
 		L1SlabBytes:        1 << 20,
+		L1NUMA:             numa.Auto,
 		HighWatermark:      0.90,
 		LowWatermark:       0.75,
 		L2Policy:           WriteThrough,

@@ -45,6 +45,9 @@ type Engine struct {
 	closer sync.Once
 	closed chan struct{} // closed when Close has finished
 	cerr   error
+
+	l1map   []byte      // bound private L1's mapping (Config.L1NUMA), unmapped after l1buf's release
+	l1place L1Placement // where L1's pages are
 	// rescanDone is closed when the background L2 rescan has ended;
 	// rescanErr (written before) says why it stopped early.
 	rescanDone chan struct{}
@@ -128,11 +131,9 @@ func New(cfg Config) (*Engine, error) {
 			return nil, err
 		}
 	} else {
-		buf, err := cfg.Device.AllocHost(size)
-		if err != nil {
-			return nil, fmt.Errorf("transfer: allocate L1 of %d B pinned host memory: %w", size, errors.Join(err, ErrDevice))
+		if err := e.allocL1(size); err != nil {
+			return nil, err
 		}
-		e.l1buf, e.l1mem = buf, buf.Bytes()
 	}
 	e.ctr.l1CapacityBytes = size
 	e.cat.l2acct.hdr = tier.HeaderBytes(cfg.Rank.Instance)

@@ -166,6 +166,10 @@ func (e *Engine) openHostL1(nslabs int) error {
 		log("host L1: collected the files an earlier run of this rank left", zap.Bool("segment_replaced", col.Replaced),
 			zap.Bool("holder_dead", col.DeadHolder), zap.Int("temp_files", col.Temps))
 	}
+	if err := e.placeHostL1(seg.Data()); err != nil {
+		seg.Close()
+		return err
+	}
 	buf, err := e.dev.RegisterHost(seg.Data(), false)
 	if err != nil {
 		seg.Close()
@@ -182,6 +186,7 @@ func (e *Engine) openHostL1(nslabs int) error {
 // releaseL1 frees L1: the host buffer, then the host L1 segment.
 func (e *Engine) releaseL1() {
 	_ = e.l1buf.Release()
+	e.unmapL1()
 	e.closeHostL1()
 }
 
