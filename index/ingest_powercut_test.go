@@ -115,7 +115,7 @@ func TestPowerCutIndexIngest(t *testing.T) {
 		if err := os.Mkdir(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		syncDir(t, fs.Dir())
+		powercut.SyncDir(t, fs.Dir())
 		if cut >= 0 {
 			fs.CutAfter(cut)
 		}
@@ -173,17 +173,5 @@ func TestPowerCutIndexIngest(t *testing.T) {
 			t.Fatalf("power cut after %d of %d mutations, %d of %d steps acknowledged (last: %s): %v",
 				cut, total, acked, len(steps), last, err)
 		}
-	}
-}
-
-func syncDir(t *testing.T, dir string) {
-	t.Helper()
-	d, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		t.Fatalf("fsync %s: %v", dir, err)
 	}
 }

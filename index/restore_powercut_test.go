@@ -95,7 +95,7 @@ func TestPowerCutSnapshotInstall(t *testing.T) {
 		if err := os.Mkdir(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		syncDir(t, fs.Dir())
+		powercut.SyncDir(t, fs.Dir())
 		if cut >= 0 {
 			fs.CutAfter(cut)
 		}

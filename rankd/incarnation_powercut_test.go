@@ -34,7 +34,7 @@ func TestPowerCutIncarnation(t *testing.T) {
 		if err := os.Mkdir(l2, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		syncDirPC(t, fs.Dir())
+		powercut.SyncDir(t, fs.Dir())
 		if cut >= 0 {
 			fs.CutAfter(cut)
 		}
@@ -70,17 +70,5 @@ func TestPowerCutIncarnation(t *testing.T) {
 					cut, total, r, next, acked[tp])
 			}
 		}
-	}
-}
-
-func syncDirPC(t *testing.T, dir string) {
-	t.Helper()
-	d, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		t.Fatalf("fsync %s: %v", dir, err)
 	}
 }

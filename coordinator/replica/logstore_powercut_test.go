@@ -181,8 +181,8 @@ func TestPowerCutRaftLogStore(t *testing.T) {
 		if err := os.Mkdir(parent, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		syncDirT(t, fs.Dir())
-		syncDirT(t, parent)
+		powercut.SyncDir(t, fs.Dir())
+		powercut.SyncDir(t, parent)
 		if cutAfter >= 0 {
 			fs.CutAfter(cutAfter)
 		}
@@ -256,16 +256,4 @@ func lastOpName(ops []raftOp, acked int) string {
 		return "none"
 	}
 	return ops[acked-1].name
-}
-
-func syncDirT(t *testing.T, dir string) {
-	t.Helper()
-	d, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		t.Fatal(err)
-	}
 }

@@ -32,25 +32,13 @@ func writeSynced(t *testing.T, path string, data []byte, syncFile bool) {
 	}
 }
 
-func syncDir(t *testing.T, dir string) {
-	t.Helper()
-	d, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		t.Fatalf("fsync directory %s: %v", dir, err)
-	}
-}
-
 func TestMountSyncedSurvivesUnsyncedVanishes(t *testing.T) {
 	fs := Mount(t)
 	dir := fs.Dir()
 	synced, unsynced, unnamed := filepath.Join(dir, "synced"), filepath.Join(dir, "unsynced"), filepath.Join(dir, "unnamed")
 	writeSynced(t, synced, []byte("durable"), true)
 	writeSynced(t, unsynced, []byte("lost bytes"), false)
-	syncDir(t, dir)
+	SyncDir(t, dir)
 	writeSynced(t, unnamed, []byte("synced, but its name is not"), true)
 	// An overwrite of the synced file that is never synced.
 	f, err := os.OpenFile(synced, os.O_WRONLY, 0)
@@ -82,10 +70,10 @@ func TestMountRenameWithoutDirSyncVanishes(t *testing.T) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	syncDir(t, fs.Dir())
+	SyncDir(t, fs.Dir())
 	final := filepath.Join(dir, "obj")
 	writeSynced(t, final, []byte("v1"), true)
-	syncDir(t, dir)
+	SyncDir(t, dir)
 	writeSynced(t, final+".tmp", []byte("v2"), true)
 	if err := os.Rename(final+".tmp", final); err != nil {
 		t.Fatal(err)
@@ -98,7 +86,7 @@ func TestMountRenameWithoutDirSyncVanishes(t *testing.T) {
 	if err := os.Rename(final+".tmp", final); err != nil {
 		t.Fatal(err)
 	}
-	syncDir(t, dir)
+	SyncDir(t, dir)
 	fs.Crash()
 	if b, err := os.ReadFile(final); err != nil || string(b) != "v3" {
 		t.Fatalf("after a rename and directory fsync: %q, %v; want %q", b, err, "v3")
@@ -109,7 +97,7 @@ func TestMountRenameWithoutDirSyncVanishes(t *testing.T) {
 		t.Fatal(err)
 	}
 	writeSynced(t, filepath.Join(sub, "f"), []byte("x"), true)
-	syncDir(t, sub)
+	SyncDir(t, sub)
 	fs.Crash()
 	if _, err := os.Stat(sub); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("directory whose name was never synced: %v; want it gone", err)
@@ -188,7 +176,7 @@ func TestMountBbolt(t *testing.T) {
 		if err != nil {
 			t.Fatalf("bolt open on the mount: %v", err)
 		}
-		syncDir(t, fs.Dir()) // bbolt does not sync the directory of a new file
+		SyncDir(t, fs.Dir()) // bbolt does not sync the directory of a new file
 		for i := range 50 {
 			if err := db.Update(func(tx *bolt.Tx) error {
 				b, err := tx.CreateBucketIfNotExists([]byte("b"))

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvtier/kvtier/internal/durable"
 )
 
 // FS is a mounted power-cut file system: Dir is its mount point.
@@ -202,4 +204,13 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.b.String()
+}
+
+// SyncDir fsyncs the directory dir (making the names in it durable on a
+// mount), failing tb when it cannot: the tests' own setup steps.
+func SyncDir(tb testing.TB, dir string) {
+	tb.Helper()
+	if err := durable.SyncDir(dir); err != nil {
+		tb.Fatal(err)
+	}
 }

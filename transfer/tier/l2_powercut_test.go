@@ -63,8 +63,8 @@ func runL2PowerCut(t *testing.T, fs *powercut.FS, name string, ab l2Ablation, fi
 		if err := os.Mkdir(parent, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		syncDirL2(t, fs.Dir())
-		syncDirL2(t, parent)
+		powercut.SyncDir(t, fs.Dir())
+		powercut.SyncDir(t, parent)
 		root = filepath.Join(parent, "l2")
 		if cut >= 0 {
 			fs.CutAfter(cut)
@@ -155,17 +155,5 @@ func TestL2PowerCutFileSystemSeesEveryMissingStep(t *testing.T) {
 		} else {
 			t.Logf("%s: %s", name, losses[0])
 		}
-	}
-}
-
-func syncDirL2(t *testing.T, dir string) {
-	t.Helper()
-	d, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		t.Fatalf("fsync %s: %v", dir, err)
 	}
 }
