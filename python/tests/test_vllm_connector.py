@@ -127,7 +127,7 @@ def test_spec_fails_closed(mutate, words):
 def test_spec_refuses_pcp_pp_and_what_dcp_does_not_shard():
     with pytest.raises(errors.GeometryError, match="prefill context parallel size 2"):
         spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None, pcp_size=2)
-    with pytest.raises(errors.GeometryError, match="PP size 2"):
+    with pytest.raises(errors.GeometryError, match="pipeline parallel size 2"):
         spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None)
     cfg = fakes.attention_config()
     cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
@@ -171,17 +171,8 @@ def test_connector_reads_dcp_interleave_and_pcp_from_vllm():
         KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
 
 
-def test_spec_refuses_more_than_one_group_and_non_causal():
-    """vLLM's flat set of load-error block ids cannot name a block of one
-    group among several (its scheduler raises), so a hybrid model's groups
-    are refused; the refusal names them."""
-    cfg = fakes.attention_config()
-    cfg.kv_cache_groups.append(fakes.KVCacheGroupSpec(["l9"], fakes.SlidingWindowSpec(
-        block_size=16, num_kv_heads=2, head_size=8, dtype=fakes.BF16, sliding_window=48)))
-    with pytest.raises(errors.GeometryError, match=r"2 KV cache groups \(FullAttentionSpec, SlidingWindowSpec\)"):
-        spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
-    with pytest.raises(errors.GeometryError, match="2 KV cache groups"):
-        KvtierConnector(fakes.vllm_config(1, kvtier_creds_dir="/nonexistent"), KVConnectorRole.SCHEDULER, cfg)
+def test_spec_refuses_non_causal():
+    """Several groups: tests/test_vllm_hybrid.py."""
     cfg = fakes.attention_config()
     cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
                                                                    dtype=fakes.BF16, non_causal=True)

@@ -63,11 +63,18 @@ from kvtier.vllm.stats import delta as stats_delta
 
 log = logging.getLogger("kvtier.vllm")
 
+# NULL_BLOCK is vLLM's null block: BlockPool takes block 0 first as the
+# placeholder of skipped blocks (sliding window) in every group; it is never
+# a request's own block, is never stored and never written.
+NULL_BLOCK = 0
+
 try:  # the real base class when vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
 
     HAVE_VLLM = True
@@ -107,6 +114,15 @@ except ImportError:  # a stand-in with the same constructor, for tests without v
         def _get_connector_metadata(self) -> Any:
             assert self._connector_metadata is not None
             return self._connector_metadata
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -278,8 +294,10 @@ def _flag(v: Any) -> bool:
     raise ValueError(f"kv_connector_extra_config: {v!r} is not a boolean")
 
 
-class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM KV connector storing and restoring through kvtier."""
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector storing and restoring through kvtier. It declares
+    vLLM's SupportsHMA: every KV cache group is stored and restored
+    (kvtier.vllm.spec says what is refused)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -297,6 +315,17 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                                 interleave=interleave, pcp_size=pcp_size)
         self.resolved = self.spec.resolve()
         self.chunk = self.spec.chunk_tokens
+        # Several groups: vLLM takes a failed load only per request
+        # (failed_recving), which it honours for asynchronous loads only.
+        self.multi_group = len(self.spec.groups) > 1
+        if self.multi_group and not self.cfg.load_async:
+            raise GeometryError(
+                f"{len(self.spec.groups)} KV cache groups with kvtier_load_async false: vLLM takes block-level load "
+                "errors for one group only and a failed synchronous load of several groups has no other way back; "
+                "use asynchronous loads (the default)")
+        # (window, scheduler block) of each sliding-window group
+        self._windows = [(gl.sliding_window, self.resolved.geometry[gi].span)
+                         for gi, gl in enumerate(self.layers) if gl.sliding_window]
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
@@ -321,6 +350,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finishing: set[str] = set()
         self._loading: dict[str, _Loading] = {}
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()  # several groups: failed loads, per request
         self._step = 0  # engine steps seen: get_finished runs once per step
         # The last loads settled, newest last (for tests and debugging):
         # request, restore, engine steps from start to report, ms, chunks
@@ -519,7 +549,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False  # loaded once already; kvtier restores whole chunks only
         first = num_computed_tokens // self.chunk
         last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
-        last = min(last, len(st.hashes))
+        last = min(last, len(st.hashes), first + self._window_chunks(first))
         if first >= last:
             return 0, False
         if st.lookup_first != first:
@@ -559,6 +589,23 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         return n * self.chunk, self.cfg.load_async
 
+    def _window_chunks(self, first: int) -> int:
+        """How many chunks after the first (held locally) may be restored
+        without vLLM putting its null block in a sliding-window group's
+        place: vLLM skips the first (T - window + 1) // block blocks of a
+        prefix of T tokens, which must lie inside the local prefix."""
+        best = 1 << 62
+        for window, block in self._windows:
+            m = 0
+            while m < best:
+                t = (first + m + 1) * self.chunk
+                skipped = max(0, t - window + 1) // block * block
+                if skipped > first * self.chunk:
+                    break
+                m += 1
+            best = m
+        return best
+
     def _lookup_failed(self, req_id: str, e: BaseException) -> None:
         if isinstance(e, (RequestTimeout, TimeoutError)):
             self.stats["lookup_timeouts"] += 1
@@ -578,6 +625,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             st.load = (st.lookup_first, num_external_tokens // self.chunk)
 
     def _chunk_blocks(self, st: _Req, c: int) -> list[list[int]] | None:
+        """Chunk c's block ids of every group; [] when a group has vLLM's
+        null block there (a sliding-window block out of the window: the
+        chunk is not stored); None when the blocks are not allocated."""
         out = []
         for gi, _ in enumerate(self.spec.groups):
             bpc = self.resolved.blocks_per_chunk(gi)
@@ -585,6 +635,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if len(ids) < (c + 1) * bpc:
                 return None
             out.append(ids[c * bpc:(c + 1) * bpc])
+        if any(NULL_BLOCK in b for b in out):
+            return []
         return out
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
@@ -632,7 +684,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if blocks is None:
                 log.warning("request %s chunk %d: blocks not allocated; not stored", req_id, c)
                 break
-            chunks.append((bytes(st.hashes[c]), blocks))
+            if blocks:
+                chunks.append((bytes(st.hashes[c]), blocks))
+            else:
+                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window); not stored",
+                          req_id, c)
             c += 1
         st.saved_through = c
         if chunks:
@@ -660,6 +716,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         return (st is not None and st.saved_any), None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA: the request's blocks of every group are kept
+        while its stores may read them, as with one group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---------------------------------------------------------------- worker
 
@@ -732,6 +794,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
+            if self._windows:
+                # vLLM frees out-of-window blocks at its next schedule
+                # without asking the connector: the rankd reads them now.
+                concurrent.futures.wait([fut], timeout=self.cfg.timeout_s)
 
     def _on_freed(self, msg: wire.BlocksFreed) -> None:
         with self._freed_lock:
@@ -872,6 +938,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         load.restore_id or "-", load.req_id, loaded, load.chunks, res.problem or "verdict failed")
         self.stats["recomputed_bad_bytes_tokens"] += res.bad_bytes_chunks * self.chunk
         self.stats["loaded_tokens"] += loaded * self.chunk
+        if loaded < load.chunks and self.multi_group:
+            # vLLM refuses block ids without a group: the request fails as
+            # a whole and is recomputed (get_transfer_results).
+            self._failed_recving.add(load.req_id)
+            self.stats["load_error_blocks"] += sum(len(b) for b in load.block_ids)
+            return
         for c in range(load.first_chunk + loaded, load.first_chunk + load.chunks):
             for gi in range(len(self.spec.groups)):
                 bpc = self.resolved.blocks_per_chunk(gi)
@@ -898,7 +970,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 ch = load.first_chunk + it.chunk
                 bpc = self.resolved.blocks_per_chunk(it.group)
                 it.blocks = load.block_ids[it.group][ch * bpc:(ch + 1) * bpc]
+            nulls = sorted({(it.group, it.chunk) for it in items if NULL_BLOCK in it.blocks})
             try:
+                if nulls:  # never write into vLLM's null block (it reads as zeros)
+                    raise GeometryError(f"(group, chunk) {nulls[:4]} land in vLLM's null block {NULL_BLOCK}")
                 await s.aio.retrieve(items, load.restore_id, timeout=bound)
             except (UnknownNamespace, UnknownSession) as e:
                 # A restarted rankd forgot the registration: the link
@@ -924,6 +999,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """get_finished's sets, and (several groups) the requests whose load
+        failed: vLLM recomputes each of them from its first token."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._failed_recving & set(recving or ())
+        self._failed_recving -= failed
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     # ---------------------------------------------------------------- stats
 

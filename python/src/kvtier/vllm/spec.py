@@ -22,18 +22,45 @@ MLAAttentionSpec, SlidingWindowSpec and MambaSpec, matched by class name
 exactly (a subclass it does not know may change the page meaning, so it is
 refused). Everything else raises GeometryError naming the group.
 
-One KV cache group only. vLLM's hybrid allocator (HMA) gives a model with
-sliding-window and full-attention layers (Gemma-2/3), or Mamba and
-attention layers, one group per kind, with block ids per group; but vLLM
-(0.32) takes block-level load failures only as one flat set of block ids
-(get_block_ids_with_load_errors), which its scheduler refuses for more than
-one group (block ids are unique only within a group: _handle_invalid_blocks
-raises), and the connector, which loads synchronously, has no other way to
-say "recompute these chunks". So KvtierConnector does not subclass vLLM's
-SupportsHMA: vLLM then turns HMA off for it (a sliding-window layer becomes
-a FullAttentionSpec with its window recorded, every token's KV kept, one
-group) and refuses to create it with HMA forced on. A kv_cache_config with
-more than one group is refused here all the same.
+Several KV cache groups (vLLM's hybrid allocator, HMA): every group of the
+kv_cache_config is one kvtier group with its own page geometry (its
+page_size_bytes) and its own block ids (vLLM's per-group block id lists); a
+chunk is one object per group and rank, and the coordinator restores a
+chunk only when every group's objects are COMPLETE. The connector declares
+vLLM's SupportsHMA, so vLLM keeps HMA on for it. With several groups vLLM
+0.32 refuses block-level load errors (block ids are unique only within a
+group: Scheduler._handle_invalid_blocks raises), so a failed load is
+reported per request (KVConnectorTransferResults.failed_recving: vLLM
+recomputes the whole request) and loads must be asynchronous
+(kvtier_load_async true; a synchronous load's failure has no such channel).
+With one group the block-level errors stay (only the failed chunks are
+recomputed).
+
+Sliding-window groups under HMA: vLLM frees a request's blocks that fall
+out of the window and puts its null block (block id 0, the BlockPool's
+first block, shared by every group) in their place, also for the blocks of
+tokens restored from outside the window. kvtier therefore (i) stores a
+chunk only when every group's blocks of it are real (no null block), and
+(ii) offers the scheduler only chunks whose sliding-window blocks vLLM will
+allocate for real: a restored prefix of T tokens is offered only while
+(T - window + 1) // block_size blocks, the ones vLLM skips, lie inside the
+prefix vLLM already holds locally. A longer prefix is cut back to that
+(recomputed). A store also waits (at most kvtier_timeout_s) for its answer
+in wait_for_save when the spec has a sliding-window group: vLLM frees
+out-of-window blocks at its next schedule without asking the connector, so
+the rankd must have read them first.
+
+Mamba / linear-attention state groups (MambaSpec) are refused with vLLM
+0.32: its mamba_cache_mode is "none" (one state block per request) or
+"align" (a state only at the step's last token, the blocks before freed to
+null gaps), so the state at a chunk boundary is not a block vLLM keeps; the
+recurrent page geometry (one opaque slot per block, DCP split rules in
+DESIGN.md) is ready in kvtier.dcp for a mode that keeps them ("all").
+
+PP > 1 is refused: a kvtier rank is (instance, TP rank) and the
+coordinator's shard plan has no pipeline stage, so two stages' pools (each
+stage registers only its own layers) would be one rank's and a chunk could
+be COMPLETE with one stage's layers only.
 
 DCP (decode context parallel, vLLM's decode_context_parallel_size W):
 vLLM deals each token of a scheduler block of block_size*W tokens to DCP
@@ -86,6 +113,7 @@ class GroupLayers:
     block_size: int
     page_bytes: int  # vLLM's page_size_bytes of one layer (K and V)
     kv_split: bool = False  # each layer is two pools: K then V, half pages
+    sliding_window: int = 0  # SlidingWindowSpec's window in tokens (0: none)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -127,8 +155,10 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
         mla = False
         mode = getattr(s, "mamba_cache_mode", "none")
         if mode != "all":
-            raise GeometryError(f"KV cache group {i} (MambaSpec): mamba_cache_mode {mode!r}; the connector maps "
-                                "block i to tokens [i*block_size, (i+1)*block_size), which holds only with 'all'")
+            raise GeometryError(f"KV cache group {i} (MambaSpec): mamba_cache_mode {mode!r}; kvtier stores the state "
+                                "at every chunk boundary as one recurrent page, which needs vLLM to keep a state "
+                                "block per block_size tokens ('all'); vLLM 0.32's 'none' keeps one block per "
+                                "request and 'align' frees the blocks before the step's last token")
         shapes, dtypes = getattr(s, "shapes", ()), getattr(s, "dtypes", ())
         if len(shapes) != len(dtypes) or not shapes:
             raise GeometryError(f"KV cache group {i} (MambaSpec): {len(shapes)} state shapes, {len(dtypes)} dtypes")
@@ -184,13 +214,11 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
     groups_in = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups_in:
         raise GeometryError("vLLM kv_cache_config has no kv_cache_groups")
-    if len(groups_in) > 1:
-        kinds = ", ".join(type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups_in)
+    if pp != 1:
         raise GeometryError(
-            f"vLLM kv_cache_config has {len(groups_in)} KV cache groups ({kinds}): the connector supports one. "
-            "vLLM's block-level load errors are one flat set of block ids, which its scheduler refuses for "
-            "several groups, so a failed chunk could not be recomputed; run with the hybrid KV cache manager "
-            "off (vLLM turns it off for this connector unless forced on)")
+            f"pipeline parallel size {pp}: kvtier identifies a rank by (instance, TP rank) and its shard plan has "
+            "no pipeline stage, so each stage's pools (its own layers) would collide as one rank and a chunk could "
+            "be COMPLETE with one stage's layers; the connector supports PP 1 only")
     if pcp_size != 1:
         raise GeometryError(f"prefill context parallel size {pcp_size}: the connector supports PCP 1 only")
     if dcp_size < 1 or interleave < 1:
@@ -220,7 +248,14 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
                             layers=2 * grp.layers, semantic_bytes=half, page_bytes=half, stride_bytes=half,
                             kv_format=grp.kv_format + ":kv_split")
         groups.append(grp)
-        layers.append(GroupLayers(tuple(names), grp.block_size, vllm_page, split))
+        window = 0
+        if grp.kind == dcp.Kind.SLIDING_WINDOW:
+            w = getattr(vspec, "sliding_window", None)
+            if not isinstance(w, int) or w < 1:
+                raise GeometryError(f"KV cache group {i} (SlidingWindowSpec): sliding_window {w!r} is not a "
+                                    "positive integer")
+            window = w
+        layers.append(GroupLayers(tuple(names), grp.block_size, vllm_page, split, window))
     block = 1
     for grp in groups:
         block = math.lcm(block, grp.block_size * (dcp_size if grp.kind != dcp.Kind.RECURRENT else 1))
