@@ -89,6 +89,7 @@ type Timeline struct {
 	totals    [NumStages]time.Duration
 	seen      [NumStages]bool
 	truncated bool
+	shift     time.Duration // the largest ClockShift applied
 	// Bytes are the bytes the request moved (gathered or scattered).
 	Bytes uint64
 }
@@ -124,6 +125,13 @@ func (t *Timeline) Truncated() bool { return t.truncated }
 
 // Total returns the summed duration of stage s and whether it occurred.
 func (t *Timeline) Total(s Stage) (time.Duration, bool) { return t.totals[s], t.seen[s] }
+
+// ClockShift is the most a copy's device times were moved earlier so that
+// the copy ends no later than the host saw it end (0: none was). The CUDA
+// backend maps device times onto the host clock through an anchor event;
+// a mark cannot be reached after the host saw the operation before it
+// complete, so a later time is the mapping's error, taken out.
+func (t *Timeline) ClockShift() time.Duration { return t.shift }
 
 // End is the end of the last host stage.
 func (t *Timeline) End() time.Time { return t.last }
@@ -213,8 +221,10 @@ func (c *copyTimers) mark(s cuda.Stream, i int) *copyTimers {
 
 // times waits for the marks (the copy's Op has completed, so they are
 // reached or about to be) and returns their times; ok is false when one
-// cannot be read.
-func (c *copyTimers) times(ctx context.Context) (at [3]time.Time, ok bool) {
+// cannot be read. The host saw the copy complete at waited: marks mapped
+// later than that are moved earlier, all by the same amount (durations
+// kept), and the shift is noted in tl (Timeline.ClockShift).
+func (c *copyTimers) times(ctx context.Context, tl *Timeline, waited time.Time) (at [3]time.Time, ok bool) {
 	if c == nil {
 		return at, false
 	}
@@ -222,6 +232,15 @@ func (c *copyTimers) times(ctx context.Context) (at [3]time.Time, ok bool) {
 		var err error
 		if at[i], err = c.t[i].Time(ctx); err != nil {
 			return at, false
+		}
+	}
+	if last := at[c.n-1]; last.After(waited) {
+		shift := last.Sub(waited)
+		for i := range c.n {
+			at[i] = at[i].Add(-shift)
+		}
+		if tl != nil {
+			tl.shift = max(tl.shift, shift)
 		}
 	}
 	return at, true
@@ -240,15 +259,15 @@ func (c *copyTimers) release() {
 }
 
 // lapCopy records the end of a copy the host waited for: StageWait until
-// the device finished (devEnd, when known), StageNotice until waited.
+// the device finished (devEnd, when known; never after waited, see
+// copyTimers.times), StageNotice until waited.
 func (t *Timeline) lapCopy(batch int, devEnd time.Time, timed bool, waited time.Time) {
 	if t == nil {
 		return
 	}
-	if timed && devEnd.Before(waited) {
-		t.LapTo(StageWait, batch, devEnd)
-	} else {
-		t.LapTo(StageWait, batch, waited)
+	if !timed {
+		devEnd = waited
 	}
+	t.LapTo(StageWait, batch, devEnd)
 	t.LapTo(StageNotice, batch, waited)
 }

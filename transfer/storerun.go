@@ -321,7 +321,7 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 	case err == nil:
 		if f.tl != nil {
 			waited := time.Now()
-			at, timed := tm.times(ctx)
+			at, timed := tm.times(ctx, f.tl, waited)
 			if timed {
 				f.tl.Device(StageProducer, 0, at[0], at[1])
 				f.tl.Device(StageGather, 0, at[1], at[2])

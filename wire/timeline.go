@@ -19,8 +19,12 @@ type Timeline struct {
 	// Bytes are the bytes the request moved (gathered or scattered).
 	Bytes uint64 `json:"bytes"`
 	// Truncated: stages beyond the rankd's limit per request were left out.
-	Truncated bool            `json:"truncated,omitempty"`
-	Stages    []TimelineStage `json:"stages"`
+	Truncated bool `json:"truncated,omitempty"`
+	// ClockShiftNS is the most the device stages of one copy were moved
+	// earlier so that the copy ends before the host saw it end: the error
+	// of mapping the device's event clock onto the host's (0: none).
+	ClockShiftNS int64           `json:"clock_shift_ns,omitempty"`
+	Stages       []TimelineStage `json:"stages"`
 }
 
 // TimelineStage is one stage of a Timeline.
