@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/numa"
 	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
@@ -50,6 +51,13 @@ type Config struct {
 	// once per host, and write-back serves TP readers). The coordinator
 	// plans such reads with --host-shared-l1. Default "": private L1.
 	HostL1Dir string
+	// L1NUMA places L1's pages on a NUMA node (transfer.Config.L1NUMA;
+	// docs/gpu.md, "Multi-GPU hosts: L1 near the GPU"): "auto" binds them
+	// to the GPU's node when sysfs knows it and the host has more than one
+	// node, "off" leaves them where the kernel puts them, a node number
+	// binds them to that node (refused at start when the host has none).
+	// Default "auto"; "" is refused.
+	L1NUMA string
 	// L2Dir is the root of the L2 file tier, shared by the ranks of one
 	// engine instance. Default "": no L2, and nothing survives a restart.
 	L2Dir string
@@ -263,6 +271,7 @@ func DefaultConfig(r wire.Rank) Config {
 		Device:                cuda.SpecAuto,
 		Host:                  cuda.DefaultHostConfig(),
 		L1Bytes:               1 << 30,
+		L1NUMA:                "auto",
 		L2Policy:              transfer.WriteThrough,
 		L2CollectGrace:        24 * time.Hour,
 		L3:                    objstore.DefaultConfig(),
@@ -319,6 +328,8 @@ func (c *Config) Validate() error {
 		return bad("device spec is empty (want auto, host, cuda:N or a GPU UUID)")
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
+	case !validL1NUMA(c.L1NUMA):
+		return bad("L1 NUMA placement %q: want auto, off or a node number 0..%d", c.L1NUMA, numa.MaxNode)
 	case c.L2Policy != transfer.WriteThrough && c.L2Policy != transfer.WriteBackOnEvict:
 		return bad("L2 policy %d: want write-through or write-back", uint8(c.L2Policy))
 	case c.L3.Endpoint != "" && c.L3.Validate() != nil:
@@ -391,6 +402,13 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("detector: %w", err)
 	}
 	return nil
+}
+
+// validL1NUMA reports whether s is an L1 NUMA placement numa.ParseSpec
+// reads.
+func validL1NUMA(s string) bool {
+	_, err := numa.ParseSpec(s)
+	return err == nil
 }
 
 // ParseL2Policy parses "write-through" or "write-back".

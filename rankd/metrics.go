@@ -3,6 +3,8 @@ package rankd
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/kvtier/kvtier/transfer"
 )
 
 // metrics are the daemon's own Prometheus metrics; the transfer engine and
@@ -29,6 +31,10 @@ type metrics struct {
 	// incarnationSaveFailures counts failed writes of the incarnation file
 	// (a failing L2 at start, then each retry).
 	incarnationSaveFailures prometheus.Counter
+	// l1NUMANode is the NUMA node L1 is bound to, -1 when not bound;
+	// l1NUMAElsewhere the pages of a sample of bound L1 found on another
+	// node at start (transfer.L1Placement).
+	l1NUMANode, l1NUMAElsewhere prometheus.Gauge
 }
 
 func newMetrics(rank string) *metrics {
@@ -68,10 +74,16 @@ func newMetrics(rank string) *metrics {
 			"Engine registrations that superseded a live session of their namespace (an engine restart, or a second engine process of the instance)."),
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
+		l1NUMANode: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "l1_numa_node", Help: "NUMA node L1's pages are bound to (--l1-numa); -1: not bound.", ConstLabels: labels}),
+		l1NUMAElsewhere: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "l1_numa_pages_elsewhere", Help: "Pages of a sample of bound L1 found on another NUMA node at start (the node was short of free memory).", ConstLabels: labels}),
 	}
+	m.l1NUMANode.Set(-1)
 	m.stages = newStageRecorder(m.stageSeconds) // every series of stageSeconds
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.stageSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
+		m.l1NUMANode, m.l1NUMAElsewhere,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Every vector starts with its known series at 0, so an idle rank
 	// shows 0 rather than no data (deploy's TestVectorsInitialised). An
@@ -87,4 +99,10 @@ func newMetrics(rank string) *metrics {
 		m.blocksFreed.WithLabelValues(r)
 	}
 	return m
+}
+
+// noteL1Placement shows where the engine put L1.
+func (m *metrics) noteL1Placement(p transfer.L1Placement) {
+	m.l1NUMANode.Set(float64(p.Node))
+	m.l1NUMAElsewhere.Set(float64(p.Elsewhere))
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/numa"
 	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
@@ -149,6 +150,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L2Dir = cfg.L2Dir
 	tc.StorageKey = storageKey
 	tc.HostL1Dir = cfg.HostL1Dir
+	tc.L1NUMA, _ = numa.ParseSpec(cfg.L1NUMA) // Validate checked it
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
@@ -304,6 +306,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Lock()
 	d.eng = eng
 	d.mu.Unlock()
+	d.met.noteL1Placement(eng.L1Placement())
 	url := d.cfg.NATSURL
 	if url == "" {
 		var err error

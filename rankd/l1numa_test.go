@@ -1,0 +1,61 @@
+package rankd
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/kvtier/kvtier/internal/numa"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestConfigL1NUMA: --l1-numa defaults to auto; auto, off and a node
+// number are accepted; "" (zero means zero, STYLE 23) and anything else
+// are refused naming the value.
+func TestConfigL1NUMA(t *testing.T) {
+	c := DefaultConfig(wire.Rank{Instance: "eng", TPRank: 0})
+	c.TPSize, c.Join, c.Insecure = 1, []string{"127.0.0.1:7946"}, true
+	if c.L1NUMA != "auto" {
+		t.Fatalf("default L1NUMA %q, want auto", c.L1NUMA)
+	}
+	for _, s := range []string{"auto", "off", "0", "3"} {
+		c.L1NUMA = s
+		if err := c.Validate(); err != nil {
+			t.Errorf("L1NUMA %q: %v", s, err)
+		}
+	}
+	for _, s := range []string{"", "on", "-1", "1024", "node0"} {
+		c.L1NUMA = s
+		if err := c.Validate(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), `L1 NUMA placement "`+s+`"`) {
+			t.Errorf("L1NUMA %q: %v, want ErrConfig naming it", s, err)
+		}
+	}
+}
+
+// TestL1NUMAGauge: kvtier_rankd_l1_numa_node says where L1 is: node 0
+// when --l1-numa 0 bound it there, -1 when off. (Auto on this machine
+// depends on its NUMA layout; transfer's TestL1NUMAAuto covers it.)
+func TestL1NUMAGauge(t *testing.T) {
+	for _, tc := range []struct {
+		spec string
+		want float64
+	}{{"0", 0}, {"off", -1}} {
+		t.Run(tc.spec, func(t *testing.T) {
+			h := newHarness(t, func(c *Config) { c.L1NUMA = tc.spec })
+			if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_l1_numa_node"); v != tc.want {
+				t.Fatalf("kvtier_rankd_l1_numa_node = %v, want %v", v, tc.want)
+			}
+			if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_l1_numa_pages_elsewhere"); v != 0 {
+				t.Fatalf("kvtier_rankd_l1_numa_pages_elsewhere = %v, want 0", v)
+			}
+			want := numa.Off
+			if tc.spec == "0" {
+				want = numa.Node(0)
+			}
+			if h.d.tc.L1NUMA != want {
+				t.Fatalf("transfer config L1NUMA %v, want %v", h.d.tc.L1NUMA, want)
+			}
+		})
+	}
+}
