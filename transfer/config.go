@@ -175,6 +175,21 @@ type Config struct {
 	// collection, which runs right after start-up in the background.
 	// Default 10 min. Each collection lists every namespace directory.
 	L2CollectEvery time.Duration
+	// L2SharedWith names the other engine instances of this instance's
+	// share group whose rankds write the same L2 directory (a shared file
+	// system; docs/sharing.md). A store of an object this rank holds in
+	// neither L1 nor its own L2, whose file a rank of one of them wrote
+	// (header MAC verified, the namespace's layout fingerprint and the
+	// object's size), is deduplicated against that file: no L1 copy, no
+	// L2 or L3 write, nothing announced (the writer's placement serves the
+	// group's restores), counted in kvtier_transfer_dedupe_shared_total.
+	// Default nil: a store writes its own copy, replacing another
+	// instance's file of the same key. Costs one header read per stored
+	// object this rank does not hold. Name exactly the coordinator's
+	// --share-group members: a copy of an instance named here but not in
+	// the group is one this rank's engine cannot restore (a miss,
+	// recomputed).
+	L2SharedWith []string
 
 	// L3 is an S3-compatible object store (objstore.Store) behind L2: every
 	// object a store commits is written behind to it, and retrieves read it
@@ -418,8 +433,15 @@ func (c Config) Validate() error {
 		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
 	case c.PublishRetries < 0:
 		return bad("publish retries %d must be >= 0", c.PublishRetries)
+	case len(c.L2SharedWith) > 0 && c.L2Dir == "" && c.L2 == nil:
+		return bad("L2 shared with %v, but there is no L2", c.L2SharedWith)
 	case c.Logger == nil || c.Now == nil:
 		return bad("logger and clock must be set (New fills them in)")
+	}
+	for _, inst := range c.L2SharedWith {
+		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {
+			return bad("L2 shared with instance %q: want another instance's name of 1..64 characters of [A-Za-z0-9_-]", inst)
+		}
 	}
 	return nil
 }

@@ -28,6 +28,7 @@ type counters struct {
 	storesInflight        atomic.Int64
 	objectsStored         atomic.Uint64
 	dedupeHits            atomic.Uint64
+	dedupeShared          atomic.Uint64 // objects deduplicated against a share-group member's L2 file
 	objectsRestored       atomic.Uint64
 	evictions             atomic.Uint64
 	writeBacks            atomic.Uint64
@@ -99,6 +100,7 @@ type Stats struct {
 	RetrievesInflight int64
 	ObjectsStored     uint64 // committed to L1 by stores
 	DedupeHits        uint64 // objects a store found already held
+	DedupeShared      uint64 // objects a store found in a share-group member's L2 file (Config.L2SharedWith)
 	ObjectsRestored   uint64 // placed and verified
 	StoreFailures     map[Reason]uint64
 	RetrieveFailures  map[Reason]uint64
@@ -158,6 +160,7 @@ func (e *Engine) Stats() Stats {
 		RetrievesInflight: c.retrievesInflight.Load(),
 		ObjectsStored:     c.objectsStored.Load(),
 		DedupeHits:        c.dedupeHits.Load(),
+		DedupeShared:      c.dedupeShared.Load(),
 		ObjectsRestored:   c.objectsRestored.Load(),
 		StoreFailures:     map[Reason]uint64{},
 		RetrieveFailures:  map[Reason]uint64{},
@@ -234,6 +237,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_objects", "Objects this rank wrote that L2 holds.")
 	add("objects_stored_total", "Objects committed to L1 by stores.")
 	add("dedupe_hits_total", "Objects a store found already held (no copy).")
+	add("dedupe_shared_total", "Objects a store found in the shared L2 directory, written by a rank of another instance of the share group (--l2-shared-with): no second copy.")
 	add("objects_restored_total", "Objects placed into engine pages and verified.")
 	add("store_failures_total", "Objects a store failed to commit, by reason.", "reason")
 	add("retrieve_failures_total", "Objects a retrieve failed to place, by reason.", "reason")
@@ -303,6 +307,7 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l2_objects", float64(c.l2Objects.Load()))
 	counter("objects_stored_total", c.objectsStored.Load())
 	counter("dedupe_hits_total", c.dedupeHits.Load())
+	counter("dedupe_shared_total", c.dedupeShared.Load())
 	counter("objects_restored_total", c.objectsRestored.Load())
 	for i, r := range reasons {
 		counter("store_failures_total", c.storeFailures[i].Load(), string(r))

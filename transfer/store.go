@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -155,7 +156,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 		e.hooks.imported(req.RequestID, ev)
 	}
 
-	l2ok := e.checkL2Dedupe(ctx, planned)
+	l2ok, shared := e.checkL2Dedupe(ctx, planned, sp.res.Fingerprint)
 	prompt := promptTag(req.RequestID)
 
 	e.mu.Lock()
@@ -218,6 +219,13 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				e.log.Error("an L2 object of this rank vanished; storing it again", zap.Stringer("key", p.key))
 			}
 		}
+		if sum, ok := shared[p.key]; ok {
+			// A share-group member's file holds it (Config.L2SharedWith):
+			// its writer's placement serves the group; no second copy.
+			r.Status, r.Sum = Deduped, sum
+			e.ctr.dedupeShared.Add(1)
+			continue
+		}
 		o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
 		o.prompt = prompt
 		f.work = append(f.work, storeWork{idx: idx, o: o, spans: p.spans})
@@ -242,15 +250,20 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 // present, naming their key, of the recorded size and sum. A key not
 // checked (not in the inventory, or being filled or written) is absent. The file may have been
 // quarantined or deleted by another rank sharing the L2 root, so the
-// inventory alone cannot be trusted to hold a copy.
-func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dcp.Key]l2Check {
+// inventory alone cannot be trusted to hold a copy. With L2SharedWith it
+// also stats the planned objects this rank holds nowhere, and returns in
+// shared, with their recorded sums, those whose file a rank of a
+// share-group member wrote (sharedCopy).
+func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj, fp [32]byte) (map[dcp.Key]l2Check, map[dcp.Key]uint64) {
 	if e.l2 == nil {
-		return nil
+		return nil, nil
 	}
 	var check map[dcp.Key]l2Entry
+	var others []plannedObj
 	e.mu.Lock()
 	for _, p := range planned {
-		if o := e.cat.objs[p.key]; o != nil && (o.state != stReady || o.dirty || o.writing) {
+		o := e.cat.objs[p.key]
+		if o != nil && (o.state != stReady || o.dirty || o.writing) {
 			continue // no L2 copy to check, or one being written
 		}
 		if ent, ok := e.cat.l2[p.key]; ok {
@@ -258,11 +271,22 @@ func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dc
 				check = make(map[dcp.Key]l2Entry)
 			}
 			check[p.key] = ent
+		} else if o == nil && len(e.cfg.L2SharedWith) > 0 {
+			others = append(others, p)
 		}
 	}
 	e.mu.Unlock()
+	var shared map[dcp.Key]uint64
+	for _, p := range others {
+		if sum, ok := e.sharedCopy(ctx, p, fp); ok {
+			if shared == nil {
+				shared = make(map[dcp.Key]uint64)
+			}
+			shared[p.key] = sum
+		}
+	}
 	if check == nil {
-		return nil
+		return nil, shared
 	}
 	res := make(map[dcp.Key]l2Check, len(check))
 	for key, ent := range check {
@@ -276,7 +300,24 @@ func (e *Engine) checkL2Dedupe(ctx context.Context, planned []plannedObj) map[dc
 			res[key] = l2Unknown
 		}
 	}
-	return res
+	return res, shared
+}
+
+// sharedCopy stats p's L2 file and reports its recorded sum when a rank of
+// an instance of L2SharedWith wrote it: its header verifies (the storage
+// key's MAC, C12), names p's key, the namespace's layout fingerprint fp
+// and p's size, with a nonzero sum. Anything else (no file, this rank's
+// or a stranger's file, a bad header, an I/O error) is no copy: the store
+// writes its own.
+func (e *Engine) sharedCopy(ctx context.Context, p plannedObj, fp [32]byte) (uint64, bool) {
+	o, err := e.l2.Stat(ctx, p.key)
+	if err != nil || o.Key != p.key || o.Fingerprint != fp || o.Size != p.size || o.Sum == 0 || o.Writer == e.cfg.Rank {
+		return 0, false
+	}
+	if !slices.Contains(e.cfg.L2SharedWith, o.Writer.Instance) {
+		return 0, false
+	}
+	return o.Sum, true
 }
 
 // l2Check is what checkL2Dedupe found of an inventoried L2 object.

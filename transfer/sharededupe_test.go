@@ -1,0 +1,114 @@
+package transfer
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestStoreDedupedOntoShareGroupCopy (issue 26.3): ranks of instances a
+// and b write one L2 directory. a stores two chunks. b, configured to
+// share with a (L2SharedWith), stores the same chunks: both deduplicated
+// against a's files with a's sums, counted in dedupe_shared_total,
+// nothing gathered into L1, written or announced, a's files untouched; b
+// restores them byte-exact from a's files. A rank of instance c sharing
+// with b only (not a), and one of instance d sharing with nobody, store
+// their own copies. Seen red with sharedCopy off (b stored its own
+// copies, the files then b's).
+func TestStoreDedupedOntoShareGroupCopy(t *testing.T) {
+	dev := openDevice(t, "")
+	root := t.TempDir()
+	engineOf := func(inst string, shared ...string) (*Engine, *rig) {
+		cfg := engineConfig(t, dev, 0, 1)
+		cfg.Rank.Instance, cfg.L2Dir, cfg.L2SharedWith = inst, root, shared
+		e := newEngine(t, cfg)
+		r := newRig(t, dev, c1Spec(), []int64{16})
+		r.register(e)
+		return e, r
+	}
+	ea, ra := engineOf("a")
+	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
+	stored := storeAll(t, ea, ra, "a", cs...)
+	if err := ea.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	writer := func(i int) wire.Rank {
+		t.Helper()
+		o, err := ea.L2().Stat(testCtx(t), stored.Objects[i].Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return o.Writer
+	}
+
+	eb, rb := engineOf("b", "a")
+	res := storeAll(t, eb, rb, "b", cs...)
+	for i, o := range res.Objects {
+		if o.Status != Deduped || o.Sum != stored.Objects[i].Sum {
+			t.Fatalf("b's object %d: %+v, want deduplicated onto a's copy (sum %016x)", i, o, stored.Objects[i].Sum)
+		}
+		if w := writer(i); w.Instance != "a" {
+			t.Fatalf("object %d's file now written by %s", i, w)
+		}
+	}
+	if v := testutil.Metric(t, gatherer(t, eb), "kvtier_transfer_dedupe_shared_total"); v != 2 {
+		t.Fatalf("dedupe_shared_total = %v, want 2", v)
+	}
+	if inv := eb.Inventory(); len(inv.Objects) != 0 || inv.Seq != 0 {
+		t.Fatalf("b holds or announced %+v after deduplicating", inv)
+	}
+	// b restores them from a's files (its engine's restore plan would
+	// name a's placements: the coordinator's share group).
+	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
+	rr, err := eb.Retrieve(testCtx(t), rb.retrieveReq(0, cs, tgt))
+	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L2 {
+		t.Fatalf("b's retrieve: %+v %v", rr, err)
+	}
+	for i, c := range cs {
+		rb.expectRestored(c, tgt[i])
+	}
+	rb.check("b after restoring a's copies")
+
+	// c shares with b only, d with nobody: each stores its own copy.
+	for _, x := range []struct {
+		inst   string
+		shared []string
+	}{{"c", []string{"b"}}, {"d", nil}} {
+		e, r := engineOf(x.inst, x.shared...)
+		res := storeAll(t, e, r, x.inst, cs[0])
+		if res.Objects[0].Status != Stored {
+			t.Fatalf("%s sharing with %v: %+v, want its own copy", x.inst, x.shared, res.Objects[0])
+		}
+		if err := e.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+		if w := writer(0); w.Instance != x.inst {
+			t.Fatalf("%s's copy: the file is written by %s", x.inst, w)
+		}
+		if v := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_dedupe_shared_total"); v != 0 {
+			t.Fatalf("%s: dedupe_shared_total = %v, want 0", x.inst, v)
+		}
+	}
+}
+
+// TestL2SharedWithConfig: shared instances need an L2 and valid names
+// other than the rank's own.
+func TestL2SharedWithConfig(t *testing.T) {
+	dev := openDevice(t, "")
+	for name, mod := range map[string]func(*Config){
+		"no L2":    func(c *Config) { c.L2SharedWith = []string{"a"} },
+		"itself":   func(c *Config) { c.L2Dir, c.L2SharedWith = t.TempDir(), []string{c.Rank.Instance} },
+		"bad name": func(c *Config) { c.L2Dir, c.L2SharedWith = t.TempDir(), []string{"a.b"} },
+	} {
+		cfg := engineConfig(t, dev, 0, 1)
+		mod(&cfg)
+		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
+			if e != nil {
+				closeEngine(t, e)
+			}
+			t.Errorf("%s: New = %v, want ErrConfig", name, err)
+		}
+	}
+}
