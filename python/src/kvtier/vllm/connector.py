@@ -928,6 +928,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.stats["load_steps"] += steps
         self.stats["load_steps_max"] = max(self.stats["load_steps_max"], steps)
         loaded = min(res.loaded, load.chunks)
+        if loaded < load.chunks and self.multi_group:
+            loaded = 0  # several groups: vLLM recomputes the whole request (failed_recving)
         self.recent_loads.append({"req": load.req_id, "restore": load.restore_id, "steps": steps,
                                   "ms": int(took_s * 1000), "loaded": loaded, "chunks": load.chunks,
                                   "problem": res.problem if loaded < load.chunks else ""})
