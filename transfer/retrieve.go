@@ -296,17 +296,6 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		p.scatter = nil
 		return p
 	}
-	if ctx.Err() != nil {
-		// The retrieve's time is up (the engine's deadline, or its
-		// timeout): the engine may have given these blocks to other use,
-		// so nothing more is placed.
-		e.retrieveStreams.put(stream, true)
-		for _, i := range scatter {
-			r.fail(i, fmt.Errorf("not placed: %w", ctxErr(ctx)))
-		}
-		p.scatter = nil
-		return p
-	}
 	tm := newCopyTimers(e.dev, r.tl, 2).mark(stream, 0)
 	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
 		p.stream, p.op = stream, op
@@ -751,11 +740,6 @@ func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []i
 	if err != nil {
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
 		return
-	}
-	if ctx.Err() != nil { // time is up: the blocks may not be the engine's to fill any more
-		e.retrieveStreams.put(stream, true)
-		failAll(fmt.Errorf("not placed: %w", ctxErr(ctx)))
-		return nil, false
 	}
 	op, ok := r.enqueueScatter(stream, buf, items, objs)
 	if !ok {
