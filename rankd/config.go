@@ -78,6 +78,11 @@ type Config struct {
 	// orphaned L2 files are removed (transfer.Config.L2CollectGrace).
 	// Default 24 h; longer keeps quarantined files for inspection.
 	L2CollectGrace time.Duration
+	// L2SharedWith names the other instances of this instance's share
+	// group whose rankds write the same L2Dir (docs/sharing.md): a store
+	// of an object one of their ranks already wrote there is deduplicated
+	// against that file (transfer.Config.L2SharedWith). Default nil.
+	L2SharedWith []string
 	// L2VerifyOnScan makes the background start-up rescan of L2 also
 	// hash every payload this rank wrote (transfer.Config.L2VerifyOnScan).
 	// Default false: headers only; every read is verified anyway (C5).

@@ -154,6 +154,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
+	tc.L2SharedWith = cfg.L2SharedWith
 	tc.Publisher = d.pub
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg

@@ -97,6 +97,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
 	fs.StringVar(&l2Policy, "l2-policy", "write-through", "write-through | write-back")
 	fs.StringVar(&l2Bytes, "l2-bytes", "0", "bound of the L2 files this rank writes (bytes, or with KiB/MiB/GiB/TiB; 0: unbounded); least recently used objects are evicted")
+	l2Shared := fs.String("l2-shared-with", "", "the other instances of this instance's share group whose rankds write this --l2-dir, comma-separated (docs/sharing.md): a store of an object one of them already wrote there keeps no second copy")
 	fs.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
 	fs.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
 	fs.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
@@ -152,6 +153,11 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	}
 	if join != "" {
 		cfg.Join = strings.Split(join, ",")
+	}
+	if *l2Shared != "" {
+		for _, inst := range strings.Split(*l2Shared, ",") {
+			cfg.L2SharedWith = append(cfg.L2SharedWith, strings.TrimSpace(inst))
+		}
 	}
 	if bind != "" {
 		if cfg.BindAddr, cfg.BindPort, err = splitHostPort(bind, cfg.BindPort); err != nil {
