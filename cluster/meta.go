@@ -74,6 +74,13 @@ type Meta struct {
 	// an empty data directory gossips a new one; it asks every live rankd
 	// for its inventory. Empty for a rankd and from older coordinators.
 	Index string `json:"idx,omitempty"`
+	// IndexSig is the coordinator's signature (base64, as NATSSig) over
+	// IndexStatement(Incarnation, Index). A rankd acts on an index id
+	// (offers its inventory when it changes) only when it verifies: a
+	// gossip key holder cannot make every rank resync by gossiping ids.
+	// A field of its own, not part of NATSSig's statement, so older
+	// rankds keep verifying the NATS URLs. Empty when insecure.
+	IndexSig string `json:"idxsig,omitempty"`
 	// L1UsedBytes, L1CapBytes and L2UsedBytes are the rankd's tier usage as of
 	// its last UpdateMeta; informational, gossip-delayed.
 	L1UsedBytes uint64 `json:"l1,omitempty"`
@@ -90,6 +97,12 @@ type Meta struct {
 // of its incarnation inc (Meta.NATSSig).
 func NATSStatement(inc uint64, urls []string) []byte {
 	return []byte("kvtier coordinator nats v1\n" + strconv.FormatUint(inc, 10) + "\n" + strings.Join(urls, ","))
+}
+
+// IndexStatement is what a coordinator signs to vouch for the index id
+// of its incarnation inc (Meta.IndexSig).
+func IndexStatement(inc uint64, id string) []byte {
+	return []byte("kvtier coordinator index v1\n" + strconv.FormatUint(inc, 10) + "\n" + id)
 }
 
 // wireMeta is Meta with its version, the encoding on the wire.
@@ -137,6 +150,9 @@ func (m *Meta) Validate() error {
 	}
 	if len(m.Index) > 64 || strings.ContainsAny(m.Index, ", \t\r\n") {
 		return fmt.Errorf("index id %q must be at most 64 bytes without spaces or commas: %w", m.Index, ErrMeta)
+	}
+	if len(m.IndexSig) > 128 || strings.ContainsAny(m.IndexSig, ", \t\r\n") {
+		return fmt.Errorf("index signature of %d B must be at most 128 bytes without spaces or commas: %w", len(m.IndexSig), ErrMeta)
 	}
 	return nil
 }

@@ -125,6 +125,12 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 		// Still proof of life for a suspect the index does not know (a
 		// reader that never stored): the suspect table is bounded.
 		c.provedAlive(hb.Rank, hb.Incarnation, now, time.Duration(hb.IntervalMS)*time.Millisecond, hb.Leaving, "heartbeat")
+		if hb.OfferIndex != "" && c.checkIncarnation("heartbeat", hb.Rank, hb.Incarnation, now) == nil {
+			// A rank this new index was never told about (not asked at
+			// its start) offers its inventory: its own, authenticated word.
+			c.offeredIndex(&hb)
+			return
+		}
 		c.met.refused.WithLabelValues("unknown_rank_heartbeat").Inc()
 		return
 	}
@@ -134,6 +140,7 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	}
 	if hb.Incarnation >= ri.Incarnation {
 		c.declareCapacity(hb.Rank, hb.Capacity) // the rank's budget (budget.go)
+		c.offeredIndex(&hb)
 	}
 	b := c.hb.noteBeat(&hb, now)
 	if b.gap > 0 && b.inc == hb.Incarnation {
@@ -169,5 +176,34 @@ func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
 	c.log.Warn("rank's events lost in transit: resyncing", zap.Stringer("rank", hb.Rank),
 		zap.Uint64("incarnation", hb.Incarnation), zap.Uint64("index_seq", last),
 		zap.Uint64("announced_seq", prev.Seq))
+	c.startResync(hb.Rank)
+}
+
+// offeredIndex acts on a heartbeat's OfferIndex (issue 29.2): a rank that
+// saw this coordinator's signed index id change offers its inventory, and
+// when the id is this index's the rank is resynced (unless a resync of it
+// is running: the offer stops once the rank served the inventory). An id
+// of another coordinator (a raft replica restarted on a lost directory,
+// refilled by raft) or an older one is ignored; both are counted. The
+// heartbeat arrived on the rank's own subject under its credential: the
+// rank asks for its own resync, as a gap in its batches would; the resync
+// caps and rate bound what it costs.
+func (c *Coordinator) offeredIndex(hb *wire.Heartbeat) {
+	if hb.OfferIndex == "" {
+		return
+	}
+	if hb.OfferIndex != c.idx.ID() {
+		c.met.indexOffers.WithLabelValues("other_index").Inc()
+		return
+	}
+	c.drainMu.Lock()
+	_, running := c.resyncing[hb.Rank]
+	c.drainMu.Unlock()
+	if running {
+		return
+	}
+	c.met.indexOffers.WithLabelValues("resync").Inc()
+	c.log.Info("rank offers its inventory to this index (it saw the index id change): resyncing", zap.Stringer("rank", hb.Rank),
+		zap.Uint64("incarnation", hb.Incarnation), zap.String("index_id", hb.OfferIndex))
 	c.startResync(hb.Rank)
 }

@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net"
@@ -54,6 +55,7 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 	cc.Meta = cluster.Meta{Role: cluster.RoleCoordinator, NATS: urls, Incarnation: cluster.NewIncarnation(),
 		Index: c.idx.ID()}
 	cc.Meta.NATSSig = c.signNATS(cc.Meta.Incarnation, urls)
+	cc.Meta.IndexSig = c.signIndex(cc.Meta.Incarnation, cc.Meta.Index)
 	m, err := cluster.New(cc)
 	if err != nil {
 		return fmt.Errorf("cluster member: %w", err)
@@ -111,4 +113,20 @@ func (c *Coordinator) fixAdvertisedNATS(urls []string) []string {
 		return nil
 	}
 	return out
+}
+
+// signIndex signs the index id of incarnation inc for the member metadata
+// (cluster.Meta.IndexSig): a rankd offers its inventory when the signed id
+// changes, and ignores an id nobody signed (a gossip key holder would
+// otherwise make every rank resync). "" when insecure or without an id.
+func (c *Coordinator) signIndex(inc uint64, id string) string {
+	if c.auth.seed == nil || id == "" {
+		return ""
+	}
+	sig, err := c.auth.seed.Sign(cluster.IndexStatement(inc, id))
+	if err != nil {
+		c.log.Error("cannot sign the index id; rankds will not offer their inventories when it changes", zap.Error(err))
+		return ""
+	}
+	return base64.StdEncoding.EncodeToString(sig)
 }

@@ -16,6 +16,7 @@ type metrics struct {
 	badRequests    *prometheus.CounterVec // by op
 	gaps           prometheus.Counter
 	heartbeatGaps  prometheus.Counter
+	indexOffers    *prometheus.CounterVec // by outcome: resync | other_index
 	resyncs        *prometheus.CounterVec // by outcome: ok | failed | fenced | abandoned
 	resyncAttempts prometheus.Counter
 	indexRebuilds  prometheus.Counter
@@ -70,6 +71,10 @@ func newMetrics() *metrics {
 			Name: "kvtier_coord_heartbeat_gaps_total",
 			Help: "Heartbeats showing a rank's events lost in transit: the index stayed behind the sequence the rank announced one heartbeat earlier (each starts a resync).",
 		}),
+		indexOffers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvtier_coord_index_offers_total",
+			Help: "Heartbeats in which a rank offered its inventory because it saw a new index id in the coordinator's signed gossip, by outcome (resync: the id is this index's, a resync is asked; other_index: another coordinator's or an older id, ignored).",
+		}, []string{"outcome"}),
 		resyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_resyncs_total",
 			Help: "Inventory resyncs finished, by outcome (ok, failed; fenced: dropped, the rank was fenced after the inventory was requested; abandoned: raft leadership lost).",
@@ -260,7 +265,7 @@ func (m *metrics) initialise() {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
-		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.natsErrors, m.applySeconds, m.startupRefused,
+		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.indexOffers, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.natsErrors, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
 		m.lookups, m.lookupTokens, m.lookupHits, m.lookupSeconds, m.restoreChunks, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,

@@ -78,7 +78,8 @@ type Daemon struct {
 	httpSrv *http.Server
 	httpLn  net.Listener
 
-	trust trust // NATS credentials and the coordinator key (auth.go)
+	trust trust      // NATS credentials and the coordinator key (auth.go)
+	iw    indexWatch // the coordinators' index ids (indexwatch.go)
 
 	// incUnsaved: Start could not store this start's incarnation (a
 	// failing L2); the heartbeat loop retries until it succeeds.
@@ -124,7 +125,7 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	d.inc = inc
 	d.invs = &inventoryServer{snaps: newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
-		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { return d.eng.Inventory() }, log: d.log,
+		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { d.inventoryTaken(); return d.eng.Inventory() }, log: d.log,
 		probe: func() wire.RankProbe {
 			return wire.RankProbe{Rank: cfg.Rank, Incarnation: d.inc, Leaving: d.leaving.Load()}
 		}}
@@ -182,6 +183,10 @@ func New(cfg Config) (*Daemon, error) {
 		L1CapBytes:  cfg.L1Bytes,
 	}
 	cc.SecretKey, cc.SecondaryKeys, cc.Insecure = cfg.GossipKey, cfg.GossipSecondaryKeys, cfg.Insecure
+	if err := d.initIndexWatch(); err != nil {
+		_ = dev.Close()
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+	}
 	if err := d.loadAuth(); err != nil {
 		_ = dev.Close()
 		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
@@ -391,7 +396,8 @@ func (d *Daemon) publishHeartbeat(subject string, leaving bool) error {
 	}
 	capacity := declaredCapacity(&d.cfg)
 	p, err := json.Marshal(wire.Heartbeat{Rank: d.cfg.Rank, Incarnation: d.inc, Seq: eng.Stats().LastSeq,
-		IntervalMS: d.cfg.HeartbeatInterval.Milliseconds(), Leaving: leaving, Capacity: &capacity})
+		IntervalMS: d.cfg.HeartbeatInterval.Milliseconds(), Leaving: leaving, Capacity: &capacity,
+		OfferIndex: d.indexOffer(time.Now())})
 	if err != nil {
 		return err
 	}
@@ -516,7 +522,9 @@ func (d *Daemon) watchLoop() {
 		case <-t.C:
 		}
 		var coord *cluster.Member
-		for _, m := range d.clu.Members() {
+		members := d.clu.Members()
+		d.watchIndex(members, time.Now())
+		for _, m := range members {
 			// Only the coordinator that signed its NATS URLs counts (C9): a
 			// member merely claiming the role neither moves this rank nor
 			// keeps it from rejoining the real one.

@@ -228,6 +228,14 @@ type Heartbeat struct {
 	// coordinator bounds the rank's placements by it (and by its own
 	// per-rank cap). Absent from rankds from before: the cap alone.
 	Capacity *Capacity `json:"capacity,omitempty"`
+	// OfferIndex is set after the rank saw the coordinator's signed index
+	// id change (a coordinator restarted on a lost data directory): it
+	// names the new id, and the coordinator whose index has that id asks
+	// the rank for its inventory (a resync). It stays set until the rank
+	// serves an inventory, for a bounded time. A rank the coordinator did
+	// not ask at its start (partitioned, its NATS connection down) is
+	// otherwise never asked while it sends no events. Older peers ignore it.
+	OfferIndex string `json:"offer_index,omitempty"`
 }
 
 // MaxHeartbeatInterval caps the interval a heartbeat may announce; a
