@@ -19,19 +19,23 @@ import (
 // TestShareGroupAcrossInstances (issue 26): engine0 and engine1 are one
 // share group (coordinator --share-group), TP4/DCP4 each on the host
 // backend, their rankds on one L2 directory; engine2 has credentials but
-// is in no group. engine0 stores a prompt and its rankds stop; engine1
-// restores it COMPLETE and byte-exact from engine0's L2 files, its own
-// ranks confirming engine0's recorded sums. engine2, an engine of another
+// is in no group. engine0 stores a prompt; engine1 storing the same
+// prompt keeps no second copy (--l2-shared-with: every object
+// deduplicated onto engine0's files, counted); engine0's rankds stop and
+// engine1 restores the prompt COMPLETE and byte-exact from engine0's L2
+// files, its own ranks confirming engine0's recorded sums. engine2, an engine of another
 // instance, gets a miss for its own lookup and restore and is refused (and
 // counted) when it names the group's instances or engine1's restore, or
 // publishes on their subjects; another layout of the same model never
 // matches, even in the group. Seen red without --share-group: engine1's
-// restore planned nothing (prefix 0).
+// restore planned nothing (prefix 0); and without --l2-shared-with:
+// engine1 stored its own 64 copies.
 func TestShareGroupAcrossInstances(t *testing.T) {
 	c := newKV(t, 4)
 	c.addInstanceCreds("engine1")
 	c.addInstanceCreds("engine2")
 	c.coordArgs = append(c.coordArgs, "--share-group", "chat=engine0,engine1")
+	c.rankArgs = []string{"--l2-shared-with", "engine1"}
 	c.startAll()
 	const seed = "41"
 	store := c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", seed)
@@ -40,12 +44,34 @@ func TestShareGroupAcrossInstances(t *testing.T) {
 		want[r] = int64(store.Stored / c.tp)
 	}
 	c.waitL2(want)
-	c.stopRanks() // engine0's rankds are gone: only their L2 files are left
 
 	// engine1's rankds write and read the same L2 directory (the flag
-	// given again overrides startInstance's own).
-	c.rankArgs = append(c.rankArgs, "--l2-dir", c.l2D)
+	// given again overrides startInstance's own). Its store of the same
+	// prompt keeps no second copy (issue 26.3).
+	c.rankArgs = []string{"--l2-dir", c.l2D, "--l2-shared-with", "engine0"}
 	b := startInstance(c, "engine1")
+	dup := c.mustSim("--scenario", "tp4dcp4", "--phase", "store", "--seed", seed, "--instance", "engine1")
+	if dup.Stored != 0 || dup.Deduped != store.Stored {
+		t.Fatalf("engine1's store of engine0's prompt: %d stored, %d deduplicated; want 0 and %d", dup.Stored, dup.Deduped, store.Stored)
+	}
+	var shared float64
+	for r, p := range b {
+		shared += testutil.MetricSum(t, metricsOf(t, "engine1 rankd "+strconv.Itoa(r), p.output()), "kvtier_transfer_dedupe_shared_total")
+	}
+	if shared != float64(store.Stored) {
+		t.Fatalf("engine1's rankds counted %v objects deduplicated onto engine0's copies, want %d", shared, store.Stored)
+	}
+	rep, err := admin[wire.AdminRanksReply](c, wire.AdminRanks, struct{}{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range rep.Ranks {
+		if k.Rank.Instance == "engine1" && k.L1Objects+k.L2Objects > 0 {
+			t.Fatalf("engine1's rank %d holds %d L1 and %d L2 objects after deduplicating", k.Rank.TPRank, k.L1Objects, k.L2Objects)
+		}
+	}
+	c.stopRanks() // engine0's rankds are gone: only their L2 files are left
+
 	res, out, err := c.sim("--scenario", "tp4dcp4", "--phase", "restore", "--seed", seed, "--instance", "engine1")
 	if err != nil || res == nil || res.Verdict != wire.VerdictComplete || res.Prefix != len(want) {
 		t.Fatalf("engine1 restoring engine0's prompt: %v %+v\n%s", err, res, tail(out, 30))
