@@ -370,9 +370,31 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		return err
 	}
 	tl.Lap(transfer.StageDecode, -1)
+	// The engine's deadline (wire.HeaderDeadline): past it the engine has
+	// taken the blocks back, so nothing may be placed after it. It cuts
+	// the retrieve's context: items not yet scattered fail as timed out.
+	if v := msg.Header.Get(wire.HeaderDeadline); v != "" {
+		dl, err := wire.ParseDeadline(v)
+		if err != nil {
+			d.reportRejected(msg.Data, err)
+			return err
+		}
+		if late := time.Since(dl); late >= 0 {
+			d.met.retrieveDeadline.WithLabelValues("expired_on_arrival").Inc()
+			err := fmt.Errorf("retrieve %s arrived %v after the engine's deadline; nothing placed: %w", req.RestoreID, late.Round(time.Millisecond), ErrUnavailable)
+			d.reportRejected(msg.Data, err)
+			return err
+		}
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, dl)
+		defer cancel()
+	}
 	// The caller must own the session before anything is placed: the
 	// engine checks it where it finds the session.
 	res, err := d.eng.Retrieve(transfer.WithTimeline(ctx, tl), transfer.RetrieveRequestOf(req, d.callerOf(msg)))
+	if ctx.Err() != nil && d.life.Err() == nil {
+		d.met.retrieveDeadline.WithLabelValues("cut").Inc()
+	}
 	if err != nil {
 		if req.RestoreID != "" {
 			// The coordinator must learn that this rank placed nothing, so

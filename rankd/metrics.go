@@ -28,6 +28,9 @@ type metrics struct {
 	inventories       prometheus.Counter
 	blocksFreed       *prometheus.CounterVec // result: sent | failed
 	supersessions     prometheus.Counter
+	// retrieveDeadline counts retrieves the engine's deadline
+	// (wire.HeaderDeadline) refused on arrival or cut short.
+	retrieveDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut
 	// incarnationSaveFailures counts failed writes of the incarnation file
 	// (a failing L2 at start, then each retry).
 	incarnationSaveFailures prometheus.Counter
@@ -72,6 +75,9 @@ func newMetrics(rank string) *metrics {
 			[]string{"result"}),
 		supersessions: c("engine_sessions_superseded_total",
 			"Engine registrations that superseded a live session of their namespace (an engine restart, or a second engine process of the instance)."),
+		retrieveDeadline: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "retrieve_deadline_total", Help: "Retrieves past the engine's deadline (the engine had taken the blocks back): refused on arrival, nothing placed (expired_on_arrival), or cut short, the items not yet placed failed (cut).", ConstLabels: labels},
+			[]string{"outcome"}),
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
 		l1NUMANode: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
@@ -83,6 +89,7 @@ func newMetrics(rank string) *metrics {
 	m.stages = newStageRecorder(m.stageSeconds) // every series of stageSeconds
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.stageSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
+		m.retrieveDeadline,
 		m.l1NUMANode, m.l1NUMAElsewhere,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Every vector starts with its known series at 0, so an idle rank
@@ -97,6 +104,9 @@ func newMetrics(rank string) *metrics {
 	}
 	for _, r := range []string{"sent", "failed"} {
 		m.blocksFreed.WithLabelValues(r)
+	}
+	for _, o := range []string{"expired_on_arrival", "cut"} {
+		m.retrieveDeadline.WithLabelValues(o)
 	}
 	return m
 }

@@ -296,6 +296,17 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		p.scatter = nil
 		return p
 	}
+	if ctx.Err() != nil {
+		// The retrieve's time is up (the engine's deadline, or its
+		// timeout): the engine may have given these blocks to other use,
+		// so nothing more is placed.
+		e.retrieveStreams.put(stream, true)
+		for _, i := range scatter {
+			r.fail(i, fmt.Errorf("not placed: %w", ctxErr(ctx)))
+		}
+		p.scatter = nil
+		return p
+	}
 	tm := newCopyTimers(e.dev, r.tl, 2).mark(stream, 0)
 	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
 		p.stream, p.op = stream, op
@@ -313,17 +324,10 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 // complete waits for and verifies the scatter of batch p, scatters its
 // items held by peers, and unpins the batch.
 func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
-	defer p.timers.release()
+	defer func() { p.timers.release() }()
 	if p.op != nil {
 		if sums, ok := r.waitScatter(ctx, p.stream, p.op, p.scatter); ok {
-			if r.tl != nil {
-				waited := time.Now()
-				at, timed := p.timers.times(ctx, r.tl, waited)
-				if timed {
-					r.tl.Device(StageScatter, p.batch, at[0], at[1])
-				}
-				r.tl.lapCopy(p.batch, at[1], timed, waited)
-			}
+			p.timers = r.tl.copyDone(p.timers, p.batch, time.Now(), StageScatter)
 			r.verifyScatter(p.scatter, sums)
 		}
 	}
@@ -740,6 +744,11 @@ func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []i
 	if err != nil {
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
 		return
+	}
+	if ctx.Err() != nil { // time is up: the blocks may not be the engine's to fill any more
+		e.retrieveStreams.put(stream, true)
+		failAll(fmt.Errorf("not placed: %w", ctxErr(ctx)))
+		return nil, false
 	}
 	op, ok := r.enqueueScatter(stream, buf, items, objs)
 	if !ok {

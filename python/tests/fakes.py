@@ -224,8 +224,9 @@ class FakeSession:
             return self.world.store_reply
         return wire.StoreReply(stored=len(chunks))
 
-    async def retrieve(self, items, restore_id="", timeout=None):
+    async def retrieve(self, items, restore_id="", timeout=None, deadline=None):
         self.world.retrieves.append((self.rank, restore_id, items))
+        self.world.retrieve_deadlines.append(deadline)
         if self.world.retrieve_error is not None:
             raise self.world.retrieve_error
         return wire.RetrieveReply([wire.ItemResult(it.chunk, it.group, True) for it in items])
@@ -259,6 +260,7 @@ class FakeWorld:
         self.store_reply: wire.StoreReply | None = None
         self.freed_handlers: list[Any] = []
         self.retrieves: list[Any] = []
+        self.retrieve_deadlines: list[float | None] = []
         self.retrieve_error: Exception | None = None
         self.registered: list[Any] = []
         self.reregistered = 0

@@ -191,6 +191,38 @@ def test_store_and_retrieve_go_binary_unless_json_requests():
         assert nc.sent[0] == (wire.encode(want) if json_requests else want.to_binary())
 
 
+def test_retrieve_carries_the_engines_deadline():
+    """RankSession.retrieve(deadline=t) sends t as Unix nanoseconds in the
+    Kvtier-Deadline header (the rankd places nothing after it); without a
+    deadline no header is sent."""
+    import asyncio
+
+    from kvtier import dcp
+
+    class _NC:
+        def __init__(self) -> None:
+            self.headers: list[dict[str, str] | None] = []
+
+        async def request(self, subject: str, data: bytes, timeout: float,
+                          headers: dict[str, str] | None = None) -> object:
+            self.headers.append(headers)
+
+            class Msg:
+                pass
+
+            m = Msg()
+            m.data = wire.encode_reply(ok=wire.RetrieveReply([]))  # type: ignore[attr-defined]
+            return m
+
+    nc = _NC()
+    c = client.Client(nc, client.ConnectOptions(insecure=True))
+    s = client.RankSession(c, wire.Rank("engine0", 0), dcp.Spec(), dcp.Namespace(bytes(range(1, 17))), [], "d",
+                           "s" * 32)
+    asyncio.run(s.retrieve([], "R1", deadline=1234.5))
+    asyncio.run(s.retrieve([], "R2"))
+    assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None]
+
+
 def test_package_exports_its_public_names_without_importing_nats():
     """STYLE 34: the public names at the top of the package, loaded on use,
     so importing kvtier still starts nothing and imports no NATS."""

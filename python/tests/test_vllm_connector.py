@@ -505,6 +505,27 @@ def test_load_complete_verdict_has_no_errors():
     assert w.stats["loaded_tokens"] == 48
 
 
+def test_retrieve_deadline_ends_before_the_load_is_given_up():
+    """The retrieve carries the engine's deadline (the rankd places nothing
+    after it): the restore deadline from the load's start, at least
+    kvtier_lookup_timeout_s + 1 s before the connector gives the blocks
+    back to vLLM (_load_bound_s)."""
+    import time
+
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    bind(w, loads=[load_spec(w)])
+    t0 = time.time()
+    w.start_load_kv(None)
+    t1 = time.time()
+    (deadline,) = world.retrieve_deadlines
+    assert deadline is not None
+    restore = w.cfg.restore_deadline_ms / 1000
+    assert t0 + restore <= deadline <= t1 + restore
+    assert w._load_bound_s() - restore >= w.cfg.lookup_timeout_s + 1
+
+
 def test_failed_verdict_recomputes_from_the_first_failed_chunk():
     world = fakes.FakeWorld()
     w = worker(world)

@@ -377,7 +377,8 @@ class Client:
         await self.close()
 
     async def call(self, subject: str, req: Any, reply: type[T], timeout: float | None = None,
-                   decoder: Callable[[bytes, str], T] | None = None) -> T:
+                   decoder: Callable[[bytes, str], T] | None = None,
+                   headers: dict[str, str] | None = None) -> T:
         """Sends req as JSON (bytes as they are: a binary request) and
         decodes the reply envelope; error replies raise their
         kvtier.errors.WireError subclass."""
@@ -389,7 +390,8 @@ class Client:
         attempt = 0
         while True:
             try:
-                msg = await self._nc.request(subject, data, timeout=timeout or self.opts.timeout)
+                msg = await self._nc.request(subject, data, timeout=timeout or self.opts.timeout,
+                                             **({} if headers is None else {"headers": headers}))
                 break
             except nats.errors.NoRespondersError:
                 wait = _backoff(attempt)
@@ -496,10 +498,15 @@ class RankSession:
                                       StoreReply, timeout=timeout)
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
-                       timeout: float | None = None) -> RetrieveReply:
+                       timeout: float | None = None, deadline: float | None = None) -> RetrieveReply:
+        """Places items' objects into this session's blocks. deadline
+        (time.time() seconds) is when the caller takes the blocks back: the
+        rankd places nothing after it (a retrieve arriving later is refused
+        as unavailable, items not yet placed at it fail)."""
         req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
+        headers = None if deadline is None else {wire.HEADER_DEADLINE: str(int(deadline * 1e9))}
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), self._body(req),
-                                      RetrieveReply, timeout=timeout)
+                                      RetrieveReply, timeout=timeout, headers=headers)
 
     def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
         """req as sent: its binary form, or the message itself (JSON) with
@@ -719,8 +726,10 @@ class SyncRankSession:
         own (C1); keep its event and blocks until it is done."""
         return self.client.submit(self.aio.store(request_id, chunks, event))
 
-    def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "") -> RetrieveReply:
-        return self.client.run(self.aio.retrieve(items, restore_id))
+    def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", timeout: float | None = None,
+                 deadline: float | None = None) -> RetrieveReply:
+        return self.client.run(self.aio.retrieve(items, restore_id, timeout=timeout, deadline=deadline),
+                               _outer(timeout))
 
     def reregister(self) -> None:
         self.client.run(self.aio.reregister())

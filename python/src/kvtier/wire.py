@@ -60,6 +60,11 @@ COORD_RESTORE_WAIT = "restore.wait"
 OP_REGISTER = "register"
 OP_STORE = "store"
 OP_RETRIEVE = "retrieve"
+
+# HEADER_DEADLINE is the NATS header of a retrieve that carries the engine's
+# deadline (Unix nanoseconds, decimal): past it the rankd places nothing
+# more, because the engine has taken the blocks back (Go: wire.HeaderDeadline).
+HEADER_DEADLINE = "Kvtier-Deadline"
 OP_RELEASE = "release"
 OP_STATUS = "status"
 

@@ -885,7 +885,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 fut.set_result(_LoadResult(0, 0, load.problem))
             else:
                 c, s = use
-                fut = c.submit(self._load(c, s, load))
+                # The rankd places nothing after this wall-clock time; the
+                # load is given up (its blocks back to vLLM) only at
+                # _load_bound_s, kvtier_lookup_timeout_s + 1 s later.
+                deadline = time.time() + self.cfg.restore_deadline_ms / 1000
+                fut = c.submit(self._load(c, s, load, deadline))
             self._loading[load.req_id] = _Loading(fut, load, time.monotonic(), self._step)
             if not load.async_load:
                 sync.append(load.req_id)
@@ -953,16 +957,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._load_errors.update(ids)
                 self.stats["load_error_blocks"] += len(ids)
 
-    async def _load(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec) -> _LoadResult:
+    async def _load(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec,
+                    deadline: float) -> _LoadResult:
         """This rank's part of one restore, bounded by _load_bound_s: the
         chunks confirmed by the verdict (only a complete verdict confirms
         all of them)."""
         try:
-            return await asyncio.wait_for(self._load_inner(c, s, load), self._load_bound_s())
+            return await asyncio.wait_for(self._load_inner(c, s, load, deadline), self._load_bound_s())
         except TimeoutError:
             return _LoadResult(0, 0, f"no verdict within {self._load_bound_s():.1f} s")
 
-    async def _load_inner(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec) -> _LoadResult:
+    async def _load_inner(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec,
+                          deadline: float) -> _LoadResult:
         bound = self._load_bound_s()
         raw = load.items.get(str(self._rank))
         problem = ""
@@ -976,7 +982,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             try:
                 if nulls:  # never write into vLLM's null block (it reads as zeros)
                     raise GeometryError(f"(group, chunk) {nulls[:4]} land in vLLM's null block {NULL_BLOCK}")
-                await s.aio.retrieve(items, load.restore_id, timeout=bound)
+                await s.aio.retrieve(items, load.restore_id, timeout=bound, deadline=deadline)
             except (UnknownNamespace, UnknownSession) as e:
                 # A restarted rankd forgot the registration: the link
                 # registers again for the next restore; the verdict decides.

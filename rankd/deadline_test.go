@@ -1,0 +1,136 @@
+package rankd
+
+import (
+	"bytes"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/checksum"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestRetrieveAfterTheEnginesDeadlinePlacesNothing: a retrieve whose
+// wire.HeaderDeadline has passed when it arrives (the engine gave up on
+// the load and took its blocks back: vLLM recomputes them or hands them
+// to another request) is refused and writes no byte; one whose deadline
+// is ahead is served; a malformed deadline is a bad request. Red without
+// the check: the late retrieve placed its page into block 5.
+func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
+	h := newHarness(t)
+	e := newEngine(t, h)
+	ctx := h.ctx()
+	e.spec.Groups[0].MLA = false // this rank stores its own shard
+	var err error
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for l, m := range e.pools {
+		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev.Release()
+	if err := s.Record(ev); err != nil {
+		t.Fatal(err)
+	}
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil || st.Stored != 1 {
+		t.Fatalf("store: %+v %v", st, err)
+	}
+	var want []byte
+	for l := range e.pools {
+		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
+	}
+	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
+	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	retrieve := func(deadline string) *wire.Reply[wire.RetrieveReply] {
+		t.Helper()
+		m := nats.NewMsg(h.subj.Engine(h.rank, OpRetrieve))
+		m.Data = body
+		if deadline != "" {
+			m.Header.Set(wire.HeaderDeadline, deadline)
+		}
+		rep, err := h.nc.RequestMsgWithContext(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r wire.Reply[wire.RetrieveReply]
+		if err := json.Unmarshal(rep.Data, &r); err != nil {
+			t.Fatal(err)
+		}
+		return &r
+	}
+	block5 := func() bool { // true when every layer's block 5 holds the page
+		t.Helper()
+		for l, m := range e.pools {
+			got := make([]byte, e.g.PageBytes)
+			if err := e.dev.Read(m, 5*e.g.StrideBytes, got); err != nil {
+				t.Fatal(err)
+			}
+			switch {
+			case bytes.Equal(got, pageOf(l, 2, e.g.PageBytes)):
+			case bytes.Count(got, []byte{0xEE}) == len(got):
+				return false
+			default:
+				t.Fatalf("layer %d block 5 holds neither the page nor the fill", l)
+			}
+		}
+		return true
+	}
+
+	late := retrieve(wire.FormatDeadline(time.Now().Add(-50 * time.Millisecond)))
+	if late.Error == nil || late.Error.Code != wire.CodeUnavailable {
+		t.Fatalf("retrieve past its deadline answered %+v, want unavailable", late)
+	}
+	if block5() {
+		t.Fatal("a retrieve that arrived after the engine's deadline placed its page")
+	}
+	if n := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_retrieve_deadline_total", "outcome", "expired_on_arrival"); n != 1 {
+		t.Fatalf("kvtier_rankd_retrieve_deadline_total{outcome=expired_on_arrival} %v, want 1", n)
+	}
+
+	if bad := retrieve("soon"); bad.Error == nil || bad.Error.Code != wire.CodeBadRequest {
+		t.Fatalf("malformed deadline answered %+v, want bad_request", bad)
+	}
+	if block5() {
+		t.Fatal("a retrieve with a malformed deadline placed its page")
+	}
+
+	ok := retrieve(wire.FormatDeadline(time.Now().Add(time.Minute)))
+	if ok.Error != nil || len(ok.OK.Results) != 1 || !ok.OK.Results[0].OK {
+		t.Fatalf("retrieve within its deadline: %+v", ok)
+	}
+	if !block5() {
+		t.Fatal("a retrieve within its deadline did not place its page")
+	}
+}

@@ -1,0 +1,65 @@
+package transfer
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+// TestRetrievePastItsDeadlinePlacesNothing: a retrieve whose context ends
+// (the engine's deadline, wire.HeaderDeadline, which rankd puts on the
+// context) while its L2 read is stuck places nothing once the read
+// returns: the engine took the blocks back at its deadline and wrote its
+// own bytes there, and those stay. (The read's own check guards this path:
+// a read that returns after the context ended fails its item.)
+func TestRetrievePastItsDeadlinePlacesNothing(t *testing.T) {
+	e, r, c, held := supersedeRig(t, true, 30*time.Second) // deaf: the read ignores the context
+	tgt := r.consecutiveN(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	done := make(chan retrieveOutcome, 1)
+	go func() {
+		rr, err := e.Retrieve(ctx, r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
+		done <- retrieveOutcome{rr, err}
+	}()
+	select {
+	case <-held.entered:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the retrieve never reached its L2 read")
+	}
+	<-ctx.Done()
+	overwrite(t, r, 77, tgt) // the engine's own use of its blocks after its deadline
+	close(held.release)
+	var o retrieveOutcome
+	select {
+	case o = <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the retrieve did not end after its read returned")
+	}
+	r.check("the pools after a retrieve past its deadline")
+	if o.err == nil && o.res.ChunkOK(0) {
+		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", o.res)
+	}
+}
+
+// TestRetrieveFromL1PastItsDeadlinePlacesNothing: the same for a chunk in
+// L1 (no read to fail): a retrieve whose deadline has passed when its
+// scatter would be enqueued places nothing. Red without the check: the
+// chunk was scattered over the engine's own bytes.
+func TestRetrieveFromL1PastItsDeadlinePlacesNothing(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e, r, "s", c)
+	tgt := r.consecutiveN(1)
+	overwrite(t, r, 77, tgt) // the engine's own bytes in the target blocks
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Millisecond))
+	defer cancel()
+	res, err := e.Retrieve(ctx, r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
+	r.check("the pools after a retrieve past its deadline")
+	if err == nil && res.ChunkOK(0) {
+		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", res)
+	}
+}

@@ -1,0 +1,29 @@
+package wire
+
+import (
+	"fmt"
+	"strconv"
+	"time"
+)
+
+// HeaderDeadline is the NATS header of a retrieve request that carries the
+// engine's deadline: the wall-clock time (Unix nanoseconds, decimal) after
+// which the rank must place nothing more. The engine gives the blocks of a
+// load it gave up on back to its own use (vLLM recomputes them, or reuses
+// them for another request), so a copy that lands after that would write
+// stale bytes into memory the engine owns again. The engine and its rank
+// share a host (CUDA IPC), so they share the clock. A request without the
+// header is bounded by the rank's own retrieve timeout only.
+const HeaderDeadline = "Kvtier-Deadline"
+
+// FormatDeadline is the header value of t.
+func FormatDeadline(t time.Time) string { return strconv.FormatInt(t.UnixNano(), 10) }
+
+// ParseDeadline reads a HeaderDeadline value.
+func ParseDeadline(v string) (time.Time, error) {
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return time.Time{}, fmt.Errorf("header %s %q: want Unix nanoseconds > 0: %w", HeaderDeadline, v, ErrMalformed)
+	}
+	return time.Unix(0, n), nil
+}
