@@ -26,7 +26,9 @@
 // An L1 copy lives in its holder rankd's pinned memory: only the holder
 // itself can restore from it. An L2 copy is a file under the engine
 // instance's L2 root, which the instance's rankds share: any reader of the
-// same instance can restore from it, even while its holder is fenced.
+// same instance can restore from it, even while its holder is fenced, and
+// (LookupSharedInto) any reader of an instance of the holder's share
+// group, whose rankds share the directory.
 // Fenced L1 copies are never usable; the index drops them when it fences
 // (new incarnation, or FenceRank when memberlist declares a rank dead).
 // Every rank keeps the set of chunks it has placements in, so a fence, an
