@@ -1,0 +1,109 @@
+package rankd
+
+import (
+	"encoding/base64"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/cluster"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestIndexWatch (issue 29.2): the first index id a rank sees is only
+// recorded; a new one signed by the coordinator's key makes the rank offer
+// its inventory (wire.Heartbeat.OfferIndex) until it serves one; a forged
+// id (unsigned, signed by another identity, or a signature of another id
+// or incarnation) is ignored and counted, and so is every id when the
+// rank has no key to verify with; a replayed id already seen offers
+// nothing. Red with the signature check removed (the forged ids were
+// offered) and with the first sight treated as a change.
+func TestIndexWatch(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(dir, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	seed, err := auth.LoadSeed(filepath.Join(dir, "coordinator.nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := auth.LoadSeed(filepath.Join(dir, "admin.nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &Daemon{cfg: DefaultConfig(wire.Rank{Instance: "eng"}), log: zaptest.NewLogger(t), met: newMetrics("eng/0")}
+	d.cfg.Rank, d.cfg.CredsDir = wire.Rank{Instance: "eng"}, dir
+	if err := d.initIndexWatch(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.loadAuth(); err != nil {
+		t.Fatal(err)
+	}
+	sign := func(s *auth.Seed, inc uint64, id string) string {
+		sig, err := s.Sign(cluster.IndexStatement(inc, id))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return base64.StdEncoding.EncodeToString(sig)
+	}
+	coord := func(inc uint64, id, sig string) []cluster.Member {
+		return []cluster.Member{{Name: "coordinator", ID: "coordinator@x", State: cluster.StateAlive,
+			Meta: cluster.Meta{Role: cluster.RoleCoordinator, Incarnation: inc, Index: id, IndexSig: sig}}}
+	}
+	const idA, idB, idC = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "cccccccccccccccccccccccccccccccc"
+	now := time.Now()
+	offer := func() string { return d.indexOffer(now) }
+	untrusted := func() float64 { return testutil.Metric(t, d.met.reg, "kvtier_rankd_untrusted_index_ids_total") }
+	changes := func() float64 { return testutil.Metric(t, d.met.reg, "kvtier_rankd_index_changes_total") }
+
+	d.watchIndex(coord(7, idA, sign(seed, 7, idA)), now)
+	if offer() != "" || changes() != 0 {
+		t.Fatalf("the first id seen made an offer %q (changes %v)", offer(), changes())
+	}
+	for i, forged := range [][]cluster.Member{
+		coord(8, idB, ""),                     // unsigned
+		coord(8, idB, "!!"),                   // not base64
+		coord(8, idB, sign(other, 8, idB)),    // another identity's key
+		coord(8, idB, sign(seed, 8, idC)),     // the coordinator's signature of another id
+		coord(9, idB, sign(seed, 8, idB)),     // of another incarnation
+		coord(8, idB, sign(seed, 8, idB)[4:]), // truncated
+	} {
+		d.watchIndex(forged, now)
+		if offer() != "" || changes() != 0 || untrusted() != float64(i+1) {
+			t.Fatalf("forged id %d: offer %q, changes %v, untrusted %v", i, offer(), changes(), untrusted())
+		}
+	}
+	d.watchIndex(coord(8, idB, sign(seed, 8, idB)), now)
+	if offer() != idB || changes() != 1 {
+		t.Fatalf("signed new id: offer %q, changes %v", offer(), changes())
+	}
+	d.watchIndex(coord(8, idB, sign(seed, 8, idB)), now) // the same id again: one change
+	if changes() != 1 {
+		t.Fatalf("the same id counted again: changes %v", changes())
+	}
+	d.inventoryTaken()
+	if offer() != "" {
+		t.Fatalf("offer %q after the inventory was served", offer())
+	}
+	d.watchIndex(coord(7, idA, sign(seed, 7, idA)), now) // a replay of the old signed id
+	if offer() != "" || changes() != 1 {
+		t.Fatalf("a replayed id already seen: offer %q, changes %v", offer(), changes())
+	}
+	d.watchIndex(coord(10, idC, sign(seed, 10, idC)), now)
+	if offer() != idC {
+		t.Fatalf("offer %q, want %q", offer(), idC)
+	}
+	if got := d.indexOffer(now.Add(indexOfferFor + time.Second)); got != "" {
+		t.Fatalf("offer %q past indexOfferFor", got)
+	}
+	// Without a key to verify with, no id is acted on.
+	d.trust.coordKey = ""
+	d.watchIndex(coord(11, "dddddddddddddddddddddddddddddddd", sign(seed, 11, "dddddddddddddddddddddddddddddddd")), now)
+	if offer() != "" || untrusted() != 7 {
+		t.Fatalf("no key: offer %q, untrusted %v", offer(), untrusted())
+	}
+}
