@@ -324,10 +324,17 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 // complete waits for and verifies the scatter of batch p, scatters its
 // items held by peers, and unpins the batch.
 func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
-	defer func() { p.timers.release() }()
+	defer p.timers.release()
 	if p.op != nil {
 		if sums, ok := r.waitScatter(ctx, p.stream, p.op, p.scatter); ok {
-			p.timers = r.tl.copyDone(p.timers, p.batch, time.Now(), StageScatter)
+			if r.tl != nil {
+				waited := time.Now()
+				at, timed := p.timers.times(ctx, r.tl, waited)
+				if timed {
+					r.tl.Device(StageScatter, p.batch, at[0], at[1])
+				}
+				r.tl.lapCopy(p.batch, at[1], timed, waited)
+			}
 			r.verifyScatter(p.scatter, sums)
 		}
 	}
