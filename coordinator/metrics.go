@@ -245,6 +245,7 @@ func (m *metrics) initialise() {
 	initLabels(m.batches, batchOutcomes...)
 	initLabels(m.badRequests, requestOps...)
 	initLabels(m.resyncs, resyncOutcomes...)
+	initLabels(m.indexOffers, "resync", "other_index")
 	initLabels(m.natsErrors, natsErrorKinds...)
 	initLabels(m.fences, fenceCauses...)
 	initLabels(m.lookups, lookupOutcomes...)
