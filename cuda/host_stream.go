@@ -14,6 +14,10 @@ type hostStream struct {
 	id     uint64
 	stop   chan struct{} // closed by Close: Delays end, event waits fail
 	exited chan struct{} // closed when the goroutine has returned
+	// doneAt is when the goroutine finished its latest operation, taken
+	// before the operation's waiters are woken (its marks' time); only
+	// the goroutine uses it.
+	doneAt time.Time
 
 	mu     sync.Mutex // guards the following
 	cond   *sync.Cond // signals queue and closed changes, with mu
@@ -77,6 +81,7 @@ func (s *hostStream) loop() {
 		if op.unref != nil {
 			op.unref()
 		}
+		s.doneAt = time.Now()
 		close(op.done)
 	}
 }

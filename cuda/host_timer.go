@@ -11,7 +11,8 @@ import (
 var timerIDs atomic.Uint64
 
 // hostTimer is a Timer of the host backend: a mark is an operation of its
-// stream that takes the time when the stream reaches it.
+// stream that takes the time the work before it finished (or its own
+// enqueue, on an idle stream).
 type hostTimer struct {
 	dev *hostDevice
 	id  uint64
@@ -55,9 +56,19 @@ func (s *hostStream) Mark(t Timer) error {
 	ht.marked++
 	seq := ht.marked
 	ht.mu.Unlock()
+	enq := time.Now()
 	s.enqueueLocked(&hostOp{
-		what:    fmt.Sprintf("mark %d of timer #%d", seq, ht.id),
-		run:     func(<-chan struct{}) error { ht.resolve(seq, time.Now(), false); return nil },
+		what: fmt.Sprintf("mark %d of timer #%d", seq, ht.id),
+		// Reached when the work before it finished (taken before that
+		// work's waiters woke), or when it was enqueued on an idle stream.
+		run: func(<-chan struct{}) error {
+			at := enq
+			if s.doneAt.After(at) {
+				at = s.doneAt
+			}
+			ht.resolve(seq, at, false)
+			return nil
+		},
 		abandon: func() { ht.resolve(seq, time.Time{}, true) },
 	})
 	return nil

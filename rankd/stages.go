@@ -1,7 +1,9 @@
 package rankd
 
 import (
+	"context"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -61,13 +63,17 @@ func newStageRecorder(h *prometheus.HistogramVec) *stageRecorder {
 	return r
 }
 
-// done records the finished timeline of one request: each stage's total
-// in the histogram, the timeline among the recent ones. tl must not be
-// written any more.
+// done records the finished timeline of one request, after its reply:
+// the device's times read (Timeline.Resolve), each stage's total in the
+// histogram, the timeline among the recent ones. tl must not be written
+// any more.
 func (r *stageRecorder) done(op, id string, tl *transfer.Timeline) {
 	if tl == nil {
 		return
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	tl.Resolve(ctx) // the device's times, now that the reply is out
+	cancel()
 	if o := r.obs[op]; o != nil {
 		for s := range transfer.NumStages {
 			if d, ok := tl.Total(s); ok && o[s] != nil {

@@ -324,17 +324,10 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 // complete waits for and verifies the scatter of batch p, scatters its
 // items held by peers, and unpins the batch.
 func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
-	defer p.timers.release()
+	defer func() { p.timers.release() }()
 	if p.op != nil {
 		if sums, ok := r.waitScatter(ctx, p.stream, p.op, p.scatter); ok {
-			if r.tl != nil {
-				waited := time.Now()
-				at, timed := p.timers.times(ctx, r.tl, waited)
-				if timed {
-					r.tl.Device(StageScatter, p.batch, at[0], at[1])
-				}
-				r.tl.lapCopy(p.batch, at[1], timed, waited)
-			}
+			p.timers = r.tl.copyDone(p.timers, p.batch, time.Now(), StageScatter)
 			r.verifyScatter(p.scatter, sums)
 		}
 	}

@@ -90,6 +90,7 @@ type Timeline struct {
 	seen      [NumStages]bool
 	truncated bool
 	shift     time.Duration // the largest ClockShift applied
+	pending   []pendingCopy // copies whose device times Resolve reads
 	// Bytes are the bytes the request moved (gathered or scattered).
 	Bytes uint64
 }
@@ -169,10 +170,14 @@ func (t *Timeline) LapTo(s Stage, batch int, at time.Time) {
 	t.last = at
 }
 
-// Device records device stage s of batch over [from, to).
+// Device records device stage s of batch over [from, to), clamped to
+// start no earlier than the origin.
 func (t *Timeline) Device(s Stage, batch int, from, to time.Time) {
 	if t == nil {
 		return
+	}
+	if from.Before(t.origin) {
+		from = t.origin
 	}
 	if to.Before(from) {
 		to = from
@@ -258,16 +263,77 @@ func (c *copyTimers) release() {
 	}
 }
 
-// lapCopy records the end of a copy the host waited for: StageWait until
-// the device finished (devEnd, when known; never after waited, see
-// copyTimers.times), StageNotice until waited.
-func (t *Timeline) lapCopy(batch int, devEnd time.Time, timed bool, waited time.Time) {
+// pendingCopy is a copy the host saw complete whose marks Resolve reads.
+type pendingCopy struct {
+	c         *copyTimers
+	stages    [2]Stage // device stage i runs from mark i to mark i+1
+	batch     int
+	waitStart time.Time // the host began to wait
+	waited    time.Time // the host saw the copy complete
+	wait      int       // index of its StageWait span; -1: not kept
+	notice    int       // index of its StageNotice span; -1: not kept
+}
+
+// copyDone records that the host saw the copy of batch complete at
+// waited: StageWait up to then and an empty StageNotice, which Resolve
+// splits at the device's end of the copy. It takes c (the marks around
+// the copy, one more than stages) for Resolve and returns nil; without a
+// timeline it returns c, for the caller to release. Reading the marks here
+// would hold the host up: on the H200 a mark after a copy was seen
+// reached up to 14 ms after the copy's own completion with four rankds
+// time-slicing the GPU.
+func (t *Timeline) copyDone(c *copyTimers, batch int, waited time.Time, stages ...Stage) *copyTimers {
+	if t == nil {
+		return c
+	}
+	p := pendingCopy{c: c, batch: batch, waitStart: t.last, waited: waited, wait: -1, notice: -1}
+	if n := len(t.spans); !t.truncated && n+2 <= maxSpans {
+		p.wait, p.notice = n, n+1
+	}
+	t.LapTo(StageWait, batch, waited)
+	t.LapTo(StageNotice, batch, waited)
+	if c == nil {
+		return nil
+	}
+	copy(p.stages[:], stages)
+	t.pending = append(t.pending, p)
+	return nil
+}
+
+// Resolve reads the device times of the copies (their marks are reached
+// by then, or soon: ctx bounds the wait), records the device stages,
+// splits each copy's wait at the device's end into StageWait and
+// StageNotice, and releases the timers. The caller calls it once the
+// request is over, before reading Spans or Total.
+func (t *Timeline) Resolve(ctx context.Context) {
 	if t == nil {
 		return
 	}
-	if !timed {
-		devEnd = waited
+	for _, p := range t.pending {
+		at, ok := p.c.times(ctx, t, p.waited)
+		p.c.release()
+		if !ok {
+			continue
+		}
+		n := p.c.n - 1
+		for i := range n {
+			t.Device(p.stages[i], p.batch, at[i], at[i+1])
+		}
+		end := at[n]
+		if end.Before(p.waitStart) {
+			end = p.waitStart
+		}
+		d := p.waited.Sub(end) // after the device's end: the host's notice
+		if d <= 0 {
+			continue
+		}
+		t.totals[StageWait] -= d
+		t.totals[StageNotice] += d
+		if p.wait >= 0 {
+			t.spans[p.wait].Dur -= d
+			t.spans[p.notice].Start -= d
+			t.spans[p.notice].Dur += d
+		}
 	}
-	t.LapTo(StageWait, batch, devEnd)
-	t.LapTo(StageNotice, batch, waited)
+	t.pending = nil
 }

@@ -319,14 +319,8 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 	err = op.Wait(ctx)
 	switch {
 	case err == nil:
+		tm = f.tl.copyDone(tm, 0, time.Now(), StageProducer, StageGather)
 		if f.tl != nil {
-			waited := time.Now()
-			at, timed := tm.times(ctx, f.tl, waited)
-			if timed {
-				f.tl.Device(StageProducer, 0, at[0], at[1])
-				f.tl.Device(StageGather, 0, at[1], at[2])
-			}
-			f.tl.lapCopy(0, at[2], timed, waited)
 			f.tl.Bytes += bytes
 		}
 		if !keep {
