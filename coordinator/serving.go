@@ -66,6 +66,7 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		{c.subj.Admin(wire.AdminRestores), wire.AdminRestores, c.rs.handleHistory},
 		{c.subj.Admin(wire.AdminVerify), wire.AdminVerify, c.handleVerify},
 		{c.subj.Admin(wire.AdminRankReset), wire.AdminRankReset, c.handleRankReset},
+		{c.subj.Admin(wire.AdminRoute), wire.AdminRoute, c.handleAdminRoute},
 	}
 	if r, ok := c.repl.(*replicated); ok {
 		hs = append(hs, []handler{

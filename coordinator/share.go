@@ -92,13 +92,17 @@ type shareState struct {
 	// instances, sorted (index.LookupSharedInto's shared).
 	groupOf map[string]string
 	others  map[string][]string
+	// groups are the members of each group, as configured.
+	groups map[string][]string
 
 	met *shareMetrics
 }
 
 func newShareState(gs []ShareGroup) *shareState {
-	s := &shareState{groupOf: make(map[string]string), others: make(map[string][]string), met: newShareMetrics()}
+	s := &shareState{groupOf: make(map[string]string), others: make(map[string][]string), groups: make(map[string][]string),
+		met: newShareMetrics()}
 	for _, g := range gs {
+		s.groups[g.Name] = g.Instances
 		for _, inst := range g.Instances {
 			s.groupOf[inst] = g.Name
 			var o []string

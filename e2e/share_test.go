@@ -27,7 +27,9 @@ import (
 // instance, gets a miss for its own lookup and restore and is refused (and
 // counted) when it names the group's instances or engine1's restore, or
 // publishes on their subjects; another layout of the same model never
-// matches, even in the group. Seen red without --share-group: engine1's
+// matches, even in the group. The routing hint (admin.route) ranks
+// engine1 first once its restore has the prompt in its L1. Seen red
+// without --share-group: engine1's
 // restore planned nothing (prefix 0); and without --l2-shared-with:
 // engine1 stored its own 64 copies.
 func TestShareGroupAcrossInstances(t *testing.T) {
@@ -145,8 +147,8 @@ func TestShareGroupAcrossInstances(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e2v.Close()
-	for _, inst := range []string{"engine0", "engine1"} {
-		subject := c.subj.EngineCoord(inst, wire.CoordLookup)
+	for _, subject := range []string{c.subj.EngineCoord("engine0", wire.CoordLookup), c.subj.EngineCoord("engine1", wire.CoordLookup),
+		c.subj.Admin(wire.AdminRoute)} {
 		if err := e2v.Publish(subject, []byte(`{}`)); err != nil {
 			t.Fatal(err)
 		}
@@ -159,6 +161,21 @@ func TestShareGroupAcrossInstances(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			t.Fatalf("engine2 published on %s: no permission violation", subject)
 		}
+	}
+
+	// The routing hint (issue 26.4), as a router holding the read-only
+	// admin identity asks it: engine1 now holds the prompt in L1 (its
+	// restore loaded it) on its host, engine0 only in L2 with its rankds
+	// down.
+	route, err := bus.Call[wire.RouteReply](ctx, c.as(auth.Identity{Role: auth.RoleAdmin}), c.subj.Admin(wire.AdminRoute),
+		wire.RouteRequest{Namespace: plan.R.Namespace, Chunks: plan.Hashes, Group: "chat"})
+	if err != nil || route.Group != "chat" || len(route.Instances) != 2 {
+		t.Fatalf("route: %+v %v", route, err)
+	}
+	t.Logf("route: %+v", route.Instances)
+	if b, a := route.Instances[0], route.Instances[1]; b.Instance != "engine1" || b.Prefix != len(want) || b.L1Prefix != len(want) ||
+		len(b.Hosts) != 1 || a.Instance != "engine0" || a.Prefix != len(want) || a.L1Prefix != 0 || a.OwnPrefix != len(want) || len(a.Hosts) != 0 {
+		t.Fatalf("route: %+v, want engine1 first (all in L1 on its host), then engine0 (its L2, no live rankd)", route.Instances)
 	}
 
 	// Another layout of the same model (interleave 2) is another

@@ -120,7 +120,7 @@ func (s Subjects) Admin(op string) string { return s.p() + ".admin." + op }
 
 // AdminReadOps are the admin operations that change nothing; the admin
 // role may send only these (admin-write may send every admin operation).
-var AdminReadOps = []string{AdminMembers, AdminRanks, AdminObject, AdminNamespaces, AdminRestores, AdminVerify, AdminRaft, AdminRaftVerify}
+var AdminReadOps = []string{AdminMembers, AdminRanks, AdminObject, AdminNamespaces, AdminRestores, AdminVerify, AdminRaft, AdminRaftVerify, AdminRoute}
 
 // ValidInstance checks an engine instance name: 1..64 characters of
 // [A-Za-z0-9_-], so it is one NATS subject token and one path element.
