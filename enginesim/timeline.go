@@ -200,7 +200,7 @@ func printTimeline(out io.Writer, what string, bt *BenchTimeline) {
 	if bt.Skewed {
 		fmt.Fprintln(out, "warning: the rankd's clock is not this process's: stages across the two were clamped to 0")
 	}
-	if s := bt.Rankd.ClockShiftNS; s > 0 {
-		fmt.Fprintf(out, "device times were mapped up to %.3f ms after the rankd saw a copy end, and moved back by that (the device clock's anchor)\n", float64(s)/1e6)
+	if s := bt.Rankd.MarkClampNS; s > 0 {
+		fmt.Fprintf(out, "a copy's end mark was reached up to %.3f ms after the rankd saw the copy end: clamped there (docs/enginesim.md)\n", float64(s)/1e6)
 	}
 }

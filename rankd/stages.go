@@ -110,7 +110,7 @@ func (r *stageRecorder) find(id string) []wire.Timeline {
 func wireTimeline(op, id string, tl *transfer.Timeline) wire.Timeline {
 	spans := tl.Spans()
 	w := wire.Timeline{Op: op, ID: id, StartUnixNS: tl.Origin().UnixNano(), DurNS: int64(tl.End().Sub(tl.Origin())),
-		Bytes: tl.Bytes, Truncated: tl.Truncated(), ClockShiftNS: int64(tl.ClockShift()), Stages: make([]wire.TimelineStage, len(spans))}
+		Bytes: tl.Bytes, Truncated: tl.Truncated(), MarkClampNS: int64(tl.MarkClamp()), Stages: make([]wire.TimelineStage, len(spans))}
 	for i, s := range spans {
 		w.Stages[i] = wire.TimelineStage{Name: s.Stage.String(), Batch: s.Batch, Device: s.Stage.Device(),
 			StartNS: int64(s.Start), DurNS: int64(s.Dur)}

@@ -207,24 +207,23 @@ type fixedTimer struct{ at time.Time }
 func (f fixedTimer) Time(context.Context) (time.Time, error) { return f.at, nil }
 func (f fixedTimer) Release() error                          { return nil }
 
-// TestCopyTimesNeverAfterTheHostSawTheEnd: marks mapped after the moment
-// the host saw the copy complete (the CUDA backend's anchor error) are
-// moved earlier by the same amount, durations kept, and the shift is
-// noted; marks before it are left alone.
+// TestCopyTimesNeverAfterTheHostSawTheEnd: marks after the moment the
+// host saw the copy complete (reached late, as seen on the H200) are
+// clamped to it and the clamp noted; marks before it are left alone.
 func TestCopyTimesNeverAfterTheHostSawTheEnd(t *testing.T) {
 	t0 := time.Now()
 	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
 	c := &copyTimers{n: 3, t: [3]cuda.Timer{fixedTimer{ms(1)}, fixedTimer{ms(2)}, fixedTimer{ms(5)}}}
 	tl := NewTimeline(t0)
 	at, ok := c.times(context.Background(), tl, ms(3))
-	if !ok || !at[0].Equal(ms(-1)) || !at[1].Equal(ms(0)) || !at[2].Equal(ms(3)) {
-		t.Fatalf("times %v (ok %v), want -1, 0 and 3 ms", []time.Duration{at[0].Sub(t0), at[1].Sub(t0), at[2].Sub(t0)}, ok)
+	if !ok || !at[0].Equal(ms(1)) || !at[1].Equal(ms(2)) || !at[2].Equal(ms(3)) {
+		t.Fatalf("times %v (ok %v), want 1, 2 and 3 ms", []time.Duration{at[0].Sub(t0), at[1].Sub(t0), at[2].Sub(t0)}, ok)
 	}
-	if tl.ClockShift() != 2*time.Millisecond {
-		t.Fatalf("clock shift %v, want 2ms", tl.ClockShift())
+	if tl.MarkClamp() != 2*time.Millisecond {
+		t.Fatalf("mark clamp %v, want 2ms", tl.MarkClamp())
 	}
 	at, ok = c.times(context.Background(), tl, ms(6))
-	if !ok || !at[2].Equal(ms(5)) || tl.ClockShift() != 2*time.Millisecond {
-		t.Fatalf("marks before the host saw the end moved: last %v, shift %v", at[2].Sub(t0), tl.ClockShift())
+	if !ok || !at[2].Equal(ms(5)) || tl.MarkClamp() != 2*time.Millisecond {
+		t.Fatalf("marks before the host saw the end moved: last %v, clamp %v", at[2].Sub(t0), tl.MarkClamp())
 	}
 }

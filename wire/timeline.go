@@ -20,11 +20,11 @@ type Timeline struct {
 	Bytes uint64 `json:"bytes"`
 	// Truncated: stages beyond the rankd's limit per request were left out.
 	Truncated bool `json:"truncated,omitempty"`
-	// ClockShiftNS is the most the device stages of one copy were moved
-	// earlier so that the copy ends before the host saw it end: the error
-	// of mapping the device's event clock onto the host's (0: none).
-	ClockShiftNS int64           `json:"clock_shift_ns,omitempty"`
-	Stages       []TimelineStage `json:"stages"`
+	// MarkClampNS is the most a mark after a copy was moved back to the
+	// moment the host saw the copy complete (it was reached later than
+	// that; 0: none was).
+	MarkClampNS int64           `json:"mark_clamp_ns,omitempty"`
+	Stages      []TimelineStage `json:"stages"`
 }
 
 // TimelineStage is one stage of a Timeline.
