@@ -140,7 +140,11 @@ func (b *timelineBuilder) finish(total time.Duration) *BenchTimeline {
 // storeTimeline is the timeline of the store request among tls whose
 // rankd finished last (the one the rank's store time waited for): the
 // requests were sent at start, the rank's last reply came at replied.
+// Every time is read on the wall clock, the rankd's only common clock
+// with this process (a monotonic difference can differ from the wall
+// clock's by the clock's slew, and the rows would not add up).
 func storeTimeline(rank int, tls []wire.Timeline, requests int, start, replied time.Time) *BenchTimeline {
+	start, replied = start.Round(0), replied.Round(0)
 	last := tls[0]
 	for _, tl := range tls[1:] {
 		if tl.StartUnixNS+tl.DurNS > last.StartUnixNS+last.DurNS {
@@ -164,7 +168,12 @@ type restoreClock struct {
 
 // restoreTimeline is the timeline of rank's retrieve within the restore
 // that rc saw.
-func restoreTimeline(rank int, tl wire.Timeline, rc *restoreClock) *BenchTimeline {
+func restoreTimeline(rank int, tl wire.Timeline, rc0 *restoreClock) *BenchTimeline {
+	rc := &restoreClock{begun: rc0.begun.Round(0), planned: rc0.planned.Round(0), replied: []time.Time{},
+		verdictFrom: rc0.verdictFrom.Round(0), ended: rc0.ended.Round(0)} // wall clock only (storeTimeline)
+	for _, t := range rc0.replied {
+		rc.replied = append(rc.replied, t.Round(0))
+	}
 	b := &timelineBuilder{origin: rc.begun, bt: &BenchTimeline{Rank: rank, Rankd: tl,
 		Of: fmt.Sprintf("restore %s, %s on this rank", tl.ID, human(tl.Bytes))}}
 	b.engineRow("begin", rc.begun, rc.planned)
