@@ -59,10 +59,10 @@ def _delay_loads(s: float) -> None:
     if s > 0 and not getattr(KvtierConnector, "_test_delay", False):
         inner = KvtierConnector._load_inner
 
-        async def delayed(self: Any, c: Any, sess: Any, load: Any) -> Any:
+        async def delayed(self: Any, c: Any, sess: Any, load: Any, *rest: Any) -> Any:
             if _load_delay_s > 0:
                 await asyncio.sleep(_load_delay_s)
-            return await inner(self, c, sess, load)
+            return await inner(self, c, sess, load, *rest)
 
         KvtierConnector._load_inner = delayed  # type: ignore[method-assign]
         KvtierConnector._test_delay = True  # type: ignore[attr-defined]
