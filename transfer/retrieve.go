@@ -196,8 +196,18 @@ type retrieval struct {
 	tl   *Timeline // nil: not timed
 }
 
-// planRetrieve validates req and returns each item's target spans.
+// planRetrieve validates req and returns each item's target spans
+// (planFast; the reference, planRetrieveChecked, names what it refused).
 func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, error) {
+	if out, ok := planFast(sp.res, sp.pools, e.cfg.Rank.TPRank, req); ok {
+		return out, nil
+	}
+	return e.planRetrieveChecked(sp, req)
+}
+
+// planRetrieveChecked validates req item by item and returns each item's
+// target spans, or an error naming the first item that fails a check.
+func (e *Engine) planRetrieveChecked(sp *space, req RetrieveRequest) ([][]cuda.Span, error) {
 	res := sp.res
 	if len(req.Items) > MaxStoreChunks*dcp.MaxGroups {
 		return nil, fmt.Errorf("%d items, limit %d: %w", len(req.Items), MaxStoreChunks*dcp.MaxGroups, ErrBadRequest)

@@ -1,0 +1,155 @@
+package transfer
+
+import (
+	"encoding/json"
+	"os"
+	"testing"
+
+	"go.uber.org/zap"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// planRig is an engine registered with pools large enough for a retrieve
+// of chunks chunks into distinct blocks. The pools are allocated, never
+// written: the host backend's pools are sparse files, so a 1.3 GB
+// geometry costs no memory until touched, and planning touches none.
+type planRig struct {
+	e   *Engine
+	sp  *space
+	res *dcp.Resolved
+	req RetrieveRequest
+}
+
+// tp1Spec is enginesim's tp1 scenario (the spec file it ships).
+func tp1Spec(t testing.TB) dcp.Spec {
+	t.Helper()
+	b, err := os.ReadFile("../enginesim/specs/tp1.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return specFile(t, b)
+}
+
+// specFile decodes an enginesim spec file (the kind of a group spelled
+// out; other fields of the file ignored).
+func specFile(t testing.TB, b []byte) dcp.Spec {
+	t.Helper()
+	var f struct {
+		dcp.Spec
+		Groups []struct {
+			dcp.Group
+			Kind string `json:"kind"`
+		} `json:"groups"`
+	}
+	if err := json.Unmarshal(b, &f); err != nil {
+		t.Fatalf("spec file: %v", err)
+	}
+	s := f.Spec
+	s.Groups = nil
+	for _, g := range f.Groups {
+		k, err := dcp.ParseKind(g.Kind)
+		if err != nil {
+			t.Fatalf("spec file: %v", err)
+		}
+		g.Group.Kind = k
+		s.Groups = append(s.Groups, g.Group)
+	}
+	return s
+}
+
+// newPlanRig registers spec on a fresh engine (TP rank tp) with pools of
+// base+chunks*BlocksPerChunk blocks per group and builds a retrieve of
+// chunks chunks, chunk c's blocks of group g being base+c*n .. base+(c+1)*n-1.
+func newPlanRig(t testing.TB, spec dcp.Spec, tp, chunks int, base int64) *planRig {
+	t.Helper()
+	res, err := spec.Resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := openDevice(t, "")
+	reg := Registration{Spec: spec, DeviceUUID: dev.Info().UUID}
+	for gi, g := range res.Geometry {
+		size := g.PoolBytes(base + int64(chunks*res.BlocksPerChunk(gi)))
+		for li := range g.Layers {
+			m, err := dev.Alloc(size)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = m.Release() })
+			h, err := dev.ExportMem(m, 0, size)
+			if err != nil {
+				t.Fatal(err)
+			}
+			reg.Pools = append(reg.Pools, wire.PoolRegistration{Group: gi, Layer: li, Handle: h})
+		}
+	}
+	cfg := engineConfig(t, dev, tp, spec.Layout.TP)
+	cfg.Logger = zap.NewNop()
+	e := newEngine(t, cfg)
+	s, err := e.Register(testCtx(t), reg, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr := &planRig{e: e, res: res}
+	pr.req = RetrieveRequest{RestoreID: "plan", Namespace: res.Namespace, Session: s.ID}
+	for c := range chunks {
+		for gi := range res.Groups {
+			n := res.BlocksPerChunk(gi)
+			ids := make([]int64, n)
+			for k := range ids {
+				ids[k] = base + int64(c*n+k)
+			}
+			key := dcp.Key{NS: res.Namespace, Chunk: chunkHash(c), Shard: uint16(res.ReadShard(gi, tp)), Group: uint16(gi)}
+			pr.req.Items = append(pr.req.Items, wire.RetrieveItem{Chunk: c, Group: gi, Key: key, Blocks: ids})
+		}
+	}
+	e.mu.Lock()
+	pr.sp = e.sess.byID[s.ID]
+	e.mu.Unlock()
+	return pr
+}
+
+// plan runs what a retrieve's plan stage runs: the session found and
+// held, every item checked and its target spans built.
+func (pr *planRig) plan(t testing.TB) [][]cuda.Span {
+	sp, err := pr.e.acquireSpace(pr.req.Namespace, pr.req.Session, pr.req.Caller)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.e.releaseSpace(sp)
+	spans, err := pr.e.planRetrieve(sp, pr.req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spans
+}
+
+// BenchmarkRetrievePlan measures a retrieve's plan stage for enginesim's
+// tp1 scenario at 1.3 GB per rank (the H200 bench: 18.1 ms):
+//
+//	go test -run '^$' -bench RetrievePlan -benchmem ./transfer/
+func BenchmarkRetrievePlan(b *testing.B) {
+	spec := tp1Spec(b)
+	res, err := spec.Resolve()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var chunkBytes uint64
+	for gi := range res.Groups {
+		chunkBytes += res.ObjectSize(gi)
+	}
+	chunks := int((1.3e9 + float64(chunkBytes) - 1) / float64(chunkBytes))
+	pr := newPlanRig(b, spec, 0, chunks, 0)
+	spans := 0
+	for _, s := range pr.plan(b) {
+		spans += len(s)
+	}
+	for b.Loop() {
+		pr.plan(b)
+	}
+	b.ReportMetric(float64(len(pr.req.Items)), "items")
+	b.ReportMetric(float64(spans), "spans")
+}
