@@ -113,14 +113,19 @@ func newPlanRig(t testing.TB, spec dcp.Spec, tp, chunks int, base int64) *planRi
 }
 
 // plan runs what a retrieve's plan stage runs: the session found and
-// held, every item checked and its target spans built.
-func (pr *planRig) plan(t testing.TB) [][]cuda.Span {
+// held, every item checked and its target spans built, by planRetrieve
+// or, checked, by the reference planner alone.
+func (pr *planRig) plan(t testing.TB, checked bool) [][]cuda.Span {
 	sp, err := pr.e.acquireSpace(pr.req.Namespace, pr.req.Session, pr.req.Caller)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pr.e.releaseSpace(sp)
-	spans, err := pr.e.planRetrieve(sp, pr.req)
+	plan := pr.e.planRetrieve
+	if checked {
+		plan = pr.e.planRetrieveChecked
+	}
+	spans, err := plan(sp, pr.req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +133,9 @@ func (pr *planRig) plan(t testing.TB) [][]cuda.Span {
 }
 
 // BenchmarkRetrievePlan measures a retrieve's plan stage for enginesim's
-// tp1 scenario at 1.3 GB per rank (the H200 bench: 18.1 ms):
+// tp1 scenario at 1.3 GB per rank (the H200 bench: 18.1 ms before
+// planFast), as planRetrieve does it (fast) and as the reference does
+// (checked, the code before issue 25.4):
 //
 //	go test -run '^$' -bench RetrievePlan -benchmem ./transfer/
 func BenchmarkRetrievePlan(b *testing.B) {
@@ -144,12 +151,20 @@ func BenchmarkRetrievePlan(b *testing.B) {
 	chunks := int((1.3e9 + float64(chunkBytes) - 1) / float64(chunkBytes))
 	pr := newPlanRig(b, spec, 0, chunks, 0)
 	spans := 0
-	for _, s := range pr.plan(b) {
+	for _, s := range pr.plan(b, false) {
 		spans += len(s)
 	}
-	for b.Loop() {
-		pr.plan(b)
+	for _, checked := range []bool{false, true} {
+		name := "fast"
+		if checked {
+			name = "checked"
+		}
+		b.Run(name, func(b *testing.B) {
+			for b.Loop() {
+				pr.plan(b, checked)
+			}
+			b.ReportMetric(float64(len(pr.req.Items)), "items")
+			b.ReportMetric(float64(spans), "spans")
+		})
 	}
-	b.ReportMetric(float64(len(pr.req.Items)), "items")
-	b.ReportMetric(float64(spans), "spans")
 }
