@@ -103,10 +103,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			default:
 			}
 		}
-		shared := 0
-		if res.Shared != nil {
-			shared = sharedPlanned(&res, out.plan.Prefix)
-		}
+		shared := res.SharedSources(out.plan.Prefix)
 		if shared > 0 {
 			c.share.met.restores.Inc()
 			c.share.met.objects.Add(float64(shared))
@@ -130,18 +127,6 @@ func restoreDeadline(askedMS int, def, max time.Duration) time.Duration {
 		return time.Duration(askedMS) * time.Millisecond
 	}
 	return max
-}
-
-// sharedPlanned counts the sources of chunks [0, n) of res read from
-// another share-group member's copy (index.Source.Member).
-func sharedPlanned(res *index.LookupResult, n int) int {
-	k := 0
-	for _, s := range res.Sources[:n*len(res.Expectations)] {
-		if s.Member > 0 {
-			k++
-		}
-	}
-	return k
 }
 
 // zeroSumCut returns the first chunk of res's prefix with a source whose

@@ -206,7 +206,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	// admin queries).
 	c.met.lookupTokens.Add(float64(len(req.Chunks) * res.ChunkTokens))
 	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
-	if res.Shared != nil && res.SharedSources() > 0 {
+	if res.SharedSources(res.Prefix) > 0 {
 		c.share.met.lookups.Inc()
 	}
 	var notAliveRanks []string

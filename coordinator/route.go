@@ -107,11 +107,12 @@ func routeOf(res *index.LookupResult) wire.RouteInstance {
 				ri.Objects = make(map[string]int, 3)
 			}
 			ri.Objects[s.Tier.String()]++
-			if s.Member > 0 {
+			shared := res.FromShared(i, j)
+			if shared {
 				ri.Shared++
 			}
 			l1 = l1 && s.Tier == wire.L1
-			own = own && s.Member == 0
+			own = own && !shared
 		}
 		if l1 {
 			ri.L1Prefix++

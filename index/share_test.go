@@ -46,12 +46,12 @@ func TestLookupSharedL2(t *testing.T) {
 	for i := range 3 {
 		for j, e := range got.Expectations {
 			s, h := got.Source(i, j), got.Holder(i, j)
-			if s.Tier != wire.L2 || h != rk("e1", 0) || s.Member != 1 || s.Sum != sumFor(i, 0, 0, 1) {
+			if s.Tier != wire.L2 || h != rk("e1", 0) || !got.FromShared(i, j) || s.Sum != sumFor(i, 0, 0, 1) {
 				t.Fatalf("chunk %d reader %d: source %+v holder %s, want e1/0's L2", i, e.Rank, s, h)
 			}
 		}
 	}
-	if n := got.SharedSources(); n != 3*4 {
+	if n := got.SharedSources(3); n != 3*4 {
 		t.Fatalf("shared sources %d, want 12", n)
 	}
 	if got := look("e2", nil); got.Prefix != 0 {
