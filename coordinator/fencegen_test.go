@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -98,7 +99,11 @@ func TestRaftLateInventoryAfterAnotherLeadersFence(t *testing.T) {
 	}
 	close(release)
 	released = true
-	out, err := A.repl.applyInventory(tctx(t), inv, gen)
+	// A copy: the apply sorts the objects in place (index.ValidateInventory)
+	// while the released server may still be encoding inv's.
+	late := inv
+	late.Objects = slices.Clone(inv.Objects)
+	out, err := A.repl.applyInventory(tctx(t), late, gen)
 	if err != nil {
 		t.Fatal(err)
 	}
