@@ -392,7 +392,9 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 	// The caller must own the session before anything is placed: the
 	// engine checks it where it finds the session.
 	res, err := d.eng.Retrieve(transfer.WithTimeline(ctx, tl), transfer.RetrieveRequestOf(req, d.callerOf(msg)))
-	if ctx.Err() != nil && d.life.Err() == nil {
+	if ctx.Err() != nil && d.life.Err() == nil && (err != nil || len(res.FailedChunks()) > 0) {
+		// The deadline passed before every item was placed (one that
+		// passed just after a complete retrieve cut nothing).
 		d.met.retrieveDeadline.WithLabelValues("cut").Inc()
 	}
 	if err != nil {
