@@ -5,14 +5,13 @@ import (
 	"os"
 	"runtime"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 )
@@ -63,7 +62,7 @@ func BenchmarkRankResetHeap(b *testing.B) {
 			}
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-		reset := heapPeak(func() {
+		reset := peakOnly(func() {
 			rep, err := bus.Call[wire.AdminRankResetReply](ctx, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: r.String()})
 			if err != nil || rep.Placements != n {
 				b.Fatalf("reset: %+v %v", rep, err)
@@ -81,7 +80,7 @@ func BenchmarkRankResetHeap(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		apply := heapPeak(func() {
+		apply := peakOnly(func() {
 			gap := &wire.Batch{Rank: r, Incarnation: 2, Events: []wire.Event{{Seq: 3, Kind: wire.Stored, Tier: wire.L2,
 				Key: keyOf(3, 0), Size: size, Sum: 1}}}
 			if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
@@ -106,40 +105,6 @@ func BenchmarkRankResetHeap(b *testing.B) {
 		b.ReportMetric(mib(reset), "MiB-reset-peak")
 		b.ReportMetric(mib(apply), "MiB-inventory-peak")
 	}
-}
-
-// heapPeak runs f and returns the peak HeapInuse sampled every
-// millisecond while it ran, above HeapInuse right before it (after a GC).
-func heapPeak(f func()) uint64 {
-	runtime.GC()
-	var ms runtime.MemStats
-	runtime.ReadMemStats(&ms)
-	base := ms.HeapInuse
-	var top atomic.Uint64
-	top.Store(base)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(time.Millisecond)
-		defer t.Stop()
-		var m runtime.MemStats
-		for {
-			runtime.ReadMemStats(&m)
-			if m.HeapInuse > top.Load() {
-				top.Store(m.HeapInuse)
-			}
-			select {
-			case <-stop:
-				return
-			case <-t.C:
-			}
-		}
-	})
-	f()
-	close(stop)
-	wg.Wait()
-	runtime.ReadMemStats(&ms)
-	return max(top.Load(), ms.HeapInuse) - base
 }
 
 // BenchmarkPlacementFlood replays issue 28.3's attack on a coordinator
@@ -198,4 +163,10 @@ func BenchmarkPlacementFlood(b *testing.B) {
 		b.ReportMetric(float64(held), "placements-held")
 		b.ReportMetric(float64(int64(ms.HeapInuse)-int64(base))/(1<<20), "MiB-heap")
 	}
+}
+
+// peakOnly is testutil.PeakHeap's peak.
+func peakOnly(f func()) uint64 {
+	p, _ := testutil.PeakHeap(f)
+	return p
 }

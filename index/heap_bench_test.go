@@ -3,14 +3,12 @@ package index_test
 import (
 	"path/filepath"
 	"runtime"
-	"sync"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"go.uber.org/zap"
 )
@@ -62,12 +60,12 @@ func BenchmarkRankHeap(b *testing.B) {
 			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: 2048, Sum: uint64(i) + 1}
 		}
 
-		reset, resetKept := peakHeap(func() {
+		reset, resetKept := testutil.PeakHeap(func() {
 			if got, err := ix.ResetRank(ctx, r); err != nil || got != n {
 				b.Fatalf("reset: %d placements, %v; want %d", got, err, n)
 			}
 		})
-		apply, applyKept := peakHeap(func() {
+		apply, applyKept := testutil.PeakHeap(func() {
 			if o, err := ix.ApplyInventory(ctx, inv); err != nil || !o.Applied || o.Placements != n {
 				b.Fatalf("inventory: %+v %v", o, err)
 			}
@@ -83,43 +81,4 @@ func BenchmarkRankHeap(b *testing.B) {
 		b.ReportMetric(mib(reset), "MiB-reset-peak")
 		b.ReportMetric(mib(apply), "MiB-inventory-peak")
 	}
-}
-
-// peakHeap runs f and returns the peak HeapInuse sampled every millisecond
-// while it ran, above HeapInuse right before it (after a GC), and what it
-// left (HeapInuse after a GC once it returned, above the same baseline;
-// negative when it freed more than it kept).
-func peakHeap(f func()) (peak uint64, kept int64) {
-	runtime.GC()
-	var ms runtime.MemStats
-	runtime.ReadMemStats(&ms)
-	base := ms.HeapInuse
-	var top atomic.Uint64
-	top.Store(base)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(time.Millisecond)
-		defer t.Stop()
-		var m runtime.MemStats
-		for {
-			runtime.ReadMemStats(&m)
-			if m.HeapInuse > top.Load() {
-				top.Store(m.HeapInuse)
-			}
-			select {
-			case <-stop:
-				return
-			case <-t.C:
-			}
-		}
-	})
-	f()
-	close(stop)
-	wg.Wait()
-	runtime.ReadMemStats(&ms)
-	peak = max(top.Load(), ms.HeapInuse) - base
-	runtime.GC()
-	runtime.ReadMemStats(&ms)
-	return peak, int64(ms.HeapInuse) - int64(base)
 }
