@@ -12,7 +12,9 @@ import (
 // TestSoakMLABoundedL2RestoresThePrefix (issue 29.3 i; KVTIER_SOAK=1, make
 // soak, because it is flaky: in make test on 2 cores it planned 1 of the
 // 2 protected chunks in about one run of three, also after waiting for the
-// index to report rank 0's L2 copies; not explained yet). TP4/DCP1, MLA groups
+// index to report rank 0's L2 copies: the engine stores each chunk in its
+// own concurrent request under one prompt id, and the protection keeps the
+// first-written chunks, not the first chunks). TP4/DCP1, MLA groups
 // stored by rank 0 and read by all four ranks, ranks 1-3 only from the
 // shared L2; every rankd's --l2-bytes holds two of the prompt's four
 // chunks of rank 0's objects. The prompt cannot be whole in L2, but its
