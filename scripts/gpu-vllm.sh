@@ -36,6 +36,10 @@
 #                      duel-kvtier mode needs to flip a byte of an L1 copy
 #   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
 #                      times per engine step in the ITL results)
+#   REPLAY=0           N: instead of the TTFT rows, replay the first N requests of the
+#                      Mooncake trace TRACE (python/examples/gpu_vllm_replay.py: 512-token
+#                      blocks scaled by REPLAY_SCALE=8, REPLAY_CONCURRENCY=16 in flight) in
+#                      every mode; the table compares throughput and tokens with mode alone
 # Modes besides the three: kvtier-detached (the connector configured but never
 # attached: vLLM's connector path without kvtier; ITL only), duel-offload and
 # duel-kvtier (issue 24.5: one byte flipped in the OffloadingConnector's CPU
@@ -175,8 +179,13 @@ python3 "$DRIVER" make-model --geometry "$GEOMETRY" --out "$MODEL_DIR"
 results=()
 for mode in $MODES; do
 	extra=()
-	[[ $mode == kvtier && ${L2:-1} == 1 ]] && extra+=(--l2)
-	[[ $mode != duel-* && ${ITL:-1} == 1 ]] && extra+=(--itl)
+	if [[ ${REPLAY:-0} != 0 ]]; then
+		extra+=(--replay "$REPLAY" --replay-trace "$TRACE" --replay-scale "${REPLAY_SCALE:-8}"
+			--replay-concurrency "${REPLAY_CONCURRENCY:-16}")
+	else
+		[[ $mode == kvtier && ${L2:-1} == 1 ]] && extra+=(--l2)
+		[[ $mode != duel-* && ${ITL:-1} == 1 ]] && extra+=(--itl)
+	fi
 	[[ $mode == kvtier* && ${PROFILE:-0} == 1 ]] && extra+=(--profile-connector)
 	python3 "$DRIVER" run --mode "$mode" --model "$MODEL_DIR" --lengths "$LENGTHS" --reps "$REPS" \
 		--gpu-mem "$GPU_MEM" --cpu-bytes "$CPU_BYTES" --out "$OUT_DIR/$mode.json" "${extra[@]}" 2>&1 | tee "$WORK/logs/vllm-$mode.log" |

@@ -501,7 +501,7 @@ def run_mode(args: argparse.Namespace) -> None:
         vocab = int(json.load(f)["vocab_size"])
     b = Bench(args)
     res: dict[str, Any] = {"mode": args.mode, "build_s": b.build_s, "scheduler": b.sched, "rows": []}
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
     prompts = {L: prompt(L, 1000 + L, vocab) for L in lengths}
     if args.mode.startswith("duel"):
         res["duel"] = duel(b, args, prompts[min(lengths)])
@@ -510,6 +510,18 @@ def run_mode(args: argparse.Namespace) -> None:
         return
     b.run(prompt(300, 7, vocab), 4, "warm")  # kernels, allocator
     b.reset()
+    if args.replay:
+        import gpu_vllm_replay
+
+        if not args.replay_trace:
+            raise SystemExit("--replay needs --replay-trace")
+
+        reqs = gpu_vllm_replay.load(args.replay_trace, args.replay, args.replay_scale,
+                                    args.max_model_len - 64, vocab)
+        log(f"{args.mode} replay: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens")
+        res["replay"] = gpu_vllm_replay.replay(b, reqs, args.replay_concurrency, args.replay_max_tokens,
+                                               counters, delta)
+        log(f"{args.mode} replay: " + json.dumps({k: v for k, v in res["replay"].items() if k != "tokens"}))
 
     def add(kind: str, L: int, r: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         row = {"kind": kind, "tokens_in": L, "ttft_s": r["ttft_s"], "tokens": r["tokens"]}
@@ -517,7 +529,7 @@ def run_mode(args: argparse.Namespace) -> None:
         res["rows"].append(row)
         log(f"{args.mode} {kind} {L}: TTFT {r['ttft_s'] * 1000:.1f} ms {extra or ''} tokens {r['tokens'][:8]}")
 
-    for L in lengths if args.mode != "kvtier-detached" else []:
+    for L in lengths if args.mode != "kvtier-detached" and not args.replay else []:
         p = prompts[L]
         if args.mode == "alone":
             for _ in range(args.reps):
@@ -598,9 +610,10 @@ def table(paths: list[str]) -> int:
         return statistics.median(v) if v else None
 
     kinds = ["recompute", "gpu-prefix", "offload-hit", "kvtier-L1-hit", "kvtier-L2-hit", "miss+store"]
-    print("| prompt tokens | path | TTFT ms (median) | runs | vs recompute | vs OffloadingConnector | "
-          "tokens = recompute | tokens = GPU prefix hit | kvtier verified chunks / bytes loaded |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if rows:
+        print("| prompt tokens | path | TTFT ms (median) | runs | vs recompute | vs OffloadingConnector | "
+              "tokens = recompute | tokens = GPU prefix hit | kvtier verified chunks / bytes loaded |")
+        print("|---|---|---|---|---|---|---|---|---|")
     bad = 0
     for L in lengths:
         rc, off = med("recompute", L), med("offload-hit", L)
@@ -629,9 +642,10 @@ def table(paths: list[str]) -> int:
             n = len([r for r in sel if r['ttft_s'] is not None])
             label = f"{kind} ({mode})" if kind == "miss+store" else kind
             print(f"| {L} | {label} | {m * 1000:.1f} | {n} | {vs_rc} | {vs_off} | {eq_rc} | {eq_gp} | {ctr} |")
-    print("\n| mode | ITL no load (mean / p50 ms) | ITL while the long prompt arrives (before / during / max ms) | "
-          "steps | long TTFT ms | connector hooks ms/step | kvtier threads CPU s |")
-    print("|---|---|---|---|---|---|---|")
+    if any(r.get("itl_idle") for r in runs.values()):
+        print("\n| mode | ITL no load (mean / p50 ms) | ITL while the long prompt arrives (before / during / max ms) | "
+              "steps | long TTFT ms | connector hooks ms/step | kvtier threads CPU s |")
+        print("|---|---|---|---|---|---|---|")
     for mode, r in runs.items():
         idle, ld = r.get("itl_idle"), r.get("itl_load")
         if not idle:
@@ -643,6 +657,11 @@ def table(paths: list[str]) -> int:
         print(f"| {mode} | {idle['itl_ms_mean']:.1f} / {idle['itl_ms_p50']:.1f} | {during} | "
               f"{ld.get('steps_during', '') if ld else ''} | {lt} | {cpu.get('hook_ms_per_step', '')} | "
               f"{cpu.get('kvtier_threads_cpu_s', '')} |")
+    if any("replay" in r for r in runs.values()):
+        import gpu_vllm_replay
+
+        print("")
+        print("\n".join(gpu_vllm_replay.table(runs)))
     for mode, r in runs.items():
         for k in ("itl_idle", "itl_load"):
             if k in r:
@@ -677,6 +696,13 @@ def main() -> int:
     r.add_argument("--graphs", action="store_true", help="CUDA graphs (default: enforce_eager)")
     r.add_argument("--itl", action="store_true")
     r.add_argument("--l2", action="store_true")
+    r.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="replay the first N requests of --replay-trace (gpu_vllm_replay.py) instead of the TTFT rows")
+    r.add_argument("--replay-trace", help="the Mooncake trace (JSON lines)")
+    r.add_argument("--replay-scale", type=int, default=8,
+                   help="trace tokens per model token (512-token blocks become 512/scale)")
+    r.add_argument("--replay-concurrency", type=int, default=16)
+    r.add_argument("--replay-max-tokens", type=int, default=8)
     r.add_argument("--profile-connector", action="store_true",
                    help="load kvtier_profiled.ProfiledKvtierConnector: hook times per step in the ITL results")
     t = sub.add_parser("table")
