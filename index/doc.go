@@ -21,6 +21,28 @@
 // Namespaces, Stats) read the in-memory state under a read lock and never
 // touch bbolt. Close is idempotent and waits for the committer.
 //
+// Where it lives: the type, Open and Close in index.go; the write calls in
+// apply.go; the committer and writer goroutines in committer.go; the fold
+// of the change log into the snapshot in fold.go; Verify in verify.go;
+// the metrics and what each committed request is counted as in
+// metrics.go.
+//
+// # Locks
+//
+// Locks, outermost first: Index.closeMu (read: a caller queueing its
+// request; write: Close marking the index closed; never held with another
+// lock); Index.mu (write: the committer publishing a commit, Verify's
+// copy switching the committer's record of changed chunks, a snapshot
+// install swapping the state; read: queries and Verify's copy of the
+// chunk maps); a chunk shard's lock (chunkShard.mu: the committer's set
+// and del under Index.mu for writing; lookups and chunk-list compactions
+// take only these, for reading, never Index.mu). No lock is held across a
+// bbolt transaction or an fsync (the writer goroutine holds none, and the
+// committer publishes a group only once it is committed), nor while
+// waiting for the committer's answer; the one wait under a lock is a
+// caller holding closeMu for reading while its request waits for room in
+// the queue, which the committer, holding none, empties.
+//
 // # Usability (Lookup)
 //
 // An L1 copy lives in its holder rankd's pinned memory: only the holder

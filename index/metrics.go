@@ -1,6 +1,10 @@
 package index
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/kvtier/kvtier/wire"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
 
 // DropReason says why events (or an inventory) were not applied. Each is a
 // label value of kvtier_index_dropped_total.
@@ -170,5 +174,90 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	for _, c := range m.collectors() {
 		c.Collect(ch)
+	}
+}
+
+func (ix *Index) gauges() {
+	ix.met.objects.Set(float64(ix.st.objects))
+	ix.met.placements.WithLabelValues("L1").Set(float64(ix.st.placements[wire.L1]))
+	ix.met.placements.WithLabelValues("L2").Set(float64(ix.st.placements[wire.L2]))
+	ix.met.placements.WithLabelValues("L3").Set(float64(ix.st.placements[wire.L3]))
+	ix.met.ranks.Set(float64(len(ix.st.ranks) - 1))
+	lb := ix.logBytes
+	if ix.folding != nil {
+		lb += ix.folding.f.logBytes // not deleted until its last slice
+	}
+	ix.met.logBytes.Set(float64(lb))
+}
+
+// account counts and logs what a committed request did (C8).
+func (ix *Index) account(r *request) {
+	m := ix.met
+	switch r.kind {
+	case reqBatch:
+		o, b := &r.out, r.batch
+		m.applied.Add(float64(o.Applied))
+		if o.RemovedUnknown > 0 {
+			m.removeNoop.Add(float64(o.RemovedUnknown))
+		}
+		if o.Duplicates > 0 {
+			m.dropped.WithLabelValues(string(DropDuplicate)).Add(float64(o.Duplicates))
+			ix.log.Debug("duplicate events ignored", zap.Stringer("rank", b.Rank),
+				zap.Uint64("incarnation", b.Incarnation), zap.Int("events", o.Duplicates), zap.Uint64("last_seq", o.LastSeq))
+		}
+		if o.NewIncarnation {
+			m.fenced.WithLabelValues(string(FenceNewIncarnation)).Add(float64(o.Fenced))
+			ix.log.Info("new rank incarnation; old L1 placements fenced", zap.Stringer("rank", b.Rank),
+				zap.Uint64("incarnation", b.Incarnation), zap.Int("fenced", o.Fenced))
+		}
+		if o.Dropped > 0 {
+			m.dropped.WithLabelValues(string(o.Reason)).Add(float64(o.Dropped))
+			fields := []zap.Field{zap.Stringer("rank", b.Rank), zap.Uint64("incarnation", b.Incarnation),
+				zap.String("reason", string(o.Reason)), zap.Int("events", o.Dropped),
+				zap.Uint64("rank_incarnation", o.Incarnation), zap.Uint64("last_seq", o.LastSeq)}
+			if o.Resync {
+				fields = append(fields, zap.Uint64("resync_from", o.ResyncFrom))
+			}
+			ix.log.Warn("events dropped", fields...)
+		}
+		if o.Resync {
+			m.resyncs.WithLabelValues(string(o.Reason)).Inc()
+		}
+	case reqInventory:
+		o, inv := &r.invOut, r.inv
+		if !o.Applied {
+			m.dropped.WithLabelValues(string(o.Reason)).Inc()
+			ix.log.Warn("inventory dropped", zap.Stringer("rank", inv.Rank), zap.Uint64("incarnation", inv.Incarnation),
+				zap.Uint64("seq", inv.Seq), zap.String("reason", string(o.Reason)),
+				zap.Uint64("rank_incarnation", o.Incarnation), zap.Uint64("last_seq", o.LastSeq))
+			return
+		}
+		m.inventories.Inc()
+		if o.Fenced > 0 {
+			m.fenced.WithLabelValues(string(FenceNewIncarnation)).Add(float64(o.Fenced))
+		}
+		ix.log.Info("inventory applied", zap.Stringer("rank", inv.Rank), zap.Uint64("incarnation", inv.Incarnation),
+			zap.Uint64("seq", inv.Seq), zap.Int("placements", o.Placements), zap.Int("replaced", o.Replaced),
+			zap.Int("fenced", o.Fenced))
+	case reqFence:
+		if r.fenced == fenceUnknown {
+			ix.log.Debug("fence of an unknown rank ignored", zap.Stringer("rank", r.rank))
+			return
+		}
+		if r.fenced == fenceSuperseded {
+			ix.log.Info("fence of a superseded incarnation ignored", zap.Stringer("rank", r.rank),
+				zap.Uint64("up_to_incarnation", r.upTo))
+			return
+		}
+		m.fenced.WithLabelValues(string(FenceRankDead)).Add(float64(r.fenced))
+		ix.log.Warn("dead rank fenced", zap.Stringer("rank", r.rank), zap.Int("l1_placements", r.fenced))
+	case reqReset:
+		if r.fenced != fenceUnknown {
+			ix.log.Warn("rank reset by an operator: placements dropped, incarnation forgotten", zap.Stringer("rank", r.rank),
+				zap.Int("placements", r.fenced))
+		}
+	case reqRegister:
+		ix.log.Info("namespace registered", zap.Stringer("namespace", r.spec.Namespace),
+			zap.String("model", r.spec.Model), zap.Int("tp", r.spec.Layout.TP), zap.Int("dcp", r.spec.Layout.DCP))
 	}
 }
