@@ -16,6 +16,7 @@ import (
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/internal/durable"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
@@ -28,10 +29,13 @@ import (
 // (index, NATS, membership, subscriptions, HTTP), Shutdown takes it down;
 // Run does Start, waits for its context and shuts down.
 //
-// Goroutines it owns, all tracked in wg and stopped by Shutdown: the ingest
-// workers, one resync worker per rank being resynced, the membership loop,
-// the restore deadline loop, the death check (with its liveness probes)
-// and the HTTP server. NATS delivers requests on
+// Goroutines it owns, all started through one of its two groups
+// (internal/group) and stopped by Shutdown: ingestGroup holds the ingest
+// workers and their ackers, which Shutdown drains first; goroutines holds
+// the rest, one resync worker per rank being resynced, the membership
+// loop, the restore deadline loop, the death check (with its liveness
+// probes), the leader's fence sweep and the HTTP server. Both refuse to
+// start anything once Shutdown has closed them. NATS delivers requests on
 // its own per-subscription goroutines, which Shutdown drains.
 type Coordinator struct {
 	cfg  Config
@@ -65,11 +69,15 @@ type Coordinator struct {
 
 	ingestMu     sync.RWMutex // guards ingestClosed against sends in flight
 	ingestClosed bool
-	ingestWG     sync.WaitGroup // the ingest workers
+	// ingestGroup starts the ingest workers and their ackers; Shutdown
+	// closes and waits for it once the queues are closed (step 1).
+	ingestGroup *group.Group
 
 	ctx    context.Context // ended by Shutdown: workers stop
 	cancel context.CancelFunc
-	wg     sync.WaitGroup // every goroutine this coordinator started
+	// goroutines starts every other goroutine of this coordinator;
+	// Shutdown closes it with draining (step 1) and waits for it (step 5).
+	goroutines *group.Group
 	// draining is set once Shutdown has begun: no new resyncs start.
 	drainMu  sync.Mutex // guards draining and resyncing
 	draining bool
@@ -153,6 +161,9 @@ func New(cfg Config) (*Coordinator, error) {
 		resyncing: make(map[wire.Rank]bool),
 		hb:        newHeartbeats(),
 		deaths:    newDeaths(),
+
+		ingestGroup: group.New("coordinator.ingest"),
+		goroutines:  group.New("coordinator"),
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.resyncLimit = rate.NewLimiter(rate.Limit(cfg.ResyncRate), cfg.ResyncBurst)
@@ -278,13 +289,16 @@ func (c *Coordinator) start() error {
 		mux.Handle("/metrics", promhttp.HandlerFor(c.reg, promhttp.HandlerOpts{Registry: c.reg}))
 		mux.HandleFunc("/healthz", c.healthz)
 		c.httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		c.wg.Add(1)
-		go func() {
-			defer c.wg.Done()
+		// Start holds lifeMu, so Shutdown cannot have closed the group:
+		// a refusal here is a bug, reported as the coordinator closed.
+		if !c.goroutines.Go("http", func() {
 			if err := c.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				c.log.Error("HTTP server failed", zap.Error(err))
 			}
-		}()
+		}) {
+			_ = ln.Close()
+			return fmt.Errorf("start the HTTP server: %w", ErrClosed)
+		}
 	}
 
 	// Workers before subscriptions, so nothing received waits for them.
@@ -292,11 +306,18 @@ func (c *Coordinator) start() error {
 	for i := range c.ingest {
 		ch := make(chan *nats.Msg, ingestQueue)
 		c.ingest[i] = ch
-		c.ingestWG.Add(1)
-		go c.ingestWorker(ch)
+		acks := make(chan ingestJob, ingestQueue)
+		if !c.ingestGroup.Go("ingest-acker", func() { c.ingestAcker(acks) }) {
+			return fmt.Errorf("start the ingest workers: %w", ErrClosed)
+		}
+		if !c.ingestGroup.Go("ingest-worker", func() { c.ingestWorker(ch, acks) }) {
+			close(acks) // its acker ends
+			return fmt.Errorf("start the ingest workers: %w", ErrClosed)
+		}
 	}
-	c.wg.Add(1)
-	go c.rs.deadlineLoop()
+	if !c.goroutines.Go("restore-deadlines", c.rs.deadlineLoop) {
+		return fmt.Errorf("start the restore deadline loop: %w", ErrClosed)
+	}
 
 	leaderOnly, err := c.subscribe()
 	if err != nil {
@@ -338,11 +359,13 @@ func (c *Coordinator) start() error {
 		return err
 	}
 	if g := c.cfg.StartupFenceGrace; g > 0 {
-		c.wg.Add(1)
-		go c.startupFence(g)
+		if !c.goroutines.Go("startup-fence", func() { c.startupFence(g) }) {
+			return fmt.Errorf("start the startup fence: %w", ErrClosed)
+		}
 	}
-	c.wg.Add(1)
-	go c.deathLoop()
+	if !c.goroutines.Go("death-check", c.deathLoop) {
+		return fmt.Errorf("start the death check: %w", ErrClosed)
+	}
 	if c.rebuilding {
 		c.resyncAllRanks()
 	}
@@ -375,12 +398,14 @@ func (c *Coordinator) Run(ctx context.Context) error {
 //
 //  1. stop accepting requests: drain every NATS subscription, which waits
 //     for the handlers already running, so in-flight index commits finish
-//     and are acknowledged;
+//     and are acknowledged; drain the ingest workers; from here on no
+//     goroutine starts (both groups are closed) and no resync begins;
 //  2. answer restore waiters still pending with code unavailable;
-//  3. stop the workers (ingest, resync, deadline) and wait for them;
+//  3. stop the workers (resync, deadline, death check);
 //  4. leave the memberlist cluster (bounded by LeaveTimeout), so the ranks
 //     see "left", not "dead", then stop the member and the membership loop;
-//  5. close the NATS connection and stop the HTTP server;
+//  5. close the NATS connection and stop the HTTP server, then wait for
+//     every goroutine of the coordinator;
 //  6. close the index (it commits what is queued and folds its log);
 //  7. shut down the embedded NATS server.
 //
@@ -420,10 +445,15 @@ func (c *Coordinator) Shutdown() {
 		close(ch)
 	}
 	c.ingestMu.Unlock()
-	c.ingestWG.Wait()
+	c.ingestGroup.CloseAndWait()
 	c.drainMu.Lock()
 	c.draining = true
 	c.drainMu.Unlock()
+	// No goroutine starts from here on: a resync, a fence sweep or a
+	// liveness probe asked for now is refused (and dropped: the next
+	// leader or the restarted coordinator does it), never left running
+	// past the wait in step 5.
+	c.goroutines.Close()
 	// Replicated: raft stops here (it does not leave the configuration),
 	// before the index it applies to closes. A fence or resync still
 	// waiting on it fails.
@@ -435,7 +465,7 @@ func (c *Coordinator) Shutdown() {
 	// 3. Workers.
 	c.cancel()
 	// The membership loop ends when the member shuts down (step 4); wait
-	// for everything else first by stopping the member before wg.Wait.
+	// for everything else first by stopping the member before the wait.
 
 	// 4. Membership.
 	if c.member != nil {
@@ -467,7 +497,7 @@ func (c *Coordinator) Shutdown() {
 		}
 		cancel()
 	}
-	c.wg.Wait()
+	c.goroutines.Wait()
 
 	// 6. Index.
 	if c.idx != nil {

@@ -403,7 +403,6 @@ func (c *Coordinator) provedAlive(r wire.Rank, inc uint64, now time.Time, interv
 
 // deathLoop judges the suspects until the coordinator stops.
 func (c *Coordinator) deathLoop() {
-	defer c.wg.Done()
 	t := time.NewTicker(deathTick)
 	defer t.Stop()
 	for {
@@ -490,8 +489,12 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 	d.mu.Unlock()
 
 	for _, k := range probe {
-		c.wg.Add(1) // the loop that calls this is tracked: Shutdown has not begun waiting
-		go c.probeRank(k)
+		if !c.goroutines.Go("liveness-probe", func() { c.probeRank(k) }) {
+			// Shutdown has begun: give the probe slot back and leave the
+			// suspect marked probing, so silence alone cannot confirm its
+			// death in the moments before this loop stops.
+			<-d.probes
+		}
 	}
 	// Sweeps after gossip notices, each in rank order: a stable log.
 	sort.Slice(acts, func(i, j int) bool {
@@ -533,7 +536,6 @@ func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) time.Du
 
 // probeRank sends one liveness probe to the suspect's rank.
 func (c *Coordinator) probeRank(k suspectKey) {
-	defer c.wg.Done()
 	d := c.deaths
 	defer func() { <-d.probes }()
 	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.Death.ProbeTimeout)

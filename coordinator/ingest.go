@@ -42,11 +42,9 @@ func (c *Coordinator) dispatchBatch(m *nats.Msg) {
 // rank with several batches in flight (rankd's publisher window) thus has
 // them all in the index's group commit at once, never one commit per
 // batch (no head-of-line blocking), and its acks still come in order.
-func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg) {
-	defer c.ingestWG.Done()
-	acks := make(chan ingestJob, ingestQueue)
-	c.ingestWG.Add(1)
-	go c.ingestAcker(acks)
+// Start starts both (ingestGroup); the worker closes acks when ch closes,
+// which ends the acker once it has acknowledged everything queued.
+func (c *Coordinator) ingestWorker(ch <-chan *nats.Msg, acks chan<- ingestJob) {
 	defer close(acks)
 	for m := range ch {
 		if j, ok := c.queueBatch(m); ok {
@@ -65,7 +63,6 @@ type ingestJob struct {
 
 // ingestAcker acknowledges the batches of one ingest worker, in order.
 func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
-	defer c.ingestWG.Done()
 	for j := range jobs {
 		out, err := j.pending.Wait()
 		c.batchDone(j.b.Rank)
@@ -219,8 +216,13 @@ func (c *Coordinator) startResync(r wire.Rank) {
 		return
 	}
 	c.resyncing[r] = false
-	c.wg.Add(1)
-	go c.resync(r)
+	if !c.goroutines.Go("resync", func() { c.resync(r) }) {
+		// Shutdown closes the group right after it sets draining (checked
+		// above, under the same lock), so this is not expected; if it
+		// happens the resync is dropped as a draining one is: the rank's
+		// next coordinator asks again.
+		delete(c.resyncing, r)
+	}
 }
 
 // resync asks rank r for its inventory and applies it, retrying up to
@@ -231,7 +233,6 @@ func (c *Coordinator) startResync(r wire.Rank) {
 // inventory is from a superseded incarnation or was requested before a
 // fence (fenced_since).
 func (c *Coordinator) resync(r wire.Rank) {
-	defer c.wg.Done()
 	for {
 		term := c.repl.term()
 		c.resyncRank(term, r)

@@ -77,8 +77,9 @@ func (c *Coordinator) joinCluster(natsURL string) error {
 			return fmt.Errorf("advertise NATS URL: %w", err)
 		}
 	}
-	c.wg.Add(1)
-	go c.membershipLoop()
+	if !c.goroutines.Go("membership", c.membershipLoop) {
+		return fmt.Errorf("start the membership loop: %w", ErrClosed)
+	}
 	ctx, cancel := context.WithTimeout(c.ctx, c.cfg.JoinTimeout)
 	defer cancel()
 	n, err := m.Join(ctx)

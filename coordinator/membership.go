@@ -23,7 +23,6 @@ import (
 // membershipLoop consumes the member's events until its subscription is
 // closed (cluster Shutdown).
 func (c *Coordinator) membershipLoop() {
-	defer c.wg.Done()
 	var seq uint64
 	for ev := range c.msub.C() {
 		if ev.Seq != seq+1 && seq != 0 {
@@ -125,7 +124,6 @@ func (c *Coordinator) resyncRejoined(m cluster.Member) {
 // cluster by then died while the coordinator was down (or never came
 // back); its L1 placements are fenced as for a death, once confirmed.
 func (c *Coordinator) startupFence(grace time.Duration) {
-	defer c.wg.Done()
 	t := time.NewTimer(grace)
 	defer t.Stop()
 	select {

@@ -279,11 +279,10 @@ func (c *Coordinator) afterGainLeadership() {
 	if c.draining {
 		return
 	}
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		c.fenceAbsent("leader")
-	}()
+	// Refused only once Shutdown has begun (it sets draining, checked
+	// above, before it closes the group): the sweep is then left to the
+	// next leader, as when draining.
+	c.goroutines.Go("leader-fence", func() { c.fenceAbsent("leader") })
 }
 
 // handleRaftStatus answers admin.raft with this node's raft state (every

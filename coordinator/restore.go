@@ -407,7 +407,6 @@ func firstN(s []string, n int) []string {
 // sleeps until the earliest deadline, or until handleBegin kicks it with an
 // earlier one.
 func (rs *restores) deadlineLoop() {
-	defer rs.c.wg.Done()
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {

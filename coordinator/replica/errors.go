@@ -19,4 +19,6 @@ var (
 	ErrAuth = errors.New("raft peer refused")
 	// ErrCorrupt: a record of the raft log store does not decode.
 	ErrCorrupt = errors.New("raft log record damaged")
+	// ErrClosed: the node or its transport has been shut down.
+	ErrClosed = errors.New("raft node shut down")
 )

@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -52,8 +52,9 @@ type Options struct {
 // New builds it without I/O, so its owner is in replicated mode from the
 // start: until Start has run, the node neither leads nor commits, and
 // every mutation answers ErrNotLeader. Goroutines it owns (the leadership
-// and observation loops, the transport's accept loop and handshakes, and
-// raft's own) stop in Shutdown.
+// and observation loops, started through its group, which Shutdown closes
+// before it waits; the transport's accept loop and handshakes, in the
+// transport's group; and raft's own) stop in Shutdown.
 type Node struct {
 	cfg   Config
 	log   *zap.Logger
@@ -75,8 +76,12 @@ type Node struct {
 
 	notify chan bool
 	obs    chan raft.Observation
+	// stop is closed and ctx cancelled by Shutdown: the loops and an index
+	// sync in progress return.
 	stop   chan struct{}
-	wg     sync.WaitGroup
+	ctx    context.Context
+	cancel context.CancelFunc
+	g      *group.Group
 }
 
 // New builds a node and registers its metrics; it does no I/O (Start does).
@@ -91,7 +96,9 @@ func New(cfg Config, opts Options) (*Node, error) {
 		return nil, fmt.Errorf("raft node registerer must be set: %w", ErrConfig)
 	}
 	n := &Node{cfg: cfg, log: opts.Logger.Named("raft"), met: newMetrics(), hooks: opts.Hooks,
-		notify: make(chan bool, 16), obs: make(chan raft.Observation, 64), stop: make(chan struct{})}
+		notify: make(chan bool, 16), obs: make(chan raft.Observation, 64), stop: make(chan struct{}),
+		g: group.New("raft")}
+	n.ctx, n.cancel = context.WithCancel(context.Background())
 	for _, m := range n.met.collectors() {
 		if err := opts.Registerer.Register(m); err != nil {
 			return nil, fmt.Errorf("register raft metrics: %w: %w", ErrConfig, err)
@@ -116,6 +123,9 @@ func New(cfg Config, opts Options) (*Node, error) {
 // bootstraps when asked, and starts the leadership and observation loops.
 // Hooks.Lead runs when this node becomes leader.
 func (n *Node) Start(idx *index.Index, creds *auth.RaftTLS) error {
+	if n.g.Closed() {
+		return fmt.Errorf("start raft after Shutdown: %w", ErrClosed)
+	}
 	rc := n.cfg
 	n.idx = idx
 	if err := PrivateDir(rc.Dir); err != nil {
@@ -194,9 +204,11 @@ func (n *Node) Start(idx *index.Index, creds *auth.RaftTLS) error {
 		return false
 	}))
 	n.ready.Store(true)
-	n.wg.Add(2)
-	go n.leaderLoop()
-	go n.observeLoop()
+	// Refused only when Shutdown came first (it is to be called after
+	// Start or instead of it): raft is then shut down with the node.
+	if !n.g.Go("raft-leadership", n.leaderLoop) || !n.g.Go("raft-observe", n.observeLoop) {
+		return fmt.Errorf("start raft: %w", ErrClosed)
+	}
 	n.log.Info("raft started", zap.String("id", rc.ID), zap.Stringer("addr", strm.Addr()),
 		zap.Uint64("index_applied", idx.AppliedIndex()))
 	return nil
@@ -213,7 +225,6 @@ func (w zapWriter) Write(p []byte) (int, error) {
 // leaderLoop follows raft's leadership notifications: Hooks.Lead on
 // gaining leadership, after a barrier, and Hooks.Follow on losing it.
 func (n *Node) leaderLoop() {
-	defer n.wg.Done()
 	for {
 		select {
 		case <-n.stop:
@@ -268,16 +279,7 @@ func (n *Node) gainLeadership() {
 // syncIndex waits until the index has committed everything queued into it
 // (index.Sync), or the node stops.
 func (n *Node) syncIndex() error {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		select {
-		case <-n.stop:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	return n.idx.Sync(ctx)
+	return n.idx.Sync(n.ctx)
 }
 
 func (n *Node) loseLeadership() {
@@ -288,7 +290,6 @@ func (n *Node) loseLeadership() {
 }
 
 func (n *Node) observeLoop() {
-	defer n.wg.Done()
 	for {
 		select {
 		case <-n.stop:
@@ -316,8 +317,10 @@ func (n *Node) Shutdown() {
 			n.log.Warn("raft shutdown", zap.Error(err))
 		}
 	}
+	n.g.Close()
 	close(n.stop)
-	n.wg.Wait()
+	n.cancel()
+	n.g.Wait()
 	if n.trans != nil {
 		_ = n.trans.Close()
 	}

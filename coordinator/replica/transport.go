@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/raft"
 	"github.com/kvtier/kvtier/auth"
+	"github.com/kvtier/kvtier/internal/group"
 	"go.uber.org/zap"
 )
 
@@ -101,8 +102,11 @@ type Transport struct {
 	cancel context.CancelFunc
 	conns  chan net.Conn
 	slots  chan struct{}
-	wg     sync.WaitGroup
-	once   sync.Once
+	// g starts the accept loop and one goroutine per handshake; Close
+	// closes it (a connection accepted after that is closed unanswered)
+	// and waits for it.
+	g    *group.Group
+	once sync.Once
 }
 
 // NewTransport listens on cfg.Bind and starts accepting.
@@ -124,7 +128,7 @@ func NewTransport(cfg TransportConfig) (*Transport, error) {
 	}
 	nop := func() {}
 	s := &Transport{ln: ln, creds: cfg.TLS, advertise: advertise, log: cfg.Logger, refused: cfg.Refused, broken: cfg.Broken,
-		peers: cfg.Peers, conns: make(chan net.Conn), slots: make(chan struct{}, raftMaxHandshakes)}
+		peers: cfg.Peers, conns: make(chan net.Conn), slots: make(chan struct{}, raftMaxHandshakes), g: group.New("raft-transport")}
 	if s.refused == nil {
 		s.refused = nop
 	}
@@ -132,8 +136,7 @@ func NewTransport(cfg TransportConfig) (*Transport, error) {
 		s.broken = nop
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.wg.Add(1)
-	go s.acceptLoop()
+	s.g.Go("raft-accept", s.acceptLoop) // a new group is open
 	return s, nil
 }
 
@@ -238,7 +241,6 @@ func (s *Transport) clientTLS(want string) *tls.Config {
 }
 
 func (s *Transport) acceptLoop() {
-	defer s.wg.Done()
 	for {
 		conn, err := s.ln.Accept()
 		if err != nil {
@@ -261,26 +263,32 @@ func (s *Transport) acceptLoop() {
 			_ = conn.Close()
 			continue
 		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			defer func() { <-s.slots }()
-			tc := tls.Server(conn, s.serverTLS())
-			ctx, cancel := context.WithTimeout(s.ctx, raftHandshakeTimeout)
-			err := tc.HandshakeContext(ctx)
-			cancel()
-			if err != nil {
-				s.refused()
-				s.log.Warn("raft connection refused", zap.Stringer("remote", conn.RemoteAddr()), zap.Error(err))
-				_ = conn.Close()
-				return
-			}
-			select {
-			case s.conns <- s.track(tc, conn):
-			case <-s.ctx.Done():
-				_ = conn.Close()
-			}
-		}()
+		if !s.g.Go("raft-handshake", func() { s.handshake(conn) }) {
+			// Close has begun: the peer redials the next leader or the
+			// restarted node.
+			<-s.slots
+			_ = conn.Close()
+		}
+	}
+}
+
+// handshake authenticates one accepted connection and hands it to Accept.
+func (s *Transport) handshake(conn net.Conn) {
+	defer func() { <-s.slots }()
+	tc := tls.Server(conn, s.serverTLS())
+	ctx, cancel := context.WithTimeout(s.ctx, raftHandshakeTimeout)
+	err := tc.HandshakeContext(ctx)
+	cancel()
+	if err != nil {
+		s.refused()
+		s.log.Warn("raft connection refused", zap.Stringer("remote", conn.RemoteAddr()), zap.Error(err))
+		_ = conn.Close()
+		return
+	}
+	select {
+	case s.conns <- s.track(tc, conn):
+	case <-s.ctx.Done():
+		_ = conn.Close()
 	}
 }
 
@@ -300,8 +308,9 @@ func (s *Transport) Close() error {
 	var err error
 	s.once.Do(func() {
 		s.cancel()
+		s.g.Close()
 		err = s.ln.Close()
-		s.wg.Wait()
+		s.g.Wait()
 		// raft's transport leaves accepted and pooled connections open:
 		// close them, so its connection goroutines (here and at the
 		// peers) end.
