@@ -1,0 +1,67 @@
+"""vLLM's KV connector base classes (KVConnectorBase_V1 and the types its
+methods take), or stand-ins with the same constructor when vLLM is not
+installed, so that the connector's tests run without vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # the real base class when vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
+
+    HAVE_VLLM = True
+except ImportError:  # a stand-in with the same constructor, for tests without vLLM
+    import enum
+
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata: Any = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
+
+__all__ = ["HAVE_VLLM", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorTransferResults",
+           "SupportsHMA"]

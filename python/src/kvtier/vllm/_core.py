@@ -1,0 +1,143 @@
+"""What both sides of KvtierConnector share: the geometry read from vLLM's
+kv_cache_config, the counters, every field of the connector's state, and
+the background link (kvtier.vllm.attach, C11) through which each side
+reaches kvtier. The scheduler side (kvtier.vllm._scheduler) and the worker
+side (kvtier.vllm._worker) build on it; kvtier.vllm.connector joins them
+into the class vLLM loads."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtier import client as kvclient
+from kvtier import cuda, wire
+from kvtier.errors import GeometryError
+from kvtier.vllm._base import KVConnectorBase_V1, KVConnectorRole
+from kvtier.vllm._state import _Loading, _Pending, _Req
+from kvtier.vllm.attach import Link
+from kvtier.vllm.spec import spec_from_vllm
+
+if TYPE_CHECKING:
+    from kvtier.vllm.connector import Config
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class _Core(KVConnectorBase_V1):  # type: ignore[misc]
+    """The connector's state and its link; no vLLM hook lives here."""
+
+    def _init_state(self, cfg: Config, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        """Reads the geometry and sets up the state of both sides (a
+        connector serves one role, but every field exists on either).
+        KvtierConnector.__init__ calls it after vLLM's base __init__."""
+        self.cfg = cfg
+        par = vllm_config.parallel_config
+        self.tp = int(getattr(par, "tensor_parallel_size", 1))
+        dcp_size = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+        pcp_size = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
+        pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+        if kv_cache_config is None:
+            raise GeometryError("KvtierConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
+        self.spec, self.layers = spec_from_vllm(kv_cache_config, self.cfg.model, self.cfg.cache_salt, self.tp,
+                                                dcp_size, pp, self.cfg.chunk_tokens, self.cfg.pool_layout,
+                                                interleave=interleave, pcp_size=pcp_size)
+        self.resolved = self.spec.resolve()
+        self.chunk = self.spec.chunk_tokens
+        # Several groups: vLLM takes a failed load only per request
+        # (failed_recving), which it honours for asynchronous loads only.
+        self.multi_group = len(self.spec.groups) > 1
+        if self.multi_group and not self.cfg.load_async:
+            raise GeometryError(
+                f"{len(self.spec.groups)} KV cache groups with kvtier_load_async false: vLLM takes block-level load "
+                "errors for one group only and a failed synchronous load of several groups has no other way back; "
+                "use asynchronous loads (the default)")
+        # (window, scheduler block) of each sliding-window group
+        self._windows = [(gl.sliding_window, self.resolved.geometry[gi].span)
+                         for gi, gl in enumerate(self.layers) if gl.sliding_window]
+        self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
+                      "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
+                      "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
+                      "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
+                      "loads_skipped": 0, "stores": 0, "stored_objects": 0,
+                      "store_failures": 0, "stores_skipped": 0, "reregistered": 0, "blocks_in_use": 0,
+                      "attaches": 0, "detaches": 0}
+        self._stats_sent: dict[str, int] = {}
+        self._link: Link | None = None
+        # scheduler side
+        self._reqs: dict[str, _Req] = {}
+        # worker side
+        self._session: kvclient.SyncRankSession | None = None
+        self._freed_sub: kvclient.SyncClient | None = None  # the client whose BlocksFreed we subscribed to
+        self._incarnation = 0
+        self._pools: list[wire.PoolRegistration] = []
+        self._device_uuid = ""
+        self._pending: dict[str, list[_Pending]] = {}
+        self._saving: set[str] = set()
+        self._finishing: set[str] = set()
+        self._loading: dict[str, _Loading] = {}
+        self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()  # several groups: failed loads, per request
+        self._step = 0  # engine steps seen: get_finished runs once per step
+        # The last loads settled, newest last (for tests and debugging):
+        # request, restore, engine steps from start to report, ms, chunks
+        # loaded of chunks offered, the problem if any.
+        self.recent_loads: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
+        self._freed_lock = threading.Lock()
+        self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
+        self._rank = wire.Rank(self.cfg.instance, 0)
+        self._host: cuda.HostDevice | None = None
+        self._host_mems: list[cuda.HostMem] = []  # kvtier_device=host: the pools, alive as long as vLLM's tensors
+        log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d, DCP %d (interleave %d), "
+                 "loads %s", "scheduler" if self.is_scheduler else "worker", self.resolved.namespace,
+                 len(self.spec.groups), self.chunk, self.tp, dcp_size, interleave,
+                 "asynchronous" if self.cfg.load_async else "synchronous")
+
+    # ---------------------------------------------------------------- seams
+
+    def _make_client(self) -> kvclient.SyncClient:
+        role = "scheduler" if self.is_scheduler else f"worker{self._rank.tp_rank}"
+        return kvclient.SyncClient(self.cfg.connect_options(f"kvtier-vllm-{self.cfg.instance}-{role}"))
+
+    # ---------------------------------------------------------------- the link (C11)
+
+    def _start_link(self, name: str, setup: Any, check: Any) -> None:
+        cap = self.cfg.attach_backoff_max_s
+        self._link = Link(name, self._make_client, setup, check=check, check_every_s=self.cfg.health_check_s,
+                          backoff_s=min(0.2, cap), max_backoff_s=cap, on_change=self._on_link_change)
+        self._link.start()
+
+    def _wait_at_start(self) -> None:
+        """Gives the link kvtier_attach_wait_s to attach before vLLM serves,
+        so the first requests of a healthy cluster can hit; vLLM starts
+        either way (C11)."""
+        if self.cfg.attach_wait_s > 0 and not self.wait_attached(self.cfg.attach_wait_s):
+            assert self._link is not None
+            log.warning("kvtier %s: not attached within %.1f s (%s); vLLM starts without the cache and the "
+                        "connector attaches in the background", self._link.name, self.cfg.attach_wait_s,
+                        self._link.why)
+
+    def _client_now(self) -> kvclient.SyncClient | None:
+        """The client when kvtier is usable now, else None (a miss)."""
+        return None if self._link is None else self._link.client
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s for the link to attach; True when it did.
+        vLLM never calls this: it is for tools and tests that want a warm
+        connector before their first request."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._client_now() is not None:
+                return True
+            time.sleep(0.02)
+        return self._client_now() is not None
+
+    def _on_link_change(self, state: str) -> None:
+        if self._link is not None:  # runs on the link's thread: two plain stores
+            self.stats["attaches"], self.stats["detaches"] = self._link.attaches, self._link.detaches

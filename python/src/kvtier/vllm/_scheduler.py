@@ -1,0 +1,229 @@
+"""The scheduler side of KvtierConnector: the lookup and the restore's
+begin for each request (get_num_new_matched_tokens), the blocks vLLM
+allocates for it, and the step's metadata (build_connector_meta): the
+loads to hand the workers and the chunks that this step completes, to
+store. Nothing here sends anything while the metadata is built."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+from kvtier import _codec, dcp, wire
+from kvtier import client as kvclient
+from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace
+from kvtier.vllm._core import _Core
+from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req
+from kvtier.vllm.spec import request_chunk_hashes
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class _SchedulerSide(_Core):
+    """vLLM's scheduler-side connector methods."""
+
+    def _setup_scheduler(self, c: kvclient.SyncClient) -> None:
+        c.register_spec(self.spec)
+
+    def _req(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            tokens = list(request.prompt_token_ids or [])
+            # vLLM's per-request cache salt: salted requests share chunks
+            # only with requests of the same salt (kvtier.vllm.spec).
+            st = _Req(tokens, request_chunk_hashes(self.resolved, tokens, getattr(request, "cache_salt", None)))
+            self._reqs[request.request_id] = st
+        return st
+
+    async def _lookup_and_begin(self, c: kvclient.SyncClient, chunks: list[dcp.ChunkHash]) -> wire.RestorePlan | None:
+        """The lookup and, on a hit, the restore's begin: the plan comes
+        before vLLM is told of any tokens, so building the step's metadata
+        sends nothing. None: nothing restorable."""
+        t = self.cfg.lookup_timeout_s
+        rep = await c.aio.lookup(self.resolved.namespace, chunks, instance=self.cfg.instance, timeout=t)
+        if rep.not_alive or rep.prefix <= 0:
+            return None
+        return await c.aio.restore_begin(self.resolved.namespace, chunks[:rep.prefix], instance=self.cfg.instance,
+                                         deadline_ms=self.cfg.restore_deadline_ms, timeout=t)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._req(request)
+        if st.load_issued or num_computed_tokens % self.chunk:
+            return 0, False  # loaded once already; kvtier restores whole chunks only
+        first = num_computed_tokens // self.chunk
+        last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
+        last = min(last, len(st.hashes), first + self._window_chunks(first))
+        if first >= last:
+            return 0, False
+        if st.lookup_first != first:
+            st.lookup, st.lookup_first, st.matched_chunks, st.plan = None, first, None, None
+        if st.matched_chunks is None:
+            if st.lookup is None:
+                c = self._client_now()
+                if c is None:  # kvtier is down or not attached yet: a miss, at once (C11)
+                    self.stats["lookups_skipped"] += 1
+                    st.matched_chunks = 0
+                    return 0, False
+                st.lookup = c.submit(self._lookup_and_begin(c, list(st.hashes[first:last])))
+                st.lookup_since = time.monotonic()
+                self.stats["lookups"] += 1
+                self.stats["lookup_tokens"] += (last - first) * self.chunk
+            done, _ = concurrent.futures.wait([st.lookup], timeout=self.cfg.lookup_wait_s)
+            if not done:
+                if time.monotonic() - st.lookup_since < self.cfg.lookup_timeout_s * 2 + 1:
+                    return None, False  # not yet: vLLM asks again
+                st.lookup.cancel()  # its own timeouts did not fire: give up, a miss
+                log.warning("kvtier lookup for %s: no answer in time; recomputing", request.request_id)
+                self.stats["lookup_timeouts"] += 1
+                st.matched_chunks = 0
+            else:
+                try:
+                    st.plan = st.lookup.result()
+                except Exception as e:  # a timed-out or failed lookup is a miss, never "not yet"
+                    self._lookup_failed(request.request_id, e)
+                    st.matched_chunks = 0
+                else:
+                    st.matched_chunks = 0 if st.plan is None else min(st.plan.prefix, last - first)
+                    if st.plan is not None and st.plan.prefix < 1 and st.plan.reason:
+                        log.info("kvtier restore for %s not planned: %s", request.request_id, st.plan.reason)
+                self.stats["hit_tokens"] += st.matched_chunks * self.chunk
+        n = min(st.matched_chunks, last - first)
+        if n <= 0:
+            return 0, False
+        return n * self.chunk, self.cfg.load_async
+
+    def _window_chunks(self, first: int) -> int:
+        """How many chunks after the first (held locally) may be restored
+        without vLLM putting its null block in a sliding-window group's
+        place: vLLM skips the first (T - window + 1) // block blocks of a
+        prefix of T tokens, which must lie inside the local prefix."""
+        best = 1 << 62
+        for window, block in self._windows:
+            m = 0
+            while m < best:
+                t = (first + m + 1) * self.chunk
+                skipped = max(0, t - window + 1) // block * block
+                if skipped > first * self.chunk:
+                    break
+                m += 1
+            best = m
+        return best
+
+    def _lookup_failed(self, req_id: str, e: BaseException) -> None:
+        if isinstance(e, (RequestTimeout, TimeoutError)):
+            self.stats["lookup_timeouts"] += 1
+        else:
+            self.stats["lookup_errors"] += 1
+        if isinstance(e, UnknownNamespace) and self._link is not None:
+            self._link.resetup("the coordinator does not know the namespace")
+        log.warning("kvtier lookup for %s failed, recomputing: %s", req_id, e)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._req(request)
+        st.block_ids = [list(b) for b in blocks.get_block_ids()]
+        if num_external_tokens > 0:
+            if num_external_tokens % self.chunk or st.lookup_first < 0:
+                raise GeometryError(f"request {request.request_id}: {num_external_tokens} external tokens, "
+                                    f"not whole chunks of {self.chunk} from a lookup")
+            st.load = (st.lookup_first, num_external_tokens // self.chunk)
+
+    def _chunk_blocks(self, st: _Req, c: int) -> list[list[int]] | None:
+        """Chunk c's block ids of every group; [] when a group has vLLM's
+        null block there (a sliding-window block out of the window: the
+        chunk is not stored); None when the blocks are not allocated."""
+        out = []
+        for gi, _ in enumerate(self.spec.groups):
+            bpc = self.resolved.blocks_per_chunk(gi)
+            ids = st.block_ids[gi] if gi < len(st.block_ids) else []
+            if len(ids) < (c + 1) * bpc:
+                return None
+            out.append(ids[c * bpc:(c + 1) * bpc])
+        if any(NULL_BLOCK in b for b in out):
+            return []
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        meta = KvtierConnectorMetadata()
+        for req_id, st in self._reqs.items():
+            if st.load is None:
+                continue
+            first, n = st.load
+            st.load = None
+            meta.loads.append(self._load_spec(req_id, st, first, n))
+            st.plan, st.load_issued = None, True  # a plan is used once, a request loads once
+            st.saved_through = max(st.saved_through, first + n)
+        num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
+        for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+            nst = self._reqs.get(new.req_id)
+            if nst is None:
+                continue  # never asked about (get_num_new_matched_tokens runs first)
+            nst.block_ids = [list(b) for b in new.block_ids]
+            self._plan_saves(meta, new.req_id, nst, new.num_computed_tokens + num_sched.get(new.req_id, 0))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+            flags = getattr(cached, "resumed_from_preemption", None)
+            for i, req_id in enumerate(cached.req_ids):
+                cst = self._reqs.get(req_id)
+                if cst is None:
+                    continue
+                new_ids = cached.new_block_ids[i]
+                if req_id in resumed or (flags is not None and flags[i]):
+                    cst.block_ids = [list(b) for b in (new_ids or ())]
+                elif new_ids is not None:
+                    for gi, b in enumerate(new_ids):
+                        while len(cst.block_ids) <= gi:
+                            cst.block_ids.append([])
+                        cst.block_ids[gi].extend(b)
+                self._plan_saves(meta, req_id, cst, cached.num_computed_tokens[i] + num_sched.get(req_id, 0))
+        return meta
+
+    def _plan_saves(self, meta: KvtierConnectorMetadata, req_id: str, st: _Req, computed: int) -> None:
+        done = min(computed, len(st.tokens)) // self.chunk
+        chunks: list[tuple[bytes, list[list[int]]]] = []
+        c = st.saved_through
+        while c < done:
+            blocks = self._chunk_blocks(st, c)
+            if blocks is None:
+                log.warning("request %s chunk %d: blocks not allocated; not stored", req_id, c)
+                break
+            if blocks:
+                chunks.append((bytes(st.hashes[c]), blocks))
+            else:
+                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window); not stored",
+                          req_id, c)
+            c += 1
+        st.saved_through = c
+        if chunks:
+            meta.saves.append(SaveSpec(req_id, chunks))
+            st.saved_any = True
+
+    def _load_spec(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:
+        """The load of n chunks from first, from the plan the lookup began."""
+        spec = LoadSpec(req_id, "", first, n, 0, {}, [list(b) for b in st.block_ids], async_load=self.cfg.load_async)
+        plan = st.plan
+        if plan is None:
+            spec.problem = "no restore plan"
+            return spec
+        if plan.prefix < n:
+            spec.problem = f"plan covers {plan.prefix} of {n} chunks ({plan.reason})"
+        if plan.prefix > n:
+            # vLLM took fewer tokens than offered: items past n would name
+            # blocks the request does not own. Not loaded; recomputed.
+            spec.problem = f"vLLM took {n} of the {plan.prefix} planned chunks"
+            return spec
+        spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
+        spec.items = {r: _codec.dumps([_codec.to_obj(it) for it in items]) for r, items in plan.ranks.items()}
+        return spec
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        return (st is not None and st.saved_any), None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA: the request's blocks of every group are kept
+        while its stores may read them, as with one group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])

@@ -1,0 +1,91 @@
+"""The data the connector's two sides hand each other and keep: the
+metadata the scheduler builds for each step (LoadSpec, SaveSpec), a
+request's scheduler-side state, and the worker's bookkeeping of the stores
+and loads in flight."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier import dcp, wire
+from kvtier.vllm._base import KVConnectorMetadata
+
+# NULL_BLOCK is vLLM's null block: BlockPool takes block 0 first as the
+# placeholder of skipped blocks (sliding window) in every group; it is never
+# a request's own block, is never stored and never written.
+NULL_BLOCK = 0
+
+
+@dataclass
+class LoadSpec:
+    """One restore for one request: the coordinator's plan (each rank's
+    items as kvtier wire JSON) and the request's block ids."""
+
+    req_id: str
+    restore_id: str
+    first_chunk: int  # chunk index in the request of the plan's chunk 0
+    chunks: int  # chunks vLLM was told are loaded
+    planned: int  # chunks the plan covers (<= chunks)
+    items: dict[str, bytes]  # by str(Rank): JSON list of RetrieveItem
+    block_ids: list[list[int]]  # [group][block] of the whole request
+    problem: str = ""
+    async_load: bool = True  # vLLM was told the load is asynchronous (get_finished reports it)
+
+
+@dataclass
+class SaveSpec:
+    """Chunks of one request that this step completes, to store."""
+
+    req_id: str
+    chunks: list[tuple[bytes, list[list[int]]]]  # (chunk hash, [group][block])
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    hashes: list[dcp.ChunkHash]
+    lookup: concurrent.futures.Future[wire.RestorePlan | None] | None = None
+    lookup_since: float = 0.0
+    lookup_first: int = -1
+    matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
+    plan: wire.RestorePlan | None = None  # the restore begun for the hit
+    # A request is offered kvtier tokens once: after its load is handed to
+    # the workers every later ask (vLLM asks again after an asynchronous
+    # load failed, or after a preemption) is a miss, so a chunk that fails
+    # to load can never be offered, loaded and failed in a loop.
+    load_issued: bool = False
+    load: tuple[int, int] | None = None  # (first chunk, chunks) to load
+    block_ids: list[list[int]] = field(default_factory=list)
+    saved_through: int = 0  # chunks [0, saved_through) are stored or being stored
+    saved_any: bool = False
+
+
+@dataclass
+class _Pending:
+    fut: concurrent.futures.Future[wire.StoreReply]
+    event: Any  # released once the store has answered (C1)
+    chunks: tuple[bytes, ...] = ()  # names the store in a BlocksFreed
+    in_use: bool = False  # answered blocks_in_use: held until BlocksFreed (C10)
+
+
+@dataclass
+class _LoadResult:
+    loaded: int  # chunks confirmed from the load's first chunk
+    bad_bytes_chunks: int  # failed chunks whose bytes did not match the recorded sum
+    problem: str = ""
+
+
+@dataclass
+class _Loading:
+    fut: concurrent.futures.Future[_LoadResult]
+    load: LoadSpec
+    since: float
+    step: int  # the connector's engine step count when the load started
