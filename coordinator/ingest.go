@@ -90,8 +90,11 @@ func (c *Coordinator) queueBatch(m *nats.Msg) (ingestJob, bool) {
 		c.met.batches.WithLabelValues("unauthorized").Inc()
 		return ingestJob{}, false
 	}
-	if err := checkBatchSums(&b); err != nil {
-		c.badRequest(m, opEvents, err)
+	// A batch the index would refuse (it owns the rules about placements,
+	// a nonzero sum included: index.ValidateBatch, STYLE 31) is refused
+	// before admission: it costs the rank no rate and no budget.
+	if err := index.ValidateBatch(&b); err != nil {
+		c.badRequest(m, opEvents, rankMalformed(err))
 		c.met.batches.WithLabelValues("bad_request").Inc()
 		return ingestJob{}, false
 	}
@@ -367,16 +370,10 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 	if inv.Rank != r {
 		return false, fmt.Errorf("inventory from %s names rank %s: %w", c.subj.Inventory(r), inv.Rank, wire.ErrMalformed)
 	}
-	for i := range inv.Objects {
-		if ob := &inv.Objects[i]; ob.Sum == 0 {
-			return false, fmt.Errorf("inventory of %s incarnation %d: object %d (%s, %s) has sum 0: every stored object has a nonzero kvsum64: %w",
-				r, inv.Incarnation, i, ob.Key, ob.Tier, wire.ErrMalformed)
-		}
-	}
 	prev, known := c.rankIncarnation(r)
 	out, err := c.repl.applyInventory(term, *inv, gen)
 	if err != nil {
-		return errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader), err
+		return errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader), rankMalformed(err)
 	}
 	switch {
 	case out.Reason == index.DropFencedSince:
@@ -401,17 +398,15 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 	}
 }
 
-// checkBatchSums refuses a batch with a Stored event of sum 0 (issue
-// 11.8): 0 is what an unset sum looks like, and a restore could never
-// check the bytes against it.
-func checkBatchSums(b *wire.Batch) error {
-	for i := range b.Events {
-		if e := &b.Events[i]; e.Kind == wire.Stored && e.Sum == 0 {
-			return fmt.Errorf("batch from %s incarnation %d: event %d (seq %d) stores %s in %s with sum 0: every stored object has a nonzero kvsum64: %w",
-				b.Rank, b.Incarnation, i, e.Seq, e.Key, e.Tier, wire.ErrMalformed)
-		}
+// rankMalformed returns the index's refusal of what a rank sent, marked as
+// the rank's malformed message when it breaks the rule that every stored
+// object has a nonzero sum (index.ErrZeroSum, issue 11.8): the reply and
+// the log read as they did when the coordinator checked that rule itself.
+func rankMalformed(err error) error {
+	if errors.Is(err, index.ErrZeroSum) {
+		return fmt.Errorf("%w: %w", err, wire.ErrMalformed)
 	}
-	return nil
+	return err
 }
 
 // errFencedSince: an inventory was requested before the rank's latest

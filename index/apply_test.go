@@ -250,8 +250,8 @@ func TestInvalidInput(t *testing.T) {
 		}
 	}
 	badInv := []wire.Inventory{
-		{Rank: r, Incarnation: 1, Seq: 5, Objects: []wire.Placement{{Key: key(1, 0, 0), Tier: wire.L1}, {Key: key(1, 0, 0), Tier: wire.L1}}},
-		{Rank: r, Incarnation: 1, Seq: 5, Objects: []wire.Placement{{Key: key(1, 0, 0), Tier: 4}}},
+		{Rank: r, Incarnation: 1, Seq: 5, Objects: []wire.Placement{{Key: key(1, 0, 0), Tier: wire.L1, Sum: 1}, {Key: key(1, 0, 0), Tier: wire.L1, Sum: 1}}},
+		{Rank: r, Incarnation: 1, Seq: 5, Objects: []wire.Placement{{Key: key(1, 0, 0), Tier: 4, Sum: 1}}},
 	}
 	for i, inv := range badInv {
 		if _, err := ix.ApplyInventory(ctx, inv); !errors.Is(err, index.ErrInvalid) {

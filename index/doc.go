@@ -21,11 +21,17 @@
 // Namespaces, Stats) read the in-memory state under a read lock and never
 // touch bbolt. Close is idempotent and waits for the committer.
 //
+// Every call that writes placements checks them first (validate.go): the
+// rules about the index's data are the index's (STYLE 31), among them that
+// every stored object has a nonzero sum (ErrZeroSum); nothing of a batch or
+// inventory that breaks one is applied. Placements of sum 0 written before
+// that rule are still read.
+//
 // Where it lives: the type, Open and Close in index.go; the write calls in
-// apply.go; the committer and writer goroutines in committer.go; the fold
-// of the change log into the snapshot in fold.go; Verify in verify.go;
-// the metrics and what each committed request is counted as in
-// metrics.go.
+// apply.go, their checks in validate.go; the committer and writer
+// goroutines in committer.go; the fold of the change log into the
+// snapshot in fold.go; Verify in verify.go; the metrics and what each
+// committed request is counted as in metrics.go.
 //
 // # Locks
 //

@@ -21,6 +21,14 @@ var (
 	// ErrInvalid: a batch, inventory or spec breaks a rule; nothing of it
 	// was applied.
 	ErrInvalid = errors.New("invalid index input")
+	// ErrZeroSum: a batch stores, or an inventory lists, an object with
+	// sum 0 (issue 11.8: 0 is what an unset sum looks like, and a restore
+	// could never check the bytes against it); nothing of the batch or
+	// inventory was applied. It is one of the rules of ErrInvalid:
+	// errors.Is matches both. Placements with sum 0 written before the rule
+	// existed are still read (the restore plan cuts its prefix before
+	// them).
+	ErrZeroSum error = invalidRule("every stored object has a nonzero kvsum64")
 	// ErrUnknownNamespace: a lookup named a namespace whose spec was never
 	// registered.
 	ErrUnknownNamespace = errors.New("unknown namespace")
@@ -39,3 +47,13 @@ var (
 	// chunk or group, that the restore does not expect.
 	ErrUnexpectedReport = errors.New("unexpected restore report")
 )
+
+// invalidRule is a sentinel for one rule of ErrInvalid: its text is the
+// rule alone (callers add their own context after it, as the coordinator
+// adds wire.ErrMalformed), and errors.Is matches ErrInvalid too.
+type invalidRule string
+
+func (e invalidRule) Error() string { return string(e) }
+
+// Is reports whether target is ErrInvalid (errors.Is compares e itself).
+func (invalidRule) Is(target error) bool { return target == ErrInvalid }

@@ -67,11 +67,11 @@ func newSlicedFence(t *testing.T, dir string, mod func(*index.Config)) *slicedFe
 	for tp := range 2 {
 		b := wire.Batch{Rank: wire.Rank{Instance: "a", TPRank: tp}, Incarnation: 3}
 		for i, c := range f.chain {
-			b.Events = append(b.Events, stored(uint64(i+1), wire.L1, dcp.Key{NS: f.ns, Chunk: c, Shard: uint16(tp)}, 100, uint64(i)))
+			b.Events = append(b.Events, stored(uint64(i+1), wire.L1, dcp.Key{NS: f.ns, Chunk: c, Shard: uint16(tp)}, 100, uint64(i)+1))
 		}
 		if tp == 0 {
 			for i, c := range f.chain[:5] {
-				b.Events = append(b.Events, stored(uint64(sfChunks+i+1), wire.L2, dcp.Key{NS: f.ns, Chunk: c, Shard: 0}, 100, uint64(i)))
+				b.Events = append(b.Events, stored(uint64(sfChunks+i+1), wire.L2, dcp.Key{NS: f.ns, Chunk: c, Shard: 0}, 100, uint64(i)+1))
 			}
 		}
 		mustApply(t, f.ix.Index, b)

@@ -103,7 +103,7 @@ func BenchmarkIngestGrowth(b *testing.B) {
 					for c := range uint64(per) {
 						seqs[tp]++
 						k := dcp.Key{NS: ns, Chunk: indextest.Chunk(3, chunk+c), Shard: uint16(tp)}
-						bt.Events = append(bt.Events, wire.Event{Seq: seqs[tp], Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 1 << 20, Sum: chunk + c})
+						bt.Events = append(bt.Events, wire.Event{Seq: seqs[tp], Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 1 << 20, Sum: chunk + c + 1})
 						if len(bt.Events) == batch {
 							a0 := time.Now()
 							if _, err := ix.Apply(ctx, bt); err != nil {

@@ -44,7 +44,7 @@ func BenchmarkLookup128x8(b *testing.B) {
 			k := dcp.Key{NS: res.Namespace, Chunk: indextest.Chunk(3, c), Shard: uint16(tp)}
 			for _, tier := range []wire.Tier{wire.L1, wire.L2} {
 				seq++
-				bt.Events = append(bt.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: tier, Key: k, Size: 1 << 20, Sum: c})
+				bt.Events = append(bt.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: tier, Key: k, Size: 1 << 20, Sum: c + 1})
 			}
 			if len(bt.Events) >= 1<<16 || c == nChunks-1 {
 				if _, err := ix.Apply(ctx, bt); err != nil {

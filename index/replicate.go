@@ -468,12 +468,3 @@ func readApplied(tx *bolt.Tx) (uint64, error) {
 	}
 	return binary.BigEndian.Uint64(v), nil
 }
-
-// ValidateBatch checks a batch as Apply does (a replicated coordinator
-// checks before it proposes, so the log holds no entry every replica
-// refuses).
-func ValidateBatch(b *wire.Batch) error { return validateBatch(b) }
-
-// ValidateInventory checks an inventory as ApplyInventory does, sorting
-// its objects in place as ApplyInventory does.
-func ValidateInventory(inv *wire.Inventory) error { return validateInventory(inv) }

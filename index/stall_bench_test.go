@@ -60,7 +60,7 @@ func BenchmarkAdminStall(b *testing.B) {
 		for c := range uint64(n) {
 			seq++
 			k := dcp.Key{NS: ns, Chunk: indextest.Chunk(seed, c), Shard: uint16(r.TPRank)}
-			bt.Events = append(bt.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 1 << 20, Sum: c})
+			bt.Events = append(bt.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 1 << 20, Sum: c + 1})
 			if len(bt.Events) == 1<<16 || int(c) == n-1 {
 				if _, err := ix.Apply(ctx, bt); err != nil {
 					b.Fatal(err)

@@ -45,7 +45,7 @@ func TestVerifyCopiesOffTheCommitter(t *testing.T) {
 	}
 	b := wire.Batch{Rank: r, Incarnation: 1}
 	for i := range 100 {
-		stored(&b, i, uint64(i))
+		stored(&b, i, uint64(i)+1)
 	}
 	if _, err := ix.Apply(ctx, b); err != nil {
 		t.Fatal(err)
@@ -78,7 +78,7 @@ func TestVerifyCopiesOffTheCommitter(t *testing.T) {
 	removed(&b, 61)
 	stored(&b, 61, 6161) // removed and added again
 	for i := 100; i < 120; i++ {
-		stored(&b, i, uint64(i)) // new
+		stored(&b, i, uint64(i)+1) // new
 	}
 	applied := make(chan error, 1)
 	go func() {
