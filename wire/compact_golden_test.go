@@ -19,7 +19,9 @@ import (
 //	restore_plan.bin    the binary plan of restore_plan.json, which
 //	                    answers a restore.begin for chunks.json
 //	store_request.bin   the golden store_request.json value, binary
-//	                    (block ids of 8 B: one is 2^40)
+//	                    (block ids of 8 B: one is 2^40; KVS1: no positions)
+//	store_request_pos.bin  the golden store_request_pos.json value,
+//	                    binary (KVS2: chunk positions; block ids of 4 B)
 //	retrieve_request.bin  the golden retrieve_request.json value, binary
 //	                    (block ids of 4 B)
 //
@@ -55,6 +57,10 @@ func TestCompactGolden(t *testing.T) {
 	}
 	store := goldenValue(t, "store_request").(*StoreRequest)
 	if files["store_request.bin"], err = store.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
+	storePos := goldenValue(t, "store_request_pos").(*StoreRequest)
+	if files["store_request_pos.bin"], err = storePos.MarshalBinary(); err != nil {
 		t.Fatal(err)
 	}
 	retrieve := goldenValue(t, "retrieve_request").(*RetrieveRequest)
@@ -93,6 +99,9 @@ func TestCompactGolden(t *testing.T) {
 	lim := RequestLimits{MaxChunks: 2, MaxItems: 2, MaxBlocks: 4}
 	if back, err := DecodeStoreBinary(files["store_request.bin"], lim); err != nil || !reflect.DeepEqual(back, store) {
 		t.Errorf("store_request.bin decodes to %+v, %v", back, err)
+	}
+	if back, err := DecodeStoreBinary(files["store_request_pos.bin"], RequestLimits{MaxChunks: 3, MaxBlocks: 4}); err != nil || !reflect.DeepEqual(back, storePos) {
+		t.Errorf("store_request_pos.bin decodes to %+v, %v", back, err)
 	}
 	if back, err := DecodeRetrieveBinary(files["retrieve_request.bin"], lim); err != nil || !reflect.DeepEqual(back, retrieve) {
 		t.Errorf("retrieve_request.bin decodes to %+v, %v", back, err)

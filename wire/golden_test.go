@@ -96,6 +96,11 @@ func goldenCases() []goldenCase {
 		{"store_request", "StoreRequest", &StoreRequest{RequestID: "req-1/<prompt>&co", Namespace: ns, Session: goldenSession,
 			Chunks: []ChunkBlocks{{Chunk: goldenChunk(1), Blocks: [][]int64{{7, 8, 9, 10}, {}}},
 				{Chunk: goldenChunk(2), Blocks: [][]int64{{2198, 1 << 40}, {3}}}}, Event: ev}},
+		// With chunk positions (binary: KVS2); the first is 0 (omitted).
+		{"store_request_pos", "StoreRequest", &StoreRequest{RequestID: "req-2", Namespace: ns, Session: goldenSession,
+			Chunks: []ChunkBlocks{{Chunk: goldenChunk(3), Blocks: [][]int64{{11, 12, 13, 14}, {}}, Pos: 5},
+				{Chunk: goldenChunk(4), Blocks: [][]int64{{1}, {2}}}, {Chunk: goldenChunk(5), Blocks: [][]int64{{}, {}}, Pos: 1<<32 - 1}},
+			Event: ev}},
 		{"store_reply", "StoreReply", &StoreReply{Stored: 3, Deduped: 1, Failed: []string{"ns.chunk.0.1: device"}, BlocksInUse: true}},
 		{"store_reply_min", "StoreReply", &StoreReply{Stored: 2}},
 		{"retrieve_request", "RetrieveRequest", &RetrieveRequest{RestoreID: "r-00000001", Namespace: ns, Session: goldenSession,

@@ -92,6 +92,12 @@ type RegisterReply struct {
 type ChunkBlocks struct {
 	Chunk  dcp.ChunkHash `json:"chunk"`
 	Blocks [][]int64     `json:"blocks"` // [group][block]
+	// Pos is the chunk's index in the prompt (0-based; 0 also when the
+	// engine does not say). An engine stores a prompt's chunks in
+	// concurrent requests, so their arrival order is not their order: a
+	// rank whose L2 bound is smaller than the prompt keeps the prompt's
+	// lowest positions there (its prefix, what a restore needs).
+	Pos uint32 `json:"pos,omitempty"`
 }
 
 // StoreRequest asks a rankd to store chunks from the engine's pages once the

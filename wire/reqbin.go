@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 
 	"github.com/kvtier/kvtier/dcp"
 )
@@ -29,6 +30,19 @@ import (
 //	event: u8 len(backend) | backend | u8 len(device) | device | u16 len(raw) | raw
 //	u32 N | N x (chunk hash (16 B) | u8 G | G x u32 block count)
 //	block ids: W bytes each, chunk by chunk, group by group
+//
+// Store request with chunk positions (ChunkBlocks.Pos), the same but for
+// the magic and a u32 after each chunk hash:
+//
+//	magic "KVS2" | u8 W
+//	... as KVS1 up to the chunk count ...
+//	u32 N | N x (chunk hash (16 B) | u32 pos | u8 G | G x u32 block count)
+//	block ids: as KVS1
+//
+// The encoder writes KVS1 when every position is 0 and KVS2 otherwise, so
+// an engine that sends no positions still talks to a rankd older than KVS2
+// (which refuses KVS2 as a version it cannot read); a decoder reads both
+// (KVS1: every position 0).
 //
 // Retrieve request:
 //
@@ -59,6 +73,7 @@ import (
 // receiver's check, the same for both forms.
 const (
 	storeMagic    = "KVS1"
+	storeMagicPos = "KVS2" // KVS1 with a position per chunk
 	retrieveMagic = "KVR1"
 	// storeFamily and retrieveFamily are the magics without their version
 	// digit: a request starting with one is binary, of some version.
@@ -142,9 +157,10 @@ func (r *StoreRequest) AppendBinary(dst []byte) ([]byte, error) {
 	case uint64(len(r.Chunks)) > math.MaxUint32:
 		return bad("%d chunks, limit %d", len(r.Chunks), uint64(math.MaxUint32))
 	}
-	fits := true
+	fits, pos := true, false
 	for i := range r.Chunks {
 		c := &r.Chunks[i]
+		pos = pos || c.Pos != 0
 		if len(c.Blocks) > math.MaxUint8 {
 			return bad("chunk %d has %d groups, limit %d", i, len(c.Blocks), math.MaxUint8)
 		}
@@ -161,7 +177,11 @@ func (r *StoreRequest) AppendBinary(dst []byte) ([]byte, error) {
 		}
 	}
 	w := blockWidth(fits)
-	dst = append(dst, storeMagic...)
+	if pos {
+		dst = append(dst, storeMagicPos...)
+	} else {
+		dst = append(dst, storeMagic...)
+	}
 	dst = append(dst, w)
 	dst = appendStr16(dst, r.RequestID)
 	dst = append(dst, r.Namespace[:]...)
@@ -174,6 +194,9 @@ func (r *StoreRequest) AppendBinary(dst []byte) ([]byte, error) {
 	for i := range r.Chunks {
 		c := &r.Chunks[i]
 		dst = append(dst, c.Chunk[:]...)
+		if pos {
+			dst = binary.BigEndian.AppendUint32(dst, c.Pos)
+		}
 		dst = append(dst, byte(len(c.Blocks)))
 		for _, ids := range c.Blocks {
 			dst = binary.BigEndian.AppendUint32(dst, uint32(len(ids)))
@@ -191,7 +214,7 @@ func (r *StoreRequest) AppendBinary(dst []byte) ([]byte, error) {
 func (r *StoreRequest) MarshalBinary() ([]byte, error) {
 	n := 64 + len(r.RequestID) + len(r.Session) + len(r.Event.Backend) + len(r.Event.Device) + len(r.Event.Raw)
 	for i := range r.Chunks {
-		n += 17 + 4*len(r.Chunks[i].Blocks)
+		n += 16 + 4 + 1 + 4*len(r.Chunks[i].Blocks)
 		for _, ids := range r.Chunks[i].Blocks {
 			n += 8 * len(ids)
 		}
@@ -362,22 +385,33 @@ func (r *reqReader) u32(what string) uint64 {
 func (r *reqReader) str8(what string) string  { return string(r.take(r.u8(what), what)) }
 func (r *reqReader) str16(what string) string { return string(r.take(r.u16(what), what)) }
 
-// header reads the magic and the block id width.
-func (r *reqReader) header(magic string) int {
-	if len(r.p) < len(magic) || string(r.p[:len(magic)-1]) != magic[:len(magic)-1] {
-		r.fail(ErrMalformed, "missing magic %q", magic)
-		return 0
+// header reads the magic, one of magics (the same family, each a version
+// digit more), and the block id width; it returns the magic read.
+func (r *reqReader) header(magics ...string) (magic string, width int) {
+	fam := magics[0][:len(magics[0])-1]
+	if len(r.p) < len(fam)+1 || string(r.p[:len(fam)]) != fam {
+		r.fail(ErrMalformed, "missing magic %q", magics[0])
+		return "", 0
 	}
-	if r.p[len(magic)-1] != magic[len(magic)-1] {
-		r.fail(ErrMalformed, "version %q, this build reads %q", r.p[len(magic)-1], magic[len(magic)-1])
-		return 0
+	for _, m := range magics {
+		if string(r.p[:len(m)]) == m {
+			magic = m
+		}
+	}
+	if magic == "" {
+		reads := make([]string, len(magics))
+		for i, m := range magics {
+			reads[i] = fmt.Sprintf("%q", m[len(m)-1])
+		}
+		r.fail(ErrMalformed, "version %q, this build reads %s", r.p[len(fam)], strings.Join(reads, " or "))
+		return "", 0
 	}
 	r.p = r.p[len(magic):]
 	w := r.u8("block id width")
 	if r.err == nil && w != 4 && w != 8 {
 		r.fail(ErrMalformed, "block id width %d, want 4 or 8", w)
 	}
-	return w
+	return magic, w
 }
 
 // count reads a u32 count of records of size bytes each, bounded by limit
@@ -426,7 +460,13 @@ func (r *reqReader) blocks(total uint64, w int) []int64 {
 // is an error wrapping ErrMalformed or ErrOverLimit, never a panic.
 func DecodeStoreBinary(p []byte, lim RequestLimits) (*StoreRequest, error) {
 	r := &reqReader{what: "store request", p: p}
-	w := r.header(storeMagic)
+	magic, w := r.header(storeMagic, storeMagicPos)
+	// eh is the size of a chunk's entry in the table before its block
+	// counts: hash, position (KVS2), group count.
+	pos, eh := magic == storeMagicPos, 16+1
+	if pos {
+		eh += 4
+	}
 	req := &StoreRequest{}
 	req.RequestID = r.str16("request id")
 	copy(req.Namespace[:], r.take(16, "namespace"))
@@ -436,7 +476,7 @@ func DecodeStoreBinary(p []byte, lim RequestLimits) (*StoreRequest, error) {
 	if raw := r.take(r.u16("event handle"), "event handle"); raw != nil {
 		req.Event.Raw = append([]byte(nil), raw...)
 	}
-	n := r.count("chunks", 16+1, lim.MaxChunks)
+	n := r.count("chunks", eh, lim.MaxChunks)
 	if r.err != nil {
 		return nil, r.err
 	}
@@ -447,6 +487,9 @@ func DecodeStoreBinary(p []byte, lim RequestLimits) (*StoreRequest, error) {
 	var groups, total uint64
 	for i := range n {
 		copy(req.Chunks[i].Chunk[:], r.take(16, "chunk hash"))
+		if pos {
+			req.Chunks[i].Pos = uint32(r.u32("chunk position"))
+		}
 		g := r.u8("group count")
 		for j := range g {
 			c := r.u32("block count")
@@ -468,8 +511,8 @@ func DecodeStoreBinary(p []byte, lim RequestLimits) (*StoreRequest, error) {
 	var at, gi uint64
 	for i := range n {
 		// The table was read once without error: no bounds to check.
-		g := int(table[16])
-		table = table[17:]
+		g := int(table[eh-1])
+		table = table[eh:]
 		cb := lists[gi : gi+uint64(g) : gi+uint64(g)]
 		gi += uint64(g)
 		for j := range cb {
@@ -531,7 +574,7 @@ type retrieveReader struct {
 // items' block counts.
 func decodeRetrieveHead(p []byte, lim RequestLimits) (*RetrieveRequest, []uint64, *retrieveReader) {
 	r := &retrieveReader{reqReader: reqReader{what: "retrieve request", p: p}}
-	r.width = r.header(retrieveMagic)
+	_, r.width = r.header(retrieveMagic)
 	req := &RetrieveRequest{}
 	req.RestoreID = r.str16("restore id")
 	copy(req.Namespace[:], r.take(16, "namespace"))

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -31,7 +32,7 @@ func TestRequestBinaryTruncatedAndTrailing(t *testing.T) {
 	for _, c := range []struct {
 		file string
 		dec  func([]byte) (any, error)
-	}{{"store_request.bin", storeDec}, {"retrieve_request.bin", retrieveDec}} {
+	}{{"store_request.bin", storeDec}, {"store_request_pos.bin", storeDec}, {"retrieve_request.bin", retrieveDec}} {
 		p := goldenBin(t, c.file)
 		if _, err := c.dec(p); err != nil {
 			t.Fatalf("%s: %v", c.file, err)
@@ -78,7 +79,7 @@ func TestRequestBinaryRejects(t *testing.T) {
 		{"store json", storeDec, []byte(`{"request_id":"x"}`), ErrMalformed, "missing magic"},
 		{"store empty", storeDec, nil, ErrMalformed, "missing magic"},
 		{"store retrieve magic", storeDec, retrieve, ErrMalformed, "missing magic"},
-		{"store version 2", storeDec, edit(store, func(q []byte) { q[3] = '2' }), ErrMalformed, `version '2', this build reads '1'`},
+		{"store version 3", storeDec, edit(store, func(q []byte) { q[3] = '3' }), ErrMalformed, `version '3', this build reads '1' or '2'`},
 		{"store width 5", storeDec, edit(store, func(q []byte) { q[4] = 5 }), ErrMalformed, "block id width 5"},
 		{"store width 4 of 8-byte ids", storeDec, edit(store, func(q []byte) { q[4] = 4 }), ErrMalformed, "left"},
 		{"store chunks over limit", storeDec, edit(store, func(q []byte) { binary.BigEndian.PutUint32(q[storeChunkCountAt:], 9) }),
@@ -127,6 +128,29 @@ func TestRequestBinaryHighBlockID(t *testing.T) {
 	}
 	if got := req.Chunks[1].Blocks[1][0]; got >= 0 {
 		t.Fatalf("block id 2^63 decoded as %d", got)
+	}
+}
+
+// A store request names its chunks' positions in KVS2, and only when one
+// is not 0: an engine that sends none still talks KVS1 to an older rankd.
+func TestRequestBinaryStorePositions(t *testing.T) {
+	store := *goldenValue(t, "store_request").(*StoreRequest)
+	store.Chunks = slices.Clone(store.Chunks)
+	p, err := store.MarshalBinary()
+	if err != nil || string(p[:4]) != storeMagic {
+		t.Fatalf("no positions: magic %q, %v; want %q", p[:4], err, storeMagic)
+	}
+	store.Chunks[1].Pos = 7
+	q, err := store.MarshalBinary()
+	if err != nil || string(q[:4]) != storeMagicPos || len(q) != len(p)+4*len(store.Chunks) {
+		t.Fatalf("a position: magic %q, %d bytes (KVS1 %d), %v; want %q and 4 bytes a chunk more", q[:4], len(q), len(p), err, storeMagicPos)
+	}
+	back, err := DecodeStoreBinary(q, testLimits)
+	if err != nil || !reflect.DeepEqual(back, &store) {
+		t.Fatalf("decoded %+v, %v; want %+v", back, err, store)
+	}
+	if back.Chunks[0].Pos != 0 || back.Chunks[1].Pos != 7 {
+		t.Fatalf("positions %d, %d; want 0, 7", back.Chunks[0].Pos, back.Chunks[1].Pos)
 	}
 }
 
@@ -203,6 +227,7 @@ func fuzzRequestErr(t *testing.T, err error) {
 
 func FuzzDecodeStoreBinary(f *testing.F) {
 	f.Add(goldenBin(f, "store_request.bin"))
+	f.Add(goldenBin(f, "store_request_pos.bin"))
 	f.Add([]byte(storeMagic + "\x04"))
 	f.Fuzz(func(t *testing.T, p []byte) {
 		req, err := DecodeStoreBinary(p, testLimits)

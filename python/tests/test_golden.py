@@ -157,6 +157,13 @@ def test_python_built_messages_equal_go_bytes():
         wire.ChunkBlocks(_golden_chunk(2), [[2198, 1 << 40], [3]]),
     ], ev)
     assert wire.encode(store) == (GOLDEN / "store_request.json").read_bytes()
+    store_pos = wire.StoreRequest("req-2", ns, "5e5510a1d00000000000000000c0ffee", [
+        wire.ChunkBlocks(_golden_chunk(3), [[11, 12, 13, 14], []], pos=5),
+        wire.ChunkBlocks(_golden_chunk(4), [[1], [2]]),
+        wire.ChunkBlocks(_golden_chunk(5), [[], []], pos=0xFFFFFFFF),
+    ], ev)
+    assert wire.encode(store_pos) == (GOLDEN / "store_request_pos.json").read_bytes()
+    assert store_pos.to_binary() == (COMPACT / "store_request_pos.bin").read_bytes()
     lookup = wire.LookupRequest(ns, [_golden_chunk(0), _golden_chunk(1)], "engine0", True)
     assert wire.encode(lookup) == (GOLDEN / "lookup_request.json").read_bytes()
     begin = wire.RestoreBeginRequest(wire.RestoreBegin(ns, [_golden_chunk(0)], 10000), "engine0")
@@ -190,10 +197,12 @@ def test_mutated_vectors_raise_only_malformed(name):
 COMPACT = GOLDEN.parent / "compact"
 
 
-@pytest.mark.parametrize("name,cls", [("store_request", wire.StoreRequest), ("retrieve_request", wire.RetrieveRequest)])
+@pytest.mark.parametrize("name,cls", [("store_request", wire.StoreRequest), ("store_request_pos", wire.StoreRequest),
+                                      ("retrieve_request", wire.RetrieveRequest)])
 def test_binary_requests_equal_go_bytes(name, cls):
-    """The binary store and retrieve requests (KVS1, KVR1) Python encodes
-    are Go's bytes for the same golden value (wire/testdata/compact)."""
+    """The binary store and retrieve requests (KVS1, KVS2 with chunk
+    positions, KVR1) Python encodes are Go's bytes for the same golden value
+    (wire/testdata/compact)."""
     msg = wire.decode(cls, (GOLDEN / f"{name}.json").read_bytes())
     assert msg.to_binary() == (COMPACT / f"{name}.bin").read_bytes()
 
@@ -210,6 +219,22 @@ def test_binary_requests_pick_the_block_width():
     # Two items of one chunk and one holder share the tables: 27 B more.
     two = wire.RetrieveRequest("r", ns, "s", [item, item]).to_binary()
     assert len(two) == len(big) + 27 + 8
+
+
+def test_store_request_positions_pick_the_version():
+    """KVS1 while every position is 0 (a rankd from before positions reads
+    it), KVS2 with a u32 after each chunk hash once one is not."""
+    ns = _golden_ns()
+    ev = cuda.EventHandle("host", "d", b"x")
+    chunks = [wire.ChunkBlocks(_golden_chunk(1), [[1]]), wire.ChunkBlocks(_golden_chunk(2), [[2]])]
+    v1 = wire.StoreRequest("r", ns, "s", chunks, ev).to_binary()
+    assert v1[:4] == b"KVS1"
+    chunks[1].pos = 1
+    v2 = wire.StoreRequest("r", ns, "s", chunks, ev).to_binary()
+    assert v2[:4] == b"KVS2" and len(v2) == len(v1) + 4 * len(chunks)
+    chunks[1].pos = 1 << 32
+    with pytest.raises(MalformedError, match="position"):
+        wire.StoreRequest("r", ns, "s", chunks, ev).to_binary()
 
 
 @pytest.mark.parametrize("case", ["negative block", "other namespace", "group mismatch", "holder tp rank",

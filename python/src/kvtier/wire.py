@@ -23,6 +23,7 @@ from kvtier.dcp import KEY_SIZE, MAX_TP, ChunkHash, Key, Namespace, Spec
 from kvtier.errors import MalformedError, from_wire
 
 u64 = Annotated[int, "u64"]
+u32 = Annotated[int, "u32"]
 u8 = Annotated[int, "u8"]
 
 encode = _codec.encode
@@ -231,6 +232,11 @@ class RegisterReply:
 class ChunkBlocks:
     chunk: ChunkHash = field("chunk", default_factory=ChunkHash)
     blocks: list[list[int]] = field("blocks", default_factory=list)  # [group][block]
+    # The chunk's index in the prompt (0-based; 0 also when not known). A
+    # prompt's chunks are stored in concurrent requests, so they arrive out
+    # of order: a rank whose L2 bound is smaller than the prompt keeps its
+    # lowest positions there (the prefix a restore needs).
+    pos: u32 = field("pos", omit="omitempty", default=0)
 
 
 @dataclass
@@ -242,8 +248,10 @@ class StoreRequest:
     event: EventHandle = field("event", default_factory=EventHandle)
 
     def to_binary(self) -> bytes:
-        """The binary store request (``KVS1``, Go wire/reqbin.go): the
-        bytes Go's StoreRequest.MarshalBinary encodes for the same value.
+        """The binary store request (Go wire/reqbin.go): the bytes Go's
+        StoreRequest.MarshalBinary encodes for the same value, ``KVS1`` when
+        every chunk's position is 0 (what a rankd from before positions
+        reads), else ``KVS2`` (a u32 position after each chunk hash).
         Raises MalformedError for a request the form cannot carry."""
         rid, sess = _utf8(self.request_id), _utf8(self.session)
         backend, device, raw = _utf8(self.event.backend), _utf8(self.event.device), bytes(self.event.raw)
@@ -256,16 +264,21 @@ class StoreRequest:
             raise MalformedError(f"store request: {len(self.chunks)} chunks, limit {_U32}")
         table = bytearray()
         ids: list[int] = []
+        with_pos = any(c.pos != 0 for c in self.chunks)
         for i, c in enumerate(self.chunks):
             if len(c.blocks) > 0xFF:
                 raise MalformedError(f"store request: chunk {i} has {len(c.blocks)} groups, limit 255")
+            if not 0 <= c.pos <= _U32:
+                raise MalformedError(f"store request: chunk {i} position {c.pos} outside 0..{_U32}")
             table += bytes(c.chunk)
+            if with_pos:
+                table += struct.pack(">I", c.pos)
             table.append(len(c.blocks))
             for g in c.blocks:
                 table += struct.pack(">I", len(g))
                 ids.extend(g)
         width, packed = _pack_blocks(ids, "store request")
-        out = bytearray(_STORE_MAGIC)
+        out = bytearray(_STORE_MAGIC_POS if with_pos else _STORE_MAGIC)
         out.append(width)
         out += struct.pack(">H", len(rid)) + rid + bytes(self.namespace)
         out += bytes([len(sess)]) + sess + bytes([len(backend)]) + backend + bytes([len(device)]) + device
@@ -381,6 +394,7 @@ class RetrieveRequest:
 
 
 _STORE_MAGIC = b"KVS1"
+_STORE_MAGIC_POS = b"KVS2"  # KVS1 with a position per chunk
 _RETRIEVE_MAGIC = b"KVR1"
 _U32 = 0xFFFFFFFF
 
