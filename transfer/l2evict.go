@@ -1,10 +1,12 @@
 package transfer
 
 import (
+	"cmp"
 	"container/heap"
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"sync/atomic"
 
 	"go.uber.org/zap"
@@ -17,16 +19,26 @@ import (
 var errL2TooLarge = errors.New("object larger than the L2 bound")
 
 // errL2PromptFull is why an object is not written to L2: the room it
-// needs is held by objects of the same prompt (store request), which its
-// write does not evict (issue 29.3).
-var errL2PromptFull = errors.New("L2 bound full of the same prompt's objects")
+// needs is held by objects of the same prompt (store request) at the same
+// or earlier positions, which its write does not evict (issue 29.3).
+var errL2PromptFull = errors.New("L2 bound full of the same prompt's earlier objects")
 
 // promptTag names a store request (a prompt: an engine stores one request
-// id's chunks in order, incrementally) for L2's eviction; never 0.
+// id's chunks incrementally, in concurrent stores) for L2's eviction;
+// never 0.
 func promptTag(requestID string) uint64 {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(requestID))
 	return h.Sum64() | 1
+}
+
+// promptPos is the prompt that last stored an object and the object's
+// place in it, for L2's eviction (issue 29.3): a prompt's stores run
+// concurrently, so the order its objects reach L2 is not their order in
+// the prompt; the position is (wire.ChunkBlocks.Pos).
+type promptPos struct {
+	tag uint64 // promptTag; 0: none (an object a retrieve loaded)
+	pos uint32 // the chunk's index in the prompt; 0 when the engine sends none
 }
 
 // l2Accounting tracks the bytes of this rank's L2 files and their use
@@ -113,9 +125,10 @@ func (c *catalog) l2Touch(key dcp.Key) {
 	}
 }
 
-// l2Claim marks key used now by the store request tagged prompt (a store
-// that deduplicated it): that prompt's later writes do not evict it.
-func (c *catalog) l2Claim(key dcp.Key, prompt uint64) {
+// l2Claim marks key used now by the store request tagged prompt, at its
+// position there (a store that deduplicated it): that prompt's writes at
+// the same or later positions do not evict it.
+func (c *catalog) l2Claim(key dcp.Key, prompt promptPos) {
 	if ent, ok := c.l2[key]; ok {
 		ent.prompt = prompt
 		c.l2[key] = ent
@@ -160,16 +173,24 @@ type l2FreeSpacer interface {
 // evict so that a new file of need bytes fits L2Bytes and leaves the free-
 // space floor: it removes them from the inventory, announces each as an L2
 // removal and marks them deleting (their bytes stay pending until l2Evict
-// returned). Objects L1 holds dirty or is writing are never picked, nor
-// objects of the writing object's own prompt (tag prompt, non-zero): a
-// prompt larger than the bound keeps its first objects in L2 (its prefix,
+// returned). Objects L1 holds dirty or is writing are never picked.
+//
+// The writing object's own prompt (prompt.tag, non-zero) is protected by
+// position: its objects at positions up to prompt.pos are never picked, so
+// a prompt larger than the bound keeps its first chunks in L2 (its prefix,
 // what a restore needs; with MLA the other TP ranks read them only there)
-// instead of evicting them for its last ones (issue 29.3). fits says
-// whether the write then fits the bound; when it does not, other writes or
-// deletes are in flight (pending), nothing is left to evict, or only the
-// prompt's own objects are (kept). It returns errL2TooLarge when need
-// alone passes the bound.
-func (e *Engine) l2MakeRoomLocked(need, prompt uint64) (victims []l2Victim, fits, kept bool, err error) {
+// whatever order its concurrent stores reach L2 in (issue 29.3). Its
+// objects at later positions are picked only once no other prompt's
+// object is left to pick, the highest positions first: a prompt's earlier
+// chunks displace its later ones, never another prompt's less recently
+// used objects first. Objects with no position (an engine that sends
+// none: all at 0) are all protected against their own prompt.
+//
+// fits says whether the write then fits the bound; when it does not,
+// other writes or deletes are in flight (pending), nothing is left to
+// evict, or only the prompt's protected objects are (kept). It returns
+// errL2TooLarge when need alone passes the bound.
+func (e *Engine) l2MakeRoomLocked(need uint64, prompt promptPos) (victims []l2Victim, fits, kept bool, err error) {
 	c := &e.cat
 	a := &c.l2acct
 	bound, floor := e.cfg.L2Bytes, e.cfg.L2FreeFloorBytes
@@ -189,15 +210,25 @@ func (e *Engine) l2MakeRoomLocked(need, prompt uint64) (victims []l2Victim, fits
 		}
 	}
 	var freed uint64
-	var keep []l2Use
-	for a.lru.Len() > 0 {
-		// This call's victims are deleted before its write starts (the
-		// same writer does both), so they do not count against it;
-		// other writers see them pending until their deletes returned.
+	// This call's victims are deleted before its write starts (the same
+	// writer does both), so they do not count against it; other writers
+	// see them pending until their deletes returned.
+	room := func() bool {
 		overBound := bound != 0 && a.bytes+a.pending-freed+need > bound
-		if !overBound && freed >= deficit {
-			break
-		}
+		return !overBound && freed >= deficit
+	}
+	evict := func(u l2Use, ent l2Entry) {
+		fb := c.fileBytes(ent.size)
+		c.l2Del(u.key)
+		a.pending += fb
+		a.deleting[u.key] += fb
+		freed += fb
+		e.emitLocked(wire.Removed, wire.L2, u.key, ent.size, ent.sum)
+		victims = append(victims, l2Victim{key: u.key, ent: ent})
+	}
+	var keep []l2Use
+	var later []l2Use // the prompt's own objects after its position
+	for a.lru.Len() > 0 && !room() {
 		u := heap.Pop(&a.lru).(l2Use)
 		ent, ok := c.l2[u.key]
 		if !ok || ent.used != u.used {
@@ -207,18 +238,28 @@ func (e *Engine) l2MakeRoomLocked(need, prompt uint64) (victims []l2Victim, fits
 			keep = append(keep, u)
 			continue
 		}
-		if prompt != 0 && ent.prompt == prompt {
-			keep = append(keep, u)
-			kept = true
+		if prompt.tag != 0 && ent.prompt.tag == prompt.tag {
+			if ent.prompt.pos > prompt.pos {
+				later = append(later, u)
+			} else {
+				keep = append(keep, u)
+				kept = true
+			}
 			continue
 		}
-		fb := c.fileBytes(ent.size)
-		c.l2Del(u.key)
-		a.pending += fb
-		a.deleting[u.key] += fb
-		freed += fb
-		e.emitLocked(wire.Removed, wire.L2, u.key, ent.size, ent.sum)
-		victims = append(victims, l2Victim{key: u.key, ent: ent})
+		evict(u, ent)
+	}
+	// Then the prompt's later positions, the highest first (the least
+	// recently used first among one position's objects: stable).
+	slices.SortStableFunc(later, func(x, y l2Use) int {
+		return cmp.Compare(c.l2[y.key].prompt.pos, c.l2[x.key].prompt.pos)
+	})
+	for i, u := range later {
+		if room() {
+			keep = append(keep, later[i:]...)
+			break
+		}
+		evict(u, c.l2[u.key])
 	}
 	for _, u := range keep {
 		heap.Push(&a.lru, u)
@@ -233,10 +274,11 @@ func (e *Engine) l2MakeRoomLocked(need, prompt uint64) (victims []l2Victim, fits
 // writers' writes and deletes as needed; it returns with e.mu held. When
 // nothing is in flight and nothing is left to evict the write goes ahead
 // (a store never fails because of the bound), unless what is left holds
-// the same prompt's objects (prompt, l2MakeRoomLocked): then nothing is
-// reserved and the error is errL2PromptFull. errL2TooLarge: need alone
-// passes the bound, nothing reserved.
-func (e *Engine) l2ReserveLocked(need, prompt uint64) error {
+// the same prompt's objects at the same or earlier positions (prompt,
+// l2MakeRoomLocked): then nothing is reserved and the error is
+// errL2PromptFull. errL2TooLarge: need alone passes the bound, nothing
+// reserved.
+func (e *Engine) l2ReserveLocked(need uint64, prompt promptPos) error {
 	a := &e.cat.l2acct
 	if e.cfg.L2Bytes != 0 {
 		// Until the rescan has counted every file of this rank, bytes

@@ -92,6 +92,105 @@ func TestL2BoundKeepsThePromptsPrefix(t *testing.T) {
 	}
 }
 
+// storeAt stores c under reqID as the chunk at position pos of its
+// prompt (wire.ChunkBlocks.Pos), as an engine's concurrent stores of one
+// prompt do.
+func storeAt(t *testing.T, e *Engine, r *rig, reqID string, pos uint32, c chunk) {
+	t.Helper()
+	r.write(c, c.blocks, 0)
+	_, h := r.record()
+	req := r.storeReq(reqID, h, c)
+	req.Chunks[0].Pos = pos
+	f, err := e.Store(testCtx(t), req)
+	if err != nil {
+		t.Fatalf("Store: %v", err)
+	}
+	if res, err := f.Wait(testCtx(t)); err != nil || res.Err() != nil {
+		t.Fatalf("store at position %d: %v %v", pos, err, res.Err())
+	}
+}
+
+// TestL2BoundKeepsTheLowestPositions (issue 29.3 i): an engine stores a
+// prompt's chunks in concurrent requests under one request id, so they
+// reach L2 in any order. With the chunks' positions, a bound of 2 objects
+// keeps the prompt's positions 0 and 1 whatever the order: a write evicts
+// the prompt's objects at later positions (the highest first) and never
+// those at earlier ones. Another prompt's objects are evicted before the
+// prompt's own later ones. Without positions (all 0) the first-written
+// objects stay, as before positions. Seen red with positions ignored (the
+// l2MakeRoomLocked rule back to "the prompt's objects are never
+// evicted"): L2 held chunks 5 and 4 after the reverse order; and with the
+// prompt's later positions evicted before another prompt's objects: the
+// other prompt's chunk stayed and position 1 was evicted.
+func TestL2BoundKeepsTheLowestPositions(t *testing.T) {
+	type store struct {
+		req string
+		pos uint32
+		c   int // chunk index in cs
+	}
+	const n = 6
+	prompt := func(order ...int) []store {
+		var out []store
+		for _, c := range order {
+			out = append(out, store{"prompt", uint32(c), c})
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name    string
+		stores  []store
+		want    []int // chunks L2 holds at the end
+		skipped float64
+	}{
+		{"reverse", prompt(5, 4, 3, 2, 1, 0), []int{0, 1}, 0},
+		{"shuffled", prompt(3, 0, 5, 1, 4, 2), []int{0, 1}, 3},
+		// Chunk 6 is another prompt's, the least recently used: the
+		// prompt's position 0 evicts it rather than its own position 1.
+		{"another prompt first", append([]store{{"other", 0, 6}}, prompt(1, 0)...), []int{0, 1}, 0},
+		// An engine that sends no positions: every object of the prompt
+		// is at 0, the first written stay and the others are skipped.
+		{"no positions", []store{{"prompt", 0, 5}, {"prompt", 0, 4}, {"prompt", 0, 3}, {"prompt", 0, 0}}, []int{5, 4}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dev := openDevice(t, "")
+			r := newRig(t, dev, c1Spec(), []int64{2*n + 6})
+			root := t.TempDir()
+			cfg := engineConfig(t, dev, 0, 1)
+			obj := r.res.ObjectSize(0) + tier.HeaderBytes(cfg.Rank.Instance)
+			cfg.L2Dir, cfg.L2Bytes, cfg.L2Writers = root, 2*obj+obj/2, 1
+			e := newEngine(t, cfg)
+			r.register(e)
+			var cs []chunk
+			for i := range n + 1 {
+				cs = append(cs, r.newChunk(i, r.consecutiveN(i)))
+			}
+			for _, s := range tc.stores {
+				storeAt(t, e, r, s.req, s.pos, cs[s.c])
+				// One write at a time, in this order (write-through is
+				// asynchronous).
+				if err := e.Flush(testCtx(t)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			inL2 := l2Keys(e)
+			var got []int
+			for i, c := range cs {
+				if inL2[keyOf(r, c, 0)] {
+					got = append(got, i)
+				}
+			}
+			slices.Sort(got)
+			want := slices.Sorted(slices.Values(tc.want))
+			if !slices.Equal(got, want) {
+				t.Fatalf("L2 holds chunks %v, want %v", got, want)
+			}
+			if got := testutil.Metric(t, gatherer(t, e), "kvtier_transfer_l2_bound_skipped_total"); got != tc.skipped {
+				t.Fatalf("l2_bound_skipped_total = %v, want %v", got, tc.skipped)
+			}
+		})
+	}
+}
+
 // TestReStoreRewritesAnEvictedL2Copy (issue 29.3 ii): an object L2 evicted
 // to stay under its bound while L1 kept it is written to L2 again when it
 // is stored again (deduplicated against L1), so a restart still finds it.

@@ -178,14 +178,14 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 				// Held in L1, maybe not in L3 (a failed or dropped write
 				// behind, an eviction): queued unless L3 has it.
 				e.l3QueueLocked(p.key, o.sum)
-				o.prompt = prompt
+				o.prompt = promptPos{tag: prompt, pos: p.pos}
 				switch _, inL2 := e.cat.l2[p.key]; {
 				case l2ok[p.key] == l2Gone:
 					// Readers found the L2 copy damaged (quarantined) or
 					// gone: the re-store heals it from L1 (issue 11.12).
 					e.l2CopyGoneLocked(o)
 				case inL2:
-					e.cat.l2Claim(p.key, prompt)
+					e.cat.l2Claim(p.key, promptPos{tag: prompt, pos: p.pos})
 				case e.l2 != nil && !o.dirty && !o.writing && !o.doomed:
 					// L2 evicted its copy (its bound) while L1 kept it:
 					// written again, or a restart would lose it (issue
@@ -207,7 +207,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			case l2Present:
 				r.Status, r.Sum = Deduped, ent.sum
 				e.ctr.dedupeHits.Add(1)
-				e.cat.l2Claim(p.key, prompt)
+				e.cat.l2Claim(p.key, promptPos{tag: prompt, pos: p.pos})
 				e.l3QueueLocked(p.key, ent.sum) // written from the L2 copy
 				continue
 			case l2Gone:
@@ -227,7 +227,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 			continue
 		}
 		o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
-		o.prompt = prompt
+		o.prompt = promptPos{tag: prompt, pos: p.pos}
 		f.work = append(f.work, storeWork{idx: idx, o: o, spans: p.spans})
 	}
 	e.futures++
@@ -332,6 +332,7 @@ const (
 
 type plannedObj struct {
 	chunk, group int
+	pos          uint32 // the chunk's position in the prompt (wire.ChunkBlocks.Pos)
 	key          dcp.Key
 	size         uint64
 	spans        []cuda.Span
@@ -359,7 +360,7 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 			if err != nil {
 				return nil, fmt.Errorf("chunk %d group %d: %w", ci, gi, err)
 			}
-			out = append(out, plannedObj{chunk: ci, group: gi,
+			out = append(out, plannedObj{chunk: ci, group: gi, pos: ch.Pos,
 				key:  dcp.Key{NS: res.Namespace, Chunk: ch.Chunk, Shard: uint16(shard), Group: uint16(gi)},
 				size: res.ObjectSize(gi), spans: spans})
 		}
