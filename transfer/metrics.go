@@ -69,7 +69,7 @@ type counters struct {
 	l2CollectedBytes      atomic.Uint64
 	l2Rescanning          atomic.Bool   // the background rescan is running
 	l2Rewrites            atomic.Uint64 // L1 objects written to L2 again after their copy was found gone, quarantined or evicted
-	l2BoundSkipped        atomic.Uint64 // objects kept in L1 only: the L2 bound was full of the same prompt's objects
+	l2BoundSkipped        atomic.Uint64 // objects kept in L1 only: the L2 bound was full of the same prompt's earlier objects
 	storesNotDurable      atomic.Uint64 // write-through stores answered NotDurable
 	storeThrottled        atomic.Uint64 // stores that waited for L1 room
 	l2Reads               atomic.Uint64 // objects read from L2 files into L1
@@ -257,7 +257,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("l2_writes_skipped_total", "Write-through writes skipped while L2 was degraded.")
 	add("l2_scan_skipped_total", "L2 rescan entries skipped as unsafe: not regular files (FIFOs, devices, symlinks) or symlinked namespace directories.")
 	add("l2_rewrites_total", "Objects L1 holds written to L2 again because their L2 copy was found gone or quarantined, or was evicted (a store of the object again).")
-	add("l2_bound_skipped_total", "Objects not written to L2 because the bound was full of the same prompt's earlier objects, which a prompt's writes never evict (its prefix stays restorable from L2); kept in L1 only.")
+	add("l2_bound_skipped_total", "Objects not written to L2 because the bound was full of the same prompt's objects at the same or earlier chunk positions, which a prompt's writes never evict (its prefix stays restorable from L2); kept in L1 only.")
 	add("l2_evictions_total", "L2 objects of this rank deleted to stay under --l2-bytes or the free-space floor (each announced as a removal).")
 	add("l2_evict_errors_total", "L2 evictions whose delete failed; the object is kept and announced again.")
 	add("l2_bytes", "Bytes (header and payload) of the L2 files this rank wrote.")
