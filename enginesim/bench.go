@@ -353,7 +353,7 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStore
 		for c0 := 0; c0 < p.Scenario.Chunks; c0 += per {
 			req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Session: w.session}
 			for c := c0; c < min(c0+per, p.Scenario.Chunks); c++ {
-				cb := wire.ChunkBlocks{Chunk: p.Hashes[c], Blocks: make([][]int64, len(p.R.Geometry))}
+				cb := wire.ChunkBlocks{Chunk: p.Hashes[c], Blocks: make([][]int64, len(p.R.Geometry)), Pos: uint32(c)}
 				stores := false
 				for gi := range p.R.Geometry {
 					cb.Blocks[gi] = []int64{}

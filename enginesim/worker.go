@@ -230,7 +230,10 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 		if err := w.stream.Delay(compute); err != nil {
 			return nil, err
 		}
-		cb := wire.ChunkBlocks{Chunk: p.Hashes[c], Blocks: make([][]int64, len(p.R.Geometry))}
+		// Pos: the chunk's place in the prompt, as these stores run
+		// concurrently and reach the rankd in any order (its L2 bound
+		// keeps a prompt's lowest positions).
+		cb := wire.ChunkBlocks{Chunk: p.Hashes[c], Blocks: make([][]int64, len(p.R.Geometry)), Pos: uint32(c)}
 		stores := false
 		for gi, g := range p.R.Geometry {
 			blocks := p.ChunkBlocks(PhaseStoreTable, gi, c)
