@@ -52,13 +52,13 @@ type benchCoord struct {
 }
 
 // benchInstances are the engine instances the benchmarks' credentials
-// hold: TP8 each.
-var benchInstances = []string{"eng", "load", "ingest-w8", "ingest-w1"}
+// hold: TP8 each (shareMembers: the share-group replay's).
+var benchInstances = append([]string{"eng", "load", "ingest-w8", "ingest-w1"}, shareMembers...)
 
 // benchCoordinator starts a coordinator as `coordinator serve` would, on
 // loopback with free ports, logging off, with NATS auth unless
-// KVTIER_BENCH_INSECURE=1.
-func benchCoordinator(b *testing.B) *benchCoord {
+// KVTIER_BENCH_INSECURE=1; opts then change its configuration.
+func benchCoordinator(b *testing.B, opts ...func(*coordinator.Config)) *benchCoord {
 	cfg := coordinator.DefaultConfig()
 	cfg.DataDir = b.TempDir()
 	bc := &benchCoord{}
@@ -89,6 +89,9 @@ func benchCoordinator(b *testing.B) *benchCoord {
 		cfg.Logger = zap.Must(zap.NewDevelopmentConfig().Build(zap.IncreaseLevel(zap.WarnLevel)))
 	}
 	cfg.Cluster.Logger = zap.NewNop()
+	for _, o := range opts {
+		o(&cfg)
+	}
 	c, err := coordinator.New(cfg)
 	if err != nil {
 		b.Fatal(err)

@@ -65,10 +65,59 @@ type replayResult struct {
 	p50, p99                                       float64
 }
 
-// traceRank is one rank's L1 (LRU) as the replay drives it.
+// traceRank is one rank's LRU of objects (its L1 in the TP8 replay, its
+// L2 in the share-group replay) as the replay drives it.
 type traceRank struct {
 	lru   *list.List // of dcp.Key, front = most recent
 	where map[dcp.Key]*list.Element
+}
+
+func newTraceRank() traceRank {
+	return traceRank{lru: list.New(), where: make(map[dcp.Key]*list.Element)}
+}
+
+// holds reports whether the rank holds k, without using it.
+func (r *traceRank) holds(k dcp.Key) bool { _, ok := r.where[k]; return ok }
+
+// touch marks k most recently used and reports whether the rank held it.
+func (r *traceRank) touch(k dcp.Key) bool {
+	e, ok := r.where[k]
+	if ok {
+		r.lru.MoveToFront(e)
+	}
+	return ok
+}
+
+// add stores k, which the rank does not hold, as the most recently used
+// object and, past capacity objects, evicts the least recently used one
+// and returns it.
+func (r *traceRank) add(k dcp.Key, capacity int) (evicted dcp.Key, ok bool) {
+	r.where[k] = r.lru.PushFront(k)
+	if r.lru.Len() <= capacity {
+		return dcp.Key{}, false
+	}
+	old := r.lru.Remove(r.lru.Back()).(dcp.Key)
+	delete(r.where, old)
+	return old, true
+}
+
+// event is the rank's next event (its sequence advanced); size and sum
+// are 0 for a removal.
+func (br *benchRank) event(kind wire.EventKind, tier wire.Tier, k dcp.Key, size, sum uint64) wire.Event {
+	br.seq++
+	return wire.Event{Seq: br.seq, Kind: kind, Tier: tier, Key: k, Size: size, Sum: sum}
+}
+
+// publishAll publishes evs through the rank's publisher in batches of
+// 1024 (the engine's batch), without waiting for the acks, waiting only
+// while the publisher's queue is full.
+func (br *benchRank) publishAll(evs []wire.Event) {
+	for i := 0; i < len(evs); i += 1024 {
+		part := wire.Batch{Rank: br.r, Incarnation: 1, Events: evs[i:min(i+1024, len(evs))]}
+		for br.pub.Publish(part) != nil {
+			time.Sleep(200 * time.Microsecond) // the publisher's queue is full
+		}
+	}
 }
 
 func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
@@ -77,9 +126,7 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
 	nc := benchConnect(b, c, auth.Engine("eng"))
 	ctx := context.Background()
-	spec := dcp.Spec{Model: "trace-gqa", Layout: dcp.Layout{TP: tp, DCP: 1, Interleave: 1, PP: 1}, ChunkTokens: 512,
-		Groups: []dcp.Group{{Name: "attn", Kind: dcp.Attention, BlockSize: 16, Layers: 32, KVFormat: "bf16",
-			SemanticBytes: 16 * 1024, PageBytes: 16 * 1024, StrideBytes: 16 * 1024}}}
+	spec := traceSpec(tp)
 	reg, err := bus.Call[wire.RegisterReply](ctx, nc, subj.EngineCoord("eng", wire.CoordRegister), spec)
 	if err != nil {
 		b.Fatal(err)
@@ -93,7 +140,7 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 	ranks := startBenchRanks(b, c, "eng", tp, DefaultConfig(wire.Rank{}).EventWindow)
 	l1 := make([]traceRank, tp)
 	for i := range l1 {
-		l1[i] = traceRank{lru: list.New(), where: make(map[dcp.Key]*list.Element)}
+		l1[i] = newTraceRank()
 	}
 	lookupSubj := subj.EngineCoord("eng", wire.CoordLookup)
 	var lat []time.Duration
@@ -117,41 +164,24 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 		hits, asked = hits+rep.Prefix, asked+len(chain)
 		for t, br := range ranks {
 			r := &l1[t]
-			bt := wire.Batch{Rank: br.r, Incarnation: 1}
-			emit := func(kind wire.EventKind, tier wire.Tier, k dcp.Key, sum uint64) {
-				br.seq++
-				var size uint64
-				if kind == wire.Stored {
-					size = objSize
-				}
-				bt.Events = append(bt.Events, wire.Event{Seq: br.seq, Kind: kind, Tier: tier, Key: k, Size: size, Sum: sum})
-			}
+			var evs []wire.Event
 			for i, ch := range chain {
 				k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(t)}
-				if e, ok := r.where[k]; ok {
-					r.lru.MoveToFront(e)
+				if r.touch(k) {
 					continue
 				}
 				if i < rep.Prefix {
 					continue // read from another tier (L2); not stored again
 				}
 				sum := binary.LittleEndian.Uint64(ch[:]) ^ uint64(t)
-				emit(wire.Stored, wire.L1, k, sum)
-				emit(wire.Stored, wire.L2, k, sum) // write-behind
-				r.where[k] = r.lru.PushFront(k)
-				if r.lru.Len() > l1Objects {
-					old := r.lru.Remove(r.lru.Back()).(dcp.Key)
-					delete(r.where, old)
-					emit(wire.Removed, wire.L1, old, 0)
+				evs = append(evs, br.event(wire.Stored, wire.L1, k, objSize, sum),
+					br.event(wire.Stored, wire.L2, k, objSize, sum)) // write-behind
+				if old, ok := r.add(k, l1Objects); ok {
+					evs = append(evs, br.event(wire.Removed, wire.L1, old, 0, 0))
 				}
 			}
-			for i := 0; i < len(bt.Events); i += 1024 {
-				part := wire.Batch{Rank: br.r, Incarnation: 1, Events: bt.Events[i:min(i+1024, len(bt.Events))]}
-				for br.pub.Publish(part) != nil {
-					time.Sleep(200 * time.Microsecond) // the publisher's queue is full
-				}
-			}
-			events += len(bt.Events)
+			br.publishAll(evs)
+			events += len(evs)
 		}
 	}
 	for _, br := range ranks {
@@ -162,6 +192,14 @@ func replayOnce(b *testing.B, reqs [][]dcp.ChunkHash) replayResult {
 	return replayResult{lookups: len(reqs), events: events, seconds: secs,
 		lookupsPerSec: float64(len(reqs)) / secs, eventsPerSec: float64(events) / secs,
 		hitRatio: float64(hits) / float64(max(asked, 1)), p50: us(pct(lat, 0.5)), p99: us(pct(lat, 0.99))}
+}
+
+// traceSpec is the replays' model: 512-token chunks (the trace's block
+// size), one attention group of 32 layers, TP tp.
+func traceSpec(tp int) dcp.Spec {
+	return dcp.Spec{Model: "trace-gqa", Layout: dcp.Layout{TP: tp, DCP: 1, Interleave: 1, PP: 1}, ChunkTokens: 512,
+		Groups: []dcp.Group{{Name: "attn", Kind: dcp.Attention, BlockSize: 16, Layers: 32, KVFormat: "bf16",
+			SemanticBytes: 16 * 1024, PageBytes: 16 * 1024, StrideBytes: 16 * 1024}}}
 }
 
 // loadTraceChains reads the trace's requests as chunk chains: hash id ->
