@@ -49,11 +49,20 @@ BENCH_REPS  ?= 5
 bench-daemon: build
 	RANKS=$(BENCH_RANKS) DEVICE=host GB=$(BENCH_GB) REPS=$(BENCH_REPS) OUT=$(BIN)/bench-daemon.json bash scripts/gpu-bench.sh $(BIN)
 
+# lint: gofmt, vet, go mod tidy, and what the binaries may link: the
+# coordinator none of the device code (STYLE 25); the daemons and the
+# campaign lab no kvtier package that imports testing (test helpers live in
+# internal/testutil, ports in internal/netutil). cmd/coordinator and
+# cmd/campaign still link testing itself, through hashicorp/raft's
+# testing.go; cmd/rankd links none and must stay so.
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	@bad=$$($(GO) list -deps ./wire ./index ./coordinator ./cmd/coordinator | grep -x 'github.com/kvtier/kvtier/cuda.*'); \
 	if [ -n "$$bad" ]; then echo "wire, index, coordinator and cmd/coordinator must not link the device code (STYLE 25):"; echo "$$bad"; exit 1; fi
+	@bad=$$($(GO) list -deps -f '{{if and .Module .Module.Main}}{{range .Imports}}{{if eq . "testing"}}{{$$.ImportPath}} imports testing{{"\n"}}{{end}}{{end}}{{end}}' ./cmd/campaign ./cmd/rankd ./cmd/coordinator; \
+	  $(GO) list -deps ./cmd/rankd | grep -x testing | sed 's|$$| linked by cmd/rankd|'); \
+	if [ -n "$$bad" ]; then echo "cmd/campaign, cmd/rankd and cmd/coordinator must not link test code (issue 30):"; echo "$$bad"; exit 1; fi
 	@cp go.mod /tmp/kvtier.go.mod.bak; cp go.sum /tmp/kvtier.go.sum.bak; \
 	$(GO) mod tidy; \
 	if ! cmp -s go.mod /tmp/kvtier.go.mod.bak || ! cmp -s go.sum /tmp/kvtier.go.sum.bak; then \

@@ -19,7 +19,7 @@ import (
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/coordinator"
-	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/internal/netutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -177,7 +177,7 @@ func (c *cluster) up(ctx context.Context) error {
 		}
 		ports := []*int{&n.natsPort, new(int), &n.routePort, &n.raftPort}
 		for _, pp := range ports {
-			if *pp, err = testutil.PickPort(); err != nil {
+			if *pp, err = netutil.PickPort(); err != nil {
 				return err
 			}
 		}
@@ -250,7 +250,7 @@ func (c *cluster) up(ctx context.Context) error {
 			listen = c.lab.hostIP() + ":0"
 			addr = c.lab.rankIP(r) + ":7947"
 		} else {
-			p, err := testutil.PickPort()
+			p, err := netutil.PickPort()
 			if err != nil {
 				return err
 			}

@@ -8,7 +8,10 @@
 // a server that does not start fails. Servers listen on loopback at a port
 // the kernel chooses and are stopped by tb.Cleanup.
 //
-// testutil never imports a kvtier package, so every package's tests,
-// internal or external, can import it without a cycle; it is imported only
-// by tests (and by the campaign lab for PickPort), never by a daemon.
+// testutil imports no kvtier package but internal/netutil (which imports
+// none), so every package's tests, internal or external, can import it
+// without a cycle. It is imported only by tests, never by a daemon nor by
+// the campaign lab: code without a testing.TB picks its ports through
+// netutil.PickPort, and `make lint` fails when cmd/campaign, cmd/rankd or
+// cmd/coordinator links a kvtier package that imports testing.
 package testutil

@@ -1,63 +1,20 @@
 package testutil
 
 import (
-	"errors"
-	"math/rand/v2"
-	"net"
-	"strconv"
-	"sync"
 	"testing"
+
+	"github.com/kvtier/kvtier/internal/netutil"
 )
 
-// Prefer a port the kernel chooses (listen on "127.0.0.1:0", or Port: -1
-// for NATS) and read it back: nothing can take it in between. FreePort is
-// for what cannot do that: a port handed to another process on its
-// command line, or one that must be known before the listener starts.
-
-// handedOut holds every port PickPort has returned in this process: two
-// daemons started in the same test must never be given the same port,
-// even when the first has not bound it yet.
-var handedOut = struct {
-	sync.Mutex
-	ports map[int]bool
-}{ports: map[int]bool{}}
-
-// FreePort returns a port free for both TCP and UDP on 127.0.0.1
-// (memberlist needs both) that no earlier call in this process returned;
-// it fails tb when it finds none. Ports come from 20000-31999, below
-// Linux's ephemeral range (32768 up), so the local end of some process's
-// outgoing connection cannot take one between this check and the bind.
+// FreePort returns a port free for both TCP and UDP on 127.0.0.1 that no
+// earlier call in this process (nor any netutil.PickPort) returned; it
+// fails tb when it finds none. netutil's doc says when to prefer a port
+// the kernel chooses instead.
 func FreePort(tb testing.TB) int {
 	tb.Helper()
-	p, err := PickPort()
+	p, err := netutil.PickPort()
 	if err != nil {
 		tb.Fatal(err)
 	}
 	return p
-}
-
-// PickPort is FreePort for code without a testing.TB (the campaign lab).
-func PickPort() (int, error) {
-	for range 1000 {
-		port := 20000 + rand.IntN(12000)
-		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
-			continue
-		}
-		u, err := net.ListenPacket("udp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		l.Close()
-		if err != nil {
-			continue
-		}
-		u.Close()
-		handedOut.Lock()
-		dup := handedOut.ports[port]
-		handedOut.ports[port] = true
-		handedOut.Unlock()
-		if dup {
-			continue
-		}
-		return port, nil
-	}
-	return 0, errors.New("testutil: no free TCP+UDP port in 20000-31999 after 1000 tries")
 }
