@@ -9,6 +9,12 @@
 // It acknowledges nothing before the index has committed it (C7), counts and
 // logs every dropped event, fence, timeout and failed restore (C8), and owns
 // every goroutine it starts: Shutdown stops them all, in a documented order.
+// Every goroutine is started through one of its groups (internal/group:
+// Coordinator.ingestGroup for the ingest workers and ackers,
+// Coordinator.goroutines for the rest; replica.Node and replica.Transport
+// hold their own), which Shutdown closes before it waits: a goroutine asked
+// for after that is refused, and the caller answers or drops the work
+// itself.
 // It never moves KV bytes and never decides a restore outside the index's
 // verdict state machine. Unless configured insecure it accepts only the
 // identities of its credentials directory (C9, auth.go): a batch,

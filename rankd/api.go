@@ -98,23 +98,19 @@ func decodeStatus(data []byte) (StatusRequest, error) {
 }
 
 // engineHandler returns the NATS handler of one engine API operation. The
-// callback only takes a slot and hands the request to a goroutine, so a
-// store waiting on its producer event never holds up other requests.
+// callback only takes a slot and hands the request to a goroutine of the
+// requests group, so a store waiting on its producer event never holds up
+// other requests. Once Shutdown has closed the group every request is
+// answered unavailable here, on the callback (refuseClosing).
 func (d *Daemon) engineHandler(op string) nats.MsgHandler {
+	name, rejectName := "engine-"+op, "engine-"+op+"-busy"
 	return func(msg *nats.Msg) {
 		recv := time.Now() // a store's or retrieve's timeline starts here
 		d.mu.Lock()
 		closing := d.closing
-		if !closing {
-			d.reqWG.Add(1)
-		}
 		d.mu.Unlock()
 		if closing {
-			err := fmt.Errorf("rankd %s is shutting down: %w", d.cfg.Rank, ErrUnavailable)
-			if op == OpRetrieve {
-				d.reportRejected(msg.Data, err) // bounded by ReportTimeout
-			}
-			d.replyErr(op, msg, err)
+			d.refuseClosing(op, msg)
 			return
 		}
 		select {
@@ -122,30 +118,45 @@ func (d *Daemon) engineHandler(op string) nats.MsgHandler {
 		default:
 			err := fmt.Errorf("rankd %s serves %d requests already: %w", d.cfg.Rank, d.cfg.MaxInFlight, ErrUnavailable)
 			if op != OpRetrieve {
-				d.reqWG.Done()
 				d.replyErr(op, msg, err)
 				return
 			}
 			// The report may take a while: not on the NATS callback.
-			go func() {
-				defer d.reqWG.Done()
+			if !d.requests.Go(rejectName, func() {
 				d.reportRejected(msg.Data, err)
 				d.replyErr(op, msg, err)
-			}()
+			}) {
+				d.refuseClosing(op, msg)
+			}
 			return
 		}
 		d.met.inFlight.Inc()
-		go func() {
+		if !d.requests.Go(name, func() {
 			defer func() {
 				<-d.slots
 				d.met.inFlight.Dec()
-				d.reqWG.Done()
 			}()
 			start := time.Now()
 			d.serve(op, msg, recv)
 			d.met.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
-		}()
+		}) {
+			// Shutdown closed the group since closing was read.
+			<-d.slots
+			d.met.inFlight.Dec()
+			d.refuseClosing(op, msg)
+		}
 	}
+}
+
+// refuseClosing answers a request that arrived once Shutdown began with
+// code unavailable; a retrieve's restore is also reported rejected, so the
+// coordinator does not wait for it (bounded by ReportTimeout).
+func (d *Daemon) refuseClosing(op string, msg *nats.Msg) {
+	err := fmt.Errorf("rankd %s is shutting down: %w", d.cfg.Rank, ErrUnavailable)
+	if op == OpRetrieve {
+		d.reportRejected(msg.Data, err)
+	}
+	d.replyErr(op, msg, err)
 }
 
 // serve answers one engine request, received at recv; every path replies
@@ -555,15 +566,7 @@ func (d *Daemon) Status() *StatusReply {
 // onInventory answers one of the coordinator's paged inventory requests
 // (resync; wire.InventoryRequest).
 func (d *Daemon) onInventory(msg *nats.Msg) {
-	d.mu.Lock()
-	if d.stopped {
-		d.mu.Unlock()
-		return
-	}
-	d.wg.Add(1)
-	d.mu.Unlock()
-	go func() {
-		defer d.wg.Done()
+	ok := d.goroutines.Go("inventory", func() {
 		page, _, err := d.invs.serve(msg)
 		if page != nil {
 			d.met.inventories.Inc()
@@ -573,5 +576,13 @@ func (d *Daemon) onInventory(msg *nats.Msg) {
 		if err != nil {
 			d.log.Warn("cannot send the inventory reply", zap.Error(err))
 		}
-	}()
+	})
+	if !ok {
+		// Shutdown's last phase (the group closes with stopped): say so
+		// rather than let the request time out. The coordinator retries a
+		// resync later; a liveness probe answered so proves nothing.
+		if err := bus.RespondError(msg, wire.CodeUnavailable, fmt.Sprintf("rankd %s is shutting down", d.cfg.Rank)); err != nil {
+			d.log.Warn("cannot send the inventory refusal", zap.Error(err))
+		}
+	}
 }

@@ -12,6 +12,12 @@
 // Bad input gets an error reply with a stable wire code; the daemon keeps
 // serving.
 //
+// Its goroutines are started through its groups (internal/group):
+// Daemon.requests for the engine requests being served, closed when
+// Shutdown begins (a request refused by it is answered unavailable), and
+// Daemon.goroutines for the others, closed in Shutdown's last phase and
+// waited for before the connection closes.
+//
 // # Engine sessions
 //
 // Every engine.register that succeeds opens a session: the rankd imports

@@ -13,7 +13,8 @@ import (
 // announceFreed follows a store answered with blocks_in_use: once the
 // device has stopped reading the store's blocks (f.Released), it publishes
 // wire.BlocksFreed on the rank's freed subject, so the engine knows when it
-// may reuse them (C10). The wait is owned by the daemon (d.wg) and ends at
+// may reuse them (C10). The wait is a goroutine of the daemon's group
+// (d.goroutines, refused once Shutdown's last phase began) and ends at
 // the latest when the engine closes, which cuts the device work short and
 // releases every store.
 func (d *Daemon) announceFreed(req *wire.StoreRequest, f *transfer.StoreFuture) {
@@ -22,17 +23,7 @@ func (d *Daemon) announceFreed(req *wire.StoreRequest, f *transfer.StoreFuture) 
 	for i, c := range req.Chunks {
 		msg.Chunks[i] = c.Chunk
 	}
-	d.mu.Lock()
-	if d.stopped {
-		d.mu.Unlock()
-		d.met.blocksFreed.WithLabelValues("failed").Inc()
-		d.log.Error("blocks-freed message not sent: the daemon is stopping", zap.String("request", req.RequestID))
-		return
-	}
-	d.wg.Add(1)
-	d.mu.Unlock()
-	go func() {
-		defer d.wg.Done()
+	ok := d.goroutines.Go("blocks-freed", func() {
 		select {
 		case <-f.Released():
 		case <-d.stop:
@@ -62,5 +53,11 @@ func (d *Daemon) announceFreed(req *wire.StoreRequest, f *transfer.StoreFuture) 
 		}
 		d.met.blocksFreed.WithLabelValues("sent").Inc()
 		d.log.Info("blocks of a timed-out store are free again", zap.String("request", req.RequestID), zap.Int("chunks", len(msg.Chunks)))
-	}()
+	})
+	if !ok {
+		// Shutdown's last phase (the group closes with stopped): counted
+		// and logged as lost, as before the group existed.
+		d.met.blocksFreed.WithLabelValues("failed").Inc()
+		d.log.Error("blocks-freed message not sent: the daemon is stopping", zap.String("request", req.RequestID))
+	}
 }

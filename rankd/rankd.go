@@ -17,6 +17,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/internal/numa"
 	"github.com/kvtier/kvtier/objstore"
 	"github.com/kvtier/kvtier/transfer"
@@ -73,7 +74,13 @@ type Daemon struct {
 	life     context.Context
 	stopLife context.CancelFunc
 	wg       sync.WaitGroup
-	reqWG    sync.WaitGroup // engine requests being served
+	// requests starts the goroutine of each engine request being served
+	// (api.go); Shutdown closes it with closing and waits for it (step 1).
+	requests *group.Group
+	// goroutines starts the daemon's other goroutines (inventory pages,
+	// blocks-freed waits); Shutdown closes it with stopped and waits for
+	// it (step 5).
+	goroutines *group.Group
 
 	httpSrv *http.Server
 	httpLn  net.Listener
@@ -118,6 +125,9 @@ func New(cfg Config) (*Daemon, error) {
 		slots:    make(chan struct{}, cfg.MaxInFlight),
 		stop:     make(chan struct{}),
 		shutDone: make(chan struct{}),
+
+		requests:   group.New("rankd.requests"),
+		goroutines: group.New("rankd"),
 	}
 	inc, err := peekIncarnation(cfg.L2Dir, cfg.Rank)
 	if err != nil {
@@ -636,6 +646,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	connected := d.nc != nil
 	eng := d.eng
 	d.mu.Unlock()
+	d.requests.Close()
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.ShutdownTimeout)
 	defer cancel()
@@ -644,7 +655,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 
 	// 1. In-flight engine requests finish (new ones get unavailable).
 	drained := make(chan struct{})
-	go func() { d.reqWG.Wait(); close(drained) }()
+	go func() { d.requests.Wait(); close(drained) }()
 	select {
 	case <-drained:
 	case <-ctx.Done():
@@ -699,6 +710,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	d.mu.Lock()
 	d.stopped = true
 	d.mu.Unlock()
+	d.goroutines.Close()
 	close(d.stop)
 	d.stopLife()
 	if d.httpSrv != nil {
@@ -707,6 +719,7 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 		scancel()
 	}
 	d.wg.Wait()
+	d.goroutines.Wait()
 	d.mu.Lock()
 	subs, nc := d.subs, d.nc
 	d.subs = nil

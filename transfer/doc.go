@@ -81,4 +81,11 @@
 // was not verified; announce an L2 object before it is durable; move bytes
 // of one namespace into another's geometry; or serve a request against the
 // pools of another session than the one it names.
+//
+// Goroutines: every goroutine of the engine is started through its group
+// (Engine.goroutines, internal/group), which Close closes once it has
+// canceled the engine's life (step 3) and then waits for. A refused Go
+// never loses work: a store's own goroutine (goFunc) then runs on its
+// caller and fails at once, and a retrieve loads from L2 on its own
+// goroutine. Retrieve itself runs on its caller's goroutine.
 package transfer

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/transfer/tier"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -34,7 +35,9 @@ type Engine struct {
 	// expired): every goroutine of the engine watches it.
 	life     context.Context
 	stopLife context.CancelFunc
-	wg       sync.WaitGroup // every goroutine the engine started
+	// goroutines starts every goroutine of the engine (internal/group);
+	// Close closes it once life is canceled (step 3) and waits for it.
+	goroutines *group.Group
 
 	storeStreams    *streamPool
 	retrieveStreams *streamPool
@@ -115,6 +118,7 @@ func New(cfg Config) (*Engine, error) {
 		idle:   make(chan struct{}),
 		closed: make(chan struct{}),
 
+		goroutines: group.New("transfer"),
 		rescanDone: make(chan struct{}),
 	}
 	e.sess.init()
@@ -191,17 +195,18 @@ func New(cfg Config) (*Engine, error) {
 			}
 		}
 	}
-	e.goFunc(e.publishLoop)
-	e.goFunc(e.evictLoop)
+	// The group is new, so nothing New starts can be refused.
+	e.goroutines.Go("publish", e.publishLoop)
+	e.goroutines.Go("l1-evict", e.evictLoop)
 	if e.l2 != nil {
 		for range cfg.L2Writers {
-			e.goFunc(e.l2WriteLoop)
+			e.goroutines.Go("l2-write", e.l2WriteLoop)
 		}
-		e.goFunc(e.collectLoop)
+		e.goroutines.Go("l2-collect", e.collectLoop)
 		// Start-up serves at once (issue 15.2): the rescan reads headers in
 		// the background, announcing what it finds; Get verifies every read.
 		e.ctr.l2Rescanning.Store(true)
-		e.goFunc(func() {
+		e.goroutines.Go("l2-rescan", func() {
 			defer close(e.rescanDone)
 			defer e.ctr.l2Rescanning.Store(false)
 			e.rescanErr = e.rescan()
@@ -222,13 +227,17 @@ func New(cfg Config) (*Engine, error) {
 	return e, nil
 }
 
-// goFunc runs f on a goroutine the engine tracks.
+// goFunc runs f, a store's own work (store.go: runStore; storerun.go:
+// reapStore), on a goroutine of the engine's group. Each completes a store
+// future, so it must run even when the group refuses: that happens only
+// once Close has reached step 3 with the store still in flight (Close's
+// context ended before the store finished), and then f runs on the
+// caller's goroutine, where it fails promptly because life is canceled,
+// and the future is answered.
 func (e *Engine) goFunc(f func()) {
-	e.wg.Add(1)
-	go func() {
-		defer e.wg.Done()
+	if !e.goroutines.Go("store", f) {
 		f()
-	}()
+	}
 }
 
 // Incarnation returns this run's incarnation.
@@ -362,9 +371,12 @@ func (e *Engine) close(ctx context.Context) error {
 		e.ctr.lostObjects.Add(uint64(lost))
 		e.log.Error("objects only in L1 were not written to L2 before shutdown", zap.Int("objects", lost))
 	}
+	// No goroutine starts from here on (a store's own work then runs on
+	// its caller: goFunc; a retrieve's L2 readers on the retrieve).
 	e.stopLife()
+	e.goroutines.Close()
 	e.wakeAll()
-	e.wg.Wait()
+	e.goroutines.Wait()
 	// 4. Deliver the last events (one attempt per batch), release memory.
 	if e.cfg.Publisher != nil {
 		for e.publishBatch(false) {

@@ -91,11 +91,12 @@ func (e *Engine) l3Init() {
 
 // l3Start starts the writers and the start-up scan.
 func (e *Engine) l3Start() {
+	// Called by New: the group is open, nothing is refused.
 	for range e.cfg.L3Writers {
-		e.goFunc(e.l3WriteLoop)
+		e.goroutines.Go("l3-write", e.l3WriteLoop)
 	}
 	e.l3c.scanRunning.Store(true)
-	e.goFunc(func() {
+	e.goroutines.Go("l3-scan", func() {
 		defer close(e.l3s.scanDone)
 		defer e.l3c.scanRunning.Store(false)
 		if err := e.l3Rescan(); err != nil && e.life.Err() == nil {
