@@ -296,6 +296,9 @@ def test_chunked_prefill_saves_each_chunk_once():
         scheduled_cached_reqs=fakes.CachedRequestData(["p"], set(), [([9, 3],)], [20]),
         num_scheduled_tokens={"p": 29}))
     assert [[b for _, b in sv.chunks] for sv in m2.saves] == [[[[8]], [[9]]]]
+    # Each chunk's index in the request (the rankd's L2 bound keeps the
+    # lowest of a prompt's concurrently stored chunks).
+    assert [sv.positions for sv in m1.saves + m2.saves] == [[0], [1, 2]]
 
 
 def test_cache_salt_enters_the_chunk_hashes():
@@ -431,6 +434,24 @@ def test_stores_own_events_and_finish_only_when_answered():
     assert w.get_finished(set()) == (None, None)
     stored = sorted((s[1], [bytes(c.chunk) for c in s[2]]) for s in world.stores)
     assert stored == [("r1", [h[0], h[1]]), ("r2", [h[2]])]
+
+
+def test_stores_name_each_chunks_position():
+    """A store names each chunk's index in the request (wire pos), so the
+    rankd's L2 bound keeps the prompt's first chunks whatever order its
+    concurrent stores arrive in."""
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    w = worker(world)
+    h = [bytes([i]) * 16 for i in range(3)]
+    bind(w, saves=[SaveSpec("r1", [(h[0], [[1]]), (h[1], [[2]])], [3, 4]), SaveSpec("r2", [(h[2], [[3]])])])
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    for p in [p for v in w._pending.values() for p in v]:
+        p.fut.result(5)
+    stored = sorted((s[1], [(bytes(c.chunk), c.pos) for c in s[2]]) for s in world.stores)
+    assert stored == [("r1", [(h[0], 3), (h[1], 4)]), ("r2", [(h[2], 0)])]
 
 
 def test_mla_rank_that_stores_nothing_still_reports_finished():

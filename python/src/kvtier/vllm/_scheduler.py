@@ -183,6 +183,7 @@ class _SchedulerSide(_Core):
     def _plan_saves(self, meta: KvtierConnectorMetadata, req_id: str, st: _Req, computed: int) -> None:
         done = min(computed, len(st.tokens)) // self.chunk
         chunks: list[tuple[bytes, list[list[int]]]] = []
+        positions: list[int] = []
         c = st.saved_through
         while c < done:
             blocks = self._chunk_blocks(st, c)
@@ -191,13 +192,14 @@ class _SchedulerSide(_Core):
                 break
             if blocks:
                 chunks.append((bytes(st.hashes[c]), blocks))
+                positions.append(c)
             else:
                 log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window); not stored",
                           req_id, c)
             c += 1
         st.saved_through = c
         if chunks:
-            meta.saves.append(SaveSpec(req_id, chunks))
+            meta.saves.append(SaveSpec(req_id, chunks, positions))
             st.saved_any = True
 
     def _load_spec(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:

@@ -40,6 +40,11 @@ class SaveSpec:
 
     req_id: str
     chunks: list[tuple[bytes, list[list[int]]]]  # (chunk hash, [group][block])
+    # Each chunk's index in the request's tokens (wire.ChunkBlocks.pos; empty:
+    # 0 for all). A request's stores run concurrently and reach the rankd in
+    # any order: a rank whose L2 bound is smaller than the prompt keeps its
+    # lowest positions there.
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass

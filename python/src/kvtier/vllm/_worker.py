@@ -165,11 +165,12 @@ class _WorkerSide(_Core):
     def _store_chunks(self, save: SaveSpec) -> list[wire.ChunkBlocks]:
         tp = self._rank.tp_rank
         out = []
-        for h, blocks in save.chunks:
+        for i, (h, blocks) in enumerate(save.chunks):
             per_group = [blocks[gi] if self.resolved.store_shard(gi, tp) is not None else []
                          for gi in range(len(self.spec.groups))]
             if any(per_group):
-                out.append(wire.ChunkBlocks(dcp.ChunkHash(h), per_group))
+                pos = save.positions[i] if i < len(save.positions) else 0
+                out.append(wire.ChunkBlocks(dcp.ChunkHash(h), per_group, pos))
         return out
 
     async def _store(self, s: kvclient.SyncRankSession, req_id: str, chunks: list[wire.ChunkBlocks],
