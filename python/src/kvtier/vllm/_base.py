@@ -12,12 +12,16 @@ try:  # the real base class when vLLM is installed
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
-        KVConnectorTransferResults,
         SupportsHMA,
     )
 
     HAVE_VLLM = True
-except ImportError:  # a stand-in with the same constructor, for tests without vLLM
+except ModuleNotFoundError as e:  # a stand-in with the same constructor, for tests without vLLM
+    # Only vLLM's absence selects the stand-ins: a vLLM that is installed
+    # but lacks one of these names must fail here, not run the connector on
+    # a stand-in base class its model runner does not expect.
+    if not (e.name or "").startswith("vllm"):
+        raise
     import enum
 
     HAVE_VLLM = False
@@ -56,6 +60,17 @@ except ImportError:  # a stand-in with the same constructor, for tests without v
 
     class SupportsHMA:  # type: ignore[no-redef]
         pass
+
+
+# KVConnectorTransferResults (get_transfer_results' answer) came with vLLM
+# 0.32; vLLM 0.26 has the base class without it and never calls
+# get_transfer_results. Before, the name was imported together with the base
+# class, so on vLLM 0.26 the whole import failed and the connector ran on
+# the stand-in base, which lacks set_host_xfer_buffer_ops: the V2 model
+# runner (vLLM 0.26's default for Llama on a GPU) refused to start.
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
 
     @dataclass
     class KVConnectorTransferResults:  # type: ignore[no-redef]
