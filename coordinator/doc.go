@@ -64,7 +64,9 @@
 //     it takes deaths.mu, and acts after releasing it), rankBudgets.mu,
 //     and rankBudget.mu (a rank's budget: the index's read paths Rank,
 //     BatchGrowth and MinObjectSize are taken under it, nothing of the
-//     coordinator; budget.go).
+//     coordinator; budget.go), and the goroutine groups' own mutex
+//     (internal/group; Go takes it under drainMu when a resync or the
+//     leader's fence sweep starts).
 //
 // The index's locks and raft's are theirs (index/doc.go, hashicorp/raft)
 // and are only ever taken inside the calls above, never around a
