@@ -553,9 +553,7 @@ func (d *Daemon) Status() *StatusReply {
 	eng := d.eng
 	d.mu.Unlock()
 	st.Gossip = d.clu.LocalMember().Addr
-	d.pub.mu.Lock()
-	st.Events = EventStatus{QueuedBatches: len(d.pub.queue), AppliedThrough: d.pub.applied}
-	d.pub.mu.Unlock()
+	st.Events = d.pub.status()
 	if eng != nil { // nil until Start passed the duplicate check
 		st.Engine = eng.Stats()
 		st.Sessions = eng.Sessions()

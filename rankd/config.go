@@ -18,6 +18,11 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
+// maxEventWindow bounds Config.EventWindow: the engine's default event
+// buffer holds 1024 full batches (1<<20 events of 1024), so a larger window
+// could never fill.
+const maxEventWindow = 1024
+
 // Config configures one rankd. Build it from DefaultConfig(rank), set
 // TPSize and Join, then pass it to New, which validates exactly what it is
 // given: a zero value means zero (STYLE 23), never "the default".
@@ -214,17 +219,17 @@ type Config struct {
 	// transit are noticed even when the rank is idle: within about two
 	// intervals. Default 2 s; shorter notices sooner for a few bytes more.
 	HeartbeatInterval time.Duration
-	// EventQueue is the most event batches queued for the coordinator;
-	// beyond it a batch is refused (the transfer engine retries and then
-	// drops it, leaving a sequence gap that makes the coordinator resync
-	// from the inventory). Default 4096.
-	EventQueue int
-	// EventWindow is the most event batches sent to the coordinator and not
-	// yet acknowledged. Default 8. Acks come in order; on a timeout or a
-	// transient error every batch from the first unacknowledged one is sent
-	// again (the coordinator ignores duplicates). 1 sends one batch per
-	// round trip; a larger window keeps the coordinator's group commit fed
-	// at the cost of more resent batches after an error.
+	// EventWindow is the most event batches taken from the transfer
+	// engine and sent to the coordinator without its acknowledgement yet.
+	// Default 8, at most 1024. The engine's event buffer (1<<20 events,
+	// transfer.Config.EventBuffer) is the only queue: its bound counts
+	// these batches too, and beyond it events are dropped, leaving a
+	// sequence gap that makes the coordinator resync from the inventory.
+	// Acks come in order; on a timeout or a transient error every batch
+	// from the first unacknowledged one is sent again (the coordinator
+	// ignores duplicates). 1 sends one batch per round trip; a larger
+	// window keeps the coordinator's group commit fed at the cost of more
+	// resent batches after an error.
 	EventWindow int
 	// MaxInFlight bounds engine requests being served at once; beyond it a
 	// request gets code unavailable. Default 1024. A store holds its slot
@@ -293,7 +298,6 @@ func DefaultConfig(r wire.Rank) Config {
 		HTTPAddr:              "127.0.0.1:0",
 		EventAckTimeout:       2 * time.Second,
 		HeartbeatInterval:     2 * time.Second,
-		EventQueue:            4096,
 		EventWindow:           8,
 		MaxInFlight:           1024,
 		InventoryPageSize:     wire.DefaultInventoryPageSize,
@@ -364,10 +368,8 @@ func (c *Config) Validate() error {
 	case c.JoinTimeout <= 0 || c.EventAckTimeout <= 0 || c.ReportTimeout <= 0 || c.ShutdownTimeout <= 0 || c.StoreTimeout <= 0 || c.FlushTimeout <= 0:
 		return bad("timeouts must be > 0 (join %v, event ack %v, report %v, shutdown %v, store %v, flush %v)",
 			c.JoinTimeout, c.EventAckTimeout, c.ReportTimeout, c.ShutdownTimeout, c.StoreTimeout, c.FlushTimeout)
-	case c.EventQueue < 1:
-		return bad("event queue %d must be >= 1", c.EventQueue)
-	case c.EventWindow < 1 || c.EventWindow > c.EventQueue:
-		return bad("event window %d must be in [1, event queue %d]", c.EventWindow, c.EventQueue)
+	case c.EventWindow < 1 || c.EventWindow > maxEventWindow:
+		return bad("event window of %d batches: want 1..%d", c.EventWindow, maxEventWindow)
 	case c.MaxInFlight < 1:
 		return bad("max in-flight requests %d must be >= 1", c.MaxInFlight)
 	case c.InventoryPageSize < 1 || c.InventoryPageSize > wire.MaxInventoryPageSize:

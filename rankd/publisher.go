@@ -14,11 +14,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
-
-// errQueueFull is returned by Publish when the queue is at its bound.
-var errQueueFull = fmt.Errorf("event queue full: %w", ErrUnavailable)
 
 // eventConn is the part of *nats.Conn the publisher uses (a seam for tests).
 type eventConn interface {
@@ -34,65 +32,62 @@ type eventConn interface {
 // publisher sends the transfer engine's event batches to the coordinator as
 // NATS requests, in order, with up to window batches sent and not yet
 // acknowledged (a pipeline: the coordinator commits several of them in one
-// group while the next ones travel). A batch leaves the queue only when
-// the coordinator acknowledged it as durable (or rejected it for good), and
-// only in queue order: acknowledgements are taken from the head. When the
-// head times out or gets a transient error, everything sent after it is
-// forgotten and sent again from the head (go-back-N): the coordinator
-// ignores the duplicates among them, and one that arrived past a batch the
-// coordinator never applied was answered with a resync, never applied out
-// of order (C7).
+// group while the next ones travel). It pulls (STYLE 30): it takes the next
+// batch from the engine (transfer.EventSource) only when its window has
+// room, keeps the batches it took until the coordinator acknowledged them
+// as durable (or rejected them for good), and then acknowledges them to the
+// engine, which releases them. The engine's event buffer is the only queue
+// and its bound (transfer.Config.EventBuffer) counts the batches taken and
+// not yet acknowledged; nothing here queues or retries in-process.
+// Acknowledgements are taken from the head of the window, in order. When
+// the head times out or gets a transient error, everything sent after it is
+// forgotten and sent again from the head (go-back-N, spaced by
+// bus.Backoff): the coordinator ignores the duplicates among them, and one
+// that arrived past a batch the coordinator never applied was answered with
+// a resync, never applied out of order (C7).
 //
 // Every batch is published by the run goroutine, so the batches of one
 // rank leave in sequence order on one connection. Each carries its own
 // reply subject (<inbox>.<round>.<ticket>), so an acknowledgement is
 // matched to its batch, and one from an abandoned round (before a resend
 // or a connection change) is recognized and ignored.
+//
+// Locks: publisher.mu, then the engine's (NextEvents and AckEvents are
+// called under publisher.mu, so taking a batch and recording it are one
+// step); the engine never calls the publisher.
 type publisher struct {
 	subject string
 	timeout time.Duration
-	limit   int
 	window  int
 	log     *zap.Logger
 	met     *metrics
 
 	mu      sync.Mutex // guards the following
-	queue   []wire.Batch
-	closed  bool
+	src     transfer.EventSource
+	taken   []wire.Batch // taken from src, not yet done; at most window
 	conn    eventConn
-	kick    chan struct{} // closed and replaced when the queue or conn changes
+	kick    chan struct{} // closed and replaced when taken, src or conn changes
 	applied uint64        // highest AppliedThrough seen
 }
 
-func newPublisher(subject string, timeout time.Duration, limit, window int, log *zap.Logger, met *metrics) *publisher {
-	return &publisher{subject: subject, timeout: timeout, limit: limit, window: window, log: log, met: met,
+// newEventPublisher returns a publisher with no source and no connection
+// yet (setSource, setConn).
+func newEventPublisher(subject string, timeout time.Duration, window int, log *zap.Logger, met *metrics) *publisher {
+	return &publisher{subject: subject, timeout: timeout, window: window, log: log, met: met,
 		kick: make(chan struct{})}
-}
-
-// Publish implements transfer.Publisher: it queues b and returns. A full
-// queue or a closed publisher is an error; the engine retries, then drops
-// the batch (the sequence gap makes the coordinator resync).
-func (p *publisher) Publish(b wire.Batch) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
-		p.met.eventsRefused.Inc()
-		return fmt.Errorf("publish %d events: publisher closed: %w", len(b.Events), ErrClosed)
-	}
-	if len(p.queue) >= p.limit {
-		p.met.eventsRefused.Inc()
-		p.log.Warn("event queue full; batch refused", zap.Int("queued", len(p.queue)), zap.Int("events", len(b.Events)))
-		return errQueueFull
-	}
-	p.queue = append(p.queue, b)
-	p.met.eventQueue.Set(float64(len(p.queue)))
-	p.wakeLocked()
-	return nil
 }
 
 func (p *publisher) wakeLocked() {
 	close(p.kick)
 	p.kick = make(chan struct{})
+}
+
+// setSource gives the publisher the engine whose events it sends.
+func (p *publisher) setSource(src transfer.EventSource) {
+	p.mu.Lock()
+	p.src = src
+	p.wakeLocked()
+	p.mu.Unlock()
 }
 
 // setConn gives the publisher its NATS connection.
@@ -112,11 +107,15 @@ func (p *publisher) reconnected() {
 	p.mu.Unlock()
 }
 
-// pending returns the batches queued or being sent.
-func (p *publisher) pending() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.queue)
+// backlogLocked returns the event batches held for the coordinator: those
+// taken and not done, and those waiting in the engine's buffer (as the
+// engine will hand them out), and the events the engine holds.
+func (p *publisher) backlogLocked() (batches, events int) {
+	if p.src == nil {
+		return len(p.taken), 0
+	}
+	held, waiting := p.src.EventBacklog()
+	return len(p.taken) + waiting, held
 }
 
 // outcome is what became of one sent batch: done (it leaves the queue) or
@@ -137,11 +136,11 @@ type reply struct {
 }
 
 // window is the run goroutine's view of the batches in flight. Ticket t is
-// the t-th batch taken from the queue since the publisher started; the
-// head of the queue has ticket head.
+// the t-th batch taken from the engine since the publisher started; the
+// head of the window (taken[0]) has ticket head.
 type window struct {
-	head     uint64             // ticket of queue[0]
-	sent     int                // queue[:sent] are in flight
+	head     uint64             // ticket of taken[0]
+	sent     int                // taken[:sent] are in flight
 	round    uint64             // bumped on every resend from the head
 	deadline []time.Time        // per in-flight batch, from the head
 	got      map[uint64]outcome // outcomes that arrived, by ticket
@@ -209,9 +208,18 @@ func (p *publisher) run(stop <-chan struct{}) {
 			}
 			moving = !conn.IsConnected()
 		}
-		for failed == nil && conn != nil && !moving && w.sent < min(p.window, len(p.queue)) {
+		for failed == nil && conn != nil && !moving && w.sent < p.window {
+			if w.sent == len(p.taken) {
+				// The window has room and everything taken is in flight:
+				// pull the next batch. Nothing waits: Ready wakes us.
+				b, ok := p.nextLocked()
+				if !ok {
+					break
+				}
+				p.taken = append(p.taken, b)
+			}
 			t := w.head + uint64(w.sent)
-			sent, err := p.sendOne(conn, inbox, w.round, t, &p.queue[w.sent])
+			sent, err := p.sendOne(conn, inbox, w.round, t, &p.taken[w.sent])
 			if err != nil {
 				failed = err
 				break
@@ -222,6 +230,12 @@ func (p *publisher) run(stop <-chan struct{}) {
 			w.sent++
 			w.deadline = append(w.deadline, time.Now().Add(p.timeout))
 		}
+		// Wait for the engine's next events only with room to send them.
+		var ready <-chan struct{}
+		if p.src != nil && conn != nil && !moving && len(p.taken) < p.window {
+			ready = p.src.Ready()
+		}
+		p.setGaugeLocked()
 		p.mu.Unlock()
 		if failed == nil && w.sent > 0 {
 			var popped int
@@ -255,6 +269,7 @@ func (p *publisher) run(stop <-chan struct{}) {
 		case <-stop:
 			return
 		case <-kick:
+		case <-ready:
 		case r := <-replies:
 			p.take(&w, r)
 		case <-tick: // advance reports the timeout of the head
@@ -280,7 +295,7 @@ func (p *publisher) take(w *window, r reply) {
 		return // a duplicate reply
 	}
 	p.mu.Lock()
-	b := &p.queue[r.ticket-w.head]
+	b := &p.taken[r.ticket-w.head]
 	p.mu.Unlock()
 	if r.noResponders {
 		w.got[r.ticket] = outcome{err: fmt.Errorf("request %s: %w", p.subject, nats.ErrNoResponders)}
@@ -291,7 +306,8 @@ func (p *publisher) take(w *window, r reply) {
 }
 
 // advance takes the outcomes of the head and of the batches after it, in
-// order: done ones leave the queue (popped of them). It returns the error
+// order: done ones leave the window (popped of them) and are acknowledged
+// to the engine, which releases their events. It returns the error
 // of the head (an error reply or its timeout): the caller sends again from
 // it.
 func (p *publisher) advance(w *window) (popped int, err error) {
@@ -308,9 +324,11 @@ func (p *publisher) advance(w *window) (popped int, err error) {
 		}
 		delete(w.got, w.head)
 		p.mu.Lock()
-		p.queue[0] = wire.Batch{}
-		p.queue = p.queue[1:]
-		p.met.eventQueue.Set(float64(len(p.queue)))
+		b := p.taken[0]
+		p.src.AckEvents(b.Events[len(b.Events)-1].Seq)
+		p.taken[0] = wire.Batch{}
+		p.taken = p.taken[1:]
+		p.setGaugeLocked()
 		p.wakeLocked()
 		p.mu.Unlock()
 		w.head++
@@ -365,7 +383,7 @@ func (p *publisher) sendOne(conn eventConn, inbox string, round, ticket uint64, 
 }
 
 // settle decodes the acknowledgement of one batch. done: the batch leaves
-// the queue (acknowledged, or rejected for good); err: send it again.
+// the window (acknowledged, or rejected for good); err: send it again.
 func (p *publisher) settle(b *wire.Batch, data []byte) (done bool, err error) {
 	var rep wire.Reply[wire.EventAck]
 	if err := json.Unmarshal(data, &rep); err != nil {
@@ -411,22 +429,51 @@ func sleep(stop <-chan struct{}, d time.Duration) bool {
 	}
 }
 
-// flush waits until every queued batch was acknowledged or ctx ends; then
-// it closes the publisher (later Publish calls fail). It returns the number
-// of batches left unsent.
+// flush waits until the coordinator acknowledged every event the engine
+// holds (the engine is closed: no new ones come) or ctx ends. It returns
+// the event batches left (taken and not acknowledged, or never taken),
+// counted in event_batches_refused_total: the coordinator resyncs this
+// rank's next incarnation from its inventory.
 func (p *publisher) flush(ctx context.Context) int {
 	for {
 		p.mu.Lock()
-		n, kick := len(p.queue), p.kick
-		if n == 0 || ctx.Err() != nil {
-			p.closed = true
-			p.mu.Unlock()
-			return n
-		}
+		batches, events := p.backlogLocked()
+		kick := p.kick
 		p.mu.Unlock()
+		if events == 0 && batches == 0 {
+			return 0
+		}
+		if ctx.Err() != nil {
+			p.met.eventsRefused.Add(float64(batches))
+			p.log.Error("event batches not acknowledged when the shutdown flush ended", zap.Int("batches", batches),
+				zap.Int("events", events), zap.Error(ctx.Err()))
+			return batches
+		}
 		select {
 		case <-ctx.Done():
 		case <-kick:
 		}
 	}
+}
+
+// status is the event part of the daemon's status.
+func (p *publisher) status() EventStatus {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	batches, _ := p.backlogLocked()
+	return EventStatus{QueuedBatches: batches, AppliedThrough: p.applied}
+}
+
+// nextLocked takes the engine's next batch. Called with p.mu held.
+func (p *publisher) nextLocked() (wire.Batch, bool) {
+	if p.src == nil {
+		return wire.Batch{}, false
+	}
+	return p.src.NextEvents()
+}
+
+// setGaugeLocked sets the event queue gauge. Called with p.mu held.
+func (p *publisher) setGaugeLocked() {
+	batches, _ := p.backlogLocked()
+	p.met.eventQueue.Set(float64(batches))
 }

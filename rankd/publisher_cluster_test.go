@@ -22,6 +22,10 @@ func TestPublisherNoRespondersReply(t *testing.T) {
 	if err := p.Publish(batch(1)); err != nil {
 		t.Fatal(err)
 	}
+	p.mu.Lock()
+	b, _ := p.nextLocked() // taken as run takes it, into the window
+	p.taken = append(p.taken, b)
+	p.mu.Unlock()
 	out := make(chan reply, 1)
 	m := &nats.Msg{Subject: "_INBOX.x.1.0", Header: nats.Header{"Status": []string{"503"}}}
 	deliverReply(m, "_INBOX.x", out, nil)

@@ -3,15 +3,18 @@ package rankd
 import (
 	"context"
 	"encoding/json"
-	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -183,6 +186,111 @@ func (f *fakeCoord) snapshot() (sent, applied []uint64, calls int) {
 	return slices.Clone(f.sent), slices.Clone(f.applied), f.calls
 }
 
+// batchSource stands in for the transfer engine's event buffer
+// (transfer.EventSource) in the publisher's tests and benchmarks: whole
+// batches, at most limit of them held (taken and unacknowledged included);
+// Publish refuses beyond it, where the engine drops the events.
+type batchSource struct {
+	limit int
+	ready chan struct{}
+
+	mu    sync.Mutex // guards the following
+	held  []wire.Batch
+	taken int    // held[:taken] were taken by NextEvents
+	takes int    // batches taken (each batch once: never re-served)
+	nexts int    // NextEvents calls, empty ones included
+	acked uint64 // highest sequence acknowledged
+}
+
+var _ transfer.EventSource = (*batchSource)(nil)
+
+func newBatchSource(limit int) *batchSource {
+	return &batchSource{limit: limit, ready: make(chan struct{}, 1)}
+}
+
+func (s *batchSource) Ready() <-chan struct{} { return s.ready }
+
+func (s *batchSource) NextEvents() (wire.Batch, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.nexts++
+	if s.taken == len(s.held) {
+		return wire.Batch{}, false
+	}
+	s.taken++
+	s.takes++
+	return s.held[s.taken-1], true
+}
+
+func (s *batchSource) AckEvents(through uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for s.taken > 0 && s.held[0].Events[len(s.held[0].Events)-1].Seq <= through {
+		s.acked = max(s.acked, s.held[0].Events[len(s.held[0].Events)-1].Seq)
+		s.held = s.held[1:]
+		s.taken--
+	}
+}
+
+func (s *batchSource) EventBacklog() (held, waitingBatches int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range s.held {
+		held += len(b.Events)
+	}
+	return held, len(s.held) - s.taken
+}
+
+// push adds b, or refuses it when limit batches are held.
+func (s *batchSource) push(b wire.Batch) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.held) >= s.limit {
+		return fmt.Errorf("test event source full (%d batches): %w", s.limit, ErrUnavailable)
+	}
+	s.held = append(s.held, b)
+	if len(s.held) == s.taken+1 {
+		select {
+		case s.ready <- struct{}{}:
+		default:
+		}
+	}
+	return nil
+}
+
+func (s *batchSource) counts() (takes, nexts int, acked uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.takes, s.nexts, s.acked
+}
+
+// newPublisher (tests and benchmarks) is a publisher fed by a batchSource
+// of at most limit batches: p.Publish adds a batch to it, p.pending counts
+// the batches it holds.
+func newPublisher(subject string, timeout time.Duration, limit, window int, log *zap.Logger, met *metrics) *publisher {
+	p := newEventPublisher(subject, timeout, window, log, met)
+	p.setSource(newBatchSource(limit))
+	return p
+}
+
+func (p *publisher) testSource() *batchSource {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.src.(*batchSource)
+}
+
+// Publish (tests and benchmarks) adds b to the publisher's batchSource.
+func (p *publisher) Publish(b wire.Batch) error { return p.testSource().push(b) }
+
+// pending (tests and benchmarks) is the batches the batchSource holds: not
+// yet acknowledged by the coordinator.
+func (p *publisher) pending() int {
+	s := p.testSource()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.held)
+}
+
 // batch is one event with sequence seq.
 func batch(seq uint64) wire.Batch {
 	return wire.Batch{Rank: wire.Rank{Instance: "e", TPRank: 0}, Incarnation: 1,
@@ -240,8 +348,10 @@ func TestPublisherOrderRetryFlush(t *testing.T) {
 	if _, _, calls := fc.snapshot(); calls <= 10 {
 		t.Fatalf("%d requests for 10 batches with 3 dropped replies", calls)
 	}
-	if err := p.Publish(batch(11)); !errors.Is(err, ErrClosed) {
-		t.Fatalf("Publish after flush: %v", err)
+	// The resends came from the window: each batch was taken once, and
+	// every one was acknowledged to the source.
+	if takes, _, acked := p.testSource().counts(); takes != 10 || acked != 10 {
+		t.Fatalf("%d batches taken, acknowledged through %d; want 10 and 10", takes, acked)
 	}
 }
 
@@ -314,18 +424,15 @@ func TestPublisherLostAckAndDuplicateReplies(t *testing.T) {
 	}
 }
 
-// A full queue refuses batches (the engine retries and then drops them);
-// a batch the coordinator rejects for good is dropped, not retried forever.
-func TestPublisherBoundsAndRejects(t *testing.T) {
+// A batch the coordinator rejects for good is dropped, not retried
+// forever: it is acknowledged to the engine (released), like the batch
+// after it, which the coordinator answers with a resync.
+func TestPublisherDropsRejectedBatch(t *testing.T) {
 	p := newPublisher("s", time.Second, 2, 2, zaptest.NewLogger(t), newMetrics("e/0"))
-	if err := p.Publish(batch(1)); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Publish(batch(2)); err != nil {
-		t.Fatal(err)
-	}
-	if err := p.Publish(batch(3)); !errors.Is(err, ErrUnavailable) {
-		t.Fatalf("third batch into a queue of 2: %v", err)
+	for i := uint64(1); i <= 2; i++ {
+		if err := p.Publish(batch(i)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	fc := newFakeCoord(t, func(call int, _ uint64) action {
 		if call == 1 {
@@ -349,5 +456,66 @@ func TestPublisherBoundsAndRejects(t *testing.T) {
 	sent, applied, _ := fc.snapshot()
 	if !slices.Equal(sent, []uint64{1, 2}) || len(applied) != 0 {
 		t.Fatalf("sent %v applied %v, want [1 2] sent and nothing applied", sent, applied)
+	}
+	if _, _, acked := p.testSource().counts(); acked != 2 {
+		t.Fatalf("acknowledged through %d, want 2", acked)
+	}
+}
+
+// TestPublisherPullsOnlyWithRoom (STYLE 30): with the coordinator stalled
+// (it holds every reply), the publisher takes window batches from the
+// engine's buffer and no more, however many wait, and nothing spins: no
+// further NextEvents call while the stall lasts; nothing is acknowledged
+// to the engine before the coordinator replied. Once it answers,
+// everything is taken once, sent in order, applied in order and released.
+func TestPublisherPullsOnlyWithRoom(t *testing.T) {
+	const w, n = 4, 20
+	p := newPublisher("s", 5*time.Second, 100, w, zaptest.NewLogger(t), newMetrics("e/0"))
+	src := p.testSource()
+	fc := newFakeCoord(t, func(int, uint64) action { return actHold })
+	for i := uint64(1); i <= n; i++ {
+		if err := p.Publish(batch(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { p.run(stop); close(done) }()
+	defer func() { close(stop); <-done }()
+	p.setConn(fc)
+	testutil.Eventually(t, 10*time.Second, "a full window sent", func() bool { _, _, calls := fc.snapshot(); return calls == w })
+	_, nexts0, _ := src.counts()
+	// More events arrive while the coordinator is stalled; give the
+	// publisher time to misbehave (a wait with nothing to poll for).
+	for i := uint64(n + 1); i <= n+5; i++ {
+		if err := p.Publish(batch(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	takes, nexts, acked := src.counts()
+	if takes != w || nexts != nexts0 || acked != 0 {
+		t.Fatalf("stalled coordinator: %d batches taken, NextEvents called %d times (%d at the full window), acknowledged through %d; want %d taken, no more calls, nothing acknowledged",
+			takes, nexts, nexts0, acked, w)
+	}
+	if _, _, calls := fc.snapshot(); calls != w {
+		t.Fatalf("%d requests while stalled with a window of %d (the ack timeout is 5 s)", calls, w)
+	}
+	if st := p.status(); st.QueuedBatches != n+5 {
+		t.Fatalf("status: %d batches queued, want %d", st.QueuedBatches, n+5)
+	}
+	fc.releaseHeld()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if left := p.flush(ctx); left != 0 {
+		t.Fatalf("%d batches left after the coordinator resumed", left)
+	}
+	wantApplied(t, fc, n+5)
+	sent, _, _ := fc.snapshot()
+	if !slices.IsSorted(sent) || len(sent) != n+5 {
+		t.Fatalf("sent %v: want each batch once, in order", sent)
+	}
+	if takes, _, acked := src.counts(); takes != n+5 || acked != n+5 || p.pending() != 0 {
+		t.Fatalf("after the stall: %d taken, acknowledged through %d, %d held; want %d, %d, 0", takes, acked, p.pending(), n+5, n+5)
 	}
 }

@@ -149,7 +149,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, fmt.Errorf("rankd %s: open device %q: %w", cfg.Rank, cfg.Device, err)
 	}
 	d.dev = dev
-	d.pub = newPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventQueue, cfg.EventWindow, d.log.Named("events"), d.met)
+	d.pub = newEventPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventWindow, d.log.Named("events"), d.met)
 
 	tc := transfer.DefaultConfig()
 	tc.Rank = cfg.Rank
@@ -166,7 +166,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
 	tc.L2SharedWith = cfg.L2SharedWith
-	tc.Publisher = d.pub
+	tc.KeepEvents = true // the publisher pulls them (setSource in Start)
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg
 	tc.StoreTimeout = cfg.StoreTimeout
@@ -322,6 +322,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Lock()
 	d.eng = eng
 	d.mu.Unlock()
+	d.pub.setSource(eng)
 	d.met.noteL1Placement(eng.L1Placement())
 	url := d.cfg.NATSURL
 	if url == "" {
@@ -627,8 +628,8 @@ func (d *Daemon) subscribe(nc *nats.Conn) error {
 
 // Shutdown stops the daemon gracefully within ShutdownTimeout (or ctx):
 // engine requests are refused with code unavailable, in-flight requests
-// and stores drain, the engine closes (L2 write-through finished, events
-// published), the events are flushed to the coordinator, the member leaves
+// and stores drain, the engine closes (L2 write-through finished), the
+// events it emitted are flushed to the coordinator, the member leaves
 // the cluster, then everything closes. Idempotent; later calls wait for
 // the first and return its result.
 func (d *Daemon) Shutdown(ctx context.Context) error {
@@ -661,10 +662,11 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		errs = append(errs, fmt.Errorf("drain engine requests: %w", ctx.Err()))
 	}
-	// 2. The engine drains its stores, finishes L2 writes (under
-	// write-back: every object only L1 holds, issue 18.2), publishes the
-	// last events to the publisher. Bounded by FlushTimeout on its own.
-	// Not built when Start never got past the duplicate check.
+	// 2. The engine drains its stores and finishes L2 writes (under
+	// write-back: every object only L1 holds, issue 18.2); the events
+	// they emit stay in its buffer for the publisher, which keeps pulling.
+	// Bounded by FlushTimeout on its own. Not built when Start never got
+	// past the duplicate check.
 	if eng != nil {
 		fctx, fcancel := context.WithTimeout(context.Background(), d.cfg.FlushTimeout)
 		if err := eng.Close(fctx); err != nil {
@@ -680,10 +682,10 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("%d objects only L1 held were not flushed to L2", st.LostObjects))
 		}
 	}
-	// 3. Every event reaches the coordinator (durably) or is counted lost.
+	// 3. Every event the engine emitted reaches the coordinator (durably)
+	// or is counted lost (flush logs it; the coordinator will resync).
 	if connected {
 		if n := d.pub.flush(ctx); n > 0 {
-			d.log.Error("event batches not acknowledged at shutdown (the coordinator will resync)", zap.Int("batches", n))
 			errs = append(errs, fmt.Errorf("%d event batches not acknowledged", n))
 		}
 	} else {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
@@ -78,6 +79,28 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 	}
 	if st := h.d.Engine().Stats(); st.LostObjects != 0 || st.L2Objects != n {
 		t.Fatalf("after shutdown: %d lost, %d in L2; want 0 and %d", st.LostObjects, st.L2Objects, n)
+	}
+	// Every event reached the coordinator before the rankd left, those of
+	// the L2 writes the engine's Close made included: 1..LastSeq in order
+	// (a batch sent again after a lost reply repeats a few), n L2 stores.
+	h.mu.Lock()
+	evs := slices.Clone(h.events)
+	h.mu.Unlock()
+	next, l2 := uint64(1), 0
+	for _, ev := range evs {
+		if ev.Seq < next {
+			continue
+		}
+		if ev.Seq != next {
+			t.Fatalf("event %d reached the coordinator after %d", ev.Seq, next-1)
+		}
+		next++
+		if ev.Kind == wire.Stored && ev.Tier == wire.L2 {
+			l2++
+		}
+	}
+	if last := h.d.Engine().Stats().LastSeq; next-1 != last || l2 != n {
+		t.Fatalf("the coordinator got events 1..%d with %d L2 stores; the engine emitted 1..%d, want %d L2 stores", next-1, l2, last, n)
 	}
 
 	// Restart on the same L2: every chunk restores from L2.

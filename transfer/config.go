@@ -36,24 +36,9 @@ func (p L2Policy) String() string {
 	return fmt.Sprintf("policy(%d)", uint8(p))
 }
 
-// Publisher receives the engine's placement events, in sequence order, from
-// one goroutine owned by the engine. Publish should return once the batch
-// is handed off (or acknowledged), never block indefinitely (Close waits
-// for it), and not keep b.Events beyond the call unless it owns it (the
-// engine never reuses it); an error makes the engine retry the same
-// batch (PublishRetries times, with backoff) and then drop it, counted and
-// logged: the sequence gap makes the coordinator resync from Inventory.
-type Publisher interface {
-	Publish(b wire.Batch) error
-}
-
-// PublisherFunc adapts a function to a Publisher.
-type PublisherFunc func(b wire.Batch) error
-
-// Publish calls f(b).
-func (f PublisherFunc) Publish(b wire.Batch) error { return f(b) }
-
-// Config configures an Engine. Start from DefaultConfig.
+// Config configures an Engine. Start from DefaultConfig: New validates
+// exactly what it is given and fills in nothing, so a zero field means
+// zero (and is refused where zero is invalid), never "the default".
 type Config struct {
 	// Rank is this rankd's identity (engine instance and TP rank). Required.
 	Rank wire.Rank
@@ -267,27 +252,32 @@ type Config struct {
 	// on the device (two batches pinned at most). For A/B measurements.
 	RetrieveSerialBatches bool
 
-	// Publisher receives event batches. Default nil: events are sequenced
-	// and reflected in Inventory but discarded.
-	Publisher Publisher
-	// EventBatch is the most events in one published batch. Default 1024,
-	// at most wire.MaxBatchEvents.
+	// KeepEvents makes the engine hold its placement events until a
+	// consumer pulls them (EventSource: NextEvents, then AckEvents once
+	// they are durable elsewhere); rankd's publisher is that consumer.
+	// Default false: events are sequenced and reflected in Inventory, but
+	// nothing holds them.
+	KeepEvents bool
+	// EventBatch is the most events NextEvents hands out in one batch.
+	// Default 1024, at most wire.MaxBatchEvents. Larger batches mean fewer
+	// requests to the coordinator, each one longer to commit.
 	EventBatch int
-	// EventBuffer is the most events buffered for the publisher; beyond it
-	// new events are dropped (counted; the gap forces a resync). Default
-	// 1<<20 (about 100 MB of events).
+	// EventBuffer is the most events held for the consumer, those it took
+	// and has not acknowledged included; beyond it new events are dropped
+	// (counted in kvtier_transfer_events_dropped_total; the sequence gap
+	// makes the coordinator resync from Inventory). Default 1<<20 (about
+	// 100 MB of events). Larger rides out a longer coordinator outage
+	// without a resync, at the cost of that memory.
 	EventBuffer int
-	// PublishRetries is how often a failed Publish is retried (with
-	// exponential backoff from 10 ms to 1 s) before the batch is dropped.
-	// Default 5.
-	PublishRetries int
 
-	// Logger receives structured logs. Default zap.NewNop().
+	// Logger receives structured logs. Required; DefaultConfig sets
+	// zap.NewNop().
 	Logger *zap.Logger
 	// Registerer receives the engine's Prometheus metrics, labeled with
 	// the rank. Default nil: metrics are kept (Stats) but not registered.
 	Registerer prometheus.Registerer
-	// Now is the clock (latency metrics, L2 headers). Default time.Now.
+	// Now is the clock (latency metrics, L2 headers). Required;
+	// DefaultConfig sets time.Now.
 	Now func() time.Time
 }
 
@@ -313,79 +303,12 @@ func DefaultConfig() Config {
 		RetrieveBatchBytes: 256 << 20,
 		EventBatch:         1024,
 		EventBuffer:        1 << 20,
-		PublishRetries:     5,
 		Logger:             zap.NewNop(),
 		Now:                time.Now,
 	}
 }
 
-// withDefaults fills zero fields with their defaults.
-func (c Config) withDefaults() Config {
-	d := DefaultConfig()
-	if c.L1Bytes == 0 {
-		c.L1Bytes = d.L1Bytes
-	}
-	if c.L1SlabBytes == 0 {
-		c.L1SlabBytes = d.L1SlabBytes
-	}
-	if c.HighWatermark == 0 {
-		c.HighWatermark = d.HighWatermark
-	}
-	if c.LowWatermark == 0 {
-		c.LowWatermark = d.LowWatermark
-	}
-	if c.L2Policy == 0 {
-		c.L2Policy = d.L2Policy
-	}
-	if c.L2Writers == 0 {
-		c.L2Writers = d.L2Writers
-	}
-	if c.L2CollectGrace == 0 {
-		c.L2CollectGrace = d.L2CollectGrace
-	}
-	if c.L2CollectEvery == 0 {
-		c.L2CollectEvery = d.L2CollectEvery
-	}
-	if c.StoreTimeout == 0 {
-		c.StoreTimeout = d.StoreTimeout
-	}
-	if c.RetrieveTimeout == 0 {
-		c.RetrieveTimeout = d.RetrieveTimeout
-	}
-	if c.Streams == 0 {
-		c.Streams = d.Streams
-	}
-	if c.L2Readers == 0 {
-		c.L2Readers = d.L2Readers
-	}
-	if c.L3Writers == 0 {
-		c.L3Writers = d.L3Writers
-	}
-	if c.L3QueueObjects == 0 {
-		c.L3QueueObjects = d.L3QueueObjects
-	}
-	if c.RetrieveBatchBytes == 0 {
-		c.RetrieveBatchBytes = d.RetrieveBatchBytes
-	}
-	if c.EventBatch == 0 {
-		c.EventBatch = d.EventBatch
-	}
-	if c.EventBuffer == 0 {
-		c.EventBuffer = d.EventBuffer
-	}
-	if c.PublishRetries == 0 {
-		c.PublishRetries = d.PublishRetries
-	}
-	if c.Logger == nil {
-		c.Logger = d.Logger
-	}
-	if c.Now == nil {
-		c.Now = d.Now
-	}
-	return c
-}
-
-// Validate checks every rule of c (after defaults are applied by New).
+// Validate checks every rule of c, exactly as given (New calls it).
 func (c Config) Validate() error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf(format+": %w", append(args, ErrConfig)...)
@@ -421,6 +344,8 @@ func (c Config) Validate() error {
 		return bad("%d L2 readers per retrieve: want 1..256", c.L2Readers)
 	case c.L3Writers < 1 || c.L3Writers > 256:
 		return bad("%d L3 writers: want 1..256", c.L3Writers)
+	case c.RetrieveBatchBytes == 0:
+		return bad("retrieve batch of 0 B: want > 0 (a batch pins at least one slab)")
 	case c.L3QueueObjects < 1:
 		return bad("L3 queue of %d objects: want >= 1", c.L3QueueObjects)
 	case c.L3Encrypt && c.StorageKey == nil:
@@ -431,12 +356,10 @@ func (c Config) Validate() error {
 		return bad("event batch %d: want 1..%d", c.EventBatch, wire.MaxBatchEvents)
 	case c.EventBuffer < c.EventBatch:
 		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
-	case c.PublishRetries < 0:
-		return bad("publish retries %d must be >= 0", c.PublishRetries)
 	case len(c.L2SharedWith) > 0 && c.L2Dir == "" && c.L2 == nil:
 		return bad("L2 shared with %v, but there is no L2", c.L2SharedWith)
 	case c.Logger == nil || c.Now == nil:
-		return bad("logger and clock must be set (New fills them in)")
+		return bad("logger and clock must be set (DefaultConfig sets zap.NewNop and time.Now)")
 	}
 	for _, inst := range c.L2SharedWith {
 		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {

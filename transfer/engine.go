@@ -101,7 +101,6 @@ var rescanHook func(ScanEntry)
 // serves: retrieves read any object from L2 whether or not the rescan
 // reached it, verifying it (C5). WaitRescan waits for the rescan.
 func New(cfg Config) (*Engine, error) {
-	cfg = cfg.withDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -142,7 +141,7 @@ func New(cfg Config) (*Engine, error) {
 	e.ctr.l1CapacityBytes = size
 	e.cat.l2acct.hdr = tier.HeaderBytes(cfg.Rank.Instance)
 	e.cat.l2acct.gauge = &e.ctr.l2Bytes
-	e.ev.init(cfg.Publisher != nil)
+	e.ev.init(cfg.KeepEvents)
 
 	var mac *MACKey
 	if cfg.StorageKey != nil {
@@ -196,7 +195,6 @@ func New(cfg Config) (*Engine, error) {
 		}
 	}
 	// The group is new, so nothing New starts can be refused.
-	e.goroutines.Go("publish", e.publishLoop)
 	e.goroutines.Go("l1-evict", e.evictLoop)
 	if e.l2 != nil {
 		for range cfg.L2Writers {
@@ -316,7 +314,8 @@ func (e *Engine) rescan() error {
 
 // Close drains in-flight stores and retrieves, flushes writes to L2
 // (queued writes; with WriteBackOnEvict also every object only L1 holds),
-// publishes the remaining events and stops every goroutine. When ctx ends
+// and stops every goroutine; the events emitted until it returns stay held
+// for the consumer (EventSource works after Close). When ctx ends
 // first it stops anyway: in-flight device work is cut short (its futures
 // fail), unwritten objects are counted as lost, and ctx's error is
 // returned. Close is idempotent; later calls wait for the first and return
@@ -377,11 +376,8 @@ func (e *Engine) close(ctx context.Context) error {
 	e.goroutines.Close()
 	e.wakeAll()
 	e.goroutines.Wait()
-	// 4. Deliver the last events (one attempt per batch), release memory.
-	if e.cfg.Publisher != nil {
-		for e.publishBatch(false) {
-		}
-	}
+	// 4. Release memory. The events emitted until now stay held for the
+	// consumer, which may take them after Close (EventSource).
 	e.storeStreams.closeAll()
 	e.retrieveStreams.closeAll()
 	e.mu.Lock()
@@ -442,7 +438,6 @@ func (e *Engine) wakeAll() {
 	e.mu.Lock()
 	e.cat.notifyLocked()
 	e.mu.Unlock()
-	kick(e.ev.kick)
 	kick(e.cat.evictKick)
 	kick(e.cat.writeKick)
 	kick(e.l3s.kick)

@@ -53,10 +53,10 @@ func TestL2WriteFailuresAreRetriedAndCounted(t *testing.T) {
 	}
 	tier := &faultyTier{L2Tier: ft, failPuts: 3}
 	core, logs := observer.New(zap.WarnLevel)
-	pub := &pubRecorder{}
 	cfg := engineConfig(t, dev, 0, 1)
-	cfg.L2, cfg.Logger, cfg.Publisher = tier, zap.New(core), pub
+	cfg.L2, cfg.Logger, cfg.KeepEvents = tier, zap.New(core), true
 	e := newEngine(t, cfg)
+	pub := recordEvents(t, e)
 	r.register(e)
 	var cs []chunk
 	for i := range 4 {

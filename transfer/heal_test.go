@@ -21,12 +21,12 @@ func TestReStoreAfterCorruptionHeals(t *testing.T) {
 	r0 := newRig(t, dev, spec, []int64{8})
 	r1 := newRig(t, dev, spec, []int64{8})
 	root := t.TempDir()
-	pub := &pubRecorder{}
 	cfg0 := engineConfig(t, dev, 0, 2)
-	cfg0.L2Dir, cfg0.Publisher = root, pub
+	cfg0.L2Dir, cfg0.KeepEvents = root, true
 	cfg1 := engineConfig(t, dev, 1, 2)
 	cfg1.L2Dir = root
 	e0, e1 := newEngine(t, cfg0), newEngine(t, cfg1)
+	pub := recordEvents(t, e0)
 	r0.register(e0)
 	r1.register(e1)
 	c := r0.newChunk(0, r0.consecutiveN(0))

@@ -299,10 +299,10 @@ func TestStoreAfterL2FileQuarantinedElsewhere(t *testing.T) {
 	closeEngine(t, e1)
 
 	// A restart empties L1; the rescan puts the object in the L2 inventory.
-	pub := &pubRecorder{}
 	cfg2 := cfg
-	cfg2.Registerer, cfg2.Publisher = newRegistry(), pub
+	cfg2.Registerer, cfg2.KeepEvents = newRegistry(), true
 	e2 := newEngine(t, cfg2)
+	pub := recordEvents(t, e2)
 	r.register(e2)
 	key := keyOf(r, c, 0)
 	if st := e2.Stats(); st.L2Objects != 1 {

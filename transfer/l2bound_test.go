@@ -69,14 +69,14 @@ func TestL2BoundHolds(t *testing.T) {
 			const n = 60
 			r := newRig(t, dev, c1Spec(), []int64{int64(2*n + 8)})
 			root := t.TempDir()
-			pub := &pubRecorder{}
 			cfg := engineConfig(t, dev, 0, 1)
-			cfg.L2Dir, cfg.L2Policy, cfg.Publisher = root, policy, pub
+			cfg.L2Dir, cfg.L2Policy, cfg.KeepEvents = root, policy, true
 			cfg.L1Bytes = 8 * (64 << 10) // 8 one-slab objects: write-back evicts often
 			const bound = 300 << 10
 			cfg.L2Bytes = bound
 			cfg.L2Writers = tc.writers
 			e := newEngine(t, cfg)
+			pub := recordEvents(t, e)
 			r.register(e)
 			var objBytes uint64
 			for i := range n {

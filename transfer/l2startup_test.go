@@ -58,9 +58,8 @@ func TestStartServesBeforeRescan(t *testing.T) {
 	unblock := func() { releaseOnce.Do(func() { close(release) }) }
 	t.Cleanup(unblock)
 
-	pub := &pubRecorder{}
 	cfg2 := cfg
-	cfg2.Registerer, cfg2.Publisher = newRegistry(), pub
+	cfg2.Registerer, cfg2.KeepEvents = newRegistry(), true
 	done := make(chan *Engine, 1)
 	go func() {
 		e, err := New(cfg2)
@@ -83,6 +82,7 @@ func TestStartServesBeforeRescan(t *testing.T) {
 		return
 	}
 	defer closeEngine(t, e2)
+	pub := recordEvents(t, e2)
 	select {
 	case <-held:
 	case <-time.After(30 * time.Second):

@@ -93,10 +93,10 @@ func TestL3RestoreAfterL1L2Wiped(t *testing.T) {
 	restart := func() (*Engine, *pubRecorder) {
 		t.Helper()
 		wipe(t, root)
-		pub := &pubRecorder{}
 		c := cfg
-		c.Registerer, c.Publisher = newRegistry(), pub
+		c.Registerer, c.KeepEvents = newRegistry(), true
 		e := newEngine(t, c)
+		pub := recordEvents(t, e)
 		if err := e.WaitL3Scan(testCtx(t)); err != nil {
 			t.Fatal(err)
 		}

@@ -74,8 +74,9 @@ func TestL3DedupedStoreQueuesWhatL3Lacks(t *testing.T) {
 	// Restarted with the bucket up: b is in L2 only; a is stored while the
 	// bucket is down again, so it is in L1 (and L2) but not L3.
 	c2 := cfg
-	c2.Registerer, c2.Publisher = newRegistry(), &pubRecorder{}
+	c2.Registerer, c2.KeepEvents = newRegistry(), true
 	e2 := newEngine(t, c2)
+	recordEvents(t, e2)
 	r.register(e2)
 	storeAll(t, e2, r, "a", a)
 	if err := e2.FlushL3(testCtx(t)); err != nil {
@@ -270,8 +271,9 @@ func TestL3ObjectDeletedDuringReadIsGone(t *testing.T) {
 	closeEngine(t, e1)
 	wipe(t, root)
 	c2 := cfg
-	c2.Registerer, c2.Publisher = newRegistry(), &pubRecorder{}
+	c2.Registerer, c2.KeepEvents = newRegistry(), true
 	e2 := newEngine(t, c2)
+	recordEvents(t, e2)
 	if err := e2.WaitL3Scan(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}

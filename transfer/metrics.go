@@ -141,7 +141,7 @@ type Stats struct {
 	LastSeq          uint64 // last event sequence assigned
 	EventsPublished  uint64
 	EventsDropped    uint64
-	PublishedThrough uint64 // highest sequence handed to the Publisher
+	PublishedThrough uint64 // highest sequence the consumer acknowledged (AckEvents)
 }
 
 // Stats returns a snapshot of the counters.
@@ -273,8 +273,8 @@ func newCollector(c *counters, rank string) *collector {
 	add("peer_l1_dead_holder_total", "Peer host L1 segments found left by a rankd that died without closing them (kill -9): never read; its next start replaces them.")
 	add("host_l1_collected_total", "Host L1 segment files of an earlier run of this rank (its segment, temporary files) collected at start.")
 	add("peer_l1_stale_total", "Objects another rank's L1 catalog listed but that were evicted or replaced before this rank's lease (read from L2 or failed).")
-	add("events_published_total", "Events handed to the publisher.")
-	add("events_dropped_total", "Events dropped (buffer full or publish failed); the gap forces a resync.")
+	add("events_published_total", "Events the consumer acknowledged (published and durable at the coordinator).")
+	add("events_dropped_total", "Events dropped because the event buffer was full; the gap forces a resync.")
 	add("event_seq", "Last event sequence number assigned.")
 	return cl
 }

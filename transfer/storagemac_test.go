@@ -108,10 +108,10 @@ func TestStorageMACL2RescanAnnouncesOnlyVerified(t *testing.T) {
 	rewrite(cs[5], func(b []byte) []byte { return asFormat1(t, b) })
 	bad := map[dcp.Key]bool{keyOf(r, cs[1], 0): true, keyOf(r, cs[3], 0): true, keyOf(r, cs[5], 0): true}
 
-	pub := &pubRecorder{}
 	cfg2 := cfg
-	cfg2.Registerer, cfg2.Publisher = newRegistry(), pub
+	cfg2.Registerer, cfg2.KeepEvents = newRegistry(), true
 	e2 := newEngine(t, cfg2)
+	pub := recordEvents(t, e2)
 	defer closeEngine(t, e2)
 	if err := e2.WaitRescan(testCtx(t)); err != nil {
 		t.Fatal(err)
@@ -222,10 +222,10 @@ func TestStorageMACL3ScanAnnouncesOnlyVerified(t *testing.T) {
 	bad := map[dcp.Key]bool{keyOf(r, cs[0], 0): true, keyOf(r, cs[2], 0): true, keyOf(r, cs[4], 0): true}
 
 	wipe(t, root) // the rank's L2 is lost: the case L3 exists for
-	pub := &pubRecorder{}
 	cfg2 := cfg
-	cfg2.Registerer, cfg2.Publisher = newRegistry(), pub
+	cfg2.Registerer, cfg2.KeepEvents = newRegistry(), true
 	e2 := newEngine(t, cfg2)
+	pub := recordEvents(t, e2)
 	defer closeEngine(t, e2)
 	if err := e2.WaitL3Scan(testCtx(t)); err != nil {
 		t.Fatal(err)
