@@ -73,11 +73,11 @@ type Daemon struct {
 	// watch it.
 	life     context.Context
 	stopLife context.CancelFunc
-	wg       sync.WaitGroup
 	// requests starts the goroutine of each engine request being served
 	// (api.go); Shutdown closes it with closing and waits for it (step 1).
 	requests *group.Group
-	// goroutines starts the daemon's other goroutines (inventory pages,
+	// goroutines starts the daemon's other goroutines (the HTTP server,
+	// the event publisher, the watch and heartbeat loops, inventory pages,
 	// blocks-freed waits); Shutdown closes it with stopped and waits for
 	// it (step 5).
 	goroutines *group.Group
@@ -258,13 +258,15 @@ func (d *Daemon) Start(ctx context.Context) error {
 		}
 		d.httpLn = ln
 		d.httpSrv = &http.Server{Handler: d.httpHandler(), ReadHeaderTimeout: 5 * time.Second}
-		d.wg.Add(1)
-		go func() {
-			defer d.wg.Done()
-			if err := d.httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		srv := d.httpSrv
+		if !d.goroutines.Go("http", func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				d.log.Error("HTTP server stopped", zap.Error(err))
 			}
-		}()
+		}) {
+			_ = ln.Close()
+			return fmt.Errorf("rankd %s: shut down while starting: %w", d.cfg.Rank, ErrClosed)
+		}
 		// The address is not gossiped (issue 28.2: every gossip key holder
 		// would read it); operators find it in the start log line.
 	}
@@ -340,19 +342,18 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Unlock()
 	nc.SetReconnectHandler(func(*nats.Conn) { d.pub.reconnected() })
 	d.pub.setConn(nc)
-	d.wg.Add(3)
-	go func() {
-		defer d.wg.Done()
-		d.pub.run(d.stop)
-	}()
-	go func() {
-		defer d.wg.Done()
-		d.watchLoop()
-	}()
-	go func() {
-		defer d.wg.Done()
-		d.heartbeatLoop()
-	}()
+	for _, g := range []struct {
+		name string
+		f    func()
+	}{
+		{"events", func() { d.pub.run(d.stop) }},
+		{"watch", d.watchLoop},
+		{"heartbeat", d.heartbeatLoop},
+	} {
+		if !d.goroutines.Go(g.name, g.f) {
+			return fmt.Errorf("rankd %s: shut down while starting: %w", d.cfg.Rank, ErrClosed)
+		}
+	}
 
 	if err := d.subscribe(nc); err != nil {
 		return err
@@ -720,7 +721,6 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 		_ = d.httpSrv.Shutdown(sctx)
 		scancel()
 	}
-	d.wg.Wait()
 	d.goroutines.Wait()
 	d.mu.Lock()
 	subs, nc := d.subs, d.nc
