@@ -58,7 +58,6 @@ func (ix *Index) logSlow(f *flight) {
 // (publish, then answer) and hands the next txn to the writer as soon as
 // the previous one has landed.
 func (ix *Index) run() {
-	defer ix.wg.Done()
 	defer close(ix.writes)
 	var timer *time.Timer
 	for {
@@ -146,7 +145,6 @@ func (ix *Index) run() {
 
 // writer commits txns to bbolt, one at a time, for the committer.
 func (ix *Index) writer() {
-	defer ix.wg.Done()
 	for f := range ix.writes {
 		err := ix.db.Update(func(tx *bolt.Tx) error {
 			if f.t != nil {
@@ -353,15 +351,16 @@ func (ix *Index) land(err error) {
 		gen, dirty, logBytes := ix.cutDirty()
 		j := &foldJob{f: &fold{gen: gen, logBytes: logBytes}, below: ix.nextLog, start: time.Now(), sorted: make(chan struct{})}
 		ix.folding, ix.st.folding = j, gen
-		ix.wg.Add(1)
-		go func() {
-			defer ix.wg.Done()
+		sort := func() {
 			defer close(j.sorted)
 			if h := testHookFoldSort; h != nil {
 				h()
 			}
 			j.f.refs, j.f.prevs = sortDirty(dirty.flat())
-		}()
+		}
+		if !ix.goroutines.Go("fold-sort", sort) {
+			sort() // closing: Close's final checkpoint waits for it anyway
+		}
 	}
 }
 

@@ -19,7 +19,12 @@
 // publishes the change to the in-memory state and only then answers. The
 // C7 rules are applied by a pure core (txn.go) in queue order. Queries (Lookup, LookupInto, Get, ListRank, Ranks, ListNamespace,
 // Namespaces, Stats) read the in-memory state under a read lock and never
-// touch bbolt. Close is idempotent and waits for the committer.
+// touch bbolt. Close is idempotent and waits for the committer. One group
+// (internal/group, STYLE 21) starts every goroutine of the index: the
+// committer, the writer, and the work they hand off (a fold's sort,
+// Verify's copy and comparison, a Dump's encoding, chunk-list
+// compactions); Close closes it first and waits for all of them, and work
+// handed off during the committer's final drain runs on the committer.
 //
 // Every call that writes placements checks them first (validate.go): the
 // rules about the index's data are the index's (STYLE 31), among them that

@@ -33,3 +33,11 @@ func Compacting(ix *Index) int {
 	defer ix.mu.RUnlock()
 	return len(ix.st.compacting)
 }
+
+// CloseGoroutines closes ix's goroutine group as Close does first, without
+// stopping the committer: every later hand-off is refused and runs on the
+// committer (Close then waits as usual).
+func CloseGoroutines(ix *Index) { ix.goroutines.Close() }
+
+// Goroutines is how many goroutines ix's group is running.
+func Goroutines(ix *Index) int { return ix.goroutines.Running() }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/wire"
 	bolt "go.etcd.io/bbolt"
 	"go.uber.org/zap"
@@ -89,12 +90,17 @@ type Index struct {
 	// closeMu guards closed: senders hold it for reading while they queue
 	// a request, so once Close holds it for writing no request can arrive
 	// after the committer's final drain.
-	closeMu   sync.RWMutex
-	closed    bool
-	stop      chan struct{}
-	wg        sync.WaitGroup
-	closeOnce sync.Once
-	closeErr  error
+	closeMu sync.RWMutex
+	closed  bool
+	stop    chan struct{}
+	// goroutines starts every goroutine of the index (STYLE 21): the
+	// committer and the writer, and the work they hand off (a fold's
+	// sort, Verify's copy and comparison, a Dump's encoding, chunk-list
+	// compactions). Close closes it first; work handed off after that
+	// (by the committer's final drain) runs on the committer instead.
+	goroutines *group.Group
+	closeOnce  sync.Once
+	closeErr   error
 
 	// Owned by the committer goroutine (and Open, before it starts); the
 	// writer reads nextLog and the flight it is handed.
@@ -198,12 +204,13 @@ func Open(cfg Config) (*Index, error) {
 		return nil, err
 	}
 	ix := &Index{
-		cfg:  cfg,
-		log:  cfg.Logger.Named("index"),
-		met:  newMetrics(),
-		db:   db,
-		reqs: make(chan *request, cfg.QueueDepth),
-		stop: make(chan struct{}),
+		cfg:        cfg,
+		log:        cfg.Logger.Named("index"),
+		met:        newMetrics(),
+		db:         db,
+		reqs:       make(chan *request, cfg.QueueDepth),
+		stop:       make(chan struct{}),
+		goroutines: group.New("index"),
 	}
 	fail := func(err error) (*Index, error) {
 		_ = db.Close()
@@ -225,7 +232,7 @@ func Open(cfg Config) (*Index, error) {
 		return fail(fmt.Errorf("open %s: %w", cfg.Path, err))
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
-	ix.st.bg = &ix.wg // compactions off the committer from now on
+	ix.st.bg = ix.goroutines // compactions off the committer from now on
 	ix.view.Store(ix.st.buildView(nil))
 	ix.applied = ld.applied
 	ix.appliedPub.Store(ld.applied)
@@ -240,9 +247,8 @@ func Open(cfg Config) (*Index, error) {
 		zap.Int("log_records", ld.logRecords), zap.Int64("log_bytes", ld.logBytes),
 		zap.Duration("took", time.Since(start)))
 	ix.writes = make(chan *flight)
-	ix.wg.Add(2)
-	go ix.run()
-	go ix.writer()
+	ix.goroutines.Go("committer", ix.run) // a new group refuses nothing
+	ix.goroutines.Go("writer", ix.writer)
 	return ix, nil
 }
 
@@ -331,8 +337,9 @@ func (ix *Index) Close() error {
 		ix.closeMu.Lock()
 		ix.closed = true
 		ix.closeMu.Unlock()
+		ix.goroutines.Close()
 		close(ix.stop)
-		ix.wg.Wait()
+		ix.goroutines.Wait()
 		if err := ix.db.Close(); err != nil && ix.closeErr == nil {
 			ix.closeErr = fmt.Errorf("close %s: %w: %w", ix.cfg.Path, ErrStore, err)
 		}

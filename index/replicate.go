@@ -327,7 +327,7 @@ func (ix *Index) restore(r *request) {
 		return
 	}
 	ix.db = db
-	ld.st.bg = &ix.wg
+	ld.st.bg = ix.goroutines
 	ix.mu.Lock()
 	ix.st = ld.st
 	ix.mu.Unlock()
@@ -410,15 +410,16 @@ func (ix *Index) Dump(ctx context.Context) (Dump, error) {
 }
 
 // startDump copies the state at a barrier and encodes it on a goroutine
-// tracked in ix.wg, which answers r.
+// of ix.goroutines, which answers r.
 func (ix *Index) startDump(r *request) {
 	live, applied := ix.st.snapshot(), ix.applied
-	ix.wg.Add(1)
-	go func() {
-		defer ix.wg.Done()
+	encode := func() {
 		r.dump = Dump{RaftIndex: applied, Bytes: encodeDump(live)}
 		close(r.done)
-	}()
+	}
+	if !ix.goroutines.Go("dump", encode) {
+		encode() // closing: on the committer
+	}
 }
 
 func encodeDump(st *state) []byte {

@@ -5,9 +5,9 @@ import (
 	"cmp"
 	"maps"
 	"slices"
-	"sync"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -211,8 +211,9 @@ type state struct {
 	compactQ []uint32
 	// bg, set on the committer's state (nil while Open replays and in
 	// the model tests): compactions run on goroutines of their own,
-	// counted by bg; compacting lists those in flight (compaction).
-	bg         *sync.WaitGroup
+	// started by bg (Index.goroutines); compacting lists those in flight
+	// (compaction).
+	bg         *group.Group
 	compacting []*compaction
 	// undo, while a Verify copies the chunks off the committer
 	// (Index.copyChunks): for every chunk changed since Verify's barrier,
@@ -431,16 +432,17 @@ func (st *state) startCompaction(r *rankState) {
 	}
 	r.compact = c
 	st.compacting = append(st.compacting, c)
-	st.bg.Add(1)
-	go func() {
-		defer st.bg.Done()
+	work := func() {
 		kept := compactRefs(src.flat(), r.id, cms)
 		if h := testHookCompact; h != nil {
 			h(r.rank)
 		}
 		c.kept = kept
 		close(c.done)
-	}()
+	}
+	if !st.bg.Go("compaction", work) {
+		work() // the index is closing: on the committer, installed as if it had run apart
+	}
 }
 
 // testHookCompact, when set (tests), runs on a compaction's goroutine

@@ -330,7 +330,7 @@ func checkInvariants(pr *problems, st *state) {
 
 // startVerify takes, at a barrier, a bbolt read transaction and the shell
 // of the live state (namespaces and ranks, O(namespaces + ranks)) and
-// compares them on a goroutine (tracked in ix.wg), which answers r. That
+// compares them on a goroutine (ix.goroutines), which answers r. That
 // goroutine first copies the chunk maps off the committer (copyChunks):
 // the committer records, from the barrier on, the barrier value of every
 // chunk it changes (state.undo), so the copy describes the barrier's
@@ -368,16 +368,17 @@ func (ix *Index) startVerify(r *request) {
 		st.undo = make(map[chunkRef]undoVal)
 		ix.mu.Unlock()
 	}
-	ix.wg.Add(1)
-	go func() {
-		defer ix.wg.Done()
+	compare := func() {
 		if !copying {
 			ix.copyChunks(st, live)
 		}
 		r.report = verifyAgainst(live, tx)
 		_ = tx.Rollback()
 		close(r.done)
-	}()
+	}
+	if !ix.goroutines.Go("verify", compare) {
+		compare() // closing: on the committer, which has nothing left to commit
+	}
 }
 
 // copySlice is how many chunks copyChunks copies per hold of the read
