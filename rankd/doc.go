@@ -2,7 +2,10 @@
 // rank's transfer engine (package transfer), serves the engine API (register,
 // store, retrieve, release, status) and the inventory over NATS
 // request/reply, publishes the engine's placement events to the coordinator
-// in order and waits for their durable acknowledgment, reports restore
+// in order and waits for their durable acknowledgment (pulling each batch
+// from the engine's event buffer, the only queue, when its window of
+// unacknowledged batches has room, and acknowledging it back to the engine
+// only after the coordinator did), reports restore
 // results to the coordinator, and joins the memberlist cluster with its rank
 // identity and incarnation.
 //

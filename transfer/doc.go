@@ -2,8 +2,11 @@
 // rankd: pool registration, store futures that each own their producer event
 // (C1), objects packed at the declared page width (C2) with their kvsum64
 // checksums, the L1 pinned pool with LRU eviction and pins, and the L2 file
-// tier that survives restarts (C6). It publishes every placement change as an
-// event; it never decides cluster-wide completeness (that is the coordinator's).
+// tier that survives restarts (C6). It sequences every placement change as an
+// event and holds the events in one bounded buffer until its consumer (rankd's
+// publisher) pulls and acknowledges them (EventSource: it never pushes nor
+// retries); it never decides cluster-wide completeness (that is the
+// coordinator's).
 //
 // Usage (in-process or behind the daemon):
 //
@@ -16,6 +19,8 @@
 //	err = e.WaitRequest(ctx, reqID)                  // every store of the request
 //	rr, err := e.Retrieve(ctx, retrieveReq)          // placed and verified, per item
 //	inv := e.Inventory()                             // for a coordinator resync
+//	b, ok := e.NextEvents()                          // KeepEvents: the next batch (Ready wakes)
+//	e.AckEvents(b.Events[len(b.Events)-1].Seq)       // once durable: released from the buffer
 //	err = e.Release(ns, s.ID, owner)                 // the engine is going away
 //	err = e.Close(ctx)                               // drain, flush, stop
 //
@@ -64,15 +69,15 @@
 // Engine.mu, the table of mapped peer segments registered with the
 // device, and the retrieve's reads from peers).
 //
-// Locks, outermost first: Engine.mu (guards the catalog, sessions,
-// futures, the L2 and L3 accounting and the holder's side of the host L1
-// segment); then peerTable.mu (the mapped peer segments and their
-// reference counts; taken alone, or inside Engine.mu when a retrieve
-// drops its peer references). transfer/tier takes no lock of its own;
-// transfer/hostl1 is lock-free (atomics, seqlocked slots and leases). No lock is held
-// across a NATS request (the engine makes none: it hands events to the
-// Publisher outside Engine.mu), nor across an L2 or L3 Put (the writers
-// unlock around it).
+// Locks, outermost first: Engine.mu (guards the catalog, sessions, futures,
+// the event buffer, the L2 and L3 accounting and the holder's side of the
+// host L1 segment); then peerTable.mu (the mapped peer segments and their
+// reference counts; taken alone, or inside Engine.mu when a retrieve drops
+// its peer references). transfer/tier takes no lock of its own;
+// transfer/hostl1 is lock-free (atomics, seqlocked slots and leases). No
+// lock is held across a NATS request (the engine makes none: its consumer
+// pulls events with NextEvents and sends them itself), nor across an L2 or
+// L3 Put (the writers unlock around it).
 //
 // The package must never: release a producer event before the device has
 // read the store's pages and its objects are committed; key in-flight work by
