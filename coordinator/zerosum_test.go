@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
+	"github.com/nats-io/nats.go"
 )
 
 // TestZeroSumRejectedAtIngest (issue 11.8): a Stored event with sum 0 is
@@ -60,7 +61,16 @@ func TestZeroSumInventoryRefused(t *testing.T) {
 	}
 	inv := inventoryOf(r, 1, 5, b.Events)
 	inv.Objects[1].Sum = 0
-	serveInventory(t, c, r, inv)
+	rankNC := connect(t, c)
+	srv := newInventoryServer(2)
+	sub, err := rankNC.Subscribe(c.subj.Inventory(r), func(m *nats.Msg) { srv.serve(m, func() wire.Inventory { return inv }) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	if err := rankNC.Flush(); err != nil { // the subscription is in place before the request
+		t.Fatal(err)
+	}
 	done, err := c.resyncOnce(tctx(t), r)
 	want := "inventory of eng/0 incarnation 1: object 1 (" + b.Events[1].Key.String() +
 		", L1) has sum 0: every stored object has a nonzero kvsum64: wire: malformed message"
