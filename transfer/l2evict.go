@@ -37,7 +37,7 @@ func promptTag(requestID string) uint64 {
 // concurrently, so the order its objects reach L2 is not their order in
 // the prompt; the position is (wire.ChunkBlocks.Pos).
 type promptPos struct {
-	tag uint64 // promptTag; 0: none (an object a retrieve loaded)
+	tag uint64 // promptTag; 0: none (an object a retrieve loaded or the L2 rescan found)
 	pos uint32 // the chunk's index in the prompt; 0 when the engine sends none
 }
 
@@ -181,10 +181,11 @@ type l2FreeSpacer interface {
 // what a restore needs; with MLA the other TP ranks read them only there)
 // whatever order its concurrent stores reach L2 in (issue 29.3). Its
 // objects at later positions are picked only once no other prompt's
-// object is left to pick, the highest positions first: a prompt's earlier
-// chunks displace its later ones, never another prompt's less recently
-// used objects first. Objects with no position (an engine that sends
-// none: all at 0) are all protected against their own prompt.
+// object is left to pick, the highest positions first, and only for room
+// the deletes in flight do not make: a prompt's earlier chunks displace
+// its later ones, never another prompt's less recently used objects
+// first. Objects with no position (an engine that sends none: all at 0)
+// are all protected against their own prompt.
 //
 // fits says whether the write then fits the bound; when it does not,
 // other writes or deletes are in flight (pending), nothing is left to
@@ -250,16 +251,33 @@ func (e *Engine) l2MakeRoomLocked(need uint64, prompt promptPos) (victims []l2Vi
 		evict(u, ent)
 	}
 	// Then the prompt's later positions, the highest first (the least
-	// recently used first among one position's objects: stable).
+	// recently used first among one position's objects: stable). Only for
+	// room that the deletes in flight (other writers' victims, this
+	// call's) do not make once they return: concurrent writers of the
+	// prompt would otherwise each evict its objects for the same room, and
+	// a prompt's chunk evicted is gone from L2 for good (its write is not
+	// tried again). Without room then, the caller waits for the deletes.
+	var deleting uint64
+	if len(later) > 0 {
+		for _, b := range a.deleting {
+			deleting += b
+		}
+	}
+	roomOnceDeleted := func() bool {
+		overBound := bound != 0 && a.bytes+a.pending-deleting+need > bound
+		return !overBound && freed >= deficit
+	}
 	slices.SortStableFunc(later, func(x, y l2Use) int {
 		return cmp.Compare(c.l2[y.key].prompt.pos, c.l2[x.key].prompt.pos)
 	})
 	for i, u := range later {
-		if room() {
+		if roomOnceDeleted() {
 			keep = append(keep, later[i:]...)
 			break
 		}
-		evict(u, c.l2[u.key])
+		ent := c.l2[u.key]
+		evict(u, ent)
+		deleting += c.fileBytes(ent.size)
 	}
 	for _, u := range keep {
 		heap.Push(&a.lru, u)

@@ -191,6 +191,57 @@ func TestL2BoundKeepsTheLowestPositions(t *testing.T) {
 	}
 }
 
+// TestL2MakeRoomForAPromptsEarlierChunk (issue 29.3 i): the decision of
+// l2MakeRoomLocked with deletes in flight. L2 holds a prompt's positions 1
+// (4 units) and 2 (2 units) under a bound of 9 units while another
+// writer's victim of 3 units is being deleted. A write of the prompt's
+// position 0 that the delete makes room for evicts nothing (its writer
+// waits); one that needs more evicts position 2 only, not position 1.
+// Seen red with the prompt's later objects evicted for room the deletes
+// in flight make: concurrent writers of a prompt (enginesim with its
+// positions reversed) each evicted its objects for the same room, and the
+// first write here evicted both positions.
+func TestL2MakeRoomForAPromptsEarlierChunk(t *testing.T) {
+	dev := openDevice(t, "")
+	cfg := engineConfig(t, dev, 0, 1)
+	const u = 1 << 16
+	cfg.L2Dir, cfg.L2Bytes = t.TempDir(), 9*u
+	e := newEngine(t, cfg)
+	<-e.rescanDone
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, a := &e.cat, &e.cat.l2acct
+	key := func(i int) dcp.Key { return dcp.Key{Chunk: chunkHash(i)} }
+	prompt := func(pos uint32) promptPos { return promptPos{tag: promptTag("prompt"), pos: pos} }
+	c.l2Set(key(1), l2Entry{size: 4*u - a.hdr, prompt: prompt(1)}, 0)
+	c.l2Set(key(2), l2Entry{size: 2*u - a.hdr, prompt: prompt(2)}, 0)
+	a.pending += 3 * u // another writer's victim, its delete running
+	a.deleting[key(9)] += 3 * u
+	positions := func(vs []l2Victim) (out []uint32) {
+		for _, v := range vs {
+			out = append(out, v.ent.prompt.pos)
+		}
+		return out
+	}
+	victims, fits, _, err := e.l2MakeRoomLocked(3*u, prompt(0))
+	if err != nil || len(victims) != 0 || fits {
+		t.Fatalf("room the delete in flight makes: evicted positions %v, fits %v, %v; want none and not yet (wait)", positions(victims), fits, err)
+	}
+	victims, fits, _, err = e.l2MakeRoomLocked(5*u, prompt(0))
+	if err != nil || len(victims) != 1 || victims[0].key != key(2) || fits {
+		t.Fatalf("room beyond the delete in flight: evicted positions %v, fits %v, %v; want position 2 alone, then wait", positions(victims), fits, err)
+	}
+	e.l2EvictedLocked(victims, make([]error, len(victims)))
+	a.pending -= 3 * u
+	delete(a.deleting, key(9))
+	if victims, fits, _, err = e.l2MakeRoomLocked(5*u, prompt(0)); err != nil || len(victims) != 0 || !fits {
+		t.Fatalf("after the deletes: evicted positions %v, fits %v, %v; want none and room", positions(victims), fits, err)
+	}
+	if _, ok := c.l2[key(1)]; !ok {
+		t.Fatal("position 1 was evicted")
+	}
+}
+
 // TestReStoreRewritesAnEvictedL2Copy (issue 29.3 ii): an object L2 evicted
 // to stay under its bound while L1 kept it is written to L2 again when it
 // is stored again (deduplicated against L1), so a restart still finds it.
