@@ -21,6 +21,7 @@ import (
 //	<p>.coord.<op>                         unscoped engine subjects and report: served only by an --insecure
 //	                                       coordinator, for clients from before C9
 //	<p>.admin.<op>                         operators -> coordinator (members, ranks, object, namespaces, restores, verify)
+//	<p>.kvevents.<instance>                coordinator -> routers, publish: JSON KVEventBatch (opt-in; docs/kvevents.md)
 //
 // Inventories are paged, so a rank of any size fits the NATS payload limit
 // (8 MiB): the coordinator sends InventoryRequest{Page: 0} (no snapshot);
