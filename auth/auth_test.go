@@ -501,3 +501,55 @@ func TestTLS(t *testing.T) {
 		t.Fatal("a client without the cluster CA connected (the certificate is self-signed)")
 	}
 }
+
+// TestKVEventsOnlyForRouters: the coordinator publishes KV events, the
+// admin identity (a router) receives every instance's, and an engine
+// cannot subscribe to another instance's events (nor to its own: they
+// are for routers), nor can a rank or admin-write.
+func TestKVEventsOnlyForRouters(t *testing.T) {
+	c := start(t, false)
+	coord, _ := c.conn(auth.Identity{Role: auth.RoleCoordinator})
+	router, _ := c.conn(auth.Identity{Role: auth.RoleAdmin})
+	sub, err := router.SubscribeSync(subj.KVEventsAll())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := router.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := coord.Publish(subj.KVEvents("engine1"), []byte(`{"ts":1,"events":[]}`)); err != nil {
+		t.Fatal(err)
+	}
+	if !received(t, coord, sub) {
+		t.Fatal("the router did not receive the coordinator's KV events")
+	}
+	for _, tc := range []struct {
+		id      auth.Identity
+		subject string
+	}{
+		{auth.Engine("engine0"), subj.KVEvents("engine1")},
+		{auth.Engine("engine0"), subj.KVEvents("engine0")},
+		{auth.Engine("engine0"), subj.KVEventsAll()},
+		{auth.Rankd(rank0), subj.KVEvents("engine1")},
+		{auth.Identity{Role: auth.RoleAdminWrite}, subj.KVEventsAll()},
+	} {
+		nc, errs := c.conn(tc.id)
+		if _, err := nc.SubscribeSync(tc.subject); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		wantViolation(t, errs, tc.id.String()+" subscribing "+tc.subject)
+	}
+	// Nobody but the coordinator may publish them (a forged removal would
+	// steer a router away from a cache).
+	eng, errs := c.conn(auth.Engine("engine1"))
+	if err := eng.Publish(subj.KVEvents("engine1"), []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	if err := eng.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	wantViolation(t, errs, "engine1 publishing its KV events")
+}

@@ -26,13 +26,14 @@ type Perm struct {
 // prefix (wire.Subjects). Every identity may subscribe to its own inbox
 // (InboxPrefix) and nothing wider; no set contains a full wildcard.
 //
-//	coordinator  pub  <p>.rank.*.*.inventory
+//	coordinator  pub  <p>.rank.*.*.inventory, <p>.kvevents.*
 //	             sub  <p>.events.>, <p>.heartbeat.>, <p>.coord.>, <p>.admin.>; replies
 //	rankd i/t    pub  <p>.events.i.t, <p>.heartbeat.i.t, <p>.coord.restore.report.i.t, <p>.rank.i.t.freed
 //	             sub  <p>.rank.i.t.inventory, <p>.rank.i.t.engine.*; replies
 //	engine i     pub  <p>.rank.i.*.engine.*, <p>.coord.<op>.i for the engine ops
 //	             sub  <p>.rank.i.*.freed
 //	admin        pub  <p>.admin.<op> for the read-only ops
+//	             sub  <p>.kvevents.* (routers: KV events, docs/kvevents.md)
 //	admin-write  pub  <p>.admin.>
 func Permissions(id Identity, prefix string) Perm {
 	s := wire.Subjects{Prefix: prefix}
@@ -45,7 +46,7 @@ func Permissions(id Identity, prefix string) Perm {
 	switch id.Role {
 	case RoleCoordinator:
 		out = Perm{
-			Publish:   []string{p + ".rank.*.*.inventory"},
+			Publish:   []string{p + ".rank.*.*.inventory", s.KVEventsAll()},
 			Subscribe: []string{s.EventsAll(), s.HeartbeatAll(), p + ".coord.>", p + ".admin.>"},
 			Responses: true,
 		}
@@ -66,6 +67,11 @@ func Permissions(id Identity, prefix string) Perm {
 		for _, op := range wire.AdminReadOps {
 			out.Publish = append(out.Publish, s.Admin(op))
 		}
+		// A router holds the admin identity: it reads every instance's
+		// KV events (which prompts' chunks are cached where), as it may
+		// already ask admin.route. No engine identity may: an engine
+		// would learn what other tenants computed.
+		out.Subscribe = []string{s.KVEventsAll()}
 	case RoleAdminWrite:
 		out.Publish = []string{s.Admin(">")}
 	}

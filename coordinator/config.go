@@ -247,6 +247,15 @@ type Config struct {
 	// others' prompts were, within a cache_salt.
 	ShareGroups []ShareGroup
 
+	// KVEvents publishes KV events for routers (docs/kvevents.md): per
+	// engine instance, on wire.Subjects.KVEvents, which chunks a restore
+	// by it could read whole from which medium, in vLLM's KV-events
+	// shape. Only the serving coordinator publishes (the raft leader).
+	// Default false. KVEventsQueue bounds the changes waiting for the
+	// publisher (default 4096); past it the publisher sends a snapshot.
+	KVEvents      bool
+	KVEventsQueue int
+
 	// IndexMaxFileBytes caps the bbolt index file, in bytes
 	// (index.Config.MaxFileBytes): a commit that would grow it further
 	// fails, the index refuses writes until the coordinator restarts with
@@ -319,6 +328,7 @@ func DefaultConfig() Config {
 		MaxActiveRestoresPerInstance: 4096,
 		MaxWaitersPerRestore:         64,
 		MaxWaiters:                   262144,
+		KVEventsQueue:                4096,
 		Raft:                         DefaultRaftConfig(),
 
 		Logger: zap.NewNop(),
@@ -437,6 +447,9 @@ func (c *Config) Validate() error {
 	if c.MaxActiveRestoresPerInstance > c.MaxActiveRestores {
 		return fmt.Errorf("max active restores per instance %d exceeds max active restores %d: %w",
 			c.MaxActiveRestoresPerInstance, c.MaxActiveRestores, ErrConfig)
+	}
+	if c.KVEvents && c.KVEventsQueue < 1 {
+		return fmt.Errorf("KV events queue %d must be >= 1: %w", c.KVEventsQueue, ErrConfig)
 	}
 	if c.IndexMaxFileBytes < 0 {
 		return fmt.Errorf("index max file bytes %d must be >= 0 (0: no cap): %w", c.IndexMaxFileBytes, ErrConfig)

@@ -99,6 +99,10 @@ type Coordinator struct {
 
 	auth authState
 
+	// kv is the KV event publisher for routers (kvevents.go); nil unless
+	// Config.KVEvents.
+	kv *kvEvents
+
 	rs   *restores
 	live *liveTable // the rankd incarnations seen in memberlist
 	// repl is how the index is changed: standalone, or replicated through
@@ -182,6 +186,12 @@ func New(cfg Config) (*Coordinator, error) {
 	}
 	if err := c.reg.Register(c.deaths.met); err != nil {
 		return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+	}
+	if cfg.KVEvents {
+		c.kv = newKVEvents(cfg.KVEventsQueue)
+		if err := c.reg.Register(c.kv.met); err != nil {
+			return nil, fmt.Errorf("register coordinator metrics: %w: %w", ErrConfig, err)
+		}
 	}
 	c.repl = standalone{c}
 	if cfg.Raft.Enabled() {
@@ -366,6 +376,12 @@ func (c *Coordinator) start() error {
 	if !c.goroutines.Go("death-check", c.deathLoop) {
 		return fmt.Errorf("start the death check: %w", ErrClosed)
 	}
+	if c.kv != nil {
+		if !c.goroutines.Go("kv-events", c.kvWorker) {
+			return fmt.Errorf("start the KV event publisher: %w", ErrClosed)
+		}
+		c.kvWake() // the first snapshot, once this coordinator serves
+	}
 	if c.rebuilding {
 		c.resyncAllRanks()
 	}
@@ -511,6 +527,9 @@ func (c *Coordinator) Shutdown() {
 	}
 	c.reg.Unregister(c.met)
 	c.reg.Unregister(c.deaths.met)
+	if c.kv != nil {
+		c.reg.Unregister(c.kv.met)
+	}
 	c.log.Info("coordinator shut down", zap.Duration("took", time.Since(t0)))
 }
 

@@ -666,6 +666,7 @@ func (c *Coordinator) confirmDeath(s suspect, by string, now time.Time) {
 		}
 		return
 	}
+	c.kvRankChanged(r, nil)
 	took := time.Since(s.since)
 	c.met.fences.WithLabelValues(cause).Inc()
 	c.met.fenced.Add(float64(n))

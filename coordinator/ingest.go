@@ -66,6 +66,9 @@ func (c *Coordinator) ingestAcker(jobs <-chan ingestJob) {
 	for j := range jobs {
 		out, err := j.pending.Wait()
 		c.batchDone(j.b.Rank)
+		if err == nil {
+			c.kvBatchApplied(j.b, out)
+		}
 		c.finishBatch(j.m, j.b, j.t0, out, err)
 	}
 }
@@ -383,6 +386,7 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 		return true, fmt.Errorf("inventory of incarnation %d requested at fence generation %d, rank fenced since (generation %d): %w",
 			inv.Incarnation, gen, out.FenceGen, errFencedSince)
 	case out.Applied:
+		c.kvRankChanged(r, inv)
 		if known && inv.Incarnation > prev {
 			// A restarted rank answered: the incarnation restores expect
 			// is gone.

@@ -267,6 +267,7 @@ func (c *Coordinator) handleRankReset(m *nats.Msg) {
 		return
 	}
 	c.hb.forget(r)
+	c.kvRankChanged(r, nil)
 	c.setResetting(r, false) // before the reply: a batch sent on its receipt is not refused as resetting
 	c.log.Warn("rank reset by an operator", zap.Stringer("rank", r), zap.Uint64("previous_incarnation", prev),
 		zap.Int("placements", n), zap.Int("restores_failed", failed))

@@ -270,6 +270,7 @@ func (r *replicated) health() (string, bool) { return r.n.Health() }
 // memberlist reported while this node followed were the old leader's to
 // fence, and may not have been.
 func (c *Coordinator) afterGainLeadership() {
+	c.kvWake() // a new term: the KV event publisher starts with a snapshot
 	g := c.cfg.StartupFenceGrace
 	if g <= 0 || time.Since(c.startedAt) < g {
 		return // the startup fence runs at the grace, on the leader
