@@ -98,8 +98,11 @@ class ConnectOptions:
     # handled it. 0 disables.
     no_responders_retry_s: float = 3.0
     # json_requests sends store and retrieve requests as JSON instead of
-    # their binary form (KVS1/KVR1): for rankds from before the binary
-    # form, during a rolling upgrade (rankd reads both since).
+    # their binary form (KVS1, or KVS2 once a chunk has a position, and
+    # KVR1): for rankds from before the binary form, during a rolling
+    # upgrade (rankd reads both since). It does not help rankds from before
+    # chunk positions (pos): they refuse both forms of a store that carries
+    # one, so rankds are upgraded before engines (docs/running.md).
     json_requests: bool = False
 
     def __post_init__(self) -> None:
