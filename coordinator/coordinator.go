@@ -34,7 +34,8 @@ import (
 // workers and their ackers, which Shutdown drains first; goroutines holds
 // the rest, one resync worker per rank being resynced, the membership
 // loop, the restore deadline loop, the death check (with its liveness
-// probes), the leader's fence sweep and the HTTP server. Both refuse to
+// probes), the leader's fence sweep, the KV event publisher (kvevents.go,
+// with Config.KVEvents) and the HTTP server. Both refuse to
 // start anything once Shutdown has closed them. NATS delivers requests on
 // its own per-subscription goroutines, which Shutdown drains.
 type Coordinator struct {

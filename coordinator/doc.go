@@ -73,7 +73,9 @@
 // coordinator lock; replica.Transport.liveMu is a leaf of package replica.
 //
 // No lock is held across a NATS request (inventory fetches, the raft admin
-// queries), across a wait for another coordinator, or across a raft Apply:
+// queries), across a KV event publish (kvevents.go: its worker owns its
+// state and takes no coordinator lock, only replicator.term's), across a
+// wait for another coordinator, or across a raft Apply:
 // batches are proposed and waited on by the ingest acker without a lock,
 // fences and inventories are proposed by their caller without one, and the
 // COMPLETE check (raft.VerifyLeader) runs after restores.mu is released.
