@@ -91,29 +91,34 @@ func (k *kvRouter) render(e wire.KVEvent) string {
 	return wire.KVEventType(e) + " " + medium + size + " [" + strings.Join(names, " ") + "]"
 }
 
-// barrier stores a new marker chunk and returns the events published for
-// instance inst before the marker's.
-func (k *kvRouter) barrier(inst string) []string {
+// barrierAll stores a new marker chunk and returns the events published
+// for each instance before the marker's.
+func (k *kvRouter) barrierAll() map[string][]string {
 	k.t.Helper()
 	k.seq++
 	ch := chain(k.markNS, 1, uint32(1000+k.seq))
 	send(k.t, k.nc, k.c.subj, storeBatch(wire.Rank{Instance: "mark"}, 1, k.seq-1, k.markNS, ch, wire.L1))
-	var out []string
+	out := make(map[string][]string)
 	for {
 		subj, evs := k.next()
-		switch subj {
-		case k.c.subj.KVEvents("mark"):
-			want := []string{"BlockStored CPU 16 [" + ch[0].String() + "]"}
-			if !slices.Equal(evs, want) {
-				k.t.Fatalf("marker events %q, want %q", evs, want)
-			}
+		inst := strings.TrimPrefix(subj, k.c.subj.KVEvents(""))
+		if inst == "mark" && slices.Equal(evs, []string{"BlockStored CPU 16 [" + ch[0].String() + "]"}) {
 			return out
-		case k.c.subj.KVEvents(inst):
-			out = append(out, evs...)
-		default:
-			k.t.Fatalf("events on %s: %q", subj, evs)
+		}
+		out[inst] = append(out[inst], evs...) // the marker's own snapshot included
+	}
+}
+
+// barrier is barrierAll for changes that concern inst alone.
+func (k *kvRouter) barrier(inst string) []string {
+	k.t.Helper()
+	all := k.barrierAll()
+	for other, evs := range all {
+		if other != inst {
+			k.t.Fatalf("events for %s: %q", other, evs)
 		}
 	}
+	return all[inst]
 }
 
 // expect checks the exact events published for inst since the last
@@ -242,5 +247,83 @@ func TestKVEvents(t *testing.T) {
 	}
 	if n := testutil.Metric(t, c.reg, "kvtier_coord_kvevents_snapshots_total"); n != 1 {
 		t.Fatalf("snapshots after the restart = %v, want 1", n)
+	}
+}
+
+// TestKVEventsShareGroup: a member's L2 copy is announced for every
+// member of its group (they may read it), its L1 copy for itself only,
+// and its L2 eviction removes the chunk for the whole group.
+func TestKVEventsShareGroup(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.KVEvents = true
+		cfg.ShareGroups = []ShareGroup{{Name: "chat", Instances: []string{"chat-a", "chat-b"}}}
+	})
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	k := newKVRouter(t, c, nc)
+	a := wire.Rank{Instance: "chat-a"}
+	c0 := chain(ns, 1, 3)
+	k.names[c0[0]] = "c0"
+	send(t, nc, c.subj, storeBatch(a, 1, 0, ns, c0, wire.L1))
+	k.expect("chat-a", "c0 in chat-a's L1", "BlockStored CPU 16 [c0]")
+	send(t, nc, c.subj, storeBatch(a, 1, 1, ns, c0, wire.L2))
+	stored := []string{"BlockStored STORAGE/L2 16 [c0]"}
+	if got := k.barrierAll(); len(got) != 2 || !slices.Equal(got["chat-a"], stored) || !slices.Equal(got["chat-b"], stored) {
+		t.Fatalf("c0 in chat-a's L2: events %q, want %q for chat-a and chat-b", got, stored)
+	}
+	evict := storeBatch(a, 1, 2, ns, c0, wire.L2)
+	evict.Events[0].Kind = wire.Removed
+	send(t, nc, c.subj, evict)
+	removed := []string{"BlockRemoved STORAGE/L2 [c0]"}
+	if got := k.barrierAll(); len(got) != 2 || !slices.Equal(got["chat-a"], removed) || !slices.Equal(got["chat-b"], removed) {
+		t.Fatalf("c0 evicted from chat-a's L2: events %q, want %q for chat-a and chat-b", got, removed)
+	}
+}
+
+// TestKVEventsResync: an inventory that no longer lists a copy removes
+// the chunk.
+func TestKVEventsResync(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.KVEvents = true })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	k := newKVRouter(t, c, nc)
+	r := wire.Rank{Instance: "eng"}
+	c0 := chain(ns, 1, 5)
+	k.names[c0[0]] = "c0"
+	send(t, nc, c.subj, storeBatch(r, 1, 0, ns, c0, wire.L2))
+	k.expect("eng", "c0 in L2", "BlockStored STORAGE/L2 16 [c0]")
+	serveInventory(t, c, r, wire.Inventory{Rank: r, Incarnation: 1, Seq: 1})
+	c.startResync(r)
+	testutil.Eventually(t, 10*time.Second, "the empty inventory to be applied", func() bool {
+		return testutil.Metric(t, c.reg, "kvtier_coord_resyncs_total", "outcome", "ok") >= 1
+	})
+	k.expect("eng", "an inventory without c0", "BlockRemoved STORAGE/L2 [c0]")
+}
+
+// TestKVEventsOverflow: when the publisher's queue is full it does not
+// drop the change silently: it counts the overflow and sends
+// AllBlocksCleared and a fresh snapshot.
+func TestKVEventsOverflow(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.KVEvents, cfg.KVEventsQueue = true, 1 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	k := newKVRouter(t, c, nc)
+	c0 := chain(ns, 1, 9)
+	k.names[c0[0]] = "c0"
+	send(t, nc, c.subj, storeBatch(wire.Rank{Instance: "eng"}, 1, 0, ns, c0, wire.L1))
+	k.expect("eng", "c0 in L1", "BlockStored CPU 16 [c0]")
+	for i := 0; testutil.Metric(t, c.reg, "kvtier_coord_kvevents_queue_overflows_total") == 0; i++ {
+		if i == 100000 {
+			t.Fatal("the queue of one never overflowed")
+		}
+		c.kvEnqueue(kvJob{inst: "nobody"})
+	}
+	got := k.barrierAll()
+	want := []string{"AllBlocksCleared", "BlockStored CPU 16 [c0]"}
+	if !slices.Equal(got["eng"], want) {
+		t.Fatalf("after an overflow: events of eng %q, want %q", got["eng"], want)
+	}
+	if n := testutil.Metric(t, c.reg, "kvtier_coord_kvevents_snapshots_total"); n != 2 {
+		t.Fatalf("snapshots = %v, want 2 (start, overflow)", n)
 	}
 }
