@@ -327,3 +327,38 @@ func TestKVEventsOverflow(t *testing.T) {
 		t.Fatalf("snapshots = %v, want 2 (start, overflow)", n)
 	}
 }
+
+// TestKVEventsRaftLeaderChange: in a replicated cluster only the leader
+// publishes (one BlockStored, not one per replica), and a new leader
+// starts with AllBlocksCleared and the snapshot, so a router follows the
+// failover.
+func TestKVEventsRaftLeaderChange(t *testing.T) {
+	rc := newRaftCluster(t, 3, func(cfg *Config) { cfg.KVEvents = true })
+	l := rc.leader()
+	testutil.Eventually(t, 10*time.Second, "the leader's first snapshot", func() bool {
+		return testutil.Metric(t, rc.nodes[l].reg, "kvtier_coord_kvevents_snapshots_total") >= 1
+	})
+	ns := retryCall[wire.RegisterReply](t, rc.nc, rc.subj.Coord(wire.CoordRegister), testSpec(2)).Namespace
+	k := newKVRouter(t, rc.nodes[l], rc.nc)
+	c0 := chain(ns, 1, 4)
+	k.names[c0[0]] = "c0"
+	for tp := range 2 {
+		send(t, rc.nc, rc.subj, storeBatch(wire.Rank{Instance: "eng", TPRank: tp}, 1, 0, ns, c0, wire.L1))
+	}
+	k.expect("eng", "both shards of c0 in L1, three replicas", "BlockStored CPU 16 [c0]")
+
+	rc.stop(l)
+	if l2 := rc.leader(); l2 == l {
+		t.Fatalf("stopped node %d still leads", l)
+	}
+	for {
+		subj, evs := k.next()
+		if subj != rc.subj.KVEvents("eng") {
+			continue // the marker's snapshot
+		}
+		if want := []string{"AllBlocksCleared", "BlockStored CPU 16 [c0]"}; !slices.Equal(evs, want) {
+			t.Fatalf("after the leader change: KV events of eng %q, want %q", evs, want)
+		}
+		return
+	}
+}
