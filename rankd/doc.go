@@ -52,4 +52,17 @@
 // pools. The engine identity comes from the connection layer
 // (Config.EngineIdentity); by default it is "engine/<instance>", the only
 // identity NATS lets publish on this rank's engine subjects.
+//
+// # Locks
+//
+// Locks, outermost first (a lock is only taken while holding locks above
+// it): publisher.mu, then the transfer engine's Engine.mu (the publisher
+// takes and acknowledges the engine's event batches under its own lock;
+// the engine never calls the publisher). Daemon.mu (lifecycle flags, the
+// NATS connection and subscriptions) and the small leaf locks (regDedup,
+// snapshots, indexWatch, trust, stageRecorder) are taken alone: nothing
+// else is locked while one is held. No lock is held across a NATS request
+// or a wait for the device; publisher.mu is held while the run goroutine
+// hands a batch to the NATS client (a buffered publish whose reply arrives
+// on a subscription, never waited for under the lock).
 package rankd
