@@ -249,7 +249,7 @@ func daemonMetrics(t *testing.T) *exported {
 	cc.Raft.ID, cc.Raft.Bind, cc.Raft.Dir = "dash1", raftAddr, filepath.Join(t.TempDir(), "raft")
 	cc.Raft.Peers = []coordinator.RaftPeer{{ID: "dash1", Addr: raftAddr}}
 	cc.Raft.Bootstrap = true // its certificate comes from <creds>/raft-dash1.pem, as deployed
-	cc.KVEvents = true // every optional feature on, so that each of its metrics is registered
+	cc.KVEvents = true       // every optional feature on, so that each of its metrics is registered
 	c, err := coordinator.New(cc)
 	if err != nil {
 		t.Fatal(err)
