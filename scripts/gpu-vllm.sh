@@ -36,6 +36,9 @@
 #                      duel-kvtier mode needs to flip a byte of an L1 copy
 #   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
 #                      times per engine step in the ITL results)
+#   L2_BYTES=          rankd --l2-bytes (unset: unbounded; the L2 directory shares the disk
+#                      with the coordinator's index); NO_L2=1: no L2 directory, L1 only
+#   KVTIER_CHUNK_TOKENS=  the connector's chunk (kvtier_chunk_tokens; unset: 256)
 #   REPLAY=0           N: instead of the TTFT rows, replay the first N requests of the
 #                      Mooncake trace TRACE (python/examples/gpu_vllm_replay.py: 512-token
 #                      blocks scaled by REPLAY_SCALE=8, REPLAY_CONCURRENCY=16 in flight) in
@@ -78,6 +81,11 @@ COORD_HTTP=127.0.0.1:$((BASE + 4))
 WORK=$(mktemp -d -t kvtier-vllm.XXXXXX)
 mkdir -p -m 0700 "$WORK/index" "$WORK/l2" "$WORK/logs"
 L1ARGS=
+# L2_BYTES bounds the L2 directory (rankd --l2-bytes: it shares the disk
+# with the coordinator's index, which a full disk stops); NO_L2=1 runs the
+# rankd with L1 only.
+L2ARGS="--l2-dir $WORK/l2${L2_BYTES:+ --l2-bytes $L2_BYTES}"
+[[ ${NO_L2:-0} == 1 ]] && L2ARGS=
 if [[ ${HOST_L1:-0} == 1 ]]; then
 	L1DIR=$(mktemp -d -p /dev/shm kvtier-l1.XXXXXX)
 	chmod 0700 "$L1DIR"
@@ -139,7 +147,7 @@ if [[ -s $WORK/rankd.pid ]]; then
 	if echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else echo "page cache NOT dropped (not allowed here)"; fi
 fi
 setsid "$BIN/rankd" --instance engine0 --tp-rank 0 --tp-size 1 --dcp-size 1 --device "$DEVICE" \\
-	--l1-bytes "$L1" $L1ARGS --l2-dir "$WORK/l2" --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
+	--l1-bytes "$L1" $L1ARGS $L2ARGS --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
 	--http "$RANKD_HTTP" --log-level warn --creds-dir "$CREDS" >>"$WORK/logs/rankd.log" 2>&1 </dev/null &
 echo \$! >$WORK/rankd.pid
 for _ in \$(seq 600); do

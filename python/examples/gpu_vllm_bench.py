@@ -385,6 +385,9 @@ class Bench:
                     "kvtier_instance": os.environ.get("KVTIER_INSTANCE", "engine0"),
                     "kvtier_creds_dir": os.environ["KVTIER_CREDS_DIR"], "kvtier_device": "cuda",
                     "kvtier_attach_wait_s": 1 if detached else 20}}
+            if os.environ.get("KVTIER_CHUNK_TOKENS"):
+                kw["kv_transfer_config"]["kv_connector_extra_config"]["kvtier_chunk_tokens"] = \
+                    int(os.environ["KVTIER_CHUNK_TOKENS"])
         t = time.perf_counter()
         self.llm = LLM(**kw)
         self.build_s = time.perf_counter() - t
