@@ -46,7 +46,11 @@ def tracked() -> set[str]:
 
 
 def ignored(path: str) -> bool:
-    return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+    """Whether git ignores path, as a file or, when it is not there yet
+    (a clean clone before `make vllm-venv`), as a directory: a pattern with
+    a trailing slash matches only what git can see is a directory."""
+    return any(subprocess.run(["git", "check-ignore", "-q", p], cwd=REPO).returncode == 0
+               for p in (path, path.rstrip("/") + "/"))
 
 
 def link_problems(page: pathlib.Path, text: str | None = None) -> list[str]:
