@@ -553,7 +553,11 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
     assert hit_like(outputs(r[13]), ref_hit) and delta(r[13], r[12], "loaded_tokens") > 0, r[13]["worker"]
     assert r[23]["ok"], "the connector did not attach again after the kills"
     assert r[23]["worker"]["detaches"] >= 1 and r[23]["worker"]["attaches"] >= 2, r[23]["worker"]
-    assert r[23]["scheduler"]["detaches"] >= 1 and r[23]["scheduler"]["attaches"] >= 2, r[23]["scheduler"]
+    # The scheduler's link detaches only if a health check (every 0.5 s) falls
+    # inside the outage, which can be shorter: it must be attached now (step
+    # 29's hit needs its lookup). Asserting a detach failed ~half the runs.
+    sch = r[23]["scheduler"]
+    assert sch["attaches"] == sch["detaches"] + 1 and sch["attaches"] >= 1, sch
     # stored again, or loaded (in part) from the L2 copies that survived the kill
     assert tokens_of(outputs(r[26])) == tokens_of(ref_cold) and close(outputs(r[26]), ref_cold)
     assert hit_like(outputs(r[29]), ref_hit) and delta(r[29], r[28], "loaded_tokens") > 0, r[29]["worker"]
