@@ -44,18 +44,7 @@ func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ev, err := e.dev.NewEvent(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ev.Release()
-	if err := s.Record(ev); err != nil {
-		t.Fatal(err)
-	}
-	evh, err := e.dev.ExportEvent(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
+	evh := recordedEvent(t, e, s)
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
 		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,

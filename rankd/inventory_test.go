@@ -33,18 +33,7 @@ func TestInventoryPaged(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	ev, err := e.dev.NewEvent(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ev.Release()
-	if err := s.Record(ev); err != nil {
-		t.Fatal(err)
-	}
-	evh, err := e.dev.ExportEvent(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
+	evh := recordedEvent(t, e, s)
 	const chunks = 12
 	req := wire.StoreRequest{RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh}
 	for i, ch := range dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16*chunks), 16) {

@@ -149,6 +149,26 @@ type engine struct {
 
 const blocks = 8
 
+// recordedEvent records a new event on s and exports it, as an engine
+// hands its producer event to a store; the event lives until the test
+// ends (a rankd may still wait on it after its reply).
+func recordedEvent(t *testing.T, e *engine, s cuda.Stream) wire.EventHandle {
+	t.Helper()
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ev.Release() })
+	if err := s.Record(ev); err != nil {
+		t.Fatal(err)
+	}
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return evh
+}
+
 func newEngine(t *testing.T, h *harness) *engine {
 	dev, err := cuda.OpenHost(h.hostCfg)
 	if err != nil {

@@ -46,18 +46,7 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		ev, err := e.dev.NewEvent(true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ev.Release()
-		if err := s.Record(ev); err != nil {
-			t.Fatal(err)
-		}
-		evh, err := e.dev.ExportEvent(ev)
-		if err != nil {
-			t.Fatal(err)
-		}
+		evh := recordedEvent(t, e, s)
 		toks := make([]uint32, 16)
 		toks[0] = uint32(c + 1)
 		ch := dcp.ChunkHashes(e.res.Namespace, toks, 16)[0]

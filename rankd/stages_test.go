@@ -83,18 +83,7 @@ func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 		}
 		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
 	}
-	ev, err := e.dev.NewEvent(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ev.Release()
-	if err := s.Record(ev); err != nil {
-		t.Fatal(err)
-	}
-	evh, err := e.dev.ExportEvent(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
+	evh := recordedEvent(t, e, s)
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	start := time.Now()
 	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), &wire.StoreRequest{
