@@ -1,6 +1,10 @@
 package coordinator
 
-import "testing"
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+)
 
 // TestShutdownClosesGroups: once Shutdown has returned, both of the
 // coordinator's groups refuse new goroutines and none is left running (a
@@ -12,7 +16,20 @@ func TestShutdownClosesGroups(t *testing.T) {
 		t.Fatalf("a started coordinator runs %d goroutines and %d ingest goroutines, want some and %d",
 			c.goroutines.Running(), c.ingestGroup.Running(), 2*ingestWorkers)
 	}
+	// A goroutine slow to end once Shutdown began: Shutdown returns only
+	// after it did (the group's Wait), never with it still running.
+	var ended atomic.Bool
+	if !c.goroutines.Go("slow", func() {
+		<-c.ctx.Done()
+		time.Sleep(300 * time.Millisecond)
+		ended.Store(true)
+	}) {
+		t.Fatal("a started coordinator's group refused a goroutine")
+	}
 	c.Shutdown()
+	if !ended.Load() {
+		t.Error("Shutdown returned before a goroutine of its group ended")
+	}
 	for _, g := range []struct {
 		name string
 		run  func(string, func()) bool
