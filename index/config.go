@@ -92,6 +92,13 @@ type Config struct {
 	// L1 fails the chunk (or reads the L2 copy when one exists), and the
 	// engine recomputes it.
 	HostSharedL1 bool
+	// SharedL3 makes LookupSharedInto use the L3 copies of the reader's
+	// share-group members too, after every other copy (the reader
+	// instance's own L3 first): set it when every member's rankds read
+	// the others' objects in one bucket and prefix (rankd
+	// --l3-shared-with; docs/sharing.md). Default false: a member's L3
+	// copies serve its own instance only.
+	SharedL3 bool
 
 	// OpenTimeout bounds the wait for bbolt's file lock at Open (another
 	// process holding the file). Default 5 s.

@@ -17,7 +17,8 @@ import (
 // is held within the reader's instance (L1: by the reader itself or, with
 // HostSharedL1, a rank of its instance; L2: under the instance's shared L2
 // root; L3: under the instance's bucket prefix) or, for LookupSharedInto,
-// in the L2 directory of another instance of the reader's share group, so
+// in the L2 directory (with Config.SharedL3, also the bucket prefix) of
+// another instance of the reader's share group, so
 // the holder is wire.Rank{Instance: LookupResult.Instance, or the member
 // LookupResult.Members names, TPRank: HolderTP}; see LookupResult.Holder.
 // Source has no pointers, so a lookup result costs the garbage collector
@@ -35,8 +36,9 @@ type LookupResult struct {
 	Namespace dcp.Namespace
 	Instance  string
 	// Shared are the other instances of the reader's share group whose L2
-	// copies the lookup could use (LookupSharedInto's shared; nil for
-	// LookupInto). Shared with the caller: do not modify.
+	// (and, with Config.SharedL3, L3) copies the lookup could use
+	// (LookupSharedInto's shared; nil for LookupInto). Shared with the
+	// caller: do not modify.
 	Shared []string
 	// Prefix is the number of leading chunks for which every expectation
 	// has a usable copy.
@@ -140,9 +142,12 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 // the instances in shared (the group's other members, whose rankds write
 // the same shared L2 directory) are usable by every reader of instance,
 // even while their holder is fenced (the file outlives it), after the
-// reader instance's own L2 copies and before its L3 copies. Another
-// instance's L1 and L3 copies are never usable: a rankd reads only its
-// own instance's host-shared L1 segments and bucket prefix. The namespace
+// reader instance's own L2 copies and before its L3 copies. With
+// Config.SharedL3 their L3 copies are usable too, last of all (after the
+// reader instance's own L3 copies): its rankds read the members' bucket
+// prefixes (rankd --l3-shared-with). Another instance's L1 copies are
+// never usable: a rankd maps only its own instance's host-shared L1
+// segments. The namespace
 // still decides everything else (C4): a member storing under another
 // layout stores under another namespace. At most MaxShared instances;
 // names the index does not know, and instance itself, are ignored.
@@ -212,7 +217,7 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 		res.Sources = make([]Source, 0, len(chunks)*ne)
 	}
 	if members != nil {
-		v.lookupShared(res, nv, chunks, readers, inst, members, ranks, best, score)
+		v.lookupShared(res, nv, chunks, readers, inst, members, ix.cfg.SharedL3, ranks, best, score)
 		return nil
 	}
 	// Chunks go in windows: first the map lookups of a window and a load
@@ -257,7 +262,7 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 // the lookups of instances in no group (the hot path) keep their loop as
 // it was.
 func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.ChunkHash, readers []reader, inst uint32,
-	members []uint32, ranks []rankView, best, score []int32) {
+	members []uint32, l3 bool, ranks []rankView, best, score []int32) {
 	pl, ne := nv.plan, len(readers)
 	const window = 16
 	var ss [window][]placement
@@ -270,7 +275,7 @@ func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.Chu
 			if v.hiding > 0 {
 				s = v.visible(s, &vis)
 			}
-			if !pl.pickShared(s, readers, inst, members, ranks, best, score) {
+			if !pl.pickShared(s, readers, inst, members, l3, ranks, best, score) {
 				return
 			}
 			for j := range ne {
@@ -392,10 +397,11 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 }
 
 // pickShared is pick for a reader whose share group's other instances
-// are members (their ids, non-nil): an L2 copy of a member (sharedL2)
+// are members (their ids, non-nil): an L2 copy of a member (sharedCopy)
 // ranks after another rank's L2 of the reader's instance and before an
-// L3 copy of it.
-func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, members []uint32, ranks []rankView, best, score []int32) bool {
+// L3 copy of it; with l3, an L3 copy of a member ranks last, after the
+// reader instance's own L3 copies.
+func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, members []uint32, l3 bool, ranks []rankView, best, score []int32) bool {
 	if len(s) == 0 {
 		return false
 	}
@@ -413,7 +419,7 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
 			} else if sc == 0 {
-				sc = p.sharedL2(members)
+				sc = p.sharedCopy(members, l3)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -425,7 +431,7 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
 			} else if sc == 0 {
-				sc = p.sharedL2(members)
+				sc = p.sharedCopy(members, l3)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -440,15 +446,16 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 	return true
 }
 
-// Scores of a copy for one reader (placement.score, sharedL2), best
+// Scores of a copy for one reader (placement.score, sharedCopy), best
 // first; 0 is unusable.
 const (
-	scoreOwnL1    = 6 // the reader's own L1 (not of an older incarnation)
-	scorePeerL1   = 5 // another rank's L1 of the same instance: pick asks peerL1
-	scoreOwnL2    = 4 // the reader's own L2
-	scoreL2       = 3 // another rank's L2 of the same instance
-	scoreSharedL2 = 2 // an L2 copy of another instance of the share group
-	scoreL3       = 1 // an L3 copy of any rank of the same instance
+	scoreOwnL1    = 7 // the reader's own L1 (not of an older incarnation)
+	scorePeerL1   = 6 // another rank's L1 of the same instance: pick asks peerL1
+	scoreOwnL2    = 5 // the reader's own L2
+	scoreL2       = 4 // another rank's L2 of the same instance
+	scoreSharedL2 = 3 // an L2 copy of another instance of the share group
+	scoreL3       = 2 // an L3 copy of any rank of the same instance
+	scoreSharedL3 = 1 // with Config.SharedL3, an L3 copy of another instance of the share group
 )
 
 // score rates p for a reader r of instance inst: scoreOwnL1 the reader's
@@ -459,7 +466,7 @@ const (
 // reader's own L2, scoreL2 another rank's L2 of the same instance, scoreL3
 // an L3 copy of any rank of the same instance (its bucket prefix is the
 // instance's: the plan prefers L1 > L2 > L3), 0 anything of another
-// instance (pick asks sharedL2). Only one copy per (rank, tier) exists,
+// instance (pickShared asks sharedCopy). Only one copy per (rank, tier) exists,
 // so equal scores below scoreOwnL1 and scoreOwnL2 compare copies of other
 // ranks.
 func (p *placement) score(r *reader, inst uint32) int32 {
@@ -487,18 +494,25 @@ func (p *placement) score(r *reader, inst uint32) int32 {
 	return scorePeerL1 // another rank's L1: pick checks it (peerL1)
 }
 
-// sharedL2 rates p, a copy of another instance than the reader's:
-// scoreSharedL2 when it is an L2 copy held by a rank of one of members
-// (the reader's share group: their rankds write the L2 directory the
-// reader's rankds read), else 0. Out of score so that score stays inlined
-// in pick's loop.
-func (p *placement) sharedL2(members []uint32) int32 {
-	if p.tier != wire.L2 {
+// sharedCopy rates p, a copy of another instance than the reader's, held
+// by a rank of one of members (the reader's share group): scoreSharedL2
+// for an L2 copy (their rankds write the L2 directory the reader's rankds
+// read), scoreSharedL3 for an L3 copy when l3 (Config.SharedL3: the
+// reader's rankds read the members' bucket prefixes), else 0. Out of
+// score so that score stays inlined in pick's loop.
+func (p *placement) sharedCopy(members []uint32, l3 bool) int32 {
+	var sc int32
+	switch {
+	case p.tier == wire.L2:
+		sc = scoreSharedL2
+	case p.tier == wire.L3 && l3:
+		sc = scoreSharedL3
+	default:
 		return 0
 	}
 	for _, m := range members {
 		if m == p.inst {
-			return scoreSharedL2
+			return sc
 		}
 	}
 	return 0

@@ -112,3 +112,57 @@ func TestLookupSharedL2(t *testing.T) {
 	}
 	mustVerify(t, ix.Index)
 }
+
+// TestLookupSharedL3 (issue 26.1): with Config.SharedL3, a reader of e2
+// sharing with e1 may read e1's L3 copies, after every L2 copy it could
+// read (its own instance's and e1's) and after its own instance's L3
+// copies; e1's L3 copies outlive a fence of their holder; without
+// SharedL3 they are never planned; an instance not given e1 finds nothing.
+// Seen failing first with sharedCopy ignoring l3 (prefix 1, want 4).
+func TestLookupSharedL3(t *testing.T) {
+	for _, on := range []bool{false, true} {
+		ix := openTest(t, "", func(c *index.Config) { c.SharedL3 = on })
+		w, _ := newWorld(t, ix.Index, mlaSpec(4, 1))
+		for c := range 4 {
+			w.store(rk("e1", 0), wire.L3, c, 0, 0)
+		}
+		w.store(rk("e1", 0), wire.L2, 0, 0, 0) // chunk 0: e1's L2 beats e1's L3
+		w.store(rk("e2", 3), wire.L3, 2, 0, 0) // chunk 2: e2's own L3 beats e1's
+		if _, err := ix.FenceRank(ctx, rk("e1", 0), math.MaxUint64); err != nil {
+			t.Fatal(err)
+		}
+		var got index.LookupResult
+		if err := ix.LookupSharedInto(&got, "e2", []string{"e1"}, w.ns, chunks(4)); err != nil {
+			t.Fatal(err)
+		}
+		if !on {
+			if got.Prefix != 1 {
+				t.Fatalf("without SharedL3: prefix %d, want 1 (e1's L2 copy only)", got.Prefix)
+			}
+			continue
+		}
+		if got.Prefix != 4 {
+			t.Fatalf("with SharedL3: prefix %d, want 4", got.Prefix)
+		}
+		for i := range 4 {
+			for j, e := range got.Expectations {
+				want, tier, shared := rk("e1", 0), wire.L3, true
+				switch i {
+				case 0:
+					tier = wire.L2
+				case 2:
+					want, shared = rk("e2", 3), false
+				}
+				if s, h := got.Source(i, j), got.Holder(i, j); h != want || s.Tier != tier || got.FromShared(i, j) != shared ||
+					s.Sum != sumFor(i, 0, 0, 1) {
+					t.Fatalf("chunk %d reader %d: source %+v holder %s shared %v, want %s's %s", i, e.Rank, s, h,
+						got.FromShared(i, j), want, tier)
+				}
+			}
+		}
+		if err := ix.LookupSharedInto(&got, "e3", []string{"e4"}, w.ns, chunks(4)); err != nil || got.Prefix != 0 {
+			t.Fatalf("e3 sharing with e4: prefix %d, %v; want 0", got.Prefix, err)
+		}
+		mustVerify(t, ix.Index)
+	}
+}
