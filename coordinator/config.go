@@ -238,14 +238,22 @@ type Config struct {
 	// file by key, and a reader that cannot see it fails the chunk and the
 	// engine recomputes it. Nothing else changes: each reader rank still
 	// confirms the sum recorded at store time (C5), a different layout is
-	// another namespace (C4), another instance's L1 and L3 copies are never
-	// planned, and an engine still acts only for its own instance (C9). An
+	// another namespace (C4), another instance's L1 copies are never
+	// planned (nor its L3 copies without ShareL3), and an engine still
+	// acts only for its own instance (C9). An
 	// instance is in at most one group. Default none: every instance reads
 	// only its own copies. The trade-off: the members trust each other's
 	// bytes as their own (they are checked against the writer's recorded
 	// sum, not recomputed), and each can tell from its hit rate what the
 	// others' prompts were, within a cache_salt.
 	ShareGroups []ShareGroup
+	// ShareL3 also plans the L3 copies of a member's share group, last of
+	// all (index.Config.SharedL3): set it when the members' rankds use one
+	// bucket and --l3-prefix and each names the others in
+	// --l3-shared-with (a rankd refuses to read an instance it was not
+	// given, and the chunk is recomputed). Default false. Refused without
+	// ShareGroups.
+	ShareL3 bool
 
 	// KVEvents publishes KV events for routers (docs/kvevents.md): per
 	// engine instance, on wire.Subjects.KVEvents, which chunks a restore
@@ -456,6 +464,9 @@ func (c *Config) Validate() error {
 	}
 	if err := validateShareGroups(c.ShareGroups); err != nil {
 		return err
+	}
+	if c.ShareL3 && len(c.ShareGroups) == 0 {
+		return fmt.Errorf("share L3 without a share group: %w", ErrConfig)
 	}
 	if err := c.Raft.Validate(); err != nil {
 		return err

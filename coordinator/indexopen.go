@@ -29,6 +29,7 @@ func (c *Coordinator) openIndex() error {
 	icfg.Registerer = c.reg
 	icfg.MaxFileBytes = c.cfg.IndexMaxFileBytes
 	icfg.HostSharedL1 = c.cfg.HostSharedL1
+	icfg.SharedL3 = c.cfg.ShareL3
 	icfg.AfterCommit = c.cfg.indexAfterCommit
 	if c.cfg.indexOpenHook != nil {
 		c.cfg.indexOpenHook()

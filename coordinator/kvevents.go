@@ -28,7 +28,8 @@ import (
 // (reader rank t, shard, group) of c's namespace has a copy of its object
 // in T that I/t may read: in L1 its own copy (with HostSharedL1, any rank
 // of I), in L2 a copy of any rank of I or of another member of I's share
-// group (as index.LookupSharedInto), in L3 a copy of any rank of I.
+// group (as index.LookupSharedInto), in L3 a copy of any rank of I (with
+// Config.ShareL3, or of another member).
 //
 // Nothing here runs on the ingest path beyond handing a job to a bounded
 // queue: one worker (kvWorker, started through c.goroutines) owns the
@@ -326,7 +327,7 @@ func (c *Coordinator) kvTiers(inst string, k kvChunk) uint8 {
 			switch {
 			case h.Tier == wire.L1 && h.Rank.Instance == inst && (h.Rank.TPRank == e.Rank || c.cfg.HostSharedL1):
 			case h.Tier == wire.L2 && (h.Rank.Instance == inst || slices.Contains(shared, h.Rank.Instance)):
-			case h.Tier == wire.L3 && h.Rank.Instance == inst:
+			case h.Tier == wire.L3 && (h.Rank.Instance == inst || c.cfg.ShareL3 && slices.Contains(shared, h.Rank.Instance)):
 			default:
 				continue
 			}

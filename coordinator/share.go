@@ -12,8 +12,9 @@ import (
 )
 
 // Share groups (issue 26, docs/sharing.md). A lookup or restore.begin of
-// an engine of instance B reads, besides B's own copies, the L2 copies of
-// the other instances of B's share group (index.LookupSharedInto): B's
+// an engine of instance B reads, besides B's own copies, the L2 copies
+// (with Config.ShareL3, also the L3 copies) of the other instances of B's
+// share group (index.LookupSharedInto): B's
 // ranks stay the readers, each confirming the sum recorded when the
 // holder stored the object (C5). What a caller may ask does not change:
 // an engine acts only for the instance of its subject (scope), so a
@@ -148,15 +149,15 @@ func newShareMetrics() *shareMetrics {
 	m := &shareMetrics{
 		lookups: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_share_lookups_total",
-			Help: "Engine lookups whose prefix reads at least one L2 copy stored by another instance of the caller's share group.",
+			Help: "Engine lookups whose prefix reads at least one L2 (or, with --share-l3, L3) copy stored by another instance of the caller's share group.",
 		}),
 		restores: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_share_restores_total",
-			Help: "Restores planned with at least one object read from the L2 copy of another instance of the reader's share group.",
+			Help: "Restores planned with at least one object read from the L2 (or, with --share-l3, L3) copy of another instance of the reader's share group.",
 		}),
 		objects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_share_planned_objects_total",
-			Help: "Objects of restore plans read from the L2 copy of another instance of the reader's share group.",
+			Help: "Objects of restore plans read from the L2 (or, with --share-l3, L3) copy of another instance of the reader's share group.",
 		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_share_refused_total",

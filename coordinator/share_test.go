@@ -173,6 +173,11 @@ func TestShareGroupConfig(t *testing.T) {
 			t.Errorf("%s: Validate = %v, want ErrConfig", name, err)
 		}
 	}
+	cfg := testConfig(t, "")
+	cfg.ShareL3 = true
+	if err := cfg.Validate(); !errors.Is(err, ErrConfig) {
+		t.Errorf("share L3 without a group: Validate = %v, want ErrConfig", err)
+	}
 	s := newShareState([]ShareGroup{{Name: "x", Instances: []string{"c", "a", "b"}}})
 	if o := s.shared("a"); len(o) != 2 || o[0] != "b" || o[1] != "c" {
 		t.Fatalf("shared(a) = %v", o)

@@ -197,6 +197,7 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	fs.IntVar(&cfg.MaxActiveRestoresPerInstance, "max-active-restores-per-instance", cfg.MaxActiveRestoresPerInstance, "active restores of one engine instance")
 	fs.BoolVar(&cfg.HostSharedL1, "host-shared-l1", cfg.HostSharedL1, "every instance's rankds share a host with --host-l1-dir: plan reads of another rank's L1 (before L2)")
 	fs.Var((*shareGroupsFlag)(&cfg.ShareGroups), "share-group", "NAME=INSTANCE,INSTANCE[,...]: a share group (repeatable, or several separated by ';'; docs/sharing.md): each member's restores may read the L2 copies the others stored; their rankds must share one --l2-dir")
+	fs.BoolVar(&cfg.ShareL3, "share-l3", cfg.ShareL3, "with --share-group: each member's restores may also read the L3 copies the others stored, last of all; their rankds must use one bucket and --l3-prefix, with --l3-shared-with")
 	fs.BoolVar(&cfg.KVEvents, "kv-events", cfg.KVEvents, "publish KV events for routers on <prefix>.kvevents.<instance> (vLLM's KV-events shape, JSON; docs/kvevents.md); the admin identity may subscribe")
 	fs.IntVar(&cfg.KVEventsQueue, "kv-events-queue", cfg.KVEventsQueue, "index changes waiting for the KV event publisher; past it the publisher sends a snapshot")
 	fs.IntVar(&cfg.IndexMaxFileBytes, "index-max-file-bytes", cfg.IndexMaxFileBytes, "cap on the bbolt index file in bytes (0: none); beyond it the index fails and /healthz is 503")
