@@ -24,6 +24,8 @@ import (
 //	                    binary (KVS2: chunk positions; block ids of 4 B)
 //	retrieve_request.bin  the golden retrieve_request.json value, binary
 //	                    (block ids of 4 B)
+//	retrieve_request_skip.bin  the golden retrieve_request_skip.json
+//	                    value, binary (KVR2: a skip per item)
 //
 //	go test ./wire -run CompactGolden -update    rewrites the files
 const compactDir = "testdata/compact"
@@ -67,6 +69,10 @@ func TestCompactGolden(t *testing.T) {
 	if files["retrieve_request.bin"], err = retrieve.MarshalBinary(); err != nil {
 		t.Fatal(err)
 	}
+	retrieveSkip := goldenValue(t, "retrieve_request_skip").(*RetrieveRequest)
+	if files["retrieve_request_skip.bin"], err = retrieveSkip.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
 	if files["restore_plan.bin"], err = AppendPlanBinary(nil, goldenBinaryPlan(false), goldenNS()); err != nil {
 		t.Fatal(err)
 	}
@@ -105,6 +111,12 @@ func TestCompactGolden(t *testing.T) {
 	}
 	if back, err := DecodeRetrieveBinary(files["retrieve_request.bin"], lim); err != nil || !reflect.DeepEqual(back, retrieve) {
 		t.Errorf("retrieve_request.bin decodes to %+v, %v", back, err)
+	}
+	if back, err := DecodeRetrieveBinary(files["retrieve_request_skip.bin"], lim); err != nil || !reflect.DeepEqual(back, retrieveSkip) {
+		t.Errorf("retrieve_request_skip.bin decodes to %+v, %v", back, err)
+	}
+	if b := files["retrieve_request_skip.bin"]; string(b[:4]) != "KVR2" || string(files["retrieve_request.bin"][:4]) != "KVR1" {
+		t.Errorf("magics %q and %q, want KVR2 with a skip and KVR1 without", b[:4], files["retrieve_request.bin"][:4])
 	}
 	plan, err := DecodePlanBinary(files["restore_plan.bin"], chunks)
 	if err != nil || !reflect.DeepEqual(plan, goldenBinaryPlan(false)) {

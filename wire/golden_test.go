@@ -87,6 +87,10 @@ func goldenCases() []goldenCase {
 			Sum: 0xfedcba9876543210 - uint64(chunk), Source: Source{Holder: Rank{Instance: "engine0", TPRank: int(shard)}, Tier: tier},
 			Blocks: blocks}
 	}
+	skip := func(it RetrieveItem, n int) RetrieveItem {
+		it.Skip = n
+		return it
+	}
 	return []goldenCase{
 		{"spec", "Spec", &spec},
 		{"register_request", "RegisterRequest", &RegisterRequest{Spec: spec, DeviceUUID: mem.Device, Pools: []PoolRegistration{
@@ -105,6 +109,10 @@ func goldenCases() []goldenCase {
 		{"store_reply_min", "StoreReply", &StoreReply{Stored: 2}},
 		{"retrieve_request", "RetrieveRequest", &RetrieveRequest{RestoreID: "r-00000001", Namespace: ns, Session: goldenSession,
 			Items: []RetrieveItem{item(0, 0, 0, L1, []int64{4, 5}), item(1, 1, 1, L2, []int64{0})}}},
+		// With skipped blocks (binary: KVR2): chunk 0 of group 0 places
+		// its blocks 3.. only; the second item skips none (omitted).
+		{"retrieve_request_skip", "RetrieveRequest", &RetrieveRequest{RestoreID: "r-00000003", Namespace: ns, Session: goldenSession,
+			Items: []RetrieveItem{skip(item(0, 0, 0, L1, []int64{6}), 3), item(1, 0, 0, L2, []int64{7, 1 << 20, 9, 10})}}},
 		{"retrieve_reply", "RetrieveReply", &RetrieveReply{Results: []ItemResult{
 			{Chunk: 0, Group: 0, OK: true, Sum: 1<<64 - 1}, {Chunk: 1, Group: 1, Reason: "corrupt"}}}},
 		{"lookup_request", "LookupRequest", &LookupRequest{Namespace: ns, Chunks: []dcp.ChunkHash{goldenChunk(0), goldenChunk(1)},

@@ -142,6 +142,14 @@ type RetrieveItem struct {
 	Sum    uint64  `json:"sum"`
 	Source Source  `json:"source"`
 	Blocks []int64 `json:"blocks"`
+	// Skip is how many of the chunk's first blocks the engine holds
+	// already (its own prefix cache ends inside the chunk): their pages,
+	// of every layer, are not placed, and Blocks are the target ids of the
+	// chunk's blocks Skip.. only. The whole object is still verified
+	// against Sum (the skipped pages over the source bytes). A rankd from
+	// before Skip refuses the field (JSON: an unknown field; binary: KVR2),
+	// so it never writes a page the engine did not ask for.
+	Skip int `json:"skip,omitempty"`
 }
 
 // RetrieveRequest asks a rankd to place objects into the engine's pages.

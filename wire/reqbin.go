@@ -57,6 +57,18 @@ import (
 //	    | u16 holder index | u8 tier | u32 block count
 //	block ids: W bytes each, item by item
 //
+// Retrieve request with skipped blocks (RetrieveItem.Skip), the same but
+// for the magic and a u32 at the end of each item:
+//
+//	magic "KVR2" | u8 W
+//	... as KVR1 up to the item count ...
+//	u32 N | N x item (31 B): a KVR1 item | u32 skip
+//	block ids: as KVR1
+//
+// The encoder writes KVR1 when every Skip is 0 and KVR2 otherwise, as for
+// KVS1/KVS2: a rankd from before Skip refuses KVR2 as a version it cannot
+// read rather than placing pages the engine holds.
+//
 // A decoded item is RetrieveItem{Chunk, Group, Key: {namespace,
 // keys[key index], shard, group}, Sum, Source: {holders[holder index],
 // tier}, Blocks}: the key's namespace and group are the request's and the
@@ -72,14 +84,16 @@ import (
 // values make a valid request (ids, namespace, group counts, tiers) is the
 // receiver's check, the same for both forms.
 const (
-	storeMagic    = "KVS1"
-	storeMagicPos = "KVS2" // KVS1 with a position per chunk
-	retrieveMagic = "KVR1"
+	storeMagic        = "KVS1"
+	storeMagicPos     = "KVS2" // KVS1 with a position per chunk
+	retrieveMagic     = "KVR1"
+	retrieveMagicSkip = "KVR2" // KVR1 with a skip per item
 	// storeFamily and retrieveFamily are the magics without their version
 	// digit: a request starting with one is binary, of some version.
 	storeFamily      = "KVS"
 	retrieveFamily   = "KVR"
 	retrieveItemSize = 4 + 2 + 2 + 4 + 8 + 2 + 1 + 4
+	retrieveItemSkip = retrieveItemSize + 4 // KVR2
 )
 
 // ErrOverLimit: a decoded message has more of something than its
@@ -228,7 +242,7 @@ func (r *StoreRequest) MarshalBinary() ([]byte, error) {
 // names another group than the item, a chunk index or block count outside
 // 0..2^32-1, a group outside 0..65535, a holder whose instance is over
 // 255 bytes or whose TP rank is outside 0..65535, more than 65535 holders,
-// a tier over 255 or a negative block id.
+// a tier over 255, a negative block id or a Skip outside 0..2^32-1.
 func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 	bad := func(format string, args ...any) ([]byte, error) {
 		return dst, fmt.Errorf("encode retrieve request: "+format+": %w", append(args, ErrMalformed)...)
@@ -247,7 +261,7 @@ func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 	var holderList []Rank
 	keyIdx := make([]uint32, len(r.Items))
 	holderIdx := make([]uint16, len(r.Items))
-	fits := true
+	fits, skips := true, false
 	var lastKey dcp.ChunkHash
 	var lastIdx uint32
 	for i := range r.Items {
@@ -261,7 +275,10 @@ func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 			return bad("item %d chunk index %d outside 0..%d", i, it.Chunk, uint64(math.MaxUint32))
 		case uint64(len(it.Blocks)) > math.MaxUint32:
 			return bad("item %d has %d block ids, limit %d", i, len(it.Blocks), uint64(math.MaxUint32))
+		case it.Skip < 0 || uint64(it.Skip) > math.MaxUint32:
+			return bad("item %d skips %d blocks, outside 0..%d", i, it.Skip, uint64(math.MaxUint32))
 		}
+		skips = skips || it.Skip != 0
 		for _, id := range it.Blocks {
 			if id < 0 {
 				return bad("item %d: block id %d is negative", i, id)
@@ -294,7 +311,11 @@ func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 		holderIdx[i] = hi
 	}
 	w := blockWidth(fits)
-	dst = append(dst, retrieveMagic...)
+	if skips {
+		dst = append(dst, retrieveMagicSkip...)
+	} else {
+		dst = append(dst, retrieveMagic...)
+	}
 	dst = append(dst, w)
 	dst = appendStr16(dst, r.RestoreID)
 	dst = append(dst, r.Namespace[:]...)
@@ -319,6 +340,9 @@ func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 		dst = binary.BigEndian.AppendUint16(dst, holderIdx[i])
 		dst = append(dst, byte(it.Source.Tier))
 		dst = binary.BigEndian.AppendUint32(dst, uint32(len(it.Blocks)))
+		if skips {
+			dst = binary.BigEndian.AppendUint32(dst, uint32(it.Skip))
+		}
 	}
 	for i := range r.Items {
 		dst = appendBlocks(dst, w, r.Items[i].Blocks)
@@ -328,7 +352,7 @@ func (r *RetrieveRequest) AppendBinary(dst []byte) ([]byte, error) {
 
 // MarshalBinary returns the binary encoding of r (AppendBinary).
 func (r *RetrieveRequest) MarshalBinary() ([]byte, error) {
-	n := 64 + len(r.RestoreID) + len(r.Session) + (retrieveItemSize+16)*len(r.Items)
+	n := 64 + len(r.RestoreID) + len(r.Session) + (retrieveItemSkip+16)*len(r.Items)
 	for i := range r.Items {
 		n += 8 * len(r.Items[i].Blocks)
 	}
@@ -574,7 +598,12 @@ type retrieveReader struct {
 // items' block counts.
 func decodeRetrieveHead(p []byte, lim RequestLimits) (*RetrieveRequest, []uint64, *retrieveReader) {
 	r := &retrieveReader{reqReader: reqReader{what: "retrieve request", p: p}}
-	_, r.width = r.header(retrieveMagic)
+	magic, width := r.header(retrieveMagic, retrieveMagicSkip)
+	r.width = width
+	size := retrieveItemSize
+	if magic == retrieveMagicSkip {
+		size = retrieveItemSkip
+	}
 	req := &RetrieveRequest{}
 	req.RestoreID = r.str16("restore id")
 	copy(req.Namespace[:], r.take(16, "namespace"))
@@ -596,15 +625,15 @@ func decodeRetrieveHead(p []byte, lim RequestLimits) (*RetrieveRequest, []uint64
 		holders[i].Instance = r.str8("holder")
 		holders[i].TPRank = r.u16("holder")
 	}
-	n := r.count("items", retrieveItemSize, lim.MaxItems)
+	n := r.count("items", size, lim.MaxItems)
 	if r.err != nil {
 		return nil, nil, r
 	}
 	req.Items = make([]RetrieveItem, n)
 	counts := make([]uint64, n)
-	b := r.take(n*retrieveItemSize, "items")
+	b := r.take(n*size, "items")
 	for i := range req.Items {
-		q := b[i*retrieveItemSize : (i+1)*retrieveItemSize]
+		q := b[i*size : (i+1)*size]
 		it := &req.Items[i]
 		it.Chunk = int(binary.BigEndian.Uint32(q))
 		group := binary.BigEndian.Uint16(q[4:])
@@ -626,6 +655,11 @@ func decodeRetrieveHead(p []byte, lim RequestLimits) (*RetrieveRequest, []uint64
 		it.Sum = binary.BigEndian.Uint64(q[12:])
 		it.Source = Source{Holder: holders[h], Tier: Tier(q[22])}
 		counts[i] = uint64(binary.BigEndian.Uint32(q[23:]))
+		if size == retrieveItemSkip {
+			// Up to 2^32-1 on 64-bit builds; whether it fits the chunk is
+			// the receiver's check, as for the block count.
+			it.Skip = int(binary.BigEndian.Uint32(q[27:]))
+		}
 	}
 	return req, counts, r
 }

@@ -32,7 +32,8 @@ func TestRequestBinaryTruncatedAndTrailing(t *testing.T) {
 	for _, c := range []struct {
 		file string
 		dec  func([]byte) (any, error)
-	}{{"store_request.bin", storeDec}, {"store_request_pos.bin", storeDec}, {"retrieve_request.bin", retrieveDec}} {
+	}{{"store_request.bin", storeDec}, {"store_request_pos.bin", storeDec}, {"retrieve_request.bin", retrieveDec},
+		{"retrieve_request_skip.bin", retrieveDec}} {
 		p := goldenBin(t, c.file)
 		if _, err := c.dec(p); err != nil {
 			t.Fatalf("%s: %v", c.file, err)
@@ -154,6 +155,38 @@ func TestRequestBinaryStorePositions(t *testing.T) {
 	}
 }
 
+// A retrieve request names its items' skipped blocks in KVR2, and only
+// when one is not 0: an engine that skips none still talks KVR1 to an
+// older rankd, and a decoder of KVR1 alone (a rankd from before Skip)
+// refuses KVR2 instead of placing every page.
+func TestRequestBinaryRetrieveSkip(t *testing.T) {
+	req := *goldenValue(t, "retrieve_request").(*RetrieveRequest)
+	req.Items = slices.Clone(req.Items)
+	p, err := req.MarshalBinary()
+	if err != nil || string(p[:4]) != retrieveMagic {
+		t.Fatalf("no skip: magic %q, %v; want %q", p[:4], err, retrieveMagic)
+	}
+	req.Items[1].Skip = 1<<32 - 1
+	q, err := req.MarshalBinary()
+	if err != nil || string(q[:4]) != retrieveMagicSkip || len(q) != len(p)+4*len(req.Items) {
+		t.Fatalf("a skip: magic %q, %d bytes (KVR1 %d), %v; want %q and 4 bytes an item more", q[:4], len(q), len(p), err, retrieveMagicSkip)
+	}
+	back, err := DecodeRetrieveBinary(q, testLimits)
+	if err != nil || !reflect.DeepEqual(back, &req) {
+		t.Fatalf("decoded %+v, %v; want %+v", back, err, req)
+	}
+	old := &reqReader{what: "retrieve request", p: q}
+	if old.header(retrieveMagic); !errors.Is(old.err, ErrMalformed) || !strings.Contains(old.err.Error(), `version '2', this build reads '1'`) {
+		t.Fatalf("a KVR1-only decoder on KVR2: %v", old.err)
+	}
+	for _, n := range []int{-1, 1 << 32} {
+		req.Items[1].Skip = n
+		if _, err := req.MarshalBinary(); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "skips") {
+			t.Errorf("skip %d: %v", n, err)
+		}
+	}
+}
+
 func TestRequestBinaryEncodeRefuses(t *testing.T) {
 	store := *goldenValue(t, "store_request").(*StoreRequest)
 	store.Chunks = []ChunkBlocks{{Chunk: goldenChunk(1), Blocks: [][]int64{{1, -2}}}}
@@ -271,6 +304,7 @@ func hasNegative(req *StoreRequest) bool {
 
 func FuzzDecodeRetrieveBinary(f *testing.F) {
 	f.Add(goldenBin(f, "retrieve_request.bin"))
+	f.Add(goldenBin(f, "retrieve_request_skip.bin"))
 	f.Add([]byte(retrieveMagic + "\x08"))
 	f.Fuzz(func(t *testing.T, p []byte) {
 		req, err := DecodeRetrieveBinary(p, testLimits)

@@ -198,11 +198,12 @@ COMPACT = GOLDEN.parent / "compact"
 
 
 @pytest.mark.parametrize("name,cls", [("store_request", wire.StoreRequest), ("store_request_pos", wire.StoreRequest),
-                                      ("retrieve_request", wire.RetrieveRequest)])
+                                      ("retrieve_request", wire.RetrieveRequest),
+                                      ("retrieve_request_skip", wire.RetrieveRequest)])
 def test_binary_requests_equal_go_bytes(name, cls):
     """The binary store and retrieve requests (KVS1, KVS2 with chunk
-    positions, KVR1) Python encodes are Go's bytes for the same golden value
-    (wire/testdata/compact)."""
+    positions, KVR1, KVR2 with skipped blocks) Python encodes are Go's bytes
+    for the same golden value (wire/testdata/compact)."""
     msg = wire.decode(cls, (GOLDEN / f"{name}.json").read_bytes())
     assert msg.to_binary() == (COMPACT / f"{name}.bin").read_bytes()
 
@@ -219,6 +220,24 @@ def test_binary_requests_pick_the_block_width():
     # Two items of one chunk and one holder share the tables: 27 B more.
     two = wire.RetrieveRequest("r", ns, "s", [item, item]).to_binary()
     assert len(two) == len(big) + 27 + 8
+
+
+def test_retrieve_skips_pick_the_version():
+    """KVR1 while no item skips blocks (a rankd from before skips reads it),
+    KVR2 with a u32 after each item once one does; the JSON field is left
+    out at 0, so such a request is what an older rankd accepts."""
+    ns = _golden_ns()
+    items = [wire.RetrieveItem(c, 0, dcp.Key(ns, _golden_chunk(c), 0, 0), 7,
+                               wire.Source(wire.Rank("e", 0), wire.Tier.L1), [c + 1]) for c in range(2)]
+    v1 = wire.RetrieveRequest("r", ns, "s", items).to_binary()
+    assert v1[:4] == b"KVR1" and b'"skip"' not in wire.encode(wire.RetrieveRequest("r", ns, "s", items))
+    items[0].skip = 3
+    v2 = wire.RetrieveRequest("r", ns, "s", items).to_binary()
+    assert v2[:4] == b"KVR2" and len(v2) == len(v1) + 4 * len(items)
+    assert b'"skip":3' in wire.encode(wire.RetrieveRequest("r", ns, "s", items))
+    items[0].skip = -1
+    with pytest.raises(MalformedError, match="skips"):
+        wire.RetrieveRequest("r", ns, "s", items).to_binary()
 
 
 def test_store_request_positions_pick_the_version():

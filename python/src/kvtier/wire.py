@@ -327,6 +327,11 @@ class RetrieveItem:
     sum: u64 = field("sum", default=0)
     source: Source = field("source", default_factory=Source)
     blocks: list[int] = field("blocks", default_factory=list)
+    # The chunk's first blocks the engine holds already (Go
+    # wire.RetrieveItem.Skip): their pages are not placed, blocks are the
+    # targets of the chunk's blocks skip.. only; the whole object is still
+    # verified. A rankd from before it refuses the item.
+    skip: int = field("skip", omit="omitempty", default=0)
 
 
 @dataclass
@@ -340,7 +345,8 @@ class RetrieveRequest:
         """The binary retrieve request (``KVR1``, Go wire/reqbin.go): the
         namespace once, a table of the items' chunk hashes and one of their
         holders, fixed-width items, the block ids packed; the bytes Go's
-        RetrieveRequest.MarshalBinary encodes for the same value. Raises
+        RetrieveRequest.MarshalBinary encodes for the same value. ``KVR2``
+        when an item skips blocks: a u32 skip after each item. Raises
         MalformedError for a request the form cannot carry (an item's key in
         another namespace or of another group, values out of range)."""
         rid, sess = _utf8(self.restore_id), _utf8(self.session)
@@ -354,6 +360,7 @@ class RetrieveRequest:
         holder_table = bytearray()
         items = bytearray()
         ids: list[int] = []
+        skips = any(it.skip for it in self.items)
         for i, it in enumerate(self.items):
             if it.key.ns != self.namespace:
                 raise MalformedError(f"retrieve request: item {i} key {it.key} is not in namespace {self.namespace}")
@@ -365,6 +372,8 @@ class RetrieveRequest:
                                      f"want 0..{_U32} each")
             if not 0 <= int(it.source.tier) <= 0xFF:
                 raise MalformedError(f"retrieve request: item {i} tier {it.source.tier}")
+            if not 0 <= it.skip <= _U32:
+                raise MalformedError(f"retrieve request: item {i} skips {it.skip} blocks, outside 0..{_U32}")
             k = keys.setdefault(it.key.chunk, len(keys))
             h = it.source.holder
             hk = (h.instance, h.tp_rank)
@@ -380,9 +389,11 @@ class RetrieveRequest:
                 holder_table += bytes([len(inst)]) + inst + struct.pack(">H", h.tp_rank)
             items += struct.pack(">IHHIQHBI", it.chunk, it.group, it.key.shard, k, it.sum, hi,
                                  int(it.source.tier), len(it.blocks))
+            if skips:
+                items += struct.pack(">I", it.skip)
             ids.extend(it.blocks)
         width, packed = _pack_blocks(ids, "retrieve request")
-        out = bytearray(_RETRIEVE_MAGIC)
+        out = bytearray(_RETRIEVE_MAGIC_SKIP if skips else _RETRIEVE_MAGIC)
         out.append(width)
         out += struct.pack(">H", len(rid)) + rid + bytes(self.namespace) + bytes([len(sess)]) + sess
         out += struct.pack(">I", len(keys))
@@ -396,6 +407,7 @@ class RetrieveRequest:
 _STORE_MAGIC = b"KVS1"
 _STORE_MAGIC_POS = b"KVS2"  # KVS1 with a position per chunk
 _RETRIEVE_MAGIC = b"KVR1"
+_RETRIEVE_MAGIC_SKIP = b"KVR2"  # KVR1 with a skip per item
 _U32 = 0xFFFFFFFF
 
 
