@@ -81,8 +81,11 @@ func NewEncryptingL3Tier(store ObjectStore, instance string, key *MACKey) (*L3Ti
 }
 
 // Name returns the object name of key.
-func (t *L3Tier) Name(key dcp.Key) string {
-	return t.instance + "/" + key.NS.String() + "/" + key.String() + FileExt
+func (t *L3Tier) Name(key dcp.Key) string { return nameOf(t.instance, key) }
+
+// nameOf returns the object name of key under instance's prefix.
+func nameOf(instance string, key dcp.Key) string {
+	return instance + "/" + key.NS.String() + "/" + key.String() + FileExt
 }
 
 // Put stores payload under obj.Key; it returns once the store acknowledged
@@ -184,7 +187,23 @@ func (p *twoPart) Seek(off int64, whence int) (int64, error) {
 // missing object gives ErrNotFound; one that fails gives a *CorruptError
 // (Kept: it is not deleted here).
 func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error) {
-	name := t.Name(key)
+	return t.get(ctx, t.instance, key, fp, dst)
+}
+
+// GetOf is Get of the object another instance (a share-group member,
+// docs/sharing.md) wrote under its own prefix of the same bucket: the same
+// checks with the same storage key (the header MAC, C12), and an
+// encrypted payload opened under that instance's payload key, as its
+// writer sealed it. Whether this rank may read instance is the caller's
+// decision (transfer.Config.L3SharedWith).
+func (t *L3Tier) GetOf(ctx context.Context, instance string, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error) {
+	return t.get(ctx, instance, key, fp, dst)
+}
+
+// get is Get of key's object under instance's prefix.
+func (t *L3Tier) get(ctx context.Context, instance string, key dcp.Key, fp [32]byte, dst []byte) (L2Object, error) {
+	name := nameOf(instance, key)
+	bad := func(o L2Object, writerKnown bool, why string) error { return badL3(name, key, o, writerKnown, why) }
 	body, size, err := t.store.Open(ctx, name, 0, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return L2Object{}, fmt.Errorf("L3 object %s: %w", key, ErrNotFound)
@@ -201,23 +220,23 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		if ctx.Err() != nil || !errors.Is(err, ErrCorrupt) {
 			return L2Object{}, fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
 		}
-		return L2Object{}, t.bad(key, L2Object{}, false, err.Error())
+		return L2Object{}, bad(L2Object{}, false, err.Error())
 	}
 	o, _, nonce, err := readObjHeader(bytes.NewReader(hb), size, t.key, true)
 	switch {
 	case errors.Is(err, ErrUnverified):
-		return o, t.unverified(key, o, err)
+		return o, unverifiedL3(name, key, o, err)
 	case err != nil:
-		return o, t.bad(key, o, false, err.Error())
+		return o, bad(o, false, err.Error())
 	case o.Key != key:
-		return o, t.bad(key, o, true, "header names key "+o.Key.String())
+		return o, bad(o, true, "header names key "+o.Key.String())
 	case o.Fingerprint != fp:
-		return o, t.bad(key, o, true, fmt.Sprintf("layout fingerprint %x, namespace has %x", o.Fingerprint[:8], fp[:8]))
+		return o, bad(o, true, fmt.Sprintf("layout fingerprint %x, namespace has %x", o.Fingerprint[:8], fp[:8]))
 	case o.Size != uint64(len(dst)):
-		return o, t.bad(key, o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
+		return o, bad(o, true, fmt.Sprintf("payload %d B, the geometry says %d B", o.Size, len(dst)))
 	}
 	if nonce != nil {
-		return o, t.getEncrypted(ctx, key, o, hb, nonce, body, dst)
+		return o, t.getEncrypted(ctx, instance, key, o, hb, nonce, body, dst, bad)
 	}
 	if _, err := io.ReadFull(body, dst); errors.Is(err, fs.ErrNotExist) {
 		return o, fmt.Errorf("L3 object %s deleted while read: %w", key, ErrNotFound)
@@ -225,17 +244,19 @@ func (t *L3Tier) Get(ctx context.Context, key dcp.Key, fp [32]byte, dst []byte) 
 		return o, fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {
-		return o, t.bad(key, o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+		return o, bad(o, true, fmt.Sprintf("payload kvsum64 %016x, recorded %016x", sum, o.Sum))
 	}
 	return o, nil
 }
 
 // getEncrypted is the rest of Get for a format 3 object whose header hb
 // (with nonce) was read and checked: the ciphertext and tag are read from
-// body and opened into dst with the header as associated data, then the
-// plaintext's kvsum64 is checked against the MACed sum.
-func (t *L3Tier) getEncrypted(ctx context.Context, key dcp.Key, o L2Object, hb, nonce []byte, body io.Reader, dst []byte) error {
-	aead, err := t.cipher.aead(t.instance, key.NS)
+// body and opened into dst with the header as associated data, under the
+// payload key of instance (whose prefix holds it), then the plaintext's
+// kvsum64 is checked against the MACed sum; bad reports a failure.
+func (t *L3Tier) getEncrypted(ctx context.Context, instance string, key dcp.Key, o L2Object, hb, nonce []byte, body io.Reader,
+	dst []byte, bad func(L2Object, bool, string) error) error {
+	aead, err := t.cipher.aead(instance, key.NS)
 	if err != nil {
 		return fmt.Errorf("L3 read %s: %w", key, errors.Join(err, ErrIO))
 	}
@@ -247,10 +268,10 @@ func (t *L3Tier) getEncrypted(ctx context.Context, key dcp.Key, o L2Object, hb, 
 		return fmt.Errorf("L3 read %s: payload: %w", key, errors.Join(err, ErrIO))
 	}
 	if _, err := aead.Open(dst[:0], nonce, buf, hb); err != nil {
-		return t.bad(key, o, true, "payload does not decrypt: its AES-256-GCM tag does not verify (ciphertext or tag altered, or the object was written for another instance or namespace)")
+		return bad(o, true, "payload does not decrypt: its AES-256-GCM tag does not verify (ciphertext or tag altered, or the object was written for another instance or namespace)")
 	}
 	if sum := checksum.Sum(dst); sum != o.Sum {
-		return t.bad(key, o, true, fmt.Sprintf("decrypted payload kvsum64 %016x, recorded %016x", sum, o.Sum))
+		return bad(o, true, fmt.Sprintf("decrypted payload kvsum64 %016x, recorded %016x", sum, o.Sum))
 	}
 	return nil
 }
@@ -278,21 +299,23 @@ func readHeaderBytes(r io.Reader, size int64) ([]byte, error) {
 	return b, nil
 }
 
-// unverified reports key's object, whose header MAC failed (cause), as a
-// *CorruptError with Unverified and Kept: it stays in the bucket.
-func (t *L3Tier) unverified(key dcp.Key, o L2Object, cause error) error {
-	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: true, Path: "l3:" + t.Name(key), Reason: cause.Error(),
+// unverifiedL3 reports key's object (named name), whose header MAC failed
+// (cause), as a *CorruptError with Unverified and Kept: it stays in the
+// bucket.
+func unverifiedL3(name string, key dcp.Key, o L2Object, cause error) error {
+	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: true, Path: "l3:" + name, Reason: cause.Error(),
 		Unverified: true, Kept: true}
 }
 
-// bad reports key's object, which failed a read's verification, as a
-// *CorruptError with Kept: it stays in the bucket. A reader cannot tell
-// whether the object's writer rewrote it since the read (the object stores
-// used here have no conditional delete), so a delete could remove a valid
-// rewrite while the writer's index entry still lists it; the engine of the
-// rank that wrote the object removes or rewrites it (transfer/l3engine.go).
-func (t *L3Tier) bad(key dcp.Key, o L2Object, writerKnown bool, why string) error {
-	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: writerKnown, Path: "l3:" + t.Name(key), Reason: why, Kept: true}
+// badL3 reports key's object (named name), which failed a read's
+// verification, as a *CorruptError with Kept: it stays in the bucket. A
+// reader cannot tell whether the object's writer rewrote it since the read
+// (the object stores used here have no conditional delete), so a delete
+// could remove a valid rewrite while the writer's index entry still lists
+// it; the engine of the rank that wrote the object removes or rewrites it
+// (transfer/l3engine.go).
+func badL3(name string, key dcp.Key, o L2Object, writerKnown bool, why string) error {
+	return &CorruptError{Key: key, Writer: o.Writer, WriterKnown: writerKnown, Path: "l3:" + name, Reason: why, Kept: true}
 }
 
 // corrupt reports key's object, whose header failed the scan of its
@@ -403,7 +426,7 @@ func (t *L3Tier) scanOne(ctx context.Context, owner wire.Rank, name string, size
 	}
 	if errors.Is(err, ErrUnverified) {
 		o.Key = key
-		fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true, Err: t.unverified(key, o, err)})
+		fn(ScanEntry{Object: o, KeyKnown: true, WriterKnown: true, Err: unverifiedL3(name, key, o, err)})
 		return nil
 	}
 	if err == nil && o.Key != key {
