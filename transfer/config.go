@@ -205,6 +205,18 @@ type Config struct {
 	// one AES-GCM pass over each object written to or read from L3, and 29 B
 	// per object.
 	L3Encrypt bool
+	// L3SharedWith names the other engine instances of this instance's
+	// share group whose L3 objects this rank may read (docs/sharing.md):
+	// their rankds write, under their own instance's prefix, the bucket
+	// and prefix this rank's L3 reads. A retrieve whose plan names the L3
+	// copy of one of them reads it there (verified as always: the storage
+	// key's header MAC, C12, and the recorded sum, C5; an encrypted payload
+	// opens under that instance's payload key); a plan naming the L3 copy
+	// of an instance not listed here fails the item, counted in
+	// kvtier_transfer_l3_shared_refused_total. Default nil: only this
+	// instance's prefix is read. Name exactly the coordinator's
+	// --share-group members (with --share-l3).
+	L3SharedWith []string
 
 	// StorageKey is the cluster's storage MAC key (C12; auth's storage.key,
 	// at least 32 bytes): every L2 and L3 object header the engine writes
@@ -358,12 +370,19 @@ func (c Config) Validate() error {
 		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
 	case len(c.L2SharedWith) > 0 && c.L2Dir == "" && c.L2 == nil:
 		return bad("L2 shared with %v, but there is no L2", c.L2SharedWith)
+	case len(c.L3SharedWith) > 0 && c.L3 == nil:
+		return bad("L3 shared with %v, but there is no L3", c.L3SharedWith)
 	case c.Logger == nil || c.Now == nil:
 		return bad("logger and clock must be set (DefaultConfig sets zap.NewNop and time.Now)")
 	}
 	for _, inst := range c.L2SharedWith {
 		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {
 			return bad("L2 shared with instance %q: want another instance's name of 1..64 characters of [A-Za-z0-9_-]", inst)
+		}
+	}
+	for _, inst := range c.L3SharedWith {
+		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {
+			return bad("L3 shared with instance %q: want another instance's name of 1..64 characters of [A-Za-z0-9_-]", inst)
 		}
 	}
 	return nil

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -32,7 +33,10 @@ import (
 // removes a fresh copy. A store deduplicated against L1 or L2 queues the
 // object too, unless this rank's L3 copy exists. The objects this rank
 // wrote are found again at start-up by a background scan of the
-// instance's objects (headers only).
+// instance's objects (headers only). A retrieve whose plan names the L3
+// copy of another instance of the share group (Config.L3SharedWith) reads
+// it under that instance's prefix and leaves it alone whatever it finds:
+// only its writer deletes, rewrites or drops it from an inventory.
 
 // l3State is the engine's L3 bookkeeping, guarded by Engine.mu.
 type l3State struct {
@@ -70,6 +74,8 @@ type l3Counters struct {
 	objects       atomic.Int64
 	bytes         atomic.Uint64
 	restoredFrom  atomic.Uint64 // objects a retrieve read from L3
+	sharedRead    atomic.Uint64 // of which from a share-group member's prefix (Config.L3SharedWith)
+	sharedRefused atomic.Uint64 // items whose plan named the L3 copy of an instance L3SharedWith does not name
 	deferred      atomic.Uint64 // writes held back while a delete or write of the same key ran
 	leftForWriter atomic.Uint64 // bad copies of other ranks' objects a read left in the bucket
 	scanRunning   atomic.Bool
@@ -326,11 +332,22 @@ func (e *Engine) l3DelLocked(key dcp.Key) {
 	}
 }
 
-// l3Load reads o from L3 into its L1 slabs (placed), verified. A copy that
+// l3Load is l3LoadFrom this instance's prefix.
+func (e *Engine) l3Load(ctx context.Context, o *l1Obj, dst []byte) (L2Object, error) {
+	return e.l3LoadFrom(ctx, o, dst, "")
+}
+
+// l3LoadFrom reads o from L3 into its L1 slabs (placed), verified: from
+// the prefix of holder, the instance whose copy the plan names, when it is
+// another instance (l3LoadShared: a share-group member of
+// Config.L3SharedWith, or refused), else from this instance's. A copy that
 // fails verification is left in the bucket unless this rank wrote it
 // (l3RepairBad): only the writer can order its delete after its own
 // writes of the object.
-func (e *Engine) l3Load(ctx context.Context, o *l1Obj, dst []byte) (L2Object, error) {
+func (e *Engine) l3LoadFrom(ctx context.Context, o *l1Obj, dst []byte, holder string) (L2Object, error) {
+	if holder != "" && holder != e.cfg.Rank.Instance {
+		return e.l3LoadShared(ctx, o, dst, holder)
+	}
 	e.mu.Lock()
 	stamp := e.l3s.clock
 	e.mu.Unlock()
@@ -361,6 +378,45 @@ func (e *Engine) l3Load(ctx context.Context, o *l1Obj, dst []byte) (L2Object, er
 		e.l3RepairBad(o.key, stamp)
 	case errors.Is(err, ErrNotFound):
 		e.l3Gone(o.key)
+	}
+	return meta, err
+}
+
+// l3Holder is the instance whose L3 prefix a retrieve item reads: its
+// source's holder when the plan names an L3 copy, else "" (this
+// instance's: a plan naming another tier falls back to this instance's L3
+// only).
+func l3Holder(src wire.Source) string {
+	if src.Tier != wire.L3 {
+		return ""
+	}
+	return src.Holder.Instance
+}
+
+// l3LoadShared is l3Load of the copy that holder, another instance, wrote
+// under its own prefix: refused (ErrNotFound, counted) unless
+// Config.L3SharedWith names holder, which is the rankd's own authorization
+// on top of the coordinator's share group. Nothing this rank holds changes
+// whatever the read finds: a bad copy is counted and left for its writer,
+// a missing one is the writer's to unannounce.
+func (e *Engine) l3LoadShared(ctx context.Context, o *l1Obj, dst []byte, holder string) (L2Object, error) {
+	if !slices.Contains(e.cfg.L3SharedWith, holder) {
+		e.l3c.sharedRefused.Add(1)
+		return L2Object{}, fmt.Errorf("%s: the plan names the L3 copy of instance %q, which this rank does not read (--l3-shared-with): %w",
+			o.key, holder, ErrNotFound)
+	}
+	meta, err := e.l3.GetOf(ctx, holder, o.key, o.fp, dst)
+	ce := (*CorruptError)(nil)
+	switch {
+	case err == nil:
+		e.l3c.bytesRead.Add(o.size)
+		e.l3c.restoredFrom.Add(1)
+		e.l3c.sharedRead.Add(1)
+	case errors.As(err, &ce):
+		e.l3c.checksum.Add(1)
+		e.l3c.leftForWriter.Add(1)
+		e.log.Error("L3 object of a share-group member failed verification; not served, left in the bucket for its writer",
+			zap.String("holder", holder), zap.Stringer("key", ce.Key), zap.String("path", ce.Path), zap.String("why", ce.Reason))
 	}
 	return meta, err
 }
@@ -569,6 +625,8 @@ func newL3Collector(c *l3Counters, rank string) *l3Collector {
 	add("l3_objects", "Objects this rank wrote that L3 holds.")
 	add("l3_object_bytes", "Header and payload bytes of the L3 objects this rank wrote.")
 	add("l3_restored_objects_total", "Objects retrieves read from L3 (neither L1 nor L2 held them).")
+	add("l3_shared_restored_objects_total", "Objects retrieves read from the L3 copy of another instance of the share group, under its prefix (--l3-shared-with); also in l3_restored_objects_total.")
+	add("l3_shared_refused_total", "Retrieve items whose plan named the L3 copy of an instance --l3-shared-with does not name: not read, the item fails (the engine recomputes the chunk).")
 	add("l3_deferred_writes_total", "L3 writes held back until a delete (an eviction) or a write of the same object ended.")
 	add("l3_scanning", "1 while the start-up scan of L3 (headers only, in the background) runs.")
 	return cl
@@ -600,6 +658,8 @@ func (cl *l3Collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l3_objects", float64(c.objects.Load()))
 	gauge("l3_object_bytes", float64(c.bytes.Load()))
 	counter("l3_restored_objects_total", c.restoredFrom.Load())
+	counter("l3_shared_restored_objects_total", c.sharedRead.Load())
+	counter("l3_shared_refused_total", c.sharedRefused.Load())
 	counter("l3_deferred_writes_total", c.deferred.Load())
 	counter("l3_left_for_writer_total", c.leftForWriter.Load())
 	sc := 0.0
