@@ -136,7 +136,7 @@ def test_spec_refuses_pcp_pp_and_what_dcp_does_not_shard():
     with pytest.raises(errors.GeometryError, match="not DCP-sharded under decode context parallel size 2"):
         spec_from_vllm(cfg, "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
     cfg = fakes.KVCacheConfig(64, [], [fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
-        block_size=16, shapes=((4, 8),), dtypes=(fakes.BF16,), mamba_cache_mode="all"))])
+        block_size=16, shapes=((4, 8),), dtypes=(fakes.BF16,), mamba_cache_mode="align"))])
     with pytest.raises(errors.GeometryError, match=r"MambaSpec\) under decode context parallel size 2"):
         spec_from_vllm(cfg, "m", "", tp=2, dcp_size=2, pp=1, chunk_tokens=None)
 
@@ -180,10 +180,10 @@ def test_spec_refuses_non_causal():
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
 
 
-def test_mamba_all_mode_is_recurrent():
+def test_mamba_align_mode_is_recurrent():
     cfg = fakes.KVCacheConfig(64, [], [fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
         block_size=16, shapes=((4, 8), (2, 2)), dtypes=(fakes.BF16, fakes.FP8), page_size_padded=1024,
-        mamba_cache_mode="all"))])
+        mamba_cache_mode="align"))])
     spec, _ = spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
     g = spec.groups[0]
     assert (g.kind, g.semantic_bytes, g.page_bytes) == (dcp.Kind.RECURRENT, 4 * 8 * 2 + 4, 1024)

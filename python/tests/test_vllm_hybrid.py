@@ -45,8 +45,8 @@ def test_spec_fails_closed_on_group_kinds_it_does_not_understand():
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
     cfg = hybrid_config()
     cfg.kv_cache_groups.append(fakes.KVCacheGroupSpec(["m0"], fakes.MambaSpec(
-        block_size=BS, shapes=((4, 8),), dtypes=(fakes.BF16,), mamba_cache_mode="align")))
-    with pytest.raises(errors.GeometryError, match=r"group 2 \(MambaSpec\): mamba_cache_mode 'align'"):
+        block_size=BS, shapes=((4, 8),), dtypes=(fakes.BF16,), mamba_cache_mode="none")))
+    with pytest.raises(errors.GeometryError, match=r"group 2 \(MambaSpec\): mamba_cache_mode 'none'"):
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
 
 

@@ -55,6 +55,8 @@ class _SchedulerSide(_Core):
         first = num_computed_tokens // self.chunk
         last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
         last = min(last, len(st.hashes), first + self._window_chunks(first))
+        if self._state_groups():
+            last = min(last, first + 1)  # one chunk: its end state is the one vLLM gives a block (below)
         if first >= last:
             return 0, False
         if st.lookup_first != first:
@@ -111,6 +113,53 @@ class _SchedulerSide(_Core):
             best = m
         return best
 
+    # Mamba / linear-attention state (vLLM's mamba_cache_mode "align"). vLLM
+    # keeps the state after token B in the request's block B // bs - 1 of
+    # the Mamba group (bs: its Mamba block) only when B is a multiple of bs
+    # and a step ends there, or B is the prompt's checkpoint; it names each
+    # such block in the step's KVConnectorBlockState.boundary_state_offloads
+    # (the block table alone can hold a stale state there). A chunk's Mamba
+    # object is the state at its end: a chunk is stored only when vLLM
+    # handed over that state. On a restore of T tokens vLLM allocates one
+    # fresh block for the state, block T // bs - 1, and none for the states
+    # inside the restored tokens, while kvtier places every group's object
+    # of every chunk (and a rankd refuses the null block and two objects in
+    # one block): so a restore is one chunk past vLLM's own prefix, its
+    # state placed in that block.
+
+    def _state_groups(self) -> list[int]:
+        return [gi for gi, gl in enumerate(self.layers) if gl.recurrent]
+
+    def _take_states(self, scheduler_output: Any) -> None:
+        """Records the boundary states vLLM hands over this step."""
+        bs = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(bs, "boundary_state_offloads", None) or {}
+        for req_id, entries in offers.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for group, block, tokens in entries:
+                if int(block) != NULL_BLOCK:
+                    st.states[(int(group), int(tokens))] = int(block)
+
+    def _state_block(self, st: _Req, gi: int, c: int) -> int:
+        """The block holding the state at chunk c's end, handed over by
+        vLLM; NULL_BLOCK when vLLM kept none there."""
+        return st.states.get((gi, (c + 1) * self.chunk), NULL_BLOCK)
+
+    def _load_state_ids(self, st: _Req, gi: int, n_chunks: int) -> list[int]:
+        """The Mamba group's targets of a load, one per chunk (kvtier's
+        recurrent group has one page per chunk): the block vLLM allocated
+        for the state at the chunk's end, NULL_BLOCK where it allocated
+        none (a load into it is refused)."""
+        bs = self.layers[gi].block_size
+        ids = st.block_ids[gi] if gi < len(st.block_ids) else []
+        out = []
+        for c in range(n_chunks):
+            i = (c + 1) * self.chunk // bs - 1
+            out.append(ids[i] if i < len(ids) else NULL_BLOCK)
+        return out
+
     def _lookup_failed(self, req_id: str, e: BaseException) -> None:
         if isinstance(e, (RequestTimeout, TimeoutError)):
             self.stats["lookup_timeouts"] += 1
@@ -134,7 +183,10 @@ class _SchedulerSide(_Core):
         null block there (a sliding-window block out of the window: the
         chunk is not stored); None when the blocks are not allocated."""
         out = []
-        for gi, _ in enumerate(self.spec.groups):
+        for gi, gl in enumerate(self.layers):
+            if gl.recurrent:
+                out.append([self._state_block(st, gi, c)])  # the state at the chunk's end, or none
+                continue
             bpc = self.resolved.blocks_per_chunk(gi)
             ids = st.block_ids[gi] if gi < len(st.block_ids) else []
             if len(ids) < (c + 1) * bpc:
@@ -146,6 +198,7 @@ class _SchedulerSide(_Core):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata()
+        self._take_states(scheduler_output)
         for req_id, st in self._reqs.items():
             if st.load is None:
                 continue
@@ -194,8 +247,8 @@ class _SchedulerSide(_Core):
                 chunks.append((bytes(st.hashes[c]), blocks))
                 positions.append(c)
             else:
-                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window); not stored",
-                          req_id, c)
+                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window) or no Mamba "
+                          "state; not stored", req_id, c)
             c += 1
         st.saved_through = c
         if chunks:
@@ -204,7 +257,12 @@ class _SchedulerSide(_Core):
 
     def _load_spec(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:
         """The load of n chunks from first, from the plan the lookup began."""
-        spec = LoadSpec(req_id, "", first, n, 0, {}, [list(b) for b in st.block_ids], async_load=self.cfg.load_async)
+        ids = [list(b) for b in st.block_ids]
+        for gi in self._state_groups():
+            while len(ids) <= gi:
+                ids.append([])
+            ids[gi] = self._load_state_ids(st, gi, first + n)
+        spec = LoadSpec(req_id, "", first, n, 0, {}, ids, async_load=self.cfg.load_async)
         plan = st.plan
         if plan is None:
             spec.problem = "no restore plan"

@@ -70,6 +70,9 @@ class _Req:
     load: tuple[int, int] | None = None  # (first chunk, chunks) to load
     block_ids: list[list[int]] = field(default_factory=list)
     saved_through: int = 0  # chunks [0, saved_through) are stored or being stored
+    # Mamba "align": the state blocks vLLM handed the connector,
+    # (group, tokens before the state) -> block id (kvtier.vllm._scheduler).
+    states: dict[tuple[int, int], int] = field(default_factory=dict)
     saved_any: bool = False
 
 

@@ -204,8 +204,9 @@ class _WorkerSide(_Core):
             key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
-            if self._windows:
-                # vLLM frees out-of-window blocks at its next schedule
+            if self._windows or any(gl.recurrent for gl in self.layers):
+                # vLLM frees out-of-window blocks, and Mamba state blocks
+                # behind the request's last state, at a later schedule
                 # without asking the connector: the rankd reads them now.
                 concurrent.futures.wait([fut], timeout=self.cfg.timeout_s)
 

@@ -50,12 +50,21 @@ in wait_for_save when the spec has a sliding-window group: vLLM frees
 out-of-window blocks at its next schedule without asking the connector, so
 the rankd must have read them first.
 
-Mamba / linear-attention state groups (MambaSpec) are refused with vLLM
-0.32: its mamba_cache_mode is "none" (one state block per request) or
-"align" (a state only at the step's last token, the blocks before freed to
-null gaps), so the state at a chunk boundary is not a block vLLM keeps; the
-recurrent page geometry (one opaque slot per block, DCP split rules in
-DESIGN.md) is ready in kvtier.dcp for a mode that keeps them ("all").
+Mamba / linear-attention state groups (MambaSpec) are accepted in vLLM's
+mamba_cache_mode "align" (its default with prefix caching) and refused in
+"none" (one state block per request, no state at any chunk boundary). In
+"align" vLLM keeps the state after token B only when B is a multiple of
+its Mamba block size and a scheduler step ends there (or B is the prompt's
+last such position, a checkpoint Mamba2 exports from inside the step); the
+blocks before are its null block. A chunk's Mamba object is therefore one
+opaque page, the state at the chunk's end: kvtier's recurrent group has a
+block of chunk_tokens (one page per chunk), and the chunk must be a
+multiple of vLLM's Mamba block size. The scheduler side stores a chunk
+only when vLLM handed it that boundary's state block
+(KVConnectorBlockState.boundary_state_offloads) and restores at most one
+chunk past vLLM's own prefix (see kvtier.vllm._scheduler). Refused as not
+verified against vLLM: speculative Mamba blocks (EAGLE/MTP relocate them)
+and DCP > 1.
 
 PP > 1 is refused: a kvtier rank is (instance, TP rank) and the
 coordinator's shard plan has no pipeline stage, so two stages' pools (each
@@ -114,6 +123,10 @@ class GroupLayers:
     page_bytes: int  # vLLM's page_size_bytes of one layer (K and V)
     kv_split: bool = False  # each layer is two pools: K then V, half pages
     sliding_window: int = 0  # SlidingWindowSpec's window in tokens (0: none)
+    # MambaSpec (mamba_cache_mode "align"): block_size is vLLM's Mamba block
+    # (the state after token B lives in the request's block B // block_size
+    # - 1), and kvtier's group has one page per chunk: the state at its end.
+    recurrent: bool = False
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -154,11 +167,16 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
     elif cls in _RECURRENT:
         mla = False
         mode = getattr(s, "mamba_cache_mode", "none")
-        if mode != "all":
+        if mode != "align":
             raise GeometryError(f"KV cache group {i} (MambaSpec): mamba_cache_mode {mode!r}; kvtier stores the state "
-                                "at every chunk boundary as one recurrent page, which needs vLLM to keep a state "
-                                "block per block_size tokens ('all'); vLLM 0.32's 'none' keeps one block per "
-                                "request and 'align' frees the blocks before the step's last token")
+                                "at a chunk boundary as the chunk's recurrent page, which vLLM keeps only in "
+                                "'align' (its default with prefix caching); 'none' keeps one state block per "
+                                "request")
+        spec_blocks = getattr(s, "num_speculative_blocks", 0)
+        if spec_blocks:
+            raise GeometryError(f"KV cache group {i} (MambaSpec): {spec_blocks} speculative blocks (EAGLE/MTP) "
+                                "move state blocks within the request's table; not verified against vLLM, "
+                                "refusing it")
         shapes, dtypes = getattr(s, "shapes", ()), getattr(s, "dtypes", ())
         if len(shapes) != len(dtypes) or not shapes:
             raise GeometryError(f"KV cache group {i} (MambaSpec): {len(shapes)} state shapes, {len(dtypes)} dtypes")
@@ -255,7 +273,8 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
                 raise GeometryError(f"KV cache group {i} (SlidingWindowSpec): sliding_window {w!r} is not a "
                                     "positive integer")
             window = w
-        layers.append(GroupLayers(tuple(names), grp.block_size, vllm_page, split, window))
+        layers.append(GroupLayers(tuple(names), grp.block_size, vllm_page, split, window,
+                                  grp.kind == dcp.Kind.RECURRENT))
     block = 1
     for grp in groups:
         block = math.lcm(block, grp.block_size * (dcp_size if grp.kind != dcp.Kind.RECURRENT else 1))
@@ -265,6 +284,18 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
     # per-object costs dominate; a prompt shorter than one chunk plus a
     # token is never stored.
     chunk = chunk_tokens or block * max(1, -(-DEFAULT_CHUNK_TOKENS // block))
+    for gi, grp in enumerate(groups):
+        if grp.kind != dcp.Kind.RECURRENT:
+            continue
+        if chunk % grp.block_size:
+            raise GeometryError(f"KV cache group {gi} (MambaSpec): chunk of {chunk} tokens is not a multiple of "
+                                f"vLLM's Mamba block of {grp.block_size} tokens: vLLM keeps a state only at a "
+                                "multiple of its Mamba block, so a chunk's end would have none")
+        # One page per chunk, the state at the chunk's end: vLLM keeps no
+        # state inside it (kvtier.vllm._scheduler places it).
+        groups[gi] = dcp.Group(name=grp.name, kind=grp.kind, mla=False, block_size=chunk, layers=grp.layers,
+                               semantic_bytes=grp.semantic_bytes, page_bytes=grp.page_bytes,
+                               stride_bytes=grp.stride_bytes, kv_format=grp.kv_format)
     spec = dcp.Spec(model=model, cache_salt=cache_salt,
                     layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=interleave, pp=pp),
                     groups=groups, chunk_tokens=chunk)
