@@ -200,11 +200,19 @@ type Op struct {
 	wait func(ctx context.Context) error
 	sums []uint64 // filled when the op completes
 	lens []uint64
+	path string
 }
 
 // Wait blocks until the operation has completed on the device, ctx is done
 // or the stream failed.
 func (o *Op) Wait(ctx context.Context) error { return o.wait(ctx) }
+
+// Path says how a Gather or Scatter moves its bytes: PathSM (copy kernels
+// that checksum as they copy) or PathDMA (copy-engine copies of the page
+// runs, then a checksum pass that reads the pages in device memory); ""
+// for other operations. Both give the same sums and bytes; the device
+// picks by the layout of the transfer (see docs/gpu.md).
+func (o *Op) Path() string { return o.path }
 
 // Sums returns the kvsum64 digest of every object of a Gather or Scatter,
 // in order. It is valid only after Wait returned nil.

@@ -62,11 +62,15 @@ type driverDevice struct {
 	module  C.CUmodule
 	gather  C.CUfunction
 	scatter C.CUfunction
+	sum     C.CUfunction // kv_checksum: the verification of a DMA transfer
 	delay   C.CUfunction
 
 	// mode chooses direct or staged transfers; tests and benchmarks force
 	// one. Set before the device is shared.
 	mode copyMode
+	// path chooses the copy kernels or the copy engine for Gather and
+	// Scatter (dma_plan.go); tests and benchmarks force one.
+	path copyPath
 	// stageHalf overrides the size of each half of a stream's staging
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
@@ -198,6 +202,7 @@ func openDriver(ordinal int) (*driverDevice, error) {
 		module:  b.module,
 		gather:  b.gather,
 		scatter: b.scatter,
+		sum:     b.sum,
 		delay:   b.delay,
 		o:       o,
 		res:     resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
@@ -327,6 +332,7 @@ func (d *driverDevice) loadKernels() error {
 	}{
 		{"kv_gather", &d.gather},
 		{"kv_scatter", &d.scatter},
+		{"kv_checksum", &d.sum},
 		{"kv_delay", &d.delay},
 	} {
 		cname := C.CString(f.name)

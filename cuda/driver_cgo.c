@@ -37,6 +37,26 @@ static CUresult (*p_cuMemcpyHtoD_v2)(CUdeviceptr, const void *, size_t);
 static CUresult (*p_cuMemcpyDtoH_v2)(void *, CUdeviceptr, size_t);
 static CUresult (*p_cuMemcpyHtoDAsync_v2)(CUdeviceptr, const void *, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoHAsync_v2)(void *, CUdeviceptr, size_t, CUstream);
+// CUDA_MEMCPY2D of cuda.h, field for field.
+typedef struct {
+	size_t srcXInBytes, srcY;
+	int srcMemoryType;
+	const void *srcHost;
+	CUdeviceptr srcDevice;
+	void *srcArray;
+	size_t srcPitch;
+	size_t dstXInBytes, dstY;
+	int dstMemoryType;
+	void *dstHost;
+	CUdeviceptr dstDevice;
+	void *dstArray;
+	size_t dstPitch;
+	size_t WidthInBytes, Height;
+} kv_memcpy2d;
+_Static_assert(sizeof(kv_memcpy2d) == 128, "CUDA_MEMCPY2D is 128 bytes on LP64");
+enum { KV_MEMORYTYPE_HOST = 1, KV_MEMORYTYPE_DEVICE = 2 };
+
+static CUresult (*p_cuMemcpy2DAsync_v2)(const kv_memcpy2d *, CUstream);
 static CUresult (*p_cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 static CUresult (*p_cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
 static CUresult (*p_cuMemFreeAsync)(CUdeviceptr, CUstream);
@@ -97,6 +117,7 @@ int kv_load(char *err, size_t errlen) {
 		SYM(p_cuMemcpyDtoH_v2, "cuMemcpyDtoH_v2", NULL),
 		SYM(p_cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync_v2", NULL),
 		SYM(p_cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync_v2", NULL),
+		SYM(p_cuMemcpy2DAsync_v2, "cuMemcpy2DAsync_v2", NULL),
 		SYM(p_cuMemsetD8Async, "cuMemsetD8Async", NULL),
 		SYM(p_cuMemAllocAsync, "cuMemAllocAsync", NULL),
 		SYM(p_cuMemFreeAsync, "cuMemFreeAsync", NULL),
@@ -204,6 +225,30 @@ CUresult kv_memcpy_htod_async(CUcontext c, CUdeviceptr dst, const void *src, siz
 CUresult kv_memcpy_dtoh_async(CUcontext c, void *dst, CUdeviceptr src, size_t n, CUstream s) {
 	CTX(c);
 	return p_cuMemcpyDtoHAsync_v2(dst, src, n, s);
+}
+CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *host, size_t width, size_t rows,
+	int to_device, CUstream s) {
+	CTX(c);
+	kv_memcpy2d p;
+	memset(&p, 0, sizeof p);
+	if (to_device) {
+		p.srcMemoryType = KV_MEMORYTYPE_HOST;
+		p.srcHost = host;
+		p.srcPitch = width;
+		p.dstMemoryType = KV_MEMORYTYPE_DEVICE;
+		p.dstDevice = dev;
+		p.dstPitch = pitch;
+	} else {
+		p.srcMemoryType = KV_MEMORYTYPE_DEVICE;
+		p.srcDevice = dev;
+		p.srcPitch = pitch;
+		p.dstMemoryType = KV_MEMORYTYPE_HOST;
+		p.dstHost = host;
+		p.dstPitch = width;
+	}
+	p.WidthInBytes = width;
+	p.Height = rows;
+	return p_cuMemcpy2DAsync_v2(&p, s);
 }
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
 	CTX(c);

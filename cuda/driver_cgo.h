@@ -72,6 +72,11 @@ CUresult kv_memcpy_htod(CUcontext c, CUdeviceptr dst, const void *src, size_t n)
 CUresult kv_memcpy_dtoh(CUcontext c, void *dst, CUdeviceptr src, size_t n);
 CUresult kv_memcpy_htod_async(CUcontext c, CUdeviceptr dst, const void *src, size_t n, CUstream s);
 CUresult kv_memcpy_dtoh_async(CUcontext c, void *dst, CUdeviceptr src, size_t n, CUstream s);
+// kv_memcpy2d_async copies rows rows of width bytes between device memory
+// (row k at dev + k*pitch) and host memory (row k at host + k*width), to the
+// device when to_device, with cuMemcpy2DAsync_v2.
+CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *host, size_t width, size_t rows,
+	int to_device, CUstream s);
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s);
 // Stream-ordered allocations (staging buffers): they never wait for the device.
 CUresult kv_mem_alloc_async(CUcontext c, CUdeviceptr *p, size_t n, CUstream s);

@@ -361,3 +361,41 @@ func grid(nchunks uint64, sms int) uint32 {
 	limit := uint64(max(sms, 1)) * 8
 	return uint32(max(min(tiles, limit), 1))
 }
+
+// planSums makes the batches of the checksum kernel of a DMA transfer
+// (kv_checksum): whole objects, batches of at least batch bytes (the last
+// may be less), so that a scatter's checksum of one batch runs while the
+// copy engine places the next. The packed side is virtual: segment s
+// starts at address 16*chunkBase of its batch, never dereferenced (the
+// kernel reads only the spans), so every chunk holds two whole words of
+// its object. ends[b] is one past the last object of batch b.
+func planSums(objs []xferObject, batch uint64) (p *xferPlan, ends []int, err error) {
+	if p, err = newPlan(objs); err != nil {
+		return nil, nil, err
+	}
+	var b xferBatch
+	var bytes uint64
+	for i, o := range objs {
+		if o.len > 0 {
+			s := kSeg{
+				packed:    16 * b.nchunks,
+				len:       o.len,
+				chunkBase: b.nchunks,
+				spanBase:  p.first[i],
+				nspans:    uint32(len(o.spans)),
+				sum:       uint32(i),
+			}
+			b.segs = append(b.segs, s)
+			b.nchunks += chunksOf(s.packed, s.len)
+			bytes += o.len
+		}
+		if bytes >= batch || i == len(objs)-1 {
+			if len(b.segs) > 0 {
+				p.batches = append(p.batches, b)
+				ends = append(ends, i+1)
+			}
+			b, bytes = xferBatch{}, 0
+		}
+	}
+	return p, ends, nil
+}

@@ -297,7 +297,7 @@ func (s *driverStream) finishLocked(st *opState) (*Op, error) {
 	}
 	st.done = done
 	s.inflight = append(s.inflight, st)
-	return &Op{wait: st.wait, sums: st.sums, lens: st.lens}, nil
+	return &Op{wait: st.wait, sums: st.sums, lens: st.lens, path: st.path}, nil
 }
 
 // Synchronize waits until all work enqueued so far has finished.
@@ -396,6 +396,7 @@ type opState struct {
 	job    *job        // tables and partial sums of a transfer
 	lens   []uint64    // packed length of every object
 	sums   []uint64    // filled when the operation has finished
+	path   string      // a transfer's copy path (Op.Path)
 	unref  []func() error
 
 	mu       sync.Mutex // guards the following

@@ -24,25 +24,40 @@ func openCUDA(t *testing.T) cuda.Device {
 	return dev
 }
 
-// The conformance suite in each copy mode: the mode the device picks, the
-// kernel on the mapped host buffer, and the copy-engine pipeline with
-// staging halves small enough that most transfers take many batches.
+// The conformance suite in each copy mode: the mode and path the device
+// picks, the kernel on the mapped host buffer and the copy-engine pipeline
+// with staging halves small enough that most transfers take many batches
+// (both on the copy kernels' path), and every transfer forced onto the DMA
+// path (copy-engine copies of the page runs, kv_checksum over the pages).
 func TestDriverConformance(t *testing.T) {
 	if err := openCUDA(t).Close(); err != nil {
 		t.Fatal(err)
 	}
 	for _, m := range []struct {
-		mode string
-		half uint64
-	}{{"auto", 0}, {"direct", 0}, {"staged", 64 << 10}} {
-		t.Run(m.mode, func(t *testing.T) {
+		name, mode, path string
+		half             uint64
+	}{{"auto", "auto", "auto", 0}, {"direct", "direct", "sm", 0}, {"staged", "staged", "sm", 64 << 10}, {"dma", "auto", "dma", 0}} {
+		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {
 				dev := openCUDA(t)
 				cuda.SetDriverCopyMode(dev, m.mode, m.half)
+				cuda.SetCopyPath(dev, m.path)
 				return dev
 			})
 		})
 	}
+}
+
+// The copy kernels' path and the DMA path give the same bytes and sums.
+func TestDriverPaths(t *testing.T) {
+	if err := openCUDA(t).Close(); err != nil {
+		t.Fatal(err)
+	}
+	cudatest.RunPaths(t, func(t *testing.T, path string) cuda.Device {
+		dev := openCUDA(t)
+		cuda.SetCopyPath(dev, path)
+		return dev
+	})
 }
 
 func openCUDAShared(t *testing.T, _ string) cuda.Device { return openCUDA(t) }

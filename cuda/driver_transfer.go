@@ -33,36 +33,43 @@ func (s *driverStream) Scatter(src HostBuf, objs []Object) (*Op, error) {
 // the checks write it there (checkOptions.table) and resolve returns the
 // block, which the caller then owns; otherwise the block is nil. A transfer
 // that fails the checks never allocates a block.
-func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, *job, []func() error, error) {
+//
+// It also applies the rule of the DMA path (useDMA) to the checked
+// transfer: copies, when not nil, are the copy-engine copies the transfer
+// takes instead of the copy kernels.
+func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driverHostBuf, []xferObject, *job, []func() error, []dmaCopy, error) {
 	buf, ok := hb.(*driverHostBuf)
 	if !ok || buf == nil {
-		return nil, nil, nil, nil, fmt.Errorf("%w: host buffer is a %T, not a CUDA backend buffer", ErrBadHandle, hb)
+		return nil, nil, nil, nil, nil, fmt.Errorf("%w: host buffer is a %T, not a CUDA backend buffer", ErrBadHandle, hb)
 	}
 	if buf.d.ctx != s.d.ctx {
-		return nil, nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
+		return nil, nil, nil, nil, nil, fmt.Errorf("%w: host buffer of another device", ErrBadHandle)
 	}
 	n := 0
 	for _, o := range objs {
 		n += len(o.Spans)
 	}
-	var opt checkOptions
+	// The DMA path needs each span's Mem: a copy never runs from one
+	// allocation into another, even where their addresses meet.
+	opt := checkOptions{memOf: s.d.path != pathSM}
 	var j *job
 	if n > 0 {
 		if j = s.d.idleJob(tableEstimate(n, len(objs))); j != nil {
 			opt.table = j.spanTable()
 		}
 	}
-	fail := func(err error) (*driverHostBuf, []xferObject, *job, []func() error, error) {
+	fail := func(err error) (*driverHostBuf, []xferObject, *job, []func() error, []dmaCopy, error) {
 		if j != nil {
 			s.d.putJob(j)
 		}
-		return nil, nil, nil, nil, err
+		return nil, nil, nil, nil, nil, err
 	}
 	t, err := checkTransfer(objs, buf.size, scatter, opt, s.d.resolveMem)
 	if err != nil {
 		return fail(err)
 	}
 	xobjs := deviceObjects(t)
+	copies, _ := useDMA(t, s.d.path)
 	if !buf.life.acquire() {
 		return fail(fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size))
 	}
@@ -75,7 +82,7 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 	for _, u := range t.mems {
 		unref = append(unref, u.mem.life.unref)
 	}
-	return buf, xobjs, j, unref, nil
+	return buf, xobjs, j, unref, copies, nil
 }
 
 // resolveMem tells checkTransfer about a span's Mem. Device addresses are
@@ -126,13 +133,18 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	if scatter {
 		what = "scatter"
 	}
-	buf, xobjs, j, unref, err := s.resolve(hb, objs, scatter)
+	buf, xobjs, j, unref, copies, err := s.resolve(hb, objs, scatter)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
+	path := pathSM
+	if copies != nil {
+		path = pathDMA
+	}
 	st := &opState{
 		s:     s,
-		what:  fmt.Sprintf("%s of %d objects", what, len(objs)),
+		what:  fmt.Sprintf("%s of %d objects (%s)", what, len(objs), path.name()),
+		path:  path.name(),
 		lens:  make([]uint64, len(objs)),
 		sums:  make([]uint64, len(objs)),
 		job:   j, // holds the span table, if not nil; dropped with st
@@ -149,9 +161,16 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	s.reapLocked()
-	staged := s.d.staged(xobjs)
+	staged := path == pathSM && s.d.staged(xobjs)
 	var plan *xferPlan
-	if staged {
+	var ends []int // DMA: the checksum batches' object ranges
+	if path == pathDMA {
+		if err := s.ensureAuxLocked(); err != nil {
+			st.drop()
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		plan, ends, err = planSums(xobjs, dmaSumBatch)
+	} else if staged {
 		if err := s.ensureStageLocked(); err != nil {
 			st.drop()
 			return nil, fmt.Errorf("%s: %w", what, err)
@@ -198,9 +217,12 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		fn = s.d.scatter
 	}
 	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0}
-	if staged {
+	switch {
+	case path == pathDMA:
+		e.dma(plan, ends, copies, buf, scatter, flags)
+	case staged:
 		e.staged(plan, buf, fn, scatter, flags)
-	} else {
+	default:
 		e.direct(plan, fn, flags)
 	}
 	if e.err != nil {
@@ -216,17 +238,26 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	return s.finishLocked(st)
 }
 
-// ensureStageLocked creates the kernel stream and the staging buffer of
-// staged transfers, on first use.
-func (s *driverStream) ensureStageLocked() error {
+// ensureAuxLocked creates the kernel stream of staged and DMA transfers,
+// on first use.
+func (s *driverStream) ensureAuxLocked() error {
 	if s.aux == nil {
 		var aux C.CUstream
 		if err := check("cuStreamCreate", C.kv_stream_create(s.d.ctx, &aux)); err != nil {
-			return fmt.Errorf("cuda: staging stream: %w", err)
+			return fmt.Errorf("cuda: kernel stream: %w", err)
 		}
 		s.d.o.mu.Lock() // drain reads aux under it
 		s.aux = aux
 		s.d.o.mu.Unlock()
+	}
+	return nil
+}
+
+// ensureStageLocked creates the kernel stream and the staging buffer of
+// staged transfers, on first use.
+func (s *driverStream) ensureStageLocked() error {
+	if err := s.ensureAuxLocked(); err != nil {
+		return err
 	}
 	if s.stage == 0 {
 		half := s.d.stageHalf &^ 255 // keeps both halves 256-byte aligned

@@ -136,6 +136,10 @@ type hostDevice struct {
 	cfg  HostConfig
 	info Info
 	res  resourceSet // its memory, host buffers, streams and events
+	// path chooses the copy path of Gather and Scatter as the CUDA
+	// backend does (dma_plan.go); tests force one. Set before the device
+	// is shared.
+	path copyPath
 }
 
 var streamIDs atomic.Uint64

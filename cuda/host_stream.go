@@ -256,7 +256,7 @@ func (s *hostStream) transfer(hb HostBuf, objs []Object, scatter bool) (*Op, err
 	if scatter {
 		what = "scatter"
 	}
-	plan, err := planTransfer(hb, objs, scatter)
+	plan, err := planTransfer(hb, objs, scatter, s.dev.path)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
@@ -267,7 +267,7 @@ func (s *hostStream) transfer(hb HostBuf, objs []Object, scatter bool) (*Op, err
 		lens[i] = uint64(len(o.host))
 	}
 	h := &hostOp{
-		what:  fmt.Sprintf("%s of %d objects", what, n),
+		what:  fmt.Sprintf("%s of %d objects (%s)", what, n, plan.path().name()),
 		run:   func(<-chan struct{}) error { plan.run(sums, scatter); return nil },
 		unref: plan.unref,
 	}
@@ -275,7 +275,9 @@ func (s *hostStream) transfer(hb HostBuf, objs []Object, scatter bool) (*Op, err
 		plan.unref()
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
-	return s.newOp(h, sums, lens), nil
+	op := s.newOp(h, sums, lens)
+	op.path = plan.path().name()
+	return op, nil
 }
 
 // Synchronize waits until everything enqueued so far has finished.

@@ -41,7 +41,27 @@ func openHostIn(t *testing.T, dir string) cuda.Device {
 	return dev
 }
 
-func TestHostConformance(t *testing.T) { cudatest.Run(t, openHost) }
+// The conformance suite as the device picks the copy path, and with every
+// transfer forced onto the copy-engine (DMA) path.
+func TestHostConformance(t *testing.T) {
+	t.Run("auto", func(t *testing.T) { cudatest.Run(t, openHost) })
+	t.Run("dma", func(t *testing.T) {
+		cudatest.Run(t, func(t *testing.T) cuda.Device {
+			dev := openHost(t)
+			cuda.SetCopyPath(dev, cuda.PathDMA)
+			return dev
+		})
+	})
+}
+
+// The copy kernels' path and the DMA path give the same bytes and sums.
+func TestHostPaths(t *testing.T) {
+	cudatest.RunPaths(t, func(t *testing.T, path string) cuda.Device {
+		dev := openHost(t)
+		cuda.SetCopyPath(dev, path)
+		return dev
+	})
+}
 
 func TestHostCrossProcess(t *testing.T) {
 	cudatest.RunCrossProcess(t, cudatest.CrossProcessConfig{

@@ -8,6 +8,12 @@ import "github.com/kvtier/kvtier/checksum"
 type transferPlan struct {
 	objs []planObj
 	mems []*hostMem // one reference each, dropped by unref
+	// The DMA path (dma_plan.go), when copies is not nil: the copies, the
+	// host buffer and the view base of each Mem (a copy's device address
+	// less its Mem's base is its offset in the Mem's mapping).
+	copies []dmaCopy
+	buf    []byte
+	bases  []uint64
 }
 
 type planObj struct {
@@ -17,8 +23,9 @@ type planObj struct {
 
 // planTransfer checks objs (checkTransfer) and references their memory. It
 // fails, having changed nothing, if the buffer was released, a rule of
-// checkTransfer is broken or a Mem was released.
-func planTransfer(hb HostBuf, objs []Object, scatter bool) (*transferPlan, error) {
+// checkTransfer is broken or a Mem was released. It picks the copy path as
+// the CUDA backend does (useDMA), for a device whose path is path.
+func planTransfer(hb HostBuf, objs []Object, scatter bool, path copyPath) (*transferPlan, error) {
 	buf, err := hostBytes(hb)
 	if err != nil {
 		return nil, err
@@ -33,6 +40,12 @@ func planTransfer(hb HostBuf, objs []Object, scatter bool) (*transferPlan, error
 	p := &transferPlan{objs: make([]planObj, len(objs)), mems: make([]*hostMem, len(t.mems))}
 	for k, u := range t.mems {
 		p.mems[k] = u.mem
+	}
+	if copies, ok := useDMA(t, path); ok {
+		p.copies, p.buf, p.bases = copies, buf, make([]uint64, len(t.mems))
+		for k, u := range t.mems {
+			p.bases[k] = u.view.base
+		}
 	}
 	for i, o := range t.objs {
 		po := &p.objs[i]
@@ -60,11 +73,23 @@ func resolveHostMem(m Mem) (*hostMem, memView, error) {
 	return hm, memView{size: hm.size, space: hm.name, base: hm.off}, nil
 }
 
-// run copies every object and stores its kvsum64 in sums. Gather hashes the
-// bytes it packed into the host buffer; Scatter hashes the bytes it placed,
-// read back from each destination span after copying into it, in span
-// order.
+// path is the copy path the plan takes.
+func (p *transferPlan) path() copyPath {
+	if p.copies != nil {
+		return pathDMA
+	}
+	return pathSM
+}
+
+// run copies every object and stores its kvsum64 in sums. On the SM path,
+// as the copy kernels do, Gather hashes the bytes it packed into the host
+// buffer; Scatter hashes the bytes it placed, read back from each
+// destination span after copying into it, in span order.
 func (p *transferPlan) run(sums []uint64, scatter bool) {
+	if p.copies != nil {
+		p.runDMA(sums, scatter)
+		return
+	}
 	for i, o := range p.objs {
 		var d checksum.Digest
 		pos := 0
@@ -78,6 +103,33 @@ func (p *transferPlan) run(sums []uint64, scatter bool) {
 				d.Write(h)
 			}
 			pos += len(pc)
+		}
+		sums[i] = d.Sum64()
+	}
+}
+
+// runDMA is the DMA path: every copy row by row, as the copy engine moves
+// it, and then the checksum pass over the spans in device memory (a
+// gather's source, a scatter's destination once every copy has landed), as
+// kv_checksum reads them.
+func (p *transferPlan) runDMA(sums []uint64, scatter bool) {
+	for _, c := range p.copies {
+		data := p.mems[c.mem].data
+		off := c.dev - p.bases[c.mem]
+		for r := range c.rows {
+			dev := data[off+r*c.pitch:][:c.width]
+			host := p.buf[c.host+r*c.width:][:c.width]
+			if scatter {
+				copy(dev, host)
+			} else {
+				copy(host, dev)
+			}
+		}
+	}
+	for i, o := range p.objs {
+		var d checksum.Digest
+		for _, pc := range o.pieces {
+			d.Write(pc)
 		}
 		sums[i] = d.Sum64()
 	}

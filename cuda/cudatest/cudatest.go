@@ -186,6 +186,28 @@ func scatter(t *testing.T, s cuda.Stream, src cuda.HostBuf, objs []cuda.Object) 
 	return append([]uint64(nil), op.Sums()...)
 }
 
+// transferPath runs a Gather (a Scatter when scatter) and, when path is
+// not "", fails unless the Op reports that copy path.
+func transferPath(t *testing.T, s cuda.Stream, hb cuda.HostBuf, objs []cuda.Object, scatter bool, path string) []uint64 {
+	t.Helper()
+	what, run := "Gather", s.Gather
+	if scatter {
+		what, run = "Scatter", s.Scatter
+	}
+	op, err := run(hb, objs)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	wait(t, op, what)
+	if path != "" && op.Path() != path {
+		t.Fatalf("%s took copy path %q, want %q", what, op.Path(), path)
+	}
+	if got := len(op.Sums()); got != len(objs) {
+		t.Fatalf("%s of %d objects returned %d sums", what, len(objs), got)
+	}
+	return append([]uint64(nil), op.Sums()...)
+}
+
 // sentinel fills b with a position-dependent pattern: a byte that lands one
 // place off, or a stray write of any constant, shows.
 func sentinel(b []byte, seed byte) {

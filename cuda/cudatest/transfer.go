@@ -40,12 +40,26 @@ type rtCase struct {
 	// hostOffs give the first object's host offset and then the gaps
 	// between objects, cyclically; default 1, 3, 7, 9 in random order.
 	hostOffs []uint64
-	seed     uint64
+	// dests, if set, are the destination pages of the scatter, one per
+	// gathered page in order; otherwise distinct pages at random.
+	dests []int
+	// path, if set, is the Op.Path every Gather and Scatter must report.
+	path string
+	seed uint64
+}
+
+// rtResult is what a round trip left: the host buffer after the Gather,
+// the sums of both directions and every destination pool after the
+// Scatter.
+type rtResult struct {
+	host         []byte
+	gsums, ssums []uint64
+	pools        [][]byte
 }
 
 // roundTrip runs c and checks every byte of the host buffer and of every
 // pool, the padding included, and the checksums.
-func roundTrip(t *testing.T, dev cuda.Device, c rtCase) {
+func roundTrip(t *testing.T, dev cuda.Device, c rtCase) rtResult {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(c.seed, 0x6b7674696572))
 	s := newStream(t, dev)
@@ -86,6 +100,12 @@ func roundTrip(t *testing.T, dev cuda.Device, c rtCase) {
 		t.Fatalf("bad case: %d pages gathered, only %d distinct destinations", total, c.blocks)
 	}
 	dests := rng.Perm(c.blocks)[:total]
+	if c.dests != nil {
+		if len(c.dests) != total {
+			t.Fatalf("bad case: %d destinations for %d pages", len(c.dests), total)
+		}
+		dests = c.dests
+	}
 	offs := c.hostOffs
 	if offs == nil {
 		offs = []uint64{1, 3, 7, 9}
@@ -124,7 +144,7 @@ func roundTrip(t *testing.T, dev cuda.Device, c rtCase) {
 		copy(wantHost[o.HostOff:], packed[i])
 	}
 
-	gsums := gather(t, s, hb, gObjs)
+	gsums := transferPath(t, s, hb, gObjs, false, c.path)
 	equalBytes(t, "host buffer after Gather (objects and the bytes between them)", hb.Bytes(), wantHost)
 	for i, p := range packed {
 		if want := checksum.Sum(p); gsums[i] != want {
@@ -135,7 +155,7 @@ func roundTrip(t *testing.T, dev cuda.Device, c rtCase) {
 		equalBytes(t, fmt.Sprintf("source pool %d after Gather", l), readAll(t, dev, src[l]), srcImg[l])
 	}
 
-	ssums := scatter(t, s, hb, sObjs)
+	ssums := transferPath(t, s, hb, sObjs, true, c.path)
 	for i := range ssums {
 		if ssums[i] != gsums[i] {
 			t.Fatalf("Scatter: object %d: sum %#016x, Gather said %#016x", i, ssums[i], gsums[i])
@@ -145,6 +165,11 @@ func roundTrip(t *testing.T, dev cuda.Device, c rtCase) {
 		equalBytes(t, fmt.Sprintf("destination pool %d after Scatter (pages and padding)", l), readAll(t, dev, dst[l]), wantDst[l])
 	}
 	equalBytes(t, "host buffer after Scatter", hb.Bytes(), wantHost)
+	res := rtResult{host: append([]byte(nil), hb.Bytes()...), gsums: gsums, ssums: ssums}
+	for l := range c.layers {
+		res.pools = append(res.pools, readAll(t, dev, dst[l]))
+	}
+	return res
 }
 
 func testRoundTrips(t *testing.T, open Opener) {

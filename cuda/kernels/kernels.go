@@ -6,8 +6,8 @@ package kernels
 
 import _ "embed"
 
-// KVCopyPTX is the PTX of kvcopy.cu: entry points kv_gather, kv_scatter and
-// kv_delay.
+// KVCopyPTX is the PTX of kvcopy.cu: entry points kv_gather, kv_scatter,
+// kv_checksum and kv_delay.
 //
 //go:embed kvcopy.ptx
 var KVCopyPTX string

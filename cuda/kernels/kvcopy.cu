@@ -383,6 +383,18 @@ KV_GLOBAL void kv_scatter(const Seg *segs, u32 nsegs, const Span *spans, u64 nch
 	copy<true>(segs, nsegs, spans, nchunks, partials, flags);
 }
 
+// kv_checksum computes the partial sums of the segments' spans and writes
+// nothing: the verification of bytes the copy engine moved (../dma_plan.go),
+// run on the pages in device memory (a scatter's destination once placed, a
+// gather's source), which it reads at HBM speed instead of holding
+// multiprocessors for the whole PCIe transfer. The packed side is virtual
+// (the driver lays segments out at 16-byte-aligned addresses that are never
+// dereferenced): it only says which object words each thread hashes. The
+// partials are the ones kv_gather computes over the same spans.
+KV_GLOBAL void kv_checksum(const Seg *segs, u32 nsegs, const Span *spans, u64 nchunks, u64 *partials, u32 flags) {
+	copy<false>(segs, nsegs, spans, nchunks, partials, (flags & FLAG_SUM) | FLAG_NOSTORE);
+}
+
 #ifndef KV_HOST_EMULATION
 // kv_delay spins one thread for at least ns nanoseconds of the global timer:
 // device work standing in for an engine still writing its pages.

@@ -1,0 +1,223 @@
+package cuda
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// xfer builds a checked transfer of objects given as (hostOff, spans with
+// their Mem index); object offsets follow from the span order.
+type tSpan struct {
+	mem      uint32
+	ptr, len uint64
+}
+
+func xfer(objs []uint64, spans [][]tSpan) *checkedTransfer[int] {
+	t := &checkedTransfer[int]{}
+	for i, h := range objs {
+		o := checkedObject{hostOff: h, first: len(t.spans)}
+		for _, sp := range spans[i] {
+			t.spans = append(t.spans, kSpan{ptr: sp.ptr, objOff: o.len, len: sp.len})
+			t.memOf = append(t.memOf, sp.mem)
+			o.len += sp.len
+			o.n++
+		}
+		t.objs = append(t.objs, o)
+	}
+	return t
+}
+
+func TestPlanDMA(t *testing.T) {
+	const base = 1 << 40
+	for _, c := range []struct {
+		name  string
+		objs  []uint64
+		spans [][]tSpan
+		want  []dmaCopy
+	}{
+		{"contiguous pages make one copy", []uint64{100}, [][]tSpan{{{0, base, 64}, {0, base + 64, 64}, {0, base + 128, 32}}},
+			[]dmaCopy{{dev: base, pitch: 160, host: 100, width: 160, rows: 1}}},
+		{"pages at a pitch make one 2D copy", []uint64{0}, [][]tSpan{{{0, base, 64}, {0, base + 100, 64}, {0, base + 200, 64}, {0, base + 300, 64}}},
+			[]dmaCopy{{dev: base, pitch: 100, host: 0, width: 64, rows: 4}}},
+		{"a row of another width or pitch ends a 2D copy", []uint64{0}, [][]tSpan{{{0, base, 64}, {0, base + 100, 64}, {0, base + 200, 32}, {0, base + 400, 64}, {0, base + 401, 64}}},
+			[]dmaCopy{{dev: base, pitch: 100, width: 64, rows: 2}, {dev: base + 200, pitch: 32, host: 128, width: 32, rows: 1},
+				{dev: base + 400, pitch: 64, host: 160, width: 64, rows: 1}, {dev: base + 401, pitch: 64, host: 224, width: 64, rows: 1}}},
+		{"another Mem never continues a copy", []uint64{0}, [][]tSpan{{{0, base, 64}, {1, base + 64, 64}}},
+			[]dmaCopy{{dev: base, pitch: 64, width: 64, rows: 1}, {dev: base + 64, pitch: 64, host: 64, width: 64, rows: 1, mem: 1}}},
+		{"objects back to back share a copy", []uint64{8, 72}, [][]tSpan{{{0, base, 64}}, {{0, base + 64, 64}}},
+			[]dmaCopy{{dev: base, pitch: 128, host: 8, width: 128, rows: 1}}},
+		{"a host gap splits", []uint64{8, 73}, [][]tSpan{{{0, base, 64}}, {{0, base + 64, 64}}},
+			[]dmaCopy{{dev: base, pitch: 64, host: 8, width: 64, rows: 1}, {dev: base + 64, pitch: 64, host: 73, width: 64, rows: 1, obj: 1}}},
+		{"a page gathered twice is two copies", []uint64{0}, [][]tSpan{{{0, base, 64}, {0, base, 64}}},
+			[]dmaCopy{{dev: base, pitch: 64, width: 64, rows: 1}, {dev: base, pitch: 64, host: 64, width: 64, rows: 1}}},
+		{"overlapping rows are no 2D copy", []uint64{0}, [][]tSpan{{{0, base, 64}, {0, base + 32, 64}}},
+			[]dmaCopy{{dev: base, pitch: 64, width: 64, rows: 1}, {dev: base + 32, pitch: 64, host: 64, width: 64, rows: 1}}},
+		{"a pitch past the driver's limit splits", []uint64{0}, [][]tSpan{{{0, base, 64}, {0, base + dmaMaxPitch + 1, 64}}},
+			[]dmaCopy{{dev: base, pitch: 64, width: 64, rows: 1}, {dev: base + dmaMaxPitch + 1, pitch: 64, host: 64, width: 64, rows: 1}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, ok := planDMA(xfer(c.objs, c.spans), -1)
+			if !ok || !slices.Equal(got, c.want) {
+				t.Fatalf("planDMA: %+v (%v), want %+v", got, ok, c.want)
+			}
+			if len(c.want) > 1 {
+				if got, ok := planDMA(xfer(c.objs, c.spans), len(c.want)-1); ok || got != nil {
+					t.Fatalf("planDMA with limit %d: %+v, %v; want nil, false", len(c.want)-1, got, ok)
+				}
+			}
+		})
+	}
+}
+
+// The rule: forced paths are kept, a transfer of no bytes takes the copy
+// kernels, and auto picks the copy engine from an average copy of
+// dmaMinCopy bytes.
+func TestUseDMA(t *testing.T) {
+	const base = 1 << 40
+	// n pages of width at a stride; with scattered, each in another Mem
+	// than the one before (no two make one copy).
+	pages := func(n int, width, stride uint64, scattered bool) *checkedTransfer[int] {
+		var sp []tSpan
+		for i := range n {
+			m := uint32(0)
+			if scattered {
+				m = uint32(i % 2)
+			}
+			sp = append(sp, tSpan{m, base + uint64(i)*stride, width})
+		}
+		return xfer([]uint64{0}, [][]tSpan{sp})
+	}
+	for _, c := range []struct {
+		name string
+		t    *checkedTransfer[int]
+		path copyPath
+		want int // copies, or -1: the copy kernels
+	}{
+		{"scattered 32 KiB pages", pages(16, 32<<10, 32<<10, true), pathAuto, -1},
+		{"16 consecutive 32 KiB pages (one 512 KiB copy)", pages(16, 32<<10, 32<<10, false), pathAuto, 1},
+		{"2D: 64 KiB pages at a pitch", pages(16, 64<<10, 100<<10, false), pathAuto, 1},
+		{"copies of exactly dmaMinCopy", pages(4, dmaMinCopy, dmaMinCopy, true), pathAuto, 4},
+		{"one byte short", xfer([]uint64{0}, [][]tSpan{{{0, base, dmaMinCopy - 1}}}), pathAuto, -1},
+		{"forced sm", pages(16, 32<<10, 32<<10, false), pathSM, -1},
+		{"forced dma, scattered 561 B rows", pages(5, 561, 561, true), pathDMA, 5},
+		{"no bytes", xfer([]uint64{0}, [][]tSpan{nil}), pathDMA, -1},
+	} {
+		copies, ok := useDMA(c.t, c.path)
+		got := len(copies)
+		if !ok {
+			got = -1
+		}
+		if got != c.want {
+			t.Errorf("%s: %d copies (ok %v), want %d", c.name, len(copies), ok, c.want)
+		}
+	}
+}
+
+// On random transfers the copies move every packed byte exactly once,
+// between the host offset and the device address its span gives it.
+func TestPlanDMACoversEveryByte(t *testing.T) {
+	r := rand.New(rand.NewPCG(25, 2))
+	const base = 1 << 30
+	for trial := range 300 {
+		var objs []uint64
+		var spans [][]tSpan
+		host := uint64(r.IntN(5))
+		for range 1 + r.IntN(4) {
+			objs = append(objs, host)
+			var sp []tSpan
+			ptr := base + uint64(r.IntN(4))*1000
+			width := uint64(1 + r.IntN(40))
+			for range r.IntN(6) {
+				if r.IntN(3) == 0 {
+					width = uint64(1 + r.IntN(40))
+				}
+				sp = append(sp, tSpan{uint32(r.IntN(2)), ptr, width})
+				host += width
+				ptr += width + []uint64{0, 0, 7, 50}[r.IntN(4)]
+			}
+			spans = append(spans, sp)
+			host += uint64(r.IntN(2))
+		}
+		tr := xfer(objs, spans)
+		want := map[uint64][2]uint64{} // host byte -> Mem, device byte
+		for _, o := range tr.objs {
+			for k := o.first; k < o.first+o.n; k++ {
+				sp := tr.spans[k]
+				for b := range sp.len {
+					want[o.hostOff+sp.objOff+b] = [2]uint64{uint64(tr.memOf[k]), sp.ptr + b}
+				}
+			}
+		}
+		copies, ok := planDMA(tr, -1)
+		if !ok {
+			t.Fatal("planDMA refused without a limit")
+		}
+		got := map[uint64][2]uint64{}
+		for _, c := range copies {
+			if c.rows > 1 && c.pitch < c.width {
+				t.Fatalf("trial %d: copy %+v has a pitch under its width", trial, c)
+			}
+			for row := range c.rows {
+				for b := range c.width {
+					h := c.host + row*c.width + b
+					if _, dup := got[h]; dup {
+						t.Fatalf("trial %d: host byte %d copied twice", trial, h)
+					}
+					got[h] = [2]uint64{uint64(c.mem), c.dev + row*c.pitch + b}
+				}
+			}
+		}
+		if len(got) != len(want) {
+			t.Fatalf("trial %d: %d bytes copied, want %d", trial, len(got), len(want))
+		}
+		for h, w := range want {
+			if got[h] != w {
+				t.Fatalf("trial %d: host byte %d from %v, want %v", trial, h, got[h], w)
+			}
+		}
+	}
+}
+
+// The checksum batches of a DMA transfer: whole objects in order, batches
+// of at least the batch size but the last, every segment at a 16-aligned
+// virtual address (two whole object words per chunk), empty objects left
+// out, every object's spans named.
+func TestPlanSums(t *testing.T) {
+	lens := []uint64{100, 0, 4096, 17, 5000, 3, 0}
+	var objs []xferObject
+	for i, n := range lens {
+		o := xferObject{hostOff: uint64(i) * 10000, len: n}
+		if n > 0 {
+			o.spans = []kSpan{{ptr: 1 << 40, len: n}}
+		}
+		objs = append(objs, o)
+	}
+	p, ends, err := planSums(objs, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []int{3, 5, 7}; !slices.Equal(ends, want) {
+		t.Fatalf("ends %v, want %v", ends, want)
+	}
+	var got []uint32
+	for _, b := range p.batches {
+		var chunks uint64
+		for _, s := range b.segs {
+			if s.packed != 16*s.chunkBase || s.chunkBase != chunks || s.objOff != 0 || s.len != lens[s.sum] {
+				t.Fatalf("segment %+v: want packed = 16*chunkBase = 16*%d, object offset 0, length %d", s, chunks, lens[s.sum])
+			}
+			if s.nspans != 1 || p.spans[s.spanBase].len != s.len {
+				t.Fatalf("segment %+v does not name its object's span", s)
+			}
+			chunks += (s.len + 15) / 16
+			got = append(got, s.sum)
+		}
+		if b.nchunks != chunks {
+			t.Fatalf("batch of %d chunks, segments make %d", b.nchunks, chunks)
+		}
+	}
+	if want := []uint32{0, 2, 3, 4, 5}; !slices.Equal(got, want) {
+		t.Fatalf("objects %v, want %v", got, want)
+	}
+}

@@ -1,0 +1,85 @@
+//go:build cgo && linux
+
+package cuda
+
+/*
+#include "driver_cgo.h"
+*/
+import "C"
+
+import "unsafe"
+
+// dmaSumBatch is the size of the checksum batches of a DMA transfer: a
+// scatter's checksum of one batch runs while the copy engine places the
+// next, so only the last batch's checksum (about 15 us of HBM reads at
+// this size) follows the copies.
+const dmaSumBatch = 64 << 20
+
+// dma moves a transfer's bytes with copy-engine copies on the stream S and
+// verifies them with kv_checksum on the kernel stream A (dma_plan.go).
+// Gather: the checksum reads the source pages, which the copies only read
+// too, so it runs beside them from the start. Scatter: the checksum of a
+// batch reads its destination pages once every copy into them is done,
+// while the engine places the next batches. A starts after the work
+// already on S; S ends by waiting for A, so later work on S is ordered
+// after the whole transfer, checksums included.
+func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
+	S, A := e.s.h, e.s.aux
+	sum := flags&kFlagSum != 0
+	if sum {
+		e.wait(A, e.event(S))
+		e.tables(A)
+		if !scatter {
+			for bi := range plan.batches {
+				e.launch(A, e.s.d.sum, plan, bi, flags)
+			}
+		}
+	}
+	bi := 0
+	for ci, c := range copies {
+		e.copyRun(c, buf, scatter)
+		if !scatter || !sum {
+			continue
+		}
+		// Objects before the next copy's first object get no more bytes:
+		// every batch made of them is placed.
+		next := int(^uint(0) >> 1)
+		if ci+1 < len(copies) {
+			next = copies[ci+1].obj
+		}
+		if bi < len(ends) && ends[bi] <= next {
+			e.wait(A, e.event(S))
+			for ; bi < len(ends) && ends[bi] <= next; bi++ {
+				e.launch(A, e.s.d.sum, plan, bi, flags)
+			}
+		}
+	}
+	if sum {
+		e.sums(A)
+		e.wait(S, e.event(A))
+	}
+}
+
+// copyRun enqueues one copy on the stream S: a contiguous range with
+// cuMemcpy{HtoD,DtoH}Async, rows of one width at a device pitch with
+// cuMemcpy2DAsync.
+func (e *enqueuer) copyRun(c dmaCopy, buf *driverHostBuf, toDevice bool) {
+	if e.err != nil {
+		return
+	}
+	ctx, S := e.s.d.ctx, e.s.h
+	h := unsafe.Add(buf.host, c.host)
+	switch {
+	case c.rows > 1:
+		dir := C.int(0)
+		if toDevice {
+			dir = 1
+		}
+		e.do("cuMemcpy2DAsync_v2", C.kv_memcpy2d_async(ctx, C.CUdeviceptr(c.dev), C.size_t(c.pitch), h,
+			C.size_t(c.width), C.size_t(c.rows), dir, S))
+	case toDevice:
+		e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(ctx, C.CUdeviceptr(c.dev), h, C.size_t(c.width), S))
+	default:
+		e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(ctx, h, C.CUdeviceptr(c.dev), C.size_t(c.width), S))
+	}
+}
