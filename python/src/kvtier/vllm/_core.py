@@ -67,7 +67,7 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
                       "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
                       "loads_skipped": 0, "stores": 0, "stored_objects": 0,
                       "store_failures": 0, "stores_skipped": 0, "reregistered": 0, "blocks_in_use": 0,
-                      "attaches": 0, "detaches": 0}
+                      "attaches": 0, "detaches": 0, "engine_verify_failures": 0}
         self._stats_sent: dict[str, int] = {}
         self._link: Link | None = None
         # scheduler side
@@ -77,6 +77,9 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         self._freed_sub: kvclient.SyncClient | None = None  # the client whose BlocksFreed we subscribed to
         self._incarnation = 0
         self._pools: list[wire.PoolRegistration] = []
+        # kvtier_verify_on_engine: each group's pools as uint8 page views of
+        # vLLM's tensors (kvtier.vllm._verify), set by register_kv_caches.
+        self._engine_pools: list[list[Any]] = []
         self._device_uuid = ""
         self._pending: dict[str, list[_Pending]] = {}
         self._saving: set[str] = set()

@@ -17,6 +17,7 @@ from typing import Any, cast
 from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
 from kvtier.errors import GeometryError, UnknownNamespace, UnknownSession
+from kvtier.vllm import _verify
 from kvtier.vllm._base import KVConnectorTransferResults
 from kvtier.vllm._core import _Core
 from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Loading, _LoadResult, _Pending
@@ -155,6 +156,8 @@ class _WorkerSide(_Core):
             raise GeometryError(f"pools on {len(uuids)} devices {sorted(uuids)}, want one")
         self._device_uuid = uuids.pop()
         self._pools = pools
+        if self.cfg.verify_on_engine:
+            self._engine_pools = _verify.engine_pools(self.layers, kv_caches)
         self._start_link(f"worker {self._rank}", self._setup_worker, self._check_worker)
         self._wait_at_start()
 
@@ -338,6 +341,8 @@ class _WorkerSide(_Core):
         """Counts one load's verdict and hands its unconfirmed chunks' blocks
         to the load errors; steps: the engine steps that ran between its
         start and this report (0: reported in the step that started it)."""
+        if self.cfg.verify_on_engine:
+            res = _verify.verify_load(self, load, res)  # before anything counts the chunks loaded
         self.stats["loads"] += 1
         self.stats["load_ms"] += int(took_s * 1000)
         self.stats["load_steps"] += steps

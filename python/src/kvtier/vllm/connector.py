@@ -104,6 +104,7 @@ class Config:
     inbox_prefix: str | None
     insecure: bool  # DEVELOPMENT ONLY: no credentials (an --insecure coordinator)
     pool_layout: str  # block_major | kv_split (kvtier.vllm.spec)
+    verify_on_engine: bool = False  # sum the restored pages on the engine's device (kvtier.vllm._verify)
 
     @classmethod
     def of(cls, vllm_config: Any) -> Config:
@@ -129,7 +130,8 @@ class Config:
                 nkey_seed_file=extra.get("kvtier_nkey_seed_file"),
                 tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
                 insecure=_flag(extra.get("kvtier_insecure", False)),
-                pool_layout=extra.get("kvtier_pool_layout", "block_major"))
+                pool_layout=extra.get("kvtier_pool_layout", "block_major"),
+                verify_on_engine=_flag(extra.get("kvtier_verify_on_engine", False)))
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
         if policy is not None and policy != "recompute":
             # vLLM's default "fail" ends a request with an error when a load

@@ -47,6 +47,9 @@ COUNTERS: dict[str, str] = {
     "stored_objects": "objects stored (committed) by the rankd",
     "store_failures": "store requests that failed or reported failed objects",
     "stores_skipped": "stores not sent because kvtier was not attached",
+    "engine_verify_failures": "chunks confirmed by the verdict that the worker recomputed because the pages placed "
+                              "in its KV tensors did not sum to the coordinator's recorded sum "
+                              "(kvtier_verify_on_engine)",
     "attaches": "times the worker (re)attached to its rankd",
     "detaches": "times the worker lost its rankd and served without the cache",
 }

@@ -1,0 +1,96 @@
+"""Engine-side verification (kvtier_verify_on_engine, issue 28): after a
+restore's verdict confirms chunks and before the load is reported to vLLM,
+the worker sums the pages the restore placed into vLLM's own KV tensors,
+on the engine's device (kvtier._kvsum_torch), and compares each object's
+sum with the one the coordinator recorded at store time (the plan's
+RetrieveItem.sum). A chunk whose pages do not match is failed as a failed
+verdict fails it: its blocks go to the load errors (or, with several
+groups, the request to failed_recving) and vLLM recomputes it.
+
+The rankd that placed the pages is then out of the trust base: a rankd
+that reports OK (even with the right sum) for pages it did not place, or
+placed wrong, fails its chunks here. What is still trusted is the sum the
+coordinator recorded when the object was stored, the scheduler that hands
+the plan to the worker, and the engine's own process and device.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvtier import _codec, _kvsum_torch, wire
+from kvtier.vllm._state import LoadSpec, _LoadResult
+from kvtier.vllm.spec import GroupLayers
+
+if TYPE_CHECKING:
+    from kvtier.vllm._worker import _WorkerSide
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def engine_pools(layers: list[GroupLayers], kv_caches: dict[str, Any]) -> list[list[Any]]:
+    """Each group's pools in kvtier's pool order, as (num_blocks, page)
+    uint8 views of vLLM's tensors: a layer's tensor, or under kv_split its
+    K half then its V half. The tensors have passed the layout check."""
+    out: list[list[Any]] = []
+    for gl in layers:
+        pools: list[Any] = []
+        for name in gl.layer_names:
+            t = kv_caches[name]
+            if gl.kv_split:
+                pools += [_kvsum_torch.pool_pages(t[0], gl.page_bytes // 2),
+                          _kvsum_torch.pool_pages(t[1], gl.page_bytes // 2)]
+            else:
+                pools.append(_kvsum_torch.pool_pages(t, gl.page_bytes))
+        out.append(pools)
+    return out
+
+
+def mismatches(conn: _WorkerSide, load: LoadSpec, items: list[wire.RetrieveItem]) -> list[tuple[int, int, int, int]]:
+    """(chunk, group, sum of the placed pages, recorded sum) of every item
+    whose pages do not sum to the recorded sum; an item without a recorded
+    sum (0) is never confirmed."""
+    import torch
+
+    bad: list[tuple[int, int, int, int]] = []
+    for gi, pools in enumerate(conn._engine_pools):
+        its = [it for it in items if it.group == gi]
+        if not its:
+            continue
+        bpc = conn.resolved.blocks_per_chunk(gi)
+        ids = []
+        for it in its:
+            ch = load.first_chunk + it.chunk
+            ids.append(load.block_ids[gi][ch * bpc:(ch + 1) * bpc])
+        blocks = torch.tensor(ids, dtype=torch.int64, device=pools[0].device)
+        sums = _kvsum_torch.object_sums(pools, blocks)
+        bad += [(it.chunk, gi, got, it.sum) for it, got in zip(its, sums, strict=True) if got != it.sum or not it.sum]
+    return bad
+
+
+def verify_load(conn: _WorkerSide, load: LoadSpec, res: _LoadResult) -> _LoadResult:
+    """res, or with fewer chunks loaded when this rank's pages of a
+    confirmed chunk do not match the recorded sums (the chunks from the
+    first bad one on are recomputed). A verification that cannot run
+    fails every chunk: the option asks not to trust unchecked pages."""
+    raw = load.items.get(str(conn._rank))
+    if res.loaded <= 0 or not raw:
+        return res
+    try:
+        items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
+        bad = mismatches(conn, load, [it for it in items if it.chunk < res.loaded])
+    except Exception as e:  # fail closed: nothing unchecked is reported loaded
+        conn.stats["engine_verify_failures"] += res.loaded
+        log.warning("kvtier restore %s for %s: engine-side verification failed, recomputing: %s",
+                    load.restore_id, load.req_id, e)
+        return _LoadResult(0, res.bad_bytes_chunks, f"engine verify: {e}")
+    if not bad:
+        return res
+    chunks = {c for c, _, _, _ in bad}
+    conn.stats["engine_verify_failures"] += len(chunks)
+    c, g, got, want = min(bad)
+    problem = (f"engine verify: chunk {c} group {g} on {conn._rank}: the placed pages sum to {got:#018x}, "
+               f"the coordinator recorded {want:#018x}")
+    log.warning("kvtier restore %s for %s: %s (%d chunks refused)", load.restore_id, load.req_id, problem, len(chunks))
+    return _LoadResult(min(chunks), res.bad_bytes_chunks + len(chunks), problem)
