@@ -41,7 +41,12 @@
 // before a scatter (that would cap restores at one core's hashing rate, far
 // below the copy engine's): bytes corrupted in pinned memory after commit
 // are caught by the scatter's own checksum, so the chunk is reported failed
-// and the engine recomputes it, but its pages have been written.
+// and the engine recomputes it, but its pages have been written. The
+// exception is an item that skips the chunk's first blocks (the engine's
+// prefix cache holds them, wire.RetrieveItem.Skip): its skipped pages are
+// never written, its source object is hashed on the CPU before the chunk's
+// scatter and each placed run is checked as read back against it
+// (retrievepartial.go).
 //
 // Tiers: L1 is pinned host memory this engine owns. With a host L1
 // directory (Config.HostL1Dir) L1 is a shared-memory segment

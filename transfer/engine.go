@@ -88,6 +88,9 @@ type testHooks struct {
 	// peerLeased runs after a retrieve leased an object in a peer's L1,
 	// before its scatter (tests set it before the retrieve).
 	peerLeased func(dcp.Key)
+	// partialChecked runs after an item that skips blocks passed its
+	// source check, before its scatter (src: the source object's bytes).
+	partialChecked func(key dcp.Key, src []byte)
 }
 
 // rescanHook, when set (tests only, before New), becomes the new engine's

@@ -27,7 +27,8 @@ type RetrieveRequest struct {
 	Session string
 	// Items are the objects to place: Key is this rank's ReadShard of
 	// Group for the chunk; Blocks are BlocksPerChunk(Group) target block
-	// ids; Sum, when not 0, is the checksum the coordinator recorded at
+	// ids, less Skip (the chunk's first blocks, which the engine holds:
+	// retrievepartial.go); Sum, when not 0, is the checksum the coordinator recorded at
 	// store time and the object must match it; Source is a hint (the
 	// engine always looks in L1 first, then in the shared L2, whichever
 	// rank wrote it, then in L3).
@@ -193,14 +194,19 @@ type retrieval struct {
 	// peer is, for an item read from another rank's L1 (host-shared L1),
 	// its lease; nil once given back.
 	peer []*peerItem
-	tl   *Timeline // nil: not timed
+	// partial is, for an item that skips blocks, its verified source
+	// (checkPartial); nil when none does.
+	partial map[int]*partialSource
+	tl      *Timeline // nil: not timed
 }
 
 // planRetrieve validates req and returns each item's target spans
 // (planFast; the reference, planRetrieveChecked, names what it refused).
 func (e *Engine) planRetrieve(sp *space, req RetrieveRequest) ([][]cuda.Span, error) {
-	if out, ok := planFast(sp.res, sp.pools, e.cfg.Rank.TPRank, req); ok {
-		return out, nil
+	if !skipsBlocks(req) { // planFast knows only whole chunks
+		if out, ok := planFast(sp.res, sp.pools, e.cfg.Rank.TPRank, req); ok {
+			return out, nil
+		}
 	}
 	return e.planRetrieveChecked(sp, req)
 }
@@ -237,7 +243,13 @@ func (e *Engine) planRetrieveChecked(sp *space, req RetrieveRequest) ([][]cuda.S
 			}
 			seen[t] = i
 		}
-		s, err := e.pageSpans(sp, it.Group, it.Blocks)
+		var s []cuda.Span
+		var err error
+		if it.Skip != 0 {
+			s, err = e.placedSpans(sp, it.Group, it.Blocks, it.Skip)
+		} else {
+			s, err = e.pageSpans(sp, it.Group, it.Blocks)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("item %d: %w", i, err)
 		}
@@ -249,13 +261,14 @@ func (e *Engine) planRetrieveChecked(sp *space, req RetrieveRequest) ([][]cuda.S
 // pendingScatter is a batch whose scatter is enqueued but not yet waited
 // for: idx are all its items, scatter those in the scatter (op on stream;
 // nil op when nothing was enqueued), fromPeers those read from another
-// rank's L1 (scattered in complete).
+// rank's L1 and partial those that skip blocks (both scattered in
+// complete).
 type pendingScatter struct {
-	batch                   int // index of the batch in the retrieve
-	idx, scatter, fromPeers []int
-	stream                  cuda.Stream
-	op                      *cuda.Op
-	timers                  *copyTimers // marks before and after the scatter; nil: not timed
+	batch                            int // index of the batch in the retrieve
+	idx, scatter, fromPeers, partial []int
+	stream                           cuda.Stream
+	op                               *cuda.Op
+	timers                           *copyTimers // marks before and after the scatter; nil: not timed
 }
 
 // start prepares batch idx (prepare) and enqueues its scatter. When no
@@ -267,9 +280,9 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		r.complete(ctx, *prev)
 		*prev = nil
 	}
-	scatter, fromPeers := r.prepare(ctx, idx)
+	scatter, fromPeers, partial := r.prepare(ctx, idx)
 	r.tl.Lap(StageLookup, bi)
-	p := &pendingScatter{batch: bi, idx: idx, fromPeers: fromPeers}
+	p := &pendingScatter{batch: bi, idx: idx, fromPeers: fromPeers, partial: partial}
 	if len(scatter) == 0 {
 		return p
 	}
@@ -347,14 +360,17 @@ func (r *retrieval) complete(ctx context.Context, p *pendingScatter) {
 	if len(p.fromPeers) > 0 {
 		r.scatterPeers(ctx, p.fromPeers)
 	}
+	if len(p.partial) > 0 {
+		r.scatterPartial(ctx, p.partial)
+	}
 	r.unpinBatch(p.idx)
 	r.tl.Lap(StageVerify, p.batch)
 }
 
 // prepare pins and loads the items of batch idx, gives each its verdict
-// before the scatter, and returns the items to scatter from this rank's L1
-// and those to scatter from peers' L1.
-func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers []int) {
+// before the scatter, and returns the items to scatter from this rank's L1,
+// those to scatter from peers' L1 and those (from either) that skip blocks.
+func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers, partial []int) {
 	e := r.e
 	res := r.sp.res
 	var loads, waits, remote []int
@@ -465,6 +481,12 @@ func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers 
 			r.fail(i, err)
 		}
 	}
+	e.mu.Unlock()
+	// The sources of items that skip blocks are hashed now, outside the
+	// lock (the objects are pinned, peers' leased), so that a bad one
+	// fails its chunk before anything of it is written (retrievepartial.go).
+	r.checkPartial(idx)
+	e.mu.Lock()
 	failed := map[int]bool{}
 	for _, i := range idx {
 		if r.res.Items[i].Reason != ReasonNone {
@@ -478,6 +500,8 @@ func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers 
 		case failed[it.Chunk]:
 			r.fail(i, fmt.Errorf("another object of chunk %d failed; nothing of the chunk is written", it.Chunk))
 			r.res.Items[i].Reason = ReasonSibling
+		case it.Skip != 0:
+			partial = append(partial, i)
 		case r.peer[i] != nil:
 			fromPeers = append(fromPeers, i)
 		default:
@@ -494,7 +518,7 @@ func (r *retrieval) prepare(ctx context.Context, idx []int) (scatter, fromPeers 
 		}
 	}
 	e.mu.Unlock()
-	return scatter, fromPeers
+	return scatter, fromPeers, partial
 }
 
 // load reads item i's object from L2 into its (unplaced) L1 object.
@@ -517,7 +541,7 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		// Neither L1 nor L2 holds a good copy: L3 may (issue 15.3).
 		if e.l3 != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrCorrupt)) && ctx.Err() == nil {
 			l2err := err
-			meta, err = e.l3Load(ctx, o, dst)
+			meta, err = e.l3LoadFrom(ctx, o, dst, l3Holder(r.req.Items[i].Source))
 			if err == nil {
 				r.res.Items[i].From = wire.L3
 			} else if errors.Is(err, ErrNotFound) {
