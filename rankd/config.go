@@ -88,6 +88,11 @@ type Config struct {
 	// of an object one of their ranks already wrote there is deduplicated
 	// against that file (transfer.Config.L2SharedWith). Default nil.
 	L2SharedWith []string
+	// KeepSharedInL1 makes a store deduplicated onto a member's L2 file
+	// (L2SharedWith) still keep a local L1 copy: gathered, announced in L1
+	// only, never written to L2 or L3 (transfer.Config.KeepSharedInL1).
+	// Default false: no copy at all.
+	KeepSharedInL1 bool
 	// L2VerifyOnScan makes the background start-up rescan of L2 also
 	// hash every payload this rank wrote (transfer.Config.L2VerifyOnScan).
 	// Default false: headers only; every read is verified anyway (C5).
@@ -108,6 +113,12 @@ type Config struct {
 	// Needs L3 and the storage key. Default false: payloads in clear.
 	// Either format is read whatever the setting.
 	L3Encrypt bool
+	// L3SharedWith names the other instances of this instance's share
+	// group whose L3 objects this rank's retrieves may read, under their
+	// prefixes of the same bucket and L3.Prefix (docs/sharing.md;
+	// transfer.Config.L3SharedWith): the coordinator plans them with
+	// --share-l3. Needs L3. Default nil: only this instance's objects.
+	L3SharedWith []string
 	// StoreTimeout bounds a store from its request to the commit
 	// (transfer.Config.StoreTimeout) and, after a timeout, the further wait
 	// for the device to release the engine's blocks before the reply; a
@@ -345,6 +356,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("rankd: L3: %w", c.L3.Validate())
 	case c.L3Encrypt && c.L3.Endpoint == "":
 		return bad("L3 encryption without L3: give --l3-endpoint or drop --l3-encrypt")
+	case len(c.L3SharedWith) > 0 && c.L3.Endpoint == "":
+		return bad("L3 shared with %v without L3: give --l3-endpoint or drop --l3-shared-with", c.L3SharedWith)
+	case c.KeepSharedInL1 && len(c.L2SharedWith) == 0:
+		return bad("--keep-shared-in-l1 without --l2-shared-with: no store is deduplicated onto a member's copy")
 	case len(c.Join) == 0 && c.NATSURL == "":
 		return bad("no memberlist seed to join and no NATS URL: set --join (the coordinator's gossip address)")
 	case net.ParseIP(c.BindAddr) == nil:

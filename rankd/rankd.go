@@ -165,7 +165,8 @@ func New(cfg Config) (*Daemon, error) {
 	tc.L2Policy = cfg.L2Policy
 	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
-	tc.L2SharedWith = cfg.L2SharedWith
+	tc.L2SharedWith, tc.KeepSharedInL1 = cfg.L2SharedWith, cfg.KeepSharedInL1
+	tc.L3SharedWith = cfg.L3SharedWith
 	tc.KeepEvents = true // the publisher pulls them (setSource in Start)
 	tc.Logger = cfg.Logger
 	tc.Registerer = d.met.reg

@@ -175,6 +175,16 @@ type Config struct {
 	// the group is one this rank's engine cannot restore (a miss,
 	// recomputed).
 	L2SharedWith []string
+	// KeepSharedInL1 makes a store deduplicated onto a member's L2 file
+	// (L2SharedWith) keep a local L1 copy all the same: the object is
+	// gathered from the engine's pages into L1 and announced there, and
+	// never written to L2 (the member's file holds it) or L3, nor again
+	// to L2 by a later store of it; it leaves when L1 evicts it. Counted
+	// in kvtier_transfer_dedupe_shared_l1_total as well as
+	// dedupe_shared_total. For a rank whose restores should read DRAM,
+	// not the shared file system, for what the group already holds.
+	// Default false: no copy at all. Needs L2SharedWith.
+	KeepSharedInL1 bool
 
 	// L3 is an S3-compatible object store (objstore.Store) behind L2: every
 	// object a store commits is written behind to it, and retrieves read it
@@ -370,6 +380,8 @@ func (c Config) Validate() error {
 		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
 	case len(c.L2SharedWith) > 0 && c.L2Dir == "" && c.L2 == nil:
 		return bad("L2 shared with %v, but there is no L2", c.L2SharedWith)
+	case c.KeepSharedInL1 && len(c.L2SharedWith) == 0:
+		return bad("a local L1 copy of shared objects without L2 shared with any instance")
 	case len(c.L3SharedWith) > 0 && c.L3 == nil:
 		return bad("L3 shared with %v, but there is no L3", c.L3SharedWith)
 	case c.Logger == nil || c.Now == nil:

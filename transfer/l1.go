@@ -47,6 +47,10 @@ type l1Obj struct {
 	pins int
 	// dirty: an L2 exists and does not hold the object yet.
 	dirty bool
+	// sharedOnly: a local copy of an object a share-group member's L2
+	// file holds (Config.KeepSharedInL1): committed clean, never written
+	// to L2 or L3 (l3QueueLocked, Store).
+	sharedOnly bool
 	// writing: an L2 writer has it queued or is writing it. It is not a
 	// pin: an allocator may wait for it.
 	writing         bool
@@ -453,6 +457,9 @@ func (e *Engine) unpinLocked(o *l1Obj) {
 // commitLocked turns a filled object into a ready one and announces it.
 func (e *Engine) commitLocked(o *l1Obj, sum uint64, dirty bool) {
 	c := &e.cat
+	if o.sharedOnly {
+		dirty = false // the member's file holds it
+	}
 	o.sum = sum
 	o.state = stReady
 	o.dirty = dirty && e.l2 != nil

@@ -112,8 +112,13 @@ func (e *Engine) l3Start() {
 }
 
 // l3QueueLocked queues key to be written to L3, unless this rank's L3
-// copy already has sum, it is queued, or the queue is full (counted).
+// copy already has sum, it is queued, the queue is full (counted), or L1
+// holds key as a local copy of a share-group member's object
+// (l1Obj.sharedOnly).
 func (e *Engine) l3QueueLocked(key dcp.Key, sum uint64) {
+	if o := e.cat.objs[key]; o != nil && o.sharedOnly {
+		return
+	}
 	if e.l3 == nil {
 		return
 	}

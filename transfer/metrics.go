@@ -29,6 +29,7 @@ type counters struct {
 	objectsStored         atomic.Uint64
 	dedupeHits            atomic.Uint64
 	dedupeShared          atomic.Uint64 // objects deduplicated against a share-group member's L2 file
+	dedupeSharedL1        atomic.Uint64 // of those, with a local L1 copy kept (Config.KeepSharedInL1)
 	objectsRestored       atomic.Uint64
 	evictions             atomic.Uint64
 	writeBacks            atomic.Uint64
@@ -101,6 +102,7 @@ type Stats struct {
 	ObjectsStored     uint64 // committed to L1 by stores
 	DedupeHits        uint64 // objects a store found already held
 	DedupeShared      uint64 // objects a store found in a share-group member's L2 file (Config.L2SharedWith)
+	DedupeSharedL1    uint64 // of those, gathered into a local L1 copy (Config.KeepSharedInL1)
 	ObjectsRestored   uint64 // placed and verified
 	StoreFailures     map[Reason]uint64
 	RetrieveFailures  map[Reason]uint64
@@ -161,6 +163,7 @@ func (e *Engine) Stats() Stats {
 		ObjectsStored:     c.objectsStored.Load(),
 		DedupeHits:        c.dedupeHits.Load(),
 		DedupeShared:      c.dedupeShared.Load(),
+		DedupeSharedL1:    c.dedupeSharedL1.Load(),
 		ObjectsRestored:   c.objectsRestored.Load(),
 		StoreFailures:     map[Reason]uint64{},
 		RetrieveFailures:  map[Reason]uint64{},
@@ -238,6 +241,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("objects_stored_total", "Objects committed to L1 by stores.")
 	add("dedupe_hits_total", "Objects a store found already held (no copy).")
 	add("dedupe_shared_total", "Objects a store found in the shared L2 directory, written by a rank of another instance of the share group (--l2-shared-with): no second copy.")
+	add("dedupe_shared_l1_total", "Of dedupe_shared_total, the objects kept in a local L1 copy all the same (--keep-shared-in-l1): gathered and announced in L1 only, never written to L2 or L3.")
 	add("objects_restored_total", "Objects placed into engine pages and verified.")
 	add("store_failures_total", "Objects a store failed to commit, by reason.", "reason")
 	add("retrieve_failures_total", "Objects a retrieve failed to place, by reason.", "reason")
@@ -308,6 +312,7 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	counter("objects_stored_total", c.objectsStored.Load())
 	counter("dedupe_hits_total", c.dedupeHits.Load())
 	counter("dedupe_shared_total", c.dedupeShared.Load())
+	counter("dedupe_shared_l1_total", c.dedupeSharedL1.Load())
 	counter("objects_restored_total", c.objectsRestored.Load())
 	for i, r := range reasons {
 		counter("store_failures_total", c.storeFailures[i].Load(), string(r))

@@ -108,6 +108,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&cfg.L3.CAFile, "l3-ca", "", "PEM CA bundle trusted for the L3 endpoint besides the system roots")
 	fs.StringVar(&cfg.L3.Region, "l3-region", cfg.L3.Region, "L3 bucket region")
 	fs.BoolVar(&cfg.L3.Insecure, "l3-insecure", false, "talk plain HTTP to the L3 endpoint; refused off loopback unless --l3-insecure-remote")
+	l3Shared := fs.String("l3-shared-with", "", "the other instances of this instance's share group whose L3 objects this rank may read, under their prefixes of this bucket and --l3-prefix, comma-separated (docs/sharing.md; the coordinator plans them with --share-l3)")
+	fs.BoolVar(&cfg.KeepSharedInL1, "keep-shared-in-l1", false, "with --l2-shared-with: a store deduplicated onto a member's L2 file still keeps a local L1 copy (announced in L1 only, never written to L2 or L3)")
 	fs.BoolVar(&cfg.L3Encrypt, "l3-encrypt", false, "encrypt the payload of the L3 objects this rank writes (AES-256-GCM, keys derived from the storage key per instance and namespace; docs/storage-encryption.md); objects are read in either format")
 	fs.BoolVar(&cfg.L3.InsecureRemote, "l3-insecure-remote", false, "with --l3-insecure: also allow plain HTTP to an L3 endpoint off loopback (signatures and KV bytes unencrypted on the network; a trusted network only)")
 	fs.StringVar(&l3Bytes, "l3-bytes", "0", "bound of the L3 objects this rank writes (bytes or KiB..TiB; 0: unbounded); least recently used objects are deleted")
@@ -157,6 +159,11 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	if *l2Shared != "" {
 		for _, inst := range strings.Split(*l2Shared, ",") {
 			cfg.L2SharedWith = append(cfg.L2SharedWith, strings.TrimSpace(inst))
+		}
+	}
+	if *l3Shared != "" {
+		for _, inst := range strings.Split(*l3Shared, ",") {
+			cfg.L3SharedWith = append(cfg.L3SharedWith, strings.TrimSpace(inst))
 		}
 	}
 	if bind != "" {
