@@ -59,13 +59,47 @@ func FetchInventoryBounded(ctx context.Context, nc *nats.Conn, subject string, p
 		MaxPages: maxPages, MaxObjects: maxObjects, Window: DefaultInventoryWindow})
 }
 
-// FetchInventoryWith fetches a rank's inventory as f says. It asks for
-// binary pages (wire.InventoryEncodingBinary); a rank too old to know
-// them refuses the request's encoding field, and the fetch then reads
-// JSON pages from it. Either reply form is accepted for any page.
+// FetchInventoryWith fetches a rank's inventory as f says and assembles
+// it (StreamInventory, keeping every page).
 func FetchInventoryWith(ctx context.Context, nc *nats.Conn, subject string, f InventoryFetch) (*wire.Inventory, error) {
+	var inv *wire.Inventory
+	err := StreamInventory(ctx, nc, subject, f, func(p *wire.InventoryPage) error {
+		if inv == nil {
+			// Room for what page 0 suggests, within the bound and never
+			// more than 1 Mi objects up front (a lying rank's page count
+			// costs it nothing).
+			est := min(p.Pages*len(p.Objects), 1<<20)
+			if f.MaxObjects > 0 {
+				est = min(est, f.MaxObjects)
+			}
+			inv = &wire.Inventory{Rank: p.Rank, Incarnation: p.Incarnation, Seq: p.Seq,
+				Objects: make([]wire.Placement, 0, max(est, len(p.Objects)))}
+		}
+		inv.Objects = append(inv.Objects, p.Objects...)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return inv, nil
+}
+
+// StreamInventory fetches a rank's inventory as f says and hands each page
+// to fn, in order, as it arrives; fn may keep nothing of a page it
+// returns from, so the caller holds at most the pages in flight (f.Window)
+// and the one fn is working on, never the whole inventory (issue 28.3).
+// It asks for binary pages (wire.InventoryEncodingBinary); a rank too old
+// to know them refuses the request's encoding field, and the fetch then
+// reads JSON pages from it. Either reply form is accepted for any page.
+// Every page after the first is checked to belong to the first's snapshot
+// (wire.SamePage) before fn sees it. An error of fn ends the fetch with
+// that error; so does a failed page, after the pages before it were
+// handed over. The bounds of f are checked before fn sees the page that
+// would break them: MaxPages on page 0's declared count, MaxObjects on
+// the objects of the pages so far.
+func StreamInventory(ctx context.Context, nc *nats.Conn, subject string, f InventoryFetch, fn func(*wire.InventoryPage) error) error {
 	if f.Window < 1 {
-		return nil, fmt.Errorf("inventory fetch window %d: want >= 1: %w", f.Window, wire.ErrMalformed)
+		return fmt.Errorf("inventory fetch window %d: want >= 1: %w", f.Window, wire.ErrMalformed)
 	}
 	enc := wire.InventoryEncodingBinary
 	if f.JSON {
@@ -77,36 +111,33 @@ func FetchInventoryWith(ctx context.Context, nc *nats.Conn, subject string, f In
 		first, err = fetchPage(ctx, nc, subject, f.PerPage, wire.InventoryRequest{PageSize: f.PageSize})
 	}
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if first.Pages < 1 || first.Snapshot == "" || first.Page != 0 {
-		return nil, fmt.Errorf("inventory page 0 from %s is page %d of %d of snapshot %q: %w",
+		return fmt.Errorf("inventory page 0 from %s is page %d of %d of snapshot %q: %w",
 			subject, first.Page, first.Pages, first.Snapshot, wire.ErrMalformed)
 	}
 	if f.MaxPages > 0 && first.Pages > f.MaxPages {
-		return nil, fmt.Errorf("inventory from %s declares %d pages, limit %d: %w", subject, first.Pages, f.MaxPages, ErrInventoryTooLarge)
+		return fmt.Errorf("inventory from %s declares %d pages, limit %d: %w", subject, first.Pages, f.MaxPages, ErrInventoryTooLarge)
 	}
-	// Room for what page 0 suggests, within the bound and never more than
-	// 1 Mi objects up front (a lying rank's page count costs it nothing).
-	est := min(first.Pages*len(first.Objects), 1<<20)
-	if f.MaxObjects > 0 {
-		est = min(est, f.MaxObjects)
-	}
-	inv := &wire.Inventory{Rank: first.Rank, Incarnation: first.Incarnation, Seq: first.Seq,
-		Objects: make([]wire.Placement, 0, max(est, len(first.Objects)))}
+	objects := 0
 	add := func(p *wire.InventoryPage) error {
-		inv.Objects = append(inv.Objects, p.Objects...)
-		if f.MaxObjects > 0 && len(inv.Objects) > f.MaxObjects {
+		objects += len(p.Objects)
+		if f.MaxObjects > 0 && objects > f.MaxObjects {
 			return fmt.Errorf("inventory from %s holds more than %d objects (%d in its first %d pages), limit %d: %w",
-				subject, f.MaxObjects, len(inv.Objects), p.Page+1, f.MaxObjects, ErrInventoryTooLarge)
+				subject, f.MaxObjects, objects, p.Page+1, f.MaxObjects, ErrInventoryTooLarge)
 		}
-		return nil
+		return fn(p)
 	}
+	// The snapshot's header, kept for SamePage without its objects.
+	head := *first
+	head.Objects = nil
 	if err := add(first); err != nil {
-		return nil, err
+		return err
 	}
-	if first.Pages == 1 {
-		return inv, nil
+	first = nil
+	if head.Pages == 1 {
+		return nil
 	}
 
 	// Pages 1.. with up to Window requests in flight, taken in order; the
@@ -119,7 +150,7 @@ func FetchInventoryWith(ctx context.Context, nc *nats.Conn, subject string, f In
 		p   *wire.InventoryPage
 		err error
 	}
-	ring := make([]chan result, min(f.Window, first.Pages-1))
+	ring := make([]chan result, min(f.Window, head.Pages-1))
 	next := 1
 	launch := func() {
 		i := next
@@ -127,30 +158,30 @@ func FetchInventoryWith(ctx context.Context, nc *nats.Conn, subject string, f In
 		ch := make(chan result, 1)
 		ring[i%len(ring)] = ch
 		wg.Go(func() {
-			p, err := fetchPage(cctx, nc, subject, f.PerPage, wire.InventoryRequest{Snapshot: first.Snapshot, Page: i,
+			p, err := fetchPage(cctx, nc, subject, f.PerPage, wire.InventoryRequest{Snapshot: head.Snapshot, Page: i,
 				PageSize: f.PageSize, Encoding: enc})
 			ch <- result{p, err}
 		})
 	}
-	for next < first.Pages && next <= len(ring) {
+	for next < head.Pages && next <= len(ring) {
 		launch()
 	}
-	for i := 1; i < first.Pages; i++ {
+	for i := 1; i < head.Pages; i++ {
 		r := <-ring[i%len(ring)]
 		if r.err != nil {
-			return nil, fmt.Errorf("inventory page %d of %d (snapshot %q): %w", i, first.Pages, first.Snapshot, r.err)
+			return fmt.Errorf("inventory page %d of %d (snapshot %q): %w", i, head.Pages, head.Snapshot, r.err)
 		}
-		if next < first.Pages {
+		if next < head.Pages {
 			launch()
 		}
-		if err := wire.SamePage(first, r.p, i); err != nil {
-			return nil, fmt.Errorf("inventory from %s: %w", subject, err)
+		if err := wire.SamePage(&head, r.p, i); err != nil {
+			return fmt.Errorf("inventory from %s: %w", subject, err)
 		}
 		if err := add(r.p); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return inv, nil
+	return nil
 }
 
 // olderRank reports whether err is a rank's refusal of the request's

@@ -85,6 +85,9 @@ type Coordinator struct {
 	// resyncing holds the ranks with a resync worker running (at most one
 	// per rank); true asks the worker for one more resync when it is done.
 	resyncing map[wire.Rank]bool
+	// testInvStep, when set by a test, sees the objects of every page a
+	// resync hands to the index, before it does (resync.go).
+	testInvStep func(objects int)
 
 	hb heartbeats
 	// deaths holds the ranks gossip reports gone, until NATS confirms it

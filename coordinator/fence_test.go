@@ -103,7 +103,7 @@ func TestLateInventoryDoesNotUndoFence(t *testing.T) {
 	c.startResync(r)
 	testutil.Eventually(t, 10*time.Second, "the second resync to apply", func() bool {
 		ri, _ := c.idx.Rank(r)
-		return !ri.Fenced && ri.L1Placements == 4
+		return !ri.Fenced && !ri.Partial && ri.L1Placements == 4
 	})
 	mustVerify(t, c)
 }

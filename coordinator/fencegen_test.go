@@ -126,7 +126,7 @@ func TestRaftLateInventoryAfterAnotherLeadersFence(t *testing.T) {
 	A.startResync(r)
 	testutil.Eventually(t, 20*time.Second, "the resync after the fence to apply", func() bool {
 		ri, _ := A.idx.Rank(r)
-		return !ri.Fenced && ri.L1Placements == int64(len(chunks))
+		return !ri.Fenced && !ri.Partial && ri.L1Placements == int64(len(chunks))
 	})
 	rc.converged(a)
 }

@@ -309,7 +309,7 @@ func TestNewIncarnationResyncDropsLostL2(t *testing.T) {
 	}
 	testutil.Eventually(t, 5*time.Second, "the stale L2 placements to leave the index", func() bool {
 		info, err := c.idx.ListRank(r)
-		return err == nil && info.L2Placements == 2
+		return err == nil && info.L2Placements == 2 && !info.Partial // its counts include a streamed inventory's pages so far
 	})
 	for i, ch := range chunks {
 		k := dcp.Key{NS: ns, Chunk: ch}

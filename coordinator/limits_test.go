@@ -332,7 +332,7 @@ func TestRankReset(t *testing.T) {
 	}
 	testutil.Eventually(t, 10*time.Second, "the real rank to resync", func() bool {
 		ri, _ := c.idx.Rank(r)
-		return ri.Incarnation == inc && ri.LastSeq == 3 && ri.L1Placements == 2
+		return ri.Incarnation == inc && ri.LastSeq == 3 && !ri.Partial && ri.L1Placements == 2
 	})
 	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "nobody/0"}, wire.CodeNotFound)
 	callErr[wire.AdminRankResetReply](t, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: "eng"}, wire.CodeBadRequest)

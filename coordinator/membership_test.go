@@ -287,6 +287,6 @@ func TestFencedRankRejoinResyncs(t *testing.T) {
 	startRankMemberInc(t, c, r, 1, inc)
 	testutil.Eventually(t, 10*time.Second, "the rejoined rank to be resynced", func() bool {
 		info, err := c.idx.ListRank(r)
-		return err == nil && !info.Fenced && info.L1Placements == 3
+		return err == nil && !info.Fenced && !info.Partial && info.L1Placements == 3
 	})
 }

@@ -243,6 +243,10 @@ func (r *replicated) applyInventory(ctx context.Context, inv wire.Inventory, gen
 	return r.n.ApplyInventoryAt(ctx, inv, gen)
 }
 
+func (r *replicated) applyInventoryStep(ctx context.Context, s index.InventoryStep) (index.InventoryOutcome, error) {
+	return r.n.ApplyInventoryStep(ctx, s)
+}
+
 func (r *replicated) fenceRank(ctx context.Context, rk wire.Rank, upTo uint64) (int, error) {
 	return r.n.FenceRank(ctx, rk, upTo)
 }

@@ -34,6 +34,9 @@ type replicator interface {
 	// applyInventory applies an inventory requested under the rank's fence
 	// generation gen (index.ApplyInventoryAt).
 	applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error)
+	// applyInventoryStep applies one step of a streamed inventory
+	// (index.ApplyInventoryStep; replicated, one raft entry per step).
+	applyInventoryStep(ctx context.Context, s index.InventoryStep) (index.InventoryOutcome, error)
 	fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error)
 	registerNamespace(ctx context.Context, spec dcp.Spec) (*dcp.Resolved, error)
 	resetRank(ctx context.Context, r wire.Rank) (int, error)
@@ -83,6 +86,10 @@ func (s standalone) applyBatch(b *wire.Batch) (batchResult, error) {
 
 func (s standalone) applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error) {
 	return s.c.idx.ApplyInventoryAt(ctx, inv, gen)
+}
+
+func (s standalone) applyInventoryStep(ctx context.Context, st index.InventoryStep) (index.InventoryOutcome, error) {
+	return s.c.idx.ApplyInventoryStep(ctx, st)
 }
 
 func (s standalone) fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error) {

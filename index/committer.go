@@ -250,6 +250,10 @@ func (ix *Index) stage(r *request) {
 		}
 	case reqRegister:
 		r.err = t.register(r.spec, r.json)
+	case reqInvStep:
+		if ix.stageStep(t, r) {
+			return // a Begin answered with its drop's last slice
+		}
 	}
 	ix.pending = append(ix.pending, r)
 	ix.curN += r.n

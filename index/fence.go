@@ -41,9 +41,15 @@ type fenceJob struct {
 	// reset: every placement of the rank is dropped, whatever its tier
 	// (a sliced ResetRank); below is unused.
 	reset bool
-	pos   int        // next index into the rank's chunk list
-	n     int        // placements dropped so far
-	reqs  []*request // FenceRank (or ResetRank) calls answered when it ends
+	// stream: the drop of a streamed inventory's Begin (stream.go), a
+	// reset whose first request is the Begin: old L1 copies of
+	// incarnations < below are counted apart (as fenced), and the rank
+	// stays hidden at the end (it is partial).
+	stream   bool
+	fencedL1 int
+	pos      int        // next index into the rank's chunk list
+	n        int        // placements dropped so far
+	reqs     []*request // FenceRank (or ResetRank) calls answered when it ends
 }
 
 // startFence starts a sliced fence of r's rank when the rank's chunk list
@@ -111,6 +117,13 @@ func (ix *Index) fenceSlice(t *txn, j *fenceJob, chunks int) {
 	if j.reset {
 		drop = func(p *placement) bool { return p.rank == id }
 	}
+	if j.stream && below > 0 {
+		// Two passes, as invJob.dropOld: filterRefs's predicate may see a
+		// placement more than once, its result counts each once.
+		j.fencedL1 += t.filterRefs(id, list.segments(j.pos, end), func(p *placement) bool {
+			return p.rank == id && p.tier == wire.L1 && p.inc < below
+		})
+	}
 	n := t.filterRefs(id, list.segments(j.pos, end), drop)
 	if t.enc != nil {
 		if j.reset {
@@ -136,7 +149,10 @@ func (ix *Index) dropFence(t *txn, j *fenceJob) {
 	t.unhide = append(t.unhide, j.id)
 	for i, r := range j.reqs {
 		r.fenced = 0
-		if i == 0 {
+		switch {
+		case i == 0 && j.stream:
+			r.invOut.Replaced, r.invOut.Fenced = j.n, j.fencedL1
+		case i == 0:
 			r.fenced = j.n
 		}
 		ix.pending = append(ix.pending, r)

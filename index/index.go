@@ -152,8 +152,9 @@ const (
 	reqSnapshot // replicate.go
 	reqRestore
 	reqDump
-	reqSlice // a slice of a sliced fence, staged by the committer itself
-	reqSync  // replicate.go
+	reqSlice   // a slice of a sliced fence, staged by the committer itself
+	reqSync    // replicate.go
+	reqInvStep // a step of a streamed inventory (stream.go)
 )
 
 // request is one call waiting for the committer. The committer fills in
@@ -163,6 +164,7 @@ type request struct {
 	ctx   context.Context
 	batch *wire.Batch
 	inv   *wire.Inventory
+	step  *InventoryStep // reqInvStep
 	rank  wire.Rank
 	upTo  uint64 // reqFence: the incarnation that died
 	// reqInventory: the rank's fence generation the inventory was

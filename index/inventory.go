@@ -298,7 +298,7 @@ func (ix *Index) failInventories(err error) {
 // reset staged in t has replaced its placements.
 func (ix *Index) unhidePartial(t *txn, r wire.Rank) {
 	id, ok := t.rankID(r)
-	if ok && int(id) < len(ix.st.ranks) && ix.st.ranks[id].allHidden && !slices.Contains(t.unhide, id) {
+	if ok && (int(id) < len(ix.st.ranks) && ix.st.ranks[id].allHidden || slices.Contains(t.hideAll, id)) && !slices.Contains(t.unhide, id) {
 		t.unhide = append(t.unhide, id)
 	}
 }

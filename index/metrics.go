@@ -251,6 +251,8 @@ func (ix *Index) account(r *request) {
 		}
 		m.fenced.WithLabelValues(string(FenceRankDead)).Add(float64(r.fenced))
 		ix.log.Warn("dead rank fenced", zap.Stringer("rank", r.rank), zap.Int("l1_placements", r.fenced))
+	case reqInvStep:
+		ix.accountStep(r)
 	case reqReset:
 		if r.fenced != fenceUnknown {
 			ix.log.Warn("rank reset by an operator: placements dropped, incarnation forgotten", zap.Stringer("rank", r.rank),

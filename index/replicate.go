@@ -52,6 +52,9 @@ type Op struct {
 	Register *dcp.Spec
 	// Reset resets a rank (ResetRank).
 	Reset *wire.Rank
+	// Step is one step of a streamed inventory (ApplyInventoryStep): each
+	// page its own entry, of bounded size.
+	Step *InventoryStep
 }
 
 // Result is what a replicated request did; the field of its kind is set.
@@ -60,7 +63,7 @@ type Result struct {
 	// after a restart); nothing was done.
 	Skipped   bool
 	Outcome   Outcome          // Batch
-	Inventory InventoryOutcome // Inventory
+	Inventory InventoryOutcome // Inventory, Step
 	// Fenced is the placements fenced (Fence) or dropped (Reset).
 	Fenced int
 	// Spec is the namespace's registered spec (Register).
@@ -91,6 +94,9 @@ func (ix *Index) ApplyReplicated(ctx context.Context, op Op) (*Pending, error) {
 			r.fenceGen, r.genChecked = *op.FenceGen, true
 		}
 		verr = validateInventory(op.Inventory)
+	case op.Step != nil:
+		r.kind, r.step, r.n = reqInvStep, op.Step, len(op.Step.Objects)+1
+		verr = validateStep(op.Step)
 	case op.Fence != nil:
 		r.kind, r.rank, r.upTo = reqFence, *op.Fence, op.UpTo
 		if err := validateRank(*op.Fence); err != nil {
@@ -139,7 +145,7 @@ func (p *Pending) Result(ix *Index) Result {
 	switch r.kind {
 	case reqBatch:
 		res.Outcome = r.out
-	case reqInventory:
+	case reqInventory, reqInvStep:
 		res.Inventory = r.invOut
 	case reqFence:
 		res.Fenced = max(r.fenced, 0)

@@ -651,10 +651,14 @@ func (st *state) publishRanks(t *txn) bool {
 func (st *state) publishUnhide(t *txn) {
 	for _, id := range t.unhide {
 		r := st.ranks[id]
-		if r.allHidden {
+		// A rank still partial stays hidden: a sliced job's end never
+		// makes a streamed inventory's pages (stream.go), or what a crash
+		// left of a sliced one, usable before an inventory is whole.
+		hidden := r.allHidden && r.partial
+		if r.allHidden && !hidden {
 			st.hiding--
 		}
-		r.l1Hidden, r.allHidden, r.fencing = false, false, false
+		r.l1Hidden, r.allHidden, r.fencing = false, hidden, false
 		if r.live == 0 {
 			r.chunks = refList{}
 			r.listGen++

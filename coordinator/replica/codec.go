@@ -24,6 +24,10 @@ const (
 	raftCmdRegister = 4 // dcp.Spec JSON
 	raftCmdReset    = 5 // wire.Rank JSON
 	raftCmdInvAt    = 6 // invAtCmd JSON (issue 29.1; older nodes refuse it: upgrade every replica first)
+	// raftCmdInvStep is one step of a streamed inventory, index.InventoryStep
+	// JSON: a page is at most wire.MaxInventoryPageSize objects (issue 28.3;
+	// older nodes refuse it: upgrade every replica first).
+	raftCmdInvStep = 7
 )
 
 // invAtCmd is an inventory with the fence generation it was requested
@@ -59,6 +63,10 @@ func decodeCommand(data []byte) (index.Op, error) {
 		var c invAtCmd
 		err = json.Unmarshal(p, &c)
 		op.Inventory, op.FenceGen = &c.Inventory, &c.FenceGen
+	case raftCmdInvStep:
+		var s index.InventoryStep
+		err = json.Unmarshal(p, &s)
+		op.Step = &s
 	case raftCmdFence:
 		var f fenceCmd
 		err = json.Unmarshal(p, &f)

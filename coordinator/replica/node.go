@@ -434,6 +434,18 @@ func (n *Node) ApplyInventoryAt(_ context.Context, inv wire.Inventory, gen uint6
 	return res.Inventory, res.Err
 }
 
+// ApplyInventoryStep applies one step of a streamed inventory
+// (index.ApplyInventoryStep), one entry per step: a page's entry holds that
+// page alone, so no entry, and no replica's apply, holds a whole large
+// inventory (issue 28.3).
+func (n *Node) ApplyInventoryStep(_ context.Context, s index.InventoryStep) (index.InventoryOutcome, error) {
+	if err := index.ValidateInventoryStep(&s); err != nil {
+		return index.InventoryOutcome{}, err
+	}
+	res := n.do(raftCmdInvStep, &s)
+	return res.Inventory, res.Err
+}
+
 // TransferLeadership hands this leader's leadership to voter id at addr
 // and returns once raft has done so, or failed to.
 func (n *Node) TransferLeadership(id, addr string) error {
