@@ -136,11 +136,12 @@ type Stream interface {
 	// afterwards, in span order, so the caller can verify them. Both
 	// backends read the destination back once every span of the transfer
 	// is placed: the CUDA backend runs a second kernel pass over the spans
-	// in device memory (a gather that writes nothing), the host backend
-	// hashes the destination spans after copying into them. A matching sum
-	// therefore confirms the bytes in device memory at the end of the
-	// transfer, not only the values the copy carried. Overlapping
-	// destination spans are rejected.
+	// in device memory (a gather that writes nothing; on the DMA path,
+	// kv_checksum once the copy engine has placed a batch), the host
+	// backend hashes the destination spans after copying into them. A
+	// matching sum therefore confirms the bytes in device memory at the
+	// end of the transfer, not only the values the copy carried.
+	// Overlapping destination spans are rejected.
 	Scatter(src HostBuf, objs []Object) (*Op, error)
 
 	// Upload copies src into device memory asynchronously. src must not be

@@ -14,6 +14,13 @@
 //   - the CUDA backend (OpenCUDA), the driver API through dlopen("libcuda.so.1")
 //     with copy kernels JIT-loaded from committed PTX.
 //
+// A transfer takes one of two copy paths (Op.Path), by a rule both backends
+// share (dma_plan.go): the copy kernels, which checksum as they copy, or,
+// where the spans make long runs contiguous on both sides, copy-engine
+// copies (one per run, 2D for rows at one pitch) followed by a checksum
+// kernel that reads the pages in device memory. Both give the same bytes
+// and sums.
+//
 // The package validates every transfer before it enqueues any copy: a span
 // outside its allocation is rejected and nothing is written. It never
 // interprets geometry (that is dcp's) and never decides what to store (that is

@@ -183,3 +183,79 @@ func (s *driverStream) plainCopy(ctx context.Context, m Mem, hb HostBuf, n uint6
 	}
 	return check("cuStreamSynchronize", C.kv_stream_synchronize(s.d.ctx, s.h))
 }
+
+// spanTimer times work on several streams from one start: a timing event
+// recorded on a gate stream after a Delay, which every stream waits for
+// before its work, and an end event per stream. Benchmarks of both
+// directions at once (driver_dma_bench_test.go) use it.
+type spanTimer struct {
+	d     *driverDevice
+	start C.CUevent
+	ends  []C.CUevent
+}
+
+func (d *driverDevice) newSpanTimer(n int) (*spanTimer, error) {
+	t := &spanTimer{d: d, ends: make([]C.CUevent, n)}
+	for _, e := range append([]*C.CUevent{&t.start}, pointers(t.ends)...) {
+		if err := check("cuEventCreate", C.kv_event_create(d.ctx, e, 0)); err != nil {
+			t.close()
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+func pointers(es []C.CUevent) []*C.CUevent {
+	out := make([]*C.CUevent, len(es))
+	for i := range es {
+		out[i] = &es[i]
+	}
+	return out
+}
+
+func (t *spanTimer) close() {
+	for _, e := range append([]C.CUevent{t.start}, t.ends...) {
+		if e != nil {
+			C.kv_event_destroy(t.d.ctx, e)
+		}
+	}
+}
+
+// run holds gate for delay (the host enqueues meanwhile), makes every
+// stream of ss (at most as many as the timer has end events) wait for the
+// start, calls enqueue, and returns the device time from the start to the
+// latest end, and the host time enqueue took.
+func (t *spanTimer) run(gate *driverStream, ss []*driverStream, delay time.Duration, enqueue func() error) (dev, host time.Duration, err error) {
+	if err := gate.Delay(delay); err != nil {
+		return 0, 0, err
+	}
+	if err := check("cuEventRecord", C.kv_event_record(t.d.ctx, t.start, gate.h)); err != nil {
+		return 0, 0, err
+	}
+	for _, s := range ss {
+		if err := check("cuStreamWaitEvent", C.kv_stream_wait_event(t.d.ctx, s.h, t.start)); err != nil {
+			return 0, 0, err
+		}
+	}
+	t0 := time.Now()
+	if err := enqueue(); err != nil {
+		return 0, 0, err
+	}
+	host = time.Since(t0)
+	for i, s := range ss {
+		if err := check("cuEventRecord", C.kv_event_record(t.d.ctx, t.ends[i], s.h)); err != nil {
+			return 0, 0, err
+		}
+	}
+	for i := range ss {
+		if err := check("cuEventSynchronize", C.kv_event_synchronize(t.d.ctx, t.ends[i])); err != nil {
+			return 0, 0, err
+		}
+		var ms C.float
+		if err := check("cuEventElapsedTime", C.kv_event_elapsed(t.d.ctx, &ms, t.start, t.ends[i])); err != nil {
+			return 0, 0, err
+		}
+		dev = max(dev, time.Duration(float64(ms)*float64(time.Millisecond)))
+	}
+	return dev, host, nil
+}
