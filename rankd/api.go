@@ -336,10 +336,32 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 		return err
 	}
 	tl.Lap(transfer.StageDecode, -1)
+	// The engine's deadline (wire.HeaderDeadline): the engine holds the
+	// blocks until the answer, so the store may keep it waiting on the
+	// cache (for L1 room) only until then (C11); a gather already begun
+	// still ends before the answer (C1). Past it on arrival: refused,
+	// nothing read. (A rankd that predates the header ignores it and
+	// bounds the store by its store timeout only.)
+	sctx := ctx
+	var dl time.Time
+	if v := msg.Header.Get(wire.HeaderDeadline); v != "" {
+		if dl, err = wire.ParseDeadline(v); err != nil {
+			return err
+		}
+		if late := time.Since(dl); late >= 0 {
+			d.met.storeDeadline.WithLabelValues("expired_on_arrival").Inc()
+			return fmt.Errorf("store %s arrived %v after the engine's deadline; nothing stored: %w", req.RequestID, late.Round(time.Millisecond), ErrUnavailable)
+		}
+		// Store takes the deadline of its context as the engine's; the
+		// future outlives it (waited for under ctx below).
+		var cancel context.CancelFunc
+		sctx, cancel = context.WithDeadline(ctx, dl)
+		defer cancel()
+	}
 	// The engine serves it only for the session's owner (checked where it
 	// finds the session).
 	// tl is the store's until Done.
-	f, err := d.eng.Store(transfer.WithTimeline(ctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
+	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		return err
 	}
@@ -352,6 +374,11 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 		return fmt.Errorf("store %s: %w", req.RequestID, ctx.Err())
 	}
 	rep := res.Wire()
+	if cut := res.PastDeadline(); cut > 0 {
+		d.met.storeDeadline.WithLabelValues("cut").Inc()
+		d.log.Warn("store's engine deadline passed while it waited for L1 room: objects not stored",
+			zap.String("request", req.RequestID), zap.Int("objects", cut), zap.Time("deadline", dl))
+	}
 	// A store that timed out is done before the device has finished
 	// reading the blocks (a reaper waits for it): the engine must not
 	// reuse them or destroy its event until Released. Wait for it, and

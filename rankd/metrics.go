@@ -31,6 +31,9 @@ type metrics struct {
 	// retrieveDeadline counts retrieves the engine's deadline
 	// (wire.HeaderDeadline) refused on arrival or cut short.
 	retrieveDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut
+	// storeDeadline counts stores the engine's deadline refused on
+	// arrival or cut short before their gather (issue 24).
+	storeDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut
 	// incarnationSaveFailures counts failed writes of the incarnation file
 	// (a failing L2 at start, then each retry).
 	incarnationSaveFailures prometheus.Counter
@@ -78,6 +81,9 @@ func newMetrics(rank string) *metrics {
 		retrieveDeadline: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "retrieve_deadline_total", Help: "Retrieves past the engine's deadline (the engine had taken the blocks back): refused on arrival, nothing placed (expired_on_arrival), or cut short, the items not yet placed failed (cut).", ConstLabels: labels},
 			[]string{"outcome"}),
+		storeDeadline: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "store_deadline_total", Help: "Stores past the engine's deadline (the engine holds the blocks until the answer): refused on arrival, nothing read (expired_on_arrival), or whose deadline passed while they waited for L1 room, the objects not yet gathered failed, not stored (cut).", ConstLabels: labels},
+			[]string{"outcome"}),
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
 		l1NUMANode: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
@@ -89,7 +95,7 @@ func newMetrics(rank string) *metrics {
 	m.stages = newStageRecorder(m.stageSeconds) // every series of stageSeconds
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.stageSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
-		m.retrieveDeadline,
+		m.retrieveDeadline, m.storeDeadline,
 		m.l1NUMANode, m.l1NUMAElsewhere,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Every vector starts with its known series at 0, so an idle rank
@@ -107,6 +113,7 @@ func newMetrics(rank string) *metrics {
 	}
 	for _, o := range []string{"expired_on_arrival", "cut"} {
 		m.retrieveDeadline.WithLabelValues(o)
+		m.storeDeadline.WithLabelValues(o)
 	}
 	return m
 }

@@ -49,6 +49,10 @@ var (
 	ErrCorrupt = tier.ErrCorrupt
 	// ErrTimeout: a store or retrieve did not finish within its timeout.
 	ErrTimeout = errors.New("transfer: timed out")
+	// ErrDeadline is wrapped (with ErrTimeout) by the objects of a store
+	// whose engine deadline (Store's context) passed before their
+	// gather began: they were not stored and their pages were never read.
+	ErrDeadline = errors.New("transfer: past the engine's deadline")
 	// ErrDevice: the device (stream, event, copy) reported an error.
 	ErrDevice = errors.New("transfer: device error")
 	// ErrIO: an L2 read or write failed for a reason other than corruption

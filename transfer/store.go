@@ -108,6 +108,18 @@ func (r StoreResult) Err() error {
 	return errors.Join(errs...)
 }
 
+// PastDeadline is the number of objects that failed because the engine's
+// deadline passed before their gather began (ErrDeadline).
+func (r StoreResult) PastDeadline() int {
+	n := 0
+	for _, o := range r.Objects {
+		if o.Status == Failed && errors.Is(o.Err, ErrDeadline) {
+			n++
+		}
+	}
+	return n
+}
+
 // Wire converts r to the engine API reply.
 func (r StoreResult) Wire() wire.StoreReply {
 	w := wire.StoreReply{NotDurable: r.NotDurable}
@@ -131,6 +143,16 @@ func (r StoreResult) Wire() wire.StoreReply {
 // ErrStaleSession, ErrUnauthorized (req.Caller is not the session's
 // owner), ErrUnknownNamespace, ErrBadRequest (wrapping dcp or cuda
 // causes), ErrClosed.
+//
+// ctx bounds Store's own work (its checks of L2 files); its deadline, when
+// it has one, is the engine's (wire.HeaderDeadline, which rankd puts on
+// it, as on a retrieve's): the engine holds the blocks until the store
+// answers, so the store must not keep it waiting on the cache (C11).
+// Objects whose gather has not begun when it passes (waiting for L1 room
+// or for another store's fill) fail with ErrDeadline; a gather already
+// begun is never cut by it (the answer waits for the device to have read
+// the pages, C1). The future outlives ctx otherwise: Config.StoreTimeout
+// bounds it.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -141,6 +163,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	}
 	f := &StoreFuture{e: e, id: futureIDs.Add(1), req: req.RequestID, start: time.Now(), sp: sp, tl: TimelineFrom(ctx),
 		res: StoreResult{RequestID: req.RequestID}, released: make(chan struct{}), done: make(chan struct{})}
+	f.deadline, _ = ctx.Deadline()
 	planned, err := e.planStore(sp, req)
 	if err != nil {
 		e.releaseSpace(sp)

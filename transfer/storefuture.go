@@ -26,6 +26,10 @@ type StoreFuture struct {
 	dups  []storeWork // objects another store is gathering
 	res   StoreResult
 	tl    *Timeline // nil: not timed; the future's goroutine's until done
+	// deadline is the deadline of Store's context, the engine's: it
+	// bounds the waits before the gather (zero: only Config.StoreTimeout
+	// does).
+	deadline time.Time
 
 	released chan struct{} // the device no longer reads the blocks
 	done     chan struct{} // res is final

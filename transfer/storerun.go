@@ -39,7 +39,8 @@ func (e *Engine) placeWait(ctx context.Context, o *l1Obj) error {
 // placeAll places every object of a store, or none: when L1 has no room
 // because it is full of pinned or filling objects (other stores waiting
 // on their producers, retrieves scattering), it gives back what it placed
-// and waits for room, until ctx ends (the store timeout). A store that
+// and waits for room, until ctx ends (the store timeout, or earlier the
+// engine's deadline: waitContext). A store that
 // waits holds no room, so waiting stores never deadlock one another; the
 // ones holding room finish, and under write-back their objects are then
 // written to L2 and evicted to make the room (throttling, not failing).
@@ -101,22 +102,42 @@ func (e *Engine) placeAll(ctx context.Context, work []storeWork) error {
 	}
 }
 
-// ctxErr maps a context's end to ErrTimeout or ErrClosed/Canceled.
+// ctxErr maps a context's end to ErrTimeout or ErrClosed/Canceled; an
+// end caused by the engine's deadline (waitContext) also wraps ErrDeadline.
 func ctxErr(ctx context.Context) error {
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		if cause := context.Cause(ctx); errors.Is(cause, ErrDeadline) {
+			return fmt.Errorf("%w: %w", ErrTimeout, cause)
+		}
 		return fmt.Errorf("%w: %w", ErrTimeout, ctx.Err())
 	}
 	return ctx.Err()
+}
+
+// waitContext is the context of the waits of f before its gather begins
+// (L1 room, another store's fill): ctx (the store timeout) cut
+// at the engine's deadline, so a store never keeps the engine's blocks
+// past it waiting on the cache (C11). The gather itself runs under ctx: a
+// store answers only once the device no longer reads the pages (C1, C10).
+func waitContext(ctx context.Context, f *StoreFuture) (context.Context, context.CancelFunc) {
+	if f.deadline.IsZero() {
+		return ctx, func() {}
+	}
+	return context.WithDeadlineCause(ctx, f.deadline,
+		fmt.Errorf("%w (%s)", ErrDeadline, f.deadline.Format("15:04:05.000")))
 }
 
 // runStore is the life of one store future.
 func (e *Engine) runStore(f *StoreFuture) {
 	ctx, cancel := context.WithTimeout(e.life, e.cfg.StoreTimeout)
 	defer cancel()
+	wait, wcancel := waitContext(ctx, f)
+	defer wcancel()
 
-	// 1. Room in L1 for every object to gather (waiting for it: issue 18.1).
+	// 1. Room in L1 for every object to gather (waiting for it: issue 18.1,
+	// at most until the engine's deadline).
 	var live []storeWork
-	if err := e.placeAll(ctx, f.work); err != nil {
+	if err := e.placeAll(wait, f.work); err != nil {
 		e.mu.Lock()
 		for _, w := range f.work {
 			e.failFillLocked(w.o, err)
@@ -141,7 +162,7 @@ func (e *Engine) runStore(f *StoreFuture) {
 
 	// 3. Objects another store was filling.
 	if len(f.dups) > 0 {
-		handled = e.settleDups(ctx, f, handled)
+		handled = e.settleDups(ctx, wait, f, handled)
 	}
 	if !handled {
 		close(f.released) // nothing is or will be reading the pages
@@ -162,8 +183,10 @@ func (e *Engine) runStore(f *StoreFuture) {
 // context is live, f does not inherit that failure: it gathers the object
 // from its own pages under its own event, unless handled says the pages
 // and event are already given up (a timed-out gather's reaper owns them).
-// It reports whether f.released and the event have been taken care of.
-func (e *Engine) settleDups(ctx context.Context, f *StoreFuture, handled bool) bool {
+// It waits for fills and L1 room under wait (waitContext), gathers under
+// ctx. It reports
+// whether f.released and the event have been taken care of.
+func (e *Engine) settleDups(ctx, wait context.Context, f *StoreFuture, handled bool) bool {
 	pending := f.dups
 	for len(pending) > 0 {
 		var next, refill []storeWork
@@ -172,10 +195,10 @@ func (e *Engine) settleDups(ctx context.Context, f *StoreFuture, handled bool) b
 			select {
 			case <-w.o.filled:
 				err = w.o.err
-			case <-ctx.Done():
-				err = fmt.Errorf("waiting for another store of %s: %w", w.o.key, ctxErr(ctx))
+			case <-wait.Done():
+				err = fmt.Errorf("waiting for another store of %s: %w", w.o.key, ctxErr(wait))
 			}
-			retry := err != nil && ctx.Err() == nil && !handled
+			retry := err != nil && wait.Err() == nil && !handled
 			e.mu.Lock()
 			sum := w.o.sum
 			if err == nil {
@@ -209,7 +232,7 @@ func (e *Engine) settleDups(ctx context.Context, f *StoreFuture, handled bool) b
 			e.ctr.dedupeHits.Add(1)
 		}
 		if len(refill) > 0 {
-			if err := e.placeAll(ctx, refill); err != nil {
+			if err := e.placeAll(wait, refill); err != nil {
 				e.mu.Lock()
 				for _, w := range refill {
 					e.failFillLocked(w.o, err)

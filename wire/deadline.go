@@ -6,14 +6,19 @@ import (
 	"time"
 )
 
-// HeaderDeadline is the NATS header of a retrieve request that carries the
-// engine's deadline: the wall-clock time (Unix nanoseconds, decimal) after
-// which the rank must place nothing more. The engine gives the blocks of a
-// load it gave up on back to its own use (vLLM recomputes them, or reuses
-// them for another request), so a copy that lands after that would write
-// stale bytes into memory the engine owns again. The engine and its rank
-// share a host (CUDA IPC), so they share the clock. A request without the
-// header is bounded by the rank's own retrieve timeout only.
+// HeaderDeadline is the NATS header of a retrieve or store request that
+// carries the engine's deadline: the wall-clock time (Unix nanoseconds,
+// decimal) after which the rank must place nothing more (a retrieve) or
+// keep the engine waiting no longer (a store). The engine gives the blocks
+// of a load it gave up on back to its own use (vLLM recomputes them, or
+// reuses them for another request), so a copy that lands after that would
+// write stale bytes into memory the engine owns again; it holds a store's
+// blocks until the store answers, so a store waiting for L1 room must give
+// up by then (its gather, once begun, still ends before the answer). The
+// engine and its rank share a host (CUDA IPC), so they share the clock. A
+// request without the header is bounded by the rank's own retrieve or
+// store timeout only; a rank that predates the header on stores ignores
+// it there.
 const HeaderDeadline = "Kvtier-Deadline"
 
 // FormatDeadline is the header value of t.

@@ -1,0 +1,95 @@
+package rankd
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestStoreCarriesTheEnginesDeadline (issue 24, C11): a store whose
+// wire.HeaderDeadline has passed when it arrives (the engine stopped
+// waiting for the answer) is refused as unavailable, nothing stored, and
+// counted in kvtier_rankd_store_deadline_total{outcome=expired_on_arrival};
+// a malformed deadline is a bad request; one whose deadline is ahead is
+// stored. Red without the arrival check: the late store answered ok.
+func TestStoreCarriesTheEnginesDeadline(t *testing.T) {
+	h := newHarness(t)
+	e := newEngine(t, h)
+	ctx := h.ctx()
+	e.spec.Groups[0].MLA = false // this rank stores its own shard
+	var err error
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for l, m := range e.pools {
+		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	store := func(id, deadline string) *wire.Reply[wire.StoreReply] {
+		t.Helper()
+		body, err := json.Marshal(wire.StoreRequest{RequestID: id, Namespace: e.res.Namespace, Session: reg.Session,
+			Event: recordedEvent(t, e, s), Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := nats.NewMsg(h.subj.Engine(h.rank, OpStore))
+		m.Data = body
+		if deadline != "" {
+			m.Header.Set(wire.HeaderDeadline, deadline)
+		}
+		rep, err := h.nc.RequestMsgWithContext(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r wire.Reply[wire.StoreReply]
+		if err := json.Unmarshal(rep.Data, &r); err != nil {
+			t.Fatal(err)
+		}
+		return &r
+	}
+	stored := func() uint64 { return h.d.eng.Stats().ObjectsStored }
+
+	late := store("late", wire.FormatDeadline(time.Now().Add(-50*time.Millisecond)))
+	if late.Error == nil || late.Error.Code != wire.CodeUnavailable {
+		t.Fatalf("store past its deadline answered %+v, want unavailable", late)
+	}
+	if n := stored(); n != 0 {
+		t.Fatalf("a store that arrived after the engine's deadline stored %d objects", n)
+	}
+	if n := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_store_deadline_total", "outcome", "expired_on_arrival"); n != 1 {
+		t.Fatalf("kvtier_rankd_store_deadline_total{outcome=expired_on_arrival} %v, want 1", n)
+	}
+
+	if bad := store("bad", "soon"); bad.Error == nil || bad.Error.Code != wire.CodeBadRequest {
+		t.Fatalf("malformed deadline answered %+v, want bad_request", bad)
+	}
+	if n := stored(); n != 0 {
+		t.Fatalf("a store with a malformed deadline stored %d objects", n)
+	}
+
+	ok := store("ok", wire.FormatDeadline(time.Now().Add(time.Minute)))
+	if ok.Error != nil || ok.OK.Stored != 1 {
+		t.Fatalf("store within its deadline: %+v", ok)
+	}
+	if n := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_store_deadline_total", "outcome", "cut"); n != 0 {
+		t.Fatalf("kvtier_rankd_store_deadline_total{outcome=cut} %v after a store within its deadline, want 0", n)
+	}
+}

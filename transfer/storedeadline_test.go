@@ -1,0 +1,179 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// stuckTier is an L2 tier whose writes do not return until open is
+// closed (a disk slower than the stores): under write-through the objects
+// L1 holds stay dirty, so L1 fills with objects nothing may evict.
+type stuckTier struct {
+	L2Tier
+	open    chan struct{}
+	entered atomic.Int32
+}
+
+func (s *stuckTier) Put(ctx context.Context, obj L2Object, payload []byte) error {
+	s.entered.Add(1)
+	select {
+	case <-s.open:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return s.L2Tier.Put(ctx, obj, payload)
+}
+
+// stuckL2Rig is an engine whose L1 (two slabs) is full of two committed
+// c1Spec objects whose write-through L2 writes are stuck, with blocks for
+// more chunks; opening the tier lets the writes through.
+func stuckL2Rig(t *testing.T) (*Engine, *rig, *stuckTier) {
+	t.Helper()
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	ft, err := OpenFileTier(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := &stuckTier{L2Tier: ft, open: make(chan struct{})}
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes, cfg.L1SlabBytes = 2*(64<<10), 64<<10 // one slab per object
+	cfg.L2, cfg.L2Policy = st, WriteThrough
+	cfg.StoreTimeout = 30 * time.Second // the default: far longer than any deadline here
+	e := newEngine(t, cfg)
+	r.register(e)
+	t.Cleanup(func() { // before the engine's Close, which flushes
+		select {
+		case <-st.open:
+		default:
+			close(st.open)
+		}
+	})
+	for i := range 2 {
+		c := r.newChunk(i, r.consecutiveN(i))
+		if res := storeAll(t, e, r, "full", c); res.Objects[0].Status != Stored {
+			t.Fatalf("filling L1: %+v", res.Objects[0])
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for st.entered.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("the L2 writes of the objects filling L1 never began")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return e, r, st
+}
+
+// TestStoreWaitForL1RoomEndsAtTheEnginesDeadline (issue 24, C11): L1 is
+// full of objects waiting for slow L2 writes. A store whose engine
+// deadline is 200 ms away answers failed (ErrDeadline, not stored) within
+// the deadline and some slack, not after the 30 s store timeout, with its
+// pages released (the engine frees its blocks on the answer), its event
+// released and nothing of it left in L1. Once L2 takes the writes the same
+// chunk stores. Red when placeAll waits under the store timeout instead
+// (the store answered only after 30 s).
+func TestStoreWaitForL1RoomEndsAtTheEnginesDeadline(t *testing.T) {
+	e, r, st := stuckL2Rig(t)
+	var releases atomic.Int32
+	e.hooks.releasing = func(*StoreFuture) { releases.Add(1) }
+	c := r.newChunk(2, r.consecutiveN(2))
+	r.write(c, c.blocks, 0)
+	_, h := r.record()
+	const dl = 200 * time.Millisecond
+	start := time.Now()
+	ctx, cancel := context.WithDeadline(testCtx(t), start.Add(dl)) // as rankd does with the engine's
+	defer cancel()
+	f, err := e.Store(ctx, r.storeReq("late", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-f.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the store had not answered %v after its %v deadline (store timeout %v)", 10*time.Second, dl, e.cfg.StoreTimeout)
+	}
+	took := time.Since(start)
+	if took < dl || took > dl+2*time.Second {
+		t.Fatalf("the store answered after %v; want its %v deadline plus slack", took, dl)
+	}
+	res, err := f.Wait(testCtx(t))
+	o := res.Objects[0]
+	if err == nil || o.Status != Failed || !errors.Is(o.Err, ErrDeadline) || !errors.Is(o.Err, ErrTimeout) || o.Reason != ReasonTimeout {
+		t.Fatalf("store past its deadline: %+v (%v); want failed, ErrDeadline, reason timeout", o, err)
+	}
+	if n := res.PastDeadline(); n != 1 {
+		t.Fatalf("PastDeadline %d, want 1 (rankd counts the store as cut)", n)
+	}
+	select {
+	case <-f.Released():
+	default:
+		t.Fatal("a store that failed before its gather still holds the engine's blocks")
+	}
+	if n := releases.Load(); n != 1 {
+		t.Fatalf("producer event released %d times, want once", n)
+	}
+	e.mu.Lock()
+	left := e.cat.objs[o.Key]
+	e.mu.Unlock()
+	if left != nil {
+		t.Fatalf("the failed object is still in L1's catalog (pins %d, slab %d)", left.pins, left.slab)
+	}
+	if s := e.Stats(); s.L1OccupiedBytes != 2*(64<<10) {
+		t.Fatalf("L1 occupancy %d after the failed store, want the two dirty objects' %d", s.L1OccupiedBytes, 2*(64<<10))
+	}
+
+	close(st.open) // L2 takes the writes: L1 makes room
+	r.write(c, c.blocks, 0)
+	_, h = r.record()
+	f, err = e.Store(testCtx(t), r.storeReq("again", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := f.Wait(testCtx(t)); err != nil || res.Objects[0].Status != Stored {
+		t.Fatalf("the same chunk once L2 took the writes: %+v, %v", res.Objects, err)
+	}
+}
+
+// TestStoreDeadlineNeverCutsAGather (C1, C10): a store that found room
+// and enqueued its gather behind a slow producer is not cut by its
+// engine deadline: it answers stored, after the device has read the
+// pages, though the deadline passed long before. Red when the gather
+// waits under the deadline: the store failed while the device was still
+// to read the pages.
+func TestStoreDeadlineNeverCutsAGather(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	open := r.gate() // the producer: its writes wait for the gate
+	r.write(c, c.blocks, 0)
+	_, h := r.record()
+	ctx, cancel := context.WithTimeout(testCtx(t), 100*time.Millisecond)
+	defer cancel()
+	f, err := e.Store(ctx, r.storeReq("slow-producer", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(400 * time.Millisecond) // the deadline passes while the gather waits on the producer
+	select {
+	case <-f.Done():
+		t.Fatalf("the store answered before the device read its pages: %+v", f.res.Objects)
+	default:
+	}
+	open()
+	res, err := f.Wait(testCtx(t))
+	if err != nil || res.Objects[0].Status != Stored {
+		t.Fatalf("a gather enqueued before the deadline: %+v, %v; want stored", res.Objects, err)
+	}
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
+	if err != nil || !rr.ChunkOK(0) {
+		t.Fatalf("retrieve of the chunk stored past its deadline: %+v, %v", rr, err)
+	}
+	r.expectRestored(c, r.consecutiveN(1))
+	r.check("the chunk stored while its deadline passed")
+}
