@@ -50,17 +50,24 @@ class _SchedulerSide(_Core):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
-        if st.load_issued or num_computed_tokens % self.chunk:
-            return 0, False  # loaded once already; kvtier restores whole chunks only
-        first = num_computed_tokens // self.chunk
+        if st.load_issued:
+            return 0, False  # loaded once already
+        # vLLM's own prefix cache may end inside a chunk (at a block of
+        # it): the lookup starts at that chunk, and its blocks before the
+        # prefix's end are vLLM's (shared with its other requests), never
+        # written: the load skips them (wire.RetrieveItem.skip).
+        first, held = divmod(num_computed_tokens, self.chunk)
+        if held and not self._skippable(held):
+            return 0, False
         last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
-        last = min(last, len(st.hashes), first + self._window_chunks(first))
+        last = min(last, len(st.hashes), first + self._window_chunks(first, num_computed_tokens))
         if self._state_groups():
             last = min(last, first + 1)  # one chunk: its end state is the one vLLM gives a block (below)
         if first >= last:
             return 0, False
         if st.lookup_first != first:
             st.lookup, st.lookup_first, st.matched_chunks, st.plan = None, first, None, None
+        st.held_tokens = held  # vLLM asks again with the prefix it holds then: the last ask counts
         if st.matched_chunks is None:
             if st.lookup is None:
                 c = self._client_now()
@@ -90,24 +97,35 @@ class _SchedulerSide(_Core):
                     st.matched_chunks = 0 if st.plan is None else min(st.plan.prefix, last - first)
                     if st.plan is not None and st.plan.prefix < 1 and st.plan.reason:
                         log.info("kvtier restore for %s not planned: %s", request.request_id, st.plan.reason)
-                self.stats["hit_tokens"] += st.matched_chunks * self.chunk
+                self.stats["hit_tokens"] += max(0, st.matched_chunks * self.chunk - held)
         n = min(st.matched_chunks, last - first)
         if n <= 0:
             return 0, False
-        return n * self.chunk, self.cfg.load_async
+        return n * self.chunk - held, self.cfg.load_async
 
-    def _window_chunks(self, first: int) -> int:
-        """How many chunks after the first (held locally) may be restored
-        without vLLM putting its null block in a sliding-window group's
-        place: vLLM skips the first (T - window + 1) // block blocks of a
-        prefix of T tokens, which must lie inside the local prefix."""
+    def _skippable(self, held: int) -> bool:
+        """Whether a chunk of which vLLM holds the first held tokens can be
+        loaded from there: held must end on a block of every group (each
+        rank, under DCP too, then skips the same number of its pages: one
+        per scheduler block), and no group may keep a state per chunk
+        (Mamba: the chunk's one state page is not split by blocks)."""
+        return not self._state_groups() and all(held % g.span == 0 for g in self.resolved.geometry)
+
+    def _window_chunks(self, first: int, local: int | None = None) -> int:
+        """How many chunks from the first (whose head vLLM may hold) may be
+        restored without vLLM putting its null block in a sliding-window
+        group's place: vLLM skips the first (T - window + 1) // block
+        blocks of a prefix of T tokens, which must lie inside the local
+        prefix of local tokens (default: the chunks before first)."""
+        if local is None:
+            local = first * self.chunk
         best = 1 << 62
         for window, block in self._windows:
             m = 0
             while m < best:
                 t = (first + m + 1) * self.chunk
                 skipped = max(0, t - window + 1) // block * block
-                if skipped > first * self.chunk:
+                if skipped > local:
                     break
                 m += 1
             best = m
@@ -173,10 +191,11 @@ class _SchedulerSide(_Core):
         st = self._req(request)
         st.block_ids = [list(b) for b in blocks.get_block_ids()]
         if num_external_tokens > 0:
-            if num_external_tokens % self.chunk or st.lookup_first < 0:
-                raise GeometryError(f"request {request.request_id}: {num_external_tokens} external tokens, "
-                                    f"not whole chunks of {self.chunk} from a lookup")
-            st.load = (st.lookup_first, num_external_tokens // self.chunk)
+            total = num_external_tokens + st.held_tokens
+            if total % self.chunk or st.lookup_first < 0:
+                raise GeometryError(f"request {request.request_id}: {num_external_tokens} external tokens after "
+                                    f"{st.held_tokens} held, not whole chunks of {self.chunk} from a lookup")
+            st.load = (st.lookup_first, total // self.chunk)
 
     def _chunk_blocks(self, st: _Req, c: int) -> list[list[int]] | None:
         """Chunk c's block ids of every group; [] when a group has vLLM's
@@ -262,7 +281,7 @@ class _SchedulerSide(_Core):
             while len(ids) <= gi:
                 ids.append([])
             ids[gi] = self._load_state_ids(st, gi, first + n)
-        spec = LoadSpec(req_id, "", first, n, 0, {}, ids, async_load=self.cfg.load_async)
+        spec = LoadSpec(req_id, "", first, n, 0, {}, ids, async_load=self.cfg.load_async, held_tokens=st.held_tokens)
         plan = st.plan
         if plan is None:
             spec.problem = "no restore plan"

@@ -32,6 +32,10 @@ class LoadSpec:
     block_ids: list[list[int]]  # [group][block] of the whole request
     problem: str = ""
     async_load: bool = True  # vLLM was told the load is asynchronous (get_finished reports it)
+    # Tokens of the first chunk that vLLM's own prefix cache holds (a whole
+    # number of every group's blocks): those blocks are not written, and
+    # the first chunk counts only its other tokens.
+    held_tokens: int = 0
 
 
 @dataclass
@@ -61,6 +65,7 @@ class _Req:
     lookup_since: float = 0.0
     lookup_first: int = -1
     matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
+    held_tokens: int = 0  # tokens of chunk lookup_first vLLM holds (its prefix ends inside it)
     plan: wire.RestorePlan | None = None  # the restore begun for the hit
     # A request is offered kvtier tokens once: after its load is handed to
     # the workers every later ask (vLLM asks again after an asynchronous

@@ -353,13 +353,16 @@ class _WorkerSide(_Core):
         self.recent_loads.append({"req": load.req_id, "restore": load.restore_id, "steps": steps,
                                   "ms": int(took_s * 1000), "loaded": loaded, "chunks": load.chunks,
                                   "problem": res.problem if loaded < load.chunks else ""})
+        # The first chunk's tokens that vLLM held were neither loaded nor
+        # failed: they count on the side the chunk fell on, less those.
+        held = load.held_tokens
         if loaded < load.chunks:
             self.stats["restore_failures"] += 1
-            self.stats["load_failed_tokens"] += (load.chunks - loaded) * self.chunk
+            self.stats["load_failed_tokens"] += (load.chunks - loaded) * self.chunk - (held if loaded == 0 else 0)
             log.warning("kvtier restore %s for %s: %d of %d chunks loaded, recomputing the rest (%s)",
                         load.restore_id or "-", load.req_id, loaded, load.chunks, res.problem or "verdict failed")
         self.stats["recomputed_bad_bytes_tokens"] += res.bad_bytes_chunks * self.chunk
-        self.stats["loaded_tokens"] += loaded * self.chunk
+        self.stats["loaded_tokens"] += loaded * self.chunk - (held if loaded > 0 else 0)
         if loaded < load.chunks and self.multi_group:
             # vLLM refuses block ids without a group: the request fails as
             # a whole and is recomputed (get_transfer_results).
@@ -370,8 +373,16 @@ class _WorkerSide(_Core):
             for gi in range(len(self.spec.groups)):
                 bpc = self.resolved.blocks_per_chunk(gi)
                 ids = load.block_ids[gi][c * bpc:(c + 1) * bpc]
+                if c == load.first_chunk:
+                    ids = ids[self._held_blocks(load, gi):]  # vLLM's own blocks are valid: never reported
                 self._load_errors.update(ids)
                 self.stats["load_error_blocks"] += len(ids)
+
+    def _held_blocks(self, load: LoadSpec, gi: int) -> int:
+        """The first chunk's blocks of group gi that vLLM's own prefix
+        holds (the scheduler offers a load only when held_tokens ends on a
+        block of every group)."""
+        return load.held_tokens // self.resolved.geometry[gi].span
 
     async def _load(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec,
                     deadline: float) -> _LoadResult:
@@ -394,6 +405,14 @@ class _WorkerSide(_Core):
                 ch = load.first_chunk + it.chunk
                 bpc = self.resolved.blocks_per_chunk(it.group)
                 it.blocks = load.block_ids[it.group][ch * bpc:(ch + 1) * bpc]
+                if it.chunk == 0 and load.held_tokens:
+                    # vLLM's prefix ends inside the first chunk: its blocks
+                    # before the end are vLLM's own (maybe shared); the
+                    # rankd places only the later ones and still verifies
+                    # the whole object. Every rank holds a page of every
+                    # scheduler block (DCP too), so all skip alike.
+                    it.skip = self._held_blocks(load, it.group)
+                    it.blocks = it.blocks[it.skip:]
             nulls = sorted({(it.group, it.chunk) for it in items if NULL_BLOCK in it.blocks})
             try:
                 if nulls:  # never write into vLLM's null block (it reads as zeros)
