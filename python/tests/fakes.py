@@ -213,8 +213,9 @@ class FakeSession:
     def __init__(self, rank: wire.Rank, ns: dcp.Namespace, world: FakeWorld) -> None:
         self.rank, self.namespace, self.world = rank, ns, world
 
-    async def store(self, request_id, chunks, event, timeout=None):
+    async def store(self, request_id, chunks, event, *, timeout=None, deadline=None):
         self.world.stores.append((self.rank, request_id, chunks, event))
+        self.world.store_deadlines.append(deadline)
         gate = self.world.store_gate
         if gate is not None:
             await asyncio.wrap_future(gate)
@@ -261,6 +262,7 @@ class FakeWorld:
         self.freed_handlers: list[Any] = []
         self.retrieves: list[Any] = []
         self.retrieve_deadlines: list[float | None] = []
+        self.store_deadlines: list[float | None] = []
         self.retrieve_error: Exception | None = None
         self.registered: list[Any] = []
         self.reregistered = 0

@@ -223,6 +223,45 @@ def test_retrieve_carries_the_engines_deadline():
     assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None]
 
 
+def test_store_carries_the_engines_deadline():
+    """RankSession.store(deadline=t) sends t as Unix nanoseconds in the
+    Kvtier-Deadline header (the rankd waits for L1 room only until then,
+    issue 24); without a deadline no header is sent. deadline and timeout
+    are keyword-only, on the sync facade too."""
+    import asyncio
+    import inspect
+
+    from kvtier import cuda, dcp
+
+    class _NC:
+        def __init__(self) -> None:
+            self.headers: list[dict[str, str] | None] = []
+
+        async def request(self, subject: str, data: bytes, timeout: float,
+                          headers: dict[str, str] | None = None) -> object:
+            self.headers.append(headers)
+
+            class Msg:
+                pass
+
+            m = Msg()
+            m.data = wire.encode_reply(ok=wire.StoreReply(stored=1))  # type: ignore[attr-defined]
+            return m
+
+    nc = _NC()
+    c = client.Client(nc, client.ConnectOptions(insecure=True))
+    s = client.RankSession(c, wire.Rank("engine0", 0), dcp.Spec(), dcp.Namespace(bytes(range(1, 17))), [], "d",
+                           "s" * 32)
+    ev = cuda.EventHandle("host", "d", b"x")
+    assert asyncio.run(s.store("r1", [], ev, deadline=1234.5)).stored == 1
+    asyncio.run(s.store("r2", [], ev, timeout=3.0))
+    assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None]
+    for f in (client.RankSession.store, client.SyncRankSession.store, client.SyncRankSession.store_async):
+        params = inspect.signature(f).parameters
+        assert params["deadline"].kind is inspect.Parameter.KEYWORD_ONLY, f
+        assert params["timeout"].kind is inspect.Parameter.KEYWORD_ONLY, f
+
+
 def test_package_exports_its_public_names_without_importing_nats():
     """STYLE 34: the public names at the top of the package, loaded on use,
     so importing kvtier still starts nothing and imports no NATS."""

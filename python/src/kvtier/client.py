@@ -491,14 +491,20 @@ class RankSession:
         s = await self.client.register(self.rank, self.spec, self.device_uuid, self.pools)
         self.namespace, self.session = s.namespace, s.session
 
-    async def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle,
-                    timeout: float | None = None) -> StoreReply:
+    async def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
+                    timeout: float | None = None, deadline: float | None = None) -> StoreReply:
         """One store: its own producer event (C1), recorded before this call.
         The reply comes once the device has read the blocks; keep the event
-        and the blocks until then, and longer if blocks_in_use is set."""
+        and the blocks until then, and longer if blocks_in_use is set.
+        deadline (time.time() seconds) is how long the caller will hold the
+        blocks for it: the rankd waits for L1 room only until then, and
+        objects not yet copied fail (not stored) so the reply comes by it (a
+        store arriving later is refused as unavailable); a copy already
+        begun still ends before the reply. A rankd that predates the header
+        ignores it."""
         req = wire.StoreRequest(request_id, self.namespace, self.session, list(chunks), event)
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
-                                      StoreReply, timeout=timeout)
+                                      StoreReply, timeout=timeout, headers=_deadline_header(deadline))
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
                        timeout: float | None = None, deadline: float | None = None) -> RetrieveReply:
@@ -507,9 +513,8 @@ class RankSession:
         rankd places nothing after it (a retrieve arriving later is refused
         as unavailable, items not yet placed at it fail)."""
         req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
-        headers = None if deadline is None else {wire.HEADER_DEADLINE: str(int(deadline * 1e9))}
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), self._body(req),
-                                      RetrieveReply, timeout=timeout, headers=headers)
+                                      RetrieveReply, timeout=timeout, headers=_deadline_header(deadline))
 
     def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
         """req as sent: its binary form, or the message itself (JSON) with
@@ -700,6 +705,12 @@ class SyncClient:
         self.close()
 
 
+def _deadline_header(deadline: float | None) -> dict[str, str] | None:
+    """The Kvtier-Deadline header of a deadline in time.time() seconds
+    (Unix nanoseconds), or None for none."""
+    return None if deadline is None else {wire.HEADER_DEADLINE: str(int(deadline * 1e9))}
+
+
 def _outer(timeout: float | None) -> float | None:
     """The facade's bound for a request of the given timeout (the default
     when None): the request's own timeout fires first."""
@@ -720,14 +731,17 @@ class SyncRankSession:
     def namespace(self) -> Namespace:
         return self.aio.namespace
 
-    def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle) -> StoreReply:
-        return self.client.run(self.aio.store(request_id, chunks, event))
+    def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
+              timeout: float | None = None, deadline: float | None = None) -> StoreReply:
+        return self.client.run(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline),
+                               _outer(timeout))
 
-    def store_async(self, request_id: str, chunks: Sequence[ChunkBlocks],
-                    event: EventHandle) -> concurrent.futures.Future[StoreReply]:
+    def store_async(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
+                    timeout: float | None = None,
+                    deadline: float | None = None) -> concurrent.futures.Future[StoreReply]:
         """Sends the store and returns at once: the future is this store's
         own (C1); keep its event and blocks until it is done."""
-        return self.client.submit(self.aio.store(request_id, chunks, event))
+        return self.client.submit(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline))
 
     def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", timeout: float | None = None,
                  deadline: float | None = None) -> RetrieveReply:

@@ -62,9 +62,10 @@ OP_REGISTER = "register"
 OP_STORE = "store"
 OP_RETRIEVE = "retrieve"
 
-# HEADER_DEADLINE is the NATS header of a retrieve that carries the engine's
-# deadline (Unix nanoseconds, decimal): past it the rankd places nothing
-# more, because the engine has taken the blocks back (Go: wire.HeaderDeadline).
+# HEADER_DEADLINE is the NATS header of a retrieve or store that carries the
+# engine's deadline (Unix nanoseconds, decimal): past it the rankd places
+# nothing more, because the engine has taken the blocks back, and a store
+# waits for L1 room no longer (Go: wire.HeaderDeadline).
 HEADER_DEADLINE = "Kvtier-Deadline"
 OP_RELEASE = "release"
 OP_STATUS = "status"

@@ -178,8 +178,14 @@ class _WorkerSide(_Core):
 
     async def _store(self, s: kvclient.SyncRankSession, req_id: str, chunks: list[wire.ChunkBlocks],
                      handle: cuda.EventHandle) -> wire.StoreReply:
+        # The store's deadline: vLLM holds the blocks until the answer, so
+        # the rankd may wait for L1 room (a disk slower than the saves)
+        # only kvtier_store_wait_s; then the objects not yet copied fail and
+        # it answers (a copy already begun still ends first: C1). An older
+        # rankd ignores the header and answers within its store timeout.
+        deadline = time.time() + self.cfg.store_wait_s
         try:
-            return await s.aio.store(req_id, chunks, handle, timeout=self.cfg.timeout_s)
+            return await s.aio.store(req_id, chunks, handle, timeout=self.cfg.timeout_s, deadline=deadline)
         except (UnknownNamespace, UnknownSession):
             # A restarted rankd forgot the registration: the link registers
             # again. (Never on StaleSession: another process of the instance

@@ -87,6 +87,10 @@ class Config:
     cache_salt: str
     chunk_tokens: int | None
     timeout_s: float
+    # How long a save may hold vLLM's blocks waiting for rankd L1 room: the
+    # store's deadline (Kvtier-Deadline), after which its objects not yet
+    # copied fail and it answers, so vLLM frees the blocks (C11, issue 24).
+    store_wait_s: float
     lookup_wait_s: float
     lookup_timeout_s: float
     restore_deadline_ms: int
@@ -116,6 +120,7 @@ class Config:
                 instance=extra.get("kvtier_instance", "engine0"), model=model,
                 cache_salt=extra.get("kvtier_cache_salt", ""), chunk_tokens=int(chunk) if chunk else None,
                 timeout_s=float(extra.get("kvtier_timeout_s", 30.0)),
+                store_wait_s=float(extra.get("kvtier_store_wait_s", 2.0)),
                 lookup_wait_s=float(extra.get("kvtier_lookup_wait_s", 0.005)),
                 lookup_timeout_s=float(extra.get("kvtier_lookup_timeout_s", 2.0)),
                 restore_deadline_ms=int(extra.get("kvtier_restore_deadline_ms", 10000)),
@@ -140,7 +145,8 @@ class Config:
             raise ValueError(f'kv_transfer_config kv_load_failure_policy "{policy}": the kvtier connector needs '
                              '"recompute" (a chunk kvtier cannot restore is recomputed, not an error for the request)')
         wire.valid_instance(c.instance)
-        for key, v in (("kvtier_timeout_s", c.timeout_s), ("kvtier_lookup_timeout_s", c.lookup_timeout_s),
+        for key, v in (("kvtier_timeout_s", c.timeout_s), ("kvtier_store_wait_s", c.store_wait_s),
+                       ("kvtier_lookup_timeout_s", c.lookup_timeout_s),
                        ("kvtier_health_check_s", c.health_check_s),
                        ("kvtier_attach_backoff_max_s", c.attach_backoff_max_s),
                        ("kvtier_shutdown_timeout_s", c.shutdown_timeout_s)):
