@@ -149,3 +149,24 @@ func useDMA[M comparable](t *checkedTransfer[M], p copyPath) ([]dmaCopy, bool) {
 	}
 	return planDMA(t, limit)
 }
+
+// sumsAfter says when a scatter's checksum batches can run: after[ci] is
+// the number of batches (ends[b] is one past the last object of batch b)
+// whose every byte is placed once copies[:ci+1] have landed. An object
+// gets no more bytes once a later copy starts in a later object, since
+// copies come in object order; after the last copy every batch is placed.
+func sumsAfter(copies []dmaCopy, ends []int) []int {
+	after := make([]int, len(copies))
+	b := 0
+	for ci := range copies {
+		if ci+1 == len(copies) {
+			b = len(ends)
+		} else {
+			for b < len(ends) && ends[b] <= copies[ci+1].obj {
+				b++
+			}
+		}
+		after[ci] = b
+	}
+	return after
+}

@@ -221,3 +221,58 @@ func TestPlanSums(t *testing.T) {
 		t.Fatalf("objects %v, want %v", got, want)
 	}
 }
+
+// A scatter's checksum batch runs only after every copy into its objects,
+// and as soon as that is so.
+func TestSumsAfter(t *testing.T) {
+	r := rand.New(rand.NewPCG(25, 3))
+	for trial := range 500 {
+		nobj := 1 + r.IntN(8)
+		// Copies in object order; a copy may run on into later objects.
+		var copies []dmaCopy
+		var last []int // the object of each copy's last byte
+		for o := 0; o < nobj; {
+			end := min(nobj-1, o+r.IntN(3)-1)
+			end = max(end, o)
+			for range r.IntN(3) { // copies within object o
+				copies, last = append(copies, dmaCopy{obj: o}), append(last, o)
+			}
+			copies, last = append(copies, dmaCopy{obj: o}), append(last, end)
+			o = end
+			if r.IntN(2) == 0 || end == nobj-1 {
+				o = end + 1
+			}
+		}
+		var ends []int
+		for e := 1; e <= nobj; e++ {
+			if r.IntN(2) == 0 || e == nobj {
+				ends = append(ends, e)
+			}
+		}
+		after := sumsAfter(copies, ends)
+		for b, end := range ends {
+			// The first copy after which batch b may run: every copy
+			// touching an object < end has landed.
+			want := 0
+			for ci := range copies {
+				if copies[ci].obj < end {
+					want = ci
+				}
+			}
+			first := -1
+			for ci, n := range after {
+				if n > b {
+					first = ci
+					break
+				}
+			}
+			if first != want {
+				t.Fatalf("trial %d: batch %d (objects < %d) runs after copy %d, want %d (copies %+v, last %v, after %v)",
+					trial, b, end, first, want, copies, last, after)
+			}
+		}
+		if after[len(after)-1] != len(ends) {
+			t.Fatalf("trial %d: %d of %d batches after the last copy", trial, after[len(after)-1], len(ends))
+		}
+	}
+}

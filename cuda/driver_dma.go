@@ -35,21 +35,16 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 			}
 		}
 	}
+	var after []int
+	if scatter && sum {
+		after = sumsAfter(copies, ends)
+	}
 	bi := 0
 	for ci, c := range copies {
 		e.copyRun(c, buf, scatter)
-		if !scatter || !sum {
-			continue
-		}
-		// Objects before the next copy's first object get no more bytes:
-		// every batch made of them is placed.
-		next := int(^uint(0) >> 1)
-		if ci+1 < len(copies) {
-			next = copies[ci+1].obj
-		}
-		if bi < len(ends) && ends[bi] <= next {
+		if after != nil && after[ci] > bi {
 			e.wait(A, e.event(S))
-			for ; bi < len(ends) && ends[bi] <= next; bi++ {
+			for ; bi < after[ci]; bi++ {
 				e.launch(A, e.s.d.sum, plan, bi, flags)
 			}
 		}

@@ -198,7 +198,7 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 	measure := func(key string, ss []*driverStream, enqueue func() ([]*Op, error)) time.Duration {
 		g, ok := gates[key]
 		if !ok {
-			g = 2 * time.Second
+			g = 500 * time.Millisecond // the warm-up repetition's; then 1.5x the host's enqueue time
 		}
 		var ops []*Op
 		dev, host, err := tm.run(gate, ss, g, func() error {
@@ -316,6 +316,7 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 	}
 	duplex = fmt.Sprintf("| %s | %s | %.2f | %s | %s | %s |", lay.name, blocks, float64(bytes)/1e9,
 		x("ce-both"), x(PathSM+"-both"), x(PathDMA+"-both"))
-	fmt.Println(duplex)
+	fmt.Printf("%s\n%s\n", strings.Join(single, "\n"), duplex) // progress
+
 	return single, duplex
 }
