@@ -137,13 +137,11 @@ func validateStep(s *InventoryStep) error {
 // r is answered later (a Begin dropping the rank's placements in slices).
 func (ix *Index) stageStep(t *txn, r *request) bool {
 	s := r.step
-	// Whatever sliced job of the rank runs ends first: a one-shot
-	// inventory's (finishInventoryOf), a reset's or a previous Begin's
-	// drop (finishResetOf; a follower may get a stream's first Page while
-	// Begin's slices still run).
-	ix.finishResetOf(t, s.Rank)
-	ix.finishInventoryOf(t, s.Rank)
 	if s.Kind == StepBegin {
+		// Whatever sliced job of the rank runs ends first: a one-shot
+		// inventory's, a reset's or a previous Begin's drop.
+		ix.finishResetOf(t, s.Rank)
+		ix.finishInventoryOf(t, s.Rank)
 		return ix.beginStream(t, r)
 	}
 	id, known := t.rankID(s.Rank)
@@ -153,9 +151,17 @@ func (ix *Index) stageStep(t *txn, r *request) bool {
 	}
 	r.invOut = InventoryOutcome{Incarnation: m.inc, LastSeq: m.last, FenceGen: m.fenceGen}
 	if !known || !m.partial || m.fenced || m.inc != s.Incarnation || m.last != s.Seq || m.fenceGen != s.FenceGen {
+		// A reset of the rank in slices stays sliced: it moved the
+		// generation, so nothing of this stream is applied after it.
 		r.invOut.Reason = DropInventoryGone
 		return false
 	}
+	// Begin's own drop may still run in slices (a follower gets the
+	// stream's first Page as soon as the leader's Begin is committed):
+	// it ends first. Nothing else of the rank can be running: a fence or
+	// reset would have moved the generation, a one-shot inventory cleared
+	// the partial flag.
+	ix.finishResetOf(t, s.Rank)
 	if s.Kind == StepPage {
 		for i := range s.Objects {
 			ob := &s.Objects[i]
