@@ -53,6 +53,19 @@ def test_offer_starts_at_vllms_prefix_inside_a_chunk():
     assert world.lookups[-1].chunks == s.resolved.chunk_hashes(r.prompt_token_ids)[1:3]
 
 
+def test_no_partial_offer_with_engine_side_verification():
+    """kvtier_verify_on_engine sums a chunk's pages in vLLM's tensors, the
+    blocks vLLM held among them: a partial chunk is not offered (its check
+    would compare vLLM's own pages with the stored ones)."""
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_chunk_tokens=CHUNK, kvtier_verify_on_engine=True)
+    req = fakes.Request("r1", tokens(CHUNK * 2 + 5))
+    world.plan = plan_for(s, req, 0, 2)
+    assert s.get_num_new_matched_tokens(req, BS) == (0, False)
+    assert s.get_num_new_matched_tokens(fakes.Request("r2", tokens(CHUNK * 2 + 5)), 0) == (2 * CHUNK, False)
+
+
 def test_alloc_takes_the_held_tokens_into_account():
     world = fakes.FakeWorld()
     world.prefix = 1

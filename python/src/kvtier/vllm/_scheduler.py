@@ -108,8 +108,14 @@ class _SchedulerSide(_Core):
         loaded from there: held must end on a block of every group (each
         rank, under DCP too, then skips the same number of its pages: one
         per scheduler block), and no group may keep a state per chunk
-        (Mamba: the chunk's one state page is not split by blocks)."""
-        return not self._state_groups() and all(held % g.span == 0 for g in self.resolved.geometry)
+        (Mamba: the chunk's one state page is not split by blocks). With
+        kvtier_verify_on_engine the worker sums the whole chunk's pages in
+        vLLM's tensors, vLLM's own blocks among them, which need not be
+        bitwise the stored ones (another batch computed them): such a load
+        would fail its check, so it is not offered."""
+        if self.cfg.verify_on_engine or self._state_groups():
+            return False
+        return all(held % g.span == 0 for g in self.resolved.geometry)
 
     def _window_chunks(self, first: int, local: int | None = None) -> int:
         """How many chunks from the first (whose head vLLM may hold) may be
