@@ -80,7 +80,8 @@ func mlaObjects(pool Mem, n, blocks int, seed uint64) []Object {
 // segment (through its read-write mapping) are scattered from the peer's
 // read-only registration in each copy mode (the kernel reading the mapped
 // segment; device staging behind a cuMemcpyHtoD of the segment; the mode
-// the device picks): every page holds exactly its object's bytes, the
+// the device picks; copy-engine copies of each page straight from the
+// segment, the DMA path): every page holds exactly its object's bytes, the
 // pages between are untouched, and each object's kvsum64 is the one of
 // the segment's bytes.
 func TestDriverPeerL1ScatterModes(t *testing.T) {
@@ -109,21 +110,28 @@ func TestDriverPeerL1ScatterModes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	defer func() { d.mode = modeAuto }()
-	for _, mode := range []copyMode{modeDirect, modeStaged, modeAuto} {
+	defer func() { d.mode, d.path = modeAuto, pathAuto }()
+	for k, c := range []struct {
+		mode copyMode
+		path copyPath
+	}{{modeDirect, pathSM}, {modeStaged, pathSM}, {modeAuto, pathAuto}, {modeAuto, pathDMA}} {
+		mode := k // named in the messages: 0 direct, 1 staged, 2 auto, 3 DMA forced
 		background := make([]byte, blocks*mlaPage)
-		fillRandom(background, uint64(mode)+100)
+		fillRandom(background, uint64(k)+100)
 		if err := d.Write(pool, 0, background); err != nil {
 			t.Fatal(err)
 		}
-		objs := mlaObjects(pool, nobj, blocks, uint64(mode)+1)
-		d.mode = mode
+		objs := mlaObjects(pool, nobj, blocks, uint64(k)+1)
+		d.mode, d.path = c.mode, c.path
 		op, err := s.Scatter(peer, objs)
 		if err != nil {
 			t.Fatalf("mode %d: scatter from the read-only peer mapping: %v", mode, err)
 		}
 		if err := op.Wait(ctxT(t)); err != nil {
 			t.Fatalf("mode %d: %v", mode, err)
+		}
+		if c.path != pathAuto && op.Path() != c.path.name() {
+			t.Fatalf("mode %d: copy path %s, want %s", mode, op.Path(), c.path.name())
 		}
 		want := background
 		for i, o := range objs {
