@@ -8,6 +8,7 @@ import (
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
 )
 
 // partialSpec: chunks of 4 blocks of 16 tokens, two groups of 2 and 1
@@ -221,4 +222,59 @@ func TestPartialSums(t *testing.T) {
 			t.Errorf("%+v: %d goroutines for %d B", c, spawned, len(src))
 		}
 	}
+}
+
+// A partial chunk restores from L2 (verified on read into L1, then hashed
+// as a partial item) after a restart, and from a peer's L1 (host-shared
+// L1, MLA at TP4: rank 1 reads rank 0's object), whose bytes are hashed
+// where they lie: a wrong byte in a skipped page there fails the chunk,
+// nothing written, counted as a peer failure.
+func TestRetrievePartialFromL2AndPeerL1(t *testing.T) {
+	t.Run("L2", func(t *testing.T) {
+		dev := openDevice(t, "")
+		r := newRig(t, dev, partialSpec(), []int64{24, 24})
+		cfg := engineConfig(t, dev, 0, 1)
+		cfg.L2Dir = t.TempDir()
+		e1 := newEngine(t, cfg)
+		r.register(e1)
+		cs := []chunk{r.newChunk(0, r.consecutiveN(0))}
+		storeAll(t, e1, r, "l2", cs...)
+		closeEngine(t, e1)
+		cfg.Incarnation, cfg.Registerer = 0, newRegistry()
+		e2 := newEngine(t, cfg)
+		r.register(e2)
+		tgt := [][][]int64{r.consecutiveN(3)}
+		rr, err := e2.Retrieve(testCtx(t), skipItems(r.retrieveReq(0, cs, tgt), 0, 3))
+		if err != nil || !rr.ChunkOK(0) || rr.Items[0].From != wire.L2 {
+			t.Fatalf("%+v, %v", rr.Items, err)
+		}
+		r.expectPartial(cs[0], tgt[0], 3)
+		r.check("partial restore from L2")
+	})
+	t.Run("peer L1", func(t *testing.T) {
+		p := newPeerRig(t, WriteBackOnEvict, true)
+		r0, e0 := p.rigs[0], p.engs[0]
+		cs := []chunk{r0.newChunk(0, r0.consecutiveN(0)), r0.newChunk(1, r0.consecutiveN(1))}
+		storeAll(t, e0, r0, "peer", cs...)
+		r, e := p.rigs[1], p.engs[1]
+		tgt := [][][]int64{r.consecutiveN(4)}
+		rr, err := e.Retrieve(testCtx(t), skipItems(r.retrieveReq(1, cs[:1], tgt), 0, 1))
+		if err != nil || !rr.ChunkOK(0) || rr.Items[0].Sum != checksum.Sum(cs[0].packed[0]) {
+			t.Fatalf("%+v, %v", rr.Items, err)
+		}
+		r.expectPartial(cs[0], tgt[0], 1)
+		r.check("partial restore from a peer's L1")
+		if st := e.Stats(); st.PeerL1Reads != 1 || st.PeerL1Bytes != r.res.ObjectSize(0)/2 || st.L1Objects != 0 {
+			t.Fatalf("peer reads %d (%d B), own L1 objects %d", st.PeerL1Reads, st.PeerL1Bytes, st.L1Objects)
+		}
+		l1Bytes(e0, keyOf(r0, cs[1], 0))[9] ^= 0x04 // block 0 of layer 0: a page the next load skips
+		rr, err = e.Retrieve(testCtx(t), skipItems(r.retrieveReq(1, cs[1:], [][][]int64{r.consecutiveN(5)}), 0, 1))
+		if err != nil || rr.ChunkOK(0) || rr.Items[0].Reason != ReasonCorrupt {
+			t.Fatalf("%+v, %v", rr.Items, err)
+		}
+		r.check("nothing written after a bad peer source")
+		if st := e.Stats(); st.PeerL1Failures != 1 {
+			t.Fatalf("peer failures %d", st.PeerL1Failures)
+		}
+	})
 }
