@@ -22,9 +22,10 @@ import (
 // the host buffer; it is timed with CUDA events on the stream, behind a
 // Delay that covers the host's planning, so the times are device times;
 // the median of KVTIER_BENCH_REPS (default 5) repetitions counts. Each
-// transfer runs in both copy modes (kernel on the mapped host buffer;
-// kernel to device staging plus copy engine) with and without the kvsum64
-// checksum. Run it with
+// transfer runs in both copy modes of the copy kernels (kernel on the
+// mapped host buffer; kernel to device staging plus copy engine) and on
+// the DMA path (copy-engine copies of the page runs, kv_checksum over the
+// pages), with and without the kvsum64 checksum. Run it with
 //
 //	go test -run '^$' -bench DriverTransfer -benchtime 1x ./cuda
 //
@@ -65,8 +66,8 @@ func BenchmarkDriverTransfer(b *testing.B) {
 }
 
 const (
-	benchHeader = "| geometry | dir | CE ceiling GB/s | direct GB/s (ratio) | staged GB/s (ratio) | auto picks | auto ratio | checksum cost (auto mode) |"
-	benchRule   = "|---|---|---|---|---|---|---|---|"
+	benchHeader = "| geometry | dir | CE ceiling GB/s | direct GB/s (ratio) | staged GB/s (ratio) | DMA GB/s (ratio) | auto picks | auto ratio | checksum cost (auto mode) |"
+	benchRule   = "|---|---|---|---|---|---|---|---|---|"
 )
 
 // shortName makes a metric unit of a geometry name: its first two words,
@@ -179,9 +180,11 @@ type benchResult struct {
 	dir      string
 	bytes    uint64
 	ce       time.Duration
-	t        map[string]time.Duration // "direct", "staged", "direct-nosum", "staged-nosum"
+	t        map[string]time.Duration // "direct", "staged", "dma", and each with "-nosum"
 	autoMode string
 }
+
+const dmaBenchCopies = 100_000
 
 func gbps(n uint64, t time.Duration) float64 { return float64(n) / t.Seconds() / 1e9 }
 
@@ -191,10 +194,14 @@ func (r benchResult) auto() float64 { return r.ratio(r.autoMode) }
 
 func (r benchResult) row() string {
 	cost := (r.t[r.autoMode].Seconds() - r.t[r.autoMode+"-nosum"].Seconds()) / r.t[r.autoMode+"-nosum"].Seconds()
-	return fmt.Sprintf("| %s | %s | %.1f | %.1f (%.3f) | %.1f (%.3f) | %s | %.3f | %+.1f%% |",
-		r.geom, r.dir, gbps(r.bytes, r.ce),
-		gbps(r.bytes, r.t["direct"]), r.ratio("direct"),
-		gbps(r.bytes, r.t["staged"]), r.ratio("staged"),
+	col := func(mode string) string {
+		if _, ok := r.t[mode]; !ok {
+			return "not measured"
+		}
+		return fmt.Sprintf("%.1f (%.3f)", gbps(r.bytes, r.t[mode]), r.ratio(mode))
+	}
+	return fmt.Sprintf("| %s | %s | %.1f | %s | %s | %s | %s | %.3f | %+.1f%% |",
+		r.geom, r.dir, gbps(r.bytes, r.ce), col("direct"), col("staged"), col("dma"),
 		r.autoMode, r.auto(), 100*cost)
 }
 
@@ -268,10 +275,23 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	for i, o := range objs {
 		xo[i] = xferObject{hostOff: o.HostOff, len: o.Len()}
 	}
-	d.mode = modeAuto
+	d.mode, d.path = modeAuto, pathAuto
 	res.autoMode = "direct"
 	if d.staged(xo) {
 		res.autoMode = "staged"
+	}
+	t, err := checkTransfer(objs, bx.hb.size, scatter, checkOptions{memOf: true}, d.resolveMem)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, dma := useDMA(t, pathAuto); dma {
+		res.autoMode = "dma"
+	}
+	// The DMA path is measured where it makes at most dmaBenchCopies
+	// copies: one per 561 B row would take the host seconds to enqueue.
+	modes := []string{"direct", "staged"}
+	if _, ok := planDMA(t, dmaBenchCopies); ok {
+		modes = append(modes, "dma")
 	}
 
 	// The gate must outlast the host's enqueuing; it adapts to the host
@@ -287,11 +307,14 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	var ce, enq []time.Duration // enq: host time of the staged+sum enqueue (validation, plan, tables)
 	for rep := range reps + 1 {
 		c := bx.ceiling(b, host, scatter)
-		for _, mode := range []string{"direct", "staged"} {
+		for _, mode := range modes {
 			for _, sum := range []bool{true, false} {
-				d.mode = modeDirect
-				if mode == "staged" {
+				d.mode, d.path = modeDirect, pathSM
+				switch mode {
+				case "staged":
 					d.mode = modeStaged
+				case "dma":
+					d.mode, d.path = modeAuto, pathDMA
 				}
 				flags := uint32(0)
 				key := mode + "-nosum"
@@ -320,7 +343,7 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 			ce = append(ce, c)
 		}
 	}
-	d.mode = modeAuto
+	d.mode, d.path = modeAuto, pathAuto
 	res.ce = median(ce)
 	for k, v := range samples {
 		res.t[k] = median(v)
@@ -330,10 +353,10 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 		nspans += len(o.Spans)
 	}
 	he := median(enq)
-	fmt.Printf("%s, %s: %d objects, %.2f GB: CE %.1f GB/s; direct %.1f, staged %.1f GB/s; without checksum direct %.1f, staged %.1f GB/s; host enqueue (staged) %v for %d spans = %.1f ns/span\n",
+	fmt.Printf("%s, %s: %d objects, %.2f GB: CE %.1f GB/s; direct %.1f, staged %.1f, dma %.1f GB/s; without checksum direct %.1f, staged %.1f, dma %.1f GB/s; host enqueue (staged) %v for %d spans = %.1f ns/span\n",
 		g.name, res.dir, len(objs), float64(host)/1e9, gbps(host, res.ce),
-		gbps(host, res.t["direct"]), gbps(host, res.t["staged"]),
-		gbps(host, res.t["direct-nosum"]), gbps(host, res.t["staged-nosum"]),
+		gbps(host, res.t["direct"]), gbps(host, res.t["staged"]), gbps(host, res.t["dma"]),
+		gbps(host, res.t["direct-nosum"]), gbps(host, res.t["staged-nosum"]), gbps(host, res.t["dma-nosum"]),
 		he.Round(time.Microsecond), nspans, float64(he.Nanoseconds())/float64(max(nspans, 1)))
 	return res
 }

@@ -51,7 +51,8 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 	}
 	// The DMA path needs each span's Mem: a copy never runs from one
 	// allocation into another, even where their addresses meet.
-	opt := checkOptions{memOf: s.d.path != pathSM}
+	path := s.d.copyPath()
+	opt := checkOptions{memOf: path != pathSM}
 	var j *job
 	if n > 0 {
 		if j = s.d.idleJob(tableEstimate(n, len(objs))); j != nil {
@@ -69,7 +70,7 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 		return fail(err)
 	}
 	xobjs := deviceObjects(t)
-	copies, _ := useDMA(t, s.d.path)
+	copies, _ := useDMA(t, path)
 	if !buf.life.acquire() {
 		return fail(fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size))
 	}
@@ -83,6 +84,16 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 		unref = append(unref, u.mem.life.unref)
 	}
 	return buf, xobjs, j, unref, copies, nil
+}
+
+// copyPath is the device's copy path: a forced copy mode (direct or
+// staged, for tests and benchmarks) is one of the copy kernels' modes, so
+// it implies the SM path unless a path is forced too.
+func (d *driverDevice) copyPath() copyPath {
+	if d.path == pathAuto && d.mode != modeAuto {
+		return pathSM
+	}
+	return d.path
 }
 
 // resolveMem tells checkTransfer about a span's Mem. Device addresses are
