@@ -255,3 +255,40 @@ def test_partial_chunk_restores_against_real_daemons(tmp_path: pathlib.Path) -> 
         raise
     finally:
         cluster.stop_all()
+
+
+def test_client_restore_skips_the_held_blocks_of_the_first_chunk():
+    """kvtier.client.restore(held_blocks={group: k}): the first chunk's
+    items skip k blocks, blocks_for's first k ids of that chunk are not
+    sent, later chunks are whole."""
+    import asyncio
+
+    from kvtier import dcp
+
+    ns = dcp.Namespace(bytes(16))
+    rank = wire.Rank("engine0", 0)
+    items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(ns, dcp.ChunkHash(bytes([c]) * 16), 0, g))
+             for c in range(2) for g in range(2)]
+    sent: list[wire.RetrieveItem] = []
+
+    class Coord:
+        async def restore_begin(self, *a, **k):
+            return wire.RestorePlan("r-1", 2, {str(rank): items})
+
+        async def restore_wait(self, rid, **k):
+            return wire.RestoreVerdict(rid, wire.VERDICT_COMPLETE, 2)
+
+    class Session:
+        def __init__(self) -> None:
+            self.namespace, self.rank = ns, rank
+
+        async def retrieve(self, its, rid):
+            sent.extend(its)
+
+    def blocks_for(r, it):
+        return [10 * it.chunk + 4 * it.group + b for b in range(4)]
+
+    out = asyncio.run(client.restore(Coord(), {str(rank): Session()}, [], blocks_for, held_blocks={0: 1, 1: 2}))
+    assert out.loaded == 2
+    assert [(it.chunk, it.group, it.skip, it.blocks) for it in sent] == [
+        (0, 0, 1, [1, 2, 3]), (0, 1, 2, [6, 7]), (1, 0, 0, [10, 11, 12, 13]), (1, 1, 0, [14, 15, 16, 17])]

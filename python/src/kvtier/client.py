@@ -27,7 +27,7 @@ import re
 import ssl
 import stat
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -569,9 +569,13 @@ def restore_outcome(plan: RestorePlan, verdict: RestoreVerdict | None, problem: 
 
 async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
                   blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
-                  deadline_ms: int = 0) -> RestoreOutcome:
+                  deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None) -> RestoreOutcome:
     """The whole restore protocol: begin, every rank's retrieve with the
-    target blocks blocks_for gives, then the verdict."""
+    target blocks blocks_for gives, then the verdict. held_blocks, by
+    group: how many of the first chunk's blocks the engine holds already
+    (its own prefix cache ends inside the chunk); those are not written
+    (RetrieveItem.skip) and blocks_for's first ids of that chunk are not
+    sent. The whole object is still verified."""
     if not sessions:
         raise ValueError("restore needs the rank sessions of the instance")
     ns = next(iter(sessions.values())).namespace
@@ -587,6 +591,9 @@ async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequ
             return
         for it in items:
             it.blocks = blocks_for(s.rank, it)
+            if held_blocks and it.chunk == 0 and held_blocks.get(it.group, 0):
+                it.skip = held_blocks[it.group]
+                it.blocks = it.blocks[it.skip:]
         try:
             await s.retrieve(items, plan.restore_id)
         except Exception as e:  # the verdict decides; the reason is kept
@@ -663,9 +670,9 @@ class SyncClient:
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
                 blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
-                deadline_ms: int = 0) -> RestoreOutcome:
+                deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None) -> RestoreOutcome:
         return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
-                                instance=instance, deadline_ms=deadline_ms))
+                                instance=instance, deadline_ms=deadline_ms, held_blocks=held_blocks))
 
     def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
         return self.run(self.aio.status(rank, timeout=timeout), _outer(timeout))
