@@ -12,9 +12,17 @@ import (
 
 // TestRegisterHost: memory the caller mapped becomes a host buffer whose
 // bytes are that memory (a scatter from it places exactly them), start and
-// length must be page multiples, and Release leaves the mapping alone.
+// length must be page multiples, and Release leaves the mapping alone; on
+// both copy paths.
 func TestRegisterHost(t *testing.T) {
+	for _, path := range []string{cuda.PathSM, cuda.PathDMA} {
+		t.Run(path, func(t *testing.T) { testRegisterHost(t, path) })
+	}
+}
+
+func testRegisterHost(t *testing.T, path string) {
 	dev := openHost(t)
+	cuda.SetCopyPath(dev, path)
 	m, err := syscall.Mmap(-1, 0, 3*4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
@@ -51,6 +59,9 @@ func TestRegisterHost(t *testing.T) {
 	}
 	if err := op.Wait(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+	if op.Path() != path {
+		t.Fatalf("copy path %q, want %q", op.Path(), path)
 	}
 	got := make([]byte, 1000)
 	if err := dev.Read(dst, 0, got); err != nil {
