@@ -112,3 +112,83 @@ func TestL2SharedWithConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestStoreDedupedKeepsLocalL1Copy (issue 26.3): with KeepSharedInL1, b's
+// store of what a's files hold still gathers a local copy into b's L1,
+// announced as L1 only and counted in dedupe_shared_l1_total besides
+// dedupe_shared_total; nothing is written to L2 (a's files stay a's) or
+// L3, neither then nor when b stores the chunks again; b restores them
+// from its L1. Seen red with the store ignoring KeepSharedInL1 (no L1
+// placement), and with commitLocked ignoring sharedOnly (b's writes
+// replaced a's files).
+func TestStoreDedupedKeepsLocalL1Copy(t *testing.T) {
+	dev := openDevice(t, "")
+	root := t.TempDir()
+	l3, _ := openL3(t)
+	engineOf := func(inst string, keep bool, shared ...string) (*Engine, *rig) {
+		cfg := engineConfig(t, dev, 0, 1)
+		cfg.Rank.Instance, cfg.L2Dir, cfg.L2SharedWith, cfg.KeepSharedInL1 = inst, root, shared, keep
+		if keep {
+			cfg.L3 = l3
+		}
+		e := newEngine(t, cfg)
+		r := newRig(t, dev, c1Spec(), []int64{16})
+		r.register(e)
+		return e, r
+	}
+	ea, ra := engineOf("a", false)
+	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
+	stored := storeAll(t, ea, ra, "a", cs...)
+	if err := ea.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	writers := func(what string) {
+		t.Helper()
+		for i := range cs {
+			o, err := ea.L2().Stat(testCtx(t), stored.Objects[i].Key)
+			if err != nil || o.Writer.Instance != "a" {
+				t.Fatalf("%s: object %d's file written by %s (%v), want a's", what, i, o.Writer, err)
+			}
+		}
+	}
+
+	eb, rb := engineOf("b", true, "a")
+	for round := range 2 {
+		res := storeAll(t, eb, rb, "b", cs...)
+		for i, o := range res.Objects {
+			if o.Sum != stored.Objects[i].Sum || (round == 0) != (o.Status == Stored) {
+				t.Fatalf("round %d: b's object %d: %+v, want stored (then deduplicated) with a's sum %016x", round, i, o, stored.Objects[i].Sum)
+			}
+		}
+		if err := eb.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+		if err := eb.FlushL3(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+		writers("after b's stores")
+	}
+	inv := eb.Inventory()
+	if tierCount(inv, wire.L1) != 2 || len(inv.Objects) != 2 {
+		t.Fatalf("b's inventory %+v, want its 2 L1 copies only", inv.Objects)
+	}
+	if st := eb.L3Stats(); st.Written != 0 || st.Queued != 0 {
+		t.Fatalf("b wrote to L3: %+v", st)
+	}
+	g := gatherer(t, eb)
+	if v := testutil.Metric(t, g, "kvtier_transfer_dedupe_shared_total"); v != 2 {
+		t.Fatalf("dedupe_shared_total = %v, want 2", v)
+	}
+	if v := testutil.Metric(t, g, "kvtier_transfer_dedupe_shared_l1_total"); v != 2 {
+		t.Fatalf("dedupe_shared_l1_total = %v, want 2", v)
+	}
+	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
+	rr, err := eb.Retrieve(testCtx(t), rb.retrieveReq(0, cs, tgt))
+	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L1 {
+		t.Fatalf("b's retrieve: %+v %v, want both chunks from its L1", rr, err)
+	}
+	for i, c := range cs {
+		rb.expectRestored(c, tgt[i])
+	}
+	rb.check("b after restoring its L1 copies")
+}

@@ -209,7 +209,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 					e.l2CopyGoneLocked(o)
 				case inL2:
 					e.cat.l2Claim(p.key, promptPos{tag: prompt, pos: p.pos})
-				case e.l2 != nil && !o.dirty && !o.writing && !o.doomed:
+				case e.l2 != nil && !o.dirty && !o.writing && !o.doomed && !o.sharedOnly:
 					// L2 evicted its copy (its bound) while L1 kept it:
 					// written again, or a restart would lose it (issue
 					// 29.3).
@@ -244,9 +244,20 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 		}
 		if sum, ok := shared[p.key]; ok {
 			// A share-group member's file holds it (Config.L2SharedWith):
-			// its writer's placement serves the group; no second copy.
-			r.Status, r.Sum = Deduped, sum
+			// its writer's placement serves the group; no second copy,
+			// unless this rank keeps a local L1 copy of it
+			// (KeepSharedInL1): gathered like any object, committed
+			// clean and L1 only (l1Obj.sharedOnly).
 			e.ctr.dedupeShared.Add(1)
+			if !e.cfg.KeepSharedInL1 {
+				r.Status, r.Sum = Deduped, sum
+				continue
+			}
+			e.ctr.dedupeSharedL1.Add(1)
+			o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
+			o.sharedOnly = true
+			o.prompt = promptPos{tag: prompt, pos: p.pos}
+			f.work = append(f.work, storeWork{idx: idx, o: o, spans: p.spans})
 			continue
 		}
 		o := e.newObjLocked(p.key, sp.res.Fingerprint, p.size)
