@@ -20,9 +20,11 @@ const dmaSumBatch = 64 << 20
 // Gather: the checksum reads the source pages, which the copies only read
 // too, so it runs beside them from the start. Scatter: the checksum of a
 // batch reads its destination pages once every copy into them is done,
-// while the engine places the next batches. A starts after the work
-// already on S; S ends by waiting for A, so later work on S is ordered
-// after the whole transfer, checksums included.
+// while the engine places the next batches. Checksums hidden under copies
+// take one block per multiprocessor, the exposed last batch of a scatter
+// all it can use (sumBlocksPerSM). A starts after the work already on S;
+// S ends by waiting for A, so later work on S is ordered after the whole
+// transfer, checksums included.
 func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
 	S, A := e.s.h, e.s.aux
 	sum := flags&kFlagSum != 0
@@ -31,7 +33,7 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		e.tables(A)
 		if !scatter {
 			for bi := range plan.batches {
-				e.launch(A, e.s.d.sum, plan, bi, flags)
+				e.launchPer(A, e.s.d.sum, plan, bi, flags, sumBlocksPerSM)
 			}
 		}
 	}
@@ -45,7 +47,11 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		if after != nil && after[ci] > bi {
 			e.wait(A, e.event(S))
 			for ; bi < after[ci]; bi++ {
-				e.launch(A, e.s.d.sum, plan, bi, flags)
+				perSM := sumBlocksPerSM
+				if bi == len(plan.batches)-1 {
+					perSM = copyBlocksPerSM // exposed: nothing is copied after it
+				}
+				e.launchPer(A, e.s.d.sum, plan, bi, flags, perSM)
 			}
 		}
 	}

@@ -356,11 +356,23 @@ func (p *xferPlan) encode(buf []byte, l tableLayout) {
 
 // grid returns the number of blocks for a batch: one per tile, at most
 // perSM blocks of every multiprocessor (the kernel strides over the rest).
-func grid(nchunks uint64, sms int) uint32 {
+func grid(nchunks uint64, sms, perSM int) uint32 {
 	tiles := (nchunks + kTile - 1) / kTile
-	limit := uint64(max(sms, 1)) * 8
+	limit := uint64(max(sms, 1)) * uint64(perSM)
 	return uint32(max(min(tiles, limit), 1))
 }
+
+// Blocks per multiprocessor: the copy kernels fill every multiprocessor
+// (8 blocks of 256 threads, what PCIe needs in flight). kv_checksum only
+// reads HBM: where it runs under copy-engine copies that take 20-200 times
+// as long (a gather's, every scatter batch but the last) it takes one block
+// per multiprocessor, an eighth of its threads, leaving room on every
+// multiprocessor for the model's kernels; the last batch of a scatter,
+// which nothing hides, takes them all.
+const (
+	copyBlocksPerSM = 8
+	sumBlocksPerSM  = 1
+)
 
 // planSums makes the batches of the checksum kernel of a DMA transfer
 // (kv_checksum): whole objects, batches of at least batch bytes (the last

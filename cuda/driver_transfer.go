@@ -370,11 +370,15 @@ func (e *enqueuer) sums(h C.CUstream) {
 }
 
 func (e *enqueuer) launch(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32) {
+	e.launchPer(h, fn, plan, bi, flags, copyBlocksPerSM)
+}
+
+func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32, perSM int) {
 	if e.err != nil {
 		return
 	}
 	j, b := e.st.job, &plan.batches[bi]
-	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(grid(b.nchunks, e.s.d.sms)), kThreads, h,
+	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(grid(b.nchunks, e.s.d.sms, perSM)), kThreads, h,
 		C.CUdeviceptr(j.dev+j.lay.segs[bi]), C.uint(len(b.segs)), C.CUdeviceptr(j.dev), C.ulonglong(b.nchunks),
 		C.CUdeviceptr(j.dev+j.lay.partials), C.uint(flags)))
 }
