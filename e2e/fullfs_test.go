@@ -33,7 +33,9 @@ func TestFullL2FilesystemDegrades(t *testing.T) {
 	c := newKV(t, 4)
 	c.rankArgsFor = func(r int) []string {
 		if r == 1 {
-			return []string{"--l2-dir", mnt} // under DCP4 rank 1 stores and reads only its own shards
+			// Under DCP4 rank 1 stores and reads only its own shards. No
+			// free-space floor: this test fills the file system (ENOSPC).
+			return []string{"--l2-dir", mnt, "--l2-free-floor", "0"}
 		}
 		return nil
 	}

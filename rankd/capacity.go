@@ -1,6 +1,7 @@
 package rankd
 
 import (
+	"path/filepath"
 	"syscall"
 
 	"github.com/kvtier/kvtier/wire"
@@ -40,4 +41,30 @@ func fileSystemBytes(dir string) uint64 {
 		return wire.CapacityUnbounded
 	}
 	return st.Blocks * uint64(st.Bsize)
+}
+
+// l2FreeFloor is the L2 free-space floor in bytes (transfer.Config.
+// L2FreeFloorBytes): the larger of cfg.L2FreeFloorBytes and
+// cfg.L2FreeFloorPercent % of the size of the file system under L2Dir, or
+// of its nearest existing parent (the engine creates the directory); the
+// bytes alone when no size can be read. 0 without L2.
+func l2FreeFloor(cfg *Config) uint64 {
+	if cfg.L2Dir == "" {
+		return 0
+	}
+	floor := cfg.L2FreeFloorBytes
+	if cfg.L2FreeFloorPercent <= 0 {
+		return floor
+	}
+	size := uint64(wire.CapacityUnbounded)
+	for dir := filepath.Clean(cfg.L2Dir); size == wire.CapacityUnbounded; dir = filepath.Dir(dir) {
+		size = fileSystemBytes(dir)
+		if dir == filepath.Dir(dir) {
+			break
+		}
+	}
+	if size == wire.CapacityUnbounded {
+		return floor
+	}
+	return max(floor, uint64(float64(size)*cfg.L2FreeFloorPercent/100))
 }
