@@ -34,8 +34,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=32, help="chunks verified together: one restore (32: 8K tokens)")
     ap.add_argument("--layout", choices=("kv_split", "block_major"), default="kv_split")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--batch-mib", type=int, default=256, help="object_sums' max_batch_bytes, in MiB")
+    ap.add_argument("--compile", action="store_true", help="hash through torch.compile (kvsum use_compile)")
     ap.add_argument("--device", default=None, help="cuda:0, cpu (default: cuda when available)")
     args = ap.parse_args()
+    if args.compile:
+        _kvsum_torch.use_compile()
     dev = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     gb = args.gb if args.gb is not None else (4.0 if dev.type == "cuda" else 0.125)
     label = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU: not the H200 figure)"
@@ -74,7 +78,8 @@ def main() -> None:
         if _kvsum_torch.object_sums(pools, one) != cpu:
             raise SystemExit(f"{dev} and the CPU disagree on one object's sum")
 
-    _kvsum_torch.object_sums(pools, loads[0])  # warm-up
+    batch = args.batch_mib << 20
+    _kvsum_torch.object_sums(pools, loads[0], batch)  # warm-up
     total_bytes = n_chunks * obj
     best = float("inf")
     for _ in range(args.passes):
@@ -82,11 +87,13 @@ def main() -> None:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         for blocks in loads:
-            _kvsum_torch.object_sums(pools, blocks)  # returns ints: waits for the device
+            _kvsum_torch.object_sums(pools, blocks, batch)  # returns ints: waits for the device
         best = min(best, time.perf_counter() - t0)
     gbs = total_bytes / best / 1e9
     per_load_ms = best / len(loads) * 1000
-    print(f"device {label}; layout {args.layout}; {LAYERS} layers x {HEADS} KV heads x {HEAD}, bf16, block {BLOCK}, "
+    mode = f"{'compiled' if args.compile else 'eager'}, batches of {args.batch_mib} MiB"
+    print(f"device {label}; layout {args.layout}; {mode}; {LAYERS} layers x {HEADS} KV heads x {HEAD}, bf16, "
+          f"block {BLOCK}, "
           f"chunk {CHUNK} tokens ({obj / (1 << 20):.0f} MiB per object)")
     print(f"verified {total_bytes / 1e9:.2f} GB ({n_chunks} chunks, {len(loads)} loads of {per_load} chunks) in "
           f"{best * 1000:.1f} ms (best of {args.passes}): {gbs:.2f} GB/s, {1000 / gbs:.2f} ms per GB, "

@@ -292,3 +292,26 @@ def test_client_restore_skips_the_held_blocks_of_the_first_chunk():
     assert out.loaded == 2
     assert [(it.chunk, it.group, it.skip, it.blocks) for it in sent] == [
         (0, 0, 1, [1, 2, 3]), (0, 1, 2, [6, 7]), (1, 0, 0, [10, 11, 12, 13]), (1, 1, 0, [14, 15, 16, 17])]
+
+
+def test_hybrid_window_counts_vllms_held_block():
+    """Two groups (a sliding window of 48 and full attention), chunks of 4
+    blocks: a restored prefix of T tokens makes vLLM skip (T - 47) // 16
+    window blocks. From nothing held no chunk can be offered (T = 64 skips
+    a block vLLM does not hold); with vLLM holding the first block, the
+    chunk is offered less that block (T = 64 skips exactly it), and the
+    second is not (T = 128 would skip 5)."""
+    from test_vllm_hybrid import hybrid_config
+
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER, hybrid_config(), kvtier_chunk_tokens=CHUNK, kvtier_load_async=True)
+    req = fakes.Request("r", tokens(CHUNK * 2 + 5))
+    world.plan = plan_for(s, req, 0, 1)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    r2 = fakes.Request("r2", tokens(CHUNK * 2 + 5))
+    assert s.get_num_new_matched_tokens(r2, BS) == (CHUNK - BS, True)
+    assert world.lookups[-1].chunks == s.resolved.chunk_hashes(r2.prompt_token_ids)[:1]
+    wide = make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, hybrid_config(window=4096), kvtier_chunk_tokens=CHUNK,
+                kvtier_load_async=True)
+    assert wide._window_chunks(0, BS) == wide._window_chunks(0) == (4096 + BS - 2) // CHUNK

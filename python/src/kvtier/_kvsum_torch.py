@@ -99,6 +99,31 @@ def _fmix_(x: Any) -> Any:
     return x
 
 
+def _hash_sum_eager(words: Any, key: Any) -> Any:
+    """The partial sums of objects whose words are words (int64, (pools,
+    objects, words per pool)) and whose word indices' keys are key
+    ((pools, 1, words per pool)): object i's is the sum over p and j of
+    fmix64(words[p, i, j] ^ key[p, 0, j]). words is overwritten."""
+    words ^= key
+    return _fmix_(words).sum(dim=(0, 2))
+
+
+_hash_sum = _hash_sum_eager
+
+
+def use_compile(on: bool = True) -> None:
+    """Runs the hashing through torch.compile (one fused kernel instead of
+    about a dozen passes over the words), or back in eager mode. The first
+    call of each shape compiles (seconds)."""
+    global _hash_sum
+    if not on:
+        _hash_sum = _hash_sum_eager
+        return
+    import torch
+
+    _hash_sum = torch.compile(_hash_sum_eager, dynamic=True)
+
+
 def _finish_all(partial: Any, n: int) -> list[int]:
     """The digests of objects of n bytes from their partial sums (an int64
     tensor), as Python ints in 0..2^64-1."""
@@ -136,8 +161,10 @@ def object_sums(pools: Sequence[Any], blocks: Any, max_batch_bytes: int = 256 <<
     """kvsum64 of the objects of one group: pools are the group's layers in
     pool order, each a (num_blocks, page_bytes) uint8 view (pool_pages);
     blocks is an int64 tensor (objects, blocks per object) of block ids on
-    the pools' device. Returns each object's digest. The objects are summed
-    in batches that gather at most max_batch_bytes of one pool at a time."""
+    the pools' device. Returns each object's digest. The objects are
+    gathered and summed in batches of at most max_batch_bytes (at least one
+    object), so the engine's device lends at most about twice that for the
+    duration (the gathered words and one temporary of their size)."""
     if blocks.dim() != 2 or not pools:
         raise ValueError(f"blocks of shape {tuple(blocks.shape)} and {len(pools)} pools: "
                          "want (objects, blocks) and at least one pool")
@@ -146,7 +173,7 @@ def object_sums(pools: Sequence[Any], blocks: Any, max_batch_bytes: int = 256 <<
     if any(int(p.shape[1]) != page for p in pools):
         raise ValueError("pools of different page sizes in one group")
     size = len(pools) * nb * page
-    per = max(1, max_batch_bytes // max(1, nb * page))
+    per = max(1, max_batch_bytes // max(1, size))
     out: list[int] = []
     for lo in range(0, n, per):
         part = blocks[lo:lo + per]
@@ -157,23 +184,21 @@ def object_sums(pools: Sequence[Any], blocks: Any, max_batch_bytes: int = 256 <<
 
 
 def _partials_aligned(pools: Sequence[Any], blocks: Any, page: int) -> Any:
-    """Partial sums when every page is whole words: each pool's pages are
-    gathered as words and hashed with their word indices in the object."""
+    """Partial sums when every page is whole words: every pool's pages are
+    gathered as words into one buffer (one copy per pool) and hashed in one
+    pass with their word indices in the object."""
     import torch
 
     n, nb = int(blocks.shape[0]), int(blocks.shape[1])
     w = page // 8
     flat = blocks.reshape(-1)
     dev = flat.device
-    # The key of word j of a pool's part: (p*nb*w + j)*K1 + K2; the pool's
-    # offset p*nb*w*K1 is added per pool.
-    key0 = torch.arange(nb * w, dtype=torch.int64, device=dev) * _signed(K1) + _signed(K2)
-    partial = torch.zeros(n, dtype=torch.int64, device=dev)
+    buf = torch.empty((len(pools), n * nb, w), dtype=torch.int64, device=dev)
     for p, pool in enumerate(pools):
-        words = pool.view(torch.int64).index_select(0, flat).view(n, nb * w)
-        words ^= key0 + _signed(p * nb * w * K1)
-        partial += _fmix_(words).sum(dim=1)
-    return partial
+        torch.index_select(pool.view(torch.int64), 0, flat, out=buf[p])
+    # buf[p, i*nb + k, j] is word (p*nb + k)*w + j of object i.
+    key = torch.arange(len(pools) * nb * w, dtype=torch.int64, device=dev) * _signed(K1) + _signed(K2)
+    return _hash_sum(buf.view(len(pools), n, nb * w), key.view(len(pools), 1, nb * w))
 
 
 def _partials_gathered(pools: Sequence[Any], blocks: Any, page: int) -> Any:
@@ -189,8 +214,8 @@ def _partials_gathered(pools: Sequence[Any], blocks: Any, page: int) -> Any:
         parts.append(torch.zeros(n, 8 - size % 8, dtype=torch.uint8, device=flat.device))
     words = torch.cat(parts, dim=1).view(torch.int64)
     idx = torch.arange(words.shape[1], dtype=torch.int64, device=flat.device)
-    words ^= idx * _signed(K1) + _signed(K2)
-    return _fmix_(words).sum(dim=1)
+    return _hash_sum(words.unsqueeze(0), (idx * _signed(K1) + _signed(K2)).view(1, 1, -1))
 
 
-__all__ = ["K1", "K2", "finish", "fmix64", "kvsum64", "kvsum64_ref", "object_sums", "pack_ref", "pool_pages"]
+__all__ = ["K1", "K2", "finish", "fmix64", "kvsum64", "kvsum64_ref", "object_sums", "pack_ref", "pool_pages",
+           "use_compile"]
