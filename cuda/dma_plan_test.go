@@ -1,9 +1,13 @@
 package cuda
 
 import (
+	"encoding/binary"
 	"math/rand/v2"
 	"slices"
+	"sort"
 	"testing"
+
+	"github.com/kvtier/kvtier/checksum"
 )
 
 // xfer builds a checked transfer of objects given as (hostOff, spans with
@@ -273,6 +277,90 @@ func TestSumsAfter(t *testing.T) {
 		}
 		if after[len(after)-1] != len(ends) {
 			t.Fatalf("trial %d: %d of %d batches after the last copy", trial, after[len(after)-1], len(ends))
+		}
+	}
+}
+
+// emulateChecksum computes, on the CPU, what kv_checksum (kvcopy.cu:
+// copy<false> with FLAG_SUM|FLAG_NOSTORE) adds to each object's partial
+// for the batches of p: chunk by chunk, the chunk's segment bytes read
+// from the spans through read, hashed as the two object words the chunk
+// holds. It follows the kernel's arithmetic for segments whose packed side
+// is 8-aligned (planSums makes them 16-aligned), where no word crosses
+// into the next lane's chunk.
+func emulateChecksum(t *testing.T, p *xferPlan, nobj int, read func(ptr, n uint64) []byte) []uint64 {
+	partials := make([]uint64, nobj)
+	for _, b := range p.batches {
+		for g := uint64(0); g < b.nchunks; g++ {
+			si := sort.Search(len(b.segs), func(i int) bool { return b.segs[i].chunkBase > g }) - 1
+			s := b.segs[si]
+			if s.packed&7 != 0 {
+				t.Fatalf("segment %+v: packed side not 8-aligned", s)
+			}
+			c := s.packed&^15 + 16*(g-s.chunkBase)
+			a := int64(c - s.packed)
+			from := uint64(max(a, 0))
+			to := min(uint64(a+16), s.len)
+			var v [16]byte
+			for x := from; x < to; {
+				// findSpan: the last span of the object with objOff <= x.
+				spans := p.spans[s.spanBase : s.spanBase+s.nspans]
+				k := sort.Search(len(spans), func(i int) bool { return spans[i].objOff > s.objOff+x }) - 1
+				sp := spans[k]
+				in := s.objOff + x - sp.objOff
+				n := min(sp.len-in, to-x)
+				copy(v[int64(x)-a:], read(sp.ptr+in, n))
+				x += n
+			}
+			lo, hi := binary.LittleEndian.Uint64(v[:8]), binary.LittleEndian.Uint64(v[8:])
+			var term uint64
+			if a >= 0 && a < int64(s.len) {
+				term += checksum.Term((s.objOff+uint64(a))>>3, lo)
+			}
+			if a+8 < int64(s.len) {
+				term += checksum.Term((s.objOff+uint64(a+8))>>3, hi)
+			}
+			partials[s.sum] += term
+		}
+	}
+	return partials
+}
+
+// planSums' tables, read as kv_checksum reads them, give every object's
+// kvsum64: objects of random sizes made of random spans of a device image,
+// in batches small enough that most transfers take several.
+func TestPlanSumsGivesTheSums(t *testing.T) {
+	r := rand.New(rand.NewPCG(25, 4))
+	const base = 1 << 36
+	img := make([]byte, 1<<16)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	read := func(ptr, n uint64) []byte { return img[ptr-base : ptr-base+n] }
+	for trial := range 200 {
+		var objs []xferObject
+		var want [][]byte
+		for range 1 + r.IntN(6) {
+			var o xferObject
+			var packed []byte
+			for range r.IntN(5) {
+				off, n := uint64(r.IntN(len(img)-600)), uint64(1+r.IntN(600))
+				o.spans = append(o.spans, kSpan{ptr: base + off, objOff: o.len, len: n})
+				o.len += n
+				packed = append(packed, img[off:off+n]...)
+			}
+			objs = append(objs, o)
+			want = append(want, packed)
+		}
+		p, _, err := planSums(objs, uint64(1+r.IntN(2000)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		parts := emulateChecksum(t, p, len(objs), read)
+		for i, pk := range want {
+			if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
+				t.Fatalf("trial %d object %d (%d B, %d spans): sum %#x, want %#x", trial, i, len(pk), len(objs[i].spans), got, checksum.Sum(pk))
+			}
 		}
 	}
 }
