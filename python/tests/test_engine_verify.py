@@ -129,6 +129,21 @@ def test_torch_packing_from_vllm_tensors_matches_go(max_batch_bytes):
         assert got == [int(o["sum"], 16) for o in objs]
 
 
+def test_mamba_pool_is_its_whole_pages():
+    """A Mamba layer's tensor holds each block's state in the first bytes
+    of a padded page (rows a page apart): its pool is the whole pages, as
+    the worker registers it, padding included."""
+    torch = pytest.importorskip("torch")
+    from kvtier.vllm.spec import GroupLayers
+
+    n, page, state = 6, 40, 28
+    raw = torch.randint(0, 256, (n * page,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    t = raw.view(n, page)[:, :state].view(n, 1, 1, state)  # vLLM's (num_blocks, 1, 1, state bytes)
+    (pools,) = engine_pools([GroupLayers(("mamba0",), 16, page, recurrent=True)], {"mamba0": t})
+    got = _kvsum_torch.object_sums(pools, torch.tensor([[4], [1]]))
+    assert got == [_kvsum_torch.kvsum64_ref(bytes(raw[b * page:(b + 1) * page].tolist())) for b in (4, 1)]
+
+
 # ------------------------------------------------------------------ the connector
 
 NUM_BLOCKS = 32

@@ -32,13 +32,19 @@ log = logging.getLogger("kvtier.vllm")
 def engine_pools(layers: list[GroupLayers], kv_caches: dict[str, Any]) -> list[list[Any]]:
     """Each group's pools in kvtier's pool order, as (num_blocks, page)
     uint8 views of vLLM's tensors: a layer's tensor, or under kv_split its
-    K half then its V half. The tensors have passed the layout check."""
+    K half then its V half, or for a Mamba layer its whole pages from the
+    first block's (the rows of its states a page apart, as the worker
+    registers them). The tensors have passed the layout check."""
     out: list[list[Any]] = []
     for gl in layers:
         pools: list[Any] = []
         for name in gl.layer_names:
             t = kv_caches[name]
-            if gl.kv_split:
+            if gl.recurrent:
+                import torch
+
+                pools.append(t.view(torch.uint8).as_strided((int(t.shape[0]), gl.page_bytes), (gl.page_bytes, 1)))
+            elif gl.kv_split:
                 pools += [_kvsum_torch.pool_pages(t[0], gl.page_bytes // 2),
                           _kvsum_torch.pool_pages(t[1], gl.page_bytes // 2)]
             else:
