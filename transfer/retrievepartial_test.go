@@ -278,3 +278,17 @@ func TestRetrievePartialFromL2AndPeerL1(t *testing.T) {
 		}
 	})
 }
+
+// BenchmarkPartialSums: the CPU pass of a partial item over an object of
+// Llama-3.1-8B's geometry at one rank (32 layers, chunks of 16 blocks of
+// 16 tokens, 64 KiB pages: 32 MiB), one block skipped; b.SetBytes is the
+// object, hashed by as many goroutines as GOMAXPROCS allows (at most 8).
+func BenchmarkPartialSums(b *testing.B) {
+	const page, layers, n = 64 << 10, 32, 16
+	src := testutil.RandomBytes(page*layers*n, 1)
+	spawn := func(f func()) bool { go f(); return true }
+	b.SetBytes(int64(len(src)))
+	for b.Loop() {
+		partialSums(src, page, layers, n, 1, spawn)
+	}
+}

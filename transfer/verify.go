@@ -50,7 +50,16 @@ func partialSums(src []byte, page uint64, layers, n, skip int, spawn func(func()
 		run := src[cut:end]
 		first := cut / 8
 		var r0 uint64
-		for j := uint64(0); len(run) >= 8; j++ {
+		j := uint64(0)
+		for ; len(run) >= 32; j += 4 {
+			w0, w1 := binary.LittleEndian.Uint64(run), binary.LittleEndian.Uint64(run[8:])
+			w2, w3 := binary.LittleEndian.Uint64(run[16:]), binary.LittleEndian.Uint64(run[24:])
+			tot += checksum.Term(first+j, w0) + checksum.Term(first+j+1, w1) +
+				checksum.Term(first+j+2, w2) + checksum.Term(first+j+3, w3)
+			r0 += checksum.Term(j, w0) + checksum.Term(j+1, w1) + checksum.Term(j+2, w2) + checksum.Term(j+3, w3)
+			run = run[32:]
+		}
+		for ; len(run) >= 8; j++ {
 			w := binary.LittleEndian.Uint64(run)
 			tot += checksum.Term(first+j, w)
 			r0 += checksum.Term(j, w)
