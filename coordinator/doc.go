@@ -82,7 +82,7 @@
 // A fence and an inventory requested before it are ordered by the index,
 // not by a coordinator lock: the rank's fence generation (durable, moved
 // by every fence, on every replica) is read before the inventory request
-// and checked when the inventory is applied (ingest.go resyncOnce,
+// and checked when the inventory is applied (resync.go resyncOnce,
 // index.ApplyInventoryAt); a resync ends with the leadership term it was
 // started in.
 package coordinator

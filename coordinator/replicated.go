@@ -243,8 +243,11 @@ func (r *replicated) applyInventory(ctx context.Context, inv wire.Inventory, gen
 	return r.n.ApplyInventoryAt(ctx, inv, gen)
 }
 
-func (r *replicated) applyInventoryStep(ctx context.Context, s index.InventoryStep) (index.InventoryOutcome, error) {
-	return r.n.ApplyInventoryStep(ctx, s)
+func (r *replicated) queueInventoryStep(ctx context.Context, s index.InventoryStep) (stepWait, error) {
+	// raft.Apply calls from several goroutines have no order, so each
+	// step is proposed and applied before the next.
+	out, err := r.n.ApplyInventoryStep(ctx, s)
+	return func() (index.InventoryOutcome, error) { return out, err }, nil
 }
 
 func (r *replicated) fenceRank(ctx context.Context, rk wire.Rank, upTo uint64) (int, error) {

@@ -34,9 +34,11 @@ type replicator interface {
 	// applyInventory applies an inventory requested under the rank's fence
 	// generation gen (index.ApplyInventoryAt).
 	applyInventory(ctx context.Context, inv wire.Inventory, gen uint64) (index.InventoryOutcome, error)
-	// applyInventoryStep applies one step of a streamed inventory
-	// (index.ApplyInventoryStep; replicated, one raft entry per step).
-	applyInventoryStep(ctx context.Context, s index.InventoryStep) (index.InventoryOutcome, error)
+	// queueInventoryStep queues one step of a streamed inventory
+	// (index.ApplyInventoryStepAsync; steps queued one after another are
+	// applied in that order) and returns what waits for its outcome.
+	// Replicated it is one raft entry per step, applied before it returns.
+	queueInventoryStep(ctx context.Context, s index.InventoryStep) (stepWait, error)
 	fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error)
 	registerNamespace(ctx context.Context, spec dcp.Spec) (*dcp.Resolved, error)
 	resetRank(ctx context.Context, r wire.Rank) (int, error)
@@ -88,8 +90,15 @@ func (s standalone) applyInventory(ctx context.Context, inv wire.Inventory, gen 
 	return s.c.idx.ApplyInventoryAt(ctx, inv, gen)
 }
 
-func (s standalone) applyInventoryStep(ctx context.Context, st index.InventoryStep) (index.InventoryOutcome, error) {
-	return s.c.idx.ApplyInventoryStep(ctx, st)
+func (s standalone) queueInventoryStep(ctx context.Context, st index.InventoryStep) (stepWait, error) {
+	p, err := s.c.idx.ApplyInventoryStepAsync(ctx, st)
+	if err != nil {
+		return nil, err
+	}
+	return func() (index.InventoryOutcome, error) {
+		res := p.Result(s.c.idx)
+		return res.Inventory, res.Err
+	}, nil
 }
 
 func (s standalone) fenceRank(ctx context.Context, r wire.Rank, upTo uint64) (int, error) {

@@ -175,6 +175,7 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 	s := &invStream{c: c, term: term, r: r, gen: gen, max: min(int64(c.cfg.MaxInventoryObjects), budget)}
 	err = bus.StreamInventory(term, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
 		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: int(s.max), Window: c.cfg.ResyncWindow}, s.page)
+	s.drain()
 	if errors.Is(err, errBeginDropped) {
 		err = nil // s.out says why
 	}
@@ -237,6 +238,7 @@ type invStream struct {
 	// recheck, up to kvInventoryChunks; kvAll when there were more.
 	kvChunks []wire.Placement
 	kvAll    bool
+	inflight []queuedPage // page steps queued, oldest first
 	out      index.InventoryOutcome
 	// done: the attempt ended for a reason a retry cannot fix.
 	done bool
@@ -245,7 +247,16 @@ type invStream struct {
 // errInventoryGone: a step of a streamed inventory found it superseded.
 var errInventoryGone = errors.New("streamed inventory superseded")
 
-// page is bus.StreamInventory's callback: it applies one page.
+// stepsInFlight is the page steps a resync keeps queued in the index at
+// once: the committer stages the next page while one commits, and the
+// coordinator holds at most these pages besides the fetch window's.
+const stepsInFlight = 2
+
+// stepWait waits for a queued step's outcome (replicator.queueInventoryStep).
+type stepWait func() (index.InventoryOutcome, error)
+
+// page is bus.StreamInventory's callback: it queues one page's step, and
+// after the last page waits for them all and applies End.
 func (s *invStream) page(p *wire.InventoryPage) error {
 	c := s.c
 	if p.Page == 0 {
@@ -256,35 +267,35 @@ func (s *invStream) page(p *wire.InventoryPage) error {
 	if c.testInvStep != nil {
 		c.testInvStep(len(p.Objects))
 	}
-	out, err := c.repl.applyInventoryStep(s.term, index.InventoryStep{Kind: index.StepPage, Rank: p.Rank,
+	w, err := c.repl.queueInventoryStep(s.term, index.InventoryStep{Kind: index.StepPage, Rank: p.Rank,
 		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Objects: p.Objects})
 	if err != nil {
-		s.done = errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader)
-		return rankMalformed(err)
+		return s.failed(err)
 	}
-	if out.Reason != "" {
-		// A fence or reset of the rank since Begin: the rank's next
-		// batch or rejoin asks again.
-		s.done = true
-		return fmt.Errorf("inventory of %s page %d of %d dropped (%s): %w", s.r, p.Page, p.Pages, out.Reason, errInventoryGone)
-	}
-	s.pages++
-	s.objects += len(p.Objects)
-	if !s.kvAll && s.c.kv != nil {
+	s.inflight = append(s.inflight, queuedPage{w, p.Page, p.Pages})
+	if s.c.kv != nil && !s.kvAll {
 		if len(s.kvChunks)+len(p.Objects) > kvInventoryChunks {
 			s.kvAll, s.kvChunks = true, nil
 		} else {
 			s.kvChunks = append(s.kvChunks, p.Objects...)
 		}
 	}
+	for len(s.inflight) > stepsInFlight || (p.Page == p.Pages-1 && len(s.inflight) > 0) {
+		if err := s.settle(); err != nil {
+			return err
+		}
+	}
 	if p.Page < p.Pages-1 {
 		return nil
 	}
-	out, err = c.repl.applyInventoryStep(s.term, index.InventoryStep{Kind: index.StepEnd, Rank: p.Rank,
+	w, err = c.repl.queueInventoryStep(s.term, index.InventoryStep{Kind: index.StepEnd, Rank: p.Rank,
 		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Placements: s.objects})
 	if err != nil {
-		s.done = errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader)
-		return err
+		return s.failed(err)
+	}
+	out, err := w()
+	if err != nil {
+		return s.failed(err)
 	}
 	if out.Reason != "" {
 		s.done = true
@@ -292,6 +303,44 @@ func (s *invStream) page(p *wire.InventoryPage) error {
 	}
 	s.ended, s.out = true, out
 	return nil
+}
+
+// queuedPage is a page step queued in the index.
+type queuedPage struct {
+	wait        stepWait
+	page, pages int
+}
+
+// settle waits for the oldest queued page step.
+func (s *invStream) settle() error {
+	q := s.inflight[0]
+	s.inflight = s.inflight[1:]
+	out, err := q.wait()
+	if err != nil {
+		return s.failed(err)
+	}
+	if out.Reason != "" {
+		// A fence or reset of the rank since Begin: the rank's next
+		// batch or rejoin asks again.
+		s.done = true
+		return fmt.Errorf("inventory of %s page %d of %d dropped (%s): %w", s.r, q.page, q.pages, out.Reason, errInventoryGone)
+	}
+	s.pages++
+	s.objects += out.Placements
+	return nil
+}
+
+// drain waits for the page steps still queued when the stream stopped.
+func (s *invStream) drain() {
+	for len(s.inflight) > 0 {
+		_ = s.settle()
+	}
+}
+
+// failed notes an index error of a step: done when a retry cannot help.
+func (s *invStream) failed(err error) error {
+	s.done = s.done || errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader)
+	return rankMalformed(err)
 }
 
 // begin checks page 0's header and applies the Begin step. A dropped
@@ -329,11 +378,16 @@ func (s *invStream) begin(p *wire.InventoryPage) error {
 	}
 	s.inc, s.seq = p.Incarnation, p.Seq
 	s.prev, s.known = c.rankIncarnation(r)
-	out, err := c.repl.applyInventoryStep(s.term, index.InventoryStep{Kind: index.StepBegin, Rank: r,
+	w, err := c.repl.queueInventoryStep(s.term, index.InventoryStep{Kind: index.StepBegin, Rank: r,
 		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Checked: true})
 	if err != nil {
-		s.done = errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader)
-		return rankMalformed(err)
+		return s.failed(err)
+	}
+	// Waited for: a page finding Begin's sliced drop running would
+	// finish it in one piece.
+	out, err := w()
+	if err != nil {
+		return s.failed(err)
 	}
 	if out.Reason != "" {
 		s.out = out

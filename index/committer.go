@@ -281,7 +281,7 @@ func (ix *Index) staging() *txn {
 	ix.cur, ix.curIdx, ix.curN, ix.curStart = ix.txns[i], i, 0, time.Now()
 	ix.cur.invLive = ix.invLive
 	if len(ix.fences) > 0 && ix.failed == nil {
-		ix.fenceSlice(ix.cur, ix.fences[0], ix.cfg.FenceSliceChunks)
+		ix.fenceSlice(ix.cur, ix.fences[0], ix.fences[0].slice(&ix.cfg))
 	}
 	if len(ix.invs) > 0 && ix.failed == nil {
 		ix.invSlice(ix.cur, ix.invs[0], ix.cfg.InventorySlice)

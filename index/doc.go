@@ -10,7 +10,7 @@
 // # Driving it
 //
 // Any number of goroutines may call Apply, ApplyAsync, ApplyInventory,
-// ApplyInventoryAt, FenceRank and RegisterNamespace. Each call is a request to one committer
+// ApplyInventoryAt, ApplyInventoryStep, FenceRank and RegisterNamespace. Each call is a request to one committer
 // goroutine, which merges the requests waiting for it into one bbolt
 // transaction (group commit, Config.MaxGroupEvents and MaxGroupDelay). A
 // writer goroutine commits it (fsync) while the committer already stages
@@ -69,7 +69,8 @@
 // (STYLE 24). A large fence, inventory or reset is applied in slices between
 // other ranks' group commits (fence.go, inventory.go, reset.go), hidden from
 // queries until it is whole: a rank being resynced or reset shows none of
-// its placements meanwhile.
+// its placements meanwhile. A streamed inventory (stream.go) arrives as
+// steps, a page each, so its caller never holds it whole.
 //
 // # bbolt layout
 //

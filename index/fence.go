@@ -91,6 +91,16 @@ func (ix *Index) startFence(t *txn, r *request) bool {
 	return true
 }
 
+// slice is the chunks j drops per group commit: a streamed inventory's
+// Begin works as much as a sliced inventory does (InventorySlice), a fence
+// or reset FenceSliceChunks.
+func (j *fenceJob) slice(cfg *Config) int {
+	if j.stream {
+		return cfg.InventorySlice
+	}
+	return cfg.FenceSliceChunks
+}
+
 func (ix *Index) fenceOf(id uint32) *fenceJob {
 	for _, j := range ix.fences {
 		if j.id == id {

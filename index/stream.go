@@ -18,7 +18,7 @@ import (
 //   - Begin carries the inventory's header (rank, incarnation, sequence,
 //     the fence generation it was requested under) and gets the C7
 //     verdict of ApplyInventoryAt. If it is applied, Begin drops every
-//     placement of the rank (in FenceSliceChunks slices, as a sliced
+//     placement of the rank (in InventorySlice slices, as a sliced
 //     reset does, when the rank holds many chunks; Begin returns after
 //     the last one), stages the rank's meta as the inventory's
 //     (incarnation, sequence, the fence generation kept) with the durable
@@ -106,6 +106,24 @@ func (ix *Index) ApplyInventoryStep(ctx context.Context, s InventoryStep) (Inven
 	r := &request{kind: reqInvStep, step: &s, n: len(s.Objects) + 1}
 	err := ix.submit(ctx, r)
 	return r.invOut, err
+}
+
+// ApplyInventoryStepAsync queues a step like ApplyInventoryStep but
+// returns as soon as it is queued, so a caller can stage the next page
+// while one commits: steps queued by successive calls are applied in that
+// order. Pending.Result gives the outcome (Result.Inventory, Result.Err).
+// The step's objects must not be modified until then. A caller waits for
+// Begin before queueing the first page: a page finds Begin's sliced drop
+// still running and would finish it in one piece.
+func (ix *Index) ApplyInventoryStepAsync(ctx context.Context, s InventoryStep) (*Pending, error) {
+	if err := validateStep(&s); err != nil {
+		return nil, err
+	}
+	r := &request{kind: reqInvStep, step: &s, n: len(s.Objects) + 1}
+	if err := ix.enqueue(ctx, r); err != nil {
+		return nil, err
+	}
+	return &Pending{r: r}, nil
 }
 
 // ValidateInventoryStep checks a step as ApplyInventoryStep does (a
@@ -203,7 +221,7 @@ func (ix *Index) beginStream(t *txn, r *request) bool {
 	r.invOut = InventoryOutcome{Incarnation: s.Incarnation, LastSeq: s.Seq, FenceGen: m.fenceGen}
 	if known && int(id) < len(ix.st.ranks) && ix.fenceOf(id) == nil {
 		rs := ix.st.ranks[id]
-		if rs.chunks.len() > ix.cfg.FenceSliceChunks && !rs.fencing && t.mayHold(id, 0) {
+		if rs.chunks.len() > ix.cfg.InventorySlice && !rs.fencing && t.mayHold(id, 0) {
 			// A sliced drop (fence.go): a reset's, which keeps the
 			// rank hidden at its end since the rank is partial
 			// (publishUnhide), and counts old L1 copies as fenced.
@@ -212,7 +230,7 @@ func (ix *Index) beginStream(t *txn, r *request) bool {
 			ix.fencing++
 			rs.fencing = true
 			ix.fences = append(ix.fences, j)
-			ix.fenceSlice(t, j, ix.cfg.FenceSliceChunks)
+			ix.fenceSlice(t, j, j.slice(&ix.cfg))
 			return true
 		}
 	}

@@ -70,7 +70,7 @@ func TestStreamedInventoryExact(t *testing.T) {
 	}{{"sliced", 4}, {"one_piece", 1000}} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
-			f := newSlicedFence(t, dir, func(c *index.Config) { c.FenceSliceChunks = tc.slice })
+			f := newSlicedFence(t, dir, func(c *index.Config) { c.InventorySlice = tc.slice })
 			r0, r1 := wire.Rank{Instance: "a", TPRank: 0}, wire.Rank{Instance: "a", TPRank: 1}
 			other := placementsOf(t, f.ix.Index, r1)
 			commits := f.commits.Load()
@@ -220,7 +220,7 @@ func TestStreamedInventoryReplicated(t *testing.T) {
 		step(index.StepPage, page2, 0), step(index.StepEnd, nil, 20))
 	const mid = 3 // entries before the snapshot: the fill, Begin, page 1
 
-	a := openTest(t, "", func(c *index.Config) { c.FenceSliceChunks = 4 })
+	a := openTest(t, "", func(c *index.Config) { c.InventorySlice = 4 })
 	b := openTest(t, "", nil)
 	for _, ix := range []*index.Index{a.Index, b.Index} {
 		for i, res := range applyOps(t, ix, ops[:mid], 1) {

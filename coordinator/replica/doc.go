@@ -17,7 +17,7 @@
 //
 // Every request that mutates the index is a raft log entry, and nothing
 // else writes it: event batches (the wire.Batch binary encoding), rank
-// inventories (resyncs), fences (memberlist deaths and leaves, new
+// inventories (resyncs: one entry per page, index.InventoryStep), fences (memberlist deaths and leaves, new
 // incarnations' old L1 copies are fenced by the batch itself, the startup
 // and leader sweeps), namespace registrations and operator rank resets.
 // Restore state (plans, reports, verdicts) is not: it lives on the leader
