@@ -49,9 +49,21 @@ const MaxRequestBytes = 8 << 20
 // as wire.RetrieveRequest's MarshalBinary), not encoded as JSON.
 type Raw []byte
 
-// Call sends req as JSON (a Raw as it is) to subject and decodes the
-// wire.Reply. A reply with an error comes back as a *wire.Error.
+// Headed is a request body sent with NATS headers (wire.HeaderDeadline):
+// Call sends Body as it would send it alone, with Header.
+type Headed struct {
+	Header nats.Header
+	Body   any
+}
+
+// Call sends req as JSON (a Raw as it is; a Headed's body with its
+// headers) to subject and decodes the wire.Reply. A reply with an error
+// comes back as a *wire.Error.
 func Call[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any) (*Resp, error) {
+	var hdr nats.Header
+	if h, ok := req.(Headed); ok {
+		hdr, req = h.Header, h.Body
+	}
 	var data []byte
 	if raw, ok := req.(Raw); ok {
 		data = raw
@@ -61,7 +73,13 @@ func Call[Resp any](ctx context.Context, nc *nats.Conn, subject string, req any)
 			return nil, fmt.Errorf("encode request for %s: %w", subject, err)
 		}
 	}
-	msg, err := nc.RequestWithContext(ctx, subject, data)
+	var msg *nats.Msg
+	var err error
+	if hdr != nil {
+		msg, err = nc.RequestMsgWithContext(ctx, &nats.Msg{Subject: subject, Header: hdr, Data: data})
+	} else {
+		msg, err = nc.RequestWithContext(ctx, subject, data)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("request %s: %w", subject, err)
 	}

@@ -52,6 +52,17 @@ func (w *worker) body(req interface{ MarshalBinary() ([]byte, error) }) (any, er
 	return bus.Raw(b), nil
 }
 
+// withDeadline sends body with ctx's deadline, the request's bound, as the
+// engine's (wire.HeaderDeadline): the engine holds the blocks until the
+// store answers, so the rankd must not keep it waiting past it on L1 room.
+func withDeadline(ctx context.Context, body any) any {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return body
+	}
+	return bus.Headed{Header: nats.Header{wire.HeaderDeadline: []string{wire.FormatDeadline(dl)}}, Body: body}
+}
+
 func openWorker(t int, instance string, plan *Plan, spec string, hostCfg cuda.HostConfig, nc *nats.Conn,
 	subj wire.Subjects, logf func(string, ...any)) (*worker, error) {
 	dev, err := cuda.Open(spec, hostCfg)
@@ -290,7 +301,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 				return
 			}
 			defer freed.Unsubscribe()
-			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), body, w.resend)
+			rep, err := bus.CallRetry[wire.StoreReply](ctx, w.nc, w.subj.Engine(w.rank, "store"), withDeadline(ctx, body), w.resend)
 			r := storeResult{chunk: c, err: sessionErr(w, "store", err)}
 			if err == nil {
 				r.stored, r.deduped = rep.Stored, rep.Deduped
