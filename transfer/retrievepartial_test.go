@@ -2,14 +2,33 @@ package transfer
 
 import (
 	"errors"
+	"os"
 	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/checksum"
+	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
+
+// partialDevice is the host backend, or CUDA device 0 with
+// KVTIER_TEST_CUDA=1 (on a GPU machine: .gpu/transfer.test from make
+// gpu-build), so the partial scatter and its read-back run through the
+// driver backend too.
+func partialDevice(t *testing.T) cuda.Device {
+	t.Helper()
+	if os.Getenv("KVTIER_TEST_CUDA") != "1" {
+		return openDevice(t, "")
+	}
+	dev, err := cuda.OpenCUDA(0)
+	if err != nil {
+		t.Fatalf("KVTIER_TEST_CUDA=1: %v", err)
+	}
+	t.Cleanup(func() { _ = dev.Close() })
+	return dev
+}
 
 // partialSpec: chunks of 4 blocks of 16 tokens, two groups of 2 and 1
 // layers (pages of 1 KiB and 640 B, the second with padding).
@@ -62,7 +81,7 @@ func l1Bytes(e *Engine, key dcp.Key) []byte {
 // whole object's recorded sum. A whole chunk in the same request is
 // placed as usual.
 func TestRetrievePartialPlacesOnlyLaterBlocks(t *testing.T) {
-	dev := openDevice(t, "")
+	dev := partialDevice(t)
 	r := newRig(t, dev, partialSpec(), []int64{24, 24})
 	e := newEngine(t, engineConfig(t, dev, 0, 1))
 	r.register(e)
@@ -105,7 +124,7 @@ func TestRetrievePartialBadSourceWritesNothing(t *testing.T) {
 		page int // page of layer 0 of group 0 whose first byte flips
 	}{{"skipped page", 0}, {"placed page", 2}} {
 		t.Run(c.name, func(t *testing.T) {
-			dev := openDevice(t, "")
+			dev := partialDevice(t)
 			r := newRig(t, dev, partialSpec(), []int64{24, 24})
 			e := newEngine(t, engineConfig(t, dev, 0, 1))
 			r.register(e)
@@ -137,7 +156,7 @@ func TestRetrievePartialBadSourceWritesNothing(t *testing.T) {
 // the check and the scatter: what a fault of the copy looks like) fails
 // the item by the scatter's read-back; the skipped pages stay untouched.
 func TestRetrievePartialReadBackMismatchFails(t *testing.T) {
-	dev := openDevice(t, "")
+	dev := partialDevice(t)
 	r := newRig(t, dev, partialSpec(), []int64{24, 24})
 	e := newEngine(t, engineConfig(t, dev, 0, 1))
 	r.register(e)
