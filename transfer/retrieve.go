@@ -28,10 +28,10 @@ type RetrieveRequest struct {
 	// Items are the objects to place: Key is this rank's ReadShard of
 	// Group for the chunk; Blocks are BlocksPerChunk(Group) target block
 	// ids, less Skip (the chunk's first blocks, which the engine holds:
-	// retrievepartial.go); Sum, when not 0, is the checksum the coordinator recorded at
-	// store time and the object must match it; Source is a hint (the
-	// engine always looks in L1 first, then in the shared L2, whichever
-	// rank wrote it, then in L3).
+	// retrievepartial.go); Sum, when not 0, is the checksum the
+	// coordinator recorded at store time and the object must match it;
+	// Source is a hint (the engine always looks in L1 first, then in the
+	// shared L2, whichever rank wrote it, then in L3).
 	Items []wire.RetrieveItem
 	// Caller is the engine identity that sent the request (as
 	// StoreRequest.Caller): it must own the session, checked under the
