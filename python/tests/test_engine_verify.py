@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import time
 
 import pytest
 
@@ -150,10 +151,10 @@ NUM_BLOCKS = 32
 BLOCK_IDS = [3, 9, 14, 5, 20, 7]  # the request's blocks; the plan covers request chunks 1..3
 
 
-def verify_worker(torch, world, layout: str, verify: bool):
+def verify_worker(torch, world, layout: str, verify: bool, kv_cfg=None, **more):
     """A worker over fakes whose pools are real CPU tensors of random
     bytes (the engine's KV), one 16-token block per chunk."""
-    kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS)
+    kv_cfg = kv_cfg or fakes.attention_config(num_blocks=NUM_BLOCKS)
 
     class Conn(KvtierConnector):
         def _make_client(self):
@@ -169,11 +170,11 @@ def verify_worker(torch, world, layout: str, verify: bool):
 
     extra = {"kvtier_device": "host", "kvtier_creds_dir": "/etc/kvtier/creds", "kvtier_load_async": False,
              "kvtier_attach_wait_s": 0, "kvtier_chunk_tokens": 16, "kvtier_pool_layout": layout,
-             "kvtier_verify_on_engine": verify}
+             "kvtier_verify_on_engine": verify, **more}
     w = Conn(fakes.vllm_config(1, **extra), KVConnectorRole.WORKER, kv_cfg)
     gen = torch.Generator().manual_seed(7)
     caches = {}
-    for name in kv_cfg.kv_cache_groups[0].layer_names:
+    for name in [n for g in kv_cfg.kv_cache_groups for n in g.layer_names]:
         shape = (NUM_BLOCKS, 2, 16, 2, 8) if layout == "block_major" else (2, NUM_BLOCKS, 16, 2, 8)
         t = torch.empty(shape, dtype=torch.bfloat16)
         u8 = t.view(-1).view(torch.uint8)
@@ -280,3 +281,36 @@ def test_option_parses_and_defaults_off():
     assert Config.of(fakes.vllm_config(kvtier_creds_dir="/c", kvtier_verify_on_engine="true")).verify_on_engine
     with pytest.raises(ValueError, match="not a boolean"):
         Config.of(fakes.vllm_config(kvtier_creds_dir="/c", kvtier_verify_on_engine="maybe"))
+
+
+def test_lying_rankd_with_several_groups_fails_the_request():
+    """With two KV cache groups a failed chunk fails the whole request
+    (failed_recving, vLLM recomputes it), as a failed verdict does: here
+    the rankd reported group 1's page of the plan's last chunk placed, and
+    it differs."""
+    torch = pytest.importorskip("torch")
+    spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=fakes.BF16)
+    kv_cfg = fakes.KVCacheConfig(NUM_BLOCKS, [], [fakes.KVCacheGroupSpec(["a0", "a1"], spec),
+                                                  fakes.KVCacheGroupSpec(["b0"], spec)])
+    world = fakes.FakeWorld()
+    w, caches = verify_worker(torch, world, "block_major", True, kv_cfg, kvtier_load_async=True)
+    ids = [list(BLOCK_IDS), [b + 1 for b in BLOCK_IDS]]
+    layers = [["a0", "a1"], ["b0"]]
+    items = [wire.RetrieveItem(
+        chunk=c, group=g, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16), 0, g),
+        sum=recorded_sum(torch, {n: caches[n] for n in layers[g]}, "block_major", ids[g][1 + c]),
+        source=wire.Source(wire.Rank("engine0", 0), wire.Tier.L1)) for c in range(3) for g in range(2)]
+    raw = _codec.dumps([_codec.to_obj(i) for i in items])
+    load = LoadSpec("r1", "r-1", 1, 3, 3, {"engine0/0": raw}, ids, async_load=True)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    caches["b0"][ids[1][3]].reshape(-1).view(torch.uint8)[0] ^= 1  # the rankd "placed" a wrong byte
+    w.bind_connector_metadata(KvtierConnectorMetadata([load], []))
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    deadline = time.monotonic() + 5
+    while not w._loading["r1"].fut.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    res = w.get_transfer_results(set())
+    assert res.finished_recving == {"r1"} and res.failed_recving == {"r1"}
+    assert w.stats["engine_verify_failures"] == 1 and w.stats["loaded_tokens"] == 0
+    assert w.recent_loads[-1]["problem"].startswith("engine verify: chunk 2 group 1")
