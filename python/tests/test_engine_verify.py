@@ -4,8 +4,8 @@ computed from vLLM's KV tensors against Go's vectors and Go's packing
 chunks a lying rankd reported placed.
 
 The reference (plain Python) tests run everywhere; the torch ones need
-torch, which the plain test venv does not have: run them with
-``.venv-vllm/bin/pytest tests/test_engine_verify.py``."""
+torch, which the plain test venv does not have: ``make test-vllm`` runs
+them in the vLLM venv (``.venv-vllm/bin/pytest tests/test_engine_verify.py``)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ fails closed on layouts it does not understand.
 
 The class is put together from parts: kvtier.vllm._core (the state both
 sides share and the link), kvtier.vllm._scheduler (the scheduler side),
-kvtier.vllm._worker (the worker side), kvtier.vllm._state (the step's
+kvtier.vllm._worker (the worker side, with kvtier.vllm._verify for
+kvtier_verify_on_engine), kvtier.vllm._state (the step's
 metadata and the per-request bookkeeping) and kvtier.vllm._base (vLLM's
 base classes, or stand-ins without vLLM). This module keeps the settings
 (Config), construction, the stats hooks and shutdown, and exports the
