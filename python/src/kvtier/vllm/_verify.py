@@ -85,7 +85,8 @@ def verify_load(conn: _WorkerSide, load: LoadSpec, res: _LoadResult) -> _LoadRes
         return res
     try:
         items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
-        bad = mismatches(conn, load, [it for it in items if it.chunk < res.loaded])
+        upto = min(res.loaded, load.chunks)  # what vLLM is told is loaded
+        bad = mismatches(conn, load, [it for it in items if it.chunk < upto])
     except Exception as e:  # fail closed: nothing unchecked is reported loaded
         conn.stats["engine_verify_failures"] += res.loaded
         log.warning("kvtier restore %s for %s: engine-side verification failed, recomputing: %s",
