@@ -113,12 +113,13 @@ def golden_caches(torch):
     return caches
 
 
-@pytest.mark.parametrize("max_batch_bytes", [1 << 20, 1])
+@pytest.mark.parametrize("max_batch_bytes", [1 << 20, 1024, 1])
 def test_torch_packing_from_vllm_tensors_matches_go(max_batch_bytes):
     """The connector's view of vLLM's tensors (engine_pools) and the torch
     sums reproduce the rankd's packed objects' sums: the aligned path (64 B
     K/V halves) and the gathered one (100 B MLA pages), several objects in
-    one batch and one per batch."""
+    one batch, two pools' pages of two objects per batch, and one pool's
+    pages of one object per batch."""
     torch = pytest.importorskip("torch")
     _, layers = golden_spec()
     pools = engine_pools(layers, golden_caches(torch))

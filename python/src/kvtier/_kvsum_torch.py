@@ -161,10 +161,13 @@ def object_sums(pools: Sequence[Any], blocks: Any, max_batch_bytes: int = 256 <<
     """kvsum64 of the objects of one group: pools are the group's layers in
     pool order, each a (num_blocks, page_bytes) uint8 view (pool_pages);
     blocks is an int64 tensor (objects, blocks per object) of block ids on
-    the pools' device. Returns each object's digest. The objects are
-    gathered and summed in batches of at most max_batch_bytes (at least one
-    object), so the engine's device lends at most about twice that for the
-    duration (the gathered words and one temporary of their size)."""
+    the pools' device. Returns each object's digest. The pages are
+    gathered and hashed in batches of at most max_batch_bytes (at least one
+    pool's pages of one object), so the engine's device lends at most about
+    twice that for the duration (the gathered words and one temporary of
+    their size). With whole-word pages a batch holds whole pools of as many
+    objects as fit, so each pool is gathered once per call whatever the
+    batch (a gather per pool is most of the cost of a small call)."""
     if blocks.dim() != 2 or not pools:
         raise ValueError(f"blocks of shape {tuple(blocks.shape)} and {len(pools)} pools: "
                          "want (objects, blocks) and at least one pool")
@@ -173,32 +176,41 @@ def object_sums(pools: Sequence[Any], blocks: Any, max_batch_bytes: int = 256 <<
     if any(int(p.shape[1]) != page for p in pools):
         raise ValueError("pools of different page sizes in one group")
     size = len(pools) * nb * page
-    per = max(1, max_batch_bytes // max(1, size))
+    aligned = page % 8 == 0 and all(p.data_ptr() % 8 == 0 for p in pools)
+    per = max(1, max_batch_bytes // max(1, nb * page if aligned else size))
     out: list[int] = []
     for lo in range(0, n, per):
         part = blocks[lo:lo + per]
-        aligned = page % 8 == 0 and all(p.data_ptr() % 8 == 0 for p in pools)
-        partial = _partials_aligned(pools, part, page) if aligned else _partials_gathered(pools, part, page)
+        partial = (_partials_aligned(pools, part, page, max_batch_bytes) if aligned
+                   else _partials_gathered(pools, part, page))
         out += _finish_all(partial, size)
     return out
 
 
-def _partials_aligned(pools: Sequence[Any], blocks: Any, page: int) -> Any:
-    """Partial sums when every page is whole words: every pool's pages are
-    gathered as words into one buffer (one copy per pool) and hashed in one
-    pass with their word indices in the object."""
+def _partials_aligned(pools: Sequence[Any], blocks: Any, page: int, max_batch_bytes: int) -> Any:
+    """Partial sums when every page is whole words: the pages of as many
+    pools as fit in max_batch_bytes are gathered as words into one buffer
+    (one copy per pool) and hashed in one pass with their word indices in
+    the object."""
     import torch
 
     n, nb = int(blocks.shape[0]), int(blocks.shape[1])
     w = page // 8
     flat = blocks.reshape(-1)
     dev = flat.device
-    buf = torch.empty((len(pools), n * nb, w), dtype=torch.int64, device=dev)
-    for p, pool in enumerate(pools):
-        torch.index_select(pool.view(torch.int64), 0, flat, out=buf[p])
-    # buf[p, i*nb + k, j] is word (p*nb + k)*w + j of object i.
-    key = torch.arange(len(pools) * nb * w, dtype=torch.int64, device=dev) * _signed(K1) + _signed(K2)
-    return _hash_sum(buf.view(len(pools), n, nb * w), key.view(len(pools), 1, nb * w))
+    group = max(1, min(len(pools), max_batch_bytes // (n * nb * page)))
+    buf = torch.empty((group, n * nb, w), dtype=torch.int64, device=dev)
+    # Word (p*nb + k)*w + j of an object is page k's word j in pool p.
+    key = (torch.arange(len(pools) * nb * w, dtype=torch.int64, device=dev) * _signed(K1) + _signed(K2)).view(
+        len(pools), 1, nb * w)
+    partial = torch.zeros(n, dtype=torch.int64, device=dev)
+    for lo in range(0, len(pools), group):
+        hi = min(lo + group, len(pools))
+        for p in range(lo, hi):
+            torch.index_select(pools[p].view(torch.int64), 0, flat, out=buf[p - lo])
+        # buf[p - lo, i*nb + k, j] is page k's word j in pool p of object i.
+        partial += _hash_sum(buf[:hi - lo].view(hi - lo, n, nb * w), key[lo:hi])
+    return partial
 
 
 def _partials_gathered(pools: Sequence[Any], blocks: Any, page: int) -> Any:
