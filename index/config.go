@@ -99,6 +99,13 @@ type Config struct {
 	// --l3-shared-with; docs/sharing.md). Default false: a member's L3
 	// copies serve its own instance only.
 	SharedL3 bool
+	// SharedL1 makes LookupSharedInto, with HostSharedL1, use the L1
+	// copies of the reader's share-group members too, after the L1 copies
+	// of the reader's own instance and before any L2 copy, under the same
+	// fence rule: set it when every member's rankds share the host and
+	// the host L1 directory and read each other's segments (rankd
+	// --host-l1-shared-with). Default false. Ignored without HostSharedL1.
+	SharedL1 bool
 
 	// OpenTimeout bounds the wait for bbolt's file lock at Open (another
 	// process holding the file). Default 5 s.

@@ -145,9 +145,11 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 // reader instance's own L2 copies and before its L3 copies. With
 // Config.SharedL3 their L3 copies are usable too, last of all (after the
 // reader instance's own L3 copies): its rankds read the members' bucket
-// prefixes (rankd --l3-shared-with). Another instance's L1 copies are
-// never usable: a rankd maps only its own instance's host-shared L1
-// segments. The namespace
+// prefixes (rankd --l3-shared-with). With Config.SharedL1 (and
+// HostSharedL1) their L1 copies are usable after the L1 copies of the
+// reader's own instance and before any L2 copy, under the same fence
+// rule: its rankds map the members' host-shared L1 segments (rankd
+// --host-l1-shared-with). The namespace
 // still decides everything else (C4): a member storing under another
 // layout stores under another namespace. At most MaxShared instances;
 // names the index does not know, and instance itself, are ignored.
@@ -217,7 +219,7 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 		res.Sources = make([]Source, 0, len(chunks)*ne)
 	}
 	if members != nil {
-		v.lookupShared(res, nv, chunks, readers, inst, members, ix.cfg.SharedL3, ranks, best, score)
+		v.lookupShared(res, nv, chunks, readers, inst, members, ix.cfg.SharedL1 && ranks != nil, ix.cfg.SharedL3, ranks, best, score)
 		return nil
 	}
 	// Chunks go in windows: first the map lookups of a window and a load
@@ -262,7 +264,7 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 // the lookups of instances in no group (the hot path) keep their loop as
 // it was.
 func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.ChunkHash, readers []reader, inst uint32,
-	members []uint32, l3 bool, ranks []rankView, best, score []int32) {
+	members []uint32, l1, l3 bool, ranks []rankView, best, score []int32) {
 	pl, ne := nv.plan, len(readers)
 	const window = 16
 	var ss [window][]placement
@@ -275,7 +277,7 @@ func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.Chu
 			if v.hiding > 0 {
 				s = v.visible(s, &vis)
 			}
-			if !pl.pickShared(s, readers, inst, members, l3, ranks, best, score) {
+			if !pl.pickShared(s, readers, inst, members, l1, l3, ranks, best, score) {
 				return
 			}
 			for j := range ne {
@@ -400,8 +402,11 @@ func (pl *lookupPlan) pick(s []placement, readers []reader, inst uint32, ranks [
 // are members (their ids, non-nil): an L2 copy of a member (sharedCopy)
 // ranks after another rank's L2 of the reader's instance and before an
 // L3 copy of it; with l3, an L3 copy of a member ranks last, after the
-// reader instance's own L3 copies.
-func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, members []uint32, l3 bool, ranks []rankView, best, score []int32) bool {
+// reader instance's own L3 copies; with l1 (and ranks), an L1 copy of a
+// member whose holder's fence state allows it ranks after the L1 copies
+// of the reader's instance and before its own L2.
+func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, members []uint32, l1, l3 bool, ranks []rankView,
+	best, score []int32) bool {
 	if len(s) == 0 {
 		return false
 	}
@@ -419,7 +424,7 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
 			} else if sc == 0 {
-				sc = p.sharedCopy(members, l3)
+				sc = p.sharedCopy(members, l1, l3, ranks)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -431,7 +436,7 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 			if sc == scorePeerL1 && !p.peerL1(ranks) {
 				sc = 0
 			} else if sc == 0 {
-				sc = p.sharedCopy(members, l3)
+				sc = p.sharedCopy(members, l1, l3, ranks)
 			}
 			if sc > score[j] || (sc == score[j] && sc != 0 && p.tp < s[best[j]].tp) {
 				score[j], best[j] = sc, int32(k)
@@ -449,8 +454,9 @@ func (pl *lookupPlan) pickShared(s []placement, readers []reader, inst uint32, m
 // Scores of a copy for one reader (placement.score, sharedCopy), best
 // first; 0 is unusable.
 const (
-	scoreOwnL1    = 7 // the reader's own L1 (not of an older incarnation)
-	scorePeerL1   = 6 // another rank's L1 of the same instance: pick asks peerL1
+	scoreOwnL1    = 8 // the reader's own L1 (not of an older incarnation)
+	scorePeerL1   = 7 // another rank's L1 of the same instance: pick asks peerL1
+	scoreSharedL1 = 6 // with Config.SharedL1, an L1 copy of another instance of the share group
 	scoreOwnL2    = 5 // the reader's own L2
 	scoreL2       = 4 // another rank's L2 of the same instance
 	scoreSharedL2 = 3 // an L2 copy of another instance of the share group
@@ -498,15 +504,20 @@ func (p *placement) score(r *reader, inst uint32) int32 {
 // by a rank of one of members (the reader's share group): scoreSharedL2
 // for an L2 copy (their rankds write the L2 directory the reader's rankds
 // read), scoreSharedL3 for an L3 copy when l3 (Config.SharedL3: the
-// reader's rankds read the members' bucket prefixes), else 0. Out of
-// score so that score stays inlined in pick's loop.
-func (p *placement) sharedCopy(members []uint32, l3 bool) int32 {
+// reader's rankds read the members' bucket prefixes), scoreSharedL1 for
+// an L1 copy when l1 (Config.SharedL1: the reader's rankds map the
+// members' host-shared L1 segments) and its holder's fence state in
+// ranks allows it (peerL1), else 0. Out of score so that score stays
+// inlined in pick's loop.
+func (p *placement) sharedCopy(members []uint32, l1, l3 bool, ranks []rankView) int32 {
 	var sc int32
 	switch {
 	case p.tier == wire.L2:
 		sc = scoreSharedL2
 	case p.tier == wire.L3 && l3:
 		sc = scoreSharedL3
+	case p.tier == wire.L1 && l1 && p.peerL1(ranks):
+		sc = scoreSharedL1
 	default:
 		return 0
 	}
@@ -519,7 +530,8 @@ func (p *placement) sharedCopy(members []uint32, l3 bool) int32 {
 }
 
 // peerL1 reports whether p, another rank's L1 copy of the reader's
-// instance (scorePeerL1), is usable: only with HostSharedL1 (ranks non-nil),
+// instance (scorePeerL1) or of a share-group member (scoreSharedL1), is
+// usable: only with HostSharedL1 (ranks non-nil),
 // and only when its holder's fence state in the lookup view allows it.
 // Out of score so that score stays inlined in pick's loop.
 func (p *placement) peerL1(ranks []rankView) bool {

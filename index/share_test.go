@@ -166,3 +166,65 @@ func TestLookupSharedL3(t *testing.T) {
 		mustVerify(t, ix.Index)
 	}
 }
+
+// TestLookupSharedL1 (issue 26.1): with HostSharedL1 and SharedL1, a
+// reader of e2 sharing with e1 may read e1's L1 copies after the L1
+// copies of its own instance and before any L2 copy (its own included);
+// a fence of the holder removes them (its L2 copies stay); without
+// SharedL1 they are never planned. Seen failing first with sharedCopy
+// ignoring l1 (chunk 1 read from e2's L2).
+func TestLookupSharedL1(t *testing.T) {
+	for _, on := range []bool{false, true} {
+		ix := openTest(t, "", func(c *index.Config) { c.HostSharedL1, c.SharedL1 = true, on })
+		w, _ := newWorld(t, ix.Index, mlaSpec(4, 1))
+		for c := range 4 {
+			w.store(rk("e1", 0), wire.L1, c, 0, 0)
+		}
+		w.store(rk("e1", 0), wire.L2, 0, 0, 0)
+		w.store(rk("e1", 0), wire.L2, 3, 0, 0)
+		w.store(rk("e2", 1), wire.L2, 1, 0, 0) // e2's own L2 of chunk 1
+		w.store(rk("e2", 2), wire.L1, 2, 0, 0) // e2's own L1 of chunk 2
+		look := func(what string, want func(i int) (wire.Rank, wire.Tier)) {
+			t.Helper()
+			var got index.LookupResult
+			if err := ix.LookupSharedInto(&got, "e2", []string{"e1"}, w.ns, chunks(4)); err != nil {
+				t.Fatal(err)
+			}
+			if got.Prefix != 4 {
+				t.Fatalf("SharedL1 %v, %s: prefix %d, want 4", on, what, got.Prefix)
+			}
+			for i := range 4 {
+				for j, e := range got.Expectations {
+					r, tier := want(i)
+					if h, s := got.Holder(i, j), got.Source(i, j); h != r || s.Tier != tier {
+						t.Fatalf("SharedL1 %v, %s: chunk %d reader %d: %s's %s, want %s's %s", on, what, i, e.Rank, h, s.Tier, r, tier)
+					}
+				}
+			}
+		}
+		withoutL1 := func(i int) (wire.Rank, wire.Tier) {
+			switch i {
+			case 1:
+				return rk("e2", 1), wire.L2
+			case 2:
+				return rk("e2", 2), wire.L1
+			}
+			return rk("e1", 0), wire.L2
+		}
+		if !on {
+			look("e1's L1 never planned", withoutL1)
+			continue
+		}
+		look("e1's L1 before every L2", func(i int) (wire.Rank, wire.Tier) {
+			if i == 2 {
+				return rk("e2", 2), wire.L1
+			}
+			return rk("e1", 0), wire.L1
+		})
+		if _, err := ix.FenceRank(ctx, rk("e1", 0), math.MaxUint64); err != nil {
+			t.Fatal(err)
+		}
+		look("e1/0 fenced", withoutL1)
+		mustVerify(t, ix.Index)
+	}
+}
