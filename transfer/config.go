@@ -96,6 +96,16 @@ type Config struct {
 	// file system, not to the process; it is removed by Close, and a
 	// crashed run's is replaced by the next start.
 	HostL1Dir string
+	// HostL1SharedWith names the other engine instances of this
+	// instance's share group whose rankds on this host keep their
+	// host-shared L1 in HostL1Dir (docs/sharing.md): a retrieve that finds
+	// an object neither in its own L1 nor in another rank's of its
+	// instance looks in their ranks' segments next (before L2), with the
+	// same leases and checks (the expected size and recorded sum before
+	// the scatter, the sum of what it placed after). Default nil: only
+	// this instance's segments are read. Needs HostL1Dir. Name exactly
+	// the coordinator's --share-group members (with --share-host-l1).
+	HostL1SharedWith []string
 
 	// L2Dir is the root of the L2 file tier, shared by the rankds of one
 	// engine instance (objects of every rank live under it; each file
@@ -380,6 +390,8 @@ func (c Config) Validate() error {
 		return bad("event buffer %d smaller than one batch of %d", c.EventBuffer, c.EventBatch)
 	case len(c.L2SharedWith) > 0 && c.L2Dir == "" && c.L2 == nil:
 		return bad("L2 shared with %v, but there is no L2", c.L2SharedWith)
+	case len(c.HostL1SharedWith) > 0 && c.HostL1Dir == "":
+		return bad("host L1 shared with %v, but L1 is not host-shared (no HostL1Dir)", c.HostL1SharedWith)
 	case c.KeepSharedInL1 && len(c.L2SharedWith) == 0:
 		return bad("a local L1 copy of shared objects without L2 shared with any instance")
 	case len(c.L3SharedWith) > 0 && c.L3 == nil:
@@ -390,6 +402,11 @@ func (c Config) Validate() error {
 	for _, inst := range c.L2SharedWith {
 		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {
 			return bad("L2 shared with instance %q: want another instance's name of 1..64 characters of [A-Za-z0-9_-]", inst)
+		}
+	}
+	for _, inst := range c.HostL1SharedWith {
+		if err := wire.ValidInstance(inst); err != nil || inst == c.Rank.Instance {
+			return bad("host L1 shared with instance %q: want another instance's name of 1..64 characters of [A-Za-z0-9_-]", inst)
 		}
 	}
 	for _, inst := range c.L3SharedWith {

@@ -23,7 +23,9 @@ import (
 // the segments of the other TP ranks of its instance (after its own L1,
 // before L2) and scatters it straight from the peer's memory into the
 // engine's pages, verifying the checksum of what it placed: the object is
-// held once per host, whichever ranks read it.
+// held once per host, whichever ranks read it. With Config.HostL1SharedWith
+// it then looks in the segments the ranks of those share-group members
+// keep in the same directory (issue 26.1): the same leases and checks.
 
 // peerTable is this engine's view of its peers' segments.
 type peerTable struct {
@@ -35,10 +37,10 @@ type peerTable struct {
 	dead *atomic.Uint64
 
 	mu   sync.Mutex // guards the following
-	segs map[int]*peerMap
-	// deadIno is, per peer TP rank, the inode of a segment found left by
-	// a dead holder: not opened again until the file changes.
-	deadIno map[int]uint64
+	segs map[wire.Rank]*peerMap
+	// deadIno is, per peer rank, the inode of a segment found left by a
+	// dead holder: not opened again until the file changes.
+	deadIno map[wire.Rank]uint64
 	done    bool
 }
 
@@ -47,13 +49,14 @@ type peerTable struct {
 // only when the last one is done.
 type peerMap struct {
 	tp   int
+	inst string // the holder's instance: this engine's, or a share-group member's
 	ps   *hostl1.Peer
 	buf  cuda.HostBuf
 	refs int  // guarded by peerTable.mu
 	gone bool // replaced or closed: unmap at refs 0
 }
 
-// get returns the current segment of peer tp with a reference (release
+// get returns the current segment of peer r with a reference (release
 // it with put), mapping it (again) when it is new or was replaced; nil
 // when the peer has none.
 func (t *peerTable) get(r wire.Rank) *peerMap {
@@ -63,7 +66,7 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 	if t.done {
 		return nil
 	}
-	m := t.segs[r.TPRank]
+	m := t.segs[r]
 	if m != nil && (m.ps.Inode() != ino || m.ps.Closed()) {
 		t.dropLocked(m)
 		m = nil
@@ -74,7 +77,7 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 		return nil
 	}
 	if m == nil {
-		if ino == 0 || t.deadIno[r.TPRank] == ino {
+		if ino == 0 || t.deadIno[r] == ino {
 			return nil
 		}
 		ps, err := hostl1.OpenPeer(t.dir, r)
@@ -95,8 +98,8 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 			t.log.Warn("host L1: register a peer's segment with the device failed; reading from L2", zap.Stringer("peer", r), zap.Error(err))
 			return nil
 		}
-		m = &peerMap{tp: r.TPRank, ps: ps, buf: buf}
-		t.segs[r.TPRank] = m
+		m = &peerMap{tp: r.TPRank, inst: r.Instance, ps: ps, buf: buf}
+		t.segs[r] = m
 		t.log.Info("host L1: mapped a peer's segment", zap.Stringer("peer", r), zap.Uint64("incarnation", ps.Incarnation()),
 			zap.Uint64("bytes", uint64(len(ps.Data()))))
 	}
@@ -108,7 +111,7 @@ func (t *peerTable) get(r wire.Rank) *peerMap {
 // closing it (kill -9): its objects are never read, since the rank is
 // (or is about to be) fenced and the index no longer lists them.
 func (t *peerTable) deadLocked(r wire.Rank, ps *hostl1.Peer) {
-	t.deadIno[r.TPRank] = ps.Inode()
+	t.deadIno[r] = ps.Inode()
 	t.dead.Add(1)
 	t.log.Warn("host L1: a peer's segment was left by a holder that died; not read (its next start replaces it)",
 		zap.Stringer("peer", r), zap.Uint64("incarnation", ps.Incarnation()), zap.Uint64("inode", ps.Inode()))
@@ -124,7 +127,7 @@ func (t *peerTable) put(m *peerMap) {
 }
 
 func (t *peerTable) dropLocked(m *peerMap) {
-	delete(t.segs, m.tp)
+	delete(t.segs, wire.Rank{Instance: m.inst, TPRank: m.tp})
 	m.gone = true
 	if m.refs == 0 {
 		t.unmapLocked(m)
@@ -179,7 +182,7 @@ func (e *Engine) openHostL1(nslabs int) error {
 	e.cat.seg = seg
 	e.cat.leaseTTL = int64(e.cfg.RetrieveTimeout)
 	e.peers = &peerTable{dir: e.cfg.HostL1Dir, dev: e.dev, log: e.log, dead: &e.ctr.peerL1DeadHolders,
-		segs: map[int]*peerMap{}, deadIno: map[int]uint64{}}
+		segs: map[wire.Rank]*peerMap{}, deadIno: map[wire.Rank]uint64{}}
 	return nil
 }
 
@@ -254,6 +257,16 @@ func (r *retrieval) findPeers(idx []int) (missed []int) {
 			maps = append(maps, m)
 		}
 	}
+	// Then the share-group members' ranks on this host, after every rank
+	// of this instance: a member's namespace is this one, so its ranks
+	// are as many (a member with fewer has no segment for the others).
+	for _, inst := range e.cfg.HostL1SharedWith {
+		for tp := range e.cfg.TPSize {
+			if m := e.peers.get(wire.Rank{Instance: inst, TPRank: tp}); m != nil {
+				maps = append(maps, m)
+			}
+		}
+	}
 	now := e.cfg.Now().UnixNano()
 	for _, i := range idx {
 		it := r.req.Items[i]
@@ -266,7 +279,7 @@ func (r *retrieval) findPeers(idx []int) (missed []int) {
 			if v.Size != res.ObjectSize(it.Group) || (it.Sum != 0 && v.Sum != it.Sum) {
 				e.ctr.peerL1Failures.Add(1)
 				e.log.Warn("host L1: a peer holds the object with another size or checksum than expected; not used",
-					zap.Stringer("key", it.Key), zap.Int("peer", m.tp), zap.Uint64("size", v.Size), zap.Uint64("sum", v.Sum),
+					zap.Stringer("key", it.Key), zap.Stringer("peer", wire.Rank{Instance: m.inst, TPRank: m.tp}), zap.Uint64("size", v.Size), zap.Uint64("sum", v.Sum),
 					zap.Uint64("want_size", res.ObjectSize(it.Group)), zap.Uint64("want_sum", it.Sum))
 				continue
 			}
