@@ -254,6 +254,13 @@ type Config struct {
 	// given, and the chunk is recomputed). Default false. Refused without
 	// ShareGroups.
 	ShareL3 bool
+	// ShareHostL1 also plans the L1 copies of a member's share group,
+	// after the L1 copies of the reader's own instance and before any L2
+	// copy (index.Config.SharedL1), under the fence rule of HostSharedL1:
+	// set it when every member's rankds run on one host with one
+	// --host-l1-dir and each names the others in --host-l1-shared-with.
+	// Default false. Refused without ShareGroups and HostSharedL1.
+	ShareHostL1 bool
 
 	// KVEvents publishes KV events for routers (docs/kvevents.md): per
 	// engine instance, on wire.Subjects.KVEvents, which chunks a restore
@@ -467,6 +474,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ShareL3 && len(c.ShareGroups) == 0 {
 		return fmt.Errorf("share L3 without a share group: %w", ErrConfig)
+	}
+	if c.ShareHostL1 && (len(c.ShareGroups) == 0 || !c.HostSharedL1) {
+		return fmt.Errorf("share host L1 needs a share group and host-shared L1: %w", ErrConfig)
 	}
 	if err := c.Raft.Validate(); err != nil {
 		return err

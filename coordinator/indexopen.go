@@ -30,6 +30,7 @@ func (c *Coordinator) openIndex() error {
 	icfg.MaxFileBytes = c.cfg.IndexMaxFileBytes
 	icfg.HostSharedL1 = c.cfg.HostSharedL1
 	icfg.SharedL3 = c.cfg.ShareL3
+	icfg.SharedL1 = c.cfg.ShareHostL1
 	icfg.AfterCommit = c.cfg.indexAfterCommit
 	if c.cfg.indexOpenHook != nil {
 		c.cfg.indexOpenHook()

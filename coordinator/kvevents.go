@@ -27,7 +27,7 @@ import (
 // The rule, per instance I, chunk c and tier T: every expectation
 // (reader rank t, shard, group) of c's namespace has a copy of its object
 // in T that I/t may read: in L1 its own copy (with HostSharedL1, any rank
-// of I), in L2 a copy of any rank of I or of another member of I's share
+// of I; with Config.ShareHostL1, also of another member), in L2 a copy of any rank of I or of another member of I's share
 // group (as index.LookupSharedInto), in L3 a copy of any rank of I (with
 // Config.ShareL3, or of another member).
 //
@@ -326,6 +326,7 @@ func (c *Coordinator) kvTiers(inst string, k kvChunk) uint8 {
 		for _, h := range hs {
 			switch {
 			case h.Tier == wire.L1 && h.Rank.Instance == inst && (h.Rank.TPRank == e.Rank || c.cfg.HostSharedL1):
+			case h.Tier == wire.L1 && c.cfg.ShareHostL1 && slices.Contains(shared, h.Rank.Instance):
 			case h.Tier == wire.L2 && (h.Rank.Instance == inst || slices.Contains(shared, h.Rank.Instance)):
 			case h.Tier == wire.L3 && (h.Rank.Instance == inst || c.cfg.ShareL3 && slices.Contains(shared, h.Rank.Instance)):
 			default:

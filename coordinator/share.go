@@ -13,8 +13,8 @@ import (
 
 // Share groups (issue 26, docs/sharing.md). A lookup or restore.begin of
 // an engine of instance B reads, besides B's own copies, the L2 copies
-// (with Config.ShareL3, also the L3 copies) of the other instances of B's
-// share group (index.LookupSharedInto): B's
+// (with Config.ShareL3, also the L3 copies; with Config.ShareHostL1, the
+// host-shared L1 copies) of the other instances of B's share group (index.LookupSharedInto): B's
 // ranks stay the readers, each confirming the sum recorded when the
 // holder stored the object (C5). What a caller may ask does not change:
 // an engine acts only for the instance of its subject (scope), so a

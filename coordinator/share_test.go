@@ -178,6 +178,12 @@ func TestShareGroupConfig(t *testing.T) {
 	if err := cfg.Validate(); !errors.Is(err, ErrConfig) {
 		t.Errorf("share L3 without a group: Validate = %v, want ErrConfig", err)
 	}
+	cfg = testConfig(t, "")
+	cfg.ShareGroups = []ShareGroup{{Name: "x", Instances: []string{"a", "b"}}}
+	cfg.ShareHostL1 = true
+	if err := cfg.Validate(); !errors.Is(err, ErrConfig) {
+		t.Errorf("share host L1 without host-shared L1: Validate = %v, want ErrConfig", err)
+	}
 	s := newShareState([]ShareGroup{{Name: "x", Instances: []string{"c", "a", "b"}}})
 	if o := s.shared("a"); len(o) != 2 || o[0] != "b" || o[1] != "c" {
 		t.Fatalf("shared(a) = %v", o)
