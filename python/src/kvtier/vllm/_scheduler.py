@@ -149,9 +149,10 @@ class _SchedulerSide(_Core):
     # handed over that state. On a restore of T tokens vLLM allocates one
     # fresh block for the state, block T // bs - 1, and none for the states
     # inside the restored tokens, while kvtier places every group's object
-    # of every chunk (and a rankd refuses the null block and two objects in
-    # one block): so a restore is one chunk past vLLM's own prefix, its
-    # state placed in that block.
+    # of every chunk (and a rankd refuses the null block, two objects in one
+    # block and an item whose blocks are all skipped: it cannot verify one
+    # without placing it): so a restore is one chunk past vLLM's own prefix,
+    # its state placed in that block.
 
     def _state_groups(self) -> list[int]:
         return [gi for gi, gl in enumerate(self.layers) if gl.recurrent]
