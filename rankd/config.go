@@ -81,10 +81,16 @@ type Config struct {
 	// (transfer.Config.L2Bytes). Default 0: unbounded. Smaller keeps the
 	// disk in check at the cost of more prompts recomputed.
 	L2Bytes uint64
-	// L2FreeFloorBytes makes L2 writes evict this rank's least recently
-	// used objects while the L2 file system would have less free space
-	// (transfer.Config.L2FreeFloorBytes). Default 0: no floor.
-	L2FreeFloorBytes uint64
+	// L2FreeFloorBytes and L2FreeFloorPercent make L2 writes evict this
+	// rank's least recently used objects while the L2 file system would
+	// have less free space than the larger of L2FreeFloorBytes and
+	// L2FreeFloorPercent % of its size (taken at start:
+	// transfer.Config.L2FreeFloorBytes; l2FreeFloor). Default 1 GiB and
+	// 5 %: an unbounded L2 filled a 64 GiB disk, and the coordinator's
+	// index on the same disk then failed every batch (BENCHMARKS.md, issue
+	// 24). Both 0: no floor.
+	L2FreeFloorBytes   uint64
+	L2FreeFloorPercent float64
 	// L2CollectGrace is the age after which quarantined, temporary and
 	// orphaned L2 files are removed (transfer.Config.L2CollectGrace).
 	// Default 24 h; longer keeps quarantined files for inspection.
@@ -300,6 +306,8 @@ func DefaultConfig(r wire.Rank) Config {
 		L1Bytes:               1 << 30,
 		L1NUMA:                "auto",
 		L2Policy:              transfer.WriteThrough,
+		L2FreeFloorBytes:      1 << 30,
+		L2FreeFloorPercent:    5,
 		L2CollectGrace:        24 * time.Hour,
 		L3:                    objstore.DefaultConfig(),
 		StoreTimeout:          30 * time.Second,
@@ -366,6 +374,8 @@ func (c *Config) Validate() error {
 		return bad("host L1 shared with %v without host-shared L1: give --host-l1-dir or drop --host-l1-shared-with", c.HostL1SharedWith)
 	case len(c.L3SharedWith) > 0 && c.L3.Endpoint == "":
 		return bad("L3 shared with %v without L3: give --l3-endpoint or drop --l3-shared-with", c.L3SharedWith)
+	case !(c.L2FreeFloorPercent >= 0 && c.L2FreeFloorPercent < 100):
+		return bad("L2 free-space floor of %v %% of the file system: want 0 <= percent < 100", c.L2FreeFloorPercent)
 	case c.KeepSharedInL1 && len(c.L2SharedWith) == 0:
 		return bad("--keep-shared-in-l1 without --l2-shared-with: no store is deduplicated onto a member's copy")
 	case len(c.Join) == 0 && c.NATSURL == "":

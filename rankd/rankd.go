@@ -163,7 +163,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.HostL1Dir = cfg.HostL1Dir
 	tc.L1NUMA, _ = numa.ParseSpec(cfg.L1NUMA) // Validate checked it
 	tc.L2Policy = cfg.L2Policy
-	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, cfg.L2FreeFloorBytes
+	tc.L2Bytes, tc.L2FreeFloorBytes = cfg.L2Bytes, l2FreeFloor(&cfg)
 	tc.L2CollectGrace, tc.L2VerifyOnScan = cfg.L2CollectGrace, cfg.L2VerifyOnScan
 	tc.L2SharedWith, tc.KeepSharedInL1 = cfg.L2SharedWith, cfg.KeepSharedInL1
 	tc.L3SharedWith, tc.HostL1SharedWith = cfg.L3SharedWith, cfg.HostL1SharedWith
@@ -364,7 +364,7 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Unlock()
 	d.log.Info("rankd serving", zap.String("nats", url), zap.String("gossip", d.clu.LocalMember().Addr),
 		zap.String("http", d.HTTPAddr()), zap.Uint64("incarnation", d.inc),
-		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID))
+		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID), zap.Uint64("l2_free_floor", d.tc.L2FreeFloorBytes))
 	return nil
 }
 

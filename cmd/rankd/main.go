@@ -100,7 +100,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	l2Shared := fs.String("l2-shared-with", "", "the other instances of this instance's share group whose rankds write this --l2-dir, comma-separated (docs/sharing.md): a store of an object one of them already wrote there keeps no second copy")
 	fs.BoolVar(&cfg.L2VerifyOnScan, "l2-verify-on-scan", false, "also hash every payload in the start-up rescan of L2 (default: headers only; every read is verified anyway)")
 	fs.DurationVar(&cfg.L2CollectGrace, "l2-collect-grace", cfg.L2CollectGrace, "age after which quarantined, temporary and orphaned L2 files are removed (at start-up and every 10 min)")
-	fs.StringVar(&l2FreeFloor, "l2-free-floor", "0", "evict this rank's least recently used L2 objects while the L2 file system would have less free (bytes or KiB..TiB; 0: no floor)")
+	fs.StringVar(&l2FreeFloor, "l2-free-floor", formatFloor(cfg.L2FreeFloorBytes, cfg.L2FreeFloorPercent),
+		"evict this rank's least recently used L2 objects while the L2 file system would have less free: bytes (or KiB..TiB), a percentage of the file system's size (5%), or both comma-separated, the larger applying; 0: no floor")
 	fs.StringVar(&cfg.L3.Endpoint, "l3-endpoint", "", "S3-compatible object store host:port for the L3 tier (empty: no L3); HTTPS unless --l3-insecure")
 	fs.StringVar(&cfg.L3.Bucket, "l3-bucket", "", "L3 bucket (must exist)")
 	fs.StringVar(&cfg.L3.Prefix, "l3-prefix", "kvtier/", "prefix of kvtier's object names in the L3 bucket")
@@ -145,7 +146,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	if cfg.L2Bytes, err = parseBytes(l2Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l2-bytes: %w", err)
 	}
-	if cfg.L2FreeFloorBytes, err = parseBytes(l2FreeFloor); err != nil {
+	if cfg.L2FreeFloorBytes, cfg.L2FreeFloorPercent, err = parseFloor(l2FreeFloor); err != nil {
 		return cfg, opts, fmt.Errorf("--l2-free-floor: %w", err)
 	}
 	if cfg.L3Bytes, err = parseBytes(l3Bytes); err != nil {
@@ -265,6 +266,53 @@ func splitHostPort(s string, defPort int) (string, int, error) {
 }
 
 // parseBytes parses "1073741824", "512MiB", "1GiB", "64KiB".
+// parseFloor parses --l2-free-floor: bytes, a percentage ("5%") or both
+// comma-separated ("1GiB,5%"). What is not given is 0: "2GiB" is no
+// percentage, "0" no floor.
+func parseFloor(s string) (bytes uint64, percent float64, err error) {
+	var sawBytes, sawPercent bool
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		if p, ok := strings.CutSuffix(part, "%"); ok {
+			if sawPercent {
+				return 0, 0, fmt.Errorf("%q: two percentages", s)
+			}
+			sawPercent = true
+			if percent, err = strconv.ParseFloat(strings.TrimSpace(p), 64); err != nil || !(percent >= 0 && percent < 100) {
+				return 0, 0, fmt.Errorf("%q: want a percentage in [0, 100)", s)
+			}
+			continue
+		}
+		if sawBytes {
+			return 0, 0, fmt.Errorf("%q: two sizes", s)
+		}
+		sawBytes = true
+		if bytes, err = parseBytes(part); err != nil {
+			return 0, 0, err
+		}
+	}
+	return bytes, percent, nil
+}
+
+// formatFloor is the --l2-free-floor value of bytes and percent.
+func formatFloor(bytes uint64, percent float64) string {
+	var parts []string
+	switch {
+	case bytes == 0:
+	case bytes%(1<<30) == 0:
+		parts = append(parts, fmt.Sprintf("%dGiB", bytes>>30))
+	default:
+		parts = append(parts, strconv.FormatUint(bytes, 10))
+	}
+	if percent > 0 {
+		parts = append(parts, strconv.FormatFloat(percent, 'g', -1, 64)+"%")
+	}
+	if len(parts) == 0 {
+		return "0"
+	}
+	return strings.Join(parts, ",")
+}
+
 func parseBytes(s string) (uint64, error) {
 	mult := uint64(1)
 	for _, u := range []struct {
