@@ -315,3 +315,103 @@ def test_hybrid_window_counts_vllms_held_block():
     wide = make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, hybrid_config(window=4096), kvtier_chunk_tokens=CHUNK,
                 kvtier_load_async=True)
     assert wide._window_chunks(0, BS) == wide._window_chunks(0) == (4096 + BS - 2) // CHUNK
+
+
+@pytest.mark.integration
+def test_partial_chunk_under_dcp2_against_real_daemons(tmp_path: pathlib.Path) -> None:
+    """TP2 with DCP 2, interleave 4, chunks of 4 scheduler blocks (128
+    tokens): vLLM holds the first scheduler block (32 tokens, 16 on each
+    rank, in one block id both ranks share); each rank skips its page of
+    that block and gets its own rows of every other token back, as vLLM's
+    slot mapping deals them; the held block keeps its marker on both."""
+    from test_vllm_e2e import (
+        DCP_BS,
+        LAYERS,
+        NUM_BLOCKS,
+        ROW,
+        TP,
+        Worker,
+        _answered,
+        _prefix,
+        connector,
+        dcp_forward,
+        finish_saves,
+        kv_bytes,
+        run_step,
+        wait_ranks,
+    )
+
+    from cluster import Cluster, build_binaries, eventually
+
+    cluster = Cluster(build_binaries(tmp_path / "bin"), tmp_path / "c", TP)
+    cluster.start_all()
+    try:
+        par = dict(decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)
+        extra = dict(kvtier_nats=cluster.nats_url, kvtier_device="host", kvtier_instance="engine0",
+                     kvtier_creds_dir=str(cluster.creds), kvtier_lookup_wait_s=2.0, kvtier_timeout_s=20,
+                     kvtier_chunk_tokens=128)
+        kv_cfg = fakes.attention_config(num_blocks=NUM_BLOCKS, layers=LAYERS, block_size=DCP_BS)
+        sched = connector(KVConnectorRole.SCHEDULER, kv_cfg, extra, par=par)
+        lay = sched.spec.layout
+        assert (sched.chunk, lay.dcp, sched.resolved.geometry[0].span) == (128, 2, 32)
+        wait_ranks(cluster)
+        workers = [Worker(cluster, t, kv_cfg, extra, par) for t in range(TP)]
+        rng = random.Random(9)
+        prompt = [rng.randrange(32000) for _ in range(2 * 128 + 3)]
+        req = fakes.Request("cold", prompt)
+        assert eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 0))) == (0, False)
+        blocks_a = [3, 9, 4, 17, 11, 12, 13, 14, 15]
+        sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_a,)), 0)
+        for w in workers:
+            dcp_forward(w, lay, prompt, blocks_a, len(prompt))
+        out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("cold", prompt, (blocks_a,), 0)],
+                                    num_scheduled_tokens={"cold": len(prompt)})
+        run_step(sched, workers, out)
+        for w in workers:
+            w.conn.wait_for_save()
+        sched.request_finished(req, blocks_a)
+        finish_saves(workers, {"cold"})
+        assert [w.conn.stats["stored_objects"] for w in workers] == [2, 2]
+        with client.SyncClient(cluster.connect_options()) as c:
+            hashes = sched.resolved.chunk_hashes(prompt)
+            eventually("index shows the prompt",
+                       lambda: _prefix(c.lookup(sched.resolved.namespace, hashes, instance="engine0"), 2))
+
+        marker = b"\x5a" * workers[0].page
+        blocks_b = [20, 21, 22, 23, 24, 25, 26, 27, 28]
+        for w in workers:
+            w.mem.view[:] = bytes(len(w.mem.view))
+            for layer in range(LAYERS):
+                for o, n in w.spans(layer, blocks_b[0]):
+                    w.mem.view[o:o + n] = marker[:n]
+        req = fakes.Request("warm", prompt)
+        n, _ = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(req, 32)))
+        assert n == 2 * 128 - 32
+        sched.update_state_after_alloc(req, fakes.KVCacheBlocks((blocks_b,)), n)
+        out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData("warm", prompt, (blocks_b,), 32 + n)],
+                                    num_scheduled_tokens={"warm": len(prompt) - 32 - n})
+        meta = run_step(sched, workers, out)
+        assert [(ld.held_tokens, ld.chunks) for ld in meta.loads] == [(32, 2)]
+        for w in workers:
+            assert w.conn.get_block_ids_with_load_errors() == set()
+            assert w.conn.stats["loaded_tokens"] == 2 * 128 - 32
+            for layer in range(LAYERS):
+                assert w.page_at(layer, blocks_b[0]) == marker, (w.tp, layer)
+        for pos in range(32, 256):
+            r, slot = lay.local_slot(pos, DCP_BS, blocks_b)
+            w = workers[r]
+            for layer in range(LAYERS):
+                kv = kv_bytes(w.tp, layer, prompt[:pos + 1], 2 * ROW)
+                base = layer * NUM_BLOCKS * w.page + (slot // DCP_BS) * w.page + (slot % DCP_BS) * ROW
+                assert bytes(w.mem.view[base:base + ROW]) == kv[:ROW], (pos, layer)
+                assert bytes(w.mem.view[base + w.page // 2:base + w.page // 2 + ROW]) == kv[ROW:], (pos, layer)
+        sched.request_finished(req, blocks_b)
+        for w in workers:
+            w.conn.shutdown()
+            w.mem.release()
+        sched.shutdown()
+    except BaseException:
+        print(cluster.logs_tail())
+        raise
+    finally:
+        cluster.stop_all()
