@@ -412,7 +412,7 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStore
 				defer wg.Done()
 				cctx, cancel := s.callCtx(ctx)
 				defer cancel()
-				rep, err := bus.CallRetry[wire.StoreReply](cctx, w.nc, w.subj.Engine(w.rank, "store"), ps[i].body, bus.NoResponders())
+				rep, err := bus.CallRetry[wire.StoreReply](cctx, w.nc, w.subj.Engine(w.rank, "store"), withDeadline(cctx, ps[i].body), bus.NoResponders())
 				replies[w.t][i], errs[i] = rep, sessionErr(w, "store", err)
 			}()
 		}
