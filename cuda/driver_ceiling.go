@@ -196,21 +196,21 @@ type spanTimer struct {
 
 func (d *driverDevice) newSpanTimer(n int) (*spanTimer, error) {
 	t := &spanTimer{d: d, ends: make([]C.CUevent, n)}
-	for _, e := range append([]*C.CUevent{&t.start}, pointers(t.ends)...) {
-		if err := check("cuEventCreate", C.kv_event_create(d.ctx, e, 0)); err != nil {
+	// Each event is created into a local: cgo refuses a pointer into t,
+	// whose memory holds Go pointers (d, ends).
+	for i := -1; i < n; i++ {
+		var e C.CUevent
+		if err := check("cuEventCreate", C.kv_event_create(d.ctx, &e, 0)); err != nil {
 			t.close()
 			return nil, err
 		}
+		if i < 0 {
+			t.start = e
+		} else {
+			t.ends[i] = e
+		}
 	}
 	return t, nil
-}
-
-func pointers(es []C.CUevent) []*C.CUevent {
-	out := make([]*C.CUevent, len(es))
-	for i := range es {
-		out[i] = &es[i]
-	}
-	return out
 }
 
 func (t *spanTimer) close() {
