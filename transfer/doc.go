@@ -59,7 +59,12 @@
 // evicted LRU by the engine. L3 is an object-storage bucket
 // (transfer/tier.L3Tier) written behind L2 by a queue of writers and
 // read when neither L1 nor L2 holds an object; L2 files and L3 objects
-// share one object format (tier.EncodeObject).
+// share one object format (tier.EncodeObject). In a share group
+// (docs/sharing.md) a rank also reads the copies of the members its
+// Config names, checked as its own: their files in a shared L2 directory
+// (a store of what one holds keeps no second copy, L2SharedWith, or an
+// L1 copy only, KeepSharedInL1), their L3 objects under their bucket
+// prefixes (L3SharedWith) and their host L1 segments (HostL1SharedWith).
 //
 // Packages: transfer/tier holds the L2 file tier, the L3 bucket tier and
 // the object format; it never takes Engine.mu and knows nothing of the
