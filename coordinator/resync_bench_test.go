@@ -11,6 +11,7 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index/indextest"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
@@ -26,7 +27,9 @@ import (
 // served in pages of wire.DefaultInventoryPageSize from an array built
 // before the baseline. Reported: the peak of runtime.MemStats.HeapInuse
 // sampled every millisecond during each, above HeapInuse right before it
-// (after a GC), and how long each took:
+// (after a GC), what it kept (HeapInuse after a GC, above the same
+// baseline: the new placements, less the old ones), and how long each
+// took:
 //
 //	KVTIER_BENCH_INVENTORY=2000000 go test -run '^$' -bench InventoryReplaceHeap -benchtime 1x ./coordinator/
 func BenchmarkInventoryReplaceHeap(b *testing.B) {
@@ -72,7 +75,7 @@ func BenchmarkInventoryReplaceHeap(b *testing.B) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		t0 := time.Now()
-		apply := peakOnly(func() {
+		apply, applyKept := testutil.PeakHeap(func() {
 			gap := &wire.Batch{Rank: r, Incarnation: 1, Events: []wire.Event{{Seq: seq - 2, Kind: wire.Stored, Tier: wire.L2,
 				Key: keyOf(3, 0), Size: size, Sum: 1}}}
 			if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
@@ -95,7 +98,7 @@ func BenchmarkInventoryReplaceHeap(b *testing.B) {
 		_ = sub.Unsubscribe()
 		inv.Objects = nil
 		t0 = time.Now()
-		reset := peakOnly(func() {
+		reset, resetKept := testutil.PeakHeap(func() {
 			rep, err := bus.Call[wire.AdminRankResetReply](ctx, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: r.String()})
 			if err != nil || rep.Placements != n {
 				b.Fatalf("reset: %+v %v", rep, err)
@@ -105,9 +108,9 @@ func BenchmarkInventoryReplaceHeap(b *testing.B) {
 		cancel()
 		runtime.KeepAlive(inv)
 		mib := func(v uint64) float64 { return float64(v) / (1 << 20) }
-		b.Logf("%d placements: inventory replacing them peak +%.1f MiB (%.0f B each) in %v; reset peak +%.1f MiB (%.0f B each) in %v",
-			n, mib(apply), float64(apply)/float64(n), applyTook.Round(time.Millisecond),
-			mib(reset), float64(reset)/float64(n), resetTook.Round(time.Millisecond))
+		b.Logf("%d placements: inventory replacing them peak +%.1f MiB (%.0f B each), kept %+.1f MiB, in %v; reset peak +%.1f MiB (%.0f B each), kept %+.1f MiB, in %v",
+			n, mib(apply), float64(apply)/float64(n), float64(applyKept)/(1<<20), applyTook.Round(time.Millisecond),
+			mib(reset), float64(reset)/float64(n), float64(resetKept)/(1<<20), resetTook.Round(time.Millisecond))
 		b.ReportMetric(mib(apply), "MiB-inventory-peak")
 		b.ReportMetric(mib(reset), "MiB-reset-peak")
 	}
