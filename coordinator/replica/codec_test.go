@@ -46,6 +46,12 @@ func TestCommandCodec(t *testing.T) {
 		{"fence", appendCommand(raftCmdFence, js(fenceCmd{Rank: r, UpTo: 9})), func(op index.Op) bool {
 			return op.Fence != nil && *op.Fence == r && op.UpTo == 9
 		}},
+		{"inventory step", appendCommand(raftCmdInvStep, js(index.InventoryStep{Kind: index.StepPage, Rank: r, Incarnation: 7, Seq: 5,
+			FenceGen: 2, Objects: []wire.Placement{{Tier: wire.L2, Size: 1, Sum: 3}}})), func(op index.Op) bool {
+			s := op.Step
+			return s != nil && s.Kind == index.StepPage && s.Rank == r && s.Incarnation == 7 && s.Seq == 5 && s.FenceGen == 2 &&
+				len(s.Objects) == 1 && s.Objects[0].Sum == 3
+		}},
 		{"reset", appendCommand(raftCmdReset, js(r)), func(op index.Op) bool {
 			return op.Reset != nil && *op.Reset == r
 		}},
@@ -63,6 +69,7 @@ func TestCommandCodec(t *testing.T) {
 		"bad json":      appendCommand(raftCmdFence, []byte("{")),
 		"bad batch":     appendCommand(raftCmdBatch, []byte{1, 2, 3}),
 		"bad inventory": appendCommand(raftCmdInv, []byte("[]")),
+		"bad step":      appendCommand(raftCmdInvStep, []byte("[]")),
 	} {
 		if _, err := decodeCommand(bad); !errors.Is(err, index.ErrInvalid) {
 			t.Errorf("%s: %v, want index.ErrInvalid", name, err)
