@@ -244,9 +244,6 @@ type invStream struct {
 	done bool
 }
 
-// errInventoryGone: a step of a streamed inventory found it superseded.
-var errInventoryGone = errors.New("streamed inventory superseded")
-
 // stepsInFlight is the page steps a resync keeps queued in the index at
 // once: the committer stages the next page while one commits, and the
 // coordinator holds at most these pages besides the fetch window's.
@@ -298,8 +295,7 @@ func (s *invStream) page(p *wire.InventoryPage) error {
 		return s.failed(err)
 	}
 	if out.Reason != "" {
-		s.done = true
-		return fmt.Errorf("inventory of %s dropped at its end (%s): %w", s.r, out.Reason, errInventoryGone)
+		return s.gone(fmt.Sprintf("at its end (%s)", out.Reason))
 	}
 	s.ended, s.out = true, out
 	return nil
@@ -320,14 +316,21 @@ func (s *invStream) settle() error {
 		return s.failed(err)
 	}
 	if out.Reason != "" {
-		// A fence or reset of the rank since Begin: the rank's next
-		// batch or rejoin asks again.
-		s.done = true
-		return fmt.Errorf("inventory of %s page %d of %d dropped (%s): %w", s.r, q.page, q.pages, out.Reason, errInventoryGone)
+		return s.gone(fmt.Sprintf("page %d of %d (%s)", q.page, q.pages, out.Reason))
 	}
 	s.pages++
 	s.objects += out.Placements
 	return nil
+}
+
+// gone ends a stream whose step the index dropped (inventory_gone): a
+// fence or reset of the rank since Begin moved its generation, as
+// fenced_since does before Begin; the rank's next batch or rejoin asks
+// again.
+func (s *invStream) gone(what string) error {
+	s.done = true
+	s.c.met.resyncs.WithLabelValues("fenced").Inc()
+	return fmt.Errorf("inventory of %s dropped %s: %w", s.r, what, errFencedSince)
 }
 
 // drain waits for the page steps still queued when the stream stopped.
