@@ -27,8 +27,10 @@ import (
 // (8 MiB): the coordinator sends InventoryRequest{Page: 0} (no snapshot);
 // the rank takes one consistent snapshot, keeps it for a short TTL under a
 // random id and replies page 0 with the id and the page count. The
-// coordinator then asks for pages 1..Pages-1 naming that id and joins them
-// (AssembleInventory) into one Inventory. An unknown or expired id gets
+// coordinator then asks for pages 1..Pages-1 naming that id and applies
+// each as it arrives, never joining them (issue 28.3; AssembleInventory
+// joins them for tools and tests). Each request is the rank's
+// acknowledgement of the page before. An unknown or expired id gets
 // code not_found; the coordinator then starts over with a new snapshot.
 // An empty request ({} or no body) is a request for page 0 of a new
 // snapshot.
