@@ -29,8 +29,8 @@ import (
 // random id and replies page 0 with the id and the page count. The
 // coordinator then asks for pages 1..Pages-1 naming that id and applies
 // each as it arrives, never joining them (issue 28.3; AssembleInventory
-// joins them for tools and tests). Each request is the rank's
-// acknowledgement of the page before. An unknown or expired id gets
+// joins them for tools and tests); its requests pace the rank, a few in
+// flight at a time. An unknown or expired id gets
 // code not_found; the coordinator then starts over with a new snapshot.
 // An empty request ({} or no body) is a request for page 0 of a new
 // snapshot.
