@@ -20,6 +20,17 @@ package cuda
 // Gen5 speed, so shorter copies (random 32 KiB pages, rows of a few hundred
 // bytes) keep the copy kernels, which move any layout at the engine's rate.
 
+// autoDMA lets pathAuto apply the rule; off, auto keeps the copy kernels.
+// Off because of what the H200 measured (BENCHMARKS.md, "Issue 25.2"): at
+// the 8B geometry the copy kernels moved consecutive pages at 0.98-0.99 of
+// the copy engine, the DMA path at 0.68-0.90 (its checksum pass is
+// partly exposed, and a 1 MiB copy leaves the engine idle between
+// descriptors), and both directions at once 1.74-1.81x against DMA's
+// 0.92-1.36x. The DMA path stays, forced (tests, the benchmark), for the
+// day its lower multiprocessor occupancy is measured against a model's
+// step time (issue 25.5) and found worth its throughput.
+var autoDMA = false
+
 // copyPath is how a Gather or Scatter moves its bytes.
 type copyPath int
 
@@ -138,6 +149,9 @@ func (t *checkedTransfer[M]) totalBytes() uint64 {
 func useDMA[M comparable](t *checkedTransfer[M], p copyPath) ([]dmaCopy, bool) {
 	total := t.totalBytes()
 	if p == pathSM || total == 0 {
+		return nil, false
+	}
+	if p == pathAuto && !autoDMA {
 		return nil, false
 	}
 	limit := -1 // never reached

@@ -75,10 +75,15 @@ func TestPlanDMA(t *testing.T) {
 }
 
 // The rule: forced paths are kept, a transfer of no bytes takes the copy
-// kernels, and auto picks the copy engine from an average copy of
-// dmaMinCopy bytes.
+// kernels, and auto (with autoDMA on) picks the copy engine from an average
+// copy of dmaMinCopy bytes; with autoDMA off, as shipped, auto never does.
 func TestUseDMA(t *testing.T) {
 	const base = 1 << 40
+	if _, dma := useDMA(xfer([]uint64{0}, [][]tSpan{{{0, base, 4 * dmaMinCopy}}}), pathAuto); dma || autoDMA {
+		t.Fatalf("auto picked DMA for one 1 MiB copy (autoDMA %v): the H200 measured the copy kernels faster", autoDMA)
+	}
+	autoDMA = true
+	defer func() { autoDMA = false }()
 	// n pages of width at a stride; with scattered, each in another Mem
 	// than the one before (no two make one copy).
 	pages := func(n int, width, stride uint64, scattered bool) *checkedTransfer[int] {
