@@ -23,27 +23,10 @@ import (
 // the check: the late retrieve placed its page into block 5.
 func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	h := newHarness(t)
-	e := newEngine(t, h)
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	e.spec.Groups[0].MLA = false // this rank stores its own shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	for l, m := range e.pools {
-		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	s := e.stream(t)
+	want := e.uploadPage(t, s, 2)
 	evh := recordedEvent(t, e, s)
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
@@ -51,10 +34,6 @@ func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
 	if err != nil || st.Stored != 1 {
 		t.Fatalf("store: %+v %v", st, err)
-	}
-	var want []byte
-	for l := range e.pools {
-		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
 	}
 	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
 	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,

@@ -92,17 +92,8 @@ func diffTrees(before, after map[string]fileState) []string {
 // changed).
 func TestRefusedDuplicateTouchesNoFiles(t *testing.T) {
 	h := newHarness(t) // write-through: the stored chunk reaches L2
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false // rank 1 stores its own shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	for l, m := range e.pools {
 		if err := e.dev.Write(m, 0, pageOf(l, 0, e.g.PageBytes)); err != nil {
 			t.Fatal(err)

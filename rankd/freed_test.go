@@ -16,17 +16,8 @@ import (
 // of the blocks, and not before.
 func TestBlocksFreedFollowsBlocksInUse(t *testing.T) {
 	h := newHarness(t, func(c *Config) { c.StoreTimeout = 100 * time.Millisecond })
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false // rank 1 stores its own shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	freed, err := h.nc.SubscribeSync(h.subj.Freed(h.rank))
 	if err != nil {
 		t.Fatal(err)

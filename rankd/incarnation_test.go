@@ -110,17 +110,8 @@ func TestStartsWhileIncarnationUnwritable(t *testing.T) {
 	}
 	// It serves: a register and a store of a non-MLA chunk (rank 1 stores
 	// its own shard) are answered, the object committed.
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	ev, err := e.dev.NewEvent(true)
 	if err != nil {
 		t.Fatal(err)

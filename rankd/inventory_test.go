@@ -17,22 +17,9 @@ import (
 // not_found and bad pages bad_request.
 func TestInventoryPaged(t *testing.T) {
 	h := newHarness(t)
-	e := newEngine(t, h)
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	e.spec.Groups[0].MLA = false // rank 1 stores every chunk
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := e.stream(t)
 	evh := recordedEvent(t, e, s)
 	const chunks = 12
 	req := wire.StoreRequest{RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh}

@@ -210,6 +210,50 @@ func (e *engine) registerReq(t *testing.T) wire.RegisterRequest {
 	return req
 }
 
+// newStoringEngine is newEngine with its group made non-MLA, so that
+// rank 1 stores its own shard of every chunk, registered with h's rankd.
+func newStoringEngine(t *testing.T, h *harness) (*engine, *wire.RegisterReply) {
+	t.Helper()
+	e := newEngine(t, h)
+	e.spec.Groups[0].MLA = false
+	var err error
+	if e.res, err = e.spec.Resolve(); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := bus.Call[wire.RegisterReply](h.ctx(), h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, reg
+}
+
+// stream is a new stream on e's device, closed when the test ends.
+func (e *engine) stream(t *testing.T) cuda.Stream {
+	t.Helper()
+	s, err := e.dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// uploadPage fills block of every layer's pool with its pageOf on s, as
+// an engine's forward pass fills a block, and returns the pages in layer
+// order: the object a store of that block holds.
+func (e *engine) uploadPage(t *testing.T, s cuda.Stream, block int64) []byte {
+	t.Helper()
+	var pages []byte
+	for l, m := range e.pools {
+		page := pageOf(l, block, e.g.PageBytes)
+		if _, err := s.Upload(m, uint64(block)*e.g.StrideBytes, page); err != nil {
+			t.Fatal(err)
+		}
+		pages = append(pages, page...)
+	}
+	return pages
+}
+
 func pageOf(layer int, block int64, n uint64) []byte {
 	b := make([]byte, n)
 	for i := range b {

@@ -22,23 +22,10 @@ import (
 // byte-exact, and nothing is counted unflushed.
 func TestShutdownFlushesWriteBack(t *testing.T) {
 	h := newHarness(t, func(c *Config) { c.L2Policy = transfer.WriteBackOnEvict })
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false // rank 1 stores its own shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 4
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := e.stream(t)
 	var chunks []dcp.ChunkHash
 	for c := range n {
 		for l, m := range e.pools {
@@ -141,22 +128,9 @@ func TestShutdownFlushesWriteBack(t *testing.T) {
 // L1 held is counted lost (kvtier_transfer_lost_objects_total).
 func TestShutdownCountsUnflushed(t *testing.T) {
 	h := newHarness(t, func(c *Config) { c.L2Policy = transfer.WriteBackOnEvict; c.FlushTimeout = 5 * time.Second })
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := e.stream(t)
 	for c := range 2 {
 		ev, _ := e.dev.NewEvent(true)
 		defer ev.Release()
@@ -176,7 +150,7 @@ func TestShutdownCountsUnflushed(t *testing.T) {
 	if err := os.RemoveAll(h.cfg.L2Dir); err != nil {
 		t.Fatal(err)
 	}
-	err = h.d.Shutdown(context.Background())
+	err := h.d.Shutdown(context.Background())
 	if err == nil {
 		t.Fatal("Shutdown that lost objects reported success")
 	}

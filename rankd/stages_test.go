@@ -60,29 +60,10 @@ func checkWireTimeline(t *testing.T, tl wire.Timeline, op, id string, wall time.
 // an observation of every stage in kvtier_rankd_stage_seconds.
 func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 	h := newHarness(t)
-	e := newEngine(t, h)
-	e.spec.Groups[0].MLA = false // rank 1 stores a shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	var want []byte
-	for l, m := range e.pools {
-		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
-			t.Fatal(err)
-		}
-		want = append(want, pageOf(l, 2, e.g.PageBytes)...)
-	}
+	s := e.stream(t)
+	want := e.uploadPage(t, s, 2)
 	evh := recordedEvent(t, e, s)
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	start := time.Now()

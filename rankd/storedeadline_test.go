@@ -7,7 +7,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
@@ -21,27 +20,10 @@ import (
 // stored. Red without the arrival check: the late store answered ok.
 func TestStoreCarriesTheEnginesDeadline(t *testing.T) {
 	h := newHarness(t)
-	e := newEngine(t, h)
+	e, reg := newStoringEngine(t, h)
 	ctx := h.ctx()
-	e.spec.Groups[0].MLA = false // this rank stores its own shard
-	var err error
-	if e.res, err = e.spec.Resolve(); err != nil {
-		t.Fatal(err)
-	}
-	reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := e.dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	for l, m := range e.pools {
-		if _, err := s.Upload(m, 2*e.g.StrideBytes, pageOf(l, 2, e.g.PageBytes)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	s := e.stream(t)
+	e.uploadPage(t, s, 2)
 	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
 	store := func(id, deadline string) *wire.Reply[wire.StoreReply] {
 		t.Helper()
