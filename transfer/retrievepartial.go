@@ -61,18 +61,7 @@ func (e *Engine) placedSpans(sp *space, gi int, blocks []int64, skip int) ([]cud
 		// (partialSums).
 		return nil, fmt.Errorf("skips blocks of group %d, whose pages of %d B are not a multiple of 8 B: %w", gi, g.PageBytes, ErrBadRequest)
 	}
-	pools := sp.pools[gi]
-	spans := make([]cuda.Span, 0, len(pools)*len(blocks))
-	for li, m := range pools {
-		ext, err := g.Extents(blocks, m.Size())
-		if err != nil {
-			return nil, fmt.Errorf("layer %d: %w: %w", li, ErrBadRequest, err)
-		}
-		for _, x := range ext {
-			spans = append(spans, cuda.Span{Mem: m, Off: x.Off, Len: x.Len})
-		}
-	}
-	return spans, nil
+	return layerSpans(g, sp.pools[gi], blocks)
 }
 
 // partialSource is the source of an item that skips blocks, checked:

@@ -410,7 +410,12 @@ func (e *Engine) pageSpans(sp *space, gi int, blocks []int64) ([]cuda.Span, erro
 		return nil, fmt.Errorf("%d block ids, a chunk of %d tokens holds %d blocks of span %d: %w",
 			len(blocks), res.ChunkTokens, want, g.Span, ErrBadRequest)
 	}
-	pools := sp.pools[gi]
+	return layerSpans(g, sp.pools[gi], blocks)
+}
+
+// layerSpans returns the spans of blocks in each of a group's layer
+// pools, layer by layer: the order of an object's pages.
+func layerSpans(g dcp.PageGeometry, pools []cuda.Mem, blocks []int64) ([]cuda.Span, error) {
 	spans := make([]cuda.Span, 0, len(pools)*len(blocks))
 	for li, m := range pools {
 		ext, err := g.Extents(blocks, m.Size())
