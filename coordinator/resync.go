@@ -285,14 +285,10 @@ func (s *invStream) page(p *wire.InventoryPage) error {
 	if p.Page < p.Pages-1 {
 		return nil
 	}
-	w, err = c.repl.queueInventoryStep(s.term, index.InventoryStep{Kind: index.StepEnd, Rank: p.Rank,
+	out, err := s.apply(index.InventoryStep{Kind: index.StepEnd, Rank: p.Rank,
 		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Placements: s.objects})
 	if err != nil {
-		return s.failed(err)
-	}
-	out, err := w()
-	if err != nil {
-		return s.failed(err)
+		return err
 	}
 	if out.Reason != "" {
 		return s.gone(fmt.Sprintf("at its end (%s)", out.Reason))
@@ -340,6 +336,20 @@ func (s *invStream) drain() {
 	}
 }
 
+// apply queues st in the index and waits for its outcome, as Begin and
+// End are applied (a page step is waited for later, by settle).
+func (s *invStream) apply(st index.InventoryStep) (index.InventoryOutcome, error) {
+	w, err := s.c.repl.queueInventoryStep(s.term, st)
+	if err != nil {
+		return index.InventoryOutcome{}, s.failed(err)
+	}
+	out, err := w()
+	if err != nil {
+		return index.InventoryOutcome{}, s.failed(err)
+	}
+	return out, nil
+}
+
 // failed notes an index error of a step: done when a retry cannot help.
 func (s *invStream) failed(err error) error {
 	s.done = s.done || errors.Is(err, index.ErrClosed) || errors.Is(err, errNotLeader)
@@ -381,16 +391,12 @@ func (s *invStream) begin(p *wire.InventoryPage) error {
 	}
 	s.inc, s.seq = p.Incarnation, p.Seq
 	s.prev, s.known = c.rankIncarnation(r)
-	w, err := c.repl.queueInventoryStep(s.term, index.InventoryStep{Kind: index.StepBegin, Rank: r,
-		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Checked: true})
-	if err != nil {
-		return s.failed(err)
-	}
 	// Waited for: a page finding Begin's sliced drop running would
 	// finish it in one piece.
-	out, err := w()
+	out, err := s.apply(index.InventoryStep{Kind: index.StepBegin, Rank: r,
+		Incarnation: p.Incarnation, Seq: p.Seq, FenceGen: s.gen, Checked: true})
 	if err != nil {
-		return s.failed(err)
+		return err
 	}
 	if out.Reason != "" {
 		s.out = out
