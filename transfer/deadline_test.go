@@ -63,3 +63,41 @@ func TestRetrieveFromL1PastItsDeadlinePlacesNothing(t *testing.T) {
 		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", res)
 	}
 }
+
+// lateTimerCtx is a context whose deadline has passed but whose timer has
+// not run yet, so it is not done: what a loaded host shows for a while
+// after the engine's deadline (the timer goroutine runs late, and a
+// derived context ends after its parent).
+type lateTimerCtx struct {
+	context.Context // never done
+	deadline        time.Time
+}
+
+func (c lateTimerCtx) Deadline() (time.Time, bool) { return c.deadline, true }
+
+// TestRetrievePastItsDeadlineBeforeItsTimerPlacesNothing: the engine takes
+// its blocks back at its deadline by the clock, not when the context's
+// timer gets to run; a retrieve whose deadline has passed places nothing
+// even though its context has not ended yet. Red with the check before the
+// scatter reading ctx.Err only: the chunk was scattered over the engine's
+// bytes ("byte ... = ..., want ..."), as TestRetrievePastItsDeadlinePlacesNothing
+// saw a few times in 60 on a loaded host.
+func TestRetrievePastItsDeadlineBeforeItsTimerPlacesNothing(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e, r, "s", c)
+	tgt := r.consecutiveN(1)
+	overwrite(t, r, 77, tgt) // the engine's own bytes in the target blocks
+	ctx := lateTimerCtx{context.Background(), time.Now().Add(-time.Millisecond)}
+	res, err := e.Retrieve(ctx, r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
+	r.check("the pools after a retrieve past its deadline")
+	if err == nil && res.ChunkOK(0) {
+		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", res)
+	}
+	if err == nil && res.Items[0].Reason != ReasonTimeout {
+		t.Fatalf("retrieve past its deadline: reason %q (%v), want %q", res.Items[0].Reason, res.Items[0].Err, ReasonTimeout)
+	}
+}

@@ -319,13 +319,13 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		p.scatter = nil
 		return p
 	}
-	if ctx.Err() != nil {
+	if err := timeUp(ctx); err != nil {
 		// The retrieve's time is up (the engine's deadline, or its
 		// timeout): the engine may have given these blocks to other use,
 		// so nothing more is placed.
 		e.retrieveStreams.put(stream, true)
 		for _, i := range scatter {
-			r.fail(i, fmt.Errorf("not placed: %w", ctxErr(ctx)))
+			r.fail(i, fmt.Errorf("not placed: %w", err))
 		}
 		p.scatter = nil
 		return p

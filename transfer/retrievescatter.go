@@ -38,9 +38,9 @@ func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []i
 		failAll(fmt.Errorf("no stream: %w", ctxErr(ctx)))
 		return
 	}
-	if ctx.Err() != nil { // time is up: the blocks may not be the engine's to fill any more
+	if err := timeUp(ctx); err != nil { // the blocks may not be the engine's to fill any more
 		e.retrieveStreams.put(stream, true)
-		failAll(fmt.Errorf("not placed: %w", ctxErr(ctx)))
+		failAll(fmt.Errorf("not placed: %w", err))
 		return nil, false
 	}
 	op, ok := r.enqueueScatter(stream, buf, items, objs)
@@ -48,6 +48,23 @@ func (r *retrieval) scatterFrom(ctx context.Context, buf cuda.HostBuf, items []i
 		return nil, false
 	}
 	return r.waitScatter(ctx, stream, op, items)
+}
+
+// timeUp says why nothing more may be placed under ctx, or nil: the
+// context has ended, or its deadline (the engine's, wire.HeaderDeadline,
+// or the retrieve timeout) has passed by the clock. The engine takes its
+// blocks back at that deadline by the same clock, but the timer that ends
+// the context runs some time after it (milliseconds on a loaded host) and
+// a derived context ends later still, so ctx.Err alone lets a scatter be
+// enqueued after the deadline, over the engine's own bytes.
+func timeUp(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return ctxErr(ctx)
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return fmt.Errorf("%w: %w (by the clock, before the context's timer ran)", ErrTimeout, context.DeadlineExceeded)
+	}
+	return nil
 }
 
 // enqueueScatter enqueues the scatter of objs (the objects of items) from
