@@ -17,9 +17,15 @@ import (
 // Benchmarks: timings with ratios against a ceiling measured in the same
 // run (STYLE 18). Run with: go test -run '^$' -bench . ./coordinator/
 
-// benchCoord is a coordinator with logging off.
-func benchCoord(b *testing.B) *Coordinator {
-	return startCoord(b, func(cfg *Config) { cfg.Logger = zap.NewNop(); cfg.Cluster.Logger = zap.NewNop() })
+// benchCoord is a coordinator with logging off, after edits.
+func benchCoord(b *testing.B, edits ...func(*Config)) *Coordinator {
+	return startCoord(b, func(cfg *Config) {
+		cfg.Logger = zap.NewNop()
+		cfg.Cluster.Logger = zap.NewNop()
+		for _, edit := range edits {
+			edit(cfg)
+		}
+	})
 }
 
 // ingestBatches builds, per rank, batches of n events each storing a new

@@ -36,31 +36,14 @@ import (
 //
 //	KVTIER_BENCH_RANK_OBJECTS=1000000 go test -run '^$' -bench RankResetHeap -benchtime 1x ./coordinator/
 func BenchmarkRankResetHeap(b *testing.B) {
-	n := 1 << 20
-	if v := os.Getenv("KVTIER_BENCH_RANK_OBJECTS"); v != "" {
-		var err error
-		if n, err = strconv.Atoi(v); err != nil || n < 1 {
-			b.Fatalf("KVTIER_BENCH_RANK_OBJECTS=%q", v)
-		}
-	}
-	const batch = 8192
+	n := benchCount(b, "KVTIER_BENCH_RANK_OBJECTS", 1<<20)
 	for b.Loop() {
 		c := benchCoord(b)
 		nc := connect(b, c)
 		ns := register(b, nc, c.subj, testSpec(1))
 		r := wire.Rank{Instance: "flood", TPRank: 0}
 		keyOf := func(seed uint64, i int) dcp.Key { return dcp.Key{NS: ns, Chunk: indextest.Chunk(seed, uint64(i))} }
-		size := uint64(2048) // testSpec's object (checkEventGeometry)
-		for lo := 0; lo < n; lo += batch {
-			bt := &wire.Batch{Rank: r, Incarnation: 1}
-			for i := lo; i < min(lo+batch, n); i++ {
-				bt.Events = append(bt.Events, wire.Event{Seq: uint64(i) + 1, Kind: wire.Stored, Tier: wire.L2, Key: keyOf(1, i),
-					Size: size, Sum: uint64(i) + 1})
-			}
-			if ack, werr := sendBatch(b, nc, c.subj, bt); werr != nil || ack.AppliedThrough != uint64(min(lo+batch, n)) {
-				b.Fatalf("fill: %+v %v", ack, werr)
-			}
-		}
+		fillRank(b, nc, c.subj, r, n, func(i int) dcp.Key { return keyOf(1, i) })
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		reset := peakOnly(func() {
 			rep, err := bus.Call[wire.AdminRankResetReply](ctx, nc, c.subj.Admin(wire.AdminRankReset), wire.AdminRankResetRequest{Rank: r.String()})
@@ -71,31 +54,10 @@ func BenchmarkRankResetHeap(b *testing.B) {
 
 		inv := wire.Inventory{Rank: r, Incarnation: 2, Seq: 5, Objects: make([]wire.Placement, n)}
 		for i := range inv.Objects {
-			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: size, Sum: uint64(i) + 1}
+			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: benchObject, Sum: uint64(i) + 1}
 		}
-		srv := newInventoryServer(wire.DefaultInventoryPageSize)
-		sub, err := connect(b, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
-			srv.serve(m, func() wire.Inventory { return inv })
-		})
-		if err != nil {
-			b.Fatal(err)
-		}
-		apply := peakOnly(func() {
-			gap := &wire.Batch{Rank: r, Incarnation: 2, Events: []wire.Event{{Seq: 3, Kind: wire.Stored, Tier: wire.L2,
-				Key: keyOf(3, 0), Size: size, Sum: 1}}}
-			if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
-				b.Fatalf("gap batch: %+v %v", ack, werr)
-			}
-			for {
-				if ri, ok := c.idx.Rank(r); ok && ri.LastSeq == inv.Seq && !ri.Partial {
-					break
-				}
-				if ctx.Err() != nil {
-					b.Fatal("the resync never landed")
-				}
-				time.Sleep(time.Millisecond)
-			}
-		})
+		sub := serveBenchInventory(b, c, &inv)
+		apply := peakOnly(func() { resyncAfterGap(b, ctx, c, nc, &inv, keyOf(3, 0)) })
 		cancel()
 		_ = sub.Unsubscribe()
 		runtime.KeepAlive(inv)
@@ -119,14 +81,8 @@ func BenchmarkRankResetHeap(b *testing.B) {
 //
 //	go test -run '^$' -bench PlacementFlood -benchtime 1x ./coordinator/
 func BenchmarkPlacementFlood(b *testing.B) {
-	n := 2_000_000
-	if v := os.Getenv("KVTIER_BENCH_FLOOD"); v != "" {
-		var err error
-		if n, err = strconv.Atoi(v); err != nil || n < 1 {
-			b.Fatalf("KVTIER_BENCH_FLOOD=%q", v)
-		}
-	}
-	const batch = 8192
+	n := benchCount(b, "KVTIER_BENCH_FLOOD", 2_000_000)
+	const batch = fillBatch
 	for b.Loop() {
 		c := benchCoord(b)
 		nc := connect(b, c)
@@ -162,6 +118,79 @@ func BenchmarkPlacementFlood(b *testing.B) {
 			float64(fi.Size())/(1<<20))
 		b.ReportMetric(float64(held), "placements-held")
 		b.ReportMetric(float64(int64(ms.HeapInuse)-int64(base))/(1<<20), "MiB-heap")
+	}
+}
+
+// fillBatch is the events of a batch with which these benchmarks fill a
+// rank, and benchObject the size of testSpec's object
+// (checkEventGeometry).
+const (
+	fillBatch   = 8192
+	benchObject = 2048
+)
+
+// benchCount is the whole number in the environment variable name, def
+// where it is unset; anything but a positive number fails b.
+func benchCount(b *testing.B, name string, def int) int {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 {
+		b.Fatalf("%s=%q", name, v)
+	}
+	return n
+}
+
+// fillRank stores n objects of r through NATS, in batches of fillBatch
+// events that must all apply: object i is key(i) in L2, testSpec's size,
+// with sequence and sum i+1.
+func fillRank(b *testing.B, nc *nats.Conn, subj wire.Subjects, r wire.Rank, n int, key func(int) dcp.Key) {
+	for lo := 0; lo < n; lo += fillBatch {
+		bt := &wire.Batch{Rank: r, Incarnation: 1}
+		for i := lo; i < min(lo+fillBatch, n); i++ {
+			bt.Events = append(bt.Events, wire.Event{Seq: uint64(i) + 1, Kind: wire.Stored, Tier: wire.L2, Key: key(i),
+				Size: benchObject, Sum: uint64(i) + 1})
+		}
+		if ack, werr := sendBatch(b, nc, subj, bt); werr != nil || ack.AppliedThrough != uint64(min(lo+fillBatch, n)) {
+			b.Fatalf("fill: %+v %v", ack, werr)
+		}
+	}
+}
+
+// serveBenchInventory answers the inventory requests of inv's rank with *inv,
+// read at each request, in pages of wire.DefaultInventoryPageSize, on a
+// connection of its own, until the subscription is dropped.
+func serveBenchInventory(b *testing.B, c *Coordinator, inv *wire.Inventory) *nats.Subscription {
+	srv := newInventoryServer(wire.DefaultInventoryPageSize)
+	sub, err := connect(b, c).Subscribe(c.subj.Inventory(inv.Rank), func(m *nats.Msg) {
+		srv.serve(m, func() wire.Inventory { return *inv })
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return sub
+}
+
+// resyncAfterGap sends inv's rank a batch of one event (gapKey) two
+// sequences short of inv's, which the coordinator answers by resyncing the
+// rank, and waits until the index holds the rank whole at inv's sequence
+// or ctx ends.
+func resyncAfterGap(b *testing.B, ctx context.Context, c *Coordinator, nc *nats.Conn, inv *wire.Inventory, gapKey dcp.Key) {
+	gap := &wire.Batch{Rank: inv.Rank, Incarnation: inv.Incarnation, Events: []wire.Event{{Seq: inv.Seq - 2, Kind: wire.Stored,
+		Tier: wire.L2, Key: gapKey, Size: benchObject, Sum: 1}}}
+	if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
+		b.Fatalf("gap batch: %+v %v", ack, werr)
+	}
+	for {
+		if ri, ok := c.idx.Rank(inv.Rank); ok && ri.LastSeq == inv.Seq && !ri.Partial {
+			return
+		}
+		if ctx.Err() != nil {
+			b.Fatal("the resync never landed")
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -2,9 +2,7 @@ package coordinator
 
 import (
 	"context"
-	"os"
 	"runtime"
-	"strconv"
 	"testing"
 	"time"
 
@@ -13,8 +11,6 @@ import (
 	"github.com/kvtier/kvtier/index/indextest"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
-	"github.com/nats-io/nats.go"
-	"go.uber.org/zap"
 )
 
 // BenchmarkInventoryReplaceHeap measures the heap of a coordinator (in
@@ -33,64 +29,23 @@ import (
 //
 //	KVTIER_BENCH_INVENTORY=2000000 go test -run '^$' -bench InventoryReplaceHeap -benchtime 1x ./coordinator/
 func BenchmarkInventoryReplaceHeap(b *testing.B) {
-	n := 2_000_000
-	if v := os.Getenv("KVTIER_BENCH_INVENTORY"); v != "" {
-		var err error
-		if n, err = strconv.Atoi(v); err != nil || n < 1 {
-			b.Fatalf("KVTIER_BENCH_INVENTORY=%q", v)
-		}
-	}
-	const batch = 8192
+	n := benchCount(b, "KVTIER_BENCH_INVENTORY", 2_000_000)
 	for b.Loop() {
-		c := startCoord(b, func(cfg *Config) {
-			cfg.Logger, cfg.Cluster.Logger = zap.NewNop(), zap.NewNop()
-			cfg.MaxPlacementsPerRank = n + batch
-		})
+		c := benchCoord(b, func(cfg *Config) { cfg.MaxPlacementsPerRank = n + fillBatch })
 		nc := connect(b, c)
 		ns := register(b, nc, c.subj, testSpec(1))
 		r := wire.Rank{Instance: "big", TPRank: 0}
 		keyOf := func(seed uint64, i int) dcp.Key { return dcp.Key{NS: ns, Chunk: indextest.Chunk(seed, uint64(i))} }
-		const size = 2048 // testSpec's object (checkEventGeometry)
-		for lo := 0; lo < n; lo += batch {
-			bt := &wire.Batch{Rank: r, Incarnation: 1}
-			for i := lo; i < min(lo+batch, n); i++ {
-				bt.Events = append(bt.Events, wire.Event{Seq: uint64(i) + 1, Kind: wire.Stored, Tier: wire.L2, Key: keyOf(1, i),
-					Size: size, Sum: uint64(i) + 1})
-			}
-			if ack, werr := sendBatch(b, nc, c.subj, bt); werr != nil || ack.AppliedThrough != uint64(min(lo+batch, n)) {
-				b.Fatalf("fill: %+v %v", ack, werr)
-			}
-		}
+		fillRank(b, nc, c.subj, r, n, func(i int) dcp.Key { return keyOf(1, i) })
 		seq := uint64(n) + 10
 		inv := wire.Inventory{Rank: r, Incarnation: 1, Seq: seq, Objects: make([]wire.Placement, n)}
 		for i := range inv.Objects {
-			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: size, Sum: uint64(i) + 1}
+			inv.Objects[i] = wire.Placement{Key: keyOf(2, i), Tier: wire.L2, Size: benchObject, Sum: uint64(i) + 1}
 		}
-		srv := newInventoryServer(wire.DefaultInventoryPageSize)
-		sub, err := connect(b, c).Subscribe(c.subj.Inventory(r), func(m *nats.Msg) {
-			srv.serve(m, func() wire.Inventory { return inv })
-		})
-		if err != nil {
-			b.Fatal(err)
-		}
+		sub := serveBenchInventory(b, c, &inv)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		t0 := time.Now()
-		apply, applyKept := testutil.PeakHeap(func() {
-			gap := &wire.Batch{Rank: r, Incarnation: 1, Events: []wire.Event{{Seq: seq - 2, Kind: wire.Stored, Tier: wire.L2,
-				Key: keyOf(3, 0), Size: size, Sum: 1}}}
-			if ack, werr := sendBatch(b, nc, c.subj, gap); werr != nil || !ack.Resync {
-				b.Fatalf("gap batch: %+v %v", ack, werr)
-			}
-			for {
-				if ri, ok := c.idx.Rank(r); ok && ri.LastSeq == seq && !ri.Partial {
-					break
-				}
-				if ctx.Err() != nil {
-					b.Fatal("the resync never landed")
-				}
-				time.Sleep(time.Millisecond)
-			}
-		})
+		apply, applyKept := testutil.PeakHeap(func() { resyncAfterGap(b, ctx, c, nc, &inv, keyOf(3, 0)) })
 		applyTook := time.Since(t0)
 		if ri, _ := c.idx.Rank(r); ri.L2Placements != int64(n) {
 			b.Fatalf("after the resync: %+v, want %d L2 placements", ri, n)
