@@ -416,6 +416,43 @@ func storeAll(t testing.TB, e *Engine, r *rig, reqID string, cs ...chunk) StoreR
 	return res
 }
 
+// shareMember is an engine of TP rank 0 of instance inst on dev, its
+// config edited by edit, with a registered rig of c1Spec and 16 blocks:
+// one member of a share group in the share tests.
+func shareMember(t testing.TB, dev cuda.Device, inst string, edit func(*Config)) (*Engine, *rig) {
+	t.Helper()
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.Rank.Instance = inst
+	edit(&cfg)
+	e := newEngine(t, cfg)
+	r := newRig(t, dev, c1Spec(), []int64{16})
+	r.register(e)
+	return e, r
+}
+
+// restoreAll retrieves cs into targets and checks every byte.
+func restoreAll(t testing.TB, e *Engine, r *rig, what string, cs []chunk, tgts [][][]int64) RetrieveResult {
+	t.Helper()
+	return restoreWith(t, e, r, what, r.retrieveReq(0, cs, tgts), cs, tgts)
+}
+
+// restoreWith is restoreAll with req, a request of cs into tgts.
+func restoreWith(t testing.TB, e *Engine, r *rig, what string, req RetrieveRequest, cs []chunk, tgts [][][]int64) RetrieveResult {
+	t.Helper()
+	rr, err := e.Retrieve(testCtx(t), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range cs {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("%s: chunk %d of %d: %+v", what, i, len(cs), rr.Items[i])
+		}
+		r.expectRestored(cs[i], tgts[i])
+	}
+	r.check(what)
+	return rr
+}
+
 // gatherer is e's test registry, for testutil.Metric.
 func gatherer(t testing.TB, e *Engine) prometheus.Gatherer {
 	t.Helper()

@@ -38,22 +38,6 @@ func storeConcurrently(t *testing.T, e *Engine, r *rig, reqID string, cs []chunk
 	}
 }
 
-// restoreAll retrieves cs into targets and checks every byte.
-func restoreAll(t *testing.T, e *Engine, r *rig, what string, cs []chunk, tgts [][][]int64) {
-	t.Helper()
-	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, tgts))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range cs {
-		if !rr.ChunkOK(i) {
-			t.Fatalf("%s: chunk %d of %d: %+v", what, i, len(cs), rr.Items[i])
-		}
-		r.expectRestored(cs[i], tgts[i])
-	}
-	r.check(what)
-}
-
 // TestL1PressureWriteBackPrompts (issue 18.1): a 64 MiB write-back L1. A
 // 13-chunk prompt of 31 MiB per rank stores (all its stores in flight at
 // once) and restores byte-exact, also after a second such prompt pushed

@@ -23,12 +23,9 @@ func TestRetrieveFromMemberL3(t *testing.T) {
 	dev := openDevice(t, "")
 	l3, _ := openL3(t)
 	engineOf := func(inst string, shared ...string) (*Engine, *rig) {
-		cfg := engineConfig(t, dev, 0, 1)
-		cfg.Rank.Instance, cfg.L3, cfg.StorageKey, cfg.L3Encrypt, cfg.L3SharedWith = inst, l3, storageKey(1), true, shared
-		e := newEngine(t, cfg)
-		r := newRig(t, dev, c1Spec(), []int64{16})
-		r.register(e)
-		return e, r
+		return shareMember(t, dev, inst, func(c *Config) {
+			c.L3, c.StorageKey, c.L3Encrypt, c.L3SharedWith = l3, storageKey(1), true, shared
+		})
 	}
 	ea, ra := engineOf("a")
 	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
@@ -46,20 +43,15 @@ func TestRetrieveFromMemberL3(t *testing.T) {
 
 	eb, rb := engineOf("b", "a")
 	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
-	rr, err := eb.Retrieve(testCtx(t), fromA(rb, cs, tgt))
-	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L3 {
-		t.Fatalf("b's retrieve from a's L3: %+v %v", rr, err)
+	if rr := restoreWith(t, eb, rb, "b after restoring a's L3 copies", fromA(rb, cs, tgt), cs, tgt); rr.Items[0].From != wire.L3 {
+		t.Fatalf("b's retrieve from a's L3: %+v", rr)
 	}
-	for i, c := range cs {
-		rb.expectRestored(c, tgt[i])
-	}
-	rb.check("b after restoring a's L3 copies")
 	if v := testutil.Metric(t, gatherer(t, eb), "kvtier_transfer_l3_shared_restored_objects_total"); v != 2 {
 		t.Fatalf("l3_shared_restored_objects_total = %v, want 2", v)
 	}
 
 	ec, rc := engineOf("c")
-	rr, err = ec.Retrieve(testCtx(t), fromA(rc, cs[:1], tgt[:1]))
+	rr, err := ec.Retrieve(testCtx(t), fromA(rc, cs[:1], tgt[:1]))
 	if err != nil || rr.ChunkOK(0) {
 		t.Fatalf("c (not sharing with a) restored a's L3 copy: %+v %v", rr, err)
 	}

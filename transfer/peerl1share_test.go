@@ -17,13 +17,10 @@ func TestPeerL1ShareGroupMember(t *testing.T) {
 	dev := openDevice(t, "")
 	dir := hostL1Dir(t)
 	engineOf := func(inst string, shared ...string) (*Engine, *rig) {
-		cfg := engineConfig(t, dev, 0, 1)
-		cfg.Rank.Instance, cfg.HostL1Dir, cfg.HostL1SharedWith = inst, dir, shared
-		cfg.L2Dir, cfg.L2Policy = t.TempDir(), WriteBackOnEvict
-		e := newEngine(t, cfg)
-		r := newRig(t, dev, c1Spec(), []int64{16})
-		r.register(e)
-		return e, r
+		return shareMember(t, dev, inst, func(c *Config) {
+			c.HostL1Dir, c.HostL1SharedWith = dir, shared
+			c.L2Dir, c.L2Policy = t.TempDir(), WriteBackOnEvict
+		})
 	}
 	ea, ra := engineOf("a")
 	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
@@ -31,21 +28,16 @@ func TestPeerL1ShareGroupMember(t *testing.T) {
 
 	eb, rb := engineOf("b", "a")
 	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
-	rr, err := eb.Retrieve(testCtx(t), rb.retrieveReq(0, cs, tgt))
-	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L1 {
-		t.Fatalf("b's retrieve of a's L1 objects: %+v %v", rr, err)
+	if rr := restoreAll(t, eb, rb, "b after restoring from a's segment", cs, tgt); rr.Items[0].From != wire.L1 {
+		t.Fatalf("b's retrieve of a's L1 objects: %+v", rr)
 	}
-	for i, c := range cs {
-		rb.expectRestored(c, tgt[i])
-	}
-	rb.check("b after restoring from a's segment")
 	if st := eb.Stats(); st.PeerL1Reads != 2 || st.L2Reads != 0 || st.L1Objects != 0 || st.PeerL1Failures != 0 {
 		t.Fatalf("b's stats: peer reads %d, L2 reads %d, own L1 objects %d, peer failures %d",
 			st.PeerL1Reads, st.L2Reads, st.L1Objects, st.PeerL1Failures)
 	}
 
 	ec, rc := engineOf("c")
-	rr, err = ec.Retrieve(testCtx(t), rc.retrieveReq(0, cs[:1], tgt[:1]))
+	rr, err := ec.Retrieve(testCtx(t), rc.retrieveReq(0, cs[:1], tgt[:1]))
 	if err != nil || rr.ChunkOK(0) || !errors.Is(rr.Items[0].Err, ErrNotFound) {
 		t.Fatalf("c (not sharing with a): %+v %v, want not found", rr, err)
 	}

@@ -21,12 +21,7 @@ func TestStoreDedupedOntoShareGroupCopy(t *testing.T) {
 	dev := openDevice(t, "")
 	root := t.TempDir()
 	engineOf := func(inst string, shared ...string) (*Engine, *rig) {
-		cfg := engineConfig(t, dev, 0, 1)
-		cfg.Rank.Instance, cfg.L2Dir, cfg.L2SharedWith = inst, root, shared
-		e := newEngine(t, cfg)
-		r := newRig(t, dev, c1Spec(), []int64{16})
-		r.register(e)
-		return e, r
+		return shareMember(t, dev, inst, func(c *Config) { c.L2Dir, c.L2SharedWith = root, shared })
 	}
 	ea, ra := engineOf("a")
 	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
@@ -62,14 +57,9 @@ func TestStoreDedupedOntoShareGroupCopy(t *testing.T) {
 	// b restores them from a's files (its engine's restore plan would
 	// name a's placements: the coordinator's share group).
 	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
-	rr, err := eb.Retrieve(testCtx(t), rb.retrieveReq(0, cs, tgt))
-	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L2 {
-		t.Fatalf("b's retrieve: %+v %v", rr, err)
+	if rr := restoreAll(t, eb, rb, "b after restoring a's copies", cs, tgt); rr.Items[0].From != wire.L2 {
+		t.Fatalf("b's retrieve: %+v", rr)
 	}
-	for i, c := range cs {
-		rb.expectRestored(c, tgt[i])
-	}
-	rb.check("b after restoring a's copies")
 
 	// c shares with b only, d with nobody: each stores its own copy.
 	for _, x := range []struct {
@@ -126,15 +116,12 @@ func TestStoreDedupedKeepsLocalL1Copy(t *testing.T) {
 	root := t.TempDir()
 	l3, _ := openL3(t)
 	engineOf := func(inst string, keep bool, shared ...string) (*Engine, *rig) {
-		cfg := engineConfig(t, dev, 0, 1)
-		cfg.Rank.Instance, cfg.L2Dir, cfg.L2SharedWith, cfg.KeepSharedInL1 = inst, root, shared, keep
-		if keep {
-			cfg.L3 = l3
-		}
-		e := newEngine(t, cfg)
-		r := newRig(t, dev, c1Spec(), []int64{16})
-		r.register(e)
-		return e, r
+		return shareMember(t, dev, inst, func(c *Config) {
+			c.L2Dir, c.L2SharedWith, c.KeepSharedInL1 = root, shared, keep
+			if keep {
+				c.L3 = l3
+			}
+		})
 	}
 	ea, ra := engineOf("a", false)
 	cs := []chunk{ra.newChunk(0, ra.consecutiveN(0)), ra.newChunk(1, ra.consecutiveN(1))}
@@ -183,12 +170,7 @@ func TestStoreDedupedKeepsLocalL1Copy(t *testing.T) {
 		t.Fatalf("dedupe_shared_l1_total = %v, want 2", v)
 	}
 	tgt := [][][]int64{rb.consecutiveN(4), rb.consecutiveN(5)}
-	rr, err := eb.Retrieve(testCtx(t), rb.retrieveReq(0, cs, tgt))
-	if err != nil || !rr.ChunkOK(0) || !rr.ChunkOK(1) || rr.Items[0].From != wire.L1 {
-		t.Fatalf("b's retrieve: %+v %v, want both chunks from its L1", rr, err)
+	if rr := restoreAll(t, eb, rb, "b after restoring its L1 copies", cs, tgt); rr.Items[0].From != wire.L1 {
+		t.Fatalf("b's retrieve: %+v, want both chunks from its L1", rr)
 	}
-	for i, c := range cs {
-		rb.expectRestored(c, tgt[i])
-	}
-	rb.check("b after restoring its L1 copies")
 }
