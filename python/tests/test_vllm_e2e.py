@@ -281,7 +281,13 @@ def test_connector_store_reset_restore_and_l2_after_restart(cluster: Cluster, la
         for layer in range(LAYERS):
             assert w.page_at(layer, blocks_d[0]) == originals[(w.tp, layer, 0)]
     sched.request_finished(req, blocks_d)
-    for w in [*workers]:
+    shutdown(sched, workers)
+
+
+def shutdown(sched, workers) -> None:
+    """Shuts the workers' connectors down and frees their memory, then the
+    scheduler's connector."""
+    for w in workers:
         w.conn.shutdown()
         w.mem.release()
     sched.shutdown()
@@ -366,21 +372,24 @@ def test_connector_dcp2_stores_and_restores_pages_dealt_as_vllm_deals_them(clust
             for bi in range(4):
                 assert w.page_at(layer, blocks_b[bi]) == originals[(w.tp, layer, bi)], (w.tp, layer, bi)
             assert w.page_at(layer, blocks_b[4]) == bytes(w.page)
-    # read back through vLLM's mapping at the new block ids: every token's
-    # rows are the ones computed for it, on the rank that owns it
-    for pos in range(128):
-        r, slot = lay.local_slot(pos, DCP_BS, blocks_b)
+    check_dcp_rows(workers, lay, prompt, blocks_b, range(128))
+    sched.request_finished(req, blocks_b)
+    shutdown(sched, workers)
+
+
+def check_dcp_rows(workers: list[Worker], lay: dcp.Layout, tokens: list[int], blocks: list[int],
+                   positions: range) -> None:
+    """Reads tokens' rows back through vLLM's mapping at blocks: every
+    position's K and V rows are the ones dcp_forward computed for it, on
+    the rank that owns it."""
+    for pos in positions:
+        r, slot = lay.local_slot(pos, DCP_BS, blocks)
         w = workers[r]
         for layer in range(LAYERS):
-            kv = kv_bytes(w.tp, layer, prompt[:pos + 1], 2 * ROW)
+            kv = kv_bytes(w.tp, layer, tokens[:pos + 1], 2 * ROW)
             base = layer * NUM_BLOCKS * w.page + (slot // DCP_BS) * w.page + (slot % DCP_BS) * ROW
             assert bytes(w.mem.view[base:base + ROW]) == kv[:ROW], (pos, layer)
             assert bytes(w.mem.view[base + w.page // 2:base + w.page // 2 + ROW]) == kv[ROW:], (pos, layer)
-    sched.request_finished(req, blocks_b)
-    for w in workers:
-        w.conn.shutdown()
-        w.mem.release()
-    sched.shutdown()
 
 
 def restart_ranks(cluster: Cluster) -> None:

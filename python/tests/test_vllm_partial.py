@@ -146,6 +146,7 @@ def test_partial_chunk_restores_against_real_daemons(tmp_path: pathlib.Path) -> 
         reattached,
         restart_ranks,
         run_step,
+        shutdown,
         wait_ranks,
     )
 
@@ -246,10 +247,7 @@ def test_partial_chunk_restores_against_real_daemons(tmp_path: pathlib.Path) -> 
                 for bi in range(1, 4):  # nothing of the failed chunk was written on rank 1
                     if w.tp == 1:
                         assert w.page_at(layer, blocks_c[bi]) == bytes(w.page), (layer, bi)
-        for w in workers:
-            w.conn.shutdown()
-            w.mem.release()
-        sched.shutdown()
+        shutdown(sched, workers)
     except BaseException:
         print(cluster.logs_tail())
         raise
@@ -328,16 +326,16 @@ def test_partial_chunk_under_dcp2_against_real_daemons(tmp_path: pathlib.Path) -
         DCP_BS,
         LAYERS,
         NUM_BLOCKS,
-        ROW,
         TP,
         Worker,
         _answered,
         _prefix,
+        check_dcp_rows,
         connector,
         dcp_forward,
         finish_saves,
-        kv_bytes,
         run_step,
+        shutdown,
         wait_ranks,
     )
 
@@ -397,19 +395,9 @@ def test_partial_chunk_under_dcp2_against_real_daemons(tmp_path: pathlib.Path) -
             assert w.conn.stats["loaded_tokens"] == 2 * 128 - 32
             for layer in range(LAYERS):
                 assert w.page_at(layer, blocks_b[0]) == marker, (w.tp, layer)
-        for pos in range(32, 256):
-            r, slot = lay.local_slot(pos, DCP_BS, blocks_b)
-            w = workers[r]
-            for layer in range(LAYERS):
-                kv = kv_bytes(w.tp, layer, prompt[:pos + 1], 2 * ROW)
-                base = layer * NUM_BLOCKS * w.page + (slot // DCP_BS) * w.page + (slot % DCP_BS) * ROW
-                assert bytes(w.mem.view[base:base + ROW]) == kv[:ROW], (pos, layer)
-                assert bytes(w.mem.view[base + w.page // 2:base + w.page // 2 + ROW]) == kv[ROW:], (pos, layer)
+        check_dcp_rows(workers, lay, prompt, blocks_b, range(32, 256))
         sched.request_finished(req, blocks_b)
-        for w in workers:
-            w.conn.shutdown()
-            w.mem.release()
-        sched.shutdown()
+        shutdown(sched, workers)
     except BaseException:
         print(cluster.logs_tail())
         raise
