@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
@@ -43,20 +41,7 @@ func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	}
 	retrieve := func(deadline string) *wire.Reply[wire.RetrieveReply] {
 		t.Helper()
-		m := nats.NewMsg(h.subj.Engine(h.rank, OpRetrieve))
-		m.Data = body
-		if deadline != "" {
-			m.Header.Set(wire.HeaderDeadline, deadline)
-		}
-		rep, err := h.nc.RequestMsgWithContext(ctx, m)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r wire.Reply[wire.RetrieveReply]
-		if err := json.Unmarshal(rep.Data, &r); err != nil {
-			t.Fatal(err)
-		}
-		return &r
+		return requestWithDeadline[wire.RetrieveReply](t, h, ctx, OpRetrieve, body, deadline)
 	}
 	block5 := func() bool { // true when every layer's block 5 holds the page
 		t.Helper()

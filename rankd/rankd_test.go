@@ -276,6 +276,27 @@ func engineBody(t *testing.T, asBinary bool, req interface{ MarshalBinary() ([]b
 	return bus.Raw(b)
 }
 
+// requestWithDeadline sends body to h's rank as the engine's op, with
+// wire.HeaderDeadline set to deadline unless it is empty, and returns the
+// decoded reply.
+func requestWithDeadline[T any](t *testing.T, h *harness, ctx context.Context, op string, body []byte, deadline string) *wire.Reply[T] {
+	t.Helper()
+	m := nats.NewMsg(h.subj.Engine(h.rank, op))
+	m.Data = body
+	if deadline != "" {
+		m.Header.Set(wire.HeaderDeadline, deadline)
+	}
+	rep, err := h.nc.RequestMsgWithContext(ctx, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r wire.Reply[T]
+	if err := json.Unmarshal(rep.Data, &r); err != nil {
+		t.Fatal(err)
+	}
+	return &r
+}
+
 // TestDaemonStoreRetrieveReport: stores, a retrieve and its report, bad
 // input refused with stable codes, with the store and retrieve requests
 // as JSON and as binary.

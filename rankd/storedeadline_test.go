@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
@@ -32,20 +30,7 @@ func TestStoreCarriesTheEnginesDeadline(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		m := nats.NewMsg(h.subj.Engine(h.rank, OpStore))
-		m.Data = body
-		if deadline != "" {
-			m.Header.Set(wire.HeaderDeadline, deadline)
-		}
-		rep, err := h.nc.RequestMsgWithContext(ctx, m)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r wire.Reply[wire.StoreReply]
-		if err := json.Unmarshal(rep.Data, &r); err != nil {
-			t.Fatal(err)
-		}
-		return &r
+		return requestWithDeadline[wire.StoreReply](t, h, ctx, OpStore, body, deadline)
 	}
 	stored := func() uint64 { return h.d.eng.Stats().ObjectsStored }
 
