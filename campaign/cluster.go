@@ -269,7 +269,7 @@ func (c *cluster) up(ctx context.Context) error {
 		c.proxies = append(c.proxies, ps)
 		c.rankAddr = append(c.rankAddr, addr)
 		argv := []string{c.rankdBin, "--instance", Instance, "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.cfg.Ranks),
-			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.cfg.L1, "--l2-dir", c.l2D,
+			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.cfg.L1, "--l2-dir", c.l2D, "--l2-free-floor", "0",
 			"--join", strings.Join(gossips, ","), "--bind", addr, "--http", "", "--log-level", "info", "--creds-dir", c.creds,
 			"--nats", strings.Join(urls, ",")}
 		if c.l3 != nil {

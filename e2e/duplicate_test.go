@@ -25,7 +25,7 @@ func TestDuplicateRankdRefused(t *testing.T) {
 	}
 
 	dupArgs := append([]string{bin.rankd, "--instance", "engine0", "--tp-rank", "2", "--tp-size", "4",
-		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
+		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D, "--l2-free-floor", "0",
 		"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(testutil.FreePort(t)), "--http", "127.0.0.1:0", "--log-level", "info"},
 		c.credsArgs()...)
 	dup := startProc(t, "rankd2-duplicate", filepath.Join(c.logD, "rankd2-duplicate.log"), dupArgs...)

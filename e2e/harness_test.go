@@ -349,7 +349,7 @@ func (c *kv) startRank(r int) {
 	c.t.Helper()
 	nats := c.rankdNATS
 	args := []string{bin.rankd, "--instance", "engine0", "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.tp),
-		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D,
+		"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", c.l2D, "--l2-free-floor", "0",
 		"--join", c.gossip, "--bind", c.rankAddr[r], "--http", "127.0.0.1:0", "--log-level", "info"}
 	args = append(args, c.credsArgs()...)
 	if nats != "" {

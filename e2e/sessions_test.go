@@ -194,7 +194,7 @@ func startInstance(c *kv, instance string) []*proc {
 	var ps []*proc
 	for r := range c.tp {
 		args := []string{bin.rankd, "--instance", instance, "--tp-rank", strconv.Itoa(r), "--tp-size", strconv.Itoa(c.tp),
-			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", l2,
+			"--device", "host", "--host-dir", c.hostD, "--l1-bytes", c.l1, "--l2-dir", l2, "--l2-free-floor", "0",
 			"--join", c.gossip, "--bind", "127.0.0.1:" + strconv.Itoa(testutil.FreePort(c.t)), "--http", "127.0.0.1:0", "--log-level", "info"}
 		args = append(args, c.rankArgs...)
 		args = append(args, c.credsArgs()...)

@@ -106,6 +106,9 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 	cfg.Device, cfg.Host = "host", h.hostCfg
 	cfg.L1Bytes = 64 << 20
 	cfg.L2Dir = t.TempDir()
+	// No free-space floor: its default (5 % of the file system) would make
+	// these tests evict L2 objects on a machine whose disk is nearly full.
+	cfg.L2FreeFloorBytes, cfg.L2FreeFloorPercent = 0, 0
 	cfg.NATSURL = srv.ClientURL()
 	cfg.Insecure = true
 	cfg.Prefix = "kvt"

@@ -199,7 +199,8 @@ def main() -> int:
     for r in range(args.ranks):
         start(f"rankd{r}", [str(bindir / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r),
                             "--tp-size", str(args.ranks), *dev_args, "--l1-bytes", l1,
-                            "--l2-dir", str(work / "l2"), "--join", gossip, "--bind", f"127.0.0.1:{free_port()}",
+                            "--l2-dir", str(work / "l2"), "--l2-free-floor", "0",
+                            "--join", gossip, "--bind", f"127.0.0.1:{free_port()}",
                             "--http", "127.0.0.1:0", "--creds-dir", str(creds)])
     try:
         return run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port, work)

@@ -141,7 +141,7 @@ class Cluster:
         self.ranks[r] = Proc(f"rankd{r}", [
             str(self.bin / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r), "--tp-size", str(self.tp),
             "--device", "host", "--host-dir", str(self.shm), "--host-uuid", HOST_UUID, "--l1-bytes", "64MiB",
-            "--l2-dir", str(self.l2), "--join", self.gossip, "--bind", self.rank_addr[r],
+            "--l2-dir", str(self.l2), "--l2-free-floor", "0", "--join", self.gossip, "--bind", self.rank_addr[r],
             "--http", "127.0.0.1:0", "--log-level", "info", "--creds-dir", str(self.creds)],
             self.logs / f"rankd{r}.log")
 
