@@ -101,3 +101,29 @@ func TestRetrievePastItsDeadlineBeforeItsTimerPlacesNothing(t *testing.T) {
 		t.Fatalf("retrieve past its deadline: reason %q (%v), want %q", res.Items[0].Reason, res.Items[0].Err, ReasonTimeout)
 	}
 }
+
+// TestRetrievePartialPastItsDeadlinePlacesNothing: the same for an item
+// that skips its chunk's first blocks (its scatter runs apart, through
+// scatterFrom, as one from a peer's L1 does), with a context that has
+// ended and with one whose timer has not run yet. Red without the check
+// in scatterFrom: the later blocks got the chunk's pages over the
+// engine's bytes.
+func TestRetrievePartialPastItsDeadlinePlacesNothing(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, partialSpec(), []int64{24, 24})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	storeAll(t, e, r, "partial", c)
+	ended, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Millisecond))
+	defer cancel()
+	for i, ctx := range []context.Context{ended, lateTimerCtx{context.Background(), time.Now().Add(-time.Millisecond)}} {
+		tgt := r.consecutiveN(1 + i)
+		overwrite(t, r, 77+i, tgt) // the engine's own bytes in the target blocks
+		res, err := e.Retrieve(ctx, skipItems(r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}), 0, 1))
+		r.check("the pools after a partial retrieve past its deadline")
+		if err == nil && res.ChunkOK(0) {
+			t.Fatalf("context %d: partial retrieve past its deadline: chunk 0 placed (%+v)", i, res)
+		}
+	}
+}
