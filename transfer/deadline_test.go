@@ -11,7 +11,10 @@ import (
 // context) while its L2 read is stuck places nothing once the read
 // returns: the engine took the blocks back at its deadline and wrote its
 // own bytes there, and those stay. (The read's own check guards this path:
-// a read that returns after the context ended fails its item.)
+// a read that returns after the context ended fails its item. One that
+// returns after the deadline but before the context's timer has ended it,
+// as happens on a loaded host, is stopped by the check before the scatter,
+// which reads the clock: TestRetrievePastItsDeadlineBeforeItsTimerPlacesNothing.)
 func TestRetrievePastItsDeadlinePlacesNothing(t *testing.T) {
 	e, r, c, held := supersedeRig(t, true, 30*time.Second) // deaf: the read ignores the context
 	tgt := r.consecutiveN(1)
