@@ -50,6 +50,17 @@ func TestRetrievePastItsDeadlinePlacesNothing(t *testing.T) {
 // scatter would be enqueued places nothing. Red without the check: the
 // chunk was scattered over the engine's own bytes.
 func TestRetrieveFromL1PastItsDeadlinePlacesNothing(t *testing.T) {
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Millisecond))
+	defer cancel()
+	retrieveFromL1Past(t, ctx)
+}
+
+// retrieveFromL1Past stores a chunk in L1, writes the engine's own bytes
+// into the target blocks and retrieves the chunk there under ctx, whose
+// deadline has passed: the pools must keep the engine's bytes and the
+// item fail with ReasonTimeout.
+func retrieveFromL1Past(t *testing.T, ctx context.Context) {
+	t.Helper()
 	dev := openDevice(t, "")
 	r := newRig(t, dev, c1Spec(), []int64{16})
 	e := newEngine(t, engineConfig(t, dev, 0, 1))
@@ -58,12 +69,13 @@ func TestRetrieveFromL1PastItsDeadlinePlacesNothing(t *testing.T) {
 	storeAll(t, e, r, "s", c)
 	tgt := r.consecutiveN(1)
 	overwrite(t, r, 77, tgt) // the engine's own bytes in the target blocks
-	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Millisecond))
-	defer cancel()
 	res, err := e.Retrieve(ctx, r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
 	r.check("the pools after a retrieve past its deadline")
 	if err == nil && res.ChunkOK(0) {
 		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", res)
+	}
+	if err == nil && res.Items[0].Reason != ReasonTimeout {
+		t.Fatalf("retrieve past its deadline: reason %q (%v), want %q", res.Items[0].Reason, res.Items[0].Err, ReasonTimeout)
 	}
 }
 
@@ -86,23 +98,7 @@ func (c lateTimerCtx) Deadline() (time.Time, bool) { return c.deadline, true }
 // bytes ("byte ... = ..., want ..."), as TestRetrievePastItsDeadlinePlacesNothing
 // saw a few times in 60 on a loaded host.
 func TestRetrievePastItsDeadlineBeforeItsTimerPlacesNothing(t *testing.T) {
-	dev := openDevice(t, "")
-	r := newRig(t, dev, c1Spec(), []int64{16})
-	e := newEngine(t, engineConfig(t, dev, 0, 1))
-	r.register(e)
-	c := r.newChunk(0, r.consecutiveN(0))
-	storeAll(t, e, r, "s", c)
-	tgt := r.consecutiveN(1)
-	overwrite(t, r, 77, tgt) // the engine's own bytes in the target blocks
-	ctx := lateTimerCtx{context.Background(), time.Now().Add(-time.Millisecond)}
-	res, err := e.Retrieve(ctx, r.retrieveReq(0, []chunk{c}, [][][]int64{tgt}))
-	r.check("the pools after a retrieve past its deadline")
-	if err == nil && res.ChunkOK(0) {
-		t.Fatalf("retrieve past its deadline: chunk 0 placed (%+v)", res)
-	}
-	if err == nil && res.Items[0].Reason != ReasonTimeout {
-		t.Fatalf("retrieve past its deadline: reason %q (%v), want %q", res.Items[0].Reason, res.Items[0].Err, ReasonTimeout)
-	}
+	retrieveFromL1Past(t, lateTimerCtx{context.Background(), time.Now().Add(-time.Millisecond)})
 }
 
 // TestRetrievePartialPastItsDeadlinePlacesNothing: the same for an item
