@@ -34,6 +34,7 @@
 #   OUT_DIR=gpu-vllm-results   KEEP=1 keeps the temp dir (logs); PORT_BASE picks the ports
 #   HOST_L1=0          1: the rankd keeps L1 in a host-shared segment (/dev/shm), which the
 #                      duel-kvtier mode needs to flip a byte of an L1 copy
+#   GRAPHS=0           1: vLLM captures CUDA graphs (default: enforce_eager)
 #   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
 #                      times per engine step in the ITL results)
 #   L2_BYTES=          rankd --l2-bytes (unset: unbounded; the L2 directory shares the disk
@@ -195,6 +196,7 @@ for mode in $MODES; do
 		[[ $mode != duel-* && ${ITL:-1} == 1 ]] && extra+=(--itl)
 	fi
 	[[ $mode == kvtier* && ${PROFILE:-0} == 1 ]] && extra+=(--profile-connector)
+	[[ ${GRAPHS:-0} == 1 ]] && extra+=(--graphs)
 	python3 "$DRIVER" run --mode "$mode" --model "$MODEL_DIR" --lengths "$LENGTHS" --reps "$REPS" \
 		--gpu-mem "$GPU_MEM" --cpu-bytes "$CPU_BYTES" --out "$OUT_DIR/$mode.json" "${extra[@]}" 2>&1 | tee "$WORK/logs/vllm-$mode.log" |
 		grep -E '^gpu-vllm:|Error|error|Traceback|kvtier' | grep -v 'DEBUG' || true

@@ -22,6 +22,10 @@ from kvtier import client
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HOST_UUID = "HOST-pytest0000000001"
 INSTANCE = "engine0"
+# The rankds' device: "host" (the host backend, vLLM's CPU build) unless
+# KVTIER_TEST_DEVICE names a GPU ("cuda:0"), where the same tests run
+# against vLLM's GPU build through CUDA IPC (docs/vllm.md).
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "host")
 T = TypeVar("T")
 
 
@@ -140,10 +144,15 @@ class Cluster:
     def start_rank(self, r: int) -> None:
         self.ranks[r] = Proc(f"rankd{r}", [
             str(self.bin / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r), "--tp-size", str(self.tp),
-            "--device", "host", "--host-dir", str(self.shm), "--host-uuid", HOST_UUID, "--l1-bytes", "64MiB",
+            *self._device_args(), "--l1-bytes", "64MiB",
             "--l2-dir", str(self.l2), "--l2-free-floor", "0", "--join", self.gossip, "--bind", self.rank_addr[r],
             "--http", "127.0.0.1:0", "--log-level", "info", "--creds-dir", str(self.creds)],
             self.logs / f"rankd{r}.log")
+
+    def _device_args(self) -> list[str]:
+        if DEVICE == "host":
+            return ["--device", "host", "--host-dir", str(self.shm), "--host-uuid", HOST_UUID]
+        return ["--device", DEVICE]
 
     def start_all(self) -> None:
         self.start_coordinator()

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cluster import HOST_UUID, REPO, Cluster, build_binaries, eventually
+from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, eventually
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -164,10 +164,12 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
 
 
 def extra_for(c: Cluster) -> dict[str, Any]:
-    return dict(kvtier_nats=c.nats_url, kvtier_device="host", kvtier_instance="engine0",
-                kvtier_creds_dir=str(c.creds), kvtier_host_dir=str(c.shm), kvtier_host_uuid=HOST_UUID,
+    dev: dict[str, Any] = dict(kvtier_device="host", kvtier_host_dir=str(c.shm), kvtier_host_uuid=HOST_UUID)
+    if DEVICE != "host":  # KVTIER_TEST_DEVICE: vLLM's GPU build, pools shared through CUDA IPC
+        dev = dict(kvtier_device="cuda")
+    return dict(kvtier_nats=c.nats_url, kvtier_instance="engine0", kvtier_creds_dir=str(c.creds),
                 kvtier_lookup_wait_s=2.0, kvtier_timeout_s=10, kvtier_restore_deadline_ms=4000,
-                kvtier_chunk_tokens=BLOCK)
+                kvtier_chunk_tokens=BLOCK, **dev)
 
 
 def gen(prompts: list[list[int]], salts: list[str | None] | None = None) -> dict[str, Any]:
