@@ -390,6 +390,11 @@ func (f *finished) deliver(c *Coordinator) {
 	}
 	if f.verdict.State == wire.VerdictFailed {
 		fields = append(fields, zap.Ints("failed_chunks", f.verdict.Failed), zap.Strings("reasons", firstN(f.verdict.Reasons, 8)))
+		if g := f.verdict.GroupReasons; len(g) > 0 {
+			// Every failed group of the first chunks, not only the one
+			// Reasons names (issue 27).
+			fields = append(fields, zap.Any("group_reasons", g[:min(len(g), 8)]))
+		}
 		c.log.Warn("restore failed", fields...)
 		return
 	}

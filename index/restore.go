@@ -62,6 +62,10 @@ type Verdict struct {
 	// The engine recomputes them; an operator looks for a bad disk, bad
 	// memory or a bug. The other failed chunks were missing, late, ...
 	BytesWrong int
+	// GroupReasons[i] names the reason of every group of chunk Failed[i]
+	// that failed, by group (wire.RestoreVerdict.GroupReasons); nil when
+	// no chunk failed in more than one group.
+	GroupReasons [][]string
 }
 
 // ReasonCorrupt is the wire.ItemResult reason of an object whose bytes
@@ -82,6 +86,14 @@ type ReportOutcome struct {
 
 type restoreSlot struct {
 	chunk, rank, group int
+}
+
+// groupCause is why one group of a chunk failed: its first failed
+// expectation, or its first one whose bytes were wrong once there is one.
+type groupCause struct {
+	group  int
+	reason string
+	wrong  bool
 }
 
 type expectState struct {
@@ -110,6 +122,10 @@ type Restore struct {
 	duplicates int
 	rejected   int
 	late       int
+
+	// chunkCauses, per chunk: one reason per failed group, by group; nil
+	// until a group of the chunk fails.
+	chunkCauses [][]groupCause
 }
 
 // NewRestore starts tracking a restore of chunks (the prefix being
@@ -133,6 +149,8 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 		state:      wire.VerdictPending,
 		chunkFail:  make([]string, len(chunks)),
 		chunkWrong: make([]bool, len(chunks)),
+
+		chunkCauses: make([][]groupCause, len(chunks)),
 	}
 	covered := make([]bool, len(chunks))
 	for i, e := range expect {
@@ -225,17 +243,14 @@ func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, er
 			if reason == "" {
 				reason = "failed"
 			}
-			r.chunkWrong[e.Chunk] = r.chunkWrong[e.Chunk] || reason == ReasonCorrupt
-			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: %s", rank, e.Group, e.Shard, reason))
+			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: %s", rank, e.Group, e.Shard, reason), reason == ReasonCorrupt)
 		case res.Sum == 0:
 			// A confirmation without a sum confirms nothing (issue 11.8).
-			r.chunkWrong[e.Chunk] = true
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: confirmed with sum 0 (no sum computed), recorded %#016x",
-				rank, e.Group, e.Shard, e.Sum))
+				rank, e.Group, e.Shard, e.Sum), true)
 		case res.Sum != e.Sum:
-			r.chunkWrong[e.Chunk] = true
 			r.fail(e, fmt.Sprintf("rank %d group %d shard %d: checksum mismatch: placed %#016x, recorded %#016x",
-				rank, e.Group, e.Shard, res.Sum, e.Sum))
+				rank, e.Group, e.Shard, res.Sum, e.Sum), true)
 		default:
 			e.ok = true
 			r.confirmed++
@@ -254,10 +269,25 @@ func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, er
 	return o, nil
 }
 
-func (r *Restore) fail(e *expectState, reason string) {
+// fail records e's failure; wrong says its bytes were wrong (see
+// Verdict.BytesWrong). The chunk keeps its first reason, and each of its
+// groups keeps its own: the first, or the first with wrong bytes, which an
+// operator must see and the engine counts (issue 27: a second group's
+// corrupt object was hidden behind the first group's missing one).
+func (r *Restore) fail(e *expectState, reason string, wrong bool) {
 	e.reason = reason
-	if r.chunkFail[e.Chunk] == "" {
-		r.chunkFail[e.Chunk] = reason
+	c := e.Chunk
+	if r.chunkFail[c] == "" {
+		r.chunkFail[c] = reason
+	}
+	r.chunkWrong[c] = r.chunkWrong[c] || wrong
+	causes := r.chunkCauses[c]
+	i, found := slices.BinarySearchFunc(causes, e.Group, func(x groupCause, g int) int { return x.group - g })
+	switch {
+	case !found:
+		r.chunkCauses[c] = slices.Insert(causes, i, groupCause{group: e.Group, reason: reason, wrong: wrong})
+	case wrong && !causes[i].wrong:
+		causes[i] = groupCause{group: e.Group, reason: reason, wrong: true}
 	}
 }
 
@@ -269,7 +299,7 @@ func (r *Restore) Expire(now time.Time) Verdict {
 	if r.state == wire.VerdictPending && !now.Before(r.deadline) {
 		for i := range r.exp {
 			if e := &r.exp[i]; !e.reported {
-				r.fail(e, fmt.Sprintf("rank %d group %d shard %d: no report by the deadline", e.Rank, e.Group, e.Shard))
+				r.fail(e, fmt.Sprintf("rank %d group %d shard %d: no report by the deadline", e.Rank, e.Group, e.Shard), false)
 			}
 		}
 		r.finish()
@@ -288,6 +318,7 @@ func (r *Restore) finish() {
 // Verdict returns the restore's current verdict.
 func (r *Restore) Verdict() Verdict {
 	v := Verdict{State: r.state, Expected: len(r.exp), Confirmed: r.confirmed, Reported: r.reported}
+	several := false
 	for i, reason := range r.chunkFail {
 		if reason != "" {
 			if r.chunkWrong[i] {
@@ -295,6 +326,17 @@ func (r *Restore) Verdict() Verdict {
 			}
 			v.Failed = append(v.Failed, i)
 			v.Reasons = append(v.Reasons, fmt.Sprintf("chunk %d: %s", i, reason))
+			several = several || len(r.chunkCauses[i]) > 1
+		}
+	}
+	if several {
+		// Only then: a verdict whose chunks each failed in one group says
+		// everything in Reasons and stays the bytes older engines read.
+		v.GroupReasons = make([][]string, len(v.Failed))
+		for j, c := range v.Failed {
+			for _, gc := range r.chunkCauses[c] {
+				v.GroupReasons[j] = append(v.GroupReasons[j], gc.reason)
+			}
 		}
 	}
 	return v
@@ -302,5 +344,6 @@ func (r *Restore) Verdict() Verdict {
 
 // Wire returns the verdict as the restore protocol's message.
 func (v Verdict) Wire(id string, prefix int) wire.RestoreVerdict {
-	return wire.RestoreVerdict{RestoreID: id, State: v.State, Prefix: prefix, Failed: v.Failed, Reasons: v.Reasons}
+	return wire.RestoreVerdict{RestoreID: id, State: v.State, Prefix: prefix, Failed: v.Failed, Reasons: v.Reasons,
+		GroupReasons: v.GroupReasons}
 }

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -222,10 +223,35 @@ type RestoreVerdict struct {
 	RestoreID string   `json:"restore_id"`
 	State     string   `json:"state"`
 	Prefix    int      `json:"prefix"`
-	Failed    []int    `json:"failed,omitempty"` // chunk indexes, sorted
-	Reasons   []string `json:"reasons,omitempty"`
+	Failed    []int    `json:"failed,omitempty"`  // chunk indexes, sorted
+	Reasons   []string `json:"reasons,omitempty"` // Reasons[i]: why Failed[i] failed (its first failed expectation)
+	// GroupReasons, when set, is parallel to Failed: GroupReasons[i] names
+	// why each group of chunk Failed[i] that failed did, by group
+	// ascending ("rank 0 group 1 shard 0: corrupt"), one entry per group,
+	// and an entry whose bytes were wrong (corrupt, a checksum mismatch,
+	// sum 0) is kept over one that was only missing or late (issue 27).
+	// The coordinator leaves it out when no chunk failed in more than one
+	// group (Reasons then says it all), as coordinators before it did:
+	// read it through ChunkReasons.
+	GroupReasons [][]string `json:"group_reasons,omitempty"`
 	// Reason says why a refused restore was refused; empty otherwise.
 	Reason string `json:"reason,omitempty"`
+}
+
+// ChunkReasons returns why Failed[i] failed: every failed group's reason
+// when the verdict carries them, else its one reason (without Reasons'
+// "chunk N: " prefix, which names Failed[i] again); nil for an index
+// outside Failed or a verdict without reasons.
+func (v *RestoreVerdict) ChunkReasons(i int) []string {
+	switch {
+	case i < 0 || i >= len(v.Failed):
+		return nil
+	case i < len(v.GroupReasons):
+		return v.GroupReasons[i]
+	case i < len(v.Reasons):
+		return []string{strings.TrimPrefix(v.Reasons[i], fmt.Sprintf("chunk %d: ", v.Failed[i]))}
+	}
+	return nil
 }
 
 // Validate checks a verdict is self-consistent: complete has no failures;
@@ -245,6 +271,10 @@ func (v *RestoreVerdict) Validate() error {
 	}
 	if v.State != VerdictRefused && v.Reason != "" {
 		return fmt.Errorf("verdict %s is %s with a refusal reason %q: %w", v.RestoreID, v.State, v.Reason, ErrMalformed)
+	}
+	if len(v.GroupReasons) > 0 && len(v.GroupReasons) != len(v.Failed) {
+		return fmt.Errorf("verdict %s has group reasons for %d chunks, want one list per failed chunk (%d): %w",
+			v.RestoreID, len(v.GroupReasons), len(v.Failed), ErrMalformed)
 	}
 	return nil
 }

@@ -318,3 +318,30 @@ def test_async_client_closes_with_async_with():
         return nc.closed
 
     assert asyncio.run(main()) == 1
+
+
+def test_restore_outcome_names_every_failed_group():
+    """Issue 27: chunk 1 failed in group 1 (missing) and group 2 (corrupt),
+    chunk 2 only in group 0 (missing). The problem names both of chunk 1's
+    groups, and chunk 1 counts as wrong bytes though its first reason (the
+    one reasons[] carries, as before) was only a missing object."""
+    v = wire.decode(wire.RestoreVerdict, (
+        b'{"restore_id":"r","state":"failed","prefix":3,"failed":[1,2],'
+        b'"reasons":["chunk 1: rank 0 group 1 shard 0: missing","chunk 2: rank 0 group 0 shard 0: missing"],'
+        b'"group_reasons":[["rank 0 group 1 shard 0: missing","rank 0 group 2 shard 0: corrupt"],'
+        b'["rank 0 group 0 shard 0: missing"]]}'))
+    v.validate()
+    out = client.restore_outcome(wire.RestorePlan("r", 3), v)
+    assert (out.loaded, out.failed, out.bytes_wrong) == (1, [1, 2], 1)
+    assert out.problem == ("verdict failed: chunk 1: rank 0 group 1 shard 0: missing; rank 0 group 2 shard 0: corrupt, "
+                           "chunk 2: rank 0 group 0 shard 0: missing")
+    # A verdict from a coordinator that sends no group reasons reads as
+    # before: one reason per chunk, classified alone.
+    reasons = ["chunk 1: rank 0 group 1 shard 0: corrupt", "chunk 2: rank 1 group 0 shard 0: checksum mismatch"]
+    old = wire.RestoreVerdict("r", wire.VERDICT_FAILED, 3, [1, 2], reasons)
+    out = client.restore_outcome(wire.RestorePlan("r", 3), old)
+    assert out.bytes_wrong == 2 and out.problem == "verdict failed: " + ", ".join(old.reasons)
+    assert old.chunk_reasons(1) == ["rank 1 group 0 shard 0: checksum mismatch"] and old.chunk_reasons(2) == []
+    v.group_reasons = v.group_reasons[:1]
+    with pytest.raises(errors.MalformedError):
+        v.validate()

@@ -552,19 +552,42 @@ class RestoreOutcome:
     loaded: int
     failed: list[int]
     problem: str = ""
+    # bytes_wrong: the failed chunks with an object whose bytes were wrong
+    # in any of its groups (the coordinator's Verdict.BytesWrong); the
+    # others were missing, late or lost with a rank.
+    bytes_wrong: int = 0
 
 
 def restore_outcome(plan: RestorePlan, verdict: RestoreVerdict | None, problem: str = "") -> RestoreOutcome:
     """Decides what counts as loaded: the planned prefix on a complete
     verdict; on a failed one only the chunks before the first failure (the
-    engine recomputes from there on); nothing without a verdict."""
+    engine recomputes from there on); nothing without a verdict. The
+    problem of a failed verdict names every failed group's reason when the
+    verdict carries them (issue 27)."""
     if verdict is None or verdict.restore_id != plan.restore_id:
         return RestoreOutcome(plan, verdict, 0, list(range(plan.prefix)), problem or "no verdict")
     if verdict.state == wire.VERDICT_COMPLETE and not verdict.failed:
         return RestoreOutcome(plan, verdict, min(plan.prefix, verdict.prefix), [], problem)
     first = min(verdict.failed) if verdict.failed else 0
+    why = ", ".join(verdict.reasons)
+    if verdict.group_reasons:
+        why = ", ".join(f"chunk {c}: {'; '.join(verdict.chunk_reasons(i))}" for i, c in enumerate(verdict.failed))
+    wrong = sum(1 for i in range(len(verdict.failed)) if any(map(reason_bytes_wrong, verdict.chunk_reasons(i))))
     return RestoreOutcome(plan, verdict, min(first, plan.prefix), sorted(verdict.failed),
-                          problem or f"verdict {verdict.state}: {', '.join(verdict.reasons)}")
+                          problem or f"verdict {verdict.state}: {why}", wrong)
+
+
+def reason_bytes_wrong(reason: str) -> bool:
+    """Whether one failed expectation's verdict reason says its bytes were
+    wrong (the coordinator's Verdict.BytesWrong cases, index/restore.go):
+    the rank's own verification failed ("rank R group G shard S: corrupt",
+    an L2 or L1 copy that does not match its recorded sum), or the rank
+    confirmed it with a sum other than the recorded one ("checksum
+    mismatch") or with none ("confirmed with sum 0"). The other failures
+    (missing, late, a rank dead) are not. One reason per call: a chunk's
+    groups are classified one by one (RestoreVerdict.chunk_reasons)."""
+    return (reason.rsplit(": ", 1)[-1] == "corrupt" or "checksum mismatch" in reason
+            or "confirmed with sum 0" in reason)
 
 
 async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
@@ -775,5 +798,6 @@ __all__ = [
     "SyncRankSession",
     "connect_nats",
     "restore",
+    "reason_bytes_wrong",
     "restore_outcome",
 ]

@@ -570,9 +570,26 @@ class RestoreVerdict:
     state: str = field("state", default="")
     prefix: int = field("prefix", default=0)
     failed: list[int] = field("failed", omit="omitempty", default_factory=list)  # chunk indexes, sorted
-    reasons: list[str] = field("reasons", omit="omitempty", default_factory=list)
+    reasons: list[str] = field("reasons", omit="omitempty", default_factory=list)  # reasons[i]: failed[i]'s first
+    # group_reasons, when set, is parallel to failed: every failed group's
+    # reason of chunk failed[i], by group (issue 27); a coordinator leaves
+    # it out when no chunk failed in more than one group. Read it through
+    # chunk_reasons.
+    group_reasons: list[list[str]] = field("group_reasons", omit="omitempty", default_factory=list)
     # reason says why a refused restore was refused; empty otherwise.
     reason: str = field("reason", omit="omitempty", default="")
+
+    def chunk_reasons(self, i: int) -> list[str]:
+        """Why failed[i] failed: every failed group's reason when the
+        verdict carries them, else its one reason without the "chunk N: "
+        prefix; [] for an index outside failed (Go ChunkReasons)."""
+        if not 0 <= i < len(self.failed):
+            return []
+        if i < len(self.group_reasons):
+            return list(self.group_reasons[i])
+        if i < len(self.reasons):
+            return [self.reasons[i].removeprefix(f"chunk {self.failed[i]}: ")]
+        return []
 
     def validate(self) -> None:
         if self.state not in (VERDICT_PENDING, VERDICT_COMPLETE, VERDICT_FAILED, VERDICT_REFUSED):
@@ -585,6 +602,9 @@ class RestoreVerdict:
                                  f"failed chunks and reason {self.reason!r}; want prefix 0, none and a reason")
         if self.state != VERDICT_REFUSED and self.reason:
             raise MalformedError(f"verdict {self.restore_id} is {self.state} with a refusal reason {self.reason!r}")
+        if self.group_reasons and len(self.group_reasons) != len(self.failed):
+            raise MalformedError(f"verdict {self.restore_id} has group reasons for {len(self.group_reasons)} chunks, "
+                                 f"want one list per failed chunk ({len(self.failed)})")
 
 
 @dataclass

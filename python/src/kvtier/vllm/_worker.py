@@ -469,8 +469,7 @@ class _WorkerSide(_Core):
         verdict = await c.aio.restore_wait(load.restore_id, timeout=bound)
         plan = wire.RestorePlan(load.restore_id, load.planned)
         out = kvclient.restore_outcome(plan, verdict, problem)
-        bad = sum(1 for r in verdict.reasons if _bytes_wrong(r))
-        return _LoadResult(out.loaded, bad, out.problem)
+        return _LoadResult(out.loaded, out.bytes_wrong, out.problem)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole requests: start_load_kv / get_finished
@@ -497,14 +496,3 @@ class _WorkerSide(_Core):
         for mem in self._host_mems:
             mem.unlink()
 
-
-def _bytes_wrong(reason: str) -> bool:
-    """Whether a failed chunk's verdict reason says its bytes were wrong
-    (the coordinator's Verdict.BytesWrong cases, index/restore.go): the
-    rank's own verification failed ("rank R group G shard S: corrupt", an L2
-    or L1 copy that does not match its recorded sum), or the rank confirmed
-    it with a sum other than the recorded one ("checksum mismatch") or with
-    none ("confirmed with sum 0"). The other failures (missing, late, a rank
-    dead) are not counted."""
-    return (reason.rsplit(": ", 1)[-1] == "corrupt" or "checksum mismatch" in reason
-            or "confirmed with sum 0" in reason)
