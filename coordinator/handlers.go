@@ -209,6 +209,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	if res.SharedSources(res.Prefix) > 0 {
 		c.share.met.lookups.Inc()
 	}
+	c.share.noteLookup(req.Instance, time.Now()) // admin.route's load term
 	var notAliveRanks []string
 	var reason string
 	if res.Instance != "" {

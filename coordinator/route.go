@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"time"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
@@ -18,8 +19,9 @@ import (
 // admin operation (a router holds the admin identity), answers for a
 // chunk chain what each instance of a share group could restore now: its
 // lookup's prefix, how much of it from L1 on its own hosts, how much from
-// its own copies, and its tiers. Each instance costs one lookup. Nothing
-// is planned or recorded.
+// its own copies, its tiers, and its load (its engines' recent lookups,
+// routeload.go). Each instance costs one lookup. Nothing is planned or
+// recorded.
 
 // handleAdminRoute answers admin.route for a named group, or for an
 // instance (and its group, if any).
@@ -75,6 +77,7 @@ func (c *Coordinator) answerRoute(m *nats.Msg, op, inst string, req *wire.RouteR
 // route builds the reply for members.
 func (c *Coordinator) route(members []string, ns dcp.Namespace, chunks []dcp.ChunkHash) (*wire.RouteReply, error) {
 	hosts := c.rankHosts()
+	now := time.Now()
 	rep := &wire.RouteReply{Instances: make([]wire.RouteInstance, 0, len(members))}
 	var res index.LookupResult
 	for _, inst := range members {
@@ -83,14 +86,17 @@ func (c *Coordinator) route(members []string, ns dcp.Namespace, chunks []dcp.Chu
 		}
 		ri := routeOf(&res)
 		ri.Hosts = hosts[inst]
+		ri.Load = c.share.loadOf(inst, now)
 		if res.Prefix > 0 {
 			ri.NotAlive, _ = notAlive(inst, c.readerStatuses(inst, res.Expectations))
 		}
 		rep.Instances = append(rep.Instances, ri)
 	}
+	// Prefix, DRAM, then load before own copies (routeload.go).
 	slices.SortFunc(rep.Instances, func(a, b wire.RouteInstance) int {
 		return cmp.Or(-cmp.Compare(a.Prefix, b.Prefix), -cmp.Compare(a.L1Prefix, b.L1Prefix),
-			-cmp.Compare(a.OwnPrefix, b.OwnPrefix), cmp.Compare(a.Instance, b.Instance))
+			cmp.Compare(loadLevel(a.Load), loadLevel(b.Load)), -cmp.Compare(a.OwnPrefix, b.OwnPrefix),
+			cmp.Compare(a.Load, b.Load), cmp.Compare(a.Instance, b.Instance))
 	})
 	return rep, nil
 }

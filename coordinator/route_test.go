@@ -64,3 +64,48 @@ func TestRouteHints(t *testing.T) {
 	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute),
 		wire.RouteRequest{Namespace: ns, Chunks: chunks, Instance: "engC", Group: "chat"}, wire.CodeBadRequest)
 }
+
+// TestRouteLoad: in a group every member can restore a prompt whole from
+// the group's L2, so the members tie on prefix. Idle, admin.route ranks
+// the member with its own copies (engA) first; once engA's engine has
+// looked up more than twice as often as engB's (8 lookups against none),
+// engB ranks first (the load term, routeload.go): without it every prompt
+// that starts with a block engA stored went to engA (BENCHMARKS.md,
+// issue 26: 12,028 of 12,031 requests). Seen failing with the load term
+// left out of the sort: "engA ranked first at load 8.0".
+func TestRouteLoad(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.ShareGroups = []ShareGroup{{Name: "chat", Instances: []string{"engA", "engB"}}}
+	})
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(2))
+	chunks := chain(ns, 3, 5)
+	for tp := range 2 {
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: "engA", TPRank: tp}, 1, 0, ns, chunks, wire.L2)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	route := func() *wire.RouteReply {
+		t.Helper()
+		rep := call[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), wire.RouteRequest{Namespace: ns, Chunks: chunks, Group: "chat"})
+		if len(rep.Instances) != 2 || rep.Instances[0].Prefix != 3 || rep.Instances[1].Prefix != 3 {
+			t.Fatalf("route = %+v", rep)
+		}
+		return rep
+	}
+	if rep := route(); rep.Instances[0].Instance != "engA" || rep.Instances[0].OwnPrefix != 3 || rep.Instances[0].Load != 0 {
+		t.Fatalf("idle: route = %+v, want engA (its own copies) first at load 0", rep)
+	}
+	for range 8 {
+		call[wire.LookupReply](t, nc, c.subj.EngineCoord("engA", wire.CoordLookup), wire.LookupRequest{Namespace: ns, Chunks: chunks, Instance: "engA"})
+	}
+	rep := route()
+	if a := rep.Instances[1]; rep.Instances[0].Instance != "engB" || a.Load < 1 {
+		t.Fatalf("%s ranked first at load %.1f (the other at %.1f): want engB, engA's load 1 or more (route %+v)",
+			rep.Instances[0].Instance, rep.Instances[0].Load, a.Load, rep)
+	}
+	// The route call itself counts no load: asked again, the same order.
+	if again := route(); again.Instances[0].Instance != "engB" || again.Instances[0].Load != 0 {
+		t.Fatalf("route asked again = %+v", again)
+	}
+}

@@ -95,17 +95,21 @@ type shareState struct {
 	others  map[string][]string
 	// groups are the members of each group, as configured.
 	groups map[string][]string
+	// load is each member's recent engine lookups (routeload.go); the
+	// map is read-only, each memberLoad has its own lock.
+	load map[string]*memberLoad
 
 	met *shareMetrics
 }
 
 func newShareState(gs []ShareGroup) *shareState {
 	s := &shareState{groupOf: make(map[string]string), others: make(map[string][]string), groups: make(map[string][]string),
-		met: newShareMetrics()}
+		load: make(map[string]*memberLoad), met: newShareMetrics()}
 	for _, g := range gs {
 		s.groups[g.Name] = g.Instances
 		for _, inst := range g.Instances {
 			s.groupOf[inst] = g.Name
+			s.load[inst] = &memberLoad{}
 			var o []string
 			for _, x := range g.Instances {
 				if x != inst {

@@ -364,13 +364,14 @@ func shareReplayOnce(b *testing.B, reqs [][]dcp.ChunkHash, s shareSetup, lag int
 
 // routeTarget is the index in names of the member the routing hint ranks
 // first, unless the first two tie on every key the coordinator ranks by
-// (prefix, L1 prefix, own prefix) or it holds nothing.
+// (prefix, L1 prefix, own prefix, load) or it holds nothing.
 func routeTarget(rep *wire.RouteReply, names []string) (int, bool) {
 	in := rep.Instances
 	if len(in) == 0 || in[0].Prefix == 0 {
 		return 0, false
 	}
-	if len(in) > 1 && in[0].Prefix == in[1].Prefix && in[0].L1Prefix == in[1].L1Prefix && in[0].OwnPrefix == in[1].OwnPrefix {
+	if len(in) > 1 && in[0].Prefix == in[1].Prefix && in[0].L1Prefix == in[1].L1Prefix && in[0].OwnPrefix == in[1].OwnPrefix &&
+		in[0].Load == in[1].Load {
 		return 0, false
 	}
 	i := slices.Index(names, in[0].Instance)

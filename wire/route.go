@@ -20,8 +20,9 @@ type RouteRequest struct {
 }
 
 // RouteReply lists every instance of the group, best first: the longest
-// Prefix, then the longest L1Prefix, then the longest OwnPrefix, then by
-// name.
+// Prefix, then the longest L1Prefix, then the lower Load's power of two
+// (loads within a factor of two tie), then the longest OwnPrefix, then
+// the lower Load, then by name.
 type RouteReply struct {
 	Group     string          `json:"group,omitempty"`
 	Instances []RouteInstance `json:"instances"`
@@ -45,6 +46,10 @@ type RouteInstance struct {
 	// another member (its L2).
 	Objects map[string]int `json:"objects,omitempty"`
 	Shared  int            `json:"shared,omitempty"`
+	// Load is the rate of the instance's engine lookups, per second (a
+	// count decayed with a time constant of 1 s; 0 outside a share group):
+	// each request an engine serves starts with a lookup.
+	Load float64 `json:"load"`
 	// Hosts are the hosts of the instance's live rankds.
 	Hosts []string `json:"hosts,omitempty"`
 	// NotAlive lists its reader ranks that are not alive: a restore now
