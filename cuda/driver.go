@@ -350,6 +350,8 @@ func (d *driverDevice) loadKernels() error {
 
 func (d *driverDevice) Info() Info { return d.info }
 
+func (d *driverDevice) setPath(p copyPath) { d.path = p }
+
 // Close closes every stream (waiting for its work), destroys events and
 // frees the memory and host buffers of this Device. The primary context and
 // the kernels stay loaded for other Devices of the ordinal (see

@@ -21,5 +21,3 @@ func SetDriverCopyMode(dev Device, mode string, half uint64) {
 	}
 	d.stageHalf = half
 }
-
-func (d *driverDevice) setPath(p copyPath) { d.path = p }

@@ -1,19 +1,9 @@
 package cuda
 
-import "fmt"
-
-// pathSetter is a device whose copy path tests force.
-type pathSetter interface{ setPath(copyPath) }
-
-func (d *hostDevice) setPath(p copyPath) { d.path = p }
-
 // SetCopyPath forces the copy path of a device's Gather and Scatter:
-// "auto", "sm" or "dma". It is for the tests of package cuda_test; call it
-// before the device is shared.
+// "auto", "sm" or "dma" (ForceCopyPath); a bad path is the test's bug.
 func SetCopyPath(dev Device, path string) {
-	p, ok := parseCopyPath(path)
-	if !ok {
-		panic(fmt.Sprintf("SetCopyPath: path %q", path))
+	if err := ForceCopyPath(dev, path); err != nil {
+		panic(err)
 	}
-	dev.(pathSetter).setPath(p)
 }

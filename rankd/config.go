@@ -45,6 +45,12 @@ type Config struct {
 	// be the one the engine's host backend uses. Default
 	// cuda.DefaultHostConfig() (/dev/shm/kvtier-<uid>, private 0700).
 	Host cuda.HostConfig
+	// CopyPath is how the device moves a store's and a restore's bytes:
+	// "auto" (default: the copy kernels, which the H200 measured at the copy
+	// engine's rate), "sm" or "dma" (copy-engine copies of the page runs and
+	// a checksum kernel over the device pages, fewer multiprocessors held
+	// from the model; docs/gpu.md). Verification is the same on every path.
+	CopyPath string
 
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
 	// more hot objects; it is pinned (unswappable) RAM.
@@ -360,6 +366,8 @@ func (c *Config) Validate() error {
 		return bad("DCP size %d must be >= 1 and divide TP size %d", c.DCPSize, c.TPSize)
 	case c.Device == "":
 		return bad("device spec is empty (want auto, host, cuda:N or a GPU UUID)")
+	case c.CopyPath != "" && c.CopyPath != "auto" && c.CopyPath != "sm" && c.CopyPath != "dma":
+		return bad("copy path %q: want auto, sm or dma", c.CopyPath)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -26,6 +26,7 @@ func TestConfigZeroMeansZero(t *testing.T) {
 		"no node name": func(c *Config) { c.NodeName = "" },
 		"no logger":    func(c *Config) { c.Logger = nil },
 		"port -1":      func(c *Config) { c.BindPort = -1 },
+		"copy path":    func(c *Config) { c.CopyPath = "pcie" },
 	} {
 		bad := c
 		f(&bad)

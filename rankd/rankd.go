@@ -148,6 +148,12 @@ func New(cfg Config) (*Daemon, error) {
 	if err != nil {
 		return nil, fmt.Errorf("rankd %s: open device %q: %w", cfg.Rank, cfg.Device, err)
 	}
+	if cfg.CopyPath != "" && cfg.CopyPath != "auto" {
+		if err := cuda.ForceCopyPath(dev, cfg.CopyPath); err != nil {
+			_ = dev.Close()
+			return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+		}
+	}
 	d.dev = dev
 	d.pub = newEventPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventWindow, d.log.Named("events"), d.met)
 
