@@ -358,10 +358,19 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 		sctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
+	sreq := transfer.StoreRequestOf(req, d.callerOf(msg))
+	// When the engine stops waiting for the answer (wire.HeaderGatherLimit):
+	// a gather that ends later commits nothing, its pages may have been
+	// reused meanwhile.
+	if v := msg.Header.Get(wire.HeaderGatherLimit); v != "" {
+		if sreq.GatherLimit, err = wire.ParseGatherLimit(v); err != nil {
+			return err
+		}
+	}
 	// The engine serves it only for the session's owner (checked where it
 	// finds the session).
 	// tl is the store's until Done.
-	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
+	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), sreq)
 	if err != nil {
 		return err
 	}
@@ -379,6 +388,11 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 		// Counted; "store had failed objects" below names them.
 		d.log.Debug("store's engine deadline passed while it waited for L1 room: objects not stored",
 			zap.String("request", req.RequestID), zap.Int("objects", cut), zap.Time("deadline", dl))
+	}
+	if res.GatherLate() > 0 {
+		// Counted; the engine logged the store, "store had failed
+		// objects" below names them.
+		d.met.storeDeadline.WithLabelValues("gather_late").Inc()
 	}
 	// A store that timed out is done before the device has finished
 	// reading the blocks (a reaper waits for it): the engine must not

@@ -32,8 +32,10 @@ type metrics struct {
 	// (wire.HeaderDeadline) refused on arrival or cut short.
 	retrieveDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut
 	// storeDeadline counts stores the engine's deadline refused on
-	// arrival or cut short before their gather (issue 24).
-	storeDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut
+	// arrival or cut short before their gather, and stores whose gather
+	// ended after the engine stopped waiting (wire.HeaderGatherLimit),
+	// committing nothing (issue 24).
+	storeDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut | gather_late
 	// incarnationSaveFailures counts failed writes of the incarnation file
 	// (a failing L2 at start, then each retry).
 	incarnationSaveFailures prometheus.Counter
@@ -82,7 +84,7 @@ func newMetrics(rank string) *metrics {
 			Name: "retrieve_deadline_total", Help: "Retrieves past the engine's deadline (the engine had taken the blocks back): refused on arrival, nothing placed (expired_on_arrival), or cut short, the items not yet placed failed (cut).", ConstLabels: labels},
 			[]string{"outcome"}),
 		storeDeadline: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
-			Name: "store_deadline_total", Help: "Stores past the engine's deadline (the engine holds the blocks until the answer): refused on arrival, nothing read (expired_on_arrival), or whose deadline passed while they waited for L1 room, the objects not yet gathered failed, not stored (cut).", ConstLabels: labels},
+			Name: "store_deadline_total", Help: "Stores past the engine's deadline (the engine holds the blocks until the answer): refused on arrival, nothing read (expired_on_arrival), or whose deadline passed while they waited for L1 room, the objects not yet gathered failed, not stored (cut), or whose gather ended after the engine stopped waiting (its deadline plus grace), nothing of it committed (gather_late).", ConstLabels: labels},
 			[]string{"outcome"}),
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
@@ -115,6 +117,7 @@ func newMetrics(rank string) *metrics {
 		m.retrieveDeadline.WithLabelValues(o)
 		m.storeDeadline.WithLabelValues(o)
 	}
+	m.storeDeadline.WithLabelValues("gather_late")
 	return m
 }
 

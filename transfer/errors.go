@@ -3,6 +3,7 @@ package transfer
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/kvtier/kvtier/transfer/tier"
 )
@@ -53,6 +54,12 @@ var (
 	// whose engine deadline (Store's context) passed before their
 	// gather began: they were not stored and their pages were never read.
 	ErrDeadline = errors.New("transfer: past the engine's deadline")
+	// ErrGatherLate wraps ErrDeadline (and is wrapped with ErrTimeout) for
+	// the objects of a store whose gather ended after its gather limit
+	// (StoreRequest.GatherLimit): the engine had stopped waiting and may
+	// have reused the pages while they were read, so nothing of that
+	// gather was committed.
+	ErrGatherLate = fmt.Errorf("transfer: gather ended after the engine stopped waiting: %w", ErrDeadline)
 	// ErrDevice: the device (stream, event, copy) reported an error.
 	ErrDevice = errors.New("transfer: device error")
 	// ErrIO: an L2 read or write failed for a reason other than corruption

@@ -40,6 +40,11 @@ type StoreRequest struct {
 	// (the owner Register was given), checked under the lock that finds
 	// the session (ErrUnauthorized). Never from the request's bytes.
 	Caller string
+	// GatherLimit, when not zero, is when the engine stops waiting for the
+	// answer and may reuse the blocks (wire.HeaderGatherLimit): a gather
+	// that ends at or after it commits nothing, its objects fail with
+	// ErrGatherLate. Zero: the engine waits for the answer, however late.
+	GatherLimit time.Time
 }
 
 // StoreRequestOf is the store that caller sent as req.
@@ -109,11 +114,24 @@ func (r StoreResult) Err() error {
 }
 
 // PastDeadline is the number of objects that failed because the engine's
-// deadline passed before their gather began (ErrDeadline).
+// deadline passed before their gather began (ErrDeadline, not
+// ErrGatherLate).
 func (r StoreResult) PastDeadline() int {
 	n := 0
 	for _, o := range r.Objects {
-		if o.Status == Failed && errors.Is(o.Err, ErrDeadline) {
+		if o.Status == Failed && errors.Is(o.Err, ErrDeadline) && !errors.Is(o.Err, ErrGatherLate) {
+			n++
+		}
+	}
+	return n
+}
+
+// GatherLate is the number of objects that failed because their gather
+// ended after the store's gather limit (ErrGatherLate).
+func (r StoreResult) GatherLate() int {
+	n := 0
+	for _, o := range r.Objects {
+		if o.Status == Failed && errors.Is(o.Err, ErrGatherLate) {
 			n++
 		}
 	}
@@ -151,8 +169,9 @@ func (r StoreResult) Wire() wire.StoreReply {
 // Objects whose gather has not begun when it passes (waiting for L1 room
 // or for another store's fill) fail with ErrDeadline; a gather already
 // begun is never cut by it (the answer waits for the device to have read
-// the pages, C1). The future outlives ctx otherwise: Config.StoreTimeout
-// bounds it.
+// the pages, C1), but when it ends at or after req.GatherLimit its objects
+// fail with ErrGatherLate, not committed. The future outlives ctx
+// otherwise: Config.StoreTimeout bounds it.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -164,6 +183,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	f := &StoreFuture{e: e, id: futureIDs.Add(1), req: req.RequestID, start: time.Now(), sp: sp, tl: TimelineFrom(ctx),
 		res: StoreResult{RequestID: req.RequestID}, released: make(chan struct{}), done: make(chan struct{})}
 	f.deadline, _ = ctx.Deadline()
+	f.gatherLimit = req.GatherLimit
 	planned, err := e.planStore(sp, req)
 	if err != nil {
 		e.releaseSpace(sp)

@@ -342,6 +342,7 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 	err = op.Wait(ctx)
 	switch {
 	case err == nil:
+		late := gatherLate(f, time.Now())
 		tm = f.tl.copyDone(tm, 0, time.Now(), StageProducer, StageGather)
 		if f.tl != nil {
 			f.tl.Bytes += bytes
@@ -350,6 +351,21 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 			close(f.released) // the device has read every page: the blocks are free
 		}
 		e.storeStreams.put(stream, true)
+		if late != nil {
+			// The engine stopped waiting before the device had read the
+			// pages and may have written new bytes into some of them while
+			// they were read: the copies and their sums are of no one
+			// prompt. Nothing is committed (not in L1, so never written to
+			// L2 or L3); a later store of the chunks gathers them again.
+			failAll(late)
+			e.log.Warn("store's gather ended after the engine stopped waiting; its objects are not stored",
+				zap.String("request", f.req), zap.Uint64("future", f.id), zap.Int("objects", len(live)), zap.Error(late))
+			if keep {
+				return false
+			}
+			e.releaseEvent(f)
+			return true
+		}
 		sums := op.Sums()
 		e.mu.Lock()
 		for i, w := range live {
@@ -394,6 +410,20 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		failAll(fmt.Errorf("gather: %w: %w", ErrDevice, err))
 		return false
 	}
+}
+
+// gatherLate is the error of f's objects when a gather of f that ended at
+// end did so at or after f's gather limit (nil when it has none or ended
+// before). The clock is read when the device's completion is seen, never
+// earlier, and compared with the limit itself, as timeUp does: a context
+// timer would end some time after the limit, when the engine may already
+// have reused the pages.
+func gatherLate(f *StoreFuture, end time.Time) error {
+	if f.gatherLimit.IsZero() || end.Before(f.gatherLimit) {
+		return nil
+	}
+	return fmt.Errorf("gather ended %v after the engine stopped waiting (%s): %w: %w",
+		end.Sub(f.gatherLimit).Round(time.Millisecond), f.gatherLimit.Format("15:04:05.000"), ErrTimeout, ErrGatherLate)
 }
 
 // reapStore waits until a timed-out store's device work has drained (or

@@ -21,14 +21,31 @@ import (
 // it there.
 const HeaderDeadline = "Kvtier-Deadline"
 
-// FormatDeadline is the header value of t.
+// HeaderGatherLimit is the NATS header of a store request that says when
+// the engine stops waiting for the store's answer (Unix nanoseconds,
+// decimal, as HeaderDeadline): its deadline plus a grace for a gather
+// already running. An engine whose step waits on the answer (vLLM's
+// sliding-window and Mamba groups) goes on past it and may reuse the
+// blocks, so a gather that ends after it may have read pages the engine
+// has begun to overwrite: torn bytes whose sum is self-consistent. The
+// rank commits none of the objects of such a gather (they fail, as past
+// the deadline). A rank that predates the header ignores it.
+const HeaderGatherLimit = "Kvtier-Gather-Limit"
+
+// FormatDeadline is the header value of t (HeaderDeadline or
+// HeaderGatherLimit).
 func FormatDeadline(t time.Time) string { return strconv.FormatInt(t.UnixNano(), 10) }
 
 // ParseDeadline reads a HeaderDeadline value.
-func ParseDeadline(v string) (time.Time, error) {
+func ParseDeadline(v string) (time.Time, error) { return parseUnixNano(HeaderDeadline, v) }
+
+// ParseGatherLimit reads a HeaderGatherLimit value.
+func ParseGatherLimit(v string) (time.Time, error) { return parseUnixNano(HeaderGatherLimit, v) }
+
+func parseUnixNano(header, v string) (time.Time, error) {
 	n, err := strconv.ParseInt(v, 10, 64)
 	if err != nil || n <= 0 {
-		return time.Time{}, fmt.Errorf("header %s %q: want Unix nanoseconds > 0: %w", HeaderDeadline, v, ErrMalformed)
+		return time.Time{}, fmt.Errorf("header %s %q: want Unix nanoseconds > 0: %w", header, v, ErrMalformed)
 	}
 	return time.Unix(0, n), nil
 }
