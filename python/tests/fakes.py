@@ -213,9 +213,10 @@ class FakeSession:
     def __init__(self, rank: wire.Rank, ns: dcp.Namespace, world: FakeWorld) -> None:
         self.rank, self.namespace, self.world = rank, ns, world
 
-    async def store(self, request_id, chunks, event, *, timeout=None, deadline=None):
+    async def store(self, request_id, chunks, event, *, timeout=None, deadline=None, gather_limit=None):
         self.world.stores.append((self.rank, request_id, chunks, event))
         self.world.store_deadlines.append(deadline)
+        self.world.store_gather_limits.append(gather_limit)
         gate = self.world.store_gate
         if gate is not None:
             await asyncio.wrap_future(gate)
@@ -263,6 +264,7 @@ class FakeWorld:
         self.retrieves: list[Any] = []
         self.retrieve_deadlines: list[float | None] = []
         self.store_deadlines: list[float | None] = []
+        self.store_gather_limits: list[float | None] = []
         self.retrieve_error: Exception | None = None
         self.registered: list[Any] = []
         self.reregistered = 0

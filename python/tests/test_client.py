@@ -226,7 +226,8 @@ def test_retrieve_carries_the_engines_deadline():
 def test_store_carries_the_engines_deadline():
     """RankSession.store(deadline=t) sends t as Unix nanoseconds in the
     Kvtier-Deadline header (the rankd waits for L1 room only until then,
-    issue 24); without a deadline no header is sent. deadline and timeout
+    issue 24), gather_limit=u as Kvtier-Gather-Limit (a copy ending later is
+    not stored); without them no header is sent. deadline and timeout
     are keyword-only, on the sync facade too."""
     import asyncio
     import inspect
@@ -255,10 +256,13 @@ def test_store_carries_the_engines_deadline():
     ev = cuda.EventHandle("host", "d", b"x")
     assert asyncio.run(s.store("r1", [], ev, deadline=1234.5)).stored == 1
     asyncio.run(s.store("r2", [], ev, timeout=3.0))
-    assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None]
+    asyncio.run(s.store("r3", [], ev, deadline=1234.5, gather_limit=1235.0))
+    assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None,
+                          {wire.HEADER_DEADLINE: "1234500000000", wire.HEADER_GATHER_LIMIT: "1235000000000"}]
     for f in (client.RankSession.store, client.SyncRankSession.store, client.SyncRankSession.store_async):
         params = inspect.signature(f).parameters
         assert params["deadline"].kind is inspect.Parameter.KEYWORD_ONLY, f
+        assert params["gather_limit"].kind is inspect.Parameter.KEYWORD_ONLY, f
         assert params["timeout"].kind is inspect.Parameter.KEYWORD_ONLY, f
 
 

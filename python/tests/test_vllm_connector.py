@@ -479,7 +479,7 @@ def test_store_after_rankd_restart_reregisters():
     w = worker(world)
     calls = []
 
-    async def flaky(self, request_id, chunks, event, *, timeout=None, deadline=None):
+    async def flaky(self, request_id, chunks, event, *, timeout=None, deadline=None, gather_limit=None):
         calls.append(request_id)
         if len(calls) == 1:
             raise errors.UnknownNamespace("unknown_namespace", "never registered")

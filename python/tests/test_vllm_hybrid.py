@@ -189,7 +189,8 @@ def test_stores_send_every_groups_blocks_and_wait_with_a_window():
 
 def test_a_window_makes_the_store_wait_for_its_answer():
     """vLLM frees out-of-window blocks at its next schedule: wait_for_save
-    returns only once the rankd answered (bounded by kvtier_timeout_s)."""
+    returns only once the rankd answered (bounded by the store's gather limit:
+    test_vllm_storewait.py)."""
     import concurrent.futures
     import threading
 

@@ -1,16 +1,19 @@
 """The connector's stores carry a short deadline (issue 24): vLLM holds a
 request's blocks until its store answers, so a rankd waiting for L1 room
-(write-through behind a slow disk) must answer by kvtier_store_wait_s."""
+(write-through behind a slow disk) must answer by kvtier_store_wait_s. A
+step that waits for a store (sliding-window and Mamba groups) waits only
+until that deadline plus kvtier_store_grace_s (C11)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
 from test_vllm_connector import bind, worker
 
 import fakes
-from kvtier.vllm import SaveSpec
+from kvtier.vllm import KvtierConnectorMetadata, SaveSpec
 
 
 def _store_deadline(w, world) -> tuple[float, float, float]:
@@ -45,3 +48,72 @@ def test_store_wait_option():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="kvtier_store_wait_s"):
             worker(fakes.FakeWorld(), kvtier_store_wait_s=bad)
+
+
+def test_store_grace_option():
+    assert worker(fakes.FakeWorld()).cfg.store_grace_s == 0.5
+    assert worker(fakes.FakeWorld(), kvtier_store_grace_s=0).cfg.store_grace_s == 0
+    with pytest.raises(ValueError, match="kvtier_store_grace_s"):
+        worker(fakes.FakeWorld(), kvtier_store_grace_s=-0.1)
+
+
+def _windowed(kind: str, world, **extra):
+    from test_vllm_hybrid import hybrid_worker
+    from test_vllm_mamba import mamba_worker
+
+    if kind == "window":
+        return hybrid_worker(world, **extra), [[5], [30]]
+    return mamba_worker(world, **extra), [[5], [30, 31]]
+
+
+@pytest.mark.parametrize("kind", ["window", "mamba"])
+def test_a_step_waits_for_a_store_only_until_its_gather_limit(kind):
+    """C11, issue 24: a sliding-window or Mamba group makes vLLM's step wait
+    for the store (vLLM frees those blocks without asking), but a rankd
+    that never answers holds the step only until the store's deadline plus
+    kvtier_store_grace_s, the gather limit the store carries (the rankd
+    commits nothing it copied later): then the step goes on, counted in
+    store_waits_cut. The request still finishes only once the store
+    answered. Red with the step waiting up to kvtier_timeout_s (5 s here)."""
+    world = fakes.FakeWorld()
+    world.store_gate = concurrent.futures.Future()
+    w, blocks = _windowed(kind, world, kvtier_store_wait_s=0.2, kvtier_store_grace_s=0.1, kvtier_timeout_s=5)
+    try:
+        w.bind_connector_metadata(KvtierConnectorMetadata([], [SaveSpec("r1", [(bytes(16), blocks)])]))
+        t0 = time.time()
+        w.wait_for_save()
+        t1 = time.time()
+        w.clear_connector_metadata()
+        (deadline,), (limit,) = world.store_deadlines, world.store_gather_limits
+        assert deadline is not None and limit == pytest.approx(deadline + 0.1)
+        assert t0 + 0.2 <= deadline <= t1
+        assert limit <= t1 < limit + 1.0, f"the step waited {t1 - t0:.2f} s for a store that never answered"
+        assert w.stats["store_waits_cut"] == 1
+        assert not world.store_gate.done()
+        assert w.get_finished({"r1"}) == (None, None)  # the store has not answered
+    finally:
+        world.store_gate.set_result(None)
+    for p in [p for v in w._pending.values() for p in v]:
+        p.fut.result(5)
+    assert w.get_finished(set()) == ({"r1"}, None)
+
+
+def test_a_store_the_step_does_not_wait_for_carries_no_gather_limit():
+    """Full attention: vLLM keeps the blocks until the request is reported
+    finished, so wait_for_save returns at once, sends no gather limit (a
+    late copy is still stored) and cuts nothing."""
+    world = fakes.FakeWorld()
+    world.store_gate = concurrent.futures.Future()
+    w = worker(world)
+    try:
+        bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
+        t0 = time.time()
+        w.wait_for_save()
+        assert time.time() - t0 < 0.5
+        for _ in range(100):  # the store is sent from the client's loop
+            if world.store_gather_limits:
+                break
+            time.sleep(0.01)
+        assert world.store_gather_limits == [None] and w.stats["store_waits_cut"] == 0
+    finally:
+        world.store_gate.set_result(None)

@@ -492,7 +492,8 @@ class RankSession:
         self.namespace, self.session = s.namespace, s.session
 
     async def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
-                    timeout: float | None = None, deadline: float | None = None) -> StoreReply:
+                    timeout: float | None = None, deadline: float | None = None,
+                    gather_limit: float | None = None) -> StoreReply:
         """One store: its own producer event (C1), recorded before this call.
         The reply comes once the device has read the blocks; keep the event
         and the blocks until then, and longer if blocks_in_use is set.
@@ -500,11 +501,13 @@ class RankSession:
         blocks for it: the rankd waits for L1 room only until then, and
         objects not yet copied fail (not stored) so the reply comes by it (a
         store arriving later is refused as unavailable); a copy already
-        begun still ends before the reply. A rankd that predates the header
-        ignores it."""
+        begun still ends before the reply. gather_limit (time.time() seconds,
+        after deadline) is when the caller stops waiting for the reply and
+        may reuse the blocks: a copy that ends later is not stored (its
+        bytes may be torn). A rankd that predates the headers ignores them."""
         req = wire.StoreRequest(request_id, self.namespace, self.session, list(chunks), event)
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
-                                      StoreReply, timeout=timeout, headers=_deadline_header(deadline))
+                                      StoreReply, timeout=timeout, headers=_deadline_header(deadline, gather_limit))
 
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
                        timeout: float | None = None, deadline: float | None = None) -> RetrieveReply:
@@ -735,10 +738,16 @@ class SyncClient:
         self.close()
 
 
-def _deadline_header(deadline: float | None) -> dict[str, str] | None:
-    """The Kvtier-Deadline header of a deadline in time.time() seconds
-    (Unix nanoseconds), or None for none."""
-    return None if deadline is None else {wire.HEADER_DEADLINE: str(int(deadline * 1e9))}
+def _deadline_header(deadline: float | None, gather_limit: float | None = None) -> dict[str, str] | None:
+    """The Kvtier-Deadline and Kvtier-Gather-Limit headers of a deadline and
+    a gather limit in time.time() seconds (Unix nanoseconds), or None for
+    neither."""
+    h = {}
+    if deadline is not None:
+        h[wire.HEADER_DEADLINE] = str(int(deadline * 1e9))
+    if gather_limit is not None:
+        h[wire.HEADER_GATHER_LIMIT] = str(int(gather_limit * 1e9))
+    return h or None
 
 
 def _outer(timeout: float | None) -> float | None:
@@ -762,16 +771,18 @@ class SyncRankSession:
         return self.aio.namespace
 
     def store(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
-              timeout: float | None = None, deadline: float | None = None) -> StoreReply:
-        return self.client.run(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline),
-                               _outer(timeout))
+              timeout: float | None = None, deadline: float | None = None,
+              gather_limit: float | None = None) -> StoreReply:
+        return self.client.run(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline,
+                                              gather_limit=gather_limit), _outer(timeout))
 
     def store_async(self, request_id: str, chunks: Sequence[ChunkBlocks], event: EventHandle, *,
-                    timeout: float | None = None,
-                    deadline: float | None = None) -> concurrent.futures.Future[StoreReply]:
+                    timeout: float | None = None, deadline: float | None = None,
+                    gather_limit: float | None = None) -> concurrent.futures.Future[StoreReply]:
         """Sends the store and returns at once: the future is this store's
         own (C1); keep its event and blocks until it is done."""
-        return self.client.submit(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline))
+        return self.client.submit(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline,
+                                                 gather_limit=gather_limit))
 
     def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", timeout: float | None = None,
                  deadline: float | None = None) -> RetrieveReply:

@@ -67,6 +67,11 @@ OP_RETRIEVE = "retrieve"
 # nothing more, because the engine has taken the blocks back, and a store
 # waits for L1 room no longer (Go: wire.HeaderDeadline).
 HEADER_DEADLINE = "Kvtier-Deadline"
+# HEADER_GATHER_LIMIT is the NATS header of a store that says when the
+# engine stops waiting for its answer and may reuse the blocks (Unix
+# nanoseconds): a gather that ends later is not committed, its bytes may be
+# torn (Go: wire.HeaderGatherLimit).
+HEADER_GATHER_LIMIT = "Kvtier-Gather-Limit"
 OP_RELEASE = "release"
 OP_STATUS = "status"
 

@@ -210,15 +210,10 @@ class _WorkerSide(_Core):
         return out
 
     async def _store(self, s: kvclient.SyncRankSession, req_id: str, chunks: list[wire.ChunkBlocks],
-                     handle: cuda.EventHandle) -> wire.StoreReply:
-        # The store's deadline: vLLM holds the blocks until the answer, so
-        # the rankd may wait for L1 room (a disk slower than the saves)
-        # only kvtier_store_wait_s; then the objects not yet copied fail and
-        # it answers (a copy already begun still ends first: C1). An older
-        # rankd ignores the header and answers within its store timeout.
-        deadline = time.time() + self.cfg.store_wait_s
+                     handle: cuda.EventHandle, deadline: float, gather_limit: float | None) -> wire.StoreReply:
         try:
-            return await s.aio.store(req_id, chunks, handle, timeout=self.cfg.timeout_s, deadline=deadline)
+            return await s.aio.store(req_id, chunks, handle, timeout=self.cfg.timeout_s, deadline=deadline,
+                                     gather_limit=gather_limit)
         except (UnknownNamespace, UnknownSession):
             # A restarted rankd forgot the registration: the link registers
             # again. (Never on StaleSession: another process of the instance
@@ -242,15 +237,46 @@ class _WorkerSide(_Core):
                 continue
             c, s = use
             ev, handle = self._new_event()
-            fut = c.submit(self._store(s, save.req_id, chunks, handle))
+            # The store's deadline: vLLM holds the blocks until the answer,
+            # so the rankd may wait for L1 room (a disk slower than the
+            # saves) only kvtier_store_wait_s; then the objects not yet
+            # copied fail and it answers (a copy already begun still ends
+            # first: C1). An older rankd ignores the header and answers
+            # within its store timeout.
+            deadline = time.time() + self.cfg.store_wait_s
+            # vLLM frees out-of-window blocks, and Mamba state blocks behind
+            # the request's last state, at a later schedule without asking
+            # the connector: the rankd must read them before this step ends.
+            # The step waits for that only until the gather limit (the
+            # deadline plus kvtier_store_grace_s for a copy already begun),
+            # never the request timeout (C11); a copy that ends after the
+            # limit may have read reused blocks, so the rankd stores none of
+            # it. Full attention: vLLM keeps the blocks until the request is
+            # reported finished, so nothing waits and no limit is sent.
+            waits = bool(self._windows) or any(gl.recurrent for gl in self.layers)
+            limit = deadline + self.cfg.store_grace_s if waits else None
+            fut = c.submit(self._store(s, save.req_id, chunks, handle, deadline, limit))
             key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
-            if self._windows or any(gl.recurrent for gl in self.layers):
-                # vLLM frees out-of-window blocks, and Mamba state blocks
-                # behind the request's last state, at a later schedule
-                # without asking the connector: the rankd reads them now.
-                concurrent.futures.wait([fut], timeout=self.cfg.timeout_s)
+            if limit is not None:
+                self._wait_store(save.req_id, fut, limit)
+
+    def _wait_store(self, req_id: str, fut: concurrent.futures.Future[wire.StoreReply], limit: float) -> None:
+        """Waits for a store's answer until limit (time.time() seconds) by
+        the wall clock, the one the rankd compares a gather's end with (the
+        engine and its rankd share a host): a wait cut earlier by another
+        clock would hand vLLM blocks that a gather ending just before the
+        limit may still be reading."""
+        while not fut.done():
+            left = limit - time.time()
+            if left <= 0:
+                self.stats["store_waits_cut"] += 1
+                log.warning("kvtier store for %s has not answered by its gather limit (kvtier_store_wait_s %.3g s "
+                            "+ kvtier_store_grace_s %.3g s): vLLM goes on; a copy ending later is not stored",
+                            req_id, self.cfg.store_wait_s, self.cfg.store_grace_s)
+                return
+            concurrent.futures.wait([fut], timeout=left)
 
     def _on_freed(self, msg: wire.BlocksFreed) -> None:
         with self._freed_lock:

@@ -92,6 +92,11 @@ class Config:
     # store's deadline (Kvtier-Deadline), after which its objects not yet
     # copied fail and it answers, so vLLM frees the blocks (C11, issue 24).
     store_wait_s: float
+    # How long past store_wait_s vLLM's step waits for a copy already begun
+    # when it cannot keep the blocks (sliding-window and Mamba groups): at
+    # the store's deadline plus this grace the step goes on, and the rankd
+    # stores nothing whose copy ends later (Kvtier-Gather-Limit, C11).
+    store_grace_s: float
     lookup_wait_s: float
     lookup_timeout_s: float
     restore_deadline_ms: int
@@ -122,6 +127,7 @@ class Config:
                 cache_salt=extra.get("kvtier_cache_salt", ""), chunk_tokens=int(chunk) if chunk else None,
                 timeout_s=float(extra.get("kvtier_timeout_s", 30.0)),
                 store_wait_s=float(extra.get("kvtier_store_wait_s", 2.0)),
+                store_grace_s=float(extra.get("kvtier_store_grace_s", 0.5)),
                 lookup_wait_s=float(extra.get("kvtier_lookup_wait_s", 0.005)),
                 lookup_timeout_s=float(extra.get("kvtier_lookup_timeout_s", 2.0)),
                 restore_deadline_ms=int(extra.get("kvtier_restore_deadline_ms", 10000)),
@@ -153,8 +159,9 @@ class Config:
                        ("kvtier_shutdown_timeout_s", c.shutdown_timeout_s)):
             if not v > 0:
                 raise ValueError(f"kv_connector_extra_config {key} {v}: want > 0 seconds")
-        if c.attach_wait_s < 0:
-            raise ValueError(f"kv_connector_extra_config kvtier_attach_wait_s {c.attach_wait_s}: want >= 0 seconds")
+        for key, v in (("kvtier_attach_wait_s", c.attach_wait_s), ("kvtier_store_grace_s", c.store_grace_s)):
+            if not v >= 0:
+                raise ValueError(f"kv_connector_extra_config {key} {v}: want >= 0 seconds")
         if c.lookup_wait_s < 0 or c.restore_deadline_ms <= 0:
             raise ValueError(f"kv_connector_extra_config kvtier_lookup_wait_s {c.lookup_wait_s} (want >= 0), "
                              f"kvtier_restore_deadline_ms {c.restore_deadline_ms} (want > 0)")

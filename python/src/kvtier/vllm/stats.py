@@ -47,6 +47,9 @@ COUNTERS: dict[str, str] = {
     "stored_objects": "objects stored (committed) by the rankd",
     "store_failures": "store requests that failed or reported failed objects",
     "stores_skipped": "stores not sent because kvtier was not attached",
+    "store_waits_cut": "stores of sliding-window or Mamba groups whose answer vLLM's step stopped waiting for at "
+                       "the gather limit (kvtier_store_wait_s + kvtier_store_grace_s); the rankd stores nothing "
+                       "copied after it",
     "engine_verify_failures": "chunks confirmed by the verdict that the worker recomputed because the pages placed "
                               "in its KV tensors did not sum to the coordinator's recorded sum "
                               "(kvtier_verify_on_engine)",
