@@ -178,8 +178,11 @@ type Config struct {
 	// object's size), is deduplicated against that file: no L1 copy, no
 	// L2 or L3 write, nothing announced (the writer's placement serves the
 	// group's restores), counted in kvtier_transfer_dedupe_shared_total.
-	// Default nil: a store writes its own copy, replacing another
-	// instance's file of the same key. Costs one header read per stored
+	// An object a retrieve reads from such a file stays in L1 as a local
+	// copy of the member's (as with KeepSharedInL1): a later store of it
+	// writes nothing either. Default nil: a store writes its own copy,
+	// replacing another instance's file of the same key (also of an object
+	// a retrieve read from it). Costs one header read per stored
 	// object this rank does not hold. Name exactly the coordinator's
 	// --share-group members: a copy of an instance named here but not in
 	// the group is one this rank's engine cannot restore (a miss,

@@ -48,8 +48,9 @@ type l1Obj struct {
 	// dirty: an L2 exists and does not hold the object yet.
 	dirty bool
 	// sharedOnly: a local copy of an object a share-group member's L2
-	// file holds (Config.KeepSharedInL1): committed clean, never written
-	// to L2 or L3 (l3QueueLocked, Store).
+	// file holds (Config.KeepSharedInL1, or read from that file by a
+	// retrieve): committed clean, never written to L2 or L3
+	// (l3QueueLocked, Store).
 	sharedOnly bool
 	// writing: an L2 writer has it queued or is writing it. It is not a
 	// pin: an allocator may wait for it.

@@ -387,6 +387,42 @@ func (e *Engine) l3LoadFrom(ctx context.Context, o *l1Obj, dst []byte, holder st
 	return meta, err
 }
 
+// l3LoadFor reads o for a retrieve item whose source is src when neither
+// L1 nor L2 holds a good copy: from the L3 prefix l3Holder names (src's
+// holder for an L3 source, else this instance's). When src names a copy of
+// a share-group member in another tier (its L2 file, gone or failing its
+// check, or its host-shared L1) and this instance's prefix has no good
+// copy, the member's L3 copy is read too, when this rank reads the
+// member's prefix (L3SharedWith): the coordinator named the member's
+// better copy, and its L3 copy is the one left (issue 26). That read is
+// checked like any other of the member's prefix (MAC, key, size), and the
+// retrieve compares its sum with the recorded one. A rank not sharing the
+// member's prefix does not try it, and counts no refusal: its plan never
+// named it. When the member has nothing either, the error is this
+// instance's.
+func (e *Engine) l3LoadFor(ctx context.Context, o *l1Obj, dst []byte, src wire.Source) (L2Object, error) {
+	meta, err := e.l3LoadFrom(ctx, o, dst, l3Holder(src))
+	member := src.Holder.Instance
+	switch {
+	case err == nil || src.Tier == wire.L3 || member == "" || member == e.cfg.Rank.Instance:
+		return meta, err
+	case !slices.Contains(e.cfg.L3SharedWith, member) || ctx.Err() != nil:
+		return meta, err
+	case !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrCorrupt):
+		return meta, err // an I/O error: not known missing
+	}
+	own := err
+	meta, err = e.l3LoadShared(ctx, o, dst, member)
+	if errors.Is(err, ErrNotFound) {
+		return meta, own
+	}
+	if err == nil {
+		e.log.Warn("the share-group member's copy the plan named is gone or failed its check; restored from the member's L3 copy",
+			zap.Stringer("key", o.key), zap.String("member", member), zap.Stringer("tier", src.Tier))
+	}
+	return meta, err
+}
+
 // l3Holder is the instance whose L3 prefix a retrieve item reads: its
 // source's holder when the plan names an L3 copy, else "" (this
 // instance's: a plan naming another tier falls back to this instance's L3

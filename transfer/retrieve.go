@@ -541,7 +541,7 @@ func (r *retrieval) load(ctx context.Context, i int) {
 		// Neither L1 nor L2 holds a good copy: L3 may (issue 15.3).
 		if e.l3 != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrCorrupt)) && ctx.Err() == nil {
 			l2err := err
-			meta, err = e.l3LoadFrom(ctx, o, dst, l3Holder(r.req.Items[i].Source))
+			meta, err = e.l3LoadFor(ctx, o, dst, r.req.Items[i].Source)
 			if err == nil {
 				r.res.Items[i].From = wire.L3
 			} else if errors.Is(err, ErrNotFound) {
@@ -567,8 +567,24 @@ func (r *retrieval) load(ctx context.Context, i int) {
 	if meta.Writer == e.cfg.Rank && r.res.Items[i].From == wire.L2 {
 		e.cat.l2Touch(o.key) // a use, for L2's LRU eviction
 	}
+	if r.res.Items[i].From == wire.L2 && e.memberWrote(meta.Writer) {
+		// A share-group member's file: this L1 copy is a local copy of
+		// the member's object, as a store deduplicated onto that file
+		// keeps (KeepSharedInL1). A later store of it must not write it
+		// to L2, where the file's path is the key's and this rank's
+		// copy would replace the member's, nor to this rank's L3: the
+		// member's placements serve the group (issue 26.3).
+		o.sharedOnly = true
+	}
 	e.commitLocked(o, meta.Sum, false)
 	e.log.Debug("loaded", zap.Stringer("from", r.res.Items[i].From), zap.Stringer("key", o.key), zap.Uint64("size", o.size), zap.Stringer("writer", meta.Writer))
+}
+
+// memberWrote reports whether w, the writer an L2 file names, is a rank of
+// another instance whose files this rank shares (L2SharedWith): the rule
+// by which a store deduplicates onto a member's file (sharedCopy).
+func (e *Engine) memberWrote(w wire.Rank) bool {
+	return w.Instance != e.cfg.Rank.Instance && slices.Contains(e.cfg.L2SharedWith, w.Instance)
 }
 
 // l2Corrupt accounts for an L2 object that failed verification on read.
