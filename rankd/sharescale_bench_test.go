@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -147,8 +148,16 @@ func BenchmarkShareScaleThroughNATS(b *testing.B) {
 
 		in := startIngest(ns, ranks, batchEvents, queue)
 		time.Sleep(500 * time.Millisecond) // let ingest reach its pace
+		// Which stage caps it: with the writer (bbolt and its fsync) busy
+		// nearly all the time, a commit's latency; else the committer's
+		// CPU (a CPU profile shows index.(*Index).stage and land), or the
+		// cores (the process's CPU).
+		g0, cpu0 := groupStats(b, reg), processCPU(b)
 		rate := in.ackedRate(time.Duration(seconds) * time.Second)
-		b.Logf("ingest: %.0f events/s acknowledged over %d s (%d publishers)", rate, seconds, publishers)
+		g, cpu := groupStats(b, reg).since(g0), processCPU(b)-cpu0
+		b.Logf("ingest: %.0f events/s acknowledged over %d s (%d publishers), process CPU %.1f cores; the index's group commits: %.1f/s, %.0f events each, %.2f ms from launch to landing (mean), writer busy %.0f %%",
+			rate, seconds, publishers, cpu.Seconds()/float64(seconds), g.commits/float64(seconds), g.events/max(g.commits, 1),
+			1e3*g.seconds/max(g.commits, 1), 100*g.seconds/float64(seconds))
 		var under ratio
 		duringRate := in.during(func() { under = measureRatio(b, "ingest", samples, lookup, echo) })
 		b.Logf("ingest during the lookups: %.0f events/s acknowledged", duringRate)
@@ -260,6 +269,40 @@ func (in *ingest) stop(b *testing.B) {
 	for _, br := range in.ranks {
 		br.waitApplied(b)
 	}
+}
+
+// commitStats are the index's group commit histograms' counts and sums.
+type commitStats struct{ commits, seconds, events float64 }
+
+func groupStats(b *testing.B, reg *prometheus.Registry) commitStats {
+	mfs, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var s commitStats
+	for _, mf := range mfs {
+		switch mf.GetName() {
+		case "kvtier_index_commit_seconds":
+			h := mf.GetMetric()[0].GetHistogram()
+			s.commits, s.seconds = float64(h.GetSampleCount()), h.GetSampleSum()
+		case "kvtier_index_group_events":
+			s.events = mf.GetMetric()[0].GetHistogram().GetSampleSum()
+		}
+	}
+	return s
+}
+
+func (s commitStats) since(o commitStats) commitStats {
+	return commitStats{s.commits - o.commits, s.seconds - o.seconds, s.events - o.events}
+}
+
+// processCPU is the CPU time the process has used, user and system.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // envInt is the positive integer in the environment variable name, else
