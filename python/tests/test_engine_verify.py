@@ -152,9 +152,9 @@ NUM_BLOCKS = 32
 BLOCK_IDS = [3, 9, 14, 5, 20, 7]  # the request's blocks; the plan covers request chunks 1..3
 
 
-def verify_worker(torch, world, layout: str, verify: bool, kv_cfg=None, **more):
-    """A worker over fakes whose pools are real CPU tensors of random
-    bytes (the engine's KV), one 16-token block per chunk."""
+def verify_worker(torch, world, layout: str, verify: bool, kv_cfg=None, device: str = "cpu", **more):
+    """A worker over fakes whose pools are real tensors of random bytes
+    (the engine's KV) on device, one 16-token block per chunk."""
     kv_cfg = kv_cfg or fakes.attention_config(num_blocks=NUM_BLOCKS)
 
     class Conn(KvtierConnector):
@@ -180,7 +180,7 @@ def verify_worker(torch, world, layout: str, verify: bool, kv_cfg=None, **more):
         t = torch.empty(shape, dtype=torch.bfloat16)
         u8 = t.view(-1).view(torch.uint8)
         u8.copy_(torch.randint(0, 256, (u8.numel(),), dtype=torch.uint8, generator=gen))
-        caches[name] = t
+        caches[name] = t.to(device)
     w.register_kv_caches(caches)
     assert w.wait_attached(5), w._link.why
     return w, caches
@@ -315,3 +315,51 @@ def test_lying_rankd_with_several_groups_fails_the_request():
     assert res.finished_recving == {"r1"} and res.failed_recving == {"r1"}
     assert w.stats["engine_verify_failures"] == 1 and w.stats["loaded_tokens"] == 0
     assert w.recent_loads[-1]["problem"].startswith("engine verify: chunk 2 group 1")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_check_runs_in_the_loads_future_off_the_step(device, monkeypatch):
+    """C11: the pages are summed in the load's future, once its verdict is
+    in and before it resolves, on a thread that is neither vLLM's step nor
+    the client's loop (on CUDA, on a stream that is not the step's);
+    get_finished on the step only applies what was found, with the same
+    outcome and counts as a check on the step. Red when the check runs in
+    _settle: nothing was summed when the future resolved."""
+    import dataclasses
+    import threading
+
+    from kvtier.vllm import _verify
+
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    world = fakes.FakeWorld()
+    w, caches = verify_worker(torch, world, "block_major", True, device=device, kvtier_load_async=True)
+    step_stream = torch.cuda.current_stream() if device == "cuda" else None
+    streams: list[object] = []
+    load = dataclasses.replace(verified_load(torch, w, caches, "block_major"), async_load=True)
+    list(caches.values())[-1][BLOCK_IDS[2]].reshape(-1).view(torch.uint8)[-1] ^= 0x40  # placed wrong
+    threads: list[threading.Thread] = []
+    orig = _verify.mismatches
+
+    def spy(*a, **k):
+        threads.append(threading.current_thread())
+        if device == "cuda":
+            streams.append(torch.cuda.current_stream())
+        return orig(*a, **k)
+
+    monkeypatch.setattr(_verify, "mismatches", spy)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, load.chunks)
+    w.bind_connector_metadata(KvtierConnectorMetadata([load], []))
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    w._loading["r1"].fut.result(5)
+    assert len(threads) == 1, "the load's future resolved before its pages were summed"
+    assert threads[0] is not threading.current_thread() and threads[0] is not w._client_now()._thread
+    if device == "cuda":
+        assert streams[0] != step_stream and streams[0] != torch.cuda.default_stream()
+    assert w.get_transfer_results(set()).finished_recving == {"r1"}
+    assert len(threads) == 1  # the step summed nothing
+    assert w.get_block_ids_with_load_errors() == {BLOCK_IDS[2], BLOCK_IDS[3]}
+    assert w.stats["engine_verify_failures"] == 1 and w.stats["recomputed_bad_bytes_tokens"] == 16
+    assert w.recent_loads[-1]["problem"].startswith("engine verify: chunk 1 group 0 on engine0/0")

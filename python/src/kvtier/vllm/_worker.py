@@ -407,7 +407,9 @@ class _WorkerSide(_Core):
         to the load errors; steps: the engine steps that ran between its
         start and this report (0: reported in the step that started it)."""
         if self.cfg.verify_on_engine:
-            res = _verify.verify_load(self, load, res)  # before anything counts the chunks loaded
+            # What the load's future found (_load), counted before anything
+            # counts the chunks loaded.
+            res = _verify.verify_load(self, load, res)
         self.stats["loads"] += 1
         self.stats["load_ms"] += int(took_s * 1000)
         self.stats["load_steps"] += steps
@@ -455,9 +457,15 @@ class _WorkerSide(_Core):
         chunks confirmed by the verdict (only a complete verdict confirms
         all of them)."""
         try:
-            return await asyncio.wait_for(self._load_inner(c, s, load, deadline), self._load_bound_s())
+            res = await asyncio.wait_for(self._load_inner(c, s, load, deadline), self._load_bound_s())
         except TimeoutError:
             return _LoadResult(0, 0, f"no verdict within {self._load_bound_s():.1f} s")
+        if self.cfg.verify_on_engine:
+            # The pages are summed here, before the future resolves, on a
+            # thread of its own (a CUDA stream of its own), not on vLLM's
+            # step nor on the client's loop; _settle only applies the result.
+            res = await asyncio.to_thread(_verify.check_off_step, self, load, res)
+        return res
 
     async def _load_inner(self, c: kvclient.SyncClient, s: kvclient.SyncRankSession, load: LoadSpec,
                           deadline: float) -> _LoadResult:
