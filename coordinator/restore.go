@@ -304,7 +304,30 @@ func (rs *restores) handleWait(m *nats.Msg) {
 			return
 		}
 	}
-	c.reply(wire.CoordRestoreWait, m, &v)
+	c.replyVerdict(m, &v)
+}
+
+// replyVerdict answers a restore.wait with v. A failed verdict that fits
+// the max payload only without its GroupReasons is sent without them:
+// Failed and Reasons (each chunk's first failure) are what the engine acts
+// on, and a too_large answer instead would make it recompute the chunks
+// before the first failure too (issue 27 added the per-group reasons).
+func (c *Coordinator) replyVerdict(m *nats.Msg, v *wire.RestoreVerdict) {
+	if len(v.GroupReasons) > 0 {
+		data, err := c.encodeReply(v)
+		if err == nil {
+			c.sendEncoded(wire.CoordRestoreWait, m, data)
+			return
+		}
+		if errors.Is(err, errReplyTooLarge) {
+			c.log.Warn("verdict sent without its per-group reasons, which exceed the max payload",
+				zap.String("restore", v.RestoreID), zap.Int("failed_chunks", len(v.Failed)), zap.Error(err))
+			short := *v
+			short.GroupReasons = nil
+			v = &short
+		}
+	}
+	c.reply(wire.CoordRestoreWait, m, v)
 }
 
 // finished is a verdict to deliver outside the lock.
@@ -369,7 +392,7 @@ func (f *finished) deliver(c *Coordinator) {
 		}
 	}
 	for _, w := range f.waiters {
-		c.reply(wire.CoordRestoreWait, w, &f.verdict)
+		c.replyVerdict(w, &f.verdict)
 	}
 	now := time.Now()
 	var lat time.Duration
