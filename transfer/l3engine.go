@@ -423,10 +423,10 @@ func (e *Engine) l3LoadFor(ctx context.Context, o *l1Obj, dst []byte, src wire.S
 	return meta, err
 }
 
-// l3Holder is the instance whose L3 prefix a retrieve item reads: its
-// source's holder when the plan names an L3 copy, else "" (this
-// instance's: a plan naming another tier falls back to this instance's L3
-// only).
+// l3Holder is the instance whose L3 prefix a retrieve item reads first:
+// its source's holder when the plan names an L3 copy, else "" (this
+// instance's; for a plan naming a share-group member's copy in another
+// tier, l3LoadFor then reads the member's prefix too).
 func l3Holder(src wire.Source) string {
 	if src.Tier != wire.L3 {
 		return ""
