@@ -31,7 +31,9 @@ type RetrieveRequest struct {
 	// retrievepartial.go); Sum, when not 0, is the checksum the
 	// coordinator recorded at store time and the object must match it;
 	// Source is a hint (the engine always looks in L1 first, then in the
-	// shared L2, whichever rank wrote it, then in L3).
+	// shared L2, whichever rank wrote it, then in L3: the prefix of the
+	// source's holder for an L3 source, else this instance's and then,
+	// for a share-group member's source, the member's, l3LoadFor).
 	Items []wire.RetrieveItem
 	// Caller is the engine identity that sent the request (as
 	// StoreRequest.Caller): it must own the session, checked under the
