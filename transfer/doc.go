@@ -62,9 +62,11 @@
 // share one object format (tier.EncodeObject). In a share group
 // (docs/sharing.md) a rank also reads the copies of the members its
 // Config names, checked as its own: their files in a shared L2 directory
-// (a store of what one holds keeps no second copy, L2SharedWith, or an
-// L1 copy only, KeepSharedInL1), their L3 objects under their bucket
-// prefixes (L3SharedWith) and their host L1 segments (HostL1SharedWith).
+// (a store of what one holds, or of what a retrieve read from one, keeps
+// no second copy, L2SharedWith, or an L1 copy only, KeepSharedInL1),
+// their L3 objects under their bucket prefixes (L3SharedWith; also when
+// the member's copy a plan named in another tier is gone) and their host
+// L1 segments (HostL1SharedWith).
 //
 // Packages: transfer/tier holds the L2 file tier, the L3 bucket tier and
 // the object format; it never takes Engine.mu and knows nothing of the
