@@ -97,6 +97,14 @@ class Proc:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+def call_failed(request: Any) -> bool:
+    """Whether the test that used a fixture failed (conftest keeps each
+    phase's report on the item), for the fixture's teardown: the
+    daemons' logs are printed then."""
+    rep = getattr(request.node, "rep_call", None)
+    return rep is None or rep.failed
+
+
 class Cluster:
     def __init__(self, bin_dir: pathlib.Path, root: pathlib.Path, tp: int) -> None:
         self.bin, self.root, self.tp = bin_dir, root, tp

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, eventually
+from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, call_failed, eventually
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -57,15 +57,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture
-def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path):
+def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
     c = Cluster(binaries, tmp_path, 1)
     c.start_all()
     try:
         yield c
-    except BaseException:
-        print(c.logs_tail())
-        raise
     finally:
+        if call_failed(request):
+            print(c.logs_tail())
         c.stop_all()
 
 
