@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster import HOST_UUID, Cluster, build_binaries, eventually
+from cluster import HOST_UUID, Cluster, build_binaries, call_failed, eventually
 from kvtier import client, cuda, dcp, errors, wire
 
 pytestmark = pytest.mark.integration
@@ -40,15 +40,14 @@ def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture
-def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path):
+def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
     c = Cluster(binaries, tmp_path, TP)
     c.start_all()
     try:
         yield c
-    except BaseException:
-        print(c.logs_tail())
-        raise
     finally:
+        if call_failed(request):
+            print(c.logs_tail())
         c.stop_all()
 
 
