@@ -358,19 +358,20 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 		sctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
-	sreq := transfer.StoreRequestOf(req, d.callerOf(msg))
 	// When the engine stops waiting for the answer (wire.HeaderGatherLimit):
 	// a gather that ends later commits nothing, its pages may have been
 	// reused meanwhile.
 	if v := msg.Header.Get(wire.HeaderGatherLimit); v != "" {
-		if sreq.GatherLimit, err = wire.ParseGatherLimit(v); err != nil {
+		limit, err := wire.ParseGatherLimit(v)
+		if err != nil {
 			return err
 		}
+		sctx = transfer.WithGatherLimit(sctx, limit)
 	}
 	// The engine serves it only for the session's owner (checked where it
 	// finds the session).
 	// tl is the store's until Done.
-	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), sreq)
+	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
 	if err != nil {
 		return err
 	}

@@ -56,7 +56,7 @@ var (
 	ErrDeadline = errors.New("transfer: past the engine's deadline")
 	// ErrGatherLate wraps ErrDeadline (and is wrapped with ErrTimeout) for
 	// the objects of a store whose gather ended after its gather limit
-	// (StoreRequest.GatherLimit): the engine had stopped waiting and may
+	// (WithGatherLimit): the engine had stopped waiting and may
 	// have reused the pages while they were read, so nothing of that
 	// gather was committed.
 	ErrGatherLate = fmt.Errorf("transfer: gather ended after the engine stopped waiting: %w", ErrDeadline)

@@ -33,13 +33,12 @@ func TestStoreGatherEndingAfterItsLimitCommitsNothing(t *testing.T) {
 	start := time.Now()
 	ctx, cancel := context.WithDeadline(testCtx(t), start.Add(100*time.Millisecond))
 	defer cancel()
-	req := r.storeReq("late-gather", h, c)
-	req.GatherLimit = start.Add(300 * time.Millisecond)
-	f, err := e.Store(ctx, req)
+	limit := start.Add(300 * time.Millisecond)
+	f, err := e.Store(WithGatherLimit(ctx, limit), r.storeReq("late-gather", h, c))
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(time.Until(req.GatherLimit) + 100*time.Millisecond) // the engine has stopped waiting
+	time.Sleep(time.Until(limit) + 100*time.Millisecond) // the engine has stopped waiting
 	select {
 	case <-f.Done():
 		t.Fatalf("the store answered before the device read its pages: %+v", f.res.Objects)
@@ -98,9 +97,7 @@ func TestStoreGatherEndingWithinItsGraceIsStored(t *testing.T) {
 	start := time.Now()
 	ctx, cancel := context.WithDeadline(testCtx(t), start.Add(100*time.Millisecond))
 	defer cancel()
-	req := r.storeReq("within-grace", h, c)
-	req.GatherLimit = start.Add(time.Minute)
-	f, err := e.Store(ctx, req)
+	f, err := e.Store(WithGatherLimit(ctx, start.Add(time.Minute)), r.storeReq("within-grace", h, c))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -40,17 +40,29 @@ type StoreRequest struct {
 	// (the owner Register was given), checked under the lock that finds
 	// the session (ErrUnauthorized). Never from the request's bytes.
 	Caller string
-	// GatherLimit, when not zero, is when the engine stops waiting for the
-	// answer and may reuse the blocks (wire.HeaderGatherLimit): a gather
-	// that ends at or after it commits nothing, its objects fail with
-	// ErrGatherLate. Zero: the engine waits for the answer, however late.
-	GatherLimit time.Time
 }
 
 // StoreRequestOf is the store that caller sent as req.
 func StoreRequestOf(req *wire.StoreRequest, caller string) StoreRequest {
 	return StoreRequest{RequestID: req.RequestID, Namespace: req.Namespace, Session: req.Session,
 		Chunks: req.Chunks, Event: req.Event, Caller: caller}
+}
+
+type gatherLimitKey struct{}
+
+// WithGatherLimit returns ctx carrying when the engine stops waiting for a
+// store's answer and may reuse its blocks (wire.HeaderGatherLimit), as the
+// engine's deadline rides on ctx's deadline: a gather of Store that ends at
+// or after it commits nothing, its objects fail with ErrGatherLate. Without
+// it the engine waits for the answer, however late.
+func WithGatherLimit(ctx context.Context, limit time.Time) context.Context {
+	return context.WithValue(ctx, gatherLimitKey{}, limit)
+}
+
+// gatherLimitFrom returns the gather limit ctx carries, or zero.
+func gatherLimitFrom(ctx context.Context) time.Time {
+	limit, _ := ctx.Value(gatherLimitKey{}).(time.Time)
+	return limit
 }
 
 // MaxStoreChunks bounds the chunks of one store or retrieve request.
@@ -169,8 +181,8 @@ func (r StoreResult) Wire() wire.StoreReply {
 // Objects whose gather has not begun when it passes (waiting for L1 room
 // or for another store's fill) fail with ErrDeadline; a gather already
 // begun is never cut by it (the answer waits for the device to have read
-// the pages, C1), but when it ends at or after req.GatherLimit its objects
-// fail with ErrGatherLate, not committed. The future outlives ctx
+// the pages, C1), but when it ends at or after ctx's gather limit
+// (WithGatherLimit) its objects fail with ErrGatherLate, not committed. The future outlives ctx
 // otherwise: Config.StoreTimeout bounds it.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, error) {
 	if err := ctx.Err(); err != nil {
@@ -183,7 +195,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*StoreFuture, err
 	f := &StoreFuture{e: e, id: futureIDs.Add(1), req: req.RequestID, start: time.Now(), sp: sp, tl: TimelineFrom(ctx),
 		res: StoreResult{RequestID: req.RequestID}, released: make(chan struct{}), done: make(chan struct{})}
 	f.deadline, _ = ctx.Deadline()
-	f.gatherLimit = req.GatherLimit
+	f.gatherLimit = gatherLimitFrom(ctx)
 	planned, err := e.planStore(sp, req)
 	if err != nil {
 		e.releaseSpace(sp)

@@ -30,8 +30,8 @@ type StoreFuture struct {
 	// bounds the waits before the gather (zero: only Config.StoreTimeout
 	// does).
 	deadline time.Time
-	// gatherLimit is StoreRequest.GatherLimit: a gather that ends at or
-	// after it commits nothing (zero: no limit).
+	// gatherLimit is Store's context's (WithGatherLimit): a gather that
+	// ends at or after it commits nothing (zero: no limit).
 	gatherLimit time.Time
 
 	released chan struct{} // the device no longer reads the blocks
