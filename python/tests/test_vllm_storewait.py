@@ -117,3 +117,24 @@ def test_a_store_the_step_does_not_wait_for_carries_no_gather_limit():
         assert world.store_gather_limits == [None] and w.stats["store_waits_cut"] == 0
     finally:
         world.store_gate.set_result(None)
+
+
+def test_a_step_of_several_stores_waits_until_the_latest_limit_only():
+    """All the step's stores are sent before it waits, so two stores that
+    never answer hold it about one gather limit, not one after the other.
+    Red when each store is waited for before the next is sent (1.8 s)."""
+    world = fakes.FakeWorld()
+    world.store_gate = concurrent.futures.Future()
+    w, blocks = _windowed("window", world, kvtier_store_wait_s=0.8, kvtier_store_grace_s=0.1, kvtier_timeout_s=5)
+    try:
+        w.bind_connector_metadata(KvtierConnectorMetadata([], [SaveSpec("r1", [(bytes(16), blocks)]),
+                                                               SaveSpec("r2", [(bytes([1]) * 16, blocks)])]))
+        t0 = time.time()
+        w.wait_for_save()
+        took = time.time() - t0
+        w.clear_connector_metadata()
+        assert time.time() >= max(world.store_gather_limits)
+        assert took < 1.5, f"the step waited {took:.2f} s for two stores that never answered"
+        assert w.stats["store_waits_cut"] == 2
+    finally:
+        world.store_gate.set_result(None)

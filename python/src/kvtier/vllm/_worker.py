@@ -226,6 +226,7 @@ class _WorkerSide(_Core):
         if not self.has_connector_metadata() or self._link is None:
             return
         meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
+        waits: list[tuple[str, concurrent.futures.Future[wire.StoreReply], float]] = []
         for save in meta.saves:
             self._saving.add(save.req_id)  # reported finished by get_finished, stored or not
             chunks = self._store_chunks(save)
@@ -253,14 +254,18 @@ class _WorkerSide(_Core):
             # limit may have read reused blocks, so the rankd stores none of
             # it. Full attention: vLLM keeps the blocks until the request is
             # reported finished, so nothing waits and no limit is sent.
-            waits = bool(self._windows) or any(gl.recurrent for gl in self.layers)
-            limit = deadline + self.cfg.store_grace_s if waits else None
+            held = bool(self._windows) or any(gl.recurrent for gl in self.layers)
+            limit = deadline + self.cfg.store_grace_s if held else None
             fut = c.submit(self._store(s, save.req_id, chunks, handle, deadline, limit))
             key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
             if limit is not None:
-                self._wait_store(save.req_id, fut, limit)
+                waits.append((save.req_id, fut, limit))
+        # Every store is sent before the step waits, so the step waits
+        # until the latest limit, not one limit per store.
+        for req_id, fut, limit in waits:
+            self._wait_store(req_id, fut, limit)
 
     def _wait_store(self, req_id: str, fut: concurrent.futures.Future[wire.StoreReply], limit: float) -> None:
         """Waits for a store's answer until limit (time.time() seconds) by
