@@ -101,9 +101,9 @@ func (s *sim) restore(ctx context.Context) error {
 		return s.recomputeAll(ctx)
 	}
 	s.rc.ended = time.Now()
-	s.res.Verdict, s.res.Failed, s.res.Reasons = v.State, v.Failed, v.Reasons
+	s.res.Verdict, s.res.Failed, s.res.Reasons = v.State, v.Failed, v.FailedReasons()
 	s.res.RestoreSeconds = s.rc.ended.Sub(start).Seconds()
-	s.logf("verdict %s for restore %s: prefix %d, failed chunks %v %v (%.3fs)", v.State, v.RestoreID, v.Prefix, v.Failed, v.Reasons, s.res.RestoreSeconds)
+	s.logf("verdict %s for restore %s: prefix %d, failed chunks %v %v (%.3fs)", v.State, v.RestoreID, v.Prefix, v.Failed, v.FailedReasons(), s.res.RestoreSeconds)
 
 	// Chunks the engine must recompute: failed ones and those beyond the
 	// planned prefix. Everything else must be byte-exact.
@@ -159,7 +159,7 @@ func (s *sim) restore(ctx context.Context) error {
 	case s.cfg.ExpectFail && v.State == wire.VerdictComplete && plan.Prefix == len(p.Hashes):
 		problems = append(problems, "expected a failed verdict or a partial plan, got a complete restore of every chunk")
 	case !s.cfg.ExpectFail && v.State != wire.VerdictComplete:
-		problems = append(problems, fmt.Sprintf("verdict %s, failed chunks %v (%v)", v.State, v.Failed, v.Reasons))
+		problems = append(problems, fmt.Sprintf("verdict %s, failed chunks %v (%v)", v.State, v.Failed, v.FailedReasons()))
 	case !s.cfg.ExpectFail && plan.Prefix != len(p.Hashes):
 		problems = append(problems, fmt.Sprintf("plan covers %d of %d chunks", plan.Prefix, len(p.Hashes)))
 	}

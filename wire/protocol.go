@@ -254,6 +254,21 @@ func (v *RestoreVerdict) ChunkReasons(i int) []string {
 	return nil
 }
 
+// FailedReasons is one line per failed chunk naming every failed group's
+// reason ("chunk 3: rank 0 group 0 shard 0: missing; rank 0 group 1 shard 0:
+// corrupt"), for logs and results; Reasons holds the first group's only.
+// A refused verdict fails no chunk: its Reasons are returned as they are.
+func (v *RestoreVerdict) FailedReasons() []string {
+	if len(v.Failed) == 0 {
+		return v.Reasons
+	}
+	out := make([]string, 0, len(v.Failed))
+	for i, c := range v.Failed {
+		out = append(out, fmt.Sprintf("chunk %d: %s", c, strings.Join(v.ChunkReasons(i), "; ")))
+	}
+	return out
+}
+
 // Validate checks a verdict is self-consistent: complete has no failures;
 // refused has prefix 0, a reason and no failed chunks.
 func (v *RestoreVerdict) Validate() error {
