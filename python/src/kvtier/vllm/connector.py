@@ -33,8 +33,10 @@ reports a request once its verdict is in, bounded by the restore deadline);
 only a complete verdict counts, and every block of a chunk that is not
 confirmed goes to ``get_block_ids_with_load_errors`` so vLLM recomputes it;
 ``wait_for_save`` records one interprocess event per store (C1) after the
-forward and sends the stores; ``get_finished`` reports a request once all
-its stores have answered. ``get_kv_connector_stats`` feeds vLLM's stats
+forward and sends the stores (with a sliding-window or Mamba group it waits
+for their answers, until their gather limit: kvtier_store_wait_s +
+kvtier_store_grace_s); ``get_finished`` reports a request once all its
+stores have answered. ``get_kv_connector_stats`` feeds vLLM's stats
 and /metrics (kvtier.vllm.stats).
 
 The spec comes from vLLM's kv_cache_config (see kvtier.vllm.spec) and
