@@ -48,7 +48,9 @@ type BenchTimeline struct {
 type TimelineRow struct {
 	Name string `json:"name"`
 	// Where is "engine" (seen by this process), "rankd" (the rankd's
-	// host work) or "device" (the device's, overlapping the others).
+	// host work), "device" (the device's, overlapping the others) or
+	// "beside" (the rankd's wait for its report's acknowledgment after
+	// it replied, overlapping the engine's response and verdict).
 	Where   string  `json:"where"`
 	Batches int     `json:"batches"` // stages merged into the row (copy batches)
 	StartNS int64   `json:"start_ns"`
@@ -185,10 +187,39 @@ func restoreTimeline(rank int, tl wire.Timeline, rc0 *restoreClock) *BenchTimeli
 	}
 	b.bt.Rows = slices.Insert(b.bt.Rows, 1, req)
 	end := time.Unix(0, tl.StartUnixNS+tl.DurNS)
+	if reply, ok := stageEnd(tl, "reply"); ok && reportAfter(b.bt.Rows, reply.Sub(b.origin)) {
+		// The rankd sent its report beside the reply (rankd.serveRetrieve)
+		// and then waited for the acknowledgment: that wait overlaps the
+		// engine's response and verdict, so its row is "beside" them and
+		// the response runs from the reply.
+		end = reply
+	}
 	b.engineRow("response", end, rc.replied[rank])
 	b.engineRow("other ranks", rc.replied[rank], rc.verdictFrom)
 	b.engineRow("verdict", rc.verdictFrom, rc.ended)
 	return b.finish(rc.ended.Sub(rc.begun))
+}
+
+// stageEnd is when tl's last stage named name ended, on the wall clock.
+func stageEnd(tl wire.Timeline, name string) (time.Time, bool) {
+	for i := len(tl.Stages) - 1; i >= 0; i-- {
+		if st := tl.Stages[i]; st.Name == name && !st.Device {
+			return time.Unix(0, tl.StartUnixNS+st.StartNS+st.DurNS), true
+		}
+	}
+	return time.Time{}, false
+}
+
+// reportAfter marks the rankd's report row "beside" when it starts at or
+// after from (the end of the reply), and says whether it did.
+func reportAfter(rows []TimelineRow, from time.Duration) bool {
+	for i := range rows {
+		if r := &rows[i]; r.Name == "report" && r.Where == "rankd" && r.StartNS >= int64(from) {
+			r.Where = "beside"
+			return true
+		}
+	}
+	return false
 }
 
 // printTimeline writes bt as a table.
@@ -204,7 +235,7 @@ func printTimeline(out io.Writer, what string, bt *BenchTimeline) {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%.3f\t%.3f\t%.1f%%\n", r.Name, r.Where, n, float64(r.StartNS)/1e6, float64(r.DurNS)/1e6, 100*r.Share)
 	}
 	tw.Flush()
-	fmt.Fprintln(out, "engine and rankd stages take turns (their shares add up to 100%); device stages overlap them; a stage")
+	fmt.Fprintln(out, "engine and rankd stages take turns (their shares add up to 100%); device and beside stages overlap them; a stage")
 	fmt.Fprintln(out, "of several copy batches shows its first start and its summed time (docs/enginesim.md)")
 	if bt.Skewed {
 		fmt.Fprintln(out, "warning: the rankd's clock is not this process's: stages across the two were clamped to 0")

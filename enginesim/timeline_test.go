@@ -45,7 +45,7 @@ func checkRows(t *testing.T, bt *BenchTimeline, want []string) {
 			t.Fatalf("row %s [%d, +%d]: out of order (previous start %d) or outside [0, %d]", r.Name, r.StartNS, r.DurNS, prev, bt.TotalNS)
 		}
 		prev = r.StartNS
-		if r.Where != "device" {
+		if r.Where != "device" && r.Where != "beside" {
 			sum += r.DurNS
 			share += r.Share
 		}
@@ -108,6 +108,31 @@ func TestRestoreTimelineRows(t *testing.T) {
 	printTimeline(&out, "restore", bt)
 	if !strings.Contains(out.String(), "clamped") {
 		t.Fatalf("no warning printed:\n%s", out.String())
+	}
+}
+
+// TestRestoreTimelineReportBeside: a rankd that replied before its
+// report's acknowledgment came (the report sent beside the reply) shows
+// that wait as a "beside" row, and the response runs from its reply.
+func TestRestoreTimelineReportBeside(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	at := func(msx10 int64) time.Time { return t0.Add(time.Duration(msx10 * ms / 10)) }
+	tl := rankdRetrieve(at(30))
+	n := len(tl.Stages)
+	tl.Stages[n-2], tl.Stages[n-1] = wire.TimelineStage{Name: "reply", Batch: -1, StartNS: 9 * ms, DurNS: ms / 5},
+		wire.TimelineStage{Name: "report", Batch: -1, StartNS: 9*ms + ms/5, DurNS: ms * 4 / 5}
+	rc := &restoreClock{begun: t0, planned: at(20), sent: []time.Time{at(21)}, replied: []time.Time{at(125)},
+		verdictFrom: at(150), ended: at(160)}
+	bt := restoreTimeline(0, tl, rc)
+	checkRows(t, bt, []string{"engine:begin", "engine:request", "rankd:decode", "rankd:plan", "rankd:lookup", "rankd:enqueue",
+		"device:scatter", "rankd:wait", "rankd:verify", "rankd:reply", "beside:report", "engine:response", "engine:other ranks", "engine:verdict"})
+	for _, r := range bt.Rows {
+		if r.Name == "response" && (r.StartNS != 12*ms+ms/5 || r.DurNS != 3*ms/10) {
+			t.Fatalf("response row %+v: want from the reply's end (12.2 ms) to 12.5 ms", r)
+		}
+	}
+	if bt.Skewed {
+		t.Fatal("flagged skewed")
 	}
 }
 

@@ -464,15 +464,30 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		return err
 	}
 	rep := res.Wire()
+	// The report goes out beside the reply rather than before it: the
+	// coordinator parks the engine's restore.wait until every report is
+	// in, so the reply need not wait for the report's acknowledgment (a
+	// NATS round trip and the coordinator's bookkeeping, 2.6 ms of a
+	// 1.3 GB restore on the H200, issue 25.4). The handler still ends
+	// only once the report is done, as before: its slot bounds the
+	// reports in flight and Shutdown waits for them.
+	var reported chan struct{}
 	if req.RestoreID != "" {
-		d.report(req.RestoreID, rep.Results)
-		tl.Lap(transfer.StageReport, -1)
+		reported = make(chan struct{})
+		go func() {
+			defer close(reported)
+			d.report(req.RestoreID, rep.Results)
+		}()
 	}
 	if fc := res.FailedChunks(); len(fc) > 0 {
 		d.log.Warn("retrieve had failed chunks", zap.String("restore", req.RestoreID), zap.Ints("chunks", fc))
 	}
 	err = respond(d, OpRetrieve, msg, &rep)
 	tl.Lap(transfer.StageReply, -1)
+	if reported != nil {
+		<-reported
+		tl.Lap(transfer.StageReport, -1) // what of the report outlasted the reply
+	}
 	d.met.stages.done(OpRetrieve, req.RestoreID, tl)
 	return err
 }

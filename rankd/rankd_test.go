@@ -436,9 +436,14 @@ func testDaemonStoreRetrieveReport(t *testing.T, asBinary bool) {
 			}
 		}
 	}
-	h.mu.Lock()
-	reports := append([]wire.RestoreReport(nil), h.reports...)
-	h.mu.Unlock()
+	// The report goes out beside the reply, so it may land just after it.
+	var reports []wire.RestoreReport
+	testutil.Eventually(t, 10*time.Second, "the retrieve's report", func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		reports = append([]wire.RestoreReport(nil), h.reports...)
+		return len(reports) > 0
+	})
 	if len(reports) != 1 || reports[0].RestoreID != "R1" || reports[0].Rank != h.rank ||
 		!reports[0].Results[0].OK || reports[0].Results[0].Sum != checksum.Sum(want) {
 		t.Fatalf("reports %+v", reports)

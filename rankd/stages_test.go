@@ -104,12 +104,22 @@ func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 	if tls[0].Bytes != e.res.ObjectSize(0) {
 		t.Fatalf("store timeline bytes %d, want %d", tls[0].Bytes, e.res.ObjectSize(0))
 	}
-	tls = status("tl-restore")
+	// The retrieve's report goes out beside its reply and its timeline
+	// ends once the report is acknowledged, so it may be kept just after
+	// the reply came: the bound is the wall time until it was.
+	testutil.Eventually(t, 10*time.Second, "the retrieve's timeline", func() bool {
+		tls = status("tl-restore")
+		return len(tls) > 0
+	})
+	retrieveWall = time.Since(start)
 	if len(tls) != 1 {
 		t.Fatalf("%d timelines of the restore, want 1", len(tls))
 	}
-	checkWireTimeline(t, tls[0], OpRetrieve, "tl-restore", retrieveWall, []string{"decode", "plan", "lookup", "stream", "enqueue",
+	rs := checkWireTimeline(t, tls[0], OpRetrieve, "tl-restore", retrieveWall, []string{"decode", "plan", "lookup", "stream", "enqueue",
 		"wait", "notice", "verify", "finish", "report", "reply", "scatter"})
+	if rs["report"].StartNS < rs["reply"].StartNS+rs["reply"].DurNS {
+		t.Fatalf("report stage %+v before the reply %+v: the reply waited for the report's acknowledgment", rs["report"], rs["reply"])
+	}
 	if n := len(status(StatusAllTimelines)); n != 2 {
 		t.Fatalf("%d recent timelines, want 2", n)
 	}
