@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvtier import wire
+from kvtier import client_plan, wire
 from kvtier.cuda import EventHandle
 from kvtier.dcp import ChunkHash, Namespace, Spec
 from kvtier.errors import CredentialsError, MalformedError, NotConnected, RequestTimeout, Unauthorized, Unavailable
@@ -446,10 +446,15 @@ class Client:
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
                             deadline_ms: int = 0, timeout: float | None = None) -> RestorePlan:
+        """Begins a restore of chunks. The plan comes in its binary form
+        (client_plan: 11 B per item, decoded in microseconds, where the
+        JSON plan's generic decoding took ~40 us per item, issue 25.4)."""
         inst = self._instance(instance)
-        req = wire.RestoreBeginRequest(wire.RestoreBegin(namespace, list(chunks), deadline_ms), inst)
+        chunks = list(chunks)
+        req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst)
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
-                               timeout=timeout, decoder=wire.decode_restore_plan)
+                               timeout=timeout, decoder=lambda data, subject: client_plan.decode_plan(data, chunks,
+                                                                                                    subject))
 
     async def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                            instance: str | None = None) -> RestoreVerdict:
