@@ -408,9 +408,10 @@ def test_real_vllm_sliding_window_model_two_groups(cluster: Cluster, gemma2_dir:
     print("g2 corrupt loads:", lds)
     assert hit_like(outputs(bad), ref), "a failed group's load: tokens differ from vLLM alone"
     assert delta(bad, f[3], "restore_failures") >= 1, bad["worker"]
-    # The verdict names chunk 1 failed; its reason is the first group's ("sibling": group 1's object
-    # failed its checksum), so recomputed_bad_bytes_tokens does not see the corruption here.
-    assert any("chunk 1" in ld["problem"] for ld in lds), lds
+    # The verdict names chunk 1 failed with every group's reason (issue 27): group 0's sibling
+    # failure and group 1's corruption, which recomputed_bad_bytes_tokens counts.
+    assert any("chunk 1" in ld["problem"] and "corrupt" in ld["problem"] for ld in lds), lds
+    assert delta(bad, f[3], "recomputed_bad_bytes_tokens") >= BLOCK, bad["worker"]
     assert any(ld["loaded"] == 0 < ld["chunks"] for ld in lds), lds  # a's request: recomputed as a whole
     assert any(ld["loaded"] == ld["chunks"] > 0 for ld in lds), lds  # b's load, both groups, still restored
 
