@@ -1,4 +1,5 @@
-"""The binary restore plan (kvtier.client_plan) against Go's bytes."""
+"""The client's fast decoders: the binary restore plan (kvtier.client_plan)
+against Go's bytes, and the retrieve reply against the generic decoder."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 import pytest
 
-from kvtier import client_plan, dcp, wire
+from kvtier import client, client_plan, dcp, wire
 from kvtier.errors import BadRequest, MalformedError
 
 COMPACT = pathlib.Path(__file__).resolve().parents[2] / "wire" / "testdata" / "compact"
@@ -53,3 +54,52 @@ def test_binary_plan_refuses_bad_input():
             b[rng.randrange(4, len(b))] = rng.randrange(256)
         with contextlib.suppress(MalformedError):
             client_plan.decode_plan_binary(bytes(b), chunks)
+
+
+GOLDEN = COMPACT.parent / "golden"
+
+
+def _both(data: bytes) -> tuple[object, object]:
+    """What the fast and the generic retrieve-reply decoders make of data:
+    the reply, or the exception's type."""
+    out = []
+    for f in (client.decode_retrieve_reply, lambda d: wire.decode_reply(wire.RetrieveReply, d)):
+        try:
+            out.append(f(data))
+        except Exception as e:  # compared by type
+            out.append(type(e))
+    return out[0], out[1]
+
+
+def test_retrieve_reply_fast_path_equals_the_generic_decoder():
+    """The fast retrieve-reply decoder answers exactly what the generic
+    one does (reply or error type) for Go's golden reply, edge cases and
+    thousands of mutations of it."""
+    golden = b'{"ok":' + (GOLDEN / "retrieve_reply.json").read_bytes().strip() + b"}"
+    fast, slow = _both(golden)
+    assert isinstance(fast, wire.RetrieveReply) and fast == slow and len(fast.results) == 2
+    cases = [b'{"ok":{"results":null}}', b'{"ok":{}}', b'{"ok":{"results":[{"chunk":1}]}}',
+             b'{"ok":{"results":[{"chunk":true,"group":0,"ok":true,"sum":1}]}}',
+             b'{"ok":{"results":[{"chunk":0,"group":0,"ok":1,"sum":1}]}}',
+             b'{"ok":{"results":[{"chunk":0,"group":0,"ok":true,"sum":-1}]}}',
+             b'{"ok":{"results":[{"chunk":0,"group":0,"ok":true,"sum":18446744073709551616}]}}',
+             b'{"ok":{"results":[{"chunk":0,"group":0,"ok":true,"sum":1,"reason":null}]}}',
+             b'{"ok":{"results":[{"chunk":0,"group":0,"ok":true,"sum":1.0}]}}',
+             b'{"ok":{"results":[7]}}', b'{"error":{"code":"unavailable","message":"m"}}',
+             b'{"error":null,"ok":{"results":[]}}', b"[]", b"\xff", b""]
+    rng = random.Random(11)
+    for _ in range(3000):
+        b = bytearray(golden)
+        for _ in range(rng.randrange(1, 4)):
+            i = rng.randrange(len(b))
+            if rng.random() < 0.5:
+                b[i] = rng.choice(b'0129-.,:{}[]"etrufalsn ')
+            else:
+                b[i:i] = rng.choice([b'"', b"-1", b"null", b"[", b"{}", b"true", b"1.5", b"99999999999999999999"])
+        cases.append(bytes(b))
+    fast_hits = 0
+    for data in cases:
+        fast, slow = _both(data)
+        assert fast == slow, data
+        fast_hits += isinstance(fast, wire.RetrieveReply)
+    assert fast_hits > 100  # the mutations leave many valid replies

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import json
 import logging
 import os
 import random
@@ -522,7 +523,8 @@ class RankSession:
         as unavailable, items not yet placed at it fail)."""
         req = wire.RetrieveRequest(restore_id, self.namespace, self.session, list(items))
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), self._body(req),
-                                      RetrieveReply, timeout=timeout, headers=_deadline_header(deadline))
+                                      RetrieveReply, timeout=timeout, headers=_deadline_header(deadline),
+                                      decoder=decode_retrieve_reply)
 
     def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
         """req as sent: its binary form, or the message itself (JSON) with
@@ -743,6 +745,37 @@ class SyncClient:
         self.close()
 
 
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def decode_retrieve_reply(data: bytes, subject: str = "") -> RetrieveReply:
+    """A retrieve's reply: its results read directly when every one has
+    the plain shape the rankd sends (chunk, group, ok, sum and maybe a
+    reason, each of its JSON type and range), else through the generic
+    decoder, which names what is wrong. Equal to wire.decode_reply's
+    result for any input it accepts; about 1-2 us per item where the
+    generic decoding takes about 12 us (issue 25.4)."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    ok = obj.get("ok") if type(obj) is dict and obj.get("error") is None else None
+    res = ok.get("results") if type(ok) is dict else None
+    if type(res) is not list:
+        return wire.decode_reply(RetrieveReply, data, subject)
+    out = []
+    lo, hi = _I64
+    for r in res:
+        if type(r) is not dict:
+            return wire.decode_reply(RetrieveReply, data, subject)
+        c, g, k, sm, why = r.get("chunk"), r.get("group"), r.get("ok"), r.get("sum"), r.get("reason", "")
+        if (type(c) is not int or type(g) is not int or type(k) is not bool or type(sm) is not int
+                or type(why) is not str or not lo <= c <= hi or not lo <= g <= hi or not 0 <= sm < 1 << 64):
+            return wire.decode_reply(RetrieveReply, data, subject)
+        out.append(wire.ItemResult(c, g, k, sm, why))
+    return RetrieveReply(out)
+
+
 def _deadline_header(deadline: float | None, gather_limit: float | None = None) -> dict[str, str] | None:
     """The Kvtier-Deadline and Kvtier-Gather-Limit headers of a deadline and
     a gather limit in time.time() seconds (Unix nanoseconds), or None for
@@ -813,6 +846,7 @@ __all__ = [
     "SyncClient",
     "SyncRankSession",
     "connect_nats",
+    "decode_retrieve_reply",
     "restore",
     "reason_bytes_wrong",
     "restore_outcome",
