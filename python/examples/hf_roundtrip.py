@@ -20,7 +20,10 @@ What it does, with no network:
 4. registers every rank's pools with its own rankd (CUDA IPC: torch's
    handle, parsed and cross-checked against the driver's cuIpcGetMemHandle;
    or host-backend shared memory), and every rank stores every chunk of its
-   shard with its own interprocess event (C1);
+   shard, each store request with its own interprocess event (C1): by
+   default one request per rank with every chunk, as vLLM's connector
+   stores what one forward step (here the prompt's one prefill) completed;
+   --chunks-per-store N splits it into requests of N chunks;
 5. wipes all pools, restores every chunk through the coordinator's restore
    protocol (one restore, every rank retrieving its own shard) into another
    block table, and checks every byte of every rank's pages;
@@ -186,16 +189,16 @@ def main() -> int:
     ap.add_argument("--l1-bytes", default="", help="each rankd's L1 (default 2GiB on cuda, 256MiB on host)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tamper", type=int, default=-1, help="flip one restored byte of this rank (self-test)")
-    ap.add_argument("--chunks-per-store", type=int, default=1,
-                    help="chunks per store request, one producer event each (an engine stores what one forward "
-                         "step completed in one request); default 1: a request per chunk")
+    ap.add_argument("--chunks-per-store", type=int, default=0,
+                    help="chunks per store request, one producer event each; default 0: every chunk in one "
+                         "request per rank, as the connector stores what one forward step completed")
     ap.add_argument("--rankd-arg", action="append", default=[],
                     help="one more rankd flag, e.g. --rankd-arg=--cpu-profile=/tmp/r.pprof (repeatable)")
     args = ap.parse_args()
     if args.ranks < 1:
         ap.error("--ranks must be >= 1")
-    if args.chunks_per_store < 1:
-        ap.error("--chunks-per-store must be >= 1")
+    if args.chunks_per_store < 0:
+        ap.error("--chunks-per-store must be >= 0")
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -371,8 +374,9 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
             rows.append(("torch view offset/size == driver's", f"{checked}/{tp * L} pools checked, "
                          f"{same_raw} with identical handle bytes", agree and checked == tp * L))
 
-        # Store: every rank every chunk, each store its own interprocess
-        # event recorded before the request (C1); all ranks at once.
+        # Store: every rank every chunk, each store request its own
+        # interprocess event recorded before the request (C1); all ranks at
+        # once.
         def new_event():
             if host is not None:
                 hev = host.new_event()
@@ -384,7 +388,7 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
 
         store_done = [0.0] * tp
         futs: list[list[Any]] = [[] for _ in range(tp)]
-        per = args.chunks_per_store
+        per = args.chunks_per_store or n_chunks
         t_store = time.perf_counter()
         for c0 in range(0, n_chunks, per):
             cbs = [wire.ChunkBlocks(hashes[ci], [table_a[ci * bpc:(ci + 1) * bpc]])
