@@ -233,3 +233,22 @@ def test_a_request_is_offered_kvtier_tokens_once():
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.build_connector_meta(fakes.SchedulerOutput()).loads == []
     assert len(world.lookups) == 1
+
+
+def test_wait_attached_waits_for_the_peer_not_only_for_nats():
+    """A link made unhealthy by a NATS outage hands out its client again as
+    soon as NATS reconnects (requests use it at once), but wait_attached
+    waits until a health check has seen the peer answer: real vLLM's
+    fail-open test read the counters between the two (attaches 1)."""
+    world = fakes.FakeWorld()
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_attach_backoff_max_s=0.05)
+    assert s.wait_attached(5), s._link.why
+    link = s._link
+    link._set("unhealthy", "NATS disconnected; reconnecting")
+    with link._mu:
+        link._nats_down = True
+    assert s._client_now() is not None, "NATS is back: the client is usable"
+    assert not s.wait_attached(0.1), "attached before the peer answered again"
+    link._set("attached", "answering again")
+    assert s.wait_attached(0.1) and link.attaches == 2 and link.detaches == 1
+    s.shutdown()

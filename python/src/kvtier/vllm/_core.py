@@ -131,15 +131,22 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         return None if self._link is None else self._link.client
 
     def wait_attached(self, timeout_s: float) -> bool:
-        """Waits up to timeout_s for the link to attach; True when it did.
+        """Waits up to timeout_s for the link to be attached (its peer
+        answered since NATS last came back); True when it is.
         vLLM never calls this: it is for tools and tests that want a warm
         connector before their first request."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._client_now() is not None:
+            if self._attached_now():
                 return True
             time.sleep(0.02)
-        return self._client_now() is not None
+        return self._attached_now()
+
+    def _attached_now(self) -> bool:
+        """Attached, not merely usable: a link that is unhealthy only
+        because NATS was down hands out its client as soon as NATS is back,
+        before its next health check has seen the peer answer again."""
+        return self._link is not None and self._link.state == "attached" and self._client_now() is not None
 
     def _on_link_change(self, state: str) -> None:
         if self._link is not None:  # runs on the link's thread: two plain stores
