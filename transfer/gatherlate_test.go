@@ -54,23 +54,7 @@ func TestStoreGatherEndingAfterItsLimitCommitsNothing(t *testing.T) {
 	if late, cut := res.GatherLate(), res.PastDeadline(); late != 1 || cut != 0 {
 		t.Fatalf("GatherLate %d, PastDeadline %d; want 1 and 0 (rankd counts gather_late, not cut)", late, cut)
 	}
-	select {
-	case <-f.Released():
-	default:
-		t.Fatal("the store's pages are still held after its gather ended")
-	}
-	if n := releases.Load(); n != 1 {
-		t.Fatalf("producer event released %d times, want once", n)
-	}
-	e.mu.Lock()
-	left := e.cat.objs[o.Key]
-	e.mu.Unlock()
-	if left != nil {
-		t.Fatalf("the late gather's object is in L1's catalog (state %v, sum %#x)", left.state, left.sum)
-	}
-	if s := e.Stats(); s.L1OccupiedBytes != 0 {
-		t.Fatalf("L1 occupancy %d after the late gather, want 0", s.L1OccupiedBytes)
-	}
+	expectFailedStoreLeftNothing(t, e, f, o, &releases, 0)
 	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
 	if err != nil || rr.ChunkOK(0) {
 		t.Fatalf("retrieve of the chunk whose gather ended late: %+v, %v; want it missing", rr, err)

@@ -108,23 +108,7 @@ func TestStoreWaitForL1RoomEndsAtTheEnginesDeadline(t *testing.T) {
 	if n := res.PastDeadline(); n != 1 {
 		t.Fatalf("PastDeadline %d, want 1 (rankd counts the store as cut)", n)
 	}
-	select {
-	case <-f.Released():
-	default:
-		t.Fatal("a store that failed before its gather still holds the engine's blocks")
-	}
-	if n := releases.Load(); n != 1 {
-		t.Fatalf("producer event released %d times, want once", n)
-	}
-	e.mu.Lock()
-	left := e.cat.objs[o.Key]
-	e.mu.Unlock()
-	if left != nil {
-		t.Fatalf("the failed object is still in L1's catalog (pins %d, slab %d)", left.pins, left.slab)
-	}
-	if s := e.Stats(); s.L1OccupiedBytes != 2*(64<<10) {
-		t.Fatalf("L1 occupancy %d after the failed store, want the two dirty objects' %d", s.L1OccupiedBytes, 2*(64<<10))
-	}
+	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10)) // the two dirty objects stay
 
 	close(st.open) // L2 takes the writes: L1 makes room
 	r.write(c, c.blocks, 0)
@@ -176,4 +160,28 @@ func TestStoreDeadlineNeverCutsAGather(t *testing.T) {
 	}
 	r.expectRestored(c, r.consecutiveN(1))
 	r.check("the chunk stored while its deadline passed")
+}
+
+// expectFailedStoreLeftNothing: the store f whose object o failed gave the
+// engine's blocks back, released its producer event exactly once, and left
+// o out of L1's catalog, L1 holding occupied bytes (other objects') only.
+func expectFailedStoreLeftNothing(t *testing.T, e *Engine, f *StoreFuture, o StoredObject, releases *atomic.Int32, occupied uint64) {
+	t.Helper()
+	select {
+	case <-f.Released():
+	default:
+		t.Fatal("a failed store still holds the engine's blocks")
+	}
+	if n := releases.Load(); n != 1 {
+		t.Fatalf("producer event released %d times, want once", n)
+	}
+	e.mu.Lock()
+	left := e.cat.objs[o.Key]
+	e.mu.Unlock()
+	if left != nil {
+		t.Fatalf("the failed object is in L1's catalog (state %v, pins %d, sum %#x)", left.state, left.pins, left.sum)
+	}
+	if s := e.Stats(); s.L1OccupiedBytes != occupied {
+		t.Fatalf("L1 occupancy %d after the failed store, want %d", s.L1OccupiedBytes, occupied)
+	}
 }
