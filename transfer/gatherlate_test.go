@@ -87,14 +87,5 @@ func TestStoreGatherEndingWithinItsGraceIsStored(t *testing.T) {
 	}
 	time.Sleep(300 * time.Millisecond) // past the deadline, well within the limit
 	open()
-	res, err := f.Wait(testCtx(t))
-	if err != nil || res.Objects[0].Status != Stored {
-		t.Fatalf("a gather that ended within its grace: %+v, %v; want stored", res.Objects, err)
-	}
-	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
-	if err != nil || !rr.ChunkOK(0) {
-		t.Fatalf("retrieve of the chunk stored within its grace: %+v, %v", rr, err)
-	}
-	r.expectRestored(c, r.consecutiveN(1))
-	r.check("the chunk stored within its grace")
+	expectStoredAndRestored(t, e, r, f, c, "the chunk stored within its grace")
 }

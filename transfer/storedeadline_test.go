@@ -150,16 +150,23 @@ func TestStoreDeadlineNeverCutsAGather(t *testing.T) {
 	default:
 	}
 	open()
+	expectStoredAndRestored(t, e, r, f, c, "the chunk stored while its deadline passed")
+}
+
+// expectStoredAndRestored: the one-chunk store f of c is stored, and c
+// restores into the next free blocks byte for byte, padding untouched.
+func expectStoredAndRestored(t *testing.T, e *Engine, r *rig, f *StoreFuture, c chunk, what string) {
+	t.Helper()
 	res, err := f.Wait(testCtx(t))
 	if err != nil || res.Objects[0].Status != Stored {
-		t.Fatalf("a gather enqueued before the deadline: %+v, %v; want stored", res.Objects, err)
+		t.Fatalf("%s: %+v, %v; want stored", what, res.Objects, err)
 	}
 	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{r.consecutiveN(1)}))
 	if err != nil || !rr.ChunkOK(0) {
-		t.Fatalf("retrieve of the chunk stored past its deadline: %+v, %v", rr, err)
+		t.Fatalf("%s: retrieve %+v, %v", what, rr, err)
 	}
 	r.expectRestored(c, r.consecutiveN(1))
-	r.check("the chunk stored while its deadline passed")
+	r.check(what)
 }
 
 // expectFailedStoreLeftNothing: the store f whose object o failed gave the
