@@ -28,7 +28,10 @@ var (
 func initDir(t *testing.T) string {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "creds")
-	if err := auth.Init(dir, []auth.Instance{{Name: "engine0", TPSize: 2}, {Name: "engine1", TPSize: 1}}); err != nil {
+	// engine2 runs two pipeline stages of TP 1: rankds engine2-pp0/0 and
+	// engine2-pp1/0, one engine identity for both.
+	if err := auth.Init(dir, []auth.Instance{{Name: "engine0", TPSize: 2}, {Name: "engine1", TPSize: 1},
+		{Name: "engine2", TPSize: 1, PPSize: 2}}); err != nil {
 		t.Fatal(err)
 	}
 	return dir
@@ -52,7 +55,8 @@ func TestInitWritesPrivateFiles(t *testing.T) {
 			t.Errorf("seed of %s: mode %v, %v; want 0600", x.Name, st.Mode(), err)
 		}
 	}
-	want := "admin admin-write coordinator engine-engine0 engine-engine1 rankd-engine0-0 rankd-engine0-1 rankd-engine1-0"
+	want := "admin admin-write coordinator engine-engine0 engine-engine1 engine-engine2 " +
+		"rankd-engine0-0 rankd-engine0-1 rankd-engine1-0 rankd-engine2-pp0-0 rankd-engine2-pp1-0"
 	if got := strings.Join(names, " "); got != want {
 		t.Fatalf("users = %q, want %q", got, want)
 	}
@@ -227,6 +231,7 @@ func TestUnknownKeyRefused(t *testing.T) {
 func TestCrossRankPublishRefused(t *testing.T) {
 	coordID := auth.Identity{Role: auth.RoleCoordinator}
 	e1r0 := wire.Rank{Instance: "engine1"}
+	e2p1 := wire.Rank{Instance: "engine2-pp1"}
 	forgeries := []struct {
 		name     string
 		from, to auth.Identity
@@ -244,6 +249,13 @@ func TestCrossRankPublishRefused(t *testing.T) {
 		{"admin -> engine API", auth.Identity{Role: auth.RoleAdmin}, auth.Rankd(rank0), subj.Engine(rank0, "release")},
 		{"rank1 -> rank0 engine API", auth.Rankd(rank1), auth.Rankd(rank0), subj.Engine(rank0, "retrieve")},
 		{"rank1 -> rank0 blocks freed", auth.Rankd(rank1), auth.Engine("engine0"), subj.Freed(rank0)},
+		// Pipeline stages: engine2's stage instances are engine2's only,
+		// and engine2 acts for no other instance.
+		{"engine0 -> engine2's stage rank engine API", auth.Engine("engine0"), auth.Rankd(e2p1), subj.Engine(e2p1, "release")},
+		{"engine0 -> engine2's stage restore.begin", auth.Engine("engine0"), coordID, subj.EngineCoord("engine2-pp1", wire.CoordRestoreBegin)},
+		{"engine2 -> engine0 rank engine API", auth.Engine("engine2"), auth.Rankd(rank0), subj.Engine(rank0, "release")},
+		{"engine2 -> engine1 lookup", auth.Engine("engine2"), coordID, subj.EngineCoord("engine1", wire.CoordLookup)},
+		{"stage rank -> other stage's events", auth.Rankd(wire.Rank{Instance: "engine2-pp0"}), coordID, subj.Events(e2p1)},
 	}
 	for _, insecure := range []bool{true, false} {
 		c := start(t, insecure)
@@ -552,4 +564,76 @@ func TestKVEventsOnlyForRouters(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantViolation(t, errs, "engine1 publishing its KV events")
+}
+
+// TestPipelineEngineReachesEveryStage: under PP > 1 one engine identity
+// drives every stage instance: each stage rank's engine API, the
+// coordinator's subjects scoped to each stage instance, and each stage
+// rank's blocks-freed announcements (its stage rankds are instances of
+// their own, wire.StageInstance).
+func TestPipelineEngineReachesEveryStage(t *testing.T) {
+	c := start(t, false)
+	coord, _ := c.conn(auth.Identity{Role: auth.RoleCoordinator})
+	eng, eerrs := c.conn(auth.Engine("engine2"))
+	for s := range 2 {
+		r := wire.Rank{Instance: wire.StageInstance("engine2", 2, s)}
+		rk, _ := c.conn(auth.Rankd(r))
+		if _, err := rk.Subscribe(subj.Engine(r, "store"), func(m *nats.Msg) { _ = m.Respond([]byte("ok")) }); err != nil {
+			t.Fatal(err)
+		}
+		if err := rk.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := coord.Subscribe(subj.EngineCoord(r.Instance, wire.CoordLookup), func(m *nats.Msg) { _ = m.Respond([]byte("ok")) }); err != nil {
+			t.Fatal(err)
+		}
+		if err := coord.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		for _, subject := range []string{subj.Engine(r, "store"), subj.EngineCoord(r.Instance, wire.CoordLookup)} {
+			if m, err := eng.Request(subject, []byte("x"), 5*time.Second); err != nil || string(m.Data) != "ok" {
+				t.Fatalf("stage %d: request %s: %v", s, subject, err)
+			}
+		}
+		freed, err := eng.SubscribeSync(subj.Freed(r))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := eng.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		if err := rk.Publish(subj.Freed(r), []byte("free")); err != nil {
+			t.Fatal(err)
+		}
+		if !received(t, rk, freed) {
+			t.Fatalf("stage %d: the engine did not receive its stage rank's blocks-freed message", s)
+		}
+	}
+	select {
+	case err := <-eerrs:
+		t.Fatalf("unexpected async error: %v", err)
+	default:
+	}
+}
+
+// An instance added again with another PP size is refused: its engine
+// identity kept as it was would not reach the new stages' rankds.
+func TestAddInstanceRefusesAnotherPPSize(t *testing.T) {
+	dir := initDir(t)
+	if err := auth.AddInstance(dir, auth.Instance{Name: "engine2", TPSize: 1, PPSize: 2}); err != nil {
+		t.Fatalf("the same instance again: %v", err)
+	}
+	err := auth.AddInstance(dir, auth.Instance{Name: "engine0", TPSize: 2, PPSize: 2})
+	if !errors.Is(err, auth.ErrExists) || !strings.Contains(err.Error(), "engine-engine0") {
+		t.Fatalf("engine0 again with PP 2: %v, want ErrExists naming engine-engine0", err)
+	}
+	for _, bad := range []auth.Identity{
+		{Role: auth.RoleRankd, Instance: "engine2-pp0", PP: 2},
+		{Role: auth.RoleEngine, Instance: "engine2", PP: 257},
+		{Role: auth.RoleEngine, Instance: strings.Repeat("e", 62), PP: 2}, // its stage instances are over 64 characters
+	} {
+		if err := bad.Validate(); !errors.Is(err, auth.ErrIdentity) {
+			t.Errorf("%+v: %v, want ErrIdentity", bad, err)
+		}
+	}
 }

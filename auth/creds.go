@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nkeys"
 
 	"github.com/kvtier/kvtier/internal/durable"
+	"github.com/kvtier/kvtier/wire"
 )
 
 // File names inside a credentials directory.
@@ -56,10 +57,13 @@ type Users struct {
 const UsersVersion = 1
 
 // Instance is one engine instance Init makes credentials for: an engine
-// identity and TPSize rankd identities.
+// identity and TPSize rankd identities, or, under PPSize > 1, TPSize rankd
+// identities of each stage instance (wire.StageInstance) and an engine
+// identity that acts for every stage.
 type Instance struct {
 	Name   string
 	TPSize int
+	PPSize int // 0 or 1: no pipeline stages
 }
 
 // Init makes the credentials of a new cluster in dir (created 0700; it
@@ -107,9 +111,18 @@ func instanceIdentities(in Instance) ([]Identity, error) {
 	if in.TPSize < 1 || in.TPSize > MaxTPRank {
 		return nil, fmt.Errorf("instance %s: TP size %d outside [1, %d]: %w", in.Name, in.TPSize, MaxTPRank, ErrIdentity)
 	}
-	ids := []Identity{Engine(in.Name)}
-	for t := range in.TPSize {
-		ids = append(ids, Identity{Role: RoleRankd, Instance: in.Name, TPRank: t})
+	if in.PPSize < 0 || in.PPSize > MaxPP {
+		return nil, fmt.Errorf("instance %s: PP size %d outside [1, %d]: %w", in.Name, in.PPSize, MaxPP, ErrIdentity)
+	}
+	eng := Engine(in.Name)
+	if in.PPSize > 1 {
+		eng.PP = in.PPSize
+	}
+	ids := []Identity{eng}
+	for s := 0; s < max(in.PPSize, 1); s++ {
+		for t := range in.TPSize {
+			ids = append(ids, Identity{Role: RoleRankd, Instance: wire.StageInstance(in.Name, in.PPSize, s), TPRank: t})
+		}
 	}
 	for _, id := range ids {
 		if err := id.Validate(); err != nil {
@@ -130,16 +143,23 @@ func AddInstance(dir string, in Instance) error {
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
-	have := map[string]bool{}
+	have := map[string]Identity{}
 	if u != nil {
 		for _, x := range u.Users {
-			have[x.Name] = true
+			have[x.Name] = x.Identity
 		}
 	}
 	var add []Identity
 	for _, id := range ids {
-		if !have[id.Name()] {
+		old, ok := have[id.Name()]
+		if !ok {
 			add = append(add, id)
+			continue
+		}
+		if old != id {
+			// An engine identity kept with another PP size would not
+			// reach the new stages' rankds (or would still reach old ones).
+			return fmt.Errorf("instance %s: identity %s exists as %+v, want %+v; not changed: %w", in.Name, id.Name(), old, id, ErrExists)
 		}
 	}
 	return Add(dir, add...)

@@ -30,11 +30,34 @@ const (
 )
 
 // Identity is one principal of the cluster. Instance is set for rankd and
-// engine, TPRank for rankd.
+// engine, TPRank for rankd. PP, for an engine only, is its pipeline-parallel
+// size: an engine of PP > 1 acts for its stage instances
+// (wire.StageInstance), whose rankds hold the stages' layers; 0 or 1 means
+// none.
 type Identity struct {
 	Role     Role   `json:"role"`
 	Instance string `json:"instance,omitempty"`
 	TPRank   int    `json:"tp_rank,omitempty"`
+	PP       int    `json:"pp,omitempty"`
+}
+
+// MaxPP bounds an engine identity's pipeline-parallel size (dcp.MaxPP).
+const MaxPP = 256
+
+// Instances are the instances the identity acts for: an engine's own and,
+// under PP > 1, its stage instances; a rankd's own; none otherwise.
+func (id Identity) Instances() []string {
+	switch id.Role {
+	case RoleRankd:
+		return []string{id.Instance}
+	case RoleEngine:
+		out := []string{id.Instance}
+		for s := 0; id.PP > 1 && s < id.PP; s++ {
+			out = append(out, wire.StageInstance(id.Instance, id.PP, s))
+		}
+		return out
+	}
+	return nil
 }
 
 // Rankd returns the identity of rank r.
@@ -52,7 +75,7 @@ const MaxTPRank = 1 << 16
 func (id Identity) Validate() error {
 	switch id.Role {
 	case RoleCoordinator, RoleAdmin, RoleAdminWrite:
-		if id.Instance != "" || id.TPRank != 0 {
+		if id.Instance != "" || id.TPRank != 0 || id.PP != 0 {
 			return fmt.Errorf("role %s takes no instance or TP rank (got %q, %d): %w", id.Role, id.Instance, id.TPRank, ErrIdentity)
 		}
 	case RoleEngine:
@@ -62,9 +85,20 @@ func (id Identity) Validate() error {
 		if id.TPRank != 0 {
 			return fmt.Errorf("engine identity %s takes no TP rank (got %d): %w", id.Instance, id.TPRank, ErrIdentity)
 		}
+		if id.PP < 0 || id.PP > MaxPP {
+			return fmt.Errorf("engine identity %s: PP size %d outside [0, %d]: %w", id.Instance, id.PP, MaxPP, ErrIdentity)
+		}
+		for _, inst := range id.Instances()[1:] {
+			if err := wire.ValidInstance(inst); err != nil {
+				return fmt.Errorf("engine identity %s: stage instance: %w: %w", id.Instance, ErrIdentity, err)
+			}
+		}
 	case RoleRankd:
 		if err := wire.ValidInstance(id.Instance); err != nil {
 			return fmt.Errorf("rankd identity: %w: %w", ErrIdentity, err)
+		}
+		if id.PP != 0 {
+			return fmt.Errorf("rankd identity %s takes no PP size (its instance is its stage's): %w", id.Instance, ErrIdentity)
 		}
 		if id.TPRank < 0 || id.TPRank >= MaxTPRank {
 			return fmt.Errorf("rankd identity %s: TP rank %d outside [0, %d): %w", id.Instance, id.TPRank, MaxTPRank, ErrIdentity)

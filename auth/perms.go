@@ -32,6 +32,7 @@ type Perm struct {
 //	             sub  <p>.rank.i.t.inventory, <p>.rank.i.t.engine.*; replies
 //	engine i     pub  <p>.rank.i.*.engine.*, <p>.coord.<op>.i for the engine ops
 //	             sub  <p>.rank.i.*.freed
+//	             (PP > 1: the same again for each stage instance i-pp<s>)
 //	admin        pub  <p>.admin.<op> for the read-only ops
 //	             sub  <p>.kvevents.* (routers: KV events, docs/kvevents.md)
 //	admin-write  pub  <p>.admin.>
@@ -58,10 +59,13 @@ func Permissions(id Identity, prefix string) Perm {
 			Responses: true,
 		}
 	case RoleEngine:
-		out.Publish = []string{p + ".rank." + id.Instance + ".*.engine.*"}
-		out.Subscribe = []string{p + ".rank." + id.Instance + ".*.freed"}
-		for _, op := range wire.EngineCoordOps {
-			out.Publish = append(out.Publish, s.EngineCoord(id.Instance, op))
+		// Its own instance and, under PP > 1, each stage instance's.
+		for _, inst := range id.Instances() {
+			out.Publish = append(out.Publish, p+".rank."+inst+".*.engine.*")
+			out.Subscribe = append(out.Subscribe, p+".rank."+inst+".*.freed")
+			for _, op := range wire.EngineCoordOps {
+				out.Publish = append(out.Publish, s.EngineCoord(inst, op))
+			}
 		}
 	case RoleAdmin:
 		for _, op := range wire.AdminReadOps {

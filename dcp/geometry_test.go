@@ -1,7 +1,9 @@
 package dcp
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -207,7 +209,11 @@ func TestLayoutRules(t *testing.T) {
 		{Layout{TP: 4, DCP: 0, Interleave: 1, PP: 1}, "DCP size 0 must be >= 1"},
 		{Layout{TP: 4, DCP: 4, Interleave: 0, PP: 1}, "DCP interleave 0 must be >= 1"},
 		{Layout{TP: 6, DCP: 4, Interleave: 1, PP: 1}, "TP size 6 is not divisible by DCP size 4"},
-		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 2}, "PP size 2"},
+		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 0}, "PP size 0: want 1..256"},
+		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 257}, "PP size 257: want 1..256"},
+		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 2, PPStage: 2}, "PP stage 2 of PP size 2: want 0..1"},
+		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 2, PPStage: -1}, "PP stage -1"},
+		{Layout{TP: 4, DCP: 4, Interleave: 1, PP: 1, PPStage: 1}, "PP stage 1 of PP size 1"},
 		{Layout{TP: 8192, DCP: 1, Interleave: 1, PP: 1}, "exceeds the supported 4096"},
 	} {
 		err := c.l.Validate()
@@ -217,6 +223,39 @@ func TestLayoutRules(t *testing.T) {
 	}
 	if err := (Layout{TP: 8, DCP: 4, Interleave: 2, PP: 1}).Validate(); err != nil {
 		t.Fatal(err)
+	}
+	if err := (Layout{TP: 8, DCP: 4, Interleave: 2, PP: 4, PPStage: 3}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Each pipeline stage is a world of its own: its own namespace even when
+// its groups are the same as another stage's, while PP 1 keeps the
+// namespace it had before stages existed (the encoding appends nothing).
+func TestPipelineStagesHaveTheirOwnNamespaces(t *testing.T) {
+	base := Spec{Model: "m", Layout: Layout{TP: 2, DCP: 1, Interleave: 1, PP: 1}, ChunkTokens: 32,
+		Groups: []Group{{Kind: Attention, BlockSize: 16, Layers: 2, SemanticBytes: 64, PageBytes: 64, StrideBytes: 64}}}
+	r1, err := base.Resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A PP-1 namespace is pinned by wire/testdata/golden/identity.json.
+	seen := map[Namespace]string{r1.Namespace: "pp1"}
+	for stage := range 3 {
+		s := base
+		s.Layout.PP, s.Layout.PPStage = 3, stage
+		r, err := s.Resolve()
+		if err != nil {
+			t.Fatal(err)
+		}
+		name := fmt.Sprintf("pp3 stage %d", stage)
+		if other, dup := seen[r.Namespace]; dup {
+			t.Fatalf("%s has the namespace of %s", name, other)
+		}
+		seen[r.Namespace] = name
+		if !bytes.HasPrefix(r.canonical(), r1.canonical()) {
+			t.Fatalf("%s: the encoding does not extend PP 1's", name)
+		}
 	}
 }
 

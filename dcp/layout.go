@@ -14,12 +14,24 @@ type Layout struct {
 	// Interleave is the DCP interleave I: tokens are dealt to DCP ranks in
 	// runs of I (>= 1; must divide every attention group's block size).
 	Interleave int `json:"interleave"`
-	// PP is the pipeline-parallel size. Only 1 is supported for now.
+	// PP is the pipeline-parallel size P (>= 1).
 	PP int `json:"pp"`
+	// PPStage is the pipeline stage this layout describes (0..PP-1). Each
+	// stage holds its own layers on its own GPUs, so kvtier treats a stage
+	// as a world of its own: its own spec (its layers) and namespace, its
+	// TP ranks a rank set of their own (the vLLM connector names them
+	// instance "<instance>-pp<stage>"); an engine restores a chunk only
+	// when every stage's namespace holds it COMPLETE. PP 1 encodes no
+	// stage, so a PP-1 namespace is what it was before stages existed.
+	PPStage int `json:"pp_stage,omitempty"`
 }
 
 // MaxTP bounds TP so shard numbers fit a Key's 16-bit shard field with room.
 const MaxTP = 4096
+
+// MaxPP bounds the pipeline-parallel size (vLLM's largest deployments run
+// a few dozen stages at most; a bound keeps a forged spec small).
+const MaxPP = 256
 
 // Validate checks the rules of a layout.
 func (l Layout) Validate() error {
@@ -32,8 +44,10 @@ func (l Layout) Validate() error {
 		return fmt.Errorf("DCP interleave %d must be >= 1: %w", l.Interleave, ErrLayout)
 	case l.TP > MaxTP:
 		return fmt.Errorf("TP size %d exceeds the supported %d: %w", l.TP, MaxTP, ErrLayout)
-	case l.PP != 1:
-		return fmt.Errorf("PP size %d: only PP=1 is supported: %w", l.PP, ErrLayout)
+	case l.PP < 1 || l.PP > MaxPP:
+		return fmt.Errorf("PP size %d: want 1..%d: %w", l.PP, MaxPP, ErrLayout)
+	case l.PPStage < 0 || l.PPStage >= l.PP:
+		return fmt.Errorf("PP stage %d of PP size %d: want 0..%d: %w", l.PPStage, l.PP, l.PP-1, ErrLayout)
 	case l.TP%l.DCP != 0:
 		return fmt.Errorf("TP size %d is not divisible by DCP size %d: %w", l.TP, l.DCP, ErrLayout)
 	}

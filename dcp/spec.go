@@ -79,7 +79,8 @@ func (s Spec) Resolve() (*Resolved, error) {
 // canonical is the stable binary encoding of everything that decides where
 // bytes go and who must confirm them: TP size, DCP size, interleave, chunk
 // size and every group's kind, MLA flag, block size, layers, semantic,
-// declared and stride bytes and KV format. Group names are excluded.
+// declared and stride bytes and KV format, then, under PP > 1, the PP size
+// and stage. Group names are excluded.
 //
 // TP is included even when every group is MLA (whose bytes do not depend on
 // TP): the set of ranks that must confirm a restore does, and the
@@ -106,6 +107,14 @@ func (r *Resolved) canonical() []byte {
 		u64(g.PageBytes)
 		u64(g.StrideBytes)
 		str(g.KVFormat)
+	}
+	// A pipeline stage is a world of its own (Layout.PPStage): PP > 1
+	// appends the size and the stage, so every stage has its own namespace
+	// while PP 1 keeps the encoding it always had.
+	if r.Layout.PP > 1 {
+		str("pp")
+		u64(uint64(r.Layout.PP))
+		u64(uint64(r.Layout.PPStage))
 	}
 	return b
 }

@@ -172,8 +172,7 @@ type goldenIdentity struct {
 	KeyBinary      string          `json:"key_binary"` // hex
 }
 
-func makeGoldenIdentity(t *testing.T) goldenIdentity {
-	spec := goldenSpec()
+func makeGoldenIdentity(t *testing.T, spec dcp.Spec) goldenIdentity {
 	r, err := spec.Resolve()
 	if err != nil {
 		t.Fatal(err)
@@ -205,12 +204,22 @@ func TestGolden(t *testing.T) {
 	}
 	files["batch.bin"] = bb
 	manifest["batch.bin"] = "Batch"
-	id, err := json.Marshal(makeGoldenIdentity(t))
+	id, err := json.Marshal(makeGoldenIdentity(t, goldenSpec()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	files["identity.json"] = id
 	manifest["identity.json"] = "identity"
+	// Stage 2 of a PP-3 layout: its namespace (and so its chunk hashes)
+	// is its own (dcp.Layout.PPStage).
+	pp := goldenSpec()
+	pp.Layout.PP, pp.Layout.PPStage = 3, 2
+	id, err = json.Marshal(makeGoldenIdentity(t, pp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	files["identity_pp.json"] = id
+	manifest["identity_pp.json"] = "identity"
 	// Subjects pins every subject an engine or rank uses, so the Python
 	// client's wire.Subjects cannot drift from Go's (C9 scoping included).
 	sj, err := json.Marshal(goldenSubjects())

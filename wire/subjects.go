@@ -139,6 +139,18 @@ func ValidInstance(name string) error {
 	return nil
 }
 
+// StageInstance is the instance of pipeline stage stage of engine
+// instance inst under pipeline-parallel size pp: inst itself under PP 1,
+// else "<inst>-pp<stage>". Each stage is a world of its own (dcp.Layout
+// PPStage): its rankds run as that instance, and the engine identity of
+// inst acts for every stage (auth.Identity.PP).
+func StageInstance(inst string, pp, stage int) string {
+	if pp <= 1 {
+		return inst
+	}
+	return inst + "-pp" + strconv.Itoa(stage)
+}
+
 // Heartbeat is where rank r announces the last event sequence it assigned.
 func (s Subjects) Heartbeat(r Rank) string {
 	return s.p() + ".heartbeat." + r.Instance + "." + strconv.Itoa(r.TPRank)

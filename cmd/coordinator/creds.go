@@ -40,6 +40,21 @@ func (t tpFlag) Set(s string) error {
 	return nil
 }
 
+type ppFlag struct{ f *instancesFlag }
+
+func (t ppFlag) String() string { return "" }
+func (t ppFlag) Set(s string) error {
+	if len(t.f.list) == 0 {
+		return errors.New("--pp-size must follow an --instance")
+	}
+	var n int
+	if _, err := fmt.Sscan(s, &n); err != nil {
+		return fmt.Errorf("--pp-size %q: %w", s, err)
+	}
+	t.f.list[len(t.f.list)-1].PPSize = n
+	return nil
+}
+
 // initCreds is 'coordinator init'.
 func initCreds(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("init", flag.ContinueOnError)
@@ -48,6 +63,7 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	var inst instancesFlag
 	fs.Var(&inst, "instance", "engine instance to make an engine and rankd identities for (repeatable)")
 	fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance (default 1)")
+	fs.Var(ppFlag{&inst}, "pp-size", "pipeline-parallel size of the preceding --instance (default 1): its rankds are instances <instance>-pp<stage>, its engine identity acts for every stage")
 	tlsHosts := fs.String("tls-host", "", "also write a CA and a server certificate for these IPs/names, comma-separated (needed when NATS listens off loopback)")
 	raftIDs := fs.String("raft-ids", "", "also issue a raft peer certificate for each of these raft server ids, comma-separated (replicated coordinators; needs --tls-host: the cluster CA signs them)")
 	natsConf := fs.String("nats-conf", "", "also write an external nats-server configuration with every user's permissions to this file")
@@ -114,6 +130,7 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	case "add":
 		fs.Var(&inst, "instance", "engine instance to add identities for (repeatable)")
 		fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance")
+		fs.Var(ppFlag{&inst}, "pp-size", "pipeline-parallel size of the preceding --instance (default 1)")
 	case "rotate":
 		name = fs.String("name", "", "identity to give a new key, e.g. rankd-engine0-3")
 	case "nats-conf":

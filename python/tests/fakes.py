@@ -139,13 +139,16 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def vllm_config(tp: int = 1, policy: str = "recompute", **extra: Any) -> VllmConfig:
+def vllm_config(tp: int = 1, policy: str = "recompute", pp: int = 1, **extra: Any) -> VllmConfig:
     return VllmConfig(KVTransferConfig(kv_connector_extra_config=extra, kv_load_failure_policy=policy),
-                      parallel_config=ParallelConfig(tp))
+                      parallel_config=ParallelConfig(tp, pipeline_parallel_size=pp))
 
 
-def attention_config(num_blocks: int = 64, layers: int = 2, block_size: int = 16) -> KVCacheConfig:
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+def attention_config(num_blocks: int = 64, layers: int = 2, block_size: int = 16,
+                     first_layer: int = 0) -> KVCacheConfig:
+    """One full-attention group of `layers` layers from first_layer (a
+    pipeline stage's config starts at its first layer)."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(first_layer, first_layer + layers)]
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8, dtype=BF16)
     return KVCacheConfig(num_blocks, [KVCacheTensor(num_blocks * spec.page_size_bytes, [n]) for n in names],
                          [KVCacheGroupSpec(names, spec)])
@@ -272,6 +275,12 @@ class FakeWorld:
         self.released = 0
         self.specs: list[dcp.Spec] = []
         self.status_error: Exception | None = None
+        # Per namespace / restore (pipeline stages: a namespace each); the
+        # single values above answer whatever is not named here.
+        self.prefix_by_ns: dict[dcp.Namespace, int] = {}
+        self.plan_by_ns: dict[dcp.Namespace, wire.RestorePlan] = {}
+        self.verdict_by_id: dict[str, wire.RestoreVerdict] = {}
+        self.waits: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_wait
 
 
 class FakeAio:
@@ -286,19 +295,22 @@ class FakeAio:
             await asyncio.wrap_future(self.world.lookup_gate)
         if self.world.lookup_error is not None:
             raise self.world.lookup_error
-        return wire.LookupReply(instance=instance, prefix=min(self.world.prefix, len(chunks)))
+        prefix = self.world.prefix_by_ns.get(namespace, self.world.prefix)
+        return wire.LookupReply(instance=instance, prefix=min(prefix, len(chunks)))
 
     async def restore_begin(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None):
         self.world.begins.append((namespace, list(chunks), instance))
         if self.world.begin_error is not None:
             raise self.world.begin_error
-        assert self.world.plan is not None
-        return self.world.plan
+        plan = self.world.plan_by_ns.get(namespace, self.world.plan)
+        assert plan is not None
+        return plan
 
     async def restore_wait(self, restore_id, *, timeout=None, instance=None):
+        self.world.waits.append((restore_id, instance))
         if self.world.verdict_gate is not None:
             await asyncio.wrap_future(self.world.verdict_gate)
-        v = self.world.verdict
+        v = self.world.verdict_by_id.get(restore_id, self.world.verdict)
         assert v is not None and v.restore_id == restore_id
         return v
 

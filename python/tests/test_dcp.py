@@ -34,9 +34,18 @@ def test_layout_rules():
     s.layout = dcp.Layout(tp=6, dcp=4)
     with pytest.raises(GeometryError, match="TP size 6 is not divisible by DCP size 4"):
         s.resolve()
-    s.layout = dcp.Layout(tp=2, dcp=1, pp=2)
-    with pytest.raises(GeometryError, match="only PP=1"):
+    s.layout = dcp.Layout(tp=2, dcp=1, pp=2, pp_stage=2)
+    with pytest.raises(GeometryError, match=r"PP stage 2 of PP size 2: want 0\.\.1"):
         s.resolve()
+    s.layout = dcp.Layout(tp=2, dcp=1, pp=0)
+    with pytest.raises(GeometryError, match=r"PP size 0: want 1\.\.256"):
+        s.resolve()
+    # Every stage of a PP layout is a namespace of its own; PP 1 encodes no stage.
+    namespaces = set()
+    for pp, stage in ((1, 0), (2, 0), (2, 1), (3, 1)):
+        s.layout = dcp.Layout(tp=2, dcp=1, pp=pp, pp_stage=stage)
+        namespaces.add(s.resolve().namespace)
+    assert len(namespaces) == 4
 
 
 def test_seed_geometries():

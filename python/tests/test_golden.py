@@ -28,7 +28,8 @@ JSON_CASES = sorted(f for f, t in MANIFEST.items() if f.endswith(".json") and t 
 
 
 def test_manifest_is_fully_covered():
-    handled = set(JSON_CASES) | {"batch.bin", "identity.json", "reply_ok.json", "reply_error.json", "subjects.json"}
+    handled = set(JSON_CASES) | {"batch.bin", "identity.json", "identity_pp.json", "reply_ok.json", "reply_error.json",
+                                 "subjects.json"}
     assert set(MANIFEST) == handled, "a golden vector has no Python check"
 
 
@@ -124,9 +125,11 @@ def test_batch_rejects_malformed(cut):
         wire.Batch.from_binary(bytes(q))
 
 
-def test_identity_matches_go():
-    g = json.loads((GOLDEN / "identity.json").read_bytes())
+@pytest.mark.parametrize("name", ["identity.json", "identity_pp.json"])
+def test_identity_matches_go(name):
+    g = json.loads((GOLDEN / name).read_bytes())
     spec = wire.decode(dcp.Spec, json.dumps(g["spec"]))
+    assert (spec.layout.pp, spec.layout.pp_stage) == ((3, 2) if name == "identity_pp.json" else (1, 0))
     r = spec.resolve()
     assert r.fingerprint.hex() == g["fingerprint"]
     assert str(r.namespace) == g["namespace"]

@@ -27,7 +27,10 @@ class Event:
         self.released = True
 
 
-def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=True, **extra):
+def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=True, pp=1, pp_stage=0,
+         stage_layers=None, **extra):
+    """A connector on fakes; pp > 1: of pipeline stage pp_stage (a worker),
+    stage_layers the decoder layers vLLM's partition gives each stage."""
     kv_cfg = kv_cfg or fakes.attention_config()
 
     class Conn(KvtierConnector):
@@ -38,6 +41,12 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=
 
         def _tp_rank(self):
             return tp_rank
+
+        def _pp_rank(self):
+            return pp_stage
+
+        def _stage_layer_counts(self, vllm_config, n):
+            return [0] if n == 1 else list(stage_layers)
 
         def _pool_handles(self, gi, layer, tensor):
             self._check_layout(gi, layer, tensor)
@@ -57,7 +66,7 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=
         g = kv_cfg.kv_cache_groups[0].kv_cache_spec
         dcp_size = extra.pop("_dcp", 1)
         extra["kvtier_chunk_tokens"] = g.block_size * dcp_size
-    c = Conn(fakes.vllm_config(tp, **extra), role, kv_cfg)
+    c = Conn(fakes.vllm_config(tp, pp=pp, **extra), role, kv_cfg)
     c.events = []
     if role == KVConnectorRole.SCHEDULER and attach:
         assert c.wait_attached(5), "the fake scheduler link did not attach"
@@ -127,8 +136,8 @@ def test_spec_fails_closed(mutate, words):
 def test_spec_refuses_pcp_pp_and_what_dcp_does_not_shard():
     with pytest.raises(errors.GeometryError, match="prefill context parallel size 2"):
         spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=1, chunk_tokens=None, pcp_size=2)
-    with pytest.raises(errors.GeometryError, match="pipeline parallel size 2"):
-        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None)
+    with pytest.raises(errors.GeometryError, match="pipeline stage 2 of pipeline parallel size 2"):
+        spec_from_vllm(fakes.attention_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None, pp_stage=2)
     cfg = fakes.attention_config()
     cfg.kv_cache_groups[0].kv_cache_spec = fakes.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
                                                                    dtype=fakes.BF16, dcp_sharded=False)
@@ -379,11 +388,13 @@ def test_vllm_taking_fewer_chunks_than_planned_loads_nothing():
 def worker(world, tp=1, tp_rank=0, kv_cfg=None, attach=True, **extra):
     kv_cfg = kv_cfg or fakes.attention_config()
     w = make(world, KVConnectorRole.WORKER, kv_cfg, tp=tp, tp_rank=tp_rank, **extra)
+    first = int(kv_cfg.kv_cache_groups[0].layer_names[0].split(".")[2])  # the stage's first layer under PP
     page = kv_cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     caches = {}
     for i, name in enumerate(kv_cfg.kv_cache_groups[0].layer_names):
         caches[name] = fakes.Tensor((kv_cfg.num_blocks, 2, 16, 2, 8), (page // 2, 256, 16, 8, 1), 2,
-                                    cuda.MemHandle("host", "HOST-t", b"pool", i * 1 << 20, kv_cfg.num_blocks * page))
+                                    cuda.MemHandle("host", "HOST-t", b"pool", (first + i) << 20,
+                                                   kv_cfg.num_blocks * page))
     w.register_kv_caches(caches)
     return attached(w) if attach else w
 

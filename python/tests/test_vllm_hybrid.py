@@ -50,16 +50,11 @@ def test_spec_fails_closed_on_group_kinds_it_does_not_understand():
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=None)
 
 
-def test_pp_is_refused_naming_what_is_missing():
-    with pytest.raises(errors.GeometryError, match="pipeline parallel size 2: kvtier identifies a rank by "
-                                                   r"\(instance, TP rank\)"):
-        spec_from_vllm(hybrid_config(), "m", "", tp=2, dcp_size=1, pp=2, chunk_tokens=None)
-    vc = fakes.vllm_config(1, kvtier_creds_dir="/nonexistent")
-    vc.parallel_config.pipeline_parallel_size = 4
-    from kvtier.vllm import KvtierConnector
-
-    with pytest.raises(errors.GeometryError, match="pipeline parallel size 4"):
-        KvtierConnector(vc, KVConnectorRole.SCHEDULER, fakes.attention_config())
+def test_pp_with_several_groups_is_refused_naming_what_is_missing():
+    """vLLM's scheduler sees only stage 0's kv_cache_config: another
+    stage's layers of each group cannot be derived (kvtier.vllm.spec)."""
+    with pytest.raises(errors.GeometryError, match="pipeline parallel size 2 with 2 KV cache groups"):
+        make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, hybrid_config(), pp=2, stage_layers=[4, 4], attach=False)
 
 
 def test_several_groups_need_asynchronous_loads():

@@ -21,6 +21,7 @@ from kvtier._codec import TextValue, field
 from kvtier.errors import GeometryError, MalformedError
 
 MAX_TP = 4096
+MAX_PP = 256  # Go dcp.MaxPP
 MAX_GROUPS = 64
 MAX_NAME_BYTES = 256
 KEY_SIZE = 37
@@ -163,6 +164,9 @@ class Layout:
     dcp: int = field("dcp", default=1)
     interleave: int = field("interleave", default=1)
     pp: int = field("pp", default=1)
+    # The pipeline stage this layout describes: a stage is a world of its
+    # own, its own layers, namespace and ranks (Go Layout.PPStage).
+    pp_stage: int = field("pp_stage", omit="omitempty", default=0)
 
     def validate(self) -> None:
         if self.tp < 1:
@@ -173,8 +177,10 @@ class Layout:
             raise GeometryError(f"DCP interleave {self.interleave} must be >= 1")
         if self.tp > MAX_TP:
             raise GeometryError(f"TP size {self.tp} exceeds the supported {MAX_TP}")
-        if self.pp != 1:
-            raise GeometryError(f"PP size {self.pp}: only PP=1 is supported")
+        if not 1 <= self.pp <= MAX_PP:
+            raise GeometryError(f"PP size {self.pp}: want 1..{MAX_PP}")
+        if not 0 <= self.pp_stage < self.pp:
+            raise GeometryError(f"PP stage {self.pp_stage} of PP size {self.pp}: want 0..{self.pp - 1}")
         if self.tp % self.dcp != 0:
             raise GeometryError(f"TP size {self.tp} is not divisible by DCP size {self.dcp}")
 
@@ -375,6 +381,11 @@ def _canonical(s: Spec) -> bytes:
         f = g.kv_format.encode()
         u64(len(f))
         out.extend(f)
+    if s.layout.pp > 1:  # a pipeline stage is a world of its own (Go Layout.PPStage)
+        u64(2)
+        out.extend(b"pp")
+        u64(s.layout.pp)
+        u64(s.layout.pp_stage)
     return bytes(out)
 
 

@@ -19,7 +19,7 @@ from kvtier.errors import GeometryError
 from kvtier.vllm._base import KVConnectorBase_V1, KVConnectorRole
 from kvtier.vllm._state import _Loading, _Pending, _Req
 from kvtier.vllm.attach import Link
-from kvtier.vllm.spec import spec_from_vllm
+from kvtier.vllm.spec import spec_from_vllm, stage_instance, stage_specs
 
 if TYPE_CHECKING:
     from kvtier.vllm.connector import Config
@@ -43,10 +43,23 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
         if kv_cache_config is None:
             raise GeometryError("KvtierConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        # Pipeline parallel: this side's stage (the scheduler's config is
+        # stage 0's: vLLM's generate_scheduler_kv_cache_config).
+        self.pp, self.pp_stage = pp, 0 if self.is_scheduler or pp == 1 else self._pp_rank()
         self.spec, self.layers = spec_from_vllm(kv_cache_config, self.cfg.model, self.cfg.cache_salt, self.tp,
                                                 dcp_size, pp, self.cfg.chunk_tokens, self.cfg.pool_layout,
-                                                interleave=interleave, pcp_size=pcp_size)
+                                                interleave=interleave, pcp_size=pcp_size, pp_stage=self.pp_stage)
         self.resolved = self.spec.resolve()
+        # Every stage's spec (kvtier.vllm.spec: a stage is a world of its
+        # own), derived the same way on both sides; a worker checks that
+        # the one derived for its stage is its own.
+        self.stages = [s.resolve() for s in
+                       stage_specs(self.spec, self.layers, self._stage_layer_counts(vllm_config, pp))]
+        if self.stages[self.pp_stage].fingerprint != self.resolved.fingerprint:
+            raise GeometryError(f"pipeline stage {self.pp_stage}: the spec derived from vLLM's layer partition is not "
+                                "the one this stage's kv_cache_config gives; refusing PP > 1 for this model")
+        self.instances = [stage_instance(self.cfg.instance, pp, st) for st in range(pp)]
         self.chunk = self.spec.chunk_tokens
         # Several groups: vLLM takes a failed load only per request
         # (failed_recving), which it honours for asynchronous loads only.
@@ -60,7 +73,6 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         self._windows = [(gl.sliding_window, self.resolved.geometry[gi].span)
                          for gi, gl in enumerate(self.layers) if gl.sliding_window]
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
-        self.is_scheduler = role == KVConnectorRole.SCHEDULER
         self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
                       "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
                       "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
@@ -94,19 +106,35 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         self.recent_loads: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
         self._freed_lock = threading.Lock()
         self._freed: set[tuple[str, tuple[bytes, ...]]] = set()  # guarded by _freed_lock
-        self._rank = wire.Rank(self.cfg.instance, 0)
+        self._rank = wire.Rank(self.instances[self.pp_stage], 0)
         self._host: cuda.HostDevice | None = None
         self._host_mems: list[cuda.HostMem] = []  # kvtier_device=host: the pools, alive as long as vLLM's tensors
         log.info("kvtier connector %s: namespace %s, %d groups, chunk %d tokens, TP %d, DCP %d (interleave %d), "
-                 "loads %s", "scheduler" if self.is_scheduler else "worker", self.resolved.namespace,
-                 len(self.spec.groups), self.chunk, self.tp, dcp_size, interleave,
-                 "asynchronous" if self.cfg.load_async else "synchronous")
+                 "PP %d (stage %d), loads %s", "scheduler" if self.is_scheduler else "worker",
+                 ", ".join(str(r.namespace) for r in self.stages), len(self.spec.groups), self.chunk, self.tp,
+                 dcp_size, interleave, pp, self.pp_stage, "asynchronous" if self.cfg.load_async else "synchronous")
 
     # ---------------------------------------------------------------- seams
 
+    def _pp_rank(self) -> int:
+        """This worker's pipeline stage (vLLM's PP group rank)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+
+    def _stage_layer_counts(self, vllm_config: Any, pp: int) -> list[int]:
+        """The decoder layers of each pipeline stage, as vLLM partitions
+        them (VLLM_PP_LAYER_PARTITION or its even split)."""
+        if pp == 1:
+            return [0]
+        from vllm.distributed.utils import get_pp_indices
+
+        total = int(vllm_config.model_config.get_total_num_hidden_layers())
+        return [end - start for start, end in (get_pp_indices(total, st, pp) for st in range(pp))]
+
     def _make_client(self) -> kvclient.SyncClient:
         role = "scheduler" if self.is_scheduler else f"worker{self._rank.tp_rank}"
-        return kvclient.SyncClient(self.cfg.connect_options(f"kvtier-vllm-{self.cfg.instance}-{role}"))
+        return kvclient.SyncClient(self.cfg.connect_options(f"kvtier-vllm-{self._rank.instance}-{role}"))
 
     # ---------------------------------------------------------------- the link (C11)
 

@@ -6,12 +6,13 @@ store. Nothing here sends anything while the metadata is built."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
 from typing import Any
 
-from kvtier import _codec, dcp, wire
+from kvtier import _codec, wire
 from kvtier import client as kvclient
 from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace
 from kvtier.vllm._core import _Core
@@ -25,7 +26,8 @@ class _SchedulerSide(_Core):
     """vLLM's scheduler-side connector methods."""
 
     def _setup_scheduler(self, c: kvclient.SyncClient) -> None:
-        c.register_spec(self.spec)
+        for r in self.stages:  # every pipeline stage's (one under PP 1)
+            c.register_spec(r.spec)
 
     def _req(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -33,20 +35,53 @@ class _SchedulerSide(_Core):
             tokens = list(request.prompt_token_ids or [])
             # vLLM's per-request cache salt: salted requests share chunks
             # only with requests of the same salt (kvtier.vllm.spec).
-            st = _Req(tokens, request_chunk_hashes(self.resolved, tokens, getattr(request, "cache_salt", None)))
+            salt = getattr(request, "cache_salt", None)
+            st = _Req(tokens, request_chunk_hashes(self.resolved, tokens, salt))
+            if self.pp > 1:  # every stage its own namespace, so its own chain (kvtier.vllm.spec)
+                st.stage_hashes = [st.hashes] + [request_chunk_hashes(r, tokens, salt) for r in self.stages[1:]]
             self._reqs[request.request_id] = st
         return st
 
-    async def _lookup_and_begin(self, c: kvclient.SyncClient, chunks: list[dcp.ChunkHash]) -> wire.RestorePlan | None:
-        """The lookup and, on a hit, the restore's begin: the plan comes
-        before vLLM is told of any tokens, so building the step's metadata
-        sends nothing. None: nothing restorable."""
+    async def _lookup_and_begin(self, c: kvclient.SyncClient, st: _Req, first: int,
+                                last: int) -> list[wire.RestorePlan] | None:
+        """The lookup and, on a hit, the restore's begin, of chunks
+        [first, last) in every pipeline stage's namespace (one under PP 1):
+        the plans come before vLLM is told of any tokens, so building the
+        step's metadata sends nothing. A chunk is a hit only when every
+        stage holds it, so the restore begins on the prefix all stages hold.
+        None: nothing restorable."""
         t = self.cfg.lookup_timeout_s
-        rep = await c.aio.lookup(self.resolved.namespace, chunks, instance=self.cfg.instance, timeout=t)
-        if rep.not_alive or rep.prefix <= 0:
+        hashes = st.stage_hashes or [st.hashes]
+        reps = await asyncio.gather(*(
+            c.aio.lookup(r.namespace, h[first:last], instance=inst, timeout=t)
+            for r, h, inst in zip(self.stages, hashes, self.instances, strict=True)))
+        n = min(rep.prefix for rep in reps)
+        if any(rep.not_alive for rep in reps) or n <= 0:
             return None
-        return await c.aio.restore_begin(self.resolved.namespace, chunks[:rep.prefix], instance=self.cfg.instance,
-                                         deadline_ms=self.cfg.restore_deadline_ms, timeout=t)
+        plans = list(await asyncio.gather(*(
+            c.aio.restore_begin(r.namespace, h[first:first + n], instance=inst,
+                                deadline_ms=self.cfg.restore_deadline_ms, timeout=t)
+            for r, h, inst in zip(self.stages, hashes, self.instances, strict=True))))
+        if len({p.prefix for p in plans}) > 1:
+            # An object went between a stage's lookup and its begin: the
+            # stages' plans differ, and a stage's items past the common
+            # prefix would name blocks vLLM does not allocate. A miss.
+            log.info("kvtier restore not planned: the pipeline stages' plans cover %s chunks",
+                     [p.prefix for p in plans])
+            return None
+        return plans
+
+    @staticmethod
+    def _joined(plans: list[wire.RestorePlan]) -> wire.RestorePlan:
+        """One plan of the stages' (their prefixes equal): stage 0's
+        restore id, every stage's ranks (each stage's instance its own)."""
+        if len(plans) == 1:
+            return plans[0]
+        ranks: dict[str, list[wire.RetrieveItem]] = {}
+        for p in plans:
+            ranks.update(p.ranks)
+        return wire.RestorePlan(plans[0].restore_id, plans[0].prefix, ranks,
+                                "; ".join(p.reason for p in plans if p.reason))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
@@ -66,7 +101,7 @@ class _SchedulerSide(_Core):
         if first >= last:
             return 0, False
         if st.lookup_first != first:
-            st.lookup, st.lookup_first, st.matched_chunks, st.plan = None, first, None, None
+            st.lookup, st.lookup_first, st.matched_chunks, st.plan, st.stage_plans = None, first, None, None, []
         st.held_tokens = held  # vLLM asks again with the prefix it holds then: the last ask counts
         if st.matched_chunks is None:
             if st.lookup is None:
@@ -75,7 +110,7 @@ class _SchedulerSide(_Core):
                     self.stats["lookups_skipped"] += 1
                     st.matched_chunks = 0
                     return 0, False
-                st.lookup = c.submit(self._lookup_and_begin(c, list(st.hashes[first:last])))
+                st.lookup = c.submit(self._lookup_and_begin(c, st, first, last))
                 st.lookup_since = time.monotonic()
                 self.stats["lookups"] += 1
                 self.stats["lookup_tokens"] += (last - first) * self.chunk
@@ -89,7 +124,9 @@ class _SchedulerSide(_Core):
                 st.matched_chunks = 0
             else:
                 try:
-                    st.plan = st.lookup.result()
+                    plans = st.lookup.result()
+                    st.stage_plans = plans or []
+                    st.plan = None if plans is None else self._joined(plans)
                 except Exception as e:  # a timed-out or failed lookup is a miss, never "not yet"
                     self._lookup_failed(request.request_id, e)
                     st.matched_chunks = 0
@@ -233,7 +270,7 @@ class _SchedulerSide(_Core):
             first, n = st.load
             st.load = None
             meta.loads.append(self._load_spec(req_id, st, first, n))
-            st.plan, st.load_issued = None, True  # a plan is used once, a request loads once
+            st.plan, st.stage_plans, st.load_issued = None, [], True  # a plan is used once, a request loads once
             st.saved_through = max(st.saved_through, first + n)
         num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
@@ -265,6 +302,7 @@ class _SchedulerSide(_Core):
         done = min(computed, len(st.tokens)) // self.chunk
         chunks: list[tuple[bytes, list[list[int]]]] = []
         positions: list[int] = []
+        stage_hashes: list[list[bytes]] = [[] for _ in st.stage_hashes]
         c = st.saved_through
         while c < done:
             blocks = self._chunk_blocks(st, c)
@@ -274,13 +312,15 @@ class _SchedulerSide(_Core):
             if blocks:
                 chunks.append((bytes(st.hashes[c]), blocks))
                 positions.append(c)
+                for k, hs in enumerate(st.stage_hashes):
+                    stage_hashes[k].append(bytes(hs[c]))
             else:
                 log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window) or no Mamba "
                           "state; not stored", req_id, c)
             c += 1
         st.saved_through = c
         if chunks:
-            meta.saves.append(SaveSpec(req_id, chunks, positions))
+            meta.saves.append(SaveSpec(req_id, chunks, positions, stage_hashes))
             st.saved_any = True
 
     def _load_spec(self, req_id: str, st: _Req, first: int, n: int) -> LoadSpec:
@@ -303,6 +343,8 @@ class _SchedulerSide(_Core):
             spec.problem = f"vLLM took {n} of the {plan.prefix} planned chunks"
             return spec
         spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
+        if len(st.stage_plans) > 1:
+            spec.stage_restore_ids = [p.restore_id for p in st.stage_plans]
         spec.items = {r: _codec.dumps([_codec.to_obj(it) for it in items]) for r, items in plan.ranks.items()}
         return spec
 

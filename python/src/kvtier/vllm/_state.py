@@ -36,6 +36,9 @@ class LoadSpec:
     # number of every group's blocks): those blocks are not written, and
     # the first chunk counts only its other tokens.
     held_tokens: int = 0
+    # PP > 1: each stage's restore, by stage (restore_id is stage 0's); a
+    # worker loads its stage's (kvtier.vllm.spec).
+    stage_restore_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +52,10 @@ class SaveSpec:
     # any order: a rank whose L2 bound is smaller than the prompt keeps its
     # lowest positions there.
     positions: list[int] = field(default_factory=list)
+    # PP > 1: each stage's chunk hashes, by stage then chunk (every stage
+    # has its own namespace, so its own hash chain); a worker stores its
+    # stage's. Empty under PP 1: chunks' hashes are the one stage's.
+    stage_hashes: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -61,12 +68,14 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class _Req:
     tokens: list[int]
     hashes: list[dcp.ChunkHash]
-    lookup: concurrent.futures.Future[wire.RestorePlan | None] | None = None
+    lookup: concurrent.futures.Future[list[wire.RestorePlan] | None] | None = None  # every stage's plan
     lookup_since: float = 0.0
     lookup_first: int = -1
     matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
     held_tokens: int = 0  # tokens of chunk lookup_first vLLM holds (its prefix ends inside it)
-    plan: wire.RestorePlan | None = None  # the restore begun for the hit
+    plan: wire.RestorePlan | None = None  # the restore begun for the hit (PP: stage 0's, prefix the least)
+    stage_plans: list[wire.RestorePlan] = field(default_factory=list)  # PP > 1: every stage's, by stage
+    stage_hashes: list[list[dcp.ChunkHash]] = field(default_factory=list)  # PP > 1: by stage, then chunk
     # A request is offered kvtier tokens once: after its load is handed to
     # the workers every later ask (vLLM asks again after an asynchronous
     # load failed, or after a preemption) is a miss, so a chunk that fails

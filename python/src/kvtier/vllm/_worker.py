@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from typing import Any, cast
@@ -172,7 +173,7 @@ class _WorkerSide(_Core):
         """Checks every layer's pool and starts registering them with this
         worker's rankd in the background: vLLM starts whether or not the
         rankd is up (C11); the pools are registered when it answers."""
-        self._rank = wire.Rank(self.cfg.instance, self._tp_rank())
+        self._rank = wire.Rank(self.instances[self.pp_stage], self._tp_rank())
         pools: list[wire.PoolRegistration] = []
         for gi, gl in enumerate(self.layers):
             for li, name in enumerate(gl.layer_names):
@@ -201,7 +202,11 @@ class _WorkerSide(_Core):
     def _store_chunks(self, save: SaveSpec) -> list[wire.ChunkBlocks]:
         tp = self._rank.tp_rank
         out = []
+        # Under PP each stage stores under its own namespace's hashes.
+        stage_hashes = save.stage_hashes[self.pp_stage] if save.stage_hashes else None
         for i, (h, blocks) in enumerate(save.chunks):
+            if stage_hashes is not None:
+                h = stage_hashes[i]
             per_group = [blocks[gi] if self.resolved.store_shard(gi, tp) is not None else []
                          for gi in range(len(self.spec.groups))]
             if any(per_group):
@@ -358,6 +363,8 @@ class _WorkerSide(_Core):
         meta = cast(KvtierConnectorMetadata, self._get_connector_metadata())
         sync: list[str] = []
         for load in meta.loads:
+            if load.stage_restore_ids:  # PP: this stage's restore (kvtier.vllm.spec)
+                load = dataclasses.replace(load, restore_id=load.stage_restore_ids[self.pp_stage])
             self.stats["restores"] += 1
             use = self._usable()
             fut: concurrent.futures.Future[_LoadResult]
@@ -505,7 +512,8 @@ class _WorkerSide(_Core):
             except Exception as e:  # the verdict decides
                 problem = f"retrieve: {e}"
                 log.warning("kvtier retrieve of %s on %s: %s", load.restore_id, self._rank, e)
-        verdict = await c.aio.restore_wait(load.restore_id, timeout=bound)
+        # On this stage's instance, which began it (PP: kvtier.vllm.spec).
+        verdict = await c.aio.restore_wait(load.restore_id, timeout=bound, instance=self._rank.instance)
         plan = wire.RestorePlan(load.restore_id, load.planned)
         out = kvclient.restore_outcome(plan, verdict, problem)
         return _LoadResult(out.loaded, out.bytes_wrong, out.problem)

@@ -67,10 +67,22 @@ chunk past vLLM's own prefix (see kvtier.vllm._scheduler). Refused as not
 verified against vLLM: speculative Mamba blocks (EAGLE/MTP relocate them)
 and DCP > 1.
 
-PP > 1 is refused: a kvtier rank is (instance, TP rank) and the
-coordinator's shard plan has no pipeline stage, so two stages' pools (each
-stage registers only its own layers) would be one rank's and a chunk could
-be COMPLETE with one stage's layers only.
+PP > 1 (pipeline parallel, vLLM's pipeline_parallel_size P): each stage
+holds its own layers on its own GPUs, so each stage is a kvtier world of
+its own: its spec has its own layer count and names the stage
+(dcp.Layout.pp_stage), so it has its own namespace and chunk hashes, and
+its ranks are instance "<kvtier_instance>-pp<stage>" (stage_instance; run
+each stage's rankds with that instance). The scheduler looks a request up
+in every stage's namespace and restores only the prefix that every stage
+holds COMPLETE; each worker stores and restores its stage's objects and
+waits for its stage's verdict, and vLLM counts a load finished only when
+every worker reported it. The scheduler sees only stage 0's
+kv_cache_config, so it derives the other stages' specs from vLLM's layer
+partition (vllm.distributed.utils.get_pp_indices, VLLM_PP_LAYER_PARTITION
+included): this is exact for a model of one KV cache group that holds
+every decoder layer, and anything else is refused (several groups, a
+group that skips layers); every worker checks that the spec the scheduler
+derives for its stage is the one its own kv_cache_config gives.
 
 DCP (decode context parallel, vLLM's decode_context_parallel_size W):
 vLLM deals each token of a scheduler block of block_size*W tokens to DCP
@@ -96,6 +108,7 @@ chunk hashes every kvtier client computes, and every cache stored before.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
@@ -228,18 +241,16 @@ DEFAULT_CHUNK_TOKENS = 256
 def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, dcp_size: int, pp: int,
                    chunk_tokens: int | None,
                    layout: str = LAYOUT_BLOCK_MAJOR, interleave: int = 1,
-                   pcp_size: int = 1) -> tuple[dcp.Spec, list[GroupLayers]]:
-    """kvtier's Spec for a vLLM KVCacheConfig, and each group's layers."""
+                   pcp_size: int = 1, pp_stage: int = 0) -> tuple[dcp.Spec, list[GroupLayers]]:
+    """kvtier's Spec for a vLLM KVCacheConfig (of pipeline stage pp_stage),
+    and each group's layers."""
     if layout not in (LAYOUT_BLOCK_MAJOR, LAYOUT_KV_SPLIT):
         raise GeometryError(f"pool layout {layout!r}: want {LAYOUT_BLOCK_MAJOR} or {LAYOUT_KV_SPLIT}")
     groups_in = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups_in:
         raise GeometryError("vLLM kv_cache_config has no kv_cache_groups")
-    if pp != 1:
-        raise GeometryError(
-            f"pipeline parallel size {pp}: kvtier identifies a rank by (instance, TP rank) and its shard plan has "
-            "no pipeline stage, so each stage's pools (its own layers) would collide as one rank and a chunk could "
-            "be COMPLETE with one stage's layers; the connector supports PP 1 only")
+    if not 0 <= pp_stage < pp:
+        raise GeometryError(f"pipeline stage {pp_stage} of pipeline parallel size {pp}")
     if pcp_size != 1:
         raise GeometryError(f"prefill context parallel size {pcp_size}: the connector supports PCP 1 only")
     if dcp_size < 1 or interleave < 1:
@@ -300,7 +311,54 @@ def spec_from_vllm(kv_cache_config: Any, model: str, cache_salt: str, tp: int, d
                                semantic_bytes=grp.semantic_bytes, page_bytes=grp.page_bytes,
                                stride_bytes=grp.stride_bytes, kv_format=grp.kv_format)
     spec = dcp.Spec(model=model, cache_salt=cache_salt,
-                    layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=interleave, pp=pp),
+                    layout=dcp.Layout(tp=tp, dcp=dcp_size, interleave=interleave, pp=pp, pp_stage=pp_stage),
                     groups=groups, chunk_tokens=chunk)
     spec.resolve()  # every rule, with the numbers, before anything registers
     return spec, layers
+
+
+def stage_instance(instance: str, pp: int, stage: int) -> str:
+    """The kvtier instance of pipeline stage `stage`: the configured one
+    under PP 1, else "<instance>-pp<stage>" (a stage is a world of its
+    own: its TP ranks must not be another stage's)."""
+    if pp <= 1:
+        return instance
+    name = f"{instance}-pp{stage}"
+    if len(name) > 64:
+        raise GeometryError(f"kvtier instance {instance!r}: the stage instance {name!r} is over 64 characters")
+    return name
+
+
+def stage_specs(spec: dcp.Spec, layers: list[GroupLayers], stage_layers: list[int]) -> list[dcp.Spec]:
+    """Every pipeline stage's spec, derived from one stage's (spec, whose
+    layout names its stage and PP size, and its groups' vLLM layers) and
+    vLLM's layer partition (stage_layers: the decoder layers of each
+    stage). Exact only for one KV cache group holding every decoder layer
+    of its stage; anything else raises GeometryError naming why."""
+    lay = spec.layout
+    if len(stage_layers) != lay.pp:
+        raise GeometryError(f"layer partition of {len(stage_layers)} stages for pipeline parallel size {lay.pp}")
+    if lay.pp == 1:
+        return [spec]
+    if len(spec.groups) != 1:
+        raise GeometryError(
+            f"pipeline parallel size {lay.pp} with {len(spec.groups)} KV cache groups: vLLM's scheduler sees only "
+            "stage 0's kv_cache_config, so another stage's groups (its layers of each) cannot be derived; the "
+            "connector supports PP > 1 for models of one KV cache group")
+    g = spec.groups[0]
+    own, have = stage_layers[lay.pp_stage], len(layers[0].layer_names)
+    if have != own:
+        raise GeometryError(
+            f"pipeline stage {lay.pp_stage}: KV cache group {g.name or 0} holds {have} layers, vLLM's layer partition "
+            f"gives the stage {own} decoder layers: the group does not hold every decoder layer, so another stage's "
+            "layers cannot be derived; refusing PP > 1 for this model")
+    per = g.layers // own  # kvtier pools per decoder layer (2 under kv_split)
+    out = []
+    for st, n in enumerate(stage_layers):
+        if n < 1:
+            raise GeometryError(f"pipeline stage {st} has {n} decoder layers")
+        gs = dataclasses.replace(g, layers=n * per)
+        out.append(dataclasses.replace(spec, layout=dataclasses.replace(lay, pp_stage=st), groups=[gs]))
+    for s in out:
+        s.resolve()
+    return out
