@@ -21,13 +21,14 @@ import (
 // TestSpecFiles (make test) runs a subset that still covers every item of
 // the acceptance: TP8, DCP2, DCP8, interleave 2 and 4, rows of 1,
 // 3, 561, 4097 and 65537 B, 1-byte tails, stride >> declared page, block
-// ids near 2^31, the same model name with another layout.
+// ids near 2^31, the same model name with another layout; and one pipeline
+// stage (PP2, stage 1: a world of its own).
 // TestSoakSpecFiles (make soak) runs every shipped spec.
 
 // specsQuick is the make-test subset, by TP (one cluster per TP).
 var specsQuick = []string{
 	"rows-1b", "rows-4097b", "rows-65537b", "tail-1b", "stride-huge", "block-ids-2g", "seed-mla-fp8-index-tail", // TP1
-	"rows-3b", "seed-recurrent-dcp2", // TP2 (with the same-name check)
+	"rows-3b", "seed-recurrent-dcp2", "pp2-stage1", // TP2 (with the same-name check; a PP stage)
 	"tp4dcp4-interleave2", "tp4dcp2-interleave4", // TP4
 	"seed-recurrent-dcp8", "tp8dcp2", // TP8
 }

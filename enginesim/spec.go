@@ -63,6 +63,10 @@ type SpecLayout struct {
 	DCP        *int `json:"dcp,omitempty" yaml:"dcp,omitempty"`
 	Interleave *int `json:"interleave,omitempty" yaml:"interleave,omitempty"`
 	PP         *int `json:"pp,omitempty" yaml:"pp,omitempty"`
+	// PPStage is the pipeline stage the spec describes (default 0): under
+	// PP > 1 each stage is a world of its own (dcp.Layout.PPStage), so a
+	// spec file describes one stage, run by that stage's rankds.
+	PPStage int `json:"pp_stage,omitempty" yaml:"pp_stage,omitempty"`
 }
 
 // SpecGroup is dcp.Group with the kind spelled out ("attention",
@@ -162,7 +166,8 @@ func (f *SpecFile) ToScenario(name string) (Scenario, error) {
 	}
 	sp := &sc.Spec
 	sp.Model, sp.CacheSalt, sp.ChunkTokens = f.Model, f.CacheSalt, f.ChunkTokens
-	sp.Layout = dcp.Layout{TP: f.Layout.TP, DCP: one(f.Layout.DCP), Interleave: one(f.Layout.Interleave), PP: one(f.Layout.PP)}
+	sp.Layout = dcp.Layout{TP: f.Layout.TP, DCP: one(f.Layout.DCP), Interleave: one(f.Layout.Interleave), PP: one(f.Layout.PP),
+		PPStage: f.Layout.PPStage}
 	if err := sp.Layout.Validate(); err != nil {
 		return bad("layout", "%w", err)
 	}

@@ -208,7 +208,12 @@ func TestSpecErrors(t *testing.T) {
 		{"TP not divisible by DCP", func(m map[string]any) { m["layout"].(map[string]any)["dcp"] = 3 },
 			[]string{"layout", "TP size 4 is not divisible by DCP size 3"}},
 		{"explicit DCP 0", func(m map[string]any) { m["layout"].(map[string]any)["dcp"] = 0 }, []string{"layout", "DCP size 0"}},
-		{"PP 2", func(m map[string]any) { m["layout"].(map[string]any)["pp"] = 2 }, []string{"layout", "PP size 2"}},
+		{"PP stage past PP", func(m map[string]any) {
+			m["layout"].(map[string]any)["pp"] = 2
+			m["layout"].(map[string]any)["pp_stage"] = 2
+		},
+			[]string{"layout", "PP stage 2 of PP size 2"}},
+		{"explicit PP 0", func(m map[string]any) { m["layout"].(map[string]any)["pp"] = 0 }, []string{"layout", "PP size 0"}},
 		{"interleave not dividing the block", func(m map[string]any) { m["layout"].(map[string]any)["interleave"] = 3 },
 			[]string{"groups[0]", "DCP interleave 3 does not divide block size 16"}},
 		{"chunk not a multiple of the scheduler block", func(m map[string]any) { m["chunk_tokens"] = 48 },
