@@ -106,8 +106,13 @@ def call_failed(request: Any) -> bool:
 
 
 class Cluster:
-    def __init__(self, bin_dir: pathlib.Path, root: pathlib.Path, tp: int) -> None:
-        self.bin, self.root, self.tp = bin_dir, root, tp
+    """pp > 1: pipeline stages, each a world of its own: rankds of instance
+    engine0-pp<stage> (wire.StageInstance), TP of them per stage, in
+    self.ranks stage by stage; the engine identity acts for every stage."""
+
+    def __init__(self, bin_dir: pathlib.Path, root: pathlib.Path, tp: int, pp: int = 1) -> None:
+        self.bin, self.root, self.tp, self.pp = bin_dir, root, tp, pp
+        self.rank_ids = [(INSTANCE if pp == 1 else f"{INSTANCE}-pp{s}", t) for s in range(pp) for t in range(tp)]
         self.shm, self.l2, self.logs, self.index = (root / "shm", root / "l2", root / "logs", root / "index")
         for d in (self.shm, self.l2, self.logs, self.index):
             # Private: the host backend and the L2 tier refuse directories
@@ -116,13 +121,13 @@ class Cluster:
             d.chmod(0o700)
         self.nats_port = free_port()
         self.gossip = f"127.0.0.1:{free_port()}"
-        self.rank_addr = [f"127.0.0.1:{free_port()}" for _ in range(tp)]
+        self.rank_addr = [f"127.0.0.1:{free_port()}" for _ in self.rank_ids]
         self.coord: Proc | None = None
-        self.ranks: list[Proc | None] = [None] * tp
+        self.ranks: list[Proc | None] = [None] * len(self.rank_ids)
         self.creds = root / "creds"
         subprocess.run([str(self.bin / "coordinator"), "init", "--dir", str(self.creds), "--instance", INSTANCE,
-                        "--tp-size", str(tp), "--tls-host", "127.0.0.1"], check=True, timeout=60,
-                       stdout=subprocess.DEVNULL)
+                        "--tp-size", str(tp), *(["--pp-size", str(pp)] if pp > 1 else []),
+                        "--tls-host", "127.0.0.1"], check=True, timeout=60, stdout=subprocess.DEVNULL)
 
     def connect_options(self, **kw: Any) -> client.ConnectOptions:
         """How the engine of instance engine0 connects: its seed, its
@@ -150,8 +155,9 @@ class Cluster:
         eventually("coordinator NATS listens", up)
 
     def start_rank(self, r: int) -> None:
+        inst, t = self.rank_ids[r]
         self.ranks[r] = Proc(f"rankd{r}", [
-            str(self.bin / "rankd"), "--instance", INSTANCE, "--tp-rank", str(r), "--tp-size", str(self.tp),
+            str(self.bin / "rankd"), "--instance", inst, "--tp-rank", str(t), "--tp-size", str(self.tp),
             *self._device_args(), "--l1-bytes", "64MiB",
             "--l2-dir", str(self.l2), "--l2-free-floor", "0", "--join", self.gossip, "--bind", self.rank_addr[r],
             "--http", "127.0.0.1:0", "--log-level", "info", "--creds-dir", str(self.creds)],
@@ -164,8 +170,27 @@ class Cluster:
 
     def start_all(self) -> None:
         self.start_coordinator()
-        for r in range(self.tp):
+        for r in range(len(self.rank_ids)):
             self.start_rank(r)
+
+    def coord_metric(self, name: str, **labels: str) -> float:
+        """One sample of the coordinator's /metrics (its HTTP address from
+        its log); 0 when the series does not exist yet."""
+        import re
+        import urllib.request
+
+        assert self.coord is not None
+        m = re.search(r'"http":\s*"([^"]+)"', self.coord.log.read_text(errors="replace"))
+        assert m, "the coordinator logged no HTTP address"
+        with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = sorted(f'{k}="{v}"' for k, v in labels.items())
+        total = 0.0
+        for line in text.splitlines():
+            mm = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+            if mm and all(w in (mm.group(1) or "").split(",") for w in want):
+                total += float(mm.group(2))
+        return total
 
     def stop_all(self) -> None:
         for p in self.ranks:
