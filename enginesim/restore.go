@@ -48,6 +48,22 @@ func (s *sim) restore(ctx context.Context) error {
 		return err
 	}
 
+	// The wait goes out beside the retrieves: the coordinator parks it
+	// until every rank has reported, so the verdict arrives as soon as it
+	// is decided rather than a round trip after the last reply. Sent
+	// after the hold (a test's pause may outlast the call's timeout).
+	type waited struct {
+		v   *wire.RestoreVerdict
+		err error
+	}
+	wctx, wcancel := s.callCtx(ctx)
+	defer wcancel()
+	waitc := make(chan waited, 1)
+	go func() {
+		v, err := bus.CallRetry[wire.RestoreVerdict](wctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, s.resend(s.cfg.RestoreDeadline))
+		waitc <- waited{v, err}
+	}()
+
 	rows := make([]RankResult, len(s.workers))
 	_ = s.each(func(w *worker) error {
 		row := &rows[w.t]
@@ -87,10 +103,10 @@ func (s *sim) restore(ctx context.Context) error {
 		return nil
 	})
 
-	cctx, cancel = s.callCtx(ctx)
 	s.rc.verdictFrom = time.Now()
-	v, err := bus.CallRetry[wire.RestoreVerdict](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreWait), wire.RestoreWait{RestoreID: plan.RestoreID}, s.resend(s.cfg.RestoreDeadline))
-	cancel()
+	got := <-waitc
+	wcancel()
+	v, err := got.v, got.err
 	if err != nil {
 		if !s.cfg.FailOpen {
 			return fmt.Errorf("restore.wait: %w", err)

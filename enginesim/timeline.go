@@ -165,7 +165,7 @@ func storeTimeline(rank int, tls []wire.Timeline, requests int, start, replied t
 type restoreClock struct {
 	begun, planned     time.Time   // restore.begin sent, plan received
 	sent, replied      []time.Time // per TP rank: retrieve sent, reply received
-	verdictFrom, ended time.Time   // restore.wait sent, verdict received
+	verdictFrom, ended time.Time   // every retrieve answered (the wait went out beside them), verdict received
 }
 
 // restoreTimeline is the timeline of rank's retrieve within the restore

@@ -632,9 +632,17 @@ async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequ
         except Exception as e:  # the verdict decides; the reason is kept
             problems.append(f"retrieve on {rank_name}: {e}")
 
-    await asyncio.gather(*(one(r, items) for r, items in plan.ranks.items()))
+    # The wait goes out beside the retrieves: the coordinator parks it
+    # until every rank has reported, so the verdict comes back as soon as
+    # it is decided instead of one round trip after the last reply.
+    wait = asyncio.ensure_future(client.restore_wait(plan.restore_id, instance=instance))
     try:
-        verdict = await client.restore_wait(plan.restore_id, instance=instance)
+        await asyncio.gather(*(one(r, items) for r, items in plan.ranks.items()))
+    except BaseException:  # cancelled: so is the wait
+        wait.cancel()
+        raise
+    try:
+        verdict = await wait
     except Exception as e:
         return restore_outcome(plan, None, f"restore.wait: {e}")
     return restore_outcome(plan, verdict, "; ".join(problems))

@@ -484,6 +484,25 @@ class _WorkerSide(_Core):
         bound = self._load_bound_s()
         raw = load.items.get(str(self._rank))
         problem = ""
+        # The verdict's wait goes out beside the retrieve (kvtier.client
+        # restore), on this stage's instance, which began it (PP:
+        # kvtier.vllm.spec).
+        wait = asyncio.ensure_future(c.aio.restore_wait(load.restore_id, timeout=bound, instance=self._rank.instance))
+        try:
+            problem = await self._retrieve(s, load, raw, bound, deadline)
+        except BaseException:  # cancelled (the load's bound): so is the wait
+            wait.cancel()
+            raise
+        verdict = await wait
+        plan = wire.RestorePlan(load.restore_id, load.planned)
+        out = kvclient.restore_outcome(plan, verdict, problem)
+        return _LoadResult(out.loaded, out.bytes_wrong, out.problem)
+
+    async def _retrieve(self, s: kvclient.SyncRankSession, load: LoadSpec, raw: bytes | None, bound: float,
+                        deadline: float) -> str:
+        """This rank's retrieve of its items of load; the problem, if any
+        (the verdict decides either way)."""
+        problem = ""
         if raw:
             items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
             for it in items:
@@ -512,11 +531,7 @@ class _WorkerSide(_Core):
             except Exception as e:  # the verdict decides
                 problem = f"retrieve: {e}"
                 log.warning("kvtier retrieve of %s on %s: %s", load.restore_id, self._rank, e)
-        # On this stage's instance, which began it (PP: kvtier.vllm.spec).
-        verdict = await c.aio.restore_wait(load.restore_id, timeout=bound, instance=self._rank.instance)
-        plan = wire.RestorePlan(load.restore_id, load.planned)
-        out = kvclient.restore_outcome(plan, verdict, problem)
-        return _LoadResult(out.loaded, out.bytes_wrong, out.problem)
+        return problem
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole requests: start_load_kv / get_finished
