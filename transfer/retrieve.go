@@ -569,13 +569,16 @@ func (r *retrieval) load(ctx context.Context, i int) {
 	if meta.Writer == e.cfg.Rank && r.res.Items[i].From == wire.L2 {
 		e.cat.l2Touch(o.key) // a use, for L2's LRU eviction
 	}
-	if r.res.Items[i].From == wire.L2 && e.memberWrote(meta.Writer) {
-		// A share-group member's file: this L1 copy is a local copy of
+	if from := r.res.Items[i].From; from == wire.L2 && e.memberWrote(meta.Writer) ||
+		from == wire.L3 && meta.Writer.Instance != e.cfg.Rank.Instance && slices.Contains(e.cfg.L3SharedWith, meta.Writer.Instance) {
+		// A share-group member's copy (its L2 file, or its L3 copy when
+		// that file was gone, l3LoadFor): this L1 copy is a local copy of
 		// the member's object, as a store deduplicated onto that file
 		// keeps (KeepSharedInL1). A later store of it must not write it
 		// to L2, where the file's path is the key's and this rank's
-		// copy would replace the member's, nor to this rank's L3: the
-		// member's placements serve the group (issue 26.3).
+		// copy would replace the member's, nor to this rank's L3 (a
+		// second L3 copy in the group): the member's placements serve the
+		// group (issue 26.3).
 		o.sharedOnly = true
 	}
 	e.commitLocked(o, meta.Sum, false)

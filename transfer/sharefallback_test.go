@@ -71,6 +71,29 @@ func TestMemberL2GoneFallsBackToMemberL3(t *testing.T) {
 	if v := testutil.Metric(t, gatherer(t, eb), "kvtier_transfer_l3_shared_restored_objects_total"); v != 2 {
 		t.Fatalf("b: l3_shared_restored_objects_total = %v, want 2", v)
 	}
+	// b's L1 copies are local copies of a's objects, as after a read of
+	// a's L2 file (TestStoreAfterLoadingMemberL2KeepsMemberFile): a
+	// re-store deduplicates onto them and writes them neither to L2 nor to
+	// b's L3 (a second L3 copy in the group). Seen red before: both
+	// written to b's L3 prefix.
+	res := storeAll(t, eb, rb, "b again", cs...)
+	for i, o := range res.Objects {
+		if o.Status != Deduped || o.Sum != stored.Objects[i].Sum {
+			t.Fatalf("b's re-store of object %d: %+v, want deduplicated onto its L1 copy", i, o)
+		}
+	}
+	if err := eb.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := eb.FlushL3(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if st := eb.L3Stats(); st.Written != 0 || st.Queued != 0 {
+		t.Fatalf("b wrote a's objects to its L3 prefix: %+v", st)
+	}
+	if inv := eb.Inventory(); tierCount(inv, wire.L2) != 0 || tierCount(inv, wire.L3) != 0 {
+		t.Fatalf("b's inventory %+v, want L1 copies only", inv.Objects)
+	}
 
 	// c (b quarantined the damaged file: both are missing now).
 	ec, rc := engineOf("c", nil, "a")
