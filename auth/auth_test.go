@@ -1,6 +1,7 @@
 package auth_test
 
 import (
+	"encoding/json"
 	"errors"
 	"io/fs"
 	"net"
@@ -635,5 +636,54 @@ func TestAddInstanceRefusesAnotherPPSize(t *testing.T) {
 		if err := bad.Validate(); !errors.Is(err, auth.ErrIdentity) {
 			t.Errorf("%+v: %v, want ErrIdentity", bad, err)
 		}
+	}
+}
+
+// No two engine identities may act for one instance: an engine "a" of PP 2
+// acts for a-pp0 and a-pp1, so another tenant's engine named a-pp1 would
+// share a-pp1's rankds and coordinator subjects with it. Refused at init,
+// at add (either order) and in a hand-edited users file.
+func TestPipelineStageInstancesAreNotAnotherEnginesInstance(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	err := auth.Init(dir, []auth.Instance{{Name: "a-pp1", TPSize: 1}, {Name: "a", TPSize: 1, PPSize: 2}})
+	if !errors.Is(err, auth.ErrIdentity) || !strings.Contains(err.Error(), "instance a-pp1") {
+		t.Fatalf("init: %v, want ErrIdentity naming a-pp1", err)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("a refused init wrote %d files", len(ents))
+	}
+	dir = initDir(t) // engine2 runs PP 2: engine2-pp0, engine2-pp1
+	if err := auth.AddInstance(dir, auth.Instance{Name: "engine2-pp1", TPSize: 1}); !errors.Is(err, auth.ErrIdentity) {
+		t.Fatalf("adding engine2-pp1 beside engine2 of PP 2: %v, want ErrIdentity", err)
+	}
+	if err := auth.AddInstance(dir, auth.Instance{Name: "engine0", TPSize: 1, PPSize: 2}); err == nil {
+		t.Fatal("engine0 again with PP 2 was accepted")
+	}
+	if err := auth.AddInstance(dir, auth.Instance{Name: "engine1-pp0", TPSize: 1}); err != nil {
+		t.Fatalf("engine1-pp0 (engine1 runs PP 1): %v", err)
+	}
+	if err := auth.AddInstance(dir, auth.Instance{Name: "engine1", TPSize: 1, PPSize: 2}); err == nil {
+		t.Fatal("engine1 of PP 2 over the existing engine1-pp0 was accepted")
+	}
+	// A users file edited by hand to the same effect does not load.
+	path := filepath.Join(dir, auth.UsersFile)
+	u, err := auth.LoadUsers(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range u.Users {
+		if u.Users[i].Name == "engine-engine1" {
+			u.Users[i].PP = 2
+		}
+	}
+	data, err := json.Marshal(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := auth.LoadUsers(path); !errors.Is(err, auth.ErrIdentity) {
+		t.Fatalf("users file with engine1 of PP 2 beside engine1-pp0: %v, want ErrIdentity", err)
 	}
 }

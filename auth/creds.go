@@ -91,6 +91,9 @@ func Init(dir string, instances []Instance) error {
 		}
 		ids = append(ids, more...)
 	}
+	if err := instancesDisjoint(ids); err != nil { // before anything is written
+		return err
+	}
 	key := make([]byte, 32)
 	if _, err := rand.Read(key); err != nil {
 		return fmt.Errorf("gossip key: %w", err)
@@ -177,13 +180,24 @@ func Add(dir string, ids ...Identity) error {
 	if err != nil {
 		return err
 	}
+	seen := map[string]bool{}
 	for _, id := range ids {
 		if err := id.Validate(); err != nil {
 			return err
 		}
-		if u.find(id.Name()) >= 0 {
+		if u.find(id.Name()) >= 0 || seen[id.Name()] {
 			return fmt.Errorf("identity %s is already in %s (rotate it instead): %w", id.Name(), path, ErrExists)
 		}
+		seen[id.Name()] = true
+	}
+	all := make([]Identity, 0, len(u.Users)+len(ids))
+	for _, x := range u.Users {
+		all = append(all, x.Identity)
+	}
+	if err := instancesDisjoint(append(all, ids...)); err != nil {
+		return err
+	}
+	for _, id := range ids {
 		pub, err := newSeed(dir, id, false)
 		if err != nil {
 			return err
@@ -191,6 +205,28 @@ func Add(dir string, ids ...Identity) error {
 		u.Users = append(u.Users, User{Name: id.Name(), Identity: id, NKey: pub})
 	}
 	return u.write(path)
+}
+
+// instancesDisjoint checks that no two engine identities act for the same
+// instance: a pipeline-parallel engine acts for its stage instances
+// (Identity.Instances), so an engine "a" of PP 2 and another tenant's
+// engine named "a-pp1" would both reach a-pp1's rankds and coordinator
+// subjects.
+func instancesDisjoint(ids []Identity) error {
+	owner := map[string]string{}
+	for _, id := range ids {
+		if id.Role != RoleEngine {
+			continue
+		}
+		for _, inst := range id.Instances() {
+			if o, taken := owner[inst]; taken && o != id.Name() {
+				return fmt.Errorf("engine identities %s and %s would both act for instance %s (a pipeline stage is <instance>-pp<stage>): %w",
+					o, id.Name(), inst, ErrIdentity)
+			}
+			owner[inst] = id.Name()
+		}
+	}
+	return nil
 }
 
 // Rotate replaces the seed of an identity in the users file with a new
@@ -326,6 +362,13 @@ func LoadUsers(path string) (*Users, error) {
 			return nil, fmt.Errorf("users file %s: user %s or its nkey appears twice: %w", path, x.Name, ErrCredsFile)
 		}
 		names[x.Name], keys[x.NKey] = true, true
+	}
+	ids := make([]Identity, len(u.Users))
+	for i, x := range u.Users {
+		ids[i] = x.Identity
+	}
+	if err := instancesDisjoint(ids); err != nil {
+		return nil, fmt.Errorf("users file %s: %w", path, err)
 	}
 	return &u, nil
 }
