@@ -22,6 +22,8 @@ import (
 // restore table's lock, once; the reply leaves after the lock is released.
 func (rs *restores) handleBegin(m *nats.Msg) {
 	c := rs.c
+	t0 := time.Now()
+	planned := func() { c.met.beginSeconds.Observe(time.Since(t0).Seconds()) }
 	var req wire.RestoreBeginRequest
 	if err := bus.Decode(m, &req); err != nil {
 		c.badRequest(m, "restore.begin", err)
@@ -91,11 +93,13 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
 			zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", out.down), zap.String("reason", out.plan.Reason))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+		planned()
 	case beginEmpty:
 		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
 		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", out.id),
 			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+		planned()
 	case beginActive:
 		if out.earliest {
 			select {
@@ -112,6 +116,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			zap.String("instance", res.Instance), zap.Int("prefix", res.Prefix), zap.Int("chunks", len(req.Chunks)),
 			zap.Int("ranks", len(out.plan.Ranks)), zap.Int("shared_objects", shared), zap.Duration("deadline", deadline))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
+		planned()
 	}
 }
 

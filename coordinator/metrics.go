@@ -38,6 +38,7 @@ type metrics struct {
 	restores       *prometheus.CounterVec // by outcome: complete | failed | refused
 	restoreBegins  prometheus.Counter
 	verdictSeconds prometheus.Histogram   // last report -> verdict
+	beginSeconds   prometheus.Histogram   // restore.begin received by its handler -> plan sent
 	reports        *prometheus.CounterVec // by outcome: ok | duplicate | rejected
 	notPlanned     *prometheus.CounterVec // begins refused, by cause: dead | left | fenced | absent
 	rankFailures   *prometheus.CounterVec // restores failed early, by cause: dead | left | superseded | startup
@@ -163,6 +164,11 @@ func newMetrics() *metrics {
 			Help:    "Time from the last rank report to the verdict being sent to waiters.",
 			Buckets: fine,
 		}),
+		beginSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvtier_coord_restore_begin_seconds",
+			Help:    "Time the coordinator spends on a restore.begin answered with a plan: from its handler taking the request (decode, lookup, plan, encoding) to the plan sent; the engine's begin time less this is the bus and the engine.",
+			Buckets: fine,
+		}),
 		reports: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restore_reports_total",
 			Help: "Restore reports, by outcome (ok, duplicate, rejected).",
@@ -268,7 +274,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		m.batches, m.events, m.badRequests, m.gaps, m.heartbeatGaps, m.indexOffers, m.resyncs, m.resyncAttempts, m.indexRebuilds, m.dropped, m.natsErrors, m.applySeconds, m.startupRefused,
 		m.fences, m.fenced, m.fenceSeconds, m.fenceSkips,
-		m.lookups, m.lookupTokens, m.lookupHits, m.lookupSeconds, m.restoreChunks, m.restores, m.restoreBegins, m.verdictSeconds, m.reports, m.notPlanned, m.rankFailures,
+		m.lookups, m.lookupTokens, m.lookupHits, m.lookupSeconds, m.restoreChunks, m.restores, m.restoreBegins, m.verdictSeconds, m.beginSeconds, m.reports, m.notPlanned, m.rankFailures,
 		m.active, m.internal, m.replies, m.refused, m.duplicates,
 	}
 }

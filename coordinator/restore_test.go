@@ -174,6 +174,11 @@ func TestRestorePlan(t *testing.T) {
 		wire.LookupRequest{Namespace: unknown, Chunks: f.chunks}, wire.CodeUnknownNamespace)
 	callErr[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin),
 		wire.RestoreBegin{Namespace: unknown, Chunks: f.chunks}, wire.CodeUnknownNamespace)
+	// The coordinator's share of each begin answered with a plan (three
+	// above; the refused one is not a plan).
+	if n := testutil.Metric(t, f.c.reg, "kvtier_coord_restore_begin_seconds"); n != 3 {
+		t.Fatalf("restore_begin_seconds counts %v begins, want 3", n)
+	}
 }
 
 func TestRestoreComplete(t *testing.T) {

@@ -192,6 +192,10 @@ def main() -> int:
     ap.add_argument("--chunks-per-store", type=int, default=0,
                     help="chunks per store request, one producer event each; default 0: every chunk in one "
                          "request per rank, as the connector stores what one forward step completed")
+    ap.add_argument("--begin-reps", type=int, default=0,
+                    help="after the restore, time this many more restore_begins of the whole prompt and split "
+                         "each into the coordinator's share (kvtier_coord_restore_begin_seconds), the client's "
+                         "plan decoding and the rest (NATS, TLS, the client's loop)")
     ap.add_argument("--rankd-arg", action="append", default=[],
                     help="one more rankd flag, e.g. --rankd-arg=--cpu-profile=/tmp/r.pprof (repeatable)")
     args = ap.parse_args()
@@ -453,6 +457,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
             re_s = max(timed[str(ranks[r])].done - t_restore, 1e-9)  # restore begin to the rank's retrieve reply
             rank_rows.append([str(r), ",".join(map(str, heads[r])), str(nbytes), f"{nbytes / st_s / 1e9:.2f}",
                               f"{nbytes / re_s / 1e9:.2f}", "ok" if same and ok_store[r] else "FAIL"])
+        if args.begin_reps > 0:
+            rows.append(begin_breakdown(c, res.namespace, hashes, args.begin_reps, work))
         for s in sessions:
             s.release()
     kind = "copy engine: pinned host memory <-> cuda:0" if on_gpu else "memmove"
@@ -505,6 +511,63 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
     ok = all(ok for _, _, ok in rows) and all(x[-1] == "ok" for x in rank_rows)
     print("RESULT", "ok" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def coord_metric(work: pathlib.Path, name: str) -> float:
+    """One value of the coordinator's /metrics (its HTTP address from its
+    log): a counter, or a histogram's _sum / _count line."""
+    import re
+    import urllib.request
+
+    m = re.search(r'"http":\s*"([^"]+)"', (work / "logs" / "coordinator.log").read_text(errors="replace"))
+    if m is None:
+        raise RuntimeError("the coordinator logged no HTTP address")
+    with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise RuntimeError(f"no {name} in the coordinator's metrics")
+
+
+def begin_breakdown(c: Any, ns: dcp.Namespace, hashes: list[Any], reps: int,
+                    work: pathlib.Path) -> tuple[str, str, bool]:
+    """reps restore_begins of the whole prompt, timed in the client, with
+    the coordinator's handler time (its histogram's sum and count around
+    them) and the client's plan decoding (client_plan.decode_plan timed in
+    place): medians of the client's, means of the coordinator's."""
+    import statistics
+
+    from kvtier import client_plan
+
+    decode = client_plan.decode_plan
+    spent: list[float] = []
+
+    def timed_decode(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return decode(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    client_plan.decode_plan = timed_decode  # type: ignore[assignment]
+    try:
+        s0 = coord_metric(work, "kvtier_coord_restore_begin_seconds_sum")
+        n0 = coord_metric(work, "kvtier_coord_restore_begin_seconds_count")
+        total = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            c.run(c.aio.restore_begin(ns, hashes, instance=INSTANCE, deadline_ms=1))
+            total.append(time.perf_counter() - t)
+        s1 = coord_metric(work, "kvtier_coord_restore_begin_seconds_sum")
+        n1 = coord_metric(work, "kvtier_coord_restore_begin_seconds_count")
+    finally:
+        client_plan.decode_plan = decode  # type: ignore[assignment]
+    coord = (s1 - s0) / max(n1 - n0, 1)
+    med, dec = statistics.median(total), statistics.median(spent)
+    return (f"restore_begin of {len(hashes)} chunks x {reps}",
+            f"client {med * 1e3:.2f} ms median = coordinator {coord * 1e3:.2f} ms (mean of {int(n1 - n0)}) + plan "
+            f"decoding {dec * 1e3:.2f} ms + NATS, TLS and the client's loop {(med - coord - dec) * 1e3:.2f} ms",
+            n1 - n0 == reps)
 
 
 if __name__ == "__main__":
