@@ -316,7 +316,12 @@ func TestForgedGossipDeathNotActedOn(t *testing.T) {
 	if _, err := rand.Read(key); err != nil {
 		t.Fatal(err)
 	}
-	c := startCoord(t, func(cfg *Config) { cfg.Cluster.SecretKey = key })
+	// Silence confirms a death only after 30 beats (3 s at the ranks' 100
+	// ms): the suspect stays until the victim refutes the notice in
+	// gossip, and a CI run at a load of 14 under -race saw 3 beats of this
+	// test's heartbeat goroutine go missing, which confirmed the forged
+	// death by silence and failed the held restore.
+	c := startCoord(t, func(cfg *Config) { cfg.Cluster.SecretKey, cfg.Death.ConfirmBeats = key, 30 })
 	nc := connect(t, c)
 	f := &memberFixture{restoreFixture: &restoreFixture{c: c, nc: nc, ns: register(t, nc, c.subj, testSpec(2))}}
 	f.chunks = chain(f.ns, 4, 7)
