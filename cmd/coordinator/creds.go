@@ -25,33 +25,31 @@ func (f *instancesFlag) Set(s string) error {
 	return nil
 }
 
-type tpFlag struct{ f *instancesFlag }
-
-func (t tpFlag) String() string { return "" }
-func (t tpFlag) Set(s string) error {
-	if len(t.f.list) == 0 {
-		return errors.New("--tp-size must follow an --instance")
-	}
-	var n int
-	if _, err := fmt.Sscan(s, &n); err != nil {
-		return fmt.Errorf("--tp-size %q: %w", s, err)
-	}
-	t.f.list[len(t.f.list)-1].TPSize = n
-	return nil
+// sizeFlag sets one size (--tp-size, --pp-size) of the preceding --instance.
+type sizeFlag struct {
+	f    *instancesFlag
+	name string
+	set  func(in *auth.Instance, n int)
 }
 
-type ppFlag struct{ f *instancesFlag }
+func tpFlag(f *instancesFlag) sizeFlag {
+	return sizeFlag{f, "tp-size", func(in *auth.Instance, n int) { in.TPSize = n }}
+}
 
-func (t ppFlag) String() string { return "" }
-func (t ppFlag) Set(s string) error {
+func ppFlag(f *instancesFlag) sizeFlag {
+	return sizeFlag{f, "pp-size", func(in *auth.Instance, n int) { in.PPSize = n }}
+}
+
+func (t sizeFlag) String() string { return "" }
+func (t sizeFlag) Set(s string) error {
 	if len(t.f.list) == 0 {
-		return errors.New("--pp-size must follow an --instance")
+		return fmt.Errorf("--%s must follow an --instance", t.name)
 	}
 	var n int
 	if _, err := fmt.Sscan(s, &n); err != nil {
-		return fmt.Errorf("--pp-size %q: %w", s, err)
+		return fmt.Errorf("--%s %q: %w", t.name, s, err)
 	}
-	t.f.list[len(t.f.list)-1].PPSize = n
+	t.set(&t.f.list[len(t.f.list)-1], n)
 	return nil
 }
 
@@ -62,8 +60,8 @@ func initCreds(args []string, stdout, stderr io.Writer) int {
 	dir := fs.String("dir", "", "credentials directory to create (must be empty or absent; made 0700)")
 	var inst instancesFlag
 	fs.Var(&inst, "instance", "engine instance to make an engine and rankd identities for (repeatable)")
-	fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance (default 1)")
-	fs.Var(ppFlag{&inst}, "pp-size", "pipeline-parallel size of the preceding --instance (default 1): its rankds are instances <instance>-pp<stage>, its engine identity acts for every stage")
+	fs.Var(tpFlag(&inst), "tp-size", "TP size of the preceding --instance (default 1)")
+	fs.Var(ppFlag(&inst), "pp-size", "pipeline-parallel size of the preceding --instance (default 1): its rankds are instances <instance>-pp<stage>, its engine identity acts for every stage")
 	tlsHosts := fs.String("tls-host", "", "also write a CA and a server certificate for these IPs/names, comma-separated (needed when NATS listens off loopback)")
 	raftIDs := fs.String("raft-ids", "", "also issue a raft peer certificate for each of these raft server ids, comma-separated (replicated coordinators; needs --tls-host: the cluster CA signs them)")
 	natsConf := fs.String("nats-conf", "", "also write an external nats-server configuration with every user's permissions to this file")
@@ -129,8 +127,8 @@ func creds(args []string, stdout, stderr io.Writer) int {
 	switch sub {
 	case "add":
 		fs.Var(&inst, "instance", "engine instance to add identities for (repeatable)")
-		fs.Var(tpFlag{&inst}, "tp-size", "TP size of the preceding --instance")
-		fs.Var(ppFlag{&inst}, "pp-size", "pipeline-parallel size of the preceding --instance (default 1)")
+		fs.Var(tpFlag(&inst), "tp-size", "TP size of the preceding --instance")
+		fs.Var(ppFlag(&inst), "pp-size", "pipeline-parallel size of the preceding --instance (default 1)")
 	case "rotate":
 		name = fs.String("name", "", "identity to give a new key, e.g. rankd-engine0-3")
 	case "nats-conf":

@@ -107,6 +107,18 @@ class Proc:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+def running(c: Cluster, request: Any):  # type: ignore[no-untyped-def]
+    """A fixture's body for cluster c: starts it, yields it, prints the
+    daemons' logs when the test failed, stops it."""
+    c.start_all()
+    try:
+        yield c
+    finally:
+        if call_failed(request):
+            print(c.logs_tail())
+        c.stop_all()
+
+
 def call_failed(request: Any) -> bool:
     """Whether the test that used a fixture failed (conftest keeps each
     phase's report on the item), for the fixture's teardown: the

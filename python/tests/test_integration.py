@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster import HOST_UUID, Cluster, build_binaries, call_failed, eventually
+from cluster import HOST_UUID, Cluster, build_binaries, eventually, running
 from kvtier import client, cuda, dcp, errors, wire
 
 pytestmark = pytest.mark.integration
@@ -41,14 +41,7 @@ def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture
 def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
-    c = Cluster(binaries, tmp_path, TP)
-    c.start_all()
-    try:
-        yield c
-    finally:
-        if call_failed(request):
-            print(c.logs_tail())
-        c.stop_all()
+    yield from running(Cluster(binaries, tmp_path, TP), request)
 
 
 class Worker:

@@ -14,7 +14,7 @@ import random
 import pytest
 
 import fakes
-from cluster import HOST_UUID, Cluster, build_binaries, call_failed, eventually
+from cluster import HOST_UUID, Cluster, build_binaries, eventually, running
 from kvtier import client, cuda, dcp, wire
 from kvtier.vllm import KvtierConnector
 from kvtier.vllm.connector import KVConnectorRole
@@ -33,14 +33,7 @@ def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture
 def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
-    c = Cluster(binaries, tmp_path, TP)
-    c.start_all()
-    try:
-        yield c
-    finally:
-        if call_failed(request):
-            print(c.logs_tail())
-        c.stop_all()
+    yield from running(Cluster(binaries, tmp_path, TP), request)
 
 
 class HostConnector(KvtierConnector):

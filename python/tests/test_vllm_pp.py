@@ -39,6 +39,11 @@ def stage_worker(world, stage: int, attach: bool = True):
     return attached(w) if attach else w
 
 
+def stage_hashes(s, req):
+    """The request's chunk hashes in each stage's namespace."""
+    return [r.chunk_hashes(req.prompt_token_ids) for r in s.stages]
+
+
 def plan(r: dcp.Resolved, rank: str, restore_id: str, hashes, n: int) -> wire.RestorePlan:
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(r.namespace, hashes[c], 0, 0), sum=c + 1,
                                source=wire.Source(wire.Rank.parse(rank), wire.Tier.L1)) for c in range(n)]
@@ -67,8 +72,7 @@ def test_a_chunk_is_a_hit_only_when_every_stage_holds_it():
     s = scheduler(world)
     ns0, ns1 = (r.namespace for r in s.stages)
     req = fakes.Request("r1", tokens(16 * 4 + 5))
-    h0 = s.stages[0].chunk_hashes(req.prompt_token_ids)
-    h1 = s.stages[1].chunk_hashes(req.prompt_token_ids)
+    h0, h1 = stage_hashes(s, req)
     assert h0 != h1  # each stage's own chain
     world.prefix_by_ns = {ns0: 3, ns1: 2}  # stage 1 holds one chunk fewer
     world.plan_by_ns = {ns0: plan(s.stages[0], "engine0-pp0/0", "r-0", h0, 2),
@@ -110,8 +114,7 @@ def test_stages_whose_plans_differ_are_a_miss():
     s = scheduler(world)
     ns0, ns1 = (r.namespace for r in s.stages)
     req = fakes.Request("r1", tokens(16 * 4 + 5))
-    h0 = s.stages[0].chunk_hashes(req.prompt_token_ids)
-    h1 = s.stages[1].chunk_hashes(req.prompt_token_ids)
+    h0, h1 = stage_hashes(s, req)
     world.prefix = 2
     world.plan_by_ns = {ns0: plan(s.stages[0], "engine0-pp0/0", "r-0", h0, 2),
                         ns1: plan(s.stages[1], "engine0-pp1/0", "r-1", h1, 1)}

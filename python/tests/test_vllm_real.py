@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, call_failed, eventually
+from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, eventually, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -58,14 +58,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture
 def cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
-    c = Cluster(binaries, tmp_path, 1)
-    c.start_all()
-    try:
-        yield c
-    finally:
-        if call_failed(request):
-            print(c.logs_tail())
-        c.stop_all()
+    yield from running(Cluster(binaries, tmp_path, 1), request)
 
 
 def prompts_plain() -> list[list[int]]:

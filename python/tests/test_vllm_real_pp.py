@@ -17,7 +17,7 @@ import pathlib
 import pytest
 from test_vllm_real import binaries, close, extra_for, gen, model_dir, outputs, prompts_plain, run_vllm, tokens_of  # noqa: F401
 
-from cluster import Cluster, call_failed
+from cluster import Cluster, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -29,14 +29,7 @@ PP_ENGINE = dict(pipeline_parallel_size=2, distributed_executor_backend="mp", en
 
 @pytest.fixture
 def pp_cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):  # noqa: F811
-    c = Cluster(binaries, tmp_path, 1, pp=2)
-    c.start_all()
-    try:
-        yield c
-    finally:
-        if call_failed(request):
-            print(c.logs_tail())
-        c.stop_all()
+    yield from running(Cluster(binaries, tmp_path, 1, pp=2), request)
 
 
 def test_real_vllm_pipeline_parallel_stores_and_restores_every_stage(
