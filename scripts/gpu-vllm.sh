@@ -35,6 +35,7 @@
 #   HOST_L1=0          1: the rankd keeps L1 in a host-shared segment (/dev/shm), which the
 #                      duel-kvtier mode needs to flip a byte of an L1 copy
 #   GRAPHS=0           1: vLLM captures CUDA graphs (default: enforce_eager)
+#   RANKD_ARGS=        extra rankd flags (e.g. --copy-path dma: restores by the copy engine)
 #   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
 #                      times per engine step in the ITL results)
 #   L2_BYTES=          rankd --l2-bytes (unset: unbounded; the L2 directory shares the disk
@@ -149,7 +150,7 @@ if [[ -s $WORK/rankd.pid ]]; then
 fi
 setsid "$BIN/rankd" --instance engine0 --tp-rank 0 --tp-size 1 --dcp-size 1 --device "$DEVICE" \\
 	--l1-bytes "$L1" $L1ARGS $L2ARGS --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
-	--http "$RANKD_HTTP" --log-level warn --creds-dir "$CREDS" >>"$WORK/logs/rankd.log" 2>&1 </dev/null &
+	--http "$RANKD_HTTP" --log-level warn --creds-dir "$CREDS" ${RANKD_ARGS:-} >>"$WORK/logs/rankd.log" 2>&1 </dev/null &
 echo \$! >$WORK/rankd.pid
 for _ in \$(seq 600); do
 	if "$BIN/coordinator" members --creds-dir "$CREDS" --nats "$NATS" --timeout 1s 2>/dev/null | awk '\$2=="rankd" && \$3=="alive"' | grep -q .; then

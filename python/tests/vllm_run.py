@@ -172,6 +172,8 @@ def main() -> None:
                               max_model_len=args.get("max_model_len", 512), max_num_seqs=args.get("max_num_seqs", 8),
                               enable_prefix_caching=True, block_size=args["block_size"], seed=0,
                               num_gpu_blocks_override=args["num_blocks"])
+    if os.environ.get("KVTIER_TEST_DEVICE", "host") != "host":  # vLLM's GPU build beside a rankd on that GPU
+        kw["gpu_memory_utilization"] = float(os.environ.get("KVTIER_TEST_GPU_MEM", "0.3"))
     kw.update(args.get("engine_kw") or {})  # more of LLM's arguments (max_num_batched_tokens, ...)
     if args.get("hma") is not None:  # True: force the hybrid KV cache manager on; False: off
         kw["disable_hybrid_kv_cache_manager"] = not args["hma"]
