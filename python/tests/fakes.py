@@ -137,6 +137,7 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig
     model_config: ModelConfig = field(default_factory=ModelConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    use_v2_model_runner: bool = False
 
 
 def vllm_config(tp: int = 1, policy: str = "recompute", pp: int = 1, **extra: Any) -> VllmConfig:

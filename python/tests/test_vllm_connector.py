@@ -28,9 +28,10 @@ class Event:
 
 
 def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=True, pp=1, pp_stage=0,
-         stage_layers=None, **extra):
+         stage_layers=None, v2_runner=False, **extra):
     """A connector on fakes; pp > 1: of pipeline stage pp_stage (a worker),
-    stage_layers the decoder layers vLLM's partition gives each stage."""
+    stage_layers the decoder layers vLLM's partition gives each stage;
+    v2_runner: vLLM runs its V2 model runner."""
     kv_cfg = kv_cfg or fakes.attention_config()
 
     class Conn(KvtierConnector):
@@ -66,7 +67,9 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=
         g = kv_cfg.kv_cache_groups[0].kv_cache_spec
         dcp_size = extra.pop("_dcp", 1)
         extra["kvtier_chunk_tokens"] = g.block_size * dcp_size
-    c = Conn(fakes.vllm_config(tp, pp=pp, **extra), role, kv_cfg)
+    vcfg = fakes.vllm_config(tp, pp=pp, **extra)
+    vcfg.use_v2_model_runner = v2_runner
+    c = Conn(vcfg, role, kv_cfg)
     c.events = []
     if role == KVConnectorRole.SCHEDULER and attach:
         assert c.wait_attached(5), "the fake scheduler link did not attach"
@@ -218,6 +221,24 @@ def test_matched_tokens_not_yet_then_idempotent():
     assert world.lookups[0].chunks == s.resolved.chunk_hashes(req.prompt_token_ids)[:5]
     assert world.begins[0][1] == s.resolved.chunk_hashes(req.prompt_token_ids)[:3]  # the hit only
     assert world.specs == [s.spec]
+
+
+def test_v2_model_runner_never_loads_synchronously(caplog):
+    """kvtier_load_async false is not honoured on vLLM's V2 model runner,
+    which recomputes a failed synchronous load into wrong tokens (vLLM
+    issue #49250, seen on the H200 with vLLM 0.26): both sides load
+    asynchronously and say why; the V1 runner keeps the setting."""
+    world = fakes.FakeWorld()
+    world.prefix = 99
+    s = make(world, KVConnectorRole.SCHEDULER, v2_runner=True)  # make's default: kvtier_load_async false
+    world.plan = wire.RestorePlan("r-9", 3, {})
+    assert s.get_num_new_matched_tokens(fakes.Request("a", tokens(64)), 0) == (48, True)
+    assert "V2 model runner" in caplog.text and "#49250" in caplog.text
+    assert worker(world, v2_runner=True).cfg.load_async
+    world.plan = wire.RestorePlan("r-10", 3, {})
+    assert make(world, KVConnectorRole.SCHEDULER).get_num_new_matched_tokens(fakes.Request("b", tokens(64)), 0) \
+        == (48, False)
+    assert not worker(world).cfg.load_async
 
 
 def test_matched_tokens_leave_the_last_token_and_respect_computed():

@@ -778,6 +778,9 @@ def test_real_vllm_failed_restores_on_each_model_runner(cluster: Cluster, model_
     assert delta(killed, r[5], "loaded_tokens") == 0, killed["worker"]
 
     # Synchronous loads (vLLM waits for them in the step): a's chunk 2 corrupted, then the rankd killed.
+    # The V2 runner recomputes a failed synchronous load wrongly (vLLM #49250, seen on the H200 with
+    # vLLM 0.26): there the connector loads asynchronously whatever kvtier_load_async says.
+    sync = runner != "v2"
     corrupt_l2(cluster, keys[0][2])
     restart_daemons(cluster, model_dir)
     r = run_vllm(tmp_path, f"{runner}-sync", model_dir, dict(extra, kvtier_load_async=False),
@@ -791,5 +794,6 @@ def test_real_vllm_failed_restores_on_each_model_runner(cluster: Cluster, model_
     assert delta(corrupt, r[1], "load_error_blocks") >= 1 and delta(corrupt, r[1], "loaded_tokens") > 0
     lds = loads_in(killed, r[5])
     assert tokens_of(outputs(killed)) == tokens_of(ref_cold) and close(outputs(killed), ref_cold)
-    assert lds and all(ld["loaded"] == 0 and ld["steps"] == 0 for ld in lds), lds  # waited in its own step
+    # waited in its own step (synchronous), or reported steps later (the V2 runner: asynchronous)
+    assert lds and all(ld["loaded"] == 0 and (ld["steps"] == 0 if sync else ld["steps"] >= 1) for ld in lds), lds
     assert delta(killed, r[5], "restore_failures") == len(lds) and delta(killed, r[5], "loaded_tokens") == 0

@@ -8,6 +8,7 @@ into the class vLLM loads."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,16 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         """Reads the geometry and sets up the state of both sides (a
         connector serves one role, but every field exists on either).
         KvtierConnector.__init__ calls it after vLLM's base __init__."""
+        if not cfg.load_async and getattr(vllm_config, "use_v2_model_runner", False):
+            # vLLM's V2 model runner recomputes a failed synchronous load
+            # into wrong tokens (vLLM issue #49250; seen on the H200 with
+            # vLLM 0.26: a corrupted chunk, kv_load_failure_policy
+            # "recompute", tokens unlike vLLM alone's). Its asynchronous
+            # path is right, so loads go that way: a setting never buys
+            # wrong output.
+            log.warning("kvtier_load_async false is not honoured on vLLM's V2 model runner (a failed synchronous "
+                        "load is recomputed wrongly there, vLLM issue #49250): loads are asynchronous")
+            cfg = dataclasses.replace(cfg, load_async=True)
         self.cfg = cfg
         par = vllm_config.parallel_config
         self.tp = int(getattr(par, "tensor_parallel_size", 1))
