@@ -488,7 +488,11 @@ class Bench:
         out.update({"long_ttft_s": None if t_first is None else t_first - t_add,
                     "itl_ms_before_mean": 1000 * statistics.mean(before),
                     "itl_ms_during_mean": 1000 * statistics.mean(during),
-                    "itl_ms_during_max": 1000 * max(during), "steps_during": len(during)})
+                    "itl_ms_during_max": 1000 * max(during), "steps_during": len(during),
+                    # every step, and the mean without the first (the request's lookup and
+                    # admission) and the last (its own prefill): the steps the load runs beside
+                    "itl_ms_during": [round(1000 * g, 3) for g in during],
+                    "itl_ms_during_inner_mean": 1000 * statistics.mean(during[1:-1]) if len(during) > 2 else None})
         return out
 
 
