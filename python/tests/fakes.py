@@ -133,11 +133,17 @@ class ParallelConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    async_scheduling: bool = False  # vLLM's default on CPUs (on GPUs: True)
+
+
+@dataclass
 class VllmConfig:
     kv_transfer_config: KVTransferConfig
     model_config: ModelConfig = field(default_factory=ModelConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     use_v2_model_runner: bool = False
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 def vllm_config(tp: int = 1, policy: str = "recompute", pp: int = 1, **extra: Any) -> VllmConfig:

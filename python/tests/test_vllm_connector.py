@@ -28,7 +28,7 @@ class Event:
 
 
 def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=True, pp=1, pp_stage=0,
-         stage_layers=None, v2_runner=False, **extra):
+         stage_layers=None, v2_runner=False, async_scheduling=False, **extra):
     """A connector on fakes; pp > 1: of pipeline stage pp_stage (a worker),
     stage_layers the decoder layers vLLM's partition gives each stage;
     v2_runner: vLLM runs its V2 model runner."""
@@ -69,6 +69,7 @@ def make(world, role, kv_cfg=None, tp=1, tp_rank=0, client_factory=None, attach=
         extra["kvtier_chunk_tokens"] = g.block_size * dcp_size
     vcfg = fakes.vllm_config(tp, pp=pp, **extra)
     vcfg.use_v2_model_runner = v2_runner
+    vcfg.scheduler_config.async_scheduling = async_scheduling
     c = Conn(vcfg, role, kv_cfg)
     c.events = []
     if role == KVConnectorRole.SCHEDULER and attach:
@@ -223,18 +224,21 @@ def test_matched_tokens_not_yet_then_idempotent():
     assert world.specs == [s.spec]
 
 
-def test_v2_model_runner_never_loads_synchronously(caplog):
-    """kvtier_load_async false is not honoured on vLLM's V2 model runner,
-    which recomputes a failed synchronous load into wrong tokens (vLLM
-    issue #49250, seen on the H200 with vLLM 0.26): both sides load
-    asynchronously and say why; the V1 runner keeps the setting."""
+@pytest.mark.parametrize("how, issue", [(dict(v2_runner=True), "#49250"), (dict(async_scheduling=True), "#34484")])
+def test_no_synchronous_loads_where_vllm_cannot_take_their_failure_back(caplog, how, issue):
+    """kvtier_load_async false is not honoured on vLLM's V2 model runner
+    (a failed synchronous load recomputed into wrong tokens: vLLM issue
+    #49250, seen on the H200 with vLLM 0.26) nor under vLLM's asynchronous
+    scheduling (the engine stopped producing output there: vLLM #34484):
+    both sides load asynchronously and say why. The V1 runner without
+    asynchronous scheduling (vLLM's CPU build) keeps the setting."""
     world = fakes.FakeWorld()
     world.prefix = 99
-    s = make(world, KVConnectorRole.SCHEDULER, v2_runner=True)  # make's default: kvtier_load_async false
+    s = make(world, KVConnectorRole.SCHEDULER, **how)  # make's default: kvtier_load_async false
     world.plan = wire.RestorePlan("r-9", 3, {})
     assert s.get_num_new_matched_tokens(fakes.Request("a", tokens(64)), 0) == (48, True)
-    assert "V2 model runner" in caplog.text and "#49250" in caplog.text
-    assert worker(world, v2_runner=True).cfg.load_async
+    assert "not honoured" in caplog.text and issue in caplog.text
+    assert worker(world, **how).cfg.load_async
     world.plan = wire.RestorePlan("r-10", 3, {})
     assert make(world, KVConnectorRole.SCHEDULER).get_num_new_matched_tokens(fakes.Request("b", tokens(64)), 0) \
         == (48, False)

@@ -108,6 +108,14 @@ def _keys(prompts: list[list[int]], salts: list[str | None]) -> list[list[str]] 
             for p, s in zip(prompts, salts, strict=True)]
 
 
+def _load_async() -> bool | None:
+    """Whether the worker's connector loads asynchronously (it may
+    overrule kvtier_load_async: kvtier.vllm._core.sync_loads_unsafe)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return bool(get_kv_transfer_group().cfg.load_async) if has_kv_transfer_group() else None
+
+
 def _runner(llm: Any) -> str:
     """The model runner class the worker runs (vLLM's V1 or V2 runner)."""
     try:
@@ -184,7 +192,7 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(**kw)
     records: list[dict[str, Any]] = [{"op": "init", "s": round(time.monotonic() - t0, 2), "runner": _runner(llm),
-                                      **_stats(llm)}]
+                                      "load_async": _load_async(), **_stats(llm)}]
     for step in args["steps"]:
         t = time.monotonic()
         rec: dict[str, Any] = {"op": step["op"]}

@@ -28,6 +28,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.vllm")
 
 
+def sync_loads_unsafe(vllm_config: Any) -> str:
+    """Why vLLM, as configured, cannot take a failed synchronous load back
+    ("" when it can). Seen on the H200 with vLLM 0.26 and the
+    "recompute" failure policy: on the V2 model runner the recomputed
+    request generated other tokens than vLLM alone (vLLM issue #49250); on
+    the V1 runner with asynchronous scheduling (vLLM's default on GPUs) the
+    engine stopped producing output. vLLM rewinds a running request's
+    computed tokens when its synchronous load fails, while with
+    asynchronous scheduling the next step, built on the old count, is
+    already scheduled (vLLM issue #34484)."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "vLLM's V2 model runner recomputes a failed synchronous load wrongly (vLLM issue #49250)"
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        return ("vLLM's asynchronous scheduling (its default on GPUs) has the next step scheduled when a "
+                "synchronous load fails (vLLM issue #34484); set async_scheduling=False to load synchronously")
+    return ""
+
+
 class _Core(KVConnectorBase_V1):  # type: ignore[misc]
     """The connector's state and its link; no vLLM hook lives here."""
 
@@ -35,15 +53,12 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         """Reads the geometry and sets up the state of both sides (a
         connector serves one role, but every field exists on either).
         KvtierConnector.__init__ calls it after vLLM's base __init__."""
-        if not cfg.load_async and getattr(vllm_config, "use_v2_model_runner", False):
-            # vLLM's V2 model runner recomputes a failed synchronous load
-            # into wrong tokens (vLLM issue #49250; seen on the H200 with
-            # vLLM 0.26: a corrupted chunk, kv_load_failure_policy
-            # "recompute", tokens unlike vLLM alone's). Its asynchronous
-            # path is right, so loads go that way: a setting never buys
-            # wrong output.
-            log.warning("kvtier_load_async false is not honoured on vLLM's V2 model runner (a failed synchronous "
-                        "load is recomputed wrongly there, vLLM issue #49250): loads are asynchronous")
+        unsafe = sync_loads_unsafe(vllm_config)
+        if not cfg.load_async and unsafe:
+            # A failed synchronous load is recomputed wrongly there (tokens
+            # unlike vLLM alone's, or an engine that stops stepping), while
+            # the asynchronous path is right: a setting never buys that.
+            log.warning("kvtier_load_async false is not honoured: %s; loads are asynchronous", unsafe)
             cfg = dataclasses.replace(cfg, load_async=True)
         self.cfg = cfg
         par = vllm_config.parallel_config
