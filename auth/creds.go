@@ -383,6 +383,24 @@ func (u *Users) ServerUsers(prefix string) []*server.NkeyUser {
 	return out
 }
 
+// Stage says which engine acts for instance and as which pipeline stage:
+// the engine's own instance, its PP size (1 without stages) and the
+// stage (0 for the engine's own instance). ok is false when no engine
+// identity of the file acts for instance.
+func (u *Users) Stage(instance string) (engine string, pp, stage int, ok bool) {
+	for _, x := range u.Users {
+		if x.Role != RoleEngine {
+			continue
+		}
+		for i, inst := range x.Instances() {
+			if inst == instance {
+				return x.Instance, max(x.PP, 1), max(i-1, 0), true
+			}
+		}
+	}
+	return "", 0, 0, false
+}
+
 // Lookup returns the identity of the user with public key nkey.
 func (u *Users) Lookup(nkey string) (Identity, bool) {
 	for _, x := range u.Users {

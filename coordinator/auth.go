@@ -50,6 +50,9 @@ func (c *Coordinator) loadAuth() ([]nats.Option, error) {
 	if err != nil {
 		return nil, fmt.Errorf("NATS users: %w", err)
 	}
+	if err := shareGroupsFitUsers(c.cfg.ShareGroups, u); err != nil {
+		return nil, err
+	}
 	c.auth.users = u.ServerUsers(c.subj.Prefix)
 	if c.auth.tls, err = auth.ServerTLS(dir); err != nil {
 		return nil, fmt.Errorf("NATS TLS: %w", err)
@@ -89,6 +92,9 @@ func (c *Coordinator) ReloadAuth() error {
 	u, err := auth.LoadUsers(filepath.Join(c.cfg.CredsDir, auth.UsersFile))
 	if err != nil {
 		return fmt.Errorf("reload NATS users: %w", err)
+	}
+	if err := shareGroupsFitUsers(c.cfg.ShareGroups, u); err != nil {
+		return fmt.Errorf("reload NATS users: %w (the users file was not applied)", err)
 	}
 	if err := c.nsrv.SetUsers(u.ServerUsers(c.subj.Prefix)); err != nil {
 		return err

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -81,6 +82,41 @@ func validateShareGroups(gs []ShareGroup) error {
 					inst, other, g.Name, ErrConfig)
 			}
 			groupOf[inst] = g.Name
+		}
+	}
+	return nil
+}
+
+// shareGroupsFitUsers checks the share groups against the engines of the
+// users file: a pipeline stage holds only its own layers, so its copies
+// are of its own namespace (the stage is in the fingerprint) and a group
+// shares stage by stage. A group that names a pipeline-parallel engine's
+// own instance, or mixes stages or PP sizes, would never match; it is
+// refused with what to write instead. Instances no engine acts for yet
+// are left alone (as without users).
+func shareGroupsFitUsers(gs []ShareGroup, u *auth.Users) error {
+	for _, g := range gs {
+		type stageOf struct{ pp, stage int }
+		var first *stageOf
+		var firstInst string
+		for _, inst := range g.Instances {
+			eng, pp, stage, ok := u.Stage(inst)
+			if !ok {
+				continue
+			}
+			if pp > 1 && inst == eng {
+				return fmt.Errorf("share group %q names instance %q, an engine of %d pipeline stages: each stage holds its own layers and shares them only with the same stage of the other engines; list the stage instances, one share group per stage (for example --share-group %s-pp0=%s,...): %w",
+					g.Name, inst, pp, g.Name, wire.StageInstance(inst, pp, 0), ErrConfig)
+			}
+			this := stageOf{pp, stage}
+			if first == nil {
+				first, firstInst = &this, inst
+				continue
+			}
+			if *first != this {
+				return fmt.Errorf("share group %q mixes %q (PP %d, stage %d) and %q (PP %d, stage %d): their copies never match (the stage and the PP size are in the namespace); one share group per stage: %w",
+					g.Name, firstInst, first.pp, first.stage, inst, pp, stage, ErrConfig)
+			}
 		}
 	}
 	return nil

@@ -3,8 +3,11 @@ package coordinator
 import (
 	"errors"
 	"math"
+	"path/filepath"
+	"strings"
 	"testing"
 
+	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
@@ -199,5 +202,66 @@ func TestShareGroupConfig(t *testing.T) {
 	}
 	if _, out := s.outside("d", "e"); out {
 		t.Fatal("an instance in no group counted as a group's")
+	}
+}
+
+// TestShareGroupsOfPipelineStages: a pipeline stage's copies are of its
+// own namespace, so share groups of pipeline-parallel engines go stage by
+// stage. A group naming such an engine's own instance, or mixing stages
+// or PP sizes, never matches: the coordinator refuses to start with it
+// (saying what to write instead), and a users file that would make a
+// running coordinator's groups such is not applied.
+func TestShareGroupsOfPipelineStages(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "a", TPSize: 1, PPSize: 2}, {Name: "b", TPSize: 1, PPSize: 2},
+		{Name: "c", TPSize: 1, PPSize: 3}, {Name: "d", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	u, err := auth.LoadUsers(filepath.Join(creds, auth.UsersFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if eng, pp, stage, ok := u.Stage("b-pp1"); !ok || eng != "b" || pp != 2 || stage != 1 {
+		t.Fatalf("Stage(b-pp1) = %q %d %d %v", eng, pp, stage, ok)
+	}
+	for name, tc := range map[string]struct {
+		members []string
+		want    string // "" fits
+	}{
+		"stage by stage":         {[]string{"a-pp1", "b-pp1"}, ""},
+		"plain engines":          {[]string{"d", "e"}, ""}, // e: no engine acts for it yet
+		"the PP engine itself":   {[]string{"a", "b"}, "an engine of 2 pipeline stages"},
+		"two stages":             {[]string{"a-pp0", "b-pp1"}, "mixes"},
+		"two PP sizes":           {[]string{"a-pp1", "c-pp1"}, "mixes"},
+		"a stage and no stages":  {[]string{"a-pp0", "d"}, "mixes"},
+		"unknown beside a stage": {[]string{"a-pp0", "x-pp0", "b-pp0"}, ""},
+	} {
+		err := shareGroupsFitUsers([]ShareGroup{{Name: "g", Instances: tc.members}}, u)
+		if tc.want == "" && err != nil || tc.want != "" && (!errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%s: %v, want %q", name, err, tc.want)
+		}
+	}
+
+	cfg := testConfig(t, "")
+	cfg.Insecure, cfg.CredsDir = false, creds
+	cfg.ShareGroups = []ShareGroup{{Name: "g", Instances: []string{"a", "b"}}}
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Start(); !errors.Is(err, ErrConfig) {
+		t.Errorf("Start with a group of PP engines' own instances = %v, want ErrConfig", err)
+	}
+	c.Shutdown()
+
+	c = startCoord(t, func(cfg *Config) {
+		cfg.Insecure, cfg.CredsDir = false, creds
+		cfg.ShareGroups = []ShareGroup{{Name: "g", Instances: []string{"d", "e"}}}
+	})
+	if err := auth.AddInstance(creds, auth.Instance{Name: "e", TPSize: 1, PPSize: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ReloadAuth(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "not applied") {
+		t.Errorf("ReloadAuth with e now an engine of 2 stages = %v, want ErrConfig, not applied", err)
 	}
 }
