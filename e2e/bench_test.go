@@ -101,6 +101,20 @@ func TestBenchDaemonPath(t *testing.T) {
 		}
 	}
 
+	// The restore loop (--bench-traffic): the prompt restored again and
+	// again for the given time, each verdict COMPLETE.
+	res3, out, err := c.sim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "9",
+		"--bench-traffic", "500ms")
+	if err != nil || res3 == nil || !res3.OK || res3.Bench == nil || res3.Bench.Traffic == nil {
+		t.Fatalf("bench traffic: err %v, result %+v\n%s", err, res3, tail(out, 20))
+	}
+	if tr := res3.Bench.Traffic; tr.Restores < 1 || tr.Seconds < 0.5 || tr.GBps <= 0 {
+		t.Fatalf("bench traffic %+v: want >= 1 restore over >= 0.5 s", tr)
+	}
+	if !strings.Contains(out, "bench traffic:") || res3.Verdict != "complete" {
+		t.Fatalf("bench traffic: verdict %q\n%s", res3.Verdict, tail(out, 20))
+	}
+
 	// The same seed again: the first store finds its objects held, which
 	// moves no bytes, and the benchmark must refuse to report it.
 	res2, out, err := c.sim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "7")

@@ -56,6 +56,20 @@ type BenchResult struct {
 	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
 	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
 	TimelineProblem string         `json:"timeline_problem,omitempty"`
+	// Traffic is the restore loop of Config.BenchTraffic, when run.
+	Traffic *BenchTraffic `json:"traffic,omitempty"`
+}
+
+// BenchTraffic is the bench's restore loop (Config.BenchTraffic): the last
+// repetition's prompt restored again and again, each verdict COMPLETE,
+// the bytes not compared, so that kvtier's restores, and nothing of the
+// bench's own work, run for the whole time (the interference
+// measurement's traffic: python/examples/gpu_interference.py).
+type BenchTraffic struct {
+	Restores int     `json:"restores"`
+	Seconds  float64 `json:"seconds"`
+	// GBps is every rank's restored bytes over the loop's wall time.
+	GBps float64 `json:"gbps"`
 }
 
 // BenchStat is one timed measure over the repetitions.
@@ -257,6 +271,13 @@ func (s *sim) bench(ctx context.Context) error {
 		s.logf("bench repetition %d: store %.3fs, restore %.3fs (ceilings %.3fs / %.3fs)", r,
 			br.Store.Seconds[r], br.Restore.Seconds[r], br.CeilingD2H.Seconds[r], br.CeilingH2D.Seconds[r])
 	}
+	if d := s.cfg.BenchTraffic; d > 0 {
+		t, err := s.benchTraffic(ctx, d, br.RestoreBytes)
+		if err != nil {
+			return err
+		}
+		br.Traffic = t
+	}
 	br.Store.finish(br.StoreBytes)
 	br.Restore.finish(br.RestoreBytes)
 	br.CeilingD2H.finish(br.StoreBytes)
@@ -269,6 +290,33 @@ func (s *sim) bench(ctx context.Context) error {
 	}
 	s.printBench(br)
 	return nil
+}
+
+// benchTraffic restores the stored prompt again and again for d (or
+// until ctx ends): every verdict must be COMPLETE with the whole prompt
+// planned; the bytes are not compared (the repetitions did that).
+func (s *sim) benchTraffic(ctx context.Context, d time.Duration, perRank []uint64) (*BenchTraffic, error) {
+	var per uint64
+	for _, n := range perRank {
+		per += n
+	}
+	s.quiet, s.trafficOnly = true, true
+	defer func() { s.trafficOnly = false }()
+	s.logf("bench traffic: restoring the prompt (%s) again and again for %v", human(per), d)
+	t := &BenchTraffic{}
+	start := time.Now()
+	for time.Since(start) < d && ctx.Err() == nil {
+		if err := s.restore(ctx); err != nil {
+			return nil, fmt.Errorf("bench traffic, restore %d: %w", t.Restores, err)
+		}
+		t.Restores++
+	}
+	t.Seconds = time.Since(start).Seconds()
+	if t.Seconds > 0 {
+		t.GBps = float64(per) * float64(t.Restores) / t.Seconds / 1e9
+	}
+	s.logf("bench traffic: %d restores in %.1f s, %.2f GB/s", t.Restores, t.Seconds, t.GBps)
+	return t, nil
 }
 
 // ceilBuf is one rank's device memory and host buffer for the ceiling.

@@ -146,6 +146,11 @@ type Config struct {
 	// BenchGB, when > 0, sizes the prompt so that the rank storing the
 	// most stores at least this many GB (1e9 B); it overrides Chunks.
 	BenchGB float64
+	// BenchTraffic, when > 0, restores the last repetition's prompt again
+	// and again for this long after the repetitions (verdicts checked,
+	// bytes not compared): kvtier's restores at full speed with none of
+	// the bench's own work, for an interference measurement.
+	BenchTraffic time.Duration
 }
 
 // Result is the outcome of a run, as printed and as written to ResultFile.
@@ -270,6 +275,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Bench && c.BenchChunksPerStore < 1 {
 		bad("bench chunks per store %d: want >= 1", c.BenchChunksPerStore)
+	}
+	if c.BenchTraffic < 0 || c.BenchTraffic > 0 && !c.Bench {
+		bad("bench traffic %v: want a duration > 0, with bench", c.BenchTraffic)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("enginesim config: %w", err)

@@ -90,6 +90,9 @@ type sim struct {
 	// quiet leaves out the per-rank restore table (bench repetitions
 	// before the last).
 	quiet bool
+	// trafficOnly: restore checks the verdict only (the bench's restore
+	// loop, Config.BenchTraffic).
+	trafficOnly bool
 	// rc is what the last restore saw of its stages (timeline.go).
 	rc restoreClock
 }

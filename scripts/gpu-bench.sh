@@ -25,6 +25,9 @@
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
+#   TRAFFIC=       a duration (e.g. 10m): after the repetitions, restore the last prompt
+#                  again and again for that long (enginesim --bench-traffic: verdicts
+#                  checked, bytes not compared), the traffic of gpu_interference.py
 #   KEEP=1         keep the temp dir (logs); PORT_BASE picks the ports
 set -euo pipefail
 
@@ -141,14 +144,14 @@ done
 echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), scenario $SCENARIO, $GB GB per rank, $REPS repetitions; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 "$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 \
-	--scenario "$SCENARIO" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG \
+	--scenario "$SCENARIO" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} \
 	--result "$OUT" >"$WORK/logs/enginesim.out" 2>&1 || {
 	rc=$?
 	tail -n 30 "$WORK/logs/enginesim.out" >&2
 	exit $rc
 }
 sed -n '/^bench /,$p' "$WORK/logs/enginesim.out"
-grep -E '^enginesim: bench repetition' "$WORK/logs/enginesim.out" || true
+grep -E '^enginesim: bench (repetition|traffic)' "$WORK/logs/enginesim.out" || true
 # CPU seconds (user + system) each rankd has used since it started: the
 # whole run (warm-up, every repetition's store and restore, idle gossip).
 tck=$(getconf CLK_TCK)

@@ -14,7 +14,15 @@ measured alone, then while another process moves bytes at full speed:
            size between pinned host memory and the GPU, both directions in
            turn, with cudaMemcpyAsync (no SM kernel)
 
-  gpu_interference.py --traffic-cmd 'RANKS=1 GB=1.3 REPS=1000 bash scripts/gpu-bench.sh .gpu' [--seconds 20]
+  gpu_interference.py --traffic-cmd 'RANKS=1 GB=1.3 REPS=1 TRAFFIC=10m bash scripts/gpu-bench.sh .gpu' [--seconds 20]
+
+With TRAFFIC (enginesim --bench-traffic) the bench stores and checks one
+prompt, then only restores it, again and again: kvtier's copies run for the
+whole measurement. With REPS=1000 and no TRAFFIC most of the time goes to
+the bench's own work between its timed parts (generating and filling each
+repetition's pages, wiping them, comparing every byte): the H200 run of
+2026-12-04 measured 1.18x that way with the copy kernels and 1.18x with
+the copy engine forced, which says the slowdown was not kvtier's copies.
 
 Prints one line per phase (median and p90 step ms, ratio to alone) and a
 JSON summary on stdout's last line.
