@@ -87,6 +87,32 @@ func TestChartFlags(t *testing.T) {
 			t.Errorf("instance.yaml: connector key %s is not read by the connector", k[1])
 		}
 	}
+	// Every connector value of values.yaml reaches vLLM: a value the
+	// template does not pass would be a setting that does nothing.
+	vals, err := os.ReadFile("helm/kvtier/values.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, _ := strings.Cut(string(vals), "\n  connector:\n")
+	var names []string
+	for _, line := range strings.Split(block, "\n") {
+		m := regexp.MustCompile(`^    ([A-Za-z]+):`).FindStringSubmatch(line)
+		if m == nil {
+			if strings.HasPrefix(line, "    #") {
+				continue
+			}
+			break
+		}
+		names = append(names, m[1])
+	}
+	if len(names) < 4 {
+		t.Fatalf("values.yaml: connector values %q", names)
+	}
+	for _, n := range names {
+		if !strings.Contains(vllmPart, "$v.connector."+n) {
+			t.Errorf("values.yaml: vllm.connector.%s is not passed to vLLM by instance.yaml", n)
+		}
+	}
 	for _, want := range []string{`"kv_load_failure_policy" "recompute"`, `"kv_connector" "KvtierConnector"`, `"kv_connector_module_path" "kvtier.vllm"`} {
 		if !strings.Contains(vllmPart, want) {
 			t.Errorf("instance.yaml: the kv-transfer-config lacks %s", want)
