@@ -219,8 +219,10 @@ type restart struct {
 
 // rollRecoverWithin bounds the time from a daemon back to a restore that
 // hits every chunk again. Not a performance target: a cluster that never
-// serves a prompt it holds again after a restart is broken.
-const rollRecoverWithin = 60 * time.Second
+// serves a prompt it holds again after a restart is broken. A CI run at a
+// load of ~17 saw the engine's byte compare after a full hit take 62 s
+// before the run reported it, so the bound is loose.
+const rollRecoverWithin = 3 * time.Minute
 
 // roll stops and restarts each target in turn (SIGTERM, start, wait until
 // it serves) under the loop's load, and waits after each until a restore
