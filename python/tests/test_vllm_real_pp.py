@@ -13,11 +13,23 @@ restored (one COMPLETE verdict per stage and request)."""
 from __future__ import annotations
 
 import pathlib
+import subprocess
 
 import pytest
-from test_vllm_real import binaries, close, extra_for, gen, model_dir, outputs, prompts_plain, run_vllm, tokens_of  # noqa: F401
+from test_vllm_real import (  # noqa: F401
+    _true,
+    binaries,
+    close,
+    extra_for,
+    gen,
+    model_dir,
+    outputs,
+    prompts_plain,
+    run_vllm,
+    tokens_of,
+)
 
-from cluster import Cluster, running
+from cluster import Cluster, eventually, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -48,8 +60,30 @@ def test_real_vllm_pipeline_parallel_stores_and_restores_every_stage(
     assert tokens_of(outputs(cold[1])) == tokens_of(ref)
     complete0 = c.coord_metric("kvtier_coord_restores_total", outcome="complete")
     # A new vLLM process: its prefix cache is empty, so a hit is a restore
-    # through kvtier, of both stages' layers.
-    warm = run_vllm(tmp_path, "pp-warm", model_dir, extra, [gen(prompts)], engine=PP_ENGINE)
+    # through kvtier, of both stages' layers. Then stage 1's rankd is
+    # killed and the prompts come again, vLLM's prefix cache reset: no
+    # stage restores alone (C11), vLLM computes, tokens are vLLM alone's.
+    hook = tmp_path / "stage1-down"
+    verdicts: dict[str, float] = {}
+
+    def stage1_down(p: subprocess.Popen, out: pathlib.Path) -> None:
+        eventually("vLLM reaches the hook", lambda: _true((tmp_path / "stage1-down.ready").exists()), timeout=900)
+        for outcome in ("complete", "failed"):  # the first generate's restores, before the kill
+            verdicts[outcome] = c.coord_metric("kvtier_coord_restores_total", outcome=outcome)
+        rk = c.ranks[1]  # engine0-pp1's only rankd (TP 1)
+        assert rk is not None
+        rk.p.kill()
+        rk.stop()
+        hook.write_text("go")
+
+    warm = run_vllm(tmp_path, "pp-warm", model_dir, extra,
+                    [gen(prompts), dict(op="reset"), dict(op="hook", file=str(hook), timeout=900), gen(prompts)],
+                    engine=PP_ENGINE, during=stage1_down)
+    down = warm[4]
+    assert down["op"] == "generate" and tokens_of(outputs(down)) == tokens_of(ref) and close(outputs(down), ref)
+    # kvtier was asked (a miss or a failed load: which depends on when the coordinator declares the
+    # rankd dead; either way vLLM computes)
+    assert down["scheduler"]["lookups"] > warm[1]["scheduler"]["lookups"], down["scheduler"]
     got = outputs(warm[1])
     assert tokens_of(got) == tokens_of(ref) and close(got, ref), (got, ref)
     sched = warm[1]["scheduler"]
@@ -57,7 +91,6 @@ def test_real_vllm_pipeline_parallel_stores_and_restores_every_stage(
     # chunk but each prompt's last token's is offered by kvtier.
     assert sched["hit_tokens"] >= 32 * (3 + 2), sched
     assert [o["cached"] for o in warm[1]["outputs"]][:2] == [96, 64], warm[1]["outputs"]
-    complete = c.coord_metric("kvtier_coord_restores_total", outcome="complete") - complete0
-    failed = c.coord_metric("kvtier_coord_restores_total", outcome="failed")
+    complete, failed = verdicts["complete"] - complete0, verdicts["failed"]
     # One verdict per stage of each restore: both stages' objects COMPLETE.
     assert complete >= 4 and complete % 2 == 0 and failed == 0, (complete, failed)
