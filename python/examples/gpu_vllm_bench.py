@@ -210,7 +210,9 @@ def cpu_report(a: dict[tuple[int, int], float], b: dict[tuple[int, int], float],
     top = [{"pid": k[0], "tid": k[1], "thread": names.get(k[1], ""), "cpu_s": round(c, 3),
             "cpu_share": round(c / wall, 3)} for c, k in used[:8] if c > 0]
     kv = sum(c for c, k in used if names.get(k[1], "").startswith("kvtier"))
-    out: dict[str, Any] = {"wall_s": round(wall, 3), "threads": top, "kvtier_threads_cpu_s": round(kv, 3)}
+    # kvtier's threads are known by name only from the profiled connector (PROFILE=1): else unknown
+    out: dict[str, Any] = {"wall_s": round(wall, 3), "threads": top,
+                           "kvtier_threads_cpu_s": round(kv, 3) if names else None}
     hooks: dict[str, Any] = {}
     for role, d in pb.items():
         before = pa.get(role, {}).get("hooks", {})
@@ -663,7 +665,7 @@ def table(paths: list[str]) -> int:
         cpu = idle.get("cpu", {})
         print(f"| {mode} | {idle['itl_ms_mean']:.1f} / {idle['itl_ms_p50']:.1f} | {during} | "
               f"{ld.get('steps_during', '') if ld else ''} | {lt} | {cpu.get('hook_ms_per_step', '')} | "
-              f"{cpu.get('kvtier_threads_cpu_s', '')} |")
+              f"{'' if cpu.get('kvtier_threads_cpu_s') is None else cpu['kvtier_threads_cpu_s']} |")
     if any("replay" in r for r in runs.values()):
         import gpu_vllm_replay
 
