@@ -198,3 +198,32 @@ def test_a_window_makes_the_store_wait_for_its_answer():
     w.wait_for_save()
     assert world.store_gate.done()  # it waited for the answer
     t.join()
+
+
+def test_no_loads_of_several_groups_where_vllm_cannot_take_their_failure_back(monkeypatch, caplog):
+    """vLLM 0.26 reads no failed_recving (no get_transfer_results) and its
+    block-level load errors take one group only: a failed load of a hybrid
+    model would run on pages never written (the H200 run of 2026-12-04: a
+    Gemma-2 generated other tokens than vLLM alone). There the connector
+    offers no load for several groups, says why, and stores go on; one
+    group keeps its loads (block-level errors work)."""
+    from kvtier.vllm import _base
+
+    monkeypatch.setattr(_base, "TAKES_FAILED_RECVING", False)
+    world = fakes.FakeWorld()
+    world.prefix = 99
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        s = make(world, KVConnectorRole.SCHEDULER, hybrid_config(), kvtier_load_async=True)
+    assert "2 KV cache groups on a vLLM without per-request load failures" in s.loads_off
+    assert any("kvtier restores nothing for this model" in r.getMessage() for r in caplog.records), caplog.text
+    req = fakes.Request("r", tokens(BS * 8 + 1))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not world.lookups  # not even asked
+    ids = ([7, 8, 9, 10, 11], [20, 21, 22, 23, 24])
+    meta = s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("r", req.prompt_token_ids, ids, 0)],
+        num_scheduled_tokens={"r": BS * 4 + 1}))
+    assert [c for sv in meta.saves for c, _ in sv.chunks]  # stores go on
+    one = make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, fakes.attention_config(), kvtier_load_async=True)
+    assert one.loads_off == ""

@@ -362,6 +362,22 @@ def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return d
 
 
+def restored_nothing(init: dict[str, Any], cold: dict[str, Any], wipe: dict[str, Any], warm: dict[str, Any],
+                     ref: list[tuple[list[int], list[str]]], stored: int) -> bool:
+    """On a vLLM that cannot take a failed load of several KV cache groups
+    back (0.26: no get_transfer_results; kvtier.vllm._base) the connector
+    offers no load: checks that the run was vLLM alone's with stores going
+    on and nothing loaded, and says so (True); False where loads are on."""
+    if not init["loads_off"]:
+        return False
+    print("loads off:", init["loads_off"])
+    assert outputs(cold) == ref, "cold run with the connector differs from vLLM alone"
+    assert delta(cold, init, "stored_objects") == stored and cold["worker"]["store_failures"] == 0, cold["worker"]
+    assert outputs(warm) == ref, "no load offered: tokens differ from vLLM alone"
+    assert not loads_in(warm, wipe) and delta(warm, wipe, "loaded_tokens") == 0, warm["worker"]
+    return True
+
+
 def test_real_vllm_sliding_window_model_two_groups(cluster: Cluster, gemma2_dir: pathlib.Path,
                                                    tmp_path: pathlib.Path) -> None:
     """Issue 27.1 on real vLLM: the hybrid Gemma-2 keeps vLLM's hybrid
@@ -381,6 +397,8 @@ def test_real_vllm_sliding_window_model_two_groups(cluster: Cluster, gemma2_dir:
     init, cold, wipe, warm = r[0], r[1], r[3], r[4]
     assert init["groups"] == alone[0]["groups"], init  # HMA stays on with the connector
     assert wipe["tensors"] == 2 and wipe["nonzero"] == 0, wipe
+    if restored_nothing(init, cold, wipe, warm, ref, stored=10):
+        return
     assert outputs(cold) == ref, "cold run with the connector differs from vLLM alone"
     # 5 distinct chunks, one object per group each
     assert delta(cold, init, "stored_objects") == 10 and cold["worker"]["store_failures"] == 0, cold["worker"]

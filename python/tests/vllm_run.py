@@ -116,6 +116,14 @@ def _load_async() -> bool | None:
     return bool(get_kv_transfer_group().cfg.load_async) if has_kv_transfer_group() else None
 
 
+def _loads_off() -> str | None:
+    """Why the worker's connector offers no load ("" when it does; None
+    without a connector): kvtier.vllm._core's loads_off."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return str(get_kv_transfer_group().loads_off) if has_kv_transfer_group() else None
+
+
 def _runner(llm: Any) -> str:
     """The model runner class the worker runs (vLLM's V1 or V2 runner)."""
     try:
@@ -192,7 +200,8 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(**kw)
     records: list[dict[str, Any]] = [{"op": "init", "s": round(time.monotonic() - t0, 2), "runner": _runner(llm),
-                                      "load_async": _load_async(), **_stats(llm)}]
+                                      "load_async": _load_async(), "loads_off": _loads_off(),
+                                      **_stats(llm)}]
     for step in args["steps"]:
         t = time.monotonic()
         rec: dict[str, Any] = {"op": step["op"]}

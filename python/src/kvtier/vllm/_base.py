@@ -70,7 +70,10 @@ except ModuleNotFoundError as e:  # a stand-in with the same constructor, for te
 # runner (vLLM 0.26's default for Llama on a GPU) refused to start.
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    _TRANSFER_RESULTS = True
 except ImportError:
+    _TRANSFER_RESULTS = False
 
     @dataclass
     class KVConnectorTransferResults:  # type: ignore[no-redef]
@@ -78,5 +81,16 @@ except ImportError:
         finished_recving: set[str] = field(default_factory=set)
         failed_recving: set[str] = field(default_factory=set)
 
+# Whether vLLM takes a failed load per request (get_transfer_results'
+# failed_recving, vLLM >= 0.32). vLLM 0.26 does not: it reads only
+# get_finished, where a failed load looks like a finished one, and its
+# block-level channel (get_block_ids_with_load_errors) takes one KV cache
+# group only (Scheduler._update_requests_with_invalid_blocks unpacks one
+# group's block ids). So on vLLM 0.26 a failed load of a model with several
+# groups has no way back: the H200 run of 2026-12-04 saw a hybrid Gemma-2
+# generate other tokens than vLLM alone after one. Without vLLM (the tests'
+# stand-ins) the fakes behave as vLLM 0.32.
+TAKES_FAILED_RECVING = _TRANSFER_RESULTS or not HAVE_VLLM
+
 __all__ = ["HAVE_VLLM", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorTransferResults",
-           "SupportsHMA"]
+           "SupportsHMA", "TAKES_FAILED_RECVING"]

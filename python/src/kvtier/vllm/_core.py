@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier import client as kvclient
 from kvtier import cuda, wire
 from kvtier.errors import GeometryError
+from kvtier.vllm import _base
 from kvtier.vllm._base import KVConnectorBase_V1, KVConnectorRole
 from kvtier.vllm._state import _Loading, _Pending, _Req
 from kvtier.vllm.attach import Link
@@ -95,6 +96,19 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{len(self.spec.groups)} KV cache groups with kvtier_load_async false: vLLM takes block-level load "
                 "errors for one group only and a failed synchronous load of several groups has no other way back; "
                 "use asynchronous loads (the default)")
+        # Why nothing is restored ("" when loads are offered): several
+        # groups on a vLLM that cannot take their failed load back
+        # (kvtier.vllm._base.TAKES_FAILED_RECVING). A hit would be safe only
+        # while every load succeeds, so none is offered; stores go on (an
+        # instance on a newer vLLM in the same share group can use them).
+        self.loads_off = ""
+        if self.multi_group and not _base.TAKES_FAILED_RECVING:
+            self.loads_off = (f"{len(self.spec.groups)} KV cache groups on a vLLM without per-request load failures "
+                              "(get_transfer_results, vLLM >= 0.32): a failed load would run on pages never "
+                              "written, its block-level errors take one group only")
+            if self.is_scheduler:
+                log.warning("kvtier restores nothing for this model: %s; stores go on. Upgrade vLLM to restore",
+                            self.loads_off)
         # (window, scheduler block) of each sliding-window group
         self._windows = [(gl.sliding_window, self.resolved.geometry[gi].span)
                          for gi, gl in enumerate(self.layers) if gl.sliding_window]

@@ -85,8 +85,8 @@ class _SchedulerSide(_Core):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
-        if st.load_issued:
-            return 0, False  # loaded once already
+        if st.load_issued or self.loads_off:
+            return 0, False  # loaded once already, or no load this vLLM could take back (_Core.loads_off)
         # vLLM's own prefix cache may end inside a chunk (at a block of
         # it): the lookup starts at that chunk, and its blocks before the
         # prefix's end are vLLM's (shared with its other requests), never
