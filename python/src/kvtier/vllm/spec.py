@@ -33,6 +33,8 @@ group: Scheduler._handle_invalid_blocks raises), so a failed load is
 reported per request (KVConnectorTransferResults.failed_recving: vLLM
 recomputes the whole request) and loads must be asynchronous
 (kvtier_load_async true; a synchronous load's failure has no such channel).
+A vLLM without get_transfer_results (0.26) has no channel at all for it: no
+load of several groups is offered there (_Core.loads_off).
 With one group the block-level errors stay (only the failed chunks are
 recomputed).
 
