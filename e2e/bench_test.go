@@ -1,8 +1,11 @@
 package e2e
 
 import (
+	"regexp"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/enginesim"
 )
@@ -113,6 +116,27 @@ func TestBenchDaemonPath(t *testing.T) {
 	}
 	if !strings.Contains(out, "bench traffic:") || res3.Verdict != "complete" {
 		t.Fatalf("bench traffic: verdict %q\n%s", res3.Verdict, tail(out, 20))
+	}
+
+	// Stopped by a signal (how an interference run ends the loop): the
+	// restore cut short is no failure, and the last line is the rate.
+	sp, result := c.startSim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "11",
+		"--bench-traffic", "10m")
+	deadline := time.Now().Add(2 * time.Minute)
+	for !strings.Contains(sp.output(), "bench traffic: restoring") && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if err := syscall.Kill(sp.pid(), syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	err = sp.wait(time.Minute)
+	res4 := readResult(t, result)
+	if err != nil || res4 == nil || !res4.OK || res4.Bench == nil || res4.Bench.Traffic == nil || res4.Bench.Traffic.Restores < 1 {
+		t.Fatalf("bench traffic stopped by SIGTERM: err %v, result %+v\n%s", err, res4, tail(sp.output(), 20))
+	}
+	if !regexp.MustCompile(`bench traffic: \d+ restores in [\d.]+ s, [\d.]+ GB/s\n`).MatchString(sp.output()) {
+		t.Fatalf("bench traffic stopped by SIGTERM printed no rate:\n%s", tail(sp.output(), 20))
 	}
 
 	// The same seed again: the first store finds its objects held, which

@@ -305,19 +305,36 @@ func (s *sim) benchTraffic(ctx context.Context, d time.Duration, perRank []uint6
 	s.logf("bench traffic: restoring the prompt (%s) again and again for %v", human(per), d)
 	t := &BenchTraffic{}
 	start := time.Now()
+	rate := func() {
+		t.Seconds = time.Since(start).Seconds()
+		if t.Seconds > 0 {
+			t.GBps = float64(per) * float64(t.Restores) / t.Seconds / 1e9
+		}
+	}
+	// A progress line every trafficEvery: an interference run stops the
+	// loop with a signal, and its last line is then the traffic's rate.
+	next := start.Add(trafficEvery)
 	for time.Since(start) < d && ctx.Err() == nil {
 		if err := s.restore(ctx); err != nil {
+			if ctx.Err() != nil {
+				break // stopped (a signal): the restore cut short is not a failure
+			}
 			return nil, fmt.Errorf("bench traffic, restore %d: %w", t.Restores, err)
 		}
 		t.Restores++
+		if time.Now().After(next) {
+			rate()
+			s.logf("bench traffic: %d restores in %.1f s, %.2f GB/s so far", t.Restores, t.Seconds, t.GBps)
+			next = next.Add(trafficEvery)
+		}
 	}
-	t.Seconds = time.Since(start).Seconds()
-	if t.Seconds > 0 {
-		t.GBps = float64(per) * float64(t.Restores) / t.Seconds / 1e9
-	}
+	rate()
 	s.logf("bench traffic: %d restores in %.1f s, %.2f GB/s", t.Restores, t.Seconds, t.GBps)
 	return t, nil
 }
+
+// trafficEvery is how often benchTraffic reports its progress.
+const trafficEvery = 5 * time.Second
 
 // ceilBuf is one rank's device memory and host buffer for the ceiling.
 type ceilBuf struct {

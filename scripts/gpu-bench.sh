@@ -94,6 +94,10 @@ cleanup() {
 	local rc=$?
 	for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
 	[[ -n $COORD ]] && stop_pid "$COORD"
+	# TRAFFIC stopped by a signal: its last progress line is the rate it ran at
+	if [[ -n ${TRAFFIC:-} && -e $WORK/logs/enginesim.out ]]; then
+		grep -E '^enginesim: bench traffic: [0-9]' "$WORK/logs/enginesim.out" | tail -n 1 >&2 || true
+	fi
 	if [[ $rc -ne 0 ]]; then
 		echo "gpu-bench: FAILED (exit $rc); last log lines:" >&2
 		for f in "$WORK"/logs/*.log; do

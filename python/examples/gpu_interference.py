@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -130,6 +131,22 @@ def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, l
             p.wait()
 
 
+def traffic_rate(log: str) -> dict[str, Any]:
+    """The traffic's own rate, from the last progress line of
+    enginesim --bench-traffic in its log (gpu-bench.sh prints it when the
+    loop is stopped); empty when the command printed none."""
+    last: dict[str, Any] = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = re.search(r"bench traffic: (\d+) restores in ([\d.]+) s, ([\d.]+) GB/s", line)
+            if m:
+                last = {"traffic_restores": int(m[1]), "traffic_s": float(m[2]), "traffic_gbps": float(m[3])}
+    if last:
+        print(f"interference: the traffic restored {last['traffic_restores']} times in {last['traffic_s']} s, "
+              f"{last['traffic_gbps']} GB/s")
+    return last
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traffic-cmd", required=True, help="shell command that moves bytes through kvtier until killed")
@@ -147,6 +164,7 @@ def main() -> int:
                            "phases": [alone]}
     kv, _ = with_traffic(a.traffic_cmd, step, a.warm, a.seconds, os.path.join(a.logs, "traffic-kvtier.log"))
     res["phases"].append(summary("while kvtier stores and restores", kv, alone["median_ms"]))
+    res["phases"][-1].update(traffic_rate(os.path.join(a.logs, "traffic-kvtier.log")))
     dma, _ = with_traffic([sys.executable, "-c", DMA, str(a.dma_bytes)], step, 8.0, a.seconds,
                           os.path.join(a.logs, "traffic-dma.log"))
     res["phases"].append(summary("while plain DMA copies (copy engine)", dma, alone["median_ms"]))
