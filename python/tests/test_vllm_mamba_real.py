@@ -75,7 +75,11 @@ def test_real_vllm_mamba_hybrid_model(cluster: Cluster, granite_dir: pathlib.Pat
     with vLLM alone's tokens; a corrupted Mamba object fails its request's
     load, counted, tokens still vLLM alone's, the others restored."""
     ps = prompts_mamba()
-    alone = run_vllm(tmp_path, "gh-alone", granite_dir, None, [gen(ps), gen(ps)], engine=ENGINE)
+    # vLLM 0.26 (the H200's) has no prefix_cache_retention_interval: the test's store
+    # positions depend on it, so there it skips, quoting vLLM (and 0.26 would offer
+    # no load of two groups anyway: kvtier.vllm._base.TAKES_FAILED_RECVING).
+    alone = run_vllm(tmp_path, "gh-alone", granite_dir, None, [gen(ps), gen(ps)], engine=ENGINE,
+                     skip_if_refused="unexpected keyword argument 'prefix_cache_retention_interval'")
     assert alone[0]["groups"] == [["MambaSpec", None, 1], ["FullAttentionSpec", None, 1]], alone[0]
     ref = outputs(alone[1])
     extra = extra_mamba(cluster)
