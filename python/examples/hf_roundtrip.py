@@ -54,12 +54,14 @@ import argparse
 import os
 import pathlib
 import random
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from typing import Any
 
 # Expandable segments are not cudaMalloc blocks: legacy CUDA IPC cannot name
@@ -71,6 +73,30 @@ from kvtier import client, cuda, dcp, wire
 
 INSTANCE = "hf"
 HOST_UUID = "HOST-hfroundtrip00000001"
+
+
+def wait_resynced(work: pathlib.Path, ranks: int, procs: list[Any], timeout: float = 120.0) -> float:
+    """Waits until the coordinator has resynced every rank, and returns
+    how long that took. A coordinator with a new index asks each rankd that
+    joins for its inventory, and while an inventory streams in the rank is
+    hidden from lookups: a restore planned in that window finds nothing (a
+    miss, recomputed; seen once as this example's failure). An operator's
+    readiness check would wait the same way: kvtier_coord_resyncs_total
+    {outcome="ok"} reaching the rank count on the coordinator's /metrics."""
+    t0 = time.monotonic()
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a daemon exited (rc {p.returncode}) before the ranks were resynced: {p.args[0]}")
+        try:
+            if coord_metric(work, 'kvtier_coord_resyncs_total{outcome="ok"}') >= ranks:
+                return time.monotonic() - t0
+        except (OSError, RuntimeError):
+            pass  # not serving yet, or no resync finished yet (the series appears with the first)
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the coordinator did not resync {ranks} ranks in {timeout:.0f} s "
+                               f"(see {work / 'logs' / 'coordinator.log'})")
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -245,6 +271,8 @@ def main() -> int:
                             "--http", "127.0.0.1:0", "--creds-dir", str(creds),
                             *[a.replace("{rank}", str(r)) for a in args.rankd_arg]])
     try:
+        took = wait_resynced(work, args.ranks, procs)
+        print(f"daemons ready: {args.ranks} ranks resynced by the coordinator in {took:.2f} s")
         return run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port, work)
     finally:
         for p in procs:
@@ -516,9 +544,6 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
 def coord_metric(work: pathlib.Path, name: str) -> float:
     """One value of the coordinator's /metrics (its HTTP address from its
     log): a counter, or a histogram's _sum / _count line."""
-    import re
-    import urllib.request
-
     m = re.search(r'"http":\s*"([^"]+)"', (work / "logs" / "coordinator.log").read_text(errors="replace"))
     if m is None:
         raise RuntimeError("the coordinator logged no HTTP address")

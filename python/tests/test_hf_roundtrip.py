@@ -39,6 +39,9 @@ def test_four_rank_roundtrip_on_the_host_backend(binaries: pathlib.Path, tmp_pat
     p = roundtrip(binaries, tmp_path / "ok")
     assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert "TP4 (2 heads per rank)" in p.stdout and "16/16 chunk shards" in p.stdout, p.stdout
+    # the store waits for the coordinator's resync of every rank (a restore while an inventory
+    # streams in finds the rank hidden: a miss, this test's one failure, stop 39)
+    assert "daemons ready: 4 ranks resynced by the coordinator" in p.stdout, p.stdout
     ranks = rank_rows(p.stdout)
     assert [(r[0], r[1], r[2], r[-1]) for r in ranks] == [(str(i), f"{2 * i},{2 * i + 1}", "262144", "ok")
                                                            for i in range(4)], p.stdout
