@@ -497,7 +497,8 @@ def test_real_vllm_fails_open(binaries: pathlib.Path, model_dir: pathlib.Path, t
         hook("rank-up"), dict(op="attached"), gen(plain), *RESET, gen(plain),  # 9..13: stored, then a hit
         hook("kill-coord"), *RESET, gen(plain),             # 14: coordinator (and NATS) killed
         hook("kill-rank"), *RESET, gen(plain),              # 18: coordinator back, rankd killed
-        hook("both-up"), dict(op="attached"), *RESET, gen(plain), *RESET, gen(plain),  # 22..29: attached again
+        # 22..29: attached again (the worker's link may read attached until its check sees the new rankd)
+        hook("both-up"), dict(op="attached", worker_attaches=2), *RESET, gen(plain), *RESET, gen(plain),
         hook("kill-all"),                                   # 30: both killed, then vLLM exits
     ]
     exit_s: list[float] = []

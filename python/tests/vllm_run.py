@@ -15,13 +15,14 @@ runner: VLLM_USE_V2_MODEL_RUNNER=0/1, or vLLM's choice), "block_size": n,
 per-request cache_salt), "load_delay_s": s (optional: every load the
 worker connector starts in this generate waits s seconds before it goes to
 the rankd, a slow load as vLLM sees it)} | {"op": "reset"} | {"op": "wipe"} |
-{"op": "hook", "file": path} | {"op": "attached", "timeout": s} |
+{"op": "hook", "file": path} | {"op": "attached", "timeout": s, "worker_attaches": n} |
 {"op": "sleep", "s": s}]}. "reset" waits until vLLM's prefix cache is
 empty (reset_prefix_cache succeeds); "wipe" then zeroes vLLM's KV tensors
 (those its attention layers read), so a later hit can only come from a
 load. A "hook" step waits until the file exists (the test does
 something to the daemons meanwhile) and then goes on. An "attached" step
-waits until the connector's links (worker and scheduler) are attached.
+waits until the connector's links (worker and scheduler) are attached (and,
+with worker_attaches, until the worker's link has attached that often).
 
 OUT: one record per step: generated token ids, each token's logprob as
 float.hex (exact), vLLM's num_cached_tokens, and the connector's worker and
@@ -239,6 +240,13 @@ def main() -> None:
             t_end = time.monotonic() + step.get("timeout", 60)
             conns = [get_kv_transfer_group(), llm.llm_engine.engine_core.engine_core.scheduler.connector]
             rec["ok"] = all(c.wait_attached(max(0.0, t_end - time.monotonic())) for c in conns)
+            # "worker_attaches": n also waits until the worker's link has attached n times: after its
+            # rankd restarted, the link may still read attached until a health check sees the new one
+            while rec["ok"] and conns[0].stats["attaches"] < step.get("worker_attaches", 0):
+                if time.monotonic() > t_end:
+                    rec["ok"] = False
+                    break
+                time.sleep(0.02)
         elif step["op"] == "hook":
             with open(step["file"] + ".ready", "w") as f:
                 f.write("ready")
