@@ -239,3 +239,54 @@ func (v *lookupView) visible(s []placement, buf *[]placement) []placement {
 	}
 	return s
 }
+
+// chunkInstall is a chunk's new value (or its removal, del) for its map,
+// collected by state.install.
+type chunkInstall struct {
+	cm  *chunkMap
+	c   dcp.ChunkHash
+	v   chunkVal
+	del bool
+}
+
+// installAll makes ins with parts goroutines (fanOut): part p installs the
+// chunks of the shards s with s % parts == p, so no two parts write one
+// map, and each holds one shard's lock at a time, for one assignment, as
+// set does (a lookup waits for at most one). A chunk appears at most once
+// in ins (a txn stages each chunk once), so the order between parts does
+// not matter. The caller is the committer, holding Index.mu for writing.
+func installAll(ins []chunkInstall, parts int) {
+	parts = max(1, min(parts, len(ins)/installMinPerPart))
+	fanOut(parts, func(p int) {
+		for i := range ins {
+			in := &ins[i]
+			if int(in.c[0])%parts != p {
+				continue
+			}
+			if in.del {
+				in.cm.del(in.c)
+			} else {
+				in.cm.set(in.c, in.v)
+			}
+		}
+	})
+}
+
+// installMinPerPart: below this many installs per part a goroutine costs
+// more than it saves.
+const installMinPerPart = 64
+
+// fanOut runs f(0), ..., f(parts-1) at once, f(0) on the caller and the
+// others on goroutines of their own, and returns when every one has.
+func fanOut(parts int, f func(part int)) {
+	if parts <= 1 {
+		f(0)
+		return
+	}
+	var wg sync.WaitGroup
+	for p := 1; p < parts; p++ {
+		wg.Go(func() { f(p) })
+	}
+	f(0)
+	wg.Wait()
+}

@@ -474,8 +474,9 @@ func (ix *Index) publish(t *txn) {
 		ix.view.Store(ix.st.buildView(ix.view.Load()))
 	}
 	ix.mu.Unlock()
-	for from := 0; from < len(t.staged); from += publishSlice {
-		to := min(from+publishSlice, len(t.staged))
+	step := publishSlice * max(1, ix.st.fan) // as long a hold with fan goroutines installing
+	for from := 0; from < len(t.staged); from += step {
+		to := min(from+step, len(t.staged))
 		ix.mu.Lock()
 		ix.st.publishChunks(t, from, to)
 		ix.mu.Unlock()

@@ -70,6 +70,14 @@ type Config struct {
 	// acknowledgement waits for a whole fold (STYLE 24). Default 4096.
 	FoldSliceChunks int
 
+	// PublishFan is how many goroutines the committer uses to install a
+	// group's chunks into the in-memory maps once it is committed, and to
+	// read the current values of a batch's chunks before staging it: the
+	// committer's two map-bound steps, which bound durable ingest (issue
+	// 26.5). 1 does both on the committer alone. Default 0: half the
+	// processors (GOMAXPROCS), at most 8, at least 1.
+	PublishFan int
+
 	// NoSync skips fsync on commit. Only for tests: with it set, an
 	// acknowledged write can be lost to a crash, breaking C7.
 	NoSync bool
@@ -150,6 +158,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("max group events %d must be >= 1: %w", c.MaxGroupEvents, ErrConfig)
 	case c.MaxGroupDelay < 0:
 		return fmt.Errorf("max group delay %v must be >= 0: %w", c.MaxGroupDelay, ErrConfig)
+	case c.PublishFan < 0 || c.PublishFan > 64:
+		return fmt.Errorf("publish fan %d must be 0 (half the processors) to 64: %w", c.PublishFan, ErrConfig)
 	case c.QueueDepth < 1:
 		return fmt.Errorf("queue depth %d must be >= 1: %w", c.QueueDepth, ErrConfig)
 	case c.CheckpointBytes < 1:

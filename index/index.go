@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -194,11 +195,18 @@ type request struct {
 	slice bool
 }
 
+// autoFan is Config.PublishFan's default (a variable for the package's
+// tests, which run every index with several goroutines publishing).
+var autoFan = func() int { return max(1, min(8, runtime.GOMAXPROCS(0)/2)) }
+
 // Open opens (creating if needed) the index at cfg.Path, rebuilds the
 // in-memory state from bbolt and starts the committer.
 func Open(cfg Config) (*Index, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
+	}
+	if cfg.PublishFan == 0 {
+		cfg.PublishFan = autoFan()
 	}
 	start := time.Now()
 	db, err := openBolt(cfg)
@@ -235,6 +243,7 @@ func Open(cfg Config) (*Index, error) {
 	}
 	ix.st, ix.logBytes, ix.nextLog = ld.st, ld.logBytes, ld.nextLog
 	ix.st.bg = ix.goroutines // compactions off the committer from now on
+	ix.st.fan = ix.cfg.PublishFan
 	ix.view.Store(ix.st.buildView(nil))
 	ix.applied = ld.applied
 	ix.appliedPub.Store(ld.applied)

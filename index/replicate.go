@@ -334,6 +334,7 @@ func (ix *Index) restore(r *request) {
 	}
 	ix.db = db
 	ld.st.bg = ix.goroutines
+	ld.st.fan = ix.cfg.PublishFan
 	ix.mu.Lock()
 	ix.st = ld.st
 	ix.mu.Unlock()

@@ -215,6 +215,13 @@ type state struct {
 	// (compaction).
 	bg         *group.Group
 	compacting []*compaction
+	// fan, set on the committer's state (0 while Open replays and in the
+	// model tests): how many goroutines publishChunks installs a slice's
+	// chunks with and warmBatch reads a batch's chunks with (fanOut);
+	// <= 1 does both on the committer alone. installs holds a slice's
+	// installs while publishChunks collects them (fan > 1).
+	fan      int
+	installs []chunkInstall
 	// undo, while a Verify copies the chunks off the committer
 	// (Index.copyChunks): for every chunk changed since Verify's barrier,
 	// its value at the barrier, recorded by setChunkVal at its first
@@ -319,7 +326,7 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	}
 	if len(s) == 0 {
 		if had {
-			n.chunks.del(ref.chunk)
+			st.install(n.chunks, ref.chunk, chunkVal{}, true)
 			st.chunks--
 		}
 		return
@@ -336,10 +343,23 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 		r.add(p, 1)
 	}
 	// Last: lookups read s from now on, without Index.mu (chunkmap.go).
-	n.chunks.set(ref.chunk, chunkVal{s: s, epoch: st.epoch})
+	st.install(n.chunks, ref.chunk, chunkVal{s: s, epoch: st.epoch}, false)
 	o = countObjects(s)
 	n.objects += o
 	st.objects += o
+}
+
+// install puts a chunk's new value (or its removal) into its map, or
+// queues it while publishChunks collects a slice's installs.
+func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool) {
+	switch {
+	case st.fan > 1:
+		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, del: del})
+	case del:
+		cm.del(c)
+	default:
+		cm.set(c, v)
+	}
 }
 
 // trackRanks keeps the per-rank chunk sets in step when a chunk's

@@ -112,6 +112,7 @@ type txn struct {
 
 	lastNS dcp.Namespace // cache of the last namespace looked up
 	lastN  *nsState
+	warm   []warmVal // warmBatch's buffer
 }
 
 func newTxn(st *state, enc *opEncoder) *txn {
@@ -135,7 +136,7 @@ func (t *txn) reset(st *state, parent *txn, enc *opEncoder) {
 	clear(t.regs)
 	*t = txn{st: st, parent: parent, idx: t.idx, staged: t.staged[:0], metas: t.metas, newRanks: t.newRanks[:0],
 		newIDs: t.newIDs, putRank: t.putRank[:0], regs: t.regs[:0], enc: enc, hide: t.hide[:0], unhide: t.unhide[:0],
-		hideAll: t.hideAll[:0]}
+		hideAll: t.hideAll[:0], warm: t.warm[:0]}
 }
 
 // detach drops the link to the parent once the parent is published.
@@ -218,7 +219,11 @@ func (t *txn) nsOf(ns dcp.Namespace) *nsState {
 
 // mut returns the index of the staged copy of a chunk, staging it first
 // from the parent's staged copy or the live one.
-func (t *txn) mut(ref chunkRef) int {
+func (t *txn) mut(ref chunkRef) int { return t.mutWarm(ref, nil) }
+
+// mutWarm is mut with the chunk's live value already read (w, may be nil:
+// read it here); see warmBatch.
+func (t *txn) mutWarm(ref chunkRef, w *warmVal) int {
 	if i, ok := t.idx[ref]; ok {
 		return i
 	}
@@ -234,7 +239,10 @@ func (t *txn) mut(ref chunkRef) int {
 	}
 	if !found {
 		sc = stagedChunk{ref: ref, n: t.nsOf(ref.ns)}
-		if sc.n != nil {
+		switch {
+		case w != nil:
+			sc.old, sc.had = w.v, w.had
+		case sc.n != nil:
 			sc.old, sc.had = sc.n.chunks.get(ref.chunk)
 		}
 	}
@@ -271,8 +279,10 @@ func (t *txn) markPut(id uint32) {
 }
 
 // put stores a placement (rank and inc in p) in a chunk.
-func (t *txn) put(ref chunkRef, p placement) {
-	i := t.mut(ref)
+func (t *txn) put(ref chunkRef, p placement) { t.putWarm(ref, p, nil) }
+
+func (t *txn) putWarm(ref chunkRef, p placement, w *warmVal) {
+	i := t.mutWarm(ref, w)
 	t.staged[i].s = upsert(t.staged[i].s, p)
 	t.markPut(p.rank)
 	if t.enc != nil {
@@ -457,6 +467,7 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 		return o
 	}
 	last := m.last
+	warm := t.warmBatch(b.Events)
 	for i := range b.Events {
 		e := &b.Events[i]
 		if e.Seq <= last {
@@ -471,8 +482,12 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 		ref := chunkRef{e.Key.NS, e.Key.Chunk}
 		switch e.Kind {
 		case wire.Stored:
-			t.put(ref, placement{size: e.Size, sum: e.Sum, seq: e.Seq, inc: m.inc, rank: id,
-				shard: e.Key.Shard, group: e.Key.Group, tier: e.Tier})
+			var w *warmVal
+			if warm != nil {
+				w = &warm[i]
+			}
+			t.putWarm(ref, placement{size: e.Size, sum: e.Sum, seq: e.Seq, inc: m.inc, rank: id,
+				shard: e.Key.Shard, group: e.Key.Group, tier: e.Tier}, w)
 		case wire.Removed:
 			if !t.del(ref, e.Key.Shard, e.Key.Group, e.Tier, id, m.inc) {
 				o.RemovedUnknown++
@@ -671,6 +686,10 @@ func (st *state) publishUnhide(t *txn) {
 	}
 }
 
+// With st.fan > 1 the slice's map installs are collected while its
+// bookkeeping runs and then made by fan goroutines at once, each on the
+// shards of its own (installAll); the compactions the slice makes due
+// start after them, since a compaction reads the maps.
 func (st *state) publishChunks(t *txn, from, to int) {
 	for i := from; i < to; i++ {
 		sc := &t.staged[i]
@@ -678,9 +697,68 @@ func (st *state) publishChunks(t *txn, from, to int) {
 		if n == nil {
 			n = st.namespace(sc.ref.ns)
 		}
-		st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
+		if st.fan > 1 {
+			st.setChunkVal(n, sc.ref, sc.old, sc.had, sc.s)
+		} else {
+			st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
+		}
+	}
+	if st.fan > 1 {
+		installAll(st.installs, st.fan)
+		clear(st.installs)
+		st.installs = st.installs[:0]
+		for _, id := range st.compactQ {
+			st.compact(st.ranks[id])
+		}
+		st.compactQ = st.compactQ[:0]
 	}
 	if len(st.compacting) > 0 {
 		st.installCompactions() // once per slice of the publish
 	}
+}
+
+// warmVal is a chunk's live value as warmBatch read it.
+type warmVal struct {
+	v   chunkVal
+	had bool
+}
+
+// warmMin is the batch size from which warmBatch reads ahead.
+const warmMin = 16
+
+// warmBatch reads the live values of a batch's chunks in one loop of
+// independent map reads before the batch is staged: the reads of a large
+// map miss the cache, and a loop whose reads depend on nothing lets the
+// processor overlap their misses, where mut, reading one chunk between
+// the stagings of others, waits for each; with st.fan > 1, fan goroutines
+// read parts of the batch at once. The live state does not change while a
+// txn stages (only the committer publishes, between stagings, and it
+// waits here), so a value read here is the one mut would read. Nil for
+// small batches.
+func (t *txn) warmBatch(evs []wire.Event) []warmVal {
+	if len(evs) < warmMin {
+		return nil
+	}
+	t.warm = slices.Grow(t.warm[:0], len(evs))[:len(evs)]
+	warm := t.warm
+	parts := 1
+	if f := t.st.fan; f > 1 {
+		parts = min(f, len(evs)/warmMin)
+	}
+	fanOut(parts, func(p int) {
+		var lastNS dcp.Namespace
+		var lastN *nsState
+		for i := p * len(evs) / parts; i < (p+1)*len(evs)/parts; i++ {
+			k := &evs[i].Key
+			if lastN == nil || lastNS != k.NS {
+				lastNS, lastN = k.NS, t.st.ns[k.NS]
+			}
+			if lastN != nil {
+				warm[i].v, warm[i].had = lastN.chunks.get(k.Chunk)
+			} else {
+				warm[i] = warmVal{}
+			}
+		}
+	})
+	return warm
 }
