@@ -41,6 +41,3 @@ func CloseGoroutines(ix *Index) { ix.goroutines.Close() }
 
 // Goroutines is how many goroutines ix's group is running.
 func Goroutines(ix *Index) int { return ix.goroutines.Running() }
-
-// SetAutoFan makes n the default Config.PublishFan.
-func SetAutoFan(n int) { autoFan = func() int { return n } }

@@ -10,7 +10,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -195,10 +194,6 @@ type request struct {
 	slice bool
 }
 
-// autoFan is Config.PublishFan's default (a variable for the package's
-// tests, which run every index with several goroutines publishing).
-var autoFan = func() int { return max(1, min(8, runtime.GOMAXPROCS(0)/2)) }
-
 // Open opens (creating if needed) the index at cfg.Path, rebuilds the
 // in-memory state from bbolt and starts the committer.
 func Open(cfg Config) (*Index, error) {
@@ -206,7 +201,7 @@ func Open(cfg Config) (*Index, error) {
 		return nil, err
 	}
 	if cfg.PublishFan == 0 {
-		cfg.PublishFan = autoFan()
+		cfg.PublishFan = defaultPublishFan
 	}
 	start := time.Now()
 	db, err := openBolt(cfg)

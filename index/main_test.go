@@ -5,8 +5,6 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
-
-	"github.com/kvtier/kvtier/index"
 )
 
 func TestMain(m *testing.M) {
@@ -15,9 +13,5 @@ func TestMain(m *testing.M) {
 		// only see it die.
 		os.Exit(m.Run())
 	}
-	// Every index of these tests publishes with several goroutines
-	// (Config.PublishFan), which a 2-core machine's default would not;
-	// the coordinator's and rankd's tests run the default.
-	index.SetAutoFan(4)
 	goleak.VerifyTestMain(m)
 }
