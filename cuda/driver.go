@@ -71,6 +71,10 @@ type driverDevice struct {
 	// path chooses the copy kernels or the copy engine for Gather and
 	// Scatter (dma_plan.go); tests and benchmarks force one.
 	path copyPath
+	// batch: the DMA path enqueues its copies with cuMemcpyBatchAsync
+	// (driver_dma.go); false where the driver lacks it, and in the
+	// benchmark's copy-by-copy runs. Set before the device is shared.
+	batch bool
 	// stageHalf overrides the size of each half of a stream's staging
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
@@ -204,6 +208,7 @@ func openDriver(ordinal int) (*driverDevice, error) {
 		scatter: b.scatter,
 		sum:     b.sum,
 		delay:   b.delay,
+		batch:   C.kv_has_memcpy_batch() != 0,
 		o:       o,
 		res:     resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
 	}, nil

@@ -57,6 +57,23 @@ _Static_assert(sizeof(kv_memcpy2d) == 128, "CUDA_MEMCPY2D is 128 bytes on LP64")
 enum { KV_MEMORYTYPE_HOST = 1, KV_MEMORYTYPE_DEVICE = 2 };
 
 static CUresult (*p_cuMemcpy2DAsync_v2)(const kv_memcpy2d *, CUstream);
+// CUmemcpyAttributes of cuda.h (CUDA 12.8+), field for field: the source
+// access order, two CUmemLocation hints ({type, id}) and the flags.
+typedef struct {
+	int srcAccessOrder;
+	int srcLocType, srcLocID;
+	int dstLocType, dstLocID;
+	unsigned int flags;
+} kv_memcpy_attrs;
+_Static_assert(sizeof(kv_memcpy_attrs) == 24, "CUmemcpyAttributes is 24 bytes");
+enum { KV_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1, KV_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1 };
+// Optional (NULL when the driver lacks them): cuMemcpyBatchAsync_v2 of
+// CUDA 13 (what cuda.h 13 calls cuMemcpyBatchAsync) and the CUDA 12.8
+// cuMemcpyBatchAsync, which takes a failIdx before the stream.
+static CUresult (*p_cuMemcpyBatchAsync_v2)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, kv_memcpy_attrs *,
+	size_t *, size_t, CUstream);
+static CUresult (*p_cuMemcpyBatchAsync_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, kv_memcpy_attrs *,
+	size_t *, size_t, size_t *, CUstream);
 static CUresult (*p_cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 static CUresult (*p_cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
 static CUresult (*p_cuMemFreeAsync)(CUdeviceptr, CUstream);
@@ -160,6 +177,10 @@ int kv_load(char *err, size_t errlen) {
 		}
 		*syms[i].fn = f;
 	}
+	p_cuMemcpyBatchAsync_v2 = dlsym(lib, "cuMemcpyBatchAsync_v2");
+	if (p_cuMemcpyBatchAsync_v2 == NULL) {
+		p_cuMemcpyBatchAsync_v1 = dlsym(lib, "cuMemcpyBatchAsync");
+	}
 	return 0;
 }
 
@@ -250,6 +271,26 @@ CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *hos
 	p.Height = rows;
 	return p_cuMemcpy2DAsync_v2(&p, s);
 }
+int kv_has_memcpy_batch(void) { return p_cuMemcpyBatchAsync_v2 != NULL || p_cuMemcpyBatchAsync_v1 != NULL; }
+
+CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+	CUstream s) {
+	CTX(c);
+	kv_memcpy_attrs a;
+	memset(&a, 0, sizeof a);
+	a.srcAccessOrder = KV_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+	a.flags = KV_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
+	size_t idx = 0;
+	if (p_cuMemcpyBatchAsync_v2 != NULL) {
+		return p_cuMemcpyBatchAsync_v2(dsts, srcs, sizes, count, &a, &idx, 1, s);
+	}
+	if (p_cuMemcpyBatchAsync_v1 != NULL) {
+		size_t fail = 0;
+		return p_cuMemcpyBatchAsync_v1(dsts, srcs, sizes, count, &a, &idx, 1, &fail, s);
+	}
+	return KV_CUDA_ERROR_NOT_SUPPORTED;
+}
+
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
 	CTX(c);
 	return p_cuMemsetD8Async(dst, v, n, s);

@@ -25,6 +25,7 @@ typedef struct { char reserved[64]; } CUipcEventHandle;
 enum {
 	KV_CUDA_SUCCESS = 0,
 	KV_CUDA_ERROR_NOT_READY = 600,
+	KV_CUDA_ERROR_NOT_SUPPORTED = 801,
 	KV_ATTR_MULTIPROCESSOR_COUNT = 16,
 	KV_ATTR_CAN_MAP_HOST_MEMORY = 19,
 	KV_ATTR_UNIFIED_ADDRESSING = 41,
@@ -77,6 +78,14 @@ CUresult kv_memcpy_dtoh_async(CUcontext c, void *dst, CUdeviceptr src, size_t n,
 // device when to_device, with cuMemcpy2DAsync_v2.
 CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *host, size_t width, size_t rows,
 	int to_device, CUstream s);
+// kv_has_memcpy_batch reports whether the driver has cuMemcpyBatchAsync
+// (CUDA 12.8+); kv_memcpy_batch_async enqueues count copies (sizes[i]
+// bytes from srcs[i] to dsts[i], host addresses as unified addresses) on s
+// in one call, in stream order, preferring the copy engines (the flag that
+// asks to overlap with compute). The arrays are read during the call.
+int kv_has_memcpy_batch(void);
+CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+	CUstream s);
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s);
 // Stream-ordered allocations (staging buffers): they never wait for the device.
 CUresult kv_mem_alloc_async(CUcontext c, CUdeviceptr *p, size_t n, CUstream s);

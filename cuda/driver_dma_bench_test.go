@@ -40,7 +40,8 @@ func BenchmarkDriverDMA(b *testing.B) {
 		b.Skipf("CUDA backend not available: %v", err)
 	}
 	defer d.Close()
-	defer func() { d.path, d.mode = pathAuto, modeAuto }()
+	hasBatch := d.batch
+	defer func() { d.path, d.mode, d.batch = pathAuto, modeAuto, hasBatch }()
 	reps := int(envFloat("KVTIER_BENCH_REPS", 5))
 	var sizes []float64
 	for _, f := range strings.Split(envString("KVTIER_BENCH_GBS", "0.5,1.3"), ",") {
@@ -61,10 +62,10 @@ func BenchmarkDriverDMA(b *testing.B) {
 		}
 	}
 	// Printed, not logged: benchmark logs are cut to ten lines.
-	fmt.Printf("\ndevice: %s (%s), %d multiprocessors; median of %d; DMA rule: copies averaging >= %d KiB\n\n%s\n%s\n%s\n\n%s\n%s\n%s\n\n",
-		d.info.Name, d.info.UUID, d.sms, reps, dmaMinCopy>>10,
-		"| layout | blocks | GB | dir | CE GB/s | SM path GB/s (ratio) | DMA path GB/s (ratio) | DMA copies | auto picks |",
-		"|---|---|---|---|---|---|---|---|---|", strings.Join(single, "\n"),
+	fmt.Printf("\ndevice: %s (%s), %d multiprocessors; median of %d; DMA rule: copies averaging >= %d KiB; cuMemcpyBatchAsync: %v\n\n%s\n%s\n%s\n\n%s\n%s\n%s\n\n",
+		d.info.Name, d.info.UUID, d.sms, reps, dmaMinCopy>>10, hasBatch,
+		"| layout | blocks | GB | dir | CE GB/s | SM path GB/s (ratio) | DMA path GB/s (ratio) | DMA, a driver call per copy (ratio) | enqueue ms, DMA / per copy | DMA copies | auto picks |",
+		"|---|---|---|---|---|---|---|---|---|---|---|", strings.Join(single, "\n"),
 		"| layout | blocks | GB each way | CE both ways GB/s (x single CE) | SM path both ways (x) | DMA path both ways (x) |",
 		"|---|---|---|---|---|---|", strings.Join(duplex, "\n"))
 }
@@ -195,6 +196,20 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 		blocks = "shuffled"
 	}
 	gates := map[string]time.Duration{}
+	hosts := map[string][]time.Duration{} // the enqueue's host time
+	hasBatch := d.batch
+	defer func() { d.batch = hasBatch }()
+	// The DMA path with cuMemcpyBatchAsync (dma) and with a driver call
+	// per copy (dma1), where the driver has the batch call.
+	type variant struct {
+		key   string
+		p     copyPath
+		batch bool
+	}
+	variants := []variant{{PathSM, pathSM, hasBatch}, {PathDMA, pathDMA, hasBatch}}
+	if hasBatch {
+		variants = append(variants, variant{"dma1", pathDMA, false})
+	}
 	measure := func(key string, ss []*driverStream, enqueue func() ([]*Op, error)) time.Duration {
 		g, ok := gates[key]
 		if !ok {
@@ -218,6 +233,7 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 			fmt.Printf("warning: %s: enqueuing took %v, the gate is %v: the time includes host work\n", key, host, g)
 		}
 		gates[key] = max(20*time.Millisecond, host*3/2+10*time.Millisecond)
+		hosts[key] = append(hosts[key], host)
 		return dev
 	}
 	one := func(f func() (*Op, error)) func() ([]*Op, error) {
@@ -243,7 +259,7 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 		return func() error { return st.copyCE(h, ce+off, bytes, scatter) }
 	}
 	samples := map[string][]time.Duration{}
-	var sums [2][]uint64 // gather sums of the SM and DMA paths
+	var sums [3][]uint64 // gather sums of each variant
 	autoPick := [2]string{}
 	for rep := range reps + 1 {
 		add := func(key string, t time.Duration) {
@@ -258,9 +274,9 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 			if scatter {
 				side = dst
 			}
-			for pi, p := range []copyPath{pathSM, pathDMA} {
-				d.path = p
-				key := p.name() + "-" + dir
+			for vi, v := range variants {
+				d.path, d.batch = v.p, v.batch
+				key := v.key + "-" + dir
 				var op *Op
 				add(key, measure(key, []*driverStream{s1}, func() ([]*Op, error) {
 					ops, err := one(gathers(s1, side, scatter))()
@@ -268,10 +284,10 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 					return ops, err
 				}))
 				if !scatter && rep == 0 {
-					sums[pi] = slices.Clone(op.Sums())
+					sums[vi] = slices.Clone(op.Sums())
 				}
 			}
-			d.path = pathAuto
+			d.path, d.batch = pathAuto, hasBatch
 			op, err := gathers(s1, side, scatter)()
 			if err != nil || op.Wait(ctx) != nil {
 				b.Fatalf("auto %s: %v", dir, err)
@@ -284,13 +300,16 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 			}
 			return nil, ceCopy(true, s2, bytes)()
 		}))
-		for _, p := range []copyPath{pathSM, pathDMA} {
-			d.path = p
-			add(p.name()+"-both", measure(p.name()+"-both", []*driverStream{s1, s2}, both))
+		for _, v := range variants[:2] {
+			d.path, d.batch = v.p, v.batch
+			add(v.key+"-both", measure(v.key+"-both", []*driverStream{s1, s2}, both))
 		}
+		d.path, d.batch = pathAuto, hasBatch
 	}
-	if !slices.Equal(sums[0], sums[1]) {
-		b.Fatalf("%s, %s blocks: gather sums of the SM and DMA paths differ", lay.name, blocks)
+	for vi := 1; vi < len(variants); vi++ {
+		if !slices.Equal(sums[0], sums[vi]) {
+			b.Fatalf("%s, %s blocks: gather sums of the SM path and %s differ", lay.name, blocks, variants[vi].key)
+		}
 	}
 	med := map[string]time.Duration{}
 	for k, v := range samples {
@@ -301,13 +320,23 @@ func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, to
 	if !shuffled {
 		perCopy = lay.page * dmaChunkBlocks
 	}
+	enq := func(key string) string {
+		if len(hosts[key]) < 2 {
+			return "-"
+		}
+		return fmt.Sprintf("%.1f", float64(median(hosts[key][1:]).Microseconds())/1e3)
+	}
 	for k, dir := range []string{"gather", "scatter"} {
 		ceG := gbps("ce-"+dir, bytes)
-		single = append(single, fmt.Sprintf("| %s | %s | %.2f | %s | %.1f | %.1f (%.3f) | %.1f (%.3f) | %d of %d KiB | %s |",
+		one := "-"
+		if hasBatch {
+			one = fmt.Sprintf("%.1f (%.3f)", gbps("dma1-"+dir, bytes), gbps("dma1-"+dir, bytes)/ceG)
+		}
+		single = append(single, fmt.Sprintf("| %s | %s | %.2f | %s | %.1f | %.1f (%.3f) | %.1f (%.3f) | %s | %s / %s | %d of %d KiB | %s |",
 			lay.name, blocks, float64(bytes)/1e9, dir, ceG,
 			gbps(PathSM+"-"+dir, bytes), gbps(PathSM+"-"+dir, bytes)/ceG,
-			gbps(PathDMA+"-"+dir, bytes), gbps(PathDMA+"-"+dir, bytes)/ceG,
-			bytes/perCopy, perCopy>>10, autoPick[k]))
+			gbps(PathDMA+"-"+dir, bytes), gbps(PathDMA+"-"+dir, bytes)/ceG, one,
+			enq(PathDMA+"-"+dir), enq("dma1-"+dir), bytes/perCopy, perCopy>>10, autoPick[k]))
 	}
 	ceSingle := max(gbps("ce-gather", bytes), gbps("ce-scatter", bytes))
 	x := func(key string) string {
