@@ -8,7 +8,8 @@ type pathSetter interface{ setPath(copyPath) }
 func (d *hostDevice) setPath(p copyPath) { d.path = p }
 
 // ForceCopyPath sets how a device's Gather and Scatter move bytes: "auto"
-// (the rule of useDMA, which autoDMA keeps off), "sm" (the copy kernels)
+// (the rule of useDMA: the copy engine for page runs averaging at least
+// 256 KiB where copies are enqueued in batches), "sm" (the copy kernels)
 // or "dma" (copy-engine copies of the page runs, then a checksum kernel
 // over the device pages). rankd's --copy-path calls it after Open, before
 // the device is shared; the verification is the same on every path.

@@ -20,16 +20,17 @@ package cuda
 // Gen5 speed, so shorter copies (random 32 KiB pages, rows of a few hundred
 // bytes) keep the copy kernels, which move any layout at the engine's rate.
 
-// autoDMA lets pathAuto apply the rule; off, auto keeps the copy kernels.
-// Off because of what the H200 measured (BENCHMARKS.md, "Issue 25.2"): at
-// the 8B geometry the copy kernels moved consecutive pages at 0.98-0.99 of
-// the copy engine, the DMA path at 0.68-0.90 (its checksum pass is
-// partly exposed, and a 1 MiB copy leaves the engine idle between
-// descriptors), and both directions at once 1.74-1.81x against DMA's
-// 0.92-1.36x. The DMA path stays, forced (tests, the benchmark), for the
-// day its lower multiprocessor occupancy is measured against a model's
-// step time (issue 25.5) and found worth its throughput.
-var autoDMA = false
+// pathAuto applies the rule only where the backend enqueues its copies in
+// batches (the driver's cuMemcpyBatchAsync, CUDA 12.8+; the host backend,
+// which models it): with a driver call per copy the DMA path measured
+// 0.24-0.89 of the copy engine on the H200 (BENCHMARKS.md, "Issue 25.2"),
+// so auto kept the copy kernels everywhere. With batches it measured
+// 0.98-1.00 on pages in runs of 512 KiB and 1 MiB, and vLLM's restores
+// took fewer multiprocessors from the model (BENCHMARKS.md, "The copy
+// engine path with batched copies"); runs averaging less than dmaMinCopy
+// (a fragmented cache's 32-64 KiB pages) keep the kernels, since each copy
+// into another process's memory (CUDA IPC) cost the copy engine about
+// 5 us there.
 
 // copyPath is how a Gather or Scatter moves its bytes.
 type copyPath int
@@ -141,17 +142,18 @@ func (t *checkedTransfer[M]) totalBytes() uint64 {
 	return n
 }
 
-// useDMA applies the rule to t for a device whose path is p: forced paths
-// are kept (a transfer of no bytes always takes the copy kernels, which
-// have nothing to do); in pathAuto the copy engine is used when the copies
-// average at least dmaMinCopy bytes. It returns the copies when the answer
-// is DMA.
-func useDMA[M comparable](t *checkedTransfer[M], p copyPath) ([]dmaCopy, bool) {
+// useDMA applies the rule to t for a device whose path is p and which
+// enqueues copies in batches or not: forced paths are kept (a transfer of
+// no bytes always takes the copy kernels, which have nothing to do); in
+// pathAuto the copy engine is used when the device batches its copies and
+// they average at least dmaMinCopy bytes. It returns the copies when the
+// answer is DMA.
+func useDMA[M comparable](t *checkedTransfer[M], p copyPath, batched bool) ([]dmaCopy, bool) {
 	total := t.totalBytes()
 	if p == pathSM || total == 0 {
 		return nil, false
 	}
-	if p == pathAuto && !autoDMA {
+	if p == pathAuto && !batched {
 		return nil, false
 	}
 	limit := -1 // never reached

@@ -75,15 +75,17 @@ func TestPlanDMA(t *testing.T) {
 }
 
 // The rule: forced paths are kept, a transfer of no bytes takes the copy
-// kernels, and auto (with autoDMA on) picks the copy engine from an average
-// copy of dmaMinCopy bytes; with autoDMA off, as shipped, auto never does.
+// kernels, and auto, on a device that batches its copies, picks the copy
+// engine from an average copy of dmaMinCopy bytes; on one that does not,
+// auto never does.
 func TestUseDMA(t *testing.T) {
 	const base = 1 << 40
-	if _, dma := useDMA(xfer([]uint64{0}, [][]tSpan{{{0, base, 4 * dmaMinCopy}}}), pathAuto); dma || autoDMA {
-		t.Fatalf("auto picked DMA for one 1 MiB copy (autoDMA %v): the H200 measured the copy kernels faster", autoDMA)
+	if _, dma := useDMA(xfer([]uint64{0}, [][]tSpan{{{0, base, 4 * dmaMinCopy}}}), pathAuto, false); dma {
+		t.Fatal("auto picked DMA for one 1 MiB copy without batched copies: the H200 measured the copy kernels faster")
 	}
-	autoDMA = true
-	defer func() { autoDMA = false }()
+	if _, dma := useDMA(xfer([]uint64{0}, [][]tSpan{{{0, base, 4 * dmaMinCopy}}}), pathDMA, false); !dma {
+		t.Fatal("forced DMA not kept without batched copies")
+	}
 	// n pages of width at a stride; with scattered, each in another Mem
 	// than the one before (no two make one copy).
 	pages := func(n int, width, stride uint64, scattered bool) *checkedTransfer[int] {
@@ -112,7 +114,7 @@ func TestUseDMA(t *testing.T) {
 		{"forced dma, scattered 561 B rows", pages(5, 561, 561, true), pathDMA, 5},
 		{"no bytes", xfer([]uint64{0}, [][]tSpan{nil}), pathDMA, -1},
 	} {
-		copies, ok := useDMA(c.t, c.path)
+		copies, ok := useDMA(c.t, c.path, true)
 		got := len(copies)
 		if !ok {
 			got = -1

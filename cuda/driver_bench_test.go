@@ -284,7 +284,7 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	if err != nil {
 		b.Fatal(err)
 	}
-	if _, dma := useDMA(t, pathAuto); dma {
+	if _, dma := useDMA(t, pathAuto, d.batch); dma {
 		res.autoMode = "dma"
 	}
 	// The DMA path is measured where it makes at most dmaBenchCopies

@@ -70,7 +70,7 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 		return fail(err)
 	}
 	xobjs := deviceObjects(t)
-	copies, _ := useDMA(t, path)
+	copies, _ := useDMA(t, path, s.d.batch)
 	if !buf.life.acquire() {
 		return fail(fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size))
 	}

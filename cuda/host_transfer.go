@@ -25,6 +25,11 @@ type planObj struct {
 // fails, having changed nothing, if the buffer was released, a rule of
 // checkTransfer is broken or a Mem was released. It picks the copy path as
 // the CUDA backend does (useDMA), for a device whose path is path.
+// hostBatched: the host backend models a driver with cuMemcpyBatchAsync
+// (the H200's, CUDA 13), so auto takes the DMA path where the GPU does and
+// the tests run it.
+const hostBatched = true
+
 func planTransfer(hb HostBuf, objs []Object, scatter bool, path copyPath) (*transferPlan, error) {
 	buf, err := hostBytes(hb)
 	if err != nil {
@@ -41,7 +46,7 @@ func planTransfer(hb HostBuf, objs []Object, scatter bool, path copyPath) (*tran
 	for k, u := range t.mems {
 		p.mems[k] = u.mem
 	}
-	if copies, ok := useDMA(t, path); ok {
+	if copies, ok := useDMA(t, path, hostBatched); ok {
 		p.copies, p.buf, p.bases = copies, buf, make([]uint64, len(t.mems))
 		for k, u := range t.mems {
 			p.bases[k] = u.view.base

@@ -46,8 +46,9 @@ type Config struct {
 	// cuda.DefaultHostConfig() (/dev/shm/kvtier-<uid>, private 0700).
 	Host cuda.HostConfig
 	// CopyPath is how the device moves a store's and a restore's bytes:
-	// "auto" (default: the copy kernels, which the H200 measured at the copy
-	// engine's rate), "sm" or "dma" (copy-engine copies of the page runs and
+	// "auto" (default: the copy engine for page runs averaging 256 KiB or
+	// more where the driver batches copies, the copy kernels otherwise),
+	// "sm" (the kernels) or "dma" (copy-engine copies of the page runs and
 	// a checksum kernel over the device pages, fewer multiprocessors held
 	// from the model; docs/gpu.md). Verification is the same on every path.
 	CopyPath string
