@@ -21,7 +21,8 @@
 #   PER=8          chunks per store request (an engine stores what one forward step
 #                  completed in one request: 8 chunks of 2,048 tokens per 16,384-token step)
 #   JSON=1         engine requests as JSON (--json-requests; default binary)
-#   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench")
+#   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench"); a
+#                  directory: the file goes inside it
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
@@ -58,6 +59,9 @@ case $RANKS in
 	;;
 esac
 OUT=${OUT:-bench-$SCENARIO.json}
+if [[ -d $OUT ]]; then # a directory (the device tool exports OUT as one): the file goes inside
+	OUT=$OUT/bench-$SCENARIO.json
+fi
 if [[ -z ${L1:-} ]]; then
 	L1=$(awk -v gb="$GB" 'BEGIN { m = int(gb * 2.5 * 1e9 / 1048576) + 1; if (m < 256) m = 256; printf "%dMiB", m }')
 fi

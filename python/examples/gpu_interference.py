@@ -155,8 +155,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--dma-bytes", type=float, default=1.3e9)
-    ap.add_argument("--logs", default=".")
+    ap.add_argument("--logs", default=".", help="directory for the traffic commands' logs (created)")
     a = ap.parse_args()
+    os.makedirs(a.logs, exist_ok=True)  # before the minutes of measuring, not after
     step = build(a.batch, a.context)
     measure(step, 3.0)  # warm: kernels, allocator, clocks
     alone = summary("alone", measure(step, a.seconds), None)
