@@ -257,6 +257,11 @@ func (e *Embedded) SetUsers(users []*server.NkeyUser) error {
 // ClientURL is the URL clients connect to.
 func (e *Embedded) ClientURL() string { return e.srv.ClientURL() }
 
+// InProcessConn is a client connection to the server through memory
+// (nats.InProcessServer): no socket, no TLS (the server offers it but does
+// not require it of these), the credentials still checked.
+func (e *Embedded) InProcessConn() (net.Conn, error) { return e.srv.InProcessConn() }
+
 // Addr is the host:port the server listens on.
 func (e *Embedded) Addr() string {
 	a := e.srv.Addr()

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -268,5 +269,51 @@ func TestSecureExternalNATS(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("the external server let the engine publish an unscoped subject")
+	}
+}
+
+// TestTLSCoordinatorAnswersLookups: with NATS TLS on (a server certificate
+// in the credentials directory, as 'coordinator init --tls-host' makes)
+// the coordinator starts and answers a lookup over its in-process lookup
+// connection, while an engine connects over TLS. Seen red with the lookup
+// connection given the server's tls:// URL: the client insisted on TLS
+// over the pipe, could not verify the certificate and retried forever, so
+// Start never returned.
+func TestTLSCoordinatorAnswersLookups(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan *Coordinator, 1)
+	go func() { started <- startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir = false, creds }) }()
+	var c *Coordinator
+	select {
+	case c = <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the coordinator did not start within 30 s with NATS TLS on")
+	}
+	if !strings.HasPrefix(c.NATSURL(), "tls://") {
+		t.Fatalf("NATS URL %s: TLS is not on", c.NATSURL())
+	}
+	opts, err := auth.Client{Identity: auth.Engine("eng"), Dir: creds}.Options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(c.NATSURL(), append(opts, nats.MaxReconnects(0))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ns := call[wire.RegisterReply](t, nc, c.subj.EngineCoord("eng", wire.CoordRegister), testSpec(1)).Namespace
+	lr := call[wire.LookupReply](t, nc, c.subj.EngineCoord("eng", wire.CoordLookup),
+		wire.LookupRequest{Namespace: ns, Chunks: chain(ns, 2, 1)})
+	if lr.Prefix != 0 {
+		t.Fatalf("lookup of chunks nobody stored: %+v, want prefix 0", lr)
+	}
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_lookups_total", "outcome", "miss"); got != 1 {
+		t.Fatalf("lookups counted: %v", got)
 	}
 }
