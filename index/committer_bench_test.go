@@ -33,14 +33,7 @@ func BenchmarkCommitterIngest(b *testing.B) {
 		cfg.Path = filepath.Join(b.TempDir(), "index.db")
 		cfg.Logger = zap.NewNop()
 		cfg.PublishFan = envInt(b, "KVTIER_BENCH_FAN", 0)
-		ix, err := index.Open(cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
-		res, err := ix.RegisterNamespace(ctx, benchGQA(ranks))
-		if err != nil {
-			b.Fatal(err)
-		}
+		ix, ns := openBenchIndex(b, cfg, ranks)
 		// Batches built first: the producers only enqueue.
 		work := make([][]wire.Batch, ranks)
 		for tp := range ranks {
@@ -49,7 +42,7 @@ func BenchmarkCommitterIngest(b *testing.B) {
 				bt := wire.Batch{Rank: r, Incarnation: 1, Events: make([]wire.Event, batch)}
 				for e := range batch {
 					seq := uint64(bi*batch + e + 1)
-					k := dcp.Key{NS: res.Namespace, Chunk: indextest.Chunk(uint64(tp+1), seq), Shard: uint16(tp)}
+					k := dcp.Key{NS: ns, Chunk: indextest.Chunk(uint64(tp+1), seq), Shard: uint16(tp)}
 					bt.Events[e] = wire.Event{Seq: seq, Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 2048, Sum: seq}
 				}
 				work[tp] = append(work[tp], bt)
@@ -94,4 +87,18 @@ func BenchmarkCommitterIngest(b *testing.B) {
 		}
 		b.StartTimer()
 	}
+}
+
+// openBenchIndex opens an index with cfg and registers the benchmarks'
+// TP-tp namespace in it.
+func openBenchIndex(b *testing.B, cfg index.Config, tp int) (*index.Index, dcp.Namespace) {
+	ix, err := index.Open(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	res, err := ix.RegisterNamespace(ctx, benchGQA(tp))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return ix, res.Namespace
 }

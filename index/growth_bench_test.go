@@ -74,15 +74,7 @@ func BenchmarkIngestGrowth(b *testing.B) {
 		if n := envInt(b, "KVTIER_BENCH_FOLD_SLICE", 0); n > 0 {
 			cfg.FoldSliceChunks = n
 		}
-		ix, err := index.Open(cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
-		res, err := ix.RegisterNamespace(ctx, benchGQA(ranks))
-		if err != nil {
-			b.Fatal(err)
-		}
-		ns := res.Namespace
+		ix, ns := openBenchIndex(b, cfg, ranks)
 		seqs := make([]uint64, ranks)
 		var chunk uint64 // chunks stored so far (each holds one placement per rank)
 		for done := 0; done+step <= total; done += step {
