@@ -218,10 +218,12 @@ type state struct {
 	// fan, set on the committer's state (0 while Open replays and in the
 	// model tests): how many goroutines publishChunks installs a slice's
 	// chunks with and warmBatch reads a batch's chunks with (fanOut);
-	// <= 1 does both on the committer alone. installs holds a slice's
-	// installs while publishChunks collects them (fan > 1).
-	fan      int
-	installs []chunkInstall
+	// <= 1 does both on the committer alone. While publishChunks collects
+	// a slice's installs (collecting, with fan > 1) install queues them in
+	// installs; otherwise it makes each at once.
+	fan        int
+	collecting bool
+	installs   []chunkInstall
 	// undo, while a Verify copies the chunks off the committer
 	// (Index.copyChunks): for every chunk changed since Verify's barrier,
 	// its value at the barrier, recorded by setChunkVal at its first
@@ -353,7 +355,7 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 // queues it while publishChunks collects a slice's installs.
 func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool) {
 	switch {
-	case st.fan > 1:
+	case st.collecting:
 		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, del: del})
 	case del:
 		cm.del(c)

@@ -691,19 +691,21 @@ func (st *state) publishUnhide(t *txn) {
 // shards of its own (installAll); the compactions the slice makes due
 // start after them, since a compaction reads the maps.
 func (st *state) publishChunks(t *txn, from, to int) {
+	st.collecting = st.fan > 1
 	for i := from; i < to; i++ {
 		sc := &t.staged[i]
 		n := sc.n
 		if n == nil {
 			n = st.namespace(sc.ref.ns)
 		}
-		if st.fan > 1 {
+		if st.collecting {
 			st.setChunkVal(n, sc.ref, sc.old, sc.had, sc.s)
 		} else {
 			st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
 		}
 	}
-	if st.fan > 1 {
+	if st.collecting {
+		st.collecting = false
 		installAll(st.installs, st.fan)
 		clear(st.installs)
 		st.installs = st.installs[:0]
