@@ -16,7 +16,11 @@
 // writer goroutine commits it (fsync) while the committer already stages
 // the next group on top of it (a two-stage pipeline: the CPU work of one
 // group overlaps the disk wait of the one before); the committer then
-// publishes the change to the in-memory state and only then answers. The
+// publishes the change to the in-memory state and only then answers. Its
+// two map-bound steps fan out to Config.PublishFan short-lived goroutines
+// it waits for (reading a batch's live chunk values before staging it,
+// installing a committed group's chunks into the shard maps, each
+// goroutine on its own shards), so it stays the one writer of the state. The
 // C7 rules are applied by a pure core (txn.go) in queue order. Queries (Lookup, LookupInto, Get, ListRank, Ranks, ListNamespace,
 // Namespaces, Stats) read the in-memory state under a read lock and never
 // touch bbolt. Close is idempotent and waits for the committer. One group
@@ -46,7 +50,7 @@
 // copy switching the committer's record of changed chunks, a snapshot
 // install swapping the state; read: queries and Verify's copy of the
 // chunk maps); a chunk shard's lock (chunkShard.mu: the committer's set
-// and del under Index.mu for writing; lookups and chunk-list compactions
+// and del, or its fan's, under Index.mu for writing; lookups and chunk-list compactions
 // take only these, for reading, never Index.mu). No lock is held across a
 // bbolt transaction or an fsync (the writer goroutine holds none, and the
 // committer publishes a group only once it is committed), nor while
