@@ -304,6 +304,8 @@ func TestConfigValidate(t *testing.T) {
 		func(c *index.Config) { c.CheckpointBytes = 0 },
 		func(c *index.Config) { c.Logger = nil },
 		func(c *index.Config) { c.OpenTimeout = 0 },
+		func(c *index.Config) { c.PublishFan = 0 },
+		func(c *index.Config) { c.PublishFan = 65 },
 	}
 	for i, mod := range cases {
 		c := index.DefaultConfig()

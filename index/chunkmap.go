@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/group"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -249,15 +250,15 @@ type chunkInstall struct {
 	del bool
 }
 
-// installAll makes ins with parts goroutines (fanOut): part p installs the
+// installAll makes ins with parts goroutines of g (fanOut): part p installs the
 // chunks of the shards s with s % parts == p, so no two parts write one
 // map, and each holds one shard's lock at a time, for one assignment, as
 // set does (a lookup waits for at most one). A chunk appears at most once
 // in ins (a txn stages each chunk once), so the order between parts does
 // not matter. The caller is the committer, holding Index.mu for writing.
-func installAll(ins []chunkInstall, parts int) {
+func installAll(g *group.Group, ins []chunkInstall, parts int) {
 	parts = max(1, min(parts, len(ins)/installMinPerPart))
-	fanOut(parts, func(p int) {
+	fanOut(g, "publish-fan", parts, func(p int) {
 		for i := range ins {
 			in := &ins[i]
 			if int(in.c[0])%parts != p {
@@ -277,15 +278,24 @@ func installAll(ins []chunkInstall, parts int) {
 const installMinPerPart = 64
 
 // fanOut runs f(0), ..., f(parts-1) at once, f(0) on the caller and the
-// others on goroutines of their own, and returns when every one has.
-func fanOut(parts int, f func(part int)) {
+// others on goroutines of g (STYLE 21), and returns when every one has. A
+// part g refuses (no group: Open's replay; a closed one: Close's final
+// drain) runs on the caller, as the index's other hand-offs do.
+func fanOut(g *group.Group, name string, parts int, f func(part int)) {
 	if parts <= 1 {
 		f(0)
 		return
 	}
 	var wg sync.WaitGroup
 	for p := 1; p < parts; p++ {
-		wg.Go(func() { f(p) })
+		wg.Add(1)
+		run := func() {
+			defer wg.Done()
+			f(p)
+		}
+		if g == nil || !g.Go(name, run) {
+			run()
+		}
 	}
 	f(0)
 	wg.Wait()

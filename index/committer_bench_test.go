@@ -20,7 +20,7 @@ import (
 // worst case of issue 26.5's NATS benchmark, BenchmarkShareScaleThroughNATS
 // in rankd), KVTIER_BENCH_EVENTS events in all (default 4 M). It reports
 // events/s acknowledged; the coordinator's durable ingest cannot go faster
-// than this. KVTIER_BENCH_FAN sets Config.PublishFan (default 0: auto).
+// than this. KVTIER_BENCH_FAN sets Config.PublishFan (default the default's).
 //
 //	go test -run '^$' -bench CommitterIngest -benchtime 1x ./index/
 func BenchmarkCommitterIngest(b *testing.B) {
@@ -32,7 +32,7 @@ func BenchmarkCommitterIngest(b *testing.B) {
 		cfg := index.DefaultConfig()
 		cfg.Path = filepath.Join(b.TempDir(), "index.db")
 		cfg.Logger = zap.NewNop()
-		cfg.PublishFan = envInt(b, "KVTIER_BENCH_FAN", 0)
+		cfg.PublishFan = envInt(b, "KVTIER_BENCH_FAN", cfg.PublishFan)
 		ix, ns := openBenchIndex(b, cfg, ranks)
 		// Batches built first: the producers only enqueue.
 		work := make([][]wire.Batch, ranks)

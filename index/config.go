@@ -74,7 +74,7 @@ type Config struct {
 	// group's chunks into the in-memory maps once it is committed, and to
 	// read the current values of a batch's chunks before staging it: the
 	// committer's two map-bound steps, which bound durable ingest (issue
-	// 26.5). 1 does both on the committer alone. Default 0: 8, which
+	// 26.5). 1 does both on the committer alone. Default 8, which
 	// BenchmarkCommitterIngest measured fastest even with 2 processors
 	// (the committer's processor runs a part while it waits for the
 	// others).
@@ -135,13 +135,11 @@ type Config struct {
 	Registerer prometheus.Registerer
 }
 
-// defaultPublishFan is Config.PublishFan's default.
-const defaultPublishFan = 8
-
 // DefaultConfig returns a Config with every default filled in except Path.
 func DefaultConfig() Config {
 	return Config{
 		MaxGroupEvents:   1 << 18,
+		PublishFan:       8,
 		QueueDepth:       4096,
 		CheckpointBytes:  128 << 20,
 		FenceSliceChunks: 1024,
@@ -163,8 +161,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("max group events %d must be >= 1: %w", c.MaxGroupEvents, ErrConfig)
 	case c.MaxGroupDelay < 0:
 		return fmt.Errorf("max group delay %v must be >= 0: %w", c.MaxGroupDelay, ErrConfig)
-	case c.PublishFan < 0 || c.PublishFan > 64:
-		return fmt.Errorf("publish fan %d must be 0 (half the processors) to 64: %w", c.PublishFan, ErrConfig)
+	case c.PublishFan < 1 || c.PublishFan > 64:
+		return fmt.Errorf("publish fan %d must be 1 to 64: %w", c.PublishFan, ErrConfig)
 	case c.QueueDepth < 1:
 		return fmt.Errorf("queue depth %d must be >= 1: %w", c.QueueDepth, ErrConfig)
 	case c.CheckpointBytes < 1:

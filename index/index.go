@@ -200,9 +200,6 @@ func Open(cfg Config) (*Index, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.PublishFan == 0 {
-		cfg.PublishFan = defaultPublishFan
-	}
 	start := time.Now()
 	db, err := openBolt(cfg)
 	if err != nil {

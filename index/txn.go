@@ -706,7 +706,7 @@ func (st *state) publishChunks(t *txn, from, to int) {
 	}
 	if st.collecting {
 		st.collecting = false
-		installAll(st.installs, st.fan)
+		installAll(st.bg, st.installs, st.fan)
 		clear(st.installs)
 		st.installs = st.installs[:0]
 		for _, id := range st.compactQ {
@@ -747,7 +747,7 @@ func (t *txn) warmBatch(evs []wire.Event) []warmVal {
 	if f := t.st.fan; f > 1 {
 		parts = min(f, len(evs)/warmMin)
 	}
-	fanOut(parts, func(p int) {
+	fanOut(t.st.bg, "stage-fan", parts, func(p int) {
 		var lastNS dcp.Namespace
 		var lastN *nsState
 		for i := p * len(evs) / parts; i < (p+1)*len(evs)/parts; i++ {
