@@ -23,14 +23,14 @@ package cuda
 // pathAuto applies the rule only where the backend enqueues its copies in
 // batches (the driver's cuMemcpyBatchAsync, CUDA 12.8+; the host backend,
 // which models it): with a driver call per copy the DMA path measured
-// 0.24-0.89 of the copy engine on the H200 (BENCHMARKS.md, "Issue 25.2"),
-// so auto kept the copy kernels everywhere. With batches it measured
-// 0.98-1.00 on pages in runs of 512 KiB and 1 MiB, and vLLM's restores
-// took fewer multiprocessors from the model (BENCHMARKS.md, "The copy
-// engine path with batched copies"); runs averaging less than dmaMinCopy
-// (a fragmented cache's 32-64 KiB pages) keep the kernels, since each copy
-// into another process's memory (CUDA IPC) cost the copy engine about
-// 5 us there.
+// 0.24-0.89 of the copy engine on the H200, so auto kept the copy kernels
+// everywhere; with batches, 0.98-1.00 on pages in runs of 512 KiB and
+// 1 MiB, and vLLM's decode steps slowed less while a restore copied
+// (BENCHMARKS.md, "The copy engine path with batched copies"). Runs
+// averaging less than dmaMinCopy (a fragmented cache's 32-64 KiB pages)
+// keep the kernels: through rankd a batched copy measured about 5 us (the
+// engine's pools mapped by CUDA IPC; much of it the driver's host time),
+// which 64 KiB copies do not hide.
 
 // copyPath is how a Gather or Scatter moves its bytes.
 type copyPath int
