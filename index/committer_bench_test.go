@@ -20,13 +20,16 @@ import (
 // worst case of issue 26.5's NATS benchmark, BenchmarkShareScaleThroughNATS
 // in rankd), KVTIER_BENCH_EVENTS events in all (default 4 M). It reports
 // events/s acknowledged; the coordinator's durable ingest cannot go faster
-// than this. KVTIER_BENCH_FAN sets Config.PublishFan (default the default's).
+// than this. KVTIER_BENCH_FAN sets Config.PublishFan (default the default's);
+// KVTIER_BENCH_SHARED=1 has the 8 ranks store their shards of the same
+// chunks, as the ranks of a TP8 engine do (a new chunk per 8 events).
 //
 //	go test -run '^$' -bench CommitterIngest -benchtime 1x ./index/
 func BenchmarkCommitterIngest(b *testing.B) {
 	const ranks, batch = 8, 1024
 	total := envInt(b, "KVTIER_BENCH_EVENTS", 4<<20)
 	queue := envInt(b, "KVTIER_BENCH_QUEUE", 16)
+	shared := envInt(b, "KVTIER_BENCH_SHARED", 0) == 1
 	per := total / ranks / batch
 	for b.Loop() {
 		cfg := index.DefaultConfig()
@@ -42,7 +45,11 @@ func BenchmarkCommitterIngest(b *testing.B) {
 				bt := wire.Batch{Rank: r, Incarnation: 1, Events: make([]wire.Event, batch)}
 				for e := range batch {
 					seq := uint64(bi*batch + e + 1)
-					k := dcp.Key{NS: ns, Chunk: indextest.Chunk(uint64(tp+1), seq), Shard: uint16(tp)}
+					seed := uint64(tp + 1)
+					if shared {
+						seed = 0 // every rank stores its shard of the same chunks, as a TP group does
+					}
+					k := dcp.Key{NS: ns, Chunk: indextest.Chunk(seed, seq), Shard: uint16(tp)}
 					bt.Events[e] = wire.Event{Seq: seq, Kind: wire.Stored, Tier: wire.L1, Key: k, Size: 2048, Sum: seq}
 				}
 				work[tp] = append(work[tp], bt)

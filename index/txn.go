@@ -483,7 +483,7 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 		switch e.Kind {
 		case wire.Stored:
 			var w *warmVal
-			if warm != nil {
+			if warm != nil && warm[i].read {
 				w = &warm[i]
 			}
 			t.putWarm(ref, placement{size: e.Size, sum: e.Sum, seq: e.Seq, inc: m.inc, rank: id,
@@ -719,10 +719,27 @@ func (st *state) publishChunks(t *txn, from, to int) {
 	}
 }
 
-// warmVal is a chunk's live value as warmBatch read it.
+// warmVal is a chunk's live value as warmBatch read it (read: it did;
+// not for an event that mut will not read the live value of).
 type warmVal struct {
-	v   chunkVal
-	had bool
+	v    chunkVal
+	had  bool
+	read bool
+}
+
+// staged1 reports whether the txn or its parent has staged ref already,
+// so that mut takes it from there and not from the live state. Only reads:
+// safe on warmBatch's goroutines while the committer waits.
+func (t *txn) staged1(ref chunkRef) bool {
+	if _, ok := t.idx[ref]; ok {
+		return true
+	}
+	if p := t.parent; p != nil {
+		if _, ok := p.idx[ref]; ok {
+			return true
+		}
+	}
+	return false
 }
 
 // warmMin is the batch size from which warmBatch reads ahead.
@@ -751,15 +768,18 @@ func (t *txn) warmBatch(evs []wire.Event) []warmVal {
 		var lastNS dcp.Namespace
 		var lastN *nsState
 		for i := p * len(evs) / parts; i < (p+1)*len(evs)/parts; i++ {
+			warm[i] = warmVal{}
 			k := &evs[i].Key
+			if evs[i].Kind != wire.Stored || t.staged1(chunkRef{k.NS, k.Chunk}) {
+				continue // mut reads no live value for it (the other ranks of a TP group: most events)
+			}
 			if lastN == nil || lastNS != k.NS {
 				lastNS, lastN = k.NS, t.st.ns[k.NS]
 			}
 			if lastN != nil {
 				warm[i].v, warm[i].had = lastN.chunks.get(k.Chunk)
-			} else {
-				warm[i] = warmVal{}
 			}
+			warm[i].read = true
 		}
 	})
 	return warm
