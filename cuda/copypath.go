@@ -25,3 +25,32 @@ func ForceCopyPath(dev Device, path string) error {
 	ps.setPath(p)
 	return nil
 }
+
+// DMATuning shapes the DMA path's work on the GPU (driver backend; the host
+// backend has no copy engine to shape and ignores it).
+type DMATuning struct {
+	// SumBatch is the bytes of pages each checksum kernel reads: a scatter
+	// launches one after each batch's copies are placed, so smaller
+	// batches expose less checksum time at the end and larger ones
+	// launch fewer kernels beside the engine's own. Zero: 64 MiB.
+	SumBatch uint64
+	// Queue bounds the bytes of copies a transfer has enqueued and the
+	// copy engine has not finished: the enqueue waits for older copies
+	// once more are queued. Zero: unbounded (up to 1,024 copies a call).
+	Queue uint64
+}
+
+type dmaTuner interface{ tuneDMA(DMATuning) }
+
+func (d *hostDevice) tuneDMA(DMATuning) {}
+
+// TuneDMA sets dev's DMATuning; rankd's --dma-sum-batch and --dma-queue
+// call it after Open, before the device is shared.
+func TuneDMA(dev Device, t DMATuning) error {
+	dt, ok := dev.(dmaTuner)
+	if !ok {
+		return fmt.Errorf("cuda: device %T has no DMA path to tune", dev)
+	}
+	dt.tuneDMA(t)
+	return nil
+}

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/kvtier/kvtier/cuda/kernels"
@@ -75,6 +76,16 @@ type driverDevice struct {
 	// (driver_dma.go); false where the driver lacks it, and in the
 	// benchmark's copy-by-copy runs. Set before the device is shared.
 	batch bool
+	// batchRefused holds the first error of a cuMemcpyBatchAsync call the
+	// driver refused: the device then enqueues a call per copy
+	// (driverDevice.batching).
+	batchRefused atomic.Pointer[error]
+	// refuseBatch, set by a test before the device is shared, stands for
+	// the driver's answer to every cuMemcpyBatchAsync call.
+	refuseBatch error
+	// dmaTune: the DMA path's checksum batch and copy queue (TuneDMA).
+	// Set before the device is shared.
+	dmaTune DMATuning
 	// stageHalf overrides the size of each half of a stream's staging
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
@@ -356,6 +367,12 @@ func (d *driverDevice) loadKernels() error {
 func (d *driverDevice) Info() Info { return d.info }
 
 func (d *driverDevice) setPath(p copyPath) { d.path = p }
+
+func (d *driverDevice) tuneDMA(t DMATuning) { d.dmaTune = t }
+
+// batching reports whether the DMA path enqueues with cuMemcpyBatchAsync:
+// the driver has it and has not refused it.
+func (d *driverDevice) batching() bool { return d.batch && d.batchRefused.Load() == nil }
 
 // Close closes every stream (waiting for its work), destroys events and
 // frees the memory and host buffers of this Device. The primary context and

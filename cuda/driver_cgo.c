@@ -291,6 +291,19 @@ CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs
 	return KV_CUDA_ERROR_NOT_SUPPORTED;
 }
 
+CUresult kv_memcpy_each_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+	int toDevice, CUstream s) {
+	CTX(c);
+	for (size_t i = 0; i < count; i++) {
+		CUresult r = toDevice ? p_cuMemcpyHtoDAsync_v2(dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i], s)
+				      : p_cuMemcpyDtoHAsync_v2((void *)(uintptr_t)dsts[i], srcs[i], sizes[i], s);
+		if (r != 0) {
+			return r;
+		}
+	}
+	return 0;
+}
+
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
 	CTX(c);
 	return p_cuMemsetD8Async(dst, v, n, s);

@@ -86,6 +86,10 @@ CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *hos
 int kv_has_memcpy_batch(void);
 CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
 	CUstream s);
+// kv_memcpy_each_async enqueues the same copies with a driver call each
+// (cuMemcpyHtoDAsync or cuMemcpyDtoHAsync): where a batch call is refused.
+CUresult kv_memcpy_each_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+	int toDevice, CUstream s);
 CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s);
 // Stream-ordered allocations (staging buffers): they never wait for the device.
 CUresult kv_mem_alloc_async(CUcontext c, CUdeviceptr *p, size_t n, CUstream s);

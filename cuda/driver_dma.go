@@ -45,22 +45,24 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		after = sumsAfter(copies, ends)
 	}
 	var bq *batchQueue
-	if e.s.d.batch {
-		bq = &batchQueue{}
+	if e.s.d.batching() {
+		bq = &batchQueue{toDevice: scatter}
 	}
+	q := &dmaQueue{limit: e.s.d.dmaTune.Queue}
 	bi := 0
 	for ci, c := range copies {
 		if bq != nil {
 			bq.add(c, buf, scatter)
-			if len(bq.sizes) >= dmaBatchCopies {
-				e.flush(bq)
+			if len(bq.sizes) >= dmaBatchCopies || q.full(bq.bytes) {
+				e.flush(bq, q)
 			}
 		} else {
 			e.copyRun(c, buf, scatter)
+			e.queued(q, c.bytes())
 		}
 		if after != nil && after[ci] > bi {
 			if bq != nil {
-				e.flush(bq) // the checksum waits for these copies
+				e.flush(bq, q) // the checksum waits for these copies
 			}
 			e.wait(A, e.event(S))
 			for ; bi < after[ci]; bi++ {
@@ -73,7 +75,7 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		}
 	}
 	if bq != nil {
-		e.flush(bq)
+		e.flush(bq, q)
 	}
 	if sum {
 		e.sums(A)
@@ -91,6 +93,8 @@ const dmaBatchCopies = 1024
 type batchQueue struct {
 	dsts, srcs []C.CUdeviceptr
 	sizes      []C.size_t
+	bytes      uint64
+	toDevice   bool
 }
 
 func (q *batchQueue) add(c dmaCopy, buf *driverHostBuf, toDevice bool) {
@@ -104,16 +108,73 @@ func (q *batchQueue) add(c dmaCopy, buf *driverHostBuf, toDevice bool) {
 		}
 		q.sizes = append(q.sizes, C.size_t(c.width))
 	}
+	q.bytes += c.bytes()
+}
+
+// dmaQueue bounds the bytes of a transfer's copies in flight
+// (DMATuning.Queue): an event after each group of copies, and the
+// enqueue waits on the oldest while more than limit bytes are behind it.
+type dmaQueue struct {
+	limit   uint64
+	pending uint64 // bytes enqueued since the last event
+	marks   []dmaMark
+	total   uint64 // bytes behind the marks
+}
+
+type dmaMark struct {
+	ev    C.CUevent
+	bytes uint64
+}
+
+// full reports whether n more bytes queued make a group worth an event:
+// half the limit, so the engine has the other half to work on meanwhile.
+func (q *dmaQueue) full(n uint64) bool { return q.limit > 0 && q.pending+n >= q.limit/2 }
+
+// queued accounts n bytes just enqueued on S and, past half the limit,
+// marks them with an event and waits until at most limit bytes are in
+// flight.
+func (e *enqueuer) queued(q *dmaQueue, n uint64) {
+	if q.limit == 0 || e.err != nil {
+		return
+	}
+	q.pending += n
+	if q.pending < q.limit/2 {
+		return
+	}
+	q.marks = append(q.marks, dmaMark{e.event(e.s.h), q.pending})
+	q.total += q.pending
+	q.pending = 0
+	for q.total > q.limit && len(q.marks) > 1 && e.err == nil {
+		m := q.marks[0]
+		e.do("cuEventSynchronize", C.kv_event_synchronize(e.s.d.ctx, m.ev))
+		q.marks, q.total = q.marks[1:], q.total-m.bytes
+	}
 }
 
 // flush enqueues the queued copies on the stream S in one call.
-func (e *enqueuer) flush(q *batchQueue) {
+func (e *enqueuer) flush(q *batchQueue, dq *dmaQueue) {
 	if len(q.sizes) == 0 || e.err != nil {
 		return
 	}
-	e.do("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0],
-		C.size_t(len(q.sizes)), e.s.h))
-	q.dsts, q.srcs, q.sizes = q.dsts[:0], q.srcs[:0], q.sizes[:0]
+	n := C.size_t(len(q.sizes))
+	err := e.s.d.refuseBatch
+	if err == nil {
+		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, e.s.h))
+	}
+	if err != nil {
+		// A driver that exports the call but refuses it: enqueue the same
+		// copies one call each (any the refused call did enqueue are copied
+		// twice, the same bytes) and stop batching on this device, which
+		// also turns auto's picks back to the kernels.
+		e.s.d.batchRefused.CompareAndSwap(nil, &err)
+		dir := C.int(0)
+		if q.toDevice {
+			dir = 1
+		}
+		e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_each_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, dir, e.s.h))
+	}
+	e.queued(dq, q.bytes)
+	q.dsts, q.srcs, q.sizes, q.bytes = q.dsts[:0], q.srcs[:0], q.sizes[:0], 0
 }
 
 // copyRun enqueues one copy on the stream S: a contiguous range with

@@ -3,10 +3,13 @@
 package cuda
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -34,6 +37,14 @@ import (
 // and the two paths' gather sums must agree. Run it with
 //
 //	go test -run '^$' -bench DriverDMA -benchtime 1x ./cuda
+//
+// To separate what rankd's restores have that this process's do not,
+// KVTIER_BENCH_HOST=register packs into a /dev/shm mapping registered
+// with RegisterHost (rankd's L1) instead of an AllocHost buffer, and
+// KVTIER_BENCH_POOLS=ipc allocates the pools in a second process (this
+// binary again, as dmaHolder) and maps them through CUDA IPC, as rankd
+// maps an engine's; KVTIER_BENCH_ORDER=shuffled or consecutive keeps one
+// block order.
 func BenchmarkDriverDMA(b *testing.B) {
 	d, err := openDriver(0)
 	if err != nil {
@@ -51,19 +62,30 @@ func BenchmarkDriverDMA(b *testing.B) {
 		}
 		sizes = append(sizes, v)
 	}
+	src := dmaSource{host: envString("KVTIER_BENCH_HOST", "alloc"), pools: envString("KVTIER_BENCH_POOLS", "own")}
+	if (src.host != "alloc" && src.host != "register") || (src.pools != "own" && src.pools != "ipc") {
+		b.Fatalf("KVTIER_BENCH_HOST=%q (alloc | register), KVTIER_BENCH_POOLS=%q (own | ipc)", src.host, src.pools)
+	}
+	orders := []bool{false, true}
+	switch envString("KVTIER_BENCH_ORDER", "both") {
+	case "consecutive":
+		orders = orders[:1]
+	case "shuffled":
+		orders = orders[1:]
+	}
 	var single, duplex []string
 	for _, gb := range sizes {
 		for _, lay := range []dmaLayout{{"block_major", 32, 64 << 10}, {"kv_split", 64, 32 << 10}} {
-			for _, shuffled := range []bool{false, true} {
-				s, du := runDMABench(b, d, lay, shuffled, uint64(gb*1e9), reps)
+			for _, shuffled := range orders {
+				s, du := runDMABench(b, d, src, lay, shuffled, uint64(gb*1e9), reps)
 				single = append(single, s...)
 				duplex = append(duplex, du)
 			}
 		}
 	}
 	// Printed, not logged: benchmark logs are cut to ten lines.
-	fmt.Printf("\ndevice: %s (%s), %d multiprocessors; median of %d; DMA rule: copies averaging >= %d KiB; cuMemcpyBatchAsync: %v\n\n%s\n%s\n%s\n\n%s\n%s\n%s\n\n",
-		d.info.Name, d.info.UUID, d.sms, reps, dmaMinCopy>>10, hasBatch,
+	fmt.Printf("\ndevice: %s (%s), %d multiprocessors; median of %d; DMA rule: copies averaging >= %d KiB; cuMemcpyBatchAsync: %v; host buffers: %s, pools: %s\n\n%s\n%s\n%s\n\n%s\n%s\n%s\n\n",
+		d.info.Name, d.info.UUID, d.sms, reps, dmaMinCopy>>10, hasBatch, src.host, src.pools,
 		"| layout | blocks | GB | dir | CE GB/s | SM path GB/s (ratio) | DMA path GB/s (ratio) | DMA, a driver call per copy (ratio) | enqueue ms, DMA / per copy | DMA copies | auto picks |",
 		"|---|---|---|---|---|---|---|---|---|---|---|", strings.Join(single, "\n"),
 		"| layout | blocks | GB each way | CE both ways GB/s (x single CE) | SM path both ways (x) | DMA path both ways (x) |",
@@ -85,12 +107,18 @@ type dmaLayout struct {
 	page  uint64
 }
 
+// dmaSource says where a bench side's memory comes from: host "alloc"
+// (AllocHost) or "register" (a /dev/shm mapping, RegisterHost); pools
+// "own" (Alloc) or "ipc" (another process's, ImportMem).
+type dmaSource struct{ host, pools string }
+
 // dmaSide is one set of pools and the objects of one transfer over them,
 // with the pinned buffer they pack into.
 type dmaSide struct {
-	pools []Mem
-	objs  []Object
-	hb    *driverHostBuf
+	pools  []Mem
+	objs   []Object
+	hb     *driverHostBuf
+	closer func() // ends the pools' holder process, if any
 }
 
 func (s *dmaSide) release() {
@@ -98,6 +126,9 @@ func (s *dmaSide) release() {
 		m.Release()
 	}
 	s.hb.Release()
+	if s.closer != nil {
+		s.closer()
+	}
 }
 
 const dmaChunkBlocks = 16 // 256-token chunks of 16-token blocks
@@ -105,15 +136,25 @@ const dmaChunkBlocks = 16 // 256-token chunks of 16-token blocks
 // newDMASide allocates the pools for total bytes of chunks (a quarter
 // more blocks than they use), fills them, and lays out the chunks' objects
 // back to back in a fresh pinned buffer.
-func newDMASide(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, total uint64, seed uint64) *dmaSide {
+func newDMASide(b *testing.B, d *driverDevice, src dmaSource, lay dmaLayout, shuffled bool, total uint64, seed uint64) *dmaSide {
 	objBytes := uint64(lay.pools) * dmaChunkBlocks * lay.page
 	nobj := max(total/objBytes, 1)
 	blocks := int(nobj*dmaChunkBlocks*5/4 + 1)
 	s := &dmaSide{}
 	fill := make([]byte, uint64(blocks)*lay.page)
 	fillRandom(fill, seed)
-	for range lay.pools {
-		m, err := d.Alloc(uint64(blocks) * lay.page)
+	var handles []MemHandle
+	if src.pools == "ipc" {
+		handles, s.closer = startDMAHolder(b, lay.pools, uint64(blocks)*lay.page)
+	}
+	for i := range lay.pools {
+		var m Mem
+		var err error
+		if handles != nil {
+			m, err = d.ImportMem(handles[i])
+		} else {
+			m, err = d.Alloc(uint64(blocks) * lay.page)
+		}
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -142,7 +183,14 @@ func newDMASide(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, tot
 		s.objs = append(s.objs, Object{HostOff: host, Spans: spans})
 		host += objBytes
 	}
-	hb, err := d.AllocHost(host)
+	var hb HostBuf
+	var err error
+	if src.host == "register" {
+		rw, _ := shmSegment(b, int(host))
+		hb, err = d.RegisterHost(rw, false)
+	} else {
+		hb, err = d.AllocHost(host)
+	}
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -150,14 +198,90 @@ func newDMASide(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, tot
 	return s
 }
 
+// The pools' holder: this test binary run again with envDMAHolder set to
+// "pools,bytes" allocates that many pools on device 0, prints their IPC
+// handles as one JSON line and keeps them until its stdin closes.
+const envDMAHolder = "KVTIER_BENCH_DMA_HOLDER"
+
+func init() {
+	if spec := os.Getenv(envDMAHolder); spec != "" {
+		os.Exit(dmaHolder(spec))
+	}
+}
+
+func dmaHolder(spec string) int {
+	var n int
+	var size uint64
+	if _, err := fmt.Sscanf(spec, "%d,%d", &n, &size); err != nil {
+		fmt.Fprintf(os.Stderr, "%s=%q: %v\n", envDMAHolder, spec, err)
+		return 2
+	}
+	d, err := openDriver(0)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer d.Close()
+	var hs []MemHandle
+	for range n {
+		m, err := d.Alloc(size)
+		if err == nil {
+			var h MemHandle
+			h, err = d.ExportMem(m, 0, size)
+			hs = append(hs, h)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+	}
+	line, _ := json.Marshal(hs)
+	fmt.Printf("%s\n", line)
+	_, _ = bufio.NewReader(os.Stdin).ReadString(0) // until the parent closes it
+	return 0
+}
+
+// startDMAHolder starts a holder of n pools of size bytes and returns
+// their handles and what ends it.
+func startDMAHolder(b *testing.B, n int, size uint64) ([]MemHandle, func()) {
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d,%d", envDMAHolder, n, size))
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	end := func() { in.Close(); _ = cmd.Wait() }
+	line, err := bufio.NewReader(out).ReadBytes('\n')
+	var hs []MemHandle
+	if err == nil {
+		err = json.Unmarshal(line, &hs)
+	}
+	if err == nil && len(hs) != n {
+		err = fmt.Errorf("%d handles, want %d", len(hs), n)
+	}
+	if err != nil {
+		end()
+		b.Fatalf("pools' holder: %v (%q)", err, line)
+	}
+	return hs, end
+}
+
 // runDMABench measures one layout, block order and size: the rows of the
 // single-direction table (gather, scatter) and the row of the duplex one.
-func runDMABench(b *testing.B, d *driverDevice, lay dmaLayout, shuffled bool, total uint64, reps int) (single []string, duplex string) {
+func runDMABench(b *testing.B, d *driverDevice, from dmaSource, lay dmaLayout, shuffled bool, total uint64, reps int) (single []string, duplex string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	src := newDMASide(b, d, lay, shuffled, total, 1) // gathered
+	src := newDMASide(b, d, from, lay, shuffled, total, 1) // gathered
 	defer src.release()
-	dst := newDMASide(b, d, lay, shuffled, total, 2) // scattered into, from a host buffer of gathered bytes
+	dst := newDMASide(b, d, from, lay, shuffled, total, 2) // scattered into, from a host buffer of gathered bytes
 	defer dst.release()
 	bytes := src.hb.size
 	var ss [3]*driverStream

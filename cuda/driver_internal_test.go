@@ -196,3 +196,97 @@ func TestDriverStagedBatches(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A driver that exports cuMemcpyBatchAsync but refuses it: the DMA path
+// enqueues the same copies a call each, byte-exact with the padding
+// untouched, and the device stops batching, so auto picks the kernels.
+func TestDriverBatchRefused(t *testing.T) {
+	d := openDriverT(t)
+	if !d.batch {
+		t.Skip("the driver has no cuMemcpyBatchAsync")
+	}
+	refused := errors.New("refused for the test")
+	d.path, d.refuseBatch = pathDMA, refused
+	s := must(d.NewStream())(t)
+	const page, blocks, perObj = 512 << 10, 24, 3
+	r := rand.New(rand.NewPCG(7, 9))
+	img := make([]byte, page*blocks)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	pad := bytes.Repeat([]byte{0x5a}, page*blocks)
+	src := must(d.Alloc(page * blocks))(t)
+	dst := must(d.Alloc(page * blocks))(t)
+	if err := d.Write(src, 0, img); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Write(dst, 0, pad); err != nil {
+		t.Fatal(err)
+	}
+	var gObjs, sObjs []Object
+	perm := r.Perm(blocks)
+	for o := 0; o+perObj <= blocks; o += perObj {
+		var g, sc []Span
+		for _, b := range perm[o : o+perObj] {
+			g = append(g, Span{Mem: src, Off: uint64(b) * page, Len: page})
+			sc = append(sc, Span{Mem: dst, Off: uint64(b) * page, Len: page - 4096})
+		}
+		gObjs = append(gObjs, Object{HostOff: uint64(o) * page, Spans: g})
+		sObjs = append(sObjs, Object{HostOff: uint64(o) * page, Spans: sc})
+	}
+	hb := must(d.AllocHost(page * blocks))(t)
+	op := must(s.Gather(hb, gObjs))(t)
+	if err := op.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if op.Path() != PathDMA {
+		t.Fatalf("path %q, want %q", op.Path(), PathDMA)
+	}
+	if p := d.batchRefused.Load(); p == nil || *p != refused {
+		t.Fatalf("refusal not kept: %v", p)
+	}
+	for i, o := range gObjs {
+		var want []byte
+		for _, sp := range o.Spans {
+			want = append(want, img[sp.Off:sp.Off+sp.Len]...)
+		}
+		if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(want))], want) || op.Sums()[i] != checksum.Sum(want) {
+			t.Fatalf("object %d: bytes or sum differ", i)
+		}
+	}
+	sop := must(s.Scatter(hb, sObjs))(t)
+	if err := sop.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte(nil), pad...)
+	for i, o := range sObjs {
+		host := hb.Bytes()[o.HostOff:]
+		var packed []byte
+		for _, sp := range o.Spans {
+			copy(want[sp.Off:sp.Off+sp.Len], host[:sp.Len])
+			packed = append(packed, host[:sp.Len]...)
+			host = host[sp.Len:]
+		}
+		if sop.Sums()[i] != checksum.Sum(packed) {
+			t.Fatalf("object %d: scatter sum differs", i)
+		}
+	}
+	got := make([]byte, len(want))
+	if err := d.Read(dst, 0, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("destination pool differs (pages or padding)")
+	}
+	d.path = pathAuto
+	aop := must(s.Gather(hb, gObjs))(t)
+	if err := aop.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if aop.Path() != PathSM {
+		t.Fatalf("auto picked %q after the refusal, want %q", aop.Path(), PathSM)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+}

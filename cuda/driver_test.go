@@ -28,7 +28,9 @@ func openCUDA(t *testing.T) cuda.Device {
 // picks, the kernel on the mapped host buffer and the copy-engine pipeline
 // with staging halves small enough that most transfers take many batches
 // (both on the copy kernels' path), and every transfer forced onto the DMA
-// path (copy-engine copies of the page runs, kv_checksum over the pages).
+// path (copy-engine copies of the page runs, kv_checksum over the pages),
+// also with DMATuning small enough that transfers wait on their copy queue
+// and checksum in many batches.
 func TestDriverConformance(t *testing.T) {
 	if err := openCUDA(t).Close(); err != nil {
 		t.Fatal(err)
@@ -36,12 +38,20 @@ func TestDriverConformance(t *testing.T) {
 	for _, m := range []struct {
 		name, mode, path string
 		half             uint64
-	}{{"auto", "auto", "auto", 0}, {"direct", "direct", "sm", 0}, {"staged", "staged", "sm", 64 << 10}, {"dma", "auto", "dma", 0}} {
+		tune             cuda.DMATuning
+	}{
+		{"auto", "auto", "auto", 0, cuda.DMATuning{}}, {"direct", "direct", "sm", 0, cuda.DMATuning{}},
+		{"staged", "staged", "sm", 64 << 10, cuda.DMATuning{}}, {"dma", "auto", "dma", 0, cuda.DMATuning{}},
+		{"dma-tuned", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, Queue: 16 << 10}},
+	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {
 				dev := openCUDA(t)
 				cuda.SetDriverCopyMode(dev, m.mode, m.half)
 				cuda.SetCopyPath(dev, m.path)
+				if err := cuda.TuneDMA(dev, m.tune); err != nil {
+					t.Fatal(err)
+				}
 				return dev
 			})
 		})

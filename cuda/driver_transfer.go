@@ -8,6 +8,7 @@ package cuda
 import "C"
 
 import (
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -70,7 +71,7 @@ func (s *driverStream) resolve(hb HostBuf, objs []Object, scatter bool) (*driver
 		return fail(err)
 	}
 	xobjs := deviceObjects(t)
-	copies, _ := useDMA(t, path, s.d.batch)
+	copies, _ := useDMA(t, path, s.d.batching())
 	if !buf.life.acquire() {
 		return fail(fmt.Errorf("%w: host buffer of %d B", ErrReleased, buf.size))
 	}
@@ -180,7 +181,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 			st.drop()
 			return nil, fmt.Errorf("%s: %w", what, err)
 		}
-		plan, ends, err = planSums(xobjs, dmaSumBatch)
+		plan, ends, err = planSums(xobjs, cmp.Or(s.d.dmaTune.SumBatch, dmaSumBatch))
 	} else if staged {
 		if err := s.ensureStageLocked(); err != nil {
 			st.drop()

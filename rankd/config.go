@@ -52,6 +52,10 @@ type Config struct {
 	// a checksum kernel over the device pages, fewer multiprocessors held
 	// from the model; docs/gpu.md). Verification is the same on every path.
 	CopyPath string
+	// DMA shapes the copy engine path's work (cuda.DMATuning: the
+	// checksum batch, the bytes of copies in flight). Zero values: the
+	// cuda package's (64 MiB batches, no bound).
+	DMA cuda.DMATuning
 
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
 	// more hot objects; it is pinned (unswappable) RAM.

@@ -154,6 +154,12 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 		}
 	}
+	if cfg.DMA != (cuda.DMATuning{}) {
+		if err := cuda.TuneDMA(dev, cfg.DMA); err != nil {
+			_ = dev.Close()
+			return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
+		}
+	}
 	d.dev = dev
 	d.pub = newEventPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventWindow, d.log.Named("events"), d.met)
 

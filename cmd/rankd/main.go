@@ -83,6 +83,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
 		l1Bytes, l2Bytes, l2FreeFloor, l3Bytes                       string
+		dmaSumBatch, dmaQueue                                        string
 	)
 	fs.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
 	fs.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
@@ -90,6 +91,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
 	fs.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
 	fs.StringVar(&cfg.CopyPath, "copy-path", "auto", "how bytes move between the GPU and L1: auto (the copy engine, then a checksum kernel, for page runs averaging >= 256 KiB on a driver with cuMemcpyBatchAsync; else the copy kernels) | sm (always the kernels) | dma (always the copy engine): docs/gpu.md")
+	fs.StringVar(&dmaSumBatch, "dma-sum-batch", "0", "the copy engine path's checksum batch (bytes, or with KiB/MiB/GiB; 0: 64 MiB): fewer, larger checksum kernels, more of the last one exposed")
+	fs.StringVar(&dmaQueue, "dma-queue", "0", "bound of the copy engine path's bytes in flight per transfer (bytes, or with KiB/MiB/GiB; 0: unbounded)")
 	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
 	fs.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
 	fs.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
@@ -141,6 +144,12 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	cfg.BindPort = rankd.DefaultBindPort(cfg.Rank) // --bind without a port keeps it
 
 	var err error
+	if cfg.DMA.SumBatch, err = parseBytes(dmaSumBatch); err != nil {
+		return cfg, opts, fmt.Errorf("--dma-sum-batch: %w", err)
+	}
+	if cfg.DMA.Queue, err = parseBytes(dmaQueue); err != nil {
+		return cfg, opts, fmt.Errorf("--dma-queue: %w", err)
+	}
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l1-bytes: %w", err)
 	}
