@@ -74,7 +74,6 @@ static CUresult (*p_cuMemcpyBatchAsync_v2)(CUdeviceptr *, CUdeviceptr *, size_t 
 	size_t *, size_t, CUstream);
 static CUresult (*p_cuMemcpyBatchAsync_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, kv_memcpy_attrs *,
 	size_t *, size_t, size_t *, CUstream);
-static CUresult (*p_cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 static CUresult (*p_cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
 static CUresult (*p_cuMemFreeAsync)(CUdeviceptr, CUstream);
 static CUresult (*p_cuStreamCreate)(CUstream *, unsigned int);
@@ -135,7 +134,6 @@ int kv_load(char *err, size_t errlen) {
 		SYM(p_cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync_v2", NULL),
 		SYM(p_cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync_v2", NULL),
 		SYM(p_cuMemcpy2DAsync_v2, "cuMemcpy2DAsync_v2", NULL),
-		SYM(p_cuMemsetD8Async, "cuMemsetD8Async", NULL),
 		SYM(p_cuMemAllocAsync, "cuMemAllocAsync", NULL),
 		SYM(p_cuMemFreeAsync, "cuMemFreeAsync", NULL),
 		SYM(p_cuStreamCreate, "cuStreamCreate", NULL),
@@ -302,11 +300,6 @@ CUresult kv_memcpy_each_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs,
 		}
 	}
 	return 0;
-}
-
-CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
-	CTX(c);
-	return p_cuMemsetD8Async(dst, v, n, s);
 }
 
 CUresult kv_mem_alloc_async(CUcontext c, CUdeviceptr *p, size_t n, CUstream s) {

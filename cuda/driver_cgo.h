@@ -90,7 +90,6 @@ CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs
 // (cuMemcpyHtoDAsync or cuMemcpyDtoHAsync): where a batch call is refused.
 CUresult kv_memcpy_each_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
 	int toDevice, CUstream s);
-CUresult kv_memset_d8_async(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n, CUstream s);
 // Stream-ordered allocations (staging buffers): they never wait for the device.
 CUresult kv_mem_alloc_async(CUcontext c, CUdeviceptr *p, size_t n, CUstream s);
 CUresult kv_mem_free_async(CUcontext c, CUdeviceptr p, CUstream s);

@@ -9,11 +9,18 @@ import "C"
 
 import "unsafe"
 
-// dmaSumBatch is the size of the checksum batches of a DMA transfer: a
-// scatter's checksum of one batch runs while the copy engine places the
-// next, so only the last batch's checksum (about 15 us of HBM reads at
-// this size) follows the copies.
-const dmaSumBatch = 64 << 20
+// dmaSumBatch is the size of the checksum batches of a DMA transfer
+// (DMATuning.SumBatch overrides it). A scatter's checksum of one batch
+// runs once its copies are placed, while the copy engine places the next,
+// so only the last batch's checksum follows the copies; but each is a
+// kernel on the compute engine, which the GPU time-slices between this
+// context and the engine's: inside vLLM on the H200, 64 MiB batches (about
+// five kernels per 256 MiB restore batch) slowed the decoding requests'
+// steps 1.61x while a 32k prompt loaded, one kernel per transfer 1.28x at
+// the same TTFT (BENCHMARKS.md). A transfer of rankd's (at most
+// RetrieveBatchBytes, 256 MiB by default) is therefore one batch: its
+// exposed checksum reads 256 MiB of HBM, under 0.1 ms.
+const dmaSumBatch = 1 << 30
 
 // dma moves a transfer's bytes with copy-engine copies on the stream S
 // (cuMemcpyBatchAsync, up to dmaBatchCopies a call, where the driver has

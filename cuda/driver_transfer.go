@@ -343,20 +343,19 @@ func (e *enqueuer) wait(h C.CUstream, ev C.CUevent) {
 	}
 }
 
-// tables copies the plan's tables to the device and zeroes the partial
-// sums, on h.
+// tables copies the plan's tables and zeroed partial sums to the device,
+// on h, in one copy-engine copy: the zeroes are written on the host
+// first (the block's sums region is the op's own until its sums are read
+// back), not by cuMemsetD8Async, whose fill would be one more piece of
+// work on the GPU's compute engine, where each piece from this context
+// can cost the engine's own user (vLLM's forward) a context switch.
 func (e *enqueuer) tables(h C.CUstream) {
 	j := e.st.job
-	if j == nil || e.err != nil {
+	if j == nil || e.err != nil || j.lay.size == 0 {
 		return
 	}
-	ctx := e.s.d.ctx
-	if j.lay.partials > 0 {
-		e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(ctx, C.CUdeviceptr(j.dev), j.host, C.size_t(j.lay.partials), h))
-	}
-	if n := j.lay.size - j.lay.partials; n > 0 && e.err == nil {
-		e.do("cuMemsetD8Async", C.kv_memset_d8_async(ctx, C.CUdeviceptr(j.dev+j.lay.partials), 0, C.size_t(n), h))
-	}
+	clear(j.buf[j.lay.partials:j.lay.size])
+	e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(e.s.d.ctx, C.CUdeviceptr(j.dev), j.host, C.size_t(j.lay.size), h))
 }
 
 // sums copies the partial sums back to the pinned table block, on h.

@@ -151,6 +151,9 @@ type Config struct {
 	// RetrieveSerialBatches: transfer.Config.RetrieveSerialBatches (an
 	// ablation for benchmarks). Default false.
 	RetrieveSerialBatches bool
+	// RetrieveBatchBytes: transfer.Config.RetrieveBatchBytes (zero: the
+	// transfer package's default, 256 MiB).
+	RetrieveBatchBytes uint64
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;

@@ -184,6 +184,9 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Registerer = d.met.reg
 	tc.StoreTimeout = cfg.StoreTimeout
 	tc.RetrieveSerialBatches = cfg.RetrieveSerialBatches
+	if cfg.RetrieveBatchBytes > 0 {
+		tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
+	}
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

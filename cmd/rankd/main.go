@@ -83,7 +83,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
 		l1Bytes, l2Bytes, l2FreeFloor, l3Bytes                       string
-		dmaSumBatch, dmaQueue                                        string
+		dmaSumBatch, dmaQueue, retrieveBatch                         string
 	)
 	fs.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
 	fs.IntVar(&cfg.Rank.TPRank, "tp-rank", 0, "TP rank")
@@ -91,7 +91,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.IntVar(&cfg.DCPSize, "dcp-size", 1, "DCP size of the engine (gossiped metadata)")
 	fs.StringVar(&cfg.Device, "device", "auto", "device: auto | host | cuda:N | GPU UUID")
 	fs.StringVar(&cfg.CopyPath, "copy-path", "auto", "how bytes move between the GPU and L1: auto (the copy engine, then a checksum kernel, for page runs averaging >= 256 KiB on a driver with cuMemcpyBatchAsync; else the copy kernels) | sm (always the kernels) | dma (always the copy engine): docs/gpu.md")
-	fs.StringVar(&dmaSumBatch, "dma-sum-batch", "0", "the copy engine path's checksum batch (bytes, or with KiB/MiB/GiB; 0: 64 MiB): fewer, larger checksum kernels, more of the last one exposed")
+	fs.StringVar(&dmaSumBatch, "dma-sum-batch", "0", "the copy engine path's checksum batch (bytes, or with KiB/MiB/GiB; 0: 1 GiB): smaller batches expose less of the last checksum and launch more kernels beside the engine's")
 	fs.StringVar(&dmaQueue, "dma-queue", "0", "bound of the copy engine path's bytes in flight per transfer (bytes, or with KiB/MiB/GiB; 0: unbounded)")
 	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
 	fs.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
@@ -135,6 +135,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
 	fs.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
+	fs.StringVar(&retrieveBatch, "retrieve-batch", "256MiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
@@ -149,6 +150,9 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	}
 	if cfg.DMA.Queue, err = parseBytes(dmaQueue); err != nil {
 		return cfg, opts, fmt.Errorf("--dma-queue: %w", err)
+	}
+	if cfg.RetrieveBatchBytes, err = parseBytes(retrieveBatch); err != nil {
+		return cfg, opts, fmt.Errorf("--retrieve-batch: %w", err)
 	}
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l1-bytes: %w", err)
