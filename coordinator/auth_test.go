@@ -317,3 +317,40 @@ func TestTLSCoordinatorAnswersLookups(t *testing.T) {
 		t.Fatalf("lookups counted: %v", got)
 	}
 }
+
+// A handshake that fails over the lookups' in-process pipe (here: the
+// client insisting on TLS over it, as a tls:// URL made it) fails Start
+// with an error naming the connection within seconds, instead of stalling
+// it silently for nats.go's minute of flush timeout (the pipe is
+// synchronous: both ends blocked writing).
+func TestInProcessConnectFailureFailsStart(t *testing.T) {
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	defer func(u string, b time.Duration) { inProcessURL, inProcessWriteBound = u, b }(inProcessURL, inProcessWriteBound)
+	inProcessURL, inProcessWriteBound = "tls://in-process", time.Second
+	cfg := testConfig(t, "")
+	cfg.Insecure, cfg.CredsDir = false, creds
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Start() }()
+	select {
+	case err := <-done:
+		c.Shutdown()
+		if err == nil {
+			t.Fatal("Start succeeded over a pipe whose handshake cannot")
+		}
+		if !strings.Contains(err.Error(), "lookups' connection") {
+			t.Fatalf("Start: %v, want the lookups' connection named", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Start still running after 30 s: the in-process pipe's writes are not bounded")
+	}
+}

@@ -297,16 +297,16 @@ func (c *Coordinator) start() error {
 		// lower through the in-process pipe (a synchronous handoff) than
 		// over loopback on the VM. The URL only names the server: a
 		// tls:// one would make the client insist on TLS over the pipe
-		// (and fail to verify a certificate it has no CA for here,
-		// retrying forever).
-		lopts, lurl = []nats.Option{nats.InProcessServer(c.nsrv)}, "nats://in-process"
+		// and fail its handshake (inProcessWriteBound).
+		lopts = []nats.Option{nats.InProcessServer(c.nsrv), nats.FlusherTimeout(inProcessWriteBound)}
+		lurl = inProcessURL
 		if !c.cfg.Insecure {
 			lopts = append(lopts, auth.ClientOptions(auth.Identity{Role: auth.RoleCoordinator}, c.auth.seed)...)
 		}
 	}
 	lnc, err := bus.Connect(lurl, "kvtier-coordinator-lookup", lopts...)
 	if err != nil {
-		return err
+		return fmt.Errorf("the lookups' connection: %w", err)
 	}
 	c.lnc = lnc
 	lnc.SetErrorHandler(c.natsError)
@@ -596,3 +596,17 @@ func (c *Coordinator) Index() *index.Index { return c.idx }
 
 // Done is closed once Shutdown has finished.
 func (c *Coordinator) Done() <-chan struct{} { return c.done }
+
+// inProcessURL names the embedded server to the lookups' in-process
+// connection: nats://, whatever the server's own scheme (a tls:// one makes
+// nats.go insist on TLS over the pipe). A variable for the test that
+// proves a bad handshake over the pipe fails Start promptly.
+var inProcessURL = "nats://in-process"
+
+// inProcessWriteBound bounds each write on the lookups' in-process pipe
+// (nats.go's FlusherTimeout, a minute by default). A pipe is synchronous:
+// when a connect fails, nats.go's close flushes into a pipe whose server
+// end is itself blocked writing (seen with a TLS handshake over it), so
+// Start stalled for that minute without a word; a write that takes this
+// long in process means the server is stuck anyway.
+var inProcessWriteBound = 5 * time.Second
