@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
-	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
@@ -65,7 +65,15 @@ func (c *Coordinator) answerRoute(m *nats.Msg, op, inst string, req *wire.RouteR
 		return
 	}
 	members := append([]string{inst}, c.share.shared(inst)...)
-	rep, err := c.route(members, req.Namespace, req.Chunks)
+	stages := []wire.RouteStage{{Namespace: req.Namespace, Chunks: req.Chunks}}
+	if len(req.Stages) > 0 {
+		if err := checkRouteStages(members, req); err != nil {
+			c.badRequest(m, op, err)
+			return
+		}
+		stages = append(stages, req.Stages...)
+	}
+	rep, err := c.route(members, stages)
 	if err != nil {
 		c.lookupError(m, op, req.Namespace, err)
 		return
@@ -74,21 +82,70 @@ func (c *Coordinator) answerRoute(m *nats.Msg, op, inst string, req *wire.RouteR
 	c.reply(op, m, rep)
 }
 
-// route builds the reply for members.
-func (c *Coordinator) route(members []string, ns dcp.Namespace, chunks []dcp.ChunkHash) (*wire.RouteReply, error) {
+// checkRouteStages checks a request with Stages: every member is stage 0
+// of an engine ("<engine>-pp0") and every stage's chain is as long as
+// stage 0's, within the bounds.
+func checkRouteStages(members []string, req *wire.RouteRequest) error {
+	if len(req.Stages) > wire.MaxRouteStages {
+		return fmt.Errorf("%d stages, limit %d: %w", len(req.Stages)+1, wire.MaxRouteStages+1, wire.ErrMalformed)
+	}
+	for i, st := range req.Stages {
+		if len(st.Chunks) != len(req.Chunks) {
+			return fmt.Errorf("stage %d: %d chunks, stage 0 %d (every stage chains the same tokens): %w",
+				i+1, len(st.Chunks), len(req.Chunks), wire.ErrMalformed)
+		}
+	}
+	for _, m := range members {
+		if _, ok := stageEngine(m); !ok {
+			return fmt.Errorf("%q is not stage 0 of a pipeline-parallel engine (<engine>-pp0): a request with stages names stage 0's group or instance: %w",
+				m, wire.ErrMalformed)
+		}
+	}
+	return nil
+}
+
+// stageEngine is the engine whose stage 0 instance inst is.
+func stageEngine(inst string) (string, bool) {
+	eng, ok := strings.CutSuffix(inst, "-pp0")
+	return eng, ok && eng != ""
+}
+
+// route builds the reply for members, over stages (stage 0's namespace
+// and chain, then any other stages').
+func (c *Coordinator) route(members []string, stages []wire.RouteStage) (*wire.RouteReply, error) {
 	hosts := c.rankHosts()
 	now := time.Now()
 	rep := &wire.RouteReply{Instances: make([]wire.RouteInstance, 0, len(members))}
-	var res index.LookupResult
+	res := make([]index.LookupResult, len(stages))
 	for _, inst := range members {
-		if err := c.idx.LookupSharedInto(&res, inst, c.share.shared(inst), ns, chunks); err != nil {
-			return nil, err
+		eng, _ := stageEngine(inst)
+		upTo := -1 // the chunks every stage could restore
+		for s, st := range stages {
+			si := stageOf(inst, eng, len(stages), s)
+			if err := c.idx.LookupSharedInto(&res[s], si, c.share.shared(si), st.Namespace, st.Chunks); err != nil {
+				return nil, err
+			}
+			if upTo < 0 || res[s].Prefix < upTo {
+				upTo = res[s].Prefix
+			}
 		}
-		ri := routeOf(&res)
-		ri.Hosts = hosts[inst]
-		ri.Load = c.share.loadOf(inst, now)
-		if res.Prefix > 0 {
-			ri.NotAlive, _ = notAlive(inst, c.readerStatuses(inst, res.Expectations))
+		var ri wire.RouteInstance
+		for s := range stages {
+			si := stageOf(inst, eng, len(stages), s)
+			one := routeOf(&res[s], upTo)
+			one.Hosts = hosts[si]
+			if upTo > 0 {
+				one.NotAlive, _ = notAlive(si, c.readerStatuses(si, res[s].Expectations))
+			}
+			if s == 0 {
+				ri = one
+				ri.Load = c.share.loadOf(inst, now)
+				continue
+			}
+			mergeStage(&ri, &one)
+		}
+		if len(stages) > 1 {
+			ri.Engine = eng
 		}
 		rep.Instances = append(rep.Instances, ri)
 	}
@@ -101,12 +158,43 @@ func (c *Coordinator) route(members []string, ns dcp.Namespace, chunks []dcp.Chu
 	return rep, nil
 }
 
-// routeOf summarizes one instance's lookup: a pure function of it.
-func routeOf(res *index.LookupResult) wire.RouteInstance {
-	ri := wire.RouteInstance{Instance: res.Instance, Prefix: res.Prefix}
+// stageOf is member inst's instance of stage s of n: inst itself without
+// stages.
+func stageOf(inst, eng string, n, s int) string {
+	if n == 1 {
+		return inst
+	}
+	return wire.StageInstance(eng, n, s)
+}
+
+// mergeStage folds another stage's answer (summarized over the same common
+// prefix) into an engine's: the prefixes every stage has, and everything
+// the stages' restores would read together.
+func mergeStage(ri, st *wire.RouteInstance) {
+	ri.L1Prefix, ri.OwnPrefix = min(ri.L1Prefix, st.L1Prefix), min(ri.OwnPrefix, st.OwnPrefix)
+	for t, n := range st.Objects {
+		if ri.Objects == nil {
+			ri.Objects = make(map[string]int, len(st.Objects))
+		}
+		ri.Objects[t] += n
+	}
+	ri.Shared += st.Shared
+	for _, h := range st.Hosts {
+		if !slices.Contains(ri.Hosts, h) {
+			ri.Hosts = append(ri.Hosts, h)
+		}
+	}
+	slices.Sort(ri.Hosts)
+	ri.NotAlive = append(ri.NotAlive, st.NotAlive...)
+}
+
+// routeOf summarizes one instance's lookup over its first upTo chunks (at
+// most its prefix): a pure function of it.
+func routeOf(res *index.LookupResult, upTo int) wire.RouteInstance {
+	ri := wire.RouteInstance{Instance: res.Instance, Prefix: min(res.Prefix, upTo)}
 	ne := len(res.Expectations)
 	l1, own := true, true
-	for i := range res.Prefix {
+	for i := range ri.Prefix {
 		for j := range ne {
 			s := res.Source(i, j)
 			if ri.Objects == nil {

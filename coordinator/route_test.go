@@ -3,6 +3,7 @@ package coordinator
 import (
 	"testing"
 
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -108,4 +109,73 @@ func TestRouteLoad(t *testing.T) {
 	if again := route(); again.Instances[0].Instance != "engB" || again.Instances[0].Load != 0 {
 		t.Fatalf("route asked again = %+v", again)
 	}
+}
+
+// TestRouteOfPipelineStages (issue 27): engines a and b of two pipeline
+// stages each, their stages in groups chat0 (a-pp0, b-pp0) and chat1
+// (a-pp1, b-pp1). Engine a holds all 4 chunks of the prompt in stage 0
+// but only 2 in stage 1; b holds 3 in both. Asked with the stages,
+// admin.route answers per engine what every stage could restore (a: 2,
+// b: 3), ranks b first, and counts both stages' objects of that common
+// prefix; asked about stage 0 alone it ranks a first (4). A request with
+// stages that names a member not "<engine>-pp0", or a stage chain of
+// another length, is refused. Seen failing with the engine's prefix left
+// at stage 0's (a first, prefix 4).
+func TestRouteOfPipelineStages(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.ShareGroups = []ShareGroup{{Name: "chat0", Instances: []string{"a-pp0", "b-pp0"}},
+			{Name: "chat1", Instances: []string{"a-pp1", "b-pp1"}}, {Name: "plain", Instances: []string{"d", "e"}}}
+	})
+	nc := connect(t, c)
+	var ns [2]dcp.Namespace
+	var chunks [2][]dcp.ChunkHash
+	for st := range 2 {
+		spec := testSpec(2)
+		spec.Layout.PP, spec.Layout.PPStage = 2, st
+		ns[st] = register(t, nc, c.subj, spec)
+		chunks[st] = chain(ns[st], 4, 9)
+	}
+	if ns[0] == ns[1] {
+		t.Fatal("the stages' namespaces are equal")
+	}
+	hold := map[string]int{"a-pp0": 4, "a-pp1": 2, "b-pp0": 3, "b-pp1": 3}
+	for inst, n := range hold {
+		st := int(inst[len(inst)-1] - '0')
+		for tp := range 2 {
+			if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: inst, TPRank: tp}, 1, 0, ns[st], chunks[st][:n], wire.L1)); werr != nil {
+				t.Fatal(werr)
+			}
+		}
+	}
+	req := wire.RouteRequest{Namespace: ns[0], Chunks: chunks[0], Group: "chat0",
+		Stages: []wire.RouteStage{{Namespace: ns[1], Chunks: chunks[1]}}}
+	rep := call[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), req)
+	want := []struct {
+		inst, eng string
+		prefix    int
+	}{{"b-pp0", "b", 3}, {"a-pp0", "a", 2}}
+	if len(rep.Instances) != 2 {
+		t.Fatalf("route = %+v", rep)
+	}
+	for i, w := range want {
+		ri := rep.Instances[i]
+		// Each stage's 2 TP shards of every chunk of the common prefix.
+		if ri.Instance != w.inst || ri.Engine != w.eng || ri.Prefix != w.prefix || ri.L1Prefix != w.prefix ||
+			ri.OwnPrefix != w.prefix || ri.Objects["L1"] != 2*2*w.prefix {
+			t.Fatalf("member %d: %+v, want %+v", i, ri, w)
+		}
+	}
+	stage0 := call[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), wire.RouteRequest{Namespace: ns[0], Chunks: chunks[0], Group: "chat0"})
+	if ri := stage0.Instances[0]; ri.Instance != "a-pp0" || ri.Prefix != 4 || ri.Engine != "" {
+		t.Fatalf("stage 0 alone: %+v, want a-pp0 first with 4", stage0)
+	}
+	short := req
+	short.Stages = []wire.RouteStage{{Namespace: ns[1], Chunks: chunks[1][:3]}}
+	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), short, wire.CodeBadRequest)
+	plain := req
+	plain.Group = "plain"
+	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), plain, wire.CodeBadRequest)
+	stage1 := req
+	stage1.Group, stage1.Instance = "", "a-pp1"
+	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), stage1, wire.CodeBadRequest)
 }

@@ -17,7 +17,24 @@ type RouteRequest struct {
 	Chunks    []dcp.ChunkHash `json:"chunks"`
 	Group     string          `json:"group,omitempty"`
 	Instance  string          `json:"instance,omitempty"`
+	// Stages are a pipeline-parallel engine's other stages, in order
+	// (stage 1, 2, ...): each stage's namespace and its chain of the same
+	// tokens (a stage's chain starts from its own namespace). With Stages,
+	// Namespace and Chunks are stage 0's, Group or Instance names stage
+	// 0's group or instance (StageInstance(engine, pp, 0)), and each
+	// member's answer is for its engine: what every stage could restore
+	// (RouteInstance.Engine).
+	Stages []RouteStage `json:"stages,omitempty"`
 }
+
+// RouteStage is one more pipeline stage of a RouteRequest.
+type RouteStage struct {
+	Namespace dcp.Namespace   `json:"namespace"`
+	Chunks    []dcp.ChunkHash `json:"chunks"`
+}
+
+// MaxRouteStages bounds RouteRequest.Stages.
+const MaxRouteStages = 63
 
 // RouteReply lists every instance of the group, best first: the longest
 // Prefix, then the longest L1Prefix, then the lower Load's power of two
@@ -31,6 +48,12 @@ type RouteReply struct {
 // RouteInstance is what one instance could restore of the chain now.
 type RouteInstance struct {
 	Instance string `json:"instance"`
+	// Engine is set when the request named Stages: the engine whose stage
+	// 0 Instance is, and the fields below are over all its stages: the
+	// prefixes the shortest stage's, the objects, shared objects, hosts
+	// and reader ranks not alive every stage's together, the load stage
+	// 0's (the engine's lookups start there).
+	Engine string `json:"engine,omitempty"`
 	// Prefix is the chunks a restore by this instance would plan (its own
 	// copies and the group's shared L2 copies), as its lookup reports.
 	Prefix int `json:"prefix"`
