@@ -78,6 +78,20 @@ for values in kvtier/examples/*.yaml; do
 	echo "rendered $values: $(grep -c '^kind:' "$out/$name.yaml") objects"
 done
 "$helm" template kvtier kvtier --namespace kvtier --kube-version "$KUBE_VERSION" >"$out/defaults.yaml"
+# The pipeline-parallel layout (vllm-tp2-pp2.yaml): vLLM asks for both
+# stages, the claim holds 4 GPUs, and the rankd of stage s, TP rank i runs
+# as instance llama70b-pp<s> on cuda:(2s+i) with its own L2 directory.
+pp=$out/vllm-tp2-pp2.yaml
+want() { grep -qF -- "$1" "$pp" || { echo "vllm-tp2-pp2: no '$1' in the rendered chart" >&2; exit 1; }; }
+want "--pipeline-parallel-size=2"
+want "count: 4"
+for g in 0 1 2 3; do
+	s=$((g / 2)) i=$((g % 2))
+	got=$(awk -v c="- name: rankd-$g" '$0 ~ c"$" {on=1; next} on && /- name: /{exit} on' "$pp" | grep -E -- '--(instance|tp-rank|device|l2-dir)=' | tr -d ' ' | tr '\n' ' ')
+	exp="---instance=llama70b-pp$s ---tp-rank=$i ---device=cuda:$g ---l2-dir=/var/lib/kvtier/l2/llama70b-pp$s "
+	[ "$got" = "$exp" ] || { echo "vllm-tp2-pp2: rankd-$g has '$got', want '$exp'" >&2; exit 1; }
+done
+echo "vllm-tp2-pp2: the stages' rankds as expected"
 # ServiceMonitor is the Prometheus Operator's CRD: no Kubernetes schema
 # has it. deploy/chart_test.go holds the templates' daemon flags and
 # connector keys to the code.
