@@ -54,3 +54,20 @@ func TuneDMA(dev Device, t DMATuning) error {
 	dt.tuneDMA(t)
 	return nil
 }
+
+type batchReporter interface{ copyBatching() (bool, error) }
+
+func (d *hostDevice) copyBatching() (bool, error) { return hostBatched, nil }
+
+// CopyEngineBatching reports whether dev's DMA path enqueues its copies in
+// batches (cuMemcpyBatchAsync), which auto's rule needs before it picks
+// the copy engine, and the driver's refusal if it refused a batch at run
+// time (the device then enqueues a call per copy and auto keeps the
+// kernels). rankd exports it as kvtier_rankd_copy_engine_batching.
+func CopyEngineBatching(dev Device) (bool, error) {
+	br, ok := dev.(batchReporter)
+	if !ok {
+		return false, nil
+	}
+	return br.copyBatching()
+}

@@ -370,6 +370,13 @@ func (d *driverDevice) setPath(p copyPath) { d.path = p }
 
 func (d *driverDevice) tuneDMA(t DMATuning) { d.dmaTune = t }
 
+func (d *driverDevice) copyBatching() (bool, error) {
+	if p := d.batchRefused.Load(); p != nil {
+		return false, *p
+	}
+	return d.batch, nil
+}
+
 // batching reports whether the DMA path enqueues with cuMemcpyBatchAsync:
 // the driver has it and has not refused it.
 func (d *driverDevice) batching() bool { return d.batch && d.batchRefused.Load() == nil }

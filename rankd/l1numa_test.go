@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/internal/numa"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
@@ -57,5 +58,22 @@ func TestL1NUMAGauge(t *testing.T) {
 				t.Fatalf("transfer config L1NUMA %v, want %v", h.d.tc.L1NUMA, want)
 			}
 		})
+	}
+}
+
+// TestCopyEngineBatchingGauge: kvtier_rankd_copy_engine_batching is the
+// device's answer (the host backend models a driver that batches: 1). The
+// driver's refusal turning it to 0 is TestDriverBatchRefused's (GPU).
+func TestCopyEngineBatchingGauge(t *testing.T) {
+	h := newHarness(t, func(*Config) {})
+	want := 0.0
+	if ok, _ := cuda.CopyEngineBatching(h.d.dev); ok {
+		want = 1
+	}
+	if want != 1 {
+		t.Fatalf("the host backend does not batch: the gauge cannot be told from a constant 0 here")
+	}
+	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_copy_engine_batching"); v != want {
+		t.Fatalf("kvtier_rankd_copy_engine_batching = %v, want %v", v, want)
 	}
 }

@@ -4,13 +4,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/transfer"
 )
 
 // metrics are the daemon's own Prometheus metrics; the transfer engine and
 // the cluster member register theirs in the same registry.
 type metrics struct {
-	reg *prometheus.Registry
+	reg    *prometheus.Registry
+	labels prometheus.Labels // the rank's
 
 	requests          *prometheus.CounterVec // op, code ("ok" on success)
 	requestSeconds    *prometheus.HistogramVec
@@ -51,7 +53,7 @@ func newMetrics(rank string) *metrics {
 		return prometheus.NewCounter(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd", Name: name, Help: help, ConstLabels: labels})
 	}
 	m := &metrics{
-		reg: prometheus.NewRegistry(),
+		reg: prometheus.NewRegistry(), labels: labels,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "engine_requests_total", Help: "Engine API requests by operation and reply code (ok on success).", ConstLabels: labels},
 			[]string{"op", "code"}),
@@ -125,4 +127,19 @@ func newMetrics(rank string) *metrics {
 func (m *metrics) noteL1Placement(p transfer.L1Placement) {
 	m.l1NUMANode.Set(float64(p.Node))
 	m.l1NUMAElsewhere.Set(float64(p.Elsewhere))
+}
+
+// watchCopyEngine exports whether dev batches its copy-engine copies
+// (cuda.CopyEngineBatching), read at each scrape: a driver that refuses
+// the batch call at run time turns it to 0.
+func (m *metrics) watchCopyEngine(dev cuda.Device) {
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
+		Name: "copy_engine_batching", ConstLabels: m.labels,
+		Help: "1 while the device enqueues copy-engine copies in batches (cuMemcpyBatchAsync), which auto needs to pick the copy engine; 0 where the driver lacks it or refused it at run time (auto then keeps the copy kernels).",
+	}, func() float64 {
+		if ok, _ := cuda.CopyEngineBatching(dev); ok {
+			return 1
+		}
+		return 0
+	}))
 }

@@ -161,6 +161,7 @@ func New(cfg Config) (*Daemon, error) {
 		}
 	}
 	d.dev = dev
+	d.met.watchCopyEngine(dev)
 	d.pub = newEventPublisher(d.subj.Events(cfg.Rank), cfg.EventAckTimeout, cfg.EventWindow, d.log.Named("events"), d.met)
 
 	tc := transfer.DefaultConfig()
