@@ -277,16 +277,11 @@ func TestSecureExternalNATS(t *testing.T) {
 // the coordinator starts and answers a lookup over its in-process lookup
 // connection, while an engine connects over TLS. Seen red with the lookup
 // connection given the server's tls:// URL: the client insisted on TLS
-// over the pipe, could not verify the certificate and retried forever, so
-// Start never returned.
+// over the pipe and failed its handshake, and Start did not return within
+// the test's 30 s (nats.go's minute of flush timeout, before
+// inProcessWriteBound; TestInProcessConnectFailureFailsStart).
 func TestTLSCoordinatorAnswersLookups(t *testing.T) {
-	creds := filepath.Join(t.TempDir(), "creds")
-	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
-		t.Fatal(err)
-	}
+	creds := tlsCreds(t)
 	started := make(chan *Coordinator, 1)
 	go func() { started <- startCoord(t, func(cfg *Config) { cfg.Insecure, cfg.CredsDir = false, creds }) }()
 	var c *Coordinator
@@ -324,13 +319,7 @@ func TestTLSCoordinatorAnswersLookups(t *testing.T) {
 // it silently for nats.go's minute of flush timeout (the pipe is
 // synchronous: both ends blocked writing).
 func TestInProcessConnectFailureFailsStart(t *testing.T) {
-	creds := filepath.Join(t.TempDir(), "creds")
-	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
-		t.Fatal(err)
-	}
+	creds := tlsCreds(t)
 	defer func(u string, b time.Duration) { inProcessURL, inProcessWriteBound = u, b }(inProcessURL, inProcessWriteBound)
 	inProcessURL, inProcessWriteBound = "tls://in-process", time.Second
 	cfg := testConfig(t, "")
@@ -353,4 +342,18 @@ func TestInProcessConnectFailureFailsStart(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("Start still running after 30 s: the in-process pipe's writes are not bounded")
 	}
+}
+
+// tlsCreds makes a credentials directory for engine "eng" (TP 1) with
+// NATS TLS certificates for 127.0.0.1.
+func tlsCreds(t *testing.T) string {
+	t.Helper()
+	creds := filepath.Join(t.TempDir(), "creds")
+	if err := auth.Init(creds, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.InitTLS(creds, []string{"127.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	return creds
 }
