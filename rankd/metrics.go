@@ -137,7 +137,7 @@ func (m *metrics) watchCopyEngine(dev cuda.Device) {
 		Name: "copy_engine_batching", ConstLabels: m.labels,
 		Help: "1 while the device enqueues copy-engine copies in batches (cuMemcpyBatchAsync), which auto needs to pick the copy engine; 0 where the driver lacks it or refused it at run time (auto then keeps the copy kernels).",
 	}, func() float64 {
-		if ok, _ := cuda.CopyEngineBatching(dev); ok {
+		if batching(dev) {
 			return 1
 		}
 		return 0

@@ -1,6 +1,7 @@
 package rankd
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -380,7 +381,8 @@ func (d *Daemon) Start(ctx context.Context) error {
 	d.mu.Unlock()
 	d.log.Info("rankd serving", zap.String("nats", url), zap.String("gossip", d.clu.LocalMember().Addr),
 		zap.String("http", d.HTTPAddr()), zap.Uint64("incarnation", d.inc),
-		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID), zap.Uint64("l2_free_floor", d.tc.L2FreeFloorBytes))
+		zap.String("device", d.dev.Info().Backend+" "+d.dev.Info().UUID), zap.Uint64("l2_free_floor", d.tc.L2FreeFloorBytes),
+		zap.String("copy_path", cmp.Or(d.cfg.CopyPath, "auto")), zap.Bool("copy_engine_batching", batching(d.dev)))
 	return nil
 }
 
@@ -763,4 +765,11 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	close(d.shutDone)
 	d.log.Info("rankd shut down", zap.Duration("took", time.Since(start)), zap.Error(err))
 	return err
+}
+
+// batching is cuda.CopyEngineBatching's answer alone: whether auto may
+// pick the copy engine on this device.
+func batching(dev cuda.Device) bool {
+	ok, _ := cuda.CopyEngineBatching(dev)
+	return ok
 }
