@@ -16,7 +16,7 @@ import "unsafe"
 // kernel on the compute engine, which the GPU time-slices between this
 // context and the engine's, and fewer of them slowed vLLM's decoding less:
 // inside vLLM on the H200, 64 MiB batches (about
-// five kernels per 256 MiB restore batch) slowed the decoding requests'
+// four kernels per 256 MiB restore batch) slowed the decoding requests'
 // steps 1.61x while a 32k prompt loaded, one kernel per transfer 1.28x at
 // the same TTFT (BENCHMARKS.md). A transfer of rankd's (at most
 // RetrieveBatchBytes, 256 MiB by default) is therefore one batch: its
