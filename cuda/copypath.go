@@ -27,17 +27,32 @@ func ForceCopyPath(dev Device, path string) error {
 }
 
 // DMATuning shapes the DMA path's work on the GPU (driver backend; the host
-// backend has no copy engine to shape and ignores it).
+// backend has no copy engine to shape and ignores it). DefaultDMATuning
+// gives the defaults.
 type DMATuning struct {
-	// SumBatch is the bytes of pages each checksum kernel reads: a scatter
-	// launches one after each batch's copies are placed, so smaller
-	// batches expose less checksum time at the end and larger ones
-	// launch fewer kernels beside the engine's own. Zero: 64 MiB.
+	// SumBatch is the bytes of pages each checksum kernel reads, at least
+	// 1: a scatter launches one after each batch's copies are placed, so
+	// smaller batches expose less checksum time at the end and larger ones
+	// launch fewer kernels beside the engine's own (each may cost the
+	// engine's forward a context switch, see dmaSumBatch). Default 1 GiB.
 	SumBatch uint64
 	// Queue bounds the bytes of copies a transfer has enqueued and the
 	// copy engine has not finished: the enqueue waits for older copies
-	// once more are queued. Zero: unbounded (up to 1,024 copies a call).
+	// once more are queued. 0: no bound (up to 1,024 copies a call), the
+	// default; a bound measured no better inside vLLM (BENCHMARKS.md).
 	Queue uint64
+}
+
+// DefaultDMATuning returns the DMA path's defaults, which a device starts
+// with.
+func DefaultDMATuning() DMATuning { return DMATuning{SumBatch: dmaSumBatch} }
+
+// Validate checks t.
+func (t DMATuning) Validate() error {
+	if t.SumBatch == 0 {
+		return fmt.Errorf("cuda: DMA checksum batch of 0 bytes: a checksum kernel reads at least 1 byte")
+	}
+	return nil
 }
 
 type dmaTuner interface{ tuneDMA(DMATuning) }
@@ -47,6 +62,9 @@ func (d *hostDevice) tuneDMA(DMATuning) {}
 // TuneDMA sets dev's DMATuning; rankd's --dma-sum-batch and --dma-queue
 // call it after Open, before the device is shared.
 func TuneDMA(dev Device, t DMATuning) error {
+	if err := t.Validate(); err != nil {
+		return err
+	}
 	dt, ok := dev.(dmaTuner)
 	if !ok {
 		return fmt.Errorf("cuda: device %T has no DMA path to tune", dev)

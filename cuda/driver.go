@@ -76,9 +76,9 @@ type driverDevice struct {
 	// (driver_dma.go); false where the driver lacks it, and in the
 	// benchmark's copy-by-copy runs. Set before the device is shared.
 	batch bool
-	// batchRefused holds the first error of a cuMemcpyBatchAsync call the
-	// driver refused: the device then enqueues a call per copy
-	// (driverDevice.batching).
+	// batchRefused holds the first error with which the driver refused a
+	// cuMemcpyBatchAsync call (batchRefusal): the device then enqueues a
+	// call per copy (driverDevice.batching).
 	batchRefused atomic.Pointer[error]
 	// refuseBatch, set by a test before the device is shared, stands for
 	// the driver's answer to every cuMemcpyBatchAsync call.
@@ -220,6 +220,7 @@ func openDriver(ordinal int) (*driverDevice, error) {
 		sum:     b.sum,
 		delay:   b.delay,
 		batch:   C.kv_has_memcpy_batch() != 0,
+		dmaTune: DefaultDMATuning(),
 		o:       o,
 		res:     resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
 	}, nil

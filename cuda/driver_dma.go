@@ -9,8 +9,8 @@ import "C"
 
 import "unsafe"
 
-// dmaSumBatch is the size of the checksum batches of a DMA transfer
-// (DMATuning.SumBatch overrides it). A scatter's checksum of one batch
+// dmaSumBatch is the default size of the checksum batches of a DMA
+// transfer (DefaultDMATuning; DMATuning.SumBatch sets it). A scatter's checksum of one batch
 // runs once its copies are placed, while the copy engine places the next,
 // so only the last batch's checksum follows the copies; but each is a
 // kernel on the compute engine, which the GPU time-slices between this
@@ -169,7 +169,11 @@ func (e *enqueuer) flush(q *batchQueue, dq *dmaQueue) {
 	if err == nil {
 		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, e.s.h))
 	}
-	if err != nil {
+	if err != nil && !batchRefusal(err) {
+		if e.err == nil {
+			e.err = err // not a refusal: the transfer fails, the device keeps batching
+		}
+	} else if err != nil {
 		// A driver that exports the call but refuses it: enqueue the same
 		// copies one call each (any the refused call did enqueue are copied
 		// twice, the same bytes) and stop batching on this device, which

@@ -199,13 +199,33 @@ func TestDriverStagedBatches(t *testing.T) {
 
 // A driver that exports cuMemcpyBatchAsync but refuses it: the DMA path
 // enqueues the same copies a call each, byte-exact with the padding
-// untouched, and the device stops batching, so auto picks the kernels.
+// untouched, and the device stops batching, so auto picks the kernels. A
+// failure that is not a refusal fails the transfer and leaves batching on.
 func TestDriverBatchRefused(t *testing.T) {
 	d := openDriverT(t)
 	if !d.batch {
 		t.Skip("the driver has no cuMemcpyBatchAsync")
 	}
-	refused := errors.New("refused for the test")
+	t.Run("not a refusal", func(t *testing.T) {
+		d := openDriverT(t)
+		d.path = pathDMA
+		d.refuseBatch = &DriverError{Op: "cuMemcpyBatchAsync", Code: 2, Name: "CUDA_ERROR_OUT_OF_MEMORY"}
+		s := must(d.NewStream())(t)
+		src := must(d.Alloc(1 << 20))(t)
+		hb := must(d.AllocHost(1 << 20))(t)
+		op, err := s.Gather(hb, []Object{{Spans: []Span{{Mem: src, Len: 1 << 20}}}})
+		if err == nil {
+			err = op.Wait(ctxT(t))
+		}
+		var de *DriverError
+		if !errors.As(err, &de) || de.Code != 2 {
+			t.Fatalf("gather with the batch call out of memory: %v, want that error", err)
+		}
+		if !d.batching() {
+			t.Fatal("an out-of-memory batch call turned batching off")
+		}
+	})
+	refused := error(&DriverError{Op: "cuMemcpyBatchAsync", Code: cudaErrorNotSupported, Name: "CUDA_ERROR_NOT_SUPPORTED"})
 	d.path, d.refuseBatch = pathDMA, refused
 	s := must(d.NewStream())(t)
 	const page, blocks, perObj = 512 << 10, 24, 3

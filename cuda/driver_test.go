@@ -40,8 +40,8 @@ func TestDriverConformance(t *testing.T) {
 		half             uint64
 		tune             cuda.DMATuning
 	}{
-		{"auto", "auto", "auto", 0, cuda.DMATuning{}}, {"direct", "direct", "sm", 0, cuda.DMATuning{}},
-		{"staged", "staged", "sm", 64 << 10, cuda.DMATuning{}}, {"dma", "auto", "dma", 0, cuda.DMATuning{}},
+		{"auto", "auto", "auto", 0, cuda.DefaultDMATuning()}, {"direct", "direct", "sm", 0, cuda.DefaultDMATuning()},
+		{"staged", "staged", "sm", 64 << 10, cuda.DefaultDMATuning()}, {"dma", "auto", "dma", 0, cuda.DefaultDMATuning()},
 		{"dma-tuned", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, Queue: 16 << 10}},
 	} {
 		t.Run(m.name, func(t *testing.T) {

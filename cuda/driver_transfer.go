@@ -8,7 +8,6 @@ package cuda
 import "C"
 
 import (
-	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -181,7 +180,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 			st.drop()
 			return nil, fmt.Errorf("%s: %w", what, err)
 		}
-		plan, ends, err = planSums(xobjs, cmp.Or(s.d.dmaTune.SumBatch, dmaSumBatch))
+		plan, ends, err = planSums(xobjs, s.d.dmaTune.SumBatch)
 	} else if staged {
 		if err := s.ensureStageLocked(); err != nil {
 			st.drop()

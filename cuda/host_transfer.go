@@ -21,15 +21,15 @@ type planObj struct {
 	pieces [][]byte // its spans in device memory, in order
 }
 
-// planTransfer checks objs (checkTransfer) and references their memory. It
-// fails, having changed nothing, if the buffer was released, a rule of
-// checkTransfer is broken or a Mem was released. It picks the copy path as
-// the CUDA backend does (useDMA), for a device whose path is path.
 // hostBatched: the host backend models a driver with cuMemcpyBatchAsync
 // (the H200's, CUDA 13), so auto takes the DMA path where the GPU does and
 // the tests run it.
 const hostBatched = true
 
+// planTransfer checks objs (checkTransfer) and references their memory. It
+// fails, having changed nothing, if the buffer was released, a rule of
+// checkTransfer is broken or a Mem was released. It picks the copy path as
+// the CUDA backend does (useDMA), for a device whose path is path.
 func planTransfer(hb HostBuf, objs []Object, scatter bool, path copyPath) (*transferPlan, error) {
 	buf, err := hostBytes(hb)
 	if err != nil {
