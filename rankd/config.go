@@ -53,8 +53,9 @@ type Config struct {
 	// from the model; docs/gpu.md). Verification is the same on every path.
 	CopyPath string
 	// DMA shapes the copy engine path's work (cuda.DMATuning: the
-	// checksum batch, the bytes of copies in flight). Zero values: the
-	// cuda package's (64 MiB batches, no bound).
+	// checksum batch, the bytes of copies in flight). Default
+	// cuda.DefaultDMATuning() (1 GiB batches: one checksum kernel per
+	// restore batch; no bound).
 	DMA cuda.DMATuning
 
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
@@ -151,8 +152,10 @@ type Config struct {
 	// RetrieveSerialBatches: transfer.Config.RetrieveSerialBatches (an
 	// ablation for benchmarks). Default false.
 	RetrieveSerialBatches bool
-	// RetrieveBatchBytes: transfer.Config.RetrieveBatchBytes (zero: the
-	// transfer package's default, 256 MiB).
+	// RetrieveBatchBytes: transfer.Config.RetrieveBatchBytes, the L1 one
+	// restore pins at a time, each batch a transfer of its own (at most a
+	// quarter of L1 is used). Default 256 MiB; fewer, larger batches launch
+	// fewer checksum kernels beside the engine's forward (docs/gpu.md).
 	RetrieveBatchBytes uint64
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
@@ -317,8 +320,10 @@ func DefaultConfig(r wire.Rank) Config {
 		DCPSize:               1,
 		Device:                cuda.SpecAuto,
 		Host:                  cuda.DefaultHostConfig(),
+		DMA:                   cuda.DefaultDMATuning(),
 		L1Bytes:               1 << 30,
 		L1NUMA:                "auto",
+		RetrieveBatchBytes:    transfer.DefaultConfig().RetrieveBatchBytes,
 		L2Policy:              transfer.WriteThrough,
 		L2FreeFloorBytes:      1 << 30,
 		L2FreeFloorPercent:    5,
@@ -376,6 +381,10 @@ func (c *Config) Validate() error {
 		return bad("device spec is empty (want auto, host, cuda:N or a GPU UUID)")
 	case c.CopyPath != "" && c.CopyPath != "auto" && c.CopyPath != "sm" && c.CopyPath != "dma":
 		return bad("copy path %q: want auto, sm or dma", c.CopyPath)
+	case c.DMA.Validate() != nil:
+		return bad("%v", c.DMA.Validate())
+	case c.RetrieveBatchBytes == 0:
+		return bad("retrieve batch of 0 bytes: a restore pins at least one slab of L1 at a time")
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -155,11 +155,9 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 		}
 	}
-	if cfg.DMA != (cuda.DMATuning{}) {
-		if err := cuda.TuneDMA(dev, cfg.DMA); err != nil {
-			_ = dev.Close()
-			return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
-		}
+	if err := cuda.TuneDMA(dev, cfg.DMA); err != nil {
+		_ = dev.Close()
+		return nil, fmt.Errorf("rankd %s: %w", cfg.Rank, err)
 	}
 	d.dev = dev
 	d.met.watchCopyEngine(dev)
@@ -186,9 +184,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.Registerer = d.met.reg
 	tc.StoreTimeout = cfg.StoreTimeout
 	tc.RetrieveSerialBatches = cfg.RetrieveSerialBatches
-	if cfg.RetrieveBatchBytes > 0 {
-		tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
-	}
+	tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

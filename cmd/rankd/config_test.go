@@ -8,7 +8,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/rankd"
+	"github.com/kvtier/kvtier/wire"
 )
 
 const exampleConf = "../../deploy/examples/rankd.conf"
@@ -105,6 +111,35 @@ func TestFlagsDeriveFromRank(t *testing.T) {
 		}
 		if err := cfg.Validate(); err != nil {
 			t.Fatalf("--bind %q: %v", tc.bind, err)
+		}
+	}
+}
+
+// TestCopyFlags: without the copy flags the config holds DefaultConfig's
+// DMA tuning and retrieve batch; the flags set them, and a checksum batch
+// or retrieve batch of 0 is refused by Validate, naming it.
+func TestCopyFlags(t *testing.T) {
+	base := []string{"--instance", "e0", "--insecure", "--join", "127.0.0.1:7946"}
+	parse := func(extra ...string) rankd.Config {
+		t.Helper()
+		cfg, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), append(slices.Clone(base), extra...))
+		if err != nil {
+			t.Fatalf("%q: %v", extra, err)
+		}
+		return cfg
+	}
+	def := rankd.DefaultConfig(wire.Rank{Instance: "e0"})
+	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes {
+		t.Fatalf("defaults: DMA %+v, retrieve batch %d; DefaultConfig has %+v, %d", cfg.DMA, cfg.RetrieveBatchBytes, def.DMA, def.RetrieveBatchBytes)
+	}
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--retrieve-batch-bytes", "1GiB")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20}) || cfg.RetrieveBatchBytes != 1<<30 {
+		t.Fatalf("flags: DMA %+v, retrieve batch %d", cfg.DMA, cfg.RetrieveBatchBytes)
+	}
+	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}} {
+		cfg := parse(tc.flag, "0")
+		if err := cfg.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s 0: Validate = %v, want ErrConfig naming %q", tc.flag, err, tc.want)
 		}
 	}
 }
