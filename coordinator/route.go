@@ -64,6 +64,12 @@ func (c *Coordinator) answerRoute(m *nats.Msg, op, inst string, req *wire.RouteR
 		c.replyError(op, m, wire.CodeTooLarge, fmt.Sprintf("%d chunks, limit %d", len(req.Chunks), MaxChunks))
 		return
 	}
+	if n := (len(req.Stages) + 1) * len(req.Chunks); len(req.Stages) > 0 && len(req.Stages) <= wire.MaxRouteStages && n > MaxChunks {
+		// Each member costs a lookup of every stage's chain.
+		c.met.badRequests.WithLabelValues(op).Inc()
+		c.replyError(op, m, wire.CodeTooLarge, fmt.Sprintf("%d stages of %d chunks: %d chunks, limit %d", len(req.Stages)+1, len(req.Chunks), n, MaxChunks))
+		return
+	}
 	members := append([]string{inst}, c.share.shared(inst)...)
 	stages := []wire.RouteStage{{Namespace: req.Namespace, Chunks: req.Chunks}}
 	if len(req.Stages) > 0 {

@@ -119,8 +119,9 @@ func TestRouteLoad(t *testing.T) {
 // b: 3), ranks b first, and counts both stages' objects of that common
 // prefix; asked about stage 0 alone it ranks a first (4). A request with
 // stages that names a member not "<engine>-pp0", or a stage chain of
-// another length, is refused. Seen failing with the engine's prefix left
-// at stage 0's (a first, prefix 4).
+// another length, or stages whose chains add up to more than MaxChunks
+// (too_large), is refused. Seen failing with the engine's prefix left at
+// stage 0's (a first, prefix 4).
 func TestRouteOfPipelineStages(t *testing.T) {
 	c := startCoord(t, func(cfg *Config) {
 		cfg.ShareGroups = []ShareGroup{{Name: "chat0", Instances: []string{"a-pp0", "b-pp0"}},
@@ -169,6 +170,9 @@ func TestRouteOfPipelineStages(t *testing.T) {
 	if ri := stage0.Instances[0]; ri.Instance != "a-pp0" || ri.Prefix != 4 || ri.Engine != "" {
 		t.Fatalf("stage 0 alone: %+v, want a-pp0 first with 4", stage0)
 	}
+	big := make([]dcp.ChunkHash, MaxChunks/2+1) // stage 0 within the limit, both stages over it
+	tooLarge := wire.RouteRequest{Namespace: ns[0], Chunks: big, Group: "chat0", Stages: []wire.RouteStage{{Namespace: ns[1], Chunks: big}}}
+	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), tooLarge, wire.CodeTooLarge)
 	short := req
 	short.Stages = []wire.RouteStage{{Namespace: ns[1], Chunks: chunks[1][:3]}}
 	callErr[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), short, wire.CodeBadRequest)

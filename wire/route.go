@@ -23,7 +23,10 @@ type RouteRequest struct {
 	// Namespace and Chunks are stage 0's, Group or Instance names stage
 	// 0's group or instance (StageInstance(engine, pp, 0)), and each
 	// member's answer is for its engine: what every stage could restore
-	// (RouteInstance.Engine).
+	// (RouteInstance.Engine). The number of stages is the caller's word for
+	// the engine's PP size: a stage left out makes the answer too hopeful,
+	// never wrong about bytes (the engine checks every stage). Every
+	// stage's chain counts against the request's chunk limit.
 	Stages []RouteStage `json:"stages,omitempty"`
 }
 
