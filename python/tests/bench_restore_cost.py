@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from cluster import HOST_UUID, Cluster, build_binaries, eventually, running
+from cluster import HOST_UUID, Cluster, eventually, running
 from kvtier import client, cuda, dcp, wire
 
 pytestmark = pytest.mark.integration
@@ -40,11 +40,6 @@ SPEC = dcp.Spec(
                       semantic_bytes=1024, page_bytes=1024, stride_bytes=1024, kv_format="bf16")],
     chunk_tokens=16,
 )
-
-
-@pytest.fixture(scope="module")
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@ import pathlib
 
 import pytest
 
+from cluster import build_binaries
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "wire" / "testdata" / "golden"
 
@@ -9,6 +11,13 @@ GOLDEN = REPO / "wire" / "testdata" / "golden"
 @pytest.fixture
 def golden_dir() -> pathlib.Path:
     return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The daemons (coordinator, rankd), built once for every test that
+    starts them (cluster.build_binaries; $KVTIER_BIN_DIR overrides)."""
+    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

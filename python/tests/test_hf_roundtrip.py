@@ -11,16 +11,11 @@ import sys
 
 import pytest
 
-from cluster import REPO, build_binaries
+from cluster import REPO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 SCRIPT = REPO / "python" / "examples" / "hf_roundtrip.py"
-
-
-@pytest.fixture(scope="module")
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 def roundtrip(binaries: pathlib.Path, work: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:

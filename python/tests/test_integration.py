@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster import HOST_UUID, Cluster, build_binaries, eventually, running
+from cluster import HOST_UUID, Cluster, eventually, running
 from kvtier import client, cuda, dcp, errors, wire
 
 pytestmark = pytest.mark.integration
@@ -32,11 +32,6 @@ SPEC = dcp.Spec(
     chunk_tokens=32,
 )
 PAD = 0xEE
-
-
-@pytest.fixture(scope="module")
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.fixture

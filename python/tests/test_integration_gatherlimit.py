@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_integration import SPEC, TP, Worker, _full, binaries, cluster, page_bytes  # noqa: F401
+from test_integration import SPEC, TP, Worker, _full, cluster, page_bytes  # noqa: F401
 
 from cluster import HOST_UUID, Cluster, eventually
 from kvtier import client, cuda, wire

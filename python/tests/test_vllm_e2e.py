@@ -14,7 +14,7 @@ import random
 import pytest
 
 import fakes
-from cluster import HOST_UUID, Cluster, build_binaries, eventually, running
+from cluster import HOST_UUID, Cluster, eventually, running
 from kvtier import client, cuda, dcp, wire
 from kvtier.vllm import KvtierConnector
 from kvtier.vllm.connector import KVConnectorRole
@@ -24,11 +24,6 @@ pytestmark = pytest.mark.integration
 TP = 2
 NUM_BLOCKS = 32
 LAYERS = 2
-
-
-@pytest.fixture(scope="module")
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from test_vllm_real import corrupt_l2, delta, extra_for, gen, hit_like, loads_in
 
 from cluster import Cluster
 
-# test_vllm_real's fixtures: the binaries (built once per module) and a
-# coordinator with one rankd per test
-binaries, cluster = real.binaries, real.cluster
+# test_vllm_real's fixture: a coordinator with one rankd per test (the
+# binaries are conftest's)
+cluster = real.cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cluster import DEVICE, HOST_UUID, REPO, Cluster, build_binaries, eventually, running
+from cluster import DEVICE, HOST_UUID, REPO, Cluster, eventually, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -34,11 +34,6 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32; one kvtier chunk per 
 NUM_BLOCKS = 96
 MAX_TOKENS = 8
 RUNNER = pathlib.Path(__file__).with_name("vllm_run.py")
-
-
-@pytest.fixture(scope="module")
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_binaries(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import pathlib
 import random
 
 import pytest
-from test_vllm_real import (  # noqa: F401 (binaries, model_dir, cluster: fixtures)
+from test_vllm_real import (  # noqa: F401 (model_dir, cluster: fixtures)
     BLOCK,
     RESET,
-    binaries,
     close,
     cluster,
     delta,

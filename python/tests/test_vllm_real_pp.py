@@ -18,7 +18,6 @@ import subprocess
 import pytest
 from test_vllm_real import (  # noqa: F401
     _true,
-    binaries,
     close,
     extra_for,
     gen,
@@ -40,7 +39,7 @@ PP_ENGINE = dict(pipeline_parallel_size=2, distributed_executor_backend="mp", en
 
 
 @pytest.fixture
-def pp_cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):  # noqa: F811
+def pp_cluster(binaries: pathlib.Path, tmp_path: pathlib.Path, request: pytest.FixtureRequest):
     yield from running(Cluster(binaries, tmp_path, 1, pp=2), request)
 
 
