@@ -38,8 +38,10 @@ type DMATuning struct {
 	SumBatch uint64
 	// Queue bounds the bytes of copies a transfer has enqueued and the
 	// copy engine has not finished: the enqueue waits for older copies
-	// once more are queued. 0: no bound (up to 1,024 copies a call), the
-	// default; a bound measured no better inside vLLM (BENCHMARKS.md).
+	// (cuEventSynchronize, holding the stream's enqueue lock) once more
+	// are queued. For measurements: 0, no bound (up to 1,024 copies a
+	// call), is the default; a bound measured no better inside vLLM
+	// (BENCHMARKS.md).
 	Queue uint64
 }
 
