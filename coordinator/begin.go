@@ -195,7 +195,8 @@ type restorePlan struct {
 // and the reader ranks' liveness judged under the table's lock: a pure
 // function of its inputs. The limits come first, then liveness: nothing
 // is planned unless every reader rank is alive; a prefix of 0 is decided
-// complete; otherwise the plan lists each reader's items in chunk order.
+// complete; otherwise the plan lists each reader's items in chunk order
+// (with req.StateAtEnd, a recurrent group's for the last chunk only).
 func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *index.LookupResult, zeroCut string,
 	readers []readerStatus) restorePlan {
 	switch {
@@ -229,6 +230,9 @@ func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *i
 	}
 	for i := range res.Prefix {
 		for j, e := range res.Expectations {
+			if !res.Needed(i, j, res.Prefix, req.StateAtEnd) {
+				continue // a state inside the prefix, never read (StateAtEnd)
+			}
 			src := res.Source(i, j)
 			reader := wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String()
 			plan.Ranks[reader] = append(plan.Ranks[reader], wire.RetrieveItem{
@@ -279,7 +283,7 @@ func (rs *restores) admit(req *wire.RestoreBeginRequest, res *index.LookupResult
 		return out
 	case beginActive:
 		var err error
-		r, err = index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(res, res.Prefix), now.Add(deadline))
+		r, err = index.NewRestore(id, req.Namespace, req.Chunks[:res.Prefix], index.ExpectFromLookup(res, res.Prefix, req.StateAtEnd), now.Add(deadline))
 		if err != nil {
 			out.kind, out.err = beginFailed, err
 			return out

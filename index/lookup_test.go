@@ -240,7 +240,7 @@ func TestLookupNonMLA(t *testing.T) {
 		}
 	}
 	// The restore built from this lookup completes only with every sum.
-	exp := index.ExpectFromLookup(&got, got.Prefix)
+	exp := index.ExpectFromLookup(&got, got.Prefix, false)
 	r, err := index.NewRestore("r1", w.ns, chunks(got.Prefix), exp, time.Unix(100, 0))
 	if err != nil {
 		t.Fatal(err)

@@ -49,6 +49,11 @@ type LookupResult struct {
 	// Expectations are the namespace spec's (rank, shard, group) triples
 	// (dcp.Resolved.Expectations), ordered by rank then group.
 	Expectations []dcp.Expectation
+	// Recurrent holds, by group, whether the group keeps a state per
+	// chunk (dcp.Recurrent); mixed: some groups do and some do not (see
+	// Needed). Shared with the index: do not modify.
+	Recurrent []bool
+	mixed     bool
 	// Members, for LookupSharedInto with shared instances the index knows,
 	// holds an entry per source: 0 when its holder is of the reader's
 	// instance, k when it is of Shared[k-1]. Empty otherwise.
@@ -59,6 +64,16 @@ type LookupResult struct {
 	Sources []Source
 
 	touch uint32 // sink of Lookup's prefetching loads
+}
+
+// Needed reports whether a restore of the first n chunks of the prefix
+// needs expectation j of chunk i. Every one is, except with stateAtEnd
+// (wire.RestoreBeginRequest.StateAtEnd) in a namespace of recurrent and
+// other groups, where a recurrent group's object is needed for the last
+// chunk (n-1) only: the engine resumes from the state at the prefix's
+// end. Every chunk keeps an expectation (a non-recurrent group's).
+func (r *LookupResult) Needed(i, j, n int, stateAtEnd bool) bool {
+	return !stateAtEnd || !r.mixed || i == n-1 || !r.Recurrent[r.Expectations[j].Group]
 }
 
 // Source returns where the reader of expectation j takes chunk i from.
@@ -167,7 +182,7 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 	}
 	pl := nv.plan
 	ne := len(pl.exps)
-	res.Expectations, res.ChunkTokens = pl.exps, pl.chunkTokens
+	res.Expectations, res.ChunkTokens, res.Recurrent, res.mixed = pl.exps, pl.chunkTokens, pl.recurrent, pl.mixed
 	inst := v.insts[instance] // 0: unknown instance, nothing of it is usable
 	// members[k] is the id of shared[k] (0: unknown, or the reader's own).
 	var mbuf [8]uint32
@@ -322,6 +337,8 @@ func (ix *Index) Instances() []string { return ix.view.Load().instances }
 type lookupPlan struct {
 	chunkTokens int
 	exps        []dcp.Expectation
+	recurrent   []bool // by group: dcp.Recurrent
+	mixed       bool   // some groups are recurrent, some are not
 	groups      int
 	shards      int
 	readers     [][]int32 // by shard*groups+group: indexes into exps
@@ -329,7 +346,16 @@ type lookupPlan struct {
 }
 
 func newPlan(r *dcp.Resolved) *lookupPlan {
-	pl := &lookupPlan{chunkTokens: r.ChunkTokens, exps: r.Expectations(), groups: len(r.Groups)}
+	pl := &lookupPlan{chunkTokens: r.ChunkTokens, exps: r.Expectations(), groups: len(r.Groups),
+		recurrent: make([]bool, len(r.Groups))}
+	states := 0
+	for gi, g := range r.Groups {
+		if g.Kind == dcp.Recurrent {
+			pl.recurrent[gi] = true
+			states++
+		}
+	}
+	pl.mixed = states > 0 && states < len(r.Groups)
 	for _, e := range pl.exps {
 		pl.shards = max(pl.shards, e.Shard+1)
 	}

@@ -33,12 +33,16 @@ type Expect struct {
 
 // ExpectFromLookup returns the expectations of restoring chunks [0, n) of a
 // lookup's prefix (n <= res.Prefix), with the checksums of the sources the
-// lookup chose.
-func ExpectFromLookup(res *LookupResult, n int) []Expect {
+// lookup chose; with stateAtEnd, a recurrent group's for the last chunk
+// only (LookupResult.Needed).
+func ExpectFromLookup(res *LookupResult, n int, stateAtEnd bool) []Expect {
+	n = min(n, res.Prefix)
 	out := make([]Expect, 0, n*len(res.Expectations))
-	for i := range min(n, res.Prefix) {
+	for i := range n {
 		for j, e := range res.Expectations {
-			out = append(out, Expect{Chunk: i, Rank: e.Rank, Shard: e.Shard, Group: e.Group, Sum: res.Source(i, j).Sum})
+			if res.Needed(i, j, n, stateAtEnd) {
+				out = append(out, Expect{Chunk: i, Rank: e.Rank, Shard: e.Shard, Group: e.Group, Sum: res.Source(i, j).Sum})
+			}
 		}
 	}
 	return out

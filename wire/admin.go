@@ -130,6 +130,16 @@ type RestoreBeginRequest struct {
 	// PlanEncoding asks for the plan as PlanEncodingJSON (default, also
 	// "") or PlanEncodingBinary (compact; see plan.go).
 	PlanEncoding string `json:"plan_encoding,omitempty"`
+	// StateAtEnd asks for the objects of the namespace's recurrent groups
+	// (dcp.Recurrent: a Mamba or linear-attention state at a chunk's end)
+	// only for the last chunk of the restored prefix: an engine resumes
+	// from the state at the prefix's end and never reads the states inside
+	// it (vLLM allocates a block for that one state only). The plan, the
+	// expectations and the verdict then leave the inner chunks' recurrent
+	// objects out; the lookup is unchanged (every chunk still needs every
+	// group's object, so the prefix may end at any chunk). Without effect
+	// in a namespace whose groups are all recurrent or none is.
+	StateAtEnd bool `json:"state_at_end,omitempty"`
 }
 
 // ObjectPlacement is one rank's copy of an object.

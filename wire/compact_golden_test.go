@@ -18,6 +18,8 @@ import (
 //	lookup_request.bin  the golden lookup_request.json value, binary
 //	restore_plan.bin    the binary plan of restore_plan.json, which
 //	                    answers a restore.begin for chunks.json
+//	restore_plan_last.bin  the binary plan (KVP2) of restore_plan_last.json,
+//	                    a restore.begin with StateAtEnd for chunks.json
 //	store_request.bin   the golden store_request.json value, binary
 //	                    (block ids of 8 B: one is 2^40; KVS1: no positions)
 //	store_request_pos.bin  the golden store_request_pos.json value,
@@ -49,6 +51,26 @@ func goldenBinaryPlan(blocks bool) *RestorePlan {
 	}}
 }
 
+// goldenBinaryPlanLast is a plan of a restore.begin with StateAtEnd (the
+// KVP2 shape): 2 chunks of a namespace whose group 0 is recurrent; each
+// reader restores group 1 of both chunks and group 0 of the last only.
+func goldenBinaryPlanLast(blocks bool) *RestorePlan {
+	p := goldenBinaryPlan(blocks)
+	item := func(chunk, group int, shard uint16, holder int, tier Tier) RetrieveItem {
+		it := p.Ranks["engine0/0"][0]
+		it.Chunk, it.Group, it.Key = chunk, group, goldenKey(byte(chunk), shard, uint16(group))
+		it.Sum = 0x0fedcba987654321 + uint64(chunk*16+group)
+		it.Source = Source{Holder: Rank{Instance: "engine0", TPRank: holder}, Tier: tier}
+		return it
+	}
+	p.RestoreID = "r-00000003"
+	p.Ranks = map[string][]RetrieveItem{
+		"engine0/0": {item(0, 1, 0, 0, L1), item(1, 0, 0, 0, L1), item(1, 1, 0, 1, L2)},
+		"engine0/1": {item(0, 1, 1, 1, L1), item(1, 0, 1, 1, L2), item(1, 1, 1, 1, L1)},
+	}
+	return p
+}
+
 func TestCompactGolden(t *testing.T) {
 	chunks := []dcp.ChunkHash{goldenChunk(0), goldenChunk(1)}
 	lr := &LookupRequest{Namespace: goldenNS(), Chunks: chunks, Instance: "engine0", Detail: true}
@@ -77,6 +99,12 @@ func TestCompactGolden(t *testing.T) {
 		t.Fatal(err)
 	}
 	if files["restore_plan.json"], err = json.Marshal(goldenBinaryPlan(true)); err != nil {
+		t.Fatal(err)
+	}
+	if files["restore_plan_last.bin"], err = AppendPlanBinary(nil, goldenBinaryPlanLast(false), goldenNS()); err != nil {
+		t.Fatal(err)
+	}
+	if files["restore_plan_last.json"], err = json.Marshal(goldenBinaryPlanLast(true)); err != nil {
 		t.Fatal(err)
 	}
 	if files["chunks.json"], err = json.Marshal(chunks); err != nil {
@@ -121,6 +149,13 @@ func TestCompactGolden(t *testing.T) {
 	plan, err := DecodePlanBinary(files["restore_plan.bin"], chunks)
 	if err != nil || !reflect.DeepEqual(plan, goldenBinaryPlan(false)) {
 		t.Errorf("restore_plan.bin decodes to %+v, %v", plan, err)
+	}
+	plan, err = DecodePlanBinary(files["restore_plan_last.bin"], chunks)
+	if err != nil || !reflect.DeepEqual(plan, goldenBinaryPlanLast(false)) {
+		t.Errorf("restore_plan_last.bin decodes to %+v, %v", plan, err)
+	}
+	if b := files["restore_plan_last.bin"]; string(b[:4]) != "KVP2" || string(files["restore_plan.bin"][:4]) != "KVP1" {
+		t.Errorf("magics %q and %q, want KVP2 with last-only objects and KVP1 without", b[:4], files["restore_plan.bin"][:4])
 	}
 }
 

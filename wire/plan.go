@@ -38,15 +38,29 @@ import (
 // that order): RetrieveItem{Chunk: i, Group: e.group, Key: {namespace,
 // chunks[i], e.shard, e.group}, Sum, Source: {holders[holder], tier}},
 // Blocks empty: exactly the JSON plan's items.
+//
+// A plan of a restore.begin with StateAtEnd, in which a reader restores
+// some objects (a recurrent group's) for the last chunk only, has the
+// magic "KVP2" and a flag per expectation, the rest as above:
+//
+//	u16 E | E x (u16 group | u16 shard | u8 last_only)
+//	(prefix-1) x (the expectations with last_only 0) x item, then
+//	1 x E x item (the last chunk: every expectation)
+//
+// The encoder writes "KVP2" only for such a plan, so a reader of KVP1
+// alone meets it only after asking for StateAtEnd.
 const (
 	PlanEncodingJSON   = "json"
 	PlanEncodingBinary = "binary"
 	planMagic          = "KVP1"
+	planMagicLast      = "KVP2" // expectations flagged last-only (StateAtEnd)
 	planItemSize       = 8 + 2 + 1
 )
 
 // IsBinaryPlan reports whether a restore.begin reply is a binary plan.
-func IsBinaryPlan(p []byte) bool { return len(p) >= 4 && string(p[:4]) == planMagic }
+func IsBinaryPlan(p []byte) bool {
+	return len(p) >= 4 && (string(p[:4]) == planMagic || string(p[:4]) == planMagicLast)
+}
 
 // AppendPlanBinary appends the binary encoding of plan, whose keys are all
 // in namespace ns. It fails (ErrMalformed) for a plan that does not have
@@ -80,7 +94,19 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 	if len(holderList) > 65535 {
 		return bad("%d holders, limit 65535", len(holderList))
 	}
-	dst = append(dst, planMagic...)
+	shapes := make([]planShape, len(readers))
+	magic := planMagic
+	for k, name := range readers {
+		sh, err := shapeOf(name, plan.Ranks[name], plan.Prefix)
+		if err != nil {
+			return bad("%v", err)
+		}
+		if sh.inner < len(sh.exps) {
+			magic = planMagicLast
+		}
+		shapes[k] = sh
+	}
+	dst = append(dst, magic...)
 	dst = append(dst, byte(len(plan.RestoreID)))
 	dst = append(dst, plan.RestoreID...)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(plan.Prefix))
@@ -95,36 +121,26 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 		}
 	}
 	dst = binary.BigEndian.AppendUint16(dst, uint16(len(readers)))
-	for _, name := range readers {
+	for k, name := range readers {
 		r, err := ParseRank(name)
 		if err != nil {
 			return dst, fmt.Errorf("encode restore plan: reader: %w", err)
 		}
-		items := plan.Ranks[name]
-		if plan.Prefix == 0 || len(items)%plan.Prefix != 0 {
-			return bad("reader %s has %d items, not a multiple of prefix %d", name, len(items), plan.Prefix)
-		}
-		e := len(items) / plan.Prefix
-		if e > 65535 {
-			return bad("reader %s has %d objects per chunk, limit 65535", name, e)
-		}
 		if dst, err = appendPlanRank(dst, r); err != nil {
 			return dst, err
 		}
-		dst = binary.BigEndian.AppendUint16(dst, uint16(e))
-		for j := range e {
-			it := &items[j]
-			dst = binary.BigEndian.AppendUint16(dst, uint16(it.Group))
-			dst = binary.BigEndian.AppendUint16(dst, it.Key.Shard)
+		sh := &shapes[k]
+		dst = binary.BigEndian.AppendUint16(dst, uint16(len(sh.exps)))
+		for _, x := range sh.exps {
+			dst = binary.BigEndian.AppendUint16(dst, uint16(x.group))
+			dst = binary.BigEndian.AppendUint16(dst, uint16(x.shard))
+			if magic == planMagicLast {
+				dst = append(dst, b2u8(x.lastOnly))
+			}
 		}
-		for n := range items {
-			it, first := &items[n], &items[n%e]
+		for n := range plan.Ranks[name] {
+			it := &plan.Ranks[name][n]
 			switch {
-			case it.Chunk != n/e:
-				return bad("reader %s item %d is of chunk %d, want %d (chunk-major order)", name, n, it.Chunk, n/e)
-			case it.Group != first.Group || it.Key.Shard != first.Key.Shard || int(it.Key.Group) != it.Group:
-				return bad("reader %s item %d is group %d shard %d, want group %d shard %d as in chunk 0",
-					name, n, it.Group, it.Key.Shard, first.Group, first.Key.Shard)
 			case it.Key.NS != ns:
 				return bad("reader %s item %d is in namespace %s, want %s", name, n, it.Key.NS, ns)
 			case !it.Source.Tier.Valid():
@@ -136,6 +152,99 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 		}
 	}
 	return dst, nil
+}
+
+// planExp is one expectation of a reader in a binary plan.
+type planExp struct {
+	group, shard int
+	lastOnly     bool // restored for the plan's last chunk only (StateAtEnd)
+}
+
+// planShape is a reader's expectations: exps, of which the first chunks
+// restore the inner ones (those not lastOnly), the last chunk all.
+type planShape struct {
+	exps  []planExp
+	inner int
+}
+
+// shapeOf checks that a reader's items have the binary plan's shape:
+// chunk-major, the last chunk's objects the reader's expectations and
+// every earlier chunk's the same subsequence of them (for a plan without
+// StateAtEnd, all of them).
+func shapeOf(name string, items []RetrieveItem, prefix int) (planShape, error) {
+	var sh planShape
+	if prefix == 0 {
+		return sh, fmt.Errorf("reader %s (%d items) in a plan of prefix 0", name, len(items))
+	}
+	last := len(items)
+	for last > 0 && items[last-1].Chunk == prefix-1 {
+		last--
+	}
+	e := len(items) - last
+	if e == 0 || e > 65535 {
+		return sh, fmt.Errorf("reader %s has %d objects in its last chunk (%d), want 1 to 65535", name, e, prefix-1)
+	}
+	sh.exps = make([]planExp, e)
+	for j, it := range items[last:] {
+		sh.exps[j] = planExp{group: it.Group, shard: int(it.Key.Shard)}
+	}
+	sh.inner = e
+	if prefix > 1 {
+		// Chunk 0's objects: which expectations the inner chunks restore.
+		n := 0
+		for n < last && items[n].Chunk == 0 {
+			n++
+		}
+		if n == 0 || last%n != 0 || last/n != prefix-1 {
+			return sh, fmt.Errorf("reader %s has %d items before its last chunk, not %d chunks of %d (chunk 0's) in chunk-major order",
+				name, last, prefix-1, n)
+		}
+		j := 0
+		for _, it := range items[:n] {
+			for j < e && (sh.exps[j].group != it.Group || sh.exps[j].shard != int(it.Key.Shard)) {
+				sh.exps[j].lastOnly = true
+				j++
+			}
+			if j == e {
+				return sh, fmt.Errorf("reader %s chunk 0 restores group %d shard %d, which its last chunk does not (or not in that order)",
+					name, it.Group, it.Key.Shard)
+			}
+			j++
+		}
+		for ; j < e; j++ {
+			sh.exps[j].lastOnly = true
+		}
+		sh.inner = n
+	}
+	inner := make([]int, 0, sh.inner) // the inner chunks' expectations, by index
+	for j, x := range sh.exps {
+		if !x.lastOnly {
+			inner = append(inner, j)
+		}
+	}
+	for n := range items {
+		it := &items[n]
+		c, j := prefix-1, n-last
+		if n < last {
+			c, j = n/len(inner), inner[n%len(inner)]
+		}
+		x := sh.exps[j]
+		switch {
+		case it.Chunk != c:
+			return sh, fmt.Errorf("reader %s item %d is of chunk %d, want %d (chunk-major order)", name, n, it.Chunk, c)
+		case it.Group != x.group || int(it.Key.Shard) != x.shard || int(it.Key.Group) != it.Group:
+			return sh, fmt.Errorf("reader %s item %d is group %d shard %d, want group %d shard %d",
+				name, n, it.Group, it.Key.Shard, x.group, x.shard)
+		}
+	}
+	return sh, nil
+}
+
+func b2u8(b bool) byte {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func appendPlanRank(dst []byte, r Rank) ([]byte, error) {
@@ -198,6 +307,7 @@ func DecodePlanBinary(p []byte, chunks []dcp.ChunkHash) (*RestorePlan, error) {
 	if !IsBinaryPlan(p) {
 		return nil, fmt.Errorf("restore plan: missing magic %q: %w", planMagic, ErrMalformed)
 	}
+	flagged := string(p[:4]) == planMagicLast
 	r := &planReader{p: p[4:]}
 	plan := &RestorePlan{Ranks: map[string][]RetrieveItem{}}
 	plan.RestoreID = string(r.take(r.u8("restore id"), "restore id"))
@@ -226,21 +336,44 @@ func DecodePlanBinary(p []byte, chunks []dcp.ChunkHash) (*RestorePlan, error) {
 		if _, dup := plan.Ranks[rk.String()]; dup {
 			return nil, fmt.Errorf("restore plan: reader %s twice: %w", rk, ErrMalformed)
 		}
-		type exp struct{ group, shard int }
-		exps := make([]exp, e)
+		exps := make([]planExp, e)
+		inner := make([]int, 0, e) // the expectations of the chunks before the last
 		for j := range exps {
-			exps[j] = exp{r.u16("group"), r.u16("shard")}
+			exps[j] = planExp{group: r.u16("group"), shard: r.u16("shard")}
+			if flagged {
+				switch f := r.u8("last-only flag"); f {
+				case 0:
+				case 1:
+					exps[j].lastOnly = true
+				default:
+					r.fail("reader %s expectation %d: last-only flag %d", rk, j, f)
+				}
+			}
+			if !exps[j].lastOnly {
+				inner = append(inner, j)
+			}
 		}
-		need := uint64(plan.Prefix) * uint64(e) * planItemSize
+		if r.err == nil && len(inner) == 0 && e > 0 {
+			r.fail("reader %s: every one of its %d expectations is last-only", rk, e)
+		}
+		n := 0 // items
+		if plan.Prefix > 0 {
+			n = (plan.Prefix-1)*len(inner) + e
+		}
+		need := uint64(n) * planItemSize
 		if r.err == nil && need > uint64(len(r.p)) {
 			r.fail("reader %s: %d chunks x %d objects need %d bytes, %d left", rk, plan.Prefix, e, need, len(r.p))
 		}
 		if r.err != nil {
 			return nil, r.err
 		}
-		items := make([]RetrieveItem, 0, plan.Prefix*e)
+		items := make([]RetrieveItem, 0, n)
 		for i := range plan.Prefix {
-			for _, x := range exps {
+			for k := range e {
+				x := exps[k]
+				if i < plan.Prefix-1 && x.lastOnly {
+					continue
+				}
 				b := r.take(planItemSize, "item")
 				h, tier := int(binary.BigEndian.Uint16(b[8:])), Tier(b[10])
 				if h >= len(holders) {

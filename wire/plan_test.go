@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/hex"
 	"errors"
 	"reflect"
@@ -118,6 +119,71 @@ func TestPlanBinaryRejects(t *testing.T) {
 	misordered.Ranks["e/1"][0].Chunk, misordered.Ranks["e/1"][1].Chunk = 1, 0
 	if _, err := AppendPlanBinary(nil, misordered, ns); !errors.Is(err, ErrMalformed) {
 		t.Errorf("misordered plan encoded: %v", err)
+	}
+}
+
+// A plan of a restore.begin with StateAtEnd (a recurrent group restored
+// for the last chunk only) goes as KVP2 and comes back item for item;
+// shapes it cannot carry are refused, never encoded wrong.
+func TestPlanBinaryLastOnly(t *testing.T) {
+	var ns dcp.Namespace
+	chunks := []dcp.ChunkHash{{0xc0}, {0xc1}, {0xc2}}
+	h := Rank{Instance: "e", TPRank: 0}
+	item := func(chunk, group, shard int) RetrieveItem {
+		return RetrieveItem{Chunk: chunk, Group: group, Sum: uint64(100*chunk + 10*group + shard + 1), Source: Source{Holder: h, Tier: L2},
+			Key: dcp.Key{NS: ns, Chunk: chunks[chunk], Shard: uint16(shard), Group: uint16(group)}}
+	}
+	mk := func() *RestorePlan {
+		return &RestorePlan{RestoreID: "s", Prefix: 3, Ranks: map[string][]RetrieveItem{
+			// groups 0 and 2 recurrent: their states for chunk 2 only
+			"e/0": {item(0, 1, 0), item(1, 1, 0), item(2, 0, 0), item(2, 1, 0), item(2, 2, 0)},
+			"e/1": {item(0, 1, 1), item(1, 1, 1), item(2, 1, 1)}, // a reader without states: flags 0
+		}}
+	}
+	plan := mk()
+	p, err := AppendPlanBinary(nil, plan, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(p[:4]) != planMagicLast || !IsBinaryPlan(p) {
+		t.Fatalf("magic %q, want %q", p[:4], planMagicLast)
+	}
+	back, err := DecodePlanBinary(p, chunks)
+	if err != nil || !reflect.DeepEqual(back, plan) {
+		t.Fatalf("round trip = %+v, %v\nwant %+v", back, err, plan)
+	}
+	one := &RestorePlan{RestoreID: "s", Prefix: 1, Ranks: map[string][]RetrieveItem{"e/0": {item(0, 0, 0), item(0, 1, 0)}}}
+	if p, err := AppendPlanBinary(nil, one, ns); err != nil || string(p[:4]) != planMagic {
+		t.Fatalf("a plan of one chunk: %q, %v; want KVP1 (nothing is last-only)", p[:min(4, len(p))], err)
+	}
+	for name, f := range map[string]func(p *RestorePlan){
+		"inner chunk differs from chunk 0": func(p *RestorePlan) { p.Ranks["e/0"][1] = item(1, 2, 0) },
+		"chunk 0 has what the last lacks":  func(p *RestorePlan) { p.Ranks["e/1"][0] = item(0, 3, 1) },
+		"last chunk short":                 func(p *RestorePlan) { p.Ranks["e/1"] = p.Ranks["e/1"][:2] },
+		"an inner chunk missing":           func(p *RestorePlan) { p.Ranks["e/1"] = append(p.Ranks["e/1"][:1], p.Ranks["e/1"][2]) },
+	} {
+		bad := mk()
+		f(bad)
+		if _, err := AppendPlanBinary(nil, bad, ns); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: encoded (%v)", name, err)
+		}
+	}
+	// The flags: a value other than 0 or 1, and a reader all of whose
+	// expectations are last-only, are malformed. e/0's expectations follow
+	// its rank (u8 1, "e", u16 0) and their count (u16 3).
+	off := bytes.Index(p, []byte{1, 'e', 0, 0, 0, 3}) + 6
+	if p[off+4] != 1 || p[off+9] != 0 {
+		t.Fatalf("flags at %d: %x, want 01 then 00", off, p[off:off+15])
+	}
+	for name, mut := range map[string]func(b []byte){
+		"flag 2":        func(b []byte) { b[off+4] = 2 },
+		"all last-only": func(b []byte) { b[off+9] = 1 }, // groups 0 and 2 are, and now 1
+	} {
+		b := append([]byte(nil), p...)
+		mut(b)
+		if _, err := DecodePlanBinary(b, chunks); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: decoded (%v)", name, err)
+		}
 	}
 }
 

@@ -1,0 +1,147 @@
+package coordinator
+
+import (
+	"encoding/json"
+	"reflect"
+	"slices"
+	"testing"
+
+	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// hybridSpec is a TP2 namespace of a Mamba / attention hybrid (group 0 a
+// recurrent state page per chunk, group 1 attention), chunks of 16
+// tokens.
+func hybridSpec() dcp.Spec {
+	s := testSpec(2)
+	state := dcp.Group{Name: "mamba", Kind: dcp.Recurrent, BlockSize: 16, Layers: 1, KVFormat: "mamba_f32",
+		SemanticBytes: 512, PageBytes: 512, StrideBytes: 512}
+	s.Groups = append([]dcp.Group{state}, s.Groups...)
+	return s
+}
+
+// TestRestoreStateAtEnd: a restore.begin with StateAtEnd in a hybrid
+// namespace plans, expects and judges a recurrent group's object for the
+// last chunk only, JSON and binary (KVP2) alike; without it every group of
+// every chunk, as before. A report of an inner state is no expectation.
+func TestRestoreStateAtEnd(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, hybridSpec())
+	const n = 4
+	chunks := chain(ns, n, 11)
+	for tp := range 2 {
+		r := wire.Rank{Instance: "eng", TPRank: tp}
+		b := &wire.Batch{Rank: r, Incarnation: 1}
+		for _, ch := range chunks { // every chunk has both groups' objects
+			for g, size := range []uint64{512, 2048} {
+				k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(tp), Group: uint16(g)}
+				b.Events = append(b.Events, wire.Event{Seq: uint64(len(b.Events) + 1), Kind: wire.Stored, Tier: wire.L1,
+					Key: k, Size: size, Sum: sumOf(k)})
+			}
+		}
+		if _, werr := sendBatch(t, nc, c.subj, b); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	subject := c.subj.Coord(wire.CoordRestoreBegin)
+	begin := func(atEnd bool, enc string, chunks []dcp.ChunkHash) *wire.RestorePlan {
+		t.Helper()
+		req, _ := json.Marshal(wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks},
+			Instance: "eng", PlanEncoding: enc, StateAtEnd: atEnd})
+		m, err := nc.RequestWithContext(tctx(t), subject, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if enc == wire.PlanEncodingBinary {
+			p, err := wire.DecodePlanBinary(m.Data, chunks)
+			if err != nil {
+				t.Fatalf("binary plan: %v", err)
+			}
+			return p
+		}
+		var rep wire.Reply[wire.RestorePlan]
+		if err := json.Unmarshal(m.Data, &rep); err != nil || rep.OK == nil {
+			t.Fatalf("plan reply %s (%v)", m.Data, err)
+		}
+		return rep.OK
+	}
+	// (chunk, group) of a rank's items.
+	shape := func(items []wire.RetrieveItem) [][2]int {
+		var out [][2]int
+		for _, it := range items {
+			out = append(out, [2]int{it.Chunk, it.Group})
+		}
+		return out
+	}
+	all := [][2]int{{0, 0}, {0, 1}, {1, 0}, {1, 1}, {2, 0}, {2, 1}, {3, 0}, {3, 1}}
+	atEnd := [][2]int{{0, 1}, {1, 1}, {2, 1}, {3, 0}, {3, 1}}
+	plain := begin(false, "", chunks)
+	for r, items := range plain.Ranks {
+		if got := shape(items); !slices.Equal(got, all) {
+			t.Fatalf("without StateAtEnd %s restores %v, want every group of every chunk %v", r, got, all)
+		}
+	}
+	plan := begin(true, "", chunks)
+	if plan.Prefix != n || len(plan.Ranks) != 2 {
+		t.Fatalf("plan = %+v", plan)
+	}
+	for r, items := range plan.Ranks {
+		if got := shape(items); !slices.Equal(got, atEnd) {
+			t.Fatalf("with StateAtEnd %s restores %v, want %v", r, got, atEnd)
+		}
+	}
+	bin := begin(true, wire.PlanEncodingBinary, chunks)
+	binID := bin.RestoreID
+	bin.RestoreID = plan.RestoreID
+	if !reflect.DeepEqual(bin, plan) {
+		t.Fatalf("binary plan %+v\nJSON plan %+v", bin, plan)
+	}
+	bin.RestoreID = binID
+	// A shorter restore ends its states at its own last chunk.
+	short := begin(true, "", chunks[:2])
+	if got := shape(short.Ranks["eng/0"]); !slices.Equal(got, [][2]int{{0, 1}, {1, 0}, {1, 1}}) {
+		t.Fatalf("2 chunks with StateAtEnd: %v", got)
+	}
+
+	// The verdict needs exactly the planned objects: a report that also
+	// confirms chunk 1's state, which nothing expects, is refused whole;
+	// the restore is complete once both ranks confirm their plans.
+	w := func(id string) *wire.RestoreVerdict {
+		return call[wire.RestoreVerdict](t, nc, c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: id})
+	}
+	report := func(id string, tp int, res []wire.ItemResult) *wire.ReportAck {
+		return call[wire.ReportAck](t, nc, c.subj.Coord(wire.CoordRestoreReport),
+			wire.RestoreReport{RestoreID: id, Rank: wire.Rank{Instance: "eng", TPRank: tp}, Results: res})
+	}
+	extra := wire.ItemResult{Chunk: 1, Group: 0, OK: true, Sum: sumOf(dcp.Key{NS: ns, Chunk: chunks[1], Shard: 0, Group: 0})}
+	callErr[wire.ReportAck](t, nc, c.subj.Coord(wire.CoordRestoreReport), wire.RestoreReport{RestoreID: plan.RestoreID,
+		Rank: wire.Rank{Instance: "eng", TPRank: 0}, Results: append(results(plan.Ranks["eng/0"]), extra)}, wire.CodeBadRequest)
+	if got := testutil.Metric(t, c.reg, "kvtier_coord_restore_reports_total", "outcome", "rejected"); got != 1 {
+		t.Errorf("rejected reports = %v, want 1", got)
+	}
+	report(plan.RestoreID, 0, results(plan.Ranks["eng/0"]))
+	if ack := report(plan.RestoreID, 1, results(plan.Ranks["eng/1"])); ack.State != wire.VerdictComplete {
+		t.Fatalf("after both ranks: %+v", ack)
+	}
+	if v := w(plan.RestoreID); v.State != wire.VerdictComplete || v.Prefix != n {
+		t.Fatalf("verdict = %+v", v)
+	}
+
+	// The last chunk's state failing fails that chunk; a rank reporting
+	// only its attention objects never completes the restore.
+	res := results(bin.Ranks["eng/1"])
+	res[3].OK, res[3].Reason = false, "corrupt" // chunk 3, group 0
+	report(bin.RestoreID, 0, results(bin.Ranks["eng/0"]))
+	report(bin.RestoreID, 1, res)
+	if v := w(bin.RestoreID); v.State != wire.VerdictFailed || !slices.Equal(v.Failed, []int{3}) {
+		t.Fatalf("verdict with the last state corrupt = %+v, want failed [3]", v)
+	}
+	p := begin(true, "", chunks)
+	report(p.RestoreID, 0, results(p.Ranks["eng/0"]))
+	if ack := report(p.RestoreID, 1, results(p.Ranks["eng/1"][:3])); ack.State != wire.VerdictPending {
+		t.Fatalf("rank 1 without its last chunk: %+v, want pending", ack)
+	}
+}
