@@ -17,11 +17,15 @@ import (
 
 // (a) Cold store, wipe, restore from L1, byte-exact on every rank, for
 // TP4/DCP4 and TP4/DCP1 with the seed geometries; store and retrieve
-// requests binary, and as JSON (an engine from before the binary form).
+// requests binary, and as JSON (an engine from before the binary form);
+// and with --state-at-end (the recurrent group's pages of the last chunk
+// only, the inner chunks' left as the wipe: one object fewer per inner
+// chunk on every rank).
 func TestColdStoreWipeRestoreL1(t *testing.T) {
 	c := newKV(t, 4)
 	c.startAll()
-	for _, name := range []string{"tp4dcp4", "tp4dcp1", "tp4dcp4/json-requests"} {
+	items := map[int]int{} // tp4dcp1's objects restored per rank
+	for _, name := range []string{"tp4dcp4", "tp4dcp1", "tp4dcp4/json-requests", "tp4dcp1/state-at-end"} {
 		sc, form, _ := strings.Cut(name, "/")
 		t.Run(name, func(t *testing.T) {
 			args := []string{"--scenario", sc, "--phase", "all"}
@@ -47,6 +51,15 @@ func TestColdStoreWipeRestoreL1(t *testing.T) {
 				}
 				if r.Tier != want {
 					t.Fatalf("rank %d restored from %s, want %s", r.Rank, r.Tier, want)
+				}
+				switch name {
+				case "tp4dcp1":
+					items[r.Rank] = r.Items
+				case "tp4dcp1/state-at-end":
+					if r.Items != items[r.Rank]-(res.Chunks-1) {
+						t.Fatalf("rank %d restored %d objects with --state-at-end, %d without: want one fewer per inner chunk (%d)",
+							r.Rank, r.Items, items[r.Rank], res.Chunks-1)
+					}
 				}
 			}
 		})

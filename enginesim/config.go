@@ -114,6 +114,12 @@ type Config struct {
 	// its registration and wait until this file exists before storing
 	// (tests start another engine process in the gap).
 	HoldBeforeStore string
+	// StateAtEnd asks restore.begin for the recurrent groups' objects of
+	// the restored prefix's last chunk only (wire.RestoreBeginRequest
+	// StateAtEnd), as an engine that resumes from the state at the
+	// prefix's end does (vLLM with a Mamba group); the check then wants
+	// the inner chunks' recurrent pages left as the wipe. Default false.
+	StateAtEnd bool
 	// KeepRegistered leaves the pools registered with the rankds at exit
 	// (tests that poke at a registered namespace afterwards). Default
 	// false: the engine releases its pools before freeing them.

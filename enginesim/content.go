@@ -315,15 +315,18 @@ func (p *Plan) Verify(t, gi, phase int, got []byte, skip map[int]bool) Mismatch 
 	m, _ := p.VerifyFrom(t, gi, phase, func(off uint64, dst []byte) error {
 		copy(dst, got[off:])
 		return nil
-	}, uint64(len(got)), skip)
+	}, uint64(len(got)), skip, nil)
 	return m
 }
 
 // VerifyFrom is Verify reading the allocation of size bytes through read,
 // in pieces of at most 16 MiB (or one page), so that a pool of gigabytes
 // (block ids near 2^31) is checked without a copy of it in memory. It
-// returns read's first error.
-func (p *Plan) VerifyFrom(t, gi, phase int, read func(off uint64, dst []byte) error, size uint64, skip map[int]bool) (Mismatch, error) {
+// returns read's first error. The table pages of the chunks in left (not
+// in skip) must still hold the wipe: the restore was not to write them
+// (a recurrent group's inner chunks under Config.StateAtEnd); a changed
+// byte counts in Chunks.
+func (p *Plan) VerifyFrom(t, gi, phase int, read func(off uint64, dst []byte) error, size uint64, skip, left map[int]bool) (Mismatch, error) {
 	g := p.R.Geometry[gi]
 	m := Mismatch{Chunks: map[int]uint64{}, Bytes: size}
 	note := func(what string, off uint64, want, have byte) {
@@ -382,6 +385,16 @@ func (p *Plan) VerifyFrom(t, gi, phase int, read func(off uint64, dst []byte) er
 			}
 			c := v / p.BPC[gi]
 			if skip[c] {
+				continue
+			}
+			if left[c] {
+				for i := range have {
+					if want := WipeByte(off + uint64(i)); have[i] != want {
+						m.Chunks[c]++
+						note(fmt.Sprintf("chunk %d layer %d block %d (virtual %d), which the restore was not to write, changed", c, l, b, v),
+							off+uint64(i), want, have[i])
+					}
+				}
 				continue
 			}
 			p.Page(t, gi, l, v, page)

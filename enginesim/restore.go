@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -30,7 +31,8 @@ func (s *sim) restore(ctx context.Context) error {
 	cctx, cancel := s.callCtx(ctx)
 	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), s.resend(0), wire.RestoreBeginRequest{
 		Instance: s.cfg.Instance, PlanEncoding: wire.PlanEncodingBinary, RestoreBegin: wire.RestoreBegin{
-			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)}})
+			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)},
+		StateAtEnd: s.cfg.StateAtEnd})
 	cancel()
 	if err != nil {
 		if s.cfg.FailOpen {
@@ -143,9 +145,13 @@ func (s *sim) restore(ctx context.Context) error {
 		s.logf("chunks to recompute: %v", sortedKeys(skip))
 	}
 	var problems []string
+	left := func(gi int) map[int]bool { return nil }
+	if s.cfg.StateAtEnd {
+		left = s.statesLeft(plan.Prefix)
+	}
 	for _, w := range s.workers {
 		row := &rows[w.t]
-		m, err := w.verify(skip)
+		m, err := w.verify(skip, left)
 		if err != nil {
 			return err
 		}
@@ -345,5 +351,29 @@ func callRetrying[T any](ctx context.Context, nc *nats.Conn, subject string, req
 			return nil, fmt.Errorf("%s still answering %w when the call ended: %w", subject, err, ctx.Err())
 		case <-t.C:
 		}
+	}
+}
+
+// statesLeft returns, for Config.StateAtEnd, the chunks of group gi that a
+// restore of prefix chunks does not write: a recurrent group's chunks
+// before the last, in a spec that also has other groups (the coordinator's
+// rule, index.LookupResult.Needed); nil for every other group.
+func (s *sim) statesLeft(prefix int) func(gi int) map[int]bool {
+	groups := s.plan.R.Groups
+	states := 0
+	for _, g := range groups {
+		if g.Kind == dcp.Recurrent {
+			states++
+		}
+	}
+	return func(gi int) map[int]bool {
+		if states == 0 || states == len(groups) || groups[gi].Kind != dcp.Recurrent {
+			return nil
+		}
+		out := map[int]bool{}
+		for c := range prefix - 1 {
+			out[c] = true
+		}
+		return out
 	}
 }

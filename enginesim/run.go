@@ -311,7 +311,7 @@ func (s *sim) recompute(chunks []int) error {
 	s.res.Recomputed = chunks
 	var problems []string
 	for _, w := range s.workers {
-		m, err := w.verify(nil)
+		m, err := w.verify(nil, nil)
 		if err != nil {
 			return err
 		}

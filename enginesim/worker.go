@@ -399,12 +399,16 @@ func (w *worker) retrieve(ctx context.Context, restoreID string, items []wire.Re
 }
 
 // verify reads back every allocation and compares it with what it must hold.
-func (w *worker) verify(skip map[int]bool) (Mismatch, error) {
+func (w *worker) verify(skip map[int]bool, left func(gi int) map[int]bool) (Mismatch, error) {
 	total := Mismatch{Chunks: map[int]uint64{}}
 	for gi := range w.plan.R.Geometry {
+		var l map[int]bool
+		if left != nil {
+			l = left(gi)
+		}
 		m, err := w.plan.VerifyFrom(w.t, gi, PhaseRestoreTable, func(off uint64, dst []byte) error {
 			return w.dev.Read(w.allocs[gi], off, dst)
-		}, w.plan.AllocBytes(gi), skip)
+		}, w.plan.AllocBytes(gi), skip, l)
 		if err != nil {
 			return total, fmt.Errorf("rank %d: read group %d: %w", w.t, gi, err)
 		}

@@ -262,6 +262,7 @@ class FakeWorld:
         self.lookups: list[wire.LookupRequest] = []
         self.lookup_error: Exception | None = None
         self.begins: list[tuple[dcp.Namespace, list[dcp.ChunkHash], str]] = []
+        self.begins_state_at_end: list[bool] = []  # each begin's state_at_end, by begin
         self.plan: wire.RestorePlan | None = None
         self.begin_error: Exception | None = None
         self.verdict: wire.RestoreVerdict | None = None
@@ -305,8 +306,10 @@ class FakeAio:
         prefix = self.world.prefix_by_ns.get(namespace, self.world.prefix)
         return wire.LookupReply(instance=instance, prefix=min(prefix, len(chunks)))
 
-    async def restore_begin(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None):
+    async def restore_begin(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None,
+                            state_at_end=False):
         self.world.begins.append((namespace, list(chunks), instance))
+        self.world.begins_state_at_end.append(state_at_end)
         if self.world.begin_error is not None:
             raise self.world.begin_error
         plan = self.world.plan_by_ns.get(namespace, self.world.plan)

@@ -36,6 +36,30 @@ def test_binary_plan_equals_go_json_plan():
         client_plan.decode_plan(b'{"error":{"code":"bad_request","message":"no such"}}', chunks)
 
 
+def test_binary_plan_last_only_equals_go_json_plan():
+    """A restore.begin with state_at_end: Go's KVP2 plan (a recurrent
+    group's object for the last chunk only) decodes to exactly its JSON
+    form's plan; truncations and bad flags raise MalformedError."""
+    chunks = [dcp.ChunkHash.parse(h) for h in json.loads((COMPACT / "chunks.json").read_text())]
+    want = wire.decode(wire.RestorePlan, (COMPACT / "restore_plan_last.json").read_bytes())
+    data = (COMPACT / "restore_plan_last.bin").read_bytes()
+    assert data[:4] == b"KVP2" and client_plan.is_binary_plan(data)
+    got = client_plan.decode_plan(data, chunks)
+    assert got == want
+    assert [(it.chunk, it.group) for it in got.ranks["engine0/0"]] == [(0, 1), (1, 0), (1, 1)]
+    for n in range(len(data)):
+        with pytest.raises(MalformedError):
+            client_plan.decode_plan_binary(data[:n], chunks)
+    # engine0/0's expectations follow its rank (u8 7, "engine0", u16 0) and their count (u16 2)
+    off = data.index(b"\x07engine0\x00\x00\x00\x02") + 12
+    assert data[off + 4] == 1 and data[off + 9] == 0, data[off:off + 10].hex()
+    for pos, flag, words in ((off + 4, 2, "last-only flag 2"), (off + 9, 1, "every one")):
+        b = bytearray(data)
+        b[pos] = flag
+        with pytest.raises(MalformedError, match=words):
+            client_plan.decode_plan_binary(bytes(b), chunks)
+
+
 def test_binary_plan_refuses_bad_input():
     """Truncated, extended, out-of-range and corrupted plans raise
     MalformedError, never another exception."""

@@ -113,10 +113,13 @@ def hybrid_worker(world, **extra):
     return w
 
 
-def load(w, ids, planned=2):
+def load(w, ids, planned=2, items=None):
+    """A load of planned chunks from chunk 0 into ids; items: its (chunk,
+    group) pairs (default: both groups of every chunk)."""
+    pairs = items if items is not None else [(c, g) for c in range(planned) for g in (0, 1)]
     items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16),
                                                              0, g),
-                               source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(planned) for g in (0, 1)]
+                               source=wire.Source(wire.Rank("engine0", 0), 1)) for c, g in pairs]
     raw = _codec.dumps([_codec.to_obj(i) for i in items])
     return LoadSpec("r1", "r-1", 0, planned, planned, {"engine0/0": raw}, ids, async_load=True)
 

@@ -109,32 +109,56 @@ def test_a_chunk_is_stored_only_with_the_state_vllm_handed_over():
     assert [(sv.chunks, sv.positions) for sv in meta.saves] == [([(bytes(h[2]), [[78], [14, 15]])], [2])]
 
 
-def test_lookup_offers_one_chunk_and_the_load_targets_the_state_block_vllm_allocates():
+def test_lookup_offers_every_stored_chunk_and_the_load_targets_the_state_block_vllm_allocates():
     """vLLM allocates one block for the state of a restored prefix of T
-    tokens, at index T // 32 - 1 of the Mamba group, and none inside it: a
-    hit is one chunk past vLLM's own prefix, its Mamba page placed there."""
+    tokens, at index T // 32 - 1 of the Mamba group, and none inside it: the
+    restore asks for the Mamba page of its last chunk only (state_at_end),
+    which lands there, and spans every chunk the cache holds."""
     world = fakes.FakeWorld()
     world.prefix = 3
     s = sched(world)
     req = fakes.Request("r1", tokens(4 * CHUNK + 1))
     hashes = s.resolved.chunk_hashes(req.prompt_token_ids)
-
-    def plan(first):
-        return wire.RestorePlan("r-1", 1, {"engine0/0": [
-            wire.RetrieveItem(chunk=0, group=g, key=dcp.Key(s.resolved.namespace, hashes[first], 0, g), sum=1,
-                              source=wire.Source(wire.Rank("engine0", 0), wire.Tier.L1)) for g in (0, 1)]})
-
-    world.plan = plan(1)
-    assert s.get_num_new_matched_tokens(req, CHUNK) == (CHUNK, True)  # 3 chunks stored, 1 offered
-    assert world.lookups[-1].chunks == hashes[1:2]
-    # vLLM's table after the allocation: Mamba nulls, the local state (block 3), the restored state's block
-    # (index 3: tokens 96..128), the running state; attention blocks of every token
-    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([0, 3, 0, 50, 51], [20, 21, 22, 23, 24])), CHUNK)
+    key = lambda c, g: dcp.Key(s.resolved.namespace, hashes[c], 0, g)  # noqa: E731
+    src = wire.Source(wire.Rank("engine0", 0), wire.Tier.L1)
+    # chunks 1-3 (vLLM holds chunk 0): attention of each, the Mamba state of chunk 3 only
+    world.plan = wire.RestorePlan("r-1", 3, {"engine0/0": [
+        wire.RetrieveItem(chunk=0, group=1, key=key(1, 1), sum=1, source=src),
+        wire.RetrieveItem(chunk=1, group=1, key=key(2, 1), sum=2, source=src),
+        wire.RetrieveItem(chunk=2, group=0, key=key(3, 0), sum=3, source=src),
+        wire.RetrieveItem(chunk=2, group=1, key=key(3, 1), sum=4, source=src)]})
+    assert s.get_num_new_matched_tokens(req, CHUNK) == (3 * CHUNK, True)  # 3 chunks past vLLM's, all offered
+    assert world.lookups[-1].chunks == hashes[1:4]
+    assert world.begins_state_at_end == [True]
+    # vLLM's table after the allocation: Mamba nulls, the local state (block 3), nulls inside the
+    # restored prefix, the restored state's block (index 7: tokens 224..256), the running state;
+    # attention blocks of every token
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([0, 3, 0, 0, 0, 0, 0, 50, 51],
+                                                         list(range(20, 29)))), 3 * CHUNK)
     meta = s.build_connector_meta(step())
     (ld,) = meta.loads
-    assert (ld.first_chunk, ld.chunks, ld.planned) == (1, 1, 1)
-    assert ld.block_ids == [[3, 50], [20, 21, 22, 23, 24]]  # Mamba: the state at each chunk's end
+    assert (ld.first_chunk, ld.chunks, ld.planned) == (1, 3, 3)
+    assert ld.block_ids == [[3, 0, 0, 50], list(range(20, 29))]  # Mamba: the state at each chunk's end
     assert ld.problem == ""
+
+
+def test_a_multi_chunk_mamba_load_places_only_the_last_state():
+    """The worker places the attention pages of every chunk and the Mamba
+    page of the last chunk in the block vLLM allocated; a failed verdict
+    fails the whole request (several groups: vLLM recomputes it)."""
+    world = fakes.FakeWorld()
+    w = mamba_worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    items = [(0, 1), (1, 1), (2, 0), (2, 1)]
+    out, errs = run_step(w, loads=[load(w, [[0, 0, 50], [20, 21, 22, 23, 24, 25]], planned=3, items=items)])
+    assert out.finished_recving == {"r1"} and not out.failed_recving and not errs
+    (_, _, placed), = world.retrieves[-1:]
+    assert [(it.chunk, it.group, it.blocks) for it in placed] == [
+        (0, 1, [20, 21]), (1, 1, [22, 23]), (2, 0, [50]), (2, 1, [24, 25])]
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_FAILED, 3, [2], ["rank 0 group 0 shard 0: corrupt"])
+    out, _ = run_step(w, loads=[load(w, [[0, 0, 50], [20, 21, 22, 23, 24, 25]], planned=3, items=items)])
+    assert out.failed_recving == {"r1"}
+    assert w.stats["restore_failures"] == 1
 
 
 def mamba_worker(world, **extra):

@@ -446,13 +446,18 @@ class Client:
         return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply, timeout=timeout)
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
-                            deadline_ms: int = 0, timeout: float | None = None) -> RestorePlan:
+                            deadline_ms: int = 0, timeout: float | None = None,
+                            state_at_end: bool = False) -> RestorePlan:
         """Begins a restore of chunks. The plan comes in its binary form
         (client_plan: 11 B per item, decoded in microseconds, where the
-        JSON plan's generic decoding took ~40 us per item, issue 25.4)."""
+        JSON plan's generic decoding took ~40 us per item, issue 25.4).
+        state_at_end: a recurrent group's object (a Mamba state) only for
+        the restored prefix's last chunk (Go wire.RestoreBeginRequest
+        StateAtEnd; a coordinator that predates it refuses the request)."""
         inst = self._instance(instance)
         chunks = list(chunks)
-        req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst)
+        req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
+                                             state_at_end=state_at_end)
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
                                timeout=timeout, decoder=lambda data, subject: client_plan.decode_plan(data, chunks,
                                                                                                     subject))
@@ -701,9 +706,9 @@ class SyncClient:
                         _outer(timeout))
 
     def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
-                      deadline_ms: int = 0, timeout: float | None = None) -> RestorePlan:
+                      deadline_ms: int = 0, timeout: float | None = None, state_at_end: bool = False) -> RestorePlan:
         return self.run(self.aio.restore_begin(namespace, chunks, instance=instance, deadline_ms=deadline_ms,
-                                               timeout=timeout), _outer(timeout))
+                                               timeout=timeout, state_at_end=state_at_end), _outer(timeout))
 
     def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                      instance: str | None = None) -> RestoreVerdict:

@@ -22,6 +22,11 @@ A reader's items are, for chunk i and expectation e in that order,
 RetrieveItem(chunk=i, group=e.group, key=Key(namespace, chunks[i], e.shard,
 e.group), sum, Source(holders[holder], tier)) with no blocks: exactly the
 JSON plan's items. The chunk hashes are the request's, by index.
+
+A restore.begin with state_at_end may answer "KVP2": each expectation
+carries a u8 last_only flag after its shard (1: a recurrent group's
+object, restored for the last chunk only); the chunks before the last have
+items for the expectations with flag 0 only, the last chunk for all.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kvtier.errors import MalformedError
 
 PLAN_ENCODING_BINARY = "binary"
 _MAGIC = b"KVP1"
+_MAGIC_LAST = b"KVP2"  # expectations flagged last-only (state_at_end)
 _ITEM = struct.Struct(">QHB")  # sum, holder index, tier
 
 
@@ -48,12 +54,13 @@ class RestoreBeginBinary:
     begin: wire.RestoreBegin = field("", default_factory=wire.RestoreBegin)
     instance: str = field("instance", omit="omitempty", default="")
     plan_encoding: str = field("plan_encoding", omit="omitempty", default=PLAN_ENCODING_BINARY)
+    state_at_end: bool = field("state_at_end", omit="omitempty", default=False)
 
 
 def is_binary_plan(data: bytes) -> bool:
     """Whether a restore.begin reply is a binary plan (an error reply is
     JSON either way)."""
-    return data[:4] == _MAGIC
+    return data[:4] in (_MAGIC, _MAGIC_LAST)
 
 
 class _Reader:
@@ -91,6 +98,7 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
     raises MalformedError, as Go's DecodePlanBinary refuses it."""
     if not is_binary_plan(data):
         raise MalformedError(f"restore plan: missing magic {_MAGIC!r}")
+    flagged = data[:4] == _MAGIC_LAST
     r = _Reader(data)
     restore_id = r.text(r.u8("restore id"), "restore id")
     prefix = int.from_bytes(r.take(4, "prefix"), "big")
@@ -106,8 +114,19 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
         name = str(rk)
         if name in ranks:
             raise MalformedError(f"restore plan: reader {name} twice")
-        exps = [(r.u16("group"), r.u16("shard")) for _ in range(r.u16("objects per chunk"))]
-        need = prefix * len(exps) * _ITEM.size
+        exps, inner = [], []  # inner: the expectations of the chunks before the last
+        for j in range(r.u16("objects per chunk")):
+            group, shard = r.u16("group"), r.u16("shard")
+            last_only = r.u8("last-only flag") if flagged else 0
+            if last_only not in (0, 1):
+                raise MalformedError(f"restore plan: reader {name} expectation {j}: last-only flag {last_only}")
+            exps.append((group, shard))
+            if not last_only:
+                inner.append((group, shard))
+        if exps and not inner:
+            raise MalformedError(f"restore plan: reader {name}: every one of its {len(exps)} expectations is last-only")
+        n = (prefix - 1) * len(inner) + len(exps) if prefix else 0
+        need = n * _ITEM.size
         if need > len(r.b) - r.off:
             raise MalformedError(f"restore plan: reader {name}: {prefix} chunks x {len(exps)} objects need "
                                  f"{need} bytes, {len(r.b) - r.off} left")
@@ -116,7 +135,7 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
         unpack, off = _ITEM.unpack_from, r.off
         for i in range(prefix):
             ch = chunks[i]
-            for group, shard in exps:
+            for group, shard in (inner if i < prefix - 1 else exps):
                 s, h, tier = unpack(r.b, off)
                 off += _ITEM.size
                 src = sources.get((h, tier))

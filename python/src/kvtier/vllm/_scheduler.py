@@ -58,9 +58,10 @@ class _SchedulerSide(_Core):
         n = min(rep.prefix for rep in reps)
         if any(rep.not_alive for rep in reps) or n <= 0:
             return None
+        states = bool(self._state_groups())  # a Mamba group: its state at the prefix's end only (below)
         plans = list(await asyncio.gather(*(
             c.aio.restore_begin(r.namespace, h[first:first + n], instance=inst,
-                                deadline_ms=self.cfg.restore_deadline_ms, timeout=t)
+                                deadline_ms=self.cfg.restore_deadline_ms, timeout=t, state_at_end=states)
             for r, h, inst in zip(self.stages, hashes, self.instances, strict=True))))
         if len({p.prefix for p in plans}) > 1:
             # An object went between a stage's lookup and its begin: the
@@ -96,8 +97,6 @@ class _SchedulerSide(_Core):
             return 0, False
         last = max(0, (len(st.tokens) - 1) // self.chunk)  # vLLM must compute at least one token
         last = min(last, len(st.hashes), first + self._window_chunks(first, num_computed_tokens))
-        if self._state_groups():
-            last = min(last, first + 1)  # one chunk: its end state is the one vLLM gives a block (below)
         if first >= last:
             return 0, False
         if st.lookup_first != first:
@@ -185,11 +184,12 @@ class _SchedulerSide(_Core):
     # object is the state at its end: a chunk is stored only when vLLM
     # handed over that state. On a restore of T tokens vLLM allocates one
     # fresh block for the state, block T // bs - 1, and none for the states
-    # inside the restored tokens, while kvtier places every group's object
-    # of every chunk (and a rankd refuses the null block, two objects in one
-    # block and an item whose blocks are all skipped: it cannot verify one
-    # without placing it): so a restore is one chunk past vLLM's own prefix,
-    # its state placed in that block.
+    # inside the restored tokens. So the restore asks the coordinator for a
+    # Mamba group's object of its last chunk only (restore_begin's
+    # state_at_end: the plan, the expectations and the verdict leave the
+    # inner chunks' states out; each is still stored, so the restore may
+    # end at any chunk), placed in that block; the attention groups of
+    # every chunk as usual.
 
     def _state_groups(self) -> list[int]:
         return [gi for gi, gl in enumerate(self.layers) if gl.recurrent]
@@ -215,7 +215,8 @@ class _SchedulerSide(_Core):
         """The Mamba group's targets of a load, one per chunk (kvtier's
         recurrent group has one page per chunk): the block vLLM allocated
         for the state at the chunk's end, NULL_BLOCK where it allocated
-        none (a load into it is refused)."""
+        none (a load into it is refused). Only the last one is loaded
+        (state_at_end): vLLM allocates that one."""
         bs = self.layers[gi].block_size
         ids = st.block_ids[gi] if gi < len(st.block_ids) else []
         out = []

@@ -64,8 +64,9 @@ opaque page, the state at the chunk's end: kvtier's recurrent group has a
 block of chunk_tokens (one page per chunk), and the chunk must be a
 multiple of vLLM's Mamba block size. The scheduler side stores a chunk
 only when vLLM handed it that boundary's state block
-(KVConnectorBlockState.boundary_state_offloads) and restores at most one
-chunk past vLLM's own prefix (see kvtier.vllm._scheduler). Refused as not
+(KVConnectorBlockState.boundary_state_offloads); a restore places the
+Mamba object of its last chunk only, in the block vLLM allocates for the
+restored prefix's state (see kvtier.vllm._scheduler). Refused as not
 verified against vLLM: speculative Mamba blocks (EAGLE/MTP relocate them)
 and DCP > 1.
 
