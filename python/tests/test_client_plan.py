@@ -4,6 +4,7 @@ against Go's bytes, and the retrieve reply against the generic decoder."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 import random
@@ -127,3 +128,51 @@ def test_retrieve_reply_fast_path_equals_the_generic_decoder():
         assert fast == slow, data
         fast_hits += isinstance(fast, wire.RetrieveReply)
     assert fast_hits > 100  # the mutations leave many valid replies
+
+
+def _plan_items() -> list[wire.RetrieveItem]:
+    """A rank's items of a plan: two groups, a skip in chunk 0, holders of
+    two instances, every tier, chunk 2 absent (a gap)."""
+    ns = dcp.Namespace(bytes(range(16)))
+    h = [dcp.ChunkHash(bytes([c + 1]) * 16) for c in range(5)]
+    out = []
+    for c in (0, 1, 3, 4):
+        for g in (0, 1):
+            holder = wire.Rank("engine0" if (c + g) % 2 else "peer-b", (c * 2 + g) % 3)
+            out.append(wire.RetrieveItem(c, g, dcp.Key(ns, h[c], 2 + g, g), 0xFEDCBA9876543210 - c * 7 - g,
+                                         wire.Source(holder, list(wire.Tier)[(c + g) % len(wire.Tier)]),
+                                         skip=1 if c == 0 else 0))
+    return out
+
+
+def test_packed_items_round_trip():
+    """What the connector's scheduler hands its workers: pack_items then
+    unpack_items gives back every field of every item, in order; items the
+    form cannot carry are refused when packed."""
+    items = _plan_items()
+    data = client_plan.pack_items(items)
+    assert client_plan.unpack_items(data) == items
+    assert client_plan.unpack_items(client_plan.pack_items([])) == []
+    ns2 = dataclasses.replace(items[1], key=dataclasses.replace(items[1].key, ns=dcp.Namespace(bytes(16))))
+    for bad in (dataclasses.replace(items[0], blocks=[3]),
+                dataclasses.replace(items[0], group=1),  # its key is of group 0
+                dataclasses.replace(items[0], key=dataclasses.replace(items[0].key, chunk=items[2].key.chunk)),
+                ns2):
+        with pytest.raises(ValueError):
+            client_plan.pack_items([items[0], *items[1:], bad] if bad is not ns2 else [items[0], bad])
+
+
+def test_packed_items_refuse_bad_input():
+    data = client_plan.pack_items(_plan_items())
+    for n in range(len(data)):
+        with pytest.raises(MalformedError):
+            client_plan.unpack_items(data[:n])
+    with pytest.raises(MalformedError, match="left"):
+        client_plan.unpack_items(data + b"\x00")
+    # the last item: its tier, then its holder index, then its chunk
+    tail = len(data) - 4  # the skip's u32
+    for pos, value, words in ((tail - 1, 9, "tier 9"), (tail - 2, 7, "holder 7"), (len(data) - 20, 9, "chunk 9 of 5")):
+        b = bytearray(data)
+        b[pos] = value
+        with pytest.raises(MalformedError, match=words):
+            client_plan.unpack_items(bytes(b))

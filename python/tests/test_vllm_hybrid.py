@@ -9,7 +9,7 @@ import pytest
 from test_vllm_connector import make, plan_for, tokens
 
 import fakes
-from kvtier import _codec, cuda, dcp, errors, wire
+from kvtier import client_plan, cuda, dcp, errors, wire
 from kvtier.vllm import KvtierConnectorMetadata, LoadSpec, SaveSpec, spec_from_vllm
 from kvtier.vllm.connector import KVConnectorRole
 
@@ -120,7 +120,7 @@ def load(w, ids, planned=2, items=None):
     items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16),
                                                              0, g),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c, g in pairs]
-    raw = _codec.dumps([_codec.to_obj(i) for i in items])
+    raw = client_plan.pack_items(items)
     return LoadSpec("r1", "r-1", 0, planned, planned, {"engine0/0": raw}, ids, async_load=True)
 
 

@@ -78,13 +78,13 @@ def test_alloc_takes_the_held_tokens_into_account():
 
 
 def partial_load(w, held, chunks=2, first=0):
-    from kvtier import _codec, dcp
+    from kvtier import client_plan, dcp
     from kvtier.vllm import LoadSpec
 
     hashes = [bytes([c]) * 16 for c in range(chunks)]
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(hashes[c])),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(chunks)]
-    raw = _codec.dumps([_codec.to_obj(i) for i in items])
+    raw = client_plan.pack_items(items)
     ids = list(range(20, 20 + 4 * (first + chunks) + 1))
     return LoadSpec("r1", "r-1", first, chunks, chunks, {"engine0/0": raw}, [ids], held_tokens=held,
                     async_load=False)

@@ -155,6 +155,89 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
     return wire.RestorePlan(restore_id, prefix, ranks, reason)
 
 
+# One rank's items of a plan, packed for the engine's own processes (the
+# vLLM connector's scheduler hands them to its workers in the step's
+# metadata): the generic codec's JSON cost about 34 us an item to encode
+# and decode on the development VM, 4.4 ms for a 32k-token prompt in
+# 256-token chunks on one rank, on the scheduler's step. Big-endian:
+#
+#     magic "KVI1" | namespace (16 B)
+#     u16 H | H x holder: (u8 len(instance) | instance | u16 tp_rank)
+#     u32 C | C x chunk hash (16 B): the hash of chunk index c
+#     u32 N | N x (u32 chunk | u16 group | u16 shard | u64 sum | u16 holder | u8 tier | u32 skip)
+#
+# Items carry no blocks (the worker sets them), every key is in the
+# namespace, and its group is the item's.
+_ITEMS_MAGIC = b"KVI1"
+_PACKED = struct.Struct(">IHHQHBI")
+
+
+def pack_items(items: Sequence[wire.RetrieveItem]) -> bytes:
+    """items (one plan's, of one namespace, without blocks) packed; their
+    order is kept. ValueError for items the form cannot carry."""
+    ns = items[0].key.ns if items else Namespace()
+    holders: dict[wire.Rank, int] = {}
+    hashes: dict[int, ChunkHash] = {}
+    body = bytearray()
+    for it in items:
+        k = it.key
+        if k.ns != ns or k.group != it.group or it.blocks or not 0 <= it.chunk < 1 << 32:
+            raise ValueError(f"item of chunk {it.chunk} group {it.group}: another namespace, a key of group "
+                             f"{k.group}, blocks or a chunk index out of range")
+        if hashes.setdefault(it.chunk, k.chunk) != k.chunk:
+            raise ValueError(f"chunk {it.chunk}: two chunk hashes")
+        h = holders.setdefault(it.source.holder, len(holders))
+        body += _PACKED.pack(it.chunk, it.group, k.shard, it.sum, h, int(it.source.tier), it.skip)
+    out = bytearray(_ITEMS_MAGIC)
+    out += bytes(ns)
+    out += len(holders).to_bytes(2, "big")
+    for r in holders:
+        inst = r.instance.encode()
+        out += bytes([len(inst)]) + inst + r.tp_rank.to_bytes(2, "big")
+    n_chunks = max(hashes) + 1 if hashes else 0
+    out += n_chunks.to_bytes(4, "big")
+    zero = bytes(16)
+    for c in range(n_chunks):
+        h = hashes.get(c)
+        out += bytes(h) if h is not None else zero
+    out += len(items).to_bytes(4, "big")
+    return bytes(out + body)
+
+
+def unpack_items(data: bytes) -> list[wire.RetrieveItem]:
+    """pack_items' items back. MalformedError for bad input."""
+    if data[:4] != _ITEMS_MAGIC:
+        raise MalformedError(f"packed items: missing magic {_ITEMS_MAGIC!r}")
+    r = _Reader(data)
+    ns = Namespace(r.take(16, "namespace"))
+    holders = [r.rank("holder") for _ in range(r.u16("holders"))]
+    n_chunks = int.from_bytes(r.take(4, "chunks"), "big")
+    if n_chunks * 16 > len(r.b) - r.off:
+        raise MalformedError(f"packed items: {n_chunks} chunk hashes, {len(r.b) - r.off} bytes left")
+    hashes = [ChunkHash(r.take(16, "chunk hash")) for _ in range(n_chunks)]
+    n = int.from_bytes(r.take(4, "items"), "big")
+    if n * _PACKED.size != len(r.b) - r.off:
+        raise MalformedError(f"packed items: {n} items need {n * _PACKED.size} bytes, {len(r.b) - r.off} left")
+    sources: dict[tuple[int, int], wire.Source] = {}
+    out: list[wire.RetrieveItem] = []
+    append, unpack, off = out.append, _PACKED.unpack_from, r.off
+    for _ in range(n):
+        chunk, group, shard, s, h, tier, skip = unpack(r.b, off)
+        off += _PACKED.size
+        src = sources.get((h, tier))
+        if src is None:
+            if h >= len(holders):
+                raise MalformedError(f"packed items: holder {h} of {len(holders)}")
+            try:
+                src = sources[(h, tier)] = wire.Source(holders[h], wire.Tier(tier))
+            except ValueError:
+                raise MalformedError(f"packed items: tier {tier}") from None
+        if chunk >= n_chunks:
+            raise MalformedError(f"packed items: chunk {chunk} of {n_chunks}")
+        append(wire.RetrieveItem(chunk, group, Key(ns, hashes[chunk], shard, group), s, src, [], skip))
+    return out
+
+
 def decode_plan(data: bytes, chunks: Sequence[ChunkHash], subject: str = "") -> wire.RestorePlan:
     """A restore.begin reply: the binary plan, or JSON (a plan, or an
     error reply, which raises its WireError)."""
@@ -163,4 +246,5 @@ def decode_plan(data: bytes, chunks: Sequence[ChunkHash], subject: str = "") -> 
     return wire.decode_restore_plan(data, subject)
 
 
-__all__ = ["PLAN_ENCODING_BINARY", "RestoreBeginBinary", "decode_plan", "decode_plan_binary", "is_binary_plan"]
+__all__ = ["PLAN_ENCODING_BINARY", "RestoreBeginBinary", "decode_plan", "decode_plan_binary", "is_binary_plan",
+           "pack_items", "unpack_items"]

@@ -12,8 +12,8 @@ import logging
 import time
 from typing import Any
 
-from kvtier import _codec, wire
 from kvtier import client as kvclient
+from kvtier import client_plan, wire
 from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace
 from kvtier.vllm._core import _Core
 from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req
@@ -346,7 +346,7 @@ class _SchedulerSide(_Core):
         spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
         if len(st.stage_plans) > 1:
             spec.stage_restore_ids = [p.restore_id for p in st.stage_plans]
-        spec.items = {r: _codec.dumps([_codec.to_obj(it) for it in items]) for r, items in plan.ranks.items()}
+        spec.items = {r: client_plan.pack_items(items) for r, items in plan.ranks.items()}
         return spec
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

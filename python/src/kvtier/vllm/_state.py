@@ -21,14 +21,14 @@ NULL_BLOCK = 0
 @dataclass
 class LoadSpec:
     """One restore for one request: the coordinator's plan (each rank's
-    items as kvtier wire JSON) and the request's block ids."""
+    items packed by kvtier.client_plan.pack_items) and the request's block ids."""
 
     req_id: str
     restore_id: str
     first_chunk: int  # chunk index in the request of the plan's chunk 0
     chunks: int  # chunks vLLM was told are loaded
     planned: int  # chunks the plan covers (<= chunks)
-    items: dict[str, bytes]  # by str(Rank): JSON list of RetrieveItem
+    items: dict[str, bytes]  # by str(Rank): its RetrieveItems, kvtier.client_plan.pack_items
     block_ids: list[list[int]]  # [group][block] of the whole request
     problem: str = ""
     async_load: bool = True  # vLLM was told the load is asynchronous (get_finished reports it)

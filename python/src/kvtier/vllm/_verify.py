@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier import _codec, _kvsum_torch, wire
+from kvtier import _kvsum_torch, client_plan, wire
 from kvtier.vllm._state import LoadSpec, _LoadResult
 from kvtier.vllm.spec import GroupLayers
 
@@ -110,7 +110,7 @@ def _check(conn: _WorkerSide, load: LoadSpec, res: _LoadResult, max_batch_bytes:
     if res.loaded <= 0 or not raw:
         return res
     try:
-        items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
+        items = client_plan.unpack_items(raw)
         upto = min(res.loaded, load.chunks)  # what vLLM is told is loaded
         bad = mismatches(conn, load, [it for it in items if it.chunk < upto], max_batch_bytes)
     except Exception as e:  # fail closed (apply): nothing unchecked is reported loaded

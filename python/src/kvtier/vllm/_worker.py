@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Any, cast
 
-from kvtier import _codec, cuda, dcp, wire
 from kvtier import client as kvclient
+from kvtier import client_plan, cuda, dcp, wire
 from kvtier.errors import GeometryError, UnknownNamespace, UnknownSession
 from kvtier.vllm import _verify
 from kvtier.vllm._base import KVConnectorTransferResults
@@ -504,7 +504,7 @@ class _WorkerSide(_Core):
         (the verdict decides either way)."""
         problem = ""
         if raw:
-            items = [_codec.from_obj(wire.RetrieveItem, x, "item") for x in _codec.loads(raw)]
+            items = client_plan.unpack_items(raw)
             for it in items:
                 ch = load.first_chunk + it.chunk
                 bpc = self.resolved.blocks_per_chunk(it.group)
