@@ -51,7 +51,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	}
 	deadline := restoreDeadline(req.DeadlineMS, c.cfg.RestoreDeadline, c.cfg.MaxRestoreDeadline)
 	now := time.Now()
-	res, err := c.lookup(req.Instance, req.Namespace, req.Chunks)
+	res, err := c.lookupOpts(req.Instance, req.Namespace, req.Chunks, index.LookupOpts{StateAtEnd: req.StateAtEnd})
 	if err != nil {
 		c.lookupError(m, "restore.begin", req.Namespace, err)
 		return
@@ -61,7 +61,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	// ends before a chunk with a recorded sum of 0 (only an index written
 	// before ingest refused such events holds one).
 	zeroCut := ""
-	if cut, reason := zeroSumCut(&res); cut >= 0 {
+	if cut, reason := zeroSumCut(&res, req.StateAtEnd); cut >= 0 {
 		c.log.Warn("placement with sum 0 in the index; restore prefix cut", zap.Stringer("namespace", req.Namespace),
 			zap.Int("chunk", cut), zap.Int("stored_prefix", res.Prefix))
 		res.Prefix, zeroCut = cut, reason
@@ -107,7 +107,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 			default:
 			}
 		}
-		shared := res.SharedSources(out.plan.Prefix)
+		shared := res.SharedSources(out.plan.Prefix, req.StateAtEnd)
 		if shared > 0 {
 			c.share.met.restores.Inc()
 			c.share.met.objects.Add(float64(shared))
@@ -135,17 +135,37 @@ func restoreDeadline(askedMS int, def, max time.Duration) time.Duration {
 }
 
 // zeroSumCut returns the first chunk of res's prefix with a source whose
-// recorded sum is 0, and why; -1 when there is none.
-func zeroSumCut(res *index.LookupResult) (int, string) {
-	for i := range res.Prefix {
+// recorded sum is 0, and why; -1 when there is none. Only the sources a
+// restore needs count (with stateAtEnd an inner chunk's state may be
+// unstored, a zero Source), and with stateAtEnd a cut prefix must still
+// end on a chunk with its state, so the cut goes back until it does.
+func zeroSumCut(res *index.LookupResult, stateAtEnd bool) (int, string) {
+	cut, reason := -1, ""
+	for n := res.Prefix; ; {
+		i, j := firstZeroSum(res, n, stateAtEnd)
+		if i < 0 {
+			return cut, reason
+		}
+		if cut < 0 {
+			reason = fmt.Sprintf("prefix cut at chunk %d: its object of shard %d group %d is recorded with sum 0, which cannot be checked",
+				i, res.Expectations[j].Shard, res.Expectations[j].Group)
+		}
+		cut, n = i, i
+	}
+}
+
+// firstZeroSum is the first (chunk, expectation) of a restore of res's
+// first n chunks that it needs and whose recorded sum is 0; (-1, -1) when
+// there is none.
+func firstZeroSum(res *index.LookupResult, n int, stateAtEnd bool) (int, int) {
+	for i := range n {
 		for j := range res.Expectations {
-			if res.Source(i, j).Sum == 0 {
-				return i, fmt.Sprintf("prefix cut at chunk %d: its object of shard %d group %d is recorded with sum 0, which cannot be checked",
-					i, res.Expectations[j].Shard, res.Expectations[j].Group)
+			if res.Needed(i, j, n, stateAtEnd) && res.Source(i, j).Sum == 0 {
+				return i, j
 			}
 		}
 	}
-	return -1, ""
+	return -1, -1
 }
 
 // beginKind is what a restore.begin gets.

@@ -108,11 +108,11 @@ func TestZeroSumCut(t *testing.T) {
 	exps := []dcp.Expectation{{Rank: 0, Shard: 0, Group: 0}, {Rank: 1, Shard: 1, Group: 2}}
 	res := &index.LookupResult{Prefix: 3, Expectations: exps,
 		Sources: []index.Source{{Sum: 1}, {Sum: 2}, {Sum: 3}, {Sum: 0}, {Sum: 5}, {Sum: 6}}}
-	if cut, why := zeroSumCut(res); cut != 1 || why == "" {
+	if cut, why := zeroSumCut(res, false); cut != 1 || why == "" {
 		t.Fatalf("cut %d %q, want 1", cut, why)
 	}
 	res.Sources[3].Sum = 4
-	if cut, _ := zeroSumCut(res); cut != -1 {
+	if cut, _ := zeroSumCut(res, false); cut != -1 {
 		t.Fatalf("cut %d, want -1", cut)
 	}
 }

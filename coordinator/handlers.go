@@ -74,8 +74,13 @@ func (c *Coordinator) namespaceKnown(ns dcp.Namespace) bool {
 // lookup runs the index lookup for instance, or, with no instance, for the
 // instance with the longest prefix (ties: the first by name).
 func (c *Coordinator) lookup(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) (index.LookupResult, error) {
+	return c.lookupOpts(instance, ns, chunks, index.LookupOpts{})
+}
+
+// lookupOpts is lookup with opts (a StateAtEnd restore's).
+func (c *Coordinator) lookupOpts(instance string, ns dcp.Namespace, chunks []dcp.ChunkHash, opts index.LookupOpts) (index.LookupResult, error) {
 	var res index.LookupResult
-	err := c.lookupInto(&res, instance, ns, chunks)
+	err := c.lookupInto(&res, instance, ns, chunks, opts)
 	return res, err
 }
 
@@ -116,14 +121,15 @@ func appendLookupReply(b []byte, instance string, prefix int) ([]byte, bool) {
 // lookupInto is lookup writing into res (index.LookupSharedInto): the
 // reader instance's copies and the L2 copies of the other instances of
 // its share group (share.go).
-func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
+func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dcp.Namespace, chunks []dcp.ChunkHash,
+	opts index.LookupOpts) error {
 	if len(chunks) > MaxChunks {
 		return fmt.Errorf("%d chunks, limit %d: %w", len(chunks), MaxChunks, errTooLarge)
 	}
 	t0 := time.Now()
 	defer func() { c.met.lookupSeconds.Observe(time.Since(t0).Seconds()) }()
 	if instance != "" {
-		err := c.idx.LookupSharedInto(res, instance, c.share.shared(instance), ns, chunks)
+		err := c.idx.LookupOptsInto(res, instance, c.share.shared(instance), ns, chunks, opts)
 		c.countLookup(res.Prefix, len(chunks), err)
 		return err
 	}
@@ -133,7 +139,7 @@ func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dc
 	}
 	var cand index.LookupResult
 	for _, inst := range c.idx.Instances() { // sorted
-		if err := c.idx.LookupSharedInto(&cand, inst, c.share.shared(inst), ns, chunks); err != nil {
+		if err := c.idx.LookupOptsInto(&cand, inst, c.share.shared(inst), ns, chunks, opts); err != nil {
 			*res = cand
 			return err
 		}
@@ -191,7 +197,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		return
 	}
 	res := &sc.res
-	err = c.lookupInto(res, req.Instance, req.Namespace, req.Chunks)
+	err = c.lookupInto(res, req.Instance, req.Namespace, req.Chunks, index.LookupOpts{StateAtEnd: req.StateAtEnd})
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
 			c.met.badRequests.WithLabelValues("lookup").Inc()
@@ -206,7 +212,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	// admin queries).
 	c.met.lookupTokens.Add(float64(len(req.Chunks) * res.ChunkTokens))
 	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
-	if res.SharedSources(res.Prefix) > 0 {
+	if res.SharedSources(res.Prefix, req.StateAtEnd) > 0 {
 		c.share.met.lookups.Inc()
 	}
 	c.share.noteLookup(req.Instance, time.Now()) // admin.route's load term
@@ -227,6 +233,9 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	if req.Detail {
 		for i := range res.Prefix {
 			for j, e := range res.Expectations {
+				if !res.Needed(i, j, res.Prefix, req.StateAtEnd) {
+					continue // a state inside the prefix (StateAtEnd): maybe not stored, never read
+				}
 				src := res.Source(i, j)
 				rep.Sources = append(rep.Sources, wire.ObjectInfo{
 					Chunk:  i,

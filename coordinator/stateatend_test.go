@@ -2,11 +2,14 @@ package coordinator
 
 import (
 	"encoding/json"
+	"fmt"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -32,15 +35,27 @@ func TestRestoreStateAtEnd(t *testing.T) {
 	ns := register(t, nc, c.subj, hybridSpec())
 	const n = 4
 	chunks := chain(ns, n, 11)
+	// chunks: both groups' objects of every chunk; partial: attention of
+	// 5 chunks, the state of chunks 1 and 3 only (an engine that kept no
+	// state elsewhere).
+	partial := chain(ns, 5, 12)
 	for tp := range 2 {
 		r := wire.Rank{Instance: "eng", TPRank: tp}
 		b := &wire.Batch{Rank: r, Incarnation: 1}
-		for _, ch := range chunks { // every chunk has both groups' objects
-			for g, size := range []uint64{512, 2048} {
-				k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(tp), Group: uint16(g)}
-				b.Events = append(b.Events, wire.Event{Seq: uint64(len(b.Events) + 1), Kind: wire.Stored, Tier: wire.L1,
-					Key: k, Size: size, Sum: sumOf(k)})
+		add := func(ch dcp.ChunkHash, g int, size uint64) {
+			k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(tp), Group: uint16(g)}
+			b.Events = append(b.Events, wire.Event{Seq: uint64(len(b.Events) + 1), Kind: wire.Stored, Tier: wire.L1,
+				Key: k, Size: size, Sum: sumOf(k)})
+		}
+		for _, ch := range chunks {
+			add(ch, 0, 512)
+			add(ch, 1, 2048)
+		}
+		for i, ch := range partial {
+			if i == 1 || i == 3 {
+				add(ch, 0, 512)
 			}
+			add(ch, 1, 2048)
 		}
 		if _, werr := sendBatch(t, nc, c.subj, b); werr != nil {
 			t.Fatal(werr)
@@ -128,6 +143,69 @@ func TestRestoreStateAtEnd(t *testing.T) {
 	}
 	if v := w(plan.RestoreID); v.State != wire.VerdictComplete || v.Prefix != n {
 		t.Fatalf("verdict = %+v", v)
+	}
+
+	// Chunks stored without their state: the strict lookup and restore
+	// find nothing (chunk 0 has none), with StateAtEnd both end on chunk
+	// 3, the last with its state, binary lookup request included.
+	lookupOf := func(atEnd, binary bool) int {
+		t.Helper()
+		req := wire.LookupRequest{Namespace: ns, Chunks: partial, Instance: "eng", StateAtEnd: atEnd}
+		if binary {
+			p, err := req.MarshalBinary()
+			if err != nil {
+				t.Fatal(err)
+			}
+			m, err := nc.RequestWithContext(tctx(t), c.subj.Coord(wire.CoordLookup), p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var rep wire.Reply[wire.LookupReply]
+			if err := json.Unmarshal(m.Data, &rep); err != nil || rep.OK == nil {
+				t.Fatalf("binary lookup reply %s (%v)", m.Data, err)
+			}
+			return rep.OK.Prefix
+		}
+		return call[wire.LookupReply](t, nc, c.subj.Coord(wire.CoordLookup), req).Prefix
+	}
+	if a, b, s := lookupOf(true, false), lookupOf(true, true), lookupOf(false, false); a != 4 || b != 4 || s != 0 {
+		t.Fatalf("lookup of chunks stored without states: %d (binary %d) with StateAtEnd, %d strict; want 4, 4, 0", a, b, s)
+	}
+	if p := begin(false, "", partial); p.Prefix != 0 {
+		t.Fatalf("strict restore of chunks stored without states: prefix %d", p.Prefix)
+	}
+	pp := begin(true, wire.PlanEncodingBinary, partial)
+	if got := shape(pp.Ranks["eng/1"]); pp.Prefix != 4 || !slices.Equal(got, atEnd) {
+		t.Fatalf("StateAtEnd restore of chunks stored without states: prefix %d, items %v; want 4, %v", pp.Prefix, got, atEnd)
+	}
+	report(pp.RestoreID, 0, results(pp.Ranks["eng/0"]))
+	if ack := report(pp.RestoreID, 1, results(pp.Ranks["eng/1"])); ack.State != wire.VerdictComplete {
+		t.Fatalf("StateAtEnd restore of chunks stored without states: %+v", ack)
+	}
+
+	// A zero recorded sum cuts a StateAtEnd prefix back to a chunk that
+	// ends on a stored state: chunk 3's attention zero -> 3 would end on
+	// chunk 2, stored without its state -> 2. Chunk 2's attention zero ->
+	// 2 (chunk 1 has its state). Strictly, chunk 0's missing state cuts
+	// everything.
+	lres, err := c.lookupOpts("eng", ns, partial, index.LookupOpts{StateAtEnd: true})
+	if err != nil || lres.Prefix != 4 {
+		t.Fatalf("lookup: prefix %d, %v", lres.Prefix, err)
+	}
+	attn := slices.IndexFunc(lres.Expectations, func(e dcp.Expectation) bool { return e.Group == 1 })
+	for _, tc := range []struct{ zero, cut int }{{3, 2}, {2, 2}} {
+		r := lres
+		r.Sources = slices.Clone(lres.Sources)
+		r.Sources[tc.zero*len(r.Expectations)+attn].Sum = 0
+		if cut, why := zeroSumCut(&r, true); cut != tc.cut || !strings.Contains(why, fmt.Sprintf("chunk %d", tc.zero)) {
+			t.Errorf("chunk %d's sum 0: cut %d (%q), want %d naming chunk %d", tc.zero, cut, why, tc.cut, tc.zero)
+		}
+	}
+	if cut, _ := zeroSumCut(&lres, true); cut != -1 {
+		t.Errorf("no zero sum: cut %d", cut)
+	}
+	if cut, _ := zeroSumCut(&lres, false); cut != 0 {
+		t.Errorf("strict, chunk 0 without its state: cut %d, want 0", cut)
 	}
 
 	// The last chunk's state failing fails that chunk; a rank reporting

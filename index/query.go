@@ -102,14 +102,16 @@ func (r *LookupResult) member(i, j int) uint8 {
 func (r *LookupResult) FromShared(i, j int) bool { return r.member(i, j) > 0 }
 
 // SharedSources counts the sources of the first n chunks of the prefix
-// held by another instance of the share group.
-func (r *LookupResult) SharedSources(n int) int {
+// held by another instance of the share group (with stateAtEnd, those a
+// restore needs: Needed).
+func (r *LookupResult) SharedSources(n int, stateAtEnd bool) int {
 	if len(r.Members) == 0 {
 		return 0
 	}
-	c := 0
-	for _, k := range r.Members[:min(n, r.Prefix)*len(r.Expectations)] {
-		if k > 0 {
+	n = min(n, r.Prefix)
+	ne, c := len(r.Expectations), 0
+	for k, m := range r.Members[:n*ne] {
+		if m > 0 && r.Needed(k/ne, k%ne, n, stateAtEnd) {
 			c++
 		}
 	}
@@ -169,6 +171,24 @@ func (ix *Index) LookupInto(res *LookupResult, instance string, ns dcp.Namespace
 // layout stores under another namespace. At most MaxShared instances;
 // names the index does not know, and instance itself, are ignored.
 func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []string, ns dcp.Namespace, chunks []dcp.ChunkHash) error {
+	return ix.LookupOptsInto(res, instance, shared, ns, chunks, LookupOpts{})
+}
+
+// LookupOpts are the variants of a lookup.
+type LookupOpts struct {
+	// StateAtEnd: in a namespace of recurrent and other groups, a chunk
+	// needs its recurrent groups' objects only to end the prefix
+	// (wire.LookupRequest.StateAtEnd): the prefix is the longest run of
+	// chunks holding every non-recurrent object that ends on a chunk
+	// holding every object. The inner chunks' missing recurrent sources
+	// are zero Sources, never needed (LookupResult.Needed with
+	// stateAtEnd); a result is then only for a restore with StateAtEnd.
+	StateAtEnd bool
+}
+
+// LookupOptsInto is LookupSharedInto with opts.
+func (ix *Index) LookupOptsInto(res *LookupResult, instance string, shared []string, ns dcp.Namespace, chunks []dcp.ChunkHash,
+	opts LookupOpts) error {
 	*res = LookupResult{Namespace: ns, Instance: instance, Shared: shared, Sources: res.Sources[:0], Members: res.Members[:0]}
 	if len(shared) > MaxShared {
 		return fmt.Errorf("lookup shared with %d instances, limit %d: %w", len(shared), MaxShared, ErrInvalid)
@@ -233,10 +253,12 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 	if cap(res.Sources) < len(chunks)*ne {
 		res.Sources = make([]Source, 0, len(chunks)*ne)
 	}
+	atEnd := opts.StateAtEnd && pl.mixed
 	if members != nil {
-		v.lookupShared(res, nv, chunks, readers, inst, members, ix.cfg.SharedL1 && ranks != nil, ix.cfg.SharedL3, ranks, best, score)
+		v.lookupShared(res, nv, chunks, readers, inst, members, ix.cfg.SharedL1 && ranks != nil, ix.cfg.SharedL3, ranks, best, score, atEnd)
 		return nil
 	}
+	full := 0 // with atEnd: the chunks up to the last holding every object
 	// Chunks go in windows: first the map lookups of a window and a load
 	// from every placement (independent loads the CPU overlaps: a cold
 	// chain costs about half as much), then the scans, from cache.
@@ -261,6 +283,19 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 				s = v.visible(s, &vis) // a sliced inventory is being applied
 			}
 			if !pl.pick(s, readers, inst, ranks, best, score) {
+				if atEnd && pl.statesOnlyMissing(s, score) {
+					for j := range ne {
+						src := Source{}
+						if score[j] != 0 {
+							p := &s[best[j]]
+							src = Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum}
+						}
+						res.Sources = append(res.Sources, src)
+					}
+					res.Prefix++
+					continue
+				}
+				res.cutToFull(full, atEnd)
 				return nil
 			}
 			for j := range ne {
@@ -268,9 +303,39 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 				res.Sources = append(res.Sources, Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum})
 			}
 			res.Prefix++
+			full = res.Prefix
 		}
 	}
+	res.cutToFull(full, atEnd)
 	return nil
+}
+
+// statesOnlyMissing reports, after pick found a chunk incomplete (its
+// placements s non-empty, score filled), whether only recurrent groups'
+// objects are missing.
+func (pl *lookupPlan) statesOnlyMissing(s []placement, score []int32) bool {
+	if len(s) == 0 {
+		return false // pick returned before scoring
+	}
+	for j, sc := range score {
+		if sc == 0 && !pl.recurrent[pl.exps[j].Group] {
+			return false
+		}
+	}
+	return true
+}
+
+// cutToFull ends a StateAtEnd lookup's prefix at its last chunk holding
+// every object (full chunks): chunks past it lack a state to end on.
+func (r *LookupResult) cutToFull(full int, atEnd bool) {
+	if !atEnd || full == r.Prefix {
+		return
+	}
+	ne := len(r.Expectations)
+	r.Prefix, r.Sources = full, r.Sources[:full*ne]
+	if len(r.Members) > 0 {
+		r.Members = r.Members[:full*ne]
+	}
 }
 
 // lookupShared is LookupSharedInto's scan for a reader with share-group
@@ -279,8 +344,10 @@ func (ix *Index) LookupSharedInto(res *LookupResult, instance string, shared []s
 // the lookups of instances in no group (the hot path) keep their loop as
 // it was.
 func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.ChunkHash, readers []reader, inst uint32,
-	members []uint32, l1, l3 bool, ranks []rankView, best, score []int32) {
+	members []uint32, l1, l3 bool, ranks []rankView, best, score []int32, atEnd bool) {
 	pl, ne := nv.plan, len(readers)
+	full := 0 // with atEnd: the chunks up to the last holding every object
+	defer func() { res.cutToFull(full, atEnd) }()
 	const window = 16
 	var ss [window][]placement
 	var vis []placement
@@ -292,10 +359,15 @@ func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.Chu
 			if v.hiding > 0 {
 				s = v.visible(s, &vis)
 			}
-			if !pl.pickShared(s, readers, inst, members, l1, l3, ranks, best, score) {
+			complete := pl.pickShared(s, readers, inst, members, l1, l3, ranks, best, score)
+			if !complete && (!atEnd || !pl.statesOnlyMissing(s, score)) {
 				return
 			}
 			for j := range ne {
+				if score[j] == 0 { // a state inside the prefix (atEnd), not stored
+					res.Sources, res.Members = append(res.Sources, Source{}), append(res.Members, 0)
+					continue
+				}
 				p := &s[best[j]]
 				res.Sources = append(res.Sources, Source{HolderTP: int32(p.tp), Tier: p.tier, Size: p.size, Sum: p.sum})
 				var k uint8
@@ -305,6 +377,9 @@ func (v *lookupView) lookupShared(res *LookupResult, nv nsView, chunks []dcp.Chu
 				res.Members = append(res.Members, k)
 			}
 			res.Prefix++
+			if complete {
+				full = res.Prefix
+			}
 		}
 	}
 }

@@ -51,7 +51,7 @@ func TestLookupSharedL2(t *testing.T) {
 			}
 		}
 	}
-	if n := got.SharedSources(3); n != 3*4 {
+	if n := got.SharedSources(3, false); n != 3*4 {
 		t.Fatalf("shared sources %d, want 12", n)
 	}
 	if got := look("e2", nil); got.Prefix != 0 {

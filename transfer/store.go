@@ -413,6 +413,7 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 		return nil, fmt.Errorf("%d chunks, limit %d: %w", len(req.Chunks), MaxStoreChunks, ErrBadRequest)
 	}
 	var out []plannedObj
+	stateless := statelessOK(res)
 	for ci, ch := range req.Chunks {
 		if len(ch.Blocks) != len(res.Groups) {
 			return nil, fmt.Errorf("chunk %d: block ids for %d groups, the spec has %d: %w", ci, len(ch.Blocks), len(res.Groups), ErrBadRequest)
@@ -421,6 +422,9 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 			shard, ok := res.StoreShard(gi, e.cfg.Rank.TPRank)
 			if !ok {
 				continue
+			}
+			if len(ch.Blocks[gi]) == 0 && stateless[gi] {
+				continue // the engine kept no state at this chunk's end: its other groups only
 			}
 			spans, err := e.pageSpans(sp, gi, ch.Blocks[gi])
 			if err != nil {
@@ -432,6 +436,27 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 		}
 	}
 	return out, nil
+}
+
+// statelessOK marks, by group, the groups a store may leave out of a
+// chunk (no block ids): the recurrent groups of a spec that also has
+// other groups. An engine keeps a Mamba state only at some chunk ends
+// (vLLM: where its retention interval says), and the chunk's attention is
+// still worth keeping: a restore with StateAtEnd reads a state only for
+// its last chunk.
+func statelessOK(res *dcp.Resolved) []bool {
+	out := make([]bool, len(res.Groups))
+	states := 0
+	for gi, g := range res.Groups {
+		if g.Kind == dcp.Recurrent {
+			out[gi] = true
+			states++
+		}
+	}
+	if states == len(res.Groups) {
+		clear(out)
+	}
+	return out
 }
 
 // pageSpans returns the spans of an object of group gi over blocks.

@@ -118,6 +118,12 @@ type LookupRequest struct {
 	Instance string `json:"instance,omitempty"`
 	// Detail asks for the source of every object of the prefix.
 	Detail bool `json:"detail,omitempty"`
+	// StateAtEnd asks for the prefix a restore.begin with StateAtEnd could
+	// restore: every chunk of it needs its non-recurrent groups' objects,
+	// a recurrent group's only its last chunk (a chunk stored without its
+	// state does not end the prefix, it only cannot end it). The same rule
+	// applies to restore.begin's own lookup when it sets StateAtEnd.
+	StateAtEnd bool `json:"state_at_end,omitempty"`
 }
 
 // RestoreBeginRequest is what the coordinator accepts on restore.begin: a
@@ -136,8 +142,8 @@ type RestoreBeginRequest struct {
 	// from the state at the prefix's end and never reads the states inside
 	// it (vLLM allocates a block for that one state only). The plan, the
 	// expectations and the verdict then leave the inner chunks' recurrent
-	// objects out; the lookup is unchanged (every chunk still needs every
-	// group's object, so the prefix may end at any chunk). Without effect
+	// objects out, and its lookup needs a recurrent group's object for the
+	// prefix's last chunk only (LookupRequest.StateAtEnd). Without effect
 	// in a namespace whose groups are all recurrent or none is.
 	StateAtEnd bool `json:"state_at_end,omitempty"`
 }

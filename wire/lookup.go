@@ -15,7 +15,7 @@ import (
 // first bytes (JSON starts with '{' or white space). The reply stays JSON.
 // Big-endian:
 //
-//	magic "KVL1" | u8 flags (bit 0: Detail; others must be 0)
+//	magic "KVL1" | u8 flags (bit 0: Detail; bit 1: StateAtEnd; others must be 0)
 //	| namespace (16 B) | u8 len(instance) | instance (0..64 B)
 //	| u32 n | n x chunk hash (16 B)
 //
@@ -27,7 +27,10 @@ const lookupMagic = "KVL1"
 // maxLookupChunks bounds the chunks of a decoded binary lookup.
 const maxLookupChunks = 1 << 20
 
-const lookupDetail = 1
+const (
+	lookupDetail     = 1
+	lookupStateAtEnd = 2
+)
 
 // IsBinaryLookup reports whether p is a binary lookup request.
 func IsBinaryLookup(p []byte) bool { return bytes.HasPrefix(p, []byte(lookupMagic)) }
@@ -43,6 +46,9 @@ func (r *LookupRequest) AppendBinary(dst []byte) ([]byte, error) {
 	var flags byte
 	if r.Detail {
 		flags |= lookupDetail
+	}
+	if r.StateAtEnd {
+		flags |= lookupStateAtEnd
 	}
 	dst = append(dst, lookupMagic...)
 	dst = append(dst, flags)
@@ -75,10 +81,10 @@ func (r *LookupRequest) UnmarshalBinary(p []byte) error {
 		return bad("truncated header: %d bytes after the magic, want >= 18", len(p))
 	}
 	flags := p[0]
-	if flags&^lookupDetail != 0 {
+	if flags&^(lookupDetail|lookupStateAtEnd) != 0 {
 		return bad("unknown flags %#x", flags)
 	}
-	r.Detail = flags&lookupDetail != 0
+	r.Detail, r.StateAtEnd = flags&lookupDetail != 0, flags&lookupStateAtEnd != 0
 	copy(r.Namespace[:], p[1:17])
 	n := int(p[17])
 	p = p[18:]

@@ -42,6 +42,18 @@ func TestLookupBinaryGolden(t *testing.T) {
 	if !IsBinaryLookup(p) || IsBinaryLookup([]byte(`{"namespace":""}`)) {
 		t.Fatal("IsBinaryLookup does not tell binary from JSON")
 	}
+	// StateAtEnd is flag bit 1, alone or beside Detail.
+	for _, detail := range []bool{false, true} {
+		r.Detail, r.StateAtEnd = detail, true
+		p, err := r.MarshalBinary()
+		if err != nil || p[4] != map[bool]byte{false: 2, true: 3}[detail] {
+			t.Fatalf("flags %#x (%v), want StateAtEnd as bit 1", p[4], err)
+		}
+		var back LookupRequest
+		if err := back.UnmarshalBinary(p); err != nil || !reflect.DeepEqual(back, r) {
+			t.Fatalf("round trip with StateAtEnd = %+v, %v", back, err)
+		}
+	}
 }
 
 func TestLookupBinaryRejects(t *testing.T) {
@@ -50,7 +62,7 @@ func TestLookupBinaryRejects(t *testing.T) {
 	for name, p := range map[string][]byte{
 		"empty":         {},
 		"magic":         mut(func(p []byte) []byte { p[3] = '2'; return p }),
-		"flags":         mut(func(p []byte) []byte { p[4] = 3; return p }),
+		"flags":         mut(func(p []byte) []byte { p[4] = 5; return p }),
 		"header":        good[:20],
 		"instance len":  mut(func(p []byte) []byte { p[21] = 65; return p }),
 		"short count":   good[:28],
