@@ -297,8 +297,8 @@ class FakeAio:
 
     connected = True
 
-    async def lookup(self, namespace, chunks, *, instance=None, detail=False, timeout=None):
-        self.world.lookups.append(wire.LookupRequest(namespace, list(chunks), instance))
+    async def lookup(self, namespace, chunks, *, instance=None, detail=False, timeout=None, state_at_end=False):
+        self.world.lookups.append(wire.LookupRequest(namespace, list(chunks), instance, state_at_end=state_at_end))
         if self.world.lookup_gate is not None:
             await asyncio.wrap_future(self.world.lookup_gate)
         if self.world.lookup_error is not None:

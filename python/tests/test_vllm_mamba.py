@@ -87,11 +87,12 @@ def test_spec_mamba_refusals_name_the_rule(cfg, chunk, words):
         spec_from_vllm(cfg, "m", "", tp=1, dcp_size=1, pp=1, chunk_tokens=chunk)
 
 
-def test_a_chunk_is_stored_only_with_the_state_vllm_handed_over():
+def test_a_chunk_is_stored_with_the_state_vllm_handed_over_or_without_one():
     """Prompt of 3 chunks + 5 in one step: vLLM hands over the state at 128
     only (its checkpoint): chunk 1 is stored with that block as its Mamba
-    page, whatever the block table holds at index 3; chunks 0 and 2 are
-    not (no state at 64; 192 not computed)."""
+    page, whatever the block table holds at index 3; chunk 0 without a
+    Mamba page (no state at 64: its attention only); chunk 2 not yet (192
+    not computed)."""
     s = sched()
     req = fakes.Request("r1", tokens(3 * CHUNK + 5))
     s.get_num_new_matched_tokens(req, 0)
@@ -101,7 +102,7 @@ def test_a_chunk_is_stored_only_with_the_state_vllm_handed_over():
         handoffs={"r1": [(0, 77, 2 * CHUNK)], "gone": [(0, 9, CHUNK)]}))
     h = s.resolved.chunk_hashes(req.prompt_token_ids)
     assert [(sv.req_id, sv.chunks, sv.positions) for sv in meta.saves] == [
-        ("r1", [(bytes(h[1]), [[77], [12, 13]])], [1])]
+        ("r1", [(bytes(h[0]), [[], [10, 11]]), (bytes(h[1]), [[77], [12, 13]])], [0, 1])]
     # the next step ends at 192 on a block boundary: its state handed over, chunk 2 stored
     cached = fakes.CachedRequestData(req_ids=["r1"], new_block_ids=[None], num_computed_tokens=[2 * CHUNK + 3])
     meta = s.build_connector_meta(step(cached=cached, handoffs={"r1": [(0, 78, 3 * CHUNK)]},
@@ -128,7 +129,7 @@ def test_lookup_offers_every_stored_chunk_and_the_load_targets_the_state_block_v
         wire.RetrieveItem(chunk=2, group=0, key=key(3, 0), sum=3, source=src),
         wire.RetrieveItem(chunk=2, group=1, key=key(3, 1), sum=4, source=src)]})
     assert s.get_num_new_matched_tokens(req, CHUNK) == (3 * CHUNK, True)  # 3 chunks past vLLM's, all offered
-    assert world.lookups[-1].chunks == hashes[1:4]
+    assert world.lookups[-1].chunks == hashes[1:4] and world.lookups[-1].state_at_end
     assert world.begins_state_at_end == [True]
     # vLLM's table after the allocation: Mamba nulls, the local state (block 3), nulls inside the
     # restored prefix, the restored state's block (index 7: tokens 224..256), the running state;

@@ -112,3 +112,31 @@ def test_real_vllm_mamba_hybrid_model(cluster: Cluster, granite_dir: pathlib.Pat
     assert hit_like(outputs(bad), ref), "a failed Mamba load: tokens differ from vLLM alone"
     assert delta(bad, f[3], "restore_failures") == 1, bad["worker"]
     assert sorted(ld["loaded"] for ld in lds) == [0, 1, 3], lds  # a's request recomputed, b's and c's restored
+
+
+def test_real_vllm_mamba_default_retention(cluster: Cluster, granite_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """vLLM's default prefix_cache_retention_interval keeps only each
+    prompt's last boundary state: kvtier stores the other chunks without a
+    Mamba page (their attention only) and a restore spans them up to the
+    chunk with the state (lookup and restore with state_at_end): c's three
+    chunks come back although only chunk 2's state was kept. Tokens equal
+    vLLM alone's."""
+    ps = prompts_mamba()
+    engine = {"max_num_batched_tokens": CHUNK}  # steps end on chunk boundaries; retention as vLLM ships it
+    alone = run_vllm(tmp_path, "gd-alone", granite_dir, None, [gen(ps), gen(ps)], engine=engine,
+                     skip_if_refused="unexpected keyword argument 'prefix_cache_retention_interval'")
+    ref = outputs(alone[1])
+    r = run_vllm(tmp_path, "gd-kvtier", granite_dir, extra_mamba(cluster), [gen(ps), *real.RESET, gen(ps)],
+                 engine=engine)
+    init, cold, wipe, warm = r[0], r[1], r[3], r[4]
+    assert wipe["nonzero"] == 0, wipe
+    if real.restored_nothing(init, cold, wipe, warm, ref, stored=8):
+        return
+    assert outputs(cold) == ref, "cold run with the connector differs from vLLM alone"
+    # a's and b's chunk 0 with its state; c's chunks 0 and 1 attention only, chunk 2 with its state
+    assert delta(cold, init, "stored_objects") == 8 and cold["worker"]["store_failures"] == 0, cold["worker"]
+    assert hit_like(outputs(warm), ref), "restored from kvtier: tokens differ from vLLM alone"
+    lds = loads_in(warm, wipe)
+    print("granite default-retention warm loads:", lds)
+    assert sorted((ld["loaded"], ld["chunks"]) for ld in lds) == [(1, 1), (1, 1), (3, 3)], lds
+    assert delta(warm, wipe, "loaded_tokens") == 5 * CHUNK and delta(warm, wipe, "restore_failures") == 0

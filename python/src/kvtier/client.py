@@ -440,9 +440,12 @@ class Client:
         return rep.namespace
 
     async def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
-                     detail: bool = False, timeout: float | None = None) -> LookupReply:
+                     detail: bool = False, timeout: float | None = None, state_at_end: bool = False) -> LookupReply:
+        """The restorable prefix of chunks. state_at_end: the prefix a
+        restore_begin with state_at_end could restore (a recurrent group's
+        object needed for its last chunk only)."""
         inst = self._instance(instance)
-        req = wire.LookupRequest(namespace, list(chunks), inst, detail)
+        req = wire.LookupRequest(namespace, list(chunks), inst, detail, state_at_end)
         return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply, timeout=timeout)
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
@@ -452,8 +455,9 @@ class Client:
         (client_plan: 11 B per item, decoded in microseconds, where the
         JSON plan's generic decoding took ~40 us per item, issue 25.4).
         state_at_end: a recurrent group's object (a Mamba state) only for
-        the restored prefix's last chunk (Go wire.RestoreBeginRequest
-        StateAtEnd; a coordinator that predates it refuses the request)."""
+        the restored prefix's last chunk, and the prefix the lookup with
+        state_at_end finds (Go wire.RestoreBeginRequest StateAtEnd; a
+        coordinator that predates it refuses the request)."""
         inst = self._instance(instance)
         chunks = list(chunks)
         req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
@@ -701,9 +705,9 @@ class SyncClient:
         return SyncRankSession(self, self.run(self.aio.register(rank, spec, device_uuid, pools)))
 
     def lookup(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
-               detail: bool = False, timeout: float | None = None) -> LookupReply:
-        return self.run(self.aio.lookup(namespace, chunks, instance=instance, detail=detail, timeout=timeout),
-                        _outer(timeout))
+               detail: bool = False, timeout: float | None = None, state_at_end: bool = False) -> LookupReply:
+        return self.run(self.aio.lookup(namespace, chunks, instance=instance, detail=detail, timeout=timeout,
+                                        state_at_end=state_at_end), _outer(timeout))
 
     def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
                       deadline_ms: int = 0, timeout: float | None = None, state_at_end: bool = False) -> RestorePlan:

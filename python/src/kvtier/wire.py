@@ -495,6 +495,10 @@ class LookupRequest:
     chunks: list[ChunkHash] = field("chunks", default_factory=list)
     instance: str = field("instance", omit="omitempty", default="")
     detail: bool = field("detail", omit="omitempty", default=False)
+    # A recurrent group's object needed for the prefix's last chunk only
+    # (Go LookupRequest.StateAtEnd; a coordinator that predates it refuses
+    # the request).
+    state_at_end: bool = field("state_at_end", omit="omitempty", default=False)
 
 
 @dataclass

@@ -52,13 +52,13 @@ class _SchedulerSide(_Core):
         None: nothing restorable."""
         t = self.cfg.lookup_timeout_s
         hashes = st.stage_hashes or [st.hashes]
+        states = bool(self._state_groups())  # a Mamba group: its state at the prefix's end only (below)
         reps = await asyncio.gather(*(
-            c.aio.lookup(r.namespace, h[first:last], instance=inst, timeout=t)
+            c.aio.lookup(r.namespace, h[first:last], instance=inst, timeout=t, state_at_end=states)
             for r, h, inst in zip(self.stages, hashes, self.instances, strict=True)))
         n = min(rep.prefix for rep in reps)
         if any(rep.not_alive for rep in reps) or n <= 0:
             return None
-        states = bool(self._state_groups())  # a Mamba group: its state at the prefix's end only (below)
         plans = list(await asyncio.gather(*(
             c.aio.restore_begin(r.namespace, h[first:first + n], instance=inst,
                                 deadline_ms=self.cfg.restore_deadline_ms, timeout=t, state_at_end=states)
@@ -185,11 +185,12 @@ class _SchedulerSide(_Core):
     # handed over that state. On a restore of T tokens vLLM allocates one
     # fresh block for the state, block T // bs - 1, and none for the states
     # inside the restored tokens. So the restore asks the coordinator for a
-    # Mamba group's object of its last chunk only (restore_begin's
-    # state_at_end: the plan, the expectations and the verdict leave the
-    # inner chunks' states out; each is still stored, so the restore may
-    # end at any chunk), placed in that block; the attention groups of
-    # every chunk as usual.
+    # Mamba group's object of its last chunk only (lookup and restore_begin
+    # with state_at_end: the plan, the expectations and the verdict leave
+    # the inner chunks' states out), placed in that block; the attention
+    # groups of every chunk as usual. A chunk whose state vLLM did not hand
+    # over is stored without it (its attention only): a restore may span
+    # it, and ends on the last chunk with its state.
 
     def _state_groups(self) -> list[int]:
         return [gi for gi, gl in enumerate(self.layers) if gl.recurrent]
@@ -247,18 +248,22 @@ class _SchedulerSide(_Core):
     def _chunk_blocks(self, st: _Req, c: int) -> list[list[int]] | None:
         """Chunk c's block ids of every group; [] when a group has vLLM's
         null block there (a sliding-window block out of the window: the
-        chunk is not stored); None when the blocks are not allocated."""
+        chunk is not stored); None when the blocks are not allocated. A
+        Mamba group without the state at the chunk's end has no block ids
+        (the chunk's other groups are stored; with no other group, nothing
+        is)."""
         out = []
         for gi, gl in enumerate(self.layers):
             if gl.recurrent:
-                out.append([self._state_block(st, gi, c)])  # the state at the chunk's end, or none
+                b = self._state_block(st, gi, c)  # the state at the chunk's end, or none
+                out.append([] if b == NULL_BLOCK else [b])
                 continue
             bpc = self.resolved.blocks_per_chunk(gi)
             ids = st.block_ids[gi] if gi < len(st.block_ids) else []
             if len(ids) < (c + 1) * bpc:
                 return None
             out.append(ids[c * bpc:(c + 1) * bpc])
-        if any(NULL_BLOCK in b for b in out):
+        if any(NULL_BLOCK in b for b in out) or not any(out):
             return []
         return out
 
@@ -316,8 +321,8 @@ class _SchedulerSide(_Core):
                 for k, hs in enumerate(st.stage_hashes):
                     stage_hashes[k].append(bytes(hs[c]))
             else:
-                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window) or no Mamba "
-                          "state; not stored", req_id, c)
+                log.debug("request %s chunk %d: a group holds vLLM's null block (out of the window); not stored",
+                          req_id, c)
             c += 1
         st.saved_through = c
         if chunks:
