@@ -198,8 +198,8 @@ def pack_items(items: Sequence[wire.RetrieveItem]) -> bytes:
     out += n_chunks.to_bytes(4, "big")
     zero = bytes(16)
     for c in range(n_chunks):
-        h = hashes.get(c)
-        out += bytes(h) if h is not None else zero
+        ch = hashes.get(c)
+        out += bytes(ch) if ch is not None else zero
     out += len(items).to_bytes(4, "big")
     return bytes(out + body)
 
