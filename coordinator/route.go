@@ -128,7 +128,10 @@ func (c *Coordinator) route(members []string, stages []wire.RouteStage) (*wire.R
 		upTo := -1 // the chunks every stage could restore
 		for s, st := range stages {
 			si := stageOf(inst, eng, len(stages), s)
-			if err := c.idx.LookupSharedInto(&res[s], si, c.share.shared(si), st.Namespace, st.Chunks); err != nil {
+			// StateAtEnd: what an engine restores (a hybrid's connector
+			// restores up to a chunk with its state); no effect elsewhere.
+			if err := c.idx.LookupOptsInto(&res[s], si, c.share.shared(si), st.Namespace, st.Chunks,
+				index.LookupOpts{StateAtEnd: true}); err != nil {
 				return nil, err
 			}
 			if upTo < 0 || res[s].Prefix < upTo {
@@ -195,13 +198,19 @@ func mergeStage(ri, st *wire.RouteInstance) {
 }
 
 // routeOf summarizes one instance's lookup over its first upTo chunks (at
-// most its prefix): a pure function of it.
+// most its prefix): a pure function of it. The lookup is a StateAtEnd one:
+// a hybrid's states inside its prefix are not counted (not restored); cut
+// short by another stage (upTo), the state of the last chunk counted may
+// be missing from the counts.
 func routeOf(res *index.LookupResult, upTo int) wire.RouteInstance {
 	ri := wire.RouteInstance{Instance: res.Instance, Prefix: min(res.Prefix, upTo)}
 	ne := len(res.Expectations)
 	l1, own := true, true
 	for i := range ri.Prefix {
 		for j := range ne {
+			if !res.Needed(i, j, res.Prefix, true) {
+				continue // a hybrid's state inside the prefix: not restored
+			}
 			s := res.Source(i, j)
 			if ri.Objects == nil {
 				ri.Objects = make(map[string]int, 3)

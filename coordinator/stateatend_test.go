@@ -223,3 +223,38 @@ func TestRestoreStateAtEnd(t *testing.T) {
 		t.Fatalf("rank 1 without its last chunk: %+v, want pending", ack)
 	}
 }
+
+// TestRouteOfHybrid: admin.route answers for a hybrid what its engines
+// restore: the run of chunks ending on a stored state (attention of 4
+// chunks, states of chunks 1 and 3: prefix 4), counting the objects such a
+// restore reads (2 ranks x (4 attention + 1 state)). Strict, it was 0.
+func TestRouteOfHybrid(t *testing.T) {
+	c := startCoord(t, nil)
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, hybridSpec())
+	chunks := chain(ns, 5, 13)
+	for tp := range 2 {
+		b := &wire.Batch{Rank: wire.Rank{Instance: "eng", TPRank: tp}, Incarnation: 1}
+		add := func(ch dcp.ChunkHash, g int, size uint64) {
+			k := dcp.Key{NS: ns, Chunk: ch, Shard: uint16(tp), Group: uint16(g)}
+			b.Events = append(b.Events, wire.Event{Seq: uint64(len(b.Events) + 1), Kind: wire.Stored, Tier: wire.L1,
+				Key: k, Size: size, Sum: sumOf(k)})
+		}
+		for i, ch := range chunks[:4] {
+			if i == 1 || i == 3 {
+				add(ch, 0, 512)
+			}
+			add(ch, 1, 2048)
+		}
+		if _, werr := sendBatch(t, nc, c.subj, b); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	rep := call[wire.RouteReply](t, nc, c.subj.Admin(wire.AdminRoute), wire.RouteRequest{Namespace: ns, Chunks: chunks, Instance: "eng"})
+	if len(rep.Instances) != 1 {
+		t.Fatalf("route = %+v", rep)
+	}
+	if ri := rep.Instances[0]; ri.Prefix != 4 || ri.L1Prefix != 4 || ri.Objects["L1"] != 2*5 || len(ri.Objects) != 1 {
+		t.Fatalf("route of the hybrid: %+v, want prefix 4 and 10 L1 objects", ri)
+	}
+}
