@@ -69,42 +69,56 @@ def extra_mamba(c: Cluster) -> dict[str, Any]:
     return dict(extra_for(c), kvtier_chunk_tokens=CHUNK)
 
 
-def test_real_vllm_mamba_hybrid_model(cluster: Cluster, granite_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """Cold run equal to vLLM alone, both groups stored (one state page per
-    chunk); after a reset and a wipe every prompt's stored chunks are
-    restored from kvtier (c's three: attention of each, the Mamba state of
-    the last, which lands in the block vLLM allocates for it) with vLLM
-    alone's tokens; a corrupted Mamba object fails its request's load,
-    counted, tokens still vLLM alone's, the others restored."""
+def cold_then_warm(cluster: Cluster, granite_dir: pathlib.Path, tmp_path: pathlib.Path, name: str,
+                   engine: dict[str, Any], stored: int) -> tuple[list[Any], dict[str, Any]] | None:
+    """vLLM alone (its second run is the reference), then with the
+    connector: a cold run, a reset and a wipe, the same prompts again. The
+    cold run has vLLM alone's tokens and stores `stored` objects; the warm
+    run restores every prompt's full chunks (c's three) with vLLM alone's
+    tokens. Returns (reference outputs, the cold run's record), or None
+    where this vLLM takes no load of two groups (real.restored_nothing)."""
     ps = prompts_mamba()
-    # vLLM 0.26 (the H200's) has no prefix_cache_retention_interval: the test's store
-    # positions depend on it, so there it skips, quoting vLLM (and 0.26 would offer
-    # no load of two groups anyway: kvtier.vllm._base.TAKES_FAILED_RECVING).
-    alone = run_vllm(tmp_path, "gh-alone", granite_dir, None, [gen(ps), gen(ps)], engine=ENGINE,
+    # vLLM 0.26 (the H200's) has no prefix_cache_retention_interval: a run
+    # asking for it skips there, quoting vLLM (and 0.26 would offer no
+    # load of two groups anyway: kvtier.vllm._base.TAKES_FAILED_RECVING).
+    alone = run_vllm(tmp_path, f"{name}-alone", granite_dir, None, [gen(ps), gen(ps)], engine=engine,
                      skip_if_refused="unexpected keyword argument 'prefix_cache_retention_interval'")
     assert alone[0]["groups"] == [["MambaSpec", None, 1], ["FullAttentionSpec", None, 1]], alone[0]
     ref = outputs(alone[1])
-    extra = extra_mamba(cluster)
-    r = run_vllm(tmp_path, "gh-kvtier", granite_dir, extra, [gen(ps), *real.RESET, gen(ps)], engine=ENGINE)
+    r = run_vllm(tmp_path, f"{name}-kvtier", granite_dir, extra_mamba(cluster), [gen(ps), *real.RESET, gen(ps)],
+                 engine=engine)
     init, cold, wipe, warm = r[0], r[1], r[3], r[4]
     assert init["groups"] == alone[0]["groups"], init
     assert wipe["nonzero"] == 0, wipe
-    if real.restored_nothing(init, cold, wipe, warm, ref, stored=10):
-        return
+    if real.restored_nothing(init, cold, wipe, warm, ref, stored=stored):
+        return None
     assert outputs(cold) == ref, "cold run with the connector differs from vLLM alone"
-    # a's and b's chunk 0, c's chunks 0-2: one object per group each
-    assert delta(cold, init, "stored_objects") == 10 and cold["worker"]["store_failures"] == 0, cold["worker"]
+    assert delta(cold, init, "stored_objects") == stored and cold["worker"]["store_failures"] == 0, cold["worker"]
     assert hit_like(outputs(warm), ref), "restored from kvtier: tokens differ from vLLM alone"
     lds = loads_in(warm, wipe)
-    print("granite warm loads:", lds)
+    print(f"granite {name} warm loads:", lds)
     assert sorted((ld["loaded"], ld["chunks"]) for ld in lds) == [(1, 1), (1, 1), (3, 3)], lds
     assert delta(warm, wipe, "loaded_tokens") == 5 * CHUNK and delta(warm, wipe, "restore_failures") == 0
+    return ref, cold
 
+
+def test_real_vllm_mamba_hybrid_model(cluster: Cluster, granite_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Cold run equal to vLLM alone, both groups stored (one state page per
+    chunk: a's and b's chunk 0, c's chunks 0-2, 10 objects); after a reset
+    and a wipe every prompt's stored chunks are restored from kvtier (c's
+    three: attention of each, the Mamba state of the last, which lands in
+    the block vLLM allocates for it) with vLLM alone's tokens; a corrupted
+    Mamba object fails its request's load, counted, tokens still vLLM
+    alone's, the others restored."""
+    got = cold_then_warm(cluster, granite_dir, tmp_path, "gh", ENGINE, stored=10)
+    if got is None:
+        return
+    ref, cold = got
     # a's chunk 0, Mamba group (group 0): one payload bit flipped in L2, L1 emptied
     corrupt_l2(cluster, cold["keys"][0][0])
     restart_daemons(cluster, granite_dir)
-    f = run_vllm(tmp_path, "gh-corrupt", granite_dir, extra, [dict(op="attached"), *real.RESET, gen(ps)],
-                 engine=ENGINE)
+    f = run_vllm(tmp_path, "gh-corrupt", granite_dir, extra_mamba(cluster),
+                 [dict(op="attached"), *real.RESET, gen(prompts_mamba())], engine=ENGINE)
     assert f[1]["ok"], "the connector did not attach"
     bad = f[4]
     lds = loads_in(bad, f[3])
@@ -117,26 +131,10 @@ def test_real_vllm_mamba_hybrid_model(cluster: Cluster, granite_dir: pathlib.Pat
 def test_real_vllm_mamba_default_retention(cluster: Cluster, granite_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """vLLM's default prefix_cache_retention_interval keeps only each
     prompt's last boundary state: kvtier stores the other chunks without a
-    Mamba page (their attention only) and a restore spans them up to the
-    chunk with the state (lookup and restore with state_at_end): c's three
-    chunks come back although only chunk 2's state was kept. Tokens equal
-    vLLM alone's."""
-    ps = prompts_mamba()
+    Mamba page (their attention only: a's and b's chunk 0 with its state,
+    c's chunks 0 and 1 without, chunk 2 with, 8 objects) and a restore
+    spans them up to the chunk with the state (lookup and restore with
+    state_at_end): c's three chunks come back although only chunk 2's state
+    was kept. Tokens equal vLLM alone's."""
     engine = {"max_num_batched_tokens": CHUNK}  # steps end on chunk boundaries; retention as vLLM ships it
-    alone = run_vllm(tmp_path, "gd-alone", granite_dir, None, [gen(ps), gen(ps)], engine=engine,
-                     skip_if_refused="unexpected keyword argument 'prefix_cache_retention_interval'")
-    ref = outputs(alone[1])
-    r = run_vllm(tmp_path, "gd-kvtier", granite_dir, extra_mamba(cluster), [gen(ps), *real.RESET, gen(ps)],
-                 engine=engine)
-    init, cold, wipe, warm = r[0], r[1], r[3], r[4]
-    assert wipe["nonzero"] == 0, wipe
-    if real.restored_nothing(init, cold, wipe, warm, ref, stored=8):
-        return
-    assert outputs(cold) == ref, "cold run with the connector differs from vLLM alone"
-    # a's and b's chunk 0 with its state; c's chunks 0 and 1 attention only, chunk 2 with its state
-    assert delta(cold, init, "stored_objects") == 8 and cold["worker"]["store_failures"] == 0, cold["worker"]
-    assert hit_like(outputs(warm), ref), "restored from kvtier: tokens differ from vLLM alone"
-    lds = loads_in(warm, wipe)
-    print("granite default-retention warm loads:", lds)
-    assert sorted((ld["loaded"], ld["chunks"]) for ld in lds) == [(1, 1), (1, 1), (3, 3)], lds
-    assert delta(warm, wipe, "loaded_tokens") == 5 * CHUNK and delta(warm, wipe, "restore_failures") == 0
+    cold_then_warm(cluster, granite_dir, tmp_path, "gd", engine, stored=8)

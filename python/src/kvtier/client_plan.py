@@ -92,6 +92,21 @@ class _Reader:
         return wire.Rank(inst, self.u16(what))
 
 
+def _new_source(sources: dict[tuple[int, int], wire.Source], holders: list[wire.Rank], h: int, tier: int,
+                where: str) -> wire.Source:
+    """The Source of holder index h and tier, kept in sources (the decoders
+    share one object per pair: items never change their source);
+    MalformedError naming where for an index or tier out of range."""
+    if h >= len(holders):
+        raise MalformedError(f"{where}: holder {h} of {len(holders)}")
+    try:
+        t = wire.Tier(tier)
+    except ValueError:
+        raise MalformedError(f"{where}: tier {tier}") from None
+    src = sources[(h, tier)] = wire.Source(holders[h], t)
+    return src
+
+
 def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.RestorePlan:
     """Decodes a binary plan answering a restore.begin for chunks (the
     request's chunk list, which the plan refers to by index). Bad input
@@ -138,15 +153,8 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
             for group, shard in (inner if i < prefix - 1 else exps):
                 s, h, tier = unpack(r.b, off)
                 off += _ITEM.size
-                src = sources.get((h, tier))
-                if src is None:
-                    if h >= len(holders):
-                        raise MalformedError(f"restore plan: reader {name} chunk {i}: holder {h} of {len(holders)}")
-                    try:
-                        t = wire.Tier(tier)
-                    except ValueError:
-                        raise MalformedError(f"restore plan: reader {name} chunk {i}: tier {tier}") from None
-                    src = sources[(h, tier)] = wire.Source(holders[h], t)
+                src = sources.get((h, tier)) or _new_source(sources, holders, h, tier,
+                                                            f"restore plan: reader {name} chunk {i}")
                 append(wire.RetrieveItem(i, group, Key(ns, ch, shard, group), s, src, []))
         r.off = off
         ranks[name] = items
@@ -224,14 +232,7 @@ def unpack_items(data: bytes) -> list[wire.RetrieveItem]:
     for _ in range(n):
         chunk, group, shard, s, h, tier, skip = unpack(r.b, off)
         off += _PACKED.size
-        src = sources.get((h, tier))
-        if src is None:
-            if h >= len(holders):
-                raise MalformedError(f"packed items: holder {h} of {len(holders)}")
-            try:
-                src = sources[(h, tier)] = wire.Source(holders[h], wire.Tier(tier))
-            except ValueError:
-                raise MalformedError(f"packed items: tier {tier}") from None
+        src = sources.get((h, tier)) or _new_source(sources, holders, h, tier, "packed items")
         if chunk >= n_chunks:
             raise MalformedError(f"packed items: chunk {chunk} of {n_chunks}")
         append(wire.RetrieveItem(chunk, group, Key(ns, hashes[chunk], shard, group), s, src, [], skip))
