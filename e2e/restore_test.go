@@ -64,6 +64,22 @@ func TestColdStoreWipeRestoreL1(t *testing.T) {
 			}
 		})
 	}
+	// --state-every 2 over 5 chunks: the recurrent group stored for chunks
+	// 1 and 3 only (the others without a state, as vLLM keeps one where
+	// its retention says); the restore covers 4 chunks, ending on chunk
+	// 3's state, byte-exact, the inner state pages left as the wipe.
+	t.Run("tp4dcp1/state-every-2", func(t *testing.T) {
+		res := c.mustSim("--scenario", "tp4dcp1", "--phase", "all", "--state-at-end", "--state-every", "2",
+			"--chunks", "5", "--seed", "3")
+		if res.Verdict != wire.VerdictComplete || res.Chunks != 5 || res.Prefix != 4 {
+			t.Fatalf("result %+v, want a complete restore of 4 of 5 chunks", res)
+		}
+		for _, r := range res.Ranks {
+			if r.Placed != r.Items || r.Chunks != 4 || r.Mismatch != 0 || r.Outside != 0 {
+				t.Fatalf("rank %d: %+v", r.Rank, r)
+			}
+		}
+	})
 	v, err := admin[wire.AdminVerifyReply](c, wire.AdminVerify, struct{}{})
 	if err != nil || !v.OK {
 		t.Fatalf("verify: %+v %v", v, err)

@@ -120,6 +120,13 @@ type Config struct {
 	// prefix's end does (vLLM with a Mamba group); the check then wants
 	// the inner chunks' recurrent pages left as the wipe. Default false.
 	StateAtEnd bool
+	// StateEvery, when > 0, stores a recurrent group's pages (in a spec
+	// with other groups) only for every StateEvery-th chunk (chunks k-1,
+	// 2k-1, ...), the others without a state, as vLLM keeps a Mamba state
+	// only where its retention interval says; the restore (StateAtEnd,
+	// required) then covers the chunks up to the last one with a state.
+	// Default 0: every chunk with its state.
+	StateEvery int
 	// KeepRegistered leaves the pools registered with the rankds at exit
 	// (tests that poke at a registered namespace afterwards). Default
 	// false: the engine releases its pools before freeing them.
@@ -269,6 +276,12 @@ func (c *Config) Validate() error {
 	}
 	if c.FailOpen && c.Bench {
 		bad("fail-open with bench: the benchmark measures kvtier and needs it")
+	}
+	if c.StateEvery < 0 {
+		bad("state-every %d: negative", c.StateEvery)
+	}
+	if c.StateEvery > 0 && (!c.StateAtEnd || c.Bench) {
+		bad("state-every %d needs state-at-end (a restore reads a state at its last chunk only) and no bench", c.StateEvery)
 	}
 	if c.ResendAfter < 0 {
 		bad("resend-after %v: negative", c.ResendAfter)

@@ -124,7 +124,7 @@ func (s *sim) restore(ctx context.Context) error {
 	s.logf("verdict %s for restore %s: prefix %d, failed chunks %v %v (%.3fs)", v.State, v.RestoreID, v.Prefix, v.Failed, v.FailedReasons(), s.res.RestoreSeconds)
 	if s.trafficOnly { // the bench's restore loop: the verdict decides, the bytes are not compared
 		s.res.Ranks = rows
-		if v.State != wire.VerdictComplete || plan.Prefix != len(p.Hashes) {
+		if v.State != wire.VerdictComplete || plan.Prefix != s.wantPrefix() {
 			return fmt.Errorf("verdict %s, plan %d of %d chunks, failed chunks %v (%v)", v.State, plan.Prefix, len(p.Hashes), v.Failed, v.FailedReasons())
 		}
 		return nil
@@ -189,8 +189,8 @@ func (s *sim) restore(ctx context.Context) error {
 		problems = append(problems, "expected a failed verdict or a partial plan, got a complete restore of every chunk")
 	case !s.cfg.ExpectFail && v.State != wire.VerdictComplete:
 		problems = append(problems, fmt.Sprintf("verdict %s, failed chunks %v (%v)", v.State, v.Failed, v.FailedReasons()))
-	case !s.cfg.ExpectFail && plan.Prefix != len(p.Hashes):
-		problems = append(problems, fmt.Sprintf("plan covers %d of %d chunks", plan.Prefix, len(p.Hashes)))
+	case !s.cfg.ExpectFail && plan.Prefix != s.wantPrefix():
+		problems = append(problems, fmt.Sprintf("plan covers %d of %d chunks, want %d", plan.Prefix, len(p.Hashes), s.wantPrefix()))
 	}
 	ok := len(problems) == 0
 	s.logf("RESULT scenario=%s phase=%s verdict=%s failed=%s compare=%s ok=%v",
@@ -360,14 +360,8 @@ func callRetrying[T any](ctx context.Context, nc *nats.Conn, subject string, req
 // rule, index.LookupResult.Needed); nil for every other group.
 func (s *sim) statesLeft(prefix int) func(gi int) map[int]bool {
 	groups := s.plan.R.Groups
-	states := 0
-	for _, g := range groups {
-		if g.Kind == dcp.Recurrent {
-			states++
-		}
-	}
 	return func(gi int) map[int]bool {
-		if states == 0 || states == len(groups) || groups[gi].Kind != dcp.Recurrent {
+		if !statesMixed(groups) || groups[gi].Kind != dcp.Recurrent {
 			return nil
 		}
 		out := map[int]bool{}
@@ -376,4 +370,27 @@ func (s *sim) statesLeft(prefix int) func(gi int) map[int]bool {
 		}
 		return out
 	}
+}
+
+// statesMixed reports whether a spec has recurrent groups beside others
+// (where StateAtEnd and stores without a state apply).
+func statesMixed(groups []dcp.Group) bool {
+	states := 0
+	for _, g := range groups {
+		if g.Kind == dcp.Recurrent {
+			states++
+		}
+	}
+	return states > 0 && states < len(groups)
+}
+
+// wantPrefix is the prefix a restore of the stored prompt must cover: every
+// chunk, or with Config.StateEvery up to the last chunk stored with its
+// state.
+func (s *sim) wantPrefix() int {
+	n, k := len(s.plan.Hashes), s.cfg.StateEvery
+	if k <= 0 || !statesMixed(s.plan.R.Groups) {
+		return n
+	}
+	return n / k * k
 }

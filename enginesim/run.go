@@ -178,6 +178,7 @@ func (s *sim) run(ctx context.Context) error {
 		}
 		w.resend, w.resendEvery = s.resend(0), s.cfg.ResendAfter
 		w.jsonRequests = s.cfg.JSONRequests
+		w.stateEvery = s.cfg.StateEvery
 		s.workers = append(s.workers, w)
 	}
 	registered := false
@@ -394,14 +395,14 @@ func (s *sim) store(ctx context.Context) error {
 
 	// Wait until the coordinator's index shows every chunk restorable: the
 	// events travel asynchronously.
-	if prefix, err := s.waitPrefix(ctx, s.cfg.Timeout); err != nil || prefix != len(p.Hashes) {
+	if prefix, err := s.waitPrefix(ctx, s.cfg.Timeout); err != nil || prefix != s.wantPrefix() {
 		if err == nil {
-			err = fmt.Errorf("lookup prefix %d of %d", prefix, len(p.Hashes))
+			err = fmt.Errorf("lookup prefix %d of %d, want %d", prefix, len(p.Hashes), s.wantPrefix())
 		}
 		return fmt.Errorf("index did not show the stored prompt within %v: %w", s.cfg.Timeout, err)
 	}
 	s.res.StoreSeconds = time.Since(start).Seconds()
-	s.logf("coordinator lookup: all %d chunks restorable", len(p.Hashes))
+	s.logf("coordinator lookup: %d of %d chunks restorable", s.wantPrefix(), len(p.Hashes))
 	return nil
 }
 
@@ -413,12 +414,13 @@ func (s *sim) waitPrefix(ctx context.Context, wait time.Duration) (int, error) {
 	for {
 		cctx, cancel := s.callCtx(ctx)
 		lr, err := bus.CallRetry[wire.LookupReply](cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordLookup),
-			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance}, s.lookupRetry())
+			wire.LookupRequest{Namespace: p.R.Namespace, Chunks: p.Hashes, Instance: s.cfg.Instance, StateAtEnd: s.cfg.StateAtEnd},
+			s.lookupRetry())
 		cancel()
 		prefix := 0
 		if err == nil {
 			prefix = lr.Prefix
-			if prefix == len(p.Hashes) {
+			if prefix == s.wantPrefix() {
 				return prefix, nil
 			}
 		}

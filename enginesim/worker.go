@@ -37,6 +37,8 @@ type worker struct {
 	resendEvery time.Duration
 	// jsonRequests sends stores and retrieves as JSON (Config.JSONRequests).
 	jsonRequests bool
+	// stateEvery is Config.StateEvery (see stateKept).
+	stateEvery int
 }
 
 // body is a store or retrieve request as this engine sends it: binary
@@ -258,7 +260,7 @@ func (w *worker) computeAndStore(ctx context.Context, reqID string, compute time
 					keep = append(keep, buf)
 				}
 			}
-			if _, ok := p.R.StoreShard(gi, w.t); ok {
+			if _, ok := p.R.StoreShard(gi, w.t); ok && w.stateKept(gi, c) {
 				cb.Blocks[gi] = blocks
 				stores = true
 			} else {
@@ -422,4 +424,12 @@ func (w *worker) verify(skip map[int]bool, left func(gi int) map[int]bool) (Mism
 		}
 	}
 	return total, nil
+}
+
+// stateKept reports whether chunk c is stored with group gi's pages: not
+// for a recurrent group's chunk between Config.StateEvery's (the engine
+// kept no state at its end).
+func (w *worker) stateKept(gi, c int) bool {
+	k := w.stateEvery
+	return k <= 0 || !statesMixed(w.plan.R.Groups) || w.plan.R.Groups[gi].Kind != dcp.Recurrent || (c+1)%k == 0
 }

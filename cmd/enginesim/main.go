@@ -46,6 +46,7 @@ func main() {
 	flag.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "content seed (the same seed regenerates the same prompt and pages)")
 	flag.IntVar(&cfg.Chunks, "chunks", 0, "chunks in the prompt (0: the scenario's)")
 	flag.BoolVar(&cfg.StateAtEnd, "state-at-end", false, "restore the recurrent groups' pages of the prefix's last chunk only (an engine resuming from the state at the prefix's end); the inner chunks' state pages must stay as the wipe")
+	flag.IntVar(&cfg.StateEvery, "state-every", 0, "with --state-at-end: store the recurrent groups' pages of every Nth chunk only (the others without a state); the restore covers the chunks up to the last one with a state")
 	flag.BoolVar(&cfg.ExpectFail, "expect-fail", false, "the restore must fail; chunks it does not name must still be byte-exact")
 	flag.BoolVar(&cfg.FailOpen, "fail-open", false, "serve as an engine must with the cache down or failing: what kvtier does not confirm is recomputed, not an error (a wrong byte under a COMPLETE verdict still fails)")
 	flag.DurationVar(&cfg.AttachWait, "attach-wait", 0, "fail-open: keep trying to reach kvtier and register for this long before serving without it")
