@@ -205,6 +205,21 @@ def test_a_mamba_group_makes_the_store_wait_for_its_answer():
     t.join()
 
 
+def test_a_chunk_without_its_state_is_stored_with_its_attention_and_counted():
+    """A chunk whose state vLLM did not keep goes to the rankd with no
+    block ids for the Mamba group (its attention only), counted in
+    stored_without_state; a chunk with its state is not counted."""
+    world = fakes.FakeWorld()
+    w = mamba_worker(world)
+    h0, h1 = bytes([1]) * 16, bytes([2]) * 16
+    save = SaveSpec("r1", [(h0, [[], [30, 31]]), (h1, [[6], [32, 33]])])
+    w.bind_connector_metadata(KvtierConnectorMetadata([], [save]))
+    w.wait_for_save()
+    (_, _, chunks, _), = world.stores
+    assert [(bytes(c.chunk), c.blocks) for c in chunks] == [(h0, [[], [30, 31]]), (h1, [[6], [32, 33]])]
+    assert w.stats["stored_without_state"] == 1
+
+
 def test_a_mamba_tensor_is_its_states_bytes_a_page_apart():
     """vLLM hands the connector a Mamba layer as (num_blocks, 1, 1, state
     bytes) int8 rows a padded page apart: accepted (the pool is the whole

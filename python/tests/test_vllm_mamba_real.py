@@ -137,4 +137,6 @@ def test_real_vllm_mamba_default_retention(cluster: Cluster, granite_dir: pathli
     state_at_end): c's three chunks come back although only chunk 2's state
     was kept. Tokens equal vLLM alone's."""
     engine = {"max_num_batched_tokens": CHUNK}  # steps end on chunk boundaries; retention as vLLM ships it
-    cold_then_warm(cluster, granite_dir, tmp_path, "gd", engine, stored=8)
+    got = cold_then_warm(cluster, granite_dir, tmp_path, "gd", engine, stored=8)
+    if got is not None:
+        assert got[1]["worker"]["stored_without_state"] == 2, got[1]["worker"]  # c's chunks 0 and 1

@@ -117,7 +117,7 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
                       "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
                       "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
                       "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
-                      "loads_skipped": 0, "stores": 0, "stored_objects": 0,
+                      "loads_skipped": 0, "stores": 0, "stored_objects": 0, "stored_without_state": 0,
                       "store_failures": 0, "stores_skipped": 0, "store_waits_cut": 0, "reregistered": 0,
                       "blocks_in_use": 0, "attaches": 0, "detaches": 0, "engine_verify_failures": 0}
         self._stats_sent: dict[str, int] = {}

@@ -209,6 +209,8 @@ class _WorkerSide(_Core):
                 h = stage_hashes[i]
             per_group = [blocks[gi] if self.resolved.store_shard(gi, tp) is not None else []
                          for gi in range(len(self.spec.groups))]
+            if any(per_group) and any(gl.recurrent and not blocks[gi] for gi, gl in enumerate(self.layers)):
+                self.stats["stored_without_state"] += 1
             if any(per_group):
                 pos = save.positions[i] if i < len(save.positions) else 0
                 out.append(wire.ChunkBlocks(dcp.ChunkHash(h), per_group, pos))

@@ -45,6 +45,8 @@ COUNTERS: dict[str, str] = {
     "loads_skipped": "restores failed at once because kvtier was not attached",
     "stores": "store requests sent",
     "stored_objects": "objects stored (committed) by the rankd",
+    "stored_without_state": "chunks of a Mamba / linear-attention hybrid sent to store without their state "
+                            "(vLLM kept none at the chunk's end): a restore may span them, never end on them",
     "store_failures": "store requests that failed or reported failed objects",
     "stores_skipped": "stores not sent because kvtier was not attached",
     "store_waits_cut": "stores of sliding-window or Mamba groups whose answer vLLM's step stopped waiting for at "
