@@ -611,17 +611,22 @@ def reason_bytes_wrong(reason: str) -> bool:
 
 async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
                   blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
-                  deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None) -> RestoreOutcome:
+                  deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None,
+                  state_at_end: bool = False) -> RestoreOutcome:
     """The whole restore protocol: begin, every rank's retrieve with the
     target blocks blocks_for gives, then the verdict. held_blocks, by
     group: how many of the first chunk's blocks the engine holds already
     (its own prefix cache ends inside the chunk); those are not written
     (RetrieveItem.skip) and blocks_for's first ids of that chunk are not
-    sent. The whole object is still verified."""
+    sent. The whole object is still verified. state_at_end: a recurrent
+    group's object for the restored prefix's last chunk only
+    (Client.restore_begin), for an engine that resumes from the state at
+    the prefix's end; blocks_for is asked for no other chunk's state."""
     if not sessions:
         raise ValueError("restore needs the rank sessions of the instance")
     ns = next(iter(sessions.values())).namespace
-    plan = await client.restore_begin(ns, chunks, instance=instance, deadline_ms=deadline_ms)
+    plan = await client.restore_begin(ns, chunks, instance=instance, deadline_ms=deadline_ms,
+                                      state_at_end=state_at_end)
     if plan.prefix == 0 or not plan.ranks:
         return RestoreOutcome(plan, None, 0, [], plan.reason or "nothing restorable")
     problems: list[str] = []
@@ -720,9 +725,11 @@ class SyncClient:
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
                 blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
-                deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None) -> RestoreOutcome:
+                deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None,
+                state_at_end: bool = False) -> RestoreOutcome:
         return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
-                                instance=instance, deadline_ms=deadline_ms, held_blocks=held_blocks))
+                                instance=instance, deadline_ms=deadline_ms, held_blocks=held_blocks,
+                                state_at_end=state_at_end))
 
     def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
         return self.run(self.aio.status(rank, timeout=timeout), _outer(timeout))
