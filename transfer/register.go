@@ -42,7 +42,10 @@ type space struct {
 	owner string // engine identity that registered it (see Register)
 	res   *dcp.Resolved
 	pools [][]cuda.Mem // [group][layer]
-	gen   uint64
+	// stateless marks the groups a store may leave out of a chunk
+	// (statelessOK), decided once for the spec.
+	stateless []bool
+	gen       uint64
 	// stop ends when sp is retired: its retrieves in flight stop
 	// (cancelStop) and scatter nothing more into its pools.
 	stop       context.Context
@@ -59,7 +62,7 @@ type space struct {
 
 func newSpace(owner string, res *dcp.Resolved) *space {
 	sp := &space{id: newSessionID(), owner: owner, res: res, pools: make([][]cuda.Mem, len(res.Groups)),
-		drained: make(chan struct{})}
+		stateless: statelessOK(res), drained: make(chan struct{})}
 	sp.stop, sp.cancelStop = context.WithCancel(context.Background())
 	return sp
 }

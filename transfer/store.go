@@ -413,7 +413,6 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 		return nil, fmt.Errorf("%d chunks, limit %d: %w", len(req.Chunks), MaxStoreChunks, ErrBadRequest)
 	}
 	var out []plannedObj
-	stateless := statelessOK(res)
 	for ci, ch := range req.Chunks {
 		if len(ch.Blocks) != len(res.Groups) {
 			return nil, fmt.Errorf("chunk %d: block ids for %d groups, the spec has %d: %w", ci, len(ch.Blocks), len(res.Groups), ErrBadRequest)
@@ -423,7 +422,7 @@ func (e *Engine) planStore(sp *space, req StoreRequest) ([]plannedObj, error) {
 			if !ok {
 				continue
 			}
-			if len(ch.Blocks[gi]) == 0 && stateless[gi] {
+			if len(ch.Blocks[gi]) == 0 && gi < len(sp.stateless) && sp.stateless[gi] {
 				continue // the engine kept no state at this chunk's end: its other groups only
 			}
 			spans, err := e.pageSpans(sp, gi, ch.Blocks[gi])
