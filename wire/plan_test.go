@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/hex"
 	"errors"
+	"os"
+	"path/filepath"
 	"reflect"
 	"testing"
 
@@ -192,6 +194,11 @@ func FuzzPlanDecode(f *testing.F) {
 	good, _ := AppendPlanBinary(nil, plan, ns)
 	f.Add(good)
 	f.Add([]byte(planMagic))
+	last, err := os.ReadFile(filepath.Join(compactDir, "restore_plan_last.bin")) // KVP2, 2 chunks
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(last)
 	f.Fuzz(func(t *testing.T, p []byte) {
 		back, err := DecodePlanBinary(p, chunks)
 		if err != nil {
