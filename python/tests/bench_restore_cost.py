@@ -21,6 +21,7 @@ import os
 import pathlib
 import statistics
 import time
+from typing import Any
 
 import pytest
 
@@ -83,17 +84,22 @@ def test_restore_cost(cluster: Cluster) -> None:
         aio = c.aio
         asess = {k: s.aio for k, s in sessions.items()}
 
-        async def once(n: int) -> dict[str, float]:
+        async def once(n: int, packed: bool) -> dict[str, float]:
             t0 = time.perf_counter()
             await aio.lookup(ns, hashes[:n], instance="engine0")
             t1 = time.perf_counter()
-            plan = await aio.restore_begin(ns, hashes[:n], instance="engine0", deadline_ms=10000)
+            begin = aio.restore_begin_packed if packed else aio.restore_begin
+            plan = await begin(ns, hashes[:n], instance="engine0", deadline_ms=10000)
             t2 = time.perf_counter()
             assert plan.prefix == n, plan
             wait = asyncio.ensure_future(aio.restore_wait(plan.restore_id, instance="engine0"))
+            block_ids = [[n_max + 1 + c for c in range(n)]]
 
-            async def one(name: str, items: list[wire.RetrieveItem]) -> None:
+            async def one(name: str, items: Any) -> None:
                 s = asess[name]
+                if packed:  # as the vLLM connector's worker does
+                    await s.retrieve_packed(items, plan.restore_id, block_ids, [BLOCKS_PER_CHUNK])
+                    return
                 for it in items:
                     it.blocks = [n_max + 1 + it.chunk]
                 rep = await s.retrieve(items, plan.restore_id)
@@ -107,21 +113,24 @@ def test_restore_cost(cluster: Cluster) -> None:
             return {"lookup": t1 - t0, "begin": t2 - t1, "retrieve": t3 - t2, "verdict": t4 - t3,
                     "restore": t4 - t1}
 
-        rows = []
-        for n in NS:
-            samples = [c.run(once(n), 30) for _ in range(REPS + 2)][2:]
-            med = {k: 1000 * statistics.median(s[k] for s in samples) for k in samples[0]}
-            rows.append((n, med))
-        print(f"\nrestore through the Python client, host backend, TP {TP}, 1 KiB pages x {layers} layers, "
-              f"median of {REPS} (ms):")
-        print("| chunks | lookup | restore.begin | retrieves | verdict after them | restore (begin to verdict) |")
-        print("|---|---|---|---|---|---|")
-        for n, m in rows:
-            print(f"| {n} | {m['lookup']:.2f} | {m['begin']:.2f} | {m['retrieve']:.2f} | {m['verdict']:.2f} | "
-                  f"{m['restore']:.2f} |")
-        xs, ys = [n for n, _ in rows], [m["restore"] for _, m in rows]
-        if len(xs) > 1:
-            slope, icept = statistics.linear_regression(xs, ys)
-            print(f"fit: restore = {icept:.2f} ms + {1000 * slope:.1f} us per chunk")
+        for packed in (False, True):
+            rows = []
+            for n in NS:
+                samples = [c.run(once(n, packed), 30) for _ in range(REPS + 2)][2:]
+                med = {k: 1000 * statistics.median(s[k] for s in samples) for k in samples[0]}
+                rows.append((n, med))
+            how = ("packed items (restore_begin_packed, retrieve_packed: the vLLM connector's path)" if packed
+                   else "RetrieveItem objects (restore_begin, retrieve)")
+            print(f"\nrestore through the Python client, {how}, host backend, TP {TP}, 1 KiB pages x {layers} "
+                  f"layers, median of {REPS} (ms):")
+            print("| chunks | lookup | restore.begin | retrieves | verdict after them | restore (begin to verdict) |")
+            print("|---|---|---|---|---|---|")
+            for n, m in rows:
+                print(f"| {n} | {m['lookup']:.2f} | {m['begin']:.2f} | {m['retrieve']:.2f} | {m['verdict']:.2f} | "
+                      f"{m['restore']:.2f} |")
+            xs, ys = [n for n, _ in rows], [m["restore"] for _, m in rows]
+            if len(xs) > 1:
+                slope, icept = statistics.linear_regression(xs, ys)
+                print(f"fit: restore = {icept:.2f} ms + {1000 * slope:.1f} us per chunk")
     for m in mems:
         m.release()

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier import client, dcp, wire
+from kvtier import client, client_plan, dcp, wire
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,15 @@ class FakeSession:
             raise self.world.retrieve_error
         return wire.RetrieveReply([wire.ItemResult(it.chunk, it.group, True) for it in items])
 
+    async def retrieve_packed(self, items, restore_id, block_ids, blocks_per_chunk, *, first_chunk=0, skip=(),
+                              timeout=None, deadline=None):
+        # The bytes the real session sends, decoded as a rankd would: the
+        # tests see the items and blocks the worker asked for.
+        body = items.retrieve_request(restore_id, "fake-session", block_ids, blocks_per_chunk, first_chunk, skip)
+        req = wire.RetrieveRequest.from_binary(body)
+        assert req.namespace == items.namespace or not req.items, (req.namespace, items.namespace)
+        await self.retrieve(req.items, restore_id, timeout=timeout, deadline=deadline)
+
     async def reregister(self):
         self.world.reregistered += 1
 
@@ -315,6 +324,14 @@ class FakeAio:
         plan = self.world.plan_by_ns.get(namespace, self.world.plan)
         assert plan is not None
         return plan
+
+    async def restore_begin_packed(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None,
+                                   state_at_end=False):
+        p = await self.restore_begin(namespace, chunks, instance=instance, deadline_ms=deadline_ms, timeout=timeout,
+                                     state_at_end=state_at_end)
+        return client_plan.PackedPlan(p.restore_id, p.prefix,
+                                      {name: client_plan.PlanItems.of(items) for name, items in p.ranks.items()},
+                                      p.reason)
 
     async def restore_wait(self, restore_id, *, timeout=None, instance=None):
         self.world.waits.append((restore_id, instance))

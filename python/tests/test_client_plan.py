@@ -130,49 +130,130 @@ def test_retrieve_reply_fast_path_equals_the_generic_decoder():
     assert fast_hits > 100  # the mutations leave many valid replies
 
 
-def _plan_items() -> list[wire.RetrieveItem]:
-    """A rank's items of a plan: two groups, a skip in chunk 0, holders of
-    two instances, every tier, chunk 2 absent (a gap)."""
-    ns = dcp.Namespace(bytes(range(16)))
-    h = [dcp.ChunkHash(bytes([c + 1]) * 16) for c in range(5)]
+def _golden_packed() -> list[tuple[client_plan.PlanItems, list[wire.RetrieveItem]]]:
+    """Every reader of both golden plans (KVP1, KVP2) as PlanItems, beside
+    its items as the JSON plan lists them."""
+    chunks = [dcp.ChunkHash.parse(h) for h in json.loads((COMPACT / "chunks.json").read_text())]
     out = []
-    for c in (0, 1, 3, 4):
-        for g in (0, 1):
-            holder = wire.Rank("engine0" if (c + g) % 2 else "peer-b", (c * 2 + g) % 3)
-            out.append(wire.RetrieveItem(c, g, dcp.Key(ns, h[c], 2 + g, g), 0xFEDCBA9876543210 - c * 7 - g,
-                                         wire.Source(holder, list(wire.Tier)[(c + g) % len(wire.Tier)]),
-                                         skip=1 if c == 0 else 0))
+    for name in ("restore_plan", "restore_plan_last"):
+        want = wire.decode(wire.RestorePlan, (COMPACT / f"{name}.json").read_bytes())
+        got = client_plan.decode_plan_packed((COMPACT / f"{name}.bin").read_bytes(), chunks)
+        assert (got.restore_id, got.prefix, got.reason, sorted(got.ranks)) == (
+            want.restore_id, want.prefix, want.reason, sorted(want.ranks))
+        out += [(got.ranks[r], want.ranks[r]) for r in sorted(want.ranks)]
     return out
 
 
-def test_packed_items_round_trip():
-    """What the connector's scheduler hands its workers: pack_items then
-    unpack_items gives back every field of every item, in order; items the
-    form cannot carry are refused when packed."""
-    items = _plan_items()
-    data = client_plan.pack_items(items)
-    assert client_plan.unpack_items(data) == items
-    assert client_plan.unpack_items(client_plan.pack_items([])) == []
-    ns2 = dataclasses.replace(items[1], key=dataclasses.replace(items[1].key, ns=dcp.Namespace(bytes(16))))
-    for bad in (dataclasses.replace(items[0], blocks=[3]),
-                dataclasses.replace(items[0], group=1),  # its key is of group 0
-                dataclasses.replace(items[0], key=dataclasses.replace(items[0].key, chunk=items[2].key.chunk)),
-                ns2):
+def test_plan_items_are_the_plans_items():
+    """A plan decoded packed holds every reader's items exactly (items()
+    equals Go's JSON plan); the form the scheduler hands its workers
+    (to_bytes, KVW1) comes back equal, and PlanItems.of packs a plan's
+    items back to the same value; of refuses items of another shape."""
+    cases = _golden_packed()
+    assert any(any(last for _, _, last in pl.exps) for pl, _ in cases)  # the KVP2 plan's last-only state
+    for pl, items in cases:
+        assert pl.items() == items and len(pl) == len(items)
+        assert client_plan.PlanItems.from_bytes(pl.to_bytes()) == pl
+        again = client_plan.PlanItems.of(items)
+        assert again.items() == items and again.exps == pl.exps and again.hashes == pl.hashes
+    assert client_plan.PlanItems.from_bytes(client_plan.PlanItems.of([]).to_bytes()).items() == []
+    pl, items = max(cases, key=lambda c: len(c[1]))
+    assert len({it.chunk for it in items}) > 1 and len({it.group for it in items}) > 1
+    ns2 = dataclasses.replace(items[1].key, ns=dcp.Namespace(bytes(16)))
+    for bad in ([dataclasses.replace(items[0], blocks=[3]), *items[1:]],
+                [dataclasses.replace(items[0], skip=1), *items[1:]],
+                [dataclasses.replace(items[0], group=items[0].group + 1), *items[1:]],  # its key's group differs
+                [items[0], dataclasses.replace(items[1], key=ns2), *items[2:]],
+                [dataclasses.replace(it, chunk=2) if it.chunk == 1 else it for it in items],  # a gap
+                items[:-1],  # the last chunk short of an object the first has
+                [items[0], dataclasses.replace(items[1], chunk=items[1].chunk + 5), *items[2:]]):
         with pytest.raises(ValueError):
-            client_plan.pack_items([items[0], *items[1:], bad] if bad is not ns2 else [items[0], bad])
+            client_plan.PlanItems.of(bad)
 
 
-def test_packed_items_refuse_bad_input():
-    data = client_plan.pack_items(_plan_items())
+def test_plan_items_refuse_bad_input():
+    """The packed form's truncations, trailing bytes, and out-of-range
+    holder, tier and flag bytes raise MalformedError, never another
+    exception."""
+    pl, _ = max(_golden_packed(), key=lambda c: len(c[1]))
+    data = pl.to_bytes()
     for n in range(len(data)):
         with pytest.raises(MalformedError):
-            client_plan.unpack_items(data[:n])
-    with pytest.raises(MalformedError, match="left"):
-        client_plan.unpack_items(data + b"\x00")
-    # the last item: its tier, then its holder index, then its chunk
-    tail = len(data) - 4  # the skip's u32
-    for pos, value, words in ((tail - 1, 9, "tier 9"), (tail - 2, 7, "holder 7"), (len(data) - 20, 9, "chunk 9 of 5")):
+            client_plan.PlanItems.from_bytes(data[:n])
+    with pytest.raises(MalformedError, match="bytes of items"):
+        client_plan.PlanItems.from_bytes(data + b"\x00")
+    # the last item: (u64 sum | u16 holder | u8 tier)
+    for pos, value, words in ((len(data) - 1, 9, "tier 9"), (len(data) - 2, 7, "holder index"),
+                              (len(data) - 3, 1, "holder index")):
         b = bytearray(data)
         b[pos] = value
         with pytest.raises(MalformedError, match=words):
-            client_plan.unpack_items(bytes(b))
+            client_plan.PlanItems.from_bytes(bytes(b))
+    e = data.index(len(pl.exps).to_bytes(2, "big") + pl.exps[0][0].to_bytes(2, "big"))
+    b = bytearray(data)
+    b[e + 6] = 2  # the first expectation's last-only flag
+    with pytest.raises(MalformedError, match="last-only flag 2"):
+        client_plan.PlanItems.from_bytes(bytes(b))
+
+
+def _random_plan_items(rng: random.Random) -> client_plan.PlanItems:
+    ns = dcp.Namespace(rng.randbytes(16))
+    holders = [wire.Rank(rng.choice(["engine0", "peer-b", "x"]), rng.randrange(4)) for _ in range(rng.randint(1, 3))]
+    holders = list(dict.fromkeys(holders))
+    exps = [(g, rng.randrange(3), rng.random() < 0.3) for g in rng.sample(range(3), rng.randint(1, 3))]
+    if all(last for _, _, last in exps):
+        exps[0] = (exps[0][0], exps[0][1], False)
+    n = rng.randint(0, 6)
+    inner = sum(1 for e in exps if not e[2])
+    items = (n - 1) * inner + len(exps) if n else 0
+    recs = b"".join(client_plan._ITEM.pack(rng.getrandbits(64), rng.randrange(len(holders)),
+                                           rng.choice(list(wire.Tier))) for _ in range(items))
+    return client_plan.PlanItems(ns, holders, exps, b"".join(rng.randbytes(16) for _ in range(n)), recs)
+
+
+def test_retrieve_request_is_the_encoders():
+    """The worker's retrieve request written from packed items is, byte
+    for byte, what wire.RetrieveRequest.to_binary encodes for the same
+    items with their blocks set by the documented rule (chunk 0 skipping
+    the engine's own blocks), over random plans: several groups and
+    holders, last-only states, blocks past 32 bits; from_binary decodes it
+    back to those items; holding finds exactly the items with a block."""
+    rng = random.Random(11)
+    kinds = set()
+    for _ in range(400):
+        pl = _random_plan_items(rng)
+        first = rng.randrange(3)
+        bpc = [rng.randint(1, 3) for _ in range(3)]
+        skip = [rng.randrange(b) for b in bpc] if rng.random() < 0.4 else []
+        top = 1 << 40 if rng.random() < 0.2 else 1000
+        ids = [[rng.randrange(top) for _ in range((first + pl.prefix) * b)] for b in bpc]
+        items = pl.items()
+        for it in items:
+            lo = (first + it.chunk) * bpc[it.group]
+            it.skip = skip[it.group] if skip and it.chunk == 0 else 0
+            it.blocks = ids[it.group][lo + it.skip:lo + bpc[it.group]]
+        want = wire.RetrieveRequest("r-1", pl.namespace, "sess", items)
+        got = pl.retrieve_request("r-1", "sess", ids, bpc, first, skip)
+        assert got == want.to_binary()
+        assert wire.RetrieveRequest.from_binary(got) == want
+        kinds.add(got[:5])
+        probe = rng.choice([b for it in items for b in it.blocks] or [7])
+        assert pl.holding(probe, ids, bpc, first, skip) == sorted({(it.group, it.chunk) for it in items
+                                                                    if probe in it.blocks})
+    assert kinds == {b"KVR1\x04", b"KVR2\x04", b"KVR1\x08", b"KVR2\x08"}
+    pl = _random_plan_items(random.Random(3))
+    assert pl.prefix > 0
+    with pytest.raises(ValueError, match="block ids, want"):
+        pl.retrieve_request("r", "s", [[1], [1], [1]], [2, 2, 2])
+
+
+def test_retrieve_reply_check():
+    """retrieve_packed does not decode a reply's results, but an error
+    reply still raises its error, and a reply that is not the rankd's
+    shape raises MalformedError."""
+    assert client._check_retrieve_reply(b'{"ok":{"results":[{"chunk":0,"group":0,"ok":false,"sum":1}]}}') is None
+    with pytest.raises(BadRequest, match="no such"):
+        client._check_retrieve_reply(b'{"error":{"code":"bad_request","message":"no such"}}')
+    for bad in (b"", b"nope", b'{"ok":[]}'):
+        with pytest.raises(MalformedError):
+            client._check_retrieve_reply(bad)

@@ -203,7 +203,7 @@ def verified_load(torch, w, caches, layout: str, sums=None) -> LoadSpec:
         chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16)),
         sum=recorded_sum(torch, caches, layout, BLOCK_IDS[first + c]) if sums is None else sums[c],
         source=wire.Source(wire.Rank("engine0", 0), wire.Tier.L1)) for c in range(n)]
-    raw = client_plan.pack_items(items)
+    raw = client_plan.PlanItems.of(items).to_bytes()
     return LoadSpec("r1", "r-1", first, n, n, {"engine0/0": raw}, [list(BLOCK_IDS)], async_load=False)
 
 
@@ -301,7 +301,7 @@ def test_lying_rankd_with_several_groups_fails_the_request():
         chunk=c, group=g, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16), 0, g),
         sum=recorded_sum(torch, {n: caches[n] for n in layers[g]}, "block_major", ids[g][1 + c]),
         source=wire.Source(wire.Rank("engine0", 0), wire.Tier.L1)) for c in range(3) for g in range(2)]
-    raw = client_plan.pack_items(items)
+    raw = client_plan.PlanItems.of(items).to_bytes()
     load = LoadSpec("r1", "r-1", 1, 3, 3, {"engine0/0": raw}, ids, async_load=True)
     world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
     caches["b0"][ids[1][3]].reshape(-1).view(torch.uint8)[0] ^= 1  # the rankd "placed" a wrong byte

@@ -202,13 +202,21 @@ COMPACT = GOLDEN.parent / "compact"
 
 @pytest.mark.parametrize("name,cls", [("store_request", wire.StoreRequest), ("store_request_pos", wire.StoreRequest),
                                       ("retrieve_request", wire.RetrieveRequest),
-                                      ("retrieve_request_skip", wire.RetrieveRequest)])
+                                      ("retrieve_request_skip", wire.RetrieveRequest),
+                                      ("lookup_request", wire.LookupRequest)])
 def test_binary_requests_equal_go_bytes(name, cls):
-    """The binary store and retrieve requests (KVS1, KVS2 with chunk
-    positions, KVR1, KVR2 with skipped blocks) Python encodes are Go's bytes
-    for the same golden value (wire/testdata/compact)."""
+    """The binary store, retrieve and lookup requests (KVS1, KVS2 with
+    chunk positions, KVR1, KVR2 with skipped blocks, KVL1) Python encodes
+    are Go's bytes for the same golden value (wire/testdata/compact); a
+    binary retrieve request decodes back to that value."""
     msg = wire.decode(cls, (GOLDEN / f"{name}.json").read_bytes())
-    assert msg.to_binary() == (COMPACT / f"{name}.bin").read_bytes()
+    data = (COMPACT / f"{name}.bin").read_bytes()
+    assert msg.to_binary() == data
+    if cls is wire.RetrieveRequest:
+        assert wire.RetrieveRequest.from_binary(data) == msg
+        for n in range(len(data)):
+            with pytest.raises(MalformedError):
+                wire.RetrieveRequest.from_binary(data[:n])
 
 
 def test_binary_requests_pick_the_block_width():

@@ -544,7 +544,7 @@ def load_spec(w, verdict_failed=(), planned=3, chunks=3, restore_id="r-1", async
 
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16)),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(planned)]
-    raw = client_plan.pack_items(items)
+    raw = client_plan.PlanItems.of(items).to_bytes()
     return LoadSpec("r1", restore_id, 1, chunks, planned, {"engine0/0": raw}, [[20, 21, 22, 23, 24, 25]],
                     async_load=async_load)
 

@@ -120,7 +120,7 @@ def load(w, ids, planned=2, items=None):
     items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(bytes([c]) * 16),
                                                              0, g),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c, g in pairs]
-    raw = client_plan.pack_items(items)
+    raw = client_plan.PlanItems.of(items).to_bytes()
     return LoadSpec("r1", "r-1", 0, planned, planned, {"engine0/0": raw}, ids, async_load=True)
 
 

@@ -84,7 +84,7 @@ def partial_load(w, held, chunks=2, first=0):
     hashes = [bytes([c]) * 16 for c in range(chunks)]
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w.resolved.namespace, dcp.ChunkHash(hashes[c])),
                                source=wire.Source(wire.Rank("engine0", 0), 1)) for c in range(chunks)]
-    raw = client_plan.pack_items(items)
+    raw = client_plan.PlanItems.of(items).to_bytes()
     ids = list(range(20, 20 + 4 * (first + chunks) + 1))
     return LoadSpec("r1", "r-1", first, chunks, chunks, {"engine0/0": raw}, [ids], held_tokens=held,
                     async_load=False)

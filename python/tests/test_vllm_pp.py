@@ -136,8 +136,8 @@ def test_each_stage_worker_stores_and_restores_its_own():
     # The load: this stage's restore id, its rank's items, its verdict.
     items = [wire.RetrieveItem(chunk=c, group=0, key=dcp.Key(w1.resolved.namespace, dcp.ChunkHash(h1[c])),
                                source=wire.Source(wire.Rank("engine0-pp1", 0), 1)) for c in range(2)]
-    raw = {"engine0-pp1/0": client_plan.pack_items(items),
-           "engine0-pp0/0": client_plan.pack_items([])}
+    raw = {"engine0-pp1/0": client_plan.PlanItems.of(items).to_bytes(),
+           "engine0-pp0/0": client_plan.PlanItems.of([]).to_bytes()}
     world.verdict_by_id = {"r-1": wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 2)}
     bind(w1, loads=[LoadSpec("r2", "r-0", 0, 2, 2, raw, [[20, 21, 22]], async_load=False,
                              stage_restore_ids=["r-0", "r-1"])])

@@ -98,10 +98,10 @@ class ConnectOptions:
     # seconds before it raises Unavailable. Safe for every request: nothing
     # handled it. 0 disables.
     no_responders_retry_s: float = 3.0
-    # json_requests sends store and retrieve requests as JSON instead of
-    # their binary form (KVS1, or KVS2 once a chunk has a position, and
-    # KVR1): for rankds from before the binary form, during a rolling
-    # upgrade (rankd reads both since). It does not help rankds from before
+    # json_requests sends store, retrieve and lookup requests as JSON
+    # instead of their binary form (KVS1, or KVS2 once a chunk has a
+    # position, KVR1, KVL1): for rankds and coordinators from before the
+    # binary form, during a rolling upgrade (both read both since). It does not help rankds from before
     # chunk positions (pos): they refuse both forms of a store that carries
     # one, so rankds are upgraded before engines (docs/running.md).
     json_requests: bool = False
@@ -446,7 +446,8 @@ class Client:
         object needed for its last chunk only)."""
         inst = self._instance(instance)
         req = wire.LookupRequest(namespace, list(chunks), inst, detail, state_at_end)
-        return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), req, LookupReply, timeout=timeout)
+        body = req if self.opts.json_requests else req.to_binary()
+        return await self.call(self.coord_subject(wire.COORD_LOOKUP, inst), body, LookupReply, timeout=timeout)
 
     async def restore_begin(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
                             deadline_ms: int = 0, timeout: float | None = None,
@@ -465,6 +466,21 @@ class Client:
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
                                timeout=timeout, decoder=lambda data, subject: client_plan.decode_plan(data, chunks,
                                                                                                     subject))
+
+    async def restore_begin_packed(self, namespace: Namespace, chunks: Sequence[ChunkHash], *,
+                                   instance: str | None = None, deadline_ms: int = 0, timeout: float | None = None,
+                                   state_at_end: bool = False) -> client_plan.PackedPlan:
+        """restore_begin, the plan's items kept packed (client_plan.PlanItems:
+        no Python object per item; RankSession.retrieve_packed sends them),
+        for restores of many small chunks."""
+        inst = self._instance(instance)
+        chunks = list(chunks)
+        req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
+                                             state_at_end=state_at_end)
+        return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, client_plan.PackedPlan,
+                               timeout=timeout,
+                               decoder=lambda data, subject: client_plan.decode_plan_packed_reply(data, chunks,
+                                                                                                  subject))
 
     async def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                            instance: str | None = None) -> RestoreVerdict:
@@ -534,6 +550,22 @@ class RankSession:
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), self._body(req),
                                       RetrieveReply, timeout=timeout, headers=_deadline_header(deadline),
                                       decoder=decode_retrieve_reply)
+
+    async def retrieve_packed(self, items: client_plan.PlanItems, restore_id: str,
+                              block_ids: Sequence[Sequence[int]], blocks_per_chunk: Sequence[int], *,
+                              first_chunk: int = 0, skip: Sequence[int] = (), timeout: float | None = None,
+                              deadline: float | None = None) -> None:
+        """retrieve for a reader's items of a packed plan: the request is
+        written from them directly (PlanItems.retrieve_request says which
+        blocks each item gets) and the reply's per-item results are not
+        decoded (the verdict decides what was placed); an error reply
+        raises as retrieve's does."""
+        body: Any = items.retrieve_request(restore_id, self.session, block_ids, blocks_per_chunk, first_chunk, skip)
+        if self.client.opts.json_requests:
+            body = wire.RetrieveRequest.from_binary(body)
+        await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), body,
+                               type(None), timeout=timeout, headers=_deadline_header(deadline),
+                               decoder=_check_retrieve_reply)
 
     def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
         """req as sent: its binary form, or the message itself (JSON) with
@@ -798,6 +830,13 @@ def decode_retrieve_reply(data: bytes, subject: str = "") -> RetrieveReply:
             return wire.decode_reply(RetrieveReply, data, subject)
         out.append(wire.ItemResult(c, g, k, sm, why))
     return RetrieveReply(out)
+
+
+def _check_retrieve_reply(data: bytes, subject: str = "") -> None:
+    """Raises for an error reply to a retrieve; a reply with results is
+    not decoded (retrieve_packed: the verdict decides)."""
+    if not data.startswith(b'{"ok":{'):
+        wire.decode_reply(RetrieveReply, data, subject)
 
 
 def _deadline_header(deadline: float | None, gather_limit: float | None = None) -> dict[str, str] | None:

@@ -107,10 +107,259 @@ def _new_source(sources: dict[tuple[int, int], wire.Source], holders: list[wire.
     return src
 
 
-def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.RestorePlan:
+def _holders(r: _Reader, what: str) -> list[wire.Rank]:
+    return [r.rank(what) for _ in range(r.u16(what + "s"))]
+
+
+def _holders_bytes(holders: Sequence[wire.Rank]) -> bytes:
+    out = bytearray(len(holders).to_bytes(2, "big"))
+    for h in holders:
+        inst = h.instance.encode()
+        if len(inst) > 0xFF or not 0 <= h.tp_rank <= 0xFFFF:
+            raise ValueError(f"holder {h} does not fit (instance <= 255 B, TP rank in 0..65535)")
+        out += bytes([len(inst)]) + inst + h.tp_rank.to_bytes(2, "big")
+    return bytes(out)
+
+
+_TIERS = frozenset(int(t) for t in wire.Tier)
+
+
+@dataclass
+class PlanItems:
+    """One reader rank's items of a restore plan, kept in the plan's own
+    form: its expectations (group, shard, last-only) once, the chunk hashes
+    once, and 11 B per item (sum, holder index, tier). The items are, for
+    chunk i of the prefix and each expectation in order (on chunks before
+    the last, those not last-only), RetrieveItem(i, group, Key(namespace,
+    chunk i's hash, shard, group), sum, Source(holders[holder], tier)).
+
+    It exists so that a restore of many small chunks costs no Python
+    object per item on the way from the coordinator's plan to the rankd's
+    retrieve request (issue 25.4): the vLLM connector's scheduler decodes
+    the plan into it (decode_plan_packed), hands it to its workers as
+    bytes (to_bytes, "KVW1"), and each worker writes its retrieve request
+    from it (retrieve_request). items() gives the RetrieveItems, equal to
+    the plan's (decode_plan_binary)."""
+
+    namespace: Namespace
+    holders: list[wire.Rank]
+    exps: list[tuple[int, int, bool]]  # group, shard, last-only
+    hashes: bytes  # 16 B per chunk of the prefix, in order
+    records: bytes  # _ITEM per item
+
+    @property
+    def prefix(self) -> int:
+        return len(self.hashes) // 16
+
+    def _inner(self) -> list[tuple[int, int, bool]]:
+        return [e for e in self.exps if not e[2]]
+
+    def __len__(self) -> int:
+        return len(self.records) // _ITEM.size
+
+    def _layout(self) -> list[tuple[int, int, int]]:
+        """(chunk, group, shard) of every item, in order."""
+        n = self.prefix
+        inner = self._inner()
+        return [(i, g, sh) for i in range(n) for g, sh, _ in (inner if i < n - 1 else self.exps)]
+
+    def check(self, where: str) -> None:
+        """MalformedError naming where unless the parts agree: whole chunk
+        hashes, one record per item, an expectation for the inner chunks
+        when there is any, every holder index and tier in range. The
+        holder and tier bytes are read by slicing, not item by item."""
+        if len(self.hashes) % 16:
+            raise MalformedError(f"{where}: {len(self.hashes)} bytes of chunk hashes")
+        inner = self._inner()
+        if self.exps and not inner:
+            raise MalformedError(f"{where}: every one of its {len(self.exps)} expectations is last-only")
+        n = self.prefix
+        want = (n - 1) * len(inner) + len(self.exps) if n else 0
+        if len(self.records) != want * _ITEM.size:
+            raise MalformedError(f"{where}: {n} chunks x {len(self.exps)} objects need {want * _ITEM.size} "
+                                 f"bytes of items, got {len(self.records)}")
+        if not self.records:
+            return
+        recs, size = self.records, _ITEM.size
+        if len(self.holders) <= 0x100 and not any(recs[8::size]):
+            bad = max(recs[9::size]) >= len(self.holders)
+        else:
+            bad = any(h >= len(self.holders) for _, h, _ in _ITEM.iter_unpack(recs))
+        if bad:
+            raise MalformedError(f"{where}: a holder index out of its {len(self.holders)} holders")
+        tiers = set(recs[10::size])
+        if not tiers <= _TIERS:
+            raise MalformedError(f"{where}: tier {min(tiers - _TIERS)}")
+
+    def items(self) -> list[wire.RetrieveItem]:
+        """The items, each with its own RetrieveItem (no blocks)."""
+        ns, hs = self.namespace, self.hashes
+        chunks = [ChunkHash(hs[16 * i:16 * i + 16]) for i in range(self.prefix)]
+        sources: dict[tuple[int, int], wire.Source] = {}
+        out: list[wire.RetrieveItem] = []
+        for (i, g, sh), (s, h, tier) in zip(self._layout(), _ITEM.iter_unpack(self.records), strict=True):
+            src = sources.get((h, tier)) or _new_source(sources, self.holders, h, tier, f"plan items chunk {i}")
+            out.append(wire.RetrieveItem(i, g, Key(ns, chunks[i], sh, g), s, src, []))
+        return out
+
+    @classmethod
+    def of(cls, items: Sequence[wire.RetrieveItem]) -> PlanItems:
+        """items (one reader's, of one plan, without blocks or skips: the
+        plan's shape) in this form. ValueError for items of another shape."""
+        if not items:
+            return cls(Namespace(), [], [], b"", b"")
+        ns, n = items[0].key.ns, items[-1].chunk + 1
+        last = [(it.group, it.key.shard) for it in items if it.chunk == n - 1]
+        first = {(it.group, it.key.shard) for it in items if it.chunk == 0}
+        exps = [(g, sh, n > 1 and (g, sh) not in first) for g, sh in last]
+        holders: dict[wire.Rank, int] = {}
+        hashes: dict[int, ChunkHash] = {}
+        recs = bytearray()
+        pl = cls(ns, [], exps, bytes(16 * n), b"")
+        layout = pl._layout()
+        if len(layout) != len(items):
+            raise ValueError(f"{len(items)} items are not a plan's {len(layout)} of {n} chunks")
+        for it, (i, g, sh) in zip(items, layout, strict=True):
+            k = it.key
+            if (it.chunk, it.group, k.shard) != (i, g, sh) or k.ns != ns or k.group != g or it.blocks or it.skip:
+                raise ValueError(f"item of chunk {it.chunk} group {it.group} shard {k.shard}: not the plan's "
+                                 f"(chunk {i} group {g} shard {sh}), another namespace, a key of another group, "
+                                 "blocks or a skip")
+            if hashes.setdefault(i, k.chunk) != k.chunk:
+                raise ValueError(f"chunk {i}: two chunk hashes")
+            recs += _ITEM.pack(it.sum, holders.setdefault(it.source.holder, len(holders)), int(it.source.tier))
+        pl.holders, pl.records = list(holders), bytes(recs)
+        pl.hashes = b"".join(bytes(hashes[i]) for i in range(n))
+        return pl
+
+    def to_bytes(self) -> bytes:
+        """The packed form ("KVW1") for the engine's other processes,
+        big-endian:
+
+            magic "KVW1" | namespace (16 B)
+            u16 H | H x holder: (u8 len(instance) | instance | u16 tp_rank)
+            u16 E | E x (u16 group | u16 shard | u8 last_only)
+            u32 C | C x chunk hash (16 B)
+            the items: _ITEM each, to the end
+        """
+        out = bytearray(_LOAD_MAGIC)
+        out += bytes(self.namespace)
+        out += _holders_bytes(self.holders)
+        out += len(self.exps).to_bytes(2, "big")
+        for g, sh, last in self.exps:
+            out += struct.pack(">HHB", g, sh, 1 if last else 0)
+        out += self.prefix.to_bytes(4, "big")
+        out += self.hashes
+        out += self.records
+        return bytes(out)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PlanItems:
+        """to_bytes' PlanItems back. MalformedError for bad input."""
+        if data[:4] != _LOAD_MAGIC:
+            raise MalformedError(f"packed items: missing magic {_LOAD_MAGIC!r}")
+        r = _Reader(data)
+        ns = Namespace(r.take(16, "namespace"))
+        holders = _holders(r, "holder")
+        exps = []
+        for _ in range(r.u16("expectations")):
+            g, sh, last = struct.unpack(">HHB", r.take(5, "expectation"))
+            if last not in (0, 1):
+                raise MalformedError(f"packed items: last-only flag {last}")
+            exps.append((g, sh, bool(last)))
+        n = int.from_bytes(r.take(4, "chunks"), "big")
+        hashes = r.take(16 * n, "chunk hashes")
+        pl = cls(ns, holders, exps, hashes, bytes(r.b[r.off:]))
+        pl.check("packed items")
+        return pl
+
+    def retrieve_request(self, restore_id: str, session: str, block_ids: Sequence[Sequence[int]],
+                         blocks_per_chunk: Sequence[int], first_chunk: int = 0,
+                         skip: Sequence[int] = ()) -> bytes:
+        """This reader's binary retrieve request (KVR1, KVR2 with a skip),
+        the bytes wire.RetrieveRequest(restore_id, namespace, session,
+        items).to_binary() encodes for items() with their blocks set:
+        item (chunk i, group g) gets block_ids[g][(first_chunk + i) * bpc :
+        (first_chunk + i + 1) * bpc], bpc = blocks_per_chunk[g]; on chunk 0
+        the first skip[g] of them are the engine's own (Skip, not sent).
+        ValueError when an item's blocks are fewer than its chunk's, or for
+        values the form cannot carry."""
+        rid, sess = restore_id.encode(), session.encode()
+        if len(rid) > 0xFFFF or len(sess) > 0xFF:
+            raise ValueError(f"restore id {len(rid)} B (limit 65535), session {len(sess)} B (limit 255)")
+        recs = self.records
+        # The holders as the encoder lists them: in order of first use.
+        used = dict.fromkeys(h for _, h, _ in _ITEM.iter_unpack(recs)) if len(self.holders) > 1 else {0: None}
+        remap = {h: i for i, h in enumerate(used)} if recs else {}
+        on_first = self.exps if self.prefix == 1 else self._inner()  # chunk 0's expectations
+        skips = self.prefix > 0 and any(g < len(skip) and skip[g] for g, _, _ in on_first)
+        item = struct.Struct(">IHHIQHBII" if skips else ">IHHIQHBI")
+        body = bytearray(item.size * len(self))
+        ids: list[int] = []
+        extend, pack_into = ids.extend, item.pack_into
+        off = 0
+        for (i, g, sh), (s, h, tier) in zip(self._layout(), _ITEM.iter_unpack(recs), strict=True):
+            bpc = blocks_per_chunk[g]
+            lo = (first_chunk + i) * bpc
+            sk = skip[g] if i == 0 and g < len(skip) else 0
+            blocks = block_ids[g][lo + sk:lo + bpc]
+            if len(blocks) != bpc - sk:
+                raise ValueError(f"chunk {first_chunk + i} group {g}: {len(blocks)} block ids, want {bpc - sk}")
+            if skips:
+                pack_into(body, off, i, g, sh, i, s, remap[h], tier, len(blocks), sk)
+            else:
+                pack_into(body, off, i, g, sh, i, s, remap[h], tier, len(blocks))
+            off += item.size
+            extend(blocks)
+        if ids and (min(ids) < 0 or max(ids) > 0xFFFFFFFFFFFFFFFF):
+            raise ValueError(f"a block id outside 0..2^64-1 ({min(ids)}..{max(ids)})")
+        width = 4 if not ids or max(ids) <= 0xFFFFFFFF else 8
+        out = bytearray(b"KVR2" if skips else b"KVR1")
+        out.append(width)
+        out += len(rid).to_bytes(2, "big") + rid + bytes(self.namespace) + bytes([len(sess)]) + sess
+        n_keys = self.prefix if recs else 0
+        out += n_keys.to_bytes(4, "big") + self.hashes[:16 * n_keys]
+        out += _holders_bytes([self.holders[h] for h in used] if recs else [])
+        out += len(self).to_bytes(4, "big") + body
+        out += struct.pack(f">{len(ids)}{'I' if width == 4 else 'Q'}", *ids)
+        return bytes(out)
+
+
+    def holding(self, block_id: int, block_ids: Sequence[Sequence[int]], blocks_per_chunk: Sequence[int],
+                first_chunk: int = 0, skip: Sequence[int] = ()) -> list[tuple[int, int]]:
+        """The (group, chunk) of every item whose blocks (as
+        retrieve_request gives them) include block_id, sorted; one slice
+        test per expectation when there is none."""
+        n, out = self.prefix, set()
+        for g, _, last in self.exps:
+            bpc = blocks_per_chunk[g]
+            c0 = n - 1 if last else 0
+            sk = skip[g] if c0 == 0 and g < len(skip) else 0
+            if block_id not in block_ids[g][(first_chunk + c0) * bpc + sk:(first_chunk + n) * bpc]:
+                continue
+            for c in range(c0, n):
+                lo = (first_chunk + c) * bpc + (sk if c == 0 else 0)
+                if block_id in block_ids[g][lo:(first_chunk + c + 1) * bpc]:
+                    out.add((g, c))
+        return sorted(out)
+
+
+@dataclass
+class PackedPlan:
+    """A restore plan with each reader's items as PlanItems
+    (decode_plan_packed)."""
+
+    restore_id: str
+    prefix: int
+    ranks: dict[str, PlanItems]
+    reason: str = ""
+
+
+def decode_plan_packed(data: bytes, chunks: Sequence[ChunkHash]) -> PackedPlan:
     """Decodes a binary plan answering a restore.begin for chunks (the
-    request's chunk list, which the plan refers to by index). Bad input
-    raises MalformedError, as Go's DecodePlanBinary refuses it."""
+    request's chunk list, which the plan refers to by index) without a
+    Python object per item. Bad input raises MalformedError, as Go's
+    DecodePlanBinary refuses it."""
     if not is_binary_plan(data):
         raise MalformedError(f"restore plan: missing magic {_MAGIC!r}")
     flagged = data[:4] == _MAGIC_LAST
@@ -121,122 +370,39 @@ def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.Restore
     ns = Namespace(r.take(16, "namespace"))
     if prefix > len(chunks):
         raise MalformedError(f"restore plan: prefix {prefix} exceeds the {len(chunks)} chunks requested")
-    holders = [r.rank("holder") for _ in range(r.u16("holders"))]
-    sources: dict[tuple[int, int], wire.Source] = {}  # (holder, tier): shared, as the items never change them
-    ranks: dict[str, list[wire.RetrieveItem]] = {}
+    holders = _holders(r, "holder")
+    hashes = b"".join(bytes(c) for c in chunks[:prefix])
+    ranks: dict[str, PlanItems] = {}
     for _ in range(r.u16("readers")):
-        rk = r.rank("reader")
-        name = str(rk)
+        name = str(r.rank("reader"))
         if name in ranks:
             raise MalformedError(f"restore plan: reader {name} twice")
-        exps, inner = [], []  # inner: the expectations of the chunks before the last
+        exps = []
         for j in range(r.u16("objects per chunk")):
             group, shard = r.u16("group"), r.u16("shard")
             last_only = r.u8("last-only flag") if flagged else 0
             if last_only not in (0, 1):
                 raise MalformedError(f"restore plan: reader {name} expectation {j}: last-only flag {last_only}")
-            exps.append((group, shard))
-            if not last_only:
-                inner.append((group, shard))
-        if exps and not inner:
-            raise MalformedError(f"restore plan: reader {name}: every one of its {len(exps)} expectations is last-only")
-        n = (prefix - 1) * len(inner) + len(exps) if prefix else 0
-        need = n * _ITEM.size
-        if need > len(r.b) - r.off:
-            raise MalformedError(f"restore plan: reader {name}: {prefix} chunks x {len(exps)} objects need "
-                                 f"{need} bytes, {len(r.b) - r.off} left")
-        items: list[wire.RetrieveItem] = []
-        append = items.append
-        unpack, off = _ITEM.unpack_from, r.off
-        for i in range(prefix):
-            ch = chunks[i]
-            for group, shard in (inner if i < prefix - 1 else exps):
-                s, h, tier = unpack(r.b, off)
-                off += _ITEM.size
-                src = sources.get((h, tier)) or _new_source(sources, holders, h, tier,
-                                                            f"restore plan: reader {name} chunk {i}")
-                append(wire.RetrieveItem(i, group, Key(ns, ch, shard, group), s, src, []))
-        r.off = off
-        ranks[name] = items
+            exps.append((group, shard, bool(last_only)))
+        inner = sum(1 for e in exps if not e[2])
+        n = (prefix - 1) * inner + len(exps) if prefix else 0
+        pl = PlanItems(ns, holders, exps, hashes, r.take(n * _ITEM.size, f"reader {name}'s items"))
+        pl.check(f"restore plan: reader {name}")
+        ranks[name] = pl
     if r.off != len(r.b):
         raise MalformedError(f"restore plan: {len(r.b) - r.off} bytes after the last reader")
-    return wire.RestorePlan(restore_id, prefix, ranks, reason)
+    return PackedPlan(restore_id, prefix, ranks, reason)
 
 
-# One rank's items of a plan, packed for the engine's own processes (the
-# vLLM connector's scheduler hands them to its workers in the step's
-# metadata): the generic codec's JSON cost about 34 us an item to encode
-# and decode on the development VM, 4.4 ms for a 32k-token prompt in
-# 256-token chunks on one rank, on the scheduler's step. Big-endian:
-#
-#     magic "KVI1" | namespace (16 B)
-#     u16 H | H x holder: (u8 len(instance) | instance | u16 tp_rank)
-#     u32 C | C x chunk hash (16 B): the hash of chunk index c
-#     u32 N | N x (u32 chunk | u16 group | u16 shard | u64 sum | u16 holder | u8 tier | u32 skip)
-#
-# Items carry no blocks (the worker sets them), every key is in the
-# namespace, and its group is the item's.
-_ITEMS_MAGIC = b"KVI1"
-_PACKED = struct.Struct(">IHHQHBI")
+def decode_plan_binary(data: bytes, chunks: Sequence[ChunkHash]) -> wire.RestorePlan:
+    """Decodes a binary plan answering a restore.begin for chunks (the
+    request's chunk list, which the plan refers to by index). Bad input
+    raises MalformedError, as Go's DecodePlanBinary refuses it."""
+    p = decode_plan_packed(data, chunks)
+    return wire.RestorePlan(p.restore_id, p.prefix, {name: pl.items() for name, pl in p.ranks.items()}, p.reason)
 
 
-def pack_items(items: Sequence[wire.RetrieveItem]) -> bytes:
-    """items (one plan's, of one namespace, without blocks) packed; their
-    order is kept. ValueError for items the form cannot carry."""
-    ns = items[0].key.ns if items else Namespace()
-    holders: dict[wire.Rank, int] = {}
-    hashes: dict[int, ChunkHash] = {}
-    body = bytearray()
-    for it in items:
-        k = it.key
-        if k.ns != ns or k.group != it.group or it.blocks or not 0 <= it.chunk < 1 << 32:
-            raise ValueError(f"item of chunk {it.chunk} group {it.group}: another namespace, a key of group "
-                             f"{k.group}, blocks or a chunk index out of range")
-        if hashes.setdefault(it.chunk, k.chunk) != k.chunk:
-            raise ValueError(f"chunk {it.chunk}: two chunk hashes")
-        h = holders.setdefault(it.source.holder, len(holders))
-        body += _PACKED.pack(it.chunk, it.group, k.shard, it.sum, h, int(it.source.tier), it.skip)
-    out = bytearray(_ITEMS_MAGIC)
-    out += bytes(ns)
-    out += len(holders).to_bytes(2, "big")
-    for r in holders:
-        inst = r.instance.encode()
-        out += bytes([len(inst)]) + inst + r.tp_rank.to_bytes(2, "big")
-    n_chunks = max(hashes) + 1 if hashes else 0
-    out += n_chunks.to_bytes(4, "big")
-    zero = bytes(16)
-    for c in range(n_chunks):
-        ch = hashes.get(c)
-        out += bytes(ch) if ch is not None else zero
-    out += len(items).to_bytes(4, "big")
-    return bytes(out + body)
-
-
-def unpack_items(data: bytes) -> list[wire.RetrieveItem]:
-    """pack_items' items back. MalformedError for bad input."""
-    if data[:4] != _ITEMS_MAGIC:
-        raise MalformedError(f"packed items: missing magic {_ITEMS_MAGIC!r}")
-    r = _Reader(data)
-    ns = Namespace(r.take(16, "namespace"))
-    holders = [r.rank("holder") for _ in range(r.u16("holders"))]
-    n_chunks = int.from_bytes(r.take(4, "chunks"), "big")
-    if n_chunks * 16 > len(r.b) - r.off:
-        raise MalformedError(f"packed items: {n_chunks} chunk hashes, {len(r.b) - r.off} bytes left")
-    hashes = [ChunkHash(r.take(16, "chunk hash")) for _ in range(n_chunks)]
-    n = int.from_bytes(r.take(4, "items"), "big")
-    if n * _PACKED.size != len(r.b) - r.off:
-        raise MalformedError(f"packed items: {n} items need {n * _PACKED.size} bytes, {len(r.b) - r.off} left")
-    sources: dict[tuple[int, int], wire.Source] = {}
-    out: list[wire.RetrieveItem] = []
-    append, unpack, off = out.append, _PACKED.unpack_from, r.off
-    for _ in range(n):
-        chunk, group, shard, s, h, tier, skip = unpack(r.b, off)
-        off += _PACKED.size
-        src = sources.get((h, tier)) or _new_source(sources, holders, h, tier, "packed items")
-        if chunk >= n_chunks:
-            raise MalformedError(f"packed items: chunk {chunk} of {n_chunks}")
-        append(wire.RetrieveItem(chunk, group, Key(ns, hashes[chunk], shard, group), s, src, [], skip))
-    return out
+_LOAD_MAGIC = b"KVW1"
 
 
 def decode_plan(data: bytes, chunks: Sequence[ChunkHash], subject: str = "") -> wire.RestorePlan:
@@ -247,5 +413,19 @@ def decode_plan(data: bytes, chunks: Sequence[ChunkHash], subject: str = "") -> 
     return wire.decode_restore_plan(data, subject)
 
 
-__all__ = ["PLAN_ENCODING_BINARY", "RestoreBeginBinary", "decode_plan", "decode_plan_binary", "is_binary_plan",
-           "pack_items", "unpack_items"]
+def decode_plan_packed_reply(data: bytes, chunks: Sequence[ChunkHash], subject: str = "") -> PackedPlan:
+    """A restore.begin reply as a PackedPlan: the binary plan, or JSON (a
+    plan, whose items are packed, or an error reply, which raises its
+    WireError)."""
+    if is_binary_plan(data):
+        return decode_plan_packed(data, chunks)
+    p = wire.decode_restore_plan(data, subject)
+    try:
+        ranks = {name: PlanItems.of(items) for name, items in p.ranks.items()}
+    except ValueError as e:
+        raise MalformedError(f"restore plan: {e}") from None
+    return PackedPlan(p.restore_id, p.prefix, ranks, p.reason)
+
+
+__all__ = ["PLAN_ENCODING_BINARY", "PackedPlan", "PlanItems", "RestoreBeginBinary", "decode_plan",
+           "decode_plan_binary", "decode_plan_packed", "decode_plan_packed_reply", "is_binary_plan"]

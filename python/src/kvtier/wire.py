@@ -409,6 +409,68 @@ class RetrieveRequest:
         out += struct.pack(">I", len(self.items)) + items
         return bytes(out + packed)
 
+    @classmethod
+    def from_binary(cls, data: bytes) -> RetrieveRequest:
+        """A binary retrieve request (KVR1 or KVR2) decoded, as Go's
+        DecodeRetrieveBinary decodes it (without its limits): the items
+        with their blocks. MalformedError for bad input."""
+        b = memoryview(data)
+        if bytes(b[:4]) not in (_RETRIEVE_MAGIC, _RETRIEVE_MAGIC_SKIP) or len(b) < 5:
+            raise MalformedError(f"retrieve request: missing magic {_RETRIEVE_MAGIC!r}")
+        skips = bytes(b[:4]) == _RETRIEVE_MAGIC_SKIP
+        width = b[4]
+        if width not in (4, 8):
+            raise MalformedError(f"retrieve request: block id width {width}, want 4 or 8")
+        off = 5
+
+        def take(n: int, what: str) -> bytes:
+            nonlocal off
+            if n > len(b) - off:
+                raise MalformedError(f"retrieve request: truncated {what}: {len(b) - off} bytes left, want {n}")
+            off += n
+            return bytes(b[off - n:off])
+
+        def num(n: int, what: str) -> int:
+            return int.from_bytes(take(n, what), "big")
+
+        try:
+            rid = take(num(2, "restore id"), "restore id").decode()
+            ns = Namespace(take(16, "namespace"))
+            sess = take(num(1, "session"), "session").decode()
+            keys = [ChunkHash(take(16, "key")) for _ in range(num(4, "keys"))]
+            holders = [Rank(take(num(1, "holder"), "holder").decode(), num(2, "holder"))
+                       for _ in range(num(2, "holders"))]
+        except UnicodeDecodeError:
+            raise MalformedError("retrieve request: a string is not UTF-8") from None
+        size = 31 if skips else 27
+        n = num(4, "items")
+        if n * size > len(b) - off:
+            raise MalformedError(f"retrieve request: {n} items need {n * size} bytes, {len(b) - off} left")
+        items, counts = [], []
+        for i in range(n):
+            chunk, group, shard, k, s, h, tier, count = struct.unpack_from(">IHHIQHBI", b, off)
+            skip = struct.unpack_from(">I", b, off + 27)[0] if skips else 0
+            off += size
+            if k >= len(keys) or h >= len(holders):
+                raise MalformedError(f"retrieve request: item {i}: key {k} of {len(keys)}, holder {h} of "
+                                     f"{len(holders)}")
+            try:
+                t = Tier(tier)
+            except ValueError:
+                raise MalformedError(f"retrieve request: item {i}: tier {tier}") from None
+            items.append(RetrieveItem(chunk, group, Key(ns, keys[k], shard, group), s, Source(holders[h], t), [],
+                                      skip))
+            counts.append(count)
+        if sum(counts) * width != len(b) - off:
+            raise MalformedError(f"retrieve request: {sum(counts)} block ids of {width} B, {len(b) - off} bytes left")
+        code = "I" if width == 4 else "Q"
+        ids = list(struct.unpack(f">{sum(counts)}{code}", b[off:]))
+        at = 0
+        for it, c in zip(items, counts, strict=True):
+            it.blocks = ids[at:at + c]
+            at += c
+        return cls(rid, ns, sess, items)
+
 
 _STORE_MAGIC = b"KVS1"
 _STORE_MAGIC_POS = b"KVS2"  # KVS1 with a position per chunk
@@ -499,6 +561,21 @@ class LookupRequest:
     # (Go LookupRequest.StateAtEnd; a coordinator that predates it refuses
     # the request).
     state_at_end: bool = field("state_at_end", omit="omitempty", default=False)
+
+    def to_binary(self) -> bytes:
+        """The binary lookup request (``KVL1``, Go wire/lookup.go): the
+        chunk hashes as 16 bytes each where JSON spells 34 characters (the
+        coordinator accepts both). MalformedError for an instance over 64
+        bytes."""
+        inst = _utf8(self.instance)
+        if len(inst) > 64:
+            raise MalformedError(f"lookup: instance name {len(inst)} bytes, limit 64")
+        flags = (1 if self.detail else 0) | (2 if self.state_at_end else 0)
+        return b"".join([_LOOKUP_MAGIC, bytes([flags]), bytes(self.namespace), bytes([len(inst)]), inst,
+                         len(self.chunks).to_bytes(4, "big"), *map(bytes, self.chunks)])
+
+
+_LOOKUP_MAGIC = b"KVL1"
 
 
 @dataclass

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from kvtier import client as kvclient
-from kvtier import client_plan, wire
+from kvtier.client_plan import PackedPlan, PlanItems
 from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace
 from kvtier.vllm._core import _Core
 from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req
@@ -43,7 +43,7 @@ class _SchedulerSide(_Core):
         return st
 
     async def _lookup_and_begin(self, c: kvclient.SyncClient, st: _Req, first: int,
-                                last: int) -> list[wire.RestorePlan] | None:
+                                last: int) -> list[PackedPlan] | None:
         """The lookup and, on a hit, the restore's begin, of chunks
         [first, last) in every pipeline stage's namespace (one under PP 1):
         the plans come before vLLM is told of any tokens, so building the
@@ -60,7 +60,7 @@ class _SchedulerSide(_Core):
         if any(rep.not_alive for rep in reps) or n <= 0:
             return None
         plans = list(await asyncio.gather(*(
-            c.aio.restore_begin(r.namespace, h[first:first + n], instance=inst,
+            c.aio.restore_begin_packed(r.namespace, h[first:first + n], instance=inst,
                                 deadline_ms=self.cfg.restore_deadline_ms, timeout=t, state_at_end=states)
             for r, h, inst in zip(self.stages, hashes, self.instances, strict=True))))
         if len({p.prefix for p in plans}) > 1:
@@ -73,16 +73,15 @@ class _SchedulerSide(_Core):
         return plans
 
     @staticmethod
-    def _joined(plans: list[wire.RestorePlan]) -> wire.RestorePlan:
+    def _joined(plans: list[PackedPlan]) -> PackedPlan:
         """One plan of the stages' (their prefixes equal): stage 0's
         restore id, every stage's ranks (each stage's instance its own)."""
         if len(plans) == 1:
             return plans[0]
-        ranks: dict[str, list[wire.RetrieveItem]] = {}
+        ranks: dict[str, PlanItems] = {}
         for p in plans:
             ranks.update(p.ranks)
-        return wire.RestorePlan(plans[0].restore_id, plans[0].prefix, ranks,
-                                "; ".join(p.reason for p in plans if p.reason))
+        return PackedPlan(plans[0].restore_id, plans[0].prefix, ranks, "; ".join(p.reason for p in plans if p.reason))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
@@ -351,7 +350,7 @@ class _SchedulerSide(_Core):
         spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
         if len(st.stage_plans) > 1:
             spec.stage_restore_ids = [p.restore_id for p in st.stage_plans]
-        spec.items = {r: client_plan.pack_items(items) for r, items in plan.ranks.items()}
+        spec.items = {r: items.to_bytes() for r, items in plan.ranks.items()}
         return spec
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

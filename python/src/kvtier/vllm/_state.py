@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import dcp, wire
+from kvtier.client_plan import PackedPlan
 from kvtier.vllm._base import KVConnectorMetadata
 
 # NULL_BLOCK is vLLM's null block: BlockPool takes block 0 first as the
@@ -21,14 +22,14 @@ NULL_BLOCK = 0
 @dataclass
 class LoadSpec:
     """One restore for one request: the coordinator's plan (each rank's
-    items packed by kvtier.client_plan.pack_items) and the request's block ids."""
+    items, kvtier.client_plan.PlanItems.to_bytes) and the request's block ids."""
 
     req_id: str
     restore_id: str
     first_chunk: int  # chunk index in the request of the plan's chunk 0
     chunks: int  # chunks vLLM was told are loaded
     planned: int  # chunks the plan covers (<= chunks)
-    items: dict[str, bytes]  # by str(Rank): its RetrieveItems, kvtier.client_plan.pack_items
+    items: dict[str, bytes]  # by str(Rank): its items, kvtier.client_plan.PlanItems.to_bytes
     block_ids: list[list[int]]  # [group][block] of the whole request
     problem: str = ""
     async_load: bool = True  # vLLM was told the load is asynchronous (get_finished reports it)
@@ -68,13 +69,13 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class _Req:
     tokens: list[int]
     hashes: list[dcp.ChunkHash]
-    lookup: concurrent.futures.Future[list[wire.RestorePlan] | None] | None = None  # every stage's plan
+    lookup: concurrent.futures.Future[list[PackedPlan] | None] | None = None  # every stage's plan
     lookup_since: float = 0.0
     lookup_first: int = -1
     matched_chunks: int | None = None  # lookup answer, chunks from lookup_first
     held_tokens: int = 0  # tokens of chunk lookup_first vLLM holds (its prefix ends inside it)
-    plan: wire.RestorePlan | None = None  # the restore begun for the hit (PP: stage 0's, prefix the least)
-    stage_plans: list[wire.RestorePlan] = field(default_factory=list)  # PP > 1: every stage's, by stage
+    plan: PackedPlan | None = None  # the restore begun for the hit (PP: stage 0's, prefix the least)
+    stage_plans: list[PackedPlan] = field(default_factory=list)  # PP > 1: every stage's, by stage
     stage_hashes: list[list[dcp.ChunkHash]] = field(default_factory=list)  # PP > 1: by stage, then chunk
     # A request is offered kvtier tokens once: after its load is handed to
     # the workers every later ask (vLLM asks again after an asynchronous

@@ -110,7 +110,7 @@ def _check(conn: _WorkerSide, load: LoadSpec, res: _LoadResult, max_batch_bytes:
     if res.loaded <= 0 or not raw:
         return res
     try:
-        items = client_plan.unpack_items(raw)
+        items = client_plan.PlanItems.from_bytes(raw).items()
         upto = min(res.loaded, load.chunks)  # what vLLM is told is loaded
         bad = mismatches(conn, load, [it for it in items if it.chunk < upto], max_batch_bytes)
     except Exception as e:  # fail closed (apply): nothing unchecked is reported loaded

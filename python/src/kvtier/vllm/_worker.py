@@ -506,24 +506,24 @@ class _WorkerSide(_Core):
         (the verdict decides either way)."""
         problem = ""
         if raw:
-            items = client_plan.unpack_items(raw)
-            for it in items:
-                ch = load.first_chunk + it.chunk
-                bpc = self.resolved.blocks_per_chunk(it.group)
-                it.blocks = load.block_ids[it.group][ch * bpc:(ch + 1) * bpc]
-                if it.chunk == 0 and load.held_tokens:
-                    # vLLM's prefix ends inside the first chunk: its blocks
-                    # before the end are vLLM's own (maybe shared); the
-                    # rankd places only the later ones and still verifies
-                    # the whole object. Every rank holds a page of every
-                    # scheduler block (DCP too), so all skip alike.
-                    it.skip = self._held_blocks(load, it.group)
-                    it.blocks = it.blocks[it.skip:]
-            nulls = sorted({(it.group, it.chunk) for it in items if NULL_BLOCK in it.blocks})
+            # The request is written from the packed items directly: no
+            # Python object per item on the way (issue 25.4). Item (chunk
+            # i, group g) gets the request's blocks of its chunk; when
+            # vLLM's prefix ends inside the first chunk, its blocks before
+            # the end are vLLM's own (maybe shared): the rankd places only
+            # the later ones and still verifies the whole object. Every
+            # rank holds a page of every scheduler block (DCP too), so all
+            # skip alike.
+            groups = len(self.spec.groups)
+            bpc = [self.resolved.blocks_per_chunk(g) for g in range(groups)]
+            skip = [self._held_blocks(load, g) for g in range(groups)] if load.held_tokens else []
             try:
+                items = client_plan.PlanItems.from_bytes(raw)
+                nulls = items.holding(NULL_BLOCK, load.block_ids, bpc, load.first_chunk, skip)
                 if nulls:  # never write into vLLM's null block (it reads as zeros)
                     raise GeometryError(f"(group, chunk) {nulls[:4]} land in vLLM's null block {NULL_BLOCK}")
-                await s.aio.retrieve(items, load.restore_id, timeout=bound, deadline=deadline)
+                await s.aio.retrieve_packed(items, load.restore_id, load.block_ids, bpc, first_chunk=load.first_chunk,
+                                            skip=skip, timeout=bound, deadline=deadline)
             except (UnknownNamespace, UnknownSession) as e:
                 # A restarted rankd forgot the registration: the link
                 # registers again for the next restore; the verdict decides.
