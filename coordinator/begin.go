@@ -57,6 +57,9 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		return
 	}
 	c.met.restoreBegins.Inc()
+	if req.Lookup {
+		c.countLookupTokens(req.Instance, len(req.Chunks), &res, req.StateAtEnd)
+	}
 	// No rank is handed a sum it cannot check (issue 11.8): the prefix
 	// ends before a chunk with a recorded sum of 0 (only an index written
 	// before ingest refused such events holds one).
@@ -88,14 +91,21 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 		c.internalError(m, wire.CoordRestoreBegin, "start restore", out.err, zap.String("restore", out.id))
 	case beginNotPlanned:
 		c.met.notPlanned.WithLabelValues(out.cause).Inc()
-		c.met.restores.WithLabelValues(wire.VerdictRefused, "readers_not_alive").Inc()
-		c.log.Info("restore not planned: reader ranks not alive", zap.String("restore", out.id),
+		log := c.log.Info
+		if req.Lookup {
+			log = c.log.Debug // a lookup's miss, as coord.lookup's not_alive: no restore was refused
+		} else {
+			c.met.restores.WithLabelValues(wire.VerdictRefused, "readers_not_alive").Inc()
+		}
+		log("restore not planned: reader ranks not alive", zap.String("restore", out.id),
 			zap.Stringer("namespace", req.Namespace), zap.String("instance", res.Instance),
 			zap.Int("stored_prefix", res.Prefix), zap.Strings("not_alive", out.down), zap.String("reason", out.plan.Reason))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
 		planned()
 	case beginEmpty:
-		c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
+		if !req.Lookup {
+			c.met.restores.WithLabelValues(wire.VerdictComplete, "empty").Inc()
+		}
 		c.log.Debug("restore with nothing to restore decided complete", zap.String("restore", out.id),
 			zap.Stringer("namespace", req.Namespace), zap.Int("chunks", len(req.Chunks)))
 		c.sendEncoded(wire.CoordRestoreBegin, m, out.data)
@@ -222,6 +232,8 @@ func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *i
 	switch {
 	case st.closed:
 		return restorePlan{kind: beginClosed}
+	case req.Lookup && res.Prefix == 0:
+		// A lookup that missed: no restore, so no limit applies.
 	case st.active >= st.maxActive:
 		return restorePlan{kind: beginTooMany, active: st.active}
 	case res.Prefix > 0 && st.instanceActive >= st.maxPerInstance:
@@ -321,12 +333,18 @@ func (rs *restores) admit(req *wire.RestoreBeginRequest, res *index.LookupResult
 	out.data = data
 	switch out.kind {
 	case beginNotPlanned:
+		if req.Lookup {
+			break // a miss, not a restore (RestoreBeginRequest.Lookup)
+		}
 		// Refused, never complete (issue 11.4): nothing was restored or
 		// checked, and the reason travels with the verdict.
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictRefused, Reason: out.plan.Reason}
 		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
 			VerdictLatencyUS: 0})
 	case beginEmpty:
+		if req.Lookup {
+			break // a miss, not a restore: nothing to record (RestoreBeginRequest.Lookup)
+		}
 		v := wire.RestoreVerdict{RestoreID: id, State: wire.VerdictComplete}
 		rs.recordLocked(&wire.AdminRestore{RestoreVerdict: v, Namespace: req.Namespace.String(), Instance: req.Instance, Began: now, Decided: now,
 			VerdictLatencyUS: 0})

@@ -157,6 +157,21 @@ func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dc
 
 var errTooLarge = errors.New("request too large")
 
+// countLookupTokens counts an engine's lookup of n chunks that found res:
+// token-weighted (a lookup of 2 chunks counts less than one of 2,000),
+// whether it found shared copies, and admin.route's load term. Engine
+// lookups only: coord.lookup and the begins that are one
+// (RestoreBeginRequest.Lookup), not the begins that follow a lookup nor
+// admin queries.
+func (c *Coordinator) countLookupTokens(instance string, n int, res *index.LookupResult, stateAtEnd bool) {
+	c.met.lookupTokens.Add(float64(n * res.ChunkTokens))
+	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
+	if res.SharedSources(res.Prefix, stateAtEnd) > 0 {
+		c.share.met.lookups.Inc()
+	}
+	c.share.noteLookup(instance, time.Now()) // admin.route's load term
+}
+
 func (c *Coordinator) countLookup(prefix, n int, err error) {
 	switch {
 	case err != nil:
@@ -207,15 +222,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		c.lookupError(m, "lookup", req.Namespace, err)
 		return
 	}
-	// Token-weighted: a lookup of 2 chunks counts less than one of 2,000.
-	// Engine lookups only (not restore begins, which follow a lookup, nor
-	// admin queries).
-	c.met.lookupTokens.Add(float64(len(req.Chunks) * res.ChunkTokens))
-	c.met.lookupHits.Add(float64(res.Prefix * res.ChunkTokens))
-	if res.SharedSources(res.Prefix, req.StateAtEnd) > 0 {
-		c.share.met.lookups.Inc()
-	}
-	c.share.noteLookup(req.Instance, time.Now()) // admin.route's load term
+	c.countLookupTokens(req.Instance, len(req.Chunks), res, req.StateAtEnd)
 	var notAliveRanks []string
 	var reason string
 	if res.Instance != "" {

@@ -295,6 +295,19 @@ func TestRestoreBeginWithDeadReader(t *testing.T) {
 	if got := testutil.MetricSum(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete); got != 0 {
 		t.Errorf("restores_total{complete} = %v, want 0", got)
 	}
+	// A begin that is also the engine's lookup (RestoreBeginRequest.Lookup)
+	// misses as coord.lookup does: the reason, no restore refused.
+	lplan := call[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin),
+		wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks}, Lookup: true})
+	if lplan.Prefix != 0 || !strings.Contains(lplan.Reason, "eng/1 declared dead") {
+		t.Fatalf("lookup-begin with rank 1 dead = %+v", lplan)
+	}
+	if hist := call[wire.AdminRestoresReply](t, f.nc, f.c.subj.Admin(wire.AdminRestores), struct{}{}); len(hist.Restores) != 1 {
+		t.Errorf("history after a lookup-begin's miss holds %d restores, want 1", len(hist.Restores))
+	}
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", "refused", "cause", "readers_not_alive"); got != 1 {
+		t.Errorf("restores_total{refused,readers_not_alive} = %v after a lookup-begin, want 1", got)
+	}
 	// The plan reply stays backward compatible: no reason key when empty.
 	if b, _ := jsonOf(wire.RestorePlan{RestoreID: "x"}); strings.Contains(b, "reason") {
 		t.Errorf("empty reason encoded: %s", b)

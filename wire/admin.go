@@ -146,6 +146,14 @@ type RestoreBeginRequest struct {
 	// prefix's last chunk only (LookupRequest.StateAtEnd). Without effect
 	// in a namespace whose groups are all recurrent or none is.
 	StateAtEnd bool `json:"state_at_end,omitempty"`
+	// Lookup says the begin is also the engine's lookup of the chain (one
+	// round trip where a lookup and a begin took two): the coordinator
+	// counts it as a lookup (the token hit ratio, admin.route's load), and
+	// a begin that finds nothing restorable is answered a plan of prefix 0
+	// without taking a restore slot or an entry in the restore history (a
+	// miss is not a restore). A coordinator that predates it refuses the
+	// request (an unknown field).
+	Lookup bool `json:"lookup,omitempty"`
 }
 
 // ObjectPlacement is one rank's copy of an object.

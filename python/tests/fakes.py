@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import client, client_plan, dcp, wire
+from kvtier.errors import BadRequest
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,8 @@ class FakeWorld:
         self.prefix_by_ns: dict[dcp.Namespace, int] = {}
         self.plan_by_ns: dict[dcp.Namespace, wire.RestorePlan] = {}
         self.verdict_by_id: dict[str, wire.RestoreVerdict] = {}
+        self.lookup_begins = 0  # begins that were also the lookup (RestoreBeginRequest.Lookup)
+        self.refuse_lookup_begins = False  # a coordinator from before Lookup: refuses them
         self.waits: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_wait
 
 
@@ -326,7 +329,17 @@ class FakeAio:
         return plan
 
     async def restore_begin_packed(self, namespace, chunks, *, instance=None, deadline_ms=0, timeout=None,
-                                   state_at_end=False):
+                                   state_at_end=False, lookup=False):
+        if lookup:
+            # The coordinator looks the chunks up and begins the restore of
+            # the prefix found, in one request: as a lookup, then a begin.
+            self.world.lookup_begins += 1
+            if self.world.refuse_lookup_begins:
+                raise BadRequest("bad_request", 'json: unknown field "lookup"')
+            rep = await self.lookup(namespace, chunks, instance=instance, timeout=timeout, state_at_end=state_at_end)
+            if rep.prefix == 0:
+                return client_plan.PackedPlan("", 0, {})
+            chunks = list(chunks)[:rep.prefix]
         p = await self.restore_begin(namespace, chunks, instance=instance, deadline_ms=deadline_ms, timeout=timeout,
                                      state_at_end=state_at_end)
         return client_plan.PackedPlan(p.restore_id, p.prefix,

@@ -224,6 +224,25 @@ def test_matched_tokens_not_yet_then_idempotent():
     assert world.specs == [s.spec]
 
 
+def test_the_begin_is_the_lookup_unless_the_coordinator_refuses_it(caplog):
+    """One round trip for a request's lookup and its restore's begin
+    (RestoreBeginRequest.Lookup); a coordinator that predates it refuses
+    the field: that request and every later one look up, then begin."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("r1", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert world.lookup_begins == 1 and len(world.begins) == 1
+    world.refuse_lookup_begins = True
+    for i in (2, 3):
+        r = fakes.Request(f"r{i}", tokens(16 * 5 + 3))
+        assert s.get_num_new_matched_tokens(r, 0) == (48, False)
+    assert world.lookup_begins == 2 and len(world.begins) == 3 and "looking up before each begin" in caplog.text
+    assert s.stats["lookup_errors"] == 0
+
+
 @pytest.mark.parametrize("how, issue", [(dict(v2_runner=True), "#49250"), (dict(async_scheduling=True), "#34484")])
 def test_no_synchronous_loads_where_vllm_cannot_take_their_failure_back(caplog, how, issue):
     """kvtier_load_async false is not honoured on vLLM's V2 model runner

@@ -469,14 +469,18 @@ class Client:
 
     async def restore_begin_packed(self, namespace: Namespace, chunks: Sequence[ChunkHash], *,
                                    instance: str | None = None, deadline_ms: int = 0, timeout: float | None = None,
-                                   state_at_end: bool = False) -> client_plan.PackedPlan:
+                                   state_at_end: bool = False, lookup: bool = False) -> client_plan.PackedPlan:
         """restore_begin, the plan's items kept packed (client_plan.PlanItems:
         no Python object per item; RankSession.retrieve_packed sends them),
-        for restores of many small chunks."""
+        for restores of many small chunks. lookup: the begin is also this
+        engine's lookup of chunks (no lookup before it; one round trip):
+        the coordinator counts it as a lookup and answers a miss with a plan
+        of prefix 0 that is no restore. A coordinator that predates it
+        refuses the request (BadRequest)."""
         inst = self._instance(instance)
         chunks = list(chunks)
         req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
-                                             state_at_end=state_at_end)
+                                             state_at_end=state_at_end, lookup=lookup)
         return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, client_plan.PackedPlan,
                                timeout=timeout,
                                decoder=lambda data, subject: client_plan.decode_plan_packed_reply(data, chunks,

@@ -55,6 +55,9 @@ class RestoreBeginBinary:
     instance: str = field("instance", omit="omitempty", default="")
     plan_encoding: str = field("plan_encoding", omit="omitempty", default=PLAN_ENCODING_BINARY)
     state_at_end: bool = field("state_at_end", omit="omitempty", default=False)
+    # The begin is also the engine's lookup (Go RestoreBeginRequest.Lookup):
+    # counted as one, and a miss takes no restore slot nor history entry.
+    lookup: bool = field("lookup", omit="omitempty", default=False)
 
 
 def is_binary_plan(data: bytes) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier import client as kvclient
 from kvtier.client_plan import PackedPlan, PlanItems
-from kvtier.errors import GeometryError, RequestTimeout, UnknownNamespace
+from kvtier.errors import BadRequest, GeometryError, RequestTimeout, UnknownNamespace
 from kvtier.vllm._core import _Core
 from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req
 from kvtier.vllm.spec import request_chunk_hashes
@@ -24,6 +24,10 @@ log = logging.getLogger("kvtier.vllm")
 
 class _SchedulerSide(_Core):
     """vLLM's scheduler-side connector methods."""
+
+    # Whether a restore.begin is also the lookup (PP 1): until a
+    # coordinator that predates RestoreBeginRequest.Lookup refuses it.
+    _begin_looks_up = True
 
     def _setup_scheduler(self, c: kvclient.SyncClient) -> None:
         for r in self.stages:  # every pipeline stage's (one under PP 1)
@@ -53,6 +57,21 @@ class _SchedulerSide(_Core):
         t = self.cfg.lookup_timeout_s
         hashes = st.stage_hashes or [st.hashes]
         states = bool(self._state_groups())  # a Mamba group: its state at the prefix's end only (below)
+        if len(self.stages) == 1 and self._begin_looks_up:
+            # One round trip: the begin is the lookup (its prefix is the
+            # longest restorable one; a miss is a plan of prefix 0).
+            try:
+                plan = await c.aio.restore_begin_packed(
+                    self.stages[0].namespace, hashes[0][first:last], instance=self.instances[0],
+                    deadline_ms=self.cfg.restore_deadline_ms, timeout=t, state_at_end=states, lookup=True)
+            except BadRequest as e:
+                if "lookup" not in str(e):
+                    raise
+                self._begin_looks_up = False
+                log.warning("kvtier: the coordinator refuses a begin that is also the lookup (%s); looking up "
+                            "before each begin until this engine restarts", e)
+            else:
+                return [plan] if plan.prefix > 0 else None
         reps = await asyncio.gather(*(
             c.aio.lookup(r.namespace, h[first:last], instance=inst, timeout=t, state_at_end=states)
             for r, h, inst in zip(self.stages, hashes, self.instances, strict=True)))

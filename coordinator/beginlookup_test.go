@@ -1,0 +1,86 @@
+package coordinator
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestBeginAsLookup: a restore.begin with Lookup is the engine's lookup
+// and its begin in one round trip. It counts its tokens as a lookup does
+// (once); a hit is planned and judged like any begin; a miss is answered a
+// plan of prefix 0 that leaves no restore in the history, counts no
+// "empty" restore and is answered even when every restore slot is taken.
+func TestBeginAsLookup(t *testing.T) {
+	f := newRestoreFixture(t, 5) // chunk_tokens 16, stored by both ranks
+	tokens := float64(testSpec(2).ChunkTokens)
+	lookupBegin := func(t *testing.T, chunks int, from uint32) *wire.RestorePlan {
+		t.Helper()
+		ask := f.chunks[:min(chunks, 5)]
+		if chunks > 5 {
+			ask = append(slices.Clone(f.chunks), chain(f.ns, chunks, 99)[5:]...)
+		}
+		if from != 0 {
+			ask = chain(f.ns, chunks, from)
+		}
+		return call[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin),
+			wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: ask}, Lookup: true})
+	}
+	empty := func() float64 {
+		return testutil.Metric(t, f.c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictComplete, "cause", "empty")
+	}
+
+	// A hit of 5 of 8 chunks: tokens counted once, the restore planned and
+	// judged as any other.
+	plan := lookupBegin(t, 8, 0)
+	if plan.Prefix != 5 || len(plan.Ranks) != 2 {
+		t.Fatalf("plan %+v, want prefix 5 over 2 ranks", plan)
+	}
+	if got, want := testutil.Metric(t, f.c.reg, "kvtier_coord_lookup_tokens_total"), 8*tokens; got != want {
+		t.Errorf("tokens looked up = %v, want %v", got, want)
+	}
+	if got, want := testutil.Metric(t, f.c.reg, "kvtier_coord_lookup_hit_tokens_total"), 5*tokens; got != want {
+		t.Errorf("tokens hit = %v, want %v", got, want)
+	}
+	w := f.waitAsync(t, plan.RestoreID)
+	f.report(t, plan.RestoreID, 0, results(plan.Ranks["eng/0"]))
+	f.report(t, plan.RestoreID, 1, results(plan.Ranks["eng/1"]))
+	if v := recv(t, w); v.State != wire.VerdictComplete || v.Prefix != 5 {
+		t.Fatalf("verdict %+v, want complete over 5", v)
+	}
+	if n := len(history(t, f.c, f.nc).Restores); n != 1 {
+		t.Fatalf("history holds %d restores, want 1", n)
+	}
+
+	// A miss: prefix 0, nothing recorded, no empty restore counted, its
+	// tokens counted as looked up and not hit.
+	if p := lookupBegin(t, 3, 42); p.Prefix != 0 || len(p.Ranks) != 0 {
+		t.Fatalf("a miss planned %+v", p)
+	}
+	if n := len(history(t, f.c, f.nc).Restores); n != 1 {
+		t.Errorf("history holds %d restores after a miss, want 1", n)
+	}
+	if got := empty(); got != 0 {
+		t.Errorf("empty restores = %v after a lookup's miss, want 0", got)
+	}
+	if got, want := testutil.Metric(t, f.c.reg, "kvtier_coord_lookup_tokens_total"), 11*tokens; got != want {
+		t.Errorf("tokens looked up = %v, want %v", got, want)
+	}
+	// A plain begin that finds nothing is still an empty restore.
+	f.begin(t, chain(f.ns, 2, 43))
+	if got := empty(); got != 1 {
+		t.Errorf("empty restores = %v after a plain begin's miss, want 1", got)
+	}
+
+	// Every slot taken: a lookup's miss is still answered, a hit refused.
+	f.c.rs.mu.Lock()
+	f.c.cfg.MaxActiveRestores = 0 // read under this lock (admit)
+	f.c.rs.mu.Unlock()
+	if p := lookupBegin(t, 3, 44); p.Prefix != 0 {
+		t.Errorf("a miss with the table full planned %+v", p)
+	}
+	callErr[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBeginRequest{
+		RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks}, Lookup: true}, wire.CodeUnavailable)
+}
