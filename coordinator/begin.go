@@ -25,7 +25,13 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	t0 := time.Now()
 	planned := func() { c.met.beginSeconds.Observe(time.Since(t0).Seconds()) }
 	var req wire.RestoreBeginRequest
-	if err := bus.Decode(m, &req); err != nil {
+	var err error
+	if wire.IsBinaryBegin(m.Data) {
+		err = req.UnmarshalBinary(m.Data) // see wire/beginreport.go
+	} else {
+		err = bus.Decode(m, &req)
+	}
+	if err != nil {
 		c.badRequest(m, "restore.begin", err)
 		return
 	}

@@ -4,6 +4,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -83,4 +84,42 @@ func TestBeginAsLookup(t *testing.T) {
 	}
 	callErr[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin), wire.RestoreBeginRequest{
 		RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks}, Lookup: true}, wire.CodeUnavailable)
+}
+
+// TestBinaryBeginAndReports: restore.begin and restore reports in their
+// binary forms (wire/beginreport.go) are planned and judged exactly as
+// their JSON forms; bad binary input is refused as such.
+func TestBinaryBeginAndReports(t *testing.T) {
+	f := newRestoreFixture(t, 4)
+	raw := func(t *testing.T, v interface{ MarshalBinary() ([]byte, error) }) bus.Raw {
+		t.Helper()
+		b, err := v.MarshalBinary()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return bus.Raw(b)
+	}
+	req := &wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks, DeadlineMS: 5000}}
+	plan := call[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin), raw(t, req))
+	if want := f.begin(t, f.chunks); plan.Prefix != 4 || len(plan.Ranks) != 2 || len(plan.Ranks["eng/0"]) != len(want.Ranks["eng/0"]) {
+		t.Fatalf("binary begin planned %+v, JSON %+v", plan, want)
+	}
+	w := f.waitAsync(t, plan.RestoreID)
+	for tp := range 2 {
+		rk := wire.Rank{Instance: "eng", TPRank: tp}
+		res := results(plan.Ranks[rk.String()])
+		if tp == 1 {
+			res[2].Sum ^= 1 // chunk 2 placed with another sum than recorded
+		}
+		call[wire.ReportAck](t, f.nc, f.c.subj.Coord(wire.CoordRestoreReport),
+			raw(t, &wire.RestoreReport{RestoreID: plan.RestoreID, Rank: rk, Results: res}))
+	}
+	if v := recv(t, w); v.State != wire.VerdictFailed || !slices.Equal(v.Failed, []int{2}) {
+		t.Fatalf("verdict %+v, want failed [2]", v)
+	}
+	bad := []byte(raw(t, req))
+	bad[4] = 0x80 // an unknown flag
+	callErr[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin), bus.Raw(bad), wire.CodeBadRequest)
+	rep := []byte(raw(t, &wire.RestoreReport{RestoreID: plan.RestoreID, Rank: wire.Rank{Instance: "eng"}}))
+	callErr[wire.ReportAck](t, f.nc, f.c.subj.Coord(wire.CoordRestoreReport), bus.Raw(rep[:len(rep)-1]), wire.CodeBadRequest)
 }

@@ -95,6 +95,9 @@ type Daemon struct {
 	// leaving is set once Shutdown has sent the leaving heartbeat
 	// (wire.Heartbeat.Leaving); liveness probes then say so too.
 	leaving atomic.Bool
+	// reportJSON: the coordinator refused a binary report and took it as
+	// JSON (it predates wire's KVT1): every later report goes as JSON.
+	reportJSON atomic.Bool
 
 	mu        sync.Mutex // guards the following
 	started   bool

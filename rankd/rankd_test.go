@@ -49,6 +49,8 @@ type harness struct {
 	mu      sync.Mutex
 	events  []wire.Event
 	reports []wire.RestoreReport
+	// binaryReports counts the reports that arrived in the binary form.
+	binaryReports int
 	// refuseReports makes the fake coordinator answer every report with
 	// code unavailable (the rankd retries); refused counts those answers.
 	refuseReports bool
@@ -82,12 +84,15 @@ func newHarness(t *testing.T, opts ...func(*Config)) *harness {
 		t.Fatal(err)
 	}
 	if _, err := nc.Subscribe(h.subj.Report(h.rank), func(m *nats.Msg) {
-		var r wire.RestoreReport
-		if err := bus.Decode(m, &r); err != nil {
+		r, err := decodeReport(m)
+		if err != nil {
 			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
 			return
 		}
 		h.mu.Lock()
+		if wire.IsBinaryReport(m.Data) {
+			h.binaryReports++
+		}
 		if h.refuseReports {
 			h.refused++
 			h.mu.Unlock()

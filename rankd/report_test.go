@@ -1,6 +1,7 @@
 package rankd
 
 import (
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -28,8 +29,8 @@ func TestReportRetriesOnTheCurrentConnection(t *testing.T) {
 	t.Cleanup(ncB.Close)
 	got := make(chan wire.RestoreReport, 4)
 	if _, err := ncB.Subscribe(h.subj.Report(h.rank), func(m *nats.Msg) {
-		var r wire.RestoreReport
-		if err := bus.Decode(m, &r); err != nil {
+		r, err := decodeReport(m)
+		if err != nil {
 			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
 			return
 		}
@@ -85,5 +86,75 @@ func TestReportRetriesOnTheCurrentConnection(t *testing.T) {
 	defer h.mu.Unlock()
 	if len(h.reports) != 0 {
 		t.Fatalf("the old NATS took %d reports while refusing, want 0", len(h.reports))
+	}
+}
+
+// decodeReport decodes a report in either form, as the coordinator does.
+func decodeReport(m *nats.Msg) (wire.RestoreReport, error) {
+	var r wire.RestoreReport
+	if wire.IsBinaryReport(m.Data) {
+		return r, r.UnmarshalBinary(m.Data)
+	}
+	return r, bus.Decode(m, &r)
+}
+
+// TestReportFallsBackToJSON: reports go binary; a coordinator that
+// refuses the binary form as bad input (one from before it) gets the
+// same report as JSON at once, and every later report goes as JSON
+// without a binary attempt. A report the coordinator refuses in both
+// forms is not retried further.
+func TestReportFallsBackToJSON(t *testing.T) {
+	h := newHarness(t, func(c *Config) { c.ReportTimeout = 5 * time.Second })
+	// The harness's coordinator reads both forms: the first report goes
+	// binary and is taken.
+	h.d.report("R-bin", []wire.ItemResult{{Chunk: 0, OK: true, Sum: 0x5eed}})
+	h.mu.Lock()
+	nBin, nRep := h.binaryReports, len(h.reports)
+	h.mu.Unlock()
+	if nBin != 1 || nRep != 1 {
+		t.Fatalf("%d binary of %d reports, want 1 of 1", nBin, nRep)
+	}
+
+	// An old coordinator: JSON only, on another NATS.
+	srvB := testutil.NATS(t)
+	ncB, err := bus.Connect(srvB.ClientURL(), "test-b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ncB.Close)
+	var binary, taken, refusedJSON atomic.Int32
+	if _, err := ncB.Subscribe(h.subj.Report(h.rank), func(m *nats.Msg) {
+		var r wire.RestoreReport
+		if err := bus.Decode(m, &r); err != nil {
+			binary.Add(1)
+			_ = bus.RespondError(m, wire.CodeBadRequest, err.Error())
+			return
+		}
+		if r.RestoreID == "R-bad" {
+			refusedJSON.Add(1)
+			_ = bus.RespondError(m, wire.CodeBadRequest, "test: a bad report")
+			return
+		}
+		taken.Add(1)
+		_ = bus.Respond(m, &wire.ReportAck{State: wire.VerdictPending})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ncB.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	h.d.switchNATS(srvB.ClientURL())
+	for _, id := range []string{"R-1", "R-2", "R-3"} {
+		h.d.report(id, []wire.ItemResult{{Chunk: 0, OK: true, Sum: 0x5eed}})
+	}
+	if b, n := binary.Load(), taken.Load(); b != 1 || n != 3 {
+		t.Fatalf("old coordinator: %d binary attempts, %d reports taken; want 1 and 3", b, n)
+	}
+	if !h.d.reportJSON.Load() {
+		t.Fatal("the daemon did not keep to JSON")
+	}
+	h.d.report("R-bad", []wire.ItemResult{{Chunk: 0, OK: true, Sum: 0x5eed}})
+	if n := refusedJSON.Load(); n != 1 {
+		t.Fatalf("a report refused as JSON was sent %d times, want 1", n)
 	}
 }

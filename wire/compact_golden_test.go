@@ -29,6 +29,9 @@ import (
 //	retrieve_request_skip.bin  the golden retrieve_request_skip.json
 //	                    value, binary (KVR2: a skip per item)
 //
+//	restore_begin_request.bin  a restore.begin with every flag (KVG1)
+//	restore_begin_request.json the same value as JSON
+//
 //	go test ./wire -run CompactGolden -update    rewrites the files
 const compactDir = "testdata/compact"
 
@@ -110,6 +113,14 @@ func TestCompactGolden(t *testing.T) {
 	if files["chunks.json"], err = json.Marshal(chunks); err != nil {
 		t.Fatal(err)
 	}
+	begin := &RestoreBeginRequest{RestoreBegin: RestoreBegin{Namespace: goldenNS(), Chunks: chunks, DeadlineMS: 10000},
+		Instance: "engine0", PlanEncoding: PlanEncodingBinary, StateAtEnd: true, Lookup: true}
+	if files["restore_begin_request.bin"], err = begin.MarshalBinary(); err != nil {
+		t.Fatal(err)
+	}
+	if files["restore_begin_request.json"], err = json.Marshal(begin); err != nil {
+		t.Fatal(err)
+	}
 	if *updateGolden {
 		if err := os.MkdirAll(compactDir, 0o755); err != nil {
 			t.Fatal(err)
@@ -129,6 +140,10 @@ func TestCompactGolden(t *testing.T) {
 	var back LookupRequest
 	if err := back.UnmarshalBinary(files["lookup_request.bin"]); err != nil || !reflect.DeepEqual(&back, lr) {
 		t.Errorf("lookup_request.bin decodes to %+v, %v", back, err)
+	}
+	var backBegin RestoreBeginRequest
+	if err := backBegin.UnmarshalBinary(files["restore_begin_request.bin"]); err != nil || !reflect.DeepEqual(&backBegin, begin) {
+		t.Errorf("restore_begin_request.bin decodes to %+v, %v", backBegin, err)
 	}
 	lim := RequestLimits{MaxChunks: 2, MaxItems: 2, MaxBlocks: 4}
 	if back, err := DecodeStoreBinary(files["store_request.bin"], lim); err != nil || !reflect.DeepEqual(back, store) {

@@ -191,6 +191,61 @@ def test_store_and_retrieve_go_binary_unless_json_requests():
         assert nc.sent[0] == (wire.encode(want) if json_requests else want.to_binary())
 
 
+def test_begin_and_lookup_go_binary_and_fall_back_to_json():
+    """restore.begin and lookup go in their binary forms (KVG1, KVL1);
+    json_requests sends JSON. A coordinator that refuses a binary begin as
+    bad input and takes the same request as JSON (one from before KVG1)
+    gets JSON begins from then on; a begin refused in both forms raises."""
+    import asyncio
+
+    from kvtier import client_plan, dcp
+
+    plan = b"KVP1" + bytes([3]) + b"r-1" + bytes(4) + bytes(2) + bytes(16) + bytes(2) + bytes(2)
+
+    class _NC:
+        def __init__(self, old: bool) -> None:
+            self.sent: list[bytes] = []
+            self.old = old
+
+        async def request(self, subject: str, data: bytes, timeout: float) -> object:
+            self.sent.append(data)
+
+            class Msg:
+                pass
+
+            m = Msg()
+            if self.old and data.startswith(b"KVG1"):
+                m.data = b'{"error":{"code":"bad_request","message":"invalid character"}}'  # type: ignore[attr-defined]
+            elif ".lookup" in subject:
+                m.data = wire.encode_reply(ok=wire.LookupReply(prefix=0))  # type: ignore[attr-defined]
+            else:
+                m.data = plan  # type: ignore[attr-defined]
+            return m
+
+    ns = dcp.Namespace(bytes(range(1, 17)))
+    chunks = [dcp.ChunkHash(bytes([i]) * 16) for i in range(3)]
+    for json_requests, old in ((False, False), (True, False), (False, True)):
+        nc = _NC(old)
+        c = client.Client(nc, client.ConnectOptions(insecure=True, json_requests=json_requests))
+
+        async def go() -> None:
+            p = await c.restore_begin_packed(ns, chunks, instance="engine0", lookup=True)
+            assert p.restore_id == "r-1" and p.prefix == 0
+            await c.restore_begin(ns, chunks, instance="engine0")
+            await c.lookup(ns, chunks, instance="engine0")
+
+        asyncio.run(go())
+        want = client_plan.RestoreBeginBinary(wire.RestoreBegin(ns, chunks), "engine0", lookup=True)
+        if json_requests:
+            assert [d[:1] for d in nc.sent] == [b"{"] * 3 and nc.sent[0] == wire.encode(want)
+        elif old:  # binary refused, JSON taken, then JSON only; lookups binary (older than KVG1)
+            assert nc.sent[0] == want.to_binary() and nc.sent[1] == wire.encode(want)
+            assert nc.sent[2].startswith(b"{") and nc.sent[3].startswith(b"KVL1") and c._json_begins
+        else:
+            assert nc.sent[0] == want.to_binary() and nc.sent[1].startswith(b"KVG1")
+            assert nc.sent[2] == wire.LookupRequest(ns, chunks, "engine0").to_binary()
+
+
 def test_retrieve_carries_the_engines_deadline():
     """RankSession.retrieve(deadline=t) sends t as Unix nanoseconds in the
     Kvtier-Deadline header (the rankd places nothing after it); without a

@@ -219,6 +219,19 @@ def test_binary_requests_equal_go_bytes(name, cls):
                 wire.RetrieveRequest.from_binary(data[:n])
 
 
+def test_binary_begin_equals_go_bytes():
+    """The binary restore.begin (KVG1) Python encodes is Go's for the
+    golden value, whose JSON Python encodes as Go does too."""
+    from kvtier import client_plan
+
+    v = json.loads((COMPACT / "restore_begin_request.json").read_bytes())
+    req = client_plan.RestoreBeginBinary(
+        wire.RestoreBegin(dcp.Namespace.parse(v["namespace"]), [dcp.ChunkHash.parse(h) for h in v["chunks"]],
+                          v["deadline_ms"]), v["instance"], v["plan_encoding"], v["state_at_end"], v["lookup"])
+    assert req.to_binary() == (COMPACT / "restore_begin_request.bin").read_bytes()
+    assert wire.encode(req) == (COMPACT / "restore_begin_request.json").read_bytes()
+
+
 def test_binary_requests_pick_the_block_width():
     ns = _golden_ns()
     item = wire.RetrieveItem(0, 0, dcp.Key(ns, _golden_chunk(0), 1, 0), 7,

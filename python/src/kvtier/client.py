@@ -35,7 +35,15 @@ from typing import Any, TypeVar
 from kvtier import client_plan, wire
 from kvtier.cuda import EventHandle
 from kvtier.dcp import ChunkHash, Namespace, Spec
-from kvtier.errors import CredentialsError, MalformedError, NotConnected, RequestTimeout, Unauthorized, Unavailable
+from kvtier.errors import (
+    BadRequest,
+    CredentialsError,
+    MalformedError,
+    NotConnected,
+    RequestTimeout,
+    Unauthorized,
+    Unavailable,
+)
 from kvtier.wire import (
     ChunkBlocks,
     LookupReply,
@@ -339,6 +347,9 @@ class Client:
         # subjects the server refused this identity (permissions), with
         # its message; a request to one that times out raises Unauthorized.
         self.denied: dict[str, str] = {}
+        # A coordinator refused a binary restore.begin and took it as JSON
+        # (it predates KVG1): begins go as JSON (_begin).
+        self._json_begins = False
 
     @classmethod
     async def connect(cls, opts: ConnectOptions | None = None) -> Client:
@@ -463,9 +474,8 @@ class Client:
         chunks = list(chunks)
         req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
                                              state_at_end=state_at_end)
-        return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, RestorePlan,
-                               timeout=timeout, decoder=lambda data, subject: client_plan.decode_plan(data, chunks,
-                                                                                                    subject))
+        return await self._begin(inst, req, RestorePlan,
+                                 lambda data, subject: client_plan.decode_plan(data, chunks, subject), timeout)
 
     async def restore_begin_packed(self, namespace: Namespace, chunks: Sequence[ChunkHash], *,
                                    instance: str | None = None, deadline_ms: int = 0, timeout: float | None = None,
@@ -481,10 +491,27 @@ class Client:
         chunks = list(chunks)
         req = client_plan.RestoreBeginBinary(wire.RestoreBegin(namespace, chunks, deadline_ms), inst,
                                              state_at_end=state_at_end, lookup=lookup)
-        return await self.call(self.coord_subject(wire.COORD_RESTORE_BEGIN, inst), req, client_plan.PackedPlan,
-                               timeout=timeout,
-                               decoder=lambda data, subject: client_plan.decode_plan_packed_reply(data, chunks,
-                                                                                                  subject))
+        return await self._begin(inst, req, client_plan.PackedPlan,
+                                 lambda data, subject: client_plan.decode_plan_packed_reply(data, chunks, subject),
+                                 timeout)
+
+    async def _begin(self, inst: str, req: client_plan.RestoreBeginBinary, reply: type[T],
+                     decoder: Callable[[bytes, str], T], timeout: float | None) -> T:
+        """restore.begin with req in its binary form (KVG1), or JSON with
+        ConnectOptions.json_requests or once a coordinator refused the
+        binary form and took the same request as JSON (it predates it)."""
+        subject = self.coord_subject(wire.COORD_RESTORE_BEGIN, inst)
+        if not self.opts.json_requests and not self._json_begins:
+            try:
+                return await self.call(subject, req.to_binary(), reply, timeout=timeout, decoder=decoder)
+            except BadRequest:
+                out = await self.call(subject, req, reply, timeout=timeout, decoder=decoder)
+                if not self._json_begins:
+                    self._json_begins = True
+                    log.warning("kvtier: the coordinator reads restore.begin as JSON only (it predates the binary "
+                                "form): begins go as JSON")
+                return out
+        return await self.call(subject, req, reply, timeout=timeout, decoder=decoder)
 
     async def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                            instance: str | None = None) -> RestoreVerdict:

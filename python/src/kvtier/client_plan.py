@@ -59,6 +59,26 @@ class RestoreBeginBinary:
     # counted as one, and a miss takes no restore slot nor history entry.
     lookup: bool = field("lookup", omit="omitempty", default=False)
 
+    def to_binary(self) -> bytes:
+        """The binary restore.begin request (``KVG1``, Go
+        wire/beginreport.go): the chunk hashes as 16 bytes each where JSON
+        spells 34 characters. MalformedError for what the form cannot carry
+        (an instance over 64 bytes, a deadline outside 0..2^32-1 ms, a plan
+        encoding other than JSON or binary)."""
+        inst = self.instance.encode()
+        b = self.begin
+        if len(inst) > 64 or not 0 <= b.deadline_ms <= 0xFFFFFFFF or self.plan_encoding not in (
+                "", "json", PLAN_ENCODING_BINARY):
+            raise MalformedError(f"restore.begin: instance of {len(inst)} B (limit 64), deadline {b.deadline_ms} ms, "
+                                 f"plan encoding {self.plan_encoding!r}")
+        flags = ((1 if self.state_at_end else 0) | (2 if self.lookup else 0)
+                 | (4 if self.plan_encoding == PLAN_ENCODING_BINARY else 0))
+        return b"".join([_BEGIN_MAGIC, bytes([flags]), bytes(b.namespace), bytes([len(inst)]), inst,
+                         b.deadline_ms.to_bytes(4, "big"), len(b.chunks).to_bytes(4, "big"), *map(bytes, b.chunks)])
+
+
+_BEGIN_MAGIC = b"KVG1"
+
 
 def is_binary_plan(data: bytes) -> bool:
     """Whether a restore.begin reply is a binary plan (an error reply is
