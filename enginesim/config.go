@@ -137,9 +137,11 @@ type Config struct {
 	// ResultFile, when set, receives the Result as JSON.
 	ResultFile string
 
-	// JSONRequests sends store and retrieve requests as JSON, as engines
-	// before the binary form did (wire/reqbin.go); default false: binary.
-	// rankd reads both.
+	// JSONRequests sends store, retrieve and restore.begin requests as
+	// JSON, as engines before the binary forms did (wire/reqbin.go,
+	// wire/beginreport.go); default false: binary. rankd and the
+	// coordinator read both (a coordinator from before the binary begin
+	// reads JSON only).
 	JSONRequests bool
 
 	// Bench runs the daemon-path benchmark (bench.go) instead of one

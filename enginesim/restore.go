@@ -32,7 +32,7 @@ func (s *sim) restore(ctx context.Context) error {
 	plan, err := beginRestore(cctx, s.nc, s.subj.EngineCoord(s.cfg.Instance, wire.CoordRestoreBegin), s.resend(0), wire.RestoreBeginRequest{
 		Instance: s.cfg.Instance, PlanEncoding: wire.PlanEncodingBinary, RestoreBegin: wire.RestoreBegin{
 			Namespace: p.R.Namespace, Chunks: p.Hashes, DeadlineMS: int(s.cfg.RestoreDeadline / time.Millisecond)},
-		StateAtEnd: s.cfg.StateAtEnd})
+		StateAtEnd: s.cfg.StateAtEnd}, s.cfg.JSONRequests)
 	cancel()
 	if err != nil {
 		if s.cfg.FailOpen {
@@ -299,12 +299,20 @@ func compareWord(rows []RankResult) string {
 
 // beginRestore asks for a restore plan. With PlanEncodingBinary the plan
 // comes back in the compact binary form (wire/plan.go), which refers to
-// req.Chunks by index; an error reply is JSON either way.
-func beginRestore(ctx context.Context, nc *nats.Conn, subject string, retry bus.Retry, req wire.RestoreBeginRequest) (*wire.RestorePlan, error) {
+// req.Chunks by index; an error reply is JSON either way. The request goes
+// in its binary form (wire/beginreport.go) unless jsonRequest.
+func beginRestore(ctx context.Context, nc *nats.Conn, subject string, retry bus.Retry, req wire.RestoreBeginRequest,
+	jsonRequest bool) (*wire.RestorePlan, error) {
 	if req.PlanEncoding != wire.PlanEncodingBinary {
 		return bus.CallRetry[wire.RestorePlan](ctx, nc, subject, req, retry)
 	}
-	data, err := json.Marshal(req)
+	var data []byte
+	var err error
+	if jsonRequest {
+		data, err = json.Marshal(req)
+	} else {
+		data, err = req.MarshalBinary()
+	}
 	if err != nil {
 		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
 	}

@@ -61,7 +61,7 @@ func main() {
 	flag.BoolVar(&cfg.Bench, "bench", false, "daemon-path benchmark: timed store and restore of the prompt, repeated, against a plain copy of the same bytes")
 	flag.IntVar(&cfg.BenchReps, "bench-reps", cfg.BenchReps, "bench: repetitions (median, min and max reported)")
 	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", cfg.BenchChunksPerStore, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
-	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store and retrieve requests as JSON (as engines before the binary form; rankd reads both)")
+	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store, retrieve and restore.begin requests as JSON (as engines before the binary forms; rankd and coordinator read both)")
 	flag.DurationVar(&cfg.BenchTraffic, "bench-traffic", 0, "bench: after the repetitions, restore the last prompt again and again for this long (each verdict must be COMPLETE; bytes not compared): traffic for an interference measurement")
 	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
 	flag.Usage = func() {
