@@ -482,7 +482,11 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 	if fc := res.FailedChunks(); len(fc) > 0 {
 		d.log.Warn("retrieve had failed chunks", zap.String("restore", req.RestoreID), zap.Ints("chunks", fc))
 	}
-	err = respond(d, OpRetrieve, msg, &rep)
+	reply := rep
+	if msg.Header.Get(wire.HeaderResults) == wire.ResultsFailed {
+		reply = rep.OnlyFailed() // the report above still carries every item
+	}
+	err = respond(d, OpRetrieve, msg, &reply)
 	tl.Lap(transfer.StageReply, -1)
 	if reported != nil {
 		<-reported

@@ -454,6 +454,30 @@ func testDaemonStoreRetrieveReport(t *testing.T, asBinary bool) {
 		t.Fatalf("reports %+v", reports)
 	}
 
+	// An engine that reads the verdict asks for the failed items only
+	// (wire.HeaderResults); the report still carries every item.
+	missing := dcp.Key{NS: e.res.Namespace, Chunk: dcp.ChunkHash{9}, Shard: 1, Group: 0}
+	rr, err = bus.Call[wire.RetrieveReply](ctx, h.nc, h.subj.Engine(h.rank, OpRetrieve), bus.Headed{
+		Header: nats.Header{wire.HeaderResults: []string{wire.ResultsFailed}},
+		Body: engineBody(t, asBinary, &wire.RetrieveRequest{RestoreID: "R2", Namespace: e.res.Namespace, Session: reg2.Session,
+			Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}},
+				{Chunk: 1, Group: 0, Key: missing, Sum: 7, Blocks: []int64{6}}}})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rr.Results) != 1 || rr.Results[0].OK || rr.Results[0].Chunk != 1 {
+		t.Fatalf("retrieve asking for failed results only answered %+v", rr.Results)
+	}
+	testutil.Eventually(t, 10*time.Second, "the second retrieve's report", func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		reports = append([]wire.RestoreReport(nil), h.reports...)
+		return len(reports) > 1
+	})
+	if r := reports[1]; r.RestoreID != "R2" || len(r.Results) != 2 || !r.Results[0].OK || r.Results[1].OK {
+		t.Fatalf("report of the second retrieve %+v, want both items", r)
+	}
+
 	// Bad input: clear errors with stable codes; the daemon keeps serving.
 	for _, c := range []struct {
 		op, body, code string

@@ -176,6 +176,29 @@ type RetrieveReply struct {
 	Results []ItemResult `json:"results"`
 }
 
+// HeaderResults is the NATS header of a retrieve request that asks for
+// fewer results in its reply: ResultsFailed lists only the items that
+// failed (an engine that waits for the coordinator's verdict reads no
+// more; a 2,048-item reply was ~120 KB of JSON). The rank's report to the
+// coordinator still carries every item. A rank that predates the header
+// ignores it and replies with every result.
+const HeaderResults = "Kvtier-Results"
+
+// ResultsFailed is the HeaderResults value asking for the failed items
+// only.
+const ResultsFailed = "failed"
+
+// OnlyFailed returns r with the failed items' results only.
+func (r RetrieveReply) OnlyFailed() RetrieveReply {
+	out := RetrieveReply{Results: []ItemResult{}}
+	for _, it := range r.Results {
+		if !it.OK {
+			out.Results = append(out.Results, it)
+		}
+	}
+	return out
+}
+
 // RestoreBegin asks the coordinator for a restore plan.
 type RestoreBegin struct {
 	Namespace  dcp.Namespace   `json:"namespace"`

@@ -228,13 +228,13 @@ def test_begin_and_lookup_go_binary_and_fall_back_to_json():
         nc = _NC(old)
         c = client.Client(nc, client.ConnectOptions(insecure=True, json_requests=json_requests))
 
-        async def go() -> None:
+        async def go(c: client.Client) -> None:
             p = await c.restore_begin_packed(ns, chunks, instance="engine0", lookup=True)
             assert p.restore_id == "r-1" and p.prefix == 0
             await c.restore_begin(ns, chunks, instance="engine0")
             await c.lookup(ns, chunks, instance="engine0")
 
-        asyncio.run(go())
+        asyncio.run(go(c))
         want = client_plan.RestoreBeginBinary(wire.RestoreBegin(ns, chunks), "engine0", lookup=True)
         if json_requests:
             assert [d[:1] for d in nc.sent] == [b"{"] * 3 and nc.sent[0] == wire.encode(want)
@@ -276,6 +276,15 @@ def test_retrieve_carries_the_engines_deadline():
     asyncio.run(s.retrieve([], "R1", deadline=1234.5))
     asyncio.run(s.retrieve([], "R2"))
     assert nc.headers == [{wire.HEADER_DEADLINE: "1234500000000"}, None]
+    # retrieve_packed reads no results: it asks for the failed ones only.
+    from kvtier import client_plan
+
+    pl = client_plan.PlanItems(s.namespace, [wire.Rank("engine0", 0)], [(0, 0, False)], bytes(16),
+                               client_plan._ITEM.pack(5, 0, 1))
+    asyncio.run(s.retrieve_packed(pl, "R3", [[7]], [1], deadline=1234.5))
+    asyncio.run(s.retrieve_packed(pl, "R4", [[7]], [1]))
+    assert nc.headers[2:] == [{wire.HEADER_RESULTS: wire.RESULTS_FAILED, wire.HEADER_DEADLINE: "1234500000000"},
+                              {wire.HEADER_RESULTS: wire.RESULTS_FAILED}]
 
 
 def test_store_carries_the_engines_deadline():

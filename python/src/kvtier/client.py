@@ -594,9 +594,9 @@ class RankSession:
         body: Any = items.retrieve_request(restore_id, self.session, block_ids, blocks_per_chunk, first_chunk, skip)
         if self.client.opts.json_requests:
             body = wire.RetrieveRequest.from_binary(body)
+        headers = {wire.HEADER_RESULTS: wire.RESULTS_FAILED, **(_deadline_header(deadline) or {})}
         await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), body,
-                               type(None), timeout=timeout, headers=_deadline_header(deadline),
-                               decoder=_check_retrieve_reply)
+                               type(None), timeout=timeout, headers=headers, decoder=_check_retrieve_reply)
 
     def _body(self, req: wire.StoreRequest | wire.RetrieveRequest) -> Any:
         """req as sent: its binary form, or the message itself (JSON) with

@@ -72,6 +72,10 @@ HEADER_DEADLINE = "Kvtier-Deadline"
 # nanoseconds): a gather that ends later is not committed, its bytes may be
 # torn (Go: wire.HeaderGatherLimit).
 HEADER_GATHER_LIMIT = "Kvtier-Gather-Limit"
+# A retrieve request's reply lists the failed items only (Go
+# wire.HeaderResults, ResultsFailed); a rankd that predates it lists all.
+HEADER_RESULTS = "Kvtier-Results"
+RESULTS_FAILED = "failed"
 OP_RELEASE = "release"
 OP_STATUS = "status"
 
