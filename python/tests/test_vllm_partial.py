@@ -255,23 +255,28 @@ def test_partial_chunk_restores_against_real_daemons(tmp_path: pathlib.Path) -> 
         cluster.stop_all()
 
 
-def test_client_restore_skips_the_held_blocks_of_the_first_chunk():
+@pytest.mark.parametrize("table", [False, True])
+def test_client_restore_skips_the_held_blocks_of_the_first_chunk(table):
     """kvtier.client.restore(held_blocks={group: k}): the first chunk's
     items skip k blocks, blocks_for's first k ids of that chunk are not
-    sent, later chunks are whole."""
+    sent, later chunks are whole; the same with a BlockTable (the items
+    packed: the request as the rankd decodes it)."""
     import asyncio
 
-    from kvtier import dcp
+    from kvtier import client_plan, dcp
 
     ns = dcp.Namespace(bytes(16))
     rank = wire.Rank("engine0", 0)
-    items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(ns, dcp.ChunkHash(bytes([c]) * 16), 0, g))
-             for c in range(2) for g in range(2)]
+    items = [wire.RetrieveItem(chunk=c, group=g, key=dcp.Key(ns, dcp.ChunkHash(bytes([c]) * 16), 0, g),
+                               source=wire.Source(rank, wire.Tier.L1)) for c in range(2) for g in range(2)]
     sent: list[wire.RetrieveItem] = []
 
     class Coord:
         async def restore_begin(self, *a, **k):
             return wire.RestorePlan("r-1", 2, {str(rank): items})
+
+        async def restore_begin_packed(self, *a, **k):
+            return client_plan.PackedPlan("r-1", 2, {str(rank): client_plan.PlanItems.of(items)})
 
         async def restore_wait(self, rid, **k):
             return wire.RestoreVerdict(rid, wire.VERDICT_COMPLETE, 2)
@@ -283,10 +288,18 @@ def test_client_restore_skips_the_held_blocks_of_the_first_chunk():
         async def retrieve(self, its, rid):
             sent.extend(its)
 
+        async def retrieve_packed(self, its, rid, block_ids, per_chunk, *, skip=()):
+            sent.extend(wire.RetrieveRequest.from_binary(its.retrieve_request(rid, "s", block_ids, per_chunk, 0,
+                                                                              skip)).items)
+
     def blocks_for(r, it):
         return [10 * it.chunk + 4 * it.group + b for b in range(4)]
 
-    out = asyncio.run(client.restore(Coord(), {str(rank): Session()}, [], blocks_for, held_blocks={0: 1, 1: 2}))
+    how = blocks_for
+    if table:
+        how = client.BlockTable([[10 * c + 4 * g + b for c in range(2) for b in range(4)] for g in range(2)], [4, 4])
+    out = asyncio.run(client.restore(Coord(), {str(rank): Session()}, [], how, held_blocks={0: 1, 1: 2}))
+    assert not out.problem, out.problem
     assert out.loaded == 2
     assert [(it.chunk, it.group, it.skip, it.blocks) for it in sent] == [
         (0, 0, 1, [1, 2, 3]), (0, 1, 2, [6, 7]), (1, 0, 0, [10, 11, 12, 13]), (1, 1, 0, [14, 15, 16, 17])]

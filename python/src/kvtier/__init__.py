@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
-    **{n: "kvtier.client" for n in ("Client", "ConnectOptions", "RankSession", "RestoreOutcome", "SyncClient",
-                                    "SyncRankSession", "restore", "restore_outcome")},
+    **{n: "kvtier.client" for n in ("BlockTable", "Client", "ConnectOptions", "RankSession", "RestoreOutcome",
+                                    "SyncClient", "SyncRankSession", "restore", "restore_outcome")},
     **{n: "kvtier.errors" for n in ("KvtierError", "MalformedError", "GeometryError", "HandleError", "NotConnected",
                                     "RequestTimeout", "WireError", "Unavailable", "Unauthorized", "UnknownNamespace",
                                     "UnknownSession", "StaleSession")},
@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "BlockTable",
     "ChunkBlocks",
     "ChunkHash",
     "Client",
@@ -67,6 +68,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
     from kvtier.client import (
+        BlockTable,
         Client,
         ConnectOptions,
         RankSession,

@@ -672,49 +672,96 @@ def reason_bytes_wrong(reason: str) -> bool:
             or "confirmed with sum 0" in reason)
 
 
+@dataclass(frozen=True)
+class BlockTable:
+    """Where a restore places each chunk, the same block ids on every rank
+    (each rank's pools hold its own pages of every block): chunk c of group
+    g goes to block_ids[g][c * per_chunk[g]:(c + 1) * per_chunk[g]]. Given
+    to restore instead of a blocks_for function, the plan's items stay
+    packed (client_plan.PlanItems, RankSession.retrieve_packed): no Python
+    object per item, for restores of many small chunks (issue 25.4)."""
+
+    block_ids: Sequence[Sequence[int]]
+    per_chunk: Sequence[int]
+
+
 async def restore(client: Client, sessions: dict[str, RankSession], chunks: Sequence[ChunkHash],
-                  blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
+                  blocks_for: Callable[[Rank, RetrieveItem], list[int]] | BlockTable, *, instance: str | None = None,
                   deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None,
                   state_at_end: bool = False) -> RestoreOutcome:
     """The whole restore protocol: begin, every rank's retrieve with the
-    target blocks blocks_for gives, then the verdict. held_blocks, by
-    group: how many of the first chunk's blocks the engine holds already
-    (its own prefix cache ends inside the chunk); those are not written
+    target blocks blocks_for gives (a function of the rank and the item, or
+    a BlockTable), then the verdict. held_blocks, by group: how many of
+    the first chunk's blocks the engine holds already (its own prefix
+    cache ends inside the chunk); those are not written
     (RetrieveItem.skip) and blocks_for's first ids of that chunk are not
     sent. The whole object is still verified. state_at_end: a recurrent
     group's object for the restored prefix's last chunk only
     (Client.restore_begin), for an engine that resumes from the state at
-    the prefix's end; blocks_for is asked for no other chunk's state."""
+    the prefix's end; blocks_for is asked for no other chunk's state.
+    With a BlockTable the outcome's plan lists no items."""
     if not sessions:
         raise ValueError("restore needs the rank sessions of the instance")
     ns = next(iter(sessions.values())).namespace
-    plan = await client.restore_begin(ns, chunks, instance=instance, deadline_ms=deadline_ms,
-                                      state_at_end=state_at_end)
-    if plan.prefix == 0 or not plan.ranks:
-        return RestoreOutcome(plan, None, 0, [], plan.reason or "nothing restorable")
     problems: list[str] = []
+    jobs: list[Coroutine[Any, Any, None]] = []
 
-    async def one(rank_name: str, items: list[RetrieveItem]) -> None:
+    def session(rank_name: str) -> RankSession | None:
         s = sessions.get(rank_name)
         if s is None:
             problems.append(f"plan names rank {rank_name}, which this engine does not have")
-            return
-        for it in items:
-            it.blocks = blocks_for(s.rank, it)
-            if held_blocks and it.chunk == 0 and held_blocks.get(it.group, 0):
-                it.skip = held_blocks[it.group]
-                it.blocks = it.blocks[it.skip:]
-        try:
-            await s.retrieve(items, plan.restore_id)
-        except Exception as e:  # the verdict decides; the reason is kept
-            problems.append(f"retrieve on {rank_name}: {e}")
+        return s
+
+    if isinstance(blocks_for, BlockTable):
+        table = blocks_for
+        packed = await client.restore_begin_packed(ns, chunks, instance=instance, deadline_ms=deadline_ms,
+                                                   state_at_end=state_at_end)
+        plan = RestorePlan(packed.restore_id, packed.prefix, {}, packed.reason)
+        skip = [0] * (max(held_blocks, default=-1) + 1) if held_blocks else []
+        for g, n in (held_blocks or {}).items():
+            skip[g] = n
+
+        async def one_packed(rank_name: str, items: client_plan.PlanItems) -> None:
+            s = session(rank_name)
+            if s is None:
+                return
+            try:
+                await s.retrieve_packed(items, plan.restore_id, table.block_ids, table.per_chunk, skip=skip)
+            except Exception as e:  # the verdict decides; the reason is kept
+                problems.append(f"retrieve on {rank_name}: {e}")
+
+        jobs = [one_packed(r, items) for r, items in packed.ranks.items()]
+    else:
+        plan = await client.restore_begin(ns, chunks, instance=instance, deadline_ms=deadline_ms,
+                                          state_at_end=state_at_end)
+        fn = blocks_for
+
+        async def one(rank_name: str, items: list[RetrieveItem]) -> None:
+            s = session(rank_name)
+            if s is None:
+                return
+            for it in items:
+                it.blocks = fn(s.rank, it)
+                if held_blocks and it.chunk == 0 and held_blocks.get(it.group, 0):
+                    it.skip = held_blocks[it.group]
+                    it.blocks = it.blocks[it.skip:]
+            try:
+                await s.retrieve(items, plan.restore_id)
+            except Exception as e:  # the verdict decides; the reason is kept
+                problems.append(f"retrieve on {rank_name}: {e}")
+
+        jobs = [one(r, items) for r, items in plan.ranks.items()]
+    if plan.prefix == 0 or not jobs:
+        for j in jobs:
+            j.close()
+        return RestoreOutcome(plan, None, 0, [], plan.reason or "nothing restorable")
 
     # The wait goes out beside the retrieves: the coordinator parks it
     # until every rank has reported, so the verdict comes back as soon as
     # it is decided instead of one round trip after the last reply.
     wait = asyncio.ensure_future(client.restore_wait(plan.restore_id, instance=instance))
     try:
-        await asyncio.gather(*(one(r, items) for r, items in plan.ranks.items()))
+        await asyncio.gather(*jobs)
     except BaseException:  # cancelled: so is the wait
         wait.cancel()
         raise
@@ -787,7 +834,7 @@ class SyncClient:
         return self.run(self.aio.restore_wait(restore_id, timeout=timeout, instance=instance), _outer(timeout))
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
-                blocks_for: Callable[[Rank, RetrieveItem], list[int]], *, instance: str | None = None,
+                blocks_for: Callable[[Rank, RetrieveItem], list[int]] | BlockTable, *, instance: str | None = None,
                 deadline_ms: int = 0, held_blocks: Mapping[int, int] | None = None,
                 state_at_end: bool = False) -> RestoreOutcome:
         return self.run(restore(self.aio, {k: s.aio for k, s in sessions.items()}, chunks, blocks_for,
@@ -933,6 +980,7 @@ class SyncRankSession:
 
 
 __all__ = [
+    "BlockTable",
     "Client",
     "ConnectOptions",
     "RankSession",
