@@ -266,21 +266,42 @@ func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *i
 	for _, s := range readers {
 		byTP[s.tp] = &restoreReader{inc: s.inc, slots: make([]readSlot, 0, res.Prefix)}
 	}
+	// Each expectation's reader once (its items and slots), not per item:
+	// a restore of 2,048 chunks is thousands of items.
+	type readerOf struct {
+		items *[]wire.RetrieveItem
+		rd    *restoreReader
+	}
+	lists := make(map[int]*[]wire.RetrieveItem, len(readers))
+	of := make([]readerOf, len(res.Expectations))
+	for j, e := range res.Expectations {
+		l := lists[e.Rank]
+		if l == nil {
+			l = new([]wire.RetrieveItem)
+			*l = make([]wire.RetrieveItem, 0, res.Prefix)
+			lists[e.Rank] = l
+		}
+		of[j] = readerOf{items: l, rd: byTP[e.Rank]}
+	}
 	for i := range res.Prefix {
 		for j, e := range res.Expectations {
 			if !res.Needed(i, j, res.Prefix, req.StateAtEnd) {
 				continue // a state inside the prefix, never read (StateAtEnd)
 			}
 			src := res.Source(i, j)
-			reader := wire.Rank{Instance: res.Instance, TPRank: e.Rank}.String()
-			plan.Ranks[reader] = append(plan.Ranks[reader], wire.RetrieveItem{
+			o := of[j]
+			*o.items = append(*o.items, wire.RetrieveItem{
 				Chunk: i, Group: e.Group,
 				Key:    dcp.Key{NS: req.Namespace, Chunk: req.Chunks[i], Shard: uint16(e.Shard), Group: uint16(e.Group)},
 				Sum:    src.Sum,
 				Source: wire.Source{Holder: res.Holder(i, j), Tier: src.Tier},
 			})
-			rd := byTP[e.Rank]
-			rd.slots = append(rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
+			o.rd.slots = append(o.rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
+		}
+	}
+	for tp, l := range lists {
+		if len(*l) > 0 {
+			plan.Ranks[wire.Rank{Instance: res.Instance, TPRank: tp}.String()] = *l
 		}
 	}
 	return restorePlan{kind: beginActive, plan: plan, readers: byTP}

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/internal/testutil"
@@ -122,4 +123,28 @@ func TestBinaryBeginAndReports(t *testing.T) {
 	callErr[wire.RestorePlan](t, f.nc, f.c.subj.Coord(wire.CoordRestoreBegin), bus.Raw(bad), wire.CodeBadRequest)
 	rep := []byte(raw(t, &wire.RestoreReport{RestoreID: plan.RestoreID, Rank: wire.Rank{Instance: "eng"}}))
 	callErr[wire.ReportAck](t, f.nc, f.c.subj.Coord(wire.CoordRestoreReport), bus.Raw(rep[:len(rep)-1]), wire.CodeBadRequest)
+}
+
+// BenchmarkBeginLookup2048: a binary restore.begin that is the lookup, of
+// a 2,048-chunk chain stored by both ranks of a TP-2 instance (a 32k-token
+// prompt in 16-token chunks), through the coordinator's embedded NATS, the
+// binary plan back: the coordinator's per-chunk cost of a restore.
+func BenchmarkBeginLookup2048(b *testing.B) {
+	f := newRestoreFixture(b, 2048)
+	f.c.rs.mu.Lock()
+	f.c.cfg.MaxActiveRestores, f.c.cfg.MaxActiveRestoresPerInstance = 1<<30, 1<<30 // read under this lock
+	f.c.rs.mu.Unlock()
+	req := &wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks, DeadlineMS: 600000},
+		PlanEncoding: wire.PlanEncodingBinary, Lookup: true}
+	body, err := req.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for b.Loop() {
+		m, err := f.nc.Request(f.c.subj.Coord(wire.CoordRestoreBegin), body, 10*time.Second)
+		if err != nil || !wire.IsBinaryPlan(m.Data) {
+			b.Fatalf("begin: %v %.80s", err, m.Data)
+		}
+	}
 }

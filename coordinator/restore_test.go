@@ -25,7 +25,7 @@ type restoreFixture struct {
 	chunks []dcp.ChunkHash
 }
 
-func newRestoreFixture(t *testing.T, n int) *restoreFixture {
+func newRestoreFixture(t testing.TB, n int) *restoreFixture {
 	c := startCoord(t, nil)
 	nc := connect(t, c)
 	f := &restoreFixture{c: c, nc: nc, ns: register(t, nc, c.subj, testSpec(2))}

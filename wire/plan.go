@@ -80,16 +80,30 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 	if len(readers) > 65535 {
 		return bad("%d readers, limit 65535", len(readers))
 	}
+	// A reader's items mostly share one holder: the last one's index is
+	// kept beside the map, so most items look nothing up.
 	holders := map[Rank]int{}
 	var holderList []Rank
+	lastHolder, lastIdx := Rank{}, -1
+	holderIdx := func(h Rank) int {
+		if lastIdx >= 0 && h == lastHolder {
+			return lastIdx
+		}
+		i, ok := holders[h]
+		if !ok {
+			i = len(holderList)
+			holders[h] = i
+			holderList = append(holderList, h)
+		}
+		lastHolder, lastIdx = h, i
+		return i
+	}
+	items := 0
 	for _, r := range readers {
 		for i := range plan.Ranks[r] {
-			h := plan.Ranks[r][i].Source.Holder
-			if _, ok := holders[h]; !ok {
-				holders[h] = len(holderList)
-				holderList = append(holderList, h)
-			}
+			holderIdx(plan.Ranks[r][i].Source.Holder)
 		}
+		items += len(plan.Ranks[r])
 	}
 	if len(holderList) > 65535 {
 		return bad("%d holders, limit 65535", len(holderList))
@@ -106,6 +120,7 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 		}
 		shapes[k] = sh
 	}
+	dst = slices.Grow(dst, 64+len(plan.RestoreID)+len(plan.Reason)+planItemSize*items)
 	dst = append(dst, magic...)
 	dst = append(dst, byte(len(plan.RestoreID)))
 	dst = append(dst, plan.RestoreID...)
@@ -147,7 +162,7 @@ func AppendPlanBinary(dst []byte, plan *RestorePlan, ns dcp.Namespace) ([]byte, 
 				return bad("reader %s item %d has tier %d", name, n, it.Source.Tier)
 			}
 			dst = binary.BigEndian.AppendUint64(dst, it.Sum)
-			dst = binary.BigEndian.AppendUint16(dst, uint16(holders[it.Source.Holder]))
+			dst = binary.BigEndian.AppendUint16(dst, uint16(holderIdx(it.Source.Holder)))
 			dst = append(dst, byte(it.Source.Tier))
 		}
 	}
