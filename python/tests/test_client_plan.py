@@ -166,7 +166,9 @@ def test_plan_items_are_the_plans_items():
                 [items[0], dataclasses.replace(items[1], key=ns2), *items[2:]],
                 [dataclasses.replace(it, chunk=2) if it.chunk == 1 else it for it in items],  # a gap
                 items[:-1],  # the last chunk short of an object the first has
-                [items[0], dataclasses.replace(items[1], chunk=items[1].chunk + 5), *items[2:]]):
+                [items[0], dataclasses.replace(items[1], chunk=items[1].chunk + 5), *items[2:]],
+                [*items[:-1], dataclasses.replace(items[-1], chunk=1 << 40)],  # sized by the items, not the number
+                [dataclasses.replace(it, chunk=-1) for it in items]):
         with pytest.raises(ValueError):
             client_plan.PlanItems.of(bad)
 

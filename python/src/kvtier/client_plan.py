@@ -232,6 +232,8 @@ class PlanItems:
         if not items:
             return cls(Namespace(), [], [], b"", b"")
         ns, n = items[0].key.ns, items[-1].chunk + 1
+        if not 0 < n <= len(items):  # every chunk of a plan has an item; never size by a foreign number
+            raise ValueError(f"{len(items)} items end at chunk {n - 1}: not a plan's")
         last = [(it.group, it.key.shard) for it in items if it.chunk == n - 1]
         first = {(it.group, it.key.shard) for it in items if it.chunk == 0}
         exps = [(g, sh, n > 1 and (g, sh) not in first) for g, sh in last]
