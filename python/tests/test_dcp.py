@@ -104,8 +104,31 @@ def test_decode_ignores_unknown_fields():
 
 
 def test_chunk_hashes_reject_out_of_range_tokens():
-    with pytest.raises(MalformedError):
-        dcp.chunk_hashes(dcp.Namespace(), [1 << 32, 0], 2)
+    for bad in ([1 << 32, 0], [-1, 0], [0.5, 0], [0, 0, 0, "x"]):
+        with pytest.raises(MalformedError, match=f"chunk {len(bad) // 2 - 1}"):
+            dcp.chunk_hashes(dcp.Namespace(), bad, 2)
+
+
+def test_chunk_hashes_are_the_chain_of_the_definition():
+    """The tokens packed at once give the chain the definition states,
+    chunk by chunk: h_k = SHA-256(h_{k-1} || chunk k as little-endian
+    uint32s)[:16] from the namespace; a partial chunk gets no hash and its
+    tokens are not checked."""
+    import hashlib
+    import random
+    import struct
+
+    rng = random.Random(5)
+    ns = dcp.Namespace(rng.randbytes(16))
+    for chunk_tokens in (1, 3, 16, 256):
+        tokens = [rng.choice([0, 1, 0xFFFFFFFF, rng.getrandbits(32)]) for _ in range(chunk_tokens * 7)]
+        want, prev = [], bytes(ns)
+        for k in range(len(tokens) // chunk_tokens):
+            prev = hashlib.sha256(prev + struct.pack(f"<{chunk_tokens}I",
+                                                     *tokens[k * chunk_tokens:(k + 1) * chunk_tokens])).digest()[:16]
+            want.append(dcp.ChunkHash(prev))
+        partial = [-1] * (chunk_tokens - 1)  # never a full chunk: not hashed, not checked
+        assert dcp.chunk_hashes(ns, tokens + partial, chunk_tokens) == want and len(want) == 7
 
 
 VLLM_SLOTS = pathlib.Path(__file__).resolve().parents[2] / "dcp" / "testdata" / "vllm_dcp_slots.json"

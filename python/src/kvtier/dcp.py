@@ -9,11 +9,13 @@ chunk hashes (C4). Pure: no I/O, no state.
 
 from __future__ import annotations
 
+import array
 import enum
 import hashlib
 import math
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -405,14 +407,43 @@ def chunk_hashes(ns: Namespace, tokens: list[int], chunk_tokens: int) -> list[Ch
     trailing partial chunk gets no hash."""
     if chunk_tokens < 1:
         return []
+    n = len(tokens) // chunk_tokens
+    # Every full chunk's tokens packed at once (a 32k-token prompt is on
+    # vLLM's scheduler step: 3.5 ms a chunk at a time, issue 25.4), then
+    # hashed chunk by chunk.
+    try:
+        packed = array.array("I", tokens[:n * chunk_tokens]) if _U32_ARRAY else None
+    except (OverflowError, TypeError):  # the slow path names the chunk
+        packed = None
+    if packed is None:
+        body = _pack_tokens_slow(tokens, n, chunk_tokens)
+    else:
+        if sys.byteorder == "big":
+            packed.byteswap()
+        body = packed.tobytes()
     out: list[ChunkHash] = []
     prev = bytes(ns)
-    for k in range(len(tokens) // chunk_tokens):
-        chunk = tokens[k * chunk_tokens:(k + 1) * chunk_tokens]
+    step = 4 * chunk_tokens
+    sha, new = hashlib.sha256, ChunkHash.__new__
+    for k in range(n):
+        prev = sha(prev + body[k * step:(k + 1) * step]).digest()[:16]
+        h = new(ChunkHash)
+        h._b = prev
+        out.append(h)
+    return out
+
+
+# array("I") holds 4-byte items on this platform (the packed form's width).
+_U32_ARRAY = array.array("I").itemsize == 4
+
+
+def _pack_tokens_slow(tokens: list[int], n: int, chunk_tokens: int) -> bytes:
+    """The first n chunks' tokens as little-endian uint32s, a chunk at a
+    time: MalformedError names the chunk with a token id out of range."""
+    out = bytearray()
+    for k in range(n):
         try:
-            body = struct.pack(f"<{chunk_tokens}I", *chunk)
+            out += struct.pack(f"<{chunk_tokens}I", *tokens[k * chunk_tokens:(k + 1) * chunk_tokens])
         except struct.error:
             raise MalformedError(f"chunk {k}: token ids must be 0..2^32-1") from None
-        prev = hashlib.sha256(prev + body).digest()[:16]
-        out.append(ChunkHash(prev))
-    return out
+    return bytes(out)
