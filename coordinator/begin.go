@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/index"
 	"github.com/kvtier/kvtier/wire"
@@ -25,13 +24,7 @@ func (rs *restores) handleBegin(m *nats.Msg) {
 	t0 := time.Now()
 	planned := func() { c.met.beginSeconds.Observe(time.Since(t0).Seconds()) }
 	var req wire.RestoreBeginRequest
-	var err error
-	if wire.IsBinaryBegin(m.Data) {
-		err = req.UnmarshalBinary(m.Data) // see wire/beginreport.go
-	} else {
-		err = bus.Decode(m, &req)
-	}
-	if err != nil {
+	if err := decodeRequest(m, &req, wire.IsBinaryBegin); err != nil {
 		c.badRequest(m, "restore.begin", err)
 		return
 	}

@@ -157,6 +157,15 @@ func (c *Coordinator) lookupInto(res *index.LookupResult, instance string, ns dc
 
 var errTooLarge = errors.New("request too large")
 
+// decodeRequest decodes m into v: its binary form when isBinary says m's
+// first bytes are one (wire's lookup, begin and report forms), else JSON.
+func decodeRequest(m *nats.Msg, v interface{ UnmarshalBinary([]byte) error }, isBinary func([]byte) bool) error {
+	if isBinary(m.Data) {
+		return v.UnmarshalBinary(m.Data)
+	}
+	return bus.Decode(m, v)
+}
+
 // countLookupTokens counts an engine's lookup of n chunks that found res:
 // token-weighted (a lookup of 2 chunks counts less than one of 2,000),
 // whether it found shared copies, and admin.route's load term. Engine
@@ -192,13 +201,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 	defer lookupPool.Put(sc)
 	req := &sc.req
 	*req = wire.LookupRequest{Chunks: req.Chunks[:0]} // decoders reuse its capacity
-	var err error
-	if wire.IsBinaryLookup(m.Data) {
-		err = req.UnmarshalBinary(m.Data) // see wire/lookup.go
-	} else {
-		err = bus.Decode(m, req)
-	}
-	if err != nil {
+	if err := decodeRequest(m, req, wire.IsBinaryLookup); err != nil {
 		c.badRequest(m, "lookup", err)
 		return
 	}
@@ -212,7 +215,7 @@ func (c *Coordinator) handleLookup(m *nats.Msg) {
 		return
 	}
 	res := &sc.res
-	err = c.lookupInto(res, req.Instance, req.Namespace, req.Chunks, index.LookupOpts{StateAtEnd: req.StateAtEnd})
+	err := c.lookupInto(res, req.Instance, req.Namespace, req.Chunks, index.LookupOpts{StateAtEnd: req.StateAtEnd})
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
 			c.met.badRequests.WithLabelValues("lookup").Inc()

@@ -172,13 +172,7 @@ func (rs *restores) handleReport(m *nats.Msg) {
 	at := time.Now()
 	c := rs.c
 	var rep wire.RestoreReport
-	var err error
-	if wire.IsBinaryReport(m.Data) {
-		err = rep.UnmarshalBinary(m.Data) // see wire/beginreport.go
-	} else {
-		err = bus.Decode(m, &rep)
-	}
-	if err != nil {
+	if err := decodeRequest(m, &rep, wire.IsBinaryReport); err != nil {
 		c.met.reports.WithLabelValues("rejected").Inc()
 		c.badRequest(m, "restore.report", err)
 		return
