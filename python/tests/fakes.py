@@ -237,7 +237,7 @@ class FakeSession:
             return self.world.store_reply
         return wire.StoreReply(stored=len(chunks))
 
-    async def retrieve(self, items, restore_id="", timeout=None, deadline=None):
+    async def retrieve(self, items, restore_id="", *, timeout=None, deadline=None):
         self.world.retrieves.append((self.rank, restore_id, items))
         self.world.retrieve_deadlines.append(deadline)
         if self.world.retrieve_error is not None:

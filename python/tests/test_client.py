@@ -355,9 +355,12 @@ def test_sync_and_async_clients_have_the_same_signatures():
     when absent."""
     import inspect
 
-    for name in ("lookup", "restore_begin", "restore_wait", "register_spec", "register", "status"):
-        a = inspect.signature(getattr(client.Client, name))
-        s = inspect.signature(getattr(client.SyncClient, name))
+    pairs = [(client.Client, client.SyncClient, n) for n in ("lookup", "restore_begin", "restore_begin_packed",
+                                                             "restore_wait", "register_spec", "register", "status")]
+    pairs += [(client.RankSession, client.SyncRankSession, n) for n in ("store", "retrieve", "retrieve_packed")]
+    for acls, scls, name in pairs:
+        a = inspect.signature(getattr(acls, name))
+        s = inspect.signature(getattr(scls, name))
         assert list(a.parameters) == list(s.parameters), name
         for p in a.parameters.values():
             if p.name in ("instance", "timeout", "detail", "deadline_ms"):

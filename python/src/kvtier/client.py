@@ -571,7 +571,7 @@ class RankSession:
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
                                       StoreReply, timeout=timeout, headers=_deadline_header(deadline, gather_limit))
 
-    async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "",
+    async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", *,
                        timeout: float | None = None, deadline: float | None = None) -> RetrieveReply:
         """Places items' objects into this session's blocks. deadline
         (time.time() seconds) is when the caller takes the blocks back: the
@@ -829,6 +829,13 @@ class SyncClient:
         return self.run(self.aio.restore_begin(namespace, chunks, instance=instance, deadline_ms=deadline_ms,
                                                timeout=timeout, state_at_end=state_at_end), _outer(timeout))
 
+    def restore_begin_packed(self, namespace: Namespace, chunks: Sequence[ChunkHash], *, instance: str | None = None,
+                             deadline_ms: int = 0, timeout: float | None = None, state_at_end: bool = False,
+                             lookup: bool = False) -> client_plan.PackedPlan:
+        return self.run(self.aio.restore_begin_packed(namespace, chunks, instance=instance, deadline_ms=deadline_ms,
+                                                      timeout=timeout, state_at_end=state_at_end, lookup=lookup),
+                        _outer(timeout))
+
     def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                      instance: str | None = None) -> RestoreVerdict:
         return self.run(self.aio.restore_wait(restore_id, timeout=timeout, instance=instance), _outer(timeout))
@@ -963,10 +970,17 @@ class SyncRankSession:
         return self.client.submit(self.aio.store(request_id, chunks, event, timeout=timeout, deadline=deadline,
                                                  gather_limit=gather_limit))
 
-    def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", timeout: float | None = None,
+    def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", *, timeout: float | None = None,
                  deadline: float | None = None) -> RetrieveReply:
         return self.client.run(self.aio.retrieve(items, restore_id, timeout=timeout, deadline=deadline),
                                _outer(timeout))
+
+    def retrieve_packed(self, items: client_plan.PlanItems, restore_id: str, block_ids: Sequence[Sequence[int]],
+                        blocks_per_chunk: Sequence[int], *, first_chunk: int = 0, skip: Sequence[int] = (),
+                        timeout: float | None = None, deadline: float | None = None) -> None:
+        self.client.run(self.aio.retrieve_packed(items, restore_id, block_ids, blocks_per_chunk,
+                                                 first_chunk=first_chunk, skip=skip, timeout=timeout,
+                                                 deadline=deadline), _outer(timeout))
 
     def reregister(self) -> None:
         self.client.run(self.aio.reregister())
