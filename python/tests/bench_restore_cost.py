@@ -64,6 +64,7 @@ def test_restore_cost(cluster: Cluster) -> None:
         for rk in ranks:
             eventually(f"rankd {rk} accepts", lambda rk=rk: c.status(rk).accepting or (_ for _ in ()).throw(
                 AssertionError("not accepting yet")))
+        cluster.wait_resynced()
         sessions = {str(rk): c.register(rk, SPEC, HOST_UUID, [
             wire.PoolRegistration(0, layer, mems[rk.tp_rank].export(layer * pool, pool)) for layer in range(layers)])
             for rk in ranks}

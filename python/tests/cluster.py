@@ -195,6 +195,18 @@ class Cluster:
         for r in range(len(self.rank_ids)):
             self.start_rank(r)
 
+    def wait_resynced(self) -> None:
+        """Waits until the coordinator has resynced every rank once (its
+        startup inventory requests, retried until the rankds answer). While
+        a rank's inventory streams in, lookups see none of its placements
+        (docs/running.md): a test whose lookup and restore run during it
+        gets a miss (seen: a restore planned nothing just after a restore
+        of the same chunks completed)."""
+        n = len(self.rank_ids)
+        eventually(f"the coordinator resynced {n} ranks",
+                   lambda: self.coord_metric("kvtier_coord_resyncs_total", outcome="ok") >= n
+                   or (_ for _ in ()).throw(AssertionError("not yet")))
+
     def coord_metric(self, name: str, **labels: str) -> float:
         """One sample of the coordinator's /metrics (its HTTP address from
         its log); 0 when the series does not exist yet."""

@@ -96,6 +96,7 @@ def test_store_wipe_restore_every_byte(cluster: Cluster) -> None:
         for rk in ranks:
             st = c.status(rk)
             assert (st.rank, st.tp_size, st.device.backend, st.device.uuid) == (rk, TP, "host", HOST_UUID)
+        cluster.wait_resynced()  # no lookup below may fall in a startup resync's window
         sessions = {str(rk): c.register(rk, SPEC, HOST_UUID, workers[rk.tp_rank].pools) for rk in ranks}
 
         # Compute and store: every chunk its own store with its own event (C1).
@@ -219,6 +220,7 @@ def test_store_waits_for_its_event_and_fails_when_it_is_destroyed(cluster: Clust
         sessions = {str(rk): eventually(f"rankd {rk} registers",
                                         lambda rk=rk: c.register(rk, SPEC, HOST_UUID, workers[rk.tp_rank].pools))
                     for rk in ranks}
+        cluster.wait_resynced()  # no lookup below may fall in a startup resync's window
         h = r.chunk_hashes(list(range(2 * SPEC.chunk_tokens)))
 
         # Pending events: the stores must wait, then commit the late bytes.

@@ -65,6 +65,7 @@ def test_stateless_chunks_restore_up_to_the_state(cluster: Cluster) -> None:
         ns = eventually("coordinator registers the spec", lambda: c.register_spec(SPEC))
         rk = wire.Rank("engine0", 0)
         eventually("rankd accepts", lambda: c.status(rk).accepting or (_ for _ in ()).throw(AssertionError("not yet")))
+        cluster.wait_resynced()  # no lookup below may fall in a startup resync's window
         s = c.register(rk, SPEC, HOST_UUID, pools)
         chunks = []
         for ch in range(3):
