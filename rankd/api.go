@@ -583,14 +583,13 @@ func (d *Daemon) report(restoreID string, results []wire.ItemResult) {
 			d.log.Debug("restore reported", zap.String("restore", restoreID), zap.String("state", ack.State), zap.Bool("duplicate", ack.Duplicate))
 			return
 		}
-		var we *wire.Error
-		if binary && errors.As(err, &we) && we.Code == wire.CodeBadRequest {
-			// Maybe a coordinator from before binary reports: the same
-			// report as JSON, at once. If that is refused too, the report
-			// itself was bad (below).
+		if binary && wire.IsNotJSONRefusal(err) {
+			// A coordinator from before binary reports: the same report
+			// as JSON, at once.
 			body, binary, fellBack = &rep, false, true
 			continue
 		}
+		var we *wire.Error
 		if errors.As(err, &we) && we.Code != wire.CodeUnavailable && we.Code != wire.CodeInternal {
 			break // the coordinator will never take it (unknown restore, bad report)
 		}

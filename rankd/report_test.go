@@ -115,6 +115,35 @@ func TestReportFallsBackToJSON(t *testing.T) {
 		t.Fatalf("%d binary of %d reports, want 1 of 1", nBin, nRep)
 	}
 
+	// A coordinator that reads the binary form and refuses the report for
+	// what it says: not sent again as JSON, and reports stay binary.
+	srvN := testutil.NATS(t)
+	ncN, err := bus.Connect(srvN.ClientURL(), "test-n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ncN.Close)
+	var refusedBin, refusedOther atomic.Int32
+	if _, err := ncN.Subscribe(h.subj.Report(h.rank), func(m *nats.Msg) {
+		if wire.IsBinaryReport(m.Data) {
+			refusedBin.Add(1)
+		} else {
+			refusedOther.Add(1)
+		}
+		_ = bus.RespondError(m, wire.CodeBadRequest, "test: restore R-x is read by another instance")
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ncN.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	h.d.switchNATS(srvN.ClientURL())
+	h.d.report("R-x", []wire.ItemResult{{Chunk: 0, OK: true, Sum: 0x5eed}})
+	if b, o := refusedBin.Load(), refusedOther.Load(); b != 1 || o != 0 || h.d.reportJSON.Load() {
+		t.Fatalf("a report refused for its content: %d binary and %d JSON sends, JSON kept %v; want 1, 0, false",
+			b, o, h.d.reportJSON.Load())
+	}
+
 	// An old coordinator: JSON only, on another NATS.
 	srvB := testutil.NATS(t)
 	ncB, err := bus.Connect(srvB.ClientURL(), "test-b")

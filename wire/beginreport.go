@@ -3,8 +3,10 @@ package wire
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/kvtier/kvtier/dcp"
@@ -39,6 +41,20 @@ const (
 	beginMagic  = "KVG1"
 	reportMagic = "KVT1"
 )
+
+// NotJSONRefusal is what a coordinator from before these forms answers a
+// binary begin or report with (bad_request): its JSON decoder stopped at
+// the magic's first byte. A sender falls back to JSON on exactly this,
+// not on any bad_request: a coordinator that read the binary form and
+// refused the request for what it says would refuse the JSON too, and a
+// sender that switched would wrongly conclude the coordinator is old.
+const NotJSONRefusal = "invalid character 'K' looking for beginning of value"
+
+// IsNotJSONRefusal reports whether err is that refusal.
+func IsNotJSONRefusal(err error) bool {
+	var we *Error
+	return errors.As(err, &we) && we.Code == CodeBadRequest && strings.Contains(we.Message, NotJSONRefusal)
+}
 
 const (
 	beginStateAtEnd = 1 << iota

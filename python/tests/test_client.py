@@ -215,7 +215,8 @@ def test_begin_and_lookup_go_binary_and_fall_back_to_json():
 
             m = Msg()
             if self.old and data.startswith(b"KVG1"):
-                m.data = b'{"error":{"code":"bad_request","message":"invalid character"}}'  # type: ignore[attr-defined]
+                m.data = wire.encode_reply(  # type: ignore[attr-defined]
+                    error=wire.Error("bad_request", "decode request: " + wire.NOT_JSON_REFUSAL))
             elif ".lookup" in subject:
                 m.data = wire.encode_reply(ok=wire.LookupReply(prefix=0))  # type: ignore[attr-defined]
             else:
@@ -244,6 +245,25 @@ def test_begin_and_lookup_go_binary_and_fall_back_to_json():
         else:
             assert nc.sent[0] == want.to_binary() and nc.sent[1].startswith(b"KVG1")
             assert nc.sent[2] == wire.LookupRequest(ns, chunks, "engine0").to_binary()
+
+    # A coordinator that read the binary begin and refused it for what it
+    # says: raised as it is, not sent again as JSON, begins stay binary.
+    class _Refusing(_NC):
+        async def request(self, subject: str, data: bytes, timeout: float) -> object:
+            self.sent.append(data)
+
+            class Msg:
+                pass
+
+            m = Msg()
+            m.data = wire.encode_reply(error=wire.Error("bad_request", "deadline -1 ms must be >= 0"))  # type: ignore[attr-defined]
+            return m
+
+    nc = _Refusing(False)
+    c = client.Client(nc, client.ConnectOptions(insecure=True))
+    with pytest.raises(errors.BadRequest, match="deadline"):
+        asyncio.run(c.restore_begin_packed(ns, chunks, instance="engine0", lookup=True))
+    assert len(nc.sent) == 1 and nc.sent[0].startswith(b"KVG1") and not c._json_begins
 
 
 def test_retrieve_carries_the_engines_deadline():

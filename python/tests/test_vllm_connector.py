@@ -242,6 +242,14 @@ def test_the_begin_is_the_lookup_unless_the_coordinator_refuses_it(caplog):
     assert world.lookup_begins == 2 and len(world.begins) == 3 and "looking up before each begin" in caplog.text
     assert s.stats["lookup_errors"] == 0
 
+    # Refused for what it asks (a bad_request that names the lookup): a
+    # miss, and the begin stays the lookup for the next request.
+    world = fakes.FakeWorld()
+    world.lookup_error = errors.BadRequest("bad_request", "lookup: 9000 chunks, limit 8192")
+    s = make(world, KVConnectorRole.SCHEDULER)
+    assert s.get_num_new_matched_tokens(fakes.Request("r4", tokens(16 * 5 + 3)), 0) == (0, False)
+    assert s._begin_looks_up and world.lookup_begins == 1 and s.stats["lookup_errors"] == 1
+
 
 @pytest.mark.parametrize("how, issue", [(dict(v2_runner=True), "#49250"), (dict(async_scheduling=True), "#34484")])
 def test_no_synchronous_loads_where_vllm_cannot_take_their_failure_back(caplog, how, issue):

@@ -498,13 +498,16 @@ class Client:
     async def _begin(self, inst: str, req: client_plan.RestoreBeginBinary, reply: type[T],
                      decoder: Callable[[bytes, str], T], timeout: float | None) -> T:
         """restore.begin with req in its binary form (KVG1), or JSON with
-        ConnectOptions.json_requests or once a coordinator refused the
-        binary form and took the same request as JSON (it predates it)."""
+        ConnectOptions.json_requests or once a coordinator failed to read
+        the binary form as JSON (wire.NOT_JSON_REFUSAL: it predates it)
+        and took the same request as JSON."""
         subject = self.coord_subject(wire.COORD_RESTORE_BEGIN, inst)
         if not self.opts.json_requests and not self._json_begins:
             try:
                 return await self.call(subject, req.to_binary(), reply, timeout=timeout, decoder=decoder)
-            except BadRequest:
+            except BadRequest as e:
+                if wire.NOT_JSON_REFUSAL not in str(e):
+                    raise  # refused for what it says: the JSON would be too
                 out = await self.call(subject, req, reply, timeout=timeout, decoder=decoder)
                 if not self._json_begins:
                     self._json_begins = True

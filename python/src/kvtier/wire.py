@@ -75,6 +75,10 @@ HEADER_GATHER_LIMIT = "Kvtier-Gather-Limit"
 # A retrieve request's reply lists the failed items only (Go
 # wire.HeaderResults, ResultsFailed); a rankd that predates it lists all.
 HEADER_RESULTS = "Kvtier-Results"
+# What a coordinator from before the binary begin and report answers them
+# with (Go wire.NotJSONRefusal): the only refusal a sender falls back to
+# JSON on.
+NOT_JSON_REFUSAL = "invalid character 'K' looking for beginning of value"
 RESULTS_FAILED = "failed"
 OP_RELEASE = "release"
 OP_STATUS = "status"

@@ -65,7 +65,7 @@ class _SchedulerSide(_Core):
                     self.stages[0].namespace, hashes[0][first:last], instance=self.instances[0],
                     deadline_ms=self.cfg.restore_deadline_ms, timeout=t, state_at_end=states, lookup=True)
             except BadRequest as e:
-                if "lookup" not in str(e):
+                if 'unknown field "lookup"' not in str(e):  # an older coordinator's JSON decoder
                     raise
                 self._begin_looks_up = False
                 log.warning("kvtier: the coordinator refuses a begin that is also the lookup (%s); looking up "
