@@ -146,7 +146,11 @@ func NewPlan(sc Scenario, seed uint64) (*Plan, error) {
 			perm := prng.Perm(int(blocks))
 			t := make([]int64, used)
 			for v := range t {
-				t[v] = sc.BlockBase + int64(perm[v])
+				if sc.Consecutive {
+					t[v] = sc.BlockBase + int64(phase)*(blocks-used) + int64(v)
+				} else {
+					t[v] = sc.BlockBase + int64(perm[v])
+				}
 			}
 			p.Tables[phase] = append(p.Tables[phase], t)
 		}

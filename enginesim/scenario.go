@@ -38,6 +38,11 @@ type Scenario struct {
 	// that the block tables draw from; at least the blocks the prompt
 	// uses (0: twice those, plus 3).
 	PoolBlocks int64
+	// Consecutive lays each phase's block table out as one run of
+	// consecutive blocks (the store's from the bottom of the window, the
+	// restore's from its top), as a fresh engine's free-block queue hands
+	// them out; false shuffles them over the window (random pages).
+	Consecutive bool
 	// Source is the spec file the scenario was read from ("" for a
 	// built-in one).
 	Source string

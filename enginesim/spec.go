@@ -96,6 +96,9 @@ type SpecScenario struct {
 	// PoolBlocks is the blocks above the base the tables draw from
 	// (absent or 0: twice the blocks the prompt uses, plus 3).
 	PoolBlocks int64 `json:"pool_blocks,omitempty" yaml:"pool_blocks,omitempty"`
+	// BlockOrder is how the block tables draw from the window: "shuffled"
+	// (absent: blocks in random order) or "consecutive" (one run each).
+	BlockOrder string `json:"block_order,omitempty" yaml:"block_order,omitempty"`
 }
 
 // DefaultSpecChunks is the prompt's chunk count when a spec file gives none.
@@ -212,6 +215,13 @@ func (f *SpecFile) ToScenario(name string) (Scenario, error) {
 				s.TailTokens, sp.ChunkTokens-1, sp.ChunkTokens)
 		}
 		sc.TailTokens, sc.BlockBase, sc.PoolBlocks = s.TailTokens, s.BlockIDBase, s.PoolBlocks
+		switch s.BlockOrder {
+		case "", "shuffled":
+		case "consecutive":
+			sc.Consecutive = true
+		default:
+			return bad("scenario.block_order", "%q, want \"shuffled\" or \"consecutive\"", s.BlockOrder)
+		}
 	}
 	// The pools and tables: what NewPlan refuses (block id base and pool
 	// blocks out of range, a pool too large) is refused here.

@@ -181,6 +181,62 @@ func TestSpecDefaults(t *testing.T) {
 	}
 }
 
+// block_order "consecutive" lays each phase's table out as one run, the
+// store's at the bottom of the window and the restore's at its top (no
+// block shared); absent or "shuffled" keeps the random tables.
+func TestSpecBlockOrder(t *testing.T) {
+	spec := func(order string) Scenario {
+		t.Helper()
+		extra := ""
+		if order != "" {
+			extra = `, "block_order": "` + order + `"`
+		}
+		sc, err := ParseSpec([]byte(`{"model": "m", "layout": {"tp": 1}, "chunk_tokens": 64,
+			"groups": [{"kind": "attention", "block_size": 16, "layers": 2, "semantic_bytes": 32, "page_bytes": 32, "stride_bytes": 32, "kv_format": "bf16"}],
+			"scenario": {"chunks": 3, "block_id_base": 5`+extra+`}}`), false, "x")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sc
+	}
+	p, err := NewPlan(spec("consecutive"), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	used, window := int64(12), int64(27) // 3 chunks x 4 blocks; twice that plus 3
+	for phase, first := range []int64{5, 5 + window - used} {
+		tab := p.Tables[phase][0]
+		if int64(len(tab)) != used {
+			t.Fatalf("phase %d: %d blocks, want %d", phase, len(tab), used)
+		}
+		for v, b := range tab {
+			if b != first+int64(v) {
+				t.Fatalf("phase %d: table %v, want one run from %d", phase, tab, first)
+			}
+		}
+	}
+	if p.Tables[1][0][0] <= p.Tables[0][0][used-1] || p.Tables[1][0][used-1] >= 5+window {
+		t.Fatalf("phases overlap or leave the window: %v %v", p.Tables[0][0], p.Tables[1][0])
+	}
+	for _, order := range []string{"", "shuffled"} {
+		sc := spec(order)
+		if sc.Consecutive {
+			t.Fatalf("order %q: consecutive", order)
+		}
+		p, err := NewPlan(sc, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		run := true
+		for v, b := range p.Tables[0][0] {
+			run = run && b == p.Tables[0][0][0]+int64(v)
+		}
+		if run {
+			t.Fatalf("order %q: table %v is one run", order, p.Tables[0][0])
+		}
+	}
+}
+
 // Bad input is refused with the field, the rule and the numbers.
 func TestSpecErrors(t *testing.T) {
 	good := func() map[string]any {
@@ -232,6 +288,8 @@ func TestSpecErrors(t *testing.T) {
 			[]string{"scenario", "block id base -1"}},
 		{"pool over the limit", func(m map[string]any) { m["scenario"].(map[string]any)["block_id_base"] = 1 << 40 },
 			[]string{"scenario", "exceeds 1099511627776 B"}},
+		{"block order not understood", func(m map[string]any) { m["scenario"].(map[string]any)["block_order"] = "sorted" },
+			[]string{"scenario.block_order", `"sorted", want "shuffled" or "consecutive"`}},
 		{"negative bytes", func(m map[string]any) { group(m)["page_bytes"] = -1 }, []string{"cannot unmarshal number -1", "page_bytes"}},
 	}
 	for _, tc := range cases {

@@ -15,6 +15,8 @@
 #
 # Environment:
 #   RANKS=4        1 (scenario tp1) or 4 (scenario tp4dcp4, 4 rankds on one device)
+#   SPEC=FILE      an enginesim spec file instead (e.g. enginesim/specs/llama8b-tp1.json, the
+#                  Llama-3.1-8B pages vLLM restores into); RANKS and DCP come from its layout
 #   DEVICE=cuda:0  or host (the host backend, for a machine without a GPU)
 #   GB=1.3         bytes each rank stores per repetition, in GB (1e9 B)
 #   REPS=5         repetitions
@@ -50,14 +52,24 @@ REPS=${REPS:-5}
 PER=${PER:-8}
 JSON_FLAG=
 if [[ ${JSON:-0} == 1 ]]; then JSON_FLAG=--json-requests; fi
-case $RANKS in
-1) SCENARIO=tp1 DCP=1 ;;
-4) SCENARIO=tp4dcp4 DCP=4 ;;
-*)
-	echo "gpu-bench: RANKS=$RANKS, want 1 or 4" >&2
-	exit 2
-	;;
-esac
+if [[ -n ${SPEC:-} ]]; then
+	[[ -f $SPEC ]] || { echo "gpu-bench: SPEC=$SPEC is not a file" >&2; exit 2; }
+	SCENARIO=$(basename "$SPEC" .json)
+	RANKS=$(sed -n 's/.*"tp": *\([0-9]*\).*/\1/p' "$SPEC" | head -n 1)
+	DCP=$(sed -n 's/.*"dcp": *\([0-9]*\).*/\1/p' "$SPEC" | head -n 1)
+	RANKS=${RANKS:-1} DCP=${DCP:-1}
+	SCENARIO_ARGS=(--spec "$SPEC")
+else
+	case $RANKS in
+	1) SCENARIO=tp1 DCP=1 ;;
+	4) SCENARIO=tp4dcp4 DCP=4 ;;
+	*)
+		echo "gpu-bench: RANKS=$RANKS, want 1 or 4" >&2
+		exit 2
+		;;
+	esac
+	SCENARIO_ARGS=(--scenario "$SCENARIO")
+fi
 OUT=${OUT:-bench-$SCENARIO.json}
 if [[ -d $OUT ]]; then # a directory (the device tool exports OUT as one): the file goes inside
 	OUT=$OUT/bench-$SCENARIO.json
@@ -152,7 +164,7 @@ done
 echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), scenario $SCENARIO, $GB GB per rank, $REPS repetitions; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 "$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 \
-	--scenario "$SCENARIO" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} \
+	"${SCENARIO_ARGS[@]}" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} \
 	--result "$OUT" >"$WORK/logs/enginesim.out" 2>&1 || {
 	rc=$?
 	tail -n 30 "$WORK/logs/enginesim.out" >&2
