@@ -569,6 +569,14 @@ def run_mode(args: argparse.Namespace) -> None:
         b.reset()
         res["itl_idle"] = b.itl(None)
         log(f"{args.mode} ITL, no load: {res['itl_idle']}")
+        if args.itl_copy_gb:
+            # What a plain copy-engine stream over PCIe costs vLLM's decoders,
+            # with no connector work at all: another process copies pinned
+            # host memory to the GPU again and again for the whole window.
+            with plain_copy(args.itl_copy_gb) as rate:
+                res["itl_copy"] = b.itl(None)
+            res["itl_copy"]["copy_gb_s"] = rate()
+            log(f"{args.mode} ITL while another process copies host-to-device: {res['itl_copy']}")
         b.reset()
         c0 = counters()
         res["itl_load"] = b.itl(prompts[L])
@@ -659,6 +667,10 @@ def table(paths: list[str]) -> int:
         idle, ld = r.get("itl_idle"), r.get("itl_load")
         if not idle:
             continue
+        cp = r.get("itl_copy")
+        if cp:
+            print(f"| {mode}, no load, another process copying host-to-device at {cp.get('copy_gb_s')} GB/s | "
+                  f"{cp['itl_ms_mean']:.1f} / {cp['itl_ms_p50']:.1f} ({cp['itl_ms_mean'] / idle['itl_ms_mean']:.2f}x) | | | | | |")
         during = (f"{ld['itl_ms_before_mean']:.1f} / {ld['itl_ms_during_mean']:.1f} / {ld['itl_ms_during_max']:.1f}"
                   if ld else "")
         lt = f"{1000 * ld['long_ttft_s']:.0f}" if ld and ld.get("long_ttft_s") else ""
@@ -672,7 +684,7 @@ def table(paths: list[str]) -> int:
         print("")
         print("\n".join(gpu_vllm_replay.table(runs)))
     for mode, r in runs.items():
-        for k in ("itl_idle", "itl_load"):
+        for k in ("itl_idle", "itl_copy", "itl_load"):
             if k in r:
                 print(f"{mode} {k}: {json.dumps(r[k])}")
         print(f"{mode}: engine built in {r['build_s']:.1f} s, {r['scheduler']}")
@@ -682,6 +694,51 @@ def table(paths: list[str]) -> int:
                 print(f"duel {mode} | {c['case']} | tokens equal reference: {c['tokens_equal_reference']} | "
                       f"TTFT {1000 * (c['ttft_s'] or 0):.1f} ms | flipped {c['flipped']} | {c['counters']}")
     return 1 if bad else 0
+
+
+_COPY_LOOP = """
+import signal, sys, time, torch
+n = int(float(sys.argv[1]) * 1e9)
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+d = torch.empty(n, dtype=torch.uint8, device="cuda")
+s = torch.cuda.Stream()
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+copied, t0 = 0, None
+print("ready", flush=True)
+with torch.cuda.stream(s):
+    while not stop:
+        d.copy_(h, non_blocking=True)
+        s.synchronize()
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
+            copied += n
+print(f"{copied / max(time.perf_counter() - (t0 or 0), 1e-9) / 1e9:.1f}", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def plain_copy(gb: float) -> Any:
+    """Runs a host-to-device copy loop of gb GB in another process (its own
+    CUDA context, as a rankd's) for the with block; yields a function that
+    returns the loop's GB/s once the block is left."""
+    p = subprocess.Popen([sys.executable, "-c", _COPY_LOOP, str(gb)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    if p.stdout.readline().strip() != "ready":
+        p.kill()
+        raise RuntimeError("the copy loop did not start")
+    time.sleep(1.0)
+    got: list[float] = []
+    try:
+        yield lambda: got[0] if got else None
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+        try:
+            got.append(float(out.strip().splitlines()[-1]))
+        except (ValueError, IndexError):
+            pass
 
 
 def main() -> int:
@@ -705,6 +762,9 @@ def main() -> int:
     r.add_argument("--graphs", action="store_true", help="CUDA graphs (default: enforce_eager)")
     r.add_argument("--itl", action="store_true")
     r.add_argument("--l2", action="store_true")
+    r.add_argument("--itl-copy-gb", type=float, default=0.0, metavar="GB",
+                   help="with --itl: also measure the idle ITL while another process copies GB of pinned host "
+                        "memory to the GPU in a loop (what PCIe traffic alone costs the decoders)")
     r.add_argument("--replay", type=int, default=0, metavar="N",
                    help="replay the first N requests of --replay-trace (gpu_vllm_replay.py) instead of the TTFT rows")
     r.add_argument("--replay-trace", help="the Mooncake trace (JSON lines)")
