@@ -669,8 +669,9 @@ def table(paths: list[str]) -> int:
             continue
         cp = r.get("itl_copy")
         if cp:
+            ratio = cp["itl_ms_mean"] / idle["itl_ms_mean"]
             print(f"| {mode}, no load, another process copying host-to-device at {cp.get('copy_gb_s')} GB/s | "
-                  f"{cp['itl_ms_mean']:.1f} / {cp['itl_ms_p50']:.1f} ({cp['itl_ms_mean'] / idle['itl_ms_mean']:.2f}x) | | | | | |")
+                  f"{cp['itl_ms_mean']:.1f} / {cp['itl_ms_p50']:.1f} ({ratio:.2f}x) | | | | | |")
         during = (f"{ld['itl_ms_before_mean']:.1f} / {ld['itl_ms_during_mean']:.1f} / {ld['itl_ms_during_max']:.1f}"
                   if ld else "")
         lt = f"{1000 * ld['long_ttft_s']:.0f}" if ld and ld.get("long_ttft_s") else ""
@@ -735,10 +736,8 @@ def plain_copy(gb: float) -> Any:
     finally:
         p.terminate()
         out, _ = p.communicate(timeout=30)
-        try:
+        with contextlib.suppress(ValueError, IndexError):
             got.append(float(out.strip().splitlines()[-1]))
-        except (ValueError, IndexError):
-            pass
 
 
 def main() -> int:
