@@ -29,7 +29,7 @@ import (
 var specsQuick = []string{
 	"rows-1b", "rows-4097b", "rows-65537b", "tail-1b", "stride-huge", "block-ids-2g", "seed-mla-fp8-index-tail", // TP1
 	"rows-3b", "seed-recurrent-dcp2", "pp2-stage1", // TP2 (with the same-name check; a PP stage)
-	"tp4dcp4-interleave2", "tp4dcp2-interleave4", // TP4
+	"tp4dcp4-interleave2", "tp4dcp2-interleave4", "llama8b-tp4", // TP4 (llama8b: consecutive blocks, merged spans)
 	"seed-recurrent-dcp8", "tp8dcp2", // TP8
 }
 

@@ -140,20 +140,24 @@ func planFast(res *dcp.Resolved, pools [][]cuda.Mem, tp int, req RetrieveRequest
 			}
 		}
 	}
-	// Pass 2: the spans, layer-major then block order, all in one array.
-	all := make([]cuda.Span, total)
+	// Pass 2: the spans, layer-major then block order, all in one array;
+	// pages that continue each other in a pool merged (appendSpan).
+	all := make([]cuda.Span, 0, total)
 	out := make([][]cuda.Span, len(req.Items))
-	k := 0
 	for i, it := range req.Items {
 		g := &gs[it.Group]
-		first := k
+		first := len(all)
 		for _, m := range g.pools {
 			for _, b := range it.Blocks {
-				all[k] = cuda.Span{Mem: m, Off: uint64(b) * g.stride, Len: g.page}
-				k++
+				s := cuda.Span{Mem: m, Off: uint64(b) * g.stride, Len: g.page}
+				if len(all) > first {
+					all = appendSpan(all, s)
+				} else {
+					all = append(all, s)
+				}
 			}
 		}
-		out[i] = all[first:k:k]
+		out[i] = all[first:len(all):len(all)]
 	}
 	return out, true
 }

@@ -267,3 +267,78 @@ func planMutations(pc *planCase, req RetrieveRequest) []planMutation {
 	add("key of another shard", func(r *RetrieveRequest) { r.Items[last].Key.Shard++ })
 	return out
 }
+
+// A chunk of consecutive blocks is planned as one span per pool where its
+// pages continue each other (no padding between them), by both planners
+// alike; the merged spans cover exactly the bytes of the page-by-page
+// spans, in the same order. Shuffled blocks keep a span per page.
+func TestPlanMergesConsecutivePages(t *testing.T) {
+	for _, sc := range planGeometries(t) {
+		t.Run(sc.name, func(t *testing.T) {
+			pc := newPlanCase(t, sc, func(g dcp.PageGeometry, _ int) uint64 { return g.PoolBytes(1 << 12) })
+			res := pc.res
+			req := RetrieveRequest{RestoreID: "plan", Namespace: res.Namespace, Session: "s"}
+			for gi := range res.Groups {
+				n := res.BlocksPerChunk(gi)
+				for c := range 3 {
+					blocks := make([]int64, n)
+					for k := range blocks {
+						blocks[k] = int64(100 + c*n + k)
+					}
+					key := dcp.Key{NS: res.Namespace, Chunk: chunkHash(c), Shard: uint16(res.ReadShard(gi, pc.tp)), Group: uint16(gi)}
+					req.Items = append(req.Items, wire.RetrieveItem{Chunk: c, Group: gi, Key: key, Blocks: blocks})
+				}
+			}
+			if err := pc.compare(t, "consecutive", req); err != nil {
+				t.Fatalf("refused: %v", err)
+			}
+			got, _ := planFast(res, pc.sp.pools, pc.tp, req)
+			for i, it := range req.Items {
+				g := res.Geometry[it.Group]
+				pages, err := layerSpans(g, pc.sp.pools[it.Group], it.Blocks, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sameBytes(t, fmt.Sprintf("item %d", i), got[i], pages)
+				if g.StrideBytes == g.PageBytes && len(pages) == len(it.Blocks)*g.Layers && len(got[i]) != g.Layers {
+					t.Fatalf("item %d (group %d, %d B pages without padding): %d spans for %d layers", i, it.Group, g.PageBytes, len(got[i]), g.Layers)
+				}
+			}
+			// Reversed blocks continue nothing: a span per page, as before.
+			for i := range req.Items {
+				slices.Reverse(req.Items[i].Blocks)
+			}
+			if err := pc.compare(t, "reversed", req); err != nil {
+				t.Fatalf("refused: %v", err)
+			}
+			got, _ = planFast(res, pc.sp.pools, pc.tp, req)
+			for i, it := range req.Items {
+				g := res.Geometry[it.Group]
+				pages, _ := layerSpans(g, pc.sp.pools[it.Group], it.Blocks, false)
+				if len(it.Blocks) > 1 && len(got[i]) != len(pages) {
+					t.Fatalf("item %d, blocks reversed: %d spans, %d pages", i, len(got[i]), len(pages))
+				}
+			}
+		})
+	}
+}
+
+// sameBytes fails unless merged covers the bytes of pages in order: each
+// merged span is a run of pages that continue each other in its pool.
+func sameBytes(t *testing.T, what string, merged, pages []cuda.Span) {
+	t.Helper()
+	k := 0
+	for _, m := range merged {
+		off := m.Off
+		for off < m.Off+m.Len {
+			if k >= len(pages) || pages[k].Mem != m.Mem || pages[k].Off != off || off+pages[k].Len > m.Off+m.Len {
+				t.Fatalf("%s: merged span %+v does not match the pages from %d: %v", what, m, k, pages)
+			}
+			off += pages[k].Len
+			k++
+		}
+	}
+	if k != len(pages) {
+		t.Fatalf("%s: merged spans cover %d of %d pages", what, k, len(pages))
+	}
+}

@@ -61,7 +61,7 @@ func (e *Engine) placedSpans(sp *space, gi int, blocks []int64, skip int) ([]cud
 		// (partialSums).
 		return nil, fmt.Errorf("skips blocks of group %d, whose pages of %d B are not a multiple of 8 B: %w", gi, g.PageBytes, ErrBadRequest)
 	}
-	return layerSpans(g, sp.pools[gi], blocks)
+	return layerSpans(g, sp.pools[gi], blocks, false)
 }
 
 // partialSource is the source of an item that skips blocks, checked:

