@@ -16,7 +16,7 @@
 # Environment:
 #   RANKS=4        1 (scenario tp1) or 4 (scenario tp4dcp4, 4 rankds on one device)
 #   SPEC=FILE      an enginesim spec file instead (e.g. enginesim/specs/llama8b-tp1.json, the
-#                  Llama-3.1-8B pages vLLM restores into); RANKS and DCP come from its layout
+#                  Llama-3.1-8B pages vLLM restores into); its layout's tp and dcp replace RANKS
 #   DEVICE=cuda:0  or host (the host backend, for a machine without a GPU)
 #   GB=1.3         bytes each rank stores per repetition, in GB (1e9 B)
 #   REPS=5         repetitions
@@ -54,10 +54,13 @@ JSON_FLAG=
 if [[ ${JSON:-0} == 1 ]]; then JSON_FLAG=--json-requests; fi
 if [[ -n ${SPEC:-} ]]; then
 	[[ -f $SPEC ]] || { echo "gpu-bench: SPEC=$SPEC is not a file" >&2; exit 2; }
-	SCENARIO=$(basename "$SPEC" .json)
-	RANKS=$(sed -n 's/.*"tp": *\([0-9]*\).*/\1/p' "$SPEC" | head -n 1)
-	DCP=$(sed -n 's/.*"dcp": *\([0-9]*\).*/\1/p' "$SPEC" | head -n 1)
-	RANKS=${RANKS:-1} DCP=${DCP:-1}
+	SCENARIO=$(basename "$SPEC")
+	SCENARIO=${SCENARIO%.*}
+	# layout.tp and layout.dcp, JSON ("tp": 4) or YAML (tp: 4); DCP absent means 1
+	field() { sed -nE "s/.*(^|[^A-Za-z_])\"?$1\"?[[:space:]]*:[[:space:]]*([0-9]+).*/\2/p" "$SPEC" | head -n 1; }
+	RANKS=$(field tp) DCP=$(field dcp)
+	[[ -n $RANKS ]] || { echo "gpu-bench: SPEC=$SPEC names no layout tp" >&2; exit 2; }
+	DCP=${DCP:-1}
 	SCENARIO_ARGS=(--spec "$SPEC")
 else
 	case $RANKS in
