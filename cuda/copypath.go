@@ -43,6 +43,17 @@ type DMATuning struct {
 	// call), is the default; a bound measured no better inside vLLM
 	// (BENCHMARKS.md).
 	Queue uint64
+	// HostLaunch launches a scatter's checksum kernel from the host once
+	// the copies it reads are done (the enqueue waits on an event), and a
+	// gather's once the work already on its stream is, instead of queueing
+	// the kernel on the device behind a wait for the copies. The GPU then
+	// never holds work of this context that is blocked on another stream
+	// while the engine's forward runs: the time-slice scheduler may switch
+	// to a context whose only work is such a wait (the experiment of
+	// BENCHMARKS.md, issue 24.4). The enqueue of a transfer returns only
+	// after its copies, which serializes the transfers of one stream. For
+	// measurements; off by default.
+	HostLaunch bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

@@ -39,8 +39,13 @@ const dmaSumBatch = 1 << 30
 func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
 	S, A := e.s.h, e.s.aux
 	sum := flags&kFlagSum != 0
+	host := e.s.d.dmaTune.HostLaunch
 	if sum {
-		e.wait(A, e.event(S))
+		if host {
+			e.hostWait(e.event(S))
+		} else {
+			e.wait(A, e.event(S))
+		}
 		e.tables(A)
 		if !scatter {
 			for bi := range plan.batches {
@@ -72,7 +77,11 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 			if bq != nil {
 				e.flush(bq, q) // the checksum waits for these copies
 			}
-			e.wait(A, e.event(S))
+			if host {
+				e.hostWait(e.event(S))
+			} else {
+				e.wait(A, e.event(S))
+			}
 			for ; bi < after[ci]; bi++ {
 				perSM := sumBlocksPerSM
 				if bi == len(plan.batches)-1 {
@@ -88,6 +97,13 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 	if sum {
 		e.sums(A)
 		e.wait(S, e.event(A))
+	}
+}
+
+// hostWait blocks until ev is done (DMATuning.HostLaunch).
+func (e *enqueuer) hostWait(ev C.CUevent) {
+	if e.err == nil {
+		e.do("cuEventSynchronize", C.kv_event_synchronize(e.s.d.ctx, ev))
 	}
 }
 

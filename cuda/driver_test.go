@@ -30,7 +30,8 @@ func openCUDA(t *testing.T) cuda.Device {
 // (both on the copy kernels' path), and every transfer forced onto the DMA
 // path (copy-engine copies of the page runs, kv_checksum over the pages),
 // also with DMATuning small enough that transfers wait on their copy queue
-// and checksum in many batches.
+// and checksum in many batches, and with the checksums launched from the
+// host.
 func TestDriverConformance(t *testing.T) {
 	if err := openCUDA(t).Close(); err != nil {
 		t.Fatal(err)
@@ -43,6 +44,7 @@ func TestDriverConformance(t *testing.T) {
 		{"auto", "auto", "auto", 0, cuda.DefaultDMATuning()}, {"direct", "direct", "sm", 0, cuda.DefaultDMATuning()},
 		{"staged", "staged", "sm", 64 << 10, cuda.DefaultDMATuning()}, {"dma", "auto", "dma", 0, cuda.DefaultDMATuning()},
 		{"dma-tuned", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, Queue: 16 << 10}},
+		{"dma-host-launch", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, HostLaunch: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {
