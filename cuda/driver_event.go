@@ -176,19 +176,27 @@ func pollUntil(ctx context.Context, poll func() (bool, error), ctxErr func() err
 			t.Stop()
 			return ctxErr()
 		}
-		limit := pollFine
-		if time.Since(start) > pollFineFor {
-			limit = time.Millisecond
-		}
-		sleep = min(2*sleep, limit)
+		sleep = nextPollSleep(sleep, time.Since(start))
 	}
 }
 
-// pollFine is the longest sleep of a wait's first pollFineFor: about 1 %
-// of a core in event queries while it lasts.
-var pollFine = 100 * time.Microsecond
+const (
+	// pollFine is the longest sleep of a wait's first pollFineFor: about
+	// 1 % of a core in event queries while it lasts.
+	pollFine    = 100 * time.Microsecond
+	pollFineFor = 200 * time.Millisecond
+	pollCoarse  = time.Millisecond // the longest sleep after that
+)
 
-const pollFineFor = 200 * time.Millisecond
+// nextPollSleep is pollUntil's sleep after one of sleep, waited into the
+// wait: twice as long, up to pollFine during the first pollFineFor, up to
+// pollCoarse after.
+func nextPollSleep(sleep, waited time.Duration) time.Duration {
+	if waited > pollFineFor {
+		return min(2*sleep, pollCoarse)
+	}
+	return min(2*sleep, pollFine)
+}
 
 // Release destroys an event this process created, or closes an imported
 // one. Stream waits already enqueued on it still hold the driver event, which

@@ -310,3 +310,23 @@ func TestDriverBatchRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A wait's sleeps grow to pollFine while the wait is short (a transfer's
+// completion is noticed at most 100 us late) and to pollCoarse only
+// after pollFineFor.
+func TestPollSleepSchedule(t *testing.T) {
+	short, long := 10*time.Microsecond, 10*time.Microsecond
+	for range 20 {
+		short = nextPollSleep(short, pollFineFor/2)
+		long = nextPollSleep(long, pollFineFor+time.Millisecond)
+		if short > pollFine || long > pollCoarse {
+			t.Fatalf("sleeps %v (short wait), %v (long wait): over %v, %v", short, long, pollFine, pollCoarse)
+		}
+	}
+	if short != pollFine || long != pollCoarse {
+		t.Fatalf("sleeps settle at %v and %v, want %v and %v", short, long, pollFine, pollCoarse)
+	}
+	if pollFine > 100*time.Microsecond {
+		t.Fatalf("pollFine %v: a short transfer's completion would be noticed later than 100 us", pollFine)
+	}
+}
