@@ -42,7 +42,8 @@ func Connect(url, name string, opts ...nats.Option) (*nats.Conn, error) {
 	return nc, nil
 }
 
-// MaxRequestBytes bounds a decoded JSON request.
+// MaxRequestBytes bounds a decoded request, JSON or binary (the
+// coordinator's decodeRequest checks its binary forms against it too).
 const MaxRequestBytes = 8 << 20
 
 // Raw is a request body that Call sends as it is (a binary request such

@@ -159,7 +159,13 @@ var errTooLarge = errors.New("request too large")
 
 // decodeRequest decodes m into v: its binary form when isBinary says m's
 // first bytes are one (wire's lookup, begin and report forms), else JSON.
+// Either form is refused over bus.MaxRequestBytes: a NATS server whose
+// payload limit an operator raised must not let a binary report allocate
+// more than a JSON one may.
 func decodeRequest(m *nats.Msg, v interface{ UnmarshalBinary([]byte) error }, isBinary func([]byte) bool) error {
+	if len(m.Data) > bus.MaxRequestBytes {
+		return fmt.Errorf("request of %d bytes exceeds %d: %w", len(m.Data), bus.MaxRequestBytes, wire.ErrMalformed)
+	}
 	if isBinary(m.Data) {
 		return v.UnmarshalBinary(m.Data)
 	}
