@@ -814,3 +814,39 @@ def test_refuses_vllm_failing_requests_on_load_errors():
     old_vllm = fakes.vllm_config(1, kvtier_creds_dir="/c")
     old_vllm.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"kvtier_creds_dir": "/c"})
     assert Config.of(old_vllm).instance == "engine0"
+
+
+def test_a_client_closed_under_the_step_is_a_failure_not_an_exception():
+    """The link may close its client (shutdown, a lost connection) between
+    the hook finding kvtier usable and submitting the work: the lookup is
+    a miss, the load is recomputed and the store counted failed, and no
+    hook raises into vLLM's step (C11)."""
+    from kvtier.vllm import SaveSpec
+
+    def closing(c):
+        def submit(coro):  # SyncClient.submit once the link closed it
+            coro.close()
+            raise errors.NotConnected("client is closed")
+        c.submit = submit
+
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("r1", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    closing(s._client_now())
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.stats["lookup_errors"] == 1 and world.lookups == [] and world.begins == []
+
+    world = fakes.FakeWorld()
+    w = worker(world)
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    c, _ = w._usable()
+    closing(c)
+    bind(w, loads=[load_spec(w)], saves=[SaveSpec("r2", [(bytes([9]) * 16, [[1]])])])
+    w.start_load_kv(None)
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == {21, 22, 23}
+    assert world.retrieves == [] and w.stats["restore_failures"] == 1
+    assert w.get_finished({"r2"}) == ({"r2"}, None)
+    assert w.stats["store_failures"] == 1

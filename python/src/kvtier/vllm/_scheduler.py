@@ -16,7 +16,7 @@ from kvtier import client as kvclient
 from kvtier.client_plan import PackedPlan, PlanItems
 from kvtier.errors import BadRequest, GeometryError, RequestTimeout, UnknownNamespace
 from kvtier.vllm._core import _Core
-from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req
+from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Req, submit
 from kvtier.vllm.spec import request_chunk_hashes
 
 log = logging.getLogger("kvtier.vllm")
@@ -127,7 +127,7 @@ class _SchedulerSide(_Core):
                     self.stats["lookups_skipped"] += 1
                     st.matched_chunks = 0
                     return 0, False
-                st.lookup = c.submit(self._lookup_and_begin(c, st, first, last))
+                st.lookup = submit(c, self._lookup_and_begin(c, st, first, last))
                 st.lookup_since = time.monotonic()
                 self.stats["lookups"] += 1
                 self.stats["lookup_tokens"] += (last - first) * self.chunk

@@ -6,10 +6,11 @@ and loads in flight."""
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from kvtier import dcp, wire
+from kvtier import client, dcp, errors, wire
 from kvtier.client_plan import PackedPlan
 from kvtier.vllm._base import KVConnectorMetadata
 
@@ -112,3 +113,22 @@ class _Loading:
     load: LoadSpec
     since: float
     step: int  # the connector's engine step count when the load started
+
+
+T = TypeVar("T")
+
+
+def submit(c: client.SyncClient, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """c.submit(coro), or a future failed with the reason when the client
+    was closed after the caller found it usable (the link closing on a
+    shutdown or a lost connection, between _usable() and here): the
+    caller's usual failure path takes it (a load recomputed, a store
+    counted failed, a lookup a miss), never an exception out of vLLM's
+    step (C11)."""
+    try:
+        return c.submit(coro)
+    except (errors.NotConnected, RuntimeError) as e:  # RuntimeError: the loop itself is closed
+        coro.close()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        fut.set_exception(e)
+        return fut

@@ -21,7 +21,16 @@ from kvtier.errors import GeometryError, UnknownNamespace, UnknownSession
 from kvtier.vllm import _verify
 from kvtier.vllm._base import KVConnectorTransferResults
 from kvtier.vllm._core import _Core
-from kvtier.vllm._state import NULL_BLOCK, KvtierConnectorMetadata, LoadSpec, SaveSpec, _Loading, _LoadResult, _Pending
+from kvtier.vllm._state import (
+    NULL_BLOCK,
+    KvtierConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    _Loading,
+    _LoadResult,
+    _Pending,
+    submit,
+)
 from kvtier.vllm.attach import Check
 
 log = logging.getLogger("kvtier.vllm")
@@ -263,7 +272,7 @@ class _WorkerSide(_Core):
             # reported finished, so nothing waits and no limit is sent.
             held = bool(self._windows) or any(gl.recurrent for gl in self.layers)
             limit = deadline + self.cfg.store_grace_s if held else None
-            fut = c.submit(self._store(s, save.req_id, chunks, handle, deadline, limit))
+            fut = submit(c, self._store(s, save.req_id, chunks, handle, deadline, limit))
             key = tuple(bytes(ch.chunk) for ch in chunks)
             self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
             self.stats["stores"] += 1
@@ -382,7 +391,7 @@ class _WorkerSide(_Core):
                 # load is given up (its blocks back to vLLM) only at
                 # _load_bound_s, kvtier_lookup_timeout_s + 1 s later.
                 deadline = time.time() + self.cfg.restore_deadline_ms / 1000
-                fut = c.submit(self._load(c, s, load, deadline))
+                fut = submit(c, self._load(c, s, load, deadline))
             self._loading[load.req_id] = _Loading(fut, load, time.monotonic(), self._step)
             if not load.async_load:
                 sync.append(load.req_id)
