@@ -464,6 +464,24 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		return err
 	}
 	rep := res.Wire()
+	if res.BlocksInUse {
+		// C10: a scatter that timed out could not be drained (the daemon
+		// is closing): the device may still write the engine's blocks.
+		// A failure reply would let the engine recompute into them at
+		// once, so there is none: the engine keeps the blocks until its
+		// own bound, past the deadline it sent and past this process's
+		// end, which stops the device's work. The report of the failed
+		// items is tried as on any retrieve (at shutdown it rarely gets
+		// out; the coordinator then fails them when the rank leaves or at
+		// the restore's deadline).
+		if req.RestoreID != "" {
+			d.report(req.RestoreID, rep.Results)
+		}
+		d.met.requests.WithLabelValues(OpRetrieve, "unanswered_blocks_in_use").Inc()
+		d.log.Error("retrieve left unanswered: its timed-out scatter may still write the engine's blocks",
+			zap.String("restore", req.RestoreID))
+		return nil
+	}
 	// The report goes out beside the reply rather than before it: the
 	// coordinator parks the engine's restore.wait until every report is
 	// in, so the reply need not wait for the report's acknowledgment (a

@@ -27,6 +27,10 @@ const maxEventWindow = 1024
 // TPSize and Join, then pass it to New, which validates exactly what it is
 // given: a zero value means zero (STYLE 23), never "the default".
 type Config struct {
+	// wrapDevice, in tests only, wraps the device the transfer engine
+	// uses (a fault seam: streams that stall or fail); nil in production.
+	wrapDevice func(cuda.Device) cuda.Device
+
 	// Rank is the engine instance and TP rank this daemon serves. Required;
 	// the instance is 1..64 characters of [A-Za-z0-9_-].
 	Rank wire.Rank

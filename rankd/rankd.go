@@ -171,6 +171,9 @@ func New(cfg Config) (*Daemon, error) {
 	tc.TPSize = cfg.TPSize
 	tc.Incarnation = d.inc
 	tc.Device = dev
+	if cfg.wrapDevice != nil {
+		tc.Device = cfg.wrapDevice(dev)
+	}
 	tc.L1Bytes = cfg.L1Bytes
 	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
 	tc.L2Dir = cfg.L2Dir
