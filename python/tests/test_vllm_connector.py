@@ -850,3 +850,63 @@ def test_a_client_closed_under_the_step_is_a_failure_not_an_exception():
     assert world.retrieves == [] and w.stats["restore_failures"] == 1
     assert w.get_finished({"r2"}) == ({"r2"}, None)
     assert w.stats["store_failures"] == 1
+
+
+def test_a_load_without_verdict_keeps_its_blocks_past_the_rankds_wall_clock_deadline(monkeypatch):
+    """The rankd places nothing after the deadline the worker sent, by the
+    wall clock; the worker gives a load up by the monotonic one. With the
+    wall clock stepped back (NTP) after the load started, the blocks stay
+    held past the monotonic bound, until the wall clock passes the
+    deadline too or one more bound has gone by (C11: never longer). Red
+    with the load given up at the monotonic bound."""
+    world = fakes.FakeWorld()
+    w = worker(world, kvtier_load_async=True, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
+    world.verdict_gate = concurrent.futures.Future()  # no verdict, ever
+    bound = w._load_bound_s()
+    bind(w, loads=[load_spec(w, async_load=True)])
+    t0 = time.monotonic()
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 60)  # the clock steps back a minute
+    fut = w._loading["r1"].fut
+    while time.monotonic() - t0 < bound + 0.4:
+        assert step(w) == ((None, None), set()), "the load was given up at the monotonic bound"
+        time.sleep(0.05)
+    assert not fut.done()
+    eventually("the load given up one bound later", lambda: fut.done(), timeout=bound + 5)
+    assert time.monotonic() - t0 >= 2 * bound - 0.05
+    assert step(w) == ((None, {"r1"}), {21, 22, 23})
+
+
+def test_a_stuck_load_is_given_up_by_both_clocks(monkeypatch):
+    """The same rule where the load's own future never resolves (the
+    client's loop stuck): the step gives the blocks back only past the
+    monotonic bound and the wall-clock deadline, or after two bounds.
+    Red with _past_bound reading the monotonic clock alone."""
+    world = fakes.FakeWorld()
+    w = worker(world, kvtier_load_async=True, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
+    c, _ = w._usable()
+
+    def stuck(coro):
+        coro.close()
+        return concurrent.futures.Future()  # never resolves
+
+    c.submit = stuck
+    bound = w._load_bound_s()
+    bind(w, loads=[load_spec(w, async_load=True)])
+    t0 = time.monotonic()
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 60)
+    while time.monotonic() - t0 < bound + 0.4:
+        assert step(w) == ((None, None), set()), "the load was given up at the monotonic bound"
+        time.sleep(0.05)
+    while time.monotonic() - t0 < 2 * bound + 2:
+        out, errs = step(w)
+        if out != (None, None):
+            break
+        time.sleep(0.05)
+    assert time.monotonic() - t0 >= 2 * bound
+    assert (out, errs) == ((None, {"r1"}), {21, 22, 23})

@@ -113,6 +113,9 @@ class _Loading:
     load: LoadSpec
     since: float
     step: int  # the connector's engine step count when the load started
+    # The wall-clock time (time.time()) after which the rankd places
+    # nothing (wire.HeaderDeadline); 0: none was sent.
+    deadline: float = 0.0
 
 
 T = TypeVar("T")

@@ -379,6 +379,7 @@ class _WorkerSide(_Core):
             self.stats["restores"] += 1
             use = self._usable()
             fut: concurrent.futures.Future[_LoadResult]
+            deadline = 0.0
             if use is None or not load.restore_id:
                 fut = concurrent.futures.Future()
                 if use is None:
@@ -392,7 +393,7 @@ class _WorkerSide(_Core):
                 # _load_bound_s, kvtier_lookup_timeout_s + 1 s later.
                 deadline = time.time() + self.cfg.restore_deadline_ms / 1000
                 fut = submit(c, self._load(c, s, load, deadline))
-            self._loading[load.req_id] = _Loading(fut, load, time.monotonic(), self._step)
+            self._loading[load.req_id] = _Loading(fut, load, time.monotonic(), self._step, deadline)
             if not load.async_load:
                 sync.append(load.req_id)
         if sync:
@@ -410,7 +411,7 @@ class _WorkerSide(_Core):
             if only is not None and req_id not in only:
                 continue
             if not ld.fut.done():
-                if not force and now - ld.since < self._load_bound_s():
+                if not force and not self._past_bound(ld, now):
                     continue
                 ld.fut.cancel()
                 res = _LoadResult(0, 0, "no verdict in time")
@@ -424,6 +425,21 @@ class _WorkerSide(_Core):
             if ld.load.async_load:
                 out.add(req_id)
         return out
+
+    def _past_bound(self, ld: _Loading, now: float) -> bool:
+        """Whether a load without its verdict may be given up (its blocks
+        back to vLLM): _load_bound_s after it started, by the monotonic
+        clock, and past the wall-clock deadline the rankd compares with
+        (the engine and its rankd share a host). A wall clock stepped back
+        meanwhile (NTP) would let the rankd still place pages after the
+        monotonic bound: the blocks are held until the wall clock passes
+        the deadline too, for at most one more bound (the load is given
+        up then whatever the clocks say, C11)."""
+        waited = now - ld.since
+        bound = self._load_bound_s()
+        if waited < bound:
+            return False
+        return time.time() >= ld.deadline or waited >= 2 * bound
 
     def _settle(self, load: LoadSpec, res: _LoadResult, took_s: float, steps: int) -> None:
         """Counts one load's verdict and hands its unconfirmed chunks' blocks
@@ -479,10 +495,17 @@ class _WorkerSide(_Core):
         """This rank's part of one restore, bounded by _load_bound_s: the
         chunks confirmed by the verdict (only a complete verdict confirms
         all of them)."""
+        bound = self._load_bound_s()
         try:
-            res = await asyncio.wait_for(self._load_inner(c, s, load, deadline), self._load_bound_s())
+            res = await asyncio.wait_for(self._load_inner(c, s, load, deadline), bound)
         except TimeoutError:
-            return _LoadResult(0, 0, f"no verdict within {self._load_bound_s():.1f} s")
+            # The rankd places nothing after deadline by the wall clock;
+            # one stepped back meanwhile (NTP) leaves it time the monotonic
+            # bound does not see: the blocks stay vLLM's only once the
+            # wall clock has passed it too, at most one more bound later.
+            if (left := min(deadline - time.time(), bound)) > 0:
+                await asyncio.sleep(left)
+            return _LoadResult(0, 0, f"no verdict within {bound:.1f} s")
         if self.cfg.verify_on_engine:
             # The pages are summed here, before the future resolves, on a
             # thread of its own (a CUDA stream of its own), not on vLLM's
