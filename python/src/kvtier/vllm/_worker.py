@@ -397,7 +397,9 @@ class _WorkerSide(_Core):
             if not load.async_load:
                 sync.append(load.req_id)
         if sync:
-            concurrent.futures.wait([self._loading[r].fut for r in sync], timeout=self._load_bound_s() + 1)
+            # A load resolves by its bound, or up to one more while the wall
+            # clock has not passed the rankd's deadline (_load).
+            concurrent.futures.wait([self._loading[r].fut for r in sync], timeout=2 * self._load_bound_s() + 1)
             self._finish_loads(only=set(sync), force=True)
 
     def _finish_loads(self, only: set[str] | None = None, force: bool = False) -> set[str]:
