@@ -1,8 +1,10 @@
 package index
 
 import (
+	"fmt"
 	"iter"
 	"maps"
+	"math"
 	"math/bits"
 	"slices"
 	"sync"
@@ -20,8 +22,9 @@ import (
 //     Index.mu for writing around its slice, for the admin queries); a
 //     lookup holds a shard's read lock for one map read per chunk, so it
 //     waits at most for one assignment, never for a slice of a publish.
-//     A chunk's placement slice is never modified once published, so what
-//     a lookup reads of a chunk is one whole published version of it.
+//     A chunk's placement slice (a range of its shard's slab, below) is
+//     never modified once published, so what a lookup reads of a chunk is
+//     one whole published version of it.
 //   - What else a lookup reads (namespace plans, rank and instance ids,
 //     and the fence state of each rank) is a lookupView, immutable, that
 //     the committer replaces through an atomic pointer (Index.view) when
@@ -42,6 +45,48 @@ import (
 // spread over (by the first byte of the chunk hash, itself a hash).
 const chunkShards = 256
 
+// Where a chunk's placements live (issue 26.5). The garbage collector
+// marks every pointer of the live heap at every cycle: a map whose values
+// each held their own []placement made it scan every bucket and mark
+// every chunk's small array, 38 % of the coordinator's CPU during ingest.
+// So a shard keeps the placements of all its chunks in one array of its
+// own, the slab, and its map holds where (chunkSlot: offset, count and
+// epoch, no pointer): the map's buckets and the slab are never scanned.
+//
+// The slab is append-only, and the safety argument rests on that alone:
+//
+//   - A range of the slab that an entry has pointed at is never written
+//     again. set writes the chunk's new version after the slab's end
+//     (beyond len, where no entry points and no reader reads), then points
+//     the entry at it; set and del leave the old range as garbage. So a
+//     slice of the slab, taken under the shard's lock (loadAll) or by the
+//     writer (get), is one whole published version of the chunk for as
+//     long as anyone holds it: after the lock is released, after later
+//     sets and dels, after compactions. Slices are handed out capped
+//     (slab[off:off+n:off+n]), so an append to one allocates.
+//   - Compaction (compactShard: when the slab is full and a third of it
+//     is garbage, or removals made it mostly garbage) never reuses the
+//     array: it copies the live ranges into a new array and builds a new
+//     map pointing into it, both off the lock, then installs the pair
+//     under the write lock. A slice of the old array stays valid (the
+//     collector keeps the array while a slice of it is held); every entry
+//     read after the swap is resolved in the new array. A move to a larger
+//     array (makeRoom) copies the whole slab, so every offset stays valid.
+//   - A map and the array its offsets point into change together under
+//     the write lock, and readers read both under the read lock (or as
+//     the writer, or under Index.mu), so an offset is always resolved in
+//     the array it was made for. all, whose walk may span compactions
+//     (Verify's copy releases Index.mu between slices), re-reads the
+//     entry of a chunk from the current map once its shard was compacted.
+//   - No two writers append into one array: a clone's slab is capped at
+//     its length (slab[:len:len]), so the first append of either copy
+//     moves that copy to an array of its own.
+//
+// Nothing outside this file sees an offset: whatever holds a chunk's value
+// outside its map across a publish (a txn's old value, Verify's undo map,
+// warmBatch's reads, a fold's slices, a queued chunkInstall) holds a
+// chunkVal, a slice of the slab, which survives compaction.
+
 // chunkMap is a namespace's chunks. Writers: the committer only, holding
 // Index.mu for writing and the shard's lock (set, del); Open and snapshot
 // installs build maps no reader can reach yet. Readers: the committer
@@ -51,29 +96,61 @@ type chunkMap struct {
 	sh [chunkShards]chunkShard
 }
 
+// chunkShard is one locked map and its slab. 64 bytes: one cache line
+// per shard, so lookups on several cores do not share reader counts
+// (TestChunkShardSize).
 type chunkShard struct {
-	mu sync.RWMutex               // guards m against lookups (see chunkMap)
-	m  map[dcp.ChunkHash]chunkVal // nil until the shard's first chunk
-	_  [64 - 32]byte              // one cache line per shard: lookups on several cores do not share reader counts
+	mu sync.RWMutex // guards the fields m and slab against lookups (see chunkMap)
+	// m: each chunk's placements, slab[off:off+n]; nil until the
+	// shard's first chunk.
+	m    map[dcp.ChunkHash]chunkSlot
+	slab []placement
+	// garbage counts the placements of slab no entry of m points at;
+	// gen counts the compactions. Writers only (and holders of Index.mu).
+	garbage uint32
+	gen     uint32
 }
 
+// chunkSlot is a chunk's entry in its shard's map: its placements are
+// slab[off:off+n]; epoch is chunkVal.epoch.
+type chunkSlot struct {
+	off, n, epoch uint32
+}
+
+// slabCompactMin is the garbage, in placements, below which removals do
+// not compact a shard that still holds chunks (a variable for tests):
+// 48 KiB.
+var slabCompactMin uint32 = 1024
+
 func newChunkMap() *chunkMap { return &chunkMap{} }
+
+// at is e's placements, capped; e must be an entry of sh.m now (or of a
+// map sh.slab is the array of: see all).
+func (sh *chunkShard) at(e chunkSlot) []placement {
+	return sh.slab[e.off : e.off+e.n : e.off+e.n]
+}
 
 // get reads a chunk without locking: the committer, or a holder of
 // Index.mu.
 func (cm *chunkMap) get(c dcp.ChunkHash) (chunkVal, bool) {
-	v, ok := cm.sh[c[0]].m[c]
-	return v, ok
+	sh := &cm.sh[c[0]]
+	e, ok := sh.m[c]
+	if !ok {
+		return chunkVal{}, false
+	}
+	return chunkVal{s: sh.at(e), epoch: e.epoch}, true
 }
 
-// loadAll reads the placements of cs into out (len(out) >= len(cs)) under
-// the read locks of their shards, each taken once (a read lock taken twice
-// would wait behind a writer queued on it) and all held until every map
-// read is done: the reads of one window then overlap their cache misses,
-// where a lock per read (an atomic read-modify-write, a full fence on
-// x86) would wait for each read's misses before starting the next. A
-// writer holds a shard's lock for one assignment and never waits for
-// another shard while holding one, so this cannot deadlock with it.
+// loadAll reads the placements of cs into out (len(out) >= len(cs), nil
+// for a chunk not in the map) under the read locks of their shards, each
+// taken once (a read lock taken twice would wait behind a writer queued on
+// it) and all held until every map read is done: the reads of one window
+// then overlap their cache misses, where a lock per read (an atomic
+// read-modify-write, a full fence on x86) would wait for each read's
+// misses before starting the next. A writer holds a shard's lock for one
+// assignment and never waits for another shard while holding one, so this
+// cannot deadlock with it. The slices stay valid after the locks are
+// released (see the top of this file).
 func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 	var held [chunkShards / 64]uint64
 	for _, c := range cs {
@@ -83,7 +160,12 @@ func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 		}
 	}
 	for i, c := range cs {
-		out[i] = cm.sh[c[0]].m[c].s
+		sh := &cm.sh[c[0]]
+		if e, ok := sh.m[c]; ok {
+			out[i] = sh.at(e)
+		} else {
+			out[i] = nil
+		}
 	}
 	for w, set := range held {
 		for set != 0 {
@@ -93,24 +175,117 @@ func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 	}
 }
 
-// set installs a chunk's value; the committer, with Index.mu held for
-// writing (or before the map is reachable).
+// set installs a chunk's value, a copy of v.s; the committer, with
+// Index.mu held for writing (or before the map is reachable). The copy is
+// made off the lock: only this goroutine writes the shard, and it writes
+// beyond the slab's length, where no reader reads (makeRoom, moving the
+// slab, only reads the published ranges). The lock is held for the
+// assignment alone.
 func (cm *chunkMap) set(c dcp.ChunkHash, v chunkVal) {
+	prev := cm.sh[c[0]].m[c]
+	cm.replace(c, v, prev.n)
+}
+
+// replace is set for a caller that knows how many placements the chunk
+// holds now (prev; 0: none), as the committer does (setChunkVal's old
+// value): it spares a map read that misses the cache.
+func (cm *chunkMap) replace(c dcp.ChunkHash, v chunkVal, prev uint32) {
 	sh := &cm.sh[c[0]]
+	n := len(v.s)
+	if uint64(len(sh.slab))+uint64(n) > math.MaxUint32 {
+		panic(fmt.Sprintf("index: chunk shard slab of %d placements cannot take %d more: offsets are 32-bit", len(sh.slab), n))
+	}
+	slab := sh.slab
+	if len(slab)+n > cap(slab) {
+		slab = sh.makeRoom(n)
+	}
+	off := len(slab)
+	slab = append(slab, v.s...) // within its capacity: the array stays
 	sh.mu.Lock()
 	if sh.m == nil {
-		sh.m = make(map[dcp.ChunkHash]chunkVal)
+		sh.m = make(map[dcp.ChunkHash]chunkSlot)
 	}
-	sh.m[c] = v
+	sh.slab = slab
+	sh.m[c] = chunkSlot{off: uint32(off), n: uint32(n), epoch: v.epoch}
 	sh.mu.Unlock()
+	sh.garbage += prev
 }
 
 // del removes a chunk; as set.
 func (cm *chunkMap) del(c dcp.ChunkHash) {
 	sh := &cm.sh[c[0]]
+	old, had := sh.m[c]
+	if !had {
+		return
+	}
 	sh.mu.Lock()
 	delete(sh.m, c)
 	sh.mu.Unlock()
+	sh.garbage += old.n
+	// Removals do not grow the slab, so they have their own trigger: each
+	// compaction here copies at most as many placements as were removed
+	// since the last, O(1) amortized per removal.
+	if live := uint32(len(sh.slab)) - sh.garbage; sh.garbage > live && (sh.garbage >= slabCompactMin || live == 0) {
+		sh.compactShard(int(live) + int(live)/4)
+	}
+}
+
+// makeRoom returns the shard's slab in a new array with room for n more
+// placements. When a third or more of the slab is garbage: the live
+// ranges alone, in an array of twice their size (compactShard, which
+// installs it; it copies at most twice as many placements as the garbage
+// it drops, each appended once). Else: the whole slab, offsets unchanged,
+// in an array half as large again (set installs it; over its life a
+// placement is copied about twice so, where append's growth by a quarter
+// would copy it about four times).
+func (sh *chunkShard) makeRoom(n int) []placement {
+	live := len(sh.slab) - int(sh.garbage)
+	if sh.garbage > 0 && 2*int(sh.garbage) >= live {
+		sh.compactShard(2 * (live + n))
+		return sh.slab
+	}
+	slab := make([]placement, len(sh.slab), len(sh.slab)+len(sh.slab)/2+2*n)
+	copy(slab, sh.slab)
+	return slab
+}
+
+// compactShard replaces the slab by a new array of capacity size holding
+// only the live ranges, and the map by one pointing into it, both built
+// off the lock; the writer only (see the top of this file).
+func (sh *chunkShard) compactShard(size int) {
+	var m map[dcp.ChunkHash]chunkSlot
+	var slab []placement
+	if len(sh.m) > 0 || size > 0 {
+		m = make(map[dcp.ChunkHash]chunkSlot, len(sh.m))
+		slab = make([]placement, 0, size)
+		for c, e := range sh.m {
+			m[c] = chunkSlot{off: uint32(len(slab)), n: e.n, epoch: e.epoch}
+			slab = append(slab, sh.at(e)...)
+		}
+	}
+	sh.mu.Lock()
+	sh.m, sh.slab = m, slab
+	sh.mu.Unlock()
+	sh.garbage = 0
+	sh.gen++
+}
+
+// checkSlabs checks every shard's garbage count against its map: what
+// decides compactions (Verify-time: O(chunks)).
+func (cm *chunkMap) checkSlabs(pr *problems, ns dcp.Namespace) {
+	for i := range cm.sh {
+		sh := &cm.sh[i]
+		var live uint64
+		for _, e := range sh.m {
+			live += uint64(e.n)
+			if uint64(e.off)+uint64(e.n) > uint64(len(sh.slab)) {
+				pr.add("namespace %s shard %d: a chunk's placements [%d, %d) lie past its slab of %d", ns, i, e.off, e.off+e.n, len(sh.slab))
+			}
+		}
+		if live+uint64(sh.garbage) != uint64(len(sh.slab)) {
+			pr.add("namespace %s shard %d: slab of %d placements holds %d live and counts %d garbage", ns, i, len(sh.slab), live, sh.garbage)
+		}
+	}
 }
 
 // len counts the chunks: O(chunkShards); as get.
@@ -122,14 +297,30 @@ func (cm *chunkMap) len() int {
 	return n
 }
 
-// all iterates over the chunks, shard by shard; as get. The iteration
-// guarantees of a Go map hold per shard: a chunk neither set nor deleted
-// during the walk is produced exactly once.
+// all iterates over the chunks, shard by shard; as get, for each step (a
+// caller may release Index.mu between two). The iteration guarantees of
+// a Go map hold per shard: a chunk neither set nor deleted during the
+// walk is produced exactly once. A shard compacted during the walk goes
+// on being walked in the map it had when its walk began, which nothing
+// writes any more; each chunk's value is then read from the current map
+// (the old map's offsets point into the old array), and a chunk deleted
+// since is skipped.
 func (cm *chunkMap) all() iter.Seq2[dcp.ChunkHash, chunkVal] {
 	return func(yield func(dcp.ChunkHash, chunkVal) bool) {
 		for i := range cm.sh {
-			for c, v := range cm.sh[i].m {
-				if !yield(c, v) {
+			sh := &cm.sh[i]
+			gen := sh.gen
+			for c, e := range sh.m {
+				if sh.gen != gen {
+					var ok bool
+					if e, ok = sh.m[c]; !ok {
+						continue
+					}
+				}
+				// Not compacted since the walk began: e, even as read
+				// before a later set of c, is a range of the current
+				// slab, which holds every range it ever held.
+				if !yield(c, chunkVal{s: sh.at(e), epoch: e.epoch}) {
 					return
 				}
 			}
@@ -137,12 +328,17 @@ func (cm *chunkMap) all() iter.Seq2[dcp.ChunkHash, chunkVal] {
 	}
 }
 
-// clone copies the maps (sharing the placement slices); as get.
+// clone copies the maps, sharing the slabs' arrays capped at their
+// lengths (so the first append of either copy moves it to an array of
+// its own); as get.
 func (cm *chunkMap) clone() *chunkMap {
 	c := newChunkMap()
 	for i := range cm.sh {
-		if m := cm.sh[i].m; m != nil {
-			c.sh[i].m = maps.Clone(m)
+		sh, csh := &cm.sh[i], &c.sh[i]
+		if sh.m != nil {
+			csh.m = maps.Clone(sh.m)
+			csh.slab = sh.slab[:len(sh.slab):len(sh.slab)]
+			csh.garbage = sh.garbage
 		}
 	}
 	return c
@@ -242,12 +438,13 @@ func (v *lookupView) visible(s []placement, buf *[]placement) []placement {
 }
 
 // chunkInstall is a chunk's new value (or its removal, del) for its map,
-// collected by state.install.
+// collected by state.install; prev is the count of placements it replaces.
 type chunkInstall struct {
-	cm  *chunkMap
-	c   dcp.ChunkHash
-	v   chunkVal
-	del bool
+	cm   *chunkMap
+	c    dcp.ChunkHash
+	v    chunkVal
+	prev uint32
+	del  bool
 }
 
 // installAll makes ins with parts goroutines of g (fanOut): part p installs the
@@ -267,7 +464,7 @@ func installAll(g *group.Group, ins []chunkInstall, parts int) {
 			if in.del {
 				in.cm.del(in.c)
 			} else {
-				in.cm.set(in.c, in.v)
+				in.cm.replace(in.c, in.v, in.prev)
 			}
 		}
 	})

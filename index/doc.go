@@ -50,8 +50,9 @@
 // copy switching the committer's record of changed chunks, a snapshot
 // install swapping the state; read: queries and Verify's copy of the
 // chunk maps); a chunk shard's lock (chunkShard.mu: the committer's set
-// and del, or its fan's, under Index.mu for writing; lookups and chunk-list compactions
-// take only these, for reading, never Index.mu). No lock is held across a
+// and del and a slab compaction's swap, or its fan's, under Index.mu for
+// writing; lookups and chunk-list compactions take only these, for
+// reading, never Index.mu). No lock is held across a
 // bbolt transaction or an fsync (the writer goroutine holds none, and the
 // committer publishes a group only once it is committed), nor while
 // waiting for the committer's answer; the one wait under a lock is a

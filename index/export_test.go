@@ -16,6 +16,13 @@ func SetCompactSlack(n int) int {
 	return old
 }
 
+// SetSlabCompactMin sets slabCompactMin and returns its previous value.
+func SetSlabCompactMin(n uint32) uint32 {
+	old := slabCompactMin
+	slabCompactMin = n
+	return old
+}
+
 // RankChunkProblems checks every rank's chunk list against the chunks of
 // the live state (checkRankChunks), under Index.mu.
 func RankChunkProblems(ix *Index) []string {

@@ -148,6 +148,9 @@ func (s rankSnap) clone() rankSnap {
 // state"); 0/10 failures as it stands.
 func TestLookupsConcurrentModel(t *testing.T) {
 	const nranks, nchunks, rounds = 4, 32, 60
+	// Every chunk shard's slab compacted as soon as its garbage outgrows
+	// its live placements: lookups read across compactions.
+	defer index.SetSlabCompactMin(index.SetSlabCompactMin(1))
 	var clock atomic.Int64
 	// armed: 1 + the TP rank of a rank about to fence itself (0: none).
 	// The writer, after the first commit it finds that rank fenced at

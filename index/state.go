@@ -116,7 +116,9 @@ type nsState struct {
 
 // chunkVal is a chunk's placements (never empty: a chunk without
 // placements is not in the map) and the checkpoint epoch in which it last
-// changed (state.dirty).
+// changed (state.dirty). In its map a chunk is a chunkSlot, a range of its
+// shard's slab (chunkmap.go); s, read from there, is a slice of the slab,
+// never written again, and may be held across any later change.
 type chunkVal struct {
 	s     []placement
 	epoch uint32
@@ -328,7 +330,7 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	}
 	if len(s) == 0 {
 		if had {
-			st.install(n.chunks, ref.chunk, chunkVal{}, true)
+			st.install(n.chunks, ref.chunk, chunkVal{}, true, 0)
 			st.chunks--
 		}
 		return
@@ -344,23 +346,26 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 		st.add(p, 1)
 		r.add(p, 1)
 	}
-	// Last: lookups read s from now on, without Index.mu (chunkmap.go).
-	st.install(n.chunks, ref.chunk, chunkVal{s: s, epoch: st.epoch}, false)
+	// Last: lookups read the chunk from now on, without Index.mu
+	// (chunkmap.go); the map takes a copy of s, which stays the txn's.
+	st.install(n.chunks, ref.chunk, chunkVal{s: s, epoch: st.epoch}, false, uint32(len(old.s)))
 	o = countObjects(s)
 	n.objects += o
 	st.objects += o
 }
 
 // install puts a chunk's new value (or its removal) into its map, or
-// queues it while publishChunks collects a slice's installs.
-func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool) {
+// queues it while publishChunks collects a slice's installs; prev is the
+// count of placements the value replaces (the chunk's current value: only
+// the committer changes chunks).
+func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool, prev uint32) {
 	switch {
 	case st.collecting:
-		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, del: del})
+		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, prev: prev, del: del})
 	case del:
 		cm.del(c)
 	default:
-		cm.set(c, v)
+		cm.replace(c, v, prev)
 	}
 }
 
@@ -665,11 +670,11 @@ func checkRankChunks(pr *problems, st *state) {
 	}
 }
 
-// snapshot copies the state for Verify: every map and rank record, sharing
-// the placement slices (never modified once published) and the namespace
-// specs. Not the per-rank chunk lists (64 MB at 2 M placements: the copy
-// would stall the committer; the model tests check them) nor the
-// checkpoint bookkeeping.
+// snapshot copies the state for Verify and Dump: every map and rank
+// record, sharing the slabs' published ranges (never modified; see
+// chunkMap.clone) and the namespace specs. Not the per-rank chunk lists
+// (64 MB at 2 M placements: the copy would stall the committer; the
+// model tests check them) nor the checkpoint bookkeeping.
 func (st *state) snapshot() *state {
 	c := st.shell()
 	for ns, n := range st.ns {

@@ -496,6 +496,7 @@ func (t *txn) applyBatch(b *wire.Batch) Outcome {
 		last = e.Seq
 		o.Applied++
 	}
+	clear(warm) // its values are slices of slab arrays: not kept alive until the next batch
 	t.events += o.Applied
 	if last != m.last {
 		m.last = last
@@ -703,6 +704,11 @@ func (st *state) publishChunks(t *txn, from, to int) {
 		} else {
 			st.setChunk(n, sc.ref, sc.old, sc.had, sc.s)
 		}
+		// The map holds its own copy now, and no child reads a published
+		// txn (detach comes first): dropping the txn's slices lets the
+		// collector take them, and the slab arrays old points into,
+		// while a large group is still being published.
+		sc.s, sc.old = nil, chunkVal{}
 	}
 	if st.collecting {
 		st.collecting = false

@@ -95,62 +95,74 @@ func TestPipelinedTxnsMatchSequential(t *testing.T) {
 	defer func(s int) { compactSlack = s }(compactSlack)
 	for seed := range uint64(300) {
 		compactSlack = int(seed % 3) // compact the rank chunk lists early and often
-		rng := rand.New(rand.NewPCG(seed, 11))
-		ops := randomOps(rng, 60)
+		pipelinedVsSequential(t, seed, nil)
+	}
+}
 
-		seqSt := newState()
-		var want []string
-		for _, o := range ops {
-			var enc opEncoder
-			enc.reset()
-			tx := newTxn(seqSt, &enc)
-			want = append(want, o.apply(tx))
-			seqSt.publishRanks(tx)
-			seqSt.publishChunks(tx, 0, len(tx.staged))
-		}
+// pipelinedVsSequential applies seed's random ops (changed by mod, when
+// given) one by one to one state and in pipelined txns to another, and
+// fails t unless outcomes and states agree and both pass their checks.
+func pipelinedVsSequential(t *testing.T, seed uint64, mod func([]op)) (seqSt, pipeSt *state) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, 11))
+	ops := randomOps(rng, 60)
+	if mod != nil {
+		mod(ops)
+	}
 
-		pipeSt := newState()
-		var got []string
-		var encs [2]opEncoder
-		var parent *txn
-		for i := 0; i < len(ops); {
-			k := 1 + rng.IntN(5)
-			enc := &encs[i%2]
-			enc.reset()
-			tx := newTxn(pipeSt, enc)
-			tx.parent = parent
-			for ; k > 0 && i < len(ops); k, i = k-1, i+1 {
-				if tx.parent != nil && rng.IntN(3) == 0 { // the parent lands mid-staging
-					pipeSt.publishRanks(parent)
-					pipeSt.publishChunks(parent, 0, len(parent.staged))
-					tx.detach()
-				}
-				got = append(got, ops[i].apply(tx))
-			}
-			if tx.parent != nil { // the parent lands after its child was staged
+	seqSt = newState()
+	var want []string
+	for _, o := range ops {
+		var enc opEncoder
+		enc.reset()
+		tx := newTxn(seqSt, &enc)
+		want = append(want, o.apply(tx))
+		seqSt.publishRanks(tx)
+		seqSt.publishChunks(tx, 0, len(tx.staged))
+	}
+
+	pipeSt = newState()
+	var got []string
+	var encs [2]opEncoder
+	var parent *txn
+	for i := 0; i < len(ops); {
+		k := 1 + rng.IntN(5)
+		enc := &encs[i%2]
+		enc.reset()
+		tx := newTxn(pipeSt, enc)
+		tx.parent = parent
+		for ; k > 0 && i < len(ops); k, i = k-1, i+1 {
+			if tx.parent != nil && rng.IntN(3) == 0 { // the parent lands mid-staging
 				pipeSt.publishRanks(parent)
 				pipeSt.publishChunks(parent, 0, len(parent.staged))
 				tx.detach()
 			}
-			parent = tx
+			got = append(got, ops[i].apply(tx))
 		}
-		pipeSt.publishRanks(parent)
-		pipeSt.publishChunks(parent, 0, len(parent.staged))
+		if tx.parent != nil { // the parent lands after its child was staged
+			pipeSt.publishRanks(parent)
+			pipeSt.publishChunks(parent, 0, len(parent.staged))
+			tx.detach()
+		}
+		parent = tx
+	}
+	pipeSt.publishRanks(parent)
+	pipeSt.publishChunks(parent, 0, len(parent.staged))
 
-		if !slices.Equal(got, want) {
-			for i := range got {
-				if got[i] != want[i] {
-					t.Fatalf("seed %d op %d: pipelined outcome %s, sequential %s", seed, i, got[i], want[i])
-				}
+	if !slices.Equal(got, want) {
+		for i := range got {
+			if got[i] != want[i] {
+				t.Fatalf("seed %d op %d: pipelined outcome %s, sequential %s", seed, i, got[i], want[i])
 			}
 		}
-		var pr problems
-		compareStates(&pr, pipeSt, seqSt)
-		checkInvariants(&pr, pipeSt)
-		checkRankChunks(&pr, pipeSt)
-		checkRankChunks(&pr, seqSt)
-		if len(pr.list) > 0 {
-			t.Fatalf("seed %d: %v", seed, pr.list)
-		}
 	}
+	var pr problems
+	compareStates(&pr, pipeSt, seqSt)
+	checkInvariants(&pr, pipeSt)
+	checkRankChunks(&pr, pipeSt)
+	checkRankChunks(&pr, seqSt)
+	if len(pr.list) > 0 {
+		t.Fatalf("seed %d: %v", seed, pr.list)
+	}
+	return seqSt, pipeSt
 }

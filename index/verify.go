@@ -312,6 +312,7 @@ func checkInvariants(pr *problems, st *state) {
 				total.add(p, 1)
 			}
 		}
+		n.chunks.checkSlabs(pr, ns)
 		if nt != n.tally || nobj != n.objects {
 			pr.add("namespace %s: counts %d objects %+v, recount %d objects %+v", ns, n.objects, n.tally, nobj, nt)
 		}

@@ -16,6 +16,8 @@ import (
 // what the committer changes (a copy sharing the chunk maps was seen
 // failing with data races).
 func TestVerifyDuringIngest(t *testing.T) {
+	// Verify's copies span slab compactions.
+	defer index.SetSlabCompactMin(index.SetSlabCompactMin(1))
 	ix := openTest(t, "", func(c *index.Config) { c.CheckpointBytes = 64 << 10 }) // folds during the test
 	res, err := ix.RegisterNamespace(ctx, benchGQA(4))
 	if err != nil {
