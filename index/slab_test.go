@@ -1,19 +1,14 @@
 package index
 
 import (
-	"context"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 	"unsafe"
 
 	"github.com/kvtier/kvtier/dcp"
-	"github.com/kvtier/kvtier/wire"
-	"go.uber.org/zap/zaptest"
 )
 
 // The chunk shards' slabs (chunkmap.go): what a lookup, a txn, Verify's
@@ -275,83 +270,31 @@ func TestPipelinedTxnsAcrossSlabCompactions(t *testing.T) {
 func TestVerifyUndoAcrossSlabCompaction(t *testing.T) {
 	defer func(m uint32) { slabCompactMin = m }(slabCompactMin)
 	slabCompactMin = 8
-	cfg := DefaultConfig()
-	cfg.Path = filepath.Join(t.TempDir(), "index.db")
-	cfg.NoSync = true
-	cfg.Logger = zaptest.NewLogger(t)
-	ix, err := Open(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ix.Close()
-	ctx := context.Background()
-	r := wire.Rank{Instance: "e"}
-	ns := dcp.Namespace{1}
-	key := func(i int) dcp.Key { return dcp.Key{NS: ns, Chunk: dcp.ChunkHash{0, byte(i), byte(i >> 8)}} } // all in shard 0
-	var seq uint64
-	stored := func(b *wire.Batch, i int, sum uint64) {
-		seq++
-		b.Events = append(b.Events, wire.Event{Seq: seq, Kind: wire.Stored, Tier: wire.L1, Key: key(i), Size: uint64(i) + 1, Sum: sum})
-	}
-	removed := func(b *wire.Batch, i int) {
-		seq++
-		b.Events = append(b.Events, wire.Event{Seq: seq, Kind: wire.Removed, Tier: wire.L1, Key: key(i)})
-	}
-	b := wire.Batch{Rank: r, Incarnation: 1}
+	v := newVerifyRig(t, func(i int) dcp.ChunkHash { return dcp.ChunkHash{0, byte(i), byte(i >> 8)} }) // all in shard 0
+	b := v.batch()
 	for i := range 200 {
-		stored(&b, i, uint64(i)+1)
+		v.stored(&b, i, uint64(i)+1, uint64(i)+1)
 	}
-	if _, err := ix.Apply(ctx, b); err != nil {
+	if _, err := v.ix.Apply(v.ctx, b); err != nil {
 		t.Fatal(err)
 	}
 
-	paused, resume := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	copySlice, copyPause = 10, func() { once.Do(func() { close(paused); <-resume }) }
-	defer func() { copySlice, copyPause = 4096, nil }()
-	type result struct {
-		rep VerifyReport
-		err error
-	}
-	verified := make(chan result, 1)
-	go func() {
-		rep, err := ix.Verify(ctx)
-		verified <- result{rep, err}
-	}()
-	select {
-	case <-paused:
-	case <-time.After(10 * time.Second):
-		close(resume)
-		t.Fatal("Verify's copy was never held between two slices")
-	}
-	ix.mu.RLock()
-	gen := ix.st.ns[ns].chunks.sh[0].gen
-	ix.mu.RUnlock()
-	b = wire.Batch{Rank: r, Incarnation: 1}
+	verified, resume := v.holdVerify(t)
+	v.ix.mu.RLock()
+	gen := v.ix.st.ns[v.ns].chunks.sh[0].gen
+	v.ix.mu.RUnlock()
+	b = v.batch()
 	for i := range 120 {
-		removed(&b, i*5/3) // spread over the whole shard: 120 of 200, garbage 120 > 80 live
+		v.removed(&b, i*5/3) // spread over the whole shard: 120 of 200, garbage 120 > 80 live
 	}
-	stored(&b, 199, 9999) // replaced
+	v.stored(&b, 199, 200, 9999) // replaced
 	for i := 300; i < 310; i++ {
-		stored(&b, i, uint64(i)+1) // new
+		v.stored(&b, i, uint64(i)+1, uint64(i)+1) // new
 	}
-	applied := make(chan error, 1)
-	go func() {
-		_, err := ix.Apply(ctx, b)
-		applied <- err
-	}()
-	select {
-	case err := <-applied:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(10 * time.Second):
-		close(resume)
-		t.Fatal("a batch was not acknowledged while Verify copied")
-	}
-	ix.mu.RLock()
-	compacted := ix.st.ns[ns].chunks.sh[0].gen != gen
-	ix.mu.RUnlock()
+	v.applyHeld(t, b, resume)
+	v.ix.mu.RLock()
+	compacted := v.ix.st.ns[v.ns].chunks.sh[0].gen != gen
+	v.ix.mu.RUnlock()
 	if !compacted {
 		close(resume)
 		t.Fatal("the batch did not compact the shard the copy was walking")
@@ -364,7 +307,7 @@ func TestVerifyUndoAcrossSlabCompaction(t *testing.T) {
 	if res.rep.Chunks != 200 || res.rep.Placements != 200 {
 		t.Fatalf("verify reported %d chunks, %d placements; want the barrier's 200, 200", res.rep.Chunks, res.rep.Placements)
 	}
-	rep, err := ix.Verify(ctx)
+	rep, err := v.ix.Verify(v.ctx)
 	if err != nil || rep.Chunks != 90 || rep.Placements != 90 {
 		t.Fatalf("second verify: %+v, %v; want 90 chunks, 90 placements", rep, err)
 	}

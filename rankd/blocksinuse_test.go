@@ -10,10 +10,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/cuda"
-	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -60,19 +58,7 @@ func TestRetrieveWithBlocksInUseIsNotAnswered(t *testing.T) {
 		c.ShutdownTimeout, c.FlushTimeout = 500*time.Millisecond, 500*time.Millisecond
 		c.wrapDevice = func(d cuda.Device) cuda.Device { dev.Device = d; return dev }
 	})
-	e, reg := newStoringEngine(t, h)
-	ctx := h.ctx()
-	s := e.stream(t)
-	want := e.uploadPage(t, s, 2)
-	evh := recordedEvent(t, e, s)
-	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
-		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
-	if err != nil || st.Stored != 1 {
-		t.Fatalf("store: %+v %v", st, err)
-	}
-	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
+	e, reg, want, key := storedPage(t, h)
 	body, err := json.Marshal(wire.RetrieveRequest{RestoreID: "restore-1", Namespace: e.res.Namespace, Session: reg.Session,
 		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
 	if err != nil {

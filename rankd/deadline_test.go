@@ -21,19 +21,8 @@ import (
 // the check: the late retrieve placed its page into block 5.
 func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	h := newHarness(t)
-	e, reg := newStoringEngine(t, h)
+	e, reg, want, key := storedPage(t, h)
 	ctx := h.ctx()
-	s := e.stream(t)
-	want := e.uploadPage(t, s, 2)
-	evh := recordedEvent(t, e, s)
-	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
-		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
-	if err != nil || st.Stored != 1 {
-		t.Fatalf("store: %+v %v", st, err)
-	}
-	key := dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
 	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
 		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
 	if err != nil {
@@ -86,4 +75,24 @@ func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	if !block5() {
 		t.Fatal("a retrieve within its deadline did not place its page")
 	}
+}
+
+// storedPage stores block 2's page (uploaded on a stream of a new storing
+// engine) as the first chunk of 16 zero tokens through the daemon of h:
+// the engine, its registration, the page and the object's key (shard 1:
+// the harness's TP rank).
+func storedPage(t *testing.T, h *harness) (*engine, *wire.RegisterReply, []byte, dcp.Key) {
+	t.Helper()
+	e, reg := newStoringEngine(t, h)
+	s := e.stream(t)
+	want := e.uploadPage(t, s, 2)
+	evh := recordedEvent(t, e, s)
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err := bus.Call[wire.StoreReply](h.ctx(), h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil || st.Stored != 1 {
+		t.Fatalf("store: %+v %v", st, err)
+	}
+	return e, reg, want, dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
 }

@@ -852,6 +852,28 @@ def test_a_client_closed_under_the_step_is_a_failure_not_an_exception():
     assert w.stats["store_failures"] == 1
 
 
+def short_bound_worker(world):
+    """An asynchronous worker whose loads are given up after 1.2 s."""
+    return worker(world, kvtier_load_async=True, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
+
+
+def load_past_the_monotonic_bound(monkeypatch, w):
+    """Starts a load, steps the wall clock back a minute and steps the
+    worker past the load's monotonic bound, checking that the load is
+    held all along; returns when it started (monotonic) and the bound."""
+    bound = w._load_bound_s()
+    bind(w, loads=[load_spec(w, async_load=True)])
+    t0 = time.monotonic()
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 60)  # the clock steps back a minute
+    while time.monotonic() - t0 < bound + 0.4:
+        assert step(w) == ((None, None), set()), "the load was given up at the monotonic bound"
+        time.sleep(0.05)
+    return t0, bound
+
+
 def test_a_load_without_verdict_keeps_its_blocks_past_the_rankds_wall_clock_deadline(monkeypatch):
     """The rankd places nothing after the deadline the worker sent, by the
     wall clock; the worker gives a load up by the monotonic one. With the
@@ -860,19 +882,10 @@ def test_a_load_without_verdict_keeps_its_blocks_past_the_rankds_wall_clock_dead
     deadline too or one more bound has gone by (C11: never longer). Red
     with the load given up at the monotonic bound."""
     world = fakes.FakeWorld()
-    w = worker(world, kvtier_load_async=True, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
+    w = short_bound_worker(world)
     world.verdict_gate = concurrent.futures.Future()  # no verdict, ever
-    bound = w._load_bound_s()
-    bind(w, loads=[load_spec(w, async_load=True)])
-    t0 = time.monotonic()
-    w.start_load_kv(None)
-    w.clear_connector_metadata()
-    real = time.time
-    monkeypatch.setattr(time, "time", lambda: real() - 60)  # the clock steps back a minute
+    t0, bound = load_past_the_monotonic_bound(monkeypatch, w)
     fut = w._loading["r1"].fut
-    while time.monotonic() - t0 < bound + 0.4:
-        assert step(w) == ((None, None), set()), "the load was given up at the monotonic bound"
-        time.sleep(0.05)
     assert not fut.done()
     eventually("the load given up one bound later", lambda: fut.done(), timeout=bound + 5)
     assert time.monotonic() - t0 >= 2 * bound - 0.05
@@ -885,7 +898,7 @@ def test_a_stuck_load_is_given_up_by_both_clocks(monkeypatch):
     monotonic bound and the wall-clock deadline, or after two bounds.
     Red with _past_bound reading the monotonic clock alone."""
     world = fakes.FakeWorld()
-    w = worker(world, kvtier_load_async=True, kvtier_restore_deadline_ms=100, kvtier_lookup_timeout_s=0.1)
+    w = short_bound_worker(world)
     c, _ = w._usable()
 
     def stuck(coro):
@@ -893,16 +906,7 @@ def test_a_stuck_load_is_given_up_by_both_clocks(monkeypatch):
         return concurrent.futures.Future()  # never resolves
 
     c.submit = stuck
-    bound = w._load_bound_s()
-    bind(w, loads=[load_spec(w, async_load=True)])
-    t0 = time.monotonic()
-    w.start_load_kv(None)
-    w.clear_connector_metadata()
-    real = time.time
-    monkeypatch.setattr(time, "time", lambda: real() - 60)
-    while time.monotonic() - t0 < bound + 0.4:
-        assert step(w) == ((None, None), set()), "the load was given up at the monotonic bound"
-        time.sleep(0.05)
+    t0, bound = load_past_the_monotonic_bound(monkeypatch, w)
     while time.monotonic() - t0 < 2 * bound + 2:
         out, errs = step(w)
         if out != (None, None):
