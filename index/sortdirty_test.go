@@ -31,6 +31,11 @@ func randomDirty(n int, seed uint64) []dirtyRef {
 		if r.IntN(4) == 0 {
 			d.ref.chunk[0], d.ref.chunk[8] = 0, 0 // equal leading bytes: the later halves decide
 		}
+		if len(out) > 0 && r.IntN(8) == 0 {
+			// The first half of another entry's chunk: a key sort's prefix
+			// ties, which the full comparison must order.
+			copy(d.ref.chunk[:8], out[r.IntN(len(out))].ref.chunk[:8])
+		}
 		d.prev = r.Uint32N(5)
 		out = append(out, d)
 		if r.IntN(8) == 0 && len(out) < n {
@@ -42,10 +47,23 @@ func randomDirty(n int, seed uint64) []dirtyRef {
 
 // TestSortDirtyOrder: sortDirty orders refs as their snapshot keys sort
 // (bytes of the namespace, then of the chunk) and keeps each chunk's first
-// entry by prev, against a reference sort with bytes.Compare.
+// entry by prev, against a reference sort with bytes.Compare: by its key
+// sort (a few namespaces, chunks sharing their first 8 bytes, the same
+// chunk twice) and by the comparison sort it falls back to (more
+// namespaces than the key holds).
 func TestSortDirtyOrder(t *testing.T) {
-	for seed := range uint64(20) {
+	for seed := range uint64(24) {
 		dirty := randomDirty(5000, seed)
+		if seed%4 == 3 {
+			for i := range dirty {
+				dirty[i].ref.ns[0] = byte(i % 100) // 100 namespaces or more: the fallback
+			}
+			if keyOrder(slices.Clone(dirty)) != nil {
+				t.Fatal("keyOrder took a list of more namespaces than its key holds")
+			}
+		} else if keyOrder(slices.Clone(dirty)) == nil {
+			t.Fatal("keyOrder refused a list of three namespaces")
+		}
 		want := slices.Clone(dirty)
 		slices.SortStableFunc(want, func(a, b dirtyRef) int {
 			k := append(append([]byte(nil), a.ref.ns[:]...), a.ref.chunk[:]...)

@@ -1,8 +1,8 @@
 package index
 
 import (
-	"bytes"
 	"cmp"
+	"encoding/binary"
 	"maps"
 	"slices"
 
@@ -600,20 +600,93 @@ func (l *dirtyList) flat() []dirtyRef {
 // chunks and the generations of their records on disk. A chunk listed
 // twice was deleted and re-created in the epoch: its second entry says
 // noRecord, its first names the record on disk, and noRecord sorts last,
-// so the first entry of a chunk is the one kept. It sorts dirty in place.
+// so the first entry of a chunk is the one kept. It may reorder dirty.
 func sortDirty(dirty []dirtyRef) ([]chunkRef, []uint32) {
-	slices.SortFunc(dirty, func(a, b dirtyRef) int {
-		if c := compareRef(a.ref, b.ref); c != 0 {
-			return c
+	order := keyOrder(dirty)
+	if order == nil {
+		slices.SortFunc(dirty, compareDirty)
+		order = make([]uint32, len(dirty))
+		for i := range order {
+			order[i] = uint32(i)
 		}
-		return cmp.Compare(a.prev, b.prev)
-	})
-	dirty = slices.CompactFunc(dirty, func(a, b dirtyRef) bool { return a.ref == b.ref })
-	refs, prevs := make([]chunkRef, len(dirty)), make([]uint32, len(dirty))
-	for i, d := range dirty {
-		refs[i], prevs[i] = d.ref, d.prev
+	}
+	refs, prevs := make([]chunkRef, 0, len(dirty)), make([]uint32, 0, len(dirty))
+	for k, i := range order {
+		d := &dirty[i]
+		if k > 0 && refs[len(refs)-1] == d.ref {
+			continue
+		}
+		refs, prevs = append(refs, d.ref), append(prevs, d.prev)
 	}
 	return refs, prevs
+}
+
+func compareDirty(a, b dirtyRef) int {
+	if c := compareRef(a.ref, b.ref); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.prev, b.prev)
+}
+
+// Key sort of a dirty list (keyOrder). A commit sorts its ~10,000 dirty
+// chunks, a fold millions: with a comparison of two 40-byte entries per
+// step that was 14 % of the coordinator's CPU at 930 k events/s. Each
+// entry becomes one integer, its namespace's rank among the list's
+// namespaces, the first bits of its chunk hash (a hash: nearly always
+// distinct) and its index, and the integers sort as integers; runs that
+// share rank and prefix (the same chunk twice, or a prefix collision)
+// are then put in order by compareDirty.
+const (
+	keyIndexBits  = 24                            // entries: fewer than 16 M
+	keyNSBits     = 6                             // namespaces: at most 64
+	keyPrefixBits = 64 - keyIndexBits - keyNSBits // of the chunk hash
+	keyIndexMask  = 1<<keyIndexBits - 1
+)
+
+// keyOrder returns the indexes of dirty in compareDirty's order, or nil
+// when the list has too many entries or namespaces for the key (the
+// caller sorts with compareDirty).
+func keyOrder(dirty []dirtyRef) []uint32 {
+	if len(dirty) > keyIndexMask {
+		return nil
+	}
+	var nss []dcp.Namespace
+	for i := range dirty {
+		if ns := dirty[i].ref.ns; !slices.Contains(nss, ns) {
+			if len(nss) == 1<<keyNSBits {
+				return nil
+			}
+			nss = append(nss, ns)
+		}
+	}
+	slices.SortFunc(nss, func(a, b dcp.Namespace) int { return compare16((*[16]byte)(&a), (*[16]byte)(&b)) })
+	keys := make([]uint64, len(dirty))
+	last, rank := nss[0], uint64(0)
+	for i := range dirty {
+		r := &dirty[i].ref
+		if r.ns != last {
+			last = r.ns
+			rank = uint64(slices.Index(nss, r.ns))
+		}
+		prefix := binary.BigEndian.Uint64(r.chunk[:8]) >> (64 - keyPrefixBits)
+		keys[i] = rank<<(64-keyNSBits) | prefix<<keyIndexBits | uint64(i)
+	}
+	slices.Sort(keys)
+	order := make([]uint32, len(keys))
+	for i, k := range keys {
+		order[i] = uint32(k & keyIndexMask)
+	}
+	for lo := 0; lo < len(keys); {
+		hi := lo + 1
+		for hi < len(keys) && keys[hi]>>keyIndexBits == keys[lo]>>keyIndexBits {
+			hi++
+		}
+		if hi-lo > 1 {
+			slices.SortFunc(order[lo:hi], func(a, b uint32) int { return compareDirty(dirty[a], dirty[b]) })
+		}
+		lo = hi
+	}
+	return order
 }
 
 // chunkRef names one chunk of one namespace.
@@ -622,12 +695,21 @@ type chunkRef struct {
 	chunk dcp.ChunkHash
 }
 
-// compareRef orders refs as their snapshot keys sort: namespace, then chunk.
+// compareRef orders refs as their snapshot keys sort: namespace, then
+// chunk, each compared bytewise as two big-endian words.
 func compareRef(a, b chunkRef) int {
-	if c := bytes.Compare(a.ns[:], b.ns[:]); c != 0 {
+	if c := compare16((*[16]byte)(&a.ns), (*[16]byte)(&b.ns)); c != 0 {
 		return c
 	}
-	return bytes.Compare(a.chunk[:], b.chunk[:])
+	return compare16((*[16]byte)(&a.chunk), (*[16]byte)(&b.chunk))
+}
+
+// compare16 is bytes.Compare of two 16-byte arrays.
+func compare16(a, b *[16]byte) int {
+	if x, y := binary.BigEndian.Uint64(a[:8]), binary.BigEndian.Uint64(b[:8]); x != y {
+		return cmp.Compare(x, y)
+	}
+	return cmp.Compare(binary.BigEndian.Uint64(a[8:]), binary.BigEndian.Uint64(b[8:]))
 }
 
 // checkRankChunks re-derives every rank's chunk set from the chunks and
