@@ -647,6 +647,9 @@ const (
 // when the list has too many entries or namespaces for the key (the
 // caller sorts with compareDirty).
 func keyOrder(dirty []dirtyRef) []uint32 {
+	if len(dirty) == 0 {
+		return []uint32{} // a checkpoint with nothing dirty (only log bytes, or a fold's rest)
+	}
 	if len(dirty) > keyIndexMask {
 		return nil
 	}
