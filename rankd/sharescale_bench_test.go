@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -39,6 +40,8 @@ import (
 //	  (acknowledged = committed with fsync, C7) over KVTIER_SCALE_SECONDS;
 //	under ingest: the lookup and the bare echo again, while the
 //	  publishers go on, and the events/s acknowledged meanwhile.
+//
+// KVTIER_SCALE_CPUPROFILE=FILE writes a CPU profile of the ingest window.
 //
 // Knobs (the 16-core host runs more publishers than the 2-core VM):
 // KVTIER_SCALE_PUBLISHERS (default 8, at most 32: ranks of the TP8
@@ -153,7 +156,9 @@ func BenchmarkShareScaleThroughNATS(b *testing.B) {
 		// CPU (a CPU profile shows index.(*Index).stage and land), or the
 		// cores (the process's CPU).
 		g0, cpu0 := groupStats(b, reg), processCPU(b)
+		stopProfile := profileIngest(b)
 		rate := in.ackedRate(time.Duration(seconds) * time.Second)
+		stopProfile()
 		g, cpu := groupStats(b, reg).since(g0), processCPU(b)-cpu0
 		b.Logf("ingest: %.0f events/s acknowledged over %d s (%d publishers), process CPU %.1f cores; the index's group commits: %.1f/s, %.0f events each, %.2f ms from launch to landing (mean), writer busy %.0f %%",
 			rate, seconds, publishers, cpu.Seconds()/float64(seconds), g.commits/float64(seconds), g.events/max(g.commits, 1),
@@ -205,6 +210,30 @@ type ingest struct {
 	published   []atomic.Int64 // batches, per rank
 	halt        atomic.Bool
 	wg          sync.WaitGroup
+}
+
+// profileIngest starts a CPU profile of the ingest window alone when
+// KVTIER_SCALE_CPUPROFILE names a file (-test.cpuprofile would also take
+// the idle lookups and the final fold at Close); the returned func stops
+// it.
+func profileIngest(b *testing.B) func() {
+	path := os.Getenv("KVTIER_SCALE_CPUPROFILE")
+	if path == "" {
+		return func() {}
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
 
 func startIngest(ns dcp.Namespace, ranks []*benchRank, batchEvents, queue int) *ingest {
