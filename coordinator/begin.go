@@ -222,21 +222,16 @@ type restorePlan struct {
 // planRestore decides a restore.begin from the table's state, the
 // lookup (its prefix already cut by zeroSumCut, whose reason is zeroCut)
 // and the reader ranks' liveness judged under the table's lock: a pure
-// function of its inputs. The limits come first, then liveness: nothing
-// is planned unless every reader rank is alive; a prefix of 0 is decided
-// complete; otherwise the plan lists each reader's items in chunk order
-// (with req.StateAtEnd, a recurrent group's for the last chunk only).
+// function of its inputs. Liveness comes before the limits: a hit whose
+// readers are not all alive is not planned, and says why, whether or not
+// the table has room (it would take no slot); then the limits, which a
+// lookup's miss skips; a prefix of 0 is decided complete; otherwise the
+// plan lists each reader's items in chunk order (with req.StateAtEnd, a
+// recurrent group's for the last chunk only).
 func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *index.LookupResult, zeroCut string,
 	readers []readerStatus) restorePlan {
-	switch {
-	case st.closed:
+	if st.closed {
 		return restorePlan{kind: beginClosed}
-	case req.Lookup && res.Prefix == 0:
-		// A lookup that missed: no restore, so no limit applies.
-	case st.active >= st.maxActive:
-		return restorePlan{kind: beginTooMany, active: st.active}
-	case res.Prefix > 0 && st.instanceActive >= st.maxPerInstance:
-		return restorePlan{kind: beginInstanceFull, active: st.instanceActive}
 	}
 	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
 	if res.Prefix > 0 {
@@ -251,6 +246,14 @@ func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *i
 			}
 			return p
 		}
+	}
+	switch {
+	case req.Lookup && res.Prefix == 0:
+		// A lookup that missed: no restore, so no limit applies.
+	case st.active >= st.maxActive:
+		return restorePlan{kind: beginTooMany, active: st.active}
+	case res.Prefix > 0 && st.instanceActive >= st.maxPerInstance:
+		return restorePlan{kind: beginInstanceFull, active: st.instanceActive}
 	}
 	if plan.Prefix == 0 {
 		return restorePlan{kind: beginEmpty, plan: plan}

@@ -10,8 +10,9 @@ import (
 )
 
 // TestPlanRestore: the restore.begin decision as a pure function of the
-// table's state, the lookup and the readers' liveness: limits first, then
-// liveness, then the plan.
+// table's state, the lookup and the readers' liveness: liveness first (a
+// hit whose readers are dead says so even when the table is full), then
+// the limits, then the plan.
 func TestPlanRestore(t *testing.T) {
 	ns := dcp.Namespace{1}
 	chunks := []dcp.ChunkHash{{1}, {2}, {3}}
@@ -42,6 +43,8 @@ func TestPlanRestore(t *testing.T) {
 		{"instance full", beginState{active: 2, instanceActive: 2, maxActive: 4, maxPerInstance: 2}, 3, "", alive, beginInstanceFull, 0, false},
 		{"instance full, nothing stored", beginState{active: 2, instanceActive: 2, maxActive: 4, maxPerInstance: 2}, 0, "", nil, beginEmpty, 0, false},
 		{"reader dead", ok, 3, "", dead, beginNotPlanned, 0, true},
+		{"reader dead, table full", beginState{active: 4, maxActive: 4, maxPerInstance: 2}, 3, "", dead, beginNotPlanned, 0, true},
+		{"reader dead, instance full", beginState{active: 2, instanceActive: 2, maxActive: 4, maxPerInstance: 2}, 3, "", dead, beginNotPlanned, 0, true},
 		{"nothing stored", ok, 0, "", nil, beginEmpty, 0, false},
 		{"zero sum cut to nothing", ok, 0, "prefix cut at chunk 0", nil, beginEmpty, 0, true},
 		{"planned", ok, 3, "", alive, beginActive, 3, false},
