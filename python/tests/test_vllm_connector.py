@@ -251,6 +251,31 @@ def test_the_begin_is_the_lookup_unless_the_coordinator_refuses_it(caplog):
     assert s._begin_looks_up and world.lookup_begins == 1 and s.stats["lookup_errors"] == 1
 
 
+def test_a_plan_older_than_half_its_deadline_is_begun_again():
+    """The restore is begun with the lookup, and the coordinator's deadline
+    runs from then: a request that waits for blocks (vLLM asks again each
+    step) past half of kvtier_restore_deadline_ms gets a new lookup and
+    begin, so its load does not start with too little of the deadline left
+    and fail late. Younger plans are reused."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_restore_deadline_ms=2000)
+    req = fakes.Request("r1", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    st = s._reqs["r1"]
+    st.lookup_since -= 0.9  # younger than half the deadline: the same plan
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert len(world.begins) == 1 and s.stats["plans_renewed"] == 0
+    st.lookup_since -= 0.2  # 1.1 s of 2: begun again
+    s.cfg.lookup_wait_s = 5
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert len(world.begins) == 2 and s.stats["plans_renewed"] == 1 and s.stats["lookups"] == 2
+    assert time.monotonic() - s._reqs["r1"].lookup_since < 1
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    assert len(world.begins) == 2
+
+
 @pytest.mark.parametrize("how, issue", [(dict(v2_runner=True), "#49250"), (dict(async_scheduling=True), "#34484")])
 def test_no_synchronous_loads_where_vllm_cannot_take_their_failure_back(caplog, how, issue):
     """kvtier_load_async false is not honoured on vLLM's V2 model runner

@@ -114,7 +114,8 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
                          for gi, gl in enumerate(self.layers) if gl.sliding_window]
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
         self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
-                      "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0, "restores": 0,
+                      "plans_renewed": 0, "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0,
+                      "restores": 0,
                       "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
                       "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
                       "loads_skipped": 0, "stores": 0, "stored_objects": 0, "stored_without_state": 0,

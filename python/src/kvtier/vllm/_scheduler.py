@@ -119,6 +119,14 @@ class _SchedulerSide(_Core):
             return 0, False
         if st.lookup_first != first:
             st.lookup, st.lookup_first, st.matched_chunks, st.plan, st.stage_plans = None, first, None, None, []
+        elif st.plan is not None and self._plan_stale(st):
+            # The restore was begun with the lookup, and its deadline runs
+            # at the coordinator from then: a request that waited for blocks
+            # past half of it would load with too little left and fail late,
+            # recomputing a hit. Look up and begin again (the old restore
+            # fails at its deadline; nothing was sent to a rankd for it).
+            self.stats["plans_renewed"] += 1
+            st.lookup, st.matched_chunks, st.plan, st.stage_plans = None, None, None, []
         st.held_tokens = held  # vLLM asks again with the prefix it holds then: the last ask counts
         if st.matched_chunks is None:
             if st.lookup is None:
@@ -156,6 +164,12 @@ class _SchedulerSide(_Core):
         if n <= 0:
             return 0, False
         return n * self.chunk - held, self.cfg.load_async
+
+    def _plan_stale(self, st: _Req) -> bool:
+        """Whether the restore begun for st's hit has used half of its
+        deadline (counted from the lookup's start, before the begin) while
+        the request waited to be scheduled."""
+        return time.monotonic() - st.lookup_since > self.cfg.restore_deadline_ms / 2000
 
     def _skippable(self, held: int) -> bool:
         """Whether a chunk of which vLLM holds the first held tokens can be
