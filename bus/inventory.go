@@ -39,6 +39,9 @@ type InventoryFetch struct {
 	// JSON asks for JSON pages, as a coordinator older than the binary
 	// pages does (tests of that path).
 	JSON bool
+	// Index is the asking coordinator's index id, sent with the request of
+	// page 0 as wire.HeaderIndex; "" sends none.
+	Index string
 }
 
 // FetchInventory requests a rank's inventory page by page on subject (see
@@ -105,10 +108,10 @@ func StreamInventory(ctx context.Context, nc *nats.Conn, subject string, f Inven
 	if f.JSON {
 		enc = ""
 	}
-	first, err := fetchPage(ctx, nc, subject, f.PerPage, wire.InventoryRequest{PageSize: f.PageSize, Encoding: enc})
+	first, err := fetchPage(ctx, nc, subject, f.PerPage, f.Index, wire.InventoryRequest{PageSize: f.PageSize, Encoding: enc})
 	if err != nil && enc != "" && olderRank(err) {
 		enc = ""
-		first, err = fetchPage(ctx, nc, subject, f.PerPage, wire.InventoryRequest{PageSize: f.PageSize})
+		first, err = fetchPage(ctx, nc, subject, f.PerPage, f.Index, wire.InventoryRequest{PageSize: f.PageSize})
 	}
 	if err != nil {
 		return err
@@ -158,7 +161,7 @@ func StreamInventory(ctx context.Context, nc *nats.Conn, subject string, f Inven
 		ch := make(chan result, 1)
 		ring[i%len(ring)] = ch
 		wg.Go(func() {
-			p, err := fetchPage(cctx, nc, subject, f.PerPage, wire.InventoryRequest{Snapshot: head.Snapshot, Page: i,
+			p, err := fetchPage(cctx, nc, subject, f.PerPage, "", wire.InventoryRequest{Snapshot: head.Snapshot, Page: i,
 				PageSize: f.PageSize, Encoding: enc})
 			ch <- result{p, err}
 		})
@@ -193,8 +196,10 @@ func olderRank(err error) bool {
 }
 
 // fetchPage requests one page and decodes the reply: a binary page, or a
-// JSON reply holding a page or an error.
-func fetchPage(ctx context.Context, nc *nats.Conn, subject string, perPage time.Duration, req wire.InventoryRequest) (*wire.InventoryPage, error) {
+// JSON reply holding a page or an error. index, when set, goes as
+// wire.HeaderIndex.
+func fetchPage(ctx context.Context, nc *nats.Conn, subject string, perPage time.Duration, index string,
+	req wire.InventoryRequest) (*wire.InventoryPage, error) {
 	if perPage > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, perPage)
@@ -204,7 +209,11 @@ func fetchPage(ctx context.Context, nc *nats.Conn, subject string, perPage time.
 	if err != nil {
 		return nil, fmt.Errorf("encode request for %s: %w", subject, err)
 	}
-	msg, err := nc.RequestWithContext(ctx, subject, data)
+	out := &nats.Msg{Subject: subject, Data: data}
+	if index != "" {
+		out.Header = nats.Header{wire.HeaderIndex: []string{index}}
+	}
+	msg, err := nc.RequestMsgWithContext(ctx, out)
 	if err != nil {
 		return nil, fmt.Errorf("request %s: %w", subject, err)
 	}

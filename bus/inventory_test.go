@@ -29,8 +29,9 @@ type invResponder struct {
 	delay    func(page int) time.Duration
 
 	inFlight, maxInFlight atomic.Int32
-	mu                    sync.Mutex // guards encodings
+	mu                    sync.Mutex // guards encodings and indexes
 	encodings             map[string]int
+	indexes               map[int][]string // each request's wire.HeaderIndex, by page
 }
 
 // oldRequest is wire.InventoryRequest before the encoding field.
@@ -73,6 +74,9 @@ func (r *invResponder) answer(m *nats.Msg) (code, msg string, data []byte) {
 	}
 	r.mu.Lock()
 	r.encodings[req.Encoding]++
+	if r.indexes != nil {
+		r.indexes[req.Page] = append(r.indexes[req.Page], m.Header.Get(wire.HeaderIndex))
+	}
 	r.mu.Unlock()
 	if r.delay != nil {
 		time.Sleep(r.delay(req.Page))
@@ -121,7 +125,8 @@ func randomInventory(n int) wire.Inventory {
 // The pipelined fetch returns the inventory exactly, in order, with the
 // window's requests in flight at once even when later pages answer first;
 // in binary from a current rank, in JSON from an older one (which refuses
-// the encoding field) and when asked for JSON.
+// the encoding field) and when asked for JSON. The request of page 0 (each
+// try of it) names the asking index (wire.HeaderIndex), the others none.
 func TestFetchInventoryPipelined(t *testing.T) {
 	nc := inventoryServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -142,6 +147,7 @@ func TestFetchInventoryPipelined(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := &invResponder{inv: randomInventory(tc.objects), pageSize: 64, old: tc.old, encodings: map[string]int{},
+				indexes: map[int][]string{},
 				// Earlier pages answer later: the window is full at once.
 				delay: func(page int) time.Duration { return time.Duration(20-page%5*4) * time.Millisecond }}
 			subject := "inv." + sanitizeName(tc.name)
@@ -150,9 +156,21 @@ func TestFetchInventoryPipelined(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer sub.Unsubscribe()
-			got, err := FetchInventoryWith(ctx, nc, subject, InventoryFetch{PerPage: 5 * time.Second, Window: tc.window, JSON: tc.json})
+			const index = "0123456789abcdef0123456789abcdef"
+			got, err := FetchInventoryWith(ctx, nc, subject, InventoryFetch{PerPage: 5 * time.Second, Window: tc.window, JSON: tc.json,
+				Index: index})
 			if err != nil {
 				t.Fatal(err)
+			}
+			for page, ids := range r.indexes {
+				for _, id := range ids {
+					if want := map[bool]string{true: index}[page == 0]; id != want {
+						t.Fatalf("page %d requested with index %q, want %q", page, id, want)
+					}
+				}
+			}
+			if len(r.indexes[0]) == 0 {
+				t.Fatal("page 0 never requested")
 			}
 			want := r.inv
 			if len(want.Objects) == 0 {

@@ -173,7 +173,7 @@ func (c *Coordinator) resyncOnce(term context.Context, r wire.Rank) (done bool, 
 	// placements in the index than the rank may hold.
 	budget, from := c.rankBudget(r)
 	s := &invStream{c: c, term: term, r: r, gen: gen, max: min(int64(c.cfg.MaxInventoryObjects), budget)}
-	err = bus.StreamInventory(term, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout,
+	err = bus.StreamInventory(term, c.nc, c.subj.Inventory(r), bus.InventoryFetch{PerPage: c.cfg.ResyncTimeout, Index: c.idx.ID(),
 		MaxPages: c.cfg.MaxInventoryPages, MaxObjects: int(s.max), Window: c.cfg.ResyncWindow}, s.page)
 	s.drain()
 	if errors.Is(err, errBeginDropped) {

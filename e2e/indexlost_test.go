@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -64,5 +65,16 @@ func TestIndexLostRebuiltFromRanks(t *testing.T) {
 	v, err := admin[wire.AdminVerifyReply](c, wire.AdminVerify, struct{}{})
 	if err != nil || !v.OK {
 		t.Fatalf("verify after the rebuild: %+v %v", v, err)
+	}
+	// Each rank was resynced once: the start-up request names the new
+	// index (wire.HeaderIndex), so a rank it reached offers nothing when
+	// gossip shows it the id (a rank it missed offers, and is resynced
+	// then). Waited for past the rankds' watch tick and heartbeat (2 s).
+	// Seen red without the header: 8 resyncs, each rank twice.
+	time.Sleep(6 * time.Second)
+	m := c.coordMetrics()
+	if n := testutil.Metric(t, m, "kvtier_coord_resyncs_total", "outcome", "ok"); n != 4 {
+		t.Fatalf("%v resyncs after the restart, want one per rank (4); offers that asked one: %v", n,
+			testutil.Metric(t, m, "kvtier_coord_index_offers_total", "outcome", "resync"))
 	}
 }

@@ -24,7 +24,12 @@ import (
 // (wire.Heartbeat.OfferIndex) until it serves an inventory or
 // indexOfferFor passes; the coordinator whose index has that id resyncs
 // it. Nothing is taken from gossip but the id: the inventory goes through
-// NATS, asked by the coordinator, under the rank's credential.
+// NATS, asked by the coordinator, under the rank's credential. An
+// inventory request names the asking index (wire.HeaderIndex), and the
+// rank records that id as seen: the usual case, a new coordinator asking
+// every live rank at its start before gossip shows them its id, then
+// makes no second offer (and no second resync hiding the rank's
+// placements while it streams).
 //
 // An id is acted on only when the coordinator's signature over it
 // (cluster.Meta.IndexSig, key from the credentials, as the NATS URLs)
@@ -38,6 +43,10 @@ const indexOfferFor = 2 * time.Minute
 
 // maxSeenIndexes bounds the ids remembered (several coordinators, restarts).
 const maxSeenIndexes = 64
+
+// maxIndexIDBytes bounds an index id taken from an inventory request's
+// header (a coordinator's is 32 hex digits).
+const maxIndexIDBytes = 64
 
 // indexWatch is the rank's view of the coordinators' index ids.
 type indexWatch struct {
@@ -101,15 +110,9 @@ func (d *Daemon) noteIndex(m cluster.Member, now time.Time) {
 	w := &d.iw
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for _, id := range w.seen {
-		if id == m.Meta.Index {
-			return
-		}
+	if !w.remember(m.Meta.Index) {
+		return
 	}
-	if len(w.seen) == maxSeenIndexes {
-		w.seen = w.seen[1:]
-	}
-	w.seen = append(w.seen, m.Meta.Index)
 	if !w.primed {
 		w.primed = true // the first sight: nothing changed for this process
 		return
@@ -118,6 +121,20 @@ func (d *Daemon) noteIndex(m cluster.Member, now time.Time) {
 	w.changes.Inc()
 	d.log.Info("a coordinator gossips a new index id: offering this rank's inventory in its heartbeats",
 		zap.String("member", m.ID), zap.String("index_id", m.Meta.Index))
+}
+
+// remember records id as seen, reporting whether it was new; w.mu held.
+func (w *indexWatch) remember(id string) bool {
+	for _, s := range w.seen {
+		if s == id {
+			return false
+		}
+	}
+	if len(w.seen) == maxSeenIndexes {
+		w.seen = w.seen[1:]
+	}
+	w.seen = append(w.seen, id)
+	return true
 }
 
 // indexOffer returns the id to offer in a heartbeat sent at now; "" none.
@@ -133,10 +150,23 @@ func (d *Daemon) indexOffer(now time.Time) string {
 }
 
 // inventoryTaken ends the offer: a coordinator asked for the inventory.
-func (d *Daemon) inventoryTaken() {
-	d.iw.mu.Lock()
-	d.iw.offer = ""
-	d.iw.mu.Unlock()
+// index is the asking coordinator's index id (wire.HeaderIndex; "" from
+// one that predates it): recorded as seen, and as the first sight when it
+// is one, so gossip showing it later starts no offer for an index that
+// already has this rank's inventory. Unsigned, unlike a gossiped id: only
+// the coordinator's identity may ask for the inventory, and an id taken
+// here can only withhold an offer, which is the fallback of the
+// coordinator's own resync requests.
+func (d *Daemon) inventoryTaken(index string) {
+	w := &d.iw
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.offer = ""
+	if index == "" || len(index) > maxIndexIDBytes {
+		return
+	}
+	w.primed = true
+	w.remember(index)
 }
 
 // verifyIndex checks m's index signature against the coordinator's key

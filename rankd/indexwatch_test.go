@@ -3,6 +3,7 @@ package rankd
 import (
 	"encoding/base64"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,15 +15,18 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// TestIndexWatch (issue 29.2): the first index id a rank sees is only
-// recorded; a new one signed by the coordinator's key makes the rank offer
-// its inventory (wire.Heartbeat.OfferIndex) until it serves one; a forged
-// id (unsigned, signed by another identity, or a signature of another id
-// or incarnation) is ignored and counted, and so is every id when the
-// rank has no key to verify with; a replayed id already seen offers
-// nothing. Red with the signature check removed (the forged ids were
-// offered) and with the first sight treated as a change.
-func TestIndexWatch(t *testing.T) {
+// indexWatchRig is a daemon with the index watch and the credentials of
+// an instance "eng": seed is the coordinator's key, other another
+// identity's; sign signs an index statement, coord gossips a coordinator.
+type indexWatchRig struct {
+	d           *Daemon
+	seed, other *auth.Seed
+	sign        func(s *auth.Seed, inc uint64, id string) string
+	coord       func(inc uint64, id, sig string) []cluster.Member
+}
+
+func newIndexWatchRig(t *testing.T) indexWatchRig {
+	t.Helper()
 	dir := filepath.Join(t.TempDir(), "creds")
 	if err := auth.Init(dir, []auth.Instance{{Name: "eng", TPSize: 1}}); err != nil {
 		t.Fatal(err)
@@ -54,6 +58,20 @@ func TestIndexWatch(t *testing.T) {
 		return []cluster.Member{{Name: "coordinator", ID: "coordinator@x", State: cluster.StateAlive,
 			Meta: cluster.Meta{Role: cluster.RoleCoordinator, Incarnation: inc, Index: id, IndexSig: sig}}}
 	}
+	return indexWatchRig{d: d, seed: seed, other: other, sign: sign, coord: coord}
+}
+
+// TestIndexWatch (issue 29.2): the first index id a rank sees is only
+// recorded; a new one signed by the coordinator's key makes the rank offer
+// its inventory (wire.Heartbeat.OfferIndex) until it serves one; a forged
+// id (unsigned, signed by another identity, or a signature of another id
+// or incarnation) is ignored and counted, and so is every id when the
+// rank has no key to verify with; a replayed id already seen offers
+// nothing. Red with the signature check removed (the forged ids were
+// offered) and with the first sight treated as a change.
+func TestIndexWatch(t *testing.T) {
+	rig := newIndexWatchRig(t)
+	d, seed, other, sign, coord := rig.d, rig.seed, rig.other, rig.sign, rig.coord
 	const idA, idB, idC = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "cccccccccccccccccccccccccccccccc"
 	now := time.Now()
 	offer := func() string { return d.indexOffer(now) }
@@ -85,7 +103,7 @@ func TestIndexWatch(t *testing.T) {
 	if changes() != 1 {
 		t.Fatalf("the same id counted again: changes %v", changes())
 	}
-	d.inventoryTaken()
+	d.inventoryTaken("")
 	if offer() != "" {
 		t.Fatalf("offer %q after the inventory was served", offer())
 	}
@@ -105,5 +123,46 @@ func TestIndexWatch(t *testing.T) {
 	d.watchIndex(coord(11, "dddddddddddddddddddddddddddddddd", sign(seed, 11, "dddddddddddddddddddddddddddddddd")), now)
 	if offer() != "" || untrusted() != 7 {
 		t.Fatalf("no key: offer %q, untrusted %v", offer(), untrusted())
+	}
+}
+
+// TestIndexWatchInventoryNamesTheIndex: an inventory request that names
+// its index (wire.HeaderIndex) records the id as seen, so gossip showing
+// it afterwards starts no offer (the second resync after a coordinator
+// restarted on a lost directory); it primes the watch when it comes
+// first, so a later new id is still offered; a request naming none, or an
+// overlong id, changes nothing but ending the offer. Red with the id not
+// recorded (an offer of idB) and with the watch not primed by it (no
+// offer of idC).
+func TestIndexWatchInventoryNamesTheIndex(t *testing.T) {
+	rig := newIndexWatchRig(t)
+	d, seed := rig.d, rig.seed
+	const idA, idB, idC = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "cccccccccccccccccccccccccccccccc"
+	now := time.Now()
+	offer := func() string { return d.indexOffer(now) }
+	changes := func() float64 { return testutil.Metric(t, d.met.reg, "kvtier_rankd_index_changes_total") }
+
+	// The new coordinator's start-up resync comes before its gossip.
+	d.inventoryTaken(idA)
+	d.watchIndex(rig.coord(7, idA, rig.sign(seed, 7, idA)), now)
+	if offer() != "" || changes() != 0 {
+		t.Fatalf("an id whose index took the inventory made an offer %q (changes %v)", offer(), changes())
+	}
+	// Restarted on a lost directory again: asked first, then gossiped.
+	d.inventoryTaken(idB)
+	d.watchIndex(rig.coord(8, idB, rig.sign(seed, 8, idB)), now)
+	if offer() != "" || changes() != 0 {
+		t.Fatalf("offer %q (changes %v) for an index that has the inventory", offer(), changes())
+	}
+	// One that never asked (the rank was unreachable at its start): offered.
+	d.inventoryTaken("")
+	d.inventoryTaken(strings.Repeat("d", maxIndexIDBytes+1))
+	d.watchIndex(rig.coord(9, idC, rig.sign(seed, 9, idC)), now)
+	if offer() != idC || changes() != 1 {
+		t.Fatalf("a new index that never asked: offer %q, changes %v", offer(), changes())
+	}
+	d.inventoryTaken(idC)
+	if offer() != "" {
+		t.Fatalf("offer %q after its index took the inventory", offer())
 	}
 }

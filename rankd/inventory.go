@@ -92,9 +92,12 @@ func (s *snapshots) expireLocked() {
 // daemon runs one; the resync benchmark runs the same code against a
 // synthetic inventory.
 type inventoryServer struct {
-	snaps     *snapshots
-	pageSize  int                   // objects per page when the request names none
-	inventory func() wire.Inventory // a consistent copy of what the rank holds
+	snaps    *snapshots
+	pageSize int // objects per page when the request names none
+	// inventory is a consistent copy of what the rank holds, taken for a
+	// new snapshot; index is the asking coordinator's index id
+	// (wire.HeaderIndex), "" when the request carried none.
+	inventory func(index string) wire.Inventory
 	// probe answers a liveness probe (wire.InventoryRequest.Probe); nil
 	// refuses probes.
 	probe func() wire.RankProbe
@@ -118,7 +121,7 @@ func (s *inventoryServer) serve(msg *nats.Msg) (*wire.InventoryPage, int, error)
 	if req.Encoding != "" && req.Encoding != wire.InventoryEncodingBinary {
 		err = badf("inventory encoding %q unknown: want \"\" (JSON) or %q", req.Encoding, wire.InventoryEncodingBinary)
 	} else {
-		page, err = s.page(&req)
+		page, err = s.page(&req, msg.Header.Get(wire.HeaderIndex))
 	}
 	if err != nil {
 		s.log.Warn("inventory request refused", zap.String("snapshot", req.Snapshot), zap.Int("page", req.Page), zap.Error(err))
@@ -148,9 +151,9 @@ func (s *inventoryServer) answerProbe(msg *nats.Msg, req *wire.InventoryRequest)
 	return bus.Respond(msg, &p)
 }
 
-// page answers one inventory request: a new snapshot when req names none,
-// else a page of the named one.
-func (s *inventoryServer) page(req *wire.InventoryRequest) (*wire.InventoryPage, error) {
+// page answers one inventory request: a new snapshot when req names none
+// (for the index whose id is index), else a page of the named one.
+func (s *inventoryServer) page(req *wire.InventoryRequest, index string) (*wire.InventoryPage, error) {
 	switch {
 	case req.Page < 0:
 		return nil, badf("inventory page %d is negative", req.Page)
@@ -165,7 +168,7 @@ func (s *inventoryServer) page(req *wire.InventoryRequest) (*wire.InventoryPage,
 		if size == 0 {
 			size = s.pageSize
 		}
-		inv := s.inventory()
+		inv := s.inventory(index)
 		var err error
 		if pages, err = s.snaps.put(&inv, size); err != nil {
 			return nil, err

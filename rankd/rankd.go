@@ -139,7 +139,7 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	d.inc = inc
 	d.invs = &inventoryServer{snaps: newSnapshots(cfg.InventorySnapshotTTL, cfg.MaxInventorySnapshots),
-		pageSize: cfg.InventoryPageSize, inventory: func() wire.Inventory { d.inventoryTaken(); return d.eng.Inventory() }, log: d.log,
+		pageSize: cfg.InventoryPageSize, inventory: func(index string) wire.Inventory { d.inventoryTaken(index); return d.eng.Inventory() }, log: d.log,
 		probe: func() wire.RankProbe {
 			return wire.RankProbe{Rank: cfg.Rank, Incarnation: d.inc, Leaving: d.leaving.Load()}
 		}}

@@ -52,7 +52,7 @@ func BenchmarkResyncThroughNATS(b *testing.B) {
 	var seq atomic.Uint64 // the sequence the inventory is taken at
 	var served atomic.Int64
 	srv := &inventoryServer{snaps: newSnapshots(time.Minute, 4), pageSize: DefaultConfig(wire.Rank{}).InventoryPageSize,
-		log: zap.NewNop(), inventory: func() wire.Inventory {
+		log: zap.NewNop(), inventory: func(string) wire.Inventory {
 			cp := inv
 			cp.Seq = seq.Load()
 			return cp

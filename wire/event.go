@@ -280,6 +280,18 @@ type InventoryRequest struct {
 	Probe bool `json:"probe,omitempty"`
 }
 
+// HeaderIndex is the NATS header of an InventoryRequest that takes a new
+// snapshot: the id of the asking coordinator's index (cluster.Meta.Index).
+// A rank that serves the inventory records the id as one it has synced
+// with, so seeing it later in gossip starts no offer (the index watch,
+// rankd/indexwatch.go): a coordinator restarted on a lost directory asks
+// every live rank at start, and without the header each rank offered its
+// inventory again once gossip showed it the new id, a second resync that
+// hid the rank's placements while it streamed. A header rather than a
+// field: a rank that predates it ignores it (it decodes requests
+// strictly), and one that gets none offers as before.
+const HeaderIndex = "Kvtier-Index"
+
 // RankProbe is a rank's answer to an InventoryRequest with Probe set.
 type RankProbe struct {
 	Rank        Rank   `json:"rank"`
