@@ -199,6 +199,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] | None = None  # vLLM >= 0.32 names them
 
 
 @dataclass

@@ -8,6 +8,7 @@ import concurrent.futures
 import hashlib
 import os
 import struct
+import threading
 import time
 import types
 
@@ -387,6 +388,35 @@ def test_chunked_prefill_saves_each_chunk_once():
     assert [sv.positions for sv in m1.saves + m2.saves] == [[0], [1, 2]]
 
 
+@pytest.mark.parametrize("extra, why", [
+    (dict(lora_request=types.SimpleNamespace(name="adapter-x", adapter_id=1)), "a LoRA adapter"),
+    (dict(mm_features=[object()]), "multimodal inputs"),
+])
+def test_a_request_whose_kv_is_not_its_tokens_alone_is_neither_restored_nor_stored(caplog, extra, why):
+    """The chunk hashes cover the tokens and cache_salt: a LoRA adapter
+    changes the K and V projections, and multimodal inputs put the same
+    placeholder ids where different images go, so such a request would
+    restore (COMPLETE, the sums match) another request's KV for the same
+    tokens. It is a miss and stores nothing; the plain request beside it is
+    served as usual. Red without the bypass (the lookup hit 32 tokens)."""
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("x", tokens(16 * 4 + 5))
+    for k, v in extra.items():
+        setattr(req, k, v)
+    world.plan = plan_for(s, req, 0, 2)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("x", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
+        num_scheduled_tokens={"x": 69}))
+    assert meta.saves == [] and world.lookups == [] and world.begins == []
+    assert s.stats["requests_bypassed"] == 1 and why in caplog.text
+    assert s.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
+    plain = fakes.Request("plain", tokens(16 * 4 + 5))
+    assert s.get_num_new_matched_tokens(plain, 0) == (32, False)
+
+
 def test_cache_salt_enters_the_chunk_hashes():
     """vLLM's per-request cache_salt starts the chunk-hash chain from a seed
     of the namespace and the salt: the same tokens with different salts
@@ -685,6 +715,114 @@ def test_async_load_is_reported_steps_later_with_its_errors(failed):
     assert w.stats["recomputed_bad_bytes_tokens"] == (16 if failed else 0)
     last = w.recent_loads[-1]
     assert (last["req"], last["steps"], last["loaded"], last["chunks"]) == ("r1", 4, 1 if failed else 3, 3)
+
+
+def test_a_request_finished_while_its_load_runs_is_freed_by_the_load_only():
+    """A request that stored chunks, was preempted and is loading again
+    when it is aborted: vLLM keeps its blocks until the load is reported
+    (finished_recving) and frees them on the first report of either kind,
+    then asserts the request on the second. So the scheduler does not ask
+    to keep them for the stores (request_finished False) and tells the
+    workers (no_send), which never report it finished_sending, not while
+    the rankd still writes its blocks (C10) nor after. A request whose load
+    was reported before it finished keeps its blocks for its stores as any.
+    Red with request_finished answering saved_any, and with the worker not
+    reading no_send (r1 reported finished_sending during its load)."""
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    world.prefix = 2
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_load_async=True)
+    req = fakes.Request("r1", tokens(16 * 4 + 5))
+    world.plan = plan_for(s, req, 0, 2)
+    assert s.get_num_new_matched_tokens(req, 0) == (32, True)
+    s._reqs["r1"].saved_any = True  # its stores before the preemption
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([10, 11, 12, 13, 14],)), 32)
+    meta = s.build_connector_meta(fakes.SchedulerOutput())  # waiting for the load: not scheduled
+    assert [ld.req_id for ld in meta.loads] == ["r1"] and meta.no_send == []
+    assert s.request_finished(req, [10, 11, 12, 13, 14]) == (False, None)
+    assert s.build_connector_meta(fakes.SchedulerOutput(finished_req_ids={"r1"})).no_send == ["r1"]
+    assert s.build_connector_meta(fakes.SchedulerOutput()).no_send == []
+
+    # Reported before it finished: its blocks are kept for its stores.
+    req2 = fakes.Request("r2", tokens(16 * 4 + 5))
+    world.plan = plan_for(s, req2, 0, 2)
+    assert s.get_num_new_matched_tokens(req2, 0) == (32, True)
+    s._reqs["r2"].saved_any = True
+    s.update_state_after_alloc(req2, fakes.KVCacheBlocks(([20, 21, 22, 23, 24],)), 32)
+    s.build_connector_meta(fakes.SchedulerOutput())
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"r2"}, finished_sending=None))
+    assert s.request_finished(req2, [20, 21, 22, 23, 24]) == (True, None)
+    assert s.build_connector_meta(fakes.SchedulerOutput()).no_send == []
+
+    # The worker: r1's store answered before its load began again.
+    world = fakes.FakeWorld()
+    w = worker(world, kvtier_load_async=True)
+    bind(w, saves=[SaveSpec("r1", [(bytes(16), [[1]])])])
+    w.wait_for_save()
+    for p in w._pending["r1"]:
+        p.fut.result(5)
+    w.clear_connector_metadata()
+    world.verdict = wire.RestoreVerdict("r-1", wire.VERDICT_COMPLETE, 3)
+    world.verdict_gate = concurrent.futures.Future()
+    bind(w, loads=[load_spec(w, async_load=True)])
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    w.bind_connector_metadata(KvtierConnectorMetadata(no_send=["r1"]))
+    assert w.get_finished({"r1"}) == (None, None) and "r1" in w._loading
+    w.clear_connector_metadata()
+    world.verdict_gate.set_result(None)
+    eventually("the verdict is in", lambda: w._loading["r1"].fut.done())
+    assert step(w) == ((None, {"r1"}), set())
+    assert step(w) == ((None, None), set())
+
+
+def test_a_preempted_requests_stores_are_waited_for_before_the_forward():
+    """vLLM frees a preempted request's blocks without asking the connector,
+    and this step's forward may write them for another request: the
+    scheduler names preempted requests that stored (preempted), and the
+    worker's handle_preemptions, called before the forward, waits for their
+    stores until each one's gather limit (a gather ending later stores
+    nothing), never longer (C11). Red with handle_preemptions a no-op (it
+    returned at once) and with the scheduler not naming them."""
+    from kvtier.vllm import SaveSpec
+
+    world = fakes.FakeWorld()
+    s = make(world, KVConnectorRole.SCHEDULER)
+    req = fakes.Request("p", tokens(16 * 3 + 1))
+    s.get_num_new_matched_tokens(req, 0)
+    s.build_connector_meta(fakes.SchedulerOutput(
+        scheduled_new_reqs=[fakes.NewRequestData("p", req.prompt_token_ids, ([7, 8, 9, 3],), 0)],
+        num_scheduled_tokens={"p": 49}))
+    cold = fakes.Request("cold", tokens(10))
+    s.get_num_new_matched_tokens(cold, 0)
+    meta = s.build_connector_meta(fakes.SchedulerOutput(preempted_req_ids={"p", "cold", "gone"}))
+    assert meta.preempted == ["p"]  # the one that stored
+    assert s.build_connector_meta(fakes.SchedulerOutput()).preempted == []
+
+    world.store_gate = concurrent.futures.Future()
+    w = worker(world, kvtier_store_wait_s=0.3, kvtier_store_grace_s=0.2)
+    try:
+        bind(w, saves=[SaveSpec("p", [(bytes(16), [[1]])])])
+        w.wait_for_save()  # full attention: the step does not wait
+        w.clear_connector_metadata()
+        limit = w._pending["p"][0].limit
+        t0 = time.time()
+        w.handle_preemptions(KvtierConnectorMetadata(preempted=["p"]))
+        assert time.time() >= limit and time.time() - t0 < 2
+        assert w.stats["store_waits_cut"] == 1
+        w.handle_preemptions(KvtierConnectorMetadata(preempted=["other"]))  # nothing of its own: at once
+    finally:
+        world.store_gate.set_result(None)
+    # Answered in time: waited for until the answer only.
+    world.store_gate = concurrent.futures.Future()
+    bind(w, saves=[SaveSpec("q", [(bytes([1]) * 16, [[2]])])])
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    threading.Timer(0.1, world.store_gate.set_result, (None,)).start()
+    t0 = time.time()
+    w.handle_preemptions(KvtierConnectorMetadata(preempted=["q"]))
+    assert all(p.fut.done() for p in w._pending.get("q", ())) and time.time() - t0 < 0.4
 
 
 @pytest.mark.parametrize("reason, wrong", [

@@ -98,10 +98,12 @@ def test_a_step_waits_for_a_store_only_until_its_gather_limit(kind):
     assert w.get_finished(set()) == ({"r1"}, None)
 
 
-def test_a_store_the_step_does_not_wait_for_carries_no_gather_limit():
+def test_a_store_the_step_does_not_wait_for_still_carries_its_gather_limit():
     """Full attention: vLLM keeps the blocks until the request is reported
-    finished, so wait_for_save returns at once, sends no gather limit (a
-    late copy is still stored) and cuts nothing."""
+    finished, so wait_for_save returns at once and cuts nothing; the store
+    still carries its gather limit (the deadline plus the grace), since a
+    preemption frees the blocks without asking and the worker then waits
+    only until that limit (handle_preemptions)."""
     world = fakes.FakeWorld()
     world.store_gate = concurrent.futures.Future()
     w = worker(world)
@@ -114,7 +116,9 @@ def test_a_store_the_step_does_not_wait_for_carries_no_gather_limit():
             if world.store_gather_limits:
                 break
             time.sleep(0.01)
-        assert world.store_gather_limits == [None] and w.stats["store_waits_cut"] == 0
+        (deadline,), (limit,) = world.store_deadlines, world.store_gather_limits
+        assert limit is not None and abs(limit - deadline - w.cfg.store_grace_s) < 1e-6
+        assert w.stats["store_waits_cut"] == 0
     finally:
         world.store_gate.set_result(None)
 

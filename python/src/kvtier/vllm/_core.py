@@ -114,17 +114,21 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
                          for gi, gl in enumerate(self.layers) if gl.sliding_window]
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
         self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
-                      "plans_renewed": 0, "lookup_tokens": 0, "hit_tokens": 0, "loads": 0, "loaded_tokens": 0,
-                      "restores": 0,
-                      "restore_failures": 0, "load_failed_tokens": 0, "recomputed_bad_bytes_tokens": 0,
-                      "load_error_blocks": 0, "load_ms": 0, "load_steps": 0, "load_steps_max": 0,
-                      "loads_skipped": 0, "stores": 0, "stored_objects": 0, "stored_without_state": 0,
-                      "store_failures": 0, "stores_skipped": 0, "store_waits_cut": 0, "reregistered": 0,
-                      "blocks_in_use": 0, "attaches": 0, "detaches": 0, "engine_verify_failures": 0}
+                      "plans_renewed": 0, "requests_bypassed": 0, "lookup_tokens": 0, "hit_tokens": 0, "loads": 0,
+                      "loaded_tokens": 0, "restores": 0, "restore_failures": 0, "load_failed_tokens": 0,
+                      "recomputed_bad_bytes_tokens": 0, "load_error_blocks": 0, "load_ms": 0, "load_steps": 0,
+                      "load_steps_max": 0, "loads_skipped": 0, "stores": 0, "stored_objects": 0,
+                      "stored_without_state": 0, "store_failures": 0, "stores_skipped": 0, "store_waits_cut": 0,
+                      "reregistered": 0, "blocks_in_use": 0, "attaches": 0, "detaches": 0, "engine_verify_failures": 0}
         self._stats_sent: dict[str, int] = {}
         self._link: Link | None = None
         # scheduler side
         self._reqs: dict[str, _Req] = {}
+        # Asynchronous loads handed to the workers and not yet reported
+        # (finished_recving) nor seen scheduled; requests reported finished
+        # meanwhile, for the next metadata's no_send.
+        self._loads_in_flight: set[str] = set()
+        self._no_send: list[str] = []
         # worker side
         self._session: kvclient.SyncRankSession | None = None
         self._freed_sub: kvclient.SyncClient | None = None  # the client whose BlocksFreed we subscribed to

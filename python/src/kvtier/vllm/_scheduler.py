@@ -22,12 +22,26 @@ from kvtier.vllm.spec import request_chunk_hashes
 log = logging.getLogger("kvtier.vllm")
 
 
+def _bypass_reason(request: Any) -> str:
+    """Why a request's KV cannot be named by its tokens and salt alone: a
+    LoRA adapter changes the K and V projections; multimodal inputs put
+    the same placeholder token ids where different embeddings go (vLLM's
+    own block hashes add both as extra keys). "" for a plain request."""
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    for attr in ("mm_features", "mm_hashes", "mm_positions", "mm_inputs"):
+        if getattr(request, attr, None):
+            return "multimodal inputs"
+    return ""
+
+
 class _SchedulerSide(_Core):
     """vLLM's scheduler-side connector methods."""
 
     # Whether a restore.begin is also the lookup (PP 1): until a
     # coordinator that predates RestoreBeginRequest.Lookup refuses it.
     _begin_looks_up = True
+    _bypass_logged = False
 
     def _setup_scheduler(self, c: kvclient.SyncClient) -> None:
         for r in self.stages:  # every pipeline stage's (one under PP 1)
@@ -41,6 +55,14 @@ class _SchedulerSide(_Core):
             # only with requests of the same salt (kvtier.vllm.spec).
             salt = getattr(request, "cache_salt", None)
             st = _Req(tokens, request_chunk_hashes(self.resolved, tokens, salt))
+            st.bypass = _bypass_reason(request)
+            if st.bypass:
+                self.stats["requests_bypassed"] += 1
+                if not self._bypass_logged:
+                    self._bypass_logged = True
+                    log.warning("kvtier neither restores nor stores requests with %s: their KV depends on more than "
+                                "the tokens and cache_salt the chunk hashes cover (counted: requests_bypassed)",
+                                st.bypass)
             if self.pp > 1:  # every stage its own namespace, so its own chain (kvtier.vllm.spec)
                 st.stage_hashes = [st.hashes] + [request_chunk_hashes(r, tokens, salt) for r in self.stages[1:]]
             self._reqs[request.request_id] = st
@@ -104,7 +126,7 @@ class _SchedulerSide(_Core):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._req(request)
-        if st.load_issued or self.loads_off:
+        if st.load_issued or self.loads_off or st.bypass:
             return 0, False  # loaded once already, or no load this vLLM could take back (_Core.loads_off)
         # vLLM's own prefix cache may end inside a chunk (at a block of
         # it): the lookup starts at that chunk, and its blocks before the
@@ -307,11 +329,18 @@ class _SchedulerSide(_Core):
                 continue
             first, n = st.load
             st.load = None
-            meta.loads.append(self._load_spec(req_id, st, first, n))
+            load = self._load_spec(req_id, st, first, n)
+            meta.loads.append(load)
+            if load.async_load:
+                self._loads_in_flight.add(req_id)
             st.plan, st.stage_plans, st.load_issued = None, [], True  # a plan is used once, a request loads once
             st.saved_through = max(st.saved_through, first + n)
+        meta.preempted = [r for r in getattr(scheduler_output, "preempted_req_ids", None) or ()
+                          if (pst := self._reqs.get(r)) is not None and pst.saved_any]
+        meta.no_send, self._no_send = self._no_send, []
         num_sched = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+            self._loads_in_flight.discard(new.req_id)  # computing: its load is done
             nst = self._reqs.get(new.req_id)
             if nst is None:
                 continue  # never asked about (get_num_new_matched_tokens runs first)
@@ -322,6 +351,7 @@ class _SchedulerSide(_Core):
             resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
             flags = getattr(cached, "resumed_from_preemption", None)
             for i, req_id in enumerate(cached.req_ids):
+                self._loads_in_flight.discard(req_id)
                 cst = self._reqs.get(req_id)
                 if cst is None:
                     continue
@@ -337,6 +367,8 @@ class _SchedulerSide(_Core):
         return meta
 
     def _plan_saves(self, meta: KvtierConnectorMetadata, req_id: str, st: _Req, computed: int) -> None:
+        if st.bypass:
+            return
         done = min(computed, len(st.tokens)) // self.chunk
         chunks: list[tuple[bytes, list[list[int]]]] = []
         positions: list[int] = []
@@ -386,8 +418,24 @@ class _SchedulerSide(_Core):
         spec.items = {r: items.to_bytes() for r, items in plan.ranks.items()}
         return spec
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM hands the scheduler what the workers reported: a load
+        reported (finished_recving) is no longer in flight."""
+        for r in getattr(connector_output, "finished_recving", None) or ():
+            self._loads_in_flight.discard(r)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the request's blocks until the workers
+        report it finished_sending: while a store may read them. Not for a
+        request whose asynchronous load still runs (aborted while it
+        loaded): vLLM keeps those blocks until the load is reported, and one
+        request must not be reported both ways (KvtierConnectorMetadata.no_send)."""
         st = self._reqs.pop(request.request_id, None)
+        if request.request_id in self._loads_in_flight:
+            self._loads_in_flight.discard(request.request_id)
+            if st is not None and st.saved_any:
+                self._no_send.append(request.request_id)
+            return False, None
         return (st is not None and st.saved_any), None
 
     def request_finished_all_groups(self, request: Any,

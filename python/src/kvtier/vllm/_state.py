@@ -64,6 +64,18 @@ class SaveSpec:
 class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Requests vLLM preempted since the last step that had stores sent: vLLM
+    # freed their blocks without asking the connector, and another request
+    # may write them in this step's forward, so the worker waits for their
+    # stores first, each until its gather limit (handle_preemptions; a
+    # gather ending later stores nothing, C1).
+    preempted: list[str] = field(default_factory=list)
+    # Requests that finished while their asynchronous load ran (an abort):
+    # vLLM frees their blocks when the load is reported (finished_recving),
+    # so the worker never reports them finished_sending too. Reported
+    # earlier, vLLM would free blocks the rankd still writes (C10); later,
+    # it would find the request gone and fail its assertion.
+    no_send: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +102,10 @@ class _Req:
     # (group, tokens before the state) -> block id (kvtier.vllm._scheduler).
     states: dict[tuple[int, int], int] = field(default_factory=dict)
     saved_any: bool = False
+    # Why kvtier neither restores nor stores this request ("" when it
+    # does): its KV depends on more than its tokens and salt (a LoRA
+    # adapter, multimodal inputs), which the chunk hashes do not cover.
+    bypass: str = ""
 
 
 @dataclass
@@ -98,6 +114,7 @@ class _Pending:
     event: Any  # released once the store has answered (C1)
     chunks: tuple[bytes, ...] = ()  # names the store in a BlocksFreed
     in_use: bool = False  # answered blocks_in_use: held until BlocksFreed (C10)
+    limit: float = 0.0  # the gather limit sent (time.time() seconds): a gather ending later stores nothing
 
 
 @dataclass

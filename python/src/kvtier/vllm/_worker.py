@@ -269,14 +269,17 @@ class _WorkerSide(_Core):
             # never the request timeout (C11); a copy that ends after the
             # limit may have read reused blocks, so the rankd stores none of
             # it. Full attention: vLLM keeps the blocks until the request is
-            # reported finished, so nothing waits and no limit is sent.
+            # reported finished, so nothing waits here; but a preemption frees
+            # them at once, so every store has the limit, and the worker waits
+            # for a preempted request's stores before the next forward
+            # (handle_preemptions).
             held = bool(self._windows) or any(gl.recurrent for gl in self.layers)
-            limit = deadline + self.cfg.store_grace_s if held else None
+            limit = deadline + self.cfg.store_grace_s
             fut = submit(c, self._store(s, save.req_id, chunks, handle, deadline, limit))
             key = tuple(bytes(ch.chunk) for ch in chunks)
-            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key))
+            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key, limit=limit))
             self.stats["stores"] += 1
-            if limit is not None:
+            if held:
                 waits.append((save.req_id, fut, limit))
         # Every store is sent before the step waits, so the step waits
         # until the latest limit, not one limit per store.
@@ -349,7 +352,24 @@ class _WorkerSide(_Core):
             else:
                 del self._pending[req_id]
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM calls this before a step's forward. A preempted request's
+        blocks were freed without asking the connector and may be written
+        by this forward: its stores are waited for, each until its gather
+        limit (a gather ending later stores nothing), so no object is
+        committed from bytes another request wrote (C1)."""
+        for req_id in getattr(kv_connector_metadata, "preempted", None) or ():
+            for p in list(self._pending.get(req_id, ())):
+                if p.limit and not p.in_use:
+                    self._wait_store(req_id, p.fut, p.limit)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.has_connector_metadata():
+            # Finished while their load ran: vLLM frees them on the load's
+            # report, never on finished_sending (KvtierConnectorMetadata.no_send).
+            for r in cast(KvtierConnectorMetadata, self._get_connector_metadata()).no_send:
+                self._saving.discard(r)
+                self._finishing.discard(r)
         self._finishing |= {r for r in finished_req_ids if r in self._saving}
         self._reap()
         done = {r for r in self._finishing if r not in self._pending}
