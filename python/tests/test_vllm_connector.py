@@ -217,6 +217,7 @@ def test_matched_tokens_not_yet_then_idempotent():
     assert s.get_num_new_matched_tokens(req, 0) == (None, False)
     world.lookup_gate.set_result(None)
     s.cfg.lookup_wait_s = 5
+    s.build_connector_meta(fakes.SchedulerOutput())  # a new step: its wait budget
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert len(world.lookups) == 1 and len(world.begins) == 1
@@ -270,6 +271,7 @@ def test_a_plan_older_than_half_its_deadline_is_begun_again():
     assert len(world.begins) == 1 and s.stats["plans_renewed"] == 0
     st.lookup_since -= 0.2  # 1.1 s of 2: begun again
     s.cfg.lookup_wait_s = 5
+    s.build_connector_meta(fakes.SchedulerOutput())  # a new step: its wait budget
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert len(world.begins) == 2 and s.stats["plans_renewed"] == 1 and s.stats["lookups"] == 2
     assert time.monotonic() - s._reqs["r1"].lookup_since < 1

@@ -252,3 +252,27 @@ def test_wait_attached_waits_for_the_peer_not_only_for_nats():
     link._set("attached", "answering again")
     assert s.wait_attached(0.1) and link.attaches == 2 and link.detaches == 1
     s.shutdown()
+
+
+def test_a_slow_coordinator_costs_a_step_one_wait_budget_not_one_per_request():
+    """vLLM asks every waiting request in a step; with the coordinator slow
+    (lookups in flight, unanswered) each ask waited kvtier_lookup_wait_s,
+    so 50 waiting requests held one step 50 times that (0.5 s here). The
+    wait is a budget of the step: build_connector_meta renews it. Red with
+    a wait per call."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    world.lookup_gate = concurrent.futures.Future()  # never answered
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_lookup_wait_s=0.01, kvtier_lookup_timeout_s=30)
+    reqs = [fakes.Request(f"r{i}", tokens(16 * 5 + 3 + i)) for i in range(50)]
+    for _ in range(2):
+        t0 = time.monotonic()
+        assert all(s.get_num_new_matched_tokens(r, 0) == (None, False) for r in reqs)
+        took = time.monotonic() - t0
+        assert took < 0.1, f"one step waited {took:.3f} s for 50 lookups in flight"
+        s.build_connector_meta(fakes.SchedulerOutput())
+    # The budget is spent on the first ask of a step, and renewed per step.
+    t0 = time.monotonic()
+    s.get_num_new_matched_tokens(reqs[0], 0)
+    assert time.monotonic() - t0 >= 0.009
+    world.lookup_gate.set_result(None)

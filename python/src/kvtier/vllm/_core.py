@@ -128,6 +128,9 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         # (finished_recving) nor seen scheduled; requests reported finished
         # meanwhile, for the next metadata's no_send.
         self._loads_in_flight: set[str] = set()
+        # What is left of this scheduler step's wait for lookups in flight
+        # (kvtier_lookup_wait_s a step; build_connector_meta ends a step).
+        self._wait_left = self.cfg.lookup_wait_s
         self._no_send: list[str] = []
         # worker side
         self._session: kvclient.SyncRankSession | None = None

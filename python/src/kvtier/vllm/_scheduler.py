@@ -161,7 +161,12 @@ class _SchedulerSide(_Core):
                 st.lookup_since = time.monotonic()
                 self.stats["lookups"] += 1
                 self.stats["lookup_tokens"] += (last - first) * self.chunk
-            done, _ = concurrent.futures.wait([st.lookup], timeout=self.cfg.lookup_wait_s)
+            # One wait budget per scheduler step, not per request: vLLM asks
+            # every waiting request in a step, and a slow coordinator would
+            # otherwise cost the step kvtier_lookup_wait_s for each (C11).
+            t0 = time.monotonic()
+            done, _ = concurrent.futures.wait([st.lookup], timeout=min(self.cfg.lookup_wait_s, self._wait_left))
+            self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
             if not done:
                 if time.monotonic() - st.lookup_since < self.cfg.lookup_timeout_s * 2 + 1:
                     return None, False  # not yet: vLLM asks again
@@ -322,6 +327,7 @@ class _SchedulerSide(_Core):
         return out
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        self._wait_left = self.cfg.lookup_wait_s  # the next step's lookup wait budget
         meta = KvtierConnectorMetadata()
         self._take_states(scheduler_output)
         for req_id, st in self._reqs.items():
