@@ -224,6 +224,13 @@ type Config struct {
 	// code unavailable. Defaults 64 and 262144. Each costs one message.
 	MaxWaitersPerRestore int
 	MaxWaiters           int
+	// MaxWaitersPerInstance caps the waiters parked on one instance's
+	// restores, so one instance cannot take all of MaxWaiters (its
+	// MaxActiveRestoresPerInstance restores times MaxWaitersPerRestore
+	// reach it by default) and leave every other instance's waits refused.
+	// Default 65536: a worker parks one wait per rank, so a TP8 instance
+	// with 8192 restores waiting at once. At most MaxWaiters.
+	MaxWaitersPerInstance int
 
 	// HostSharedL1 plans restores from another rank's L1 of the same
 	// instance (index.Config.HostSharedL1): set it when every instance's
@@ -343,6 +350,7 @@ func DefaultConfig() Config {
 		MaxActiveRestoresPerInstance: 4096,
 		MaxWaitersPerRestore:         64,
 		MaxWaiters:                   262144,
+		MaxWaitersPerInstance:        65536,
 		KVEventsQueue:                4096,
 		Raft:                         DefaultRaftConfig(),
 
@@ -444,6 +452,7 @@ func (c *Config) Validate() error {
 		{"max concurrent resyncs", c.MaxConcurrentResyncs}, {"resync burst", c.ResyncBurst}, {"resync window", c.ResyncWindow},
 		{"max active restores per instance", c.MaxActiveRestoresPerInstance},
 		{"max waiters per restore", c.MaxWaitersPerRestore}, {"max waiters", c.MaxWaiters},
+		{"max waiters per instance", c.MaxWaitersPerInstance},
 	} {
 		if v.v < 1 {
 			return fmt.Errorf("%s %d must be >= 1: %w", v.name, v.v, ErrConfig)
@@ -462,6 +471,9 @@ func (c *Config) Validate() error {
 	if c.MaxActiveRestoresPerInstance > c.MaxActiveRestores {
 		return fmt.Errorf("max active restores per instance %d exceeds max active restores %d: %w",
 			c.MaxActiveRestoresPerInstance, c.MaxActiveRestores, ErrConfig)
+	}
+	if c.MaxWaitersPerInstance > c.MaxWaiters {
+		return fmt.Errorf("max waiters per instance %d exceeds max waiters %d: %w", c.MaxWaitersPerInstance, c.MaxWaiters, ErrConfig)
 	}
 	if c.KVEvents && c.KVEventsQueue < 1 {
 		return fmt.Errorf("KV events queue %d must be >= 1: %w", c.KVEventsQueue, ErrConfig)

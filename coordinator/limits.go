@@ -42,7 +42,9 @@ import (
 //     and how fast they start: ResyncRate, ResyncBurst;
 //   - restores: MaxActiveRestoresPerInstance (so one instance's flood
 //     leaves MaxActiveRestores - MaxActiveRestoresPerInstance for the
-//     others), parked waiters: MaxWaitersPerRestore and MaxWaiters;
+//     others), parked waiters: MaxWaitersPerRestore, MaxWaitersPerInstance
+//     (so one instance's flood of waits leaves the others room) and
+//     MaxWaiters;
 //     deadlines are clamped to MaxRestoreDeadline before any arithmetic.
 
 // errRefused: a message broke a limit. The coordinator answers it with

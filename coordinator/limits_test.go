@@ -362,3 +362,57 @@ func TestResyncRateLimited(t *testing.T) {
 		t.Fatalf("resyncs refused by the rate: %v, want 1", got)
 	}
 }
+
+// TestWaitersPerInstance (review finding): one instance's restores cannot
+// park all of MaxWaiters and leave another instance's waits refused: its
+// waiters stop at MaxWaitersPerInstance (refused unavailable, counted
+// instance_waiters) while the other instance's still park; the count
+// falls when a verdict answers them. Red without the per-instance cap
+// (instance eng parked 4, eng2's wait refused).
+func TestWaitersPerInstance(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) {
+		cfg.MaxWaitersPerRestore, cfg.MaxWaitersPerInstance, cfg.MaxWaiters = 2, 2, 4
+	})
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	chunks := chain(ns, 2, 7)
+	for _, inst := range []string{"eng", "eng2"} {
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: inst}, 1, 0, ns, chunks, wire.L1)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	f := &restoreFixture{c: c, nc: nc, ns: ns, chunks: chunks}
+	begin := func(inst string) string {
+		p := call[wire.RestorePlan](t, nc, c.subj.Coord(wire.CoordRestoreBegin),
+			wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks}, Instance: inst})
+		if p.Prefix != len(chunks) {
+			t.Fatalf("instance %s: plan of %d chunks, want %d", inst, p.Prefix, len(chunks))
+		}
+		return p.RestoreID
+	}
+	a, b, other := begin("eng"), begin("eng"), begin("eng2")
+	waits := []<-chan *wire.RestoreVerdict{f.waitAsync(t, a), f.waitAsync(t, a)}
+	callErr[wire.RestoreVerdict](t, nc, c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: b}, wire.CodeUnavailable)
+	if n := testutil.Metric(t, c.reg, "kvtier_coord_refused_total", "rule", "instance_waiters"); n != 1 {
+		t.Fatalf("instance_waiters refusals %v, want 1", n)
+	}
+	waits = append(waits, f.waitAsync(t, other), f.waitAsync(t, other))
+	c.rs.mu.Lock()
+	parked, ofEng, ofEng2 := c.rs.waiters, c.rs.waitersOf["eng"], c.rs.waitersOf["eng2"]
+	c.rs.mu.Unlock()
+	if parked != 4 || ofEng != 2 || ofEng2 != 2 {
+		t.Fatalf("waiters %d (eng %d, eng2 %d), want 4 (2, 2)", parked, ofEng, ofEng2)
+	}
+	// Restore a's verdict answers its waiters and frees eng's count.
+	f.report(t, a, 0, []wire.ItemResult{{Chunk: 0, OK: true, Sum: 1}, {Chunk: 1, OK: true, Sum: 2}})
+	for _, w := range waits[:2] {
+		recv(t, w)
+	}
+	f.waitAsync(t, b)
+	c.rs.mu.Lock()
+	ofEng = c.rs.waitersOf["eng"]
+	c.rs.mu.Unlock()
+	if ofEng != 1 {
+		t.Fatalf("eng's waiters %d after a's verdict and one more wait, want 1", ofEng)
+	}
+}

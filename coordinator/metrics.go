@@ -221,7 +221,7 @@ var (
 	reportOutcomes    = []string{"ok", "duplicate", "late", "rejected"}
 	restoreChunkKinds = []string{"verified", "bytes_wrong", "failed"}
 	refusalRules      = []string{"incarnation_skew", "not_member", "max_ranks", "max_instances", "max_namespaces", "geometry",
-		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "unknown_rank_heartbeat",
+		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "instance_waiters", "unknown_rank_heartbeat",
 		"rank_budget", "rank_budget_in_flight", "rank_rate", "rank_held", "rank_resetting", "inventory_budget"}
 	unauthorizedKinds = []string{"events", "heartbeat", "report", "lookup", "restore_begin", "restore_wait"}
 )

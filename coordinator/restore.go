@@ -103,9 +103,10 @@ type restores struct {
 	decided map[string]*wire.AdminRestore
 	closed  bool
 	// perInstance counts active restores by instance; waiters counts the
-	// parked waiters of every active restore.
+	// parked waiters of every active restore, waitersOf those by instance.
 	perInstance map[string]int
 	waiters     int
+	waitersOf   map[string]int
 }
 
 type activeRestore struct {
@@ -145,6 +146,7 @@ func newRestores(c *Coordinator) *restores {
 		decided: make(map[string]*wire.AdminRestore),
 
 		perInstance: make(map[string]int),
+		waitersOf:   make(map[string]int),
 	}
 }
 
@@ -279,8 +281,17 @@ func (rs *restores) handleWait(m *nats.Msg) {
 					req.RestoreID, n, c.cfg.MaxWaitersPerRestore, total, c.cfg.MaxWaiters))
 			return
 		}
+		if n := rs.waitersOf[a.instance]; n >= c.cfg.MaxWaitersPerInstance {
+			rs.mu.Unlock()
+			c.met.refused.WithLabelValues("instance_waiters").Inc()
+			c.replyError(wire.CoordRestoreWait, m, wire.CodeUnavailable,
+				fmt.Sprintf("instance %s has %d waiters parked (limit %d, MaxWaitersPerInstance)", a.instance, n,
+					c.cfg.MaxWaitersPerInstance))
+			return
+		}
 		a.waiters = append(a.waiters, m)
 		rs.waiters++
+		rs.waitersOf[a.instance]++
 		rs.mu.Unlock()
 		return
 	}
@@ -346,6 +357,9 @@ type finished struct {
 func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, cause string, last time.Time) *finished {
 	delete(rs.active, id)
 	rs.waiters -= len(a.waiters)
+	if rs.waitersOf[a.instance] -= len(a.waiters); rs.waitersOf[a.instance] <= 0 {
+		delete(rs.waitersOf, a.instance)
+	}
 	if rs.perInstance[a.instance]--; rs.perInstance[a.instance] <= 0 {
 		delete(rs.perInstance, a.instance)
 	}
@@ -556,6 +570,7 @@ func (rs *restores) close() {
 		a.waiters = nil
 	}
 	rs.waiters = 0
+	clear(rs.waitersOf)
 	rs.mu.Unlock()
 	for _, w := range ws {
 		rs.c.replyError(wire.CoordRestoreWait, w, wire.CodeUnavailable, "coordinator shutting down before the verdict")
@@ -631,6 +646,7 @@ func (rs *restores) abandonAll(reason string) int {
 	rs.byDL = rs.byDL[:0]
 	rs.perInstance = make(map[string]int)
 	rs.waiters = 0
+	clear(rs.waitersOf)
 	rs.c.met.active.Set(0)
 	rs.mu.Unlock()
 	for _, w := range waiters {
