@@ -145,7 +145,7 @@ func newMetrics() *metrics {
 		}),
 		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_total",
-			Help: "Restores decided, by outcome (complete, failed, refused) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
+			Help: "Restores decided, by outcome (complete, failed, refused) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup, cancelled: withdrawn by the engine before any rank read).",
 		}, []string{"outcome", "cause"}),
 		notPlanned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_not_planned_total",
@@ -207,7 +207,7 @@ func newMetrics() *metrics {
 // fresh coordinator.
 var (
 	batchOutcomes  = []string{"applied", "resync", "fenced", "bad_request", "unauthorized", "refused", "failed"}
-	replyOps       = []string{wire.CoordRegister, wire.CoordLookup, wire.CoordRestoreBegin, wire.CoordRestoreReport, wire.CoordRestoreWait, opEvents}
+	replyOps       = []string{wire.CoordRegister, wire.CoordLookup, wire.CoordRestoreBegin, wire.CoordRestoreReport, wire.CoordRestoreWait, wire.CoordRestoreCancel, opEvents}
 	requestOps     = append(slices.Clone(replyOps), "heartbeat") // heartbeats get no reply
 	replyOutcomes  = []string{replyOK, replyError, replyTooLarge, replySendFailed, replyNoInbox}
 	resyncOutcomes = []string{"ok", "failed", "fenced", "abandoned"}

@@ -318,6 +318,74 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	c.replyVerdict(m, &v)
 }
 
+// handleCancel withdraws an active restore no rank has reported for
+// (wire.RestoreCancel): every expectation fails with the engine's reason,
+// the verdict is final at once (cause "cancelled") and its waiters, if
+// any, get it. A restore with a report accepted is left to be decided as
+// any: a read ran. Only the restore's instance may cancel it (scope, and
+// the instance check below, as for restore.wait).
+func (rs *restores) handleCancel(m *nats.Msg) {
+	c := rs.c
+	var req wire.RestoreCancel
+	if err := bus.Decode(m, &req); err != nil {
+		c.badRequest(m, "restore.cancel", err)
+		return
+	}
+	var inst string
+	if !c.scope(m, wire.CoordRestoreCancel, "restore_cancel", &inst) {
+		return
+	}
+	rs.mu.Lock()
+	a := rs.active[req.RestoreID]
+	if a == nil {
+		d := rs.decided[req.RestoreID]
+		rs.mu.Unlock()
+		if d == nil {
+			c.replyError(wire.CoordRestoreCancel, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known", req.RestoreID))
+			return
+		}
+		if inst != "" && d.Instance != inst {
+			c.refuse(m, "restore_cancel", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
+			return
+		}
+		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: d.State})
+		return
+	}
+	if inst != "" && a.instance != inst {
+		rs.mu.Unlock()
+		c.refuse(m, "restore_cancel", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
+		return
+	}
+	if !a.lastReport.IsZero() {
+		rs.mu.Unlock()
+		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: wire.VerdictPending})
+		return
+	}
+	for tp, rd := range a.readers {
+		results := make([]wire.ItemResult, len(rd.slots))
+		for i, sl := range rd.slots {
+			results[i] = wire.ItemResult{Chunk: int(sl.chunk), Group: int(sl.group), Reason: "cancelled by the engine before its load"}
+		}
+		if _, err := a.r.Report(tp, results); err != nil {
+			c.met.internal.Inc() // the slots are the plan's: cannot happen
+			c.log.Error("cancelling a restore's expectations was refused", zap.String("restore", req.RestoreID), zap.Error(err))
+		}
+	}
+	v := a.r.Verdict()
+	var fin *finished
+	if v.Final() {
+		fin = rs.finishLocked(req.RestoreID, a, v, "cancelled", time.Time{})
+	}
+	rs.mu.Unlock()
+	if fin == nil {
+		c.met.internal.Inc()
+		c.replyError(wire.CoordRestoreCancel, m, wire.CodeInternal, "restore not final after every expectation failed")
+		return
+	}
+	fin.deliver(c)
+	c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{Cancelled: true, State: fin.verdict.State})
+}
+
 // replyVerdict answers a restore.wait with v. A failed verdict that fits
 // the max payload only without its GroupReasons is sent without them:
 // Failed and Reasons (each chunk's first failure) are what the engine acts
@@ -389,11 +457,14 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 // the verdict counted.
 func (f *finished) deliver(c *Coordinator) {
 	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
-	// Every chunk of the plan is verified or failed once the verdict is final.
-	failed := len(f.verdict.Failed)
-	c.met.restoreChunks.WithLabelValues("verified").Add(float64(f.verdict.Prefix - failed))
-	c.met.restoreChunks.WithLabelValues("bytes_wrong").Add(float64(f.bytesWrong))
-	c.met.restoreChunks.WithLabelValues("failed").Add(float64(failed - f.bytesWrong))
+	// Every chunk of the plan is verified or failed once the verdict is
+	// final; a cancelled restore's chunks were never read.
+	if f.cause != "cancelled" {
+		failed := len(f.verdict.Failed)
+		c.met.restoreChunks.WithLabelValues("verified").Add(float64(f.verdict.Prefix - failed))
+		c.met.restoreChunks.WithLabelValues("bytes_wrong").Add(float64(f.bytesWrong))
+		c.met.restoreChunks.WithLabelValues("failed").Add(float64(failed - f.bytesWrong))
+	}
 	if len(f.waiters) > 0 && f.verdict.State == wire.VerdictComplete {
 		if err := c.repl.confirmComplete(); err != nil {
 			// Replicated and deposed: a leader that cannot confirm its
@@ -424,6 +495,10 @@ func (f *finished) deliver(c *Coordinator) {
 		zap.Int("prefix", f.verdict.Prefix), zap.String("cause", f.cause), zap.Int("waiters", len(f.waiters))}
 	if !f.last.IsZero() {
 		fields = append(fields, zap.Duration("verdict_latency", lat))
+	}
+	if f.cause == "cancelled" {
+		c.log.Debug("restore cancelled by the engine", fields...)
+		return
 	}
 	if f.verdict.State == wire.VerdictFailed {
 		fields = append(fields, zap.Ints("failed_chunks", f.verdict.Failed), zap.Strings("reasons", firstN(f.verdict.Reasons, 8)))

@@ -478,3 +478,62 @@ func TestRestorePlanBinaryAndTooLarge(t *testing.T) {
 		t.Fatalf("unknown encoding: %+v (%v)", brep, err)
 	}
 }
+
+// TestRestoreCancel: a begun restore no rank reported for is withdrawn by
+// its engine at once: verdict failed with the engine's reason, counted
+// restores_total{failed,cancelled} (its chunks not counted as failed
+// reads), its slot freed, its waiters answered. One a rank reported for is
+// not cancelled (its read ran) and is decided as any; another instance may
+// not cancel (refused, counted); an unknown id is not_found. Red with the
+// report check removed (the second restore cancelled) and with the
+// instance check removed.
+func TestRestoreCancel(t *testing.T) {
+	f := newRestoreFixture(t, 3)
+	c, nc := f.c, f.nc
+	plan := f.begin(t, f.chunks)
+	w := f.waitAsync(t, plan.RestoreID)
+	callErr[wire.CancelReply](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreCancel),
+		wire.RestoreCancel{RestoreID: plan.RestoreID}, wire.CodeUnauthorized)
+	if n := testutil.Metric(t, c.reg, "kvtier_coord_unauthorized_total", "subject", "restore_cancel"); n != 1 {
+		t.Fatalf("unauthorized restore_cancel = %v, want 1", n)
+	}
+	rep := call[wire.CancelReply](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreCancel), wire.RestoreCancel{RestoreID: plan.RestoreID})
+	if !rep.Cancelled || rep.State != wire.VerdictFailed {
+		t.Fatalf("cancel = %+v, want cancelled, failed", rep)
+	}
+	v := recv(t, w)
+	if v.State != wire.VerdictFailed || len(v.Failed) != 3 || !strings.Contains(v.Reasons[0], "cancelled by the engine") {
+		t.Fatalf("verdict after the cancel = %+v", v)
+	}
+	c.rs.mu.Lock()
+	active, per := len(c.rs.active), c.rs.perInstance["eng"]
+	c.rs.mu.Unlock()
+	if active != 0 || per != 0 {
+		t.Fatalf("after the cancel: %d active, %d of eng's", active, per)
+	}
+	if n := testutil.Metric(t, c.reg, "kvtier_coord_restores_total", "outcome", wire.VerdictFailed, "cause", "cancelled"); n != 1 {
+		t.Fatalf("restores_total{failed,cancelled} = %v, want 1", n)
+	}
+	if n := testutil.MetricSum(t, c.reg, "kvtier_coord_restore_chunks_total"); n != 0 {
+		t.Fatalf("restore_chunks_total = %v after a cancel, want 0 (nothing was read)", n)
+	}
+	// Again: decided, nothing to cancel.
+	if rep := call[wire.CancelReply](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreCancel),
+		wire.RestoreCancel{RestoreID: plan.RestoreID}); rep.Cancelled || rep.State != wire.VerdictFailed {
+		t.Fatalf("second cancel = %+v", rep)
+	}
+
+	// A rank reported: its read ran, the restore is decided as any.
+	plan2 := f.begin(t, f.chunks)
+	r0, r1 := wire.Rank{Instance: "eng", TPRank: 0}, wire.Rank{Instance: "eng", TPRank: 1}
+	f.report(t, plan2.RestoreID, 0, results(plan2.Ranks[r0.String()]))
+	if rep := call[wire.CancelReply](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreCancel),
+		wire.RestoreCancel{RestoreID: plan2.RestoreID}); rep.Cancelled || rep.State != wire.VerdictPending {
+		t.Fatalf("cancel after a report = %+v, want not cancelled, pending", rep)
+	}
+	if ack := f.report(t, plan2.RestoreID, 1, results(plan2.Ranks[r1.String()])); ack.State != wire.VerdictComplete {
+		t.Fatalf("after both reports: %s, want complete", ack.State)
+	}
+	callErr[wire.CancelReply](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreCancel),
+		wire.RestoreCancel{RestoreID: "00000000000000000000000000000000"}, wire.CodeNotFound)
+}

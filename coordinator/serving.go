@@ -59,6 +59,7 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		{c.subj.EngineCoordAll(wire.CoordRestoreBegin), wire.CoordRestoreBegin, c.rs.handleBegin},
 		{c.subj.ReportAll(), wire.CoordRestoreReport, c.rs.handleReport},
 		{c.subj.EngineCoordAll(wire.CoordRestoreWait), wire.CoordRestoreWait, c.rs.handleWait},
+		{c.subj.EngineCoordAll(wire.CoordRestoreCancel), wire.CoordRestoreCancel, c.rs.handleCancel},
 		{c.subj.Admin(wire.AdminMembers), wire.AdminMembers, c.handleMembers},
 		{c.subj.Admin(wire.AdminRanks), wire.AdminRanks, c.handleRanks},
 		{c.subj.Admin(wire.AdminObject), wire.AdminObject, c.handleObject},
@@ -87,6 +88,7 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 			{c.subj.Coord(wire.CoordRestoreBegin), wire.CoordRestoreBegin, c.rs.handleBegin},
 			{c.subj.Coord(wire.CoordRestoreReport), wire.CoordRestoreReport, c.rs.handleReport},
 			{c.subj.Coord(wire.CoordRestoreWait), wire.CoordRestoreWait, c.rs.handleWait},
+			{c.subj.Coord(wire.CoordRestoreCancel), wire.CoordRestoreCancel, c.rs.handleCancel},
 		}...)
 	}
 	lookups := map[string]bool{c.subj.EngineCoordAll(wire.CoordLookup): true, c.subj.Coord(wire.CoordLookup): c.cfg.Insecure}

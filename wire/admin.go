@@ -106,6 +106,7 @@ const (
 	CoordRestoreBegin  = "restore.begin"  // RestoreBegin -> RestorePlan
 	CoordRestoreReport = "restore.report" // RestoreReport -> ReportAck
 	CoordRestoreWait   = "restore.wait"   // RestoreWait -> RestoreVerdict
+	CoordRestoreCancel = "restore.cancel" // RestoreCancel -> CancelReply
 )
 
 // LookupRequest asks for the longest prefix of a chunk chain for which every

@@ -230,6 +230,24 @@ type RestoreWait struct {
 	RestoreID string `json:"restore_id"`
 }
 
+// RestoreCancel withdraws a begun restore whose retrieves the engine never
+// sent (vLLM did not schedule the request before it finished, or the
+// connector began it again): the coordinator decides it failed at once,
+// counted as cancelled, and frees its slot, rather than failing it at its
+// deadline as if the ranks had not answered. A restore some rank already
+// reported for is not cancelled (CancelReply.Cancelled false): its reads
+// ran, and it is decided as any. Only the restore's own instance may cancel it.
+type RestoreCancel struct {
+	RestoreID string `json:"restore_id"`
+}
+
+// CancelReply answers a RestoreCancel: whether it was cancelled, and the
+// restore's state after the request ("failed" once cancelled or decided).
+type CancelReply struct {
+	Cancelled bool   `json:"cancelled"`
+	State     string `json:"state"`
+}
+
 // Verdict states.
 const (
 	VerdictPending  = "pending"

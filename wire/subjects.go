@@ -88,7 +88,7 @@ func (s Subjects) Report(r Rank) string {
 func (s Subjects) ReportAll() string { return s.p() + ".coord." + CoordRestoreReport + ".*.*" }
 
 // EngineCoordOps are the coordinator operations an engine may call.
-var EngineCoordOps = []string{CoordRegister, CoordLookup, CoordRestoreBegin, CoordRestoreWait}
+var EngineCoordOps = []string{CoordRegister, CoordLookup, CoordRestoreBegin, CoordRestoreWait, CoordRestoreCancel}
 
 // InstanceOf returns the last token of subject, which names the instance
 // of an EngineCoord subject.

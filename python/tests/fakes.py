@@ -302,6 +302,7 @@ class FakeWorld:
         self.lookup_begins = 0  # begins that were also the lookup (RestoreBeginRequest.Lookup)
         self.refuse_lookup_begins = False  # a coordinator from before Lookup: refuses them
         self.waits: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_wait
+        self.cancels: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_cancel
 
 
 class FakeAio:
@@ -346,6 +347,10 @@ class FakeAio:
         return client_plan.PackedPlan(p.restore_id, p.prefix,
                                       {name: client_plan.PlanItems.of(items) for name, items in p.ranks.items()},
                                       p.reason)
+
+    async def restore_cancel(self, restore_id, *, timeout=None, instance=None):
+        self.world.cancels.append((restore_id, instance))
+        return wire.CancelReply(True, wire.VERDICT_FAILED)
 
     async def restore_wait(self, restore_id, *, timeout=None, instance=None):
         self.world.waits.append((restore_id, instance))

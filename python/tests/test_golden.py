@@ -68,7 +68,8 @@ def test_subjects_equal_go():
            "inventory": s.inventory(r), "report": s.report(r), "coord.unscoped.lookup": s.coord(wire.COORD_LOOKUP)}
     for op in (wire.OP_REGISTER, wire.OP_STORE, wire.OP_RETRIEVE, wire.OP_RELEASE, wire.OP_STATUS):
         got["engine." + op] = s.engine(r, op)
-    for op in (wire.COORD_REGISTER, wire.COORD_LOOKUP, wire.COORD_RESTORE_BEGIN, wire.COORD_RESTORE_WAIT):
+    for op in (wire.COORD_REGISTER, wire.COORD_LOOKUP, wire.COORD_RESTORE_BEGIN, wire.COORD_RESTORE_WAIT,
+               wire.COORD_RESTORE_CANCEL):
         got["coord." + op] = s.engine_coord("engine0", op)
     assert got == want
 

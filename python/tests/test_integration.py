@@ -315,6 +315,13 @@ def test_forged_and_other_instance_requests_are_refused(cluster: Cluster) -> Non
             c.lookup(ns, h, instance="engine1")
         with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.restore.wait.engine1")):
             c.run(c.aio.restore_wait("0" * 32, instance="engine1"))
+        # restore.cancel: its own instance's subject is served (an unknown
+        # restore), another instance's refused by NATS.
+        with pytest.raises(errors.WireError) as wi:
+            c.restore_cancel("0" * 32, instance="engine0")
+        assert wi.value.code == "not_found", wi.value
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.coord.restore.cancel.engine1")):
+            c.restore_cancel("0" * 32, instance="engine1")
         # Its own subject, a body naming another instance: the coordinator refuses.
         with pytest.raises(errors.Unauthorized) as ei:
             c.run(c.aio.call(subjects.engine_coord("engine0", wire.COORD_LOOKUP),

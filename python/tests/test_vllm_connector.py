@@ -253,6 +253,45 @@ def test_the_begin_is_the_lookup_unless_the_coordinator_refuses_it(caplog):
     assert s._begin_looks_up and world.lookup_begins == 1 and s.stats["lookup_errors"] == 1
 
 
+def test_a_restore_never_handed_to_the_workers_is_cancelled():
+    """A request that finishes (an abort) after its lookup began a restore
+    and before vLLM scheduled it, and a load vLLM took fewer chunks of than
+    planned, leave a restore no rank will read: the scheduler withdraws it
+    (restore.cancel) so the coordinator does not fail it at its deadline as
+    if ranks had not answered, nor hold its slot. A load handed to the
+    workers is never cancelled. Red without the cancel in request_finished
+    and in the short-take path."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER)
+    inst = s.instances[0]
+    aborted = fakes.Request("aborted", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, aborted, 0, 3)
+    assert s.get_num_new_matched_tokens(aborted, 0) == (48, False)
+    assert s.request_finished(aborted, []) == (False, None)
+    eventually("the aborted request's restore cancelled", lambda: world.cancels == [("r-1", inst)])
+    assert s.stats["restores_cancelled"] == 1
+
+    # vLLM took 2 of the 3 planned chunks: the load is not sent, its restore withdrawn.
+    short = fakes.Request("short", tokens(16 * 5 + 3))
+    world.plan = wire.RestorePlan("r-2", 3, plan_for(s, short, 0, 3).ranks)
+    assert s.get_num_new_matched_tokens(short, 0) == (48, False)
+    s.update_state_after_alloc(short, fakes.KVCacheBlocks(([1, 2, 3, 4, 5, 6],)), 32)
+    meta = s.build_connector_meta(fakes.SchedulerOutput())
+    assert meta.loads[0].restore_id == "" and "took 2 of the 3" in meta.loads[0].problem
+    eventually("the short take's restore cancelled", lambda: world.cancels[1:] == [("r-2", inst)])
+
+    # Handed to the workers: finishing it later cancels nothing.
+    loaded = fakes.Request("loaded", tokens(16 * 5 + 3))
+    world.plan = wire.RestorePlan("r-3", 3, plan_for(s, loaded, 0, 3).ranks)
+    assert s.get_num_new_matched_tokens(loaded, 0) == (48, False)
+    s.update_state_after_alloc(loaded, fakes.KVCacheBlocks(([7, 8, 9, 10, 11, 12],)), 48)
+    assert s.build_connector_meta(fakes.SchedulerOutput()).loads[0].restore_id == "r-3"
+    s.request_finished(loaded, [])
+    time.sleep(0.05)
+    assert [r for r, _ in world.cancels] == ["r-1", "r-2"]
+
+
 def test_a_plan_older_than_half_its_deadline_is_begun_again():
     """The restore is begun with the lookup, and the coordinator's deadline
     runs from then: a request that waits for blocks (vLLM asks again each
@@ -274,6 +313,8 @@ def test_a_plan_older_than_half_its_deadline_is_begun_again():
     s.build_connector_meta(fakes.SchedulerOutput())  # a new step: its wait budget
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert len(world.begins) == 2 and s.stats["plans_renewed"] == 1 and s.stats["lookups"] == 2
+    # The old restore is withdrawn (restore.cancel), not left to fail at its deadline.
+    eventually("the old restore cancelled", lambda: world.cancels == [("r-1", s.instances[0])])
     assert time.monotonic() - s._reqs["r1"].lookup_since < 1
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
     assert len(world.begins) == 2

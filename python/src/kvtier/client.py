@@ -523,6 +523,15 @@ class Client:
         v.validate()
         return v
 
+    async def restore_cancel(self, restore_id: str, *, timeout: float | None = None,
+                             instance: str | None = None) -> wire.CancelReply:
+        """Withdraws a begun restore none of whose retrieves was sent: the
+        coordinator decides it at once (cancelled) instead of at its
+        deadline. One a rank already reported for is left as it is
+        (cancelled False)."""
+        return await self.call(self.coord_subject(wire.COORD_RESTORE_CANCEL, instance), wire.RestoreCancel(restore_id),
+                               wire.CancelReply, timeout=timeout)
+
     # ------------------------------------------------------------ rankd
 
     async def status(self, rank: Rank, *, timeout: float | None = None) -> wire.StatusReply:
@@ -842,6 +851,10 @@ class SyncClient:
     def restore_wait(self, restore_id: str, *, timeout: float | None = None,
                      instance: str | None = None) -> RestoreVerdict:
         return self.run(self.aio.restore_wait(restore_id, timeout=timeout, instance=instance), _outer(timeout))
+
+    def restore_cancel(self, restore_id: str, *, timeout: float | None = None,
+                       instance: str | None = None) -> wire.CancelReply:
+        return self.run(self.aio.restore_cancel(restore_id, timeout=timeout, instance=instance), _outer(timeout))
 
     def restore(self, sessions: dict[str, SyncRankSession], chunks: Sequence[ChunkHash],
                 blocks_for: Callable[[Rank, RetrieveItem], list[int]] | BlockTable, *, instance: str | None = None,

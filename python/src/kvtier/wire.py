@@ -56,6 +56,7 @@ COORD_LOOKUP = "lookup"
 COORD_RESTORE_BEGIN = "restore.begin"
 COORD_RESTORE_REPORT = "restore.report"
 COORD_RESTORE_WAIT = "restore.wait"
+COORD_RESTORE_CANCEL = "restore.cancel"
 
 # Engine operations (<p>.rank.<instance>.<tp>.engine.<op>).
 OP_REGISTER = "register"
@@ -656,6 +657,20 @@ class RestoreReport:
 @dataclass
 class RestoreWait:
     restore_id: str = field("restore_id", default="")
+
+
+@dataclass
+class RestoreCancel:
+    """Withdraws a begun restore whose retrieves were never sent (Go's
+    wire.RestoreCancel)."""
+
+    restore_id: str = field("restore_id", default="")
+
+
+@dataclass
+class CancelReply:
+    cancelled: bool = field("cancelled", default=False)
+    state: str = field("state", default="")
 
 
 @dataclass

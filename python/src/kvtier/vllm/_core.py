@@ -113,13 +113,14 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
         self._windows = [(gl.sliding_window, self.resolved.geometry[gi].span)
                          for gi, gl in enumerate(self.layers) if gl.sliding_window]
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0))
-        self.stats = {"lookups": 0, "lookup_errors": 0, "lookup_timeouts": 0, "lookups_skipped": 0,
-                      "plans_renewed": 0, "requests_bypassed": 0, "lookup_tokens": 0, "hit_tokens": 0, "loads": 0,
-                      "loaded_tokens": 0, "restores": 0, "restore_failures": 0, "load_failed_tokens": 0,
-                      "recomputed_bad_bytes_tokens": 0, "load_error_blocks": 0, "load_ms": 0, "load_steps": 0,
-                      "load_steps_max": 0, "loads_skipped": 0, "stores": 0, "stored_objects": 0,
-                      "stored_without_state": 0, "store_failures": 0, "stores_skipped": 0, "store_waits_cut": 0,
-                      "reregistered": 0, "blocks_in_use": 0, "attaches": 0, "detaches": 0, "engine_verify_failures": 0}
+        self.stats: dict[str, int] = dict.fromkeys((
+            "lookups", "lookup_errors", "lookup_timeouts", "lookups_skipped", "plans_renewed", "restores_cancelled",
+            "requests_bypassed", "lookup_tokens", "hit_tokens", "loads", "loaded_tokens", "restores",
+            "restore_failures", "load_failed_tokens", "recomputed_bad_bytes_tokens", "load_error_blocks", "load_ms",
+            "load_steps", "load_steps_max", "loads_skipped", "stores", "stored_objects", "stored_without_state",
+            "store_failures", "stores_skipped", "store_waits_cut", "reregistered", "blocks_in_use", "attaches",
+            "detaches", "engine_verify_failures",
+        ), 0)
         self._stats_sent: dict[str, int] = {}
         self._link: Link | None = None
         # scheduler side

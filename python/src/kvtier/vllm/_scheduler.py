@@ -148,6 +148,7 @@ class _SchedulerSide(_Core):
             # recomputing a hit. Look up and begin again (the old restore
             # fails at its deadline; nothing was sent to a rankd for it).
             self.stats["plans_renewed"] += 1
+            self._cancel(st)
             st.lookup, st.matched_chunks, st.plan, st.stage_plans = None, None, None, []
         st.held_tokens = held  # vLLM asks again with the prefix it holds then: the last ask counts
         if st.matched_chunks is None:
@@ -191,6 +192,20 @@ class _SchedulerSide(_Core):
         if n <= 0:
             return 0, False
         return n * self.chunk - held, self.cfg.load_async
+
+    def _cancel(self, st: _Req) -> None:
+        """Withdraws the restore begun for st's hit, which no worker was
+        handed (every stage's under PP): the coordinator decides it at once
+        instead of failing it at its deadline, and frees its slot. Sent and
+        not waited for; a coordinator that predates restore.cancel, or one
+        that is down, fails it at the deadline as before."""
+        c = self._client_now()
+        if c is None:
+            return
+        for p, inst in zip(st.stage_plans or ([st.plan] if st.plan else []), self.instances, strict=False):
+            if p is not None and p.restore_id and p.prefix > 0:
+                self.stats["restores_cancelled"] += 1
+                submit(c, c.aio.restore_cancel(p.restore_id, instance=inst, timeout=self.cfg.lookup_timeout_s))
 
     def _plan_stale(self, st: _Req) -> bool:
         """Whether the restore begun for st's hit has used half of its
@@ -417,6 +432,7 @@ class _SchedulerSide(_Core):
             # vLLM took fewer tokens than offered: items past n would name
             # blocks the request does not own. Not loaded; recomputed.
             spec.problem = f"vLLM took {n} of the {plan.prefix} planned chunks"
+            self._cancel(st)
             return spec
         spec.restore_id, spec.planned = plan.restore_id, min(plan.prefix, n)
         if len(st.stage_plans) > 1:
@@ -437,6 +453,8 @@ class _SchedulerSide(_Core):
         loaded): vLLM keeps those blocks until the load is reported, and one
         request must not be reported both ways (KvtierConnectorMetadata.no_send)."""
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.plan is not None:
+            self._cancel(st)  # begun, never handed to the workers
         if request.request_id in self._loads_in_flight:
             self._loads_in_flight.discard(request.request_id)
             if st is not None and st.saved_any:
