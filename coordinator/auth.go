@@ -35,7 +35,7 @@ type authState struct {
 func newRefused() *prometheus.CounterVec {
 	v := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvtier_coord_unauthorized_total",
-		Help: "Messages refused because the body names another rank or instance than the subject the sender is authorized for, by subject kind (events, heartbeat, report, lookup, restore_begin, restore_wait).",
+		Help: "Messages refused because the body names another rank or instance than the subject the sender is authorized for, by subject kind (events, heartbeat, report, lookup, restore_begin, restore_wait, restore_cancel).",
 	}, []string{"subject"})
 	initLabels(v, unauthorizedKinds...)
 	return v

@@ -228,8 +228,9 @@ type Config struct {
 	// restores, so one instance cannot take all of MaxWaiters (its
 	// MaxActiveRestoresPerInstance restores times MaxWaitersPerRestore
 	// reach it by default) and leave every other instance's waits refused.
-	// Default 65536: a worker parks one wait per rank, so a TP8 instance
-	// with 8192 restores waiting at once. At most MaxWaiters.
+	// Default 65536: a worker parks one wait per rank, so a TP8 instance's
+	// 4096 restores park 32768, twice over. At most MaxWaiters; four
+	// instances at the cap still fill the default MaxWaiters.
 	MaxWaitersPerInstance int
 
 	// HostSharedL1 plans restores from another rank's L1 of the same

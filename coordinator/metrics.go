@@ -145,7 +145,7 @@ func newMetrics() *metrics {
 		}),
 		restores: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_total",
-			Help: "Restores decided, by outcome (complete, failed, refused) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup, cancelled: withdrawn by the engine before any rank read).",
+			Help: "Restores decided, by outcome (complete, failed, refused; cancelled: withdrawn by the engine before any rank read, cause engine) and cause (reports, deadline, empty, readers_not_alive, rank_dead, rank_left, rank_superseded, rank_startup).",
 		}, []string{"outcome", "cause"}),
 		notPlanned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_restores_not_planned_total",
@@ -187,7 +187,7 @@ func newMetrics() *metrics {
 		}, []string{"op", "outcome"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvtier_coord_refused_total",
-			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, resync_rate, instance_restores, waiters, unknown_rank_heartbeat; per-rank budgets: rank_budget, rank_budget_in_flight, rank_rate, rank_held, rank_resetting, inventory_budget).",
+			Help: "Messages refused by a limit for a hostile or broken sender, by rule (incarnation_skew, not_member, max_ranks, max_instances, max_namespaces, geometry, inventory_objects, inventory_pages, resync_cap, resync_rate, instance_restores, waiters, instance_waiters, unknown_rank_heartbeat; per-rank budgets: rank_budget, rank_budget_in_flight, rank_rate, rank_held, rank_resetting, inventory_budget).",
 		}, []string{"rule"}),
 		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_duplicate_rank_members_total",
@@ -223,7 +223,7 @@ var (
 	refusalRules      = []string{"incarnation_skew", "not_member", "max_ranks", "max_instances", "max_namespaces", "geometry",
 		"inventory_objects", "inventory_pages", "resync_cap", "resync_rate", "instance_restores", "waiters", "instance_waiters", "unknown_rank_heartbeat",
 		"rank_budget", "rank_budget_in_flight", "rank_rate", "rank_held", "rank_resetting", "inventory_budget"}
-	unauthorizedKinds = []string{"events", "heartbeat", "report", "lookup", "restore_begin", "restore_wait"}
+	unauthorizedKinds = []string{"events", "heartbeat", "report", "lookup", "restore_begin", "restore_wait", "restore_cancel"}
 )
 
 // restoreOutcomes are the (outcome, cause) pairs of kvtier_coord_restores_total.
@@ -231,7 +231,7 @@ func restoreOutcomes() [][2]string {
 	out := [][2]string{
 		{wire.VerdictComplete, "reports"}, {wire.VerdictComplete, "empty"},
 		{wire.VerdictFailed, "reports"}, {wire.VerdictFailed, "deadline"},
-		{wire.VerdictRefused, "readers_not_alive"},
+		{wire.VerdictRefused, "readers_not_alive"}, {"cancelled", "engine"},
 	}
 	for _, c := range rankCauses {
 		out = append(out, [2]string{wire.VerdictFailed, "rank_" + c})

@@ -318,6 +318,9 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	c.replyVerdict(m, &v)
 }
 
+// causeCancelled is the finish cause of a restore the engine withdrew.
+const causeCancelled = "cancelled"
+
 // handleCancel withdraws an active restore no rank has reported for
 // (wire.RestoreCancel): every expectation fails with the engine's reason,
 // the verdict is final at once (cause "cancelled") and its waiters, if
@@ -345,6 +348,9 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 			return
 		}
 		if inst != "" && d.Instance != inst {
+			if _, outside := c.share.outside(inst, d.Instance); outside {
+				c.share.met.refused.WithLabelValues("restore_cancel").Inc()
+			}
 			c.refuse(m, "restore_cancel", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
 			return
 		}
@@ -353,6 +359,9 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 	}
 	if inst != "" && a.instance != inst {
 		rs.mu.Unlock()
+		if _, outside := c.share.outside(inst, a.instance); outside {
+			c.share.met.refused.WithLabelValues("restore_cancel").Inc()
+		}
 		c.refuse(m, "restore_cancel", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
 		return
 	}
@@ -374,7 +383,7 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 	v := a.r.Verdict()
 	var fin *finished
 	if v.Final() {
-		fin = rs.finishLocked(req.RestoreID, a, v, "cancelled", time.Time{})
+		fin = rs.finishLocked(req.RestoreID, a, v, causeCancelled, time.Time{})
 	}
 	rs.mu.Unlock()
 	if fin == nil {
@@ -456,10 +465,15 @@ func (rs *restores) recordLocked(e *wire.AdminRestore) {
 // It counts first so a waiter that reads the metrics after its verdict sees
 // the verdict counted.
 func (f *finished) deliver(c *Coordinator) {
-	c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
+	if f.cause == causeCancelled {
+		// Not a failed read: an alert on failed restores must not fire.
+		c.met.restores.WithLabelValues("cancelled", "engine").Inc()
+	} else {
+		c.met.restores.WithLabelValues(f.verdict.State, f.cause).Inc()
+	}
 	// Every chunk of the plan is verified or failed once the verdict is
 	// final; a cancelled restore's chunks were never read.
-	if f.cause != "cancelled" {
+	if f.cause != causeCancelled {
 		failed := len(f.verdict.Failed)
 		c.met.restoreChunks.WithLabelValues("verified").Add(float64(f.verdict.Prefix - failed))
 		c.met.restoreChunks.WithLabelValues("bytes_wrong").Add(float64(f.bytesWrong))
@@ -496,7 +510,7 @@ func (f *finished) deliver(c *Coordinator) {
 	if !f.last.IsZero() {
 		fields = append(fields, zap.Duration("verdict_latency", lat))
 	}
-	if f.cause == "cancelled" {
+	if f.cause == causeCancelled {
 		c.log.Debug("restore cancelled by the engine", fields...)
 		return
 	}

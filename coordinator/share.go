@@ -183,7 +183,7 @@ type shareMetrics struct {
 }
 
 // shareRefusedOps are the op labels of kvtier_coord_share_refused_total.
-var shareRefusedOps = []string{"lookup", "restore_begin", "restore_wait"}
+var shareRefusedOps = []string{"lookup", "restore_begin", "restore_wait", "restore_cancel"}
 
 func newShareMetrics() *shareMetrics {
 	m := &shareMetrics{

@@ -3,6 +3,7 @@ package rankd
 import (
 	"encoding/base64"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -48,6 +49,9 @@ const maxSeenIndexes = 64
 // header (a coordinator's is 32 hex digits).
 const maxIndexIDBytes = 64
 
+// maxServedIndexes bounds the ids of indexes that asked for the inventory.
+const maxServedIndexes = 8
+
 // indexWatch is the rank's view of the coordinators' index ids.
 type indexWatch struct {
 	changes   prometheus.Counter // new ids acted on
@@ -55,6 +59,7 @@ type indexWatch struct {
 
 	mu         sync.Mutex // guards the following
 	seen       []string   // ids seen, oldest first
+	served     []string   // ids of indexes that asked for the inventory (wire.HeaderIndex), oldest first
 	primed     bool       // a verified id was seen: later new ones are changes
 	offer      string     // id offered in heartbeats; "" none
 	offerUntil time.Time
@@ -117,6 +122,9 @@ func (d *Daemon) noteIndex(m cluster.Member, now time.Time) {
 		w.primed = true // the first sight: nothing changed for this process
 		return
 	}
+	if slices.Contains(w.served, m.Meta.Index) {
+		return // that index asked for the inventory already
+	}
 	w.offer, w.offerUntil = m.Meta.Index, now.Add(indexOfferFor)
 	w.changes.Inc()
 	d.log.Info("a coordinator gossips a new index id: offering this rank's inventory in its heartbeats",
@@ -151,22 +159,24 @@ func (d *Daemon) indexOffer(now time.Time) string {
 
 // inventoryTaken ends the offer: a coordinator asked for the inventory.
 // index is the asking coordinator's index id (wire.HeaderIndex; "" from
-// one that predates it): recorded as seen, and as the first sight when it
-// is one, so gossip showing it later starts no offer for an index that
-// already has this rank's inventory. Unsigned, unlike a gossiped id: only
-// the coordinator's identity may ask for the inventory, and an id taken
-// here can only withhold an offer, which is the fallback of the
-// coordinator's own resync requests.
+// one that predates it): kept apart from the gossiped ids, so gossip
+// showing it later starts no offer for an index that already has this
+// rank's inventory. Unsigned, unlike a gossiped id (only the coordinator's
+// identity may ask for the inventory): a forged one can only withhold an
+// offer, the fallback of the coordinator's own resync requests, and
+// cannot push a verified id out of seen (which would make it offer again).
 func (d *Daemon) inventoryTaken(index string) {
 	w := &d.iw
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.offer = ""
-	if index == "" || len(index) > maxIndexIDBytes {
+	if index == "" || len(index) > maxIndexIDBytes || slices.Contains(w.served, index) {
 		return
 	}
-	w.primed = true
-	w.remember(index)
+	if len(w.served) == maxServedIndexes {
+		w.served = w.served[1:]
+	}
+	w.served = append(w.served, index)
 }
 
 // verifyIndex checks m's index signature against the coordinator's key

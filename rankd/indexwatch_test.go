@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"encoding/base64"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -127,13 +128,14 @@ func TestIndexWatch(t *testing.T) {
 }
 
 // TestIndexWatchInventoryNamesTheIndex: an inventory request that names
-// its index (wire.HeaderIndex) records the id as seen, so gossip showing
-// it afterwards starts no offer (the second resync after a coordinator
-// restarted on a lost directory); it primes the watch when it comes
-// first, so a later new id is still offered; a request naming none, or an
-// overlong id, changes nothing but ending the offer. Red with the id not
-// recorded (an offer of idB) and with the watch not primed by it (no
-// offer of idC).
+// its index (wire.HeaderIndex) means gossip showing that id afterwards
+// starts no offer (the second resync after a coordinator restarted on a
+// lost directory); a later new id that never asked is still offered; a
+// request naming none, or an overlong id, changes nothing but ending the
+// offer; a flood of named ids cannot push a verified id out of the seen
+// ones (which would offer it again). Red with the served id not checked
+// (an offer of idB) and with served ids kept in seen (idA offered again
+// after the flood).
 func TestIndexWatchInventoryNamesTheIndex(t *testing.T) {
 	rig := newIndexWatchRig(t)
 	d, seed := rig.d, rig.seed
@@ -142,7 +144,10 @@ func TestIndexWatchInventoryNamesTheIndex(t *testing.T) {
 	offer := func() string { return d.indexOffer(now) }
 	changes := func() float64 { return testutil.Metric(t, d.met.reg, "kvtier_rankd_index_changes_total") }
 
-	// The new coordinator's start-up resync comes before its gossip.
+	// The first coordinator seen; then a new one (restarted on a lost
+	// directory), whose start-up resync comes before its gossip.
+	const id0 = "00000000000000000000000000000000"
+	d.watchIndex(rig.coord(6, id0, rig.sign(seed, 6, id0)), now)
 	d.inventoryTaken(idA)
 	d.watchIndex(rig.coord(7, idA, rig.sign(seed, 7, idA)), now)
 	if offer() != "" || changes() != 0 {
@@ -153,6 +158,14 @@ func TestIndexWatchInventoryNamesTheIndex(t *testing.T) {
 	d.watchIndex(rig.coord(8, idB, rig.sign(seed, 8, idB)), now)
 	if offer() != "" || changes() != 0 {
 		t.Fatalf("offer %q (changes %v) for an index that has the inventory", offer(), changes())
+	}
+	// A flood of named ids (a forged header) leaves the seen ids alone.
+	for i := range 3 * maxSeenIndexes {
+		d.inventoryTaken(fmt.Sprintf("%032x", i+1))
+	}
+	d.watchIndex(rig.coord(7, idA, rig.sign(seed, 7, idA)), now)
+	if offer() != "" || changes() != 0 {
+		t.Fatalf("a verified id seen before was offered again after a flood of named ids: offer %q, changes %v", offer(), changes())
 	}
 	// One that never asked (the rank was unreachable at its start): offered.
 	d.inventoryTaken("")

@@ -292,6 +292,37 @@ def test_a_restore_never_handed_to_the_workers_is_cancelled():
     assert [r for r, _ in world.cancels] == ["r-1", "r-2"]
 
 
+def test_a_lookup_superseded_or_in_flight_at_the_finish_has_its_restore_cancelled():
+    """Two more ways a begun restore is never loaded: vLLM asks again with
+    more of the prompt in its own cache (another request filled it), so a
+    new lookup replaces the old plan; and the request finishes while its
+    lookup-begin is still in flight, whose restore is withdrawn once the
+    answer comes. Red without the cancel at the replaced lookup, and
+    without the one for the lookup in flight."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER)
+    inst = s.instances[0]
+    req = fakes.Request("a", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (48, False)
+    world.plan = wire.RestorePlan("r-2", 2, plan_for(s, req, 1, 2).ranks)
+    s.get_num_new_matched_tokens(req, 16)  # vLLM holds chunk 0 now: looked up from chunk 1
+    eventually("the old restore cancelled", lambda: ("r-1", inst) in world.cancels)
+    assert ("r-2", inst) not in world.cancels
+
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    world.lookup_gate = concurrent.futures.Future()
+    s = make(world, KVConnectorRole.SCHEDULER, kvtier_lookup_wait_s=0.01, kvtier_lookup_timeout_s=30)
+    req = fakes.Request("b", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert s.request_finished(req, []) == (False, None)  # aborted, its lookup-begin in flight
+    world.lookup_gate.set_result(None)
+    eventually("the restore begun after the finish cancelled", lambda: world.cancels == [("r-1", s.instances[0])])
+
+
 def test_a_plan_older_than_half_its_deadline_is_begun_again():
     """The restore is begun with the lookup, and the coordinator's deadline
     runs from then: a request that waits for blocks (vLLM asks again each
@@ -434,6 +465,7 @@ def test_chunked_prefill_saves_each_chunk_once():
 @pytest.mark.parametrize("extra, why", [
     (dict(lora_request=types.SimpleNamespace(name="adapter-x", adapter_id=1)), "a LoRA adapter"),
     (dict(mm_features=[object()]), "multimodal inputs"),
+    (dict(prompt_embeds=object()), "prompt embeddings"),
 ])
 def test_a_request_whose_kv_is_not_its_tokens_alone_is_neither_restored_nor_stored(caplog, extra, why):
     """The chunk hashes cover the tokens and cache_salt: a LoRA adapter

@@ -24,11 +24,14 @@ log = logging.getLogger("kvtier.vllm")
 
 def _bypass_reason(request: Any) -> str:
     """Why a request's KV cannot be named by its tokens and salt alone: a
-    LoRA adapter changes the K and V projections; multimodal inputs put
-    the same placeholder token ids where different embeddings go (vLLM's
-    own block hashes add both as extra keys). "" for a plain request."""
+    LoRA adapter changes the K and V projections; multimodal inputs and
+    prompt embeddings put the same placeholder token ids where different
+    embeddings go (vLLM's own block hashes add each as an extra key). ""
+    for a plain request."""
     if getattr(request, "lora_request", None) is not None:
         return "a LoRA adapter"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"  # their positions hold one placeholder token id
     for attr in ("mm_features", "mm_hashes", "mm_positions", "mm_inputs"):
         if getattr(request, attr, None):
             return "multimodal inputs"
@@ -140,13 +143,17 @@ class _SchedulerSide(_Core):
         if first >= last:
             return 0, False
         if st.lookup_first != first:
+            # vLLM holds more of the prompt now (another request's load or
+            # compute filled its prefix cache): the old lookup's restore is
+            # not the one to load.
+            self._abandon(st)
             st.lookup, st.lookup_first, st.matched_chunks, st.plan, st.stage_plans = None, first, None, None, []
         elif st.plan is not None and self._plan_stale(st):
             # The restore was begun with the lookup, and its deadline runs
             # at the coordinator from then: a request that waited for blocks
             # past half of it would load with too little left and fail late,
-            # recomputing a hit. Look up and begin again (the old restore
-            # fails at its deadline; nothing was sent to a rankd for it).
+            # recomputing a hit. Look up and begin again (the old restore,
+            # which no rankd was sent, is withdrawn: _cancel).
             self.stats["plans_renewed"] += 1
             self._cancel(st)
             st.lookup, st.matched_chunks, st.plan, st.stage_plans = None, None, None, []
@@ -171,6 +178,7 @@ class _SchedulerSide(_Core):
             if not done:
                 if time.monotonic() - st.lookup_since < self.cfg.lookup_timeout_s * 2 + 1:
                     return None, False  # not yet: vLLM asks again
+                self._abandon(st)  # a begin it still makes is withdrawn
                 st.lookup.cancel()  # its own timeouts did not fire: give up, a miss
                 log.warning("kvtier lookup for %s: no answer in time; recomputing", request.request_id)
                 self.stats["lookup_timeouts"] += 1
@@ -199,13 +207,34 @@ class _SchedulerSide(_Core):
         instead of failing it at its deadline, and frees its slot. Sent and
         not waited for; a coordinator that predates restore.cancel, or one
         that is down, fails it at the deadline as before."""
+        self._cancel_plans(st.stage_plans or ([st.plan] if st.plan else []))
+
+    def _cancel_plans(self, plans: list[PackedPlan]) -> None:
         c = self._client_now()
         if c is None:
             return
-        for p, inst in zip(st.stage_plans or ([st.plan] if st.plan else []), self.instances, strict=False):
+        for p, inst in zip(plans, self.instances, strict=False):
             if p is not None and p.restore_id and p.prefix > 0:
                 self.stats["restores_cancelled"] += 1
                 submit(c, c.aio.restore_cancel(p.restore_id, instance=inst, timeout=self.cfg.lookup_timeout_s))
+
+    def _abandon(self, st: _Req) -> None:
+        """st's lookup will not be loaded: its restore is withdrawn, now if
+        the plan is in, else once the lookup-begin in flight answers (a
+        lookup cancelled before its answer may still have begun one, which
+        then fails at its deadline)."""
+        if st.plan is not None or st.stage_plans:
+            self._cancel(st)
+            return
+        fut = st.lookup
+        if fut is None or fut.done():
+            return
+
+        def done(f: concurrent.futures.Future[list[PackedPlan] | None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._cancel_plans(f.result() or [])
+
+        fut.add_done_callback(done)
 
     def _plan_stale(self, st: _Req) -> bool:
         """Whether the restore begun for st's hit has used half of its
@@ -453,8 +482,8 @@ class _SchedulerSide(_Core):
         loaded): vLLM keeps those blocks until the load is reported, and one
         request must not be reported both ways (KvtierConnectorMetadata.no_send)."""
         st = self._reqs.pop(request.request_id, None)
-        if st is not None and st.plan is not None:
-            self._cancel(st)  # begun, never handed to the workers
+        if st is not None and not st.load_issued:
+            self._abandon(st)  # a restore begun for it was never handed to the workers
         if request.request_id in self._loads_in_flight:
             self._loads_in_flight.discard(request.request_id)
             if st is not None and st.saved_any:

@@ -33,7 +33,7 @@ except ImportError:  # stand-ins with the same shape, for tests without vLLM
             self.per_engine_labelvalues = per_engine_labelvalues
 
 
-# The worker counters exported, with what each counts. Every one is a sum
+# The counters exported (the workers', and three of the scheduler's), with what each counts. Every one is a sum
 # over workers: with TP > 1 a restore of n tokens counts n on every rank.
 COUNTERS: dict[str, str] = {
     "loads": "restores the worker took part in",
@@ -55,6 +55,12 @@ COUNTERS: dict[str, str] = {
     "engine_verify_failures": "chunks confirmed by the verdict that the worker recomputed because the pages placed "
                               "in its KV tensors did not sum to the coordinator's recorded sum "
                               "(kvtier_verify_on_engine)",
+    # The scheduler's (vLLM >= 0.32 adds the scheduler's stats to the workers').
+    "plans_renewed": "restores begun again because the request waited for blocks past half of the restore's deadline",
+    "restores_cancelled": "restores withdrawn (restore.cancel sent) because their load was never handed to the "
+                          "workers: the request finished first, vLLM took fewer chunks, or the lookup was redone",
+    "requests_bypassed": "requests neither restored nor stored: a LoRA adapter, multimodal inputs or prompt "
+                         "embeddings, which the chunk hashes do not cover",
     "attaches": "times the worker (re)attached to its rankd",
     "detaches": "times the worker lost its rankd and served without the cache",
 }
