@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -31,6 +32,21 @@ type ReleaseRequest struct {
 type ReleaseReply struct {
 	Namespace dcp.Namespace `json:"namespace"`
 	Session   string        `json:"session"`
+}
+
+// CutRequest cuts the stores of one request that wait before their gather
+// (for L1 room): vLLM preempted the request and freed its blocks without
+// asking the engine, which must not reuse them while a store may still
+// read them. Each cut store answers at once, the objects it had not begun
+// to gather failed (not stored, their pages never read); a gather already
+// begun ends first. Only the caller's own stores are cut.
+type CutRequest struct {
+	RequestID string `json:"request_id"`
+}
+
+// CutReply says how many stores in flight were cut.
+type CutReply struct {
+	Stores int `json:"stores"`
 }
 
 // StatusRequest is the status request; "{}" or an empty body asks for
@@ -371,10 +387,12 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	// The engine serves it only for the session's owner (checked where it
 	// finds the session).
 	// tl is the store's until Done.
-	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, d.callerOf(msg)))
+	caller := d.callerOf(msg)
+	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, caller))
 	if err != nil {
 		return err
 	}
+	defer d.trackCut(cutKey{caller, req.RequestID}, f)()
 	// The reply goes out once the objects are committed (or failed): the
 	// engine may then reuse its blocks and release its event.
 	res, _ := f.Wait(ctx)
@@ -414,6 +432,55 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	tl.Lap(transfer.StageReply, -1)
 	d.met.stages.done(OpStore, req.RequestID, tl)
 	return err
+}
+
+// cutKey names the stores OpCut may cut: the caller's, of one request.
+type cutKey struct{ caller, request string }
+
+// trackCut records f as a store OpCut may cut until the returned func runs.
+func (d *Daemon) trackCut(k cutKey, f *transfer.StoreFuture) func() {
+	d.cutsMu.Lock()
+	if d.cuts == nil {
+		d.cuts = make(map[cutKey][]*transfer.StoreFuture)
+	}
+	d.cuts[k] = append(d.cuts[k], f)
+	d.cutsMu.Unlock()
+	return func() {
+		d.cutsMu.Lock()
+		defer d.cutsMu.Unlock()
+		fs := slices.DeleteFunc(d.cuts[k], func(g *transfer.StoreFuture) bool { return g == f })
+		if len(fs) == 0 {
+			delete(d.cuts, k)
+		} else {
+			d.cuts[k] = fs
+		}
+	}
+}
+
+// serveCut serves OpCut on the NATS callback: it takes no request slot
+// (the stores it cuts may hold every one) and does not wait for the
+// stores, which answer their own requests once cut.
+func (d *Daemon) serveCut(msg *nats.Msg) {
+	var req CutRequest
+	if err := decodeStrict("cut", msg.Data, &req); err != nil {
+		d.replyErr(OpCut, msg, err)
+		return
+	}
+	if err := checkID("request id", req.RequestID, true); err != nil {
+		d.replyErr(OpCut, msg, err)
+		return
+	}
+	k := cutKey{d.callerOf(msg), req.RequestID}
+	d.cutsMu.Lock()
+	fs := slices.Clone(d.cuts[k])
+	d.cutsMu.Unlock()
+	for _, f := range fs {
+		f.Cut()
+	}
+	if len(fs) > 0 {
+		d.log.Debug("stores cut by the engine", zap.String("request", req.RequestID), zap.Int("stores", len(fs)))
+	}
+	_ = respond(d, OpCut, msg, &CutReply{Stores: len(fs)})
 }
 
 // serveRetrieve serves a retrieve, recording its stages in tl.

@@ -15,12 +15,13 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-// stallDevice hands the transfer engine streams whose Scatters wait
-// behind a Delay of stall (when set) first: a copy the device has not
-// finished when the engine's deadline passes.
+// stallDevice hands the transfer engine streams whose Scatters (Gathers)
+// wait behind a Delay of stall (gstall) when set: a copy the device has
+// not finished when the engine's deadline passes.
 type stallDevice struct {
 	cuda.Device
-	stall atomic.Int64 // time.Duration
+	stall  atomic.Int64 // time.Duration
+	gstall atomic.Int64 // time.Duration
 }
 
 type stallStream struct {
@@ -34,6 +35,15 @@ func (d *stallDevice) NewStream() (cuda.Stream, error) {
 		return nil, err
 	}
 	return &stallStream{Stream: s, d: d}, nil
+}
+
+func (s *stallStream) Gather(dst cuda.HostBuf, objs []cuda.Object) (*cuda.Op, error) {
+	if d := time.Duration(s.d.gstall.Load()); d > 0 {
+		if err := s.Stream.Delay(d); err != nil {
+			return nil, err
+		}
+	}
+	return s.Stream.Gather(dst, objs)
 }
 
 func (s *stallStream) Scatter(src cuda.HostBuf, objs []cuda.Object) (*cuda.Op, error) {

@@ -105,7 +105,7 @@ func newMetrics(rank string) *metrics {
 	// Every vector starts with its known series at 0, so an idle rank
 	// shows 0 rather than no data (deploy's TestVectorsInitialised). An
 	// error code appears when first answered.
-	for _, op := range []string{OpRegister, OpStore, OpRetrieve, OpRelease, OpStatus} {
+	for _, op := range []string{OpRegister, OpStore, OpRetrieve, OpRelease, OpStatus, OpCut} {
 		m.requests.WithLabelValues(op, "ok")
 		m.requestSeconds.WithLabelValues(op)
 	}

@@ -32,6 +32,10 @@ const (
 	OpRetrieve = "retrieve"
 	OpRelease  = "release"
 	OpStatus   = "status"
+	// OpCut cuts the caller's stores of a request (CutRequest): served on
+	// the NATS callback, outside the request slots, which the stores it
+	// cuts may hold.
+	OpCut = "cut"
 )
 
 // Daemon is one running rankd.
@@ -98,6 +102,10 @@ type Daemon struct {
 	// reportJSON: the coordinator refused a binary report and took it as
 	// JSON (it predates wire's KVT1): every later report goes as JSON.
 	reportJSON atomic.Bool
+
+	// cuts holds the stores in flight by (caller, request id), for OpCut.
+	cutsMu sync.Mutex
+	cuts   map[cutKey][]*transfer.StoreFuture
 
 	mu        sync.Mutex // guards the following
 	started   bool
@@ -633,6 +641,7 @@ func (d *Daemon) subscribe(nc *nats.Conn) error {
 	for _, op := range []string{OpRegister, OpStore, OpRetrieve, OpRelease, OpStatus} {
 		routes = append(routes, route{d.subj.Engine(d.cfg.Rank, op), d.engineHandler(op)})
 	}
+	routes = append(routes, route{d.subj.Engine(d.cfg.Rank, OpCut), d.serveCut})
 	for _, r := range routes {
 		sub, err := nc.Subscribe(r.subject, r.handle)
 		if err != nil {

@@ -60,6 +60,10 @@ var (
 	// have reused the pages while they were read, so nothing of that
 	// gather was committed.
 	ErrGatherLate = fmt.Errorf("transfer: gather ended after the engine stopped waiting: %w", ErrDeadline)
+	// ErrCut wraps ErrDeadline for the objects of a store the engine cut
+	// (StoreFuture.Cut) before their gather began: not stored, their pages
+	// never read.
+	ErrCut = fmt.Errorf("transfer: store cut by the engine before its gather: %w", ErrDeadline)
 	// ErrDevice: the device (stream, event, copy) reported an error.
 	ErrDevice = errors.New("transfer: device error")
 	// ErrIO: an L2 read or write failed for a reason other than corruption

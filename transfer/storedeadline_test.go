@@ -192,3 +192,53 @@ func expectFailedStoreLeftNothing(t *testing.T, e *Engine, f *StoreFuture, o Sto
 		t.Fatalf("L1 occupancy %d after the failed store, want %d", s.L1OccupiedBytes, occupied)
 	}
 }
+
+// TestStoreCutEndsItsWaitForL1Room: the engine cuts a store waiting for L1
+// room (its request was preempted: vLLM freed the blocks without asking):
+// it answers at once, not at its deadline, its object failed with ErrCut
+// (not stored, its pages never read) and nothing of it left in L1; a
+// second cut does nothing; the chunk stores again later. Red without the cut context (the store waited its
+// 20 s deadline).
+func TestStoreCutEndsItsWaitForL1Room(t *testing.T) {
+	e, r, st := stuckL2Rig(t)
+	var releases atomic.Int32
+	e.hooks.releasing = func(*StoreFuture) { releases.Add(1) }
+	c := r.newChunk(2, r.consecutiveN(2))
+	r.write(c, c.blocks, 0)
+	_, h := r.record()
+	ctx, cancel := context.WithDeadline(testCtx(t), time.Now().Add(20*time.Second))
+	defer cancel()
+	f, err := e.Store(ctx, r.storeReq("preempted", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // waiting for room by now
+	start := time.Now()
+	f.Cut()
+	select {
+	case <-f.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the cut store had not answered 5 s after the cut")
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("the cut store answered after %v", took)
+	}
+	res, err := f.Wait(testCtx(t))
+	o := res.Objects[0]
+	if err == nil || o.Status != Failed || !errors.Is(o.Err, ErrCut) || !errors.Is(o.Err, ErrDeadline) {
+		t.Fatalf("cut store: %+v (%v); want failed with ErrCut", o, err)
+	}
+	f.Cut() // again, after the end: nothing
+	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10))
+
+	close(st.open)
+	r.write(c, c.blocks, 0)
+	_, h = r.record()
+	f, err = e.Store(testCtx(t), r.storeReq("again", h, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := f.Wait(testCtx(t)); err != nil || res.Objects[0].Status != Stored {
+		t.Fatalf("the same chunk after the cut: %+v, %v", res.Objects, err)
+	}
+}

@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -37,6 +38,10 @@ type StoreFuture struct {
 	released chan struct{} // the device no longer reads the blocks
 	done     chan struct{} // res is final
 	reaper   chan struct{} // set after a timeout; closed when the reaper is done
+
+	cutMu sync.Mutex
+	cut   context.CancelCauseFunc // ends the waits before the gather (Cut); nil until runStore sets it
+	isCut bool                    // Cut was called
 }
 
 type storeWork struct {
@@ -46,6 +51,35 @@ type storeWork struct {
 }
 
 var futureIDs atomic.Uint64
+
+// Cut ends the store's waits before its gather (for L1 room, for another
+// store's fill) now, as its deadline would: the objects not yet placed
+// fail (ErrCut), a gather already begun still ends first (C1), and the
+// store then answers. The engine cuts a store whose request vLLM preempted
+// (its blocks freed without asking the engine), so that it need not wait
+// for the store's deadline before reusing them. Safe at any time, more
+// than once.
+func (f *StoreFuture) Cut() {
+	f.cutMu.Lock()
+	defer f.cutMu.Unlock()
+	f.isCut = true
+	if f.cut != nil {
+		f.cut(ErrCut)
+	}
+}
+
+// cutContext derives the context of the waits before the gather from
+// wait, ended by Cut (also by a Cut that came first).
+func (f *StoreFuture) cutContext(wait context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(wait)
+	f.cutMu.Lock()
+	f.cut = cancel
+	if f.isCut {
+		cancel(ErrCut)
+	}
+	f.cutMu.Unlock()
+	return ctx, func() { cancel(nil) }
+}
 
 // ID returns the future's unique id (for logs).
 func (f *StoreFuture) ID() uint64 { return f.id }

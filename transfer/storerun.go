@@ -103,8 +103,12 @@ func (e *Engine) placeAll(ctx context.Context, work []storeWork) error {
 }
 
 // ctxErr maps a context's end to ErrTimeout or ErrClosed/Canceled; an
-// end caused by the engine's deadline (waitContext) also wraps ErrDeadline.
+// end caused by the engine's deadline (waitContext) also wraps ErrDeadline,
+// one by StoreFuture.Cut is ErrCut.
 func ctxErr(ctx context.Context) error {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrCut) {
+		return cause
+	}
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		if cause := context.Cause(ctx); errors.Is(cause, ErrDeadline) {
 			return fmt.Errorf("%w: %w", ErrTimeout, cause)
@@ -133,6 +137,8 @@ func (e *Engine) runStore(f *StoreFuture) {
 	defer cancel()
 	wait, wcancel := waitContext(ctx, f)
 	defer wcancel()
+	wait, ccancel := f.cutContext(wait)
+	defer ccancel()
 
 	// 1. Room in L1 for every object to gather (waiting for it: issue 18.1,
 	// at most until the engine's deadline).

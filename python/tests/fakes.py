@@ -5,6 +5,7 @@ kvtier's client, for tests without vLLM or daemons."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,12 +232,25 @@ class FakeSession:
         self.world.store_gather_limits.append(gather_limit)
         gate = self.world.store_gate
         if gate is not None:
-            await asyncio.wrap_future(gate)
+            cut = self.world.cut_gates.setdefault(request_id, concurrent.futures.Future())
+            await asyncio.wait([asyncio.wrap_future(gate), asyncio.wrap_future(cut)],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if cut.done():  # cut before its gather: its objects failed, as the rankd answers
+                return wire.StoreReply(stored=0, failed=[bytes(c.chunk).hex() for c in chunks])
         if self.world.store_error is not None:
             raise self.world.store_error
         if self.world.store_reply is not None:
             return self.world.store_reply
         return wire.StoreReply(stored=len(chunks))
+
+    async def cut(self, request_id, *, timeout=None):
+        self.world.cuts.append((self.rank, request_id))
+        if not self.world.cut_answers:
+            return 0  # a rankd whose stores have begun their gather: nothing cut
+        gate = self.world.cut_gates.setdefault(request_id, concurrent.futures.Future())
+        if not gate.done():
+            gate.set_result(None)
+        return 1
 
     async def retrieve(self, items, restore_id="", *, timeout=None, deadline=None):
         self.world.retrieves.append((self.rank, restore_id, items))
@@ -303,6 +317,9 @@ class FakeWorld:
         self.refuse_lookup_begins = False  # a coordinator from before Lookup: refuses them
         self.waits: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_wait
         self.cancels: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_cancel
+        self.cuts: list[tuple[wire.Rank, str]] = []  # (rank, request id) of each cut
+        self.cut_answers = True  # a cut ends the request's stores held at store_gate
+        self.cut_gates: dict[str, Any] = {}
 
 
 class FakeAio:

@@ -338,6 +338,12 @@ def test_forged_and_other_instance_requests_are_refused(cluster: Cluster) -> Non
         # Another instance's rankd.
         with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.rank.engine1.0.engine.status")):
             c.status(wire.Rank("engine1", 0))
+        # cut: its own rankd answers (nothing of that request in flight),
+        # another instance's is refused by NATS.
+        cut = wire.CutRequest("no-such-request")
+        assert c.run(c.aio.call(subjects.engine(wire.Rank("engine0", 0), wire.OP_CUT), cut, wire.CutReply)).stores == 0
+        with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.rank.engine1.0.engine.cut")):
+            c.run(c.aio.call(subjects.engine(wire.Rank("engine1", 0), wire.OP_CUT), cut, wire.CutReply))
 
 
 def _full(lk: wire.LookupReply, n: int) -> wire.LookupReply:

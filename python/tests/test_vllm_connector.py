@@ -858,8 +858,10 @@ def test_a_preempted_requests_stores_are_waited_for_before_the_forward():
     scheduler names preempted requests that stored (preempted), and the
     worker's handle_preemptions, called before the forward, waits for their
     stores until each one's gather limit (a gather ending later stores
-    nothing), never longer (C11). Red with handle_preemptions a no-op (it
-    returned at once) and with the scheduler not naming them."""
+    nothing), never longer (C11), and first asks the rankd to cut them, so
+    a store waiting for L1 room answers at once. Red with handle_preemptions
+    a no-op (it returned at once), with the scheduler not naming them, and
+    without the cut (the second wait took the whole limit)."""
     from kvtier.vllm import SaveSpec
 
     world = fakes.FakeWorld()
@@ -876,6 +878,7 @@ def test_a_preempted_requests_stores_are_waited_for_before_the_forward():
     assert s.build_connector_meta(fakes.SchedulerOutput()).preempted == []
 
     world.store_gate = concurrent.futures.Future()
+    world.cut_answers = False  # a rankd that cuts nothing (older, or the gather already begun)
     w = worker(world, kvtier_store_wait_s=0.3, kvtier_store_grace_s=0.2)
     try:
         bind(w, saves=[SaveSpec("p", [(bytes(16), [[1]])])])
@@ -887,6 +890,16 @@ def test_a_preempted_requests_stores_are_waited_for_before_the_forward():
         assert time.time() >= limit and time.time() - t0 < 2
         assert w.stats["store_waits_cut"] == 1
         w.handle_preemptions(KvtierConnectorMetadata(preempted=["other"]))  # nothing of its own: at once
+        # A rankd that cuts the store (waiting for L1 room): it answers at
+        # once, and the step goes on well before the limit.
+        world.cut_answers = True
+        bind(w, saves=[SaveSpec("p2", [(bytes([2]) * 16, [[2]])])])
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        t0 = time.time()
+        w.handle_preemptions(KvtierConnectorMetadata(preempted=["p2"]))
+        assert time.time() - t0 < 0.3 and w._pending["p2"][0].fut.done()
+        assert (wire.Rank("engine0", 0), "p2") in world.cuts and w.stats["store_waits_cut"] == 1
     finally:
         world.store_gate.set_result(None)
     # Answered in time: waited for until the answer only.

@@ -583,6 +583,17 @@ class RankSession:
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
                                       StoreReply, timeout=timeout, headers=_deadline_header(deadline, gather_limit))
 
+    async def cut(self, request_id: str, *, timeout: float | None = None) -> int:
+        """Cuts this engine's stores of request_id that still wait before
+        their gather (for L1 room): each answers at once, its objects not
+        yet copied failed (not stored); a copy already begun ends first.
+        For a request whose blocks the engine takes back early (vLLM's
+        preemption). Returns the stores cut; a rankd that predates the
+        operation answers no responders (kvtier.errors.Unavailable)."""
+        rep = await self.client.call(self.client.subjects.engine(self.rank, wire.OP_CUT), wire.CutRequest(request_id),
+                                     wire.CutReply, timeout=timeout)
+        return rep.stores
+
     async def retrieve(self, items: Sequence[RetrieveItem], restore_id: str = "", *,
                        timeout: float | None = None, deadline: float | None = None) -> RetrieveReply:
         """Places items' objects into this session's blocks. deadline

@@ -83,6 +83,7 @@ NOT_JSON_REFUSAL = "invalid character 'K' looking for beginning of value"
 RESULTS_FAILED = "failed"
 OP_RELEASE = "release"
 OP_STATUS = "status"
+OP_CUT = "cut"  # cuts a request's stores waiting before their gather (rankd.CutRequest)
 
 DEFAULT_PREFIX = "kvtier"
 MAX_BATCH_EVENTS = 1 << 16
@@ -657,6 +658,19 @@ class RestoreReport:
 @dataclass
 class RestoreWait:
     restore_id: str = field("restore_id", default="")
+
+
+@dataclass
+class CutRequest:
+    """Cuts the caller's stores of a request that wait before their gather
+    (Go's rankd.CutRequest)."""
+
+    request_id: str = field("request_id", default="")
+
+
+@dataclass
+class CutReply:
+    stores: int = field("stores", default=0)
 
 
 @dataclass

@@ -357,11 +357,27 @@ class _WorkerSide(_Core):
         blocks were freed without asking the connector and may be written
         by this forward: its stores are waited for, each until its gather
         limit (a gather ending later stores nothing), so no object is
-        committed from bytes another request wrote (C1)."""
+        committed from bytes another request wrote (C1). So that the step
+        does not wait for a store waiting on L1 room (a slow disk) until its
+        deadline, the rankd is first told to cut them (rankd.CutRequest): a
+        store that has not begun its gather then answers at once."""
+        waiting = [r for r in getattr(kv_connector_metadata, "preempted", None) or ()
+                   if any(p.limit and not p.in_use and not p.fut.done() for p in self._pending.get(r, ()))]
+        use = self._usable() if waiting else None
+        if use is not None:
+            c, s = use
+            for req_id in waiting:
+                submit(c, self._cut(s, req_id))
         for req_id in getattr(kv_connector_metadata, "preempted", None) or ():
             for p in list(self._pending.get(req_id, ())):
                 if p.limit and not p.in_use:
                     self._wait_store(req_id, p.fut, p.limit)
+
+    async def _cut(self, s: kvclient.SyncRankSession, req_id: str) -> None:
+        try:
+            await s.aio.cut(req_id, timeout=self.cfg.timeout_s)
+        except Exception as e:  # an older rankd: the wait is bounded by the gather limit anyway
+            log.debug("kvtier cut of %s's stores: %s", req_id, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata():
