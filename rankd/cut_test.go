@@ -19,7 +19,7 @@ import (
 // callback, outside the request slots), its object failed and not stored;
 // a cut by another engine identity, or of another request, cuts nothing;
 // the store being gathered is not cut by its sibling's cut and stores.
-// Red without the cut (the waiting store answered only after the 1.5 s
+// Red without the cut (the waiting store answered only after the 4 s
 // gather it waited on).
 func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 	dev := &stallDevice{}
@@ -79,7 +79,7 @@ func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 		return r.OK.Stores
 	}
 
-	dev.gstall.Store(int64(1500 * time.Millisecond))
+	dev.gstall.Store(int64(4 * time.Second))
 	first := store("first") // gathers, held by the device
 	time.Sleep(200 * time.Millisecond)
 	second := store("preempted") // the same object: waits for first's fill
@@ -95,8 +95,8 @@ func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 		t.Fatalf("the cut cut %d stores, want 1", n)
 	}
 	a := <-second
-	if since := time.Since(cutAt); since > 700*time.Millisecond {
-		t.Fatalf("the cut store answered %v after the cut (the gather it waited on takes 1.5 s)", since)
+	if since := time.Since(cutAt); since > 2500*time.Millisecond {
+		t.Fatalf("the cut store answered %v after the cut (the gather it waited on takes 4 s)", since)
 	}
 	if a.rep.Error != nil || a.rep.OK.Stored != 0 || len(a.rep.OK.Failed) != 1 {
 		t.Fatalf("the cut store answered %+v (%+v), want its object failed", a.rep.OK, a.rep.Error)
