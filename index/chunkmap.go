@@ -16,12 +16,13 @@ import (
 
 // Lookups never wait for a publish (issue 12). Two structures make that so:
 //
-//   - A namespace's chunks are a chunkMap: chunkShards maps by the chunk
-//     hash's first byte, each with its own lock. The committer holds a
-//     shard's lock for one map assignment per published chunk (and
-//     Index.mu for writing around its slice, for the admin queries); a
-//     lookup holds a shard's read lock for one map read per chunk, so it
-//     waits at most for one assignment, never for a slice of a publish.
+//   - A namespace's chunks are a chunkMap: chunkShards hash tables
+//     (chunktable.go) by the chunk hash's first byte, each with its own
+//     lock. The committer holds a shard's lock for one entry's write per
+//     published chunk (and Index.mu for writing around its slice, for the
+//     admin queries); a lookup holds a shard's read lock for its reads of
+//     that shard, so it waits at most for one entry's write, never for a
+//     slice of a publish.
 //     A chunk's placement slice (a range of its shard's slab, below) is
 //     never modified once published, so what a lookup reads of a chunk is
 //     one whole published version of it.
@@ -50,8 +51,8 @@ const chunkShards = 256
 // each held their own []placement made it scan every bucket and mark
 // every chunk's small array, 38 % of the coordinator's CPU during ingest.
 // So a shard keeps the placements of all its chunks in one array of its
-// own, the slab, and its map holds where (chunkSlot: offset, count and
-// epoch, no pointer): the map's buckets and the slab are never scanned.
+// own, the slab, and its table holds where (chunkSlot: offset, count and
+// epoch, no pointer): the table and the slab are never scanned.
 //
 // The slab is append-only, and the safety argument rests on that alone:
 //
@@ -67,23 +68,25 @@ const chunkShards = 256
 //   - Compaction (compactShard: when the slab is full and a third of it
 //     is garbage, or removals made it mostly garbage) never reuses the
 //     array: it copies the live ranges into a new array and builds a new
-//     map pointing into it, both off the lock, then installs the pair
+//     table pointing into it, both off the lock, then installs the pair
 //     under the write lock. A slice of the old array stays valid (the
 //     collector keeps the array while a slice of it is held); every entry
 //     read after the swap is resolved in the new array. A move to a larger
-//     array (makeRoom) copies the whole slab, so every offset stays valid.
-//   - A map and the array its offsets point into change together under
+//     array (makeRoom) copies the whole slab, so every offset stays valid,
+//     and a table's growth (chunktable.go) copies the entries as they are.
+//   - A table and the array its offsets point into change together under
 //     the write lock, and readers read both under the read lock (or as
 //     the writer, or under Index.mu), so an offset is always resolved in
 //     the array it was made for. all, whose walk may span compactions
 //     (Verify's copy releases Index.mu between slices), re-reads the
-//     entry of a chunk from the current map once its shard was compacted.
+//     entry of a chunk from the current table once its shard's table was
+//     replaced.
 //   - No two writers append into one array: a clone's slab is capped at
 //     its length (slab[:len:len]), so the first append of either copy
 //     moves that copy to an array of its own.
 //
 // Nothing outside this file sees an offset: whatever holds a chunk's value
-// outside its map across a publish (a txn's old value, Verify's undo map,
+// outside its table across a publish (a txn's old value, Verify's undo map,
 // warmBatch's reads, a fold's slices, a queued chunkInstall) holds a
 // chunkVal, a slice of the slab, which survives compaction.
 
@@ -96,23 +99,25 @@ type chunkMap struct {
 	sh [chunkShards]chunkShard
 }
 
-// chunkShard is one locked map and its slab. 64 bytes: one cache line
+// chunkShard is one locked table and its slab. 64 bytes: one cache line
 // per shard, so lookups on several cores do not share reader counts
 // (TestChunkShardSize).
 type chunkShard struct {
-	mu sync.RWMutex // guards the fields m and slab against lookups (see chunkMap)
-	// m: each chunk's placements, slab[off:off+n]; nil until the
-	// shard's first chunk.
-	m    map[dcp.ChunkHash]chunkSlot
+	// mu guards the pointers t and slab, and the entries of t, against
+	// lookups (see chunkMap).
+	mu sync.RWMutex
+	// t: each chunk's placements, slab[off:off+n]; nil while the shard
+	// holds no chunk.
+	t    *chunkTable
 	slab []placement
-	// garbage counts the placements of slab no entry of m points at;
+	// garbage counts the placements of slab no entry of t points at;
 	// gen counts the compactions. Writers only (and holders of Index.mu).
 	garbage uint32
 	gen     uint32
 }
 
-// chunkSlot is a chunk's entry in its shard's map: its placements are
-// slab[off:off+n]; epoch is chunkVal.epoch.
+// chunkSlot is where a chunk's entry in its shard's table says its
+// placements are: slab[off:off+n]; epoch is chunkVal.epoch.
 type chunkSlot struct {
 	off, n, epoch uint32
 }
@@ -124,8 +129,8 @@ var slabCompactMin uint32 = 1024
 
 func newChunkMap() *chunkMap { return &chunkMap{} }
 
-// at is e's placements, capped; e must be an entry of sh.m now (or of a
-// map sh.slab is the array of: see all).
+// at is e's placements, capped; e must be an entry of sh.t now (or of a
+// table sh.slab is the array of: see all).
 func (sh *chunkShard) at(e chunkSlot) []placement {
 	return sh.slab[e.off : e.off+e.n : e.off+e.n]
 }
@@ -134,7 +139,7 @@ func (sh *chunkShard) at(e chunkSlot) []placement {
 // Index.mu.
 func (cm *chunkMap) get(c dcp.ChunkHash) (chunkVal, bool) {
 	sh := &cm.sh[c[0]]
-	e, ok := sh.m[c]
+	e, ok := sh.t.find(&c)
 	if !ok {
 		return chunkVal{}, false
 	}
@@ -148,7 +153,7 @@ func (cm *chunkMap) get(c dcp.ChunkHash) (chunkVal, bool) {
 // then overlap their cache misses, where a lock per read (an atomic
 // read-modify-write, a full fence on x86) would wait for each read's
 // misses before starting the next. A writer holds a shard's lock for one
-// assignment and never waits for another shard while holding one, so this
+// entry's write and never waits for another shard while holding one, so this
 // cannot deadlock with it. The slices stay valid after the locks are
 // released (see the top of this file).
 func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
@@ -159,9 +164,9 @@ func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 			cm.sh[b].mu.RLock()
 		}
 	}
-	for i, c := range cs {
-		sh := &cm.sh[c[0]]
-		if e, ok := sh.m[c]; ok {
+	for i := range cs {
+		sh := &cm.sh[cs[i][0]]
+		if e, ok := sh.t.find(&cs[i]); ok {
 			out[i] = sh.at(e)
 		} else {
 			out[i] = nil
@@ -179,17 +184,11 @@ func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 // Index.mu held for writing (or before the map is reachable). The copy is
 // made off the lock: only this goroutine writes the shard, and it writes
 // beyond the slab's length, where no reader reads (makeRoom, moving the
-// slab, only reads the published ranges). The lock is held for the
-// assignment alone.
+// slab, only reads the published ranges). So are the probe for the
+// chunk's slot and a rebuild of the table when it must grow (a new table,
+// which no reader reaches before the swap). The lock is held for the
+// entry's write (and the swap) alone.
 func (cm *chunkMap) set(c dcp.ChunkHash, v chunkVal) {
-	prev := cm.sh[c[0]].m[c]
-	cm.replace(c, v, prev.n)
-}
-
-// replace is set for a caller that knows how many placements the chunk
-// holds now (prev; 0: none), as the committer does (setChunkVal's old
-// value): it spares a map read that misses the cache.
-func (cm *chunkMap) replace(c dcp.ChunkHash, v chunkVal, prev uint32) {
 	sh := &cm.sh[c[0]]
 	n := len(v.s)
 	if uint64(len(sh.slab))+uint64(n) > math.MaxUint32 {
@@ -197,31 +196,61 @@ func (cm *chunkMap) replace(c dcp.ChunkHash, v chunkVal, prev uint32) {
 	}
 	slab := sh.slab
 	if len(slab)+n > cap(slab) {
-		slab = sh.makeRoom(n)
+		slab = sh.makeRoom(n) // may compact: sh.t and sh.slab then are new
 	}
 	off := len(slab)
 	slab = append(slab, v.s...) // within its capacity: the array stays
-	sh.mu.Lock()
-	if sh.m == nil {
-		sh.m = make(map[dcp.ChunkHash]chunkSlot)
+	k0, k1 := keyWords(&c)
+	t := sh.t
+	var i uint64
+	grow, reseed := t == nil, false
+	if t != nil {
+		var found bool
+		var probe int
+		i, found, probe = t.slotFor(k0, k1)
+		if !found {
+			grow, reseed = t.rebuildFor(i, probe)
+		}
 	}
-	sh.slab = slab
-	sh.m[c] = chunkSlot{off: uint32(off), n: uint32(n), epoch: v.epoch}
+	if grow || reseed {
+		t = t.rebuilt(reseed)
+		i, _, _ = t.slotFor(k0, k1)
+	}
+	prev := t.slots[i]
+	sh.mu.Lock()
+	sh.t, sh.slab = t, slab
+	t.slots[i] = chunkEntry{k0: k0, k1: k1, chunkSlot: chunkSlot{off: uint32(off), n: uint32(n), epoch: v.epoch}, state: slotFull}
 	sh.mu.Unlock()
-	sh.garbage += prev
+	switch prev.state {
+	case slotFull:
+		sh.garbage += prev.n
+	case slotDead:
+		t.dead--
+		t.live++
+	default:
+		t.live++
+	}
 }
 
 // del removes a chunk; as set.
 func (cm *chunkMap) del(c dcp.ChunkHash) {
 	sh := &cm.sh[c[0]]
-	old, had := sh.m[c]
-	if !had {
+	t := sh.t
+	if t == nil {
 		return
 	}
+	k0, k1 := keyWords(&c)
+	i, found, _ := t.slotFor(k0, k1)
+	if !found {
+		return
+	}
+	old := t.slots[i].n
 	sh.mu.Lock()
-	delete(sh.m, c)
+	t.slots[i].state = slotDead
 	sh.mu.Unlock()
-	sh.garbage += old.n
+	t.live--
+	t.dead++
+	sh.garbage += old
 	// Removals do not grow the slab, so they have their own trigger: each
 	// compaction here copies at most as many placements as were removed
 	// since the last, O(1) amortized per removal.
@@ -250,36 +279,68 @@ func (sh *chunkShard) makeRoom(n int) []placement {
 }
 
 // compactShard replaces the slab by a new array of capacity size holding
-// only the live ranges, and the map by one pointing into it, both built
-// off the lock; the writer only (see the top of this file).
+// only the live ranges, and the table by one pointing into it, both built
+// off the lock; the writer only (see the top of this file). A shard left
+// without chunks and without room to keep gets neither.
 func (sh *chunkShard) compactShard(size int) {
-	var m map[dcp.ChunkHash]chunkSlot
+	var t *chunkTable
 	var slab []placement
-	if len(sh.m) > 0 || size > 0 {
-		m = make(map[dcp.ChunkHash]chunkSlot, len(sh.m))
+	if old := sh.t; old != nil && old.live > 0 || size > 0 {
+		n := 0
+		if old != nil {
+			n = old.live
+		}
+		t = newChunkTable(n, old)
 		slab = make([]placement, 0, size)
-		for c, e := range sh.m {
-			m[c] = chunkSlot{off: uint32(len(slab)), n: e.n, epoch: e.epoch}
-			slab = append(slab, sh.at(e)...)
+		if old != nil {
+			for i := range old.slots {
+				if e := old.slots[i]; e.state == slotFull {
+					s := sh.at(e.chunkSlot)
+					e.off = uint32(len(slab))
+					slab = append(slab, s...)
+					t.add(e)
+				}
+			}
 		}
 	}
 	sh.mu.Lock()
-	sh.m, sh.slab = m, slab
+	sh.t, sh.slab = t, slab
 	sh.mu.Unlock()
 	sh.garbage = 0
 	sh.gen++
 }
 
-// checkSlabs checks every shard's garbage count against its map: what
-// decides compactions (Verify-time: O(chunks)).
+// checkSlabs checks every shard's garbage count against its table (what
+// decides compactions) and the table itself: its counts, and that every
+// entry is where a probe for its chunk finds it (Verify-time: O(chunks)).
 func (cm *chunkMap) checkSlabs(pr *problems, ns dcp.Namespace) {
 	for i := range cm.sh {
 		sh := &cm.sh[i]
 		var live uint64
-		for _, e := range sh.m {
-			live += uint64(e.n)
-			if uint64(e.off)+uint64(e.n) > uint64(len(sh.slab)) {
-				pr.add("namespace %s shard %d: a chunk's placements [%d, %d) lie past its slab of %d", ns, i, e.off, e.off+e.n, len(sh.slab))
+		var full, dead int
+		if t := sh.t; t != nil {
+			for j := range t.slots {
+				e := &t.slots[j]
+				switch e.state {
+				case slotDead:
+					dead++
+					continue
+				case slotEmpty:
+					continue
+				}
+				full++
+				live += uint64(e.n)
+				if uint64(e.off)+uint64(e.n) > uint64(len(sh.slab)) {
+					pr.add("namespace %s shard %d: a chunk's placements [%d, %d) lie past its slab of %d", ns, i, e.off, e.off+e.n, len(sh.slab))
+				}
+				if c := e.key(); c[0] != byte(i) {
+					pr.add("namespace %s shard %d: holds chunk %x of shard %d", ns, i, c, c[0])
+				} else if k, found, _ := t.slotFor(e.k0, e.k1); !found || k != uint64(j) {
+					pr.add("namespace %s shard %d: chunk %x in slot %d is not where a probe for it ends (%d, %v)", ns, i, c, j, k, found)
+				}
+			}
+			if full != t.live || dead != t.dead {
+				pr.add("namespace %s shard %d: table of %d slots holds %d live and %d dead entries, counts %d and %d", ns, i, len(t.slots), full, dead, t.live, t.dead)
 			}
 		}
 		if live+uint64(sh.garbage) != uint64(len(sh.slab)) {
@@ -292,35 +353,47 @@ func (cm *chunkMap) checkSlabs(pr *problems, ns dcp.Namespace) {
 func (cm *chunkMap) len() int {
 	n := 0
 	for i := range cm.sh {
-		n += len(cm.sh[i].m)
+		if t := cm.sh[i].t; t != nil {
+			n += t.live
+		}
 	}
 	return n
 }
 
 // all iterates over the chunks, shard by shard; as get, for each step (a
-// caller may release Index.mu between two). The iteration guarantees of
-// a Go map hold per shard: a chunk neither set nor deleted during the
-// walk is produced exactly once. A shard compacted during the walk goes
-// on being walked in the map it had when its walk began, which nothing
-// writes any more; each chunk's value is then read from the current map
-// (the old map's offsets point into the old array), and a chunk deleted
-// since is skipped.
+// caller may release Index.mu between two). A chunk neither set nor
+// deleted during the walk is produced exactly once; one set or deleted
+// during it may be produced or not (more than once, if deleted and set
+// again). A shard's walk goes over the slots of the table it had when the
+// walk began: while that table stays the shard's, its entries do not
+// move (chunktable.go). Once it is replaced (grown, rebuilt under a new
+// seed, or its slab compacted) nothing writes it any more, and each of
+// its chunks' values is read from the current table (the old one's
+// offsets may point into an old array); a chunk deleted since is
+// skipped.
 func (cm *chunkMap) all() iter.Seq2[dcp.ChunkHash, chunkVal] {
 	return func(yield func(dcp.ChunkHash, chunkVal) bool) {
 		for i := range cm.sh {
 			sh := &cm.sh[i]
-			gen := sh.gen
-			for c, e := range sh.m {
-				if sh.gen != gen {
+			t := sh.t
+			if t == nil {
+				continue
+			}
+			for j := range t.slots {
+				e := t.slots[j]
+				if e.state != slotFull {
+					continue
+				}
+				// While t is the shard's, e, read now, is a range of the
+				// current slab.
+				c, v := e.key(), e.chunkSlot
+				if sh.t != t {
 					var ok bool
-					if e, ok = sh.m[c]; !ok {
+					if v, ok = sh.t.find(&c); !ok {
 						continue
 					}
 				}
-				// Not compacted since the walk began: e, even as read
-				// before a later set of c, is a range of the current
-				// slab, which holds every range it ever held.
-				if !yield(c, chunkVal{s: sh.at(e), epoch: e.epoch}) {
+				if !yield(c, chunkVal{s: sh.at(v), epoch: v.epoch}) {
 					return
 				}
 			}
@@ -328,15 +401,15 @@ func (cm *chunkMap) all() iter.Seq2[dcp.ChunkHash, chunkVal] {
 	}
 }
 
-// clone copies the maps, sharing the slabs' arrays capped at their
+// clone copies the tables, sharing the slabs' arrays capped at their
 // lengths (so the first append of either copy moves it to an array of
 // its own); as get.
 func (cm *chunkMap) clone() *chunkMap {
 	c := newChunkMap()
 	for i := range cm.sh {
 		sh, csh := &cm.sh[i], &c.sh[i]
-		if sh.m != nil {
-			csh.m = maps.Clone(sh.m)
+		if sh.t != nil {
+			csh.t = sh.t.clone()
 			csh.slab = sh.slab[:len(sh.slab):len(sh.slab)]
 			csh.garbage = sh.garbage
 		}
@@ -438,18 +511,17 @@ func (v *lookupView) visible(s []placement, buf *[]placement) []placement {
 }
 
 // chunkInstall is a chunk's new value (or its removal, del) for its map,
-// collected by state.install; prev is the count of placements it replaces.
+// collected by state.install.
 type chunkInstall struct {
-	cm   *chunkMap
-	c    dcp.ChunkHash
-	v    chunkVal
-	prev uint32
-	del  bool
+	cm  *chunkMap
+	c   dcp.ChunkHash
+	v   chunkVal
+	del bool
 }
 
 // installAll makes ins with parts goroutines of g (fanOut): part p installs the
 // chunks of the shards s with s % parts == p, so no two parts write one
-// map, and each holds one shard's lock at a time, for one assignment, as
+// shard, and each holds one shard's lock at a time, for one entry, as
 // set does (a lookup waits for at most one). A chunk appears at most once
 // in ins (a txn stages each chunk once), so the order between parts does
 // not matter. The caller is the committer, holding Index.mu for writing.
@@ -464,7 +536,7 @@ func installAll(g *group.Group, ins []chunkInstall, parts int) {
 			if in.del {
 				in.cm.del(in.c)
 			} else {
-				in.cm.replace(in.c, in.v, in.prev)
+				in.cm.set(in.c, in.v)
 			}
 		}
 	})

@@ -330,7 +330,7 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	}
 	if len(s) == 0 {
 		if had {
-			st.install(n.chunks, ref.chunk, chunkVal{}, true, 0)
+			st.install(n.chunks, ref.chunk, chunkVal{}, true)
 			st.chunks--
 		}
 		return
@@ -348,24 +348,22 @@ func (st *state) setChunkVal(n *nsState, ref chunkRef, old chunkVal, had bool, s
 	}
 	// Last: lookups read the chunk from now on, without Index.mu
 	// (chunkmap.go); the map takes a copy of s, which stays the txn's.
-	st.install(n.chunks, ref.chunk, chunkVal{s: s, epoch: st.epoch}, false, uint32(len(old.s)))
+	st.install(n.chunks, ref.chunk, chunkVal{s: s, epoch: st.epoch}, false)
 	o = countObjects(s)
 	n.objects += o
 	st.objects += o
 }
 
 // install puts a chunk's new value (or its removal) into its map, or
-// queues it while publishChunks collects a slice's installs; prev is the
-// count of placements the value replaces (the chunk's current value: only
-// the committer changes chunks).
-func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool, prev uint32) {
+// queues it while publishChunks collects a slice's installs.
+func (st *state) install(cm *chunkMap, c dcp.ChunkHash, v chunkVal, del bool) {
 	switch {
 	case st.collecting:
-		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, prev: prev, del: del})
+		st.installs = append(st.installs, chunkInstall{cm: cm, c: c, v: v, del: del})
 	case del:
 		cm.del(c)
 	default:
-		cm.replace(c, v, prev)
+		cm.set(c, v)
 	}
 }
 

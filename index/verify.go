@@ -397,8 +397,8 @@ var copyPause func()
 // keeping the chunks not changed since the barrier, then ends the
 // recording and puts back the barrier value of every chunk changed
 // meanwhile (state.undo). A chunk unchanged the whole time is produced by
-// the walk exactly once (Go's map iteration produces every entry neither
-// added nor removed during it); every other one is in undo. Namespaces
+// the walk exactly once (chunkMap.all produces every chunk neither set
+// nor removed during it); every other one is in undo. Namespaces
 // are never removed from a state, and one new since the barrier is not in
 // shell.
 func (ix *Index) copyChunks(st, shell *state) {
