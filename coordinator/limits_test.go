@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"runtime"
 	"strconv"
 	"strings"
@@ -390,18 +391,30 @@ func TestWaitersPerInstance(t *testing.T) {
 		}
 		return p.RestoreID
 	}
+	// waitAsync returns once a restore has a waiter; a second one on the
+	// same restore needs the count.
+	parked := func(inst string, n int) {
+		t.Helper()
+		testutil.Eventually(t, 5*time.Second, fmt.Sprintf("%d waiters of %s parked", n, inst), func() bool {
+			c.rs.mu.Lock()
+			defer c.rs.mu.Unlock()
+			return c.rs.waitersOf[inst] == n
+		})
+	}
 	a, b, other := begin("eng"), begin("eng"), begin("eng2")
 	waits := []<-chan *wire.RestoreVerdict{f.waitAsync(t, a), f.waitAsync(t, a)}
+	parked("eng", 2)
 	callErr[wire.RestoreVerdict](t, nc, c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: b}, wire.CodeUnavailable)
 	if n := testutil.Metric(t, c.reg, "kvtier_coord_refused_total", "rule", "instance_waiters"); n != 1 {
 		t.Fatalf("instance_waiters refusals %v, want 1", n)
 	}
 	waits = append(waits, f.waitAsync(t, other), f.waitAsync(t, other))
+	parked("eng2", 2)
 	c.rs.mu.Lock()
-	parked, ofEng, ofEng2 := c.rs.waiters, c.rs.waitersOf["eng"], c.rs.waitersOf["eng2"]
+	total, ofEng, ofEng2 := c.rs.waiters, c.rs.waitersOf["eng"], c.rs.waitersOf["eng2"]
 	c.rs.mu.Unlock()
-	if parked != 4 || ofEng != 2 || ofEng2 != 2 {
-		t.Fatalf("waiters %d (eng %d, eng2 %d), want 4 (2, 2)", parked, ofEng, ofEng2)
+	if total != 4 || ofEng != 2 || ofEng2 != 2 {
+		t.Fatalf("waiters %d (eng %d, eng2 %d), want 4 (2, 2)", total, ofEng, ofEng2)
 	}
 	// Restore a's verdict answers its waiters and frees eng's count.
 	f.report(t, a, 0, []wire.ItemResult{{Chunk: 0, OK: true, Sum: 1}, {Chunk: 1, OK: true, Sum: 2}})
@@ -409,10 +422,5 @@ func TestWaitersPerInstance(t *testing.T) {
 		recv(t, w)
 	}
 	f.waitAsync(t, b)
-	c.rs.mu.Lock()
-	ofEng = c.rs.waitersOf["eng"]
-	c.rs.mu.Unlock()
-	if ofEng != 1 {
-		t.Fatalf("eng's waiters %d after a's verdict and one more wait, want 1", ofEng)
-	}
+	parked("eng", 1) // a's two left with its verdict, b's one parked
 }
