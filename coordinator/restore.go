@@ -244,6 +244,17 @@ func (rs *restores) handleReport(m *nats.Msg) {
 	c.reply(wire.CoordRestoreReport, m, &wire.ReportAck{Duplicate: out.Duplicates > 0 && out.Accepted == 0, State: out.State})
 }
 
+// refuseForeign refuses m, a kind request (restore_wait, restore_cancel)
+// by instance caller about restore id of instance owner, counted as
+// unauthorized and, when the caller is outside owner's share group, as a
+// share refusal too.
+func (c *Coordinator) refuseForeign(m *nats.Msg, kind, id, owner, caller string) {
+	if _, outside := c.share.outside(caller, owner); outside {
+		c.share.met.refused.WithLabelValues(kind).Inc()
+	}
+	c.refuse(m, kind, fmt.Errorf("restore %s belongs to instance %q, not to the caller %q: %w", id, owner, caller, wire.ErrMalformed))
+}
+
 // handleWait parks the waiter until the verdict is final, or answers at
 // once if it is.
 func (rs *restores) handleWait(m *nats.Msg) {
@@ -261,10 +272,7 @@ func (rs *restores) handleWait(m *nats.Msg) {
 	if a := rs.active[req.RestoreID]; a != nil {
 		if inst != "" && a.instance != inst {
 			rs.mu.Unlock()
-			if _, outside := c.share.outside(inst, a.instance); outside {
-				c.share.met.refused.WithLabelValues("restore_wait").Inc()
-			}
-			c.refuse(m, "restore_wait", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
+			c.refuseForeign(m, "restore_wait", req.RestoreID, a.instance, inst)
 			return
 		}
 		if rs.closed {
@@ -302,10 +310,7 @@ func (rs *restores) handleWait(m *nats.Msg) {
 		return
 	}
 	if inst != "" && d.Instance != inst {
-		if _, outside := c.share.outside(inst, d.Instance); outside {
-			c.share.met.refused.WithLabelValues("restore_wait").Inc()
-		}
-		c.refuse(m, "restore_wait", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
+		c.refuseForeign(m, "restore_wait", req.RestoreID, d.Instance, inst)
 		return
 	}
 	v := d.RestoreVerdict
@@ -348,10 +353,7 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 			return
 		}
 		if inst != "" && d.Instance != inst {
-			if _, outside := c.share.outside(inst, d.Instance); outside {
-				c.share.met.refused.WithLabelValues("restore_cancel").Inc()
-			}
-			c.refuse(m, "restore_cancel", fmt.Errorf("restore %s was begun by instance %q, not by the caller %q: %w", req.RestoreID, d.Instance, inst, wire.ErrMalformed))
+			c.refuseForeign(m, "restore_cancel", req.RestoreID, d.Instance, inst)
 			return
 		}
 		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: d.State})
@@ -359,10 +361,7 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 	}
 	if inst != "" && a.instance != inst {
 		rs.mu.Unlock()
-		if _, outside := c.share.outside(inst, a.instance); outside {
-			c.share.met.refused.WithLabelValues("restore_cancel").Inc()
-		}
-		c.refuse(m, "restore_cancel", fmt.Errorf("restore %s is read by instance %q, not by the caller %q: %w", req.RestoreID, a.instance, inst, wire.ErrMalformed))
+		c.refuseForeign(m, "restore_cancel", req.RestoreID, a.instance, inst)
 		return
 	}
 	if !a.lastReport.IsZero() {

@@ -111,9 +111,16 @@ func TestStoreWaitForL1RoomEndsAtTheEnginesDeadline(t *testing.T) {
 	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10)) // the two dirty objects stay
 
 	close(st.open) // L2 takes the writes: L1 makes room
+	storesAgain(t, e, r, c)
+}
+
+// storesAgain stores chunk c anew (written again, a new event) and wants
+// it stored: once L2 took the writes, L1 has room.
+func storesAgain(t *testing.T, e *Engine, r *rig, c chunk) {
+	t.Helper()
 	r.write(c, c.blocks, 0)
-	_, h = r.record()
-	f, err = e.Store(testCtx(t), r.storeReq("again", h, c))
+	_, h := r.record()
+	f, err := e.Store(testCtx(t), r.storeReq("again", h, c))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,13 +239,5 @@ func TestStoreCutEndsItsWaitForL1Room(t *testing.T) {
 	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10))
 
 	close(st.open)
-	r.write(c, c.blocks, 0)
-	_, h = r.record()
-	f, err = e.Store(testCtx(t), r.storeReq("again", h, c))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res, err := f.Wait(testCtx(t)); err != nil || res.Objects[0].Status != Stored {
-		t.Fatalf("the same chunk after the cut: %+v, %v", res.Objects, err)
-	}
+	storesAgain(t, e, r, c)
 }
