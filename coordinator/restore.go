@@ -343,31 +343,54 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 	if !c.scope(m, wire.CoordRestoreCancel, "restore_cancel", &inst) {
 		return
 	}
+	out := rs.cancel(req.RestoreID, inst)
+	switch {
+	case out.unknown:
+		c.replyError(wire.CoordRestoreCancel, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known", req.RestoreID))
+	case out.owner != "":
+		c.refuseForeign(m, "restore_cancel", req.RestoreID, out.owner, inst)
+	case out.err != nil:
+		c.met.internal.Inc() // the slots are the plan's: cannot happen
+		c.log.Error("cancelling a restore's expectations was refused", zap.String("restore", req.RestoreID), zap.Error(out.err))
+		c.replyError(wire.CoordRestoreCancel, m, wire.CodeInternal, out.err.Error())
+	case out.fin != nil:
+		out.fin.deliver(c)
+		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{Cancelled: true, State: out.fin.verdict.State})
+	default:
+		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: out.state})
+	}
+}
+
+// cancelOutcome is cancel's decision, acted on after the lock is released.
+type cancelOutcome struct {
+	unknown bool      // no such restore, active or in the history
+	owner   string    // set: the restore is this other instance's
+	fin     *finished // cancelled: the verdict to deliver
+	state   string    // not cancelled: the restore's state (decided, or pending: a rank reported)
+	err     error
+}
+
+// cancel withdraws restore id for instance inst ("" unscoped) under the
+// table's lock, taken once: see handleCancel.
+func (rs *restores) cancel(id, inst string) cancelOutcome {
 	rs.mu.Lock()
-	a := rs.active[req.RestoreID]
+	defer rs.mu.Unlock()
+	a := rs.active[id]
 	if a == nil {
-		d := rs.decided[req.RestoreID]
-		rs.mu.Unlock()
-		if d == nil {
-			c.replyError(wire.CoordRestoreCancel, m, wire.CodeNotFound, fmt.Sprintf("restore %q is not known", req.RestoreID))
-			return
+		d := rs.decided[id]
+		switch {
+		case d == nil:
+			return cancelOutcome{unknown: true}
+		case inst != "" && d.Instance != inst:
+			return cancelOutcome{owner: d.Instance}
 		}
-		if inst != "" && d.Instance != inst {
-			c.refuseForeign(m, "restore_cancel", req.RestoreID, d.Instance, inst)
-			return
-		}
-		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: d.State})
-		return
+		return cancelOutcome{state: d.State}
 	}
-	if inst != "" && a.instance != inst {
-		rs.mu.Unlock()
-		c.refuseForeign(m, "restore_cancel", req.RestoreID, a.instance, inst)
-		return
-	}
-	if !a.lastReport.IsZero() {
-		rs.mu.Unlock()
-		c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{State: wire.VerdictPending})
-		return
+	switch {
+	case inst != "" && a.instance != inst:
+		return cancelOutcome{owner: a.instance}
+	case !a.lastReport.IsZero():
+		return cancelOutcome{state: wire.VerdictPending}
 	}
 	for tp, rd := range a.readers {
 		results := make([]wire.ItemResult, len(rd.slots))
@@ -375,23 +398,14 @@ func (rs *restores) handleCancel(m *nats.Msg) {
 			results[i] = wire.ItemResult{Chunk: int(sl.chunk), Group: int(sl.group), Reason: "cancelled by the engine before its load"}
 		}
 		if _, err := a.r.Report(tp, results); err != nil {
-			c.met.internal.Inc() // the slots are the plan's: cannot happen
-			c.log.Error("cancelling a restore's expectations was refused", zap.String("restore", req.RestoreID), zap.Error(err))
+			return cancelOutcome{err: fmt.Errorf("cancelling restore %s: %w", id, err)}
 		}
 	}
 	v := a.r.Verdict()
-	var fin *finished
-	if v.Final() {
-		fin = rs.finishLocked(req.RestoreID, a, v, causeCancelled, time.Time{})
+	if !v.Final() {
+		return cancelOutcome{err: fmt.Errorf("restore %s not final after every expectation failed", id)}
 	}
-	rs.mu.Unlock()
-	if fin == nil {
-		c.met.internal.Inc()
-		c.replyError(wire.CoordRestoreCancel, m, wire.CodeInternal, "restore not final after every expectation failed")
-		return
-	}
-	fin.deliver(c)
-	c.reply(wire.CoordRestoreCancel, m, &wire.CancelReply{Cancelled: true, State: fin.verdict.State})
+	return cancelOutcome{fin: rs.finishLocked(id, a, v, causeCancelled, time.Time{})}
 }
 
 // replyVerdict answers a restore.wait with v. A failed verdict that fits
