@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -107,5 +108,17 @@ func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 	}
 	if n := cut("first", ""); n != 0 {
 		t.Fatalf("a cut after the store answered cut %d", n)
+	}
+	// Malformed: no request id, an unknown field, an oversized body.
+	for _, body := range [][]byte{[]byte(`{}`), []byte(`{"request_id":"x","all":true}`),
+		[]byte(`{"request_id":"` + strings.Repeat("x", MaxRequestBytes) + `"}`)} {
+		rep, err := h.nc.Request(h.subj.Engine(h.rank, OpCut), body, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r wire.Reply[CutReply]
+		if err := json.Unmarshal(rep.Data, &r); err != nil || r.Error == nil || r.Error.Code == "" || r.OK != nil {
+			t.Fatalf("cut %.40s answered %s, want an error", body, rep.Data)
+		}
 	}
 }
