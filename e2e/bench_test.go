@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"path/filepath"
 	"regexp"
 	"strings"
 	"syscall"
@@ -137,6 +138,43 @@ func TestBenchDaemonPath(t *testing.T) {
 	}
 	if !regexp.MustCompile(`bench traffic: \d+ restores in [\d.]+ s, [\d.]+ GB/s\n`).MatchString(sp.output()) {
 		t.Fatalf("bench traffic stopped by SIGTERM printed no rate:\n%s", tail(sp.output(), 20))
+	}
+
+	// Both directions at once (--bench-duplex): on the 8B pages, whose
+	// store and restore tables are disjoint, each duplex repetition
+	// stores a fresh prompt while the one before is restored; every byte
+	// of both is compared (the last prompt stored is restored alone at
+	// the end).
+	resD, out, err := c.sim("--spec", filepath.Join(specDir, "llama8b-tp4.json"), "--bench", "--bench-reps", "1",
+		"--chunks", "2", "--seed", "13", "--bench-duplex", "2")
+	if err != nil || resD == nil || !resD.OK || resD.Bench == nil || resD.Bench.Duplex == nil {
+		t.Fatalf("bench duplex: err %v, result %+v\n%s", err, resD, tail(out, 20))
+	}
+	d := resD.Bench.Duplex
+	if d.Reps != 2 || len(d.Both.Seconds) != 2 || len(d.Ceiling.Seconds) != 2 || d.Both.GBps <= 0 || d.Ceiling.GBps <= 0 ||
+		d.Single <= 0 || d.Ratio <= 0 || d.CeilingRatio <= 0 || len(d.Bytes) != 4 || d.Bytes[0] != resD.Bench.StoreBytes[0]+resD.Bench.RestoreBytes[0] {
+		t.Fatalf("bench duplex %+v", d)
+	}
+	// 1 + 2 prompts stored, every object of each (4 ranks x 2 chunks: the
+	// spec's one group, its 64 pools in one object), none deduplicated;
+	// 1 + 2 + 1 restores, the last compared alone, all COMPLETE.
+	if want := 3 * 4 * 2; resD.Stored != want || resD.Verdict != "complete" {
+		t.Fatalf("bench duplex: %d objects committed (want %d), verdict %q", resD.Stored, want, resD.Verdict)
+	}
+	if !strings.Contains(out, "both directions at once (2 repetitions") || strings.Count(out, "verdict complete") != 4 {
+		t.Fatalf("bench duplex: output\n%s", tail(out, 40))
+	}
+	for _, r := range resD.Ranks {
+		if r.Placed != r.Items || r.Mismatch != 0 || r.Outside != 0 || r.Compare == "" {
+			t.Fatalf("bench duplex: rank %d: %+v", r.Rank, r)
+		}
+	}
+	// A scenario whose tables share blocks cannot run both directions at
+	// once (the store would read pages the restore writes): refused.
+	resR, out, err := c.sim("--scenario", "tp4dcp4", "--bench", "--bench-reps", "1", "--chunks", "2", "--seed", "15",
+		"--bench-duplex", "1")
+	if err == nil || resR == nil || resR.OK || !strings.Contains(resR.Problem, "disjoint block tables") {
+		t.Fatalf("bench duplex over shared blocks: err %v, result %+v\n%s", err, resR, tail(out, 20))
 	}
 
 	// The same seed again: the first store finds its objects held, which

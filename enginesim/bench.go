@@ -56,6 +56,9 @@ type BenchResult struct {
 	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
 	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
 	TimelineProblem string         `json:"timeline_problem,omitempty"`
+	// Duplex is the both-directions phase of Config.BenchDuplex, when run
+	// (duplex.go).
+	Duplex *BenchDuplex `json:"duplex,omitempty"`
 	// Traffic is the restore loop of Config.BenchTraffic, when run.
 	Traffic *BenchTraffic `json:"traffic,omitempty"`
 }
@@ -204,10 +207,7 @@ func (s *sim) bench(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
-			s.plan = p
-			for _, w := range s.workers {
-				w.plan = p
-			}
+			s.usePlan(p)
 		}
 		// Untimed: the engine's compute (the pages of the store table).
 		if err := s.each(func(w *worker) error { return w.fillStore() }); err != nil {
@@ -220,7 +220,7 @@ func (s *sim) bench(ctx context.Context) error {
 		br.CeilingD2H.add(tot, ranks)
 
 		reqID := fmt.Sprintf("bench-%d-%d", base, r)
-		sr, err := s.benchStore(ctx, reqID, per)
+		sr, err := s.benchStore(ctx, reqID, per, s.plan)
 		if err != nil {
 			return fmt.Errorf("bench repetition %d: %w", r, err)
 		}
@@ -271,6 +271,13 @@ func (s *sim) bench(ctx context.Context) error {
 		s.logf("bench repetition %d: store %.3fs, restore %.3fs (ceilings %.3fs / %.3fs)", r,
 			br.Store.Seconds[r], br.Restore.Seconds[r], br.CeilingD2H.Seconds[r], br.CeilingH2D.Seconds[r])
 	}
+	if n := s.cfg.BenchDuplex; n > 0 {
+		d, err := s.benchDuplex(ctx, br, cbufs, n)
+		if err != nil {
+			return err
+		}
+		br.Duplex = d
+	}
 	if d := s.cfg.BenchTraffic; d > 0 {
 		t, err := s.benchTraffic(ctx, d, br.RestoreBytes)
 		if err != nil {
@@ -287,6 +294,12 @@ func (s *sim) bench(ctx context.Context) error {
 	}
 	if br.CeilingH2D.GBps > 0 {
 		br.RestoreRatio = br.Restore.GBps / br.CeilingH2D.GBps
+	}
+	if d := br.Duplex; d != nil {
+		d.Single = max(br.CeilingD2H.GBps, br.CeilingH2D.GBps)
+		if d.Single > 0 {
+			d.Ratio, d.CeilingRatio = d.Both.GBps/d.Single, d.Ceiling.GBps/d.Single
+		}
 	}
 	s.printBench(br)
 	return nil
@@ -394,10 +407,10 @@ type benchStoreRun struct {
 	requests []int
 }
 
-// benchStore stores the whole prompt from every rank at once, per chunks
-// per request. The pages are already written; each request's producer
+// benchStore stores the whole prompt of p from every rank at once, per
+// chunks per request. The pages are already written; each request's producer
 // event is recorded behind them before the clock starts.
-func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStoreRun, error) {
+func (s *sim) benchStore(ctx context.Context, reqID string, per int, p *Plan) (benchStoreRun, error) {
 	type prepared struct {
 		req   wire.StoreRequest
 		body  any // req as sent: binary, or JSON with Config.JSONRequests
@@ -413,7 +426,6 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStore
 			}
 		}
 	}()
-	p := s.plan
 	for _, w := range s.workers {
 		for c0 := 0; c0 < p.Scenario.Chunks; c0 += per {
 			req := wire.StoreRequest{RequestID: reqID, Namespace: p.R.Namespace, Session: w.session}
@@ -523,8 +535,10 @@ func (s *sim) benchStore(ctx context.Context, reqID string, per int) (benchStore
 
 // fillStore writes every page of the store table of the prompt: the
 // engine's forward passes, outside the timed part of a benchmark.
-func (w *worker) fillStore() error {
-	p := w.plan
+func (w *worker) fillStore() error { return w.fillStoreOf(w.plan) }
+
+// fillStoreOf writes the store table's pages with p's content.
+func (w *worker) fillStoreOf(p *Plan) error {
 	for gi, g := range p.R.Geometry {
 		buf := make([]byte, g.PageBytes)
 		for c := range p.Scenario.Chunks {
@@ -565,6 +579,13 @@ func (s *sim) printBench(br *BenchResult) {
 	row("restore (begin -> COMPLETE)", br.RestoreBytes, br.Restore, br.CeilingH2D, br.RestoreRatio)
 	tw.Flush()
 	fmt.Fprintln(out, "ceiling: one plain copy per rank, all ranks at once (store: device->host, restore: host->device)")
+	if d := br.Duplex; d != nil {
+		fmt.Fprintf(out, "both directions at once (%d repetitions; a fresh prompt stored while the one before is restored):\n", d.Reps)
+		fmt.Fprintf(out, "  store + restore %.4f s [%.4f-%.4f], %.2f GB/s [%.2f-%.2f] = %.3fx the single-direction ceiling (%.2f GB/s)\n",
+			d.Both.Median, d.Both.Min, d.Both.Max, d.Both.GBps, d.Both.GBpsMin, d.Both.GBpsMax, d.Ratio, d.Single)
+		fmt.Fprintf(out, "  plain copies both ways %.4f s, %.2f GB/s = %.3fx; kvtier at %.3f of the duplex ceiling\n",
+			d.Ceiling.Median, d.Ceiling.GBps, d.CeilingRatio, d.Both.GBps/max(d.Ceiling.GBps, 1e-9))
+	}
 	if br.StoreTimeline != nil {
 		printTimeline(out, "store", br.StoreTimeline)
 	}

@@ -166,6 +166,11 @@ type Config struct {
 	// bytes not compared): kvtier's restores at full speed with none of
 	// the bench's own work, for an interference measurement.
 	BenchTraffic time.Duration
+	// BenchDuplex, when > 0, adds this many repetitions of a store and a
+	// restore at once after the repetitions (duplex.go): both copy
+	// directions in use, against the plain copies both ways. Needs a
+	// scenario whose store and restore tables share no block.
+	BenchDuplex int
 }
 
 // Result is the outcome of a run, as printed and as written to ResultFile.
@@ -299,6 +304,9 @@ func (c *Config) Validate() error {
 	}
 	if c.BenchTraffic < 0 || c.BenchTraffic > 0 && !c.Bench {
 		bad("bench traffic %v: want a duration > 0, with bench", c.BenchTraffic)
+	}
+	if c.BenchDuplex < 0 || c.BenchDuplex > 0 && !c.Bench {
+		bad("bench duplex %d: want repetitions > 0, with bench", c.BenchDuplex)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("enginesim config: %w", err)

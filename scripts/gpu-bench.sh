@@ -28,6 +28,9 @@
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
+#   DUPLEX=        N: after the repetitions, N repetitions of a fresh store and the
+#                  previous prompt's restore at once (enginesim --bench-duplex: both copy
+#                  directions, against plain copies both ways; a consecutive SPEC)
 #   TRAFFIC=       a duration (e.g. 10m): after the repetitions, restore the last prompt
 #                  again and again for that long (enginesim --bench-traffic: verdicts
 #                  checked, bytes not compared), the traffic of gpu_interference.py
@@ -167,7 +170,7 @@ done
 echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), scenario $SCENARIO, $GB GB per rank, $REPS repetitions; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 "$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 \
-	"${SCENARIO_ARGS[@]}" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} \
+	"${SCENARIO_ARGS[@]}" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} ${DUPLEX:+--bench-duplex "$DUPLEX"} \
 	--result "$OUT" >"$WORK/logs/enginesim.out" 2>&1 || {
 	rc=$?
 	tail -n 30 "$WORK/logs/enginesim.out" >&2

@@ -63,6 +63,7 @@ func main() {
 	flag.IntVar(&cfg.BenchChunksPerStore, "bench-chunks-per-store", cfg.BenchChunksPerStore, "bench: chunks per store request (8: a chunked prefill of 16,384 tokens per engine step in chunks of 2,048)")
 	flag.BoolVar(&cfg.JSONRequests, "json-requests", false, "send store, retrieve and restore.begin requests as JSON (as engines before the binary forms; rankd and coordinator read both)")
 	flag.DurationVar(&cfg.BenchTraffic, "bench-traffic", 0, "bench: after the repetitions, restore the last prompt again and again for this long (each verdict must be COMPLETE; bytes not compared): traffic for an interference measurement")
+	flag.IntVar(&cfg.BenchDuplex, "bench-duplex", 0, "bench: after the repetitions, this many repetitions of a fresh store and the previous prompt's restore at once (both copy directions), against plain copies both ways; needs disjoint store and restore block tables (a consecutive spec)")
 	flag.Float64Var(&cfg.BenchGB, "bench-gb", 0, "bench: size the prompt so the busiest rank stores this many GB (overrides --chunks)")
 	flag.Usage = func() {
 		out := flag.CommandLine.Output()
