@@ -118,8 +118,8 @@ type Config struct {
 	// its plan's size in memory until its verdict.
 	MaxActiveRestores int
 	// VerdictHistory is how many final verdicts are kept for admin queries
-	// and for late waits. Default 1024. Each costs a few hundred bytes plus
-	// its failed chunk list.
+	// and, per engine instance, for late waits. Default 1024. Each costs a
+	// few hundred bytes plus its failed chunk list.
 	VerdictHistory int
 
 	// ResyncTimeout bounds one inventory page request to a rank (the first

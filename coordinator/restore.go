@@ -98,9 +98,14 @@ type restores struct {
 	seq     uint64
 	active  map[string]*activeRestore
 	byDL    deadlineHeap
-	history []*wire.AdminRestore // ring, VerdictHistory entries
+	history []*wire.AdminRestore // ring, VerdictHistory entries (admin.restores)
 	next    int                  // next ring slot
-	decided map[string]*wire.AdminRestore
+	// decided holds each instance's last VerdictHistory verdicts by id,
+	// for restore.wait and late reports; decidedOf rings their ids by
+	// instance, so one instance's restores (a flood of empty begins)
+	// never push another's verdict out before its engine waited for it.
+	decided   map[string]*wire.AdminRestore
+	decidedOf map[string]*verdictRing
 	closed  bool
 	// perInstance counts active restores by instance; waiters counts the
 	// parked waiters of every active restore, waitersOf those by instance.
@@ -143,7 +148,8 @@ func newRestores(c *Coordinator) *restores {
 		kick:    make(chan struct{}, 1),
 		active:  make(map[string]*activeRestore),
 		history: make([]*wire.AdminRestore, c.cfg.VerdictHistory),
-		decided: make(map[string]*wire.AdminRestore),
+		decided:   make(map[string]*wire.AdminRestore),
+		decidedOf: make(map[string]*verdictRing),
 
 		perInstance: make(map[string]int),
 		waitersOf:   make(map[string]int),
@@ -464,13 +470,30 @@ func (rs *restores) finishLocked(id string, a *activeRestore, v index.Verdict, c
 	return &finished{verdict: wv, waiters: a.waiters, entry: e, last: last, cause: cause, bytesWrong: v.BytesWrong}
 }
 
-// recordLocked adds a decided restore to the bounded history.
+// verdictRing is one instance's decided restore ids, the oldest
+// overwritten first.
+type verdictRing struct {
+	ids  []string
+	next int
+}
+
+// recordLocked adds a decided restore to the bounded history and to its
+// instance's decided verdicts, dropping the instance's oldest.
 func (rs *restores) recordLocked(e *wire.AdminRestore) {
-	if old := rs.history[rs.next]; old != nil {
-		delete(rs.decided, old.RestoreID)
-	}
 	rs.history[rs.next] = e
 	rs.next = (rs.next + 1) % len(rs.history)
+	r := rs.decidedOf[e.Instance]
+	if r == nil {
+		r = &verdictRing{}
+		rs.decidedOf[e.Instance] = r
+	}
+	if len(r.ids) < len(rs.history) { // grown as used: most instances restore little
+		r.ids = append(r.ids, e.RestoreID)
+	} else {
+		delete(rs.decided, r.ids[r.next])
+		r.ids[r.next] = e.RestoreID
+		r.next = (r.next + 1) % len(r.ids)
+	}
 	rs.decided[e.RestoreID] = e
 }
 
@@ -683,7 +706,7 @@ func (rs *restores) close() {
 // first.
 func (rs *restores) handleHistory(m *nats.Msg) {
 	rs.mu.Lock()
-	out := &wire.AdminRestoresReply{Restores: make([]wire.AdminRestore, 0, len(rs.decided))}
+	out := &wire.AdminRestoresReply{Restores: make([]wire.AdminRestore, 0, len(rs.history))}
 	n := len(rs.history)
 	for i := 1; i <= n; i++ {
 		e := rs.history[(rs.next-i+n)%n]

@@ -346,6 +346,49 @@ func TestRestoreVerdictHistoryIsBounded(t *testing.T) {
 	callErr[wire.RestoreVerdict](t, nc, c.subj.Coord(wire.CoordRestoreWait), wire.RestoreWait{RestoreID: ids[0]}, wire.CodeNotFound)
 }
 
+// One instance's restores never push another's verdict out of what a
+// late restore.wait finds: a flood of empty begins from instance "other"
+// (decided at once, each a verdict) leaves eng's verdict waitable, while
+// the admin history keeps the newest of all.
+func TestVerdictHistoryPerInstance(t *testing.T) {
+	c := startCoord(t, func(cfg *Config) { cfg.VerdictHistory = 3 })
+	nc := connect(t, c)
+	ns := register(t, nc, c.subj, testSpec(1))
+	begin := func(instance string, i int) string {
+		return call[wire.RestorePlan](t, nc, c.subj.EngineCoord(instance, wire.CoordRestoreBegin),
+			wire.RestoreBegin{Namespace: ns, Chunks: chain(ns, 1, uint32(i))}).RestoreID
+	}
+	mine := begin("eng", 0)
+	var theirs []string
+	for i := range 10 {
+		theirs = append(theirs, begin("other", 100+i))
+	}
+	if v := call[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: mine}); v.State != wire.VerdictComplete || v.RestoreID != mine {
+		t.Fatalf("eng's wait after other's 10 restores: %+v, want its complete verdict", v)
+	}
+	// other's own history is bounded: its oldest left, its newest stay.
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: theirs[0]}, wire.CodeNotFound)
+	call[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("other", wire.CoordRestoreWait), wire.RestoreWait{RestoreID: theirs[9]})
+	// eng's own later restores push its first out.
+	for i := range 3 {
+		begin("eng", 1+i)
+	}
+	callErr[wire.RestoreVerdict](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreWait),
+		wire.RestoreWait{RestoreID: mine}, wire.CodeNotFound)
+	hist := call[wire.AdminRestoresReply](t, nc, c.subj.Admin(wire.AdminRestores), nil)
+	if len(hist.Restores) != 3 || hist.Restores[0].Instance != "eng" {
+		t.Fatalf("admin history %+v, want the 3 newest (eng's)", hist.Restores)
+	}
+	c.rs.mu.Lock()
+	n := len(c.rs.decided)
+	c.rs.mu.Unlock()
+	if n != 6 {
+		t.Fatalf("%d verdicts kept, want 6 (3 per instance)", n)
+	}
+}
+
 // TestRestoreVerdictLatency measures last report -> verdict over many
 // restores and logs the distribution; it asserts only correctness.
 func TestRestoreVerdictLatency(t *testing.T) {
