@@ -106,7 +106,7 @@ type restores struct {
 	// never push another's verdict out before its engine waited for it.
 	decided   map[string]*wire.AdminRestore
 	decidedOf map[string]*verdictRing
-	closed  bool
+	closed    bool
 	// perInstance counts active restores by instance; waiters counts the
 	// parked waiters of every active restore, waitersOf those by instance.
 	perInstance map[string]int
@@ -143,11 +143,11 @@ func newRestores(c *Coordinator) *restores {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
 	return &restores{
-		c:       c,
-		boot:    hex.EncodeToString(b[:]),
-		kick:    make(chan struct{}, 1),
-		active:  make(map[string]*activeRestore),
-		history: make([]*wire.AdminRestore, c.cfg.VerdictHistory),
+		c:         c,
+		boot:      hex.EncodeToString(b[:]),
+		kick:      make(chan struct{}, 1),
+		active:    make(map[string]*activeRestore),
+		history:   make([]*wire.AdminRestore, c.cfg.VerdictHistory),
 		decided:   make(map[string]*wire.AdminRestore),
 		decidedOf: make(map[string]*verdictRing),
 
