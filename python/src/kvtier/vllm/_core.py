@@ -122,6 +122,7 @@ class _Core(KVConnectorBase_V1):  # type: ignore[misc]
             "detaches", "engine_verify_failures",
         ), 0)
         self._stats_sent: dict[str, int] = {}
+        self._cancel_lock = threading.Lock()  # restores_cancelled: counted on two threads
         self._link: Link | None = None
         # scheduler side
         self._reqs: dict[str, _Req] = {}

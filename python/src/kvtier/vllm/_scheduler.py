@@ -215,7 +215,8 @@ class _SchedulerSide(_Core):
             return
         for p, inst in zip(plans, self.instances, strict=False):
             if p is not None and p.restore_id and p.prefix > 0:
-                self.stats["restores_cancelled"] += 1
+                with self._cancel_lock:  # also called on the client's loop thread (_abandon)
+                    self.stats["restores_cancelled"] += 1
                 submit(c, c.aio.restore_cancel(p.restore_id, instance=inst, timeout=self.cfg.lookup_timeout_s))
 
     def _abandon(self, st: _Req) -> None:
