@@ -25,7 +25,7 @@
 #   JSON=1         engine requests as JSON (--json-requests; default binary)
 #   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench"); a
 #                  directory: the file goes inside it
-#   L1=            rankd --l1-bytes (default: 2.5 x GB, at least 256MiB)
+#   L1=            rankd --l1-bytes (default: 2.5 x GB, with DUPLEX 3.6 x GB; at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
 #   DUPLEX=        N: after the repetitions, N repetitions of a fresh store and the
@@ -81,7 +81,10 @@ if [[ -d $OUT ]]; then # a directory (the device tool exports OUT as one): the f
 	OUT=$OUT/bench-$SCENARIO.json
 fi
 if [[ -z ${L1:-} ]]; then
-	L1=$(awk -v gb="$GB" 'BEGIN { m = int(gb * 2.5 * 1e9 / 1048576) + 1; if (m < 256) m = 256; printf "%dMiB", m }')
+	# DUPLEX holds three prompts at once (restoring one, storing the next,
+	# the one before not yet evicted: their chunks' last uses interleave,
+	# so LRU may pick the one being restored), the repetitions two.
+	L1=$(awk -v gb="$GB" -v f="${DUPLEX:+3.6}" 'BEGIN { if (f == "") f = 2.5; m = int(gb * f * 1e9 / 1048576) + 1; if (m < 256) m = 256; printf "%dMiB", m }')
 fi
 
 BASE=${PORT_BASE:-$((20000 + RANDOM % 20000))}
