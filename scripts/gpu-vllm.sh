@@ -30,7 +30,8 @@
 #   L1=12GiB           rankd --l1-bytes
 #   ITL=1 L2=1         the ITL and L2 phases of the kvtier mode
 #   ITL_COPY_GB=       with ITL: also the idle ITL while another process copies that many GB
-#                      host-to-device in a loop (what PCIe traffic alone costs the decoders)
+#                      host-to-device in a loop (what PCIe traffic alone costs the decoders);
+#                      ITL_COPY_PIECE=1048576 makes that loop copies of 1 MiB, as a restore's
 #   GPU_MEM=0.5        vLLM gpu_memory_utilization
 #   CPU_BYTES=10e9     the OffloadingConnector's cpu_bytes_to_use
 #   OUT_DIR=gpu-vllm-results   KEEP=1 keeps the temp dir (logs); PORT_BASE picks the ports
@@ -197,7 +198,7 @@ for mode in $MODES; do
 	else
 		[[ $mode == kvtier && ${L2:-1} == 1 ]] && extra+=(--l2)
 		[[ $mode != duel-* && ${ITL:-1} == 1 ]] && extra+=(--itl)
-		[[ $mode != duel-* && ${ITL:-1} == 1 && -n ${ITL_COPY_GB:-} ]] && extra+=(--itl-copy-gb "$ITL_COPY_GB")
+		[[ $mode != duel-* && ${ITL:-1} == 1 && -n ${ITL_COPY_GB:-} ]] && extra+=(--itl-copy-gb "$ITL_COPY_GB" --itl-copy-piece "${ITL_COPY_PIECE:-0}")
 	fi
 	[[ $mode == kvtier* && ${PROFILE:-0} == 1 ]] && extra+=(--profile-connector)
 	[[ ${GRAPHS:-0} == 1 ]] && extra+=(--graphs)

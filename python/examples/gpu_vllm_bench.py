@@ -573,7 +573,7 @@ def run_mode(args: argparse.Namespace) -> None:
             # What a plain copy-engine stream over PCIe costs vLLM's decoders,
             # with no connector work at all: another process copies pinned
             # host memory to the GPU again and again for the whole window.
-            with plain_copy(args.itl_copy_gb) as rate:
+            with plain_copy(args.itl_copy_gb, args.itl_copy_piece) as rate:
                 res["itl_copy"] = b.itl(None)
             res["itl_copy"]["copy_gb_s"] = rate()
             log(f"{args.mode} ITL while another process copies host-to-device: {res['itl_copy']}")
@@ -700,6 +700,7 @@ def table(paths: list[str]) -> int:
 _COPY_LOOP = """
 import signal, sys, time, torch
 n = int(float(sys.argv[1]) * 1e9)
+piece = int(sys.argv[2]) or n  # bytes a copy: one copy of n, or n/piece of them
 h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
 d = torch.empty(n, dtype=torch.uint8, device="cuda")
 s = torch.cuda.Stream()
@@ -709,7 +710,8 @@ copied, t0 = 0, None
 print("ready", flush=True)
 with torch.cuda.stream(s):
     while not stop:
-        d.copy_(h, non_blocking=True)
+        for off in range(0, n, piece):
+            d[off:off + piece].copy_(h[off:off + piece], non_blocking=True)
         s.synchronize()
         if t0 is None:
             t0 = time.perf_counter()
@@ -720,11 +722,12 @@ print(f"{copied / max(time.perf_counter() - (t0 or 0), 1e-9) / 1e9:.1f}", flush=
 
 
 @contextlib.contextmanager
-def plain_copy(gb: float) -> Any:
+def plain_copy(gb: float, piece: int = 0) -> Any:
     """Runs a host-to-device copy loop of gb GB in another process (its own
-    CUDA context, as a rankd's) for the with block; yields a function that
-    returns the loop's GB/s once the block is left."""
-    p = subprocess.Popen([sys.executable, "-c", _COPY_LOOP, str(gb)], stdout=subprocess.PIPE, text=True)
+    CUDA context, as a rankd's) for the with block, in copies of piece bytes
+    (0: one copy); yields a function that returns the loop's GB/s once the
+    block is left."""
+    p = subprocess.Popen([sys.executable, "-c", _COPY_LOOP, str(gb), str(piece)], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     if p.stdout.readline().strip() != "ready":
         p.kill()
@@ -764,6 +767,9 @@ def main() -> int:
     r.add_argument("--itl-copy-gb", type=float, default=0.0, metavar="GB",
                    help="with --itl: also measure the idle ITL while another process copies GB of pinned host "
                         "memory to the GPU in a loop (what PCIe traffic alone costs the decoders)")
+    r.add_argument("--itl-copy-piece", type=int, default=0, metavar="BYTES",
+                   help="the copy loop of --itl-copy-gb in copies of this many bytes (0: one copy), as a "
+                        "restore's copies are (1 MiB a pool and chunk at the 8B geometry)")
     r.add_argument("--replay", type=int, default=0, metavar="N",
                    help="replay the first N requests of --replay-trace (gpu_vllm_replay.py) instead of the TTFT rows")
     r.add_argument("--replay-trace", help="the Mooncake trace (JSON lines)")
