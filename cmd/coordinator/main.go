@@ -185,7 +185,7 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	fs.StringVar(&cfg.HTTPAddr, "http", cfg.HTTPAddr, "HTTP address for /metrics and /healthz (empty disables)")
 	fs.StringVar(&cfg.Prefix, "prefix", cfg.Prefix, "NATS subject prefix")
 	fs.DurationVar(&cfg.RestoreDeadline, "restore-deadline", cfg.RestoreDeadline, "default restore deadline")
-	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries")
+	fs.IntVar(&cfg.VerdictHistory, "verdict-history", cfg.VerdictHistory, "restore verdicts kept for admin queries (the newest), and per engine instance for late restore.wait requests")
 	fs.DurationVar(&cfg.MaxIncarnationSkew, "max-incarnation-skew", cfg.MaxIncarnationSkew, "refuse rank incarnations further ahead of this clock")
 	fs.BoolVar(&cfg.RequireMemberIncarnation, "require-member-incarnation", cfg.RequireMemberIncarnation, "accept a new rank incarnation only once memberlist shows it alive")
 	fs.IntVar(&cfg.Death.ConfirmBeats, "death-confirm-beats", cfg.Death.ConfirmBeats, "a gossip death of a rank still connected to NATS is acted on only after this many of its heartbeat intervals without a heartbeat")
