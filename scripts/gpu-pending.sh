@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The GPU measurements still pending for issues 24 and 25 (docs/gpu.md), in
+# priority order, each bounded so that the whole fits a 10-minute call:
+#
+#   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed
+#   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
+#
+# BIN holds coordinator, rankd and enginesim (make gpu-build or go build).
+# Every result and log goes into one tarball, $OUT/pending-<set>.tar.gz
+# (OUT: the device tool's output folder, or ./pending-out), and the
+# summary lines to stdout, so a tool that brings back few files or only
+# the output's tail loses nothing. BUDGET=seconds (default 560) bounds the
+# set; a step that would start with less than its own bound left is
+# skipped and said so.
+set -uo pipefail
+
+SET=${1:-}
+BIN=${2:-}
+if [[ -z $SET || -z $BIN ]]; then
+	echo "usage: $0 daemons|vllm BIN_DIR" >&2
+	exit 2
+fi
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+cd "$HERE"
+OUT=${OUT:-$PWD/pending-out}
+R=$(mktemp -d -t kvtier-pending.XXXXXX)
+T0=$(date +%s)
+BUDGET=${BUDGET:-560}
+
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+# step NAME BOUND CMD...: runs CMD with its output in $R/NAME.log when BOUND
+# seconds are left, and prints the log's summary lines.
+step() {
+	local name=$1 bound=$2
+	shift 2
+	if (($(left) < bound)); then
+		echo "== $name: skipped, $(left) s left of $BUDGET" | tee -a "$R/steps.txt"
+		return
+	fi
+	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
+	timeout "$bound" "$@" >"$R/$name.log" 2>&1
+	echo "rc=$?" >>"$R/$name.log"
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|replay: \{|rc=' \
+		"$R/$name.log" | cut -c1-300
+}
+finish() {
+	mkdir -p "$OUT"
+	tar czf "$OUT/pending-$SET.tar.gz" -C "$R" . && echo "results: $OUT/pending-$SET.tar.gz"
+}
+trap finish EXIT
+
+DEVICE=${DEVICE:-cuda:0}
+BIG=${GB_BIG:-1.3} SMALL=${GB_SMALL:-0.5} TINY=${GB_TINY:-0.067} # GB per rank (smaller for a smoke test)
+# bench NAME: the gpu-bench.sh command line of a step, after VAR=value words
+bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-bench.sh "$BIN"; }
+
+case $SET in
+daemons)
+	# 25.3: both directions through the daemons, DMA and the copy kernels
+	P=enginesim/specs
+	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
+	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
+	# 25.1: the rows not re-measured since the span merge
+	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
+	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
+	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
+	# 25.5: the decode-shaped loop, defaults against the copy kernels
+	for v in default sm; do
+		ra=; [[ $v == sm ]] && ra="--copy-path sm"
+		step "interference-$v" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
+			--logs "$R/interference-$v" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
+DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$v.json bash scripts/gpu-bench.sh $BIN"
+	done
+	;;
+vllm)
+	[[ -n ${TRACE:-} ]] || { echo "$0 vllm: TRACE must name the Mooncake trace (JSON lines)" >&2; exit 2; }
+	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM=0.5 L1=12GiB CPU_BYTES=10e9
+		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
+	# 24.4: what 1 MiB copies from another process cost the decoders,
+	# beside what a load costs them (docs/gpu.md)
+	step itl-pieces 200 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	# 24.4: the Mooncake replay with CUDA graphs
+	step replay 330 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
+		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM=0.2 L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
+		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
+	;;
+*)
+	echo "$0: unknown set $SET (daemons or vllm)" >&2
+	exit 2
+	;;
+esac
