@@ -54,6 +54,12 @@ type DMATuning struct {
 	// after its copies, which serializes the transfers of one stream. For
 	// measurements; off by default.
 	HostLaunch bool
+	// NoOverlapHint enqueues batched copies without the driver's
+	// "prefer to overlap with compute" flag (on by default: copy engines,
+	// not SMs). For measurements: whether that hint's choice of engines is
+	// what a load costs the model's own copies and steps (docs/gpu.md);
+	// off by default.
+	NoOverlapHint bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

@@ -272,12 +272,12 @@ CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *hos
 int kv_has_memcpy_batch(void) { return p_cuMemcpyBatchAsync_v2 != NULL || p_cuMemcpyBatchAsync_v1 != NULL; }
 
 CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
-	CUstream s) {
+	unsigned int flags, CUstream s) {
 	CTX(c);
 	kv_memcpy_attrs a;
 	memset(&a, 0, sizeof a);
 	a.srcAccessOrder = KV_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-	a.flags = KV_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
+	a.flags = flags & KV_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
 	size_t idx = 0;
 	if (p_cuMemcpyBatchAsync_v2 != NULL) {
 		return p_cuMemcpyBatchAsync_v2(dsts, srcs, sizes, count, &a, &idx, 1, s);

@@ -81,11 +81,12 @@ CUresult kv_memcpy2d_async(CUcontext c, CUdeviceptr dev, size_t pitch, void *hos
 // kv_has_memcpy_batch reports whether the driver has cuMemcpyBatchAsync
 // (CUDA 12.8+); kv_memcpy_batch_async enqueues count copies (sizes[i]
 // bytes from srcs[i] to dsts[i], host addresses as unified addresses) on s
-// in one call, in stream order, preferring the copy engines (the flag that
-// asks to overlap with compute). The arrays are read during the call.
+// in one call, in stream order, with the driver's flags (1: prefer to
+// overlap with compute, the copy engines; 0: no hint). The arrays are read
+// during the call.
 int kv_has_memcpy_batch(void);
 CUresult kv_memcpy_batch_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
-	CUstream s);
+	unsigned int flags, CUstream s);
 // kv_memcpy_each_async enqueues the same copies with a driver call each
 // (cuMemcpyHtoDAsync or cuMemcpyDtoHAsync): where a batch call is refused.
 CUresult kv_memcpy_each_async(CUcontext c, CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,

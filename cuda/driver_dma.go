@@ -183,7 +183,11 @@ func (e *enqueuer) flush(q *batchQueue, dq *dmaQueue) {
 	n := C.size_t(len(q.sizes))
 	err := e.s.d.refuseBatch
 	if err == nil {
-		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, e.s.h))
+		flags := C.uint(1) // prefer to overlap with compute
+		if e.s.d.dmaTune.NoOverlapHint {
+			flags = 0
+		}
+		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, flags, e.s.h))
 	}
 	if err != nil && !batchRefusal(err) {
 		if e.err == nil {

@@ -30,8 +30,10 @@ func openCUDA(t *testing.T) cuda.Device {
 // (both on the copy kernels' path), and every transfer forced onto the DMA
 // path (copy-engine copies of the page runs, kv_checksum over the pages),
 // also with DMATuning small enough that transfers wait on their copy queue
-// and checksum in many batches, and with the checksums launched from the
-// host.
+// and checksum in many batches, with the checksums launched from the host,
+// and with the batched copies enqueued without the overlap hint.
+var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
+
 func TestDriverConformance(t *testing.T) {
 	if err := openCUDA(t).Close(); err != nil {
 		t.Fatal(err)
@@ -45,6 +47,7 @@ func TestDriverConformance(t *testing.T) {
 		{"staged", "staged", "sm", 64 << 10, cuda.DefaultDMATuning()}, {"dma", "auto", "dma", 0, cuda.DefaultDMATuning()},
 		{"dma-tuned", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, Queue: 16 << 10}},
 		{"dma-host-launch", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, HostLaunch: true}},
+		{"dma-no-overlap-hint", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, NoOverlapHint: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {

@@ -2,7 +2,7 @@
 # The GPU measurements still pending for issues 24 and 25 (docs/gpu.md), in
 # priority order, each bounded so that the whole fits a 10-minute call:
 #
-#   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed
+#   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
 #
 # BIN holds coordinator, rankd and enginesim (make gpu-build or go build).
@@ -65,8 +65,8 @@ daemons)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
 	# 25.5: the decode-shaped loop, defaults against the copy kernels
-	for v in default sm; do
-		ra=; [[ $v == sm ]] && ra="--copy-path sm"
+	for v in default sm nohint; do
+		case $v in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; esac
 		step "interference-$v" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
 			--logs "$R/interference-$v" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$v.json bash scripts/gpu-bench.sh $BIN"
@@ -81,9 +81,11 @@ vllm)
 	step itl-pieces 200 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: the Mooncake replay with CUDA graphs
-	step replay 330 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
+	step replay 260 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
 		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM=0.2 L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
 		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-nohint 150 env "${V[@]}" RANKD_ARGS=--dma-no-overlap-hint OUT_DIR="$R/itl-nohint" \
+		bash scripts/gpu-vllm.sh "$BIN"
 	;;
 *)
 	echo "$0: unknown set $SET (daemons or vllm)" >&2
