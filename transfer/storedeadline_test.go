@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvtier/kvtier/cuda"
 )
 
 // stuckTier is an L2 tier whose writes do not return until open is
@@ -25,6 +27,18 @@ func (s *stuckTier) Put(ctx context.Context, obj L2Object, payload []byte) error
 		return ctx.Err()
 	}
 	return s.L2Tier.Put(ctx, obj, payload)
+}
+
+// stuckChunk is the chunk a test stores into a stuckL2Rig's full L1:
+// written, its producer event recorded, and the engine's releases counted
+// from here on.
+func stuckChunk(e *Engine, r *rig) (chunk, cuda.EventHandle, *atomic.Int32) {
+	releases := new(atomic.Int32)
+	e.hooks.releasing = func(*StoreFuture) { releases.Add(1) }
+	c := r.newChunk(2, r.consecutiveN(2))
+	r.write(c, c.blocks, 0)
+	_, h := r.record()
+	return c, h, releases
 }
 
 // stuckL2Rig is an engine whose L1 (two slabs) is full of two committed
@@ -78,11 +92,7 @@ func stuckL2Rig(t *testing.T) (*Engine, *rig, *stuckTier) {
 // (the store answered only after 30 s).
 func TestStoreWaitForL1RoomEndsAtTheEnginesDeadline(t *testing.T) {
 	e, r, st := stuckL2Rig(t)
-	var releases atomic.Int32
-	e.hooks.releasing = func(*StoreFuture) { releases.Add(1) }
-	c := r.newChunk(2, r.consecutiveN(2))
-	r.write(c, c.blocks, 0)
-	_, h := r.record()
+	c, h, releases := stuckChunk(e, r)
 	const dl = 200 * time.Millisecond
 	start := time.Now()
 	ctx, cancel := context.WithDeadline(testCtx(t), start.Add(dl)) // as rankd does with the engine's
@@ -108,7 +118,7 @@ func TestStoreWaitForL1RoomEndsAtTheEnginesDeadline(t *testing.T) {
 	if n := res.PastDeadline(); n != 1 {
 		t.Fatalf("PastDeadline %d, want 1 (rankd counts the store as cut)", n)
 	}
-	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10)) // the two dirty objects stay
+	expectFailedStoreLeftNothing(t, e, f, o, releases, 2*(64<<10)) // the two dirty objects stay
 
 	close(st.open) // L2 takes the writes: L1 makes room
 	storesAgain(t, e, r, c)
@@ -208,11 +218,7 @@ func expectFailedStoreLeftNothing(t *testing.T, e *Engine, f *StoreFuture, o Sto
 // 20 s deadline).
 func TestStoreCutEndsItsWaitForL1Room(t *testing.T) {
 	e, r, st := stuckL2Rig(t)
-	var releases atomic.Int32
-	e.hooks.releasing = func(*StoreFuture) { releases.Add(1) }
-	c := r.newChunk(2, r.consecutiveN(2))
-	r.write(c, c.blocks, 0)
-	_, h := r.record()
+	c, h, releases := stuckChunk(e, r)
 	ctx, cancel := context.WithDeadline(testCtx(t), time.Now().Add(20*time.Second))
 	defer cancel()
 	f, err := e.Store(ctx, r.storeReq("preempted", h, c))
@@ -236,7 +242,7 @@ func TestStoreCutEndsItsWaitForL1Room(t *testing.T) {
 		t.Fatalf("cut store: %+v (%v); want failed with ErrCut", o, err)
 	}
 	f.Cut() // again, after the end: nothing
-	expectFailedStoreLeftNothing(t, e, f, o, &releases, 2*(64<<10))
+	expectFailedStoreLeftNothing(t, e, f, o, releases, 2*(64<<10))
 
 	close(st.open)
 	storesAgain(t, e, r, c)
