@@ -253,6 +253,15 @@ def test_the_begin_is_the_lookup_unless_the_coordinator_refuses_it(caplog):
     assert s._begin_looks_up and world.lookup_begins == 1 and s.stats["lookup_errors"] == 1
 
 
+def cancel_rig() -> tuple[fakes.FakeWorld, KvtierConnector, str]:
+    """A scheduler whose lookups plan 3 chunks, and its instance: the
+    restore.cancel tests' world."""
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    s = make(world, KVConnectorRole.SCHEDULER)
+    return world, s, s.instances[0]
+
+
 def test_a_restore_never_handed_to_the_workers_is_cancelled():
     """A request that finishes (an abort) after its lookup began a restore
     and before vLLM scheduled it, and a load vLLM took fewer chunks of than
@@ -261,10 +270,7 @@ def test_a_restore_never_handed_to_the_workers_is_cancelled():
     if ranks had not answered, nor hold its slot. A load handed to the
     workers is never cancelled. Red without the cancel in request_finished
     and in the short-take path."""
-    world = fakes.FakeWorld()
-    world.prefix = 3
-    s = make(world, KVConnectorRole.SCHEDULER)
-    inst = s.instances[0]
+    world, s, inst = cancel_rig()
     aborted = fakes.Request("aborted", tokens(16 * 5 + 3))
     world.plan = plan_for(s, aborted, 0, 3)
     assert s.get_num_new_matched_tokens(aborted, 0) == (48, False)
@@ -299,10 +305,7 @@ def test_a_lookup_superseded_or_in_flight_at_the_finish_has_its_restore_cancelle
     lookup-begin is still in flight, whose restore is withdrawn once the
     answer comes. Red without the cancel at the replaced lookup, and
     without the one for the lookup in flight."""
-    world = fakes.FakeWorld()
-    world.prefix = 3
-    s = make(world, KVConnectorRole.SCHEDULER)
-    inst = s.instances[0]
+    world, s, inst = cancel_rig()
     req = fakes.Request("a", tokens(16 * 5 + 3))
     world.plan = plan_for(s, req, 0, 3)
     assert s.get_num_new_matched_tokens(req, 0) == (48, False)
