@@ -230,11 +230,7 @@ func (w *worker) wipeStoreTable(p *Plan) error {
 		for c := range p.Scenario.Chunks {
 			for l := range g.Layers {
 				for _, b := range p.ChunkBlocks(PhaseStoreTable, gi, c) {
-					off := p.PageOffset(gi, l, b)
-					for i := range buf {
-						buf[i] = WipeByte(off + uint64(i))
-					}
-					if err := w.dev.Write(w.allocs[gi], off, buf); err != nil {
+					if err := w.wipePage(gi, p.PageOffset(gi, l, b), buf); err != nil {
 						return fmt.Errorf("rank %d: wipe the store table of group %d: %w", w.t, gi, err)
 					}
 				}

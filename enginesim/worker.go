@@ -370,19 +370,24 @@ func (w *worker) wipe() error {
 		buf := make([]byte, g.PageBytes)
 		var err error
 		p.eachPage(gi, func(off, n uint64) {
-			if err != nil {
-				return
+			if err == nil {
+				err = w.wipePage(gi, off, buf)
 			}
-			for i := range buf {
-				buf[i] = WipeByte(off + uint64(i))
-			}
-			err = w.dev.Write(w.allocs[gi], off, buf)
 		})
 		if err != nil {
 			return fmt.Errorf("rank %d: wipe group %d: %w", w.t, gi, err)
 		}
 	}
 	return nil
+}
+
+// wipePage writes the wipe pattern over the page of group gi at
+// allocation offset off, through buf (a page's bytes).
+func (w *worker) wipePage(gi int, off uint64, buf []byte) error {
+	for i := range buf {
+		buf[i] = WipeByte(off + uint64(i))
+	}
+	return w.dev.Write(w.allocs[gi], off, buf)
 }
 
 // retrieve sends the rank's part of a restore plan, with its target blocks.
