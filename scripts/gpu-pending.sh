@@ -54,36 +54,44 @@ BIG=${GB_BIG:-1.3} SMALL=${GB_SMALL:-0.5} TINY=${GB_TINY:-0.067} # GB per rank (
 # bench NAME: the gpu-bench.sh command line of a step, after VAR=value words
 bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-bench.sh "$BIN"; }
 
+# interference V: the decode-shaped loop while rankd (with V's arguments)
+# restores the 8B pages at full speed
+interference() {
+	local ra
+	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; esac
+	step "interference-$1" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
+		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
+DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
+}
+
 case $SET in
 daemons)
-	# 25.3: both directions through the daemons, DMA and the copy kernels
 	P=enginesim/specs
+	# 25.3: both directions through the daemons
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
-	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
+	# 25.5: the decode-shaped loop: without the overlap hint against the defaults
+	for v in nohint default; do
+		interference "$v"
+	done
 	# 25.1: the rows not re-measured since the span merge
 	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
-	# 25.5: the decode-shaped loop, defaults against the copy kernels
-	for v in default sm nohint; do
-		case $v in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; esac
-		step "interference-$v" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
-			--logs "$R/interference-$v" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
-DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$v.json bash scripts/gpu-bench.sh $BIN"
-	done
+	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
+	interference sm
 	;;
 vllm)
 	[[ -n ${TRACE:-} ]] || { echo "$0 vllm: TRACE must name the Mooncake trace (JSON lines)" >&2; exit 2; }
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM=0.5 L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
+	# 24.4: the Mooncake replay with CUDA graphs
+	step replay 300 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
+		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM=0.2 L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
+		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
 	step itl-pieces 200 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
 		bash scripts/gpu-vllm.sh "$BIN"
-	# 24.4: the Mooncake replay with CUDA graphs
-	step replay 260 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
-		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM=0.2 L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
-		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-nohint 150 env "${V[@]}" RANKD_ARGS=--dma-no-overlap-hint OUT_DIR="$R/itl-nohint" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	;;
