@@ -42,6 +42,10 @@ type planGroup struct {
 	ids  []int64
 }
 
+// blockRun is the extent [off, end) in every layer's pool of a run of an
+// item's blocks whose pages continue each other.
+type blockRun struct{ off, end uint64 }
+
 // planBitmapSlack is how many 64-bit words a group's duplicate bitmap may
 // have beyond one per requested block before the ids are sorted instead.
 const planBitmapSlack = 1024
@@ -140,16 +144,41 @@ func planFast(res *dcp.Resolved, pools [][]cuda.Mem, tp int, req RetrieveRequest
 			}
 		}
 	}
-	// Pass 2: the spans, layer-major then block order, all in one array;
-	// pages that continue each other in a pool merged (appendSpan).
+	// Pass 2: the spans, layer-major then block order, all in one array.
+	// The blocks of an item whose pages continue each other are one run,
+	// the same in every layer's pool (a group's pools share stride and
+	// page), so the runs are found once per item and each pool gets a
+	// span per run: the spans appendSpan would make page by page, at a
+	// fraction of the work (the 8B pages: 16 blocks of a chunk one run,
+	// 64 spans instead of 1,024 appends).
+	blocks := 0
+	for gi := range gs {
+		blocks += gs[gi].count
+	}
+	runs := make([]blockRun, 0, blocks)
+	bounds := make([]int, len(req.Items)+1)
+	total = 0
+	for i, it := range req.Items {
+		g := &gs[it.Group]
+		first := len(runs)
+		for _, b := range it.Blocks {
+			off := uint64(b) * g.stride
+			if n := len(runs); n > first && runs[n-1].end == off {
+				runs[n-1].end += g.page
+				continue
+			}
+			runs = append(runs, blockRun{off: off, end: off + g.page})
+		}
+		bounds[i+1] = len(runs)
+		total += (len(runs) - first) * len(g.pools)
+	}
 	all := make([]cuda.Span, 0, total)
 	out := make([][]cuda.Span, len(req.Items))
 	for i, it := range req.Items {
-		g := &gs[it.Group]
 		first := len(all)
-		for _, m := range g.pools {
-			for _, b := range it.Blocks {
-				s := cuda.Span{Mem: m, Off: uint64(b) * g.stride, Len: g.page}
+		for _, m := range gs[it.Group].pools {
+			for _, r := range runs[bounds[i]:bounds[i+1]] {
+				s := cuda.Span{Mem: m, Off: r.off, Len: r.end - r.off}
 				if len(all) > first {
 					all = appendSpan(all, s)
 				} else {

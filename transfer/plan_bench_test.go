@@ -133,13 +133,24 @@ func (pr *planRig) plan(t testing.TB, checked bool) [][]cuda.Span {
 }
 
 // BenchmarkRetrievePlan measures a retrieve's plan stage for enginesim's
-// tp1 scenario at 1.3 GB per rank (the H200 bench: 18.1 ms before
+// tp1 scenario and the 8B pages (llama8b-tp1) at 1.3 GB per rank (the H200 bench: 18.1 ms before
 // planFast), as planRetrieve does it (fast) and as the reference does
 // (checked, the code before issue 25.4):
 //
 //	go test -run '^$' -bench RetrievePlan -benchmem ./transfer/
 func BenchmarkRetrievePlan(b *testing.B) {
-	spec := tp1Spec(b)
+	for _, f := range []string{"tp1", "llama8b-tp1"} {
+		b.Run(f, func(b *testing.B) {
+			raw, err := os.ReadFile("../enginesim/specs/" + f + ".json")
+			if err != nil {
+				b.Fatal(err)
+			}
+			benchmarkRetrievePlan(b, specFile(b, raw))
+		})
+	}
+}
+
+func benchmarkRetrievePlan(b *testing.B, spec dcp.Spec) {
 	res, err := spec.Resolve()
 	if err != nil {
 		b.Fatal(err)
