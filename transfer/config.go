@@ -277,9 +277,11 @@ type Config struct {
 	// rounded): its items go through L1 in batches of whole chunks, each
 	// scattered, verified and unpinned before the next is read, so a
 	// prompt larger than L1 restores from L2. The bound used is
-	// min(RetrieveBatchBytes, L1Bytes/4) (at least one slab). Default
-	// 256 MiB. Larger batches mean fewer, longer scatters; smaller ones
-	// leave more of L1 to concurrent work.
+	// min(RetrieveBatchBytes, L1Bytes/4) (at least one slab); a retrieve's
+	// first three batches ramp up to it (an eighth, a quarter, a half), so
+	// its first copy starts after little host work. Default 256 MiB.
+	// Larger batches mean fewer, longer scatters; smaller ones leave more
+	// of L1 to concurrent work.
 	RetrieveBatchBytes uint64
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.

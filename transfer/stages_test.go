@@ -227,3 +227,56 @@ func TestCopyTimesNeverAfterTheHostSawTheEnd(t *testing.T) {
 		t.Fatalf("marks before the host saw the end moved: last %v, clamp %v", at[2].Sub(t0), tl.MarkClamp())
 	}
 }
+
+// TestRetrieveBatchesRamp: a retrieve's first batches grow to the batch
+// bound (an eighth, a quarter, a half), the rest fill it, and every chunk
+// is restored byte-exact.
+func TestRetrieveBatchesRamp(t *testing.T) {
+	dev := openDevice(t, "")
+	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 32, Groups: []dcp.Group{
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 2, SemanticBytes: 16 * 528, PageBytes: 16 * 561, StrideBytes: 16*561 + 37, KVFormat: "fp8"},
+	}}
+	const chunks = 20
+	r := newRig(t, dev, spec, []int64{4 * chunks})
+	cfg := engineConfig(t, dev, 0, 1)
+	e := newEngine(t, cfg)
+	res := r.register(e)
+	perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
+	e.cfg.RetrieveBatchBytes = 8 * perChunk
+	if e.retrieveBatchBytes() != 8*perChunk {
+		t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
+	}
+	var cs []chunk
+	for i := range chunks {
+		cs = append(cs, r.newChunk(i, r.consecutive(int64(2*i))))
+		r.write(cs[i], cs[i].blocks, 0)
+	}
+	_, h := r.record()
+	f, err := e.Store(testCtx(t), r.storeReq("ramp", h, cs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Wait(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	var sizes []int
+	e.hooks.scatterEnqueued = func(_ string, idx []int) { sizes = append(sizes, len(idx)) }
+	targets := make([][][]int64, chunks)
+	for i := range targets {
+		targets[i] = r.consecutive(int64(2*chunks + 2*i))
+	}
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, targets))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range chunks {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("chunk %d not restored: %+v", i, rr.Items)
+		}
+		r.expectRestored(cs[i], targets[i])
+	}
+	r.check("after the retrieve")
+	if got, want := fmt.Sprint(sizes), "[1 2 4 8 5]"; got != want {
+		t.Fatalf("batches of %s chunks, want %s", got, want)
+	}
+}
