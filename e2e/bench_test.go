@@ -161,6 +161,13 @@ func TestBenchDaemonPath(t *testing.T) {
 	if want := 3 * 4 * 2; resD.Stored != want || resD.Verdict != "complete" {
 		t.Fatalf("bench duplex: %d objects committed (want %d), verdict %q", resD.Stored, want, resD.Verdict)
 	}
+	// The last repetition's stages of both, each beside the other.
+	if d.TimelineProblem != "" || d.StoreTimeline == nil || d.RestoreTimeline == nil ||
+		!strings.Contains(out, "timeline of one store beside a restore (duplex)") ||
+		!strings.Contains(out, "timeline of one restore beside a store (duplex)") {
+		t.Fatalf("bench duplex timelines: problem %q, store %v, restore %v\n%s", d.TimelineProblem,
+			d.StoreTimeline != nil, d.RestoreTimeline != nil, tail(out, 60))
+	}
 	if !strings.Contains(out, "both directions at once (2 repetitions") || strings.Count(out, "verdict complete") != 4 {
 		t.Fatalf("bench duplex: output\n%s", tail(out, 40))
 	}

@@ -586,6 +586,17 @@ func (s *sim) printBench(br *BenchResult) {
 		fmt.Fprintf(out, "  plain copies both ways %.4f s, %.2f GB/s = %.3fx; kvtier at %.3f of the duplex ceiling\n",
 			d.Ceiling.Median, d.Ceiling.GBps, d.CeilingRatio, d.Both.GBps/max(d.Ceiling.GBps, 1e-9))
 	}
+	if d := br.Duplex; d != nil {
+		if d.StoreTimeline != nil {
+			printTimeline(out, "store beside a restore (duplex)", d.StoreTimeline)
+		}
+		if d.RestoreTimeline != nil {
+			printTimeline(out, "restore beside a store (duplex)", d.RestoreTimeline)
+		}
+		if d.TimelineProblem != "" {
+			fmt.Fprintf(out, "\nno duplex timeline: %s\n", d.TimelineProblem)
+		}
+	}
 	if br.StoreTimeline != nil {
 		printTimeline(out, "store", br.StoreTimeline)
 	}

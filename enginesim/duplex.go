@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -43,6 +44,13 @@ type BenchDuplex struct {
 	// ceiling's.
 	Ratio        float64 `json:"ratio"`
 	CeilingRatio float64 `json:"ceiling_ratio"`
+	// StoreTimeline and RestoreTimeline are the stages of the last
+	// repetition's store (one request of it) and restore, each beside the
+	// other: against the single-direction timelines they show whether the
+	// two wait on each other in the rankd or on the copy engines.
+	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
+	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
+	TimelineProblem string         `json:"timeline_problem,omitempty"`
 }
 
 // duplexDisjoint reports whether the store and restore tables of p share
@@ -114,11 +122,15 @@ func (s *sim) benchDuplex(ctx context.Context, br *BenchResult, cbufs []ceilBuf,
 		}
 		bd.Ceiling.add(tot, ranks)
 
-		tot, ranks, err = s.duplexOnce(ctx, stored, fmt.Sprintf("bench-duplex-%d-%d", base, r))
+		reqID := fmt.Sprintf("bench-duplex-%d-%d", base, r)
+		tot, ranks, run, err := s.duplexOnce(ctx, stored, reqID)
 		if err != nil {
 			return nil, fmt.Errorf("bench duplex repetition %d: %w", r, err)
 		}
 		bd.Both.add(tot, ranks)
+		if r == reps-1 {
+			s.duplexTimelines(ctx, bd, reqID, run)
+		}
 		// Untimed: every restored byte compared (the store table's pages
 		// wiped first: the comparison wants every page outside the
 		// restore table as the wipe left it).
@@ -177,7 +189,7 @@ func (s *sim) duplexCeiling(ctx context.Context, cbufs, back []ceilBuf, br *Benc
 // restoring s.plan's, and returns the wall time from the first request to
 // the later of the last store reply and the verdict, and each rank's
 // (to the later of its last store reply and its retrieve reply).
-func (s *sim) duplexOnce(ctx context.Context, stored *Plan, reqID string) (time.Duration, []time.Duration, error) {
+func (s *sim) duplexOnce(ctx context.Context, stored *Plan, reqID string) (time.Duration, []time.Duration, benchStoreRun, error) {
 	type storeDone struct {
 		run benchStoreRun
 		err error
@@ -193,14 +205,33 @@ func (s *sim) duplexOnce(ctx context.Context, stored *Plan, reqID string) (time.
 	rerr := s.restore(ctx)
 	st := <-done
 	if rerr != nil || st.err != nil {
-		return 0, nil, errors.Join(rerr, st.err)
+		return 0, nil, st.run, errors.Join(rerr, st.err)
 	}
 	later := func(a, b time.Time) time.Duration { return max(a.Sub(start), b.Sub(start)) }
 	ranks := make([]time.Duration, len(s.workers))
 	for t := range ranks {
 		ranks[t] = later(st.run.start.Add(st.run.ranks[t]), s.rc.replied[t])
 	}
-	return later(s.rc.ended, st.run.start.Add(st.run.total)), ranks, nil
+	return later(s.rc.ended, st.run.start.Add(st.run.total)), ranks, st.run, nil
+}
+
+// duplexTimelines records in bd the stages of a duplex repetition's store
+// (request reqID, run) and of its restore (s.res), untimed, after both.
+func (s *sim) duplexTimelines(ctx context.Context, bd *BenchDuplex, reqID string, run benchStoreRun) {
+	if t := slices.IndexFunc(run.requests, func(n int) bool { return n > 0 }); t >= 0 {
+		tls, err := s.fetchTimelines(ctx, s.workers[t], reqID)
+		if err != nil {
+			bd.TimelineProblem = err.Error()
+			return
+		}
+		bd.StoreTimeline = storeTimeline(t, tls, run.requests[t], run.start, run.start.Add(run.ranks[t]))
+	}
+	tls, err := s.fetchTimelines(ctx, s.workers[0], s.res.RestoreID)
+	if err != nil {
+		bd.TimelineProblem = err.Error()
+		return
+	}
+	bd.RestoreTimeline = restoreTimeline(0, tls[len(tls)-1], &s.rc)
 }
 
 // compareRestored compares every page of the restore table with s.plan's
