@@ -60,6 +60,13 @@ type DMATuning struct {
 	// what a load costs the model's own copies and steps (docs/gpu.md);
 	// off by default.
 	NoOverlapHint bool
+	// EachCopy enqueues the copies of the DMA path one cuMemcpy call each
+	// (cuMemcpyHtoDAsync / cuMemcpyDtoHAsync, as vLLM's own offload
+	// copies blocks) instead of cuMemcpyBatchAsync calls of up to 1,024:
+	// more host calls, and no batched copy from this context beside the
+	// engine's work. For measurements: whether the batch API is what a
+	// load costs the model's steps (docs/gpu.md); off by default.
+	EachCopy bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

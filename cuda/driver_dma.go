@@ -175,38 +175,56 @@ func (e *enqueuer) queued(q *dmaQueue, n uint64) {
 	}
 }
 
-// flush enqueues the queued copies on the stream S in one call.
+// flush enqueues the queued copies on the stream S: in one call, or one
+// call each (DMATuning.EachCopy).
 func (e *enqueuer) flush(q *batchQueue, dq *dmaQueue) {
 	if len(q.sizes) == 0 || e.err != nil {
 		return
 	}
-	n := C.size_t(len(q.sizes))
+	if e.s.d.dmaTune.EachCopy {
+		e.each(q)
+	} else {
+		e.batch(q)
+	}
+	e.queued(dq, q.bytes)
+	q.dsts, q.srcs, q.sizes, q.bytes = q.dsts[:0], q.srcs[:0], q.sizes[:0], 0
+}
+
+// batch enqueues the queued copies on the stream S in one
+// cuMemcpyBatchAsync call.
+func (e *enqueuer) batch(q *batchQueue) {
 	err := e.s.d.refuseBatch
 	if err == nil {
 		flags := C.uint(1) // prefer to overlap with compute
 		if e.s.d.dmaTune.NoOverlapHint {
 			flags = 0
 		}
-		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, flags, e.s.h))
+		err = check("cuMemcpyBatchAsync", C.kv_memcpy_batch_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0],
+			C.size_t(len(q.sizes)), flags, e.s.h))
 	}
-	if err != nil && !batchRefusal(err) {
+	switch {
+	case err == nil:
+	case !batchRefusal(err):
 		if e.err == nil {
 			e.err = err // not a refusal: the transfer fails, the device keeps batching
 		}
-	} else if err != nil {
+	default:
 		// A driver that exports the call but refuses it: enqueue the same
 		// copies one call each (any the refused call did enqueue are copied
 		// twice, the same bytes) and stop batching on this device, which
 		// also turns auto's picks back to the kernels.
 		e.s.d.batchRefused.CompareAndSwap(nil, &err)
-		dir := C.int(0)
-		if q.toDevice {
-			dir = 1
-		}
-		e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_each_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], n, dir, e.s.h))
+		e.each(q)
 	}
-	e.queued(dq, q.bytes)
-	q.dsts, q.srcs, q.sizes, q.bytes = q.dsts[:0], q.srcs[:0], q.sizes[:0], 0
+}
+
+// each enqueues the queued copies on the stream S one call each.
+func (e *enqueuer) each(q *batchQueue) {
+	dir, name := C.int(0), "cuMemcpyDtoHAsync_v2"
+	if q.toDevice {
+		dir, name = 1, "cuMemcpyHtoDAsync_v2"
+	}
+	e.do(name, C.kv_memcpy_each_async(e.s.d.ctx, &q.dsts[0], &q.srcs[0], &q.sizes[0], C.size_t(len(q.sizes)), dir, e.s.h))
 }
 
 // copyRun enqueues one copy on the stream S: a contiguous range with

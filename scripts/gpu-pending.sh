@@ -58,7 +58,7 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # restores the 8B pages at full speed
 interference() {
 	local ra
-	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; esac
+	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;; esac
 	step "interference-$1" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
 		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
@@ -69,8 +69,9 @@ daemons)
 	P=enginesim/specs
 	# 25.3: both directions through the daemons
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
-	# 25.5: the decode-shaped loop: without the overlap hint against the defaults
-	for v in nohint default; do
+	# 25.5: the decode-shaped loop: without the overlap hint, one copy call
+	# each, against the defaults
+	for v in nohint each default; do
 		interference "$v"
 	done
 	# 25.1: the rows not re-measured since the span merge
@@ -90,9 +91,12 @@ vllm)
 		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
-	step itl-pieces 200 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
+	step itl-pieces 100 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
 		bash scripts/gpu-vllm.sh "$BIN"
-	step itl-nohint 150 env "${V[@]}" RANKD_ARGS=--dma-no-overlap-hint OUT_DIR="$R/itl-nohint" \
+	# 24.4: the loads' copies without the overlap hint, and one call each
+	step itl-nohint 100 env "${V[@]}" RANKD_ARGS=--dma-no-overlap-hint OUT_DIR="$R/itl-nohint" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-each 100 env "${V[@]}" RANKD_ARGS=--dma-each-copy OUT_DIR="$R/itl-each" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	;;
 *)
