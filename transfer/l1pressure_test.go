@@ -182,3 +182,58 @@ func testRetrieveBatchesOverlap(t *testing.T, serial bool) {
 		}
 	}
 }
+
+// TestRetrieveKeepsItsLaterBatches: a restore whose later batches wait in
+// L1 while its first is on the device counts as their use. A store beside
+// it that needs room evicts the older prompt that no restore reads, not
+// the restore's waiting chunks: every chunk restores byte-exact, and the
+// room came from the other prompt.
+func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
+	dev := openDevice(t, "")
+	const n = 8 // chunks of each prompt, 2.4 MiB each: two fit under the low watermark, three pass the high
+	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * 4 * n})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	e := newEngine(t, cfg)
+	r.register(e)
+	prompt := func(base int) []chunk {
+		var cs []chunk
+		for i := range n {
+			cs = append(cs, r.newChunk(base+i, r.consecutiveN(base+i)))
+		}
+		return cs
+	}
+	a, b, c := prompt(0), prompt(n), prompt(2*n)
+	storeConcurrently(t, e, r, "a", a, 0)
+	storeConcurrently(t, e, r, "b", b, 0) // newer than a
+	stored := false
+	e.hooks.scatterEnqueued = func(_ string, idx []int) {
+		if stored {
+			return
+		}
+		stored = true
+		// The first batch is on the device and the rest of a waits in
+		// L1: c needs room, and a's waiting chunks are older than b's.
+		storeConcurrently(t, e, r, "c", c, 0)
+	}
+	var tgts [][][]int64
+	for i := range a {
+		tgts = append(tgts, r.consecutiveN(3*n+i))
+	}
+	rr := restoreAll(t, e, r, "a restore beside a store that needs room", a, tgts)
+	if len(rr.Items) != n || !stored {
+		t.Fatalf("%d items, store beside: %v", len(rr.Items), stored)
+	}
+	e.mu.Lock()
+	var left int
+	for _, ch := range b {
+		if e.cat.objs[dcp.Key{NS: r.res.Namespace, Chunk: ch.hash}] != nil {
+			left++
+		}
+	}
+	e.mu.Unlock()
+	if left == n {
+		t.Fatalf("all of b is still in L1: the store beside the restore needed no room, the test proves nothing")
+	}
+}

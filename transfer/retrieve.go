@@ -168,7 +168,9 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	// idles between batches while the host plans the next one (issue 12.6).
 	// At most two batches are pinned at once.
 	var prev *pendingScatter
-	for bi, b := range r.batches() {
+	bs := r.batches()
+	r.later = bs[min(1, len(bs)):]
+	for bi, b := range bs {
 		next := r.start(ctx, bi, b, &prev)
 		if prev != nil {
 			r.complete(ctx, prev)
@@ -200,6 +202,8 @@ type retrieval struct {
 	// (checkPartial); nil when none does.
 	partial map[int]*partialSource
 	tl      *Timeline // nil: not timed
+	// later are the batches after the first (touchLater).
+	later [][]int
 }
 
 // planRetrieve validates req and returns each item's target spans
@@ -340,6 +344,9 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		tm.release()
 	}
 	r.tl.Lap(StageEnqueue, bi)
+	if bi == 0 {
+		r.touchLater()
+	}
 	if e.hooks.scatterEnqueued != nil {
 		e.hooks.scatterEnqueued(r.req.RestoreID, idx)
 	}
@@ -669,6 +676,29 @@ func (r *retrieval) account() {
 				e.log.Warn("retrieve of an object failed", zap.String("restore", r.req.RestoreID),
 					zap.Int("chunk", it.Chunk), zap.Int("group", it.Group), zap.Stringer("key", it.Key),
 					zap.String("reason", string(it.Reason)), zap.Error(it.Err))
+			}
+		}
+	}
+}
+
+// touchLater marks the L1 objects of the items in the batches not yet
+// started as used, in request order, once the first batch is on the
+// device: a restore in progress is a use of every object it will read, so
+// a store beside it that needs room evicts older objects first rather than
+// the chunks of this restore waiting for their batch (which would fail as
+// missing and be recomputed; seen on the H200 with a store and a restore
+// of two prompts in an L1 of little more).
+func (r *retrieval) touchLater() {
+	if len(r.later) == 0 {
+		return
+	}
+	e := r.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, b := range r.later {
+		for _, i := range b {
+			if o := e.cat.objs[r.req.Items[i].Key]; o != nil {
+				e.cat.touch(o)
 			}
 		}
 	}
