@@ -172,6 +172,7 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	r.later = bs[min(1, len(bs)):]
 	for bi, b := range bs {
 		next := r.start(ctx, bi, b, &prev)
+		r.touchLater() // where start enqueued no scatter
 		if prev != nil {
 			r.complete(ctx, prev)
 		}
@@ -687,7 +688,7 @@ func (r *retrieval) account() {
 // a store beside it that needs room evicts older objects first rather than
 // the chunks of this restore waiting for their batch (which would fail as
 // missing and be recomputed; seen on the H200 with a store and a restore
-// of two prompts in an L1 of little more).
+// of two prompts in an L1 of little more). Only the first call touches.
 func (r *retrieval) touchLater() {
 	if len(r.later) == 0 {
 		return
@@ -702,6 +703,7 @@ func (r *retrieval) touchLater() {
 			}
 		}
 	}
+	r.later = nil
 }
 
 // retrieveRamp is how many batches a retrieve takes to reach its batch
