@@ -83,11 +83,11 @@ daemons)
 	;;
 vllm)
 	[[ -n ${TRACE:-} ]] || { echo "$0 vllm: TRACE must name the Mooncake trace (JSON lines)" >&2; exit 2; }
-	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM=0.5 L1=12GiB CPU_BYTES=10e9
+	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
 	# 24.4: the Mooncake replay with CUDA graphs
 	step replay 300 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
-		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM=0.2 L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
+		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM="${REPLAY_GPU_MEM:-0.2}" L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
 		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
