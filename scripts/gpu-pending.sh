@@ -4,6 +4,7 @@
 #
 #   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
+#   scripts/gpu-pending.sh replay BIN      issue 24: the same, TRACE= the Mooncake trace
 #
 # BIN holds coordinator, rankd and enginesim (make gpu-build or go build).
 # Every result and log goes into one tarball, $OUT/pending-<set>.tar.gz
@@ -17,7 +18,7 @@ set -uo pipefail
 SET=${1:-}
 BIN=${2:-}
 if [[ -z $SET || -z $BIN ]]; then
-	echo "usage: $0 daemons|vllm BIN_DIR" >&2
+	echo "usage: $0 daemons|vllm|replay BIN_DIR" >&2
 	exit 2
 fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,8 +68,11 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
-	# 25.3: both directions through the daemons
+	# 25.3: both directions through the daemons (rankd sets 32 hardware
+	# queues; 8, the driver's default, is the A/B), and one copy call each
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
+	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
+	step duplex-each 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--dma-each-copy" $(bench duplex-each)
 	# 25.5: the decode-shaped loop: without the overlap hint, one copy call
 	# each, against the defaults
 	for v in nohint each default; do
@@ -82,13 +86,8 @@ daemons)
 	interference sm
 	;;
 vllm)
-	[[ -n ${TRACE:-} ]] || { echo "$0 vllm: TRACE must name the Mooncake trace (JSON lines)" >&2; exit 2; }
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4: the Mooncake replay with CUDA graphs
-	step replay 300 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
-		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM="${REPLAY_GPU_MEM:-0.2}" L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
-		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
 	step itl-pieces 100 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
@@ -99,8 +98,16 @@ vllm)
 	step itl-each 100 env "${V[@]}" RANKD_ARGS=--dma-each-copy OUT_DIR="$R/itl-each" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	;;
+replay)
+	# 24.4: the Mooncake replay with CUDA graphs, vLLM alone and with
+	# kvtier, a call of its own (two engine starts and the model's creation)
+	[[ -n ${TRACE:-} ]] || { echo "$0 replay: TRACE must name the Mooncake trace (JSON lines)" >&2; exit 2; }
+	step replay 540 env REPLAY=600 TRACE="$TRACE" GEOMETRY=8b \
+		MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" GPU_MEM="${REPLAY_GPU_MEM:-0.2}" L1=48GiB CPU_BYTES=48e9 GRAPHS=1 ITL=0 L2=0 \
+		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
+	;;
 *)
-	echo "$0: unknown set $SET (daemons or vllm)" >&2
+	echo "$0: unknown set $SET (daemons, vllm or replay)" >&2
 	exit 2
 	;;
 esac

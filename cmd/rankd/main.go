@@ -42,6 +42,7 @@ func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 // SIGTERM or SIGINT: exit 2 on a bad flag or config (printed), 1 when the
 // daemon fails to start or to shut down cleanly (logged).
 func main() {
+	cudaConnections()
 	cfg, opts, err := parseFlags(flag.NewFlagSet(os.Args[0], flag.ExitOnError), os.Args[1:])
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "rankd:", err)
@@ -60,6 +61,29 @@ func main() {
 	case err != nil:
 		os.Exit(1)
 	}
+}
+
+// maxConnections is the CUDA_DEVICE_MAX_CONNECTIONS rankd runs with unless
+// its environment names one: the driver's limit (32).
+const maxConnections = "32"
+
+// cudaConnections sets CUDA_DEVICE_MAX_CONNECTIONS to maxConnections,
+// before the driver is initialized, unless the environment already names
+// it, and returns the value in effect. The driver maps a context's streams
+// onto that many hardware work queues (8 by default), and work on streams
+// that share a queue runs in order: rankd's stores and retrieves use a
+// stream pool each, up to two CUDA streams a stream (copies and
+// checksums), 32 with the defaults, so a store's gather could queue behind a retrieve's
+// copies (seen on an H100 with both directions at once: the store's first
+// device mark was reached 20 ms after its enqueue, when the retrieve's
+// copies ended, on both copy paths; BENCHMARKS.md, stop 46).
+func cudaConnections() string {
+	const env = "CUDA_DEVICE_MAX_CONNECTIONS"
+	if v, ok := os.LookupEnv(env); ok {
+		return v
+	}
+	_ = os.Setenv(env, maxConnections)
+	return maxConnections
 }
 
 // options are the command line's settings that are not the daemon's.
@@ -237,6 +261,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	log := cfg.Logger
 	defer func() { _ = log.Sync() }()
+	log.Debug("CUDA hardware work queues", zap.String("CUDA_DEVICE_MAX_CONNECTIONS", os.Getenv("CUDA_DEVICE_MAX_CONNECTIONS")))
 	if cfg.Insecure {
 		log.Warn("INSECURE MODE (--insecure): anyone who reaches NATS or gossip can speak for this rank. Development only.")
 	}
