@@ -73,10 +73,11 @@ const maxConnections = "32"
 // onto that many hardware work queues (8 by default), and work on streams
 // that share a queue runs in order: rankd's stores and retrieves use a
 // stream pool each, up to two CUDA streams a stream (copies and
-// checksums), 32 with the defaults, so a store's gather could queue behind a retrieve's
-// copies (seen on an H100 with both directions at once: the store's first
-// device mark was reached 20 ms after its enqueue, when the retrieve's
-// copies ended, on both copy paths; BENCHMARKS.md, stop 46).
+// checksums), 32 with the defaults, so a store's gather could queue behind
+// a retrieve's copies. That is what the H100's timelines of both
+// directions at once suggest (the store's first device mark reached 20 ms
+// after its enqueue, when the retrieve's copies ended, on both copy paths;
+// BENCHMARKS.md, stop 46); the A/B with 32 has not run on a GPU yet.
 func cudaConnections() string {
 	const env = "CUDA_DEVICE_MAX_CONNECTIONS"
 	if v, ok := os.LookupEnv(env); ok {
