@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"text/tabwriter"
@@ -587,26 +588,26 @@ func (s *sim) printBench(br *BenchResult) {
 			d.Ceiling.Median, d.Ceiling.GBps, d.CeilingRatio, d.Both.GBps/max(d.Ceiling.GBps, 1e-9))
 	}
 	if d := br.Duplex; d != nil {
-		if d.StoreTimeline != nil {
-			printTimeline(out, "store beside a restore (duplex)", d.StoreTimeline)
-		}
-		if d.RestoreTimeline != nil {
-			printTimeline(out, "restore beside a store (duplex)", d.RestoreTimeline)
-		}
-		if d.TimelineProblem != "" {
-			fmt.Fprintf(out, "\nno duplex timeline: %s\n", d.TimelineProblem)
-		}
+		printTimelines(out, " beside a restore (duplex)", " beside a store (duplex)", d.StoreTimeline, d.RestoreTimeline,
+			d.TimelineProblem)
 	}
-	if br.StoreTimeline != nil {
-		printTimeline(out, "store", br.StoreTimeline)
-	}
-	if br.RestoreTimeline != nil {
-		printTimeline(out, "restore", br.RestoreTimeline)
-	}
-	if br.TimelineProblem != "" {
-		fmt.Fprintf(out, "\nno timeline: %s\n", br.TimelineProblem)
-	}
+	printTimelines(out, "", "", br.StoreTimeline, br.RestoreTimeline, br.TimelineProblem)
 	fmt.Fprintln(out)
+}
+
+// printTimelines prints the timeline of a store and of a restore, each
+// named with its suffix, where there is one, and problem, why one is
+// missing, where there is one.
+func printTimelines(out io.Writer, storeOf, restoreOf string, store, restore *BenchTimeline, problem string) {
+	if store != nil {
+		printTimeline(out, "store"+storeOf, store)
+	}
+	if restore != nil {
+		printTimeline(out, "restore"+restoreOf, restore)
+	}
+	if problem != "" {
+		fmt.Fprintf(out, "\nno timeline%s: %s\n", storeOf, problem)
+	}
 }
 
 // BenchChunks returns the number of chunks of sc for which the rank
