@@ -67,6 +67,15 @@ type DMATuning struct {
 	// engine's work. For measurements: whether the batch API is what a
 	// load costs the model's steps (docs/gpu.md); off by default.
 	EachCopy bool
+	// OrderScatters chains the copies of the scatters on the DMA path:
+	// each scatter's copies wait on the device for the previous
+	// scatter's copies (not its checksum), so the copy engine moves one
+	// retrieve batch after the other instead of two at once, and a batch
+	// ends, and is verified and replaced, as early as it can. Two batches
+	// on two streams share the engine otherwise, each ending about when
+	// the other does (BENCHMARKS.md, stop 46). For measurements; off by
+	// default.
+	OrderScatters bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

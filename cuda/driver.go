@@ -116,6 +116,18 @@ type ordinalState struct {
 	pending []func() error // frees waiting for the device to be idle
 
 	clock deviceClock // the anchors of timers (driver_timer.go); its own lock
+
+	order scatterOrder // DMATuning.OrderScatters; its own lock
+}
+
+// scatterOrder chains the copies of DMA scatters (DMATuning.OrderScatters):
+// a scatter holds mu from its wait on ev, the state ev captured after the
+// previous scatter's copies, to its own record of ev after its copies.
+// Every wait refers to copies already enqueued, so the chain cannot
+// deadlock. ev lives as long as the process's ordinal state.
+type scatterOrder struct {
+	mu sync.Mutex
+	ev C.CUevent // nil until the first scatter records it
 }
 
 // freeLater runs free (cuMemFree_v2, cuMemFreeHost, cuIpcCloseMemHandle)

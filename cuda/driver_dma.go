@@ -62,6 +62,14 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		bq = &batchQueue{toDevice: scatter}
 	}
 	q := &dmaQueue{limit: e.s.d.dmaTune.Queue}
+	var order *scatterOrder
+	if scatter && e.s.d.dmaTune.OrderScatters {
+		order = &e.s.d.o.order
+		order.mu.Lock()
+		if order.ev != nil {
+			e.wait(S, order.ev)
+		}
+	}
 	bi := 0
 	for ci, c := range copies {
 		if bq != nil {
@@ -94,10 +102,32 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 	if bq != nil {
 		e.flush(bq, q)
 	}
+	if order != nil {
+		// The next scatter's copies follow these, not this checksum.
+		e.recordOrder(order, S)
+		order.mu.Unlock()
+	}
 	if sum {
 		e.sums(A)
 		e.wait(S, e.event(A))
 	}
+}
+
+// recordOrder records o.ev (created on first use) after the work enqueued
+// so far on S; o.mu is held.
+func (e *enqueuer) recordOrder(o *scatterOrder, S C.CUstream) {
+	if e.err != nil {
+		return
+	}
+	if o.ev == nil {
+		var ev C.CUevent
+		if err := check("cuEventCreate", C.kv_event_create(e.s.d.ctx, &ev, C.KV_EVENT_DISABLE_TIMING)); err != nil {
+			e.err = err
+			return
+		}
+		o.ev = ev
+	}
+	e.do("cuEventRecord", C.kv_event_record(e.s.d.ctx, o.ev, S))
 }
 
 // hostWait blocks until ev is done (DMATuning.HostLaunch).

@@ -31,8 +31,9 @@ func openCUDA(t *testing.T) cuda.Device {
 // path (copy-engine copies of the page runs, kv_checksum over the pages),
 // also with DMATuning small enough that transfers wait on their copy queue
 // and checksum in many batches, with the checksums launched from the host,
-// with the batched copies enqueued without the overlap hint, and with the
-// copies enqueued one call each.
+// with the batched copies enqueued without the overlap hint, with the
+// copies enqueued one call each, and with every scatter's copies chained
+// after the previous scatter's (checksummed in many batches meanwhile).
 var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
 
 func TestDriverConformance(t *testing.T) {
@@ -50,6 +51,7 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-host-launch", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, HostLaunch: true}},
 		{"dma-no-overlap-hint", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, NoOverlapHint: true}},
 		{"dma-each-copy", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, EachCopy: true}},
+		{"dma-ordered", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, OrderScatters: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {
