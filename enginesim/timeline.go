@@ -1,6 +1,7 @@
 package enginesim
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -240,7 +241,50 @@ func printTimeline(out io.Writer, what string, bt *BenchTimeline) {
 	if bt.Skewed {
 		fmt.Fprintln(out, "warning: the rankd's clock is not this process's: stages across the two were clamped to 0")
 	}
+	if c := copyCoverage(bt.Rankd); c.batches > 0 {
+		fmt.Fprintf(out, "device %s, %d batches: %.3f-%.3f ms of the rankd's, busy %.3f ms, idle %.3f ms between batches\n",
+			c.stage, c.batches, float64(c.first)/1e6, float64(c.last)/1e6, float64(c.busy)/1e6, float64(c.last-c.first-c.busy)/1e6)
+	}
 	if s := bt.Rankd.MarkClampNS; s > 0 {
 		fmt.Fprintf(out, "a copy's end mark was reached up to %.3f ms after the rankd saw the copy end: clamped there (docs/enginesim.md)\n", float64(s)/1e6)
 	}
+}
+
+// coverage is where the device copied during one transfer (copyCoverage).
+type coverage struct {
+	stage             string
+	batches           int
+	first, last, busy int64 // ns from the rankd timeline's start; busy: the union of the batches' spans
+}
+
+// copyCoverage returns the extent and the busy time of tl's device copy
+// stages (a retrieve's scatter, a store's gather): batches that overlap
+// count once, so last-first-busy is the time between first and last in
+// which the device copied nothing of this transfer.
+func copyCoverage(tl wire.Timeline) coverage {
+	var c coverage
+	type span struct{ from, to int64 }
+	var spans []span
+	for _, st := range tl.Stages {
+		if st.Device && (st.Name == "scatter" || st.Name == "gather") {
+			c.stage = st.Name
+			spans = append(spans, span{st.StartNS, st.StartNS + st.DurNS})
+		}
+	}
+	if len(spans) == 0 {
+		return c
+	}
+	slices.SortFunc(spans, func(a, b span) int { return cmp.Compare(a.from, b.from) })
+	c.batches, c.first, c.last = len(spans), spans[0].from, spans[0].to
+	from, to := spans[0].from, spans[0].to
+	for _, sp := range spans[1:] {
+		if sp.from > to {
+			c.busy += to - from
+			from = sp.from
+		}
+		to = max(to, sp.to)
+		c.last = max(c.last, sp.to)
+	}
+	c.busy += to - from
+	return c
 }

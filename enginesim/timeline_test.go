@@ -160,3 +160,27 @@ func TestStoreTimelineRows(t *testing.T) {
 		t.Fatalf("Of %q, want %q...", bt.Of, want)
 	}
 }
+
+// TestCopyCoverage: the device's copy batches of a transfer, overlapping
+// ones counted once, and the time between the first and the last in which
+// none copied (the H100's restore: two batches at once, then a gap).
+func TestCopyCoverage(t *testing.T) {
+	dev := func(name string, from, to int64) wire.TimelineStage {
+		return wire.TimelineStage{Name: name, Device: true, StartNS: from * ms, DurNS: (to - from) * ms}
+	}
+	host := wire.TimelineStage{Name: "wait", StartNS: 0, DurNS: 40 * ms}
+	tl := wire.Timeline{Stages: []wire.TimelineStage{host,
+		dev("scatter", 10, 20), dev("scatter", 1, 3), dev("scatter", 2, 10), dev("scatter", 22, 30), dev("scatter", 25, 27)}}
+	c := copyCoverage(tl)
+	if c.stage != "scatter" || c.batches != 5 || c.first != 1*ms || c.last != 30*ms || c.busy != 27*ms {
+		t.Fatalf("coverage %+v, want scatter, 5 batches, 1-30 ms, busy 27 ms (idle 20-22)", c)
+	}
+	if c := copyCoverage(wire.Timeline{Stages: []wire.TimelineStage{host}}); c.batches != 0 {
+		t.Fatalf("coverage of a timeline without device copies: %+v", c)
+	}
+	var out bytes.Buffer
+	printTimeline(&out, "restore", &BenchTimeline{Rankd: tl})
+	if !strings.Contains(out.String(), "device scatter, 5 batches: 1.000-30.000 ms of the rankd's, busy 27.000 ms, idle 2.000 ms between batches") {
+		t.Fatalf("printed:\n%s", out.String())
+	}
+}
