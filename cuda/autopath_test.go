@@ -102,3 +102,28 @@ func TestAutoPath(t *testing.T) {
 		t.Fatalf("sums of the same bytes differ between the paths: %v, %v", sums[0], sums[1])
 	}
 }
+
+// TestDMATuningValidate: scatters in order cannot be combined with the
+// tunings that block the enqueuing thread on the device (the chain's lock
+// would stall every other scatter's enqueue); each alone is valid.
+func TestDMATuningValidate(t *testing.T) {
+	def := cuda.DefaultDMATuning()
+	ordered := def
+	ordered.OrderScatters = true
+	for _, c := range []struct {
+		name string
+		t    cuda.DMATuning
+		ok   bool
+	}{
+		{"defaults", def, true},
+		{"ordered", ordered, true},
+		{"ordered, host launch", cuda.DMATuning{SumBatch: def.SumBatch, OrderScatters: true, HostLaunch: true}, false},
+		{"ordered, queue", cuda.DMATuning{SumBatch: def.SumBatch, OrderScatters: true, Queue: 64 << 20}, false},
+		{"host launch", cuda.DMATuning{SumBatch: def.SumBatch, HostLaunch: true}, true},
+		{"no checksum batch", cuda.DMATuning{OrderScatters: true}, false},
+	} {
+		if err := c.t.Validate(); (err == nil) != c.ok {
+			t.Errorf("%s: Validate() = %v, want ok %v", c.name, err, c.ok)
+		}
+	}
+}

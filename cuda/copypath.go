@@ -60,21 +60,25 @@ type DMATuning struct {
 	// what a load costs the model's own copies and steps (docs/gpu.md);
 	// off by default.
 	NoOverlapHint bool
-	// EachCopy enqueues the copies of the DMA path one cuMemcpy call each
-	// (cuMemcpyHtoDAsync / cuMemcpyDtoHAsync, as vLLM's own offload
-	// copies blocks) instead of cuMemcpyBatchAsync calls of up to 1,024:
+	// EachCopy enqueues the copies of the DMA path one cuMemcpy call per
+	// contiguous piece (cuMemcpyHtoDAsync / cuMemcpyDtoHAsync, as vLLM's
+	// own offload copies blocks; a 2D run is a call per row) instead of
+	// cuMemcpyBatchAsync calls of up to 1,024:
 	// more host calls, and no batched copy from this context beside the
 	// engine's work. For measurements: whether the batch API is what a
 	// load costs the model's steps (docs/gpu.md); off by default.
 	EachCopy bool
-	// OrderScatters chains the copies of the scatters on the DMA path:
-	// each scatter's copies wait on the device for the previous
-	// scatter's copies (not its checksum), so the copy engine moves one
-	// retrieve batch after the other instead of two at once, and a batch
-	// ends, and is verified and replaced, as early as it can. Two batches
-	// on two streams share the engine otherwise, each ending about when
-	// the other does (BENCHMARKS.md, stop 46). For measurements; off by
-	// default.
+	// OrderScatters chains the copies of every DMA scatter of the device
+	// in this process: each scatter's copies wait on the device for the
+	// previous scatter's copies (not its checksum), so the copy engine
+	// moves one retrieve batch after the other instead of two at once, and
+	// a batch ends, and is verified and replaced, as early as it can. Two
+	// batches on two streams share the engine otherwise, each ending about
+	// when the other does (BENCHMARKS.md, stop 46). A scatter's timer
+	// marks are placed before its wait, so its device stage includes the
+	// wait: with the chain, read a restore's device busy time, not its
+	// batches' starts. Not with HostLaunch or Queue (Validate). For
+	// measurements; off by default.
 	OrderScatters bool
 }
 
@@ -84,8 +88,13 @@ func DefaultDMATuning() DMATuning { return DMATuning{SumBatch: dmaSumBatch} }
 
 // Validate checks t.
 func (t DMATuning) Validate() error {
-	if t.SumBatch == 0 {
+	switch {
+	case t.SumBatch == 0:
 		return fmt.Errorf("cuda: DMA checksum batch of 0 bytes: a checksum kernel reads at least 1 byte")
+	case t.OrderScatters && (t.HostLaunch || t.Queue > 0):
+		// Both block the enqueuing thread on the device, which with the
+		// chain's lock held would stall every other scatter's enqueue.
+		return fmt.Errorf("cuda: DMA scatters in order cannot be combined with checksums launched from the host or a copy queue bound")
 	}
 	return nil
 }

@@ -237,3 +237,54 @@ func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
 		t.Fatalf("all of b is still in L1: the store beside the restore needed no room, the test proves nothing")
 	}
 }
+
+// TestRetrieveEvictsItsLastBatchesFirst: where a store beside a restore
+// must evict some of the restore's waiting chunks, it takes those needed
+// last (touchLater touches the later batches last batch first): the
+// chunks that fail are a suffix of the prompt, the next batch's restore.
+func TestRetrieveEvictsItsLastBatchesFirst(t *testing.T) {
+	dev := openDevice(t, "")
+	const n, fill = 8, 18 // 8 + 18 chunks of 2.4 MiB fill the 64 MiB L1
+	r := newRig(t, dev, bigSpec(), []int64{4 * (2*n + fill)})
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1Bytes = 64 << 20
+	cfg.L1SlabBytes = SlabFor(cfg.L1Bytes)
+	e := newEngine(t, cfg)
+	r.register(e)
+	var a, c []chunk
+	for i := range n {
+		a = append(a, r.newChunk(i, r.consecutiveN(i)))
+	}
+	for i := range fill {
+		c = append(c, r.newChunk(n+i, r.consecutiveN(n+i)))
+	}
+	storeConcurrently(t, e, r, "a", a, 0)
+	stored := false
+	e.hooks.scatterEnqueued = func(_ string, idx []int) {
+		if !stored {
+			stored = true
+			storeConcurrently(t, e, r, "c", c, 0) // past the high watermark: the evictor takes the oldest
+		}
+	}
+	var tgts [][][]int64
+	for i := range a {
+		tgts = append(tgts, r.consecutiveN(n+fill+i))
+	}
+	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, a, tgts))
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := rr.FailedChunks()
+	if len(failed) == 0 {
+		t.Fatal("no chunk of the restore was evicted: the test proves nothing")
+	}
+	for k, ch := range failed {
+		if want := n - len(failed) + k; ch != want {
+			t.Fatalf("failed chunks %v, want the last %d (%d..%d): the restore lost chunks it needed sooner", failed, len(failed), n-len(failed), n-1)
+		}
+	}
+	for i := range n - len(failed) {
+		r.expectRestored(a[i], tgts[i])
+	}
+	r.check("the restored chunks placed, the failed chunks' blocks untouched")
+}

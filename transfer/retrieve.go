@@ -683,12 +683,14 @@ func (r *retrieval) account() {
 }
 
 // touchLater marks the L1 objects of the items in the batches not yet
-// started as used, in request order, once the first batch is on the
-// device: a restore in progress is a use of every object it will read, so
-// a store beside it that needs room evicts older objects first rather than
-// the chunks of this restore waiting for their batch (which would fail as
-// missing and be recomputed; seen on the H200 with a store and a restore
-// of two prompts in an L1 of little more). Only the first call touches.
+// started as used once the first batch is on the device: a restore in
+// progress is a use of every object it will read, so a store beside it
+// that needs room evicts older objects first rather than the chunks of
+// this restore waiting for their batch (which would fail as missing and be
+// recomputed; seen on the H200 with a store and a restore of two prompts
+// in an L1 of little more). They are touched last batch first, so that
+// where eviction must take some of them it takes those needed last. Only
+// the first call touches.
 func (r *retrieval) touchLater() {
 	if len(r.later) == 0 {
 		return
@@ -696,8 +698,8 @@ func (r *retrieval) touchLater() {
 	e := r.e
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, b := range r.later {
-		for _, i := range b {
+	for _, b := range slices.Backward(r.later) {
+		for _, i := range slices.Backward(b) {
 			if o := e.cat.objs[r.req.Items[i].Key]; o != nil {
 				e.cat.touch(o)
 			}
@@ -706,9 +708,9 @@ func (r *retrieval) touchLater() {
 	r.later = nil
 }
 
-// retrieveRamp is how many batches a retrieve takes to reach its batch
-// bound: batch k < retrieveRamp is bounded by bound>>(retrieveRamp-k) (an
-// eighth, a quarter, a half). The device copies nothing until the first
+// retrieveRamp is how many doublings a retrieve's batches take to reach
+// the batch bound: the first is bounded by an eighth of it (at least a
+// slab), each next one by twice the last, up to the bound. The device copies nothing until the first
 // batch is looked up, pinned and enqueued, host work in proportion to its
 // size (on the H200, ~0.6 ms for 256 MiB of the 8B pages, 2 % of a 1.3 GB
 // restore); a small first batch starts the copies sooner, and each next

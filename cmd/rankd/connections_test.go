@@ -6,7 +6,8 @@ import (
 )
 
 // TestCUDAConnections: rankd runs with the driver's most hardware work
-// queues unless its environment names a number, which it keeps.
+// queues unless its environment names a number, which it keeps (an empty
+// value names none).
 func TestCUDAConnections(t *testing.T) {
 	const env = "CUDA_DEVICE_MAX_CONNECTIONS"
 	t.Setenv(env, "")
@@ -15,6 +16,10 @@ func TestCUDAConnections(t *testing.T) {
 	}
 	if got := cudaConnections(); got != maxConnections || os.Getenv(env) != maxConnections {
 		t.Fatalf("unset: in effect %q, environment %q, want %s", got, os.Getenv(env), maxConnections)
+	}
+	t.Setenv(env, "")
+	if got := cudaConnections(); got != maxConnections || os.Getenv(env) != maxConnections {
+		t.Fatalf("empty: in effect %q, environment %q, want %s", got, os.Getenv(env), maxConnections)
 	}
 	t.Setenv(env, "8")
 	if got := cudaConnections(); got != "8" || os.Getenv(env) != "8" {

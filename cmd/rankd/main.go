@@ -69,7 +69,8 @@ const maxConnections = "32"
 
 // cudaConnections sets CUDA_DEVICE_MAX_CONNECTIONS to maxConnections,
 // before the driver is initialized, unless the environment already names
-// it, and returns the value in effect. The driver maps a context's streams
+// it (an empty value counts as none: the driver would take its default),
+// and returns the value in effect. The driver maps a context's streams
 // onto that many hardware work queues (8 by default), and work on streams
 // that share a queue runs in order: rankd's stores and retrieves use a
 // stream pool each, up to two CUDA streams a stream (copies and
@@ -80,7 +81,7 @@ const maxConnections = "32"
 // BENCHMARKS.md, stop 46); the A/B with 32 has not run on a GPU yet.
 func cudaConnections() string {
 	const env = "CUDA_DEVICE_MAX_CONNECTIONS"
-	if v, ok := os.LookupEnv(env); ok {
+	if v := os.Getenv(env); v != "" {
 		return v
 	}
 	_ = os.Setenv(env, maxConnections)
@@ -118,7 +119,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&cfg.CopyPath, "copy-path", "auto", "how bytes move between the GPU and L1: auto (the copy engine, then a checksum kernel, for page runs averaging >= 256 KiB on a driver with cuMemcpyBatchAsync; else the copy kernels) | sm (always the kernels) | dma (always the copy engine): docs/gpu.md")
 	fs.StringVar(&dmaSumBatch, "dma-sum-batch", "1GiB", "the copy engine path's checksum batch (bytes, or with KiB/MiB/GiB; >= 1): smaller batches expose less of the last checksum and launch more checksum kernels beside the engine's forward")
 	fs.BoolVar(&cfg.DMA.NoOverlapHint, "dma-no-overlap-hint", false, "for measurements: the copy engine path enqueues its batched copies without the driver's hint to overlap them with compute (cuMemcpyBatchAsync flags 0)")
-	fs.BoolVar(&cfg.DMA.OrderScatters, "dma-order-scatters", false, "for measurements: each restore transfer's copy-engine copies wait on the device for the previous one's, so the copy engine moves one batch after the other instead of two at once")
+	fs.BoolVar(&cfg.DMA.OrderScatters, "dma-order-scatters", false, "for measurements: each restore transfer's copy-engine copies wait on the device for those of the previous restore transfer on this GPU, so the copy engine moves one batch after the other instead of two at once (not with --dma-sum-host-launch or --dma-queue)")
 	fs.BoolVar(&cfg.DMA.EachCopy, "dma-each-copy", false, "for measurements: the copy engine path enqueues its copies one cuMemcpyHtoDAsync/DtoHAsync call each (as vLLM's own offload does) instead of batched cuMemcpyBatchAsync calls")
 	fs.BoolVar(&cfg.DMA.HostLaunch, "dma-sum-host-launch", false, "for measurements: the copy engine path launches a transfer's checksum kernel from the host once its copies are done, so no kernel of the rankd waits on the GPU behind the copies (the enqueue waits instead)")
 	fs.StringVar(&dmaQueue, "dma-queue", "0", "for measurements: bound of the copy engine path's bytes in flight per transfer, the enqueue waiting on the device while its stream lock is held (bytes, or with KiB/MiB/GiB; 0: unbounded, the default; inside vLLM a bound slowed loads and did not help decoding)")
@@ -263,7 +264,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	log := cfg.Logger
 	defer func() { _ = log.Sync() }()
-	log.Debug("CUDA hardware work queues", zap.String("CUDA_DEVICE_MAX_CONNECTIONS", os.Getenv("CUDA_DEVICE_MAX_CONNECTIONS")))
+	log.Info("CUDA hardware work queues", zap.String("CUDA_DEVICE_MAX_CONNECTIONS", os.Getenv("CUDA_DEVICE_MAX_CONNECTIONS")))
 	if cfg.Insecure {
 		log.Warn("INSECURE MODE (--insecure): anyone who reaches NATS or gossip can speak for this rank. Development only.")
 	}
