@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -183,6 +184,66 @@ func testRetrieveBatchesOverlap(t *testing.T, serial bool) {
 	}
 }
 
+// waitEvicted waits until e's L1 is at most at its high watermark: a
+// placement past it kicks the evictor, which on its own goroutine brings
+// L1 down to the low watermark under e.mu, so this sees L1 before or after
+// that pass, never in it.
+func waitEvicted(t *testing.T, e *Engine) {
+	t.Helper()
+	high := uint64(e.cfg.HighWatermark * float64(e.ctr.l1CapacityBytes))
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(time.Millisecond) {
+		e.mu.Lock()
+		occ := e.cat.occupied()
+		e.mu.Unlock()
+		if occ <= high {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("L1 still holds %d B after 20 s, high watermark %d B: the evictor did not run", occ, high)
+		}
+	}
+}
+
+// besideFirstBatch runs a retrieve of req on its own goroutine and, once
+// the scatter of its first batch is enqueued (the rest waiting in L1),
+// runs beside on the test's goroutine while the retrieve waits; then lets
+// the retrieve go on and returns its result. A test that fails in beside
+// still lets the retrieve finish before the engine's Close.
+func besideFirstBatch(t *testing.T, e *Engine, req RetrieveRequest, beside func()) RetrieveResult {
+	t.Helper()
+	reached, resume := make(chan struct{}), make(chan struct{})
+	var first, released sync.Once
+	release := func() { released.Do(func() { close(resume) }) }
+	t.Cleanup(release) // runs before newEngine's Close, registered earlier
+	e.hooks.scatterEnqueued = func(string, []int) {
+		first.Do(func() {
+			close(reached)
+			<-resume
+		})
+	}
+	type result struct {
+		rr  RetrieveResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rr, err := e.Retrieve(testCtx(t), req)
+		done <- result{rr, err}
+	}()
+	select {
+	case <-reached:
+	case res := <-done:
+		t.Fatalf("the retrieve ended before its first scatter was enqueued: %+v, %v", res.rr.Items, res.err)
+	}
+	beside()
+	release()
+	res := <-done
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	return res.rr
+}
+
 // TestRetrieveKeepsItsLaterBatches: a restore whose later batches wait in
 // L1 while its first is on the device counts as their use. A store beside
 // it that needs room evicts the older prompt that no restore reads, not
@@ -207,24 +268,23 @@ func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
 	a, b, c := prompt(0), prompt(n), prompt(2*n)
 	storeConcurrently(t, e, r, "a", a, 0)
 	storeConcurrently(t, e, r, "b", b, 0) // newer than a
-	stored := false
-	e.hooks.scatterEnqueued = func(_ string, idx []int) {
-		if stored {
-			return
-		}
-		stored = true
-		// The first batch is on the device and the rest of a waits in
-		// L1: c needs room, and a's waiting chunks are older than b's.
-		storeConcurrently(t, e, r, "c", c, 0)
-	}
 	var tgts [][][]int64
 	for i := range a {
 		tgts = append(tgts, r.consecutiveN(3*n+i))
 	}
-	rr := restoreAll(t, e, r, "a restore beside a store that needs room", a, tgts)
-	if len(rr.Items) != n || !stored {
-		t.Fatalf("%d items, store beside: %v", len(rr.Items), stored)
+	rr := besideFirstBatch(t, e, r.retrieveReq(0, a, tgts), func() {
+		// The first batch is on the device and the rest of a waits in
+		// L1: c needs room, and a's waiting chunks are older than b's.
+		storeConcurrently(t, e, r, "c", c, 0)
+		waitEvicted(t, e)
+	})
+	for i := range a {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("a restore beside a store that needs room: chunk %d of %d: %+v", i, n, rr.Items[i])
+		}
+		r.expectRestored(a[i], tgts[i])
 	}
+	r.check("a restore beside a store that needs room")
 	e.mu.Lock()
 	var left int
 	for _, ch := range b {
@@ -259,21 +319,14 @@ func TestRetrieveEvictsItsLastBatchesFirst(t *testing.T) {
 		c = append(c, r.newChunk(n+i, r.consecutiveN(n+i)))
 	}
 	storeConcurrently(t, e, r, "a", a, 0)
-	stored := false
-	e.hooks.scatterEnqueued = func(_ string, idx []int) {
-		if !stored {
-			stored = true
-			storeConcurrently(t, e, r, "c", c, 0) // past the high watermark: the evictor takes the oldest
-		}
-	}
 	var tgts [][][]int64
 	for i := range a {
 		tgts = append(tgts, r.consecutiveN(n+fill+i))
 	}
-	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, a, tgts))
-	if err != nil {
-		t.Fatal(err)
-	}
+	rr := besideFirstBatch(t, e, r.retrieveReq(0, a, tgts), func() {
+		storeConcurrently(t, e, r, "c", c, 0) // past the high watermark: the evictor takes the oldest
+		waitEvicted(t, e)
+	})
 	failed := rr.FailedChunks()
 	if len(failed) == 0 {
 		t.Fatal("no chunk of the restore was evicted: the test proves nothing")
