@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"slices"
 	"sync"
 	"text/tabwriter"
@@ -50,13 +49,9 @@ type BenchResult struct {
 	// GB/s over the ceiling's median aggregate GB/s.
 	StoreRatio   float64 `json:"store_ratio"`
 	RestoreRatio float64 `json:"restore_ratio"`
-	// StoreTimeline and RestoreTimeline are where the time of one store
-	// request and of the restore went in the last repetition, on the
-	// first TP rank that stores (timeline.go); TimelineProblem says why
-	// one is missing (a rankd that keeps no timelines).
-	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
-	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
-	TimelineProblem string         `json:"timeline_problem,omitempty"`
+	// BenchTimelines: where the time of one store request and of the
+	// restore went in the last repetition.
+	BenchTimelines
 	// Duplex is the both-directions phase of Config.BenchDuplex, when run
 	// (duplex.go).
 	Duplex *BenchDuplex `json:"duplex,omitempty"`
@@ -230,14 +225,8 @@ func (s *sim) bench(ctx context.Context) error {
 			return fmt.Errorf("bench repetition %d: index shows %d of %d chunks after the store: %v", r, prefix, len(s.plan.Hashes), err)
 		}
 		last := r == reps-1
-		if t := slices.IndexFunc(sr.requests, func(n int) bool { return n > 0 }); last && t >= 0 {
-			// Untimed: where the time of one store request went.
-			tls, err := s.fetchTimelines(ctx, s.workers[t], reqID)
-			if err != nil {
-				br.TimelineProblem = err.Error()
-			} else {
-				br.StoreTimeline = storeTimeline(t, tls, sr.requests[t], sr.start, sr.start.Add(sr.ranks[t]))
-			}
+		if last {
+			s.storeTimelineOf(ctx, &br.BenchTimelines, reqID, sr) // untimed
 		}
 
 		if err := s.each(func(w *worker) error { return w.wipe() }); err != nil {
@@ -261,13 +250,8 @@ func (s *sim) bench(ctx context.Context) error {
 			}
 		}
 		br.Restore.add(time.Duration(s.res.RestoreSeconds*float64(time.Second)), rs)
-		if last && br.TimelineProblem == "" {
-			tls, err := s.fetchTimelines(ctx, s.workers[0], s.res.RestoreID)
-			if err != nil {
-				br.TimelineProblem = err.Error()
-			} else {
-				br.RestoreTimeline = restoreTimeline(0, tls[len(tls)-1], &s.rc)
-			}
+		if last {
+			s.restoreTimelineOf(ctx, &br.BenchTimelines)
 		}
 		s.logf("bench repetition %d: store %.3fs, restore %.3fs (ceilings %.3fs / %.3fs)", r,
 			br.Store.Seconds[r], br.Restore.Seconds[r], br.CeilingD2H.Seconds[r], br.CeilingH2D.Seconds[r])
@@ -588,26 +572,10 @@ func (s *sim) printBench(br *BenchResult) {
 			d.Ceiling.Median, d.Ceiling.GBps, d.CeilingRatio, d.Both.GBps/max(d.Ceiling.GBps, 1e-9))
 	}
 	if d := br.Duplex; d != nil {
-		printTimelines(out, " beside a restore (duplex)", " beside a store (duplex)", d.StoreTimeline, d.RestoreTimeline,
-			d.TimelineProblem)
+		d.print(out, " beside a restore (duplex)", " beside a store (duplex)")
 	}
-	printTimelines(out, "", "", br.StoreTimeline, br.RestoreTimeline, br.TimelineProblem)
+	br.BenchTimelines.print(out, "", "")
 	fmt.Fprintln(out)
-}
-
-// printTimelines prints the timeline of a store and of a restore, each
-// named with its suffix, where there is one, and problem, why one is
-// missing, where there is one.
-func printTimelines(out io.Writer, storeOf, restoreOf string, store, restore *BenchTimeline, problem string) {
-	if store != nil {
-		printTimeline(out, "store"+storeOf, store)
-	}
-	if restore != nil {
-		printTimeline(out, "restore"+restoreOf, restore)
-	}
-	if problem != "" {
-		fmt.Fprintf(out, "\nno timeline%s: %s\n", storeOf, problem)
-	}
 }
 
 // BenchChunks returns the number of chunks of sc for which the rank

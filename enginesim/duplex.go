@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 )
 
@@ -44,13 +43,11 @@ type BenchDuplex struct {
 	// ceiling's.
 	Ratio        float64 `json:"ratio"`
 	CeilingRatio float64 `json:"ceiling_ratio"`
-	// StoreTimeline and RestoreTimeline are the stages of the last
-	// repetition's store (one request of it) and restore, each beside the
-	// other: against the single-direction timelines they show whether the
-	// two wait on each other in the rankd or on the copy engines.
-	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
-	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
-	TimelineProblem string         `json:"timeline_problem,omitempty"`
+	// BenchTimelines: the stages of the last repetition's store (one
+	// request of it) and restore, each beside the other; against the
+	// single-direction timelines they show whether the two wait on each
+	// other in the rankd or on the device.
+	BenchTimelines
 }
 
 // duplexDisjoint reports whether the store and restore tables of p share
@@ -128,8 +125,9 @@ func (s *sim) benchDuplex(ctx context.Context, br *BenchResult, cbufs []ceilBuf,
 			return nil, fmt.Errorf("bench duplex repetition %d: %w", r, err)
 		}
 		bd.Both.add(tot, ranks)
-		if r == reps-1 {
-			s.duplexTimelines(ctx, bd, reqID, run)
+		if r == reps-1 { // untimed
+			s.storeTimelineOf(ctx, &bd.BenchTimelines, reqID, run)
+			s.restoreTimelineOf(ctx, &bd.BenchTimelines)
 		}
 		// Untimed: every restored byte compared (the store table's pages
 		// wiped first: the comparison wants every page outside the
@@ -213,25 +211,6 @@ func (s *sim) duplexOnce(ctx context.Context, stored *Plan, reqID string) (time.
 		ranks[t] = later(st.run.start.Add(st.run.ranks[t]), s.rc.replied[t])
 	}
 	return later(s.rc.ended, st.run.start.Add(st.run.total)), ranks, st.run, nil
-}
-
-// duplexTimelines records in bd the stages of a duplex repetition's store
-// (request reqID, run) and of its restore (s.res), untimed, after both.
-func (s *sim) duplexTimelines(ctx context.Context, bd *BenchDuplex, reqID string, run benchStoreRun) {
-	if t := slices.IndexFunc(run.requests, func(n int) bool { return n > 0 }); t >= 0 {
-		tls, err := s.fetchTimelines(ctx, s.workers[t], reqID)
-		if err != nil {
-			bd.TimelineProblem = err.Error()
-			return
-		}
-		bd.StoreTimeline = storeTimeline(t, tls, run.requests[t], run.start, run.start.Add(run.ranks[t]))
-	}
-	tls, err := s.fetchTimelines(ctx, s.workers[0], s.res.RestoreID)
-	if err != nil {
-		bd.TimelineProblem = err.Error()
-		return
-	}
-	bd.RestoreTimeline = restoreTimeline(0, tls[len(tls)-1], &s.rc)
 }
 
 // compareRestored compares every page of the restore table with s.plan's

@@ -45,6 +45,58 @@ type BenchTimeline struct {
 	Rankd wire.Timeline `json:"rankd"`
 }
 
+// BenchTimelines are where the time of one store request and of one
+// restore went; TimelineProblem says why one is missing (a rankd that keeps
+// no timelines).
+type BenchTimelines struct {
+	StoreTimeline   *BenchTimeline `json:"store_timeline,omitempty"`
+	RestoreTimeline *BenchTimeline `json:"restore_timeline,omitempty"`
+	TimelineProblem string         `json:"timeline_problem,omitempty"`
+}
+
+// storeTimelineOf records in bt where the time of one request of the
+// store run (request id reqID) went, on the first TP rank that stored.
+func (s *sim) storeTimelineOf(ctx context.Context, bt *BenchTimelines, reqID string, run benchStoreRun) {
+	t := slices.IndexFunc(run.requests, func(n int) bool { return n > 0 })
+	if t < 0 || bt.TimelineProblem != "" {
+		return
+	}
+	tls, err := s.fetchTimelines(ctx, s.workers[t], reqID)
+	if err != nil {
+		bt.TimelineProblem = err.Error()
+		return
+	}
+	bt.StoreTimeline = storeTimeline(t, tls, run.requests[t], run.start, run.start.Add(run.ranks[t]))
+}
+
+// restoreTimelineOf records in bt where the time of the last restore
+// (s.res, s.rc) went on TP rank 0.
+func (s *sim) restoreTimelineOf(ctx context.Context, bt *BenchTimelines) {
+	if bt.TimelineProblem != "" {
+		return
+	}
+	tls, err := s.fetchTimelines(ctx, s.workers[0], s.res.RestoreID)
+	if err != nil {
+		bt.TimelineProblem = err.Error()
+		return
+	}
+	bt.RestoreTimeline = restoreTimeline(0, tls[len(tls)-1], &s.rc)
+}
+
+// print writes bt's timelines, each named with its suffix, and why one is
+// missing.
+func (bt *BenchTimelines) print(out io.Writer, storeOf, restoreOf string) {
+	if bt.StoreTimeline != nil {
+		printTimeline(out, "store"+storeOf, bt.StoreTimeline)
+	}
+	if bt.RestoreTimeline != nil {
+		printTimeline(out, "restore"+restoreOf, bt.RestoreTimeline)
+	}
+	if bt.TimelineProblem != "" {
+		fmt.Fprintf(out, "\nno timeline%s: %s\n", storeOf, bt.TimelineProblem)
+	}
+}
+
 // TimelineRow is one stage of a BenchTimeline.
 type TimelineRow struct {
 	Name string `json:"name"`
