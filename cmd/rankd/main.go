@@ -76,8 +76,8 @@ const maxConnections = "32"
 // stream pool each, up to two CUDA streams a stream (copies and
 // checksums), 32 with the defaults, so a store's gather could queue behind
 // a retrieve's copies. That is what the H100's timelines of both
-// directions at once suggest (the store's first device mark reached 20 ms
-// after its enqueue, when the retrieve's copies ended, on both copy paths;
+// directions at once suggest (the store's first device mark reached 24 ms
+// after its enqueue began, when the retrieve's copies ended, on both copy paths;
 // BENCHMARKS.md, stop 46); the A/B with 32 has not run on a GPU yet.
 func cudaConnections() string {
 	const env = "CUDA_DEVICE_MAX_CONNECTIONS"
