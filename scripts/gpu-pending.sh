@@ -68,16 +68,16 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
-	# 25.3: both directions through the daemons (rankd sets 32 hardware
-	# queues; 8, the driver's default, is the A/B), and one copy call each
-	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
-	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
-	step duplex-each 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--dma-each-copy" $(bench duplex-each)
 	# 25.1: a restore's batches one after the other on the copy engine,
 	# against the defaults in the same call
 	step tp1-ordered 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="--dma-order-scatters" $(bench tp1-ordered)
 	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
 	step tp1-small-ordered 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 RANKD_ARGS="--dma-order-scatters" $(bench tp1-small-ordered)
+	# 25.3: both directions through the daemons (rankd sets 32 hardware
+	# queues; 8, the driver's default, is the A/B), and one copy call each
+	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
+	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
+	step duplex-each 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--dma-each-copy" $(bench duplex-each)
 	# 25.5: the decode-shaped loop: without the overlap hint, one copy call
 	# each, against the defaults
 	for v in nohint each default; do
