@@ -25,7 +25,7 @@
 #   JSON=1         engine requests as JSON (--json-requests; default binary)
 #   OUT=bench-<scenario>.json  the enginesim result (bench figures under "bench"); a
 #                  directory: the file goes inside it
-#   L1=            rankd --l1-bytes (default: 2.5 x GB, with DUPLEX 3.6 x GB; at least 256MiB)
+#   L1=            rankd --l1-bytes (default: 2.5 x GB, with DUPLEX 4.6 x GB; at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
 #   DUPLEX=        N: after the repetitions, N repetitions of a fresh store and the
@@ -81,10 +81,12 @@ if [[ -d $OUT ]]; then # a directory (the device tool exports OUT as one): the f
 	OUT=$OUT/bench-$SCENARIO.json
 fi
 if [[ -z ${L1:-} ]]; then
-	# DUPLEX holds three prompts at once (restoring one, storing the next,
-	# the one before not yet evicted: their chunks' last uses interleave,
-	# so LRU may pick the one being restored), the repetitions two.
-	L1=$(awk -v gb="$GB" -v f="${DUPLEX:+3.6}" 'BEGIN { if (f == "") f = 2.5; m = int(gb * f * 1e9 / 1048576) + 1; if (m < 256) m = 256; printf "%dMiB", m }')
+	# With REPS=1, DUPLEX=3's last repetition holds four prompts (the
+	# repetitions' and three stored beside restores) under the high
+	# watermark, so no eviction competes with its timing (at 3.6 x GB,
+	# stores on the H100 evicted chunks of the restore beside them, which
+	# then failed as missing); the repetitions hold two.
+	L1=$(awk -v gb="$GB" -v f="${DUPLEX:+4.6}" 'BEGIN { if (f == "") f = 2.5; m = int(gb * f * 1e9 / 1048576) + 1; if (m < 256) m = 256; printf "%dMiB", m }')
 fi
 
 BASE=${PORT_BASE:-$((20000 + RANDOM % 20000))}

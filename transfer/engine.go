@@ -85,6 +85,9 @@ type testHooks struct {
 	// batch (idx: the batch's items); scatterCompleted after it waited
 	// for and verified it.
 	scatterEnqueued, scatterCompleted func(restoreID string, idx []int)
+	// retrieveTouched runs after a retrieve marked its objects used,
+	// before its first batch is looked up.
+	retrieveTouched func(restoreID string)
 	// peerLeased runs after a retrieve leased an object in a peer's L1,
 	// before its scatter (tests set it before the retrieve).
 	peerLeased func(dcp.Key)

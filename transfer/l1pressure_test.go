@@ -211,16 +211,25 @@ func waitEvicted(t *testing.T, e *Engine) {
 // still lets the retrieve finish before the engine's Close.
 func besideFirstBatch(t *testing.T, e *Engine, req RetrieveRequest, beside func()) RetrieveResult {
 	t.Helper()
+	return besideRetrieve(t, e, req, func(reached func()) {
+		e.hooks.scatterEnqueued = func(string, []int) { reached() }
+	}, beside)
+}
+
+// besideRetrieve is besideFirstBatch at the point where hook's function
+// first calls reached.
+func besideRetrieve(t *testing.T, e *Engine, req RetrieveRequest, hook func(reached func()), beside func()) RetrieveResult {
+	t.Helper()
 	reached, resume := make(chan struct{}), make(chan struct{})
 	var first, released sync.Once
 	release := func() { released.Do(func() { close(resume) }) }
 	t.Cleanup(release) // runs before newEngine's Close, registered earlier
-	e.hooks.scatterEnqueued = func(string, []int) {
+	hook(func() {
 		first.Do(func() {
 			close(reached)
 			<-resume
 		})
-	}
+	})
 	type result struct {
 		rr  RetrieveResult
 		err error
@@ -233,7 +242,7 @@ func besideFirstBatch(t *testing.T, e *Engine, req RetrieveRequest, beside func(
 	select {
 	case <-reached:
 	case res := <-done:
-		t.Fatalf("the retrieve ended before its first scatter was enqueued: %+v, %v", res.rr.Items, res.err)
+		t.Fatalf("the retrieve ended before the point beside runs at: %+v, %v", res.rr.Items, res.err)
 	}
 	beside()
 	release()
@@ -250,6 +259,22 @@ func besideFirstBatch(t *testing.T, e *Engine, req RetrieveRequest, beside func(
 // the restore's waiting chunks: every chunk restores byte-exact, and the
 // room came from the other prompt.
 func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
+	testRetrieveKeepsItsChunks(t, besideFirstBatch)
+}
+
+// TestRetrieveKeepsItsChunksBeforeItsFirstCopy: the same store beside a
+// restore that has not yet looked up its first batch (on the H100 a store
+// evicted a restore's chunks in the milliseconds before its first copy was
+// enqueued, when only that marked them used).
+func TestRetrieveKeepsItsChunksBeforeItsFirstCopy(t *testing.T) {
+	testRetrieveKeepsItsChunks(t, func(t *testing.T, e *Engine, req RetrieveRequest, beside func()) RetrieveResult {
+		return besideRetrieve(t, e, req, func(reached func()) {
+			e.hooks.retrieveTouched = func(string) { reached() }
+		}, beside)
+	})
+}
+
+func testRetrieveKeepsItsChunks(t *testing.T, beside func(*testing.T, *Engine, RetrieveRequest, func()) RetrieveResult) {
 	dev := openDevice(t, "")
 	const n = 8 // chunks of each prompt, 2.4 MiB each: two fit under the low watermark, three pass the high
 	r := newRig(t, dev, bigSpec(), []int64{4 * 2 * 4 * n})
@@ -272,9 +297,9 @@ func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
 	for i := range a {
 		tgts = append(tgts, r.consecutiveN(3*n+i))
 	}
-	rr := besideFirstBatch(t, e, r.retrieveReq(0, a, tgts), func() {
-		// The first batch is on the device and the rest of a waits in
-		// L1: c needs room, and a's waiting chunks are older than b's.
+	rr := beside(t, e, r.retrieveReq(0, a, tgts), func() {
+		// The restore has begun and a waits in L1: c needs room, and
+		// a's chunks were stored before b's.
 		storeConcurrently(t, e, r, "c", c, 0)
 		waitEvicted(t, e)
 	})
@@ -300,7 +325,7 @@ func TestRetrieveKeepsItsLaterBatches(t *testing.T) {
 
 // TestRetrieveEvictsItsLastBatchesFirst: where a store beside a restore
 // must evict some of the restore's waiting chunks, it takes those needed
-// last (touchLater touches the later batches last batch first): the
+// last (a retrieve touches its batches last batch first): the
 // chunks that fail are a suffix of the prompt, the next batch's restore.
 func TestRetrieveEvictsItsLastBatchesFirst(t *testing.T) {
 	dev := openDevice(t, "")

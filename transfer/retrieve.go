@@ -169,10 +169,12 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	// At most two batches are pinned at once.
 	var prev *pendingScatter
 	bs := r.batches()
-	r.later = bs[min(1, len(bs)):]
+	r.touch(bs)
+	if e.hooks.retrieveTouched != nil {
+		e.hooks.retrieveTouched(req.RestoreID)
+	}
 	for bi, b := range bs {
 		next := r.start(ctx, bi, b, &prev)
-		r.touchLater() // where start enqueued no scatter
 		if prev != nil {
 			r.complete(ctx, prev)
 		}
@@ -203,8 +205,6 @@ type retrieval struct {
 	// (checkPartial); nil when none does.
 	partial map[int]*partialSource
 	tl      *Timeline // nil: not timed
-	// later are the batches after the first (touchLater).
-	later [][]int
 }
 
 // planRetrieve validates req and returns each item's target spans
@@ -345,9 +345,6 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 		tm.release()
 	}
 	r.tl.Lap(StageEnqueue, bi)
-	if bi == 0 {
-		r.touchLater()
-	}
 	if e.hooks.scatterEnqueued != nil {
 		e.hooks.scatterEnqueued(r.req.RestoreID, idx)
 	}
@@ -682,30 +679,26 @@ func (r *retrieval) account() {
 	}
 }
 
-// touchLater marks the L1 objects of the items in the batches not yet
-// started as used once the first batch is on the device: a restore in
-// progress is a use of every object it will read, so a store beside it
-// that needs room evicts older objects first rather than the chunks of
-// this restore waiting for their batch (which would fail as missing and be
-// recomputed; seen on the H200 with a store and a restore of two prompts
-// in an L1 of little more). They are touched last batch first, so that
-// where eviction must take some of them it takes those needed last. Only
-// the first call touches.
-func (r *retrieval) touchLater() {
-	if len(r.later) == 0 {
-		return
-	}
+// touch marks the L1 objects of every batch as used when the retrieve
+// begins: a restore the coordinator planned is a use of every object it
+// will read, so a store beside it that needs room evicts older objects
+// first rather than the chunks waiting for their batch (which would fail as
+// missing and be recomputed; seen on the H200 and the H100 with a store and
+// a restore of two prompts in an L1 of little more). Marking them only once
+// the first batch was on the device left the store a few milliseconds to
+// take them (the H100 at stop 47). They are touched last batch first, so
+// that where eviction must take some of them it takes those needed last.
+func (r *retrieval) touch(bs [][]int) {
 	e := r.e
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for _, b := range slices.Backward(r.later) {
+	for _, b := range slices.Backward(bs) {
 		for _, i := range slices.Backward(b) {
 			if o := e.cat.objs[r.req.Items[i].Key]; o != nil {
 				e.cat.touch(o)
 			}
 		}
 	}
-	r.later = nil
 }
 
 // retrieveRamp is how many doublings a retrieve's batches take to reach
