@@ -19,8 +19,8 @@ import "unsafe"
 // four kernels per 256 MiB restore batch) slowed the decoding requests'
 // steps 1.61x while a 32k prompt loaded, one kernel per transfer 1.28x at
 // the same TTFT (BENCHMARKS.md). A transfer of rankd's (at most
-// RetrieveBatchBytes, 256 MiB by default) is therefore one batch: its
-// exposed checksum reads 256 MiB of HBM, under 0.1 ms.
+// RetrieveBatchBytes, 1 GiB by default) is therefore one batch: its
+// exposed checksum reads at most 1 GiB of HBM, about 0.3 ms.
 const dmaSumBatch = 1 << 30
 
 // dma moves a transfer's bytes with copy-engine copies on the stream S

@@ -279,9 +279,14 @@ type Config struct {
 	// prompt larger than L1 restores from L2. The bound used is
 	// min(RetrieveBatchBytes, L1Bytes/4) (at least one slab); a retrieve's
 	// first three batches ramp up to it (an eighth, a quarter, a half), so
-	// its first copy starts after little host work. Default 256 MiB.
-	// Larger batches mean fewer, longer scatters; smaller ones leave more
-	// of L1 to concurrent work.
+	// its first copy starts after little host work. Default 1 GiB.
+	// Larger batches mean fewer, longer scatters, each with one checksum
+	// kernel, which the GPU time-slices with the engine's context: on the
+	// H200 at stop 47, 1 GiB against 256 MiB restored 1.3 GB at 0.859
+	// of the copy engine against 0.846 (0.5 GB: 0.800 against 0.766; 4
+	// rankds: 0.920 against 0.908) and slowed a decode-shaped loop beside
+	// the restores 1.172x against 1.212x (BENCHMARKS.md); smaller ones
+	// leave more of L1 to concurrent work.
 	RetrieveBatchBytes uint64
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
@@ -337,7 +342,7 @@ func DefaultConfig() Config {
 		L2Readers:          4,
 		L3Writers:          4,
 		L3QueueObjects:     4096,
-		RetrieveBatchBytes: 256 << 20,
+		RetrieveBatchBytes: 1 << 30,
 		EventBatch:         1024,
 		EventBuffer:        1 << 20,
 		Logger:             zap.NewNop(),

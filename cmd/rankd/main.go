@@ -165,7 +165,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
 	fs.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
-	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "256MiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
+	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "1GiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
