@@ -510,9 +510,19 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		ctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
+	// The pace of the copies: the engine's (wire.HeaderPace), else the
+	// rank's own (Config.RestorePace).
+	rreq := transfer.RetrieveRequestOf(req, d.callerOf(msg))
+	rreq.Pace = d.cfg.RestorePace
+	if v := msg.Header.Get(wire.HeaderPace); v != "" {
+		if rreq.Pace, err = wire.ParsePace(v); err != nil {
+			d.reportRejected(msg.Data, err)
+			return err
+		}
+	}
 	// The caller must own the session before anything is placed: the
 	// engine checks it where it finds the session.
-	res, err := d.eng.Retrieve(transfer.WithTimeline(ctx, tl), transfer.RetrieveRequestOf(req, d.callerOf(msg)))
+	res, err := d.eng.Retrieve(transfer.WithTimeline(ctx, tl), rreq)
 	if ctx.Err() != nil && d.life.Err() == nil && (err != nil || len(res.FailedChunks()) > 0) {
 		// The deadline passed before every item was placed (one that
 		// passed just after a complete retrieve cut nothing).

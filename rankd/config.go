@@ -158,9 +158,14 @@ type Config struct {
 	RetrieveSerialBatches bool
 	// RetrieveBatchBytes: transfer.Config.RetrieveBatchBytes, the L1 one
 	// restore pins at a time, each batch a transfer of its own (at most a
-	// quarter of L1 is used). Default 256 MiB; fewer, larger batches launch
+	// quarter of L1 is used). Default 1 GiB; fewer, larger batches launch
 	// fewer checksum kernels beside the engine's forward (docs/gpu.md).
 	RetrieveBatchBytes uint64
+	// RestorePace bounds the rate of every retrieve's copies that does not
+	// carry its own (wire.HeaderPace), in bytes per second: 0 (the
+	// default) is full speed, else at least transfer.MinPace
+	// (transfer.RetrieveRequest.Pace).
+	RestorePace uint64
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;
@@ -389,6 +394,8 @@ func (c *Config) Validate() error {
 		return bad("%v", c.DMA.Validate())
 	case c.RetrieveBatchBytes == 0:
 		return bad("retrieve batch of 0 bytes: a restore pins at least one slab of L1 at a time")
+	case c.RestorePace != 0 && c.RestorePace < transfer.MinPace:
+		return bad("restore pace of %d B/s: want 0 (full speed) or at least %d B/s", c.RestorePace, transfer.MinPace)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -3,13 +3,17 @@ package rankd
 import (
 	"bytes"
 	"encoding/json"
+	"strconv"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -95,4 +99,70 @@ func storedPage(t *testing.T, h *harness) (*engine, *wire.RegisterReply, []byte,
 		t.Fatalf("store: %+v %v", st, err)
 	}
 	return e, reg, want, dcp.Key{NS: e.res.Namespace, Chunk: chunk, Shard: 1, Group: 0}
+}
+
+// TestRetrieveCarriesTheEnginesPace: a retrieve's wire.HeaderPace reaches
+// the engine as its pace: a malformed one and one under transfer.MinPace
+// are bad requests that place nothing; one at MinPace is served and its
+// retrieve records the pace stage (kvtier_rankd_stage_seconds{stage=
+// "pace"}), which an unpaced retrieve does not.
+func TestRetrieveCarriesTheEnginesPace(t *testing.T) {
+	h := newHarness(t)
+	e, reg, want, key := storedPage(t, h)
+	ctx := h.ctx()
+	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	retrieve := func(pace string) *wire.Reply[wire.RetrieveReply] {
+		t.Helper()
+		m := nats.NewMsg(h.subj.Engine(h.rank, OpRetrieve))
+		m.Data = body
+		if pace != "" {
+			m.Header.Set(wire.HeaderPace, pace)
+		}
+		rep, err := h.nc.RequestMsgWithContext(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r wire.Reply[wire.RetrieveReply]
+		if err := json.Unmarshal(rep.Data, &r); err != nil {
+			t.Fatal(err)
+		}
+		return &r
+	}
+	placed := func() bool {
+		t.Helper()
+		got := make([]byte, e.g.PageBytes)
+		if err := e.dev.Read(e.pools[0], 5*e.g.StrideBytes, got); err != nil {
+			t.Fatal(err)
+		}
+		return bytes.Equal(got, pageOf(0, 2, e.g.PageBytes))
+	}
+	paced := func() float64 {
+		return testutil.MetricSum(t, h.d.met.reg, "kvtier_rankd_stage_seconds", "op", OpRetrieve, "stage", "pace")
+	}
+
+	for _, bad := range []string{"fast", "-1", strconv.Itoa(transfer.MinPace - 1)} {
+		if r := retrieve(bad); r.Error == nil || r.Error.Code != wire.CodeBadRequest {
+			t.Fatalf("pace %q answered %+v, want bad_request", bad, r)
+		}
+		if placed() {
+			t.Fatalf("a retrieve with pace %q placed its page", bad)
+		}
+	}
+	if r := retrieve(""); r.Error != nil || len(r.OK.Results) != 1 || !r.OK.Results[0].OK {
+		t.Fatalf("unpaced retrieve: %+v", r)
+	}
+	if r := retrieve(strconv.Itoa(transfer.MinPace)); r.Error != nil || len(r.OK.Results) != 1 || !r.OK.Results[0].OK || !placed() {
+		t.Fatalf("retrieve paced at %d B/s: %+v, placed %v", transfer.MinPace, r, placed())
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for paced() != 1 { // observed once the reply is out
+		if time.Now().After(deadline) {
+			t.Fatalf("kvtier_rankd_stage_seconds{stage=pace} counts %v retrieves, want 1 (the paced one)", paced())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

@@ -39,7 +39,24 @@ type RetrieveRequest struct {
 	// StoreRequest.Caller): it must own the session, checked under the
 	// lock that finds it, before anything is placed (ErrUnauthorized).
 	Caller string
+	// Pace, when not 0, bounds the rate of the retrieve's copies (bytes
+	// per second; rankd: wire.HeaderPace or --restore-pace-gbps): each
+	// batch after the first starts no sooner than the bytes before it take
+	// at Pace, and no batch is larger than Pace moves in paceQuantum. An
+	// engine that decodes other requests while a prompt loads trades the
+	// load's time for their steps (issue 24.4: at full speed, copies from
+	// another context slow the model's steps beside them). 0: full speed.
+	Pace uint64
 }
+
+// MinPace is the slowest RetrieveRequest.Pace accepted: a slower one would
+// hold a batch's L1 pins for seconds.
+const MinPace = 100 << 20
+
+// paceQuantum bounds a paced retrieve's batches to what Pace moves in this
+// time, so that its copies come in bursts shorter than a decode step
+// rather than one batch at full speed and then a long pause.
+const paceQuantum = 4 * time.Millisecond
 
 // RetrieveRequestOf is the retrieve that caller sent as req.
 func RetrieveRequestOf(req *wire.RetrieveRequest, caller string) RetrieveRequest {
@@ -123,6 +140,9 @@ func (r RetrieveResult) Wire() wire.RetrieveReply {
 // per-object failures are in the result.
 func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveResult, error) {
 	start := time.Now()
+	if req.Pace != 0 && req.Pace < MinPace {
+		return RetrieveResult{}, fmt.Errorf("retrieve %q: pace %d B/s, below the least accepted (%d B/s): %w", req.RestoreID, req.Pace, MinPace, ErrBadRequest)
+	}
 	sp, err := e.acquireSpace(req.Namespace, req.Session, req.Caller)
 	if err != nil {
 		return RetrieveResult{}, fmt.Errorf("retrieve %q: %w", req.RestoreID, err)
@@ -173,7 +193,12 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	if e.hooks.retrieveTouched != nil {
 		e.hooks.retrieveTouched(req.RestoreID)
 	}
+	var paced pacer
 	for bi, b := range bs {
+		if req.Pace != 0 {
+			paced.wait(ctx, req.Pace, r.batchBytes(b))
+			tl.Lap(StagePace, bi)
+		}
 		next := r.start(ctx, bi, b, &prev)
 		if prev != nil {
 			r.complete(ctx, prev)
@@ -716,7 +741,7 @@ const retrieveRamp = 3
 // bound is a batch of its own).
 func (r *retrieval) batches() [][]int {
 	e := r.e
-	bound := e.retrieveBatchBytes()
+	bound := r.batchBound()
 	limit := max(e.cat.slabBytes, bound>>retrieveRamp)
 	// The items of each chunk, chunks in order of first appearance.
 	var order []int
@@ -752,6 +777,52 @@ func (r *retrieval) batches() [][]int {
 // retrieveBatchBytes is the most L1 one retrieve pins at a time.
 func (e *Engine) retrieveBatchBytes() uint64 {
 	return max(e.cat.slabBytes, min(e.cfg.RetrieveBatchBytes, e.ctr.l1CapacityBytes/4))
+}
+
+// batchBound is retrieveBatchBytes, and for a paced retrieve at most what
+// its pace moves in paceQuantum.
+func (r *retrieval) batchBound() uint64 {
+	bound := r.e.retrieveBatchBytes()
+	if p := r.req.Pace; p != 0 {
+		bound = max(r.e.cat.slabBytes, min(bound, uint64(float64(p)*paceQuantum.Seconds())))
+	}
+	return bound
+}
+
+// batchBytes is the bytes the items idx place.
+func (r *retrieval) batchBytes(idx []int) uint64 {
+	var n uint64
+	for _, i := range idx {
+		n += r.sp.res.ObjectSize(r.req.Items[i].Group)
+	}
+	return n
+}
+
+// pacer spaces a paced retrieve's batches: the first starts at once, each
+// next one when the bytes before it would have taken their time at the
+// pace since the first began.
+type pacer struct {
+	start time.Time
+	sent  uint64 // bytes of the batches started
+}
+
+// wait returns when a batch of n bytes may start at pace bytes per second,
+// or when ctx is done (the batch then fails as not placed in start).
+func (p *pacer) wait(ctx context.Context, pace, n uint64) {
+	if p.start.IsZero() {
+		p.start, p.sent = time.Now(), n
+		return
+	}
+	due := p.start.Add(time.Duration(float64(p.sent) / float64(pace) * float64(time.Second)))
+	p.sent += n
+	if d := time.Until(due); d > 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+	}
 }
 
 // unpinBatch gives back the pins and peer leases of the items idx.

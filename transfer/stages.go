@@ -29,6 +29,7 @@ const (
 	StagePlan                  // retrieve: session, checks and target spans of every item
 	StagePlace                 // store: L1 room for the objects (and the start of the store's goroutine)
 	StageLookup                // retrieve: L1 lookup and pins, L2/L3/peer reads, checks before the scatter
+	StagePace                  // retrieve, paced (RetrieveRequest.Pace): the wait before a batch's lookup
 	StageStream                // waiting for a free stream
 	StageEnqueue               // validating and enqueuing the copy (with its timer marks)
 	StageWait                  // the host waits until the device has finished the copy
@@ -47,7 +48,7 @@ const (
 
 var stageNames = [NumStages]string{
 	StageDecode: "decode", StageAdmit: "admit", StagePlan: "plan", StagePlace: "place", StageLookup: "lookup",
-	StageStream: "stream", StageEnqueue: "enqueue", StageWait: "wait", StageNotice: "notice",
+	StagePace: "pace", StageStream: "stream", StageEnqueue: "enqueue", StageWait: "wait", StageNotice: "notice",
 	StageCommit: "commit", StageVerify: "verify", StageFinish: "finish", StageRelease: "release",
 	StageReport: "report", StageReply: "reply", StageProducer: "producer", StageGather: "gather",
 	StageScatter: "scatter",

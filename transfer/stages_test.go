@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -279,4 +280,85 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 	if got, want := fmt.Sprint(sizes), "[1 2 4 8 5]"; got != want {
 		t.Fatalf("batches of %s chunks, want %s", got, want)
 	}
+}
+
+// TestRetrievePaced: a paced retrieve starts each batch after the first
+// no sooner than the bytes before it take at its pace (measured from the
+// call, which precedes the pacer's start), its batches hold at most what
+// the pace moves in paceQuantum, every chunk is restored byte-exact, and a
+// pace under MinPace is refused before anything is placed.
+func TestRetrievePaced(t *testing.T) {
+	dev := openDevice(t, "")
+	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 32, Groups: []dcp.Group{
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 2, SemanticBytes: 16 * 528, PageBytes: 16 * 561, StrideBytes: 16*561 + 37, KVFormat: "fp8"},
+	}}
+	const chunks = 24
+	r := newRig(t, dev, spec, []int64{4 * chunks})
+	cfg := engineConfig(t, dev, 0, 1)
+	e := newEngine(t, cfg)
+	res := r.register(e)
+	var cs []chunk
+	for i := range chunks {
+		cs = append(cs, r.newChunk(i, r.consecutive(int64(2*i))))
+		r.write(cs[i], cs[i].blocks, 0)
+	}
+	_, h := r.record()
+	f, err := e.Store(testCtx(t), r.storeReq("paced", h, cs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Wait(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	targets := make([][][]int64, chunks)
+	for i := range targets {
+		targets[i] = r.consecutive(int64(2*chunks + 2*i))
+	}
+
+	slow := r.retrieveReq(0, cs, targets)
+	slow.Pace = MinPace - 1
+	if _, err := e.Retrieve(testCtx(t), slow); !errors.Is(err, ErrBadRequest) {
+		t.Fatalf("a pace under MinPace: %v, want ErrBadRequest", err)
+	}
+	r.check("after a refused pace") // nothing placed
+
+	req := r.retrieveReq(0, cs, targets)
+	req.Pace = MinPace
+	obj := res.ObjectSize(0)
+	quantum := max(e.cat.slabBytes, uint64(float64(req.Pace)*paceQuantum.Seconds()))
+	type started struct {
+		at    time.Time
+		chunk int
+	}
+	var starts []started
+	e.hooks.scatterEnqueued = func(_ string, idx []int) {
+		if uint64(len(idx))*obj > quantum && len(idx) > 1 {
+			t.Errorf("a paced batch of %d objects of %d B, more than the pace moves in %v (%d B)", len(idx), obj, paceQuantum, quantum)
+		}
+		starts = append(starts, started{time.Now(), len(idx)})
+	}
+	begun := time.Now()
+	rr, err := e.Retrieve(testCtx(t), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(starts) < 3 {
+		t.Fatalf("%d batches: the test needs several to see the pace", len(starts))
+	}
+	sent := 0
+	for k, s := range starts {
+		due := time.Duration(float64(uint64(sent)*obj) / float64(req.Pace) * float64(time.Second))
+		if got := s.at.Sub(begun); got < due {
+			t.Fatalf("batch %d started %v after the call, before the %v its %d earlier objects take at %d B/s", k, got, due, sent, req.Pace)
+		}
+		sent += s.chunk
+	}
+	for i := range chunks {
+		if !rr.ChunkOK(i) {
+			t.Fatalf("chunk %d not restored: %+v", i, rr.Items)
+		}
+		r.expectRestored(cs[i], targets[i])
+	}
+	t.Logf("%d batches, objects of %d B, quantum %d B, last started %v after the call", len(starts), obj, quantum, starts[len(starts)-1].at.Sub(begun))
+	r.check("after the paced retrieve")
 }

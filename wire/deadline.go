@@ -32,6 +32,24 @@ const HeaderDeadline = "Kvtier-Deadline"
 // the deadline). A rank that predates the header ignores it.
 const HeaderGatherLimit = "Kvtier-Gather-Limit"
 
+// HeaderPace is the NATS header of a retrieve request that bounds the rate
+// of its copies: bytes per second, decimal (transfer.RetrieveRequest.Pace;
+// at least transfer.MinPace). An engine sends it for a load that runs while
+// it decodes other requests, trading the load's time for their steps; it
+// overrides the rank's own pace (rankd --restore-pace-gbps) for that
+// request, 0 asking for full speed. A rank that predates the header
+// ignores it.
+const HeaderPace = "Kvtier-Pace"
+
+// ParsePace reads a HeaderPace value: bytes per second (0: full speed).
+func ParsePace(v string) (uint64, error) {
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("header %s %q: want bytes per second, a decimal integer: %w", HeaderPace, v, ErrMalformed)
+	}
+	return n, nil
+}
+
 // FormatDeadline is the header value of t (HeaderDeadline or
 // HeaderGatherLimit).
 func FormatDeadline(t time.Time) string { return strconv.FormatInt(t.UnixNano(), 10) }

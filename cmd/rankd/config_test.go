@@ -129,12 +129,19 @@ func TestCopyFlags(t *testing.T) {
 		return cfg
 	}
 	def := rankd.DefaultConfig(wire.Rank{Instance: "e0"})
-	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes {
-		t.Fatalf("defaults: DMA %+v, retrieve batch %d; DefaultConfig has %+v, %d", cfg.DMA, cfg.RetrieveBatchBytes, def.DMA, def.RetrieveBatchBytes)
+	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes || cfg.RestorePace != 0 || def.RestorePace != 0 {
+		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d; DefaultConfig has %+v, %d, %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, def.DMA, def.RetrieveBatchBytes, def.RestorePace)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--retrieve-batch-bytes", "1GiB")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20}) || cfg.RetrieveBatchBytes != 1<<30 {
-		t.Fatalf("flags: DMA %+v, retrieve batch %d", cfg.DMA, cfg.RetrieveBatchBytes)
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 {
+		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace)
+	}
+	slow := parse("--restore-pace-gbps", "0.05")
+	if err := slow.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), "restore pace") {
+		t.Errorf("--restore-pace-gbps 0.05: Validate = %v, want ErrConfig naming the restore pace", err)
+	}
+	if _, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), append(slices.Clone(base), "--restore-pace-gbps", "-1")); err == nil {
+		t.Error("--restore-pace-gbps -1 parsed")
 	}
 	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}} {
 		cfg := parse(tc.flag, "0")

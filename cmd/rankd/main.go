@@ -165,6 +165,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.DurationVar(&cfg.FlushTimeout, "shutdown-flush-timeout", cfg.FlushTimeout,
 		"on SIGTERM, how long to drain and flush objects only L1 holds (write-back) to L2; the rest is logged and counted lost")
 	fs.DurationVar(&cfg.StoreTimeout, "store-timeout", cfg.StoreTimeout, "bound of a store from request to commit")
+	var paceGBps float64
+	fs.Float64Var(&paceGBps, "restore-pace-gbps", 0, "the rate bound of a restore's copies, GB/s (10^9 B/s) for every retrieve that does not send its own (the Kvtier-Pace header): 0, the default, is full speed; a paced restore takes longer and slows the engine's other requests less (docs/gpu.md); else at least 0.105")
 	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "1GiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
@@ -184,6 +186,10 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	if cfg.RetrieveBatchBytes, err = parseBytes(retrieveBatch); err != nil {
 		return cfg, opts, fmt.Errorf("--retrieve-batch-bytes: %w", err)
 	}
+	if !(paceGBps >= 0 && paceGBps <= 1e6) { // NaN too
+		return cfg, opts, fmt.Errorf("--restore-pace-gbps %v: want 0 (full speed) or a rate in GB/s", paceGBps)
+	}
+	cfg.RestorePace = uint64(paceGBps * 1e9)
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l1-bytes: %w", err)
 	}
