@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -42,7 +43,9 @@ type RetrieveRequest struct {
 	// Pace, when not 0, bounds the rate of the retrieve's copies (bytes
 	// per second; rankd: wire.HeaderPace or --restore-pace-gbps): each
 	// batch after the first starts no sooner than the bytes before it take
-	// at Pace, and no batch is larger than Pace moves in paceQuantum. An
+	// at Pace, and no batch is larger than Pace moves in paceQuantum; a
+	// retrieve that would take more than half the time left to its
+	// deadline at Pace goes faster (effectivePace). An
 	// engine that decodes other requests while a prompt loads trades the
 	// load's time for their steps (issue 24.4: at full speed, copies from
 	// another context slow the model's steps beside them). 0: full speed.
@@ -188,15 +191,24 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	// idles between batches while the host plans the next one (issue 12.6).
 	// At most two batches are pinned at once.
 	var prev *pendingScatter
+	var paced pacer
+	if req.Pace != 0 {
+		var total uint64
+		for _, it := range req.Items {
+			total += sp.res.ObjectSize(it.Group)
+		}
+		dl, _ := ctx.Deadline() // the retrieve's timeout at least
+		paced.pace = effectivePace(req.Pace, total, time.Now(), dl)
+		r.pace = paced.pace
+	}
 	bs := r.batches()
 	r.touch(bs)
 	if e.hooks.retrieveTouched != nil {
 		e.hooks.retrieveTouched(req.RestoreID)
 	}
-	var paced pacer
 	for bi, b := range bs {
-		if req.Pace != 0 {
-			paced.wait(ctx, req.Pace, r.batchBytes(b))
+		if paced.pace != 0 {
+			paced.wait(ctx, r.batchBytes(b))
 			tl.Lap(StagePace, bi)
 		}
 		next := r.start(ctx, bi, b, &prev)
@@ -230,6 +242,7 @@ type retrieval struct {
 	// (checkPartial); nil when none does.
 	partial map[int]*partialSource
 	tl      *Timeline // nil: not timed
+	pace    uint64    // bytes per second (effectivePace); 0: not paced
 }
 
 // planRetrieve validates req and returns each item's target spans
@@ -783,8 +796,8 @@ func (e *Engine) retrieveBatchBytes() uint64 {
 // its pace moves in paceQuantum.
 func (r *retrieval) batchBound() uint64 {
 	bound := r.e.retrieveBatchBytes()
-	if p := r.req.Pace; p != 0 {
-		bound = max(r.e.cat.slabBytes, min(bound, uint64(float64(p)*paceQuantum.Seconds())))
+	if p := r.pace; p != 0 {
+		bound = max(r.e.cat.slabBytes, uint64(min(float64(bound), float64(p)*paceQuantum.Seconds())))
 	}
 	return bound
 }
@@ -802,18 +815,36 @@ func (r *retrieval) batchBytes(idx []int) uint64 {
 // next one when the bytes before it would have taken their time at the
 // pace since the first began.
 type pacer struct {
+	pace  uint64 // bytes per second; 0: not paced
 	start time.Time
 	sent  uint64 // bytes of the batches started
 }
 
-// wait returns when a batch of n bytes may start at pace bytes per second,
-// or when ctx is done (the batch then fails as not placed in start).
-func (p *pacer) wait(ctx context.Context, pace, n uint64) {
+// effectivePace is the pace of a retrieve of total bytes that begins at
+// now and must be done by deadline (zero: none): the asked pace, or faster
+// where at that pace the copies would take more than half the time left,
+// so that pacing never costs a load its deadline (the engine gives up on
+// it there and recomputes it).
+func effectivePace(pace, total uint64, now, deadline time.Time) uint64 {
+	if deadline.IsZero() {
+		return pace
+	}
+	half := deadline.Sub(now) / 2
+	if half <= 0 {
+		return math.MaxUint64 // no time to spare: full speed
+	}
+	need := uint64(math.Ceil(float64(total) / half.Seconds()))
+	return max(pace, need)
+}
+
+// wait returns when a batch of n bytes may start at p.pace, or when ctx is
+// done (the batch then fails as not placed in start).
+func (p *pacer) wait(ctx context.Context, n uint64) {
 	if p.start.IsZero() {
 		p.start, p.sent = time.Now(), n
 		return
 	}
-	due := p.start.Add(time.Duration(float64(p.sent) / float64(pace) * float64(time.Second)))
+	due := p.start.Add(time.Duration(float64(p.sent) / float64(p.pace) * float64(time.Second)))
 	p.sent += n
 	if d := time.Until(due); d > 0 {
 		t := time.NewTimer(d)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -361,4 +362,28 @@ func TestRetrievePaced(t *testing.T) {
 	}
 	t.Logf("%d batches, objects of %d B, quantum %d B, last started %v after the call", len(starts), obj, quantum, starts[len(starts)-1].at.Sub(begun))
 	r.check("after the paced retrieve")
+}
+
+// TestEffectivePace: a pace holds where its copies take at most half the
+// time left to the deadline; else the retrieve goes as fast as that half
+// needs, and at full speed once no time is left.
+func TestEffectivePace(t *testing.T) {
+	now := time.Unix(1000, 0)
+	const gb = 1_000_000_000
+	for _, tc := range []struct {
+		name        string
+		pace, total uint64
+		deadline    time.Time
+		want        uint64
+	}{
+		{"no deadline", 20 * gb, 4 * gb, time.Time{}, 20 * gb},
+		{"ample time", 20 * gb, 4 * gb, now.Add(10 * time.Second), 20 * gb},
+		{"exactly half", 20 * gb, 4 * gb, now.Add(400 * time.Millisecond), 20 * gb},
+		{"too slow for half", 20 * gb, 4 * gb, now.Add(200 * time.Millisecond), 40 * gb},
+		{"passed", 20 * gb, 4 * gb, now.Add(-time.Millisecond), math.MaxUint64},
+	} {
+		if got := effectivePace(tc.pace, tc.total, now, tc.deadline); got != tc.want {
+			t.Errorf("%s: %d B/s, want %d", tc.name, got, tc.want)
+		}
+	}
 }
