@@ -59,7 +59,8 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # restores the 8B pages at full speed
 interference() {
 	local ra
-	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;; esac
+	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
+	pace*) ra="--restore-pace-gbps ${1#pace}" ;; esac
 	step "interference-$1" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
 		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
@@ -78,9 +79,9 @@ daemons)
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
 	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
 	step duplex-each 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--dma-each-copy" $(bench duplex-each)
-	# 25.5: the decode-shaped loop: without the overlap hint, one copy call
-	# each, against the defaults
-	for v in nohint each default; do
+	# 24.4/25.5: the decode-shaped loop beside paced restores (the traffic's
+	# GB/s beside each), against the defaults
+	for v in pace20 pace10 default; do
 		interference "$v"
 	done
 	# 25.1: the rows not re-measured since the span merge
@@ -93,6 +94,14 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
+	# 24.4: the decoders while the 32k prompt loads paced at 20 and 10 GB/s
+	# (every restore of the rankd paced; the first step's bound covers the
+	# engine's first torch.compile)
+	step itl-pace20 160 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
 	step itl-pieces 100 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \

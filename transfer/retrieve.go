@@ -57,8 +57,9 @@ type RetrieveRequest struct {
 const MinPace = 100 << 20
 
 // paceQuantum bounds a paced retrieve's batches to what Pace moves in this
-// time, so that its copies come in bursts shorter than a decode step
-// rather than one batch at full speed and then a long pause.
+// time (a whole chunk at least), so that its copies come in bursts shorter
+// than a decode step rather than one batch at full speed and then a long
+// pause.
 const paceQuantum = 4 * time.Millisecond
 
 // RetrieveRequestOf is the retrieve that caller sent as req.

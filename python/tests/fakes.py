@@ -260,7 +260,8 @@ class FakeSession:
         return wire.RetrieveReply([wire.ItemResult(it.chunk, it.group, True) for it in items])
 
     async def retrieve_packed(self, items, restore_id, block_ids, blocks_per_chunk, *, first_chunk=0, skip=(),
-                              timeout=None, deadline=None):
+                              timeout=None, deadline=None, pace=None):
+        self.world.retrieve_paces.append(pace)
         # The bytes the real session sends, decoded as a rankd would: the
         # tests see the items and blocks the worker asked for.
         body = items.retrieve_request(restore_id, "fake-session", block_ids, blocks_per_chunk, first_chunk, skip)
@@ -299,6 +300,7 @@ class FakeWorld:
         self.freed_handlers: list[Any] = []
         self.retrieves: list[Any] = []
         self.retrieve_deadlines: list[float | None] = []
+        self.retrieve_paces: list[int | None] = []
         self.store_deadlines: list[float | None] = []
         self.store_gather_limits: list[float | None] = []
         self.retrieve_error: Exception | None = None

@@ -305,6 +305,15 @@ def test_retrieve_carries_the_engines_deadline():
     asyncio.run(s.retrieve_packed(pl, "R4", [[7]], [1]))
     assert nc.headers[2:] == [{wire.HEADER_RESULTS: wire.RESULTS_FAILED, wire.HEADER_DEADLINE: "1234500000000"},
                               {wire.HEADER_RESULTS: wire.RESULTS_FAILED}]
+    # A pace goes as Kvtier-Pace, bytes per second; 0 asks for full speed;
+    # one under the rankd's least is refused before anything is sent.
+    asyncio.run(s.retrieve_packed(pl, "R5", [[7]], [1], pace=20_000_000_000))
+    asyncio.run(s.retrieve_packed(pl, "R6", [[7]], [1], pace=0))
+    assert nc.headers[4:] == [{wire.HEADER_RESULTS: wire.RESULTS_FAILED, wire.HEADER_PACE: "20000000000"},
+                              {wire.HEADER_RESULTS: wire.RESULTS_FAILED, wire.HEADER_PACE: "0"}]
+    with pytest.raises(ValueError, match="pace"):
+        asyncio.run(s.retrieve_packed(pl, "R7", [[7]], [1], pace=wire.MIN_PACE - 1))
+    assert len(nc.headers) == 6
 
 
 def test_store_carries_the_engines_deadline():

@@ -303,3 +303,20 @@ def test_binary_requests_refuse_what_they_cannot_carry(case):
         req.session = "s" * 256
     with pytest.raises(MalformedError):
         req.to_binary()
+
+
+def test_headers_match_go():
+    """The NATS header names and the least pace the Python client sends are
+    the Go daemons' (a name that drifted would be ignored by the rankd:
+    no deadline, no pace)."""
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    go = (root / "wire" / "deadline.go").read_text() + (root / "wire" / "protocol.go").read_text()
+    for go_name, py in (("HeaderDeadline", wire.HEADER_DEADLINE), ("HeaderGatherLimit", wire.HEADER_GATHER_LIMIT),
+                        ("HeaderPace", wire.HEADER_PACE), ("HeaderResults", wire.HEADER_RESULTS)):
+        m = re.search(rf'^const {go_name} = "([^"]+)"$', go, re.M)
+        assert m is not None, go_name
+        assert m.group(1) == py, (go_name, m.group(1), py)
+    m = re.search(r"^const MinPace = (\d+) << (\d+)$", (root / "transfer" / "retrieve.go").read_text(), re.M)
+    assert m is not None and int(m.group(1)) << int(m.group(2)) == wire.MIN_PACE

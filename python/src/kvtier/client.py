@@ -608,16 +608,23 @@ class RankSession:
     async def retrieve_packed(self, items: client_plan.PlanItems, restore_id: str,
                               block_ids: Sequence[Sequence[int]], blocks_per_chunk: Sequence[int], *,
                               first_chunk: int = 0, skip: Sequence[int] = (), timeout: float | None = None,
-                              deadline: float | None = None) -> None:
+                              deadline: float | None = None, pace: int | None = None) -> None:
         """retrieve for a reader's items of a packed plan: the request is
         written from them directly (PlanItems.retrieve_request says which
         blocks each item gets) and the reply's per-item results are not
         decoded (the verdict decides what was placed); an error reply
-        raises as retrieve's does."""
+        raises as retrieve's does. pace (bytes per second, at least
+        wire.MIN_PACE; 0 for full speed) bounds the rate of the rankd's
+        copies for this retrieve (the Kvtier-Pace header); None leaves the
+        rankd's own."""
         body: Any = items.retrieve_request(restore_id, self.session, block_ids, blocks_per_chunk, first_chunk, skip)
         if self.client.opts.json_requests:
             body = wire.RetrieveRequest.from_binary(body)
         headers = {wire.HEADER_RESULTS: wire.RESULTS_FAILED, **(_deadline_header(deadline) or {})}
+        if pace is not None:
+            if pace != 0 and not wire.MIN_PACE <= pace < 1 << 64:
+                raise ValueError(f"retrieve pace {pace} B/s: want 0 (full speed) or at least {wire.MIN_PACE} B/s")
+            headers[wire.HEADER_PACE] = str(int(pace))
         await self.client.call(self.client.subjects.engine(self.rank, wire.OP_RETRIEVE), body,
                                type(None), timeout=timeout, headers=headers, decoder=_check_retrieve_reply)
 
@@ -1004,10 +1011,11 @@ class SyncRankSession:
 
     def retrieve_packed(self, items: client_plan.PlanItems, restore_id: str, block_ids: Sequence[Sequence[int]],
                         blocks_per_chunk: Sequence[int], *, first_chunk: int = 0, skip: Sequence[int] = (),
-                        timeout: float | None = None, deadline: float | None = None) -> None:
+                        timeout: float | None = None, deadline: float | None = None,
+                        pace: int | None = None) -> None:
         self.client.run(self.aio.retrieve_packed(items, restore_id, block_ids, blocks_per_chunk,
                                                  first_chunk=first_chunk, skip=skip, timeout=timeout,
-                                                 deadline=deadline), _outer(timeout))
+                                                 deadline=deadline, pace=pace), _outer(timeout))
 
     def reregister(self) -> None:
         self.client.run(self.aio.reregister())

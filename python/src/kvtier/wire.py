@@ -76,6 +76,11 @@ HEADER_GATHER_LIMIT = "Kvtier-Gather-Limit"
 # A retrieve request's reply lists the failed items only (Go
 # wire.HeaderResults, ResultsFailed); a rankd that predates it lists all.
 HEADER_RESULTS = "Kvtier-Results"
+# The NATS header of a retrieve that bounds the rate of its copies, bytes
+# per second (Go: wire.HeaderPace; at least MIN_PACE): an engine loading a
+# prompt while it decodes others trades the load's time for their steps.
+HEADER_PACE = "Kvtier-Pace"
+MIN_PACE = 100 << 20  # Go: transfer.MinPace
 # What a coordinator from before the binary begin and report answers them
 # with (Go wire.NotJSONRefusal): the only refusal a sender falls back to
 # JSON on.

@@ -375,12 +375,17 @@ class _SchedulerSide(_Core):
         self._wait_left = self.cfg.lookup_wait_s  # the next step's lookup wait budget
         meta = KvtierConnectorMetadata()
         self._take_states(scheduler_output)
+        # Requests vLLM computes in this step: a load that starts beside
+        # them is paced (kvtier_load_pace_gbps), so their steps slow less.
+        busy = bool(getattr(scheduler_output, "num_scheduled_tokens", None))
         for req_id, st in self._reqs.items():
             if st.load is None:
                 continue
             first, n = st.load
             st.load = None
             load = self._load_spec(req_id, st, first, n)
+            if self.cfg.load_pace_gbps and load.async_load and load.restore_id:
+                load.pace = int(self.cfg.load_pace_gbps * 1e9) if busy else 0
             meta.loads.append(load)
             if load.async_load:
                 self._loads_in_flight.add(req_id)

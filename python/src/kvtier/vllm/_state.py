@@ -41,6 +41,11 @@ class LoadSpec:
     # PP > 1: each stage's restore, by stage (restore_id is stage 0's); a
     # worker loads its stage's (kvtier.vllm.spec).
     stage_restore_ids: list[str] = field(default_factory=list)
+    # Bytes per second the rankd's copies of this load are bounded to (the
+    # Kvtier-Pace header; 0: full speed; None: the rankd's own pace). With
+    # kvtier_load_pace_gbps set, an asynchronous load that starts while vLLM
+    # runs other requests gets that pace, and one that starts alone 0.
+    pace: int | None = None
 
 
 @dataclass

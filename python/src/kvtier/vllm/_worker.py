@@ -593,7 +593,7 @@ class _WorkerSide(_Core):
                 if nulls:  # never write into vLLM's null block (it reads as zeros)
                     raise GeometryError(f"(group, chunk) {nulls[:4]} land in vLLM's null block {NULL_BLOCK}")
                 await s.aio.retrieve_packed(items, load.restore_id, load.block_ids, bpc, first_chunk=load.first_chunk,
-                                            skip=skip, timeout=bound, deadline=deadline)
+                                            skip=skip, timeout=bound, deadline=deadline, pace=load.pace)
             except (UnknownNamespace, UnknownSession) as e:
                 # A restarted rankd forgot the registration: the link
                 # registers again for the next restore; the verdict decides.

@@ -117,6 +117,10 @@ class Config:
     insecure: bool  # DEVELOPMENT ONLY: no credentials (an --insecure coordinator)
     pool_layout: str  # block_major | kv_split (kvtier.vllm.spec)
     verify_on_engine: bool = False  # sum the restored pages on the engine's device (kvtier.vllm._verify)
+    # GB/s (10^9 B/s) an asynchronous load's copies are bounded to when it
+    # starts while vLLM runs other requests (their steps slow less; 0, the
+    # default: full speed; docs/vllm.md).
+    load_pace_gbps: float = 0.0
 
     @classmethod
     def of(cls, vllm_config: Any) -> Config:
@@ -145,7 +149,8 @@ class Config:
                 tls_ca_file=extra.get("kvtier_tls_ca_file"), inbox_prefix=extra.get("kvtier_inbox_prefix"),
                 insecure=_flag(extra.get("kvtier_insecure", False)),
                 pool_layout=extra.get("kvtier_pool_layout", "block_major"),
-                verify_on_engine=_flag(extra.get("kvtier_verify_on_engine", False)))
+                verify_on_engine=_flag(extra.get("kvtier_verify_on_engine", False)),
+                load_pace_gbps=float(extra.get("kvtier_load_pace_gbps", 0.0)))
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
         if policy is not None and policy != "recompute":
             # vLLM's default "fail" ends a request with an error when a load
@@ -167,6 +172,9 @@ class Config:
         if c.lookup_wait_s < 0 or c.restore_deadline_ms <= 0:
             raise ValueError(f"kv_connector_extra_config kvtier_lookup_wait_s {c.lookup_wait_s} (want >= 0), "
                              f"kvtier_restore_deadline_ms {c.restore_deadline_ms} (want > 0)")
+        if not (c.load_pace_gbps == 0 or wire.MIN_PACE <= c.load_pace_gbps * 1e9 < 1e15):  # NaN too
+            raise ValueError(f"kv_connector_extra_config kvtier_load_pace_gbps {c.load_pace_gbps}: want 0 (full speed) "
+                             f"or at least {wire.MIN_PACE / 1e9:.3f} GB/s")
         if c.chunk_tokens is not None and c.chunk_tokens <= 0:
             raise ValueError(f"kv_connector_extra_config kvtier_chunk_tokens {c.chunk_tokens}: want > 0")
         if c.device not in ("cuda", "host"):
