@@ -400,6 +400,19 @@ func (c *kv) waitRank(r int) {
 		}
 		return fmt.Errorf("incarnation %d of %s not alive in %+v", inc, rank, m.Members)
 	})
+	// The index's view of the rank (admin ranks) follows the membership:
+	// a restarted rank's entry shows its old, dead incarnation until the
+	// new one's inventory or heartbeat reaches it.
+	c.eventually(30*time.Second, fmt.Sprintf("the index has rankd %d alive", r), func() error {
+		k, err := c.rankInfo(r)
+		if err != nil {
+			return err
+		}
+		if k.Incarnation != inc {
+			return fmt.Errorf("rank %d alive at incarnation %d, want %d", r, k.Incarnation, inc)
+		}
+		return nil
+	})
 }
 
 // statusReply is the part of rankd's status reply the tests read.
