@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/checksum"
 	"github.com/kvtier/kvtier/dcp"
@@ -25,13 +23,8 @@ import (
 // the check: the late retrieve placed its page into block 5.
 func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	h := newHarness(t)
-	e, reg, want, key := storedPage(t, h)
+	e, body := storedPageRetrieve(t, h)
 	ctx := h.ctx()
-	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
-		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	retrieve := func(deadline string) *wire.Reply[wire.RetrieveReply] {
 		t.Helper()
 		return requestWithDeadline[wire.RetrieveReply](t, h, ctx, OpRetrieve, body, deadline)
@@ -81,6 +74,19 @@ func TestRetrieveAfterTheEnginesDeadlinePlacesNothing(t *testing.T) {
 	}
 }
 
+// storedPageRetrieve stores block 2's page (storedPage) and returns its
+// engine and the JSON retrieve request that places it into block 5.
+func storedPageRetrieve(t *testing.T, h *harness) (*engine, []byte) {
+	t.Helper()
+	e, reg, want, key := storedPage(t, h)
+	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
+		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, body
+}
+
 // storedPage stores block 2's page (uploaded on a stream of a new storing
 // engine) as the first chunk of 16 zero tokens through the daemon of h:
 // the engine, its registration, the page and the object's key (shard 1:
@@ -108,29 +114,11 @@ func storedPage(t *testing.T, h *harness) (*engine, *wire.RegisterReply, []byte,
 // "pace"}), which an unpaced retrieve does not.
 func TestRetrieveCarriesTheEnginesPace(t *testing.T) {
 	h := newHarness(t)
-	e, reg, want, key := storedPage(t, h)
+	e, body := storedPageRetrieve(t, h)
 	ctx := h.ctx()
-	body, err := json.Marshal(wire.RetrieveRequest{Namespace: e.res.Namespace, Session: reg.Session,
-		Items: []wire.RetrieveItem{{Chunk: 0, Group: 0, Key: key, Sum: checksum.Sum(want), Blocks: []int64{5}}}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	retrieve := func(pace string) *wire.Reply[wire.RetrieveReply] {
 		t.Helper()
-		m := nats.NewMsg(h.subj.Engine(h.rank, OpRetrieve))
-		m.Data = body
-		if pace != "" {
-			m.Header.Set(wire.HeaderPace, pace)
-		}
-		rep, err := h.nc.RequestMsgWithContext(ctx, m)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r wire.Reply[wire.RetrieveReply]
-		if err := json.Unmarshal(rep.Data, &r); err != nil {
-			t.Fatal(err)
-		}
-		return &r
+		return requestWithHeader[wire.RetrieveReply](t, h, ctx, OpRetrieve, body, wire.HeaderPace, pace)
 	}
 	placed := func() bool {
 		t.Helper()

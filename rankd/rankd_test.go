@@ -289,10 +289,18 @@ func engineBody(t *testing.T, asBinary bool, req interface{ MarshalBinary() ([]b
 // decoded reply.
 func requestWithDeadline[T any](t *testing.T, h *harness, ctx context.Context, op string, body []byte, deadline string) *wire.Reply[T] {
 	t.Helper()
+	return requestWithHeader[T](t, h, ctx, op, body, wire.HeaderDeadline, deadline)
+}
+
+// requestWithHeader sends body to h's rank as the engine's op, with the
+// NATS header name set to value unless it is empty, and returns the
+// decoded reply.
+func requestWithHeader[T any](t *testing.T, h *harness, ctx context.Context, op string, body []byte, name, value string) *wire.Reply[T] {
+	t.Helper()
 	m := nats.NewMsg(h.subj.Engine(h.rank, op))
 	m.Data = body
-	if deadline != "" {
-		m.Header.Set(wire.HeaderDeadline, deadline)
+	if value != "" {
+		m.Header.Set(name, value)
 	}
 	rep, err := h.nc.RequestMsgWithContext(ctx, m)
 	if err != nil {

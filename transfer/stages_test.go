@@ -230,43 +230,52 @@ func TestCopyTimesNeverAfterTheHostSawTheEnd(t *testing.T) {
 	}
 }
 
-// TestRetrieveBatchesRamp: a retrieve's first batches grow to the batch
-// bound (an eighth, a quarter, a half), the rest fill it, and every chunk
-// is restored byte-exact.
-func TestRetrieveBatchesRamp(t *testing.T) {
+// storedChunks stores n one-group chunks of two blocks each (561 B rows of
+// 16-slot pages, blocks 0..2n-1) through a new engine and returns the rig,
+// the engine, its registration, the chunks and a retrieve's targets for
+// them (blocks 2n..4n-1).
+func storedChunks(t *testing.T, n int) (*rig, *Engine, *dcp.Resolved, []chunk, [][][]int64) {
+	t.Helper()
 	dev := openDevice(t, "")
 	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 32, Groups: []dcp.Group{
 		{Kind: dcp.Attention, BlockSize: 16, Layers: 2, SemanticBytes: 16 * 528, PageBytes: 16 * 561, StrideBytes: 16*561 + 37, KVFormat: "fp8"},
 	}}
-	const chunks = 20
-	r := newRig(t, dev, spec, []int64{4 * chunks})
-	cfg := engineConfig(t, dev, 0, 1)
-	e := newEngine(t, cfg)
+	r := newRig(t, dev, spec, []int64{int64(4 * n)})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
 	res := r.register(e)
-	perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
-	e.cfg.RetrieveBatchBytes = 8 * perChunk
-	if e.retrieveBatchBytes() != 8*perChunk {
-		t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
-	}
 	var cs []chunk
-	for i := range chunks {
+	for i := range n {
 		cs = append(cs, r.newChunk(i, r.consecutive(int64(2*i))))
 		r.write(cs[i], cs[i].blocks, 0)
 	}
 	_, h := r.record()
-	f, err := e.Store(testCtx(t), r.storeReq("ramp", h, cs...))
+	f, err := e.Store(testCtx(t), r.storeReq("stored", h, cs...))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := f.Wait(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}
+	targets := make([][][]int64, n)
+	for i := range targets {
+		targets[i] = r.consecutive(int64(2*n + 2*i))
+	}
+	return r, e, res, cs, targets
+}
+
+// TestRetrieveBatchesRamp: a retrieve's first batches grow to the batch
+// bound (an eighth, a quarter, a half), the rest fill it, and every chunk
+// is restored byte-exact.
+func TestRetrieveBatchesRamp(t *testing.T) {
+	const chunks = 20
+	r, e, res, cs, targets := storedChunks(t, chunks)
+	perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
+	e.cfg.RetrieveBatchBytes = 8 * perChunk
+	if e.retrieveBatchBytes() != 8*perChunk {
+		t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
+	}
 	var sizes []int
 	e.hooks.scatterEnqueued = func(_ string, idx []int) { sizes = append(sizes, len(idx)) }
-	targets := make([][][]int64, chunks)
-	for i := range targets {
-		targets[i] = r.consecutive(int64(2*chunks + 2*i))
-	}
 	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, targets))
 	if err != nil {
 		t.Fatal(err)
@@ -289,32 +298,8 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 // the pace moves in paceQuantum, every chunk is restored byte-exact, and a
 // pace under MinPace is refused before anything is placed.
 func TestRetrievePaced(t *testing.T) {
-	dev := openDevice(t, "")
-	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 32, Groups: []dcp.Group{
-		{Kind: dcp.Attention, BlockSize: 16, Layers: 2, SemanticBytes: 16 * 528, PageBytes: 16 * 561, StrideBytes: 16*561 + 37, KVFormat: "fp8"},
-	}}
 	const chunks = 24
-	r := newRig(t, dev, spec, []int64{4 * chunks})
-	cfg := engineConfig(t, dev, 0, 1)
-	e := newEngine(t, cfg)
-	res := r.register(e)
-	var cs []chunk
-	for i := range chunks {
-		cs = append(cs, r.newChunk(i, r.consecutive(int64(2*i))))
-		r.write(cs[i], cs[i].blocks, 0)
-	}
-	_, h := r.record()
-	f, err := e.Store(testCtx(t), r.storeReq("paced", h, cs...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.Wait(testCtx(t)); err != nil {
-		t.Fatal(err)
-	}
-	targets := make([][][]int64, chunks)
-	for i := range targets {
-		targets[i] = r.consecutive(int64(2*chunks + 2*i))
-	}
+	r, e, res, cs, targets := storedChunks(t, chunks)
 
 	slow := r.retrieveReq(0, cs, targets)
 	slow.Pace = MinPace - 1
