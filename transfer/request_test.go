@@ -10,14 +10,20 @@ import (
 )
 
 // TestRequestsOfWire: StoreRequest and RetrieveRequest are their wire
-// requests plus the caller (STYLE 32), field for field, and the Of
-// functions copy every field: a field added to the wire request fails
-// here until the engine's request and its Of function carry it.
+// requests plus what the rankd adds from the message (the caller, STYLE
+// 32; a retrieve's pace, from its header or the rank's flag), field for
+// field, and the Of functions copy every field: a field added to the wire
+// request fails here until the engine's request and its Of function carry
+// it.
 func TestRequestsOfWire(t *testing.T) {
-	sameFields := func(w, e reflect.Type) {
+	sameFields := func(w, e reflect.Type, added ...string) {
 		t.Helper()
-		if e.NumField() != w.NumField()+1 || e.Field(w.NumField()).Name != "Caller" {
-			t.Fatalf("%s has %d fields, %s %d: want the wire fields and Caller last", e, e.NumField(), w, w.NumField())
+		var got []string
+		for i := w.NumField(); i < e.NumField(); i++ {
+			got = append(got, e.Field(i).Name)
+		}
+		if e.NumField() != w.NumField()+len(added) || !reflect.DeepEqual(got, added) {
+			t.Fatalf("%s has %d fields, %s %d: want the wire fields, then %v (have %v)", e, e.NumField(), w, w.NumField(), added, got)
 		}
 		for i := range w.NumField() {
 			if wf, ef := w.Field(i), e.Field(i); wf.Name != ef.Name || wf.Type != ef.Type {
@@ -25,8 +31,8 @@ func TestRequestsOfWire(t *testing.T) {
 			}
 		}
 	}
-	sameFields(reflect.TypeFor[wire.StoreRequest](), reflect.TypeFor[StoreRequest]())
-	sameFields(reflect.TypeFor[wire.RetrieveRequest](), reflect.TypeFor[RetrieveRequest]())
+	sameFields(reflect.TypeFor[wire.StoreRequest](), reflect.TypeFor[StoreRequest](), "Caller")
+	sameFields(reflect.TypeFor[wire.RetrieveRequest](), reflect.TypeFor[RetrieveRequest](), "Caller", "Pace")
 
 	ns := dcp.Namespace{1}
 	ws := wire.StoreRequest{RequestID: "r", Namespace: ns, Session: "s", Chunks: []wire.ChunkBlocks{{Blocks: [][]int64{{1}}}},
