@@ -1171,31 +1171,31 @@ def test_a_stuck_load_is_given_up_by_both_clocks(monkeypatch):
     assert (out, errs) == ((None, {"r1"}), {21, 22, 23})
 
 
-def test_a_load_beside_running_requests_is_paced():
+@pytest.mark.parametrize(("pace_cfg", "busy", "want"), [(20, True, 20_000_000_000), (20, False, 0), (None, True, None)])
+def test_a_load_beside_running_requests_is_paced(pace_cfg, busy, want):
     """kvtier_load_pace_gbps: an asynchronous load that starts in a step
     where vLLM computes other requests carries that pace to the rankd
     (Kvtier-Pace), one that starts alone asks for full speed (0), and
     without the key the rankd's own pace holds (no header)."""
-    for pace_cfg, busy, want in ((20, True, 20_000_000_000), (20, False, 0), (None, True, None)):
-        world = fakes.FakeWorld()
-        world.prefix = 3
-        extra = {"kvtier_load_async": True}
-        if pace_cfg is not None:
-            extra["kvtier_load_pace_gbps"] = pace_cfg
-        s = make(world, KVConnectorRole.SCHEDULER, **extra)
-        req = fakes.Request("r1", tokens(16 * 5 + 3))
-        world.plan = plan_for(s, req, 0, 3)
-        assert s.get_num_new_matched_tokens(req, 0) == (48, True)
-        s.update_state_after_alloc(req, fakes.KVCacheBlocks(([1, 2, 3, 4, 5, 6],)), 48)
-        out = fakes.SchedulerOutput(num_scheduled_tokens={"other": 1} if busy else {})
-        (load,) = s.build_connector_meta(out).loads
-        assert load.pace == want, (pace_cfg, busy, load.pace)
+    world = fakes.FakeWorld()
+    world.prefix = 3
+    extra = {"kvtier_load_async": True}
+    if pace_cfg is not None:
+        extra["kvtier_load_pace_gbps"] = pace_cfg
+    s = make(world, KVConnectorRole.SCHEDULER, **extra)
+    req = fakes.Request("r1", tokens(16 * 5 + 3))
+    world.plan = plan_for(s, req, 0, 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (48, True)
+    s.update_state_after_alloc(req, fakes.KVCacheBlocks(([1, 2, 3, 4, 5, 6],)), 48)
+    out = fakes.SchedulerOutput(num_scheduled_tokens={"other": 1} if busy else {})
+    (load,) = s.build_connector_meta(out).loads
+    assert load.pace == want
 
-        w = worker(world, kvtier_load_async=True, **({} if pace_cfg is None else {"kvtier_load_pace_gbps": pace_cfg}))
-        world.verdict = wire.RestoreVerdict(load.restore_id, wire.VERDICT_COMPLETE, 3)
-        bind(w, loads=[dataclasses.replace(load_spec(w, async_load=True), pace=load.pace)])
-        w.start_load_kv(None)
-        eventually("the retrieve sent", lambda: world.retrieve_paces == [want])
+    w = worker(world, **extra)
+    world.verdict = wire.RestoreVerdict(load.restore_id, wire.VERDICT_COMPLETE, 3)
+    bind(w, loads=[dataclasses.replace(load_spec(w, async_load=True), pace=load.pace)])
+    w.start_load_kv(None)
+    eventually("the retrieve sent", lambda: world.retrieve_paces == [want])
 
 
 @pytest.mark.parametrize("bad", [0.05, -1, "fast", float("nan")])
