@@ -69,6 +69,9 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
+	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
+	# fc8102c; 0.920 of CE on the H200 at stop 47, one run): a second run
+	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
 	# 25.1: a restore's batches one after the other on the copy engine,
 	# against the defaults in the same call
 	step tp1-ordered 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="--dma-order-scatters" $(bench tp1-ordered)
