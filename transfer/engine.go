@@ -88,6 +88,9 @@ type testHooks struct {
 	// retrieveTouched runs after a retrieve marked its objects used,
 	// before its first batch is looked up.
 	retrieveTouched func(restoreID string)
+	// paceWaiting runs when a paced retrieve is about to wait before a
+	// batch.
+	paceWaiting func(restoreID string)
 	// peerLeased runs after a retrieve leased an object in a peer's L1,
 	// before its scatter (tests set it before the retrieve).
 	peerLeased func(dcp.Key)

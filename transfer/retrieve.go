@@ -209,7 +209,19 @@ func (e *Engine) Retrieve(ctx context.Context, req RetrieveRequest) (RetrieveRes
 	}
 	for bi, b := range bs {
 		if paced.pace != 0 {
-			paced.wait(ctx, r.batchBytes(b))
+			if due := paced.next(r.batchBytes(b)); time.Until(due) > 0 {
+				// A wait holds nothing: the batch before is verified and
+				// its stream and pins given back first (its copies, at a
+				// pace slower than the device's, are done or nearly).
+				if prev != nil {
+					r.complete(ctx, prev)
+					prev = nil
+				}
+				if e.hooks.paceWaiting != nil {
+					e.hooks.paceWaiting(req.RestoreID)
+				}
+				sleepUntil(ctx, due)
+			}
 			tl.Lap(StagePace, bi)
 		}
 		next := r.start(ctx, bi, b, &prev)
@@ -838,22 +850,30 @@ func effectivePace(pace, total uint64, now, deadline time.Time) uint64 {
 	return max(pace, need)
 }
 
-// wait returns when a batch of n bytes may start at p.pace, or when ctx is
-// done (the batch then fails as not placed in start).
-func (p *pacer) wait(ctx context.Context, n uint64) {
+// next returns when the next batch, of n bytes, may start at p.pace: the
+// first at once.
+func (p *pacer) next(n uint64) time.Time {
 	if p.start.IsZero() {
 		p.start, p.sent = time.Now(), n
-		return
+		return p.start
 	}
 	due := p.start.Add(time.Duration(float64(p.sent) / float64(p.pace) * float64(time.Second)))
 	p.sent += n
-	if d := time.Until(due); d > 0 {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-		}
+	return due
+}
+
+// sleepUntil returns at t or when ctx is done (a paced batch then fails as
+// not placed in start).
+func sleepUntil(ctx context.Context, t time.Time) {
+	d := time.Until(t)
+	if d <= 0 {
+		return
+	}
+	tm := time.NewTimer(d)
+	defer tm.Stop()
+	select {
+	case <-tm.C:
+	case <-ctx.Done():
 	}
 }
 

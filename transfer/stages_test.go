@@ -317,19 +317,28 @@ func TestRetrievePaced(t *testing.T) {
 		chunk int
 	}
 	var starts []started
+	var inFlight, waits int
 	e.hooks.scatterEnqueued = func(_ string, idx []int) {
 		if uint64(len(idx))*obj > quantum && len(idx) > 1 {
 			t.Errorf("a paced batch of %d objects of %d B, more than the pace moves in %v (%d B)", len(idx), obj, paceQuantum, quantum)
 		}
 		starts = append(starts, started{time.Now(), len(idx)})
+		inFlight++
+	}
+	e.hooks.scatterCompleted = func(string, []int) { inFlight-- }
+	e.hooks.paceWaiting = func(string) {
+		waits++
+		if inFlight != 0 {
+			t.Errorf("a paced retrieve waits with %d batches on the device: it holds their streams and pins", inFlight)
+		}
 	}
 	begun := time.Now()
 	rr, err := e.Retrieve(testCtx(t), req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(starts) < 3 {
-		t.Fatalf("%d batches: the test needs several to see the pace", len(starts))
+	if len(starts) < 3 || waits == 0 {
+		t.Fatalf("%d batches, %d waits: the test needs several to see the pace", len(starts), waits)
 	}
 	sent := 0
 	for k, s := range starts {
