@@ -1198,7 +1198,7 @@ def test_a_load_beside_running_requests_is_paced(pace_cfg, busy, want):
     eventually("the retrieve sent", lambda: world.retrieve_paces == [want])
 
 
-@pytest.mark.parametrize("bad", [0.05, -1, "fast", float("nan")])
+@pytest.mark.parametrize("bad", [0.05, -1, "fast", float("nan"), float("inf"), 0.1048575])
 def test_load_pace_must_be_a_rate_the_rankd_takes(bad):
     with pytest.raises(ValueError):
         make(fakes.FakeWorld(), KVConnectorRole.SCHEDULER, kvtier_load_pace_gbps=bad)

@@ -385,7 +385,7 @@ class _SchedulerSide(_Core):
             st.load = None
             load = self._load_spec(req_id, st, first, n)
             if self.cfg.load_pace_gbps and load.async_load and load.restore_id:
-                load.pace = int(self.cfg.load_pace_gbps * 1e9) if busy else 0
+                load.pace = self.cfg.load_pace() if busy else 0
             meta.loads.append(load)
             if load.async_load:
                 self._loads_in_flight.add(req_id)

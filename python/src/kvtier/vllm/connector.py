@@ -172,7 +172,7 @@ class Config:
         if c.lookup_wait_s < 0 or c.restore_deadline_ms <= 0:
             raise ValueError(f"kv_connector_extra_config kvtier_lookup_wait_s {c.lookup_wait_s} (want >= 0), "
                              f"kvtier_restore_deadline_ms {c.restore_deadline_ms} (want > 0)")
-        if not (c.load_pace_gbps == 0 or wire.MIN_PACE <= c.load_pace_gbps * 1e9 < 1e15):  # NaN too
+        if not (c.load_pace_gbps == 0 or (0 < c.load_pace_gbps < 1e6 and c.load_pace() >= wire.MIN_PACE)):  # NaN too
             raise ValueError(f"kv_connector_extra_config kvtier_load_pace_gbps {c.load_pace_gbps}: want 0 (full speed) "
                              f"or at least {wire.MIN_PACE / 1e9:.3f} GB/s")
         if c.chunk_tokens is not None and c.chunk_tokens <= 0:
@@ -185,6 +185,11 @@ class Config:
             raise ValueError(f"kv_connector_extra_config: {e} (keys kvtier_creds_dir, kvtier_nkey_seed_file, "
                              f"kvtier_tls_ca_file; kvtier_insecure only for an --insecure coordinator)") from None
         return c
+
+    def load_pace(self) -> int:
+        """kvtier_load_pace_gbps in bytes per second, as the Kvtier-Pace
+        header carries it (0: off)."""
+        return int(self.load_pace_gbps * 1e9)
 
     def connect_options(self, name: str) -> kvclient.ConnectOptions:
         # The first connection is tried for at most lookup_timeout_s; the
