@@ -69,24 +69,20 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
-	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
-	# fc8102c; 0.920 of CE on the H200 at stop 47, one run): a second run
-	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
-	# 25.1: a restore's batches one after the other on the copy engine,
-	# against the defaults in the same call
-	step tp1-ordered 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="--dma-order-scatters" $(bench tp1-ordered)
-	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
-	step tp1-small-ordered 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 RANKD_ARGS="--dma-order-scatters" $(bench tp1-small-ordered)
-	# 25.3: both directions through the daemons (rankd sets 32 hardware
-	# queues; 8, the driver's default, is the A/B), and one copy call each
-	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
-	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
-	step duplex-each 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--dma-each-copy" $(bench duplex-each)
 	# 24.4/25.5: the decode-shaped loop beside paced restores (the traffic's
-	# GB/s beside each), against the defaults
+	# GB/s beside each), against the defaults in the same call
 	for v in pace20 pace10 default; do
 		interference "$v"
 	done
+	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
+	# fc8102c; 0.920 of CE on the H200 at stop 47, one run): a second run
+	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
+	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
+	# 25.3: both directions through the daemons (rankd sets 32 hardware
+	# queues; 8, the driver's default, is the A/B)
+	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
+	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
+	interference pace5
 	# 25.1: the rows not re-measured since the span merge
 	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
@@ -105,6 +101,8 @@ vllm)
 	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace5 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 5" OUT_DIR="$R/itl-pace5" \
+		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)
 	step itl-pieces 100 env "${V[@]}" ITL_COPY_GB=4 ITL_COPY_PIECE=1048576 OUT_DIR="$R/itl-pieces" \
