@@ -166,6 +166,10 @@ type Config struct {
 	// default) is full speed, else at least transfer.MinPace
 	// (transfer.RetrieveRequest.Pace).
 	RestorePace uint64
+	// RestorePaceWindow: transfer.Config.RetrievePaceWindow, the time a
+	// paced restore's batch takes at its pace (each batch goes at full
+	// speed, then the restore waits). Default 64 ms; 1 ms to 1 s.
+	RestorePaceWindow time.Duration
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;
@@ -333,6 +337,7 @@ func DefaultConfig(r wire.Rank) Config {
 		L1Bytes:               1 << 30,
 		L1NUMA:                "auto",
 		RetrieveBatchBytes:    transfer.DefaultConfig().RetrieveBatchBytes,
+		RestorePaceWindow:     transfer.DefaultConfig().RetrievePaceWindow,
 		L2Policy:              transfer.WriteThrough,
 		L2FreeFloorBytes:      1 << 30,
 		L2FreeFloorPercent:    5,
@@ -396,6 +401,8 @@ func (c *Config) Validate() error {
 		return bad("retrieve batch of 0 bytes: a restore pins at least one slab of L1 at a time")
 	case c.RestorePace != 0 && c.RestorePace < transfer.MinPace:
 		return bad("restore pace of %d B/s: want 0 (full speed) or at least %d B/s", c.RestorePace, transfer.MinPace)
+	case c.RestorePaceWindow < time.Millisecond || c.RestorePaceWindow > time.Second:
+		return bad("restore pace window %v: want 1ms..1s", c.RestorePaceWindow)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -199,6 +199,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.StoreTimeout = cfg.StoreTimeout
 	tc.RetrieveSerialBatches = cfg.RetrieveSerialBatches
 	tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
+	tc.RetrievePaceWindow = cfg.RestorePaceWindow
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

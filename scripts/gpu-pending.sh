@@ -60,6 +60,7 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 interference() {
 	local ra
 	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
+	pace*w*) ra=${1#pace} ra="--restore-pace-gbps ${ra%w*} --restore-pace-window ${ra#*w}ms" ;;
 	pace*) ra="--restore-pace-gbps ${1#pace}" ;; esac
 	step "interference-$1" 110 python3 python/examples/gpu_interference.py --seconds 8 --warm 15 \
 		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
@@ -69,9 +70,10 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
-	# 24.4/25.5: the decode-shaped loop beside paced restores (the traffic's
-	# GB/s beside each), against the defaults in the same call
-	for v in pace20 pace10 default; do
+	# 24.4/25.5: the decode-shaped loop beside paced restores in 64 ms
+	# windows (the default since stop 48), against 4 ms windows (stop 48's)
+	# and the defaults in the same call (the traffic's GB/s beside each)
+	for v in pace10 pace10w4 pace20 pace5 default; do
 		interference "$v"
 	done
 	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
@@ -82,7 +84,6 @@ daemons)
 	# queues; 8, the driver's default, is the A/B)
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
 	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
-	interference pace5
 	# 25.1: the rows not re-measured since the span merge
 	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
@@ -93,15 +94,16 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4: the decoders while the 32k prompt loads paced at 20 and 10 GB/s
+	# 24.4: the decoders while the 32k prompt loads paced at 10 and 20 GB/s
+	# in 64 ms windows (the default since stop 48), against the defaults
 	# (every restore of the rankd paced; the first step's bound covers the
 	# engine's first torch.compile)
-	step itl-pace20 160 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
+	step itl-pace10 160 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
+	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace5 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 5" OUT_DIR="$R/itl-pace5" \
+	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)

@@ -288,6 +288,19 @@ type Config struct {
 	// the restores 1.172x against 1.212x (BENCHMARKS.md); smaller ones
 	// leave more of L1 to concurrent work.
 	RetrieveBatchBytes uint64
+	// RetrievePaceWindow bounds a paced retrieve's batches
+	// (RetrieveRequest.Pace) to what its pace moves in this time (a whole
+	// chunk at least, RetrieveBatchBytes at most): each batch goes at full
+	// speed, then the retrieve waits until the pace allows the next. Each
+	// batch is a transfer with its own checksum kernel, and on the H200 at
+	// stop 48 every batch cost a decode-shaped loop beside it ~0.5 ms of
+	// its time besides ~2.4 ms per GB moved (a fit of six paces, 0.5 GB/s
+	// to full speed; docs/gpu.md): with 4 ms windows the batches alone
+	// took up to 13 %, so paced restores slowed the loop as much as
+	// unpaced ones.
+	// A longer window spends less on batches and comes in longer bursts.
+	// Default 64 ms; 1 ms to 1 s.
+	RetrievePaceWindow time.Duration
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
 	// Default false: batch b+1 is prepared and enqueued while batch b is
@@ -343,6 +356,7 @@ func DefaultConfig() Config {
 		L3Writers:          4,
 		L3QueueObjects:     4096,
 		RetrieveBatchBytes: 1 << 30,
+		RetrievePaceWindow: 64 * time.Millisecond,
 		EventBatch:         1024,
 		EventBuffer:        1 << 20,
 		Logger:             zap.NewNop(),
@@ -388,6 +402,8 @@ func (c Config) Validate() error {
 		return bad("%d L3 writers: want 1..256", c.L3Writers)
 	case c.RetrieveBatchBytes == 0:
 		return bad("retrieve batch of 0 B: want > 0 (a batch pins at least one slab)")
+	case c.RetrievePaceWindow < time.Millisecond || c.RetrievePaceWindow > time.Second:
+		return bad("retrieve pace window %v: want 1ms..1s", c.RetrievePaceWindow)
 	case c.L3QueueObjects < 1:
 		return bad("L3 queue of %d objects: want >= 1", c.L3QueueObjects)
 	case c.L3Encrypt && c.StorageKey == nil:

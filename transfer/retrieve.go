@@ -43,7 +43,8 @@ type RetrieveRequest struct {
 	// Pace, when not 0, bounds the rate of the retrieve's copies (bytes
 	// per second; rankd: wire.HeaderPace or --restore-pace-gbps): each
 	// batch after the first starts no sooner than the bytes before it take
-	// at Pace, and no batch is larger than Pace moves in paceQuantum; a
+	// at Pace, and no batch is larger than Pace moves in
+	// Config.RetrievePaceWindow; a
 	// retrieve that would take more than half the time left to its
 	// deadline at Pace goes faster (effectivePace). An engine that decodes
 	// other requests while a prompt loads trades the load's time for their
@@ -55,12 +56,6 @@ type RetrieveRequest struct {
 // MinPace is the slowest RetrieveRequest.Pace accepted: a slower one would
 // hold a batch's L1 pins for seconds.
 const MinPace = 100 << 20
-
-// paceQuantum bounds a paced retrieve's batches to what Pace moves in this
-// time (a whole chunk at least), so that its copies come in bursts shorter
-// than a decode step rather than one batch at full speed and then a long
-// pause.
-const paceQuantum = 4 * time.Millisecond
 
 // RetrieveRequestOf is the retrieve that caller sent as req.
 func RetrieveRequestOf(req *wire.RetrieveRequest, caller string) RetrieveRequest {
@@ -806,11 +801,11 @@ func (e *Engine) retrieveBatchBytes() uint64 {
 }
 
 // batchBound is retrieveBatchBytes, and for a paced retrieve at most what
-// its pace moves in paceQuantum.
+// its pace moves in Config.RetrievePaceWindow.
 func (r *retrieval) batchBound() uint64 {
 	bound := r.e.retrieveBatchBytes()
 	if p := r.pace; p != 0 {
-		bound = max(r.e.cat.slabBytes, uint64(min(float64(bound), float64(p)*paceQuantum.Seconds())))
+		bound = max(r.e.cat.slabBytes, uint64(min(float64(bound), float64(p)*r.e.cfg.RetrievePaceWindow.Seconds())))
 	}
 	return bound
 }

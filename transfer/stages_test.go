@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -295,11 +296,14 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 // TestRetrievePaced: a paced retrieve starts each batch after the first
 // no sooner than the bytes before it take at its pace (measured from the
 // call, which precedes the pacer's start), its batches hold at most what
-// the pace moves in paceQuantum, every chunk is restored byte-exact, and a
+// the pace moves in Config.RetrievePaceWindow (4 ms here, so that the
+// slowest pace makes several), every chunk is restored byte-exact, and a
 // pace under MinPace is refused before anything is placed.
 func TestRetrievePaced(t *testing.T) {
 	const chunks = 24
 	r, e, res, cs, targets := storedChunks(t, chunks)
+	e.cfg.RetrievePaceWindow = 4 * time.Millisecond
+	window := e.cfg.RetrievePaceWindow
 
 	slow := r.retrieveReq(0, cs, targets)
 	slow.Pace = MinPace - 1
@@ -311,7 +315,7 @@ func TestRetrievePaced(t *testing.T) {
 	req := r.retrieveReq(0, cs, targets)
 	req.Pace = MinPace
 	obj := res.ObjectSize(0)
-	quantum := max(e.cat.slabBytes, uint64(float64(req.Pace)*paceQuantum.Seconds()))
+	quantum := max(e.cat.slabBytes, uint64(float64(req.Pace)*window.Seconds()))
 	type started struct {
 		at    time.Time
 		chunk int
@@ -320,7 +324,7 @@ func TestRetrievePaced(t *testing.T) {
 	var inFlight, waits int
 	e.hooks.scatterEnqueued = func(_ string, idx []int) {
 		if uint64(len(idx))*obj > quantum && len(idx) > 1 {
-			t.Errorf("a paced batch of %d objects of %d B, more than the pace moves in %v (%d B)", len(idx), obj, paceQuantum, quantum)
+			t.Errorf("a paced batch of %d objects of %d B, more than the pace moves in %v (%d B)", len(idx), obj, window, quantum)
 		}
 		starts = append(starts, started{time.Now(), len(idx)})
 		inFlight++
@@ -356,6 +360,45 @@ func TestRetrievePaced(t *testing.T) {
 	}
 	t.Logf("%d batches, objects of %d B, quantum %d B, last started %v after the call", len(starts), obj, quantum, starts[len(starts)-1].at.Sub(begun))
 	r.check("after the paced retrieve")
+}
+
+// TestPacedBatchBound: a paced retrieve's batches hold what its pace moves
+// in Config.RetrievePaceWindow, at least a slab and at most the unpaced
+// bound; an unpaced one's are the unpaced bound.
+func TestPacedBatchBound(t *testing.T) {
+	dev := openDevice(t, "")
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	full, slab := e.retrieveBatchBytes(), e.cat.slabBytes
+	if e.cfg.RetrievePaceWindow != DefaultConfig().RetrievePaceWindow {
+		t.Fatalf("engine window %v, want the default %v", e.cfg.RetrievePaceWindow, DefaultConfig().RetrievePaceWindow)
+	}
+	for _, tc := range []struct {
+		window time.Duration
+		pace   uint64
+		want   uint64
+	}{
+		{64 * time.Millisecond, 0, full},
+		{64 * time.Millisecond, MinPace, max(slab, min(full, MinPace*64/1000))},
+		{4 * time.Millisecond, MinPace, max(slab, min(full, MinPace*4/1000))},
+		{time.Second, 1 << 40, full},
+		{time.Millisecond, 1000, slab}, // 1 B in a window: a slab at least
+	} {
+		e.cfg.RetrievePaceWindow = tc.window
+		r := &retrieval{e: e, pace: tc.pace}
+		if got := r.batchBound(); got != tc.want {
+			t.Errorf("window %v, pace %d B/s: batches of %d B, want %d (slab %d, unpaced %d)", tc.window, tc.pace, got, tc.want, slab, full)
+		}
+	}
+	if tc := DefaultConfig(); tc.RetrievePaceWindow != 64*time.Millisecond {
+		t.Errorf("default window %v", tc.RetrievePaceWindow)
+	}
+	for _, w := range []time.Duration{0, time.Millisecond - 1, time.Second + 1} {
+		c := engineConfig(t, dev, 0, 1)
+		c.RetrievePaceWindow = w
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "pace window") {
+			t.Errorf("window %v: Validate = %v, want an error naming the pace window", w, err)
+		}
+	}
 }
 
 // TestEffectivePace: a pace holds where its copies take at most half the

@@ -11,9 +11,11 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/rankd"
+	"github.com/kvtier/kvtier/transfer"
 	"github.com/kvtier/kvtier/wire"
 )
 
@@ -129,12 +131,13 @@ func TestCopyFlags(t *testing.T) {
 		return cfg
 	}
 	def := rankd.DefaultConfig(wire.Rank{Instance: "e0"})
-	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes || cfg.RestorePace != 0 || def.RestorePace != 0 {
-		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d; DefaultConfig has %+v, %d, %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, def.DMA, def.RetrieveBatchBytes, def.RestorePace)
+	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes || cfg.RestorePace != 0 || def.RestorePace != 0 ||
+		cfg.RestorePaceWindow != def.RestorePaceWindow || def.RestorePaceWindow != transfer.DefaultConfig().RetrievePaceWindow {
+		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d, window %v; DefaultConfig has %+v, %d, %d, %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, def.DMA, def.RetrieveBatchBytes, def.RestorePace, def.RestorePaceWindow)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 {
-		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace)
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond {
+		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow)
 	}
 	slow := parse("--restore-pace-gbps", "0.05")
 	if err := slow.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), "restore pace") {
@@ -143,7 +146,7 @@ func TestCopyFlags(t *testing.T) {
 	if _, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), append(slices.Clone(base), "--restore-pace-gbps", "-1")); err == nil {
 		t.Error("--restore-pace-gbps -1 parsed")
 	}
-	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}} {
+	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}, {"--restore-pace-window", "pace window"}} {
 		cfg := parse(tc.flag, "0")
 		if err := cfg.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s 0: Validate = %v, want ErrConfig naming %q", tc.flag, err, tc.want)
