@@ -94,16 +94,20 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4: the decoders while the 32k prompt loads paced at 10 and 20 GB/s
-	# in 64 ms windows (the default since stop 48), against the defaults
+	# 24.4: the decoders while the 32k prompt loads paced at 10 GB/s in 64 ms
+	# windows (the default since stop 48), by the rankd and by the
+	# connector, against the defaults, 4 ms windows and 20 GB/s
 	# (every restore of the rankd paced; the first step's bound covers the
 	# engine's first torch.compile)
 	step itl-pace10 160 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
-		bash scripts/gpu-vllm.sh "$BIN"
+	# 24.4: the same pace asked by the connector (Kvtier-Pace) for the load
+	# beside the decoders only: the lone hit goes at full speed
+	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)

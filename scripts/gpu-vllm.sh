@@ -44,6 +44,8 @@
 #   L2_BYTES=          rankd --l2-bytes (unset: unbounded; the L2 directory shares the disk
 #                      with the coordinator's index); NO_L2=1: no L2 directory, L1 only
 #   KVTIER_CHUNK_TOKENS=  the connector's chunk (kvtier_chunk_tokens; unset: 256)
+#   KVTIER_LOAD_PACE_GBPS=  the connector's kvtier_load_pace_gbps (unset: off): loads that start beside
+#                      running requests paced, a lone hit at full speed
 #   REPLAY=0           N: instead of the TTFT rows, replay the first N requests of the
 #                      Mooncake trace TRACE (python/examples/gpu_vllm_replay.py: 512-token
 #                      blocks scaled by REPLAY_SCALE=8, REPLAY_CONCURRENCY=16 in flight) in

@@ -390,6 +390,9 @@ class Bench:
             if os.environ.get("KVTIER_CHUNK_TOKENS"):
                 kw["kv_transfer_config"]["kv_connector_extra_config"]["kvtier_chunk_tokens"] = \
                     int(os.environ["KVTIER_CHUNK_TOKENS"])
+            if os.environ.get("KVTIER_LOAD_PACE_GBPS"):  # the connector paces loads beside running requests
+                kw["kv_transfer_config"]["kv_connector_extra_config"]["kvtier_load_pace_gbps"] = \
+                    float(os.environ["KVTIER_LOAD_PACE_GBPS"])
         t = time.perf_counter()
         self.llm = LLM(**kw)
         self.build_s = time.perf_counter() - t
