@@ -112,6 +112,60 @@ with torch.cuda.stream(s):
             moved, t0 = 0, time.perf_counter()
 """
 
+# The controls (--controls) separate what kvtier's restores cost the loop:
+# another process copies host-to-device in pieces as a restore's copies
+# are (pieces), the same with a full-grid reduction over every EVERY bytes
+# once they are placed, as rankd's checksum of a transfer (pieces+sum),
+# and only such reductions, RATE a second, with no copies (sums).
+CONTROL = """
+import torch, time, sys
+mode, n, piece = sys.argv[1], int(float(sys.argv[2])), int(sys.argv[3])
+every, rate = int(float(sys.argv[4])), float(sys.argv[5])
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+d = torch.zeros(n, dtype=torch.uint8, device="cuda")
+s, k = torch.cuda.Stream(), torch.cuda.Stream()
+acc = torch.zeros((), dtype=torch.int64, device="cuda")
+moved = sums = 0
+t0 = time.perf_counter()
+while True:
+    if mode == "sums":
+        with torch.cuda.stream(k):
+            acc += d[:every].view(torch.int64).sum()
+        k.synchronize()
+        sums += 1
+        time.sleep(max(0.0, sums / rate - (time.perf_counter() - t0)))
+    else:
+        with torch.cuda.stream(s):
+            for off in range(0, n, piece):
+                end = min(off + piece, n)
+                d[off:end].copy_(h[off:end], non_blocking=True)
+                if mode == "pieces+sum" and (end % every == 0 or end == n):
+                    e = torch.cuda.Event()
+                    e.record(s)
+                    k.wait_event(e)
+                    with torch.cuda.stream(k):
+                        acc += d[max(0, end - every):end].view(torch.int64).sum()
+                    sums += 1
+        s.synchronize()
+        k.synchronize()
+        moved += n
+    if time.perf_counter() - t0 > 5:
+        dt = time.perf_counter() - t0
+        print(f"control {mode}: {moved / dt / 1e9:.1f} GB/s, {sums / dt:.0f} sums/s", flush=True)
+        moved, sums, t0 = 0, 0, time.perf_counter()
+"""
+
+
+def control_rate(log: str) -> dict[str, Any]:
+    """The control's last progress line (GB/s and reductions a second)."""
+    last: dict[str, Any] = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = re.search(r"control \S+: ([\d.]+) GB/s, (\d+) sums/s", line)
+            if m:
+                last = {"control_gbps": float(m[1]), "control_sums_per_s": int(m[2])}
+    return last
+
 
 def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, log: str) -> tuple[list[float], int]:
     with open(log, "w") as f:
@@ -156,6 +210,13 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--dma-bytes", type=float, default=1.3e9)
     ap.add_argument("--logs", default=".", help="directory for the traffic commands' logs (created)")
+    ap.add_argument("--controls", action="store_true",
+                    help="also the controls: 1 MiB host-to-device pieces from another process, the same with a "
+                         "full-grid reduction per --control-every bytes, and such reductions alone")
+    ap.add_argument("--control-every", type=float, default=float(1 << 30),
+                    help="bytes each control reduction reads (rankd: one checksum kernel per transfer, 1 GiB)")
+    ap.add_argument("--control-rate", type=float, default=250.0,
+                    help="reductions a second of the sums control (250: 4 ms pace windows)")
     a = ap.parse_args()
     os.makedirs(a.logs, exist_ok=True)  # before the minutes of measuring, not after
     step = build(a.batch, a.context)
@@ -169,6 +230,18 @@ def main() -> int:
     dma, _ = with_traffic([sys.executable, "-c", DMA, str(a.dma_bytes)], step, 8.0, a.seconds,
                           os.path.join(a.logs, "traffic-dma.log"))
     res["phases"].append(summary("while plain DMA copies (copy engine)", dma, alone["median_ms"]))
+    if a.controls:
+        every = int(a.control_every)
+        for mode, name, rate in (("pieces", "1 MiB pieces", 0.0),
+                                 ("pieces+sum", f"1 MiB pieces, a reduction per {every} B", 0.0),
+                                 ("sums", f"reductions of {every} B, {a.control_rate:g} a second, no copies",
+                                  a.control_rate)):
+            log = os.path.join(a.logs, f"control-{mode}.log")
+            ms, _ = with_traffic([sys.executable, "-c", CONTROL, mode, str(a.dma_bytes), str(1 << 20), str(every),
+                                  str(rate)], step, 8.0, a.seconds, log)
+            res["phases"].append(summary(f"control: {name}", ms, alone["median_ms"]))
+            res["phases"][-1].update(control_rate(log))
+            print(f"interference: control {mode}: {res['phases'][-1]}", flush=True)
     res["phases"].append(summary("alone again", measure(step, a.seconds), alone["median_ms"]))
     print(json.dumps(res))
     return 0
