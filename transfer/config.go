@@ -297,9 +297,8 @@ type Config struct {
 	// its time besides ~2.4 ms per GB moved (a fit of six paces, 0.5 GB/s
 	// to full speed; docs/gpu.md): with 4 ms windows the batches alone
 	// took up to 13 %, so paced restores slowed the loop as much as
-	// unpaced ones.
-	// A longer window spends less on batches and comes in longer bursts.
-	// Default 64 ms; 1 ms to 1 s.
+	// unpaced ones. A longer window spends less on batches and comes in
+	// longer bursts. Default 64 ms; 1 ms to 1 s.
 	RetrievePaceWindow time.Duration
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
