@@ -45,10 +45,11 @@ type RetrieveRequest struct {
 	// batch after the first starts no sooner than the bytes before it take
 	// at Pace, and no batch is larger than Pace moves in
 	// Config.RetrievePaceWindow; a retrieve that would take more than half
-	// the time left to its deadline at Pace goes faster (effectivePace). An engine that decodes
-	// other requests while a prompt loads trades the load's time for their
-	// steps (issue 24.4: at full speed, copies from another context slow
-	// the model's steps beside them). 0: full speed.
+	// the time left to its deadline at Pace goes faster (effectivePace).
+	// An engine that decodes other requests while a prompt loads trades
+	// the load's time for their steps (issue 24.4: at full speed, copies
+	// from another context slow the model's steps beside them). 0: full
+	// speed.
 	Pace uint64
 }
 
