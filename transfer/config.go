@@ -298,7 +298,9 @@ type Config struct {
 	// to full speed; docs/gpu.md): with 4 ms windows the batches alone
 	// took up to 13 %, so paced restores slowed the loop as much as
 	// unpaced ones. A longer window spends less on batches and comes in
-	// longer bursts. Default 64 ms; 1 ms to 1 s.
+	// longer bursts; as the last batch is not followed by a wait, a
+	// retrieve of a few windows averages faster than its pace. Default
+	// 64 ms; 1 ms to 1 s.
 	RetrievePaceWindow time.Duration
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
