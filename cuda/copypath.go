@@ -80,6 +80,13 @@ type DMATuning struct {
 	// batches' starts. Not with HostLaunch or Queue (Validate). For
 	// measurements; off by default.
 	OrderScatters bool
+	// SearchSums verifies every DMA transfer with kv_checksum, which
+	// finds each 16-byte chunk's span by a search and reduces every word
+	// over the warp, instead of kv_sum_units, which hashes word-aligned
+	// spans a warp per piece at near HBM speed (kv_checksum remains for
+	// spans that are not word-aligned). For measurements: what the faster
+	// kernel saves a restore and the model beside it; off by default.
+	SearchSums bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

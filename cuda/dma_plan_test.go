@@ -371,3 +371,155 @@ func TestPlanSumsGivesTheSums(t *testing.T) {
 		}
 	}
 }
+
+// emulateUnits computes, on the CPU, what kv_sum_units (kvcopy.cu) adds to
+// each object's partial for the batches of p, lane by lane as the kernel
+// walks a unit: the 16-byte loop in rounds of four loads a lane where the
+// unit is 16-aligned, the word loop after it, lane 0's zero-padded last
+// word.
+func emulateUnits(t *testing.T, p *xferPlan, nobj int, read func(ptr, n uint64) []byte) []uint64 {
+	if !p.units {
+		t.Fatal("not a units plan")
+	}
+	partials := make([]uint64, nobj)
+	word := func(ptr uint64) uint64 { return binary.LittleEndian.Uint64(read(ptr, 8)) }
+	for _, b := range p.batches {
+		if uint64(len(b.segs)) != b.nchunks {
+			t.Fatalf("batch of %d units counts %d", len(b.segs), b.nchunks)
+		}
+		for _, s := range b.segs {
+			i0, words := s.objOff>>3, s.len>>3
+			var sum uint64
+			for lane := uint64(0); lane < 32; lane++ {
+				var tl uint64
+				k := uint64(0)
+				if s.packed%16 == 0 {
+					pairs := words >> 1
+					j := lane
+					for ; j+96 < pairs; j += 128 {
+						for _, d := range []uint64{0, 32, 64, 96} {
+							q := s.packed + 16*(j+d)
+							tl += checksum.Term(i0+2*(j+d), word(q)) + checksum.Term(i0+2*(j+d)+1, word(q+8))
+						}
+					}
+					for ; j < pairs; j += 32 {
+						q := s.packed + 16*j
+						tl += checksum.Term(i0+2*j, word(q)) + checksum.Term(i0+2*j+1, word(q+8))
+					}
+					k = 2 * pairs
+				}
+				for j := k + lane; j < words; j += 32 {
+					tl += checksum.Term(i0+j, word(s.packed+8*j))
+				}
+				if rem := s.len & 7; rem != 0 && lane == 0 {
+					var w [8]byte
+					copy(w[:], read(s.packed+8*words, rem))
+					tl += checksum.Term(i0+words, binary.LittleEndian.Uint64(w[:]))
+				}
+				sum += tl
+			}
+			partials[s.sum] += sum
+		}
+	}
+	return partials
+}
+
+// planUnits' tables, read as kv_sum_units reads them, give every object's
+// kvsum64: word-aligned spans of random lengths (runs longer than a unit
+// among them, cut into units), 16-aligned and only 8-aligned, the last
+// span of an object ending mid-word; batches of random sizes end at the
+// same objects as planSums' do.
+func TestPlanUnitsGivesTheSums(t *testing.T) {
+	r := rand.New(rand.NewPCG(26, 1))
+	const base = 1 << 36
+	img := make([]byte, 3*kUnitBytes)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	read := func(ptr, n uint64) []byte { return img[ptr-base : ptr-base+n] }
+	units := 0
+	for trial := range 300 {
+		var objs []xferObject
+		var want [][]byte
+		for range 1 + r.IntN(6) {
+			var o xferObject
+			var packed []byte
+			nsp := r.IntN(5)
+			for k := range nsp {
+				n := uint64(8 * (1 + r.IntN(64)))
+				if r.IntN(8) == 0 {
+					n = uint64(8 * (1 + r.IntN(len(img)/8-16))) // up to three units
+				}
+				if k == nsp-1 && r.IntN(2) == 0 {
+					n += uint64(1 + r.IntN(7)) // the object ends mid-word
+				}
+				off := uint64(8 * r.IntN((len(img)-int(n))/8))
+				o.spans = append(o.spans, kSpan{ptr: base + off, objOff: o.len, len: n})
+				o.len += n
+				packed = append(packed, img[off:off+n]...)
+			}
+			objs = append(objs, o)
+			want = append(want, packed)
+		}
+		batch := uint64(1 + r.IntN(4*kUnitBytes))
+		p, ends, ok, err := planUnits(objs, batch)
+		if err != nil || !ok {
+			t.Fatalf("trial %d: planUnits: ok %v, %v", trial, ok, err)
+		}
+		_, sumEnds, err := planSums(objs, batch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(ends, sumEnds) {
+			t.Fatalf("trial %d: batches end at objects %v, planSums' at %v", trial, ends, sumEnds)
+		}
+		for _, b := range p.batches {
+			for _, s := range b.segs {
+				if s.len == 0 || s.len > kUnitBytes || s.objOff%8 != 0 || s.packed%8 != 0 {
+					t.Fatalf("trial %d: unit %+v", trial, s)
+				}
+				units++
+			}
+		}
+		parts := emulateUnits(t, p, len(objs), read)
+		for i, pk := range want {
+			if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
+				t.Fatalf("trial %d object %d (%d B, %d spans): sum %#x, want %#x", trial, i, len(pk), len(objs[i].spans), got, checksum.Sum(pk))
+			}
+		}
+	}
+	if units == 0 {
+		t.Fatal("no units planned")
+	}
+}
+
+// A span that would make kv_sum_units read a word across two spans, or a
+// word at an unaligned address, leaves the transfer to kv_checksum.
+func TestPlanUnitsRefusesUnalignedSpans(t *testing.T) {
+	const base = 1 << 36
+	span := func(ptr, objOff, n uint64) kSpan { return kSpan{ptr: base + ptr, objOff: objOff, len: n} }
+	for _, c := range []struct {
+		name  string
+		spans []kSpan
+		ok    bool
+	}{
+		{"aligned", []kSpan{span(0, 0, 64), span(4096, 64, 24)}, true},
+		{"last span ends mid-word", []kSpan{span(0, 0, 64), span(4096, 64, 21)}, true},
+		{"8-aligned, not 16", []kSpan{span(8, 0, 40)}, true},
+		{"device address off a word", []kSpan{span(4, 0, 64)}, false},
+		{"inner span ends mid-word", []kSpan{span(0, 0, 60), span(4096, 60, 4)}, false},
+		{"561-byte rows", []kSpan{span(0, 0, 561), span(1024, 561, 561)}, false},
+	} {
+		o := xferObject{spans: c.spans}
+		for _, sp := range c.spans {
+			o.len += sp.len
+		}
+		p, _, ok, err := planUnits([]xferObject{{}, o}, 1<<30)
+		if err != nil || ok != c.ok {
+			t.Errorf("%s: ok %v, err %v; want ok %v", c.name, ok, err, c.ok)
+		}
+		if ok && (len(p.batches) != 1 || p.batches[0].segs[0].sum != 1) {
+			t.Errorf("%s: batches %+v", c.name, p.batches)
+		}
+	}
+}

@@ -55,16 +55,17 @@ func check(op string, r C.CUresult) error {
 
 // driverDevice implements Device on one CUDA device.
 type driverDevice struct {
-	ordinal int
-	dev     C.CUdevice
-	ctx     C.CUcontext
-	info    Info
-	sms     int
-	module  C.CUmodule
-	gather  C.CUfunction
-	scatter C.CUfunction
-	sum     C.CUfunction // kv_checksum: the verification of a DMA transfer
-	delay   C.CUfunction
+	ordinal  int
+	dev      C.CUdevice
+	ctx      C.CUcontext
+	info     Info
+	sms      int
+	module   C.CUmodule
+	gather   C.CUfunction
+	scatter  C.CUfunction
+	sum      C.CUfunction // kv_checksum: the verification of a DMA transfer
+	sumUnits C.CUfunction // kv_sum_units: the same where every span is word-aligned
+	delay    C.CUfunction
 
 	// mode chooses direct or staged transfers; tests and benchmarks force
 	// one. Set before the device is shared.
@@ -89,6 +90,9 @@ type driverDevice struct {
 	// stageHalf overrides the size of each half of a stream's staging
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
+	// unitLaunches counts the kv_sum_units launches (the tests' proof of
+	// which checksum kernel verified a transfer).
+	unitLaunches atomic.Uint64
 
 	o   *ordinalState
 	res resourceSet // its memory, host buffers, streams and events
@@ -362,6 +366,7 @@ func (d *driverDevice) loadKernels() error {
 		{"kv_gather", &d.gather},
 		{"kv_scatter", &d.scatter},
 		{"kv_checksum", &d.sum},
+		{"kv_sum_units", &d.sumUnits},
 		{"kv_delay", &d.delay},
 	} {
 		cname := C.CString(f.name)

@@ -27,7 +27,9 @@ const dmaSumBatch = 1 << 30
 // (cuMemcpyBatchAsync, up to dmaBatchCopies a call, where the driver has
 // it: one driver call per copy cost the host about 10 us each, 189 ms of
 // a 207 ms restore of 64 KiB pages on the H200; else a call per copy) and
-// verifies them with kv_checksum on the kernel stream A (dma_plan.go).
+// verifies them with kv_sum_units (kv_checksum where a span is not
+// word-aligned, or with DMATuning.SearchSums) on the kernel stream A
+// (dma_plan.go).
 // Gather: the checksum reads the source pages, which the copies only read
 // too, so it runs beside them from the start. Scatter: the checksum of a
 // batch reads its destination pages once every copy into them is done,
@@ -39,6 +41,10 @@ const dmaSumBatch = 1 << 30
 func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
 	S, A := e.s.h, e.s.aux
 	sum := flags&kFlagSum != 0
+	fn := e.s.d.sum
+	if plan.units {
+		fn = e.s.d.sumUnits
+	}
 	host := e.s.d.dmaTune.HostLaunch
 	if sum {
 		if host {
@@ -49,7 +55,7 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		e.tables(A)
 		if !scatter {
 			for bi := range plan.batches {
-				e.launchPer(A, e.s.d.sum, plan, bi, flags, sumBlocksPerSM)
+				e.launchPer(A, fn, plan, bi, flags, sumBlocksPerSM)
 			}
 		}
 	}
@@ -95,7 +101,7 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 				if bi == len(plan.batches)-1 {
 					perSM = copyBlocksPerSM // exposed: nothing is copied after it
 				}
-				e.launchPer(A, e.s.d.sum, plan, bi, flags, perSM)
+				e.launchPer(A, fn, plan, bi, flags, perSM)
 			}
 		}
 	}

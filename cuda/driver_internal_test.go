@@ -330,3 +330,113 @@ func TestPollSleepSchedule(t *testing.T) {
 		t.Fatalf("pollFine %v: a short transfer's completion would be noticed later than 100 us", pollFine)
 	}
 }
+
+// The DMA path verifies word-aligned spans with kv_sum_units: pages of
+// 8 and 16-byte alignment, runs longer than a unit, objects ending
+// mid-word, in checksum batches small enough that a transfer takes
+// several; the gather's and the scatter's sums equal kvsum64 of the
+// packed bytes, the pool byte-exact with its padding untouched. With
+// DMATuning.SearchSums, or with a span off a word, kv_checksum verifies
+// the same transfer with the same sums.
+func TestDriverUnitSums(t *testing.T) {
+	d := openDriverT(t)
+	d.path = pathDMA
+	s := must(d.NewStream())(t)
+	r := rand.New(rand.NewPCG(26, 7))
+	const pool = 4 << 20
+	src := must(d.Alloc(pool))(t)
+	dst := must(d.Alloc(pool))(t)
+	img := make([]byte, pool)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	pad := bytes.Repeat([]byte{0xee}, pool)
+	if err := d.Write(src, 0, img); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name   string
+		search bool
+		align  uint64 // span offsets are multiples of it, plus skew
+		skew   uint64
+		units  bool
+	}{
+		{"16-aligned", false, 16, 0, true},
+		{"8-aligned", false, 16, 8, true},
+		{"search", true, 16, 0, false},
+		{"off a word", false, 16, 4, false},
+	} {
+		d.dmaTune = DMATuning{SumBatch: 200 << 10, SearchSums: c.search}
+		if err := d.Write(dst, 0, pad); err != nil {
+			t.Fatal(err)
+		}
+		// Disjoint slots of 256 KiB, one span each at most 200 KiB long.
+		slots := r.Perm(pool / (256 << 10))
+		var gObjs, sObjs []Object
+		var packed [][]byte
+		var host uint64
+		for o := 0; o+2 <= len(slots); o += 2 {
+			var g, sc []Span
+			var want []byte
+			for k, slot := range slots[o : o+2] {
+				off := uint64(slot)*(256<<10) + c.align*uint64(r.IntN(64)) + c.skew
+				n := uint64(8 * (1 + r.IntN(25<<10)))
+				if k == 1 && r.IntN(2) == 0 {
+					n += uint64(1 + r.IntN(7))
+				}
+				g = append(g, Span{Mem: src, Off: off, Len: n})
+				sc = append(sc, Span{Mem: dst, Off: off, Len: n})
+				want = append(want, img[off:off+n]...)
+			}
+			gObjs = append(gObjs, Object{HostOff: host, Spans: g})
+			sObjs = append(sObjs, Object{HostOff: host, Spans: sc})
+			packed = append(packed, want)
+			host += uint64(len(want)+15) &^ 15
+		}
+		before := d.unitLaunches.Load()
+		hb := must(d.AllocHost(host))(t)
+		op := must(s.Gather(hb, gObjs))(t)
+		if err := op.Wait(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		for i, o := range gObjs {
+			if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
+				t.Fatalf("%s: object %d differs", c.name, i)
+			}
+			if op.Sums()[i] != checksum.Sum(packed[i]) {
+				t.Fatalf("%s: gather sum of object %d differs", c.name, i)
+			}
+		}
+		sop := must(s.Scatter(hb, sObjs))(t)
+		if err := sop.Wait(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		want := append([]byte(nil), pad...)
+		for _, o := range sObjs {
+			for _, sp := range o.Spans {
+				copy(want[sp.Off:sp.Off+sp.Len], img[sp.Off:sp.Off+sp.Len])
+			}
+		}
+		got := make([]byte, pool)
+		if err := d.Read(dst, 0, got); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%s: destination pool differs (pages or padding)", c.name)
+		}
+		for i := range sObjs {
+			if sop.Sums()[i] != checksum.Sum(packed[i]) {
+				t.Fatalf("%s: scatter sum of object %d differs", c.name, i)
+			}
+		}
+		if n := d.unitLaunches.Load() - before; (n > 0) != c.units {
+			t.Fatalf("%s: %d kv_sum_units launches, want them %v", c.name, n, c.units)
+		}
+		if err := hb.Release(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+}

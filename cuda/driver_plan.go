@@ -83,7 +83,10 @@ type xferPlan struct {
 	first   []uint32
 	batches []xferBatch
 	staged  bool
-	nobj    int
+	// units: the batches' segments are kv_sum_units' units (planUnits),
+	// not kv_checksum's segments; nchunks counts units.
+	units bool
+	nobj  int
 }
 
 // chunksOf counts the 16-byte-aligned chunks that n bytes at addr touch.
@@ -362,6 +365,14 @@ func grid(nchunks uint64, sms, perSM int) uint32 {
 	return uint32(max(min(tiles, limit), 1))
 }
 
+// unitGrid is grid for kv_sum_units: a warp per unit, at most perSM
+// blocks of every multiprocessor (the warps stride over the rest).
+func unitGrid(units uint64, sms, perSM int) uint32 {
+	blocks := (units + kThreads/32 - 1) / (kThreads / 32)
+	limit := uint64(max(sms, 1)) * uint64(perSM)
+	return uint32(max(min(blocks, limit), 1))
+}
+
 // Blocks per multiprocessor: the copy kernels fill every multiprocessor
 // (8 blocks of 256 threads, what PCIe needs in flight). kv_checksum only
 // reads HBM: where it runs under copy-engine copies that take 20-200 times
@@ -373,6 +384,61 @@ const (
 	copyBlocksPerSM = 8
 	sumBlocksPerSM  = 1
 )
+
+// kUnitBytes is the most bytes of one kv_sum_units unit: a warp's work,
+// 128 of its 16-byte loads. Long spans (page runs) are cut into units of
+// this size, so that a transfer of a few long runs still spreads over
+// every multiprocessor; a multiple of 16 keeps each unit's alignment.
+const kUnitBytes = 64 << 10
+
+// planUnits makes the batches of kv_sum_units for a DMA transfer, as
+// planSums does for kv_checksum (whole objects, batches of at least batch
+// bytes, ends alike), or reports ok false when a span does not suit it:
+// every span must start at an 8-aligned device address and object offset,
+// so that each 8-byte word of the object is read whole from one span (an
+// object's spans follow each other, so every span but the last then ends
+// on a word too). The span table is kept (the block holds it at its
+// start), unread by the kernel.
+func planUnits(objs []xferObject, batch uint64) (p *xferPlan, ends []int, ok bool, err error) {
+	for _, o := range objs {
+		for _, sp := range o.spans {
+			if sp.ptr%8 != 0 || sp.objOff%8 != 0 {
+				return nil, nil, false, nil
+			}
+		}
+	}
+	if p, err = newPlan(objs); err != nil {
+		return nil, nil, false, err
+	}
+	p.units = true
+	var b xferBatch
+	var bytes uint64
+	for i, o := range objs {
+		for _, sp := range o.spans {
+			for off := uint64(0); off < sp.len; off += kUnitBytes {
+				b.segs = append(b.segs, kSeg{
+					packed: sp.ptr + off,
+					objOff: sp.objOff + off,
+					len:    min(kUnitBytes, sp.len-off),
+					sum:    uint32(i),
+				})
+				b.nchunks++
+			}
+		}
+		bytes += o.len
+		if bytes >= batch || i == len(objs)-1 {
+			if len(b.segs) > 0 {
+				if b.nchunks >= 1<<32 {
+					return nil, nil, false, fmt.Errorf("%w: more than 2^32 checksum units in one batch", ErrOutOfRange)
+				}
+				p.batches = append(p.batches, b)
+				ends = append(ends, i+1)
+			}
+			b, bytes = xferBatch{}, 0
+		}
+	}
+	return p, ends, true, nil
+}
 
 // planSums makes the batches of the checksum kernel of a DMA transfer
 // (kv_checksum): whole objects, batches of at least batch bytes (the last

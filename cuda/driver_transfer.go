@@ -180,7 +180,13 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 			st.drop()
 			return nil, fmt.Errorf("%s: %w", what, err)
 		}
-		plan, ends, err = planSums(xobjs, s.d.dmaTune.SumBatch)
+		ok := false
+		if !s.d.dmaTune.SearchSums {
+			plan, ends, ok, err = planUnits(xobjs, s.d.dmaTune.SumBatch)
+		}
+		if err == nil && !ok {
+			plan, ends, err = planSums(xobjs, s.d.dmaTune.SumBatch)
+		}
 	} else if staged {
 		if err := s.ensureStageLocked(); err != nil {
 			st.drop()
@@ -377,7 +383,12 @@ func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi i
 		return
 	}
 	j, b := e.st.job, &plan.batches[bi]
-	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(grid(b.nchunks, e.s.d.sms, perSM)), kThreads, h,
+	blocks := grid(b.nchunks, e.s.d.sms, perSM)
+	if plan.units {
+		blocks = unitGrid(b.nchunks, e.s.d.sms, perSM)
+		e.s.d.unitLaunches.Add(1)
+	}
+	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(blocks), kThreads, h,
 		C.CUdeviceptr(j.dev+j.lay.segs[bi]), C.uint(len(b.segs)), C.CUdeviceptr(j.dev), C.ulonglong(b.nchunks),
 		C.CUdeviceptr(j.dev+j.lay.partials), C.uint(flags)))
 }

@@ -59,13 +59,13 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # restores the 8B pages at full speed
 interference() {
 	local ra
-	case $1 in default) ra= ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
+	case $1 in default) ra= ;; search) ra="--dma-search-sums" ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
 	pace*w*) ra=${1#pace} ra="--restore-pace-gbps ${ra%w*} --restore-pace-window ${ra#*w}ms" ;;
 	pace*) ra="--restore-pace-gbps ${1#pace}" ;; esac
 	local bound=110 more=()
 	# the defaults' run adds the controls: what 1 MiB pieces, one reduction
 	# per GiB and reductions alone from another process cost the loop
-	[[ $1 == default ]] && bound=170 more=(--controls)
+	[[ $1 == default && ${CONTROLS:-1} == 1 ]] && bound=170 more=(--controls)
 	step "interference-$1" $bound python3 python/examples/gpu_interference.py --seconds 8 --warm 15 "${more[@]}" \
 		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
@@ -74,23 +74,32 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 case $SET in
 daemons)
 	P=enginesim/specs
-	# 24.4/25.5: the decode-shaped loop beside paced restores in 64 ms
-	# windows (the default since stop 48), against 4 ms windows (stop 48's)
-	# and the defaults in the same call (the traffic's GB/s beside each)
-	for v in pace10 pace10w4 pace20 pace5 default; do
+	# 24.4/25.5: the decode-shaped loop beside restores at full speed, with
+	# kv_sum_units (stop 49) and with the searching checksum kernel, and
+	# paced in 64 ms windows (the default since stop 48) against 4 ms
+	# windows (stop 48's), in the same call (the traffic's GB/s beside each)
+	for v in default search; do
+		interference "$v"
+	done
+	# 25.1: one rankd at 1.3 GB, kv_sum_units against the searching kernel
+	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
+	step tp1-search 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS=--dma-search-sums $(bench tp1-search)
+	for v in pace10 pace20; do
+		interference "$v"
+	done
+	# 25.1: the 0.5 GB rows
+	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
+	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
+	for v in pace5 pace10w4; do
 		interference "$v"
 	done
 	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
 	# fc8102c; 0.920 of CE on the H200 at stop 47, one run): a second run
 	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
-	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
 	# 25.3: both directions through the daemons (rankd sets 32 hardware
 	# queues; 8, the driver's default, is the A/B)
 	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
 	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
-	# 25.1: the rows not re-measured since the span merge
-	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
-	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
 	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
 	interference sm
@@ -98,20 +107,21 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4: the decoders while the 32k prompt loads paced at 10 GB/s in 64 ms
-	# windows (the default since stop 48), by the rankd and by the
-	# connector, against the defaults, 4 ms windows and 20 GB/s
-	# (every restore of the rankd paced; the first step's bound covers the
-	# engine's first torch.compile)
-	step itl-pace10 160 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
+	# 24.4: the decoders while the 32k prompt loads: the defaults (the
+	# first step's bound covers the engine's first torch.compile), paced at
+	# 10 GB/s in 64 ms windows (the default since stop 48) by the rankd and
+	# by the connector, 20 GB/s, and the searching checksum kernel (before
+	# stop 49's kv_sum_units) against the defaults
+	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: the same pace asked by the connector (Kvtier-Pace) for the load
 	# beside the decoders only: the lone hit goes at full speed
 	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
-		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-search 100 env "${V[@]}" RANKD_ARGS="--dma-search-sums" OUT_DIR="$R/itl-search" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,
 	# beside what a load costs them (docs/gpu.md)

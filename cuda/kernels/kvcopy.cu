@@ -395,6 +395,62 @@ KV_GLOBAL void kv_checksum(const Seg *segs, u32 nsegs, const Span *spans, u64 nc
 	copy<false>(segs, nsegs, spans, nchunks, partials, (flags & FLAG_SUM) | FLAG_NOSTORE);
 }
 
+// kv_sum_units is kv_checksum for transfers whose every span starts at an
+// 8-byte-aligned device address and object offset and ends on a word (or at
+// its object's end): its table is of units, pieces of one span each, laid
+// out as Seg with packed the unit's first device address, objOff its object
+// offset (a multiple of 8), len its bytes (a multiple of 8 unless the unit
+// ends its object, whose last word is zero-padded) and sum its object.
+// A warp hashes a unit: 16-byte loads where the unit is 16-aligned, four in
+// flight per lane, every lane's terms added up and reduced over the warp
+// once per unit, one atomic add per unit; no search, no shuffle per word.
+// It reads HBM near its speed, so the time it holds the GPU away from
+// another context's kernels (the engine's forward) is a fraction of
+// kv_checksum's. spans and nchunks are unused (the launch is the copy
+// kernels' one).
+KV_GLOBAL void kv_sum_units(const Seg *units, u32 nunits, const Span *spans, u64 nchunks, u64 *partials, u32 flags) {
+	(void)spans;
+	(void)nchunks;
+	const u32 wpb = NT / 32;
+	const u32 nw = __nvvm_read_ptx_sreg_nctaid_x() * wpb;
+	const u32 ln = lane();
+	for (u32 u = __nvvm_read_ptx_sreg_ctaid_x() * wpb + tid() / 32; u < nunits; u += nw) {
+		const Seg s = units[u];
+		const u64 i0 = s.objOff >> 3;
+		const u64 words = s.len >> 3;
+		u64 t = 0;
+		u64 k = 0; // words below k are hashed by the vector loop
+		if ((s.packed & 15) == 0) {
+			const g128 *q = (const g128 *)s.packed;
+			const u64 pairs = words >> 1;
+			u64 j = ln;
+			for (; j + 96 < pairs; j += 128) {
+				u64x2 a = q[j], b = q[j + 32], c = q[j + 64], d = q[j + 96];
+				const u64 w = i0 + 2 * j;
+				t += term(w, a.x) + term(w + 1, a.y) + term(w + 64, b.x) + term(w + 65, b.y);
+				t += term(w + 128, c.x) + term(w + 129, c.y) + term(w + 192, d.x) + term(w + 193, d.y);
+			}
+			for (; j < pairs; j += 32) {
+				u64x2 a = q[j];
+				t += term(i0 + 2 * j, a.x) + term(i0 + 2 * j + 1, a.y);
+			}
+			k = 2 * pairs;
+		}
+		const g64 *p = (const g64 *)s.packed;
+		for (u64 j = k + ln; j < words; j += 32) t += term(i0 + j, p[j]);
+		const u32 rem = (u32)(s.len & 7);
+		if (rem != 0 && ln == 0) { // the object's zero-padded last word, read byte by byte
+			const g8 *b = (const g8 *)(s.packed + 8 * words);
+			u64 w = 0;
+			for (u32 x = 0; x < rem; x++) w |= (u64)b[x] << (8 * x);
+			t += term(i0 + words, w);
+		}
+#pragma unroll
+		for (u32 d = 16; d > 0; d >>= 1) t += shfl_down64(t, d);
+		if (ln == 0 && (flags & FLAG_SUM)) __nvvm_atom_add_gen_ll((long long *)&partials[s.sum], (long long)t);
+	}
+}
+
 #ifndef KV_HOST_EMULATION
 // kv_delay spins one thread for at least ns nanoseconds of the global timer:
 // device work standing in for an engine still writing its pages.
