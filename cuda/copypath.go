@@ -80,13 +80,17 @@ type DMATuning struct {
 	// batches' starts. Not with HostLaunch or Queue (Validate). For
 	// measurements; off by default.
 	OrderScatters bool
-	// SearchSums verifies every DMA transfer with kv_checksum, which
-	// finds each 16-byte chunk's span by a search and reduces every word
-	// over the warp, instead of kv_sum_units, which hashes word-aligned
-	// spans a warp per piece at near HBM speed (kv_checksum remains for
-	// spans that are not word-aligned). For measurements: what the faster
-	// kernel saves a restore and the model beside it; off by default.
-	SearchSums bool
+	// UnitSums verifies DMA transfers whose spans are all word-aligned
+	// with kv_sum_units, which hashes such spans a warp per piece of at
+	// most 64 KiB, instead of kv_checksum, which finds each 16-byte
+	// chunk's span by a search and reduces every chunk over the warp
+	// (kv_checksum remains for spans off a word). The same sums; what
+	// differs is how long the kernel holds the GPU away from another
+	// context's work. Off by default until it has run on a GPU: stop 49
+	// built it and tested its plan against a CPU emulation of the kernel,
+	// and lost its device time before the driver tests and the A/B of
+	// scripts/gpu-pending.sh ran.
+	UnitSums bool
 }
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts

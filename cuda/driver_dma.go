@@ -27,9 +27,8 @@ const dmaSumBatch = 1 << 30
 // (cuMemcpyBatchAsync, up to dmaBatchCopies a call, where the driver has
 // it: one driver call per copy cost the host about 10 us each, 189 ms of
 // a 207 ms restore of 64 KiB pages on the H200; else a call per copy) and
-// verifies them with kv_sum_units (kv_checksum where a span is not
-// word-aligned, or with DMATuning.SearchSums) on the kernel stream A
-// (dma_plan.go).
+// verifies them with kv_checksum (kv_sum_units with DMATuning.UnitSums,
+// where every span is word-aligned) on the kernel stream A (dma_plan.go).
 // Gather: the checksum reads the source pages, which the copies only read
 // too, so it runs beside them from the start. Scatter: the checksum of a
 // batch reads its destination pages once every copy into them is done,

@@ -331,13 +331,13 @@ func TestPollSleepSchedule(t *testing.T) {
 	}
 }
 
-// The DMA path verifies word-aligned spans with kv_sum_units: pages of
-// 8 and 16-byte alignment, runs longer than a unit, objects ending
-// mid-word, in checksum batches small enough that a transfer takes
-// several; the gather's and the scatter's sums equal kvsum64 of the
-// packed bytes, the pool byte-exact with its padding untouched. With
-// DMATuning.SearchSums, or with a span off a word, kv_checksum verifies
-// the same transfer with the same sums.
+// With DMATuning.UnitSums the DMA path verifies word-aligned spans with
+// kv_sum_units: pages of 8 and 16-byte alignment, runs longer than a
+// unit, objects ending mid-word, in checksum batches small enough that a
+// transfer takes several; the gather's and the scatter's sums equal
+// kvsum64 of the packed bytes, the pool byte-exact with its padding
+// untouched. Without it, or with a span off a word, kv_checksum verifies
+// the same transfers with the same sums.
 func TestDriverUnitSums(t *testing.T) {
 	d := openDriverT(t)
 	d.path = pathDMA
@@ -355,18 +355,18 @@ func TestDriverUnitSums(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
-		name   string
-		search bool
-		align  uint64 // span offsets are multiples of it, plus skew
-		skew   uint64
-		units  bool
+		name  string
+		unit  bool
+		align uint64 // span offsets are multiples of it, plus skew
+		skew  uint64
+		units bool
 	}{
-		{"16-aligned", false, 16, 0, true},
-		{"8-aligned", false, 16, 8, true},
-		{"search", true, 16, 0, false},
-		{"off a word", false, 16, 4, false},
+		{"16-aligned", true, 16, 0, true},
+		{"8-aligned", true, 16, 8, true},
+		{"default", false, 16, 0, false},
+		{"off a word", true, 16, 4, false},
 	} {
-		d.dmaTune = DMATuning{SumBatch: 200 << 10, SearchSums: c.search}
+		d.dmaTune = DMATuning{SumBatch: 200 << 10, UnitSums: c.unit}
 		if err := d.Write(dst, 0, pad); err != nil {
 			t.Fatal(err)
 		}

@@ -29,13 +29,13 @@ func openCUDA(t *testing.T) cuda.Device {
 // with staging halves small enough that most transfers take many batches
 // (both on the copy kernels' path), and every transfer forced onto the DMA
 // path (copy-engine copies of the page runs, kv_sum_units over word-aligned
-// pages, kv_checksum over the others),
+// pages with DMATuning.UnitSums, kv_checksum over the others),
 // also with DMATuning small enough that transfers wait on their copy queue
 // and checksum in many batches, with the checksums launched from the host,
 // with the batched copies enqueued without the overlap hint, with the
 // copies enqueued one call each, and with every scatter's copies chained
 // after the previous scatter's (checksummed in many batches meanwhile), and
-// with kv_checksum verifying every transfer (SearchSums).
+// with kv_sum_units verifying every word-aligned transfer (UnitSums).
 var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
 
 func TestDriverConformance(t *testing.T) {
@@ -54,7 +54,7 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-no-overlap-hint", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, NoOverlapHint: true}},
 		{"dma-each-copy", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, EachCopy: true}},
 		{"dma-ordered", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, OrderScatters: true}},
-		{"dma-search-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SearchSums: true}},
+		{"dma-unit-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, UnitSums: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {

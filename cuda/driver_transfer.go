@@ -181,7 +181,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 			return nil, fmt.Errorf("%s: %w", what, err)
 		}
 		ok := false
-		if !s.d.dmaTune.SearchSums {
+		if s.d.dmaTune.UnitSums {
 			plan, ends, ok, err = planUnits(xobjs, s.d.dmaTune.SumBatch)
 		}
 		if err == nil && !ok {

@@ -59,7 +59,7 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # restores the 8B pages at full speed
 interference() {
 	local ra
-	case $1 in default) ra= ;; search) ra="--dma-search-sums" ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
+	case $1 in default) ra= ;; units) ra="--dma-unit-sums" ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
 	pace*w*) ra=${1#pace} ra="--restore-pace-gbps ${ra%w*} --restore-pace-window ${ra#*w}ms" ;;
 	pace*) ra="--restore-pace-gbps ${1#pace}" ;; esac
 	local bound=110 more=()
@@ -75,15 +75,17 @@ case $SET in
 daemons)
 	P=enginesim/specs
 	# 24.4/25.5: the decode-shaped loop beside restores at full speed, with
-	# kv_sum_units (stop 49) and with the searching checksum kernel, and
+	# the searching checksum kernel (the default) and with kv_sum_units
+	# (--dma-unit-sums, stop 49, not yet run on a GPU: the first step of
+	# the next lease is .gpu/cuda.test -test.run 'UnitSums|Conformance'), and
 	# paced in 64 ms windows (the default since stop 48) against 4 ms
 	# windows (stop 48's), in the same call (the traffic's GB/s beside each)
-	for v in default search; do
+	for v in default units; do
 		interference "$v"
 	done
-	# 25.1: one rankd at 1.3 GB, kv_sum_units against the searching kernel
+	# 25.1: one rankd at 1.3 GB, the searching kernel against kv_sum_units
 	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
-	step tp1-search 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS=--dma-search-sums $(bench tp1-search)
+	step tp1-units 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS=--dma-unit-sums $(bench tp1-units)
 	for v in pace10 pace20; do
 		interference "$v"
 	done
@@ -110,8 +112,8 @@ vllm)
 	# 24.4: the decoders while the 32k prompt loads: the defaults (the
 	# first step's bound covers the engine's first torch.compile), paced at
 	# 10 GB/s in 64 ms windows (the default since stop 48) by the rankd and
-	# by the connector, 20 GB/s, and the searching checksum kernel (before
-	# stop 49's kv_sum_units) against the defaults
+	# by the connector, 20 GB/s, and kv_sum_units (--dma-unit-sums) against
+	# the defaults
 	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
@@ -120,7 +122,7 @@ vllm)
 	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
-	step itl-search 100 env "${V[@]}" RANKD_ARGS="--dma-search-sums" OUT_DIR="$R/itl-search" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,

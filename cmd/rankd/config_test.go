@@ -135,8 +135,8 @@ func TestCopyFlags(t *testing.T) {
 		cfg.RestorePaceWindow != def.RestorePaceWindow || def.RestorePaceWindow != transfer.DefaultConfig().RetrievePaceWindow {
 		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d, window %v; DefaultConfig has %+v, %d, %d, %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, def.DMA, def.RetrieveBatchBytes, def.RestorePace, def.RestorePaceWindow)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-search-sums", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, SearchSums: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond {
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow)
 	}
 	slow := parse("--restore-pace-gbps", "0.05")
