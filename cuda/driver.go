@@ -93,6 +93,10 @@ type driverDevice struct {
 	// unitLaunches counts the kv_sum_units launches (the tests' proof of
 	// which checksum kernel verified a transfer).
 	unitLaunches atomic.Uint64
+	// sumOnly, set by a benchmark before the device is shared, makes a
+	// DMA transfer enqueue its checksum kernels alone, every batch with
+	// this many blocks per multiprocessor, and no copy (0: off).
+	sumOnly int
 
 	o   *ordinalState
 	res resourceSet // its memory, host buffers, streams and events

@@ -44,6 +44,16 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 	if plan.units {
 		fn = e.s.d.sumUnits
 	}
+	if n := e.s.d.sumOnly; n > 0 {
+		e.wait(A, e.event(S))
+		e.tables(A)
+		for bi := range plan.batches {
+			e.launchPer(A, fn, plan, bi, flags, n)
+		}
+		e.sums(A)
+		e.wait(S, e.event(A))
+		return
+	}
 	host := e.s.d.dmaTune.HostLaunch
 	if sum {
 		if host {

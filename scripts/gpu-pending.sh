@@ -2,6 +2,8 @@
 # The GPU measurements still pending for issues 24 and 25 (docs/gpu.md), in
 # priority order, each bounded so that the whole fits a 10-minute call:
 #
+#   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: kv_sum_units (stop 49) on the GPU first:
+#                                          the driver tests, then both checksum kernels' speed
 #   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
 #   scripts/gpu-pending.sh replay BIN      issue 24: the same, TRACE= the Mooncake trace
@@ -18,7 +20,7 @@ set -uo pipefail
 SET=${1:-}
 BIN=${2:-}
 if [[ -z $SET || -z $BIN ]]; then
-	echo "usage: $0 daemons|vllm|replay BIN_DIR" >&2
+	echo "usage: $0 cuda CUDA_TEST | daemons|vllm|replay BIN_DIR" >&2
 	exit 2
 fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,7 +43,7 @@ step() {
 	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
 	timeout "$bound" "$@" >"$R/$name.log" 2>&1
 	echo "rc=$?" >>"$R/$name.log"
-	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|replay: \{|rc=' \
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)' \
 		"$R/$name.log" | cut -c1-300
 }
 finish() {
@@ -72,6 +74,13 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 }
 
 case $SET in
+cuda)
+	# 25.2/25.5: kv_sum_units (off by default until this has passed) in the
+	# driver tests, then its speed against kv_checksum's alone
+	T=$(realpath "$BIN")
+	step cuda-tests 200 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
+	step cuda-sums 150 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
+	;;
 daemons)
 	P=enginesim/specs
 	# 24.4/25.5: the decode-shaped loop beside restores at full speed, with
@@ -144,7 +153,7 @@ replay)
 		NO_L2=1 MODES="alone kvtier" OUT_DIR="$R/replay" bash scripts/gpu-vllm.sh "$BIN"
 	;;
 *)
-	echo "$0: unknown set $SET (daemons, vllm or replay)" >&2
+	echo "$0: unknown set $SET (cuda, daemons, vllm or replay)" >&2
 	exit 2
 	;;
 esac
