@@ -78,8 +78,8 @@ cuda)
 	# 25.2/25.5: kv_sum_units (off by default until this has passed) in the
 	# driver tests, then its speed against kv_checksum's alone
 	T=$(realpath "$BIN")
-	step cuda-tests 200 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
-	step cuda-sums 150 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
+	step cuda-tests 150 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
+	step cuda-sums 100 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
 	;;
 daemons)
 	P=enginesim/specs
