@@ -170,12 +170,28 @@ func TestDriverStagedBatches(t *testing.T) {
 			t.Fatalf("object %d: sum differs", i)
 		}
 	}
-	sop := must(s.Scatter(hb, sObjs))(t)
-	if err := sop.Wait(ctxT(t)); err != nil {
+	sums := scatterChecked(t, d, s, hb, sObjs, dst, img, pad)
+	for i := range sObjs {
+		if sums[i] != op.Sums()[i] {
+			t.Fatalf("object %d: scatter sum differs", i)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// scatterChecked scatters objs from hb into dst, a pool that held pad and
+// whose spans then hold img's bytes at the same offsets, checks the whole
+// pool byte for byte (pages and padding) and returns the scatter's sums.
+func scatterChecked(t *testing.T, d *driverDevice, s Stream, hb HostBuf, objs []Object, dst Mem, img, pad []byte) []uint64 {
+	t.Helper()
+	op := must(s.Scatter(hb, objs))(t)
+	if err := op.Wait(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
 	want := append([]byte(nil), pad...)
-	for _, o := range sObjs {
+	for _, o := range objs {
 		for _, sp := range o.Spans {
 			copy(want[sp.Off:sp.Off+sp.Len], img[sp.Off:sp.Off+sp.Len])
 		}
@@ -187,14 +203,7 @@ func TestDriverStagedBatches(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatal("destination pool differs (pages or padding)")
 	}
-	for i := range sObjs {
-		if sop.Sums()[i] != op.Sums()[i] {
-			t.Fatalf("object %d: scatter sum differs", i)
-		}
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
+	return op.Sums()
 }
 
 // A driver that exports cuMemcpyBatchAsync but refuses it: the DMA path
@@ -366,75 +375,61 @@ func TestDriverUnitSums(t *testing.T) {
 		{"default", false, 16, 0, false},
 		{"off a word", true, 16, 4, false},
 	} {
-		d.dmaTune = DMATuning{SumBatch: 200 << 10, UnitSums: c.unit}
-		if err := d.Write(dst, 0, pad); err != nil {
-			t.Fatal(err)
-		}
-		// Disjoint slots of 256 KiB, one span each at most 200 KiB long.
-		slots := r.Perm(pool / (256 << 10))
-		var gObjs, sObjs []Object
-		var packed [][]byte
-		var host uint64
-		for o := 0; o+2 <= len(slots); o += 2 {
-			var g, sc []Span
-			var want []byte
-			for k, slot := range slots[o : o+2] {
-				off := uint64(slot)*(256<<10) + c.align*uint64(r.IntN(64)) + c.skew
-				n := uint64(8 * (1 + r.IntN(25<<10)))
-				if k == 1 && r.IntN(2) == 0 {
-					n += uint64(1 + r.IntN(7))
+		t.Run(c.name, func(t *testing.T) {
+			d.dmaTune = DMATuning{SumBatch: 200 << 10, UnitSums: c.unit}
+			if err := d.Write(dst, 0, pad); err != nil {
+				t.Fatal(err)
+			}
+			// Disjoint slots of 256 KiB, one span each at most 200 KiB long.
+			slots := r.Perm(pool / (256 << 10))
+			var gObjs, sObjs []Object
+			var packed [][]byte
+			var host uint64
+			for o := 0; o+2 <= len(slots); o += 2 {
+				var g, sc []Span
+				var want []byte
+				for k, slot := range slots[o : o+2] {
+					off := uint64(slot)*(256<<10) + c.align*uint64(r.IntN(64)) + c.skew
+					n := uint64(8 * (1 + r.IntN(25<<10)))
+					if k == 1 && r.IntN(2) == 0 {
+						n += uint64(1 + r.IntN(7))
+					}
+					g = append(g, Span{Mem: src, Off: off, Len: n})
+					sc = append(sc, Span{Mem: dst, Off: off, Len: n})
+					want = append(want, img[off:off+n]...)
 				}
-				g = append(g, Span{Mem: src, Off: off, Len: n})
-				sc = append(sc, Span{Mem: dst, Off: off, Len: n})
-				want = append(want, img[off:off+n]...)
+				gObjs = append(gObjs, Object{HostOff: host, Spans: g})
+				sObjs = append(sObjs, Object{HostOff: host, Spans: sc})
+				packed = append(packed, want)
+				host += uint64(len(want)+15) &^ 15
 			}
-			gObjs = append(gObjs, Object{HostOff: host, Spans: g})
-			sObjs = append(sObjs, Object{HostOff: host, Spans: sc})
-			packed = append(packed, want)
-			host += uint64(len(want)+15) &^ 15
-		}
-		before := d.unitLaunches.Load()
-		hb := must(d.AllocHost(host))(t)
-		op := must(s.Gather(hb, gObjs))(t)
-		if err := op.Wait(ctxT(t)); err != nil {
-			t.Fatal(err)
-		}
-		for i, o := range gObjs {
-			if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
-				t.Fatalf("%s: object %d differs", c.name, i)
+			before := d.unitLaunches.Load()
+			hb := must(d.AllocHost(host))(t)
+			op := must(s.Gather(hb, gObjs))(t)
+			if err := op.Wait(ctxT(t)); err != nil {
+				t.Fatal(err)
 			}
-			if op.Sums()[i] != checksum.Sum(packed[i]) {
-				t.Fatalf("%s: gather sum of object %d differs", c.name, i)
+			for i, o := range gObjs {
+				if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
+					t.Fatalf("object %d differs", i)
+				}
+				if op.Sums()[i] != checksum.Sum(packed[i]) {
+					t.Fatalf("gather sum of object %d differs", i)
+				}
 			}
-		}
-		sop := must(s.Scatter(hb, sObjs))(t)
-		if err := sop.Wait(ctxT(t)); err != nil {
-			t.Fatal(err)
-		}
-		want := append([]byte(nil), pad...)
-		for _, o := range sObjs {
-			for _, sp := range o.Spans {
-				copy(want[sp.Off:sp.Off+sp.Len], img[sp.Off:sp.Off+sp.Len])
+			sums := scatterChecked(t, d, s, hb, sObjs, dst, img, pad)
+			for i := range sObjs {
+				if sums[i] != checksum.Sum(packed[i]) {
+					t.Fatalf("scatter sum of object %d differs", i)
+				}
 			}
-		}
-		got := make([]byte, pool)
-		if err := d.Read(dst, 0, got); err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got, want) {
-			t.Fatalf("%s: destination pool differs (pages or padding)", c.name)
-		}
-		for i := range sObjs {
-			if sop.Sums()[i] != checksum.Sum(packed[i]) {
-				t.Fatalf("%s: scatter sum of object %d differs", c.name, i)
+			if n := d.unitLaunches.Load() - before; (n > 0) != c.units {
+				t.Fatalf("%d kv_sum_units launches, want them %v", n, c.units)
 			}
-		}
-		if n := d.unitLaunches.Load() - before; (n > 0) != c.units {
-			t.Fatalf("%s: %d kv_sum_units launches, want them %v", c.name, n, c.units)
-		}
-		if err := hb.Release(); err != nil {
-			t.Fatal(err)
-		}
+			if err := hb.Release(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
