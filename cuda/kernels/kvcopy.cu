@@ -31,7 +31,13 @@ typedef long long i64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
+#ifndef KV_HOST_EMULATION
 typedef u64 u64x2 __attribute__((ext_vector_type(2)));
+#else
+struct u64x2 {
+	u64 x, y;
+};
+#endif
 
 // Global-memory views of an address (mapped pinned host memory included).
 typedef KV_GLOBAL_AS u64x2 g128;
