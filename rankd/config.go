@@ -170,6 +170,10 @@ type Config struct {
 	// paced restore's batch takes at its pace (each batch goes at full
 	// speed, then the restore waits). Default 64 ms; 1 ms to 1 s.
 	RestorePaceWindow time.Duration
+	// RetrieveRamp: transfer.Config.RetrieveRamp, how many doublings a
+	// restore's batches take to reach their bound (fewer: fewer checksum
+	// kernels beside the engine, a later first copy). Default 3; 0 to 8.
+	RetrieveRamp int
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;
@@ -338,6 +342,7 @@ func DefaultConfig(r wire.Rank) Config {
 		L1NUMA:                "auto",
 		RetrieveBatchBytes:    transfer.DefaultConfig().RetrieveBatchBytes,
 		RestorePaceWindow:     transfer.DefaultConfig().RetrievePaceWindow,
+		RetrieveRamp:          transfer.DefaultConfig().RetrieveRamp,
 		L2Policy:              transfer.WriteThrough,
 		L2FreeFloorBytes:      1 << 30,
 		L2FreeFloorPercent:    5,
@@ -403,6 +408,8 @@ func (c *Config) Validate() error {
 		return bad("restore pace of %d B/s: want 0 (full speed) or at least %d B/s", c.RestorePace, transfer.MinPace)
 	case c.RestorePaceWindow < time.Millisecond || c.RestorePaceWindow > time.Second:
 		return bad("restore pace window %v: want 1ms..1s", c.RestorePaceWindow)
+	case c.RetrieveRamp < 0 || c.RetrieveRamp > 8:
+		return bad("retrieve ramp of %d doublings: want 0..8", c.RetrieveRamp)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/internal/numa"
@@ -71,5 +72,16 @@ func TestCopyEngineBatchingGauge(t *testing.T) {
 	}
 	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_copy_engine_batching"); v != 1 {
 		t.Fatalf("kvtier_rankd_copy_engine_batching = %v, want 1", v)
+	}
+}
+
+// TestRestoreTuningReachesTheEngine: the rankd's restore batch, pace
+// window and ramp are what its transfer engine runs with.
+func TestRestoreTuningReachesTheEngine(t *testing.T) {
+	h := newHarness(t, func(c *Config) {
+		c.RetrieveBatchBytes, c.RestorePaceWindow, c.RetrieveRamp = 256<<20, 16*time.Millisecond, 0
+	})
+	if tc := h.d.tc; tc.RetrieveBatchBytes != 256<<20 || tc.RetrievePaceWindow != 16*time.Millisecond || tc.RetrieveRamp != 0 {
+		t.Fatalf("transfer config: batch %d, window %v, ramp %d; want 256 MiB, 16ms, 0", tc.RetrieveBatchBytes, tc.RetrievePaceWindow, tc.RetrieveRamp)
 	}
 }

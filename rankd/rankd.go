@@ -200,6 +200,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.RetrieveSerialBatches = cfg.RetrieveSerialBatches
 	tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
 	tc.RetrievePaceWindow = cfg.RestorePaceWindow
+	tc.RetrieveRamp = cfg.RetrieveRamp
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

@@ -57,13 +57,25 @@ BIG=${GB_BIG:-1.3} SMALL=${GB_SMALL:-0.5} TINY=${GB_TINY:-0.067} # GB per rank (
 # bench NAME: the gpu-bench.sh command line of a step, after VAR=value words
 bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-bench.sh "$BIN"; }
 
+# rankd_args V: the rankd arguments of a variant, words joined by "+"
+# (units+ramp0: kv_sum_units and no batch ramp)
+rankd_args() {
+	local v ra=
+	for v in ${1//+/ }; do
+		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
+		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
+		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
+		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
+		*) echo "gpu-pending: unknown variant $v" >&2; return 1 ;; esac
+	done
+	echo "${ra# }"
+}
+
 # interference V: the decode-shaped loop while rankd (with V's arguments)
 # restores the 8B pages at full speed
 interference() {
 	local ra
-	case $1 in default) ra= ;; units) ra="--dma-unit-sums" ;; sm) ra="--copy-path sm" ;; nohint) ra="--dma-no-overlap-hint" ;; each) ra="--dma-each-copy" ;;
-	pace*w*) ra=${1#pace} ra="--restore-pace-gbps ${ra%w*} --restore-pace-window ${ra#*w}ms" ;;
-	pace*) ra="--restore-pace-gbps ${1#pace}" ;; esac
+	ra=$(rankd_args "$1") || return
 	local bound=110 more=()
 	# the defaults' run adds the controls: what 1 MiB pieces, one reduction
 	# per GiB and reductions alone from another process cost the loop
@@ -85,11 +97,12 @@ daemons)
 	P=enginesim/specs
 	# 24.4/25.5: the decode-shaped loop beside restores at full speed, with
 	# the searching checksum kernel (the default) and with kv_sum_units
-	# (--dma-unit-sums, stop 49, not yet run on a GPU: the first step of
-	# the next lease is .gpu/cuda.test -test.run 'UnitSums|Conformance'), and
+	# (--dma-unit-sums, stop 49, not yet run on a GPU: run the cuda set
+	# first), each also without the batch ramp (--retrieve-ramp 0: two
+	# checksum kernels a 1.3 GB restore instead of four), and
 	# paced in 64 ms windows (the default since stop 48) against 4 ms
 	# windows (stop 48's), in the same call (the traffic's GB/s beside each)
-	for v in default units; do
+	for v in default units units+ramp0 ramp0; do
 		interference "$v"
 	done
 	# 25.1: one rankd at 1.3 GB, the searching kernel against kv_sum_units
@@ -132,6 +145,8 @@ vllm)
 	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
+		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: what 1 MiB copies from another process cost the decoders,

@@ -278,8 +278,8 @@ type Config struct {
 	// scattered, verified and unpinned before the next is read, so a
 	// prompt larger than L1 restores from L2. The bound used is
 	// min(RetrieveBatchBytes, L1Bytes/4) (at least one slab); a retrieve's
-	// first three batches ramp up to it (an eighth, a quarter, a half), so
-	// its first copy starts after little host work. Default 1 GiB.
+	// first batches ramp up to it (RetrieveRamp), so its first copy starts
+	// after little host work. Default 1 GiB.
 	// Larger batches mean fewer, longer scatters, each with one checksum
 	// kernel, which the GPU time-slices with the engine's context: on the
 	// H200 at stop 47, 1 GiB against 256 MiB restored 1.3 GB at 0.859
@@ -302,6 +302,17 @@ type Config struct {
 	// retrieve of a few windows averages faster than its pace. Default
 	// 64 ms; 1 ms to 1 s.
 	RetrievePaceWindow time.Duration
+	// RetrieveRamp is how many doublings a retrieve's batches take to
+	// reach their bound: the first holds at most the bound >> RetrieveRamp
+	// (a slab at least), each next twice the last. The device copies
+	// nothing until the first batch is looked up, pinned and enqueued,
+	// host work in proportion to its size (on the H200 ~0.6 ms for 256 MiB
+	// of the 8B pages), so a small first batch starts a lone restore's
+	// copies sooner; but every batch is a transfer with its own checksum
+	// kernel, which cost a decode-shaped loop beside it ~0.5 ms each on
+	// the H100 at stop 49 (docs/gpu.md), and 3 makes a 1.3 GB restore four
+	// batches where 0 makes it two. Default 3; 0 to 8.
+	RetrieveRamp int
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
 	// Default false: batch b+1 is prepared and enqueued while batch b is
@@ -358,6 +369,7 @@ func DefaultConfig() Config {
 		L3QueueObjects:     4096,
 		RetrieveBatchBytes: 1 << 30,
 		RetrievePaceWindow: 64 * time.Millisecond,
+		RetrieveRamp:       3,
 		EventBatch:         1024,
 		EventBuffer:        1 << 20,
 		Logger:             zap.NewNop(),
@@ -405,6 +417,8 @@ func (c Config) Validate() error {
 		return bad("retrieve batch of 0 B: want > 0 (a batch pins at least one slab)")
 	case c.RetrievePaceWindow < time.Millisecond || c.RetrievePaceWindow > time.Second:
 		return bad("retrieve pace window %v: want 1ms..1s", c.RetrievePaceWindow)
+	case c.RetrieveRamp < 0 || c.RetrieveRamp > 8:
+		return bad("retrieve ramp of %d doublings: want 0..8", c.RetrieveRamp)
 	case c.L3QueueObjects < 1:
 		return bad("L3 queue of %d objects: want >= 1", c.L3QueueObjects)
 	case c.L3Encrypt && c.StorageKey == nil:

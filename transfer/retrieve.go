@@ -747,23 +747,15 @@ func (r *retrieval) touch(bs [][]int) {
 	}
 }
 
-// retrieveRamp is how many doublings a retrieve's batches take to reach
-// the batch bound: the first is bounded by an eighth of it (at least a
-// slab), each next one by twice the last, up to the bound. The device copies nothing until the first
-// batch is looked up, pinned and enqueued, host work in proportion to its
-// size (on the H200, ~0.6 ms for 256 MiB of the 8B pages, 2 % of a 1.3 GB
-// restore); a small first batch starts the copies sooner, and each next
-// batch, twice the last, is prepared while the last one copies.
-const retrieveRamp = 3
-
 // batches splits the items into runs of whole chunks, in request order,
-// the first retrieveRamp growing to the batch bound and the rest each
+// the first Config.RetrieveRamp growing to the batch bound (each prepared
+// while the last one copies) and the rest each
 // needing at most the bound's L1 slabs (a chunk larger than its batch's
 // bound is a batch of its own).
 func (r *retrieval) batches() [][]int {
 	e := r.e
 	bound := r.batchBound()
-	limit := max(e.cat.slabBytes, bound>>retrieveRamp)
+	limit := max(e.cat.slabBytes, bound>>uint(e.cfg.RetrieveRamp))
 	// The items of each chunk, chunks in order of first appearance.
 	var order []int
 	items := map[int][]int{}

@@ -265,31 +265,48 @@ func storedChunks(t *testing.T, n int) (*rig, *Engine, *dcp.Resolved, []chunk, [
 }
 
 // TestRetrieveBatchesRamp: a retrieve's first batches grow to the batch
-// bound (an eighth, a quarter, a half), the rest fill it, and every chunk
-// is restored byte-exact.
+// bound (by default an eighth, a quarter, a half: Config.RetrieveRamp),
+// the rest fill it, and every chunk is restored byte-exact; with no ramp
+// every batch fills the bound, and a ramp outside 0..8 is refused.
 func TestRetrieveBatchesRamp(t *testing.T) {
-	const chunks = 20
-	r, e, res, cs, targets := storedChunks(t, chunks)
-	perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
-	e.cfg.RetrieveBatchBytes = 8 * perChunk
-	if e.retrieveBatchBytes() != 8*perChunk {
-		t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
+	if DefaultConfig().RetrieveRamp != 3 {
+		t.Fatalf("default ramp %d, want 3", DefaultConfig().RetrieveRamp)
 	}
-	var sizes []int
-	e.hooks.scatterEnqueued = func(_ string, idx []int) { sizes = append(sizes, len(idx)) }
-	rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, targets))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range chunks {
-		if !rr.ChunkOK(i) {
-			t.Fatalf("chunk %d not restored: %+v", i, rr.Items)
+	for _, tc := range []struct {
+		ramp int
+		want string
+	}{{3, "[1 2 4 8 5]"}, {1, "[4 8 8]"}, {0, "[8 8 4]"}} {
+		const chunks = 20
+		r, e, res, cs, targets := storedChunks(t, chunks)
+		perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
+		e.cfg.RetrieveBatchBytes, e.cfg.RetrieveRamp = 8*perChunk, tc.ramp
+		if e.retrieveBatchBytes() != 8*perChunk {
+			t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
 		}
-		r.expectRestored(cs[i], targets[i])
+		var sizes []int
+		e.hooks.scatterEnqueued = func(_ string, idx []int) { sizes = append(sizes, len(idx)) }
+		rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, targets))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range chunks {
+			if !rr.ChunkOK(i) {
+				t.Fatalf("ramp %d: chunk %d not restored: %+v", tc.ramp, i, rr.Items)
+			}
+			r.expectRestored(cs[i], targets[i])
+		}
+		r.check("after the retrieve")
+		if got := fmt.Sprint(sizes); got != tc.want {
+			t.Fatalf("ramp %d: batches of %s chunks, want %s", tc.ramp, got, tc.want)
+		}
 	}
-	r.check("after the retrieve")
-	if got, want := fmt.Sprint(sizes), "[1 2 4 8 5]"; got != want {
-		t.Fatalf("batches of %s chunks, want %s", got, want)
+	dev := openDevice(t, "")
+	for _, ramp := range []int{-1, 9} {
+		c := engineConfig(t, dev, 0, 1)
+		c.RetrieveRamp = ramp
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "ramp") {
+			t.Errorf("ramp %d: Validate = %v, want an error naming the ramp", ramp, err)
+		}
 	}
 }
 

@@ -171,6 +171,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	var paceGBps float64
 	fs.Float64Var(&paceGBps, "restore-pace-gbps", 0, "the rate bound of a restore's copies, GB/s (10^9 B/s) for every retrieve that does not send its own (the Kvtier-Pace header): 0, the default, is full speed; a paced restore takes longer and slows the engine's other requests less (docs/gpu.md); else at least 0.105")
 	fs.DurationVar(&cfg.RestorePaceWindow, "restore-pace-window", cfg.RestorePaceWindow, "a paced restore's batches: what its pace moves in this time, each at full speed and then a wait; longer windows launch fewer checksum kernels beside the engine (docs/gpu.md); 1ms..1s")
+	fs.IntVar(&cfg.RetrieveRamp, "retrieve-ramp", cfg.RetrieveRamp, "how many doublings a restore's batches take to reach --retrieve-batch-bytes (the first an eighth at 3): a small first batch starts a lone restore's copies sooner, and each batch is one more checksum kernel beside the engine's forward (docs/gpu.md); 0..8")
 	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "1GiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
