@@ -87,8 +87,8 @@ type DMATuning struct {
 	// (kv_checksum remains for spans off a word). The same sums; what
 	// differs is how long the kernel holds the GPU away from another
 	// context's work. Off by default until it has run on a GPU: stop 49
-	// built it and tested its plan against a CPU emulation of the kernel,
-	// and lost its device time before the driver tests and the A/B of
+	// built it and ran its source on the CPU (TestKernelsEmulated), and
+	// lost its device time before the driver tests and the A/B of
 	// scripts/gpu-pending.sh ran.
 	UnitSums bool
 }

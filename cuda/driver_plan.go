@@ -386,7 +386,7 @@ const (
 )
 
 // kUnitBytes is the most bytes of one kv_sum_units unit: a warp's work,
-// 128 of its 16-byte loads. Long spans (page runs) are cut into units of
+// 128 16-byte loads a lane. Long spans (page runs) are cut into units of
 // this size, so that a transfer of a few long runs still spreads over
 // every multiprocessor; a multiple of 16 keeps each unit's alignment.
 const kUnitBytes = 64 << 10
