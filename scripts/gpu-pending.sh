@@ -142,10 +142,14 @@ vllm)
 	# 24.4: the same pace asked by the connector (Kvtier-Pace) for the load
 	# beside the decoders only: the lone hit goes at full speed
 	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
+	# 24.4: kv_sum_units (once the cuda set has passed): with the
+	# connector's pace, at full speed, and without the batch ramp
+	step itl-conn10-units 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10w4 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10 --restore-pace-window 4ms" OUT_DIR="$R/itl-pace10w4" \
 		bash scripts/gpu-vllm.sh "$BIN"
