@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -26,15 +27,9 @@ import (
 // the driver tests (TestDriverUnitSums, TestDriverConformance) run them
 // on one.
 func TestKernelsEmulated(t *testing.T) {
-	cxx, err := exec.LookPath("g++")
-	if err != nil {
-		t.Fatalf("the kernel emulation needs g++ (Debian: apt-get install g++): %v", err)
-	}
-	bin := filepath.Join(t.TempDir(), "kvemu")
-	if out, err := exec.Command(cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", bin, "kernels/testdata/kvemu.cc").CombinedOutput(); err != nil {
-		t.Fatalf("building the emulation: %v\n%s", err, out)
-	}
+	bin := buildKernelEmulation(t)
 	r := rand.New(rand.NewPCG(49, 2))
+	var err error
 	const base = 0 // the image's offsets are the tables' addresses
 	img := make([]byte, 192<<10)
 	for i := range img {
@@ -87,7 +82,7 @@ func TestKernelsEmulated(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, blocks := range []int{1, 3} {
-				parts := emulateKernel(t, bin, kernel, blocks, p, img)
+				parts := emulateKernel(t, bin, kernel, blocks, p, img, nil, kFlagSum)
 				for i, pk := range want {
 					if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
 						t.Fatalf("trial %d, kv_%s on %d blocks: object %d (%d B, %d spans, %d batches): sum %#x, want %#x",
@@ -99,9 +94,26 @@ func TestKernelsEmulated(t *testing.T) {
 	}
 }
 
-// emulateKernel runs kernel over each batch of p on the emulation and
-// returns every object's partials, summed over the batches.
-func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, img []byte) []uint64 {
+// buildKernelEmulation compiles kernels/testdata/kvemu.cc with kvcopy.cu.
+func buildKernelEmulation(t *testing.T) string {
+	t.Helper()
+	cxx, err := exec.LookPath("g++")
+	if err != nil {
+		t.Fatalf("the kernel emulation needs g++ (Debian: apt-get install g++): %v", err)
+	}
+	bin := filepath.Join(t.TempDir(), "kvemu")
+	if out, err := exec.Command(cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", bin, "kernels/testdata/kvemu.cc").CombinedOutput(); err != nil {
+		t.Fatalf("building the emulation: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// emulateKernel runs kernel over each batch of p on the emulation, with
+// flags, and returns every object's partials, summed over the batches;
+// img (the device memory the spans address) and host (the packed side of
+// gather and scatter, nil for the checksum kernels) end as the kernel
+// left them.
+func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, img, host []byte, flags uint32) []uint64 {
 	t.Helper()
 	l := p.layout()
 	buf := make([]byte, l.size)
@@ -111,12 +123,14 @@ func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, im
 	file := filepath.Join(t.TempDir(), "tables")
 	for bi, b := range p.batches {
 		var w bytes.Buffer
-		for _, v := range []uint64{uint64(len(b.segs)), uint64(len(p.spans)), b.nchunks, uint64(p.nobj), uint64(len(img)), kFlagSum} {
+		for _, v := range []uint64{uint64(len(b.segs)), uint64(len(p.spans)), b.nchunks, uint64(p.nobj), uint64(len(img)), uint64(flags), uint64(len(host))} {
 			_ = binary.Write(&w, binary.LittleEndian, v)
 		}
 		w.Write(buf[l.segs[bi] : l.segs[bi]+uint64(len(b.segs))*kSegSize])
 		w.Write(spans)
+		head := w.Len()
 		w.Write(img)
+		w.Write(host)
 		if err := os.WriteFile(file, w.Bytes(), 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -124,6 +138,12 @@ func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, im
 		if err != nil {
 			t.Fatalf("kvemu %s, batch %d: %v", kernel, bi, err)
 		}
+		back, err := os.ReadFile(file)
+		if err != nil || len(back) != head+len(img)+len(host) {
+			t.Fatalf("kvemu %s, batch %d: %d bytes back, want %d (%v)", kernel, bi, len(back), head+len(img)+len(host), err)
+		}
+		copy(img, back[head:])
+		copy(host, back[head+len(img):])
 		sc := bufio.NewScanner(bytes.NewReader(out))
 		for i := range partials {
 			if !sc.Scan() {
@@ -137,4 +157,97 @@ func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, im
 		}
 	}
 	return partials
+}
+
+// The copy kernels' own source on the CPU (kernels/testdata/kvemu.cc), in
+// direct mode (planDirect: the packed side is the host buffer): a gather
+// packs every object's spans (any alignment and length, 561-byte rows
+// among them) at its host offset, each object's sum its kvsum64, and
+// writes no other byte of the host buffer; the read-back pass
+// (FLAG_NOSTORE) gives the same sums and writes nothing; a scatter places
+// every object's packed bytes in its spans, sums them, and writes no byte
+// outside them (C3), with grids of one and of three blocks.
+func TestCopyKernelsEmulated(t *testing.T) {
+	bin := buildKernelEmulation(t)
+	r := rand.New(rand.NewPCG(49, 3))
+	const slot = 4096 // a scatter's spans each in a slot of their own: disjoint
+	img := make([]byte, 48*slot)
+	for trial := range 8 {
+		for i := range img {
+			img[i] = byte(r.Uint32())
+		}
+		slots := r.Perm(len(img) / slot)
+		var objs []xferObject
+		var want [][]byte
+		var host uint64
+		for o := 0; o+4 <= len(slots) && len(objs) < 8; o += 4 {
+			x := xferObject{hostOff: host + uint64(r.IntN(40))}
+			var packed []byte
+			for _, s := range slots[o : o+1+r.IntN(4)] {
+				n := uint64(1 + r.IntN(slot-64))
+				if r.IntN(3) == 0 {
+					n = 561
+				}
+				off := uint64(s*slot) + uint64(r.IntN(slot-int(n)))
+				x.spans = append(x.spans, kSpan{ptr: off, objOff: x.len, len: n})
+				x.len += n
+				packed = append(packed, img[off:off+n]...)
+			}
+			objs = append(objs, x)
+			want = append(want, packed)
+			host = x.hostOff + x.len
+		}
+		hostLen := host + uint64(r.IntN(40))
+		p, err := planDirect(objs, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fill := func(n uint64) []byte { return bytes.Repeat([]byte{0xee}, int(n)) }
+		checkSums := func(what string, parts []uint64) {
+			t.Helper()
+			for i, pk := range want {
+				if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
+					t.Fatalf("trial %d, %s: object %d (%d B, %d spans): sum %#x, want %#x", trial, what, i, len(pk), len(objs[i].spans), got, checksum.Sum(pk))
+				}
+			}
+		}
+		for _, blocks := range []int{1, 3} {
+			// Gather: packed at each host offset, nothing else written.
+			hb, im := fill(hostLen), slices.Clone(img)
+			checkSums("gather", emulateKernel(t, bin, "gather", blocks, p, im, hb, kFlagSum))
+			wantHost := fill(hostLen)
+			for i, x := range objs {
+				copy(wantHost[x.hostOff:], want[i])
+			}
+			if !bytes.Equal(hb, wantHost) || !bytes.Equal(im, img) {
+				t.Fatalf("trial %d, gather on %d blocks: the host buffer (or the pages) differ from the packed objects", trial, blocks)
+			}
+			// The read-back pass: the same sums, nothing written.
+			hb = fill(hostLen)
+			checkSums("read-back", emulateKernel(t, bin, "gather", blocks, p, im, hb, kFlagSum|kFlagNoStore))
+			if !bytes.Equal(hb, fill(hostLen)) {
+				t.Fatalf("trial %d, read-back on %d blocks: wrote the host buffer", trial, blocks)
+			}
+			// Scatter: the packed objects into pages that held other bytes.
+			im = make([]byte, len(img))
+			for i := range im {
+				im[i] = byte(i*7 + 3)
+			}
+			wantImg := slices.Clone(im)
+			for _, x := range objs {
+				for _, sp := range x.spans {
+					copy(wantImg[sp.ptr:sp.ptr+sp.len], img[sp.ptr:sp.ptr+sp.len])
+				}
+			}
+			hb = slices.Clone(wantHost)
+			checkSums("scatter", emulateKernel(t, bin, "scatter", blocks, p, im, hb, kFlagSum))
+			if !bytes.Equal(im, wantImg) {
+				for i := range im {
+					if im[i] != wantImg[i] {
+						t.Fatalf("trial %d, scatter on %d blocks: page byte %d is %#x, want %#x", trial, blocks, i, im[i], wantImg[i])
+					}
+				}
+			}
+		}
+	}
 }

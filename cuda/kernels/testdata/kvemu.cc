@@ -1,18 +1,21 @@
-// kvemu.cc runs kvcopy.cu's checksum kernels on the CPU for package cuda's
-// tests (kernelemu_test.go), which have no GPU: every lane of a warp is a
+// kvemu.cc runs kvcopy.cu's kernels on the CPU for package cuda's tests
+// (kernelemu_test.go), which have no GPU: every lane of a warp is a
 // thread, the warp's shuffles meet at a barrier, a block's warps and the
 // grid's blocks run one after the other (the kernels never synchronize
 // beyond a warp), the atomics are the host's. The kernel source is
 // compiled as it is, with KV_HOST_EMULATION and the intrinsics below.
 //
-//	kvemu KERNEL BLOCKS TABLES    KERNEL: checksum | units
+//	kvemu KERNEL BLOCKS FILE    KERNEL: checksum | units | gather | scatter
 //
-// TABLES is what the test wrote: a header of six little-endian uint64
-// (segments, spans, chunks, objects, image bytes, flags), the segments as
-// struct Seg, the spans as struct Span, then the image whose offsets the
-// tables' device addresses are (relocated here to the image in memory:
-// a span's ptr for kv_checksum, a unit's packed for kv_sum_units). It
-// prints every object's partial sum, one hexadecimal number a line.
+// FILE is what the test wrote: a header of seven little-endian uint64
+// (segments, spans, chunks, objects, image bytes, flags, host bytes), the
+// segments as struct Seg, the spans as struct Span, the image (device
+// memory: the pages) and the host buffer (the packed side of gather and
+// scatter). The tables' addresses are offsets, relocated here: a span's
+// ptr into the image, a segment's packed into the host buffer (gather,
+// scatter) or a unit's into the image (units). kvemu prints every
+// object's partial sum, one hexadecimal number a line, and writes the
+// image and the host buffer back into FILE as the kernel left them.
 #include <atomic>
 #include <barrier>
 #include <cstdint>
@@ -68,34 +71,48 @@ static long long __nvvm_atom_add_gen_ll(long long *p, long long v) {
 
 typedef void Kernel(const Seg *, u32, const Span *, u64, u64 *, u32);
 
+// aligned16 returns a 16-aligned region of n bytes (and 16 of slack: an
+// aligned 16-byte load of the last chunk stays inside) within v.
+static unsigned char *aligned16(std::vector<unsigned char> &v, u64 n) {
+	v.assign(n + 48, 0);
+	return v.data() + (16 - (uintptr_t)v.data() % 16) % 16;
+}
+
 int main(int argc, char **argv) {
 	if (argc != 4) {
-		fprintf(stderr, "usage: kvemu checksum|units BLOCKS TABLES\n");
+		fprintf(stderr, "usage: kvemu checksum|units|gather|scatter BLOCKS FILE\n");
 		return 2;
 	}
-	Kernel *k = strcmp(argv[1], "units") == 0 ? kv_sum_units : kv_checksum;
+	const char *name = argv[1];
+	Kernel *k = strcmp(name, "units") == 0 ? kv_sum_units
+	          : strcmp(name, "gather") == 0 ? kv_gather
+	          : strcmp(name, "scatter") == 0 ? kv_scatter
+	          : kv_checksum;
 	unsigned blocks = (unsigned)atoi(argv[2]);
 	FILE *f = fopen(argv[3], "rb");
-	u64 h[6];
-	if (!f || fread(h, 8, 6, f) != 6) {
+	u64 h[7];
+	if (!f || fread(h, 8, 7, f) != 7) {
 		fprintf(stderr, "kvemu: cannot read %s\n", argv[3]);
 		return 2;
 	}
 	std::vector<Seg> segs(h[0]);
 	std::vector<Span> spans(h[1]);
 	std::vector<u64> partials(h[3]);
-	std::vector<unsigned char> img(h[4] + 16);
-	unsigned char *base = img.data() + (16 - (uintptr_t)img.data() % 16) % 16; // 16-aligned, as device memory is
+	std::vector<unsigned char> imgv, hostv;
+	unsigned char *img = aligned16(imgv, h[4]), *host = aligned16(hostv, h[6]);
 	if (fread(segs.data(), sizeof(Seg), segs.size(), f) != segs.size() ||
-	    fread(spans.data(), sizeof(Span), spans.size(), f) != spans.size() || fread(base, 1, h[4], f) != h[4]) {
+	    fread(spans.data(), sizeof(Span), spans.size(), f) != spans.size() || fread(img, 1, h[4], f) != h[4] ||
+	    fread(host, 1, h[6], f) != h[6]) {
 		fprintf(stderr, "kvemu: %s is short\n", argv[3]);
 		return 2;
 	}
 	fclose(f);
 	if (k == kv_sum_units) {
-		for (Seg &s : segs) s.packed += (u64)(uintptr_t)base;
+		for (Seg &s : segs) s.packed += (u64)(uintptr_t)img;
 	} else {
-		for (Span &s : spans) s.ptr += (u64)(uintptr_t)base;
+		for (Span &s : spans) s.ptr += (u64)(uintptr_t)img;
+		if (k != kv_checksum)
+			for (Seg &s : segs) s.packed += (u64)(uintptr_t)host;
 	}
 	for (unsigned b = 0; b < blocks; b++) {
 		for (unsigned w = 0; w < NT / 32; w++) {
@@ -111,5 +128,11 @@ int main(int argc, char **argv) {
 		}
 	}
 	for (u64 p : partials) printf("%016llx\n", (unsigned long long)p);
+	f = fopen(argv[3], "r+b");
+	if (!f || fseek(f, (long)(8 * 7 + sizeof(Seg) * segs.size() + sizeof(Span) * spans.size()), SEEK_SET) != 0 ||
+	    fwrite(img, 1, h[4], f) != h[4] || fwrite(host, 1, h[6], f) != h[6] || fclose(f) != 0) {
+		fprintf(stderr, "kvemu: cannot write %s back\n", argv[3]);
+		return 2;
+	}
 	return 0;
 }
