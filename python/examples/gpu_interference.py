@@ -185,19 +185,28 @@ def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, l
             p.wait()
 
 
-def traffic_rate(log: str) -> dict[str, Any]:
+def traffic_rate(log: str, patience: float = 3.0) -> dict[str, Any]:
     """The traffic's own rate, from the last progress line of
-    enginesim --bench-traffic in its log (gpu-bench.sh prints it when the
-    loop is stopped); empty when the command printed none."""
+    enginesim --bench-traffic in its log (enginesim prints it when the
+    loop is stopped, which may be after its parent shell has exited: the
+    log is read again for up to `patience` seconds); empty when the
+    command printed none (said so)."""
     last: dict[str, Any] = {}
-    with open(log, errors="replace") as f:
-        for line in f:
-            m = re.search(r"bench traffic: (\d+) restores in ([\d.]+) s, ([\d.]+) GB/s", line)
-            if m:
-                last = {"traffic_restores": int(m[1]), "traffic_s": float(m[2]), "traffic_gbps": float(m[3])}
+    end = time.monotonic() + patience
+    while True:
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = re.search(r"bench traffic: (\d+) restores in ([\d.]+) s, ([\d.]+) GB/s", line)
+                if m:
+                    last = {"traffic_restores": int(m[1]), "traffic_s": float(m[2]), "traffic_gbps": float(m[3])}
+        if last or time.monotonic() >= end:
+            break
+        time.sleep(0.1)
     if last:
         print(f"interference: the traffic restored {last['traffic_restores']} times in {last['traffic_s']} s, "
-              f"{last['traffic_gbps']} GB/s")
+              f"{last['traffic_gbps']} GB/s", flush=True)
+    else:
+        print(f"interference: no traffic rate in {log}", flush=True)
     return last
 
 
