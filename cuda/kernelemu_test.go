@@ -17,8 +17,8 @@ import (
 )
 
 // The checksum kernels' own source, run on the CPU by
-// kernels/testdata/kvemu.cc (a thread per lane, the shuffles at a
-// barrier), over the tables planUnits and planSums encode: every object's
+// kernels/testdata/kvemu.cc (a coroutine per lane, a warp's shuffles
+// taken in turn), over the tables planUnits and planSums encode: every object's
 // partials, summed over its batches, finish to the kvsum64 of its packed
 // bytes, for kv_sum_units on word-aligned spans (8- and 16-aligned, runs
 // longer than a unit, objects ending mid-word) and for kv_checksum on
@@ -102,7 +102,7 @@ func buildKernelEmulation(t *testing.T) string {
 		t.Fatalf("the kernel emulation needs g++ (Debian: apt-get install g++): %v", err)
 	}
 	bin := filepath.Join(t.TempDir(), "kvemu")
-	if out, err := exec.Command(cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", bin, "kernels/testdata/kvemu.cc").CombinedOutput(); err != nil {
+	if out, err := exec.Command(cxx, "-std=c++20", "-O1", "-w", "-o", bin, "kernels/testdata/kvemu.cc").CombinedOutput(); err != nil {
 		t.Fatalf("building the emulation: %v\n%s", err, out)
 	}
 	return bin

@@ -1,8 +1,11 @@
 // kvemu.cc runs kvcopy.cu's kernels on the CPU for package cuda's tests
 // (kernelemu_test.go), which have no GPU: every lane of a warp is a
-// thread, the warp's shuffles meet at a barrier, a block's warps and the
-// grid's blocks run one after the other (the kernels never synchronize
-// beyond a warp), the atomics are the host's. The kernel source is
+// coroutine (ucontext) of one thread, and at each shuffle a lane leaves
+// its value and passes to the next, so that a lane reads the others'
+// values once all 32 have left theirs; a block's warps and the grid's
+// blocks run one after the other (the kernels never synchronize beyond a
+// warp). The kernels' shuffles are warp-uniform, as the hardware needs
+// them to be, which this round robin relies on. The kernel source is
 // compiled as it is, with KV_HOST_EMULATION and the intrinsics below.
 //
 //	kvemu KERNEL BLOCKS FILE    KERNEL: checksum | units | gather | scatter
@@ -16,13 +19,11 @@
 // scatter) or a unit's into the image (units). kvemu prints every
 // object's partial sum, one hexadecimal number a line, and writes the
 // image and the host buffer back into FILE as the kernel left them.
-#include <atomic>
-#include <barrier>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 #define KV_HOST_EMULATION 1
@@ -30,41 +31,40 @@
 #define KV_DEVICE static inline
 #define KV_GLOBAL_AS
 
-struct Warp {
-	std::barrier<> bar{32};
-	unsigned xchg[32];
-};
+// The warp being run: its lanes' contexts, their shuffle counts, and two
+// exchange buffers used by turns (a lane writes one again only two
+// shuffles later, when every lane has read it).
+static ucontext_t main_, lanes_[32];
+static unsigned turn_[32], xchg_[2][32];
+static unsigned cur_, warp_, block_, blocks_;
 
-struct LaneState {
-	unsigned tid, ctaid, nctaid;
-	Warp *warp;
-};
-static thread_local LaneState lane_;
+static unsigned __nvvm_read_ptx_sreg_tid_x() { return warp_ * 32 + cur_; }
+static unsigned __nvvm_read_ptx_sreg_laneid() { return cur_; }
+static unsigned __nvvm_read_ptx_sreg_ctaid_x() { return block_; }
+static unsigned __nvvm_read_ptx_sreg_nctaid_x() { return blocks_; }
 
-static unsigned __nvvm_read_ptx_sreg_tid_x() { return lane_.tid; }
-static unsigned __nvvm_read_ptx_sreg_laneid() { return lane_.tid % 32; }
-static unsigned __nvvm_read_ptx_sreg_ctaid_x() { return lane_.ctaid; }
-static unsigned __nvvm_read_ptx_sreg_nctaid_x() { return lane_.nctaid; }
-
-// exchange publishes v and returns lane src's value (v itself when src is
+// exchange leaves v for the others, passes to the next lane, and once
+// every lane has left its value returns lane src's (v itself when src is
 // outside the warp, as shfl.sync's clamp does).
 static unsigned exchange(unsigned v, int src) {
-	Warp *w = lane_.warp;
-	unsigned me = lane_.tid % 32;
-	w->xchg[me] = v;
-	w->bar.arrive_and_wait();
-	unsigned r = (src >= 0 && src < 32) ? w->xchg[src] : v;
-	w->bar.arrive_and_wait();
-	return r;
+	unsigned me = cur_;
+	unsigned *x = xchg_[turn_[me]++ % 2];
+	x[me] = v;
+	cur_ = (me + 1) % 32;
+	swapcontext(&lanes_[me], &lanes_[(me + 1) % 32]);
+	cur_ = me;
+	return (src >= 0 && src < 32) ? x[src] : v;
 }
 static unsigned __nvvm_shfl_sync_down_i32(unsigned, unsigned v, unsigned d, unsigned) {
-	return exchange(v, (int)(lane_.tid % 32 + d));
+	return exchange(v, (int)(cur_ + d));
 }
 static unsigned __nvvm_shfl_sync_up_i32(unsigned, unsigned v, unsigned d, unsigned) {
-	return exchange(v, (int)(lane_.tid % 32) - (int)d);
+	return exchange(v, (int)cur_ - (int)d);
 }
 static long long __nvvm_atom_add_gen_ll(long long *p, long long v) {
-	return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+	long long old = *p;
+	*p = (long long)((unsigned long long)old + (unsigned long long)v);
+	return old;
 }
 
 #include "../kvcopy.cu"
@@ -114,17 +114,36 @@ int main(int argc, char **argv) {
 		if (k != kv_checksum)
 			for (Seg &s : segs) s.packed += (u64)(uintptr_t)host;
 	}
-	for (unsigned b = 0; b < blocks; b++) {
-		for (unsigned w = 0; w < NT / 32; w++) {
-			Warp warp;
-			std::vector<std::thread> lanes;
+	// The kernel's arguments, for the lanes' entry.
+	static Kernel *kern;
+	static const Seg *a_segs;
+	static u32 a_nsegs;
+	static const Span *a_spans;
+	static u64 a_nchunks, *a_partials;
+	static u32 a_flags;
+	kern = k, a_segs = segs.data(), a_nsegs = (u32)segs.size(), a_spans = spans.data(), a_nchunks = h[2],
+	a_partials = partials.data(), a_flags = (u32)h[5];
+	struct Entry {
+		static void run(int lane) {
+			cur_ = (unsigned)lane; // also when the lane before returned without a shuffle
+			kern(a_segs, a_nsegs, a_spans, a_nchunks, a_partials, a_flags);
+		}
+	};
+	std::vector<std::vector<char>> stacks(32, std::vector<char>(256 << 10));
+	blocks_ = blocks;
+	for (block_ = 0; block_ < blocks; block_++) {
+		for (warp_ = 0; warp_ < NT / 32; warp_++) {
+			// A lane that returns passes to the next; the last, back here.
 			for (unsigned l = 0; l < 32; l++) {
-				lanes.emplace_back([&, l] {
-					lane_ = LaneState{w * 32 + l, b, blocks, &warp};
-					k(segs.data(), (u32)segs.size(), spans.data(), h[2], partials.data(), (u32)h[5]);
-				});
+				getcontext(&lanes_[l]);
+				lanes_[l].uc_stack.ss_sp = stacks[l].data();
+				lanes_[l].uc_stack.ss_size = stacks[l].size();
+				lanes_[l].uc_link = l == 31 ? &main_ : &lanes_[l + 1];
+				makecontext(&lanes_[l], (void (*)())Entry::run, 1, (int)l);
+				turn_[l] = 0;
 			}
-			for (auto &t : lanes) t.join();
+			cur_ = 0;
+			swapcontext(&main_, &lanes_[0]);
 		}
 	}
 	for (u64 p : partials) printf("%016llx\n", (unsigned long long)p);
