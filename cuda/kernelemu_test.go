@@ -115,63 +115,80 @@ func buildKernelEmulation(t *testing.T) string {
 // left them.
 func emulateKernel(t *testing.T, bin, kernel string, blocks int, p *xferPlan, img, host []byte, flags uint32) []uint64 {
 	t.Helper()
-	l := p.layout()
-	buf := make([]byte, l.size)
-	p.encode(buf, l)
-	spans := buf[:len(p.spans)*kSpanSize]
 	partials := make([]uint64, p.nobj)
-	file := filepath.Join(t.TempDir(), "tables")
-	for bi, b := range p.batches {
-		var w bytes.Buffer
-		for _, v := range []uint64{uint64(len(b.segs)), uint64(len(p.spans)), b.nchunks, uint64(p.nobj), uint64(len(img)), uint64(flags), uint64(len(host))} {
-			_ = binary.Write(&w, binary.LittleEndian, v)
-		}
-		w.Write(buf[l.segs[bi] : l.segs[bi]+uint64(len(b.segs))*kSegSize])
-		w.Write(spans)
-		head := w.Len()
-		w.Write(img)
-		w.Write(host)
-		if err := os.WriteFile(file, w.Bytes(), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		out, err := exec.Command(bin, kernel, strconv.Itoa(blocks), file).Output()
-		if err != nil {
-			t.Fatalf("kvemu %s, batch %d: %v", kernel, bi, err)
-		}
-		back, err := os.ReadFile(file)
-		if err != nil || len(back) != head+len(img)+len(host) {
-			t.Fatalf("kvemu %s, batch %d: %d bytes back, want %d (%v)", kernel, bi, len(back), head+len(img)+len(host), err)
-		}
-		copy(img, back[head:])
-		copy(host, back[head+len(img):])
-		sc := bufio.NewScanner(bytes.NewReader(out))
-		for i := range partials {
-			if !sc.Scan() {
-				t.Fatalf("kvemu %s, batch %d: %d partials, want %d", kernel, bi, i, len(partials))
-			}
-			v, err := strconv.ParseUint(sc.Text(), 16, 64)
-			if err != nil {
-				t.Fatal(fmt.Errorf("kvemu %s: %w", kernel, err))
-			}
+	for bi := range p.batches {
+		for i, v := range emulateBatch(t, bin, kernel, blocks, p, bi, img, host, flags) {
 			partials[i] += v
 		}
 	}
 	return partials
 }
 
+// emulateBatch runs kernel over batch bi of p: emulateKernel for one
+// batch, the packed side (host) being whatever the batch's segments
+// address (a staging buffer for planStaged's).
+func emulateBatch(t *testing.T, bin, kernel string, blocks int, p *xferPlan, bi int, img, host []byte, flags uint32) []uint64 {
+	t.Helper()
+	l := p.layout()
+	buf := make([]byte, l.size)
+	p.encode(buf, l)
+	b := p.batches[bi]
+	var w bytes.Buffer
+	for _, v := range []uint64{uint64(len(b.segs)), uint64(len(p.spans)), b.nchunks, uint64(p.nobj), uint64(len(img)), uint64(flags), uint64(len(host))} {
+		_ = binary.Write(&w, binary.LittleEndian, v)
+	}
+	w.Write(buf[l.segs[bi] : l.segs[bi]+uint64(len(b.segs))*kSegSize])
+	w.Write(buf[:len(p.spans)*kSpanSize])
+	head := w.Len()
+	w.Write(img)
+	w.Write(host)
+	file := filepath.Join(t.TempDir(), "tables")
+	if err := os.WriteFile(file, w.Bytes(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(bin, kernel, strconv.Itoa(blocks), file).Output()
+	if err != nil {
+		t.Fatalf("kvemu %s, batch %d: %v", kernel, bi, err)
+	}
+	back, err := os.ReadFile(file)
+	if err != nil || len(back) != head+len(img)+len(host) {
+		t.Fatalf("kvemu %s, batch %d: %d bytes back, want %d (%v)", kernel, bi, len(back), head+len(img)+len(host), err)
+	}
+	copy(img, back[head:])
+	copy(host, back[head+len(img):])
+	partials := make([]uint64, p.nobj)
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for i := range partials {
+		if !sc.Scan() {
+			t.Fatalf("kvemu %s, batch %d: %d partials, want %d", kernel, bi, i, len(partials))
+		}
+		v, err := strconv.ParseUint(sc.Text(), 16, 64)
+		if err != nil {
+			t.Fatal(fmt.Errorf("kvemu %s: %w", kernel, err))
+		}
+		partials[i] = v
+	}
+	return partials
+}
+
 // The copy kernels' own source on the CPU (kernels/testdata/kvemu.cc), in
-// direct mode (planDirect: the packed side is the host buffer): a gather
-// packs every object's spans (any alignment and length, 561-byte rows
-// among them) at its host offset, each object's sum its kvsum64, and
-// writes no other byte of the host buffer; the read-back pass
-// (FLAG_NOSTORE) gives the same sums and writes nothing; a scatter places
-// every object's packed bytes in its spans, sums them, and writes no byte
-// outside them (C3), with grids of one and of three blocks.
+// direct mode (planDirect: the packed side is the host buffer) and staged
+// (planStaged: each batch packed into or unpacked from a half of a
+// staging buffer of a few pages, the half's runs copied to or from the
+// host buffer, objects cut across batches): a gather packs every object's
+// spans (any alignment and length, 561-byte rows among them) at its host
+// offset, each object's sum its kvsum64, and writes no other byte of the
+// host buffer; the read-back pass (FLAG_NOSTORE) gives the same sums and
+// writes nothing; a scatter places every object's packed bytes in its
+// spans, sums them, and writes no byte outside them (C3), with grids of
+// one and of three blocks.
 func TestCopyKernelsEmulated(t *testing.T) {
 	bin := buildKernelEmulation(t)
 	r := rand.New(rand.NewPCG(49, 3))
 	const slot = 4096 // a scatter's spans each in a slot of their own: disjoint
+	const half = 3*minPiece + 16*7
 	img := make([]byte, 48*slot)
+	fill := func(n uint64) []byte { return bytes.Repeat([]byte{0xee}, int(n)) }
 	for trial := range 8 {
 		for i := range img {
 			img[i] = byte(r.Uint32())
@@ -198,53 +215,87 @@ func TestCopyKernelsEmulated(t *testing.T) {
 			host = x.hostOff + x.len
 		}
 		hostLen := host + uint64(r.IntN(40))
-		p, err := planDirect(objs, 0)
+		wantHost := fill(hostLen)
+		for i, x := range objs {
+			copy(wantHost[x.hostOff:], want[i])
+		}
+		pad := make([]byte, len(img))
+		for i := range pad {
+			pad[i] = byte(i*7 + 3)
+		}
+		wantImg := slices.Clone(pad)
+		for _, x := range objs {
+			for _, sp := range x.spans {
+				copy(wantImg[sp.ptr:sp.ptr+sp.len], img[sp.ptr:sp.ptr+sp.len])
+			}
+		}
+		direct, err := planDirect(objs, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		fill := func(n uint64) []byte { return bytes.Repeat([]byte{0xee}, int(n)) }
-		checkSums := func(what string, parts []uint64) {
-			t.Helper()
-			for i, pk := range want {
-				if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
-					t.Fatalf("trial %d, %s: object %d (%d B, %d spans): sum %#x, want %#x", trial, what, i, len(pk), len(objs[i].spans), got, checksum.Sum(pk))
-				}
-			}
+		staged, err := planStaged(objs, [2]uint64{0, half}, half)
+		if err != nil {
+			t.Fatal(err)
 		}
-		for _, blocks := range []int{1, 3} {
-			// Gather: packed at each host offset, nothing else written.
-			hb, im := fill(hostLen), slices.Clone(img)
-			checkSums("gather", emulateKernel(t, bin, "gather", blocks, p, im, hb, kFlagSum))
-			wantHost := fill(hostLen)
-			for i, x := range objs {
-				copy(wantHost[x.hostOff:], want[i])
+		if len(staged.batches) < 2 {
+			t.Fatalf("trial %d: %d staged batches, want several", trial, len(staged.batches))
+		}
+		// run moves the packed side through kernel: direct, on the host
+		// buffer hb; staged, batch by batch through the staging halves.
+		run := func(mode, kernel string, blocks int, im, hb []byte, flags uint32) []uint64 {
+			if mode == "direct" {
+				return emulateKernel(t, bin, kernel, blocks, direct, im, hb, flags)
 			}
-			if !bytes.Equal(hb, wantHost) || !bytes.Equal(im, img) {
-				t.Fatalf("trial %d, gather on %d blocks: the host buffer (or the pages) differ from the packed objects", trial, blocks)
-			}
-			// The read-back pass: the same sums, nothing written.
-			hb = fill(hostLen)
-			checkSums("read-back", emulateKernel(t, bin, "gather", blocks, p, im, hb, kFlagSum|kFlagNoStore))
-			if !bytes.Equal(hb, fill(hostLen)) {
-				t.Fatalf("trial %d, read-back on %d blocks: wrote the host buffer", trial, blocks)
-			}
-			// Scatter: the packed objects into pages that held other bytes.
-			im = make([]byte, len(img))
-			for i := range im {
-				im[i] = byte(i*7 + 3)
-			}
-			wantImg := slices.Clone(im)
-			for _, x := range objs {
-				for _, sp := range x.spans {
-					copy(wantImg[sp.ptr:sp.ptr+sp.len], img[sp.ptr:sp.ptr+sp.len])
+			parts := make([]uint64, len(objs))
+			stage := make([]byte, 2*half)
+			for bi, b := range staged.batches {
+				if kernel == "scatter" {
+					for _, rn := range b.runs {
+						off := uint64(b.half)*half + rn.staging
+						copy(stage[off:off+rn.len], hb[rn.host:rn.host+rn.len])
+					}
+				}
+				for i, v := range emulateBatch(t, bin, kernel, blocks, staged, bi, im, stage, flags) {
+					parts[i] += v
+				}
+				if kernel == "gather" && flags&kFlagNoStore == 0 {
+					for _, rn := range b.runs {
+						off := uint64(b.half)*half + rn.staging
+						copy(hb[rn.host:rn.host+rn.len], stage[off:off+rn.len])
+					}
 				}
 			}
-			hb = slices.Clone(wantHost)
-			checkSums("scatter", emulateKernel(t, bin, "scatter", blocks, p, im, hb, kFlagSum))
-			if !bytes.Equal(im, wantImg) {
+			return parts
+		}
+		for _, mode := range []string{"direct", "staged"} {
+			for _, blocks := range []int{1, 3} {
+				what := fmt.Sprintf("trial %d, %s on %d blocks", trial, mode, blocks)
+				checkSums := func(kernel string, parts []uint64) {
+					t.Helper()
+					for i, pk := range want {
+						if got := checksum.Finish(parts[i], objs[i].len); got != checksum.Sum(pk) {
+							t.Fatalf("%s, %s: object %d (%d B, %d spans): sum %#x, want %#x", what, kernel, i, len(pk), len(objs[i].spans), got, checksum.Sum(pk))
+						}
+					}
+				}
+				// Gather: packed at each host offset, nothing else written.
+				hb, im := fill(hostLen), slices.Clone(img)
+				checkSums("gather", run(mode, "gather", blocks, im, hb, kFlagSum))
+				if !bytes.Equal(hb, wantHost) || !bytes.Equal(im, img) {
+					t.Fatalf("%s, gather: the host buffer (or the pages) differ from the packed objects", what)
+				}
+				// The read-back pass: the same sums, nothing written.
+				hb = fill(hostLen)
+				checkSums("read-back", run(mode, "gather", blocks, im, hb, kFlagSum|kFlagNoStore))
+				if !bytes.Equal(hb, fill(hostLen)) {
+					t.Fatalf("%s, read-back: wrote the host buffer", what)
+				}
+				// Scatter: the packed objects into pages that held other bytes.
+				im, hb = slices.Clone(pad), slices.Clone(wantHost)
+				checkSums("scatter", run(mode, "scatter", blocks, im, hb, kFlagSum))
 				for i := range im {
 					if im[i] != wantImg[i] {
-						t.Fatalf("trial %d, scatter on %d blocks: page byte %d is %#x, want %#x", trial, blocks, i, im[i], wantImg[i])
+						t.Fatalf("%s, scatter: page byte %d is %#x, want %#x", what, i, im[i], wantImg[i])
 					}
 				}
 			}
