@@ -439,28 +439,7 @@ func TestPlanUnitsGivesTheSums(t *testing.T) {
 	read := func(ptr, n uint64) []byte { return img[ptr-base : ptr-base+n] }
 	units := 0
 	for trial := range 300 {
-		var objs []xferObject
-		var want [][]byte
-		for range 1 + r.IntN(6) {
-			var o xferObject
-			var packed []byte
-			nsp := r.IntN(5)
-			for k := range nsp {
-				n := uint64(8 * (1 + r.IntN(64)))
-				if r.IntN(8) == 0 {
-					n = uint64(8 * (1 + r.IntN(len(img)/8-16))) // up to three units
-				}
-				if k == nsp-1 && r.IntN(2) == 0 {
-					n += uint64(1 + r.IntN(7)) // the object ends mid-word
-				}
-				off := uint64(8 * r.IntN((len(img)-int(n))/8))
-				o.spans = append(o.spans, kSpan{ptr: base + off, objOff: o.len, len: n})
-				o.len += n
-				packed = append(packed, img[off:off+n]...)
-			}
-			objs = append(objs, o)
-			want = append(want, packed)
-		}
+		objs, want := randomWordObjects(r, img, base, 6, 5, 64, true)
 		batch := uint64(1 + r.IntN(4*kUnitBytes))
 		p, ends, ok, err := planUnits(objs, batch)
 		if err != nil || !ok {
@@ -522,4 +501,42 @@ func TestPlanUnitsRefusesUnalignedSpans(t *testing.T) {
 			t.Errorf("%s: batches %+v", c.name, p.batches)
 		}
 	}
+}
+
+// randomWordObjects makes up to maxObjs objects of up to maxSpans spans each
+// over img (at device address base), and their packed bytes: spans of up
+// to short words, one in seven longer (up to the image less 8 KiB);
+// aligned: at 8-aligned offsets, half of them 16-aligned, an object's
+// last span ending mid-word half the time; else at any offset and of any
+// length.
+func randomWordObjects(r *rand.Rand, img []byte, base uint64, maxObjs, maxSpans, short int, aligned bool) ([]xferObject, [][]byte) {
+	var objs []xferObject
+	var want [][]byte
+	for range 1 + r.IntN(maxObjs) {
+		var o xferObject
+		var packed []byte
+		nsp := r.IntN(maxSpans + 1)
+		for k := range nsp {
+			n := uint64(8 * (1 + r.IntN(short)))
+			if r.IntN(7) == 0 {
+				n = uint64(8 * (1 + r.IntN(len(img)/8-1024)))
+			}
+			off := uint64(8 * r.IntN((len(img)-int(n))/8))
+			switch {
+			case !aligned:
+				n, off = n-uint64(r.IntN(8)), off+uint64(r.IntN(8))
+			case r.IntN(2) == 0:
+				off &^= 15
+			}
+			if aligned && k == nsp-1 && r.IntN(2) == 0 {
+				n -= uint64(1 + r.IntN(7)) // the object ends mid-word
+			}
+			o.spans = append(o.spans, kSpan{ptr: base + off, objOff: o.len, len: n})
+			o.len += n
+			packed = append(packed, img[off:off+n]...)
+		}
+		objs = append(objs, o)
+		want = append(want, packed)
+	}
+	return objs, want
 }

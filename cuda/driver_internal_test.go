@@ -158,27 +158,35 @@ func TestDriverStagedBatches(t *testing.T) {
 		host += uint64(len(want)) + uint64(r.IntN(3))*7
 	}
 	hb := must(d.AllocHost(host + 9))(t)
-	op := must(s.Gather(hb, gObjs))(t)
-	if err := op.Wait(ctxT(t)); err != nil {
-		t.Fatal(err)
-	}
-	for i, o := range gObjs {
-		if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
-			t.Fatalf("object %d differs", i)
-		}
-		if op.Sums()[i] != checksum.Sum(packed[i]) {
-			t.Fatalf("object %d: sum differs", i)
-		}
-	}
+	gsums := gatherChecked(t, s, hb, gObjs, packed)
 	sums := scatterChecked(t, d, s, hb, sObjs, dst, img, pad)
 	for i := range sObjs {
-		if sums[i] != op.Sums()[i] {
+		if sums[i] != gsums[i] {
 			t.Fatalf("object %d: scatter sum differs", i)
 		}
 	}
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// gatherChecked gathers objs into hb and checks every object's packed
+// bytes and its sum (kvsum64 of packed[i]); it returns the sums.
+func gatherChecked(t *testing.T, s Stream, hb HostBuf, objs []Object, packed [][]byte) []uint64 {
+	t.Helper()
+	op := must(s.Gather(hb, objs))(t)
+	if err := op.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range objs {
+		if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
+			t.Fatalf("object %d differs", i)
+		}
+		if op.Sums()[i] != checksum.Sum(packed[i]) {
+			t.Fatalf("object %d: gather sum differs", i)
+		}
+	}
+	return op.Sums()
 }
 
 // scatterChecked scatters objs from hb into dst, a pool that held pad and
@@ -405,18 +413,7 @@ func TestDriverUnitSums(t *testing.T) {
 			}
 			before := d.unitLaunches.Load()
 			hb := must(d.AllocHost(host))(t)
-			op := must(s.Gather(hb, gObjs))(t)
-			if err := op.Wait(ctxT(t)); err != nil {
-				t.Fatal(err)
-			}
-			for i, o := range gObjs {
-				if !bytes.Equal(hb.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
-					t.Fatalf("object %d differs", i)
-				}
-				if op.Sums()[i] != checksum.Sum(packed[i]) {
-					t.Fatalf("gather sum of object %d differs", i)
-				}
-			}
+			gatherChecked(t, s, hb, gObjs, packed)
 			sums := scatterChecked(t, d, s, hb, sObjs, dst, img, pad)
 			for i := range sObjs {
 				if sums[i] != checksum.Sum(packed[i]) {

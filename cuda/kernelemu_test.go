@@ -37,34 +37,7 @@ func TestKernelsEmulated(t *testing.T) {
 	}
 	for trial := range 10 {
 		for _, units := range []bool{true, false} {
-			var objs []xferObject
-			var want [][]byte
-			for range 1 + r.IntN(4) {
-				var o xferObject
-				var packed []byte
-				nsp := r.IntN(4)
-				for k := range nsp {
-					n := uint64(8 * (1 + r.IntN(512)))
-					if r.IntN(6) == 0 {
-						n = uint64(8 * (1 + r.IntN(len(img)/8-1024))) // beyond a unit
-					}
-					off := uint64(8 * r.IntN((len(img)-int(n))/8))
-					if units && r.IntN(2) == 0 {
-						off &^= 15 // 16-aligned pieces take the vector loop
-					}
-					if !units {
-						n, off = n-uint64(r.IntN(8)), off+uint64(r.IntN(8)) // any alignment, any length
-					}
-					if units && k == nsp-1 && r.IntN(2) == 0 {
-						n -= uint64(1 + r.IntN(7)) // the object ends mid-word
-					}
-					o.spans = append(o.spans, kSpan{ptr: base + off, objOff: o.len, len: n})
-					o.len += n
-					packed = append(packed, img[off:off+n]...)
-				}
-				objs = append(objs, o)
-				want = append(want, packed)
-			}
+			objs, want := randomWordObjects(r, img, base, 4, 3, 512, units)
 			batch := uint64(1 + r.IntN(96<<10))
 			var p *xferPlan
 			kernel := "units"
