@@ -93,9 +93,11 @@ type driverDevice struct {
 	// unitLaunches counts the kv_sum_units launches (the tests' proof of
 	// which checksum kernel verified a transfer).
 	unitLaunches atomic.Uint64
-	// sumOnly, set by a benchmark before the device is shared, makes a
-	// DMA transfer enqueue its checksum kernels alone, every batch with
-	// this many blocks per multiprocessor, and no copy (0: off).
+	// sumOnly, set only by BenchmarkDriverSums before the device is
+	// shared, makes a DMA transfer enqueue its checksum kernels alone,
+	// every batch with this many blocks per multiprocessor, and no copy
+	// (0: off). Such a transfer moves no byte yet reports the pages' sums:
+	// nothing outside that benchmark may set it (no setter exists).
 	sumOnly int
 
 	o   *ordinalState
