@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -40,8 +39,16 @@ type ReleaseReply struct {
 // read them. Each cut store answers at once, the objects it had not begun
 // to gather failed (not stored, their pages never read); a gather already
 // begun ends first. Only the caller's own stores are cut.
+//
+// Through (Unix nanoseconds, optional) bounds the cut to the stores whose
+// engine deadline (wire.HeaderDeadline) is at or before it, and makes it
+// cut such a store also when the store registers after the cut (the two
+// may arrive in either order); a store the engine sends after the cut
+// carries a later deadline and is not cut. Zero: the stores in flight,
+// whatever their deadline.
 type CutRequest struct {
 	RequestID string `json:"request_id"`
+	Through   int64  `json:"through,omitempty"`
 }
 
 // CutReply says how many stores in flight were cut.
@@ -392,7 +399,11 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	if err != nil {
 		return err
 	}
-	defer d.trackCut(cutKey{caller, req.RequestID}, f)()
+	untrack, cut := d.cuts.track(cutKey{caller, req.RequestID}, f, dl, time.Now())
+	defer untrack()
+	if cut {
+		d.log.Debug("store cut on arrival by its engine's earlier cut", zap.String("request", req.RequestID))
+	}
 	// The reply goes out once the objects are committed (or failed): the
 	// engine may then reuse its blocks and release its event.
 	res, _ := f.Wait(ctx)
@@ -434,29 +445,6 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	return err
 }
 
-// cutKey names the stores OpCut may cut: the caller's, of one request.
-type cutKey struct{ caller, request string }
-
-// trackCut records f as a store OpCut may cut until the returned func runs.
-func (d *Daemon) trackCut(k cutKey, f *transfer.StoreFuture) func() {
-	d.cutsMu.Lock()
-	if d.cuts == nil {
-		d.cuts = make(map[cutKey][]*transfer.StoreFuture)
-	}
-	d.cuts[k] = append(d.cuts[k], f)
-	d.cutsMu.Unlock()
-	return func() {
-		d.cutsMu.Lock()
-		defer d.cutsMu.Unlock()
-		fs := slices.DeleteFunc(d.cuts[k], func(g *transfer.StoreFuture) bool { return g == f })
-		if len(fs) == 0 {
-			delete(d.cuts, k)
-		} else {
-			d.cuts[k] = fs
-		}
-	}
-}
-
 // serveCut serves OpCut on the NATS callback: it takes no request slot
 // (the stores it cuts may hold every one) and does not wait for the
 // stores, which answer their own requests once cut.
@@ -470,17 +458,26 @@ func (d *Daemon) serveCut(msg *nats.Msg) {
 		d.replyErr(OpCut, msg, err)
 		return
 	}
-	k := cutKey{d.callerOf(msg), req.RequestID}
-	d.cutsMu.Lock()
-	fs := slices.Clone(d.cuts[k])
-	d.cutsMu.Unlock()
-	for _, f := range fs {
-		f.Cut()
+	if req.Through < 0 {
+		d.replyErr(OpCut, msg, badf("cut: through %d: want Unix nanoseconds >= 0", req.Through))
+		return
 	}
-	if len(fs) > 0 {
-		d.log.Debug("stores cut by the engine", zap.String("request", req.RequestID), zap.Int("stores", len(fs)))
+	var through time.Time
+	if req.Through > 0 {
+		through = time.Unix(0, req.Through)
 	}
-	_ = respond(d, OpCut, msg, &CutReply{Stores: len(fs)})
+	// A store the engine sent before this cut registers within moments of
+	// its arrival; one that has not within the store timeout never will.
+	now := time.Now()
+	expires := through
+	if limit := now.Add(d.cfg.StoreTimeout); expires.After(limit) {
+		expires = limit
+	}
+	n := d.cuts.cut(cutKey{d.callerOf(msg), req.RequestID}, through, expires, now)
+	if n > 0 {
+		d.log.Debug("stores cut by the engine", zap.String("request", req.RequestID), zap.Int("stores", n))
+	}
+	_ = respond(d, OpCut, msg, &CutReply{Stores: n})
 }
 
 // serveRetrieve serves a retrieve, recording its stages in tl.

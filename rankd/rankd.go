@@ -103,9 +103,9 @@ type Daemon struct {
 	// JSON (it predates wire's KVT1): every later report goes as JSON.
 	reportJSON atomic.Bool
 
-	// cuts holds the stores in flight by (caller, request id), for OpCut.
-	cutsMu sync.Mutex
-	cuts   map[cutKey][]*transfer.StoreFuture
+	// cuts holds the stores in flight by (caller, request id), and the
+	// recent cuts, for OpCut.
+	cuts cutRegistry
 
 	mu        sync.Mutex // guards the following
 	started   bool

@@ -243,8 +243,9 @@ class FakeSession:
             return self.world.store_reply
         return wire.StoreReply(stored=len(chunks))
 
-    async def cut(self, request_id, *, timeout=None):
+    async def cut(self, request_id, *, through=None, timeout=None):
         self.world.cuts.append((self.rank, request_id))
+        self.world.cut_throughs.append(through)
         if not self.world.cut_answers:
             return 0  # a rankd whose stores have begun their gather: nothing cut
         gate = self.world.cut_gates.setdefault(request_id, concurrent.futures.Future())
@@ -320,6 +321,7 @@ class FakeWorld:
         self.waits: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_wait
         self.cancels: list[tuple[str, str | None]] = []  # (restore id, instance) of each restore_cancel
         self.cuts: list[tuple[wire.Rank, str]] = []  # (rank, request id) of each cut
+        self.cut_throughs: list[float | None] = []  # each cut's deadline bound
         self.cut_answers = True  # a cut ends the request's stores held at store_gate
         self.cut_gates: dict[str, Any] = {}
 

@@ -341,7 +341,11 @@ def test_forged_and_other_instance_requests_are_refused(cluster: Cluster) -> Non
         # cut: its own rankd answers (nothing of that request in flight),
         # another instance's is refused by NATS.
         cut = wire.CutRequest("no-such-request")
-        assert c.run(c.aio.call(subjects.engine(wire.Rank("engine0", 0), wire.OP_CUT), cut, wire.CutReply)).stores == 0
+        own = subjects.engine(wire.Rank("engine0", 0), wire.OP_CUT)
+        assert c.run(c.aio.call(own, cut, wire.CutReply)).stores == 0
+        # Bounded by a deadline (the rankd's strict decoder knows the field).
+        bounded = wire.CutRequest("no-such-request", int((time.time() + 1) * 1e9))
+        assert c.run(c.aio.call(own, bounded, wire.CutReply)).stores == 0
         with pytest.raises(errors.Unauthorized, match=re.escape("kvtier.rank.engine1.0.engine.cut")):
             c.run(c.aio.call(subjects.engine(wire.Rank("engine1", 0), wire.OP_CUT), cut, wire.CutReply))
 

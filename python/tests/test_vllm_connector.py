@@ -904,6 +904,9 @@ def test_a_preempted_requests_stores_are_waited_for_before_the_forward():
         w.handle_preemptions(KvtierConnectorMetadata(preempted=["p2"]))
         assert time.time() - t0 < 0.3 and w._pending["p2"][0].fut.done()
         assert (wire.Rank("engine0", 0), "p2") in world.cuts and w.stats["store_waits_cut"] == 1
+        # Bounded by the store's deadline: a store the cut overtakes on the
+        # way is cut too, the request's later stores are not.
+        assert world.cut_throughs[-1] == w._pending["p2"][0].deadline > 0
     finally:
         world.store_gate.set_result(None)
     # Answered in time: waited for until the answer only.

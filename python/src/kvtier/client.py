@@ -583,14 +583,20 @@ class RankSession:
         return await self.client.call(self.client.subjects.engine(self.rank, wire.OP_STORE), self._body(req),
                                       StoreReply, timeout=timeout, headers=_deadline_header(deadline, gather_limit))
 
-    async def cut(self, request_id: str, *, timeout: float | None = None) -> int:
+    async def cut(self, request_id: str, *, through: float | None = None, timeout: float | None = None) -> int:
         """Cuts this engine's stores of request_id that still wait before
         their gather (for L1 room): each answers at once, its objects not
         yet copied failed (not stored); a copy already begun ends first.
         For a request whose blocks the engine takes back early (vLLM's
-        preemption). Returns the stores cut; a rankd that predates the
-        operation answers no responders (kvtier.errors.Unavailable)."""
-        rep = await self.client.call(self.client.subjects.engine(self.rank, wire.OP_CUT), wire.CutRequest(request_id),
+        preemption). through (time.time() seconds): only the stores sent
+        with a deadline at or before it, and then also one the rankd
+        receives after the cut (a cut and a store travel on different
+        subjects, so they may arrive in either order); a store sent later
+        with a later deadline is not cut. Returns the stores cut at once; a
+        rankd that predates the operation answers no responders
+        (kvtier.errors.Unavailable)."""
+        req = wire.CutRequest(request_id, 0 if through is None else int(through * 1e9))
+        rep = await self.client.call(self.client.subjects.engine(self.rank, wire.OP_CUT), req,
                                      wire.CutReply, timeout=timeout)
         return rep.stores
 

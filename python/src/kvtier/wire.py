@@ -668,9 +668,12 @@ class RestoreWait:
 @dataclass
 class CutRequest:
     """Cuts the caller's stores of a request that wait before their gather
-    (Go's rankd.CutRequest)."""
+    (Go's rankd.CutRequest). through (Unix nanoseconds, 0 for none): only
+    the stores whose deadline is at or before it, also one that reaches
+    the rankd after the cut."""
 
     request_id: str = field("request_id", default="")
+    through: int = field("through", omit="omitempty", default=0)
 
 
 @dataclass

@@ -120,6 +120,7 @@ class _Pending:
     chunks: tuple[bytes, ...] = ()  # names the store in a BlocksFreed
     in_use: bool = False  # answered blocks_in_use: held until BlocksFreed (C10)
     limit: float = 0.0  # the gather limit sent (time.time() seconds): a gather ending later stores nothing
+    deadline: float = 0.0  # the deadline sent (time.time() seconds): a cut bounded by it cuts this store
 
 
 @dataclass

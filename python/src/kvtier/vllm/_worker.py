@@ -277,7 +277,7 @@ class _WorkerSide(_Core):
             limit = deadline + self.cfg.store_grace_s
             fut = submit(c, self._store(s, save.req_id, chunks, handle, deadline, limit))
             key = tuple(bytes(ch.chunk) for ch in chunks)
-            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key, limit=limit))
+            self._pending.setdefault(save.req_id, []).append(_Pending(fut, ev, key, limit=limit, deadline=deadline))
             self.stats["stores"] += 1
             if held:
                 waits.append((save.req_id, fut, limit))
@@ -359,23 +359,26 @@ class _WorkerSide(_Core):
         limit (a gather ending later stores nothing), so no object is
         committed from bytes another request wrote (C1). So that the step
         does not wait for a store waiting on L1 room (a slow disk) until its
-        deadline, the rankd is first told to cut them (rankd.CutRequest): a
-        store that has not begun its gather then answers at once."""
-        waiting = [r for r in getattr(kv_connector_metadata, "preempted", None) or ()
-                   if any(p.limit and not p.in_use and not p.fut.done() for p in self._pending.get(r, ()))]
+        deadline, the rankd is first told to cut them (rankd.CutRequest),
+        bounded by their latest deadline: a store that has not begun its
+        gather then answers at once, also one the cut overtook on the way to
+        the rankd, and the request's later stores (once vLLM resumes it,
+        with later deadlines) are not cut."""
+        waiting = {r: max(p.deadline for p in cut) for r in getattr(kv_connector_metadata, "preempted", None) or ()
+                   if (cut := [p for p in self._pending.get(r, ()) if p.limit and not p.in_use and not p.fut.done()])}
         use = self._usable() if waiting else None
         if use is not None:
             c, s = use
-            for req_id in waiting:
-                submit(c, self._cut(s, req_id))
+            for req_id, through in waiting.items():
+                submit(c, self._cut(s, req_id, through))
         for req_id in getattr(kv_connector_metadata, "preempted", None) or ():
             for p in list(self._pending.get(req_id, ())):
                 if p.limit and not p.in_use:
                     self._wait_store(req_id, p.fut, p.limit)
 
-    async def _cut(self, s: kvclient.SyncRankSession, req_id: str) -> None:
+    async def _cut(self, s: kvclient.SyncRankSession, req_id: str, through: float) -> None:
         try:
-            await s.aio.cut(req_id, timeout=self.cfg.timeout_s)
+            await s.aio.cut(req_id, through=through or None, timeout=self.cfg.timeout_s)
         except Exception as e:  # an older rankd: the wait is bounded by the gather limit anyway
             log.debug("kvtier cut of %s's stores: %s", req_id, e)
 
