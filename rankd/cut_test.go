@@ -101,6 +101,24 @@ func (x *cutFixture) cut(id, caller string, through time.Time) int {
 	return r.OK.Stores
 }
 
+// checkCut checks that the store cut (named what) answered well before
+// the 4 s gather it waited on, its object failed, and that the store
+// being gathered then stored.
+func (x *cutFixture) checkCut(cut, gathered <-chan cutAnswer, cutAt time.Time, what string) {
+	x.t.Helper()
+	a := <-cut
+	if since := time.Since(cutAt); since > 2500*time.Millisecond {
+		x.t.Fatalf("%s answered %v after the cut (the gather it waited on takes 4 s)", what, since)
+	}
+	if a.rep.Error != nil || a.rep.OK.Stored != 0 || len(a.rep.OK.Failed) != 1 {
+		x.t.Fatalf("%s answered %+v (%+v), want its object failed", what, a.rep.OK, a.rep.Error)
+	}
+	b := <-gathered
+	if b.rep.Error != nil || b.rep.OK.Stored != 1 {
+		x.t.Fatalf("the store the device gathered: %+v (%+v), want stored", b.rep.OK, b.rep.Error)
+	}
+}
+
 // TestCutStoresOfAPreemptedRequest: a store waiting before its gather (for
 // another store's fill of the same object, whose gather the device holds)
 // answers at once when its engine cuts the request (OpCut, on the NATS
@@ -130,17 +148,7 @@ func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 	if n := cut("preempted", ""); n != 1 {
 		t.Fatalf("the cut cut %d stores, want 1", n)
 	}
-	a := <-second
-	if since := time.Since(cutAt); since > 2500*time.Millisecond {
-		t.Fatalf("the cut store answered %v after the cut (the gather it waited on takes 4 s)", since)
-	}
-	if a.rep.Error != nil || a.rep.OK.Stored != 0 || len(a.rep.OK.Failed) != 1 {
-		t.Fatalf("the cut store answered %+v (%+v), want its object failed", a.rep.OK, a.rep.Error)
-	}
-	b := <-first
-	if b.rep.Error != nil || b.rep.OK.Stored != 1 {
-		t.Fatalf("the store the device gathered: %+v (%+v), want stored", b.rep.OK, b.rep.Error)
-	}
+	x.checkCut(second, first, cutAt, "the cut store")
 	if n := cut("first", ""); n != 0 {
 		t.Fatalf("a cut after the store answered cut %d", n)
 	}
@@ -185,17 +193,7 @@ func TestCutBeforeItsStoreArrives(t *testing.T) {
 	cutAt := time.Now()
 	late := x.store("preempted", sentBefore) // the same object: would wait for first's fill
 	resumed := x.store("preempted", now.Add(9*time.Second))
-	a := <-late
-	if since := time.Since(cutAt); since > 2500*time.Millisecond {
-		t.Fatalf("the store sent before the cut answered %v after it (the gather it waited on takes 4 s)", since)
-	}
-	if a.rep.Error != nil || a.rep.OK.Stored != 0 || len(a.rep.OK.Failed) != 1 {
-		t.Fatalf("the store sent before the cut answered %+v (%+v), want its object failed", a.rep.OK, a.rep.Error)
-	}
-	b := <-first
-	if b.rep.Error != nil || b.rep.OK.Stored != 1 {
-		t.Fatalf("the store the device gathered: %+v (%+v), want stored", b.rep.OK, b.rep.Error)
-	}
+	x.checkCut(late, first, cutAt, "the store sent before the cut")
 	c := <-resumed
 	if c.rep.Error != nil || len(c.rep.OK.Failed) != 0 {
 		t.Fatalf("the store sent after the cut answered %+v (%+v), want nothing failed", c.rep.OK, c.rep.Error)
