@@ -402,6 +402,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	untrack, cut := d.cuts.track(cutKey{caller, req.RequestID}, f, dl, time.Now())
 	defer untrack()
 	if cut {
+		d.met.storeCuts.WithLabelValues("on_arrival").Inc()
 		d.log.Debug("store cut on arrival by its engine's earlier cut", zap.String("request", req.RequestID))
 	}
 	// The reply goes out once the objects are committed (or failed): the
@@ -475,6 +476,7 @@ func (d *Daemon) serveCut(msg *nats.Msg) {
 	}
 	n := d.cuts.cut(cutKey{d.callerOf(msg), req.RequestID}, through, expires, now)
 	if n > 0 {
+		d.met.storeCuts.WithLabelValues("in_flight").Add(float64(n))
 		d.log.Debug("stores cut by the engine", zap.String("request", req.RequestID), zap.Int("stores", n))
 	}
 	_ = respond(d, OpCut, msg, &CutReply{Stores: n})

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cuda"
@@ -101,6 +102,15 @@ func (x *cutFixture) cut(id, caller string, through time.Time) int {
 	return r.OK.Stores
 }
 
+// cuts is kvtier_rankd_store_cuts_total{when}.
+func (x *cutFixture) cuts(when string) float64 {
+	var m dto.Metric
+	if err := x.h.d.met.storeCuts.WithLabelValues(when).Write(&m); err != nil {
+		x.t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
 // checkCut checks that the store cut (named what) answered well before
 // the 4 s gather it waited on, its object failed, and that the store
 // being gathered then stored.
@@ -149,6 +159,9 @@ func TestCutStoresOfAPreemptedRequest(t *testing.T) {
 		t.Fatalf("the cut cut %d stores, want 1", n)
 	}
 	x.checkCut(second, first, cutAt, "the cut store")
+	if n := x.cuts("in_flight"); n != 1 {
+		t.Fatalf("kvtier_rankd_store_cuts_total{when=in_flight} = %v, want 1", n)
+	}
 	if n := cut("first", ""); n != 0 {
 		t.Fatalf("a cut after the store answered cut %d", n)
 	}
@@ -194,6 +207,9 @@ func TestCutBeforeItsStoreArrives(t *testing.T) {
 	late := x.store("preempted", sentBefore) // the same object: would wait for first's fill
 	resumed := x.store("preempted", now.Add(9*time.Second))
 	x.checkCut(late, first, cutAt, "the store sent before the cut")
+	if n := x.cuts("on_arrival"); n != 1 {
+		t.Fatalf("kvtier_rankd_store_cuts_total{when=on_arrival} = %v, want 1", n)
+	}
 	c := <-resumed
 	if c.rep.Error != nil || len(c.rep.OK.Failed) != 0 {
 		t.Fatalf("the store sent after the cut answered %+v (%+v), want nothing failed", c.rep.OK, c.rep.Error)

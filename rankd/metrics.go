@@ -38,6 +38,9 @@ type metrics struct {
 	// ended after the engine stopped waiting (wire.HeaderGatherLimit),
 	// committing nothing (issue 24).
 	storeDeadline *prometheus.CounterVec // outcome: expired_on_arrival | cut | gather_late
+	// storeCuts counts stores their engine cut (OpCut, a preempted
+	// request): in flight when the cut came, or on arrival after it.
+	storeCuts *prometheus.CounterVec // when: in_flight | on_arrival
 	// incarnationSaveFailures counts failed writes of the incarnation file
 	// (a failing L2 at start, then each retry).
 	incarnationSaveFailures prometheus.Counter
@@ -88,6 +91,9 @@ func newMetrics(rank string) *metrics {
 		storeDeadline: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
 			Name: "store_deadline_total", Help: "Stores past the engine's deadline (the engine holds the blocks until the answer): refused on arrival, nothing read (expired_on_arrival), or whose deadline passed while they waited for L1 room, the objects not yet gathered failed, not stored (cut), or whose gather ended after the engine stopped waiting (its deadline plus grace), nothing of it committed (gather_late).", ConstLabels: labels},
 			[]string{"outcome"}),
+		storeCuts: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+			Name: "store_cuts_total", Help: "Stores cut by their engine (engine.cut: vLLM preempted the request), by when: in flight when the cut came, or on arrival after a cut bounded by their deadline.", ConstLabels: labels},
+			[]string{"when"}),
 		incarnationSaveFailures: c("incarnation_save_failures_total",
 			"Failed writes of the rank's incarnation file in the L2 directory (a failing L2: the rank serves anyway and retries every heartbeat)."),
 		l1NUMANode: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "kvtier", Subsystem: "rankd",
@@ -99,7 +105,7 @@ func newMetrics(rank string) *metrics {
 	m.stages = newStageRecorder(m.stageSeconds) // every series of stageSeconds
 	m.reg.MustRegister(m.requests, m.requestSeconds, m.stageSeconds, m.inFlight, m.eventBatchesSent, m.eventBatchesAcked,
 		m.eventRetries, m.eventsRefused, m.eventsDropped, m.eventsFenced, m.eventQueue, m.reports, m.inventories, m.blocksFreed, m.supersessions, m.incarnationSaveFailures,
-		m.retrieveDeadline, m.storeDeadline,
+		m.retrieveDeadline, m.storeDeadline, m.storeCuts,
 		m.l1NUMANode, m.l1NUMAElsewhere,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Every vector starts with its known series at 0, so an idle rank
@@ -120,6 +126,8 @@ func newMetrics(rank string) *metrics {
 		m.storeDeadline.WithLabelValues(o)
 	}
 	m.storeDeadline.WithLabelValues("gather_late")
+	m.storeCuts.WithLabelValues("in_flight")
+	m.storeCuts.WithLabelValues("on_arrival")
 	return m
 }
 
