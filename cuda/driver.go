@@ -53,19 +53,27 @@ func check(op string, r C.CUresult) error {
 	return &DriverError{Op: op, Code: int(r), Name: C.GoString(C.kv_error_name(r))}
 }
 
-// driverDevice implements Device on one CUDA device.
-type driverDevice struct {
-	ordinal  int
-	dev      C.CUdevice
-	ctx      C.CUcontext
-	info     Info
-	sms      int
-	module   C.CUmodule
+// kernelSet is the module's entry points (loadKernels). One value, so a
+// device opened on a shared context copies them all: a kernel added to
+// the module and not copied was a zero handle (CUDA_ERROR_INVALID_HANDLE
+// at its first launch on the H100, stop 50).
+type kernelSet struct {
 	gather   C.CUfunction
 	scatter  C.CUfunction
 	sum      C.CUfunction // kv_checksum: the verification of a DMA transfer
 	sumUnits C.CUfunction // kv_sum_units: the same where every span is word-aligned
 	delay    C.CUfunction
+}
+
+// driverDevice implements Device on one CUDA device.
+type driverDevice struct {
+	ordinal int
+	dev     C.CUdevice
+	ctx     C.CUcontext
+	info    Info
+	sms     int
+	module  C.CUmodule
+	kernelSet
 
 	// mode chooses direct or staged transfers; tests and benchmarks force
 	// one. Set before the device is shared.
@@ -231,20 +239,17 @@ func openDriver(ordinal int) (*driverDevice, error) {
 	}
 	b := &o.base
 	return &driverDevice{
-		ordinal: ordinal,
-		dev:     b.dev,
-		ctx:     b.ctx,
-		info:    b.info,
-		sms:     b.sms,
-		module:  b.module,
-		gather:  b.gather,
-		scatter: b.scatter,
-		sum:     b.sum,
-		delay:   b.delay,
-		batch:   C.kv_has_memcpy_batch() != 0,
-		dmaTune: DefaultDMATuning(),
-		o:       o,
-		res:     resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
+		ordinal:   ordinal,
+		dev:       b.dev,
+		ctx:       b.ctx,
+		info:      b.info,
+		sms:       b.sms,
+		module:    b.module,
+		kernelSet: b.kernelSet,
+		batch:     C.kv_has_memcpy_batch() != 0,
+		dmaTune:   DefaultDMATuning(),
+		o:         o,
+		res:       resourceSet{name: fmt.Sprintf("CUDA device %d (%s)", ordinal, b.info.UUID)},
 	}, nil
 }
 
