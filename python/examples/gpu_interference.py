@@ -168,6 +168,9 @@ def control_rate(log: str) -> dict[str, Any]:
 
 
 def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, log: str) -> tuple[list[float], int]:
+    """The loop's steps while cmd runs (after warm seconds); an error when
+    the traffic exits before or during the measurement (the steps would be
+    the loop alone's)."""
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, shell=isinstance(cmd, str), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -175,14 +178,27 @@ def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, l
         time.sleep(warm)
         if p.poll() is not None:
             raise RuntimeError(f"traffic command exited early (rc {p.returncode}); see {log}")
-        return measure(step, seconds), p.pid
+        steps = measure(step, seconds)
+        if p.poll() is not None:
+            raise RuntimeError(f"traffic command exited during the measurement (rc {p.returncode}); see {log}")
+        return steps, p.pid
     finally:
+        _stop(p)
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    """Stops p's process group: SIGTERM, then SIGKILL after 20 s. A group
+    already gone (the traffic exited) is not an error: the caller's own
+    error says why."""
+    try:
         os.killpg(p.pid, signal.SIGTERM)
         try:
             p.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    except ProcessLookupError:
+        p.wait()
 
 
 def traffic_rate(log: str, patience: float = 3.0) -> dict[str, Any]:
