@@ -65,6 +65,25 @@ type kernelSet struct {
 	delay    C.CUfunction
 }
 
+// kernelEntry is one entry point of the module and its handle in a set.
+type kernelEntry struct {
+	name string
+	fn   *C.CUfunction
+}
+
+// entries lists every handle of k with its entry point's name: what
+// loadKernels fills (TestKernelSetLoadsEveryHandle checks that it is
+// every field, each named in the PTX).
+func (k *kernelSet) entries() []kernelEntry {
+	return []kernelEntry{
+		{"kv_gather", &k.gather},
+		{"kv_scatter", &k.scatter},
+		{"kv_checksum", &k.sum},
+		{"kv_sum_units", &k.sumUnits},
+		{"kv_delay", &k.delay},
+	}
+}
+
 // driverDevice implements Device on one CUDA device.
 type driverDevice struct {
 	ordinal int
@@ -370,16 +389,7 @@ func (d *driverDevice) loadKernels() error {
 	if err := check("cuModuleLoadDataEx", C.kv_module_load(d.ctx, &d.module, ptx, &log[0], C.size_t(len(log)))); err != nil {
 		return fmt.Errorf("cuda: device %d: load kernels (JIT log: %q): %w", d.ordinal, C.GoString(&log[0]), err)
 	}
-	for _, f := range []struct {
-		name string
-		fn   *C.CUfunction
-	}{
-		{"kv_gather", &d.gather},
-		{"kv_scatter", &d.scatter},
-		{"kv_checksum", &d.sum},
-		{"kv_sum_units", &d.sumUnits},
-		{"kv_delay", &d.delay},
-	} {
+	for _, f := range d.kernelSet.entries() {
 		cname := C.CString(f.name)
 		var fn C.CUfunction // a local: cgo may not see into d
 		err := check("cuModuleGetFunction", C.kv_module_function(d.ctx, &fn, d.module, cname))
