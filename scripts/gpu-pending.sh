@@ -43,7 +43,7 @@ step() {
 	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
 	timeout "$bound" "$@" >"$R/$name.log" 2>&1
 	echo "rc=$?" >>"$R/$name.log"
-	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)' \
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)' \
 		"$R/$name.log" | cut -c1-300
 }
 finish() {
@@ -131,23 +131,23 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4: the decoders while the 32k prompt loads: the defaults (the
-	# first step's bound covers the engine's first torch.compile), paced at
-	# 10 GB/s in 64 ms windows (the default since stop 48) by the rankd and
-	# by the connector, 20 GB/s, and kv_sum_units (--dma-unit-sums) against
-	# the defaults
-	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
-		bash scripts/gpu-vllm.sh "$BIN"
-	# 24.4: the same pace asked by the connector (Kvtier-Pace) for the load
-	# beside the decoders only: the lone hit goes at full speed
-	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
-	# 24.4: kv_sum_units (once the cuda set has passed): with the
-	# connector's pace, at full speed, and without the batch ramp
-	step itl-conn10-units 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
+	# 24.4 (stop 50 measured the defaults 1.281x, the rankd's and the
+	# connector's 10 GB/s 1.070x / 1.072x on an H100): kv_sum_units
+	# (--dma-unit-sums, once the cuda set has passed) with the connector's
+	# pace and at full speed (the first step's bound covers the engine's
+	# first torch.compile), the connector's pace with the default kernel
+	# in the same call, then without the batch ramp
+	step itl-conn10-units 160 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
+	# 24.4: >= 10x at 32k against recompute without a connector, and the
+	# OffloadingConnector, in one run (8.2x-10.6x at earlier stops)
+	step ttft32 240 env "${V[@]}" ITL=0 REPS=3 MODES="alone offload kvtier" OUT_DIR="$R/ttft32" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
 		bash scripts/gpu-vllm.sh "$BIN"
