@@ -174,6 +174,11 @@ type Config struct {
 	// restore's batches take to reach their bound (fewer: fewer checksum
 	// kernels beside the engine, a later first copy). Default 3; 0 to 8.
 	RetrieveRamp int
+	// RetrieveTailRamp: transfer.Config.RetrieveTailRamp, how many
+	// halvings an unpaced restore's last batches take from their bound
+	// (more: a smaller checksum after the last copy, more checksum kernels
+	// beside the engine). Default 0; 0 to 8.
+	RetrieveTailRamp int
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;
@@ -343,6 +348,7 @@ func DefaultConfig(r wire.Rank) Config {
 		RetrieveBatchBytes:    transfer.DefaultConfig().RetrieveBatchBytes,
 		RestorePaceWindow:     transfer.DefaultConfig().RetrievePaceWindow,
 		RetrieveRamp:          transfer.DefaultConfig().RetrieveRamp,
+		RetrieveTailRamp:      transfer.DefaultConfig().RetrieveTailRamp,
 		L2Policy:              transfer.WriteThrough,
 		L2FreeFloorBytes:      1 << 30,
 		L2FreeFloorPercent:    5,
@@ -410,6 +416,8 @@ func (c *Config) Validate() error {
 		return bad("restore pace window %v: want 1ms..1s", c.RestorePaceWindow)
 	case c.RetrieveRamp < 0 || c.RetrieveRamp > 8:
 		return bad("retrieve ramp of %d doublings: want 0..8", c.RetrieveRamp)
+	case c.RetrieveTailRamp < 0 || c.RetrieveTailRamp > 8:
+		return bad("retrieve tail ramp of %d halvings: want 0..8", c.RetrieveTailRamp)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

@@ -76,12 +76,12 @@ func TestCopyEngineBatchingGauge(t *testing.T) {
 }
 
 // TestRestoreTuningReachesTheEngine: the rankd's restore batch, pace
-// window and ramp are what its transfer engine runs with.
+// window and ramps are what its transfer engine runs with.
 func TestRestoreTuningReachesTheEngine(t *testing.T) {
 	h := newHarness(t, func(c *Config) {
-		c.RetrieveBatchBytes, c.RestorePaceWindow, c.RetrieveRamp = 256<<20, 16*time.Millisecond, 0
+		c.RetrieveBatchBytes, c.RestorePaceWindow, c.RetrieveRamp, c.RetrieveTailRamp = 256<<20, 16*time.Millisecond, 0, 2
 	})
-	if tc := h.d.tc; tc.RetrieveBatchBytes != 256<<20 || tc.RetrievePaceWindow != 16*time.Millisecond || tc.RetrieveRamp != 0 {
-		t.Fatalf("transfer config: batch %d, window %v, ramp %d; want 256 MiB, 16ms, 0", tc.RetrieveBatchBytes, tc.RetrievePaceWindow, tc.RetrieveRamp)
+	if tc := h.d.tc; tc.RetrieveBatchBytes != 256<<20 || tc.RetrievePaceWindow != 16*time.Millisecond || tc.RetrieveRamp != 0 || tc.RetrieveTailRamp != 2 {
+		t.Fatalf("transfer config: batch %d, window %v, ramp %d, tail ramp %d; want 256 MiB, 16ms, 0, 2", tc.RetrieveBatchBytes, tc.RetrievePaceWindow, tc.RetrieveRamp, tc.RetrieveTailRamp)
 	}
 }

@@ -201,6 +201,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.RetrieveBatchBytes = cfg.RetrieveBatchBytes
 	tc.RetrievePaceWindow = cfg.RestorePaceWindow
 	tc.RetrieveRamp = cfg.RetrieveRamp
+	tc.RetrieveTailRamp = cfg.RetrieveTailRamp
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

@@ -58,11 +58,13 @@ BIG=${GB_BIG:-1.3} SMALL=${GB_SMALL:-0.5} TINY=${GB_TINY:-0.067} # GB per rank (
 bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-bench.sh "$BIN"; }
 
 # rankd_args V: the rankd arguments of a variant, words joined by "+"
-# (units+ramp0: kv_sum_units and no batch ramp)
+# (units+ramp0: kv_sum_units and no batch ramp; tail3: the last batches
+# an eighth, a quarter, a half of the bound)
 rankd_args() {
 	local v ra=
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
+		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
@@ -95,24 +97,24 @@ cuda)
 	;;
 daemons)
 	P=enginesim/specs
-	# 24.4/25.5: the decode-shaped loop beside restores at full speed, with
-	# the searching checksum kernel (the default) and with kv_sum_units
-	# (--dma-unit-sums, stop 49, not yet run on a GPU: run the cuda set
-	# first), each also without the batch ramp (--retrieve-ramp 0: two
-	# checksum kernels a 1.3 GB restore instead of four), and
-	# paced in 64 ms windows (the default since stop 48) against 4 ms
-	# windows (stop 48's), in the same call (the traffic's GB/s beside each)
-	for v in default units units+ramp0 ramp0; do
+	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel
+	# (the default) and kv_sum_units (--dma-unit-sums, stop 49: run the
+	# cuda set first), each also with the tail ramp (--retrieve-tail-ramp
+	# 3, stop 51: the last batch's checksum follows every copy, and at the
+	# defaults a 1.3 GB restore ends with a 561 MiB batch)
+	for v in default units tail3 units+tail3; do
+		step "tp1-$v" 70 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
+		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
+	done
+	# 24.4/25.5: the decode-shaped loop beside restores at full speed with
+	# each kernel, and with the tail ramp's batches (more checksum kernels)
+	for v in default units units+tail3 units+ramp0; do
 		interference "$v"
 	done
-	# 25.1: one rankd at 1.3 GB, the searching kernel against kv_sum_units
-	step tp1-default 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 $(bench tp1-default)
-	step tp1-units 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS=--dma-unit-sums $(bench tp1-units)
 	for v in pace10 pace20; do
 		interference "$v"
 	done
 	# 25.1: the 0.5 GB rows
-	step tp1-small 80 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 $(bench tp1-small)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
 	for v in pace5 pace10w4; do
 		interference "$v"

@@ -749,14 +749,15 @@ func (r *retrieval) touch(bs [][]int) {
 
 // batches splits the items into runs of whole chunks, in request order,
 // the first Config.RetrieveRamp growing to the batch bound (each prepared
-// while the last one copies) and the rest each
-// needing at most the bound's L1 slabs (a chunk larger than its batch's
-// bound is a batch of its own).
+// while the last one copies), the last Config.RetrieveTailRamp of an
+// unpaced retrieve shrinking from it (the last batch's checksum follows
+// every copy), and the rest each needing at most the bound's L1 slabs (a
+// chunk larger than its batch's bound is a batch of its own).
 func (r *retrieval) batches() [][]int {
 	e := r.e
 	bound := r.batchBound()
-	limit := max(e.cat.slabBytes, bound>>uint(e.cfg.RetrieveRamp))
-	// The items of each chunk, chunks in order of first appearance.
+	// The items of each chunk, chunks in order of first appearance, and
+	// the L1 each chunk needs.
 	var order []int
 	items := map[int][]int{}
 	for i, it := range r.req.Items {
@@ -765,26 +766,96 @@ func (r *retrieval) batches() [][]int {
 		}
 		items[it.Chunk] = append(items[it.Chunk], i)
 	}
-	var out [][]int
-	var cur []int
-	var bytes uint64
-	for _, c := range order {
-		var cb uint64
+	need := make([]uint64, len(order))
+	for k, c := range order {
 		for _, i := range items[c] {
-			cb += uint64(e.cat.slabsFor(r.sp.res.ObjectSize(r.req.Items[i].Group))) * e.cat.slabBytes
+			need[k] += uint64(e.cat.slabsFor(r.sp.res.ObjectSize(r.req.Items[i].Group))) * e.cat.slabBytes
 		}
-		if len(cur) > 0 && bytes+cb > limit {
-			out = append(out, cur)
-			cur, bytes = nil, 0
-			limit = min(bound, 2*limit)
-		}
-		cur = append(cur, items[c]...)
-		bytes += cb
 	}
-	if len(cur) > 0 {
-		out = append(out, cur)
+	tailRamp := e.cfg.RetrieveTailRamp
+	if r.pace != 0 {
+		tailRamp = 0
+	}
+	// Chunks order[split:] are the tail, cut from the end; the head ramps
+	// up over the rest.
+	first := func(ramp int) uint64 { return max(e.cat.slabBytes, bound>>uint(ramp)) }
+	tail, split := rampRuns(need, first(tailRamp), bound, tailRamp, true)
+	head, _ := rampRuns(need[:split], first(e.cfg.RetrieveRamp), bound, 0, false)
+	var out [][]int
+	for _, run := range append(head, tail...) {
+		var b []int
+		for _, c := range order[run[0]:run[1]] {
+			b = append(b, items[c]...)
+		}
+		out = append(out, b)
 	}
 	return out
+}
+
+// rampRuns cuts need (bytes per chunk) into runs [from, to) of whole
+// chunks, the first at most first bytes (at least one chunk), each next
+// one at most twice the last's bound, up to bound. Forward, it cuts every
+// chunk, in order. From the end (tail), it cuts at most tailRuns runs and
+// at most half of need's bytes, and returns them in order and where they
+// begin (len(need) where it cut none).
+func rampRuns(need []uint64, first, bound uint64, tailRuns int, tail bool) (runs [][2]int, split int) {
+	if tail && tailRuns == 0 {
+		return nil, len(need)
+	}
+	var total uint64
+	for _, n := range need {
+		total += n
+	}
+	limit := first
+	var taken, cur uint64
+	start := 0
+	if tail {
+		start = len(need)
+	}
+	split = start
+	for k := range need {
+		i := k
+		if tail {
+			i = len(need) - 1 - k
+			if 2*(taken+need[i]) > total {
+				break
+			}
+		}
+		if cur > 0 && cur+need[i] > limit {
+			if tail {
+				runs = append(runs, [2]int{i + 1, start})
+				if len(runs) == tailRuns {
+					cur = 0 // cut: chunk i and those before it are the head's
+					break
+				}
+			} else {
+				runs = append(runs, [2]int{start, i})
+			}
+			start, cur = i, 0
+			if tail {
+				start = i + 1
+			}
+			limit = min(bound, 2*limit)
+		}
+		cur += need[i]
+		taken += need[i]
+		split = i
+	}
+	if cur > 0 {
+		if tail {
+			runs = append(runs, [2]int{split, start})
+		} else {
+			runs = append(runs, [2]int{start, len(need)})
+		}
+	}
+	if !tail {
+		return runs, len(need)
+	}
+	if len(runs) == 0 {
+		return nil, len(need)
+	}
+	slices.Reverse(runs)
+	return runs, runs[0][0]
 }
 
 // retrieveBatchBytes is the most L1 one retrieve pins at a time.

@@ -266,20 +266,22 @@ func storedChunks(t *testing.T, n int) (*rig, *Engine, *dcp.Resolved, []chunk, [
 
 // TestRetrieveBatchesRamp: a retrieve's first batches grow to the batch
 // bound (by default an eighth, a quarter, a half: Config.RetrieveRamp),
-// the rest fill it, and every chunk is restored byte-exact; with no ramp
-// every batch fills the bound, and a ramp outside 0..8 is refused.
+// its last ones shrink from it where Config.RetrieveTailRamp asks (off by
+// default), the rest fill it, and every chunk is restored byte-exact;
+// with no ramp every batch fills the bound, and a ramp outside 0..8 is
+// refused.
 func TestRetrieveBatchesRamp(t *testing.T) {
-	if DefaultConfig().RetrieveRamp != 3 {
-		t.Fatalf("default ramp %d, want 3", DefaultConfig().RetrieveRamp)
+	if DefaultConfig().RetrieveRamp != 3 || DefaultConfig().RetrieveTailRamp != 0 {
+		t.Fatalf("default ramps %d and %d, want 3 and 0", DefaultConfig().RetrieveRamp, DefaultConfig().RetrieveTailRamp)
 	}
 	for _, tc := range []struct {
-		ramp int
-		want string
-	}{{3, "[1 2 4 8 5]"}, {1, "[4 8 8]"}, {0, "[8 8 4]"}} {
+		ramp, tail int
+		want       string
+	}{{3, 0, "[1 2 4 8 5]"}, {1, 0, "[4 8 8]"}, {0, 0, "[8 8 4]"}, {3, 3, "[1 2 4 6 4 2 1]"}, {0, 2, "[8 6 4 2]"}, {0, 8, "[8 2 3 4 2 1]"}} {
 		const chunks = 20
 		r, e, res, cs, targets := storedChunks(t, chunks)
 		perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
-		e.cfg.RetrieveBatchBytes, e.cfg.RetrieveRamp = 8*perChunk, tc.ramp
+		e.cfg.RetrieveBatchBytes, e.cfg.RetrieveRamp, e.cfg.RetrieveTailRamp = 8*perChunk, tc.ramp, tc.tail
 		if e.retrieveBatchBytes() != 8*perChunk {
 			t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
 		}
@@ -297,7 +299,7 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 		}
 		r.check("after the retrieve")
 		if got := fmt.Sprint(sizes); got != tc.want {
-			t.Fatalf("ramp %d: batches of %s chunks, want %s", tc.ramp, got, tc.want)
+			t.Fatalf("ramp %d, tail %d: batches of %s chunks, want %s", tc.ramp, tc.tail, got, tc.want)
 		}
 	}
 	dev := openDevice(t, "")
@@ -306,6 +308,11 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 		c.RetrieveRamp = ramp
 		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "ramp") {
 			t.Errorf("ramp %d: Validate = %v, want an error naming the ramp", ramp, err)
+		}
+		c = engineConfig(t, dev, 0, 1)
+		c.RetrieveTailRamp = ramp
+		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "tail ramp") {
+			t.Errorf("tail ramp %d: Validate = %v, want an error naming the tail ramp", ramp, err)
 		}
 	}
 }

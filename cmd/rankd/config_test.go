@@ -133,12 +133,13 @@ func TestCopyFlags(t *testing.T) {
 	def := rankd.DefaultConfig(wire.Rank{Instance: "e0"})
 	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes || cfg.RestorePace != 0 || def.RestorePace != 0 ||
 		cfg.RestorePaceWindow != def.RestorePaceWindow || def.RestorePaceWindow != transfer.DefaultConfig().RetrievePaceWindow ||
-		cfg.RetrieveRamp != def.RetrieveRamp || def.RetrieveRamp != transfer.DefaultConfig().RetrieveRamp {
+		cfg.RetrieveRamp != def.RetrieveRamp || def.RetrieveRamp != transfer.DefaultConfig().RetrieveRamp ||
+		cfg.RetrieveTailRamp != def.RetrieveTailRamp || def.RetrieveTailRamp != transfer.DefaultConfig().RetrieveTailRamp {
 		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d, window %v; DefaultConfig has %+v, %d, %d, %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, def.DMA, def.RetrieveBatchBytes, def.RestorePace, def.RestorePaceWindow)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 {
-		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp)
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0", "--retrieve-tail-ramp", "2")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 {
+		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
 	slow := parse("--restore-pace-gbps", "0.05")
 	if err := slow.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), "restore pace") {
@@ -147,9 +148,9 @@ func TestCopyFlags(t *testing.T) {
 	if _, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), append(slices.Clone(base), "--restore-pace-gbps", "-1")); err == nil {
 		t.Error("--restore-pace-gbps -1 parsed")
 	}
-	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}, {"--restore-pace-window", "pace window"}, {"--retrieve-ramp", "ramp"}} {
+	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}, {"--restore-pace-window", "pace window"}, {"--retrieve-ramp", "ramp"}, {"--retrieve-tail-ramp", "tail ramp"}} {
 		v := "0"
-		if tc.flag == "--retrieve-ramp" {
+		if strings.HasSuffix(tc.flag, "ramp") {
 			v = "9"
 		}
 		cfg := parse(tc.flag, v)
