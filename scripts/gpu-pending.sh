@@ -102,8 +102,10 @@ daemons)
 	# cuda set first), each also with the tail ramp (--retrieve-tail-ramp
 	# 3, stop 51: the last batch's checksum follows every copy, and at the
 	# defaults a 1.3 GB restore ends with a 561 MiB batch)
-	for v in default units tail3 units+tail3; do
+	for v in default units units+tail3 tail3; do
 		step "tp1-$v" 70 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
+	done
+	for v in default units units+tail3 tail3; do
 		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
 	done
 	# 24.4/25.5: the decode-shaped loop beside restores at full speed with
