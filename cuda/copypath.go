@@ -86,10 +86,11 @@ type DMATuning struct {
 	// chunk's span by a search and reduces every chunk over the warp
 	// (kv_checksum remains for spans off a word). The same sums; what
 	// differs is how long the kernel holds the GPU away from another
-	// context's work. Off by default until it has run on a GPU: stop 49
-	// built it and ran its source on the CPU (TestKernelsEmulated), and
-	// lost its device time before the driver tests and the A/B of
-	// scripts/gpu-pending.sh ran.
+	// context's work. Off by default: on an H100 at stop 51 it passed the
+	// driver tests, read 4-6x faster alone, and a decode-shaped loop
+	// beside full-speed restores slowed 1.12x with it against 1.18x, but a
+	// restore through rankd was no faster (0.78 of the copy engine against
+	// 0.84 at 1.3 GB, one run; BENCHMARKS.md).
 	UnitSums bool
 }
 

@@ -2,8 +2,8 @@
 # The GPU measurements still pending for issues 24 and 25 (docs/gpu.md), in
 # priority order, each bounded so that the whole fits a 10-minute call:
 #
-#   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: kv_sum_units (stop 49) on the GPU first:
-#                                          the driver tests, then both checksum kernels' speed
+#   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: the driver tests (kv_sum_units' passed at
+#                                          stop 51), then both checksum kernels' speed
 #   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
 #   scripts/gpu-pending.sh replay BIN      issue 24: the same, TRACE= the Mooncake trace
@@ -89,8 +89,8 @@ DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gp
 
 case $SET in
 cuda)
-	# 25.2/25.5: kv_sum_units (off by default until this has passed) in the
-	# driver tests, then its speed against kv_checksum's alone
+	# 25.2/25.5: the driver tests (kv_sum_units' among them: passed on an
+	# H100 at stop 51), then its speed against kv_checksum's alone
 	T=$(realpath "$BIN")
 	step cuda-tests 150 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
 	step cuda-sums 100 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
@@ -98,8 +98,8 @@ cuda)
 daemons)
 	P=enginesim/specs
 	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel
-	# (the default) and kv_sum_units (--dma-unit-sums, stop 49: run the
-	# cuda set first), each also with the tail ramp (--retrieve-tail-ramp
+	# (the default) and kv_sum_units (--dma-unit-sums; stop 51: no faster,
+	# one run), each also with the tail ramp (--retrieve-tail-ramp
 	# 3, stop 51: the last batch's checksum follows every copy, and at the
 	# defaults a 1.3 GB restore ends with a 561 MiB batch)
 	for v in default units units+tail3 tail3; do
@@ -137,7 +137,7 @@ vllm)
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
 	# 24.4 (stop 50 measured the defaults 1.281x, the rankd's and the
 	# connector's 10 GB/s 1.070x / 1.072x on an H100): kv_sum_units
-	# (--dma-unit-sums, once the cuda set has passed) with the connector's
+	# (--dma-unit-sums, passed on a GPU at stop 51) with the connector's
 	# pace and at full speed (the first step's bound covers the engine's
 	# first torch.compile), the connector's pace with the default kernel
 	# in the same call, then without the batch ramp

@@ -318,11 +318,13 @@ type Config struct {
 	// RetrieveTailRamp (a slab at least), each before it twice the next,
 	// the tail at most half the retrieve's bytes. A scatter's checksum of
 	// its last batch follows every copy (each earlier batch's runs beside
-	// the next batch's copies), and kv_checksum read the 8B pages at about
-	// 265 GB/s on the H100 at stop 49: a last batch of 561 MiB, what a
-	// 1.3 GB restore ends with at the defaults, is ~2 ms after its last
-	// copy. Each batch more is one more checksum kernel beside the engine.
-	// Default 0 (off) until measured on a GPU; 0 to 8.
+	// the next batch's copies), and kv_checksum reads the 8B pages at
+	// 0.6 TB/s with the whole GPU (the H100 at stop 51): a last batch of
+	// 561 MiB, what a 1.3 GB restore ends with at the defaults, is ~1 ms
+	// after its last copy. On the H100 at stop 51, 3 restored 1.3 GB at 0.858 of the
+	// copy engine against 0.839 (BENCHMARKS.md), but each batch more is
+	// one more checksum kernel beside the engine, whose cost to a model
+	// beside it was not measured. Default 0 (off); 0 to 8.
 	RetrieveTailRamp int
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
