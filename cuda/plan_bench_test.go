@@ -258,3 +258,48 @@ func BenchmarkPlanShuffledRows(b *testing.B) {
 		b.Run(name, func(b *testing.B) { benchPlan(b, objs, scatter) })
 	}
 }
+
+// BenchmarkPlanChecksums is the host side of a DMA transfer's checksum
+// tables for one 300 MiB restore batch of the 8B pages (600 objects of
+// one 512 KiB run each): kv_checksum's plan (a segment per object) against
+// kv_sum_units' (a segment per 64 KiB piece, 4,800), each with its tables
+// encoded into a reused block. Not asserted anywhere.
+//
+//	go test -run '^$' -bench PlanChecksums ./cuda
+func BenchmarkPlanChecksums(b *testing.B) {
+	const obj = 512 << 10
+	objs := make([]xferObject, (300<<20)/obj)
+	for i := range objs {
+		ptr := uint64(1<<32) + uint64(i)*3*obj
+		objs[i] = xferObject{hostOff: uint64(i) * obj, len: obj, spans: []kSpan{{ptr: ptr, len: obj}}}
+	}
+	var buf []byte
+	for _, units := range []bool{false, true} {
+		name := "kv_checksum"
+		if units {
+			name = "kv_sum_units"
+		}
+		b.Run(name, func(b *testing.B) {
+			for b.Loop() {
+				var p *xferPlan
+				var err error
+				if units {
+					var ok bool
+					if p, _, ok, err = planUnits(objs, 1<<30); !ok && err == nil {
+						b.Fatal("planUnits refused word-aligned spans")
+					}
+				} else {
+					p, _, err = planSums(objs, 1<<30)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+				l := p.layout()
+				if uint64(len(buf)) < l.size {
+					buf = make([]byte, l.size)
+				}
+				p.encode(buf, l)
+			}
+		})
+	}
+}
