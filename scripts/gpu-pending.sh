@@ -97,22 +97,25 @@ cuda)
 	;;
 daemons)
 	P=enginesim/specs
-	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel
-	# (the default) and kv_sum_units (--dma-unit-sums; stop 51: no faster,
-	# one run), each also with the tail ramp (--retrieve-tail-ramp
-	# 3, stop 51: the last batch's checksum follows every copy, and at the
-	# defaults a 1.3 GB restore ends with a 561 MiB batch)
-	for v in default units units+tail3 tail3; do
-		step "tp1-$v" 70 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
-	done
-	for v in default units units+tail3 tail3; do
-		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=3 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
-	done
-	# 24.4/25.5: the decode-shaped loop beside restores at full speed with
-	# each kernel, and with the tail ramp's batches (more checksum kernels)
-	for v in default units units+tail3 units+ramp0; do
+	# 24.4/25.5 (stop 51, an H100: the loop 1.176x beside full-speed
+	# restores with kv_checksum, 1.120x with kv_sum_units): what the tail
+	# ramp's three more checksum kernels a restore cost the loop, with
+	# each kernel, the default again in the same call
+	for v in default tail3 units+tail3 units; do
 		interference "$v"
 	done
+	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel
+	# (the default), kv_sum_units (--dma-unit-sums; at stop 51 no faster,
+	# one run of three, before 684dafc halved its tables' planning) and the
+	# tail ramp (--retrieve-tail-ramp 3: 0.858 against 0.839 at 1.3 GB),
+	# five repetitions each (stop 51's ranges overlapped)
+	for v in default units tail3 units+tail3; do
+		step "tp1-$v" 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
+	done
+	for v in default tail3 units units+tail3; do
+		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
+	done
+	interference units+ramp0
 	for v in pace10 pace20; do
 		interference "$v"
 	done
@@ -136,19 +139,20 @@ vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
 	# 24.4 (stop 50 measured the defaults 1.281x, the rankd's and the
-	# connector's 10 GB/s 1.070x / 1.072x on an H100): kv_sum_units
-	# (--dma-unit-sums, passed on a GPU at stop 51) with the connector's
-	# pace and at full speed (the first step's bound covers the engine's
-	# first torch.compile), the connector's pace with the default kernel
-	# in the same call, then without the batch ramp
-	step itl-conn10-units 160 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
-		bash scripts/gpu-vllm.sh "$BIN"
+	# connector's 10 GB/s 1.070x / 1.072x on an H100): the decoders beside
+	# a full-speed load with each checksum kernel (kv_sum_units cost the
+	# decode-shaped loop a third less at stop 51) and with the tail ramp,
+	# the defaults in the same call (the first step's bound covers the
+	# engine's first torch.compile), then kv_sum_units under the connector's pace
+	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-tail3 100 env "${V[@]}" RANKD_ARGS="--retrieve-tail-ramp 3" OUT_DIR="$R/itl-tail3" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-conn10-units 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
+		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: >= 10x at 32k against recompute without a connector, and the
 	# OffloadingConnector, in one run (8.2x-10.6x at earlier stops)
 	step ttft32 240 env "${V[@]}" ITL=0 REPS=3 MODES="alone offload kvtier" OUT_DIR="$R/ttft32" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-default 100 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
