@@ -93,7 +93,7 @@ cuda)
 	# H100 at stop 51), then its speed against kv_checksum's alone
 	T=$(realpath "$BIN")
 	step cuda-tests 150 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
-	step cuda-sums 100 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
+	step cuda-sums 40 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
 	;;
 daemons)
 	P=enginesim/specs
