@@ -274,12 +274,9 @@ func BenchmarkPlanChecksums(b *testing.B) {
 		objs[i] = xferObject{hostOff: uint64(i) * obj, len: obj, spans: []kSpan{{ptr: ptr, len: obj}}}
 	}
 	var buf []byte
-	for _, units := range []bool{false, true} {
-		name := "kv_checksum"
-		if units {
-			name = "kv_sum_units"
-		}
-		b.Run(name, func(b *testing.B) {
+	for _, kernel := range []string{"kv_checksum", "kv_sum_units"} {
+		units := kernel == "kv_sum_units"
+		b.Run(kernel, func(b *testing.B) {
 			for b.Loop() {
 				var p *xferPlan
 				var err error
