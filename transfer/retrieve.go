@@ -776,13 +776,9 @@ func (r *retrieval) batches() [][]int {
 	if r.pace != 0 {
 		tailRamp = 0
 	}
-	// Chunks order[split:] are the tail, cut from the end; the head ramps
-	// up over the rest.
-	first := func(ramp int) uint64 { return max(e.cat.slabBytes, bound>>uint(ramp)) }
-	tail, split := rampRuns(need, first(tailRamp), bound, tailRamp, true)
-	head, _ := rampRuns(need[:split], first(e.cfg.RetrieveRamp), bound, 0, false)
+	runs := batchRuns(need, e.cat.slabBytes, bound, e.cfg.RetrieveRamp, tailRamp)
 	var out [][]int
-	for _, run := range append(head, tail...) {
+	for _, run := range runs {
 		var b []int
 		for _, c := range order[run[0]:run[1]] {
 			b = append(b, items[c]...)
@@ -792,70 +788,60 @@ func (r *retrieval) batches() [][]int {
 	return out
 }
 
-// rampRuns cuts need (bytes per chunk) into runs [from, to) of whole
-// chunks, the first at most first bytes (at least one chunk), each next
-// one at most twice the last's bound, up to bound. Forward, it cuts every
-// chunk, in order. From the end (tail), it cuts at most tailRuns runs and
-// at most half of need's bytes, and returns them in order and where they
-// begin (len(need) where it cut none).
-func rampRuns(need []uint64, first, bound uint64, tailRuns int, tail bool) (runs [][2]int, split int) {
-	if tail && tailRuns == 0 {
-		return nil, len(need)
-	}
+// batchRuns cuts the chunks' L1 needs into a retrieve's batches [from,
+// to): the last tailRamp of them shrinking towards the end (cut from the
+// sizes reversed, at most half of the bytes), the ones before them ramping
+// up over ramp doublings, each first batch at most bound >> its ramp (a
+// slab at least).
+func batchRuns(need []uint64, slab, bound uint64, ramp, tailRamp int) [][2]int {
+	first := func(ramp int) uint64 { return max(slab, bound>>uint(ramp)) }
 	var total uint64
 	for _, n := range need {
 		total += n
 	}
+	var tail [][2]int
+	split := len(need)
+	if tailRamp > 0 {
+		rev := slices.Clone(need)
+		slices.Reverse(rev)
+		runs, n := rampRuns(rev, first(tailRamp), bound, tailRamp, total/2)
+		for _, run := range slices.Backward(runs) {
+			tail = append(tail, [2]int{len(need) - run[1], len(need) - run[0]})
+		}
+		split -= n
+	}
+	head, _ := rampRuns(need[:split], first(ramp), bound, split, total)
+	return append(head, tail...)
+}
+
+// rampRuns cuts need (bytes per chunk) from its start into runs [from, to)
+// of whole chunks: the first of at most first bytes, each next of at most
+// twice the last's bound, up to bound (a run holds one chunk at least). It
+// stops after maxRuns runs, or before the chunk that would take the runs
+// past maxBytes, and returns the runs and how many chunks they hold.
+func rampRuns(need []uint64, first, bound uint64, maxRuns int, maxBytes uint64) (runs [][2]int, n int) {
 	limit := first
-	var taken, cur uint64
-	start := 0
-	if tail {
-		start = len(need)
-	}
-	split = start
-	for k := range need {
-		i := k
-		if tail {
-			i = len(need) - 1 - k
-			if 2*(taken+need[i]) > total {
-				break
-			}
+	var cur, taken uint64
+	from, end := 0, len(need)
+	for i, b := range need {
+		if taken+b > maxBytes {
+			end = i
+			break
 		}
-		if cur > 0 && cur+need[i] > limit {
-			if tail {
-				runs = append(runs, [2]int{i + 1, start})
-				if len(runs) == tailRuns {
-					cur = 0 // cut: chunk i and those before it are the head's
-					break
-				}
-			} else {
-				runs = append(runs, [2]int{start, i})
+		if i > from && cur+b > limit {
+			runs = append(runs, [2]int{from, i})
+			if len(runs) == maxRuns {
+				return runs, i
 			}
-			start, cur = i, 0
-			if tail {
-				start = i + 1
-			}
-			limit = min(bound, 2*limit)
+			from, cur, limit = i, 0, min(bound, 2*limit)
 		}
-		cur += need[i]
-		taken += need[i]
-		split = i
+		cur += b
+		taken += b
 	}
-	if cur > 0 {
-		if tail {
-			runs = append(runs, [2]int{split, start})
-		} else {
-			runs = append(runs, [2]int{start, len(need)})
-		}
+	if end > from {
+		runs = append(runs, [2]int{from, end})
 	}
-	if !tail {
-		return runs, len(need)
-	}
-	if len(runs) == 0 {
-		return nil, len(need)
-	}
-	slices.Reverse(runs)
-	return runs, runs[0][0]
+	return runs, end
 }
 
 // retrieveBatchBytes is the most L1 one retrieve pins at a time.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -276,8 +277,13 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		ramp, tail int
+		paced      bool
 		want       string
-	}{{3, 0, "[1 2 4 8 5]"}, {1, 0, "[4 8 8]"}, {0, 0, "[8 8 4]"}, {3, 3, "[1 2 4 6 4 2 1]"}, {0, 2, "[8 6 4 2]"}, {0, 8, "[8 2 3 4 2 1]"}} {
+	}{
+		{3, 0, false, "[1 2 4 8 5]"}, {1, 0, false, "[4 8 8]"}, {0, 0, false, "[8 8 4]"},
+		{3, 3, false, "[1 2 4 6 4 2 1]"}, {0, 2, false, "[8 6 4 2]"}, {0, 8, false, "[8 2 3 4 2 1]"},
+		{3, 3, true, "[1 2 4 8 5]"}, // a paced retrieve keeps its windows' batches
+	} {
 		const chunks = 20
 		r, e, res, cs, targets := storedChunks(t, chunks)
 		perChunk := uint64(e.cat.slabsFor(res.ObjectSize(0))) * e.cat.slabBytes
@@ -285,9 +291,14 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 		if e.retrieveBatchBytes() != 8*perChunk {
 			t.Fatalf("batch bound %d, want %d (L1 too small for the test)", e.retrieveBatchBytes(), 8*perChunk)
 		}
+		req := r.retrieveReq(0, cs, targets)
+		if tc.paced {
+			// A pace that moves the whole bound in a window: the same bound.
+			req.Pace = max(MinPace, uint64(math.Ceil(float64(8*perChunk)/e.cfg.RetrievePaceWindow.Seconds())))
+		}
 		var sizes []int
 		e.hooks.scatterEnqueued = func(_ string, idx []int) { sizes = append(sizes, len(idx)) }
-		rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, cs, targets))
+		rr, err := e.Retrieve(testCtx(t), req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -299,7 +310,7 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 		}
 		r.check("after the retrieve")
 		if got := fmt.Sprint(sizes); got != tc.want {
-			t.Fatalf("ramp %d, tail %d: batches of %s chunks, want %s", tc.ramp, tc.tail, got, tc.want)
+			t.Fatalf("ramp %d, tail %d, paced %v: batches of %s chunks, want %s", tc.ramp, tc.tail, tc.paced, got, tc.want)
 		}
 	}
 	dev := openDevice(t, "")
@@ -315,6 +326,54 @@ func TestRetrieveBatchesRamp(t *testing.T) {
 			t.Errorf("tail ramp %d: Validate = %v, want an error naming the tail ramp", ramp, err)
 		}
 	}
+}
+
+// TestBatchRunsCutEveryChunkOnce: for random chunk sizes, bounds and
+// ramps, a retrieve's batches hold every chunk once, in order, each within
+// its ramp's bound (from the start for the head, from the end for the
+// tail) or a single chunk, and where the tail can cut (the last chunk is at
+// most half the bytes) the last batch is at most the tail's first bound.
+func TestBatchRunsCutEveryChunkOnce(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 51))
+	for trial := range 5000 {
+		need := make([]uint64, 1+rng.IntN(60))
+		for i := range need {
+			need[i] = 1 + uint64(rng.IntN(9))
+		}
+		total := sumOf(need)
+		bound := 1 + uint64(rng.IntN(40))
+		ramp, tailRamp := rng.IntN(5), rng.IntN(5)
+		runs := batchRuns(need, 1, bound, ramp, tailRamp)
+		next := 0
+		for k, run := range runs {
+			if run[0] != next || run[1] <= run[0] {
+				t.Fatalf("trial %d: batch %d is %v after chunk %d: %v", trial, k, run, next, runs)
+			}
+			next = run[1]
+			if b := sumOf(need[run[0]:run[1]]); b > bound && run[1]-run[0] > 1 {
+				t.Fatalf("trial %d: batch %d of %d bytes, bound %d: %v", trial, k, b, bound, runs)
+			}
+		}
+		if next != len(need) {
+			t.Fatalf("trial %d: batches end at chunk %d of %d: %v", trial, next, len(need), runs)
+		}
+		if first := max(1, bound>>uint(ramp)); sumOf(need[runs[0][0]:runs[0][1]]) > first && runs[0][1]-runs[0][0] > 1 && (tailRamp == 0 || len(runs) > tailRamp) {
+			t.Fatalf("trial %d: first batch over %d: %v", trial, first, runs)
+		}
+		last := runs[len(runs)-1]
+		if tailRamp > 0 && 2*need[len(need)-1] <= total {
+			if lim := max(1, bound>>uint(tailRamp)); sumOf(need[last[0]:last[1]]) > lim && last[1]-last[0] > 1 {
+				t.Fatalf("trial %d: last batch over the tail's %d: %v (need %v)", trial, lim, runs, need)
+			}
+		}
+	}
+}
+
+func sumOf(xs []uint64) (s uint64) {
+	for _, x := range xs {
+		s += x
+	}
+	return s
 }
 
 // TestRetrievePaced: a paced retrieve starts each batch after the first
