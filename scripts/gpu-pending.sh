@@ -14,7 +14,8 @@
 # summary lines to stdout, so a tool that brings back few files or only
 # the output's tail loses nothing. BUDGET=seconds (default 560) bounds the
 # set; a step that would start with less than its own bound left is
-# skipped and said so.
+# skipped and said so. STEPS=regex runs only the steps whose names match
+# (the rest of a set for a later call).
 set -uo pipefail
 
 SET=${1:-}
@@ -36,6 +37,7 @@ left() { echo $((BUDGET - ($(date +%s) - T0))); }
 step() {
 	local name=$1 bound=$2
 	shift 2
+	[[ $name =~ ^(${STEPS:-.*})$ ]] || return 0
 	if (($(left) < bound)); then
 		echo "== $name: skipped, $(left) s left of $BUDGET" | tee -a "$R/steps.txt"
 		return
