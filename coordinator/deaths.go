@@ -204,7 +204,8 @@ type deaths struct {
 	suspects   map[suspectKey]*suspect
 	term       context.Context // the decision term the watch belongs to
 	watchSince time.Time
-	lastCheck  time.Time
+	lastCheck  time.Time     // when the previous check ended
+	lastTook   time.Duration // how long the previous check ran (its fences' commits)
 
 	wake   chan struct{} // capacity 1: judge now
 	probes chan struct{} // semaphore of maxProbes
@@ -457,7 +458,7 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 	if late := d.advanceWatchLocked(term, now); late > 0 {
 		d.met.stalls.Inc()
 		c.log.Warn("the death check ran late (the coordinator was starved); heartbeat silence counts from now",
-			zap.Duration("late_by", late))
+			zap.Duration("late_by", late), zap.Duration("previous_check_took", d.lastTook))
 	}
 	var acts []deathOutcome
 	var probe []suspectKey
@@ -514,6 +515,9 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 		}
 		c.confirmDeath(a.s, a.by, now)
 	}
+	d.mu.Lock()
+	d.checkEndedLocked(term, now, time.Now())
+	d.mu.Unlock()
 }
 
 // advanceWatchLocked moves the silence watch for a check at now (d.mu
@@ -521,6 +525,11 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 // first check) starts it, and so does a check more than deathStallAfter
 // after the previous one (this coordinator was starved, heartbeats may sit
 // unread). It returns how late a stalled check was, 0 when not stalled.
+//
+// The gap counts from the end of the previous check, not its start: a check
+// that waited seconds on a fence's commit kept this loop busy, not the
+// process starved (heartbeats were read meanwhile), and counting that wait
+// reset the watch and warned of starvation after every slow fence.
 func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) time.Duration {
 	var late time.Duration
 	switch {
@@ -530,8 +539,18 @@ func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) time.Du
 		d.watchSince = now
 		late = now.Sub(d.lastCheck) - deathTick
 	}
-	d.lastCheck = now
+	d.lastCheck, d.lastTook = now, 0
 	return late
+}
+
+// checkEndedLocked records the end of a check that began at start (d.mu
+// held); a check of another term (leadership changed meanwhile) leaves the
+// watch to the next.
+func (d *deaths) checkEndedLocked(term context.Context, start, end time.Time) {
+	if term != d.term || !d.lastCheck.Equal(start) {
+		return
+	}
+	d.lastCheck, d.lastTook = end, end.Sub(start)
 }
 
 // probeRank sends one liveness probe to the suspect's rank.

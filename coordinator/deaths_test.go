@@ -73,6 +73,30 @@ func TestDeathWatch(t *testing.T) {
 	if late := d.advanceWatchLocked(term2, t2); late != 0 || !d.watchSince.Equal(t2) {
 		t.Fatalf("a new term: late %v, watch %v, want %v", late, d.watchSince, t2)
 	}
+	// A check that ran for seconds (a fence waiting on its commit) is the
+	// loop's own work, not a starved process: the next check on time after
+	// its end neither warns nor moves the watch, but one late after its end does.
+	t3 := t2.Add(deathTick)
+	d.advanceWatchLocked(term2, t3)
+	d.checkEndedLocked(term2, t3, t3.Add(5*time.Second))
+	if d.lastTook != 5*time.Second {
+		t.Fatalf("the slow check took %v, want 5s", d.lastTook)
+	}
+	t4 := t3.Add(5*time.Second + deathTick)
+	if late := d.advanceWatchLocked(term2, t4); late != 0 || !d.watchSince.Equal(t2) {
+		t.Fatalf("the check after a slow one: late %v, watch %v, want %v", late, d.watchSince, t2)
+	}
+	d.checkEndedLocked(term2, t4, t4.Add(time.Millisecond))
+	t5 := t4.Add(time.Millisecond + deathTick + deathStallAfter + time.Millisecond)
+	if late := d.advanceWatchLocked(term2, t5); late != deathStallAfter+time.Millisecond || !d.watchSince.Equal(t5) {
+		t.Fatalf("a check late after the previous one's end: late %v, watch %v, want %v", late, d.watchSince, t5)
+	}
+	// A check of an earlier term ending late does not move the new term's record.
+	d.checkEndedLocked(term1, t5, t5.Add(time.Hour))
+	if !d.lastCheck.Equal(t5) {
+		t.Fatalf("an old term's check moved the record to %v", d.lastCheck)
+	}
+	t2 = t5
 	// What the watch means: a suspect never heard from is not confirmed by
 	// silence within the window after the term began.
 	s := &suspect{}
