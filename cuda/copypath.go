@@ -92,7 +92,22 @@ type DMATuning struct {
 	// restore through rankd was no faster (0.78 of the copy engine against
 	// 0.84 at 1.3 GB, one run; BENCHMARKS.md).
 	UnitSums bool
+	// SumBlocks bounds the blocks of every checksum kernel hidden under
+	// copies (a gather's, every scatter batch's but the last) to this many
+	// in all, so that it holds a few multiprocessors for longer instead of
+	// a slot on every one (0: one block per multiprocessor, the default).
+	// The last batch of a scatter, which nothing hides, keeps them all.
+	// kv_sum_units reads ~12 GB/s per block on an H100 (stop 51), so 8
+	// blocks outrun a copy engine's 55 GB/s; kv_checksum ~2 GB/s per
+	// block, which needs 40. For measurements: whether a model beside
+	// full-speed restores slows less with the checksums confined; off by
+	// default.
+	SumBlocks uint32
 }
+
+// maxSumBlocks bounds DMATuning.SumBlocks (a grid's blocks; more than a
+// GPU's multiprocessors hold at once is no confinement).
+const maxSumBlocks = 1 << 16
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts
 // with.
@@ -103,6 +118,8 @@ func (t DMATuning) Validate() error {
 	switch {
 	case t.SumBatch == 0:
 		return fmt.Errorf("cuda: DMA checksum batch of 0 bytes: a checksum kernel reads at least 1 byte")
+	case t.SumBlocks > maxSumBlocks:
+		return fmt.Errorf("cuda: DMA checksum kernels of %d blocks: at most %d", t.SumBlocks, maxSumBlocks)
 	case t.OrderScatters && (t.HostLaunch || t.Queue > 0):
 		// Both block the enqueuing thread on the device, which with the
 		// chain's lock held would stall every other scatter's enqueue.

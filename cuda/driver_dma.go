@@ -33,8 +33,8 @@ const dmaSumBatch = 1 << 30
 // too, so it runs beside them from the start. Scatter: the checksum of a
 // batch reads its destination pages once every copy into them is done,
 // while the engine places the next batches. Checksums hidden under copies
-// take one block per multiprocessor, the exposed last batch of a scatter
-// all it can use (sumBlocksPerSM). A starts after the work already on S;
+// take one block per multiprocessor (or DMATuning.SumBlocks in all), the
+// exposed last batch of a scatter all it can use (sumBlocksPerSM). A starts after the work already on S;
 // S ends by waiting for A, so later work on S is ordered after the whole
 // transfer, checksums included.
 func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
@@ -48,13 +48,13 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		e.wait(A, e.event(S))
 		e.tables(A)
 		for bi := range plan.batches {
-			e.launchPer(A, fn, plan, bi, flags, n)
+			e.launchPer(A, fn, plan, bi, flags, n, 0)
 		}
 		e.sums(A)
 		e.wait(S, e.event(A))
 		return
 	}
-	host := e.s.d.dmaTune.HostLaunch
+	host, hidden := e.s.d.dmaTune.HostLaunch, e.s.d.dmaTune.SumBlocks
 	if sum {
 		if host {
 			e.hostWait(e.event(S))
@@ -64,7 +64,7 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 		e.tables(A)
 		if !scatter {
 			for bi := range plan.batches {
-				e.launchPer(A, fn, plan, bi, flags, sumBlocksPerSM)
+				e.launchPer(A, fn, plan, bi, flags, sumBlocksPerSM, hidden)
 			}
 		}
 	}
@@ -106,11 +106,11 @@ func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driver
 				e.wait(A, e.event(S))
 			}
 			for ; bi < after[ci]; bi++ {
-				perSM := sumBlocksPerSM
+				perSM, limit := sumBlocksPerSM, hidden
 				if bi == len(plan.batches)-1 {
-					perSM = copyBlocksPerSM // exposed: nothing is copied after it
+					perSM, limit = copyBlocksPerSM, 0 // exposed: nothing is copied after it
 				}
-				e.launchPer(A, fn, plan, bi, flags, perSM)
+				e.launchPer(A, fn, plan, bi, flags, perSM, limit)
 			}
 		}
 	}

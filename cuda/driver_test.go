@@ -35,7 +35,8 @@ func openCUDA(t *testing.T) cuda.Device {
 // with the batched copies enqueued without the overlap hint, with the
 // copies enqueued one call each, and with every scatter's copies chained
 // after the previous scatter's (checksummed in many batches meanwhile), and
-// with kv_sum_units verifying every word-aligned transfer (UnitSums).
+// with kv_sum_units verifying every word-aligned transfer (UnitSums), and
+// with the hidden checksums confined to one or two blocks (SumBlocks).
 var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
 
 func TestDriverConformance(t *testing.T) {
@@ -55,6 +56,8 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-each-copy", "auto", "dma", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, EachCopy: true}},
 		{"dma-ordered", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, OrderScatters: true}},
 		{"dma-unit-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, UnitSums: true}},
+		{"dma-sum-blocks", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SumBlocks: 1}},
+		{"dma-unit-sum-blocks", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, UnitSums: true, SumBlocks: 2}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {

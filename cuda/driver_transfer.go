@@ -375,10 +375,13 @@ func (e *enqueuer) sums(h C.CUstream) {
 }
 
 func (e *enqueuer) launch(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32) {
-	e.launchPer(h, fn, plan, bi, flags, copyBlocksPerSM)
+	e.launchPer(h, fn, plan, bi, flags, copyBlocksPerSM, 0)
 }
 
-func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32, perSM int) {
+//
+// limit > 0 bounds the grid to that many blocks in all (DMATuning.SumBlocks):
+// the kernels stride over what a smaller grid leaves.
+func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32, perSM int, limit uint32) {
 	if e.err != nil {
 		return
 	}
@@ -387,6 +390,9 @@ func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi i
 	if plan.units {
 		blocks = unitGrid(b.nchunks, e.s.d.sms, perSM)
 		e.s.d.unitLaunches.Add(1)
+	}
+	if limit > 0 {
+		blocks = min(blocks, limit)
 	}
 	e.do("cuLaunchKernel", C.kv_launch_copy(e.s.d.ctx, fn, C.uint(blocks), kThreads, h,
 		C.CUdeviceptr(j.dev+j.lay.segs[bi]), C.uint(len(b.segs)), C.CUdeviceptr(j.dev), C.ulonglong(b.nchunks),

@@ -61,12 +61,13 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 
 # rankd_args V: the rankd arguments of a variant, words joined by "+"
 # (units+ramp0: kv_sum_units and no batch ramp; tail3: the last batches
-# an eighth, a quarter, a half of the bound)
+# an eighth, a quarter, a half of the bound; sb16: the hidden checksums in
+# 16 blocks)
 rankd_args() {
 	local v ra=
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
-		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;;
+		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;; sb*) ra+=" --dma-sum-blocks ${v#sb}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
@@ -103,7 +104,7 @@ daemons)
 	# restores with kv_checksum, 1.120x with kv_sum_units): what the tail
 	# ramp's three more checksum kernels a restore cost the loop, with
 	# each kernel, the default again in the same call
-	for v in default tail3 units+tail3 units; do
+	for v in default tail3 units+tail3 units units+sb16 units+tail3+sb16 sb48; do
 		interference "$v"
 	done
 	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel

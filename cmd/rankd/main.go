@@ -124,6 +124,14 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.BoolVar(&cfg.DMA.OrderScatters, "dma-order-scatters", false, "for measurements: each restore transfer's copy-engine copies wait on the device for those of the previous restore transfer on this GPU, so the copy engine moves one batch after the other instead of two at once (not with --dma-sum-host-launch or --dma-queue)")
 	fs.BoolVar(&cfg.DMA.EachCopy, "dma-each-copy", false, "for measurements: the copy engine path enqueues its copies one cuMemcpyHtoDAsync/DtoHAsync call each (as vLLM's own offload does) instead of batched cuMemcpyBatchAsync calls")
 	fs.BoolVar(&cfg.DMA.UnitSums, "dma-unit-sums", false, "the copy engine path verifies transfers whose spans are all word-aligned with kv_sum_units (a warp per piece of a span, no search per 16 bytes): the same sums in less of the GPU's time, so decoding beside full-speed restores slows less (1.12x against 1.18x on an H100), though a restore itself is no faster (docs/gpu.md)")
+	fs.Func("dma-sum-blocks", "for measurements: the copy engine path's checksum kernels hidden under copies take at most this many blocks in all, a few multiprocessors for longer instead of a slot on every one (0: one block per multiprocessor, the default; 1..65536; kv_sum_units needs ~8 to outrun the copy engine, kv_checksum ~40)", func(v string) error {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil {
+			return fmt.Errorf("not a count of blocks: %w", err)
+		}
+		cfg.DMA.SumBlocks = uint32(n)
+		return nil
+	})
 	fs.BoolVar(&cfg.DMA.HostLaunch, "dma-sum-host-launch", false, "for measurements: the copy engine path launches a transfer's checksum kernel from the host once its copies are done, so no kernel of the rankd waits on the GPU behind the copies (the enqueue waits instead)")
 	fs.StringVar(&dmaQueue, "dma-queue", "0", "for measurements: bound of the copy engine path's bytes in flight per transfer, the enqueue waiting on the device while its stream lock is held (bytes, or with KiB/MiB/GiB; 0: unbounded, the default; inside vLLM a bound slowed loads and did not help decoding)")
 	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
