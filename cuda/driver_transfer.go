@@ -378,7 +378,6 @@ func (e *enqueuer) launch(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int,
 	e.launchPer(h, fn, plan, bi, flags, copyBlocksPerSM, 0)
 }
 
-//
 // limit > 0 bounds the grid to that many blocks in all (DMATuning.SumBlocks):
 // the kernels stride over what a smaller grid leaves.
 func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32, perSM int, limit uint32) {
