@@ -378,8 +378,9 @@ func (e *enqueuer) launch(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int,
 	e.launchPer(h, fn, plan, bi, flags, copyBlocksPerSM, 0)
 }
 
-// limit > 0 bounds the grid to that many blocks in all (DMATuning.SumBlocks):
-// the kernels stride over what a smaller grid leaves.
+// launchPer launches fn over batch bi with at most perSM blocks of every
+// multiprocessor; limit > 0 bounds the grid to that many blocks in all
+// (DMATuning.SumBlocks): the kernels stride over what a smaller grid leaves.
 func (e *enqueuer) launchPer(h C.CUstream, fn C.CUfunction, plan *xferPlan, bi int, flags uint32, perSM int, limit uint32) {
 	if e.err != nil {
 		return
