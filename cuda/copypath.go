@@ -103,6 +103,16 @@ type DMATuning struct {
 	// full-speed restores slows less with the checksums confined; off by
 	// default.
 	SumBlocks uint32
+	// SMControl moves each transfer's tables to the device and its partial
+	// sums back with kv_move, a small kernel reading and writing the mapped
+	// pinned table block, instead of copy-engine copies: those queue behind
+	// the bulk copies of another transfer going the same way, so a store
+	// beside a restore started its copies only once the restore's were
+	// nearly done (its first device mark 11-24 ms after its enqueue began,
+	// BENCHMARKS.md issue 25.3), and a restore's sums waited behind a
+	// store's pages. For measurements; off by default until measured on a
+	// GPU.
+	SMControl bool
 }
 
 // maxSumBlocks bounds DMATuning.SumBlocks (a grid's blocks; more than a

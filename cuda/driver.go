@@ -62,6 +62,7 @@ type kernelSet struct {
 	scatter  C.CUfunction
 	sum      C.CUfunction // kv_checksum: the verification of a DMA transfer
 	sumUnits C.CUfunction // kv_sum_units: the same where every span is word-aligned
+	move     C.CUfunction // kv_move: tables and sums by a multiprocessor (DMATuning.SMControl)
 	delay    C.CUfunction
 }
 
@@ -80,6 +81,7 @@ func (k *kernelSet) entries() []kernelEntry {
 		{"kv_scatter", &k.scatter},
 		{"kv_checksum", &k.sum},
 		{"kv_sum_units", &k.sumUnits},
+		{"kv_move", &k.move},
 		{"kv_delay", &k.delay},
 	}
 }

@@ -374,6 +374,13 @@ CUresult kv_launch_copy(CUcontext c, CUfunction f, unsigned int grid, unsigned i
 	return p_cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, s, params, NULL);
 }
 
+CUresult kv_launch_move(CUcontext c, CUfunction f, unsigned int grid, unsigned int block, CUstream s,
+	CUdeviceptr dst, CUdeviceptr src, unsigned long long n) {
+	CTX(c);
+	void *params[] = {&dst, &src, &n};
+	return p_cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, s, params, NULL);
+}
+
 CUresult kv_launch_delay(CUcontext c, CUfunction f, CUstream s, unsigned long long ns) {
 	CTX(c);
 	void *params[] = {&ns};

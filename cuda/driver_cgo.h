@@ -124,6 +124,9 @@ CUresult kv_module_function(CUcontext c, CUfunction *f, CUmodule m, const char *
 CUresult kv_launch_copy(CUcontext c, CUfunction f, unsigned int grid, unsigned int block, CUstream s,
 	CUdeviceptr segs, unsigned int nsegs, CUdeviceptr spans, unsigned long long nchunks,
 	CUdeviceptr partials, unsigned int flags);
+// kv_launch_move launches kv_move, which copies n bytes from src to dst.
+CUresult kv_launch_move(CUcontext c, CUfunction f, unsigned int grid, unsigned int block, CUstream s,
+	CUdeviceptr dst, CUdeviceptr src, unsigned long long n);
 // kv_launch_delay launches kv_delay, which spins for ns nanoseconds.
 CUresult kv_launch_delay(CUcontext c, CUfunction f, CUstream s, unsigned long long ns);
 

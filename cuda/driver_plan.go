@@ -373,6 +373,14 @@ func unitGrid(units uint64, sms, perSM int) uint32 {
 	return uint32(max(min(blocks, limit), 1))
 }
 
+// moveGrid is kv_move's grid for n bytes: a 16-byte piece a thread, at
+// most 32 blocks (the tables of a 1 GiB batch are a few hundred KiB; the
+// reads of mapped host memory are latency-bound, so more threads in flight
+// help until PCIe's round trips do not).
+func moveGrid(n uint64) uint32 {
+	return uint32(min(max((n+16*kThreads-1)/(16*kThreads), 1), 32))
+}
+
 // Blocks per multiprocessor: the copy kernels fill every multiprocessor
 // (8 blocks of 256 threads, what PCIe needs in flight). kv_checksum only
 // reads HBM: where it runs under copy-engine copies that take 20-200 times

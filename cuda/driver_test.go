@@ -36,7 +36,8 @@ func openCUDA(t *testing.T) cuda.Device {
 // copies enqueued one call each, and with every scatter's copies chained
 // after the previous scatter's (checksummed in many batches meanwhile), and
 // with kv_sum_units verifying every word-aligned transfer (UnitSums), and
-// with the hidden checksums confined to one or two blocks (SumBlocks).
+// with the hidden checksums confined to one or two blocks (SumBlocks), and
+// with the tables and sums moved by kv_move on every path (SMControl).
 var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
 
 func TestDriverConformance(t *testing.T) {
@@ -58,6 +59,9 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-unit-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, UnitSums: true}},
 		{"dma-sum-blocks", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SumBlocks: 1}},
 		{"dma-unit-sum-blocks", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, UnitSums: true, SumBlocks: 2}},
+		{"dma-sm-control", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SMControl: true}},
+		{"direct-sm-control", "direct", "sm", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMControl: true}},
+		{"staged-sm-control", "staged", "sm", 64 << 10, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMControl: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {

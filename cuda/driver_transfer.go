@@ -360,7 +360,17 @@ func (e *enqueuer) tables(h C.CUstream) {
 		return
 	}
 	clear(j.buf[j.lay.partials:j.lay.size])
+	if e.s.d.dmaTune.SMControl {
+		e.move(h, j.dev, j.hostDev, j.lay.size)
+		return
+	}
 	e.do("cuMemcpyHtoDAsync_v2", C.kv_memcpy_htod_async(e.s.d.ctx, C.CUdeviceptr(j.dev), j.host, C.size_t(j.lay.size), h))
+}
+
+// move copies n bytes from src to dst on h with kv_move (DMATuning.SMControl).
+func (e *enqueuer) move(h C.CUstream, dst, src, n uint64) {
+	e.do("cuLaunchKernel", C.kv_launch_move(e.s.d.ctx, e.s.d.move, C.uint(moveGrid(n)), kThreads, h,
+		C.CUdeviceptr(dst), C.CUdeviceptr(src), C.ulonglong(n)))
 }
 
 // sums copies the partial sums back to the pinned table block, on h.
@@ -369,7 +379,9 @@ func (e *enqueuer) sums(h C.CUstream) {
 	if j == nil || e.err != nil {
 		return
 	}
-	if n := j.lay.size - j.lay.partials; n > 0 {
+	if n := j.lay.size - j.lay.partials; n > 0 && e.s.d.dmaTune.SMControl {
+		e.move(h, j.hostDev+j.lay.partials, j.dev+j.lay.partials, n)
+	} else if n > 0 {
 		e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(e.s.d.ctx, unsafe.Add(j.host, j.lay.partials), C.CUdeviceptr(j.dev+j.lay.partials), C.size_t(n), h))
 	}
 }
@@ -462,11 +474,12 @@ func (e *enqueuer) staged(plan *xferPlan, buf *driverHostBuf, fn C.CUfunction, s
 // writes the tables into and reads the partial sums from, and device memory
 // the kernels read them from. Idle jobs are kept for reuse by the device.
 type job struct {
-	host unsafe.Pointer
-	buf  []byte
-	dev  uint64
-	cap  uint64
-	lay  tableLayout
+	host    unsafe.Pointer
+	hostDev uint64 // host's device address (kv_move reads and writes it)
+	buf     []byte
+	dev     uint64
+	cap     uint64
+	lay     tableLayout
 }
 
 // maxIdleJobs bounds the table blocks a device keeps for reuse.
@@ -506,7 +519,7 @@ func (d *driverDevice) idleJob(size uint64) *job {
 func (j *job) spanTable() []kSpan { return spanTableOf(j.buf) }
 
 func (d *driverDevice) newJob(c uint64) (*job, error) {
-	host, _, err := d.pinned(c)
+	host, hostDev, err := d.pinned(c)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: transfer tables of %d B: %w", c, err)
 	}
@@ -515,7 +528,7 @@ func (d *driverDevice) newJob(c uint64) (*job, error) {
 		C.kv_mem_free_host(d.ctx, host)
 		return nil, fmt.Errorf("cuda: transfer tables of %d B: %w", c, err)
 	}
-	return &job{host: host, buf: unsafe.Slice((*byte)(host), c), dev: uint64(p), cap: c}, nil
+	return &job{host: host, hostDev: hostDev, buf: unsafe.Slice((*byte)(host), c), dev: uint64(p), cap: c}, nil
 }
 
 // putJob returns a table block to the ordinal's pool.

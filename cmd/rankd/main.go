@@ -132,6 +132,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 		cfg.DMA.SumBlocks = uint32(n)
 		return nil
 	})
+	fs.BoolVar(&cfg.DMA.SMControl, "dma-sm-control", false, "for measurements: a transfer's tables go to the GPU and its checksums come back by a small kernel reading and writing pinned host memory instead of copy-engine copies, which queue behind another transfer's bulk copies going the same way (a store beside a restore waited for the restore's copies)")
 	fs.BoolVar(&cfg.DMA.HostLaunch, "dma-sum-host-launch", false, "for measurements: the copy engine path launches a transfer's checksum kernel from the host once its copies are done, so no kernel of the rankd waits on the GPU behind the copies (the enqueue waits instead)")
 	fs.StringVar(&dmaQueue, "dma-queue", "0", "for measurements: bound of the copy engine path's bytes in flight per transfer, the enqueue waiting on the device while its stream lock is held (bytes, or with KiB/MiB/GiB; 0: unbounded, the default; inside vLLM a bound slowed loads and did not help decoding)")
 	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")

@@ -457,6 +457,25 @@ KV_GLOBAL void kv_sum_units(const Seg *units, u32 nunits, const Span *spans, u64
 	}
 }
 
+// kv_move copies n bytes from src to dst, device addresses both (mapped
+// pinned host memory included), 16 bytes a thread where both are
+// 16-aligned: with DMATuning.SMControl the driver moves a transfer's tables
+// to the device and its partial sums back with it on a multiprocessor,
+// instead of copy-engine copies, which queue behind the bulk copies of
+// another transfer going the same way (a store's tables behind a restore's
+// pages, a restore's sums behind a store's).
+KV_GLOBAL void kv_move(u64 dst, u64 src, u64 n) {
+	const u64 nt = (u64)__nvvm_read_ptx_sreg_nctaid_x() * NT;
+	const u64 t0 = (u64)__nvvm_read_ptx_sreg_ctaid_x() * NT + tid();
+	u64 k = 0;
+	if (((dst | src) & 15) == 0) {
+		const u64 n16 = n >> 4;
+		for (u64 i = t0; i < n16; i += nt) ((g128 *)dst)[i] = ((const g128 *)src)[i];
+		k = n16 << 4;
+	}
+	for (u64 i = k + t0; i < n; i += nt) ((g8 *)dst)[i] = ((const g8 *)src)[i];
+}
+
 #ifndef KV_HOST_EMULATION
 // kv_delay spins one thread for at least ns nanoseconds of the global timer:
 // device work standing in for an engine still writing its pages.

@@ -78,11 +78,45 @@ static unsigned char *aligned16(std::vector<unsigned char> &v, u64 n) {
 	return v.data() + (16 - (uintptr_t)v.data() % 16) % 16;
 }
 
-int main(int argc, char **argv) {
-	if (argc != 4) {
-		fprintf(stderr, "usage: kvemu checksum|units|gather|scatter BLOCKS FILE\n");
+// move runs kv_move (kvemu move BLOCKS FILE DST SRC N): FILE is the whole
+// memory, at a 16-aligned address; DST and SRC are offsets into it, N the
+// bytes; the memory is written back as the kernel left it. Its lanes never
+// shuffle, so each thread runs to its end in turn.
+static int move(char **argv) {
+	unsigned blocks = (unsigned)atoi(argv[2]);
+	FILE *f = fopen(argv[3], "rb");
+	if (!f || fseek(f, 0, SEEK_END) != 0) {
+		fprintf(stderr, "kvemu: cannot read %s\n", argv[3]);
 		return 2;
 	}
+	long size = ftell(f);
+	rewind(f);
+	std::vector<unsigned char> memv;
+	unsigned char *mem = aligned16(memv, (u64)size);
+	if (fread(mem, 1, (size_t)size, f) != (size_t)size) {
+		fprintf(stderr, "kvemu: %s is short\n", argv[3]);
+		return 2;
+	}
+	fclose(f);
+	u64 dst = strtoull(argv[4], 0, 10), src = strtoull(argv[5], 0, 10), n = strtoull(argv[6], 0, 10);
+	blocks_ = blocks;
+	for (block_ = 0; block_ < blocks; block_++)
+		for (warp_ = 0; warp_ < NT / 32; warp_++)
+			for (cur_ = 0; cur_ < 32; cur_++) kv_move((u64)(uintptr_t)(mem + dst), (u64)(uintptr_t)(mem + src), n);
+	f = fopen(argv[3], "wb");
+	if (!f || fwrite(mem, 1, (size_t)size, f) != (size_t)size || fclose(f) != 0) {
+		fprintf(stderr, "kvemu: cannot write %s back\n", argv[3]);
+		return 2;
+	}
+	return 0;
+}
+
+int main(int argc, char **argv) {
+	if (argc != 4 && argc != 7) {
+		fprintf(stderr, "usage: kvemu checksum|units|gather|scatter BLOCKS FILE | move BLOCKS FILE DST SRC N\n");
+		return 2;
+	}
+	if (argc == 7 && strcmp(argv[1], "move") == 0) return move(argv);
 	const char *name = argv[1];
 	Kernel *k = strcmp(name, "units") == 0 ? kv_sum_units
 	          : strcmp(name, "gather") == 0 ? kv_gather
