@@ -110,8 +110,11 @@ type DMATuning struct {
 	// beside a restore started its copies only once the restore's were
 	// nearly done (its first device mark 11-24 ms after its enqueue began,
 	// BENCHMARKS.md issue 25.3), and a restore's sums waited behind a
-	// store's pages. For measurements; off by default until measured on a
-	// GPU.
+	// store's pages. Off by default: on an H100 at stop 52 both directions
+	// at once reached 0.90-0.92 of the card's duplex ceiling with it
+	// against 0.82-0.84, but vLLM's decoders beside a load slowed 1.34x
+	// against 1.19-1.21x (two more kernels of this context per transfer,
+	// time-sliced with the engine's; BENCHMARKS.md).
 	SMControl bool
 }
 

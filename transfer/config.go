@@ -321,10 +321,11 @@ type Config struct {
 	// the next batch's copies), and kv_checksum reads the 8B pages at
 	// 0.6 TB/s with the whole GPU (the H100 at stop 51): a last batch of
 	// 561 MiB, what a 1.3 GB restore ends with at the defaults, is ~1 ms
-	// after its last copy. On the H100 at stop 51, 3 restored 1.3 GB at 0.858 of the
-	// copy engine against 0.839 (BENCHMARKS.md), but each batch more is
-	// one more checksum kernel beside the engine, whose cost to a model
-	// beside it was not measured. Default 0 (off); 0 to 8.
+	// after its last copy. Default 0 (off): on an H100 at stop 52 (five
+	// repetitions) 3 restored 1.3 GB at 0.861 of the copy engine against
+	// 0.870, and its three more checksum kernels a restore slowed a
+	// decode-shaped loop beside full-speed restores 1.217x against 1.172x
+	// (BENCHMARKS.md; stop 51's one run had 0.858 against 0.839). 0 to 8.
 	RetrieveTailRamp int
 	// RetrieveSerialBatches makes a retrieve wait for and verify each
 	// batch's scatter before it prepares the next, as before issue 12.6.
