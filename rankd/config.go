@@ -179,6 +179,10 @@ type Config struct {
 	// (more: a smaller checksum after the last copy, more checksum kernels
 	// beside the engine). Default 0; 0 to 8.
 	RetrieveTailRamp int
+	// Streams: transfer.Config.Streams, the device streams for stores and,
+	// separately, for restores (each two CUDA streams on a GPU: copies and
+	// kernels). Default 8; 1 to 1024.
+	Streams int
 	// FlushTimeout bounds, at shutdown (SIGTERM), the engine's drain and
 	// its flush to L2: under write-back every object only L1 holds is
 	// written to L2 before the rankd leaves, with progress in the log;
@@ -349,6 +353,7 @@ func DefaultConfig(r wire.Rank) Config {
 		RestorePaceWindow:     transfer.DefaultConfig().RetrievePaceWindow,
 		RetrieveRamp:          transfer.DefaultConfig().RetrieveRamp,
 		RetrieveTailRamp:      transfer.DefaultConfig().RetrieveTailRamp,
+		Streams:               transfer.DefaultConfig().Streams,
 		L2Policy:              transfer.WriteThrough,
 		L2FreeFloorBytes:      1 << 30,
 		L2FreeFloorPercent:    5,
@@ -418,6 +423,8 @@ func (c *Config) Validate() error {
 		return bad("retrieve ramp of %d doublings: want 0..8", c.RetrieveRamp)
 	case c.RetrieveTailRamp < 0 || c.RetrieveTailRamp > 8:
 		return bad("retrieve tail ramp of %d halvings: want 0..8", c.RetrieveTailRamp)
+	case c.Streams < 1 || c.Streams > 1024:
+		return bad("%d streams: want 1..1024", c.Streams)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
 	case !validL1NUMA(c.L1NUMA):

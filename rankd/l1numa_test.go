@@ -79,9 +79,9 @@ func TestCopyEngineBatchingGauge(t *testing.T) {
 // window and ramps are what its transfer engine runs with.
 func TestRestoreTuningReachesTheEngine(t *testing.T) {
 	h := newHarness(t, func(c *Config) {
-		c.RetrieveBatchBytes, c.RestorePaceWindow, c.RetrieveRamp, c.RetrieveTailRamp = 256<<20, 16*time.Millisecond, 0, 2
+		c.RetrieveBatchBytes, c.RestorePaceWindow, c.RetrieveRamp, c.RetrieveTailRamp, c.Streams = 256<<20, 16*time.Millisecond, 0, 2, 3
 	})
-	if tc := h.d.tc; tc.RetrieveBatchBytes != 256<<20 || tc.RetrievePaceWindow != 16*time.Millisecond || tc.RetrieveRamp != 0 || tc.RetrieveTailRamp != 2 {
-		t.Fatalf("transfer config: batch %d, window %v, ramp %d, tail ramp %d; want 256 MiB, 16ms, 0, 2", tc.RetrieveBatchBytes, tc.RetrievePaceWindow, tc.RetrieveRamp, tc.RetrieveTailRamp)
+	if tc := h.d.tc; tc.RetrieveBatchBytes != 256<<20 || tc.RetrievePaceWindow != 16*time.Millisecond || tc.RetrieveRamp != 0 || tc.RetrieveTailRamp != 2 || tc.Streams != 3 {
+		t.Fatalf("transfer config: batch %d, window %v, ramp %d, tail ramp %d, streams %d; want 256 MiB, 16ms, 0, 2, 3", tc.RetrieveBatchBytes, tc.RetrievePaceWindow, tc.RetrieveRamp, tc.RetrieveTailRamp, tc.Streams)
 	}
 }

@@ -202,6 +202,7 @@ func New(cfg Config) (*Daemon, error) {
 	tc.RetrievePaceWindow = cfg.RestorePaceWindow
 	tc.RetrieveRamp = cfg.RetrieveRamp
 	tc.RetrieveTailRamp = cfg.RetrieveTailRamp
+	tc.Streams = cfg.Streams
 	d.releaseWait = cfg.StoreTimeout
 	d.tc = tc
 

@@ -68,7 +68,7 @@ rankd_args() {
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
 		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;; sb*) ra+=" --dma-sum-blocks ${v#sb}" ;;
-		smc) ra+=" --dma-sm-control" ;;
+		smc) ra+=" --dma-sm-control" ;; st*) ra+=" --streams ${v#st}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
@@ -137,6 +137,11 @@ daemons)
 	# 25.3: the tables and sums by kv_move (a store's tables queued behind
 	# a restore's copies on the copy engine)
 	step duplex-smc 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc)" $(bench duplex-smc)
+	# 25.3: with kv_move the store beside a restore still starts 6-10 ms late
+	# (stop 52): whether its stream shares a hardware queue with the
+	# restore's (8 + 8 streams, two CUDA streams each, on 32 queues, plus the
+	# timer's), with 4 + 4 streams
+	step duplex-smc-st4 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc+st4)" $(bench duplex-smc-st4)
 	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
 	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)

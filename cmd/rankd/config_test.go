@@ -134,11 +134,12 @@ func TestCopyFlags(t *testing.T) {
 	if cfg := parse(); cfg.DMA != def.DMA || cfg.RetrieveBatchBytes != def.RetrieveBatchBytes || cfg.RestorePace != 0 || def.RestorePace != 0 ||
 		cfg.RestorePaceWindow != def.RestorePaceWindow || def.RestorePaceWindow != transfer.DefaultConfig().RetrievePaceWindow ||
 		cfg.RetrieveRamp != def.RetrieveRamp || def.RetrieveRamp != transfer.DefaultConfig().RetrieveRamp ||
-		cfg.RetrieveTailRamp != def.RetrieveTailRamp || def.RetrieveTailRamp != transfer.DefaultConfig().RetrieveTailRamp {
+		cfg.RetrieveTailRamp != def.RetrieveTailRamp || def.RetrieveTailRamp != transfer.DefaultConfig().RetrieveTailRamp ||
+		cfg.Streams != def.Streams || def.Streams != transfer.DefaultConfig().Streams {
 		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d, window %v; DefaultConfig has %+v, %d, %d, %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, def.DMA, def.RetrieveBatchBytes, def.RestorePace, def.RestorePaceWindow)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--dma-sum-blocks", "16", "--dma-sm-control", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0", "--retrieve-tail-ramp", "2")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 {
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--dma-sum-blocks", "16", "--dma-sm-control", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0", "--retrieve-tail-ramp", "2", "--streams", "4")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
 	slow := parse("--restore-pace-gbps", "0.05")
@@ -151,7 +152,7 @@ func TestCopyFlags(t *testing.T) {
 	if cfg := parse("--dma-sum-blocks", "65537"); !errors.Is(cfg.Validate(), rankd.ErrConfig) || !strings.Contains(fmt.Sprint(cfg.Validate()), "65536") {
 		t.Errorf("--dma-sum-blocks 65537: Validate = %v, want ErrConfig naming the bound", cfg.Validate())
 	}
-	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}, {"--restore-pace-window", "pace window"}, {"--retrieve-ramp", "ramp"}, {"--retrieve-tail-ramp", "tail ramp"}} {
+	for _, tc := range []struct{ flag, want string }{{"--dma-sum-batch", "checksum batch of 0"}, {"--retrieve-batch-bytes", "retrieve batch of 0"}, {"--restore-pace-window", "pace window"}, {"--retrieve-ramp", "ramp"}, {"--retrieve-tail-ramp", "tail ramp"}, {"--streams", "streams"}} {
 		v := "0"
 		if strings.HasSuffix(tc.flag, "ramp") {
 			v = "9"
