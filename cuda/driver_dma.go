@@ -34,9 +34,9 @@ const dmaSumBatch = 1 << 30
 // batch reads its destination pages once every copy into them is done,
 // while the engine places the next batches. Checksums hidden under copies
 // take one block per multiprocessor (or DMATuning.SumBlocks in all), the
-// exposed last batch of a scatter all it can use (sumBlocksPerSM). A starts after the work already on S;
-// S ends by waiting for A, so later work on S is ordered after the whole
-// transfer, checksums included.
+// exposed last batch of a scatter all it can use (sumBlocksPerSM). A
+// starts after the work already on S; S ends by waiting for A, so later
+// work on S is ordered after the whole transfer, checksums included.
 func (e *enqueuer) dma(plan *xferPlan, ends []int, copies []dmaCopy, buf *driverHostBuf, scatter bool, flags uint32) {
 	S, A := e.s.h, e.s.aux
 	sum := flags&kFlagSum != 0
