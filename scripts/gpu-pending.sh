@@ -101,47 +101,39 @@ cuda)
 	;;
 daemons)
 	P=enginesim/specs
-	# 24.4/25.5 (stop 51, an H100: the loop 1.176x beside full-speed
-	# restores with kv_checksum, 1.120x with kv_sum_units): what the tail
-	# ramp's three more checksum kernels a restore cost the loop, with
-	# each kernel, the default again in the same call
-	for v in default tail3 units+tail3 units units+sb16 units+tail3+sb16 sb48; do
+	# 24.4/25.5: what the rankd's kernels cost the loop beside full-speed
+	# restores goes with their count more than their bytes (stop 52, an
+	# H100: the tail ramp's three more checksum kernels 1.217x against
+	# 1.172x; kv_move's two small kernels cost vLLM's decoders 1.34x
+	# against 1.2x). So: kv_sum_units (1.125x) with two restore batches
+	# instead of four (--retrieve-ramp 0), the defaults in the same call
+	for v in default units+ramp0 units ramp0; do
 		interference "$v"
 	done
-	# 25.1: one rankd at 1.3 and 0.5 GB with the searching checksum kernel
-	# (the default), kv_sum_units (--dma-unit-sums; at stop 51 no faster,
-	# one run of three, before 684dafc halved its tables' planning) and the
-	# tail ramp (--retrieve-tail-ramp 3: 0.858 against 0.839 at 1.3 GB),
-	# five repetitions each (stop 51's ranges overlapped)
-	for v in default units tail3 units+tail3; do
+	# 25.3: both directions (stop 52: 1.03-1.10x with the defaults, 1.05-1.20x
+	# with kv_move, the card's plain copies 1.17-1.31x): kv_move with 4 + 4
+	# streams (whether the store's stream shares a hardware queue with the
+	# restore's: 8 + 8 streams, two CUDA streams each, on 32 queues, plus
+	# the timer's), beside the defaults and kv_move alone
+	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
+	step duplex-smc-st4 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc+st4)" $(bench duplex-smc-st4)
+	step duplex-smc 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc)" $(bench duplex-smc)
+	# 25.1: one rankd at 1.3 and 0.5 GB (stop 52, 1.3 GB, five repetitions:
+	# restore 0.870 with the defaults, 0.843 with kv_sum_units, 0.861 with
+	# the tail ramp), with two batches a restore
+	for v in default units+ramp0 ramp0; do
 		step "tp1-$v" 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
 	done
-	for v in default tail3 units units+tail3; do
+	for v in default units+ramp0; do
 		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
 	done
-	interference units+ramp0
-	for v in pace10 pace20; do
-		interference "$v"
-	done
-	# 25.1: the 0.5 GB rows
+	# 25.1: 4 rankds sharing the GPU, 0.5 and 1.3 GB per rank (0.920 of CE
+	# at 1.3 GB on the H200 at stop 47, one run)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
-	for v in pace5 pace10w4; do
+	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
+	for v in pace10 pace20 pace5 pace10w4; do
 		interference "$v"
 	done
-	# 25.1: 4 rankds at 1.3 GB per rank with 1 GiB batches (the default since
-	# fc8102c; 0.920 of CE on the H200 at stop 47, one run): a second run
-	step tp4-big 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 $(bench tp4-big)
-	# 25.3: both directions through the daemons (rankd sets 32 hardware
-	# queues; 8, the driver's default, is the A/B)
-	step duplex-dma 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-dma)
-	# 25.3: the tables and sums by kv_move (a store's tables queued behind
-	# a restore's copies on the copy engine)
-	step duplex-smc 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc)" $(bench duplex-smc)
-	# 25.3: with kv_move the store beside a restore still starts 6-10 ms late
-	# (stop 52): whether its stream shares a hardware queue with the
-	# restore's (8 + 8 streams, two CUDA streams each, on 32 queues, plus the
-	# timer's), with 4 + 4 streams
-	step duplex-smc-st4 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args smc+st4)" $(bench duplex-smc-st4)
 	step duplex-8q 110 env CUDA_DEVICE_MAX_CONNECTIONS=8 DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 $(bench duplex-8q)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
 	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
@@ -150,23 +142,23 @@ daemons)
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
 		GRAPHS=1 L2=0 ITL=1 LENGTHS=32769 MODES=kvtier)
-	# 24.4 (stop 50 measured the defaults 1.281x, the rankd's and the
-	# connector's 10 GB/s 1.070x / 1.072x on an H100): the decoders beside
-	# a full-speed load with each checksum kernel (kv_sum_units cost the
-	# decode-shaped loop a third less at stop 51) and with the tail ramp,
-	# the defaults in the same call (the first step's bound covers the
-	# engine's first torch.compile), then kv_sum_units under the connector's pace
+	# 24.4 (stop 52, an H100: the decoders during a 32k load 1.19-1.21x with
+	# the defaults, 1.18x with kv_sum_units, 1.34x with kv_move): with two
+	# restore batches per GiB instead of the ramp's four (fewer kernels of
+	# the rankd's context), the defaults in the same call (the first
+	# step's bound covers the engine's first torch.compile), then
+	# kv_sum_units under the connector's pace
 	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
+		bash scripts/gpu-vllm.sh "$BIN"
+	step itl-ramp0 100 env "${V[@]}" RANKD_ARGS="--retrieve-ramp 0" OUT_DIR="$R/itl-ramp0" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-units" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-tail3 100 env "${V[@]}" RANKD_ARGS="--retrieve-tail-ramp 3" OUT_DIR="$R/itl-tail3" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-conn10-units 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 RANKD_ARGS="--dma-unit-sums" OUT_DIR="$R/itl-conn10-units" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	# 24.4: >= 10x at 32k against recompute without a connector, and the
 	# OffloadingConnector, in one run (8.2x-10.6x at earlier stops)
 	step ttft32 240 env "${V[@]}" ITL=0 REPS=3 MODES="alone offload kvtier" OUT_DIR="$R/ttft32" bash scripts/gpu-vllm.sh "$BIN"
 	step itl-conn10 100 env "${V[@]}" KVTIER_LOAD_PACE_GBPS=10 OUT_DIR="$R/itl-conn10" bash scripts/gpu-vllm.sh "$BIN"
-	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
-		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace10 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 10" OUT_DIR="$R/itl-pace10" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-pace20 100 env "${V[@]}" RANKD_ARGS="--restore-pace-gbps 20" OUT_DIR="$R/itl-pace20" \
