@@ -204,7 +204,7 @@ type deaths struct {
 	suspects   map[suspectKey]*suspect
 	term       context.Context // the decision term the watch belongs to
 	watchSince time.Time
-	lastCheck  time.Time     // when the previous check ended
+	lastCheck  time.Time     // when the previous check began
 	lastTook   time.Duration // how long the previous check ran (its fences' commits)
 
 	wake   chan struct{} // capacity 1: judge now
@@ -455,10 +455,10 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 	term := c.repl.term()
 
 	d.mu.Lock()
-	if late := d.advanceWatchLocked(term, now); late > 0 {
+	if late, took := d.advanceWatchLocked(term, now); late > 0 {
 		d.met.stalls.Inc()
-		c.log.Warn("the death check ran late (the coordinator was starved); heartbeat silence counts from now",
-			zap.Duration("late_by", late), zap.Duration("previous_check_took", d.lastTook))
+		c.log.Warn("the death check ran late (the coordinator was starved, or the check before waited that long on a fence's commit); heartbeat silence counts from now",
+			zap.Duration("late_by", late), zap.Duration("previous_check_took", took))
 	}
 	var acts []deathOutcome
 	var probe []suspectKey
@@ -524,14 +524,16 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 // held): a new decision term (a new raft leadership; standalone, the
 // first check) starts it, and so does a check more than deathStallAfter
 // after the previous one (this coordinator was starved, heartbeats may sit
-// unread). It returns how late a stalled check was, 0 when not stalled.
+// unread). It returns how late a stalled check was, 0 when not stalled,
+// and how long the check before it ran.
 //
-// The gap counts from the end of the previous check, not its start: a check
-// that waited seconds on a fence's commit kept this loop busy, not the
-// process starved (heartbeats were read meanwhile), and counting that wait
-// reset the watch and warned of starvation after every slow fence.
-func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) time.Duration {
-	var late time.Duration
+// The gap counts from the previous check's start, so a check that waited
+// seconds on a fence's commit also restarts the watch: whether the process
+// was starved meanwhile (heartbeats unread) cannot be told from here, and
+// restarting only delays a confirmation. The warning names the previous
+// check's time so that a reader can tell a slow commit from starvation.
+func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) (late, took time.Duration) {
+	took = d.lastTook
 	switch {
 	case term != d.term:
 		d.term, d.watchSince = term, now
@@ -540,17 +542,16 @@ func (d *deaths) advanceWatchLocked(term context.Context, now time.Time) time.Du
 		late = now.Sub(d.lastCheck) - deathTick
 	}
 	d.lastCheck, d.lastTook = now, 0
-	return late
+	return late, took
 }
 
-// checkEndedLocked records the end of a check that began at start (d.mu
-// held); a check of another term (leadership changed meanwhile) leaves the
-// watch to the next.
+// checkEndedLocked records how long the check that began at start ran
+// (d.mu held), unless another check or term began meanwhile.
 func (d *deaths) checkEndedLocked(term context.Context, start, end time.Time) {
 	if term != d.term || !d.lastCheck.Equal(start) {
 		return
 	}
-	d.lastCheck, d.lastTook = end, end.Sub(start)
+	d.lastTook = end.Sub(start)
 }
 
 // probeRank sends one liveness probe to the suspect's rank.
