@@ -13,12 +13,12 @@ import (
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/bus"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 var (
 	subj  = wire.Subjects{Prefix: "kvtier"}

@@ -10,10 +10,9 @@ import (
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 type ping struct {
 	N int `json:"n"`

@@ -3,9 +3,9 @@ package cluster
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	testutil.Main(m)
 }

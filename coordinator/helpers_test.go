@@ -14,15 +14,15 @@ import (
 	"github.com/kvtier/kvtier/bus"
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 // testLogger logs at KVTIER_TEST_LOG's level (default info) to t.
 func testLogger(tb testing.TB) *zap.Logger {

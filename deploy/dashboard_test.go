@@ -17,18 +17,18 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
-	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/kvtier/kvtier/auth"
 	"github.com/kvtier/kvtier/coordinator"
 	"github.com/kvtier/kvtier/cuda"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/objstore/objstoretest"
 	"github.com/kvtier/kvtier/rankd"
 	"github.com/kvtier/kvtier/wire"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 const dashboardFile = "grafana/kvtier.json"
 

@@ -34,6 +34,7 @@ import (
 var bin struct{ coordinator, rankd, enginesim, natsnode, s3node string }
 
 func TestMain(m *testing.M) {
+	testutil.Watchdog()
 	dir, err := os.MkdirTemp("", "kvtier-e2e-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

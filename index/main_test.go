@@ -4,7 +4,7 @@ import (
 	"os"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
 func TestMain(m *testing.M) {
@@ -13,5 +13,5 @@ func TestMain(m *testing.M) {
 		// only see it die.
 		os.Exit(m.Run())
 	}
-	goleak.VerifyTestMain(m)
+	testutil.Main(m)
 }

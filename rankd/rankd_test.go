@@ -27,7 +27,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
+	testutil.Main(m,
 		// nats.go and memberlist leave short-lived goroutines behind on close.
 		goleak.IgnoreTopFunction("github.com/nats-io/nats.go.(*Conn).doReconnect"),
 		goleak.IgnoreTopFunction("time.Sleep"),

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
@@ -23,7 +22,7 @@ func TestMain(m *testing.M) {
 	if dir := os.Getenv(segHolderEnv); dir != "" {
 		os.Exit(runSegHolder(dir)) // a child of TestPeerL1HolderKilled
 	}
-	goleak.VerifyTestMain(m)
+	testutil.Main(m)
 }
 
 func testCtx(t testing.TB) context.Context {

@@ -21,11 +21,10 @@ import (
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 func testSpec() dcp.Spec {
 	return dcp.Spec{

@@ -7,11 +7,11 @@ import (
 
 	"github.com/kvtier/kvtier/cluster"
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 func rankd(instance string, tp int, inc uint64, st cluster.MemberState) cluster.Member {
 	return cluster.Member{ID: instance + "-" + string(rune('0'+tp)), State: st,

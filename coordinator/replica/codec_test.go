@@ -6,11 +6,11 @@ import (
 	"testing"
 
 	"github.com/kvtier/kvtier/index"
+	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 // TestCommandCodec: every command kind decodes to the index operation it
 // was encoded from, and a bad entry is an index.ErrInvalid, never a panic.

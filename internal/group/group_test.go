@@ -9,10 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
+	"github.com/kvtier/kvtier/internal/testutil"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 func TestGoRefusedAfterClose(t *testing.T) {
 	g := New("test")

@@ -1,6 +1,8 @@
 // Package testutil is the one home of the helpers that tests in several
 // packages share (STYLE 34): a metric reader, a poll with a deadline, an
-// embedded NATS server and a free port.
+// embedded NATS server, a free port, and Main: every package's TestMain,
+// goleak's check plus a watchdog that names the stuck test before the
+// binary's -test.timeout (a CI log keeps only the end of the output).
 //
 // Every helper fails the test loudly instead of returning a neutral value:
 // a metric or series that is absent fails (it never reads as 0), a

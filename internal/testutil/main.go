@@ -1,0 +1,133 @@
+package testutil
+
+import (
+	"bytes"
+	"flag"
+	"fmt"
+	"os"
+	"runtime"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// Main runs a package's tests as goleak.VerifyTestMain does, with a
+// watchdog. A test binary that hangs is killed by its -test.timeout with a
+// dump of every goroutine, and a CI log that keeps only its last lines
+// then shows raft's and NATS's goroutines, not which test waits where. So
+// shortly before that timeout the watchdog prints the goroutines that run
+// test code (the test functions last, so that they end the output), each
+// cut to its waiting frame and the frames of this module, and exits 2.
+func Main(m *testing.M, opts ...goleak.Option) {
+	Watchdog()
+	goleak.VerifyTestMain(m, opts...)
+}
+
+// Watchdog starts Main's watchdog, for a TestMain that does not call Main
+// (it parses the flags).
+func Watchdog() {
+	flag.Parse()
+	d := watchdogAfter(timeoutFlag())
+	if d <= 0 {
+		return
+	}
+	time.AfterFunc(d, func() {
+		fmt.Fprint(os.Stderr, StuckReport(allStacks(), 8<<10))
+		fmt.Fprintf(os.Stderr, "testutil.Watchdog: the tests ran %v, close to -test.timeout: stuck (stacks above, test functions last)\n", d)
+		os.Exit(2)
+	})
+}
+
+// timeoutFlag returns the binary's -test.timeout, 0 when none.
+func timeoutFlag() time.Duration {
+	f := flag.Lookup("test.timeout")
+	if f == nil {
+		return 0
+	}
+	d, err := time.ParseDuration(f.Value.String())
+	if err != nil {
+		return 0
+	}
+	return d
+}
+
+// watchdogAfter is when the watchdog fires for a -test.timeout of d: a
+// tenth of it, at most a minute, before; never without a timeout.
+func watchdogAfter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return d - min(d/10, time.Minute)
+}
+
+func allStacks() []byte {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) || len(buf) >= 256<<20 {
+			return buf[:n]
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+}
+
+// modulePath marks the frames StuckReport keeps.
+const modulePath = "github.com/kvtier/kvtier/"
+
+// StuckReport condenses a dump of every goroutine (runtime.Stack's format)
+// to the goroutines with a frame in a _test.go file: each its header, its
+// top frame (what it waits in) and its frames of this module. The
+// goroutines of test functions (a frame named Test...) come last. When
+// the report would pass limit bytes, the goroutines printed first are
+// dropped, and a line says how many.
+func StuckReport(dump []byte, limit int) string {
+	type g struct {
+		text string
+		test bool
+	}
+	var gs []g
+	for _, block := range bytes.Split(dump, []byte("\n\n")) {
+		lines := strings.Split(strings.TrimSpace(string(block)), "\n")
+		if len(lines) < 3 || !strings.HasPrefix(lines[0], "goroutine ") || !strings.Contains(string(block), "_test.go:") {
+			continue
+		}
+		var b strings.Builder
+		b.WriteString(lines[0] + "\n")
+		test := false
+		// lines[1:] are pairs: a function, then its file and line.
+		for i := 1; i+1 < len(lines); i += 2 {
+			fn, at := lines[i], lines[i+1]
+			if i == 1 || strings.HasPrefix(fn, modulePath) {
+				b.WriteString(fn + "\n" + at + "\n")
+			}
+			if strings.HasPrefix(fn, modulePath) && strings.Contains(fn, ".Test") && strings.Contains(at, "_test.go:") {
+				test = true
+			}
+		}
+		gs = append(gs, g{b.String(), test})
+	}
+	sort.SliceStable(gs, func(i, j int) bool { return !gs[i].test && gs[j].test })
+	var out []string
+	size, dropped := 0, 0
+	for i := len(gs) - 1; i >= 0; i-- {
+		if size+len(gs[i].text) > limit && len(out) > 0 {
+			dropped = i + 1
+			break
+		}
+		out = append(out, gs[i].text)
+		size += len(gs[i].text)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "testutil.Main: %d goroutines run test code", len(gs))
+	if dropped > 0 {
+		fmt.Fprintf(&b, "; %d of them left out to keep this short", dropped)
+	}
+	b.WriteString(":\n")
+	for i := len(out) - 1; i >= 0; i-- {
+		b.WriteString("\n" + out[i])
+	}
+	return b.String()
+}

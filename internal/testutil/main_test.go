@@ -1,0 +1,111 @@
+package testutil
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestWatchdogAfter(t *testing.T) {
+	for _, c := range []struct{ timeout, want time.Duration }{
+		{0, 0},
+		{20 * time.Minute, 19 * time.Minute},
+		{5 * time.Minute, 4*time.Minute + 30*time.Second},
+		{time.Minute, 54 * time.Second},
+	} {
+		if got := watchdogAfter(c.timeout); got != c.want {
+			t.Errorf("watchdogAfter(%v) = %v, want %v", c.timeout, got, c.want)
+		}
+	}
+}
+
+// parkedInTest blocks until release closes: a stand-in for a test stuck
+// on a channel.
+func parkedInTest(release <-chan struct{}, parked chan<- struct{}) {
+	close(parked)
+	<-release
+}
+
+// TestStuckReportNamesTheWaitingTest takes a real dump with a goroutine of
+// this file parked on a channel and checks that the report keeps it and
+// this test function (last), and drops goroutines without test code.
+func TestStuckReportNamesTheWaitingTest(t *testing.T) {
+	release, parked := make(chan struct{}), make(chan struct{})
+	defer close(release)
+	go parkedInTest(release, parked)
+	<-parked
+	Eventually(t, 5*time.Second, "the goroutine to park on its channel", func() bool {
+		return strings.Contains(string(allStacks()), "chan receive")
+	})
+	r := StuckReport(allStacks(), 64<<10)
+	for _, want := range []string{"testutil.parkedInTest", "[chan receive", "testutil.TestStuckReportNamesTheWaitingTest", "main_test.go:"} {
+		if !strings.Contains(r, want) {
+			t.Fatalf("the report lacks %q:\n%s", want, r)
+		}
+	}
+	if strings.Index(r, "parkedInTest") > strings.LastIndex(r, "TestStuckReportNamesTheWaitingTest") {
+		t.Fatalf("the test function is not last:\n%s", r)
+	}
+}
+
+func TestStuckReportKeepsTheTestsWithinItsLimit(t *testing.T) {
+	g := func(id int, fn, file string) string {
+		return "goroutine " + string(rune('0'+id)) + " [select]:\n" +
+			"runtime.gopark(...)\n\t/go/src/runtime/proc.go:1\n" +
+			modulePath + fn + "(...)\n\t" + file + ":10 +0x1\n" +
+			"testing.tRunner(...)\n\t/go/src/testing/testing.go:2\n"
+	}
+	dump := strings.Join([]string{
+		g(1, "coordinator.TestStuck", "/src/coordinator/x_test.go"),
+		g(2, "coordinator.helperLoop", "/src/coordinator/y_test.go"),
+		g(3, "coordinator.(*Coordinator).run", "/src/coordinator/run.go"),
+	}, "\n")
+	full := StuckReport([]byte(dump), 1<<20)
+	if !strings.HasPrefix(full, "testutil.Main: 2 goroutines run test code:") || strings.Contains(full, "run.go") {
+		t.Fatalf("want the two goroutines with test code only:\n%s", full)
+	}
+	if strings.Contains(full, "testing.tRunner") || !strings.Contains(full, "runtime.gopark") {
+		t.Fatalf("want the top frame and this module's frames only:\n%s", full)
+	}
+	short := StuckReport([]byte(dump), 10)
+	if !strings.Contains(short, "coordinator.TestStuck") || strings.Contains(short, "helperLoop") || !strings.Contains(short, "1 of them left out") {
+		t.Fatalf("a short limit must keep the test function and say what it dropped:\n%s", short)
+	}
+}
+
+const watchdogChildEnv = "KVTIER_TESTUTIL_WATCHDOG_CHILD"
+
+// TestWatchdogChildHangs is the stuck test TestWatchdogFires runs in a
+// child process; in the parent it returns at once.
+func TestWatchdogChildHangs(t *testing.T) {
+	if os.Getenv(watchdogChildEnv) == "" {
+		return
+	}
+	parkedInTest(make(chan struct{}), make(chan struct{}))
+}
+
+// TestWatchdogFires runs this binary's hanging test with a 3 s timeout:
+// the watchdog must end it with status 2 before the timeout's panic and
+// name the test and where it waits at the end of its output.
+func TestWatchdogFires(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestWatchdogChildHangs$", "-test.timeout=3s")
+	cmd.Env = append(os.Environ(), watchdogChildEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 2 {
+		t.Fatalf("the child ended with %v, want exit status 2:\n%s", err, out)
+	}
+	s := string(out)
+	if strings.Contains(s, "panic: test timed out") {
+		t.Fatalf("the timeout's panic came first:\n%s", s)
+	}
+	tail := s[strings.LastIndex(s, "testutil.Main:"):]
+	for _, want := range []string{"testutil.parkedInTest", "testutil.TestWatchdogChildHangs", "main_test.go:", "testutil.Watchdog: the tests ran 2.7s"} {
+		if !strings.Contains(tail, want) {
+			t.Fatalf("the end of the output lacks %q:\n%s", want, s)
+		}
+	}
+}
