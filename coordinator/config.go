@@ -301,6 +301,9 @@ type Config struct {
 	// indexAfterCommit, when set (tests only), is the index's AfterCommit
 	// seam: a test blocks it to hold commits back (a slow committer).
 	indexAfterCommit func()
+	// raftBeforeApply, when set (tests only), is the raft node's
+	// BeforeApply seam: a test blocks it to hold raft's state machine.
+	raftBeforeApply func()
 
 	// Registry gets every metric of this coordinator and its cluster member
 	// and is what /metrics serves. Default: a new registry per coordinator

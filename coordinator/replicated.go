@@ -108,7 +108,7 @@ func newReplicated(c *Coordinator) (*replicated, error) {
 	r.leading, r.endLeading = context.WithCancel(c.ctx)
 	r.endLeading()
 	n, err := replica.New(c.cfg.Raft, replica.Options{Logger: c.log, Registerer: c.reg,
-		Hooks: replica.Hooks{Lead: r.lead, Follow: r.follow}})
+		Hooks: replica.Hooks{Lead: r.lead, Follow: r.follow}, BeforeApply: c.cfg.raftBeforeApply})
 	if err != nil {
 		if errors.Is(err, replica.ErrConfig) {
 			return nil, fmt.Errorf("%w: %w", err, ErrConfig)

@@ -18,6 +18,9 @@ func (f fsm) Apply(l *raft.Log) any { return f.ApplyBatch([]*raft.Log{l})[0] }
 // returns their index requests (*index.Pending) without waiting: the
 // leader's acker waits on them. raft calls it on one goroutine, in order.
 func (f fsm) ApplyBatch(logs []*raft.Log) []any {
+	if f.n.beforeApply != nil {
+		f.n.beforeApply()
+	}
 	out := make([]any, len(logs))
 	ix := f.n.idx
 	for i, l := range logs {

@@ -43,6 +43,10 @@ type Options struct {
 	Registerer prometheus.Registerer
 	// Hooks are called on leadership changes; nil hooks do nothing.
 	Hooks Hooks
+	// BeforeApply, when set (tests), runs on raft's state machine goroutine
+	// before each batch of entries is queued into the index: a test holds
+	// the state machine with it.
+	BeforeApply func()
 }
 
 // Node is one raft server replicating an index: raft's state machine is
@@ -54,12 +58,16 @@ type Options struct {
 // every mutation answers ErrNotLeader. Goroutines it owns (the leadership
 // and observation loops, started through its group, which Shutdown closes
 // before it waits; the transport's accept loop and handshakes, in the
-// transport's group; and raft's own) stop in Shutdown.
+// transport's group; and raft's own) stop in Shutdown. The one exception:
+// a goroutine await started on a future raft dropped at its shutdown
+// stays parked on it (see await).
 type Node struct {
 	cfg   Config
 	log   *zap.Logger
 	met   *metrics
 	hooks Hooks
+	// beforeApply is Options.BeforeApply.
+	beforeApply func()
 
 	// Set by Start before ready; read only after ready.
 	idx   *index.Index
@@ -78,7 +86,10 @@ type Node struct {
 	obs    chan raft.Observation
 	// stop is closed and ctx cancelled by Shutdown: the loops and an index
 	// sync in progress return.
-	stop   chan struct{}
+	stop chan struct{}
+	// down is closed by Shutdown once raft has shut down: await stops
+	// waiting on raft's futures then.
+	down   chan struct{}
 	ctx    context.Context
 	cancel context.CancelFunc
 	g      *group.Group
@@ -97,7 +108,7 @@ func New(cfg Config, opts Options) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, log: opts.Logger.Named("raft"), met: newMetrics(), hooks: opts.Hooks,
 		notify: make(chan bool, 16), obs: make(chan raft.Observation, 64), stop: make(chan struct{}),
-		g: group.New("raft")}
+		down: make(chan struct{}), beforeApply: opts.BeforeApply, g: group.New("raft")}
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	for _, m := range n.met.collectors() {
 		if err := opts.Registerer.Register(m); err != nil {
@@ -241,7 +252,7 @@ func (n *Node) leaderLoop() {
 
 func (n *Node) gainLeadership() {
 	t0 := time.Now()
-	if err := n.r.Barrier(10 * time.Second).Error(); err != nil {
+	if err := n.await(n.r.Barrier(10 * time.Second)); err != nil {
 		n.log.Warn("leadership gained but the barrier failed; not serving", zap.Error(err))
 		return
 	}
@@ -317,6 +328,7 @@ func (n *Node) Shutdown() {
 			n.log.Warn("raft shutdown", zap.Error(err))
 		}
 	}
+	close(n.down) // raft answers no future from here on
 	n.g.Close()
 	close(n.stop)
 	n.cancel()
@@ -340,10 +352,37 @@ func (n *Node) propose(kind byte, payload []byte) raft.ApplyFuture {
 	return n.r.Apply(appendCommand(kind, payload), n.cfg.ApplyTimeout)
 }
 
+// await returns f's error, or raft.ErrRaftShutdown once this node's raft
+// has shut down without answering f. Raft (1.8) never answers an Apply's
+// or a Barrier's future that still sat in its apply channel (buffered:
+// BatchApplyCh) or its state machine's channel when it shut down, and
+// those futures watch no shutdown channel: waiting on one alone could hang
+// forever. The leadership loop did at stop 52 (its barrier), and Shutdown,
+// waiting for that loop, with it: CI's coordinator tests hung 20 minutes.
+//
+// The goroutine that waits on f is not in the node's group: Shutdown
+// must not wait for it. Once raft is down it stays parked on a future
+// nothing answers; the process is stopping.
+func (n *Node) await(f raft.Future) error {
+	errc := make(chan error, 1)
+	go func() { errc <- f.Error() }()
+	select {
+	case err := <-errc:
+		return err
+	case <-n.down:
+		select {
+		case err := <-errc:
+			return err
+		default:
+			return raft.ErrRaftShutdown
+		}
+	}
+}
+
 // result waits until the entry is committed and the leader's index has
 // applied it.
 func (n *Node) result(f raft.ApplyFuture, t0 time.Time) index.Result {
-	if err := f.Error(); err != nil {
+	if err := n.await(f); err != nil {
 		n.met.notLeader.Inc()
 		return index.Result{Err: fmt.Errorf("entry not committed by this coordinator: %w: %w", ErrNotLeader, err)}
 	}
@@ -452,7 +491,7 @@ func (n *Node) TransferLeadership(id, addr string) error {
 	if !n.ready.Load() {
 		return fmt.Errorf("raft is starting: %w", ErrNotLeader)
 	}
-	if err := n.r.LeadershipTransferToServer(raft.ServerID(id), raft.ServerAddress(addr)).Error(); err != nil {
+	if err := n.await(n.r.LeadershipTransferToServer(raft.ServerID(id), raft.ServerAddress(addr))); err != nil {
 		return fmt.Errorf("leadership transfer to %s at %s: %w", id, addr, err)
 	}
 	return nil
@@ -567,7 +606,7 @@ func (n *Node) ChangeVoters(id, addr string, add bool, timeout time.Duration) (*
 	} else {
 		f = n.r.RemoveServer(raft.ServerID(id), 0, timeout)
 	}
-	if err := f.Error(); err != nil {
+	if err := n.await(f); err != nil {
 		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
 			return nil, fmt.Errorf("%w: %w", ErrNotLeader, err)
 		}

@@ -1,0 +1,83 @@
+package coordinator
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/internal/testutil"
+	"github.com/kvtier/kvtier/wire"
+)
+
+// TestRaftShutdownAnswersQueuedProposals holds a one-node cluster's raft
+// state machine while fences are proposed one after another, so that
+// their committed entries queue in raft's channel to the state machine,
+// then shuts the coordinator down and releases the state machine. Raft
+// drops what is still queued at its shutdown without answering the
+// futures; every fence must still return (an error is fine: the entry may
+// or may not have been applied), and Shutdown too. Seen red without
+// Node.await: fences waited forever on futures raft never answered (CI's
+// 20-minute hang of stop 52 was the leadership loop's barrier, Shutdown
+// waiting for that loop).
+func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
+	var held atomic.Bool
+	var entered atomic.Int64
+	gate := make(chan struct{})
+	var openOnce sync.Once
+	open := func() { openOnce.Do(func() { close(gate) }) }
+	rc := newRaftCluster(t, 1, func(c *Config) {
+		c.raftBeforeApply = func() {
+			if held.Load() {
+				entered.Add(1)
+				<-gate
+			}
+		}
+	})
+	t.Cleanup(open)
+	L := rc.nodes[rc.leader()]
+	held.Store(true)
+
+	const fences = 24
+	done := make(chan error, fences)
+	for i := range fences {
+		go func() {
+			_, err := node(L).FenceRank(tctx(t), wire.Rank{Instance: "eng", TPRank: i}, 1)
+			done <- err
+		}()
+		if i == 0 {
+			testutil.Eventually(t, 10*time.Second, "the state machine to hold the first fence", func() bool { return entered.Load() > 0 })
+		} else {
+			// Each its own commit, so that several batches queue.
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+
+	shut := make(chan struct{})
+	go func() {
+		rc.stop(rc.leader())
+		close(shut)
+	}()
+	time.Sleep(200 * time.Millisecond) // raft's shutdown begins and waits for its state machine
+	open()
+
+	deadline := time.After(30 * time.Second)
+	applied := 0
+	for range fences {
+		select {
+		case err := <-done:
+			if err == nil {
+				applied++
+			}
+		case <-deadline:
+			t.Fatalf("fences still waiting 30 s after the shutdown (%d of %d returned): a future raft dropped is waited on forever", applied, fences)
+		}
+	}
+	select {
+	case <-shut:
+	case <-deadline:
+		t.Fatal("Shutdown did not return in 30 s")
+	}
+	t.Logf("%d of %d fences applied before the shutdown", applied, fences)
+}
