@@ -304,6 +304,9 @@ type Config struct {
 	// raftBeforeApply, when set (tests only), is the raft node's
 	// BeforeApply seam: a test blocks it to hold raft's state machine.
 	raftBeforeApply func()
+	// heartbeatHook, when set (tests only), runs before each heartbeat
+	// is handled: a test blocks it to make heartbeats queue unhandled.
+	heartbeatHook func()
 
 	// Registry gets every metric of this coordinator and its cluster member
 	// and is what /metrics serves. Default: a new registry per coordinator

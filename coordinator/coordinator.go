@@ -91,6 +91,10 @@ type Coordinator struct {
 	testInvStep func(objects int)
 
 	hb heartbeats
+	// hbSub is the heartbeat subscription (standalone: from the start;
+	// replicated: the leader's, the last one made): deaths.go reads its
+	// backlog.
+	hbSub atomic.Pointer[nats.Subscription]
 	// deaths holds the ranks gossip reports gone, until NATS confirms it
 	// (deaths.go).
 	deaths *deaths

@@ -57,7 +57,10 @@ import (
 // silence no sooner than one window after it took over, while probes work
 // at once. A coordinator that itself stalled for longer than
 // deathStallAfter (a starved host) opens that grace again: heartbeats may
-// wait unread in its buffers. Only the deciding coordinator (standalone,
+// wait unread in its buffers. Nor is a death confirmed by silence while
+// heartbeats wait unhandled in this coordinator's subscription: it lags
+// behind them, and the suspect's may be among them. Only the deciding
+// coordinator (standalone,
 // or the raft leader) probes and confirms; the others keep their suspects
 // for when they lead.
 //
@@ -233,6 +236,7 @@ type deathMetrics struct {
 	probes      *prometheus.CounterVec // by outcome
 	suspects    prometheus.GaugeFunc
 	stalls      prometheus.Counter
+	queuedBeats prometheus.Counter
 	ignored     prometheus.Counter
 	gaps        prometheus.Histogram
 	n           func() int
@@ -265,6 +269,10 @@ func newDeathMetrics() *deathMetrics {
 			Name: "kvtier_coord_death_check_stalls_total",
 			Help: "Times the death check itself ran late by over 2 s (a starved coordinator); silence then counts from the stall's end.",
 		}),
+		queuedBeats: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvtier_coord_death_silence_deferred_total",
+			Help: "Deaths by heartbeat silence not confirmed because heartbeats waited unread in this coordinator's subscription (it lags behind them); judged again at the next check.",
+		}),
 	}
 	m.suspects = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvtier_coord_rank_suspects",
@@ -282,7 +290,7 @@ func newDeathMetrics() *deathMetrics {
 }
 
 func (m *deathMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.unconfirmed, m.confirmed, m.probes, m.suspects, m.stalls, m.ignored, m.gaps}
+	return []prometheus.Collector{m.unconfirmed, m.confirmed, m.probes, m.suspects, m.stalls, m.queuedBeats, m.ignored, m.gaps}
 }
 
 func (m *deathMetrics) Describe(ch chan<- *prometheus.Desc) {
@@ -453,6 +461,9 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 		return
 	}
 	term := c.repl.term()
+	// Heartbeats delivered to this coordinator but not handled yet may
+	// include the suspect's: its silence is then this coordinator's lag.
+	queued := c.heartbeatsQueued()
 
 	d.mu.Lock()
 	if late, took := d.advanceWatchLocked(term, now); late > 0 {
@@ -471,6 +482,10 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 		by := judgeDeath(s, d.watchSince, now, c.cfg.Death.ConfirmBeats, c.cfg.Death.AssumedInterval)
 		if by == bySilence && s.probing {
 			by = "" // a probe in flight may still prove it alive (a starved rank answers late)
+		}
+		if by == bySilence && queued > 0 {
+			by = ""
+			d.met.queuedBeats.Inc()
 		}
 		if by != "" {
 			delete(d.suspects, k)

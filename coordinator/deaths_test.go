@@ -289,6 +289,54 @@ func TestGossipDeathConfirmedBySilence(t *testing.T) {
 	}
 }
 
+// TestSilenceNotConfirmedWhileHeartbeatsQueue: a suspect whose probes go
+// unanswered but whose heartbeats keep arriving, unhandled behind a
+// blocked heartbeat handler (a coordinator lagging behind its
+// subscription), is not fenced by silence; once the handler runs again
+// its heartbeats prove it alive. Seen red without the queued-heartbeats
+// rule in checkSuspects: fenced by silence while its heartbeats waited.
+func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
+	var blocked atomic.Bool
+	gate := make(chan struct{})
+	var openOnce sync.Once
+	open := func() { openOnce.Do(func() { close(gate) }) }
+	f := newMemberFixture(t, 4, wire.L1, func(c *Config) {
+		c.heartbeatHook = func() {
+			if blocked.Load() {
+				<-gate
+			}
+		}
+	})
+	t.Cleanup(open)
+	r := wire.Rank{Instance: "eng", TPRank: 1}
+	rk := startNATSRank(t, f.c, r, f.members[1].LocalMember().Meta.Incarnation, 50*time.Millisecond)
+	plan := f.beginDeadline(t, 30*time.Second)
+	rk.answer.Store(false) // probes go unanswered: only heartbeats can prove it alive
+	blocked.Store(true)
+	_ = f.members[1].Shutdown()
+	// Silence would confirm after 150 ms once a probe has timed out (1 s);
+	// wait for two probes to have timed out and a deferral to be counted.
+	testutil.Eventually(t, 20*time.Second, "two unanswered probes and a deferred silence (or a fence)", func() bool {
+		return (testutil.Metric(t, f.c.reg, "kvtier_coord_death_probes_total", "outcome", "no_answer") >= 2 &&
+			testutil.Metric(t, f.c.reg, "kvtier_coord_death_silence_deferred_total") > 0) ||
+			testutil.MetricSum(t, f.c.reg, "kvtier_coord_rank_fences_total") > 0
+	})
+	if ri, _ := f.c.idx.Rank(r); ri.Fenced {
+		t.Fatalf("rank fenced by silence while its heartbeats waited unhandled: %+v", ri)
+	}
+	if !restoreActive(f.c, plan.RestoreID) {
+		t.Fatal("the held restore was failed while the rank's heartbeats waited unhandled")
+	}
+	blocked.Store(false)
+	open()
+	testutil.Eventually(t, 10*time.Second, "the queued heartbeats to prove the suspect alive", func() bool {
+		return testutil.Metric(t, f.c.reg, "kvtier_coord_death_notices_unconfirmed_total", "cause", "dead") == 1
+	})
+	if ri, _ := f.c.idx.Rank(r); ri.Fenced || testutil.MetricSum(t, f.c.reg, "kvtier_coord_rank_fences_total") != 0 {
+		t.Fatalf("rank fenced: %+v", ri)
+	}
+}
+
 // TestLeavingNoticeConfirmsLeave: a rank that says it is leaving on its
 // own heartbeat subject, then leaves gossip, is fenced at once as left,
 // though its probe answers would still say alive. Seen red with the

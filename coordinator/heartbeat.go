@@ -102,9 +102,26 @@ func (h *heartbeats) forget(r wire.Rank) {
 	delete(h.beats, r)
 }
 
+// heartbeatsQueued is how many heartbeats this coordinator's subscription
+// holds unhandled (0 when it has none, or no subscription).
+func (c *Coordinator) heartbeatsQueued() int {
+	sub := c.hbSub.Load()
+	if sub == nil {
+		return 0
+	}
+	n, _, err := sub.Pending()
+	if err != nil {
+		return 0 // unsubscribed (a follower now): it judges nothing
+	}
+	return n
+}
+
 // handleHeartbeat applies the rule above. Heartbeats are plain publishes:
 // a lost one only delays detection by an interval.
 func (c *Coordinator) handleHeartbeat(m *nats.Msg) {
+	if c.cfg.heartbeatHook != nil {
+		c.cfg.heartbeatHook()
+	}
 	var hb wire.Heartbeat
 	if err := json.Unmarshal(m.Data, &hb); err != nil || wire.ValidInstance(hb.Rank.Instance) != nil {
 		c.met.badRequests.WithLabelValues("heartbeat").Inc()

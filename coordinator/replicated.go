@@ -170,6 +170,9 @@ func (r *replicated) lead() (bool, error) {
 			return false, fmt.Errorf("leader subscription %s: %w", h.subject, err)
 		}
 		r.subs = append(r.subs, sub)
+		if h.subject == c.subj.HeartbeatAll() {
+			c.hbSub.Store(sub)
+		}
 	}
 	// A new term: the resyncs it starts end when it does (follow).
 	r.endLeading()

@@ -132,6 +132,9 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 			return nil, fmt.Errorf("pending limits of %s: %w", h.subject, err)
 		}
 		c.subs = append(c.subs, sub)
+		if h.subject == c.subj.HeartbeatAll() {
+			c.hbSub.Store(sub)
+		}
 	}
 	if err := c.lnc.Flush(); err != nil {
 		return nil, fmt.Errorf("flush the lookup connection: %w", err)
