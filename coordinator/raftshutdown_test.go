@@ -81,3 +81,58 @@ func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
 	}
 	t.Logf("%d of %d fences applied before the shutdown", applied, fences)
 }
+
+// TestRaftShutdownWhileTheLeaderBarrierWaits restarts a one-node cluster
+// whose log holds many entries with its state machine held: raft replays
+// them in batches that queue ahead of the barrier the new leadership's
+// loop waits on, and the coordinator is shut down meanwhile. Raft drops
+// what is still queued, the barrier with it; Shutdown waits for that loop
+// and must return all the same. Seen red without Node.await (the
+// barrier waited on alone): Shutdown hung, the loop parked in
+// gainLeadership's barrier (CI's 20-minute hang of stop 52).
+func TestRaftShutdownWhileTheLeaderBarrierWaits(t *testing.T) {
+	var held atomic.Bool
+	var entered atomic.Int64
+	gate := make(chan struct{})
+	var openOnce sync.Once
+	open := func() { openOnce.Do(func() { close(gate) }) }
+	rc := newRaftCluster(t, 1, func(c *Config) {
+		// Small batches: the replay queues many, each a chance for raft's
+		// shutdown to drop the ones behind it, the barrier's included.
+		c.Raft.MaxAppendEntries = 4
+		c.raftBeforeApply = func() {
+			if held.Load() {
+				entered.Add(1)
+				<-gate
+			}
+		}
+	})
+	t.Cleanup(open)
+	L := rc.nodes[rc.leader()]
+	// Entries one at a time, so that the replay has many to apply.
+	for i := range 200 {
+		if _, err := node(L).FenceRank(tctx(t), wire.Rank{Instance: "eng", TPRank: i % 64}, uint64(i+1)); err != nil {
+			t.Fatalf("fence %d: %v", i, err)
+		}
+	}
+	rc.stop(0)
+	held.Store(true)
+	c := rc.start(0)
+	testutil.Eventually(t, 20*time.Second, "the replay to reach the held state machine", func() bool { return entered.Load() > 0 })
+	time.Sleep(300 * time.Millisecond) // the leadership loop's barrier queues behind the replay
+
+	shut := make(chan struct{})
+	go func() {
+		c.Shutdown()
+		close(shut)
+	}()
+	time.Sleep(200 * time.Millisecond) // raft's shutdown begins and waits for its state machine
+	open()
+	select {
+	case <-shut:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Shutdown did not return in 30 s: the leadership loop waits on a barrier raft dropped")
+	}
+	t.Logf("state machine batches: %d", entered.Load())
+	rc.nodes[0] = nil
+}
