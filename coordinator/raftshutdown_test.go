@@ -10,6 +10,30 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
+// heldFSM holds a raft node's state machine (Config.raftBeforeApply)
+// while held is set, until release.
+type heldFSM struct {
+	held    atomic.Bool
+	entered atomic.Int64 // batches that reached the hook while held
+	gate    chan struct{}
+	once    sync.Once
+}
+
+func newHeldFSM(t *testing.T) *heldFSM {
+	h := &heldFSM{gate: make(chan struct{})}
+	t.Cleanup(h.release)
+	return h
+}
+
+func (h *heldFSM) hook() {
+	if h.held.Load() {
+		h.entered.Add(1)
+		<-h.gate
+	}
+}
+
+func (h *heldFSM) release() { h.once.Do(func() { close(h.gate) }) }
+
 // TestRaftShutdownAnswersQueuedProposals holds a one-node cluster's raft
 // state machine while fences are proposed one after another, so that
 // their committed entries queue in raft's channel to the state machine,
@@ -21,22 +45,10 @@ import (
 // 20-minute hang of stop 52 was the leadership loop's barrier, Shutdown
 // waiting for that loop).
 func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
-	var held atomic.Bool
-	var entered atomic.Int64
-	gate := make(chan struct{})
-	var openOnce sync.Once
-	open := func() { openOnce.Do(func() { close(gate) }) }
-	rc := newRaftCluster(t, 1, func(c *Config) {
-		c.raftBeforeApply = func() {
-			if held.Load() {
-				entered.Add(1)
-				<-gate
-			}
-		}
-	})
-	t.Cleanup(open)
+	h := newHeldFSM(t)
+	rc := newRaftCluster(t, 1, func(c *Config) { c.raftBeforeApply = h.hook })
 	L := rc.nodes[rc.leader()]
-	held.Store(true)
+	h.held.Store(true)
 
 	const fences = 24
 	done := make(chan error, fences)
@@ -46,7 +58,7 @@ func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
 			done <- err
 		}()
 		if i == 0 {
-			testutil.Eventually(t, 10*time.Second, "the state machine to hold the first fence", func() bool { return entered.Load() > 0 })
+			testutil.Eventually(t, 10*time.Second, "the state machine to hold the first fence", func() bool { return h.entered.Load() > 0 })
 		} else {
 			// Each its own commit, so that several batches queue.
 			time.Sleep(10 * time.Millisecond)
@@ -60,7 +72,7 @@ func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
 		close(shut)
 	}()
 	time.Sleep(200 * time.Millisecond) // raft's shutdown begins and waits for its state machine
-	open()
+	h.release()
 
 	deadline := time.After(30 * time.Second)
 	applied := 0
@@ -91,23 +103,13 @@ func TestRaftShutdownAnswersQueuedProposals(t *testing.T) {
 // barrier waited on alone): Shutdown hung, the loop parked in
 // gainLeadership's barrier (CI's 20-minute hang of stop 52).
 func TestRaftShutdownWhileTheLeaderBarrierWaits(t *testing.T) {
-	var held atomic.Bool
-	var entered atomic.Int64
-	gate := make(chan struct{})
-	var openOnce sync.Once
-	open := func() { openOnce.Do(func() { close(gate) }) }
+	h := newHeldFSM(t)
 	rc := newRaftCluster(t, 1, func(c *Config) {
 		// Small batches: the replay queues many, each a chance for raft's
 		// shutdown to drop the ones behind it, the barrier's included.
 		c.Raft.MaxAppendEntries = 4
-		c.raftBeforeApply = func() {
-			if held.Load() {
-				entered.Add(1)
-				<-gate
-			}
-		}
+		c.raftBeforeApply = h.hook
 	})
-	t.Cleanup(open)
 	L := rc.nodes[rc.leader()]
 	// Entries one at a time, so that the replay has many to apply.
 	for i := range 200 {
@@ -116,9 +118,9 @@ func TestRaftShutdownWhileTheLeaderBarrierWaits(t *testing.T) {
 		}
 	}
 	rc.stop(0)
-	held.Store(true)
+	h.held.Store(true)
 	c := rc.start(0)
-	testutil.Eventually(t, 20*time.Second, "the replay to reach the held state machine", func() bool { return entered.Load() > 0 })
+	testutil.Eventually(t, 20*time.Second, "the replay to reach the held state machine", func() bool { return h.entered.Load() > 0 })
 	time.Sleep(300 * time.Millisecond) // the leadership loop's barrier queues behind the replay
 
 	shut := make(chan struct{})
@@ -127,12 +129,12 @@ func TestRaftShutdownWhileTheLeaderBarrierWaits(t *testing.T) {
 		close(shut)
 	}()
 	time.Sleep(200 * time.Millisecond) // raft's shutdown begins and waits for its state machine
-	open()
+	h.release()
 	select {
 	case <-shut:
 	case <-time.After(30 * time.Second):
 		t.Fatal("Shutdown did not return in 30 s: the leadership loop waits on a barrier raft dropped")
 	}
-	t.Logf("state machine batches: %d", entered.Load())
+	t.Logf("state machine batches: %d", h.entered.Load())
 	rc.nodes[0] = nil
 }
