@@ -4,6 +4,8 @@ import pytest
 
 from cluster import build_binaries
 
+pytest_plugins = ["watchdog"]
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "wire" / "testdata" / "golden"
 
