@@ -95,3 +95,51 @@ func TestFindWindowMatchesBruteForce(t *testing.T) {
 		}
 	}
 }
+
+// TestFindFreeNextFit: findFree returns a run of free slabs whenever one
+// exists, the first that starts at or after the cursor, else the first
+// before it; checked against every start on random layouts and cursors.
+func TestFindFreeNextFit(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 9))
+	for trial := range 3000 {
+		ns := 1 + rng.IntN(40)
+		spec := make([]int, ns)
+		for i := range spec {
+			if rng.IntN(3) > 0 {
+				spec[i] = 1 + rng.IntN(5)
+			}
+		}
+		c := layout(spec)
+		c.cursor = rng.IntN(ns + 2)
+		n := 1 + rng.IntN(4)
+		free := func(s int) bool {
+			if s < 0 || s+n > ns {
+				return false
+			}
+			for i := s; i < s+n; i++ {
+				if spec[i] != 0 {
+					return false
+				}
+			}
+			return true
+		}
+		want := -1
+		from := c.cursor
+		if from >= ns {
+			from = 0
+		}
+		for s := from; s < ns && want < 0; s++ {
+			if free(s) {
+				want = s
+			}
+		}
+		for s := 0; s < from && want < 0; s++ {
+			if free(s) {
+				want = s
+			}
+		}
+		if got := c.findFree(n); got != want {
+			t.Fatalf("trial %d: layout %v, cursor %d, %d slabs: findFree = %d, want %d", trial, spec, c.cursor, n, got, want)
+		}
+	}
+}

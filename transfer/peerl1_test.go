@@ -138,7 +138,9 @@ func TestPeerL1EvictionDuringReadFailsChunk(t *testing.T) {
 			t.Errorf("object leased by a peer classified %d, want blocked (%d)", cl, slabBlocked)
 			return
 		}
+		slab := o.slab
 		e0.evictLocked(o)
+		e0.cat.cursor = slab // the next placement takes the evicted slabs (next fit wraps to them in time)
 		e0.mu.Unlock()
 		other := r0.newChunk(9, r0.consecutiveN(3))
 		storeAll(t, e0, r0, "b", other)
