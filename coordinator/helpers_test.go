@@ -17,16 +17,14 @@ import (
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 )
 
 func TestMain(m *testing.M) {
-	// A raft future that raft dropped at its shutdown is never answered:
-	// the goroutine replica.Node.await left waiting on it stays parked.
-	testutil.Main(m, goleak.IgnoreAnyFunction("github.com/kvtier/kvtier/coordinator/replica.(*Node).await.func1"))
+	// A raft future that raft dropped at its shutdown is never answered.
+	testutil.Main(m, testutil.IgnoreRaftAwait)
 }
 
 // testLogger logs at KVTIER_TEST_LOG's level (default info) to t.

@@ -28,7 +28,10 @@ import (
 	"github.com/kvtier/kvtier/wire"
 )
 
-func TestMain(m *testing.M) { testutil.Main(m) }
+func TestMain(m *testing.M) {
+	// The dashboard test runs a replicated coordinator.
+	testutil.Main(m, testutil.IgnoreRaftAwait)
+}
 
 const dashboardFile = "grafana/kvtier.json"
 

@@ -21,14 +21,12 @@ import (
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 )
 
 func TestMain(m *testing.M) {
-	// A raft future that raft dropped at its shutdown is never answered:
-	// the goroutine replica.Node.await left waiting on it stays parked.
-	testutil.Main(m, goleak.IgnoreAnyFunction("github.com/kvtier/kvtier/coordinator/replica.(*Node).await.func1"))
+	// A raft future that raft dropped at its shutdown is never answered.
+	testutil.Main(m, testutil.IgnoreRaftAwait)
 }
 
 func testSpec() dcp.Spec {
