@@ -97,6 +97,7 @@ mkdir -p -m 0700 "$WORK/index" "$WORK/shm" "$WORK/logs"
 CREDS=$WORK/creds
 PIDS=()
 COORD=
+WATCH=
 
 prof() { # name: the --cpu-profile flag for a daemon, if PROFILE is set
 	if [[ -n ${PROFILE:-} ]]; then
@@ -119,6 +120,7 @@ stop_pid() { # pid: SIGTERM, wait up to 15 s, then SIGKILL
 
 cleanup() {
 	local rc=$?
+	if [[ -n $WATCH ]]; then kill "$WATCH" 2>/dev/null || true; fi
 	for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
 	[[ -n $COORD ]] && stop_pid "$COORD"
 	# TRAFFIC stopped by a signal: its last progress line is the rate it ran at
@@ -174,6 +176,14 @@ done
 [[ $alive -eq $RANKS ]] || { echo "gpu-bench: $alive of $RANKS rankds joined within 60 s" >&2; exit 1; }
 echo "gpu-bench: coordinator + $RANKS rankd(s) on $DEVICE (L1 $L1 each, no L2), scenario $SCENARIO, $GB GB per rank, $REPS repetitions; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
+# TRAFFIC: one line on stderr once the restore loop runs (after the
+# repetitions' stores, restores and byte comparisons), so that a caller
+# (gpu_interference.py) measures the loop, not the bench's setup
+if [[ -n ${TRAFFIC:-} ]]; then
+	(until grep -q '^enginesim: bench traffic: restoring' "$WORK/logs/enginesim.out" 2>/dev/null; do sleep 0.2; done
+		echo "gpu-bench: traffic started" >&2) &
+	WATCH=$!
+fi
 "$BIN/enginesim" --nats "$NATS" --creds-dir "$CREDS" --device "$DEVICE" --host-dir "$WORK/shm" --instance engine0 \
 	"${SCENARIO_ARGS[@]}" --bench --bench-gb "$GB" --bench-reps "$REPS" --bench-chunks-per-store "$PER" $JSON_FLAG ${TRAFFIC:+--bench-traffic "$TRAFFIC"} ${DUPLEX:+--bench-duplex "$DUPLEX"} \
 	--result "$OUT" >"$WORK/logs/enginesim.out" 2>&1 || {

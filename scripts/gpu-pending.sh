@@ -86,7 +86,7 @@ interference() {
 	# the defaults' run adds the controls: what 1 MiB pieces, one reduction
 	# per GiB and reductions alone from another process cost the loop
 	[[ $1 == default && ${CONTROLS:-1} == 1 ]] && bound=170 more=(--controls)
-	step "interference-$1" $bound python3 python/examples/gpu_interference.py --seconds 8 --warm 15 "${more[@]}" \
+	step "interference-$1" $bound python3 python/examples/gpu_interference.py --seconds 8 --warm 3 "${more[@]}" \
 		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
 }

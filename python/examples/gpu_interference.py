@@ -167,14 +167,28 @@ def control_rate(log: str) -> dict[str, Any]:
     return last
 
 
-def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, log: str) -> tuple[list[float], int]:
-    """The loop's steps while cmd runs (after warm seconds); an error when
-    the traffic exits before or during the measurement (the steps would be
-    the loop alone's)."""
+def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, log: str,
+                 ready: str | None = None, ready_timeout: float = 300.0) -> tuple[list[float], int]:
+    """The loop's steps while cmd runs; an error when the traffic exits
+    before or during the measurement (the steps would be the loop
+    alone's). With ready (a regex), the measurement waits for a line of
+    cmd's output that matches it (the traffic's own loop has begun: a
+    bench's setup of stores, restores and byte comparisons is not its
+    traffic), then warm seconds more; without it, warm seconds."""
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, shell=isinstance(cmd, str), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
+        if ready is not None:
+            t0 = time.monotonic()
+            while not _log_has(log, ready):
+                if p.poll() is not None:
+                    raise RuntimeError(f"traffic command exited before its loop began (rc {p.returncode}); see {log}")
+                if time.monotonic() - t0 > ready_timeout:
+                    raise RuntimeError(f"traffic loop not begun after {ready_timeout:g} s (no line matching "
+                                       f"{ready!r}); see {log}")
+                time.sleep(0.2)
+            print(f"interference: the traffic's loop began after {time.monotonic() - t0:.1f} s", flush=True)
         time.sleep(warm)
         if p.poll() is not None:
             raise RuntimeError(f"traffic command exited early (rc {p.returncode}); see {log}")
@@ -184,6 +198,11 @@ def with_traffic(cmd: list[str] | str, step: Any, warm: float, seconds: float, l
         return steps, p.pid
     finally:
         _stop(p)
+
+
+def _log_has(log: str, pattern: str) -> bool:
+    with open(log, errors="replace") as f:
+        return any(re.search(pattern, line) for line in f)
 
 
 def _stop(p: subprocess.Popen[bytes]) -> None:
@@ -229,7 +248,12 @@ def traffic_rate(log: str, patience: float = 3.0) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traffic-cmd", required=True, help="shell command that moves bytes through kvtier until killed")
-    ap.add_argument("--warm", type=float, default=25.0, help="seconds the traffic runs before the measurement")
+    ap.add_argument("--warm", type=float, default=3.0,
+                    help="seconds the traffic runs before the measurement (after --ready matched)")
+    ap.add_argument("--ready", default=r"^gpu-bench: traffic started",
+                    help="regex: the measurement waits for a line of the traffic command's output that matches it "
+                         "(scripts/gpu-bench.sh prints it when enginesim's restore loop begins); empty: no wait")
+    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for --ready")
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
@@ -249,9 +273,16 @@ def main() -> int:
     alone = summary("alone", measure(step, a.seconds), None)
     res: dict[str, Any] = {"batch": a.batch, "context": a.context, "device": torch.cuda.get_device_name(),
                            "phases": [alone]}
-    kv, _ = with_traffic(a.traffic_cmd, step, a.warm, a.seconds, os.path.join(a.logs, "traffic-kvtier.log"))
+    kv, _ = with_traffic(a.traffic_cmd, step, a.warm, a.seconds, os.path.join(a.logs, "traffic-kvtier.log"),
+                         a.ready or None, a.ready_timeout)
     res["phases"].append(summary("while kvtier stores and restores", kv, alone["median_ms"]))
-    res["phases"][-1].update(traffic_rate(os.path.join(a.logs, "traffic-kvtier.log")))
+    rate = traffic_rate(os.path.join(a.logs, "traffic-kvtier.log"))
+    res["phases"][-1].update(rate)
+    if a.ready and not rate.get("traffic_restores"):
+        # the loop was measured beside something other than restores
+        # (the bench's setup): not a measurement of the traffic
+        print("interference: INVALID: the traffic completed no restore during the measurement", flush=True)
+        res["invalid"] = "no restore during the measurement"
     dma, _ = with_traffic([sys.executable, "-c", DMA, str(a.dma_bytes)], step, 8.0, a.seconds,
                           os.path.join(a.logs, "traffic-dma.log"))
     res["phases"].append(summary("while plain DMA copies (copy engine)", dma, alone["median_ms"]))
@@ -269,7 +300,7 @@ def main() -> int:
             print(f"interference: control {mode}: {res['phases'][-1]}", flush=True)
     res["phases"].append(summary("alone again", measure(step, a.seconds), alone["median_ms"]))
     print(json.dumps(res))
-    return 0
+    return 1 if "invalid" in res else 0
 
 
 if __name__ == "__main__":
