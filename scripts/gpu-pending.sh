@@ -127,6 +127,21 @@ daemons)
 	for v in default units+ramp0; do
 		step "tp1-small-$v" 60 env SPEC=$P/llama8b-tp1.json GB="$SMALL" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-small-$v")
 	done
+	# 25.4: a restore's fixed cost is mostly messages between three
+	# processes (stop 54, this VM: ~0.45 ms from the rankd's reply to the
+	# engine holding it, ~0.1 ms of it the wire); the same run with every
+	# core kept busy by idle-priority loops, so that no core sleeps deeply
+	# and a woken thread runs at once: how much of the cost is the host's
+	# wake-up latency
+	step tp1-small-spin 60 bash -c "for _ in \$(seq \$(nproc)); do nice -n 19 sh -c 'while :; do :; done' & done
+		env SPEC=$P/llama8b-tp1.json GB=$SMALL REPS=5 $(bench tp1-small-spin); rc=\$?; kill \$(jobs -p); exit \$rc"
+	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1="v1 v2" (rankd_args' words)
+	for v in ${EXTRA_DUPLEX:-}; do
+		step "duplex-$v" 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args $v)" $(bench "duplex-$v")
+	done
+	for v in ${EXTRA_TP1:-}; do
+		step "tp1-$v" 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
+	done
 	# 25.1: 4 rankds sharing the GPU, 0.5 and 1.3 GB per rank (0.920 of CE
 	# at 1.3 GB on the H200 at stop 47, one run)
 	step tp4-small 80 env SPEC=$P/llama8b-tp4.json GB="$SMALL" REPS=2 $(bench tp4-small)
