@@ -116,6 +116,14 @@ type DMATuning struct {
 	// against 1.19-1.21x (two more kernels of this context per transfer,
 	// time-sliced with the engine's; BENCHMARKS.md).
 	SMControl bool
+	// SMControlDuplex uses kv_move for a transfer's tables and sums only
+	// when a transfer of the other direction is in flight on the device
+	// as it is enqueued (not yet seen finished): where the control copies
+	// would queue behind the other direction's bulk copies. A device that
+	// only restores (decoding beside a load) keeps the copy engine's
+	// control copies and their lower cost to the model; one that stores
+	// and restores at once gets SMControl's overlap. Implied by SMControl.
+	SMControlDuplex bool
 }
 
 // maxSumBlocks bounds DMATuning.SumBlocks (a grid's blocks; more than a

@@ -119,6 +119,12 @@ type driverDevice struct {
 	// stageHalf overrides the size of each half of a stream's staging
 	// buffer (defaultStageHalf); tests make it small to exercise batching.
 	stageHalf uint64
+	// busy counts the transfers in flight, gathers [0] and scatters [1]:
+	// enqueued and not yet seen finished (DMATuning.SMControlDuplex).
+	busy [2]atomic.Int64
+	// moveTransfers counts the transfers whose tables and sums went by
+	// kv_move (the tests' proof of SMControlDuplex's choice).
+	moveTransfers atomic.Uint64
 	// unitLaunches counts the kv_sum_units launches (the tests' proof of
 	// which checksum kernel verified a transfer).
 	unitLaunches atomic.Uint64

@@ -432,3 +432,136 @@ func TestDriverUnitSums(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// SMControlDuplex's choice: kv_move for a transfer enqueued while one of
+// the other direction is in flight (enqueued, not yet seen finished), the
+// copy engine's control copies otherwise; the count of transfers in flight
+// goes back to zero once they are waited for (or dropped), whatever the
+// order. No GPU needed: the device is not opened.
+func TestSMControlDuplexChoice(t *testing.T) {
+	d := &driverDevice{dmaTune: DMATuning{SMControlDuplex: true}}
+	for _, scatter := range []bool{false, true} {
+		if d.smControl(scatter) {
+			t.Fatalf("scatter %v with nothing in flight: kv_move chosen", scatter)
+		}
+	}
+	gather := &opState{busy: &d.busy[direction(false)]}
+	gather.busy.Add(1)
+	if !d.smControl(true) || d.smControl(false) {
+		t.Fatalf("a gather in flight: scatter %v, gather %v; want kv_move for the scatter only", d.smControl(true), d.smControl(false))
+	}
+	scatter := &opState{busy: &d.busy[direction(true)]}
+	scatter.busy.Add(1)
+	if !d.smControl(false) {
+		t.Fatal("a scatter in flight: a gather did not get kv_move")
+	}
+	gather.release()
+	gather.release() // once only
+	if d.smControl(true) || !d.smControl(false) || d.busy[0].Load() != 0 {
+		t.Fatalf("gather finished: busy %d/%d", d.busy[0].Load(), d.busy[1].Load())
+	}
+	scatter.release()
+	if d.busy[0].Load() != 0 || d.busy[1].Load() != 0 {
+		t.Fatalf("busy %d/%d after every transfer finished", d.busy[0].Load(), d.busy[1].Load())
+	}
+	// SMControl: always; neither: never.
+	d.dmaTune = DMATuning{SMControl: true}
+	if !d.smControl(true) || !d.smControl(false) {
+		t.Fatal("SMControl: kv_move not chosen")
+	}
+	d.dmaTune = DMATuning{}
+	d.busy[0].Add(1)
+	if d.smControl(true) {
+		t.Fatal("neither SMControl nor SMControlDuplex: kv_move chosen")
+	}
+}
+
+// On a GPU: a scatter enqueued while a gather is in flight moves its
+// tables and sums with kv_move, a lone transfer does not, and both are
+// byte-exact (padding included) with the right sums.
+func TestDriverSMControlDuplex(t *testing.T) {
+	d := openDriverT(t)
+	d.path = pathDMA
+	d.dmaTune = DMATuning{SumBatch: 4 << 10, SMControlDuplex: true}
+	sg := must(d.NewStream())(t)
+	ss := must(d.NewStream())(t)
+	r := rand.New(rand.NewPCG(25, 3))
+	const pool = 8 << 20
+	src := must(d.Alloc(pool))(t)
+	dst := must(d.Alloc(pool))(t)
+	img := make([]byte, pool)
+	for i := range img {
+		img[i] = byte(r.Uint32())
+	}
+	pad := bytes.Repeat([]byte{0xee}, pool)
+	if err := d.Write(src, 0, img); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Write(dst, 0, pad); err != nil {
+		t.Fatal(err)
+	}
+	// Objects of two 64 KiB pages each from shuffled slots: the gather's
+	// from src, the scatter's into dst at the same offsets.
+	slots := r.Perm(pool / (64 << 10))
+	var gObjs, sObjs []Object
+	var packed [][]byte
+	var host uint64
+	for o := 0; o+2 <= len(slots); o += 2 {
+		var g, sc []Span
+		var want []byte
+		for _, slot := range slots[o : o+2] {
+			off := uint64(slot) * (64 << 10)
+			g = append(g, Span{Mem: src, Off: off, Len: 64 << 10})
+			sc = append(sc, Span{Mem: dst, Off: off, Len: 64 << 10})
+			want = append(want, img[off:off+64<<10]...)
+		}
+		gObjs = append(gObjs, Object{HostOff: host, Spans: g})
+		sObjs = append(sObjs, Object{HostOff: host, Spans: sc})
+		packed = append(packed, want)
+		host += uint64(len(want))
+	}
+	hg := must(d.AllocHost(host))(t)
+	hs := must(d.AllocHost(host))(t)
+	for i, o := range sObjs {
+		copy(hs.Bytes()[o.HostOff:], packed[i])
+	}
+	moved := d.moveTransfers.Load()
+	gop := must(sg.Gather(hg, gObjs))(t) // not waited for yet: in flight
+	if n := d.moveTransfers.Load() - moved; n != 0 {
+		t.Fatalf("a lone gather: %d transfers by kv_move", n)
+	}
+	sums := scatterChecked(t, d, ss, hs, sObjs, dst, img, pad)
+	if n := d.moveTransfers.Load() - moved; n != 1 {
+		t.Fatalf("a scatter beside a gather in flight: %d transfers by kv_move, want 1", n)
+	}
+	if err := gop.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range gObjs {
+		if !bytes.Equal(hg.Bytes()[o.HostOff:o.HostOff+uint64(len(packed[i]))], packed[i]) {
+			t.Fatalf("gathered object %d differs", i)
+		}
+		if gop.Sums()[i] != checksum.Sum(packed[i]) || sums[i] != checksum.Sum(packed[i]) {
+			t.Fatalf("object %d: a sum differs", i)
+		}
+	}
+	if d.busy[0].Load() != 0 || d.busy[1].Load() != 0 {
+		t.Fatalf("busy %d/%d after both finished", d.busy[0].Load(), d.busy[1].Load())
+	}
+	// Alone again: the copy engine's control copies.
+	moved = d.moveTransfers.Load()
+	gatherChecked(t, sg, hg, gObjs, packed)
+	if n := d.moveTransfers.Load() - moved; n != 0 {
+		t.Fatalf("a lone gather after both finished: %d transfers by kv_move", n)
+	}
+	for _, c := range []interface{ Close() error }{sg, ss} {
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, hb := range []HostBuf{hg, hs} {
+		if err := hb.Release(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

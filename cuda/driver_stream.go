@@ -398,6 +398,7 @@ type opState struct {
 	sums   []uint64    // filled when the operation has finished
 	path   string      // a transfer's copy path (Op.Path)
 	unref  []func() error
+	busy   *atomic.Int64 // the device's count of its direction's transfers in flight, until finished or dropped
 
 	mu       sync.Mutex // guards the following
 	finished bool
@@ -445,6 +446,10 @@ func (st *opState) drop() {
 }
 
 func (st *opState) release() {
+	if st.busy != nil {
+		st.busy.Add(-1)
+		st.busy = nil
+	}
 	if st.job != nil {
 		st.s.d.putJob(st.job)
 		st.job = nil

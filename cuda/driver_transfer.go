@@ -233,7 +233,10 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	if scatter {
 		fn = s.d.scatter
 	}
-	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0}
+	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0, smc: s.d.smControl(scatter)}
+	if e.smc && st.job != nil && st.job.lay.size > 0 {
+		s.d.moveTransfers.Add(1)
+	}
 	switch {
 	case path == pathDMA:
 		e.dma(plan, ends, copies, buf, scatter, flags)
@@ -252,7 +255,23 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		st.drop()
 		return nil, s.failLocked(st.what, e.err)
 	}
+	st.busy = &s.d.busy[direction(scatter)]
+	st.busy.Add(1)
 	return s.finishLocked(st)
+}
+
+func direction(scatter bool) int {
+	if scatter {
+		return 1
+	}
+	return 0
+}
+
+// smControl reports whether a transfer in direction scatter enqueued now
+// moves its tables and sums with kv_move (DMATuning.SMControl, or
+// SMControlDuplex with a transfer of the other direction in flight).
+func (d *driverDevice) smControl(scatter bool) bool {
+	return d.dmaTune.SMControl || d.dmaTune.SMControlDuplex && d.busy[1-direction(scatter)].Load() > 0
 }
 
 // ensureAuxLocked creates the kernel stream of staged and DMA transfers,
@@ -303,6 +322,8 @@ type enqueuer struct {
 	// FLAG_NOSTORE), not from the values the scatter kernel wrote; the
 	// scatter kernels then run without FLAG_SUM.
 	readBack bool
+	// smc: the tables and sums go by kv_move (driverDevice.smControl).
+	smc bool
 }
 
 // scatterFlags is what the scatter kernels run with.
@@ -360,7 +381,7 @@ func (e *enqueuer) tables(h C.CUstream) {
 		return
 	}
 	clear(j.buf[j.lay.partials:j.lay.size])
-	if e.s.d.dmaTune.SMControl {
+	if e.smc {
 		e.move(h, j.dev, j.hostDev, j.lay.size)
 		return
 	}
@@ -379,7 +400,7 @@ func (e *enqueuer) sums(h C.CUstream) {
 	if j == nil || e.err != nil {
 		return
 	}
-	if n := j.lay.size - j.lay.partials; n > 0 && e.s.d.dmaTune.SMControl {
+	if n := j.lay.size - j.lay.partials; n > 0 && e.smc {
 		e.move(h, j.hostDev+j.lay.partials, j.dev+j.lay.partials, n)
 	} else if n > 0 {
 		e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(e.s.d.ctx, unsafe.Add(j.host, j.lay.partials), C.CUdeviceptr(j.dev+j.lay.partials), C.size_t(n), h))

@@ -62,13 +62,14 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # rankd_args V: the rankd arguments of a variant, words joined by "+"
 # (units+ramp0: kv_sum_units and no batch ramp; tail3: the last batches
 # an eighth, a quarter, a half of the bound; sb16: the hidden checksums in
-# 16 blocks; smc: tables and sums by kv_move, not the copy engine)
+# 16 blocks; smc: tables and sums by kv_move, not the copy engine; smcd:
+# by kv_move only beside a transfer of the other direction)
 rankd_args() {
 	local v ra=
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
 		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;; sb*) ra+=" --dma-sum-blocks ${v#sb}" ;;
-		smc) ra+=" --dma-sm-control" ;; st*) ra+=" --streams ${v#st}" ;;
+		smc) ra+=" --dma-sm-control" ;; smcd) ra+=" --dma-sm-control-duplex" ;; st*) ra+=" --streams ${v#st}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
@@ -135,7 +136,10 @@ daemons)
 	# wake-up latency
 	step tp1-small-spin 60 bash -c "for _ in \$(seq \$(nproc)); do nice -n 19 sh -c 'while :; do :; done' & done
 		env SPEC=$P/llama8b-tp1.json GB=$SMALL REPS=5 $(bench tp1-small-spin); rc=\$?; kill \$(jobs -p); exit \$rc"
-	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1="v1 v2" (rankd_args' words)
+	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1 / EXTRA_INTERFERENCE="v1 v2" (rankd_args' words)
+	for v in ${EXTRA_INTERFERENCE:-}; do
+		interference "$v"
+	done
 	for v in ${EXTRA_DUPLEX:-}; do
 		step "duplex-$v" 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args $v)" $(bench "duplex-$v")
 	done
