@@ -142,6 +142,9 @@ func TestCopyFlags(t *testing.T) {
 	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true, SMControlDuplex: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
+	if !def.DMA.SMControlDuplex || parse("--dma-sm-control-duplex=false").DMA.SMControlDuplex {
+		t.Errorf("--dma-sm-control-duplex: default %v, =false did not turn it off", def.DMA.SMControlDuplex)
+	}
 	slow := parse("--restore-pace-gbps", "0.05")
 	if err := slow.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), "restore pace") {
 		t.Errorf("--restore-pace-gbps 0.05: Validate = %v, want ErrConfig naming the restore pace", err)
