@@ -165,6 +165,12 @@ type suspect struct {
 	refuted   bool // proof of life after since: counted and logged
 	probing   bool
 	nextProbe time.Time
+	// drainMark: when silence was first deferred for heartbeats queued
+	// unhandled, the number of the last heartbeat then received (handled
+	// plus queued, heartbeatBacklog); once the subscription has handed
+	// out a later one, every heartbeat that could have excused the
+	// silence has been handled (0: no deferral yet).
+	drainMark int64
 }
 
 type suspectKey struct {
@@ -271,7 +277,7 @@ func newDeathMetrics() *deathMetrics {
 		}),
 		queuedBeats: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvtier_coord_death_silence_deferred_total",
-			Help: "Deaths by heartbeat silence not confirmed because heartbeats waited unread in this coordinator's subscription (it lags behind them); judged again at the next check.",
+			Help: "Deaths by heartbeat silence not confirmed because heartbeats waited unread in this coordinator's subscription (it lags behind them); judged again at the next check, until the heartbeats queued at the first deferral are read.",
 		}),
 	}
 	m.suspects = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -463,7 +469,7 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 	term := c.repl.term()
 	// Heartbeats delivered to this coordinator but not handled yet may
 	// include the suspect's: its silence is then this coordinator's lag.
-	queued := c.heartbeatsQueued()
+	queued, handed := c.heartbeatBacklog()
 
 	d.mu.Lock()
 	if late, took := d.advanceWatchLocked(term, now); late > 0 {
@@ -484,8 +490,21 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 			by = "" // a probe in flight may still prove it alive (a starved rank answers late)
 		}
 		if by == bySilence && queued > 0 {
-			by = ""
-			d.met.queuedBeats.Inc()
+			// Deferred until the heartbeats queued at the first deferral
+			// are handled, not while any are queued: a rank identity
+			// flooding its own heartbeat subject (C9 lets it publish
+			// there) would otherwise keep the backlog from emptying and
+			// every death by silence unconfirmed.
+			switch {
+			case s.drainMark == 0:
+				s.drainMark = handed + int64(queued)
+				by = ""
+			case handed <= s.drainMark:
+				by = ""
+			}
+			if by == "" {
+				d.met.queuedBeats.Inc()
+			}
 		}
 		if by != "" {
 			delete(d.suspects, k)

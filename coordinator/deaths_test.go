@@ -337,6 +337,90 @@ func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
 	}
 }
 
+// TestSilenceConfirmedDespiteHeartbeatFlood: a rank identity that floods
+// its own heartbeat subject (C9 lets it publish there) keeps this
+// coordinator's heartbeat subscription backlogged. The death by silence of
+// another, muted rank waits for the heartbeats queued when it was first
+// deferred, and is confirmed once they are read though the backlog never
+// empties. Red with the deferral kept while any heartbeat waits (the
+// muted rank not fenced in 20 s while the flood went on).
+func TestSilenceConfirmedDespiteHeartbeatFlood(t *testing.T) {
+	var blocked atomic.Bool
+	var slow atomic.Int64 // how long the handler takes a heartbeat, ns
+	gate := make(chan struct{})
+	var openOnce sync.Once
+	open := func() { openOnce.Do(func() { close(gate) }) }
+	f := newMemberFixture(t, 4, wire.L1, func(c *Config) {
+		c.heartbeatHook = func() {
+			if blocked.Load() {
+				<-gate
+			}
+			if d := slow.Load(); d > 0 {
+				time.Sleep(time.Duration(d))
+			}
+		}
+	})
+	t.Cleanup(open)
+	victim := wire.Rank{Instance: "eng", TPRank: 1}
+	vk := startNATSRank(t, f.c, victim, f.members[1].LocalMember().Meta.Incarnation, 50*time.Millisecond)
+	flooder := wire.Rank{Instance: "eng", TPRank: 0}
+	fk := startNATSRank(t, f.c, flooder, f.members[0].LocalMember().Meta.Incarnation, 50*time.Millisecond)
+	// The flood: a beat every 5 ms while the handler is blocked, then
+	// bursts of 4 a millisecond, faster than the handler's 1 ms a beat.
+	var burst atomic.Bool
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		subject := f.c.subj.Heartbeat(flooder)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if burst.Load() {
+				for range 4 {
+					fk.beat(subject, 50*time.Millisecond, false)
+				}
+				time.Sleep(time.Millisecond)
+				continue
+			}
+			fk.beat(subject, 50*time.Millisecond, false)
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(func() { close(stop); wg.Wait() }) // before the ranks' own cleanups
+	vk.mute()
+	blocked.Store(true)
+	_ = f.members[1].Shutdown()
+	testutil.Eventually(t, 20*time.Second, "a deferred silence (or a fence)", func() bool {
+		return testutil.Metric(t, f.c.reg, "kvtier_coord_death_silence_deferred_total") > 0 ||
+			testutil.MetricSum(t, f.c.reg, "kvtier_coord_rank_fences_total") > 0
+	})
+	if ri, _ := f.c.idx.Rank(victim); ri.Fenced {
+		t.Fatalf("rank fenced by silence while the heartbeats queued before it were unread: %+v", ri)
+	}
+	slow.Store(int64(time.Millisecond))
+	burst.Store(true)
+	blocked.Store(false)
+	open()
+	testutil.Eventually(t, 20*time.Second, "the muted rank fenced by silence while the flood goes on", func() bool {
+		ri, _ := f.c.idx.Rank(victim)
+		return ri.Fenced
+	})
+	if got := testutil.Metric(t, f.c.reg, "kvtier_coord_death_notices_confirmed_total", "by", bySilence); got != 1 {
+		t.Fatalf("confirmed{%s} = %v, want 1", bySilence, got)
+	}
+	if q, _ := f.c.heartbeatBacklog(); q == 0 {
+		t.Logf("the backlog had emptied by the end (a starved flooder): the old rule would have confirmed too")
+	}
+	if ri, _ := f.c.idx.Rank(flooder); ri.Fenced {
+		t.Fatalf("the flooding rank fenced: %+v", ri)
+	}
+}
+
 // TestLeavingNoticeConfirmsLeave: a rank that says it is leaving on its
 // own heartbeat subject, then leaves gossip, is fenced at once as left,
 // though its probe answers would still say alive. Seen red with the

@@ -102,18 +102,24 @@ func (h *heartbeats) forget(r wire.Rank) {
 	delete(h.beats, r)
 }
 
-// heartbeatsQueued is how many heartbeats this coordinator's subscription
-// holds unhandled (0 when it has none, or no subscription).
-func (c *Coordinator) heartbeatsQueued() int {
+// heartbeatBacklog is how many heartbeats this coordinator's subscription
+// holds unhandled (0 when it has none, or no subscription) and how many it
+// has handed to the handler so far (the handler runs them one at a time:
+// the one handed last may be in the handler still).
+func (c *Coordinator) heartbeatBacklog() (queued int, handed int64) {
 	sub := c.hbSub.Load()
 	if sub == nil {
-		return 0
+		return 0, 0
 	}
 	n, _, err := sub.Pending()
 	if err != nil {
-		return 0 // unsubscribed (a follower now): it judges nothing
+		return 0, 0 // unsubscribed (a follower now): it judges nothing
 	}
-	return n
+	handed, err = sub.Delivered()
+	if err != nil {
+		return 0, 0
+	}
+	return n, handed
 }
 
 // handleHeartbeat applies the rule above. Heartbeats are plain publishes:
