@@ -175,6 +175,22 @@ type batchReporter interface{ copyBatching() (bool, error) }
 
 func (d *hostDevice) copyBatching() (bool, error) { return hostBatched, nil }
 
+type moveCounter interface{ smControlTransfers() uint64 }
+
+func (d *hostDevice) smControlTransfers() uint64 { return 0 }
+
+// SMControlTransfers is how many transfers dev has enqueued with their
+// tables and sums moved by kv_move (DMATuning.SMControl, or
+// SMControlDuplex beside a transfer of the other direction); 0 for a
+// device without a DMA path. rankd exports it as
+// kvtier_rankd_sm_control_transfers_total.
+func SMControlTransfers(dev Device) uint64 {
+	if mc, ok := dev.(moveCounter); ok {
+		return mc.smControlTransfers()
+	}
+	return 0
+}
+
 // CopyEngineBatching reports whether dev's DMA path enqueues its copies in
 // batches (cuMemcpyBatchAsync), which auto's rule needs before it picks
 // the copy engine, and the driver's refusal if it refused a batch at run

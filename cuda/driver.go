@@ -415,6 +415,8 @@ func (d *driverDevice) Info() Info { return d.info }
 
 func (d *driverDevice) setPath(p copyPath) { d.path = p }
 
+func (d *driverDevice) smControlTransfers() uint64 { return d.moveTransfers.Load() }
+
 func (d *driverDevice) tuneDMA(t DMATuning) { d.dmaTune = t }
 
 func (d *driverDevice) copyBatching() (bool, error) {

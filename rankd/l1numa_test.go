@@ -73,6 +73,11 @@ func TestCopyEngineBatchingGauge(t *testing.T) {
 	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_copy_engine_batching"); v != 1 {
 		t.Fatalf("kvtier_rankd_copy_engine_batching = %v, want 1", v)
 	}
+	// The host backend has no kv_move: none counted (the driver's count is
+	// TestDriverSMControlDuplex's, GPU).
+	if v := testutil.Metric(t, h.d.met.reg, "kvtier_rankd_sm_control_transfers_total"); v != 0 {
+		t.Fatalf("kvtier_rankd_sm_control_transfers_total = %v, want 0", v)
+	}
 }
 
 // TestRestoreTuningReachesTheEngine: the rankd's restore batch, pace

@@ -150,4 +150,8 @@ func (m *metrics) watchCopyEngine(dev cuda.Device) {
 		}
 		return 0
 	}))
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "kvtier", Subsystem: "rankd",
+		Name: "sm_control_transfers_total", ConstLabels: m.labels,
+		Help: "Transfers whose tables and partial sums the GPU moved with kv_move instead of copy-engine copies (--dma-sm-control, or --dma-sm-control-duplex beside a transfer of the other direction): how often this rank stores and restores at once.",
+	}, func() float64 { return float64(cuda.SMControlTransfers(dev)) }))
 }
