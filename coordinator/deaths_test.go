@@ -295,24 +295,43 @@ func TestGossipDeathConfirmedBySilence(t *testing.T) {
 // subscription), is not fenced by silence; once the handler runs again
 // its heartbeats prove it alive. Seen red without the queued-heartbeats
 // rule in checkSuspects: fenced by silence while its heartbeats waited.
-func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
-	var blocked atomic.Bool
-	gate := make(chan struct{})
-	var openOnce sync.Once
-	open := func() { openOnce.Do(func() { close(gate) }) }
-	f := newMemberFixture(t, 4, wire.L1, func(c *Config) {
-		c.heartbeatHook = func() {
-			if blocked.Load() {
-				<-gate
-			}
+// heartbeatGate holds the coordinator's heartbeat handler (Config's
+// heartbeatHook): each heartbeat waits while blocked is set, until open,
+// then takes slow (ns) more.
+type heartbeatGate struct {
+	blocked atomic.Bool
+	slow    atomic.Int64
+	gate    chan struct{}
+	once    sync.Once
+}
+
+// newHeartbeatGate: the caller registers g.open as a cleanup after the
+// coordinator's, so that it runs first (a handler held at shutdown would
+// hold the coordinator's Shutdown).
+func newHeartbeatGate() *heartbeatGate { return &heartbeatGate{gate: make(chan struct{})} }
+
+func (g *heartbeatGate) open() { g.once.Do(func() { close(g.gate) }) }
+
+func (g *heartbeatGate) hook(c *Config) {
+	c.heartbeatHook = func() {
+		if g.blocked.Load() {
+			<-g.gate
 		}
-	})
-	t.Cleanup(open)
+		if d := g.slow.Load(); d > 0 {
+			time.Sleep(time.Duration(d))
+		}
+	}
+}
+
+func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
+	g := newHeartbeatGate()
+	f := newMemberFixture(t, 4, wire.L1, g.hook)
+	t.Cleanup(g.open)
 	r := wire.Rank{Instance: "eng", TPRank: 1}
 	rk := startNATSRank(t, f.c, r, f.members[1].LocalMember().Meta.Incarnation, 50*time.Millisecond)
 	plan := f.beginDeadline(t, 30*time.Second)
 	rk.answer.Store(false) // probes go unanswered: only heartbeats can prove it alive
-	blocked.Store(true)
+	g.blocked.Store(true)
 	_ = f.members[1].Shutdown()
 	// Silence would confirm after 150 ms once a probe has timed out (1 s);
 	// wait for two probes to have timed out and a deferral to be counted.
@@ -327,8 +346,8 @@ func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
 	if !restoreActive(f.c, plan.RestoreID) {
 		t.Fatal("the held restore was failed while the rank's heartbeats waited unhandled")
 	}
-	blocked.Store(false)
-	open()
+	g.blocked.Store(false)
+	g.open()
 	testutil.Eventually(t, 10*time.Second, "the queued heartbeats to prove the suspect alive", func() bool {
 		return testutil.Metric(t, f.c.reg, "kvtier_coord_death_notices_unconfirmed_total", "cause", "dead") == 1
 	})
@@ -345,22 +364,9 @@ func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
 // empties. Red with the deferral kept while any heartbeat waits (the
 // muted rank not fenced in 20 s while the flood went on).
 func TestSilenceConfirmedDespiteHeartbeatFlood(t *testing.T) {
-	var blocked atomic.Bool
-	var slow atomic.Int64 // how long the handler takes a heartbeat, ns
-	gate := make(chan struct{})
-	var openOnce sync.Once
-	open := func() { openOnce.Do(func() { close(gate) }) }
-	f := newMemberFixture(t, 4, wire.L1, func(c *Config) {
-		c.heartbeatHook = func() {
-			if blocked.Load() {
-				<-gate
-			}
-			if d := slow.Load(); d > 0 {
-				time.Sleep(time.Duration(d))
-			}
-		}
-	})
-	t.Cleanup(open)
+	g := newHeartbeatGate()
+	f := newMemberFixture(t, 4, wire.L1, g.hook)
+	t.Cleanup(g.open)
 	victim := wire.Rank{Instance: "eng", TPRank: 1}
 	vk := startNATSRank(t, f.c, victim, f.members[1].LocalMember().Meta.Incarnation, 50*time.Millisecond)
 	flooder := wire.Rank{Instance: "eng", TPRank: 0}
@@ -393,7 +399,7 @@ func TestSilenceConfirmedDespiteHeartbeatFlood(t *testing.T) {
 	}()
 	t.Cleanup(func() { close(stop); wg.Wait() }) // before the ranks' own cleanups
 	vk.mute()
-	blocked.Store(true)
+	g.blocked.Store(true)
 	_ = f.members[1].Shutdown()
 	testutil.Eventually(t, 20*time.Second, "a deferred silence (or a fence)", func() bool {
 		return testutil.Metric(t, f.c.reg, "kvtier_coord_death_silence_deferred_total") > 0 ||
@@ -402,10 +408,10 @@ func TestSilenceConfirmedDespiteHeartbeatFlood(t *testing.T) {
 	if ri, _ := f.c.idx.Rank(victim); ri.Fenced {
 		t.Fatalf("rank fenced by silence while the heartbeats queued before it were unread: %+v", ri)
 	}
-	slow.Store(int64(time.Millisecond))
+	g.slow.Store(int64(time.Millisecond))
 	burst.Store(true)
-	blocked.Store(false)
-	open()
+	g.blocked.Store(false)
+	g.open()
 	testutil.Eventually(t, 20*time.Second, "the muted rank fenced by silence while the flood goes on", func() bool {
 		ri, _ := f.c.idx.Rank(victim)
 		return ri.Fenced
