@@ -394,6 +394,9 @@ func (c *Coordinator) provedAlive(r wire.Rank, inc uint64, now time.Time, interv
 	}
 	if now.After(s.lastAlive) {
 		s.lastAlive = now
+		// A new silence, if one follows, waits for its own backlog: the
+		// mark of the last deferral counted heartbeats this one is among.
+		s.drainMark = 0
 	}
 	if interval > 0 {
 		s.interval = interval

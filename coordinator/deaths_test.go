@@ -297,12 +297,12 @@ func TestGossipDeathConfirmedBySilence(t *testing.T) {
 // rule in checkSuspects: fenced by silence while its heartbeats waited.
 // heartbeatGate holds the coordinator's heartbeat handler (Config's
 // heartbeatHook): each heartbeat waits while blocked is set, until open,
-// then takes slow (ns) more.
+// then takes slow (ns) more; reset makes a new gate to open.
 type heartbeatGate struct {
 	blocked atomic.Bool
 	slow    atomic.Int64
+	mu      sync.Mutex // guards gate
 	gate    chan struct{}
-	once    sync.Once
 }
 
 // newHeartbeatGate: the caller registers g.open as a cleanup after the
@@ -310,12 +310,32 @@ type heartbeatGate struct {
 // hold the coordinator's Shutdown).
 func newHeartbeatGate() *heartbeatGate { return &heartbeatGate{gate: make(chan struct{})} }
 
-func (g *heartbeatGate) open() { g.once.Do(func() { close(g.gate) }) }
+func (g *heartbeatGate) current() chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.gate
+}
+
+func (g *heartbeatGate) open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	select {
+	case <-g.gate:
+	default:
+		close(g.gate)
+	}
+}
+
+func (g *heartbeatGate) reset() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.gate = make(chan struct{})
+}
 
 func (g *heartbeatGate) hook(c *Config) {
 	c.heartbeatHook = func() {
 		if g.blocked.Load() {
-			<-g.gate
+			<-g.current()
 		}
 		if d := g.slow.Load(); d > 0 {
 			time.Sleep(time.Duration(d))
@@ -354,6 +374,24 @@ func TestSilenceNotConfirmedWhileHeartbeatsQueue(t *testing.T) {
 	if ri, _ := f.c.idx.Rank(r); ri.Fenced || testutil.MetricSum(t, f.c.reg, "kvtier_coord_rank_fences_total") != 0 {
 		t.Fatalf("rank fenced: %+v", ri)
 	}
+	// Still a suspect (gossip has not seen it again): held up once more,
+	// its new heartbeats queue behind the handler, and the silence waits
+	// for this backlog, not the one the first deferral marked (red when
+	// proof of life left that mark in place: fenced at once).
+	g.reset()
+	deferred := testutil.Metric(t, f.c.reg, "kvtier_coord_death_silence_deferred_total")
+	probes := testutil.Metric(t, f.c.reg, "kvtier_coord_death_probes_total", "outcome", "no_answer")
+	g.blocked.Store(true)
+	testutil.Eventually(t, 20*time.Second, "another unanswered probe and another deferred silence (or a fence)", func() bool {
+		return (testutil.Metric(t, f.c.reg, "kvtier_coord_death_probes_total", "outcome", "no_answer") > probes &&
+			testutil.Metric(t, f.c.reg, "kvtier_coord_death_silence_deferred_total") > deferred) ||
+			testutil.MetricSum(t, f.c.reg, "kvtier_coord_rank_fences_total") > 0
+	})
+	if ri, _ := f.c.idx.Rank(r); ri.Fenced {
+		t.Fatalf("rank fenced by silence while its newer heartbeats waited unhandled: %+v", ri)
+	}
+	g.blocked.Store(false)
+	g.open()
 }
 
 // TestSilenceConfirmedDespiteHeartbeatFlood: a rank identity that floods
