@@ -171,6 +171,7 @@ type suspect struct {
 	// out a later one, every heartbeat that could have excused the
 	// silence has been handled (0: no deferral yet).
 	drainMark int64
+	drainSub  *nats.Subscription // the subscription drainMark counts in
 }
 
 type suspectKey struct {
@@ -472,7 +473,7 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 	term := c.repl.term()
 	// Heartbeats delivered to this coordinator but not handled yet may
 	// include the suspect's: its silence is then this coordinator's lag.
-	queued, handed := c.heartbeatBacklog()
+	queued, handed, hbSub := c.heartbeatBacklog()
 
 	d.mu.Lock()
 	if late, took := d.advanceWatchLocked(term, now); late > 0 {
@@ -499,8 +500,10 @@ func (c *Coordinator) checkSuspects(now time.Time) {
 			// there) would otherwise keep the backlog from emptying and
 			// every death by silence unconfirmed.
 			switch {
-			case s.drainMark == 0:
-				s.drainMark = handed + int64(queued)
+			case s.drainMark == 0 || s.drainSub != hbSub:
+				// (a new subscription, after a leadership change,
+				// counts from zero: the old mark means nothing there)
+				s.drainMark, s.drainSub = handed+int64(queued), hbSub
 				by = ""
 			case handed <= s.drainMark:
 				by = ""

@@ -106,20 +106,20 @@ func (h *heartbeats) forget(r wire.Rank) {
 // holds unhandled (0 when it has none, or no subscription) and how many it
 // has handed to the handler so far (the handler runs them one at a time:
 // the one handed last may be in the handler still).
-func (c *Coordinator) heartbeatBacklog() (queued int, handed int64) {
-	sub := c.hbSub.Load()
+func (c *Coordinator) heartbeatBacklog() (queued int, handed int64, sub *nats.Subscription) {
+	sub = c.hbSub.Load()
 	if sub == nil {
-		return 0, 0
+		return 0, 0, nil
 	}
 	n, _, err := sub.Pending()
 	if err != nil {
-		return 0, 0 // unsubscribed (a follower now): it judges nothing
+		return 0, 0, nil // unsubscribed (a follower now): it judges nothing
 	}
 	handed, err = sub.Delivered()
 	if err != nil {
-		return 0, 0
+		return 0, 0, nil
 	}
-	return n, handed
+	return n, handed, sub
 }
 
 // handleHeartbeat applies the rule above. Heartbeats are plain publishes:
