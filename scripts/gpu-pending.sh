@@ -166,9 +166,14 @@ vllm)
 	# the defaults, 1.18x with kv_sum_units, 1.34x with kv_move): with two
 	# restore batches per GiB instead of the ramp's four (fewer kernels of
 	# the rankd's context), the defaults in the same call (the first
-	# step's bound covers the engine's first torch.compile), then
+	# step's bound covers the engine's first torch.compile: 160 s did not on
+	# a fresh H100 at stop 54), then
 	# kv_sum_units under the connector's pace
-	step itl-default 160 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	step itl-default 240 env "${V[@]}" OUT_DIR="$R/itl-default" bash scripts/gpu-vllm.sh "$BIN"
+	# 25.3/25.5: the default since stop 54 (kv_move beside the other
+	# direction) against stop 53's, in vLLM (not measured there yet)
+	step itl-nosmcd 100 env "${V[@]}" RANKD_ARGS="--dma-sm-control-duplex=false" OUT_DIR="$R/itl-nosmcd" \
+		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-ramp0 100 env "${V[@]}" RANKD_ARGS="--retrieve-ramp 0" OUT_DIR="$R/itl-ramp0" bash scripts/gpu-vllm.sh "$BIN"
