@@ -123,10 +123,12 @@ type DMATuning struct {
 	// only restores (decoding beside a load) keeps the copy engine's
 	// control copies and their lower cost to the model; one that stores
 	// and restores at once gets SMControl's overlap. Implied by SMControl.
-	// On by default: on H100s at stop 54 both directions at once reached
+	// On by default: at stop 54 both directions at once reached
 	// 1.37-1.51x one direction's copy engine with it against 1.26x
-	// without, a restore alone and the decode-shaped loop beside restores
-	// unchanged (BENCHMARKS.md, "Stop 54").
+	// without, and a restore alone and the decode-shaped loop beside
+	// restores moved within their spread; the runs with and without it
+	// were on two H100s of the same kind, not in one call (BENCHMARKS.md,
+	// "Stop 54").
 	SMControlDuplex bool
 }
 
