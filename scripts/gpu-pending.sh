@@ -45,7 +45,7 @@ step() {
 	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
 	timeout "$bound" "$@" >"$R/$name.log" 2>&1
 	echo "rc=$?" >>"$R/$name.log"
-	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)' \
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)|^  (store|restore verdict) \(all ranks\)|^RESULT' \
 		"$R/$name.log" | cut -c1-300
 }
 finish() {
@@ -137,7 +137,7 @@ daemons)
 	# wake-up latency
 	step tp1-small-spin 60 bash -c "for _ in \$(seq \$(nproc)); do nice -n 19 sh -c 'while :; do :; done' & done
 		env SPEC=$P/llama8b-tp1.json GB=$SMALL REPS=5 $(bench tp1-small-spin); rc=\$?; kill \$(jobs -p); exit \$rc"
-	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1 / EXTRA_INTERFERENCE="v1 v2" (rankd_args' words)
+	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1 / EXTRA_TP4 / EXTRA_INTERFERENCE="v1 v2" (rankd_args' words)
 	for v in ${EXTRA_INTERFERENCE:-}; do
 		interference "$v"
 	done
@@ -146,6 +146,9 @@ daemons)
 	done
 	for v in ${EXTRA_TP1:-}; do
 		step "tp1-$v" 80 env SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=5 RANKD_ARGS="$(rankd_args $v)" $(bench "tp1-$v")
+	done
+	for v in ${EXTRA_TP4:-}; do
+		step "tp4-big-$v" 150 env SPEC=$P/llama8b-tp4.json GB="$BIG" REPS=2 RANKD_ARGS="$(rankd_args $v)" $(bench "tp4-big-$v")
 	done
 	# 25.1: 4 rankds sharing the GPU, 0.5 and 1.3 GB per rank (0.920 of CE
 	# at 1.3 GB on the H200 at stop 47, one run)
@@ -174,6 +177,14 @@ vllm)
 	# direction) against stop 53's, in vLLM (not measured there yet)
 	step itl-nosmcd 100 env "${V[@]}" RANKD_ARGS="--dma-sm-control-duplex=false" OUT_DIR="$R/itl-nosmcd" \
 		bash scripts/gpu-vllm.sh "$BIN"
+	# 25.4: 16- and 64-token chunks through the Python client, 4 rankds
+	# (0.31-0.34 / 0.19-0.21 of CE restoring on the H200 at stop 48, not
+	# run since), twice each
+	for c in 64:256:4 16:1024:1 64b:256:4 16b:1024:1; do
+		IFS=: read -r n chunks per <<<"$c"
+		step "hf-$n" 90 python3 python/examples/hf_roundtrip.py --bin "$BIN" --ranks 4 --layers 8 --generate 4 \
+			--chunks "$chunks" --blocks-per-chunk "$per"
+	done
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-ramp0 100 env "${V[@]}" RANKD_ARGS="--retrieve-ramp 0" OUT_DIR="$R/itl-ramp0" bash scripts/gpu-vllm.sh "$BIN"
