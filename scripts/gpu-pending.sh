@@ -88,9 +88,34 @@ interference() {
 	# the defaults' run adds the controls: what 1 MiB pieces, one reduction
 	# per GiB and reductions alone from another process cost the loop
 	[[ $1 == default && ${CONTROLS:-1} == 1 ]] && bound=170 more=(--controls)
-	step "interference-$1" $bound python3 python/examples/gpu_interference.py --seconds 8 --warm 3 "${more[@]}" \
-		--logs "$R/interference-$1" --traffic-cmd "RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
-DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$1.json bash scripts/gpu-bench.sh $BIN"
+	local name=interference-$1${MPS_NAME:-}
+	step "$name" $bound python3 python/examples/gpu_interference.py --seconds 8 --warm 3 "${more[@]}" \
+		--logs "$R/$name" --traffic-cmd "${TRAFFIC_ENV:-} RANKD_ARGS='$ra' SPEC=enginesim/specs/llama8b-tp1.json \
+DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$name.json bash scripts/gpu-bench.sh $BIN"
+}
+
+# mps_interference V PCT: the same under CUDA MPS (one MPS server for the
+# loop and every kvtier process, so that the rankd's kernels share the SMs
+# with the loop's instead of time-slicing the GPU between contexts), the
+# kvtier processes limited to PCT % of the SMs (100: no limit). The
+# control daemon lives in $R for the step only.
+mps_interference() {
+	local pct=$2 name=interference-$1-mps$2
+	[[ $name =~ ^(${STEPS:-.*})$ ]] || return 0
+	if ! command -v nvidia-cuda-mps-control >/dev/null; then
+		echo "== $name: skipped, no nvidia-cuda-mps-control on this machine" | tee -a "$R/steps.txt"
+		return
+	fi
+	export CUDA_MPS_PIPE_DIRECTORY=$R/mps/pipe CUDA_MPS_LOG_DIRECTORY=$R/mps/log
+	mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+	if nvidia-cuda-mps-control -d; then
+		MPS_NAME=-mps$pct TRAFFIC_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" interference "$1"
+		echo quit | nvidia-cuda-mps-control
+		sleep 2
+	else
+		echo "== $name: the MPS control daemon did not start" | tee -a "$R/steps.txt"
+	fi
+	unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
 case $SET in
@@ -140,6 +165,10 @@ daemons)
 	# extra variants of a call: EXTRA_DUPLEX / EXTRA_TP1 / EXTRA_TP4 / EXTRA_INTERFERENCE="v1 v2" (rankd_args' words)
 	for v in ${EXTRA_INTERFERENCE:-}; do
 		interference "$v"
+	done
+	# 25.5: under MPS, the kvtier processes on all SMs or a quarter
+	for pct in ${MPS_PCTS:-100 25}; do
+		mps_interference default "$pct"
 	done
 	for v in ${EXTRA_DUPLEX:-}; do
 		step "duplex-$v" 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args $v)" $(bench "duplex-$v")
