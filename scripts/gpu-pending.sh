@@ -15,7 +15,8 @@
 # the output's tail loses nothing. BUDGET=seconds (default 560) bounds the
 # set; a step that would start with less than its own bound left is
 # skipped and said so. STEPS=regex runs only the steps whose names match
-# (the rest of a set for a later call).
+# (the rest of a set for a later call). MPS=1 runs the set under a CUDA
+# MPS server of its own (docs/gpu.md).
 set -uo pipefail
 
 SET=${1:-}
@@ -94,29 +95,50 @@ interference() {
 DEVICE=$DEVICE GB=$BIG REPS=1 TRAFFIC=10m OUT=$R/traffic-$name.json bash scripts/gpu-bench.sh $BIN"
 }
 
-# mps_interference V PCT: the same under CUDA MPS (one MPS server for the
-# loop and every kvtier process, so that the rankd's kernels share the SMs
-# with the loop's instead of time-slicing the GPU between contexts), the
-# kvtier processes limited to PCT % of the SMs (100: no limit). The
-# control daemon lives in $R for the step only.
-mps_interference() {
-	local pct=$2 name=interference-$1-mps$2
-	[[ $name =~ ^(${STEPS:-.*})$ ]] || return 0
+# mps_start / mps_stop: a CUDA MPS control daemon of this run's own (in
+# $R), so that every CUDA process started meanwhile shares one MPS server:
+# kernels of different processes then share the SMs instead of
+# time-slicing the GPU between contexts.
+mps_start() {
 	if ! command -v nvidia-cuda-mps-control >/dev/null; then
-		echo "== $name: skipped, no nvidia-cuda-mps-control on this machine" | tee -a "$R/steps.txt"
-		return
+		echo "== MPS: no nvidia-cuda-mps-control on this machine" | tee -a "$R/steps.txt"
+		return 1
 	fi
 	export CUDA_MPS_PIPE_DIRECTORY=$R/mps/pipe CUDA_MPS_LOG_DIRECTORY=$R/mps/log
 	mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-	if nvidia-cuda-mps-control -d; then
-		MPS_NAME=-mps$pct TRAFFIC_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" interference "$1"
-		echo quit | nvidia-cuda-mps-control
-		sleep 2
-	else
-		echo "== $name: the MPS control daemon did not start" | tee -a "$R/steps.txt"
+	if ! nvidia-cuda-mps-control -d; then
+		echo "== MPS: the control daemon did not start" | tee -a "$R/steps.txt"
+		unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+		return 1
 	fi
+	echo "== MPS: control daemon started ($CUDA_MPS_PIPE_DIRECTORY)" | tee -a "$R/steps.txt"
+}
+mps_stop() {
+	[[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]] || return 0
+	echo quit | nvidia-cuda-mps-control
+	sleep 2
 	unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
+
+# mps_interference V PCT: the loop beside restores under MPS, the kvtier
+# processes limited to PCT % of the SMs (100: no limit)
+mps_interference() {
+	local pct=$2 name=interference-$1-mps$2 own=0
+	[[ $name =~ ^(${STEPS:-.*})$ ]] || return 0
+	if [[ -z ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
+		mps_start || return 0
+		own=1
+	fi
+	MPS_NAME=-mps$pct TRAFFIC_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" interference "$1"
+	((own)) && mps_stop
+	return 0
+}
+
+# MPS=1: the whole set under one MPS server (an A/B against a run without)
+if [[ ${MPS:-0} == 1 ]]; then
+	mps_start || exit 3
+	trap 'mps_stop; finish' EXIT
+fi
 
 case $SET in
 cuda)
