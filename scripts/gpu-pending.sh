@@ -189,8 +189,9 @@ daemons)
 		interference "$v"
 	done
 	# 25.5: under MPS, the kvtier processes on all SMs or a quarter
-	for pct in ${MPS_PCTS:-100 25}; do
-		mps_interference default "$pct"
+	# (MPS_INTERFERENCE: variant:percent words)
+	for vp in ${MPS_INTERFERENCE:-default:100 default:25}; do
+		mps_interference "${vp%:*}" "${vp#*:}"
 	done
 	for v in ${EXTRA_DUPLEX:-}; do
 		step "duplex-$v" 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="$(rankd_args $v)" $(bench "duplex-$v")
