@@ -28,6 +28,8 @@
 #   L1=            rankd --l1-bytes (default: 2.5 x GB, with DUPLEX 4.6 x GB; at least 256MiB)
 #   PROFILE=DIR    CPU profiles of the coordinator and every rankd into DIR
 #   RANKD_ARGS=    extra rankd flags (e.g. --retrieve-serial-batches for an A/B run)
+#   RANKD_ENV=     VAR=value words in the rankds' environment only (e.g.
+#                  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 under MPS: docs/gpu.md)
 #   DUPLEX=        N: after the repetitions, N repetitions of a fresh store and the
 #                  previous prompt's restore at once (enginesim --bench-duplex: both copy
 #                  directions, against plain copies both ways; a consecutive SPEC)
@@ -159,7 +161,7 @@ done
 
 for ((r = 0; r < RANKS; r++)); do
 	# shellcheck disable=SC2046
-	"$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$RANKS" --dcp-size "$DCP" --device "$DEVICE" \
+	env ${RANKD_ENV:-} "$BIN/rankd" --instance engine0 --tp-rank "$r" --tp-size "$RANKS" --dcp-size "$DCP" --device "$DEVICE" \
 		--host-dir "$WORK/shm" --l1-bytes "$L1" --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2 + r))" \
 		--http 127.0.0.1:0 --log-level warn --creds-dir "$CREDS" $(prof "rankd$r") ${RANKD_ARGS:-} >>"$WORK/logs/rankd$r.log" 2>&1 &
 	PIDS+=($!)

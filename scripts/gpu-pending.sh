@@ -237,6 +237,16 @@ vllm)
 		step "hf-$n" 90 python3 python/examples/hf_roundtrip.py --bin "$BIN" --ranks 4 --layers 8 --generate 4 \
 			--chunks "$chunks" --blocks-per-chunk "$per"
 	done
+	# 25.5: vLLM's decoders under MPS (the decode-shaped loop met <= 1.05x
+	# there at stop 55 with kv_sum_units, two batches a restore and the
+	# rankd on a quarter of the SMs), then the same flags without MPS
+	for pct in 25 100; do
+		[[ itl-mps$pct-units-ramp0 =~ ^(${STEPS:-.*})$ ]] || continue
+		mps_start || break
+		step "itl-mps$pct-units-ramp0" 160 env "${V[@]}" RANKD_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" \
+			RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-mps$pct-units-ramp0" bash scripts/gpu-vllm.sh "$BIN"
+		mps_stop
+	done
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"
 	step itl-ramp0 100 env "${V[@]}" RANKD_ARGS="--retrieve-ramp 0" OUT_DIR="$R/itl-ramp0" bash scripts/gpu-vllm.sh "$BIN"

@@ -39,6 +39,8 @@
 #                      duel-kvtier mode needs to flip a byte of an L1 copy
 #   GRAPHS=0           1: vLLM captures CUDA graphs (default: enforce_eager)
 #   RANKD_ARGS=        extra rankd flags (e.g. --copy-path dma: restores by the copy engine)
+#   RANKD_ENV=         VAR=value words in the rankd's environment only (e.g.
+#                      CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 under MPS: docs/gpu.md)
 #   PROFILE=0          1: kvtier modes load kvtier_profiled.ProfiledKvtierConnector (hook
 #                      times per engine step in the ITL results)
 #   L2_BYTES=          rankd --l2-bytes (unset: unbounded; the L2 directory shares the disk
@@ -153,7 +155,7 @@ if [[ -s $WORK/rankd.pid ]]; then
 	sync
 	if echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else echo "page cache NOT dropped (not allowed here)"; fi
 fi
-setsid "$BIN/rankd" --instance engine0 --tp-rank 0 --tp-size 1 --dcp-size 1 --device "$DEVICE" \\
+setsid env ${RANKD_ENV:-} "$BIN/rankd" --instance engine0 --tp-rank 0 --tp-size 1 --dcp-size 1 --device "$DEVICE" \\
 	--l1-bytes "$L1" $L1ARGS $L2ARGS --join "$GOSSIP" --bind "127.0.0.1:$((BASE + 2))" \\
 	--http "$RANKD_HTTP" --log-level warn --creds-dir "$CREDS" ${RANKD_ARGS:-} >>"$WORK/logs/rankd.log" 2>&1 </dev/null &
 echo \$! >$WORK/rankd.pid
