@@ -249,6 +249,56 @@ def test_retrieve_request_is_the_encoders():
         pl.retrieve_request("r", "s", [[1], [1], [1]], [2, 2, 2])
 
 
+def test_retrieve_request_by_columns_is_by_items():
+    """The column-wise retrieve request (plans whose chunks all have the
+    same objects) is byte for byte the item-by-item one, over random
+    plans of one to four objects a chunk, equal and unequal blocks per
+    chunk, skips, several holders renumbered in order of first use, block
+    ids past 32 bits, rows as lists, tuples and arrays; and it gives up
+    (None, so the caller goes item by item and names the fault) for short
+    block tables, negative ids and holder indexes past the holders."""
+    from array import array
+
+    rng = random.Random(29)
+    for trial in range(600):
+        ns = dcp.Namespace(rng.randbytes(16))
+        holders = list(dict.fromkeys(wire.Rank(rng.choice(["engine0", "peer"]), rng.randrange(3))
+                                     for _ in range(rng.randint(1, 3))))
+        per = rng.randint(1, 4)
+        exps = [(g, rng.randrange(3), False) for g in rng.sample(range(6), per)]
+        n = rng.randint(1, 40)
+        recs = b"".join(client_plan._ITEM.pack(rng.getrandbits(64), rng.randrange(len(holders)),
+                                               rng.choice(list(wire.Tier))) for _ in range(n * per))
+        pl = client_plan.PlanItems(ns, holders, exps, rng.randbytes(16 * n), recs)
+        first = rng.randrange(3)
+        same = rng.random() < 0.6
+        b0 = rng.randint(1, 4)
+        bpc = [b0 if same else rng.randint(1, 4) for _ in range(6)]
+        skip = [rng.randrange(b + 1) for b in bpc] if rng.random() < 0.5 else []
+        top = 1 << 40 if rng.random() < 0.3 else 5000
+        kind = rng.choice([list, tuple, lambda v: array("Q", v)])
+        ids = [kind([rng.randrange(top) for _ in range((first + n) * b)]) for b in bpc]
+        want = pl._request_by_items("rid", "sess", ids, bpc, first, skip)
+        got = pl._request_by_columns("rid", "sess", ids, bpc, first, skip)
+        assert got == want, trial
+        assert pl.retrieve_request("rid", "sess", ids, bpc, first, skip) == want
+    # a plan with a last-only object goes item by item
+    last = client_plan.PlanItems(dcp.Namespace(bytes(16)), [wire.Rank("e", 0)], [(0, 0, False), (1, 0, True)],
+                                 bytes(32), client_plan._ITEM.pack(1, 0, 1) * 3)
+    assert last._request_by_columns("r", "s", [[1, 2], [3, 4]], [1, 1], 0, ()) is None
+    assert last.retrieve_request("r", "s", [[1, 2], [3, 4]], [1, 1]) == \
+        last._request_by_items("r", "s", [[1, 2], [3, 4]], [1, 1], 0, ())
+    one = client_plan.PlanItems(dcp.Namespace(bytes(16)), [wire.Rank("e", 0)], [(0, 0, False)], bytes(32),
+                                client_plan._ITEM.pack(1, 0, 1) * 2)
+    for rows, bpc in (([[1]], [1]), ([[1, -2]], [1]), ([[1, 2, 3]], [2])):
+        assert one._request_by_columns("r", "s", rows, bpc, 0, ()) is None
+        with pytest.raises(ValueError):
+            one.retrieve_request("r", "s", rows, bpc)
+    bad_holder = client_plan.PlanItems(dcp.Namespace(bytes(16)), [wire.Rank("e", 0)], [(0, 0, False)], bytes(16),
+                                       client_plan._ITEM.pack(1, 1, 1))
+    assert bad_holder._request_by_columns("r", "s", [[1]], [1], 0, ()) is None
+
+
 def test_retrieve_reply_check():
     """retrieve_packed does not decode a reply's results, but an error
     reply still raises its error, and a reply that is not the rankd's
