@@ -562,15 +562,17 @@ def coord_metric(work: pathlib.Path, name: str) -> float:
 
 def begin_breakdown(c: Any, ns: dcp.Namespace, hashes: list[Any], reps: int,
                     work: pathlib.Path) -> tuple[str, str, bool]:
-    """reps restore_begins of the whole prompt, timed in the client, with
-    the coordinator's handler time (its histogram's sum and count around
-    them) and the client's plan decoding (client_plan.decode_plan timed in
-    place): medians of the client's, means of the coordinator's."""
+    """reps restore_begins of the whole prompt as the restore sends them
+    (restore_begin_packed: the plan's items kept packed), timed in the
+    client, with the coordinator's handler time (its histogram's sum and
+    count around them) and the client's plan decoding
+    (client_plan.decode_plan_packed_reply timed in place): medians of the
+    client's, means of the coordinator's."""
     import statistics
 
     from kvtier import client_plan
 
-    decode = client_plan.decode_plan
+    decode = client_plan.decode_plan_packed_reply
     spent: list[float] = []
 
     def timed_decode(*a: Any, **kw: Any) -> Any:
@@ -580,19 +582,19 @@ def begin_breakdown(c: Any, ns: dcp.Namespace, hashes: list[Any], reps: int,
         finally:
             spent.append(time.perf_counter() - t)
 
-    client_plan.decode_plan = timed_decode  # type: ignore[assignment]
+    client_plan.decode_plan_packed_reply = timed_decode  # type: ignore[assignment]
     try:
         s0 = coord_metric(work, "kvtier_coord_restore_begin_seconds_sum")
         n0 = coord_metric(work, "kvtier_coord_restore_begin_seconds_count")
         total = []
         for _ in range(reps):
             t = time.perf_counter()
-            c.run(c.aio.restore_begin(ns, hashes, instance=INSTANCE, deadline_ms=1))
+            c.run(c.aio.restore_begin_packed(ns, hashes, instance=INSTANCE, deadline_ms=1))
             total.append(time.perf_counter() - t)
         s1 = coord_metric(work, "kvtier_coord_restore_begin_seconds_sum")
         n1 = coord_metric(work, "kvtier_coord_restore_begin_seconds_count")
     finally:
-        client_plan.decode_plan = decode  # type: ignore[assignment]
+        client_plan.decode_plan_packed_reply = decode  # type: ignore[assignment]
     coord = (s1 - s0) / max(n1 - n0, 1)
     med, dec = statistics.median(total), statistics.median(spent)
     return (f"restore_begin of {len(hashes)} chunks x {reps}",
