@@ -242,10 +242,14 @@ vllm)
 	# rankd on a quarter of the SMs), then the same flags without MPS
 	for pct in 25 100; do
 		[[ itl-mps$pct-units-ramp0 =~ ^(${STEPS:-.*})$ ]] || continue
-		mps_start || break
+		own=0
+		if [[ -z ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
+			mps_start || break
+			own=1
+		fi
 		step "itl-mps$pct-units-ramp0" 160 env "${V[@]}" RANKD_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" \
 			RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-mps$pct-units-ramp0" bash scripts/gpu-vllm.sh "$BIN"
-		mps_stop
+		((own)) && mps_stop
 	done
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"
