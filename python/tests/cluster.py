@@ -58,16 +58,24 @@ def build_binaries(out: pathlib.Path) -> pathlib.Path:
     return out
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
     # Below the ephemeral range, so an outgoing connection cannot take it
-    # between here and the daemon's bind.
+    # between here and the daemon's bind; never one this process handed
+    # out before: two picks of one cluster landing on the same free port
+    # (a rankd's gossip port equal to the NATS port) failed make test once.
     for _ in range(200):
         port = 20000 + int.from_bytes(os.urandom(2), "big") % 12000
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free port")
 
