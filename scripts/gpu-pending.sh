@@ -120,18 +120,25 @@ mps_stop() {
 	unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
-# mps_interference V PCT: the loop beside restores under MPS, the kvtier
-# processes limited to PCT % of the SMs (100: no limit)
-mps_interference() {
-	local pct=$2 name=interference-$1-mps$2 own=0
+# mps_step NAME CMD...: CMD under MPS, in the set's server (MPS=1) or in
+# one of the step's own; skipped unless NAME matches STEPS
+mps_step() {
+	local name=$1 own=0
+	shift
 	[[ $name =~ ^(${STEPS:-.*})$ ]] || return 0
 	if [[ -z ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
 		mps_start || return 0
 		own=1
 	fi
-	MPS_NAME=-mps$pct TRAFFIC_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" interference "$1"
+	"$@"
 	((own)) && mps_stop
 	return 0
+}
+
+# mps_interference V PCT: the loop beside restores under MPS, the traffic
+# command's processes (rankd, enginesim) limited to PCT % of the SMs
+mps_interference() {
+	MPS_NAME=-mps$2 TRAFFIC_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$2" mps_step "interference-$1-mps$2" interference "$1"
 }
 
 # MPS=1: the whole set under one MPS server (an A/B against a run without)
@@ -241,15 +248,9 @@ vllm)
 	# there at stop 55 with kv_sum_units, two batches a restore and the
 	# rankd on a quarter of the SMs), then the same flags without MPS
 	for pct in 25 100; do
-		[[ itl-mps$pct-units-ramp0 =~ ^(${STEPS:-.*})$ ]] || continue
-		own=0
-		if [[ -z ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
-			mps_start || break
-			own=1
-		fi
-		step "itl-mps$pct-units-ramp0" 160 env "${V[@]}" RANKD_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" \
-			RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-mps$pct-units-ramp0" bash scripts/gpu-vllm.sh "$BIN"
-		((own)) && mps_stop
+		mps_step "itl-mps$pct-units-ramp0" step "itl-mps$pct-units-ramp0" 160 env "${V[@]}" \
+			RANKD_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" \
+			OUT_DIR="$R/itl-mps$pct-units-ramp0" bash scripts/gpu-vllm.sh "$BIN"
 	done
 	step itl-units-ramp0 100 env "${V[@]}" RANKD_ARGS="--dma-unit-sums --retrieve-ramp 0" OUT_DIR="$R/itl-units-ramp0" \
 		bash scripts/gpu-vllm.sh "$BIN"

@@ -344,8 +344,9 @@ class PlanItems:
 
         A plan without last-only expectations (every chunk has the same
         objects) is written column by column, with no Python work per item
-        (with several objects a chunk, a slice of block ids per item): a
-        small part of the item-by-item encoding's time (issue 25.4). Any
+        (but a slice of block ids per item where the objects of a chunk
+        have unequal blocks per chunk): under half of the item-by-item
+        encoding's time (examples/bench_load_items.py; issue 25.4). Any
         other shape, and any input the columns cannot take, goes item by
         item, which also names what is wrong."""
         out = self._request_by_columns(restore_id, session, block_ids, blocks_per_chunk, first_chunk, skip)
@@ -438,7 +439,7 @@ class PlanItems:
             body[22::size] = recs[10::_ITEM.size]  # tier
             id_bytes = _be("I" if width == 4 else "Q", ids)
             holders = _holders_bytes([self.holders[h] for h in used])
-        except (OverflowError, TypeError, ValueError, IndexError):
+        except (OverflowError, TypeError, ValueError, IndexError, KeyError):
             return None
         out = bytearray(b"KVR2" if skips else b"KVR1")
         out.append(width)
