@@ -294,6 +294,11 @@ def test_retrieve_request_by_columns_is_by_items():
         assert one._request_by_columns("r", "s", rows, bpc, 0, ()) is None
         with pytest.raises(ValueError):
             one.retrieve_request("r", "s", rows, bpc)
+    # a block table keyed by group: the same bytes; a group it lacks raises as item by item does
+    assert one.retrieve_request("r", "s", {0: [5, 6]}, [1]) == one._request_by_items("r", "s", [[5, 6]], [1], 0, ())
+    assert one._request_by_columns("r", "s", {1: [5, 6]}, [1], 0, ()) is None
+    with pytest.raises(KeyError):
+        one.retrieve_request("r", "s", {1: [5, 6]}, [1])
     bad_holder = client_plan.PlanItems(dcp.Namespace(bytes(16)), [wire.Rank("e", 0)], [(0, 0, False)], bytes(16),
                                        client_plan._ITEM.pack(1, 1, 1))
     assert bad_holder._request_by_columns("r", "s", [[1]], [1], 0, ()) is None
