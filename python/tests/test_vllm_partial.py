@@ -200,7 +200,10 @@ def test_partial_chunk_restores_against_real_daemons(tmp_path: pathlib.Path) -> 
                         w.mem.view[o:o + n] = marker[:n]
             r = fakes.Request(req_id, prompt)
             n, _ = eventually("lookup answers", lambda: _answered(sched.get_num_new_matched_tokens(r, BS)))
-            assert n == 2 * CHUNK - BS
+            # (a miss here once in make test, not reproduced since: the
+            # scheduler's counters say whether the lookup was skipped,
+            # failed, timed out or planned nothing)
+            assert n == 2 * CHUNK - BS, (n, dict(sched.stats))
             sched.update_state_after_alloc(r, fakes.KVCacheBlocks((blocks,)), n)
             out = fakes.SchedulerOutput(scheduled_new_reqs=[fakes.NewRequestData(req_id, prompt, (blocks,), BS + n)],
                                         num_scheduled_tokens={req_id: len(prompt) - BS - n})
