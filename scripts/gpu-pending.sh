@@ -142,7 +142,12 @@ mps_interference() {
 }
 
 # MPS=1: the whole set under one MPS server (an A/B against a run without)
+# Several rankds under one MPS server need fewer hardware queues each than
+# rankd's own 32: with 32, four rankds' first context failed at
+# cuDevicePrimaryCtxRetain (CUDA_ERROR_OUT_OF_MEMORY, stop 55); with 8 they
+# ran (stop 56). RANKD_ENV set by the caller is kept as given.
 if [[ ${MPS:-0} == 1 ]]; then
+	export RANKD_ENV=${RANKD_ENV-CUDA_DEVICE_MAX_CONNECTIONS=8}
 	mps_start || exit 3
 	trap 'mps_stop; finish' EXIT
 fi
