@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import watchdog
+
 from kvtier import client
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -97,6 +99,7 @@ class Proc:
         self.name, self.log = name, log
         self._f = open(log, "ab")  # noqa: SIM115 (closed in stop)
         self.p = subprocess.Popen(args, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+        watchdog.track(self.p.pid)  # killed if the run is ended for a hung test
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -109,6 +112,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(5)
+        watchdog.untrack(self.p.pid)
         self._f.close()
 
     def tail(self, n: int = 30) -> str:

@@ -28,6 +28,7 @@ import sys
 import time
 
 import pytest
+import watchdog
 
 from cluster import REPO, build_binaries
 
@@ -101,6 +102,7 @@ def test_readme_quickstart_runs_verbatim(tmp_path: pathlib.Path) -> None:
     with open(log, "wb") as out:
         p = subprocess.Popen(["bash", str(tmp_path / "quickstart.sh")], cwd=tmp_path, env=env, stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True)
+        watchdog.track(p.pid)
         try:
             rc = p.wait(1500)
         except subprocess.TimeoutExpired:
@@ -116,6 +118,7 @@ def test_readme_quickstart_runs_verbatim(tmp_path: pathlib.Path) -> None:
                     break
                 time.sleep(10 if sig == signal.SIGTERM else 0)
             p.wait()
+            watchdog.untrack(p.pid)
             if shm.exists():
                 for f in set(shm.iterdir()) - shm_before:
                     f.unlink(missing_ok=True)

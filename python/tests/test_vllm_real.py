@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import pytest
+import watchdog
 
 from cluster import DEVICE, HOST_UUID, REPO, Cluster, eventually, running
 
@@ -126,6 +127,7 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
     with open(log, "wb") as lf:
         p = subprocess.Popen([sys.executable, str(RUNNER), str(args), str(out)], stdout=lf, stderr=subprocess.STDOUT,
                              start_new_session=True)
+        watchdog.track(p.pid)
         try:
             if during is not None:
                 during(p, out)
@@ -134,6 +136,7 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            watchdog.untrack(p.pid)
     print(f"vLLM run {name}: {time.monotonic() - t0:.1f} s, rc {rc}")
     if expect_fail:
         assert rc != 0, f"vLLM run {name} was to fail, exited 0"
