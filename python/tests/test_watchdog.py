@@ -12,6 +12,13 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+def run_pytest(test_file: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """pytest on test_file alone, with the watchdog and a 2-second limit."""
+    env = dict(os.environ, KVTIER_TEST_LIMIT_S="2", PYTHONPATH=str(HERE))
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "watchdog", "-p", "no:cacheprovider", str(test_file)]
+    return subprocess.run(argv, cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_a_hung_test_ends_the_run_with_its_stack(tmp_path: pathlib.Path) -> None:
     (tmp_path / "test_hangs.py").write_text(
         "import threading\n\n\n"
@@ -19,10 +26,7 @@ def test_a_hung_test_ends_the_run_with_its_stack(tmp_path: pathlib.Path) -> None
         "    threading.Event().wait()\n\n\n"
         "def test_hangs():\n"
         "    parked_forever()\n")
-    env = dict(os.environ, KVTIER_TEST_LIMIT_S="2", PYTHONPATH=str(HERE))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "watchdog", "-p", "no:cacheprovider",
-                        str(tmp_path / "test_hangs.py")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    p = run_pytest(tmp_path / "test_hangs.py")
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     tail = out[out.rfind("--- thread MainThread"):]
@@ -31,10 +35,7 @@ def test_a_hung_test_ends_the_run_with_its_stack(tmp_path: pathlib.Path) -> None
 
 def test_a_quick_test_is_not_ended(tmp_path: pathlib.Path) -> None:
     (tmp_path / "test_quick.py").write_text("def test_quick():\n    assert True\n")
-    env = dict(os.environ, KVTIER_TEST_LIMIT_S="2", PYTHONPATH=str(HERE))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "watchdog", "-p", "no:cacheprovider",
-                        str(tmp_path / "test_quick.py")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    p = run_pytest(tmp_path / "test_quick.py")
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr
 
 
@@ -50,10 +51,7 @@ def test_a_hung_test_s_daemons_are_killed_with_the_run(tmp_path: pathlib.Path) -
         "    watchdog.track(p.pid)\n"
         f"    open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
         "    threading.Event().wait()\n")
-    env = dict(os.environ, KVTIER_TEST_LIMIT_S="2", PYTHONPATH=str(HERE))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "watchdog", "-p", "no:cacheprovider",
-                        str(tmp_path / "test_hangs.py")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    p = run_pytest(tmp_path / "test_hangs.py")
     out = p.stdout + p.stderr
     pid = int(pidfile.read_text())
     try:
