@@ -219,6 +219,7 @@ func TestStalledRankNotFenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	deathsBefore := testutil.Metric(t, c.coordMetrics(), "kvtier_cluster_deaths_total")
+	resyncsBefore := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resyncs_total", "outcome", "ok")
 
 	c.stopRankAfterHeartbeat(0, 3500*time.Millisecond)
 	if n := testutil.Metric(t, c.coordMetrics(), "kvtier_cluster_deaths_total"); n <= deathsBefore {
@@ -234,12 +235,17 @@ func TestStalledRankNotFenced(t *testing.T) {
 	if n := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_death_notices_unconfirmed_total", "cause", "dead"); n < 1 {
 		t.Fatalf("the gossip death of the stalled rank was not counted as unconfirmed: %v", n)
 	}
-	// Back in gossip, the rank is asked for its inventory, and its
-	// placements are hidden while that streams (Resync): wait for its end,
-	// which a slow host (CI at a load of ~15) reaches after the checks
-	// above.
+	// Back in gossip, the rank is asked for its inventory (this
+	// coordinator began on an empty index, so it resyncs every rankd that
+	// joins), and its placements are hidden while that streams (Resync):
+	// wait for that resync to have ended, which a slow host (CI at a load
+	// of ~15) reaches after the checks above; reading the rank or
+	// restoring before it sees the rank mid-stream.
 	var after wire.AdminRank
 	c.eventually(30*time.Second, "the resumed rank's inventory resync over", func() error {
+		if n := testutil.Metric(t, c.coordMetrics(), "kvtier_coord_resyncs_total", "outcome", "ok"); n <= resyncsBefore {
+			return fmt.Errorf("no resync of the rejoined rank finished yet (%v ok)", n)
+		}
 		a, err := c.rankInfo(0)
 		if err != nil {
 			return err
