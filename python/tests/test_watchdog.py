@@ -71,9 +71,13 @@ def check_killed(p: subprocess.CompletedProcess[str], out: str, pid: int) -> Non
         except ProcessLookupError:
             gone = True
             break
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(")")[-1].split()[0] == "Z":  # a zombie: dead, not yet reaped
-                gone = True
-                break
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().split(")")[-1].split()[0]
+        except FileNotFoundError:  # reaped between the two looks
+            state = "gone"
+        if state in ("Z", "gone"):  # Z: a zombie, dead, not yet reaped
+            gone = True
+            break
         time.sleep(0.05)
     assert gone, f"the hung test's daemon {pid} outlived the run"
