@@ -114,9 +114,17 @@ type Restore struct {
 	chunks   []dcp.ChunkHash
 	deadline time.Time
 
-	exp   []expectState
-	slots map[restoreSlot]int
-	ranks map[int]bool
+	exp []expectState
+	// byChunk[start[c]:start[c+1]] are the indexes into exp of chunk c's
+	// expectations, in the order given: slot finds one by a scan (a chunk
+	// has one a rank and group, a handful), where a map of every
+	// expectation cost NewRestore most of its time (issue 25.4: 4,096 of
+	// them at every 1,024-chunk restore of 4 ranks). many holds the slots
+	// of the chunks with more than scanMax.
+	start   []int
+	byChunk []int
+	many    map[restoreSlot]int
+	ranks   map[int]bool
 
 	state      string
 	reported   int
@@ -148,7 +156,8 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 	r := &Restore{
 		id: id, ns: ns, chunks: slices.Clone(chunks), deadline: deadline,
 		exp:        make([]expectState, len(expect)),
-		slots:      make(map[restoreSlot]int, len(expect)),
+		start:      make([]int, len(chunks)+1),
+		byChunk:    make([]int, len(expect)),
 		ranks:      make(map[int]bool),
 		state:      wire.VerdictPending,
 		chunkFail:  make([]string, len(chunks)),
@@ -156,7 +165,6 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 
 		chunkCauses: make([][]groupCause, len(chunks)),
 	}
-	covered := make([]bool, len(chunks))
 	for i, e := range expect {
 		switch {
 		case e.Chunk < 0 || e.Chunk >= len(chunks):
@@ -171,20 +179,83 @@ func NewRestore(id string, ns dcp.Namespace, chunks []dcp.ChunkHash, expect []Ex
 			return nil, fmt.Errorf("restore %q: expectation %d (chunk %d rank %d group %d) has recorded sum 0, which no placed bytes can be checked against: %w",
 				id, i, e.Chunk, e.Rank, e.Group, ErrRestore)
 		}
-		s := restoreSlot{e.Chunk, e.Rank, e.Group}
-		if j, dup := r.slots[s]; dup {
-			return nil, fmt.Errorf("restore %q: expectations %d and %d both name chunk %d rank %d group %d: %w",
-				id, j, i, e.Chunk, e.Rank, e.Group, ErrRestore)
-		}
-		r.slots[s] = i
 		r.exp[i] = expectState{Expect: e}
 		r.ranks[e.Rank] = true
-		covered[e.Chunk] = true
+		r.start[e.Chunk+1]++
 	}
-	if i := slices.Index(covered, false); i >= 0 {
-		return nil, fmt.Errorf("restore %q: chunk %d has no expectation: %w", id, i, ErrRestore)
+	for c := range chunks {
+		if r.start[c+1] == 0 {
+			return nil, fmt.Errorf("restore %q: chunk %d has no expectation: %w", id, c, ErrRestore)
+		}
+		r.start[c+1] += r.start[c]
+	}
+	next := slices.Clone(r.start[:len(chunks)])
+	for i, e := range expect {
+		r.byChunk[next[e.Chunk]] = i
+		next[e.Chunk]++
+	}
+	for c := range chunks {
+		if err := r.indexChunk(c); err != nil {
+			return nil, err
+		}
 	}
 	return r, nil
+}
+
+// scanMax is the most expectations of a chunk that slot finds by a scan.
+const scanMax = 16
+
+// indexChunk checks that no two of chunk c's expectations name the same
+// rank and group, and puts the slots of a chunk of more than scanMax
+// expectations in r.many.
+func (r *Restore) indexChunk(c int) error {
+	idx := r.byChunk[r.start[c]:r.start[c+1]]
+	dup := func(j, i int) error {
+		e := r.exp[i]
+		return fmt.Errorf("restore %q: expectations %d and %d both name chunk %d rank %d group %d: %w",
+			r.id, j, i, e.Chunk, e.Rank, e.Group, ErrRestore)
+	}
+	if len(idx) > scanMax {
+		if r.many == nil {
+			r.many = make(map[restoreSlot]int)
+		}
+		for _, i := range idx {
+			e := &r.exp[i]
+			s := restoreSlot{c, e.Rank, e.Group}
+			if j, ok := r.many[s]; ok {
+				return dup(j, i)
+			}
+			r.many[s] = i
+		}
+		return nil
+	}
+	for b, i := range idx {
+		for _, j := range idx[:b] {
+			if r.exp[j].Rank == r.exp[i].Rank && r.exp[j].Group == r.exp[i].Group {
+				return dup(j, i)
+			}
+		}
+	}
+	return nil
+}
+
+// slot returns the index into r.exp of the expectation of (chunk, rank,
+// group), if there is one.
+func (r *Restore) slot(chunk, rank, group int) (int, bool) {
+	if chunk < 0 || chunk >= len(r.chunks) {
+		return 0, false
+	}
+	idx := r.byChunk[r.start[chunk]:r.start[chunk+1]]
+	if len(idx) > scanMax {
+		i, ok := r.many[restoreSlot{chunk, rank, group}]
+		return i, ok
+	}
+	for _, i := range idx {
+		if e := &r.exp[i]; e.Rank == rank && e.Group == group {
+			return i, true
+		}
+	}
+	return 0, false
 }
 
 // ID returns the restore's id.
@@ -225,7 +296,7 @@ func (r *Restore) Report(rank int, results []wire.ItemResult) (ReportOutcome, er
 	}
 	var bad []string
 	for _, res := range results {
-		i, ok := r.slots[restoreSlot{res.Chunk, rank, res.Group}]
+		i, ok := r.slot(res.Chunk, rank, res.Group)
 		if !ok {
 			o.Rejected++
 			if len(bad) < 5 {

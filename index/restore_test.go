@@ -113,6 +113,18 @@ func TestRestoreVerdict(t *testing.T) {
 		{{Chunk: 0, Rank: -1}},
 		{{Chunk: 0, Rank: 0}}, // chunk 1 uncovered
 	}
+	// Two expectations of one (chunk, rank, group), with their sums set so
+	// that nothing else is wrong: in a chunk of two (found by the scan) and
+	// in a chunk of 21 (more than a scan looks through).
+	wide := func(n, dupOf int) []index.Expect {
+		var e []index.Expect
+		for r := range n {
+			e = append(e, index.Expect{Chunk: 0, Rank: r, Shard: r, Sum: uint64(r + 1)})
+		}
+		e = append(e, index.Expect{Chunk: 0, Rank: dupOf, Shard: dupOf, Sum: 99}, index.Expect{Chunk: 1, Rank: 0, Sum: 7})
+		return e
+	}
+	bad = append(bad, wide(1, 0), wide(20, 13), wide(20, 0))
 	for i, e := range bad {
 		if _, err := index.NewRestore("b", dcp.Namespace{}, chunks(2), e, t0); !errors.Is(err, index.ErrRestore) {
 			t.Fatalf("bad set %d: %v", i, err)
@@ -135,6 +147,9 @@ func TestRestoreVerdictProperty(t *testing.T) {
 		nChunks := 1 + rng.IntN(6)
 		nRanks := 1 + rng.IntN(4)
 		nGroups := 1 + rng.IntN(2)
+		if seed%4 == 0 {
+			nGroups = 3 + rng.IntN(6) // up to 32 expectations a chunk: past the scan's 16
+		}
 		var exp []index.Expect
 		for c := range nChunks {
 			for r := range nRanks {
@@ -171,7 +186,8 @@ func TestRestoreVerdictProperty(t *testing.T) {
 			}
 		}
 		for range rng.IntN(3) { // unexpected results
-			stream = append(stream, result{rng.IntN(nRanks + 2), wire.ItemResult{Chunk: rng.IntN(nChunks + 2), Group: 5, OK: true}})
+			g := []int{5, 99, rng.IntN(nGroups + 1)}[rng.IntN(3)] // 5 is expected where nGroups > 5
+			stream = append(stream, result{rng.IntN(nRanks + 2), wire.ItemResult{Chunk: rng.IntN(nChunks + 2), Group: g, OK: true}})
 		}
 		rng.Shuffle(len(stream), func(i, j int) { stream[i], stream[j] = stream[j], stream[i] })
 		expireAt := -1
