@@ -155,6 +155,7 @@ class TimedSession:
 
     def __init__(self, s: client.RankSession) -> None:
         self._s = s
+        self.sent = 0.0
         self.done = 0.0
 
     @property
@@ -166,12 +167,14 @@ class TimedSession:
         return self._s.namespace
 
     async def retrieve(self, items, restore_id: str = ""):
+        self.sent = time.perf_counter()
         try:
             return await self._s.retrieve(items, restore_id)
         finally:
             self.done = time.perf_counter()
 
     async def retrieve_packed(self, items, restore_id: str, block_ids, per_chunk, **kw):
+        self.sent = time.perf_counter()
         try:
             return await self._s.retrieve_packed(items, restore_id, block_ids, per_chunk, **kw)
         finally:
@@ -469,6 +472,7 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
         if on_gpu:
             torch.cuda.synchronize()
         timed = {str(ranks[r]): TimedSession(sessions[r].aio) for r in range(tp)}
+        stages0 = [rankd_stage_sums(work, r) for r in range(tp)]
         t_restore = time.perf_counter()
         outcome = c.run(client.restore(c.aio, timed, hashes,  # type: ignore[arg-type]
                                        client.BlockTable([table_b], [bpc]),  # the items stay packed
@@ -491,6 +495,11 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
             re_s = max(timed[str(ranks[r])].done - t_restore, 1e-9)  # restore begin to the rank's retrieve reply
             rank_rows.append([str(r), ",".join(map(str, heads[r])), str(nbytes), f"{nbytes / st_s / 1e9:.2f}",
                               f"{nbytes / re_s / 1e9:.2f}", "ok" if same and ok_store[r] else "FAIL"])
+        for r in range(tp):
+            tr = timed[str(ranks[r])]
+            print(f"  rank {r} retrieve: sent {(tr.sent - t_restore) * 1e3:.2f} ms after the begin, reply "
+                  f"{(tr.done - tr.sent) * 1e3:.2f} ms after; in the rankd (ms): "
+                  + stage_deltas(stages0[r], rankd_stage_sums(work, r)))
         if args.begin_reps > 0:
             rows.append(begin_breakdown(c, res.namespace, hashes, args.begin_reps, work))
         for s in sessions:
@@ -547,16 +556,44 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
     return 0 if ok else 1
 
 
+def metrics_text(log: pathlib.Path) -> str:
+    """The /metrics page of the daemon whose log this is (its HTTP address
+    from the log)."""
+    m = re.search(r'"http":\s*"([^"]+)"', log.read_text(errors="replace"))
+    if m is None:
+        raise RuntimeError(f"{log.name}: no HTTP address logged")
+    with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
+    """A rankd's retrieve stage totals so far (kvtier_rankd_stage_seconds'
+    sums by stage) and its retrieve requests' receipt-to-reply total
+    ("request")."""
+    out: dict[str, float] = {}
+    for line in metrics_text(work / "logs" / f"rankd{rank}.log").splitlines():
+        if line.startswith("kvtier_rankd_stage_seconds_sum{") and 'op="retrieve"' in line:
+            m = re.search(r'stage="([^"]+)"', line)
+            if m:
+                out[m.group(1)] = float(line.split()[-1])
+        elif line.startswith("kvtier_rankd_engine_request_seconds_sum{") and 'op="retrieve"' in line:
+            out["request"] = float(line.split()[-1])
+    return out
+
+
+def stage_deltas(before: dict[str, float], after: dict[str, float]) -> str:
+    """The stages that took time between two rankd_stage_sums, in ms
+    (stages of several copy batches are their sum, so they overlap)."""
+    d = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in after.items()}
+    return " ".join(f"{k} {v:.2f}" for k, v in d.items() if v >= 0.005) or "none"
+
+
 def coord_metric(work: pathlib.Path, name: str) -> float:
     """One value of the coordinator's /metrics (its HTTP address from its
     log): a counter, or a histogram's _sum / _count line."""
-    m = re.search(r'"http":\s*"([^"]+)"', (work / "logs" / "coordinator.log").read_text(errors="replace"))
-    if m is None:
-        raise RuntimeError("the coordinator logged no HTTP address")
-    with urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+    for line in metrics_text(work / "logs" / "coordinator.log").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     raise RuntimeError(f"no {name} in the coordinator's metrics")
 
 
