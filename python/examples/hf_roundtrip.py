@@ -601,8 +601,8 @@ def metrics_text(log: pathlib.Path) -> str:
 
 def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
     """A rankd's retrieve stage totals so far (kvtier_rankd_stage_seconds'
-    sums by stage) and its retrieve requests' receipt-to-reply total
-    ("request")."""
+    sums by stage), its retrieve requests' receipt-to-reply total
+    ("request"), its CPU time ("cpu") and its garbage collections ("gcs")."""
     out: dict[str, float] = {}
     for line in metrics_text(work / "logs" / f"rankd{rank}.log").splitlines():
         if line.startswith("kvtier_rankd_stage_seconds_sum{") and 'op="retrieve"' in line:
@@ -611,6 +611,10 @@ def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
                 out[m.group(1)] = float(line.split()[-1])
         elif line.startswith("kvtier_rankd_engine_request_seconds_sum{") and 'op="retrieve"' in line:
             out["request"] = float(line.split()[-1])
+        elif line.startswith("process_cpu_seconds_total "):
+            out["cpu"] = float(line.split()[-1])
+        elif line.startswith("go_gc_duration_seconds_count "):
+            out["gcs"] = float(line.split()[-1]) / 1e3  # printed as a count (stage_deltas prints ms)
     return out
 
 
