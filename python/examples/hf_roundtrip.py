@@ -506,8 +506,9 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
                     torch.equal(pools[r][layer][idx_b].view(torch.int16), reference[r][layer].view(torch.int16))
                     for layer in range(L))
                 tr = timed[ranked[r]]
-                print(f"  restore {rep + 1} rank {r} retrieve: sent {(tr.sent - t_restore) * 1e3:.2f} ms after the "
-                      f"begin, reply {(tr.done - tr.sent) * 1e3:.2f} ms after; in the rankd (ms): "
+                sent = (f"sent {(tr.sent - t_restore) * 1e3:.2f} ms after the begin, reply "
+                        f"{(tr.done - tr.sent) * 1e3:.2f} ms after" if tr.sent else "not sent (no plan for this rank)")
+                print(f"  restore {rep + 1} rank {r} retrieve: {sent}; in the rankd: "
                       + stage_deltas(stages0[r], rankd_stage_sums(work, r)))
             if rep == 0:
                 rows.append(("restore verdict (all ranks)", f"{v.state if v else 'none'}, {outcome.loaded}/"
@@ -614,15 +615,23 @@ def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
         elif line.startswith("process_cpu_seconds_total "):
             out["cpu"] = float(line.split()[-1])
         elif line.startswith("go_gc_duration_seconds_count "):
-            out["gcs"] = float(line.split()[-1]) / 1e3  # printed as a count (stage_deltas prints ms)
+            out["gcs"] = float(line.split()[-1])
     return out
 
 
 def stage_deltas(before: dict[str, float], after: dict[str, float]) -> str:
-    """The stages that took time between two rankd_stage_sums, in ms
-    (stages of several copy batches are their sum, so they overlap)."""
-    d = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in after.items()}
-    return " ".join(f"{k} {v:.2f}" for k, v in d.items() if v >= 0.005) or "none"
+    """What changed between two rankd_stage_sums: the stages that took time,
+    in ms (stages of several copy batches are their sum, so they overlap),
+    the CPU time in ms (the process's clock ticks: 10 ms steps) and the
+    garbage collections, a count (0 is printed too)."""
+    parts = []
+    for k, v in after.items():
+        d = v - before.get(k, 0.0)
+        if k == "gcs":
+            parts.append(f"gcs {d:.0f}")
+        elif d >= 5e-6:
+            parts.append(f"{k} {d * 1e3:.2f}")
+    return " ".join(parts) or "none"
 
 
 def coord_metric(work: pathlib.Path, name: str) -> float:
