@@ -51,6 +51,7 @@ report FAIL: the checks can fail).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import random
@@ -158,6 +159,7 @@ class TimedSession:
         self._s = s
         self.sent = 0.0
         self.done = 0.0
+        self.restore_id = ""
 
     @property
     def rank(self) -> wire.Rank:
@@ -168,14 +170,14 @@ class TimedSession:
         return self._s.namespace
 
     async def retrieve(self, items, restore_id: str = ""):
-        self.sent = time.perf_counter()
+        self.sent, self.restore_id = time.perf_counter(), restore_id
         try:
             return await self._s.retrieve(items, restore_id)
         finally:
             self.done = time.perf_counter()
 
     async def retrieve_packed(self, items, restore_id: str, block_ids, per_chunk, **kw):
-        self.sent = time.perf_counter()
+        self.sent, self.restore_id = time.perf_counter(), restore_id
         try:
             return await self._s.retrieve_packed(items, restore_id, block_ids, per_chunk, **kw)
         finally:
@@ -218,6 +220,7 @@ def main() -> int:
                     help="cuda: pools on cuda:0, CUDA IPC; host: CPU torch, the host backend (no GPU)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64, help="128: an 8B model's pages (with --layers 32)")
     ap.add_argument("--chunks", type=int, default=32, help="full chunks in the prompt")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--blocks-per-chunk", type=int, default=4)
@@ -235,6 +238,8 @@ def main() -> int:
     ap.add_argument("--restore-reps", type=int, default=1,
                     help="restores of the whole prompt, each into wiped pools and checked byte for byte; the first "
                          "(cold) is the verdict row, the median of the rest a row of its own")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each rank's stage timeline of the last restore (the rankd's status)")
     ap.add_argument("--coordinator-arg", action="append", default=[],
                     help="one more coordinator serve flag, e.g. --coordinator-arg=--cpu-profile=/tmp/c.pprof "
                          "(repeatable)")
@@ -310,7 +315,7 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
     chunk_tokens = bs * bpc
     n_prompt = args.chunks * chunk_tokens + 1  # the last token is computed, as vLLM does
     cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=args.layers,
-                      num_attention_heads=2 * args.kv_heads, num_key_value_heads=args.kv_heads, head_dim=64,
+                      num_attention_heads=2 * args.kv_heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                       max_position_embeddings=8192)
     model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).eval()
     prompt = torch.tensor([[rng.randrange(cfg.vocab_size) for _ in range(n_prompt)]], device=dev)
@@ -528,6 +533,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
                                  f"{n_chunks} chunks{', ' + outcome.problem if outcome.problem else ''}", False))
         for r in range(tp):
             rank_rows[r][-1] = "ok" if same[r] and rank_rows[r][-1] == "ok" else "FAIL"
+            if args.timeline and timed[ranked[r]].restore_id:
+                print_timeline(c, ranks[r], timed[ranked[r]].restore_id, f"rank {r}, restore {args.restore_reps}")
         if warm:
             med = statistics.median(warm)
             rows.append((f"restores 2-{args.restore_reps}, warm (median)", f"{tp * nbytes / med / 1e9:.2f} GB/s "
@@ -632,6 +639,28 @@ def stage_deltas(before: dict[str, float], after: dict[str, float]) -> str:
         elif d >= 5e-6:
             parts.append(f"{k} {d * 1e3:.2f}")
     return " ".join(parts) or "none"
+
+
+def print_timeline(c: Any, rank: wire.Rank, restore_id: str, label: str) -> None:
+    """Prints the rankd's stage timeline of one retrieve (its status
+    request's Timelines): the request's own stages, then per copy batch the
+    host's stages and the device's scatter, in ms from the receipt."""
+    raw = c.run(c.aio.call(c.aio.subjects.engine(rank, wire.OP_STATUS), {"timelines": restore_id}, dict,
+                           decoder=lambda data, _subject: json.loads(data)["ok"]))
+    tls = [t for t in raw.get("timelines") or [] if t.get("op") == "retrieve"]
+    if not tls:
+        print(f"  timeline {label}: none kept")
+        return
+    t = tls[-1]
+    by: dict[int, list[str]] = {}
+    for st in t["stages"]:
+        at, dur = st["start_ns"] / 1e6, st["dur_ns"] / 1e6
+        name = st["name"] + ("(dev)" if st.get("device") else "")
+        by.setdefault(st["batch"], []).append(f"{name} {at:.2f}+{dur:.2f}")
+    print(f"  timeline {label}: {t['dur_ns'] / 1e6:.2f} ms receipt to reply, {t['bytes']} B, {len(by) - (-1 in by)} "
+          f"batches{', truncated' if t.get('truncated') else ''} (stage start+duration, ms from the receipt)")
+    for b in sorted(by):
+        print(f"    {'request' if b < 0 else f'batch {b}'}: " + ", ".join(by[b]))
 
 
 def coord_metric(work: pathlib.Path, name: str) -> float:
