@@ -373,10 +373,27 @@ func (r *Restore) fail(e *expectState, reason string, wrong bool) {
 // it changes nothing. It returns the verdict.
 func (r *Restore) Expire(now time.Time) Verdict {
 	if r.state == wire.VerdictPending && !now.Before(r.deadline) {
+		// One reason string per (rank, group, shard), not per expectation:
+		// an abandoned restore of 1,024 chunks on 4 ranks has 4 of them
+		// and 4,096 expectations, and the coordinator expires every
+		// abandoned begin.
+		type source struct{ rank, group, shard int }
+		var reasons map[source]string
 		for i := range r.exp {
-			if e := &r.exp[i]; !e.reported {
-				r.fail(e, fmt.Sprintf("rank %d group %d shard %d: no report by the deadline", e.Rank, e.Group, e.Shard), false)
+			e := &r.exp[i]
+			if e.reported {
+				continue
 			}
+			k := source{e.Rank, e.Group, e.Shard}
+			why, ok := reasons[k]
+			if !ok {
+				why = fmt.Sprintf("rank %d group %d shard %d: no report by the deadline", e.Rank, e.Group, e.Shard)
+				if reasons == nil {
+					reasons = make(map[source]string, 4)
+				}
+				reasons[k] = why
+			}
+			r.fail(e, why, false)
 		}
 		r.finish()
 	}

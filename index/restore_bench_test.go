@@ -40,3 +40,26 @@ func BenchmarkNewRestore1024x4(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkExpireAbandoned1024x4: the coordinator's expiry of an abandoned
+// restore (1,024 chunks on 4 ranks, no report came): NewRestore, Expire at
+// the deadline, the failed verdict.
+func BenchmarkExpireAbandoned1024x4(b *testing.B) {
+	const nChunks, nRanks = 1024, 4
+	cs := chunks(nChunks)
+	var exp []index.Expect
+	for c := range nChunks {
+		for r := range nRanks {
+			exp = append(exp, index.Expect{Chunk: c, Rank: r, Shard: r, Sum: uint64(c*nRanks + r + 1)})
+		}
+	}
+	for b.Loop() {
+		rs, err := index.NewRestore("b", dcp.Namespace{}, cs, exp, t0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if v := rs.Expire(t0); v.State != wire.VerdictFailed || len(v.Failed) != nChunks {
+			b.Fatalf("verdict %s, %d failed", v.State, len(v.Failed))
+		}
+	}
+}

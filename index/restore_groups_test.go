@@ -2,7 +2,9 @@ package index_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -126,5 +128,58 @@ func TestRestoreVerdictOneGroupEach(t *testing.T) {
 	}
 	if want := []string{"chunk 1: rank 0 group 1 shard 0: no report by the deadline"}; !slices.Equal(v.Reasons, want) {
 		t.Errorf("reasons %q, want %q", v.Reasons, want)
+	}
+}
+
+// TestRestoreExpireNamesEachSource: the deadline's reasons name the rank,
+// group and shard of each unreported expectation, per chunk and group,
+// though Expire formats each distinct source once.
+func TestRestoreExpireNamesEachSource(t *testing.T) {
+	var exp []index.Expect
+	sum := uint64(0)
+	for c := range 3 {
+		for rk := range 2 {
+			for g := range 2 {
+				sum++
+				exp = append(exp, index.Expect{Chunk: c, Rank: rk, Shard: rk + 2*g, Group: g, Sum: sum})
+			}
+		}
+	}
+	r, err := index.NewRestore("r", dcp.Namespace{}, chunks(3), exp, t0.Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Rank 0 reports everything; rank 1 only chunk 1's group 0.
+	var rep0 []wire.ItemResult
+	for _, e := range exp {
+		if e.Rank == 0 {
+			rep0 = append(rep0, wire.ItemResult{Chunk: e.Chunk, Group: e.Group, OK: true, Sum: e.Sum})
+		}
+	}
+	if _, err := r.Report(0, rep0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Report(1, []wire.ItemResult{{Chunk: 1, Group: 0, OK: true, Sum: exp[6].Sum}}); err != nil {
+		t.Fatal(err)
+	}
+	v := r.Expire(t0.Add(time.Second))
+	if v.State != wire.VerdictFailed || !slices.Equal(v.Failed, []int{0, 1, 2}) {
+		t.Fatalf("verdict %s, failed %v; want failed, [0 1 2]", v.State, v.Failed)
+	}
+	late := func(g int) string {
+		return fmt.Sprintf("rank 1 group %d shard %d: no report by the deadline", g, 1+2*g)
+	}
+	want := [][]string{{late(0), late(1)}, {late(1)}, {late(0), late(1)}}
+	for j, c := range v.Failed {
+		var got []string
+		if v.GroupReasons != nil {
+			got = v.GroupReasons[j]
+		}
+		if c == 1 && got == nil { // a chunk that failed in one group only: its reason alone
+			got = []string{strings.TrimPrefix(v.Reasons[j], "chunk 1: ")}
+		}
+		if !slices.Equal(got, want[c]) {
+			t.Errorf("chunk %d: reasons %q, want %q", c, got, want[c])
+		}
 	}
 }
