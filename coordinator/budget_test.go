@@ -14,6 +14,7 @@ import (
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 	"github.com/nats-io/nats.go"
+	"golang.org/x/time/rate"
 )
 
 // placementsOf is what the index holds for rank r, every tier.
@@ -257,10 +258,14 @@ func TestRankBudgetDeclaredCapacity(t *testing.T) {
 // the refused one comes again (no gap, no resync); sent again once the
 // bucket refills, both are taken. Another rank is not limited by it.
 func TestRankEventRate(t *testing.T) {
-	// The first batch takes the whole burst; the second needs 4 s of
-	// refill, so it is refused unless it took 4 s to send.
+	// The first batch takes the whole burst; the second needs 40 s of
+	// refill, so it is refused unless it took 40 s to send (with 4 s, the
+	// encoding, commit and decoding of the two batches under -race on 2
+	// cores at a load of 14 outlasted the refill: CI at stop 58). Once
+	// the refusals are checked, the rank's rate is raised so that the
+	// bucket refills in milliseconds.
 	const big, next = wire.MaxBatchEvents, 40000
-	c := startCoord(t, func(cfg *Config) { cfg.EventRatePerRank, cfg.EventBurstPerRank = 10000, big })
+	c := startCoord(t, func(cfg *Config) { cfg.EventRatePerRank, cfg.EventBurstPerRank = 1000, big })
 	nc := connect(t, c)
 	ns := register(t, nc, c.subj, testSpec(2))
 	r := wire.Rank{Instance: "eng", TPRank: 0}
@@ -280,6 +285,7 @@ func TestRankEventRate(t *testing.T) {
 	if ack, werr := sendBatch(t, nc, c.subj, storeBatch(other, 1, 0, ns, chain(ns, 100, 4), wire.L2)); werr != nil || ack.AppliedThrough != 100 {
 		t.Fatalf("another rank: %+v %v", ack, werr)
 	}
+	c.budgets.of(r, false, &c.cfg).lim.SetLimit(rate.Limit(1e7))
 	testutil.Eventually(t, 20*time.Second, "the refused batch to be taken once the bucket refills", func() bool {
 		_, werr := sendBatch(t, nc, c.subj, second)
 		if werr != nil && werr.Code != wire.CodeUnavailable {
