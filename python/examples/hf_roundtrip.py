@@ -238,6 +238,8 @@ def main() -> int:
     ap.add_argument("--restore-reps", type=int, default=1,
                     help="restores of the whole prompt, each into wiped pools and checked byte for byte; the first "
                          "(cold) is the verdict row, the median of the rest a row of its own")
+    ap.add_argument("--settle", action="store_true",
+                    help="wait for every rankd's L2 write-behind of the store before the restores")
     ap.add_argument("--timeline", action="store_true",
                     help="print each rank's stage timeline of the last restore (the rankd's status)")
     ap.add_argument("--coordinator-arg", action="append", default=[],
@@ -477,6 +479,15 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
 
         wait_for("lookup covers the prompt",
                  lambda: c.lookup(res.namespace, hashes, instance=INSTANCE).prefix == n_chunks)
+        if args.settle:
+            # The store's L2 write-behind (checksums, writes, fsyncs) takes
+            # the rankd's CPU for a while after the store's reply; without
+            # this, the restores below share the rankd with it.
+            t_settle = time.perf_counter()
+            for r in range(tp):
+                wait_for(f"rankd {r}'s L2 write-behind", lambda r=r: rankd_metric(work, r, "kvtier_transfer_l2_objects")
+                         >= n_chunks, timeout=300)
+            print(f"  L2 write-behind of every rank done {time.perf_counter() - t_settle:.2f} s after the lookup")
 
         # Wipe and restore into another block table: one restore, every
         # rank retrieving its own shard; --restore-reps more than one
@@ -624,6 +635,14 @@ def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
         elif line.startswith("go_gc_duration_seconds_count "):
             out["gcs"] = float(line.split()[-1])
     return out
+
+
+def rankd_metric(work: pathlib.Path, rank: int, name: str) -> float:
+    """One unlabelled-but-for-the-rank value of a rankd's /metrics (0 when absent)."""
+    for line in metrics_text(work / "logs" / f"rankd{rank}.log").splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def stage_deltas(before: dict[str, float], after: dict[str, float]) -> str:
