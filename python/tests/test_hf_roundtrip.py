@@ -31,9 +31,17 @@ def rank_rows(out: str) -> list[list[str]]:
 
 
 def test_four_rank_roundtrip_on_the_host_backend(binaries: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    p = roundtrip(binaries, tmp_path / "ok", "--restore-reps", "2")
+    p = roundtrip(binaries, tmp_path / "ok", "--restore-reps", "2", "--settle", "--timeline")
     assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert "restores 2-2, warm (median)" in p.stdout, p.stdout
+    # --settle waited for the write-behind; --timeline printed each rank's last retrieve from its
+    # rankd's status: the request's stages and a batch's host stages and device scatter
+    assert "L2 write-behind of every rank done" in p.stdout, p.stdout
+    for r in range(4):
+        assert f"timeline rank {r}, restore 2: " in p.stdout, p.stdout
+    tl = [line for line in p.stdout.splitlines() if line.strip().startswith(("request:", "batch 0:"))]
+    assert len(tl) == 8 and all("decode 0.00+" in line for line in tl[0::2]), tl
+    assert all("lookup " in line and "scatter(dev) " in line for line in tl[1::2]), tl
     assert "TP4 (2 heads per rank)" in p.stdout and "16/16 chunk shards" in p.stdout, p.stdout
     # the store waits for the coordinator's resync of every rank (a restore while an inventory
     # streams in finds the rank hidden: a miss, this test's one failure, stop 39)
