@@ -5,8 +5,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"regexp"
 	"runtime"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -35,10 +37,95 @@ func Watchdog() {
 		return
 	}
 	time.AfterFunc(d, func() {
-		fmt.Fprint(os.Stderr, StuckReport(allStacks(), 8<<10))
-		fmt.Fprintf(os.Stderr, "testutil.Watchdog: the tests ran %v, close to -test.timeout: stuck (stacks above, test functions last)\n", d)
+		dump := allStacks()
+		fmt.Fprint(os.Stderr, StuckReport(dump, 8<<10))
+		fmt.Fprint(os.Stderr, WaitingReport(dump, 12))
+		fmt.Fprintf(os.Stderr, "testutil.Watchdog: the tests ran %v, close to -test.timeout: stuck (stacks above, test functions last; then what waits longest outside test code)\n", d)
 		os.Exit(2)
 	})
+}
+
+// WaitingReport lists, a line each, the goroutines of dump that run no
+// test code and have waited a minute or more in a frame of this module or
+// of hashicorp/raft (a test that hangs in a shutdown waits on one of
+// them: raft's Shutdown waits for its own goroutines, which may wait on
+// ours): its header, the frame it waits in and the first such frame. The
+// longest waits come first, at most max lines, then how many were left
+// out. Nothing when none has.
+func WaitingReport(dump []byte, max int) string {
+	type g struct {
+		line string
+		mins int
+	}
+	var gs []g
+	for _, block := range bytes.Split(dump, []byte("\n\n")) {
+		lines := strings.Split(strings.TrimSpace(string(block)), "\n")
+		if len(lines) < 3 || !strings.HasPrefix(lines[0], "goroutine ") || strings.Contains(string(block), "_test.go:") {
+			continue
+		}
+		mins := waitedMinutes(lines[0])
+		if mins < 1 {
+			continue
+		}
+		var top, ours, at string
+		for i := 1; i+1 < len(lines); i += 2 {
+			fn := strings.TrimPrefix(funcName(lines[i]), modulePath)
+			if top == "" && !strings.HasPrefix(fn, "runtime.") && !strings.HasPrefix(fn, "internal/") {
+				top = fn
+			}
+			if ours == "" && (strings.HasPrefix(lines[i], modulePath) || strings.HasPrefix(fn, "github.com/hashicorp/raft.")) {
+				ours, at = fn, strings.TrimSpace(lines[i+1])
+				if k := strings.LastIndex(at, "/"); k >= 0 {
+					at = at[k+1:]
+				}
+			}
+		}
+		if ours == "" {
+			continue
+		}
+		line := strings.TrimSuffix(lines[0], ":") + ": " + top
+		if top != ours {
+			line += " <- " + ours
+		}
+		gs = append(gs, g{line + " " + at, mins})
+	}
+	if len(gs) == 0 {
+		return ""
+	}
+	sort.SliceStable(gs, func(i, j int) bool { return gs[i].mins > gs[j].mins })
+	var b strings.Builder
+	fmt.Fprintf(&b, "testutil.Main: %d goroutines outside test code have waited a minute or more in this module or raft", len(gs))
+	if len(gs) > max {
+		fmt.Fprintf(&b, " (the %d longest)", max)
+		gs = gs[:max]
+	}
+	b.WriteString(":\n")
+	for _, g := range gs {
+		b.WriteString(g.line + "\n")
+	}
+	return b.String()
+}
+
+// waitedMinutes reads the wait from a goroutine header ("goroutine 7
+// [select, 17 minutes]:", "[IO wait, 1 minute, locked to thread]"), 0
+// when it has none.
+func waitedMinutes(header string) int {
+	m := waitedRE.FindStringSubmatch(header)
+	if m == nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[1])
+	return n
+}
+
+var waitedRE = regexp.MustCompile(`\[[^]]*, (\d+) minutes?[],]`)
+
+// funcName is a stack line's function without its arguments.
+func funcName(line string) string {
+	if i := strings.LastIndex(line, "("); i > 0 && strings.HasSuffix(line, ")") {
+		return line[:i]
+	}
+	return line
 }
 
 // IgnoreRaftAwait is the goleak option for a package whose tests run a

@@ -102,10 +102,46 @@ func TestWatchdogFires(t *testing.T) {
 	if strings.Contains(s, "panic: test timed out") {
 		t.Fatalf("the timeout's panic came first:\n%s", s)
 	}
-	tail := s[strings.LastIndex(s, "testutil.Main:"):]
+	tail := s[strings.Index(s, "testutil.Main:"):]
 	for _, want := range []string{"testutil.parkedInTest", "testutil.TestWatchdogChildHangs", "main_test.go:", "testutil.Watchdog: the tests ran 2.7s"} {
 		if !strings.Contains(tail, want) {
 			t.Fatalf("the end of the output lacks %q:\n%s", want, s)
 		}
+	}
+}
+
+// TestWaitingReportNamesWhatAShutdownWaitsOn: a dump in the shape of the
+// stop 59 CI hang (a test's cleanup in raft's Shutdown, waiting for raft's
+// goroutines): the report lists raft's state-machine goroutine waiting in
+// this module, longest first, and leaves out the test's own goroutine,
+// short waits and goroutines in neither this module nor raft.
+func TestWaitingReportNamesWhatAShutdownWaitsOn(t *testing.T) {
+	dump := strings.Join([]string{
+		"goroutine 11 [semacquire, 17 minutes]:\nsync.runtime_SemacquireWaitGroup(0xc0, 0x0)\n\t/go/src/runtime/sema.go:114 +0x2e\n" +
+			modulePath + "coordinator/replica.(*Node).Shutdown(0xc0)\n\t/src/coordinator/replica/node.go:327 +0x90\n" +
+			modulePath + "coordinator.newRaftCluster.func1()\n\t/src/coordinator/raft_test.go:64 +0xbd\n",
+		"goroutine 12 [select, 18 minutes]:\nruntime.selectgo(0xc0, 0xc1, 0x0)\n\t/go/src/runtime/select.go:351 +0x1\n" +
+			modulePath + "index.(*Index).enqueue(0xc0, {0x1, 0x2}, 0xc3)\n\t/src/index/index.go:385 +0x1\n" +
+			modulePath + "coordinator/replica.fsm.ApplyBatch({0xc0}, {0xc4, 0x1, 0x1})\n\t/src/coordinator/replica/fsm.go:38 +0x1\n" +
+			"github.com/hashicorp/raft.(*Raft).runFSM.func1(0xc5)\n\t/mod/raft/fsm.go:100 +0x1\n",
+		"goroutine 13 [IO wait, 2 minutes, locked to thread]:\ninternal/poll.runtime_pollWait(0x7f, 0x72)\n\t/go/src/runtime/netpoll.go:351 +0x1\n" +
+			"net.(*conn).Read(0xc0, {0xc1, 0x10, 0x10})\n\t/go/src/net/net.go:194 +0x1\n" +
+			"github.com/hashicorp/raft.(*NetworkTransport).handleConn(0xc0, {0x1, 0x2}, {0x3, 0xc4})\n\t/mod/raft/net_transport.go:560 +0x1\n",
+		"goroutine 14 [select]:\nruntime.selectgo(0xc0)\n\t/go/src/runtime/select.go:351 +0x1\n" +
+			modulePath + "index.(*Index).run(0xc0)\n\t/src/index/committer.go:120 +0x1\n",
+		"goroutine 15 [chan receive, 30 minutes]:\ngithub.com/nats-io/nats-server/v2/server.(*Server).loop(0xc0)\n\t/mod/nats/server.go:1 +0x1\n",
+	}, "\n")
+	r := WaitingReport([]byte(dump), 10)
+	want := "testutil.Main: 2 goroutines outside test code have waited a minute or more in this module or raft:\n" +
+		"goroutine 12 [select, 18 minutes]: index.(*Index).enqueue index.go:385 +0x1\n" +
+		"goroutine 13 [IO wait, 2 minutes, locked to thread]: net.(*conn).Read <- github.com/hashicorp/raft.(*NetworkTransport).handleConn net_transport.go:560 +0x1\n"
+	if r != want {
+		t.Fatalf("report:\n%s\nwant:\n%s", r, want)
+	}
+	if none := WaitingReport([]byte(dump[strings.Index(dump, "goroutine 14"):]), 10); none != "" {
+		t.Fatalf("no goroutine waited a minute in this module or raft, yet:\n%s", none)
+	}
+	if short := WaitingReport([]byte(dump), 1); !strings.Contains(short, "(the 1 longest)") || strings.Contains(short, "goroutine 13") {
+		t.Fatalf("max 1 must keep the longest wait and say so:\n%s", short)
 	}
 }
