@@ -169,7 +169,7 @@ func (n *Node) Start(idx *index.Index, creds *auth.RaftTLS) error {
 	}
 	n.strm = strm
 	n.trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{Stream: strm, MaxPool: 3,
-		Timeout: 10 * time.Second, Logger: hl})
+		Timeout: 10 * time.Second, Logger: hl, MaxRPCsInFlight: noPipelining})
 	conf := raft.DefaultConfig()
 	conf.LocalID = raft.ServerID(rc.ID)
 	conf.HeartbeatTimeout, conf.ElectionTimeout = rc.HeartbeatTimeout, rc.ElectionTimeout
@@ -224,6 +224,20 @@ func (n *Node) Start(idx *index.Index, creds *auth.RaftTLS) error {
 		zap.Uint64("index_applied", idx.AppliedIndex()))
 	return nil
 }
+
+// noPipelining is the raft transport's MaxRPCsInFlight: 1 turns raft's
+// pipelined replication off (each follower gets one AppendEntries at a
+// time). raft 1.8's pipeline can deadlock: when a follower answers an
+// append with Success=false the pipeline's decoder returns, and a send
+// already under way, or the next one, waits forever to hand its request
+// to the transport's response reader, which itself waits forever for the
+// decoder; the pipeline is closed only by that sender. The follower then
+// never gets another entry (heartbeats go on, so no election heals it),
+// and raft's Shutdown waits forever for the sender: stop 59's CI hung 17
+// minutes in a test's cleanup, and a loaded stress of the raft tests hung
+// the same way (BENCHMARKS.md, "Stop 60"). raft's own documentation finds
+// pipelining of little benefit beside its batching.
+const noPipelining = 1
 
 // zapWriter turns hclog's lines into zap warnings.
 type zapWriter struct{ log *zap.Logger }
