@@ -74,7 +74,7 @@ func WaitingReport(dump []byte, max int) string {
 				top = fn
 			}
 			if ours == "" && (strings.HasPrefix(lines[i], modulePath) || strings.HasPrefix(fn, "github.com/hashicorp/raft.")) {
-				ours, at = fn, strings.TrimSpace(lines[i+1])
+				ours, at = fn, strings.Fields(lines[i+1]+" ?")[0] // file:line, without offsets
 				if k := strings.LastIndex(at, "/"); k >= 0 {
 					at = at[k+1:]
 				}

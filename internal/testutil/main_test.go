@@ -133,8 +133,8 @@ func TestWaitingReportNamesWhatAShutdownWaitsOn(t *testing.T) {
 	}, "\n")
 	r := WaitingReport([]byte(dump), 10)
 	want := "testutil.Main: 2 goroutines outside test code have waited a minute or more in this module or raft:\n" +
-		"goroutine 12 [select, 18 minutes]: index.(*Index).enqueue index.go:385 +0x1\n" +
-		"goroutine 13 [IO wait, 2 minutes, locked to thread]: net.(*conn).Read <- github.com/hashicorp/raft.(*NetworkTransport).handleConn net_transport.go:560 +0x1\n"
+		"goroutine 12 [select, 18 minutes]: index.(*Index).enqueue index.go:385\n" +
+		"goroutine 13 [IO wait, 2 minutes, locked to thread]: net.(*conn).Read <- github.com/hashicorp/raft.(*NetworkTransport).handleConn net_transport.go:560\n"
 	if r != want {
 		t.Fatalf("report:\n%s\nwant:\n%s", r, want)
 	}
