@@ -14,6 +14,7 @@ plain suite (pytest -m "not vllm" in pyproject)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -118,10 +119,17 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
     [{"log": text}]. runner "v1"/"v2" picks vLLM's model runner; a run that
     fails with skip_if_refused in its log skips the test, quoting it;
     engine: more of vLLM's LLM arguments (vllm_run.py's engine_kw)."""
+    spec = dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                steps=steps, hma=hma, runner=runner, engine_kw=engine)
+    alone = extra is None and during is None and not expect_fail
+    if alone:
+        got = _alone_reuse(spec)
+        if got is not None:
+            print(f"vLLM run {name}: vLLM alone's records of run {got[0]} (the same engine, these steps first)")
+            return got[1]
     args = tmp / f"{name}.args.json"
     out = tmp / f"{name}.out.json"
-    args.write_text(json.dumps(dict(model=str(model), extra=extra, block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                                    steps=steps, hma=hma, runner=runner, engine_kw=engine)))
+    args.write_text(json.dumps(spec))
     log = tmp / f"{name}.log"
     t0 = time.monotonic()
     with open(log, "wb") as lf:
@@ -150,7 +158,59 @@ def run_vllm(tmp: pathlib.Path, name: str, model: pathlib.Path, extra: dict[str,
         raise AssertionError(f"vLLM run {name} exited {rc}:\n{tail}")
     recs = json.loads(out.read_text())
     assert len(recs) == len(steps) + 1, recs
+    if alone:
+        _ALONE.append((name, json.dumps(spec, sort_keys=True), copy.deepcopy(recs)))
     return recs
+
+
+# The runs of vLLM alone (no connector) this pytest process made: a test
+# whose reference is a run of the same engine (model, arguments, runner)
+# over steps that some earlier run began with takes that run's records
+# instead of starting vLLM again (each start is one to four minutes of a
+# loaded CI machine). vLLM alone is deterministic here: every test already
+# compares runs of separate processes token for token.
+_ALONE: list[tuple[str, str, list[dict[str, Any]]]] = []
+
+
+def _alone_reuse(spec: dict[str, Any]) -> tuple[str, list[dict[str, Any]]] | None:
+    """The name and the records (init, then one per step) of an earlier
+    run of vLLM alone whose spec equals spec but for steps, and whose steps
+    begin with spec's; None when there is none. A spec that names a model
+    runner ("v1"/"v2") takes a run that left the choice to vLLM only if
+    the runner that ran (its init record) is the one named."""
+    want = json.loads(json.dumps(spec))
+    for name, key, recs in _ALONE:
+        earlier = json.loads(key)
+        ran = earlier["runner"]
+        if ran is None and want["runner"] is not None and \
+                is_v2_runner(recs[0].get("runner", "")) == (want["runner"] == "v2"):
+            ran = want["runner"]
+        if dict(earlier, steps=None, runner=ran) == dict(want, steps=None) and \
+                earlier["steps"][:len(want["steps"])] == want["steps"]:
+            return name, copy.deepcopy(recs[:len(want["steps"]) + 1])
+    return None
+
+
+def test_alone_reuse_takes_only_the_same_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference runs' reuse: an earlier run of the same engine serves
+    a prefix of its steps (a copy), and a spec naming the runner vLLM chose
+    for it; never other steps, another model, another runner, another
+    engine argument."""
+    plain = prompts_plain()
+    spec = dict(model="m", extra=None, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                steps=[gen(plain), gen(plain), dict(op="reset")], hma=None, runner=None, engine_kw=None)
+    recs = [{"op": "init", "runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner"}, {"outputs": [1]},
+            {"outputs": [2]}, {"op": "reset"}]
+    monkeypatch.setattr(sys.modules[__name__], "_ALONE", [("first", json.dumps(spec, sort_keys=True), recs)])
+    got = _alone_reuse(dict(spec, steps=[gen(plain), gen(plain)]))
+    assert got == ("first", recs[:3]), got
+    got[1][1]["outputs"].append(9)
+    assert recs[1] == {"outputs": [1]}, "the reuse handed out the stored records themselves"
+    got = _alone_reuse(dict(spec, steps=[gen(plain)], runner="v1"))  # vLLM chose V1 in the earlier run
+    assert got == ("first", recs[:2]), got
+    for other in (dict(spec, steps=[gen(plain[:1])]), dict(spec, model="m2"), dict(spec, runner="v2"),
+                  dict(spec, engine_kw={"pipeline_parallel_size": 2}), dict(spec, steps=spec["steps"] + [gen(plain)])):
+        assert _alone_reuse(other) is None, other
 
 
 def extra_for(c: Cluster) -> dict[str, Any]:
