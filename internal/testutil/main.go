@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"flag"
 	"fmt"
+	"iter"
 	"os"
 	"regexp"
 	"runtime"
@@ -58,9 +59,8 @@ func WaitingReport(dump []byte, max int) string {
 		mins int
 	}
 	var gs []g
-	for _, block := range bytes.Split(dump, []byte("\n\n")) {
-		lines := strings.Split(strings.TrimSpace(string(block)), "\n")
-		if len(lines) < 3 || !strings.HasPrefix(lines[0], "goroutine ") || strings.Contains(string(block), "_test.go:") {
+	for lines, test := range goroutines(dump) {
+		if test {
 			continue
 		}
 		mins := waitedMinutes(lines[0])
@@ -74,7 +74,7 @@ func WaitingReport(dump []byte, max int) string {
 				top = fn
 			}
 			if ours == "" && (strings.HasPrefix(lines[i], modulePath) || strings.HasPrefix(fn, "github.com/hashicorp/raft.")) {
-				ours, at = fn, strings.Fields(lines[i+1]+" ?")[0] // file:line, without offsets
+				ours, at = fn, strings.Fields(lines[i+1] + " ?")[0] // file:line, without offsets
 				if k := strings.LastIndex(at, "/"); k >= 0 {
 					at = at[k+1:]
 				}
@@ -169,6 +169,23 @@ func allStacks() []byte {
 // modulePath marks the frames StuckReport keeps.
 const modulePath = "github.com/kvtier/kvtier/"
 
+// goroutines yields each goroutine of a dump (runtime.Stack's format) as
+// its lines, the header and then pairs of a function and its file:line,
+// and whether one of its frames lies in a _test.go file.
+func goroutines(dump []byte) iter.Seq2[[]string, bool] {
+	return func(yield func([]string, bool) bool) {
+		for _, block := range bytes.Split(dump, []byte("\n\n")) {
+			lines := strings.Split(strings.TrimSpace(string(block)), "\n")
+			if len(lines) < 3 || !strings.HasPrefix(lines[0], "goroutine ") {
+				continue
+			}
+			if !yield(lines, bytes.Contains(block, []byte("_test.go:"))) {
+				return
+			}
+		}
+	}
+}
+
 // StuckReport condenses a dump of every goroutine (runtime.Stack's format)
 // to the goroutines with a frame in a _test.go file: each its header, its
 // top frame (what it waits in) and its frames of this module. The
@@ -181,9 +198,8 @@ func StuckReport(dump []byte, limit int) string {
 		test bool
 	}
 	var gs []g
-	for _, block := range bytes.Split(dump, []byte("\n\n")) {
-		lines := strings.Split(strings.TrimSpace(string(block)), "\n")
-		if len(lines) < 3 || !strings.HasPrefix(lines[0], "goroutine ") || !strings.Contains(string(block), "_test.go:") {
+	for lines, test := range goroutines(dump) {
+		if !test {
 			continue
 		}
 		var b strings.Builder
