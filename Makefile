@@ -11,7 +11,7 @@ CLANG     ?= clang-14
 CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 export CGO_CFLAGS
 
-.PHONY: all build test test-short demo bench bench-daemon lint ptx soak campaign gpu-build clean python-venv python-test vllm-venv test-vllm deploy-check
+.PHONY: all build test test-short demo bench bench-daemon lint ptx soak soak-raft campaign gpu-build clean python-venv python-test vllm-venv test-vllm deploy-check
 
 all: build
 
@@ -91,6 +91,14 @@ gpu-build:
 # few-minute fault campaign, TestSoakCampaign).
 soak:
 	KVTIER_SOAK=1 $(GO) test -race -timeout 60m -run 'Soak|Campaign' $(PKGS)
+
+# The raft tests again and again under the race detector (RAFT_RUNS
+# times in one binary): a deadlock that shows once in tens of runs (stop
+# 59's, in raft's pipelined replication) ends in the watchdog's report of
+# what waits where. Run it beside load for a loaded machine's timings.
+RAFT_RUNS ?= 30
+soak-raft:
+	$(GO) test -race -count=$(RAFT_RUNS) -timeout 60m -run 'Raft' ./coordinator/
 
 # The long seeded fault campaign (package campaign): a real cluster, faults
 # drawn from SEED, the checker's report printed and written to OUT. Run it
