@@ -110,7 +110,7 @@ func TestRaftLateInventoryAfterAnotherLeadersFence(t *testing.T) {
 	if out.Applied || out.Reason != "fenced_since" {
 		t.Fatalf("late inventory on A: %+v, want dropped fenced_since", out)
 	}
-	rc.converged(a)
+	rc.converged()
 	for i, c := range rc.nodes {
 		ri, _ := c.idx.Rank(r)
 		if !ri.Fenced || ri.L1Placements != 0 || ri.FenceGen != gen+1 {
@@ -128,5 +128,5 @@ func TestRaftLateInventoryAfterAnotherLeadersFence(t *testing.T) {
 		ri, _ := A.idx.Rank(r)
 		return !ri.Fenced && !ri.Partial && ri.L1Placements == int64(len(chunks))
 	})
-	rc.converged(a)
+	rc.converged()
 }

@@ -50,7 +50,7 @@ func TestRaftRelayCannotRewriteEntries(t *testing.T) {
 		l = rc.leader()
 	}
 	ns := retryCall[wire.RegisterReply](t, rc.nc, rc.subj.Coord(wire.CoordRegister), testSpec(1)).Namespace
-	rc.converged(l) // n3 has every entry so far, through long-lived connections
+	rc.converged() // n3 has every entry so far, through long-lived connections
 
 	// The batch to forge: event 1's sum replaced by another, same length.
 	r := wire.Rank{Instance: "eng", TPRank: 0}
@@ -77,7 +77,7 @@ func TestRaftRelayCannotRewriteEntries(t *testing.T) {
 	}
 	testutil.Eventually(t, 20*time.Second, "the relay to rewrite what the leader sent n3", func() bool { return relay.tampered.Load() > 0 })
 	relay.disarm()
-	rc.converged(rc.leader())
+	rc.converged()
 	for i, c := range rc.nodes {
 		h := c.idx.Get(b.Events[1].Key)
 		if len(h) != 1 || h[0].Sum != b.Events[1].Sum {

@@ -42,7 +42,7 @@ func TestRaftNewLeaderServesAfterItsIndexCommitted(t *testing.T) {
 	l := rc.leader()
 	b := (l + 1) % 3
 	ns, chunks := rc.storeFixture(6)
-	rc.converged(l)
+	rc.converged()
 	L, B := rc.nodes[l], rc.nodes[b]
 	hb, _ := held.Load(rc.peers[b].ID)
 	hb.(*atomic.Bool).Store(true)
@@ -82,5 +82,5 @@ func TestRaftNewLeaderServesAfterItsIndexCommitted(t *testing.T) {
 	if p, _ := B.lookup("eng", ns, chunks); p.Prefix != 0 {
 		t.Fatalf("B serving: lookup prefix %d, want 0 (the fenced rank's copies)", p.Prefix)
 	}
-	rc.converged(b)
+	rc.converged()
 }
