@@ -26,10 +26,12 @@ import (
 // the first record sent to n3 after the entry was proposed that is large
 // enough to carry it, whichever connection it rides (raft replicates over
 // pooled connections, a new one when the pool is empty), the record fails
-// its MAC at the follower, which drops the connection (counted), applies
-// nothing of it, and gets the true entry from the leader over another
-// connection: every replica's index is byte-identical and holds the true
-// sum.
+// its MAC at the follower, which drops the connection (counted: as an
+// integrity error on an established connection, as a refused handshake
+// when the record was a new connection's encrypted TLS 1.3 handshake),
+// applies nothing of it, and gets the true entry from the leader over
+// another connection: every replica's index is byte-identical and holds
+// the true sum.
 func TestRaftRelayCannotRewriteEntries(t *testing.T) {
 	relay := newTamperRelay(t)
 	rc := newRaftCluster(t, 3, func(c *Config) {
@@ -71,6 +73,7 @@ func TestRaftRelayCannotRewriteEntries(t *testing.T) {
 	if bytes.Count(orig, orig[lo:hi]) != 1 {
 		t.Fatal("marker not unique in the batch")
 	}
+	refused0 := testutil.Metric(t, rc.nodes[2].reg, "kvtier_raft_refused_connections_total")
 	relay.arm(orig[lo:hi], fake[lo:hi], len(orig))
 	if ack, werr := rc.send(b); werr != nil || ack.AppliedThrough != 4 {
 		t.Fatalf("batch: ack %+v err %v", ack, werr)
@@ -84,8 +87,11 @@ func TestRaftRelayCannotRewriteEntries(t *testing.T) {
 			t.Fatalf("%s holds %+v for the forged object, want one copy with sum %#x", rc.peers[i].ID, h, b.Events[1].Sum)
 		}
 	}
-	if n := testutil.Metric(t, rc.nodes[2].reg, "kvtier_raft_conn_integrity_errors_total"); n < 1 {
-		t.Fatalf("n3 counted %v connections failing their TLS record check; the relay altered %d", n, relay.tampered.Load())
+	broken := testutil.Metric(t, rc.nodes[2].reg, "kvtier_raft_conn_integrity_errors_total")
+	refused := testutil.Metric(t, rc.nodes[2].reg, "kvtier_raft_refused_connections_total") - refused0
+	if broken+refused < 1 {
+		t.Fatalf("n3 counted %v connections failing their TLS record check and %v handshakes refused since the relay was armed; the relay altered %d",
+			broken, refused, relay.tampered.Load())
 	}
 }
 
