@@ -50,15 +50,20 @@ func Watchdog() {
 // test code and have waited a minute or more in a frame of this module or
 // of hashicorp/raft (a test that hangs in a shutdown waits on one of
 // them: raft's Shutdown waits for its own goroutines, which may wait on
-// ours): its header, the frame it waits in and the first such frame. The
-// longest waits come first, at most max lines, then how many were left
-// out. Nothing when none has.
-func WaitingReport(dump []byte, max int) string {
+// ours): its header, the frame it waits in and the first such frame.
+// Goroutines waiting in the same state at the same frames share a line
+// (three coordinators' idle loops are one line each, not three, so they
+// do not crowd out the one that is stuck). The longest waits come first,
+// at most limit lines, then how many were left out. Nothing when none has.
+func WaitingReport(dump []byte, limit int) string {
 	type g struct {
-		line string
-		mins int
+		ids        []string
+		state, at  string // the header's state without the wait; top <- ours file:line
+		mins, most int    // the shortest and the longest wait
 	}
-	var gs []g
+	var gs []*g
+	same := map[string]*g{}
+	waiting := 0
 	for lines, test := range goroutines(dump) {
 		if test {
 			continue
@@ -83,28 +88,71 @@ func WaitingReport(dump []byte, max int) string {
 		if ours == "" {
 			continue
 		}
-		line := strings.TrimSuffix(lines[0], ":") + ": " + top
+		waiting++
+		where := top
 		if top != ours {
-			line += " <- " + ours
+			where += " <- " + ours
 		}
-		gs = append(gs, g{line + " " + at, mins})
+		where += " " + at
+		id, state := splitHeader(lines[0])
+		key := state + "\x00" + where
+		if o := same[key]; o != nil {
+			o.ids = append(o.ids, id)
+			o.mins, o.most = min(o.mins, mins), max(o.most, mins)
+			continue
+		}
+		same[key] = &g{ids: []string{id}, state: state, at: where, mins: mins, most: mins}
+		gs = append(gs, same[key])
 	}
 	if len(gs) == 0 {
 		return ""
 	}
-	sort.SliceStable(gs, func(i, j int) bool { return gs[i].mins > gs[j].mins })
+	sort.SliceStable(gs, func(i, j int) bool { return gs[i].most > gs[j].most })
 	var b strings.Builder
-	fmt.Fprintf(&b, "testutil.Main: %d goroutines outside test code have waited a minute or more in this module or raft", len(gs))
-	if len(gs) > max {
-		fmt.Fprintf(&b, " (the %d longest)", max)
-		gs = gs[:max]
+	fmt.Fprintf(&b, "testutil.Main: %d goroutines outside test code have waited a minute or more in this module or raft", waiting)
+	if len(gs) > limit {
+		fmt.Fprintf(&b, " (the %d longest of %d lines)", limit, len(gs))
+		gs = gs[:limit]
 	}
 	b.WriteString(":\n")
 	for _, g := range gs {
-		b.WriteString(g.line + "\n")
+		wait := fmt.Sprintf("%d minute", g.most)
+		if g.mins != g.most {
+			wait = fmt.Sprintf("%d-%d minute", g.mins, g.most)
+		}
+		if g.most != 1 {
+			wait += "s"
+		}
+		who := "goroutine " + g.ids[0]
+		if len(g.ids) > 1 {
+			who = "goroutines " + strings.Join(g.ids, ", ")
+		}
+		state, rest, _ := strings.Cut(g.state, ",")
+		if rest != "" {
+			rest = "," + rest
+		}
+		fmt.Fprintf(&b, "%s [%s, %s%s]: %s\n", who, state, wait, rest, g.at)
 	}
 	return b.String()
 }
+
+// splitHeader cuts a goroutine header ("goroutine 7 [IO wait, 2 minutes,
+// locked to thread]:") into its id ("7") and its state without the wait
+// ("IO wait, locked to thread").
+func splitHeader(header string) (id, state string) {
+	rest, _ := strings.CutPrefix(header, "goroutine ")
+	id, rest, _ = strings.Cut(rest, " ")
+	rest = strings.TrimSuffix(strings.TrimPrefix(rest, "["), "]:")
+	var parts []string
+	for _, p := range strings.Split(rest, ", ") {
+		if !waitRE.MatchString(p) {
+			parts = append(parts, p)
+		}
+	}
+	return id, strings.Join(parts, ", ")
+}
+
+var waitRE = regexp.MustCompile(`^\d+ minutes?$`)
 
 // waitedMinutes reads the wait from a goroutine header ("goroutine 7
 // [select, 17 minutes]:", "[IO wait, 1 minute, locked to thread]"), 0

@@ -141,7 +141,23 @@ func TestWaitingReportNamesWhatAShutdownWaitsOn(t *testing.T) {
 	if none := WaitingReport([]byte(dump[strings.Index(dump, "goroutine 14"):]), 10); none != "" {
 		t.Fatalf("no goroutine waited a minute in this module or raft, yet:\n%s", none)
 	}
-	if short := WaitingReport([]byte(dump), 1); !strings.Contains(short, "(the 1 longest)") || strings.Contains(short, "goroutine 13") {
+	if short := WaitingReport([]byte(dump), 1); !strings.Contains(short, "(the 1 longest of 2 lines)") || strings.Contains(short, "goroutine 13") {
 		t.Fatalf("max 1 must keep the longest wait and say so:\n%s", short)
+	}
+
+	// Three coordinators' idle loops: the same state at the same frames
+	// is one line, whatever each waited; another state is a line of its own.
+	twin := func(id, wait, state string) string {
+		g := dump[strings.Index(dump, "goroutine 13"):strings.Index(dump, "goroutine 14")]
+		return strings.Replace(strings.Replace(g, "goroutine 13 [IO wait, 2 minutes,", "goroutine "+id+" ["+state+", "+wait+",", 1), "\n\n", "\n", 1)
+	}
+	more := dump + "\n" + twin("16", "5 minutes", "IO wait") + "\n" + twin("17", "1 minute", "IO wait") + "\n" + twin("18", "3 minutes", "select")
+	r = WaitingReport([]byte(more), 10)
+	want = "testutil.Main: 5 goroutines outside test code have waited a minute or more in this module or raft:\n" +
+		"goroutine 12 [select, 18 minutes]: index.(*Index).enqueue index.go:385\n" +
+		"goroutines 13, 16, 17 [IO wait, 1-5 minutes, locked to thread]: net.(*conn).Read <- github.com/hashicorp/raft.(*NetworkTransport).handleConn net_transport.go:560\n" +
+		"goroutine 18 [select, 3 minutes, locked to thread]: net.(*conn).Read <- github.com/hashicorp/raft.(*NetworkTransport).handleConn net_transport.go:560\n"
+	if r != want {
+		t.Fatalf("report of alike goroutines:\n%s\nwant:\n%s", r, want)
 	}
 }
