@@ -65,6 +65,15 @@ type Config struct {
 	// L1Bytes is the pinned host memory of L1. Default 1 GiB. More holds
 	// more hot objects; it is pinned (unswappable) RAM.
 	L1Bytes uint64
+	// L1SlabBytes is L1's allocation unit (transfer.Config.L1SlabBytes):
+	// an object takes whole slabs, so an object smaller than a slab
+	// wastes the rest of it, and objects of one store lie back to back in
+	// L1 only when their size is a multiple of the slab, which is what
+	// lets a restore's copy kernels stage them through the copy engine
+	// (docs/gpu.md, "L1 slabs"). 0, the default: transfer.SlabFor(L1Bytes)
+	// (about 16,384 slabs, 4 KiB..1 MiB). Set it to the rank's object size
+	// or a divisor of it: a chunk's bytes on this rank.
+	L1SlabBytes uint64
 	// HostL1Dir makes L1 host-shared (transfer.Config.HostL1Dir): L1 lives
 	// in a shared-memory segment in this private (0700) directory, and the
 	// rankds of the same instance on this host given the same directory
@@ -427,6 +436,10 @@ func (c *Config) Validate() error {
 		return bad("%d streams: want 1..1024", c.Streams)
 	case c.L1Bytes < 1<<20:
 		return bad("L1 of %d B is below the 1 MiB minimum", c.L1Bytes)
+	case c.L1SlabBytes != 0 && (c.L1SlabBytes%4096 != 0 || c.L1SlabBytes > 1<<30 || c.L1SlabBytes > c.L1Bytes):
+		return bad("L1 slab of %d B: want 0 (auto) or a multiple of 4096 B up to 1 GiB and the L1's %d B", c.L1SlabBytes, c.L1Bytes)
+	case c.L1SlabBytes != 0 && c.L1Bytes/c.L1SlabBytes > 1<<24:
+		return bad("L1 of %d B in slabs of %d B is %d slabs, limit %d: use larger slabs", c.L1Bytes, c.L1SlabBytes, c.L1Bytes/c.L1SlabBytes, 1<<24)
 	case !validL1NUMA(c.L1NUMA):
 		return bad("L1 NUMA placement %q: want auto, off or a node number 0..%d", c.L1NUMA, numa.MaxNode)
 	case c.L2Policy != transfer.WriteThrough && c.L2Policy != transfer.WriteBackOnEvict:

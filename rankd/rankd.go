@@ -183,7 +183,10 @@ func New(cfg Config) (*Daemon, error) {
 		tc.Device = cfg.wrapDevice(dev)
 	}
 	tc.L1Bytes = cfg.L1Bytes
-	tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
+	tc.L1SlabBytes = cfg.L1SlabBytes
+	if tc.L1SlabBytes == 0 {
+		tc.L1SlabBytes = transfer.SlabFor(cfg.L1Bytes) // small objects do not waste L1 (issue 18.1)
+	}
 	tc.L2Dir = cfg.L2Dir
 	tc.StorageKey = storageKey
 	tc.HostL1Dir = cfg.HostL1Dir

@@ -228,7 +228,7 @@ func New(cfg Config) (*Engine, error) {
 		e.l3Start()
 	}
 	e.log.Info("engine started",
-		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs),
+		zap.Uint64("l1_bytes", size), zap.Int("l1_slabs", nslabs), zap.Uint64("l1_slab_bytes", cfg.L1SlabBytes),
 		zap.Bool("l2", e.l2 != nil), zap.Stringer("l2_policy", cfg.L2Policy), zap.Bool("l3", e.l3 != nil),
 		zap.Int64("l2_objects", e.ctr.l2Objects.Load()))
 	return e, nil

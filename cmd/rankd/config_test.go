@@ -142,6 +142,24 @@ func TestCopyFlags(t *testing.T) {
 	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true, SMControlDuplex: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
+	// --l1-slab-bytes: auto (0, SlabFor at start) unless given; a size
+	// that is no multiple of 4096 B, larger than L1, or making more than
+	// 2^24 slabs is refused naming the slab; 0 is refused at parsing.
+	if def.L1SlabBytes != 0 || parse().L1SlabBytes != 0 || parse("--l1-slab-bytes", "auto").L1SlabBytes != 0 {
+		t.Errorf("--l1-slab-bytes: default %d, want 0 (auto)", def.L1SlabBytes)
+	}
+	if cfg := parse("--l1-slab-bytes", "64KiB"); cfg.L1SlabBytes != 64<<10 || cfg.Validate() != nil {
+		t.Errorf("--l1-slab-bytes 64KiB: %d B, Validate %v", cfg.L1SlabBytes, cfg.Validate())
+	}
+	for _, bad := range [][]string{{"--l1-slab-bytes", "6000"}, {"--l1-slab-bytes", "2GiB"}, {"--l1-bytes", "128GiB", "--l1-slab-bytes", "4KiB"}} {
+		cfg := parse(bad...)
+		if err := cfg.Validate(); !errors.Is(err, rankd.ErrConfig) || !strings.Contains(err.Error(), "slab") {
+			t.Errorf("%q: Validate = %v, want ErrConfig naming the slab", bad, err)
+		}
+	}
+	if _, _, err := parseFlags(flag.NewFlagSet("rankd", flag.ContinueOnError), append(slices.Clone(base), "--l1-slab-bytes", "0")); err == nil {
+		t.Error("--l1-slab-bytes 0 parsed")
+	}
 	if !def.DMA.SMControlDuplex || parse("--dma-sm-control-duplex=false").DMA.SMControlDuplex {
 		t.Errorf("--dma-sm-control-duplex: default %v, =false did not turn it off", def.DMA.SMControlDuplex)
 	}

@@ -110,7 +110,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	var opts options
 	var (
 		join, bind, advertise, hostDir, hostUUID, l2Policy, logLevel string
-		l1Bytes, l2Bytes, l2FreeFloor, l3Bytes                       string
+		l1Bytes, l1Slab, l2Bytes, l2FreeFloor, l3Bytes               string
 		dmaSumBatch, dmaQueue, retrieveBatch                         string
 	)
 	fs.StringVar(&cfg.Rank.Instance, "instance", "", "engine instance this rank belongs to (required; [A-Za-z0-9_-], 1..64)")
@@ -139,6 +139,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&hostDir, "host-dir", "", "host backend shared-memory directory (private 0700 dir; default /dev/shm/kvtier-<uid>; must match the engine's)")
 	fs.StringVar(&hostUUID, "host-uuid", "", "host backend device UUID (default derived from the host name)")
 	fs.StringVar(&l1Bytes, "l1-bytes", "1GiB", "L1 pinned host memory (bytes, or with KiB/MiB/GiB)")
+	fs.StringVar(&l1Slab, "l1-slab-bytes", "auto", "L1's allocation unit: an object takes whole slabs, so give the rank's object size (a chunk's bytes on this rank) or a divisor of it; then a store's objects lie back to back and a restore of small pages copies them through the copy engine (docs/gpu.md); auto: about 16,384 slabs of 4 KiB..1 MiB (bytes, or with KiB/MiB/GiB)")
 	fs.StringVar(&cfg.L1NUMA, "l1-numa", cfg.L1NUMA, "NUMA node of L1's pages: auto (the GPU's node, from sysfs, on hosts of several nodes) | off (where the kernel puts them) | a node number (docs/gpu.md)")
 	fs.StringVar(&cfg.HostL1Dir, "host-l1-dir", "", "host-shared L1: keep L1 in a shared-memory segment in this private 0700 dir (created when missing; e.g. /dev/shm/kvtier-l1) so the instance's other rankds on this host restore from it; empty: private L1")
 	fs.StringVar(&cfg.L2Dir, "l2-dir", "", "L2 directory, shared by the ranks of the instance (empty: no L2)")
@@ -209,6 +210,14 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	cfg.RestorePace = uint64(paceGBps * 1e9)
 	if cfg.L1Bytes, err = parseBytes(l1Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l1-bytes: %w", err)
+	}
+	if l1Slab != "auto" {
+		if cfg.L1SlabBytes, err = parseBytes(l1Slab); err != nil {
+			return cfg, opts, fmt.Errorf("--l1-slab-bytes: %w", err)
+		}
+		if cfg.L1SlabBytes == 0 {
+			return cfg, opts, fmt.Errorf("--l1-slab-bytes 0: want auto or a multiple of 4096 B")
+		}
 	}
 	if cfg.L2Bytes, err = parseBytes(l2Bytes); err != nil {
 		return cfg, opts, fmt.Errorf("--l2-bytes: %w", err)
