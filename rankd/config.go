@@ -66,13 +66,13 @@ type Config struct {
 	// more hot objects; it is pinned (unswappable) RAM.
 	L1Bytes uint64
 	// L1SlabBytes is L1's allocation unit (transfer.Config.L1SlabBytes):
-	// an object takes whole slabs, so an object smaller than a slab
-	// wastes the rest of it, and objects of one store lie back to back in
-	// L1 only when their size is a multiple of the slab, which is what
-	// lets a restore's copy kernels stage them through the copy engine
-	// (docs/gpu.md, "L1 slabs"). 0, the default: transfer.SlabFor(L1Bytes)
-	// (about 16,384 slabs, 4 KiB..1 MiB). Set it to the rank's object size
-	// or a divisor of it: a chunk's bytes on this rank.
+	// an object takes whole slabs, so one smaller than a slab wastes the
+	// rest of it (64 KiB objects in the 128 KiB slabs of a 2 GiB L1: half
+	// of L1; 256 KiB objects, a 16-token chunk of an 8B model on TP8, in
+	// the 1 MiB slabs of a 64 GiB L1: three quarters). 0, the default:
+	// transfer.SlabFor(L1Bytes) (about 16,384 slabs, 4 KiB..1 MiB). Set it
+	// to the rank's object size or a divisor of it (docs/gpu.md, "L1
+	// slabs").
 	L1SlabBytes uint64
 	// HostL1Dir makes L1 host-shared (transfer.Config.HostL1Dir): L1 lives
 	// in a shared-memory segment in this private (0700) directory, and the

@@ -701,3 +701,44 @@ func TestHeartbeatAnnouncesLastSeq(t *testing.T) {
 		}
 	}
 }
+
+// TestL1SlabBytesReachesTheEngine: Config.L1SlabBytes is L1's allocation
+// unit, an object taking whole slabs (a small one wastes the rest); 0
+// keeps transfer.SlabFor's (4 KiB for the harness's 64 MiB L1).
+func TestL1SlabBytesReachesTheEngine(t *testing.T) {
+	for _, tc := range []struct{ slab, want uint64 }{{0, 4096}, {1 << 20, 1 << 20}} {
+		h := newHarness(t, func(c *Config) { c.L1SlabBytes = tc.slab })
+		e := newEngine(t, h)
+		e.spec.Groups[0].MLA = false // rank 1 stores
+		var err error
+		if e.res, err = e.spec.Resolve(); err != nil {
+			t.Fatal(err)
+		}
+		ctx := h.ctx()
+		reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ev, err := e.dev.NewEvent(true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ev.Release()
+		evh, err := e.dev.ExportEvent(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+		st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), &wire.StoreRequest{
+			RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
+			Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+		if err != nil || st.Stored != 1 {
+			t.Fatalf("slab %d: store %+v, %v", tc.slab, st, err)
+		}
+		size := uint64(len(e.pools)) * e.g.PageBytes // one page a layer
+		want := (size + tc.want - 1) / tc.want * tc.want
+		if got := h.d.Engine().Stats().L1OccupiedBytes; size >= 1<<20 || got != want {
+			t.Fatalf("slab %d: a %d B object occupies %d B of L1, want %d (slabs of %d B)", tc.slab, size, got, want, tc.want)
+		}
+	}
+}
