@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvtier/kvtier/bus"
-	"github.com/kvtier/kvtier/dcp"
 	"github.com/kvtier/kvtier/internal/testutil"
 	"github.com/kvtier/kvtier/wire"
 )
@@ -111,20 +109,7 @@ func TestStartsWhileIncarnationUnwritable(t *testing.T) {
 	// It serves: a register and a store of a non-MLA chunk (rank 1 stores
 	// its own shard) are answered, the object committed.
 	e, reg := newStoringEngine(t, h)
-	ctx := h.ctx()
-	ev, err := e.dev.NewEvent(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ev.Release()
-	evh, err := e.dev.ExportEvent(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-	st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
-		RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
-		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	st, err := e.storeFirstChunk(t, h, reg.Session)
 	if err != nil || st.Stored != 1 || len(st.Failed) != 0 {
 		t.Fatalf("store while the incarnation is unsaved: %+v %v, want 1 stored", st, err)
 	}

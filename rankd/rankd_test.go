@@ -235,6 +235,29 @@ func newStoringEngine(t *testing.T, h *harness) (*engine, *wire.RegisterReply) {
 	return e, reg
 }
 
+// storeFirstChunk stores the chunk of 16 zero tokens from block 2 under
+// session (a producer event recorded on no stream: nothing to wait for).
+func (e *engine) storeFirstChunk(t *testing.T, h *harness, session string) (wire.StoreReply, error) {
+	t.Helper()
+	ev, err := e.dev.NewEvent(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev.Release()
+	evh, err := e.dev.ExportEvent(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
+	st, err := bus.Call[wire.StoreReply](h.ctx(), h.nc, h.subj.Engine(h.rank, OpStore), wire.StoreRequest{
+		RequestID: "r", Namespace: e.res.Namespace, Session: session, Event: evh,
+		Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
+	if err != nil {
+		return wire.StoreReply{}, err
+	}
+	return *st, nil
+}
+
 // stream is a new stream on e's device, closed when the test ends.
 func (e *engine) stream(t *testing.T) cuda.Stream {
 	t.Helper()
@@ -708,31 +731,8 @@ func TestHeartbeatAnnouncesLastSeq(t *testing.T) {
 func TestL1SlabBytesReachesTheEngine(t *testing.T) {
 	for _, tc := range []struct{ slab, want uint64 }{{0, 4096}, {1 << 20, 1 << 20}} {
 		h := newHarness(t, func(c *Config) { c.L1SlabBytes = tc.slab })
-		e := newEngine(t, h)
-		e.spec.Groups[0].MLA = false // rank 1 stores
-		var err error
-		if e.res, err = e.spec.Resolve(); err != nil {
-			t.Fatal(err)
-		}
-		ctx := h.ctx()
-		reg, err := bus.Call[wire.RegisterReply](ctx, h.nc, h.subj.Engine(h.rank, OpRegister), e.registerReq(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		ev, err := e.dev.NewEvent(true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ev.Release()
-		evh, err := e.dev.ExportEvent(ev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		chunk := dcp.ChunkHashes(e.res.Namespace, make([]uint32, 16), 16)[0]
-		st, err := bus.Call[wire.StoreReply](ctx, h.nc, h.subj.Engine(h.rank, OpStore), &wire.StoreRequest{
-			RequestID: "r", Namespace: e.res.Namespace, Session: reg.Session, Event: evh,
-			Chunks: []wire.ChunkBlocks{{Chunk: chunk, Blocks: [][]int64{{2}}}}})
-		if err != nil || st.Stored != 1 {
+		e, reg := newStoringEngine(t, h) // rank 1 stores
+		if st, err := e.storeFirstChunk(t, h, reg.Session); err != nil || st.Stored != 1 {
 			t.Fatalf("slab %d: store %+v, %v", tc.slab, st, err)
 		}
 		size := uint64(len(e.pools)) * e.g.PageBytes // one page a layer
