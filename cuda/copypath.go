@@ -130,6 +130,16 @@ type DMATuning struct {
 	// were on two H100s of the same kind, not in one call (BENCHMARKS.md,
 	// "Stop 54").
 	SMControlDuplex bool
+	// SMSumsScatter brings every scatter's partial sums back with kv_move
+	// (its tables still go as SMControl and SMControlDuplex choose). A
+	// restore batch enqueued before a store began keeps the copy engine
+	// under SMControlDuplex, so its sums, copied back at its end, queue
+	// behind every byte of the store queued meanwhile: the candidate for
+	// SMControlDuplex's shortfall against SMControl with both directions
+	// at once (1.14-1.32x against 1.50x on one H100 at stop 61,
+	// docs/gpu.md). It costs a restore alone one small kernel a batch.
+	// For measurements; off by default, not yet measured.
+	SMSumsScatter bool
 }
 
 // maxSumBlocks bounds DMATuning.SumBlocks (a grid's blocks; more than a

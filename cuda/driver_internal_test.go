@@ -476,6 +476,25 @@ func TestSMControlDuplexChoice(t *testing.T) {
 	}
 }
 
+// TestSMSumsScatterChoice: DMATuning.SMSumsScatter gives every scatter,
+// and only a scatter, kv_move for its sums, whatever is in flight; its
+// tables stay as smControl chooses.
+func TestSMSumsScatterChoice(t *testing.T) {
+	d := &driverDevice{dmaTune: DMATuning{SMControlDuplex: true, SMSumsScatter: true}}
+	if !d.smSums(true) || d.smSums(false) || d.smControl(true) {
+		t.Fatalf("nothing in flight: sums by kv_move for a scatter %v, a gather %v; tables %v",
+			d.smSums(true), d.smSums(false), d.smControl(true))
+	}
+	d.busy[direction(false)].Add(1) // a gather in flight
+	if !d.smSums(true) || d.smSums(false) || !d.smControl(true) {
+		t.Fatalf("a gather in flight: sums for a scatter %v, a gather %v; tables %v", d.smSums(true), d.smSums(false), d.smControl(true))
+	}
+	d.dmaTune = DMATuning{SMControlDuplex: true}
+	if d.smSums(true) {
+		t.Fatal("without SMSumsScatter a scatter's sums took kv_move by themselves")
+	}
+}
+
 // On a GPU: a scatter enqueued while a gather is in flight moves its
 // tables and sums with kv_move, a lone transfer does not, and both are
 // byte-exact (padding included) with the right sums.

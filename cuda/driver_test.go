@@ -62,6 +62,9 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-sm-control", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SMControl: true}},
 		{"direct-sm-control", "direct", "sm", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMControl: true}},
 		{"staged-sm-control", "staged", "sm", 64 << 10, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMControl: true}},
+		{"dma-sm-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SMSumsScatter: true}},
+		{"direct-sm-sums", "direct", "sm", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMSumsScatter: true}},
+		{"staged-sm-sums", "staged", "sm", 64 << 10, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMSumsScatter: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {

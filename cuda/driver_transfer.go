@@ -234,7 +234,8 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		fn = s.d.scatter
 	}
 	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0, smc: s.d.smControl(scatter)}
-	if e.smc && st.job != nil && st.job.lay.size > 0 {
+	e.smcSums = e.smc || s.d.smSums(scatter)
+	if e.smcSums && st.job != nil && st.job.lay.size > 0 {
 		s.d.moveTransfers.Add(1)
 	}
 	switch {
@@ -273,6 +274,11 @@ func direction(scatter bool) int {
 func (d *driverDevice) smControl(scatter bool) bool {
 	return d.dmaTune.SMControl || d.dmaTune.SMControlDuplex && d.busy[1-direction(scatter)].Load() > 0
 }
+
+// smSums reports whether a transfer in direction scatter brings its
+// partial sums back with kv_move whatever smControl chose for its tables
+// (DMATuning.SMSumsScatter).
+func (d *driverDevice) smSums(scatter bool) bool { return scatter && d.dmaTune.SMSumsScatter }
 
 // ensureAuxLocked creates the kernel stream of staged and DMA transfers,
 // on first use.
@@ -322,8 +328,9 @@ type enqueuer struct {
 	// FLAG_NOSTORE), not from the values the scatter kernel wrote; the
 	// scatter kernels then run without FLAG_SUM.
 	readBack bool
-	// smc: the tables and sums go by kv_move (driverDevice.smControl).
-	smc bool
+	// smc: the tables and sums go by kv_move (driverDevice.smControl);
+	// smcSums: the sums do (smc, or driverDevice.smSums).
+	smc, smcSums bool
 }
 
 // scatterFlags is what the scatter kernels run with.
@@ -400,7 +407,7 @@ func (e *enqueuer) sums(h C.CUstream) {
 	if j == nil || e.err != nil {
 		return
 	}
-	if n := j.lay.size - j.lay.partials; n > 0 && e.smc {
+	if n := j.lay.size - j.lay.partials; n > 0 && e.smcSums {
 		e.move(h, j.hostDev+j.lay.partials, j.dev+j.lay.partials, n)
 	} else if n > 0 {
 		e.do("cuMemcpyDtoHAsync_v2", C.kv_memcpy_dtoh_async(e.s.d.ctx, unsafe.Add(j.host, j.lay.partials), C.CUdeviceptr(j.dev+j.lay.partials), C.size_t(n), h))

@@ -65,13 +65,14 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # an eighth, a quarter, a half of the bound; sb16: the hidden checksums in
 # 16 blocks; smc: tables and sums by kv_move, not the copy engine; smcd:
 # by kv_move only beside a transfer of the other direction, the default
-# since stop 54; nosmcd: never, stop 53's defaults)
+# since stop 54; nosmcd: never, stop 53's defaults; sms: every restore
+# batch's sums by kv_move, the candidate for smcd's shortfall beside a store)
 rankd_args() {
 	local v ra=
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
 		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;; sb*) ra+=" --dma-sum-blocks ${v#sb}" ;;
-		smc) ra+=" --dma-sm-control" ;; smcd) ra+=" --dma-sm-control-duplex" ;; nosmcd) ra+=" --dma-sm-control-duplex=false" ;; st*) ra+=" --streams ${v#st}" ;;
+		smc) ra+=" --dma-sm-control" ;; sms) ra+=" --dma-sm-sums-scatter" ;; smcd) ra+=" --dma-sm-control-duplex" ;; nosmcd) ra+=" --dma-sm-control-duplex=false" ;; st*) ra+=" --streams ${v#st}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;

@@ -138,8 +138,8 @@ func TestCopyFlags(t *testing.T) {
 		cfg.Streams != def.Streams || def.Streams != transfer.DefaultConfig().Streams {
 		t.Fatalf("defaults: DMA %+v, retrieve batch %d, pace %d, window %v; DefaultConfig has %+v, %d, %d, %v", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, def.DMA, def.RetrieveBatchBytes, def.RestorePace, def.RestorePaceWindow)
 	}
-	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--dma-sum-blocks", "16", "--dma-sm-control", "--dma-sm-control-duplex", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0", "--retrieve-tail-ramp", "2", "--streams", "4")
-	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true, SMControlDuplex: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
+	cfg := parse("--dma-sum-batch", "64MiB", "--dma-queue", "32MiB", "--dma-unit-sums", "--dma-sum-blocks", "16", "--dma-sm-control", "--dma-sm-control-duplex", "--dma-sm-sums-scatter", "--retrieve-batch-bytes", "512MiB", "--restore-pace-gbps", "20", "--restore-pace-window", "16ms", "--retrieve-ramp", "0", "--retrieve-tail-ramp", "2", "--streams", "4")
+	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true, SMControlDuplex: true, SMSumsScatter: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
 	// --l1-slab-bytes: auto (0, SlabFor at start) unless given; a size
