@@ -202,6 +202,7 @@ type Op struct {
 	sums []uint64 // filled when the op completes
 	lens []uint64
 	path string
+	mode string
 }
 
 // Wait blocks until the operation has completed on the device, ctx is done
@@ -214,6 +215,20 @@ func (o *Op) Wait(ctx context.Context) error { return o.wait(ctx) }
 // for other operations. Both give the same sums and bytes; the device
 // picks by the layout of the transfer (see docs/gpu.md).
 func (o *Op) Path() string { return o.path }
+
+// Mode says how the copy kernels of the CUDA backend's SM path reached the
+// host buffer: ModeDirect (the kernels read or write the mapped host
+// buffer over PCIe) or ModeStaged (through a device staging buffer that
+// copy-engine copies fill or drain, chosen for long runs in the host
+// buffer); "" on the DMA path, on the host backend and for other
+// operations.
+func (o *Op) Mode() string { return o.mode }
+
+// The modes Op.Mode reports.
+const (
+	ModeDirect = "direct"
+	ModeStaged = "staged"
+)
 
 // Sums returns the kvsum64 digest of every object of a Gather or Scatter,
 // in order. It is valid only after Wait returned nil.

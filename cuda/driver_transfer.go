@@ -173,6 +173,12 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	}
 	s.reapLocked()
 	staged := path == pathSM && s.d.staged(xobjs)
+	if path == pathSM {
+		st.mode = ModeDirect
+		if staged {
+			st.mode = ModeStaged
+		}
+	}
 	var plan *xferPlan
 	var ends []int // DMA: the checksum batches' object ranges
 	if path == pathDMA {

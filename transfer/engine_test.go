@@ -111,6 +111,36 @@ func TestRegistrationRules(t *testing.T) {
 	r.check("after rejected requests")
 }
 
+// TestDeviceTransfersCountedByPath: every gather and scatter the device
+// enqueued is counted under the copy path it took (the host backend's
+// kernels: "sm"; its DMA path: "dma"), none under another.
+func TestDeviceTransfersCountedByPath(t *testing.T) {
+	dev := openDevice(t, "")
+	r := newRig(t, dev, c1Spec(), []int64{8})
+	e := newEngine(t, engineConfig(t, dev, 0, 1))
+	r.register(e)
+	c := r.newChunk(0, r.consecutiveN(0))
+	r.write(c, c.blocks, 0)
+	storeAll(t, e, r, "a", c)
+	for range 2 {
+		tgt := r.consecutiveN(1)
+		if rr, err := e.Retrieve(testCtx(t), r.retrieveReq(0, []chunk{c}, [][][]int64{tgt})); err != nil || !rr.ChunkOK(0) {
+			t.Fatalf("retrieve: %+v %v", rr, err)
+		}
+	}
+	g := gatherer(t, e)
+	for op, want := range map[string]float64{"gather": 1, "scatter": 2} {
+		if all := testutil.MetricSum(t, g, "kvtier_transfer_device_transfers_total", "op", op); all != want {
+			t.Errorf("%s: %v counted, want %v", op, all, want)
+		}
+		for _, path := range []string{"sm-direct", "sm-staged"} {
+			if v := testutil.Metric(t, g, "kvtier_transfer_device_transfers_total", "op", op, "path", path); v != 0 {
+				t.Errorf("%s: %v counted under %s on the host backend", op, v, path)
+			}
+		}
+	}
+}
+
 // TestStoreTimeoutHoldsBlocksUntilDeviceDone: a store whose producer is
 // late fails with a timeout, but keeps its event, its blocks and its L1
 // room until the device has really finished; only then is its request

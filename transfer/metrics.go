@@ -4,6 +4,8 @@ import (
 	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvtier/kvtier/cuda"
 )
 
 // reasons indexes the failure counters.
@@ -73,15 +75,18 @@ type counters struct {
 	l2BoundSkipped        atomic.Uint64 // objects kept in L1 only: the L2 bound was full of the same prompt's earlier objects
 	storesNotDurable      atomic.Uint64 // write-through stores answered NotDurable
 	storeThrottled        atomic.Uint64 // stores that waited for L1 room
-	l2Reads               atomic.Uint64 // objects read from L2 files into L1
-	peerL1Reads           atomic.Uint64 // objects placed from a peer's L1 and verified
-	peerL1Bytes           atomic.Uint64
-	peerL1Failures        atomic.Uint64 // peer reads that failed (wrong size or sum, scatter failed or mismatched)
-	peerL1Stale           atomic.Uint64 // objects found in a peer's catalog but evicted before the lease
-	peerL1DeadHolders     atomic.Uint64 // peer segments left by a holder that died (kill -9), not read
-	hostL1Collected       atomic.Uint64 // files of an earlier run (its segment, temporary files) collected at start
-	unverifiedL2          atomic.Uint64 // L2 objects a rescan found with a header MAC that does not verify (C12)
-	unverifiedL3          atomic.Uint64 // the same in the L3 scan
+	// deviceOps counts the gathers [0] and scatters [1] enqueued, by the
+	// copy path the device chose (opPaths).
+	deviceOps         [2][len(opPaths)]atomic.Uint64
+	l2Reads           atomic.Uint64 // objects read from L2 files into L1
+	peerL1Reads       atomic.Uint64 // objects placed from a peer's L1 and verified
+	peerL1Bytes       atomic.Uint64
+	peerL1Failures    atomic.Uint64 // peer reads that failed (wrong size or sum, scatter failed or mismatched)
+	peerL1Stale       atomic.Uint64 // objects found in a peer's catalog but evicted before the lease
+	peerL1DeadHolders atomic.Uint64 // peer segments left by a holder that died (kill -9), not read
+	hostL1Collected   atomic.Uint64 // files of an earlier run (its segment, temporary files) collected at start
+	unverifiedL2      atomic.Uint64 // L2 objects a rescan found with a header MAC that does not verify (C12)
+	unverifiedL3      atomic.Uint64 // the same in the L3 scan
 }
 
 // Stats is a snapshot of the engine's counters (the same numbers the
@@ -250,6 +255,7 @@ func newCollector(c *counters, rank string) *collector {
 	add("checksum_failures_total", "Objects whose bytes failed their kvsum64, by tier.", "tier")
 	add("quarantined_files_total", "L2 files moved to quarantine.")
 	add("unverified_objects_total", "Objects a start-up scan found whose header MAC does not verify with the cluster's storage key (C12: another cluster's or a rotated key, format 1, or replaced by whoever can write the tier): never announced nor served; quarantined (L2) or left in the bucket (L3).", "tier")
+	add("device_transfers_total", "Gathers (stores into L1) and scatters (restores from it) enqueued on the device, by the copy path it chose: dma (copy-engine copies, then a checksum kernel), sm-direct (the copy kernels on the mapped host buffer), sm-staged (the copy kernels through a device staging buffer the copy engine fills or drains), sm (the host backend's kernels).", "op", "path")
 	add("l1_full_total", "Placements that failed for lack of L1 room after eviction.")
 	add("l2_write_errors_total", "Failed L2 writes.")
 	add("lost_objects_total", "Objects only in L1 that could not be written to L2 before shutdown.")
@@ -356,6 +362,11 @@ func (cl *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge("l2_rescanning", resc)
 	counter("stores_not_durable_total", c.storesNotDurable.Load())
 	counter("stores_throttled_total", c.storeThrottled.Load())
+	for d, op := range [2]string{"gather", "scatter"} {
+		for p, path := range opPaths {
+			counter("device_transfers_total", c.deviceOps[d][p].Load(), op, path)
+		}
+	}
 	counter("l2_reads_total", c.l2Reads.Load())
 	counter("peer_l1_reads_total", c.peerL1Reads.Load())
 	counter("peer_l1_bytes_total", c.peerL1Bytes.Load())
@@ -378,4 +389,26 @@ func newLatency(name, help, rank string) prometheus.Histogram {
 		// 100 us .. ~100 s
 		Buckets: prometheus.ExponentialBuckets(100e-6, 2.5, 16),
 	})
+}
+
+// opPaths are the device_transfers_total paths, in deviceOps' order.
+var opPaths = [...]string{"dma", "sm-direct", "sm-staged", "sm"}
+
+// countOp counts a gather (scatter false) or scatter the device enqueued,
+// by its copy path and mode (cuda.Op.Path, cuda.Op.Mode).
+func (c *counters) countOp(scatter bool, op *cuda.Op) {
+	path := op.Path()
+	if m := op.Mode(); m != "" {
+		path += "-" + m
+	}
+	d := 0
+	if scatter {
+		d = 1
+	}
+	for i, p := range opPaths {
+		if p == path {
+			c.deviceOps[d][i].Add(1)
+			return
+		}
+	}
 }

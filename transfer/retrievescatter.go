@@ -82,6 +82,7 @@ func (r *retrieval) enqueueScatter(stream cuda.Stream, buf cuda.HostBuf, items [
 		}
 		return nil, false
 	}
+	e.ctr.countOp(true, op)
 	return op, true
 }
 

@@ -343,6 +343,7 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		failAll(fmt.Errorf("gather: %w: %w", ErrDevice, err))
 		return false
 	}
+	e.ctr.countOp(false, op)
 	tm = tm.mark(stream, 2)
 	f.tl.Lap(StageEnqueue, 0)
 	err = op.Wait(ctx)
