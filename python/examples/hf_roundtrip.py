@@ -621,7 +621,8 @@ def metrics_text(log: pathlib.Path) -> str:
 def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
     """A rankd's retrieve stage totals so far (kvtier_rankd_stage_seconds'
     sums by stage), its retrieve requests' receipt-to-reply total
-    ("request"), its CPU time ("cpu") and its garbage collections ("gcs")."""
+    ("request"), its CPU time ("cpu"), its garbage collections ("gcs") and
+    its device transfers by copy path ("scatters sm-staged": counts)."""
     out: dict[str, float] = {}
     for line in metrics_text(work / "logs" / f"rankd{rank}.log").splitlines():
         if line.startswith("kvtier_rankd_stage_seconds_sum{") and 'op="retrieve"' in line:
@@ -634,6 +635,10 @@ def rankd_stage_sums(work: pathlib.Path, rank: int) -> dict[str, float]:
             out["cpu"] = float(line.split()[-1])
         elif line.startswith("go_gc_duration_seconds_count "):
             out["gcs"] = float(line.split()[-1])
+        elif line.startswith("kvtier_transfer_device_transfers_total{"):
+            m = re.search(r'op="([^"]+)".*path="([^"]+)"', line)  # labels come sorted
+            if m:
+                out[f"{m.group(1)}s {m.group(2)}"] = float(line.split()[-1])
     return out
 
 
@@ -655,6 +660,9 @@ def stage_deltas(before: dict[str, float], after: dict[str, float]) -> str:
         d = v - before.get(k, 0.0)
         if k == "gcs":
             parts.append(f"gcs {d:.0f}")
+        elif k.startswith(("gathers ", "scatters ")):
+            if d > 0:
+                parts.append(f"{k} {d:.0f}")
         elif d >= 5e-6:
             parts.append(f"{k} {d * 1e3:.2f}")
     return " ".join(parts) or "none"
