@@ -28,8 +28,11 @@ import (
 func TestScopedSubjectsRefuseOtherIdentities(t *testing.T) {
 	f := newRestoreFixture(t, 3)
 	c, nc := f.c, f.nc
+	// A deadline past the test's length: the tests' 400 ms default expired
+	// the restore before the real reports in a CI run at a load of ~15
+	// (the forged heartbeat's refusal is awaited in between).
 	plan := call[wire.RestorePlan](t, nc, c.subj.EngineCoord("eng", wire.CoordRestoreBegin),
-		wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks})
+		wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks, DeadlineMS: 30000})
 	if plan.Prefix != 3 || len(plan.Ranks) != 2 {
 		t.Fatalf("plan = %+v", plan)
 	}
