@@ -395,20 +395,21 @@ func newLatency(name, help, rank string) prometheus.Histogram {
 var opPaths = [...]string{"dma", "sm-direct", "sm-staged", "sm"}
 
 // countOp counts a gather (scatter false) or scatter the device enqueued,
-// by its copy path and mode (cuda.Op.Path, cuda.Op.Mode).
+// by its copy path and mode (cuda.Op.Path, cuda.Op.Mode): an index into
+// opPaths, with no string built per transfer.
 func (c *counters) countOp(scatter bool, op *cuda.Op) {
-	path := op.Path()
-	if m := op.Mode(); m != "" {
-		path += "-" + m
+	p := 3 // sm: the host backend's copies
+	switch {
+	case op.Path() == cuda.PathDMA:
+		p = 0
+	case op.Mode() == cuda.ModeDirect:
+		p = 1
+	case op.Mode() == cuda.ModeStaged:
+		p = 2
 	}
 	d := 0
 	if scatter {
 		d = 1
 	}
-	for i, p := range opPaths {
-		if p == path {
-			c.deviceOps[d][i].Add(1)
-			return
-		}
-	}
+	c.deviceOps[d][p].Add(1)
 }
