@@ -7,20 +7,49 @@ type pathSetter interface{ setPath(copyPath) }
 
 func (d *hostDevice) setPath(p copyPath) { d.path = p }
 
+// copyMode is how the CUDA backend's copy kernels move bytes across PCIe.
+type copyMode int
+
+const (
+	modeAuto   copyMode = iota // staged when the objects make long host runs, else direct
+	modeDirect                 // the kernel reads/writes the mapped host buffer
+	modeStaged                 // kernel <-> device staging, copy engine <-> host buffer
+)
+
+// modeSetter is a device whose copy kernels' mode can be forced: the CUDA
+// backend's, on the mapped host buffer (direct) or through device staging.
+type modeSetter interface{ setMode(copyMode) }
+
 // ForceCopyPath sets how a device's Gather and Scatter move bytes: "auto"
 // (the rule of useDMA: the copy engine for page runs averaging at least
 // 256 KiB where copies are enqueued in batches), "sm" (the copy kernels)
 // or "dma" (copy-engine copies of the page runs, then a checksum kernel
-// over the device pages). rankd's --copy-path calls it after Open, before
-// the device is shared; the verification is the same on every path.
+// over the device pages); "sm-direct" and "sm-staged" are the copy
+// kernels in one mode (ModeDirect, ModeStaged), on a device that has modes
+// (the CUDA backend). rankd's --copy-path calls it after Open, before the
+// device is shared; the verification is the same on every path.
 func ForceCopyPath(dev Device, path string) error {
 	p, ok := parseCopyPath(path)
+	mode := modeAuto
+	switch path {
+	case PathSM + "-" + ModeDirect:
+		p, mode, ok = pathSM, modeDirect, true
+	case PathSM + "-" + ModeStaged:
+		p, mode, ok = pathSM, modeStaged, true
+	}
 	if !ok {
-		return fmt.Errorf("cuda: copy path %q: want auto, sm or dma", path)
+		return fmt.Errorf("cuda: copy path %q: want auto, sm, sm-direct, sm-staged or dma", path)
 	}
 	ps, ok := dev.(pathSetter)
 	if !ok {
 		return fmt.Errorf("cuda: device %T has no copy path to set", dev)
+	}
+	if mode != modeAuto {
+		ms, ok := dev.(modeSetter)
+		if !ok {
+			return fmt.Errorf("cuda: copy path %q: device %T has no copy modes", path, dev)
+		}
+		ms.setMode(mode)
 	}
 	ps.setPath(p)
 	return nil
@@ -145,6 +174,20 @@ type DMATuning struct {
 // maxSumBlocks bounds DMATuning.SumBlocks (a grid's blocks; more than a
 // GPU's multiprocessors hold at once is no confinement).
 const maxSumBlocks = 1 << 16
+
+// dmaSumBatch is the default size of the checksum batches of a DMA
+// transfer (DefaultDMATuning; DMATuning.SumBatch sets it). A scatter's checksum of one batch
+// runs once its copies are placed, while the copy engine places the next,
+// so only the last batch's checksum follows the copies; but each is a
+// kernel on the compute engine, which the GPU time-slices between this
+// context and the engine's, and fewer of them slowed vLLM's decoding less:
+// inside vLLM on the H200, 64 MiB batches (about
+// four kernels per 256 MiB restore batch) slowed the decoding requests'
+// steps 1.61x while a 32k prompt loaded, one kernel per transfer 1.28x at
+// the same TTFT (BENCHMARKS.md). A transfer of rankd's (at most
+// RetrieveBatchBytes, 1 GiB by default) is therefore one batch: its
+// exposed checksum reads at most 1 GiB of HBM, about 0.3 ms.
+const dmaSumBatch = 1 << 30
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts
 // with.

@@ -238,15 +238,6 @@ const (
 	preallocJobSize = 1 << 20
 )
 
-// copyMode is how Gather and Scatter move bytes across PCIe.
-type copyMode int
-
-const (
-	modeAuto   copyMode = iota // staged when the objects make long host runs, else direct
-	modeDirect                 // the kernel reads/writes the mapped host buffer
-	modeStaged                 // kernel <-> device staging, copy engine <-> host buffer
-)
-
 // OpenCUDA opens CUDA device ordinal through the driver API: the first
 // open of an ordinal in a process loads libcuda.so.1, retains the device's
 // primary context and JIT-loads the copy kernels; later opens share them.
@@ -415,6 +406,8 @@ func (d *driverDevice) loadKernels() error {
 func (d *driverDevice) Info() Info { return d.info }
 
 func (d *driverDevice) setPath(p copyPath) { d.path = p }
+
+func (d *driverDevice) setMode(m copyMode) { d.mode = m }
 
 func (d *driverDevice) smControlTransfers() uint64 { return d.moveTransfers.Load() }
 

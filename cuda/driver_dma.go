@@ -9,20 +9,6 @@ import "C"
 
 import "unsafe"
 
-// dmaSumBatch is the default size of the checksum batches of a DMA
-// transfer (DefaultDMATuning; DMATuning.SumBatch sets it). A scatter's checksum of one batch
-// runs once its copies are placed, while the copy engine places the next,
-// so only the last batch's checksum follows the copies; but each is a
-// kernel on the compute engine, which the GPU time-slices between this
-// context and the engine's, and fewer of them slowed vLLM's decoding less:
-// inside vLLM on the H200, 64 MiB batches (about
-// four kernels per 256 MiB restore batch) slowed the decoding requests'
-// steps 1.61x while a 32k prompt loaded, one kernel per transfer 1.28x at
-// the same TTFT (BENCHMARKS.md). A transfer of rankd's (at most
-// RetrieveBatchBytes, 1 GiB by default) is therefore one batch: its
-// exposed checksum reads at most 1 GiB of HBM, about 0.3 ms.
-const dmaSumBatch = 1 << 30
-
 // dma moves a transfer's bytes with copy-engine copies on the stream S
 // (cuMemcpyBatchAsync, up to dmaBatchCopies a call, where the driver has
 // it: one driver call per copy cost the host about 10 us each, 189 ms of
@@ -169,15 +155,20 @@ type batchQueue struct {
 func (q *batchQueue) add(c dmaCopy, buf *driverHostBuf, toDevice bool) {
 	h := uint64(uintptr(buf.host)) + c.host
 	for r := range c.rows {
-		dev, host := c.dev+r*c.pitch, h+r*c.width
-		if toDevice {
-			q.dsts, q.srcs = append(q.dsts, C.CUdeviceptr(dev)), append(q.srcs, C.CUdeviceptr(host))
-		} else {
-			q.dsts, q.srcs = append(q.dsts, C.CUdeviceptr(host)), append(q.srcs, C.CUdeviceptr(dev))
-		}
-		q.sizes = append(q.sizes, C.size_t(c.width))
+		q.addRange(c.dev+r*c.pitch, h+r*c.width, c.width, toDevice)
 	}
-	q.bytes += c.bytes()
+}
+
+// addRange queues one copy of n bytes between device address dev and the
+// host's unified address host.
+func (q *batchQueue) addRange(dev, host, n uint64, toDevice bool) {
+	if toDevice {
+		q.dsts, q.srcs = append(q.dsts, C.CUdeviceptr(dev)), append(q.srcs, C.CUdeviceptr(host))
+	} else {
+		q.dsts, q.srcs = append(q.dsts, C.CUdeviceptr(host)), append(q.srcs, C.CUdeviceptr(dev))
+	}
+	q.sizes = append(q.sizes, C.size_t(n))
+	q.bytes += n
 }
 
 // dmaQueue bounds the bytes of a transfer's copies in flight
@@ -231,7 +222,9 @@ func (e *enqueuer) flush(q *batchQueue, dq *dmaQueue) {
 	} else {
 		e.batch(q)
 	}
-	e.queued(dq, q.bytes)
+	if dq != nil {
+		e.queued(dq, q.bytes)
+	}
 	q.dsts, q.srcs, q.sizes, q.bytes = q.dsts[:0], q.srcs[:0], q.sizes[:0], 0
 }
 

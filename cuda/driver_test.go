@@ -3,7 +3,9 @@
 package cuda_test
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/kvtier/kvtier/cuda"
@@ -37,7 +39,8 @@ func openCUDA(t *testing.T) cuda.Device {
 // after the previous scatter's (checksummed in many batches meanwhile), and
 // with kv_sum_units verifying every word-aligned transfer (UnitSums), and
 // with the hidden checksums confined to one or two blocks (SumBlocks), and
-// with the tables and sums moved by kv_move on every path (SMControl).
+// with the tables and sums moved by kv_move on every path (SMControl), and
+// with the staging copies enqueued one call each instead of batched.
 var dmaSumBatchDefault = cuda.DefaultDMATuning().SumBatch
 
 func TestDriverConformance(t *testing.T) {
@@ -65,6 +68,7 @@ func TestDriverConformance(t *testing.T) {
 		{"dma-sm-sums", "auto", "dma", 0, cuda.DMATuning{SumBatch: 4 << 10, SMSumsScatter: true}},
 		{"direct-sm-sums", "direct", "sm", 0, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMSumsScatter: true}},
 		{"staged-sm-sums", "staged", "sm", 64 << 10, cuda.DMATuning{SumBatch: dmaSumBatchDefault, SMSumsScatter: true}},
+		{"staged-each-copy", "staged", "sm", 64 << 10, cuda.DMATuning{SumBatch: dmaSumBatchDefault, EachCopy: true}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			cudatest.Run(t, func(t *testing.T) cuda.Device {
@@ -77,6 +81,51 @@ func TestDriverConformance(t *testing.T) {
 				return dev
 			})
 		})
+	}
+}
+
+// rankd's --copy-path sm-direct and sm-staged force the copy kernels'
+// mode: every gather and scatter reports the forced one (Op.Mode), for
+// objects that auto would stage (back to back) and ones it would not.
+func TestDriverForcedModes(t *testing.T) {
+	dev := openCUDA(t)
+	defer dev.Close()
+	ctx := context.Background()
+	pool := must(dev.Alloc(64 << 20))(t)
+	defer pool.Release()
+	hb := must(dev.AllocHost(64 << 20))(t)
+	defer hb.Release()
+	st := must(dev.NewStream())(t)
+	defer st.Close()
+	layouts := map[string][]cuda.Object{}
+	for _, step := range []uint64{64 << 10, 1 << 20} { // back to back; one per 1 MiB
+		var objs []cuda.Object
+		for i := range uint64(16) {
+			objs = append(objs, cuda.Object{HostOff: i * step, Spans: []cuda.Span{{Mem: pool, Off: i * (64 << 10), Len: 64 << 10}}})
+		}
+		layouts[fmt.Sprintf("an object per %d KiB", step>>10)] = objs
+	}
+	for _, path := range []string{"sm-direct", "sm-staged"} {
+		if err := cuda.ForceCopyPath(dev, path); err != nil {
+			t.Fatal(err)
+		}
+		for name, objs := range layouts {
+			for _, scatter := range []bool{false, true} {
+				op, err := st.Gather(hb, objs)
+				if scatter {
+					op, err = st.Scatter(hb, objs)
+				}
+				if err != nil {
+					t.Fatalf("%s, %s: %v", path, name, err)
+				}
+				if err := op.Wait(ctx); err != nil {
+					t.Fatalf("%s, %s: %v", path, name, err)
+				}
+				if got := "sm-" + op.Mode(); op.Path() != cuda.PathSM || got != path {
+					t.Errorf("%s, %s, scatter %v: path %s mode %s", path, name, scatter, op.Path(), op.Mode())
+				}
+			}
+		}
 	}
 }
 

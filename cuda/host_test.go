@@ -637,3 +637,26 @@ func TestSweepStaleHost(t *testing.T) {
 		t.Errorf("sweep of a missing dir: %v", err)
 	}
 }
+
+// The copy kernels' modes are the CUDA backend's: forcing one on the host
+// backend is refused by name, the paths it has are taken, and a path
+// nobody has is refused listing the ones there are.
+func TestForceCopyPathModes(t *testing.T) {
+	dev := openHostIn(t, privDir(t))
+	defer dev.Close()
+	for _, p := range []string{"auto", "sm", "dma"} {
+		if err := cuda.ForceCopyPath(dev, p); err != nil {
+			t.Errorf("ForceCopyPath(host, %q): %v", p, err)
+		}
+	}
+	for _, p := range []string{"sm-direct", "sm-staged"} {
+		err := cuda.ForceCopyPath(dev, p)
+		if err == nil || !strings.Contains(err.Error(), "no copy modes") {
+			t.Errorf("ForceCopyPath(host, %q) = %v, want the host device refused for having no copy modes", p, err)
+		}
+	}
+	err := cuda.ForceCopyPath(dev, "staged")
+	if err == nil || !strings.Contains(err.Error(), "sm-staged") {
+		t.Errorf("ForceCopyPath(host, \"staged\") = %v, want an error naming the paths, sm-staged among them", err)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -52,9 +53,12 @@ type Config struct {
 	// CopyPath is how the device moves a store's and a restore's bytes:
 	// "auto" (default: the copy engine for page runs averaging 256 KiB or
 	// more where the driver batches copies, the copy kernels otherwise),
-	// "sm" (the kernels) or "dma" (copy-engine copies of the page runs and
-	// a checksum kernel over the device pages, fewer multiprocessors held
-	// from the model; docs/gpu.md). Verification is the same on every path.
+	// "sm" (the kernels), "sm-direct" / "sm-staged" (the kernels in one
+	// mode: on the mapped L1 buffer, or through device staging by the copy
+	// engine; the CUDA backend only) or "dma" (copy-engine copies of the
+	// page runs and a checksum kernel over the device pages, fewer
+	// multiprocessors held from the model; docs/gpu.md). Verification is
+	// the same on every path.
 	CopyPath string
 	// DMA shapes the copy engine path's work (cuda.DMATuning: the
 	// checksum batch, the bytes of copies in flight). Default
@@ -418,8 +422,8 @@ func (c *Config) Validate() error {
 		return bad("DCP size %d must be >= 1 and divide TP size %d", c.DCPSize, c.TPSize)
 	case c.Device == "":
 		return bad("device spec is empty (want auto, host, cuda:N or a GPU UUID)")
-	case c.CopyPath != "" && c.CopyPath != "auto" && c.CopyPath != "sm" && c.CopyPath != "dma":
-		return bad("copy path %q: want auto, sm or dma", c.CopyPath)
+	case !slices.Contains([]string{"", "auto", "sm", "sm-direct", "sm-staged", "dma"}, c.CopyPath):
+		return bad("copy path %q: want auto, sm, sm-direct, sm-staged or dma", c.CopyPath)
 	case c.DMA.Validate() != nil:
 		return bad("%v", c.DMA.Validate())
 	case c.RetrieveBatchBytes == 0:
