@@ -203,11 +203,22 @@ type Op struct {
 	lens []uint64
 	path string
 	mode string
+	// started: a Gather's or Scatter's work began to be handed to the
+	// stream (its checks, plan and tables done) at this host time
+	started time.Time
 }
 
 // Wait blocks until the operation has completed on the device, ctx is done
 // or the stream failed.
 func (o *Op) Wait(ctx context.Context) error { return o.wait(ctx) }
+
+// Started is the host time at which a Gather's or Scatter's work began to
+// be handed to its stream, its checks, plan and tables done: the device
+// cannot have begun it earlier, whatever was before it on the stream. A
+// stage timeline's device stage of the copy starts no earlier (transfer's
+// Timeline): a Timer marked before the call is reached while the host
+// still plans. Zero for other operations.
+func (o *Op) Started() time.Time { return o.started }
 
 // Path says how a Gather or Scatter moves its bytes: PathSM (copy kernels
 // that checksum as they copy) or PathDMA (copy-engine copies of the page

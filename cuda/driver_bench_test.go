@@ -322,7 +322,8 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 		return 2 * time.Second
 	}
 	samples := map[string][]time.Duration{}
-	var ce, enq []time.Duration // enq: host time of the staged+sum enqueue (validation, plan, tables)
+	var ce []time.Duration
+	enq := map[string][]time.Duration{} // host time of each mode's enqueue with the checksum (validation, plan, tables, driver calls)
 	for rep := range reps + 1 {
 		c := bx.ceiling(b, moved, scatter)
 		for _, mode := range modes {
@@ -353,8 +354,8 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 				gates[key] = max(20*time.Millisecond, hostT*3/2+10*time.Millisecond)
 				if rep > 0 { // the first repetition warms up
 					samples[key] = append(samples[key], t)
-					if key == "staged" {
-						enq = append(enq, hostT)
+					if sum {
+						enq[key] = append(enq[key], hostT)
 					}
 				}
 			}
@@ -372,7 +373,15 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	for _, o := range objs {
 		nspans += len(o.Spans)
 	}
-	he := median(enq)
+	he := median(enq["staged"])
+	if g.hostStep > 0 {
+		var parts []string
+		for _, m := range modes {
+			h := median(enq[m])
+			parts = append(parts, fmt.Sprintf("%s %v (%.1f ns/span)", m, h.Round(time.Microsecond), float64(h.Nanoseconds())/float64(max(nspans, 1))))
+		}
+		fmt.Printf("%s, %s: host enqueue by mode: %s\n", g.name, res.dir, strings.Join(parts, ", "))
+	}
 	fmt.Printf("%s, %s: %d objects, %.2f GB: CE %.1f GB/s; direct %.1f, staged %.1f (a call per run %.1f), dma %.1f GB/s; without checksum direct %.1f, staged %.1f, dma %.1f GB/s; host enqueue (staged) %v for %d spans = %.1f ns/span\n",
 		g.name, res.dir, len(objs), float64(moved)/1e9, gbps(moved, res.ce),
 		gbps(moved, res.t["direct"]), gbps(moved, res.t["staged"]), gbps(moved, res.t["staged-each"]), gbps(moved, res.t["dma"]),

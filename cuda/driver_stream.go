@@ -297,7 +297,7 @@ func (s *driverStream) finishLocked(st *opState) (*Op, error) {
 	}
 	st.done = done
 	s.inflight = append(s.inflight, st)
-	return &Op{wait: st.wait, sums: st.sums, lens: st.lens, path: st.path, mode: st.mode}, nil
+	return &Op{wait: st.wait, sums: st.sums, lens: st.lens, path: st.path, mode: st.mode, started: st.start}, nil
 }
 
 // Synchronize waits until all work enqueued so far has finished.
@@ -398,6 +398,7 @@ type opState struct {
 	sums   []uint64    // filled when the operation has finished
 	path   string      // a transfer's copy path (Op.Path)
 	mode   string      // the SM path's mode (Op.Mode)
+	start  time.Time   // the work began to be enqueued (Op.Started)
 	unref  []func() error
 	busy   *atomic.Int64 // the device's count of its direction's transfers in flight, until finished or dropped
 

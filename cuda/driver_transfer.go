@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 	"unsafe"
 )
 
@@ -244,6 +245,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	if e.smcSums && st.job != nil && st.job.lay.size > 0 {
 		s.d.moveTransfers.Add(1)
 	}
+	st.start = time.Now()
 	switch {
 	case path == pathDMA:
 		e.dma(plan, ends, copies, buf, scatter, flags)

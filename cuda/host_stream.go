@@ -271,12 +271,13 @@ func (s *hostStream) transfer(hb HostBuf, objs []Object, scatter bool) (*Op, err
 		run:   func(<-chan struct{}) error { plan.run(sums, scatter); return nil },
 		unref: plan.unref,
 	}
+	start := time.Now()
 	if err := s.enqueue(h); err != nil {
 		plan.unref()
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	op := s.newOp(h, sums, lens)
-	op.path = plan.path().name()
+	op.path, op.started = plan.path().name(), start
 	return op, nil
 }
 

@@ -660,3 +660,42 @@ func TestForceCopyPathModes(t *testing.T) {
 		t.Errorf("ForceCopyPath(host, \"staged\") = %v, want an error naming the paths, sm-staged among them", err)
 	}
 }
+
+// A Gather's and a Scatter's Op says when its work began to reach the
+// stream (Op.Started: after its checks, before the call returns); other
+// operations say nothing.
+func TestOpStarted(t *testing.T) {
+	dev := openHostIn(t, privDir(t))
+	defer dev.Close()
+	mem := must(dev.Alloc(4096))(t)
+	defer mem.Release()
+	hb := must(dev.AllocHost(4096))(t)
+	defer hb.Release()
+	st := must(dev.NewStream())(t)
+	defer st.Close()
+	objs := []cuda.Object{{HostOff: 0, Spans: []cuda.Span{{Mem: mem, Off: 0, Len: 4096}}}}
+	for _, scatter := range []bool{false, true} {
+		before := time.Now()
+		op, err := st.Gather(hb, objs)
+		if scatter {
+			op, err = st.Scatter(hb, objs)
+		}
+		after := time.Now()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s := op.Started(); s.Before(before) || s.After(after) {
+			t.Errorf("scatter %v: Started %v, want within the call (%v .. %v)", scatter, s, before, after)
+		}
+		if err := op.Wait(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	op, err := st.Upload(mem, 0, make([]byte, 16))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !op.Started().IsZero() {
+		t.Errorf("an upload's Started %v, want zero", op.Started())
+	}
+}

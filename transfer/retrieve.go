@@ -386,7 +386,7 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 	tm := newCopyTimers(e.dev, r.tl, 2).mark(stream, 0)
 	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
 		p.stream, p.op = stream, op
-		p.timers = tm.mark(stream, 1)
+		p.timers = tm.began(op).mark(stream, 1)
 	} else {
 		tm.release()
 	}

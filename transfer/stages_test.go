@@ -232,6 +232,37 @@ func TestCopyTimesNeverAfterTheHostSawTheEnd(t *testing.T) {
 	}
 }
 
+// A copy's device stage starts when its work began to reach the stream
+// (cuda.Op.Started), not at the mark placed before the Gather or Scatter
+// call, which the stream reaches while the host still plans; the stage
+// before it (a store's wait for the producer) keeps its marks, and a start
+// after the end mark leaves the stage empty, never negative.
+func TestCopyStageStartsWithItsWork(t *testing.T) {
+	t0 := time.Now()
+	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
+	for _, c := range []struct {
+		name             string
+		started          time.Time
+		producer, gather time.Duration
+	}{
+		{"planned 3 ms after the mark", ms(4), time.Millisecond, 2 * time.Millisecond},
+		{"no start known", time.Time{}, time.Millisecond, 5 * time.Millisecond},
+		{"started after the end mark", ms(7), time.Millisecond, 0},
+	} {
+		tl := NewTimeline(t0)
+		tm := &copyTimers{n: 3, t: [3]cuda.Timer{fixedTimer{ms(0)}, fixedTimer{ms(1)}, fixedTimer{ms(6)}}, started: c.started}
+		if rest := tl.copyDone(tm, 0, ms(7), StageProducer, StageGather); rest != nil {
+			t.Fatalf("%s: copyDone kept the timers", c.name)
+		}
+		tl.Resolve(context.Background())
+		producer, _ := tl.Total(StageProducer)
+		gather, _ := tl.Total(StageGather)
+		if producer != c.producer || gather != c.gather {
+			t.Errorf("%s: producer %v, gather %v; want %v and %v", c.name, producer, gather, c.producer, c.gather)
+		}
+	}
+}
+
 // storedChunks stores n one-group chunks of two blocks each (561 B rows of
 // 16-slot pages, blocks 0..2n-1) through a new engine and returns the rig,
 // the engine, its registration, the chunks and a retrieve's targets for

@@ -344,7 +344,7 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		return false
 	}
 	e.ctr.countOp(false, op)
-	tm = tm.mark(stream, 2)
+	tm = tm.began(op).mark(stream, 2)
 	f.tl.Lap(StageEnqueue, 0)
 	err = op.Wait(ctx)
 	switch {
