@@ -167,7 +167,11 @@ type DMATuning struct {
 	// SMControlDuplex's shortfall against SMControl with both directions
 	// at once (1.14-1.32x against 1.50x on one H100 at stop 61,
 	// docs/gpu.md). It costs a restore alone one small kernel a batch.
-	// For measurements; off by default, not yet measured.
+	// On by default since stop 62: on two H100s, both directions at once
+	// 1.54-1.58x one direction's copy engine in four runs (each run's
+	// spread within 1.53-1.61x) against the duplex rule alone's 1.24x,
+	// 1.53x and 1.53x, and the decode-shaped loop beside full-speed
+	// restores 1.177x with it and without (BENCHMARKS.md, "Stop 62").
 	SMSumsScatter bool
 }
 
@@ -191,7 +195,9 @@ const dmaSumBatch = 1 << 30
 
 // DefaultDMATuning returns the DMA path's defaults, which a device starts
 // with.
-func DefaultDMATuning() DMATuning { return DMATuning{SumBatch: dmaSumBatch, SMControlDuplex: true} }
+func DefaultDMATuning() DMATuning {
+	return DMATuning{SumBatch: dmaSumBatch, SMControlDuplex: true, SMSumsScatter: true}
+}
 
 // Validate checks t.
 func (t DMATuning) Validate() error {

@@ -122,9 +122,10 @@ type driverDevice struct {
 	// busy counts the transfers in flight, gathers [0] and scatters [1]:
 	// enqueued and not yet seen finished (DMATuning.SMControlDuplex).
 	busy [2]atomic.Int64
-	// moveTransfers counts the transfers whose sums (and tables, unless
-	// only DMATuning.SMSumsScatter chose it) went by kv_move (the tests'
-	// proof of SMControlDuplex's choice).
+	// moveTransfers counts the transfers whose tables and sums went by
+	// kv_move (the tests' proof of SMControlDuplex's choice); a scatter
+	// whose sums alone did (DMATuning.SMSumsScatter, on by default) is not
+	// counted, so the count still says how often both directions met.
 	moveTransfers atomic.Uint64
 	// unitLaunches counts the kv_sum_units launches (the tests' proof of
 	// which checksum kernel verified a transfer).

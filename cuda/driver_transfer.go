@@ -242,7 +242,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 	}
 	e := enqueuer{s: s, st: st, readBack: scatter && flags&kFlagSum != 0, smc: s.d.smControl(scatter)}
 	e.smcSums = e.smc || s.d.smSums(scatter)
-	if e.smcSums && st.job != nil && st.job.lay.size > 0 {
+	if e.smc && st.job != nil && st.job.lay.size > 0 {
 		s.d.moveTransfers.Add(1)
 	}
 	st.start = time.Now()

@@ -142,6 +142,10 @@ func TestCopyFlags(t *testing.T) {
 	if cfg.DMA != (cuda.DMATuning{SumBatch: 64 << 20, Queue: 32 << 20, UnitSums: true, SumBlocks: 16, SMControl: true, SMControlDuplex: true, SMSumsScatter: true}) || cfg.RetrieveBatchBytes != 512<<20 || cfg.RestorePace != 20e9 || cfg.RestorePaceWindow != 16*time.Millisecond || cfg.RetrieveRamp != 0 || cfg.RetrieveTailRamp != 2 || cfg.Streams != 4 {
 		t.Fatalf("flags: DMA %+v, retrieve batch %d, pace %d, window %v, ramp %d, tail ramp %d", cfg.DMA, cfg.RetrieveBatchBytes, cfg.RestorePace, cfg.RestorePaceWindow, cfg.RetrieveRamp, cfg.RetrieveTailRamp)
 	}
+	// the restore's sums by kv_move: on by default since stop 62, =false turns it off
+	if !def.DMA.SMSumsScatter || parse("--dma-sm-sums-scatter=false").DMA.SMSumsScatter {
+		t.Errorf("--dma-sm-sums-scatter: default %v, want on; =false must turn it off", def.DMA.SMSumsScatter)
+	}
 	// --l1-slab-bytes: auto (0, SlabFor at start) unless given; a size
 	// that is no multiple of 4096 B, larger than L1, or making more than
 	// 2^24 slabs is refused naming the slab; 0 is refused at parsing.
