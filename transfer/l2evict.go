@@ -336,7 +336,7 @@ func (e *Engine) l2ReserveLocked(need uint64, prompt promptPos) error {
 			a.pending += need
 			return nil
 		}
-		ch := e.cat.changed
+		ch := e.cat.watchLocked()
 		e.mu.Unlock()
 		<-ch // a write or delete in flight ends (finishWriteLocked, l2Evict notify)
 		e.mu.Lock()

@@ -173,7 +173,7 @@ func (e *Engine) l2WriteLoop() {
 		// An eviction deleting o's key must be done before o's file is
 		// renamed into place, or it could remove the new file.
 		for e.cat.l2acct.deleting[o.key] != 0 {
-			ch := e.cat.changed
+			ch := e.cat.watchLocked()
 			e.mu.Unlock()
 			<-ch // l2Evict notifies once its deletes returned
 			e.mu.Lock()
@@ -294,7 +294,7 @@ func (e *Engine) flushL2(ctx context.Context) error {
 		e.mu.Unlock()
 		for {
 			e.mu.Lock()
-			n, ch := e.cat.writing, e.cat.changed
+			n, ch := e.cat.writing, e.cat.watchLocked()
 			e.mu.Unlock()
 			if n == 0 {
 				break

@@ -82,7 +82,7 @@ func (e *Engine) placeAll(ctx context.Context, work []storeWork) error {
 			if placed > 0 {
 				e.cat.notifyLocked() // the room given back may serve another store
 			}
-			wait = e.cat.changed
+			wait = e.cat.watchLocked()
 			if !waited {
 				waited = true
 				e.ctr.storeThrottled.Add(1)
