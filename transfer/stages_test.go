@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvtier/kvtier/cuda"
 	"github.com/kvtier/kvtier/dcp"
+	"github.com/kvtier/kvtier/wire"
 )
 
 // checkTimeline checks the invariants of a finished timeline whose request
@@ -547,5 +548,44 @@ func TestEffectivePace(t *testing.T) {
 		if got := effectivePace(tc.pace, tc.total, now, tc.deadline); got != tc.want {
 			t.Errorf("%s: %d B/s, want %d", tc.name, got, tc.want)
 		}
+	}
+}
+
+// A retrieve's batches group each chunk's items, chunks in order of first
+// appearance and items in request order within a chunk, whatever order
+// the request lists them in (group-major here: every chunk's group 0,
+// then every chunk's group 1), and every item is in exactly one batch.
+func TestBatchesGroupEachChunksItems(t *testing.T) {
+	dev := openDevice(t, "")
+	spec := dcp.Spec{Model: "m", Layout: dcp1, ChunkTokens: 16, Groups: []dcp.Group{
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 1, KVFormat: "bf16", SemanticBytes: 4096, PageBytes: 4096, StrideBytes: 4096},
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 1, KVFormat: "bf16", SemanticBytes: 4096, PageBytes: 4096, StrideBytes: 4096},
+	}}
+	res, err := spec.Resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := engineConfig(t, dev, 0, 1)
+	cfg.L1SlabBytes = 4096
+	cfg.RetrieveBatchBytes = 2 * 4096 // one chunk (two objects) a batch
+	cfg.RetrieveRamp, cfg.RetrieveTailRamp = 0, 0
+	e := newEngine(t, cfg)
+	var items []wire.RetrieveItem
+	for g := range 2 {
+		for _, c := range []int{2, 0, 1} {
+			items = append(items, wire.RetrieveItem{Chunk: c, Group: g})
+		}
+	}
+	r := &retrieval{e: e, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
+	got := fmt.Sprint(r.batches())
+	if want := "[[0 3] [1 4] [2 5]]"; got != want {
+		t.Fatalf("batches %s, want %s (chunk 2's items, then chunk 0's, then chunk 1's)", got, want)
+	}
+	cfg.RetrieveBatchBytes = 1 << 20 // all in one batch
+	cfg.Registerer = newRegistry()
+	e2 := newEngine(t, cfg)
+	r = &retrieval{e: e2, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
+	if got, want := fmt.Sprint(r.batches()), "[[0 3 1 4 2 5]]"; got != want {
+		t.Fatalf("one batch: %s, want %s", got, want)
 	}
 }
