@@ -2,8 +2,9 @@
 # The GPU measurements still pending for issues 24 and 25 (docs/gpu.md), in
 # priority order, each bounded so that the whole fits a 10-minute call:
 #
-#   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: the driver tests (kv_sum_units' passed at
-#                                          stop 51), then both checksum kernels' speed
+#   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: the driver tests (their whole conformance
+#                                          suite outran 150 s at stop 62), both checksum
+#                                          kernels' speed, the small-chunk layout's copy modes
 #   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
 #   scripts/gpu-pending.sh replay BIN      issue 24: the same, TRACE= the Mooncake trace
@@ -46,7 +47,7 @@ step() {
 	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
 	timeout "$bound" "$@" >"$R/$name.log" 2>&1
 	echo "rc=$?" >>"$R/$name.log"
-	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)|^  (store|restore verdict) \(all ranks\)|^RESULT' \
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)|^  (store|restore verdict) \(all ranks\)|^RESULT|host enqueue by mode' \
 		"$R/$name.log" | cut -c1-300
 }
 finish() {
@@ -66,13 +67,15 @@ bench() { echo env DEVICE="$DEVICE" OUT="$R/bench-$1.json" bash scripts/gpu-benc
 # 16 blocks; smc: tables and sums by kv_move, not the copy engine; smcd:
 # by kv_move only beside a transfer of the other direction, the default
 # since stop 54; nosmcd: never, stop 53's defaults; sms: every restore
-# batch's sums by kv_move, the candidate for smcd's shortfall beside a store)
+# batch's sums by kv_move, the default since stop 62; nosms: without it;
+# staged / direct: the copy kernels in one mode)
 rankd_args() {
 	local v ra=
 	for v in ${1//+/ }; do
 		case $v in default) ;; units) ra+=" --dma-unit-sums" ;; ramp*) ra+=" --retrieve-ramp ${v#ramp}" ;;
 		tail*) ra+=" --retrieve-tail-ramp ${v#tail}" ;; sb*) ra+=" --dma-sum-blocks ${v#sb}" ;;
-		smc) ra+=" --dma-sm-control" ;; sms) ra+=" --dma-sm-sums-scatter" ;; smcd) ra+=" --dma-sm-control-duplex" ;; nosmcd) ra+=" --dma-sm-control-duplex=false" ;; st*) ra+=" --streams ${v#st}" ;;
+		smc) ra+=" --dma-sm-control" ;; sms) ra+=" --dma-sm-sums-scatter" ;; nosms) ra+=" --dma-sm-sums-scatter=false" ;;
+		staged) ra+=" --copy-path sm-staged" ;; direct) ra+=" --copy-path sm-direct" ;; smcd) ra+=" --dma-sm-control-duplex" ;; nosmcd) ra+=" --dma-sm-control-duplex=false" ;; st*) ra+=" --streams ${v#st}" ;;
 		sm) ra+=" --copy-path sm" ;; nohint) ra+=" --dma-no-overlap-hint" ;; each) ra+=" --dma-each-copy" ;;
 		pace*w*) v=${v#pace} ra+=" --restore-pace-gbps ${v%w*} --restore-pace-window ${v#*w}ms" ;;
 		pace*) ra+=" --restore-pace-gbps ${v#pace}" ;;
@@ -158,8 +161,12 @@ cuda)
 	# 25.2/25.5: the driver tests (kv_sum_units' among them: passed on an
 	# H100 at stop 51), then its speed against kv_checksum's alone
 	T=$(realpath "$BIN")
-	step cuda-tests 150 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
+	step cuda-tests 300 bash -c "cd cuda && '$T' -test.run 'TestDriverUnitSums|TestDriverConformance|TestDriverPaths' -test.v"
 	step cuda-sums 40 bash -c "cd cuda && '$T' -test.run '^\$' -test.bench DriverSums -test.benchtime 1x"
+	# 25.4: the small-chunk layout (an object per L1 slab) in every copy
+	# mode, with each mode's host enqueue (stop 62: direct 0.93 / 0.84 of
+	# CE, staged 0.82 / 0.90, gather / scatter)
+	step cuda-slab 200 bash -c "cd cuda && KVTIER_BENCH_ONLY=slab KVTIER_BENCH_GB=1 KVTIER_BENCH_REPS=3 '$T' -test.run '^\$' -test.bench DriverTransfer -test.benchtime 1x"
 	;;
 daemons)
 	P=enginesim/specs
