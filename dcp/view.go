@@ -45,17 +45,28 @@ func (g PageGeometry) SlotExtent(id int64, s int) (Extent, error) {
 func (g PageGeometry) Extents(ids []int64, poolBytes uint64) ([]Extent, error) {
 	out := make([]Extent, 0, len(ids))
 	for _, id := range ids {
-		e, err := g.PageExtent(id)
+		e, err := g.PoolExtent(id, poolBytes)
 		if err != nil {
 			return nil, err
-		}
-		if poolBytes != 0 && e.Off+e.Len > poolBytes {
-			return nil, fmt.Errorf("block id %d: page [%d, %d) lies outside the %d B pool (%d blocks): %w",
-				id, e.Off, e.Off+e.Len, poolBytes, g.PoolBlocks(poolBytes), ErrBlock)
 		}
 		out = append(out, e)
 	}
 	return out, nil
+}
+
+// PoolExtent is Extents for one id, without a slice: the declared page of
+// block id in one layer's pool of poolBytes (0 = unchecked), or the error
+// naming it.
+func (g PageGeometry) PoolExtent(id int64, poolBytes uint64) (Extent, error) {
+	e, err := g.PageExtent(id)
+	if err != nil {
+		return Extent{}, err
+	}
+	if poolBytes != 0 && e.Off+e.Len > poolBytes {
+		return Extent{}, fmt.Errorf("block id %d: page [%d, %d) lies outside the %d B pool (%d blocks): %w",
+			id, e.Off, e.Off+e.Len, poolBytes, g.PoolBlocks(poolBytes), ErrBlock)
+	}
+	return e, nil
 }
 
 // PackedSize returns the bytes of an object holding n blocks of every layer

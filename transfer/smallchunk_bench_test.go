@@ -20,26 +20,7 @@ import (
 //
 //	go test -run '^$' -bench RetrieveSmallObjects -benchmem ./transfer/
 func BenchmarkRetrieveSmallObjects(b *testing.B) {
-	const n = 1024
-	spec := dcp.Spec{Model: "small", Layout: dcp1, ChunkTokens: 16, Groups: []dcp.Group{
-		{Kind: dcp.Attention, BlockSize: 16, Layers: 8, KVFormat: "bf16", SemanticBytes: 256, PageBytes: 256, StrideBytes: 256}}}
-	dev := openDevice(b, "")
-	r := newRig(b, dev, spec, []int64{4 * n})
-	cfg := engineConfig(b, dev, 0, 1)
-	cfg.Logger = zap.NewNop()
-	cfg.Registerer = nil
-	cfg.L1SlabBytes = 4096 // the default 64 KiB slabs would fill L1 and evict a quarter
-	e := newEngine(b, cfg)
-	r.register(e)
-	var cs []chunk
-	for i := range n {
-		c := r.newChunk(i, r.consecutive(int64(i)))
-		cs = append(cs, c)
-		r.write(c, c.blocks, 0)
-	}
-	if err := r.stream.Synchronize(context.Background()); err != nil {
-		b.Fatal(err)
-	}
+	r, e, cs := smallObjectsRig(b)
 	_, h := r.record()
 	f, err := e.Store(context.Background(), r.storeReq("small", h, cs...))
 	if err != nil {
@@ -48,6 +29,7 @@ func BenchmarkRetrieveSmallObjects(b *testing.B) {
 	if _, err := f.Wait(context.Background()); err != nil {
 		b.Fatal(err)
 	}
+	n := len(cs)
 	tgts := make([][][]int64, n)
 	for i := range tgts {
 		tgts[i] = r.consecutive(int64(n + i))
@@ -70,4 +52,59 @@ func BenchmarkRetrieveSmallObjects(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(time.Since(start).Nanoseconds())/float64(b.N*n), "ns/object")
+}
+
+// smallChunks is the chunk count of the small-object benchmarks.
+const smallChunks = 1024
+
+// smallObjectsRig is an engine and 1,024 written chunks of one 16-token
+// block of 8 layers, 256 B pages (2 KiB objects), L1 in 4 KiB slabs (the
+// tests' default 64 KiB slabs would fill L1 and evict a quarter).
+func smallObjectsRig(b *testing.B) (*rig, *Engine, []chunk) {
+	spec := dcp.Spec{Model: "small", Layout: dcp1, ChunkTokens: 16, Groups: []dcp.Group{
+		{Kind: dcp.Attention, BlockSize: 16, Layers: 8, KVFormat: "bf16", SemanticBytes: 256, PageBytes: 256, StrideBytes: 256}}}
+	dev := openDevice(b, "")
+	r := newRig(b, dev, spec, []int64{4 * smallChunks})
+	cfg := engineConfig(b, dev, 0, 1)
+	cfg.Logger = zap.NewNop()
+	cfg.Registerer = nil
+	cfg.L1SlabBytes = 4096
+	e := newEngine(b, cfg)
+	r.register(e)
+	var cs []chunk
+	for i := range smallChunks {
+		c := r.newChunk(i, r.consecutive(int64(i)))
+		cs = append(cs, c)
+		r.write(c, c.blocks, 0)
+	}
+	if err := r.stream.Synchronize(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	return r, e, cs
+}
+
+// BenchmarkStoreSmallObjects is the host side of a store of 1,024 small
+// chunks in one request (hf_roundtrip.py's first store, 0.13-0.26 of CE
+// on an H100 at stop 62), each op under fresh hashes, L1 only.
+//
+//	go test -run '^$' -bench StoreSmallObjects -benchmem ./transfer/
+func BenchmarkStoreSmallObjects(b *testing.B) {
+	r, e, cs := smallObjectsRig(b)
+	start := time.Now()
+	for i := range b.N {
+		renamed := make([]chunk, len(cs))
+		for k, c := range cs {
+			c.hash = chunkHash((i+1)*smallChunks + k)
+			renamed[k] = c
+		}
+		_, h := r.record()
+		f, err := e.Store(context.Background(), r.storeReq("small", h, renamed...))
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := f.Wait(context.Background()); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(time.Since(start).Nanoseconds())/float64(b.N*smallChunks), "ns/object")
 }
