@@ -21,14 +21,7 @@ import (
 //	go test -run '^$' -bench RetrieveSmallObjects -benchmem ./transfer/
 func BenchmarkRetrieveSmallObjects(b *testing.B) {
 	r, e, cs := smallObjectsRig(b)
-	_, h := r.record()
-	f, err := e.Store(context.Background(), r.storeReq("small", h, cs...))
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := f.Wait(context.Background()); err != nil {
-		b.Fatal(err)
-	}
+	storeSmall(b, r, e, cs)
 	n := len(cs)
 	tgts := make([][][]int64, n)
 	for i := range tgts {
@@ -97,14 +90,19 @@ func BenchmarkStoreSmallObjects(b *testing.B) {
 			c.hash = chunkHash((i+1)*smallChunks + k)
 			renamed[k] = c
 		}
-		_, h := r.record()
-		f, err := e.Store(context.Background(), r.storeReq("small", h, renamed...))
-		if err != nil {
-			b.Fatal(err)
-		}
-		if _, err := f.Wait(context.Background()); err != nil {
-			b.Fatal(err)
-		}
+		storeSmall(b, r, e, renamed)
 	}
 	b.ReportMetric(float64(time.Since(start).Nanoseconds())/float64(b.N*smallChunks), "ns/object")
+}
+
+// storeSmall stores cs in one request and waits for it.
+func storeSmall(b *testing.B, r *rig, e *Engine, cs []chunk) {
+	_, h := r.record()
+	f, err := e.Store(context.Background(), r.storeReq("small", h, cs...))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := f.Wait(context.Background()); err != nil {
+		b.Fatal(err)
+	}
 }
