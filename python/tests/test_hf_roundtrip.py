@@ -31,9 +31,13 @@ def rank_rows(out: str) -> list[list[str]]:
 
 
 def test_four_rank_roundtrip_on_the_host_backend(binaries: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    p = roundtrip(binaries, tmp_path / "ok", "--restore-reps", "2", "--settle", "--timeline")
+    p = roundtrip(binaries, tmp_path / "ok", "--restore-reps", "2", "--store-reps", "2", "--settle", "--timeline")
     assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert "restores 2-2, warm (median)" in p.stdout, p.stdout
+    # --store-reps 2: a second whole store under other keys, each rank's store stages printed
+    assert any(line.startswith("  stores 2-2, warm (median)") and "  ok  " in line for line in p.stdout.splitlines())
+    for r in range(4):
+        assert any(line.startswith(f"  store 2 rank {r}: ") and " gather " in line for line in p.stdout.splitlines())
     # --settle waited for the write-behind; --timeline printed each rank's last retrieve from its
     # rankd's status: the request's stages and a batch's host stages and device scatter
     assert "L2 write-behind of every rank done" in p.stdout, p.stdout
