@@ -481,7 +481,11 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
                   and not any(x.failed or x.blocks_in_use for x in replies[r]) for r in range(tp)]
             return took, [d - t0 for d in done], ok, sum(sum(x.stored for x in rep) for rep in replies)
 
+        st_stages0 = [rankd_stage_sums(work, r, "store") for r in range(tp)]
         store_all_s, store_done, ok_store, stored_n = store_all(hashes)
+        for r in range(tp):
+            print(f"  store 1 rank {r}: {store_all_s * 1e3:.2f} ms all ranks; in the rankd: "
+                  + stage_deltas(st_stages0[r], rankd_stage_sums(work, r, "store")))
         ce_store, ce_restore = ceiling(torch, on_gpu, tp * nbytes)
         rows.append(("store (all ranks)", f"{stored_n}/{tp * n_chunks} "
                      f"chunk shards in {-(-n_chunks // per)} requests per rank, {tp * nbytes} B, "
