@@ -509,11 +509,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
                 print(f"  store {rep + 1} rank {r}: {took * 1e3:.2f} ms all ranks; in the rankd: "
                       + stage_deltas(stages0[r], rankd_stage_sums(work, r, "store")))
         if warm_st:
-            med = statistics.median(warm_st)
-            rows.append((f"stores 2-{args.store_reps}, warm (median)", f"{tp * nbytes / med / 1e9:.2f} GB/s first "
-                         f"request to last reply = {tp * nbytes / med / ce_store:.3f} of the ceiling (best "
-                         f"{tp * nbytes / min(warm_st) / ce_store:.3f}); the same pages under other keys",
-                         warm_st_ok))
+            rows.append(warm_row("stores", args.store_reps, warm_st, tp * nbytes, ce_store,
+                                 "first request to last reply", "the same pages under other keys", warm_st_ok))
 
         wait_for("lookup covers the prompt",
                  lambda: c.lookup(res.namespace, hashes, instance=INSTANCE).prefix == n_chunks)
@@ -585,11 +582,8 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
             if args.timeline and timed[ranked[r]].restore_id:
                 print_timeline(c, ranks[r], timed[ranked[r]].restore_id, f"rank {r}, restore {args.restore_reps}")
         if warm:
-            med = statistics.median(warm)
-            rows.append((f"restores 2-{args.restore_reps}, warm (median)", f"{tp * nbytes / med / 1e9:.2f} GB/s "
-                         f"begin to verdict = {tp * nbytes / med / ce_restore:.3f} of the ceiling (best "
-                         f"{tp * nbytes / min(warm) / ce_restore:.3f}); pages checked after each (table below)",
-                         warm_complete))
+            rows.append(warm_row("restores", args.restore_reps, warm, tp * nbytes, ce_restore, "begin to verdict",
+                                 "pages checked after each (table below)", warm_complete))
         if args.begin_reps > 0:
             rows.append(begin_breakdown(c, res.namespace, hashes, args.begin_reps, work))
         for s in sessions:
@@ -644,6 +638,16 @@ def run(args, torch, LlamaConfig, LlamaForCausalLM, DynamicCache, rng, nats_port
     ok = all(ok for _, _, ok in rows) and all(x[-1] == "ok" for x in rank_rows)
     print("RESULT", "ok" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def warm_row(what: str, reps: int, times: list[float], nbytes: int, ceiling: float, span: str, tail: str,
+             ok: bool) -> tuple[str, str, bool]:
+    """The result row of repetitions 2..reps of a store or restore of
+    nbytes: their median rate over span, as a fraction of the ceiling
+    (bytes/s), and the best."""
+    med = statistics.median(times)
+    return (f"{what} 2-{reps}, warm (median)", f"{nbytes / med / 1e9:.2f} GB/s {span} = {nbytes / med / ceiling:.3f} "
+            f"of the ceiling (best {nbytes / min(times) / ceiling:.3f}); {tail}", ok)
 
 
 def metrics_text(log: pathlib.Path) -> str:
