@@ -5,7 +5,8 @@
 #   scripts/gpu-pending.sh cuda CUDA_TEST  issue 25: the driver tests (their whole conformance
 #                                          suite outran 150 s at stop 62), both checksum
 #                                          kernels' speed, the small-chunk layout's copy modes
-#   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop)
+#   scripts/gpu-pending.sh daemons BIN     issue 25: no vLLM needed (torch for the loop; step
+#                                          hf-r4-16 also nats-py on PYTHONPATH)
 #   scripts/gpu-pending.sh vllm BIN        issue 24: vLLM importable (PYTHONPATH)
 #   scripts/gpu-pending.sh replay BIN      issue 24: the same, TRACE= the Mooncake trace
 #
@@ -47,7 +48,7 @@ step() {
 	echo "== $name at $(($(date +%s) - T0)) s" | tee -a "$R/steps.txt"
 	timeout "$bound" "$@" >"$R/$name.log" 2>&1
 	echo "rc=$?" >>"$R/$name.log"
-	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)|^  (store|restore verdict) \(all ranks\)|^RESULT|host enqueue by mode' \
+	grep -E '^(store|restore) \(|store \+ restore|plain copies|interference:|gpu-vllm: kvtier|^\| kvtier|^\| [0-9]|replay: \{|rc=|^--- FAIL|^(FAIL|ok|PASS)$|^\| (block_major|kv_split)|^  (store|restore verdict) \(all ranks\)|^  (stores|restores) 2-|^RESULT|host enqueue by mode' \
 		"$R/$name.log" | cut -c1-300
 }
 finish() {
@@ -233,6 +234,11 @@ daemons)
 	step tp4-16tok 80 env SPEC=$P/llama8b-tp4.json GB="$TINY" REPS=2 PER=128 $(bench tp4-16tok)
 	step duplex-sm 110 env DUPLEX=3 SPEC=$P/llama8b-tp1.json GB="$BIG" REPS=1 RANKD_ARGS="--copy-path sm" $(bench duplex-sm)
 	interference sm
+	# 25.4: 16-token chunks through the Python client, four rankds: the first
+	# store against warm ones (--store-reps, stop 63; nats-py on PYTHONPATH;
+	# HF_DEVICE=host runs it on the host backend)
+	step hf-r4-16 120 python3 python/examples/hf_roundtrip.py --bin "$BIN" --device "${HF_DEVICE:-cuda}" --ranks 4 --kv-heads 8 --layers 8 \
+		--generate 1 --chunks 1024 --blocks-per-chunk 1 --store-reps 5 --restore-reps 5 --timeline
 	;;
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9
