@@ -112,12 +112,23 @@ func (d *driverDevice) resolveMem(m Mem) (*driverMem, memView, error) {
 // Staging policy of modeAuto: the copy engine pays off once a transfer is
 // large and its objects make long contiguous runs in the host buffer (one
 // copy per run); otherwise the kernel works on the mapped buffer directly.
+// A scatter stages shorter runs than a gather: restores of 64 KiB objects
+// (16-token chunks of 8 KiB pages, an object per L1 slab) moved 0.90 of
+// the copy engine staged against 0.84 direct by device time, and through
+// four rankds sharing an H100 restored at 0.387 of CE staged against 0.287
+// direct, begin to verdict, in one call (one rankd: 0.157 against
+// 0.154-0.176); their stores stay direct, which measured faster (0.405
+// against 0.347 warm; BENCHMARKS.md, stops 62-63).
 const (
-	autoStageMinTotal = 8 << 20
-	autoStageMinRun   = 512 << 10
+	autoStageMinTotal      = 8 << 20
+	autoStageMinRun        = 512 << 10
+	autoStageScatterMinRun = 64 << 10
 )
 
-func (d *driverDevice) staged(objs []xferObject) bool {
+// staged reports whether a transfer of objs in the SM path goes through
+// the device staging buffer (modeStaged) rather than the mapped host
+// buffer (modeDirect).
+func (d *driverDevice) staged(objs []xferObject, scatter bool) bool {
 	switch d.mode {
 	case modeDirect:
 		return false
@@ -136,7 +147,11 @@ func (d *driverDevice) staged(objs []xferObject) bool {
 		total += o.len
 		end = o.hostOff + o.len
 	}
-	return runs > 0 && total >= autoStageMinTotal && total/runs >= autoStageMinRun
+	minRun := uint64(autoStageMinRun)
+	if scatter {
+		minRun = autoStageScatterMinRun
+	}
+	return runs > 0 && total >= autoStageMinTotal && total/runs >= minRun
 }
 
 // transfer validates, plans and enqueues a Gather or Scatter.
@@ -173,7 +188,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	s.reapLocked()
-	staged := path == pathSM && s.d.staged(xobjs)
+	staged := path == pathSM && s.d.staged(xobjs, scatter)
 	if path == pathSM {
 		st.mode = ModeDirect
 		if staged {
