@@ -290,7 +290,7 @@ func (bx *benchEnv) run(b *testing.B, g benchGeom, scatter bool, reps int) bench
 	}
 	d.mode, d.path = modeAuto, pathAuto
 	res.autoMode = "direct"
-	if d.staged(xo, scatter) {
+	if d.staged(xo) {
 		res.autoMode = "staged"
 	}
 	t, err := checkTransfer(objs, bx.hb.size, scatter, checkOptions{memOf: true}, d.resolveMem)

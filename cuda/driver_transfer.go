@@ -112,23 +112,24 @@ func (d *driverDevice) resolveMem(m Mem) (*driverMem, memView, error) {
 // Staging policy of modeAuto: the copy engine pays off once a transfer is
 // large and its objects make long contiguous runs in the host buffer (one
 // copy per run); otherwise the kernel works on the mapped buffer directly.
-// A scatter stages shorter runs than a gather: restores of 64 KiB objects
-// (16-token chunks of 8 KiB pages, an object per L1 slab) moved 0.90 of
-// the copy engine staged against 0.84 direct by device time, and through
-// four rankds sharing an H100 restored at 0.387 of CE staged against 0.287
-// direct, begin to verdict, in one call (one rankd: 0.157 against
-// 0.154-0.176); their stores stay direct, which measured faster (0.405
-// against 0.347 warm; BENCHMARKS.md, stops 62-63).
+// Scatters and gathers take one bound. Stop 63 staged scatters from 64 KiB
+// runs, which sped up four rankds sharing an H100 (16-token restores of
+// 64 KiB objects, one per L1 slab: 0.330 of CE against 0.297 direct,
+// begin to verdict, one call) but slowed one rankd, the shape of a rankd
+// per GPU (0.119 against 0.144 and 0.104 against 0.121 in two pairs on one
+// card; BENCHMARKS.md, stop 64): its staged enqueue took 2.7-3.9 ms against
+// 1.4-2.0 direct. Objects stored back to back (larger than a slab) make
+// long runs and stage either way. --copy-path sm-staged forces staging
+// for GPUs that several rankds share.
 const (
-	autoStageMinTotal      = 8 << 20
-	autoStageMinRun        = 512 << 10
-	autoStageScatterMinRun = 64 << 10
+	autoStageMinTotal = 8 << 20
+	autoStageMinRun   = 512 << 10
 )
 
 // staged reports whether a transfer of objs in the SM path goes through
 // the device staging buffer (modeStaged) rather than the mapped host
 // buffer (modeDirect).
-func (d *driverDevice) staged(objs []xferObject, scatter bool) bool {
+func (d *driverDevice) staged(objs []xferObject) bool {
 	switch d.mode {
 	case modeDirect:
 		return false
@@ -147,11 +148,7 @@ func (d *driverDevice) staged(objs []xferObject, scatter bool) bool {
 		total += o.len
 		end = o.hostOff + o.len
 	}
-	minRun := uint64(autoStageMinRun)
-	if scatter {
-		minRun = autoStageScatterMinRun
-	}
-	return runs > 0 && total >= autoStageMinTotal && total/runs >= minRun
+	return runs > 0 && total >= autoStageMinTotal && total/runs >= autoStageMinRun
 }
 
 // transfer validates, plans and enqueues a Gather or Scatter.
@@ -188,7 +185,7 @@ func (s *driverStream) transfer(hb HostBuf, objs []Object, scatter bool, flags u
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	s.reapLocked()
-	staged := path == pathSM && s.d.staged(xobjs, scatter)
+	staged := path == pathSM && s.d.staged(xobjs)
 	if path == pathSM {
 		st.mode = ModeDirect
 		if staged {
