@@ -239,6 +239,14 @@ daemons)
 	# HF_DEVICE=host runs it on the host backend)
 	step hf-r4-16 120 python3 python/examples/hf_roundtrip.py --bin "$BIN" --device "${HF_DEVICE:-cuda}" --ranks 4 --kv-heads 8 --layers 8 \
 		--generate 1 --chunks 1024 --blocks-per-chunk 1 --store-reps 5 --restore-reps 5 --timeline
+	# 25.4: whether the L2 write-behind of the stores before slows the
+	# restores (on this 2-core VM, one rankd: 0.059 of memmove without L2
+	# against 0.013 with it, stop 64; not measured on a GPU host)
+	for l2 in nol2 l2; do
+		step "hf-r1-16-$l2" 80 python3 python/examples/hf_roundtrip.py --bin "$BIN" --device "${HF_DEVICE:-cuda}" --ranks 1 --kv-heads 2 \
+			--layers 8 --generate 1 --chunks 1024 --blocks-per-chunk 1 --store-reps 4 --restore-reps 6 --timeline \
+			$([[ $l2 == nol2 ]] && echo --rankd-arg=--l2-dir=)
+	done
 	;;
 vllm)
 	V=(GEOMETRY=8b MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-model-8b}" REPS=1 GPU_MEM="${ITL_GPU_MEM:-0.5}" L1=12GiB CPU_BYTES=10e9

@@ -57,6 +57,7 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -785,4 +786,8 @@ def begin_breakdown(c: Any, ns: dcp.Namespace, hashes: list[Any], reps: int,
 
 
 if __name__ == "__main__":
+    # A bound (timeout(1), gpu-pending.sh's steps) ends the run with
+    # SIGTERM: leave through main's clean-up, which stops the daemons,
+    # instead of leaving them on the GPU for the next step.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     sys.exit(main())
