@@ -3,6 +3,7 @@ package rankd
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -270,10 +271,16 @@ func pct(d []time.Duration, q float64) time.Duration { return d[int(q*float64(le
 // through the coordinator, against a bare NATS request/reply of the same
 // request and reply sizes on the same server (an echo on its own
 // connection), interleaved in the same run; idle, then while 8 ranks
-// ingest through rankd's publisher.
+// ingest through rankd's publisher. Each phase also times the chain's
+// restore.begin with Lookup set, the vLLM connector's lookup (its rows
+// "idle-begin" and "ingest-begin").
 func BenchmarkLookupThroughNATS(b *testing.B) {
 	const shards, nchunks, samples = 8, 128, 3000
-	c := benchCoordinator(b)
+	// Room for every begin of a measurement (cancelled after it).
+	c := benchCoordinator(b, func(cfg *coordinator.Config) {
+		cfg.MaxActiveRestores = max(cfg.MaxActiveRestores, 4*samples*benchReps())
+		cfg.MaxActiveRestoresPerInstance = max(cfg.MaxActiveRestoresPerInstance, 4*samples*benchReps())
+	})
 	subj := wire.Subjects{Prefix: wire.DefaultPrefix}
 	nc := benchConnect(b, c, auth.Engine("eng"))
 	ctx := context.Background()
@@ -342,6 +349,44 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 	}
 	b.Logf("request %d B binary (%d B JSON), reply %d B", len(req), len(jsonReq), len(probe.Data))
 
+	// The engine's lookup since 60317c6 is a restore.begin with Lookup set
+	// (one round trip for the lookup and the plan); this one asks the
+	// chain's plan in binary. Each takes a restore slot: cancelBegun
+	// cancels them after each measurement, outside the timing (the
+	// coordinator above has room for a measurement's begins).
+	breq := wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: chunks}, Instance: "eng",
+		PlanEncoding: wire.PlanEncodingBinary, Lookup: true}
+	beginReq, err := breq.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	beginSubj := subj.EngineCoord("eng", wire.CoordRestoreBegin)
+	var begun []string
+	begin := func() error {
+		m, err := nc.Request(beginSubj, beginReq, 10*time.Second)
+		if err != nil {
+			return err
+		}
+		plan, err := wire.DecodePlanBinary(m.Data, chunks)
+		if err != nil {
+			return fmt.Errorf("restore.begin: %w: %.200s", err, m.Data)
+		}
+		if plan.Prefix != nchunks {
+			return fmt.Errorf("restore.begin: prefix %d of %d (%s)", plan.Prefix, nchunks, plan.Reason)
+		}
+		begun = append(begun, plan.RestoreID)
+		return nil
+	}
+	cancelBegun := func() {
+		for _, id := range begun {
+			_, err := bus.Call[wire.CancelReply](ctx, nc, subj.EngineCoord("eng", wire.CoordRestoreCancel), wire.RestoreCancel{RestoreID: id})
+			var we *wire.Error
+			if err != nil && !(errors.As(err, &we) && we.Code == wire.CodeNotFound) { // not_found: its deadline passed
+				b.Fatal(err)
+			}
+		}
+		begun = begun[:0]
+	}
 	measure := func(label string, lookup, echo func() error) {
 		var r50, r99, l50, l99, e50, e99 []float64
 		for range benchReps() {
@@ -361,6 +406,8 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 	for b.Loop() {
 		measure("idle", lookup, echo)
 		measure("idle-json", lookupJSON, echoJSON)
+		measure("idle-begin", begin, echo)
+		cancelBegun()
 
 		// Under ingest: 8 ranks publishing batches of 1024 without pause.
 		ingest := startBenchRanks(b, c, "load", shards, DefaultConfig(wire.Rank{}).EventWindow)
@@ -384,6 +431,8 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		time.Sleep(500 * time.Millisecond) // let ingest reach its pace
 		e0, t0 := events.Load(), time.Now()
 		measure("ingest", lookup, echo)
+		measure("ingest-begin", begin, echo)
+		cancelBegun()
 		rate := float64(events.Load()-e0) / time.Since(t0).Seconds()
 		stop.Store(true)
 		wg.Wait()
