@@ -12,7 +12,8 @@ import (
 // TestPlanRestore: the restore.begin decision as a pure function of the
 // table's state, the lookup and the readers' liveness: liveness first (a
 // hit whose readers are dead says so even when the table is full), then
-// the limits, then the plan.
+// the limits, then the plan (its items built by planItems before the
+// decision, each reader's incarnation set by it).
 func TestPlanRestore(t *testing.T) {
 	ns := dcp.Namespace{1}
 	chunks := []dcp.ChunkHash{{1}, {2}, {3}}
@@ -50,7 +51,11 @@ func TestPlanRestore(t *testing.T) {
 		{"planned", ok, 3, "", alive, beginActive, 3, false},
 		{"planned after a zero-sum cut", ok, 2, "prefix cut at chunk 2", alive, beginActive, 2, true},
 	} {
-		p := planRestore(tc.st, "id1", req, lookup(tc.prefix), tc.zeroCut, tc.readers)
+		var items *plannedItems
+		if tc.prefix > 0 {
+			items = planItems("id1", req, lookup(tc.prefix), tc.zeroCut)
+		}
+		p := planRestore(tc.st, "id1", req, lookup(tc.prefix), tc.zeroCut, tc.readers, items)
 		if p.kind != tc.kind {
 			t.Errorf("%s: kind %d, want %d", tc.name, p.kind, tc.kind)
 			continue
@@ -88,6 +93,27 @@ func TestPlanRestore(t *testing.T) {
 				t.Errorf("%s: reader %d: %+v", tc.name, e.Rank, rd)
 			}
 		}
+	}
+}
+
+// TestPlanRestoreWithoutItems: a begin decided active whose items were
+// not prepared (its readers looked not alive before the lock) gets no
+// plan from the decision, so its caller prepares one; a refusal needs
+// none.
+func TestPlanRestoreWithoutItems(t *testing.T) {
+	ns := dcp.Namespace{1}
+	exps := []dcp.Expectation{{Rank: 0, Shard: 0, Group: 0}}
+	res := &index.LookupResult{Namespace: ns, Instance: "eng", Prefix: 1, Expectations: exps,
+		Sources: []index.Source{{Tier: wire.L2, Sum: 5}}}
+	req := &wire.RestoreBeginRequest{RestoreBegin: wire.RestoreBegin{Namespace: ns, Chunks: []dcp.ChunkHash{{1}}}}
+	st := beginState{maxActive: 4, maxPerInstance: 2}
+	alive := []readerStatus{{tp: 0, inc: 3}}
+	if p := planRestore(st, "id1", req, res, "", alive, nil); p.kind != beginActive || p.plan != nil || p.readers != nil {
+		t.Fatalf("without items: %+v", p)
+	}
+	p := planRestore(st, "id1", req, res, "", alive, planItems("id1", req, res, ""))
+	if p.kind != beginActive || p.plan == nil || p.readers[0] == nil || p.readers[0].inc != 3 || len(p.readers[0].slots) != 1 {
+		t.Fatalf("with items: %+v", p)
 	}
 }
 

@@ -1,7 +1,10 @@
 package coordinator
 
 import (
+	"context"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -146,5 +149,97 @@ func BenchmarkBeginLookup2048(b *testing.B) {
 		if err != nil || !wire.IsBinaryPlan(m.Data) {
 			b.Fatalf("begin: %v %.80s", err, m.Data)
 		}
+	}
+}
+
+// TestSlowBeginHoldsNoOther: a restore.begin held while it prepares its
+// plan (the hook stands for a large plan on a busy host) holds neither
+// the begins after it, which the other subscribers of the lookup
+// connection's queue group answer, nor the restore table, whose history is
+// answered meanwhile; every begin is answered once it is let go.
+func TestSlowBeginHoldsNoOther(t *testing.T) {
+	entered, release := make(chan struct{}, 8), make(chan struct{})
+	var held atomic.Bool
+	var once sync.Once
+	letGo := func() { once.Do(func() { close(release) }) }
+	c := startCoord(t, func(cfg *Config) {
+		cfg.beginPrepareHook = func() {
+			if held.CompareAndSwap(false, true) {
+				entered <- struct{}{}
+				<-release
+			}
+		}
+	})
+	t.Cleanup(letGo) // runs before the coordinator's shutdown (registered earlier), which waits for the handler
+	nc := connect(t, c)
+	f := &restoreFixture{c: c, nc: nc, ns: register(t, nc, c.subj, testSpec(2))}
+	f.chunks = chain(f.ns, 3, 7)
+	for tp := range 2 {
+		r := wire.Rank{Instance: "eng", TPRank: tp}
+		if _, werr := sendBatch(t, nc, c.subj, storeBatch(r, 1, 0, f.ns, f.chunks, wire.L1)); werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	first := make(chan *wire.RestorePlan, 1)
+	go func() {
+		rep, err := bus.Call[wire.RestorePlan](tctx(t), connect(t, c), c.subj.Coord(wire.CoordRestoreBegin),
+			wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks})
+		if err != nil {
+			t.Error(err)
+		}
+		first <- rep
+	}()
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first begin never reached its preparation")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	if _, err := bus.Call[wire.AdminRestoresReply](ctx, nc, c.subj.Admin(wire.AdminRestores), nil); err != nil {
+		t.Fatalf("restore history while a begin prepares: %v (the restore table's lock held?)", err)
+	}
+	// NATS hands each begin to one subscriber of the queue group at
+	// random, the held one too: of 8 begins, some are answered at once
+	// (all 8 wait with one subscriber, or with the table's lock held).
+	const more = 8
+	plans := make(chan *wire.RestorePlan, more)
+	for range more {
+		go func() {
+			rep, err := bus.Call[wire.RestorePlan](tctx(t), nc, c.subj.Coord(wire.CoordRestoreBegin),
+				wire.RestoreBegin{Namespace: f.ns, Chunks: f.chunks})
+			if err != nil {
+				t.Error(err)
+			}
+			plans <- rep
+		}()
+	}
+	ids := map[string]bool{}
+	select {
+	case p := <-plans:
+		if p == nil || p.Prefix != 3 {
+			t.Fatalf("a begin while the first prepares: plan %+v, want prefix 3", p)
+		}
+		ids[p.RestoreID] = true
+	case <-ctx.Done():
+		t.Fatal("no begin answered while the first prepares")
+	}
+	letGo()
+	for range more - 1 {
+		p := <-plans
+		if p == nil || p.Prefix != 3 {
+			t.Fatalf("plan %+v, want prefix 3", p)
+		}
+		ids[p.RestoreID] = true
+	}
+	p := <-first
+	if p == nil || p.Prefix != 3 {
+		t.Fatalf("first plan %+v", p)
+	}
+	if ids[p.RestoreID] = true; len(ids) != more+1 {
+		t.Fatalf("%d distinct restore ids, want %d", len(ids), more+1)
+	}
+	if n := len(history(t, c, nc).Restores); n != 0 {
+		t.Fatalf("history holds %d decided restores, want 0 (both active)", n)
 	}
 }

@@ -307,6 +307,9 @@ type Config struct {
 	// heartbeatHook, when set (tests only), runs before each heartbeat
 	// is handled: a test blocks it to make heartbeats queue unhandled.
 	heartbeatHook func()
+	// beginPrepareHook, when set (tests only), runs as a restore.begin
+	// starts preparing its plan: a test blocks it to hold a begin there.
+	beginPrepareHook func()
 
 	// Registry gets every metric of this coordinator and its cluster member
 	// and is what /metrics serves. Default: a new registry per coordinator

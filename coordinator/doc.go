@@ -22,10 +22,12 @@
 // an engine request naming another instance, is refused and counted, never
 // applied.
 //
-// Lookups are answered by several subscribers of one NATS queue group
-// (lookupSubscribers) on a NATS connection of their own (never behind the
-// event stream), reading the index without waiting for its committer
-// (index/chunkmap.go), from JSON or binary requests (wire/lookup.go). Event batches are queued into the index
+// Lookups and restore begins (the vLLM connector's lookup) are answered by
+// several subscribers of one NATS queue group each (lookupSubscribers) on a
+// NATS connection of their own (never behind the event stream), a begin
+// preparing its plan outside the restore table's lock; both read the index
+// without waiting for its committer (index/chunkmap.go), from JSON or
+// binary requests (wire/lookup.go). Event batches are queued into the index
 // in arrival order per rank and acknowledged in that order once committed,
 // so a rank's in-flight batches share group commits. restore.begin answers
 // a JSON or binary plan (wire/plan.go) and refuses one that cannot fit a

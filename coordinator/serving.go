@@ -91,14 +91,20 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 			{c.subj.Coord(wire.CoordRestoreCancel), wire.CoordRestoreCancel, c.rs.handleCancel},
 		}...)
 	}
-	lookups := map[string]bool{c.subj.EngineCoordAll(wire.CoordLookup): true, c.subj.Coord(wire.CoordLookup): c.cfg.Insecure}
-	for range lookupSubscribers - 1 {
-		for subject, on := range lookups {
-			if on {
-				hs = append(hs, handler{subject, wire.CoordLookup, c.handleLookup})
+	// Lookups and restore begins (the connector's lookup since issue 24)
+	// go to lookupSubscribers queue subscribers each, on the lookup
+	// connection: never behind the event stream, and several at once.
+	lookups := map[string]bool{}
+	var more []handler
+	for _, h := range hs {
+		if h.op == wire.CoordLookup || h.op == wire.CoordRestoreBegin {
+			lookups[h.subject] = true
+			for range lookupSubscribers - 1 {
+				more = append(more, h)
 			}
 		}
 	}
+	hs = append(hs, more...)
 	// The membership admin requests read the member, which exists only
 	// once the cluster is joined; the rest need the index.
 	needs := map[string]int32{wire.AdminMembers: phaseServing, wire.AdminRanks: phaseServing}

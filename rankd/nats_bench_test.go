@@ -361,8 +361,9 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		b.Fatal(err)
 	}
 	beginSubj := subj.EngineCoord("eng", wire.CoordRestoreBegin)
+	var begunMu sync.Mutex
 	var begun []string
-	begin := func() error {
+	beginOn := func(nc *nats.Conn) error {
 		m, err := nc.Request(beginSubj, beginReq, 10*time.Second)
 		if err != nil {
 			return err
@@ -374,8 +375,46 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		if plan.Prefix != nchunks {
 			return fmt.Errorf("restore.begin: prefix %d of %d (%s)", plan.Prefix, nchunks, plan.Reason)
 		}
+		begunMu.Lock()
 		begun = append(begun, plan.RestoreID)
+		begunMu.Unlock()
 		return nil
+	}
+	begin := func() error { return beginOn(nc) }
+	lookupOn := func(nc *nats.Conn) error {
+		m, err := nc.Request(lookupSubj, req, 10*time.Second)
+		if err == nil && len(m.Data) != len(probe.Data) {
+			err = fmt.Errorf("lookup reply %d B, want %d B: %s", len(m.Data), len(probe.Data), m.Data)
+		}
+		return err
+	}
+	// Several engines at once (the connector's lookups of a batch's
+	// requests, from every instance of a share group): begins against
+	// lookups, each from clients connections of its own, interleaved in
+	// the same run.
+	const clients = 4
+	conns := make([]*nats.Conn, clients)
+	for i := range conns {
+		conns[i] = benchConnect(b, c, auth.Engine("eng"))
+	}
+	throughput := func(f func(*nats.Conn) error) float64 {
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		errs := make([]error, clients)
+		for i, cn := range conns {
+			wg.Go(func() {
+				for range samples / clients {
+					if errs[i] = f(cn); errs[i] != nil {
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			b.Fatal(err)
+		}
+		return float64(clients*(samples/clients)) / time.Since(t0).Seconds()
 	}
 	cancelBegun := func() {
 		for _, id := range begun {
@@ -403,11 +442,25 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		b.ReportMetric(median(r50), label+"-ratio-p50")
 		b.ReportMetric(median(r99), label+"-ratio-p99")
 	}
+	concurrent := func(label string) {
+		var br, lr, ratio []float64
+		for range benchReps() {
+			l := throughput(lookupOn)
+			bg := throughput(beginOn)
+			cancelBegun()
+			br, lr, ratio = append(br, bg), append(lr, l), append(ratio, bg/l)
+		}
+		b.Logf("%s: %d clients at once: begins %.0f/s, lookups %.0f/s, ratio %.2f (ratios %.2f)",
+			label, clients, median(br), median(lr), median(ratio), ratio)
+		b.ReportMetric(median(br), label+"-begins/s")
+		b.ReportMetric(median(ratio), label+"-begin-lookup-ratio")
+	}
 	for b.Loop() {
 		measure("idle", lookup, echo)
 		measure("idle-json", lookupJSON, echoJSON)
 		measure("idle-begin", begin, echo)
 		cancelBegun()
+		concurrent("idle-x4")
 
 		// Under ingest: 8 ranks publishing batches of 1024 without pause.
 		ingest := startBenchRanks(b, c, "load", shards, DefaultConfig(wire.Rank{}).EventWindow)
@@ -433,6 +486,7 @@ func BenchmarkLookupThroughNATS(b *testing.B) {
 		measure("ingest", lookup, echo)
 		measure("ingest-begin", begin, echo)
 		cancelBegun()
+		concurrent("ingest-x4")
 		rate := float64(events.Load()-e0) / time.Since(t0).Seconds()
 		stop.Store(true)
 		wg.Wait()
