@@ -80,11 +80,18 @@ func (r *cutRegistry) track(k cutKey, f *transfer.StoreFuture, deadline time.Tim
 // cut cuts k's stores in flight (when through is set, those with an
 // engine deadline at or before it, or none), and remembers the cut until expires
 // for the stores of k that register later (through set). It returns the
-// stores it cut now.
+// stores it cut now. A store whose result is final is not in flight, though
+// it stays tracked until its handler returns, after its reply: a cut the
+// engine sends once it has the reply cuts nothing.
 func (r *cutRegistry) cut(k cutKey, through, expires, now time.Time) int {
 	r.mu.Lock()
 	var fs []*transfer.StoreFuture
 	for _, s := range r.stores[k] {
+		select {
+		case <-s.f.Done():
+			continue
+		default:
+		}
 		if through.IsZero() || s.deadline.IsZero() || covers(through, s.deadline) {
 			fs = append(fs, s.f)
 		}
