@@ -149,6 +149,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 // coordinator's.
 type serveOptions struct {
 	cpuProfile string // write a CPU profile of the whole run here
+	cpuHz      int    // its sampling rate (0: the runtime's 100 Hz)
 }
 
 // errFlags: the flags did not parse; the flag set has said why.
@@ -166,6 +167,7 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	cfg := coordinator.DefaultConfig()
 	var opts serveOptions
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
 	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
@@ -303,7 +305,7 @@ func runServe(ctx context.Context, cfg coordinator.Config, opts serveOptions) er
 	if err != nil {
 		return usageError{err}
 	}
-	stopProf, err := cpuprof.Start(opts.cpuProfile)
+	stopProf, err := cpuprof.Start(opts.cpuProfile, opts.cpuHz)
 	if err != nil {
 		return usageError{err}
 	}

@@ -93,6 +93,7 @@ func cudaConnections() string {
 // options are the command line's settings that are not the daemon's.
 type options struct {
 	cpuProfile string // write a CPU profile of the whole run here
+	cpuHz      int    // its sampling rate (0: the runtime's 100 Hz)
 }
 
 // configError is a config the daemon refused (exit 2).
@@ -189,6 +190,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "1GiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
 
 	// The defaults derived from the rank, now that the flags named it.
@@ -309,7 +311,7 @@ func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	if err != nil {
 		return configError{err}
 	}
-	stopProf, err := cpuprof.Start(opts.cpuProfile)
+	stopProf, err := cpuprof.Start(opts.cpuProfile, opts.cpuHz)
 	if err != nil {
 		return configError{err}
 	}

@@ -1,6 +1,10 @@
 package cpuprof
 
 import (
+	"bytes"
+	"compress/gzip"
+	"encoding/binary"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -8,7 +12,7 @@ import (
 
 func TestStartWritesProfile(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "cpu.pprof")
-	stop, err := Start(p)
+	stop, err := Start(p, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -28,11 +32,80 @@ func TestStartWritesProfile(t *testing.T) {
 }
 
 func TestStartNoneAndBadPath(t *testing.T) {
-	stop, err := Start("")
+	stop, err := Start("", 0)
 	if err != nil || stop() != nil {
 		t.Fatalf("Start(\"\"): %v", err)
 	}
-	if _, err := Start(filepath.Join(t.TempDir(), "missing", "cpu.pprof")); err == nil {
+	if _, err := Start(filepath.Join(t.TempDir(), "missing", "cpu.pprof"), 0); err == nil {
 		t.Fatal("Start into a missing directory succeeded")
 	}
+	for _, hz := range []int{-1, MaxHz + 1} {
+		if _, err := Start(filepath.Join(t.TempDir(), "cpu.pprof"), hz); err == nil {
+			t.Fatalf("Start at %d Hz succeeded", hz)
+		}
+	}
+}
+
+// TestStartRate: the profile's sampling period is the asked rate's, not
+// the runtime's 100 Hz.
+func TestStartRate(t *testing.T) {
+	for _, tc := range []struct{ hz, period int64 }{{0, 1e7}, {1000, 1e6}} {
+		p := filepath.Join(t.TempDir(), "cpu.pprof")
+		stop, err := Start(p, int(tc.hz))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		if got := profilePeriod(t, p); got != tc.period {
+			t.Errorf("%d Hz: period %d ns, want %d", tc.hz, got, tc.period)
+		}
+	}
+}
+
+// profilePeriod reads the period (field 12, a varint) of the gzipped
+// profile.proto message at path: its top-level fields walked by wire type.
+func profilePeriod(t *testing.T, path string) int64 {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	zr, err := gzip.NewReader(bytes.NewReader(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(zr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for len(b) > 0 {
+		key, n := binary.Uvarint(b)
+		if n <= 0 {
+			t.Fatal("bad field key")
+		}
+		b = b[n:]
+		switch key & 7 {
+		case 0:
+			v, n := binary.Uvarint(b)
+			if n <= 0 {
+				t.Fatal("bad varint")
+			}
+			if key>>3 == 12 {
+				return int64(v)
+			}
+			b = b[n:]
+		case 2:
+			l, n := binary.Uvarint(b)
+			if n <= 0 || uint64(len(b)-n) < l {
+				t.Fatal("bad length")
+			}
+			b = b[n+int(l):]
+		default:
+			t.Fatalf("wire type %d at the top level", key&7)
+		}
+	}
+	t.Fatal("no period in the profile")
+	return 0
 }
