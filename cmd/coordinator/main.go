@@ -150,6 +150,7 @@ func serve(ctx context.Context, args []string, stderr io.Writer) int {
 type serveOptions struct {
 	cpuProfile string // write a CPU profile of the whole run here
 	cpuHz      int    // its sampling rate (0: the runtime's 100 Hz)
+	waitProf   string // write where goroutines waited to this path + .block / .mutex
 }
 
 // errFlags: the flags did not parse; the flag set has said why.
@@ -167,6 +168,7 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	cfg := coordinator.DefaultConfig()
 	var opts serveOptions
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	fs.StringVar(&opts.waitProf, "wait-profile", "", "write where goroutines waited over the whole run (Go's block and mutex profiles) to this path + .block and .mutex (benchmarks)")
 	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
 	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
@@ -310,6 +312,11 @@ func runServe(ctx context.Context, cfg coordinator.Config, opts serveOptions) er
 		return usageError{err}
 	}
 	defer func() { _ = stopProf() }()
+	stopWaits, err := cpuprof.StartWaits(opts.waitProf)
+	if err != nil {
+		return usageError{err}
+	}
+	defer func() { _ = stopWaits() }()
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)

@@ -94,6 +94,7 @@ func cudaConnections() string {
 type options struct {
 	cpuProfile string // write a CPU profile of the whole run here
 	cpuHz      int    // its sampling rate (0: the runtime's 100 Hz)
+	waitProf   string // write where goroutines waited to this path + .block / .mutex
 }
 
 // configError is a config the daemon refused (exit 2).
@@ -190,6 +191,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.StringVar(&retrieveBatch, "retrieve-batch-bytes", "1GiB", "the L1 one restore pins at a time (bytes, or with KiB/MiB/GiB; at most a quarter of L1): its chunks go through L1 and the device in batches of this size, each a transfer of its own")
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
+	fs.StringVar(&opts.waitProf, "wait-profile", "", "write where goroutines waited over the whole run (Go's block and mutex profiles) to this path + .block and .mutex (benchmarks)")
 	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
 
@@ -316,6 +318,11 @@ func run(ctx context.Context, cfg rankd.Config, opts options) error {
 		return configError{err}
 	}
 	defer func() { _ = stopProf() }()
+	stopWaits, err := cpuprof.StartWaits(opts.waitProf)
+	if err != nil {
+		return configError{err}
+	}
+	defer func() { _ = stopWaits() }()
 	if err := d.Start(ctx); err != nil {
 		log.Error("start failed", zap.Error(err))
 		_ = d.Shutdown(context.Background())
@@ -325,6 +332,7 @@ func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	log.Info("signal received; shutting down")
 	err = d.Shutdown(context.Background())
 	_ = stopProf()
+	_ = stopWaits()
 	if err != nil {
 		log.Error("shutdown", zap.Error(err))
 		return err

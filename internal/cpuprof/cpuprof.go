@@ -1,13 +1,16 @@
 // Package cpuprof writes a CPU profile of a daemon for its whole run
-// (--cpu-profile): profiling a benchmark through the real daemons, with no
-// HTTP endpoint to expose.
+// (--cpu-profile), and where its goroutines waited (--wait-profile):
+// profiling a benchmark through the real daemons, with no HTTP endpoint to
+// expose.
 package cpuprof
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"sync"
 )
 
 // DefaultHz is the Go runtime's own sampling rate.
@@ -45,3 +48,44 @@ func Start(path string, hz int) (stop func() error, err error) {
 		return f.Close()
 	}, nil
 }
+
+// StartWaits records where goroutines wait: every blocking event on a
+// channel, a select or a sync primitive (Go's block profile) and every
+// contended mutex (the mutex profile), until the returned function writes
+// them to path+".block" and path+".mutex" ("" : none). CPU profiles miss
+// that time: a restore whose enqueue takes 1.5 ms of which 0.2 ms are CPU
+// waits somewhere. Both files are created at once, so a bad path fails at
+// the start. The returned function may be called more than once.
+func StartWaits(path string) (stop func() error, err error) {
+	if path == "" {
+		return func() error { return nil }, nil
+	}
+	var files [2]*os.File
+	for i, kind := range waitKinds {
+		f, err := os.OpenFile(path+"."+kind, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+		if err != nil {
+			if i > 0 {
+				_ = files[0].Close()
+			}
+			return nil, fmt.Errorf("wait profile: %w", err)
+		}
+		files[i] = f
+	}
+	runtime.SetBlockProfileRate(1)
+	runtime.SetMutexProfileFraction(1)
+	var once sync.Once
+	return func() error {
+		var errs []error
+		once.Do(func() {
+			for i, kind := range waitKinds {
+				errs = append(errs, pprof.Lookup(kind).WriteTo(files[i], 0), files[i].Close())
+			}
+			runtime.SetBlockProfileRate(0)
+			runtime.SetMutexProfileFraction(0)
+		})
+		return errors.Join(errs...)
+	}, nil
+}
+
+// waitKinds are the runtime profiles StartWaits writes, in file order.
+var waitKinds = [2]string{"block", "mutex"}

@@ -7,7 +7,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 )
 
 func TestStartWritesProfile(t *testing.T) {
@@ -65,8 +67,24 @@ func TestStartRate(t *testing.T) {
 }
 
 // profilePeriod reads the period (field 12, a varint) of the gzipped
-// profile.proto message at path: its top-level fields walked by wire type.
+// profile.proto message at path.
 func profilePeriod(t *testing.T, path string) int64 {
+	t.Helper()
+	period := int64(-1)
+	walkProfile(t, path, func(field, v uint64) {
+		if field == 12 {
+			period = int64(v)
+		}
+	})
+	if period < 0 {
+		t.Fatal("no period in the profile")
+	}
+	return period
+}
+
+// walkProfile calls fn with each top-level field of the gzipped
+// profile.proto message at path: its number, and its value when a varint.
+func walkProfile(t *testing.T, path string, fn func(field, varint uint64)) {
 	t.Helper()
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -92,20 +110,70 @@ func profilePeriod(t *testing.T, path string) int64 {
 			if n <= 0 {
 				t.Fatal("bad varint")
 			}
-			if key>>3 == 12 {
-				return int64(v)
-			}
+			fn(key>>3, v)
 			b = b[n:]
 		case 2:
 			l, n := binary.Uvarint(b)
 			if n <= 0 || uint64(len(b)-n) < l {
 				t.Fatal("bad length")
 			}
+			fn(key>>3, 0)
 			b = b[n+int(l):]
 		default:
 			t.Fatalf("wire type %d at the top level", key&7)
 		}
 	}
-	t.Fatal("no period in the profile")
-	return 0
+}
+
+// TestStartWaits: a goroutine blocked on a channel and a contended mutex
+// each leave a sample in their profile; a second stop does nothing; a bad
+// path fails at the start.
+func TestStartWaits(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "waits")
+	stop, err := StartWaits(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := make(chan struct{})
+	var mu sync.Mutex
+	mu.Lock()
+	done := make(chan struct{})
+	go func() {
+		<-ch
+		mu.Lock() // contended: held below until after a pause
+		mu.Unlock()
+		close(done)
+	}()
+	time.Sleep(20 * time.Millisecond)
+	close(ch)
+	time.Sleep(20 * time.Millisecond)
+	mu.Unlock()
+	<-done
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("second stop: %v", err)
+	}
+	for _, kind := range []string{"block", "mutex"} {
+		if n := profileSamples(t, p+"."+kind); n == 0 {
+			t.Errorf("%s profile has no sample", kind)
+		}
+	}
+	if _, err := StartWaits(filepath.Join(t.TempDir(), "missing", "waits")); err == nil {
+		t.Fatal("StartWaits into a missing directory succeeded")
+	}
+}
+
+// profileSamples counts the samples (field 2) of the gzipped profile.proto
+// message at path.
+func profileSamples(t *testing.T, path string) int {
+	t.Helper()
+	n := 0
+	walkProfile(t, path, func(field uint64, _ uint64) {
+		if field == 2 {
+			n++
+		}
+	})
+	return n
 }
