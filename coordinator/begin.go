@@ -265,20 +265,20 @@ func planRestore(st beginState, id string, req *wire.RestoreBeginRequest, res *i
 	if items == nil {
 		return restorePlan{kind: beginActive}
 	}
+	byTP := make(map[int]*restoreReader, len(readers))
 	for _, s := range readers {
-		if rd := items.readers[s.tp]; rd != nil {
-			rd.inc = s.inc
-		}
+		byTP[s.tp] = &restoreReader{inc: s.inc, slots: items.slots[s.tp]}
 	}
-	return restorePlan{kind: beginActive, plan: items.plan, readers: items.readers}
+	return restorePlan{kind: beginActive, plan: items.plan, readers: byTP}
 }
 
-// plannedItems is the reply of a restore with items and what it expects
-// of each reader rank (its incarnation is set when the restore is
-// admitted): planItems' result.
+// plannedItems is the reply of a restore with items and the (chunk,
+// group) slots each reader rank reads, by TP rank: planItems' result. The
+// incarnation each reader is expected at is judged when the restore is
+// admitted (planRestore).
 type plannedItems struct {
-	plan    *wire.RestorePlan
-	readers map[int]*restoreReader // by TP rank
+	plan  *wire.RestorePlan
+	slots map[int][]readSlot
 }
 
 // planItems lists each reader's items of res's prefix in chunk order
@@ -287,14 +287,14 @@ type plannedItems struct {
 // restore table's lock.
 func planItems(id string, req *wire.RestoreBeginRequest, res *index.LookupResult, zeroCut string) *plannedItems {
 	plan := &wire.RestorePlan{RestoreID: id, Prefix: res.Prefix, Ranks: make(map[string][]wire.RetrieveItem), Reason: zeroCut}
-	byTP := make(map[int]*restoreReader)
 	// Each expectation's reader once (its items and slots), not per item:
 	// a restore of 2,048 chunks is thousands of items.
 	type readerOf struct {
 		items *[]wire.RetrieveItem
-		rd    *restoreReader
+		slots *[]readSlot
 	}
 	lists := make(map[int]*[]wire.RetrieveItem)
+	slots := make(map[int]*[]readSlot)
 	of := make([]readerOf, len(res.Expectations))
 	for j, e := range res.Expectations {
 		l := lists[e.Rank]
@@ -302,9 +302,10 @@ func planItems(id string, req *wire.RestoreBeginRequest, res *index.LookupResult
 			l = new([]wire.RetrieveItem)
 			*l = make([]wire.RetrieveItem, 0, res.Prefix)
 			lists[e.Rank] = l
-			byTP[e.Rank] = &restoreReader{slots: make([]readSlot, 0, res.Prefix)}
+			sl := make([]readSlot, 0, res.Prefix)
+			slots[e.Rank] = &sl
 		}
-		of[j] = readerOf{items: l, rd: byTP[e.Rank]}
+		of[j] = readerOf{items: l, slots: slots[e.Rank]}
 	}
 	for i := range res.Prefix {
 		for j, e := range res.Expectations {
@@ -319,7 +320,7 @@ func planItems(id string, req *wire.RestoreBeginRequest, res *index.LookupResult
 				Sum:    src.Sum,
 				Source: wire.Source{Holder: res.Holder(i, j), Tier: src.Tier},
 			})
-			o.rd.slots = append(o.rd.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
+			*o.slots = append(*o.slots, readSlot{chunk: int32(i), group: int32(e.Group)})
 		}
 	}
 	for tp, l := range lists {
@@ -327,7 +328,11 @@ func planItems(id string, req *wire.RestoreBeginRequest, res *index.LookupResult
 			plan.Ranks[wire.Rank{Instance: res.Instance, TPRank: tp}.String()] = *l
 		}
 	}
-	return &plannedItems{plan: plan, readers: byTP}
+	out := &plannedItems{plan: plan, slots: make(map[int][]readSlot, len(slots))}
+	for tp, sl := range slots {
+		out.slots[tp] = *sl
+	}
+	return out
 }
 
 // prepared is a restore with items made ready before the restore table's

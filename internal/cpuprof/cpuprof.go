@@ -64,8 +64,9 @@ func StartWaits(path string) (stop func() error, err error) {
 	for i, kind := range waitKinds {
 		f, err := os.OpenFile(path+"."+kind, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 		if err != nil {
-			if i > 0 {
-				_ = files[0].Close()
+			for _, g := range files[:i] { // no half-written pair left behind
+				_ = g.Close()
+				_ = os.Remove(g.Name())
 			}
 			return nil, fmt.Errorf("wait profile: %w", err)
 		}
