@@ -67,9 +67,9 @@ func TestBenchDaemonPath(t *testing.T) {
 	// The last repetition's timelines: every stage, the engine's and the
 	// rankd's adding up to no more than the timed total, on one clock.
 	for name, want := range map[string][]string{
-		"store": {"request", "decode", "admit", "place", "stream", "enqueue", "wait", "notice", "commit", "release", "reply",
+		"store": {"request", "decode", "admit", "place", "stream", "enqueue", "launch", "wait", "notice", "commit", "release", "reply",
 			"response", "producer", "gather"},
-		"restore": {"begin", "request", "decode", "plan", "lookup", "stream", "enqueue", "wait", "notice", "verify", "finish",
+		"restore": {"begin", "request", "decode", "plan", "lookup", "stream", "enqueue", "launch", "wait", "notice", "verify", "finish",
 			"report", "reply", "response", "other ranks", "verdict", "scatter"},
 	} {
 		tl := b.StoreTimeline

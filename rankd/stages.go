@@ -28,10 +28,10 @@ const StatusAllTimelines = "*"
 // kvtier_rankd_stage_seconds.
 var opStages = map[string][]transfer.Stage{
 	OpStore: {transfer.StageDecode, transfer.StageAdmit, transfer.StagePlace, transfer.StageStream,
-		transfer.StageEnqueue, transfer.StageWait, transfer.StageNotice, transfer.StageCommit,
+		transfer.StageEnqueue, transfer.StageLaunch, transfer.StageWait, transfer.StageNotice, transfer.StageCommit,
 		transfer.StageRelease, transfer.StageReply, transfer.StageProducer, transfer.StageGather},
 	OpRetrieve: {transfer.StageDecode, transfer.StagePlan, transfer.StagePace, transfer.StageLookup, transfer.StageStream,
-		transfer.StageEnqueue, transfer.StageWait, transfer.StageNotice, transfer.StageVerify,
+		transfer.StageEnqueue, transfer.StageLaunch, transfer.StageWait, transfer.StageNotice, transfer.StageVerify,
 		transfer.StageFinish, transfer.StageReport, transfer.StageReply, transfer.StageScatter},
 }
 

@@ -96,7 +96,7 @@ func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 	if len(tls) != 1 {
 		t.Fatalf("%d timelines of the store, want 1", len(tls))
 	}
-	stages := checkWireTimeline(t, tls[0], OpStore, "tl-store", storeWall, []string{"decode", "admit", "place", "stream", "enqueue",
+	stages := checkWireTimeline(t, tls[0], OpStore, "tl-store", storeWall, []string{"decode", "admit", "place", "stream", "enqueue", "launch",
 		"wait", "notice", "commit", "release", "reply", "producer", "gather"})
 	if !stages["gather"].Device || stages["commit"].Device {
 		t.Fatalf("device flags: gather %v, commit %v", stages["gather"].Device, stages["commit"].Device)
@@ -115,7 +115,7 @@ func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 	if len(tls) != 1 {
 		t.Fatalf("%d timelines of the restore, want 1", len(tls))
 	}
-	rs := checkWireTimeline(t, tls[0], OpRetrieve, "tl-restore", retrieveWall, []string{"decode", "plan", "lookup", "stream", "enqueue",
+	rs := checkWireTimeline(t, tls[0], OpRetrieve, "tl-restore", retrieveWall, []string{"decode", "plan", "lookup", "stream", "enqueue", "launch",
 		"wait", "notice", "verify", "finish", "report", "reply", "scatter"})
 	if rs["report"].StartNS < rs["reply"].StartNS+rs["reply"].DurNS {
 		t.Fatalf("report stage %+v before the reply %+v: the reply waited for the report's acknowledgment", rs["report"], rs["reply"])

@@ -385,12 +385,14 @@ func (r *retrieval) start(ctx context.Context, bi int, idx []int, prev **pending
 	}
 	tm := newCopyTimers(e.dev, r.tl, 2).mark(stream, 0)
 	if op, ok := r.enqueueScatter(stream, e.l1buf, scatter, objs); ok {
+		r.tl.LapTo(StageEnqueue, bi, op.Started())
 		p.stream, p.op = stream, op
 		p.timers = tm.began(op).mark(stream, 1)
+		r.tl.Lap(StageLaunch, bi)
 	} else {
 		tm.release()
+		r.tl.Lap(StageEnqueue, bi)
 	}
-	r.tl.Lap(StageEnqueue, bi)
 	if e.hooks.scatterEnqueued != nil {
 		e.hooks.scatterEnqueued(r.req.RestoreID, idx)
 	}

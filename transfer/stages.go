@@ -21,7 +21,7 @@ import (
 // Stage is one step of a store or a retrieve.
 type Stage uint8
 
-// The stages, host lane first. Per batch: Lookup, Stream, Enqueue, Wait,
+// The stages, host lane first. Per batch: Lookup, Stream, Enqueue, Launch, Wait,
 // Notice, Verify, Scatter (a store is one batch).
 const (
 	StageDecode   Stage = iota // rankd: receipt to request decoded (including the hand-off to a handler)
@@ -31,7 +31,8 @@ const (
 	StageLookup                // retrieve: L1 lookup and pins, L2/L3/peer reads, checks before the scatter
 	StagePace                  // retrieve, paced (RetrieveRequest.Pace): the wait before a batch's lookup
 	StageStream                // waiting for a free stream
-	StageEnqueue               // validating and enqueuing the copy (with its timer marks)
+	StageEnqueue               // the copy's checks, plan and tables, and the timer mark before it
+	StageLaunch                // the copy's driver calls, from cuda.Op.Started until the enqueue returned (and the mark after it)
 	StageWait                  // the host waits until the device has finished the copy
 	StageNotice                // from the device's finish until the host saw it (polling)
 	StageCommit                // store: the objects committed in L1
@@ -48,7 +49,7 @@ const (
 
 var stageNames = [NumStages]string{
 	StageDecode: "decode", StageAdmit: "admit", StagePlan: "plan", StagePlace: "place", StageLookup: "lookup",
-	StagePace: "pace", StageStream: "stream", StageEnqueue: "enqueue", StageWait: "wait", StageNotice: "notice",
+	StagePace: "pace", StageStream: "stream", StageEnqueue: "enqueue", StageLaunch: "launch", StageWait: "wait", StageNotice: "notice",
 	StageCommit: "commit", StageVerify: "verify", StageFinish: "finish", StageRelease: "release",
 	StageReport: "report", StageReply: "reply", StageProducer: "producer", StageGather: "gather",
 	StageScatter: "scatter",

@@ -140,11 +140,12 @@ func TestStageTimelines(t *testing.T) {
 			order = append(order, s.Stage.String())
 		}
 	}
-	if got, want := fmt.Sprint(order), "[admit place stream enqueue wait notice commit]"; got != want {
+	if got, want := fmt.Sprint(order), "[admit place stream enqueue launch wait notice commit]"; got != want {
 		t.Fatalf("store host stages %s, want %s", got, want)
 	}
 	within(t, spans, "producer", 0)
 	within(t, spans, "gather", 0)
+	launchedFirst(t, spans, "gather", 0)
 	if p, g := spans["producer/0"], spans["gather/0"]; p.Start+p.Dur != g.Start {
 		t.Fatalf("the producer wait ends at %v, the gather starts at %v: they share a mark", p.Start+p.Dur, g.Start)
 	}
@@ -184,14 +185,15 @@ func TestStageTimelines(t *testing.T) {
 		t.Fatalf("retrieve's host stages start with %s and end with %s, want plan and finish", host[0].Stage, host[len(host)-1].Stage)
 	}
 	for b := range chunks {
-		seq := []string{"lookup", "stream", "enqueue", "wait", "notice", "verify"}
+		seq := []string{"lookup", "stream", "enqueue", "launch", "wait", "notice", "verify"}
 		for i := 1; i < len(seq); i++ {
 			before(t, spans, fmt.Sprintf("%s/%d", seq[i-1], b), fmt.Sprintf("%s/%d", seq[i], b))
 		}
 		within(t, spans, "scatter", b)
+		launchedFirst(t, spans, "scatter", b)
 	}
-	if n := len(tl.Spans()); n != 2+7*chunks {
-		t.Fatalf("retrieve timeline has %d stages, want %d (plan, finish and 7 per batch)", n, 2+7*chunks)
+	if n := len(tl.Spans()); n != 2+8*chunks {
+		t.Fatalf("retrieve timeline has %d stages, want %d (plan, finish and 8 per batch)", n, 2+8*chunks)
 	}
 	if tl.Bytes != chunks*objBytes {
 		t.Fatalf("retrieve timeline bytes %d, want %d", tl.Bytes, chunks*objBytes)
@@ -587,5 +589,21 @@ func TestBatchesGroupEachChunksItems(t *testing.T) {
 	r = &retrieval{e: e2, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
 	if got, want := fmt.Sprint(r.batches()), "[[0 3 1 4 2 5]]"; got != want {
 		t.Fatalf("one batch: %s, want %s", got, want)
+	}
+}
+
+// launchedFirst checks that device copy dev of a batch starts no earlier
+// than its launch stage: the enqueue stage ends when the copy's work began
+// to reach its stream (cuda.Op.Started), where the copy's device time
+// starts at the earliest.
+func launchedFirst(t *testing.T, spans map[string]StageSpan, dev string, batch int) {
+	t.Helper()
+	d, ok := spans[fmt.Sprintf("%s/%d", dev, batch)]
+	l, ok2 := spans[fmt.Sprintf("launch/%d", batch)]
+	if !ok || !ok2 {
+		t.Fatalf("batch %d: %s or launch missing (%v %v)", batch, dev, ok, ok2)
+	}
+	if d.Start < l.Start {
+		t.Fatalf("batch %d: %s starts at %v, before its launch at %v", batch, dev, d.Start, l.Start)
 	}
 }

@@ -344,8 +344,9 @@ func (e *Engine) gather(ctx context.Context, f *StoreFuture, live []storeWork, k
 		return false
 	}
 	e.ctr.countOp(false, op)
+	f.tl.LapTo(StageEnqueue, 0, op.Started())
 	tm = tm.began(op).mark(stream, 2)
-	f.tl.Lap(StageEnqueue, 0)
+	f.tl.Lap(StageLaunch, 0)
 	err = op.Wait(ctx)
 	switch {
 	case err == nil:
