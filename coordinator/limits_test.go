@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -183,13 +184,20 @@ func TestRestoreDeadlineClamped(t *testing.T) {
 
 // TestRestoreFloodLeavesOtherInstances: one instance's flood of begins is
 // capped per instance; another instance's begin is still accepted. On
-// f044f94 the flood took every slot.
+// f044f94 the flood took every slot. A begin refused by a limit is refused
+// before its plan is built: from 10bbf9c to eab9791 each one prepared its
+// plan (twice a lookup's CPU) and dropped it, so a flood cost that much
+// per refusal.
 func TestRestoreFloodLeavesOtherInstances(t *testing.T) {
-	c := startCoord(t, func(cfg *Config) { cfg.MaxActiveRestores, cfg.MaxActiveRestoresPerInstance = 8, 4 })
+	var prepared atomic.Int64
+	c := startCoord(t, func(cfg *Config) {
+		cfg.MaxActiveRestores, cfg.MaxActiveRestoresPerInstance = 8, 4
+		cfg.beginPrepareHook = func() { prepared.Add(1) }
+	})
 	nc := connect(t, c)
 	ns := register(t, nc, c.subj, testSpec(1))
 	chunks := chain(ns, 2, 1)
-	for _, inst := range []string{"flood", "victim"} {
+	for _, inst := range []string{"flood", "victim", "third"} {
 		if _, werr := sendBatch(t, nc, c.subj, storeBatch(wire.Rank{Instance: inst}, 1, 0, ns, chunks, wire.L1)); werr != nil {
 			t.Fatal(werr)
 		}
@@ -208,8 +216,24 @@ func TestRestoreFloodLeavesOtherInstances(t *testing.T) {
 			t.Fatalf("begin %d of the flood: %v", i, werr)
 		}
 	}
+	if n := prepared.Load(); n != 4 {
+		t.Fatalf("%d plans prepared for the flood's 4 admitted and 4 refused begins, want 4", n)
+	}
 	if werr := begin("victim"); werr != nil {
 		t.Fatalf("the other instance's begin: %v", werr)
+	}
+	for i := range 3 { // the victim's share, and then the table's 8
+		if werr := begin("victim"); werr != nil {
+			t.Fatalf("the other instance's begin %d: %v", i+2, werr)
+		}
+	}
+	for range 3 {
+		if werr := begin("third"); werr == nil || werr.Code != wire.CodeUnavailable || !strings.Contains(werr.Message, "8 restores active, limit 8") {
+			t.Fatalf("a begin past the table's limit: %v", werr)
+		}
+	}
+	if n := prepared.Load(); n != 8 {
+		t.Fatalf("%d plans prepared for 8 admitted and 7 refused begins, want 8", n)
 	}
 }
 
