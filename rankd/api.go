@@ -155,12 +155,16 @@ func (d *Daemon) engineHandler(op string) nats.MsgHandler {
 		}
 		d.met.inFlight.Inc()
 		if !d.requests.Go(name, func() {
+			var fin *finishedTimeline
 			defer func() {
 				<-d.slots
 				d.met.inFlight.Dec()
+				// After the slot: reading the device's times may wait
+				// (up to a second) for the marks of a copy that failed.
+				fin.record(d.met.stages)
 			}()
 			start := time.Now()
-			d.serve(op, msg, recv)
+			fin = d.serve(op, msg, recv)
 			d.met.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
 		}) {
 			// Shutdown closed the group since closing was read.
@@ -182,11 +186,26 @@ func (d *Daemon) refuseClosing(op string, msg *nats.Msg) {
 	d.replyErr(op, msg, err)
 }
 
+// finishedTimeline is the timeline of a store or retrieve that was
+// answered, for stageRecorder.done once the request's slot is free.
+type finishedTimeline struct {
+	op, id string
+	tl     *transfer.Timeline
+}
+
+func (f *finishedTimeline) record(r *stageRecorder) {
+	if f != nil {
+		r.done(f.op, f.id, f.tl)
+	}
+}
+
 // serve answers one engine request, received at recv; every path replies
-// exactly once.
-func (d *Daemon) serve(op string, msg *nats.Msg, recv time.Time) {
+// exactly once. It returns the timeline of a store or retrieve that was
+// answered (nil for others and for refusals), not written any more.
+func (d *Daemon) serve(op string, msg *nats.Msg, recv time.Time) (fin *finishedTimeline) {
 	defer func() {
 		if r := recover(); r != nil {
+			fin = nil // possibly half written
 			d.log.Error("engine request handler panicked; replied internal", zap.String("op", op), zap.Any("panic", r), zap.Stack("stack"))
 			d.replyErr(op, msg, fmt.Errorf("internal error serving %s", op))
 		}
@@ -199,9 +218,9 @@ func (d *Daemon) serve(op string, msg *nats.Msg, recv time.Time) {
 	case OpRegister:
 		err = d.serveRegister(ctx, msg)
 	case OpStore:
-		err = d.serveStore(ctx, msg, transfer.NewTimeline(recv))
+		fin, err = d.serveStore(ctx, msg, transfer.NewTimeline(recv))
 	case OpRetrieve:
-		err = d.serveRetrieve(ctx, msg, transfer.NewTimeline(recv))
+		fin, err = d.serveRetrieve(ctx, msg, transfer.NewTimeline(recv))
 	case OpRelease:
 		err = d.serveRelease(msg)
 	case OpStatus:
@@ -212,6 +231,7 @@ func (d *Daemon) serve(op string, msg *nats.Msg, recv time.Time) {
 	if err != nil {
 		d.replyErr(op, msg, err)
 	}
+	return fin
 }
 
 // replyErr sends an error reply with the error's stable code and counts it.
@@ -352,11 +372,12 @@ func (d *Daemon) callerOf(msg *nats.Msg) string {
 	return "engine/" + d.cfg.Rank.Instance
 }
 
-// serveStore serves a store, recording its stages in tl.
-func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) error {
+// serveStore serves a store, recording its stages in tl; once it has
+// answered it returns tl, final.
+func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) (*finishedTimeline, error) {
 	req, err := DecodeStoreRequest(msg.Data)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	tl.Lap(transfer.StageDecode, -1)
 	// The engine's deadline (wire.HeaderDeadline): the engine holds the
@@ -369,11 +390,11 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	var dl time.Time
 	if v := msg.Header.Get(wire.HeaderDeadline); v != "" {
 		if dl, err = wire.ParseDeadline(v); err != nil {
-			return err
+			return nil, err
 		}
 		if late := time.Since(dl); late >= 0 {
 			d.met.storeDeadline.WithLabelValues("expired_on_arrival").Inc()
-			return fmt.Errorf("store %s arrived %v after the engine's deadline; nothing stored: %w", req.RequestID, late.Round(time.Millisecond), ErrUnavailable)
+			return nil, fmt.Errorf("store %s arrived %v after the engine's deadline; nothing stored: %w", req.RequestID, late.Round(time.Millisecond), ErrUnavailable)
 		}
 		// Store takes the deadline of its context as the engine's; the
 		// future outlives it (waited for under ctx below).
@@ -387,7 +408,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	if v := msg.Header.Get(wire.HeaderGatherLimit); v != "" {
 		limit, err := wire.ParseGatherLimit(v)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		sctx = transfer.WithGatherLimit(sctx, limit)
 	}
@@ -397,7 +418,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	caller := d.callerOf(msg)
 	f, err := d.eng.Store(transfer.WithTimeline(sctx, tl), transfer.StoreRequestOf(req, caller))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	untrack, cut := d.cuts.track(cutKey{caller, req.RequestID}, f, dl, time.Now())
 	defer untrack()
@@ -411,7 +432,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	select {
 	case <-f.Done():
 	default:
-		return fmt.Errorf("store %s: %w", req.RequestID, ctx.Err())
+		return nil, fmt.Errorf("store %s: %w", req.RequestID, ctx.Err())
 	}
 	rep := res.Wire()
 	if cut := res.PastDeadline(); cut > 0 {
@@ -442,8 +463,7 @@ func (d *Daemon) serveStore(ctx context.Context, msg *nats.Msg, tl *transfer.Tim
 	tl.Lap(transfer.StageRelease, -1)
 	err = respond(d, OpStore, msg, &rep)
 	tl.Lap(transfer.StageReply, -1)
-	d.met.stages.done(OpStore, req.RequestID, tl)
-	return err
+	return &finishedTimeline{OpStore, req.RequestID, tl}, err
 }
 
 // serveCut serves OpCut on the NATS callback: it takes no request slot
@@ -483,11 +503,11 @@ func (d *Daemon) serveCut(msg *nats.Msg) {
 }
 
 // serveRetrieve serves a retrieve, recording its stages in tl.
-func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) error {
+func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.Timeline) (*finishedTimeline, error) {
 	req, err := DecodeRetrieveRequest(msg.Data)
 	if err != nil {
 		d.reportRejected(msg.Data, err)
-		return err
+		return nil, err
 	}
 	tl.Lap(transfer.StageDecode, -1)
 	// The engine's deadline (wire.HeaderDeadline): past it the engine has
@@ -497,13 +517,13 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		dl, err := wire.ParseDeadline(v)
 		if err != nil {
 			d.reportRejected(msg.Data, err)
-			return err
+			return nil, err
 		}
 		if late := time.Since(dl); late >= 0 {
 			d.met.retrieveDeadline.WithLabelValues("expired_on_arrival").Inc()
 			err := fmt.Errorf("retrieve %s arrived %v after the engine's deadline; nothing placed: %w", req.RestoreID, late.Round(time.Millisecond), ErrUnavailable)
 			d.reportRejected(msg.Data, err)
-			return err
+			return nil, err
 		}
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, dl)
@@ -516,7 +536,7 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 	if v := msg.Header.Get(wire.HeaderPace); v != "" {
 		if rreq.Pace, err = wire.ParsePace(v); err != nil {
 			d.reportRejected(msg.Data, err)
-			return err
+			return nil, err
 		}
 	}
 	// The caller must own the session before anything is placed: the
@@ -537,7 +557,7 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 			}
 			d.report(req.RestoreID, failed)
 		}
-		return err
+		return nil, err
 	}
 	rep := res.Wire()
 	if res.BlocksInUse {
@@ -556,7 +576,7 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		d.met.requests.WithLabelValues(OpRetrieve, "unanswered_blocks_in_use").Inc()
 		d.log.Error("retrieve left unanswered: its timed-out scatter may still write the engine's blocks",
 			zap.String("restore", req.RestoreID))
-		return nil
+		return nil, nil
 	}
 	// The report goes out beside the reply rather than before it: the
 	// coordinator parks the engine's restore.wait until every report is
@@ -586,8 +606,7 @@ func (d *Daemon) serveRetrieve(ctx context.Context, msg *nats.Msg, tl *transfer.
 		<-reported
 		tl.Lap(transfer.StageReport, -1) // what of the report outlasted the reply
 	}
-	d.met.stages.done(OpRetrieve, req.RestoreID, tl)
-	return err
+	return &finishedTimeline{OpRetrieve, req.RestoreID, tl}, err
 }
 
 // reportRejected tells the coordinator that a retrieve of a restore was

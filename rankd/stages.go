@@ -39,6 +39,10 @@ var opStages = map[string][]transfer.Stage{
 type stageRecorder struct {
 	obs map[string]*[transfer.NumStages]prometheus.Observer // by op; nil: a stage the op does not record
 
+	// resolveHook, when set (tests), runs before a timeline's device
+	// times are read.
+	resolveHook func()
+
 	mu   sync.Mutex // guards the following
 	ring [recentTimelines]recentTimeline
 	next int // ring slot of the next timeline
@@ -70,6 +74,9 @@ func newStageRecorder(h *prometheus.HistogramVec) *stageRecorder {
 func (r *stageRecorder) done(op, id string, tl *transfer.Timeline) {
 	if tl == nil {
 		return
+	}
+	if r.resolveHook != nil {
+		r.resolveHook()
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	tl.Resolve(ctx) // the device's times, now that the reply is out

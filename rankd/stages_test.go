@@ -2,6 +2,7 @@ package rankd
 
 import (
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -152,4 +153,46 @@ func TestStageTimelinesThroughTheDaemon(t *testing.T) {
 	if n := len(status("tl-store")); n != 0 {
 		t.Fatalf("the store's timeline is still kept after %d newer ones", recentTimelines)
 	}
+}
+
+// TestTimelineResolvedOutsideTheSlot: a store's timeline is finished (the
+// device's times read, which may wait up to a second for the marks of a
+// copy that failed) after its request slot is free. Until eab9791 the
+// slot was held meanwhile, so with MaxInFlight 1 the next store was
+// refused while the first one's answered timeline was read.
+func TestTimelineResolvedOutsideTheSlot(t *testing.T) {
+	h := newHarness(t, func(c *Config) { c.MaxInFlight = 1 })
+	e, reg := newStoringEngine(t, h)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	h.d.met.stages.resolveHook = func() {
+		once.Do(func() {
+			close(entered)
+			<-release
+		})
+	}
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	if rep, err := e.storeFirstChunk(t, h, reg.Session); err != nil || rep.Stored != 1 {
+		t.Fatalf("first store: %+v, %v", rep, err)
+	}
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first store's timeline was never finished")
+	}
+	// The first store's timeline is being read: its slot must be free.
+	if rep, err := e.storeFirstChunk(t, h, reg.Session); err != nil {
+		t.Fatalf("a store while the last one's timeline is read: %+v, %v", rep, err)
+	}
+	close(release)
+	testutil.Eventually(t, 10*time.Second, "both stores' timelines", func() bool {
+		rep, err := bus.Call[StatusReply](h.ctx(), h.nc, h.subj.Engine(h.rank, OpStatus), &StatusRequest{Timelines: StatusAllTimelines})
+		return err == nil && len(rep.Timelines) == 2
+	})
 }
