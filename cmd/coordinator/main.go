@@ -169,7 +169,7 @@ func parseServe(fs *flag.FlagSet, args []string) (coordinator.Config, serveOptio
 	var opts serveOptions
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	fs.StringVar(&opts.waitProf, "wait-profile", "", "write where goroutines waited over the whole run (Go's block and mutex profiles) to this path + .block and .mutex (benchmarks)")
-	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
+	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond). The kernel's timer tick caps the real rate (250 Hz on some kernels): the log line at exit says how much of the CPU time the profile holds")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the bbolt index (required)")
 	fs.BoolVar(&cfg.RebuildIndex, "rebuild-index", false, "if the index fails to open or verify, rename it aside (index.db.damaged-<time>), start empty and refill it from every rank's inventory; a healthy index is kept")
 	fs.StringVar(&cfg.NATSURL, "nats", "", "external NATS URL(s), comma-separated; empty embeds a NATS server")
@@ -311,7 +311,7 @@ func runServe(ctx context.Context, cfg coordinator.Config, opts serveOptions) er
 	if err != nil {
 		return usageError{err}
 	}
-	defer func() { _ = stopProf() }()
+	defer func() { cpuprof.Report(log, stopProf) }()
 	stopWaits, err := cpuprof.StartWaits(opts.waitProf)
 	if err != nil {
 		return usageError{err}

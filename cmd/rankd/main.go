@@ -192,7 +192,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (rankd.Config, options, error) 
 	fs.BoolVar(&cfg.RetrieveSerialBatches, "retrieve-serial-batches", false, "benchmark ablation: a retrieve waits for each L1 batch before preparing the next (the behaviour before issue 12.6)")
 	fs.StringVar(&opts.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run to this file (benchmarks)")
 	fs.StringVar(&opts.waitProf, "wait-profile", "", "write where goroutines waited over the whole run (Go's block and mutex profiles) to this path + .block and .mutex (benchmarks)")
-	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond)")
+	fs.IntVar(&opts.cpuHz, "cpu-profile-hz", 0, "--cpu-profile's samples per second of CPU (0: the Go runtime's 100; up to 10000, for stages of a millisecond). The kernel's timer tick caps the real rate (250 Hz on some kernels): the log line at exit says how much of the CPU time the profile holds")
 	_ = flagfile.Parse(fs, args) // ExitOnError: exits 2 on a bad file or flag
 
 	// The defaults derived from the rank, now that the flags named it.
@@ -317,7 +317,7 @@ func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	if err != nil {
 		return configError{err}
 	}
-	defer func() { _ = stopProf() }()
+	defer func() { cpuprof.Report(log, stopProf) }()
 	stopWaits, err := cpuprof.StartWaits(opts.waitProf)
 	if err != nil {
 		return configError{err}
@@ -331,7 +331,7 @@ func run(ctx context.Context, cfg rankd.Config, opts options) error {
 	<-ctx.Done()
 	log.Info("signal received; shutting down")
 	err = d.Shutdown(context.Background())
-	_ = stopProf()
+	cpuprof.Report(log, stopProf)
 	_ = stopWaits()
 	if err != nil {
 		log.Error("shutdown", zap.Error(err))

@@ -1,10 +1,6 @@
 package cpuprof
 
 import (
-	"bytes"
-	"compress/gzip"
-	"encoding/binary"
-	"io"
 	"os"
 	"path/filepath"
 	"sync"
@@ -18,7 +14,7 @@ func TestStartWritesProfile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := stop(); err != nil {
+	if _, err := stop(); err != nil {
 		t.Fatal(err)
 	}
 	fi, err := os.Stat(p)
@@ -35,7 +31,10 @@ func TestStartWritesProfile(t *testing.T) {
 
 func TestStartNoneAndBadPath(t *testing.T) {
 	stop, err := Start("", 0)
-	if err != nil || stop() != nil {
+	if err != nil {
+		t.Fatalf("Start(\"\"): %v", err)
+	}
+	if _, err := stop(); err != nil {
 		t.Fatalf("Start(\"\"): %v", err)
 	}
 	if _, err := Start(filepath.Join(t.TempDir(), "missing", "cpu.pprof"), 0); err == nil {
@@ -57,7 +56,7 @@ func TestStartRate(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := stop(); err != nil {
+		if _, err := stop(); err != nil {
 			t.Fatal(err)
 		}
 		if got := profilePeriod(t, p); got != tc.period {
@@ -71,7 +70,7 @@ func TestStartRate(t *testing.T) {
 func profilePeriod(t *testing.T, path string) int64 {
 	t.Helper()
 	period := int64(-1)
-	walkProfile(t, path, func(field, v uint64) {
+	walkTop(t, path, func(field, v uint64) {
 		if field == 12 {
 			period = int64(v)
 		}
@@ -82,48 +81,64 @@ func profilePeriod(t *testing.T, path string) int64 {
 	return period
 }
 
-// walkProfile calls fn with each top-level field of the gzipped
+// walkTop calls fn with each top-level field of the gzipped
 // profile.proto message at path: its number, and its value when a varint.
-func walkProfile(t *testing.T, path string, fn func(field, varint uint64)) {
+func walkTop(t *testing.T, path string, fn func(field, varint uint64)) {
 	t.Helper()
-	raw, err := os.ReadFile(path)
-	if err != nil {
+	if err := walkProfile(path, func(field, varint uint64, _ []byte) error {
+		fn(field, varint)
+		return nil
+	}); err != nil {
 		t.Fatal(err)
 	}
-	zr, err := gzip.NewReader(bytes.NewReader(raw))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := io.ReadAll(zr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for len(b) > 0 {
-		key, n := binary.Uvarint(b)
-		if n <= 0 {
-			t.Fatal("bad field key")
+}
+
+// TestCoverage: Stop says how much of the process's CPU time the profile
+// holds. At the default rate a busy loop is covered (about 1); at 10,000 Hz
+// it cannot be, on any Linux (its timer tick is at most 1,000 Hz), and
+// Short says so.
+func TestCoverage(t *testing.T) {
+	for _, tc := range []struct {
+		hz    int
+		short bool
+	}{{0, false}, {MaxHz, true}} {
+		stop, err := Start(filepath.Join(t.TempDir(), "cpu.pprof"), tc.hz)
+		if err != nil {
+			t.Fatal(err)
 		}
-		b = b[n:]
-		switch key & 7 {
-		case 0:
-			v, n := binary.Uvarint(b)
-			if n <= 0 {
-				t.Fatal("bad varint")
-			}
-			fn(key>>3, v)
-			b = b[n:]
-		case 2:
-			l, n := binary.Uvarint(b)
-			if n <= 0 || uint64(len(b)-n) < l {
-				t.Fatal("bad length")
-			}
-			fn(key>>3, 0)
-			b = b[n+int(l):]
-		default:
-			t.Fatalf("wire type %d at the top level", key&7)
+		spin(500 * time.Millisecond)
+		cov, err := stop()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%d Hz: %v sampled of %v used (%.3f)", cov.Hz, cov.Sampled, cov.Used, cov.Ratio())
+		if cov.Used < 400*time.Millisecond {
+			t.Fatalf("%d Hz: %v of CPU used by a 500 ms busy loop", tc.hz, cov.Used)
+		}
+		if cov.Short() != tc.short {
+			t.Errorf("%d Hz: Short() %v, want %v (%v sampled of %v used)", cov.Hz, cov.Short(), tc.short, cov.Sampled, cov.Used)
+		}
+		if !tc.short && (cov.Ratio() < 0.7 || cov.Ratio() > 1.3) {
+			t.Errorf("%d Hz: %v sampled of %v used, want about all", cov.Hz, cov.Sampled, cov.Used)
+		}
+		if again, err := stop(); err != nil || again.Path != "" {
+			t.Errorf("a second stop: %+v, %v", again, err)
 		}
 	}
 }
+
+// spin keeps one goroutine busy for d of wall time.
+func spin(d time.Duration) {
+	x := uint64(1)
+	for end := time.Now().Add(d); time.Now().Before(end); {
+		for range 1000 {
+			x = x*6364136223846793005 + 1442695040888963407
+		}
+	}
+	spinSink = x
+}
+
+var spinSink uint64
 
 // TestStartWaits: a goroutine blocked on a channel and a contended mutex
 // each leave a sample in their profile; a second stop does nothing; a bad
@@ -170,7 +185,7 @@ func TestStartWaits(t *testing.T) {
 func profileSamples(t *testing.T, path string) int {
 	t.Helper()
 	n := 0
-	walkProfile(t, path, func(field uint64, _ uint64) {
+	walkTop(t, path, func(field uint64, _ uint64) {
 		if field == 2 {
 			n++
 		}
