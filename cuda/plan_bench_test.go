@@ -41,7 +41,8 @@ func rusage(who int) time.Duration {
 }
 
 // planMem is a Mem for planning benchmarks: no memory behind it.
-type planMem struct{ size uint64 }
+// planMem is a Mem of size bytes at device address devBase+at.
+type planMem struct{ size, at uint64 }
 
 func (m *planMem) Size() uint64   { return m.size }
 func (m *planMem) Release() error { return nil }
@@ -161,7 +162,7 @@ func benchPlan(b *testing.B, objs []Object, scatter bool) {
 	}
 	resolve := func(m Mem) (*planMem, memView, error) {
 		fm := m.(*planMem)
-		return fm, memView{size: fm.size, base: devBase}, nil
+		return fm, memView{size: fm.size, base: devBase + fm.at}, nil
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -309,24 +310,46 @@ func BenchmarkPlanChecksums(b *testing.B) {
 // took ~1 ms (stop 62): the host side, not the copy, set the restore's pace.
 //
 //	go test -run '^$' -bench PlanSmallChunks -benchtime 200x ./cuda
+//
+// pools=8 is the layout of a model's layers as torch allocates them, a
+// pool each: an object's page of each layer is in another allocation, at
+// the same random block of each.
 func BenchmarkPlanSmallChunks(b *testing.B) {
 	const nobj, per, page = 512, 8, 8192
-	pool := &planMem{size: 4 * nobj * per * page}
-	r := rand.New(rand.NewPCG(nobj, per))
-	perm := r.Perm(4 * nobj * per)
-	objs := make([]Object, nobj)
-	for i := range objs {
-		spans := make([]Span, per)
-		for k := range spans {
-			spans[k] = Span{Mem: pool, Off: uint64(perm[i*per+k]) * page, Len: page}
+	for _, pools := range []int{1, per} {
+		objs := make([]Object, nobj)
+		r := rand.New(rand.NewPCG(nobj, per))
+		if pools == 1 {
+			pool := &planMem{size: 4 * nobj * per * page}
+			perm := r.Perm(4 * nobj * per)
+			for i := range objs {
+				spans := make([]Span, per)
+				for k := range spans {
+					spans[k] = Span{Mem: pool, Off: uint64(perm[i*per+k]) * page, Len: page}
+				}
+				objs[i] = Object{HostOff: uint64(i) << 20, Spans: spans}
+			}
+		} else {
+			const size = 4 * nobj * page
+			mems := make([]*planMem, pools)
+			for k := range mems {
+				mems[k] = &planMem{size: size, at: uint64(k) * (size + 1<<21)}
+			}
+			perm := r.Perm(4 * nobj)
+			for i := range objs {
+				spans := make([]Span, per)
+				for k := range spans {
+					spans[k] = Span{Mem: mems[k], Off: uint64(perm[i]) * page, Len: page}
+				}
+				objs[i] = Object{HostOff: uint64(i) << 20, Spans: spans}
+			}
 		}
-		objs[i] = Object{HostOff: uint64(i) << 20, Spans: spans}
-	}
-	for _, scatter := range []bool{false, true} {
-		name := "gather"
-		if scatter {
-			name = "scatter"
+		for _, scatter := range []bool{false, true} {
+			name := "gather"
+			if scatter {
+				name = "scatter"
+			}
+			b.Run(fmt.Sprintf("pools=%d/%s", pools, name), func(b *testing.B) { benchPlan(b, objs, scatter) })
 		}
-		b.Run(name, func(b *testing.B) { benchPlan(b, objs, scatter) })
 	}
 }

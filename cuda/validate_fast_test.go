@@ -370,3 +370,69 @@ func TestOverlapInMatchesBruteForce(t *testing.T) {
 		}
 	}
 }
+
+// overlapIn on pages: ranges of one length at whole-page offsets (a pool's
+// blocks, in any order, some taken twice), with now and then one range
+// shifted or of another length, agrees with a pairwise check; and
+// overlapPages decides exactly the uniform sets.
+func TestOverlapInPages(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 11))
+	for trial := range 400 {
+		n := 2 + r.IntN(2*radixMin)
+		page := uint64(1 + r.IntN(1<<uint(1+r.IntN(16))))
+		base := r.Uint64() >> uint(1+r.IntN(63))
+		slots := n + r.IntN(4*n)
+		if trial%5 == 0 {
+			slots = 100 * n // too sparse for the bitmap: the sort decides
+		}
+		if base > ^uint64(0)-uint64(slots+2)*page {
+			base = 0
+		}
+		ds := make([]destSpan, n)
+		for i, k := range r.Perm(slots)[:n] {
+			ds[i] = destSpan{base + uint64(k)*page, base + uint64(k+1)*page}
+		}
+		if trial%3 == 1 { // a block taken twice
+			ds[r.IntN(n)] = ds[r.IntN(n)]
+		}
+		uniform := true
+		if trial%7 == 3 && page > 1 { // one range off the page grid, or longer
+			i := r.IntN(n)
+			if r.IntN(2) == 0 {
+				ds[i].start++
+				ds[i].end++
+			} else {
+				ds[i].end++
+			}
+			uniform = false
+		}
+		want := false
+		for x := range ds {
+			for y := x + 1; y < n && !want; y++ {
+				want = ds[x].start < ds[y].end && ds[y].start < ds[x].end
+			}
+		}
+		got, ok := overlapPages(slices.Clone(ds))
+		if ok && got != want {
+			t.Fatalf("trial %d (n %d, page %d): overlapPages %v, want %v", trial, n, page, got, want)
+		}
+		lo, hi := ds[0].start, ds[0].start
+		for _, d := range ds {
+			lo, hi = min(lo, d.start), max(hi, d.start)
+		}
+		switch sparse := (hi-lo)/page+1 > 64*uint64(n); {
+		case !uniform:
+			// Undecided, unless a block taken twice came first.
+			if ok && !(got && want) {
+				t.Fatalf("trial %d (n %d, page %d): decided %v for ranges off the page grid", trial, n, page, got)
+			}
+		case sparse && ok:
+			t.Fatalf("trial %d (n %d, page %d): decided with a bitmap of %d slots", trial, n, page, (hi-lo)/page)
+		case !sparse && !ok:
+			t.Fatalf("trial %d (n %d, page %d): pages left undecided", trial, n, page)
+		}
+		if got := overlapIn(slices.Clone(ds)); got != want {
+			t.Fatalf("trial %d (n %d, page %d): overlapIn %v, want %v", trial, n, page, got, want)
+		}
+	}
+}
