@@ -764,14 +764,14 @@ func (r *retrieval) batches() [][]int {
 	// allocation per chunk: a restore of 1,024 small chunks is mostly
 	// per-chunk work (issue 25.4).
 	items := r.req.Items
-	rank := make(map[int]int, 64) // chunk -> k
+	rank := newChunkRanks(items) // chunk -> k
 	ks := make([]int, len(items))
 	var need []uint64
 	for i, it := range items {
-		k, ok := rank[it.Chunk]
+		k, ok := rank.get(it.Chunk)
 		if !ok {
 			k = len(need)
-			rank[it.Chunk] = k
+			rank.set(it.Chunk, k)
 			need = append(need, 0)
 		}
 		ks[i] = k
@@ -801,6 +801,42 @@ func (r *retrieval) batches() [][]int {
 		out = append(out, flat[lo:hi:hi])
 	}
 	return out
+}
+
+// chunkRanks numbers a retrieve's chunks in order of first appearance:
+// in a slice by chunk when the chunks are small numbers (the restore's
+// chunk positions, as engines send them), in a map otherwise. The map
+// grew through ~10 rehashes for a restore of 1,024 chunks.
+type chunkRanks struct {
+	dense  []int // k+1 by chunk; 0: not seen
+	sparse map[int]int
+}
+
+func newChunkRanks(items []wire.RetrieveItem) chunkRanks {
+	hi := -1
+	for _, it := range items {
+		if it.Chunk < 0 || it.Chunk > 4*len(items)+64 {
+			return chunkRanks{sparse: make(map[int]int, min(len(items), 1<<16))}
+		}
+		hi = max(hi, it.Chunk)
+	}
+	return chunkRanks{dense: make([]int, hi+1)}
+}
+
+func (c chunkRanks) get(chunk int) (int, bool) {
+	if c.sparse != nil {
+		k, ok := c.sparse[chunk]
+		return k, ok
+	}
+	return c.dense[chunk] - 1, c.dense[chunk] != 0
+}
+
+func (c chunkRanks) set(chunk, k int) {
+	if c.sparse != nil {
+		c.sparse[chunk] = k
+		return
+	}
+	c.dense[chunk] = k + 1
 }
 
 // batchRuns cuts the chunks' L1 needs into a retrieve's batches [from,

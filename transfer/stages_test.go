@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -578,15 +579,22 @@ func TestBatchesGroupEachChunksItems(t *testing.T) {
 			items = append(items, wire.RetrieveItem{Chunk: c, Group: g})
 		}
 	}
-	r := &retrieval{e: e, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
-	got := fmt.Sprint(r.batches())
-	if want := "[[0 3] [1 4] [2 5]]"; got != want {
-		t.Fatalf("batches %s, want %s (chunk 2's items, then chunk 0's, then chunk 1's)", got, want)
+	// Chunk numbers far apart (chunkRanks' map, not its slice) group alike.
+	sparse := slices.Clone(items)
+	for i := range sparse {
+		sparse[i].Chunk = sparse[i].Chunk*1_000_003 + 7
+	}
+	for _, its := range [][]wire.RetrieveItem{items, sparse} {
+		r := &retrieval{e: e, sp: &space{res: res}, req: RetrieveRequest{Items: its}}
+		got := fmt.Sprint(r.batches())
+		if want := "[[0 3] [1 4] [2 5]]"; got != want {
+			t.Fatalf("batches %s, want %s (chunk 2's items, then chunk 0's, then chunk 1's; chunks %d..)", got, want, its[0].Chunk)
+		}
 	}
 	cfg.RetrieveBatchBytes = 1 << 20 // all in one batch
 	cfg.Registerer = newRegistry()
 	e2 := newEngine(t, cfg)
-	r = &retrieval{e: e2, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
+	r := &retrieval{e: e2, sp: &space{res: res}, req: RetrieveRequest{Items: items}}
 	if got, want := fmt.Sprint(r.batches()), "[[0 3 1 4 2 5]]"; got != want {
 		t.Fatalf("one batch: %s, want %s", got, want)
 	}
