@@ -152,16 +152,23 @@ func (cm *chunkMap) get(c dcp.ChunkHash) (chunkVal, bool) {
 // it) and all held until every map read is done: the reads of one window
 // then overlap their cache misses, where a lock per read (an atomic
 // read-modify-write, a full fence on x86) would wait for each read's
-// misses before starting the next. A writer holds a shard's lock for one
-// entry's write and never waits for another shard while holding one, so this
-// cannot deadlock with it. The slices stay valid after the locks are
-// released (see the top of this file).
+// misses before starting the next. The locks are taken in shard order: a
+// read lock waits behind a writer queued on its shard, and the install
+// writes several shards at once (installAll), so two lookups taking two
+// shards in opposite orders, with a writer queued on each, would wait for
+// each other for good (TestLoadAllLockOrder). In one order, the lookup
+// holding the highest shard of such a chain waits for nothing. A writer
+// holds one shard's lock, for one entry's write. The slices stay valid
+// after the locks are released (see the top of this file).
 func (cm *chunkMap) loadAll(cs []dcp.ChunkHash, out [][]placement) {
 	var held [chunkShards / 64]uint64
 	for _, c := range cs {
-		if b := c[0]; held[b>>6]&(1<<(b&63)) == 0 {
-			held[b>>6] |= 1 << (b & 63)
-			cm.sh[b].mu.RLock()
+		held[c[0]>>6] |= 1 << (c[0] & 63)
+	}
+	for w, set := range held {
+		for set != 0 {
+			cm.sh[w<<6|bits.TrailingZeros64(set)].mu.RLock()
+			set &= set - 1
 		}
 	}
 	for i := range cs {
