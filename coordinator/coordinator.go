@@ -95,6 +95,9 @@ type Coordinator struct {
 	// replicated: the leader's, the last one made): deaths.go reads its
 	// backlog.
 	hbSub atomic.Pointer[nats.Subscription]
+	// lookups answers lookups and restore begins (made by subscribe,
+	// closed by Shutdown once the subscriptions are drained).
+	lookups *lookupWorkPool
 	// deaths holds the ranks gossip reports gone, until NATS confirms it
 	// (deaths.go).
 	deaths *deaths
@@ -144,13 +147,15 @@ const ingestWorkers = 8
 // NATS delivery goroutine waits (back-pressure into NATS's own buffers).
 const ingestQueue = 256
 
-// lookupSubscribers is the number of subscriptions (one queue group, each
-// with its own NATS delivery goroutine) that answer lookups and restore
-// plans concurrently. They read the index's published state under its read
-// lock; more than the cores of a small machine buys nothing.
-const lookupSubscribers = 4
+// lookupWorkers is the number of goroutines (lookupWorkPool) that answer
+// lookups and restore plans concurrently. They read the index's published
+// state under its read lock; more than the cores of a small machine buys
+// nothing.
+const lookupWorkers = 4
 
-// lookupQueue is the NATS queue group of the lookup subscribers.
+// lookupQueue is the NATS queue group of the lookup subscriptions (raft:
+// a leader that has just lost the lead and its successor may both hold
+// one for a moment; each request goes to one).
 const lookupQueue = "kvtier-lookup"
 
 // New validates cfg exactly as given (build it from DefaultConfig: zero
@@ -479,6 +484,9 @@ func (c *Coordinator) Shutdown() {
 			c.log.Warn("subscription did not drain in time; unsubscribing", zap.String("subject", s.Subject))
 			_ = s.Unsubscribe()
 		}
+	}
+	if c.lookups != nil {
+		c.lookups.close() // what the subscriptions handed it is answered
 	}
 	// Every batch received is queued; let the ingest workers apply and
 	// acknowledge all of it.

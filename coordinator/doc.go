@@ -22,9 +22,9 @@
 // an engine request naming another instance, is refused and counted, never
 // applied.
 //
-// Lookups and restore begins (the vLLM connector's lookup) are answered by
-// several subscribers of one NATS queue group each (lookupSubscribers) on a
-// NATS connection of their own (never behind the event stream), a begin
+// Lookups and restore begins (the vLLM connector's lookup) arrive on a NATS
+// connection of their own (never behind the event stream) and are answered
+// by a pool of workers fed from one queue (lookupWorkPool), a begin
 // preparing its plan outside the restore table's lock; both read the index
 // without waiting for its committer (index/chunkmap.go), from JSON or
 // binary requests (wire/lookup.go). Event batches are queued into the index

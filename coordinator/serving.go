@@ -92,19 +92,17 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 		}...)
 	}
 	// Lookups and restore begins (the connector's lookup since issue 24)
-	// go to lookupSubscribers queue subscribers each, on the lookup
-	// connection: never behind the event stream, and several at once.
+	// are subscribed on the lookup connection, never behind the event
+	// stream, and answered by the lookup pool's workers, several at once.
 	lookups := map[string]bool{}
-	var more []handler
 	for _, h := range hs {
 		if h.op == wire.CoordLookup || h.op == wire.CoordRestoreBegin {
 			lookups[h.subject] = true
-			for range lookupSubscribers - 1 {
-				more = append(more, h)
-			}
 		}
 	}
-	hs = append(hs, more...)
+	if c.lookups == nil {
+		c.lookups = newLookupWorkPool(c, lookupWorkers)
+	}
 	// The membership admin requests read the member, which exists only
 	// once the cluster is joined; the rest need the index.
 	needs := map[string]int32{wire.AdminMembers: phaseServing, wire.AdminRanks: phaseServing}
@@ -114,6 +112,9 @@ func (c *Coordinator) subscribe() ([]leaderHandler, error) {
 			need = n
 		}
 		fn := c.gate(h.op, need, h.fn)
+		if lookups[h.subject] {
+			fn = c.lookups.handler(h.op, fn)
+		}
 		if c.cfg.Raft.Enabled() && !everyNode[h.subject] {
 			lh := leaderHandler{subject: h.subject, fn: fn}
 			if lookups[h.subject] {
