@@ -24,6 +24,12 @@ type lookupWorkPool struct {
 	work chan lookupJob
 	wg   sync.WaitGroup
 	once sync.Once
+	// quit closes first in close; mu (read-held by each send) then lets
+	// close wait out the sends under way before it closes work, so that a
+	// callback still running past the subscription's drain (Shutdown gives
+	// up on one after 10 s) never sends on a closed channel.
+	quit chan struct{}
+	mu   sync.RWMutex
 }
 
 type lookupJob struct {
@@ -37,7 +43,7 @@ type lookupJob struct {
 const lookupRetryMS = 100
 
 func newLookupWorkPool(c *Coordinator, workers int) *lookupWorkPool {
-	p := &lookupWorkPool{c: c, work: make(chan lookupJob, workers)}
+	p := &lookupWorkPool{c: c, work: make(chan lookupJob, workers), quit: make(chan struct{})}
 	p.wg.Add(workers)
 	for range workers {
 		go func() {
@@ -63,14 +69,31 @@ func (p *lookupWorkPool) run(j lookupJob) {
 
 // handler is fn (the handler of op) as the pool's subscription callback.
 func (p *lookupWorkPool) handler(op string, fn nats.MsgHandler) nats.MsgHandler {
-	return func(m *nats.Msg) { p.work <- lookupJob{op: op, fn: fn, m: m} }
+	return func(m *nats.Msg) {
+		p.mu.RLock()
+		defer p.mu.RUnlock()
+		select {
+		case <-p.quit: // work may be closed: a send would panic
+		default:
+			select {
+			case p.work <- lookupJob{op: op, fn: fn, m: m}:
+				return
+			case <-p.quit:
+			}
+		}
+		p.c.sendErrorRetry(op, m, wire.CodeUnavailable, "the coordinator is shutting down; retry", lookupRetryMS, replyError)
+	}
 }
 
 // close answers what is queued and stops the workers; the subscriptions
-// must be drained or closed first.
+// must be drained or closed first. A request still arriving is refused as
+// retryable.
 func (p *lookupWorkPool) close() {
 	p.once.Do(func() {
+		close(p.quit)
+		p.mu.Lock() // the sends under way have ended
 		close(p.work)
+		p.mu.Unlock()
 		p.wg.Wait()
 	})
 }

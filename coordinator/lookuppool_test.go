@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
 	"github.com/kvtier/kvtier/bus"
@@ -78,5 +79,57 @@ func TestLookupPoolRefusesOnceNotLeading(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestLookupPoolCloseWhileSending: a callback still sending when the pool
+// closes (its subscription's drain gave up on it) is refused, as is one
+// after the close, and neither sends on the closed queue; what was queued
+// before is answered.
+func TestLookupPoolCloseWhileSending(t *testing.T) {
+	c := &Coordinator{log: zap.NewNop(), met: newMetrics(), repl: standalone{}}
+	p := newLookupWorkPool(c, 1)
+	release := make(chan struct{})
+	var ran atomic.Int64
+	fn := p.handler(wire.CoordLookup, func(*nats.Msg) {
+		if ran.Add(1) == 1 {
+			<-release
+		}
+	})
+	refused := func() float64 {
+		var m dto.Metric
+		if err := c.met.replies.WithLabelValues(wire.CoordLookup, replyNoInbox).Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetCounter().GetValue()
+	}
+	fn(&nats.Msg{}) // the worker takes it and waits
+	testutil.Eventually(t, 10*time.Second, "the worker busy", func() bool { return ran.Load() == 1 })
+	fn(&nats.Msg{}) // queued
+	sent := make(chan struct{})
+	go func() { fn(&nats.Msg{}); close(sent) }() // waits for room
+	time.Sleep(50 * time.Millisecond)
+	closed := make(chan struct{})
+	go func() { p.close(); close(closed) }()
+	select {
+	case <-sent:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting send was not refused by the close")
+	}
+	close(release)
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("close did not end")
+	}
+	const late = 20 // a send chosen at random over the refusal would show
+	for range late {
+		fn(&nats.Msg{})
+	}
+	if got := ran.Load(); got != 2 {
+		t.Fatalf("%d requests handled, want the 2 queued before the close", got)
+	}
+	if got := refused(); got != 1+late {
+		t.Fatalf("%v requests refused, want %d (the waiting one, the late ones)", got, 1+late)
 	}
 }
