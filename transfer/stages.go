@@ -31,7 +31,7 @@ const (
 	StageLookup                // retrieve: L1 lookup and pins, L2/L3/peer reads, checks before the scatter
 	StagePace                  // retrieve, paced (RetrieveRequest.Pace): the wait before a batch's lookup
 	StageStream                // waiting for a free stream
-	StageEnqueue               // the copy's checks, plan and tables, and the timer mark before it
+	StageEnqueue               // the copy's checks, plan and tables, and the timer mark before it (a store: and its wait on the producer event)
 	StageLaunch                // the copy's driver calls, from cuda.Op.Started until the enqueue returned (and the mark after it)
 	StageWait                  // the host waits until the device has finished the copy
 	StageNotice                // from the device's finish until the host saw it (polling)
