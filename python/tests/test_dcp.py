@@ -158,3 +158,22 @@ def test_local_slot_rejects_positions_outside_the_table():
     with pytest.raises(GeometryError, match="negative"):
         lay.local_slot(-1, 4, [5, 9])
     assert [lay.dcp_rank(t) for t in range(4)] == [0, 1, 0, 1]
+
+
+def test_join_hashes_is_each_hashs_bytes_in_order():
+    """join_hashes (the binary begin's, lookup's and plan's hash column)
+    reads the hashes' slot where it can and bytes() otherwise: the same
+    bytes either way, in the list's order."""
+    hs = [dcp.ChunkHash(bytes([i]) * 16) for i in range(1, 40)]
+    assert dcp.join_hashes(hs) == b"".join(bytes(h) for h in hs) and len(dcp.join_hashes(hs)) == 16 * 39
+    assert dcp.join_hashes([]) == b""
+
+    class Raw:  # not a _Hash16: only its bytes()
+        def __init__(self, b: bytes) -> None:
+            self.b = b
+
+        def __bytes__(self) -> bytes:
+            return self.b
+
+    mixed = [hs[0], Raw(bytes(range(16))), hs[2]]
+    assert dcp.join_hashes(mixed) == bytes(hs[0]) + bytes(range(16)) + bytes(hs[2])  # type: ignore[list-item]

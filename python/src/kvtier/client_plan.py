@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from kvtier import wire
 from kvtier._codec import field
-from kvtier.dcp import ChunkHash, Key, Namespace
+from kvtier.dcp import ChunkHash, Key, Namespace, join_hashes
 from kvtier.errors import MalformedError
 
 PLAN_ENCODING_BINARY = "binary"
@@ -76,7 +76,7 @@ class RestoreBeginBinary:
         flags = ((1 if self.state_at_end else 0) | (2 if self.lookup else 0)
                  | (4 if self.plan_encoding == PLAN_ENCODING_BINARY else 0))
         return b"".join([_BEGIN_MAGIC, bytes([flags]), bytes(b.namespace), bytes([len(inst)]), inst,
-                         b.deadline_ms.to_bytes(4, "big"), len(b.chunks).to_bytes(4, "big"), *map(bytes, b.chunks)])
+                         b.deadline_ms.to_bytes(4, "big"), len(b.chunks).to_bytes(4, "big"), join_hashes(b.chunks)])
 
 
 _BEGIN_MAGIC = b"KVG1"
@@ -540,7 +540,7 @@ def decode_plan_packed(data: bytes, chunks: Sequence[ChunkHash]) -> PackedPlan:
     if prefix > len(chunks):
         raise MalformedError(f"restore plan: prefix {prefix} exceeds the {len(chunks)} chunks requested")
     holders = _holders(r, "holder")
-    hashes = b"".join(bytes(c) for c in chunks[:prefix])
+    hashes = join_hashes(chunks[:prefix])
     ranks: dict[str, PlanItems] = {}
     for _ in range(r.u16("readers")):
         name = str(r.rank("reader"))

@@ -16,6 +16,7 @@ import math
 import re
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -101,6 +102,17 @@ class ChunkHash(_Hash16):
     """A chunk of tokens and every token before it (Go dcp.ChunkHash)."""
 
     what = "chunk hash"
+
+
+def join_hashes(hashes: Sequence[_Hash16]) -> bytes:
+    """The hashes' 16 bytes each, back to back, as the binary requests and
+    plans carry them: a begin or lookup of 1,024 chunks joined them through
+    bytes() per hash in ~115 us, twice a begin (the request, then the
+    plan's decoding); reading the slot directly takes ~22 us."""
+    try:
+        return b"".join([h._b for h in hashes])
+    except AttributeError:  # not a _Hash16: whatever bytes() makes of it
+        return b"".join(map(bytes, hashes))
 
 
 def _parse_u16(s: str, what: str) -> int:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Generic, TypeVar
 from kvtier import _codec
 from kvtier._codec import field
 from kvtier.cuda import EventHandle, MemHandle
-from kvtier.dcp import KEY_SIZE, MAX_TP, ChunkHash, Key, Namespace, Spec
+from kvtier.dcp import KEY_SIZE, MAX_TP, ChunkHash, Key, Namespace, Spec, join_hashes
 from kvtier.errors import MalformedError, from_wire
 
 u64 = Annotated[int, "u64"]
@@ -587,7 +587,7 @@ class LookupRequest:
             raise MalformedError(f"lookup: instance name {len(inst)} bytes, limit 64")
         flags = (1 if self.detail else 0) | (2 if self.state_at_end else 0)
         return b"".join([_LOOKUP_MAGIC, bytes([flags]), bytes(self.namespace), bytes([len(inst)]), inst,
-                         len(self.chunks).to_bytes(4, "big"), *map(bytes, self.chunks)])
+                         len(self.chunks).to_bytes(4, "big"), join_hashes(self.chunks)])
 
 
 _LOOKUP_MAGIC = b"KVL1"
