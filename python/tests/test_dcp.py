@@ -177,3 +177,5 @@ def test_join_hashes_is_each_hashs_bytes_in_order():
 
     mixed = [hs[0], Raw(bytes(range(16))), hs[2]]
     assert dcp.join_hashes(mixed) == bytes(hs[0]) + bytes(range(16)) + bytes(hs[2])  # type: ignore[list-item]
+    # an iterator is read once: the fallback must not join what the first pass left
+    assert dcp.join_hashes(iter(mixed)) == dcp.join_hashes(mixed)  # type: ignore[arg-type]

@@ -109,10 +109,11 @@ def join_hashes(hashes: Sequence[_Hash16]) -> bytes:
     plans carry them: a begin or lookup of 1,024 chunks joined them through
     bytes() per hash in ~115 us, twice a begin (the request, then the
     plan's decoding); reading the slot directly takes ~22 us."""
+    hs = hashes if isinstance(hashes, (list, tuple)) else list(hashes)  # read twice below: no iterator
     try:
-        return b"".join([h._b for h in hashes])
+        return b"".join([h._b for h in hs])
     except AttributeError:  # not a _Hash16: whatever bytes() makes of it
-        return b"".join(map(bytes, hashes))
+        return b"".join(map(bytes, hs))
 
 
 def _parse_u16(s: str, what: str) -> int:
